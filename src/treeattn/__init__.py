@@ -1,0 +1,26 @@
+"""treeattn: exact attention for decoding from sequence-sharded long-context KV caches.
+
+    import treeattn as ta
+    out, lse = ta.attention(q, k, v)                      # one device, (out, lse)
+    out, lse = ta.merge_states(out_a, lse_a, out_b, lse_b) # exact merge of partial states
+"""
+
+from treeattn.ops import (
+    attention,
+    attention_via_energy,
+    energy,
+    merge_states,
+    merge_states_list,
+    reference_attention,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "attention",
+    "attention_via_energy",
+    "energy",
+    "merge_states",
+    "merge_states_list",
+    "reference_attention",
+]

@@ -1,0 +1,3 @@
+from treeattn.cli import main
+
+main()

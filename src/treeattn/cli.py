@@ -1,0 +1,40 @@
+"""The `treeattn` command line (also `python -m treeattn`).
+
+Each subcommand lives in the module of its layer and is registered here, so this file stays a
+table of contents.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import typer
+
+app = typer.Typer(
+    name="treeattn",
+    help="Exact attention for decoding from sequence-sharded long-context KV caches.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+
+@app.callback()
+def _root(verbose: bool = typer.Option(False, "--verbose", "-v", help="Log at INFO level to stderr.")) -> None:
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+
+
+@app.command()
+def version() -> None:
+    """Print the treeattn version."""
+    import treeattn
+
+    typer.echo(treeattn.__version__)
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,15 @@
+"""Single-device attention: the attention-state algebra and the kernels that produce states."""
+
+from treeattn.ops.attention import attention
+from treeattn.ops.energy import attention_via_energy, energy
+from treeattn.ops.merge import merge_states, merge_states_list
+from treeattn.ops.reference import reference_attention
+
+__all__ = [
+    "attention",
+    "attention_via_energy",
+    "energy",
+    "merge_states",
+    "merge_states_list",
+    "reference_attention",
+]

@@ -1,0 +1,213 @@
+"""Single-device exact attention that returns (out, lse), with memory bounded by the chunk size.
+
+The keys are processed in chunks and the per-chunk states are combined with merge_states, so a
+one-token query over millions of keys needs only O(chunk) extra memory (flash-decoding /
+memory-efficient attention). Grouped-query attention is folded into the row dimension: the G query
+heads that share one KV head become G rows of one matrix product, so every K/V byte is read once
+per step, not G times.
+
+On the CPU the per-chunk work runs in torch's fused flash-attention kernel (which returns the
+logsumexp); other devices, and head dims the kernel does not take, use a float32 matmul path.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from treeattn.ops.merge import merge_states
+from treeattn.ops.validation import check_positions, check_qkv, check_scale, check_window
+
+logger = logging.getLogger(__name__)
+
+# Keys per chunk when a mask must be built (its size is rows x chunk). Without a mask the fused
+# CPU kernel streams the whole KV itself in bounded memory, so no chunking is needed.
+MASKED_CHUNK_KEYS = 8192
+# Bound on query rows x keys of one score block in the matmul path (float32 elements).
+MAX_SCORE_ELEMENTS = 1 << 22
+
+_cpu_flash = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    scale: float | None = None,
+    causal: bool = False,
+    q_pos: torch.Tensor | None = None,
+    kv_pos: torch.Tensor | None = None,
+    window: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact softmax attention over all keys, returning the attention state (out, lse).
+
+    Args:
+        q: (B, Sq, Hq, D) float32, float16, bfloat16 or float64.
+        k: (B, Sk, Hkv, D), same dtype and device; Hq % Hkv == 0 (GQA; Hkv == 1 is MQA). Sk may be 0.
+        v: (B, Sk, Hkv, Dv).
+        scale: softmax scale, default D ** -0.5.
+        causal: mask keys whose position is after the query's. Without positions the alignment is
+            bottom-right: query i sits at position Sk - Sq + i, key j at position j.
+        q_pos: int64 (Sq,) or (B, Sq), absolute positions of the queries.
+        kv_pos: int64 (Sk,) or (B, Sk), absolute positions of the keys (any order).
+        window: sliding window W: a key is visible only if q_pos - kv_pos < W.
+
+    Returns:
+        out: (B, Sq, Hq, Dv) in q.dtype.
+        lse: (B, Hq, Sq) float32 (float64 for float64 inputs), natural log of the sum of
+            exp(scale * q.k) over the visible keys. A row that sees no key has out = 0, lse = -inf.
+    """
+    B, Sq, Sk, Hq, Hkv, D, Dv = check_qkv(q, k, v)
+    scale = check_scale(scale, D)
+    window = check_window(window)
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    q_pos = check_positions(q_pos, "q_pos", B, Sq, q.device)
+    kv_pos = check_positions(kv_pos, "kv_pos", B, Sk, q.device)
+    masked = causal or window is not None
+    if not masked and (q_pos is not None or kv_pos is not None):
+        raise ValueError("q_pos/kv_pos only take effect with causal=True or a window; pass causal=True")
+    if masked:
+        if kv_pos is None:
+            kv_pos = torch.arange(Sk, device=q.device).unsqueeze(0)
+        if q_pos is None:
+            q_pos = (torch.arange(Sq, device=q.device) + (Sk - Sq)).unsqueeze(0)
+
+    lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    if Sq == 0 or Sk == 0:
+        return (
+            torch.zeros(B, Sq, Hq, Dv, dtype=q.dtype, device=q.device),
+            torch.full((B, Hq, Sq), float("-inf"), dtype=lse_dtype, device=q.device),
+        )
+
+    group = Hq // Hkv
+    use_flash = _cpu_flash is not None and q.device.type == "cpu" and D == Dv and q.dtype != torch.float64
+    # Fold GQA: (B, Sq, Hkv, G, D) -> (B, Hkv, G * Sq, D); row r = g * Sq + i.
+    q_rows = q.view(B, Sq, Hkv, group, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, group * Sq, D)
+    k_heads = k.transpose(1, 2)  # (B, Hkv, Sk, D), a strided view: no copy
+    v_heads = v.transpose(1, 2)
+
+    if not masked:
+        if use_flash:
+            out_rows, lse_rows = _flash_block(q_rows, k_heads, v_heads, None, scale)
+        else:
+            out_rows, lse_rows = _matmul_attention(q_rows, k_heads, v_heads, None, scale)
+    else:
+        out_rows, lse_rows = _masked_attention(q_rows, k_heads, v_heads, q_pos, kv_pos, causal, window, scale, group, use_flash)
+
+    out = out_rows.view(B, Hkv, group, Sq, Dv).permute(0, 3, 1, 2, 4).reshape(B, Sq, Hq, Dv).to(q.dtype)
+    lse = lse_rows.view(B, Hkv, group, Sq).reshape(B, Hq, Sq).to(lse_dtype)
+    return out, lse
+
+
+def _masked_attention(q_rows, k_heads, v_heads, q_pos, kv_pos, causal, window, scale, group, use_flash):
+    """Chunk the keys (and the queries, for long Sq) so the mask never exceeds one block."""
+    B, Hkv, _, _ = q_rows.shape
+    Sq = q_pos.shape[1]
+    Sk = kv_pos.shape[1]
+    key_chunk = MASKED_CHUNK_KEYS
+    query_block = max(1, min(Sq, MAX_SCORE_ELEMENTS // (key_chunk * group * max(1, Hkv))))
+    outs, lses = [], []
+    for q0 in range(0, Sq, query_block):
+        q1 = min(Sq, q0 + query_block)
+        qp = q_pos[:, q0:q1]
+        rows = q_rows.view(B, Hkv, group, Sq, -1)[:, :, :, q0:q1].reshape(B, Hkv, group * (q1 - q0), -1)
+        state = None
+        for k0 in range(0, Sk, key_chunk):
+            k1 = min(Sk, k0 + key_chunk)
+            kp = kv_pos[:, k0:k1]
+            visible = _visibility(qp, kp, causal, window)  # (B or 1, sq, sk) bool
+            if not bool(visible.any()):
+                continue
+            bias = None
+            if not bool(visible.all()):
+                bias = visible
+            kc, vc = k_heads[:, :, k0:k1], v_heads[:, :, k0:k1]
+            if use_flash:
+                o, s = _flash_block(rows, kc, vc, bias, scale, group)
+            else:
+                o, s = _matmul_attention(rows, kc, vc, bias, scale, group)
+            state = (o, s) if state is None else _merge_rows(state, (o, s))
+        if state is None:
+            n_rows = group * (q1 - q0)
+            state = (
+                torch.zeros(B, Hkv, n_rows, v_heads.shape[-1], dtype=torch.float32, device=q_rows.device),
+                torch.full((B, Hkv, n_rows), float("-inf"), dtype=torch.float32, device=q_rows.device),
+            )
+        outs.append(state[0].view(B, Hkv, group, q1 - q0, -1))
+        lses.append(state[1].view(B, Hkv, group, q1 - q0))
+    out = torch.cat(outs, dim=3).reshape(B, Hkv, group * Sq, -1)
+    lse = torch.cat(lses, dim=3).reshape(B, Hkv, group * Sq)
+    return out, lse
+
+
+def _visibility(q_pos: torch.Tensor, kv_pos: torch.Tensor, causal: bool, window: int | None) -> torch.Tensor:
+    """Bool (B or 1, Sq, Sk): key j visible to query i."""
+    diff = q_pos.unsqueeze(-1) - kv_pos.unsqueeze(-2)  # q_pos - kv_pos
+    visible = torch.ones_like(diff, dtype=torch.bool)
+    if causal:
+        visible &= diff >= 0
+    if window is not None:
+        visible &= diff < window
+    return visible
+
+
+def _merge_rows(a, b):
+    """merge_states on row-folded states: out (B, Hkv, R, Dv), lse (B, Hkv, R)."""
+    # Row-folded layout is a (batch=B, Sq=Hkv, Hq=R) state after a transpose of lse.
+    out, lse = merge_states(a[0], a[1].transpose(1, 2), b[0], b[1].transpose(1, 2))
+    return out, lse.transpose(1, 2)
+
+
+def _row_mask(visible: torch.Tensor, group: int) -> torch.Tensor:
+    """(B or 1, sq, sk) -> (B or 1, 1, group * sq, sk), rows ordered (g, i) like q_rows."""
+    b, sq, sk = visible.shape
+    return visible.unsqueeze(1).expand(b, group, sq, sk).reshape(b, 1, group * sq, sk)
+
+
+def _flash_block(q_rows, k_heads, v_heads, visible, scale, group=1):
+    """torch's fused CPU flash kernel on one block. Returns float32 out (B, Hkv, R, Dv), lse (B, Hkv, R)."""
+    mask = None
+    if visible is not None:
+        row_visible = _row_mask(visible, group)
+        mask = torch.zeros(row_visible.shape, dtype=q_rows.dtype, device=q_rows.device)
+        mask.masked_fill_(~row_visible, float("-inf"))
+    out, lse = _cpu_flash(q_rows, k_heads, v_heads, attn_mask=mask, scale=scale)
+    out = out.float()
+    if visible is not None:
+        # The kernel reports lse = 0 for a row that sees no key; the convention is -inf.
+        empty = ~row_visible.any(dim=-1)  # (b, 1, R)
+        if bool(empty.any()):
+            lse = lse.masked_fill(empty, float("-inf"))
+            out = out.masked_fill(empty.unsqueeze(-1), 0.0)
+    return out, lse
+
+
+def _matmul_attention(q_rows, k_heads, v_heads, visible, scale, group=1):
+    """Float32 (float64 for float64 inputs) matmul-softmax-matmul, chunked over keys.
+
+    Returns out (B, Hkv, R, Dv) and lse (B, Hkv, R) in the accumulation dtype.
+    """
+    acc = torch.float64 if q_rows.dtype == torch.float64 else torch.float32
+    B, Hkv, R, _ = q_rows.shape
+    Sk = k_heads.shape[2]
+    chunk = max(1, MAX_SCORE_ELEMENTS // max(1, R * Hkv * B))
+    row_visible = _row_mask(visible, group) if visible is not None else None
+    q_scaled = q_rows.to(acc) * scale
+    state = None
+    for k0 in range(0, Sk, chunk):
+        k1 = min(Sk, k0 + chunk)
+        scores = torch.matmul(q_scaled, k_heads[:, :, k0:k1].to(acc).transpose(-1, -2))
+        if row_visible is not None:
+            scores = scores.masked_fill(~row_visible[..., k0:k1], float("-inf"))
+        top = scores.amax(dim=-1, keepdim=True)
+        top = torch.where(torch.isneginf(top), torch.zeros_like(top), top)
+        probs = torch.exp(scores - top)
+        total = probs.sum(dim=-1)
+        out = torch.matmul(probs, v_heads[:, :, k0:k1].to(acc))
+        out = out / torch.where(total > 0, total, torch.ones_like(total)).unsqueeze(-1)
+        lse = top.squeeze(-1) + torch.log(total)
+        state = (out, lse) if state is None else _merge_rows(state, (out, lse))
+    return state
