@@ -32,6 +32,15 @@ def version() -> None:
     typer.echo(treeattn.__version__)
 
 
+def _register_simulate() -> None:
+    from treeattn.sim.cli import simulate
+
+    app.command(name="simulate")(simulate)
+
+
+_register_simulate()
+
+
 def main() -> None:
     app()
 

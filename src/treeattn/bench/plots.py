@@ -1,0 +1,154 @@
+"""Figures in the style of the Tree Attention paper's figures 4-5, for measured or predicted records.
+
+A record is a dict with at least `method`, `gpus`, `seq_len`, a latency in seconds (the key is a
+parameter: "median_seconds" for benchmarks, "predicted_seconds" for the cost model), and
+optionally `bytes` (sent by the busiest rank) and `peak_memory_bytes`. Methods keep one colour
+and marker in every figure.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+METHOD_STYLE: dict[str, tuple[str, str]] = {
+    "allreduce": ("tab:blue", "o"),
+    "tree": ("tab:green", "s"),
+    "twolevel": ("tab:purple", "D"),
+    "ring-kv": ("tab:red", "^"),
+    "ring-q": ("tab:orange", "v"),
+    "local": ("tab:gray", "x"),
+}
+TREE_METHODS = ("allreduce", "tree", "twolevel")
+
+
+def _style(method: str) -> dict[str, str]:
+    color, marker = METHOD_STYLE.get(method, ("black", "."))
+    return {"color": color, "marker": marker}
+
+
+def _seq_label(n: float) -> str:
+    if n >= 1e6:
+        return f"{n / 1e6:g}M"
+    if n >= 1e3:
+        return f"{n / 1e3:g}K"
+    return f"{n:g}"
+
+
+def _series(records: Iterable[dict], x: str, y: str, **fixed: object) -> dict[str, list[tuple[float, float]]]:
+    """method -> sorted (x, y) points of the records matching `fixed`."""
+    out: dict[str, list[tuple[float, float]]] = defaultdict(list)
+    for r in records:
+        if all(r.get(k) == v for k, v in fixed.items()) and r.get(y) is not None:
+            out[r["method"]].append((float(r[x]), float(r[y])))
+    return {m: sorted(pts) for m, pts in out.items()}
+
+
+def plot_latency(records: Sequence[dict], path: Path, latency_key: str, title: str) -> Path:
+    """Latency vs sequence length, one line per method, one panel per world size (figure 4)."""
+    sizes = sorted({r["gpus"] for r in records})
+    fig, axes = plt.subplots(1, len(sizes), figsize=(4.2 * len(sizes), 3.6), squeeze=False)
+    for ax, p in zip(axes[0], sizes):
+        for method, pts in _series(records, "seq_len", latency_key, gpus=p).items():
+            xs, ys = zip(*pts)
+            ax.plot(xs, [y * 1e3 for y in ys], label=method, **_style(method))
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_title(f"p = {p}")
+        ax.set_xlabel("sequence length (tokens)")
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0][0].set_ylabel("latency per decode step (ms)")
+    axes[0][-1].legend(fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def plot_speedup(records: Sequence[dict], path: Path, latency_key: str, title: str, baseline: str = "ring-kv") -> Path:
+    """Speedup of each tree method over `baseline` vs world size, one line per sequence length
+    (figure 5); solid for allreduce, dashed for tree, dotted for twolevel."""
+    latency = {(r["method"], r["gpus"], r["seq_len"]): r[latency_key] for r in records}
+    lengths = sorted({r["seq_len"] for r in records})
+    cmap = plt.get_cmap("viridis")
+    fig, ax = plt.subplots(figsize=(5.5, 4.0))
+    dashes = {"allreduce": "-", "tree": "--", "twolevel": ":"}
+    for i, n in enumerate(lengths):
+        color = cmap(i / max(1, len(lengths) - 1))
+        for method in TREE_METHODS:
+            pts = sorted(
+                (p, latency[(baseline, p, n)] / latency[(method, p, n)])
+                for (m, p, nn) in latency
+                if m == method and nn == n and (baseline, p, n) in latency and latency[(method, p, n)] > 0
+            )
+            if not pts:
+                continue
+            xs, ys = zip(*pts)
+            label = f"N={_seq_label(n)}" if method == "allreduce" or len(lengths) == 1 else None
+            ax.plot(xs, ys, linestyle=dashes[method], marker="o", color=color, label=label)
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("world size p")
+    ax.set_ylabel(f"speedup over {baseline}")
+    ax.set_title(title + "\n(solid allreduce, dashed tree, dotted twolevel)", fontsize=9)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def _plot_per_method(records: Sequence[dict], path: Path, key: str, scale: float, ylabel: str, title: str) -> Path:
+    p = max(r["gpus"] for r in records)
+    fig, ax = plt.subplots(figsize=(5.5, 4.0))
+    for method, pts in _series(records, "seq_len", key, gpus=p).items():
+        if all(y == 0 for _, y in pts):
+            continue  # nothing to draw on a log axis (local sends no bytes)
+        xs, ys = zip(*pts)
+        ax.plot(xs, [y / scale for y in ys], label=method, **_style(method))
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("sequence length (tokens)")
+    ax.set_ylabel(ylabel)
+    ax.set_title(f"{title} (p = {p})")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def plot_memory(records: Sequence[dict], path: Path, title: str) -> Path:
+    """Peak memory per rank vs sequence length at the largest world size."""
+    return _plot_per_method(records, path, "peak_memory_bytes", 2**20, "peak memory per rank (MiB)", title)
+
+
+def plot_comm(records: Sequence[dict], path: Path, title: str) -> Path:
+    """Bytes sent by the busiest rank per decode step vs sequence length."""
+    return _plot_per_method(records, path, "bytes", 1.0, "bytes sent per step (busiest rank)", title)
+
+
+def make_figures(records: Sequence[dict], out_dir: Path, prefix: str, latency_key: str, title: str) -> list[Path]:
+    """Write the four figures <prefix>_{latency,speedup,memory,comm}.png into out_dir."""
+    if not records:
+        raise ValueError("no records to plot")
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = [plot_latency(records, out_dir / f"{prefix}_latency.png", latency_key, title)]
+    if any(r["method"] == "ring-kv" for r in records) and any(r["method"] in TREE_METHODS for r in records):
+        paths.append(plot_speedup(records, out_dir / f"{prefix}_speedup.png", latency_key, title))
+    if any(r.get("peak_memory_bytes") for r in records):
+        paths.append(plot_memory(records, out_dir / f"{prefix}_memory.png", title))
+    if any(r.get("bytes") for r in records):
+        paths.append(plot_comm(records, out_dir / f"{prefix}_comm.png", title))
+    return paths

@@ -1,0 +1,147 @@
+"""`treeattn simulate`: the cost model from the command line."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import typer
+
+from treeattn.sim.hardware import CALIBRATED_PRESET, GB, PRESET_NAMES, US, Cluster, load_cluster
+from treeattn.sim.model import METHODS, check_method, predict_decode, predict_generation
+from treeattn.sim.workload import DecodeShape
+
+TFLOPS = 1e12
+
+
+def _cluster_from_options(preset: str, calibration: Path | None, overrides: dict[str, float | int | None]) -> Cluster:
+    if calibration is not None and preset != CALIBRATED_PRESET:
+        raise typer.BadParameter("--calibration only applies to --preset cpu-local", param_hint="--calibration")
+    cluster = load_cluster(preset, calibration)
+    return cluster.with_overrides(**overrides)
+
+
+def simulate(
+    preset: str = typer.Option("dgx-h100", help=f"Cluster preset: {', '.join(PRESET_NAMES)}."),
+    calibration: Path | None = typer.Option(None, help="Calibration JSON for --preset cpu-local (default ./calibration.json)."),
+    gpus: list[int] = typer.Option([8], "--gpus", "-p", help="World size(s) p; repeat for several."),
+    seq_len: list[int] = typer.Option([5_120_000], "--seq-len", "-n", help="KV cache length(s) N; repeat for several."),
+    heads: int = typer.Option(16, help="Query heads Hq."),
+    kv_heads: int | None = typer.Option(None, help="KV heads Hkv (default: Hq)."),
+    head_dim: int = typer.Option(128, help="Head dim D (= Dv)."),
+    batch: int = typer.Option(1, help="Batch size B."),
+    dtype: str = typer.Option("bf16", help="Storage dtype of q, k, v: bf16, fp16, fp32."),
+    method: list[str] = typer.Option(list(METHODS), "--method", "-m", help="Method(s): " + ", ".join(METHODS) + "."),
+    gpus_per_node: int | None = typer.Option(None, help="Override the preset's devices per node."),
+    mem_bw_gbs: float | None = typer.Option(None, help="Device memory bandwidth, GB/s."),
+    mem_efficiency: float | None = typer.Option(None, help="Fraction of memory bandwidth a decode kernel reaches."),
+    peak_tflops: float | None = typer.Option(None, help="Dense peak, TFLOP/s."),
+    flops_efficiency: float | None = typer.Option(None, help="Fraction of peak reached in prefill."),
+    kernel_overhead_us: float | None = typer.Option(None, help="Fixed cost per attention kernel, us."),
+    merge_us: float | None = typer.Option(None, help="Cost of one merge of two states, us."),
+    collective_overhead_us: float | None = typer.Option(None, help="Fixed cost per collective or send/recv call, us."),
+    intra_latency_us: float | None = typer.Option(None, help="Intra-node link latency, us."),
+    intra_bw_gbs: float | None = typer.Option(None, help="Intra-node bandwidth per device per direction, GB/s."),
+    inter_latency_us: float | None = typer.Option(None, help="Inter-node link latency, us."),
+    inter_bw_gbs: float | None = typer.Option(None, help="Inter-node bandwidth per device per direction, GB/s."),
+    p2p_overlap: float | None = typer.Option(None, help="Fraction of a ring transfer hidden behind compute, [0, 1]."),
+    new_tokens: int | None = typer.Option(None, help="Also estimate prefill + this many decode steps."),
+    layers: int = typer.Option(1, help="Attention layers, for --new-tokens."),
+    as_json: bool = typer.Option(False, "--json", help="One JSON object per line per configuration."),
+    plot: Path | None = typer.Option(None, help="Write latency/speedup/memory/comm PNGs into this folder."),
+    plot_prefix: str = typer.Option("", help="File name prefix of the PNGs (default sim_<preset>)."),
+    show_preset: bool = typer.Option(False, help="Print the cluster parameters and their sources, then exit."),
+) -> None:
+    """Predict one decode step (or prefill + n decode steps) of every method on a two-level cluster."""
+    scale = {
+        "memory_bandwidth": None if mem_bw_gbs is None else mem_bw_gbs * GB,
+        "memory_efficiency": mem_efficiency,
+        "peak_flops": None if peak_tflops is None else peak_tflops * TFLOPS,
+        "flops_efficiency": flops_efficiency,
+        "kernel_overhead": None if kernel_overhead_us is None else kernel_overhead_us * US,
+        "merge_seconds": None if merge_us is None else merge_us * US,
+        "collective_overhead": None if collective_overhead_us is None else collective_overhead_us * US,
+        "intra_latency": None if intra_latency_us is None else intra_latency_us * US,
+        "intra_bandwidth": None if intra_bw_gbs is None else intra_bw_gbs * GB,
+        "inter_latency": None if inter_latency_us is None else inter_latency_us * US,
+        "inter_bandwidth": None if inter_bw_gbs is None else inter_bw_gbs * GB,
+        "p2p_overlap": p2p_overlap,
+        "gpus_per_node": gpus_per_node,
+    }
+    try:
+        cluster = _cluster_from_options(preset, calibration, scale)
+        for m in method:
+            check_method(m)
+        shapes = [
+            DecodeShape(seq_len=n, heads=heads, head_dim=head_dim, batch=batch, kv_heads=kv_heads, dtype=dtype)
+            for n in seq_len
+        ]
+        for p in gpus:
+            cluster.nodes(p)
+    except (ValueError, TypeError) as err:
+        raise typer.BadParameter(str(err)) from None
+
+    if show_preset:
+        typer.echo(json.dumps(cluster.to_dict(), indent=2))
+        return
+
+    records: list[dict] = []
+    try:
+        for p in gpus:
+            for shape in shapes:
+                for m in method:
+                    record = predict_decode(cluster, shape, p, m).as_dict()
+                    record["preset"] = cluster.name
+                    if new_tokens is not None:
+                        gen = predict_generation(cluster, shape, p, m, new_tokens, layers)
+                        record.update(
+                            new_tokens=new_tokens,
+                            layers=layers,
+                            prefill_seconds=gen.prefill_seconds,
+                            generation_seconds=gen.predicted_seconds,
+                        )
+                    records.append(record)
+    except (ValueError, TypeError) as err:
+        raise typer.BadParameter(str(err)) from None
+
+    if as_json:
+        for record in records:
+            typer.echo(json.dumps(record))
+    else:
+        _print_table(records, cluster.name, new_tokens is not None)
+    if plot is not None:
+        from treeattn.bench.plots import make_figures
+
+        title = f"cost model, {cluster.name}, Hq={heads} D={head_dim} B={batch} {shapes[0].dtype}"
+        paths = make_figures(records, plot, plot_prefix or f"sim_{cluster.name}", "predicted_seconds", title)
+        for path in paths:
+            typer.echo(f"wrote {path}", err=True)
+
+
+def _print_table(records: list[dict], preset: str, generation: bool) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"predicted decode step, preset {preset}")
+    for col in ("method", "gpus", "seq_len", "latency (ms)", "speedup vs ring-kv", "bytes sent", "rounds", "steps", "peak mem (MiB)"):
+        table.add_column(col, justify="right" if col != "method" else "left")
+    if generation:
+        table.add_column("prefill+decode (s)", justify="right")
+    ring = {(r["gpus"], r["seq_len"]): r["predicted_seconds"] for r in records if r["method"] == "ring-kv"}
+    for r in records:
+        base = ring.get((r["gpus"], r["seq_len"]))
+        row = [
+            r["method"],
+            str(r["gpus"]),
+            str(r["seq_len"]),
+            f"{r['predicted_seconds'] * 1e3:.4g}",
+            f"{base / r['predicted_seconds']:.3g}x" if base else "-",
+            f"{r['bytes']:.4g}",
+            str(r["rounds"]),
+            str(r["steps"]),
+            f"{r['peak_memory_bytes'] / 2**20:.4g}",
+        ]
+        if generation:
+            row.append(f"{r['generation_seconds']:.4g}")
+        table.add_row(*row)
+    Console().print(table)

@@ -1,0 +1,344 @@
+"""Cost model of one decode step (and of prefill + n decode steps) for every decoding method.
+
+Per device, attention over t tokens is a roofline: a fixed kernel overhead plus the larger of
+(bytes of K and V) / (achieved memory bandwidth) and FLOPs / (achieved peak). Communication uses
+the alpha-beta models of `treeattn.sim.collectives` on the cluster's two links. The methods are
+priced as treeattn.parallel runs them:
+
+    allreduce  local attention; allreduce(max) of lse; allreduce(sum) of the packed
+               [out * exp(lse - m), exp(lse - m)] (float32); divide. NCCL picks ring or tree.
+    tree       local attention; binomial-tree reduce of (out, lse) with merge_states
+               (ceil(log2 p) rounds); binomial broadcast of the result (ceil(log2 p) rounds).
+    twolevel   binomial reduce inside each node; allreduce-method combine among node leaders over
+               the inter-node link; binomial broadcast inside each node.
+    ring-kv    p - 1 steps; in each, the K, V block moves to the next rank while the current block
+               is attended to; overlap is the cluster's p2p_overlap.
+    ring-q     local attention, then p - 1 steps in which the accumulated (out, lse) moves one
+               rank on and is merged with the local state (tiny messages, p - 1 latencies).
+    local      one device holds the whole cache.
+
+The reported `bytes` and `rounds` follow ta.comm_stats' conventions (bytes sent by the busiest
+rank; an allreduce sends 2 (p - 1) / p x payload; a collective call or a p2p step is one round),
+so a benchmark's measured counters can be checked against them. `steps` counts the sequential
+message latencies inside the collectives as well (what the log p vs p argument is about).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+from treeattn.sim import volumes
+from treeattn.sim.collectives import (
+    NO_COMM,
+    CommCost,
+    binomial_broadcast,
+    binomial_reduce,
+    leaders,
+    nccl_allreduce,
+    node_members,
+    ring_pass,
+)
+from treeattn.sim.hardware import Cluster
+from treeattn.sim.workload import STATE_ELEMENT_BYTES, DecodeShape
+
+METHODS: tuple[str, ...] = ("allreduce", "tree", "twolevel", "ring-kv", "ring-q", "local")
+TREE_METHODS: tuple[str, ...] = ("allreduce", "tree", "twolevel")
+RING_METHODS: tuple[str, ...] = ("ring-kv", "ring-q")
+
+
+def check_method(method: str) -> str:
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
+    return method
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """The model's estimate for one (method, devices, shape).
+
+    Attributes:
+        method: one of METHODS.
+        gpus: devices p of the configuration.
+        devices: devices the method uses (1 for local, else gpus).
+        seq_len: N.
+        predicted_seconds: latency of one decode step (all ranks done).
+        bytes: bytes sent by the busiest rank (comm_stats convention).
+        rounds: communication rounds on a rank (comm_stats convention).
+        steps: sequential message latencies on the critical path, inside collectives too.
+        compute_seconds: attention + merge time on the critical path.
+        comm_seconds: exposed communication time on the critical path.
+        paper_elements: the paper's volume (eq. 10 for ring-kv, eq. 14 for allreduce), else None.
+        peak_memory_bytes: K, V and decode buffers on one device (the paper's eq. 8/9 terms).
+        algorithm: the collective algorithms chosen.
+    """
+
+    method: str
+    gpus: int
+    devices: int
+    seq_len: int
+    predicted_seconds: float
+    bytes: float
+    rounds: int
+    steps: int
+    compute_seconds: float
+    comm_seconds: float
+    paper_elements: float | None
+    peak_memory_bytes: float
+    algorithm: str
+
+    def as_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+
+# ------------------------------------------------------------------------------------ compute
+
+
+def _host_slowdown(cluster: Cluster, ranks: int) -> float:
+    """Ranks that share `host_cores` cores time-slice: each runs ranks / cores times slower."""
+    if cluster.host_cores is None:
+        return 1.0
+    return max(1.0, ranks / cluster.host_cores)
+
+
+def attention_seconds(cluster: Cluster, shape: DecodeShape, tokens: int, ranks: int = 1) -> float:
+    """Roofline time of one decode attention call over `tokens` keys on one device, while `ranks`
+    devices work at once (matters only for ranks sharing a host)."""
+    if tokens <= 0:
+        return 0.0
+    bandwidth = cluster.attention_bandwidth
+    if cluster.host_cores is not None and cluster.host_memory_bandwidth is not None:
+        running = min(ranks, cluster.host_cores)
+        bandwidth = min(bandwidth, cluster.host_memory_bandwidth / running)
+    memory_time = shape.kv_bytes(tokens) / bandwidth
+    flops_time = shape.attention_flops(tokens) / (cluster.peak_flops * cluster.flops_efficiency)
+    return (cluster.kernel_overhead + max(memory_time, flops_time)) * _host_slowdown(cluster, ranks)
+
+
+def merge_seconds(cluster: Cluster, ranks: int = 1) -> float:
+    """One merge_states of two decode states."""
+    return cluster.merge_seconds * _host_slowdown(cluster, ranks)
+
+
+# ----------------------------------------------------------------------------- communication
+
+
+def allreduce_combine(cluster: Cluster, shape: DecodeShape, ranks: int) -> CommCost:
+    """Algorithm 3's two allreduces: max of lse (B x Hq float32), then sum of the packed
+    numerator and denominator (B x Hq x (Dv + 1) float32)."""
+    lse_bytes = shape.batch * shape.heads * STATE_ELEMENT_BYTES
+    packed_bytes = shape.batch * shape.heads * (shape.dv + 1) * STATE_ELEMENT_BYTES
+    return nccl_allreduce(cluster, ranks, lse_bytes) + nccl_allreduce(cluster, ranks, packed_bytes)
+
+
+def _sum_costs(costs: list[CommCost]) -> CommCost:
+    total = NO_COMM
+    for cost in costs:
+        total = total + cost
+    return total
+
+
+# ----------------------------------------------------------------------------------- methods
+
+
+def _peak_memory_bytes(shape: DecodeShape, method: str, gpus: int) -> float:
+    """K, V shard (+ the in-flight block for ring-kv) + q, out and state buffers on one device."""
+    tokens = shape.shard_tokens(gpus) if method != "local" else shape.seq_len
+    kv = shape.kv_bytes(tokens)
+    qo = 2 * shape.batch * shape.heads * shape.head_dim * shape.element_bytes
+    state = shape.state_bytes()
+    if method == "ring-kv":
+        return 2 * kv + qo + state  # eq. 8: the block being received sits beside the own shard
+    if method == "allreduce":
+        return kv + qo + 2 * shape.batch * shape.heads * STATE_ELEMENT_BYTES  # eq. 9 (n, d, m)
+    return kv + qo + state
+
+
+def predict_decode(cluster: Cluster, shape: DecodeShape, gpus: int, method: str) -> Prediction:
+    """Predict one decode step of `method` with the KV cache of `shape` split over `gpus` devices.
+
+    Raises ValueError for an unknown method, gpus that do not fill whole nodes, or a cache with
+    fewer tokens than devices (every device must hold at least one token).
+    """
+    check_method(method)
+    cluster.nodes(gpus)  # validates gpus against gpus_per_node
+    devices = 1 if method == "local" else gpus
+    if method != "local" and shape.seq_len < gpus:
+        raise ValueError(
+            f"seq_len ({shape.seq_len}) must be >= gpus ({gpus}) for method {method!r}: "
+            f"every device holds at least one token of the sharded KV cache"
+        )
+    tokens = shape.shard_tokens(devices)
+    attn = attention_seconds(cluster, shape, tokens, devices)
+    merge = merge_seconds(cluster, devices)
+    state = shape.state_bytes()
+    paper: float | None = None
+
+    if method == "local" or devices == 1:
+        compute, comm = attn, NO_COMM
+        seconds = compute
+    elif method == "allreduce":
+        comm = allreduce_combine(cluster, shape, gpus)
+        compute = attn + merge  # rescale and divide
+        seconds = compute + comm.seconds
+        paper = volumes.tree_volume_elements(shape, gpus)
+    elif method == "tree":
+        members = list(range(gpus))
+        up = binomial_reduce(cluster, members, state)
+        down = binomial_broadcast(cluster, members, state)
+        # the root sends in every broadcast round and is the busiest rank
+        comm = CommCost(up.seconds + down.seconds, up.rounds + down.rounds, down.bytes_sent, "binomial")
+        compute = attn + up.rounds * merge
+        seconds = compute + comm.seconds
+    elif method == "twolevel":
+        members = node_members(cluster, gpus)
+        intra_up = binomial_reduce(cluster, members, state)
+        heads = leaders(cluster, gpus)
+        across = allreduce_combine(cluster, shape, len(heads)) if len(heads) > 1 else NO_COMM
+        intra_down = binomial_broadcast(cluster, members, state)
+        comm = _sum_costs([intra_up, across, intra_down])
+        comm = CommCost(comm.seconds, comm.rounds, across.bytes_sent + intra_down.bytes_sent, "twolevel")
+        compute = attn + intra_up.rounds * merge + (merge if len(heads) > 1 else 0.0)
+        seconds = compute + comm.seconds
+    elif method == "ring-kv":
+        block = shape.kv_bytes(tokens)
+        step = ring_pass(cluster, gpus, block)
+        work = attn + merge
+        hidden = cluster.p2p_overlap * min(work, step.seconds)
+        step_seconds = work + step.seconds - hidden
+        seconds = (gpus - 1) * step_seconds + attn
+        compute = gpus * attn + (gpus - 1) * merge
+        comm = CommCost((gpus - 1) * (step.seconds - hidden), gpus - 1, (gpus - 1) * block, "ring-p2p")
+        paper = volumes.ring_volume_elements(shape, gpus)
+    else:  # ring-q
+        step = ring_pass(cluster, gpus, state)
+        compute = attn + (gpus - 1) * merge
+        comm = CommCost((gpus - 1) * step.seconds, gpus - 1, (gpus - 1) * state, "ring-p2p")
+        seconds = compute + comm.seconds
+
+    steps = comm.rounds
+    if method == "allreduce" or method == "twolevel":
+        steps = _latency_steps(cluster, shape, gpus, method)
+    rounds = _comm_stats_rounds(cluster, gpus, method, comm)
+    return Prediction(
+        method=method,
+        gpus=gpus,
+        devices=devices,
+        seq_len=shape.seq_len,
+        predicted_seconds=seconds,
+        bytes=comm.bytes_sent,
+        rounds=rounds,
+        steps=steps,
+        compute_seconds=compute,
+        comm_seconds=comm.seconds,
+        paper_elements=paper,
+        peak_memory_bytes=_peak_memory_bytes(shape, method, gpus),
+        algorithm=comm.algorithm,
+    )
+
+
+def _latency_steps(cluster: Cluster, shape: DecodeShape, gpus: int, method: str) -> int:
+    """Sequential message latencies inside the allreduce-based methods."""
+    if method == "allreduce":
+        return allreduce_combine(cluster, shape, gpus).rounds
+    members = node_members(cluster, gpus)
+    heads = leaders(cluster, gpus)
+    across = allreduce_combine(cluster, shape, len(heads)).rounds if len(heads) > 1 else 0
+    return 2 * binomial_reduce(cluster, members, 1.0).rounds + across
+
+
+def _comm_stats_rounds(cluster: Cluster, gpus: int, method: str, comm: CommCost) -> int:
+    """Rounds as ta.comm_stats counts them: one per collective call or p2p step."""
+    if method == "local" or gpus == 1:
+        return 0
+    if method == "allreduce":
+        return 2
+    if method == "twolevel":
+        members = node_members(cluster, gpus)
+        intra = 2 * binomial_reduce(cluster, members, 1.0).rounds
+        return intra + (2 if len(leaders(cluster, gpus)) > 1 else 0)
+    return comm.rounds
+
+
+# ------------------------------------------------------------------------------ generation
+
+
+def prefill_seconds(cluster: Cluster, shape: DecodeShape, gpus: int) -> float:
+    """Causal ring-attention prefill of seq_len tokens over `gpus` devices (one layer).
+
+    Each device holds N / p queries and keys; in each of p steps it attends its queries to one
+    K, V block (half the blocks are fully masked on average: causal work is half of N^2) while the
+    block moves on; transfers overlap with compute by p2p_overlap. FLOPs-bound roofline.
+    """
+    tokens = shape.shard_tokens(gpus)
+    flops_per_block = 2 * shape.batch * shape.heads * tokens * tokens * (shape.head_dim + shape.dv)
+    causal_blocks = (gpus + 1) / 2  # a rank attends on average to half the blocks (+ its own diagonal)
+    block_time = cluster.kernel_overhead + flops_per_block / (cluster.peak_flops * cluster.flops_efficiency)
+    block_time *= _host_slowdown(cluster, gpus)
+    if gpus == 1:
+        return block_time * 0.5 + cluster.kernel_overhead
+    step = ring_pass(cluster, gpus, shape.kv_bytes(tokens))
+    step_time = block_time + step.seconds - cluster.p2p_overlap * min(block_time, step.seconds)
+    return causal_blocks * block_time + (gpus - 1) * max(0.0, step_time - block_time)
+
+
+@dataclass(frozen=True)
+class GenerationPrediction:
+    """Prefill of seq_len prompt tokens, then `new_tokens` decode steps, over `layers` layers."""
+
+    method: str
+    gpus: int
+    seq_len: int
+    new_tokens: int
+    layers: int
+    prefill_seconds: float
+    decode_seconds: float
+    predicted_seconds: float
+
+    def as_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+
+def predict_generation(
+    cluster: Cluster, shape: DecodeShape, gpus: int, method: str, new_tokens: int, layers: int = 1
+) -> GenerationPrediction:
+    """Attention time of prefill (ring attention, the same for every method) plus `new_tokens`
+    decode steps of `method`, the cache growing by one token per step; times `layers`.
+
+    Only attention is priced: projections, MLPs and sampling are not in the model.
+    """
+    if not isinstance(new_tokens, int) or new_tokens < 0:
+        raise ValueError(f"new_tokens must be an int >= 0, got {new_tokens!r}")
+    if not isinstance(layers, int) or layers < 1:
+        raise ValueError(f"layers must be an int >= 1, got {layers!r}")
+    prefill_devices = 1 if method == "local" else gpus
+    prefill = prefill_seconds(cluster, shape, prefill_devices)
+    decode = 0.0
+    for i in range(new_tokens):
+        step_shape = DecodeShape(
+            seq_len=shape.seq_len + i,
+            heads=shape.heads,
+            head_dim=shape.head_dim,
+            batch=shape.batch,
+            kv_heads=shape.kv_heads,
+            value_dim=shape.value_dim,
+            dtype=shape.dtype,
+        )
+        decode += predict_decode(cluster, step_shape, gpus, method).predicted_seconds
+    return GenerationPrediction(
+        method=method,
+        gpus=gpus,
+        seq_len=shape.seq_len,
+        new_tokens=new_tokens,
+        layers=layers,
+        prefill_seconds=layers * prefill,
+        decode_seconds=layers * decode,
+        predicted_seconds=layers * (prefill + decode),
+    )
+
+
+def speedup(cluster: Cluster, shape: DecodeShape, gpus: int, fast: str = "allreduce", slow: str = "ring-kv") -> float:
+    """predicted_seconds(slow) / predicted_seconds(fast)."""
+    t_fast = predict_decode(cluster, shape, gpus, fast).predicted_seconds
+    t_slow = predict_decode(cluster, shape, gpus, slow).predicted_seconds
+    return t_slow / t_fast if t_fast > 0 else math.inf

@@ -1,0 +1,259 @@
+"""The cluster cost model: the paper's volumes, the collective models, bad input, the CLI."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from typer.testing import CliRunner
+
+from treeattn.cli import app
+from treeattn.sim import METHODS, PRESETS, Cluster, DecodeShape, Link, load_cluster, predict_decode, predict_generation
+from treeattn.sim import collectives, volumes
+from treeattn.sim.hardware import GB, US
+
+H100 = PRESETS["dgx-h100"]
+
+
+def flat_cluster(**kw) -> Cluster:
+    """A simple cluster with round numbers, for hand-checkable predictions."""
+    args = dict(
+        name="flat",
+        gpus_per_node=4,
+        memory_bandwidth=1e12,
+        memory_efficiency=1.0,
+        peak_flops=1e15,
+        flops_efficiency=1.0,
+        kernel_overhead=0.0,
+        merge_seconds=0.0,
+        collective_overhead=0.0,
+        intra=Link(latency=1e-6, bandwidth=1e11),
+        inter=Link(latency=1e-5, bandwidth=1e10),
+    )
+    args.update(kw)
+    return Cluster(**args)
+
+
+# ------------------------------------------------------------------------- paper's volumes
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    b=st.integers(1, 8),
+    heads=st.integers(1, 64),
+    head_dim=st.sampled_from([16, 64, 128]),
+    p=st.integers(1, 256),
+    t=st.integers(1, 50_000),
+)
+def test_volumes_equal_paper_eq10_and_eq14(b, heads, head_dim, p, t):
+    shape = DecodeShape(seq_len=t * p, heads=heads, head_dim=head_dim, batch=b, dtype="bf16")
+    d = heads * head_dim
+    assert volumes.ring_volume_elements(shape, p) == 2 * b * t * d * p  # eq. 10
+    assert volumes.tree_volume_elements(shape, p) == pytest.approx(2 * (p - 1) / p * (b * d + 2 * b * heads), rel=1e-15)  # eq. 14
+    assert volumes.ring_peak_memory_elements(shape, p) == 4 * b * t * d + 2 * b * d  # eq. 8
+    assert volumes.tree_peak_memory_elements(shape, p) == 2 * b * t * d + 2 * b * d + 2 * b * heads  # eq. 9
+
+
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+@pytest.mark.parametrize("p", [2, 8, 64, 128])
+def test_predicted_bytes_are_the_paper_volumes(preset, p):
+    cluster = PRESETS[preset].with_overrides(gpus_per_node=8)
+    b, heads, head_dim, t = 2, 16, 128, 1000
+    shape = DecodeShape(seq_len=t * p, heads=heads, head_dim=head_dim, batch=b, dtype="bf16")
+    d = heads * head_dim
+    eq14 = 2 * (p - 1) / p * (b * d + 2 * b * heads)
+    eq10 = 2 * b * t * d * p
+    tree = predict_decode(cluster, shape, p, "allreduce")
+    assert tree.paper_elements == pytest.approx(eq14, rel=1e-14)
+    # the two allreduces carry n, d and m in float32: eq. 14 elements x 4 bytes exactly
+    assert tree.bytes == pytest.approx(eq14 * 4, rel=1e-14)
+    ring = predict_decode(cluster, shape, p, "ring-kv")
+    assert ring.paper_elements == eq10
+    # treeattn's ring stops after p - 1 transfers (eq. 10 counts p: the block travels home too)
+    assert ring.bytes == eq10 * (p - 1) / p * shape.element_bytes
+
+
+# ------------------------------------------------------------------------------ collectives
+
+
+def test_ring_allreduce_is_alpha_beta():
+    c = flat_cluster()
+    cost = collectives.ring_allreduce(c, 4, 4000)
+    assert cost.rounds == 6
+    assert cost.bytes_sent == pytest.approx(6 * 1000)
+    assert cost.seconds == pytest.approx(6 * 1e-6 + 6000 / 1e11)
+    # across nodes every step waits on the inter-node hop
+    cost = collectives.ring_allreduce(c, 8, 8000)
+    assert cost.seconds == pytest.approx(14 * 1e-5 + 14 * 1000 / 1e10)
+
+
+def test_nccl_picks_tree_for_small_and_ring_for_large_messages_at_scale():
+    small = collectives.nccl_allreduce(H100, 128, 8192)
+    assert small.algorithm == "nccl-tree"
+    assert small.rounds == 2 * ((8 - 1) + math.ceil(math.log2(16)))
+    ring = collectives.ring_allreduce(H100, 128, 8192)
+    assert small.seconds < ring.seconds
+
+
+@pytest.mark.parametrize("p", [1, 2, 3, 5, 8, 13, 64])
+def test_binomial_tree_rounds_and_links(p):
+    c = flat_cluster()
+    up = collectives.binomial_reduce(c, list(range(p)), 100)
+    assert up.rounds == (0 if p == 1 else math.ceil(math.log2(p)))
+    # rounds whose stride reaches a node boundary pay the inter-node link
+    expected = 0.0
+    stride = 1
+    while stride < p:
+        crosses = any(i // 4 != (i - stride) // 4 for i in range(stride, p, 2 * stride))
+        expected += (1e-5 + 100 / 1e10) if crosses else (1e-6 + 100 / 1e11)
+        stride *= 2
+    assert up.seconds == pytest.approx(expected)
+
+
+# ---------------------------------------------------------------------------------- methods
+
+
+@pytest.mark.parametrize("p", [2, 3, 8, 16, 64])
+def test_method_rounds_follow_comm_stats_conventions(p):
+    c = flat_cluster(gpus_per_node=8)
+    if p > 8 and p % 8:
+        return
+    shape = DecodeShape(seq_len=1024, heads=4, head_dim=16)
+    got = {m: predict_decode(c, shape, p, m) for m in METHODS}
+    assert got["allreduce"].rounds == 2
+    assert got["tree"].rounds == 2 * math.ceil(math.log2(p))
+    assert got["ring-kv"].rounds == p - 1
+    assert got["ring-q"].rounds == p - 1
+    assert got["local"].rounds == 0 and got["local"].bytes == 0 and got["local"].devices == 1
+    nodes = max(1, p // 8)
+    assert got["twolevel"].rounds == 2 * math.ceil(math.log2(min(p, 8))) + (2 if nodes > 1 else 0)
+
+
+def test_ring_kv_step_is_max_of_compute_and_transfer():
+    c = flat_cluster()
+    shape = DecodeShape(seq_len=4 * 1000, heads=8, head_dim=64, dtype="fp32")
+    block = shape.kv_bytes(1000)
+    compute = block / 1e12
+    transfer = 1e-6 + block / 1e11
+    got = predict_decode(c, shape, 4, "ring-kv")
+    assert got.predicted_seconds == pytest.approx(3 * max(compute, transfer) + compute)
+    no_overlap = predict_decode(c.with_overrides(p2p_overlap=0.0), shape, 4, "ring-kv")
+    assert no_overlap.predicted_seconds == pytest.approx(3 * (compute + transfer) + compute)
+
+
+def test_inter_node_bandwidth_matters_only_across_nodes():
+    shape = DecodeShape(seq_len=1_000_000, heads=16, head_dim=128)
+    slow_ib = H100.with_overrides(inter_bandwidth=1 * GB)
+    one_node = [predict_decode(c, shape, 8, "ring-kv").predicted_seconds for c in (H100, slow_ib)]
+    assert one_node[0] == one_node[1]
+    two_nodes = [predict_decode(c, shape, 16, "ring-kv").predicted_seconds for c in (H100, slow_ib)]
+    assert two_nodes[1] > 10 * two_nodes[0]
+
+
+def test_twolevel_touches_inter_node_link_with_leaders_only():
+    # with a very slow inter-node link, twolevel pays it for one allreduce among leaders (2
+    # collectives), while tree pays it in every round whose stride crosses nodes
+    c = H100.with_overrides(inter_latency=1000 * US)
+    shape = DecodeShape(seq_len=1_000_000, heads=16, head_dim=128)
+    two = predict_decode(c, shape, 64, "twolevel")
+    tree = predict_decode(c, shape, 64, "tree")
+    assert two.comm_seconds < tree.comm_seconds
+
+
+def test_local_is_one_device_roofline():
+    c = flat_cluster()
+    shape = DecodeShape(seq_len=10_000, heads=8, head_dim=64, dtype="fp16")
+    got = predict_decode(c, shape, 4, "local")
+    assert got.predicted_seconds == pytest.approx(shape.kv_bytes(10_000) / 1e12)
+
+
+def test_paper_scale_tree_beats_ring_and_speedup_grows_with_length():
+    speedups = []
+    for n in (80_000, 640_000, 5_120_000):
+        shape = DecodeShape(seq_len=n, heads=16, head_dim=128, dtype="bf16")
+        ring = predict_decode(H100, shape, 128, "ring-kv").predicted_seconds
+        tree = predict_decode(H100, shape, 128, "allreduce").predicted_seconds
+        speedups.append(ring / tree)
+    assert speedups == sorted(speedups) and speedups[0] > 1
+
+
+def test_generation_adds_prefill_and_decode_steps():
+    shape = DecodeShape(seq_len=32_000, heads=32, head_dim=128, kv_heads=8)
+    gen = predict_generation(H100, shape, 8, "allreduce", new_tokens=10, layers=32)
+    step = predict_decode(H100, shape, 8, "allreduce").predicted_seconds
+    assert gen.decode_seconds == pytest.approx(32 * 10 * step, rel=1e-3)
+    assert gen.prefill_seconds > 0
+    assert gen.predicted_seconds == pytest.approx(gen.prefill_seconds + gen.decode_seconds)
+
+
+# -------------------------------------------------------------------------------- bad input
+
+
+def test_bad_parameters_are_rejected_with_names():
+    with pytest.raises(ValueError, match="bandwidth"):
+        Link(latency=1e-6, bandwidth=-1.0)
+    with pytest.raises(ValueError, match="inter_bandwidth"):
+        H100.with_overrides(inter_bandwidth=-5.0)
+    with pytest.raises(ValueError, match="memory_efficiency"):
+        H100.with_overrides(memory_efficiency=1.5)
+    with pytest.raises(ValueError, match="multiple of gpus_per_node"):
+        predict_decode(H100, DecodeShape(seq_len=1000, heads=1, head_dim=8), 12, "tree")
+    with pytest.raises(ValueError, match="seq_len .* must be >= gpus"):
+        predict_decode(H100, DecodeShape(seq_len=4, heads=1, head_dim=8), 8, "ring-kv")
+    with pytest.raises(ValueError, match="method must be one of"):
+        predict_decode(H100, DecodeShape(seq_len=8, heads=1, head_dim=8), 8, "ring")
+    with pytest.raises(ValueError, match="dtype"):
+        DecodeShape(seq_len=8, heads=1, head_dim=8, dtype="int8")
+    with pytest.raises(ValueError, match="multiple of kv_heads"):
+        DecodeShape(seq_len=8, heads=6, head_dim=8, kv_heads=4)
+    with pytest.raises(ValueError, match="unknown cluster parameter"):
+        H100.with_overrides(nvlink_speed=1.0)
+    with pytest.raises(ValueError, match="preset must be one of"):
+        load_cluster("tpu-v5")
+
+
+def test_cpu_local_without_calibration_says_how_to_make_one(tmp_path):
+    with pytest.raises(ValueError, match="treeattn bench calibrate"):
+        load_cluster("cpu-local", tmp_path / "missing.json")
+
+
+def test_cluster_round_trips_through_json(tmp_path):
+    path = tmp_path / "cal.json"
+    path.write_text(json.dumps({"cluster": H100.with_overrides(host_cores=2, host_memory_bandwidth=1e10).to_dict()}))
+    loaded = load_cluster("cpu-local", path)
+    assert loaded == H100.with_overrides(host_cores=2, host_memory_bandwidth=1e10)
+
+
+# -------------------------------------------------------------------------------------- CLI
+
+
+def test_simulate_json_prints_one_line_per_method():
+    result = CliRunner().invoke(
+        app, ["simulate", "--preset", "dgx-h100", "--gpus", "128", "--seq-len", "5120000", "--heads", "16", "--head-dim", "128", "--json"]
+    )
+    assert result.exit_code == 0, result.output
+    rows = [json.loads(line) for line in result.stdout.splitlines()]
+    assert [r["method"] for r in rows] == list(METHODS)
+    for r in rows:
+        assert {"method", "gpus", "seq_len", "predicted_seconds", "bytes", "rounds"} <= set(r)
+        assert r["gpus"] == 128 and r["seq_len"] == 5_120_000 and r["predicted_seconds"] > 0
+
+
+def test_simulate_overrides_and_errors(tmp_path):
+    runner = CliRunner()
+    base = ["simulate", "-p", "16", "-n", "1000000", "-m", "ring-kv", "--json"]
+    fast = json.loads(runner.invoke(app, base).stdout)
+    slow = json.loads(runner.invoke(app, base + ["--inter-bw-gbs", "1"]).stdout)
+    assert slow["predicted_seconds"] > fast["predicted_seconds"]
+    bad = runner.invoke(app, base + ["--inter-bw-gbs", "-1"])
+    assert bad.exit_code != 0 and "inter_bandwidth" in bad.output
+    bad = runner.invoke(app, ["simulate", "-p", "12"])
+    assert bad.exit_code != 0 and "multiple of gpus_per_node" in bad.output
+    out = runner.invoke(app, ["simulate", "-p", "8", "-p", "16", "-n", "100000", "-n", "400000", "--plot", str(tmp_path), "--json"])
+    assert out.exit_code == 0, out.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "sim_dgx-h100_comm.png", "sim_dgx-h100_latency.png", "sim_dgx-h100_memory.png", "sim_dgx-h100_speedup.png"
+    ]
