@@ -13,6 +13,7 @@ from treeattn.ops import (
     merge_states_list,
     reference_attention,
 )
+from treeattn.parallel import Topology, comm_stats, spawn, tree_decode
 
 __version__ = "0.1.0"
 
@@ -23,4 +24,8 @@ __all__ = [
     "merge_states",
     "merge_states_list",
     "reference_attention",
+    "Topology",
+    "comm_stats",
+    "spawn",
+    "tree_decode",
 ]

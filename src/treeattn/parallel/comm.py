@@ -1,0 +1,232 @@
+"""Instrumented communication: every collective and point-to-point op treeattn issues, and its accounting.
+
+All of treeattn.parallel talks to torch.distributed only through the wrappers here, so that
+``comm_stats()`` can record, for this rank, what each call put on the wire. Ops issued by other
+code (your own ``dist.all_reduce``) are not recorded.
+
+    with ta.comm_stats() as stats:
+        out, lse = ta.tree_decode(q, k, v)
+    stats.bytes_sent, stats.messages, stats.rounds   # totals for this rank
+    stats.by_op["allreduce"].bytes_sent               # per op: allreduce, allgather, broadcast, p2p
+
+How each op is counted (per rank, per call; n = bytes of the tensor this rank hands to the op):
+
+    op          payload_bytes  bytes_sent                 bytes_received             messages      rounds
+    allreduce   n              2 (p-1)/p * n              2 (p-1)/p * n              1             1
+    allgather   n (own piece)  (p-1) * n                  sum of the other pieces    1             1
+    broadcast   n              n on the source, else 0    n off the source, else 0   1             1
+    p2p         bytes sent     bytes of every send        bytes of every recv        sends posted  1 per step
+
+- allreduce: bytes_sent is the volume of a bandwidth-optimal allreduce (reduce-scatter then
+  all-gather, ring or tree): 2 (p-1)/p times the payload, the convention of the paper's eq. 12.
+  So the tree decode's two allreduces together send 2 (p-1)/p * (b*d + 2*b*Hq) * itemsize bytes,
+  the paper's eq. 14. The payload is recorded too (payload_bytes), for other conventions.
+- allgather: each rank's piece must reach p-1 others: (p-1) * n.
+- broadcast: the source sends the tensor once; forwarding inside the backend is not counted.
+- p2p: exact bytes. One *step* (a call to ``exchange``: sends and receives posted together and
+  waited on together) is one round; ``messages`` counts the sends.
+- A collective over a group of one rank moves nothing and is neither issued nor recorded.
+
+``rounds`` counts sequential communication steps on this rank: each collective is one round
+(whatever the backend does inside it), each p2p step is one round. ``calls`` counts wrapper calls.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+OP_NAMES = ("allreduce", "allgather", "broadcast", "p2p")
+
+
+@dataclass
+class OpStats:
+    """Counters for one kind of op on this rank (see the module docstring for the conventions)."""
+
+    calls: int = 0
+    messages: int = 0
+    rounds: int = 0
+    payload_bytes: int = 0
+    bytes_sent: float = 0.0
+    bytes_received: float = 0.0
+
+
+@dataclass
+class CommStats:
+    """What this rank communicated inside a ``comm_stats()`` block: totals and ``by_op[name]``."""
+
+    by_op: dict[str, OpStats] = field(default_factory=lambda: {name: OpStats() for name in OP_NAMES})
+
+    @property
+    def bytes_sent(self) -> float:
+        return sum(op.bytes_sent for op in self.by_op.values())
+
+    @property
+    def bytes_received(self) -> float:
+        return sum(op.bytes_received for op in self.by_op.values())
+
+    @property
+    def messages(self) -> int:
+        return sum(op.messages for op in self.by_op.values())
+
+    @property
+    def rounds(self) -> int:
+        return sum(op.rounds for op in self.by_op.values())
+
+    @property
+    def calls(self) -> int:
+        return sum(op.calls for op in self.by_op.values())
+
+    def as_dict(self) -> dict:
+        """Plain-dict copy (picklable, JSON-friendly): totals and per-op counters."""
+        return {
+            "bytes_sent": self.bytes_sent,
+            "bytes_received": self.bytes_received,
+            "messages": self.messages,
+            "rounds": self.rounds,
+            "calls": self.calls,
+            "by_op": {name: dict(vars(op)) for name, op in self.by_op.items()},
+        }
+
+
+_ACTIVE: contextvars.ContextVar[tuple[CommStats, ...]] = contextvars.ContextVar("treeattn_comm_stats", default=())
+
+
+@contextlib.contextmanager
+def comm_stats() -> Iterator[CommStats]:
+    """Record every op treeattn issues on this rank inside the block. Blocks may nest; each
+    records everything issued while it is open."""
+    stats = CommStats()
+    token = _ACTIVE.set(_ACTIVE.get() + (stats,))
+    try:
+        yield stats
+    finally:
+        _ACTIVE.reset(token)
+
+
+def _record(op: str, *, payload: int = 0, sent: float = 0.0, received: float = 0.0, messages: int = 1) -> None:
+    for stats in _ACTIVE.get():
+        entry = stats.by_op[op]
+        entry.calls += 1
+        entry.messages += messages
+        entry.rounds += 1
+        entry.payload_bytes += payload
+        entry.bytes_sent += sent
+        entry.bytes_received += received
+
+
+# ------------------------------------------------------------------------------------ groups
+
+
+def group_size(group: dist.ProcessGroup | None) -> int:
+    """Number of ranks in `group` (None: the default world group)."""
+    return dist.get_world_size(group)
+
+
+def group_rank(group: dist.ProcessGroup | None) -> int:
+    """This process's rank inside `group`."""
+    return dist.get_rank(group)
+
+
+def global_rank(group: dist.ProcessGroup | None, rank_in_group: int) -> int:
+    """The world rank of `rank_in_group` (send/recv address peers by world rank)."""
+    if group is None or group is dist.GroupMember.WORLD:
+        return rank_in_group
+    return dist.get_global_rank(group, rank_in_group)
+
+
+def nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+# ------------------------------------------------------------------------------- collectives
+
+
+def all_reduce(tensor: torch.Tensor, op: dist.ReduceOp, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """In-place allreduce of a contiguous tensor over `group`; returns it."""
+    p = group_size(group)
+    if p == 1:
+        return tensor
+    n = nbytes(tensor)
+    _record("allreduce", payload=n, sent=2 * (p - 1) / p * n, received=2 * (p - 1) / p * n)
+    dist.all_reduce(tensor, op=op, group=group)
+    return tensor
+
+
+def all_gather(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> list[torch.Tensor]:
+    """Gather an equal-shaped tensor from every rank of `group`; returns the list in rank order."""
+    p = group_size(group)
+    if p == 1:
+        return [tensor]
+    pieces = [torch.empty_like(tensor) for _ in range(p)]
+    n = nbytes(tensor)
+    _record("allgather", payload=n, sent=(p - 1) * n, received=(p - 1) * n)
+    dist.all_gather(pieces, tensor, group=group)
+    return pieces
+
+
+def broadcast(tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """In-place broadcast from group rank `src` to every rank of `group`; returns the tensor."""
+    p = group_size(group)
+    if p == 1:
+        return tensor
+    n = nbytes(tensor)
+    is_src = group_rank(group) == src
+    _record("broadcast", payload=n, sent=n if is_src else 0, received=0 if is_src else n)
+    dist.broadcast(tensor, src=global_rank(group, src), group=group)
+    return tensor
+
+
+# ------------------------------------------------------------------------------------- p2p
+
+
+class Step:
+    """The pending sends and receives of one p2p step; ``wait()`` completes them all."""
+
+    def __init__(self, works: list) -> None:
+        self._works = works
+
+    def wait(self) -> None:
+        for work in self._works:
+            work.wait()
+        self._works = []
+
+
+def exchange(
+    sends: Sequence[tuple[torch.Tensor, int]],
+    recvs: Sequence[tuple[torch.Tensor, int]],
+    group: dist.ProcessGroup | None,
+) -> Step:
+    """Post one p2p step: ``sends`` are (tensor, dst group rank), ``recvs`` (buffer, src group rank).
+
+    Everything is posted at once (non-blocking) and returned as a Step to ``wait()`` on, so the
+    caller can compute while the transfer runs. Messages between one pair of ranks in one step
+    are matched in the order given (tag = position in the list), so both sides must list them in
+    the same order. Empty tensors are not sent. Tensors must be contiguous.
+    """
+    sends = [(t, peer) for t, peer in sends if t.numel() > 0]
+    recvs = [(t, peer) for t, peer in recvs if t.numel() > 0]
+    if not sends and not recvs:
+        return Step([])
+    ops = []
+    tags: dict[tuple[str, int], int] = {}
+    for kind, items, fn in (("send", sends, dist.isend), ("recv", recvs, dist.irecv)):
+        for t, peer in items:
+            if not t.is_contiguous():
+                raise ValueError(f"exchange: {kind} buffers must be contiguous, got strides {t.stride()} for shape {tuple(t.shape)}")
+            tag = tags.get((kind, peer), 0)
+            tags[(kind, peer)] = tag + 1
+            ops.append(dist.P2POp(fn, t, global_rank(group, peer), group=group, tag=tag))
+    _record(
+        "p2p",
+        payload=sum(nbytes(t) for t, _ in sends),
+        sent=sum(nbytes(t) for t, _ in sends),
+        received=sum(nbytes(t) for t, _ in recvs),
+        messages=len(sends),
+    )
+    return Step(dist.batch_isend_irecv(ops))

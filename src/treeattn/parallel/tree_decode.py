@@ -1,0 +1,233 @@
+"""Tree decoding (papers/tree-attention.txt, Algorithm 3 and section 5.3).
+
+The KV cache is sharded along the sequence across the ranks of a group; the query is the same on
+every rank. Each rank computes the attention state (out, lse) of its own shard with
+treeattn.ops.attention, and the p states are combined exactly. Because the combine is associative,
+it takes O(log p) communication rounds and moves only O(b * d) numbers, never K or V.
+
+Three ways to combine:
+
+- "allreduce": Algorithm 3. m = Allreduce(max, lse); then ONE Allreduce(sum) of the packed buffer
+  [out * exp(lse - m), exp(lse - m)] (the paper's two sums share one collective: two collectives
+  per step, not three); out = numerator / denominator, lse = m + log(denominator). The backend
+  (gloo, NCCL) chooses the reduction pattern. This is the only combine in treeattn that does not
+  call merge_states: the sum inside the collective is the merge, written as Algorithm 3 writes it.
+- "tree": merge_states itself as the reduction operator over an explicit binomial tree of
+  send/recv, rooted at group rank 0: ceil(log2 p) rounds up, the same down (the root sends the
+  result back). One message per tree edge: out and lse packed in one buffer. Any p.
+- "twolevel": topology-aware. A binomial merge tree inside each node to its leader, the
+  "allreduce" combine among the leaders, a broadcast inside each node. Only leaders use the slow
+  links between nodes.
+
+Every method returns bit-identical results on every rank. Partial states are combined in float32
+(float64 for float64 inputs) and the result is cast to q.dtype once at the end.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import torch
+import torch.distributed as dist
+
+from treeattn.ops import attention, merge_states
+from treeattn.parallel import comm
+from treeattn.parallel.inputs import MATCHED_FIELDS, DecodeInputs, check_decode_inputs, input_fields
+from treeattn.parallel.metadata import gather_metadata
+from treeattn.parallel.packing import accumulation_dtype, pack_state, unpack_state
+from treeattn.parallel.topology import Topology, node_groups
+
+logger = logging.getLogger(__name__)
+
+METHODS = ("allreduce", "tree", "twolevel")
+
+
+def tree_decode(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    group: dist.ProcessGroup | None = None,
+    scale: float | None = None,
+    q_pos: torch.Tensor | None = None,
+    kv_pos: torch.Tensor | None = None,
+    method: str = "allreduce",
+    topology: Topology | None = None,
+    check_inputs: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact attention of q over the KV cache sharded across the ranks of `group`.
+
+    Call on every rank of the group with the same q and that rank's shard of the keys and values
+    (shards are disjoint; their union is the whole cache, in any order).
+
+    Args:
+        q: (B, Sq, Hq, D) float32, float16, bfloat16 or float64; the same on every rank.
+        k: (B, Sk, Hkv, D), this rank's keys; Sk may differ between ranks and may be 0.
+            Hq % Hkv == 0 (GQA; Hkv == 1 is MQA).
+        v: (B, Sk, Hkv, Dv), this rank's values.
+        group: process group; None is the default world group.
+        scale: softmax scale, default D ** -0.5.
+        q_pos: int64 (Sq,) or (B, Sq), absolute positions of the queries (same on every rank).
+        kv_pos: int64 (Sk,) or (B, Sk), absolute positions of this rank's keys. Give both or
+            neither: with positions a key is visible to a query iff kv_pos <= q_pos (speculative
+            decoding with Sq > 1); without, every query sees every key.
+        method: "allreduce" (Algorithm 3), "tree" (binomial merge tree) or "twolevel" (per node,
+            then across node leaders).
+        topology: for "twolevel": Topology(ranks_per_node=k); default Topology(), which reads
+            LOCAL_WORLD_SIZE or puts all ranks on one node. Ignored by the other methods.
+        check_inputs: first all-gather a few integers (shapes, dtype, scale, method, topology) so
+            that ranks that disagree all raise the same ValueError instead of hanging. One small
+            collective; turn it off only when the inputs are known to agree.
+
+    Returns:
+        out: (B, Sq, Hq, Dv) in q.dtype, the attention over the union of all shards.
+        lse: (B, Hq, Sq) float32 (float64 for float64 inputs). A row that sees no key on any rank
+            has out = 0 and lse = -inf. Both are identical on every rank.
+
+    Raises:
+        ValueError / TypeError: bad local input (on that rank; with check_inputs the other ranks
+            raise a ValueError naming it), or ranks that disagree (the same error on every rank).
+    """
+    p = comm.group_size(group)
+    inputs, local_error, ranks_per_node = None, None, 0
+    try:
+        inputs = check_decode_inputs(q, k, v, scale, q_pos, kv_pos)
+        if method not in METHODS:
+            raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+        if topology is not None and not isinstance(topology, Topology):
+            raise TypeError(f"topology must be a treeattn Topology or None, got {type(topology).__name__}")
+        if method == "twolevel":
+            ranks_per_node = (topology or Topology()).resolve(p)
+    except (ValueError, TypeError) as exc:
+        local_error = exc
+    if check_inputs and p > 1:
+        fields = input_fields(q, inputs)
+        fields["method"] = METHODS.index(method) if method in METHODS else -1
+        fields["ranks_per_node"] = ranks_per_node
+        gather_metadata(
+            "tree_decode",
+            fields,
+            group,
+            must_match=(*MATCHED_FIELDS, "method", "ranks_per_node"),
+            local_error=local_error,
+            formatters={"method": lambda c: repr(METHODS[c]) if 0 <= c < len(METHODS) else "invalid"},
+        )
+    elif local_error is not None:
+        raise local_error
+
+    out, lse = _local_state(q, k, v, inputs)
+    if p > 1:
+        if method == "allreduce":
+            out, lse = allreduce_combine(out, lse, group)
+        elif method == "tree":
+            members = list(range(p))
+            out, lse = tree_broadcast(tree_reduce(out, lse, members, group), (out, lse), members, group)
+        else:
+            out, lse = _twolevel_combine(out, lse, group, ranks_per_node)
+    return out.to(q.dtype), lse
+
+
+def _local_state(q, k, v, inputs: DecodeInputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's state in the accumulation dtype: out (B, Sq, Hq, Dv), lse (B, Hq, Sq)."""
+    out, lse = attention(q, k, v, scale=inputs.scale, causal=inputs.masked, q_pos=inputs.q_pos, kv_pos=inputs.kv_pos)
+    acc = accumulation_dtype(q.dtype)
+    return out.to(acc), lse.to(acc)
+
+
+def allreduce_combine(
+    out: torch.Tensor, lse: torch.Tensor, group: dist.ProcessGroup | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Algorithm 3 on one group: Allreduce(max) of lse, then one Allreduce(sum) of the packed
+    [out * exp(lse - m), exp(lse - m)].
+
+    Args:
+        out: (B, Sq, Hq, Dv) float32/float64, this rank's state; lse: (B, Hq, Sq), same dtype.
+
+    Returns:
+        The merged state over all ranks of `group`, same shapes and dtypes, identical on every rank.
+    """
+    top = comm.all_reduce(lse.clone(), dist.ReduceOp.MAX, group)
+    top = torch.where(torch.isneginf(top), torch.zeros_like(top), top)  # rows no rank sees: any finite m
+    weight = torch.exp(lse - top)  # (B, Hq, Sq); 0 where this rank sees no key
+    buffer = torch.empty(out.numel() + lse.numel(), dtype=out.dtype, device=out.device)
+    numerator, denominator = unpack_state(buffer, out.shape)
+    torch.mul(out, weight.transpose(1, 2).unsqueeze(-1), out=numerator)
+    denominator.copy_(weight)
+    comm.all_reduce(buffer, dist.ReduceOp.SUM, group)
+    safe = torch.where(denominator > 0, denominator, torch.ones_like(denominator))
+    merged_out = numerator / safe.transpose(1, 2).unsqueeze(-1)
+    merged_lse = top + torch.log(denominator)  # log(0) = -inf: the row saw no key anywhere
+    return merged_out, merged_lse
+
+
+def tree_reduce(
+    out: torch.Tensor, lse: torch.Tensor, members: list[int], group: dist.ProcessGroup | None
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Merge the states of `members` (group ranks) up a binomial tree to members[0].
+
+    In round r = 0 .. ceil(log2 n) - 1, member i with i % 2^(r+1) == 2^r sends its (partial)
+    state to member i - 2^r and is done; member i with i % 2^(r+1) == 0 receives from i + 2^r
+    (if it exists) and merges, its own keys first. Returns the merged state on members[0], None
+    on the others.
+    """
+    i, n = members.index(comm.group_rank(group)), len(members)
+    for r in range(math.ceil(math.log2(n)) if n > 1 else 0):
+        step = 1 << r
+        if i % (2 * step) == step:
+            comm.exchange([(pack_state(out, lse), members[i - step])], [], group).wait()
+            return None
+        if i + step < n:
+            buffer = torch.empty(out.numel() + lse.numel(), dtype=lse.dtype, device=lse.device)
+            comm.exchange([], [(buffer, members[i + step])], group).wait()
+            out, lse = merge_states(out, lse, *unpack_state(buffer, out.shape))
+    return out, lse
+
+
+def tree_broadcast(
+    state: tuple[torch.Tensor, torch.Tensor] | None,
+    like: tuple[torch.Tensor, torch.Tensor],
+    members: list[int],
+    group: dist.ProcessGroup | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Send members[0]'s state down the binomial tree of tree_reduce (rounds in reverse order),
+    one packed message per edge.
+
+    Args:
+        state: the state to send, on members[0]; None on the others.
+        like: a state (out, lse) of the same shapes, dtype and device (this rank's own), to size
+            the receive buffer.
+
+    Returns:
+        members[0]'s state, on every member.
+    """
+    i, n = members.index(comm.group_rank(group)), len(members)
+    if n == 1:
+        return state
+    out_shape = like[0].shape
+    buffer = pack_state(*state) if i == 0 else None
+    for r in reversed(range(math.ceil(math.log2(n)))):
+        step = 1 << r
+        if i % (2 * step) == 0 and i + step < n:
+            comm.exchange([(buffer, members[i + step])], [], group).wait()
+        elif i % (2 * step) == step:
+            buffer = torch.empty(like[0].numel() + like[1].numel(), dtype=like[1].dtype, device=like[1].device)
+            comm.exchange([], [(buffer, members[i - step])], group).wait()
+    return unpack_state(buffer, out_shape)
+
+
+def _twolevel_combine(
+    out: torch.Tensor, lse: torch.Tensor, group: dist.ProcessGroup | None, ranks_per_node: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge tree inside each node to its leader; Algorithm 3 among the leaders; broadcast inside
+    each node from its leader."""
+    groups = node_groups(group, ranks_per_node)
+    merged = tree_reduce(out, lse, groups.node_ranks, group)
+    is_leader = merged is not None
+    if is_leader and groups.leaders is not None:
+        merged = allreduce_combine(*merged, groups.leaders)
+    if groups.node is None:  # one rank per node: the leader holds the result
+        return merged
+    buffer = pack_state(*merged) if is_leader else torch.empty(out.numel() + lse.numel(), dtype=lse.dtype, device=lse.device)
+    comm.broadcast(buffer, 0, groups.node)
+    return unpack_state(buffer, out.shape)
