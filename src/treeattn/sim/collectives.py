@@ -123,6 +123,18 @@ def binomial_broadcast(cluster: Cluster, ranks: list[int], nbytes: float) -> Com
     return CommCost(up.seconds, up.rounds, up.rounds * nbytes, "binomial-broadcast")
 
 
+def chain_broadcast(cluster: Cluster, ranks: list[int], nbytes: float) -> CommCost:
+    """NCCL broadcast from ranks[0]: a pipelined chain, n - 1 hops of latency plus one pass of
+    the bytes. The source sends the message once (one collective call: one round)."""
+    n = len(ranks)
+    if n == 1:
+        return CommCost(0.0, 0, 0.0, "chain-broadcast")
+    one_node = len({r // cluster.gpus_per_node for r in ranks}) == 1
+    link = cluster.intra if one_node else cluster.inter
+    seconds = cluster.collective_overhead + (n - 1) * link.latency + nbytes / link.bandwidth
+    return CommCost(seconds, n - 1, nbytes, "chain-broadcast")
+
+
 def ring_pass(cluster: Cluster, ranks: int, nbytes: float) -> CommCost:
     """One step of a ring in which every rank sends `nbytes` to its successor at once; the step
     waits on the slowest hop (the inter-node one when the ring spans nodes)."""

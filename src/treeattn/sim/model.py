@@ -10,7 +10,7 @@ priced as treeattn.parallel runs them:
     tree       local attention; binomial-tree reduce of (out, lse) with merge_states
                (ceil(log2 p) rounds); binomial broadcast of the result (ceil(log2 p) rounds).
     twolevel   binomial reduce inside each node; allreduce-method combine among node leaders over
-               the inter-node link; binomial broadcast inside each node.
+               the inter-node link; one broadcast collective inside each node.
     ring-kv    p - 1 steps; in each, the K, V block moves to the next rank while the current block
                is attended to; overlap is the cluster's p2p_overlap.
     ring-q     local attention, then p - 1 steps in which the accumulated (out, lse) moves one
@@ -34,6 +34,7 @@ from treeattn.sim.collectives import (
     CommCost,
     binomial_broadcast,
     binomial_reduce,
+    chain_broadcast,
     leaders,
     nccl_allreduce,
     node_members,
@@ -195,9 +196,10 @@ def predict_decode(cluster: Cluster, shape: DecodeShape, gpus: int, method: str)
         intra_up = binomial_reduce(cluster, members, state)
         heads = leaders(cluster, gpus)
         across = allreduce_combine(cluster, shape, len(heads)) if len(heads) > 1 else NO_COMM
-        intra_down = binomial_broadcast(cluster, members, state)
-        comm = _sum_costs([intra_up, across, intra_down])
-        comm = CommCost(comm.seconds, comm.rounds, across.bytes_sent + intra_down.bytes_sent, "twolevel")
+        intra_down = chain_broadcast(cluster, members, state)
+        total = _sum_costs([intra_up, across, intra_down])
+        # the leader is the busiest rank: it sends in the leaders' allreduces and the broadcast
+        comm = CommCost(total.seconds, total.rounds, across.bytes_sent + intra_down.bytes_sent, "twolevel")
         compute = attn + intra_up.rounds * merge + (merge if len(heads) > 1 else 0.0)
         seconds = compute + comm.seconds
     elif method == "ring-kv":
@@ -244,7 +246,7 @@ def _latency_steps(cluster: Cluster, shape: DecodeShape, gpus: int, method: str)
     members = node_members(cluster, gpus)
     heads = leaders(cluster, gpus)
     across = allreduce_combine(cluster, shape, len(heads)).rounds if len(heads) > 1 else 0
-    return 2 * binomial_reduce(cluster, members, 1.0).rounds + across
+    return binomial_reduce(cluster, members, 1.0).rounds + across + chain_broadcast(cluster, members, 1.0).rounds
 
 
 def _comm_stats_rounds(cluster: Cluster, gpus: int, method: str, comm: CommCost) -> int:
@@ -255,8 +257,9 @@ def _comm_stats_rounds(cluster: Cluster, gpus: int, method: str, comm: CommCost)
         return 2
     if method == "twolevel":
         members = node_members(cluster, gpus)
-        intra = 2 * binomial_reduce(cluster, members, 1.0).rounds
-        return intra + (2 if len(leaders(cluster, gpus)) > 1 else 0)
+        up = binomial_reduce(cluster, members, 1.0).rounds
+        broadcast = 1 if len(members) > 1 else 0
+        return up + (2 if len(leaders(cluster, gpus)) > 1 else 0) + broadcast
     return comm.rounds
 
 

@@ -96,6 +96,6 @@ class DecodeShape:
         return 2 * self.batch * self.heads * tokens * (self.head_dim + self.dv)
 
     def state_bytes(self) -> int:
-        """Bytes of one partial state as sent by treeattn: out (B, 1, Hq, Dv) in the storage
-        dtype plus lse (B, Hq, 1) in float32."""
-        return self.batch * self.heads * (self.dv * self.element_bytes + STATE_ELEMENT_BYTES)
+        """Bytes of one partial state as treeattn sends it: out (B, 1, Hq, Dv) and lse (B, Hq, 1)
+        packed in one float32 buffer (states are combined in float32 whatever the input dtype)."""
+        return self.batch * self.heads * (self.dv + 1) * STATE_ELEMENT_BYTES
