@@ -1,0 +1,289 @@
+"""ta.attention, ta.merge_states and the energy view against a float64 naive reference."""
+
+from __future__ import annotations
+
+import importlib
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import treeattn as ta
+
+attention_module = importlib.import_module("treeattn.ops.attention")  # the module, not the function
+
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2, torch.float64: 1e-12}
+
+
+def make_qkv(B=2, Sq=1, Sk=33, Hq=8, Hkv=2, D=16, Dv=None, dtype=torch.float32, seed=0, logit_scale=1.0):
+    g = torch.Generator().manual_seed(seed)
+    Dv = D if Dv is None else Dv
+    q = (torch.randn(B, Sq, Hq, D, generator=g) * logit_scale).to(dtype)
+    k = torch.randn(B, Sk, Hkv, D, generator=g).to(dtype)
+    v = torch.randn(B, Sk, Hkv, Dv, generator=g).to(dtype)
+    return q, k, v
+
+
+def assert_state_close(out, lse, ref_out, ref_lse, dtype):
+    tol = TOL[dtype]
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any()
+    finite = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse))
+    # lse is float32 for every input dtype; compare with a relative bound on its magnitude
+    torch.testing.assert_close(lse[finite].double(), ref_lse[finite], rtol=max(tol, 1e-6), atol=max(tol, 1e-5))
+    torch.testing.assert_close(out.double(), ref_out, rtol=tol, atol=tol * max(1.0, ref_out.abs().max().item()))
+
+
+# ---------------------------------------------------------------- attention vs the reference
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("Hq,Hkv", [(8, 8), (8, 2), (8, 1)])
+@pytest.mark.parametrize("Sq", [1, 5])
+def test_attention_matches_reference(dtype, Hq, Hkv, Sq):
+    q, k, v = make_qkv(Sq=Sq, Hq=Hq, Hkv=Hkv, dtype=dtype)
+    out, lse = ta.attention(q, k, v)
+    assert out.dtype == dtype and out.shape == (2, Sq, Hq, 16)
+    assert lse.dtype == (torch.float64 if dtype == torch.float64 else torch.float32) and lse.shape == (2, Hq, Sq)
+    assert_state_close(out, lse, *ta.reference_attention(q, k, v), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_value_dim_differs_from_key_dim(dtype):
+    q, k, v = make_qkv(D=16, Dv=24, Sq=3, dtype=dtype)
+    for causal in (False, True):
+        assert_state_close(*ta.attention(q, k, v, causal=causal), *ta.reference_attention(q, k, v, causal=causal), dtype)
+
+
+def test_gqa_equals_mha_with_repeated_heads():
+    q, k, v = make_qkv(Hq=12, Hkv=3, Sq=4, Sk=70)
+    out, lse = ta.attention(q, k, v, causal=True)
+    out_mha, lse_mha = ta.attention(q, k.repeat_interleave(4, dim=2), v.repeat_interleave(4, dim=2), causal=True)
+    torch.testing.assert_close(out, out_mha, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(lse, lse_mha, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [None, 1, 5, 1000])
+def test_causal_and_window_with_positions(dtype, window):
+    B, Sq, Sk = 2, 4, 50
+    q, k, v = make_qkv(B=B, Sq=Sq, Sk=Sk, dtype=dtype, seed=3)
+    g = torch.Generator().manual_seed(1)
+    kv_pos = torch.stack([torch.randperm(Sk, generator=g) for _ in range(B)])  # any order, per batch row
+    q_pos = torch.tensor([[10, 20, 30, 49], [0, 3, 48, 49]])
+    out, lse = ta.attention(q, k, v, causal=True, q_pos=q_pos, kv_pos=kv_pos, window=window)
+    ref = ta.reference_attention(q, k, v, causal=True, q_pos=q_pos, kv_pos=kv_pos, window=window)
+    assert_state_close(out, lse, *ref, dtype)
+
+
+def test_causal_without_positions_is_bottom_right_aligned():
+    q, k, v = make_qkv(Sq=3, Sk=10)
+    out, lse = ta.attention(q, k, v, causal=True)
+    ref = ta.reference_attention(q, k, v, causal=True, q_pos=torch.tensor([7, 8, 9]), kv_pos=torch.arange(10))
+    assert_state_close(out, lse, *ref, torch.float32)
+    # the last query sees every key, the first sees 8 of them
+    full = ta.attention(q[:, 2:], k, v)
+    torch.testing.assert_close(out[:, 2:], full[0])
+
+
+def test_rows_that_see_no_key_are_zero_and_minus_inf():
+    q, k, v = make_qkv(Sq=3, Sk=20)
+    q_pos = torch.tensor([0, 5, 100])
+    kv_pos = torch.arange(20) + 10  # nothing at or before position 5
+    for dtype in (torch.float32, torch.bfloat16):
+        out, lse = ta.attention(q.to(dtype), k.to(dtype), v.to(dtype), causal=True, q_pos=q_pos, kv_pos=kv_pos)
+        assert torch.isneginf(lse[:, :, :2]).all() and torch.isfinite(lse[:, :, 2]).all()
+        assert (out[:, :2] == 0).all() and not torch.isnan(out).any()
+
+
+def test_empty_kv_is_the_identity_state():
+    q, k, v = make_qkv(Sk=0)
+    out, lse = ta.attention(q, k, v)
+    assert (out == 0).all() and torch.isneginf(lse).all()
+
+
+@pytest.mark.parametrize("logit_scale", [1e4 / 4, 1e-6])
+def test_huge_and_tiny_logits(logit_scale):
+    q, k, v = make_qkv(Sq=2, Sk=64, logit_scale=logit_scale)
+    out, lse = ta.attention(q, k, v)
+    ref_out, ref_lse = ta.reference_attention(q, k, v)
+    assert ref_lse.abs().max() > 1e3 if logit_scale > 1 else ref_lse.abs().max() < 10
+    assert_state_close(out, lse, ref_out, ref_lse, torch.float32)
+
+
+def test_chunked_paths_agree_with_reference(monkeypatch):
+    """Force many key chunks and query blocks through both the fused and the matmul paths."""
+    monkeypatch.setattr(attention_module, "MASKED_CHUNK_KEYS", 7)
+    monkeypatch.setattr(attention_module, "MAX_SCORE_ELEMENTS", 64)
+    q, k, v = make_qkv(Sq=9, Sk=61, Hq=4, Hkv=2)
+    for Dv in (16, 24):  # 24: the matmul path
+        vv = torch.randn(2, 61, 2, Dv)
+        for kwargs in ({}, {"causal": True}, {"causal": True, "window": 9}):
+            assert_state_close(*ta.attention(q, k, vv, **kwargs), *ta.reference_attention(q, k, vv, **kwargs), torch.float32)
+
+
+# ---------------------------------------------------------------- merge algebra (property tests)
+
+
+def split_points(draw, n_keys, n_segments):
+    cuts = sorted(draw(st.lists(st.integers(0, n_keys), min_size=n_segments - 1, max_size=n_segments - 1)))
+    return [0, *cuts, n_keys]
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data())
+def test_any_split_merged_in_any_order_equals_whole(data):
+    Sk = data.draw(st.integers(0, 40), label="Sk")
+    n_segments = data.draw(st.integers(1, 6), label="segments")
+    Hkv = data.draw(st.sampled_from([1, 2, 4]), label="Hkv")
+    Sq = data.draw(st.sampled_from([1, 3]), label="Sq")
+    seed = data.draw(st.integers(0, 2**16), label="seed")
+    q, k, v = make_qkv(B=2, Sq=Sq, Sk=Sk, Hq=4, Hkv=Hkv, D=8, seed=seed)
+    bounds = split_points(data.draw, Sk, n_segments)
+    states = [ta.attention(q, k[:, a:b], v[:, a:b]) for a, b in zip(bounds[:-1], bounds[1:])]
+    order = data.draw(st.permutations(range(len(states))), label="order")
+    states = [states[i] for i in order]
+    ref_out, ref_lse = ta.reference_attention(q, k, v)
+
+    # all at once
+    assert_state_close(*ta.merge_states_list([s[0] for s in states], [s[1] for s in states]), ref_out, ref_lse, torch.float32)
+    # a random binary grouping of pairwise merges
+    pool = list(states)
+    while len(pool) > 1:
+        i = data.draw(st.integers(0, len(pool) - 2), label="pair")
+        a, b = pool[i], pool[i + 1]
+        pool[i : i + 2] = [ta.merge_states(a[0], a[1], b[0], b[1])]
+    assert_state_close(*pool[0], ref_out, ref_lse, torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_merge_low_precision_states(dtype):
+    q, k, v = make_qkv(Sq=2, Sk=90, dtype=dtype)
+    states = [ta.attention(q, k[:, a : a + 30], v[:, a : a + 30]) for a in (0, 30, 60)]
+    out, lse = ta.merge_states_list([s[0] for s in states], [s[1] for s in states])
+    assert out.dtype == dtype and lse.dtype == torch.float32
+    assert_state_close(out, lse, *ta.reference_attention(q, k, v), dtype)
+
+
+def test_merge_identity_and_all_empty():
+    q, k, v = make_qkv()
+    out, lse = ta.attention(q, k, v)
+    empty_out, empty_lse = torch.zeros_like(out), torch.full_like(lse, -math.inf)
+    merged = ta.merge_states(out, lse, empty_out, empty_lse)
+    torch.testing.assert_close(merged[0], out, rtol=0, atol=0)
+    torch.testing.assert_close(merged[1], lse, rtol=0, atol=0)
+    both_empty = ta.merge_states(empty_out, empty_lse, empty_out, empty_lse)
+    assert (both_empty[0] == 0).all() and torch.isneginf(both_empty[1]).all()
+
+
+def test_merge_rejects_mismatched_states():
+    out, lse = torch.zeros(1, 2, 4, 8), torch.zeros(1, 4, 2)
+    with pytest.raises(ValueError, match=r"lse must have shape"):
+        ta.merge_states(out, lse, out, torch.zeros(1, 2, 4))
+    with pytest.raises(TypeError, match="lse must be float32"):
+        ta.merge_states(out, lse, out, lse.half())
+    with pytest.raises(ValueError, match="differs"):
+        ta.merge_states(out, lse, torch.zeros(1, 2, 4, 9), lse)
+    with pytest.raises(ValueError, match="non-empty"):
+        ta.merge_states_list([], [])
+
+
+# ---------------------------------------------------------------- the energy view
+
+
+@pytest.mark.parametrize("Hkv", [1, 2, 8])
+def test_attention_is_the_gradient_of_the_energy(Hkv):
+    q, k, v = make_qkv(Sq=3, Hkv=Hkv, Dv=12, dtype=torch.float64)
+    out_energy = ta.attention_via_energy(q, k, v)
+    out, lse = ta.attention(q, k, v)
+    torch.testing.assert_close(out_energy, out, rtol=1e-10, atol=1e-10)
+    zeta = torch.zeros(2, 3, 8, 12, dtype=torch.float64)
+    torch.testing.assert_close(ta.energy(q, k, v, zeta), lse)
+
+
+def test_energy_is_associative_over_segments():
+    """F over the union of two segments is logaddexp of F over each: the reason the tree works."""
+    q, k, v = make_qkv(Sk=40, dtype=torch.float64)
+    zeta = torch.randn(2, 1, 8, 16, dtype=torch.float64) * 0.1
+    whole = ta.energy(q, k, v, zeta)
+    parts = torch.logaddexp(ta.energy(q, k[:, :13], v[:, :13], zeta), ta.energy(q, k[:, 13:], v[:, 13:], zeta))
+    torch.testing.assert_close(whole, parts)
+
+
+def test_energy_fp32_matches():
+    q, k, v = make_qkv(Sq=2)
+    torch.testing.assert_close(ta.attention_via_energy(q, k, v), ta.attention(q, k, v)[0], rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="zeta must have shape"):
+        ta.energy(q, k, v, torch.zeros(2, 2, 8, 15))
+
+
+# ---------------------------------------------------------------- bad input
+
+
+@pytest.mark.parametrize(
+    "make, exc, pattern",
+    [
+        (lambda: (torch.zeros(1, 8, 16), torch.zeros(1, 4, 2, 16), torch.zeros(1, 4, 2, 16)), ValueError, r"q must have 4 dims"),
+        (lambda: (torch.zeros(2, 1, 8, 16), torch.zeros(1, 4, 2, 16), torch.zeros(1, 4, 2, 16)), ValueError, r"batch size mismatch"),
+        (lambda: (torch.zeros(1, 1, 8, 16), torch.zeros(1, 4, 2, 8), torch.zeros(1, 4, 2, 16)), ValueError, r"head dim mismatch.*D=16.*D=8"),
+        (lambda: (torch.zeros(1, 1, 8, 16), torch.zeros(1, 4, 3, 16), torch.zeros(1, 4, 3, 16)), ValueError, r"multiple of Hkv.*Hq=8.*Hkv=3"),
+        (lambda: (torch.zeros(1, 1, 8, 16), torch.zeros(1, 4, 2, 16), torch.zeros(1, 5, 2, 16)), ValueError, r"sequence length mismatch"),
+        (lambda: (torch.zeros(1, 1, 8, 16), torch.zeros(1, 4, 2, 16), torch.zeros(1, 4, 4, 16)), ValueError, r"kv head count mismatch"),
+        (lambda: (torch.zeros(1, 1, 8, 16), torch.zeros(1, 4, 2, 16).half(), torch.zeros(1, 4, 2, 16)), TypeError, r"one dtype"),
+        (lambda: (torch.zeros(1, 1, 8, 16, dtype=torch.int32),) * 3, TypeError, r"q must be float"),
+    ],
+)
+def test_bad_shapes_and_dtypes(make, exc, pattern):
+    with pytest.raises(exc, match=pattern):
+        ta.attention(*make())
+
+
+def test_bad_positions_and_options():
+    q, k, v = make_qkv(Sq=2, Sk=5)
+    with pytest.raises(TypeError, match="q_pos must hold integer"):
+        ta.attention(q, k, v, causal=True, q_pos=torch.tensor([1.0, 2.0]))
+    with pytest.raises(ValueError, match=r"kv_pos must have shape \(5,\) or \(2, 5\), got \(4,\)"):
+        ta.attention(q, k, v, causal=True, kv_pos=torch.arange(4))
+    with pytest.raises(ValueError, match="pass causal=True"):
+        ta.attention(q, k, v, q_pos=torch.arange(2))
+    with pytest.raises(ValueError, match="window must be a positive int"):
+        ta.attention(q, k, v, causal=True, window=0)
+    with pytest.raises(ValueError, match="scale must be finite"):
+        ta.attention(q, k, v, scale=float("nan"))
+
+
+# ---------------------------------------------------------------- bounded memory
+
+
+def test_peak_memory_is_bounded_for_two_million_keys():
+    """A 1 x 1 x 8 x 128 query against 2M keys (one KV head): extra memory far below the K/V size.
+
+    Measured with the allocator's peak RSS delta in a child process, so the figure is the process's
+    real footprint, not an estimate.
+    """
+    import subprocess
+    import sys
+
+    code = r"""
+import resource, torch, treeattn as ta
+torch.manual_seed(0)
+Sk = 2 * 1024 * 1024
+q = torch.randn(1, 1, 8, 128)
+k = torch.randn(1, 4096, 1, 128).repeat(1, Sk // 4096, 1, 1)  # MQA: 1 GiB per tensor
+v = torch.randn(1, 4096, 1, 128).repeat(1, Sk // 4096, 1, 1)
+for kwargs in ({}, {"causal": True}):  # warm up kernels and thread pools
+    ta.attention(q, k[:, :9000], v[:, :9000], **kwargs)
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+out, lse = ta.attention(q, k, v)
+for kwargs in ({"causal": True}, {"causal": True, "window": 4096}):
+    ta.attention(q, k, v, **kwargs)
+after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+print((after - before) * 1024)
+"""
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=300)
+    extra_bytes = int(result.stdout.strip().splitlines()[-1])
+    kv_bytes = 2 * 2 * 1024 * 1024 * 128 * 4  # K and V: 2 GiB
+    assert extra_bytes < 64 * 1024 * 1024, f"attention over 2M keys grew the peak RSS by {extra_bytes / 2**20:.1f} MiB"
+    assert extra_bytes < kv_bytes / 32
