@@ -13,7 +13,8 @@ from treeattn.ops import (
     merge_states_list,
     reference_attention,
 )
-from treeattn.parallel import Topology, comm_stats, spawn, tree_decode
+from treeattn.parallel import Topology, comm_stats, ring_attention, ring_decode, spawn, tree_decode
+from treeattn.ops.bifurcated import bifurcated_attention
 
 __version__ = "0.1.0"
 
@@ -26,6 +27,9 @@ __all__ = [
     "reference_attention",
     "Topology",
     "comm_stats",
+    "ring_attention",
+    "ring_decode",
     "spawn",
     "tree_decode",
+    "bifurcated_attention",
 ]

@@ -9,8 +9,19 @@
 """
 
 from treeattn.parallel.comm import CommStats, OpStats, comm_stats
+from treeattn.parallel.ring import ring_attention, ring_decode
 from treeattn.parallel.spawn import SpawnError, spawn
 from treeattn.parallel.topology import Topology
 from treeattn.parallel.tree_decode import tree_decode
 
-__all__ = ["CommStats", "OpStats", "SpawnError", "Topology", "comm_stats", "spawn", "tree_decode"]
+__all__ = [
+    "CommStats",
+    "OpStats",
+    "SpawnError",
+    "Topology",
+    "comm_stats",
+    "ring_attention",
+    "ring_decode",
+    "spawn",
+    "tree_decode",
+]

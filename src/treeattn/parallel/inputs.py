@@ -22,8 +22,8 @@ class DecodeInputs:
     D: int
     Dv: int
     scale: float
-    q_pos: torch.Tensor | None  # int64 (B or 1, Sq)
-    kv_pos: torch.Tensor | None  # int64 (B or 1, Sk)
+    q_pos: torch.Tensor | None  # int64 (Sq,) or (B, Sq)
+    kv_pos: torch.Tensor | None  # int64 (Sk,) or (B, Sk)
 
     @property
     def masked(self) -> bool:
@@ -41,9 +41,24 @@ def check_decode_inputs(q, k, v, scale, q_pos, kv_pos) -> DecodeInputs:
             "q_pos and kv_pos must be given together (causal masking by absolute positions), got "
             f"q_pos={'None' if q_pos is None else 'a tensor'} and kv_pos={'None' if kv_pos is None else 'a tensor'}"
         )
-    q_pos = check_positions(q_pos, "q_pos", B, Sq, q.device)
-    kv_pos = check_positions(kv_pos, "kv_pos", B, Sk, q.device)
+    q_pos = positions(q_pos, "q_pos", B, Sq, q.device)
+    kv_pos = positions(kv_pos, "kv_pos", B, Sk, q.device)
     return DecodeInputs(B, Sq, Sk, Hq, Hkv, D, Dv, scale, q_pos, kv_pos)
+
+
+def positions(pos, name: str, batch: int, length: int, device: torch.device) -> torch.Tensor | None:
+    """check_positions, keeping the caller's form: int64 (length,) or (batch, length), or None."""
+    checked = check_positions(pos, name, batch, length, device)
+    if checked is None:
+        return None
+    return checked[0] if pos.dim() == 1 else checked
+
+
+def per_batch(pos: torch.Tensor | None, batch: int) -> torch.Tensor | None:
+    """Positions (n,) or (batch, n) as a contiguous (batch, n) tensor (the form that travels)."""
+    if pos is None:
+        return None
+    return pos.expand(batch, pos.shape[-1]).contiguous()
 
 
 def input_fields(q, inputs: DecodeInputs | None) -> dict[str, int]:

@@ -1,0 +1,281 @@
+"""Ring attention: the baselines for decoding (ring_decode) and causal prefill (ring_attention).
+
+The ranks of a group form a ring (rank r sends to r + 1 and receives from r - 1, modulo p).
+
+- ring_decode, pass_kv=True (the paper's baseline): every K/V shard travels the whole ring, p - 1
+  steps. Step s posts the send of the block in hand and the receive of the next one (non-blocking,
+  double-buffered), computes attention on the block in hand while the transfer runs, then waits.
+  Per step the ring moves 2*b*t*d elements per rank, 2*b*t*d*p in all (paper eq. 10).
+- ring_decode, pass_kv=False ("pass-Q", the fair ring): K/V stay put; each rank's partial state
+  (out, lse) travels the ring instead, p - 1 steps of tiny messages. It has the ring's p - 1
+  sequential rounds but the tree's small volume, which separates "log p vs p rounds" from "bytes
+  moved".
+- ring_attention: prefill. Every rank holds its own query chunk and K/V chunk; K/V rotate as in
+  pass-KV and each block is merged into the running state. Causality is decided by absolute
+  positions, so contiguous and striped (round-robin) token layouts both work; blocks that no
+  query of this rank can see are skipped (not computed; they still travel on).
+
+In ring_decode every rank keeps the p partial states and merges them with merge_states_list in
+source-rank order at the end, so the result is bit-identical on every rank.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.distributed as dist
+
+from treeattn.ops import attention, merge_states, merge_states_list
+from treeattn.ops.validation import check_qkv, check_scale
+from treeattn.parallel import comm
+from treeattn.parallel.inputs import MATCHED_FIELDS, check_decode_inputs, input_fields, per_batch, positions
+from treeattn.parallel.metadata import UNKNOWN, device_code, dtype_code, float_code, gather_metadata
+from treeattn.parallel.packing import accumulation_dtype, pack_state, unpack_state
+
+logger = logging.getLogger(__name__)
+
+NO_POSITION = torch.iinfo(torch.int64).max  # kv_pos minimum of an empty block: never visible
+
+
+def ring_decode(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    group: dist.ProcessGroup | None = None,
+    scale: float | None = None,
+    q_pos: torch.Tensor | None = None,
+    kv_pos: torch.Tensor | None = None,
+    pass_kv: bool = True,
+    check_inputs: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact attention of q over the KV cache sharded across `group`, by a ring.
+
+    Same contract as tree_decode (same arguments, same result up to rounding); only the
+    communication differs.
+
+    Args:
+        q: (B, Sq, Hq, D), the same on every rank.
+        k: (B, Sk, Hkv, D), this rank's keys; Sk may differ between ranks and may be 0.
+        v: (B, Sk, Hkv, Dv), this rank's values.
+        group: process group; None is the default world group.
+        scale: softmax scale, default D ** -0.5.
+        q_pos: int64 (Sq,) or (B, Sq); kv_pos: int64 (Sk,) or (B, Sk). Both or neither; with them a
+            key is visible iff kv_pos <= q_pos. With pass_kv the positions travel with the keys.
+        pass_kv: True: K/V shards travel (p - 1 steps, compute overlapped with the next transfer).
+            False: partial states travel (p - 1 steps of small messages).
+        check_inputs: all-gather a few integers first so that disagreeing ranks raise the same
+            ValueError. pass_kv=True always gathers the shard lengths (the receivers must size
+            their buffers); the flag then only decides whether the rest is compared.
+
+    Returns:
+        out: (B, Sq, Hq, Dv) in q.dtype; lse: (B, Hq, Sq) float32 (float64 for float64 inputs);
+        identical on every rank.
+    """
+    p = comm.group_size(group)
+    inputs, local_error = None, None
+    try:
+        inputs = check_decode_inputs(q, k, v, scale, q_pos, kv_pos)
+        if not isinstance(pass_kv, bool):
+            raise TypeError(f"pass_kv must be a bool, got {type(pass_kv).__name__}")
+    except (ValueError, TypeError) as exc:
+        local_error = exc
+    table = None
+    if p > 1 and (check_inputs or pass_kv is True):
+        fields = input_fields(q, inputs)
+        fields["pass_kv"] = int(pass_kv) if isinstance(pass_kv, bool) else UNKNOWN
+        table = gather_metadata(
+            "ring_decode",
+            fields,
+            group,
+            must_match=(*MATCHED_FIELDS, "pass_kv") if check_inputs else ("pass_kv",),
+            local_error=local_error,
+        )
+    elif local_error is not None:
+        raise local_error
+
+    acc = accumulation_dtype(q.dtype)
+
+    def block_state(k_block, v_block, kv_pos_block):
+        out, lse = attention(q, k_block, v_block, scale=inputs.scale, causal=inputs.masked, q_pos=inputs.q_pos, kv_pos=kv_pos_block)
+        return out.to(acc), lse.to(acc)
+
+    if p == 1:
+        out, lse = block_state(k, v, inputs.kv_pos)
+    elif pass_kv:
+        lengths = [row["Sk"] for row in table]
+        kv_pos_full = per_batch(inputs.kv_pos, inputs.B)
+        states = [None] * p
+
+        def visit(src, k_block, v_block, kv_pos_block):
+            states[src] = block_state(k_block, v_block, kv_pos_block)
+
+        _rotate_kv(k, v, kv_pos_full, lengths, group, visit)
+        states = [state for state in states if state is not None]
+        if not states:  # every shard is empty
+            states = [block_state(k, v, inputs.kv_pos)]
+        out, lse = merge_states_list([s[0] for s in states], [s[1] for s in states])
+    else:
+        out, lse = _ring_gather_states(*block_state(k, v, inputs.kv_pos), group)
+    return out.to(q.dtype), lse
+
+
+def _rotate_kv(k, v, kv_pos, lengths, group, visit) -> None:
+    """Send every K/V shard (with its positions) around the ring, calling
+    ``visit(src, k_block, v_block, kv_pos_block)`` on each non-empty block while it is in hand.
+
+    Step s (0 <= s < p) holds the block of source rank (r - s) mod p. Before computing on it, the
+    step posts its send to r + 1 and the receive of the next block from r - 1 into a fresh buffer
+    (double buffering); after computing it waits for both. So besides the rank's own shard at most
+    two blocks are alive. Empty blocks are neither sent nor visited.
+
+    Args:
+        k: (B, Sk, Hkv, D), v: (B, Sk, Hkv, Dv): this rank's shard.
+        kv_pos: int64 (B, Sk) or None.
+        lengths: Sk of every rank of the group (so every rank knows every block's size).
+    """
+    p, r = comm.group_size(group), comm.group_rank(group)
+    nxt, prv = (r + 1) % p, (r - 1) % p
+    B, _, Hkv, D = k.shape
+    Dv = v.shape[-1]
+    block = (k.contiguous(), v.contiguous(), None if kv_pos is None else kv_pos.contiguous())
+    src = r
+    for s in range(p):
+        step = None
+        if s < p - 1:
+            incoming = (r - s - 1) % p
+            n = lengths[incoming]
+            next_block = (
+                torch.empty(B, n, Hkv, D, dtype=k.dtype, device=k.device),
+                torch.empty(B, n, Hkv, Dv, dtype=v.dtype, device=v.device),
+                None if kv_pos is None else torch.empty(B, n, dtype=torch.int64, device=kv_pos.device),
+            )
+            sends = [(t, nxt) for t in block if t is not None]
+            recvs = [(t, prv) for t in next_block if t is not None]
+            step = comm.exchange(sends, recvs, group)
+        if lengths[src] > 0:
+            visit(src, *block)
+        if step is not None:
+            step.wait()
+            block, src = next_block, incoming
+
+
+def _ring_gather_states(out: torch.Tensor, lse: torch.Tensor, group) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pass-Q ring: each rank's state travels p - 1 steps (step s forwards the state received in
+    step s - 1); at the end every rank holds all p states and merges them in rank order."""
+    p, r = comm.group_size(group), comm.group_rank(group)
+    nxt, prv = (r + 1) % p, (r - 1) % p
+    packed = [None] * p
+    packed[r] = pack_state(out, lse)
+    for s in range(p - 1):
+        incoming = (r - s - 1) % p
+        packed[incoming] = torch.empty_like(packed[r])
+        comm.exchange([(packed[(r - s) % p], nxt)], [(packed[incoming], prv)], group).wait()
+    states = [unpack_state(buffer, out.shape) for buffer in packed]
+    return merge_states_list([s[0] for s in states], [s[1] for s in states])
+
+
+def ring_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    group: dist.ProcessGroup | None = None,
+    scale: float | None = None,
+    causal: bool = True,
+    q_pos: torch.Tensor | None = None,
+    kv_pos: torch.Tensor | None = None,
+    check_inputs: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prefill attention with the sequence sharded across `group`: each rank's queries attend to
+    the keys of every rank, K/V rotating around the ring.
+
+    Args:
+        q: (B, Sq, Hq, D), this rank's query chunk (Sq may differ between ranks, may be 0).
+        k: (B, Sk, Hkv, D), v: (B, Sk, Hkv, Dv): this rank's K/V chunk (Sk may differ, may be 0).
+        group: process group; None is the default world group.
+        scale: softmax scale, default D ** -0.5.
+        causal: mask keys after the query. Positions decide; without q_pos/kv_pos the layout is
+            contiguous in rank order: rank r's keys are tokens off_r .. off_r + Sk_r - 1 (off_r
+            the total Sk of ranks before r) and its queries are its last Sq tokens.
+        q_pos: int64 (Sq,) or (B, Sq); kv_pos: int64 (Sk,) or (B, Sk): absolute token positions,
+            both or neither, only with causal=True. Any layout, e.g. striped (token i on rank i % p).
+        check_inputs: compare the metadata of all ranks first (the shard lengths and position
+            ranges are gathered in any case, to size buffers and to skip masked blocks).
+
+    Returns:
+        out: (B, Sq, Hq, Dv) in q.dtype; lse: (B, Hq, Sq) float32 (float64 for float64 inputs):
+        this rank's queries over all keys they may see. A query that sees none: out 0, lse -inf.
+    """
+    p, r = comm.group_size(group), comm.group_rank(group)
+    local_error = None
+    B = Sq = Sk = Hq = Hkv = D = Dv = UNKNOWN
+    q_max = kv_min = UNKNOWN
+    try:
+        B, Sq, Sk, Hq, Hkv, D, Dv = check_qkv(q, k, v)
+        scale = check_scale(scale, D)
+        if not isinstance(causal, bool):
+            raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+        if (q_pos is None) != (kv_pos is None):
+            raise ValueError("q_pos and kv_pos must be given together, got only one of them")
+        if q_pos is not None and not causal:
+            raise ValueError("q_pos/kv_pos only take effect with causal=True; pass causal=True or drop them")
+        q_pos = positions(q_pos, "q_pos", B, Sq, q.device)
+        kv_pos = positions(kv_pos, "kv_pos", B, Sk, q.device)
+        if q_pos is not None:
+            q_max = int(q_pos.max()) if Sq > 0 else -1
+            kv_min = int(kv_pos.min()) if Sk > 0 else NO_POSITION
+    except (ValueError, TypeError) as exc:
+        local_error = exc
+    fields = {
+        "B (q.shape[0])": B, "Hq (q.shape[2])": Hq, "Hkv (k.shape[2])": Hkv, "D (q.shape[3])": D,
+        "Dv (v.shape[3])": Dv,
+        "dtype": dtype_code(q.dtype) if isinstance(q, torch.Tensor) else UNKNOWN,
+        "device": device_code(q.device) if isinstance(q, torch.Tensor) else UNKNOWN,
+        "scale": float_code(scale) if local_error is None else UNKNOWN,
+        "causal": int(causal) if isinstance(causal, bool) else UNKNOWN,
+        "positions given": int(q_pos is not None),
+        "Sq": Sq, "Sk": Sk, "max q_pos": q_max, "min kv_pos": kv_min,
+    }
+    if p > 1:
+        matched = ("B (q.shape[0])", "Hq (q.shape[2])", "Hkv (k.shape[2])", "D (q.shape[3])", "Dv (v.shape[3])",
+                   "dtype", "device", "scale", "causal", "positions given")
+        table = gather_metadata("ring_attention", fields, group, must_match=matched if check_inputs else ("positions given",), local_error=local_error)
+    elif local_error is not None:
+        raise local_error
+    else:
+        table = [fields]
+    lengths = [row["Sk"] for row in table]
+
+    if causal and q_pos is None:  # contiguous layout in rank order
+        offset = sum(lengths[:r])
+        kv_pos = torch.arange(offset, offset + Sk, device=q.device)
+        q_pos = torch.arange(offset + Sk - Sq, offset + Sk, device=q.device)
+        offsets = [sum(lengths[:j]) for j in range(p)]
+        q_max = offset + Sk - 1
+        mins = [offsets[j] if lengths[j] > 0 else NO_POSITION for j in range(p)]
+    else:
+        mins = [row["min kv_pos"] for row in table]
+
+    acc = accumulation_dtype(q.dtype)
+    state = None
+
+    def visit(src, k_block, v_block, kv_pos_block):
+        nonlocal state
+        if causal and mins[src] > q_max:
+            return  # no query of this rank sees any key of the block
+        out, lse = attention(q, k_block, v_block, scale=scale, causal=causal, q_pos=q_pos, kv_pos=kv_pos_block)
+        out, lse = out.to(acc), lse.to(acc)
+        state = (out, lse) if state is None else merge_states(*state, out, lse)
+
+    kv_pos_full = per_batch(kv_pos, B)
+    if p == 1:
+        if Sk > 0:
+            visit(0, k, v, kv_pos_full)
+    else:
+        _rotate_kv(k, v, kv_pos_full, lengths, group, visit)
+    if state is None:
+        out = torch.zeros(B, Sq, Hq, Dv, dtype=q.dtype, device=q.device)
+        return out, torch.full((B, Hq, Sq), float("-inf"), dtype=acc, device=q.device)
+    return state[0].to(q.dtype), state[1]
