@@ -14,7 +14,6 @@ from treeattn.ops import (
     reference_attention,
 )
 from treeattn.parallel import Topology, comm_stats, ring_attention, ring_decode, spawn, tree_decode
-from treeattn.ops.bifurcated import bifurcated_attention
 
 __version__ = "0.1.0"
 
@@ -31,5 +30,4 @@ __all__ = [
     "ring_decode",
     "spawn",
     "tree_decode",
-    "bifurcated_attention",
 ]
