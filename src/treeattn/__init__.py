@@ -14,6 +14,8 @@ from treeattn.ops import (
     reference_attention,
 )
 from treeattn.parallel import Topology, comm_stats, ring_attention, ring_decode, spawn, tree_decode
+from treeattn.ops.bifurcated import bifurcated_attention
+from treeattn.parallel.bifurcated import sharded_bifurcated_attention
 
 __version__ = "0.1.0"
 
@@ -30,4 +32,6 @@ __all__ = [
     "ring_decode",
     "spawn",
     "tree_decode",
+    "bifurcated_attention",
+    "sharded_bifurcated_attention",
 ]
