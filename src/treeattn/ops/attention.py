@@ -8,10 +8,13 @@ per step, not G times.
 
 On the CPU the per-chunk work runs in torch's fused flash-attention kernel (which returns the
 logsumexp); other devices, and head dims the kernel does not take, use a float32 matmul path.
+CUDA tensors go to the Triton flash-decoding kernel (treeattn.ops.triton_decode) when triton is
+installed and the kernel takes the inputs (Sq <= 16, fp16/bf16/fp32, power-of-two head dims).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
@@ -69,6 +72,10 @@ def attention(
     masked = causal or window is not None
     if not masked and (q_pos is not None or kv_pos is not None):
         raise ValueError("q_pos/kv_pos only take effect with causal=True or a window; pass causal=True")
+    if q.device.type == "cuda" and (triton_decode := _triton_decode_module()) is not None:
+        decoded = triton_decode.try_decode_attention(q, k, v, scale=scale, causal=causal, q_pos=q_pos, kv_pos=kv_pos, window=window)
+        if decoded is not None:  # None: the kernel does not take these inputs (reason logged)
+            return decoded
     if masked:
         if kv_pos is None:
             kv_pos = torch.arange(Sk, device=q.device).unsqueeze(0)
@@ -100,6 +107,17 @@ def attention(
     out = out_rows.view(B, Hkv, group, Sq, Dv).permute(0, 3, 1, 2, 4).reshape(B, Sq, Hq, Dv).to(q.dtype)
     lse = lse_rows.view(B, Hkv, group, Sq).reshape(B, Hq, Sq).to(lse_dtype)
     return out, lse
+
+
+@functools.lru_cache(maxsize=1)
+def _triton_decode_module():
+    """treeattn.ops.triton_decode, or None (logged once) when triton, an optional dependency, is missing."""
+    try:
+        from treeattn.ops import triton_decode
+    except ImportError as exc:
+        logger.info("Triton decode kernel unavailable (%s); CUDA attention uses the generic path", exc)
+        return None
+    return triton_decode
 
 
 def _masked_attention(q_rows, k_heads, v_heads, q_pos, kv_pos, causal, window, scale, group, use_flash):
