@@ -72,8 +72,9 @@ def test_predicted_bytes_are_the_paper_volumes(preset, p):
     assert tree.bytes == pytest.approx(eq14 * 4, rel=1e-14)
     ring = predict_decode(cluster, shape, p, "ring-kv")
     assert ring.paper_elements == eq10
-    # treeattn's ring stops after p - 1 transfers (eq. 10 counts p: the block travels home too)
-    assert ring.bytes == eq10 * (p - 1) / p * shape.element_bytes
+    # treeattn's ring stops after p - 1 transfers (eq. 10 counts p: the block travels home too),
+    # and first all-gathers the shard lengths (13 int64 per rank)
+    assert ring.bytes == eq10 * (p - 1) / p * shape.element_bytes + (p - 1) * 13 * 8
 
 
 # ------------------------------------------------------------------------------ collectives
@@ -125,7 +126,7 @@ def test_method_rounds_follow_comm_stats_conventions(p):
     got = {m: predict_decode(c, shape, p, m) for m in METHODS}
     assert got["allreduce"].rounds == 2
     assert got["tree"].rounds == 2 * math.ceil(math.log2(p))
-    assert got["ring-kv"].rounds == p - 1
+    assert got["ring-kv"].rounds == p  # the shard-length allgather + p - 1 steps
     assert got["ring-q"].rounds == p - 1
     assert got["local"].rounds == 0 and got["local"].bytes == 0 and got["local"].devices == 1
     nodes = max(1, p // 8)
@@ -139,10 +140,11 @@ def test_ring_kv_step_is_max_of_compute_and_transfer():
     block = shape.kv_bytes(1000)
     compute = block / 1e12
     transfer = 1e-6 + block / 1e11
+    lengths = 3 * 1e-6 + 3 * 104 / 1e11  # ring allgather of the shard lengths
     got = predict_decode(c, shape, 4, "ring-kv")
-    assert got.predicted_seconds == pytest.approx(3 * max(compute, transfer) + compute)
+    assert got.predicted_seconds == pytest.approx(lengths + 3 * max(compute, transfer) + compute)
     no_overlap = predict_decode(c.with_overrides(p2p_overlap=0.0), shape, 4, "ring-kv")
-    assert no_overlap.predicted_seconds == pytest.approx(3 * (compute + transfer) + compute)
+    assert no_overlap.predicted_seconds == pytest.approx(lengths + 3 * (compute + transfer) + compute)
 
 
 def test_inter_node_bandwidth_matters_only_across_nodes():

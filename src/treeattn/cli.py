@@ -41,6 +41,15 @@ def _register_simulate() -> None:
 _register_simulate()
 
 
+def _register_bench() -> None:
+    from treeattn.bench.cli import bench_app
+
+    app.add_typer(bench_app, name="bench")
+
+
+_register_bench()
+
+
 def main() -> None:
     app()
 

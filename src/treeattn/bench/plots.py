@@ -33,12 +33,15 @@ def _style(method: str) -> dict[str, str]:
     return {"color": color, "marker": marker}
 
 
-def _seq_label(n: float) -> str:
-    if n >= 1e6:
+def _seq_label(n: int) -> str:
+    """80000 -> 80K, 5120000 -> 5.12M, 16384 -> 16K (binary K when not a multiple of 1000)."""
+    if n >= 10**6 and n % 10**4 == 0:
         return f"{n / 1e6:g}M"
-    if n >= 1e3:
-        return f"{n / 1e3:g}K"
-    return f"{n:g}"
+    if n % 1000 == 0:
+        return f"{n // 1000}K"
+    if n % 1024 == 0:
+        return f"{n // 1024}K"
+    return str(n)
 
 
 def _series(records: Iterable[dict], x: str, y: str, **fixed: object) -> dict[str, list[tuple[float, float]]]:

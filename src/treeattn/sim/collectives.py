@@ -123,6 +123,16 @@ def binomial_broadcast(cluster: Cluster, ranks: list[int], nbytes: float) -> Com
     return CommCost(up.seconds, up.rounds, up.rounds * nbytes, "binomial-broadcast")
 
 
+def ring_allgather(cluster: Cluster, ranks: int, nbytes: float) -> CommCost:
+    """Ring allgather of an nbytes piece per rank: p - 1 steps; each rank sends (p - 1) pieces."""
+    if ranks == 1:
+        return CommCost(0.0, 0, 0.0, "ring-allgather")
+    link = slowest_link(cluster, ranks)
+    sent = (ranks - 1) * nbytes
+    seconds = cluster.collective_overhead + (ranks - 1) * link.latency + sent / link.bandwidth
+    return CommCost(seconds, ranks - 1, sent, "ring-allgather")
+
+
 def chain_broadcast(cluster: Cluster, ranks: list[int], nbytes: float) -> CommCost:
     """NCCL broadcast from ranks[0]: a pipelined chain, n - 1 hops of latency plus one pass of
     the bytes. The source sends the message once (one collective call: one round)."""

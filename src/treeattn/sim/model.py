@@ -11,10 +11,12 @@ priced as treeattn.parallel runs them:
                (ceil(log2 p) rounds); binomial broadcast of the result (ceil(log2 p) rounds).
     twolevel   binomial reduce inside each node; allreduce-method combine among node leaders over
                the inter-node link; one broadcast collective inside each node.
-    ring-kv    p - 1 steps; in each, the K, V block moves to the next rank while the current block
-               is attended to; overlap is the cluster's p2p_overlap.
-    ring-q     local attention, then p - 1 steps in which the accumulated (out, lse) moves one
-               rank on and is merged with the local state (tiny messages, p - 1 latencies).
+    ring-kv    an allgather of the shard lengths (13 int64 per rank: receivers size their
+               buffers), then p - 1 steps; in each, the K, V block moves to the next rank while
+               the block in hand is attended to (overlap: the cluster's p2p_overlap); one merge
+               of the p states at the end.
+    ring-q     local attention, then p - 1 steps in which the partial states travel one rank on
+               (tiny messages, p - 1 latencies); one merge of the p states at the end.
     local      one device holds the whole cache.
 
 The reported `bytes` and `rounds` follow ta.comm_stats' conventions (bytes sent by the busiest
@@ -38,6 +40,7 @@ from treeattn.sim.collectives import (
     leaders,
     nccl_allreduce,
     node_members,
+    ring_allgather,
     ring_pass,
 )
 from treeattn.sim.hardware import Cluster
@@ -46,6 +49,7 @@ from treeattn.sim.workload import STATE_ELEMENT_BYTES, DecodeShape
 METHODS: tuple[str, ...] = ("allreduce", "tree", "twolevel", "ring-kv", "ring-q", "local")
 TREE_METHODS: tuple[str, ...] = ("allreduce", "tree", "twolevel")
 RING_METHODS: tuple[str, ...] = ("ring-kv", "ring-q")
+RING_METADATA_BYTES = 13 * 8  # ring_decode(pass_kv=True) all-gathers 13 int64 per rank per call
 
 
 def check_method(method: str) -> str:
@@ -203,18 +207,23 @@ def predict_decode(cluster: Cluster, shape: DecodeShape, gpus: int, method: str)
         compute = attn + intra_up.rounds * merge + (merge if len(heads) > 1 else 0.0)
         seconds = compute + comm.seconds
     elif method == "ring-kv":
+        lengths = ring_allgather(cluster, gpus, RING_METADATA_BYTES)
         block = shape.kv_bytes(tokens)
         step = ring_pass(cluster, gpus, block)
-        work = attn + merge
-        hidden = cluster.p2p_overlap * min(work, step.seconds)
-        step_seconds = work + step.seconds - hidden
-        seconds = (gpus - 1) * step_seconds + attn
-        compute = gpus * attn + (gpus - 1) * merge
-        comm = CommCost((gpus - 1) * (step.seconds - hidden), gpus - 1, (gpus - 1) * block, "ring-p2p")
+        hidden = cluster.p2p_overlap * min(attn, step.seconds)
+        step_seconds = attn + step.seconds - hidden
+        compute = gpus * attn + merge
+        seconds = lengths.seconds + (gpus - 1) * step_seconds + attn + merge
+        comm = CommCost(
+            lengths.seconds + (gpus - 1) * (step.seconds - hidden),
+            1 + (gpus - 1),  # comm_stats: the allgather is one round, each p2p step one
+            lengths.bytes_sent + (gpus - 1) * block,
+            "ring-allgather+ring-p2p",
+        )
         paper = volumes.ring_volume_elements(shape, gpus)
     else:  # ring-q
         step = ring_pass(cluster, gpus, state)
-        compute = attn + (gpus - 1) * merge
+        compute = attn + merge
         comm = CommCost((gpus - 1) * step.seconds, gpus - 1, (gpus - 1) * state, "ring-p2p")
         seconds = compute + comm.seconds
 

@@ -1,0 +1,221 @@
+"""Measure this machine and turn the measurements into the cost model's "cpu-local" cluster.
+
+`treeattn bench calibrate` runs two gloo ranks on this host and measures:
+
+- p2p: one-way time of a 4-byte send/recv (ping-pong / 2) and of a large one -> link latency
+  and bandwidth of the loopback;
+- allreduce: a 4-byte allreduce on the two ranks -> with the p2p time, splits the fixed cost of a
+  call (collective_overhead) from the per-step latency (model: p2p = o + a, allreduce = o + 2a);
+- attention: ta.attention of one query over t tokens (Hq=16, D=128, fp32) with 1 thread, at
+  several t, alone and with both ranks running at once; a least-squares line time = a + bytes/bw
+  gives the fixed cost per call and the K, V streaming rate (alone: per-rank rate; at once: the
+  host's aggregate rate when all cores work);
+- merge: one ta.merge_states of two decode states, 1 thread;
+- memory: copy bandwidth with 1 thread and with all threads, and 1-thread matmul FLOP/s
+  (reported; the model uses the attention rates, which are what decoding sees).
+
+Nothing is fitted to the benchmark that the model is later checked against.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+import treeattn.parallel as par
+from treeattn.ops import attention, merge_states
+from treeattn.sim.hardware import Cluster, Link
+
+ATTENTION_TOKENS = (4096, 32768, 131072)
+HEADS, HEAD_DIM = 16, 128
+SMALL_BYTES = 4
+LARGE_BYTES = 64 * 2**20
+ONE_HOST_GPUS_PER_NODE = 1 << 20  # every rank on one host: all links are the loopback
+
+
+def _median_time(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _ping_pong(rank: int, nbytes: int, repeats: int) -> float:
+    """One-way time of an nbytes message between ranks 0 and 1 (median of round trips / 2)."""
+    buf = torch.zeros(max(1, nbytes // 4), dtype=torch.float32)
+    peer = 1 - rank
+    times = []
+    for _ in range(repeats):
+        dist.barrier()
+        start = time.perf_counter()
+        if rank == 0:
+            dist.send(buf, peer)
+            dist.recv(buf, peer)
+        else:
+            dist.recv(buf, peer)
+            dist.send(buf, peer)
+        times.append((time.perf_counter() - start) / 2)
+    return statistics.median(times)
+
+
+def _attention_times(rank: int, concurrent: bool, repeats: int) -> list[float]:
+    """Median seconds of one decode attention call per t in ATTENTION_TOKENS, on rank 0 (alone:
+    rank 1 waits; concurrent: both ranks run the same calls at once)."""
+    results = []
+    g = torch.Generator().manual_seed(rank)
+    q = torch.randn(1, 1, HEADS, HEAD_DIM, generator=g)
+    for t in ATTENTION_TOKENS:
+        k = torch.randn(1, t, HEADS, HEAD_DIM, generator=g)
+        v = torch.randn(1, t, HEADS, HEAD_DIM, generator=g)
+        attention(q, k, v)  # warm up
+        times = []
+        for _ in range(repeats):
+            dist.barrier()
+            if rank == 0 or concurrent:
+                start = time.perf_counter()
+                attention(q, k, v)
+                times.append(time.perf_counter() - start)
+        results.append(statistics.median(times) if times else 0.0)
+        del k, v
+    return results
+
+
+def _line_fit(xs: list[float], ys: list[float]) -> tuple[float, float]:
+    """Least squares y = a + b x; returns (a, b)."""
+    n = len(xs)
+    mx, my = sum(xs) / n, sum(ys) / n
+    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    return my - b * mx, b
+
+
+def _calibrate_rank(rank: int, world_size: int, repeats: int) -> dict | None:
+    torch.set_num_threads(1)
+    small = _ping_pong(rank, SMALL_BYTES, 20 * repeats)
+    large = _ping_pong(rank, LARGE_BYTES, repeats)
+    token = torch.zeros(1)
+    allreduce = []
+    for _ in range(20 * repeats):
+        dist.barrier()
+        start = time.perf_counter()
+        dist.all_reduce(token)
+        allreduce.append(time.perf_counter() - start)
+    alone = _attention_times(rank, concurrent=False, repeats=repeats)
+    together = _attention_times(rank, concurrent=True, repeats=repeats)
+    if rank != 0:
+        return None
+    g = torch.Generator().manual_seed(0)
+    oa, ob = torch.randn(1, 1, HEADS, HEAD_DIM, generator=g), torch.randn(1, 1, HEADS, HEAD_DIM, generator=g)
+    la, lb = torch.randn(1, HEADS, 1, generator=g), torch.randn(1, HEADS, 1, generator=g)
+    merge = _median_time(lambda: merge_states(oa, la, ob, lb), 50 * repeats)
+    return {
+        "p2p_small_one_way_seconds": small,
+        "p2p_large_one_way_seconds": large,
+        "p2p_large_bytes": LARGE_BYTES,
+        "allreduce_small_seconds": statistics.median(allreduce),
+        "attention_tokens": list(ATTENTION_TOKENS),
+        "attention_alone_seconds": alone,
+        "attention_concurrent_seconds": together,
+        "merge_seconds": merge,
+    }
+
+
+def _host_measurements(repeats: int) -> dict:
+    """Copy bandwidth (1 thread, all threads) and 1-thread fp32 matmul FLOP/s, in this process."""
+    saved = torch.get_num_threads()
+    out = {}
+    src = torch.ones(64 * 2**20 // 4)
+    dst = torch.empty_like(src)
+    try:
+        for label, threads in (("1_thread", 1), ("all_threads", os.cpu_count() or 1)):
+            torch.set_num_threads(threads)
+            seconds = _median_time(lambda: dst.copy_(src), repeats)
+            out[f"copy_bandwidth_{label}"] = 2 * src.numel() * 4 / seconds  # read + write
+        torch.set_num_threads(1)
+        a, b = torch.randn(512, 512), torch.randn(512, 512)
+        seconds = _median_time(lambda: a @ b, repeats)
+        out["matmul_flops_1_thread"] = 2 * 512**3 / seconds
+    finally:
+        torch.set_num_threads(saved)
+    return out
+
+
+def calibrate(repeats: int = 5) -> dict:
+    """Measure this host and return {"machine", "measurements", "cluster"} (see module doc)."""
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    measured = par.spawn(_calibrate_rank, 2, repeats)[0]
+    measured.update(_host_measurements(repeats))
+    cluster = cluster_from_measurements(measured)
+    return {
+        "machine": {
+            "platform": platform.platform(),
+            "machine": platform.machine(),
+            "cores": os.cpu_count(),
+            "torch": torch.__version__,
+            "python": platform.python_version(),
+            "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        },
+        "measurements": measured,
+        "cluster": cluster.to_dict(),
+    }
+
+
+def cluster_from_measurements(m: dict) -> Cluster:
+    """The cpu-local Cluster implied by calibrate()'s measurements."""
+    kv_bytes = [2 * t * HEADS * HEAD_DIM * 4 for t in m["attention_tokens"]]
+    overhead, per_byte = _line_fit(kv_bytes, m["attention_alone_seconds"])
+    _, per_byte_together = _line_fit(kv_bytes, m["attention_concurrent_seconds"])
+    small, allreduce = m["p2p_small_one_way_seconds"], m["allreduce_small_seconds"]
+    call_overhead = max(0.0, 2 * small - allreduce)  # p2p = o + a, allreduce(2 ranks) = o + 2a
+    latency = max(small - call_overhead, 1e-7)
+    bandwidth = m["p2p_large_bytes"] / max(m["p2p_large_one_way_seconds"] - small, 1e-9)
+    cores = os.cpu_count() or 1
+    rank_rate = 1 / per_byte
+    running = min(2, cores)
+    return Cluster(
+        name="cpu-local",
+        gpus_per_node=ONE_HOST_GPUS_PER_NODE,
+        memory_bandwidth=rank_rate,
+        memory_efficiency=1.0,
+        peak_flops=m["matmul_flops_1_thread"],
+        flops_efficiency=1.0,
+        kernel_overhead=max(0.0, overhead),
+        merge_seconds=m["merge_seconds"],
+        collective_overhead=call_overhead,
+        intra=Link(latency=latency, bandwidth=bandwidth),
+        inter=Link(latency=latency, bandwidth=bandwidth),
+        p2p_overlap=0.0,
+        host_cores=cores,
+        host_memory_bandwidth=running / per_byte_together,
+        sources={
+            "memory_bandwidth": "measured: K,V bytes/s of 1-thread ta.attention, one rank alone (line fit)",
+            "kernel_overhead": "measured: intercept of the same line fit",
+            "host_memory_bandwidth": "measured: aggregate K,V bytes/s with both ranks' attention at once",
+            "host_cores": "os.cpu_count()",
+            "merge_seconds": "measured: one ta.merge_states of two (1,1,16,128) states",
+            "collective_overhead": "measured: 2 x p2p(4 B) - allreduce(4 B), clamped at 0",
+            "intra.latency": "measured: p2p(4 B) one-way minus collective_overhead",
+            "intra.bandwidth": f"measured: gloo send/recv of {LARGE_BYTES >> 20} MiB over loopback",
+            "inter": "same as intra: all ranks on one host",
+            "peak_flops": "measured: 1-thread fp32 512^3 matmul",
+            "p2p_overlap": "assumption: 0; gloo moves bytes with the same cores that compute",
+        },
+    )
+
+
+def write_calibration(path: Path, repeats: int = 5) -> dict:
+    """Run calibrate() and write its JSON to `path`; returns it."""
+    result = calibrate(repeats)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2))
+    return result

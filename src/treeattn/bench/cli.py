@@ -1,0 +1,216 @@
+"""`treeattn bench ...`: decode benchmark sweeps, calibration, and the cost-model validation."""
+
+from __future__ import annotations
+
+import json
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import typer
+
+from treeattn.bench.config import METHODS, SweepConfig
+
+bench_app = typer.Typer(help="Benchmarks: decode sweeps, calibration, cost-model validation.", no_args_is_help=True)
+
+
+def _parse_topology(text: str) -> tuple[int, int]:
+    """'NODESxRANKS' -> (nodes, ranks_per_node)."""
+    try:
+        nodes, ranks = (int(x) for x in text.lower().split("x"))
+    except ValueError:
+        raise typer.BadParameter(f"expected NODESxRANKS_PER_NODE like 2x2, got {text!r}", param_hint="--topology") from None
+    if nodes < 2 or ranks < 1:
+        raise typer.BadParameter(f"need >= 2 nodes and >= 1 rank per node, got {text!r}", param_hint="--topology")
+    return nodes, ranks
+
+
+def run_with_progress(config: SweepConfig, launcher=None) -> list[dict]:
+    """run_decode_sweep with a rich progress bar over the cases (follows the records file)."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from treeattn.bench.runner import run_decode_sweep
+
+    total = len(config.world_sizes) * len(config.seq_lens) * len(config.methods)
+    with tempfile.TemporaryDirectory(prefix="treeattn-bench-") as tmp:
+        records_path = Path(tmp) / "records.jsonl"
+        records_path.touch()
+        outcome: dict = {}
+
+        def work() -> None:
+            try:
+                outcome["records"] = run_decode_sweep(config, records_path, launcher)
+            except BaseException as err:  # noqa: BLE001 -- re-raised in the main thread
+                outcome["error"] = err
+
+        thread = threading.Thread(target=work, daemon=True)
+        columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+        with Progress(*columns, transient=False) as progress:
+            task = progress.add_task("decode sweep", total=total)
+            thread.start()
+            while thread.is_alive():
+                thread.join(0.3)
+                lines = records_path.read_text().splitlines()
+                if lines:
+                    last = json.loads(lines[-1])
+                    progress.update(task, completed=len(lines), description=f"{last['method']} p={last['gpus']} N={last['seq_len']}")
+        if "error" in outcome:
+            raise outcome["error"]
+        return outcome["records"]
+
+
+def _print_records(records: list[dict]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="decode step, slowest rank (barrier-aligned)")
+    for col in ("method", "p", "seq_len", "median ms", "p10 ms", "p90 ms", "bytes sent (max rank)", "rounds", "peak MiB (max rank)"):
+        table.add_column(col, justify="left" if col == "method" else "right")
+    for r in records:
+        peak = r.get("peak_memory_bytes")
+        table.add_row(
+            r["method"], str(r["gpus"]), str(r["seq_len"]),
+            f"{r['median_seconds'] * 1e3:.3f}", f"{r['p10_seconds'] * 1e3:.3f}", f"{r['p90_seconds'] * 1e3:.3f}",
+            f"{r['bytes']:.0f}", str(r["rounds"]), "-" if peak is None else f"{peak / 2**20:.1f}",
+        )
+    Console(width=160).print(table)
+
+
+@bench_app.command("decode")
+def decode(
+    method: list[str] = typer.Option(["allreduce", "tree", "ring-kv", "ring-q"], "--method", "-m", help="Methods: " + ", ".join(METHODS)),
+    world_size: list[int] = typer.Option([2], "--world-size", "-p", help="Ranks; repeat for several."),
+    seq_len: list[int] = typer.Option([16384], "--seq-len", "-n", help="KV cache length(s)."),
+    heads: int = typer.Option(16, help="Query heads Hq."),
+    kv_heads: int | None = typer.Option(None, help="KV heads Hkv (default Hq)."),
+    head_dim: int = typer.Option(128, help="Head dim D."),
+    batch: int = typer.Option(1, help="Batch B."),
+    dtype: str = typer.Option("fp32", help="fp32, bf16 or fp16."),
+    warmup: int = typer.Option(2, help="Untimed calls per case."),
+    repeats: int = typer.Option(10, help="Timed calls per case."),
+    threads_per_rank: int = typer.Option(1, help="torch threads in each rank."),
+    backend: str = typer.Option("gloo", help="gloo (CPU) or nccl (GPU)."),
+    ranks_per_node: int | None = typer.Option(None, help="Ranks per node for twolevel (must divide every world size)."),
+    topology: str | None = typer.Option(None, help="NODESxRANKS: run in that many network namespaces (needs root + iproute2)."),
+    inter_mbit: float | None = typer.Option(None, help="With --topology: inter-node bandwidth, Mbit/s per node and direction."),
+    inter_delay_ms: float = typer.Option(0.0, help="With --topology: inter-node one-way delay, ms (needs tc netem)."),
+    output: list[Path] = typer.Option([], "--output", "-o", help="Write records: .json or .csv (repeatable)."),
+    plot: Path | None = typer.Option(None, help="Write latency/speedup/memory/comm PNGs into this folder."),
+    plot_prefix: str = typer.Option("bench", help="File name prefix of the PNGs."),
+    timeout: float = typer.Option(300.0, help="Seconds any collective may block before the run fails."),
+) -> None:
+    """Time decode methods on real process groups: median, p10, p90 of the slowest rank."""
+    from treeattn.bench.runner import write_records
+
+    launcher_factory = None
+    nodes = None
+    if topology is not None:
+        nodes, per_node = _parse_topology(topology)
+        if ranks_per_node is not None and ranks_per_node != per_node:
+            raise typer.BadParameter(f"--ranks-per-node {ranks_per_node} contradicts --topology {topology}")
+        ranks_per_node = per_node
+        if world_size == [2]:
+            world_size = [nodes * per_node]
+    elif inter_mbit is not None or inter_delay_ms:
+        raise typer.BadParameter("--inter-mbit and --inter-delay-ms need --topology")
+    try:
+        config = SweepConfig(
+            methods=tuple(method), world_sizes=tuple(world_size), seq_lens=tuple(seq_len), heads=heads, kv_heads=kv_heads,
+            head_dim=head_dim, batch=batch, dtype=dtype, warmup=warmup, repeats=repeats, ranks_per_node=ranks_per_node,
+            threads_per_rank=threads_per_rank, backend=backend, timeout=timeout,
+        )
+        if nodes is not None:
+            from treeattn.bench.netns import NetworkSpec
+
+            spec = NetworkSpec(nodes=nodes, inter_mbit=inter_mbit, inter_delay_ms=inter_delay_ms)
+            for p in config.world_sizes:
+                if p > nodes * ranks_per_node:
+                    raise ValueError(f"world size {p} does not fit on topology {topology} ({nodes * ranks_per_node} ranks)")
+    except ValueError as err:
+        raise typer.BadParameter(str(err)) from None
+
+    if nodes is None:
+        records = run_with_progress(config)
+    else:
+        from treeattn.bench.netns import NetnsUnavailable, two_tier_network
+
+        try:
+            with two_tier_network(spec) as net:
+                records = run_with_progress(config, net.launcher(ranks_per_node))
+        except NetnsUnavailable as err:
+            typer.echo(f"--topology needs Linux network namespaces, which are not available here: {err}", err=True)
+            raise typer.Exit(0) from None
+    for r in records:
+        if nodes is not None:
+            r.update(topology=topology, inter_mbit=inter_mbit, inter_delay_ms=inter_delay_ms)
+    _print_records(records)
+    for path in output:
+        write_records(records, path)
+        typer.echo(f"wrote {path}", err=True)
+    if plot is not None:
+        from treeattn.bench.plots import make_figures
+
+        title = f"measured, gloo CPU, Hq={heads} D={head_dim} B={batch} {dtype}" + (f", {topology}" if topology else "")
+        for path in make_figures(records, plot, plot_prefix, "median_seconds", title):
+            typer.echo(f"wrote {path}", err=True)
+
+
+@bench_app.command("calibrate")
+def calibrate_command(
+    output: Path = typer.Option(Path("calibration.json"), "--output", "-o", help="Where to write the calibration JSON."),
+    repeats: int = typer.Option(5, help="Repetitions of each measurement (medians are kept)."),
+) -> None:
+    """Measure gloo loopback latency/bandwidth, 1-thread attention rate, merge cost, memory bandwidth."""
+    from treeattn.bench.calibrate import write_calibration
+
+    start = time.perf_counter()
+    result = write_calibration(output, repeats)
+    c = result["cluster"]
+    m = result["measurements"]
+    typer.echo(
+        f"p2p latency {c['intra']['latency'] * 1e6:.1f} us + call {c['collective_overhead'] * 1e6:.1f} us, "
+        f"loopback {c['intra']['bandwidth'] / 1e9:.2f} GB/s, attention {c['memory_bandwidth'] / 1e9:.2f} GB/s per rank "
+        f"(+{c['kernel_overhead'] * 1e3:.2f} ms/call), {c['host_memory_bandwidth'] / 1e9:.2f} GB/s with all cores, "
+        f"merge {c['merge_seconds'] * 1e6:.1f} us, copy {m['copy_bandwidth_1_thread'] / 1e9:.1f} GB/s (1 thread)"
+    )
+    typer.echo(f"wrote {output} in {time.perf_counter() - start:.0f} s", err=True)
+
+
+@bench_app.command("validate")
+def validate_command(
+    calibration: Path = typer.Option(Path("calibration.json"), help="Calibration JSON from `treeattn bench calibrate`."),
+    method: list[str] = typer.Option(["allreduce", "tree", "ring-kv", "ring-q"], "--method", "-m"),
+    world_size: list[int] = typer.Option([2, 4], "--world-size", "-p"),
+    seq_len: list[int] = typer.Option([16384, 65536, 262144], "--seq-len", "-n"),
+    warmup: int = typer.Option(1, help="Untimed calls per case."),
+    repeats: int = typer.Option(5, help="Timed calls per case."),
+    tolerance: float = typer.Option(0.35, help="Allowed |predicted - measured| / measured."),
+    output: Path | None = typer.Option(None, "--output", "-o", help="Write measured + predicted records as JSON."),
+    markdown: Path | None = typer.Option(None, help="Write the validation table as Markdown."),
+) -> None:
+    """Benchmark tree and ring decoding here (Hq=16, D=128, fp32, B=1) and compare with the
+    cost model's cpu-local predictions; exits 1 if any point misses the tolerance."""
+    from treeattn.bench.validate import compare, markdown_table
+    from treeattn.sim.hardware import load_cluster
+
+    try:
+        cluster = load_cluster("cpu-local", calibration)
+        config = SweepConfig(methods=tuple(method), world_sizes=tuple(world_size), seq_lens=tuple(seq_len), heads=16, head_dim=128,
+                             batch=1, dtype="fp32", warmup=warmup, repeats=repeats, timeout=600.0)
+    except ValueError as err:
+        raise typer.BadParameter(str(err)) from None
+    records = run_with_progress(config)
+    rows = compare(records, cluster)
+    table = markdown_table(rows, tolerance)
+    typer.echo(table)
+    if output is not None:
+        output.parent.mkdir(parents=True, exist_ok=True)
+        output.write_text(json.dumps({"calibration": str(calibration), "rows": rows, "records": records}, indent=1))
+    if markdown is not None:
+        markdown.parent.mkdir(parents=True, exist_ok=True)
+        markdown.write_text(table + "\n")
+    misses = [r for r in rows if abs(r["error"]) > tolerance]
+    if misses:
+        typer.echo(f"{len(misses)} of {len(rows)} points miss the {tolerance:.0%} tolerance", err=True)
+        raise typer.Exit(1)

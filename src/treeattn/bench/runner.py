@@ -1,0 +1,344 @@
+"""The decode benchmark: time every method of a `SweepConfig` on real process groups.
+
+For each world size one process group runs every (sequence length, method) case:
+
+1. The ranks first all-gather their configuration; if any rank's differs, every rank raises the
+   same ValueError naming the differing fields (a benchmark whose ranks disagree never starts).
+2. Per case, each rank draws q (the same on all ranks) and its own K, V shard and runs the method
+   once with the cross-rank input check while its peak resident memory is tracked; then once
+   more inside ``ta.comm_stats()`` (bytes, messages, rounds per op of one timed step), then
+   `warmup` untimed calls, then `repeats` timed calls. Each timed call
+   starts right after a barrier, so the ranks start together; the call's latency is the time of
+   the slowest rank. The record keeps the median, p10 and p90 over the repetitions.
+3. Rank 0 appends one JSON line per finished case to a records file (the parent follows it for
+   progress) and returns the records.
+
+Peak memory on CPU is the process's resident high-water mark (reset through
+/proc/self/clear_refs) minus its resident size before the case's tensors were made, with glibc
+told to return large blocks to the system (MALLOC_MMAP_THRESHOLD_); on CUDA it is
+torch.cuda.max_memory_allocated. It includes the K, V shard, as the paper's eq. 8-9 do.
+
+"local" runs on rank 0 alone with the whole cache (the single-device baseline); the other ranks
+wait at the barrier.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+import treeattn.parallel as par
+from treeattn.bench.config import SweepConfig, shard_bounds
+from treeattn.ops import attention
+
+logger = logging.getLogger(__name__)
+
+MMAP_THRESHOLD_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536"}
+
+
+# ------------------------------------------------------------------------------------ memory
+
+
+def _proc_status_bytes(key: str) -> int | None:
+    try:
+        text = Path("/proc/self/status").read_text()
+    except OSError:
+        return None
+    match = re.search(rf"^{key}:\s+(\d+) kB", text, re.MULTILINE)
+    return int(match.group(1)) * 1024 if match else None
+
+
+class PeakMemory:
+    """Peak memory of this rank over a block, relative to its start (bytes; None if unknown)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.peak_bytes: int | None = None
+
+    def __enter__(self) -> PeakMemory:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self._start = torch.cuda.memory_allocated(self.device)
+        else:
+            self._start = _proc_status_bytes("VmRSS")
+            try:
+                Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current RSS
+            except OSError:
+                self._start = None
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            self.peak_bytes = torch.cuda.max_memory_allocated(self.device) - self._start
+        elif self._start is not None:
+            peak = _proc_status_bytes("VmHWM")
+            self.peak_bytes = None if peak is None else max(0, peak - self._start)
+
+
+def _interface_tx_bytes() -> int | None:
+    """tx byte counter of the interface gloo uses (GLOO_SOCKET_IFNAME), or None if unset."""
+    name = os.environ.get("GLOO_SOCKET_IFNAME")
+    if not name:
+        return None
+    try:
+        return int(Path(f"/sys/class/net/{name}/statistics/tx_bytes").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+# ------------------------------------------------------------------------------------ inputs
+
+
+def _device(config: SweepConfig, rank: int) -> torch.device:
+    if config.backend == "nccl":
+        return torch.device("cuda", rank % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+def make_inputs(config: SweepConfig, seq_len: int, world_size: int, rank: int, whole: bool = False):
+    """q (B, 1, Hq, D), the same on every rank, and this rank's shard k, v (B, t_r, Hkv, D).
+
+    With whole=True, k and v hold all seq_len tokens (for "local"). Values are N(0, 1) drawn on
+    the CPU from fixed seeds, so any rank can rebuild any shard.
+    """
+    B, Hq, D = config.batch, config.heads, config.head_dim
+    Hkv = config.kv_heads or Hq
+    dtype, device = config.torch_dtype, _device(config, rank)
+    q = torch.randn(B, 1, Hq, D, generator=torch.Generator().manual_seed(config.seed)).to(dtype)
+    start, stop = (0, seq_len) if whole else shard_bounds(seq_len, world_size, rank)
+    g = torch.Generator().manual_seed(config.seed + 1 + (0 if whole else rank))
+    k = torch.randn(B, stop - start, Hkv, D, generator=g).to(dtype)
+    v = torch.randn(B, stop - start, Hkv, D, generator=g).to(dtype)
+    return q.to(device), k.to(device), v.to(device)
+
+
+def method_call(method: str, config: SweepConfig, rank: int) -> Callable:
+    """fn(q, k, v, check) running one decode step of `method` on this rank."""
+    topology = par.Topology(ranks_per_node=config.ranks_per_node) if config.ranks_per_node else None
+    if method in ("allreduce", "tree", "twolevel"):
+        return lambda q, k, v, check: par.tree_decode(q, k, v, method=method, topology=topology, check_inputs=check)
+    if method in ("ring-kv", "ring-q"):
+        ring_decode = par.ring_decode
+        pass_kv = method == "ring-kv"
+        return lambda q, k, v, check: ring_decode(q, k, v, pass_kv=pass_kv, check_inputs=check)
+    if method == "local":
+        return lambda q, k, v, check: attention(q, k, v) if rank == 0 else None
+    raise ValueError(f"unknown method {method!r}")
+
+
+# ---------------------------------------------------------------------------- configuration
+
+
+def check_config_agrees(config: SweepConfig) -> None:
+    """All-gather every rank's configuration; raise the same ValueError on every rank if any
+    differs from rank 0's, naming the fields."""
+    mine = json.loads(config.to_json())
+    everyone: list[dict | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    problems = []
+    for r, other in enumerate(everyone):
+        if other != everyone[0]:
+            fields = sorted(k for k in set(other) | set(everyone[0]) if other.get(k) != everyone[0].get(k))
+            diffs = ", ".join(f"{k}: rank 0 has {everyone[0].get(k)!r}, rank {r} has {other.get(k)!r}" for k in fields)
+            problems.append(diffs)
+    if problems:
+        raise ValueError("benchmark refused to start: the ranks disagree on the configuration: " + "; ".join(problems))
+
+
+# ------------------------------------------------------------------------------------- timing
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _percentile(values: list[float], q: float) -> float:
+    """Linear-interpolated percentile, q in [0, 100]."""
+    ordered = sorted(values)
+    if len(ordered) == 1:
+        return ordered[0]
+    pos = (len(ordered) - 1) * q / 100
+    lo = int(pos)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+def run_case(config: SweepConfig, rank: int, world_size: int, seq_len: int, method: str) -> dict | None:
+    """Run one case on this rank; returns the record on rank 0, None elsewhere."""
+    device = _device(config, rank)
+    fn = method_call(method, config, rank)
+    with PeakMemory(device) as memory:
+        if method == "local" and rank != 0:
+            q = k = v = None  # only rank 0 holds the cache
+        else:
+            q, k, v = make_inputs(config, seq_len, world_size, rank, whole=method == "local")
+        fn(q, k, v, True)  # validates the inputs across ranks (one extra small allgather)
+        _sync(device)
+    with par.comm_stats() as stats:
+        fn(q, k, v, False)  # what one timed step communicates
+    for _ in range(config.warmup):
+        fn(q, k, v, False)
+    _sync(device)
+    tx_start = _interface_tx_bytes()
+    elapsed = []
+    for _ in range(config.repeats):
+        dist.barrier()
+        start = time.perf_counter()
+        fn(q, k, v, False)
+        _sync(device)
+        elapsed.append(time.perf_counter() - start)
+    tx_end = _interface_tx_bytes()
+    mine = {
+        "elapsed": elapsed,
+        "interface_tx_bytes": None if tx_start is None or tx_end is None else tx_end - tx_start,
+        "stats": stats.as_dict(),
+        "peak_memory_bytes": memory.peak_bytes,
+    }
+    gathered: list[dict | None] = [None] * world_size
+    dist.all_gather_object(gathered, mine)
+    if rank != 0:
+        return None
+    slowest = [max(g["elapsed"][i] for g in gathered) for i in range(config.repeats)]  # type: ignore[index]
+    per_rank_stats = [g["stats"] for g in gathered]  # type: ignore[index]
+    decode_bytes = [s["bytes_sent"] for s in per_rank_stats]
+    decode_rounds = [s["rounds"] for s in per_rank_stats]
+    decode_messages = [s["messages"] for s in per_rank_stats]
+    peaks = [g["peak_memory_bytes"] for g in gathered]  # type: ignore[index]
+    return {
+        "method": method,
+        "gpus": world_size,
+        "devices": 1 if method == "local" else world_size,
+        "seq_len": seq_len,
+        "heads": config.heads,
+        "kv_heads": config.kv_heads or config.heads,
+        "head_dim": config.head_dim,
+        "batch": config.batch,
+        "dtype": config.dtype,
+        "backend": config.backend,
+        "ranks_per_node": config.ranks_per_node,
+        "threads_per_rank": config.threads_per_rank,
+        "warmup": config.warmup,
+        "repeats": config.repeats,
+        "median_seconds": statistics.median(slowest),
+        "p10_seconds": _percentile(slowest, 10),
+        "p90_seconds": _percentile(slowest, 90),
+        "slowest_rank_seconds": slowest,
+        "bytes": max(decode_bytes),
+        "rounds": max(decode_rounds),
+        "messages": max(decode_messages),
+        "bytes_per_rank": decode_bytes,
+        "rounds_per_rank": decode_rounds,
+        "by_op_per_rank": [s["by_op"] for s in per_rank_stats],
+        # bytes that left each node's network interface per timed step (GLOO_SOCKET_IFNAME;
+        # read by every rank, so ranks of one node report the same counter), barriers included
+        "interface_tx_bytes_per_step": [
+            None if g["interface_tx_bytes"] is None else g["interface_tx_bytes"] / config.repeats for g in gathered  # type: ignore[index]
+        ],
+        "peak_memory_bytes": max((p for p in peaks if p is not None), default=None),
+        "peak_memory_per_rank": peaks,
+    }
+
+
+def run_rank(rank: int, world_size: int, config_json: str, records_path: str | None = None) -> list[dict] | None:
+    """Body of one benchmark rank (torch.distributed already initialized): every case of
+    `config_json` (a SweepConfig for this world size). Rank 0 returns the records and appends
+    each as a JSON line to `records_path`; the other ranks return None."""
+    config = SweepConfig.from_json(config_json)
+    torch.set_num_threads(config.threads_per_rank)
+    check_config_agrees(config)
+    if world_size not in config.world_sizes:
+        raise ValueError(f"this group has {world_size} ranks but the configuration lists world sizes {config.world_sizes}")
+    records = []
+    for seq_len in config.seq_lens:
+        for method in config.methods:
+            record = run_case(config, rank, world_size, seq_len, method)
+            if rank == 0:
+                records.append(record)
+                if records_path:
+                    with open(records_path, "a") as f:
+                        f.write(json.dumps(record) + "\n")
+    return records if rank == 0 else None
+
+
+# ------------------------------------------------------------------------------------- sweep
+
+
+def run_decode_sweep(
+    config: SweepConfig,
+    records_path: str | Path | None = None,
+    launcher: Callable[[SweepConfig, int, str | None], list[dict]] | None = None,
+) -> list[dict]:
+    """Run the whole sweep, one process group per world size.
+
+    Args:
+        config: the sweep.
+        records_path: if given, every finished case is appended there as a JSON line as soon as
+            it is done (follow it for progress).
+        launcher: launcher(config_for_one_world_size, world_size, records_path) -> records; the
+            default spawns local processes with ta.spawn (see treeattn.bench.netns for ranks in
+            network namespaces).
+
+    Returns:
+        One record per (world size, seq_len, method), in sweep order.
+    """
+    launch = launcher or spawn_launcher
+    records: list[dict] = []
+    for p in config.world_sizes:
+        records.extend(launch(config.for_world(p), p, None if records_path is None else str(records_path)))
+    return records
+
+
+def spawn_launcher(config: SweepConfig, world_size: int, records_path: str | None) -> list[dict]:
+    """Run one world size on local processes started by ta.spawn."""
+    saved = {k: os.environ.get(k) for k in MMAP_THRESHOLD_ENV}
+    os.environ.update(MMAP_THRESHOLD_ENV)  # read by glibc when the rank processes start
+    try:
+        results = par.spawn(run_rank, world_size, config.to_json(), records_path, backend=config.backend, timeout=config.timeout)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    return results[0]
+
+
+def write_records(records: list[dict], path: Path) -> None:
+    """Write records as JSON (a list) or CSV (scalar fields only), by the file's suffix."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.suffix == ".csv":
+        import csv
+
+        scalar = [k for k in records[0] if not isinstance(records[0][k], (list, dict))] if records else []
+        with open(path, "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=scalar, extrasaction="ignore")
+            writer.writeheader()
+            writer.writerows(records)
+    else:
+        path.write_text(json.dumps(records, indent=1))
+
+
+__all__ = [
+    "PeakMemory",
+    "SweepConfig",
+    "check_config_agrees",
+    "make_inputs",
+    "run_case",
+    "run_decode_sweep",
+    "run_rank",
+    "spawn_launcher",
+    "write_records",
+]

@@ -1,0 +1,52 @@
+"""Compare measured decode latencies with the cost model's predictions for the same cases."""
+
+from __future__ import annotations
+
+from treeattn.sim.hardware import Cluster
+from treeattn.sim.model import predict_decode
+from treeattn.sim.workload import DecodeShape
+
+
+def compare(records: list[dict], cluster: Cluster) -> list[dict]:
+    """One row per benchmark record: predicted and measured median seconds, the relative error
+    (predicted - measured) / measured, and predicted vs measured bytes and rounds."""
+    rows = []
+    for r in records:
+        shape = DecodeShape(
+            seq_len=r["seq_len"], heads=r["heads"], head_dim=r["head_dim"], batch=r["batch"],
+            kv_heads=r["kv_heads"], dtype=r["dtype"],
+        )
+        prediction = predict_decode(cluster, shape, r["gpus"], r["method"])
+        measured = r["median_seconds"]
+        rows.append({
+            "method": r["method"],
+            "gpus": r["gpus"],
+            "seq_len": r["seq_len"],
+            "predicted_seconds": prediction.predicted_seconds,
+            "measured_seconds": measured,
+            "p10_seconds": r["p10_seconds"],
+            "p90_seconds": r["p90_seconds"],
+            "error": (prediction.predicted_seconds - measured) / measured,
+            "predicted_bytes": prediction.bytes,
+            "measured_bytes": r["bytes"],
+            "predicted_rounds": prediction.rounds,
+            "measured_rounds": r["rounds"],
+        })
+    return rows
+
+
+def markdown_table(rows: list[dict], tolerance: float) -> str:
+    """The validation table in Markdown; misses beyond `tolerance` are marked."""
+    lines = [
+        "| method | p | N | predicted ms | measured ms (p10-p90) | error | bytes pred / meas | rounds pred / meas |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        mark = "" if abs(r["error"]) <= tolerance else " **miss**"
+        lines.append(
+            f"| {r['method']} | {r['gpus']} | {r['seq_len']} | {r['predicted_seconds'] * 1e3:.2f} | "
+            f"{r['measured_seconds'] * 1e3:.2f} ({r['p10_seconds'] * 1e3:.2f}-{r['p90_seconds'] * 1e3:.2f}) | "
+            f"{r['error']:+.0%}{mark} | {r['predicted_bytes']:.0f} / {r['measured_bytes']:.0f} | "
+            f"{r['predicted_rounds']} / {r['measured_rounds']} |"
+        )
+    return "\n".join(lines)
