@@ -21,12 +21,14 @@ timeout), then they are terminated. Nothing can hang forever.
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import multiprocessing
 import multiprocessing.connection
 import os
 import pickle
 import shutil
+import sys
 import tempfile
 import time
 import traceback
@@ -174,6 +176,7 @@ def _read_outcome(workdir: str, rank: int, exitcode: int | None) -> tuple[str, A
 
 def _rank_main(rank, world_size, port, backend, timeout, workdir, fn, args) -> None:
     """Body of one child process: join the group, run fn, leave the result or the error on disk."""
+    faulthandler.enable()  # a native crash (SIGSEGV, SIGABRT) still prints the Python stack
     try:
         if "nccl" in backend and torch.cuda.is_available():
             torch.cuda.set_device(rank % torch.cuda.device_count())
@@ -187,5 +190,15 @@ def _rank_main(rank, world_size, port, backend, timeout, workdir, fn, args) -> N
         text = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
         with open(os.path.join(workdir, f"rank{rank}.error"), "w") as f:
             f.write(text)
-        os._exit(1)  # do not wait on a group whose peers may be gone
+        _exit_now(1)  # do not wait on a group whose peers may be gone
     dist.destroy_process_group()
+    # Skip interpreter teardown: native threads of torch.distributed (store client, backend
+    # workers) can abort the process at exit ("terminate called without an active exception")
+    # after all work is done; the result is already on disk.
+    _exit_now(0)
+
+
+def _exit_now(code: int) -> None:
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(code)

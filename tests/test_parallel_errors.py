@@ -1,0 +1,217 @@
+"""Bad input across ranks fails loudly and the same way on every rank; a dead rank never hangs the rest.
+
+- Ranks that disagree on q's shape, dtype, scale, head counts, method, topology or positions all
+  raise the same ValueError (the cross-rank metadata check).
+- A rank whose own inputs are malformed raises its own error; the others name it.
+- A rank that dies mid-collective makes the others raise within the group timeout (< 60 s).
+- spawn reports which rank failed and with what.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+
+import treeattn as ta
+from treeattn.parallel import SpawnError
+
+B, SQ, HQ, HKV, D = 2, 1, 4, 2, 16
+
+
+def make_inputs(rank: int, *, Hq=HQ, Hkv=HKV, Dk=D, dtype=torch.float32, Sq=SQ, Sk=5):
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(B, Sq, Hq, Dk, generator=g).to(dtype)
+    g.manual_seed(10 + rank)
+    k = torch.randn(B, Sk, Hkv, Dk, generator=g).to(dtype)
+    v = torch.randn(B, Sk, Hkv, Dk, generator=g).to(dtype)
+    return q, k, v
+
+
+def mismatch_cases(rank: int):
+    """name -> (callable run on this rank, substring every error must contain)."""
+    base = make_inputs(rank)
+    q, k, v = base
+    return {
+        "Hq": (lambda: ta.tree_decode(*make_inputs(rank, Hq=8 if rank == 1 else HQ)), "Hq (q.shape[2])"),
+        "Hkv": (lambda: ta.tree_decode(*make_inputs(rank, Hkv=1 if rank == 1 else HKV), method="tree"), "Hkv (k.shape[2])"),
+        "D": (lambda: ta.tree_decode(*make_inputs(rank, Dk=8 if rank == 2 else D)), "D (q.shape[3])"),
+        "dtype": (lambda: ta.tree_decode(*make_inputs(rank, dtype=torch.bfloat16 if rank == 2 else torch.float32)), "dtype"),
+        "scale": (lambda: ta.tree_decode(q, k, v, scale=0.5 if rank == 0 else None), "scale"),
+        "method": (lambda: ta.tree_decode(q, k, v, method="tree" if rank == 1 else "allreduce"), "method"),
+        "topology": (
+            lambda: ta.tree_decode(q, k, v, method="twolevel", topology=ta.Topology(1 if rank == 0 else 3)),
+            "ranks_per_node",
+        ),
+        "positions": (
+            lambda: ta.tree_decode(q, k, v, q_pos=torch.tensor([9]), kv_pos=torch.arange(5)) if rank == 2 else ta.tree_decode(q, k, v),
+            "positions given",
+        ),
+        "ring_decode Sq": (lambda: ta.ring_decode(*make_inputs(rank, Sq=2 if rank == 0 else 1)), "Sq (q.shape[1])"),
+        "ring_decode pass_kv": (lambda: ta.ring_decode(q, k, v, pass_kv=rank != 1), "pass_kv"),
+        "ring_attention dtype": (
+            lambda: ta.ring_attention(*make_inputs(rank, dtype=torch.bfloat16 if rank == 1 else torch.float32, Sq=5)),
+            "dtype",
+        ),
+    }
+
+
+def run_and_capture(fn):
+    try:
+        fn()
+    except Exception as exc:  # noqa: BLE001
+        return (type(exc).__name__, str(exc))
+    return ("no error", "")
+
+
+def errors_worker(rank: int, world: int) -> dict:
+    torch.set_num_threads(1)
+    report = {}
+    for name, (fn, _) in mismatch_cases(rank).items():
+        report[name] = run_and_capture(fn)
+    q, k, v = make_inputs(rank)
+    # a malformed tensor on rank 0 only
+    report["local k on rank 0"] = run_and_capture(lambda: ta.tree_decode(q, k[0] if rank == 0 else k, v))
+    report["local k on rank 0, ring"] = run_and_capture(lambda: ta.ring_decode(q, k[0] if rank == 0 else k, v))
+    # the same bad argument everywhere
+    report["unknown method"] = run_and_capture(lambda: ta.tree_decode(q, k, v, method="butterfly"))
+    report["indivisible topology"] = run_and_capture(lambda: ta.tree_decode(q, k, v, method="twolevel", topology=ta.Topology(2)))
+    report["q_pos without kv_pos"] = run_and_capture(lambda: ta.ring_decode(q, k, v, q_pos=torch.tensor([4])))
+    # after all of that the group still works, and nested comm_stats both record
+    with ta.comm_stats() as outer:
+        with ta.comm_stats() as inner:
+            out, lse = ta.tree_decode(q, k, v, method="tree")
+    report["after"] = (out, lse, outer.as_dict(), inner.as_dict())
+    return report
+
+
+@pytest.fixture(scope="module")
+def error_reports():
+    return ta.spawn(errors_worker, 3, timeout=60)
+
+
+@pytest.mark.parametrize("name", list(mismatch_cases(0)))
+def test_disagreeing_ranks_all_raise_the_same_error(error_reports, name):
+    expected = mismatch_cases(0)[name][1]
+    outcomes = [r[name] for r in error_reports]
+    assert all(kind == "ValueError" for kind, _ in outcomes), outcomes
+    assert len({message for _, message in outcomes}) == 1, outcomes  # the same message on every rank
+    assert expected in outcomes[0][1] and "rank 0" in outcomes[0][1] and "rank 2" in outcomes[0][1]
+
+
+@pytest.mark.parametrize("name", ["local k on rank 0", "local k on rank 0, ring"])
+def test_a_rank_with_bad_local_input_is_named_by_the_others(error_reports, name):
+    own, *others = [r[name] for r in error_reports]
+    assert own[0] == "ValueError" and "k must have 4 dims" in own[1]
+    for kind, message in others:
+        assert kind == "ValueError" and "rank(s) [0]" in message
+
+
+@pytest.mark.parametrize(
+    "name, expected",
+    [("unknown method", "method must be one of"), ("indivisible topology", "multiple of"), ("q_pos without kv_pos", "given together")],
+)
+def test_the_same_bad_argument_raises_everywhere(error_reports, name, expected):
+    for kind, message in (r[name] for r in error_reports):
+        assert kind == "ValueError" and expected in message
+
+
+def test_group_still_works_after_errors(error_reports):
+    outs = [r["after"] for r in error_reports]
+    q, _, _ = make_inputs(0)
+    k = torch.cat([make_inputs(r)[1] for r in range(3)], dim=1)
+    v = torch.cat([make_inputs(r)[2] for r in range(3)], dim=1)
+    ref_out, ref_lse = ta.attention(q, k, v)
+    for out, lse, outer, inner in outs:
+        torch.testing.assert_close(out, ref_out, rtol=2e-5, atol=2e-5)
+        torch.testing.assert_close(lse, ref_lse, rtol=1e-5, atol=1e-5)
+        assert outer == inner and outer["by_op"]["allgather"]["calls"] == 1 and outer["by_op"]["p2p"]["calls"] >= 2
+
+
+# ----------------------------------------------------------------------------- dead ranks
+
+
+def dying_worker(rank: int, world: int) -> None:
+    torch.set_num_threads(1)
+    q, k, v = make_inputs(rank)
+    ta.tree_decode(q, k, v)  # everyone alive: works
+    if rank == 1:
+        time.sleep(1.0)  # the others are now waiting in the next collective
+        os._exit(7)
+    for _ in range(100):
+        ta.tree_decode(q, k, v, method="allreduce")
+
+
+def test_killed_rank_makes_the_others_fail_within_60_s():
+    start = time.monotonic()
+    with pytest.raises(SpawnError) as raised:
+        ta.spawn(dying_worker, 3, timeout=30)
+    elapsed = time.monotonic() - start
+    failures = raised.value.failures
+    assert elapsed < 60, f"took {elapsed:.1f} s"
+    assert set(failures) == {0, 1, 2}
+    assert "code 7" in failures[1]
+    for rank in (0, 2):  # they raised (a backend error), they were not killed by spawn
+        assert "terminated" not in failures[rank] and "Error" in failures[rank].splitlines()[0], failures[rank]
+
+
+def raising_worker(rank: int, world: int) -> int:
+    if rank == 1:
+        raise ValueError("boom on purpose")
+    return rank * 10
+
+
+def test_spawn_names_the_failed_rank_and_keeps_the_results():
+    with pytest.raises(SpawnError) as raised:
+        ta.spawn(raising_worker, 2)
+    error = raised.value
+    assert list(error.failures) == [1] and error.results == {0: 0}
+    assert "rank 1" in str(error) and "ValueError: boom on purpose" in str(error)
+
+
+def test_spawn_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="nprocs"):
+        ta.spawn(raising_worker, 0)
+    with pytest.raises(ValueError, match="timeout"):
+        ta.spawn(raising_worker, 2, timeout=0)
+
+
+# ----------------------------------------------------------------------------- topology
+
+
+def test_topology(monkeypatch):
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert ta.Topology().resolve(6) == 6  # one node
+    assert ta.Topology(2).resolve(6) == 2
+    assert ta.Topology(2).node_ranks(3, 6) == [2, 3] and ta.Topology(3).leaders(6) == [0, 3]
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert ta.Topology().resolve(8) == 4
+    with pytest.raises(ValueError, match="LOCAL_WORLD_SIZE"):
+        ta.Topology().resolve(6)
+    with pytest.raises(ValueError, match="multiple of ranks_per_node"):
+        ta.Topology(4).resolve(6)
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="ranks_per_node"):
+            ta.Topology(bad)
+
+
+def stalling_worker(rank: int, world: int) -> None:
+    torch.set_num_threads(1)
+    q, k, v = make_inputs(rank)
+    if rank == 1:
+        time.sleep(30)  # alive, but never joins the collective
+    ta.tree_decode(q, k, v)
+
+
+def test_a_stalled_rank_ends_in_the_group_timeout():
+    """The others' collective fails after the group timeout (5 s here); spawn then ends the stalled rank."""
+    start = time.monotonic()
+    with pytest.raises(SpawnError) as raised:
+        ta.spawn(stalling_worker, 2, timeout=5)
+    elapsed = time.monotonic() - start
+    failures = raised.value.failures
+    assert elapsed < 25, f"took {elapsed:.1f} s"
+    assert "terminated" not in failures[0] and "Error" in failures[0].splitlines()[0], failures[0]
+    assert "terminated" in failures[1]
