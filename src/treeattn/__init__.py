@@ -16,6 +16,9 @@ from treeattn.ops import (
 from treeattn.parallel import Topology, comm_stats, ring_attention, ring_decode, spawn, tree_decode
 from treeattn.ops.bifurcated import bifurcated_attention
 from treeattn.parallel.bifurcated import sharded_bifurcated_attention
+from treeattn.cache import ShardedKVCache
+from treeattn.models import LlamaConfig, LlamaModel, load_model, load_tokenizer
+from treeattn.generate import GenerationResult, generate, stream
 
 __version__ = "0.1.0"
 
@@ -34,4 +37,12 @@ __all__ = [
     "tree_decode",
     "bifurcated_attention",
     "sharded_bifurcated_attention",
+    "ShardedKVCache",
+    "LlamaConfig",
+    "LlamaModel",
+    "load_model",
+    "load_tokenizer",
+    "GenerationResult",
+    "generate",
+    "stream",
 ]

@@ -50,6 +50,16 @@ def _register_bench() -> None:
 _register_bench()
 
 
+def _register_engine() -> None:
+    from treeattn.engine_cli import demo_command, generate_command
+
+    app.command(name="generate")(generate_command)
+    app.command(name="demo")(demo_command)
+
+
+_register_engine()
+
+
 def main() -> None:
     app()
 

@@ -1,0 +1,28 @@
+"""Llama-family models (Llama, Qwen2, Mistral), their attention algorithms, and the checkpoint loader."""
+
+from treeattn.models.attention import (
+    DECODE_KINDS,
+    LocalAttention,
+    RingDecodeAttention,
+    RingPrefillAttention,
+    TreeAttention,
+    decode_attention,
+)
+from treeattn.models.llama import LlamaConfig, LlamaModel, random_model
+from treeattn.models.loader import config_from_dict, load_model, load_tokenizer, read_config
+
+__all__ = [
+    "DECODE_KINDS",
+    "LlamaConfig",
+    "LlamaModel",
+    "LocalAttention",
+    "RingDecodeAttention",
+    "RingPrefillAttention",
+    "TreeAttention",
+    "config_from_dict",
+    "decode_attention",
+    "load_model",
+    "load_tokenizer",
+    "random_model",
+    "read_config",
+]

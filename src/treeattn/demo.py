@@ -1,0 +1,134 @@
+"""The demo behind `treeattn demo`: long-context decoding on local CPU ranks, tree vs ring, no download.
+
+A small Llama-architecture model with random weights (the same on every rank for a seed) gets a
+synthetic prompt of `context` tokens. On `nproc` gloo ranks the prompt is prefilled once into the
+sequence-sharded KV cache (ring prefill), then decoded greedily once per method -- tree_decode
+and ring_decode (pass-KV) -- from that same cache. A single process then prefills and decodes the
+same prompt with plain attention over the whole cache, and every method must give its tokens.
+
+run_demo() returns the measurements; the CLI renders them. benchmarks/engine_decode.py uses it too.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+
+from treeattn.generate import GenerationResult, generate, stream
+from treeattn.models.llama import LlamaConfig, random_model
+
+logger = logging.getLogger(__name__)
+
+# Small enough that a 32K-token prefill takes seconds on two CPU cores, shaped like a Llama (GQA).
+DEMO_CONFIG = dict(
+    vocab_size=4096,
+    hidden_size=128,
+    intermediate_size=256,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=32,
+    rope_theta=500000.0,
+    max_position_embeddings=1 << 20,
+)
+# Allocations above this size are mmap-ed and returned to the OS when freed, so resident memory
+# follows live tensors and the measured peak during decoding means something (glibc malloc).
+_MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "131072"}
+
+
+@dataclass
+class MethodRun:
+    """One decoding method of the demo. `result` is rank 0's GenerationResult."""
+
+    name: str
+    decode: str
+    method: str
+    world_size: int
+    result: GenerationResult
+
+
+def demo_config() -> LlamaConfig:
+    return LlamaConfig(**DEMO_CONFIG)
+
+
+def synthetic_prompt(context: int, vocab_size: int, seed: int) -> list[int]:
+    """`context` token ids drawn uniformly (reproducibly) from the vocabulary."""
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab_size, (context,), generator=generator).tolist()
+
+
+def run_demo(
+    *,
+    context: int = 32768,
+    nproc: int = 4,
+    new_tokens: int = 16,
+    methods: tuple[tuple[str, str], ...] = (("tree", "allreduce"), ("ring", "allreduce")),
+    placement: str = "contiguous",
+    threads_per_rank: int | None = None,
+    seed: int = 0,
+) -> tuple[list[MethodRun], float]:
+    """Decode a random-weight model from a `context`-token prompt on `nproc` local ranks.
+
+    Args:
+        context: prompt length in tokens.
+        nproc: number of local gloo ranks.
+        new_tokens: greedy tokens per method.
+        methods: (decode, tree method) pairs, decoded one after the other from one prefill.
+        placement: cache placement on the ranks.
+        threads_per_rank: torch threads in each rank; default cores // nproc (at least 1).
+        seed: model weights and prompt.
+
+    Returns:
+        (one MethodRun per method, wall seconds of the whole sharded run incl. process start).
+    """
+    from treeattn.parallel import spawn
+
+    threads = threads_per_rank or max(1, (os.cpu_count() or 1) // nproc)
+    saved = {k: os.environ.get(k) for k in _MALLOC_ENV}
+    os.environ.update(_MALLOC_ENV)  # read by the child processes' malloc at start
+    try:
+        start = time.perf_counter()
+        per_rank = spawn(_demo_rank, nproc, context, new_tokens, tuple(methods), placement, threads, seed, timeout=600)
+        sharded_s = time.perf_counter() - start
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    return [MethodRun(name, decode, method, nproc, result) for name, decode, method, result in per_rank[0]], sharded_s
+
+
+def run_reference(*, context: int = 32768, new_tokens: int = 16, seed: int = 0, threads: int | None = None) -> MethodRun:
+    """Prefill and decode the demo prompt in this process with plain attention over the whole cache."""
+    saved_threads = torch.get_num_threads()
+    torch.set_num_threads(threads or os.cpu_count() or 1)
+    try:
+        model = random_model(demo_config(), seed=seed)
+        prompt = synthetic_prompt(context, model.config.vocab_size, seed)
+        result = generate(model, prompt, max_new_tokens=new_tokens, decode="local", stop_tokens=[])
+    finally:
+        torch.set_num_threads(saved_threads)
+    return MethodRun("single process (local)", "local", "-", 1, result)
+
+
+def _demo_rank(rank: int, world_size: int, context, new_tokens, methods, placement, threads, seed):
+    """One rank: build the model, prefill once, decode with each method from the same cache."""
+    torch.set_num_threads(threads)
+    model = random_model(demo_config(), seed=seed)
+    prompt = synthetic_prompt(context, model.config.vocab_size, seed)
+    rows = []
+    cache = None
+    for decode, method in methods:
+        name = f"tree ({method})" if decode == "tree" else "ring (pass-KV)" if decode == "ring" else decode
+        run = stream(model, prompt, max_new_tokens=new_tokens, decode=decode, method=method, placement=placement,
+                     stop_tokens=[], cache=cache)
+        for _ in run:
+            pass
+        cache = run.cache
+        rows.append((name, decode, method, run.result))
+    return rows

@@ -1,0 +1,320 @@
+"""`treeattn generate` and `treeattn demo`: the decoding engine on the command line.
+
+    treeattn generate MODEL_DIR --prompt "Once upon a time" --nproc 4 --decode tree --max-new-tokens 64
+    treeattn generate MODEL_DIR --prompt-ids ids.json --nproc 2 --json      # one JSON object on stdout
+    torchrun --nproc-per-node 4 -m treeattn generate MODEL_DIR --prompt-file prompt.txt
+    treeattn demo                                                           # 32K tokens, 4 CPU ranks
+
+Progress and summaries go to stderr; stdout carries only the generated text (or, with --json, one
+JSON object), so the output can be piped.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from enum import Enum
+from pathlib import Path
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+logger = logging.getLogger(__name__)
+stderr = Console(stderr=True)
+
+class Decode(str, Enum):
+    tree = "tree"
+    ring = "ring"
+    local = "local"
+
+
+class Method(str, Enum):
+    allreduce = "allreduce"
+    tree = "tree"
+    twolevel = "twolevel"
+
+
+class Placement(str, Enum):
+    contiguous = "contiguous"
+    interleaved = "interleaved"
+
+
+class Prefill(str, Enum):
+    auto = "auto"
+    ring = "ring"
+    local = "local"
+
+
+class DType(str, Enum):
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+    float16 = "float16"
+
+
+def generate_command(
+    model_dir: Path = typer.Argument(..., help="Hugging Face model directory (config.json, *.safetensors, tokenizer.json)."),
+    prompt: str | None = typer.Option(None, "--prompt", help="Prompt text (needs tokenizer.json)."),
+    prompt_file: Path | None = typer.Option(None, "--prompt-file", help="Read the prompt text from this file."),
+    prompt_ids: Path | None = typer.Option(None, "--prompt-ids", help="JSON file: a list of token ids, or a list of such lists (a batch)."),
+    nproc: int | None = typer.Option(None, "--nproc", help="Local ranks to spawn (gloo). Default 1, or the world size under torchrun."),
+    decode: Decode = typer.Option(Decode.tree, "--decode", help="Decode attention across ranks."),
+    method: Method = typer.Option(Method.allreduce, "--method", help="tree_decode combine."),
+    prefill: Prefill = typer.Option(Prefill.auto, "--prefill", help="auto: ring on several ranks, local on one."),
+    max_new_tokens: int = typer.Option(64, "--max-new-tokens", min=1),
+    temperature: float = typer.Option(0.0, "--temperature", min=0.0, help="0 = greedy."),
+    top_k: int | None = typer.Option(None, "--top-k", min=1),
+    top_p: float | None = typer.Option(None, "--top-p", min=0.0, max=1.0),
+    seed: int = typer.Option(0, "--seed", min=0),
+    stop_id: list[int] = typer.Option([], "--stop-id", help="Stop token id (repeatable). Default: the model's eos ids."),
+    no_stop: bool = typer.Option(False, "--no-stop", help="Ignore stop tokens; always generate --max-new-tokens."),
+    placement: Placement = typer.Option(Placement.contiguous, "--placement"),
+    block_size: int = typer.Option(256, "--block-size", min=1, help="KV cache block size in tokens."),
+    capacity: int | None = typer.Option(None, "--capacity", min=1, help="KV cache capacity in tokens (default prompt + max new tokens)."),
+    dtype: DType = typer.Option(DType.float32, "--dtype"),
+    threads: int | None = typer.Option(None, "--threads", min=1, help="torch threads per rank (default cores / ranks)."),
+    json_output: bool = typer.Option(False, "--json", help="Print one JSON object on stdout and nothing else."),
+) -> None:
+    """Generate from a Hugging Face checkpoint with the KV cache sharded across ranks."""
+    from treeattn.models.loader import load_tokenizer, read_config
+
+    try:
+        config = read_config(model_dir)
+        tokenizer = load_tokenizer(model_dir)
+        prompts, batched = _read_prompts(prompt, prompt_file, prompt_ids, tokenizer)
+        world = _world_size(nproc)
+        longest = max(len(p) for p in prompts)
+        if capacity is not None and longest + max_new_tokens > capacity:
+            raise ValueError(f"prompt of {longest} tokens + --max-new-tokens {max_new_tokens} does not fit in --capacity {capacity}")
+        bad = [t for p in prompts for t in p if not 0 <= t < config.vocab_size]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is outside the model's vocabulary [0, {config.vocab_size})")
+    except (ValueError, FileNotFoundError, TypeError) as exc:
+        stderr.print(f"[red]error:[/red] {exc}")
+        raise typer.Exit(2) from exc
+
+    options = dict(
+        model_dir=str(model_dir), prompts=prompts, max_new_tokens=max_new_tokens, temperature=temperature,
+        top_k=top_k, top_p=top_p, seed=seed, stop_tokens=[] if no_stop else (stop_id or None), decode=decode.value,
+        method=method.value, prefill=prefill.value, placement=placement.value, block_size=block_size,
+        capacity=capacity, dtype=dtype.value, threads=threads or max(1, (os.cpu_count() or 1) // world),
+        progress=not json_output,
+    )
+    start = time.perf_counter()
+    try:
+        if world == 1 and not _under_torchrun():
+            result = _generate_rank(0, 1, options)
+        else:
+            from treeattn.parallel import spawn
+
+            result = spawn(_generate_rank, world, options)[0]
+    except Exception as exc:  # a rank's error (SpawnError names it) or a local one: report, exit non-zero
+        stderr.print(f"[red]error:[/red] {exc}")
+        raise typer.Exit(1) from exc
+    if result is None:  # a non-zero rank under torchrun: rank 0 reports
+        return
+    total_s = time.perf_counter() - start
+    texts = [tokenizer.decode(ids) for ids in result["generated_ids"]] if tokenizer is not None else None
+    if json_output:
+        typer.echo(json.dumps(_json_report(result, texts, batched, total_s)))
+        return
+    for i, ids in enumerate(result["generated_ids"]):
+        prefix = f"[{i}] " if batched else ""
+        typer.echo(prefix + (texts[i] if texts is not None else " ".join(map(str, ids))))
+    stderr.print(_summary_table(result, total_s))
+
+
+def _generate_rank(rank: int, world_size: int, options: dict) -> dict | None:
+    """One rank of `treeattn generate`: load, generate (rank 0 shows progress); rank 0 returns the result."""
+    import torch
+
+    from treeattn.generate import generate
+    from treeattn.models.loader import load_model
+
+    torch.set_num_threads(options["threads"])
+    model = load_model(options["model_dir"], dtype=getattr(torch, options["dtype"]))
+    kwargs = {k: options[k] for k in ("max_new_tokens", "temperature", "top_k", "top_p", "seed", "stop_tokens", "decode",
+                                       "method", "prefill", "placement", "block_size", "capacity")}
+    show = options["progress"] and rank == 0
+    prompt_len = max(len(p) for p in options["prompts"])
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=stderr, disable=not show, transient=False) as progress:
+        prefill_task = progress.add_task(f"prefill {prompt_len} tokens on {world_size} rank(s)", total=1)
+        decode_task = progress.add_task("decode", total=options["max_new_tokens"], start=False)
+
+        def on_token(step):
+            if step.index == 0:
+                progress.update(prefill_task, completed=1)
+                progress.start_task(decode_task)
+            progress.update(decode_task, completed=step.index + 1)
+
+        result = generate(model, options["prompts"], on_token=on_token, **kwargs)
+    return result.as_dict() if rank == 0 else None
+
+
+def _read_prompts(prompt, prompt_file, prompt_ids, tokenizer) -> tuple[list[list[int]], bool]:
+    """The prompt(s) as token ids, and whether a batch was given."""
+    given = [name for name, value in (("--prompt", prompt), ("--prompt-file", prompt_file), ("--prompt-ids", prompt_ids)) if value is not None]
+    if len(given) != 1:
+        raise ValueError(f"give exactly one of --prompt, --prompt-file, --prompt-ids (got {', '.join(given) or 'none'})")
+    if prompt_ids is not None:
+        try:
+            ids = json.loads(Path(prompt_ids).read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise ValueError(f"--prompt-ids {prompt_ids}: cannot read a JSON list of token ids: {exc}") from exc
+        batched = isinstance(ids, list) and len(ids) > 0 and all(isinstance(p, list) for p in ids)
+        prompts = ids if batched else [ids]
+        for p in prompts:
+            if not isinstance(p, list) or not p or not all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+                raise ValueError(f"--prompt-ids {prompt_ids}: expected a non-empty JSON list of ints (or a list of such lists)")
+        return prompts, batched
+    if prompt_file is not None:
+        try:
+            prompt = Path(prompt_file).read_text()
+        except OSError as exc:
+            raise ValueError(f"--prompt-file {prompt_file}: {exc}") from exc
+    if tokenizer is None:
+        raise ValueError("the model directory has no tokenizer.json: pass token ids with --prompt-ids")
+    ids = tokenizer.encode(prompt).ids
+    if not ids:
+        raise ValueError("the prompt is empty after tokenization")
+    return [ids], False
+
+
+def _under_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def _world_size(nproc: int | None) -> int:
+    if _under_torchrun():
+        world = int(os.environ["WORLD_SIZE"])
+        if nproc is not None and nproc != world:
+            raise ValueError(f"--nproc {nproc} disagrees with torchrun's WORLD_SIZE={world}")
+        return world
+    if nproc is not None and nproc < 1:
+        raise ValueError(f"--nproc must be >= 1, got {nproc}")
+    return nproc or 1
+
+
+def _json_report(result: dict, texts, batched: bool, total_s: float) -> dict:
+    report = {
+        "prompt_tokens": result["prompt_tokens"] if batched else result["prompt_tokens"][0],
+        "generated_ids": result["generated_ids"] if batched else result["generated_ids"][0],
+        "finish_reason": result["finish_reasons"] if batched else result["finish_reasons"][0],
+    }
+    if texts is not None:
+        report["text"] = texts if batched else texts[0]
+    report["timings"] = {
+        "total_s": total_s,
+        "prefill_s": result["prefill_s"],
+        "decode_s": result["decode_s"],
+        "decode_steps": result["decode_steps"],
+        "time_per_token_s": _finite(result["time_per_token_s"]),
+        "tokens_per_s": _finite(result["tokens_per_s"]),
+    }
+    report["comm"] = {
+        "bytes_per_token": _finite(result["comm_bytes_per_token"]),
+        "decode_bytes_sent_per_rank": result["comm_bytes_per_rank"],
+        "prefill_bytes_sent_per_rank": result["prefill_comm_bytes_per_rank"],
+        "decode_rounds_rank0": result["comm"].get("rounds", 0),
+    }
+    report["kv_bytes_per_rank"] = result["kv_bytes_per_rank"]
+    report["peak_rss_bytes_per_rank"] = result["peak_rss_bytes_per_rank"]
+    report["run"] = {k: result[k] for k in ("world_size", "decode", "method", "prefill", "placement")}
+    return report
+
+
+def _finite(x: float) -> float | None:
+    return x if x == x and abs(x) != float("inf") else None
+
+
+def _summary_table(result: dict, total_s: float) -> Table:
+    table = Table(title=f"{result['world_size']} rank(s), decode={result['decode']}"
+                        + (f" ({result['method']})" if result["decode"] == "tree" else "")
+                        + f", prefill={result['prefill']}, placement={result['placement']}")
+    table.add_column("measure")
+    table.add_column("value", justify="right")
+    steps = result["decode_steps"]
+    table.add_row("prompt tokens", ", ".join(map(str, result["prompt_tokens"])))
+    table.add_row("new tokens", ", ".join(str(len(g)) for g in result["generated_ids"]))
+    table.add_row("time to first token", f"{result['prefill_s']:.3f} s")
+    table.add_row("time per token (decode)", f"{result['time_per_token_s'] * 1e3:.2f} ms" if steps else "-")
+    table.add_row("tokens/s (decode)", f"{result['tokens_per_s']:.1f}" if steps else "-")
+    table.add_row("KV cache per rank", ", ".join(_mib(b) for b in result["kv_bytes_per_rank"]))
+    table.add_row("comm per token (all ranks)", _bytes(result["comm_bytes_per_token"]) if steps else "-")
+    table.add_row("total wall time", f"{total_s:.2f} s")
+    return table
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:.2f} MiB"
+
+
+def _bytes(n: float) -> str:
+    if n >= 2**20:
+        return _mib(n)
+    if n >= 2**10:
+        return f"{n / 2**10:.2f} KiB"
+    return f"{n:.0f} B"
+
+
+# ------------------------------------------------------------------------------------- demo
+
+
+def demo_command(
+    context: int = typer.Option(32768, "--context", min=2, help="Synthetic prompt length in tokens."),
+    nproc: int = typer.Option(4, "--nproc", min=1, help="Local CPU ranks."),
+    new_tokens: int = typer.Option(16, "--new-tokens", min=2, help="Greedy tokens per method."),
+    placement: Placement = typer.Option(Placement.contiguous, "--placement"),
+    threads: int | None = typer.Option(None, "--threads", min=1, help="torch threads per rank (default cores / ranks)."),
+    seed: int = typer.Option(0, "--seed", min=0),
+    reference: bool = typer.Option(True, "--reference/--no-reference", help="Check against single-process decoding."),
+) -> None:
+    """Long-context decoding on local CPU ranks with a random-weight Llama: tree vs ring, no download."""
+    from treeattn.demo import DEMO_CONFIG, run_demo, run_reference
+
+    cfg = DEMO_CONFIG
+    stderr.print(
+        f"model: Llama architecture, random weights, {cfg['num_layers']} layers, hidden {cfg['hidden_size']}, "
+        f"{cfg['num_heads']} heads / {cfg['num_kv_heads']} KV heads x {cfg['head_dim']}, vocab {cfg['vocab_size']}, float32\n"
+        f"prompt: {context} synthetic tokens; {nproc} gloo ranks on {os.cpu_count()} cores; {new_tokens} greedy tokens per method"
+    )
+    start = time.perf_counter()
+    with stderr.status(f"prefill {context} tokens on {nproc} ranks (ring), then decode with each method ..."):
+        runs, sharded_s = run_demo(context=context, nproc=nproc, new_tokens=new_tokens, placement=placement.value,
+                                   threads_per_rank=threads, seed=seed)
+    ref = None
+    if reference:
+        with stderr.status(f"single process: prefill {context} tokens and decode ..."):
+            ref = run_reference(context=context, new_tokens=new_tokens, seed=seed)
+    total_s = time.perf_counter() - start
+
+    table = Table(title=f"Decoding {new_tokens} tokens after a {context}-token prompt ({placement.value} placement)")
+    for column in ("method", "ranks", "time/token", "tokens/s", "comm/token (all ranks)", "rounds/token (rank 0)",
+                   "KV/rank", "peak RSS/rank", "decode RSS growth", "same tokens"):
+        table.add_column(column, justify="right" if column not in ("method",) else "left")
+    all_same = True
+    for run in runs + ([ref] if ref else []):
+        res = run.result
+        same = "-" if ref is None else ("yes" if res.generated_ids == ref.result.generated_ids else "NO")
+        all_same &= same != "NO"
+        growth = max(p - s for p, s in zip(res.peak_rss_bytes_per_rank, res.start_rss_bytes_per_rank))
+        rounds = res.comm.get("rounds", 0) / res.decode_steps if res.decode_steps else 0
+        table.add_row(run.name, str(run.world_size), f"{res.time_per_token_s * 1e3:.1f} ms", f"{res.tokens_per_s:.1f}",
+                      _bytes(res.comm_bytes_per_token), f"{rounds:.0f}", _mib(max(res.kv_bytes_per_rank)),
+                      _mib(max(res.peak_rss_bytes_per_rank)), _mib(max(growth, 0)), same)
+    Console().print(table)
+    first = runs[0].result
+    stderr.print(
+        f"ring prefill: {first.prefill_s:.1f} s (time to first token); sharded part {sharded_s:.1f} s incl. process start; "
+        f"total {total_s:.1f} s. Tokens: {first.generated_ids[0]}"
+    )
+    if not all_same:
+        stderr.print("[red]the methods disagree with single-process decoding[/red]")
+        raise typer.Exit(1)
+
+
+__all__ = ["demo_command", "generate_command"]

@@ -1,0 +1,612 @@
+"""Generation: prefill a prompt into the sequence-sharded KV cache, then decode token by token.
+
+The one entry point is `generate` (and `stream`, the same as an iterator). Call it on every rank of
+the group with the same arguments; every rank returns the same tokens.
+
+    import treeattn as ta
+    model = ta.load_model("path/to/checkpoint")
+    result = ta.generate(model, [prompt_ids], max_new_tokens=64, decode="tree", method="allreduce")
+    result.generated_ids[0]              # list of new token ids of the first prompt
+
+    for step in ta.stream(model, [prompt_ids], max_new_tokens=64):   # tokens as they come
+        print(step.tokens)
+
+What happens, on each rank of `group` (p ranks; without torch.distributed initialized, p = 1):
+
+1. Setup: arguments are validated (a prompt that does not fit in the cache fails here), and one
+   all-gather checks that every rank got the same arguments, so a mismatch raises on every rank
+   instead of hanging. A ShardedKVCache is built with the chosen placement.
+2. Prefill, one of:
+   - "ring": rank r runs only the prompt tokens it holds in the cache (placement decides), through
+     all layers; each layer's attention is ring_attention. The prompt's compute is split p ways.
+   - "local": every rank runs the whole prompt, `chunk` tokens at a time; each chunk attends to the
+     cache through the decode attention (tree_decode / ring_decode across the shards; plain
+     attention on one rank). Activations stay bounded by the chunk.
+   "auto" picks "ring" on p > 1 ranks (unless a sliding window is shorter than the prompt:
+   ring_attention has no window) and "local" on one.
+3. Decode: rank 0 turns the last hidden state into logits, samples the next token of every
+   sequence and broadcasts the ids, so every rank and every p sees the same tokens. Every rank then
+   runs the new token through the model; its keys/values land on the rank the placement names;
+   attention is "tree" (tree_decode with `method`), "ring" (ring_decode, pass-KV) or "local".
+   Stops at max_new_tokens or when every sequence has produced a stop token.
+
+Sampling: temperature 0 is greedy (argmax). Otherwise logits / temperature, then top-k, then top-p
+(nucleus), then one draw per sequence from a torch.Generator seeded with `seed` on rank 0.
+
+A batch of prompts of different lengths is left-padded; padding tokens are invisible to every
+query, so each sequence decodes exactly as it would alone.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import resource
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from treeattn.cache import PAD_POSITION, PLACEMENTS, ShardedKVCache
+from treeattn.models.attention import DECODE_KINDS, LocalAttention, RingPrefillAttention, decode_attention
+from treeattn.models.llama import LlamaModel
+
+logger = logging.getLogger(__name__)
+
+PREFILL_KINDS = ("auto", "ring", "local")
+METHODS = ("allreduce", "tree", "twolevel")
+
+
+@dataclass
+class StepOutput:
+    """One decoding step: the new token of every sequence.
+
+    Attributes:
+        index: 0 for the first new token, 1 for the second, ...
+        tokens: the new token id of each sequence (B ints; a finished sequence's entry is ignored).
+        finished: per sequence, whether it has stopped (stop token or this was its last token).
+        elapsed_s: seconds since generation started (setup and prefill included).
+    """
+
+    index: int
+    tokens: list[int]
+    finished: list[bool]
+    elapsed_s: float
+
+
+@dataclass
+class GenerationResult:
+    """What generate() returns, identical on every rank.
+
+    Attributes:
+        prompt_tokens: prompt length of each sequence.
+        generated_ids: the new tokens of each sequence, up to and including its stop token.
+        finish_reasons: per sequence, "stop" (a stop token) or "length" (max_new_tokens).
+        prefill_s: seconds from the start to the first token (setup, prefill, first sample).
+        decode_s: seconds spent in the decode steps after the first token.
+        decode_steps: model forward passes of one token per sequence (new tokens - 1).
+        step_times_s: wall time of each decode step on rank 0.
+        world_size, decode, method, prefill, placement: how it ran.
+        kv_bytes_per_rank: bytes of KV cache (keys, values, positions) each rank holds at the end.
+        comm_bytes_per_rank: bytes each rank sent during the decode steps (treeattn's accounting).
+        prefill_comm_bytes_per_rank: bytes each rank sent during the prefill.
+        peak_rss_bytes_per_rank: peak resident memory of each rank during the decode steps
+            (Linux: the high-water mark is reset when decoding starts; elsewhere the process peak).
+        start_rss_bytes_per_rank: resident memory of each rank when decoding started; the
+            difference to the peak is what decoding itself added (attention buffers, K/V in flight).
+        comm: rank 0's comm_stats of the decode steps, as a dict (bytes, messages, rounds, by op).
+    """
+
+    prompt_tokens: list[int]
+    generated_ids: list[list[int]]
+    finish_reasons: list[str]
+    prefill_s: float
+    decode_s: float
+    decode_steps: int
+    step_times_s: list[float]
+    world_size: int
+    decode: str
+    method: str
+    prefill: str
+    placement: str
+    kv_bytes_per_rank: list[int] = field(default_factory=list)
+    comm_bytes_per_rank: list[float] = field(default_factory=list)
+    prefill_comm_bytes_per_rank: list[float] = field(default_factory=list)
+    peak_rss_bytes_per_rank: list[int] = field(default_factory=list)
+    start_rss_bytes_per_rank: list[int] = field(default_factory=list)
+    comm: dict = field(default_factory=dict)
+
+    @property
+    def time_per_token_s(self) -> float:
+        """Mean seconds per decode step (one new token of every sequence); nan without steps."""
+        return self.decode_s / self.decode_steps if self.decode_steps else float("nan")
+
+    @property
+    def tokens_per_s(self) -> float:
+        """New tokens per second over the decode steps, all sequences together."""
+        return len(self.prompt_tokens) / self.time_per_token_s if self.decode_steps else float("nan")
+
+    @property
+    def comm_bytes_per_token(self) -> float:
+        """Bytes sent by all ranks together per decode step."""
+        return sum(self.comm_bytes_per_rank) / self.decode_steps if self.decode_steps else float("nan")
+
+    def as_dict(self) -> dict:
+        """JSON-friendly dict of everything, with the derived rates."""
+        out = {k: v for k, v in vars(self).items()}
+        out.update(time_per_token_s=self.time_per_token_s, tokens_per_s=self.tokens_per_s, comm_bytes_per_token=self.comm_bytes_per_token)
+        return out
+
+
+def generate(
+    model: LlamaModel,
+    prompts: Sequence[int] | Sequence[Sequence[int]],
+    *,
+    max_new_tokens: int = 32,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    seed: int = 0,
+    stop_tokens: Sequence[int] | None = None,
+    decode: str = "tree",
+    method: str = "allreduce",
+    prefill: str = "auto",
+    placement: str = "contiguous",
+    block_size: int = 256,
+    capacity: int | None = None,
+    chunk: int = 1024,
+    group: dist.ProcessGroup | None = None,
+    topology=None,
+    cache: ShardedKVCache | None = None,
+    on_token: Callable[[StepOutput], None] | None = None,
+) -> GenerationResult:
+    """Generate continuations of `prompts` with the KV cache sharded across the ranks of `group`.
+
+    Call on every rank of the group with the same arguments (checked: a mismatch raises on every
+    rank). Every rank returns the same GenerationResult.
+
+    Args:
+        model: a LlamaModel (treeattn.load_model or random_model), the same weights on every rank.
+        prompts: one prompt (a list of token ids) or a list of prompts (a batch; left-padded).
+        max_new_tokens: new tokens per sequence, >= 1.
+        temperature: 0 for greedy decoding; > 0 scales the logits before sampling.
+        top_k: keep the k most likely tokens (None: all).
+        top_p: keep the smallest set of most likely tokens whose probability reaches top_p (None: 1).
+        seed: seed of the sampling generator (on rank 0; the ids are broadcast).
+        stop_tokens: token ids that end a sequence; default the model's eos_token_ids.
+        decode: "tree" (tree_decode), "ring" (ring_decode, K/V passed around) or "local" (one rank).
+        method: tree_decode method: "allreduce", "tree" or "twolevel".
+        prefill: "auto", "ring" (ring_attention, prompt split across ranks) or "local" (every rank
+            runs the prompt in chunks, attention through the decode attention).
+        placement: "contiguous" or "interleaved" placement of tokens on ranks.
+        block_size: cache block size in tokens.
+        capacity: KV cache capacity in tokens per sequence; default longest prompt + max_new_tokens.
+        chunk: tokens per chunk of the "local" prefill and of MLP activations.
+        group: process group; None is the default group (or a single process without one).
+        topology: treeattn Topology for method "twolevel".
+        cache: a ShardedKVCache that already holds these prompts (the .cache of an earlier
+            Generation with the same prompts, placement and group), to decode again without a
+            prefill: it is cut back to the prompt minus its last token, which is run again to get
+            the first logits. None: a new cache and a full prefill.
+        on_token: called with each StepOutput as tokens come (on every rank).
+
+    Returns:
+        GenerationResult.
+
+    Raises:
+        ValueError / TypeError: bad arguments, a prompt that does not fit, ranks that disagree --
+            before any prefill work.
+    """
+    run = stream(
+        model, prompts, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+        seed=seed, stop_tokens=stop_tokens, decode=decode, method=method, prefill=prefill,
+        placement=placement, block_size=block_size, capacity=capacity, chunk=chunk, group=group, topology=topology,
+        cache=cache,
+    )
+    for step in run:
+        if on_token is not None:
+            on_token(step)
+    return run.result
+
+
+def stream(model: LlamaModel, prompts, **options) -> "Generation":
+    """generate() as an iterator: `for step in stream(model, prompts, ...)` yields a StepOutput per
+    new token; afterwards `.result` holds the GenerationResult. Same arguments as generate()
+    (without on_token). Arguments are checked here, before any work."""
+    return Generation(model, prompts, **options)
+
+
+class Generation:
+    """One generation run (see generate). Iterate over it to run it; then read .result."""
+
+    def __init__(
+        self,
+        model: LlamaModel,
+        prompts,
+        *,
+        max_new_tokens: int = 32,
+        temperature: float = 0.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        seed: int = 0,
+        stop_tokens: Sequence[int] | None = None,
+        decode: str = "tree",
+        method: str = "allreduce",
+        prefill: str = "auto",
+        placement: str = "contiguous",
+        block_size: int = 256,
+        capacity: int | None = None,
+        chunk: int = 1024,
+        group: dist.ProcessGroup | None = None,
+        topology=None,
+        cache: ShardedKVCache | None = None,
+    ) -> None:
+        self.start_time = time.perf_counter()
+        self.model, self.group, self.topology = model, group, topology
+        self.rank, self.world_size = _rank_and_size(group)
+        self.result: GenerationResult | None = None
+        local_error = None
+        try:
+            self.prompts = _check_prompts(prompts, model.config.vocab_size)
+            _check_int("max_new_tokens", max_new_tokens, 1)
+            _check_int("block_size", block_size, 1)
+            _check_int("chunk", chunk, 1)
+            _check_int("seed", seed, 0)
+            self.sampling = SamplingParams(temperature, top_k, top_p)
+            if decode not in DECODE_KINDS:
+                raise ValueError(f"decode must be one of {DECODE_KINDS}, got {decode!r}")
+            if decode == "local" and self.world_size > 1:
+                raise ValueError(f"decode='local' runs on one rank, but the group has {self.world_size}; use 'tree' or 'ring'")
+            if method not in METHODS:
+                raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+            if prefill not in PREFILL_KINDS:
+                raise ValueError(f"prefill must be one of {PREFILL_KINDS}, got {prefill!r}")
+            if placement not in PLACEMENTS:
+                raise ValueError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
+            longest = max(len(p) for p in self.prompts)
+            needed = longest + max_new_tokens
+            if capacity is None:
+                capacity = needed
+            _check_int("capacity", capacity, 1)
+            if longest > capacity:
+                raise ValueError(f"prompt of {longest} tokens is longer than the KV cache capacity of {capacity} tokens")
+            if needed > capacity:
+                raise ValueError(
+                    f"prompt of {longest} tokens + max_new_tokens={max_new_tokens} needs {needed} cache slots, "
+                    f"but the KV cache capacity is {capacity}"
+                )
+            if needed > model.config.max_position_embeddings:
+                logger.warning("%d positions exceed the model's max_position_embeddings=%d", needed, model.config.max_position_embeddings)
+            if stop_tokens is None:
+                stop_tokens = model.config.eos_token_ids
+            self.stop_tokens = frozenset(int(t) for t in stop_tokens)
+            prefill = _resolve_prefill(prefill, self.world_size, longest, model.config.layer_windows)
+            if cache is not None:
+                _check_reused_cache(cache, model, len(self.prompts), longest, needed, placement, self.rank, self.world_size)
+                capacity, block_size, prefill = cache.capacity, cache.block_size, "reused"
+        except (ValueError, TypeError) as exc:
+            local_error = exc
+        fields = {} if local_error is not None else {
+            "prompts": _fingerprint([list(map(int, p)) for p in self.prompts]),
+            "max_new_tokens": max_new_tokens, "capacity": capacity, "block_size": block_size, "chunk": chunk,
+            "seed": seed, "sampling": _fingerprint([temperature, top_k, top_p]), "stop_tokens": _fingerprint(sorted(self.stop_tokens)),
+            "decode": DECODE_KINDS.index(decode), "method": METHODS.index(method), "prefill": _fingerprint(prefill),
+            "placement": PLACEMENTS.index(placement), "model": _model_fingerprint(model),
+        }
+        if self.world_size > 1:
+            from treeattn.parallel.metadata import UNKNOWN, gather_metadata
+
+            names = ("prompts", "max_new_tokens", "capacity", "block_size", "chunk", "seed", "sampling", "stop_tokens",
+                     "decode", "method", "prefill", "placement", "model")
+            fields = fields or dict.fromkeys(names, UNKNOWN)
+            gather_metadata("generate", fields, group, must_match=names, local_error=local_error)
+        elif local_error is not None:
+            raise local_error
+        self.max_new_tokens, self.seed, self.chunk = max_new_tokens, seed, chunk
+        if not _distributed(group) and decode != "local":
+            logger.info("no process group: decode=%r runs as plain attention on this one process", decode)
+            decode = "local"
+        self.decode, self.method, self.prefill, self.placement = decode, method, prefill, placement
+        self.cache = cache if cache is not None else ShardedKVCache(
+            num_layers=model.config.num_layers, num_kv_heads=model.config.num_kv_heads, head_dim=model.config.head_dim,
+            capacity=capacity, batch_size=len(self.prompts), placement=placement, block_size=block_size,
+            rank=self.rank, world_size=self.world_size, dtype=model.dtype, device=model.device,
+        )
+
+    # ------------------------------------------------------------------------------ running
+
+    def __iter__(self) -> Iterator[StepOutput]:
+        if self.result is not None:
+            raise RuntimeError("this Generation has already run; call generate()/stream() again")
+        from treeattn.parallel import comm_stats
+
+        with torch.inference_mode():
+            tokens, positions = _left_pad(self.prompts, self.model.device)
+            with comm_stats() as prefill_comm:
+                hidden = self._prefill(tokens, positions)
+            generator = torch.Generator(device="cpu").manual_seed(self.seed)
+            B = len(self.prompts)
+            generated: list[list[int]] = [[] for _ in range(B)]
+            finished = [False] * B
+            reasons = ["length"] * B
+            next_pos = positions[:, -1] + 1
+            step_times: list[float] = []
+            prefill_s = decode_s = 0.0
+            start_rss = _current_rss()
+            _reset_peak_rss()
+            with comm_stats() as decode_comm:
+                for index in range(self.max_new_tokens):
+                    new = self._next_tokens(hidden, generator)
+                    if index == 0:
+                        prefill_s = time.perf_counter() - self.start_time
+                    for b, token in enumerate(new.tolist()):
+                        if finished[b]:
+                            continue
+                        generated[b].append(token)
+                        if token in self.stop_tokens:
+                            finished[b], reasons[b] = True, "stop"
+                    last = index == self.max_new_tokens - 1 or all(finished)
+                    yield StepOutput(index, new.tolist(), [f or last for f in finished], time.perf_counter() - self.start_time)
+                    if last:
+                        break
+                    step_start = time.perf_counter()
+                    hidden = self._decode_step(new, next_pos)
+                    next_pos = next_pos + 1
+                    step_times.append(time.perf_counter() - step_start)
+                    decode_s += step_times[-1]
+            peak_rss = _peak_rss()
+            per_rank = self._gather_per_rank([self.cache.nbytes(), decode_comm.bytes_sent, prefill_comm.bytes_sent, peak_rss, start_rss])
+            self.result = GenerationResult(
+                prompt_tokens=[len(p) for p in self.prompts], generated_ids=generated, finish_reasons=reasons,
+                prefill_s=prefill_s, decode_s=decode_s, decode_steps=len(step_times), step_times_s=step_times,
+                world_size=self.world_size, decode=self.decode, method=self.method, prefill=self.prefill,
+                placement=self.placement, kv_bytes_per_rank=[int(x) for x in per_rank[0]],
+                comm_bytes_per_rank=per_rank[1], prefill_comm_bytes_per_rank=per_rank[2],
+                peak_rss_bytes_per_rank=[int(x) for x in per_rank[3]], start_rss_bytes_per_rank=[int(x) for x in per_rank[4]],
+                comm=decode_comm.as_dict(),
+            )
+
+    def _decode_attention(self):
+        if not _distributed(self.group):
+            return LocalAttention()
+        return decode_attention(self.decode, method=self.method, group=self.group, topology=self.topology)
+
+    def _prefill(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Run the prompt into the cache. Returns the final hidden state of the last prompt slot,
+        (B, hidden_size), on every rank."""
+        length = tokens.shape[1]
+        if self.prefill == "reused":
+            self.cache.truncate(length - 1)
+            return self._decode_step(tokens[:, -1], positions[:, -1])
+        if self.prefill == "ring" and _distributed(self.group):
+            slots = self.cache.extend(positions)
+            mine = slots.owned.to(tokens.device)
+            attend = RingPrefillAttention(self.group, sequence_length=length)
+            hidden = self.model(tokens[:, mine], positions[:, mine], self.cache.update(slots), attend, chunk=self.chunk)
+            last_owner = int(self.cache.placement.owner(torch.tensor([length - 1])))
+            last = hidden[:, -1] if self.rank == last_owner else torch.empty(hidden.shape[0], hidden.shape[2], dtype=hidden.dtype, device=hidden.device)
+            return self._broadcast(last.contiguous(), src=last_owner)
+        attend = self._decode_attention()
+        for start in range(0, length, self.chunk):
+            stop = min(length, start + self.chunk)
+            slots = self.cache.extend(positions[:, start:stop])
+            hidden = self.model(tokens[:, start:stop], positions[:, start:stop], self.cache.update(slots, slots.owned), attend, chunk=self.chunk)
+        return hidden[:, -1]
+
+    def _decode_step(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Run one new token per sequence, tokens/positions int64 (B,). Returns hidden (B, hidden_size)."""
+        slots = self.cache.extend(positions[:, None])
+        hidden = self.model(tokens[:, None], positions[:, None], self.cache.update(slots, slots.owned), self._attend)
+        return hidden[:, -1]
+
+    @property
+    def _attend(self):
+        if not hasattr(self, "_attend_fn"):
+            self._attend_fn = self._decode_attention()
+        return self._attend_fn
+
+    def _next_tokens(self, hidden: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+        """Sample on rank 0, broadcast: int64 (B,) next token ids, the same on every rank."""
+        if self.rank == 0:
+            tokens = sample(self.model.logits(hidden), self.sampling, generator).to(hidden.device)
+        else:
+            tokens = torch.empty(hidden.shape[0], dtype=torch.int64, device=hidden.device)
+        return self._broadcast(tokens, src=0)
+
+    def _broadcast(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
+        if not _distributed(self.group):
+            return tensor
+        from treeattn.parallel import comm
+
+        return comm.broadcast(tensor, src, self.group)
+
+    def _gather_per_rank(self, values: list[float]) -> list[list[float]]:
+        """All-gather a few numbers from every rank: [value][rank]."""
+        vector = torch.tensor(values, dtype=torch.float64)
+        if not _distributed(self.group):
+            rows = [vector]
+        else:
+            rows = [torch.empty_like(vector) for _ in range(self.world_size)]
+            dist.all_gather(rows, vector, group=self.group)
+        return [[float(row[i]) for row in rows] for i in range(len(values))]
+
+
+# ---------------------------------------------------------------------------------- sampling
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """temperature 0: greedy; else logits / temperature, then top_k, then top_p, then one draw."""
+
+    temperature: float = 0.0
+    top_k: int | None = None
+    top_p: float | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) or not self.temperature >= 0:
+            raise ValueError(f"temperature must be a number >= 0 (0 = greedy), got {self.temperature!r}")
+        if self.top_k is not None and (isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 1):
+            raise ValueError(f"top_k must be a positive int or None, got {self.top_k!r}")
+        if self.top_p is not None and (isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1):
+            raise ValueError(f"top_p must be in (0, 1] or None, got {self.top_p!r}")
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> torch.Tensor:
+    """Pick the next token of each row.
+
+    Args:
+        logits: (B, V) float32.
+        params: SamplingParams.
+        generator: CPU torch.Generator; exactly one uniform draw per row is taken from it when
+            temperature > 0 (none for greedy), so the same seed gives the same stream of draws.
+
+    Returns:
+        int64 (B,) token ids on the CPU.
+    """
+    logits = logits.float().cpu()
+    if params.temperature == 0:
+        return logits.argmax(dim=-1)
+    logits = logits / params.temperature
+    if params.top_k is not None and params.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, params.top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if params.top_p is not None and params.top_p < 1:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True, stable=True)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        mass_before = probs.cumsum(dim=-1) - probs  # probability of the more likely tokens
+        drop_sorted = mass_before >= params.top_p  # the most likely token is always kept
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    probs = torch.softmax(logits, dim=-1).double()
+    cdf = probs.cumsum(dim=-1)
+    draw = torch.rand(logits.shape[0], 1, generator=generator, dtype=torch.float64) * cdf[:, -1:]
+    return torch.searchsorted(cdf, draw, right=True).squeeze(-1).clamp(max=logits.shape[-1] - 1)
+
+
+# ----------------------------------------------------------------------------------- helpers
+
+
+def _rank_and_size(group) -> tuple[int, int]:
+    if _distributed(group):
+        return dist.get_rank(group), dist.get_world_size(group)
+    if group is not None:
+        raise ValueError("group was given but torch.distributed is not initialized")
+    return 0, 1
+
+
+def _distributed(group) -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _resolve_prefill(prefill: str, world_size: int, longest: int, windows) -> str:
+    if prefill != "auto":
+        return prefill
+    if world_size == 1:
+        return "local"
+    if any(w is not None and w < longest for w in windows):
+        logger.info("a sliding window shorter than the prompt: prefill 'local' (ring_attention has no window)")
+        return "local"
+    return "ring"
+
+
+def _check_reused_cache(cache, model, batch, longest, needed, placement, rank, world_size) -> None:
+    if not isinstance(cache, ShardedKVCache):
+        raise TypeError(f"cache must be a ShardedKVCache or None, got {type(cache).__name__}")
+    expected = (model.config.num_layers, model.config.num_kv_heads, model.config.head_dim, batch, placement, rank, world_size)
+    actual = (cache.num_layers, cache.num_kv_heads, cache.head_dim, cache.batch_size, cache.placement.kind, cache.rank, cache.world_size)
+    if expected != actual:
+        raise ValueError(
+            "cache does not fit this generation: (layers, Hkv, D, batch, placement, rank, world_size) "
+            f"expected {expected}, got {actual}"
+        )
+    if cache.length < longest:
+        raise ValueError(f"cache holds {cache.length} tokens, fewer than the prompt's {longest}")
+    if cache.capacity < needed:
+        raise ValueError(f"cache capacity {cache.capacity} is below the {needed} slots this generation needs")
+
+
+def _check_int(name: str, value, low: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < low:
+        raise ValueError(f"{name} must be >= {low}, got {value}")
+
+
+def _check_prompts(prompts, vocab_size: int) -> list[list[int]]:
+    """One prompt (ints) or a batch (lists of ints) -> list of non-empty lists of valid ids."""
+    if isinstance(prompts, torch.Tensor):
+        prompts = prompts.tolist()
+    if not isinstance(prompts, (list, tuple)) or len(prompts) == 0:
+        raise ValueError(f"prompts must be a non-empty list of token ids or of lists of token ids, got {prompts!r:.80}")
+    if all(isinstance(t, int) and not isinstance(t, bool) for t in prompts):
+        prompts = [prompts]
+    checked = []
+    for i, prompt in enumerate(prompts):
+        if isinstance(prompt, torch.Tensor):
+            prompt = prompt.tolist()
+        if not isinstance(prompt, (list, tuple)) or len(prompt) == 0:
+            raise ValueError(f"prompt {i} must be a non-empty list of token ids, got {prompt!r:.80}")
+        for t in prompt:
+            if isinstance(t, bool) or not isinstance(t, int):
+                raise TypeError(f"prompt {i}: token ids must be ints, got {type(t).__name__} ({t!r})")
+            if not 0 <= t < vocab_size:
+                raise ValueError(f"prompt {i}: token id {t} is outside the vocabulary [0, {vocab_size})")
+        checked.append(list(prompt))
+    return checked
+
+
+def _left_pad(prompts: list[list[int]], device) -> tuple[torch.Tensor, torch.Tensor]:
+    """tokens int64 (B, L) left-padded with id 0; positions int64 (B, L), PAD_POSITION on padding."""
+    length = max(len(p) for p in prompts)
+    tokens = torch.zeros(len(prompts), length, dtype=torch.int64)
+    positions = torch.full((len(prompts), length), PAD_POSITION, dtype=torch.int64)
+    for b, prompt in enumerate(prompts):
+        tokens[b, length - len(prompt):] = torch.tensor(prompt, dtype=torch.int64)
+        positions[b, length - len(prompt):] = torch.arange(len(prompt))
+    return tokens.to(device), positions.to(device)
+
+
+def _fingerprint(value) -> int:
+    """A stable int64 digest of a JSON-able value (for the cross-rank agreement check)."""
+    digest = hashlib.blake2b(repr(value).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little", signed=True)
+
+
+def _model_fingerprint(model: LlamaModel) -> int:
+    """Digest of the config and a few weights, so ranks with different models fail early."""
+    probe = [model.embed_tokens.weight[:2].float().sum().item(), model.norm.weight.float().sum().item()]
+    c = model.config
+    return _fingerprint([c.vocab_size, c.hidden_size, c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim, str(model.dtype), probe])
+
+
+def _reset_peak_rss() -> None:
+    """Reset this process's peak-RSS mark (Linux: write 5 to /proc/self/clear_refs); else nothing."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
+def _current_rss() -> int:
+    """Resident bytes of this process now (Linux /proc/self/statm), 0 where unknown."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError):
+        return 0
+
+
+def _peak_rss() -> int:
+    """Peak resident bytes since the last _reset_peak_rss (Linux VmHWM), else the process peak."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

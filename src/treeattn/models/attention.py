@@ -1,0 +1,162 @@
+"""The attention algorithms a model layer can call: one signature, four implementations.
+
+    attend(q, k, v, *, q_pos, kv_pos, window) -> out
+
+    q:      (B, S, Hq, D) this pass's queries (RoPE applied).
+    k, v:   (B, Sk, Hkv, D) the keys/values this rank holds (its shard of the cache).
+    q_pos:  int64 (B, S) absolute positions of the queries (-1: padding, sees nothing).
+    kv_pos: int64 (B, Sk) absolute positions of the keys.
+    window: sliding window W of this layer or None: a key is visible iff kv_pos <= q_pos and
+            q_pos - kv_pos < W.
+    out:    (B, S, Hq, D) in q.dtype, exact causal attention over the keys of ALL ranks.
+
+- LocalAttention: one device (treeattn.ops.attention); the cache is not sharded.
+- TreeAttention: tree_decode: every rank attends q to its shard, the states merge across ranks.
+  q must be the same on every rank (decoding; also chunked prefill where every rank runs the chunk).
+- RingDecodeAttention: ring_decode, the baseline: K/V shards travel the ring (pass_kv=True).
+- RingPrefillAttention: ring_attention for prefill: each rank brings its own queries (its own
+  tokens of the prompt) and K/V rotate.
+
+Sliding windows: tree_decode and ring_decode mask by causality only. For one query per sequence
+(Sq = 1) a window is the same as hiding the keys with q_pos - kv_pos >= W, which is done by
+moving their positions past the query (only positions change, never K/V). Several queries with a
+window that bites go one query at a time. ring_attention takes no window: RingPrefillAttention
+raises if a window would mask anything (generate() then prefills with TreeAttention).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from treeattn.cache.sharded import INVISIBLE_POSITION
+from treeattn.ops import attention, merge_states
+
+DECODE_KINDS = ("local", "tree", "ring")
+
+
+class LocalAttention:
+    """Single-device causal attention over all keys (ops.attention).
+
+    For a chunk of several queries (chunked prefill), the leading keys that every query sees -- the
+    tokens before the chunk -- are attended without a mask, which the CPU kernel does several times
+    faster than a masked block; only the rest goes through the causal mask. The two states merge
+    exactly (merge_states).
+    """
+
+    name = "local"
+
+    def __call__(self, q, k, v, *, q_pos, kv_pos, window):
+        split = visible_prefix(q_pos, kv_pos, window) if q.shape[1] > 1 else 0
+        if split == 0:
+            return attention(q, k, v, causal=True, q_pos=q_pos, kv_pos=kv_pos, window=window)[0]
+        head = attention(q, k[:, :split], v[:, :split])
+        tail = attention(q, k[:, split:], v[:, split:], causal=True, q_pos=q_pos, kv_pos=kv_pos[:, split:], window=window)
+        return merge_states(*head, *tail)[0]
+
+
+class _ShardedDecodeAttention:
+    """Common part of the sharded decode attentions: q is the same on every rank of `group`."""
+
+    def __init__(self, group: dist.ProcessGroup | None = None) -> None:
+        self.group = group
+
+    def _combine(self, q, k, v, q_pos, kv_pos):  # one call of the distributed algorithm
+        raise NotImplementedError
+
+    def __call__(self, q, k, v, *, q_pos, kv_pos, window):
+        if window is None or int(q_pos.max()) < window:  # q_pos is the same on every rank
+            return self._combine(q, k, v, q_pos, kv_pos)
+        outs = []
+        for i in range(q.shape[1]):  # the window differs per query: one query at a time
+            qp = q_pos[:, i : i + 1]
+            outs.append(self._combine(q[:, i : i + 1], k, v, qp, hide_outside_window(qp, kv_pos, window)))
+        return torch.cat(outs, dim=1)
+
+
+class TreeAttention(_ShardedDecodeAttention):
+    """tree_decode over the ranks of `group` with the given method ("allreduce", "tree", "twolevel")."""
+
+    name = "tree"
+
+    def __init__(self, method: str = "allreduce", group: dist.ProcessGroup | None = None, topology=None) -> None:
+        super().__init__(group)
+        self.method = method
+        self.topology = topology
+
+    def _combine(self, q, k, v, q_pos, kv_pos):
+        from treeattn.parallel import tree_decode
+
+        # The engine checks once that the ranks agree (generate's setup check); skip the per-call gather.
+        out, _ = tree_decode(q, k, v, group=self.group, q_pos=q_pos, kv_pos=kv_pos, method=self.method,
+                             topology=self.topology, check_inputs=False)
+        return out
+
+
+class RingDecodeAttention(_ShardedDecodeAttention):
+    """ring_decode over the ranks of `group` (pass_kv=True: the K/V shards travel the ring)."""
+
+    name = "ring"
+
+    def __init__(self, group: dist.ProcessGroup | None = None, pass_kv: bool = True) -> None:
+        super().__init__(group)
+        self.pass_kv = pass_kv
+
+    def _combine(self, q, k, v, q_pos, kv_pos):
+        from treeattn.parallel import ring_decode
+
+        out, _ = ring_decode(q, k, v, group=self.group, q_pos=q_pos, kv_pos=kv_pos, pass_kv=self.pass_kv, check_inputs=False)
+        return out
+
+
+class RingPrefillAttention:
+    """ring_attention over the ranks of `group`: each rank's own queries against every rank's keys.
+
+    Args:
+        group: process group (None: the world).
+        sequence_length: the number of positions in play (the same on every rank); a layer's
+            window is ignored when it is at least this long (it then masks nothing).
+    """
+
+    name = "ring-prefill"
+
+    def __init__(self, group: dist.ProcessGroup | None = None, *, sequence_length: int) -> None:
+        self.group = group
+        self.sequence_length = sequence_length
+
+    def __call__(self, q, k, v, *, q_pos, kv_pos, window):
+        from treeattn.parallel import ring_attention
+
+        if window is not None and window < self.sequence_length:
+            raise ValueError(
+                f"ring prefill cannot apply a sliding window of {window} to {self.sequence_length} positions "
+                "(ring_attention masks by causality only); prefill with tree attention instead"
+            )
+        out, _ = ring_attention(q, k, v, group=self.group, causal=True, q_pos=q_pos, kv_pos=kv_pos)
+        return out
+
+
+def visible_prefix(q_pos: torch.Tensor, kv_pos: torch.Tensor, window: int | None) -> int:
+    """How many leading keys are visible to every query: q_pos (B, Sq), kv_pos (B, Sk) int64."""
+    first_query_pos = q_pos.min(dim=1, keepdim=True).values
+    seen_by_all = kv_pos <= first_query_pos
+    if window is not None:
+        seen_by_all &= q_pos.max(dim=1, keepdim=True).values - kv_pos < window
+    return int(seen_by_all.all(dim=0).int().cumprod(dim=0).sum())
+
+
+def hide_outside_window(q_pos: torch.Tensor, kv_pos: torch.Tensor, window: int) -> torch.Tensor:
+    """kv_pos (B, Sk) with the keys outside the window of the single query q_pos (B, 1) moved to
+    INVISIBLE_POSITION, so that causal masking alone applies the window."""
+    return torch.where(q_pos - kv_pos >= window, torch.full_like(kv_pos, INVISIBLE_POSITION), kv_pos)
+
+
+def decode_attention(kind: str, *, method: str = "allreduce", group: dist.ProcessGroup | None = None, topology=None):
+    """The decode attention named `kind` ("local", "tree" or "ring")."""
+    if kind == "local":
+        return LocalAttention()
+    if kind == "tree":
+        return TreeAttention(method, group, topology)
+    if kind == "ring":
+        return RingDecodeAttention(group)
+    raise ValueError(f"decode must be one of {DECODE_KINDS}, got {kind!r}")

@@ -1,0 +1,272 @@
+"""A Llama-family decoder in one readable file: Llama 2/3, Qwen2, Mistral.
+
+RMSNorm, rotary position embeddings (including Llama 3 and linear rope scaling), grouped-query
+attention, SwiGLU MLP, tied or untied embeddings, optional q/k/v bias (Qwen2) and a sliding window
+(Mistral, Qwen2). The numerics follow Hugging Face transformers' implementation step by step (RMSNorm
+in float32, RoPE angles in float32, rotate-half layout), so a checkpoint gives the same logits.
+
+The model owns no cache and no attention algorithm. A forward pass gets two callables:
+
+    kv_store(layer, k_new, v_new) -> (k, v, kv_pos)
+        stores this pass's new keys/values of `layer` (RoPE applied) and returns what this rank
+        attends to: k, v (B, Sk, Hkv, D), kv_pos int64 (B, Sk). treeattn.cache.CacheUpdate is one.
+    attend(q, k, v, *, q_pos, kv_pos, window) -> out
+        the attention itself: q (B, S, Hq, D) -> out (B, S, Hq, D). treeattn.models.attention has
+        local (one device), tree (tree_decode), ring (ring_decode) and ring prefill (ring_attention).
+
+`attend` is called in exactly one place (Attention.forward), so swapping the algorithm -- tree vs
+ring decoding, or a shared-context (bifurcated) attention -- never touches the model.
+
+Positions are absolute token indices, int64 (B, S); -1 marks a padding token (left padding of a
+batch): it is rotated as position 0 and, as a query, sees no key.
+
+Parameter names are those of the Hugging Face checkpoints without the leading "model."
+(embed_tokens.weight, layers.0.self_attn.q_proj.weight, ..., norm.weight, lm_head.weight).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+KVStore = Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+AttendFn = Callable[..., torch.Tensor]
+
+SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
+
+
+@dataclass
+class LlamaConfig:
+    """Hyperparameters of a Llama-family decoder (see treeattn.models.loader for reading config.json)."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_type: str = "default"  # "default" | "llama3" | "linear"
+    rope_scaling: dict = field(default_factory=dict)  # factor, low_freq_factor, high_freq_factor, original_max_position_embeddings
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False  # Qwen2: bias on q, k, v projections
+    o_bias: bool = False  # Llama attention_bias=True: bias on o_proj too
+    mlp_bias: bool = False
+    layer_windows: tuple[int | None, ...] = ()  # sliding window per layer (None: full attention); () = all None
+    max_position_embeddings: int = 4096
+    architecture: str = "LlamaForCausalLM"
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+        if self.rope_type not in SUPPORTED_ROPE_TYPES:
+            raise ValueError(f"rope_type must be one of {SUPPORTED_ROPE_TYPES}, got {self.rope_type!r}")
+        if not self.layer_windows:
+            self.layer_windows = (None,) * self.num_layers
+        self.layer_windows = tuple(self.layer_windows)
+        if len(self.layer_windows) != self.num_layers:
+            raise ValueError(f"layer_windows must have num_layers={self.num_layers} entries, got {len(self.layer_windows)}")
+        for w in self.layer_windows:
+            if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w < 1):
+                raise ValueError(f"sliding window must be a positive int or None, got {w!r}")
+
+    @property
+    def max_window(self) -> int | None:
+        """The largest sliding window of any layer, None if some layer attends to everything."""
+        if any(w is None for w in self.layer_windows):
+            return None
+        return max(self.layer_windows)
+
+
+def rope_inverse_frequencies(config: LlamaConfig) -> torch.Tensor:
+    """float32 (head_dim // 2,) inverse frequencies, with Llama 3 or linear scaling applied."""
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling = config.rope_scaling
+    if config.rope_type == "linear":
+        return inv_freq / scaling["factor"]
+    if config.rope_type == "llama3":
+        factor = scaling["factor"]
+        low_freq_factor = scaling["low_freq_factor"]
+        high_freq_factor = scaling["high_freq_factor"]
+        old_context = scaling["original_max_position_embeddings"]
+        low_freq_wavelen = old_context / low_freq_factor
+        high_freq_wavelen = old_context / high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        # Long wavelengths are stretched by `factor`, short ones kept, the band between interpolated.
+        scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_context / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+        return torch.where(is_medium, smoothed, scaled)
+    return inv_freq
+
+
+def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin (B, S, head_dim) in `dtype` for int64 positions (B, S); padding (-1) is rotated as 0."""
+    angles = positions.clamp(min=0)[..., None].float() * inv_freq.to(positions.device)  # float32 (B, S, D/2)
+    angles = torch.cat((angles, angles), dim=-1)
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x (B, S, H, D) by cos, sin (B, S, D) in the rotate-half layout of HF checkpoints."""
+    cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * normed.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: LlamaConfig, layer: int) -> None:
+        super().__init__()
+        self.layer = layer
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
+        self.window = config.layer_windows[layer]
+        d, hd = config.hidden_size, config.head_dim
+        self.q_proj = nn.Linear(d, config.num_heads * hd, bias=config.qkv_bias)
+        self.k_proj = nn.Linear(d, config.num_kv_heads * hd, bias=config.qkv_bias)
+        self.v_proj = nn.Linear(d, config.num_kv_heads * hd, bias=config.qkv_bias)
+        self.o_proj = nn.Linear(config.num_heads * hd, d, bias=config.o_bias)
+
+    def forward(self, x, positions, cos, sin, kv_store: KVStore, attend: AttendFn) -> torch.Tensor:
+        B, S, _ = x.shape
+        q = apply_rope(self.q_proj(x).view(B, S, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rope(self.k_proj(x).view(B, S, self.num_kv_heads, self.head_dim), cos, sin)
+        v = self.v_proj(x).view(B, S, self.num_kv_heads, self.head_dim)
+        k_all, v_all, kv_pos = kv_store(self.layer, k, v)
+        out = attend(q, k_all, v_all, q_pos=positions, kv_pos=kv_pos, window=self.window)
+        return self.o_proj(out.reshape(B, S, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        d, i = config.hidden_size, config.intermediate_size
+        self.gate_proj = nn.Linear(d, i, bias=config.mlp_bias)
+        self.up_proj = nn.Linear(d, i, bias=config.mlp_bias)
+        self.down_proj = nn.Linear(i, d, bias=config.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: LlamaConfig, layer: int) -> None:
+        super().__init__()
+        self.self_attn = Attention(config, layer)
+        self.mlp = MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, h, positions, cos, sin, kv_store: KVStore, attend: AttendFn, chunk: int) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), positions, cos, sin, kv_store, attend)
+        # The MLP's intermediate activations are the largest of the layer: bound them to `chunk` tokens.
+        for start in range(0, h.shape[1], chunk):
+            part = h[:, start : start + chunk]
+            part += self.mlp(self.post_attention_layernorm(part))
+        return h
+
+
+class LlamaModel(nn.Module):
+    """A Llama-family causal language model.
+
+    Args:
+        config: LlamaConfig.
+        dtype, device: of the parameters (device "meta" builds the skeleton the loader fills).
+    """
+
+    def __init__(self, config: LlamaConfig, *, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
+        super().__init__()
+        self.config = config
+        with torch.device(device):
+            self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+            self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+            self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+            self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.to(dtype)
+        # float32 whatever the parameter dtype (a plain attribute, so module.to(dtype) leaves it alone)
+        self.inv_freq = rope_inverse_frequencies(config)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        kv_store: KVStore,
+        attend: AttendFn,
+        *,
+        chunk: int = 1024,
+    ) -> torch.Tensor:
+        """Run S new tokens of every sequence through all layers, one layer at a time.
+
+        Args:
+            tokens: int64 (B, S) token ids.
+            positions: int64 (B, S) absolute positions; -1 for padding.
+            kv_store: stores each layer's new keys/values, returns what to attend to (see module doc).
+            attend: the attention algorithm (see module doc).
+            chunk: MLP activations are computed `chunk` tokens at a time.
+
+        Returns:
+            (B, S, hidden_size) final hidden states after the last RMSNorm, in the model dtype;
+            logits() turns the rows you need into logits.
+        """
+        h = self.embed_tokens(tokens)
+        cos, sin = rope_cos_sin(self.inv_freq, positions, h.dtype)
+        for layer in self.layers:
+            h = layer(h, positions, cos, sin, kv_store, attend, chunk)
+        return self.norm(h)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(..., hidden_size) final hidden states -> (..., vocab_size) float32 logits."""
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+
+def random_model(config: LlamaConfig, *, seed: int = 0, dtype: torch.dtype = torch.float32, std: float = 0.02) -> LlamaModel:
+    """A model with reproducible random weights (normal(0, std), norms at 1): the same on every rank
+    for the same seed. For demos and tests that need no download."""
+    model = LlamaModel(config, dtype=torch.float32)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("layernorm.weight") or name == "norm.weight":
+                param.fill_(1.0)
+            else:
+                param.normal_(0.0, std, generator=generator)
+    return model.to(dtype)

@@ -1,0 +1,335 @@
+"""Load a Hugging Face checkpoint directory into a LlamaModel: config.json, safetensors, tokenizer.json.
+
+    model = load_model("path/to/Llama-3.2-1B", dtype=torch.bfloat16)
+    tokenizer = load_tokenizer("path/to/Llama-3.2-1B")      # tokenizers.Tokenizer, or None
+
+A directory holds config.json, the weights as *.safetensors (one file, or shards listed by
+model.safetensors.index.json), and optionally tokenizer.json and generation_config.json.
+Supported architectures: LlamaForCausalLM, Qwen2ForCausalLM, MistralForCausalLM.
+
+Weights are read with safetensors (never unpickled). The model is first built on the "meta"
+device (no memory), then each tensor is read once from its file, converted to the requested dtype
+and device, checked against the shape the config implies, and placed in the model: no second copy
+of the weights exists at any time. Sequence parallelism shards the KV cache, not the weights, so
+every rank loads all of them.
+
+Every problem is reported before any weight is read, as a ValueError (or FileNotFoundError)
+naming the file, the key and the value at fault.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+from treeattn.models.llama import SUPPORTED_ROPE_TYPES, LlamaConfig, LlamaModel
+
+logger = logging.getLogger(__name__)
+
+CONFIG_FILE = "config.json"
+INDEX_FILE = "model.safetensors.index.json"
+TOKENIZER_FILE = "tokenizer.json"
+GENERATION_CONFIG_FILE = "generation_config.json"
+SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "MistralForCausalLM": "mistral"}
+# Checkpoint entries that are not parameters (older exports saved RoPE tables).
+IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
+
+
+def load_model(model_dir: str | os.PathLike, *, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> LlamaModel:
+    """Load a Llama-family checkpoint directory.
+
+    Args:
+        model_dir: directory with config.json and *.safetensors (with or without an index).
+        dtype: parameter dtype (float32, bfloat16, float16); the weights are converted on load.
+        device: where the parameters live.
+
+    Returns:
+        A LlamaModel in eval mode; model.config holds the parsed configuration.
+
+    Raises:
+        FileNotFoundError: no such directory, no config.json, no safetensors file, or a shard named
+            by the index that does not exist.
+        ValueError: malformed or unsupported config, malformed safetensors file or index, missing or
+            unexpected tensors, or a tensor whose shape disagrees with the config.
+    """
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TypeError(f"dtype must be a floating torch.dtype, got {dtype!r}")
+    model_dir = _check_dir(model_dir)
+    config = read_config(model_dir)
+    locations = weight_locations(model_dir)
+    model = LlamaModel(config, dtype=dtype, device="meta")
+    plan = _match_tensors(model, locations)  # checks names and shapes before reading any data
+
+    from safetensors import safe_open
+
+    state: dict[str, torch.Tensor] = {}
+    by_file: dict[Path, list[tuple[str, str]]] = {}
+    for ours, (path, theirs) in plan.items():
+        by_file.setdefault(path, []).append((ours, theirs))
+    for path, names in by_file.items():
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for ours, theirs in names:
+                state[ours] = f.get_tensor(theirs).to(device=device, dtype=dtype)
+    model.load_state_dict(state, strict=True, assign=True)
+    model.inv_freq = model.inv_freq.to(device)
+    logger.info("loaded %s (%d tensors from %d files) as %s on %s", model_dir, len(state), len(by_file), dtype, device)
+    return model.eval()
+
+
+def load_tokenizer(model_dir: str | os.PathLike):
+    """The tokenizers.Tokenizer of tokenizer.json in `model_dir`, or None if there is none."""
+    path = _check_dir(model_dir) / TOKENIZER_FILE
+    if not path.exists():
+        return None
+    from tokenizers import Tokenizer
+
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as exc:  # tokenizers raises its own exception type
+        raise ValueError(f"{path}: not a valid tokenizer.json: {exc}") from exc
+
+
+def read_config(model_dir: str | os.PathLike) -> LlamaConfig:
+    """Parse config.json (and generation_config.json's eos_token_id, if present) of `model_dir`."""
+    model_dir = _check_dir(model_dir)
+    path = model_dir / CONFIG_FILE
+    raw = _read_json(path)
+    config = config_from_dict(raw, source=str(path))
+    generation = model_dir / GENERATION_CONFIG_FILE
+    if generation.exists():
+        extra = _read_json(generation)
+        eos = _token_ids(extra.get("eos_token_id"), str(generation), "eos_token_id")
+        config.eos_token_ids = tuple(dict.fromkeys(config.eos_token_ids + eos))
+    return config
+
+
+def config_from_dict(raw: dict, *, source: str = CONFIG_FILE) -> LlamaConfig:
+    """Build a LlamaConfig from a Hugging Face config dict; errors name `source` and the key."""
+    if not isinstance(raw, dict):
+        raise ValueError(f"{source}: expected a JSON object, got {type(raw).__name__}")
+    architectures = raw.get("architectures")
+    if architectures:
+        if not isinstance(architectures, list) or not isinstance(architectures[0], str):
+            raise ValueError(f"{source}: 'architectures' must be a list of names, got {architectures!r}")
+        architecture = architectures[0]
+    else:
+        by_type = {v: k for k, v in SUPPORTED_ARCHITECTURES.items()}
+        architecture = by_type.get(raw.get("model_type"), f"model_type={raw.get('model_type')!r}")
+    if architecture not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(
+            f"{source}: unsupported architecture {architecture!r} (key 'architectures'); "
+            f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    family = SUPPORTED_ARCHITECTURES[architecture]
+
+    def get(key, kind, default=...):
+        if key not in raw or raw[key] is None:
+            if default is ...:
+                raise ValueError(f"{source}: missing required key {key!r}")
+            return default
+        value = raw[key]
+        ok = isinstance(value, kind) and not (isinstance(value, bool) and kind is not bool)
+        if kind is float:
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if not ok:
+            raise ValueError(f"{source}: key {key!r} must be {kind.__name__}, got {value!r}")
+        return value
+
+    hidden_act = get("hidden_act", str, "silu")
+    if hidden_act != "silu":
+        raise ValueError(f"{source}: unsupported hidden_act {hidden_act!r} (key 'hidden_act'); only 'silu' (SwiGLU)")
+    hidden = get("hidden_size", int)
+    heads = get("num_attention_heads", int)
+    layers = get("num_hidden_layers", int)
+    rope_theta, rope_type, rope_scaling = _rope(raw, source)
+    windows = _layer_windows(raw, family, layers, source, get)
+    try:
+        return LlamaConfig(
+            vocab_size=get("vocab_size", int),
+            hidden_size=hidden,
+            intermediate_size=get("intermediate_size", int),
+            num_layers=layers,
+            num_heads=heads,
+            num_kv_heads=get("num_key_value_heads", int, heads),
+            head_dim=get("head_dim", int, hidden // heads if heads else 0),
+            rms_norm_eps=float(get("rms_norm_eps", float, 1e-6)),
+            rope_theta=float(rope_theta),
+            rope_type=rope_type,
+            rope_scaling=rope_scaling,
+            tie_word_embeddings=get("tie_word_embeddings", bool, False),
+            qkv_bias=True if family == "qwen2" else (get("attention_bias", bool, False) if family == "llama" else False),
+            o_bias=get("attention_bias", bool, False) if family == "llama" else False,
+            mlp_bias=get("mlp_bias", bool, False) if family == "llama" else False,
+            layer_windows=windows,
+            max_position_embeddings=get("max_position_embeddings", int, 4096),
+            architecture=architecture,
+            bos_token_id=get("bos_token_id", int, None),
+            eos_token_ids=_token_ids(raw.get("eos_token_id"), source, "eos_token_id"),
+        )
+    except ValueError as exc:
+        raise ValueError(f"{source}: {exc}") from exc
+
+
+def weight_locations(model_dir: str | os.PathLike) -> dict[str, Path]:
+    """Map every tensor name of the checkpoint to the safetensors file holding it.
+
+    With model.safetensors.index.json the index's weight_map decides (every file it names must
+    exist); without it, every *.safetensors file of the directory is opened and its keys listed.
+    """
+    model_dir = _check_dir(model_dir)
+    index = model_dir / INDEX_FILE
+    if index.exists():
+        raw = _read_json(index)
+        weight_map = raw.get("weight_map") if isinstance(raw, dict) else None
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise ValueError(f"{index}: expected a 'weight_map' object of tensor name -> file name")
+        locations = {}
+        for name, file in weight_map.items():
+            path = model_dir / file
+            if not path.exists():
+                raise FileNotFoundError(f"{index}: tensor {name!r} is in {file!r}, which does not exist ({path})")
+            locations[name] = path
+        return locations
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        extra = " (found pytorch_model.bin: convert it to safetensors; treeattn never unpickles)" if (model_dir / "pytorch_model.bin").exists() else ""
+        raise FileNotFoundError(f"{model_dir}: no *.safetensors weights{extra}")
+    locations = {}
+    for path in files:
+        for name in _safetensors_keys(path):
+            if name in locations:
+                raise ValueError(f"{path}: tensor {name!r} is also in {locations[name]}")
+            locations[name] = path
+    return locations
+
+
+def _match_tensors(model: LlamaModel, locations: dict[str, Path]) -> dict[str, tuple[Path, str]]:
+    """Our parameter name -> (file, checkpoint name), with names and shapes checked."""
+    from safetensors import safe_open
+
+    expected = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    plan: dict[str, tuple[Path, str]] = {}
+    unexpected = []
+    for theirs, path in locations.items():
+        if theirs.endswith(IGNORED_SUFFIXES):
+            continue
+        ours = theirs[len("model."):] if theirs.startswith("model.") else theirs
+        if ours == "lm_head.weight" and model.lm_head is None:
+            logger.info("%s: ignoring %s: the config ties the output embedding to the input one", path, theirs)
+            continue
+        if ours not in expected:
+            unexpected.append(f"{theirs!r} in {path.name}")
+            continue
+        plan[ours] = (path, theirs)
+    if unexpected:
+        shown = ", ".join(unexpected[:5]) + (f" and {len(unexpected) - 5} more" if len(unexpected) > 5 else "")
+        raise ValueError(f"{path.parent}: tensors the {model.config.architecture} config does not have: {shown}")
+    missing = [name for name in expected if name not in plan]
+    if missing:
+        hint = "model." + missing[0] if missing[0] != "lm_head.weight" else "lm_head.weight (or set tie_word_embeddings)"
+        raise ValueError(f"{next(iter(locations.values())).parent}: missing {len(missing)} tensors, e.g. {hint}")
+    handles = {}
+    try:
+        for ours, (path, theirs) in plan.items():
+            if path not in handles:
+                handles[path] = _open(path, safe_open)
+            shape = tuple(handles[path].get_slice(theirs).get_shape())
+            if shape != expected[ours]:
+                raise ValueError(
+                    f"{path}: tensor {theirs!r} has shape {shape}, but config.json implies {expected[ours]}"
+                )
+    finally:
+        for handle in handles.values():
+            handle.__exit__(None, None, None)
+    return plan
+
+
+def _open(path: Path, safe_open):
+    try:
+        handle = safe_open(str(path), framework="pt", device="cpu")
+        return handle.__enter__()
+    except Exception as exc:  # safetensors raises SafetensorError for a malformed header
+        raise ValueError(f"{path}: not a valid safetensors file: {exc}") from exc
+
+
+def _safetensors_keys(path: Path) -> list[str]:
+    from safetensors import safe_open
+
+    handle = _open(path, safe_open)
+    try:
+        return list(handle.keys())
+    finally:
+        handle.__exit__(None, None, None)
+
+
+def _rope(raw: dict, source: str) -> tuple[float, str, dict]:
+    """(rope_theta, rope_type, scaling parameters) from rope_parameters (transformers 5) or
+    rope_theta + rope_scaling (transformers 4)."""
+    params = raw.get("rope_parameters")
+    if params is None:
+        params = dict(raw.get("rope_scaling") or {})
+        params.setdefault("rope_theta", raw.get("rope_theta", 10000.0))
+        key = "rope_scaling"
+    else:
+        key = "rope_parameters"
+    if not isinstance(params, dict):
+        raise ValueError(f"{source}: key {key!r} must be an object, got {params!r}")
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(f"{source}: unsupported rope type {rope_type!r} (key {key!r}); supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+    needed = {"linear": ("factor",), "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
+    for name in needed.get(rope_type, ()):
+        if not isinstance(params.get(name), (int, float)) or isinstance(params.get(name), bool):
+            raise ValueError(f"{source}: rope type {rope_type!r} needs a number {key}.{name}, got {params.get(name)!r}")
+    theta = params.get("rope_theta", 10000.0)
+    if not isinstance(theta, (int, float)) or isinstance(theta, bool) or theta <= 0:
+        raise ValueError(f"{source}: rope_theta must be a positive number, got {theta!r}")
+    scaling = {k: v for k, v in params.items() if k not in ("rope_type", "type", "rope_theta")}
+    return theta, rope_type, scaling
+
+
+def _layer_windows(raw: dict, family: str, layers: int, source: str, get) -> tuple[int | None, ...]:
+    """Sliding window of each layer: Mistral all layers; Qwen2 only with use_sliding_window, on the
+    layers layer_types marks "sliding_attention" (else layers >= max_window_layers)."""
+    if family == "mistral":
+        return (get("sliding_window", int, None),) * layers
+    if family == "qwen2" and get("use_sliding_window", bool, False):
+        window = get("sliding_window", int, None)
+        types = raw.get("layer_types")
+        if types is not None:
+            if not isinstance(types, list) or len(types) != layers:
+                raise ValueError(f"{source}: 'layer_types' must list {layers} layer types, got {types!r}")
+            return tuple(window if t == "sliding_attention" else None for t in types)
+        first = get("max_window_layers", int, layers)
+        return tuple(window if i >= first else None for i in range(layers))
+    return (None,) * layers
+
+
+def _token_ids(value, source: str, key: str) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    values = value if isinstance(value, list) else [value]
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+        raise ValueError(f"{source}: {key!r} must be a token id or a list of them, got {value!r}")
+    return tuple(values)
+
+
+def _read_json(path: Path) -> dict:
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: no such file")
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{path}: not valid JSON: {exc}") from exc
+
+
+def _check_dir(model_dir) -> Path:
+    path = Path(model_dir)
+    if not path.is_dir():
+        raise FileNotFoundError(f"{path}: not a directory (expected a Hugging Face model directory with {CONFIG_FILE})")
+    return path
