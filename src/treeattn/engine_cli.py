@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import sys
 import time
 from enum import Enum
 from pathlib import Path
@@ -93,7 +94,7 @@ def generate_command(
         if bad:
             raise ValueError(f"token id {bad[0]} is outside the model's vocabulary [0, {config.vocab_size})")
     except (ValueError, FileNotFoundError, TypeError) as exc:
-        stderr.print(f"[red]error:[/red] {exc}")
+        typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from exc
 
     options = dict(
@@ -112,7 +113,7 @@ def generate_command(
 
             result = spawn(_generate_rank, world, options)[0]
     except Exception as exc:  # a rank's error (SpawnError names it) or a local one: report, exit non-zero
-        stderr.print(f"[red]error:[/red] {exc}")
+        typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(1) from exc
     if result is None:  # a non-zero rank under torchrun: rank 0 reports
         return
@@ -293,9 +294,9 @@ def demo_command(
     total_s = time.perf_counter() - start
 
     table = Table(title=f"Decoding {new_tokens} tokens after a {context}-token prompt ({placement.value} placement)")
-    for column in ("method", "ranks", "time/token", "tokens/s", "comm/token (all ranks)", "rounds/token (rank 0)",
-                   "KV/rank", "peak RSS/rank", "decode RSS growth", "same tokens"):
-        table.add_column(column, justify="right" if column not in ("method",) else "left")
+    for column in ("method", "ranks", "time/token", "comm/token (all ranks)", "rounds/token", "KV/rank",
+                   "peak RSS/rank", "decode RSS growth", "same tokens"):
+        table.add_column(column, justify="left" if column == "method" else "right")
     all_same = True
     for run in runs + ([ref] if ref else []):
         res = run.result
@@ -303,10 +304,10 @@ def demo_command(
         all_same &= same != "NO"
         growth = max(p - s for p, s in zip(res.peak_rss_bytes_per_rank, res.start_rss_bytes_per_rank))
         rounds = res.comm.get("rounds", 0) / res.decode_steps if res.decode_steps else 0
-        table.add_row(run.name, str(run.world_size), f"{res.time_per_token_s * 1e3:.1f} ms", f"{res.tokens_per_s:.1f}",
-                      _bytes(res.comm_bytes_per_token), f"{rounds:.0f}", _mib(max(res.kv_bytes_per_rank)),
-                      _mib(max(res.peak_rss_bytes_per_rank)), _mib(max(growth, 0)), same)
-    Console().print(table)
+        table.add_row(run.name, str(run.world_size), f"{res.time_per_token_s * 1e3:.1f} ms", _bytes(res.comm_bytes_per_token),
+                      f"{rounds:.0f}", _mib(max(res.kv_bytes_per_rank)), _mib(max(res.peak_rss_bytes_per_rank)),
+                      _mib(max(growth, 0)), same)
+    Console(width=None if sys.stdout.isatty() else 160).print(table)
     first = runs[0].result
     stderr.print(
         f"ring prefill: {first.prefill_s:.1f} s (time to first token); sharded part {sharded_s:.1f} s incl. process start; "

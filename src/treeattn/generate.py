@@ -87,8 +87,11 @@ class GenerationResult:
         finish_reasons: per sequence, "stop" (a stop token) or "length" (max_new_tokens).
         prefill_s: seconds from the start to the first token (setup, prefill, first sample).
         decode_s: seconds spent in the decode steps after the first token.
-        decode_steps: model forward passes of one token per sequence (new tokens - 1).
-        step_times_s: wall time of each decode step on rank 0.
+        decode_steps: decode steps (new tokens - 1); a step is one forward pass of one token per
+            sequence, then sampling and the broadcast of the next ids.
+        step_times_s: wall time of each decode step on this rank.
+        (comm_bytes_per_rank and comm cover exactly the decode steps; the prefill's, including the
+        first token's broadcast, is in prefill_comm_bytes_per_rank.)
         world_size, decode, method, prefill, placement: how it ran.
         kv_bytes_per_rank: bytes of KV cache (keys, values, positions) each rank holds at the end.
         comm_bytes_per_rank: bytes each rank sent during the decode steps (treeattn's accounting).
@@ -244,7 +247,6 @@ class Generation:
         topology=None,
         cache: ShardedKVCache | None = None,
     ) -> None:
-        self.start_time = time.perf_counter()
         self.model, self.group, self.topology = model, group, topology
         self.rank, self.world_size = _rank_and_size(group)
         self.result: GenerationResult | None = None
@@ -323,44 +325,36 @@ class Generation:
             raise RuntimeError("this Generation has already run; call generate()/stream() again")
         from treeattn.parallel import comm_stats
 
+        self.start_time = time.perf_counter()
         with torch.inference_mode():
             tokens, positions = _left_pad(self.prompts, self.model.device)
-            with comm_stats() as prefill_comm:
-                hidden = self._prefill(tokens, positions)
             generator = torch.Generator(device="cpu").manual_seed(self.seed)
-            B = len(self.prompts)
-            generated: list[list[int]] = [[] for _ in range(B)]
-            finished = [False] * B
-            reasons = ["length"] * B
+            with comm_stats() as prefill_comm:
+                new = self._next_tokens(self._prefill(tokens, positions), generator)
+            prefill_s = time.perf_counter() - self.start_time
+            outputs = _Outputs(len(self.prompts), self.stop_tokens)
             next_pos = positions[:, -1] + 1
             step_times: list[float] = []
-            prefill_s = decode_s = 0.0
             start_rss = _current_rss()
             _reset_peak_rss()
-            with comm_stats() as decode_comm:
+            with comm_stats() as decode_comm:  # each step: one forward pass, then sample and broadcast
                 for index in range(self.max_new_tokens):
-                    new = self._next_tokens(hidden, generator)
-                    if index == 0:
-                        prefill_s = time.perf_counter() - self.start_time
-                    for b, token in enumerate(new.tolist()):
-                        if finished[b]:
-                            continue
-                        generated[b].append(token)
-                        if token in self.stop_tokens:
-                            finished[b], reasons[b] = True, "stop"
-                    last = index == self.max_new_tokens - 1 or all(finished)
-                    yield StepOutput(index, new.tolist(), [f or last for f in finished], time.perf_counter() - self.start_time)
+                    if index > 0:
+                        step_start = time.perf_counter()
+                        hidden = self._decode_step(new, next_pos)
+                        new = self._next_tokens(hidden, generator)
+                        next_pos = next_pos + 1
+                        step_times.append(time.perf_counter() - step_start)
+                    outputs.add(new.tolist())
+                    last = index == self.max_new_tokens - 1 or all(outputs.finished)
+                    yield StepOutput(index, new.tolist(), [f or last for f in outputs.finished], time.perf_counter() - self.start_time)
                     if last:
                         break
-                    step_start = time.perf_counter()
-                    hidden = self._decode_step(new, next_pos)
-                    next_pos = next_pos + 1
-                    step_times.append(time.perf_counter() - step_start)
-                    decode_s += step_times[-1]
+            decode_s = sum(step_times)
             peak_rss = _peak_rss()
             per_rank = self._gather_per_rank([self.cache.nbytes(), decode_comm.bytes_sent, prefill_comm.bytes_sent, peak_rss, start_rss])
             self.result = GenerationResult(
-                prompt_tokens=[len(p) for p in self.prompts], generated_ids=generated, finish_reasons=reasons,
+                prompt_tokens=[len(p) for p in self.prompts], generated_ids=outputs.generated, finish_reasons=outputs.reasons,
                 prefill_s=prefill_s, decode_s=decode_s, decode_steps=len(step_times), step_times_s=step_times,
                 world_size=self.world_size, decode=self.decode, method=self.method, prefill=self.prefill,
                 placement=self.placement, kv_bytes_per_rank=[int(x) for x in per_rank[0]],
@@ -432,6 +426,24 @@ class Generation:
             rows = [torch.empty_like(vector) for _ in range(self.world_size)]
             dist.all_gather(rows, vector, group=self.group)
         return [[float(row[i]) for row in rows] for i in range(len(values))]
+
+
+class _Outputs:
+    """The tokens generated so far for each sequence, and which sequences have stopped."""
+
+    def __init__(self, batch: int, stop_tokens: frozenset[int]) -> None:
+        self.stop_tokens = stop_tokens
+        self.generated: list[list[int]] = [[] for _ in range(batch)]
+        self.finished = [False] * batch
+        self.reasons = ["length"] * batch
+
+    def add(self, tokens: list[int]) -> None:
+        for b, token in enumerate(tokens):
+            if self.finished[b]:
+                continue
+            self.generated[b].append(token)
+            if token in self.stop_tokens:
+                self.finished[b], self.reasons[b] = True, "stop"
 
 
 # ---------------------------------------------------------------------------------- sampling
