@@ -126,9 +126,11 @@ def _rotate_kv(k, v, kv_pos, lengths, group, visit) -> None:
     ``visit(src, k_block, v_block, kv_pos_block)`` on each non-empty block while it is in hand.
 
     Step s (0 <= s < p) holds the block of source rank (r - s) mod p. Before computing on it, the
-    step posts its send to r + 1 and the receive of the next block from r - 1 into a fresh buffer
-    (double buffering); after computing it waits for both. So besides the rank's own shard at most
-    two blocks are alive. Empty blocks are neither sent nor visited.
+    step posts its send to r + 1 and the receive of the next block from r - 1; after computing it
+    waits for both. Blocks are received into two buffers used in turn (double buffering): the
+    block in hand is in one, the next arrives in the other. So besides its own shard a rank holds
+    at most two blocks, allocated once per call (first-touching fresh pages on every step would
+    cost as much as the copy on a CPU). Empty blocks are neither sent nor visited.
 
     Args:
         k: (B, Sk, Hkv, D), v: (B, Sk, Hkv, Dv): this rank's shard.
@@ -139,18 +141,32 @@ def _rotate_kv(k, v, kv_pos, lengths, group, visit) -> None:
     nxt, prv = (r + 1) % p, (r - 1) % p
     B, _, Hkv, D = k.shape
     Dv = v.shape[-1]
+    incoming = [(r - s - 1) % p for s in range(p - 1)]  # source of the block received in step s
+    longest = max((lengths[src] for src in incoming), default=0)
+    n_buffers = min(2, p - 1)
+    flat = [
+        (
+            torch.empty(B * longest * Hkv * D, dtype=k.dtype, device=k.device),
+            torch.empty(B * longest * Hkv * Dv, dtype=v.dtype, device=v.device),
+            None if kv_pos is None else torch.empty(B * longest, dtype=torch.int64, device=kv_pos.device),
+        )
+        for _ in range(n_buffers)
+    ]
+
+    def receive_buffers(step: int, n: int):
+        k_flat, v_flat, pos_flat = flat[step % n_buffers]
+        return (
+            k_flat[: B * n * Hkv * D].view(B, n, Hkv, D),
+            v_flat[: B * n * Hkv * Dv].view(B, n, Hkv, Dv),
+            None if pos_flat is None else pos_flat[: B * n].view(B, n),
+        )
+
     block = (k.contiguous(), v.contiguous(), None if kv_pos is None else kv_pos.contiguous())
     src = r
     for s in range(p):
         step = None
         if s < p - 1:
-            incoming = (r - s - 1) % p
-            n = lengths[incoming]
-            next_block = (
-                torch.empty(B, n, Hkv, D, dtype=k.dtype, device=k.device),
-                torch.empty(B, n, Hkv, Dv, dtype=v.dtype, device=v.device),
-                None if kv_pos is None else torch.empty(B, n, dtype=torch.int64, device=kv_pos.device),
-            )
+            next_block = receive_buffers(s, lengths[incoming[s]])
             sends = [(t, nxt) for t in block if t is not None]
             recvs = [(t, prv) for t in next_block if t is not None]
             step = comm.exchange(sends, recvs, group)
@@ -158,7 +174,7 @@ def _rotate_kv(k, v, kv_pos, lengths, group, visit) -> None:
             visit(src, *block)
         if step is not None:
             step.wait()
-            block, src = next_block, incoming
+            block, src = next_block, incoming[s]
 
 
 def _ring_gather_states(out: torch.Tensor, lse: torch.Tensor, group) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,0 +1,210 @@
+"""Decode-step latency of sequence-parallel attention on gloo CPU ranks: tree vs ring.
+
+    flock /tmp/treeattn-bench.lock python benchmarks/decode_cpu.py [--world-sizes 2 4]
+        [--seq-lens 16384 65536 262144] [--repeats 5] [--json results.json]
+
+One decode step (B = 1, Sq = 1, Hq = Hkv = 16, D = 128, float32; the paper's benchmark block) with
+the KV cache of N tokens split evenly over p ranks, each rank a process on this machine:
+
+- tree allreduce / tree tree / tree twolevel: ta.tree_decode with each method (twolevel with
+  Topology(ranks_per_node=2): one node at p = 2, two nodes at p = 4);
+- ring pass-KV, ring pass-Q: ta.ring_decode(pass_kv=True / False);
+- single process: ta.attention over the whole cache in one process using every core (the other
+  ranks wait in a barrier);
+- floor: the slowest rank's local attention (all ranks computing at once) + one allreduce of
+  b*d + b*Hq floats: what any exact sequence-parallel decode must pay.
+
+Each rank runs torch.set_num_threads(1): the machine has 2 cores shared by the p ranks, so more
+threads per rank only oversubscribe. Timing is barrier-aligned: every repeat starts with a
+barrier, each rank times its call, and the step time is the slowest rank's; the table gives the
+median over the repeats (after one warm-up call). All inputs use treeattn's defaults, so the
+tree methods include the cross-rank input check (one small all-gather).
+
+Peak memory: for one call of tree allreduce and of ring pass-KV, each rank resets its peak RSS
+(/proc/self/clear_refs) and reports VmHWM minus the RSS before the call: the memory the step
+needs beyond its inputs. It is compared with the paper's eq. 8-9 (ring 4btd + 2bd, tree
+2btd + 2bd + 2bHq elements, which include the inputs q and the local K/V, 2btd + bd).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import re
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+import treeattn as ta
+
+HEADS, HEAD_DIM = 16, 128
+
+
+def rss_kib() -> tuple[int, int]:
+    """(VmRSS, VmHWM) of this process, KiB."""
+    with open("/proc/self/status") as f:
+        status = f.read()
+    return int(re.search(r"VmRSS:\s+(\d+)", status).group(1)), int(re.search(r"VmHWM:\s+(\d+)", status).group(1))
+
+
+def reset_peak_rss() -> None:
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def slowest(seconds: float) -> float:
+    """Max over ranks (outside any timed region)."""
+    t = torch.tensor([seconds], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t)
+
+
+def timed(fn, repeats: int) -> list[float]:
+    """Slowest-rank seconds of each of `repeats` barrier-aligned calls, after one warm-up."""
+    fn()
+    samples = []
+    for _ in range(repeats):
+        dist.barrier()
+        start = time.perf_counter()
+        fn()
+        samples.append(slowest(time.perf_counter() - start))
+    return samples
+
+
+def peak_extra_bytes(fn) -> int:
+    """Max over ranks of (peak RSS during fn) - (RSS before fn), bytes."""
+    dist.barrier()
+    reset_peak_rss()
+    before, _ = rss_kib()
+    fn()
+    _, peak = rss_kib()
+    return int(slowest(float(max(0, peak - before) * 1024)))
+
+
+def bench_rank(rank: int, p: int, seq_lens: list[int], repeats: int) -> list[dict] | None:
+    torch.set_num_threads(1)
+    rows = []
+    for N in seq_lens:
+        t = N // p
+        gen = torch.Generator().manual_seed(0)
+        q = torch.randn(1, 1, HEADS, HEAD_DIM, generator=gen)
+        row = {"p": p, "N": N, "t": t, "times": {}, "memory": {}}
+
+        # single process over the whole cache: rank 0 with every core, the others idle in a barrier
+        if rank == 0:
+            torch.set_num_threads(2)
+            k_all = torch.randn(1, N, HEADS, HEAD_DIM, generator=gen)
+            v_all = torch.randn(1, N, HEADS, HEAD_DIM, generator=gen)
+            ta.attention(q, k_all, v_all)
+            samples = []
+            for _ in range(repeats):
+                start = time.perf_counter()
+                ta.attention(q, k_all, v_all)
+                samples.append(time.perf_counter() - start)
+            row["times"]["single process (2 threads)"] = samples
+            del k_all, v_all
+            torch.set_num_threads(1)
+        dist.barrier()
+
+        gen.manual_seed(1000 + rank)
+        k = torch.randn(1, t, HEADS, HEAD_DIM, generator=gen)
+        v = torch.randn(1, t, HEADS, HEAD_DIM, generator=gen)
+        small = torch.zeros(HEADS * HEAD_DIM + HEADS)
+        methods = {
+            "tree allreduce": lambda: ta.tree_decode(q, k, v, method="allreduce"),
+            "tree tree": lambda: ta.tree_decode(q, k, v, method="tree"),
+            "tree twolevel": lambda: ta.tree_decode(q, k, v, method="twolevel", topology=ta.Topology(ranks_per_node=2)),
+            "ring pass-Q": lambda: ta.ring_decode(q, k, v, pass_kv=False),
+            "ring pass-KV": lambda: ta.ring_decode(q, k, v, pass_kv=True),
+            "local attention": lambda: ta.attention(q, k, v),
+            "one small allreduce": lambda: dist.all_reduce(small),
+        }
+        for name, fn in methods.items():
+            row["times"][name] = timed(fn, repeats)
+        row["memory"]["tree allreduce"] = peak_extra_bytes(methods["tree allreduce"])
+        row["memory"]["ring pass-KV"] = peak_extra_bytes(methods["ring pass-KV"])
+        with ta.comm_stats() as stats:
+            methods["tree allreduce"]()
+        row["bytes_sent"] = {"tree allreduce": stats.bytes_sent}
+        with ta.comm_stats() as stats:
+            methods["ring pass-KV"]()
+        row["bytes_sent"]["ring pass-KV"] = stats.bytes_sent
+        del k, v
+        rows.append(row)
+    return rows if rank == 0 else None
+
+
+def ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.1f}"
+
+
+def mib(nbytes: float) -> str:
+    return f"{nbytes / 2**20:.1f}"
+
+
+def markdown(rows: list[dict]) -> str:
+    lines = [
+        "| p | N | method | median ms | vs ring pass-KV | vs floor |",
+        "|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        med = {name: statistics.median(s) for name, s in row["times"].items()}
+        floor = med["local attention"] + med["one small allreduce"]
+        med["floor: slowest local attention + one small allreduce"] = floor
+        order = ["tree allreduce", "tree tree", "tree twolevel", "ring pass-Q", "ring pass-KV",
+                 "single process (2 threads)", "local attention", "one small allreduce",
+                 "floor: slowest local attention + one small allreduce"]
+        for name in order:
+            ratio_ring = f"{med['ring pass-KV'] / med[name]:.1f}x faster" if name != "ring pass-KV" else "1"
+            ratio_floor = f"{med[name] / floor:.2f}" if name not in ("one small allreduce", "local attention") else ""
+            lines.append(f"| {row['p']} | {row['N'] // 1024}K | {name} | {ms(med[name])} | {ratio_ring} | {ratio_floor} |")
+    lines += [
+        "",
+        "Peak memory per rank during one step, above the inputs (MiB), max over ranks, with the paper's",
+        "eq. 8-9 (b = 1, d = Hq * D = 2048, t = N / p, float32) beside it:",
+        "",
+        "| p | N | tree measured | tree eq. 9 - inputs (bd + 2bHq) | ring pass-KV measured | ring eq. 8 - inputs (2btd + bd) | double-buffered ring (4btd + bd) | eq. 9 total | eq. 8 total |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        b, d, t, h, item = 1, HEADS * HEAD_DIM, row["t"], HEADS, 4
+        tree_extra = (b * d + 2 * b * h) * item
+        ring_extra = (2 * b * t * d + b * d) * item
+        ring_double = ((4 if row["p"] > 2 else 2) * b * t * d + b * d) * item
+        tree_total = (2 * b * t * d + 2 * b * d + 2 * b * h) * item
+        ring_total = (4 * b * t * d + 2 * b * d) * item
+        lines.append(
+            f"| {row['p']} | {row['N'] // 1024}K | {mib(row['memory']['tree allreduce'])} | {mib(tree_extra)} | "
+            f"{mib(row['memory']['ring pass-KV'])} | {mib(ring_extra)} | {mib(ring_double)} | {mib(tree_total)} | {mib(ring_total)} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--seq-lens", type=int, nargs="+", default=[16384, 65536, 262144])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--json", type=str, default=None, help="write the raw samples here")
+    args = parser.parse_args()
+    for p in args.world_sizes:
+        for N in args.seq_lens:
+            if N % p:
+                parser.error(f"N={N} must be divisible by p={p}")
+    rows = []
+    started = time.time()
+    for p in args.world_sizes:
+        rows += ta.spawn(bench_rank, p, args.seq_lens, args.repeats, timeout=900)[0]
+    machine = f"{platform.machine()}, {torch.get_num_threads()} threads available, torch {torch.__version__}"
+    print(f"machine: {machine}; wall time {time.time() - started:.0f} s")
+    print(markdown(rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"machine": machine, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
