@@ -105,6 +105,13 @@ def test_split_count_does_not_change_result(num_splits):
     assert_state_close(out, lse, *reference_attention(q, k, v, causal=True, q_pos=q_pos), torch.float32)
 
 
+@pytest.mark.parametrize("num_splits", [0, -2, 1.5, True])
+def test_bad_num_splits_is_rejected(num_splits):
+    q, k, v = make_qkv(Sk=20)
+    with pytest.raises(ValueError, match="num_splits must be a positive int"):
+        td.decode_attention(q, k, v, num_splits=num_splits)
+
+
 def test_masks_with_positions_and_window():
     """Per-batch shuffled kv_pos, explicit q_pos, a window; rows that see nothing give (0, -inf)."""
     B, Sq, Sk = 2, 3, 50

@@ -349,6 +349,19 @@ def merge_split_states(part_out: torch.Tensor, part_lse: torch.Tensor, out_dtype
     return out, lse
 
 
+def try_decode_attention(q, k, v, *, scale, causal, q_pos, kv_pos, window):
+    """The kernel's (out, lse) for validated inputs, or None (reason logged) if it cannot take them.
+
+    The dispatch hook of ``treeattn.ops.attention``: arguments are already checked there, with
+    positions as int64 (B or 1, S) or None and scale a float.
+    """
+    reason = unsupported_reason(q, k, v)
+    if reason is not None:
+        _log_fallback(reason)
+        return None
+    return _decode(q, k, v, None, None, k.shape[1], scale, causal, q_pos, kv_pos, window, None)
+
+
 # --- internals -------------------------------------------------------------------------------
 
 _INTERPRETED = isinstance(_split_kv_kernel, InterpretedFunction)
@@ -411,19 +424,6 @@ def _raise_if_unsupported(q, k, v) -> None:
         raise ValueError(f"the Triton decode kernel does not take {reason}")
 
 
-def try_decode_attention(q, k, v, *, scale, causal, q_pos, kv_pos, window):
-    """The kernel's (out, lse) for validated inputs, or None (reason logged) if it cannot take them.
-
-    The dispatch hook of ``treeattn.ops.attention``: arguments are already checked there, with
-    positions as int64 (B or 1, S) or None and scale a float.
-    """
-    reason = unsupported_reason(q, k, v)
-    if reason is not None:
-        _log_fallback(reason)
-        return None
-    return _decode(q, k, v, None, None, k.shape[1], scale, causal, q_pos, kv_pos, window, None)
-
-
 _logged_reasons: set[str] = set()
 
 
@@ -437,11 +437,12 @@ def _log_fallback(reason: str) -> None:
 def _pick_tiles(block_m: int, D: int, Dv: int, element_size: int) -> tuple[int, int, int]:
     """(BLOCK_N, num_warps, num_stages) for the split kernel; not yet tuned for speed on a GPU.
 
-    Chosen so that no configuration spills registers, checked by compiling every (dtype, head
-    dim, row block) for sm_80 and sm_90 offline: a 16-bit K tile holds at most TILE_BYTES (64
-    keys x 128 dims); float32, whose IEEE dots run on FMA units, takes 16-key tiles and 8 warps; three
-    pipeline stages for 16-row blocks, two for larger ones. Shared memory stays under 100 KiB
-    except float32 with D = 256 and 64-row blocks (~103 KiB: fine on A100/H100).
+    A 16-bit K tile holds at most TILE_BYTES (64 keys x 128 dims); float32, whose IEEE dots run
+    on FMA units, takes 16-key tiles and 8 warps; three pipeline stages for 16-row blocks, two
+    for larger ones. Compiled offline for sm_80 and sm_90 (``benchmarks/gpu_decode.py
+    --compile-only``), every dtype x D in {64, 128, 256} x {4, 64} rows x {contiguous, paged}
+    pipelines its K/V loads, uses at most ~100 KiB of shared memory and spills nothing but 8
+    bytes in one case (float32, D = 64, 64 rows, sm_80).
     """
     if element_size == 4:
         block_n, num_warps = 16, 8
@@ -482,10 +483,11 @@ def _decode(q, k, v, block_table, seq_lens, capacity, scale, causal, q_pos, kv_p
     B, Sq, Hq, D = q.shape
     Hkv, Dv = k.shape[2], v.shape[3]
     paged = block_table is not None
-    out = torch.zeros(B, Sq, Hq, Dv, dtype=q.dtype, device=q.device)
-    lse = torch.full((B, Hq, Sq), float("-inf"), dtype=torch.float32, device=q.device)
-    if B == 0 or Sq == 0 or capacity == 0:
-        return out, lse
+    if B == 0 or Sq == 0 or capacity == 0:  # nothing to launch: every row sees no key
+        return (torch.zeros(B, Sq, Hq, Dv, dtype=q.dtype, device=q.device),
+                torch.full((B, Hq, Sq), float("-inf"), dtype=torch.float32, device=q.device))
+    out = torch.empty(B, Sq, Hq, Dv, dtype=q.dtype, device=q.device)
+    lse = torch.empty(B, Hq, Sq, dtype=torch.float32, device=q.device)
 
     group = Hq // Hkv
     rows = group * Sq
