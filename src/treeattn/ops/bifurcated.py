@@ -40,13 +40,18 @@ logger = logging.getLogger(__name__)
 
 MODES = ("auto", "bifurcated", "batched")
 
-# The workload-based switch (paper, appendix A, Q4). Below this many context K/V elements read per
-# step by a plain batch (n * Mc * Hkv * D, per K and per V), plain batched attention over the
-# concatenated [context, decoded] K/V is at least as fast as the bifurcated split; above it, the
-# split wins. Measured on x86_64 (AMD EPYC, 2 cores, AVX-512), CPU-only, torch 2.13.0, float32 by
-#     flock /tmp/treeattn-bench.lock python benchmarks/bifurcated.py switch
-# (see docs/benchmarks.md, "Bifurcated attention"). Filled in from that run.
-AUTO_BATCHED_MAX_CONTEXT_ELEMENTS = 0
+# The workload-based switch (paper, appendix A, Q4). At or below this many context K elements read
+# per step by a plain batch (n * Mc * Hkv * D; as many V), plain batched attention over the
+# concatenated [context, decoded] K/V is faster than the split on this machine; above it the split
+# wins. Measured on x86_64 (AMD EPYC, 2 cores, AVX-512), CPU-only, torch 2.13.0, float32, Sq = 1,
+# MHA (Hq = Hkv = 16) and MQA (Hq = 16, Hkv = 1), D = 64, n 1..64, Mc 16..4096, Md 1 and 64, by
+#     flock /tmp/treeattn-bench.lock python benchmarks/bifurcated.py switch --repeats 20
+# Result: "batched iff n * Mc * Hkv * D <= 131072": over the 140 workloads it picks the slower mode
+# (by > 5%) 19 times, mean slowdown vs the faster mode 1.045x (always splitting: 55 times, 1.179x).
+# An earlier run of the same grid fits 262144; the loss is flat between the two (mean 1.02x-1.05x).
+# In model terms: MHA with Hkv * D = 1024 splits above n * Mc = 128, MQA with Hkv * D = 64 above
+# n * Mc = 2048. Tables in docs/benchmarks.md, "Bifurcated attention".
+AUTO_BATCHED_MAX_CONTEXT_ELEMENTS = 131072
 
 
 def bifurcated_attention(

@@ -1,0 +1,250 @@
+"""Bifurcated attention vs a plain batch: one decode step of n samples from one shared context.
+
+    python benchmarks/bifurcated.py step     # latency, K/V bytes read and peak memory vs n
+    python benchmarks/bifurcated.py switch   # where plain attention beats the split (the "auto" rule)
+
+step: one attention layer, one decode step (Sq = 1), float32, n samples that have each decoded
+Md = 64 tokens after a context of Mc tokens. Shapes: MHA Hq = Hkv = 16, D = 64 (hidden size 1024,
+like Pythia-410M or GPT-2 medium); MQA Hq = 16, Hkv = 1, D = 64.
+
+- bifurcated: ta.bifurcated_attention(mode="bifurcated") with the context K/V stored once
+  (1, Mc, Hkv, D) and the decoded K/V (n, Md, Hkv, D).
+- plain batch: what an engine without bifurcation holds and runs: a cache of n copies of the
+  context, each followed by its sample's decoded K/V, (n, Mc + Md, Hkv, D), and one batched
+  ta.attention call. The cache is built before timing (it is the engine's state, not per-step
+  work).
+
+Every configuration runs in a fresh child process so that its peak memory (ru_maxrss minus the
+resident size before the inputs were made) is its own. K/V bytes read per step are the algorithm's
+minimum: bifurcated (Mc + n * Md) token rows, plain batch n * (Mc + Md). A plain batch whose cache
+would exceed --max-cache-gib is not run; its size is reported instead.
+
+switch: ta.bifurcated_attention's two modes on the same inputs (the switch chooses between them,
+so "batched" includes building the concatenated cache, as a fallback must) over small workloads,
+interleaved, best of --repeats. Prints the ratio table and the threshold on the number of context
+K elements a plain batch reads per step (n * Mc * Hkv * D) with the least summed log slowdown
+over the grid (every workload weighs the same).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import os
+import platform
+import resource
+import subprocess
+import sys
+import time
+
+import torch
+
+import treeattn as ta
+
+VARIANTS = {"MHA": (16, 16, 64), "MQA": (16, 1, 64)}  # (Hq, Hkv, D)
+GIB = 1 << 30
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def kv_bytes(tokens: int, Hkv: int, D: int, itemsize: int = 4) -> int:
+    return 2 * tokens * Hkv * D * itemsize  # K and V
+
+
+# ---------------------------------------------------------------- step
+
+
+def make_inputs(variant: str, Mc: int, n: int, Md: int):
+    Hq, Hkv, D = VARIANTS[variant]
+    torch.manual_seed(0)
+    q = torch.randn(n, 1, Hq, D)
+    return q, torch.randn(1, Mc, Hkv, D), torch.randn(1, Mc, Hkv, D), torch.randn(n, Md, Hkv, D), torch.randn(n, Md, Hkv, D)
+
+
+def plain_cache(context, decode):
+    """The plain batch's cache: n copies of the context, each followed by its sample's decoded K/V."""
+    return torch.cat([context.expand(decode.shape[0], -1, -1, -1), decode], dim=1)
+
+
+def time_one(variant: str, Mc: int, n: int, Md: int, repeats: int, with_plain: bool) -> dict:
+    """Best-of times of both layouts in one process, calls interleaved so that background load on
+    the shared machine hits both alike."""
+    q, ck, cv, dk, dv = make_inputs(variant, Mc, n, Md)
+    calls = {"bifurcated": lambda: ta.bifurcated_attention(q, ck, cv, dk, dv, mode="bifurcated")}
+    if with_plain:
+        keys, values = plain_cache(ck, dk), plain_cache(cv, dv)
+        calls["plain"] = lambda: ta.attention(q, keys, values)
+    return interleaved_best(calls, repeats)
+
+
+def memory_one(mode: str, variant: str, Mc: int, n: int, Md: int) -> dict:
+    """Peak resident memory added by one layout's inputs, cache and one attention call."""
+    baseline = rss_bytes()
+    q, ck, cv, dk, dv = make_inputs(variant, Mc, n, Md)
+    if mode == "bifurcated":
+        ta.bifurcated_attention(q, ck, cv, dk, dv, mode="bifurcated")
+    else:
+        keys, values = plain_cache(ck, dk), plain_cache(cv, dv)
+        del ck, cv, dk, dv
+        ta.attention(q, keys, values)
+    return {"peak_bytes": peak_rss_bytes() - baseline}
+
+
+def interleaved_best(calls: dict, repeats: int) -> dict:
+    """{name: best seconds} over `repeats` rounds, one call of each per round, after a warm-up call."""
+    best = dict.fromkeys(calls, float("inf"))
+    for fn in calls.values():
+        fn()
+    for _ in range(repeats):
+        for name, fn in calls.items():
+            start = time.perf_counter()
+            fn()
+            best[name] = min(best[name], time.perf_counter() - start)
+    return best
+
+
+def step(args) -> None:
+    rows = []
+    print(f"# {platform.machine()}, {os.cpu_count()} cores, CPU-only, torch {torch.__version__}, float32, "
+          f"{torch.get_num_threads()} threads; Sq = 1, Md = {args.decoded}, best of {args.repeats} interleaved")
+    print("| variant | context | n | bifurcated ms | plain batch ms | speedup | KV read bifurcated | KV read plain | "
+          "peak mem bifurcated | peak mem plain |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for variant, Mc, n in itertools.product(args.variants, args.contexts, args.samples):
+        Hq, Hkv, D = VARIANTS[variant]
+        read_bif = kv_bytes(Mc + n * args.decoded, Hkv, D)
+        read_plain = kv_bytes(n * (Mc + args.decoded), Hkv, D)
+        fits = read_plain <= args.max_cache_gib * GIB  # the plain cache alone is read_plain bytes
+        row = {"variant": variant, "context": Mc, "n": n, "decoded": args.decoded,
+               "kv_read_bifurcated": read_bif, "kv_read_plain": read_plain}
+        row["seconds"] = _child(["time", variant, Mc, n, args.decoded, args.repeats, int(fits)])
+        row["peak_bytes"] = {"bifurcated": _child(["memory", "bifurcated", variant, Mc, n, args.decoded])["peak_bytes"]}
+        if fits:
+            row["peak_bytes"]["plain"] = _child(["memory", "plain", variant, Mc, n, args.decoded])["peak_bytes"]
+        rows.append(row)
+        t_bif = row["seconds"]["bifurcated"]
+        if fits:
+            t_plain = row["seconds"]["plain"]
+            plain_cells = f"{t_plain * 1e3:.1f} | {t_plain / t_bif:.1f}x"
+            peak_plain = _mib(row["peak_bytes"]["plain"])
+        else:
+            plain_cells = f"not run: its cache needs {read_plain / GIB:.0f} GiB | –"
+            peak_plain = f"> {read_plain / GIB:.0f} GiB"
+        print(f"| {variant} | {Mc // 1024}K | {n} | {t_bif * 1e3:.1f} | {plain_cells} | {_mib(read_bif)} | "
+              f"{_mib(read_plain)} | {_mib(row['peak_bytes']['bifurcated'])} | {peak_plain} |", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+def _mib(nbytes: int) -> str:
+    return f"{nbytes / GIB:.2f} GiB" if nbytes >= GIB else f"{nbytes / (1 << 20):.0f} MiB"
+
+
+def _child(argv: list) -> dict:
+    """Run `one ...` in a fresh process (its own peak memory) and return its JSON result."""
+    cmd = [sys.executable, __file__, "one", *map(str, argv)]
+    result = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    return json.loads(result.stdout)
+
+
+# ---------------------------------------------------------------- switch
+
+
+def switch(args) -> None:
+    print(f"# {platform.machine()}, {os.cpu_count()} cores, CPU-only, torch {torch.__version__}, float32, Sq = 1, "
+          f"best of {args.repeats} interleaved; cell: time(batched) / time(bifurcated), > 1: the split is faster")
+    points = []
+    for variant in args.variants:
+        Hq, Hkv, D = VARIANTS[variant]
+        for Md in args.switch_decoded:
+            print(f"\n{variant} (Hq={Hq}, Hkv={Hkv}, D={D}), Md = {Md}")
+            print("| Mc \\ n | " + " | ".join(str(n) for n in args.switch_samples) + " |")
+            print("|---:|" + "---:|" * len(args.switch_samples))
+            for Mc in args.switch_contexts:
+                cells = []
+                for n in args.switch_samples:
+                    t_bif, t_bat = _interleaved(Hq, Hkv, D, Mc, n, Md, args.repeats)
+                    points.append({"variant": variant, "Mc": Mc, "n": n, "Md": Md, "elements": n * Mc * Hkv * D,
+                                   "bifurcated": t_bif, "batched": t_bat})
+                    cells.append(f"{t_bat / t_bif:.2f}")
+                print(f"| {Mc} | " + " | ".join(cells) + " |", flush=True)
+    threshold, (log_slowdown, misses) = fit_threshold(points)
+    always_log, always_misses = _loss(points, 0)
+    print(f"\nfitted rule: batched iff n * Mc * Hkv * D <= {threshold}. Over the {len(points)} workloads it picks the "
+          f"slower mode (by > 5%) {misses} times, mean slowdown vs the faster mode {math.exp(log_slowdown / len(points)):.3f}x; "
+          f"always bifurcated: {always_misses} times, {math.exp(always_log / len(points)):.3f}x")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"points": points, "threshold": threshold}, f, indent=1)
+
+
+def _interleaved(Hq, Hkv, D, Mc, n, Md, repeats) -> tuple[float, float]:
+    torch.manual_seed(0)
+    q = torch.randn(n, 1, Hq, D)
+    ck, cv = torch.randn(1, Mc, Hkv, D), torch.randn(1, Mc, Hkv, D)
+    dk, dv = torch.randn(n, Md, Hkv, D), torch.randn(n, Md, Hkv, D)
+    best = interleaved_best({m: (lambda m=m: ta.bifurcated_attention(q, ck, cv, dk, dv, mode=m)) for m in ("bifurcated", "batched")}, repeats)
+    return best["bifurcated"], best["batched"]
+
+
+def _loss(points, threshold) -> tuple[float, int]:
+    """For the rule "batched iff elements <= threshold": the summed log slowdown over the grid
+    (log of chosen time / faster time; every workload weighs the same, whatever its size) and the
+    number of workloads where the chosen mode is more than 5% slower than the other."""
+    log_slowdown, misses = 0.0, 0
+    for p in points:
+        chosen = p["batched"] if p["elements"] <= threshold else p["bifurcated"]
+        best = min(p["batched"], p["bifurcated"])
+        log_slowdown += math.log(chosen / best)
+        misses += chosen > 1.05 * best
+    return log_slowdown, misses
+
+
+def fit_threshold(points) -> tuple[int, tuple[float, int]]:
+    """The threshold (one of the grid's element counts, or 0) with the least summed log slowdown."""
+    candidates = sorted({0, *(p["elements"] for p in points)})
+    threshold = min(candidates, key=lambda t: (_loss(points, t)[0], t))
+    return threshold, _loss(points, threshold)
+
+
+# ---------------------------------------------------------------- command line
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "one":  # child process of `step`
+        if sys.argv[2] == "time":
+            variant, Mc, n, Md, repeats, with_plain = sys.argv[3:9]
+            result = time_one(variant, int(Mc), int(n), int(Md), int(repeats), bool(int(with_plain)))
+        else:
+            mode, variant, Mc, n, Md = sys.argv[3:8]
+            result = memory_one(mode, variant, int(Mc), int(n), int(Md))
+        print(json.dumps(result))
+        return
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("what", choices=["step", "switch"])
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    parser.add_argument("--contexts", type=int, nargs="+", default=[8192, 32768])
+    parser.add_argument("--samples", type=int, nargs="+", default=[1, 8, 32, 128])
+    parser.add_argument("--decoded", type=int, default=64, help="Md, tokens each sample has decoded")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--max-cache-gib", type=float, default=12.0, help="skip plain batches whose K/V cache exceeds this")
+    parser.add_argument("--switch-contexts", type=int, nargs="+", default=[16, 64, 256, 1024, 4096])
+    parser.add_argument("--switch-samples", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
+    parser.add_argument("--switch-decoded", type=int, nargs="+", default=[1, 64])
+    parser.add_argument("--json", help="also write the measurements to this file")
+    args = parser.parse_args()
+    step(args) if args.what == "step" else switch(args)
+
+
+if __name__ == "__main__":
+    main()
