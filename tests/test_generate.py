@@ -95,9 +95,10 @@ def _engine_cases(rank: int, world_size: int, dirs: dict) -> dict:
         "mismatch": dict(max_new_tokens=4 + rank),
         "local-on-3": dict(decode="local"),
         "too-long": dict(capacity=10),
+        "ring-window": dict(prefill="ring", model="mistral"),
     }.items():
         try:
-            generate(llama, PROMPT, **kwargs)
+            generate(models[kwargs.pop("model", "llama")], PROMPT, **kwargs)
             out[name] = None
         except (ValueError, TypeError) as exc:
             out[name] = str(exc)
@@ -174,6 +175,7 @@ def test_bad_arguments_fail_on_every_rank_before_any_work(ranks):
         assert "max_new_tokens" in per_rank["mismatch"] and "every rank must pass the same" in per_rank["mismatch"]
         assert "decode='local' runs on one rank, but the group has 3" in per_rank["local-on-3"]
         assert "prompt of 12 tokens is longer than the KV cache capacity of 10 tokens" in per_rank["too-long"]
+        assert "prefill='ring' cannot apply the model's sliding window (8) to a 12-token prompt" in per_rank["ring-window"]
 
 
 def _fail_mid_generation(rank: int, world_size: int, directory: str) -> None:
@@ -210,6 +212,13 @@ def test_single_process_matches_transformers_and_streams(llama, references):
     assert result.decode_steps == NEW_TOKENS - 1 and result.finish_reasons == ["length"]
     run = stream(llama, PROMPT, max_new_tokens=5)
     assert [s.tokens[0] for s in run] == references["llama"][:5] and run.result.generated_ids[0] == references["llama"][:5]
+
+
+def test_bfloat16_model_generates(checkpoints):
+    model = load_model(checkpoints["qwen2"][0], dtype=torch.bfloat16)
+    result = generate(model, [PROMPT, SHORT], max_new_tokens=6)
+    assert [len(g) for g in result.generated_ids] == [6, 6]
+    assert all(0 <= t < VOCAB for g in result.generated_ids for t in g)
 
 
 def test_stop_tokens_end_a_sequence(llama, references):

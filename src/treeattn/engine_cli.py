@@ -153,6 +153,10 @@ def _generate_rank(rank: int, world_size: int, options: dict) -> dict | None:
             progress.update(decode_task, completed=step.index + 1)
 
         result = generate(model, options["prompts"], on_token=on_token, **kwargs)
+    if world_size > 1:
+        import torch.distributed as dist
+
+        dist.barrier()  # leave together: a rank tearing its group down early can abort a peer still in gloo
     return result.as_dict() if rank == 0 else None
 
 
