@@ -248,7 +248,7 @@ def _summary_table(result: dict, total_s: float) -> Table:
     table.add_row("time to first token", f"{result['prefill_s']:.3f} s")
     table.add_row("time per token (decode)", f"{result['time_per_token_s'] * 1e3:.2f} ms" if steps else "-")
     table.add_row("tokens/s (decode)", f"{result['tokens_per_s']:.1f}" if steps else "-")
-    table.add_row("KV cache per rank", ", ".join(_mib(b) for b in result["kv_bytes_per_rank"]))
+    table.add_row("KV cache per rank", ", ".join(_bytes(b) for b in result["kv_bytes_per_rank"]))
     table.add_row("comm per token (all ranks)", _bytes(result["comm_bytes_per_token"]) if steps else "-")
     table.add_row("total wall time", f"{total_s:.2f} s")
     return table
@@ -314,7 +314,7 @@ def demo_command(
     Console(width=None if sys.stdout.isatty() else 160).print(table)
     first = runs[0].result
     stderr.print(
-        f"ring prefill: {first.prefill_s:.1f} s (time to first token); sharded part {sharded_s:.1f} s incl. process start; "
+        f"ring prefill: {first.prefill_s:.2f} s (time to first token); sharded part {sharded_s:.1f} s incl. process start; "
         f"total {total_s:.1f} s. Tokens: {first.generated_ids[0]}"
     )
     if not all_same:
