@@ -78,6 +78,18 @@ def test_causal_and_window_with_positions(dtype, window):
     assert_state_close(out, lse, *ref, dtype)
 
 
+@pytest.mark.parametrize("q_start,kv_start", [(0, 0), (40, 0), (45, 5), (3, 10)])
+@pytest.mark.parametrize("Sq", [1, 7, 30])
+def test_causal_over_contiguous_positions(monkeypatch, q_start, kv_start, Sq):
+    """Contiguous positions take the mask-free block path; (3, 10) has queries before the keys."""
+    monkeypatch.setattr(attention_module, "CAUSAL_QUERY_BLOCK", 8)
+    q, k, v = make_qkv(Sq=Sq, Sk=37, Hq=6, Hkv=2)
+    q_pos, kv_pos = torch.arange(Sq) + q_start, torch.arange(37) + kv_start
+    out, lse = ta.attention(q, k, v, causal=True, q_pos=q_pos, kv_pos=kv_pos)
+    ref = ta.reference_attention(q, k, v, causal=True, q_pos=q_pos, kv_pos=kv_pos)
+    assert_state_close(out, lse, *ref, torch.float32)
+
+
 def test_causal_without_positions_is_bottom_right_aligned():
     q, k, v = make_qkv(Sq=3, Sk=10)
     out, lse = ta.attention(q, k, v, causal=True)
@@ -117,6 +129,7 @@ def test_chunked_paths_agree_with_reference(monkeypatch):
     """Force many key chunks and query blocks through both the fused and the matmul paths."""
     monkeypatch.setattr(attention_module, "MASKED_CHUNK_KEYS", 7)
     monkeypatch.setattr(attention_module, "MAX_SCORE_ELEMENTS", 64)
+    monkeypatch.setattr(attention_module, "CAUSAL_QUERY_BLOCK", 4)
     q, k, v = make_qkv(Sq=9, Sk=61, Hq=4, Hkv=2)
     for Dv in (16, 24):  # 24: the matmul path
         vv = torch.randn(2, 61, 2, Dv)

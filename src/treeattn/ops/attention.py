@@ -27,8 +27,10 @@ logger = logging.getLogger(__name__)
 # Keys per chunk when a mask must be built (its size is rows x chunk). Without a mask the fused
 # CPU kernel streams the whole KV itself in bounded memory, so no chunking is needed.
 MASKED_CHUNK_KEYS = 8192
-# Bound on query rows x keys of one score block in the matmul path (float32 elements).
+# Bound on the elements of one score block (matmul path) or one mask block (fused path).
 MAX_SCORE_ELEMENTS = 1 << 22
+# Queries per block of causal attention over contiguous positions (prefill).
+CAUSAL_QUERY_BLOCK = 512
 
 _cpu_flash = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
@@ -122,11 +124,15 @@ def _triton_decode_module():
 
 def _masked_attention(q_rows, k_heads, v_heads, q_pos, kv_pos, causal, window, scale, group, use_flash):
     """Chunk the keys (and the queries, for long Sq) so the mask never exceeds one block."""
+    if use_flash and causal and window is None:
+        q_start, kv_start = _arange_start(q_pos), _arange_start(kv_pos)
+        if q_start is not None and kv_start is not None and q_start >= kv_start:
+            return _contiguous_causal_attention(q_rows, k_heads, v_heads, q_start - kv_start, scale, group)
     B, Hkv, _, _ = q_rows.shape
     Sq = q_pos.shape[1]
     Sk = kv_pos.shape[1]
     key_chunk = MASKED_CHUNK_KEYS
-    query_block = max(1, min(Sq, MAX_SCORE_ELEMENTS // (key_chunk * group * max(1, Hkv))))
+    query_block = max(1, min(Sq, MAX_SCORE_ELEMENTS // (key_chunk * group)))
     outs, lses = [], []
     for q0 in range(0, Sq, query_block):
         q1 = min(Sq, q0 + query_block)
@@ -159,6 +165,53 @@ def _masked_attention(q_rows, k_heads, v_heads, q_pos, kv_pos, causal, window, s
     out = torch.cat(outs, dim=3).reshape(B, Hkv, group * Sq, -1)
     lse = torch.cat(lses, dim=3).reshape(B, Hkv, group * Sq)
     return out, lse
+
+
+def _arange_start(pos: torch.Tensor) -> int | None:
+    """If every row of pos (B or 1, S) is start, start + 1, ..., return start; else None."""
+    start = pos[:, :1]
+    if pos.shape[1] == 0 or not bool((pos == start).all(dim=0)[0]):
+        return None
+    if not bool((pos == start + torch.arange(pos.shape[1], device=pos.device)).all()):
+        return None
+    return int(start[0, 0])
+
+
+def _contiguous_causal_attention(q_rows, k_heads, v_heads, offset, scale, group):
+    """Causal attention when query i sits at position offset + i and key j at position j.
+
+    Query block [i0, i1) sees keys [0, i0 + offset) in full (one unmasked call over all its
+    GQA-folded rows) and keys [i0 + offset, i1 + offset) through a top-left-aligned causal block
+    (one call per query head of the group, with the kernel's own causal masking). No mask tensor
+    is ever built, and keys after the block's last query are never touched.
+    """
+    B, Hkv, R, D = q_rows.shape
+    Sq, Sk = R // group, k_heads.shape[2]
+    Dv = v_heads.shape[-1]
+    by_head = q_rows.view(B, Hkv, group, Sq, D)
+    block = CAUSAL_QUERY_BLOCK
+    out = torch.empty(B, Hkv, group, Sq, Dv, dtype=torch.float32, device=q_rows.device)
+    lse = torch.empty(B, Hkv, group, Sq, dtype=torch.float32, device=q_rows.device)
+    for i0 in range(0, Sq, block):
+        i1 = min(Sq, i0 + block)
+        n = i1 - i0
+        full_end = min(Sk, i0 + offset)
+        state = None
+        if full_end > 0:
+            rows = by_head[:, :, :, i0:i1].reshape(B, Hkv, group * n, D)
+            o, s = _flash_block(rows, k_heads[:, :, :full_end], v_heads[:, :, :full_end], None, scale)
+            state = (o, s)
+        if full_end < Sk:
+            diagonal_k, diagonal_v = k_heads[:, :, full_end : i1 + offset], v_heads[:, :, full_end : i1 + offset]
+            per_head = [
+                _cpu_flash(by_head[:, :, g, i0:i1], diagonal_k, diagonal_v, is_causal=True, scale=scale) for g in range(group)
+            ]
+            o = torch.stack([o.float() for o, _ in per_head], dim=2).reshape(B, Hkv, group * n, Dv)
+            s = torch.stack([s for _, s in per_head], dim=2).reshape(B, Hkv, group * n)
+            state = (o, s) if state is None else _merge_rows(state, (o, s))
+        out[:, :, :, i0:i1] = state[0].view(B, Hkv, group, n, Dv)
+        lse[:, :, :, i0:i1] = state[1].view(B, Hkv, group, n)
+    return out.view(B, Hkv, R, Dv), lse.view(B, Hkv, R)
 
 
 def _visibility(q_pos: torch.Tensor, kv_pos: torch.Tensor, causal: bool, window: int | None) -> torch.Tensor:
