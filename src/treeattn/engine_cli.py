@@ -50,6 +50,11 @@ class Prefill(str, Enum):
     local = "local"
 
 
+class RankBy(str, Enum):
+    none = "none"
+    mean_logprob = "mean-logprob"
+
+
 class DType(str, Enum):
     float32 = "float32"
     bfloat16 = "bfloat16"
@@ -78,6 +83,11 @@ def generate_command(
     dtype: DType = typer.Option(DType.float32, "--dtype"),
     threads: int | None = typer.Option(None, "--threads", min=1, help="torch threads per rank (default cores / ranks)."),
     json_output: bool = typer.Option(False, "--json", help="Print one JSON object on stdout and nothing else."),
+    num_samples: int = typer.Option(1, "--num-samples", min=1, help="Sample N completions of the one prompt: one prefill, "
+                                    "then bifurcated attention (the prompt's K/V read once per step for all N)."),
+    rank_by: RankBy = typer.Option(RankBy.none, "--rank-by", help="Order the printed sequences: none (as generated) or "
+                                   "mean-logprob (mean log-probability of the generated tokens, best first)."),
+    top: int | None = typer.Option(None, "--top", min=1, help="Print only the first K sequences in --rank-by order (needs --rank-by mean-logprob)."),
 ) -> None:
     """Generate from a Hugging Face checkpoint with the KV cache sharded across ranks."""
     from treeattn.models.loader import load_tokenizer, read_config
@@ -93,6 +103,10 @@ def generate_command(
         bad = [t for p in prompts for t in p if not 0 <= t < config.vocab_size]
         if bad:
             raise ValueError(f"token id {bad[0]} is outside the model's vocabulary [0, {config.vocab_size})")
+        if num_samples > 1 and len(prompts) != 1:
+            raise ValueError(f"--num-samples {num_samples} samples completions of one prompt, got a batch of {len(prompts)}")
+        if top is not None and rank_by is RankBy.none:
+            raise ValueError("--top K prints the K best sequences: give --rank-by mean-logprob too")
     except (ValueError, FileNotFoundError, TypeError) as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from exc
@@ -102,7 +116,7 @@ def generate_command(
         top_k=top_k, top_p=top_p, seed=seed, stop_tokens=[] if no_stop else (stop_id or None), decode=decode.value,
         method=method.value, prefill=prefill.value, placement=placement.value, block_size=block_size,
         capacity=capacity, dtype=dtype.value, threads=threads or max(1, (os.cpu_count() or 1) // world),
-        progress=not json_output,
+        progress=not json_output, num_samples=num_samples,
     )
     start = time.perf_counter()
     try:
@@ -119,11 +133,17 @@ def generate_command(
         return
     total_s = time.perf_counter() - start
     texts = [tokenizer.decode(ids) for ids in result["generated_ids"]] if tokenizer is not None else None
+    batched = batched or num_samples > 1
+    ranked = rank_by is RankBy.mean_logprob
+    order = result["ranking"][:top] if ranked else list(range(len(result["generated_ids"])))
     if json_output:
-        typer.echo(json.dumps(_json_report(result, texts, batched, total_s)))
+        typer.echo(json.dumps(_json_report(result, texts, batched, total_s, order if ranked else None)))
         return
-    for i, ids in enumerate(result["generated_ids"]):
+    for i in order:
+        ids = result["generated_ids"][i]
         prefix = f"[{i}] " if batched else ""
+        if ranked:
+            prefix += f"(mean logprob {result['mean_logprobs'][i]:.4f}) "
         typer.echo(prefix + (texts[i] if texts is not None else " ".join(map(str, ids))))
     stderr.print(_summary_table(result, total_s))
 
@@ -138,7 +158,7 @@ def _generate_rank(rank: int, world_size: int, options: dict) -> dict | None:
     torch.set_num_threads(options["threads"])
     model = load_model(options["model_dir"], dtype=getattr(torch, options["dtype"]))
     kwargs = {k: options[k] for k in ("max_new_tokens", "temperature", "top_k", "top_p", "seed", "stop_tokens", "decode",
-                                       "method", "prefill", "placement", "block_size", "capacity")}
+                                       "method", "prefill", "placement", "block_size", "capacity", "num_samples")}
     show = options["progress"] and rank == 0
     prompt_len = max(len(p) for p in options["prompts"])
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
@@ -204,7 +224,7 @@ def _world_size(nproc: int | None) -> int:
     return nproc or 1
 
 
-def _json_report(result: dict, texts, batched: bool, total_s: float) -> dict:
+def _json_report(result: dict, texts, batched: bool, total_s: float, ranking: list[int] | None = None) -> dict:
     report = {
         "prompt_tokens": result["prompt_tokens"] if batched else result["prompt_tokens"][0],
         "generated_ids": result["generated_ids"] if batched else result["generated_ids"][0],
@@ -212,6 +232,11 @@ def _json_report(result: dict, texts, batched: bool, total_s: float) -> dict:
     }
     if texts is not None:
         report["text"] = texts if batched else texts[0]
+    report["num_samples"] = result["num_samples"]
+    means = [_finite(x) for x in result["mean_logprobs"]]
+    report["mean_logprob"] = means if batched else means[0]
+    if ranking is not None:
+        report["ranking"] = ranking  # indices, best mean log-probability first (--top K of them)
     report["timings"] = {
         "total_s": total_s,
         "prefill_s": result["prefill_s"],

@@ -35,6 +35,15 @@ Sampling: temperature 0 is greedy (argmax). Otherwise logits / temperature, then
 
 A batch of prompts of different lengths is left-padded; padding tokens are invisible to every
 query, so each sequence decodes exactly as it would alone.
+
+Shared-context sampling (num_samples = n > 1, one prompt): the prompt is prefilled once, for one
+sequence, into the sharded cache; the first logits are repeated n times and sampled like a batch
+of n copies of the prompt (the same draws from the same seed). The n samples then decode in
+lockstep with bifurcated attention (papers/bifurcated-attention.txt): their own tokens go to a
+small cache of batch n that every rank keeps whole, and each step reads the prompt's K/V once for
+all n samples (treeattn.models.shared_context). Every result also carries each sequence's token
+log-probabilities under the model (softmax of the logits, before temperature, top-k and top-p)
+and their mean, the pass@top-k ranking score of the paper.
 """
 
 from __future__ import annotations
@@ -101,6 +110,10 @@ class GenerationResult:
         start_rss_bytes_per_rank: resident memory of each rank when decoding started; the
             difference to the peak is what decoding itself added (attention buffers, K/V in flight).
         comm: rank 0's comm_stats of the decode steps, as a dict (bytes, messages, rounds, by op).
+        token_logprobs: per sequence, the log-probability of each generated token under the model
+            (log-softmax of the logits, before temperature, top-k and top-p).
+        num_samples: n of shared-context sampling (1: one sequence per prompt). With n > 1 the
+            sequences are the n samples of the one prompt.
     """
 
     prompt_tokens: list[int]
@@ -121,6 +134,18 @@ class GenerationResult:
     peak_rss_bytes_per_rank: list[int] = field(default_factory=list)
     start_rss_bytes_per_rank: list[int] = field(default_factory=list)
     comm: dict = field(default_factory=dict)
+    token_logprobs: list[list[float]] = field(default_factory=list)
+    num_samples: int = 1
+
+    @property
+    def mean_logprobs(self) -> list[float]:
+        """Per sequence, the mean log-probability of its generated tokens (the paper's ranking score)."""
+        return [sum(lp) / len(lp) if lp else float("nan") for lp in self.token_logprobs]
+
+    def ranking(self) -> list[int]:
+        """Sequence indices ordered by mean log-probability, best first (ties: lower index first)."""
+        scores = self.mean_logprobs
+        return sorted(range(len(scores)), key=lambda i: (-scores[i], i))
 
     @property
     def time_per_token_s(self) -> float:
@@ -140,7 +165,8 @@ class GenerationResult:
     def as_dict(self) -> dict:
         """JSON-friendly dict of everything, with the derived rates."""
         out = {k: v for k, v in vars(self).items()}
-        out.update(time_per_token_s=self.time_per_token_s, tokens_per_s=self.tokens_per_s, comm_bytes_per_token=self.comm_bytes_per_token)
+        out.update(time_per_token_s=self.time_per_token_s, tokens_per_s=self.tokens_per_s, comm_bytes_per_token=self.comm_bytes_per_token,
+                   mean_logprobs=self.mean_logprobs, ranking=self.ranking())
         return out
 
 
@@ -154,6 +180,7 @@ def generate(
     top_p: float | None = None,
     seed: int = 0,
     stop_tokens: Sequence[int] | None = None,
+    num_samples: int = 1,
     decode: str = "tree",
     method: str = "allreduce",
     prefill: str = "auto",
@@ -180,6 +207,9 @@ def generate(
         top_p: keep the smallest set of most likely tokens whose probability reaches top_p (None: 1).
         seed: seed of the sampling generator (on rank 0; the ids are broadcast).
         stop_tokens: token ids that end a sequence; default the model's eos_token_ids.
+        num_samples: n >= 1 completions of one prompt. n > 1 needs exactly one prompt and decode
+            "tree" (or one process): one prefill, then the n samples decode with bifurcated
+            attention; the result then has n sequences, ranked by result.mean_logprobs if wanted.
         decode: "tree" (tree_decode), "ring" (ring_decode, K/V passed around) or "local" (one rank).
         method: tree_decode method: "allreduce", "tree" or "twolevel".
         prefill: "auto", "ring" (ring_attention, prompt split across ranks) or "local" (every rank
@@ -205,7 +235,7 @@ def generate(
     """
     run = stream(
         model, prompts, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-        seed=seed, stop_tokens=stop_tokens, decode=decode, method=method, prefill=prefill,
+        seed=seed, stop_tokens=stop_tokens, num_samples=num_samples, decode=decode, method=method, prefill=prefill,
         placement=placement, block_size=block_size, capacity=capacity, chunk=chunk, group=group, topology=topology,
         cache=cache,
     )
@@ -236,6 +266,7 @@ class Generation:
         top_p: float | None = None,
         seed: int = 0,
         stop_tokens: Sequence[int] | None = None,
+        num_samples: int = 1,
         decode: str = "tree",
         method: str = "allreduce",
         prefill: str = "auto",
@@ -257,6 +288,12 @@ class Generation:
             _check_int("block_size", block_size, 1)
             _check_int("chunk", chunk, 1)
             _check_int("seed", seed, 0)
+            _check_int("num_samples", num_samples, 1)
+            if num_samples > 1 and len(self.prompts) != 1:
+                raise ValueError(f"num_samples={num_samples} samples completions of one prompt, got {len(self.prompts)} prompts")
+            if num_samples > 1 and decode == "ring":
+                raise ValueError("num_samples > 1 decodes with bifurcated attention, whose context part is a tree "
+                                 "reduction: use decode='tree' (or 'local' on one process), not 'ring'")
             self.sampling = SamplingParams(temperature, top_k, top_p)
             if decode not in DECODE_KINDS:
                 raise ValueError(f"decode must be one of {DECODE_KINDS}, got {decode!r}")
@@ -296,13 +333,13 @@ class Generation:
             "max_new_tokens": max_new_tokens, "capacity": capacity, "block_size": block_size, "chunk": chunk,
             "seed": seed, "sampling": _fingerprint([temperature, top_k, top_p]), "stop_tokens": _fingerprint(sorted(self.stop_tokens)),
             "decode": DECODE_KINDS.index(decode), "method": METHODS.index(method), "prefill": _fingerprint(prefill),
-            "placement": PLACEMENTS.index(placement), "model": _model_fingerprint(model),
+            "placement": PLACEMENTS.index(placement), "model": _model_fingerprint(model), "num_samples": num_samples,
         }
         if self.world_size > 1:
             from treeattn.parallel.metadata import UNKNOWN, gather_metadata
 
             names = ("prompts", "max_new_tokens", "capacity", "block_size", "chunk", "seed", "sampling", "stop_tokens",
-                     "decode", "method", "prefill", "placement", "model")
+                     "decode", "method", "prefill", "placement", "model", "num_samples")
             fields = fields or dict.fromkeys(names, UNKNOWN)
             gather_metadata("generate", fields, group, must_match=names, local_error=local_error)
         elif local_error is not None:
@@ -317,6 +354,13 @@ class Generation:
             capacity=capacity, batch_size=len(self.prompts), placement=placement, block_size=block_size,
             rank=self.rank, world_size=self.world_size, dtype=model.dtype, device=model.device,
         )
+        self.num_samples = num_samples
+        # The samples' own tokens (num_samples > 1): batch n, unsharded, the same on every rank.
+        self.sample_cache = None if num_samples == 1 else ShardedKVCache(
+            num_layers=model.config.num_layers, num_kv_heads=model.config.num_kv_heads, head_dim=model.config.head_dim,
+            capacity=max_new_tokens, batch_size=num_samples, block_size=min(block_size, max_new_tokens),
+            dtype=model.dtype, device=model.device,
+        )
 
     # ------------------------------------------------------------------------------ running
 
@@ -330,10 +374,14 @@ class Generation:
             tokens, positions = _left_pad(self.prompts, self.model.device)
             generator = torch.Generator(device="cpu").manual_seed(self.seed)
             with comm_stats() as prefill_comm:
-                new = self._next_tokens(self._prefill(tokens, positions), generator)
+                last_hidden = self._prefill(tokens, positions)
+                if self.num_samples > 1:  # n samples of the one prompt: its logits, n times
+                    last_hidden = last_hidden.expand(self.num_samples, -1)
+                new, logprobs = self._next_tokens(last_hidden, generator)
             prefill_s = time.perf_counter() - self.start_time
-            outputs = _Outputs(len(self.prompts), self.stop_tokens)
-            next_pos = positions[:, -1] + 1
+            outputs = _Outputs(len(new), self.stop_tokens)
+            next_pos = (positions[:, -1] + 1).expand(len(new))
+            step_logprobs: list[torch.Tensor] = []  # per step, (B,) float64; real on rank 0 only
             step_times: list[float] = []
             start_rss = _current_rss()
             _reset_peak_rss()
@@ -341,20 +389,24 @@ class Generation:
                 for index in range(self.max_new_tokens):
                     if index > 0:
                         step_start = time.perf_counter()
-                        hidden = self._decode_step(new, next_pos)
-                        new = self._next_tokens(hidden, generator)
+                        hidden = self._decode_step(new, next_pos) if self.num_samples == 1 else self._sample_step(new, next_pos)
+                        new, logprobs = self._next_tokens(hidden, generator)
                         next_pos = next_pos + 1
                         step_times.append(time.perf_counter() - step_start)
                     outputs.add(new.tolist())
+                    step_logprobs.append(logprobs)
                     last = index == self.max_new_tokens - 1 or all(outputs.finished)
                     yield StepOutput(index, new.tolist(), [f or last for f in outputs.finished], time.perf_counter() - self.start_time)
                     if last:
                         break
             decode_s = sum(step_times)
             peak_rss = _peak_rss()
-            per_rank = self._gather_per_rank([self.cache.nbytes(), decode_comm.bytes_sent, prefill_comm.bytes_sent, peak_rss, start_rss])
+            token_logprobs = self._token_logprobs(step_logprobs, outputs.generated)  # one broadcast, after the timed steps
+            kv_bytes = self.cache.nbytes() + (self.sample_cache.nbytes() if self.sample_cache is not None else 0)
+            per_rank = self._gather_per_rank([kv_bytes, decode_comm.bytes_sent, prefill_comm.bytes_sent, peak_rss, start_rss])
             self.result = GenerationResult(
-                prompt_tokens=[len(p) for p in self.prompts], generated_ids=outputs.generated, finish_reasons=outputs.reasons,
+                prompt_tokens=[len(p) for p in self.prompts] * self.num_samples, generated_ids=outputs.generated,
+                finish_reasons=outputs.reasons, token_logprobs=token_logprobs, num_samples=self.num_samples,
                 prefill_s=prefill_s, decode_s=decode_s, decode_steps=len(step_times), step_times_s=step_times,
                 world_size=self.world_size, decode=self.decode, method=self.method, prefill=self.prefill,
                 placement=self.placement, kv_bytes_per_rank=[int(x) for x in per_rank[0]],
@@ -396,19 +448,41 @@ class Generation:
         hidden = self.model(tokens[:, None], positions[:, None], self.cache.update(slots, slots.owned), self._attend)
         return hidden[:, -1]
 
+    def _sample_step(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """_decode_step for num_samples > 1: the n samples' new tokens (int64 (n,)) go to the samples'
+        cache, and attention reads the shared prompt once for all of them (bifurcated)."""
+        from treeattn.models.shared_context import BifurcatedAttention, SharedContextUpdate
+
+        if not hasattr(self, "_bifurcated_attend"):
+            self._bifurcated_attend = BifurcatedAttention(self.group, sharded=_distributed(self.group), method=self.method, topology=self.topology)
+        slots = self.sample_cache.extend(positions[:, None])
+        store = SharedContextUpdate(self.cache, self.sample_cache.update(slots))
+        hidden = self.model(tokens[:, None], positions[:, None], store, self._bifurcated_attend)
+        return hidden[:, -1]
+
     @property
     def _attend(self):
         if not hasattr(self, "_attend_fn"):
             self._attend_fn = self._decode_attention()
         return self._attend_fn
 
-    def _next_tokens(self, hidden: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-        """Sample on rank 0, broadcast: int64 (B,) next token ids, the same on every rank."""
+    def _next_tokens(self, hidden: torch.Tensor, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sample on rank 0, broadcast: int64 (B,) next token ids, the same on every rank, and
+        float64 (B,) their log-probabilities under the model (on rank 0; zeros on the others)."""
+        logprobs = torch.zeros(hidden.shape[0], dtype=torch.float64)
         if self.rank == 0:
-            tokens = sample(self.model.logits(hidden), self.sampling, generator).to(hidden.device)
+            logits = self.model.logits(hidden)
+            tokens = sample(logits, self.sampling, generator)
+            logprobs = torch.log_softmax(logits.double().cpu(), dim=-1).gather(1, tokens[:, None]).squeeze(1)
+            tokens = tokens.to(hidden.device)
         else:
             tokens = torch.empty(hidden.shape[0], dtype=torch.int64, device=hidden.device)
-        return self._broadcast(tokens, src=0)
+        return self._broadcast(tokens, src=0), logprobs
+
+    def _token_logprobs(self, step_logprobs: list[torch.Tensor], generated: list[list[int]]) -> list[list[float]]:
+        """Each sequence's token log-probabilities, from rank 0 to every rank in one broadcast."""
+        table = self._broadcast(torch.stack(step_logprobs).to(self.model.device), src=0).cpu()  # (steps, B)
+        return [table[: len(ids), b].tolist() for b, ids in enumerate(generated)]
 
     def _broadcast(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
         if not _distributed(self.group):
