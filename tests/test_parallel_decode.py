@@ -3,7 +3,7 @@
 Every method of tree_decode, both rings of ring_decode and ring_attention are compared with the
 float64 oracle and with single-device ta.attention over the concatenated KV, for p in
 {1, 2, 3, 5, 8}, shard lengths 0, 1, uneven (one rank holding 90%) and all-empty, B in {1, 3},
-GQA and MQA, float32 and bfloat16, Sq = 1, and Sq = 4 with q_pos/kv_pos and keys sharded
+GQA and MQA, float32, bfloat16 and float16, huge logits, Sq = 1, and Sq = 4 with q_pos/kv_pos and keys sharded
 round-robin. comm_stats is checked against the paper's volumes (eq. 10 and 14) and round counts.
 
 One spawn per world size runs every case (process start-up dominates the cost); each case reports
@@ -24,7 +24,7 @@ import torch
 import treeattn as ta
 
 WORLD_SIZES = [1, 2, 3, 5, 8]
-TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
+TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 3e-3}
 
 # ------------------------------------------------------------------------------ case tables
 
@@ -55,6 +55,9 @@ COMBOS = {
     "b3-mqa-bf16": dict(B=3, Hq=4, Hkv=1, dtype=torch.bfloat16, Sq=1, pos=None),
     "b3-gqa-f32-spec": dict(B=3, Hq=4, Hkv=2, dtype=torch.float32, Sq=4, pos="1d"),
     "b1-mqa-bf16-spec": dict(B=1, Hq=6, Hkv=1, dtype=torch.bfloat16, Sq=4, pos="2d"),
+    "b3-gqa-f16": dict(B=3, Hq=4, Hkv=2, dtype=torch.float16, Sq=1, pos=None),
+    # huge logits (|scores| in the hundreds): the merge must not overflow exp()
+    "b1-mha-f32-hot": dict(B=1, Hq=2, Hkv=2, dtype=torch.float32, Sq=1, pos=None, logit_scale=100.0),
 }
 
 
@@ -101,7 +104,7 @@ def full_problem(layout: str, combo: dict, p: int, seed: int):
     lengths = layout_lengths(layout, p)
     N = sum(lengths)
     B, Hq, Hkv, Sq, D = combo["B"], combo["Hq"], combo["Hkv"], combo["Sq"], 16
-    q = torch.randn(B, Sq, Hq, D, generator=g).to(combo["dtype"])
+    q = (torch.randn(B, Sq, Hq, D, generator=g) * combo.get("logit_scale", 1.0)).to(combo["dtype"])
     k = torch.randn(B, N, Hkv, D, generator=g).to(combo["dtype"])
     v = torch.randn(B, N, Hkv, D + 8, generator=g).to(combo["dtype"])  # Dv != D
     if combo["pos"] is None:
@@ -144,6 +147,8 @@ def run_decode_case(rank: int, p: int, layout: str, combo_name: str, method: str
     finite = torch.isfinite(ref_lse)
     tol = TOL[q.dtype]
     torch.testing.assert_close(lse[finite].double(), ref_lse[finite], rtol=1e-5, atol=1e-4)
+    if combo.get("logit_scale") and finite.any():
+        assert ref_lse[finite].abs().max() > 50, "the hot combo must produce huge logits"
     torch.testing.assert_close(out.double(), ref_out, rtol=tol, atol=tol)
     torch.testing.assert_close(out.float(), single_out.float(), rtol=tol, atol=tol)
     torch.testing.assert_close(lse[finite], single_lse[finite], rtol=1e-5, atol=1e-4)
@@ -265,7 +270,7 @@ def test_case_table_covers_the_issue():
     assert max(lengths["uneven"]) >= 0.9 * sum(lengths["uneven"])
     combos = COMBOS.values()
     assert {c["B"] for c in combos} == {1, 3} and {c["Hkv"] for c in combos} == {1, 2}
-    assert {c["dtype"] for c in combos} == {torch.float32, torch.bfloat16} and {c["Sq"] for c in combos} == {1, 4}
+    assert {c["dtype"] for c in combos} == {torch.float32, torch.bfloat16, torch.float16} and {c["Sq"] for c in combos} == {1, 4}
 
 
 ITEM = 4  # float32 bytes
