@@ -166,6 +166,15 @@ def test_twolevel_touches_inter_node_link_with_leaders_only():
     assert two.comm_seconds < tree.comm_seconds
 
 
+def test_step_overhead_is_paid_once_by_every_method():
+    shape = DecodeShape(seq_len=100_000, heads=16, head_dim=128)
+    slow = H100.with_overrides(step_overhead=1e-3)
+    for m in METHODS:
+        assert predict_decode(slow, shape, 16, m).predicted_seconds == pytest.approx(
+            predict_decode(H100, shape, 16, m).predicted_seconds + 1e-3
+        )
+
+
 def test_local_is_one_device_roofline():
     c = flat_cluster()
     shape = DecodeShape(seq_len=10_000, heads=8, head_dim=64, dtype="fp16")

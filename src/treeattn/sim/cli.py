@@ -45,14 +45,21 @@ def simulate(
     inter_latency_us: float | None = typer.Option(None, help="Inter-node link latency, us."),
     inter_bw_gbs: float | None = typer.Option(None, help="Inter-node bandwidth per device per direction, GB/s."),
     p2p_overlap: float | None = typer.Option(None, help="Fraction of a ring transfer hidden behind compute, [0, 1]."),
+    step_overhead_us: float | None = typer.Option(None, help="Fixed software cost per decode step (every method), us."),
     new_tokens: int | None = typer.Option(None, help="Also estimate prefill + this many decode steps."),
     layers: int = typer.Option(1, help="Attention layers, for --new-tokens."),
     as_json: bool = typer.Option(False, "--json", help="One JSON object per line per configuration."),
     plot: Path | None = typer.Option(None, help="Write latency/speedup/memory/comm PNGs into this folder."),
     plot_prefix: str = typer.Option("", help="File name prefix of the PNGs (default sim_<preset>)."),
     show_preset: bool = typer.Option(False, help="Print the cluster parameters and their sources, then exit."),
+    paper: bool = typer.Option(False, help="Print the comparison with the paper's reported figures (Markdown), then exit."),
 ) -> None:
     """Predict one decode step (or prefill + n decode steps) of every method on a two-level cluster."""
+    if paper:
+        from treeattn.sim.paper import markdown_report
+
+        typer.echo(markdown_report())
+        return
     scale = {
         "memory_bandwidth": None if mem_bw_gbs is None else mem_bw_gbs * GB,
         "memory_efficiency": mem_efficiency,
@@ -66,6 +73,7 @@ def simulate(
         "inter_latency": None if inter_latency_us is None else inter_latency_us * US,
         "inter_bandwidth": None if inter_bw_gbs is None else inter_bw_gbs * GB,
         "p2p_overlap": p2p_overlap,
+        "step_overhead": None if step_overhead_us is None else step_overhead_us * US,
         "gpus_per_node": gpus_per_node,
     }
     try:

@@ -151,7 +151,8 @@ def ring_pass(cluster: Cluster, ranks: int, nbytes: float) -> CommCost:
     if ranks == 1:
         return CommCost(0.0, 0, 0.0, "ring-step")
     link = slowest_link(cluster, ranks)
-    return CommCost(p2p_seconds(cluster, link, nbytes), 1, nbytes, "ring-step")
+    seconds = cluster.collective_overhead + link.latency + nbytes / link.bandwidth
+    return CommCost(seconds, 1, nbytes, "ring-step")
 
 
 def leaders(cluster: Cluster, ranks: int) -> list[int]:

@@ -86,6 +86,9 @@ class Cluster:
             are processes on one host (the cpu-local preset), the number of cores they share:
             ranks beyond it time-slice, and memory bandwidth is shared by the running ranks.
         host_memory_bandwidth: with host_cores, the bandwidth all running ranks share, bytes/s.
+        step_overhead: fixed software seconds per decode step, paid once by every method
+            (framework dispatch, host synchronisation). 0 in every preset: the presets describe
+            the hardware; set it to study a slow software stack.
         sources: parameter name -> where its value comes from.
     """
 
@@ -103,6 +106,7 @@ class Cluster:
     p2p_overlap: float = 1.0
     host_cores: int | None = None
     host_memory_bandwidth: float | None = None
+    step_overhead: float = 0.0
     sources: dict[str, str] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -123,8 +127,10 @@ class Cluster:
                 raise ValueError(f"host_cores must be None or an integer >= 1, got {self.host_cores!r}")
             if self.host_memory_bandwidth is None:
                 raise ValueError("host_memory_bandwidth is required when host_cores is set")
+        _check_nonnegative("step_overhead", self.step_overhead)
         if self.host_memory_bandwidth is not None:
             _check_positive("host_memory_bandwidth", self.host_memory_bandwidth)
+
 
     @property
     def attention_bandwidth(self) -> float:

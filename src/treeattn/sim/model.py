@@ -227,6 +227,7 @@ def predict_decode(cluster: Cluster, shape: DecodeShape, gpus: int, method: str)
         comm = CommCost((gpus - 1) * step.seconds, gpus - 1, (gpus - 1) * state, "ring-p2p")
         seconds = compute + comm.seconds
 
+    seconds += cluster.step_overhead
     steps = comm.rounds
     if method == "allreduce" or method == "twolevel":
         steps = _latency_steps(cluster, shape, gpus, method)
