@@ -2,6 +2,7 @@
 
     python benchmarks/bifurcated.py step     # latency, K/V bytes read and peak memory vs n
     python benchmarks/bifurcated.py switch   # where plain attention beats the split (the "auto" rule)
+    python benchmarks/bifurcated.py summarize run1.json run2.json ...   # several `step --json` runs
 
 step: one attention layer, one decode step (Sq = 1), float32, n samples that have each decoded
 Md = 64 tokens after a context of Mc tokens. Shapes: MHA Hq = Hkv = 16, D = 64 (hidden size 1024,
@@ -14,10 +15,13 @@ like Pythia-410M or GPT-2 medium); MQA Hq = 16, Hkv = 1, D = 64.
   ta.attention call. The cache is built before timing (it is the engine's state, not per-step
   work).
 
-Every configuration runs in a fresh child process so that its peak memory (ru_maxrss minus the
-resident size before the inputs were made) is its own. K/V bytes read per step are the algorithm's
-minimum: bifurcated (Mc + n * Md) token rows, plain batch n * (Mc + Md). A plain batch whose cache
-would exceed --max-cache-gib is not run; its size is reported instead.
+Times come from one child process per configuration, both layouts called in turn (best of
+--repeats), so background load on a shared machine hits both alike. Peak memory comes from one
+more fresh child per layout: ru_maxrss minus the resident size before its K/V, query and one
+attention call were made (the plain cache is built in place, never next to a separate context).
+K/V bytes read per step are the algorithm's minimum: bifurcated (Mc + n * Md) token rows, plain
+batch n * (Mc + Md). A plain batch whose cache would exceed --max-cache-gib is not run; its size
+is reported instead.
 
 switch: ta.bifurcated_attention's two modes on the same inputs (the switch chooses between them,
 so "batched" includes building the concatenated cache, as a fallback must) over small workloads,
@@ -87,14 +91,19 @@ def time_one(variant: str, Mc: int, n: int, Md: int, repeats: int, with_plain: b
 
 
 def memory_one(mode: str, variant: str, Mc: int, n: int, Md: int) -> dict:
-    """Peak resident memory added by one layout's inputs, cache and one attention call."""
+    """Peak resident memory added by one layout's K/V, query and one attention call."""
+    Hq, Hkv, D = VARIANTS[variant]
     baseline = rss_bytes()
-    q, ck, cv, dk, dv = make_inputs(variant, Mc, n, Md)
     if mode == "bifurcated":
-        ta.bifurcated_attention(q, ck, cv, dk, dv, mode="bifurcated")
+        ta.bifurcated_attention(*make_inputs(variant, Mc, n, Md), mode="bifurcated")
     else:
-        keys, values = plain_cache(ck, dk), plain_cache(cv, dv)
-        del ck, cv, dk, dv
+        # Built in place, as a plain-batch engine holds it: no separate context copy at any time.
+        q = torch.randn(n, 1, Hq, D)
+        keys, values = torch.empty(n, Mc + Md, Hkv, D), torch.empty(n, Mc + Md, Hkv, D)
+        for cache in (keys, values):
+            cache[0, :Mc].normal_()
+            cache[1:, :Mc] = cache[:1, :Mc]
+            cache[:, Mc:].normal_()
         ta.attention(q, keys, values)
     return {"peak_bytes": peak_rss_bytes() - baseline}
 
@@ -155,6 +164,33 @@ def _child(argv: list) -> dict:
     cmd = [sys.executable, __file__, "one", *map(str, argv)]
     result = subprocess.run(cmd, capture_output=True, text=True, check=True)
     return json.loads(result.stdout)
+
+
+def summarize(paths: list[str]) -> None:
+    """One table from several `step --json` runs: per layout the best time over all runs, the
+    speedup from those, and each run's own speedup (the spread on a shared machine). K/V read and
+    peak memory come from the last run."""
+    runs = []
+    for path in paths:
+        with open(path) as f:
+            runs.append(json.load(f))
+    print(f"# best of {len(runs)} runs ({', '.join(paths)}); memory from the last")
+    print("| variant | context | n | bifurcated ms | plain batch ms | speedup | speedup per run | KV read bifurcated | "
+          "KV read plain | peak mem bifurcated | peak mem plain |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for rows in zip(*runs):
+        last = rows[-1]
+        t_bif = min(r["seconds"]["bifurcated"] for r in rows)
+        if "plain" in last["seconds"]:
+            t_plain = min(r["seconds"]["plain"] for r in rows)
+            per_run = ", ".join(f"{r['seconds']['plain'] / r['seconds']['bifurcated']:.1f}" for r in rows)
+            plain_cells = f"{t_plain * 1e3:.1f} | {t_plain / t_bif:.1f}x | {per_run}"
+            peak_plain = _mib(last["peak_bytes"]["plain"])
+        else:
+            plain_cells = f"not run: its cache needs {last['kv_read_plain'] / GIB:.0f} GiB | – | –"
+            peak_plain = f"> {last['kv_read_plain'] / GIB:.0f} GiB"
+        print(f"| {last['variant']} | {last['context'] // 1024}K | {last['n']} | {t_bif * 1e3:.1f} | {plain_cells} | "
+              f"{_mib(last['kv_read_bifurcated'])} | {_mib(last['kv_read_plain'])} | {_mib(last['peak_bytes']['bifurcated'])} | {peak_plain} |")
 
 
 # ---------------------------------------------------------------- switch
@@ -231,7 +267,8 @@ def main() -> None:
         print(json.dumps(result))
         return
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("what", choices=["step", "switch"])
+    parser.add_argument("what", choices=["step", "switch", "summarize"])
+    parser.add_argument("files", nargs="*", help="summarize: JSON files written by step --json")
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     parser.add_argument("--contexts", type=int, nargs="+", default=[8192, 32768])
     parser.add_argument("--samples", type=int, nargs="+", default=[1, 8, 32, 128])
@@ -243,7 +280,10 @@ def main() -> None:
     parser.add_argument("--switch-decoded", type=int, nargs="+", default=[1, 64])
     parser.add_argument("--json", help="also write the measurements to this file")
     args = parser.parse_args()
-    step(args) if args.what == "step" else switch(args)
+    if args.what == "summarize":
+        summarize(args.files)
+    else:
+        step(args) if args.what == "step" else switch(args)
 
 
 if __name__ == "__main__":
