@@ -187,8 +187,8 @@ def decode_state(
 
 
 def _bifurcated(q, context_k, context_v, decode_k, decode_v, scale, q_pos, context_pos, decode_pos):
-    n, Sq = q.shape[0], q.shape[1]
-    Md = decode_k.shape[1]
+    """The split: context part (samples folded into rows) and decode part, merged."""
+    Sq, Md = q.shape[1], decode_k.shape[1]
     context_q_pos, context_kv_pos = q_pos, context_pos
     if q_pos is None and Sq > Md + 1:
         # Plain layout with more queries than decoded tokens + 1: the first queries sit inside
