@@ -44,13 +44,18 @@ def main() -> None:
     parser.add_argument("--seq-lens", type=int, nargs="+", default=[4096, 65536, 524288])
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--repeats", type=int, default=9)
+    parser.add_argument("--threads", type=int, default=None, help="intra-op threads (default: torch's)")
+    parser.add_argument("--heads", type=int, nargs=2, default=[32, 8], metavar=("HQ", "HKV"))
     parser.add_argument("--json", action="store_true", help="print one JSON object per sequence length")
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
-    B, Hq, Hkv, D = 1, 32, 8, 128
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    B, D = 1, 128
+    Hq, Hkv = args.heads
     bandwidth = read_bandwidth()
     if not args.json:
-        print(f"# {platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}, {args.dtype}")
+        print(f"# {platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}, {args.dtype}, Hq={Hq}, Hkv={Hkv}, D={D}")
         print(f"# measured read bandwidth (sum over 1 GiB): {bandwidth / 1e9:.1f} GB/s")
         print("| Sk | ta.attention | SDPA (same layout) | SDPA (B,H,S,D contiguous) | speedup vs best SDPA | ta K/V read rate | % of read bw |")
         print("|---:|---:|---:|---:|---:|---:|---:|")

@@ -57,6 +57,26 @@ def test_value_dim_differs_from_key_dim(dtype):
         assert_state_close(*ta.attention(q, k, v, causal=causal), *ta.reference_attention(q, k, v, causal=causal), dtype)
 
 
+@pytest.fixture
+def one_thread():
+    """One intra-op thread: how ranks of a sequence-parallel run use the CPU (the matmul path)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("Hq,Hkv,Sq", [(8, 8, 1), (8, 2, 3), (8, 1, 2)])
+def test_single_thread_decode_path(one_thread, Hq, Hkv, Sq):
+    assert attention_module._prefer_matmul(Hq // Hkv * Sq)
+    q, k, v = make_qkv(Sq=Sq, Sk=3000, Hq=Hq, Hkv=Hkv, logit_scale=3.0)
+    for kwargs in ({}, {"causal": True}, {"causal": True, "window": 700}):
+        assert_state_close(*ta.attention(q, k, v, **kwargs), *ta.reference_attention(q, k, v, **kwargs), torch.float32)
+    empty_q_pos = torch.tensor([-5] * Sq)
+    out, lse = ta.attention(q, k, v, causal=True, q_pos=empty_q_pos)
+    assert torch.isneginf(lse).all() and (out == 0).all()
+
+
 def test_gqa_equals_mha_with_repeated_heads():
     q, k, v = make_qkv(Hq=12, Hkv=3, Sq=4, Sk=70)
     out, lse = ta.attention(q, k, v, causal=True)

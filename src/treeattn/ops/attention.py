@@ -29,6 +29,8 @@ logger = logging.getLogger(__name__)
 MASKED_CHUNK_KEYS = 8192
 # Bound on the elements of one score block (matmul path) or one mask block (fused path).
 MAX_SCORE_ELEMENTS = 1 << 22
+# Score elements per key chunk of the matmul path: small enough to stay in cache.
+CACHE_SCORE_ELEMENTS = 1 << 15
 # Queries per block of causal attention over contiguous positions (prefill).
 CAUSAL_QUERY_BLOCK = 512
 
@@ -92,7 +94,13 @@ def attention(
         )
 
     group = Hq // Hkv
-    use_flash = _cpu_flash is not None and q.device.type == "cpu" and D == Dv and q.dtype != torch.float64
+    use_flash = (
+        _cpu_flash is not None
+        and q.device.type == "cpu"
+        and D == Dv
+        and q.dtype != torch.float64
+        and not (q.dtype == torch.float32 and _prefer_matmul(group * Sq))
+    )
     # Fold GQA: (B, Sq, Hkv, G, D) -> (B, Hkv, G * Sq, D); row r = g * Sq + i.
     q_rows = q.view(B, Sq, Hkv, group, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, group * Sq, D)
     k_heads = k.transpose(1, 2)  # (B, Hkv, Sk, D), a strided view: no copy
@@ -106,9 +114,9 @@ def attention(
     else:
         out_rows, lse_rows = _masked_attention(q_rows, k_heads, v_heads, q_pos, kv_pos, causal, window, scale, group, use_flash)
 
-    out = out_rows.view(B, Hkv, group, Sq, Dv).permute(0, 3, 1, 2, 4).reshape(B, Sq, Hq, Dv).to(q.dtype)
-    lse = lse_rows.view(B, Hkv, group, Sq).reshape(B, Hq, Sq).to(lse_dtype)
-    return out, lse
+    out = out_rows.view(B, Hkv, group, Sq, Dv).permute(0, 3, 1, 2, 4).reshape(B, Sq, Hq, Dv)
+    lse = lse_rows.reshape(B, Hq, Sq)
+    return out.to(q.dtype, memory_format=torch.contiguous_format), lse.to(lse_dtype, memory_format=torch.contiguous_format)
 
 
 @functools.lru_cache(maxsize=1)
@@ -257,28 +265,44 @@ def _flash_block(q_rows, k_heads, v_heads, visible, scale, group=1):
 
 
 def _matmul_attention(q_rows, k_heads, v_heads, visible, scale, group=1):
-    """Float32 (float64 for float64 inputs) matmul-softmax-matmul, chunked over keys.
+    """Float32 (float64 for float64 inputs) matmul-softmax-matmul over key chunks with an online
+    softmax: a running max, sum and unnormalized output, rescaled as each chunk arrives.
 
     Returns out (B, Hkv, R, Dv) and lse (B, Hkv, R) in the accumulation dtype.
     """
     acc = torch.float64 if q_rows.dtype == torch.float64 else torch.float32
     B, Hkv, R, _ = q_rows.shape
-    Sk = k_heads.shape[2]
-    chunk = max(1, MAX_SCORE_ELEMENTS // max(1, R * Hkv * B))
+    Sk, Dv = k_heads.shape[2], v_heads.shape[-1]
+    rows = max(1, B * Hkv * R)
+    chunk = max(1, min(MAX_SCORE_ELEMENTS // rows, max(256, CACHE_SCORE_ELEMENTS // rows)))
     row_visible = _row_mask(visible, group) if visible is not None else None
     q_scaled = q_rows.to(acc) * scale
-    state = None
+    running_max = torch.full((B, Hkv, R, 1), float("-inf"), dtype=acc, device=q_rows.device)
+    running_sum = torch.zeros(B, Hkv, R, 1, dtype=acc, device=q_rows.device)
+    out = torch.zeros(B, Hkv, R, Dv, dtype=acc, device=q_rows.device)
     for k0 in range(0, Sk, chunk):
         k1 = min(Sk, k0 + chunk)
         scores = torch.matmul(q_scaled, k_heads[:, :, k0:k1].to(acc).transpose(-1, -2))
         if row_visible is not None:
-            scores = scores.masked_fill(~row_visible[..., k0:k1], float("-inf"))
-        top = scores.amax(dim=-1, keepdim=True)
-        top = torch.where(torch.isneginf(top), torch.zeros_like(top), top)
-        probs = torch.exp(scores - top)
-        total = probs.sum(dim=-1)
-        out = torch.matmul(probs, v_heads[:, :, k0:k1].to(acc))
-        out = out / torch.where(total > 0, total, torch.ones_like(total)).unsqueeze(-1)
-        lse = top.squeeze(-1) + torch.log(total)
-        state = (out, lse) if state is None else _merge_rows(state, (out, lse))
-    return state
+            scores.masked_fill_(~row_visible[..., k0:k1], float("-inf"))
+        new_max = torch.maximum(running_max, scores.amax(dim=-1, keepdim=True))
+        safe_max = torch.where(torch.isneginf(new_max), torch.zeros_like(new_max), new_max)
+        probs = torch.exp(scores - safe_max)
+        correction = torch.exp(running_max - safe_max)  # 0 while nothing was visible
+        running_sum = running_sum * correction + probs.sum(dim=-1, keepdim=True)
+        out = torch.baddbmm(
+            (out * correction).view(-1, R, Dv), probs.view(-1, R, k1 - k0), v_heads[:, :, k0:k1].to(acc).reshape(-1, k1 - k0, Dv)
+        ).view(B, Hkv, R, Dv)
+        running_max = new_max
+    safe_max = torch.where(torch.isneginf(running_max), torch.zeros_like(running_max), running_max)
+    out = out / torch.where(running_sum > 0, running_sum, torch.ones_like(running_sum))
+    lse = (safe_max + torch.log(running_sum)).squeeze(-1)  # log(0) = -inf: no visible key
+    return out, lse
+
+
+def _prefer_matmul(rows_per_kv_head: int) -> bool:
+    """On one thread (one rank per core, as in sequence-parallel runs) the cache-sized matmul
+    chunks beat the fused kernel for decode-sized row counts; with more threads the fused kernel
+    parallelizes better. Measured with benchmarks/attention_cpu.py --threads 1 (docs/benchmarks.md).
+    """
+    return torch.get_num_threads() == 1 and rows_per_kv_head <= 64

@@ -152,6 +152,7 @@ def all_reduce(tensor: torch.Tensor, op: dist.ReduceOp, group: dist.ProcessGroup
     p = group_size(group)
     if p == 1:
         return tensor
+    _require_contiguous("all_reduce", tensor)
     n = nbytes(tensor)
     _record("allreduce", payload=n, sent=2 * (p - 1) / p * n, received=2 * (p - 1) / p * n)
     dist.all_reduce(tensor, op=op, group=group)
@@ -163,7 +164,8 @@ def all_gather(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> list[to
     p = group_size(group)
     if p == 1:
         return [tensor]
-    pieces = [torch.empty_like(tensor) for _ in range(p)]
+    _require_contiguous("all_gather", tensor)
+    pieces = [torch.empty_like(tensor, memory_format=torch.contiguous_format) for _ in range(p)]
     n = nbytes(tensor)
     _record("allgather", payload=n, sent=(p - 1) * n, received=(p - 1) * n)
     dist.all_gather(pieces, tensor, group=group)
@@ -175,11 +177,19 @@ def broadcast(tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None) -
     p = group_size(group)
     if p == 1:
         return tensor
+    _require_contiguous("broadcast", tensor)
     n = nbytes(tensor)
     is_src = group_rank(group) == src
     _record("broadcast", payload=n, sent=n if is_src else 0, received=0 if is_src else n)
     dist.broadcast(tensor, src=global_rank(group, src), group=group)
     return tensor
+
+
+def _require_contiguous(op: str, tensor: torch.Tensor) -> None:
+    """Backends reduce the raw storage: a strided tensor whose layout differs between ranks
+    would combine mismatched elements, silently. Refuse it."""
+    if not tensor.is_contiguous():
+        raise ValueError(f"{op}: tensor must be contiguous, got strides {tensor.stride()} for shape {tuple(tensor.shape)}")
 
 
 # ------------------------------------------------------------------------------------- p2p

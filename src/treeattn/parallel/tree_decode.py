@@ -147,7 +147,7 @@ def allreduce_combine(
     Returns:
         The merged state over all ranks of `group`, same shapes and dtypes, identical on every rank.
     """
-    top = comm.all_reduce(lse.clone(), dist.ReduceOp.MAX, group)
+    top = comm.all_reduce(lse.clone(memory_format=torch.contiguous_format), dist.ReduceOp.MAX, group)
     top = torch.where(torch.isneginf(top), torch.zeros_like(top), top)  # rows no rank sees: any finite m
     weight = torch.exp(lse - top)  # (B, Hq, Sq); 0 where this rank sees no key
     buffer = torch.empty(out.numel() + lse.numel(), dtype=out.dtype, device=out.device)
