@@ -106,6 +106,8 @@ def attention(
     k_heads = k.transpose(1, 2)  # (B, Hkv, Sk, D), a strided view: no copy
     v_heads = v.transpose(1, 2)
 
+    if masked and _every_key_visible(q_pos, kv_pos, causal, window):
+        masked = False  # e.g. a decode step: the query comes after every cached key
     if not masked:
         if use_flash:
             out_rows, lse_rows = _flash_block(q_rows, k_heads, v_heads, None, scale)
@@ -173,6 +175,14 @@ def _masked_attention(q_rows, k_heads, v_heads, q_pos, kv_pos, causal, window, s
     out = torch.cat(outs, dim=3).reshape(B, Hkv, group * Sq, -1)
     lse = torch.cat(lses, dim=3).reshape(B, Hkv, group * Sq)
     return out, lse
+
+
+def _every_key_visible(q_pos: torch.Tensor, kv_pos: torch.Tensor, causal: bool, window: int | None) -> bool:
+    """True when no key is masked for any query: two reductions over the positions, far cheaper
+    than the attention they let run without a mask."""
+    if causal and bool(kv_pos.max() > q_pos.min()):
+        return False
+    return window is None or bool(q_pos.max() - kv_pos.min() < window)
 
 
 def _arange_start(pos: torch.Tensor) -> int | None:
