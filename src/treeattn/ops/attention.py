@@ -10,6 +10,11 @@ On the CPU the per-chunk work runs in torch's fused flash-attention kernel (whic
 logsumexp); other devices, and head dims the kernel does not take, use a float32 matmul path.
 CUDA tensors go to the Triton flash-decoding kernel (treeattn.ops.triton_decode) when triton is
 installed and the kernel takes the inputs (Sq <= 16, fp16/bf16/fp32, power-of-two head dims).
+
+The generic path (every input the kernel declines) picks shortcuts by reading device values on the
+host (is every key visible? are the positions one range? does a chunk see any key?): on a GPU each
+read synchronizes and cannot be captured in a CUDA graph. treeattn.ops.graph_safe is the variant
+with no host read; it refuses, rather than falls back on, inputs the kernel does not take.
 """
 
 from __future__ import annotations
