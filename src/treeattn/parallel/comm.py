@@ -29,6 +29,12 @@ How each op is counted (per rank, per call; n = bytes of the tensor this rank ha
 
 ``rounds`` counts sequential communication steps on this rank: each collective is one round
 (whatever the backend does inside it), each p2p step is one round. ``calls`` counts wrapper calls.
+
+CUDA graphs: the wrappers record when they are called, which for a captured step is capture time
+only; a replay issues the same collectives without passing through Python. A captured step
+therefore records its traffic once, inside ``separate_comm_stats()`` (so that warmup and capture
+do not count as traffic of any enclosing block), and adds it with ``record_replay(stats)`` at each
+replay (treeattn.decode_step.DecodeStep does both).
 """
 
 from __future__ import annotations
@@ -107,6 +113,28 @@ def comm_stats() -> Iterator[CommStats]:
         yield stats
     finally:
         _ACTIVE.reset(token)
+
+
+@contextlib.contextmanager
+def separate_comm_stats() -> Iterator[CommStats]:
+    """Like comm_stats(), but what is issued inside the block is recorded only in this block, not in
+    the blocks around it (e.g. the warmup and capture of a CUDA graph)."""
+    stats = CommStats()
+    token = _ACTIVE.set((stats,))
+    try:
+        yield stats
+    finally:
+        _ACTIVE.reset(token)
+
+
+def record_replay(stats: CommStats) -> None:
+    """Add `stats` (what one captured step issued, recorded at capture) to every open comm_stats
+    block: one call per replay of the CUDA graph."""
+    for active in _ACTIVE.get():
+        for name, op in stats.by_op.items():
+            entry = active.by_op[name]
+            for counter, value in vars(op).items():
+                setattr(entry, counter, getattr(entry, counter) + value)
 
 
 def _record(op: str, *, payload: int = 0, sent: float = 0.0, received: float = 0.0, messages: int = 1) -> None:

@@ -21,12 +21,15 @@ source-rank order at the end, so the result is bit-identical on every rank.
 
 from __future__ import annotations
 
+import hashlib
 import logging
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 
 from treeattn.ops import attention, merge_states, merge_states_list
+from treeattn.ops.graph_safe import graph_safe_attention
 from treeattn.ops.validation import check_qkv, check_scale
 from treeattn.parallel import comm
 from treeattn.parallel.inputs import MATCHED_FIELDS, check_decode_inputs, input_fields, per_batch, positions
@@ -49,6 +52,8 @@ def ring_decode(
     kv_pos: torch.Tensor | None = None,
     pass_kv: bool = True,
     check_inputs: bool = True,
+    shard_lengths: Sequence[int] | None = None,
+    graph_safe: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact attention of q over the KV cache sharded across `group`, by a ring.
 
@@ -66,8 +71,17 @@ def ring_decode(
         pass_kv: True: K/V shards travel (p - 1 steps, compute overlapped with the next transfer).
             False: partial states travel (p - 1 steps of small messages).
         check_inputs: all-gather a few integers first so that disagreeing ranks raise the same
-            ValueError. pass_kv=True always gathers the shard lengths (the receivers must size
-            their buffers); the flag then only decides whether the rest is compared.
+            ValueError. pass_kv=True without shard_lengths always gathers the shard lengths (the
+            receivers must size their buffers); the flag then only decides whether the rest is
+            compared.
+        shard_lengths: Sk of every rank of the group in group-rank order (host ints the caller
+            already knows, e.g. from the cache placement), or None. With pass_kv=True and
+            check_inputs=False they replace the gather of the lengths, so the ring is the only
+            communication. With check_inputs=True they are compared with the gathered lengths.
+            Entry [this rank] must equal k.shape[1].
+        graph_safe: no host synchronization anywhere in the call, as in tree_decode: every block's
+            attention is treeattn.ops.graph_safe.graph_safe_attention. Needs check_inputs=False
+            when p > 1, and shard_lengths with pass_kv=True.
 
     Returns:
         out: (B, Sq, Hq, Dv) in q.dtype; lse: (B, Hq, Sq) float32 (float64 for float64 inputs);
@@ -79,32 +93,47 @@ def ring_decode(
         inputs = check_decode_inputs(q, k, v, scale, q_pos, kv_pos)
         if not isinstance(pass_kv, bool):
             raise TypeError(f"pass_kv must be a bool, got {type(pass_kv).__name__}")
+        shard_lengths = _check_shard_lengths(shard_lengths, p, comm.group_rank(group), inputs.Sk)
+        if not isinstance(graph_safe, bool):
+            raise TypeError(f"graph_safe must be a bool, got {type(graph_safe).__name__}")
+        if graph_safe and p > 1 and check_inputs:
+            raise ValueError("graph_safe=True needs check_inputs=False: the input check reads gathered metadata on the host")
+        if graph_safe and p > 1 and pass_kv and shard_lengths is None:
+            raise ValueError("graph_safe=True with pass_kv=True needs shard_lengths (else they are gathered to the host)")
     except (ValueError, TypeError) as exc:
         local_error = exc
     table = None
-    if p > 1 and (check_inputs or pass_kv is True):
+    if p > 1 and (check_inputs or (pass_kv is True and shard_lengths is None)):
         fields = input_fields(q, inputs)
         fields["pass_kv"] = int(pass_kv) if isinstance(pass_kv, bool) else UNKNOWN
+        fields["shard_lengths"] = _lengths_code(shard_lengths) if local_error is None else UNKNOWN
         table = gather_metadata(
             "ring_decode",
             fields,
             group,
-            must_match=(*MATCHED_FIELDS, "pass_kv") if check_inputs else ("pass_kv",),
+            must_match=(*MATCHED_FIELDS, "pass_kv", "shard_lengths") if check_inputs else ("pass_kv",),
             local_error=local_error,
+            formatters={"shard_lengths": lambda c: "None" if c == 0 else f"a list with digest {c}"},
         )
+        gathered = [row["Sk"] for row in table]
+        if shard_lengths is not None and gathered != shard_lengths:
+            raise ValueError(f"ring_decode: shard_lengths {shard_lengths} differ from the ranks' k.shape[1] {gathered}")
     elif local_error is not None:
         raise local_error
 
     acc = accumulation_dtype(q.dtype)
 
     def block_state(k_block, v_block, kv_pos_block):
-        out, lse = attention(q, k_block, v_block, scale=inputs.scale, causal=inputs.masked, q_pos=inputs.q_pos, kv_pos=kv_pos_block)
+        if graph_safe:
+            out, lse = graph_safe_attention(q, k_block, v_block, scale=inputs.scale, q_pos=inputs.q_pos, kv_pos=kv_pos_block)
+        else:
+            out, lse = attention(q, k_block, v_block, scale=inputs.scale, causal=inputs.masked, q_pos=inputs.q_pos, kv_pos=kv_pos_block)
         return out.to(acc), lse.to(acc)
 
     if p == 1:
         out, lse = block_state(k, v, inputs.kv_pos)
     elif pass_kv:
-        lengths = [row["Sk"] for row in table]
+        lengths = shard_lengths if shard_lengths is not None else [row["Sk"] for row in table]
         kv_pos_full = per_batch(inputs.kv_pos, inputs.B)
         states = [None] * p
 
@@ -119,6 +148,28 @@ def ring_decode(
     else:
         out, lse = _ring_gather_states(*block_state(k, v, inputs.kv_pos), group)
     return out.to(q.dtype), lse
+
+
+def _check_shard_lengths(shard_lengths, p: int, rank: int, Sk: int) -> list[int] | None:
+    """shard_lengths as a list of p ints >= 0 whose entry [rank] is this rank's Sk, or None."""
+    if shard_lengths is None:
+        return None
+    if isinstance(shard_lengths, torch.Tensor) or not isinstance(shard_lengths, Sequence):
+        raise TypeError(f"shard_lengths must be a sequence of {p} ints (host values), got {type(shard_lengths).__name__}")
+    lengths = list(shard_lengths)
+    if len(lengths) != p or any(isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in lengths):
+        raise ValueError(f"shard_lengths must hold one int >= 0 per rank of the group ({p}), got {lengths!r:.200}")
+    if lengths[rank] != Sk:
+        raise ValueError(f"shard_lengths[{rank}] = {lengths[rank]} must equal this rank's k.shape[1] = {Sk}")
+    return lengths
+
+
+def _lengths_code(lengths: list[int] | None) -> int:
+    """An int64 digest of shard_lengths for the agreement check (0 for None)."""
+    if lengths is None:
+        return 0
+    digest = hashlib.blake2b(repr(lengths).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little", signed=True) or 1
 
 
 def _rotate_kv(k, v, kv_pos, lengths, group, visit) -> None:

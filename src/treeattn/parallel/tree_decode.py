@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from treeattn.ops import attention, merge_states
+from treeattn.ops.graph_safe import graph_safe_attention
 from treeattn.parallel import comm
 from treeattn.parallel.inputs import MATCHED_FIELDS, DecodeInputs, check_decode_inputs, input_fields
 from treeattn.parallel.metadata import gather_metadata
@@ -55,6 +56,8 @@ def tree_decode(
     method: str = "allreduce",
     topology: Topology | None = None,
     check_inputs: bool = True,
+    graph_safe: bool = False,
+    kv_len: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact attention of q over the KV cache sharded across the ranks of `group`.
 
@@ -79,6 +82,14 @@ def tree_decode(
         check_inputs: first all-gather a few integers (shapes, dtype, scale, method, topology) so
             that ranks that disagree all raise the same ValueError instead of hanging. One small
             collective; turn it off only when the inputs are known to agree.
+        graph_safe: no host synchronization anywhere in the call, so that it can run inside a
+            CUDA graph (treeattn.decode_step): this rank's attention is
+            treeattn.ops.graph_safe.graph_safe_attention (on CUDA the Triton kernel, which must
+            take the inputs: ValueError otherwise), never the generic path. Needs
+            check_inputs=False when p > 1 (the check reads the gathered metadata on the host).
+        kv_len: with graph_safe only: int32/int64 (B,) on q's device, the number of leading slots
+            of k/v in use on this rank (k/v are a preallocated buffer); the rest is never
+            attended, and on CUDA never read.
 
     Returns:
         out: (B, Sq, Hq, Dv) in q.dtype, the attention over the union of all shards.
@@ -99,6 +110,7 @@ def tree_decode(
             raise TypeError(f"topology must be a treeattn Topology or None, got {type(topology).__name__}")
         if method == "twolevel":
             ranks_per_node = (topology or Topology()).resolve(p)
+        _check_graph_safe(graph_safe, kv_len, check_inputs, p)
     except (ValueError, TypeError) as exc:
         local_error = exc
     if check_inputs and p > 1:
@@ -116,7 +128,7 @@ def tree_decode(
     elif local_error is not None:
         raise local_error
 
-    out, lse = _local_state(q, k, v, inputs)
+    out, lse = _local_state(q, k, v, inputs, graph_safe, kv_len)
     if p > 1:
         if method == "allreduce":
             out, lse = allreduce_combine(out, lse, group)
@@ -128,9 +140,22 @@ def tree_decode(
     return out.to(q.dtype), lse
 
 
-def _local_state(q, k, v, inputs: DecodeInputs) -> tuple[torch.Tensor, torch.Tensor]:
+def _check_graph_safe(graph_safe, kv_len, check_inputs: bool, p: int) -> None:
+    """The graph_safe / kv_len arguments of tree_decode."""
+    if not isinstance(graph_safe, bool):
+        raise TypeError(f"graph_safe must be a bool, got {type(graph_safe).__name__}")
+    if kv_len is not None and not graph_safe:
+        raise ValueError("kv_len is only taken with graph_safe=True (static-shape decoding over a preallocated buffer)")
+    if graph_safe and check_inputs and p > 1:
+        raise ValueError("graph_safe=True needs check_inputs=False: the input check reads gathered metadata on the host")
+
+
+def _local_state(q, k, v, inputs: DecodeInputs, graph_safe: bool = False, kv_len=None) -> tuple[torch.Tensor, torch.Tensor]:
     """This rank's state in the accumulation dtype: out (B, Sq, Hq, Dv), lse (B, Hq, Sq)."""
-    out, lse = attention(q, k, v, scale=inputs.scale, causal=inputs.masked, q_pos=inputs.q_pos, kv_pos=inputs.kv_pos)
+    if graph_safe:
+        out, lse = graph_safe_attention(q, k, v, scale=inputs.scale, q_pos=inputs.q_pos, kv_pos=inputs.kv_pos, kv_len=kv_len)
+    else:
+        out, lse = attention(q, k, v, scale=inputs.scale, causal=inputs.masked, q_pos=inputs.q_pos, kv_pos=inputs.kv_pos)
     acc = accumulation_dtype(q.dtype)
     return out.to(acc), lse.to(acc)
 
