@@ -1,7 +1,7 @@
 """The sequence-sharded KV cache: placement policies and per-rank block storage."""
 
 from treeattn.cache.placement import PLACEMENTS, ContiguousPlacement, InterleavedPlacement, Placement, make_placement
-from treeattn.cache.sharded import INVISIBLE_POSITION, PAD_POSITION, CacheUpdate, ShardedKVCache, SlotRange
+from treeattn.cache.sharded import INVISIBLE_POSITION, PAD_POSITION, CacheUpdate, ShardedKVCache, SlotRange, StaticCacheUpdate
 
 __all__ = [
     "PLACEMENTS",
@@ -13,5 +13,6 @@ __all__ = [
     "Placement",
     "ShardedKVCache",
     "SlotRange",
+    "StaticCacheUpdate",
     "make_placement",
 ]

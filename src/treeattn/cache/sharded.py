@@ -217,6 +217,77 @@ class ShardedKVCache:
         """The CacheUpdate a model forward pass writes its new keys and values through."""
         return CacheUpdate(self, slots, store_index)
 
+    # ------------------------------------------------------------------ static-shape decoding
+    # A CUDA graph replays fixed shapes at fixed addresses, and a captured step must not read a
+    # device value on the host. In static mode attention reads this rank's whole preallocated
+    # shard (local_capacity slots; the unused ones at INVISIBLE_POSITION), and where a new token
+    # goes is computed on the device from a device-side slot counter (treeattn.decode_step).
+    # The host keeps counting with advance(), which reads nothing from the device.
+
+    def static_layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views of every slot this rank can ever hold for `layer`: k, v (B, local_capacity, Hkv, D).
+        Slots past local_length hold what clear_unused() left (zeros) until a static step writes them."""
+        self._check_layer(layer)
+        kv = self._arena[layer, :, :, : self.local_capacity]
+        return kv[0], kv[1]
+
+    @property
+    def static_kv_pos(self) -> torch.Tensor:
+        """int64 (B, local_capacity): positions of every slot of static_layer(); INVISIBLE_POSITION where unused."""
+        return self._positions[:, : self.local_capacity]
+
+    def clear_unused(self) -> None:
+        """Zero the keys and values of every slot from local_length on (all layers) and set their
+        positions to INVISIBLE_POSITION.
+
+        Static-mode attention reads these slots (masked by position): they must hold finite numbers,
+        since a masked key still costs 0 * value and torch.empty may have left NaN there, and stale
+        positions (after truncate()) must not be visible. On the CPU this makes the whole arena resident.
+        """
+        self._arena[:, :, :, self.local_length :].zero_()
+        self._positions[:, self.local_length :] = INVISIBLE_POSITION
+
+    def locate(self, slot: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Where global slot `slot` lives, computed on the device (no host read).
+
+        Args:
+            slot: int64 (1,) global slot index.
+
+        Returns:
+            local_slot: int64 (1,), the slot's index in this rank's storage if this rank holds it
+                (otherwise some valid index, clamped into the storage).
+            owned: bool (1,), whether this rank holds the slot.
+        """
+        owned = self.placement.owner(slot) == self.rank
+        local_slot = self.placement.local_slot(slot).clamp(0, max(self.local_capacity - 1, 0))
+        return local_slot, owned
+
+    def store_positions_at(self, local_slot: torch.Tensor, owned: torch.Tensor, positions: torch.Tensor) -> None:
+        """Device-side write of one token's positions, int64 (B,) or (B, 1), into local_slot if owned
+        (locate()); a rank that does not hold the slot writes back what it had."""
+        if self.local_capacity == 0:
+            return
+        new = positions.reshape(self.batch_size, 1)
+        old = self._positions.index_select(1, local_slot)
+        self._positions.index_copy_(1, local_slot, torch.where(owned, new, old))
+
+    def store_at(self, layer: int, local_slot: torch.Tensor, owned: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor) -> None:
+        """Device-side write of one token's keys and values of `layer`, k_new, v_new (B, 1, Hkv, D),
+        into local_slot if owned (locate()); otherwise the slot keeps what it had."""
+        self._check_layer(layer)
+        if self.local_capacity == 0:
+            return
+        kv = self._arena[layer]  # (2, B, slots, Hkv, D)
+        new = torch.stack((k_new, v_new))
+        old = kv.index_select(2, local_slot)
+        kv.index_copy_(2, local_slot, torch.where(owned, new, old))
+
+    def advance(self, num_tokens: int) -> None:
+        """Count `num_tokens` tokens that static-mode steps wrote on the device (host bookkeeping only)."""
+        self.check_room(num_tokens)
+        self.length += num_tokens
+        self.local_length = self.placement.local_length(self.rank, self.length)
+
     def _check_layer(self, layer: int) -> None:
         if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < self.num_layers:
             raise ValueError(f"layer must be an int in [0, {self.num_layers}), got {layer!r}")
@@ -278,3 +349,25 @@ class CacheUpdate:
         self.cache.write(layer, self.slots, k_new, v_new)
         k, v = self.cache.layer(layer)
         return k, v, self.cache.kv_pos
+
+
+class StaticCacheUpdate:
+    """The kv_store of one static-shape decode step: one new token per sequence at a slot known only
+    on the device (ShardedKVCache.locate), and attention over the whole preallocated shard.
+
+    Args:
+        cache: this rank's ShardedKVCache (clear_unused() called before the first static step).
+        local_slot: int64 (1,), owned: bool (1,): from cache.locate(slot).
+    """
+
+    def __init__(self, cache: ShardedKVCache, local_slot: torch.Tensor, owned: torch.Tensor) -> None:
+        self.cache = cache
+        self.local_slot = local_slot
+        self.owned = owned
+
+    def __call__(self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Store k_new, v_new (B, 1, Hkv, D) of `layer` if this rank holds the slot; return k, v
+        (B, local_capacity, Hkv, D) and kv_pos int64 (B, local_capacity), the same shapes every step."""
+        self.cache.store_at(layer, self.local_slot, self.owned, k_new, v_new)
+        k, v = self.cache.static_layer(layer)
+        return k, v, self.cache.static_kv_pos

@@ -16,6 +16,8 @@
 - RingDecodeAttention: ring_decode, the baseline: K/V shards travel the ring (pass_kv=True).
 - RingPrefillAttention: ring_attention for prefill: each rank brings its own queries (its own
   tokens of the prompt) and K/V rotate.
+- GraphSafeDecodeAttention: the attention of a static-shape decode step (treeattn.decode_step):
+  local, tree or ring with no host synchronization, over the whole preallocated shard.
 
 Sliding windows: tree_decode and ring_decode mask by causality only. For one query per sequence
 (Sq = 1) a window is the same as hiding the keys with q_pos - kv_pos >= W, which is done by
@@ -65,7 +67,11 @@ class _ShardedDecodeAttention:
         raise NotImplementedError
 
     def __call__(self, q, k, v, *, q_pos, kv_pos, window):
-        if window is None or int(q_pos.max()) < window:  # q_pos is the same on every rank
+        if window is None:
+            return self._combine(q, k, v, q_pos, kv_pos)
+        if q.shape[1] == 1:  # one query (a decode step): hide what its window excludes, no host read
+            return self._combine(q, k, v, q_pos, hide_outside_window(q_pos, kv_pos, window))
+        if int(q_pos.max()) < window:  # q_pos is the same on every rank
             return self._combine(q, k, v, q_pos, kv_pos)
         outs = []
         for i in range(q.shape[1]):  # the window differs per query: one query at a time
@@ -134,6 +140,53 @@ class RingPrefillAttention:
             )
         out, _ = ring_attention(q, k, v, group=self.group, causal=True, q_pos=q_pos, kv_pos=kv_pos)
         return out
+
+
+class GraphSafeDecodeAttention:
+    """Decode attention with no host synchronization, for a static-shape step (treeattn.decode_step).
+
+    k, v are this rank's whole preallocated shard (ShardedKVCache.static_layer) and kv_pos marks
+    the unused slots INVISIBLE_POSITION. One query per sequence: a sliding window is applied by
+    hiding keys through their positions, on the device.
+
+    Args:
+        kind: "local" (graph_safe_attention, one process), "tree" (tree_decode) or "ring"
+            (ring_decode, pass-KV).
+        method, group, topology: as for TreeAttention.
+        kv_len: int64 (B,) on the cache's device: this rank's slots in use, read at every call
+            (the step updates it in place); "local" and "tree" skip the slots past it.
+        shard_lengths: for "ring": every rank's static shard length (local_capacity), in group
+            rank order, so that no lengths are gathered.
+    """
+
+    name = "graph-safe"
+
+    def __init__(self, kind: str, *, method: str = "allreduce", group: dist.ProcessGroup | None = None, topology=None,
+                 kv_len: torch.Tensor | None = None, shard_lengths: list[int] | None = None) -> None:
+        if kind not in DECODE_KINDS:
+            raise ValueError(f"kind must be one of {DECODE_KINDS}, got {kind!r}")
+        self.kind, self.method, self.group, self.topology = kind, method, group, topology
+        self.kv_len = kv_len
+        self.shard_lengths = shard_lengths
+
+    def __call__(self, q, k, v, *, q_pos, kv_pos, window):
+        if q.shape[1] != 1:
+            raise ValueError(f"graph-safe decode attention takes one query per sequence, got q of shape {tuple(q.shape)}")
+        if window is not None:
+            kv_pos = hide_outside_window(q_pos, kv_pos, window)
+        if self.kind == "local":
+            from treeattn.ops.graph_safe import graph_safe_attention
+
+            return graph_safe_attention(q, k, v, q_pos=q_pos, kv_pos=kv_pos, kv_len=self.kv_len)[0]
+        if self.kind == "tree":
+            from treeattn.parallel import tree_decode
+
+            return tree_decode(q, k, v, group=self.group, q_pos=q_pos, kv_pos=kv_pos, method=self.method, topology=self.topology,
+                               check_inputs=False, graph_safe=True, kv_len=self.kv_len)[0]
+        from treeattn.parallel import ring_decode
+
+        return ring_decode(q, k, v, group=self.group, q_pos=q_pos, kv_pos=kv_pos, pass_kv=True, check_inputs=False,
+                           shard_lengths=self.shard_lengths, graph_safe=True)[0]
 
 
 def visible_prefix(q_pos: torch.Tensor, kv_pos: torch.Tensor, window: int | None) -> int:

@@ -247,6 +247,8 @@ class LlamaModel(nn.Module):
             logits() turns the rows you need into logits.
         """
         h = self.embed_tokens(tokens)
+        if self.inv_freq.device != h.device:  # a plain attribute does not follow module.to(device): move it once
+            self.inv_freq = self.inv_freq.to(h.device)
         cos, sin = rope_cos_sin(self.inv_freq, positions, h.dtype)
         for layer in self.layers:
             h = layer(h, positions, cos, sin, kv_store, attend, chunk)
