@@ -19,6 +19,7 @@ from treeattn.parallel.bifurcated import sharded_bifurcated_attention
 from treeattn.cache import ShardedKVCache
 from treeattn.models import LlamaConfig, LlamaModel, load_model, load_tokenizer
 from treeattn.generate import GenerationResult, generate, stream
+from treeattn.decode_step import DecodeStep
 
 __version__ = "0.1.0"
 
@@ -45,4 +46,5 @@ __all__ = [
     "GenerationResult",
     "generate",
     "stream",
+    "DecodeStep",
 ]

@@ -29,6 +29,9 @@ What happens, on each rank of `group` (p ranks; without torch.distributed initia
    runs the new token through the model; its keys/values land on the rank the placement names;
    attention is "tree" (tree_decode with `method`), "ring" (ring_decode, pass-KV) or "local".
    Stops at max_new_tokens or when every sequence has produced a stop token.
+   With static_decode=True the steps run through treeattn.decode_step.DecodeStep (fixed shapes,
+   no host synchronization inside a step); with cuda_graph=True that step is captured in a CUDA
+   graph once and replayed for every token. Logits, sampling and the broadcast stay outside it.
 
 Sampling: temperature 0 is greedy (argmax). Otherwise logits / temperature, then top-k, then top-p
 (nucleus), then one draw per sequence from a torch.Generator seeded with `seed` on rank 0.
@@ -60,12 +63,14 @@ import torch
 import torch.distributed as dist
 
 from treeattn.cache import PAD_POSITION, PLACEMENTS, ShardedKVCache
+from treeattn.decode_step import DecodeStep, graph_safe_reason
 from treeattn.models.attention import DECODE_KINDS, LocalAttention, RingPrefillAttention, decode_attention
 from treeattn.models.llama import LlamaModel
 
 logger = logging.getLogger(__name__)
 
 PREFILL_KINDS = ("auto", "ring", "local")
+DECODE_STEPS = ("dynamic", "static", "graph")
 METHODS = ("allreduce", "tree", "twolevel")
 
 
@@ -114,6 +119,10 @@ class GenerationResult:
             (log-softmax of the logits, before temperature, top-k and top-p).
         num_samples: n of shared-context sampling (1: one sequence per prompt). With n > 1 the
             sequences are the n samples of the one prompt.
+        decode_step: "dynamic" (the cache views grow each step), "static" (treeattn.decode_step,
+            eager) or "graph" (the static step replayed from a CUDA graph).
+        decode_setup_s: seconds spent building the static step and capturing its graph, after
+            the first token and before the decode steps (in neither prefill_s nor decode_s).
     """
 
     prompt_tokens: list[int]
@@ -136,6 +145,8 @@ class GenerationResult:
     comm: dict = field(default_factory=dict)
     token_logprobs: list[list[float]] = field(default_factory=list)
     num_samples: int = 1
+    decode_step: str = "dynamic"
+    decode_setup_s: float = 0.0
 
     @property
     def mean_logprobs(self) -> list[float]:
@@ -191,6 +202,8 @@ def generate(
     group: dist.ProcessGroup | None = None,
     topology=None,
     cache: ShardedKVCache | None = None,
+    static_decode: bool = False,
+    cuda_graph: bool = False,
     on_token: Callable[[StepOutput], None] | None = None,
 ) -> GenerationResult:
     """Generate continuations of `prompts` with the KV cache sharded across the ranks of `group`.
@@ -224,6 +237,11 @@ def generate(
             Generation with the same prompts, placement and group), to decode again without a
             prefill: it is cut back to the prompt minus its last token, which is run again to get
             the first logits. None: a new cache and a full prefill.
+        static_decode: decode with treeattn.decode_step.DecodeStep: fixed shapes (attention over
+            the whole cache capacity, unused slots hidden), no host synchronization inside a
+            step. Needs num_samples == 1; on CUDA a model the Triton decode kernel takes.
+        cuda_graph: static_decode, with the step captured in a CUDA graph after warmup and
+            replayed for every token. Needs the model on a CUDA device.
         on_token: called with each StepOutput as tokens come (on every rank).
 
     Returns:
@@ -237,7 +255,7 @@ def generate(
         model, prompts, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
         seed=seed, stop_tokens=stop_tokens, num_samples=num_samples, decode=decode, method=method, prefill=prefill,
         placement=placement, block_size=block_size, capacity=capacity, chunk=chunk, group=group, topology=topology,
-        cache=cache,
+        cache=cache, static_decode=static_decode, cuda_graph=cuda_graph,
     )
     for step in run:
         if on_token is not None:
@@ -277,6 +295,8 @@ class Generation:
         group: dist.ProcessGroup | None = None,
         topology=None,
         cache: ShardedKVCache | None = None,
+        static_decode: bool = False,
+        cuda_graph: bool = False,
     ) -> None:
         self.model, self.group, self.topology = model, group, topology
         self.rank, self.world_size = _rank_and_size(group)
@@ -295,6 +315,7 @@ class Generation:
                 raise ValueError("num_samples > 1 decodes with bifurcated attention, whose context part is a tree "
                                  "reduction: use decode='tree' (or 'local' on one process), not 'ring'")
             self.sampling = SamplingParams(temperature, top_k, top_p)
+            self.decode_step = _resolve_decode_step(static_decode, cuda_graph, num_samples, model, len(self.prompts))
             if decode not in DECODE_KINDS:
                 raise ValueError(f"decode must be one of {DECODE_KINDS}, got {decode!r}")
             if decode == "local" and self.world_size > 1:
@@ -334,12 +355,13 @@ class Generation:
             "seed": seed, "sampling": _fingerprint([temperature, top_k, top_p]), "stop_tokens": _fingerprint(sorted(self.stop_tokens)),
             "decode": DECODE_KINDS.index(decode), "method": METHODS.index(method), "prefill": _fingerprint(prefill),
             "placement": PLACEMENTS.index(placement), "model": _model_fingerprint(model), "num_samples": num_samples,
+            "decode_step": DECODE_STEPS.index(self.decode_step),
         }
         if self.world_size > 1:
             from treeattn.parallel.metadata import UNKNOWN, gather_metadata
 
             names = ("prompts", "max_new_tokens", "capacity", "block_size", "chunk", "seed", "sampling", "stop_tokens",
-                     "decode", "method", "prefill", "placement", "model", "num_samples")
+                     "decode", "method", "prefill", "placement", "model", "num_samples", "decode_step")
             fields = fields or dict.fromkeys(names, UNKNOWN)
             gather_metadata("generate", fields, group, must_match=names, local_error=local_error)
         elif local_error is not None:
@@ -381,6 +403,9 @@ class Generation:
             prefill_s = time.perf_counter() - self.start_time
             outputs = _Outputs(len(new), self.stop_tokens)
             next_pos = (positions[:, -1] + 1).expand(len(new))
+            setup_start = time.perf_counter()
+            static_step = self._static_step(next_pos) if self.decode_step != "dynamic" and self.max_new_tokens > 1 else None
+            decode_setup_s = time.perf_counter() - setup_start
             step_logprobs: list[torch.Tensor] = []  # per step, (B,) float64; real on rank 0 only
             step_times: list[float] = []
             start_rss = _current_rss()
@@ -389,7 +414,12 @@ class Generation:
                 for index in range(self.max_new_tokens):
                     if index > 0:
                         step_start = time.perf_counter()
-                        hidden = self._decode_step(new, next_pos) if self.num_samples == 1 else self._sample_step(new, next_pos)
+                        if static_step is not None:
+                            hidden = static_step(new)
+                        elif self.num_samples == 1:
+                            hidden = self._decode_step(new, next_pos)
+                        else:
+                            hidden = self._sample_step(new, next_pos)
                         new, logprobs = self._next_tokens(hidden, generator)
                         next_pos = next_pos + 1
                         step_times.append(time.perf_counter() - step_start)
@@ -412,7 +442,7 @@ class Generation:
                 placement=self.placement, kv_bytes_per_rank=[int(x) for x in per_rank[0]],
                 comm_bytes_per_rank=per_rank[1], prefill_comm_bytes_per_rank=per_rank[2],
                 peak_rss_bytes_per_rank=[int(x) for x in per_rank[3]], start_rss_bytes_per_rank=[int(x) for x in per_rank[4]],
-                comm=decode_comm.as_dict(),
+                comm=decode_comm.as_dict(), decode_step=self.decode_step, decode_setup_s=decode_setup_s,
             )
 
     def _decode_attention(self):
@@ -447,6 +477,17 @@ class Generation:
         slots = self.cache.extend(positions[:, None])
         hidden = self.model(tokens[:, None], positions[:, None], self.cache.update(slots, slots.owned), self._attend)
         return hidden[:, -1]
+
+    def _static_step(self, positions: torch.Tensor):
+        """The DecodeStep that runs the decode steps (static_decode / cuda_graph), captured in a CUDA
+        graph for cuda_graph. positions: int64 (B,), those of the first token it runs. It returns
+        the final hidden state (B, hidden_size); logits and sampling stay outside (on rank 0)."""
+        decode = self.decode if _distributed(self.group) else "local"
+        step = DecodeStep(self.model, self.cache, positions, decode=decode, method=self.method, group=self.group,
+                          topology=self.topology, logits=False)
+        if self.decode_step == "graph":
+            step.capture()
+        return step
 
     def _sample_step(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """_decode_step for num_samples > 1: the n samples' new tokens (int64 (n,)) go to the samples'
@@ -585,6 +626,25 @@ def _rank_and_size(group) -> tuple[int, int]:
 
 def _distributed(group) -> bool:
     return dist.is_available() and dist.is_initialized()
+
+
+def _resolve_decode_step(static_decode, cuda_graph, num_samples: int, model: LlamaModel, batch: int) -> str:
+    """ "dynamic", "static" or "graph" from the static_decode and cuda_graph options (checked)."""
+    for name, flag in (("static_decode", static_decode), ("cuda_graph", cuda_graph)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
+    if not (static_decode or cuda_graph):
+        return "dynamic"
+    option = "cuda_graph" if cuda_graph else "static_decode"
+    if num_samples > 1:
+        raise ValueError(f"{option}=True decodes one sequence per prompt; num_samples={num_samples} (bifurcated decoding) has no static step")
+    if cuda_graph and model.device.type != "cuda":
+        raise ValueError(f"cuda_graph=True needs the model on a CUDA device, got {model.device} "
+                         "(static_decode=True runs the same step without a graph)")
+    reason = graph_safe_reason(model, batch)
+    if reason is not None:
+        raise ValueError(f"{option}=True cannot run this model without host synchronization: {reason}")
+    return "graph" if cuda_graph else "static"
 
 
 def _resolve_prefill(prefill: str, world_size: int, longest: int, windows) -> str:

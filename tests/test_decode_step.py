@@ -1,0 +1,582 @@
+"""The graph-safe decode step (treeattn.decode_step.DecodeStep) and what it stands on.
+
+On the CPU:
+- the static-shape step gives the logits and tokens of the normal (dynamic) decode step on p = 1
+  and 2 gloo ranks, tree (every method) and ring, both placements, with a sliding window that bites
+  and a left-padded batch; generate(static_decode=True) gives the tokens of generate();
+- every such step runs under `no_host_sync()`, a guard that fails on any host read of a tensor
+  (.item(), .tolist(), .cpu(), bool(), int(), ...); the guard is shown to catch the host reads of
+  the dynamic path (ops.attention's checks, ring_decode's gather);
+- graph_safe_attention against the float64 reference, and its CUDA branch (the Triton kernel with
+  kv_len as the paged seq_lens) through Triton's interpreter;
+- ring_decode's shard_lengths (no gather), tree_decode's kv_len, the static cache API.
+One spawn of 2 ranks runs every multi-rank case (a sub-group of rank 0 gives p = 1).
+
+Marked gpu (skipped without CUDA; no GPU was available when they were written, so they have not
+run yet): capture + replay equals the eager step on one GPU, generate(cuda_graph=True) equals
+generate(), no sync under torch.cuda.set_sync_debug_mode("error"), and the NCCL path on 2 GPUs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+HAS_CUDA = torch.cuda.is_available()
+if not HAS_CUDA:  # the kernel branch runs on CPU tensors through Triton's interpreter (see test_triton_decode)
+    os.environ["TRITON_INTERPRET"] = "1"
+
+from treeattn.cache import INVISIBLE_POSITION, ShardedKVCache  # noqa: E402
+from treeattn.decode_step import DecodeStep  # noqa: E402
+from treeattn.generate import generate, stream  # noqa: E402
+from treeattn.models import LlamaConfig, LocalAttention, decode_attention, random_model  # noqa: E402
+from treeattn.ops import attention, reference_attention  # noqa: E402
+from treeattn.ops.graph_safe import graph_safe_attention, kernel_attention  # noqa: E402
+from treeattn.parallel import comm, comm_stats, ring_decode, spawn, tree_decode  # noqa: E402
+
+CONFIG = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4, num_kv_heads=2,
+                     head_dim=16, layer_windows=(None, 6))
+PROMPTS = [[5, 17, 3, 42, 8, 23, 61, 9, 30], [11, 2, 50, 7, 19]]  # left-padded to 9
+CAPACITY, BLOCK, STEPS = 24, 4, 6  # contiguous on 2 ranks: the decode tokens cross from rank 0 to rank 1
+
+# ------------------------------------------------------------------------------ the guard
+
+
+class HostSyncError(AssertionError):
+    """A tensor was read on the host inside a region that must not synchronize."""
+
+
+_GUARDED_METHODS = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__", "nonzero", "unique")
+_GUARDED_FUNCTIONS = ("nonzero", "masked_select", "unique", "tensor", "as_tensor")
+
+
+@contextlib.contextmanager
+def no_host_sync():
+    """Fail on every Python-level way of reading a tensor's values on the host.
+
+    On a GPU each of these is a device-to-host synchronization (and an error inside CUDA-graph
+    capture): Tensor.item/.tolist/.cpu/.numpy, bool()/int()/float()/index use of a tensor,
+    nonzero/masked_select/unique (output size known only on the device), and torch.tensor /
+    torch.as_tensor (host data copied to the device). It cannot see what C++ does inside an op,
+    nor a .to(device) copy when every tensor is on the CPU.
+    """
+    own = {name: torch.Tensor.__dict__[name] for name in _GUARDED_METHODS if name in torch.Tensor.__dict__}
+    functions = {name: getattr(torch, name) for name in _GUARDED_FUNCTIONS}
+
+    def refuse(what):
+        def guard(*args, **kwargs):
+            raise HostSyncError(f"host synchronization inside the step: {what}")
+        return guard
+
+    for name in _GUARDED_METHODS:
+        setattr(torch.Tensor, name, refuse(f"Tensor.{name}"))
+    for name in _GUARDED_FUNCTIONS:
+        setattr(torch, name, refuse(f"torch.{name}"))
+    try:
+        yield
+    finally:
+        for name in _GUARDED_METHODS:
+            if name in own:
+                setattr(torch.Tensor, name, own[name])
+            else:
+                delattr(torch.Tensor, name)
+        for name, fn in functions.items():
+            setattr(torch, name, fn)
+
+
+# ---------------------------------------------------------------------------- helpers
+
+
+def make_model(dtype=torch.float32, device="cpu"):
+    return random_model(CONFIG, seed=3, std=0.2, dtype=dtype).to(device)
+
+
+def left_pad(prompts, device="cpu"):
+    length = max(len(p) for p in prompts)
+    tokens = torch.zeros(len(prompts), length, dtype=torch.int64)
+    positions = torch.full((len(prompts), length), -1, dtype=torch.int64)
+    for b, prompt in enumerate(prompts):
+        tokens[b, length - len(prompt):] = torch.tensor(prompt)
+        positions[b, length - len(prompt):] = torch.arange(len(prompt))
+    return tokens.to(device), positions.to(device)
+
+
+def make_cache(model, placement="contiguous", rank=0, world_size=1):
+    return ShardedKVCache(num_layers=CONFIG.num_layers, num_kv_heads=CONFIG.num_kv_heads, head_dim=CONFIG.head_dim,
+                          capacity=CAPACITY, batch_size=len(PROMPTS), placement=placement, block_size=BLOCK, rank=rank,
+                          world_size=world_size, dtype=model.dtype, device=model.device)
+
+
+def prefill(model, cache, attend):
+    """Every rank runs the whole prompt (generate's "local" prefill); returns the last prompt token
+    and the position of the first decoded token, int64 (B,)."""
+    tokens, positions = left_pad(PROMPTS, model.device)
+    with torch.inference_mode():
+        slots = cache.extend(positions)
+        model(tokens, positions, cache.update(slots, slots.owned), attend)
+    return tokens[:, -1], positions[:, -1] + 1
+
+
+def dynamic_logits(model, cache, attend, token, position):
+    """One normal decode step: float32 logits (B, vocab)."""
+    with torch.inference_mode():
+        slots = cache.extend(position[:, None])
+        hidden = model(token[:, None], position[:, None], cache.update(slots, slots.owned), attend)[:, -1]
+        return model.logits(hidden)
+
+
+def compare_static_with_dynamic(model, *, decode, method, placement, group=None, guard=True, steps=STEPS) -> dict:
+    """Run the same greedy decode through the dynamic path and a DecodeStep (under the guard)."""
+    distributed = dist.is_initialized()
+    rank, p = (dist.get_rank(group), dist.get_world_size(group)) if distributed else (0, 1)
+    attend = decode_attention(decode, method=method, group=group) if distributed else LocalAttention()
+    dynamic, static = make_cache(model, placement, rank, p), make_cache(model, placement, rank, p)
+    token, position = prefill(model, dynamic, attend)
+    prefill(model, static, attend)
+    step = DecodeStep(model, static, position, decode=decode if distributed else "local", method=method, group=group)
+    diffs, same_tokens = [], True
+    for _ in range(steps):
+        expected = dynamic_logits(model, dynamic, attend, token, position)
+        with no_host_sync() if guard else contextlib.nullcontext():
+            got = step(token)
+        diffs.append(float((got - expected).abs().max()))
+        same_tokens = same_tokens and torch.equal(got.argmax(-1), expected.argmax(-1))
+        token, position = expected.argmax(-1), position + 1
+    return {"max_diff": max(diffs), "same_tokens": same_tokens, "lengths": (static.length, static.local_length),
+            "expected_lengths": (dynamic.length, dynamic.local_length)}
+
+
+# ---------------------------------------------------------------- multi-rank (one spawn)
+
+P1_CASES = [("tree", "allreduce", "contiguous"), ("ring", "allreduce", "interleaved")]
+P2_CASES = [("tree", "allreduce", "contiguous"), ("tree", "tree", "interleaved"), ("tree", "twolevel", "contiguous"),
+            ("ring", "allreduce", "contiguous"), ("ring", "allreduce", "interleaved")]
+
+
+def _ranks_main(rank: int, world_size: int) -> dict:
+    torch.set_num_threads(1)
+    model = make_model()
+    groups = {1: dist.new_group([0]), 2: None}
+    out: dict = {"steps": {}}
+    for p, cases in ((1, P1_CASES), (2, P2_CASES)):
+        if rank >= p:
+            continue
+        for case in cases:
+            decode, method, placement = case
+            out["steps"][(p, *case)] = compare_static_with_dynamic(
+                model, decode=decode, method=method, placement=placement, group=groups[p])
+    for decode in ("tree", "ring"):
+        options = dict(max_new_tokens=8, decode=decode, capacity=CAPACITY, block_size=BLOCK, prefill="local")
+        dynamic = generate(model, PROMPTS, **options)
+        static = generate(model, PROMPTS, static_decode=True, **options)
+        out[f"generate-{decode}"] = (dynamic.generated_ids, static.generated_ids, dynamic.token_logprobs,
+                                     static.token_logprobs, dynamic.comm_bytes_per_rank, static.comm_bytes_per_rank,
+                                     static.decode_step)
+    out.update(_parallel_cases(rank))
+    return out
+
+
+def _errors(fn) -> str | None:
+    try:
+        fn()
+    except (ValueError, TypeError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def _parallel_cases(rank: int) -> dict:
+    """ring_decode with shard_lengths, graph-safe tree_decode with kv_len, the guard on the dynamic path."""
+    out = {}
+    g = torch.Generator().manual_seed(7)
+    q = torch.randn(2, 1, 4, 16, generator=g)
+    lengths = [5, 3]
+    shards = [(torch.randn(2, n, 2, 16, generator=g), torch.randn(2, n, 2, 16, generator=g)) for n in lengths]
+    k, v = shards[rank]
+    kv_pos = torch.arange(sum(lengths[:rank]), sum(lengths[: rank + 1])).expand(2, -1)
+    q_pos = torch.tensor([[6], [7]])
+
+    default, _ = ring_decode(q, k, v, q_pos=q_pos, kv_pos=kv_pos)
+    with comm_stats() as unchecked:
+        given, _ = ring_decode(q, k, v, q_pos=q_pos, kv_pos=kv_pos, check_inputs=False, shard_lengths=lengths)
+    with comm_stats() as checked:
+        compared, _ = ring_decode(q, k, v, q_pos=q_pos, kv_pos=kv_pos, shard_lengths=lengths)
+    with no_host_sync():
+        graph_safe, _ = ring_decode(q, k, v, q_pos=q_pos, kv_pos=kv_pos, check_inputs=False, shard_lengths=lengths, graph_safe=True)
+    out["ring-shard-lengths"] = (torch.equal(default, given), torch.equal(default, compared),
+                                 unchecked.by_op["allgather"].calls, checked.by_op["allgather"].calls,
+                                 float((graph_safe - default).abs().max()))
+    disagreeing = [5, 99] if rank == 0 else [98, 3]
+    out["ring-disagreeing-lengths"] = _errors(lambda: ring_decode(q, k, v, q_pos=q_pos, kv_pos=kv_pos, shard_lengths=disagreeing))
+    out["ring-graph-safe-needs-lengths"] = _errors(
+        lambda: ring_decode(q, k, v, q_pos=q_pos, kv_pos=kv_pos, check_inputs=False, graph_safe=True))
+    out["tree-graph-safe-needs-unchecked"] = _errors(lambda: tree_decode(q, k, v, q_pos=q_pos, kv_pos=kv_pos, graph_safe=True))
+
+    # kv_len hides the tail of a preallocated buffer even where its positions would be visible
+    tail = 4
+    k_buffer = torch.cat([k, torch.randn(2, tail, 2, 16, generator=g)], dim=1)
+    v_buffer = torch.cat([v, torch.randn(2, tail, 2, 16, generator=g)], dim=1)
+    pos_buffer = torch.cat([kv_pos, torch.zeros(2, tail, dtype=torch.int64)], dim=1)
+    kv_len = torch.full((2,), lengths[rank])
+    expected, expected_lse = tree_decode(q, k, v, q_pos=q_pos, kv_pos=kv_pos)
+    with no_host_sync():
+        got, got_lse = tree_decode(q, k_buffer, v_buffer, q_pos=q_pos, kv_pos=pos_buffer, check_inputs=False,
+                                   graph_safe=True, kv_len=kv_len)
+    out["tree-kv-len"] = (float((got - expected).abs().max()), float((got_lse - expected_lse).abs().max()))
+
+    # the guard sees the host reads of the dynamic path: ring_decode's gather of the shard lengths
+    try:
+        with no_host_sync():
+            ring_decode(q, k, v, q_pos=q_pos, kv_pos=kv_pos, check_inputs=False)
+        out["guard-on-gather"] = None
+    except HostSyncError as exc:
+        out["guard-on-gather"] = str(exc)
+    return out
+
+
+@pytest.fixture(scope="module")
+def ranks():
+    return spawn(_ranks_main, 2, timeout=120)
+
+
+@pytest.mark.parametrize("case", [(1, *c) for c in P1_CASES] + [(2, *c) for c in P2_CASES], ids=lambda c: "-".join(map(str, c)))
+def test_static_step_gives_the_logits_of_the_dynamic_step_without_host_sync(ranks, case):
+    p = case[0]
+    for rank in range(p):
+        result = ranks[rank]["steps"][case]
+        assert result["same_tokens"]
+        assert result["max_diff"] < 1e-4, result
+        assert result["lengths"] == result["expected_lengths"]
+
+
+def test_generate_static_decode_gives_the_tokens_of_generate(ranks):
+    for decode in ("tree", "ring"):
+        results = [ranks[r][f"generate-{decode}"] for r in range(2)]
+        for dyn_ids, static_ids, dyn_lp, static_lp, dyn_bytes, static_bytes, kind in results:
+            assert kind == "static"
+            assert static_ids == dyn_ids
+            assert max(abs(a - b) for x, y in zip(dyn_lp, static_lp) for a, b in zip(x, y)) < 1e-4
+        if decode == "tree":  # the same collectives per step: no gather, nothing extra
+            assert results[0][5] == results[0][4]
+        else:  # the static ring sends every rank's whole preallocated shard
+            assert results[0][5] > results[0][4]
+
+
+def test_ring_decode_takes_shard_lengths_instead_of_gathering(ranks):
+    for rank in range(2):
+        same_unchecked, same_checked, gathers_unchecked, gathers_checked, graph_safe_diff = ranks[rank]["ring-shard-lengths"]
+        assert same_unchecked and same_checked
+        assert gathers_unchecked == 0 and gathers_checked == 1
+        assert graph_safe_diff < 1e-5
+
+
+def test_ring_decode_shard_lengths_that_disagree_fail_on_every_rank(ranks):
+    messages = [ranks[r]["ring-disagreeing-lengths"] for r in range(2)]
+    assert messages[0] is not None and messages[0] == messages[1]
+    assert "shard_lengths" in messages[0]
+
+
+def test_graph_safe_refuses_what_would_synchronize(ranks):
+    for rank in range(2):
+        assert "needs shard_lengths" in ranks[rank]["ring-graph-safe-needs-lengths"]
+        assert "needs check_inputs=False" in ranks[rank]["tree-graph-safe-needs-unchecked"]
+
+
+def test_tree_decode_kv_len_hides_the_unused_tail(ranks):
+    for rank in range(2):
+        out_diff, lse_diff = ranks[rank]["tree-kv-len"]
+        assert out_diff < 1e-5 and lse_diff < 1e-5
+
+
+def test_the_guard_catches_the_gather_of_the_dynamic_ring(ranks):
+    for rank in range(2):
+        message = ranks[rank]["guard-on-gather"]  # the metadata row goes to the device, the table comes back
+        assert message is not None and ("torch.tensor" in message or "tolist" in message)
+
+
+# ----------------------------------------------------------------------- one process
+
+
+def test_the_guard_catches_host_reads():
+    x = torch.arange(4)
+    for read in (lambda: x.sum().item(), lambda: x.tolist(), lambda: x.cpu(), lambda: bool(x[0]), lambda: int(x[1]),
+                 lambda: float(x[1]), lambda: range(x[2]), lambda: torch.tensor([1])):
+        with no_host_sync(), pytest.raises(HostSyncError):
+            read()
+    assert x.sum().item() == 6 and bool(x[1]) and int(x[2]) == 2  # restored
+    q, k, v = torch.randn(1, 1, 2, 8), torch.randn(1, 5, 2, 8), torch.randn(1, 5, 2, 8)
+    with no_host_sync(), pytest.raises(HostSyncError):  # the generic path's visibility checks
+        attention(q, k, v, causal=True, q_pos=torch.tensor([4]), kv_pos=torch.arange(5))
+
+
+def test_static_step_on_one_process_without_a_group():
+    result = compare_static_with_dynamic(make_model(), decode="local", method="allreduce", placement="contiguous")
+    assert result["same_tokens"] and result["max_diff"] < 1e-4
+    assert result["lengths"] == result["expected_lengths"]
+
+
+def test_generate_static_decode_on_one_process_bf16():
+    model = make_model(torch.bfloat16)
+    options = dict(max_new_tokens=6, capacity=CAPACITY)
+    dynamic, static = generate(model, PROMPTS, **options), generate(model, PROMPTS, static_decode=True, **options)
+    assert static.decode_step == "static" and dynamic.decode_step == "dynamic"
+    assert static.generated_ids == dynamic.generated_ids
+    assert static.kv_bytes_per_rank == dynamic.kv_bytes_per_rank
+
+
+def test_decoding_again_statically_from_a_prefilled_cache():
+    """The earlier run leaves decoded tokens past the prompt: clear_unused must hide them."""
+    model = make_model()
+    earlier = stream(model, PROMPTS, max_new_tokens=6, capacity=CAPACITY)
+    list(earlier)
+    again = generate(model, PROMPTS, max_new_tokens=6, capacity=CAPACITY, static_decode=True, cache=earlier.cache)
+    assert again.prefill == "reused" and again.decode_step == "static"
+    assert again.generated_ids == earlier.result.generated_ids
+
+
+@pytest.mark.parametrize("heads", [(4, 4), (4, 2), (4, 1)], ids=["MHA", "GQA", "MQA"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("with_len", [False, True])
+def test_graph_safe_attention_matches_the_reference(heads, dtype, with_len):
+    Hq, Hkv = heads
+    g = torch.Generator().manual_seed(Hq * 10 + Hkv)
+    B, Sq, Sk, D = 2, 3, 40, 16
+    q = torch.randn(B, Sq, Hq, D, generator=g).to(dtype)
+    k, v = (torch.randn(B, Sk, Hkv, D, generator=g).to(dtype) for _ in range(2))
+    kv_pos = torch.randint(0, 30, (B, Sk), generator=g)
+    kv_pos[1, 7] = INVISIBLE_POSITION
+    q_pos = torch.tensor([[-1, 12, 29], [3, 20, 29]])  # query 0 of sequence 0 sees no key
+    kv_len = torch.tensor([25, 40]) if with_len else None
+    with no_host_sync():
+        out, lse = graph_safe_attention(q, k, v, q_pos=q_pos, kv_pos=kv_pos, kv_len=kv_len)
+    hidden = kv_pos.clone()
+    if with_len:
+        hidden[0, 25:] = INVISIBLE_POSITION
+    ref_out, ref_lse = reference_attention(q, k, v, causal=True, q_pos=q_pos, kv_pos=hidden)
+    tol = 2e-5 if dtype == torch.float32 else 2e-2
+    assert out.dtype == dtype and lse.dtype == torch.float32
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse)) and bool(torch.isneginf(lse[0, :, 0]).all())
+    assert torch.equal(out[0, 0], torch.zeros_like(out[0, 0]))
+    finite = torch.isfinite(ref_lse)
+    torch.testing.assert_close(lse[finite].double(), ref_lse[finite], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out.double(), ref_out, rtol=tol, atol=tol)
+
+
+def test_graph_safe_attention_edge_cases_and_bad_input():
+    q = torch.randn(2, 1, 4, 16)
+    empty = torch.randn(2, 0, 2, 16)
+    out, lse = graph_safe_attention(q, empty, empty, kv_len=torch.zeros(2, dtype=torch.int64))
+    assert torch.equal(out, torch.zeros_like(out)) and bool(torch.isneginf(lse).all())
+    k = torch.randn(2, 5, 2, 16)
+    no_positions, _ = graph_safe_attention(q, k, k)
+    torch.testing.assert_close(no_positions, attention(q, k, k)[0])
+    beyond, _ = graph_safe_attention(q, k, k, kv_len=torch.tensor([9, 5]))  # clamped to Sk on the device
+    torch.testing.assert_close(beyond, no_positions)
+    with pytest.raises(ValueError, match=r"kv_len must be a tensor of shape \(B,\) = \(2,\), got \(3,\)"):
+        graph_safe_attention(q, k, k, kv_len=torch.zeros(3, dtype=torch.int64))
+    with pytest.raises(TypeError, match="kv_len must be int32 or int64, got torch.float32"):
+        graph_safe_attention(q, k, k, kv_len=torch.zeros(2))
+    with pytest.raises(ValueError, match="given together"):
+        graph_safe_attention(q, k, k, q_pos=torch.tensor([3]))
+
+
+def _interpreted_triton_decode():
+    pytest.importorskip("triton")
+    td = importlib.import_module("treeattn.ops.triton_decode")
+    if not HAS_CUDA and not td._INTERPRETED:  # imported earlier without the interpreter
+        td = importlib.reload(td)
+    return td
+
+
+@pytest.mark.parametrize("with_len", [False, True])
+def test_graph_safe_kernel_branch_through_the_triton_interpreter(with_len):
+    """The CUDA branch (Triton kernel; kv_len as the paged seq_lens, one block per sequence)."""
+    td = _interpreted_triton_decode()
+    device = "cuda" if HAS_CUDA else "cpu"
+    g = torch.Generator().manual_seed(5)
+    B, Sk, Hq, Hkv, D = 2, 37, 4, 2, 16
+    q = torch.randn(B, 1, Hq, D, generator=g).to(device)
+    k, v = (torch.randn(B, Sk, Hkv, D, generator=g).to(device) for _ in range(2))
+    kv_pos = torch.arange(Sk).expand(B, Sk).clone()
+    kv_pos[:, 30:] = INVISIBLE_POSITION
+    q_pos = torch.tensor([[29], [12]])
+    kv_len = torch.tensor([20, 30], device=device) if with_len else None
+    out, lse = kernel_attention(td, q, k, v, scale=D ** -0.5, q_pos=q_pos.to(device), kv_pos=kv_pos.to(device), kv_len=kv_len)
+    hidden = kv_pos.clone()
+    if with_len:
+        hidden[0, 20:] = INVISIBLE_POSITION
+    ref_out, ref_lse = reference_attention(q.cpu(), k.cpu(), v.cpu(), causal=True, q_pos=q_pos, kv_pos=hidden)
+    torch.testing.assert_close(lse.cpu().double(), ref_lse, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out.cpu().double(), ref_out, rtol=2e-5, atol=2e-5)
+
+
+def test_graph_safe_kernel_branch_refuses_what_the_kernel_does_not_take():
+    td = _interpreted_triton_decode()
+    q, k = torch.randn(1, 1, 4, 24), torch.randn(1, 5, 2, 24)  # head dim 24: not a power of two
+    with pytest.raises(ValueError, match="graph-safe attention needs the Triton decode kernel, which does not take head dims D=24"):
+        kernel_attention(td, q, k, k, scale=1.0, q_pos=None, kv_pos=None, kv_len=None)
+
+
+@pytest.mark.parametrize("placement", ["contiguous", "interleaved"])
+def test_cache_locates_on_the_device_as_the_placement_does_on_the_host(placement):
+    caches = [ShardedKVCache(num_layers=1, num_kv_heads=1, head_dim=2, capacity=23, batch_size=1, placement=placement,
+                             block_size=4, rank=r, world_size=3) for r in range(3)]
+    for slot in range(23):
+        owner = int(caches[0].placement.owner(torch.tensor([slot])))
+        local = int(caches[0].placement.local_slot(torch.tensor([slot])))
+        for r, cache in enumerate(caches):
+            local_slot, owned = cache.locate(torch.tensor([slot]))
+            assert bool(owned) == (r == owner)
+            assert 0 <= int(local_slot) < cache.local_capacity
+            if r == owner:
+                assert int(local_slot) == local
+
+
+def test_cache_static_writes_touch_only_the_owned_slot():
+    cache = ShardedKVCache(num_layers=2, num_kv_heads=1, head_dim=2, capacity=8, batch_size=2, block_size=4)
+    cache._arena.fill_(float("nan"))  # what torch.empty may leave
+    slots = cache.extend(torch.tensor([0, 1, 2]))
+    cache.write(0, slots, torch.ones(2, 3, 1, 2), torch.ones(2, 3, 1, 2))
+    cache.clear_unused()
+    k, v = cache.static_layer(0)
+    assert k.shape == (2, 8, 1, 2) and not bool(torch.isnan(k[:, 3:]).any()) and bool((k[:, 3:] == 0).all())
+    assert cache.static_kv_pos[:, 3:].eq(INVISIBLE_POSITION).all() and cache.static_kv_pos[:, :3].eq(torch.arange(3)).all()
+    slot = torch.tensor([3])
+    new = torch.full((2, 1, 1, 2), 7.0)
+    cache.store_at(1, slot, torch.tensor([False]), new, new)
+    cache.store_positions_at(slot, torch.tensor([False]), torch.tensor([3, 3]))
+    assert bool((cache.static_layer(1)[0][:, 3] == 0).all()) and cache.static_kv_pos[0, 3] == INVISIBLE_POSITION
+    cache.store_at(1, slot, torch.tensor([True]), new, 2 * new)
+    cache.store_positions_at(slot, torch.tensor([True]), torch.tensor([3, 1]))
+    k1, v1 = cache.static_layer(1)
+    assert bool((k1[:, 3] == 7).all()) and bool((v1[:, 3] == 14).all()) and cache.static_kv_pos[:, 3].tolist() == [3, 1]
+    assert bool((cache.static_layer(0)[0][:, 3] == 0).all())  # other layers untouched
+    cache.advance(1)
+    assert (cache.length, cache.local_length) == (4, 4)
+    with pytest.raises(ValueError, match="KV cache full"):
+        cache.advance(5)
+
+
+def test_decode_step_errors():
+    model = make_model()
+    cache = make_cache(model)
+    token, position = prefill(model, cache, LocalAttention())
+    step = DecodeStep(model, cache, position, decode="local")
+    with pytest.raises(RuntimeError, match="needs .*CUDA|must be on a CUDA device"):
+        step.capture()
+    with pytest.raises(ValueError, match="tokens must be an int64 tensor of B=2 ids"):
+        step(torch.zeros(3, dtype=torch.int64))
+    step(token)
+    cache.truncate(5)
+    with pytest.raises(RuntimeError, match="changed outside the step"):
+        step(token)
+    with pytest.raises(ValueError, match="positions must be an int64 tensor of B=2"):
+        DecodeStep(model, cache, torch.tensor([1.0, 2.0]), decode="local")
+    with pytest.raises(ValueError, match="cache does not fit the model"):
+        DecodeStep(model, ShardedKVCache(num_layers=1, num_kv_heads=2, head_dim=16, capacity=4, batch_size=2), position)
+    full = make_cache(model)
+    full.advance(CAPACITY)
+    with pytest.raises(ValueError, match="KV cache full"):
+        DecodeStep(model, full, position, decode="local")(token)
+
+
+def test_generate_refuses_a_graph_without_cuda_and_bifurcated_static():
+    model = make_model()
+    with pytest.raises(ValueError, match="cuda_graph=True needs the model on a CUDA device, got cpu"):
+        generate(model, PROMPTS[0], max_new_tokens=2, cuda_graph=True)
+    with pytest.raises(ValueError, match="num_samples=2"):
+        generate(model, PROMPTS[0], max_new_tokens=2, static_decode=True, num_samples=2)
+    with pytest.raises(TypeError, match="static_decode must be a bool"):
+        generate(model, PROMPTS[0], max_new_tokens=2, static_decode="yes")
+
+
+def test_replayed_steps_add_their_captured_traffic():
+    with comm_stats() as outer:
+        with comm.separate_comm_stats() as captured:
+            comm._record("allreduce", payload=8, sent=4.0, received=4.0)
+        assert outer.calls == 0 and captured.by_op["allreduce"].calls == 1
+        comm.record_replay(captured)
+        comm.record_replay(captured)
+    assert outer.by_op["allreduce"].calls == 2 and outer.bytes_sent == 8.0 and outer.by_op["allreduce"].payload_bytes == 16
+
+
+# ------------------------------------------------------------------------------ GPU
+
+gpu = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+two_gpus = pytest.mark.skipif(not HAS_CUDA or torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+
+
+def compare_graph_with_eager(model, *, decode, method, placement, group=None, steps=STEPS) -> dict:
+    """The same greedy decode through an eager DecodeStep and a captured one (replayed)."""
+    distributed = dist.is_initialized()
+    rank, p = (dist.get_rank(group), dist.get_world_size(group)) if distributed else (0, 1)
+    attend = decode_attention(decode, method=method, group=group) if distributed else LocalAttention()
+    kind = decode if distributed else "local"
+    eager_cache, graph_cache = make_cache(model, placement, rank, p), make_cache(model, placement, rank, p)
+    token, position = prefill(model, eager_cache, attend)
+    prefill(model, graph_cache, attend)
+    eager = DecodeStep(model, eager_cache, position, decode=kind, method=method, group=group)
+    graphed = DecodeStep(model, graph_cache, position, decode=kind, method=method, group=group)
+    graphed.capture()
+    diffs, same_tokens = [], True
+    for _ in range(steps):
+        expected = eager(token).clone()
+        got = graphed(token).clone()
+        diffs.append(float((got - expected).abs().max()))
+        same_tokens = same_tokens and torch.equal(got.argmax(-1), expected.argmax(-1))
+        token = expected.argmax(-1)
+    return {"max_diff": max(diffs), "same_tokens": same_tokens, "captured_bytes": graphed.step_comm.bytes_sent}
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_gpu_capture_and_replay_equal_the_eager_step(dtype):
+    result = compare_graph_with_eager(make_model(dtype, "cuda"), decode="local", method="allreduce", placement="contiguous")
+    assert result["same_tokens"] and result["max_diff"] < 1e-3
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_static_step_never_synchronizes():
+    model = make_model(torch.bfloat16, "cuda")
+    cache = make_cache(model)
+    token, position = prefill(model, cache, LocalAttention())
+    step = DecodeStep(model, cache, position, decode="local")
+    step(token)  # Triton compiles outside the checked region
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(3):
+            step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_generate_with_a_cuda_graph_gives_the_tokens_of_generate():
+    model = make_model(torch.float32, "cuda")
+    options = dict(max_new_tokens=8, capacity=CAPACITY)
+    dynamic, graphed = generate(model, PROMPTS, **options), generate(model, PROMPTS, cuda_graph=True, **options)
+    assert graphed.decode_step == "graph"
+    assert graphed.generated_ids == dynamic.generated_ids
+
+
+def _nccl_main(rank: int, world_size: int) -> dict:
+    model = make_model(torch.bfloat16, "cuda")
+    return {case: compare_graph_with_eager(model, decode=case[0], method=case[1], placement=case[2]) for case in P2_CASES}
+
+
+@pytest.mark.gpu
+@two_gpus
+def test_gpu_nccl_capture_and_replay_equal_the_eager_step_on_two_gpus():
+    results = spawn(_nccl_main, 2, backend="nccl", timeout=300)
+    for rank_result in results:
+        for case, result in rank_result.items():
+            assert result["same_tokens"] and result["max_diff"] < 1e-3, (case, result)
+            assert result["captured_bytes"] > 0, case
