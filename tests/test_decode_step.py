@@ -507,6 +507,8 @@ def test_replayed_steps_add_their_captured_traffic():
 # ------------------------------------------------------------------------------ GPU
 
 gpu = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+# Eager and replayed steps launch the same kernels; the tolerance only allows a different cuBLAS choice.
+GRAPH_TOL = {torch.float32: 1e-4, torch.bfloat16: 3e-2}
 two_gpus = pytest.mark.skipif(not HAS_CUDA or torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
 
 
@@ -537,7 +539,7 @@ def compare_graph_with_eager(model, *, decode, method, placement, group=None, st
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_gpu_capture_and_replay_equal_the_eager_step(dtype):
     result = compare_graph_with_eager(make_model(dtype, "cuda"), decode="local", method="allreduce", placement="contiguous")
-    assert result["same_tokens"] and result["max_diff"] < 1e-3
+    assert result["same_tokens"] and result["max_diff"] < GRAPH_TOL[dtype]
 
 
 @pytest.mark.gpu
@@ -578,5 +580,5 @@ def test_gpu_nccl_capture_and_replay_equal_the_eager_step_on_two_gpus():
     results = spawn(_nccl_main, 2, backend="nccl", timeout=300)
     for rank_result in results:
         for case, result in rank_result.items():
-            assert result["same_tokens"] and result["max_diff"] < 1e-3, (case, result)
+            assert result["same_tokens"] and result["max_diff"] < GRAPH_TOL[torch.bfloat16], (case, result)
             assert result["captured_bytes"] > 0, case
