@@ -182,3 +182,46 @@ def test_bench_cli_rejects_bad_input():
     assert result.exit_code != 0 and "shorter than world size" in result.output
     result = runner.invoke(app, ["bench", "decode", "--topology", "2y2"])
     assert result.exit_code != 0 and "NODESxRANKS" in result.output
+
+
+def test_best_of_passes_keeps_the_least_disturbed_run():
+    from treeattn.bench.validate import best_of_passes
+
+    def rec(m, t):
+        return {"method": m, "gpus": 2, "seq_len": 64, "median_seconds": t}
+
+    kept = best_of_passes([[rec("tree", 3.0), rec("ring-kv", 1.0)], [rec("tree", 2.0), rec("ring-kv", 5.0)]])
+    assert [(r["method"], r["median_seconds"], r["pass_medians"]) for r in kept] == [
+        ("tree", 2.0, [3.0, 2.0]), ("ring-kv", 1.0, [1.0, 5.0])
+    ]
+
+
+def test_calibration_passes_keep_the_fastest_and_a_consistent_ring_step():
+    from treeattn.bench.calibrate import cluster_from_measurements, fastest_of_passes
+
+    base = {
+        "p2p_small_one_way_seconds": 5e-5, "p2p_large_one_way_seconds": 0.02, "p2p_large_bytes": 64 * 2**20,
+        "allreduce_small_seconds": 8e-5, "attention_tokens": [4096, 32768, 131072],
+        "attention_alone_seconds": [0.01, 0.06, 0.24], "attention_concurrent_seconds": [0.01, 0.07, 0.28],
+        "merge_seconds": 3e-5, "ring_step_seconds": 0.07, "ring_step_attention_seconds": 0.01,
+        "copy_bandwidth_1_thread": 2e10, "copy_bandwidth_all_threads": 3e10, "matmul_flops_1_thread": 5e10,
+    }
+    slow = {**base, "attention_alone_seconds": [0.02, 0.03, 0.5], "ring_step_seconds": 0.2, "ring_step_attention_seconds": 0.001,
+            "copy_bandwidth_1_thread": 4e10}
+    combined = fastest_of_passes([slow, base])
+    assert combined["attention_alone_seconds"] == [0.01, 0.03, 0.24]
+    assert (combined["ring_step_seconds"], combined["ring_step_attention_seconds"]) == (0.07, 0.01)
+    assert combined["copy_bandwidth_1_thread"] == 4e10
+    cluster = cluster_from_measurements(combined)
+    assert cluster.intra.bandwidth == pytest.approx(64 * 2**20 / (0.07 - 0.01 - cluster.collective_overhead - cluster.intra.latency), rel=1e-6)
+    assert cluster.host_cores >= 1 and cluster.p2p_overlap == 0.0
+
+
+def test_compare_predicts_each_record_from_its_own_calibration():
+    h100 = PRESETS["dgx-h100"]
+    slow = h100.with_overrides(memory_bandwidth=h100.memory_bandwidth / 10)
+    record = {"method": "local", "gpus": 1, "seq_len": 100_000, "heads": 16, "kv_heads": 16, "head_dim": 128, "batch": 1,
+              "dtype": "fp32", "median_seconds": 1.0, "p10_seconds": 1.0, "p90_seconds": 1.0, "bytes": 0, "rounds": 0}
+    (fast_row,) = compare([record], h100)
+    (own_row,) = compare([{**record, "calibration_cluster": slow.to_dict()}], h100)
+    assert own_row["predicted_seconds"] > 5 * fast_row["predicted_seconds"]

@@ -14,6 +14,7 @@ from treeattn.cli import app
 from treeattn.sim import METHODS, PRESETS, Cluster, DecodeShape, Link, load_cluster, predict_decode, predict_generation
 from treeattn.sim import collectives, volumes
 from treeattn.sim.hardware import GB, US
+from treeattn.sim.model import RING_METADATA_BYTES
 
 H100 = PRESETS["dgx-h100"]
 
@@ -73,8 +74,8 @@ def test_predicted_bytes_are_the_paper_volumes(preset, p):
     ring = predict_decode(cluster, shape, p, "ring-kv")
     assert ring.paper_elements == eq10
     # treeattn's ring stops after p - 1 transfers (eq. 10 counts p: the block travels home too),
-    # and first all-gathers the shard lengths (13 int64 per rank)
-    assert ring.bytes == eq10 * (p - 1) / p * shape.element_bytes + (p - 1) * 13 * 8
+    # and first all-gathers the shard lengths (RING_METADATA_BYTES per rank)
+    assert ring.bytes == eq10 * (p - 1) / p * shape.element_bytes + (p - 1) * RING_METADATA_BYTES
 
 
 # ------------------------------------------------------------------------------ collectives
@@ -140,7 +141,7 @@ def test_ring_kv_step_is_max_of_compute_and_transfer():
     block = shape.kv_bytes(1000)
     compute = block / 1e12
     transfer = 1e-6 + block / 1e11
-    lengths = 3 * 1e-6 + 3 * 104 / 1e11  # ring allgather of the shard lengths
+    lengths = 3 * 1e-6 + 3 * RING_METADATA_BYTES / 1e11  # ring allgather of the shard lengths
     got = predict_decode(c, shape, 4, "ring-kv")
     assert got.predicted_seconds == pytest.approx(lengths + 3 * max(compute, transfer) + compute)
     no_overlap = predict_decode(c.with_overrides(p2p_overlap=0.0), shape, 4, "ring-kv")

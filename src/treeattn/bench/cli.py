@@ -183,13 +183,17 @@ def decode(
 @bench_app.command("calibrate")
 def calibrate_command(
     output: Path = typer.Option(Path("calibration.json"), "--output", "-o", help="Where to write the calibration JSON."),
-    repeats: int = typer.Option(5, help="Repetitions of each measurement (the fastest is kept)."),
+    repeats: int = typer.Option(5, help="Repetitions of each measurement (the median is kept)."),
+    passes: int = typer.Option(1, help="Whole calibrations, 10 s apart; each figure keeps its fastest pass."),
 ) -> None:
     """Measure gloo loopback latency/bandwidth, 1-thread attention rate, merge cost, memory bandwidth."""
     from treeattn.bench.calibrate import write_calibration
 
     start = time.perf_counter()
-    result = write_calibration(output, repeats)
+    try:
+        result = write_calibration(output, repeats, passes)
+    except ValueError as err:
+        raise typer.BadParameter(str(err)) from None
     c = result["cluster"]
     m = result["measurements"]
     typer.echo(
@@ -215,6 +219,7 @@ def validate_command(
     markdown: Path | None = typer.Option(None, help="Write the validation table as Markdown."),
     records: Path | None = typer.Option(None, help="Compare these saved benchmark records (a --output JSON of validate or bench decode) instead of running."),
     passes: int = typer.Option(1, help="Run the whole sweep this many times and keep, per case, the pass with the lowest median."),
+    calibrate_each_pass: bool = typer.Option(False, help="Calibrate right before every pass and predict each pass's cases from its own calibration (--calibration is then ignored)."),
 ) -> None:
     """Benchmark tree and ring decoding here (Hq=16, D=128, fp32, B=1) and compare with the
     cost model's cpu-local predictions; exits 1 if any point misses the tolerance.
@@ -227,13 +232,27 @@ def validate_command(
     if passes < 1:
         raise typer.BadParameter(f"--passes must be >= 1, got {passes}")
     try:
-        cluster = load_cluster("cpu-local", calibration)
+        cluster = None if calibrate_each_pass else load_cluster("cpu-local", calibration)
         config = SweepConfig(methods=tuple(method), world_sizes=tuple(world_size), seq_lens=tuple(seq_len), heads=16, head_dim=128,
                              batch=1, dtype="fp32", warmup=warmup, repeats=repeats, timeout=600.0)
     except ValueError as err:
         raise typer.BadParameter(str(err)) from None
     if records is None:
-        measured = best_of_passes([run_with_progress(config) for _ in range(passes)])
+        runs = []
+        for i in range(passes):
+            pass_cluster = None
+            if calibrate_each_pass:
+                from treeattn.bench.calibrate import calibrate
+
+                pass_cluster = calibrate(repeats=5)["cluster"]
+                typer.echo(f"pass {i + 1}: calibrated", err=True)
+            run = run_with_progress(config)
+            for r in run:
+                r["pass"] = i
+                if pass_cluster is not None:
+                    r["calibration_cluster"] = pass_cluster
+            runs.append(run)
+        measured = best_of_passes(runs)
     else:
         saved = json.loads(records.read_text())
         measured = saved["records"] if isinstance(saved, dict) else saved
@@ -242,7 +261,8 @@ def validate_command(
     typer.echo(table)
     if output is not None:
         output.parent.mkdir(parents=True, exist_ok=True)
-        output.write_text(json.dumps({"calibration": str(calibration), "rows": rows, "records": measured}, indent=1))
+        source = "calibrated before each pass" if calibrate_each_pass else str(calibration)
+        output.write_text(json.dumps({"calibration": source, "rows": rows, "records": measured}, indent=1))
     if markdown is not None:
         markdown.parent.mkdir(parents=True, exist_ok=True)
         markdown.write_text(table + "\n")

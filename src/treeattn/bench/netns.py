@@ -150,7 +150,8 @@ def _shape(namespace: str, device: str, spec: NetworkSpec, delay_ok: bool) -> No
         parent = ["parent", "1:1"]
     if spec.inter_mbit is not None:
         rate_bytes = spec.inter_mbit * 1e6 / 8
-        burst = max(32 * 1024, int(rate_bytes / 100))  # >= rate / HZ, at least 32 KiB
+        # bucket: >= rate / HZ (250) and a few MTUs; small, so that small messages are shaped too
+        burst = max(8 * 1024, int(rate_bytes / 250))
         _run(base + parent + ["handle", "10:", "tbf", "rate", f"{spec.inter_mbit}mbit", "burst", str(burst), "latency", "200ms"])
 
 

@@ -23,20 +23,26 @@ def best_of_passes(passes: list[list[dict]]) -> list[dict]:
     return [{**best[key(r)], "pass_medians": medians[key(r)]} for r in passes[0]]
 
 
-def compare(records: list[dict], cluster: Cluster) -> list[dict]:
+def compare(records: list[dict], cluster: Cluster | None) -> list[dict]:
     """One row per benchmark record: predicted and measured median seconds, the relative error
     (predicted - measured) / measured against the median and against the p10 of the repeats, and
-    predicted vs measured bytes and rounds."""
+    predicted vs measured bytes and rounds. A record that carries its own "calibration_cluster"
+    (validate --calibrate-each-pass) is predicted from that; the others from `cluster`."""
     rows = []
     for r in records:
         shape = DecodeShape(
             seq_len=r["seq_len"], heads=r["heads"], head_dim=r["head_dim"], batch=r["batch"],
             kv_heads=r["kv_heads"], dtype=r["dtype"],
         )
-        prediction = predict_decode(cluster, shape, r["gpus"], r["method"])
+        own = r.get("calibration_cluster")  # calibrated right before this record's pass
+        model = Cluster.from_dict(own) if own is not None else cluster
+        if model is None:
+            raise ValueError("no cluster: pass one or records with a calibration_cluster")
+        prediction = predict_decode(model, shape, r["gpus"], r["method"])
         measured = r["median_seconds"]
         rows.append({
             "method": r["method"],
+            "pass": r.get("pass"),
             "gpus": r["gpus"],
             "seq_len": r["seq_len"],
             "predicted_seconds": prediction.predicted_seconds,

@@ -11,7 +11,7 @@ priced as treeattn.parallel runs them:
                (ceil(log2 p) rounds); binomial broadcast of the result (ceil(log2 p) rounds).
     twolevel   binomial reduce inside each node; allreduce-method combine among node leaders over
                the inter-node link; one broadcast collective inside each node.
-    ring-kv    an allgather of the shard lengths (13 int64 per rank: receivers size their
+    ring-kv    an allgather of the shard lengths (14 int64 per rank: receivers size their
                buffers), then p - 1 steps; in each, the K, V block moves to the next rank while
                the block in hand is attended to (overlap: the cluster's p2p_overlap); one merge
                of the p states at the end.
@@ -49,7 +49,7 @@ from treeattn.sim.workload import STATE_ELEMENT_BYTES, DecodeShape
 METHODS: tuple[str, ...] = ("allreduce", "tree", "twolevel", "ring-kv", "ring-q", "local")
 TREE_METHODS: tuple[str, ...] = ("allreduce", "tree", "twolevel")
 RING_METHODS: tuple[str, ...] = ("ring-kv", "ring-q")
-RING_METADATA_BYTES = 13 * 8  # ring_decode(pass_kv=True) all-gathers 13 int64 per rank per call
+RING_METADATA_BYTES = 14 * 8  # ring_decode(pass_kv=True) all-gathers 14 int64 per rank per call
 
 
 def check_method(method: str) -> str:
