@@ -270,3 +270,23 @@ def validate_command(
     if misses:
         typer.echo(f"{len(misses)} of {len(rows)} points miss the {tolerance:.0%} tolerance", err=True)
         raise typer.Exit(1)
+
+
+@bench_app.command("plot")
+def plot_command(
+    records: Path = typer.Argument(..., help="Records JSON from `bench decode --output` or `bench validate --output`."),
+    out: Path = typer.Option(Path("docs/figures"), help="Folder for the PNGs."),
+    prefix: str = typer.Option("bench", help="File name prefix."),
+    title: str = typer.Option("measured, gloo CPU ranks", help="Figure title."),
+) -> None:
+    """Draw the latency/speedup/memory/comm figures of saved benchmark records."""
+    from treeattn.bench.plots import make_figures
+
+    saved = json.loads(records.read_text())
+    rows = saved["records"] if isinstance(saved, dict) else saved
+    try:
+        paths = make_figures(rows, out, prefix, "median_seconds", title)
+    except ValueError as err:
+        raise typer.BadParameter(str(err)) from None
+    for path in paths:
+        typer.echo(f"wrote {path}", err=True)

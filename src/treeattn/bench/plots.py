@@ -16,6 +16,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.ticker import NullFormatter  # noqa: E402
 
 METHOD_STYLE: dict[str, tuple[str, str]] = {
     "allreduce": ("tab:blue", "o"),
@@ -44,6 +45,14 @@ def _seq_label(n: int) -> str:
     return str(n)
 
 
+def _seq_axis(ax, lengths: Sequence[int]) -> None:
+    """Log x axis with one labelled tick per measured sequence length."""
+    ax.set_xscale("log")
+    ax.set_xticks(sorted(lengths))
+    ax.set_xticklabels([_seq_label(int(n)) for n in sorted(lengths)], rotation=45 if len(lengths) > 5 else 0)
+    ax.xaxis.set_minor_formatter(NullFormatter())
+
+
 def _series(records: Iterable[dict], x: str, y: str, **fixed: object) -> dict[str, list[tuple[float, float]]]:
     """method -> sorted (x, y) points of the records matching `fixed`."""
     out: dict[str, list[tuple[float, float]]] = defaultdict(list)
@@ -61,14 +70,14 @@ def plot_latency(records: Sequence[dict], path: Path, latency_key: str, title: s
         for method, pts in _series(records, "seq_len", latency_key, gpus=p).items():
             xs, ys = zip(*pts)
             ax.plot(xs, [y * 1e3 for y in ys], label=method, **_style(method))
-        ax.set_xscale("log")
+        _seq_axis(ax, {r["seq_len"] for r in records})
         ax.set_yscale("log")
         ax.set_title(f"p = {p}")
         ax.set_xlabel("sequence length (tokens)")
         ax.grid(True, which="both", alpha=0.3)
     axes[0][0].set_ylabel("latency per decode step (ms)")
     axes[0][-1].legend(fontsize=8)
-    fig.suptitle(title)
+    fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -118,11 +127,11 @@ def _plot_per_method(records: Sequence[dict], path: Path, key: str, scale: float
             continue  # nothing to draw on a log axis (local sends no bytes)
         xs, ys = zip(*pts)
         ax.plot(xs, [y / scale for y in ys], label=method, **_style(method))
-    ax.set_xscale("log")
+    _seq_axis(ax, {r["seq_len"] for r in records})
     ax.set_yscale("log")
     ax.set_xlabel("sequence length (tokens)")
     ax.set_ylabel(ylabel)
-    ax.set_title(f"{title} (p = {p})")
+    ax.set_title(f"{title}\np = {p}", fontsize=9)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
