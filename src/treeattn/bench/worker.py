@@ -10,12 +10,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import traceback
 from datetime import timedelta
 
 import torch.distributed as dist
 
 from treeattn.bench.config import SweepConfig
 from treeattn.bench.runner import run_rank
+from treeattn.parallel.spawn import exit_without_teardown
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -33,8 +35,11 @@ def main(argv: list[str] | None = None) -> None:
             with open(tmp, "w") as f:
                 json.dump(records, f)
             os.replace(tmp, args.result)
-    finally:
-        dist.destroy_process_group()
+    except BaseException:  # noqa: BLE001 -- report, then leave without waiting on peers that may be gone
+        traceback.print_exc()
+        exit_without_teardown(1)
+    dist.destroy_process_group()
+    exit_without_teardown(0)  # as ta.spawn's ranks: no interpreter teardown once the work is done
 
 
 if __name__ == "__main__":

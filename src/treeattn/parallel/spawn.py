@@ -190,15 +190,17 @@ def _rank_main(rank, world_size, port, backend, timeout, workdir, fn, args) -> N
         text = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
         with open(os.path.join(workdir, f"rank{rank}.error"), "w") as f:
             f.write(text)
-        _exit_now(1)  # do not wait on a group whose peers may be gone
+        exit_without_teardown(1)  # do not wait on a group whose peers may be gone
     dist.destroy_process_group()
     # Skip interpreter teardown: native threads of torch.distributed (store client, backend
     # workers) can abort the process at exit ("terminate called without an active exception")
     # after all work is done; the result is already on disk.
-    _exit_now(0)
+    exit_without_teardown(0)
 
 
-def _exit_now(code: int) -> None:
+def exit_without_teardown(code: int) -> None:
+    """Flush stdio and end the process now, skipping interpreter teardown (and with it the
+    native-thread aborts of torch.distributed at exit). For rank processes whose work is done."""
     for stream in (sys.stdout, sys.stderr):
         stream.flush()
     os._exit(code)
