@@ -217,6 +217,31 @@ def test_calibration_passes_keep_the_fastest_and_a_consistent_ring_step():
     assert cluster.host_cores >= 1 and cluster.p2p_overlap == 0.0
 
 
+def test_oversubscription_term_comes_from_the_busy_rounds_of_the_quietest_pass(monkeypatch):
+    from treeattn.bench import calibrate as cal
+
+    monkeypatch.setattr(cal.os, "cpu_count", lambda: 2)
+    base = {
+        "p2p_small_one_way_seconds": 5e-5, "p2p_large_one_way_seconds": 0.02, "p2p_large_bytes": 64 * 2**20,
+        "allreduce_small_seconds": 8e-5, "attention_tokens": [4096, 32768, 131072],
+        "attention_alone_seconds": [0.01, 0.06, 0.24], "attention_concurrent_seconds": [0.01, 0.07, 0.28],
+        "merge_seconds": 3e-5, "ring_step_seconds": 0.07, "ring_step_attention_seconds": 0.01,
+        "copy_bandwidth_1_thread": 2e10, "copy_bandwidth_all_threads": 3e10, "matmul_flops_1_thread": 5e10,
+        "busy_world_sizes": [2, 4], "busy_compute_seconds": [0.006, 0.012], "busy_p2p_seconds": [0.0061, 0.015],
+        "busy_allreduce_seconds": [0.0062, 0.0125],
+    }
+    loud = {**base, "busy_compute_seconds": [0.02, 0.05], "busy_p2p_seconds": [0.02, 0.05]}
+    combined = cal.fastest_of_passes([loud, base])
+    assert combined["busy_p2p_seconds"] == [0.0061, 0.015]  # differences are kept within one pass
+    cluster = cal.cluster_from_measurements(combined)
+    idle_p2p = cluster.collective_overhead + cluster.intra.latency
+    idle_allreduce = cluster.collective_overhead + 2 * 3 * cluster.intra.latency
+    # p = 2 does not exceed the 2 cores: no term; p = 4 does
+    assert [p for p, _ in cluster.oversubscription_p2p] == [4]
+    assert cluster.oversubscription_p2p[0][1] == pytest.approx(0.003 - idle_p2p)
+    assert cluster.oversubscription_collective[0][1] == pytest.approx(0.0005 - idle_allreduce)
+
+
 def test_compare_predicts_each_record_from_its_own_calibration():
     h100 = PRESETS["dgx-h100"]
     slow = h100.with_overrides(memory_bandwidth=h100.memory_bandwidth / 10)

@@ -13,6 +13,14 @@
   gives the fixed cost per call and the K, V streaming rate (alone: per-rank rate; at once: the
   host's aggregate rate when all cores work);
 - merge: one ta.merge_states of two decode states, 1 thread;
+- busy rounds, at every world size p of `world_sizes` (p ranks, one thread each): every rank
+  attends one query to BUSY_TOKENS tokens, then either stops, or does one ring step of a 4-byte
+  message (send to the next rank, receive from the previous), or one 4-byte allreduce; the three
+  variants alternate, each iteration barrier-aligned, timed on the slowest rank. The medians'
+  differences are what one p2p step and one small collective cost while the ranks compute. When
+  p exceeds the cores, the part of it beyond the idle cost above is the oversubscription term of
+  the model (a receiving rank waits for the scheduler while the others hold the cores);
+  BUSY_TOKENS is none of the validation's shard sizes, so the term is not read off a validation case;
 - memory: copy bandwidth with 1 thread and with all threads, and 1-thread matmul FLOP/s
   (reported; the model uses the attention rates, which are what decoding sees).
 
@@ -44,6 +52,8 @@ HEADS, HEAD_DIM = 16, 128
 SMALL_BYTES = 4
 LARGE_BYTES = 64 * 2**20
 ONE_HOST_GPUS_PER_NODE = 1 << 20  # every rank on one host: all links are the loopback
+BUSY_TOKENS = 6144  # compute between busy rounds: ~5 ms of 1-thread attention, no validation shard size
+BUSY_WORLD_SIZES = (2, 4)
 
 
 def _median_time(fn, repeats: int) -> float:
@@ -125,6 +135,42 @@ def _attention_times(rank: int, concurrent: bool, repeats: int) -> list[float]:
     return results
 
 
+def _busy_rounds(rank: int, world_size: int, repeats: int) -> dict | None:
+    """Median slowest-rank seconds of (attention alone, attention + one ring step of 4 bytes,
+    attention + one 4-byte allreduce) on `world_size` busy ranks; rank 0 returns them."""
+    torch.set_num_threads(1)
+    g = torch.Generator().manual_seed(rank)
+    q = torch.randn(1, 1, HEADS, HEAD_DIM, generator=g)
+    k = torch.randn(1, BUSY_TOKENS, HEADS, HEAD_DIM, generator=g)
+    v = torch.randn(1, BUSY_TOKENS, HEADS, HEAD_DIM, generator=g)
+    token, incoming = torch.zeros(1), torch.zeros(1)
+    nxt, prev = (rank + 1) % world_size, (rank - 1) % world_size
+
+    def ring_step() -> None:
+        ops = [dist.P2POp(dist.isend, token, nxt), dist.P2POp(dist.irecv, incoming, prev)]
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+
+    variants = {"compute": lambda: None, "p2p": ring_step, "allreduce": lambda: dist.all_reduce(token)}
+    for comm in variants.values():  # warm up
+        attention(q, k, v)
+        comm()
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    for _ in range(repeats):
+        for name, comm in variants.items():
+            dist.barrier()
+            start = time.perf_counter()
+            attention(q, k, v)
+            comm()
+            times[name].append(time.perf_counter() - start)
+    gathered: list[dict | None] = [None] * world_size
+    dist.all_gather_object(gathered, times)
+    if rank != 0:
+        return None
+    slowest = {name: [max(g[name][i] for g in gathered) for i in range(repeats)] for name in variants}  # type: ignore[index]
+    return {name: statistics.median(values) for name, values in slowest.items()}
+
+
 def _line_fit(xs: list[float], ys: list[float]) -> tuple[float, float]:
     """Least squares y = a + b x; returns (a, b)."""
     n = len(xs)
@@ -199,7 +245,7 @@ def fastest_of_passes(passes: list[dict]) -> dict:
     combined = dict(passes[0])
     for key, value in passes[0].items():
         values = [p[key] for p in passes]
-        if key.startswith("ring_step") or key in ("attention_tokens", "p2p_large_bytes"):
+        if key.startswith(("ring_step", "busy_")) or key in ("attention_tokens", "p2p_large_bytes"):
             continue
         if isinstance(value, list):
             combined[key] = [min(column) for column in zip(*values)]
@@ -210,26 +256,48 @@ def fastest_of_passes(passes: list[dict]) -> dict:
     fastest = min(passes, key=lambda p: p["ring_step_seconds"])
     combined["ring_step_seconds"] = fastest["ring_step_seconds"]
     combined["ring_step_attention_seconds"] = fastest["ring_step_attention_seconds"]
+    if "busy_world_sizes" in passes[0]:
+        # busy rounds are differences of times taken together: keep them from one pass, the
+        # one whose busy compute was fastest (least disturbed by other work)
+        quietest = min(passes, key=lambda p: sum(p["busy_compute_seconds"]))
+        for key in ("busy_world_sizes", "busy_compute_seconds", "busy_p2p_seconds", "busy_allreduce_seconds"):
+            combined[key] = quietest[key]
     combined["passes"] = len(passes)
     return combined
 
 
-def calibrate(repeats: int = 5, passes: int = 1, pause: float = 10.0) -> dict:
+def _busy_round_measurements(world_sizes: tuple[int, ...], repeats: int) -> dict:
+    """_busy_rounds at every world size, as lists aligned with busy_world_sizes."""
+    out: dict[str, list] = {"busy_world_sizes": [], "busy_compute_seconds": [], "busy_p2p_seconds": [], "busy_allreduce_seconds": []}
+    for p in world_sizes:
+        result = par.spawn(_busy_rounds, p, repeats)[0]
+        out["busy_world_sizes"].append(p)
+        for name in ("compute", "p2p", "allreduce"):
+            out[f"busy_{name}_seconds"].append(result[name])
+    return out
+
+
+def calibrate(repeats: int = 5, passes: int = 1, pause: float = 10.0, world_sizes: tuple[int, ...] = BUSY_WORLD_SIZES) -> dict:
     """Measure this host (medians over `repeats`) and return {"machine", "measurements", "cluster"} (see module doc).
 
     Args:
         repeats: repetitions of each measurement inside a pass (the median is kept).
         passes: whole calibrations to run, `pause` seconds apart; each figure keeps its fastest
             pass (a burst of another tenant's work can last longer than one pass).
+        world_sizes: rank counts at which the busy-round (oversubscription) costs are measured.
     """
     if repeats < 1 or passes < 1:
         raise ValueError(f"repeats and passes must be >= 1, got repeats={repeats}, passes={passes}")
+    world_sizes = tuple(world_sizes)
+    if not world_sizes or any(not isinstance(p, int) or p < 2 for p in world_sizes):
+        raise ValueError(f"world_sizes must be integers >= 2, got {world_sizes!r}")
     runs = []
     for i in range(passes):
         if i:
             time.sleep(pause)
         measured = par.spawn(_calibrate_rank, 2, repeats)[0]
         measured.update(_host_measurements(repeats))
+        measured.update(_busy_round_measurements(world_sizes, 5 * repeats))
         runs.append(measured)
     measured = fastest_of_passes(runs)
     cluster = cluster_from_measurements(measured)
@@ -260,6 +328,18 @@ def cluster_from_measurements(m: dict) -> Cluster:
     transfer = max(m["ring_step_seconds"] - m["ring_step_attention_seconds"] - small, 1e-9)
     bandwidth = m["p2p_large_bytes"] / transfer
     cores = os.cpu_count() or 1
+    oversubscription_p2p, oversubscription_collective = [], []
+    for p, compute, p2p, allreduce_busy in zip(
+        m.get("busy_world_sizes", []), m.get("busy_compute_seconds", []), m.get("busy_p2p_seconds", []),
+        m.get("busy_allreduce_seconds", []),
+    ):
+        if p <= cores:
+            continue  # no oversubscription: the idle alpha-beta costs above apply
+        # minus what the model already charges an idle step / a small ring allreduce of p ranks
+        idle_p2p = call_overhead + latency
+        idle_allreduce = call_overhead + 2 * (p - 1) * latency
+        oversubscription_p2p.append((p, max(0.0, p2p - compute - idle_p2p)))
+        oversubscription_collective.append((p, max(0.0, allreduce_busy - compute - idle_allreduce)))
     rank_rate = 1 / per_byte
     running = min(2, cores)
     return Cluster(
@@ -277,6 +357,8 @@ def cluster_from_measurements(m: dict) -> Cluster:
         p2p_overlap=0.0,
         host_cores=cores,
         host_memory_bandwidth=running / per_byte_together,
+        oversubscription_p2p=tuple(oversubscription_p2p),
+        oversubscription_collective=tuple(oversubscription_collective),
         sources={
             "memory_bandwidth": "measured: K,V bytes/s of 1-thread ta.attention, one rank alone (line fit)",
             "kernel_overhead": "measured: intercept of the same line fit",
@@ -289,13 +371,15 @@ def cluster_from_measurements(m: dict) -> Cluster:
             "inter": "same as intra: all ranks on one host",
             "peak_flops": "measured: 1-thread fp32 512^3 matmul",
             "p2p_overlap": "assumption: 0; gloo moves bytes with the same cores that compute",
+            "oversubscription_p2p": f"measured at each world size p > host_cores: p busy ranks ({BUSY_TOKENS}-token attention each), median slowest-rank (attention + 4-byte ring step) - (attention alone) - collective_overhead - latency, clamped at 0",
+            "oversubscription_collective": "measured the same way with a 4-byte allreduce instead of the ring step, minus collective_overhead + 2 (p - 1) latency, clamped at 0",
         },
     )
 
 
-def write_calibration(path: Path, repeats: int = 5, passes: int = 1) -> dict:
+def write_calibration(path: Path, repeats: int = 5, passes: int = 1, world_sizes: tuple[int, ...] = BUSY_WORLD_SIZES) -> dict:
     """Run calibrate() and write its JSON to `path`; returns it."""
-    result = calibrate(repeats, passes)
+    result = calibrate(repeats, passes, world_sizes=world_sizes)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=2))

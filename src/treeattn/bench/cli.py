@@ -185,13 +185,15 @@ def calibrate_command(
     output: Path = typer.Option(Path("calibration.json"), "--output", "-o", help="Where to write the calibration JSON."),
     repeats: int = typer.Option(5, help="Repetitions of each measurement (the median is kept)."),
     passes: int = typer.Option(1, help="Whole calibrations, 10 s apart; each figure keeps its fastest pass."),
+    world_size: list[int] = typer.Option([2, 4], "--world-size", "-p", help="World sizes at which busy-round (oversubscription) costs are measured."),
 ) -> None:
-    """Measure gloo loopback latency/bandwidth, 1-thread attention rate, merge cost, memory bandwidth."""
+    """Measure gloo loopback latency/bandwidth, 1-thread attention rate, merge cost, memory bandwidth,
+    and the cost of a p2p step / small collective among busy ranks at each world size."""
     from treeattn.bench.calibrate import write_calibration
 
     start = time.perf_counter()
     try:
-        result = write_calibration(output, repeats, passes)
+        result = write_calibration(output, repeats, passes, tuple(world_size))
     except ValueError as err:
         raise typer.BadParameter(str(err)) from None
     c = result["cluster"]
@@ -203,6 +205,13 @@ def calibrate_command(
         f"merge {c['merge_seconds'] * 1e6:.1f} us, ring-step transfer {c['intra']['bandwidth'] / 1e9:.2f} GB/s, "
         f"copy {m['copy_bandwidth_1_thread'] / 1e9:.1f} GB/s (1 thread)"
     )
+    for p, compute, p2p, allreduce in zip(m["busy_world_sizes"], m["busy_compute_seconds"], m["busy_p2p_seconds"], m["busy_allreduce_seconds"]):
+        typer.echo(
+            f"p={p} busy ranks: attention {compute * 1e3:.2f} ms, + ring step {(p2p - compute) * 1e3:+.2f} ms, "
+            f"+ allreduce {(allreduce - compute) * 1e3:+.2f} ms"
+        )
+    for (p, p2p), (_, collective) in zip(c["oversubscription_p2p"], c["oversubscription_collective"]):
+        typer.echo(f"oversubscription at p={p}: {p2p * 1e3:.2f} ms per p2p step, {collective * 1e3:.2f} ms per collective call")
     typer.echo(f"wrote {output} in {time.perf_counter() - start:.0f} s", err=True)
 
 
@@ -244,7 +253,7 @@ def validate_command(
             if calibrate_each_pass:
                 from treeattn.bench.calibrate import calibrate
 
-                pass_cluster = calibrate(repeats=5)["cluster"]
+                pass_cluster = calibrate(repeats=5, world_sizes=tuple(sorted(set(world_size) | {2})))["cluster"]
                 typer.echo(f"pass {i + 1}: calibrated", err=True)
             run = run_with_progress(config)
             for r in run:

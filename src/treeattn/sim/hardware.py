@@ -89,6 +89,13 @@ class Cluster:
         step_overhead: fixed software seconds per decode step, paid once by every method
             (framework dispatch, host synchronisation). 0 in every preset: the presets describe
             the hardware; set it to study a slow software stack.
+        oversubscription_p2p: for ranks that share `host_cores` cores, ((p, seconds), ...): the
+            extra seconds one p2p step costs on the critical path when p > host_cores ranks are
+            busy (a rank that receives waits until the scheduler gives it a core again), on top of
+            collective_overhead + latency. Measured per world size by `treeattn bench calibrate`;
+            empty (no term) in the GPU presets, where every rank has its own device.
+        oversubscription_collective: the same for one small collective call (allreduce,
+            allgather, broadcast), on top of the collective's own alpha-beta cost.
         sources: parameter name -> where its value comes from.
     """
 
@@ -107,6 +114,8 @@ class Cluster:
     host_cores: int | None = None
     host_memory_bandwidth: float | None = None
     step_overhead: float = 0.0
+    oversubscription_p2p: tuple[tuple[int, float], ...] = ()
+    oversubscription_collective: tuple[tuple[int, float], ...] = ()
     sources: dict[str, str] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -130,6 +139,24 @@ class Cluster:
         _check_nonnegative("step_overhead", self.step_overhead)
         if self.host_memory_bandwidth is not None:
             _check_positive("host_memory_bandwidth", self.host_memory_bandwidth)
+        for name in ("oversubscription_p2p", "oversubscription_collective"):
+            table = getattr(self, name)
+            if table and self.host_cores is None:
+                raise ValueError(f"{name} needs host_cores: it describes ranks sharing one host's cores")
+            for entry in table:
+                if len(entry) != 2 or not isinstance(entry[0], int) or entry[0] < 1:
+                    raise ValueError(f"{name} must be ((world_size >= 1, seconds), ...), got {table!r}")
+                _check_nonnegative(f"{name}[p={entry[0]}]", entry[1])
+
+    def oversubscription_seconds(self, ranks: int) -> tuple[float, float]:
+        """(extra seconds per p2p step, extra seconds per collective call) for `ranks` ranks.
+
+        Zero unless the ranks share a host and outnumber its cores. A world size that was not
+        measured takes the figure of the nearest measured one (the larger on a tie).
+        """
+        if self.host_cores is None or ranks <= self.host_cores:
+            return 0.0, 0.0
+        return _nearest(self.oversubscription_p2p, ranks), _nearest(self.oversubscription_collective, ranks)
 
 
     @property
@@ -185,9 +212,19 @@ class Cluster:
     @classmethod
     def from_dict(cls, data: dict[str, object]) -> Cluster:
         data = dict(data)
+        for name in ("oversubscription_p2p", "oversubscription_collective"):
+            if name in data:  # JSON turns the pairs into lists
+                data[name] = tuple((int(p), float(s)) for p, s in data[name])  # type: ignore[union-attr]
         data["intra"] = Link(**data["intra"])  # type: ignore[arg-type]
         data["inter"] = Link(**data["inter"])  # type: ignore[arg-type]
         return cls(**data)  # type: ignore[arg-type]
+
+
+def _nearest(table: tuple[tuple[int, float], ...], ranks: int) -> float:
+    """The seconds of the entry whose world size is nearest `ranks` (the larger on a tie); 0 if empty."""
+    if not table:
+        return 0.0
+    return min(table, key=lambda entry: (abs(entry[0] - ranks), -entry[0]))[1]
 
 
 GB = 1e9

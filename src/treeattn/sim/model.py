@@ -23,6 +23,12 @@ The reported `bytes` and `rounds` follow ta.comm_stats' conventions (bytes sent 
 rank; an allreduce sends 2 (p - 1) / p x payload; a collective call or a p2p step is one round),
 so a benchmark's measured counters can be checked against them. `steps` counts the sequential
 message latencies inside the collectives as well (what the log p vs p argument is about).
+
+Ranks that are processes sharing one host's cores (the calibrated cpu-local preset) pay one more
+term when they outnumber the cores: every p2p step and every collective call on the critical path
+costs the measured oversubscription seconds of that world size (Cluster.oversubscription_seconds),
+the wait of a receiving rank for the scheduler while the other ranks compute. The GPU presets have
+no such term.
 """
 
 from __future__ import annotations
@@ -227,6 +233,12 @@ def predict_decode(cluster: Cluster, shape: DecodeShape, gpus: int, method: str)
         comm = CommCost((gpus - 1) * step.seconds, gpus - 1, (gpus - 1) * state, "ring-p2p")
         seconds = compute + comm.seconds
 
+    p2p_steps, collective_calls = _round_kinds(cluster, gpus, method)
+    p2p_extra, collective_extra = cluster.oversubscription_seconds(devices)
+    oversubscription = p2p_steps * p2p_extra + collective_calls * collective_extra
+    if oversubscription > 0:
+        comm = CommCost(comm.seconds + oversubscription, comm.rounds, comm.bytes_sent, comm.algorithm)
+        seconds += oversubscription
     seconds += cluster.step_overhead
     steps = comm.rounds
     if method == "allreduce" or method == "twolevel":
@@ -247,6 +259,27 @@ def predict_decode(cluster: Cluster, shape: DecodeShape, gpus: int, method: str)
         peak_memory_bytes=_peak_memory_bytes(shape, method, gpus),
         algorithm=comm.algorithm,
     )
+
+
+def _round_kinds(cluster: Cluster, gpus: int, method: str) -> tuple[int, int]:
+    """(p2p steps, collective calls) on a rank's critical path, as treeattn.parallel issues them:
+    what the cluster's oversubscription term is charged per."""
+    if method == "local" or gpus == 1:
+        return 0, 0
+    if method == "allreduce":
+        return 0, 2
+    if method == "tree":
+        rounds = binomial_reduce(cluster, list(range(gpus)), 1.0).rounds
+        return 2 * rounds, 0  # reduce up, then broadcast down the same tree
+    if method == "ring-kv":
+        return gpus - 1, 1  # the shard-length allgather, then p - 1 ring steps
+    if method == "ring-q":
+        return gpus - 1, 0
+    members = node_members(cluster, gpus)  # twolevel
+    up = binomial_reduce(cluster, members, 1.0).rounds
+    across = 2 if len(leaders(cluster, gpus)) > 1 else 0
+    broadcast = 1 if len(members) > 1 else 0
+    return up, across + broadcast
 
 
 def _latency_steps(cluster: Cluster, shape: DecodeShape, gpus: int, method: str) -> int:
