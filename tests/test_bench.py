@@ -250,3 +250,16 @@ def test_compare_predicts_each_record_from_its_own_calibration():
     (fast_row,) = compare([record], h100)
     (own_row,) = compare([{**record, "calibration_cluster": slow.to_dict()}], h100)
     assert own_row["predicted_seconds"] > 5 * fast_row["predicted_seconds"]
+
+
+def test_busy_rounds_are_measured_on_real_ranks():
+    from treeattn.bench.calibrate import _busy_round_measurements
+
+    measured = _busy_round_measurements((2,), repeats=2)
+    assert measured["busy_world_sizes"] == [2]
+    for key in ("busy_compute_seconds", "busy_p2p_seconds", "busy_allreduce_seconds"):
+        assert len(measured[key]) == 1 and 0 < measured[key][0] < 10
+    with pytest.raises(ValueError, match="world_sizes must be integers >= 2"):
+        from treeattn.bench.calibrate import calibrate
+
+        calibrate(world_sizes=(1,))
