@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import re
 import statistics
 import time
 
@@ -43,20 +42,9 @@ import torch
 import torch.distributed as dist
 
 import treeattn as ta
+from treeattn.bench.runner import PeakMemory
 
 HEADS, HEAD_DIM = 16, 128
-
-
-def rss_kib() -> tuple[int, int]:
-    """(VmRSS, VmHWM) of this process, KiB."""
-    with open("/proc/self/status") as f:
-        status = f.read()
-    return int(re.search(r"VmRSS:\s+(\d+)", status).group(1)), int(re.search(r"VmHWM:\s+(\d+)", status).group(1))
-
-
-def reset_peak_rss() -> None:
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
 
 
 def slowest(seconds: float) -> float:
@@ -87,11 +75,9 @@ def timed_interleaved(methods: dict, repeats: dict) -> dict[str, list[float]]:
 def peak_extra_bytes(fn) -> int:
     """Max over ranks of (peak RSS during fn) - (RSS before fn), bytes."""
     dist.barrier()
-    reset_peak_rss()
-    before, _ = rss_kib()
-    fn()
-    _, peak = rss_kib()
-    return int(slowest(float(max(0, peak - before) * 1024)))
+    with PeakMemory(torch.device("cpu")) as memory:
+        fn()
+    return int(slowest(float(memory.peak_bytes or 0)))
 
 
 def bench_rank(rank: int, p: int, seq_lens: list[int], repeats: int, ring_repeats: int) -> list[dict] | None:
