@@ -316,8 +316,10 @@ def _matmul_attention(q_rows, k_heads, v_heads, visible, scale, group=1):
 
 
 def _prefer_matmul(rows_per_kv_head: int) -> bool:
-    """On one thread (one rank per core, as in sequence-parallel runs) the cache-sized matmul
-    chunks beat the fused kernel for decode-sized row counts; with more threads the fused kernel
-    parallelizes better. Measured with benchmarks/attention_cpu.py --threads 1 (docs/benchmarks.md).
+    """For decode-sized row counts (<= 64 query rows per KV head) the online-softmax matmul path
+    over cache-sized key chunks beats the fused kernel, on one thread and on two (measured on an
+    idle 2-core x86_64: 64K keys, D = 128, 2 threads: MHA 40 ms vs 65 ms, Hq/Hkv = 32/8 29 ms vs
+    35 ms; benchmarks/attention_cpu.py, docs/benchmarks.md). Longer query blocks (prefill) keep
+    the fused kernel.
     """
-    return torch.get_num_threads() == 1 and rows_per_kv_head <= 64
+    return rows_per_kv_head <= 64
