@@ -217,7 +217,7 @@ def test_calibration_passes_keep_the_fastest_and_a_consistent_ring_step():
     assert cluster.host_cores >= 1 and cluster.p2p_overlap == 0.0
 
 
-def test_oversubscription_term_comes_from_the_busy_rounds_of_the_quietest_pass(monkeypatch):
+def test_busy_round_term_comes_from_the_busy_rounds_of_the_quietest_pass(monkeypatch):
     from treeattn.bench import calibrate as cal
 
     monkeypatch.setattr(cal.os, "cpu_count", lambda: 2)
@@ -236,10 +236,10 @@ def test_oversubscription_term_comes_from_the_busy_rounds_of_the_quietest_pass(m
     cluster = cal.cluster_from_measurements(combined)
     idle_p2p = cluster.collective_overhead + cluster.intra.latency
     idle_allreduce = cluster.collective_overhead + 2 * 3 * cluster.intra.latency
-    # p = 2 does not exceed the 2 cores: no term; p = 4 does
-    assert [p for p, _ in cluster.oversubscription_p2p] == [4]
-    assert cluster.oversubscription_p2p[0][1] == pytest.approx(0.003 - idle_p2p)
-    assert cluster.oversubscription_collective[0][1] == pytest.approx(0.0005 - idle_allreduce)
+    assert [p for p, _ in cluster.busy_round_p2p] == [2, 4]
+    assert cluster.busy_round_p2p[1][1] == pytest.approx(0.003 - idle_p2p)
+    assert cluster.busy_round_collective[1][1] == pytest.approx(0.0005 - idle_allreduce)
+    assert cluster.busy_round_p2p[0][1] == pytest.approx(max(0.0, 1e-4 - idle_p2p))
 
 
 def test_compare_predicts_each_record_from_its_own_calibration():

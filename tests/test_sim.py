@@ -240,37 +240,37 @@ def test_cluster_round_trips_through_json(tmp_path):
     assert loaded == H100.with_overrides(host_cores=2, host_memory_bandwidth=1e10)
 
 
-def test_oversubscription_charges_each_round_only_beyond_the_cores(tmp_path):
+def test_busy_round_term_charges_each_round_on_a_shared_host(tmp_path):
     shape = DecodeShape(seq_len=16384, heads=16, head_dim=128, dtype="fp32")
     plain = flat_cluster(gpus_per_node=1 << 20, host_cores=2, host_memory_bandwidth=1e11)
-    busy = plain.with_overrides(oversubscription_p2p=((4, 2e-3),), oversubscription_collective=((4, 5e-3),))
+    busy = plain.with_overrides(busy_round_p2p=((4, 2e-3),), busy_round_collective=((4, 5e-3),))
     # (p2p steps, collective calls) per method at p = 4 on one host
     charged = {"allreduce": (0, 2), "tree": (4, 0), "twolevel": (2, 1), "ring-kv": (3, 1), "ring-q": (3, 0), "local": (0, 0)}
     for method, (p2p, calls) in charged.items():
         base, extra = predict_decode(plain, shape, 4, method), predict_decode(busy, shape, 4, method)
         assert extra.predicted_seconds - base.predicted_seconds == pytest.approx(p2p * 2e-3 + calls * 5e-3, abs=1e-12), method
         assert (extra.bytes, extra.rounds, extra.steps) == (base.bytes, base.rounds, base.steps)
-        # ranks that do not outnumber the cores pay nothing
-        assert predict_decode(busy, shape, 2, method) == predict_decode(plain, shape, 2, method)
+    # one rank has no rounds; p = 2 takes the nearest measured world size (4)
+    assert busy.busy_round_seconds(1) == (0.0, 0.0) and busy.busy_round_seconds(2) == (2e-3, 5e-3)
     # an unmeasured world size takes the nearest measured one
-    assert busy.oversubscription_seconds(8) == (2e-3, 5e-3)
-    assert busy.with_overrides(oversubscription_p2p=((4, 1.0), (8, 3.0))).oversubscription_seconds(7)[0] == 3.0
+    assert busy.busy_round_seconds(8) == (2e-3, 5e-3)
+    assert busy.with_overrides(busy_round_p2p=((4, 1.0), (8, 3.0))).busy_round_seconds(7)[0] == 3.0
     # JSON stores the pairs as lists
     path = tmp_path / "cal.json"
     path.write_text(json.dumps({"cluster": busy.to_dict()}))
     assert load_cluster("cpu-local", path) == busy
 
 
-def test_gpu_presets_have_no_oversubscription_term():
+def test_gpu_presets_have_no_busy_round_term():
     for cluster in PRESETS.values():
-        assert cluster.host_cores is None and cluster.oversubscription_seconds(128) == (0.0, 0.0)
-    with pytest.raises(ValueError, match="oversubscription_p2p needs host_cores"):
-        H100.with_overrides(oversubscription_p2p=((16, 1e-3),))
+        assert cluster.host_cores is None and cluster.busy_round_seconds(128) == (0.0, 0.0)
+    with pytest.raises(ValueError, match="busy_round_p2p needs host_cores"):
+        H100.with_overrides(busy_round_p2p=((16, 1e-3),))
     cpu = flat_cluster(host_cores=2, host_memory_bandwidth=1e11)
-    with pytest.raises(ValueError, match=r"oversubscription_collective\[p=4\]"):
-        cpu.with_overrides(oversubscription_collective=((4, -1.0),))
+    with pytest.raises(ValueError, match=r"busy_round_collective\[p=4\]"):
+        cpu.with_overrides(busy_round_collective=((4, -1.0),))
     with pytest.raises(ValueError, match="world_size >= 1, seconds"):
-        cpu.with_overrides(oversubscription_p2p=((0, 1.0),))
+        cpu.with_overrides(busy_round_p2p=((0, 1.0),))
 
 
 # -------------------------------------------------------------------------------------- CLI

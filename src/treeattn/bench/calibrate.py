@@ -17,9 +17,9 @@
   attends one query to BUSY_TOKENS tokens, then either stops, or does one ring step of a 4-byte
   message (send to the next rank, receive from the previous), or one 4-byte allreduce; the three
   variants alternate, each iteration barrier-aligned, timed on the slowest rank. The medians'
-  differences are what one p2p step and one small collective cost while the ranks compute. When
-  p exceeds the cores, the part of it beyond the idle cost above is the oversubscription term of
-  the model (a receiving rank waits for the scheduler while the others hold the cores);
+  differences are what one p2p step and one small collective cost while the ranks compute; the
+  part beyond the idle cost above is the model's busy-round term at p (a receiving rank that
+  slept is woken and scheduled again; with p above the cores it also waits for a core);
   BUSY_TOKENS is none of the validation's shard sizes, so the term is not read off a validation case;
 - memory: copy bandwidth with 1 thread and with all threads, and 1-thread matmul FLOP/s
   (reported; the model uses the attention rates, which are what decoding sees).
@@ -284,7 +284,7 @@ def calibrate(repeats: int = 5, passes: int = 1, pause: float = 10.0, world_size
         repeats: repetitions of each measurement inside a pass (the median is kept).
         passes: whole calibrations to run, `pause` seconds apart; each figure keeps its fastest
             pass (a burst of another tenant's work can last longer than one pass).
-        world_sizes: rank counts at which the busy-round (oversubscription) costs are measured.
+        world_sizes: rank counts at which the busy-round costs are measured.
     """
     if repeats < 1 or passes < 1:
         raise ValueError(f"repeats and passes must be >= 1, got repeats={repeats}, passes={passes}")
@@ -328,18 +328,16 @@ def cluster_from_measurements(m: dict) -> Cluster:
     transfer = max(m["ring_step_seconds"] - m["ring_step_attention_seconds"] - small, 1e-9)
     bandwidth = m["p2p_large_bytes"] / transfer
     cores = os.cpu_count() or 1
-    oversubscription_p2p, oversubscription_collective = [], []
+    busy_round_p2p, busy_round_collective = [], []
     for p, compute, p2p, allreduce_busy in zip(
         m.get("busy_world_sizes", []), m.get("busy_compute_seconds", []), m.get("busy_p2p_seconds", []),
         m.get("busy_allreduce_seconds", []),
     ):
-        if p <= cores:
-            continue  # no oversubscription: the idle alpha-beta costs above apply
         # minus what the model already charges an idle step / a small ring allreduce of p ranks
         idle_p2p = call_overhead + latency
         idle_allreduce = call_overhead + 2 * (p - 1) * latency
-        oversubscription_p2p.append((p, max(0.0, p2p - compute - idle_p2p)))
-        oversubscription_collective.append((p, max(0.0, allreduce_busy - compute - idle_allreduce)))
+        busy_round_p2p.append((p, max(0.0, p2p - compute - idle_p2p)))
+        busy_round_collective.append((p, max(0.0, allreduce_busy - compute - idle_allreduce)))
     rank_rate = 1 / per_byte
     running = min(2, cores)
     return Cluster(
@@ -357,8 +355,8 @@ def cluster_from_measurements(m: dict) -> Cluster:
         p2p_overlap=0.0,
         host_cores=cores,
         host_memory_bandwidth=running / per_byte_together,
-        oversubscription_p2p=tuple(oversubscription_p2p),
-        oversubscription_collective=tuple(oversubscription_collective),
+        busy_round_p2p=tuple(busy_round_p2p),
+        busy_round_collective=tuple(busy_round_collective),
         sources={
             "memory_bandwidth": "measured: K,V bytes/s of 1-thread ta.attention, one rank alone (line fit)",
             "kernel_overhead": "measured: intercept of the same line fit",
@@ -371,8 +369,8 @@ def cluster_from_measurements(m: dict) -> Cluster:
             "inter": "same as intra: all ranks on one host",
             "peak_flops": "measured: 1-thread fp32 512^3 matmul",
             "p2p_overlap": "assumption: 0; gloo moves bytes with the same cores that compute",
-            "oversubscription_p2p": f"measured at each world size p > host_cores: p busy ranks ({BUSY_TOKENS}-token attention each), median slowest-rank (attention + 4-byte ring step) - (attention alone) - collective_overhead - latency, clamped at 0",
-            "oversubscription_collective": "measured the same way with a 4-byte allreduce instead of the ring step, minus collective_overhead + 2 (p - 1) latency, clamped at 0",
+            "busy_round_p2p": f"measured at each world size p: p busy ranks ({BUSY_TOKENS}-token attention each), median slowest-rank (attention + 4-byte ring step) - (attention alone) - collective_overhead - latency, clamped at 0",
+            "busy_round_collective": "measured the same way with a 4-byte allreduce instead of the ring step, minus collective_overhead + 2 (p - 1) latency, clamped at 0",
         },
     )
 

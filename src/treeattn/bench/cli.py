@@ -185,7 +185,7 @@ def calibrate_command(
     output: Path = typer.Option(Path("calibration.json"), "--output", "-o", help="Where to write the calibration JSON."),
     repeats: int = typer.Option(5, help="Repetitions of each measurement (the median is kept)."),
     passes: int = typer.Option(1, help="Whole calibrations, 10 s apart; each figure keeps its fastest pass."),
-    world_size: list[int] = typer.Option([2, 4], "--world-size", "-p", help="World sizes at which busy-round (oversubscription) costs are measured."),
+    world_size: list[int] = typer.Option([2, 4], "--world-size", "-p", help="World sizes at which the busy-round costs (p2p step, small collective among computing ranks) are measured."),
 ) -> None:
     """Measure gloo loopback latency/bandwidth, 1-thread attention rate, merge cost, memory bandwidth,
     and the cost of a p2p step / small collective among busy ranks at each world size."""
@@ -210,8 +210,8 @@ def calibrate_command(
             f"p={p} busy ranks: attention {compute * 1e3:.2f} ms, + ring step {(p2p - compute) * 1e3:+.2f} ms, "
             f"+ allreduce {(allreduce - compute) * 1e3:+.2f} ms"
         )
-    for (p, p2p), (_, collective) in zip(c["oversubscription_p2p"], c["oversubscription_collective"]):
-        typer.echo(f"oversubscription at p={p}: {p2p * 1e3:.2f} ms per p2p step, {collective * 1e3:.2f} ms per collective call")
+    for (p, p2p), (_, collective) in zip(c["busy_round_p2p"], c["busy_round_collective"]):
+        typer.echo(f"busy-round term at p={p}: {p2p * 1e3:.2f} ms per p2p step, {collective * 1e3:.2f} ms per collective call")
     typer.echo(f"wrote {output} in {time.perf_counter() - start:.0f} s", err=True)
 
 

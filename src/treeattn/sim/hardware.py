@@ -89,12 +89,14 @@ class Cluster:
         step_overhead: fixed software seconds per decode step, paid once by every method
             (framework dispatch, host synchronisation). 0 in every preset: the presets describe
             the hardware; set it to study a slow software stack.
-        oversubscription_p2p: for ranks that share `host_cores` cores, ((p, seconds), ...): the
-            extra seconds one p2p step costs on the critical path when p > host_cores ranks are
-            busy (a rank that receives waits until the scheduler gives it a core again), on top of
-            collective_overhead + latency. Measured per world size by `treeattn bench calibrate`;
-            empty (no term) in the GPU presets, where every rank has its own device.
-        oversubscription_collective: the same for one small collective call (allreduce,
+        busy_round_p2p: for ranks that share `host_cores` cores, ((p, seconds), ...): the
+            extra seconds one p2p step costs on the critical path when p ranks compute between
+            rounds, on top of collective_overhead + latency: a receiving rank that went to sleep
+            must be woken and scheduled again, and with p > host_cores it also waits for a core
+            that another rank holds (oversubscription). Measured per world size by
+            `treeattn bench calibrate`; empty (no term) in the GPU presets, where every rank has
+            its own device and the idle latency already describes a round.
+        busy_round_collective: the same for one small collective call (allreduce,
             allgather, broadcast), on top of the collective's own alpha-beta cost.
         sources: parameter name -> where its value comes from.
     """
@@ -114,8 +116,8 @@ class Cluster:
     host_cores: int | None = None
     host_memory_bandwidth: float | None = None
     step_overhead: float = 0.0
-    oversubscription_p2p: tuple[tuple[int, float], ...] = ()
-    oversubscription_collective: tuple[tuple[int, float], ...] = ()
+    busy_round_p2p: tuple[tuple[int, float], ...] = ()
+    busy_round_collective: tuple[tuple[int, float], ...] = ()
     sources: dict[str, str] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -139,7 +141,7 @@ class Cluster:
         _check_nonnegative("step_overhead", self.step_overhead)
         if self.host_memory_bandwidth is not None:
             _check_positive("host_memory_bandwidth", self.host_memory_bandwidth)
-        for name in ("oversubscription_p2p", "oversubscription_collective"):
+        for name in ("busy_round_p2p", "busy_round_collective"):
             table = getattr(self, name)
             if table and self.host_cores is None:
                 raise ValueError(f"{name} needs host_cores: it describes ranks sharing one host's cores")
@@ -148,15 +150,16 @@ class Cluster:
                     raise ValueError(f"{name} must be ((world_size >= 1, seconds), ...), got {table!r}")
                 _check_nonnegative(f"{name}[p={entry[0]}]", entry[1])
 
-    def oversubscription_seconds(self, ranks: int) -> tuple[float, float]:
-        """(extra seconds per p2p step, extra seconds per collective call) for `ranks` ranks.
+    def busy_round_seconds(self, ranks: int) -> tuple[float, float]:
+        """(extra seconds per p2p step, extra seconds per collective call) for `ranks` busy ranks.
 
-        Zero unless the ranks share a host and outnumber its cores. A world size that was not
-        measured takes the figure of the nearest measured one (the larger on a tie).
+        Zero unless the ranks are processes sharing a host (host_cores set) and there are >= 2.
+        A world size that was not measured takes the figure of the nearest measured one (the
+        larger on a tie).
         """
-        if self.host_cores is None or ranks <= self.host_cores:
+        if self.host_cores is None or ranks < 2:
             return 0.0, 0.0
-        return _nearest(self.oversubscription_p2p, ranks), _nearest(self.oversubscription_collective, ranks)
+        return _nearest(self.busy_round_p2p, ranks), _nearest(self.busy_round_collective, ranks)
 
 
     @property
@@ -212,7 +215,7 @@ class Cluster:
     @classmethod
     def from_dict(cls, data: dict[str, object]) -> Cluster:
         data = dict(data)
-        for name in ("oversubscription_p2p", "oversubscription_collective"):
+        for name in ("busy_round_p2p", "busy_round_collective"):
             if name in data:  # JSON turns the pairs into lists
                 data[name] = tuple((int(p), float(s)) for p, s in data[name])  # type: ignore[union-attr]
         data["intra"] = Link(**data["intra"])  # type: ignore[arg-type]

@@ -25,10 +25,10 @@ so a benchmark's measured counters can be checked against them. `steps` counts t
 message latencies inside the collectives as well (what the log p vs p argument is about).
 
 Ranks that are processes sharing one host's cores (the calibrated cpu-local preset) pay one more
-term when they outnumber the cores: every p2p step and every collective call on the critical path
-costs the measured oversubscription seconds of that world size (Cluster.oversubscription_seconds),
-the wait of a receiving rank for the scheduler while the other ranks compute. The GPU presets have
-no such term.
+term: every p2p step and every collective call on the critical path costs the busy-round seconds
+measured at that world size (Cluster.busy_round_seconds): the wake-up of a receiving rank that slept
+while its peers computed, and, when ranks outnumber the cores, its wait for a core
+(oversubscription). The GPU presets have no such term.
 """
 
 from __future__ import annotations
@@ -234,11 +234,11 @@ def predict_decode(cluster: Cluster, shape: DecodeShape, gpus: int, method: str)
         seconds = compute + comm.seconds
 
     p2p_steps, collective_calls = _round_kinds(cluster, gpus, method)
-    p2p_extra, collective_extra = cluster.oversubscription_seconds(devices)
-    oversubscription = p2p_steps * p2p_extra + collective_calls * collective_extra
-    if oversubscription > 0:
-        comm = CommCost(comm.seconds + oversubscription, comm.rounds, comm.bytes_sent, comm.algorithm)
-        seconds += oversubscription
+    p2p_extra, collective_extra = cluster.busy_round_seconds(devices)
+    busy_rounds = p2p_steps * p2p_extra + collective_calls * collective_extra
+    if busy_rounds > 0:
+        comm = CommCost(comm.seconds + busy_rounds, comm.rounds, comm.bytes_sent, comm.algorithm)
+        seconds += busy_rounds
     seconds += cluster.step_overhead
     steps = comm.rounds
     if method == "allreduce" or method == "twolevel":
@@ -263,7 +263,7 @@ def predict_decode(cluster: Cluster, shape: DecodeShape, gpus: int, method: str)
 
 def _round_kinds(cluster: Cluster, gpus: int, method: str) -> tuple[int, int]:
     """(p2p steps, collective calls) on a rank's critical path, as treeattn.parallel issues them:
-    what the cluster's oversubscription term is charged per."""
+    what the cluster's busy-round term is charged per."""
     if method == "local" or gpus == 1:
         return 0, 0
     if method == "allreduce":
