@@ -244,8 +244,9 @@ def test_busy_round_term_charges_each_round_on_a_shared_host(tmp_path):
     shape = DecodeShape(seq_len=16384, heads=16, head_dim=128, dtype="fp32")
     plain = flat_cluster(gpus_per_node=1 << 20, host_cores=2, host_memory_bandwidth=1e11)
     busy = plain.with_overrides(busy_round_p2p=((4, 2e-3),), busy_round_collective=((4, 5e-3),))
-    # (p2p steps, collective calls) per method at p = 4 on one host
-    charged = {"allreduce": (0, 2), "tree": (4, 0), "twolevel": (2, 1), "ring-kv": (3, 1), "ring-q": (3, 0), "local": (0, 0)}
+    # (p2p rounds, collective calls) charged per method at p = 4: the first round after the
+    # attention, every ring-kv step
+    charged = {"allreduce": (0, 1), "tree": (1, 0), "twolevel": (1, 0), "ring-kv": (3, 0), "ring-q": (1, 0), "local": (0, 0)}
     for method, (p2p, calls) in charged.items():
         base, extra = predict_decode(plain, shape, 4, method), predict_decode(busy, shape, 4, method)
         assert extra.predicted_seconds - base.predicted_seconds == pytest.approx(p2p * 2e-3 + calls * 5e-3, abs=1e-12), method

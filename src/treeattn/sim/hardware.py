@@ -90,8 +90,8 @@ class Cluster:
             (framework dispatch, host synchronisation). 0 in every preset: the presets describe
             the hardware; set it to study a slow software stack.
         busy_round_p2p: for ranks that share `host_cores` cores, ((p, seconds), ...): the
-            extra seconds one p2p step costs on the critical path when p ranks compute between
-            rounds, on top of collective_overhead + latency: a receiving rank that went to sleep
+            extra seconds the first p2p round after an attention costs when p ranks compute
+            between rounds, on top of collective_overhead + latency: a receiving rank that went to sleep
             must be woken and scheduled again, and with p > host_cores it also waits for a core
             that another rank holds (oversubscription). Measured per world size by
             `treeattn bench calibrate`; empty (no term) in the GPU presets, where every rank has

@@ -25,7 +25,7 @@ so a benchmark's measured counters can be checked against them. `steps` counts t
 message latencies inside the collectives as well (what the log p vs p argument is about).
 
 Ranks that are processes sharing one host's cores (the calibrated cpu-local preset) pay one more
-term: every p2p step and every collective call on the critical path costs the busy-round seconds
+term: the first round after the attention (every ring-kv step) costs the busy-round seconds
 measured at that world size (Cluster.busy_round_seconds): the wake-up of a receiving rank that slept
 while its peers computed, and, when ranks outnumber the cores, its wait for a core
 (oversubscription). The GPU presets have no such term.
@@ -262,24 +262,22 @@ def predict_decode(cluster: Cluster, shape: DecodeShape, gpus: int, method: str)
 
 
 def _round_kinds(cluster: Cluster, gpus: int, method: str) -> tuple[int, int]:
-    """(p2p steps, collective calls) on a rank's critical path, as treeattn.parallel issues them:
-    what the cluster's busy-round term is charged per."""
+    """(p2p rounds, collective calls) that follow attention on the critical path: the rounds the
+    cluster's busy-round term is charged for.
+
+    The busy-round cost is what calibration measures: ranks attend, then do one round, and a rank
+    that slept while waiting for a computing peer is woken. A decode step of allreduce, tree,
+    twolevel and ring-q pays it once, in its first round after the attention (the later rounds run
+    among ranks that are already awake and cost the idle latency); ring-kv pays it in each of its
+    p - 1 steps, each of which follows the attention of a block.
+    """
     if method == "local" or gpus == 1:
         return 0, 0
     if method == "allreduce":
-        return 0, 2
-    if method == "tree":
-        rounds = binomial_reduce(cluster, list(range(gpus)), 1.0).rounds
-        return 2 * rounds, 0  # reduce up, then broadcast down the same tree
+        return 0, 1
     if method == "ring-kv":
-        return gpus - 1, 1  # the shard-length allgather, then p - 1 ring steps
-    if method == "ring-q":
         return gpus - 1, 0
-    members = node_members(cluster, gpus)  # twolevel
-    up = binomial_reduce(cluster, members, 1.0).rounds
-    across = 2 if len(leaders(cluster, gpus)) > 1 else 0
-    broadcast = 1 if len(members) > 1 else 0
-    return up, across + broadcast
+    return 1, 0  # tree, twolevel, ring-q: the first p2p round after the attention
 
 
 def _latency_steps(cluster: Cluster, shape: DecodeShape, gpus: int, method: str) -> int:
