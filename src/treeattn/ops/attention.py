@@ -6,8 +6,11 @@ memory-efficient attention). Grouped-query attention is folded into the row dime
 heads that share one KV head become G rows of one matrix product, so every K/V byte is read once
 per step, not G times.
 
-On the CPU the per-chunk work runs in torch's fused flash-attention kernel (which returns the
-logsumexp); other devices, and head dims the kernel does not take, use a float32 matmul path.
+On the CPU, decode-sized work (<= 64 query rows per KV head) runs a float32 matmul path with an
+online softmax over cache-sized key chunks, measured faster there than torch's fused
+flash-attention kernel; longer query blocks (prefill) run in that kernel, which also returns the
+logsumexp. Other devices without the Triton kernel, and head dims the fused kernel does not take,
+use the matmul path too.
 CUDA tensors go to the Triton flash-decoding kernel (treeattn.ops.triton_decode) when triton is
 installed and the kernel takes the inputs (Sq <= 16, fp16/bf16/fp32, power-of-two head dims).
 
