@@ -228,18 +228,26 @@ def test_busy_round_term_comes_from_the_busy_rounds_of_the_quietest_pass(monkeyp
         "merge_seconds": 3e-5, "ring_step_seconds": 0.07, "ring_step_attention_seconds": 0.01,
         "copy_bandwidth_1_thread": 2e10, "copy_bandwidth_all_threads": 3e10, "matmul_flops_1_thread": 5e10,
         "busy_world_sizes": [2, 4], "busy_compute_seconds": [0.006, 0.012], "busy_p2p_seconds": [0.0061, 0.015],
-        "busy_allreduce_seconds": [0.0062, 0.0125],
+        "busy_allreduce_seconds": [0.0062, 0.0125], "busy_p2p_pair_seconds": [0.0063, 0.02],
+        "busy_allreduce_pair_seconds": [0.0064, 0.016],
     }
     loud = {**base, "busy_compute_seconds": [0.02, 0.05], "busy_p2p_seconds": [0.02, 0.05]}
     combined = cal.fastest_of_passes([loud, base])
     assert combined["busy_p2p_seconds"] == [0.0061, 0.015]  # differences are kept within one pass
     cluster = cal.cluster_from_measurements(combined)
-    idle_p2p = cluster.collective_overhead + cluster.intra.latency
-    idle_allreduce = cluster.collective_overhead + 2 * 3 * cluster.intra.latency
+    message = cal.BUSY_MESSAGE_ELEMENTS * 4  # the busy rounds carry one decode state
+    idle_p2p = cluster.collective_overhead + cluster.intra.latency + message / cluster.intra.bandwidth
+    idle_allreduce = cluster.collective_overhead + 2 * 3 * (cluster.intra.latency + message / (4 * cluster.intra.bandwidth))
     assert [p for p, _ in cluster.busy_round_p2p] == [2, 4]
     assert cluster.busy_round_p2p[1][1] == pytest.approx(0.003 - idle_p2p)
     assert cluster.busy_round_collective[1][1] == pytest.approx(0.0005 - idle_allreduce)
     assert cluster.busy_round_p2p[0][1] == pytest.approx(max(0.0, 1e-4 - idle_p2p))
+    # each further back-to-back round: (two rounds) - (one round) - its idle cost
+    assert cluster.busy_next_round_p2p[1] == (4, pytest.approx(0.005 - idle_p2p))
+    assert cluster.busy_next_round_collective[1] == (4, pytest.approx(0.0035 - idle_allreduce))
+    assert cluster.busy_next_round_p2p[0] == (2, pytest.approx(max(0.0, 2e-4 - idle_p2p)))
+    old_file = {k: v for k, v in combined.items() if "pair" not in k}  # a calibration made before the pairs
+    assert cal.cluster_from_measurements(old_file).busy_next_round_p2p == ()
 
 
 def test_compare_predicts_each_record_from_its_own_calibration():
@@ -257,7 +265,7 @@ def test_busy_rounds_are_measured_on_real_ranks():
 
     measured = _busy_round_measurements((2,), repeats=2)
     assert measured["busy_world_sizes"] == [2]
-    for key in ("busy_compute_seconds", "busy_p2p_seconds", "busy_allreduce_seconds"):
+    for key in ("busy_compute_seconds", "busy_p2p_seconds", "busy_allreduce_seconds", "busy_p2p_pair_seconds", "busy_allreduce_pair_seconds"):
         assert len(measured[key]) == 1 and 0 < measured[key][0] < 10
     with pytest.raises(ValueError, match="world_sizes must be integers >= 2"):
         from treeattn.bench.calibrate import calibrate

@@ -262,9 +262,44 @@ def test_busy_round_term_charges_each_round_on_a_shared_host(tmp_path):
     assert load_cluster("cpu-local", path) == busy
 
 
+def test_busy_next_round_term_charges_each_back_to_back_round():
+    from treeattn.sim.model import rounds_after_attention
+
+    shape = DecodeShape(seq_len=16384, heads=16, head_dim=128, dtype="fp32")
+    first = flat_cluster(gpus_per_node=1 << 20, host_cores=2, host_memory_bandwidth=1e11).with_overrides(
+        busy_round_p2p=((4, 2e-3),), busy_round_collective=((4, 5e-3),)
+    )
+    both = first.with_overrides(busy_next_round_p2p=((2, 7e-4), (4, 1e-3)), busy_next_round_collective=((4, 3e-3),))
+    # further rounds issued back to back after the first, per method at p = 4 (p2p, collective):
+    # allreduce: max then sum allreduce; tree: 2 reduce + 2 broadcast rounds; twolevel on one
+    # host: 2 reduce rounds then one broadcast collective; ring-kv: every step follows attention
+    further = {"allreduce": (0, 1), "tree": (3, 0), "twolevel": (1, 1), "ring-kv": (0, 0), "ring-q": (2, 0), "local": (0, 0)}
+    for method, (p2p, calls) in further.items():
+        base, extra = predict_decode(first, shape, 4, method), predict_decode(both, shape, 4, method)
+        assert extra.predicted_seconds - base.predicted_seconds == pytest.approx(p2p * 1e-3 + calls * 3e-3, abs=1e-12), method
+        kinds = rounds_after_attention(both, 4, method)
+        assert sum(not follows for _, follows in kinds) == p2p + calls, method
+    assert rounds_after_attention(both, 4, "ring-kv") == [("p2p", True)] * 3
+    assert both.busy_next_round_seconds(2) == (7e-4, 3e-3) and both.busy_next_round_seconds(1) == (0.0, 0.0)
+    assert load_cluster_roundtrip(both) == both
+    with pytest.raises(ValueError, match="busy_next_round_p2p needs host_cores"):
+        H100.with_overrides(busy_next_round_p2p=((4, 1e-3),))
+
+
+def load_cluster_roundtrip(cluster):
+    import tempfile
+    from pathlib import Path
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "cal.json"
+        path.write_text(json.dumps({"cluster": cluster.to_dict()}))
+        return load_cluster("cpu-local", path)
+
+
 def test_gpu_presets_have_no_busy_round_term():
     for cluster in PRESETS.values():
         assert cluster.host_cores is None and cluster.busy_round_seconds(128) == (0.0, 0.0)
+        assert cluster.busy_next_round_seconds(128) == (0.0, 0.0)
     with pytest.raises(ValueError, match="busy_round_p2p needs host_cores"):
         H100.with_overrides(busy_round_p2p=((16, 1e-3),))
     cpu = flat_cluster(host_cores=2, host_memory_bandwidth=1e11)

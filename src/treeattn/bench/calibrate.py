@@ -14,12 +14,15 @@
   host's aggregate rate when all cores work);
 - merge: one ta.merge_states of two decode states, 1 thread;
 - busy rounds, at every world size p of `world_sizes` (p ranks, one thread each): every rank
-  attends one query to BUSY_TOKENS tokens, then either stops, or does one ring step of a 4-byte
-  message (send to the next rank, receive from the previous), or one 4-byte allreduce; the three
-  variants alternate, each iteration barrier-aligned, timed on the slowest rank. The medians'
-  differences are what one p2p step and one small collective cost while the ranks compute; the
-  part beyond the idle cost above is the model's busy-round term at p (a receiving rank that
-  slept is woken and scheduled again; with p above the cores it also waits for a core);
+  attends one query to BUSY_TOKENS tokens, then either stops, or does one or two ring steps back
+  to back (send to the next rank, receive from the previous), or one or two allreduces back to
+  back, every message one packed decode state of that attention (HEADS x (HEAD_DIM + 1) fp32, what
+  the methods' rounds carry; gloo's allreduce of a few bytes takes fewer, cheaper steps than one
+  of a state); the five variants alternate, each iteration barrier-aligned,
+  timed on the slowest rank. The medians' differences are what the first p2p step and the first
+  small collective after the attention cost, and what one more of each issued right after it
+  costs; the parts beyond the idle cost above are the model's busy-round terms at p (a receiving
+  rank that slept is woken and scheduled again; with p above the cores it also waits for a core);
   BUSY_TOKENS is none of the validation's shard sizes, so the term is not read off a validation case;
 - memory: copy bandwidth with 1 thread and with all threads, and 1-thread matmul FLOP/s
   (reported; the model uses the attention rates, which are what decoding sees).
@@ -54,6 +57,9 @@ LARGE_BYTES = 64 * 2**20
 ONE_HOST_GPUS_PER_NODE = 1 << 20  # every rank on one host: all links are the loopback
 BUSY_TOKENS = 6144  # compute between busy rounds: ~5 ms of 1-thread attention, no validation shard size
 BUSY_WORLD_SIZES = (2, 4)
+BUSY_MESSAGE_ELEMENTS = HEADS * (HEAD_DIM + 1)  # one packed decode state (out, lse) of the busy attention, fp32
+BUSY_VARIANTS = ("compute", "p2p", "p2p_pair", "allreduce", "allreduce_pair")
+BUSY_KEYS = ("busy_world_sizes", *(f"busy_{name}_seconds" for name in BUSY_VARIANTS))
 
 
 def _median_time(fn, repeats: int) -> float:
@@ -136,14 +142,16 @@ def _attention_times(rank: int, concurrent: bool, repeats: int) -> list[float]:
 
 
 def _busy_rounds(rank: int, world_size: int, repeats: int) -> dict | None:
-    """Median slowest-rank seconds of (attention alone, attention + one ring step of 4 bytes,
-    attention + one 4-byte allreduce) on `world_size` busy ranks; rank 0 returns them."""
+    """Median slowest-rank seconds of attention alone ("compute"), attention + one ring step
+    ("p2p"), + two ring steps back to back ("p2p_pair"), + one allreduce ("allreduce") and + two
+    back to back ("allreduce_pair") on `world_size` busy ranks, every message BUSY_MESSAGE_ELEMENTS
+    fp32; rank 0 returns them."""
     torch.set_num_threads(1)
     g = torch.Generator().manual_seed(rank)
     q = torch.randn(1, 1, HEADS, HEAD_DIM, generator=g)
     k = torch.randn(1, BUSY_TOKENS, HEADS, HEAD_DIM, generator=g)
     v = torch.randn(1, BUSY_TOKENS, HEADS, HEAD_DIM, generator=g)
-    token, incoming = torch.zeros(1), torch.zeros(1)
+    token, incoming = torch.zeros(BUSY_MESSAGE_ELEMENTS), torch.zeros(BUSY_MESSAGE_ELEMENTS)
     nxt, prev = (rank + 1) % world_size, (rank - 1) % world_size
 
     def ring_step() -> None:
@@ -151,7 +159,14 @@ def _busy_rounds(rank: int, world_size: int, repeats: int) -> dict | None:
         for work in dist.batch_isend_irecv(ops):
             work.wait()
 
-    variants = {"compute": lambda: None, "p2p": ring_step, "allreduce": lambda: dist.all_reduce(token)}
+    def two(comm):
+        return lambda: (comm(), comm())
+
+    allreduce = lambda: dist.all_reduce(token)  # noqa: E731
+    variants = {
+        "compute": lambda: None, "p2p": ring_step, "p2p_pair": two(ring_step),
+        "allreduce": allreduce, "allreduce_pair": two(allreduce),
+    }
     for comm in variants.values():  # warm up
         attention(q, k, v)
         comm()
@@ -260,19 +275,20 @@ def fastest_of_passes(passes: list[dict]) -> dict:
         # busy rounds are differences of times taken together: keep them from one pass, the
         # one whose busy compute was fastest (least disturbed by other work)
         quietest = min(passes, key=lambda p: sum(p["busy_compute_seconds"]))
-        for key in ("busy_world_sizes", "busy_compute_seconds", "busy_p2p_seconds", "busy_allreduce_seconds"):
-            combined[key] = quietest[key]
+        for key in BUSY_KEYS:
+            if key in quietest:
+                combined[key] = quietest[key]
     combined["passes"] = len(passes)
     return combined
 
 
 def _busy_round_measurements(world_sizes: tuple[int, ...], repeats: int) -> dict:
     """_busy_rounds at every world size, as lists aligned with busy_world_sizes."""
-    out: dict[str, list] = {"busy_world_sizes": [], "busy_compute_seconds": [], "busy_p2p_seconds": [], "busy_allreduce_seconds": []}
+    out: dict[str, list] = {key: [] for key in BUSY_KEYS}
     for p in world_sizes:
         result = par.spawn(_busy_rounds, p, repeats)[0]
         out["busy_world_sizes"].append(p)
-        for name in ("compute", "p2p", "allreduce"):
+        for name in BUSY_VARIANTS:
             out[f"busy_{name}_seconds"].append(result[name])
     return out
 
@@ -329,15 +345,18 @@ def cluster_from_measurements(m: dict) -> Cluster:
     bandwidth = m["p2p_large_bytes"] / transfer
     cores = os.cpu_count() or 1
     busy_round_p2p, busy_round_collective = [], []
-    for p, compute, p2p, allreduce_busy in zip(
-        m.get("busy_world_sizes", []), m.get("busy_compute_seconds", []), m.get("busy_p2p_seconds", []),
-        m.get("busy_allreduce_seconds", []),
-    ):
-        # minus what the model already charges an idle step / a small ring allreduce of p ranks
-        idle_p2p = call_overhead + latency
-        idle_allreduce = call_overhead + 2 * (p - 1) * latency
+    busy_next_round_p2p, busy_next_round_collective = [], []
+    for i, p in enumerate(m.get("busy_world_sizes", [])):
+        compute, p2p, allreduce_busy = (m[f"busy_{name}_seconds"][i] for name in ("compute", "p2p", "allreduce"))
+        # minus what the model already charges an idle step / a ring allreduce of p ranks
+        message = BUSY_MESSAGE_ELEMENTS * 4
+        idle_p2p = call_overhead + latency + message / bandwidth
+        idle_allreduce = call_overhead + 2 * (p - 1) * (latency + message / (p * bandwidth))
         busy_round_p2p.append((p, max(0.0, p2p - compute - idle_p2p)))
         busy_round_collective.append((p, max(0.0, allreduce_busy - compute - idle_allreduce)))
+        if "busy_p2p_pair_seconds" in m:  # calibrations before the pair variants lack them
+            busy_next_round_p2p.append((p, max(0.0, m["busy_p2p_pair_seconds"][i] - p2p - idle_p2p)))
+            busy_next_round_collective.append((p, max(0.0, m["busy_allreduce_pair_seconds"][i] - allreduce_busy - idle_allreduce)))
     rank_rate = 1 / per_byte
     running = min(2, cores)
     return Cluster(
@@ -357,6 +376,8 @@ def cluster_from_measurements(m: dict) -> Cluster:
         host_memory_bandwidth=running / per_byte_together,
         busy_round_p2p=tuple(busy_round_p2p),
         busy_round_collective=tuple(busy_round_collective),
+        busy_next_round_p2p=tuple(busy_next_round_p2p),
+        busy_next_round_collective=tuple(busy_next_round_collective),
         sources={
             "memory_bandwidth": "measured: K,V bytes/s of 1-thread ta.attention, one rank alone (line fit)",
             "kernel_overhead": "measured: intercept of the same line fit",
@@ -369,8 +390,10 @@ def cluster_from_measurements(m: dict) -> Cluster:
             "inter": "same as intra: all ranks on one host",
             "peak_flops": "measured: 1-thread fp32 512^3 matmul",
             "p2p_overlap": "assumption: 0; gloo moves bytes with the same cores that compute",
-            "busy_round_p2p": f"measured at each world size p: p busy ranks ({BUSY_TOKENS}-token attention each), median slowest-rank (attention + 4-byte ring step) - (attention alone) - collective_overhead - latency, clamped at 0",
-            "busy_round_collective": "measured the same way with a 4-byte allreduce instead of the ring step, minus collective_overhead + 2 (p - 1) latency, clamped at 0",
+            "busy_round_p2p": f"measured at each world size p: p busy ranks ({BUSY_TOKENS}-token attention each), median slowest-rank (attention + one ring step of a {BUSY_MESSAGE_ELEMENTS * 4}-byte decode state) - (attention alone) - its idle cost (collective_overhead + latency + bytes / bandwidth), clamped at 0",
+            "busy_round_collective": "measured the same way with an allreduce of the state instead of the ring step, minus its idle ring-allreduce cost, clamped at 0",
+            "busy_next_round_p2p": "measured at each world size p, same protocol: median slowest-rank (attention + two ring steps back to back) - (attention + one) - the idle cost of a step, clamped at 0",
+            "busy_next_round_collective": "measured the same way with two allreduces of the state back to back vs one, minus the idle cost of one, clamped at 0",
         },
     )
 

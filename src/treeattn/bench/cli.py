@@ -212,6 +212,8 @@ def calibrate_command(
         )
     for (p, p2p), (_, collective) in zip(c["busy_round_p2p"], c["busy_round_collective"]):
         typer.echo(f"busy-round term at p={p}: {p2p * 1e3:.2f} ms per p2p step, {collective * 1e3:.2f} ms per collective call")
+    for (p, p2p), (_, collective) in zip(c["busy_next_round_p2p"], c["busy_next_round_collective"]):
+        typer.echo(f"back-to-back round term at p={p}: {p2p * 1e3:.2f} ms per further p2p step, {collective * 1e3:.2f} ms per further collective call")
     typer.echo(f"wrote {output} in {time.perf_counter() - start:.0f} s", err=True)
 
 

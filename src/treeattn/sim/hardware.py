@@ -98,6 +98,12 @@ class Cluster:
             its own device and the idle latency already describes a round.
         busy_round_collective: the same for one small collective call (allreduce,
             allgather, broadcast), on top of the collective's own alpha-beta cost.
+        busy_next_round_p2p: ((p, seconds), ...): the extra seconds of each further p2p round
+            that follows another round back to back (no attention in between) among p ranks
+            sharing the host, on top of collective_overhead + latency. Measured per world size by
+            `treeattn bench calibrate` as (attention + two ring steps) - (attention + one).
+        busy_next_round_collective: the same for a further small collective call issued right
+            after another round (measured with two 4-byte allreduces back to back).
         sources: parameter name -> where its value comes from.
     """
 
@@ -118,6 +124,8 @@ class Cluster:
     step_overhead: float = 0.0
     busy_round_p2p: tuple[tuple[int, float], ...] = ()
     busy_round_collective: tuple[tuple[int, float], ...] = ()
+    busy_next_round_p2p: tuple[tuple[int, float], ...] = ()
+    busy_next_round_collective: tuple[tuple[int, float], ...] = ()
     sources: dict[str, str] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -141,7 +149,7 @@ class Cluster:
         _check_nonnegative("step_overhead", self.step_overhead)
         if self.host_memory_bandwidth is not None:
             _check_positive("host_memory_bandwidth", self.host_memory_bandwidth)
-        for name in ("busy_round_p2p", "busy_round_collective"):
+        for name in BUSY_ROUND_TABLES:
             table = getattr(self, name)
             if table and self.host_cores is None:
                 raise ValueError(f"{name} needs host_cores: it describes ranks sharing one host's cores")
@@ -161,6 +169,13 @@ class Cluster:
             return 0.0, 0.0
         return _nearest(self.busy_round_p2p, ranks), _nearest(self.busy_round_collective, ranks)
 
+    def busy_next_round_seconds(self, ranks: int) -> tuple[float, float]:
+        """(extra seconds per further p2p round, extra seconds per further collective call) for a
+        round that follows another round back to back among `ranks` busy ranks; same rules as
+        busy_round_seconds."""
+        if self.host_cores is None or ranks < 2:
+            return 0.0, 0.0
+        return _nearest(self.busy_next_round_p2p, ranks), _nearest(self.busy_next_round_collective, ranks)
 
     @property
     def attention_bandwidth(self) -> float:
@@ -215,12 +230,15 @@ class Cluster:
     @classmethod
     def from_dict(cls, data: dict[str, object]) -> Cluster:
         data = dict(data)
-        for name in ("busy_round_p2p", "busy_round_collective"):
+        for name in BUSY_ROUND_TABLES:
             if name in data:  # JSON turns the pairs into lists
                 data[name] = tuple((int(p), float(s)) for p, s in data[name])  # type: ignore[union-attr]
         data["intra"] = Link(**data["intra"])  # type: ignore[arg-type]
         data["inter"] = Link(**data["inter"])  # type: ignore[arg-type]
         return cls(**data)  # type: ignore[arg-type]
+
+
+BUSY_ROUND_TABLES = ("busy_round_p2p", "busy_round_collective", "busy_next_round_p2p", "busy_next_round_collective")
 
 
 def _nearest(table: tuple[tuple[int, float], ...], ranks: int) -> float:

@@ -25,10 +25,13 @@ so a benchmark's measured counters can be checked against them. `steps` counts t
 message latencies inside the collectives as well (what the log p vs p argument is about).
 
 Ranks that are processes sharing one host's cores (the calibrated cpu-local preset) pay one more
-term: the first round after the attention (every ring-kv step) costs the busy-round seconds
-measured at that world size (Cluster.busy_round_seconds): the wake-up of a receiving rank that slept
-while its peers computed, and, when ranks outnumber the cores, its wait for a core
-(oversubscription). The GPU presets have no such term.
+term, by the rounds a decode step issues after its attention (rounds_after_attention): a round
+that directly follows an attention (the first round of every method, every ring-kv step) costs
+the busy-round seconds measured at that world size (Cluster.busy_round_seconds): the wake-up of a
+receiving rank that slept while its peers computed, and, when ranks outnumber the cores, its wait
+for a core (oversubscription); each further round issued back to back after it costs the
+measured next-round seconds of its kind (Cluster.busy_next_round_seconds). The GPU presets have
+no such term.
 """
 
 from __future__ import annotations
@@ -233,9 +236,7 @@ def predict_decode(cluster: Cluster, shape: DecodeShape, gpus: int, method: str)
         comm = CommCost((gpus - 1) * step.seconds, gpus - 1, (gpus - 1) * state, "ring-p2p")
         seconds = compute + comm.seconds
 
-    p2p_steps, collective_calls = _round_kinds(cluster, gpus, method)
-    p2p_extra, collective_extra = cluster.busy_round_seconds(devices)
-    busy_rounds = p2p_steps * p2p_extra + collective_calls * collective_extra
+    busy_rounds = busy_round_seconds(cluster, gpus, method)
     if busy_rounds > 0:
         comm = CommCost(comm.seconds + busy_rounds, comm.rounds, comm.bytes_sent, comm.algorithm)
         seconds += busy_rounds
@@ -261,23 +262,47 @@ def predict_decode(cluster: Cluster, shape: DecodeShape, gpus: int, method: str)
     )
 
 
-def _round_kinds(cluster: Cluster, gpus: int, method: str) -> tuple[int, int]:
-    """(p2p rounds, collective calls) that follow attention on the critical path: the rounds the
-    cluster's busy-round term is charged for.
+def rounds_after_attention(cluster: Cluster, gpus: int, method: str) -> list[tuple[str, bool]]:
+    """The communication rounds one decode step issues after attention on the critical path, in
+    order, as (kind, follows_attention): kind "p2p" (a send/recv step) or "collective" (one
+    collective call); follows_attention is True for a round issued right after an attention call
+    and False for one issued back to back after another round. What the busy-round terms are
+    charged for, as the timed benchmark runs the methods (check_inputs=False):
 
-    The busy-round cost is what calibration measures: ranks attend, then do one round, and a rank
-    that slept while waiting for a computing peer is woken. A decode step of allreduce, tree,
-    twolevel and ring-q pays it once, in its first round after the attention (the later rounds run
-    among ranks that are already awake and cost the idle latency); ring-kv pays it in each of its
-    p - 1 steps, each of which follows the attention of a block.
+        allreduce  two collectives: allreduce(max) of lse, then allreduce(sum) of the packed state
+        tree       ceil(log2 p) binomial reduce rounds, then ceil(log2 p) broadcast rounds (p2p)
+        twolevel   the binomial reduce inside a node (p2p), the leaders' two allreduces (if
+                   there is more than one node), one broadcast collective inside a node
+        ring-kv    p - 1 p2p steps, each after the attention of a block (the allgather of the
+                   shard lengths comes before the attention)
+        ring-q     p - 1 p2p steps back to back after the one attention
     """
     if method == "local" or gpus == 1:
-        return 0, 0
-    if method == "allreduce":
-        return 0, 1
+        return []
     if method == "ring-kv":
-        return gpus - 1, 0
-    return 1, 0  # tree, twolevel, ring-q: the first p2p round after the attention
+        return [("p2p", True)] * (gpus - 1)
+    if method == "allreduce":
+        kinds = ["collective", "collective"]
+    elif method == "tree":
+        depth = math.ceil(math.log2(gpus))
+        kinds = ["p2p"] * (2 * depth)
+    elif method == "twolevel":
+        members = node_members(cluster, gpus)
+        kinds = ["p2p"] * binomial_reduce(cluster, members, 1.0).rounds
+        kinds += ["collective", "collective"] if len(leaders(cluster, gpus)) > 1 else []
+        kinds += ["collective"] if len(members) > 1 else []
+    else:  # ring-q
+        kinds = ["p2p"] * (gpus - 1)
+    return [(kind, i == 0) for i, kind in enumerate(kinds)]
+
+
+def busy_round_seconds(cluster: Cluster, gpus: int, method: str) -> float:
+    """Extra seconds of the busy-round terms for one decode step of `method` on `gpus` ranks
+    sharing a host: each round of rounds_after_attention costs the first-round figure of its
+    kind if it follows the attention, else the next-round figure. 0 on the GPU presets."""
+    first = dict(zip(("p2p", "collective"), cluster.busy_round_seconds(gpus)))
+    then = dict(zip(("p2p", "collective"), cluster.busy_next_round_seconds(gpus)))
+    return sum(first[kind] if follows else then[kind] for kind, follows in rounds_after_attention(cluster, gpus, method))
 
 
 def _latency_steps(cluster: Cluster, shape: DecodeShape, gpus: int, method: str) -> int:
