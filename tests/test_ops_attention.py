@@ -320,3 +320,25 @@ print((after - before) * 1024)
     kv_bytes = 2 * 2 * 1024 * 1024 * 128 * 4  # K and V: 2 GiB
     assert extra_bytes < 64 * 1024 * 1024, f"attention over 2M keys grew the peak RSS by {extra_bytes / 2**20:.1f} MiB"
     assert extra_bytes < kv_bytes / 32
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("offset", [0, 300])
+def test_gpu_causal_prefill_uses_the_fused_flash_kernel(offset, monkeypatch):
+    from treeattn.ops import attention as attention_module
+
+    calls = []
+    real = attention_module._cuda_flash
+    monkeypatch.setattr(attention_module, "_cuda_flash", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    g = torch.Generator().manual_seed(0)
+    Sq, Sk = 700, 700 + offset
+    q = torch.randn(2, Sq, 8, 64, generator=g)
+    k = torch.randn(2, Sk, 2, 64, generator=g)
+    v = torch.randn(2, Sk, 2, 64, generator=g)
+    out, lse = ta.attention(q.cuda().bfloat16(), k.cuda().bfloat16(), v.cuda().bfloat16(), causal=True)
+    ref_out, ref_lse = ta.reference_attention(q.bfloat16().double(), k.bfloat16().double(), v.bfloat16().double(), causal=True)
+    assert calls, "the fused CUDA flash kernel was not used"
+    rel = (out.double().cpu() - ref_out).norm() / ref_out.norm()
+    assert rel < 1e-2
+    torch.testing.assert_close(lse.double().cpu(), ref_lse, atol=2e-2, rtol=0)

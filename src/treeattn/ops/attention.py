@@ -13,6 +13,9 @@ logsumexp. Other devices without the Triton kernel, and head dims the fused kern
 use the matmul path too.
 CUDA tensors go to the Triton flash-decoding kernel (treeattn.ops.triton_decode) when triton is
 installed and the kernel takes the inputs (Sq <= 16, fp16/bf16/fp32, power-of-two head dims).
+Longer fp16/bf16 query blocks on CUDA (prefill, ring-attention blocks) run torch's fused CUDA
+flash kernel, which returns the logsumexp, for unmasked blocks and causal blocks of contiguous
+positions; other masked blocks use the matmul path.
 
 The generic path (every input the kernel declines) picks shortcuts by reading device values on the
 host (is every key visible? are the positions one range? does a chunk see any key?): on a GPU each
@@ -43,6 +46,7 @@ CACHE_SCORE_ELEMENTS = 1 << 15
 CAUSAL_QUERY_BLOCK = 512
 
 _cpu_flash = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+_cuda_flash = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention", None)
 
 
 def attention(
@@ -102,13 +106,7 @@ def attention(
         )
 
     group = Hq // Hkv
-    use_flash = (
-        _cpu_flash is not None
-        and q.device.type == "cpu"
-        and D == Dv
-        and q.dtype != torch.float64
-        and not (q.dtype == torch.float32 and _prefer_matmul(group * Sq))
-    )
+    use_flash = _fused_flash_takes(q, D, Dv, group * Sq)
     # Fold GQA: (B, Sq, Hkv, G, D) -> (B, Hkv, G * Sq, D); row r = g * Sq + i.
     q_rows = q.view(B, Sq, Hkv, group, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, group * Sq, D)
     k_heads = k.transpose(1, 2)  # (B, Hkv, Sk, D), a strided view: no copy
@@ -230,7 +228,7 @@ def _contiguous_causal_attention(q_rows, k_heads, v_heads, offset, scale, group)
         if full_end < Sk:
             diagonal_k, diagonal_v = k_heads[:, :, full_end : i1 + offset], v_heads[:, :, full_end : i1 + offset]
             per_head = [
-                _cpu_flash(by_head[:, :, g, i0:i1], diagonal_k, diagonal_v, is_causal=True, scale=scale) for g in range(group)
+                _fused_flash(by_head[:, :, g, i0:i1], diagonal_k, diagonal_v, is_causal=True, scale=scale) for g in range(group)
             ]
             o = torch.stack([o.float() for o, _ in per_head], dim=2).reshape(B, Hkv, group * n, Dv)
             s = torch.stack([s for _, s in per_head], dim=2).reshape(B, Hkv, group * n)
@@ -264,14 +262,53 @@ def _row_mask(visible: torch.Tensor, group: int) -> torch.Tensor:
     return visible.unsqueeze(1).expand(b, group, sq, sk).reshape(b, 1, group * sq, sk)
 
 
+def _fused_flash_takes(q: torch.Tensor, D: int, Dv: int, rows_per_kv_head: int) -> bool:
+    """Whether torch's fused flash kernel (CPU, or CUDA on sm80+) runs these blocks.
+
+    CPU: every dtype but float64, when D == Dv; float32 decode-sized blocks prefer the matmul path.
+    CUDA: float16/bfloat16, D == Dv, D a multiple of 8 up to 256, compute capability >= 8.0. The
+    CUDA kernel takes no mask: only unmasked blocks and the causal blocks of contiguous positions
+    (prefill, ring-attention blocks) use it; other masked blocks use the matmul path.
+    """
+    if D != Dv or q.dtype == torch.float64:
+        return False
+    if q.device.type == "cpu":
+        return _cpu_flash is not None and not (q.dtype == torch.float32 and _prefer_matmul(rows_per_kv_head))
+    if q.device.type == "cuda":
+        return (
+            _cuda_flash is not None
+            and q.dtype in (torch.float16, torch.bfloat16)
+            and D % 8 == 0
+            and D <= 256
+            and torch.cuda.get_device_capability(q.device)[0] >= 8
+        )
+    return False
+
+
+def _fused_flash(q, k, v, *, scale, attn_mask=None, is_causal=False):
+    """torch's fused flash-attention op of q's device, returning (out (B, H, L, Dv) in q.dtype, lse (B, H, L) float32).
+
+    q (B, H, L, D), k and v (B, H, S, D) with stride(-1) == 1; is_causal aligns top-left. The CUDA
+    op takes no attn_mask (callers pass masked blocks elsewhere).
+    """
+    if q.device.type == "cuda":
+        if attn_mask is not None:
+            raise ValueError("the CUDA flash kernel takes no attn_mask")
+        out, lse = _cuda_flash(q, k, v, 0.0, is_causal, False, scale=scale)[:2]
+        return out, lse
+    return _cpu_flash(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale)
+
+
 def _flash_block(q_rows, k_heads, v_heads, visible, scale, group=1):
-    """torch's fused CPU flash kernel on one block. Returns float32 out (B, Hkv, R, Dv), lse (B, Hkv, R)."""
+    """torch's fused flash kernel on one block. Returns float32 out (B, Hkv, R, Dv), lse (B, Hkv, R)."""
+    if visible is not None and q_rows.device.type == "cuda":
+        return _matmul_attention(q_rows, k_heads, v_heads, visible, scale, group)
     mask = None
     if visible is not None:
         row_visible = _row_mask(visible, group)
         mask = torch.zeros(row_visible.shape, dtype=q_rows.dtype, device=q_rows.device)
         mask.masked_fill_(~row_visible, float("-inf"))
-    out, lse = _cpu_flash(q_rows, k_heads, v_heads, attn_mask=mask, scale=scale)
+    out, lse = _fused_flash(q_rows, k_heads, v_heads, attn_mask=mask, scale=scale)
     out = out.float()
     if visible is not None:
         # The kernel reports lse = 0 for a row that sees no key; the convention is -inf.
