@@ -205,7 +205,7 @@ def _split_kernel_values(Sq, Hq, Hkv, Dh, dtype, paged, Sk=65536, block_size=16)
         stride_qpos_b=0, stride_qpos_s=1, stride_kvpos_b=0, stride_kvpos_s=1,
         stride_bt_b=Sk // block_size, stride_bt_n=1,
         Sq=Sq, Sk=Sk, Hkv=Hkv, group=Hq // Hkv, split_len=4096, block_size=block_size if paged else 1,
-        window=7, scale_log2=0.1,
+        window=7, scale_log2=0.1, softcap_log2=72.1,
     )
 
 
@@ -230,7 +230,8 @@ def compile_report(archs, quick: bool) -> list[dict]:
         block_m = min(max(td.MIN_BLOCK_ROWS, triton.next_power_of_2(rows)), td.MAX_BLOCK_ROWS)
         block_n, num_warps, num_stages = td._pick_tiles(block_m, Dh, Dh, size)
         constexprs = dict(D=Dh, DV=Dh, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal, HAS_WINDOW=False,
-                          HAS_Q_POS=False, HAS_KV_POS=causal, PAGED=paged, DOT_FP32=dtype == "fp32")
+                          HAS_Q_POS=False, HAS_KV_POS=causal, PAGED=paged, DOT_FP32=dtype == "fp32",
+                          HAS_SOFTCAP=False)
         jit_fn = td._split_kv_kernel
         signature, attrs, constants = _specialize(jit_fn, _split_kernel_values(Sq, HQ, HKV, Dh, dtype, paged), constexprs)
         kernel = triton.compile(ASTSource(jit_fn, signature, constexprs=constants, attrs=attrs),

@@ -133,6 +133,21 @@ def test_window_without_causal():
     assert_state_close(out, lse, *reference_attention(q, k, v, window=5), torch.float32)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_softcap_matches_reference(dtype):
+    """Gemma 2 logit capping (c * tanh(s / c)) inside the kernel, with positions and a window, and
+    through ta.attention's dispatch; huge scores saturate at +-c instead of overflowing."""
+    for logit_scale in (3.0, 300.0):
+        q, k, v = make_qkv(B=2, Sq=3, Sk=70, dtype=dtype, seed=10, logit_scale=logit_scale)
+        q_pos, kv_pos = torch.tensor([40, 60, 69], device=DEVICE), torch.arange(70, device=DEVICE)
+        kwargs = dict(causal=True, q_pos=q_pos, kv_pos=kv_pos, window=30, softcap=2.5)
+        ref = reference_attention(q, k, v, **kwargs)
+        assert_state_close(*td.decode_attention(q, k, v, num_splits=3, **kwargs), *ref, dtype)
+        out, lse = td.try_decode_attention(q, k, v, scale=16 ** -0.5, causal=True, q_pos=q_pos[None], kv_pos=kv_pos[None],
+                                           window=30, softcap=2.5)
+        assert_state_close(out, lse, *ref, dtype)
+
+
 def test_value_dim_differs_and_scale():
     q, k, v = make_qkv(Sq=2, Sk=45, D=32, Dv=16, seed=7)
     out, lse = td.decode_attention(q, k, v, scale=0.3)

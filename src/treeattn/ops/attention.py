@@ -10,7 +10,8 @@ On the CPU, decode-sized work (<= 64 query rows per KV head) runs a float32 matm
 online softmax over cache-sized key chunks, measured faster there than torch's fused
 flash-attention kernel; longer query blocks (prefill) run in that kernel, which also returns the
 logsumexp. Other devices without the Triton kernel, and head dims the fused kernel does not take,
-use the matmul path too.
+use the matmul path too, and so does every call with a softcap (Gemma 2 logit capping), since the
+fused kernel takes no transform of the scores.
 CUDA tensors go to the Triton flash-decoding kernel (treeattn.ops.triton_decode) when triton is
 installed and the kernel takes the inputs (Sq <= 16, fp16/bf16/fp32, power-of-two head dims).
 Longer fp16/bf16 query blocks on CUDA (prefill, ring-attention blocks) run torch's fused CUDA
@@ -31,7 +32,7 @@ import logging
 import torch
 
 from treeattn.ops.merge import merge_states
-from treeattn.ops.validation import check_positions, check_qkv, check_scale, check_window
+from treeattn.ops.validation import check_positions, check_qkv, check_scale, check_softcap, check_window
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +60,7 @@ def attention(
     q_pos: torch.Tensor | None = None,
     kv_pos: torch.Tensor | None = None,
     window: int | None = None,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact softmax attention over all keys, returning the attention state (out, lse).
 
@@ -72,15 +74,19 @@ def attention(
         q_pos: int64 (Sq,) or (B, Sq), absolute positions of the queries.
         kv_pos: int64 (Sk,) or (B, Sk), absolute positions of the keys (any order).
         window: sliding window W: a key is visible only if q_pos - kv_pos < W.
+        softcap: logit soft-capping c (Gemma 2): each score s = scale * q.k becomes
+            c * tanh(s / c) before the softmax. None: no capping.
 
     Returns:
         out: (B, Sq, Hq, Dv) in q.dtype.
         lse: (B, Hq, Sq) float32 (float64 for float64 inputs), natural log of the sum of
-            exp(scale * q.k) over the visible keys. A row that sees no key has out = 0, lse = -inf.
+            exp(score) over the visible keys (score = scale * q.k, capped if softcap is given).
+            A row that sees no key has out = 0, lse = -inf.
     """
     B, Sq, Sk, Hq, Hkv, D, Dv = check_qkv(q, k, v)
     scale = check_scale(scale, D)
     window = check_window(window)
+    softcap = check_softcap(softcap)
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
     q_pos = check_positions(q_pos, "q_pos", B, Sq, q.device)
@@ -89,7 +95,9 @@ def attention(
     if not masked and (q_pos is not None or kv_pos is not None):
         raise ValueError("q_pos/kv_pos only take effect with causal=True or a window; pass causal=True")
     if q.device.type == "cuda" and (triton_decode := _triton_decode_module()) is not None:
-        decoded = triton_decode.try_decode_attention(q, k, v, scale=scale, causal=causal, q_pos=q_pos, kv_pos=kv_pos, window=window)
+        decoded = triton_decode.try_decode_attention(
+            q, k, v, scale=scale, causal=causal, q_pos=q_pos, kv_pos=kv_pos, window=window, softcap=softcap
+        )
         if decoded is not None:  # None: the kernel does not take these inputs (reason logged)
             return decoded
     if masked:
@@ -106,7 +114,7 @@ def attention(
         )
 
     group = Hq // Hkv
-    use_flash = _fused_flash_takes(q, D, Dv, group * Sq)
+    use_flash = softcap is None and _fused_flash_takes(q, D, Dv, group * Sq)  # fused kernels take no score transform
     # Fold GQA: (B, Sq, Hkv, G, D) -> (B, Hkv, G * Sq, D); row r = g * Sq + i.
     q_rows = q.view(B, Sq, Hkv, group, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, group * Sq, D)
     k_heads = k.transpose(1, 2)  # (B, Hkv, Sk, D), a strided view: no copy
@@ -118,9 +126,11 @@ def attention(
         if use_flash:
             out_rows, lse_rows = _flash_block(q_rows, k_heads, v_heads, None, scale)
         else:
-            out_rows, lse_rows = _matmul_attention(q_rows, k_heads, v_heads, None, scale)
+            out_rows, lse_rows = _matmul_attention(q_rows, k_heads, v_heads, None, scale, softcap=softcap)
     else:
-        out_rows, lse_rows = _masked_attention(q_rows, k_heads, v_heads, q_pos, kv_pos, causal, window, scale, group, use_flash)
+        out_rows, lse_rows = _masked_attention(
+            q_rows, k_heads, v_heads, q_pos, kv_pos, causal, window, scale, group, use_flash, softcap
+        )
 
     out = out_rows.view(B, Hkv, group, Sq, Dv).permute(0, 3, 1, 2, 4).reshape(B, Sq, Hq, Dv)
     lse = lse_rows.reshape(B, Hq, Sq)
@@ -138,7 +148,7 @@ def _triton_decode_module():
     return triton_decode
 
 
-def _masked_attention(q_rows, k_heads, v_heads, q_pos, kv_pos, causal, window, scale, group, use_flash):
+def _masked_attention(q_rows, k_heads, v_heads, q_pos, kv_pos, causal, window, scale, group, use_flash, softcap=None):
     """Chunk the keys (and the queries, for long Sq) so the mask never exceeds one block."""
     if use_flash and causal and window is None:
         q_start, kv_start = _arange_start(q_pos), _arange_start(kv_pos)
@@ -168,7 +178,7 @@ def _masked_attention(q_rows, k_heads, v_heads, q_pos, kv_pos, causal, window, s
             if use_flash:
                 o, s = _flash_block(rows, kc, vc, bias, scale, group)
             else:
-                o, s = _matmul_attention(rows, kc, vc, bias, scale, group)
+                o, s = _matmul_attention(rows, kc, vc, bias, scale, group, softcap)
             state = (o, s) if state is None else _merge_rows(state, (o, s))
         if state is None:
             n_rows = group * (q1 - q0)
@@ -319,9 +329,10 @@ def _flash_block(q_rows, k_heads, v_heads, visible, scale, group=1):
     return out, lse
 
 
-def _matmul_attention(q_rows, k_heads, v_heads, visible, scale, group=1):
+def _matmul_attention(q_rows, k_heads, v_heads, visible, scale, group=1, softcap=None):
     """Float32 (float64 for float64 inputs) matmul-softmax-matmul over key chunks with an online
     softmax: a running max, sum and unnormalized output, rescaled as each chunk arrives.
+    softcap c: scores s become c * tanh(s / c) where they are formed (before masking).
 
     Returns out (B, Hkv, R, Dv) and lse (B, Hkv, R) in the accumulation dtype.
     """
@@ -338,6 +349,8 @@ def _matmul_attention(q_rows, k_heads, v_heads, visible, scale, group=1):
     for k0 in range(0, Sk, chunk):
         k1 = min(Sk, k0 + chunk)
         scores = torch.matmul(q_scaled, k_heads[:, :, k0:k1].to(acc).transpose(-1, -2))
+        if softcap is not None:
+            scores = softcap_scores(scores, softcap)
         if row_visible is not None:
             scores.masked_fill_(~row_visible[..., k0:k1], float("-inf"))
         new_max = torch.maximum(running_max, scores.amax(dim=-1, keepdim=True))
@@ -353,6 +366,11 @@ def _matmul_attention(q_rows, k_heads, v_heads, visible, scale, group=1):
     out = out / torch.where(running_sum > 0, running_sum, torch.ones_like(running_sum))
     lse = (safe_max + torch.log(running_sum)).squeeze(-1)  # log(0) = -inf: no visible key
     return out, lse
+
+
+def softcap_scores(scores: torch.Tensor, softcap: float) -> torch.Tensor:
+    """Logit soft-capping (Gemma 2): softcap * tanh(scores / softcap), same shape and dtype."""
+    return torch.tanh(scores / softcap) * softcap
 
 
 def _prefer_matmul(rows_per_kv_head: int) -> bool:

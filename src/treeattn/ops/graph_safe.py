@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from treeattn.ops.attention import _matmul_attention, _triton_decode_module
-from treeattn.ops.validation import check_positions, check_qkv, check_scale
+from treeattn.ops.validation import check_positions, check_qkv, check_scale, check_softcap
 
 
 def graph_safe_attention(
@@ -33,6 +33,7 @@ def graph_safe_attention(
     q_pos: torch.Tensor | None = None,
     kv_pos: torch.Tensor | None = None,
     kv_len: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact attention, causal by positions, with no host synchronization.
 
@@ -47,6 +48,7 @@ def graph_safe_attention(
             exist (a preallocated buffer of which the first kv_len[b] slots are in use). Read on
             the device; values outside [0, Sk] are clamped into it there (checking them on the
             host would synchronize).
+        softcap: logit soft-capping c: scores s become c * tanh(s / c); None: none.
 
     Returns:
         out: (B, Sq, Hq, Dv) in q.dtype; lse: (B, Hq, Sq) float32 (float64 for float64 inputs). A
@@ -58,6 +60,7 @@ def graph_safe_attention(
     """
     B, Sq, Sk, Hq, Hkv, D, Dv = check_qkv(q, k, v)
     scale = check_scale(scale, D)
+    softcap = check_softcap(softcap)
     if (q_pos is None) != (kv_pos is None):
         raise ValueError("q_pos and kv_pos must be given together, got only one of them")
     q_pos = check_positions(q_pos, "q_pos", B, Sq, q.device)
@@ -85,11 +88,11 @@ def graph_safe_attention(
                 "graph_safe_attention on CUDA needs the Triton decode kernel, and triton is not installed "
                 "(pip install 'treeattn[triton]')"
             )
-        return kernel_attention(triton_decode, q, k, v, scale=scale, q_pos=q_pos, kv_pos=kv_pos, kv_len=kv_len)
-    return _masked_matmul_attention(q, k, v, scale, q_pos, kv_pos, kv_len)
+        return kernel_attention(triton_decode, q, k, v, scale=scale, q_pos=q_pos, kv_pos=kv_pos, kv_len=kv_len, softcap=softcap)
+    return _masked_matmul_attention(q, k, v, scale, q_pos, kv_pos, kv_len, softcap)
 
 
-def kernel_attention(triton_decode, q, k, v, *, scale, q_pos, kv_pos, kv_len):
+def kernel_attention(triton_decode, q, k, v, *, scale, q_pos, kv_pos, kv_len, softcap=None):
     """The CUDA branch of graph_safe_attention on validated inputs (Sk > 0, Sq > 0).
 
     Args:
@@ -108,14 +111,16 @@ def kernel_attention(triton_decode, q, k, v, *, scale, q_pos, kv_pos, kv_len):
         )
     causal = q_pos is not None
     if kv_len is None:
-        return triton_decode.decode_attention(q, k, v, scale=scale, causal=causal, q_pos=q_pos, kv_pos=kv_pos)
+        return triton_decode.decode_attention(q, k, v, scale=scale, causal=causal, q_pos=q_pos, kv_pos=kv_pos, softcap=softcap)
     # Sequence b's keys as one block of Sk slots: the pool is k itself, block b is row b.
     B = q.shape[0]
     table = torch.arange(B, dtype=torch.int32, device=q.device).view(B, 1)
-    return triton_decode.paged_decode_attention(q, k, v, table, kv_len, scale=scale, causal=causal, q_pos=q_pos, kv_pos=kv_pos)
+    return triton_decode.paged_decode_attention(
+        q, k, v, table, kv_len, scale=scale, causal=causal, q_pos=q_pos, kv_pos=kv_pos, softcap=softcap
+    )
 
 
-def _masked_matmul_attention(q, k, v, scale, q_pos, kv_pos, kv_len):
+def _masked_matmul_attention(q, k, v, scale, q_pos, kv_pos, kv_len, softcap=None):
     """Off CUDA: the online-softmax matmul path of ops.attention with the full mask, built on the
     device. Positions are (B or 1, S) int64 or None; kv_len (B,) clamped or None."""
     B, Sq, Hq, D = q.shape
@@ -129,7 +134,7 @@ def _masked_matmul_attention(q, k, v, scale, q_pos, kv_pos, kv_len):
         visible = exists.expand(B, Sq, Sk) if visible is None else visible & exists
     # Fold GQA as ops.attention does: (B, Sq, Hkv, G, D) -> (B, Hkv, G * Sq, D); row r = g * Sq + i.
     q_rows = q.reshape(B, Sq, Hkv, group, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, group * Sq, D)
-    out_rows, lse_rows = _matmul_attention(q_rows, k.transpose(1, 2), v.transpose(1, 2), visible, scale, group)
+    out_rows, lse_rows = _matmul_attention(q_rows, k.transpose(1, 2), v.transpose(1, 2), visible, scale, group, softcap)
     out = out_rows.view(B, Hkv, group, Sq, Dv).permute(0, 3, 1, 2, 4).reshape(B, Sq, Hq, Dv)
     lse = lse_rows.reshape(B, Hq, Sq)
     lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32

@@ -15,15 +15,19 @@ def reference_attention(
     q_pos: torch.Tensor | None = None,
     kv_pos: torch.Tensor | None = None,
     window: int | None = None,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Materialize every score in float64 and softmax them. Same contract as ta.attention,
-    but returns float64 out (B, Sq, Hq, Dv) and float64 lse (B, Hq, Sq). Small inputs only."""
+    but returns float64 out (B, Sq, Hq, Dv) and float64 lse (B, Hq, Sq). Small inputs only.
+    softcap c: every score s becomes c * tanh(s / c) before masking and softmax."""
     B, Sq, Hq, D = q.shape
     Sk, Hkv = k.shape[1], k.shape[2]
     scale = D ** -0.5 if scale is None else scale
     group = Hq // Hkv
     qd, kd, vd = q.double(), k.double().repeat_interleave(group, 2), v.double().repeat_interleave(group, 2)
     scores = torch.einsum("bihd,bjhd->bhij", qd, kd) * scale
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
     if causal or window is not None:
         kp = torch.arange(Sk) if kv_pos is None else kv_pos
         qp = torch.arange(Sq) + (Sk - Sq) if q_pos is None else q_pos

@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
-from treeattn.ops.validation import check_positions, check_qkv, check_scale, check_window
+from treeattn.ops.validation import check_positions, check_qkv, check_scale, check_softcap, check_window
 
 logger = logging.getLogger(__name__)
 
@@ -71,10 +71,10 @@ def _split_kv_kernel(
     stride_pl_split, stride_pl_b, stride_pl_h,
     stride_qpos_b, stride_qpos_s, stride_kvpos_b, stride_kvpos_s,
     stride_bt_b, stride_bt_n,
-    Sq, Sk, Hkv, group, split_len, block_size, window, scale_log2,
+    Sq, Sk, Hkv, group, split_len, block_size, window, scale_log2, softcap_log2,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_Q_POS: tl.constexpr, HAS_KV_POS: tl.constexpr,
-    PAGED: tl.constexpr, DOT_FP32: tl.constexpr,
+    PAGED: tl.constexpr, DOT_FP32: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
 ):
     """One (batch, KV head) x key range x row block: partial (o, lse) for its rows.
 
@@ -84,6 +84,8 @@ def _split_kv_kernel(
     block_table[b, j // block_size], and seq_lens[b] keys are valid. Offsets are int64 throughout.
     DOT_FP32: both products as float32 IEEE dots (float32 inputs: no TF32 rounding; bfloat16
     under the interpreter, whose tl.dot cannot take bfloat16, triton-lang/triton#11584).
+    HAS_SOFTCAP: each score s = scale * q.k becomes c * tanh(s / c) where it is formed; in base 2,
+    s2 = s * log2(e) becomes C * tanh(s2 / C) with C = softcap_log2 = c * log2(e).
     """
     bh = tl.program_id(0)
     split = tl.program_id(1)
@@ -139,6 +141,10 @@ def _split_kv_kernel(
         else:
             scores = tl.dot(q, tl.trans(k))
         scores = scores * scale_log2  # base-2 logits: exp(x) == exp2(x * log2(e))
+        if HAS_SOFTCAP:  # tanh(x) = sign(x) (1 - e) / (1 + e), e = exp(-2|x|) in (0, 1]: never overflows
+            x = scores / softcap_log2
+            e = tl.exp(-2.0 * tl.abs(x))
+            scores = softcap_log2 * tl.where(x < 0, -1.0, 1.0) * (1.0 - e) / (1.0 + e)
         visible = key_valid[None, :]
         if CAUSAL or HAS_WINDOW:
             if HAS_KV_POS:
@@ -247,6 +253,7 @@ def decode_attention(
     kv_pos: torch.Tensor | None = None,
     window: int | None = None,
     num_splits: int | None = None,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Flash-decoding attention over a contiguous KV, returning the state (out, lse).
 
@@ -262,6 +269,7 @@ def decode_attention(
         kv_pos: int64 (Sk,) or (B, Sk) key positions, any order (with causal or window).
         window: sliding window W: a key is visible only if q_pos - kv_pos < W.
         num_splits: key ranges per (batch, KV head); default fills the GPU (a few programs per SM).
+        softcap: logit soft-capping c: scores s become c * tanh(s / c); None: none.
 
     Returns:
         out: (B, Sq, Hq, Dv) in q.dtype; lse: (B, Hq, Sq) float32, natural log, scale included.
@@ -274,7 +282,7 @@ def decode_attention(
     B, Sq, Sk, Hq, Hkv, D, Dv = check_qkv(q, k, v)
     scale, causal, window, q_pos, kv_pos = _check_mask_args(q, scale, causal, q_pos, kv_pos, window, B, Sq, Sk, D)
     _raise_if_unsupported(q, k, v)
-    return _decode(q, k, v, None, None, Sk, scale, causal, q_pos, kv_pos, window, num_splits)
+    return _decode(q, k, v, None, None, Sk, scale, causal, q_pos, kv_pos, window, num_splits, check_softcap(softcap))
 
 
 def paged_decode_attention(
@@ -290,6 +298,7 @@ def paged_decode_attention(
     kv_pos: torch.Tensor | None = None,
     window: int | None = None,
     num_splits: int | None = None,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Flash-decoding attention over a paged KV cache read through a block table.
 
@@ -312,6 +321,7 @@ def paged_decode_attention(
         kv_pos: int64 (L,) or (B, L), L = max_blocks * block_size: the position of logical slot j;
             default j.
         num_splits: key ranges per (batch, KV head) over the table's capacity.
+        softcap: as in ``decode_attention``.
 
     Returns:
         out: (B, Sq, Hq, Dv) in q.dtype; lse: (B, Hq, Sq) float32. A row that sees no key (e.g.
@@ -320,7 +330,8 @@ def paged_decode_attention(
     B, Sq, Hq, Hkv, D, Dv, capacity = _check_paged(q, k_pool, v_pool, block_table, seq_lens)
     scale, causal, window, q_pos, kv_pos = _check_mask_args(q, scale, causal, q_pos, kv_pos, window, B, Sq, capacity, D)
     _raise_if_unsupported(q, k_pool, v_pool)
-    return _decode(q, k_pool, v_pool, block_table, seq_lens, capacity, scale, causal, q_pos, kv_pos, window, num_splits)
+    return _decode(q, k_pool, v_pool, block_table, seq_lens, capacity, scale, causal, q_pos, kv_pos, window, num_splits,
+                   check_softcap(softcap))
 
 
 def merge_split_states(part_out: torch.Tensor, part_lse: torch.Tensor, out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -349,7 +360,7 @@ def merge_split_states(part_out: torch.Tensor, part_lse: torch.Tensor, out_dtype
     return out, lse
 
 
-def try_decode_attention(q, k, v, *, scale, causal, q_pos, kv_pos, window):
+def try_decode_attention(q, k, v, *, scale, causal, q_pos, kv_pos, window, softcap=None):
     """The kernel's (out, lse) for validated inputs, or None (reason logged) if it cannot take them.
 
     The dispatch hook of ``treeattn.ops.attention``: arguments are already checked there, with
@@ -359,7 +370,7 @@ def try_decode_attention(q, k, v, *, scale, causal, q_pos, kv_pos, window):
     if reason is not None:
         _log_fallback(reason)
         return None
-    return _decode(q, k, v, None, None, k.shape[1], scale, causal, q_pos, kv_pos, window, None)
+    return _decode(q, k, v, None, None, k.shape[1], scale, causal, q_pos, kv_pos, window, None, softcap)
 
 
 # --- internals -------------------------------------------------------------------------------
@@ -478,7 +489,7 @@ def _describe(**tensors) -> str:
     )
 
 
-def _decode(q, k, v, block_table, seq_lens, capacity, scale, causal, q_pos, kv_pos, window, num_splits):
+def _decode(q, k, v, block_table, seq_lens, capacity, scale, causal, q_pos, kv_pos, window, num_splits, softcap=None):
     """Run both kernels. k, v are (B, Sk, ...) or pools (num_blocks, block_size, ...) if block_table is given."""
     B, Sq, Hq, D = q.shape
     Hkv, Dv = k.shape[2], v.shape[3]
@@ -517,10 +528,11 @@ def _decode(q, k, v, block_table, seq_lens, capacity, scale, causal, q_pos, kv_p
                 *qpos_strides, *kvpos_strides,
                 *(block_table.stride() if paged else (0, 0)),
                 Sq, capacity, Hkv, group, split_len, k.shape[1] if paged else 1,
-                window if window is not None else 0, scale * _LOG2E,
+                window if window is not None else 0, scale * _LOG2E, (softcap if softcap is not None else 1.0) * _LOG2E,
                 D=D, DV=Dv, BLOCK_M=block_m, BLOCK_N=block_n,
                 CAUSAL=causal, HAS_WINDOW=window is not None, HAS_Q_POS=has_q_pos, HAS_KV_POS=has_kv_pos,
                 PAGED=paged, DOT_FP32=q.dtype == torch.float32 or (_INTERPRETED and q.dtype == torch.bfloat16),
+                HAS_SOFTCAP=softcap is not None,
                 num_warps=num_warps, num_stages=num_stages,
             )
             _launch_merge(part_out, part_lse, out, lse)

@@ -86,6 +86,22 @@ def check_scale(scale: float | None, head_dim: int) -> float:
     return scale
 
 
+def check_softcap(softcap: float | None) -> float | None:
+    """softcap: None, or a positive finite float c; scores s become c * tanh(s / c) (Gemma 2)."""
+    if softcap is None:
+        return None
+    if isinstance(softcap, torch.Tensor):
+        if softcap.numel() != 1:
+            raise ValueError(f"softcap must be a positive float or None, got a tensor of shape {tuple(softcap.shape)}")
+        softcap = float(softcap)
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
+        raise TypeError(f"softcap must be a positive float or None, got {type(softcap).__name__}")
+    softcap = float(softcap)
+    if not (0.0 < softcap < float("inf")):
+        raise ValueError(f"softcap must be a positive finite float or None, got {softcap}")
+    return softcap
+
+
 def check_window(window: int | None) -> int | None:
     if window is None:
         return None

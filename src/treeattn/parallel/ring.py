@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from treeattn.ops import attention, merge_states, merge_states_list
 from treeattn.ops.graph_safe import graph_safe_attention
-from treeattn.ops.validation import check_qkv, check_scale
+from treeattn.ops.validation import check_qkv, check_scale, check_softcap, check_window
 from treeattn.parallel import comm
 from treeattn.parallel.inputs import MATCHED_FIELDS, check_decode_inputs, input_fields, per_batch, positions
 from treeattn.parallel.metadata import UNKNOWN, device_code, dtype_code, float_code, gather_metadata
@@ -54,6 +54,7 @@ def ring_decode(
     check_inputs: bool = True,
     shard_lengths: Sequence[int] | None = None,
     graph_safe: bool = False,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact attention of q over the KV cache sharded across `group`, by a ring.
 
@@ -82,6 +83,7 @@ def ring_decode(
         graph_safe: no host synchronization anywhere in the call, as in tree_decode: every block's
             attention is treeattn.ops.graph_safe.graph_safe_attention. Needs check_inputs=False
             when p > 1, and shard_lengths with pass_kv=True.
+        softcap: logit soft-capping c: scores s become c * tanh(s / c); None: none.
 
     Returns:
         out: (B, Sq, Hq, Dv) in q.dtype; lse: (B, Hq, Sq) float32 (float64 for float64 inputs);
@@ -90,7 +92,7 @@ def ring_decode(
     p = comm.group_size(group)
     inputs, local_error = None, None
     try:
-        inputs = check_decode_inputs(q, k, v, scale, q_pos, kv_pos)
+        inputs = check_decode_inputs(q, k, v, scale, q_pos, kv_pos, softcap)
         if not isinstance(pass_kv, bool):
             raise TypeError(f"pass_kv must be a bool, got {type(pass_kv).__name__}")
         shard_lengths = _check_shard_lengths(shard_lengths, p, comm.group_rank(group), inputs.Sk)
@@ -125,9 +127,11 @@ def ring_decode(
 
     def block_state(k_block, v_block, kv_pos_block):
         if graph_safe:
-            out, lse = graph_safe_attention(q, k_block, v_block, scale=inputs.scale, q_pos=inputs.q_pos, kv_pos=kv_pos_block)
+            out, lse = graph_safe_attention(q, k_block, v_block, scale=inputs.scale, q_pos=inputs.q_pos, kv_pos=kv_pos_block,
+                                            softcap=inputs.softcap)
         else:
-            out, lse = attention(q, k_block, v_block, scale=inputs.scale, causal=inputs.masked, q_pos=inputs.q_pos, kv_pos=kv_pos_block)
+            out, lse = attention(q, k_block, v_block, scale=inputs.scale, causal=inputs.masked, q_pos=inputs.q_pos,
+                                 kv_pos=kv_pos_block, softcap=inputs.softcap)
         return out.to(acc), lse.to(acc)
 
     if p == 1:
@@ -254,6 +258,8 @@ def ring_attention(
     q_pos: torch.Tensor | None = None,
     kv_pos: torch.Tensor | None = None,
     check_inputs: bool = True,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Prefill attention with the sequence sharded across `group`: each rank's queries attend to
     the keys of every rank, K/V rotating around the ring.
@@ -270,6 +276,9 @@ def ring_attention(
             both or neither, only with causal=True. Any layout, e.g. striped (token i on rank i % p).
         check_inputs: compare the metadata of all ranks first (the shard lengths and position
             ranges are gathered in any case, to size buffers and to skip masked blocks).
+        window: sliding window W (only with causal=True): a key is also hidden when
+            q_pos - kv_pos >= W. None: no window.
+        softcap: logit soft-capping c: scores s become c * tanh(s / c); None: none.
 
     Returns:
         out: (B, Sq, Hq, Dv) in q.dtype; lse: (B, Hq, Sq) float32 (float64 for float64 inputs):
@@ -282,8 +291,11 @@ def ring_attention(
     try:
         B, Sq, Sk, Hq, Hkv, D, Dv = check_qkv(q, k, v)
         scale = check_scale(scale, D)
+        window, softcap = check_window(window), check_softcap(softcap)
         if not isinstance(causal, bool):
             raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+        if window is not None and not causal:
+            raise ValueError(f"window={window} needs causal=True (ring_attention windows are causal sliding windows)")
         if (q_pos is None) != (kv_pos is None):
             raise ValueError("q_pos and kv_pos must be given together, got only one of them")
         if q_pos is not None and not causal:
@@ -301,13 +313,15 @@ def ring_attention(
         "dtype": dtype_code(q.dtype) if isinstance(q, torch.Tensor) else UNKNOWN,
         "device": device_code(q.device) if isinstance(q, torch.Tensor) else UNKNOWN,
         "scale": float_code(scale) if local_error is None else UNKNOWN,
+        "window": (0 if window is None else window) if local_error is None else UNKNOWN,
+        "softcap": (0 if softcap is None else float_code(softcap)) if local_error is None else UNKNOWN,
         "causal": int(causal) if isinstance(causal, bool) else UNKNOWN,
         "positions given": int(q_pos is not None),
         "Sq": Sq, "Sk": Sk, "max q_pos": q_max, "min kv_pos": kv_min,
     }
     if p > 1:
         matched = ("B (q.shape[0])", "Hq (q.shape[2])", "Hkv (k.shape[2])", "D (q.shape[3])", "Dv (v.shape[3])",
-                   "dtype", "device", "scale", "causal", "positions given")
+                   "dtype", "device", "scale", "window", "softcap", "causal", "positions given")
         table = gather_metadata("ring_attention", fields, group, must_match=matched if check_inputs else ("positions given",), local_error=local_error)
     elif local_error is not None:
         raise local_error
@@ -332,7 +346,8 @@ def ring_attention(
         nonlocal state
         if causal and mins[src] > q_max:
             return  # no query of this rank sees any key of the block
-        out, lse = attention(q, k_block, v_block, scale=scale, causal=causal, q_pos=q_pos, kv_pos=kv_pos_block)
+        out, lse = attention(q, k_block, v_block, scale=scale, causal=causal, q_pos=q_pos, kv_pos=kv_pos_block,
+                             window=window, softcap=softcap)
         out, lse = out.to(acc), lse.to(acc)
         state = (out, lse) if state is None else merge_states(*state, out, lse)
 

@@ -58,6 +58,7 @@ def tree_decode(
     check_inputs: bool = True,
     graph_safe: bool = False,
     kv_len: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact attention of q over the KV cache sharded across the ranks of `group`.
 
@@ -90,6 +91,8 @@ def tree_decode(
         kv_len: with graph_safe only: int32/int64 (B,) on q's device, the number of leading slots
             of k/v in use on this rank (k/v are a preallocated buffer); the rest is never
             attended, and on CUDA never read.
+        softcap: logit soft-capping c (Gemma 2): every score s = scale * q.k becomes
+            c * tanh(s / c) before the softmax; None: none. The same on every rank.
 
     Returns:
         out: (B, Sq, Hq, Dv) in q.dtype, the attention over the union of all shards.
@@ -103,7 +106,7 @@ def tree_decode(
     p = comm.group_size(group)
     inputs, local_error, ranks_per_node = None, None, 0
     try:
-        inputs = check_decode_inputs(q, k, v, scale, q_pos, kv_pos)
+        inputs = check_decode_inputs(q, k, v, scale, q_pos, kv_pos, softcap)
         if method not in METHODS:
             raise ValueError(f"method must be one of {METHODS}, got {method!r}")
         if topology is not None and not isinstance(topology, Topology):
@@ -153,9 +156,11 @@ def _check_graph_safe(graph_safe, kv_len, check_inputs: bool, p: int) -> None:
 def _local_state(q, k, v, inputs: DecodeInputs, graph_safe: bool = False, kv_len=None) -> tuple[torch.Tensor, torch.Tensor]:
     """This rank's state in the accumulation dtype: out (B, Sq, Hq, Dv), lse (B, Hq, Sq)."""
     if graph_safe:
-        out, lse = graph_safe_attention(q, k, v, scale=inputs.scale, q_pos=inputs.q_pos, kv_pos=inputs.kv_pos, kv_len=kv_len)
+        out, lse = graph_safe_attention(q, k, v, scale=inputs.scale, q_pos=inputs.q_pos, kv_pos=inputs.kv_pos, kv_len=kv_len,
+                                        softcap=inputs.softcap)
     else:
-        out, lse = attention(q, k, v, scale=inputs.scale, causal=inputs.masked, q_pos=inputs.q_pos, kv_pos=inputs.kv_pos)
+        out, lse = attention(q, k, v, scale=inputs.scale, causal=inputs.masked, q_pos=inputs.q_pos, kv_pos=inputs.kv_pos,
+                             softcap=inputs.softcap)
     acc = accumulation_dtype(q.dtype)
     return out.to(acc), lse.to(acc)
 
