@@ -49,6 +49,31 @@ def copy_bandwidth(do_bench, nbytes: int = 2 << 30) -> float:
     return 2 * nbytes / (ms * 1e-3)
 
 
+def graph_replay_ms(fn, reps: int = 50) -> float:
+    """Median time of one CUDA-graph replay of fn, the L2 cache flushed before each: the kernel
+    time without the host's launch overhead (what a decode step captured in a graph pays)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    times = []
+    for _ in range(reps):
+        flush.zero_()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[reps // 2]
+
+
 def sdpa_runner(backend, q, k_heads, v_heads, scale):
     """A closure running SDPA on one backend, with enable_gqa if the backend takes it, else repeated K/V."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -119,6 +144,7 @@ def measure(args) -> dict:
 
         out, _ = td.decode_attention(q, k, v, scale=scale)
         row["triton_ms"] = bench(lambda: td.decode_attention(q, k, v, scale=scale))
+        row["triton_graph_ms"] = graph_replay_ms(lambda: td.decode_attention(q, k, v, scale=scale))
 
         block = 16
         perm = torch.randperm(Sk // block, device="cuda", generator=g).to(torch.int32).unsqueeze(0)
@@ -135,6 +161,8 @@ def measure(args) -> dict:
             try:
                 fn, how = sdpa_runner(name, q, k_heads, v_heads, scale)
                 row[f"sdpa_{name}_ms"] = bench(fn)
+                if name == "flash":
+                    row["sdpa_flash_graph_ms"] = graph_replay_ms(fn)
                 row["notes"][f"sdpa_{name}"] = how
                 row[f"sdpa_{name}_max_abs_diff"] = (fn().transpose(1, 2).float() - out.float()).abs().max().item()
                 del fn
@@ -163,6 +191,17 @@ def measure(args) -> dict:
               f"{100 * row['fraction_of_copy_bw']:.0f}% | {ratio} |", flush=True)
         if row["notes"]:
             print(f"#   Sk={Sk}: " + "; ".join(f"{key}: {val}" for key, val in row["notes"].items()))
+    print("\nCUDA-graph replay (kernel time, no host launch overhead; L2 flushed before each replay):")
+    print("| Sk | triton ms | sdpa flash ms | triton GB/s | % of copy bw | sdpa flash / triton |")
+    print("|---:|---:|---:|---:|---:|---:|")
+    for row in rows:
+        graph_bw = row["kv_bytes"] / (row["triton_graph_ms"] * 1e-3)
+        row["triton_graph_gb_per_s"] = graph_bw / 1e9
+        flash = row.get("sdpa_flash_graph_ms")
+        flash_ms = "n/a" if flash is None else f"{flash:.4f}"
+        ratio = "n/a" if flash is None else f"{flash / row['triton_graph_ms']:.2f}x"
+        print(f"| {row['seq_len']} | {row['triton_graph_ms']:.4f} | {flash_ms} | "
+              f"{graph_bw / 1e9:.0f} | {100 * graph_bw / copy_bw:.0f}% | {ratio} |")
     return {"meta": meta, "rows": rows}
 
 

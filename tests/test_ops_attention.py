@@ -326,8 +326,6 @@ print((after - before) * 1024)
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("offset", [0, 300])
 def test_gpu_causal_prefill_uses_the_fused_flash_kernel(offset, monkeypatch):
-    from treeattn.ops import attention as attention_module
-
     calls = []
     real = attention_module._cuda_flash
     monkeypatch.setattr(attention_module, "_cuda_flash", lambda *a, **kw: calls.append(1) or real(*a, **kw))

