@@ -213,6 +213,11 @@ class LlamaModel(nn.Module):
             self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
             self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.to(dtype)
+        # Set by treeattn.load_model from the checkpoint (None for random models): a
+        # tokenizers.Tokenizer and a treeattn.models.chat.ChatTemplate, so chat messages can be
+        # rendered to ids (treeattn.generate takes them).
+        self.tokenizer = None
+        self.chat_template = None
         # float32 whatever the parameter dtype (a plain attribute, so module.to(dtype) leaves it alone)
         self.inv_freq = rope_inverse_frequencies(config)
 

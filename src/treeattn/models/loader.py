@@ -2,6 +2,7 @@
 
     model = load_model("path/to/Llama-3.2-1B", dtype=torch.bfloat16)
     tokenizer = load_tokenizer("path/to/Llama-3.2-1B")      # tokenizers.Tokenizer, or None
+    model = load_model("model.Q4_K_M.gguf")                  # a GGUF file: treeattn.models.gguf
 
 A directory holds config.json, the weights as *.safetensors (one file, or shards listed by
 model.safetensors.index.json), and optionally tokenizer.json and generation_config.json.
@@ -22,10 +23,12 @@ from __future__ import annotations
 import json
 import logging
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from treeattn.models.chat import ChatTemplate, gguf_chat_template, read_chat_template
 from treeattn.models.llama import SUPPORTED_ROPE_TYPES, LlamaConfig, LlamaModel
 
 logger = logging.getLogger(__name__)
@@ -40,10 +43,14 @@ IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
 
 
 def load_model(model_dir: str | os.PathLike, *, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> LlamaModel:
-    """Load a Llama-family checkpoint directory.
+    """Load a Llama-family checkpoint: a Hugging Face directory or a .gguf file.
+
+    The model's tokenizer and chat template come along as model.tokenizer and model.chat_template
+    (None where the checkpoint has none).
 
     Args:
-        model_dir: directory with config.json and *.safetensors (with or without an index).
+        model_dir: directory with config.json and *.safetensors (with or without an index), or a
+            .gguf file (treeattn.models.gguf).
         dtype: parameter dtype (float32, bfloat16, float16); the weights are converted on load.
         device: where the parameters live.
 
@@ -58,6 +65,8 @@ def load_model(model_dir: str | os.PathLike, *, dtype: torch.dtype = torch.float
     """
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise TypeError(f"dtype must be a floating torch.dtype, got {dtype!r}")
+    if is_gguf(model_dir):
+        return _load_gguf(Path(model_dir), dtype, device)
     model_dir = _check_dir(model_dir)
     config = read_config(model_dir)
     locations = weight_locations(model_dir)
@@ -76,12 +85,56 @@ def load_model(model_dir: str | os.PathLike, *, dtype: torch.dtype = torch.float
                 state[ours] = f.get_tensor(theirs).to(device=device, dtype=dtype)
     model.load_state_dict(state, strict=True, assign=True)
     model.inv_freq = model.inv_freq.to(device)
+    model.tokenizer = load_tokenizer(model_dir)
+    model.chat_template = read_chat_template(model_dir)
     logger.info("loaded %s (%d tensors from %d files) as %s on %s", model_dir, len(state), len(by_file), dtype, device)
     return model.eval()
 
 
+def _load_gguf(path: Path, dtype: torch.dtype, device) -> LlamaModel:
+    """load_model of a .gguf file: weights, tokenizer and chat template from one reading of it."""
+    from treeattn.models.gguf import load_gguf_model, open_gguf
+    from treeattn.models.gguf_tokenizer import tokenizer_from_gguf
+
+    reader = open_gguf(path)
+    tokenizer = tokenizer_from_gguf(reader, path=path)
+    template = gguf_chat_template(reader, path)
+    model = load_gguf_model(reader, path=path, dtype=dtype, device=device)
+    model.tokenizer, model.chat_template = tokenizer, template
+    return model
+
+
+@dataclass(frozen=True)
+class ModelFiles:
+    """What a checkpoint says besides its weights: config, tokenizer (tokenizers.Tokenizer or None),
+    chat template (ChatTemplate or None)."""
+
+    config: LlamaConfig
+    tokenizer: object | None
+    chat_template: ChatTemplate | None
+
+
+def read_model_files(model: str | os.PathLike) -> ModelFiles:
+    """Config, tokenizer and chat template of an HF directory or .gguf file, without the weights
+    (a GGUF file is read once for all three)."""
+    if is_gguf(model):
+        from treeattn.models.gguf import open_gguf, read_gguf_config
+        from treeattn.models.gguf_tokenizer import tokenizer_from_gguf
+
+        reader = open_gguf(model)
+        config = read_gguf_config(reader, path=model)
+        return ModelFiles(config, tokenizer_from_gguf(reader, path=model), gguf_chat_template(reader, model))
+    return ModelFiles(read_config(model), load_tokenizer(model), read_chat_template(model))
+
+
 def load_tokenizer(model_dir: str | os.PathLike):
-    """The tokenizers.Tokenizer of tokenizer.json in `model_dir`, or None if there is none."""
+    """The tokenizers.Tokenizer of tokenizer.json in `model_dir` (or built from a .gguf file's
+    vocabulary), or None if there is none."""
+    if is_gguf(model_dir):
+        from treeattn.models.gguf import open_gguf
+        from treeattn.models.gguf_tokenizer import tokenizer_from_gguf
+
+        return tokenizer_from_gguf(open_gguf(model_dir), path=model_dir)
     path = _check_dir(model_dir) / TOKENIZER_FILE
     if not path.exists():
         return None
@@ -94,7 +147,12 @@ def load_tokenizer(model_dir: str | os.PathLike):
 
 
 def read_config(model_dir: str | os.PathLike) -> LlamaConfig:
-    """Parse config.json (and generation_config.json's eos_token_id, if present) of `model_dir`."""
+    """Parse config.json (and generation_config.json's eos_token_id, if present) of `model_dir`, or
+    the metadata of a .gguf file."""
+    if is_gguf(model_dir):
+        from treeattn.models.gguf import read_gguf_config
+
+        return read_gguf_config(model_dir)
     model_dir = _check_dir(model_dir)
     path = model_dir / CONFIG_FILE
     raw = _read_json(path)
@@ -326,6 +384,11 @@ def _read_json(path: Path) -> dict:
             return json.load(f)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ValueError(f"{path}: not valid JSON: {exc}") from exc
+
+
+def is_gguf(path) -> bool:
+    """Whether `path` names a GGUF file (by its suffix)."""
+    return str(path).lower().endswith(".gguf")
 
 
 def _check_dir(model_dir) -> Path:

@@ -1,0 +1,212 @@
+"""Chat templates: render chat messages to the token ids an instruct model expects.
+
+    template = read_chat_template("model.gguf")       # or an HF directory; None if it has none
+    ids = encode_chat(tokenizer, template, [{"role": "user", "content": "Hi"}])
+    stop = end_of_turn_id(tokenizer, template)         # e.g. <|im_end|>, <|eot_id|>
+
+The template is the model's own jinja2 source: `chat_template` of tokenizer_config.json or the file
+chat_template.jinja in a Hugging Face directory, metadata tokenizer.chat_template in a GGUF. It is
+rendered as transformers renders it (a sandboxed jinja2 environment, trim_blocks and lstrip_blocks,
+raise_exception and strftime_now available, bos_token / eos_token as variables) with
+add_generation_prompt=True, so the text ends where the assistant's answer begins. The rendered text
+already holds every special token the model wants (BOS included, where the template writes it),
+so it is encoded without adding special tokens.
+
+The end-of-turn token is read off the template itself: render an assistant turn around a marker
+and take the first token after the marker (ChatML's <|im_end|>, Llama 3's <|eot_id|>, Mistral's
+</s>). Generation stops there as well as at the model's eos ids.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from datetime import datetime
+from functools import cached_property
+from pathlib import Path
+
+TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
+GGUF_TEMPLATE_KEY = "tokenizer.chat_template"
+_MARKER = "\x00treeattn-end-of-turn-probe\x00"
+
+
+@dataclass(frozen=True)
+class ChatTemplate:
+    """A model's chat template.
+
+    Attributes:
+        source: where it came from ("dir/tokenizer_config.json", "file.gguf:tokenizer.chat_template"),
+            named in errors.
+        template: the jinja2 source.
+        bos_token, eos_token: the texts of the model's BOS / EOS tokens (template variables).
+    """
+
+    source: str
+    template: str
+    bos_token: str | None = None
+    eos_token: str | None = None
+
+    @cached_property
+    def _compiled(self):
+        from jinja2 import TemplateError
+        from jinja2.ext import loopcontrols
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+        env.filters["tojson"] = lambda value, indent=None, **_: json.dumps(value, ensure_ascii=False, indent=indent)
+        env.globals["raise_exception"] = _raise
+        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        try:
+            return env.from_string(self.template)
+        except TemplateError as exc:
+            raise ValueError(f"{self.source}: the chat template does not compile: {exc}") from exc
+
+    def render(self, messages: list[dict], *, add_generation_prompt: bool = True) -> str:
+        """The prompt text of `messages` ([{"role": ..., "content": ...}, ...])."""
+        from jinja2 import TemplateError
+
+        check_messages(messages)
+        try:
+            return self._compiled.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                         bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+        except TemplateError as exc:
+            raise ValueError(f"{self.source}: the chat template failed on these messages: {exc}") from exc
+
+
+def _raise(message: str):
+    from jinja2 import TemplateError
+
+    raise TemplateError(message)
+
+
+def read_chat_template(model: str | os.PathLike) -> ChatTemplate | None:
+    """The chat template of an HF directory or a .gguf file, None if it has none."""
+    from treeattn.models.loader import is_gguf
+
+    return _gguf_template(Path(model)) if is_gguf(model) else _directory_template(Path(model))
+
+
+def gguf_chat_template(reader, path) -> ChatTemplate | None:
+    """The chat template of an open GGUF reader (see treeattn.models.gguf.open_gguf), or None."""
+    from treeattn.models.gguf import metadata
+    from treeattn.models.gguf_tokenizer import special_token
+
+    template = metadata(reader, GGUF_TEMPLATE_KEY, None)
+    if not template:
+        return None
+    return ChatTemplate(f"{path}:{GGUF_TEMPLATE_KEY}", template, special_token(reader, "bos_token_id"),
+                        special_token(reader, "eos_token_id"))
+
+
+def _gguf_template(path: Path) -> ChatTemplate | None:
+    from treeattn.models.gguf import open_gguf
+
+    return gguf_chat_template(open_gguf(path), path)
+
+
+def _directory_template(model_dir: Path) -> ChatTemplate | None:
+    config_path = model_dir / TOKENIZER_CONFIG_FILE
+    config = {}
+    if config_path.exists():
+        try:
+            config = json.loads(config_path.read_text(encoding="utf-8"))
+        except (OSError, json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ValueError(f"{config_path}: not valid JSON: {exc}") from exc
+    bos, eos = _token_text(config.get("bos_token")), _token_text(config.get("eos_token"))
+    jinja_path = model_dir / CHAT_TEMPLATE_FILE
+    if jinja_path.exists():
+        return ChatTemplate(str(jinja_path), jinja_path.read_text(encoding="utf-8"), bos, eos)
+    template = config.get("chat_template")
+    if isinstance(template, list):  # [{"name": "default", "template": ...}, {"name": "tool_use", ...}]
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    if not template:
+        return None
+    if not isinstance(template, str):
+        raise ValueError(f"{config_path}: 'chat_template' must be a string, got {type(template).__name__}")
+    return ChatTemplate(str(config_path), template, bos, eos)
+
+
+def _token_text(value) -> str | None:
+    """tokenizer_config.json spells a special token as a string or as {"content": ...}."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def check_messages(messages) -> None:
+    """Raise ValueError unless `messages` is a non-empty list of {"role": str, "content": str}."""
+    if not isinstance(messages, (list, tuple)) or not messages:
+        raise ValueError(f"chat messages must be a non-empty list of {{'role', 'content'}} dicts, got {messages!r:.80}")
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str) or not isinstance(message.get("content"), str):
+            raise ValueError(f"chat message {i} must be a dict with string 'role' and 'content', got {message!r:.80}")
+
+
+def is_chat(prompts) -> bool:
+    """Whether `prompts` is one conversation (a list of message dicts) or a batch of them."""
+    if not isinstance(prompts, (list, tuple)) or not prompts:
+        return False
+    first = prompts[0]
+    return isinstance(first, dict) or (isinstance(first, (list, tuple)) and bool(first) and isinstance(first[0], dict))
+
+
+def messages(prompt: str, system: str | None = None) -> list[dict]:
+    """One user turn, after an optional system turn."""
+    turns = [{"role": "system", "content": system}] if system is not None else []
+    return turns + [{"role": "user", "content": prompt}]
+
+
+def encode_chat(tokenizer, template: ChatTemplate, conversation: list[dict]) -> list[int]:
+    """Token ids of the rendered conversation with the generation prompt (no special tokens added:
+    the template writes them)."""
+    return tokenizer.encode(template.render(conversation), add_special_tokens=False).ids
+
+
+def end_of_turn_id(tokenizer, template: ChatTemplate) -> int | None:
+    """The token that closes an assistant turn in this template, None if none can be found."""
+    probe = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": _MARKER}]
+    try:
+        text = template.render(probe, add_generation_prompt=False)
+    except ValueError:
+        return None
+    if _MARKER not in text:
+        return None
+    after = text.split(_MARKER, 1)[1].lstrip(" ")
+    ids = tokenizer.encode(after, add_special_tokens=False).ids if after else []
+    if not ids:
+        return None
+    special = {token.content for token in tokenizer.get_added_tokens_decoder().values() if token.special}
+    return ids[0] if tokenizer.id_to_token(ids[0]) in special else None
+
+
+def encode_prompts(model, prompts) -> tuple[list[list[int]], list[int]]:
+    """Chat prompts -> (token ids of each, stop ids to add: the end-of-turn token).
+
+    `prompts` is one conversation or a batch of them; `model` carries .tokenizer and .chat_template
+    (set by treeattn.load_model). Raises ValueError naming what is missing.
+    """
+    tokenizer, template = getattr(model, "tokenizer", None), getattr(model, "chat_template", None)
+    if tokenizer is None or template is None:
+        missing = "tokenizer" if tokenizer is None else "chat template"
+        raise ValueError(f"prompts are chat messages, but the model has no {missing} "
+                         "(load it with treeattn.load_model from a directory or .gguf that has one)")
+    batch = [prompts] if isinstance(prompts[0], dict) else list(prompts)
+    ids = [encode_chat(tokenizer, template, conversation) for conversation in batch]
+    eot = end_of_turn_id(tokenizer, template)
+    return ids, ([eot] if eot is not None else [])
+
+
+__all__ = [
+    "ChatTemplate",
+    "check_messages",
+    "encode_chat",
+    "encode_prompts",
+    "end_of_turn_id",
+    "gguf_chat_template",
+    "is_chat",
+    "messages",
+    "read_chat_template",
+]

@@ -1,0 +1,335 @@
+"""Load a GGUF file (llama.cpp / Ollama format) into a LlamaModel.
+
+    model = load_gguf_model("SmolLM2-135M-Instruct.Q4_1.gguf")           # float32 weights
+    config = read_gguf_config("model.gguf")                                # LlamaConfig only
+
+Reading goes through the `gguf` package (gguf.GGUFReader memory-maps the file; gguf.quants
+dequantizes). Architectures (general.architecture): llama, mistral, qwen2. llama.cpp's converter
+writes Llama 2/3 and Mistral 7B files as "llama"; "mistral" is taken as the same layout with an
+optional sliding window.
+
+What the loader undoes, tensor by tensor:
+- names: llama.cpp's (blk.3.attn_q.weight, ffn_gate, token_embd, output_norm, ...) -> ours
+  (layers.3.self_attn.q_proj.weight, ...); see TENSOR_NAMES.
+- shapes: GGUF lists dimensions fastest-first ([in, out]); the numpy view is already (out, in).
+- quantization: every tensor is dequantized by gguf.quants.dequantize (F32, F16, BF16, Q4_0,
+  Q4_1, Q5_0, Q5_1, Q8_0, Q2_K..Q6_K, IQ*: whatever the installed gguf package implements) to
+  float32, then cast to the working dtype.
+- the Q/K row permutation: for llama and mistral, llama.cpp's converter permutes the rows of
+  attn_q / attn_k (weights and biases) per head from the rotate-half RoPE layout of Hugging Face
+  checkpoints to the interleaved-pair layout of its own kernel; `unpermute_rows` inverts it
+  (qwen2 files are written unpermuted: llama.cpp runs them with NEOX-style RoPE).
+- rope_freqs.weight (Llama 3.1 files): llama.cpp's per-frequency divisors of the RoPE inverse
+  frequencies, applied to model.inv_freq instead of a rope_scaling config.
+- tied embeddings: a file without output.weight ties the output projection to token_embd.
+
+Memory: the model is built on the "meta" device and each tensor is dequantized, cast and placed
+one at a time, so beside the finished weights there is at most one tensor's float32 copy (and
+the pages of the memory-mapped file the OS keeps cached). Sequence parallelism shards the KV
+cache, not the weights: every rank loads all of them.
+
+Every check -- metadata keys, architecture, tensor names, shapes and types -- runs before the
+first tensor is dequantized, and every error is one ValueError naming the file and the key or
+tensor at fault, so nothing is half-loaded.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from pathlib import Path
+
+import gguf
+import gguf.quants
+import numpy as np
+import torch
+
+from treeattn.models.llama import LlamaConfig, LlamaModel
+
+logger = logging.getLogger(__name__)
+
+# general.architecture -> the Hugging Face architecture name our config uses
+SUPPORTED_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+# Architectures whose Q/K rows llama.cpp's converter permuted (see unpermute_rows).
+PERMUTED_ARCHITECTURES = ("llama", "mistral")
+
+# llama.cpp tensor name -> ours; {i} is the layer index.
+TENSOR_NAMES = {
+    "token_embd.weight": "embed_tokens.weight",
+    "output_norm.weight": "norm.weight",
+    "output.weight": "lm_head.weight",
+    "blk.{i}.attn_norm.weight": "layers.{i}.input_layernorm.weight",
+    "blk.{i}.ffn_norm.weight": "layers.{i}.post_attention_layernorm.weight",
+    "blk.{i}.attn_q.weight": "layers.{i}.self_attn.q_proj.weight",
+    "blk.{i}.attn_k.weight": "layers.{i}.self_attn.k_proj.weight",
+    "blk.{i}.attn_v.weight": "layers.{i}.self_attn.v_proj.weight",
+    "blk.{i}.attn_output.weight": "layers.{i}.self_attn.o_proj.weight",
+    "blk.{i}.attn_q.bias": "layers.{i}.self_attn.q_proj.bias",
+    "blk.{i}.attn_k.bias": "layers.{i}.self_attn.k_proj.bias",
+    "blk.{i}.attn_v.bias": "layers.{i}.self_attn.v_proj.bias",
+    "blk.{i}.attn_output.bias": "layers.{i}.self_attn.o_proj.bias",
+    "blk.{i}.ffn_gate.weight": "layers.{i}.mlp.gate_proj.weight",
+    "blk.{i}.ffn_up.weight": "layers.{i}.mlp.up_proj.weight",
+    "blk.{i}.ffn_down.weight": "layers.{i}.mlp.down_proj.weight",
+    "blk.{i}.ffn_gate.bias": "layers.{i}.mlp.gate_proj.bias",
+    "blk.{i}.ffn_up.bias": "layers.{i}.mlp.up_proj.bias",
+    "blk.{i}.ffn_down.bias": "layers.{i}.mlp.down_proj.bias",
+}
+ROPE_FREQS = "rope_freqs.weight"
+_LAYER_NAME = re.compile(r"^blk\.(\d+)\.(.+)$")
+
+
+class _Reader(gguf.GGUFReader):
+    """gguf.GGUFReader over a plain ndarray view of its np.memmap (the same mapping, no copy). The
+    reader slices its buffer once per metadata string (~100K times for a 49K-token vocabulary), and
+    np.memmap's per-slice bookkeeping made opening SmolLM2's file 2-3x slower (5.8 s -> 2.2 s)."""
+
+    @property
+    def data(self):
+        return self._buffer
+
+    @data.setter
+    def data(self, value):
+        self._buffer = value.view(np.ndarray)
+
+
+def open_gguf(path: str | os.PathLike):
+    """gguf.GGUFReader over `path` (memory-mapped). Raises FileNotFoundError, or ValueError naming the
+    file for anything the reader cannot parse (bad magic, truncated header or tensor data)."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such GGUF file")
+    try:
+        reader = _Reader(path)
+    except Exception as exc:  # the reader raises ValueError, IndexError, struct/numpy errors on damaged files
+        raise ValueError(f"{path}: not a readable GGUF file (truncated or corrupt?): {type(exc).__name__}: {exc}") from exc
+    end = max((t.data_offset + t.n_bytes for t in reader.tensors), default=0)
+    if end > path.stat().st_size:
+        raise ValueError(f"{path}: truncated: tensor data ends at byte {end}, the file has {path.stat().st_size}")
+    return reader
+
+
+def metadata(reader, key: str, default=..., *, path=None):
+    """The value of metadata `key` (str, int, float, bool or list), `default` if absent.
+    Without a default a missing key raises ValueError naming the file and the key."""
+    field = reader.fields.get(key)
+    if field is None:
+        if default is ...:
+            raise ValueError(f"{path or 'GGUF file'}: missing metadata key {key!r}")
+        return default
+    return field.contents()
+
+
+def read_gguf_config(path_or_reader, *, path: str | os.PathLike | None = None) -> LlamaConfig:
+    """A LlamaConfig from the file's metadata ({arch}.block_count, .embedding_length, ...).
+
+    The vocabulary size and whether the embeddings are tied come from the tensors themselves
+    (token_embd's rows; output.weight present or not), which is what llama.cpp does too.
+    """
+    reader = open_gguf(path_or_reader) if isinstance(path_or_reader, (str, os.PathLike)) else path_or_reader
+    path = path or (path_or_reader if isinstance(path_or_reader, (str, os.PathLike)) else "GGUF file")
+    arch = metadata(reader, "general.architecture", path=path)
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(
+            f"{path}: unsupported architecture {arch!r} (metadata general.architecture); "
+            f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+
+    def get(key, kind, default=...):
+        value = metadata(reader, f"{arch}.{key}", default, path=path)
+        if value is not None and value is not default and not (isinstance(value, kind) and not isinstance(value, bool)):
+            raise ValueError(f"{path}: metadata {arch}.{key} must be {kind.__name__}, got {value!r}")
+        return value
+
+    tensors = {t.name: t for t in reader.tensors}
+    if "token_embd.weight" not in tensors:
+        raise ValueError(f"{path}: no tensor 'token_embd.weight' (the token embedding)")
+    hidden = get("embedding_length", int)
+    heads = get("attention.head_count", int)
+    layers = get("block_count", int)
+    head_dim = get("attention.key_length", int, hidden // heads if heads else 0)
+    rope_dim = get("rope.dimension_count", int, head_dim)
+    if rope_dim != head_dim:
+        raise ValueError(f"{path}: {arch}.rope.dimension_count={rope_dim} rotates part of each head; only full rotary "
+                         f"embeddings (= head dim {head_dim}) are supported")
+    kv_heads = get("attention.head_count_kv", int, heads)
+    rope_type, rope_scaling = _rope_scaling(reader, arch, path)
+    window = get("attention.sliding_window", int, None) if arch == "mistral" else None
+    eos = [metadata(reader, f"tokenizer.ggml.{k}", None) for k in ("eos_token_id", "eot_token_id")]
+    try:
+        return LlamaConfig(
+            vocab_size=int(tensors["token_embd.weight"].shape[1]),
+            hidden_size=hidden,
+            intermediate_size=get("feed_forward_length", int),
+            num_layers=layers,
+            num_heads=heads,
+            num_kv_heads=kv_heads,
+            head_dim=head_dim,
+            rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", float, 1e-5)),
+            rope_theta=float(get("rope.freq_base", float, 10000.0)),
+            rope_type=rope_type,
+            rope_scaling=rope_scaling,
+            tie_word_embeddings="output.weight" not in tensors,
+            qkv_bias="blk.0.attn_q.bias" in tensors,
+            o_bias="blk.0.attn_output.bias" in tensors,
+            mlp_bias="blk.0.ffn_up.bias" in tensors,
+            layer_windows=(window,) * layers,
+            max_position_embeddings=get("context_length", int, 4096),
+            architecture=SUPPORTED_ARCHITECTURES[arch],
+            bos_token_id=metadata(reader, "tokenizer.ggml.bos_token_id", None),
+            eos_token_ids=tuple(dict.fromkeys(int(e) for e in eos if e is not None)),
+        )
+    except ValueError as exc:
+        raise ValueError(f"{path}: {exc}") from exc
+
+
+def load_gguf_model(path_or_reader, *, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+                    path: str | os.PathLike | None = None) -> LlamaModel:
+    """Load a GGUF file into a LlamaModel, dequantizing every tensor to `dtype`.
+
+    Args:
+        path_or_reader: the .gguf file, or a reader of it from open_gguf (then `path` names it).
+        dtype: parameter dtype (float32, bfloat16, float16).
+        device: where the parameters live.
+
+    Returns:
+        A LlamaModel in eval mode (model.config from the metadata). Its tokenizer and chat template
+        are read by treeattn.models.loader.load_model, not here.
+
+    Raises:
+        FileNotFoundError: no such file.
+        ValueError: unreadable or truncated file, unsupported architecture, missing metadata, a
+            missing, unexpected or misshapen tensor, or a tensor type gguf cannot dequantize.
+    """
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TypeError(f"dtype must be a floating torch.dtype, got {dtype!r}")
+    if isinstance(path_or_reader, (str, os.PathLike)):
+        path, reader = Path(path_or_reader), open_gguf(path_or_reader)
+    else:
+        reader = path_or_reader
+    config = read_gguf_config(reader, path=path)
+    model = LlamaModel(config, dtype=dtype, device="meta")
+    plan, rope_freqs = _match_tensors(model, reader, path)  # every check before any dequantization
+
+    arch = metadata(reader, "general.architecture")
+    state: dict[str, torch.Tensor] = {}
+    for ours, tensor in plan.items():
+        weight = dequantize(tensor)
+        if arch in PERMUTED_ARCHITECTURES and ours.endswith(("q_proj.weight", "q_proj.bias")):
+            weight = unpermute_rows(weight, config.num_heads)
+        elif arch in PERMUTED_ARCHITECTURES and ours.endswith(("k_proj.weight", "k_proj.bias")):
+            weight = unpermute_rows(weight, config.num_kv_heads)
+        if not weight.flags.writeable:  # an F32 tensor is a view of the read-only file mapping: own it
+            weight = weight.copy()
+        state[ours] = torch.from_numpy(weight).to(device=device, dtype=dtype)
+        del weight
+    model.load_state_dict(state, strict=True, assign=True)
+    model.inv_freq = model.inv_freq.to(device)
+    if rope_freqs is not None:  # llama.cpp divides each inverse frequency by its factor
+        model.inv_freq = model.inv_freq / torch.from_numpy(dequantize(rope_freqs).copy()).to(device=device, dtype=torch.float32)
+    logger.info("loaded %s (%s, %d tensors) as %s on %s", path, arch, len(state), dtype, device)
+    return model.eval()
+
+
+def dequantize(tensor) -> np.ndarray:
+    """float32 numpy array of a gguf ReaderTensor, in numpy (row-major) order: (out, in) for a
+    weight matrix. A view of the memory-mapped file for F32 tensors, a new array otherwise."""
+    shape = tuple(int(n) for n in reversed(tensor.shape))
+    return gguf.quants.dequantize(tensor.data, tensor.tensor_type).reshape(shape)
+
+
+def can_dequantize(tensor_type) -> bool:
+    """Whether the installed gguf package can dequantize this GGMLQuantizationType."""
+    return tensor_type in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16) or tensor_type in gguf.quants._type_traits
+
+
+def unpermute_rows(weight: np.ndarray, heads: int) -> np.ndarray:
+    """Undo llama.cpp's Q/K row permutation.
+
+    llama.cpp's converter (convert_hf_to_gguf.py, LlamaModel.permute) reorders the rows of each
+    head, (heads, 2, D/2) -> (heads, D/2, 2): the two rotate-half partners (i, i + D/2) of the
+    Hugging Face layout become neighbours (2i, 2i + 1), as llama.cpp's RoPE kernel pairs them.
+    This is the inverse: (heads, D/2, 2) -> (heads, 2, D/2).
+
+    Args:
+        weight: (heads * D, ...) float32 rows of attn_q or attn_k (weight or bias).
+        heads: number of heads the rows belong to (query heads for Q, KV heads for K).
+    """
+    rows = weight.shape[0]
+    return weight.reshape(heads, rows // heads // 2, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+
+
+def _match_tensors(model: LlamaModel, reader, path) -> tuple[dict, object | None]:
+    """(our parameter name -> ReaderTensor, rope_freqs tensor or None), every name, shape and type
+    checked against the model skeleton."""
+    expected = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    plan, unexpected, rope_freqs = {}, [], None
+    for tensor in reader.tensors:
+        name = tensor.name
+        if name == ROPE_FREQS:
+            rope_freqs = tensor
+            shape = (model.config.head_dim // 2,)
+            ours = ROPE_FREQS
+        else:
+            ours = _our_name(name)
+            if ours is None or ours not in expected:
+                unexpected.append(name)
+                continue
+            shape = expected[ours]
+        actual = tuple(int(n) for n in reversed(tensor.shape))
+        if actual != shape:
+            raise ValueError(f"{path}: tensor {name!r} has shape {actual}, but the metadata implies {shape}")
+        if not can_dequantize(tensor.tensor_type):
+            raise ValueError(f"{path}: tensor {name!r} has type {tensor.tensor_type.name}, which the installed gguf "
+                             f"package cannot dequantize")
+        if ours != ROPE_FREQS:
+            plan[ours] = tensor
+    if unexpected:
+        shown = ", ".join(repr(n) for n in unexpected[:5]) + (f" and {len(unexpected) - 5} more" if len(unexpected) > 5 else "")
+        raise ValueError(f"{path}: tensors the {model.config.architecture} layout does not have: {shown}")
+    missing = [name for name in expected if name not in plan]
+    if missing:
+        raise ValueError(f"{path}: missing {len(missing)} tensors, e.g. {_gguf_name(missing[0])!r}")
+    return plan, rope_freqs
+
+
+def _our_name(gguf_name: str) -> str | None:
+    match = _LAYER_NAME.match(gguf_name)
+    if match is None:
+        return TENSOR_NAMES.get(gguf_name)
+    pattern = TENSOR_NAMES.get("blk.{i}." + match.group(2))
+    return pattern.format(i=match.group(1)) if pattern is not None else None
+
+
+def _gguf_name(ours: str) -> str:
+    for theirs, pattern in TENSOR_NAMES.items():
+        match = re.fullmatch(re.escape(pattern).replace(r"\{i\}", r"(\d+)"), ours)
+        if match:
+            return theirs.format(i=match.group(1)) if match.groups() else theirs
+    return ours
+
+
+def _rope_scaling(reader, arch: str, path) -> tuple[str, dict]:
+    """(rope_type, scaling parameters) from {arch}.rope.scaling.*: none or linear."""
+    kind = metadata(reader, f"{arch}.rope.scaling.type", "none")
+    if kind == "none":
+        return "default", {}
+    if kind == "linear":
+        factor = metadata(reader, f"{arch}.rope.scaling.factor", path=path)
+        return "linear", {"factor": float(factor)}
+    raise ValueError(f"{path}: unsupported RoPE scaling {kind!r} (metadata {arch}.rope.scaling.type); supported: none, linear")
+
+
+__all__ = [
+    "PERMUTED_ARCHITECTURES",
+    "SUPPORTED_ARCHITECTURES",
+    "TENSOR_NAMES",
+    "can_dequantize",
+    "dequantize",
+    "load_gguf_model",
+    "metadata",
+    "open_gguf",
+    "read_gguf_config",
+    "unpermute_rows",
+]
