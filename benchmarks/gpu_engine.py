@@ -11,8 +11,8 @@ Models (bfloat16 on cuda:0):
 For each model x context: a synthetic prompt of `context` tokens is prefilled, then `--tokens`
 tokens are decoded greedily three ways: the dynamic step (eager), the static step (eager, no host
 synchronization) and the static step replayed from a CUDA graph. All three must give the same
-tokens. The attention share is the time of the Triton decode kernels (split + merge) over the time
-of every CUDA kernel of the static step, from torch.profiler over 8 eager steps.
+tokens. GPU kernel time per step and the attention share (the Triton decode kernels, split +
+merge, over every CUDA kernel of the step) come from torch.profiler over 8 eager static steps.
 """
 
 from __future__ import annotations
@@ -60,21 +60,25 @@ def build(name: str, context: int, tokens: int):
     return random_model(config, seed=0, dtype=torch.bfloat16).to(DEVICE), "random weights"
 
 
-def attention_share(model, prompt, tokens) -> float:
-    """Share of CUDA kernel time in the Triton decode kernels over 8 eager static steps."""
+def decode_profile(model, prompt, steps: int = 8) -> dict:
+    """CUDA kernel time of `steps` eager static decode steps (the prefill and first token excluded):
+    total per step, the Triton decode kernels' share, and the five costliest kernels."""
     import treeattn as ta
     from torch.profiler import ProfilerActivity, profile
 
+    run = iter(ta.stream(model, prompt, max_new_tokens=steps + 1, static_decode=True, stop_tokens=[]))
+    next(run)  # prefill and the first token, not profiled
+    torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        ta.generate(model, prompt, max_new_tokens=9, static_decode=True)
+        for _ in run:
+            pass
         torch.cuda.synchronize()
-    total = attn = 0.0
-    for event in prof.key_averages():
-        t = event.device_time_total
-        total += t
-        if "split_kv_kernel" in event.key or "merge_splits_kernel" in event.key:
-            attn += t
-    return attn / total if total else float("nan")
+    kernels = [(e.key, e.device_time_total) for e in prof.key_averages() if e.device_time_total > 0]
+    total = sum(t for _, t in kernels)
+    attn = sum(t for k, t in kernels if "split_kv_kernel" in k or "merge_splits_kernel" in k)
+    top = sorted(kernels, key=lambda kt: -kt[1])[:5]
+    return {"kernel_ms_per_step": total / steps / 1e3, "attention_share": attn / total if total else float("nan"),
+            "top_kernels": [(k[:60], t / steps / 1e3) for k, t in top]}
 
 
 def main() -> None:
@@ -90,24 +94,30 @@ def main() -> None:
     import treeattn as ta
 
     rows = []
-    print("| model | weights | context | prefill s | dynamic ms/token | static ms/token | graph ms/token | attention share | same tokens |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|---|")
+    print("| model | weights | context | prefill s | dynamic ms/token | static ms/token | graph ms/token | "
+          "GPU kernel ms/step | attention share of kernel time | same tokens |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---|")
     for name in args.models:
         for context in args.contexts:
             model, weights = build(name, context, args.tokens)
             prompt = torch.randint(0, model.config.vocab_size, (context,), generator=torch.Generator().manual_seed(0)).tolist()
             common = dict(max_new_tokens=args.tokens, stop_tokens=[])
+            warm = prompt[:1024]  # compile every kernel before anything is timed
+            for static in (False, True):
+                ta.generate(model, warm, max_new_tokens=4, stop_tokens=[], static_decode=static)
             dynamic = ta.generate(model, prompt, **common)
             static = ta.generate(model, prompt, static_decode=True, **common)
             graph = ta.generate(model, prompt, static_decode=True, cuda_graph=True, **common)
             same = dynamic.generated_ids == static.generated_ids == graph.generated_ids
-            share = attention_share(model, prompt, args.tokens)
+            profiled = decode_profile(model, prompt)
             row = {"model": name, "weights": weights, "context": context, "prefill_s": dynamic.prefill_s,
                    "dynamic_ms": 1e3 * dynamic.time_per_token_s, "static_ms": 1e3 * static.time_per_token_s,
-                   "graph_ms": 1e3 * graph.time_per_token_s, "attention_share": share, "same_tokens": same}
+                   "graph_ms": 1e3 * graph.time_per_token_s, "same_tokens": same, **profiled}
             rows.append(row)
             print(f"| {name} | {weights} | {context} | {row['prefill_s']:.2f} | {row['dynamic_ms']:.2f} | "
-                  f"{row['static_ms']:.2f} | {row['graph_ms']:.2f} | {100 * share:.0f}% | {same} |", flush=True)
+                  f"{row['static_ms']:.2f} | {row['graph_ms']:.2f} | {row['kernel_ms_per_step']:.3f} | "
+                  f"{100 * row['attention_share']:.0f}% | {same} |", flush=True)
+            print(f"#   top kernels (ms per step): {row['top_kernels']}", flush=True)
             del model
             torch.cuda.empty_cache()
     if args.out:

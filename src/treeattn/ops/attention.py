@@ -43,7 +43,9 @@ MASKED_CHUNK_KEYS = 8192
 MAX_SCORE_ELEMENTS = 1 << 22
 # Score elements per key chunk of the matmul path: small enough to stay in cache.
 CACHE_SCORE_ELEMENTS = 1 << 15
-# Queries per block of causal attention over contiguous positions (prefill).
+# Queries per block of causal attention over contiguous positions (prefill) on the CPU. On CUDA the
+# whole query range is one block: the fused kernel streams it in bounded memory, and fewer, larger
+# calls run 2-3x faster there (32K causal prefill on an H100: benchmarks/gpu_prefill.py).
 CAUSAL_QUERY_BLOCK = 512
 
 _cpu_flash = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
@@ -223,7 +225,7 @@ def _contiguous_causal_attention(q_rows, k_heads, v_heads, offset, scale, group)
     Sq, Sk = R // group, k_heads.shape[2]
     Dv = v_heads.shape[-1]
     by_head = q_rows.view(B, Hkv, group, Sq, D)
-    block = CAUSAL_QUERY_BLOCK
+    block = CAUSAL_QUERY_BLOCK if q_rows.device.type == "cpu" else max(Sq, 1)
     out = torch.empty(B, Hkv, group, Sq, Dv, dtype=torch.float32, device=q_rows.device)
     lse = torch.empty(B, Hkv, group, Sq, dtype=torch.float32, device=q_rows.device)
     for i0 in range(0, Sq, block):
