@@ -3,7 +3,7 @@
 Every method of tree_decode, both rings of ring_decode and ring_attention are compared with the
 float64 oracle and with single-device ta.attention over the concatenated KV, for p in
 {1, 2, 3, 5, 8}, shard lengths 0, 1, uneven (one rank holding 90%) and all-empty, B in {1, 3},
-GQA and MQA, float32, bfloat16 and float16, huge logits, Sq = 1, and Sq = 4 with q_pos/kv_pos and keys sharded
+GQA and MQA, float32, bfloat16 and float16, huge logits (past onepass's window too), Sq = 1, and Sq = 4 with q_pos/kv_pos and keys sharded
 round-robin. comm_stats is checked against the paper's volumes (eq. 10 and 14) and round counts.
 
 One spawn per world size runs every case (process start-up dominates the cost); each case reports
@@ -22,6 +22,7 @@ import pytest
 import torch
 
 import treeattn as ta
+from treeattn.parallel.tree_decode import ONEPASS_WINDOW
 
 WORLD_SIZES = [1, 2, 3, 5, 8]
 TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 3e-3}
@@ -58,11 +59,13 @@ COMBOS = {
     "b3-gqa-f16": dict(B=3, Hq=4, Hkv=2, dtype=torch.float16, Sq=1, pos=None),
     # huge logits (|scores| in the hundreds): the merge must not overflow exp()
     "b1-mha-f32-hot": dict(B=1, Hq=2, Hkv=2, dtype=torch.float32, Sq=1, pos=None, logit_scale=100.0),
+    # |scores| in the thousands: past onepass's float64 window, so it must take its fallback
+    "b1-gqa-f32-blazing": dict(B=1, Hq=4, Hkv=2, dtype=torch.float32, Sq=1, pos=None, logit_scale=1000.0),
 }
 
 
 def methods(p: int) -> list[str]:
-    found = ["allreduce", "tree", "twolevel", "ring_kv", "ring_q"]
+    found = ["allreduce", "tree", "twolevel", "onepass", "ring_kv", "ring_q"]
     # twolevel with explicit nodes: two nodes or more whenever p allows it, one rank per node for odd p
     if p % 2 == 0:
         found.append("twolevel-2")
@@ -149,6 +152,8 @@ def run_decode_case(rank: int, p: int, layout: str, combo_name: str, method: str
     torch.testing.assert_close(lse[finite].double(), ref_lse[finite], rtol=1e-5, atol=1e-4)
     if combo.get("logit_scale") and finite.any():
         assert ref_lse[finite].abs().max() > 50, "the hot combo must produce huge logits"
+        if combo["logit_scale"] >= 1000:
+            assert ref_lse[finite].abs().max() > ONEPASS_WINDOW, "the blazing combo must push onepass to its fallback"
     torch.testing.assert_close(out.double(), ref_out, rtol=tol, atol=tol)
     torch.testing.assert_close(out.float(), single_out.float(), rtol=tol, atol=tol)
     torch.testing.assert_close(lse[finite], single_lse[finite], rtol=1e-5, atol=1e-4)
@@ -197,6 +202,7 @@ def comm_cases(rank: int, p: int) -> dict:
     v = torch.randn(b, t, Hq, D, generator=g)
     runs = {
         "allreduce": lambda: ta.tree_decode(q, k, v, method="allreduce", check_inputs=False),
+        "onepass": lambda: ta.tree_decode(q, k, v, method="onepass", check_inputs=False),
         "tree": lambda: ta.tree_decode(q, k, v, method="tree", check_inputs=False),
         "twolevel": lambda: ta.tree_decode(q, k, v, method="twolevel", topology=ta.Topology(2 if p % 2 == 0 else 1), check_inputs=False),
         "ring_kv": lambda: ta.ring_decode(q, k, v, pass_kv=True, check_inputs=False),
@@ -288,6 +294,17 @@ def test_allreduce_volume_is_eq14(p):
         assert op["payload_bytes"] == (b * d + 2 * b * Hq) * ITEM
         assert op["bytes_sent"] == pytest.approx(2 * (p - 1) / p * (b * d + 2 * b * Hq) * ITEM)
         assert stats["rounds"] == 2 and stats["by_op"]["p2p"]["calls"] == 0  # nothing else moved
+
+
+@pytest.mark.parametrize("p", [2, 3, 5, 8])
+def test_onepass_is_one_allreduce(p):
+    """onepass on ordinary logits: one Allreduce(sum) of the float64 [numerator, denominator, flag]
+    buffer, b*d + b*Hq + 1 elements, and nothing else."""
+    b, Hq, D = 2, 4, 16
+    for stats in (r["comm"]["onepass"] for r in reports(p)):
+        op = stats["by_op"]["allreduce"]
+        assert op["calls"] == 1 and stats["rounds"] == 1
+        assert op["payload_bytes"] == (b * Hq * D + b * Hq + 1) * 8
 
 
 @pytest.mark.parametrize("p", [2, 3, 5, 8])

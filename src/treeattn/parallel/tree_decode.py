@@ -18,6 +18,18 @@ Three ways to combine:
 - "twolevel": topology-aware. A binomial merge tree inside each node to its leader, the
   "allreduce" combine among the leaders, a broadcast inside each node. Only leaders use the slow
   links between nodes.
+- "onepass": ONE collective in the common case. Algorithm 3 needs its max pass only to keep
+  exp() in range; here every rank scales against a reference it knows without communicating, 0,
+  and the packed [out * exp(lse), exp(lse)] travels in float64, whose exponent covers |lse| up
+  to ~700. One Allreduce(sum) of that buffer plus one more element, the number of rows on each
+  rank whose lse lies outside +-ONEPASS_WINDOW; then out = numerator / denominator,
+  lse = log(denominator). Whether that was exact is decided from the reduced buffer alone (no row
+  outside the window on any rank, every numerator finite): every rank holds the same reduced
+  buffer, so every rank takes the same branch, and when the check fails all of them fall back
+  together to "allreduce" (two more collectives) on their own states. Rounds: 1, or 3 on the
+  fallback. Rounds stay O(log p) on a tree-capable allreduce (NCCL's tree, gloo's), unlike an
+  all-gather of the states (p - 1 steps on a ring). The check reads one number on the host, so
+  onepass does not run with graph_safe=True.
 
 Every method returns bit-identical results on every rank. Partial states are combined in float32
 (float64 for float64 inputs) and the result is cast to q.dtype once at the end.
@@ -41,7 +53,14 @@ from treeattn.parallel.topology import Topology, node_groups
 
 logger = logging.getLogger(__name__)
 
-METHODS = ("allreduce", "tree", "twolevel")
+METHODS = ("allreduce", "tree", "twolevel", "onepass")
+
+ONEPASS_WINDOW = 550.0
+"""onepass stays on its one collective while every finite local lse lies in [-550, 550]: then
+exp(lse) and out * exp(lse) (|out| < 3.4e38, the float32 range) are normal float64 numbers with
+their 53 bits, sums of them over any p < 2^20 ranks stay finite, and the combine is as exact as
+Algorithm 3's (float64 weights instead of float32). Outside, the reduced flag sends every rank
+to the fallback."""
 
 
 def tree_decode(
@@ -76,8 +95,10 @@ def tree_decode(
         kv_pos: int64 (Sk,) or (B, Sk), absolute positions of this rank's keys. Give both or
             neither: with positions a key is visible to a query iff kv_pos <= q_pos (speculative
             decoding with Sq > 1); without, every query sees every key.
-        method: "allreduce" (Algorithm 3), "tree" (binomial merge tree) or "twolevel" (per node,
-            then across node leaders).
+        method: "allreduce" (Algorithm 3), "tree" (binomial merge tree), "twolevel" (per node,
+            then across node leaders) or "onepass" (one float64 Allreduce(sum) against the
+            reference 0, "allreduce" as the fallback all ranks take together when it would not
+            be exact).
         topology: for "twolevel": Topology(ranks_per_node=k); default Topology(), which reads
             LOCAL_WORLD_SIZE or puts all ranks on one node. Ignored by the other methods.
         check_inputs: first all-gather a few integers (shapes, dtype, scale, method, topology) so
@@ -114,6 +135,8 @@ def tree_decode(
         if method == "twolevel":
             ranks_per_node = (topology or Topology()).resolve(p)
         _check_graph_safe(graph_safe, kv_len, check_inputs, p)
+        if graph_safe and method == "onepass" and p > 1:
+            raise ValueError("method='onepass' decides on its fallback on the host: with graph_safe=True use 'allreduce' or 'tree'")
     except (ValueError, TypeError) as exc:
         local_error = exc
     if check_inputs and p > 1:
@@ -132,15 +155,34 @@ def tree_decode(
         raise local_error
 
     out, lse = _local_state(q, k, v, inputs, graph_safe, kv_len)
-    if p > 1:
-        if method == "allreduce":
-            out, lse = allreduce_combine(out, lse, group)
-        elif method == "tree":
-            members = list(range(p))
-            out, lse = tree_broadcast(tree_reduce(out, lse, members, group), (out, lse), members, group)
-        else:
-            out, lse = _twolevel_combine(out, lse, group, ranks_per_node)
+    out, lse = combine_states(out, lse, group=group, method=method, ranks_per_node=ranks_per_node)
     return out.to(q.dtype), lse
+
+
+def combine_states(
+    out: torch.Tensor, lse: torch.Tensor, *, group: dist.ProcessGroup | None, method: str, ranks_per_node: int = 1
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge every rank's attention state across `group` with `method` (tree_decode's combine step,
+    without its input checks: call it on every rank with the same method, shapes and dtype).
+
+    Args:
+        out: (B, Sq, Hq, Dv) float32/float64, this rank's state; lse: (B, Hq, Sq), same dtype.
+        method: one of METHODS.
+        ranks_per_node: for "twolevel", the resolved Topology(...).resolve(p).
+
+    Returns:
+        The merged state, same shapes and dtypes, identical on every rank.
+    """
+    if comm.group_size(group) == 1:
+        return out, lse
+    if method == "allreduce":
+        return allreduce_combine(out, lse, group)
+    if method == "onepass":
+        return onepass_combine(out, lse, group)
+    if method == "tree":
+        members = list(range(comm.group_size(group)))
+        return tree_broadcast(tree_reduce(out, lse, members, group), (out, lse), members, group)
+    return _twolevel_combine(out, lse, group, ranks_per_node)
 
 
 def _check_graph_safe(graph_safe, kv_len, check_inputs: bool, p: int) -> None:
@@ -189,6 +231,37 @@ def allreduce_combine(
     merged_out = numerator / safe.transpose(1, 2).unsqueeze(-1)
     merged_lse = top + torch.log(denominator)  # log(0) = -inf: the row saw no key anywhere
     return merged_out, merged_lse
+
+
+def onepass_combine(
+    out: torch.Tensor, lse: torch.Tensor, group: dist.ProcessGroup | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One Allreduce(sum) of the float64 buffer [out * exp(lse), exp(lse), rows outside the window]
+    (the reference is 0 on every rank); allreduce_combine on every rank when the reduced buffer
+    says the one pass was not exact (see ONEPASS_WINDOW).
+
+    Args:
+        out: (B, Sq, Hq, Dv) float32/float64, this rank's state; lse: (B, Hq, Sq), same dtype.
+
+    Returns:
+        The merged state over all ranks of `group`, in out's dtype, identical on every rank.
+    """
+    n_state = out.numel() + lse.numel()
+    buffer = torch.empty(n_state + 1, dtype=torch.float64, device=out.device)
+    numerator, denominator = unpack_state(buffer[:n_state], out.shape)
+    denominator.copy_(lse).exp_()  # in float64; 0 where this rank sees no key (lse = -inf)
+    torch.mul(out, denominator.transpose(1, 2).unsqueeze(-1), out=numerator)
+    buffer[n_state:].copy_((torch.isfinite(lse) & (lse.abs() > ONEPASS_WINDOW)).sum())
+    comm.all_reduce(buffer, dist.ReduceOp.SUM, group)
+    # Every rank holds the same reduced buffer, so every rank takes the same branch here.
+    exact = (buffer[n_state] == 0) & torch.isfinite(numerator).all()
+    if not bool(exact):  # the one host read of the combine
+        logger.debug("onepass: a state outside the float64 window; falling back to the two-collective combine")
+        return allreduce_combine(out, lse, group)
+    safe = torch.where(denominator > 0, denominator, torch.ones_like(denominator))
+    merged_out = numerator / safe.transpose(1, 2).unsqueeze(-1)
+    merged_lse = torch.log(denominator)  # log(0) = -inf: the row saw no key anywhere
+    return merged_out.to(out.dtype), merged_lse.to(lse.dtype)
 
 
 def tree_reduce(

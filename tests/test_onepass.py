@@ -1,0 +1,93 @@
+"""tree_decode(method="onepass"): one collective in the common case, and a fallback that every
+rank takes together, decided from the reduced buffer alone.
+
+The exactness grid (p in {1, 2, 3, 5, 8}, empty/uneven shards, GQA/MQA, bf16/fp16, Sq = 4 with
+positions, logits hot and past the window) is in test_parallel_decode.py with the other methods.
+Here: the fallback when only ONE rank's state leaves the window (the others must follow it,
+not hang), when every state underflows, the round counts of each path, and the bad inputs.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import treeattn as ta
+from treeattn.parallel.tree_decode import ONEPASS_WINDOW
+
+P = 3
+
+
+def _problem(case: str, p: int):
+    g = torch.Generator().manual_seed(11)
+    B, Hq, Hkv, D, per_rank = 2, 4, 2, 16, 5
+    q = torch.randn(B, 1, Hq, D, generator=g)
+    k = torch.randn(B, per_rank * p, Hkv, D, generator=g)
+    v = torch.randn(B, per_rank * p, Hkv, D, generator=g)
+    if case == "one-rank-hot":  # only rank 1's keys give |scores| in the thousands
+        k[:, per_rank : 2 * per_rank] *= 2000.0
+    elif case == "all-underflow":  # every score about -2000: exp(lse) underflows even in float64
+        q = q.abs() * 100.0
+        k = -k.abs() * 100.0 / D**0.5
+    return q, k, v, per_rank
+
+
+def _run(rank: int, p: int, case: str):
+    q, k, v, per_rank = _problem(case, p)
+    mine = slice(rank * per_rank, (rank + 1) * per_rank)
+    with ta.comm_stats() as stats:
+        out, lse = ta.tree_decode(q, k[:, mine], v[:, mine], method="onepass", check_inputs=False)
+    ref_out, ref_lse = ta.reference_attention(q, k, v)
+    torch.testing.assert_close(out.double(), ref_out, rtol=2e-5, atol=2e-5)
+    torch.testing.assert_close(lse.double(), ref_lse, rtol=1e-5, atol=1e-4)
+    local_lse = ta.attention(q, k[:, mine], v[:, mine])[1]
+    return {"rounds": stats.rounds, "calls": stats.by_op["allreduce"].calls,
+            "outside": bool((local_lse.abs() > ONEPASS_WINDOW).any()), "ref_lse_max": float(ref_lse.abs().max())}
+
+
+def _errors(rank: int, p: int):
+    q, k, v, per_rank = _problem("common", p)
+    mine = slice(rank * per_rank, (rank + 1) * per_rank)
+    found = {}
+    try:  # a rank that asks for another method: every rank raises the same error, none hangs
+        ta.tree_decode(q, k[:, mine], v[:, mine], method="onepass" if rank else "allreduce")
+    except ValueError as exc:
+        found["mismatch"] = str(exc)
+    try:
+        ta.tree_decode(q, k[:, mine], v[:, mine], method="onepass", check_inputs=False, graph_safe=True)
+    except ValueError as exc:
+        found["graph_safe"] = str(exc)
+    return found
+
+
+def _worker(rank: int, p: int):
+    torch.set_num_threads(1)
+    return {case: _run(rank, p, case) for case in ("common", "one-rank-hot", "all-underflow")} | {"errors": _errors(rank, p)}
+
+
+@pytest.fixture(scope="module")
+def reports():
+    return ta.spawn(_worker, P, timeout=60)
+
+
+def test_common_case_is_one_round(reports):
+    for r in reports:
+        assert r["common"]["rounds"] == 1 and r["common"]["calls"] == 1
+
+
+def test_one_hot_rank_sends_every_rank_to_the_fallback(reports):
+    hot = [r["one-rank-hot"] for r in reports]
+    assert [h["outside"] for h in hot] == [False, True, False]  # only rank 1 saw a state outside the window
+    assert all(h["rounds"] == 3 and h["calls"] == 3 for h in hot)  # all three took onepass + the two of allreduce
+
+
+def test_underflow_takes_the_fallback(reports):
+    for r in reports:
+        case = r["all-underflow"]
+        assert case["ref_lse_max"] > ONEPASS_WINDOW and case["rounds"] == 3
+
+
+def test_bad_inputs_raise_on_every_rank(reports):
+    messages = [r["errors"]["mismatch"] for r in reports]
+    assert len(set(messages)) == 1 and "method" in messages[0] and "'onepass'" in messages[0]
+    assert all("graph_safe" in r["errors"]["graph_safe"] and "onepass" in r["errors"]["graph_safe"] for r in reports)
