@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -88,8 +89,8 @@ def test_python_dash_m_works(checkpoint, ids_file, expected):
     [
         (["--prompt", "w1 w2"], "no tokenizer.json"),
         (["--prompt-ids", "IDS", "--prompt", "w1"], "give exactly one of --prompt, --prompt-file, --prompt-ids"),
-        (["--prompt-ids", "IDS", "--capacity", "12"], "prompt of 10 tokens \\+ --max-new-tokens 64 does not fit in --capacity 12"),
-        (["--prompt-ids", "BAD_IDS"], "outside the model's vocabulary"),
+        (["--prompt-ids", "IDS", "--capacity", "12"], "prompt of 10 tokens \\+ --max-new-tokens 64 needs 74 cache slots, more than --capacity 12"),
+        (["--prompt-ids", "BAD_IDS"], r"prompt 0: token id 100000 is outside the vocabulary \[0, 128\)"),
     ],
 )
 def test_bad_input_exits_with_a_clear_message(checkpoint, tmp_path, ids_file, args, match):
@@ -119,3 +120,97 @@ def test_demo_runs_tree_and_ring_and_checks_them(tmp_path):
     for name in ("tree (allreduce)", "ring (pass-KV)", "single process (local)"):
         assert name in text
     assert text.count("yes") == 3 and "NO" not in text
+
+
+@pytest.fixture(scope="module")
+def mistral(tmp_path_factory):
+    """A Mistral checkpoint: sliding window 8 on every layer, shorter than the 10-token prompt."""
+    directory = tmp_path_factory.mktemp("cli") / "mistral"
+    make_checkpoint("mistral", directory)
+    return directory
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--top-p", "0", "--temperature", "1"], r"--top-p must be in \(0, 1\] or None, got 0.0"),
+        (["--temperature", "inf"], r"--temperature must be a finite number >= 0 \(0 = greedy\), got inf"),
+        (["--decode", "local", "--nproc", "2"], "--decode local runs on one rank, but the group has 2; use --decode tree or --decode ring"),
+        (["--num-samples", "4", "--decode", "ring", "--nproc", "2"], "--num-samples 4 decodes with bifurcated attention"),
+        (["--capacity", "1000000000000"], r"--capacity 1000000000000: the KV cache of 1000000000000 slots x 1 sequences would take "
+                                          r"[0-9.]+ TiB per rank on 1 rank\(s\), more than the [0-9.]+ GiB of memory of cpu"),
+        (["--max-new-tokens", "1000000000000", "--nproc", "2"], r"--max-new-tokens 1000000000000: the KV cache .* TiB per rank on 2 rank"),
+        (["--stop-id", "-3"], "--stop-id must hold token ids >= 0, got -3"),
+        (["--block-size", "0"], "--block-size must be >= 1, got 0"),
+    ],
+)
+def test_option_errors_are_one_line_before_any_rank_starts(checkpoint, ids_file, args, message):
+    result = runner.invoke(app, ["generate", str(checkpoint), "--prompt-ids", str(ids_file), *args])
+    assert result.exit_code == 2, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    assert re.search(message, lines[0]), lines[0]
+
+
+def test_ring_prefill_on_a_sliding_window_model_is_refused_before_spawning(mistral, ids_file):
+    result = runner.invoke(app, ["generate", str(mistral), "--prompt-ids", str(ids_file), "--prefill", "ring", "--nproc", "2"])
+    assert result.exit_code == 2
+    assert result.stderr.strip().splitlines() == [
+        "error: --prefill ring cannot apply the model's sliding window (8) to a 10-token prompt (ring_attention masks by "
+        "causality only); use --prefill local or --prefill auto"]
+
+
+def test_binary_prompt_file_is_named(checkpoint, tmp_path):
+    path = tmp_path / "prompt.bin"
+    path.write_bytes(bytes(range(256)))
+    result = runner.invoke(app, ["generate", str(checkpoint), "--prompt-file", str(path)])
+    assert result.exit_code == 2
+    assert result.stderr.strip() == f"error: --prompt-file {path}: not UTF-8 text (byte 0x80 at offset 128); a binary file? Pass token ids with --prompt-ids"
+    path.write_bytes(b"w1 w2\x00w3")
+    result = runner.invoke(app, ["generate", str(checkpoint), "--prompt-file", str(path)])
+    assert result.exit_code == 2 and "holds NUL bytes (offset 5)" in result.stderr
+    path.write_bytes(b"\xff\xfe[1, 2]")
+    result = runner.invoke(app, ["generate", str(checkpoint), "--prompt-ids", str(path)])
+    assert result.exit_code == 2 and f"--prompt-ids {path}: cannot read a JSON list of token ids" in result.stderr
+
+
+def test_ranks_beyond_the_memory_are_refused_and_beyond_the_cores_warned(checkpoint, ids_file, monkeypatch, capsys):
+    from treeattn.engine import config as engine_config
+    from treeattn.engine.config import GenerationConfig
+    from treeattn.engine_cli import _check_before_spawning
+
+    weights = (checkpoint / "model.safetensors").stat().st_size  # the weights, and a header of a few KiB
+    monkeypatch.setattr(engine_config, "device_memory_bytes", lambda device: int(3.5 * weights))
+    monkeypatch.setattr("os.cpu_count", lambda: 2)
+    config = GenerationConfig(max_new_tokens=4, block_size=4)
+    _check_before_spawning(config, checkpoint, [PROMPT[:2]], 2, "float32")
+    assert capsys.readouterr().err == ""
+    _check_before_spawning(config, checkpoint, [PROMPT[:2]], 3, "float32")
+    err = " ".join(capsys.readouterr().err.split())
+    assert "--nproc 3 ranks on 2 cores: they will time-share the cores" in err
+    assert "--nproc 3 ranks for a 2-token prompt: some ranks start with no tokens" in err
+    with pytest.raises(ValueError, match=r"--nproc: 4 rank\(s\) x \(.* of weights \+ .* of KV cache\) = .*, more than this machine's"):
+        _check_before_spawning(config, checkpoint, [PROMPT], 4, "float32")
+
+
+def test_two_ranks_say_the_max_position_warning_once(checkpoint, tmp_path, ids_file, expected):
+    directory = tmp_path / "short-positions"
+    directory.mkdir()
+    config = json.loads((checkpoint / "config.json").read_text())
+    config["max_position_embeddings"] = 8
+    (directory / "config.json").write_text(json.dumps(config))
+    (directory / "model.safetensors").symlink_to(checkpoint / "model.safetensors")
+    out = subprocess.run([sys.executable, "-m", "treeattn", "generate", str(directory), "--prompt-ids", str(ids_file),
+                          "--max-new-tokens", "6", "--nproc", "2", "--json"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["generated_ids"] == expected
+    assert out.stderr.count("16 positions exceed the model's max_position_embeddings=8") == 1, out.stderr
+
+
+def test_generate_imports_neither_bench_nor_sim_nor_matplotlib():
+    code = ("import sys; from typer.testing import CliRunner; from treeattn.cli import app; "
+            "CliRunner().invoke(app, ['generate', '--help']); "
+            "print(sorted(m for m in sys.modules if m.split('.')[:2] in (['treeattn', 'bench'], ['treeattn', 'sim']) or m == 'matplotlib'))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"

@@ -8,6 +8,7 @@ p = 1, 2, 3 share one process start.
 
 from __future__ import annotations
 
+import copy
 import time
 
 import pytest
@@ -18,7 +19,7 @@ pytest.importorskip("transformers")
 
 from test_model import ARCHS, VOCAB, make_checkpoint  # noqa: E402
 
-from treeattn.generate import SamplingParams, generate, sample, stream  # noqa: E402
+from treeattn.generate import NonFiniteLogitsError, SamplingParams, generate, sample, stream  # noqa: E402
 from treeattn.models import RingPrefillAttention, load_model  # noqa: E402
 from treeattn.parallel import SpawnError, spawn  # noqa: E402
 
@@ -102,6 +103,24 @@ def _engine_cases(rank: int, world_size: int, dirs: dict) -> dict:
             out[name] = None
         except (ValueError, TypeError) as exc:
             out[name] = str(exc)
+    # non-finite weights on every rank: every rank raises the same error, naming the layer
+    broken = copy.deepcopy(llama)
+    with torch.no_grad():
+        broken.layers[1].input_layernorm.weight[3] = float("nan")
+    try:
+        generate(broken, PROMPT, max_new_tokens=4, placement="interleaved", block_size=4)
+        out["nan"] = None
+    except NonFiniteLogitsError as exc:
+        out["nan"] = str(exc)
+    # a cache from another prompt of the same length is refused on every rank
+    first = stream(llama, PROMPT, max_new_tokens=4, block_size=4)
+    list(first)
+    try:
+        generate(llama, PROMPT[::-1], max_new_tokens=4, cache=first.cache)
+        out["other-prompt-cache"] = None
+    except ValueError as exc:
+        out["other-prompt-cache"] = str(exc)
+    out["same-prompt-cache"] = generate(llama, PROMPT, max_new_tokens=4, cache=first.cache).generated_ids[0]
     return out
 
 
@@ -174,8 +193,22 @@ def test_bad_arguments_fail_on_every_rank_before_any_work(ranks):
     for per_rank in ranks:
         assert "max_new_tokens" in per_rank["mismatch"] and "every rank must pass the same" in per_rank["mismatch"]
         assert "decode='local' runs on one rank, but the group has 3" in per_rank["local-on-3"]
-        assert "prompt of 12 tokens is longer than the KV cache capacity of 10 tokens" in per_rank["too-long"]
+        assert "prompt of 12 tokens is longer than the KV cache: capacity=10 tokens" in per_rank["too-long"]
         assert "prefill='ring' cannot apply the model's sliding window (8) to a 12-token prompt" in per_rank["ring-window"]
+
+
+def test_non_finite_logits_stop_every_rank_and_name_the_layer(ranks):
+    messages = {per_rank["nan"] for per_rank in ranks}
+    assert len(messages) == 1, messages
+    message = messages.pop()
+    assert "non-finite logits (NaN or inf) for sequence(s) [0] at new token 0" in message
+    assert "first non-finite keys/values are in layer 1" in message and "layers.1.input_layernorm.weight" in message
+
+
+def test_a_cache_holding_another_prompt_is_refused_on_every_rank(ranks, references):
+    for per_rank in ranks:
+        assert "cache holds a different context: sequence 0 differs from the prompt at token 0" in per_rank["other-prompt-cache"]
+        assert per_rank["same-prompt-cache"] == references["llama"][:4]
 
 
 def _fail_mid_generation(rank: int, world_size: int, directory: str) -> None:
@@ -238,6 +271,66 @@ def test_decoding_again_from_a_prefilled_cache(llama, references):
         generate(llama, PROMPT, max_new_tokens=NEW_TOKENS, cache=first.cache)
 
 
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_nan_weights_raise_instead_of_giving_tokens(llama, temperature):
+    broken = copy.deepcopy(llama)
+    with torch.no_grad():
+        broken.layers[0].self_attn.k_proj.weight[0, 0] = float("nan")
+    tokens = []
+    with pytest.raises(NonFiniteLogitsError, match=r"non-finite logits .* at new token 0.*keys/values are in layer 0.*"
+                                                     r"Non-finite weights: layers.0.self_attn.k_proj.weight"):
+        generate(broken, PROMPT, max_new_tokens=4, temperature=temperature, on_token=tokens.append)
+    assert tokens == []  # nothing non-finite became a token
+
+
+def test_non_finite_final_norm_is_blamed_on_the_output_side(llama):
+    broken = copy.deepcopy(llama)
+    with torch.no_grad():
+        broken.norm.weight[0] = float("inf")
+        broken.norm.weight[1] = float("-inf")
+    with pytest.raises(NonFiniteLogitsError, match="keys/values of every layer are finite.*Non-finite weights: norm.weight"):
+        generate(broken, [PROMPT, SHORT], max_new_tokens=2)
+
+
+def test_logits_going_non_finite_mid_decode_stop_at_that_token(llama, references):
+    broken = copy.deepcopy(llama)
+    seen = []
+
+    def on_token(step):
+        seen.append(step.tokens[0])
+        if step.index == 2:
+            with torch.no_grad():
+                broken.lm_head.weight[references["llama"][5]] = float("nan")
+
+    with pytest.raises(NonFiniteLogitsError, match="at new token 3"):
+        generate(broken, PROMPT, max_new_tokens=8, on_token=on_token)
+    assert seen == references["llama"][:3]
+
+
+def test_a_cache_holding_another_prompt_of_the_same_length_is_refused(llama, references):
+    first = stream(llama, PROMPT, max_new_tokens=8)
+    list(first)
+    other = PROMPT[:5] + [(PROMPT[5] + 1) % VOCAB] + PROMPT[6:]
+    with pytest.raises(ValueError, match=r"cache holds a different context: sequence 0 differs from the prompt at token 5 "
+                                         rf"\(cached id {PROMPT[5]}, prompt id {other[5]}\)"):
+        generate(llama, other, max_new_tokens=8, cache=first.cache)
+    # a shorter prompt that is a prefix of what the cache holds (prompt + generated) is fine
+    again = generate(llama, PROMPT + references["llama"][:2], max_new_tokens=4, cache=first.cache)
+    assert again.generated_ids[0] == references["llama"][2:6]
+    # the cache now holds that run's tokens: the first prompt is still a prefix of them
+    assert generate(llama, PROMPT, max_new_tokens=8, cache=first.cache).generated_ids[0] == references["llama"][:8]
+
+
+def test_a_cache_no_generation_filled_is_refused(llama):
+    from treeattn.cache import ShardedKVCache
+
+    c = llama.config
+    cache = ShardedKVCache(num_layers=c.num_layers, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, capacity=64)
+    cache.extend(torch.arange(len(PROMPT))[None])
+    with pytest.raises(ValueError, match="cache holds tokens no finished generate\\(\\) recorded"):
+        generate(llama, PROMPT, max_new_tokens=4, cache=cache)
+
+
 @pytest.mark.parametrize(
     "kwargs, error, match",
     [
@@ -246,14 +339,24 @@ def test_decoding_again_from_a_prefilled_cache(llama, references):
         (dict(prompts=[1, VOCAB]), ValueError, rf"prompt 0: token id {VOCAB} is outside the vocabulary \[0, {VOCAB}\)"),
         (dict(prompts=[1.0, 2.0]), ValueError, "prompt 0 must be a non-empty list"),
         (dict(max_new_tokens=0), ValueError, "max_new_tokens must be >= 1"),
-        (dict(temperature=-1.0), ValueError, "temperature must be a number >= 0"),
+        (dict(temperature=-1.0), ValueError, "temperature must be a finite number >= 0"),
+        (dict(temperature=float("inf")), ValueError, "temperature must be a finite number >= 0.*got inf"),
+        (dict(temperature=float("nan")), ValueError, "temperature must be a finite number >= 0.*got nan"),
+        (dict(stop_tokens=[2.7]), ValueError, r"stop_tokens must hold int token ids, got float \(2.7\)"),
+        (dict(stop_tokens=[-1]), ValueError, "stop_tokens must hold token ids >= 0, got -1"),
+        (dict(stop_tokens=[VOCAB]), ValueError, f"stop_tokens: token id {VOCAB} is outside the vocabulary"),
+        (dict(stop_tokens="2"), ValueError, "stop_tokens must be a list of token ids or None"),
+        (dict(capacity=10**12), ValueError, r"capacity=1000000000000: the KV cache .* would take .* per rank .* more than the .* of memory of cpu"),
+        (dict(max_new_tokens=10**12), ValueError, r"max_new_tokens=1000000000000: the KV cache .* more than the"),
+        (dict(num_samples=2, decode="ring"), ValueError, "num_samples=2 decodes with bifurcated attention"),
+        (dict(prompts=[PROMPT, SHORT], num_samples=2), ValueError, "num_samples=2 samples completions of one prompt, got 2 prompts"),
         (dict(top_p=0.0), ValueError, r"top_p must be in \(0, 1\]"),
         (dict(top_k=0), ValueError, "top_k must be a positive int"),
         (dict(decode="flash"), ValueError, r"decode must be one of \('local', 'tree', 'ring'\)"),
         (dict(method="star"), ValueError, "method must be one of"),
         (dict(placement="striped"), ValueError, "placement must be one of"),
         (dict(prefill="tree"), ValueError, "prefill must be one of"),
-        (dict(capacity=20), ValueError, "prompt of 12 tokens \\+ max_new_tokens=32 needs 44 cache slots, but the KV cache capacity is 20"),
+        (dict(capacity=20), ValueError, "prompt of 12 tokens \\+ max_new_tokens=32 needs 44 cache slots, more than capacity=20"),
     ],
 )
 def test_bad_arguments_are_named(llama, kwargs, error, match):

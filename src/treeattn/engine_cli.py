@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import sys
 import time
 from enum import Enum
@@ -64,68 +65,66 @@ class DType(str, Enum):
 def generate_command(
     model_dir: Path = typer.Argument(..., help="Hugging Face model directory (config.json, *.safetensors, tokenizer.json)."),
     prompt: str | None = typer.Option(None, "--prompt", help="Prompt text (needs tokenizer.json)."),
-    prompt_file: Path | None = typer.Option(None, "--prompt-file", help="Read the prompt text from this file."),
+    prompt_file: Path | None = typer.Option(None, "--prompt-file", help="Read the prompt text (UTF-8) from this file."),
     prompt_ids: Path | None = typer.Option(None, "--prompt-ids", help="JSON file: a list of token ids, or a list of such lists (a batch)."),
     nproc: int | None = typer.Option(None, "--nproc", help="Local ranks to spawn (gloo). Default 1, or the world size under torchrun."),
     decode: Decode = typer.Option(Decode.tree, "--decode", help="Decode attention across ranks."),
     method: Method = typer.Option(Method.allreduce, "--method", help="tree_decode combine."),
     prefill: Prefill = typer.Option(Prefill.auto, "--prefill", help="auto: ring on several ranks, local on one."),
-    max_new_tokens: int = typer.Option(64, "--max-new-tokens", min=1),
-    temperature: float = typer.Option(0.0, "--temperature", min=0.0, help="0 = greedy."),
-    top_k: int | None = typer.Option(None, "--top-k", min=1),
-    top_p: float | None = typer.Option(None, "--top-p", min=0.0, max=1.0),
-    seed: int = typer.Option(0, "--seed", min=0),
+    max_new_tokens: int = typer.Option(64, "--max-new-tokens"),
+    temperature: float = typer.Option(0.0, "--temperature", help="0 = greedy."),
+    top_k: int | None = typer.Option(None, "--top-k"),
+    top_p: float | None = typer.Option(None, "--top-p", help="Nucleus sampling, in (0, 1]."),
+    seed: int = typer.Option(0, "--seed"),
     stop_id: list[int] = typer.Option([], "--stop-id", help="Stop token id (repeatable). Default: the model's eos ids."),
     no_stop: bool = typer.Option(False, "--no-stop", help="Ignore stop tokens; always generate --max-new-tokens."),
     placement: Placement = typer.Option(Placement.contiguous, "--placement"),
-    block_size: int = typer.Option(256, "--block-size", min=1, help="KV cache block size in tokens."),
-    capacity: int | None = typer.Option(None, "--capacity", min=1, help="KV cache capacity in tokens (default prompt + max new tokens)."),
+    block_size: int = typer.Option(256, "--block-size", help="KV cache block size in tokens."),
+    capacity: int | None = typer.Option(None, "--capacity", help="KV cache capacity in tokens (default prompt + max new tokens)."),
     dtype: DType = typer.Option(DType.float32, "--dtype"),
     threads: int | None = typer.Option(None, "--threads", min=1, help="torch threads per rank (default cores / ranks)."),
     json_output: bool = typer.Option(False, "--json", help="Print one JSON object on stdout and nothing else."),
-    num_samples: int = typer.Option(1, "--num-samples", min=1, help="Sample N completions of the one prompt: one prefill, "
+    num_samples: int = typer.Option(1, "--num-samples", help="Sample N completions of the one prompt: one prefill, "
                                     "then bifurcated attention (the prompt's K/V read once per step for all N)."),
     rank_by: RankBy = typer.Option(RankBy.none, "--rank-by", help="Order the printed sequences: none (as generated) or "
                                    "mean-logprob (mean log-probability of the generated tokens, best first)."),
     top: int | None = typer.Option(None, "--top", min=1, help="Print only the first K sequences in --rank-by order (needs --rank-by mean-logprob)."),
 ) -> None:
     """Generate from a Hugging Face checkpoint with the KV cache sharded across ranks."""
-    from treeattn.models.loader import load_tokenizer, read_config
+    from treeattn.engine.config import ConfigError, GenerationConfig
+    from treeattn.engine.generate_rank import GenerateJob, generate_rank
+    from treeattn.models.loader import load_tokenizer
 
     try:
-        config = read_config(model_dir)
+        config = GenerationConfig(
+            max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+            stop_tokens=() if no_stop else (tuple(stop_id) or None), num_samples=num_samples, decode=decode.value,
+            method=method.value, prefill=prefill.value, placement=placement.value, block_size=block_size, capacity=capacity,
+        )
+        if top is not None and rank_by is RankBy.none:
+            raise ValueError("--top K prints the K best sequences: give --rank-by mean-logprob too")
         tokenizer = load_tokenizer(model_dir)
         prompts, batched = _read_prompts(prompt, prompt_file, prompt_ids, tokenizer)
         world = _world_size(nproc)
-        longest = max(len(p) for p in prompts)
-        if capacity is not None and longest + max_new_tokens > capacity:
-            raise ValueError(f"prompt of {longest} tokens + --max-new-tokens {max_new_tokens} does not fit in --capacity {capacity}")
-        bad = [t for p in prompts for t in p if not 0 <= t < config.vocab_size]
-        if bad:
-            raise ValueError(f"token id {bad[0]} is outside the model's vocabulary [0, {config.vocab_size})")
-        if num_samples > 1 and len(prompts) != 1:
-            raise ValueError(f"--num-samples {num_samples} samples completions of one prompt, got a batch of {len(prompts)}")
-        if top is not None and rank_by is RankBy.none:
-            raise ValueError("--top K prints the K best sequences: give --rank-by mean-logprob too")
+        _check_before_spawning(config, model_dir, prompts, world, dtype.value)
+    except ConfigError as exc:
+        typer.echo(f"error: {_cli_message(exc)}", err=True)
+        raise typer.Exit(2) from exc
     except (ValueError, FileNotFoundError, TypeError) as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from exc
 
-    options = dict(
-        model_dir=str(model_dir), prompts=prompts, max_new_tokens=max_new_tokens, temperature=temperature,
-        top_k=top_k, top_p=top_p, seed=seed, stop_tokens=[] if no_stop else (stop_id or None), decode=decode.value,
-        method=method.value, prefill=prefill.value, placement=placement.value, block_size=block_size,
-        capacity=capacity, dtype=dtype.value, threads=threads or max(1, (os.cpu_count() or 1) // world),
-        progress=not json_output, num_samples=num_samples,
-    )
+    job = GenerateJob(model_dir=str(model_dir), prompts=tuple(map(tuple, prompts)), config=config, dtype=dtype.value,
+                      threads=threads or max(1, (os.cpu_count() or 1) // world))
+    display = None if json_output else _progress_display
     start = time.perf_counter()
     try:
         if world == 1 and not _under_torchrun():
-            result = _generate_rank(0, 1, options)
+            result = generate_rank(0, 1, job, display)
         else:
             from treeattn.parallel import spawn
 
-            result = spawn(_generate_rank, world, options)[0]
+            result = spawn(generate_rank, world, job, display)[0]
     except Exception as exc:  # a rank's error (SpawnError names it) or a local one: report, exit non-zero
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(1) from exc
@@ -148,36 +147,90 @@ def generate_command(
     stderr.print(_summary_table(result, total_s))
 
 
-def _generate_rank(rank: int, world_size: int, options: dict) -> dict | None:
-    """One rank of `treeattn generate`: load, generate (rank 0 shows progress); rank 0 returns the result."""
+# GenerationConfig field -> command-line option, where the two names differ.
+_FLAGS = {"stop_tokens": "--stop-id", "prompts": "the prompt"}
+
+
+def _flag(field: str) -> str:
+    return _FLAGS.get(field, "--" + field.replace("_", "-"))
+
+
+def _cli_message(exc) -> str:
+    """A ConfigError's message in the command line's words: "top_p must ..." -> "--top-p must ...",
+    "decode='ring'" -> "--decode ring"."""
+    from dataclasses import fields
+
+    from treeattn.engine.config import GenerationConfig
+
+    text = str(exc)
+    for name in sorted((f.name for f in fields(GenerationConfig)), key=len, reverse=True):
+        text = re.sub(rf"\b{name}='?([^\s',;:)]*)'?", lambda m, n=name: f"{_flag(n)} {m.group(1)}", text)
+        text = re.sub(rf"^{name}\b", _flag(name), text)
+    return text
+
+
+def _check_before_spawning(config, model_dir: Path, prompts: list[list[int]], world: int, dtype: str) -> None:
+    """Everything the ranks would refuse, checked once here: the config against the model and the
+    prompts, and the memory of `world` ranks on this machine (each holds all weights and its
+    share of the cache). Warns when ranks outnumber the cores or the prompt's tokens."""
     import torch
 
-    from treeattn.generate import generate
-    from treeattn.models.loader import load_model
+    from treeattn.engine.config import (
+        check_against_model,
+        check_prompts,
+        device_memory_bytes,
+        format_bytes,
+        kv_cache_bytes_per_rank,
+    )
+    from treeattn.models.llama import LlamaModel
+    from treeattn.models.loader import read_config
 
-    torch.set_num_threads(options["threads"])
-    model = load_model(options["model_dir"], dtype=getattr(torch, options["dtype"]))
-    kwargs = {k: options[k] for k in ("max_new_tokens", "temperature", "top_k", "top_p", "seed", "stop_tokens", "decode",
-                                       "method", "prefill", "placement", "block_size", "capacity", "num_samples")}
-    show = options["progress"] and rank == 0
-    prompt_len = max(len(p) for p in options["prompts"])
-    with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  console=stderr, disable=not show, transient=False) as progress:
-        prefill_task = progress.add_task(f"prefill {prompt_len} tokens on {world_size} rank(s)", total=1)
-        decode_task = progress.add_task("decode", total=options["max_new_tokens"], start=False)
+    model_config = read_config(model_dir)
+    prompts = check_prompts(prompts, model_config.vocab_size)
+    torch_dtype = getattr(torch, dtype)
+    check_against_model(config, model_config, prompts, world, dtype=torch_dtype)  # its warnings: rank 0 logs them
+    longest = max(len(p) for p in prompts)
+    skeleton = LlamaModel(model_config, dtype=torch_dtype, device="meta")
+    weights = sum(p.numel() * p.element_size() for p in skeleton.parameters())
+    kv = kv_cache_bytes_per_rank(config, model_config, len(prompts), longest, world, torch_dtype)
+    memory = device_memory_bytes("cpu")
+    if memory is not None and world * (weights + kv) > memory:
+        option = "--nproc" if world > 1 and weights + kv <= memory else "--capacity" if config.capacity is not None else "--max-new-tokens"
+        raise ValueError(f"{option}: {world} rank(s) x ({format_bytes(weights)} of weights + {format_bytes(kv)} of KV cache) "
+                         f"= {format_bytes(world * (weights + kv))}, more than this machine's {format_bytes(memory)} of memory")
+    cores = os.cpu_count() or 1
+    if world > cores and not _under_torchrun():
+        stderr.print(f"warning: --nproc {world} ranks on {cores} cores: they will time-share the cores (slower, not faster)")
+    if world > longest:
+        stderr.print(f"warning: --nproc {world} ranks for a {longest}-token prompt: some ranks start with no tokens")
 
-        def on_token(step):
-            if step.index == 0:
-                progress.update(prefill_task, completed=1)
-                progress.start_task(decode_task)
-            progress.update(decode_task, completed=step.index + 1)
 
-        result = generate(model, options["prompts"], on_token=on_token, **kwargs)
-    if world_size > 1:
-        import torch.distributed as dist
+def _progress_display(world_size: int, prompt_tokens: int, max_new_tokens: int):
+    """generate_rank's display on rank 0: a rich progress bar on stderr (prefill, then decode)."""
+    return _ProgressDisplay(world_size, prompt_tokens, max_new_tokens)
 
-        dist.barrier()  # leave together: a rank tearing its group down early can abort a peer still in gloo
-    return result.as_dict() if rank == 0 else None
+
+class _ProgressDisplay:
+    """Context manager yielding on_token(step), which advances the prefill and decode bars."""
+
+    def __init__(self, world_size: int, prompt_tokens: int, max_new_tokens: int) -> None:
+        self.progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                                 TimeElapsedColumn(), console=stderr, transient=False)
+        self.prefill = self.progress.add_task(f"prefill {prompt_tokens} tokens on {world_size} rank(s)", total=1)
+        self.decode = self.progress.add_task("decode", total=max_new_tokens, start=False)
+
+    def __enter__(self):
+        self.progress.__enter__()
+        return self.on_token
+
+    def __exit__(self, *exc) -> None:
+        self.progress.__exit__(*exc)
+
+    def on_token(self, step) -> None:
+        if step.index == 0:
+            self.progress.update(self.prefill, completed=1)
+            self.progress.start_task(self.decode)
+        self.progress.update(self.decode, completed=step.index + 1)
 
 
 def _read_prompts(prompt, prompt_file, prompt_ids, tokenizer) -> tuple[list[list[int]], bool]:
@@ -187,8 +240,8 @@ def _read_prompts(prompt, prompt_file, prompt_ids, tokenizer) -> tuple[list[list
         raise ValueError(f"give exactly one of --prompt, --prompt-file, --prompt-ids (got {', '.join(given) or 'none'})")
     if prompt_ids is not None:
         try:
-            ids = json.loads(Path(prompt_ids).read_text())
-        except (OSError, json.JSONDecodeError) as exc:
+            ids = json.loads(Path(prompt_ids).read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:  # ValueError: JSONDecodeError, UnicodeDecodeError
             raise ValueError(f"--prompt-ids {prompt_ids}: cannot read a JSON list of token ids: {exc}") from exc
         batched = isinstance(ids, list) and len(ids) > 0 and all(isinstance(p, list) for p in ids)
         prompts = ids if batched else [ids]
@@ -198,9 +251,15 @@ def _read_prompts(prompt, prompt_file, prompt_ids, tokenizer) -> tuple[list[list
         return prompts, batched
     if prompt_file is not None:
         try:
-            prompt = Path(prompt_file).read_text()
+            prompt = Path(prompt_file).read_text(encoding="utf-8")
         except OSError as exc:
             raise ValueError(f"--prompt-file {prompt_file}: {exc}") from exc
+        except UnicodeDecodeError as exc:
+            raise ValueError(f"--prompt-file {prompt_file}: not UTF-8 text (byte {exc.object[exc.start]:#04x} at offset {exc.start}); "
+                             "a binary file? Pass token ids with --prompt-ids") from exc
+        if "\x00" in prompt:
+            raise ValueError(f"--prompt-file {prompt_file}: holds NUL bytes (offset {prompt.index(chr(0))}): a binary file? "
+                             "Pass token ids with --prompt-ids")
     if tokenizer is None:
         raise ValueError("the model directory has no tokenizer.json: pass token ids with --prompt-ids")
     ids = tokenizer.encode(prompt).ids

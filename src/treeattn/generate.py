@@ -56,22 +56,29 @@ import logging
 import os
 import resource
 import time
+import weakref
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import torch
 import torch.distributed as dist
 
-from treeattn.cache import PAD_POSITION, PLACEMENTS, ShardedKVCache
+from treeattn.cache import PAD_POSITION, ShardedKVCache
 from treeattn.decode_step import DecodeStep, graph_safe_reason
-from treeattn.models.attention import DECODE_KINDS, LocalAttention, RingPrefillAttention, decode_attention
+from treeattn.engine.config import (
+    ConfigError,
+    ConfigTypeError,
+    GenerationConfig,
+    SamplingParams,
+    check_against_model,
+    check_prompts,
+    resolve_prefill,
+)
+from treeattn.models.attention import LocalAttention, RingPrefillAttention, decode_attention
 from treeattn.models.llama import LlamaModel
 
 logger = logging.getLogger(__name__)
 
-PREFILL_KINDS = ("auto", "ring", "local")
-DECODE_STEPS = ("dynamic", "static", "graph")
-METHODS = ("allreduce", "tree", "twolevel")
 
 
 @dataclass
@@ -209,7 +216,9 @@ def generate(
     """Generate continuations of `prompts` with the KV cache sharded across the ranks of `group`.
 
     Call on every rank of the group with the same arguments (checked: a mismatch raises on every
-    rank). Every rank returns the same GenerationResult.
+    rank). Every rank returns the same GenerationResult. The options (all but model, prompts,
+    group, topology, cache and on_token) form one GenerationConfig (treeattn.engine.config),
+    validated once before any work.
 
     Args:
         model: a LlamaModel (treeattn.load_model or random_model), the same weights on every rank.
@@ -218,7 +227,7 @@ def generate(
             with the model's chat template and tokenizer (model.chat_template, model.tokenizer, set
             by treeattn.load_model); the template's end-of-turn token then also stops generation.
         max_new_tokens: new tokens per sequence, >= 1.
-        temperature: 0 for greedy decoding; > 0 scales the logits before sampling.
+        temperature: 0 for greedy decoding; > 0 (finite) scales the logits before sampling.
         top_k: keep the k most likely tokens (None: all).
         top_p: keep the smallest set of most likely tokens whose probability reaches top_p (None: 1).
         seed: seed of the sampling generator (on rank 0; the ids are broadcast).
@@ -233,13 +242,15 @@ def generate(
         placement: "contiguous" or "interleaved" placement of tokens on ranks.
         block_size: cache block size in tokens.
         capacity: KV cache capacity in tokens per sequence; default longest prompt + max_new_tokens.
+            A cache that would not fit in the device's memory is refused before it is allocated.
         chunk: tokens per chunk of the "local" prefill and of MLP activations.
         group: process group; None is the default group (or a single process without one).
         topology: treeattn Topology for method "twolevel".
         cache: a ShardedKVCache that already holds these prompts (the .cache of an earlier
             Generation with the same prompts, placement and group), to decode again without a
             prefill: it is cut back to the prompt minus its last token, which is run again to get
-            the first logits. None: a new cache and a full prefill.
+            the first logits. The cache remembers the token ids it holds; a cache holding other
+            tokens (or filled outside generate) is refused. None: a new cache and a full prefill.
         static_decode: decode with treeattn.decode_step.DecodeStep: fixed shapes (attention over
             the whole cache capacity, unused slots hidden), no host synchronization inside a
             step. Needs num_samples == 1; on CUDA a model the Triton decode kernel takes.
@@ -251,8 +262,10 @@ def generate(
         GenerationResult.
 
     Raises:
-        ValueError / TypeError: bad arguments, a prompt that does not fit, ranks that disagree --
-            before any prefill work.
+        ValueError / TypeError: bad arguments (treeattn.engine.config.ConfigError names the
+            option), a prompt that does not fit, ranks that disagree -- before any prefill work.
+        NonFiniteLogitsError: the model produced NaN or inf logits (on every rank; nothing
+            non-finite becomes a token).
     """
     run = stream(
         model, prompts, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
@@ -266,7 +279,8 @@ def generate(
     return run.result
 
 
-def stream(model: LlamaModel, prompts, **options) -> "Generation":
+def stream(model: LlamaModel, prompts, *, group: dist.ProcessGroup | None = None, topology=None,
+           cache: ShardedKVCache | None = None, **options) -> "Generation":
     """generate() as an iterator: `for step in stream(model, prompts, ...)` yields a StepOutput per
     new token; afterwards `.result` holds the GenerationResult. Same arguments as generate()
     (without on_token). Arguments are checked here, before any work."""
@@ -276,122 +290,105 @@ def stream(model: LlamaModel, prompts, **options) -> "Generation":
         prompts, end_of_turn = encode_prompts(model, prompts)
         if options.get("stop_tokens") is None:
             options["stop_tokens"] = list(model.config.eos_token_ids) + end_of_turn
-    return Generation(model, prompts, **options)
+    return Generation(model, prompts, group=group, topology=topology, cache=cache, **options)
+
+
+class NonFiniteLogitsError(RuntimeError):
+    """The model produced NaN or inf logits; raised on every rank, before any such token is used."""
 
 
 class Generation:
-    """One generation run (see generate). Iterate over it to run it; then read .result."""
+    """One generation run (see generate). Iterate over it to run it; then read .result.
+
+    Args:
+        model, prompts, group, topology, cache: as for generate().
+        config: the GenerationConfig; or leave it None and pass its fields as keywords (**options).
+    """
 
     def __init__(
         self,
         model: LlamaModel,
         prompts,
+        config: GenerationConfig | None = None,
         *,
-        max_new_tokens: int = 32,
-        temperature: float = 0.0,
-        top_k: int | None = None,
-        top_p: float | None = None,
-        seed: int = 0,
-        stop_tokens: Sequence[int] | None = None,
-        num_samples: int = 1,
-        decode: str = "tree",
-        method: str = "allreduce",
-        prefill: str = "auto",
-        placement: str = "contiguous",
-        block_size: int = 256,
-        capacity: int | None = None,
-        chunk: int = 1024,
         group: dist.ProcessGroup | None = None,
         topology=None,
         cache: ShardedKVCache | None = None,
-        static_decode: bool = False,
-        cuda_graph: bool = False,
+        **options,
     ) -> None:
         self.model, self.group, self.topology = model, group, topology
         self.rank, self.world_size = _rank_and_size(group)
         self.result: GenerationResult | None = None
         local_error = None
         try:
-            self.prompts = _check_prompts(prompts, model.config.vocab_size)
-            _check_int("max_new_tokens", max_new_tokens, 1)
-            _check_int("block_size", block_size, 1)
-            _check_int("chunk", chunk, 1)
-            _check_int("seed", seed, 0)
-            _check_int("num_samples", num_samples, 1)
-            if num_samples > 1 and len(self.prompts) != 1:
-                raise ValueError(f"num_samples={num_samples} samples completions of one prompt, got {len(self.prompts)} prompts")
-            if num_samples > 1 and decode == "ring":
-                raise ValueError("num_samples > 1 decodes with bifurcated attention, whose context part is a tree "
-                                 "reduction: use decode='tree' (or 'local' on one process), not 'ring'")
-            self.sampling = SamplingParams(temperature, top_k, top_p)
-            self.decode_step = _resolve_decode_step(static_decode, cuda_graph, num_samples, model, len(self.prompts))
-            if decode not in DECODE_KINDS:
-                raise ValueError(f"decode must be one of {DECODE_KINDS}, got {decode!r}")
-            if decode == "local" and self.world_size > 1:
-                raise ValueError(f"decode='local' runs on one rank, but the group has {self.world_size}; use 'tree' or 'ring'")
-            if method not in METHODS:
-                raise ValueError(f"method must be one of {METHODS}, got {method!r}")
-            if prefill not in PREFILL_KINDS:
-                raise ValueError(f"prefill must be one of {PREFILL_KINDS}, got {prefill!r}")
-            if placement not in PLACEMENTS:
-                raise ValueError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
+            if config is None:
+                config = GenerationConfig(**options)
+            elif options:
+                raise ConfigTypeError("config", f"give either config or its fields as keywords, not both (got {sorted(options)})")
+            elif not isinstance(config, GenerationConfig):
+                raise ConfigTypeError("config", f"config must be a GenerationConfig, got {type(config).__name__}")
+            self.prompts = check_prompts(prompts, model.config.vocab_size)
+            warnings = check_against_model(config, model.config, self.prompts, self.world_size, dtype=model.dtype, device=model.device)
+            if self.rank == 0:  # the same on every rank: say it once
+                for warning in warnings:
+                    logger.warning("%s", warning)
+            if config.decode_step != "dynamic":
+                _check_static_step(config, model, len(self.prompts))
             longest = max(len(p) for p in self.prompts)
-            needed = longest + max_new_tokens
-            if capacity is None:
-                capacity = needed
-            _check_int("capacity", capacity, 1)
-            if longest > capacity:
-                raise ValueError(f"prompt of {longest} tokens is longer than the KV cache capacity of {capacity} tokens")
-            if needed > capacity:
-                raise ValueError(
-                    f"prompt of {longest} tokens + max_new_tokens={max_new_tokens} needs {needed} cache slots, "
-                    f"but the KV cache capacity is {capacity}"
-                )
-            if needed > model.config.max_position_embeddings:
-                logger.warning("%d positions exceed the model's max_position_embeddings=%d", needed, model.config.max_position_embeddings)
-            if stop_tokens is None:
-                stop_tokens = model.config.eos_token_ids
-            self.stop_tokens = frozenset(int(t) for t in stop_tokens)
-            prefill = _resolve_prefill(prefill, self.world_size, longest, model.config.layer_windows)
+            capacity, block_size = config.cache_capacity(longest), config.block_size
+            prefill = resolve_prefill(config.prefill, self.world_size, longest, model.config.layer_windows)
+            if prefill == "local" and config.prefill == "auto" and self.world_size > 1:
+                logger.info("a sliding window shorter than the prompt: prefill 'local' (ring_attention has no window)")
             if cache is not None:
-                _check_reused_cache(cache, model, len(self.prompts), longest, needed, placement, self.rank, self.world_size)
+                tokens, positions = _left_pad(self.prompts, "cpu")
+                _check_reused_cache(cache, model, tokens, positions, longest + config.max_new_tokens, config.placement,
+                                    self.rank, self.world_size)
                 capacity, block_size, prefill = cache.capacity, cache.block_size, "reused"
         except (ValueError, TypeError) as exc:
             local_error = exc
-        fields = {} if local_error is not None else {
-            "prompts": _fingerprint([list(map(int, p)) for p in self.prompts]),
-            "max_new_tokens": max_new_tokens, "capacity": capacity, "block_size": block_size, "chunk": chunk,
-            "seed": seed, "sampling": _fingerprint([temperature, top_k, top_p]), "stop_tokens": _fingerprint(sorted(self.stop_tokens)),
-            "decode": DECODE_KINDS.index(decode), "method": METHODS.index(method), "prefill": _fingerprint(prefill),
-            "placement": PLACEMENTS.index(placement), "model": _model_fingerprint(model), "num_samples": num_samples,
-            "decode_step": DECODE_STEPS.index(self.decode_step),
-        }
-        if self.world_size > 1:
-            from treeattn.parallel.metadata import UNKNOWN, gather_metadata
-
-            names = ("prompts", "max_new_tokens", "capacity", "block_size", "chunk", "seed", "sampling", "stop_tokens",
-                     "decode", "method", "prefill", "placement", "model", "num_samples", "decode_step")
-            fields = fields or dict.fromkeys(names, UNKNOWN)
-            gather_metadata("generate", fields, group, must_match=names, local_error=local_error)
-        elif local_error is not None:
-            raise local_error
-        self.max_new_tokens, self.seed, self.chunk = max_new_tokens, seed, chunk
+        self._agree(config, local_error, capacity=capacity if local_error is None else None,
+                    block_size=block_size if local_error is None else None, prefill=prefill if local_error is None else None)
+        self.config = config
+        self.stop_tokens = frozenset(model.config.eos_token_ids if config.stop_tokens is None else config.stop_tokens)
+        self.sampling = config.sampling
+        self.decode_step = config.decode_step
+        self.max_new_tokens, self.seed, self.chunk, self.num_samples = config.max_new_tokens, config.seed, config.chunk, config.num_samples
+        decode = config.decode
         if not _distributed(group) and decode != "local":
             logger.info("no process group: decode=%r runs as plain attention on this one process", decode)
             decode = "local"
-        self.decode, self.method, self.prefill, self.placement = decode, method, prefill, placement
+        self.decode, self.method, self.prefill, self.placement = decode, config.method, prefill, config.placement
         self.cache = cache if cache is not None else ShardedKVCache(
             num_layers=model.config.num_layers, num_kv_heads=model.config.num_kv_heads, head_dim=model.config.head_dim,
-            capacity=capacity, batch_size=len(self.prompts), placement=placement, block_size=block_size,
+            capacity=capacity, batch_size=len(self.prompts), placement=config.placement, block_size=block_size,
             rank=self.rank, world_size=self.world_size, dtype=model.dtype, device=model.device,
         )
-        self.num_samples = num_samples
         # The samples' own tokens (num_samples > 1): batch n, unsharded, the same on every rank.
-        self.sample_cache = None if num_samples == 1 else ShardedKVCache(
+        self.sample_cache = None if self.num_samples == 1 else ShardedKVCache(
             num_layers=model.config.num_layers, num_kv_heads=model.config.num_kv_heads, head_dim=model.config.head_dim,
-            capacity=max_new_tokens, batch_size=num_samples, block_size=min(block_size, max_new_tokens),
+            capacity=self.max_new_tokens, batch_size=self.num_samples, block_size=min(block_size, self.max_new_tokens),
             dtype=model.dtype, device=model.device,
         )
+
+    def _agree(self, config, local_error, *, capacity, block_size, prefill) -> None:
+        """Every rank checks that all ranks got the same prompts, options and model (one all-gather),
+        so that a rank with bad or different arguments fails every rank instead of hanging them."""
+        if self.world_size == 1:
+            if local_error is not None:
+                raise local_error
+            return
+        from treeattn.parallel.metadata import UNKNOWN, gather_metadata
+
+        names = ("prompts", *(f.name for f in fields(GenerationConfig)), "resolved capacity", "resolved block_size",
+                 "resolved prefill", "model")
+        if local_error is not None:
+            values = dict.fromkeys(names, UNKNOWN)
+        else:
+            values = {"prompts": _fingerprint(self.prompts)}
+            values.update({name: _fingerprint(value) for name, value in config.as_dict().items()})
+            values.update({"resolved capacity": capacity, "resolved block_size": block_size,
+                           "resolved prefill": _fingerprint(prefill), "model": _model_fingerprint(self.model)})
+        gather_metadata("generate", values, self.group, must_match=names, local_error=local_error)
 
     # ------------------------------------------------------------------------------ running
 
@@ -401,14 +398,16 @@ class Generation:
         from treeattn.parallel import comm_stats
 
         self.start_time = time.perf_counter()
+        _CACHED_TOKENS.pop(self.cache, None)  # its contents change now; recorded again at the end
         with torch.inference_mode():
             tokens, positions = _left_pad(self.prompts, self.model.device)
+            fed = [tokens.cpu()]  # the token ids run into the cache, (B, n) blocks
             generator = torch.Generator(device="cpu").manual_seed(self.seed)
             with comm_stats() as prefill_comm:
                 last_hidden = self._prefill(tokens, positions)
                 if self.num_samples > 1:  # n samples of the one prompt: its logits, n times
                     last_hidden = last_hidden.expand(self.num_samples, -1)
-                new, logprobs = self._next_tokens(last_hidden, generator)
+                new, logprobs = self._next_tokens(last_hidden, generator, index=0)
             prefill_s = time.perf_counter() - self.start_time
             outputs = _Outputs(len(new), self.stop_tokens)
             next_pos = (positions[:, -1] + 1).expand(len(new))
@@ -429,7 +428,9 @@ class Generation:
                             hidden = self._decode_step(new, next_pos)
                         else:
                             hidden = self._sample_step(new, next_pos)
-                        new, logprobs = self._next_tokens(hidden, generator)
+                        if self.num_samples == 1:
+                            fed.append(new.cpu()[:, None])
+                        new, logprobs = self._next_tokens(hidden, generator, index=index)
                         next_pos = next_pos + 1
                         step_times.append(time.perf_counter() - step_start)
                     outputs.add(new.tolist())
@@ -440,6 +441,7 @@ class Generation:
                         break
             decode_s = sum(step_times)
             peak_rss = _peak_rss()
+            _remember_tokens(self.cache, torch.cat(fed, dim=1), positions.cpu())
             token_logprobs = self._token_logprobs(step_logprobs, outputs.generated)  # one broadcast, after the timed steps
             kv_bytes = self.cache.nbytes() + (self.sample_cache.nbytes() if self.sample_cache is not None else 0)
             per_rank = self._gather_per_rank([kv_bytes, decode_comm.bytes_sent, prefill_comm.bytes_sent, peak_rss, start_rss])
@@ -516,18 +518,55 @@ class Generation:
             self._attend_fn = self._decode_attention()
         return self._attend_fn
 
-    def _next_tokens(self, hidden: torch.Tensor, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    def _next_tokens(self, hidden: torch.Tensor, generator: torch.Generator, *, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Sample on rank 0, broadcast: int64 (B,) next token ids, the same on every rank, and
-        float64 (B,) their log-probabilities under the model (on rank 0; zeros on the others)."""
+        float64 (B,) their log-probabilities under the model (on rank 0; zeros on the others).
+
+        Non-finite logits are never sampled: rank 0 broadcasts negative ids instead (-1 for each
+        row with a NaN or inf, -2 for the others), and every rank raises NonFiniteLogitsError.
+        The hot path pays one isfinite over the logits; the layer is looked for only then."""
         logprobs = torch.zeros(hidden.shape[0], dtype=torch.float64)
         if self.rank == 0:
             logits = self.model.logits(hidden)
-            tokens = sample(logits, self.sampling, generator)
-            logprobs = torch.log_softmax(logits.double().cpu(), dim=-1).gather(1, tokens[:, None]).squeeze(1)
+            finite_rows = torch.isfinite(logits).all(dim=-1).cpu()
+            if bool(finite_rows.all()):
+                tokens = sample(logits, self.sampling, generator)
+                logprobs = torch.log_softmax(logits.double().cpu(), dim=-1).gather(1, tokens[:, None]).squeeze(1)
+            else:
+                tokens = torch.where(finite_rows, -2, -1).to(torch.int64)
             tokens = tokens.to(hidden.device)
         else:
             tokens = torch.empty(hidden.shape[0], dtype=torch.int64, device=hidden.device)
-        return self._broadcast(tokens, src=0), logprobs
+        tokens = self._broadcast(tokens, src=0)
+        if int(tokens.min()) < 0:
+            bad = (tokens == -1).nonzero().flatten().tolist()
+            raise NonFiniteLogitsError(f"the model produced non-finite logits (NaN or inf) for sequence(s) {bad} at new token "
+                                       f"{index}; generation stopped. {self._locate_non_finite()}")
+        return tokens, logprobs
+
+    def _locate_non_finite(self) -> str:
+        """Where the non-finite values start (the error path only; a collective on every rank): the
+        first layer whose cached keys/values hold a NaN or inf on any rank, and any non-finite weights."""
+        layers = [self.cache] + ([self.sample_cache] if self.sample_cache is not None else [])
+        first = self.model.config.num_layers
+        for layer in range(self.model.config.num_layers):
+            if any(not bool(torch.isfinite(t).all()) for c in layers for t in c.layer(layer)):
+                first = layer
+                break
+        if _distributed(self.group):
+            first_t = torch.tensor([first], dtype=torch.int64)
+            dist.all_reduce(first_t, op=dist.ReduceOp.MIN, group=self.group)
+            first = int(first_t)
+        if first < self.model.config.num_layers:
+            where = f"The first non-finite keys/values are in layer {first} (its input, or its k/v projection, is non-finite)."
+        else:
+            where = "The keys/values of every layer are finite: the last layer's output, the final norm or lm_head made them."
+        weights = [name for name, p in self.model.named_parameters() if not bool(torch.isfinite(p).all())]
+        if weights:
+            where += f" Non-finite weights: {', '.join(weights[:3])}" + (f" and {len(weights) - 3} more" if len(weights) > 3 else "") + "."
+        elif self.model.dtype != torch.float32:
+            where += f" The weights are finite: an overflow in {str(self.model.dtype).removeprefix('torch.')}? Try float32."
+        return where
 
     def _token_logprobs(self, step_logprobs: list[torch.Tensor], generated: list[list[int]]) -> list[list[float]]:
         """Each sequence's token log-probabilities, from rank 0 to every rank in one broadcast."""
@@ -571,23 +610,6 @@ class _Outputs:
 
 
 # ---------------------------------------------------------------------------------- sampling
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """temperature 0: greedy; else logits / temperature, then top_k, then top_p, then one draw."""
-
-    temperature: float = 0.0
-    top_k: int | None = None
-    top_p: float | None = None
-
-    def __post_init__(self) -> None:
-        if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) or not self.temperature >= 0:
-            raise ValueError(f"temperature must be a number >= 0 (0 = greedy), got {self.temperature!r}")
-        if self.top_k is not None and (isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 1):
-            raise ValueError(f"top_k must be a positive int or None, got {self.top_k!r}")
-        if self.top_p is not None and (isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1):
-            raise ValueError(f"top_p must be in (0, 1] or None, got {self.top_p!r}")
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> torch.Tensor:
@@ -637,86 +659,56 @@ def _distributed(group) -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-def _resolve_decode_step(static_decode, cuda_graph, num_samples: int, model: LlamaModel, batch: int) -> str:
-    """ "dynamic", "static" or "graph" from the static_decode and cuda_graph options (checked)."""
-    for name, flag in (("static_decode", static_decode), ("cuda_graph", cuda_graph)):
-        if not isinstance(flag, bool):
-            raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
-    if not (static_decode or cuda_graph):
-        return "dynamic"
-    option = "cuda_graph" if cuda_graph else "static_decode"
-    if num_samples > 1:
-        raise ValueError(f"{option}=True decodes one sequence per prompt; num_samples={num_samples} (bifurcated decoding) has no static step")
-    if cuda_graph and model.device.type != "cuda":
-        raise ValueError(f"cuda_graph=True needs the model on a CUDA device, got {model.device} "
-                         "(static_decode=True runs the same step without a graph)")
+def _check_static_step(config: GenerationConfig, model: LlamaModel, batch: int) -> None:
+    """static_decode / cuda_graph: what needs the model (its device, the Triton kernel)."""
+    option = "cuda_graph" if config.cuda_graph else "static_decode"
+    if config.cuda_graph and model.device.type != "cuda":
+        raise ConfigError(option, f"cuda_graph=True needs the model on a CUDA device, got {model.device} "
+                          "(static_decode=True runs the same step without a graph)")
     reason = graph_safe_reason(model, batch)
     if reason is not None:
-        raise ValueError(f"{option}=True cannot run this model without host synchronization: {reason}")
-    return "graph" if cuda_graph else "static"
+        raise ConfigError(option, f"{option}=True cannot run this model without host synchronization: {reason}")
 
 
-def _resolve_prefill(prefill: str, world_size: int, longest: int, windows) -> str:
-    window_bites = any(w is not None and w < longest for w in windows)
-    if prefill == "ring" and window_bites and world_size > 1:
-        raise ValueError(
-            f"prefill='ring' cannot apply the model's sliding window ({min(w for w in windows if w is not None)}) "
-            f"to a {longest}-token prompt (ring_attention masks by causality only); use prefill='local' or 'auto'"
-        )
-    if prefill != "auto":
-        return prefill
-    if world_size == 1:
-        return "local"
-    if window_bites:
-        logger.info("a sliding window shorter than the prompt: prefill 'local' (ring_attention has no window)")
-        return "local"
-    return "ring"
+# The token ids (and positions) each cache holds, recorded by the Generation that filled it, so that a
+# cache passed back to generate() is checked against the new prompts: int64 (B, cache.length) each.
+_CACHED_TOKENS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _check_reused_cache(cache, model, batch, longest, needed, placement, rank, world_size) -> None:
+def _remember_tokens(cache: ShardedKVCache, tokens: torch.Tensor, positions: torch.Tensor) -> None:
+    """Record what `cache` holds: tokens int64 (B, >= cache.length), positions int64 (B, L) of the prompt."""
+    steps = torch.arange(1, tokens.shape[1] - positions.shape[1] + 1).expand(tokens.shape[0], -1)
+    positions = torch.cat([positions, positions[:, -1:] + steps], dim=1)
+    if tokens.shape[1] >= cache.length:
+        _CACHED_TOKENS[cache] = (tokens[:, : cache.length], positions[:, : cache.length])
+
+
+def _check_reused_cache(cache, model, tokens: torch.Tensor, positions: torch.Tensor, needed: int, placement: str,
+                        rank: int, world_size: int) -> None:
+    """A cache passed to generate(): the same layout, room for `needed` slots, and it holds exactly
+    the new prompts (tokens, positions: int64 (B, L) on the CPU, left-padded)."""
     if not isinstance(cache, ShardedKVCache):
-        raise TypeError(f"cache must be a ShardedKVCache or None, got {type(cache).__name__}")
+        raise ConfigTypeError("cache", f"cache must be a ShardedKVCache or None, got {type(cache).__name__}")
+    batch, longest = tokens.shape
     expected = (model.config.num_layers, model.config.num_kv_heads, model.config.head_dim, batch, placement, rank, world_size)
     actual = (cache.num_layers, cache.num_kv_heads, cache.head_dim, cache.batch_size, cache.placement.kind, cache.rank, cache.world_size)
     if expected != actual:
-        raise ValueError(
-            "cache does not fit this generation: (layers, Hkv, D, batch, placement, rank, world_size) "
-            f"expected {expected}, got {actual}"
-        )
+        raise ConfigError("cache", "cache does not fit this generation: (layers, Hkv, D, batch, placement, rank, world_size) "
+                          f"expected {expected}, got {actual}")
     if cache.length < longest:
-        raise ValueError(f"cache holds {cache.length} tokens, fewer than the prompt's {longest}")
+        raise ConfigError("cache", f"cache holds {cache.length} tokens, fewer than the prompt's {longest}")
     if cache.capacity < needed:
-        raise ValueError(f"cache capacity {cache.capacity} is below the {needed} slots this generation needs")
-
-
-def _check_int(name: str, value, low: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < low:
-        raise ValueError(f"{name} must be >= {low}, got {value}")
-
-
-def _check_prompts(prompts, vocab_size: int) -> list[list[int]]:
-    """One prompt (ints) or a batch (lists of ints) -> list of non-empty lists of valid ids."""
-    if isinstance(prompts, torch.Tensor):
-        prompts = prompts.tolist()
-    if not isinstance(prompts, (list, tuple)) or len(prompts) == 0:
-        raise ValueError(f"prompts must be a non-empty list of token ids or of lists of token ids, got {prompts!r:.80}")
-    if all(isinstance(t, int) and not isinstance(t, bool) for t in prompts):
-        prompts = [prompts]
-    checked = []
-    for i, prompt in enumerate(prompts):
-        if isinstance(prompt, torch.Tensor):
-            prompt = prompt.tolist()
-        if not isinstance(prompt, (list, tuple)) or len(prompt) == 0:
-            raise ValueError(f"prompt {i} must be a non-empty list of token ids, got {prompt!r:.80}")
-        for t in prompt:
-            if isinstance(t, bool) or not isinstance(t, int):
-                raise TypeError(f"prompt {i}: token ids must be ints, got {type(t).__name__} ({t!r})")
-            if not 0 <= t < vocab_size:
-                raise ValueError(f"prompt {i}: token id {t} is outside the vocabulary [0, {vocab_size})")
-        checked.append(list(prompt))
-    return checked
+        raise ConfigError("cache", f"cache capacity {cache.capacity} is below the {needed} slots this generation needs")
+    held = _CACHED_TOKENS.get(cache)
+    if held is None:
+        raise ConfigError("cache", "cache holds tokens no finished generate() recorded (a new, hand-filled or interrupted cache): "
+                          "pass cache=None to prefill")
+    held_tokens, held_positions = held
+    if not (torch.equal(held_tokens[:, :longest], tokens) and torch.equal(held_positions[:, :longest], positions)):
+        differ = (held_tokens[:, :longest] != tokens) | (held_positions[:, :longest] != positions)
+        b, i = (int(x) for x in differ.nonzero()[0])
+        raise ConfigError("cache", f"cache holds a different context: sequence {b} differs from the prompt at token {i} "
+                          f"(cached id {int(held_tokens[b, i])}, prompt id {int(tokens[b, i])}); pass cache=None to prefill")
 
 
 def _left_pad(prompts: list[list[int]], device) -> tuple[torch.Tensor, torch.Tensor]:

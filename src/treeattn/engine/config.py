@@ -1,0 +1,284 @@
+"""What one generation is: a frozen GenerationConfig, validated once, the same on every rank.
+
+    config = GenerationConfig(max_new_tokens=64, temperature=0.7, top_p=0.9, decode="tree")
+    warnings = check_against_model(config, model.config, prompts, world_size=4)   # before spawning
+
+`GenerationConfig.__post_init__` checks every field on its own and the combinations that need no
+model (num_samples > 1 with decode "ring", ...). `check_against_model` checks what needs the model
+and the prompts (token ids in the vocabulary, capacity, decode "local" on several ranks, a ring
+prefill through a sliding window, the memory the KV cache reserves). The CLI calls both in the
+parent process, before spawning the ranks; ta.generate calls them on every rank. Either way a
+bad value fails once, with one line naming the option: a ConfigError (a ValueError) whose
+`.option` is the field's name (ConfigTypeError, also a TypeError, for a value of the wrong type).
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+
+import torch
+
+from treeattn.cache.placement import PLACEMENTS, make_placement
+from treeattn.models.attention import DECODE_KINDS
+
+PREFILL_KINDS = ("auto", "ring", "local")
+METHODS = ("allreduce", "tree", "twolevel")
+
+
+class ConfigError(ValueError):
+    """A bad generation option. `option` is the field's name ("top_p"), for the CLI's flag."""
+
+    def __init__(self, option: str, message: str) -> None:
+        super().__init__(message)
+        self.option = option
+
+
+class ConfigTypeError(ConfigError, TypeError):
+    """A generation option of the wrong type (a TypeError too)."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """temperature 0: greedy; else logits / temperature, then top_k, then top_p, then one draw."""
+
+    temperature: float = 0.0
+    top_k: int | None = None
+    top_p: float | None = None
+
+    def __post_init__(self) -> None:
+        t = self.temperature
+        if not _is_real(t) or not (math.isfinite(t) and t >= 0):
+            raise ConfigError("temperature", f"temperature must be a finite number >= 0 (0 = greedy), got {t!r}")
+        if self.top_k is not None and (not _is_int(self.top_k) or self.top_k < 1):
+            raise ConfigError("top_k", f"top_k must be a positive int or None, got {self.top_k!r}")
+        if self.top_p is not None and (not _is_real(self.top_p) or not 0 < self.top_p <= 1):
+            raise ConfigError("top_p", f"top_p must be in (0, 1] or None, got {self.top_p!r}")
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    """Every option of one generation (see treeattn.generate.generate for what each does).
+
+    Attributes:
+        max_new_tokens: new tokens per sequence, >= 1.
+        temperature, top_k, top_p: sampling (SamplingParams); temperature 0 is greedy.
+        seed: seed of rank 0's sampling generator, >= 0.
+        stop_tokens: token ids that end a sequence (a tuple); None: the model's eos ids.
+        num_samples: n >= 1 completions of one prompt (n > 1: bifurcated decoding).
+        decode: "tree", "ring" or "local". method: tree_decode's "allreduce", "tree" or "twolevel".
+        prefill: "auto", "ring" or "local". placement: "contiguous" or "interleaved".
+        block_size: cache block size in tokens. capacity: cache slots per sequence (None: the
+            longest prompt + max_new_tokens). chunk: tokens per chunk of the local prefill.
+        static_decode, cuda_graph: the fixed-shape decode step, eager or in a CUDA graph.
+    """
+
+    max_new_tokens: int = 32
+    temperature: float = 0.0
+    top_k: int | None = None
+    top_p: float | None = None
+    seed: int = 0
+    stop_tokens: tuple[int, ...] | None = None
+    num_samples: int = 1
+    decode: str = "tree"
+    method: str = "allreduce"
+    prefill: str = "auto"
+    placement: str = "contiguous"
+    block_size: int = 256
+    capacity: int | None = None
+    chunk: int = 1024
+    static_decode: bool = False
+    cuda_graph: bool = False
+
+    def __post_init__(self) -> None:
+        for name, low in (("max_new_tokens", 1), ("seed", 0), ("num_samples", 1), ("block_size", 1), ("chunk", 1)):
+            _check_int(name, getattr(self, name), low)
+        if self.capacity is not None:
+            _check_int("capacity", self.capacity, 1)
+        self.sampling  # noqa: B018  (validates temperature, top_k, top_p)
+        if self.stop_tokens is not None:
+            object.__setattr__(self, "stop_tokens", _token_tuple(self.stop_tokens))
+        for name, allowed in (("decode", DECODE_KINDS), ("method", METHODS), ("prefill", PREFILL_KINDS), ("placement", PLACEMENTS)):
+            if getattr(self, name) not in allowed:
+                raise ConfigError(name, f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
+        for name in ("static_decode", "cuda_graph"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigTypeError(name, f"{name} must be a bool, got {type(getattr(self, name)).__name__}")
+        if self.num_samples > 1 and self.decode == "ring":
+            raise ConfigError("num_samples", f"num_samples={self.num_samples} decodes with bifurcated attention, whose context "
+                              "part is a tree reduction: use decode='tree' (or decode='local' on one process), not decode='ring'")
+        if self.num_samples > 1 and (self.static_decode or self.cuda_graph):
+            option = "cuda_graph" if self.cuda_graph else "static_decode"
+            raise ConfigError(option, f"{option}=True decodes one sequence per prompt; num_samples={self.num_samples} "
+                              "(bifurcated decoding) has no static step")
+
+    @property
+    def sampling(self) -> SamplingParams:
+        return SamplingParams(self.temperature, self.top_k, self.top_p)
+
+    @property
+    def decode_step(self) -> str:
+        """ "dynamic", "static" (static_decode) or "graph" (cuda_graph)."""
+        return "graph" if self.cuda_graph else "static" if self.static_decode else "dynamic"
+
+    def cache_capacity(self, longest_prompt: int) -> int:
+        """Cache slots per sequence: `capacity`, or the longest prompt + max_new_tokens."""
+        return self.capacity if self.capacity is not None else longest_prompt + self.max_new_tokens
+
+    def as_dict(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+def check_prompts(prompts, vocab_size: int) -> list[list[int]]:
+    """One prompt (ints) or a batch (lists of ints) -> list of non-empty lists of ids in [0, vocab_size)."""
+    if isinstance(prompts, torch.Tensor):
+        prompts = prompts.tolist()
+    if not isinstance(prompts, (list, tuple)) or len(prompts) == 0:
+        raise ConfigError("prompts", f"prompts must be a non-empty list of token ids or of lists of token ids, got {prompts!r:.80}")
+    if all(_is_int(t) for t in prompts):
+        prompts = [prompts]
+    checked = []
+    for i, prompt in enumerate(prompts):
+        if isinstance(prompt, torch.Tensor):
+            prompt = prompt.tolist()
+        if not isinstance(prompt, (list, tuple)) or len(prompt) == 0:
+            raise ConfigError("prompts", f"prompt {i} must be a non-empty list of token ids, got {prompt!r:.80}")
+        for t in prompt:
+            if not _is_int(t):
+                raise ConfigTypeError("prompts", f"prompt {i}: token ids must be ints, got {type(t).__name__} ({t!r})")
+            if not 0 <= t < vocab_size:
+                raise ConfigError("prompts", f"prompt {i}: token id {t} is outside the vocabulary [0, {vocab_size})")
+        checked.append([int(t) for t in prompt])
+    return checked
+
+
+def check_against_model(config: GenerationConfig, model_config, prompts: list[list[int]], world_size: int, *,
+                        dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> list[str]:
+    """Check `config` against the model, the (checked) prompts and the number of ranks.
+
+    Args:
+        config: the generation's options.
+        model_config: the model's LlamaConfig.
+        prompts: the output of check_prompts.
+        world_size: ranks the KV cache is sharded over.
+        dtype, device: of the model (the cache takes them): the cache's reservation on one rank is
+            checked against the memory of `device`.
+
+    Returns:
+        Warnings (strings) the caller shows once; today: positions beyond max_position_embeddings.
+
+    Raises:
+        ConfigError naming the option at fault.
+    """
+    if config.num_samples > 1 and len(prompts) != 1:
+        raise ConfigError("num_samples", f"num_samples={config.num_samples} samples completions of one prompt, got {len(prompts)} prompts")
+    if config.stop_tokens is not None:
+        outside = [t for t in config.stop_tokens if t >= model_config.vocab_size]
+        if outside:
+            raise ConfigError("stop_tokens", f"stop_tokens: token id {outside[0]} is outside the vocabulary [0, {model_config.vocab_size})")
+    if config.decode == "local" and world_size > 1:
+        raise ConfigError("decode", f"decode='local' runs on one rank, but the group has {world_size}; use decode='tree' or decode='ring'")
+    longest = max(len(p) for p in prompts)
+    capacity = config.cache_capacity(longest)
+    needed = longest + config.max_new_tokens
+    if longest > capacity:
+        raise ConfigError("capacity", f"prompt of {longest} tokens is longer than the KV cache: capacity={capacity} tokens")
+    if needed > capacity:
+        raise ConfigError("capacity", f"prompt of {longest} tokens + max_new_tokens={config.max_new_tokens} needs {needed} cache slots, "
+                          f"more than capacity={capacity}")
+    resolve_prefill(config.prefill, world_size, longest, model_config.layer_windows)
+    reserved = kv_cache_bytes_per_rank(config, model_config, len(prompts), longest, world_size, dtype)
+    available = device_memory_bytes(device)
+    if available is not None and reserved > available:
+        option = "capacity" if config.capacity is not None else "max_new_tokens"
+        raise ConfigError(option, f"{option}={getattr(config, option)}: the KV cache of {capacity} slots x {len(prompts)} sequences "
+                          f"would take {format_bytes(reserved)} per rank on {world_size} rank(s), more than the "
+                          f"{format_bytes(available)} of memory of {torch.device(device)}")
+    warnings = []
+    if needed > model_config.max_position_embeddings:
+        warnings.append(f"{needed} positions exceed the model's max_position_embeddings={model_config.max_position_embeddings}")
+    return warnings
+
+
+def resolve_prefill(prefill: str, world_size: int, longest: int, windows: Sequence[int | None]) -> str:
+    """The prefill that runs: "ring" or "local" ("auto": ring on several ranks unless a sliding
+    window shorter than the prompt bites, since ring_attention has no window)."""
+    bites = [w for w in windows if w is not None and w < longest]
+    if prefill == "ring" and bites and world_size > 1:
+        raise ConfigError("prefill", f"prefill='ring' cannot apply the model's sliding window ({min(bites)}) to a {longest}-token "
+                          "prompt (ring_attention masks by causality only); use prefill='local' or prefill='auto'")
+    if prefill != "auto":
+        return prefill
+    return "ring" if world_size > 1 and not bites else "local"
+
+
+def kv_cache_bytes_per_rank(config: GenerationConfig, model_config, batch: int, longest: int, world_size: int,
+                            dtype: torch.dtype) -> int:
+    """Bytes the ShardedKVCache reserves on its largest rank: keys, values and positions of every
+    slot of its blocks (plus the samples' unsharded cache when num_samples > 1)."""
+    capacity = config.cache_capacity(longest)
+    placement = make_placement(config.placement, capacity, world_size, config.block_size)
+    slots = -(-placement.local_capacity(0) // config.block_size) * config.block_size
+    per_slot = model_config.num_layers * 2 * model_config.num_kv_heads * model_config.head_dim * _itemsize(dtype) + 8
+    samples = config.max_new_tokens * config.num_samples if config.num_samples > 1 else 0
+    return (slots * batch + samples) * per_slot
+
+
+def device_memory_bytes(device: torch.device | str) -> int | None:
+    """Total memory of `device`: the machine's RAM for "cpu", the GPU's for "cuda"; None if unknown."""
+    device = torch.device(device)
+    if device.type == "cuda" and torch.cuda.is_available():
+        return torch.cuda.get_device_properties(device.index or 0).total_memory
+    if device.type == "cpu":
+        try:
+            return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        except (ValueError, OSError, AttributeError):
+            return None
+    return None
+
+
+def format_bytes(n: float) -> str:
+    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n:.0f} B"
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_real(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _check_int(name: str, value, low: int) -> None:
+    if not _is_int(value):
+        raise ConfigTypeError(name, f"{name} must be an int, got {type(value).__name__} ({value!r})")
+    if value < low:
+        raise ConfigError(name, f"{name} must be >= {low}, got {value}")
+
+
+def _token_tuple(values) -> tuple[int, ...]:
+    """stop_tokens as a tuple of ids >= 0; a float like 2.7 is refused, not truncated."""
+    if isinstance(values, (str, bytes)) or not isinstance(values, (Sequence, set, frozenset, torch.Tensor)):
+        raise ConfigError("stop_tokens", f"stop_tokens must be a list of token ids or None, got {values!r:.80}")
+    out = []
+    for t in (values.tolist() if isinstance(values, torch.Tensor) else values):
+        if isinstance(t, bool):
+            raise ConfigError("stop_tokens", f"stop_tokens must hold int token ids, got {t!r}")
+        try:
+            t = operator.index(t)
+        except TypeError:
+            raise ConfigError("stop_tokens", f"stop_tokens must hold int token ids, got {type(t).__name__} ({t!r})") from None
+        if t < 0:
+            raise ConfigError("stop_tokens", f"stop_tokens must hold token ids >= 0, got {t}")
+        out.append(t)
+    return tuple(out)

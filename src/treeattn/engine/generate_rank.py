@@ -1,0 +1,66 @@
+"""One rank of `treeattn generate`: load the model, run one Generation, hand rank 0's result back.
+
+    job = GenerateJob(model_dir="path/to/model", prompts=((1, 2, 3),), config=GenerationConfig(max_new_tokens=8))
+    results = ta.spawn(generate_rank, 4, job)        # results[0]: GenerationResult.as_dict()
+
+The options were validated once, by the caller, before the ranks started (GenerationConfig and
+treeattn.engine.config.check_against_model); Generation checks again that every rank got the
+same ones. Progress display is the caller's: `display` (a picklable, module-level factory) is
+called on rank 0 only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+from treeattn.engine.config import GenerationConfig
+
+
+@dataclass(frozen=True)
+class GenerateJob:
+    """What every rank runs.
+
+    Attributes:
+        model_dir: checkpoint to load (every rank loads all weights; the KV cache is what is sharded).
+        prompts: token ids, one tuple per sequence.
+        config: the validated GenerationConfig.
+        dtype: parameter dtype name ("float32", "bfloat16", "float16").
+        threads: torch threads per rank (None: torch's default).
+    """
+
+    model_dir: str
+    prompts: tuple[tuple[int, ...], ...]
+    config: GenerationConfig
+    dtype: str = "float32"
+    threads: int | None = None
+
+
+# display(world_size, prompt_tokens, max_new_tokens) -> context manager that yields on_token(step).
+Display = Callable[[int, int, int], object]
+
+
+def generate_rank(rank: int, world_size: int, job: GenerateJob, display: Display | None = None) -> dict | None:
+    """Run `job` as rank `rank` of `world_size` (inside ta.spawn or torchrun; world_size 1 needs no
+    group). Returns GenerationResult.as_dict() on rank 0, None on the others."""
+    import torch
+
+    from treeattn.generate import Generation
+    from treeattn.models.loader import load_model
+
+    if job.threads is not None:
+        torch.set_num_threads(job.threads)
+    model = load_model(job.model_dir, dtype=getattr(torch, job.dtype))
+    run = Generation(model, [list(p) for p in job.prompts], job.config)
+    show = display is not None and rank == 0
+    longest = max(len(p) for p in job.prompts)
+    with display(world_size, longest, job.config.max_new_tokens) if show else nullcontext() as on_token:
+        for step in run:
+            if on_token is not None:
+                on_token(step)
+    if world_size > 1:
+        import torch.distributed as dist
+
+        dist.barrier()  # leave together: a rank tearing its group down early can abort a peer still in gloo
+    return run.result.as_dict() if rank == 0 else None

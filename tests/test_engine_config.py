@@ -1,0 +1,93 @@
+"""GenerationConfig: one frozen object, every field checked once, each error naming its option."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import pickle
+
+import pytest
+import torch
+
+from treeattn.engine.config import (
+    ConfigError,
+    GenerationConfig,
+    check_against_model,
+    kv_cache_bytes_per_rank,
+    resolve_prefill,
+)
+from treeattn.models.llama import LlamaConfig
+
+MODEL = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                    head_dim=8, max_position_embeddings=64, layer_windows=(None, 4))
+
+
+def test_the_config_is_frozen_normalized_and_picklable():
+    config = GenerationConfig(stop_tokens=[3, torch.tensor(4).item()], top_p=0.5, temperature=1)
+    assert config.stop_tokens == (3, 4)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.top_p = 1.0
+    assert pickle.loads(pickle.dumps(config)) == config
+    assert config.sampling.top_p == 0.5 and config.decode_step == "dynamic"
+    assert GenerationConfig(cuda_graph=True).decode_step == "graph"
+
+
+@pytest.mark.parametrize(
+    "field, value, error",
+    [
+        ("max_new_tokens", 0, ValueError), ("max_new_tokens", 2.0, TypeError), ("seed", -1, ValueError),
+        ("temperature", math.inf, ValueError), ("temperature", math.nan, ValueError), ("temperature", True, ValueError),
+        ("top_p", 0.0, ValueError), ("top_p", 1.5, ValueError), ("top_k", 0, ValueError), ("stop_tokens", [2.7], ValueError),
+        ("stop_tokens", [True], ValueError), ("decode", "flash", ValueError), ("method", "ring", ValueError),
+        ("prefill", "tree", ValueError), ("placement", "striped", ValueError), ("block_size", 0, ValueError),
+        ("capacity", 0, ValueError), ("chunk", None, TypeError), ("static_decode", 1, TypeError),
+    ],
+)
+def test_each_bad_field_is_named(field, value, error):
+    with pytest.raises(error) as info:
+        GenerationConfig(**{field: value})
+    assert isinstance(info.value, ConfigError) and info.value.option == field
+    assert str(info.value).startswith(field) and "\n" not in str(info.value)
+
+
+def test_combinations_are_refused_without_a_model():
+    with pytest.raises(ConfigError, match="num_samples=3 decodes with bifurcated attention") as info:
+        GenerationConfig(num_samples=3, decode="ring")
+    assert info.value.option == "num_samples"
+    with pytest.raises(ConfigError, match="static_decode=True decodes one sequence per prompt"):
+        GenerationConfig(num_samples=2, static_decode=True)
+
+
+def test_checks_against_the_model():
+    prompts = [[1] * 10]
+    assert check_against_model(GenerationConfig(max_new_tokens=4), MODEL, prompts, 2) == []
+    assert check_against_model(GenerationConfig(max_new_tokens=60), MODEL, prompts, 2) == [
+        "70 positions exceed the model's max_position_embeddings=64"]
+    for config, world, option, match in [
+        (GenerationConfig(decode="local"), 2, "decode", "decode='local' runs on one rank, but the group has 2"),
+        (GenerationConfig(prefill="ring"), 2, "prefill", r"sliding window \(4\) to a 10-token prompt"),
+        (GenerationConfig(capacity=12), 1, "capacity", "needs 42 cache slots, more than capacity=12"),
+        (GenerationConfig(stop_tokens=[64]), 1, "stop_tokens", r"token id 64 is outside the vocabulary \[0, 64\)"),
+        (GenerationConfig(num_samples=2), 1, "num_samples", "got 2 prompts"),
+        (GenerationConfig(capacity=2**50), 4, "capacity", "per rank on 4 rank"),
+    ]:
+        with pytest.raises(ConfigError, match=match) as info:
+            check_against_model(config, MODEL, prompts * (2 if option == "num_samples" else 1), world)
+        assert info.value.option == option
+
+
+def test_prefill_resolution():
+    assert resolve_prefill("auto", 1, 10, (None,)) == "local"
+    assert resolve_prefill("auto", 2, 10, (None,)) == "ring"
+    assert resolve_prefill("auto", 2, 10, (None, 4)) == "local"  # the window bites: ring_attention has none
+    assert resolve_prefill("ring", 2, 4, (None, 4)) == "ring"  # a window no shorter than the prompt masks nothing
+
+
+def test_kv_estimate_is_what_the_cache_reserves():
+    from treeattn.cache import ShardedKVCache
+
+    for placement, world in (("contiguous", 3), ("interleaved", 2)):
+        config = GenerationConfig(max_new_tokens=7, block_size=4, placement=placement)
+        caches = [ShardedKVCache(num_layers=2, num_kv_heads=2, head_dim=8, capacity=config.cache_capacity(13), batch_size=2,
+                                 placement=placement, block_size=4, rank=r, world_size=world) for r in range(world)]
+        assert kv_cache_bytes_per_rank(config, MODEL, 2, 13, world, torch.float32) == max(c.nbytes_reserved() for c in caches)
