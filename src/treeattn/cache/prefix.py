@@ -1,0 +1,122 @@
+"""The prefix cache: a radix tree over token ids at block granularity (RadixAttention, SGLang).
+
+Every edge of the tree is one full block of `block_size` token ids, and the node it leads to owns
+the cache block holding those tokens' keys and values (its BlockRef; on the rank the placement
+names for that logical block, since a node at depth j is logical block j of every sequence that
+reaches it). A path from the root spells a token prefix; its nodes' blocks are that prefix's KV.
+
+    tree = PrefixCache(pool)
+    blocks = tree.match(prompt)            # blocks of the longest cached full-block prefix
+    ...                                    # the caller takes a reference on each block it uses
+    tree.insert(tokens, seq_blocks)        # cache a finished sequence's full blocks
+    tree.evict(rank, n)                    # free unreferenced blocks, least recently used first
+
+The tree holds one reference on every block it owns; a block is in use by sequences while its
+count is above 1. Only leaves whose block nobody else references can be evicted, so a cached
+prefix never loses a block from its middle. Partial blocks are never cached (a sequence's last,
+partly filled block stays private to it), as in SGLang with page_size > 1 and vLLM's block hashes.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+
+from treeattn.cache.blocks import BlockRef, ShardedBlockPool
+
+
+class _Node:
+    __slots__ = ("parent", "key", "block", "children", "last_access")
+
+    def __init__(self, parent: "_Node | None", key: tuple[int, ...], block: BlockRef | None, last_access: int) -> None:
+        self.parent = parent
+        self.key = key  # the block_size token ids of the edge from the parent
+        self.block = block
+        self.children: dict[tuple[int, ...], _Node] = {}
+        self.last_access = last_access
+
+
+class PrefixCache:
+    """Radix tree of cached full blocks over a ShardedBlockPool (see the module docstring)."""
+
+    def __init__(self, pool: ShardedBlockPool) -> None:
+        self.pool = pool
+        self.block_size = pool.block_size
+        self._clock = itertools.count(1)
+        self._root = _Node(None, (), None, 0)
+        self.num_blocks = 0  # blocks owned by the tree
+
+    def _keys(self, tokens, num_blocks: int):
+        bs = self.block_size
+        return (tuple(tokens[j * bs : (j + 1) * bs]) for j in range(num_blocks))
+
+    def match(self, tokens) -> list[BlockRef]:
+        """The blocks of the longest cached prefix of `tokens` made of full blocks (marks them used
+        now, for LRU). The caller must take its own reference (pool.incref) on blocks it keeps."""
+        now = next(self._clock)
+        node, blocks = self._root, []
+        for key in self._keys(tokens, len(tokens) // self.block_size):
+            node = node.children.get(key)
+            if node is None:
+                break
+            node.last_access = now
+            blocks.append(node.block)
+        return blocks
+
+    def insert(self, tokens, blocks: list[BlockRef]) -> int:
+        """Cache the full blocks of a sequence: `blocks[j]` holds tokens[j*bs:(j+1)*bs] for every
+        full block j < min(len(blocks), len(tokens) // bs). Where the tree already caches a block
+        for the same tokens it keeps its own (the caller's copy is freed when the caller lets go).
+        Returns the number of blocks newly cached (each gains the tree's reference)."""
+        now = next(self._clock)
+        node, added = self._root, 0
+        for j, key in enumerate(self._keys(tokens, min(len(blocks), len(tokens) // self.block_size))):
+            child = node.children.get(key)
+            if child is None:
+                if self.pool.owner(j) != blocks[j].rank:
+                    raise ValueError(f"block {j} is on rank {blocks[j].rank}, but the placement puts it on rank {self.pool.owner(j)}")
+                self.pool.incref(blocks[j])
+                child = node.children[key] = _Node(node, key, blocks[j], now)
+                self.num_blocks += 1
+                added += 1
+            child.last_access = now
+            node = child
+        return added
+
+    def evictable(self, node: _Node) -> bool:
+        return node is not self._root and not node.children and self.pool.refcount(node.block) == 1
+
+    def evict(self, rank: int | None = None, num_free: int = 0) -> int:
+        """Evict unreferenced leaves, least recently used first, until rank `rank`'s pool has
+        `num_free` free blocks (rank None: evict everything evictable). Returns blocks freed."""
+        def satisfied() -> bool:
+            return rank is not None and self.pool.pools[rank].num_free >= num_free
+
+        if satisfied():
+            return 0
+        heap = [(n.last_access, id(n), n) for n in self._nodes() if self.evictable(n)]
+        heapq.heapify(heap)
+        freed = 0
+        while heap and not satisfied():
+            _, _, node = heapq.heappop(heap)
+            parent = node.parent
+            del parent.children[node.key]
+            self.num_blocks -= 1
+            freed += self.pool.decref(node.block)
+            if self.evictable(parent):
+                heapq.heappush(heap, (parent.last_access, id(parent), parent))
+        return freed
+
+    def clear(self) -> int:
+        """Evict every block that no sequence uses. Returns blocks freed."""
+        return self.evict(None)
+
+    def _nodes(self):
+        stack = list(self._root.children.values())
+        while stack:
+            node = stack.pop()
+            stack.extend(node.children.values())
+            yield node
+
+    def __repr__(self) -> str:
+        return f"PrefixCache({self.num_blocks} blocks of {self.block_size} tokens)"

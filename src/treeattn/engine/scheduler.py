@@ -1,0 +1,288 @@
+"""Continuous batching: which tokens of which sequences the next step runs (driver side, no tensors).
+
+Every step the scheduler plans one batched forward pass over all running sequences:
+
+- a sequence that is decoding runs its one new token (every running decoder, every step);
+- a sequence still in its prompt runs the next chunk of it (chunked prefill): at most
+  `prefill_chunk` prompt tokens per step over all such sequences, so a long new prompt is spread
+  over several steps and the decoders keep going in between;
+- waiting requests are admitted, first come first served, while the batch has room
+  (`max_batch_size`) and their first chunk's blocks can be had. With a prefix cache, a new request
+  starts from the longest cached prefix of its prompt and prefills only the rest.
+
+Blocks are taken as tokens need them. When a sequence needs a block and its rank's pool is empty,
+unreferenced cached blocks are evicted (least recently used first); if that is not enough, the
+youngest running sequence is preempted: its blocks go back (into the prefix cache when there is
+one, so that its recomputation is mostly a cache hit) and it waits at the front of the queue to
+be recomputed from its prompt and the tokens it already produced. The oldest sequence therefore
+always progresses, so every request that fits in the cache alone completes.
+
+Sequences are numbered by arrival; a step's plan lists, per sequence, the tokens to run, their
+first position and the sequence's block table (treeattn.cache.blocks): that is all a rank needs.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from dataclasses import dataclass, field
+
+from treeattn.cache.blocks import BlockRef, ShardedBlockPool, tokens_to_blocks
+from treeattn.cache.prefix import PrefixCache
+from treeattn.engine.request import SamplingParams
+
+
+@dataclass(frozen=True)
+class SampleSpec:
+    """How rank 0 picks a sequence's next token: sampling parameters and the seed of its generator."""
+
+    temperature: float
+    top_k: int
+    top_p: float
+    seed: int
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """The tokens one sequence runs in one step.
+
+    Attributes:
+        seq_id: the sequence.
+        tokens: token ids to run (1 when decoding, up to a prefill chunk).
+        start: position of tokens[0] (positions start..start+len(tokens)-1).
+        blocks: the sequence's block table, logical block j first; covers every position up to
+            start + len(tokens) - 1.
+        sample: set when the last of these tokens is the sequence's last known token: rank 0
+            samples the next token from its logits.
+    """
+
+    seq_id: int
+    tokens: tuple[int, ...]
+    start: int
+    blocks: tuple[BlockRef, ...]
+    sample: SampleSpec | None
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """One step: chunks of single tokens first (decoders), then longer chunks (prefills).
+    `release`: sequences that ended since the last step (ranks drop their sampling state)."""
+
+    chunks: tuple[Chunk, ...]
+    release: tuple[int, ...] = ()
+
+
+@dataclass(eq=False)
+class Sequence:
+    """A request in the scheduler: its tokens, its blocks, how far its keys/values are computed."""
+
+    seq_id: int
+    prompt: list[int]
+    params: SamplingParams
+    stop_token_ids: frozenset[int]
+    generated: list[int] = field(default_factory=list)
+    blocks: list[BlockRef] = field(default_factory=list)
+    num_computed: int = 0  # leading tokens whose keys/values are in the cache
+    cached_prompt_tokens: int | None = None  # prompt tokens found in the prefix cache at first admission
+    preemptions: int = 0
+    finish_reason: str | None = None
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.generated
+
+    @property
+    def pending(self) -> int:
+        """Known tokens not yet run through the model (1 while decoding)."""
+        return len(self.prompt) + len(self.generated) - self.num_computed
+
+    def sample_spec(self) -> SampleSpec:
+        p = self.params
+        return SampleSpec(p.temperature, p.top_k, p.top_p, p.seed)
+
+
+class Scheduler:
+    """Plans steps over a ShardedBlockPool (see the module docstring).
+
+    Args:
+        pool: the blocks of every rank.
+        max_batch_size: running sequences at most.
+        prefill_chunk: prompt tokens per step at most, over all prefilling sequences.
+        prefix_cache: a PrefixCache over `pool`, or None for no prefix reuse.
+    """
+
+    def __init__(self, pool: ShardedBlockPool, *, max_batch_size: int, prefill_chunk: int, prefix_cache: PrefixCache | None) -> None:
+        for name, value in (("max_batch_size", max_batch_size), ("prefill_chunk", prefill_chunk)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        self.pool = pool
+        self.max_batch_size = max_batch_size
+        self.prefill_chunk = prefill_chunk
+        self.prefix_cache = prefix_cache
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # oldest first
+        self._ids = itertools.count()
+        self._release: list[int] = []
+        self.prefix_hit_tokens = 0
+
+    # ------------------------------------------------------------------------------ requests
+
+    def add(self, prompt: list[int], params: SamplingParams, stop_token_ids: frozenset[int]) -> Sequence:
+        """Queue a request (the engine has checked that it fits alone)."""
+        seq = Sequence(next(self._ids), list(prompt), params, stop_token_ids)
+        self.waiting.append(seq)
+        return seq
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """End a sequence (done, cancelled or failed): its blocks go back, into the prefix cache
+        when there is one."""
+        seq.finish_reason = reason
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self._free_blocks(seq)
+        self._release.append(seq.seq_id)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    # ------------------------------------------------------------------------------ planning
+
+    def schedule(self) -> StepPlan:
+        """The next step's plan (no chunks when nothing can run)."""
+        budget = self.prefill_chunk
+        planned: list[tuple[Sequence, int]] = []
+        for seq in list(self.running):  # oldest first
+            if seq not in self.running:  # preempted for an older one in this loop
+                continue
+            n = 1 if seq.pending == 1 else min(seq.pending, budget)
+            if n == 0:
+                continue
+            n = self._make_room(seq, n, planned)
+            if n == 0:
+                continue
+            planned.append((seq, n))
+            if n > 1:
+                budget -= n
+        while self.waiting and len(self.running) < self.max_batch_size:
+            seq = self.waiting[0]
+            n = self._admit(seq, budget)
+            if n == 0:
+                break
+            self.waiting.popleft()
+            self.running.append(seq)
+            planned.append((seq, n))
+            if n > 1:
+                budget -= n
+        return self._plan(planned)
+
+    def complete(self, plan: StepPlan, sampled: dict[int, int]) -> list[tuple[Sequence, int, str | None]]:
+        """Record a step's outcome: `sampled` maps seq_id -> new token for every chunk with a
+        sample. Returns (sequence, token, finish reason or None) for each new token; sequences
+        that reached a stop token or max_new_tokens are finished here."""
+        out = []
+        by_id = {seq.seq_id: seq for seq in self.running}
+        for chunk in plan.chunks:
+            seq = by_id.get(chunk.seq_id)
+            if seq is None:  # finished (cancelled) while the step ran
+                continue
+            seq.num_computed = chunk.start + len(chunk.tokens)
+            if chunk.sample is None:
+                continue
+            token = sampled[chunk.seq_id]
+            seq.generated.append(token)
+            reason = None
+            if token in seq.stop_token_ids:
+                reason = "stop"
+            elif len(seq.generated) >= seq.params.max_new_tokens:
+                reason = "length"
+            if reason is not None:
+                self.finish(seq, reason)
+            out.append((seq, token, reason))
+        return out
+
+    def _plan(self, planned: list[tuple[Sequence, int]]) -> StepPlan:
+        chunks = []
+        for seq, n in sorted(planned, key=lambda item: item[1] > 1):  # single tokens first, stable
+            tokens = seq.tokens[seq.num_computed : seq.num_computed + n]
+            sample = seq.sample_spec() if seq.num_computed + n == len(seq.prompt) + len(seq.generated) else None
+            chunks.append(Chunk(seq.seq_id, tuple(tokens), seq.num_computed, tuple(seq.blocks), sample))
+        release, self._release = tuple(self._release), []
+        return StepPlan(tuple(chunks), release)
+
+    def _admit(self, seq: Sequence, budget: int) -> int:
+        """Give the head of the queue its cached prefix and its first chunk's blocks; returns the
+        tokens it runs this step (0: it cannot start now, and holds nothing)."""
+        if self.prefix_cache is not None:
+            seq.blocks = self.prefix_cache.match(seq.tokens[: len(seq.tokens) - 1])  # >= 1 token left to run
+            for block in seq.blocks:
+                self.pool.incref(block)
+        seq.num_computed = len(seq.blocks) * self.pool.block_size
+        if seq.cached_prompt_tokens is None:
+            seq.cached_prompt_tokens = min(seq.num_computed, len(seq.prompt))
+            self.prefix_hit_tokens += seq.cached_prompt_tokens
+        n = 1 if seq.pending == 1 else min(seq.pending, budget)
+        n = self._fit(seq, n) if n else 0
+        if n == 0:
+            self._free_blocks(seq)
+        return n
+
+    def _make_room(self, seq: Sequence, n: int, planned: list[tuple[Sequence, int]]) -> int:
+        """Get the blocks for `n` more tokens of running `seq`, preempting younger sequences if
+        need be. Returns how many tokens it runs (fewer than n for a prefill chunk that only fits
+        in part; 0 if `seq` itself had to be preempted)."""
+        while True:
+            fitted = self._fit(seq, n)
+            if fitted == n or (fitted > 0 and n > 1):
+                return fitted
+            victim = self.running[-1]
+            self._preempt(victim)
+            if victim is seq:
+                return 0
+            for i, (other, _) in enumerate(planned):
+                if other is victim:  # cannot happen (victims are younger), kept for safety
+                    del planned[i]
+                    break
+
+    def _fit(self, seq: Sequence, n: int) -> int:
+        """Allocate the blocks for up to `n` more tokens of `seq` (evicting cached blocks if need
+        be); returns how many tokens got their blocks (n, fewer, or 0)."""
+        bs = self.pool.block_size
+        have = len(seq.blocks)
+        for target in range(tokens_to_blocks(seq.num_computed + n, bs), have - 1, -1):
+            needed = self.pool.blocks_needed(have, target)
+            if self.prefix_cache is not None:
+                for rank, count in enumerate(needed):
+                    if count > self.pool.pools[rank].num_free:
+                        self.prefix_cache.evict(rank, count)
+            if self.pool.can_allocate(needed):
+                seq.blocks.extend(self.pool.allocate(j) for j in range(have, target))
+                return max(0, min(n, target * bs - seq.num_computed))
+        return 0
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self._free_blocks(seq)
+        seq.num_computed = 0
+        seq.preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def _free_blocks(self, seq: Sequence) -> None:
+        if self.prefix_cache is not None and seq.blocks:
+            self.prefix_cache.insert(seq.tokens[: seq.num_computed], seq.blocks)
+        for block in seq.blocks:
+            self.pool.decref(block)
+        seq.blocks = []
+
+    def stats(self) -> dict:
+        return {
+            "blocks_total": self.pool.num_blocks,
+            "blocks_free": self.pool.num_free,
+            "blocks_used": self.pool.num_blocks - self.pool.num_free,
+            "blocks_cached": self.prefix_cache.num_blocks if self.prefix_cache is not None else 0,
+            "running": len(self.running),
+            "waiting": len(self.waiting),
+            "prefix_hit_tokens": self.prefix_hit_tokens,
+        }
