@@ -20,6 +20,7 @@ from treeattn.cache import ShardedKVCache
 from treeattn.models import LlamaConfig, LlamaModel, load_model, load_tokenizer
 from treeattn.generate import GenerationResult, generate, stream
 from treeattn.decode_step import DecodeStep
+from treeattn.engine import Engine, RequestResult, SamplingParams, TokenEvent
 
 __version__ = "0.1.0"
 
@@ -47,4 +48,8 @@ __all__ = [
     "generate",
     "stream",
     "DecodeStep",
+    "Engine",
+    "RequestResult",
+    "SamplingParams",
+    "TokenEvent",
 ]

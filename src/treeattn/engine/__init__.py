@@ -1,8 +1,18 @@
-"""The decoding engine: what one generation is (GenerationConfig, validated once), and the
-per-rank worker that runs it.
+"""The decoding engine.
+
+    ta.Engine (engine.py)              many requests at once over the sharded KV cache: the driver
+    SamplingParams, TokenEvent,        what a request asks for and what comes back (request.py)
+    RequestResult
+    Scheduler (scheduler.py)           continuous batching, chunked prefill, preemption, prefix reuse
+    RankRunner (runner.py)             one rank's side of an engine step
+    GenerationConfig (config.py)       what one ta.generate run is, validated once
+    generate_rank.py                   the per-rank worker of `treeattn generate`
 
     from treeattn.engine.config import GenerationConfig
     config = GenerationConfig(max_new_tokens=64, decode="tree", top_p=0.9, temperature=0.7)
-
-Submodules are imported where they are used; this package imports nothing at start-up.
 """
+
+from treeattn.engine.engine import Engine, EngineConfig, EngineError, RequestHandle
+from treeattn.engine.request import RequestResult, SamplingParams, TokenEvent
+
+__all__ = ["Engine", "EngineConfig", "EngineError", "RequestHandle", "RequestResult", "SamplingParams", "TokenEvent"]

@@ -124,6 +124,7 @@ class Scheduler:
         self._ids = itertools.count()
         self._release: list[int] = []
         self.prefix_hit_tokens = 0
+        self.preemptions = 0
 
     # ------------------------------------------------------------------------------ requests
 
@@ -267,6 +268,7 @@ class Scheduler:
         self._free_blocks(seq)
         seq.num_computed = 0
         seq.preemptions += 1
+        self.preemptions += 1
         self.waiting.appendleft(seq)
 
     def _free_blocks(self, seq: Sequence) -> None:
@@ -285,4 +287,5 @@ class Scheduler:
             "running": len(self.running),
             "waiting": len(self.waiting),
             "prefix_hit_tokens": self.prefix_hit_tokens,
+            "preemptions": self.preemptions,
         }

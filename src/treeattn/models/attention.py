@@ -204,6 +204,29 @@ def hide_outside_window(q_pos: torch.Tensor, kv_pos: torch.Tensor, window: int) 
     return torch.where(q_pos - kv_pos >= window, torch.full_like(kv_pos, INVISIBLE_POSITION), kv_pos)
 
 
+def group_world_size(group: dist.ProcessGroup | None) -> int:
+    """Ranks in `group` (None: the world); 1 when torch.distributed is not initialized."""
+    if not (dist.is_available() and dist.is_initialized()):
+        if group is not None:
+            raise ValueError("group was given but torch.distributed is not initialized")
+        return 1
+    return dist.get_world_size(group)
+
+
+def attention_backend(decode: str, *, method: str = "allreduce", group: dist.ProcessGroup | None = None, topology=None):
+    """The one place a rank's decode attention is chosen, from `decode` ("local", "tree", "ring")
+    and the size of `group`: a group of one rank (or no process group) attends locally whatever
+    `decode` says, since there is nothing to combine; "local" on several ranks is refused."""
+    if decode not in DECODE_KINDS:
+        raise ValueError(f"decode must be one of {DECODE_KINDS}, got {decode!r}")
+    p = group_world_size(group)
+    if p == 1:
+        return LocalAttention()
+    if decode == "local":
+        raise ValueError(f"decode='local' runs on one rank, but the group has {p}; use 'tree' or 'ring'")
+    return decode_attention(decode, method=method, group=group, topology=topology)
+
+
 def decode_attention(kind: str, *, method: str = "allreduce", group: dist.ProcessGroup | None = None, topology=None):
     """The decode attention named `kind` ("local", "tree" or "ring")."""
     if kind == "local":

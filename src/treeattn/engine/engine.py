@@ -1,0 +1,692 @@
+"""ta.Engine: many requests at once over a KV cache sharded across ranks.
+
+    with ta.Engine(model, nproc=4, decode="tree", max_batch_size=16, prefix_cache=True, block_size=256) as engine:
+        results = engine.generate(prompts, max_new_tokens=64)          # list of RequestResult
+        for event in engine.stream(prompt, max_new_tokens=64): ...     # TokenEvent as they come
+        handle = engine.submit(prompt, SamplingParams(...))            # thread-safe; handle.cancel()
+
+Processes. The Engine object is the driver: it lives in the caller's process and owns the
+scheduler (treeattn.engine.scheduler), the block pools and the prefix cache. It starts `nproc`
+rank processes with ta.spawn; each builds the model and its share of the cache
+(treeattn.engine.runner). Every step the driver sends the step's plan to rank 0, rank 0
+broadcasts it to the group, every rank runs the same batched forward pass (tree_decode across
+the ranks in every attention layer), and rank 0 answers with the sampled tokens. The driver runs
+in one background thread; submit() and cancel() only queue a message for it, so they are safe
+from any thread, and events are delivered from that thread (on_event) or through the handle.
+
+Inside an existing process group (torchrun, or a function run by ta.spawn) nothing is started:
+the Engine joins the group. On group rank 0 it is the driver and runs rank 0's share itself; on
+the other ranks the constructor serves steps until the driver closes, then returns an engine
+with is_driver False.
+
+Failures: a request that can never fit, or bad input, fails alone (see submit); an error on any
+rank (a rank that dies, a collective that times out after timeout_s) fails every pending request
+with finish_reason "error", sets healthy False, and makes later calls raise; close() then leaves
+no rank process behind.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import queue
+import threading
+import time
+import traceback
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from multiprocessing.connection import Client, Listener
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from treeattn.cache.blocks import ShardedBlockPool
+from treeattn.cache.placement import PLACEMENTS
+from treeattn.cache.prefix import PrefixCache
+from treeattn.engine.request import RequestResult, SamplingParams, TokenEvent
+from treeattn.engine.runner import RankRunner
+from treeattn.engine.scheduler import Scheduler, Sequence as _Seq
+from treeattn.models.attention import DECODE_KINDS
+
+logger = logging.getLogger(__name__)
+
+METHODS = ("allreduce", "tree", "twolevel")
+
+
+class EngineError(RuntimeError):
+    """The engine cannot go on (a rank died or failed); every pending request has failed."""
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How an Engine runs, validated once and shipped to the ranks (see Engine for the fields)."""
+
+    nproc: int = 1
+    decode: str = "tree"
+    method: str = "allreduce"
+    placement: str = "contiguous"
+    max_batch_size: int = 16
+    cache_tokens: int | None = None
+    prefix_cache: bool = True
+    block_size: int = 256
+    prefill_chunk: int = 512
+    dtype: torch.dtype | None = None
+    timeout_s: float = 60.0
+    threads_per_rank: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("nproc", "max_batch_size", "block_size", "prefill_chunk"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        for name in ("cache_tokens", "threads_per_rank"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be an int >= 1 or None, got {value!r}")
+        if self.decode not in DECODE_KINDS:
+            raise ValueError(f"decode must be one of {DECODE_KINDS}, got {self.decode!r}")
+        if self.method not in METHODS:
+            raise ValueError(f"method must be one of {METHODS}, got {self.method!r}")
+        if self.placement not in PLACEMENTS:
+            raise ValueError(f"placement must be one of {PLACEMENTS}, got {self.placement!r}")
+        if not isinstance(self.prefix_cache, bool):
+            raise ValueError(f"prefix_cache must be a bool, got {self.prefix_cache!r}")
+        if self.dtype is not None and (not isinstance(self.dtype, torch.dtype) or not self.dtype.is_floating_point):
+            raise ValueError(f"dtype must be a floating torch.dtype or None, got {self.dtype!r}")
+        if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float)) or not self.timeout_s > 0:
+            raise ValueError(f"timeout_s must be a number of seconds > 0, got {self.timeout_s!r}")
+
+    def blocks_per_rank(self, max_position_embeddings: int) -> int:
+        """Blocks in each rank's pool: cache_tokens over all ranks, default
+        max(max_batch_size * 2048, min(max_position_embeddings, 32768)) tokens."""
+        tokens = self.cache_tokens or max(self.max_batch_size * 2048, min(max_position_embeddings, 32768))
+        return max(1, -(-tokens // (self.block_size * self.nproc)))
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the driver needs to know of the model (rank 0 reports it)."""
+
+    vocab_size: int
+    max_position_embeddings: int
+    eos_token_ids: tuple[int, ...]
+
+
+class RequestHandle:
+    """A submitted request: iterate for its TokenEvents, result() for its RequestResult."""
+
+    def __init__(self, engine: "Engine", request_id: str, on_event: Callable[[TokenEvent], None] | None) -> None:
+        self.request_id = request_id
+        self._engine = engine
+        self._on_event = on_event
+        self._events: queue.Queue[TokenEvent] = queue.Queue()
+        self._done = threading.Event()
+        self._result: RequestResult | None = None
+
+    def cancel(self) -> None:
+        """Stop the request (its blocks are freed); it finishes with finish_reason "cancelled"."""
+        self._engine._post(("cancel", self.request_id))
+
+    def result(self, timeout: float | None = None) -> RequestResult:
+        """Wait for the request to end; TimeoutError after `timeout` seconds."""
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"request {self.request_id} did not finish within {timeout} s")
+        return self._result
+
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def __iter__(self) -> Iterator[TokenEvent]:
+        while True:
+            event = self._events.get()
+            yield event
+            if event.finished:
+                return
+
+    def _emit(self, event: TokenEvent, result: RequestResult | None = None) -> None:
+        if result is not None:
+            self._result = result
+        self._events.put(event)
+        if self._on_event is not None:
+            try:
+                self._on_event(event)
+            except Exception:  # a consumer's bug must not stop the engine
+                logger.exception("on_event callback of request %s raised", self.request_id)
+        if result is not None:
+            self._done.set()
+
+
+class _Request:
+    """The driver's record of one request: its handle, sequence, text and timings."""
+
+    def __init__(self, handle: RequestHandle, prompt: list[int], params: SamplingParams, submitted: float) -> None:
+        self.handle, self.prompt, self.params, self.submitted = handle, prompt, params, submitted
+        self.seq: _Seq | None = None
+        self.token_ids: list[int] = []
+        self.text = ""
+        self.first_token_at: float | None = None
+
+
+class Engine:
+    """The serving core (see the module docstring).
+
+    Args:
+        model: a LlamaModel, or a checkpoint directory (loaded on every rank with ta.load_model).
+        nproc: ranks sharing the KV cache (ignored inside an existing group: its size is used).
+        decode: "tree" (tree_decode), "ring" (ring_decode, pass-KV) or "local" (one rank).
+        method: tree_decode method, "allreduce" (default), "tree" or "twolevel".
+        placement: "contiguous" or "interleaved" placement of a sequence's blocks on the ranks.
+        max_batch_size: sequences running together at most.
+        cache_tokens: KV cache size in tokens over all ranks (default: see EngineConfig).
+        prefix_cache: reuse cached prompt prefixes (radix tree over blocks).
+        block_size: tokens per cache block (the unit of allocation, sharing and placement).
+        prefill_chunk: prompt tokens per step at most (chunked prefill).
+        dtype: model dtype (None: the checkpoint's float32, or the given model's).
+        timeout_s: the group's timeout for every collective, and how long the driver waits for
+            the ranks to start.
+        threads_per_rank: torch threads of each rank process (default cpu_count // nproc).
+        group: inside an existing process group only: the ranks that share the cache (None:
+            the world); its rank 0 is the driver.
+    """
+
+    def __init__(self, model, *, nproc: int = 1, decode: str = "tree", method: str | None = None,
+                 placement: str = "contiguous", max_batch_size: int = 16, cache_tokens: int | None = None,
+                 prefix_cache: bool = True, block_size: int = 256, prefill_chunk: int = 512,
+                 dtype: torch.dtype | None = None, timeout_s: float = 60.0, threads_per_rank: int | None = None,
+                 group: dist.ProcessGroup | None = None) -> None:
+        joined = dist.is_available() and dist.is_initialized()
+        if group is not None and not joined:
+            raise ValueError("group was given but torch.distributed is not initialized")
+        if joined:
+            if group is not None and dist.get_rank(group) < 0:
+                raise ValueError("this process is not a member of `group`")
+            nproc = dist.get_world_size(group)
+        self.config = EngineConfig(nproc=nproc, decode=decode, method=method or "allreduce", placement=placement,
+                                   max_batch_size=max_batch_size, cache_tokens=cache_tokens, prefix_cache=prefix_cache,
+                                   block_size=block_size, prefill_chunk=prefill_chunk, dtype=dtype, timeout_s=timeout_s,
+                                   threads_per_rank=threads_per_rank)
+        if self.config.nproc > 1 and self.config.decode == "local":
+            raise ValueError(f"decode='local' runs on one rank, but nproc={self.config.nproc}; use 'tree' or 'ring'")
+        _check_model(model)
+        self.tokenizer = _tokenizer_of(model)
+        self.healthy = False
+        self.is_driver = True
+        self._inbox: queue.Queue = queue.Queue()
+        self._requests: dict[str, _Request] = {}
+        self._ids = itertools.count()
+        self._closed = False
+        self._failure: str | None = None
+        self._counters = {"prompt_tokens": 0, "generated_tokens": 0}
+        self._lock = threading.Lock()
+        if joined or self.config.nproc == 1:  # one rank needs no process of its own: it runs in the driver thread
+            self._channel = _GroupChannel(model, self.config, group if joined else None)
+            if joined and dist.get_rank(group) != 0:
+                self.is_driver = False
+                self._channel.serve()
+                return
+        else:
+            self._channel = _SpawnedRanks(model, self.config)
+        info = self._channel.info
+        self.model_info = info
+        blocks_per_rank = self.config.blocks_per_rank(info.max_position_embeddings)
+        self.pool = ShardedBlockPool(world_size=self.config.nproc, blocks_per_rank=blocks_per_rank,
+                                     block_size=self.config.block_size, placement=self.config.placement)
+        self.prefix_cache = PrefixCache(self.pool) if self.config.prefix_cache else None
+        self.scheduler = Scheduler(self.pool, max_batch_size=self.config.max_batch_size,
+                                   prefill_chunk=self.config.prefill_chunk, prefix_cache=self.prefix_cache)
+        self.max_context = min(self.pool.max_tokens_per_sequence, info.max_position_embeddings)
+        self.healthy = True
+        self._driver = threading.Thread(target=self._drive, name="treeattn-engine-driver", daemon=True)
+        self._driver.start()
+
+    # ------------------------------------------------------------------------------ public
+
+    def submit(self, prompt, params: SamplingParams | None = None, *, on_event: Callable[[TokenEvent], None] | None = None,
+               request_id: str | None = None) -> RequestHandle:
+        """Queue one request; returns at once. Thread-safe.
+
+        Args:
+            prompt: a string (needs a tokenizer) or a list of token ids.
+            params: SamplingParams (default: greedy, 64 new tokens).
+            on_event: called with each TokenEvent from the engine's driver thread.
+            request_id: a name for it (default: a fresh "req-N").
+
+        Raises:
+            ValueError: invalid params, an empty prompt, token ids outside the vocabulary, a
+                string without a tokenizer. A prompt that can never fit (prompt + max_new_tokens >
+                engine.max_context) is not raised: the request finishes with finish_reason
+                "error" and a message naming the limit.
+            EngineError: the engine has failed or is closed.
+        """
+        self._require_driver()
+        if params is None:
+            params = SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+        ids = self._prompt_ids(prompt)
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer; this engine has none (use stop_token_ids)")
+        if self._failure is not None or self._closed:
+            raise EngineError(self._failure or "the engine is closed")
+        request_id = request_id or f"req-{next(self._ids)}"
+        handle = RequestHandle(self, request_id, on_event)
+        self._post(("submit", _Request(handle, ids, params, time.perf_counter())))
+        return handle
+
+    def generate(self, prompts, max_new_tokens: int = 64, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
+                 seed: int = 0, stop=None, stop_token_ids: Sequence[int] = (), ignore_eos: bool = False) -> list[RequestResult]:
+        """Run a list of prompts (strings or token-id lists) together; their results in order.
+        A single prompt (a string or one list of ints) gives a list of one result."""
+        params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
+                                stop_token_ids=tuple(stop_token_ids), stop=stop or (), ignore_eos=ignore_eos)
+        if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts and all(_is_id(t) for t in prompts)):
+            prompts = [prompts]
+        handles = [self.submit(p, params) for p in prompts]
+        results = [h.result() for h in handles]
+        if self._failure is not None:
+            raise EngineError(self._failure)
+        return results
+
+    def stream(self, prompt, max_new_tokens: int = 64, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
+               seed: int = 0, stop=None, stop_token_ids: Sequence[int] = (), ignore_eos: bool = False) -> Iterator[TokenEvent]:
+        """One prompt's TokenEvents as they come (the last one has finished=True). Leaving the loop
+        early cancels the request."""
+        params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
+                                stop_token_ids=tuple(stop_token_ids), stop=stop or (), ignore_eos=ignore_eos)
+        handle = self.submit(prompt, params)
+        finished = False
+        try:
+            for event in handle:
+                finished = event.finished
+                yield event
+        finally:
+            if not finished:
+                handle.cancel()
+
+    def stats(self) -> dict:
+        """blocks_total, blocks_used, blocks_free, blocks_cached, running, waiting,
+        prefix_hit_tokens, prompt_tokens, generated_tokens, healthy (a consistent snapshot)."""
+        self._require_driver()
+        with self._lock:
+            out = dict(self._stats)
+        out["healthy"] = self.healthy
+        return out
+
+    def clear_prefix_cache(self) -> None:
+        """Evict every cached block no running request uses (waits for the driver to do it)."""
+        self._require_driver()
+        done = threading.Event()
+        self._post(("clear", done))
+        done.wait()
+
+    def close(self) -> None:
+        """Cancel what is still pending, stop the ranks and wait for them to exit."""
+        if not self.is_driver or self._closed:
+            return
+        self._closed = True
+        self._post(("close", None))
+        self._driver.join()
+        self._channel.close()
+        self.healthy = False
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            if getattr(self, "_driver", None) is not None and not self._closed:
+                self.close()
+        except Exception:
+            pass
+
+    # ------------------------------------------------------------------------------ driver
+
+    def _post(self, message) -> None:
+        self._inbox.put(message)
+
+    def _drive(self) -> None:
+        """The driver thread: take messages, plan a step, run it on the ranks, deliver events."""
+        self._update_stats()
+        try:
+            while True:
+                block = not self.scheduler.has_work
+                if not self._take_messages(block):
+                    break
+                if not self.scheduler.has_work:
+                    continue
+                plan = self.scheduler.schedule()
+                if not plan.chunks:
+                    self._fail_stuck_head()
+                    continue
+                sampled = self._channel.run(plan)
+                now = time.perf_counter()
+                for seq, token, reason in self.scheduler.complete(plan, sampled):
+                    self._on_token(self._by_seq[seq.seq_id], token, reason, now)
+                self._update_stats()
+        except BaseException as exc:  # noqa: BLE001 -- every failure must reach the requests
+            self._failure = f"engine failed: {type(exc).__name__}: {exc}"
+            logger.error("%s\n%s", self._failure, traceback.format_exc())
+            self.healthy = False
+        finally:
+            reason = self._failure or "the engine was closed"
+            while not self._inbox.empty():  # submissions that raced with the end
+                kind, payload = self._inbox.get()
+                if kind == "submit":
+                    self._requests[payload.handle.request_id] = payload
+                elif kind == "clear":
+                    payload.set()
+            for request in list(self._requests.values()):
+                self._finish(request, "error" if self._failure else "cancelled", time.perf_counter(),
+                             error=reason if self._failure else None)
+            self._update_stats()
+
+    def _take_messages(self, block: bool) -> bool:
+        """Handle queued submissions, cancels and commands; False when closing."""
+        while True:
+            try:
+                kind, payload = self._inbox.get(block=block, timeout=0.2 if block else None)
+            except queue.Empty:
+                if block and not self._channel.alive():  # idle, and the ranks are gone
+                    raise EngineError("the engine's rank processes ended")
+                if block:
+                    continue
+                return True
+            block = False
+            if kind == "close":
+                return False
+            if kind == "submit":
+                self._start(payload)
+            elif kind == "cancel":
+                request = self._requests.get(payload)
+                if request is not None:
+                    self._finish(request, "cancelled", time.perf_counter())
+            elif kind == "clear":
+                if self.prefix_cache is not None:
+                    self.prefix_cache.clear()
+                self._update_stats()
+                payload.set()
+
+    @property
+    def _by_seq(self) -> dict[int, _Request]:
+        return {r.seq.seq_id: r for r in self._requests.values() if r.seq is not None}
+
+    def _start(self, request: _Request) -> None:
+        self._requests[request.handle.request_id] = request
+        need = len(request.prompt) + request.params.max_new_tokens
+        if need > self.max_context:
+            limit = ("the KV cache holds" if self.max_context == self.pool.max_tokens_per_sequence
+                     else "the model's max_position_embeddings is")
+            self._finish(request, "error", time.perf_counter(), error=(
+                f"prompt of {len(request.prompt)} tokens + max_new_tokens={request.params.max_new_tokens} needs {need} "
+                f"positions, but {limit} {self.max_context} (engine.max_context)"))
+            return
+        stop_ids = set(request.params.stop_token_ids)
+        if not request.params.ignore_eos:
+            stop_ids |= set(self.model_info.eos_token_ids)
+        request.seq = self.scheduler.add(request.prompt, request.params, frozenset(stop_ids))
+        self._counters["prompt_tokens"] += len(request.prompt)
+
+    def _on_token(self, request: _Request, token: int, reason: str | None, now: float) -> None:
+        if request.first_token_at is None:
+            request.first_token_at = now
+        request.token_ids.append(token)
+        self._counters["generated_tokens"] += 1
+        delta = self._text_delta(request)
+        if reason is None and request.params.stop:
+            cut = min((i for i in (request.text.find(s) for s in request.params.stop) if i >= 0), default=-1)
+            if cut >= 0:
+                delta = delta[: max(0, len(delta) - (len(request.text) - cut))]
+                request.text = request.text[:cut]
+                self.scheduler.finish(request.seq, "stop")
+                reason = "stop"
+        if reason is None:
+            request.handle._emit(TokenEvent(request.handle.request_id, token, delta))
+        else:
+            self._finish(request, reason, now, token=token, delta=delta)
+
+    def _text_delta(self, request: _Request) -> str:
+        if self.tokenizer is None:
+            return ""
+        text = self.tokenizer.decode(request.token_ids)
+        if text.endswith("\ufffd"):  # an incomplete multi-byte character: wait for the rest
+            return ""
+        delta, request.text = text[len(request.text):], text
+        return delta
+
+    def _finish(self, request: _Request, reason: str, now: float, *, token: int | None = None, delta: str = "",
+                error: str | None = None) -> None:
+        """End a request: free its sequence (if the scheduler still has it) and deliver the result."""
+        self._requests.pop(request.handle.request_id, None)
+        seq = request.seq
+        if seq is not None and seq.finish_reason is None:
+            self.scheduler.finish(seq, reason)
+        first = request.first_token_at
+        result = RequestResult(
+            request_id=request.handle.request_id, token_ids=list(request.token_ids), text=request.text,
+            finish_reason=reason, prompt_tokens=len(request.prompt),
+            cached_prompt_tokens=(seq.cached_prompt_tokens or 0) if seq is not None else 0,
+            ttft_s=(first - request.submitted) if first is not None else float("nan"),
+            decode_s=(now - first) if first is not None else 0.0, error=error)
+        event = TokenEvent(request.handle.request_id, token, delta, finished=True, finish_reason=reason, error=error)
+        request.handle._emit(event, result)
+
+    def _fail_stuck_head(self) -> None:
+        """Nothing could run although requests wait: fail the head (cannot happen for requests
+        that fit alone; kept so that the driver can never spin)."""
+        seq = self.scheduler.waiting[0]
+        request = self._by_seq[seq.seq_id]
+        self._finish(request, "error", time.perf_counter(), error=(
+            f"no room in the KV cache for this request ({len(request.prompt)} prompt tokens; "
+            f"{self.pool.num_free} of {self.pool.num_blocks} blocks free)"))
+
+    def _update_stats(self) -> None:
+        stats = self.scheduler.stats()
+        stats.update(self._counters)
+        with self._lock:
+            self._stats = stats
+
+    def _require_driver(self) -> None:
+        if not self.is_driver:
+            raise EngineError("this process is a serving rank of the engine's group, not its driver (group rank 0)")
+
+    def _prompt_ids(self, prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("prompt is a string but the engine has no tokenizer; pass token ids")
+            prompt = self.tokenizer.encode(prompt).ids
+        if isinstance(prompt, torch.Tensor):
+            prompt = prompt.tolist()
+        if not isinstance(prompt, (list, tuple)) or len(prompt) == 0:
+            raise ValueError(f"prompt must be a non-empty string or list of token ids, got {prompt!r:.80}")
+        vocab = self.model_info.vocab_size
+        for t in prompt:
+            if not _is_id(t) or not 0 <= t < vocab:
+                raise ValueError(f"prompt: token ids must be ints in [0, {vocab}), got {t!r}")
+        return list(prompt)
+
+
+# ---------------------------------------------------------------------------------- the ranks
+
+
+def _is_id(t) -> bool:
+    return isinstance(t, int) and not isinstance(t, bool)
+
+
+def _check_model(model) -> None:
+    from treeattn.models.llama import LlamaModel
+
+    if isinstance(model, LlamaModel):
+        return
+    if not isinstance(model, (str, os.PathLike)):
+        raise ValueError(f"model must be a LlamaModel or a checkpoint path, got {type(model).__name__}")
+    if not Path(model).exists():
+        raise ValueError(f"model: no such file or directory: {model}")
+
+
+def _tokenizer_of(model):
+    if isinstance(model, (str, os.PathLike)) and Path(model).is_dir():
+        from treeattn.models import load_tokenizer
+
+        return load_tokenizer(model)
+    return None
+
+
+def _load_model(model, dtype):
+    from treeattn.models import load_model
+
+    if isinstance(model, (str, os.PathLike)):
+        return load_model(model, dtype=dtype or torch.float32)
+    return model if dtype is None else model.to(dtype)
+
+
+def _model_info(model) -> ModelInfo:
+    c = model.config
+    return ModelInfo(c.vocab_size, c.max_position_embeddings, tuple(c.eos_token_ids))
+
+
+def _make_runner(model, config: EngineConfig, group=None) -> RankRunner:
+    return RankRunner(model, group=group, blocks_per_rank=config.blocks_per_rank(model.config.max_position_embeddings),
+                      block_size=config.block_size, decode=config.decode if config.nproc > 1 else "local", method=config.method)
+
+
+def _broadcast_plan(plan, rank: int, group=None):
+    """Rank 0's plan (or None, the end) on every rank of `group`; `rank` is the group rank."""
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
+        box = [plan if rank == 0 else None]
+        src = 0 if group is None else dist.get_global_rank(group, 0)
+        dist.broadcast_object_list(box, src=src, group=group)
+        return box[0]
+    return plan
+
+
+def _serve_steps(runner: RankRunner, receive, reply) -> None:
+    """A rank's loop: take the next plan (rank 0 from `receive`, the others by broadcast), run it,
+    (rank 0) `reply` with the sampled tokens. Ends on a None plan."""
+    rank = runner.rank
+    while True:
+        plan = _broadcast_plan(receive() if rank == 0 else None, rank, runner.group)
+        if plan is None:
+            return
+        try:
+            sampled = runner.step(plan)
+        except BaseException as exc:
+            if rank == 0:
+                reply(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+            raise
+        if rank == 0:
+            reply(("ok", sampled))
+
+
+def _rank_main(rank: int, world_size: int, address, authkey: bytes, model, config: EngineConfig) -> None:
+    """Body of a spawned rank: build the model and cache, then serve steps until the driver ends."""
+    torch.set_num_threads(config.threads_per_rank or max(1, (os.cpu_count() or 1) // world_size))
+    model = _load_model(model, config.dtype)
+    runner = _make_runner(model, config)
+    if rank != 0:
+        _serve_steps(runner, None, None)
+        return
+    with Client(address, authkey=authkey) as conn:
+        conn.send(("ready", _model_info(model)))
+
+        def receive():
+            try:
+                return conn.recv()
+            except (EOFError, OSError):  # the driver is gone: end every rank
+                return None
+
+        _serve_steps(runner, receive, conn.send)
+
+
+class _SpawnedRanks:
+    """The rank processes of an Engine started with ta.spawn, and the driver's line to rank 0."""
+
+    def __init__(self, model, config: EngineConfig) -> None:
+        from treeattn.parallel.spawn import spawn
+
+        self.config = config
+        self._authkey = os.urandom(16)
+        self._listener = Listener(("127.0.0.1", 0), authkey=self._authkey)
+        self.failure: BaseException | None = None
+        self._thread = threading.Thread(target=self._spawn, args=(spawn, model), name="treeattn-engine-ranks", daemon=True)
+        self._thread.start()
+        accepted: list = []
+        acceptor = threading.Thread(target=lambda: accepted.append(self._listener.accept()), daemon=True)
+        acceptor.start()
+        deadline = time.monotonic() + max(config.timeout_s, 120.0)
+        while not accepted:
+            if not self._thread.is_alive():
+                self._listener.close()
+                raise EngineError(f"the engine's ranks failed to start: {self.failure}")
+            if time.monotonic() > deadline:
+                self._listener.close()
+                raise EngineError("the engine's ranks did not start in time")
+            acceptor.join(0.05)
+        self._conn = accepted[0]
+        kind, info = self._recv()
+        self.info: ModelInfo = info
+
+    def _spawn(self, spawn, model) -> None:
+        try:
+            spawn(_rank_main, self.config.nproc, self._listener.address, self._authkey, model, self.config,
+                  timeout=self.config.timeout_s)
+        except BaseException as exc:  # noqa: BLE001
+            self.failure = exc
+
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def _recv(self):
+        while not self._conn.poll(0.05):
+            if not self._thread.is_alive():
+                raise EngineError(f"the engine's ranks ended: {self.failure}")
+        try:
+            message = self._conn.recv()
+        except (EOFError, OSError) as exc:
+            raise EngineError("rank 0 of the engine is gone (its connection closed)") from exc
+        if message[0] == "error":
+            raise EngineError(f"a step failed on rank 0: {message[1]}")
+        return message
+
+    def run(self, plan) -> dict[int, int]:
+        try:
+            self._conn.send(plan)
+        except OSError as exc:
+            raise EngineError("rank 0 of the engine is gone (its connection closed)") from exc
+        return self._recv()[1]
+
+    def close(self) -> None:
+        try:
+            self._conn.send(None)
+        except OSError:
+            pass
+        self._thread.join()
+        self._conn.close()
+        self._listener.close()
+
+
+class _GroupChannel:
+    """An Engine inside an existing process group: rank 0 drives, every rank runs its share."""
+
+    def __init__(self, model, config: EngineConfig, group) -> None:
+        model = _load_model(model, config.dtype)
+        self.group = group
+        self.runner = _make_runner(model, config, group)
+        self.info = _model_info(model)
+
+    def serve(self) -> None:
+        _serve_steps(self.runner, None, None)
+
+    def alive(self) -> bool:
+        return True
+
+    def run(self, plan) -> dict[int, int]:
+        return self.runner.step(_broadcast_plan(plan, 0, self.group))
+
+    def close(self) -> None:
+        _broadcast_plan(None, 0, self.group)

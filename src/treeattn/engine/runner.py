@@ -1,0 +1,175 @@
+"""The per-rank side of the engine: run one step's plan through the model on this rank.
+
+Every rank of the group gets the same StepPlan (treeattn.engine.scheduler) and runs the same
+forward pass: all the step's tokens of all sequences as one flat row (1, T), whatever their
+sequences and positions. The model's two injected callables come from a PagedBatch:
+
+- kv_store writes the new keys/values of the tokens whose blocks this rank holds (the block
+  table names the rank of every block) and gathers, per group of sequences, this rank's blocks
+  of each sequence as its shard (B, blocks * block_size, Hkv, D), with every key's position
+  (slots past a sequence's end and padding blocks get INVISIBLE_POSITION);
+- attend regroups the flat queries per sequence: sequences running one token (decoding) form one
+  batch (B, 1), sequences running a prompt chunk another (B, Smax), padded with queries at
+  position -1 that see nothing. Each group makes one call of the rank's attention back end
+  (tree_decode / ring_decode across the ranks, plain attention on one rank): a decode-only step
+  is one tree_decode per layer for the whole batch.
+
+Rank 0 then samples the next token of each sequence whose chunk ends at its last known token,
+each with its own torch.Generator (seeded from the request), so a request's tokens do not depend
+on what it was batched with.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.distributed as dist
+
+from treeattn.cache.blocks import tokens_to_blocks
+from treeattn.cache.paged import PagedKVCache
+from treeattn.cache.sharded import INVISIBLE_POSITION
+from treeattn.engine.scheduler import Chunk, SampleSpec, StepPlan
+from treeattn.models.attention import attention_backend
+from treeattn.models.llama import LlamaModel
+
+logger = logging.getLogger(__name__)
+
+
+class _Group:
+    """Sequences attended in one call: their queries' rows in the flat step and their shards."""
+
+    def __init__(self, chunks: list[Chunk], offsets: list[int], rank: int, cache: PagedKVCache, device) -> None:
+        bs = cache.block_size
+        width = max(len(c.tokens) for c in chunks)
+        local = []  # per chunk: [(logical block, local block id)] of the blocks this rank holds
+        for c in chunks:
+            used = tokens_to_blocks(c.start + len(c.tokens), bs)
+            local.append([(j, ref.index) for j, ref in enumerate(c.blocks[:used]) if ref.rank == rank])
+        nb = max(len(blocks) for blocks in local)
+        q_index = torch.zeros(len(chunks), width, dtype=torch.int64)
+        q_pos = torch.full((len(chunks), width), -1, dtype=torch.int64)
+        table = torch.full((len(chunks), nb), cache.pad_block, dtype=torch.int64)
+        kv_pos = torch.full((len(chunks), nb * bs), INVISIBLE_POSITION, dtype=torch.int64)
+        for b, (c, offset, blocks) in enumerate(zip(chunks, offsets, local)):
+            n, end = len(c.tokens), c.start + len(c.tokens)
+            q_index[b, :n] = torch.arange(offset, offset + n)
+            q_pos[b, :n] = torch.arange(c.start, end)
+            for i, (j, index) in enumerate(blocks):
+                table[b, i] = index
+                pos = torch.arange(j * bs, (j + 1) * bs)
+                kv_pos[b, i * bs : (i + 1) * bs] = torch.where(pos < end, pos, INVISIBLE_POSITION)
+        self.valid = (q_pos >= 0).to(device)
+        self.q_index, self.q_pos = q_index.to(device), q_pos.to(device)
+        self.table, self.kv_pos = table.to(device), kv_pos.to(device)
+
+
+class PagedBatch:
+    """One step's tokens on this rank, with the kv_store and attend the model calls.
+
+    Args:
+        plan: the step (chunks of single tokens first).
+        rank: this rank in the group.
+        cache: this rank's PagedKVCache.
+        attend: the rank's attention back end (models.attention.attention_backend).
+    """
+
+    def __init__(self, plan: StepPlan, rank: int, cache: PagedKVCache, attend) -> None:
+        device, bs = cache.device, cache.block_size
+        self.cache, self.backend = cache, attend
+        tokens, positions, offsets, rows, slots, fresh = [], [], [], [], [], []
+        for c in plan.chunks:
+            offsets.append(len(tokens))
+            for i, pos in enumerate(range(c.start, c.start + len(c.tokens))):
+                ref = c.blocks[pos // bs]
+                if ref.rank == rank:
+                    rows.append(len(tokens) + i)
+                    slots.append(ref.index * bs + pos % bs)
+                    if pos % bs == 0:  # a block's first token: the block is new to this sequence
+                        fresh.append(ref.index)
+            tokens.extend(c.tokens)
+            positions.extend(range(c.start, c.start + len(c.tokens)))
+        self.tokens = torch.tensor([tokens], dtype=torch.int64, device=device)
+        self.positions = torch.tensor([positions], dtype=torch.int64, device=device)
+        self.store_rows = torch.tensor(rows, dtype=torch.int64, device=device)
+        self.store_slots = torch.tensor(slots, dtype=torch.int64, device=device)
+        self.offsets = offsets
+        if fresh:
+            cache.zero_blocks(torch.tensor(fresh, dtype=torch.int64, device=device))
+        single = [i for i, c in enumerate(plan.chunks) if len(c.tokens) == 1]
+        multi = [i for i, c in enumerate(plan.chunks) if len(c.tokens) > 1]
+        self.groups = [_Group([plan.chunks[i] for i in idx], [offsets[i] for i in idx], rank, cache, device)
+                       for idx in (single, multi) if idx]
+
+    def kv_store(self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor):
+        """Store this rank's new keys/values, k_new, v_new (1, T, Hkv, D); return per group this
+        rank's shards: tuples of k, v (B_g, Sk_g, Hkv, D) and kv_pos int64 (B_g, Sk_g)."""
+        if self.store_rows.numel():
+            self.cache.write(layer, self.store_slots, k_new[0, self.store_rows], v_new[0, self.store_rows])
+        shards = [self.cache.gather(layer, g.table) for g in self.groups]
+        return tuple(k for k, _ in shards), tuple(v for _, v in shards), tuple(g.kv_pos for g in self.groups)
+
+    def attend(self, q: torch.Tensor, k, v, *, q_pos, kv_pos, window) -> torch.Tensor:
+        """q (1, T, Hq, D) -> out (1, T, Hq, D): one back-end call per group of sequences."""
+        flat = q[0]
+        out = torch.zeros_like(flat)
+        for g, k_g, v_g, pos_g in zip(self.groups, k, v, kv_pos):
+            o = self.backend(flat[g.q_index], k_g, v_g, q_pos=g.q_pos, kv_pos=pos_g, window=window)
+            out[g.q_index[g.valid]] = o[g.valid]
+        return out[None]
+
+    def last_rows(self, chunks) -> list[int]:
+        """Row in the flat step of the last token of each chunk."""
+        return [self.offsets[i] + len(c.tokens) - 1 for i, c in enumerate(chunks)]
+
+
+class RankRunner:
+    """Runs step plans on one rank: the model, this rank's cache blocks, its attention back end.
+
+    Args:
+        model: the LlamaModel (the same weights on every rank).
+        group: the process group (None: the world, or one process without torch.distributed).
+        blocks_per_rank, block_size: of the engine's cache.
+        decode: "tree", "ring" or "local"; method, topology: tree_decode's.
+    """
+
+    def __init__(self, model: LlamaModel, *, group: dist.ProcessGroup | None, blocks_per_rank: int, block_size: int,
+                 decode: str, method: str = "allreduce", topology=None) -> None:
+        self.model, self.group = model.eval(), group
+        distributed = dist.is_available() and dist.is_initialized()
+        self.rank = dist.get_rank(group) if distributed else 0
+        c = model.config
+        self.cache = PagedKVCache(num_layers=c.num_layers, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
+                                  num_blocks=blocks_per_rank, block_size=block_size, dtype=model.dtype, device=model.device)
+        self.attend = attention_backend(decode, method=method, group=group, topology=topology)
+        self._generators: dict[int, torch.Generator] = {}
+
+    @torch.inference_mode()
+    def step(self, plan: StepPlan) -> dict[int, int]:
+        """Run one step. Returns {seq_id: next token} on rank 0 for every chunk that samples
+        ({} on the other ranks)."""
+        for seq_id in plan.release:
+            self._generators.pop(seq_id, None)
+        if not plan.chunks:
+            return {}
+        batch = PagedBatch(plan, self.rank, self.cache, self.attend)
+        hidden = self.model(batch.tokens, batch.positions, batch.kv_store, batch.attend)
+        if self.rank != 0:
+            return {}
+        sampling = [(i, c) for i, c in enumerate(plan.chunks) if c.sample is not None]
+        if not sampling:
+            return {}
+        rows = [batch.offsets[i] + len(c.tokens) - 1 for i, c in sampling]
+        logits = self.model.logits(hidden[0, rows])
+        return {c.seq_id: self._sample(c.seq_id, c.sample, logits[k : k + 1]) for k, (_, c) in enumerate(sampling)}
+
+    def _sample(self, seq_id: int, spec: SampleSpec, logits: torch.Tensor) -> int:
+        from treeattn.generate import SamplingParams, sample
+
+        generator = self._generators.get(seq_id)
+        if generator is None:
+            generator = self._generators[seq_id] = torch.Generator().manual_seed(spec.seed)
+        params = SamplingParams(spec.temperature, spec.top_k or None, spec.top_p if spec.top_p < 1 else None)
+        if not torch.isfinite(logits).all():
+            raise FloatingPointError(f"non-finite logits for sequence {seq_id}")
+        return int(sample(logits, params, generator)[0])
