@@ -164,7 +164,8 @@ class RankRunner:
         return {c.seq_id: self._sample(c.seq_id, c.sample, logits[k : k + 1]) for k, (_, c) in enumerate(sampling)}
 
     def _sample(self, seq_id: int, spec: SampleSpec, logits: torch.Tensor) -> int:
-        from treeattn.generate import SamplingParams, sample
+        from treeattn.engine.config import SamplingParams
+        from treeattn.generate import sample
 
         generator = self._generators.get(seq_id)
         if generator is None:
