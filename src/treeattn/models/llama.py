@@ -76,6 +76,12 @@ class LlamaConfig:
             raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
         if self.rope_type not in SUPPORTED_ROPE_TYPES:
             raise ValueError(f"rope_type must be one of {SUPPORTED_ROPE_TYPES}, got {self.rope_type!r}")
+        for name, value in [("rms_norm_eps", self.rms_norm_eps), ("rope_theta", self.rope_theta)] + [
+                (f"rope_scaling.{k}", v) for k, v in self.rope_scaling.items() if isinstance(v, (int, float)) and not isinstance(v, bool)]:
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value > 0):
+                raise ValueError(f"{name} must be a finite positive number, got {value!r}")
+        if isinstance(self.max_position_embeddings, bool) or not isinstance(self.max_position_embeddings, int) or self.max_position_embeddings < 1:
+            raise ValueError(f"max_position_embeddings must be a positive int, got {self.max_position_embeddings!r}")
         if not self.layer_windows:
             self.layer_windows = (None,) * self.num_layers
         self.layer_windows = tuple(self.layer_windows)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -65,6 +66,7 @@ def load_model(model_dir: str | os.PathLike, *, dtype: torch.dtype = torch.float
     """
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise TypeError(f"dtype must be a floating torch.dtype, got {dtype!r}")
+    device = _check_device(device)
     if is_gguf(model_dir):
         return _load_gguf(Path(model_dir), dtype, device)
     model_dir = _check_dir(model_dir)
@@ -169,19 +171,7 @@ def config_from_dict(raw: dict, *, source: str = CONFIG_FILE) -> LlamaConfig:
     """Build a LlamaConfig from a Hugging Face config dict; errors name `source` and the key."""
     if not isinstance(raw, dict):
         raise ValueError(f"{source}: expected a JSON object, got {type(raw).__name__}")
-    architectures = raw.get("architectures")
-    if architectures:
-        if not isinstance(architectures, list) or not isinstance(architectures[0], str):
-            raise ValueError(f"{source}: 'architectures' must be a list of names, got {architectures!r}")
-        architecture = architectures[0]
-    else:
-        by_type = {v: k for k, v in SUPPORTED_ARCHITECTURES.items()}
-        architecture = by_type.get(raw.get("model_type"), f"model_type={raw.get('model_type')!r}")
-    if architecture not in SUPPORTED_ARCHITECTURES:
-        raise ValueError(
-            f"{source}: unsupported architecture {architecture!r} (key 'architectures'); "
-            f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-        )
+    architecture = _architecture(raw, source)
     family = SUPPORTED_ARCHITECTURES[architecture]
 
     def get(key, kind, default=...):
@@ -203,33 +193,56 @@ def config_from_dict(raw: dict, *, source: str = CONFIG_FILE) -> LlamaConfig:
     hidden = get("hidden_size", int)
     heads = get("num_attention_heads", int)
     layers = get("num_hidden_layers", int)
+    if "head_dim" not in raw and heads > 0 and hidden % heads:
+        raise ValueError(f"{source}: hidden_size {hidden} is not a multiple of num_attention_heads {heads}, and no 'head_dim' key says the head size")
     rope_theta, rope_type, rope_scaling = _rope(raw, source)
-    windows = _layer_windows(raw, family, layers, source, get)
+    # Every get() runs before LlamaConfig, so that only LlamaConfig's own errors get the file's name added.
+    values = dict(
+        vocab_size=get("vocab_size", int),
+        hidden_size=hidden,
+        intermediate_size=get("intermediate_size", int),
+        num_layers=layers,
+        num_heads=heads,
+        num_kv_heads=get("num_key_value_heads", int, heads),
+        head_dim=get("head_dim", int, hidden // heads if heads else 0),
+        rms_norm_eps=float(get("rms_norm_eps", float, 1e-6)),
+        rope_theta=float(rope_theta),
+        rope_type=rope_type,
+        rope_scaling=rope_scaling,
+        tie_word_embeddings=get("tie_word_embeddings", bool, False),
+        qkv_bias=True if family == "qwen2" else (get("attention_bias", bool, False) if family == "llama" else False),
+        o_bias=get("attention_bias", bool, False) if family == "llama" else False,
+        mlp_bias=get("mlp_bias", bool, False) if family == "llama" else False,
+        layer_windows=_layer_windows(raw, family, layers, source, get),
+        max_position_embeddings=get("max_position_embeddings", int, 4096),
+        architecture=architecture,
+        bos_token_id=get("bos_token_id", int, None),
+        eos_token_ids=_token_ids(raw.get("eos_token_id"), source, "eos_token_id"),
+    )
     try:
-        return LlamaConfig(
-            vocab_size=get("vocab_size", int),
-            hidden_size=hidden,
-            intermediate_size=get("intermediate_size", int),
-            num_layers=layers,
-            num_heads=heads,
-            num_kv_heads=get("num_key_value_heads", int, heads),
-            head_dim=get("head_dim", int, hidden // heads if heads else 0),
-            rms_norm_eps=float(get("rms_norm_eps", float, 1e-6)),
-            rope_theta=float(rope_theta),
-            rope_type=rope_type,
-            rope_scaling=rope_scaling,
-            tie_word_embeddings=get("tie_word_embeddings", bool, False),
-            qkv_bias=True if family == "qwen2" else (get("attention_bias", bool, False) if family == "llama" else False),
-            o_bias=get("attention_bias", bool, False) if family == "llama" else False,
-            mlp_bias=get("mlp_bias", bool, False) if family == "llama" else False,
-            layer_windows=windows,
-            max_position_embeddings=get("max_position_embeddings", int, 4096),
-            architecture=architecture,
-            bos_token_id=get("bos_token_id", int, None),
-            eos_token_ids=_token_ids(raw.get("eos_token_id"), source, "eos_token_id"),
-        )
+        return LlamaConfig(**values)
     except ValueError as exc:
         raise ValueError(f"{source}: {exc}") from exc
+
+
+def _architecture(raw: dict, source: str) -> str:
+    """The supported architecture name, from 'architectures' or else 'model_type' (errors name the key used)."""
+    supported = ", ".join(SUPPORTED_ARCHITECTURES)
+    architectures = raw.get("architectures")
+    if architectures:
+        if not isinstance(architectures, list) or not isinstance(architectures[0], str):
+            raise ValueError(f"{source}: 'architectures' must be a list of names, got {architectures!r}")
+        if architectures[0] not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(f"{source}: unsupported architecture {architectures[0]!r} (key 'architectures'); supported: {supported}")
+        return architectures[0]
+    model_type = raw.get("model_type")
+    if model_type is None:
+        raise ValueError(f"{source}: neither 'architectures' nor 'model_type' says which model this is; supported: {supported}")
+    by_type = {v: k for k, v in SUPPORTED_ARCHITECTURES.items()}
+    if model_type not in by_type:
+        raise ValueError(f"{source}: unsupported model_type {model_type!r} (key 'model_type'; no 'architectures' key); "
+                         f"supported: {', '.join(by_type)}")
+    return by_type[model_type]
 
 
 def weight_locations(model_dir: str | os.PathLike) -> dict[str, Path]:
@@ -295,6 +308,8 @@ def _match_tensors(model: LlamaModel, locations: dict[str, Path]) -> dict[str, t
         for ours, (path, theirs) in plan.items():
             if path not in handles:
                 handles[path] = _open(path, safe_open)
+            if theirs not in handles[path].keys():
+                raise ValueError(_not_in_file(theirs, path, {p for p, _ in plan.values()}, safe_open))
             shape = tuple(handles[path].get_slice(theirs).get_shape())
             if shape != expected[ours]:
                 raise ValueError(
@@ -304,6 +319,13 @@ def _match_tensors(model: LlamaModel, locations: dict[str, Path]) -> dict[str, t
         for handle in handles.values():
             handle.__exit__(None, None, None)
     return plan
+
+
+def _not_in_file(name: str, path: Path, files: set[Path], safe_open) -> str:
+    """The message for an index that maps tensor `name` to `path`, which does not hold it."""
+    holders = [other.name for other in sorted(files) if other != path and name in _safetensors_keys(other)]
+    where = f"it is in {', '.join(holders)}" if holders else "no file of the index holds it"
+    return f"{path.parent / INDEX_FILE}: maps tensor {name!r} to {path.name}, which does not hold it ({where})"
 
 
 def _open(path: Path, safe_open):
@@ -344,8 +366,8 @@ def _rope(raw: dict, source: str) -> tuple[float, str, dict]:
         if not isinstance(params.get(name), (int, float)) or isinstance(params.get(name), bool):
             raise ValueError(f"{source}: rope type {rope_type!r} needs a number {key}.{name}, got {params.get(name)!r}")
     theta = params.get("rope_theta", 10000.0)
-    if not isinstance(theta, (int, float)) or isinstance(theta, bool) or theta <= 0:
-        raise ValueError(f"{source}: rope_theta must be a positive number, got {theta!r}")
+    if not isinstance(theta, (int, float)) or isinstance(theta, bool) or not (math.isfinite(theta) and theta > 0):
+        raise ValueError(f"{source}: rope_theta must be a finite positive number, got {theta!r}")
     scaling = {k: v for k, v in params.items() if k not in ("rope_type", "type", "rope_theta")}
     return theta, rope_type, scaling
 
@@ -389,6 +411,19 @@ def _read_json(path: Path) -> dict:
 def is_gguf(path) -> bool:
     """Whether `path` names a GGUF file (by its suffix)."""
     return str(path).lower().endswith(".gguf")
+
+
+def _check_device(device) -> torch.device:
+    """`device` as a torch.device this process can allocate on, before any file is read."""
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"device must be a torch device such as 'cpu' or 'cuda:0', got {device!r}") from exc
+    try:
+        torch.empty(0, device=parsed)
+    except (RuntimeError, AssertionError) as exc:  # torch raises AssertionError for CUDA in a CPU build
+        raise ValueError(f"device={device!r} is not usable in this process: {exc}") from exc
+    return parsed
 
 
 def _check_dir(model_dir) -> Path:
