@@ -89,6 +89,8 @@ def generate_command(
     rank_by: RankBy = typer.Option(RankBy.none, "--rank-by", help="Order the printed sequences: none (as generated) or "
                                    "mean-logprob (mean log-probability of the generated tokens, best first)."),
     top: int | None = typer.Option(None, "--top", min=1, help="Print only the first K sequences in --rank-by order (needs --rank-by mean-logprob)."),
+    timeout: float = typer.Option(60.0, "--timeout", min=0.001, max=1e6, help="Seconds a rank may wait in a collective or show "
+                                  "no sign of life before the run fails, naming the rank (see docs/faults.md)."),
 ) -> None:
     """Generate from a Hugging Face checkpoint with the KV cache sharded across ranks."""
     from treeattn.engine.config import ConfigError, GenerationConfig
@@ -124,9 +126,13 @@ def generate_command(
         else:
             from treeattn.parallel import spawn
 
-            result = spawn(generate_rank, world, job, display)[0]
+            result = spawn(generate_rank, world, job, display, timeout=timeout)[0]
     except Exception as exc:  # a rank's error (SpawnError names it) or a local one: report, exit non-zero
-        typer.echo(f"error: {exc}", err=True)
+        from treeattn.parallel import SpawnError
+
+        typer.echo(f"error: {exc.summary if isinstance(exc, SpawnError) else exc}", err=True)
+        if isinstance(exc, SpawnError):
+            typer.echo(str(exc), err=True)  # every rank's error and traceback, after the one line
         raise typer.Exit(1) from exc
     if result is None:  # a non-zero rank under torchrun: rank 0 reports
         return

@@ -8,31 +8,44 @@
 
 Locally, spawn starts `nprocs` processes (start method "spawn", so `fn` must be importable: a
 module-level function) that rendezvous through a TCPStore the parent opens on a free localhost
-port, so there is no port race. Under torchrun (RANK and WORLD_SIZE in the environment), or when
+port, so there is no port race. Each rank sends its result (or its error) back through a pipe;
+nothing is written to disk. Under torchrun (RANK and WORLD_SIZE in the environment), or when
 torch.distributed is already initialized, it starts nothing: it joins that group and calls fn in
 this process.
 
-Failures: an exception in any rank, or a rank that dies, ends in a SpawnError in the parent that
-names every failed rank with its error and traceback. After the first failure the other ranks get
-`timeout` seconds to finish or fail on their own (a rank blocked in a collective with a dead peer
-errors out: gloo notices the closed connection, and every collective is bounded by the group
-timeout), then they are terminated. Nothing can hang forever.
+Faults (docs/faults.md states what the tests check):
+
+- An exception in any rank, or a rank that dies, ends in a SpawnError in the parent that names
+  every failed rank with its error and traceback. After the first failure the other ranks get a
+  short grace period (`GRACE_S`, at most `timeout`) to finish or fail on their own (a rank blocked
+  in a collective with a dead peer errors out: gloo notices the closed connection), then they are
+  killed.
+- A rank that stops answering (SIGSTOP, a deadlock holding the GIL) is noticed by its heartbeat:
+  every rank beats every `HEARTBEAT_S` from a thread of its own; a rank silent for `timeout`
+  seconds is killed and named first in the SpawnError ("stopped answering"), ahead of the healthy
+  ranks whose collectives timed out waiting for it.
+- The ranks die with the parent: on Linux the kernel kills them when the parent dies (parent-death
+  signal, even for SIGKILL), and on every platform their watchdog thread exits the rank once its
+  parent is gone. SIGTERM and SIGHUP in the parent (when spawn runs in the main thread) end the
+  ranks first and are then delivered as before: with the default disposition the parent dies of
+  the signal. SIGINT raises KeyboardInterrupt, which ends the ranks likewise.
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import faulthandler
 import logging
 import multiprocessing
 import multiprocessing.connection
 import os
-import pickle
-import shutil
+import signal
 import sys
-import tempfile
+import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -42,25 +55,39 @@ import torch.distributed as dist
 logger = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_S = 60.0
+GRACE_S = 5.0  # after the first failure, how long the other ranks may run on (at most `timeout`)
+HEARTBEAT_S = 0.5  # how often a rank's watchdog thread beats and checks for its parent
+STARTUP_S = 120.0  # a rank that has not beaten yet (still importing) is silent for at most this long
 HOST = "127.0.0.1"
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
 class SpawnError(RuntimeError):
     """One or more ranks failed.
 
     Attributes:
-        failures: rank -> description (exception type, message and traceback, or exit code), in
-            the order the failures were seen.
+        failures: rank -> description (exception type, message and traceback, or what happened to
+            the process), the cause first: a rank that stopped answering comes before the ranks
+            that timed out waiting for it; otherwise in the order the failures were seen.
         results: rank -> return value of the ranks that finished.
     """
 
     def __init__(self, failures: dict[int, str], results: dict[int, Any]) -> None:
         self.failures = failures
         self.results = results
-        first = next(iter(failures))
-        lines = [f"{len(failures)} of the ranks failed; first: rank {first}"]
+        lines = [f"{len(failures)} of the ranks failed; first: {self.summary}"]
         lines += [f"--- rank {rank}: {text}" for rank, text in failures.items()]
         super().__init__("\n".join(lines))
+
+    @property
+    def first_rank(self) -> int:
+        return next(iter(self.failures))
+
+    @property
+    def summary(self) -> str:
+        """One line: the first failed rank and the first line of its error."""
+        first = self.first_rank
+        return f"rank {first}: {self.failures[first].splitlines()[0] if self.failures[first] else 'failed'}"
 
 
 def spawn(
@@ -78,23 +105,24 @@ def spawn(
         *args: passed to fn after (rank, world_size); must be picklable.
         backend: torch.distributed backend: "gloo" (CPU tensors), "nccl" (CUDA tensors; rank r
             uses cuda:r % device_count), or a mapping string like "cpu:gloo,cuda:nccl".
-        timeout: seconds; the process group's timeout for every collective, and how long the other
-            ranks may run on after one rank failed.
+        timeout: seconds; the process group's timeout for every collective, and how long a rank
+            may show no sign of life (no heartbeat) before it is killed and named. After the first
+            failure the other ranks get min(GRACE_S, timeout) seconds more.
 
     Returns:
         The list of fn's return values, index = rank. Under torchrun only this rank's entry is
         filled (the others are None).
 
     Raises:
-        SpawnError: naming each failed rank and its error.
+        SpawnError: naming each failed rank and its error (the cause first).
     """
     if isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1:
         raise ValueError(f"nprocs must be a positive int, got {nprocs!r}")
-    if not (isinstance(timeout, (int, float)) and timeout > 0):
-        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    if isinstance(timeout, bool) or not (isinstance(timeout, (int, float)) and 0 < timeout < float("inf")):
+        raise ValueError(f"timeout must be a positive, finite number of seconds, got {timeout!r}")
     if dist.is_available() and (dist.is_initialized() or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)):
         return _run_in_existing_group(fn, nprocs, args, backend, timeout)
-    return _run_local_processes(fn, nprocs, args, backend, timeout)
+    return _run_local_processes(fn, nprocs, args, backend, float(timeout))
 
 
 def _run_in_existing_group(fn, nprocs, args, backend, timeout) -> list[Any]:
@@ -115,87 +143,252 @@ def _run_in_existing_group(fn, nprocs, args, backend, timeout) -> list[Any]:
             dist.destroy_process_group()
 
 
-def _run_local_processes(fn, nprocs, args, backend, timeout) -> list[Any]:
-    store = dist.TCPStore(HOST, 0, world_size=None, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout))
-    workdir = tempfile.mkdtemp(prefix="treeattn-spawn-")
-    ctx = multiprocessing.get_context("spawn")
-    procs = [
-        ctx.Process(target=_rank_main, args=(rank, nprocs, store.port, backend, timeout, workdir, fn, args), name=f"treeattn-rank{rank}")
-        for rank in range(nprocs)
-    ]
-    failures: dict[int, str] = {}
-    results: dict[int, Any] = {}
+# ------------------------------------------------------------------------------------ parent
+
+
+class _Signalled(BaseException):
+    """SIGTERM or SIGHUP arrived while the ranks were running."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+class _ParentSignals:
+    """While the ranks run, SIGTERM and SIGHUP raise _Signalled in the main thread (so the ranks
+    get ended); while they are being ended, a signal is only remembered. Signals that were ignored
+    (nohup) stay ignored. Outside the main thread nothing is installed (Python cannot)."""
+
+    def __init__(self) -> None:
+        self.previous: dict[int, Any] = {}
+        self.pending: int | None = None
+        self.deferring = False
+
+    def _handler(self, signum: int, frame: Any) -> None:
+        if self.deferring or self.pending is not None:
+            self.pending = self.pending or signum
+            return
+        self.pending = signum
+        raise _Signalled(signum)
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[_ParentSignals]:
+        if threading.current_thread() is threading.main_thread():
+            for name in ("SIGTERM", "SIGHUP"):
+                signum = getattr(signal, name, None)
+                if signum is None or signal.getsignal(signum) in (signal.SIG_IGN, None):
+                    continue
+                self.previous[signum] = signal.signal(signum, self._handler)
+        try:
+            yield self
+        finally:
+            for signum, handler in self.previous.items():
+                signal.signal(signum, handler)
+
+    def redeliver(self) -> None:
+        """Send the remembered signal again, to its previous handler (default: the process dies)."""
+        if self.pending is not None:
+            os.kill(os.getpid(), self.pending)
+
+
+def _run_local_processes(fn, nprocs: int, args, backend: str, timeout: float) -> list[Any]:
+    signals = _ParentSignals()
     try:
-        for proc in procs:
-            proc.start()
-        running = dict(enumerate(procs))
+        with signals.installed():
+            return _RankGroup(fn, nprocs, args, backend, timeout).run(signals)
+    except _Signalled:
+        pass
+    finally:  # the ranks are gone and the handlers restored: with the default disposition this process ends here
+        signals.redeliver()
+    name = signal.Signals(signals.pending).name
+    raise SpawnError({rank: f"terminated: the parent received {name}" for rank in range(nprocs)}, {})
+
+
+class _RankGroup:
+    """The parent's view of one spawn: the processes, their result pipes and heartbeats."""
+
+    def __init__(self, fn, nprocs: int, args, backend: str, timeout: float) -> None:
+        self.nprocs, self.timeout = nprocs, timeout
+        self.grace = min(GRACE_S, timeout)
+        ctx = multiprocessing.get_context("spawn")
+        self.store = dist.TCPStore(HOST, 0, world_size=None, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout))
+        self.heartbeats = ctx.RawArray("Q", nprocs)  # beats counted by each rank's watchdog thread
+        pipes = [ctx.Pipe(duplex=False) for _ in range(nprocs)]
+        self.readers = [reader for reader, _ in pipes]
+        self.writers = [writer for _, writer in pipes]
+        self.procs = [
+            ctx.Process(target=_rank_main, name=f"treeattn-rank{rank}",
+                        args=(rank, nprocs, self.store.port, backend, timeout, os.getpid(), self.heartbeats, self.writers[rank], fn, args))
+            for rank in range(nprocs)
+        ]
+        self.outcomes: dict[int, tuple[str, Any]] = {}  # rank -> ("ok", result) | ("error", text), as received
+        self.failures: dict[int, str] = {}
+        self.results: dict[int, Any] = {}
+
+    def run(self, signals: _ParentSignals) -> list[Any]:
+        try:
+            for proc, writer in zip(self.procs, self.writers):
+                proc.start()
+                writer.close()  # the child holds its own end; EOF then means the child is gone
+            self._watch()
+        finally:
+            signals.deferring = True  # a signal now must not interrupt the cleanup
+            self._kill(list(range(self.nprocs)))
+            for conn in self.readers + self.writers:
+                conn.close()
+            del self.store
+        if self.failures:
+            raise SpawnError(self.failures, self.results)
+        return [self.results[rank] for rank in range(self.nprocs)]
+
+    def _watch(self) -> None:
+        """Until every rank has finished or failed: collect outcomes, watch heartbeats, and end
+        the rest `grace` seconds after the first failure."""
+        running = set(range(self.nprocs))
+        beats = [0] * self.nprocs
+        last_sign = [time.monotonic()] * self.nprocs  # parent time at which each rank last showed life
+        last_loop = time.monotonic()
         deadline = None
         while running:
-            ready = multiprocessing.connection.wait([p.sentinel for p in running.values()], timeout=0.2)
-            for rank, proc in list(running.items()):
-                if proc.sentinel not in ready:
-                    continue
+            waiting = [self.readers[r] for r in running if r not in self.outcomes] + [self.procs[r].sentinel for r in running]
+            ready = multiprocessing.connection.wait(waiting, timeout=0.2)
+            now = time.monotonic()
+            if now - last_loop > 2.0:  # this process was itself stopped or starved: nobody's silence counts
+                last_sign = [now] * self.nprocs
+            last_loop = now
+            for rank in sorted(running):
+                if rank not in self.outcomes and self.readers[rank] in ready:
+                    self._receive(rank)
+                if self.procs[rank].sentinel in ready:
+                    self.procs[rank].join()
+                    running.discard(rank)
+                    self._settle(rank)
+                elif self.heartbeats[rank] != beats[rank]:
+                    beats[rank], last_sign[rank] = self.heartbeats[rank], now
+            silent = {r: now - last_sign[r] for r in running if now - last_sign[r] > (self.timeout if beats[r] else max(self.timeout, STARTUP_S))}
+            if self.failures and deadline is None:  # the first failure: was it caused by a rank that went quiet?
+                silent |= {r: now - last_sign[r] for r in running
+                           if (beats[r] and now - last_sign[r] > 4 * HEARTBEAT_S) or _process_state(self.procs[r].pid) == "T"}
+            if silent:
+                self._blame_silent(silent)
+                running -= set(silent)
+            if self.failures and deadline is None:
+                deadline = now + self.grace
+            if deadline is not None and running and now > deadline:
+                for rank in sorted(running):
+                    self.failures[rank] = f"terminated: still running {self.grace:.0f} s after rank {next(iter(self.failures))} failed"
+                self._kill(sorted(running))
+                running.clear()
+
+    def _receive(self, rank: int) -> None:
+        try:
+            self.outcomes[rank] = self.readers[rank].recv()
+        except (EOFError, OSError):  # the rank died before (or while) sending
+            self.outcomes[rank] = ("none", None)
+
+    def _settle(self, rank: int) -> None:
+        """Rank `rank`'s process has exited: record its result or its failure."""
+        if rank not in self.outcomes and self.readers[rank].poll():
+            self._receive(rank)
+        kind, value = self.outcomes.get(rank, ("none", None))
+        code = self.procs[rank].exitcode
+        if kind == "ok" and code == 0:
+            self.results[rank] = value
+        elif kind == "error":
+            self.failures[rank] = value
+        else:
+            self.failures[rank] = f"the process exited with {_describe_exit(code)} without returning or raising"
+
+    def _blame_silent(self, silent: dict[int, float]) -> None:
+        """Kill the ranks that stopped answering; they go first in the failures: the others'
+        errors (timeouts, closed connections) are the consequence."""
+        blamed = {}
+        for rank, quiet_s in sorted(silent.items()):
+            pid = self.procs[rank].pid
+            state = _process_state(pid)
+            how = f"; process state: {_STATES.get(state, state)}" if state else ""
+            blamed[rank] = f"stopped answering (pid {pid}): no heartbeat for {quiet_s:.1f} s{how}; terminated"
+        self._kill(list(silent))
+        self.failures = blamed | self.failures
+
+    def _kill(self, ranks: list[int]) -> None:
+        for rank in ranks:
+            proc = self.procs[rank]
+            if proc.pid is not None and proc.is_alive():
+                proc.kill()  # SIGKILL: works on stopped processes too
+            if proc.pid is not None:
                 proc.join()
-                del running[rank]
-                outcome = _read_outcome(workdir, rank, proc.exitcode)
-                if outcome[0] == "ok":
-                    results[rank] = outcome[1]
-                else:
-                    failures[rank] = outcome[1]
-                    if deadline is None:
-                        deadline = time.monotonic() + timeout
-            if deadline is not None and running and time.monotonic() > deadline:
-                for rank, proc in running.items():
-                    proc.kill()
-                    proc.join()
-                    failures[rank] = f"terminated: still running {timeout:.0f} s after the first failure"
-                running = {}
-    finally:
-        for proc in procs:
-            if proc.is_alive():
-                proc.kill()
-                proc.join()
-        shutil.rmtree(workdir, ignore_errors=True)
-        del store
-    if failures:
-        raise SpawnError(failures, results)
-    return [results[rank] for rank in range(nprocs)]
 
 
-def _read_outcome(workdir: str, rank: int, exitcode: int | None) -> tuple[str, Any]:
-    error_path = os.path.join(workdir, f"rank{rank}.error")
-    result_path = os.path.join(workdir, f"rank{rank}.result")
-    if os.path.exists(error_path):
-        with open(error_path) as f:
-            return "error", f.read()
-    if exitcode == 0 and os.path.exists(result_path):
-        with open(result_path, "rb") as f:
-            return "ok", pickle.load(f)
-    return "error", f"the process exited with code {exitcode} without returning or raising (killed or os._exit)"
+_STATES = {"T": "stopped by a signal (SIGSTOP/SIGTSTP)", "t": "stopped by a debugger", "D": "waiting on I/O (uninterruptible)",
+           "R": "running", "S": "sleeping", "Z": "zombie"}
 
 
-def _rank_main(rank, world_size, port, backend, timeout, workdir, fn, args) -> None:
-    """Body of one child process: join the group, run fn, leave the result or the error on disk."""
+def _process_state(pid: int | None) -> str | None:
+    """The one-letter state of a process from /proc (Linux), or None if unknown."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
+
+
+def _describe_exit(code: int | None) -> str:
+    if code is not None and code < 0:
+        try:
+            return f"signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"signal {-code}"
+    return f"code {code}"
+
+
+# ------------------------------------------------------------------------------------- ranks
+
+
+def _rank_main(rank, world_size, port, backend, timeout, parent_pid, heartbeats, result_pipe, fn, args) -> None:
+    """Body of one child process: tie its life to the parent's, join the group, run fn, send the
+    result or the error back through the pipe."""
     faulthandler.enable()  # a native crash (SIGSEGV, SIGABRT) still prints the Python stack
+    _die_with_parent(parent_pid, heartbeats, rank)
     try:
         if "nccl" in backend and torch.cuda.is_available():
             torch.cuda.set_device(rank % torch.cuda.device_count())
         store = dist.TCPStore(HOST, port, world_size=None, is_master=False, timeout=timedelta(seconds=timeout))
         dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout))
         result = fn(rank, world_size, *args)
-        with open(os.path.join(workdir, f"rank{rank}.result.tmp"), "wb") as f:
-            pickle.dump(result, f)
-        os.replace(os.path.join(workdir, f"rank{rank}.result.tmp"), os.path.join(workdir, f"rank{rank}.result"))
+        result_pipe.send(("ok", result))
     except BaseException as exc:  # noqa: BLE001 -- every failure must reach the parent
         text = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
-        with open(os.path.join(workdir, f"rank{rank}.error"), "w") as f:
-            f.write(text)
+        with contextlib.suppress(Exception):
+            result_pipe.send(("error", text))
         exit_without_teardown(1)  # do not wait on a group whose peers may be gone
     dist.destroy_process_group()
     # Skip interpreter teardown: native threads of torch.distributed (store client, backend
     # workers) can abort the process at exit ("terminate called without an active exception")
-    # after all work is done; the result is already on disk.
+    # after all work is done; the result is already sent.
     exit_without_teardown(0)
+
+
+def _die_with_parent(parent_pid: int, heartbeats, rank: int) -> None:
+    """Make this rank end when the parent does: the Linux parent-death signal (SIGKILL, so it
+    holds when the parent was SIGKILLed), and everywhere a watchdog thread that exits the process
+    once its parent is gone. The same thread counts this rank's heartbeats."""
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        except (OSError, AttributeError):
+            logger.warning("rank %d: prctl(PR_SET_PDEATHSIG) unavailable; relying on the watchdog thread", rank)
+
+    def watch() -> None:
+        while True:
+            if os.getppid() != parent_pid:  # re-parented: the parent is gone
+                os._exit(1)
+            heartbeats[rank] += 1
+            time.sleep(HEARTBEAT_S)
+
+    if os.getppid() != parent_pid:  # the parent died before the signal was armed
+        os._exit(1)
+    threading.Thread(target=watch, name="treeattn-rank-watchdog", daemon=True).start()
 
 
 def exit_without_teardown(code: int) -> None:

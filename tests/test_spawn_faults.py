@@ -1,0 +1,177 @@
+"""Faults around ta.spawn and `treeattn generate`: signals to the parent, a stopped rank.
+
+What docs/faults.md promises, checked here on real processes:
+- SIGTERM, SIGHUP or SIGKILL to the parent: no rank process and no temporary directory is left
+  10 s later (SIGTERM and SIGHUP: the parent still dies of the signal).
+- A rank stopped with SIGSTOP is noticed by its missing heartbeat within `timeout` seconds, killed,
+  and named first (by rank and pid), ahead of the healthy rank that timed out waiting for it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+import treeattn as ta
+from treeattn.parallel import SpawnError
+
+SRC = os.environ.get("TREEATTN_FAULTS_SRC", str(Path(__file__).resolve().parents[1] / "src"))
+
+
+# ----------------------------------------------------------------------------- processes
+
+
+def children(pid: int) -> list[int]:
+    """Direct children of `pid` (Linux /proc)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        found.append(int(entry))
+            except (OSError, IndexError, ValueError):
+                pass
+    return found
+
+
+def alive(pid: int) -> bool:
+    """True if `pid` exists and is not a zombie (an orphan's zombie may wait for init to reap it)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def has_socket(pid: int) -> bool:
+    """A rank opens its store connection first thing in its main function: once it has a socket it
+    is past its start-up and runs fn (or is about to)."""
+    try:
+        return any(os.readlink(f"/proc/{pid}/fd/{fd}").startswith("socket:") for fd in os.listdir(f"/proc/{pid}/fd"))
+    except OSError:
+        return False
+
+
+def wait_for_ranks(parent: subprocess.Popen, n: int, limit_s: float = 120.0) -> list[int]:
+    """The pids of the parent's `n` rank processes, once all of them run their rank function."""
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        assert parent.poll() is None, parent.communicate()
+        ranks = [pid for pid in children(parent.pid) if has_socket(pid)]
+        if len(ranks) >= n:
+            return ranks
+        time.sleep(0.2)
+    raise AssertionError(f"the ranks did not start within {limit_s} s")
+
+
+def wait_gone(pids: list[int], limit_s: float) -> list[int]:
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline and any(alive(p) for p in pids):
+        time.sleep(0.1)
+    return [p for p in pids if alive(p)]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    from test_model import make_checkpoint
+
+    directory = tmp_path_factory.mktemp("faults") / "llama"
+    make_checkpoint("llama", directory)
+    ids = directory / "ids.json"
+    ids.write_text(json.dumps(list(range(1, 11))))
+    return directory
+
+
+@contextlib.contextmanager
+def generate_process(checkpoint: Path, tmp: Path, *extra: str) -> Iterator[tuple[subprocess.Popen, list[int]]]:
+    """`treeattn generate` on 2 ranks with a long generation, TMPDIR set to an empty folder; yields
+    the parent and its rank pids once both ranks run. Whatever is left is killed at the end."""
+    tmp.mkdir()
+    env = {**os.environ, "PYTHONPATH": SRC, "TMPDIR": str(tmp)}
+    command = [sys.executable, "-m", "treeattn", "generate", str(checkpoint), "--prompt-ids", str(checkpoint / "ids.json"),
+               "--nproc", "2", "--threads", "1", "--max-new-tokens", "20000", "--no-stop", "--json", *extra]
+    parent = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=open(tmp.parent / "stderr.txt", "w"), text=True)
+    ranks: list[int] = []
+    try:
+        ranks += wait_for_ranks(parent, 2)
+        yield parent, ranks
+    finally:
+        for pid in [parent.pid, *ranks, *children(parent.pid)]:
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        parent.wait()
+
+
+# ---------------------------------------------------------------------------- parent signals
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+@pytest.mark.parametrize("signame", ["SIGTERM", "SIGHUP", "SIGKILL"])
+def test_a_signalled_generate_parent_leaves_no_rank_and_no_temp_dir(checkpoint, tmp_path, signame):
+    with generate_process(checkpoint, tmp_path / "tmp") as (parent, ranks):
+        time.sleep(1.0)  # decoding
+        parent.send_signal(getattr(signal, signame))
+        parent.wait(timeout=10)
+        left = wait_gone(ranks, 10.0)
+        assert not left, f"rank processes {left} still alive 10 s after {signame} to the parent"
+        assert parent.returncode == -getattr(signal, signame)  # the parent died of the signal, as before
+        assert list((tmp_path / "tmp").iterdir()) == []
+
+
+# ------------------------------------------------------------------------------ stopped rank
+
+
+def stopping_worker(rank: int, world: int) -> None:
+    torch.set_num_threads(1)
+    q = torch.ones(1, 1, 2, 8)
+    k = v = torch.randn(1, 4, 2, 8, generator=torch.Generator().manual_seed(rank))
+    ta.tree_decode(q, k, v)  # everyone is up
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGSTOP)  # alive, silent, never joins the next collective
+    while True:
+        ta.tree_decode(q, k, v)
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGSTOP"), reason="needs SIGSTOP")
+def test_a_stopped_rank_is_named_and_killed_within_the_timeout():
+    start = time.monotonic()
+    with pytest.raises(SpawnError) as raised:
+        ta.spawn(stopping_worker, 2, timeout=3)
+    elapsed = time.monotonic() - start
+    error = raised.value
+    assert error.first_rank == 1 and "stopped answering" in error.failures[1], str(error)
+    assert error.summary.startswith("rank 1: stopped answering") and str(error).splitlines()[0].endswith(error.summary)
+    if sys.platform.startswith("linux"):
+        assert "stopped by a signal" in error.failures[1]
+    assert 0 in error.failures and "stopped answering" not in error.failures[0]
+    assert elapsed < 3 + 5 + 15, f"took {elapsed:.1f} s"  # timeout + grace + start-up on a busy machine
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_generate_timeout_names_the_stopped_rank(checkpoint, tmp_path):
+    with generate_process(checkpoint, tmp_path / "tmp", "--timeout", "3") as (parent, ranks):
+        time.sleep(0.5)
+        stopped = max(ranks)
+        os.kill(stopped, signal.SIGSTOP)
+        assert parent.wait(timeout=30) == 1
+        assert not wait_gone(ranks, 10.0)
+    err = (tmp_path / "stderr.txt").read_text()
+    error_line = next(line for line in err.splitlines() if line.startswith("error:"))
+    assert "stopped answering" in error_line and f"pid {stopped}" in error_line, err[-2000:]
+
+
+def test_spawn_refuses_a_non_finite_timeout():
+    for bad in (float("inf"), float("nan"), -1, True):
+        with pytest.raises(ValueError, match="timeout"):
+            ta.spawn(stopping_worker, 2, timeout=bad)
