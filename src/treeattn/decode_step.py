@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 
 from treeattn.cache.sharded import ShardedKVCache, StaticCacheUpdate
-from treeattn.models.attention import DECODE_KINDS, GraphSafeDecodeAttention
+from treeattn.models.attention import DECODE_KINDS, attention_backend
 from treeattn.models.llama import LlamaModel
 from treeattn.parallel import comm
 from treeattn.parallel.tree_decode import METHODS
@@ -147,8 +147,8 @@ class DecodeStep:
             self.kv_len = torch.full((B,), cache.local_length, dtype=torch.int64, device=device)
             self.hidden = torch.zeros(B, c.hidden_size, dtype=model.dtype, device=device)
             self.logits = torch.zeros(B, c.vocab_size, dtype=torch.float32, device=device) if logits else None
-        self.attend = GraphSafeDecodeAttention(
-            self.kind, method=method, group=group, topology=topology, kv_len=self.kv_len,
+        self.attend = attention_backend(
+            self.kind, method=method, group=group, topology=topology, graph_safe=True, kv_len=self.kv_len,
             shard_lengths=[cache.placement.local_capacity(r) for r in range(cache.world_size)],
         )
 

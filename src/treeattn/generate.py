@@ -74,7 +74,7 @@ from treeattn.engine.config import (
     check_prompts,
     resolve_prefill,
 )
-from treeattn.models.attention import LocalAttention, RingPrefillAttention, decode_attention
+from treeattn.models.attention import RingPrefillAttention, attention_backend, group_world_size
 from treeattn.models.llama import LlamaModel
 
 logger = logging.getLogger(__name__)
@@ -457,9 +457,7 @@ class Generation:
             )
 
     def _decode_attention(self):
-        if not _distributed(self.group):
-            return LocalAttention()
-        return decode_attention(self.decode, method=self.method, group=self.group, topology=self.topology)
+        return attention_backend(self.decode, method=self.method, group=self.group, topology=self.topology)
 
     def _prefill(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Run the prompt into the cache. Returns the final hidden state of the last prompt slot,
@@ -503,10 +501,11 @@ class Generation:
     def _sample_step(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """_decode_step for num_samples > 1: the n samples' new tokens (int64 (n,)) go to the samples'
         cache, and attention reads the shared prompt once for all of them (bifurcated)."""
-        from treeattn.models.shared_context import BifurcatedAttention, SharedContextUpdate
+        from treeattn.models.shared_context import SharedContextUpdate
 
         if not hasattr(self, "_bifurcated_attend"):
-            self._bifurcated_attend = BifurcatedAttention(self.group, sharded=_distributed(self.group), method=self.method, topology=self.topology)
+            self._bifurcated_attend = attention_backend(self.decode, method=self.method, group=self.group, topology=self.topology,
+                                                        shared_context=True)
         slots = self.sample_cache.extend(positions[:, None])
         store = SharedContextUpdate(self.cache, self.sample_cache.update(slots))
         hidden = self.model(tokens[:, None], positions[:, None], store, self._bifurcated_attend)
@@ -648,15 +647,14 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
 
 
 def _rank_and_size(group) -> tuple[int, int]:
-    if _distributed(group):
-        return dist.get_rank(group), dist.get_world_size(group)
-    if group is not None:
-        raise ValueError("group was given but torch.distributed is not initialized")
-    return 0, 1
+    """(rank in `group`, size of `group`); (0, 1) without torch.distributed."""
+    p = group_world_size(group)  # raises if a group is given without torch.distributed
+    return (dist.get_rank(group) if dist.is_available() and dist.is_initialized() else 0), p
 
 
 def _distributed(group) -> bool:
-    return dist.is_available() and dist.is_initialized()
+    """Whether `group` has more than one rank (collectives are needed)."""
+    return group_world_size(group) > 1
 
 
 def _check_static_step(config: GenerationConfig, model: LlamaModel, batch: int) -> None:

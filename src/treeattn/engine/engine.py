@@ -530,11 +530,12 @@ def _check_model(model) -> None:
 
 
 def _tokenizer_of(model):
-    if isinstance(model, (str, os.PathLike)) and Path(model).is_dir():
+    """The checkpoint's tokenizer (directory or .gguf), a loaded model's .tokenizer, or None."""
+    if isinstance(model, (str, os.PathLike)):
         from treeattn.models import load_tokenizer
 
         return load_tokenizer(model)
-    return None
+    return getattr(model, "tokenizer", None)
 
 
 def _load_model(model, dtype):

@@ -213,22 +213,46 @@ def group_world_size(group: dist.ProcessGroup | None) -> int:
     return dist.get_world_size(group)
 
 
-def attention_backend(decode: str, *, method: str = "allreduce", group: dist.ProcessGroup | None = None, topology=None):
-    """The one place a rank's decode attention is chosen, from `decode` ("local", "tree", "ring")
-    and the size of `group`: a group of one rank (or no process group) attends locally whatever
-    `decode` says, since there is nothing to combine; "local" on several ranks is refused."""
+def attention_backend(decode: str, *, method: str = "allreduce", group: dist.ProcessGroup | None = None, topology=None,
+                      graph_safe: bool = False, kv_len: torch.Tensor | None = None, shard_lengths: list[int] | None = None,
+                      shared_context: bool = False):
+    """The one place a rank's decode attention is built (generate, the engine, the static decode
+    step and shared-context sampling all come here).
+
+    Args:
+        decode: "tree" (tree_decode), "ring" (ring_decode, pass-KV) or "local". On a group of one
+            rank (or without torch.distributed) every kind is plain local attention: there is
+            nothing to combine. "local" on several ranks is refused.
+        method, topology: tree_decode's combine.
+        group: the ranks whose shards are combined (None: the world).
+        graph_safe: the static-shape step's attention (GraphSafeDecodeAttention) with `kv_len`
+            and, for "ring", `shard_lengths`.
+        shared_context: bifurcated attention for shared-context sampling (BifurcatedAttention;
+            its context part combines across the group with tree_decode: needs "tree" or "local").
+
+    Returns:
+        attend(q, k, v, *, q_pos, kv_pos, window) -> out, as the model calls it.
+    """
     if decode not in DECODE_KINDS:
         raise ValueError(f"decode must be one of {DECODE_KINDS}, got {decode!r}")
     p = group_world_size(group)
-    if p == 1:
-        return LocalAttention()
-    if decode == "local":
+    if decode == "local" and p > 1:
         raise ValueError(f"decode='local' runs on one rank, but the group has {p}; use 'tree' or 'ring'")
-    return decode_attention(decode, method=method, group=group, topology=topology)
+    kind = decode if p > 1 else "local"
+    if shared_context:
+        if kind == "ring":
+            raise ValueError("shared-context (bifurcated) attention combines with tree_decode: use decode='tree', not 'ring'")
+        from treeattn.models.shared_context import BifurcatedAttention
+
+        return BifurcatedAttention(group, sharded=p > 1, method=method, topology=topology)
+    if graph_safe:
+        return GraphSafeDecodeAttention(kind, method=method, group=group, topology=topology, kv_len=kv_len, shard_lengths=shard_lengths)
+    return decode_attention(kind, method=method, group=group, topology=topology)
 
 
 def decode_attention(kind: str, *, method: str = "allreduce", group: dist.ProcessGroup | None = None, topology=None):
-    """The decode attention named `kind` ("local", "tree" or "ring")."""
+    """The decode attention named `kind` ("local", "tree" or "ring"), whatever the group's size
+    (attention_backend is what engine code calls: it also picks "local" for one rank)."""
     if kind == "local":
         return LocalAttention()
     if kind == "tree":
