@@ -137,7 +137,7 @@ def mistral(tmp_path_factory):
         (["--temperature", "inf"], r"--temperature must be a finite number >= 0 \(0 = greedy\), got inf"),
         (["--decode", "local", "--nproc", "2"], "--decode local runs on one rank, but the group has 2; use --decode tree or --decode ring"),
         (["--num-samples", "4", "--decode", "ring", "--nproc", "2"], "--num-samples 4 decodes with bifurcated attention"),
-        (["--capacity", "1000000000000"], r"--capacity 1000000000000: the KV cache of 1000000000000 slots x 1 sequences would take "
+        (["--capacity", "1000000000000"], r"--capacity 1000000000000: the KV cache of 1000000000000 slots x 1 sequences \(blocks of 256\) would take "
                                           r"[0-9.]+ TiB per rank on 1 rank\(s\), more than the [0-9.]+ GiB of memory of cpu"),
         (["--max-new-tokens", "1000000000000", "--nproc", "2"], r"--max-new-tokens 1000000000000: the KV cache .* TiB per rank on 2 rank"),
         (["--stop-id", "-3"], "--stop-id must hold token ids >= 0, got -3"),

@@ -40,7 +40,7 @@ def test_the_config_is_frozen_normalized_and_picklable():
         ("top_p", 0.0, ValueError), ("top_p", 1.5, ValueError), ("top_k", 0, ValueError), ("stop_tokens", [2.7], ValueError),
         ("stop_tokens", [True], ValueError), ("decode", "flash", ValueError), ("method", "ring", ValueError),
         ("prefill", "tree", ValueError), ("placement", "striped", ValueError), ("block_size", 0, ValueError),
-        ("capacity", 0, ValueError), ("chunk", None, TypeError), ("static_decode", 1, TypeError),
+        ("capacity", 0, ValueError), ("seed", 2**64, ValueError), ("chunk", None, TypeError), ("static_decode", 1, TypeError),
     ],
 )
 def test_each_bad_field_is_named(field, value, error):
@@ -70,9 +70,13 @@ def test_checks_against_the_model():
         (GenerationConfig(stop_tokens=[64]), 1, "stop_tokens", r"token id 64 is outside the vocabulary \[0, 64\)"),
         (GenerationConfig(num_samples=2), 1, "num_samples", "got 2 prompts"),
         (GenerationConfig(capacity=2**50), 4, "capacity", "per rank on 4 rank"),
+        (GenerationConfig(max_new_tokens=2**50), 1, "max_new_tokens", r"max_new_tokens=1125899906842624: the KV cache of "
+                                                                       r"1125899906842634 slots x 1 sequences \(blocks of 256\) would take"),
+        (GenerationConfig(block_size=2**50), 1, "block_size", "block_size=1125899906842624: the KV cache of 42 slots"),
+        (GenerationConfig(num_samples=2**45, max_new_tokens=8), 1, "num_samples", "and 35184372088832 samples"),
     ]:
         with pytest.raises(ConfigError, match=match) as info:
-            check_against_model(config, MODEL, prompts * (2 if option == "num_samples" else 1), world)
+            check_against_model(config, MODEL, prompts * (2 if "got 2 prompts" in match else 1), world)
         assert info.value.option == option
 
 

@@ -337,7 +337,7 @@ class Generation:
             longest = max(len(p) for p in self.prompts)
             capacity, block_size = config.cache_capacity(longest), config.block_size
             prefill = resolve_prefill(config.prefill, self.world_size, longest, model.config.layer_windows)
-            if prefill == "local" and config.prefill == "auto" and self.world_size > 1:
+            if prefill == "local" and config.prefill == "auto" and self.world_size > 1 and self.rank == 0:
                 logger.info("a sliding window shorter than the prompt: prefill 'local' (ring_attention has no window)")
             if cache is not None:
                 tokens, positions = _left_pad(self.prompts, "cpu")

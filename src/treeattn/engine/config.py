@@ -96,6 +96,8 @@ class GenerationConfig:
     def __post_init__(self) -> None:
         for name, low in (("max_new_tokens", 1), ("seed", 0), ("num_samples", 1), ("block_size", 1), ("chunk", 1)):
             _check_int(name, getattr(self, name), low)
+        if self.seed >= 2**64:
+            raise ConfigError("seed", f"seed must be below 2**64 (a torch.Generator seed), got {self.seed}")
         if self.capacity is not None:
             _check_int("capacity", self.capacity, 1)
         self.sampling  # noqa: B018  (validates temperature, top_k, top_p)
@@ -193,8 +195,9 @@ def check_against_model(config: GenerationConfig, model_config, prompts: list[li
     reserved = kv_cache_bytes_per_rank(config, model_config, len(prompts), longest, world_size, dtype)
     available = device_memory_bytes(device)
     if available is not None and reserved > available:
-        option = "capacity" if config.capacity is not None else "max_new_tokens"
+        option = _largest_cache_term(config, len(prompts), capacity)
         raise ConfigError(option, f"{option}={getattr(config, option)}: the KV cache of {capacity} slots x {len(prompts)} sequences "
+                          f"(blocks of {config.block_size}{f', and {config.num_samples} samples' if config.num_samples > 1 else ''}) "
                           f"would take {format_bytes(reserved)} per rank on {world_size} rank(s), more than the "
                           f"{format_bytes(available)} of memory of {torch.device(device)}")
     warnings = []
@@ -225,6 +228,16 @@ def kv_cache_bytes_per_rank(config: GenerationConfig, model_config, batch: int, 
     per_slot = model_config.num_layers * 2 * model_config.num_kv_heads * model_config.head_dim * _itemsize(dtype) + 8
     samples = config.max_new_tokens * config.num_samples if config.num_samples > 1 else 0
     return (slots * batch + samples) * per_slot
+
+
+def _largest_cache_term(config: GenerationConfig, batch: int, capacity: int) -> str:
+    """The option that makes the cache too big: the samples' cache, blocks larger than the whole
+    cache, or the capacity itself (named capacity when given, else max_new_tokens)."""
+    if config.num_samples > 1 and config.num_samples * config.max_new_tokens > batch * capacity:
+        return "num_samples"
+    if config.block_size > capacity:
+        return "block_size"
+    return "capacity" if config.capacity is not None else "max_new_tokens"
 
 
 def device_memory_bytes(device: torch.device | str) -> int | None:
