@@ -214,3 +214,17 @@ def test_generate_imports_neither_bench_nor_sim_nor_matplotlib():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+def test_a_broken_checkpoint_is_reported_once_before_spawning(checkpoint, tmp_path, ids_file):
+    from safetensors.torch import load_file, save_file
+
+    directory = tmp_path / "broken"
+    directory.mkdir()
+    (directory / "config.json").write_text((checkpoint / "config.json").read_text())
+    tensors = load_file(checkpoint / "model.safetensors")
+    tensors.pop("model.layers.1.mlp.up_proj.weight")
+    save_file(tensors, directory / "model.safetensors")
+    result = runner.invoke(app, ["generate", str(directory), "--prompt-ids", str(ids_file), "--nproc", "2"])
+    assert result.exit_code == 2
+    assert result.stderr.strip().splitlines() == [f"error: {directory}: missing 1 tensors, e.g. model.layers.1.mlp.up_proj.weight"]

@@ -176,8 +176,8 @@ def _cli_message(exc) -> str:
 
 
 def _check_before_spawning(config, model_dir: Path, prompts: list[list[int]], world: int, dtype: str) -> None:
-    """Everything the ranks would refuse, checked once here: the config against the model and the
-    prompts, and the memory of `world` ranks on this machine (each holds all weights and its
+    """Everything the ranks would refuse, checked once here: the checkpoint (without reading its
+    weights), the config against the model and the prompts, and the memory of `world` ranks on this machine (each holds all weights and its
     share of the cache). Warns when ranks outnumber the cores or the prompt's tokens."""
     import torch
 
@@ -188,15 +188,14 @@ def _check_before_spawning(config, model_dir: Path, prompts: list[list[int]], wo
         format_bytes,
         kv_cache_bytes_per_rank,
     )
-    from treeattn.models.llama import LlamaModel
-    from treeattn.models.loader import read_config
+    from treeattn.models.loader import check_checkpoint
 
-    model_config = read_config(model_dir)
-    prompts = check_prompts(prompts, model_config.vocab_size)
     torch_dtype = getattr(torch, dtype)
+    skeleton = check_checkpoint(model_dir, dtype=torch_dtype)  # tensor names and shapes: headers only
+    model_config = skeleton.config
+    prompts = check_prompts(prompts, model_config.vocab_size)
     check_against_model(config, model_config, prompts, world, dtype=torch_dtype)  # its warnings: rank 0 logs them
     longest = max(len(p) for p in prompts)
-    skeleton = LlamaModel(model_config, dtype=torch_dtype, device="meta")
     weights = sum(p.numel() * p.element_size() for p in skeleton.parameters())
     kv = kv_cache_bytes_per_rank(config, model_config, len(prompts), longest, world, torch_dtype)
     memory = device_memory_bytes("cpu")

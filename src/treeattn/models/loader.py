@@ -70,10 +70,7 @@ def load_model(model_dir: str | os.PathLike, *, dtype: torch.dtype = torch.float
     if is_gguf(model_dir):
         return _load_gguf(Path(model_dir), dtype, device)
     model_dir = _check_dir(model_dir)
-    config = read_config(model_dir)
-    locations = weight_locations(model_dir)
-    model = LlamaModel(config, dtype=dtype, device="meta")
-    plan = _match_tensors(model, locations)  # checks names and shapes before reading any data
+    model, plan = _plan(model_dir, dtype)  # checks names and shapes before reading any data
 
     from safetensors import safe_open
 
@@ -91,6 +88,27 @@ def load_model(model_dir: str | os.PathLike, *, dtype: torch.dtype = torch.float
     model.chat_template = read_chat_template(model_dir)
     logger.info("loaded %s (%d tensors from %d files) as %s on %s", model_dir, len(state), len(by_file), dtype, device)
     return model.eval()
+
+
+def check_checkpoint(model_dir: str | os.PathLike, *, dtype: torch.dtype = torch.float32) -> LlamaModel:
+    """Everything load_model checks before it reads a weight -- config, file names, every tensor's
+    name and shape -- without reading the weights (safetensors headers only; a .gguf file's config).
+    Returns the model's skeleton on the "meta" device (no memory; .config, parameter sizes).
+
+    Raises:
+        what load_model raises for a bad checkpoint.
+    """
+    if is_gguf(model_dir):
+        return LlamaModel(read_config(model_dir), dtype=dtype, device="meta")
+    return _plan(_check_dir(model_dir), dtype)[0]
+
+
+def _plan(model_dir: Path, dtype: torch.dtype) -> tuple[LlamaModel, dict[str, tuple[Path, str]]]:
+    """The model's skeleton on "meta", and our parameter name -> (file, checkpoint name), checked."""
+    config = read_config(model_dir)
+    locations = weight_locations(model_dir)
+    model = LlamaModel(config, dtype=dtype, device="meta")
+    return model, _match_tensors(model, locations)
 
 
 def _load_gguf(path: Path, dtype: torch.dtype, device) -> LlamaModel:
