@@ -2,6 +2,9 @@
 alone, on p = 1, 2, 3 ranks, tree and ring decoding, both placements, prefix cache on and off,
 under cache pressure; prefix reuse; bad input; cancellation; a dead rank.
 
+Half the configurations read each rank's shard run by run (attention per run of adjacent blocks,
+merge_states, then combine_states across ranks), half gather it into one batch.
+
 The oracle is ta.generate run on one prompt at a time in this process (its own cache and decode
 loop, no engine code). The multi-rank configurations run in ONE spawn of 3 ranks: each
 configuration builds an Engine inside a sub-group of 1, 2 or 3 ranks (the engine joins an existing
@@ -18,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 import treeattn as ta
-from treeattn.engine import EngineError, SamplingParams
+from treeattn.engine import EngineError, SamplingParams, runner
 from treeattn.models.llama import LlamaConfig, random_model
 from treeattn.parallel import spawn
 
@@ -84,9 +87,11 @@ def _engine_cases(rank: int, world_size: int) -> list[dict]:
     model = _model()
     groups = {1: dist.new_group([0]), 2: dist.new_group([0, 1]), 3: None}
     out = []
-    for p, options in CASES:
+    for case, (p, options) in enumerate(CASES):
         if rank >= p:
             continue
+        # Half the cases read every shard run by run (no copy), half gather it (treeattn.engine.runner).
+        runner.COPY_FREE_MIN_KEYS = 0 if case % 2 else 1 << 40
         with ta.Engine(model, group=groups[p], timeout_s=60, **options) as engine:
             if not engine.is_driver:
                 continue

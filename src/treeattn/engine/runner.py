@@ -14,6 +14,15 @@ sequences and positions. The model's two injected callables come from a PagedBat
   (tree_decode / ring_decode across the ranks, plain attention on one rank): a decode-only step
   is one tree_decode per layer for the whole batch.
 
+Reading a shard without copying it ("runs"): a sequence's blocks on this rank are often
+physically adjacent (blocks are handed out in order, and a long prompt takes many at once). Each
+maximal run of adjacent blocks is a view of the arena; attending to each run separately and
+merging the states with merge_states is exact, and then one combine_states across the ranks (the
+combine step of tree_decode) finishes the group. This costs one attention call per run instead of
+one gather (a copy of the whole shard per layer per step), so it pays when runs are long: a group
+is read this way when its runs average at least COPY_FREE_MIN_KEYS keys (tree and local decoding,
+no sliding window; ring_decode passes the shard itself, so it always gathers).
+
 Rank 0 then samples the next token of each sequence whose chunk ends at its last known token,
 each with its own torch.Generator (seeded from the request), so a request's tokens do not depend
 on what it was batched with.
@@ -30,16 +39,21 @@ from treeattn.cache.blocks import tokens_to_blocks
 from treeattn.cache.paged import PagedKVCache
 from treeattn.cache.sharded import INVISIBLE_POSITION
 from treeattn.engine.scheduler import Chunk, SampleSpec, StepPlan
-from treeattn.models.attention import attention_backend
+from treeattn.models.attention import attention_backend, group_world_size
 from treeattn.models.llama import LlamaModel
+from treeattn.ops import attention, merge_states_list
 
 logger = logging.getLogger(__name__)
+
+# A group of sequences is read run by run (no copy) when its runs of adjacent blocks average at
+# least this many keys; below, one gather and one batched call are cheaper (benchmarks/engine_paged_read.py).
+COPY_FREE_MIN_KEYS = 1024
 
 
 class _Group:
     """Sequences attended in one call: their queries' rows in the flat step and their shards."""
 
-    def __init__(self, chunks: list[Chunk], offsets: list[int], rank: int, cache: PagedKVCache, device) -> None:
+    def __init__(self, chunks: list[Chunk], offsets: list[int], rank: int, cache: PagedKVCache, device, copy_free_ok: bool) -> None:
         bs = cache.block_size
         width = max(len(c.tokens) for c in chunks)
         local = []  # per chunk: [(logical block, local block id)] of the blocks this rank holds
@@ -62,6 +76,23 @@ class _Group:
         self.valid = (q_pos >= 0).to(device)
         self.q_index, self.q_pos = q_index.to(device), q_pos.to(device)
         self.table, self.kv_pos = table.to(device), kv_pos.to(device)
+        self.runs = [_runs(blocks, kv_pos[b], bs, device) for b, blocks in enumerate(local)]
+        num_runs = sum(len(r) for r in self.runs)
+        keys = sum(len(blocks) for blocks in local) * bs
+        self.copy_free = copy_free_ok and num_runs > 0 and keys >= COPY_FREE_MIN_KEYS * num_runs
+
+
+def _runs(blocks: list[tuple[int, int]], kv_pos: torch.Tensor, bs: int, device) -> list[tuple[int, int, torch.Tensor]]:
+    """Maximal runs of physically adjacent blocks among one sequence's local `blocks` [(logical,
+    block id)], as (first block id, number of blocks, int64 (1, n * bs) positions of their keys)."""
+    runs, i = [], 0
+    while i < len(blocks):
+        n = 1
+        while i + n < len(blocks) and blocks[i + n][1] == blocks[i][1] + n:
+            n += 1
+        runs.append((blocks[i][1], n, kv_pos[None, i * bs : (i + n) * bs].to(device)))
+        i += n
+    return runs
 
 
 class PagedBatch:
@@ -74,9 +105,9 @@ class PagedBatch:
         attend: the rank's attention back end (models.attention.attention_backend).
     """
 
-    def __init__(self, plan: StepPlan, rank: int, cache: PagedKVCache, attend) -> None:
+    def __init__(self, plan: StepPlan, rank: int, cache: PagedKVCache, attend, combine=None) -> None:
         device, bs = cache.device, cache.block_size
-        self.cache, self.backend = cache, attend
+        self.cache, self.backend, self.combine = cache, attend, combine
         tokens, positions, offsets, rows, slots, fresh = [], [], [], [], [], []
         for c in plan.chunks:
             offsets.append(len(tokens))
@@ -98,29 +129,55 @@ class PagedBatch:
             cache.zero_blocks(torch.tensor(fresh, dtype=torch.int64, device=device))
         single = [i for i, c in enumerate(plan.chunks) if len(c.tokens) == 1]
         multi = [i for i, c in enumerate(plan.chunks) if len(c.tokens) > 1]
-        self.groups = [_Group([plan.chunks[i] for i in idx], [offsets[i] for i in idx], rank, cache, device)
+        self.groups = [_Group([plan.chunks[i] for i in idx], [offsets[i] for i in idx], rank, cache, device, combine is not None)
                        for idx in (single, multi) if idx]
+        self._layer = 0
 
     def kv_store(self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor):
         """Store this rank's new keys/values, k_new, v_new (1, T, Hkv, D); return per group this
-        rank's shards: tuples of k, v (B_g, Sk_g, Hkv, D) and kv_pos int64 (B_g, Sk_g)."""
+        rank's shards: tuples of k, v (B_g, Sk_g, Hkv, D) and kv_pos int64 (B_g, Sk_g) (None for a
+        group read run by run: attend then reads the arena of this layer directly)."""
         if self.store_rows.numel():
             self.cache.write(layer, self.store_slots, k_new[0, self.store_rows], v_new[0, self.store_rows])
-        shards = [self.cache.gather(layer, g.table) for g in self.groups]
+        self._layer = layer
+        shards = [(None, None) if g.copy_free else self.cache.gather(layer, g.table) for g in self.groups]
         return tuple(k for k, _ in shards), tuple(v for _, v in shards), tuple(g.kv_pos for g in self.groups)
 
     def attend(self, q: torch.Tensor, k, v, *, q_pos, kv_pos, window) -> torch.Tensor:
-        """q (1, T, Hq, D) -> out (1, T, Hq, D): one back-end call per group of sequences."""
+        """q (1, T, Hq, D) -> out (1, T, Hq, D): one back-end call (or one run-by-run read and one
+        combine) per group of sequences."""
         flat = q[0]
         out = torch.zeros_like(flat)
         for g, k_g, v_g, pos_g in zip(self.groups, k, v, kv_pos):
-            o = self.backend(flat[g.q_index], k_g, v_g, q_pos=g.q_pos, kv_pos=pos_g, window=window)
+            if g.copy_free:
+                o = self._attend_runs(g, flat[g.q_index])
+            else:
+                o = self.backend(flat[g.q_index], k_g, v_g, q_pos=g.q_pos, kv_pos=pos_g, window=window)
             out[g.q_index[g.valid]] = o[g.valid]
         return out[None]
 
-    def last_rows(self, chunks) -> list[int]:
-        """Row in the flat step of the last token of each chunk."""
-        return [self.offsets[i] + len(c.tokens) - 1 for i, c in enumerate(chunks)]
+    def _attend_runs(self, g: _Group, q: torch.Tensor) -> torch.Tensor:
+        """q (B, S, Hq, D) of group g over this rank's runs of blocks, merged per sequence, then
+        combined across the ranks. Returns out (B, S, Hq, D) in q.dtype."""
+        B, S, Hq, D = q.shape
+        kv = self.cache.arena[self._layer]  # (2, blocks, block_size, Hkv, D)
+        Hkv = kv.shape[-2]
+        outs, lses = [], []
+        for b, runs in enumerate(g.runs):
+            states = [attention(q[b : b + 1], kv[0, a : a + n].reshape(1, -1, Hkv, D), kv[1, a : a + n].reshape(1, -1, Hkv, D),
+                                causal=True, q_pos=g.q_pos[b : b + 1], kv_pos=pos) for a, n, pos in runs]
+            if not states:  # nothing of this sequence here: the merge's identity
+                states = [(q.new_zeros(1, S, Hq, D), torch.full((1, Hq, S), float("-inf"), device=q.device))]
+            o, lse = merge_states_list([o for o, _ in states], [lse for _, lse in states]) if len(states) > 1 else states[0]
+            outs.append(o.float())
+            lses.append(lse.float())
+        out, lse = torch.cat(outs), torch.cat(lses)
+        group, method, ranks_per_node = self.combine
+        if group_world_size(group) > 1:
+            from treeattn.parallel.tree_decode import combine_states
+
+            out, lse = combine_states(out, lse, group=group, method=method, ranks_per_node=ranks_per_node)
+        return out.to(q.dtype)
 
 
 class RankRunner:
@@ -142,6 +199,12 @@ class RankRunner:
         self.cache = PagedKVCache(num_layers=c.num_layers, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
                                   num_blocks=blocks_per_rank, block_size=block_size, dtype=model.dtype, device=model.device)
         self.attend = attention_backend(decode, method=method, group=group, topology=topology)
+        self.combine = None  # how a run-by-run read combines across ranks (None: always gather)
+        p = group_world_size(group)
+        if (decode != "ring" or p == 1) and all(w is None for w in c.layer_windows):
+            from treeattn.parallel import Topology
+
+            self.combine = (group, method, (topology or Topology()).resolve(p) if method == "twolevel" else 1)
         self._generators: dict[int, torch.Generator] = {}
 
     @torch.inference_mode()
@@ -152,7 +215,7 @@ class RankRunner:
             self._generators.pop(seq_id, None)
         if not plan.chunks:
             return {}
-        batch = PagedBatch(plan, self.rank, self.cache, self.attend)
+        batch = PagedBatch(plan, self.rank, self.cache, self.attend, self.combine)
         hidden = self.model(batch.tokens, batch.positions, batch.kv_store, batch.attend)
         if self.rank != 0:
             return {}
