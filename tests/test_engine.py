@@ -282,3 +282,32 @@ def test_a_dead_rank_fails_the_engine_in_the_driver_and_leaves_no_process():
         with pytest.raises(EngineError):
             engine.submit([1, 2, 3])
     assert not multiprocessing.active_children()
+
+
+class _LetterTokenizer:
+    """Token id i is the letter chr(97 + i % 26): enough to test text and stop strings."""
+
+    class _Encoding:
+        def __init__(self, ids):
+            self.ids = ids
+
+    def encode(self, text):
+        return self._Encoding([ord(c) - 97 for c in text])
+
+    def decode(self, ids):
+        return "".join(chr(97 + i % 26) for i in ids)
+
+
+def test_text_streams_and_a_stop_string_cuts_it(references):
+    model = _model()
+    model.tokenizer = _LetterTokenizer()
+    prompt, n = REQUESTS[7]
+    expected = _LetterTokenizer().decode(references[7])
+    with ta.Engine(model, nproc=1, cache_tokens=256, block_size=BLOCK) as engine:
+        events = list(engine.stream(prompt, max_new_tokens=n))
+        assert "".join(e.text for e in events) == expected
+        result = engine.generate([prompt], max_new_tokens=n, stop=expected[2:4])[0]
+        assert engine.generate("abcd", max_new_tokens=1)[0].prompt_tokens == 4  # a string goes through the tokenizer
+    cut = expected.index(expected[2:4])  # the stop string's first occurrence
+    assert result.finish_reason == "stop" and result.text == expected[:cut]
+    assert result.token_ids == references[7][: cut + 2]

@@ -438,12 +438,13 @@ class Engine:
         request.token_ids.append(token)
         self._counters["generated_tokens"] += 1
         delta = self._text_delta(request)
-        if reason is None and request.params.stop:
+        if reason != "stop" and request.params.stop:  # a stop string ends it, even on its last token
             cut = min((i for i in (request.text.find(s) for s in request.params.stop) if i >= 0), default=-1)
             if cut >= 0:
                 delta = delta[: max(0, len(delta) - (len(request.text) - cut))]
                 request.text = request.text[:cut]
-                self.scheduler.finish(request.seq, "stop")
+                if reason is None:
+                    self.scheduler.finish(request.seq, "stop")
                 reason = "stop"
         if reason is None:
             request.handle._emit(TokenEvent(request.handle.request_id, token, delta))
