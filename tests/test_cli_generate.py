@@ -65,8 +65,25 @@ def test_two_ranks_ring_decode_interleaved(checkpoint, ids_file, expected):
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)
     assert report["generated_ids"] == expected
-    assert report["run"] == {"world_size": 2, "decode": "ring", "method": "allreduce", "prefill": "ring", "placement": "interleaved"}
+    assert report["run"] == {"world_size": 2, "decode": "ring", "method": "onepass", "prefill": "ring", "placement": "interleaved"}
     assert len(report["kv_bytes_per_rank"]) == 2 and report["comm"]["bytes_per_token"] > 0
+
+
+def test_default_method_is_one_round_per_layer(checkpoint, ids_file, expected):
+    """The default combine (onepass) issues layers + 1 rounds per decode step (one per layer, one
+    token broadcast); the two-collective allreduce 2 x layers + 1; the greedy tokens are the same."""
+    layers = load_model(checkpoint).config.num_layers
+    reports = {}
+    for method in (None, "allreduce"):
+        args = ["generate", str(checkpoint), "--prompt-ids", str(ids_file), "--max-new-tokens", "6", "--nproc", "2", "--json"]
+        result = runner.invoke(app, args + (["--method", method] if method else []))
+        assert result.exit_code == 0, result.output
+        reports[method] = json.loads(result.stdout)
+    default, two_round = reports[None], reports["allreduce"]
+    steps = default["timings"]["decode_steps"]
+    assert default["run"]["method"] == "onepass" and default["generated_ids"] == two_round["generated_ids"] == expected
+    assert default["comm"]["decode_rounds_rank0"] == steps * (layers + 1)
+    assert two_round["comm"]["decode_rounds_rank0"] == steps * (2 * layers + 1)
 
 
 def test_text_prompt_prints_text_and_a_summary(checkpoint, expected):

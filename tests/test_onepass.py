@@ -91,3 +91,14 @@ def test_bad_inputs_raise_on_every_rank(reports):
     messages = [r["errors"]["mismatch"] for r in reports]
     assert len(set(messages)) == 1 and "method" in messages[0] and "'onepass'" in messages[0]
     assert all("graph_safe" in r["errors"]["graph_safe"] and "onepass" in r["errors"]["graph_safe"] for r in reports)
+
+
+def test_engine_default_is_onepass_except_in_static_steps():
+    from treeattn.engine.config import ConfigError, GenerationConfig
+
+    assert GenerationConfig().method == "onepass"
+    assert GenerationConfig(static_decode=True).method == "allreduce"
+    assert GenerationConfig(method="tree", static_decode=True).method == "tree"
+    with pytest.raises(ConfigError, match="onepass.*static_decode") as raised:
+        GenerationConfig(method="onepass", static_decode=True)
+    assert raised.value.option == "method"

@@ -38,6 +38,7 @@ class Method(str, Enum):
     allreduce = "allreduce"
     tree = "tree"
     twolevel = "twolevel"
+    onepass = "onepass"
 
 
 class Placement(str, Enum):
@@ -69,7 +70,7 @@ def generate_command(
     prompt_ids: Path | None = typer.Option(None, "--prompt-ids", help="JSON file: a list of token ids, or a list of such lists (a batch)."),
     nproc: int | None = typer.Option(None, "--nproc", help="Local ranks to spawn (gloo). Default 1, or the world size under torchrun."),
     decode: Decode = typer.Option(Decode.tree, "--decode", help="Decode attention across ranks."),
-    method: Method = typer.Option(Method.allreduce, "--method", help="tree_decode combine."),
+    method: Method | None = typer.Option(None, "--method", help="tree_decode combine (default: onepass, one collective per layer)."),
     prefill: Prefill = typer.Option(Prefill.auto, "--prefill", help="auto: ring on several ranks, local on one."),
     max_new_tokens: int = typer.Option(64, "--max-new-tokens"),
     temperature: float = typer.Option(0.0, "--temperature", help="0 = greedy."),
@@ -101,7 +102,7 @@ def generate_command(
         config = GenerationConfig(
             max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
             stop_tokens=() if no_stop else (tuple(stop_id) or None), num_samples=num_samples, decode=decode.value,
-            method=method.value, prefill=prefill.value, placement=placement.value, block_size=block_size, capacity=capacity,
+            method=None if method is None else method.value, prefill=prefill.value, placement=placement.value, block_size=block_size, capacity=capacity,
         )
         if top is not None and rank_by is RankBy.none:
             raise ValueError("--top K prints the K best sequences: give --rank-by mean-logprob too")

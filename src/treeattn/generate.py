@@ -200,7 +200,7 @@ def generate(
     stop_tokens: Sequence[int] | None = None,
     num_samples: int = 1,
     decode: str = "tree",
-    method: str = "allreduce",
+    method: str | None = None,
     prefill: str = "auto",
     placement: str = "contiguous",
     block_size: int = 256,
@@ -236,7 +236,8 @@ def generate(
             "tree" (or one process): one prefill, then the n samples decode with bifurcated
             attention; the result then has n sequences, ranked by result.mean_logprobs if wanted.
         decode: "tree" (tree_decode), "ring" (ring_decode, K/V passed around) or "local" (one rank).
-        method: tree_decode method: "allreduce", "tree" or "twolevel".
+        method: tree_decode method: "allreduce", "tree", "twolevel" or "onepass"; None: the
+            default (treeattn.engine.config.DEFAULT_METHOD; "allreduce" for static steps).
         prefill: "auto", "ring" (ring_attention, prompt split across ranks) or "local" (every rank
             runs the prompt in chunks, attention through the decode attention).
         placement: "contiguous" or "interleaved" placement of tokens on ranks.
@@ -526,14 +527,7 @@ class Generation:
         The hot path pays one isfinite over the logits; the layer is looked for only then."""
         logprobs = torch.zeros(hidden.shape[0], dtype=torch.float64)
         if self.rank == 0:
-            logits = self.model.logits(hidden)
-            finite_rows = torch.isfinite(logits).all(dim=-1).cpu()
-            if bool(finite_rows.all()):
-                tokens = sample(logits, self.sampling, generator)
-                logprobs = torch.log_softmax(logits.double().cpu(), dim=-1).gather(1, tokens[:, None]).squeeze(1)
-            else:
-                tokens = torch.where(finite_rows, -2, -1).to(torch.int64)
-            tokens = tokens.to(hidden.device)
+            tokens, logprobs = self._sample(hidden, generator)
         else:
             tokens = torch.empty(hidden.shape[0], dtype=torch.int64, device=hidden.device)
         tokens = self._broadcast(tokens, src=0)
@@ -542,6 +536,16 @@ class Generation:
             raise NonFiniteLogitsError(f"the model produced non-finite logits (NaN or inf) for sequence(s) {bad} at new token "
                                        f"{index}; generation stopped. {self._locate_non_finite()}")
         return tokens, logprobs
+
+    def _sample(self, hidden: torch.Tensor, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rank 0's part of _next_tokens: logits, then int64 (B,) tokens on hidden's device (negative
+        ids for non-finite logits) and their float64 (B,) log-probabilities."""
+        logits = self.model.logits(hidden)
+        finite_rows = torch.isfinite(logits).all(dim=-1).cpu()
+        if not bool(finite_rows.all()):
+            return torch.where(finite_rows, -2, -1).to(torch.int64).to(hidden.device), torch.zeros(hidden.shape[0], dtype=torch.float64)
+        tokens = sample(logits, self.sampling, generator)
+        return tokens.to(hidden.device), chosen_logprobs(logits, tokens)
 
     def _locate_non_finite(self) -> str:
         """Where the non-finite values start (the error path only; a collective on every rank): the
@@ -609,6 +613,13 @@ class _Outputs:
 
 
 # ---------------------------------------------------------------------------------- sampling
+
+
+def chosen_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """float64 (B,) log-softmax of logits (B, V) at tokens int64 (B,): logit - logsumexp, without
+    materializing the log-softmax of the whole vocabulary."""
+    logits = logits.cpu().double()
+    return logits.gather(1, tokens[:, None].cpu()).squeeze(1) - torch.logsumexp(logits, dim=-1)
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> torch.Tensor:

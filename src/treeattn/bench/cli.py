@@ -301,3 +301,52 @@ def plot_command(
         raise typer.BadParameter(str(err)) from None
     for path in paths:
         typer.echo(f"wrote {path}", err=True)
+
+
+@bench_app.command("profile")
+def profile_command(
+    model: str = typer.Argument(..., help="demo, smollm2-shapes (random weights, SmolLM2-135M's 30-layer shapes), "
+                                "or a checkpoint: Hugging Face directory or .gguf file."),
+    nproc: list[int] = typer.Option([1, 2, 4], "--nproc", "-p", help="World sizes (repeatable)."),
+    context: int = typer.Option(8192, "--context", min=2, help="Synthetic prompt length in tokens."),
+    new_tokens: int = typer.Option(16, "--new-tokens", min=4, help="Greedy tokens per method (the first --warmup steps are not counted)."),
+    method: list[str] = typer.Option(["allreduce", "onepass"], "--method", "-m", help="tree_decode methods, each decoded from the same prefill."),
+    warmup: int = typer.Option(2, "--warmup", min=0, help="Decode steps left out of the means."),
+    threads: int | None = typer.Option(None, "--threads", min=1, help="torch threads per rank (default cores / ranks, at least 1)."),
+    json_out: Path | None = typer.Option(None, "--json", help="Also write every rank's figures to this JSON file."),
+) -> None:
+    """Split one decode token's time on each rank: local attention, combine, rest of the model,
+    sampling, token broadcast, host overhead."""
+    import os
+
+    from rich.console import Console
+    from rich.table import Table
+
+    from treeattn.bench.profile import PHASES, ProfileSpec, run_profile
+    from treeattn.parallel.tree_decode import METHODS as TREE_METHODS
+
+    bad = [m for m in method if m not in TREE_METHODS]
+    if bad:
+        raise typer.BadParameter(f"expected tree_decode methods {TREE_METHODS}, got {bad[0]!r}", param_hint="--method")
+    if new_tokens <= warmup:
+        raise typer.BadParameter(f"--new-tokens {new_tokens} leaves no step after --warmup {warmup}", param_hint="--new-tokens")
+    table = Table(title=f"{model}: one decode token at {context} tokens of context (ms; % of the step)")
+    for col in ("p", "method", "rank", "step", *PHASES, "rounds/step", "same tokens"):
+        table.add_column(col, justify="left" if col == "method" else "right")
+    records = []
+    for p in nproc:
+        spec = ProfileSpec(model=model, context=context, new_tokens=new_tokens, methods=tuple(method[:1] if p == 1 else method),
+                           threads=threads or max(1, (os.cpu_count() or 1) // p), warmup=warmup)
+        reports = run_profile(spec, p)
+        reference = reports[0][spec.methods[0]]["generated_ids"]
+        for name in spec.methods:
+            for rank, report in enumerate(reports):
+                entry = report[name]
+                ph = entry["phases"]
+                cells = [f"{ph[x] * 1e3:.2f} ({100 * ph[x] / ph['step']:.0f}%)" for x in PHASES]
+                table.add_row(str(p), name if p > 1 else "-", str(rank), f"{ph['step'] * 1e3:.2f}", *cells,
+                              f"{entry['rounds_per_step']:.0f}", "yes" if entry["generated_ids"] == reference else "NO")
+                records.append({"model": model, "context": context, "p": p, "method": name, "rank": rank, **entry})
+    Console(width=220).print(table)
+    if json_out is not None:
+        json_out.write_text(json.dumps(records, indent=1))

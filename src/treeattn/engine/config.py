@@ -24,9 +24,13 @@ import torch
 
 from treeattn.cache.placement import PLACEMENTS, make_placement
 from treeattn.models.attention import DECODE_KINDS
+from treeattn.parallel.tree_decode import METHODS
 
 PREFILL_KINDS = ("auto", "ring", "local")
-METHODS = ("allreduce", "tree", "twolevel")
+DEFAULT_METHOD = "onepass"
+"""tree_decode's combine when none is named: the fastest exact one measured on this repository's
+machine (docs/benchmarks.md, "One round per layer"). The static and CUDA-graph steps, which may not
+read the host inside a step, take "allreduce" instead."""
 
 
 class ConfigError(ValueError):
@@ -69,7 +73,9 @@ class GenerationConfig:
         seed: seed of rank 0's sampling generator, >= 0.
         stop_tokens: token ids that end a sequence (a tuple); None: the model's eos ids.
         num_samples: n >= 1 completions of one prompt (n > 1: bifurcated decoding).
-        decode: "tree", "ring" or "local". method: tree_decode's "allreduce", "tree" or "twolevel".
+        decode: "tree", "ring" or "local". method: tree_decode's "allreduce", "tree", "twolevel" or
+            "onepass"; None (the default): DEFAULT_METHOD, or "allreduce" for static_decode and
+            cuda_graph (onepass reads one flag on the host per layer). Set after validation.
         prefill: "auto", "ring" or "local". placement: "contiguous" or "interleaved".
         block_size: cache block size in tokens. capacity: cache slots per sequence (None: the
             longest prompt + max_new_tokens). chunk: tokens per chunk of the local prefill.
@@ -84,7 +90,7 @@ class GenerationConfig:
     stop_tokens: tuple[int, ...] | None = None
     num_samples: int = 1
     decode: str = "tree"
-    method: str = "allreduce"
+    method: str | None = None
     prefill: str = "auto"
     placement: str = "contiguous"
     block_size: int = 256
@@ -101,6 +107,8 @@ class GenerationConfig:
         if self.capacity is not None:
             _check_int("capacity", self.capacity, 1)
         self.sampling  # noqa: B018  (validates temperature, top_k, top_p)
+        if self.method is None:
+            object.__setattr__(self, "method", "allreduce" if self.static_decode or self.cuda_graph else DEFAULT_METHOD)
         if self.stop_tokens is not None:
             object.__setattr__(self, "stop_tokens", _token_tuple(self.stop_tokens))
         for name, allowed in (("decode", DECODE_KINDS), ("method", METHODS), ("prefill", PREFILL_KINDS), ("placement", PLACEMENTS)):
@@ -109,6 +117,10 @@ class GenerationConfig:
         for name in ("static_decode", "cuda_graph"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigTypeError(name, f"{name} must be a bool, got {type(getattr(self, name)).__name__}")
+        if self.method == "onepass" and (self.static_decode or self.cuda_graph):
+            option = "cuda_graph" if self.cuda_graph else "static_decode"
+            raise ConfigError("method", f"method='onepass' reads one flag on the host per layer, which {option}=True forbids "
+                              "inside a step: use method='allreduce' or 'tree'")
         if self.num_samples > 1 and self.decode == "ring":
             raise ConfigError("num_samples", f"num_samples={self.num_samples} decodes with bifurcated attention, whose context "
                               "part is a tree reduction: use decode='tree' (or decode='local' on one process), not decode='ring'")
