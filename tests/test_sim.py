@@ -339,3 +339,20 @@ def test_simulate_overrides_and_errors(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         "sim_dgx-h100_comm.png", "sim_dgx-h100_latency.png", "sim_dgx-h100_memory.png", "sim_dgx-h100_speedup.png"
     ]
+
+
+@pytest.mark.parametrize("gpus", [8, 16, 64])
+def test_onepass_is_one_collective_of_float64_state(gpus):
+    """onepass: one allreduce of (B*Hq*(Dv+1) + 1) float64 values, half the latency steps of the
+    two-collective allreduce, plus one host read; the all-gather alternative is p - 1 steps."""
+    from treeattn.sim.model import allgather_combine, allreduce_combine, onepass_combine
+
+    shape = DecodeShape(seq_len=1 << 20, heads=64, kv_heads=8, head_dim=128, dtype="bf16")
+    one = predict_decode(H100, shape, gpus, "onepass")
+    two = predict_decode(H100, shape, gpus, "allreduce")
+    assert one.rounds == 1 and two.rounds == 2 and 2 * one.steps == two.steps
+    packed = (shape.batch * shape.heads * (shape.dv + 1) + 1) * 8
+    assert one.bytes == pytest.approx(2 * (gpus - 1) / gpus * packed)
+    saved = allreduce_combine(H100, shape, gpus).seconds - onepass_combine(H100, shape, gpus).seconds - H100.host_read_seconds
+    assert two.predicted_seconds - one.predicted_seconds == pytest.approx(saved)
+    assert allgather_combine(H100, shape, gpus).rounds == gpus - 1

@@ -89,6 +89,10 @@ class Cluster:
         step_overhead: fixed software seconds per decode step, paid once by every method
             (framework dispatch, host synchronisation). 0 in every preset: the presets describe
             the hardware; set it to study a slow software stack.
+        host_read_seconds: what one read of a device value on the host costs inside a decode
+            step (tree_decode "onepass" reads its reduced fallback flag once per call): the stream
+            drains and the device idles while the host launches the next kernels. 0 for ranks whose
+            tensors live in host memory (cpu-local), where the read is a load.
         busy_round_p2p: for ranks that share `host_cores` cores, ((p, seconds), ...): the
             extra seconds the first p2p round after an attention costs when p ranks compute
             between rounds, on top of collective_overhead + latency: a receiving rank that went to sleep
@@ -122,6 +126,7 @@ class Cluster:
     host_cores: int | None = None
     host_memory_bandwidth: float | None = None
     step_overhead: float = 0.0
+    host_read_seconds: float = 0.0
     busy_round_p2p: tuple[tuple[int, float], ...] = ()
     busy_round_collective: tuple[tuple[int, float], ...] = ()
     busy_next_round_p2p: tuple[tuple[int, float], ...] = ()
@@ -147,6 +152,7 @@ class Cluster:
             if self.host_memory_bandwidth is None:
                 raise ValueError("host_memory_bandwidth is required when host_cores is set")
         _check_nonnegative("step_overhead", self.step_overhead)
+        _check_nonnegative("host_read_seconds", self.host_read_seconds)
         if self.host_memory_bandwidth is not None:
             _check_positive("host_memory_bandwidth", self.host_memory_bandwidth)
         for name in BUSY_ROUND_TABLES:
@@ -275,6 +281,7 @@ _DGX_H100 = Cluster(
     kernel_overhead=5 * US,
     merge_seconds=5 * US,
     collective_overhead=5 * US,
+    host_read_seconds=10 * US,
     intra=Link(latency=3 * US, bandwidth=0.8 * 450 * GB),
     inter=Link(latency=8 * US, bandwidth=0.9 * 50 * GB),
     p2p_overlap=1.0,
@@ -287,6 +294,8 @@ _DGX_H100 = Cluster(
         "kernel_overhead": "assumption: ~5 us launch + tail per CUDA kernel",
         "merge_seconds": "assumption: one small fused kernel, ~5 us",
         "collective_overhead": "assumption: ~5 us NCCL kernel launch per collective or send/recv",
+        "host_read_seconds": "assumption: ~10 us: a device-to-host copy of one value after the allreduce (~5 us), "
+                             "then the device idles through the next kernel's launch (~5 us)",
         "intra.latency": "assumption: ~3 us NCCL send/recv over NVLink for small messages",
         "intra.bandwidth": "spec 450 GB/s per direction (NVLink 4, 900 GB/s bidirectional) x 0.8 achieved (assumption)",
         "inter.latency": "assumption: ~8 us NCCL send/recv across InfiniBand NDR for small messages",
@@ -305,6 +314,7 @@ _MI300X = Cluster(
     kernel_overhead=8 * US,
     merge_seconds=8 * US,
     collective_overhead=10 * US,
+    host_read_seconds=10 * US,
     intra=Link(latency=5 * US, bandwidth=0.8 * 64 * GB),
     inter=Link(latency=10 * US, bandwidth=0.85 * 50 * GB),
     p2p_overlap=1.0,
@@ -317,6 +327,7 @@ _MI300X = Cluster(
         "kernel_overhead": "assumption: ~8 us launch + tail per HIP kernel",
         "merge_seconds": "assumption: one small kernel, ~8 us",
         "collective_overhead": "assumption: ~10 us RCCL launch per collective or send/recv",
+        "host_read_seconds": "assumption: ~10 us: a device-to-host copy of one value, then the next kernel's launch",
         "intra.latency": "assumption: ~5 us RCCL send/recv over Infinity Fabric",
         "intra.bandwidth": "spec 64 GB/s per direction to one peer (128 GB/s bidirectional link) x 0.8 achieved (assumption)",
         "inter.latency": "assumption: ~10 us over RoCE",
@@ -335,6 +346,7 @@ _RTX4090_PCIE = Cluster(
     kernel_overhead=5 * US,
     merge_seconds=5 * US,
     collective_overhead=10 * US,
+    host_read_seconds=10 * US,
     intra=Link(latency=15 * US, bandwidth=0.7 * 31.5 * GB),
     inter=Link(latency=30 * US, bandwidth=0.9 * 1.25 * GB),
     p2p_overlap=1.0,
@@ -347,6 +359,7 @@ _RTX4090_PCIE = Cluster(
         "kernel_overhead": "assumption: ~5 us launch + tail per CUDA kernel",
         "merge_seconds": "assumption: one small kernel, ~5 us",
         "collective_overhead": "assumption: ~10 us NCCL launch (no P2P, staged through host)",
+        "host_read_seconds": "assumption: ~10 us: a device-to-host copy of one value, then the next kernel's launch",
         "intra.latency": "assumption: ~15 us through host memory (GeForce P2P disabled)",
         "intra.bandwidth": "spec PCIe 4.0 x16 31.5 GB/s per direction x 0.7 achieved through host staging (assumption)",
         "inter.latency": "assumption: 10 GbE between boxes, ~30 us",

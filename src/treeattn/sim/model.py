@@ -9,6 +9,10 @@ priced as treeattn.parallel runs them:
                [out * exp(lse - m), exp(lse - m)] (float32); divide. NCCL picks ring or tree.
     tree       local attention; binomial-tree reduce of (out, lse) with merge_states
                (ceil(log2 p) rounds); binomial broadcast of the result (ceil(log2 p) rounds).
+    onepass    local attention; ONE allreduce(sum) of the packed [out * exp(lse), exp(lse), flag]
+               in float64 (B x Hq x (Dv + 1) + 1 elements of 8 bytes); one host read of the
+               reduced flag (Cluster.host_read_seconds); divide. Its rare fallback (states
+               outside the float64 window) is not priced: it adds the allreduce method's cost.
     twolevel   binomial reduce inside each node; allreduce-method combine among node leaders over
                the inter-node link; one broadcast collective inside each node.
     ring-kv    an allgather of the shard lengths (14 int64 per rank: receivers size their
@@ -55,8 +59,9 @@ from treeattn.sim.collectives import (
 from treeattn.sim.hardware import Cluster
 from treeattn.sim.workload import STATE_ELEMENT_BYTES, DecodeShape
 
-METHODS: tuple[str, ...] = ("allreduce", "tree", "twolevel", "ring-kv", "ring-q", "local")
-TREE_METHODS: tuple[str, ...] = ("allreduce", "tree", "twolevel")
+METHODS: tuple[str, ...] = ("allreduce", "onepass", "tree", "twolevel", "ring-kv", "ring-q", "local")
+TREE_METHODS: tuple[str, ...] = ("allreduce", "onepass", "tree", "twolevel")
+ONEPASS_ELEMENT_BYTES = 8  # onepass's packed state travels in float64
 RING_METHODS: tuple[str, ...] = ("ring-kv", "ring-q")
 RING_METADATA_BYTES = 14 * 8  # ring_decode(pass_kv=True) all-gathers 14 int64 per rank per call
 
@@ -145,6 +150,19 @@ def allreduce_combine(cluster: Cluster, shape: DecodeShape, ranks: int) -> CommC
     return nccl_allreduce(cluster, ranks, lse_bytes) + nccl_allreduce(cluster, ranks, packed_bytes)
 
 
+def onepass_combine(cluster: Cluster, shape: DecodeShape, ranks: int) -> CommCost:
+    """onepass's one allreduce: the packed numerator and denominator plus the flag, float64."""
+    packed_bytes = (shape.batch * shape.heads * (shape.dv + 1) + 1) * ONEPASS_ELEMENT_BYTES
+    return nccl_allreduce(cluster, ranks, packed_bytes)
+
+
+def allgather_combine(cluster: Cluster, shape: DecodeShape, ranks: int) -> CommCost:
+    """The alternative onepass was chosen against (not a method of tree_decode): one all-gather of
+    every rank's (out, lse), then p - 1 local merges. One collective call, but a ring all-gather
+    (NCCL's algorithm for it) is p - 1 latency steps, and every rank receives p states."""
+    return ring_allgather(cluster, ranks, shape.state_bytes())
+
+
 def _sum_costs(costs: list[CommCost]) -> CommCost:
     total = NO_COMM
     for cost in costs:
@@ -165,6 +183,8 @@ def _peak_memory_bytes(shape: DecodeShape, method: str, gpus: int) -> float:
         return 2 * kv + qo + state  # eq. 8: the block being received sits beside the own shard
     if method == "allreduce":
         return kv + qo + 2 * shape.batch * shape.heads * STATE_ELEMENT_BYTES  # eq. 9 (n, d, m)
+    if method == "onepass":
+        return kv + qo + (shape.batch * shape.heads * (shape.dv + 1) + 1) * ONEPASS_ELEMENT_BYTES
     return kv + qo + state
 
 
@@ -196,6 +216,11 @@ def predict_decode(cluster: Cluster, shape: DecodeShape, gpus: int, method: str)
         compute = attn + merge  # rescale and divide
         seconds = compute + comm.seconds
         paper = volumes.tree_volume_elements(shape, gpus)
+    elif method == "onepass":
+        comm = onepass_combine(cluster, shape, gpus)
+        comm = CommCost(comm.seconds + cluster.host_read_seconds, comm.rounds, comm.bytes_sent, comm.algorithm)
+        compute = attn + merge  # scale, then divide
+        seconds = compute + comm.seconds
     elif method == "tree":
         members = list(range(gpus))
         up = binomial_reduce(cluster, members, state)
@@ -242,7 +267,7 @@ def predict_decode(cluster: Cluster, shape: DecodeShape, gpus: int, method: str)
         seconds += busy_rounds
     seconds += cluster.step_overhead
     steps = comm.rounds
-    if method == "allreduce" or method == "twolevel":
+    if method in ("allreduce", "onepass", "twolevel"):
         steps = _latency_steps(cluster, shape, gpus, method)
     rounds = _comm_stats_rounds(cluster, gpus, method, comm)
     return Prediction(
@@ -283,6 +308,8 @@ def rounds_after_attention(cluster: Cluster, gpus: int, method: str) -> list[tup
         return [("p2p", True)] * (gpus - 1)
     if method == "allreduce":
         kinds = ["collective", "collective"]
+    elif method == "onepass":
+        kinds = ["collective"]
     elif method == "tree":
         depth = math.ceil(math.log2(gpus))
         kinds = ["p2p"] * (2 * depth)
@@ -309,6 +336,8 @@ def _latency_steps(cluster: Cluster, shape: DecodeShape, gpus: int, method: str)
     """Sequential message latencies inside the allreduce-based methods."""
     if method == "allreduce":
         return allreduce_combine(cluster, shape, gpus).rounds
+    if method == "onepass":
+        return onepass_combine(cluster, shape, gpus).rounds
     members = node_members(cluster, gpus)
     heads = leaders(cluster, gpus)
     across = allreduce_combine(cluster, shape, len(heads)).rounds if len(heads) > 1 else 0
@@ -321,6 +350,8 @@ def _comm_stats_rounds(cluster: Cluster, gpus: int, method: str, comm: CommCost)
         return 0
     if method == "allreduce":
         return 2
+    if method == "onepass":
+        return 1
     if method == "twolevel":
         members = node_members(cluster, gpus)
         up = binomial_reduce(cluster, members, 1.0).rounds
