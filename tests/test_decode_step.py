@@ -171,7 +171,8 @@ def _ranks_main(rank: int, world_size: int) -> dict:
             out["steps"][(p, *case)] = compare_static_with_dynamic(
                 model, decode=decode, method=method, placement=placement, group=groups[p])
     for decode in ("tree", "ring"):
-        options = dict(max_new_tokens=8, decode=decode, capacity=CAPACITY, block_size=BLOCK, prefill="local")
+        # method="allreduce": the static step's default; the dynamic default (onepass) sends other bytes
+        options = dict(max_new_tokens=8, decode=decode, method="allreduce", capacity=CAPACITY, block_size=BLOCK, prefill="local")
         dynamic = generate(model, PROMPTS, **options)
         static = generate(model, PROMPTS, static_decode=True, **options)
         out[f"generate-{decode}"] = (dynamic.generated_ids, static.generated_ids, dynamic.token_logprobs,
