@@ -45,14 +45,14 @@ import torch.distributed as dist
 from treeattn.cache.blocks import ShardedBlockPool
 from treeattn.cache.placement import PLACEMENTS
 from treeattn.cache.prefix import PrefixCache
+from treeattn.engine.config import DEFAULT_METHOD
 from treeattn.engine.request import RequestResult, SamplingParams, TokenEvent
 from treeattn.engine.runner import RankRunner
 from treeattn.engine.scheduler import Scheduler, Sequence as _Seq
 from treeattn.models.attention import DECODE_KINDS
+from treeattn.parallel.tree_decode import METHODS
 
 logger = logging.getLogger(__name__)
-
-METHODS = ("allreduce", "tree", "twolevel")
 
 
 class EngineError(RuntimeError):
@@ -65,7 +65,7 @@ class EngineConfig:
 
     nproc: int = 1
     decode: str = "tree"
-    method: str = "allreduce"
+    method: str = DEFAULT_METHOD
     placement: str = "contiguous"
     max_batch_size: int = 16
     cache_tokens: int | None = None
@@ -177,7 +177,8 @@ class Engine:
         model: a LlamaModel, or a checkpoint directory (loaded on every rank with ta.load_model).
         nproc: ranks sharing the KV cache (ignored inside an existing group: its size is used).
         decode: "tree" (tree_decode), "ring" (ring_decode, pass-KV) or "local" (one rank).
-        method: tree_decode method, "allreduce" (default), "tree" or "twolevel".
+        method: tree_decode method, "allreduce", "tree", "twolevel" or "onepass"; None: the
+            default (treeattn.engine.config.DEFAULT_METHOD, onepass: one collective per layer).
         placement: "contiguous" or "interleaved" placement of a sequence's blocks on the ranks.
         max_batch_size: sequences running together at most.
         cache_tokens: KV cache size in tokens over all ranks (default: see EngineConfig).
@@ -204,7 +205,7 @@ class Engine:
             if group is not None and dist.get_rank(group) < 0:
                 raise ValueError("this process is not a member of `group`")
             nproc = dist.get_world_size(group)
-        self.config = EngineConfig(nproc=nproc, decode=decode, method=method or "allreduce", placement=placement,
+        self.config = EngineConfig(nproc=nproc, decode=decode, method=method or DEFAULT_METHOD, placement=placement,
                                    max_batch_size=max_batch_size, cache_tokens=cache_tokens, prefix_cache=prefix_cache,
                                    block_size=block_size, prefill_chunk=prefill_chunk, dtype=dtype, timeout_s=timeout_s,
                                    threads_per_rank=threads_per_rank)
