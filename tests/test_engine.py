@@ -311,3 +311,24 @@ def test_text_streams_and_a_stop_string_cuts_it(references):
     cut = expected.index(expected[2:4])  # the stop string's first occurrence
     assert result.finish_reason == "stop" and result.text == expected[:cut]
     assert result.token_ids == references[7][: cut + 2]
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral"])
+def test_checkpoint_directory_matches_transformers_uncached_greedy(tmp_path, arch):
+    """An HF checkpoint directory (Llama 3 rope scaling + bias; Mistral's sliding window of 8),
+    three prompts batched with chunked prefill, against transformers' full forward per new token."""
+    transformers = pytest.importorskip("transformers")  # noqa: F841
+    from test_model import make_checkpoint
+
+    hf = make_checkpoint(arch, tmp_path / arch)
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, 128, (n,), generator=g).tolist() for n in (13, 4, 21)]
+    expected = []
+    with torch.no_grad():
+        for prompt in prompts:
+            ids = list(prompt)
+            for _ in range(10):
+                ids.append(int(hf(torch.tensor([ids])).logits[0, -1].argmax()))
+            expected.append(ids[len(prompt):])
+    with ta.Engine(tmp_path / arch, nproc=1, cache_tokens=128, block_size=4, prefill_chunk=5) as engine:
+        assert [r.token_ids for r in engine.generate(prompts, max_new_tokens=10)] == expected

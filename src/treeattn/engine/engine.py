@@ -36,6 +36,7 @@ import time
 import traceback
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from datetime import timedelta
 from multiprocessing.connection import Client, Listener
 from pathlib import Path
 
@@ -198,6 +199,8 @@ class Engine:
                  prefix_cache: bool = True, block_size: int = 256, prefill_chunk: int = 512,
                  dtype: torch.dtype | None = None, timeout_s: float = 60.0, threads_per_rank: int | None = None,
                  group: dist.ProcessGroup | None = None) -> None:
+        if dist.is_available() and not dist.is_initialized() and "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+            dist.init_process_group(backend="gloo", timeout=timedelta(seconds=timeout_s))  # under torchrun: join its group
         joined = dist.is_available() and dist.is_initialized()
         if group is not None and not joined:
             raise ValueError("group was given but torch.distributed is not initialized")
@@ -216,7 +219,8 @@ class Engine:
         self.healthy = False
         self.is_driver = True
         self._inbox: queue.Queue = queue.Queue()
-        self._requests: dict[str, _Request] = {}
+        self._requests: dict[str, _Request] = {}  # by request id, until finished
+        self._by_seq: dict[int, _Request] = {}  # the same, by scheduler sequence id
         self._ids = itertools.count()
         self._closed = False
         self._failure: str | None = None
@@ -413,10 +417,6 @@ class Engine:
                 self._update_stats()
                 payload.set()
 
-    @property
-    def _by_seq(self) -> dict[int, _Request]:
-        return {r.seq.seq_id: r for r in self._requests.values() if r.seq is not None}
-
     def _start(self, request: _Request) -> None:
         self._requests[request.handle.request_id] = request
         need = len(request.prompt) + request.params.max_new_tokens
@@ -431,6 +431,7 @@ class Engine:
         if not request.params.ignore_eos:
             stop_ids |= set(self.model_info.eos_token_ids)
         request.seq = self.scheduler.add(request.prompt, request.params, frozenset(stop_ids))
+        self._by_seq[request.seq.seq_id] = request
         self._counters["prompt_tokens"] += len(request.prompt)
 
     def _on_token(self, request: _Request, token: int, reason: str | None, now: float) -> None:
@@ -466,6 +467,8 @@ class Engine:
         """End a request: free its sequence (if the scheduler still has it) and deliver the result."""
         self._requests.pop(request.handle.request_id, None)
         seq = request.seq
+        if seq is not None:
+            self._by_seq.pop(seq.seq_id, None)
         if seq is not None and seq.finish_reason is None:
             self.scheduler.finish(seq, reason)
         first = request.first_token_at
