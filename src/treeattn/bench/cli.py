@@ -15,19 +15,50 @@ from treeattn.bench.config import METHODS, SweepConfig
 bench_app = typer.Typer(help="Benchmarks: decode sweeps, calibration, cost-model validation.", no_args_is_help=True)
 
 
+def _refuse(message: str) -> typer.Exit:
+    """Print one line, `error: <message>`, on stderr; the caller raises the returned Exit(2)."""
+    typer.echo(f"error: {message}", err=True)
+    return typer.Exit(2)
+
+
 def _parse_topology(text: str) -> tuple[int, int]:
     """'NODESxRANKS' -> (nodes, ranks_per_node)."""
     try:
         nodes, ranks = (int(x) for x in text.lower().split("x"))
     except ValueError:
-        raise typer.BadParameter(f"expected NODESxRANKS_PER_NODE like 2x2, got {text!r}", param_hint="--topology") from None
+        raise _refuse(f"--topology: expected NODESxRANKS_PER_NODE like 2x2, got {text!r}") from None
     if nodes < 2 or ranks < 1:
-        raise typer.BadParameter(f"need >= 2 nodes and >= 1 rank per node, got {text!r}", param_hint="--topology")
+        raise _refuse(f"--topology: need >= 2 nodes and >= 1 rank per node, got {text!r}")
     return nodes, ranks
 
 
+def _check_outputs(files: list[tuple[str, Path | None, tuple[str, ...]]], folders: list[tuple[str, Path | None]] = ()) -> None:
+    """Refuse, before running, output files (option, path, suffixes) and folders (option, path)
+    that could not be written afterwards."""
+    from treeattn.bench.runner import check_output_folder, check_output_path
+
+    try:
+        for option, path, suffixes in files:
+            if path is not None:
+                check_output_path(path, option, suffixes)
+        for option, path in folders:
+            if path is not None:
+                check_output_folder(path, option)
+    except ValueError as err:
+        raise _refuse(str(err)) from None
+
+
+class SweepInterrupted(Exception):
+    """Ctrl-C during a sweep; `records` holds the cases finished (or failed) before it."""
+
+    def __init__(self, records: list[dict]) -> None:
+        super().__init__(f"interrupted after {len(records)} cases")
+        self.records = records
+
+
 def run_with_progress(config: SweepConfig, launcher=None) -> list[dict]:
-    """run_decode_sweep with a rich progress bar over the cases (follows the records file)."""
+    """run_decode_sweep with a rich progress bar over the cases (follows the records file).
+    Ctrl-C raises SweepInterrupted with the records so far."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from treeattn.bench.runner import run_decode_sweep
@@ -44,17 +75,23 @@ def run_with_progress(config: SweepConfig, launcher=None) -> list[dict]:
             except BaseException as err:  # noqa: BLE001 -- re-raised in the main thread
                 outcome["error"] = err
 
+        def finished() -> list[dict]:
+            return [json.loads(line) for line in records_path.read_text().splitlines() if line.strip()]
+
         thread = threading.Thread(target=work, daemon=True)
         columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
         with Progress(*columns, transient=False) as progress:
             task = progress.add_task("decode sweep", total=total)
             thread.start()
-            while thread.is_alive():
-                thread.join(0.3)
-                lines = records_path.read_text().splitlines()
-                if lines:
-                    last = json.loads(lines[-1])
-                    progress.update(task, completed=len(lines), description=f"{last['method']} p={last['gpus']} N={last['seq_len']}")
+            try:
+                while thread.is_alive():
+                    thread.join(0.3)
+                    done = finished()
+                    if done:
+                        last = done[-1]
+                        progress.update(task, completed=len(done), description=f"{last['method']} p={last['gpus']} N={last['seq_len']}")
+            except KeyboardInterrupt:  # the ranks end with this process (ta.spawn ties them to it)
+                raise SweepInterrupted(finished()) from None
         if "error" in outcome:
             raise outcome["error"]
         return outcome["records"]
@@ -67,12 +104,18 @@ def _print_records(records: list[dict]) -> None:
     table = Table(title="decode step, slowest rank (barrier-aligned)")
     for col in ("method", "p", "seq_len", "median ms", "p10 ms", "p90 ms", "bytes sent (max rank)", "rounds", "peak MiB (max rank)"):
         table.add_column(col, justify="left" if col == "method" else "right")
+    failed = [r for r in records if "error" in r]
+    if failed:
+        table.add_column("error", justify="left")
     for r in records:
+        if "error" in r:
+            table.add_row(r["method"], str(r["gpus"]), str(r["seq_len"]), *["-"] * 6, r["error"])
+            continue
         peak = r.get("peak_memory_bytes")
         table.add_row(
             r["method"], str(r["gpus"]), str(r["seq_len"]),
             f"{r['median_seconds'] * 1e3:.3f}", f"{r['p10_seconds'] * 1e3:.3f}", f"{r['p90_seconds'] * 1e3:.3f}",
-            f"{r['bytes']:.0f}", str(r["rounds"]), "-" if peak is None else f"{peak / 2**20:.1f}",
+            f"{r['bytes']:.0f}", str(r["rounds"]), "-" if peak is None else f"{peak / 2**20:.1f}", *([""] if failed else []),
         )
     Console(width=160).print(table)
 
@@ -87,6 +130,8 @@ def _print_per_rank(records: list[dict]) -> None:
     for col in ("method", "p", "seq_len", "rank", "node", "allreduce", "broadcast", "allgather", "p2p", "node tx bytes/step"):
         table.add_column(col, justify="left" if col == "method" else "right")
     for r in records:
+        if "error" in r:
+            continue
         per_node = r.get("ranks_per_node") or r["gpus"]
         for rank, ops in enumerate(r["by_op_per_rank"]):
             tx = r["interface_tx_bytes_per_step"][rank]
@@ -119,23 +164,25 @@ def decode(
     output: list[Path] = typer.Option([], "--output", "-o", help="Write records: .json or .csv (repeatable)."),
     plot: Path | None = typer.Option(None, help="Write latency/speedup/memory/comm PNGs into this folder."),
     plot_prefix: str = typer.Option("bench", help="File name prefix of the PNGs."),
-    timeout: float = typer.Option(300.0, help="Seconds any collective may block before the run fails."),
+    timeout: float = typer.Option(300.0, help="Seconds a collective may block, or a rank show no sign of life, before the case fails."),
     per_rank: bool = typer.Option(False, help="Also print bytes per rank and op (always with --topology)."),
 ) -> None:
-    """Time decode methods on real process groups: median, p10, p90 of the slowest rank."""
-    from treeattn.bench.runner import write_records
+    """Time decode methods on real process groups: median, p10, p90 of the slowest rank.
 
-    launcher_factory = None
+    A case that fails (a rank raised, died or stopped answering) is a row with its error; the
+    other cases still run, every record is written, and the command exits 1."""
+    from treeattn.bench.runner import check_resources, write_records
+
     nodes = None
     if topology is not None:
         nodes, per_node = _parse_topology(topology)
         if ranks_per_node is not None and ranks_per_node != per_node:
-            raise typer.BadParameter(f"--ranks-per-node {ranks_per_node} contradicts --topology {topology}")
+            raise _refuse(f"--ranks-per-node {ranks_per_node} contradicts --topology {topology}")
         ranks_per_node = per_node
         if world_size == [2]:
             world_size = [nodes * per_node]
     elif inter_mbit is not None or inter_delay_ms:
-        raise typer.BadParameter("--inter-mbit and --inter-delay-ms need --topology")
+        raise _refuse("--inter-mbit and --inter-delay-ms need --topology")
     try:
         config = SweepConfig(
             methods=tuple(method), world_sizes=tuple(world_size), seq_lens=tuple(seq_len), heads=heads, kv_heads=kv_heads,
@@ -149,20 +196,27 @@ def decode(
             for p in config.world_sizes:
                 if p > nodes * ranks_per_node:
                     raise ValueError(f"world size {p} does not fit on topology {topology} ({nodes * ranks_per_node} ranks)")
+        check_resources(config)
     except ValueError as err:
-        raise typer.BadParameter(str(err)) from None
+        raise _refuse(str(err)) from None
+    _check_outputs([("--output", path, (".json", ".csv")) for path in output], [("--plot", plot)])
 
-    if nodes is None:
-        records = run_with_progress(config)
-    else:
-        from treeattn.bench.netns import NetnsUnavailable, two_tier_network
+    interrupted = False
+    try:
+        if nodes is None:
+            records = run_with_progress(config)
+        else:
+            from treeattn.bench.netns import NetnsUnavailable, two_tier_network
 
-        try:
-            with two_tier_network(spec) as net:
-                records = run_with_progress(config, net.launcher(ranks_per_node))
-        except NetnsUnavailable as err:
-            typer.echo(f"--topology needs Linux network namespaces, which are not available here: {err}", err=True)
-            raise typer.Exit(0) from None
+            try:
+                with two_tier_network(spec) as net:
+                    records = run_with_progress(config, net.launcher(ranks_per_node))
+            except NetnsUnavailable as err:
+                typer.echo(f"--topology needs Linux network namespaces, which are not available here: {err}", err=True)
+                raise typer.Exit(0) from None
+    except SweepInterrupted as stop:
+        records, interrupted = stop.records, True
+        typer.echo(f"interrupted: keeping the {len(records)} cases done so far", err=True)
     for r in records:
         if nodes is not None:
             r.update(topology=topology, inter_mbit=inter_mbit, inter_delay_ms=inter_delay_ms)
@@ -172,12 +226,20 @@ def decode(
     for path in output:
         write_records(records, path)
         typer.echo(f"wrote {path}", err=True)
-    if plot is not None:
+    if interrupted:
+        raise typer.Exit(130)
+    failed = [r for r in records if "error" in r]
+    if plot is not None and len(failed) < len(records):
         from treeattn.bench.plots import make_figures
 
         title = f"measured, gloo CPU, Hq={heads} D={head_dim} B={batch} {dtype}" + (f", {topology}" if topology else "")
         for path in make_figures(records, plot, plot_prefix, "median_seconds", title):
             typer.echo(f"wrote {path}", err=True)
+    if failed:
+        first = failed[0]
+        typer.echo(f"{len(failed)} of {len(records)} cases failed; first: {first['method']} p={first['gpus']} "
+                   f"N={first['seq_len']}: {first['error']}", err=True)
+        raise typer.Exit(1)
 
 
 @bench_app.command("calibrate")
@@ -191,11 +253,12 @@ def calibrate_command(
     and the cost of a p2p step / small collective among busy ranks at each world size."""
     from treeattn.bench.calibrate import write_calibration
 
+    _check_outputs([("--output", output, (".json",))])
     start = time.perf_counter()
     try:
         result = write_calibration(output, repeats, passes, tuple(world_size))
     except ValueError as err:
-        raise typer.BadParameter(str(err)) from None
+        raise _refuse(str(err)) from None
     c = result["cluster"]
     m = result["measurements"]
     typer.echo(
@@ -240,14 +303,19 @@ def validate_command(
     from treeattn.bench.validate import best_of_passes, compare, markdown_table
     from treeattn.sim.hardware import load_cluster
 
+    from treeattn.bench.runner import check_resources
+
     if passes < 1:
-        raise typer.BadParameter(f"--passes must be >= 1, got {passes}")
+        raise _refuse(f"--passes must be >= 1, got {passes}")
+    _check_outputs([("--output", output, (".json",)), ("--markdown", markdown, (".md",))])
     try:
         cluster = None if calibrate_each_pass else load_cluster("cpu-local", calibration)
         config = SweepConfig(methods=tuple(method), world_sizes=tuple(world_size), seq_lens=tuple(seq_len), heads=16, head_dim=128,
                              batch=1, dtype="fp32", warmup=warmup, repeats=repeats, timeout=600.0)
+        if records is None:
+            check_resources(config)
     except ValueError as err:
-        raise typer.BadParameter(str(err)) from None
+        raise _refuse(str(err)) from None
     if records is None:
         runs = []
         for i in range(passes):
@@ -265,8 +333,7 @@ def validate_command(
             runs.append(run)
         measured = best_of_passes(runs)
     else:
-        saved = json.loads(records.read_text())
-        measured = saved["records"] if isinstance(saved, dict) else saved
+        measured = _load_records(records, "--records")
     rows = compare(measured, cluster)
     table = markdown_table(rows, tolerance)
     typer.echo(table)
@@ -278,8 +345,12 @@ def validate_command(
         markdown.parent.mkdir(parents=True, exist_ok=True)
         markdown.write_text(table + "\n")
     misses = [r for r in rows if abs(r["error"]) > tolerance]
+    failed = [r for r in measured if "error" in r]
+    for r in failed:
+        typer.echo(f"failed: {r['method']} p={r['gpus']} N={r['seq_len']}: {r['error']}", err=True)
     if misses:
         typer.echo(f"{len(misses)} of {len(rows)} points miss the {tolerance:.0%} tolerance", err=True)
+    if misses or failed:
         raise typer.Exit(1)
 
 
@@ -293,12 +364,12 @@ def plot_command(
     """Draw the latency/speedup/memory/comm figures of saved benchmark records."""
     from treeattn.bench.plots import make_figures
 
-    saved = json.loads(records.read_text())
-    rows = saved["records"] if isinstance(saved, dict) else saved
+    rows = _load_records(records, "RECORDS")
+    _check_outputs([], [("--out", out)])
     try:
         paths = make_figures(rows, out, prefix, "median_seconds", title)
     except ValueError as err:
-        raise typer.BadParameter(str(err)) from None
+        raise _refuse(f"{records}: {err}") from None
     for path in paths:
         typer.echo(f"wrote {path}", err=True)
 
@@ -327,9 +398,10 @@ def profile_command(
 
     bad = [m for m in method if m not in TREE_METHODS]
     if bad:
-        raise typer.BadParameter(f"expected tree_decode methods {TREE_METHODS}, got {bad[0]!r}", param_hint="--method")
+        raise _refuse(f"--method: expected tree_decode methods {TREE_METHODS}, got {bad[0]!r}")
     if new_tokens <= warmup:
-        raise typer.BadParameter(f"--new-tokens {new_tokens} leaves no step after --warmup {warmup}", param_hint="--new-tokens")
+        raise _refuse(f"--new-tokens {new_tokens} leaves no step after --warmup {warmup}")
+    _check_outputs([("--json", json_out, (".json",))])
     table = Table(title=f"{model}: one decode token at {context} tokens of context (ms; % of the step)")
     for col in ("p", "method", "rank", "step", *PHASES, "rounds/step", "same tokens"):
         table.add_column(col, justify="left" if col == "method" else "right")
@@ -350,3 +422,26 @@ def profile_command(
     Console(width=220).print(table)
     if json_out is not None:
         json_out.write_text(json.dumps(records, indent=1))
+
+
+def _load_records(path: Path, option: str) -> list[dict]:
+    """Benchmark records saved by `bench decode --output x.json` (a list) or `bench validate
+    --output` (an object with "records"); refuses, in one line naming the file, anything else."""
+    from treeattn.bench.plots import check_records
+
+    try:
+        saved = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise _refuse(f"{option} {path}: no such file") from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise _refuse(f"{option} {path}: cannot read it: {err}") from None
+    except json.JSONDecodeError as err:
+        raise _refuse(f"{option} {path}: not JSON ({err})") from None
+    if isinstance(saved, dict) and "records" not in saved:
+        raise _refuse(f"{option} {path}: not benchmark records: an object without a \"records\" list")
+    rows = saved["records"] if isinstance(saved, dict) else saved
+    try:
+        check_records(rows, "median_seconds")
+    except ValueError as err:
+        raise _refuse(f"{option} {path}: not benchmark records: {err}") from None
+    return rows

@@ -150,10 +150,36 @@ def plot_comm(records: Sequence[dict], path: Path, title: str) -> Path:
     return _plot_per_method(records, path, "bytes", 1.0, "bytes sent per step (busiest rank)", title)
 
 
+def check_records(records: object, latency_key: str) -> None:
+    """Raise ValueError unless `records` is a non-empty list of benchmark records: dicts with
+    method, gpus, seq_len and, unless the case failed ("error"), a number under `latency_key`."""
+    if not isinstance(records, list) or not records:
+        raise ValueError(f"expected a non-empty list of benchmark records, got {type(records).__name__}"
+                         + (" (empty)" if isinstance(records, list) else ""))
+    for i, r in enumerate(records):
+        if not isinstance(r, dict):
+            raise ValueError(f"record {i} is a {type(r).__name__}, expected an object")
+        needed = ("method", "gpus", "seq_len") + (() if "error" in r else (latency_key,))
+        missing = [k for k in needed if k not in r]
+        if missing:
+            raise ValueError(f"record {i} has no {', '.join(missing)}")
+        numbers = {k: r[k] for k in needed[1:]}
+        bad = [k for k, v in numbers.items() if isinstance(v, bool) or not isinstance(v, (int, float))]
+        if bad:
+            raise ValueError(f"record {i}: {bad[0]} must be a number, got {r[bad[0]]!r:.40}")
+
+
 def make_figures(records: Sequence[dict], out_dir: Path, prefix: str, latency_key: str, title: str) -> list[Path]:
-    """Write the four figures <prefix>_{latency,speedup,memory,comm}.png into out_dir."""
+    """Write the four figures <prefix>_{latency,speedup,memory,comm}.png into out_dir. Records of
+    failed cases (with an "error") are left out.
+
+    Raises:
+        ValueError: no record to plot, or a record that is not a benchmark record (says which).
+    """
+    check_records(records, latency_key)
+    records = [r for r in records if "error" not in r]
     if not records:
-        raise ValueError("no records to plot")
+        raise ValueError("no records to plot (every case failed)")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = [plot_latency(records, out_dir / f"{prefix}_latency.png", latency_key, title)]

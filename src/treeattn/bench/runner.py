@@ -12,6 +12,9 @@ For each world size one process group runs every (sequence length, method) case:
    the slowest rank. The record keeps the median, p10 and p90 over the repetitions.
 3. Rank 0 appends one JSON line per finished case to a records file (the parent follows it for
    progress) and returns the records.
+4. If the group fails (a rank raised, died or stopped answering), the finished cases stay in the
+   records file, the running case becomes a record with an "error", and a new group runs the
+   cases after it (run_decode_sweep).
 
 Peak memory on CPU is the process's resident high-water mark (reset through
 /proc/self/clear_refs) minus its resident size before the case's tensors were made, with glibc
@@ -29,8 +32,10 @@ import logging
 import os
 import re
 import statistics
+import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -280,24 +285,81 @@ def run_decode_sweep(
     records_path: str | Path | None = None,
     launcher: Callable[[SweepConfig, int, str | None], list[dict]] | None = None,
 ) -> list[dict]:
-    """Run the whole sweep, one process group per world size.
+    """Run the whole sweep, one process group per world size; a case that fails becomes a record
+    with an "error" and the sweep goes on.
+
+    When a group fails (a rank raised, died, or stopped answering), the cases it finished are kept
+    (rank 0 appends each to the records file as soon as it is done), the case it was running is
+    recorded as failed (see `failed_record`), and a new group runs the cases after it.
 
     Args:
         config: the sweep.
-        records_path: if given, every finished case is appended there as a JSON line as soon as
-            it is done (follow it for progress).
-        launcher: launcher(config_for_one_world_size, world_size, records_path) -> records; the
-            default spawns local processes with ta.spawn (see treeattn.bench.netns for ranks in
-            network namespaces).
+        records_path: if given, every case (finished or failed) is appended there as a JSON line
+            as soon as it is known (follow it for progress); otherwise a temporary file is used.
+        launcher: launcher(config_for_one_world_size, world_size, records_path) -> records; it
+            must have rank 0 append each finished case to records_path. The default spawns local
+            processes with ta.spawn (see treeattn.bench.netns for ranks in network namespaces).
 
     Returns:
         One record per (world size, seq_len, method), in sweep order.
     """
     launch = launcher or spawn_launcher
-    records: list[dict] = []
-    for p in config.world_sizes:
-        records.extend(launch(config.for_world(p), p, None if records_path is None else str(records_path)))
-    return records
+    with tempfile.TemporaryDirectory(prefix="treeattn-bench-") as tmp:
+        path = Path(records_path) if records_path is not None else Path(tmp) / "records.jsonl"
+        path.touch()
+        start = len(_read_records(path))
+        for p in config.world_sizes:
+            pending = [config.for_world(p)]  # sub-sweeps still to run, in order
+            while pending:
+                part = pending.pop(0)
+                before = len(_read_records(path))
+                try:
+                    launch(part, p, str(path))
+                except Exception as err:  # noqa: BLE001 -- the case becomes a failed record; the sweep goes on
+                    cases = _cases(part)
+                    done = len(_read_records(path)) - before
+                    seq_len, method = cases[done]
+                    record = failed_record(part, p, seq_len, method, err)
+                    logger.warning("case %s p=%d N=%d failed: %s", method, p, seq_len, record["error"])
+                    with open(path, "a") as f:
+                        f.write(json.dumps(record) + "\n")
+                    pending = _after(part, done + 1) + pending
+        return _read_records(path)[start:]
+
+
+def failed_record(config: SweepConfig, world_size: int, seq_len: int, method: str, err: BaseException) -> dict:
+    """The record of a case that did not finish: the case, the sweep's settings, and "error"
+    (one line: for a SpawnError the first failed rank and its error)."""
+    text = err.summary if isinstance(err, par.SpawnError) else (str(err).strip().splitlines() or [""])[0]
+    return {
+        "method": method, "gpus": world_size, "devices": 1 if method == "local" else world_size, "seq_len": seq_len,
+        "heads": config.heads, "kv_heads": config.kv_heads or config.heads, "head_dim": config.head_dim, "batch": config.batch,
+        "dtype": config.dtype, "backend": config.backend, "ranks_per_node": config.ranks_per_node,
+        "threads_per_rank": config.threads_per_rank, "warmup": config.warmup, "repeats": config.repeats,
+        "error": f"{type(err).__name__}: {text}"[:500],
+    }
+
+
+def _cases(config: SweepConfig) -> list[tuple[int, str]]:
+    """(seq_len, method) in the order run_rank runs them."""
+    return [(n, m) for n in config.seq_lens for m in config.methods]
+
+
+def _after(config: SweepConfig, k: int) -> list[SweepConfig]:
+    """Sub-sweeps that run the cases of `config` from the k-th on (run_rank's order)."""
+    n_methods = len(config.methods)
+    row, col = divmod(k, n_methods)
+    parts = []
+    if row < len(config.seq_lens) and col:
+        parts.append(replace(config, seq_lens=(config.seq_lens[row],), methods=config.methods[col:]))
+        row += 1
+    if row < len(config.seq_lens):
+        parts.append(replace(config, seq_lens=config.seq_lens[row:]))
+    return parts
+
+
+def _read_records(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def spawn_launcher(config: SweepConfig, world_size: int, records_path: str | None) -> list[dict]:
@@ -316,13 +378,14 @@ def spawn_launcher(config: SweepConfig, world_size: int, records_path: str | Non
 
 
 def write_records(records: list[dict], path: Path) -> None:
-    """Write records as JSON (a list) or CSV (scalar fields only), by the file's suffix."""
+    """Write records as JSON (a list) or CSV (the scalar fields of every record, failed cases'
+    "error" included), by the file's suffix."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     if path.suffix == ".csv":
         import csv
 
-        scalar = [k for k in records[0] if not isinstance(records[0][k], (list, dict))] if records else []
+        scalar = list(dict.fromkeys(k for r in records for k, v in r.items() if not isinstance(v, (list, dict))))
         with open(path, "w", newline="") as f:
             writer = csv.DictWriter(f, fieldnames=scalar, extrasaction="ignore")
             writer.writeheader()
@@ -331,10 +394,85 @@ def write_records(records: list[dict], path: Path) -> None:
         path.write_text(json.dumps(records, indent=1))
 
 
+def check_output_path(path: Path, option: str, suffixes: tuple[str, ...] = (".json", ".csv")) -> None:
+    """Raise ValueError (naming `option`) unless `path` can be written as one of `suffixes`: checked
+    before a run, so that a long run does not end in a write error. Creates missing parent folders."""
+    path = Path(path)
+    if path.suffix not in suffixes:
+        raise ValueError(f"{option} {path}: expected a {' or '.join(suffixes)} file, got suffix {path.suffix or '(none)'!r}")
+    if path.is_dir():
+        raise ValueError(f"{option} {path}: is a folder, expected a file")
+    _check_writable_folder(path.parent, option, f"{option} {path}")
+    existed = path.exists()
+    try:
+        with open(path, "a"):
+            pass
+    except OSError as err:
+        raise ValueError(f"{option} {path}: cannot write it: {err.strerror or err}") from None
+    if not existed:
+        path.unlink()
+
+
+def check_output_folder(path: Path, option: str) -> None:
+    """Raise ValueError (naming `option`) unless `path` is, or can be made, a writable folder."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"{option} {path}: is a file, expected a folder")
+    _check_writable_folder(path, option, f"{option} {path}")
+
+
+def _check_writable_folder(folder: Path, option: str, what: str) -> None:
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise ValueError(f"{what}: cannot create folder {folder}: {err.strerror or err}") from None
+    try:
+        tempfile.TemporaryFile(dir=folder).close()
+    except OSError as err:
+        raise ValueError(f"{what}: cannot write in folder {folder}: {err.strerror or err}") from None
+
+
+def check_resources(config: SweepConfig, memory_bytes: int | None = None) -> None:
+    """Raise ValueError, naming the option, if this machine cannot run `config`: backend "nccl"
+    without a CUDA device per rank, or K/V caches larger than the memory (the machine's RAM for
+    gloo, since all ranks share it; one GPU's memory per rank for nccl).
+
+    The estimate is the K/V cache of the longest sequence: 2 * B * N * Hkv * D * itemsize over
+    all ranks, twice that with "ring-kv" (each rank also holds the shard in flight)."""
+    from treeattn.engine.config import device_memory_bytes, format_bytes
+
+    p_max = max(config.world_sizes)
+    if config.backend == "nccl":
+        found = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if found < p_max:
+            raise ValueError(f"--backend nccl needs one CUDA device per rank ({p_max} for world size {p_max}), found {found}"
+                             + ("" if found else " (torch.cuda.is_available() is False); use --backend gloo on CPUs"))
+    n = max(config.seq_lens)
+    item = torch.empty((), dtype=config.torch_dtype).element_size()
+    total = 2 * config.batch * n * (config.kv_heads or config.heads) * config.head_dim * item
+    total *= 2 if "ring-kv" in config.methods else 1
+    if config.backend == "nccl":
+        p_min = min(config.world_sizes)
+        needed = total if "local" in config.methods else -(-total // p_min)  # the busiest GPU
+        available = memory_bytes if memory_bytes is not None else device_memory_bytes("cuda")
+        where = "one GPU"
+    else:
+        needed, available, where = total, memory_bytes if memory_bytes is not None else device_memory_bytes("cpu"), "this machine"
+    if available is not None and needed > available:
+        raise ValueError(f"--seq-len {n}: the K/V cache needs {format_bytes(needed)} "
+                         f"({config.batch} x {n} tokens x {config.kv_heads or config.heads} KV heads x {config.head_dim} x "
+                         f"{config.dtype}, K and V{', twice for ring-kv' if 'ring-kv' in config.methods else ''}), "
+                         f"more than the {format_bytes(available)} of memory of {where}")
+
+
 __all__ = [
     "PeakMemory",
     "SweepConfig",
     "check_config_agrees",
+    "check_output_folder",
+    "check_output_path",
+    "check_resources",
+    "failed_record",
     "make_inputs",
     "run_case",
     "run_decode_sweep",

@@ -17,8 +17,12 @@ def best_of_passes(passes: list[list[dict]]) -> list[dict]:
     medians: dict[tuple, list[float]] = {}
     for records in passes:
         for r in records:
-            medians.setdefault(key(r), []).append(r["median_seconds"])
-            if key(r) not in best or r["median_seconds"] < best[key(r)]["median_seconds"]:
+            medians.setdefault(key(r), [])
+            if "error" in r:  # a failed case: kept only if no pass measured it
+                best.setdefault(key(r), r)
+                continue
+            medians[key(r)].append(r["median_seconds"])
+            if key(r) not in best or "error" in best[key(r)] or r["median_seconds"] < best[key(r)]["median_seconds"]:
                 best[key(r)] = r
     return [{**best[key(r)], "pass_medians": medians[key(r)]} for r in passes[0]]
 
@@ -27,9 +31,12 @@ def compare(records: list[dict], cluster: Cluster | None) -> list[dict]:
     """One row per benchmark record: predicted and measured median seconds, the relative error
     (predicted - measured) / measured against the median and against the p10 of the repeats, and
     predicted vs measured bytes and rounds. A record that carries its own "calibration_cluster"
-    (validate --calibrate-each-pass) is predicted from that; the others from `cluster`."""
+    (validate --calibrate-each-pass) is predicted from that; the others from `cluster`. Failed
+    cases (records with an "error") have no row."""
     rows = []
     for r in records:
+        if "error" in r:
+            continue
         shape = DecodeShape(
             seq_len=r["seq_len"], heads=r["heads"], head_dim=r["head_dim"], batch=r["batch"],
             kv_heads=r["kv_heads"], dtype=r["dtype"],

@@ -15,8 +15,8 @@ priced as treeattn.parallel runs them:
                outside the float64 window) is not priced: it adds the allreduce method's cost.
     twolevel   binomial reduce inside each node; allreduce-method combine among node leaders over
                the inter-node link; one broadcast collective inside each node.
-    ring-kv    an allgather of the shard lengths (14 int64 per rank: receivers size their
-               buffers), then p - 1 steps; in each, the K, V block moves to the next rank while
+    ring-kv    an allgather of the shard lengths (ring_decode's metadata row, RING_METADATA_BYTES
+               per rank: receivers size their buffers), then p - 1 steps; in each, the K, V block moves to the next rank while
                the block in hand is attended to (overlap: the cluster's p2p_overlap); one merge
                of the p states at the end.
     ring-q     local attention, then p - 1 steps in which the partial states travel one rank on
@@ -63,7 +63,18 @@ METHODS: tuple[str, ...] = ("allreduce", "onepass", "tree", "twolevel", "ring-kv
 TREE_METHODS: tuple[str, ...] = ("allreduce", "onepass", "tree", "twolevel")
 ONEPASS_ELEMENT_BYTES = 8  # onepass's packed state travels in float64
 RING_METHODS: tuple[str, ...] = ("ring-kv", "ring-q")
-RING_METADATA_BYTES = 14 * 8  # ring_decode(pass_kv=True) all-gathers 14 int64 per rank per call
+
+
+def _ring_metadata_bytes() -> int:
+    """Bytes of the int64 row each rank contributes to ring_decode(pass_kv=True)'s metadata
+    allgather: the input fields, pass_kv, shard_lengths and the ok flag. Read from the code, so the
+    prediction follows the implementation."""
+    from treeattn.parallel.inputs import input_fields
+
+    return (len(input_fields(None, None)) + 3) * 8
+
+
+RING_METADATA_BYTES = _ring_metadata_bytes()
 
 
 def check_method(method: str) -> str:
