@@ -117,3 +117,28 @@ def test_scheduler_reuses_a_cached_prefix():
     assert plans[0].chunks[0].start == 4 and plans[0].chunks[0].tokens == (1, 2)
     tree.clear()
     assert pool.num_free == pool.num_blocks
+
+
+from hypothesis import given, settings, strategies as st  # noqa: E402
+
+
+@settings(max_examples=60, deadline=None)
+@given(p=st.integers(1, 3), blocks=st.integers(2, 6), bs=st.integers(1, 4), placement=st.sampled_from(["contiguous", "interleaved"]),
+       prefix=st.booleans(), batch=st.integers(1, 5), chunk=st.integers(1, 9), data=st.data())
+def test_every_request_that_fits_alone_completes_without_leaks(p, blocks, bs, placement, prefix, batch, chunk, data):
+    pool = ShardedBlockPool(world_size=p, blocks_per_rank=blocks, block_size=bs, placement=placement)
+    tree = PrefixCache(pool) if prefix else None
+    s = Scheduler(pool, max_batch_size=batch, prefill_chunk=chunk, prefix_cache=tree)
+    fits = pool.max_tokens_per_sequence
+    seqs = []
+    for _ in range(data.draw(st.integers(1, 8))):
+        n = data.draw(st.integers(1, fits - 1))
+        prompt = data.draw(st.lists(st.integers(0, 2), min_size=n, max_size=n))  # few ids: shared prefixes are common
+        new = data.draw(st.integers(1, fits - n))
+        seqs.append(s.add(prompt, SamplingParams(max_new_tokens=new), frozenset()))
+    _, finished = _run(s, next_token=lambda seq_id, step: (seq_id + step) % 3, max_steps=5000)
+    assert sorted(q.seq_id for q in finished) == [q.seq_id for q in seqs]
+    assert all(len(q.generated) == q.params.max_new_tokens for q in seqs)
+    if tree is not None:
+        tree.clear()
+    assert pool.num_free == pool.num_blocks

@@ -434,7 +434,11 @@ class Engine:
         self._by_seq[request.seq.seq_id] = request
         self._counters["prompt_tokens"] += len(request.prompt)
 
-    def _on_token(self, request: _Request, token: int, reason: str | None, now: float) -> None:
+    def _on_token(self, request: _Request, token: int | None, reason: str | None, now: float) -> None:
+        if token is None:
+            self._finish(request, "error", now, error=(
+                "the model's logits for this request were not finite (NaN or inf); no token was produced"))
+            return
         if request.first_token_at is None:
             request.first_token_at = now
         request.token_ids.append(token)

@@ -210,7 +210,7 @@ class RankRunner:
     @torch.inference_mode()
     def step(self, plan: StepPlan) -> dict[int, int]:
         """Run one step. Returns {seq_id: next token} on rank 0 for every chunk that samples
-        ({} on the other ranks)."""
+        ({} on the other ranks); the token is None where the logits were not finite."""
         for seq_id in plan.release:
             self._generators.pop(seq_id, None)
         if not plan.chunks:
@@ -226,7 +226,7 @@ class RankRunner:
         logits = self.model.logits(hidden[0, rows])
         return {c.seq_id: self._sample(c.seq_id, c.sample, logits[k : k + 1]) for k, (_, c) in enumerate(sampling)}
 
-    def _sample(self, seq_id: int, spec: SampleSpec, logits: torch.Tensor) -> int:
+    def _sample(self, seq_id: int, spec: SampleSpec, logits: torch.Tensor) -> int | None:
         from treeattn.engine.config import SamplingParams
         from treeattn.generate import sample
 
@@ -234,6 +234,6 @@ class RankRunner:
         if generator is None:
             generator = self._generators[seq_id] = torch.Generator().manual_seed(spec.seed)
         params = SamplingParams(spec.temperature, spec.top_k or None, spec.top_p if spec.top_p < 1 else None)
-        if not torch.isfinite(logits).all():
-            raise FloatingPointError(f"non-finite logits for sequence {seq_id}")
+        if not torch.isfinite(logits).all():  # never an output: the driver fails this request alone
+            return None
         return int(sample(logits, params, generator)[0])

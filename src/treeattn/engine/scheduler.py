@@ -136,7 +136,7 @@ class Scheduler:
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """End a sequence (done, cancelled or failed): its blocks go back, into the prefix cache
-        when there is one."""
+        when there is one (not for reason "error": its keys/values may be what failed)."""
         seq.finish_reason = reason
         if seq in self.running:
             self.running.remove(seq)
@@ -181,8 +181,9 @@ class Scheduler:
 
     def complete(self, plan: StepPlan, sampled: dict[int, int]) -> list[tuple[Sequence, int, str | None]]:
         """Record a step's outcome: `sampled` maps seq_id -> new token for every chunk with a
-        sample. Returns (sequence, token, finish reason or None) for each new token; sequences
-        that reached a stop token or max_new_tokens are finished here."""
+        sample (None: the logits were not finite). Returns (sequence, token, finish reason or None)
+        for each; sequences that reached a stop token or max_new_tokens, or failed, are finished
+        here."""
         out = []
         by_id = {seq.seq_id: seq for seq in self.running}
         for chunk in plan.chunks:
@@ -193,6 +194,10 @@ class Scheduler:
             if chunk.sample is None:
                 continue
             token = sampled[chunk.seq_id]
+            if token is None:  # non-finite logits: this sequence fails, its blocks are not cached
+                self.finish(seq, "error")
+                out.append((seq, None, "error"))
+                continue
             seq.generated.append(token)
             reason = None
             if token in seq.stop_token_ids:
@@ -272,7 +277,7 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     def _free_blocks(self, seq: Sequence) -> None:
-        if self.prefix_cache is not None and seq.blocks:
+        if self.prefix_cache is not None and seq.blocks and seq.finish_reason != "error":
             self.prefix_cache.insert(seq.tokens[: seq.num_computed], seq.blocks)
         for block in seq.blocks:
             self.pool.decref(block)
