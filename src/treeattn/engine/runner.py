@@ -30,7 +30,6 @@ on what it was batched with.
 
 from __future__ import annotations
 
-import logging
 
 import torch
 import torch.distributed as dist
@@ -43,7 +42,6 @@ from treeattn.models.attention import attention_backend, group_world_size
 from treeattn.models.llama import LlamaModel
 from treeattn.ops import attention, merge_states_list
 
-logger = logging.getLogger(__name__)
 
 # A group of sequences is read run by run (no copy) when its runs of adjacent blocks average at
 # least this many keys; below, one gather and one batched call are cheaper (benchmarks/engine_paged_read.py).
