@@ -48,7 +48,7 @@ import torch.distributed as dist
 
 import treeattn.parallel as par
 from treeattn.ops import attention, merge_states
-from treeattn.sim.hardware import Cluster, Link
+from treeattn.sim.hardware import Cluster, Link, host_memory_bytes
 
 ATTENTION_TOKENS = (4096, 32768, 131072)
 HEADS, HEAD_DIM = 16, 128
@@ -378,7 +378,9 @@ def cluster_from_measurements(m: dict) -> Cluster:
         busy_round_collective=tuple(busy_round_collective),
         busy_next_round_p2p=tuple(busy_next_round_p2p),
         busy_next_round_collective=tuple(busy_next_round_collective),
+        memory_capacity=None if (ram := host_memory_bytes()) is None else float(ram),
         sources={
+            "memory_capacity": "this machine's RAM (os.sysconf), shared by the ranks",
             "memory_bandwidth": "measured: K,V bytes/s of 1-thread ta.attention, one rank alone (line fit)",
             "kernel_overhead": "measured: intercept of the same line fit",
             "host_memory_bandwidth": "measured: aggregate K,V bytes/s with both ranks' attention at once",

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import typer
 
-from treeattn.sim.hardware import CALIBRATED_PRESET, GB, PRESET_NAMES, US, Cluster, load_cluster
-from treeattn.sim.model import METHODS, check_method, predict_decode, predict_generation
+from treeattn.sim.hardware import CALIBRATED_PRESET, GB, GIB, PRESET_NAMES, US, Cluster, load_cluster
+from treeattn.sim.model import METHODS, check_method, memory_shortfall, predict_decode, predict_generation
 from treeattn.sim.workload import DecodeShape
 
 TFLOPS = 1e12
@@ -16,7 +16,7 @@ TFLOPS = 1e12
 
 def _cluster_from_options(preset: str, calibration: Path | None, overrides: dict[str, float | int | None]) -> Cluster:
     if calibration is not None and preset != CALIBRATED_PRESET:
-        raise typer.BadParameter("--calibration only applies to --preset cpu-local", param_hint="--calibration")
+        raise ValueError("--calibration only applies to --preset cpu-local")
     cluster = load_cluster(preset, calibration)
     return cluster.with_overrides(**overrides)
 
@@ -46,6 +46,7 @@ def simulate(
     inter_bw_gbs: float | None = typer.Option(None, help="Inter-node bandwidth per device per direction, GB/s."),
     p2p_overlap: float | None = typer.Option(None, help="Fraction of a ring transfer hidden behind compute, [0, 1]."),
     step_overhead_us: float | None = typer.Option(None, help="Fixed software cost per decode step (every method), us."),
+    memory_gib: float | None = typer.Option(None, help="Memory per device, GiB (cpu-local: the host's, shared by the ranks)."),
     new_tokens: int | None = typer.Option(None, help="Also estimate prefill + this many decode steps."),
     layers: int = typer.Option(1, help="Attention layers, for --new-tokens."),
     as_json: bool = typer.Option(False, "--json", help="One JSON object per line per configuration."),
@@ -75,6 +76,7 @@ def simulate(
         "p2p_overlap": p2p_overlap,
         "step_overhead": None if step_overhead_us is None else step_overhead_us * US,
         "gpus_per_node": gpus_per_node,
+        "memory_capacity": None if memory_gib is None else memory_gib * GIB,
     }
     try:
         cluster = _cluster_from_options(preset, calibration, scale)
@@ -87,18 +89,23 @@ def simulate(
         for p in gpus:
             cluster.nodes(p)
     except (ValueError, TypeError) as err:
-        raise typer.BadParameter(str(err)) from None
+        typer.echo(f"error: {err}", err=True)
+        raise typer.Exit(2) from None
 
     if show_preset:
         typer.echo(json.dumps(cluster.to_dict(), indent=2))
         return
 
     records: list[dict] = []
+    shortfalls: list[str] = []
     try:
         for p in gpus:
             for shape in shapes:
                 for m in method:
-                    record = predict_decode(cluster, shape, p, m).as_dict()
+                    prediction = predict_decode(cluster, shape, p, m)
+                    if (shortfall := memory_shortfall(cluster, prediction)) is not None:
+                        shortfalls.append(shortfall)
+                    record = prediction.as_dict()
                     record["preset"] = cluster.name
                     if new_tokens is not None:
                         gen = predict_generation(cluster, shape, p, m, new_tokens, layers)
@@ -110,13 +117,16 @@ def simulate(
                         )
                     records.append(record)
     except (ValueError, TypeError) as err:
-        raise typer.BadParameter(str(err)) from None
+        typer.echo(f"error: {err}", err=True)
+        raise typer.Exit(2) from None
 
     if as_json:
         for record in records:
             typer.echo(json.dumps(record))
     else:
         _print_table(records, cluster.name, new_tokens is not None)
+    for line in shortfalls:
+        typer.echo(f"does not fit in memory: {line}", err=True)
     if plot is not None:
         from treeattn.bench.plots import make_figures
 
@@ -147,9 +157,11 @@ def _print_table(records: list[dict], preset: str, generation: bool) -> None:
             f"{r['bytes']:.4g}",
             str(r["rounds"]),
             str(r["steps"]),
-            f"{r['peak_memory_bytes'] / 2**20:.4g}",
+            f"{r['peak_memory_bytes'] / 2**20:.4g}" + (" !" if r.get("fits_memory") is False else ""),
         ]
         if generation:
             row.append(f"{r['generation_seconds']:.4g}")
         table.add_row(*row)
-    Console().print(table)
+    Console(width=160).print(table)
+    if any(r.get("fits_memory") is False for r in records):
+        Console(width=160).print("! the K/V cache does not fit in the devices' memory (see below)")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
@@ -108,6 +109,8 @@ class Cluster:
             `treeattn bench calibrate` as (attention + two ring steps) - (attention + one).
         busy_next_round_collective: the same for a further small collective call issued right
             after another round (measured with two 4-byte allreduces back to back).
+        memory_capacity: bytes of memory per device, None if unknown. With host_cores (ranks
+            that are processes on one host) the memory all ranks share.
         sources: parameter name -> where its value comes from.
     """
 
@@ -131,6 +134,7 @@ class Cluster:
     busy_round_collective: tuple[tuple[int, float], ...] = ()
     busy_next_round_p2p: tuple[tuple[int, float], ...] = ()
     busy_next_round_collective: tuple[tuple[int, float], ...] = ()
+    memory_capacity: float | None = None
     sources: dict[str, str] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -155,6 +159,8 @@ class Cluster:
         _check_nonnegative("host_read_seconds", self.host_read_seconds)
         if self.host_memory_bandwidth is not None:
             _check_positive("host_memory_bandwidth", self.host_memory_bandwidth)
+        if self.memory_capacity is not None:
+            _check_positive("memory_capacity", self.memory_capacity)
         for name in BUSY_ROUND_TABLES:
             table = getattr(self, name)
             if table and self.host_cores is None:
@@ -255,6 +261,7 @@ def _nearest(table: tuple[tuple[int, float], ...], ranks: int) -> float:
 
 
 GB = 1e9
+GIB = 2**30
 US = 1e-6
 
 # --------------------------------------------------------------------------------------- presets
@@ -281,11 +288,13 @@ _DGX_H100 = Cluster(
     kernel_overhead=5 * US,
     merge_seconds=5 * US,
     collective_overhead=5 * US,
+    memory_capacity=80 * GIB,
     host_read_seconds=10 * US,
     intra=Link(latency=3 * US, bandwidth=0.8 * 450 * GB),
     inter=Link(latency=8 * US, bandwidth=0.9 * 50 * GB),
     p2p_overlap=1.0,
     sources={
+        "memory_capacity": "spec: H100 SXM5 80 GB HBM3 per device",
         "gpus_per_node": "spec: DGX H100, 8 GPUs per node",
         "memory_bandwidth": "spec: H100 SXM5 HBM3 3.35 TB/s",
         "memory_efficiency": "assumption: flash-decoding kernels reach ~80% of HBM bandwidth",
@@ -314,11 +323,13 @@ _MI300X = Cluster(
     kernel_overhead=8 * US,
     merge_seconds=8 * US,
     collective_overhead=10 * US,
+    memory_capacity=192 * GIB,
     host_read_seconds=10 * US,
     intra=Link(latency=5 * US, bandwidth=0.8 * 64 * GB),
     inter=Link(latency=10 * US, bandwidth=0.85 * 50 * GB),
     p2p_overlap=1.0,
     sources={
+        "memory_capacity": "spec: MI300X 192 GB HBM3 per device",
         "gpus_per_node": "spec: 8x MI300X platform (the paper used 4 of them in Table 1)",
         "memory_bandwidth": "spec: MI300X HBM3 5.3 TB/s",
         "memory_efficiency": "assumption: decode kernels reach ~70% of HBM bandwidth",
@@ -346,11 +357,13 @@ _RTX4090_PCIE = Cluster(
     kernel_overhead=5 * US,
     merge_seconds=5 * US,
     collective_overhead=10 * US,
+    memory_capacity=24 * GIB,
     host_read_seconds=10 * US,
     intra=Link(latency=15 * US, bandwidth=0.7 * 31.5 * GB),
     inter=Link(latency=30 * US, bandwidth=0.9 * 1.25 * GB),
     p2p_overlap=1.0,
     sources={
+        "memory_capacity": "spec: RTX 4090 24 GB GDDR6X per device",
         "gpus_per_node": "spec: the paper's 2x RTX 4090 box (Table 2)",
         "memory_bandwidth": "spec: RTX 4090 GDDR6X 1008 GB/s",
         "memory_efficiency": "assumption: ~80% of memory bandwidth",
@@ -395,4 +408,16 @@ def load_cluster(preset: str, calibration: str | Path | None = None) -> Cluster:
     data = json.loads(path.read_text())
     if "cluster" not in data:
         raise ValueError(f"{str(path)!r} is not a calibration file (no 'cluster' key)")
-    return Cluster.from_dict(data["cluster"])
+    cluster = Cluster.from_dict(data["cluster"])
+    if "memory_capacity" not in data["cluster"] and (ram := host_memory_bytes()) is not None:  # written before the field
+        cluster = replace(cluster, memory_capacity=float(ram),
+                          sources={**cluster.sources, "memory_capacity": "this machine's RAM (os.sysconf), shared by the ranks"})
+    return cluster
+
+
+def host_memory_bytes() -> int | None:
+    """Physical memory of this machine, or None if unknown."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None

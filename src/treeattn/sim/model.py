@@ -41,7 +41,7 @@ no such term.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from treeattn.sim import volumes
 from treeattn.sim.collectives import (
@@ -101,6 +101,9 @@ class Prediction:
         paper_elements: the paper's volume (eq. 10 for ring-kv, eq. 14 for allreduce), else None.
         peak_memory_bytes: K, V and decode buffers on one device (the paper's eq. 8/9 terms).
         algorithm: the collective algorithms chosen.
+        fits_memory: whether peak_memory_bytes fits in the cluster's memory_capacity (on a host
+            whose ranks share the memory: devices * peak_memory_bytes); None if the capacity is
+            unknown. See memory_shortfall.
     """
 
     method: str
@@ -116,9 +119,31 @@ class Prediction:
     paper_elements: float | None
     peak_memory_bytes: float
     algorithm: str
+    fits_memory: bool | None = None
 
     def as_dict(self) -> dict[str, object]:
         return asdict(self)
+
+
+def memory_shortfall(cluster: Cluster, prediction: Prediction) -> str | None:
+    """None if the configuration fits in memory (or the cluster's capacity is unknown); else one
+    line saying what it needs and what there is."""
+    capacity = cluster.memory_capacity
+    if capacity is None:
+        return None
+    if cluster.host_cores is not None:  # ranks on one host share its memory
+        needed, where = prediction.devices * prediction.peak_memory_bytes, f"the host's {_gib(capacity)} shared by the ranks"
+    else:
+        needed, where = prediction.peak_memory_bytes, f"the {_gib(capacity)} of one {cluster.name} device"
+    if needed <= capacity:
+        return None
+    per = "" if cluster.host_cores is None else f" on {prediction.devices} rank(s)"
+    return (f"{prediction.method} p={prediction.gpus} N={prediction.seq_len}: the K/V cache and decode buffers need "
+            f"{_gib(needed)}{per}, more than {where}")
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.1f} GiB"
 
 
 # ------------------------------------------------------------------------------------ compute
@@ -281,7 +306,7 @@ def predict_decode(cluster: Cluster, shape: DecodeShape, gpus: int, method: str)
     if method in ("allreduce", "onepass", "twolevel"):
         steps = _latency_steps(cluster, shape, gpus, method)
     rounds = _comm_stats_rounds(cluster, gpus, method, comm)
-    return Prediction(
+    prediction = Prediction(
         method=method,
         gpus=gpus,
         devices=devices,
@@ -296,6 +321,9 @@ def predict_decode(cluster: Cluster, shape: DecodeShape, gpus: int, method: str)
         peak_memory_bytes=_peak_memory_bytes(shape, method, gpus),
         algorithm=comm.algorithm,
     )
+    if cluster.memory_capacity is not None:
+        prediction = replace(prediction, fits_memory=memory_shortfall(cluster, prediction) is None)
+    return prediction
 
 
 def rounds_after_attention(cluster: Cluster, gpus: int, method: str) -> list[tuple[str, bool]]:
