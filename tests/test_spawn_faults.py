@@ -171,6 +171,21 @@ def test_generate_timeout_names_the_stopped_rank(checkpoint, tmp_path):
     assert "stopped answering" in error_line and f"pid {stopped}" in error_line, err[-2000:]
 
 
+@pytest.mark.skipif(not hasattr(signal, "SIGHUP"), reason="needs SIGHUP")
+def test_an_ignored_sighup_stays_ignored_and_handlers_are_restored():
+    from treeattn.parallel.spawn import _ParentSignals
+
+    saved = signal.signal(signal.SIGHUP, signal.SIG_IGN)  # as under nohup
+    try:
+        term = signal.getsignal(signal.SIGTERM)
+        with _ParentSignals().installed():
+            assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+            assert signal.getsignal(signal.SIGTERM) is not term
+        assert signal.getsignal(signal.SIGTERM) is term and signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGHUP, saved)
+
+
 def test_spawn_refuses_a_non_finite_timeout():
     for bad in (float("inf"), float("nan"), -1, True):
         with pytest.raises(ValueError, match="timeout"):
