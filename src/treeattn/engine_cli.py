@@ -317,6 +317,7 @@ def _json_report(result: dict, texts, batched: bool, total_s: float, ranking: li
         "decode_rounds_rank0": result["comm"].get("rounds", 0),
     }
     report["kv_bytes_per_rank"] = result["kv_bytes_per_rank"]
+    report["kv_bytes_per_token"] = result["kv_bytes_per_token"]
     report["peak_rss_bytes_per_rank"] = result["peak_rss_bytes_per_rank"]
     report["run"] = {k: result[k] for k in ("world_size", "decode", "method", "prefill", "placement")}
     return report
@@ -339,6 +340,7 @@ def _summary_table(result: dict, total_s: float) -> Table:
     table.add_row("time per token (decode)", f"{result['time_per_token_s'] * 1e3:.2f} ms" if steps else "-")
     table.add_row("tokens/s (decode)", f"{result['tokens_per_s']:.1f}" if steps else "-")
     table.add_row("KV cache per rank", ", ".join(_bytes(b) for b in result["kv_bytes_per_rank"]))
+    table.add_row("KV cache per token", f"{_bytes(result['kv_bytes_per_token'])} (all layers)")
     table.add_row("comm per token (all ranks)", _bytes(result["comm_bytes_per_token"]) if steps else "-")
     table.add_row("total wall time", f"{total_s:.2f} s")
     return table

@@ -115,6 +115,8 @@ class GenerationResult:
         first token's broadcast, is in prefill_comm_bytes_per_rank.)
         world_size, decode, method, prefill, placement: how it ran.
         kv_bytes_per_rank: bytes of KV cache (keys, values, positions) each rank holds at the end.
+        kv_bytes_per_token: bytes of keys and values one token takes in all layers (an MLA model's
+            latent cache: one latent + RoPE key per layer).
         comm_bytes_per_rank: bytes each rank sent during the decode steps (treeattn's accounting).
         prefill_comm_bytes_per_rank: bytes each rank sent during the prefill.
         peak_rss_bytes_per_rank: peak resident memory of each rank during the decode steps
@@ -145,6 +147,7 @@ class GenerationResult:
     prefill: str
     placement: str
     kv_bytes_per_rank: list[int] = field(default_factory=list)
+    kv_bytes_per_token: int = 0
     comm_bytes_per_rank: list[float] = field(default_factory=list)
     prefill_comm_bytes_per_rank: list[float] = field(default_factory=list)
     peak_rss_bytes_per_rank: list[int] = field(default_factory=list)
@@ -361,13 +364,13 @@ class Generation:
         self.decode, self.method, self.prefill, self.placement = decode, config.method, prefill, config.placement
         self.cache = cache if cache is not None else ShardedKVCache(
             num_layers=model.config.num_layers, num_kv_heads=model.config.num_kv_heads, head_dim=model.config.head_dim,
-            capacity=capacity, batch_size=len(self.prompts), placement=config.placement, block_size=block_size,
+            value_dim=model.config.cache_value_dim, capacity=capacity, batch_size=len(self.prompts), placement=config.placement, block_size=block_size,
             rank=self.rank, world_size=self.world_size, dtype=model.dtype, device=model.device,
         )
         # The samples' own tokens (num_samples > 1): batch n, unsharded, the same on every rank.
         self.sample_cache = None if self.num_samples == 1 else ShardedKVCache(
             num_layers=model.config.num_layers, num_kv_heads=model.config.num_kv_heads, head_dim=model.config.head_dim,
-            capacity=self.max_new_tokens, batch_size=self.num_samples, block_size=min(block_size, self.max_new_tokens),
+            value_dim=model.config.cache_value_dim, capacity=self.max_new_tokens, batch_size=self.num_samples, block_size=min(block_size, self.max_new_tokens),
             dtype=model.dtype, device=model.device,
         )
 
@@ -452,6 +455,7 @@ class Generation:
                 prefill_s=prefill_s, decode_s=decode_s, decode_steps=len(step_times), step_times_s=step_times,
                 world_size=self.world_size, decode=self.decode, method=self.method, prefill=self.prefill,
                 placement=self.placement, kv_bytes_per_rank=[int(x) for x in per_rank[0]],
+                kv_bytes_per_token=self.cache.bytes_per_token,
                 comm_bytes_per_rank=per_rank[1], prefill_comm_bytes_per_rank=per_rank[2],
                 peak_rss_bytes_per_rank=[int(x) for x in per_rank[3]], start_rss_bytes_per_rank=[int(x) for x in per_rank[4]],
                 comm=decode_comm.as_dict(), decode_step=self.decode_step, decode_setup_s=decode_setup_s,
@@ -699,10 +703,12 @@ def _check_reused_cache(cache, model, tokens: torch.Tensor, positions: torch.Ten
     if not isinstance(cache, ShardedKVCache):
         raise ConfigTypeError("cache", f"cache must be a ShardedKVCache or None, got {type(cache).__name__}")
     batch, longest = tokens.shape
-    expected = (model.config.num_layers, model.config.num_kv_heads, model.config.head_dim, batch, placement, rank, world_size)
-    actual = (cache.num_layers, cache.num_kv_heads, cache.head_dim, cache.batch_size, cache.placement.kind, cache.rank, cache.world_size)
+    expected = (model.config.num_layers, model.config.num_kv_heads, model.config.head_dim, model.config.cache_value_dim, batch,
+                placement, rank, world_size)
+    actual = (cache.num_layers, cache.num_kv_heads, cache.head_dim, cache.value_dim, cache.batch_size, cache.placement.kind,
+              cache.rank, cache.world_size)
     if expected != actual:
-        raise ConfigError("cache", "cache does not fit this generation: (layers, Hkv, D, batch, placement, rank, world_size) "
+        raise ConfigError("cache", "cache does not fit this generation: (layers, Hkv, D, value_dim, batch, placement, rank, world_size) "
                           f"expected {expected}, got {actual}")
     if cache.length < longest:
         raise ConfigError("cache", f"cache holds {cache.length} tokens, fewer than the prompt's {longest}")

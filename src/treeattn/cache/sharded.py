@@ -3,6 +3,7 @@
 Storage on one rank is one arena of fixed-size blocks, preallocated for the cache's capacity:
 
     arena: (num_layers, 2, B, num_blocks * block_size, Hkv, D)   # [layer, k|v, batch, slot, head, dim]
+           (num_layers, 1, B, num_blocks * block_size, Hkv, D)   # value_dim given: keys only, V = K[..., :value_dim]
     positions: int64 (B, num_blocks * block_size)                  # global position of each local slot
 
 The placement policy (treeattn.cache.placement) decides which rank holds each global slot and fills
@@ -64,6 +65,15 @@ class SlotRange:
         return self.local_stop - self.local_start
 
 
+def kv_bytes_per_token(model_config, dtype: torch.dtype) -> int:
+    """Bytes of KV cache one token takes in all layers of a model (positions not counted): keys and
+    values of num_kv_heads x head_dim each, or keys only when model_config.cache_value_dim says the
+    values are a view of them (MLA's latent cache)."""
+    planes = 1 if model_config.cache_value_dim else 2
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return model_config.num_layers * planes * model_config.num_kv_heads * model_config.head_dim * itemsize
+
+
 class ShardedKVCache:
     """This rank's shard of a sequence-sharded KV cache, for every layer.
 
@@ -71,6 +81,9 @@ class ShardedKVCache:
         num_layers: number of attention layers.
         num_kv_heads: Hkv.
         head_dim: D (keys and values share it, as in the Llama family).
+        value_dim: None (values stored beside the keys, D channels each), or Dv <= D: the values are
+            the first Dv channels of the keys and have no storage of their own (multi-head latent
+            attention: one latent per token is both key and value, the RoPE key follows it).
         capacity: total number of global slots (tokens per sequence) over all ranks.
         batch_size: B, sequences decoded together (they share slots; shorter ones are left-padded).
         placement: "contiguous" or "interleaved" (see treeattn.cache.placement).
@@ -86,6 +99,7 @@ class ShardedKVCache:
         num_kv_heads: int,
         head_dim: int,
         capacity: int,
+        value_dim: int | None = None,
         batch_size: int = 1,
         placement: str = "contiguous",
         block_size: int = 256,
@@ -99,6 +113,8 @@ class ShardedKVCache:
                 raise TypeError(f"{name} must be an int, got {type(value).__name__}")
             if value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
+        if value_dim is not None and (isinstance(value_dim, bool) or not isinstance(value_dim, int) or not 1 <= value_dim <= head_dim):
+            raise ValueError(f"value_dim must be None or an int in [1, head_dim={head_dim}], got {value_dim!r}")
         if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
             raise ValueError(f"rank must be an int in [0, world_size={world_size}), got {rank!r}")
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
@@ -107,6 +123,7 @@ class ShardedKVCache:
         self.num_layers = num_layers
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
+        self.value_dim = value_dim
         self.batch_size = batch_size
         self.rank = rank
         self.world_size = world_size
@@ -116,7 +133,7 @@ class ShardedKVCache:
         self.local_capacity = self.placement.local_capacity(rank)
         self.num_blocks = -(-self.local_capacity // block_size)
         slots = self.num_blocks * block_size
-        self._arena = torch.empty(num_layers, 2, batch_size, slots, num_kv_heads, head_dim, dtype=dtype, device=self.device)
+        self._arena = torch.empty(num_layers, 1 if value_dim else 2, batch_size, slots, num_kv_heads, head_dim, dtype=dtype, device=self.device)
         self._positions = torch.full((batch_size, slots), INVISIBLE_POSITION, dtype=torch.int64, device=self.device)
         self.length = 0  # global slots in use (the same on every rank)
         self.local_length = 0  # slots in use on this rank: the prefix [0, local_length)
@@ -135,15 +152,23 @@ class ShardedKVCache:
         return self._positions[:, : self.local_length]
 
     def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Views (no copy) of this rank's keys and values of `layer`: each (B, local_length, Hkv, D)."""
+        """Views (no copy) of this rank's keys and values of `layer`: k (B, local_length, Hkv, D),
+        v (B, local_length, Hkv, Dv) (Dv = value_dim or D)."""
         self._check_layer(layer)
-        kv = self._arena[layer, :, :, : self.local_length]
-        return kv[0], kv[1]
+        return self._split(self._arena[layer, :, :, : self.local_length])
+
+    def _split(self, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(k, v) of a slice (planes, B, slots, Hkv, D) of the arena."""
+        return (kv[0], kv[0][..., : self.value_dim]) if self.value_dim else (kv[0], kv[1])
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Bytes one token's keys and values take in all layers (positions not counted)."""
+        return self.num_layers * self._arena.shape[1] * self.num_kv_heads * self.head_dim * self._arena.element_size()
 
     def nbytes(self) -> int:
         """Bytes of keys, values and positions this rank holds for the tokens in use."""
-        per_slot = self.num_layers * 2 * self.num_kv_heads * self.head_dim * self._arena.element_size() + 8
-        return self.batch_size * self.local_length * per_slot
+        return self.batch_size * self.local_length * (self.bytes_per_token + 8)
 
     def nbytes_reserved(self) -> int:
         """Bytes of the preallocated arena and positions (virtual; untouched blocks are not resident)."""
@@ -191,20 +216,23 @@ class ShardedKVCache:
         Args:
             layer: layer index.
             slots: a SlotRange returned by extend().
-            k, v: (B, slots.num_owned, Hkv, D) in the cache's dtype and device.
+            k, v: (B, slots.num_owned, Hkv, D) and (B, slots.num_owned, Hkv, Dv) in the cache's dtype
+                and device. With value_dim, v is not stored (it must be k[..., :value_dim]).
         """
         self._check_layer(layer)
         expected = (self.batch_size, slots.num_owned, self.num_kv_heads, self.head_dim)
         for name, t in (("k", k), ("v", v)):
-            if tuple(t.shape) != expected:
-                raise ValueError(f"{name} must have shape (B, owned tokens, Hkv, D) = {expected}, got {tuple(t.shape)}")
+            shape = expected[:3] + (self.value_dim,) if name == "v" and self.value_dim else expected
+            if tuple(t.shape) != shape:
+                raise ValueError(f"{name} must have shape (B, owned tokens, Hkv, {'Dv' if name == 'v' else 'D'}) = {shape}, got {tuple(t.shape)}")
             if t.dtype != self.dtype:
                 raise TypeError(f"{name} must have the cache's dtype {self.dtype}, got {t.dtype}")
         if slots.local_stop > self.local_length:
             raise ValueError(f"slots {slots.local_start}:{slots.local_stop} lie beyond the {self.local_length} local slots in use")
         if slots.num_owned:
             self._arena[layer, 0, :, slots.local_start : slots.local_stop] = k
-            self._arena[layer, 1, :, slots.local_start : slots.local_stop] = v
+            if not self.value_dim:
+                self._arena[layer, 1, :, slots.local_start : slots.local_stop] = v
 
     def truncate(self, length: int) -> None:
         """Forget every token from global slot `length` on (e.g. to decode again from a prefilled prompt)."""
@@ -228,8 +256,7 @@ class ShardedKVCache:
         """Views of every slot this rank can ever hold for `layer`: k, v (B, local_capacity, Hkv, D).
         Slots past local_length hold what clear_unused() left (zeros) until a static step writes them."""
         self._check_layer(layer)
-        kv = self._arena[layer, :, :, : self.local_capacity]
-        return kv[0], kv[1]
+        return self._split(self._arena[layer, :, :, : self.local_capacity])
 
     @property
     def static_kv_pos(self) -> torch.Tensor:
@@ -277,8 +304,8 @@ class ShardedKVCache:
         self._check_layer(layer)
         if self.local_capacity == 0:
             return
-        kv = self._arena[layer]  # (2, B, slots, Hkv, D)
-        new = torch.stack((k_new, v_new))
+        kv = self._arena[layer]  # (2 or 1, B, slots, Hkv, D)
+        new = k_new[None] if self.value_dim else torch.stack((k_new, v_new))
         old = kv.index_select(2, local_slot)
         kv.index_copy_(2, local_slot, torch.where(owned, new, old))
 
@@ -308,7 +335,8 @@ class ShardedKVCache:
             f"ShardedKVCache(rank={self.rank}/{self.world_size}, placement={self.placement.kind}, "
             f"length={self.length}/{self.capacity}, local={self.local_length}/{self.local_capacity}, "
             f"blocks={self.blocks_used}/{self.num_blocks}x{self.block_size}, layers={self.num_layers}, "
-            f"B={self.batch_size}, Hkv={self.num_kv_heads}, D={self.head_dim}, dtype={self.dtype})"
+            f"B={self.batch_size}, Hkv={self.num_kv_heads}, D={self.head_dim}, "
+            + (f"Dv={self.value_dim} (a view of K), " if self.value_dim else "") + f"dtype={self.dtype})"
         )
 
 

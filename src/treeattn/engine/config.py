@@ -23,6 +23,7 @@ from dataclasses import dataclass, fields
 import torch
 
 from treeattn.cache.placement import PLACEMENTS, make_placement
+from treeattn.cache.sharded import kv_bytes_per_token
 from treeattn.models.attention import DECODE_KINDS
 from treeattn.parallel.tree_decode import METHODS
 
@@ -237,7 +238,7 @@ def kv_cache_bytes_per_rank(config: GenerationConfig, model_config, batch: int, 
     capacity = config.cache_capacity(longest)
     placement = make_placement(config.placement, capacity, world_size, config.block_size)
     slots = -(-placement.local_capacity(0) // config.block_size) * config.block_size
-    per_slot = model_config.num_layers * 2 * model_config.num_kv_heads * model_config.head_dim * _itemsize(dtype) + 8
+    per_slot = kv_bytes_per_token(model_config, dtype) + 8
     samples = config.max_new_tokens * config.num_samples if config.num_samples > 1 else 0
     return (slots * batch + samples) * per_slot
 

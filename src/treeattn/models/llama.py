@@ -92,6 +92,11 @@ class LlamaConfig:
                 raise ValueError(f"sliding window must be a positive int or None, got {w!r}")
 
     @property
+    def cache_value_dim(self) -> None:
+        """Values are stored beside the keys (treeattn.cache.ShardedKVCache's value_dim=None)."""
+        return None
+
+    @property
     def max_window(self) -> int | None:
         """The largest sliding window of any layer, None if some layer attends to everything."""
         if any(w is None for w in self.layer_windows):

@@ -6,7 +6,8 @@
 
 A directory holds config.json, the weights as *.safetensors (one file, or shards listed by
 model.safetensors.index.json), and optionally tokenizer.json and generation_config.json.
-Supported architectures: LlamaForCausalLM, Qwen2ForCausalLM, MistralForCausalLM.
+Supported architectures: LlamaForCausalLM, Qwen2ForCausalLM, MistralForCausalLM (treeattn.models.llama),
+DeepseekV2ForCausalLM, DeepseekV3ForCausalLM (treeattn.models.deepseek; its config.json parsing too).
 
 Weights are read with safetensors (never unpickled). The model is first built on the "meta"
 device (no memory), then each tensor is read once from its file, converted to the requested dtype
@@ -38,7 +39,8 @@ CONFIG_FILE = "config.json"
 INDEX_FILE = "model.safetensors.index.json"
 TOKENIZER_FILE = "tokenizer.json"
 GENERATION_CONFIG_FILE = "generation_config.json"
-SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "MistralForCausalLM": "mistral"}
+SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "MistralForCausalLM": "mistral",
+                           "DeepseekV2ForCausalLM": "deepseek_v2", "DeepseekV3ForCausalLM": "deepseek_v3"}
 # Checkpoint entries that are not parameters (older exports saved RoPE tables).
 IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
 
@@ -81,7 +83,8 @@ def load_model(model_dir: str | os.PathLike, *, dtype: torch.dtype = torch.float
     for path, names in by_file.items():
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for ours, theirs in names:
-                state[ours] = f.get_tensor(theirs).to(device=device, dtype=dtype)
+                keep = ours.endswith(getattr(model, "FLOAT32_PARAMETERS", ()))  # e.g. DeepSeek's router biases
+                state[ours] = f.get_tensor(theirs).to(device=device, dtype=torch.float32 if keep else dtype)
     model.load_state_dict(state, strict=True, assign=True)
     model.inv_freq = model.inv_freq.to(device)
     model.tokenizer = load_tokenizer(model_dir)
@@ -99,7 +102,8 @@ def check_checkpoint(model_dir: str | os.PathLike, *, dtype: torch.dtype = torch
         what load_model raises for a bad checkpoint.
     """
     if is_gguf(model_dir):
-        return LlamaModel(read_config(model_dir), dtype=dtype, device="meta")
+        config = read_config(model_dir)
+        return model_class(config)(config, dtype=dtype, device="meta")
     return _plan(_check_dir(model_dir), dtype)[0]
 
 
@@ -107,7 +111,7 @@ def _plan(model_dir: Path, dtype: torch.dtype) -> tuple[LlamaModel, dict[str, tu
     """The model's skeleton on "meta", and our parameter name -> (file, checkpoint name), checked."""
     config = read_config(model_dir)
     locations = weight_locations(model_dir)
-    model = LlamaModel(config, dtype=dtype, device="meta")
+    model = model_class(config)(config, dtype=dtype, device="meta")
     return model, _match_tensors(model, locations)
 
 
@@ -191,6 +195,10 @@ def config_from_dict(raw: dict, *, source: str = CONFIG_FILE) -> LlamaConfig:
         raise ValueError(f"{source}: expected a JSON object, got {type(raw).__name__}")
     architecture = _architecture(raw, source)
     family = SUPPORTED_ARCHITECTURES[architecture]
+    if family.startswith("deepseek"):
+        from treeattn.models import deepseek
+
+        return deepseek.config_from_dict(raw, architecture, source=source)
 
     def get(key, kind, default=...):
         if key not in raw or raw[key] is None:
@@ -241,6 +249,13 @@ def config_from_dict(raw: dict, *, source: str = CONFIG_FILE) -> LlamaConfig:
         return LlamaConfig(**values)
     except ValueError as exc:
         raise ValueError(f"{source}: {exc}") from exc
+
+
+def model_class(config) -> type:
+    """The model class of a parsed config: DeepseekModel for a DeepseekConfig, else LlamaModel."""
+    from treeattn.models.deepseek import DeepseekConfig, DeepseekModel
+
+    return DeepseekModel if isinstance(config, DeepseekConfig) else LlamaModel
 
 
 def _architecture(raw: dict, source: str) -> str:
@@ -307,6 +322,8 @@ def _match_tensors(model: LlamaModel, locations: dict[str, Path]) -> dict[str, t
         if theirs.endswith(IGNORED_SUFFIXES):
             continue
         ours = theirs[len("model."):] if theirs.startswith("model.") else theirs
+        if _is_mtp_layer(ours, model.config):
+            continue
         if ours == "lm_head.weight" and model.lm_head is None:
             logger.info("%s: ignoring %s: the config ties the output embedding to the input one", path, theirs)
             continue
@@ -332,11 +349,30 @@ def _match_tensors(model: LlamaModel, locations: dict[str, Path]) -> dict[str, t
             if shape != expected[ours]:
                 raise ValueError(
                     f"{path}: tensor {theirs!r} has shape {shape}, but config.json implies {expected[ours]}"
+                    + _shape_keys(model, ours)
                 )
     finally:
         for handle in handles.values():
             handle.__exit__(None, None, None)
     return plan
+
+
+def _shape_keys(model, name: str) -> str:
+    """' (from KEYS)': the config keys that set the shape of parameter `name`, where the model says (SHAPE_KEYS)."""
+    for suffix, keys in getattr(model, "SHAPE_KEYS", {}).items():
+        if name.endswith(suffix):
+            return f" (from {keys})"
+    return ""
+
+
+def _is_mtp_layer(name: str, config) -> bool:
+    """Whether `name` belongs to DeepSeek-V3's multi-token-prediction layers (layers num_layers and
+    on, num_nextn_predict_layers of them), which a checkpoint holds and treeattn does not use."""
+    extra = getattr(config, "num_mtp_layers", 0)
+    if not extra or not name.startswith("layers."):
+        return False
+    index = name.split(".")[1]
+    return index.isdigit() and config.num_layers <= int(index) < config.num_layers + extra
 
 
 def _not_in_file(name: str, path: Path, files: set[Path], safe_open) -> str:

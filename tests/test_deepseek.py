@@ -1,0 +1,254 @@
+"""DeepSeek-V2/V3 (multi-head latent attention, MoE) against transformers' own implementation.
+
+Tiny random checkpoints written by save_pretrained (MoE layers, YaRN, q_lora_rank set and None,
+the V3 and both V2 routers): prefill logits in the absorbed and the naive form within 1e-4 of
+transformers; greedy tokens on p = 1, 2, 3 (tree and ring decoding, ring and local prefill) equal
+to transformers' uncached greedy recomputation (a full forward pass per new token); the latent
+cache holds one (kv_lora_rank + qk_rope_head_dim) entry per token and layer, values a view of it;
+unimplemented config features and mismatched latent dims fail in one line naming the key.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.distributed as dist
+
+transformers = pytest.importorskip("transformers")
+
+from treeattn.cache import ShardedKVCache  # noqa: E402
+from treeattn.cache.sharded import kv_bytes_per_token  # noqa: E402
+from treeattn.generate import generate  # noqa: E402
+from treeattn.models import load_model  # noqa: E402
+from treeattn.models.attention import LocalAttention  # noqa: E402
+from treeattn.models.deepseek import DeepseekModel, prefers_naive  # noqa: E402
+from treeattn.parallel import spawn  # noqa: E402
+
+VOCAB = 96
+NEW_TOKENS = 10
+PROMPT = torch.randint(0, VOCAB, (13,), generator=torch.Generator().manual_seed(3)).tolist()
+COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=3,
+              num_attention_heads=4, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=12,
+              n_routed_experts=8, num_experts_per_tok=3, first_k_dense_replace=1, max_position_embeddings=64)
+YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16,
+        "mscale": 1.0, "mscale_all_dim": 0.7}
+ARCHS = {
+    "v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM",
+           dict(q_lora_rank=24, n_shared_experts=1, n_group=4, topk_group=2, routed_scaling_factor=2.5, rope_parameters=YARN)),
+    "v3-flat": ("DeepseekV3Config", "DeepseekV3ForCausalLM",  # no q compression, rotate-half RoPE, unnormalized weights
+                dict(q_lora_rank=None, n_shared_experts=2, n_group=2, topk_group=1, norm_topk_prob=False, rope_interleave=False)),
+    "v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM",
+           dict(q_lora_rank=None, n_shared_experts=2, n_group=4, topk_group=2, topk_method="group_limited_greedy",
+                routed_scaling_factor=1.5, rope_parameters=YARN)),
+    "v2-greedy": ("DeepseekV2Config", "DeepseekV2ForCausalLM", dict(q_lora_rank=20, n_shared_experts=1, topk_method="greedy")),
+}
+
+
+def make_checkpoint(arch: str, directory, seed: int = 0):
+    """A random transformers DeepSeek model of `arch` saved to `directory`; returns it. Weights at
+    std 0.2 (the default 0.02 gives near-uniform logits whose argmax rounding could flip), router
+    correction biases nonzero."""
+    config_cls, model_cls, extra = ARCHS[arch]
+    torch.manual_seed(seed)
+    hf = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**COMMON, **extra)).eval()
+    with torch.no_grad():
+        for name, param in hf.named_parameters():
+            if not name.endswith("norm.weight"):
+                param.normal_(0.0, 0.2)
+        for module in hf.modules():
+            if hasattr(module, "e_score_correction_bias"):
+                module.e_score_correction_bias.normal_(0.0, 0.1)
+    hf.save_pretrained(directory)
+    return hf
+
+
+def uncached_greedy(hf, prompt, new_tokens=NEW_TOKENS) -> list[int]:
+    """transformers' greedy tokens recomputed with a full forward pass per new token (no cache)."""
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(new_tokens):
+            logits = hf(torch.tensor([ids]), use_cache=False).logits[0, -1]
+            top2 = logits.topk(2).values
+            assert top2[0] - top2[1] > 1e-4, "near-tie in the oracle: choose another seed"
+            ids.append(int(logits.argmax()))
+    return ids[len(prompt):]
+
+
+def local_logits(model, ids: torch.Tensor) -> torch.Tensor:
+    """All-position logits (B, S, V) on one process, prefilled in one pass through a latent cache."""
+    c = model.config
+    cache = ShardedKVCache(num_layers=c.num_layers, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
+                           value_dim=c.cache_value_dim, capacity=ids.shape[1], batch_size=ids.shape[0])
+    positions = torch.arange(ids.shape[1]).expand(ids.shape[0], -1)
+    slots = cache.extend(positions)
+    with torch.inference_mode():
+        return model.logits(model(ids, positions, cache.update(slots), LocalAttention()))
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("deepseek")
+    return {arch: (root / arch, make_checkpoint(arch, root / arch)) for arch in ARCHS}
+
+
+@pytest.mark.parametrize("form", ["absorbed", "naive"])
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_prefill_logits_match_transformers(checkpoints, arch, form):
+    directory, hf = checkpoints[arch]
+    model = load_model(directory)
+    assert isinstance(model, DeepseekModel) and model.config.architecture == ARCHS[arch][1]
+    model.attention_form = form
+    ids = torch.randint(0, VOCAB, (2, 17), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = hf(ids).logits
+    torch.testing.assert_close(local_logits(model, ids), expected, atol=1e-4, rtol=0)
+
+
+def test_moe_layers_route_to_several_experts(checkpoints):
+    """The checkpoints exercise what the test claims: MoE layers whose router picks varied experts."""
+    model = load_model(checkpoints["v3"][0])
+    moe = model.layers[1].mlp
+    x = torch.randn(40, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    weights, index = moe.gate(x)
+    assert index.shape == (40, 3) and index.unique().numel() >= 6
+    assert torch.allclose(weights.sum(-1), torch.full((40,), 2.5))  # normalized, times routed_scaling_factor
+
+
+def test_latent_cache_layout_and_bytes(checkpoints):
+    model = load_model(checkpoints["v3"][0])
+    c = model.config
+    cache = ShardedKVCache(num_layers=c.num_layers, num_kv_heads=1, head_dim=c.head_dim, value_dim=c.cache_value_dim, capacity=8)
+    cache.extend(torch.arange(5))
+    k, v = cache.layer(0)
+    assert k.shape == (1, 5, 1, 16 + 8) and v.shape == (1, 5, 1, 16)
+    assert v.data_ptr() == k.data_ptr()  # the values are the latent part of the keys, no storage of their own
+    assert cache.bytes_per_token == kv_bytes_per_token(c, torch.float32) == 3 * (16 + 8) * 4
+    assert cache.nbytes() == 5 * (cache.bytes_per_token + 8)
+    with pytest.raises(ValueError, match="value_dim must be None or an int in"):
+        ShardedKVCache(num_layers=1, num_kv_heads=1, head_dim=8, value_dim=9, capacity=4)
+
+
+def test_prefers_naive_only_for_long_query_blocks(checkpoints):
+    c = load_model(checkpoints["v3"][0]).config
+    assert not prefers_naive(1, 4096, c)
+    assert prefers_naive(512, 512, c)
+
+
+@pytest.fixture(scope="module")
+def references(checkpoints):
+    return {arch: uncached_greedy(hf, PROMPT) for arch, (_, hf) in checkpoints.items() if arch in ("v3", "v2")}
+
+
+# (decode, method, placement, prefill) per number of ranks
+CASES = {
+    1: [("tree", "allreduce", "contiguous", "auto")],
+    2: [("tree", "allreduce", "interleaved", "auto"), ("ring", "allreduce", "contiguous", "local")],
+    3: [("tree", "tree", "contiguous", "auto"), ("tree", "allreduce", "interleaved", "local"),
+        ("ring", "allreduce", "interleaved", "auto")],
+}
+
+
+def _ranks(rank: int, world_size: int, dirs: dict) -> dict:
+    torch.set_num_threads(1)
+    groups = {1: dist.new_group([0]), 2: dist.new_group([0, 1]), 3: None}
+    models = {arch: load_model(directory) for arch, directory in dirs.items()}
+    out = {}
+    for p, cases in CASES.items():
+        if rank >= p:
+            continue
+        for arch, model in models.items():
+            for decode, method, placement, prefill in cases:
+                result = generate(model, PROMPT, max_new_tokens=NEW_TOKENS, decode=decode, method=method, placement=placement,
+                                  prefill=prefill, block_size=4, group=groups[p])
+                out[(arch, p, decode, method, placement, result.prefill)] = result.generated_ids[0]
+                out[("kv_bytes_per_token", arch)] = result.kv_bytes_per_token
+    return out
+
+
+@pytest.fixture(scope="module")
+def ranks(checkpoints):
+    dirs = {arch: str(checkpoints[arch][0]) for arch in ("v3", "v2")}
+    return spawn(_ranks, 3, dirs, timeout=300)
+
+
+def test_every_case_ran(ranks):
+    expected = {(arch, p, *case[:3]) for arch in ("v3", "v2") for p, cases in CASES.items() for case in cases}
+    assert {key[:5] for key in ranks[0] if key[0] != "kv_bytes_per_token"} == expected
+
+
+def test_greedy_tokens_equal_uncached_transformers_on_every_p(ranks, references):
+    for rank, out in enumerate(ranks):
+        for key, tokens in out.items():
+            if key[0] != "kv_bytes_per_token":
+                assert tokens == references[key[0]], (rank, key)
+
+
+def test_kv_bytes_per_token_reported(ranks):
+    c = COMMON
+    latent = c["num_hidden_layers"] * (c["kv_lora_rank"] + c["qk_rope_head_dim"]) * 4
+    assert ranks[0][("kv_bytes_per_token", "v3")] == latent
+    # a GQA model of the same width would keep 2 * layers * Hkv * head_dim floats: 8x more here even at Hkv = 2
+    assert 2 * c["num_hidden_layers"] * 2 * (c["hidden_size"] // c["num_attention_heads"]) * 4 > latent
+
+
+def _rewrite_config(directory, tmp_path, **changes):
+    """A copy of checkpoint `directory` with config.json keys changed (None deletes)."""
+    import shutil
+
+    target = tmp_path / "ckpt"
+    shutil.copytree(directory, target)
+    raw = json.loads((target / "config.json").read_text())
+    for key, value in changes.items():
+        if value is None:
+            raw.pop(key, None)
+        else:
+            raw[key] = value
+    (target / "config.json").write_text(json.dumps(raw))
+    return target
+
+
+@pytest.mark.parametrize("arch, changes, match", [
+    ("v3", dict(quantization_config={"quant_method": "fp8"}), r"quantization_config='fp8' is not implemented"),
+    ("v3", dict(moe_layer_freq=2), r"moe_layer_freq=2 is not implemented"),
+    ("v3", dict(scoring_func="softmax"), r"scoring_func='softmax' is not implemented"),
+    ("v3", dict(rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}),
+     r"rope_parameters.rope_type='linear' is not implemented .*default, yarn"),
+    ("v3", dict(hidden_act="gelu"), r"hidden_act='gelu' is not implemented"),
+    ("v2", dict(topk_method="noaux_tc"), r"topk_method='noaux_tc' is not implemented for DeepseekV2ForCausalLM"),
+    ("v2", dict(norm_topk_prob=True), r"norm_topk_prob=True is not implemented"),
+    ("v3", dict(kv_lora_rank="16"), r"key 'kv_lora_rank' must be int, got '16'"),
+    ("v3", dict(n_group=3), r"n_routed_experts \(8\) must be a multiple of n_group \(3\)"),
+])
+def test_unimplemented_or_bad_config_names_the_key(checkpoints, tmp_path, arch, changes, match):
+    directory = _rewrite_config(checkpoints[arch][0], tmp_path, **changes)
+    with pytest.raises(ValueError, match=match) as info:
+        load_model(directory)
+    assert "\n" not in str(info.value) and "config.json" in str(info.value)
+
+
+@pytest.mark.parametrize("key, value, tensor", [
+    ("kv_lora_rank", 12, "kv_a_proj_with_mqa.weight"),
+    ("qk_rope_head_dim", 4, "kv_a_proj_with_mqa.weight"),
+    ("v_head_dim", 10, "kv_b_proj.weight"),
+])
+def test_mismatched_latent_dims_name_the_tensor_and_key(checkpoints, tmp_path, key, value, tensor):
+    directory = _rewrite_config(checkpoints["v3"][0], tmp_path, **{key: value})
+    with pytest.raises(ValueError, match=rf"tensor 'model\.layers\.0\.self_attn\.[a-z_]+\.weight' has shape .*{key}") as info:
+        load_model(directory)
+    assert "\n" not in str(info.value)
+
+
+def test_mtp_layers_of_the_checkpoint_are_ignored(checkpoints, tmp_path):
+    """DeepSeek-V3 checkpoints carry num_nextn_predict_layers extra layers (multi-token prediction)."""
+    from safetensors.torch import load_file, save_file
+
+    directory = _rewrite_config(checkpoints["v3"][0], tmp_path, num_nextn_predict_layers=1)
+    weights = load_file(directory / "model.safetensors")
+    weights["model.layers.3.eh_proj.weight"] = torch.zeros(32, 64)
+    save_file(weights, directory / "model.safetensors", metadata={"format": "pt"})
+    model = load_model(directory)
+    ids = torch.tensor([PROMPT])
+    with torch.no_grad():
+        torch.testing.assert_close(local_logits(model, ids), checkpoints["v3"][1](ids).logits, atol=1e-4, rtol=0)
