@@ -8,6 +8,11 @@ and that rank's pool lends one of its physical blocks for it:
     "contiguous":  block j on rank j // blocks_per_rank  (rank r holds one span of the sequence)
     "interleaved": block j on rank j % p                  (blocks dealt round-robin)
 
+"contiguous" is the Tree Attention paper's layout, cut over the whole cache: a sequence shorter
+than blocks_per_rank blocks lives on rank 0 alone, so many short requests fill rank 0 first (the
+other ranks' blocks serve only longer sequences). "interleaved" spreads every sequence, short or
+long, over all ranks: the better choice for serving many requests.
+
 Because the owner depends only on j, two sequences that share a prefix need the same ranks for it,
 so a cached block can be shared by any sequence that starts with the same tokens (the prefix
 cache, treeattn.cache.prefix). A block is shared by counting references: every sequence using it

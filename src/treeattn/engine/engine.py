@@ -180,7 +180,9 @@ class Engine:
         decode: "tree" (tree_decode), "ring" (ring_decode, pass-KV) or "local" (one rank).
         method: tree_decode method, "allreduce", "tree", "twolevel" or "onepass"; None: the
             default (treeattn.engine.config.DEFAULT_METHOD, onepass: one collective per layer).
-        placement: "contiguous" or "interleaved" placement of a sequence's blocks on the ranks.
+        placement: "contiguous" or "interleaved" placement of a sequence's blocks on the ranks
+            (treeattn.cache.blocks: contiguous cuts the whole cache into p spans, so sequences
+            shorter than a span all sit on rank 0; interleaved spreads every sequence).
         max_batch_size: sequences running together at most.
         cache_tokens: KV cache size in tokens over all ranks (default: see EngineConfig).
         prefix_cache: reuse cached prompt prefixes (radix tree over blocks).

@@ -67,10 +67,11 @@ class _Group:
             n, end = len(c.tokens), c.start + len(c.tokens)
             q_index[b, :n] = torch.arange(offset, offset + n)
             q_pos[b, :n] = torch.arange(c.start, end)
-            for i, (j, index) in enumerate(blocks):
-                table[b, i] = index
-                pos = torch.arange(j * bs, (j + 1) * bs)
-                kv_pos[b, i * bs : (i + 1) * bs] = torch.where(pos < end, pos, INVISIBLE_POSITION)
+            if blocks:
+                logical, ids = torch.tensor(blocks, dtype=torch.int64).unbind(1)
+                table[b, : len(blocks)] = ids
+                pos = (logical[:, None] * bs + torch.arange(bs)).flatten()  # every slot's position
+                kv_pos[b, : len(blocks) * bs] = torch.where(pos < end, pos, INVISIBLE_POSITION)
         self.valid = (q_pos >= 0).to(device)
         self.q_index, self.q_pos = q_index.to(device), q_pos.to(device)
         self.table, self.kv_pos = table.to(device), kv_pos.to(device)
