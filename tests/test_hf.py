@@ -4,7 +4,8 @@ Random-weight tiny configs of Llama, Qwen2 (sliding window on some layers), Qwen
 sliding window), Mistral (sliding window), Gemma 2 (logit softcap, alternating windows, scaled
 queries) and Phi-3 (fused qkv, sliding window), saved with save_pretrained and loaded back on
 every rank. Windows are shorter than the prompt, so they bite in prefill and decode; the Gemma 2
-softcap is small enough to change the scores.
+softcap is small enough to change the scores. Also Gemma 3 (text): alternating sliding/full layers
+with a different RoPE base per kind, q/k norms.
 
 Oracle: the model's UNCACHED greedy recomputation (a full forward over the whole sequence per new
 token, with its own attention), never transformers' cached generate(). On p = 1 (one process,
@@ -39,6 +40,7 @@ ARCHS = {
     "gemma2": ("Gemma2Config", dict(sliding_window=4, attn_logit_softcapping=0.5, final_logit_softcapping=3.0,
                                     query_pre_attn_scalar=6)),
     "phi3": ("Phi3Config", dict(sliding_window=6, pad_token_id=0)),
+    "gemma3": ("Gemma3TextConfig", dict(sliding_window=4, query_pre_attn_scalar=6, sliding_window_pattern=2)),
 }
 
 

