@@ -48,7 +48,9 @@ SMOLLM2_SHAPES = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536,
 @dataclass
 class ProfileSpec:
     """One profile run. model: "demo" (treeattn demo's model), "smollm2-shapes" (random weights,
-    SMOLLM2_SHAPES) or a checkpoint (HF directory or .gguf file)."""
+    SMOLLM2_SHAPES) or a checkpoint (HF directory or .gguf file). The methods run in turn
+    `repeats` times, so that a machine whose load drifts weighs on every method alike; a method's
+    figures are the means over all its runs."""
 
     model: str
     context: int
@@ -57,6 +59,7 @@ class ProfileSpec:
     threads: int
     warmup: int = 2
     seed: int = 0
+    repeats: int = 1
 
 
 class _Clock:
@@ -183,16 +186,24 @@ def profile_rank(rank: int, world_size: int, spec: ProfileSpec) -> dict:
     model = build_model(spec.model, spec.seed)
     prompt = synthetic_prompt(spec.context, model.config.vocab_size, spec.seed)
     group = dist.group.WORLD if world_size > 1 else None
-    cache, report = None, {}
-    for method in spec.methods:
-        run = ProfiledGeneration(model, [prompt], max_new_tokens=spec.new_tokens, stop_tokens=(), method=method,
-                                 cache=cache, group=group)
-        for _ in run:
-            pass
-        cache = run.cache
-        report[method] = {"phases": run.phase_means(spec.warmup), "generated_ids": run.result.generated_ids[0],
-                          "rounds_per_step": run.result.comm.get("rounds", 0) / max(1, run.result.decode_steps),
-                          "prefill_s": run.result.prefill_s}
+    cache, runs = None, {method: [] for method in spec.methods}
+    for _ in range(spec.repeats):
+        for method in spec.methods:
+            run = ProfiledGeneration(model, [prompt], max_new_tokens=spec.new_tokens, stop_tokens=(), method=method,
+                                     cache=cache, group=group)
+            for _ in run:
+                pass
+            cache = run.cache
+            runs[method].append(run)
+    report = {}
+    for method, done in runs.items():
+        means = [run.phase_means(spec.warmup) for run in done]
+        result = done[0].result
+        report[method] = {"phases": {k: sum(m[k] for m in means) / len(means) for k in means[0]},
+                          "generated_ids": result.generated_ids[0],
+                          "same_ids_every_run": all(run.result.generated_ids == result.generated_ids for run in done),
+                          "rounds_per_step": result.comm.get("rounds", 0) / max(1, result.decode_steps),
+                          "runs": len(done)}
     if world_size > 1:
         dist.barrier()
     return report
