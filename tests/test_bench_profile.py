@@ -1,0 +1,52 @@
+"""`treeattn bench profile`: the per-rank split of a decode step, on real gloo ranks."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from treeattn.bench.profile import PHASES, ProfileSpec, run_profile
+from treeattn.cli import app
+from treeattn.demo import DEMO_CONFIG
+
+
+@pytest.fixture(scope="module")
+def two_ranks():
+    spec = ProfileSpec(model="demo", context=64, new_tokens=5, methods=("allreduce", "onepass"), threads=1, warmup=1)
+    return run_profile(spec, 2)
+
+
+def test_phases_add_up_to_the_step_on_every_rank(two_ranks):
+    for report in two_ranks:
+        for method in ("allreduce", "onepass"):
+            phases = report[method]["phases"]
+            assert set(phases) == {*PHASES, "step"}
+            assert all(phases[p] >= 0 for p in PHASES) and phases["step"] > 0
+            assert sum(phases[p] for p in PHASES) == pytest.approx(phases["step"])
+            assert phases["attention"] > 0 and phases["combine"] > 0 and phases["model"] > 0
+    assert two_ranks[0]["onepass"]["phases"]["sampling"] > 0 and two_ranks[1]["onepass"]["phases"]["sampling"] == 0
+
+
+def test_onepass_rounds_and_tokens_against_allreduce(two_ranks):
+    layers = DEMO_CONFIG["num_layers"]
+    for report in two_ranks:
+        assert report["onepass"]["rounds_per_step"] == layers + 1
+        assert report["allreduce"]["rounds_per_step"] == 2 * layers + 1
+        assert report["onepass"]["generated_ids"] == report["allreduce"]["generated_ids"] == two_ranks[0]["onepass"]["generated_ids"]
+
+
+def test_cli_prints_the_table_and_writes_json(tmp_path):
+    out = tmp_path / "profile.json"
+    result = CliRunner().invoke(app, ["bench", "profile", "demo", "-p", "1", "--context", "32", "--new-tokens", "4",
+                                      "--warmup", "1", "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "combine" in result.output
+    records = json.loads(out.read_text())
+    assert [(r["p"], r["rank"]) for r in records] == [(1, 0)] and records[0]["phases"]["combine"] == 0
+
+
+def test_cli_refuses_an_unknown_method():
+    result = CliRunner().invoke(app, ["bench", "profile", "demo", "-p", "1", "--method", "ring"])
+    assert result.exit_code == 2 and "--method" in result.output
