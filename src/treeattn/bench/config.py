@@ -12,8 +12,8 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-METHODS: tuple[str, ...] = ("allreduce", "tree", "twolevel", "ring-kv", "ring-q", "local")
-TREE_METHODS: tuple[str, ...] = ("allreduce", "tree", "twolevel")
+METHODS: tuple[str, ...] = ("allreduce", "onepass", "tree", "twolevel", "ring-kv", "ring-q", "local")
+TREE_METHODS: tuple[str, ...] = ("allreduce", "onepass", "tree", "twolevel")
 RING_METHODS: tuple[str, ...] = ("ring-kv", "ring-q")
 DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 

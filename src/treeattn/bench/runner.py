@@ -131,7 +131,7 @@ def make_inputs(config: SweepConfig, seq_len: int, world_size: int, rank: int, w
 def method_call(method: str, config: SweepConfig, rank: int) -> Callable:
     """fn(q, k, v, check) running one decode step of `method` on this rank."""
     topology = par.Topology(ranks_per_node=config.ranks_per_node) if config.ranks_per_node else None
-    if method in ("allreduce", "tree", "twolevel"):
+    if method in ("allreduce", "onepass", "tree", "twolevel"):
         return lambda q, k, v, check: par.tree_decode(q, k, v, method=method, topology=topology, check_inputs=check)
     if method in ("ring-kv", "ring-q"):
         ring_decode = par.ring_decode
