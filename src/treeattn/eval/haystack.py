@@ -1,0 +1,113 @@
+"""Needle-in-a-haystack prompts: a long filler document with one fact hidden at a chosen depth.
+
+    case = needle_case(tokenizer, template, context_tokens=4096, depth=0.5, seed=0)
+    case.prompt_ids          # chat-rendered prompt, about context_tokens long
+    case.answer              # "7294": what a correct reply must contain
+    is_correct(reply, case)  # exact retrieval: the answer appears in the reply
+
+The haystack is built from FILLER, plain sentences with no digits, shuffled per seed, so the needle
+(the only number in the document) is the one fact a model can retrieve. Nothing is downloaded.
+The document is cut by tokens: its length in tokens is fixed before the needle and the question
+are added, and the needle sits after the sentence nearest `depth` (0: first, 1: last).
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+FILLER = (
+    "The river bends twice before it reaches the old mill at the edge of the valley.",
+    "Most of the orchard was planted by the first families who settled along the northern road.",
+    "In spring the meadow fills with clover, and the bees work from dawn until late afternoon.",
+    "The library keeps its maps in long flat drawers that smell faintly of cedar and dust.",
+    "A light rain fell over the harbour while the fishing boats waited for the tide to turn.",
+    "Bread from the corner bakery is usually gone before the market opens on Saturday mornings.",
+    "The museum added a new wing for textiles, with looms that visitors are allowed to try.",
+    "Walkers who climb the eastern ridge can see three villages and the lake beyond them.",
+    "The town council met in the school hall because the roof of the old chamber was leaking.",
+    "Every autumn the students collect fallen leaves and press them between the pages of heavy books.",
+    "The lighthouse keeper wrote short notes about the weather in a log that nobody else read.",
+    "Cyclists prefer the canal path, which is flat and shaded by a long row of poplar trees.",
+    "The choir rehearses on Thursday evenings and performs at the chapel near the square.",
+    "Farmers along the coast grow potatoes in sandy soil that warms quickly after the winter.",
+    "A small ferry crosses the estuary, carrying bicycles, crates of apples and the occasional goat.",
+    "The painter spent a whole summer trying to capture the colour of the evening sky over the hills.",
+    "Children learn to swim in the shallow bay, where the water stays calm behind the sandbar.",
+    "The railway station was rebuilt in brick after a fire destroyed the original wooden hall.",
+    "Old letters found in the attic described a journey across the mountains by horse and cart.",
+    "The cheese maker ages her wheels in a cool cellar dug into the side of the hill.",
+    "Fog rolled in from the sea and hid the church tower for most of the morning.",
+    "The market sells wool, honey, candles and baskets woven from willow branches.",
+    "A narrow bridge of grey stone connects the two halves of the village across the stream.",
+    "The botanist catalogued ferns in the damp woods and pressed the rarest ones for the collection.",
+    "In winter the pond freezes hard enough for skating, and lanterns are hung along its banks.",
+    "The carpenter builds chairs without nails, joining each piece with pegs of seasoned oak.",
+    "Travellers often stop at the inn by the crossroads for soup and a seat by the fire.",
+    "The observatory opens its dome on clear nights so that visitors can look at the planets.",
+    "Sheep graze on the high pastures all summer and are brought down before the first snow.",
+    "The potter fires her kiln once a month and invites neighbours to watch the glaze change colour.",
+)
+NEEDLE = "The secret number of the silver key is {answer}."
+QUESTION = "What is the secret number of the silver key? Answer with the number only."
+
+
+@dataclass(frozen=True)
+class NeedleCase:
+    """One prompt: the chat-rendered ids and what the answer must contain.
+
+    Attributes:
+        prompt_ids: token ids of the rendered chat prompt (document, question, generation prompt).
+        answer: the hidden number as text.
+        context_tokens: requested document length in tokens (the prompt is a little longer).
+        depth: requested needle depth in [0, 1]; actual_depth: where it landed, by tokens.
+        question: the question asked.
+    """
+
+    prompt_ids: list[int]
+    answer: str
+    context_tokens: int
+    depth: float
+    actual_depth: float
+    question: str
+
+
+def needle_case(tokenizer, template, *, context_tokens: int, depth: float, seed: int = 0, system: str | None = None) -> NeedleCase:
+    """Build a document of `context_tokens` tokens (tokenizer's count) with the needle at `depth`,
+    and render it with the question through the chat `template`."""
+    from treeattn.models.chat import encode_chat, messages
+
+    if not 0 <= depth <= 1:
+        raise ValueError(f"depth must be in [0, 1], got {depth}")
+    rng = random.Random(seed * 1_000_003 + context_tokens)
+    answer = str(rng.randrange(1000, 10000))
+    sentences, lengths, total = [], [], 0
+    while total < context_tokens:
+        batch = list(FILLER)
+        rng.shuffle(batch)
+        for sentence in batch:
+            n = len(tokenizer.encode(" " + sentence, add_special_tokens=False).ids)
+            if total + n > context_tokens:
+                break
+            sentences.append(sentence)
+            lengths.append(n)
+            total += n
+        else:
+            continue
+        break
+    cut = min(range(len(sentences) + 1), key=lambda i: abs(sum(lengths[:i]) - depth * total))
+    needle = NEEDLE.format(answer=answer)
+    document = " ".join(sentences[:cut] + [needle] + sentences[cut:])
+    user = f"Read the document and answer the question.\n\nDocument:\n{document}\n\nQuestion: {QUESTION}"
+    ids = encode_chat(tokenizer, template, messages(user, system=system))
+    return NeedleCase(ids, answer, context_tokens, depth, sum(lengths[:cut]) / max(total, 1), QUESTION)
+
+
+def is_correct(reply: str, case: NeedleCase) -> bool:
+    """Exact retrieval: the hidden number appears in the reply as a whole number."""
+    import re
+
+    return re.search(rf"(?<!\d){case.answer}(?!\d)", reply) is not None
+
+
+__all__ = ["FILLER", "NEEDLE", "QUESTION", "NeedleCase", "is_correct", "needle_case"]

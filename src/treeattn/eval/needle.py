@@ -1,0 +1,166 @@
+"""Needle-in-a-haystack retrieval over context lengths x needle depths: `treeattn eval needle MODEL`.
+
+    report = run_needle("model.gguf", lengths=[1024, 2048], depths=[0.0, 0.5, 1.0], nproc=4, decode="tree")
+    report.accuracy                      # fraction of cells answered exactly
+    report.methods_agree                 # every decode method gave the same tokens in every cell
+
+Each cell is one prompt (treeattn.eval.haystack): a filler document of `length` tokens with a
+number hidden at `depth`, and the question through the model's chat template. On p ranks the
+prompt is prefilled once and decoded greedily with the chosen method, then with every other
+method from the same cache; the cell's reply is the chosen method's, scored by exact retrieval
+(the number appears in the reply), and the cell records whether all methods produced identical
+tokens. Attention is exact, so they must: the eval reports any cell where they do not.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import asdict, dataclass, field
+
+from treeattn.eval.haystack import is_correct, needle_case
+
+logger = logging.getLogger(__name__)
+
+ALL_METHODS = (("tree", "allreduce"), ("tree", "tree"), ("ring", "allreduce"))
+
+
+@dataclass
+class NeedleCell:
+    """One (length, depth) cell."""
+
+    length: int
+    depth: float
+    prompt_tokens: int
+    answer: str
+    reply: str
+    correct: bool
+    generated_ids: list[int]
+    methods_agree: bool
+    method_ids: dict[str, list[int]] = field(default_factory=dict)
+    prefill_s: float = 0.0
+    time_per_token_s: float | None = None
+
+
+@dataclass
+class NeedleReport:
+    model: str
+    nproc: int
+    decode: str
+    method: str
+    methods: list[str]
+    cells: list[NeedleCell]
+    load_s: float
+    total_s: float
+
+    @property
+    def accuracy(self) -> float:
+        return sum(c.correct for c in self.cells) / len(self.cells) if self.cells else float("nan")
+
+    @property
+    def methods_agree(self) -> bool:
+        return all(c.methods_agree for c in self.cells)
+
+    def as_dict(self) -> dict:
+        out = asdict(self)
+        out.update(accuracy=self.accuracy, methods_agree=self.methods_agree)
+        return out
+
+
+def default_lengths(context_window: int) -> list[int]:
+    """Powers of two from 1024 up to the largest that leaves room for the question and answer
+    inside the model's window (at least one length)."""
+    lengths, n = [], 1024
+    while n + 256 <= context_window:
+        lengths.append(n)
+        n *= 2
+    return lengths or [max(64, context_window // 2)]
+
+
+def run_needle(
+    model_path: str,
+    *,
+    lengths: list[int],
+    depths: list[float],
+    nproc: int = 1,
+    decode: str = "tree",
+    method: str = "allreduce",
+    check_methods: bool = True,
+    max_new_tokens: int = 12,
+    seed: int = 0,
+    threads: int | None = None,
+    allow_beyond_context: bool = False,
+) -> NeedleReport:
+    """Run the grid; see the module docstring. Raises ValueError for a model without tokenizer or
+    chat template, or a length beyond the model's window (unless allow_beyond_context)."""
+    from treeattn.eval.runner import decode_methods, method_name
+    from treeattn.models.chat import end_of_turn_id
+    from treeattn.models.loader import read_model_files
+
+    files = read_model_files(model_path)
+    if files.tokenizer is None:
+        raise ValueError(f"{model_path}: the model has no tokenizer (tokenizer.json / tokenizer.ggml.*): the eval needs text")
+    if files.chat_template is None:
+        raise ValueError(f"{model_path}: the model has no chat template: the eval asks its question through one")
+    window = files.config.max_position_embeddings
+    cases = [needle_case(files.tokenizer, files.chat_template, context_tokens=n, depth=d, seed=seed) for n in lengths for d in depths]
+    longest = max(len(c.prompt_ids) for c in cases) + max_new_tokens
+    if longest > window and not allow_beyond_context:
+        raise ValueError(f"--lengths: the longest prompt needs {longest} positions, beyond the model's context window of {window} "
+                         "(use shorter lengths, or --allow-beyond-context)")
+    chosen = (decode, method) if nproc > 1 else ("local", "allreduce")
+    methods = [chosen] + ([m for m in ALL_METHODS if m != chosen] if check_methods and nproc > 1 else [])
+    eot = end_of_turn_id(files.tokenizer, files.chat_template)
+    stop = list(files.config.eos_token_ids) + ([eot] if eot is not None else [])
+    runs, timing = decode_methods(model_path, [c.prompt_ids for c in cases], nproc=nproc, methods=methods,
+                                  max_new_tokens=max_new_tokens, stop_tokens=stop, threads=threads)
+    cells = []
+    for case, row in zip(cases, runs):
+        first = row[0].result
+        ids = first.generated_ids[0]
+        reply = files.tokenizer.decode(ids)
+        agree = all(r.result.generated_ids == first.generated_ids for r in row)
+        if not agree:
+            logger.error("length %d depth %.2f: decode methods disagree: %s", case.context_tokens, case.depth,
+                         {r.name: r.result.generated_ids[0] for r in row})
+        cells.append(NeedleCell(
+            length=case.context_tokens, depth=case.depth, prompt_tokens=len(case.prompt_ids), answer=case.answer,
+            reply=reply, correct=is_correct(reply, case), generated_ids=ids, methods_agree=agree,
+            method_ids={r.name: r.result.generated_ids[0] for r in row}, prefill_s=first.prefill_s,
+            time_per_token_s=first.time_per_token_s if first.decode_steps else None,
+        ))
+    return NeedleReport(model=str(model_path), nproc=nproc, decode=chosen[0], method=chosen[1],
+                        methods=[method_name(*m) for m in methods], cells=cells, load_s=timing.load_s, total_s=timing.total_s)
+
+
+def heatmap(report: NeedleReport, path) -> None:
+    """Write a PNG: rows needle depth, columns context length, green = retrieved, red = missed;
+    a cell where the decode methods disagreed is marked with an X."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    lengths = sorted({c.length for c in report.cells})
+    depths = sorted({c.depth for c in report.cells})
+    grid = np.full((len(depths), len(lengths)), np.nan)
+    fig, ax = plt.subplots(figsize=(1.4 + 1.1 * len(lengths), 1.2 + 0.6 * len(depths)))
+    for c in report.cells:
+        i, j = depths.index(c.depth), lengths.index(c.length)
+        grid[i, j] = 1.0 if c.correct else 0.0
+        if not c.methods_agree:
+            ax.text(j, i, "X", ha="center", va="center", fontsize=14, color="black")
+    ax.imshow(grid, cmap="RdYlGn", vmin=0, vmax=1, aspect="auto")
+    ax.set_xticks(range(len(lengths)), [f"{n // 1024}K" if n % 1024 == 0 else str(n) for n in lengths])
+    ax.set_yticks(range(len(depths)), [f"{d:.0%}" for d in depths])
+    ax.set_xlabel("context length (tokens)")
+    ax.set_ylabel("needle depth")
+    name = report.model.rsplit("/", 1)[-1]
+    ax.set_title(f"{name}: {report.accuracy:.0%} retrieved, {report.nproc} rank(s), {report.decode}"
+                 + ("" if report.methods_agree else " (methods DISAGREE)"), fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+__all__ = ["ALL_METHODS", "NeedleCell", "NeedleReport", "default_lengths", "heatmap", "run_needle"]

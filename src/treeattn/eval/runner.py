@@ -1,0 +1,137 @@
+"""Decode prompts with several methods from one prefill each, on p local ranks: the engine of
+`treeattn demo` (real weights) and `treeattn eval needle`.
+
+    runs = decode_methods("model.gguf", [ids_a, ids_b], nproc=4, methods=(("tree", "allreduce"), ("ring", "allreduce")))
+    runs[0][1].result.generated_ids      # prompt 0, second method
+
+On p > 1 ranks every rank loads the model once, then for each prompt: prefill once into the
+sequence-sharded cache (ring prefill), decode greedily with the first method, and again with each
+further method from that same cache (generate(cache=...) cuts it back to the prompt). On one
+process the prompt is prefilled and decoded locally ("local"; tree and ring need ranks).
+Results come from rank 0; every rank returns the same tokens by construction (rank 0 samples and
+broadcasts).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from treeattn.generate import GenerationResult, stream
+
+# Allocations above this size are mmap-ed and given back when freed, so resident memory follows
+# live tensors and the peak measured during decoding means something (glibc malloc).
+_MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "131072"}
+SPAWN_TIMEOUT_S = 1800.0  # a collective may wait this long for a slow peer's prefill
+
+
+@dataclass
+class MethodRun:
+    """One decoding method on one prompt: rank 0's GenerationResult."""
+
+    name: str
+    decode: str
+    method: str
+    world_size: int
+    result: GenerationResult
+
+
+@dataclass
+class Timing:
+    """Wall seconds of a decode_methods call: model load (slowest rank) and everything."""
+
+    load_s: float
+    total_s: float
+
+
+def method_name(decode: str, method: str) -> str:
+    return f"tree ({method})" if decode == "tree" else "ring (pass-KV)" if decode == "ring" else "single process (local)"
+
+
+def decode_methods(
+    model_path: str,
+    prompts: Sequence[Sequence[int]],
+    *,
+    nproc: int,
+    methods: Sequence[tuple[str, str]] = (("tree", "allreduce"), ("ring", "allreduce")),
+    max_new_tokens: int = 16,
+    stop_tokens: Sequence[int] | None = None,
+    threads: int | None = None,
+    dtype: str = "float32",
+    on_prompt: Callable[[int], None] | None = None,
+) -> tuple[list[list[MethodRun]], Timing]:
+    """Greedy-decode each prompt with each method on `nproc` local ranks (gloo), one prefill per prompt.
+
+    Args:
+        model_path: HF directory or .gguf file, loaded once on every rank.
+        prompts: token id lists.
+        nproc: ranks; 1 runs in this process with local attention (methods are then ignored).
+        methods: (decode, tree method) pairs; decode "tree" or "ring".
+        max_new_tokens, stop_tokens: as in treeattn.generate (stop_tokens None: the model's eos).
+        threads: torch threads per rank; default cores // nproc (at least 1).
+        dtype: parameter dtype name.
+        on_prompt: called in this process with the index of each finished prompt (nproc == 1 only).
+
+    Returns:
+        (runs[prompt][method], Timing).
+    """
+    threads = threads or max(1, (os.cpu_count() or 1) // nproc)
+    args = (str(model_path), [list(p) for p in prompts], tuple(methods) if nproc > 1 else (("local", "allreduce"),),
+            max_new_tokens, None if stop_tokens is None else list(stop_tokens), threads, dtype)
+    start = time.perf_counter()
+    if nproc == 1:
+        saved = torch.get_num_threads()
+        try:
+            rows, load_s = _decode_rank(0, 1, *args, on_prompt=on_prompt)
+        finally:
+            torch.set_num_threads(saved)
+    else:
+        from treeattn.parallel import spawn
+
+        saved = {k: os.environ.get(k) for k in _MALLOC_ENV}
+        os.environ.update(_MALLOC_ENV)  # read by the child processes' malloc at start
+        try:
+            per_rank = spawn(_decode_rank, nproc, *args, timeout=SPAWN_TIMEOUT_S)
+        finally:
+            for k, v in saved.items():
+                os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+        rows = per_rank[0][0]
+        load_s = max(r[1] for r in per_rank)
+    runs = [[MethodRun(method_name(d, m), d, m, nproc, result) for d, m, result in row] for row in rows]
+    return runs, Timing(load_s=load_s, total_s=time.perf_counter() - start)
+
+
+def _decode_rank(rank, world_size, model_path, prompts, methods, max_new_tokens, stop_tokens, threads, dtype, on_prompt=None):
+    """One rank: load once, then per prompt one prefill and a decode per method from that cache."""
+    from treeattn.models.loader import load_model
+
+    torch.set_num_threads(threads)
+    start = time.perf_counter()
+    model = load_model(model_path, dtype=getattr(torch, dtype))
+    load_s = time.perf_counter() - start
+    rows = []
+    for index, prompt in enumerate(prompts):
+        cache, row = None, []
+        for decode, method in methods:
+            run = stream(model, prompt, max_new_tokens=max_new_tokens, decode=decode, method=method,
+                         stop_tokens=stop_tokens, cache=cache)
+            for _ in run:
+                pass
+            cache = run.cache
+            row.append((decode, method, run.result))
+        rows.append(row)
+        del cache
+        if on_prompt is not None:
+            on_prompt(index)
+    if world_size > 1:
+        import torch.distributed as dist
+
+        dist.barrier()  # leave together: a rank tearing its group down early can abort a peer still in gloo
+    return (rows if rank == 0 else None), load_s
+
+
+__all__ = ["MethodRun", "Timing", "decode_methods", "method_name"]
