@@ -104,7 +104,7 @@ def test_python_dash_m_works(checkpoint, ids_file, expected):
 @pytest.mark.parametrize(
     "args, match",
     [
-        (["--prompt", "w1 w2"], "no tokenizer.json"),
+        (["--prompt", "w1 w2"], "has no tokenizer"),
         (["--prompt-ids", "IDS", "--prompt", "w1"], "give exactly one of --prompt, --prompt-file, --prompt-ids"),
         (["--prompt-ids", "IDS", "--capacity", "12"], "prompt of 10 tokens \\+ --max-new-tokens 64 needs 74 cache slots, more than --capacity 12"),
         (["--prompt-ids", "BAD_IDS"], r"prompt 0: token id 100000 is outside the vocabulary \[0, 128\)"),

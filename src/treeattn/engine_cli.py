@@ -2,6 +2,7 @@
 
     treeattn generate MODEL_DIR --prompt "Once upon a time" --nproc 4 --decode tree --max-new-tokens 64
     treeattn generate MODEL_DIR --prompt-ids ids.json --nproc 2 --json      # one JSON object on stdout
+    treeattn generate model.gguf --chat --system "Be brief." --prompt "What is RoPE?"   # chat template
     torchrun --nproc-per-node 4 -m treeattn generate MODEL_DIR --prompt-file prompt.txt
     treeattn demo                                                           # 32K tokens, 4 CPU ranks
 
@@ -11,6 +12,7 @@ JSON object), so the output can be piped.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -64,8 +66,8 @@ class DType(str, Enum):
 
 
 def generate_command(
-    model_dir: Path = typer.Argument(..., help="Hugging Face model directory (config.json, *.safetensors, tokenizer.json)."),
-    prompt: str | None = typer.Option(None, "--prompt", help="Prompt text (needs tokenizer.json)."),
+    model_dir: Path = typer.Argument(..., help="Hugging Face model directory (config.json, *.safetensors, tokenizer.json) or a .gguf file."),
+    prompt: str | None = typer.Option(None, "--prompt", help="Prompt text (needs the model's tokenizer)."),
     prompt_file: Path | None = typer.Option(None, "--prompt-file", help="Read the prompt text (UTF-8) from this file."),
     prompt_ids: Path | None = typer.Option(None, "--prompt-ids", help="JSON file: a list of token ids, or a list of such lists (a batch)."),
     nproc: int | None = typer.Option(None, "--nproc", help="Local ranks to spawn (gloo). Default 1, or the world size under torchrun."),
@@ -90,13 +92,19 @@ def generate_command(
     rank_by: RankBy = typer.Option(RankBy.none, "--rank-by", help="Order the printed sequences: none (as generated) or "
                                    "mean-logprob (mean log-probability of the generated tokens, best first)."),
     top: int | None = typer.Option(None, "--top", min=1, help="Print only the first K sequences in --rank-by order (needs --rank-by mean-logprob)."),
+    chat: bool = typer.Option(False, "--chat", help="Send the prompt as a user message through the model's chat template "
+                              "(with the generation prompt); stop at the template's end-of-turn token too."),
+    system: str | None = typer.Option(None, "--system", help="System message before the prompt (needs --chat)."),
+    allow_beyond_context: bool = typer.Option(False, "--allow-beyond-context", help="Run even if the prompt + --max-new-tokens "
+                                              "exceed the model's context window: positions past it get RoPE angles the model "
+                                              "never saw in training, so the output may degrade."),
     timeout: float = typer.Option(60.0, "--timeout", min=0.001, max=1e6, help="Seconds a rank may wait in a collective or show "
                                   "no sign of life before the run fails, naming the rank (see docs/faults.md)."),
 ) -> None:
-    """Generate from a Hugging Face checkpoint with the KV cache sharded across ranks."""
+    """Generate from a Hugging Face checkpoint or a GGUF file with the KV cache sharded across ranks."""
     from treeattn.engine.config import ConfigError, GenerationConfig
     from treeattn.engine.generate_rank import GenerateJob, generate_rank
-    from treeattn.models.loader import load_tokenizer
+    from treeattn.models.loader import read_model_files
 
     try:
         config = GenerationConfig(
@@ -104,10 +112,17 @@ def generate_command(
             stop_tokens=() if no_stop else (tuple(stop_id) or None), num_samples=num_samples, decode=decode.value,
             method=None if method is None else method.value, prefill=prefill.value, placement=placement.value, block_size=block_size, capacity=capacity,
         )
+        if system is not None and not chat:
+            raise ValueError("--system is a chat message: give --chat too")
+        files = read_model_files(model_dir)  # config, tokenizer, chat template (a .gguf is read once)
+        tokenizer = files.tokenizer
+        render, end_of_turn = _chat_renderer(system, prompt_ids, files, model_dir) if chat else (None, ())
+        prompts, batched = _read_prompts(prompt, prompt_file, prompt_ids, tokenizer, model_dir, render)
+        if config.stop_tokens is None and end_of_turn:  # --chat: the end of the assistant's turn stops too
+            config = dataclasses.replace(config, stop_tokens=tuple(dict.fromkeys(files.config.eos_token_ids + end_of_turn)))
+        _check_context(prompts, max_new_tokens, files.config, model_dir, allow_beyond_context)
         if top is not None and rank_by is RankBy.none:
             raise ValueError("--top K prints the K best sequences: give --rank-by mean-logprob too")
-        tokenizer = load_tokenizer(model_dir)
-        prompts, batched = _read_prompts(prompt, prompt_file, prompt_ids, tokenizer)
         world = _world_size(nproc)
         _check_before_spawning(config, model_dir, prompts, world, dtype.value)
     except ConfigError as exc:
@@ -239,8 +254,9 @@ class _ProgressDisplay:
         self.progress.update(self.decode, completed=step.index + 1)
 
 
-def _read_prompts(prompt, prompt_file, prompt_ids, tokenizer) -> tuple[list[list[int]], bool]:
-    """The prompt(s) as token ids, and whether a batch was given."""
+def _read_prompts(prompt, prompt_file, prompt_ids, tokenizer, model_dir, render=None) -> tuple[list[list[int]], bool]:
+    """The prompt(s) as token ids, and whether a batch was given. Text (--prompt, --prompt-file)
+    is tokenized, or turned into ids by `render` (--chat)."""
     given = [name for name, value in (("--prompt", prompt), ("--prompt-file", prompt_file), ("--prompt-ids", prompt_ids)) if value is not None]
     if len(given) != 1:
         raise ValueError(f"give exactly one of --prompt, --prompt-file, --prompt-ids (got {', '.join(given) or 'none'})")
@@ -267,11 +283,42 @@ def _read_prompts(prompt, prompt_file, prompt_ids, tokenizer) -> tuple[list[list
             raise ValueError(f"--prompt-file {prompt_file}: holds NUL bytes (offset {prompt.index(chr(0))}): a binary file? "
                              "Pass token ids with --prompt-ids")
     if tokenizer is None:
-        raise ValueError("the model directory has no tokenizer.json: pass token ids with --prompt-ids")
-    ids = tokenizer.encode(prompt).ids
+        raise ValueError(f"{model_dir}: the model has no tokenizer (tokenizer.json, or tokenizer.ggml.* metadata in a .gguf): "
+                         "pass token ids with --prompt-ids")
+    ids = render(prompt) if render is not None else tokenizer.encode(prompt).ids
     if not ids:
         raise ValueError("the prompt is empty after tokenization")
     return [ids], False
+
+
+def _chat_renderer(system, prompt_ids, files, model_dir):
+    """--chat: (text -> ids of the text as a user turn, after --system, rendered by the model's chat
+    template with the generation prompt; the end-of-turn stop token, or () if none is found)."""
+    from treeattn.models.chat import encode_chat, end_of_turn_id, messages
+
+    if prompt_ids is not None:
+        raise ValueError("--chat renders text through the chat template: give --prompt or --prompt-file, not --prompt-ids")
+    if files.tokenizer is None:
+        raise ValueError(f"--chat: {model_dir} has no tokenizer (tokenizer.json, or tokenizer.ggml.* metadata in a .gguf)")
+    if files.chat_template is None:
+        raise ValueError(f"--chat: {model_dir} has no chat template (tokenizer_config.json 'chat_template', "
+                         "chat_template.jinja, or tokenizer.chat_template in a .gguf)")
+    eot = end_of_turn_id(files.tokenizer, files.chat_template)
+    return (lambda text: encode_chat(files.tokenizer, files.chat_template, messages(text, system=system))), (() if eot is None else (eot,))
+
+
+def _check_context(prompts, max_new_tokens: int, model_config, model_dir, allow: bool) -> None:
+    """The prompt + new tokens must fit in the model's context window, unless --allow-beyond-context."""
+    longest = max(len(p) for p in prompts)
+    needed, window = longest + max_new_tokens, model_config.max_position_embeddings
+    if needed <= window:
+        return
+    if not allow:
+        raise ValueError(f"--max-new-tokens: the prompt's {longest} tokens + {max_new_tokens} new tokens need {needed} positions, "
+                         f"beyond the context window of {model_dir} ({window}); shorten the prompt, lower --max-new-tokens, "
+                         "or pass --allow-beyond-context")
+    stderr.print(f"warning: --allow-beyond-context: {needed} positions, past the model's window of {window}; "
+                 "the model never saw those positions in training, so the output may degrade")
 
 
 def _under_torchrun() -> bool:
