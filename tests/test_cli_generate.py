@@ -131,7 +131,7 @@ def test_missing_model_directory(tmp_path, ids_file):
 
 
 def test_demo_runs_tree_and_ring_and_checks_them(tmp_path):
-    result = runner.invoke(app, ["demo", "--context", "300", "--nproc", "2", "--new-tokens", "3"])
+    result = runner.invoke(app, ["demo", "--synthetic", "--context", "300", "--nproc", "2", "--new-tokens", "3"])
     assert result.exit_code == 0, result.output
     text = " ".join(result.stdout.split())
     for name in ("tree (allreduce)", "ring (pass-KV)", "single process (local)"):

