@@ -107,7 +107,7 @@ def test_eval_needle_methods_and_rank_counts_agree(files, tmp_path):
     assert sharded.exit_code == 0, sharded.output
     report = json.loads(sharded.stdout)
     assert [(c["length"], c["depth"]) for c in report["cells"]] == [(48, 0.0), (48, 1.0), (96, 0.0), (96, 1.0)]
-    assert report["methods"] == ["tree (allreduce)", "tree (tree)", "ring (pass-KV)"] and report["methods_agree"]
+    assert report["methods"] == ["tree (allreduce)", "tree (onepass)", "tree (tree)", "ring (pass-KV)"] and report["methods_agree"]
     for cell in report["cells"]:
         assert len(set(map(tuple, cell["method_ids"].values()))) == 1
         assert cell["correct"] == (cell["answer"] in cell["reply"])

@@ -121,11 +121,11 @@ def generate_command(
         prompts, batched = _read_prompts(prompt, prompt_file, prompt_ids, tokenizer, model_dir, render)
         if config.stop_tokens is None and end_of_turn:  # --chat: the end of the assistant's turn stops too
             config = dataclasses.replace(config, stop_tokens=tuple(dict.fromkeys(files.config.eos_token_ids + end_of_turn)))
-        _check_context(prompts, max_new_tokens, files.config, model_dir, allow_beyond_context)
         if top is not None and rank_by is RankBy.none:
             raise ValueError("--top K prints the K best sequences: give --rank-by mean-logprob too")
         world = _world_size(nproc)
         _check_before_spawning(config, model_dir, prompts, world, dtype.value)
+        _check_context(prompts, max_new_tokens, files.config, model_dir, allow_beyond_context)
     except ConfigError as exc:
         typer.echo(f"error: {_cli_message(exc)}", err=True)
         raise typer.Exit(2) from exc

@@ -31,6 +31,7 @@ class Decode(str, Enum):
 
 class Method(str, Enum):
     allreduce = "allreduce"
+    onepass = "onepass"
     tree = "tree"
 
 

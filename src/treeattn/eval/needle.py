@@ -21,7 +21,7 @@ from treeattn.eval.haystack import is_correct, needle_case
 
 logger = logging.getLogger(__name__)
 
-ALL_METHODS = (("tree", "allreduce"), ("tree", "tree"), ("ring", "allreduce"))
+ALL_METHODS = (("tree", "allreduce"), ("tree", "onepass"), ("tree", "tree"), ("ring", "allreduce"))
 
 
 @dataclass
