@@ -246,6 +246,7 @@ class Engine:
                                    prefill_chunk=self.config.prefill_chunk, prefix_cache=self.prefix_cache)
         self.max_context = min(self.pool.max_tokens_per_sequence, info.max_position_embeddings)
         self.healthy = True
+        self._update_stats()
         self._driver = threading.Thread(target=self._drive, name="treeattn-engine-driver", daemon=True)
         self._driver.start()
 
