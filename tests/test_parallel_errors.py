@@ -9,8 +9,10 @@
 
 from __future__ import annotations
 
+import importlib
 import os
 import time
+from unittest import mock
 
 import pytest
 import torch
@@ -34,6 +36,7 @@ def mismatch_cases(rank: int):
     """name -> (callable run on this rank, substring every error must contain)."""
     base = make_inputs(rank)
     q, k, v = base
+    shared_k = make_inputs(0)[1]  # the same on every rank
     return {
         "Hq": (lambda: ta.tree_decode(*make_inputs(rank, Hq=8 if rank == 1 else HQ)), "Hq (q.shape[2])"),
         "Hkv": (lambda: ta.tree_decode(*make_inputs(rank, Hkv=1 if rank == 1 else HKV), method="tree"), "Hkv (k.shape[2])"),
@@ -51,6 +54,19 @@ def mismatch_cases(rank: int):
         ),
         "ring_decode Sq": (lambda: ta.ring_decode(*make_inputs(rank, Sq=2 if rank == 0 else 1)), "Sq (q.shape[1])"),
         "ring_decode pass_kv": (lambda: ta.ring_decode(q, k, v, pass_kv=rank != 1), "pass_kv"),
+        # q, its positions and the decoded K/V must be the same on every rank: a checksum travels
+        # with the metadata (a different q would otherwise be silently mixed into one result)
+        "q values": (lambda: ta.tree_decode(q + 0.5 if rank == 1 else q, k, v), "same q,"),
+        "q batch rows swapped": (lambda: ta.tree_decode(q.flip(0) if rank == 2 else q, k, v, method="tree"), "same q,"),
+        "ring_decode q": (lambda: ta.ring_decode(q * 1.1 if rank == 0 else q, k, v, pass_kv=False), "same q,"),
+        "q_pos values": (
+            lambda: ta.tree_decode(q, k, v, q_pos=torch.tensor([5 if rank == 1 else 4]), kv_pos=torch.arange(5)),
+            "same q_pos,",
+        ),
+        "bifurcated decode_k": (
+            lambda: ta.sharded_bifurcated_attention(q, k[:1], v[:1], shared_k + (rank == 2), shared_k),
+            "same decode_k,",
+        ),
         "ring_attention dtype": (
             lambda: ta.ring_attention(*make_inputs(rank, dtype=torch.bfloat16 if rank == 1 else torch.float32, Sq=5)),
             "dtype",
@@ -79,12 +95,39 @@ def errors_worker(rank: int, world: int) -> dict:
     report["unknown method"] = run_and_capture(lambda: ta.tree_decode(q, k, v, method="butterfly"))
     report["indivisible topology"] = run_and_capture(lambda: ta.tree_decode(q, k, v, method="twolevel", topology=ta.Topology(2)))
     report["q_pos without kv_pos"] = run_and_capture(lambda: ta.ring_decode(q, k, v, q_pos=torch.tensor([4])))
+    # a q computed differently on each rank, equal up to rounding, is not an error
+    report["q off by rounding"] = run_and_capture(lambda: ta.tree_decode(q * (1 + 3e-7 * rank), k, v))
+    report["check_qkv calls"] = count_validations(lambda check: ta.tree_decode(q, k, v, check_inputs=check))
     # after all of that the group still works, and nested comm_stats both record
     with ta.comm_stats() as outer:
         with ta.comm_stats() as inner:
             out, lse = ta.tree_decode(q, k, v, method="tree")
     report["after"] = (out, lse, outer.as_dict(), inner.as_dict())
     return report
+
+
+def count_validations(fn) -> dict[bool, int]:
+    """check_inputs -> how many times fn(check_inputs) ran check_qkv (in the op's preamble or in
+    the local attention)."""
+    attention_module = importlib.import_module("treeattn.ops.attention")  # (the package exports a function of that name)
+    inputs_module = importlib.import_module("treeattn.parallel.inputs")
+
+    calls = []
+
+    def counting(check):
+        def wrapper(*args):
+            calls.append(1)
+            return check(*args)
+        return wrapper
+
+    counts = {}
+    with mock.patch.object(attention_module, "check_qkv", counting(attention_module.check_qkv)), \
+            mock.patch.object(inputs_module, "check_qkv", counting(inputs_module.check_qkv)):
+        for check in (True, False):
+            calls.clear()
+            fn(check)
+            counts[check] = len(calls)
+    return counts
 
 
 @pytest.fixture(scope="module")
@@ -116,6 +159,15 @@ def test_a_rank_with_bad_local_input_is_named_by_the_others(error_reports, name)
 def test_the_same_bad_argument_raises_everywhere(error_reports, name, expected):
     for kind, message in (r[name] for r in error_reports):
         assert kind == "ValueError" and expected in message
+
+
+def test_check_inputs_false_validates_once(error_reports):
+    """check_inputs=False skips the preamble's validation: only the local attention validates."""
+    assert [r["check_qkv calls"] for r in error_reports] == [{True: 2, False: 1}] * 3
+
+
+def test_q_equal_up_to_rounding_is_accepted(error_reports):
+    assert [r["q off by rounding"] for r in error_reports] == [("no error", "")] * 3
 
 
 def test_group_still_works_after_errors(error_reports):

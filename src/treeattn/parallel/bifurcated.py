@@ -29,14 +29,15 @@ from treeattn.ops.bifurcated import check_bifurcated_inputs, decode_state, fold_
 from treeattn.ops.merge import merge_states
 from treeattn.ops.validation import check_positions, check_scale
 from treeattn.parallel import comm
-from treeattn.parallel.metadata import UNKNOWN, device_code, dtype_code, float_code, gather_metadata
+from treeattn.parallel.metadata import UNKNOWN, Digest, device_code, dtype_code, float_code, tensor_digest, validate_and_agree
 from treeattn.parallel.topology import Topology
 from treeattn.parallel.tree_decode import METHODS, tree_decode
 
 logger = logging.getLogger(__name__)
 
 _MATCHED = ("n (q.shape[0])", "Sq (q.shape[1])", "Hq (q.shape[2])", "Hkv", "D (q.shape[3])", "Dv",
-            "Md (decode_k.shape[1])", "dtype", "device", "scale", "positions given", "method", "ranks_per_node")
+            "Md (decode_k.shape[1])", "dtype", "device", "scale", "positions given", "method", "ranks_per_node",
+            "q_pos", "decode_pos", "q", "decode_k", "decode_v")
 
 
 def sharded_bifurcated_attention(
@@ -78,30 +79,26 @@ def sharded_bifurcated_attention(
         decode_pos: int64 (Md,) or (n, Md), absolute positions of the decoded keys.
         method: how tree_decode combines the context part: "allreduce", "tree" or "twolevel".
         topology: for "twolevel", Topology(ranks_per_node=k); see ta.tree_decode.
-        check_inputs: first all-gather a few integers so that ranks that disagree (shapes, dtype,
-            scale, method, positions) raise the same ValueError on every rank instead of hanging.
+        check_inputs: validate this rank's inputs, then all-gather a few integers so that ranks
+            that disagree (shapes, dtype, scale, method, positions, and checksums of q, decode_k,
+            decode_v and their positions, which must be the same on every rank) raise the same
+            ValueError on every rank instead of hanging or silently mixing. False: only the local
+            attention calls validate the tensors.
 
     Returns:
         out: (n, Sq, Hq, Dv) in q.dtype; lse: (n, Hq, Sq) float32 (float64 for float64 inputs).
         Identical on every rank.
     """
     p = comm.group_size(group)
-    local_error, resolved = None, None
-    try:
-        resolved = _check_local(q, context_k_shard, context_v_shard, decode_k, decode_v, scale, q_pos, context_pos, decode_pos, method, topology, p)
-    except (ValueError, TypeError) as exc:
-        local_error = exc
-    if check_inputs and p > 1:
-        gather_metadata(
-            "sharded_bifurcated_attention",
-            _fields(q, decode_k, resolved, method),
-            group,
-            must_match=_MATCHED,
-            local_error=local_error,
-            formatters={"method": lambda c: repr(METHODS[c]) if 0 <= c < len(METHODS) else "invalid"},
-        )
-    elif local_error is not None:
-        raise local_error
+    resolved, _ = validate_and_agree(
+        "sharded_bifurcated_attention", group,
+        lambda: _check_local(q, context_k_shard, context_v_shard, decode_k, decode_v, scale, q_pos, context_pos, decode_pos,
+                             method, topology, p, check_tensors=check_inputs),
+        lambda resolved: _fields(q, decode_k, decode_v, resolved, method),
+        gather=check_inputs and p > 1,
+        must_match=_MATCHED,
+        formatters={"method": lambda c: repr(METHODS[c]) if 0 <= c < len(METHODS) else "invalid"},
+    )
     scale, q_pos, context_pos, decode_pos = resolved["scale"], resolved["q_pos"], resolved["context_pos"], resolved["decode_pos"]
 
     n, Sq = q.shape[0], q.shape[1]
@@ -125,13 +122,20 @@ def sharded_bifurcated_attention(
     return merge_states(out_c, lse_c, out_d, lse_d)
 
 
-def _check_local(q, context_k_shard, context_v_shard, decode_k, decode_v, scale, q_pos, context_pos, decode_pos, method, topology, p):
+def _check_local(q, context_k_shard, context_v_shard, decode_k, decode_v, scale, q_pos, context_pos, decode_pos, method,
+                 topology, p, *, check_tensors: bool = True):
     """This rank's validation. Returns the scale, positions as (1 or n, S) int64 (or None) and the
-    topology's ranks per node (0 unless method is "twolevel")."""
-    n, Sq, Hq, D, Mc, Md, Hkv, Dv = check_bifurcated_inputs(
-        q, context_k_shard, context_v_shard, decode_k, decode_v, context_names=("context_k_shard", "context_v_shard")
-    )
-    scale = check_scale(scale, D)
+    topology's ranks per node (0 unless method is "twolevel"). check_tensors=False (check_inputs=False)
+    reads the tensors' shapes without validating them: the local attention calls validate them."""
+    tensors = (q, context_k_shard, context_v_shard, decode_k, decode_v)
+    if check_tensors or not all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in tensors):
+        n, Sq, Hq, D, Mc, Md, Hkv, Dv = check_bifurcated_inputs(
+            *tensors, context_names=("context_k_shard", "context_v_shard")
+        )
+        scale = check_scale(scale, D)
+    else:
+        (n, Sq, Hq, D), (_, Mc, Hkv, _), Md, Dv = q.shape, context_k_shard.shape, decode_k.shape[1], decode_v.shape[3]
+        scale = D ** -0.5 if scale is None else float(scale)
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     if topology is not None and not isinstance(topology, Topology):
@@ -160,11 +164,14 @@ def _check_local(q, context_k_shard, context_v_shard, decode_k, decode_v, scale,
             "decode_pos": decode_pos, "ranks_per_node": ranks_per_node}
 
 
-def _fields(q, decode_k, resolved, method) -> dict[str, int]:
-    """The metadata every rank contributes to the agreement check (UNKNOWN where rejected)."""
+def _fields(q, decode_k, decode_v, resolved, method) -> dict[str, int | Digest]:
+    """The metadata every rank contributes to the agreement check (UNKNOWN where rejected), with
+    digests of what must be the same on every rank: q, the decoded K/V and their positions."""
     names = ("n (q.shape[0])", "Sq (q.shape[1])", "Hq (q.shape[2])", "D (q.shape[3])", "Md (decode_k.shape[1])", "Hkv", "Dv")
+    same = ("q", "q_pos", "decode_k", "decode_v", "decode_pos")
     if resolved is None:
         fields = dict.fromkeys((*names, "dtype", "device", "scale", "positions given", "ranks_per_node"), UNKNOWN)
+        fields.update(dict.fromkeys(same, Digest.unknown()))
     else:
         fields = dict(zip(names, resolved["dims"]))
         fields.update({
@@ -173,6 +180,15 @@ def _fields(q, decode_k, resolved, method) -> dict[str, int]:
             "scale": float_code(resolved["scale"]),
             "positions given": int(resolved["q_pos"] is not None),
             "ranks_per_node": resolved["ranks_per_node"],
+        })
+        n, Sq = q.shape[0], q.shape[1]
+        q_pos, decode_pos = resolved["q_pos"], resolved["decode_pos"]
+        fields.update({
+            "q": tensor_digest(q),
+            "q_pos": tensor_digest(None if q_pos is None else q_pos.expand(n, Sq)),
+            "decode_k": tensor_digest(decode_k),
+            "decode_v": tensor_digest(decode_v),
+            "decode_pos": tensor_digest(None if decode_pos is None else decode_pos.expand(n, decode_k.shape[1])),
         })
     fields["method"] = METHODS.index(method) if method in METHODS else UNKNOWN
     return fields

@@ -24,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import logging
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -32,8 +33,8 @@ from treeattn.ops import attention, merge_states, merge_states_list
 from treeattn.ops.graph_safe import graph_safe_attention
 from treeattn.ops.validation import check_qkv, check_scale, check_softcap, check_window
 from treeattn.parallel import comm
-from treeattn.parallel.inputs import MATCHED_FIELDS, check_decode_inputs, input_fields, per_batch, positions
-from treeattn.parallel.metadata import UNKNOWN, device_code, dtype_code, float_code, gather_metadata
+from treeattn.parallel.inputs import MATCHED_FIELDS, DecodeInputs, decode_inputs, input_fields, per_batch, positions
+from treeattn.parallel.metadata import UNKNOWN, device_code, dtype_code, float_code, validate_and_agree
 from treeattn.parallel.packing import accumulation_dtype, pack_state, unpack_state
 
 logger = logging.getLogger(__name__)
@@ -71,10 +72,11 @@ def ring_decode(
             key is visible iff kv_pos <= q_pos. With pass_kv the positions travel with the keys.
         pass_kv: True: K/V shards travel (p - 1 steps, compute overlapped with the next transfer).
             False: partial states travel (p - 1 steps of small messages).
-        check_inputs: all-gather a few integers first so that disagreeing ranks raise the same
-            ValueError. pass_kv=True without shard_lengths always gathers the shard lengths (the
-            receivers must size their buffers); the flag then only decides whether the rest is
-            compared.
+        check_inputs: validate this rank's inputs and all-gather a few integers first (with
+            checksums of q and q_pos, which must be the same on every rank) so that disagreeing
+            ranks raise the same ValueError. pass_kv=True without shard_lengths always gathers the
+            shard lengths (the receivers must size their buffers); the flag then only decides
+            whether the rest is validated and compared.
         shard_lengths: Sk of every rank of the group in group-rank order (host ints the caller
             already knows, e.g. from the cache placement), or None. With pass_kv=True and
             check_inputs=False they replace the gather of the lengths, so the ring is the only
@@ -90,38 +92,38 @@ def ring_decode(
         identical on every rank.
     """
     p = comm.group_size(group)
-    inputs, local_error = None, None
-    try:
-        inputs = check_decode_inputs(q, k, v, scale, q_pos, kv_pos, softcap)
+
+    def validate() -> tuple[DecodeInputs, list[int] | None]:
+        inputs = decode_inputs(q, k, v, scale, q_pos, kv_pos, softcap, check=check_inputs)
         if not isinstance(pass_kv, bool):
             raise TypeError(f"pass_kv must be a bool, got {type(pass_kv).__name__}")
-        shard_lengths = _check_shard_lengths(shard_lengths, p, comm.group_rank(group), inputs.Sk)
+        lengths = _check_shard_lengths(shard_lengths, p, comm.group_rank(group), inputs.Sk)
         if not isinstance(graph_safe, bool):
             raise TypeError(f"graph_safe must be a bool, got {type(graph_safe).__name__}")
         if graph_safe and p > 1 and check_inputs:
             raise ValueError("graph_safe=True needs check_inputs=False: the input check reads gathered metadata on the host")
-        if graph_safe and p > 1 and pass_kv and shard_lengths is None:
+        if graph_safe and p > 1 and pass_kv and lengths is None:
             raise ValueError("graph_safe=True with pass_kv=True needs shard_lengths (else they are gathered to the host)")
-    except (ValueError, TypeError) as exc:
-        local_error = exc
-    table = None
-    if p > 1 and (check_inputs or (pass_kv is True and shard_lengths is None)):
-        fields = input_fields(q, inputs)
-        fields["pass_kv"] = int(pass_kv) if isinstance(pass_kv, bool) else UNKNOWN
-        fields["shard_lengths"] = _lengths_code(shard_lengths) if local_error is None else UNKNOWN
-        table = gather_metadata(
-            "ring_decode",
-            fields,
-            group,
-            must_match=(*MATCHED_FIELDS, "pass_kv", "shard_lengths") if check_inputs else ("pass_kv",),
-            local_error=local_error,
-            formatters={"shard_lengths": lambda c: "None" if c == 0 else f"a list with digest {c}"},
-        )
+        return inputs, lengths
+
+    def fields(validated) -> dict:
+        return {
+            **input_fields(q, None if validated is None else validated[0], digests=check_inputs),
+            "pass_kv": int(pass_kv) if isinstance(pass_kv, bool) else UNKNOWN,
+            "shard_lengths": UNKNOWN if validated is None else _lengths_code(validated[1]),
+        }
+
+    # pass-KV receivers size their buffers by every rank's Sk: gathered unless shard_lengths are given.
+    (inputs, shard_lengths), table = validate_and_agree(
+        "ring_decode", group, validate, fields,
+        gather=p > 1 and (check_inputs or (pass_kv is True and shard_lengths is None)),
+        must_match=(*MATCHED_FIELDS, "pass_kv", "shard_lengths") if check_inputs else ("pass_kv",),
+        formatters={"shard_lengths": lambda c: "None" if c == 0 else f"a list with digest {c}"},
+    )
+    if table is not None:
         gathered = [row["Sk"] for row in table]
         if shard_lengths is not None and gathered != shard_lengths:
             raise ValueError(f"ring_decode: shard_lengths {shard_lengths} differ from the ranks' k.shape[1] {gathered}")
-    elif local_error is not None:
-        raise local_error
 
     acc = accumulation_dtype(q.dtype)
 
@@ -247,6 +249,26 @@ def _ring_gather_states(out: torch.Tensor, lse: torch.Tensor, group) -> tuple[to
     return merge_states_list([s[0] for s in states], [s[1] for s in states])
 
 
+@dataclass(frozen=True)
+class _PrefillInputs:
+    """ring_attention's validated inputs on this rank."""
+
+    dims: tuple[int, ...]  # (B, Sq, Sk, Hq, Hkv, D, Dv)
+    scale: float
+    window: int | None
+    softcap: float | None
+    q_pos: torch.Tensor | None  # int64 (Sq,) or (B, Sq)
+    kv_pos: torch.Tensor | None
+    q_max: int  # the largest query position (UNKNOWN without positions)
+    kv_min: int  # the smallest key position (NO_POSITION for no key; UNKNOWN without positions)
+
+
+# The metadata ring_attention's ranks exchange; the first 12 must match on every rank.
+_PREFILL_FIELDS = ("B (q.shape[0])", "Hq (q.shape[2])", "Hkv (k.shape[2])", "D (q.shape[3])", "Dv (v.shape[3])",
+                   "dtype", "device", "scale", "window", "softcap", "causal", "positions given",
+                   "Sq", "Sk", "max q_pos", "min kv_pos")
+
+
 def ring_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -285,48 +307,48 @@ def ring_attention(
         this rank's queries over all keys they may see. A query that sees none: out 0, lse -inf.
     """
     p, r = comm.group_size(group), comm.group_rank(group)
-    local_error = None
-    B = Sq = Sk = Hq = Hkv = D = Dv = UNKNOWN
-    q_max = kv_min = UNKNOWN
-    try:
+
+    def validate() -> _PrefillInputs:
         B, Sq, Sk, Hq, Hkv, D, Dv = check_qkv(q, k, v)
-        scale = check_scale(scale, D)
-        window, softcap = check_window(window), check_softcap(softcap)
+        checked_scale = check_scale(scale, D)
+        checked_window, checked_softcap = check_window(window), check_softcap(softcap)
         if not isinstance(causal, bool):
             raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
-        if window is not None and not causal:
+        if checked_window is not None and not causal:
             raise ValueError(f"window={window} needs causal=True (ring_attention windows are causal sliding windows)")
         if (q_pos is None) != (kv_pos is None):
             raise ValueError("q_pos and kv_pos must be given together, got only one of them")
         if q_pos is not None and not causal:
             raise ValueError("q_pos/kv_pos only take effect with causal=True; pass causal=True or drop them")
-        q_pos = positions(q_pos, "q_pos", B, Sq, q.device)
-        kv_pos = positions(kv_pos, "kv_pos", B, Sk, q.device)
-        if q_pos is not None:
-            q_max = int(q_pos.max()) if Sq > 0 else -1
-            kv_min = int(kv_pos.min()) if Sk > 0 else NO_POSITION
-    except (ValueError, TypeError) as exc:
-        local_error = exc
-    fields = {
-        "B (q.shape[0])": B, "Hq (q.shape[2])": Hq, "Hkv (k.shape[2])": Hkv, "D (q.shape[3])": D,
-        "Dv (v.shape[3])": Dv,
-        "dtype": dtype_code(q.dtype) if isinstance(q, torch.Tensor) else UNKNOWN,
-        "device": device_code(q.device) if isinstance(q, torch.Tensor) else UNKNOWN,
-        "scale": float_code(scale) if local_error is None else UNKNOWN,
-        "window": (0 if window is None else window) if local_error is None else UNKNOWN,
-        "softcap": (0 if softcap is None else float_code(softcap)) if local_error is None else UNKNOWN,
-        "causal": int(causal) if isinstance(causal, bool) else UNKNOWN,
-        "positions given": int(q_pos is not None),
-        "Sq": Sq, "Sk": Sk, "max q_pos": q_max, "min kv_pos": kv_min,
-    }
-    if p > 1:
-        matched = ("B (q.shape[0])", "Hq (q.shape[2])", "Hkv (k.shape[2])", "D (q.shape[3])", "Dv (v.shape[3])",
-                   "dtype", "device", "scale", "window", "softcap", "causal", "positions given")
-        table = gather_metadata("ring_attention", fields, group, must_match=matched if check_inputs else ("positions given",), local_error=local_error)
-    elif local_error is not None:
-        raise local_error
-    else:
-        table = [fields]
+        checked_q_pos = positions(q_pos, "q_pos", B, Sq, q.device)
+        checked_kv_pos = positions(kv_pos, "kv_pos", B, Sk, q.device)
+        q_max = kv_min = UNKNOWN
+        if checked_q_pos is not None:
+            q_max = int(checked_q_pos.max()) if Sq > 0 else -1
+            kv_min = int(checked_kv_pos.min()) if Sk > 0 else NO_POSITION
+        return _PrefillInputs((B, Sq, Sk, Hq, Hkv, D, Dv), checked_scale, checked_window, checked_softcap,
+                              checked_q_pos, checked_kv_pos, q_max, kv_min)
+
+    def fields(inputs: _PrefillInputs | None) -> dict:
+        if inputs is None:
+            return dict.fromkeys(_PREFILL_FIELDS, UNKNOWN)
+        B, Sq, Sk, Hq, Hkv, D, Dv = inputs.dims
+        return dict(zip(_PREFILL_FIELDS, (
+            B, Hq, Hkv, D, Dv, dtype_code(q.dtype), device_code(q.device), float_code(inputs.scale),
+            0 if inputs.window is None else inputs.window,
+            0 if inputs.softcap is None else float_code(inputs.softcap),
+            int(causal), int(inputs.q_pos is not None), Sq, Sk, inputs.q_max, inputs.kv_min,
+        )))
+
+    inputs, table = validate_and_agree(
+        "ring_attention", group, validate, fields,
+        gather=p > 1,  # always: the shard lengths and position ranges size buffers and skip blocks
+        must_match=_PREFILL_FIELDS[:12] if check_inputs else ("positions given",),
+    )
+    table = table or [fields(inputs)]
+    B, Sq, Sk, Hq, Hkv, D, Dv = inputs.dims
+    scale, window, softcap = inputs.scale, inputs.window, inputs.softcap
+    q_pos, kv_pos, q_max = inputs.q_pos, inputs.kv_pos, inputs.q_max
     lengths = [row["Sk"] for row in table]
 
     if causal and q_pos is None:  # contiguous layout in rank order

@@ -46,8 +46,8 @@ import torch.distributed as dist
 from treeattn.ops import attention, merge_states
 from treeattn.ops.graph_safe import graph_safe_attention
 from treeattn.parallel import comm
-from treeattn.parallel.inputs import MATCHED_FIELDS, DecodeInputs, check_decode_inputs, input_fields
-from treeattn.parallel.metadata import gather_metadata
+from treeattn.parallel.inputs import MATCHED_FIELDS, DecodeInputs, decode_inputs, input_fields
+from treeattn.parallel.metadata import UNKNOWN, validate_and_agree
 from treeattn.parallel.packing import accumulation_dtype, pack_state, unpack_state
 from treeattn.parallel.topology import Topology, node_groups
 
@@ -101,9 +101,11 @@ def tree_decode(
             be exact).
         topology: for "twolevel": Topology(ranks_per_node=k); default Topology(), which reads
             LOCAL_WORLD_SIZE or puts all ranks on one node. Ignored by the other methods.
-        check_inputs: first all-gather a few integers (shapes, dtype, scale, method, topology) so
-            that ranks that disagree all raise the same ValueError instead of hanging. One small
-            collective; turn it off only when the inputs are known to agree.
+        check_inputs: validate this rank's inputs, then all-gather a few integers (shapes, dtype,
+            scale, method, topology, and checksums of q and q_pos, which must be the same on every
+            rank) so that ranks that disagree all raise the same ValueError instead of hanging or
+            silently mixing. One small collective; turn it off only when the inputs are known to be
+            valid and to agree (the engine does): then only the local attention validates them.
         graph_safe: no host synchronization anywhere in the call, so that it can run inside a
             CUDA graph (treeattn.decode_step): this rank's attention is
             treeattn.ops.graph_safe.graph_safe_attention (on CUDA the Triton kernel, which must
@@ -125,35 +127,32 @@ def tree_decode(
             raise a ValueError naming it), or ranks that disagree (the same error on every rank).
     """
     p = comm.group_size(group)
-    inputs, local_error, ranks_per_node = None, None, 0
-    try:
-        inputs = check_decode_inputs(q, k, v, scale, q_pos, kv_pos, softcap)
+
+    def validate() -> tuple[DecodeInputs, int]:
+        inputs = decode_inputs(q, k, v, scale, q_pos, kv_pos, softcap, check=check_inputs)
         if method not in METHODS:
             raise ValueError(f"method must be one of {METHODS}, got {method!r}")
         if topology is not None and not isinstance(topology, Topology):
             raise TypeError(f"topology must be a treeattn Topology or None, got {type(topology).__name__}")
-        if method == "twolevel":
-            ranks_per_node = (topology or Topology()).resolve(p)
+        ranks_per_node = (topology or Topology()).resolve(p) if method == "twolevel" else 0
         _check_graph_safe(graph_safe, kv_len, check_inputs, p)
         if graph_safe and method == "onepass" and p > 1:
             raise ValueError("method='onepass' decides on its fallback on the host: with graph_safe=True use 'allreduce' or 'tree'")
-    except (ValueError, TypeError) as exc:
-        local_error = exc
-    if check_inputs and p > 1:
-        fields = input_fields(q, inputs)
-        fields["method"] = METHODS.index(method) if method in METHODS else -1
-        fields["ranks_per_node"] = ranks_per_node
-        gather_metadata(
-            "tree_decode",
-            fields,
-            group,
-            must_match=(*MATCHED_FIELDS, "method", "ranks_per_node"),
-            local_error=local_error,
-            formatters={"method": lambda c: repr(METHODS[c]) if 0 <= c < len(METHODS) else "invalid"},
-        )
-    elif local_error is not None:
-        raise local_error
+        return inputs, ranks_per_node
 
+    def fields(validated) -> dict:
+        return {
+            **input_fields(q, None if validated is None else validated[0]),
+            "method": METHODS.index(method) if method in METHODS else UNKNOWN,
+            "ranks_per_node": UNKNOWN if validated is None else validated[1],
+        }
+
+    (inputs, ranks_per_node), _ = validate_and_agree(
+        "tree_decode", group, validate, fields,
+        gather=check_inputs and p > 1,
+        must_match=(*MATCHED_FIELDS, "method", "ranks_per_node"),
+        formatters={"method": lambda c: repr(METHODS[c]) if 0 <= c < len(METHODS) else "invalid"},
+    )
     out, lse = _local_state(q, k, v, inputs, graph_safe, kv_len)
     out, lse = combine_states(out, lse, group=group, method=method, ranks_per_node=ranks_per_node)
     return out.to(q.dtype), lse
