@@ -223,6 +223,18 @@ def test_spawn_names_the_failed_rank_and_keeps_the_results():
     assert "rank 1" in str(error) and "ValueError: boom on purpose" in str(error)
 
 
+def tensor_worker(rank: int, world: int) -> dict:
+    return {"rank": rank, "tensor": torch.full((300, 300), float(rank))}
+
+
+def test_spawn_returns_tensors():
+    """Results travel by value: a tensor sent as a shared-memory handle could not be opened once
+    the rank process had exited."""
+    results = ta.spawn(tensor_worker, 2)
+    for rank, result in enumerate(results):
+        assert result["rank"] == rank and torch.equal(result["tensor"], torch.full((300, 300), float(rank)))
+
+
 def test_spawn_rejects_bad_arguments():
     with pytest.raises(ValueError, match="nprocs"):
         ta.spawn(raising_worker, 0)

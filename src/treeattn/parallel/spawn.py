@@ -40,6 +40,7 @@ import logging
 import multiprocessing
 import multiprocessing.connection
 import os
+import pickle
 import signal
 import sys
 import threading
@@ -282,7 +283,7 @@ class _RankGroup:
 
     def _receive(self, rank: int) -> None:
         try:
-            self.outcomes[rank] = self.readers[rank].recv()
+            self.outcomes[rank] = pickle.loads(self.readers[rank].recv_bytes())
         except (EOFError, OSError):  # the rank died before (or while) sending
             self.outcomes[rank] = ("none", None)
 
@@ -356,11 +357,13 @@ def _rank_main(rank, world_size, port, backend, timeout, parent_pid, heartbeats,
         store = dist.TCPStore(HOST, port, world_size=None, is_master=False, timeout=timedelta(seconds=timeout))
         dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout))
         result = fn(rank, world_size, *args)
-        result_pipe.send(("ok", result))
+        # Plain pickle: Connection.send would pickle tensors as shared-memory handles, which the
+        # parent cannot open once this process has exited.
+        result_pipe.send_bytes(pickle.dumps(("ok", result)))
     except BaseException as exc:  # noqa: BLE001 -- every failure must reach the parent
         text = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
         with contextlib.suppress(Exception):
-            result_pipe.send(("error", text))
+            result_pipe.send_bytes(pickle.dumps(("error", text)))
         exit_without_teardown(1)  # do not wait on a group whose peers may be gone
     dist.destroy_process_group()
     # Skip interpreter teardown: native threads of torch.distributed (store client, backend
