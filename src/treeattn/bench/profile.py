@@ -18,7 +18,7 @@ is split, on every rank, into:
 
 "step" is the wall time of the step as the generation measures it (GenerationResult.step_times_s);
 host = step - the five measured phases. The attention of a profiled step runs the two halves of
-tree_decode(check_inputs=False) -- check_decode_inputs, ops.attention, combine_states -- with a
+tree_decode(check_inputs=False) -- decode_inputs, ops.attention, combine_states -- with a
 clock between them; everything else is the engine's own code. Each figure is the mean over the
 steps after `warmup`.
 """
@@ -34,7 +34,7 @@ import torch.distributed as dist
 from treeattn.generate import Generation
 from treeattn.models.attention import LocalAttention, TreeAttention
 from treeattn.ops import attention
-from treeattn.parallel.inputs import check_decode_inputs
+from treeattn.parallel.inputs import decode_inputs
 from treeattn.parallel.packing import accumulation_dtype
 from treeattn.parallel.tree_decode import combine_states
 
@@ -86,7 +86,7 @@ class _TimedTreeAttention(TreeAttention):
         self.clock = clock
 
     def _combine(self, q, k, v, q_pos, kv_pos):
-        inputs = check_decode_inputs(q, k, v, None, q_pos, kv_pos)
+        inputs = decode_inputs(q, k, v, None, q_pos, kv_pos, None, check=False)
         start = time.perf_counter()
         out, lse = attention(q, k, v, scale=inputs.scale, causal=inputs.masked, q_pos=inputs.q_pos, kv_pos=inputs.kv_pos)
         acc = accumulation_dtype(q.dtype)

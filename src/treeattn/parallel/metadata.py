@@ -183,6 +183,11 @@ def gather_metadata(
     return rows
 
 
+def row_length(fields: Mapping[str, int | Digest]) -> int:
+    """How many int64 one rank contributes to gather_metadata for `fields` (the accepted flag included)."""
+    return 1 + sum(2 + DIGEST_PROJECTIONS if isinstance(value, Digest) else 1 for value in fields.values())
+
+
 def _unpack_row(names, fields, row: list[int]) -> tuple[dict[str, int | Digest], bool]:
     """One gathered row -> ({name: value}, whether that rank accepted its inputs)."""
     values, at = {}, 0

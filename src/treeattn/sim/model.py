@@ -70,8 +70,9 @@ def _ring_metadata_bytes() -> int:
     allgather: the input fields, pass_kv, shard_lengths and the ok flag. Read from the code, so the
     prediction follows the implementation."""
     from treeattn.parallel.inputs import input_fields
+    from treeattn.parallel.metadata import row_length
 
-    return (len(input_fields(None, None)) + 3) * 8
+    return (row_length(input_fields(None, None)) + 2) * 8
 
 
 RING_METADATA_BYTES = _ring_metadata_bytes()
