@@ -57,8 +57,10 @@ def make_model(arch: str, seed: int = 0):
 
 
 def uncached_greedy(model, prompt: torch.Tensor, new_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Full forward over the whole sequence for every new token. Returns the sequence (B, N + new)
-    and the logits of each step (new, B, V)."""
+    """Full forward over the whole sequence for every new token, with transformers' eager attention
+    (the plain math: transformers 5.17 ran Gemma 2 on SDPA by default, which drops its softcap).
+    Returns the sequence (B, N + new) and the logits of each step (new, B, V)."""
+    model.set_attn_implementation("eager")
     seq, step_logits = prompt, []
     with torch.no_grad():
         for _ in range(new_tokens):
@@ -92,6 +94,7 @@ def run_arch(path: str, method: str) -> dict:
     prompt = prompt_ids()
     out = tahf.generate(model, prompt, max_new_tokens=NEW_TOKENS, method=method, return_dict_in_generate=True,
                         output_logits=True)
+    model.set_attn_implementation("eager")
     full = model(prompt, use_cache=False).logits
     cache = tahf.ShardedCache(model, capacity=PROMPT_LEN, method=method)
     previous = model.config._attn_implementation
