@@ -252,3 +252,16 @@ def test_mtp_layers_of_the_checkpoint_are_ignored(checkpoints, tmp_path):
     ids = torch.tensor([PROMPT])
     with torch.no_grad():
         torch.testing.assert_close(local_logits(model, ids), checkpoints["v3"][1](ids).logits, atol=1e-4, rtol=0)
+
+
+def test_engine_takes_the_checkpoint_unchanged(checkpoints, references):
+    """ta.Engine on 2 ranks (tree decoding, paged latent cache): greedy tokens of two requests batched
+    together equal transformers' uncached recomputation."""
+    import treeattn as ta
+
+    short = PROMPT[:7]
+    expected = [references["v3"], uncached_greedy(checkpoints["v3"][1], short)]
+    with ta.Engine(str(checkpoints["v3"][0]), nproc=2, decode="tree", placement="interleaved", block_size=4,
+                   cache_tokens=128, timeout_s=60) as engine:
+        results = engine.generate([PROMPT, short], max_new_tokens=NEW_TOKENS, ignore_eos=True)
+    assert [r.token_ids for r in results] == expected

@@ -2,6 +2,7 @@
 treeattn.cache.blocks, run by the driver).
 
     arena: (num_layers, 2, num_blocks + 1, block_size, Hkv, D)   # [layer, k|v, block, slot, head, dim]
+           (num_layers, 1, num_blocks + 1, block_size, Hkv, D)   # value_dim given: keys only, V = K[..., :value_dim]
 
 Block `num_blocks` (the last) is never lent: it is zero and pads block tables of different
 lengths, with its keys marked invisible by position. A key that is masked out (a slot past a
@@ -25,22 +26,26 @@ class PagedKVCache:
 
     Args:
         num_layers, num_kv_heads, head_dim: of the model.
+        value_dim: None (values stored beside the keys), or Dv <= head_dim: the values are the first
+            Dv channels of the keys, with no storage of their own (MLA's latent cache; see ShardedKVCache).
         num_blocks: blocks this rank lends (the driver's BlockPool of this rank has as many).
         block_size: tokens per block.
         dtype, device: of the stored keys and values.
     """
 
     def __init__(self, *, num_layers: int, num_kv_heads: int, head_dim: int, num_blocks: int, block_size: int,
-                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
+                 value_dim: int | None = None, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
         for name, value in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim), ("block_size", block_size)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
         if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 0:
             raise ValueError(f"num_blocks must be an int >= 0, got {num_blocks!r}")
-        self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
+        if value_dim is not None and (isinstance(value_dim, bool) or not isinstance(value_dim, int) or not 1 <= value_dim <= head_dim):
+            raise ValueError(f"value_dim must be None or an int in [1, head_dim={head_dim}], got {value_dim!r}")
+        self.num_layers, self.num_kv_heads, self.head_dim, self.value_dim = num_layers, num_kv_heads, head_dim, value_dim
         self.num_blocks, self.block_size = num_blocks, block_size
         self.pad_block = num_blocks
-        self.arena = torch.empty(num_layers, 2, num_blocks + 1, block_size, num_kv_heads, head_dim, dtype=dtype, device=device)
+        self.arena = torch.empty(num_layers, 1 if value_dim else 2, num_blocks + 1, block_size, num_kv_heads, head_dim, dtype=dtype, device=device)
         self.arena[:, :, self.pad_block].zero_()
 
     @property
@@ -61,19 +66,26 @@ class PagedKVCache:
         Args:
             layer: layer index.
             slots: int64 (n,) flat slot of each token: block * block_size + offset in the block.
-            k, v: (n, Hkv, D) in the cache's dtype.
+            k, v: (n, Hkv, D), (n, Hkv, Dv) in the cache's dtype (v not stored with value_dim).
         """
-        kv = self.arena[layer].view(2, -1, self.num_kv_heads, self.head_dim)
+        kv = self.arena[layer].view(self.arena.shape[1], -1, self.num_kv_heads, self.head_dim)
         kv[0].index_copy_(0, slots, k)
-        kv[1].index_copy_(0, slots, v)
+        if not self.value_dim:
+            kv[1].index_copy_(0, slots, v)
 
     def gather(self, layer: int, table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of the blocks in `table`, int64 (B, nb) block ids (pad_block where a row
-        has fewer): k, v (B, nb * block_size, Hkv, D), copies."""
+        has fewer): k (B, nb * block_size, Hkv, D), v (B, nb * block_size, Hkv, Dv), copies (v a view of k with value_dim)."""
         B, nb = table.shape
-        kv = self.arena[layer][:, table]  # (2, B, nb, block_size, Hkv, D)
-        kv = kv.view(2, B, nb * self.block_size, self.num_kv_heads, self.head_dim)
-        return kv[0], kv[1]
+        kv = self.arena[layer][:, table]  # (2 or 1, B, nb, block_size, Hkv, D)
+        return self._split(kv.view(self.arena.shape[1], B, nb * self.block_size, self.num_kv_heads, self.head_dim))
+
+    def blocks(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views of every block of `layer`: k (num_blocks + 1, block_size, Hkv, D), v (..., Dv)."""
+        return self._split(self.arena[layer])
+
+    def _split(self, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return (kv[0], kv[0][..., : self.value_dim]) if self.value_dim else (kv[0], kv[1])
 
     def nbytes(self) -> int:
         return self.arena.numel() * self.arena.element_size()

@@ -146,7 +146,7 @@ class PagedBatch:
         """q (1, T, Hq, D) -> out (1, T, Hq, D): one back-end call (or one run-by-run read and one
         combine) per group of sequences."""
         flat = q[0]
-        out = torch.zeros_like(flat)
+        out = flat.new_zeros(*flat.shape[:-1], self.cache.value_dim or flat.shape[-1])  # (T, Hq, Dv)
         for g, k_g, v_g, pos_g in zip(self.groups, k, v, kv_pos):
             if g.copy_free:
                 o = self._attend_runs(g, flat[g.q_index])
@@ -157,16 +157,16 @@ class PagedBatch:
 
     def _attend_runs(self, g: _Group, q: torch.Tensor) -> torch.Tensor:
         """q (B, S, Hq, D) of group g over this rank's runs of blocks, merged per sequence, then
-        combined across the ranks. Returns out (B, S, Hq, D) in q.dtype."""
+        combined across the ranks. Returns out (B, S, Hq, Dv) in q.dtype."""
         B, S, Hq, D = q.shape
-        kv = self.cache.arena[self._layer]  # (2, blocks, block_size, Hkv, D)
-        Hkv = kv.shape[-2]
+        k, v = self.cache.blocks(self._layer)  # (blocks, block_size, Hkv, D), (..., Dv)
+        Hkv, Dv = k.shape[-2], v.shape[-1]
         outs, lses = [], []
         for b, runs in enumerate(g.runs):
-            states = [attention(q[b : b + 1], kv[0, a : a + n].reshape(1, -1, Hkv, D), kv[1, a : a + n].reshape(1, -1, Hkv, D),
+            states = [attention(q[b : b + 1], k[a : a + n].reshape(1, -1, Hkv, D), v[a : a + n].reshape(1, -1, Hkv, Dv),
                                 causal=True, q_pos=g.q_pos[b : b + 1], kv_pos=pos) for a, n, pos in runs]
             if not states:  # nothing of this sequence here: the merge's identity
-                states = [(q.new_zeros(1, S, Hq, D), torch.full((1, Hq, S), float("-inf"), device=q.device))]
+                states = [(q.new_zeros(1, S, Hq, Dv), torch.full((1, Hq, S), float("-inf"), device=q.device))]
             o, lse = merge_states_list([o for o, _ in states], [lse for _, lse in states]) if len(states) > 1 else states[0]
             outs.append(o.float())
             lses.append(lse.float())
@@ -195,7 +195,7 @@ class RankRunner:
         distributed = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank(group) if distributed else 0
         c = model.config
-        self.cache = PagedKVCache(num_layers=c.num_layers, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
+        self.cache = PagedKVCache(num_layers=c.num_layers, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, value_dim=c.cache_value_dim,
                                   num_blocks=blocks_per_rank, block_size=block_size, dtype=model.dtype, device=model.device)
         self.attend = attention_backend(decode, method=method, group=group, topology=topology)
         self.combine = None  # how a run-by-run read combines across ranks (None: always gather)
