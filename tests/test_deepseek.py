@@ -265,3 +265,28 @@ def test_engine_takes_the_checkpoint_unchanged(checkpoints, references):
                    cache_tokens=128, timeout_s=60) as engine:
         results = engine.generate([PROMPT, short], max_new_tokens=NEW_TOKENS, ignore_eos=True)
     assert [r.token_ids for r in results] == expected
+
+
+def test_cli_generate_reports_kv_bytes_per_token(checkpoints, references, tmp_path):
+    from typer.testing import CliRunner
+
+    from treeattn.cli import app
+
+    ids = tmp_path / "ids.json"
+    ids.write_text(json.dumps(PROMPT))
+    result = CliRunner().invoke(app, ["generate", str(checkpoints["v2"][0]), "--prompt-ids", str(ids), "--max-new-tokens",
+                                      str(NEW_TOKENS), "--no-stop", "--json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["generated_ids"] == references["v2"]
+    assert report["kv_bytes_per_token"] == COMMON["num_hidden_layers"] * (COMMON["kv_lora_rank"] + COMMON["qk_rope_head_dim"]) * 4
+
+
+def test_shared_context_samples_and_static_step(checkpoints, references):
+    """num_samples > 1 (bifurcated attention over the latent cache): greedy samples all equal the
+    reference; the static (graph-safe) step is refused before any work, naming the model class."""
+    model = load_model(checkpoints["v3"][0])
+    result = generate(model, PROMPT, max_new_tokens=NEW_TOKENS, num_samples=2, stop_tokens=[])
+    assert result.generated_ids == [references["v3"]] * 2
+    with pytest.raises(ValueError, match="static_decode=True cannot run this model .*LlamaModel only, not DeepseekModel"):
+        generate(model, PROMPT, max_new_tokens=2, static_decode=True)

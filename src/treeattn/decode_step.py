@@ -58,6 +58,8 @@ def graph_safe_reason(model: LlamaModel, batch_size: int = 1) -> str | None:
     kernel must take the model's attention: triton installed, float16/bfloat16/float32, a head dim
     that is a power of two from 16 to 256.
     """
+    if not isinstance(model, LlamaModel):
+        return f"the static step runs LlamaModel only, not {type(model).__name__}"
     if model.device.type != "cuda":
         return None
     from treeattn.ops.attention import _triton_decode_module

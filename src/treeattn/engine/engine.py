@@ -531,12 +531,13 @@ def _is_id(t) -> bool:
 
 
 def _check_model(model) -> None:
+    from treeattn.models.deepseek import DeepseekModel
     from treeattn.models.llama import LlamaModel
 
-    if isinstance(model, LlamaModel):
+    if isinstance(model, (LlamaModel, DeepseekModel)):
         return
     if not isinstance(model, (str, os.PathLike)):
-        raise ValueError(f"model must be a LlamaModel or a checkpoint path, got {type(model).__name__}")
+        raise ValueError(f"model must be a LlamaModel, a DeepseekModel or a checkpoint path, got {type(model).__name__}")
     if not Path(model).exists():
         raise ValueError(f"model: no such file or directory: {model}")
 
