@@ -218,7 +218,8 @@ def test_two_ranks_say_the_max_position_warning_once(checkpoint, tmp_path, ids_f
     (directory / "config.json").write_text(json.dumps(config))
     (directory / "model.safetensors").symlink_to(checkpoint / "model.safetensors")
     out = subprocess.run([sys.executable, "-m", "treeattn", "generate", str(directory), "--prompt-ids", str(ids_file),
-                          "--max-new-tokens", "6", "--nproc", "2", "--json"], capture_output=True, text=True, timeout=120)
+                          "--max-new-tokens", "6", "--nproc", "2", "--json", "--allow-beyond-context"],
+                         capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["generated_ids"] == expected
     assert out.stderr.count("16 positions exceed the model's max_position_embeddings=8") == 1, out.stderr
