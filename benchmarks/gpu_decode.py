@@ -242,7 +242,7 @@ def _split_kernel_values(Sq, Hq, Hkv, Dh, dtype, paged, Sk=65536, block_size=16)
         stride_po_split=Sq * Hq * Dh, stride_po_b=Sq * Hq * Dh, stride_po_q=Hq * Dh, stride_po_h=Dh,
         stride_pl_split=Hq * Sq, stride_pl_b=Hq * Sq, stride_pl_h=Sq,
         stride_qpos_b=0, stride_qpos_s=1, stride_kvpos_b=0, stride_kvpos_s=1,
-        stride_bt_b=Sk // block_size, stride_bt_n=1,
+        stride_bt_b=Sk // block_size, stride_bt_n=1, stride_sl=1,
         Sq=Sq, Sk=Sk, Hkv=Hkv, group=Hq // Hkv, split_len=4096, block_size=block_size if paged else 1,
         window=7, scale_log2=0.1, softcap_log2=72.1,
     )

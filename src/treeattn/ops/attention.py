@@ -117,6 +117,8 @@ def attention(
 
     group = Hq // Hkv
     use_flash = softcap is None and _fused_flash_takes(q, D, Dv, group * Sq)  # fused kernels take no score transform
+    if use_flash:  # once here, not per block: the fused kernels read only some layouts correctly
+        q, k, v = fused_kernel_layout(q), fused_kernel_layout(k), fused_kernel_layout(v)
     # Fold GQA: (B, Sq, Hkv, G, D) -> (B, Hkv, G * Sq, D); row r = g * Sq + i.
     q_rows = q.view(B, Sq, Hkv, group, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, group * Sq, D)
     k_heads = k.transpose(1, 2)  # (B, Hkv, Sk, D), a strided view: no copy
@@ -297,12 +299,34 @@ def _fused_flash_takes(q: torch.Tensor, D: int, Dv: int, rows_per_kv_head: int) 
     return False
 
 
+def fused_kernel_layout(t: torch.Tensor) -> torch.Tensor:
+    """t itself when torch's fused flash kernels read its layout correctly, else a contiguous copy.
+
+    The private ops this module calls trust their inputs' layout (the public
+    scaled_dot_product_attention checks and copies first): the CPU kernel reads each row of the
+    last dim as one run and silently returns wrong values when stride(-1) != 1 (a slice [..., ::2],
+    one half of a stacked (..., D, 2) tensor, a stride-0 expanded last dim); the CUDA kernel also
+    loads 16-byte vectors, so its data pointer and every other stride must be 16-byte aligned.
+    Stride 0 (expanded) and any order in the other dims are read correctly and kept: a cache
+    slice, a transposed or an expanded KV costs no copy.
+    """
+    if t.shape[-1] > 1 and t.stride(-1) != 1:
+        return t.contiguous()
+    if t.device.type == "cuda":
+        vector = 16 // t.element_size()
+        if t.data_ptr() % 16 != 0 or any(stride % vector for stride in t.stride()[:-1]):
+            return t.contiguous()
+    return t
+
+
 def _fused_flash(q, k, v, *, scale, attn_mask=None, is_causal=False):
     """torch's fused flash-attention op of q's device, returning (out (B, H, L, Dv) in q.dtype, lse (B, H, L) float32).
 
-    q (B, H, L, D), k and v (B, H, S, D) with stride(-1) == 1; is_causal aligns top-left. The CUDA
-    op takes no attn_mask (callers pass masked blocks elsewhere).
+    q (B, H, L, D), k and v (B, H, S, D), any layout (fused_kernel_layout copies the ones the
+    kernels misread; attention() has already done so once per call); is_causal aligns top-left.
+    The CUDA op takes no attn_mask (callers pass masked blocks elsewhere).
     """
+    q, k, v = fused_kernel_layout(q), fused_kernel_layout(k), fused_kernel_layout(v)
     if q.device.type == "cuda":
         if attn_mask is not None:
             raise ValueError("the CUDA flash kernel takes no attn_mask")

@@ -73,7 +73,7 @@ def _split_kv_kernel(
     stride_po_split, stride_po_b, stride_po_q, stride_po_h,
     stride_pl_split, stride_pl_b, stride_pl_h,
     stride_qpos_b, stride_qpos_s, stride_kvpos_b, stride_kvpos_s,
-    stride_bt_b, stride_bt_n,
+    stride_bt_b, stride_bt_n, stride_sl,
     Sq, Sk, Hkv, group, split_len, block_size, window, scale_log2, softcap_log2,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_Q_POS: tl.constexpr, HAS_KV_POS: tl.constexpr,
@@ -108,7 +108,7 @@ def _split_kv_kernel(
     q = tl.load(q_rows[:, None] + offs_d[None, :] * stride_qd, mask=row_valid[:, None], other=0.0)
 
     if PAGED:
-        seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
+        seq_len = tl.load(seq_lens_ptr + b * stride_sl).to(tl.int32)
     else:
         seq_len = Sk
     start = split * split_len
@@ -316,8 +316,9 @@ def paged_decode_attention(
         q: (B, Sq, Hq, D), 1 <= Sq <= 16, float16, bfloat16 or float32.
         k_pool: (num_blocks, block_size, Hkv, D), same dtype and device, any strides.
         v_pool: (num_blocks, block_size, Hkv, Dv), any strides.
-        block_table: (B, max_blocks) int32 physical block ids.
-        seq_lens: (B,) int32 or int64 valid keys per sequence, 0 <= seq_lens[b] <= max_blocks * block_size.
+        block_table: (B, max_blocks) int32 physical block ids, any strides.
+        seq_lens: (B,) int32 or int64 valid keys per sequence, 0 <= seq_lens[b] <= max_blocks * block_size;
+            any stride.
         scale, causal, window: as in ``decode_attention``. Without q_pos, query i of sequence b
             sits at position seq_lens[b] - Sq + i (bottom-right).
         q_pos: int64 (Sq,) or (B, Sq) query positions.
@@ -531,7 +532,7 @@ def _decode(q, k, v, block_table, seq_lens, capacity, scale, causal, q_pos, kv_p
                 *q.stride(), *k.stride(), *v.stride(),
                 *part_out.stride()[:4], *part_lse.stride()[:3],
                 *qpos_strides, *kvpos_strides,
-                *(block_table.stride() if paged else (0, 0)),
+                *(block_table.stride() if paged else (0, 0)), seq_lens.stride(0) if paged else 0,
                 Sq, capacity, Hkv, group, split_len, k.shape[1] if paged else 1,
                 window if window is not None else 0, scale * _LOG2E, (softcap if softcap is not None else 1.0) * _LOG2E,
                 D=D, DV=Dv, BLOCK_M=block_m, BLOCK_N=block_n,
