@@ -116,3 +116,18 @@ def test_an_index_mapping_a_tensor_to_the_wrong_file_names_both(broken):
 def test_a_device_that_does_not_exist_is_named_before_reading(checkpoint, device):
     with pytest.raises(ValueError, match=rf"device.*{device!r}"):
         load_model(checkpoint, device=device)
+
+
+
+@pytest.mark.parametrize("rope", [dict(rope_theta=float("nan")), dict(factor=-4.0), dict(mscale=float("inf"))])
+def test_deepseek_configs_are_checked_the_same_way(rope):
+    from test_deepseek import COMMON, YARN
+
+    from treeattn.models.loader import config_from_dict
+
+    raw = dict(COMMON, architectures=["DeepseekV3ForCausalLM"], q_lora_rank=None, n_shared_experts=1, n_group=1, topk_group=1)
+    assert config_from_dict(dict(raw, rope_parameters=dict(YARN, mscale=0.0))).rope_type == "yarn"  # YaRN's mscale may be 0
+    with pytest.raises(ValueError, match="must be a finite (positive )?number"):
+        config_from_dict(dict(raw, rope_parameters=dict(YARN, **rope)))
+    with pytest.raises(ValueError, match="rms_norm_eps must be a finite positive number, got -1e-06"):
+        config_from_dict(dict(raw, rms_norm_eps=-1e-6))

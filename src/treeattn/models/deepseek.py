@@ -52,7 +52,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from treeattn.models.llama import AttendFn, KVStore, RMSNorm
+from treeattn.models.llama import AttendFn, KVStore, RMSNorm, check_norm_and_rope
 
 ATTENTION_FORMS = ("auto", "absorbed", "naive")
 SUPPORTED_ROPE_TYPES = ("default", "yarn")
@@ -119,6 +119,7 @@ class DeepseekConfig:
             raise ValueError(f"router must be one of {ROUTERS}, got {self.router!r}")
         if self.rope_type not in SUPPORTED_ROPE_TYPES:
             raise ValueError(f"rope_type must be one of {SUPPORTED_ROPE_TYPES}, got {self.rope_type!r}")
+        check_norm_and_rope(self)
         if self.has_moe:
             _check_int("moe_intermediate_size", self.moe_intermediate_size, 1)
             _check_int("num_experts_per_tok", self.num_experts_per_tok, 1)

@@ -76,12 +76,7 @@ class LlamaConfig:
             raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
         if self.rope_type not in SUPPORTED_ROPE_TYPES:
             raise ValueError(f"rope_type must be one of {SUPPORTED_ROPE_TYPES}, got {self.rope_type!r}")
-        for name, value in [("rms_norm_eps", self.rms_norm_eps), ("rope_theta", self.rope_theta)] + [
-                (f"rope_scaling.{k}", v) for k, v in self.rope_scaling.items() if isinstance(v, (int, float)) and not isinstance(v, bool)]:
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value > 0):
-                raise ValueError(f"{name} must be a finite positive number, got {value!r}")
-        if isinstance(self.max_position_embeddings, bool) or not isinstance(self.max_position_embeddings, int) or self.max_position_embeddings < 1:
-            raise ValueError(f"max_position_embeddings must be a positive int, got {self.max_position_embeddings!r}")
+        check_norm_and_rope(self)
         if not self.layer_windows:
             self.layer_windows = (None,) * self.num_layers
         self.layer_windows = tuple(self.layer_windows)
@@ -102,6 +97,26 @@ class LlamaConfig:
         if any(w is None for w in self.layer_windows):
             return None
         return max(self.layer_windows)
+
+
+# rope_scaling entries that scale lengths or frequencies: they must be > 0 (the others only finite;
+# e.g. YaRN's mscale may be 0).
+POSITIVE_ROPE_SCALING = ("factor", "original_max_position_embeddings", "low_freq_factor", "high_freq_factor")
+
+
+def check_norm_and_rope(config) -> None:
+    """The numbers a NaN or a sign error in config.json would silently turn into NaN activations:
+    rms_norm_eps and rope_theta finite and > 0, rope_scaling's numbers finite (lengths and factors
+    > 0), max_position_embeddings a positive int. Raises ValueError naming the field."""
+    numbers = [("rms_norm_eps", config.rms_norm_eps, True), ("rope_theta", config.rope_theta, True)]
+    numbers += [(f"rope_scaling.{k}", v, k in POSITIVE_ROPE_SCALING) for k, v in config.rope_scaling.items()
+                if isinstance(v, (int, float)) and not isinstance(v, bool)]
+    for name, value, positive in numbers:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or (positive and value <= 0):
+            raise ValueError(f"{name} must be a finite {'positive ' if positive else ''}number, got {value!r}")
+    limit = config.max_position_embeddings
+    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+        raise ValueError(f"max_position_embeddings must be a positive int, got {limit!r}")
 
 
 def rope_inverse_frequencies(config: LlamaConfig) -> torch.Tensor:
