@@ -243,20 +243,15 @@ class _RankGroup:
         return [self.results[rank] for rank in range(self.nprocs)]
 
     def _watch(self) -> None:
-        """Until every rank has finished or failed: collect outcomes, watch heartbeats, and end
-        the rest `grace` seconds after the first failure."""
+        """Until every rank has finished or failed: collect outcomes, end the ranks that went
+        silent, and end the rest `grace` seconds after the first failure."""
         running = set(range(self.nprocs))
-        beats = [0] * self.nprocs
-        last_sign = [time.monotonic()] * self.nprocs  # parent time at which each rank last showed life
-        last_loop = time.monotonic()
+        liveness = _Liveness(self.heartbeats)
         deadline = None
         while running:
             waiting = [self.readers[r] for r in running if r not in self.outcomes] + [self.procs[r].sentinel for r in running]
             ready = multiprocessing.connection.wait(waiting, timeout=0.2)
             now = time.monotonic()
-            if now - last_loop > 2.0:  # this process was itself stopped or starved: nobody's silence counts
-                last_sign = [now] * self.nprocs
-            last_loop = now
             for rank in sorted(running):
                 if rank not in self.outcomes and self.readers[rank] in ready:
                     self._receive(rank)
@@ -264,12 +259,8 @@ class _RankGroup:
                     self.procs[rank].join()
                     running.discard(rank)
                     self._settle(rank)
-                elif self.heartbeats[rank] != beats[rank]:
-                    beats[rank], last_sign[rank] = self.heartbeats[rank], now
-            silent = {r: now - last_sign[r] for r in running if now - last_sign[r] > (self.timeout if beats[r] else max(self.timeout, STARTUP_S))}
-            if self.failures and deadline is None:  # the first failure: was it caused by a rank that went quiet?
-                silent |= {r: now - last_sign[r] for r in running
-                           if (beats[r] and now - last_sign[r] > 4 * HEARTBEAT_S) or _process_state(self.procs[r].pid) == "T"}
+            liveness.update(now)
+            silent = self._silent(running, liveness, now, first_failure=bool(self.failures) and deadline is None)
             if silent:
                 self._blame_silent(silent)
                 running -= set(silent)
@@ -280,6 +271,19 @@ class _RankGroup:
                     self.failures[rank] = f"terminated: still running {self.grace:.0f} s after rank {next(iter(self.failures))} failed"
                 self._kill(sorted(running))
                 running.clear()
+
+    def _silent(self, running: set[int], liveness: _Liveness, now: float, first_failure: bool) -> dict[int, float]:
+        """rank -> seconds without a heartbeat, for the running ranks to be ended as silent: those
+        quiet for `timeout` (max(timeout, STARTUP_S) before their first beat); and, when a first
+        failure just arrived, those already quiet for 4 beats or stopped (it is likely the cause)."""
+        silent = {}
+        for rank in running:
+            quiet = now - liveness.last[rank]
+            limit = self.timeout if liveness.started(rank) else max(self.timeout, STARTUP_S)
+            suspect = first_failure and ((liveness.started(rank) and quiet > 4 * HEARTBEAT_S) or _process_state(self.procs[rank].pid) == "T")
+            if quiet > limit or suspect:
+                silent[rank] = quiet
+        return silent
 
     def _receive(self, rank: int) -> None:
         try:
@@ -319,6 +323,27 @@ class _RankGroup:
                 proc.kill()  # SIGKILL: works on stopped processes too
             if proc.pid is not None:
                 proc.join()
+
+
+class _Liveness:
+    """When each rank last showed life (its heartbeat counter moved), on this process's clock."""
+
+    def __init__(self, counters) -> None:
+        self.counters = counters
+        self.seen = [0] * len(counters)
+        self.last = [time.monotonic()] * len(counters)
+        self._last_update = time.monotonic()
+
+    def update(self, now: float) -> None:
+        if now - self._last_update > 2.0:  # this process was itself stopped or starved: nobody's silence counts
+            self.last = [now] * len(self.last)
+        self._last_update = now
+        for rank, count in enumerate(self.counters):
+            if count != self.seen[rank]:
+                self.seen[rank], self.last[rank] = count, now
+
+    def started(self, rank: int) -> bool:
+        return self.seen[rank] > 0
 
 
 _STATES = {"T": "stopped by a signal (SIGSTOP/SIGTSTP)", "t": "stopped by a debugger", "D": "waiting on I/O (uninterruptible)",
