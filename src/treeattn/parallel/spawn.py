@@ -287,9 +287,14 @@ class _RankGroup:
 
     def _receive(self, rank: int) -> None:
         try:
-            self.outcomes[rank] = pickle.loads(self.readers[rank].recv_bytes())
+            data = self.readers[rank].recv_bytes()
         except (EOFError, OSError):  # the rank died before (or while) sending
             self.outcomes[rank] = ("none", None)
+            return
+        try:
+            self.outcomes[rank] = pickle.loads(data)
+        except Exception as exc:  # noqa: BLE001 -- e.g. a class the parent cannot import
+            self.outcomes[rank] = ("error", f"the parent could not unpickle the rank's result: {type(exc).__name__}: {exc}")
 
     def _settle(self, rank: int) -> None:
         """Rank `rank`'s process has exited: record its result or its failure."""
@@ -382,9 +387,12 @@ def _rank_main(rank, world_size, port, backend, timeout, parent_pid, heartbeats,
         store = dist.TCPStore(HOST, port, world_size=None, is_master=False, timeout=timedelta(seconds=timeout))
         dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout))
         result = fn(rank, world_size, *args)
-        # Plain pickle: Connection.send would pickle tensors as shared-memory handles, which the
-        # parent cannot open once this process has exited.
+        # plain pickle, by value: multiprocessing's own pickler would pass tensors as shared-memory
+        # handles that the parent can only open while this process, about to exit, still runs
         result_pipe.send_bytes(pickle.dumps(("ok", result)))
+        if world_size > 1:
+            with contextlib.suppress(Exception):  # a peer that failed is the parent's to report
+                dist.barrier()  # leave together: a rank closing its connections early fails a peer still setting up
     except BaseException as exc:  # noqa: BLE001 -- every failure must reach the parent
         text = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
         with contextlib.suppress(Exception):
