@@ -138,3 +138,43 @@ def roundtrip_model(hf_model, qtype):
             if param.ndim == 2:
                 param.copy_(torch.from_numpy(roundtrip(param.float().numpy(), qtype)))
     return model
+
+
+SPM_PIECES = ["▁", "t", "h", "e", "a", "c", "o", "w", "r", "l", "d", "s", "▁t", "he", "▁the", "at", "▁c", "▁cat", "or", "▁w",
+              "▁wor", "ld", "▁world"]
+
+
+def write_spm_gguf(path, hf_model) -> None:
+    """A GGUF whose tokenizer is SentencePiece BPE (tokenizer.ggml.model "llama": Llama 2, Mistral):
+    <unk> <s> </s>, the 256 byte pieces <0x00>..<0xFF>, then SPM_PIECES scored best-first.
+    `hf_model` must have vocab_size == 3 + 256 + len(SPM_PIECES); its weights are stored in F32."""
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + SPM_PIECES
+    writer = gguf.GGUFWriter(str(path), "llama")
+    cfg = hf_model.config
+    writer.add_context_length(64)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(tokens)
+    writer.add_token_types([2, 3, 3] + [6] * 256 + [1] * len(SPM_PIECES))
+    writer.add_token_scores([0.0] * 259 + [-float(i) for i in range(len(SPM_PIECES))])
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_unk_token_id(0)
+    for hf_name, tensor in hf_model.state_dict().items():
+        data = tensor.detach().float().numpy()
+        name = gguf_name(hf_name)
+        if ".attn_q." in name:
+            data = permute(data, cfg.num_attention_heads)
+        elif ".attn_k." in name:
+            data = permute(data, cfg.num_key_value_heads)
+        writer.add_tensor(name, data)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()

@@ -146,3 +146,22 @@ def test_missing_tokenizer_and_template_are_none(models, tmp_path):
         from treeattn.generate import generate
 
         generate(model, [{"role": "user", "content": "hi"}], max_new_tokens=1)
+
+
+def test_sentencepiece_tokenizer_matches_transformers_gguf_tokenizer(tmp_path):
+    """tokenizer.ggml.model "llama" (SentencePiece BPE, byte fallback, BOS added) against
+    transformers' tokenizer built from the same file."""
+    from gguf_files import SPM_PIECES, write_spm_gguf
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(**{**COMMON, "num_hidden_layers": 1, "vocab_size": 259 + len(SPM_PIECES)})
+    write_spm_gguf(tmp_path / "spm.gguf", transformers.LlamaForCausalLM(config).eval())
+    ours = load_tokenizer(tmp_path / "spm.gguf")
+    theirs = transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file="spm.gguf")
+    for text in ["the cat", "hello world", "the world the cat", "ünï 🎉 cat\n"]:
+        ids = ours.encode(text).ids
+        assert ids == theirs(text).input_ids, text
+        assert ids[0] == 1 and ours.decode(ids) == text
+    # Text that starts with a space: SentencePiece's dummy prefix gives "▁" + "▁the" (as Llama 2's
+    # tokenizer and llama.cpp do); transformers' GGUF conversion drops that "▁".
+    assert ours.encode(" the").ids == [1, ours.token_to_id("▁"), ours.token_to_id("▁the")]

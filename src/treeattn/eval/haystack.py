@@ -48,8 +48,8 @@ FILLER = (
     "Sheep graze on the high pastures all summer and are brought down before the first snow.",
     "The potter fires her kiln once a month and invites neighbours to watch the glaze change colour.",
 )
-NEEDLE = "The secret number of the silver key is {answer}."
-QUESTION = "What is the secret number of the silver key? Answer with the number only."
+NEEDLE = "The secret number is {answer}."
+QUESTION = "What is the secret number? Answer with the number only."
 
 
 @dataclass(frozen=True)

@@ -85,7 +85,7 @@ def run_needle(
     decode: str = "tree",
     method: str = "allreduce",
     check_methods: bool = True,
-    max_new_tokens: int = 12,
+    max_new_tokens: int = 16,
     seed: int = 0,
     threads: int | None = None,
     allow_beyond_context: bool = False,
