@@ -21,6 +21,7 @@ from test_gguf import hf_model  # noqa: E402
 from typer.testing import CliRunner  # noqa: E402
 
 import treeattn as ta  # noqa: E402
+from treeattn.eval.haystack import FILLER  # noqa: E402
 from treeattn.cli import app  # noqa: E402
 from treeattn.models.chat import encode_chat, messages  # noqa: E402
 
@@ -102,15 +103,17 @@ def test_allow_beyond_context_runs_and_says_so(files):
 
 def test_eval_needle_methods_and_rank_counts_agree(files, tmp_path):
     png = tmp_path / "needle.png"
-    common = ["eval", "needle", str(files["tiny"]), "--lengths", "48,96", "--depths", "0,1", "--max-new-tokens", "3", "--json"]
+    common = ["eval", "needle", str(files["tiny"]), "--lengths", "200,260", "--depths", "0,1", "--max-new-tokens", "3", "--json"]
     sharded = runner.invoke(app, common + ["--nproc", "2", "--heatmap", str(png)])
     assert sharded.exit_code == 0, sharded.output
     report = json.loads(sharded.stdout)
-    assert [(c["length"], c["depth"]) for c in report["cells"]] == [(48, 0.0), (48, 1.0), (96, 0.0), (96, 1.0)]
+    assert [(c["length"], c["depth"]) for c in report["cells"]] == [(200, 0.0), (200, 1.0), (260, 0.0), (260, 1.0)]
     assert report["methods"] == ["tree (allreduce)", "tree (onepass)", "tree (tree)", "ring (pass-KV)"] and report["methods_agree"]
     for cell in report["cells"]:
         assert len(set(map(tuple, cell["method_ids"].values()))) == 1
         assert cell["correct"] == (cell["answer"] in cell["reply"])
+        longest_sentence = max(len(s.encode()) for s in FILLER) + 1  # tokens, at most, in this byte-level vocabulary
+        assert cell["length"] - longest_sentence < cell["prompt_tokens"] <= cell["length"]
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     single = json.loads(runner.invoke(app, common).stdout)
     assert [c["generated_ids"] for c in single["cells"]] == [c["generated_ids"] for c in report["cells"]]
@@ -128,7 +131,7 @@ def test_eval_needle_bad_input(files, args, match):
 
 
 def test_demo_on_a_gguf_model_checks_tree_ring_and_one_process(files):
-    result = runner.invoke(app, ["demo", "--model", str(files["tiny"]), "--context", "80", "--nproc", "2", "--new-tokens", "3"])
+    result = runner.invoke(app, ["demo", "--model", str(files["tiny"]), "--context", "240", "--nproc", "2", "--new-tokens", "3"])
     assert result.exit_code == 0, result.output
     text = " ".join(result.stdout.split())
     assert "question: What is the secret number" in text and "hidden fact:" in text

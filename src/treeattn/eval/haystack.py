@@ -7,8 +7,9 @@
 
 The haystack is built from FILLER, plain sentences with no digits, shuffled per seed, so the needle
 (the only number in the document) is the one fact a model can retrieve. Nothing is downloaded.
-The document is cut by tokens: its length in tokens is fixed before the needle and the question
-are added, and the needle sits after the sentence nearest `depth` (0: first, 1: last).
+The prompt is cut by tokens: the filler gets what the chat template, instructions, needle and
+question leave of `context_tokens`, and the needle sits after the sentence nearest `depth` (0:
+first, 1: last).
 """
 
 from __future__ import annotations
@@ -59,7 +60,8 @@ class NeedleCase:
     Attributes:
         prompt_ids: token ids of the rendered chat prompt (document, question, generation prompt).
         answer: the hidden number as text.
-        context_tokens: requested document length in tokens (the prompt is a little longer).
+        context_tokens: requested prompt length in tokens (the rendered prompt is within a
+            sentence of it, never longer).
         depth: requested needle depth in [0, 1]; actual_depth: where it landed, by tokens.
         question: the question asked.
     """
@@ -73,21 +75,26 @@ class NeedleCase:
 
 
 def needle_case(tokenizer, template, *, context_tokens: int, depth: float, seed: int = 0, system: str | None = None) -> NeedleCase:
-    """Build a document of `context_tokens` tokens (tokenizer's count) with the needle at `depth`,
-    and render it with the question through the chat `template`."""
+    """Build a prompt of about `context_tokens` tokens (tokenizer's count; the filler is cut to what
+    the template, instructions, needle and question leave) with the needle at `depth`, rendered
+    with the question through the chat `template`."""
     from treeattn.models.chat import encode_chat, messages
 
     if not 0 <= depth <= 1:
         raise ValueError(f"depth must be in [0, 1], got {depth}")
     rng = random.Random(seed * 1_000_003 + context_tokens)
     answer = str(rng.randrange(1000, 10000))
+    frame = len(encode_chat(tokenizer, template, messages(_user_message(NEEDLE.format(answer=answer)), system=system)))
+    budget = context_tokens - frame
+    if budget < 1:
+        raise ValueError(f"context_tokens={context_tokens} leaves no room for filler: the question and template take {frame}")
     sentences, lengths, total = [], [], 0
-    while total < context_tokens:
+    while total < budget:
         batch = list(FILLER)
         rng.shuffle(batch)
         for sentence in batch:
             n = len(tokenizer.encode(" " + sentence, add_special_tokens=False).ids)
-            if total + n > context_tokens:
+            if total + n > budget:
                 break
             sentences.append(sentence)
             lengths.append(n)
@@ -98,9 +105,12 @@ def needle_case(tokenizer, template, *, context_tokens: int, depth: float, seed:
     cut = min(range(len(sentences) + 1), key=lambda i: abs(sum(lengths[:i]) - depth * total))
     needle = NEEDLE.format(answer=answer)
     document = " ".join(sentences[:cut] + [needle] + sentences[cut:])
-    user = f"Read the document and answer the question.\n\nDocument:\n{document}\n\nQuestion: {QUESTION}"
-    ids = encode_chat(tokenizer, template, messages(user, system=system))
+    ids = encode_chat(tokenizer, template, messages(_user_message(document), system=system))
     return NeedleCase(ids, answer, context_tokens, depth, sum(lengths[:cut]) / max(total, 1), QUESTION)
+
+
+def _user_message(document: str) -> str:
+    return f"Read the document and answer the question.\n\nDocument:\n{document}\n\nQuestion: {QUESTION}"
 
 
 def is_correct(reply: str, case: NeedleCase) -> bool:

@@ -26,7 +26,8 @@ ALL_METHODS = (("tree", "allreduce"), ("tree", "onepass"), ("tree", "tree"), ("r
 
 @dataclass
 class NeedleCell:
-    """One (length, depth) cell."""
+    """One (length, depth) cell. prompt_tokens: the rendered prompt (at most `length`; a length equal
+    to the model's window is cut by max_new_tokens so that the answer fits)."""
 
     length: int
     depth: float
@@ -67,10 +68,10 @@ class NeedleReport:
 
 
 def default_lengths(context_window: int) -> list[int]:
-    """Powers of two from 1024 up to the largest that leaves room for the question and answer
-    inside the model's window (at least one length)."""
+    """Powers of two from 1024 up to the model's window (the longest is cut to leave room for the
+    answer), at least one length."""
     lengths, n = [], 1024
-    while n + 256 <= context_window:
+    while n <= context_window:
         lengths.append(n)
         n *= 2
     return lengths or [max(64, context_window // 2)]
@@ -102,7 +103,9 @@ def run_needle(
     if files.chat_template is None:
         raise ValueError(f"{model_path}: the model has no chat template: the eval asks its question through one")
     window = files.config.max_position_embeddings
-    cases = [needle_case(files.tokenizer, files.chat_template, context_tokens=n, depth=d, seed=seed) for n in lengths for d in depths]
+    fit = window - max_new_tokens  # a length up to the window is cut so that the answer fits too
+    cases = [needle_case(files.tokenizer, files.chat_template, context_tokens=min(n, fit) if n <= window else n, depth=d, seed=seed)
+             for n in lengths for d in depths]
     longest = max(len(c.prompt_ids) for c in cases) + max_new_tokens
     if longest > window and not allow_beyond_context:
         raise ValueError(f"--lengths: the longest prompt needs {longest} positions, beyond the model's context window of {window} "
@@ -123,7 +126,7 @@ def run_needle(
             logger.error("length %d depth %.2f: decode methods disagree: %s", case.context_tokens, case.depth,
                          {r.name: r.result.generated_ids[0] for r in row})
         cells.append(NeedleCell(
-            length=case.context_tokens, depth=case.depth, prompt_tokens=len(case.prompt_ids), answer=case.answer,
+            length=lengths[len(cells) // len(depths)], depth=case.depth, prompt_tokens=len(case.prompt_ids), answer=case.answer,
             reply=reply, correct=is_correct(reply, case), generated_ids=ids, methods_agree=agree,
             method_ids={r.name: r.result.generated_ids[0] for r in row}, prefill_s=first.prefill_s,
             time_per_token_s=first.time_per_token_s if first.decode_steps else None,
