@@ -345,3 +345,12 @@ def test_non_finite_logits_fail_that_request_alone(engine, references):
         assert bad.finish_reason == "error" and "not finite" in bad.error and bad.token_ids == []
         assert good.finish_reason == "length" and good.token_ids == references[1]
         assert poisoned.healthy and poisoned.stats()["blocks_cached"] == poisoned.stats()["blocks_used"]
+
+
+def test_an_idle_engine_outlives_the_group_timeout():
+    """Ranks wait for the next plan in a collective; an idle driver keeps them short of its timeout."""
+    with ta.Engine(_model(), nproc=2, block_size=16, cache_tokens=512, timeout_s=2.0, threads_per_rank=1) as engine:
+        first = engine.generate([[3, 4, 5]], max_new_tokens=2)[0]
+        time.sleep(5)
+        assert engine.healthy
+        assert engine.generate([[3, 4, 5]], max_new_tokens=2)[0].token_ids == first.token_ids

@@ -226,6 +226,7 @@ class Engine:
         self._ids = itertools.count()
         self._closed = False
         self._failure: str | None = None
+        self._last_contact = time.monotonic()  # of the driver with the ranks (see KEEPALIVE)
         self._counters = {"prompt_tokens": 0, "generated_tokens": 0}
         self._lock = threading.Lock()
         if joined or self.config.nproc == 1:  # one rank needs no process of its own: it runs in the driver thread
@@ -367,12 +368,14 @@ class Engine:
                 if not self._take_messages(block):
                     break
                 if not self.scheduler.has_work:
+                    self._update_stats()  # a cancel or a refused request changed the counts
                     continue
                 plan = self.scheduler.schedule()
                 if not plan.chunks:
                     self._fail_stuck_head()
                     continue
                 sampled = self._channel.run(plan)
+                self._last_contact = time.monotonic()
                 now = time.perf_counter()
                 for seq, token, reason in self.scheduler.complete(plan, sampled):
                     self._on_token(self._by_seq[seq.seq_id], token, reason, now)
@@ -403,6 +406,9 @@ class Engine:
                 if block and not self._channel.alive():  # idle, and the ranks are gone
                     raise EngineError("the engine's rank processes ended")
                 if block:
+                    if time.monotonic() - self._last_contact > self.config.timeout_s / 4:
+                        self._channel.run(KEEPALIVE)  # idle ranks wait in a collective: keep it short of the timeout
+                        self._last_contact = time.monotonic()
                     continue
                 return True
             block = False
@@ -579,6 +585,11 @@ def _broadcast_plan(plan, rank: int, group=None):
     return plan
 
 
+# A plan that runs nothing: the idle driver sends one every timeout_s / 4 so that ranks waiting for
+# the next plan in a collective never reach the group's timeout.
+KEEPALIVE = "keepalive"
+
+
 def _serve_steps(runner: RankRunner, receive, reply) -> None:
     """A rank's loop: take the next plan (rank 0 from `receive`, the others by broadcast), run it,
     (rank 0) `reply` with the sampled tokens. Ends on a None plan."""
@@ -587,6 +598,10 @@ def _serve_steps(runner: RankRunner, receive, reply) -> None:
         plan = _broadcast_plan(receive() if rank == 0 else None, rank, runner.group)
         if plan is None:
             return
+        if plan == KEEPALIVE:
+            if rank == 0:
+                reply(("ok", {}))
+            continue
         try:
             sampled = runner.step(plan)
         except BaseException as exc:
@@ -700,7 +715,8 @@ class _GroupChannel:
         return True
 
     def run(self, plan) -> dict[int, int]:
-        return self.runner.step(_broadcast_plan(plan, 0, self.group))
+        plan = _broadcast_plan(plan, 0, self.group)
+        return {} if plan == KEEPALIVE else self.runner.step(plan)
 
     def close(self) -> None:
         _broadcast_plan(None, 0, self.group)

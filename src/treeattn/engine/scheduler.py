@@ -191,6 +191,11 @@ class Scheduler:
             if seq is None:  # finished (cancelled) while the step ran
                 continue
             seq.num_computed = chunk.start + len(chunk.tokens)
+            failed = chunk.sample is not None and sampled[chunk.seq_id] is None
+            if self.prefix_cache is not None and chunk.start < len(seq.prompt) and not failed:
+                # Prefilled full blocks are shared at once (RadixAttention): a request that arrives
+                # while this one still runs reuses them, not only after it finishes.
+                self.prefix_cache.insert(seq.tokens[: seq.num_computed], seq.blocks)
             if chunk.sample is None:
                 continue
             token = sampled[chunk.seq_id]
