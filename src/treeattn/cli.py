@@ -20,6 +20,7 @@ LAZY_COMMANDS = {
     "simulate": ("treeattn.sim.cli", "simulate"),
     "bench": ("treeattn.bench.cli", "bench_app"),
     "eval": ("treeattn.eval.cli", "eval_app"),
+    "serve": ("treeattn.serve.cli", "serve_command"),
 }
 
 

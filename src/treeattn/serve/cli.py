@@ -1,0 +1,93 @@
+"""`treeattn serve`: the OpenAI-compatible server on the command line (parses, validates, prints)."""
+
+from __future__ import annotations
+
+import os
+import sys
+from enum import Enum
+from pathlib import Path
+
+import typer
+
+
+class Decode(str, Enum):
+    tree = "tree"
+    ring = "ring"
+    local = "local"
+
+
+class Method(str, Enum):
+    allreduce = "allreduce"
+    tree = "tree"
+    twolevel = "twolevel"
+    onepass = "onepass"
+
+
+class Placement(str, Enum):
+    contiguous = "contiguous"
+    interleaved = "interleaved"
+
+
+class DType(str, Enum):
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+    float16 = "float16"
+
+
+def serve_command(
+    model: Path = typer.Argument(..., help="Hugging Face checkpoint directory or .gguf file."),
+    nproc: int = typer.Option(1, "--nproc", min=1, help="Ranks sharing the KV cache (ignored under torchrun: its world size)."),
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to bind; 0.0.0.0 to listen on every interface."),
+    port: int = typer.Option(8000, "--port", min=0, max=65535, help="Port (0: any free port, printed at start)."),
+    decode: Decode = typer.Option(Decode.tree, "--decode", help="Decode attention across ranks."),
+    method: Method | None = typer.Option(None, "--method", help="tree_decode combine (default: onepass, one collective per layer)."),
+    placement: Placement = typer.Option(Placement.contiguous, "--placement"),
+    max_batch_size: int = typer.Option(16, "--max-batch-size", min=1, help="Sequences decoded together at most."),
+    cache_tokens: int | None = typer.Option(None, "--cache-tokens", min=1, help="KV cache size in tokens over all ranks."),
+    prefix_cache: bool = typer.Option(True, "--prefix-cache/--no-prefix-cache", help="Reuse cached prompt prefixes."),
+    block_size: int = typer.Option(256, "--block-size", min=1, help="Tokens per KV cache block."),
+    dtype: DType = typer.Option(DType.float32, "--dtype"),
+    api_key: str | None = typer.Option(None, "--api-key", envvar="TREEATTN_API_KEY",
+                                       help="Require 'Authorization: Bearer KEY' on every endpoint but /health."),
+    served_model_name: str | None = typer.Option(None, "--served-model-name", help="The model id clients name (default: the file or directory name)."),
+    max_pending: int = typer.Option(256, "--max-pending", min=1, help="Requests (choices) in flight at most; more get 429."),
+    timeout: float = typer.Option(60.0, "--timeout", min=0.001, help="Seconds a rank may stay silent before the engine fails."),
+    drain: float = typer.Option(30.0, "--drain", min=0.0, help="Seconds to let running requests finish after SIGTERM."),
+) -> None:
+    """Serve MODEL over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics)."""
+    import torch
+
+    from treeattn.serve.server import ServeOptions, serve
+
+    if not model.exists():
+        _fail(f"MODEL: no such file or directory: {model}")
+    under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    if decode is Decode.local and nproc > 1 and not under_torchrun:
+        _fail(f"--decode local runs on one rank, but --nproc {nproc}; use --decode tree or ring")
+    try:
+        options = ServeOptions(host=host, port=port, model_name=served_model_name, api_key=api_key, max_pending=max_pending,
+                               drain_s=drain)
+    except ValueError as exc:
+        _fail(str(exc))
+    engine_options = dict(nproc=nproc, decode=decode.value, method=method.value if method else None,
+                          placement=placement.value, max_batch_size=max_batch_size, cache_tokens=cache_tokens,
+                          prefix_cache=prefix_cache, block_size=block_size, dtype=getattr(torch, dtype.value), timeout_s=timeout)
+
+    def ready(bound_host: str, bound_port: int) -> None:
+        typer.echo(f"treeattn serve: {model} on http://{bound_host}:{bound_port} ({nproc} rank(s), decode {decode.value})",
+                   err=True)
+
+    try:
+        status = serve(str(model), options, engine_options, on_ready=ready)
+    except (ValueError, TypeError) as exc:
+        _fail(str(exc))
+    raise typer.Exit(status)
+
+
+def _fail(message: str) -> None:
+    typer.echo(f"treeattn serve: error: {message}", err=True)
+    raise typer.Exit(2)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(typer.run(serve_command))

@@ -1,0 +1,96 @@
+"""Prometheus metrics of the server (GET /metrics), on a registry of its own.
+
+Counted by the server as requests pass:
+    treeattn_requests_total{endpoint, status}        requests answered, by HTTP status
+    treeattn_time_to_first_token_seconds            histogram, from submission to the first token
+    treeattn_time_per_output_token_seconds          histogram, per request: decode time / (tokens - 1)
+    treeattn_prompt_tokens_total, treeattn_generation_tokens_total
+Read from the engine at every scrape (engine.stats()):
+    treeattn_requests_running, treeattn_requests_waiting (the queue length)
+    treeattn_kv_blocks{state="used"|"free"|"cached"}, treeattn_prefix_cache_hit_tokens_total
+    treeattn_generation_tokens_per_second           generated tokens over the last 10 s
+    treeattn_healthy                                1 while the engine and its ranks are alive
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+_RATE_WINDOW_S = 10.0
+
+
+class ServerMetrics:
+    """The server's metrics; `engine` is read at scrape time."""
+
+    def __init__(self, engine) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter("treeattn_requests", "Requests answered, by endpoint and HTTP status",
+                                ["endpoint", "status"], registry=self.registry)
+        self.ttft = Histogram("treeattn_time_to_first_token_seconds", "Seconds from submission to the first token",
+                              buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.tpot = Histogram("treeattn_time_per_output_token_seconds", "Seconds per generated token after the first",
+                              buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.prompt_tokens = Counter("treeattn_prompt_tokens", "Prompt tokens of finished requests", registry=self.registry)
+        self.generation_tokens = Counter("treeattn_generation_tokens", "Generated tokens", registry=self.registry)
+        self._recent: collections.deque[tuple[float, int]] = collections.deque()
+        self._lock = threading.Lock()
+        self.registry.register(_EngineCollector(engine, self))
+
+    def record_result(self, result) -> None:
+        """Account one finished choice (a treeattn RequestResult)."""
+        tokens = len(result.token_ids)
+        self.prompt_tokens.inc(result.prompt_tokens)
+        self.generation_tokens.inc(tokens)
+        if tokens:
+            self.ttft.observe(result.ttft_s)
+        if tokens > 1:
+            self.tpot.observe(result.decode_s / (tokens - 1))
+        with self._lock:
+            self._recent.append((time.monotonic(), tokens))
+
+    def tokens_per_second(self) -> float:
+        now = time.monotonic()
+        with self._lock:
+            while self._recent and now - self._recent[0][0] > _RATE_WINDOW_S:
+                self._recent.popleft()
+            return sum(n for _, n in self._recent) / _RATE_WINDOW_S
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _EngineCollector:
+    """Gauges read off engine.stats() when /metrics is scraped."""
+
+    def __init__(self, engine, metrics: ServerMetrics) -> None:
+        self.engine = engine
+        self.metrics = metrics
+
+    def collect(self):
+        stats = self.engine.stats()
+        yield _gauge("treeattn_requests_running", "Requests decoding or prefilling now", stats.get("running", 0))
+        yield _gauge("treeattn_requests_waiting", "Requests queued for admission", stats.get("waiting", 0))
+        blocks = GaugeMetricFamily("treeattn_kv_blocks", "KV cache blocks (each rank holds its part of every block)",
+                                   labels=["state"])
+        for state in ("used", "free", "cached"):
+            blocks.add_metric([state], stats.get(f"blocks_{state}", 0))
+        yield blocks
+        hits = CounterMetricFamily("treeattn_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache")
+        hits.add_metric([], stats.get("prefix_hit_tokens", 0))
+        yield hits
+        yield _gauge("treeattn_generation_tokens_per_second", "Generated tokens per second over the last 10 s",
+                     self.metrics.tokens_per_second())
+        yield _gauge("treeattn_healthy", "1 while the engine and its ranks are alive", 1.0 if stats.get("healthy") else 0.0)
+
+
+def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:
+    family = GaugeMetricFamily(name, documentation)
+    family.add_metric([], value)
+    return family

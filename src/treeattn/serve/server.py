@@ -1,0 +1,147 @@
+"""Run the HTTP server: start the engine, serve the app with uvicorn, drain on SIGTERM, exit when a rank dies.
+
+    treeattn serve MODEL --nproc 4 --port 8000                  # MODEL: HF directory or .gguf
+    torchrun --nproc-per-node 4 -m treeattn serve MODEL          # rank 0 serves HTTP, the others decode
+
+Signals: SIGTERM, SIGHUP and SIGINT stop accepting connections, let the running requests finish
+(up to `drain_s` seconds, then they are cut), close the engine (its rank processes exit) and return
+0. A rank that dies makes the engine unhealthy: /health answers 503 and the server stops and
+returns 1 within the engine's timeout plus a second.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from dataclasses import dataclass
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    """Where and how to serve (the engine's own options are passed to ta.Engine as they are)."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    model_name: str | None = None  # default: the checkpoint's file or directory name
+    api_key: str | None = None
+    max_pending: int = 256
+    drain_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.port, bool) or not isinstance(self.port, int) or not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be an int in [0, 65535], got {self.port!r}")
+        if not (isinstance(self.drain_s, (int, float)) and self.drain_s >= 0):
+            raise ValueError(f"drain_s must be a number >= 0, got {self.drain_s!r}")
+
+
+def serve(model, options: ServeOptions, engine_options: dict, *, on_ready=None) -> int:
+    """Serve `model` until a signal or a failure; returns the process exit status (0 or 1).
+
+    Args:
+        model: checkpoint path (HF directory or .gguf) or a loaded model.
+        options: ServeOptions.
+        engine_options: keyword arguments of ta.Engine (nproc, decode, method, ...).
+        on_ready: called with the bound (host, port) once the server accepts connections.
+    """
+    import uvicorn
+
+    from treeattn.engine import Engine
+    from treeattn.serve.app import ServerConfig, create_app
+
+    engine = Engine(model, **engine_options)
+    if not engine.is_driver:  # under torchrun: this rank served the driver's steps until it closed
+        return 0
+    try:
+        template, eot_ids = _chat_template(model, engine.tokenizer)
+        config = ServerConfig(model_name=options.model_name or _default_name(model), api_key=options.api_key,
+                              max_pending=options.max_pending)
+        app = create_app(engine, config, chat_template=template, eot_ids=eot_ids)
+        server = _DrainingServer(uvicorn.Config(app, host=options.host, port=options.port, log_level="warning",
+                                                timeout_graceful_shutdown=options.drain_s, lifespan="off"))
+        failed = threading.Event()
+        watchdog = threading.Thread(target=_watch, args=(engine, server, failed), daemon=True, name="treeattn-serve-watchdog")
+        watchdog.start()
+        if on_ready is not None:
+            threading.Thread(target=_announce, args=(server, on_ready), daemon=True).start()
+        server.run()
+        return 1 if failed.is_set() or not engine.healthy else 0
+    finally:
+        engine.close()
+
+
+def _draining_server_class():
+    import contextlib
+
+    import uvicorn
+
+    class DrainingServer(uvicorn.Server):
+        """uvicorn's server, with SIGHUP handled like SIGTERM (stop accepting, drain, return) and
+        without re-raising the signal afterwards, so that the engine is closed and the exit
+        status says how serving ended."""
+
+        @contextlib.contextmanager
+        def capture_signals(self):
+            if threading.current_thread() is not threading.main_thread():
+                yield
+                return
+            handled = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+            previous = {sig: signal.signal(sig, self.handle_exit) for sig in handled}
+            try:
+                yield
+            finally:
+                for sig, handler in previous.items():
+                    signal.signal(sig, handler)
+
+    return DrainingServer
+
+
+def _DrainingServer(config):  # noqa: N802 -- a class made on first use (uvicorn is imported lazily)
+    return _draining_server_class()(config)
+
+
+def _watch(engine, server, failed: threading.Event) -> None:
+    """Stop the server once the engine is unhealthy (a rank died or stopped answering)."""
+    while not server.should_exit:
+        if not engine.healthy:
+            logger.error("the engine failed (a rank died or stopped answering): stopping the server")
+            failed.set()
+            server.should_exit = True
+            return
+        threading.Event().wait(0.5)
+
+
+def _announce(server, on_ready) -> None:
+    while not server.started and not server.should_exit:
+        threading.Event().wait(0.05)
+    if server.started:
+        sockets = [s for srv in server.servers for s in srv.sockets]
+        host, port = sockets[0].getsockname()[:2]
+        on_ready(host, port)
+
+
+def _chat_template(model, tokenizer):
+    """(the checkpoint's ChatTemplate or None, the end-of-turn ids to stop at)."""
+    import os
+
+    from treeattn.models.chat import end_of_turn_id, read_chat_template
+
+    if isinstance(model, (str, os.PathLike)):
+        template = read_chat_template(model)
+    else:
+        template = getattr(model, "chat_template", None)
+    if template is None or tokenizer is None:
+        return template, ()
+    eot = end_of_turn_id(tokenizer, template)
+    return template, ((eot,) if eot is not None else ())
+
+
+def _default_name(model) -> str:
+    import os
+
+    if isinstance(model, (str, os.PathLike)):
+        name = os.path.basename(os.path.normpath(os.fspath(model)))
+        return name[: -len(".gguf")] if name.endswith(".gguf") else name
+    return "treeattn-model"

@@ -1,0 +1,365 @@
+"""`treeattn serve` over real sockets, with the official openai client and raw HTTP.
+
+A tiny random Llama is written as a GGUF file with a byte-level tokenizer and a ChatML template
+(tests/gguf_files.py). The server runs as `python -m treeattn serve` in its own process with 2
+gloo ranks; greedy answers must equal ta.Engine.generate on the same prompts (one in-process
+rank: the engine's results do not depend on the rank count, tests/test_engine.py). Faults: a
+client that disconnects frees its blocks; SIGTERM drains the running request and leaves no rank
+process; a killed rank turns /health to 503 and the server exits non-zero.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import gguf
+import httpx
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+openai = pytest.importorskip("openai")
+
+from gguf_files import VOCAB, write_gguf  # noqa: E402
+
+import treeattn as ta  # noqa: E402
+from treeattn.models import load_tokenizer  # noqa: E402
+from treeattn.models.chat import encode_chat, end_of_turn_id, read_chat_template  # noqa: E402
+
+KEY = "test-key"
+NAME = "tiny"
+ENGINE_ARGS = ["--block-size", "16", "--cache-tokens", "4096", "--max-batch-size", "8"]
+
+
+@pytest.fixture(scope="module")
+def model_file(tmp_path_factory) -> Path:
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, vocab_size=VOCAB, bos_token_id=1, eos_token_id=2,
+                                      initializer_range=0.1, rms_norm_eps=1e-5, tie_word_embeddings=False,
+                                      rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    path = tmp_path_factory.mktemp("serve") / f"{NAME}.gguf"
+    write_gguf(path, transformers.LlamaForCausalLM(config).eval(), gguf.GGMLQuantizationType.F16, context_length=512)
+    return path
+
+
+class Server:
+    """`treeattn serve` in a child process on a free port."""
+
+    def __init__(self, model: Path, *extra: str) -> None:
+        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "treeattn", "serve", str(model), "--port", "0", *ENGINE_ARGS, *extra],
+            stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env)
+        self.lines: list[str] = []
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            line = self.process.stderr.readline()
+            if not line:
+                raise RuntimeError(f"server exited ({self.process.wait()}): {''.join(self.lines)}")
+            self.lines.append(line)
+            match = re.search(r"on (http://[\d.]+:\d+)", line)
+            if match:
+                self.url = match.group(1)
+                break
+        else:
+            raise RuntimeError("server did not start")
+        threading.Thread(target=self._drain_stderr, daemon=True).start()
+        self.children = _children(self.process.pid)
+
+    def _drain_stderr(self) -> None:
+        for line in self.process.stderr:
+            self.lines.append(line)
+
+    def client(self, key: str | None = KEY) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=key or "none", max_retries=0, timeout=120)
+
+    def http(self, key: str | None = KEY) -> httpx.Client:
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        return httpx.Client(base_url=self.url, headers=headers, timeout=120)
+
+    def stop(self) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+        try:
+            return self.process.wait(timeout=60)
+        finally:
+            if self.process.poll() is None:
+                self.process.kill()
+
+
+def _children(pid: int) -> list[int]:
+    """Every live descendant of pid (from /proc)."""
+    parents = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            parents[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
+    found, frontier = [], [pid]
+    while frontier:
+        parent = frontier.pop()
+        kids = [p for p, pp in parents.items() if pp == parent]
+        found += kids
+        frontier += kids
+    return found
+
+
+def _alive(pids: list[int]) -> list[int]:
+    alive = []
+    for pid in pids:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state != "Z":
+            alive.append(pid)
+    return alive
+
+
+def _metrics(server: Server) -> dict[str, float]:
+    text = server.http().get("/metrics").text
+    values = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            values[name] = float(value)
+    return values
+
+
+def _wait_idle(server: Server, timeout: float = 20.0) -> dict[str, float]:
+    """Wait until nothing runs or waits and every used block belongs to the prefix cache."""
+    deadline = time.monotonic() + timeout
+    while True:
+        m = _metrics(server)
+        idle = (m["treeattn_requests_running"] == 0 and m["treeattn_requests_waiting"] == 0
+                and m['treeattn_kv_blocks{state="used"}'] == m['treeattn_kv_blocks{state="cached"}'])
+        if idle or time.monotonic() > deadline:
+            return m
+        time.sleep(0.2)
+
+
+@pytest.fixture(scope="module")
+def server(model_file):
+    srv = Server(model_file, "--nproc", "2", "--api-key", KEY, "--served-model-name", NAME)
+    yield srv
+    assert srv.stop() == 0
+    time.sleep(0.5)
+    assert _alive(srv.children) == []
+
+
+@pytest.fixture(scope="module")
+def reference(model_file):
+    """Greedy answers of ta.Engine on one in-process rank, and the chat encoding."""
+    engine = ta.Engine(str(model_file), nproc=1, block_size=16, cache_tokens=4096, max_batch_size=8)
+    tokenizer, template = load_tokenizer(model_file), read_chat_template(model_file)
+    eot = end_of_turn_id(tokenizer, template)
+
+    def complete(prompt, max_tokens, **kw):
+        return engine.generate([prompt], max_new_tokens=max_tokens, **kw)[0]
+
+    def chat(messages, max_tokens):
+        ids = encode_chat(tokenizer, template, messages)
+        return complete(ids, max_tokens, stop_token_ids=[eot])
+
+    yield complete, chat
+    engine.close()
+
+
+PROMPTS = ["the cat", "hello there", "a b c d e f", "the theme of the day", "xyz"]
+
+
+def test_models_and_health(server):
+    models = server.client().models.list()
+    assert [m.id for m in models.data] == [NAME]
+    assert server.http(key=None).get("/health").json() == {"status": "ok"}
+
+
+@pytest.mark.parametrize("prompt", ["hello there", [5, 6, 7, 8, 9, 10]])
+def test_completions_equal_the_engine(server, reference, prompt):
+    complete, _ = reference
+    expected = complete(prompt, 8)
+    response = server.client().completions.create(model=NAME, prompt=prompt, max_tokens=8, temperature=0)
+    choice = response.choices[0]
+    assert choice.token_ids == expected.token_ids
+    assert choice.text == expected.text
+    assert choice.finish_reason == ("length" if expected.finish_reason == "length" else "stop")
+    assert response.usage.prompt_tokens == expected.prompt_tokens
+    assert response.usage.completion_tokens == len(expected.token_ids)
+
+
+def test_streamed_completion_equals_the_engine_and_ends_with_done(server, reference):
+    complete, _ = reference
+    expected = complete("the cat", 10)
+    chunks = list(server.client().completions.create(model=NAME, prompt="the cat", max_tokens=10, temperature=0, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == expected.text
+    assert chunks[-1].choices[0].finish_reason is not None
+    with server.http().stream("POST", "/v1/completions", json={"model": NAME, "prompt": "the cat", "max_tokens": 3,
+                                                               "temperature": 0, "stream": True}) as response:
+        lines = [line for line in response.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]"
+    assert all(line.startswith("data: ") for line in lines)
+
+
+def test_chat_completions_stream_and_not_equal_the_engine(server, reference):
+    _, chat = reference
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "the theme?"}]
+    expected = chat(messages, 12)
+    client = server.client()
+    response = client.chat.completions.create(model=NAME, messages=messages, max_tokens=12, temperature=0)
+    assert response.choices[0].message.content == expected.text
+    assert response.choices[0].message.role == "assistant"
+    chunks = list(client.chat.completions.create(model=NAME, messages=messages, max_tokens=12, temperature=0, stream=True,
+                                                 stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected.text
+    assert chunks[-1].usage.completion_tokens == len(expected.token_ids)
+
+
+def test_n_choices_share_the_prompt(server, reference):
+    complete, _ = reference
+    long_prompt = "the theme " * 12  # more than one 16-token block
+    expected = complete(long_prompt, 6)
+    hits_before = _metrics(server)["treeattn_prefix_cache_hit_tokens_total"]
+    response = server.client().completions.create(model=NAME, prompt=long_prompt, max_tokens=6, temperature=0, n=3)
+    assert [c.index for c in response.choices] == [0, 1, 2]
+    assert all(c.token_ids == expected.token_ids for c in response.choices)
+    assert response.usage.completion_tokens == 3 * len(expected.token_ids)
+    assert _metrics(server)["treeattn_prefix_cache_hit_tokens_total"] > hits_before
+    sampled = server.client().completions.create(model=NAME, prompt="xyz", max_tokens=8, temperature=1.0, seed=3, n=4)
+    assert len({tuple(c.token_ids) for c in sampled.choices}) > 1  # different seeds per choice
+
+
+BAD_REQUESTS = [
+    ({"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+    ({"prompt": "hi", "max_tokens": "5"}, 400, "max_tokens"),
+    ({"prompt": "hi", "max_tokens": 100_000}, 400, "max_tokens"),
+    ({"prompt": "hi", "temperature": -1}, 400, "temperature"),
+    ({"prompt": "hi", "top_p": 0}, 400, "top_p"),
+    ({"prompt": [1, 2, VOCAB + 5]}, 400, "prompt"),
+    ({"prompt": list(range(3, 250)) * 3}, 400, "prompt"),
+    ({"prompt": ""}, 400, "prompt"),
+    ({"prompt": "hi", "logprobs": 3}, 400, "logprobs"),
+    ({"prompt": "hi", "n": 0}, 400, "n"),
+    ({"prompt": "hi", "model": "gpt-4"}, 404, "model"),
+    ({"max_tokens": 3}, 400, "prompt"),
+]
+
+
+@pytest.mark.parametrize("body, status, param", BAD_REQUESTS)
+def test_bad_completion_requests_name_the_field(server, body, status, param):
+    response = server.http().post("/v1/completions", json={"model": NAME, **body})
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and error["message"]
+
+
+def test_bad_chat_requests_malformed_json_and_auth(server):
+    http = server.http()
+    for messages in ([], [{"role": "user"}], [{"role": "wizard", "content": "hi"}]):
+        response = http.post("/v1/chat/completions", json={"model": NAME, "messages": messages})
+        assert response.status_code == 400 and response.json()["error"]["param"].startswith("messages"), response.text
+    response = http.post("/v1/completions", content=b'{"model": "tiny", "prompt": ', headers={"Content-Type": "application/json"})
+    assert response.status_code == 400 and "JSON" in response.json()["error"]["message"]
+    for key in (None, "wrong"):
+        response = server.http(key=key).post("/v1/completions", json={"model": NAME, "prompt": "hi"})
+        assert response.status_code == 401 and response.json()["error"]["type"] == "authentication_error"
+        assert server.http(key=key).get("/v1/models").status_code == 401
+    assert server.client().completions.create(model=NAME, prompt="hi", max_tokens=2, temperature=0).choices  # still serving
+
+
+def test_a_client_that_disconnects_frees_its_blocks(server):
+    with server.http().stream("POST", "/v1/completions", json={"model": NAME, "prompt": "the cat " * 20, "max_tokens": 300,
+                                                               "temperature": 0, "stream": True}) as response:
+        seen = 0
+        for line in response.iter_lines():
+            seen += line.startswith("data: ")
+            if seen == 3:
+                break
+    m = _wait_idle(server)
+    assert m["treeattn_requests_running"] == 0
+    assert m['treeattn_kv_blocks{state="used"}'] == m['treeattn_kv_blocks{state="cached"}']
+
+
+def test_32_concurrent_streaming_clients(server, reference):
+    complete, _ = reference
+    prompts = [f"{PROMPTS[i % len(PROMPTS)]} {i}" for i in range(32)]
+    expected = [complete(p, 6).text for p in prompts]
+    client = server.client()
+
+    def run(prompt):
+        stream = client.completions.create(model=NAME, prompt=prompt, max_tokens=6, temperature=0, stream=True)
+        return "".join(chunk.choices[0].text for chunk in stream)
+
+    with ThreadPoolExecutor(32) as pool:
+        got = list(pool.map(run, prompts))
+    assert got == expected
+    m = _wait_idle(server)
+    assert m["treeattn_requests_running"] == 0
+    assert m['treeattn_kv_blocks{state="used"}'] == m['treeattn_kv_blocks{state="cached"}']
+    assert m['treeattn_requests_total{endpoint="/v1/completions",status="200"}'] >= 32
+
+
+def test_sigterm_drains_the_running_request_and_a_full_queue_answers_429(model_file):
+    srv = Server(model_file, "--nproc", "2", "--max-pending", "2")
+    try:
+        too_many = srv.http().post("/v1/completions", json={"model": NAME, "prompt": "hi", "n": 3})
+        assert too_many.status_code == 429 and too_many.json()["error"]["type"] == "rate_limit_error"
+        lines: list[str] = []
+        started = threading.Event()
+
+        def stream():
+            body = {"model": NAME, "prompt": "the cat", "max_tokens": 150, "temperature": 0, "stream": True,
+                    "stream_options": {"include_usage": True}}
+            with srv.http().stream("POST", "/v1/completions", json=body) as response:
+                for line in response.iter_lines():
+                    if line:
+                        lines.append(line)
+                        started.set()
+
+        reader = threading.Thread(target=stream)
+        reader.start()
+        assert started.wait(60)
+        srv.process.send_signal(signal.SIGTERM)
+        reader.join(60)
+        assert srv.process.wait(timeout=60) == 0
+        assert lines[-1] == "data: [DONE]"
+        chunks = [json.loads(line[len("data: "):]) for line in lines[:-1]]
+        assert chunks[-2]["choices"][0]["finish_reason"] == "length"
+        assert chunks[-1]["usage"]["completion_tokens"] == 150  # every token was generated and sent
+        time.sleep(0.5)
+        assert _alive(srv.children) == []
+    finally:
+        srv.stop()
+
+
+def test_a_dead_rank_turns_health_to_503_and_the_server_exits_nonzero(model_file):
+    srv = Server(model_file, "--nproc", "2", "--timeout", "10")
+    try:
+        ranks = [pid for pid in srv.children if "spawn" in Path(f"/proc/{pid}/cmdline").read_text()]
+        assert ranks, "no rank process found"
+        os.kill(ranks[-1], signal.SIGKILL)
+        status = None
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and srv.process.poll() is None:
+            try:
+                status = srv.http().get("/health").status_code
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        assert srv.process.wait(timeout=5) != 0
+        assert status in (None, 503)
+        time.sleep(0.5)
+        assert _alive(srv.children) == []
+    finally:
+        srv.stop()
