@@ -273,10 +273,6 @@ def format_bytes(n: float) -> str:
     return f"{n:.0f} B"
 
 
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
-
-
 def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
