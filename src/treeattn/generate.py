@@ -323,7 +323,7 @@ class Generation:
         self.model, self.group, self.topology = model, group, topology
         self.rank, self.world_size = _rank_and_size(group)
         self.result: GenerationResult | None = None
-        local_error = None
+        local_error = capacity = block_size = prefill = None  # the last three: resolved below
         try:
             if config is None:
                 config = GenerationConfig(**options)
@@ -350,8 +350,7 @@ class Generation:
                 capacity, block_size, prefill = cache.capacity, cache.block_size, "reused"
         except (ValueError, TypeError) as exc:
             local_error = exc
-        self._agree(config, local_error, capacity=capacity if local_error is None else None,
-                    block_size=block_size if local_error is None else None, prefill=prefill if local_error is None else None)
+        self._agree(config, local_error, capacity=capacity, block_size=block_size, prefill=prefill)
         self.config = config
         self.stop_tokens = frozenset(model.config.eos_token_ids if config.stop_tokens is None else config.stop_tokens)
         self.sampling = config.sampling
