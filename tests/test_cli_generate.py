@@ -208,6 +208,16 @@ def test_ranks_beyond_the_memory_are_refused_and_beyond_the_cores_warned(checkpo
     assert "--nproc 3 ranks for a 2-token prompt: some ranks start with no tokens" in err
     with pytest.raises(ValueError, match=r"--nproc: 4 rank\(s\) x \(.* of weights \+ .* of KV cache\) = .*, more than this machine's"):
         _check_before_spawning(config, checkpoint, [PROMPT], 4, "float32")
+    # under torchrun: the ranks of this machine (LOCAL_WORLD_SIZE) count, and only rank 0 warns
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")
+    monkeypatch.setenv("RANK", "1")
+    _check_before_spawning(config, checkpoint, [PROMPT[:2]], 8, "float32")
+    assert capsys.readouterr().err == ""
+    monkeypatch.setenv("RANK", "0")
+    _check_before_spawning(config, checkpoint, [PROMPT[:2]], 8, "float32")
+    err = " ".join(capsys.readouterr().err.split())
+    assert "--nproc 3 ranks on 2 cores" in err and "--nproc 8 ranks for a 2-token prompt" in err
 
 
 def test_two_ranks_say_the_max_position_warning_once(checkpoint, tmp_path, ids_file, expected):

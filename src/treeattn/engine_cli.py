@@ -215,14 +215,17 @@ def _check_before_spawning(config, model_dir: Path, prompts: list[list[int]], wo
     longest = max(len(p) for p in prompts)
     weights = sum(p.numel() * p.element_size() for p in skeleton.parameters())
     kv = kv_cache_bytes_per_rank(config, model_config, len(prompts), longest, world, torch_dtype)
+    here = int(os.environ.get("LOCAL_WORLD_SIZE", world)) if _under_torchrun() else world  # ranks on this machine
     memory = device_memory_bytes("cpu")
-    if memory is not None and world * (weights + kv) > memory:
-        option = "--nproc" if world > 1 and weights + kv <= memory else "--capacity" if config.capacity is not None else "--max-new-tokens"
-        raise ValueError(f"{option}: {world} rank(s) x ({format_bytes(weights)} of weights + {format_bytes(kv)} of KV cache) "
-                         f"= {format_bytes(world * (weights + kv))}, more than this machine's {format_bytes(memory)} of memory")
+    if memory is not None and here * (weights + kv) > memory:
+        option = "--nproc" if here > 1 and weights + kv <= memory else "--capacity" if config.capacity is not None else "--max-new-tokens"
+        raise ValueError(f"{option}: {here} rank(s) x ({format_bytes(weights)} of weights + {format_bytes(kv)} of KV cache) "
+                         f"= {format_bytes(here * (weights + kv))}, more than this machine's {format_bytes(memory)} of memory")
+    if os.environ.get("RANK", "0") != "0":  # under torchrun, rank 0 warns for all
+        return
     cores = os.cpu_count() or 1
-    if world > cores and not _under_torchrun():
-        stderr.print(f"warning: --nproc {world} ranks on {cores} cores: they will time-share the cores (slower, not faster)")
+    if here > cores:
+        stderr.print(f"warning: --nproc {here} ranks on {cores} cores: they will time-share the cores (slower, not faster)")
     if world > longest:
         stderr.print(f"warning: --nproc {world} ranks for a {longest}-token prompt: some ranks start with no tokens")
 
