@@ -112,6 +112,8 @@ def _rank_worker(rank: int, world_size: int, paths: dict, method: str) -> dict:
     reports = {arch: run_arch(path, method) for arch, path in paths.items()}
     # ranks with different prompts: the same ValueError on every rank, no hang
     model = transformers.AutoModelForCausalLM.from_pretrained(paths["llama"]).eval()
+    torch.manual_seed(rank)  # different RNG states: tahf.generate must seed every rank alike
+    reports["sampled"] = tahf.generate(model, prompt_ids(), max_new_tokens=6, do_sample=True, top_k=20, method=method)
     try:
         tahf.generate(model, (prompt_ids() + rank) % VOCAB, max_new_tokens=2, method=method)
         reports["disagreement"] = "no error"
@@ -142,6 +144,7 @@ def test_sharded_matches_uncached_greedy(saved_models, p, method):
     paths = tuple((arch, entry[0]) for arch, entry in saved_models.items())
     reports = _spawned(p, paths, method)
     for rank, by_arch in enumerate(reports):
+        assert torch.equal(by_arch["sampled"], reports[0]["sampled"]), "sampling must agree across ranks"
         assert by_arch["disagreement"] == reports[0]["disagreement"], "every rank must raise the same error"
         assert "tahf.generate: every rank must pass the same input_ids" in by_arch["disagreement"], by_arch["disagreement"]
         for arch, (_, seq, logits) in saved_models.items():

@@ -40,8 +40,6 @@ from treeattn.hf.attention import bind_cache
 from treeattn.parallel import comm
 from treeattn.parallel.tree_decode import METHODS
 
-PHASES = ("prefill", "decode")
-
 
 class PrefillPart(NamedTuple):
     """What one rank runs of a sharded prefill.

@@ -18,7 +18,6 @@ On every rank of the group, with the same model and input_ids:
 from __future__ import annotations
 
 import hashlib
-import logging
 
 import torch
 import torch.distributed as dist
@@ -28,10 +27,8 @@ from treeattn.hf.attention import ATTN_IMPLEMENTATION
 from treeattn.hf.cache import ShardedCache
 from treeattn.hf.compat import check_model
 from treeattn.parallel import comm
-from treeattn.parallel.metadata import UNKNOWN, gather_metadata
+from treeattn.parallel.metadata import UNKNOWN, gather_metadata, metadata_device
 from treeattn.parallel.tree_decode import METHODS
-
-logger = logging.getLogger(__name__)
 
 # generate() options that need a cache other than one sharded sequence per batch row.
 UNSUPPORTED_OPTIONS = {
@@ -89,7 +86,7 @@ def generate(
     B, N = input_ids.shape
     cache = ShardedCache(model, capacity=N + max_new_tokens, batch_size=B, group=group, placement=placement, method=method)
     if do_sample:
-        _share_seed(group, input_ids.device)
+        _share_seed(group)
     previous = model.config._attn_implementation
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
     if model.config._attn_implementation != ATTN_IMPLEMENTATION:
@@ -154,12 +151,10 @@ def _agree(model, input_ids, max_new_tokens, do_sample, placement, method, group
         raise local_error
 
 
-def _share_seed(group, device) -> None:
+def _share_seed(group) -> None:
     """Seed every rank's torch RNG with one seed drawn on rank 0 (sampling must agree)."""
     seed = torch.randint(0, 2**62, (1,), dtype=torch.int64)
     if _world_size(group) > 1:
-        from treeattn.parallel.metadata import metadata_device
-
         seed = comm.broadcast(seed.to(metadata_device(group)), 0, group).cpu()
     torch.manual_seed(int(seed))
 
