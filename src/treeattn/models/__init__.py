@@ -1,4 +1,4 @@
-"""Llama-family models (Llama, Qwen2, Mistral), their attention algorithms, and the checkpoint loader."""
+"""Llama-family models (Llama, Qwen2, Mistral), DeepSeek-V2/V3 (MLA, MoE), their attention algorithms, and the checkpoint loader."""
 
 from treeattn.models.attention import (
     DECODE_KINDS,
@@ -8,11 +8,14 @@ from treeattn.models.attention import (
     TreeAttention,
     decode_attention,
 )
+from treeattn.models.deepseek import DeepseekConfig, DeepseekModel
 from treeattn.models.llama import LlamaConfig, LlamaModel, random_model
 from treeattn.models.loader import config_from_dict, load_model, load_tokenizer, read_config
 
 __all__ = [
     "DECODE_KINDS",
+    "DeepseekConfig",
+    "DeepseekModel",
     "LlamaConfig",
     "LlamaModel",
     "LocalAttention",

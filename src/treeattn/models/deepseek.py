@@ -505,22 +505,6 @@ class DeepseekModel(nn.Module):
         return F.linear(hidden, weight).float()
 
 
-def random_deepseek_model(config: DeepseekConfig, *, seed: int = 0, dtype: torch.dtype = torch.float32,
-                          std: float = 0.02) -> DeepseekModel:
-    """Reproducible random weights (normal(0, std); norms at 1, correction biases at 0), for tests and benchmarks."""
-    model = DeepseekModel(config, dtype=torch.float32)
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
-                param.fill_(1.0)
-            elif name.endswith("e_score_correction_bias"):
-                param.zero_()
-            else:
-                param.normal_(0.0, std, generator=generator)
-    return model.to(dtype)
-
-
 # ------------------------------------------------------------------------------ config.json
 
 ARCHITECTURES = {"DeepseekV2ForCausalLM": "deepseek_v2", "DeepseekV3ForCausalLM": "deepseek_v3"}
