@@ -4,6 +4,11 @@ output paths, the backend and the memory are checked before anything runs; bad f
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 from itertools import product
 
 import pytest
@@ -161,3 +166,34 @@ def test_plots_and_csv_leave_failed_cases_out(tmp_path):
     write_records(records, tmp_path / "r.csv")
     lines = (tmp_path / "r.csv").read_text().splitlines()
     assert lines[0].split(",")[-1] == "error" and lines[3].endswith("SpawnError: rank 0: boom")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_sigterm_keeps_the_finished_cases_and_leaves_no_rank_or_temp_dir(tmp_path):
+    from test_spawn_faults import SRC, alive, children, wait_for_ranks, wait_gone
+
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    out = tmp_path / "records.json"
+    lengths = [str(n) for n in range(64, 64 + 400)]
+    command = [sys.executable, "-m", "treeattn", "bench", "decode", "-m", "tree", "-p", "2", "--heads", "2", "--head-dim", "8",
+               "--warmup", "0", "--repeats", "1", "-o", str(out), *[x for n in lengths for x in ("-n", n)]]
+    parent = subprocess.Popen(command, env={**os.environ, "PYTHONPATH": SRC, "TMPDIR": str(tmp)},
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    ranks: list[int] = []
+    try:
+        ranks += wait_for_ranks(parent, 2)
+        time.sleep(2.0)
+        parent.send_signal(signal.SIGTERM)
+        _, err = parent.communicate(timeout=30)
+        assert parent.returncode == 130, err[-2000:]
+        assert not wait_gone(ranks, 10.0)
+        records = json.loads(out.read_text())
+        assert "interrupted: keeping the" in err and len(records) < len(lengths)
+        assert [r["seq_len"] for r in records] == [int(n) for n in lengths[: len(records)]]
+        assert list(tmp.iterdir()) == []
+    finally:
+        for pid in [parent.pid, *ranks, *children(parent.pid)]:
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        parent.wait()

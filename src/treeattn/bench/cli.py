@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import signal
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import typer
@@ -95,6 +98,39 @@ def run_with_progress(config: SweepConfig, launcher=None) -> list[dict]:
         if "error" in outcome:
             raise outcome["error"]
         return outcome["records"]
+
+
+def _run_sweep(config: SweepConfig, nodes: int | None, spec, ranks_per_node: int | None) -> list[dict]:
+    """The sweep on local processes, or with --topology in network namespaces."""
+    if nodes is None:
+        return run_with_progress(config)
+    from treeattn.bench.netns import NetnsUnavailable, two_tier_network
+
+    try:
+        with two_tier_network(spec) as net:
+            return run_with_progress(config, net.launcher(ranks_per_node))
+    except NetnsUnavailable as err:
+        typer.echo(f"--topology needs Linux network namespaces, which are not available here: {err}", err=True)
+        raise typer.Exit(0) from None
+
+
+@contextlib.contextmanager
+def _term_as_interrupt() -> Iterator[None]:
+    """SIGTERM and SIGHUP act as Ctrl-C while the sweep runs (main thread only): the finished
+    cases are written and the temporary records folder removed; the ranks end with this process."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {}
+    for name in ("SIGTERM", "SIGHUP"):
+        signum = getattr(signal, name, None)
+        if signum is not None and signal.getsignal(signum) not in (signal.SIG_IGN, None):
+            previous[signum] = signal.signal(signum, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 def _print_records(records: list[dict]) -> None:
@@ -203,17 +239,8 @@ def decode(
 
     interrupted = False
     try:
-        if nodes is None:
-            records = run_with_progress(config)
-        else:
-            from treeattn.bench.netns import NetnsUnavailable, two_tier_network
-
-            try:
-                with two_tier_network(spec) as net:
-                    records = run_with_progress(config, net.launcher(ranks_per_node))
-            except NetnsUnavailable as err:
-                typer.echo(f"--topology needs Linux network namespaces, which are not available here: {err}", err=True)
-                raise typer.Exit(0) from None
+        with _term_as_interrupt():
+            records = _run_sweep(config, nodes, spec if nodes is not None else None, ranks_per_node)
     except SweepInterrupted as stop:
         records, interrupted = stop.records, True
         typer.echo(f"interrupted: keeping the {len(records)} cases done so far", err=True)
