@@ -114,6 +114,8 @@ def test_moe_layers_route_to_several_experts(checkpoints):
     weights, index = moe.gate(x)
     assert index.shape == (40, 3) and index.unique().numel() >= 6
     assert torch.allclose(weights.sum(-1), torch.full((40,), 2.5))  # normalized, times routed_scaling_factor
+    bf16 = load_model(checkpoints["v3"][0], dtype=torch.bfloat16)  # the router's correction bias stays float32, as in transformers
+    assert bf16.layers[1].mlp.gate.e_score_correction_bias.dtype == torch.float32 and bf16.norm.weight.dtype == torch.bfloat16
 
 
 def test_latent_cache_layout_and_bytes(checkpoints):
