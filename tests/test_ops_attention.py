@@ -273,6 +273,62 @@ def test_bad_shapes_and_dtypes(make, exc, pattern):
         ta.attention(*make())
 
 
+# Zero heads or a zero head dim: one ValueError naming the count, from every single-device entry
+# point (before the check, Hq = 0 crashed the process in the fused bf16 kernel: SIGFPE).
+ZERO_SIZES = {
+    "Hq=0": ((1, 1, 0, 16), (1, 4, 2, 16), (1, 4, 2, 16), r"head counts must be positive, got Hq=0"),
+    "Hkv=0": ((1, 1, 2, 16), (1, 4, 0, 16), (1, 4, 0, 16), r"head counts must be positive, got Hq=2 .* Hkv=0"),
+    "D=0": ((1, 1, 2, 0), (1, 4, 2, 0), (1, 4, 2, 16), r"head dims must be positive, got D=0"),
+    "Dv=0": ((1, 1, 2, 16), (1, 4, 2, 16), (1, 4, 2, 0), r"head dims must be positive, got D=16, Dv=0"),
+}
+ENTRY_POINTS = {
+    "attention": lambda q, k, v: ta.attention(q, k, v),
+    "attention causal": lambda q, k, v: ta.attention(q, k, v, causal=True),
+    "graph_safe_attention": lambda q, k, v: ta.ops.graph_safe_attention(q, k, v),
+    "attention_via_energy": lambda q, k, v: ta.attention_via_energy(q, k, v),
+    "reference_attention": lambda q, k, v: ta.reference_attention(q, k, v),
+    "bifurcated_attention": lambda q, k, v: ta.bifurcated_attention(q, k, v, k, v),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("entry", list(ENTRY_POINTS))
+@pytest.mark.parametrize("case", list(ZERO_SIZES))
+def test_zero_heads_or_head_dim_are_refused(case, entry, dtype):
+    *shapes, pattern = ZERO_SIZES[case]
+    q, k, v = (torch.zeros(shape, dtype=dtype) for shape in shapes)
+    with pytest.raises(ValueError, match=pattern) as raised:
+        ENTRY_POINTS[entry](q, k, v)
+    assert "\n" not in str(raised.value)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("B,Sq,Sk", [(0, 1, 5), (0, 100, 100), (2, 0, 5), (2, 0, 0), (2, 1, 0), (2, 100, 0)])
+def test_empty_batch_queries_or_keys_give_empty_or_identity_states(B, Sq, Sk, dtype):
+    """B = 0, Sq = 0 (a rank with no query) and Sk = 0 (an empty shard) are valid: the state has
+    the right shapes, and rows that see no key are out = 0, lse = -inf."""
+    q, k, v = make_qkv(B=B, Sq=Sq, Sk=Sk, dtype=dtype)
+    calls = [lambda: ta.attention(q, k, v), lambda: ta.attention(q, k, v, causal=True),
+             lambda: ta.attention(q, k, v, causal=True, window=3), lambda: ta.ops.graph_safe_attention(q, k, v)]
+    for call in calls:
+        out, lse = call()
+        assert out.shape == (B, Sq, 8, 16) and out.dtype == dtype and lse.shape == (B, 8, Sq)
+        if Sk == 0:
+            assert (out == 0).all() and torch.isneginf(lse).all()
+
+
+def test_window_needs_causal():
+    """window=W is a causal sliding window; without causal=True it would hide only the keys far
+    behind the query and leave every later key visible, so it is refused (one line, naming W)."""
+    q, k, v = make_qkv(Sq=2, Sk=5)
+    for fn in (ta.attention, ta.reference_attention):
+        with pytest.raises(ValueError, match=r"^window=3 needs causal=True: it is a causal sliding window") as raised:
+            fn(q, k, v, window=3)
+        assert "\n" not in str(raised.value)
+    out, lse = ta.attention(q, k, v, causal=True, window=3)  # with causal it is taken
+    assert_state_close(out, lse, *ta.reference_attention(q, k, v, causal=True, window=3), torch.float32)
+
+
 def test_bad_positions_and_options():
     q, k, v = make_qkv(Sq=2, Sk=5)
     with pytest.raises(TypeError, match="q_pos must hold integer"):

@@ -95,6 +95,11 @@ def errors_worker(rank: int, world: int) -> dict:
     report["unknown method"] = run_and_capture(lambda: ta.tree_decode(q, k, v, method="butterfly"))
     report["indivisible topology"] = run_and_capture(lambda: ta.tree_decode(q, k, v, method="twolevel", topology=ta.Topology(2)))
     report["q_pos without kv_pos"] = run_and_capture(lambda: ta.ring_decode(q, k, v, q_pos=torch.tensor([4])))
+    # degenerate shapes: zero heads are refused on every rank; an empty batch is an empty result
+    report["Hq=0 everywhere"] = run_and_capture(lambda: ta.tree_decode(*make_inputs(rank, Hq=0)))
+    report["empty batch"] = [
+        tuple(ta.tree_decode(q[:0], k[:0], v[:0], method=method)[0].shape) for method in ("allreduce", "tree")
+    ] + [tuple(ta.ring_decode(q[:0], k[:0], v[:0], pass_kv=pass_kv)[0].shape) for pass_kv in (True, False)]
     # a q computed differently on each rank, equal up to rounding, is not an error
     report["q off by rounding"] = run_and_capture(lambda: ta.tree_decode(q * (1 + 3e-7 * rank), k, v))
     report["check_qkv calls"] = count_validations(lambda check: ta.tree_decode(q, k, v, check_inputs=check))
@@ -164,6 +169,13 @@ def test_the_same_bad_argument_raises_everywhere(error_reports, name, expected):
 def test_check_inputs_false_validates_once(error_reports):
     """check_inputs=False skips the preamble's validation: only the local attention validates."""
     assert [r["check_qkv calls"] for r in error_reports] == [{True: 2, False: 1}] * 3
+
+
+def test_degenerate_shapes_across_ranks(error_reports):
+    for report in error_reports:
+        kind, message = report["Hq=0 everywhere"]
+        assert kind == "ValueError" and message.startswith("head counts must be positive, got Hq=0")
+        assert report["empty batch"] == [(0, SQ, HQ, D)] * 4
 
 
 def test_q_equal_up_to_rounding_is_accepted(error_reports):

@@ -127,10 +127,11 @@ def test_masks_with_positions_and_window():
     assert torch.isneginf(lse[1, :, 2]).all() and (out[1, 2] == 0).all()  # window 8 leaves nothing at 200
 
 
-def test_window_without_causal():
+def test_window_without_causal_is_refused():
+    """A window is a causal sliding window (as in ta.attention): without causal=True it is refused."""
     q, k, v = make_qkv(Sq=2, Sk=60, seed=6)
-    out, lse = td.decode_attention(q, k, v, window=5)
-    assert_state_close(out, lse, *reference_attention(q, k, v, window=5), torch.float32)
+    with pytest.raises(ValueError, match="window=5 needs causal=True"):
+        td.decode_attention(q, k, v, window=5)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)

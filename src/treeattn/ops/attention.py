@@ -32,7 +32,14 @@ import logging
 import torch
 
 from treeattn.ops.merge import merge_states
-from treeattn.ops.validation import check_positions, check_qkv, check_scale, check_softcap, check_window
+from treeattn.ops.validation import (
+    check_positions,
+    check_qkv,
+    check_scale,
+    check_softcap,
+    check_window,
+    check_window_is_causal,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -67,15 +74,18 @@ def attention(
     """Exact softmax attention over all keys, returning the attention state (out, lse).
 
     Args:
-        q: (B, Sq, Hq, D) float32, float16, bfloat16 or float64.
+        q: (B, Sq, Hq, D) float32, float16, bfloat16 or float64, any strides (results do not
+            depend on the memory layout). B and Sq may be 0; Hq, D >= 1.
         k: (B, Sk, Hkv, D), same dtype and device; Hq % Hkv == 0 (GQA; Hkv == 1 is MQA). Sk may be 0.
-        v: (B, Sk, Hkv, Dv).
+        v: (B, Sk, Hkv, Dv), Dv >= 1.
         scale: softmax scale, default D ** -0.5.
         causal: mask keys whose position is after the query's. Without positions the alignment is
             bottom-right: query i sits at position Sk - Sq + i, key j at position j.
         q_pos: int64 (Sq,) or (B, Sq), absolute positions of the queries.
         kv_pos: int64 (Sk,) or (B, Sk), absolute positions of the keys (any order).
-        window: sliding window W: a key is visible only if q_pos - kv_pos < W.
+        window: causal sliding window W, only with causal=True: a key is visible only if
+            0 <= q_pos - kv_pos < W. Without causal=True it raises ValueError (two-sided windows,
+            flash-attn's window_size=(left, right), are not supported).
         softcap: logit soft-capping c (Gemma 2): each score s = scale * q.k becomes
             c * tanh(s / c) before the softmax. None: no capping.
 
@@ -91,11 +101,12 @@ def attention(
     softcap = check_softcap(softcap)
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    check_window_is_causal(window, causal)
     q_pos = check_positions(q_pos, "q_pos", B, Sq, q.device)
     kv_pos = check_positions(kv_pos, "kv_pos", B, Sk, q.device)
-    masked = causal or window is not None
+    masked = causal
     if not masked and (q_pos is not None or kv_pos is not None):
-        raise ValueError("q_pos/kv_pos only take effect with causal=True or a window; pass causal=True")
+        raise ValueError("q_pos/kv_pos only take effect with causal=True; pass causal=True")
     if q.device.type == "cuda" and (triton_decode := _triton_decode_module()) is not None:
         decoded = triton_decode.try_decode_attention(
             q, k, v, scale=scale, causal=causal, q_pos=q_pos, kv_pos=kv_pos, window=window, softcap=softcap
@@ -109,7 +120,7 @@ def attention(
             q_pos = (torch.arange(Sq, device=q.device) + (Sk - Sq)).unsqueeze(0)
 
     lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-    if Sq == 0 or Sk == 0:
+    if B == 0 or Sq == 0 or Sk == 0:  # nothing to compute: empty, or rows that see no key
         return (
             torch.zeros(B, Sq, Hq, Dv, dtype=q.dtype, device=q.device),
             torch.full((B, Hq, Sq), float("-inf"), dtype=lse_dtype, device=q.device),

@@ -299,7 +299,11 @@ def check_bifurcated_inputs(
                 f"{name} must have the KV head count of {ck_name} (Hkv = {Hkv}), got Hkv = {tensors[name].shape[2]} "
                 f"(shape {tuple(tensors[name].shape)})"
             )
-    if Hkv == 0 or Hq % Hkv != 0:
+    if Hq == 0 or Hkv == 0:
+        raise ValueError(
+            f"head counts must be positive, got Hq={Hq} (q shape {tuple(q.shape)}) and Hkv={Hkv} ({ck_name} shape {tuple(context_k.shape)})"
+        )
+    if Hq % Hkv != 0:
         raise ValueError(
             f"Hq must be a multiple of Hkv (MHA, GQA, MQA), got Hq = {Hq} (q {tuple(q.shape)}) and "
             f"Hkv = {Hkv} ({ck_name} {tuple(context_k.shape)})"
@@ -311,7 +315,7 @@ def check_bifurcated_inputs(
     if decode_v.shape[3] != Dv:
         raise ValueError(f"decode_v must have the value head dim of {cv_name} (Dv = {Dv}), got shape {tuple(decode_v.shape)}")
     if D == 0 or Dv == 0:
-        raise ValueError(f"head dims must be positive, got D = {D}, Dv = {Dv}")
+        raise ValueError(f"head dims must be positive, got D={D}, Dv={Dv}")
     Mc, Md = context_k.shape[1], decode_k.shape[1]
     if context_v.shape[1] != Mc:
         raise ValueError(f"{ck_name} and {cv_name} must have one length, got Mc = {Mc} and {context_v.shape[1]}")

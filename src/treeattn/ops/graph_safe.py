@@ -76,7 +76,7 @@ def graph_safe_attention(
         kv_len = kv_len.clamp(0, Sk)
 
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-    if Sq == 0 or Sk == 0:
+    if B == 0 or Sq == 0 or Sk == 0:  # nothing to compute: empty, or rows that see no key
         return (
             torch.zeros(B, Sq, Hq, Dv, dtype=q.dtype, device=q.device),
             torch.full((B, Hq, Sq), float("-inf"), dtype=acc, device=q.device),

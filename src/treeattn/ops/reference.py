@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from treeattn.ops.validation import check_qkv, check_window_is_causal
+
 
 def reference_attention(
     q: torch.Tensor,
@@ -20,15 +22,15 @@ def reference_attention(
     """Materialize every score in float64 and softmax them. Same contract as ta.attention,
     but returns float64 out (B, Sq, Hq, Dv) and float64 lse (B, Hq, Sq). Small inputs only.
     softcap c: every score s becomes c * tanh(s / c) before masking and softmax."""
-    B, Sq, Hq, D = q.shape
-    Sk, Hkv = k.shape[1], k.shape[2]
+    B, Sq, Sk, Hq, Hkv, D, _ = check_qkv(q, k, v)
+    check_window_is_causal(window, causal)
     scale = D ** -0.5 if scale is None else scale
     group = Hq // Hkv
     qd, kd, vd = q.double(), k.double().repeat_interleave(group, 2), v.double().repeat_interleave(group, 2)
     scores = torch.einsum("bihd,bjhd->bhij", qd, kd) * scale
     if softcap is not None:
         scores = softcap * torch.tanh(scores / softcap)
-    if causal or window is not None:
+    if causal:
         kp = torch.arange(Sk) if kv_pos is None else kv_pos
         qp = torch.arange(Sq) + (Sk - Sq) if q_pos is None else q_pos
         kp = kp.to(scores.device).reshape(-1, 1, 1, Sk) if kp.dim() == 2 else kp.to(scores.device).view(1, 1, 1, Sk)

@@ -38,7 +38,7 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
-from treeattn.ops.validation import check_positions, check_qkv, check_scale, check_softcap, check_window
+from treeattn.ops.validation import check_positions, check_qkv, check_scale, check_softcap, check_window, check_window_is_causal
 
 logger = logging.getLogger(__name__)
 
@@ -270,7 +270,7 @@ def decode_attention(
         causal: mask keys after the query. Without positions, query i sits at Sk - Sq + i.
         q_pos: int64 (Sq,) or (B, Sq) query positions (with causal or window).
         kv_pos: int64 (Sk,) or (B, Sk) key positions, any order (with causal or window).
-        window: sliding window W: a key is visible only if q_pos - kv_pos < W.
+        window: causal sliding window W (only with causal=True): a key is visible only if 0 <= q_pos - kv_pos < W.
         num_splits: key ranges per (batch, KV head); default fills the GPU (a few programs per SM).
         softcap: logit soft-capping c: scores s become c * tanh(s / c); None: none.
 
@@ -401,7 +401,7 @@ def _check_paged(q, k_pool, v_pool, block_table, seq_lens) -> tuple[int, int, in
         raise ValueError(f"k_pool {tuple(k_pool.shape)} and v_pool {tuple(v_pool.shape)} must agree on (num_blocks, block_size, Hkv)")
     if Dk != D:
         raise ValueError(f"head dim mismatch: q has D={D} (shape {tuple(q.shape)}), k_pool has D={Dk} (shape {tuple(k_pool.shape)})")
-    if block_size == 0 or Hkv == 0 or Hq % Hkv != 0:
+    if block_size == 0 or Hq == 0 or Hkv == 0 or Hq % Hkv != 0:
         raise ValueError(f"k_pool must have block_size >= 1 and Hkv dividing Hq={Hq}, got shape {tuple(k_pool.shape)}")
     if not isinstance(block_table, torch.Tensor) or block_table.dim() != 2 or block_table.shape[0] != B:
         raise ValueError(f"block_table must have shape ({B}, max_blocks), got {_shape_of(block_table)}")
@@ -426,10 +426,11 @@ def _check_mask_args(q, scale, causal, q_pos, kv_pos, window, B, Sq, Sk, D):
     window = check_window(window)
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    check_window_is_causal(window, causal)
     q_pos = check_positions(q_pos, "q_pos", B, Sq, q.device)
     kv_pos = check_positions(kv_pos, "kv_pos", B, Sk, q.device)
-    if not (causal or window is not None) and (q_pos is not None or kv_pos is not None):
-        raise ValueError("q_pos/kv_pos only take effect with causal=True or a window; pass causal=True")
+    if not causal and (q_pos is not None or kv_pos is not None):
+        raise ValueError("q_pos/kv_pos only take effect with causal=True; pass causal=True")
     return scale, causal, window, q_pos, kv_pos
 
 

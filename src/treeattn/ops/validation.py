@@ -14,6 +14,9 @@ FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[int, int, int, int, int, int, int]:
     """Validate q (B, Sq, Hq, D), k (B, Sk, Hkv, D), v (B, Sk, Hkv, Dv).
 
+    B, Sq and Sk may be 0 (an empty batch, no query, an empty KV shard: the attention state is then
+    empty, or out = 0 and lse = -inf); Hq, Hkv, D and Dv must be positive.
+
     Returns (B, Sq, Sk, Hq, Hkv, D, Dv).
     """
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -39,7 +42,11 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[int, i
         raise ValueError(f"sequence length mismatch: k has Sk={Sk}, v has Sk={Skv}")
     if Hv != Hkv:
         raise ValueError(f"kv head count mismatch: k has Hkv={Hkv}, v has Hkv={Hv}")
-    if Hkv == 0 or Hq % Hkv != 0:
+    if Hq == 0 or Hkv == 0:
+        raise ValueError(
+            f"head counts must be positive, got Hq={Hq} (q shape {tuple(q.shape)}) and Hkv={Hkv} (k shape {tuple(k.shape)})"
+        )
+    if Hq % Hkv != 0:
         raise ValueError(f"Hq must be a multiple of Hkv (GQA), got Hq={Hq} (q shape {tuple(q.shape)}), Hkv={Hkv} (k shape {tuple(k.shape)})")
     if D == 0 or Dv == 0:
         raise ValueError(f"head dims must be positive, got D={D}, Dv={Dv}")
@@ -110,6 +117,17 @@ def check_window(window: int | None) -> int | None:
     if window <= 0:
         raise ValueError(f"window must be a positive int or None, got {window}")
     return window
+
+
+def check_window_is_causal(window: int | None, causal: bool) -> None:
+    """A window is a causal sliding window (key visible iff 0 <= q_pos - kv_pos < window), so it
+    needs causal=True; without it, it would hide only the keys far behind the query and leave every
+    later key visible. Two-sided windows (flash-attn's window_size=(left, right)) are not supported."""
+    if window is not None and not causal:
+        raise ValueError(
+            f"window={window} needs causal=True: it is a causal sliding window (a key is visible iff "
+            "0 <= q_pos - kv_pos < window); two-sided windows are not supported"
+        )
 
 
 def check_state(out: torch.Tensor, lse: torch.Tensor, name: str) -> None:
