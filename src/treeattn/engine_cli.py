@@ -60,6 +60,11 @@ class RankBy(str, Enum):
     mean_logprob = "mean-logprob"
 
 
+class Speculate(str, Enum):
+    none = "none"
+    ngram = "ngram"
+
+
 class DType(str, Enum):
     float32 = "float32"
     bfloat16 = "bfloat16"
@@ -99,6 +104,9 @@ def generate_command(
     allow_beyond_context: bool = typer.Option(False, "--allow-beyond-context", help="Run even if the prompt + --max-new-tokens "
                                               "exceed the model's context window: positions past it get RoPE angles the model "
                                               "never saw in training, so the output may degrade."),
+    speculate: Speculate = typer.Option(Speculate.none, "--speculate", help="Speculative decoding (one prompt): ngram drafts up "
+                                        "to --draft-tokens tokens per step by prompt lookup, verified in one forward pass."),
+    draft_tokens: int = typer.Option(4, "--draft-tokens", help="Most tokens drafted per step with --speculate, in [1, 16]."),
     timeout: float = typer.Option(60.0, "--timeout", min=0.001, max=1e6, help="Seconds a rank may wait in a collective or show "
                                   "no sign of life before the run fails, naming the rank (see docs/faults.md)."),
 ) -> None:
@@ -112,6 +120,7 @@ def generate_command(
             max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
             stop_tokens=() if no_stop else (tuple(stop_id) or None), num_samples=num_samples, decode=decode.value,
             method=None if method is None else method.value, prefill=prefill.value, placement=placement.value, block_size=block_size, capacity=capacity,
+            speculate=None if speculate is Speculate.none else speculate.value, draft_tokens=draft_tokens,
         )
         if system is not None and not chat:
             raise ValueError("--system is a chat message: give --chat too")
@@ -361,6 +370,8 @@ def _json_report(result: dict, texts, batched: bool, total_s: float, ranking: li
         "time_per_token_s": _finite(result["time_per_token_s"]),
         "tokens_per_s": _finite(result["tokens_per_s"]),
     }
+    if result["speculation"]:  # decode_steps above counts the model's verification forward passes
+        report["speculation"] = {k: _finite(v) if isinstance(v, float) else v for k, v in result["speculation"].items()}
     report["comm"] = {
         "bytes_per_token": _finite(result["comm_bytes_per_token"]),
         "decode_bytes_sent_per_rank": result["comm_bytes_per_rank"],
@@ -390,6 +401,13 @@ def _summary_table(result: dict, total_s: float) -> Table:
     table.add_row("time to first token", f"{result['prefill_s']:.3f} s")
     table.add_row("time per token (decode)", f"{result['time_per_token_s'] * 1e3:.2f} ms" if steps else "-")
     table.add_row("tokens/s (decode)", f"{result['tokens_per_s']:.1f}" if steps else "-")
+    spec = result["speculation"]
+    if spec:
+        table.add_row("decode forward passes", str(steps))
+        table.add_row(f"speculation ({spec['method']}, k={spec['draft_tokens']})",
+                      f"{spec['accepted']}/{spec['drafted']} drafts accepted"
+                      + (f" ({spec['acceptance_rate']:.0%})" if spec["drafted"] else ""))
+        table.add_row("tokens per forward pass", f"{spec['tokens_per_forward']:.2f}" if steps else "-")
     table.add_row("KV cache per rank", ", ".join(_bytes(b) for b in result["kv_bytes_per_rank"]))
     table.add_row("KV cache per token", f"{_bytes(result['kv_bytes_per_token'])} (all layers)")
     table.add_row("comm per token (all ranks)", _bytes(result["comm_bytes_per_token"]) if steps else "-")

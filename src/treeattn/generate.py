@@ -76,6 +76,7 @@ from treeattn.engine.config import (
 )
 from treeattn.models.attention import RingPrefillAttention, attention_backend, group_world_size
 from treeattn.models.llama import LlamaModel
+from treeattn.speculate import NgramDrafter, accept
 
 logger = logging.getLogger(__name__)
 
@@ -132,6 +133,10 @@ class GenerationResult:
             eager) or "graph" (the static step replayed from a CUDA graph).
         decode_setup_s: seconds spent building the static step and capturing its graph, after
             the first token and before the decode steps (in neither prefill_s nor decode_s).
+        speculation: {} without speculative decoding; else method, draft_tokens (k), drafted,
+            accepted, acceptance_rate (accepted / drafted), decoded_tokens (tokens the decode steps
+            produced) and tokens_per_forward (decoded_tokens / decode_steps). decode_steps then
+            counts the model's verification forward passes, one per step.
     """
 
     prompt_tokens: list[int]
@@ -157,6 +162,7 @@ class GenerationResult:
     num_samples: int = 1
     decode_step: str = "dynamic"
     decode_setup_s: float = 0.0
+    speculation: dict = field(default_factory=dict)
 
     @property
     def mean_logprobs(self) -> list[float]:
@@ -170,8 +176,11 @@ class GenerationResult:
 
     @property
     def time_per_token_s(self) -> float:
-        """Mean seconds per decode step (one new token of every sequence); nan without steps."""
-        return self.decode_s / self.decode_steps if self.decode_steps else float("nan")
+        """Mean seconds per decode step (one new token of every sequence), or with speculation per
+        token the decode steps produced; nan without steps."""
+        if not self.decode_steps:
+            return float("nan")
+        return self.decode_s / (self.speculation["decoded_tokens"] if self.speculation else self.decode_steps)
 
     @property
     def tokens_per_s(self) -> float:
@@ -214,6 +223,8 @@ def generate(
     cache: ShardedKVCache | None = None,
     static_decode: bool = False,
     cuda_graph: bool = False,
+    speculate: str | None = None,
+    draft_tokens: int = 4,
     on_token: Callable[[StepOutput], None] | None = None,
 ) -> GenerationResult:
     """Generate continuations of `prompts` with the KV cache sharded across the ranks of `group`.
@@ -260,6 +271,11 @@ def generate(
             step. Needs num_samples == 1; on CUDA a model the Triton decode kernel takes.
         cuda_graph: static_decode, with the step captured in a CUDA graph after warmup and
             replayed for every token. Needs the model on a CUDA device.
+        speculate: None, or "ngram": speculative decoding (one prompt): each step drafts up to
+            draft_tokens tokens by prompt lookup (treeattn.speculate.NgramDrafter), verifies them in
+            one forward pass and keeps what the acceptance rule accepts (greedy: the same tokens as
+            without speculation; temperature > 0: the same distribution). result.speculation reports it.
+        draft_tokens: the most tokens drafted per step, in [1, 16].
         on_token: called with each StepOutput as tokens come (on every rank).
 
     Returns:
@@ -275,7 +291,7 @@ def generate(
         model, prompts, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
         seed=seed, stop_tokens=stop_tokens, num_samples=num_samples, decode=decode, method=method, prefill=prefill,
         placement=placement, block_size=block_size, capacity=capacity, chunk=chunk, group=group, topology=topology,
-        cache=cache, static_decode=static_decode, cuda_graph=cuda_graph,
+        cache=cache, static_decode=static_decode, cuda_graph=cuda_graph, speculate=speculate, draft_tokens=draft_tokens,
     )
     for step in run:
         if on_token is not None:
@@ -422,26 +438,8 @@ class Generation:
             start_rss = _current_rss()
             _reset_peak_rss()
             with comm_stats() as decode_comm:  # each step: one forward pass, then sample and broadcast
-                for index in range(self.max_new_tokens):
-                    if index > 0:
-                        step_start = time.perf_counter()
-                        if static_step is not None:
-                            hidden = static_step(new)
-                        elif self.num_samples == 1:
-                            hidden = self._decode_step(new, next_pos)
-                        else:
-                            hidden = self._sample_step(new, next_pos)
-                        if self.num_samples == 1:
-                            fed.append(new.cpu()[:, None])
-                        new, logprobs = self._next_tokens(hidden, generator, index=index)
-                        next_pos = next_pos + 1
-                        step_times.append(time.perf_counter() - step_start)
-                    outputs.add(new.tolist())
-                    step_logprobs.append(logprobs)
-                    last = index == self.max_new_tokens - 1 or all(outputs.finished)
-                    yield StepOutput(index, new.tolist(), [f or last for f in outputs.finished], time.perf_counter() - self.start_time)
-                    if last:
-                        break
+                steps = self._speculative_steps if self.config.speculate else self._steps
+                yield from steps(new, logprobs, next_pos, generator, static_step, outputs, fed, step_logprobs, step_times)
             decode_s = sum(step_times)
             peak_rss = _peak_rss()
             _remember_tokens(self.cache, torch.cat(fed, dim=1), positions.cpu())
@@ -458,7 +456,112 @@ class Generation:
                 comm_bytes_per_rank=per_rank[1], prefill_comm_bytes_per_rank=per_rank[2],
                 peak_rss_bytes_per_rank=[int(x) for x in per_rank[3]], start_rss_bytes_per_rank=[int(x) for x in per_rank[4]],
                 comm=decode_comm.as_dict(), decode_step=self.decode_step, decode_setup_s=decode_setup_s,
+                speculation=getattr(self, "_speculation", {}),
             )
+
+    def _steps(self, new, logprobs, next_pos, generator, static_step, outputs, fed, step_logprobs, step_times) -> Iterator[StepOutput]:
+        """The decode steps, one new token per sequence each: yields a StepOutput per token (the first
+        one, `new`, sampled after the prefill, included) and appends to outputs, fed (token ids run
+        into the cache), step_logprobs and step_times."""
+        for index in range(self.max_new_tokens):
+            if index > 0:
+                step_start = time.perf_counter()
+                if static_step is not None:
+                    hidden = static_step(new)
+                elif self.num_samples == 1:
+                    hidden = self._decode_step(new, next_pos)
+                else:
+                    hidden = self._sample_step(new, next_pos)
+                if self.num_samples == 1:
+                    fed.append(new.cpu()[:, None])
+                new, logprobs = self._next_tokens(hidden, generator, index=index)
+                next_pos = next_pos + 1
+                step_times.append(time.perf_counter() - step_start)
+            outputs.add(new.tolist())
+            step_logprobs.append(logprobs)
+            last = index == self.max_new_tokens - 1 or all(outputs.finished)
+            yield StepOutput(index, new.tolist(), [f or last for f in outputs.finished], time.perf_counter() - self.start_time)
+            if last:
+                break
+
+    def _speculative_steps(self, new, logprobs, next_pos, generator, static_step, outputs, fed, step_logprobs,
+                           step_times) -> Iterator[StepOutput]:
+        """_steps with speculation (one sequence): each step drafts d <= draft_tokens tokens, runs the
+        last token and the d drafts through the model in one forward pass (d + 1 causal queries at
+        their positions through the decode attention), keeps the accepted drafts and the token after
+        them, and cuts the rejected drafts' keys/values out of the cache on every rank. Yields a
+        StepOutput per token; a step_times entry per forward pass."""
+        drafter = NgramDrafter()
+        k = self.config.draft_tokens
+        context = torch.tensor(self.prompts[0] + [0] * self.max_new_tokens, dtype=torch.int64)
+        length = len(self.prompts[0])
+        stats = {"method": self.config.speculate, "draft_tokens": k, "drafted": 0, "accepted": 0}
+        emitted, emitted_logprobs, index = [int(new[0])], [logprobs], 0
+        while True:
+            for token, token_logprob in zip(emitted, emitted_logprobs):
+                context[length] = token
+                length += 1
+                outputs.add([token])
+                step_logprobs.append(token_logprob)
+                last = index == self.max_new_tokens - 1 or outputs.finished[0]
+                yield StepOutput(index, [token], [True] if last else [False], time.perf_counter() - self.start_time)
+                index += 1
+                if last:
+                    decoded = index - 1
+                    stats.update(acceptance_rate=stats["accepted"] / stats["drafted"] if stats["drafted"] else float("nan"),
+                                 decoded_tokens=decoded, tokens_per_forward=decoded / len(step_times) if step_times else float("nan"))
+                    self._speculation = stats
+                    return
+            step_start = time.perf_counter()
+            draft = drafter.propose(context[:length], min(k, self.max_new_tokens - index - 1))
+            inputs = torch.cat([context[length - 1: length], draft])[None]  # (1, d + 1): the last token, then the drafts
+            positions = next_pos[:, None] + torch.arange(inputs.shape[1], device=next_pos.device)
+            slots = self.cache.extend(positions)
+            hidden = self.model(inputs.to(self.model.device), positions, self.cache.update(slots, slots.owned), self._attend)
+            accepted, emitted, emitted_logprobs = self._verify(hidden[0], draft, generator, index=index)
+            self.cache.truncate(self.cache.length - (draft.numel() - accepted))
+            fed.append(inputs[:, : accepted + 1])
+            next_pos = next_pos + accepted + 1
+            stats["drafted"] += draft.numel()
+            stats["accepted"] += accepted
+            step_times.append(time.perf_counter() - step_start)
+
+    def _verify(self, hidden: torch.Tensor, draft: torch.Tensor, generator: torch.Generator, *, index: int
+                ) -> tuple[int, list[int], list[torch.Tensor]]:
+        """Accept drafts on rank 0 (treeattn.speculate.accept) and broadcast the outcome.
+
+        Args:
+            hidden: (d + 1, hidden_size) final hidden states of the last token and the d drafts.
+            draft: int64 (d,) on the CPU, the same on every rank.
+
+        Returns:
+            (accepted, tokens, logprobs): the number of drafts kept; the accepted + 1 new tokens;
+            their float64 (1,) log-probabilities under the model (zeros on ranks other than 0).
+        """
+        d = draft.numel()
+        outcome = torch.full((2,), -2, dtype=torch.int64)
+        logprobs = torch.zeros(d + 1, dtype=torch.float64)
+        if self.rank == 0:
+            logits = self.model.logits(hidden).float().cpu()  # (d + 1, V)
+            if bool(torch.isfinite(logits).all()):
+                if self.sampling.temperature == 0:
+                    probs = torch.nn.functional.one_hot(logits.argmax(dim=-1), logits.shape[-1]).double()
+                else:
+                    probs = sampling_probs(logits, self.sampling)
+                uniforms = torch.rand(d + 1, generator=generator, dtype=torch.float64)
+                accepted, token = accept(probs, draft, uniforms[:d], float(uniforms[d]))
+                outcome = torch.tensor([accepted, token], dtype=torch.int64)
+                tokens = torch.cat([draft[:accepted], outcome[1:]])
+                logprobs[: accepted + 1] = chosen_logprobs(logits[: accepted + 1], tokens)
+            else:
+                outcome[:] = -1
+        outcome = self._broadcast(outcome.to(hidden.device), src=0).cpu()
+        accepted, token = int(outcome[0]), int(outcome[1])
+        if accepted < 0:
+            raise NonFiniteLogitsError(f"the model produced non-finite logits (NaN or inf) for sequence(s) [0] at new token "
+                                       f"{index} (or one of the {d} drafted after it); generation stopped. {self._locate_non_finite()}")
+        tokens = draft[:accepted].tolist() + [token]
+        return accepted, tokens, [logprobs[i: i + 1] for i in range(accepted + 1)]
 
     def _decode_attention(self):
         return attention_backend(self.decode, method=self.method, group=self.group, topology=self.topology)
@@ -640,7 +743,15 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     logits = logits.float().cpu()
     if params.temperature == 0:
         return logits.argmax(dim=-1)
-    logits = logits / params.temperature
+    cdf = sampling_probs(logits, params).cumsum(dim=-1)
+    draw = torch.rand(logits.shape[0], 1, generator=generator, dtype=torch.float64) * cdf[:, -1:]
+    return torch.searchsorted(cdf, draw, right=True).squeeze(-1).clamp(max=logits.shape[-1] - 1)
+
+
+def sampling_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The distribution sample() draws from, for temperature > 0: float64 (B, V) on the CPU from
+    logits (B, V): logits / temperature, then top-k, then top-p, then softmax."""
+    logits = logits.float().cpu() / params.temperature
     if params.top_k is not None and params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k, dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -651,10 +762,7 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
         drop_sorted = mass_before >= params.top_p  # the most likely token is always kept
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
-    probs = torch.softmax(logits, dim=-1).double()
-    cdf = probs.cumsum(dim=-1)
-    draw = torch.rand(logits.shape[0], 1, generator=generator, dtype=torch.float64) * cdf[:, -1:]
-    return torch.searchsorted(cdf, draw, right=True).squeeze(-1).clamp(max=logits.shape[-1] - 1)
+    return torch.softmax(logits, dim=-1).double()
 
 
 # ----------------------------------------------------------------------------------- helpers

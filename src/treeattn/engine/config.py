@@ -26,6 +26,7 @@ from treeattn.cache.placement import PLACEMENTS, make_placement
 from treeattn.cache.sharded import kv_bytes_per_token
 from treeattn.models.attention import DECODE_KINDS
 from treeattn.parallel.tree_decode import METHODS
+from treeattn.speculate import MAX_DRAFT_TOKENS, SPECULATE_KINDS
 
 PREFILL_KINDS = ("auto", "ring", "local")
 DEFAULT_METHOD = "onepass"
@@ -81,6 +82,9 @@ class GenerationConfig:
         block_size: cache block size in tokens. capacity: cache slots per sequence (None: the
             longest prompt + max_new_tokens). chunk: tokens per chunk of the local prefill.
         static_decode, cuda_graph: the fixed-shape decode step, eager or in a CUDA graph.
+        speculate: None, or "ngram": speculative decoding with prompt-lookup drafts (treeattn.speculate),
+            verified by one forward pass of the model per step. One prompt, num_samples 1, dynamic steps.
+        draft_tokens: the most tokens drafted per step, in [1, MAX_DRAFT_TOKENS].
     """
 
     max_new_tokens: int = 32
@@ -99,6 +103,8 @@ class GenerationConfig:
     chunk: int = 1024
     static_decode: bool = False
     cuda_graph: bool = False
+    speculate: str | None = None
+    draft_tokens: int = 4
 
     def __post_init__(self) -> None:
         for name, low in (("max_new_tokens", 1), ("seed", 0), ("num_samples", 1), ("block_size", 1), ("chunk", 1)):
@@ -125,10 +131,27 @@ class GenerationConfig:
         if self.num_samples > 1 and self.decode == "ring":
             raise ConfigError("num_samples", f"num_samples={self.num_samples} decodes with bifurcated attention, whose context "
                               "part is a tree reduction: use decode='tree' (or decode='local' on one process), not decode='ring'")
+        self._check_speculation()
         if self.num_samples > 1 and (self.static_decode or self.cuda_graph):
             option = "cuda_graph" if self.cuda_graph else "static_decode"
             raise ConfigError(option, f"{option}=True decodes one sequence per prompt; num_samples={self.num_samples} "
                               "(bifurcated decoding) has no static step")
+
+    def _check_speculation(self) -> None:
+        _check_int("draft_tokens", self.draft_tokens, 1)
+        if self.draft_tokens > MAX_DRAFT_TOKENS:
+            raise ConfigError("draft_tokens", f"draft_tokens must be in [1, {MAX_DRAFT_TOKENS}], got {self.draft_tokens}")
+        if self.speculate is None:
+            return
+        if self.speculate not in SPECULATE_KINDS:
+            raise ConfigError("speculate", f"speculate must be None or one of {SPECULATE_KINDS}, got {self.speculate!r}")
+        if self.num_samples > 1:
+            raise ConfigError("speculate", f"speculate={self.speculate!r} decodes one sequence; num_samples={self.num_samples} "
+                              "(bifurcated decoding) has no speculative step")
+        if self.static_decode or self.cuda_graph:
+            option = "cuda_graph" if self.cuda_graph else "static_decode"
+            raise ConfigError("speculate", f"speculate={self.speculate!r} verifies a varying number of tokens per step; "
+                              f"{option}=True runs fixed one-token steps")
 
     @property
     def sampling(self) -> SamplingParams:
@@ -190,6 +213,8 @@ def check_against_model(config: GenerationConfig, model_config, prompts: list[li
     """
     if config.num_samples > 1 and len(prompts) != 1:
         raise ConfigError("num_samples", f"num_samples={config.num_samples} samples completions of one prompt, got {len(prompts)} prompts")
+    if config.speculate is not None and len(prompts) != 1:
+        raise ConfigError("speculate", f"speculate={config.speculate!r} decodes one prompt at a time, got {len(prompts)} prompts")
     if config.stop_tokens is not None:
         outside = [t for t in config.stop_tokens if t >= model_config.vocab_size]
         if outside:

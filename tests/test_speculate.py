@@ -1,0 +1,241 @@
+"""Speculative decoding (treeattn.speculate, generate(speculate="ngram")).
+
+- Prompt lookup proposes the continuation of the longest matching suffix.
+- The acceptance rule's output distribution is the target's (Monte Carlo over the rule itself).
+- Greedy output with speculation equals transformers' uncached greedy recomputation, on p = 1, 2, 3
+  gloo ranks (sub-groups of one spawn), both placements, tree and ring decoding, with drafts both
+  accepted and rejected (so the cache roll-back on every rank is exercised).
+- Temperature > 0: the token distribution with speculation matches the model's exact distribution
+  (chi-square over many seeds on a tiny model).
+- Bad input: one-line errors naming the option, before any work.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.distributed as dist
+
+pytest.importorskip("transformers")
+scipy_stats = pytest.importorskip("scipy.stats")
+
+from test_model import VOCAB, make_checkpoint  # noqa: E402
+from typer.testing import CliRunner  # noqa: E402
+
+from treeattn.cli import app  # noqa: E402
+from treeattn.cache import ShardedKVCache  # noqa: E402
+from treeattn.engine.config import ConfigError, GenerationConfig, SamplingParams  # noqa: E402
+from treeattn.generate import generate, sampling_probs  # noqa: E402
+from treeattn.models.attention import attention_backend  # noqa: E402
+from treeattn.models import load_model  # noqa: E402
+from treeattn.models.llama import LlamaConfig, random_model  # noqa: E402
+from treeattn.parallel import spawn  # noqa: E402
+from treeattn.speculate import NgramDrafter, accept  # noqa: E402
+
+NEW_TOKENS = 24
+# A prompt with repeats, so that prompt lookup finds matches (some right, some wrong).
+_G = torch.Generator().manual_seed(30)
+_PATTERN = torch.randint(0, VOCAB, (5,), generator=_G).tolist()
+PROMPT = _PATTERN + torch.randint(0, VOCAB, (4,), generator=_G).tolist() + _PATTERN + _PATTERN[:2]
+BOTH = [("tree", "contiguous"), ("tree", "interleaved"), ("ring", "contiguous"), ("ring", "interleaved")]
+# (decode, placement) per arch and number of ranks (one process: plain attention, one case). mistral's
+# sliding window (8) is shorter than the prompt, so its verification runs the per-query window path.
+CASES = {"llama": {1: BOTH[:1], 2: BOTH, 3: BOTH}, "mistral": {1: BOTH[:1], 2: BOTH[1:2], 3: BOTH[2:3]}}
+
+
+# ----------------------------------------------------------------------------- drafting
+
+
+def test_ngram_drafter_proposes_the_continuation_of_the_longest_match():
+    drafter = NgramDrafter(max_ngram=3)
+    context = torch.tensor([5, 1, 2, 3, 9, 9, 7, 2, 3, 4, 8, 1, 2, 3])
+    # suffix [1, 2, 3] occurs at 1..3 (followed by 9, 9, 7); [2, 3] alone also at 7..8 (followed by 4)
+    assert drafter.propose(context, 3).tolist() == [9, 9, 7]
+    assert drafter.propose(context, 1).tolist() == [9]
+    assert drafter.propose(torch.tensor([1, 2, 3, 4]), 4).tolist() == []  # nothing recurs
+    assert drafter.propose(torch.tensor([6, 6, 6, 6, 6]), 3).tolist() == [6, 6]  # a repetitive tail: the longest continuation
+    assert drafter.propose(context, 0).tolist() == []
+
+
+def test_acceptance_rule_output_is_distributed_as_the_target():
+    """accept() with random uniforms: the two tokens after two drafts are independent draws from the
+    rows' distributions (the rows do not depend on the tokens here), whatever the drafts are."""
+    g = torch.Generator().manual_seed(0)
+    probs = torch.softmax(torch.randn(3, 4, generator=g, dtype=torch.float64) * 1.5, dim=-1)
+    n = 4000
+    for draft in ([int(probs[0].argmax()), int(probs[1].argmin())], [int(probs[0].argmin()), int(probs[1].argmax())]):
+        counts = torch.zeros(4, 4)
+        for _ in range(n):
+            u = torch.rand(3, generator=g, dtype=torch.float64)
+            accepted, token = accept(probs, torch.tensor(draft), u[:2], float(u[2]))
+            tokens = draft[:accepted] + [token]
+            if len(tokens) >= 2:
+                counts[tokens[0], tokens[1]] += 1
+            else:  # rejected at once: the second token would come from the next step's row 0
+                counts[tokens[0], torch.multinomial(probs[1], 1, generator=g)] += 1
+        expected = (probs[0][:, None] * probs[1][None, :] * n).flatten()
+        assert scipy_stats.chisquare(counts.flatten().numpy(), expected.numpy()).pvalue > 1e-3
+
+
+def test_greedy_acceptance_is_exact_matching():
+    probs = torch.nn.functional.one_hot(torch.tensor([3, 1, 4]), 6).double()
+    zeros = torch.zeros(2, dtype=torch.float64)
+    assert accept(probs, torch.tensor([3, 1]), zeros, 0.0) == (2, 4)
+    assert accept(probs, torch.tensor([3, 2]), zeros, 0.0) == (1, 1)
+    assert accept(probs, torch.tensor([0, 1]), zeros, 0.0) == (0, 3)
+
+
+# ------------------------------------------------------------------------ end to end, greedy
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("speculate")
+    return {arch: (root / arch, make_checkpoint(arch, root / arch)) for arch in ("llama", "mistral")}
+
+
+def _uncached_greedy(hf, prompt, new_tokens):
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(new_tokens):
+            ids.append(int(hf(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt):]
+
+
+def _speculative_cases(rank: int, world_size: int, dirs: dict) -> dict:
+    torch.set_num_threads(1)
+    groups = {1: dist.new_group([0]), 2: dist.new_group([0, 1]), 3: None}
+    out = {}
+    for arch, directory in dirs.items():
+        model = load_model(directory)
+        for p, group in groups.items():
+            if rank >= p:
+                continue
+            for decode, placement in CASES[arch][p]:
+                result = generate(model, PROMPT, max_new_tokens=NEW_TOKENS, stop_tokens=[], decode=decode, placement=placement,
+                                  block_size=4, group=group, speculate="ngram", draft_tokens=3)
+                out[(arch, p, decode, placement)] = (result.generated_ids[0], result.decode_steps, result.speculation,
+                                                    result.token_logprobs[0])
+        if rank == 0:
+            sampled = generate(model, PROMPT, max_new_tokens=8, temperature=0.8, seed=3, speculate="ngram", draft_tokens=4,
+                               group=groups[1])
+            out[(arch, "sampled")] = sampled.generated_ids[0]
+    if rank < 3:  # temperature > 0 on 3 ranks: every rank returns the same tokens
+        result = generate(load_model(dirs["llama"]), PROMPT, max_new_tokens=8, temperature=0.8, seed=3, speculate="ngram",
+                          draft_tokens=4, placement="interleaved", block_size=4)
+        out[("llama", "sampled", 3)] = result.generated_ids[0]
+    return out
+
+
+@pytest.fixture(scope="module")
+def ranks(checkpoints):
+    dirs = {arch: str(directory) for arch, (directory, _) in checkpoints.items()}
+    return spawn(_speculative_cases, 3, dirs, timeout=300)
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral"])
+def test_greedy_with_speculation_equals_uncached_greedy_on_every_p(ranks, checkpoints, arch):
+    expected = _uncached_greedy(checkpoints[arch][1], PROMPT, NEW_TOKENS)
+    for p in (1, 2, 3):
+        for decode, placement in CASES[arch][p]:
+            key = (arch, p, decode, placement)
+            results = [r[key] for r in ranks[:p]]
+            tokens, steps, spec, logprobs = results[0]
+            assert tokens == expected, key
+            assert all(r[:3] == results[0][:3] for r in results), f"ranks disagree: {key}"
+            assert steps == NEW_TOKENS - 1 - spec["accepted"] and spec["decoded_tokens"] == NEW_TOKENS - 1, key
+            assert 0 < spec["accepted"] < spec["drafted"], f"drafts were not both accepted and rejected: {key} {spec}"
+            assert spec["tokens_per_forward"] == pytest.approx((NEW_TOKENS - 1) / steps)
+            assert all(lp <= 0 for lp in logprobs) and len(logprobs) == NEW_TOKENS
+
+
+def test_sampling_with_speculation_is_the_same_on_every_rank(ranks):
+    assert ranks[0][("llama", "sampled", 3)] == ranks[1][("llama", "sampled", 3)] == ranks[2][("llama", "sampled", 3)]
+    assert len(ranks[0][("llama", "sampled", 3)]) == 8
+
+
+# --------------------------------------------------------------------- end to end, sampling
+
+
+def test_sampled_tokens_follow_the_model_distribution():
+    """Temperature 1 with top-k on a vocabulary of 5: over 300 seeds, the first three new tokens with
+    speculation against the exact distribution from uncached forward passes (chi-square)."""
+    vocab = 5
+    config = LlamaConfig(vocab_size=vocab, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8)
+    model = random_model(config, seed=2, std=0.5)
+    prompt = [0, 1, 2, 0, 1, 2, 0, 1]
+    sampling = dict(temperature=1.0, top_k=4)
+
+    def dist_after(ids):  # the sampling distribution after ids, from one uncached forward pass
+        cache = ShardedKVCache(num_layers=1, num_kv_heads=1, head_dim=8, capacity=len(ids))
+        positions = torch.arange(len(ids))
+        with torch.no_grad():
+            hidden = model(torch.tensor([ids]), positions[None], cache.update(cache.extend(positions)), attention_backend("local"))
+            return sampling_probs(model.logits(hidden[:, -1]), SamplingParams(**sampling))[0]
+
+    exact = {}
+    first = dist_after(prompt)
+    for a in range(vocab):
+        second = dist_after(prompt + [a])
+        for b in range(vocab):
+            third = dist_after(prompt + [a, b])
+            for c in range(vocab):
+                exact[(a, b, c)] = float(first[a] * second[b] * third[c])
+    n = 300
+    counts: dict = {}
+    drafted = accepted = 0
+    for seed in range(n):
+        result = generate(model, prompt, max_new_tokens=3, stop_tokens=[], seed=seed, speculate="ngram", draft_tokens=2, **sampling)
+        key = tuple(result.generated_ids[0])
+        counts[key] = counts.get(key, 0) + 1
+        drafted += result.speculation["drafted"]
+        accepted += result.speculation["accepted"]
+    assert 0 < accepted < drafted
+    # cells with expected count >= 5 on their own; the rest pooled into one cell
+    big = [k for k, p in exact.items() if p * n >= 5]
+    observed = [counts.get(k, 0) for k in big] + [n - sum(counts.get(k, 0) for k in big)]
+    expected = [exact[k] * n for k in big] + [n * (1 - sum(exact[k] for k in big))]
+    assert scipy_stats.chisquare(observed, expected).pvalue > 1e-3
+
+
+# ---------------------------------------------------------------------------------- bad input
+
+
+@pytest.mark.parametrize("options, option, words", [
+    (dict(speculate="ngram", draft_tokens=0), "draft_tokens", ">= 1"),
+    (dict(speculate="ngram", draft_tokens=17), "draft_tokens", "[1, 16]"),
+    (dict(speculate="medusa"), "speculate", "'ngram'"),
+    (dict(speculate="ngram", num_samples=2), "speculate", "num_samples=2"),
+    (dict(speculate="ngram", static_decode=True), "speculate", "static_decode=True"),
+])
+def test_bad_speculation_options_fail_once_naming_the_option(options, option, words):
+    with pytest.raises(ConfigError) as info:
+        GenerationConfig(**options)
+    assert info.value.option == option and words in str(info.value) and "\n" not in str(info.value)
+
+
+def test_speculation_with_a_batch_is_refused_before_work():
+    model = random_model(LlamaConfig(vocab_size=16, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2,
+                                     num_kv_heads=1, head_dim=8))
+    with pytest.raises(ConfigError, match="one prompt at a time, got 2 prompts"):
+        generate(model, [[1, 2], [3, 4]], speculate="ngram")
+
+
+def test_cli_speculation_json_and_errors(checkpoints, tmp_path):
+    runner = CliRunner()
+    ids = tmp_path / "ids.json"
+    ids.write_text(json.dumps(PROMPT))
+    directory = str(checkpoints["llama"][0])
+    base = ["generate", directory, "--prompt-ids", str(ids), "--max-new-tokens", "12", "--no-stop", "--json"]
+    plain = json.loads(runner.invoke(app, base).stdout)
+    result = runner.invoke(app, base + ["--speculate", "ngram", "--draft-tokens", "3"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    spec = report["speculation"]
+    assert report["generated_ids"] == plain["generated_ids"] and "speculation" not in plain
+    assert report["timings"]["decode_steps"] == 11 - spec["accepted"] and spec["decoded_tokens"] == 11
+    assert set(spec) >= {"drafted", "accepted", "acceptance_rate", "tokens_per_forward"}
+    bad = runner.invoke(app, base + ["--speculate", "ngram", "--draft-tokens", "0"])
+    assert bad.exit_code == 2 and "--draft-tokens must be >= 1, got 0" in bad.output
