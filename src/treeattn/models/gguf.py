@@ -23,9 +23,10 @@ What the loader undoes, tensor by tensor:
   frequencies, applied to model.inv_freq instead of a rope_scaling config.
 - tied embeddings: a file without output.weight ties the output projection to token_embd.
 
-Memory: the model is built on the "meta" device and each tensor is dequantized, cast and placed
-one at a time, so beside the finished weights there is at most one tensor's float32 copy (and
-the pages of the memory-mapped file the OS keeps cached). Sequence parallelism shards the KV
+Memory: the model is built on the "meta" device and each tensor is dequantized straight into its
+parameter in the working dtype, a block of rows at a time (dequantize_to), so beside the finished
+weights there are only the bounded float32 intermediates of one block (and the pages of the
+memory-mapped file the OS keeps cached). Sequence parallelism shards the KV
 cache, not the weights: every rank loads all of them.
 
 Every check -- metadata keys, architecture, tensor names, shapes and types -- runs before the
@@ -77,6 +78,7 @@ TENSOR_NAMES = {
     "blk.{i}.ffn_down.bias": "layers.{i}.mlp.down_proj.bias",
 }
 ROPE_FREQS = "rope_freqs.weight"
+DEQUANTIZE_CHUNK_ELEMENTS = 1 << 22  # 16 MiB of float32 per dequantization block
 _LAYER_NAME = re.compile(r"^blk\.(\d+)\.(.+)$")
 
 
@@ -215,15 +217,12 @@ def load_gguf_model(path_or_reader, *, dtype: torch.dtype = torch.float32, devic
     arch = metadata(reader, "general.architecture")
     state: dict[str, torch.Tensor] = {}
     for ours, tensor in plan.items():
-        weight = dequantize(tensor)
+        weight = dequantize_to(tensor, dtype=dtype, device=device)
         if arch in PERMUTED_ARCHITECTURES and ours.endswith(("q_proj.weight", "q_proj.bias")):
             weight = unpermute_rows(weight, config.num_heads)
         elif arch in PERMUTED_ARCHITECTURES and ours.endswith(("k_proj.weight", "k_proj.bias")):
             weight = unpermute_rows(weight, config.num_kv_heads)
-        if not weight.flags.writeable:  # an F32 tensor is a view of the read-only file mapping: own it
-            weight = weight.copy()
-        state[ours] = torch.from_numpy(weight).to(device=device, dtype=dtype)
-        del weight
+        state[ours] = weight
     model.load_state_dict(state, strict=True, assign=True)
     model.inv_freq = model.inv_freq.to(device)
     if rope_freqs is not None:  # llama.cpp divides each inverse frequency by its factor
@@ -237,6 +236,26 @@ def dequantize(tensor) -> np.ndarray:
     weight matrix. A view of the memory-mapped file for F32 tensors, a new array otherwise."""
     shape = tuple(int(n) for n in reversed(tensor.shape))
     return gguf.quants.dequantize(tensor.data, tensor.tensor_type).reshape(shape)
+
+
+def dequantize_to(tensor, *, dtype: torch.dtype, device: torch.device | str = "cpu",
+                  chunk_elements: int = DEQUANTIZE_CHUNK_ELEMENTS) -> torch.Tensor:
+    """A gguf ReaderTensor as a new torch tensor of `dtype` on `device`, in numpy order ((out, in)
+    for a weight matrix), dequantized a block of rows at a time: the float32 intermediates (gguf's
+    numpy dequantization makes several) stay bounded by `chunk_elements`, whatever the tensor's size."""
+    shape = tuple(int(n) for n in reversed(tensor.shape))
+    out = torch.empty(shape, dtype=dtype, device=device)
+    if len(shape) == 1:  # norms and biases: small, dequantized whole
+        out.copy_(torch.from_numpy(gguf.quants.dequantize(tensor.data, tensor.tensor_type).reshape(shape).copy()))
+        return out
+    data = tensor.data.reshape(shape[0], -1)  # one row of the tensor per row (bytes of blocks when quantized)
+    rows = max(1, chunk_elements // (out.numel() // shape[0]))
+    for start in range(0, shape[0], rows):
+        block = gguf.quants.dequantize(data[start : start + rows], tensor.tensor_type)
+        if not block.flags.writeable:  # F32: a view of the read-only file mapping
+            block = block.copy()
+        out[start : start + rows] = torch.from_numpy(block).reshape(-1, *shape[1:])
+    return out
 
 
 def can_dequantize(tensor_type) -> bool:
