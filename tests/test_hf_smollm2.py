@@ -36,6 +36,7 @@ def _both_engines(rank: int, world_size: int, path: str, hf_dir: str) -> dict:
     return {"engine": engine.generated_ids[0], "hf": out[0, len(prompt):].tolist(), "text": text}
 
 
+@pytest.mark.slow  # two loads of a 135M model per rank and one GGUF dequantization by transformers
 def test_smollm2_tahf_equals_our_engine_on_two_ranks(tmp_path):
     path = smollm2_path()
     model = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
