@@ -156,7 +156,7 @@ def test_a_stopped_rank_is_named_and_killed_within_the_timeout(tmp_path):
     if sys.platform.startswith("linux"):
         assert "stopped by a signal" in error.failures[1]
     assert 0 in error.failures and "stopped answering" not in error.failures[0]
-    assert elapsed < 3 + 5 + 5, f"took {elapsed:.1f} s after the SIGSTOP"  # timeout + grace + slack for a busy machine
+    assert elapsed < 3 + 5 + 12, f"took {elapsed:.1f} s after the SIGSTOP"  # timeout + grace + slack for a busy machine
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
