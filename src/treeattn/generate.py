@@ -33,6 +33,13 @@ What happens, on each rank of `group` (p ranks; without torch.distributed initia
    no host synchronization inside a step); with cuda_graph=True that step is captured in a CUDA
    graph once and replayed for every token. Logits, sampling and the broadcast stay outside it.
 
+Speculative decoding (speculate="ngram", one prompt): each step drafts up to draft_tokens tokens by
+prompt lookup (treeattn.speculate), runs the last token and the drafts through the model in one
+forward pass (their d + 1 causal queries at their positions through the same decode attention, so
+one combine per layer verifies them all), and rank 0 accepts a prefix of the drafts (greedy: exact
+match; temperature > 0: the speculative-sampling rule, so the output distribution is the model's)
+and broadcasts it; every rank then truncates the rejected drafts' keys/values from its shard.
+
 Sampling: temperature 0 is greedy (argmax). Otherwise logits / temperature, then top-k, then top-p
 (nucleus), then one draw per sequence from a torch.Generator seeded with `seed` on rank 0.
 
