@@ -246,5 +246,8 @@ def test_cli_speculation_json_and_errors(checkpoints, tmp_path):
     assert report["generated_ids"] == plain["generated_ids"] and "speculation" not in plain
     assert report["timings"]["decode_steps"] == 11 - spec["accepted"] and spec["decoded_tokens"] == 11
     assert set(spec) >= {"drafted", "accepted", "acceptance_rate", "tokens_per_forward"}
+    table = runner.invoke(app, base[:-1] + ["--speculate", "ngram", "--draft-tokens", "3"])
+    assert table.exit_code == 0 and f"{spec['accepted']}/{spec['drafted']} drafts accepted" in table.stderr
+    assert "tokens per forward pass" in table.stderr and "decode forward passes" in table.stderr
     bad = runner.invoke(app, base + ["--speculate", "ngram", "--draft-tokens", "0"])
     assert bad.exit_code == 2 and "--draft-tokens must be >= 1, got 0" in bad.output
