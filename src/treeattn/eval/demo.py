@@ -52,7 +52,7 @@ class DocumentDemo:
         return all(x == ids[0] for x in ids)
 
 
-def run_document_demo(model: str | Path | None = None, *, context: int = 4000, depth: float = 0.5, nproc: int = 4,
+def run_document_demo(model: str | Path | None = None, *, context: int = 4096, depth: float = 0.5, nproc: int = 4,
                       new_tokens: int = 24, placement: str = "contiguous", threads: int | None = None, seed: int = 0,
                       reference: bool = True) -> DocumentDemo:
     """Build the document, answer it on `nproc` ranks (tree, then ring) and, with `reference`, on one process."""
