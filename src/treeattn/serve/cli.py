@@ -4,34 +4,11 @@ from __future__ import annotations
 
 import os
 import sys
-from enum import Enum
 from pathlib import Path
 
 import typer
 
-
-class Decode(str, Enum):
-    tree = "tree"
-    ring = "ring"
-    local = "local"
-
-
-class Method(str, Enum):
-    allreduce = "allreduce"
-    tree = "tree"
-    twolevel = "twolevel"
-    onepass = "onepass"
-
-
-class Placement(str, Enum):
-    contiguous = "contiguous"
-    interleaved = "interleaved"
-
-
-class DType(str, Enum):
-    float32 = "float32"
-    bfloat16 = "bfloat16"
-    float16 = "float16"
+from treeattn.engine_cli import Decode, DType, Method, Placement  # the same choices as `treeattn generate`
 
 
 def serve_command(
