@@ -21,23 +21,11 @@ from dataclasses import dataclass
 
 import torch
 
-from treeattn.generate import GenerationResult, stream
+# _MALLOC_ENV: glibc mmaps (and gives back) large allocations, so the RSS peaks mean something.
+from treeattn.demo import _MALLOC_ENV, MethodRun  # noqa: F401 -- one MethodRun for both demos
+from treeattn.generate import stream
 
-# Allocations above this size are mmap-ed and given back when freed, so resident memory follows
-# live tensors and the peak measured during decoding means something (glibc malloc).
-_MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "131072"}
 SPAWN_TIMEOUT_S = 1800.0  # a collective may wait this long for a slow peer's prefill
-
-
-@dataclass
-class MethodRun:
-    """One decoding method on one prompt: rank 0's GenerationResult."""
-
-    name: str
-    decode: str
-    method: str
-    world_size: int
-    result: GenerationResult
 
 
 @dataclass
