@@ -5,7 +5,8 @@ verification forward pass over the sharded cache and rolls the cache back):
 
     drafter = NgramDrafter(max_ngram=3)
     draft = drafter.propose(context, k)                 # int64 (d,), d <= k: prompt lookup
-    accepted, next_token = accept(probs, draft, u)      # the rule of speculative sampling
+    accepted, next_token = accept(probs, draft, u, r)   # the rule of speculative sampling (q: one-hot)
+    accepted, next_token = accept(probs, draft, u, r, proposal=q)   # a draft model's q
 
 Prompt lookup (n-gram drafting; Saxena 2023, as in vLLM's "ngram" and transformers'
 prompt_lookup_num_tokens): find an earlier occurrence of the context's last n tokens (the longest n
@@ -13,13 +14,14 @@ that matches, from max_ngram down to min_ngram; the most recent occurrence with 
 and propose the k tokens that followed it. It needs no draft model; it wins where the output copies spans of the context, as
 answers about a long document do.
 
-Acceptance (Leviathan et al. 2023, Chen et al. 2023) with a deterministic proposal: the drafter puts
-all its mass q on the drafted token x, so x is accepted with probability min(1, p(x) / q(x)) = p(x)
-under the target's sampling distribution p; on the first rejection the token is drawn from the
-residual max(0, p - q), normalized, which is p with x removed. If every draft is accepted, a bonus
-token is drawn from the target's distribution after the last one. The tokens produced are then
-distributed exactly as tokens drawn one by one from p. Greedy decoding (p one-hot at the argmax)
-makes this exact matching: accept while the draft equals the argmax, then emit the argmax.
+Acceptance (Leviathan et al. 2023, Chen et al. 2023): the drafter proposed x from its distribution q
+(a draft model's, after the same temperature/top-k/top-p; prompt lookup is deterministic: q one-hot at
+x). x is accepted with probability min(1, p(x) / q(x)) under the target's sampling distribution p; on
+the first rejection the token is drawn from the residual max(0, p - q), normalized (for a one-hot q:
+p with x removed). If every draft is accepted, a bonus token is drawn from the target's distribution
+after the last one. The tokens produced are then distributed exactly as tokens drawn one by one from
+p. Greedy decoding (p one-hot at the argmax, and a greedy drafter: q one-hot) makes this exact
+matching: accept while the draft equals the argmax, then emit the argmax.
 """
 
 from __future__ import annotations
@@ -68,27 +70,43 @@ class NgramDrafter:
         return context[:0].clone()
 
 
-def accept(probs: torch.Tensor, draft: torch.Tensor, uniforms: torch.Tensor, residual_draw: float) -> tuple[int, int]:
-    """The speculative-sampling rule for one sequence with a deterministic proposal.
+def accept(probs: torch.Tensor, draft: torch.Tensor, uniforms: torch.Tensor, residual_draw: float,
+           proposal: torch.Tensor | None = None) -> tuple[int, int]:
+    """The speculative-sampling rule for one sequence.
 
     Args:
         probs: float64 (d + 1, V): the target's sampling distribution (after temperature, top-k,
             top-p) at each drafted position and after the last one; one-hot rows for greedy.
         draft: int64 (d,) drafted tokens; draft[i] is proposed where probs[i] predicts.
-        uniforms: float64 (d,) draws in [0, 1): draft[i] is accepted iff uniforms[i] < probs[i, draft[i]].
+        uniforms: float64 (d,) draws in [0, 1): draft[i] is accepted iff
+            uniforms[i] < probs[i, draft[i]] / proposal[i, draft[i]].
         residual_draw: one draw in [0, 1) for the token after the accepted drafts (the residual
             distribution on a rejection, probs[d] when all are accepted).
+        proposal: float64 (d, V): the distribution q each draft was drawn from; None for a
+            deterministic drafter (q one-hot at the draft: prompt lookup, a greedy draft model).
 
     Returns:
         (accepted, next_token): the number of leading drafts accepted, and the token that follows them.
     """
     d = draft.numel()
+
+    def q(i: int) -> torch.Tensor:  # float64 (V,): the proposal of draft i
+        if proposal is not None:
+            return proposal[i]
+        return torch.zeros_like(probs[i]).index_fill_(0, draft[i: i + 1], 1.0)
+
     accepted = 0
-    while accepted < d and float(uniforms[accepted]) < float(probs[accepted, draft[accepted]]):
+    while accepted < d:
+        x = int(draft[accepted])
+        # u < min(1, p(x) / q(x)), written without the division (q(x) = 0 accepts: p/q is infinite)
+        if not float(uniforms[accepted]) * float(q(accepted)[x]) < float(probs[accepted, x]):
+            break
         accepted += 1
-    p = probs[accepted].clone()
+    p = probs[accepted]
     if accepted < d:
-        p[draft[accepted]] = 0.0  # residual max(0, p - q) with q one-hot at the rejected draft
+        residual = (p - q(accepted)).clamp(min=0.0)  # max(0, p - q)
+        if float(residual.sum()) > 0:  # p == q rejects with probability 0; rounding may still get here
+            p = residual
     return accepted, draw(p, residual_draw)
 
 
