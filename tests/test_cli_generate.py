@@ -134,7 +134,7 @@ def test_demo_runs_tree_and_ring_and_checks_them(tmp_path):
     result = runner.invoke(app, ["demo", "--synthetic", "--context", "300", "--nproc", "2", "--new-tokens", "3"])
     assert result.exit_code == 0, result.output
     text = " ".join(result.stdout.split())
-    for name in ("tree (allreduce)", "ring (pass-KV)", "single process (local)"):
+    for name in ("tree (onepass)", "ring (pass-KV)", "single process (local)"):
         assert name in text
     assert text.count("yes") == 3 and "NO" not in text
 

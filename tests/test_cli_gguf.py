@@ -108,7 +108,7 @@ def test_eval_needle_methods_and_rank_counts_agree(files, tmp_path):
     assert sharded.exit_code == 0, sharded.output
     report = json.loads(sharded.stdout)
     assert [(c["length"], c["depth"]) for c in report["cells"]] == [(200, 0.0), (200, 1.0), (260, 0.0), (260, 1.0)]
-    assert report["methods"] == ["tree (allreduce)", "tree (onepass)", "tree (tree)", "ring (pass-KV)"] and report["methods_agree"]
+    assert report["methods"] == ["tree (onepass)", "tree (allreduce)", "tree (tree)", "ring (pass-KV)"] and report["methods_agree"]
     for cell in report["cells"]:
         assert len(set(map(tuple, cell["method_ids"].values()))) == 1
         assert cell["correct"] == (cell["answer"] in cell["reply"])
@@ -135,6 +135,6 @@ def test_demo_on_a_gguf_model_checks_tree_ring_and_one_process(files):
     assert result.exit_code == 0, result.output
     text = " ".join(result.stdout.split())
     assert "question: What is the secret number" in text and "hidden fact:" in text
-    for name in ("tree (allreduce)", "ring (pass-KV)", "single process (local)"):
+    for name in ("tree (onepass)", "ring (pass-KV)", "single process (local)"):
         assert name in text
     assert text.count("yes") >= 3  # "same tokens" of each row (the demo exits 1 when any row says NO)

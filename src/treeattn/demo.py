@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from treeattn.engine.config import DEFAULT_METHOD
 from treeattn.generate import GenerationResult, generate, stream
 from treeattn.models.llama import LlamaConfig, random_model
 
@@ -66,7 +67,7 @@ def run_demo(
     context: int = 32768,
     nproc: int = 4,
     new_tokens: int = 16,
-    methods: tuple[tuple[str, str], ...] = (("tree", "allreduce"), ("ring", "allreduce")),
+    methods: tuple[tuple[str, str], ...] = (("tree", DEFAULT_METHOD), ("ring", "allreduce")),
     placement: str = "contiguous",
     threads_per_rank: int | None = None,
     seed: int = 0,

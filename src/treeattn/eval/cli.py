@@ -20,6 +20,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from treeattn.engine.config import DEFAULT_METHOD
+
 eval_app = typer.Typer(help="Evaluate a model through the engine.", no_args_is_help=True)
 stderr = Console(stderr=True)
 
@@ -53,7 +55,7 @@ def needle_command(
     depths: str = typer.Option("0,0.25,0.5,0.75,1", "--depths", help="Needle depths in [0, 1], comma-separated."),
     nproc: int = typer.Option(1, "--nproc", min=1, help="Local ranks (gloo); the KV cache is sharded across them."),
     decode: Decode = typer.Option(Decode.tree, "--decode", help="Decode attention whose answer is scored (on --nproc > 1)."),
-    method: Method = typer.Option(Method.allreduce, "--method", help="tree_decode combine."),
+    method: Method = typer.Option(Method(DEFAULT_METHOD), "--method", help="tree_decode combine."),
     check_methods: bool = typer.Option(True, "--check-methods/--no-check-methods", help="Also decode every other method "
                                        "from the same prefill and check that all give identical tokens."),
     max_new_tokens: int = typer.Option(16, "--max-new-tokens", min=1),

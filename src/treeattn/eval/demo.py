@@ -14,6 +14,7 @@ import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 
+from treeattn.engine.config import DEFAULT_METHOD
 from treeattn.eval.haystack import NeedleCase, is_correct, needle_case
 from treeattn.eval.runner import MethodRun, Timing, decode_methods
 
@@ -69,7 +70,7 @@ def run_document_demo(model: str | Path | None = None, *, context: int = 4096, d
                          f"the model's context window of {files.config.max_position_embeddings}")
     eot = end_of_turn_id(files.tokenizer, files.chat_template)
     stop = list(files.config.eos_token_ids) + ([eot] if eot is not None else [])
-    methods = (("tree", "allreduce"), ("ring", "allreduce"))
+    methods = (("tree", DEFAULT_METHOD), ("ring", "allreduce"))
     runs, sharded = decode_methods(path, [case.prompt_ids], nproc=nproc, methods=methods, max_new_tokens=new_tokens,
                                    stop_tokens=stop, threads=threads, placement=placement)
     ref, single = None, None

@@ -17,11 +17,12 @@ from __future__ import annotations
 import logging
 from dataclasses import asdict, dataclass, field
 
+from treeattn.engine.config import DEFAULT_METHOD
 from treeattn.eval.haystack import is_correct, needle_case
 
 logger = logging.getLogger(__name__)
 
-ALL_METHODS = (("tree", "allreduce"), ("tree", "onepass"), ("tree", "tree"), ("ring", "allreduce"))
+ALL_METHODS = (("tree", "onepass"), ("tree", "allreduce"), ("tree", "tree"), ("ring", "allreduce"))
 
 
 @dataclass
@@ -84,7 +85,7 @@ def run_needle(
     depths: list[float],
     nproc: int = 1,
     decode: str = "tree",
-    method: str = "allreduce",
+    method: str = DEFAULT_METHOD,
     check_methods: bool = True,
     max_new_tokens: int = 16,
     seed: int = 0,

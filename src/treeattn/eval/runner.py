@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 # _MALLOC_ENV: glibc mmaps (and gives back) large allocations, so the RSS peaks mean something.
+from treeattn.engine.config import DEFAULT_METHOD
 from treeattn.demo import _MALLOC_ENV, MethodRun  # noqa: F401 -- one MethodRun for both demos
 from treeattn.generate import stream
 
@@ -45,7 +46,7 @@ def decode_methods(
     prompts: Sequence[Sequence[int]],
     *,
     nproc: int,
-    methods: Sequence[tuple[str, str]] = (("tree", "allreduce"), ("ring", "allreduce")),
+    methods: Sequence[tuple[str, str]] = (("tree", DEFAULT_METHOD), ("ring", "allreduce")),
     max_new_tokens: int = 16,
     stop_tokens: Sequence[int] | None = None,
     threads: int | None = None,
