@@ -168,22 +168,26 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-def test_sampled_tokens_follow_the_model_distribution(one_thread):
-    """Temperature 1 with top-k on a vocabulary of 5: over 400 seeds, the first three new tokens with
-    speculation against the exact distribution from uncached forward passes (chi-square)."""
-    vocab = 5
-    config = LlamaConfig(vocab_size=vocab, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8)
-    model = random_model(config, seed=2, std=0.5)
-    prompt = [0, 1, 2, 0, 1, 2, 0, 1]
-    sampling = dict(temperature=1.0, top_k=4)
+SAMPLING_VOCAB = 5
+SAMPLING_CONFIG = LlamaConfig(vocab_size=SAMPLING_VOCAB, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2,
+                              num_kv_heads=1, head_dim=8)
+SAMPLING_PROMPT = [0, 1, 2, 0, 1, 2, 0, 1]
+SAMPLING = dict(temperature=1.0, top_k=4)
 
-    def dist_after(ids):  # the sampling distribution after ids, from one uncached forward pass
-        cache = ShardedKVCache(num_layers=1, num_kv_heads=1, head_dim=8, capacity=len(ids))
+
+def exact_distribution(model, prompt: list[int], sampling: dict) -> dict[tuple[int, int, int], float]:
+    """The exact probability of each 3-token continuation of `prompt` under `sampling`, from one
+    uncached forward pass per prefix."""
+
+    def dist_after(ids):
+        cache = ShardedKVCache(num_layers=model.config.num_layers, num_kv_heads=model.config.num_kv_heads,
+                               head_dim=model.config.head_dim, capacity=len(ids))
         positions = torch.arange(len(ids))
         with torch.no_grad():
             hidden = model(torch.tensor([ids]), positions[None], cache.update(cache.extend(positions)), attention_backend("local"))
             return sampling_probs(model.logits(hidden[:, -1]), SamplingParams(**sampling))[0]
 
+    vocab = model.config.vocab_size
     exact = {}
     first = dist_after(prompt)
     for a in range(vocab):
@@ -192,21 +196,35 @@ def test_sampled_tokens_follow_the_model_distribution(one_thread):
             third = dist_after(prompt + [a, b])
             for c in range(vocab):
                 exact[(a, b, c)] = float(first[a] * second[b] * third[c])
+    return exact
+
+
+def chi_square_pvalue(counts: dict, exact: dict, n: int) -> float:
+    """Chi-square p-value of n observed continuations `counts` against `exact`: cells with expected
+    count >= 5 on their own, the rest pooled into one cell."""
+    big = [k for k, p in exact.items() if p * n >= 5]
+    observed = [counts.get(k, 0) for k in big] + [n - sum(counts.get(k, 0) for k in big)]
+    expected = [exact[k] * n for k in big] + [n * (1 - sum(exact[k] for k in big))]
+    return scipy_stats.chisquare(observed, expected).pvalue
+
+
+def test_sampled_tokens_follow_the_model_distribution(one_thread):
+    """Temperature 1 with top-k on a vocabulary of 5: over 400 seeds, the first three new tokens with
+    speculation against the exact distribution from uncached forward passes (chi-square)."""
+    model = random_model(SAMPLING_CONFIG, seed=2, std=0.5)
+    exact = exact_distribution(model, SAMPLING_PROMPT, SAMPLING)
     n = 400
     counts: dict = {}
     drafted = accepted = 0
     for seed in range(n):
-        result = generate(model, prompt, max_new_tokens=3, stop_tokens=[], seed=seed, speculate="ngram", draft_tokens=2, **sampling)
+        result = generate(model, SAMPLING_PROMPT, max_new_tokens=3, stop_tokens=[], seed=seed, speculate="ngram", draft_tokens=2,
+                          **SAMPLING)
         key = tuple(result.generated_ids[0])
         counts[key] = counts.get(key, 0) + 1
         drafted += result.speculation["drafted"]
         accepted += result.speculation["accepted"]
     assert 0 < accepted < drafted
-    # cells with expected count >= 5 on their own; the rest pooled into one cell
-    big = [k for k, p in exact.items() if p * n >= 5]
-    observed = [counts.get(k, 0) for k in big] + [n - sum(counts.get(k, 0) for k in big)]
-    expected = [exact[k] * n for k in big] + [n * (1 - sum(exact[k] for k in big))]
-    assert scipy_stats.chisquare(observed, expected).pvalue > 1e-3
+    assert chi_square_pvalue(counts, exact, n) > 1e-3
 
 
 # ---------------------------------------------------------------------------------- bad input

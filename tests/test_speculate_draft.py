@@ -1,18 +1,45 @@
-"""Speculative decoding with a draft model (treeattn.speculate.accept with a proposal distribution).
+"""Speculative decoding with a draft model (generate(speculate="draft", draft_model=...), treeattn.draft_model).
 
 - The acceptance rule with a non-one-hot proposal q: the tokens it emits are distributed as the
   target's p (chi-square against the analytic product distribution), and a draft is accepted with
   the analytic probability sum_x min(p(x), q(x)).
+- Greedy output with a draft model equals greedy output without speculation and transformers'
+  uncached greedy recomputation, on p = 1, 2, 3 gloo ranks (sub-groups of one spawn), both
+  placements, tree and ring decoding; with the model itself as draft (every draft accepted) and
+  another random model (drafts rejected), both given as checkpoint paths (what travels to ranks).
+- Temperature > 0 with a sampling draft model (a non-one-hot q): the tokens follow the model's exact
+  distribution (chi-square over many seeds on a tiny model).
+- Bad input: one-line errors naming the option, before any work (and, for the CLI, before spawning).
 """
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
+import torch.distributed as dist
 
+pytest.importorskip("transformers")
 scipy_stats = pytest.importorskip("scipy.stats")
 
+from test_model import VOCAB, make_checkpoint  # noqa: E402
+from test_speculate import (  # noqa: E402
+    PROMPT, SAMPLING, SAMPLING_CONFIG, SAMPLING_PROMPT, _uncached_greedy, chi_square_pvalue, exact_distribution, one_thread,  # noqa: F401
+)
+from typer.testing import CliRunner  # noqa: E402
+
+from treeattn.cli import app  # noqa: E402
+from treeattn.engine.config import ConfigError, GenerationConfig  # noqa: E402
+from treeattn.generate import generate  # noqa: E402
+from treeattn.models import load_model  # noqa: E402
+from treeattn.models.llama import LlamaConfig, random_model  # noqa: E402
+from treeattn.parallel import spawn  # noqa: E402
 from treeattn.speculate import accept  # noqa: E402
+
+NEW_TOKENS = 16
+BOTH = [("tree", "contiguous"), ("tree", "interleaved"), ("ring", "contiguous"), ("ring", "interleaved")]
+CASES = {1: BOTH[:1], 2: BOTH, 3: BOTH}
 
 
 # ----------------------------------------------------------------------- the acceptance rule
@@ -61,3 +88,198 @@ def test_greedy_target_with_a_greedy_draft_is_exact_matching():
     assert accept(probs, torch.tensor([3, 1]), u, 0.5) == (2, 4)
     assert accept(probs, torch.tensor([3, 2]), u, 0.5) == (1, 1)
     assert accept(probs, torch.tensor([0, 1]), u, 0.5) == (0, 3)
+
+
+# ------------------------------------------------------------------------ end to end, greedy
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """The model, and another random model of the same vocabulary (the draft that gets rejected)."""
+    root = tmp_path_factory.mktemp("speculate_draft")
+    return {name: (root / name, make_checkpoint("llama", root / name, seed=seed)) for name, seed in (("model", 0), ("other", 1))}
+
+
+def _draft_cases(rank: int, world_size: int, dirs: dict) -> dict:
+    torch.set_num_threads(1)
+    groups = {1: dist.new_group([0]), 2: dist.new_group([0, 1]), 3: None}
+    model = load_model(dirs["model"])
+    out = {}
+    for p, group in groups.items():
+        if rank >= p:
+            continue
+        for decode, placement in CASES[p]:
+            for draft in ("model", "other"):
+                result = generate(model, PROMPT, max_new_tokens=NEW_TOKENS, stop_tokens=[], decode=decode, placement=placement,
+                                  block_size=4, group=group, speculate="draft", draft_model=dirs[draft], draft_tokens=3)
+                out[(p, decode, placement, draft)] = (result.generated_ids[0], result.decode_steps, result.speculation)
+    if rank < 3:  # temperature > 0 on 3 ranks: every rank returns the same tokens
+        result = generate(model, PROMPT, max_new_tokens=8, temperature=0.8, seed=3, speculate="draft", draft_model=dirs["other"],
+                          draft_tokens=4, placement="interleaved", block_size=4)
+        out["sampled"] = result.generated_ids[0]
+    return out
+
+
+@pytest.fixture(scope="module")
+def ranks(checkpoints):
+    return spawn(_draft_cases, 3, {name: str(directory) for name, (directory, _) in checkpoints.items()}, timeout=300)
+
+
+def test_greedy_with_a_draft_model_equals_uncached_greedy_on_every_p(ranks, checkpoints):
+    expected = _uncached_greedy(checkpoints["model"][1], PROMPT, NEW_TOKENS)
+    plain = generate(load_model(checkpoints["model"][0]), PROMPT, max_new_tokens=NEW_TOKENS, stop_tokens=[])
+    assert plain.generated_ids[0] == expected
+    for p in (1, 2, 3):
+        for decode, placement in CASES[p]:
+            for draft in ("model", "other"):
+                key = (p, decode, placement, draft)
+                results = [r[key] for r in ranks[:p]]
+                tokens, steps, spec = results[0]
+                assert tokens == expected, key
+                assert all(r[0] == tokens and r[1] == steps for r in results), f"ranks disagree: {key}"
+                assert all(r[2] == spec for r in results), f"ranks report different speculation: {key}"
+                assert steps == NEW_TOKENS - 1 - spec["accepted"] and spec["decoded_tokens"] == NEW_TOKENS - 1, key
+                assert spec["draft_model"].endswith(draft) and spec["draft_prefill_s"] > 0 and spec["draft_s"] > 0
+                if draft == "model":  # the model drafting for itself: every draft accepted, k + 1 tokens per forward
+                    assert spec["accepted"] == spec["drafted"] > 0 and spec["tokens_per_forward"] > 3, (key, spec)
+                else:
+                    assert spec["accepted"] < spec["drafted"] / 2, (key, spec)
+
+
+def test_sampling_with_a_draft_model_is_the_same_on_every_rank(ranks):
+    assert ranks[0]["sampled"] == ranks[1]["sampled"] == ranks[2]["sampled"]
+    assert len(ranks[0]["sampled"]) == 8
+
+
+# --------------------------------------------------------------------- end to end, sampling
+
+
+def test_sampled_tokens_with_a_draft_model_follow_the_model_distribution(one_thread):
+    """Temperature 1 with top-k 4 of 5 tokens: a different random draft model samples its proposals
+    from its own q (a non-one-hot proposal; a token outside its top-k it never proposes); over 400 seeds
+    the first three new tokens against the model's exact distribution (chi-square)."""
+    model = random_model(SAMPLING_CONFIG, seed=2, std=0.5)
+    draft = random_model(SAMPLING_CONFIG, seed=5, std=0.5)
+    exact = exact_distribution(model, SAMPLING_PROMPT, SAMPLING)
+    n = 400
+    counts: dict = {}
+    drafted = accepted = 0
+    for seed in range(n):
+        result = generate(model, SAMPLING_PROMPT, max_new_tokens=3, stop_tokens=[], seed=seed, speculate="draft", draft_model=draft,
+                          draft_tokens=2, **SAMPLING)
+        key = tuple(result.generated_ids[0])
+        counts[key] = counts.get(key, 0) + 1
+        drafted += result.speculation["drafted"]
+        accepted += result.speculation["accepted"]
+    assert 0 < accepted < drafted
+    assert chi_square_pvalue(counts, exact, n) > 1e-3
+
+
+# ---------------------------------------------------------------------------------- bad input
+
+
+def _save_tokenizer(directory, *, swap: bool = False, special: tuple[str, ...] = ()) -> None:
+    """A word-level tokenizer.json of VOCAB tokens t0..t{VOCAB-1} (swap: t1 and t2 trade ids; special:
+    those tokens marked special)."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+
+    vocab = {f"t{i}": i for i in range(VOCAB)}
+    if swap:
+        vocab["t1"], vocab["t2"] = 2, 1
+    tokenizer = Tokenizer(WordLevel(vocab, unk_token="t0"))
+    tokenizer.pre_tokenizer = Whitespace()
+    tokenizer.add_special_tokens(list(special))
+    tokenizer.save(str(directory / "tokenizer.json"))
+
+
+@pytest.fixture(scope="module")
+def tokenized(tmp_path_factory):
+    """Checkpoints with tokenizers: the model, a draft with the same tokenizer, one with two ids swapped,
+    one with a token marked special, one with a 16-position context window, and one with another vocabulary size."""
+    root = tmp_path_factory.mktemp("tokenized")
+    dirs = {}
+    for name, options in (("model", {}), ("same", {}), ("swapped", dict(swap=True)), ("special", dict(special=("t5",)))):
+        dirs[name] = root / name
+        make_checkpoint("llama", dirs[name])
+        _save_tokenizer(dirs[name], **options)
+    dirs["short"] = root / "short"
+    make_checkpoint("llama", dirs["short"])
+    _save_tokenizer(dirs["short"])
+    config = json.loads((dirs["short"] / "config.json").read_text())
+    (dirs["short"] / "config.json").write_text(json.dumps(dict(config, max_position_embeddings=16)))
+    dirs["not_a_model"] = root / "not_a_model"
+    dirs["not_a_model"].mkdir()
+    (dirs["not_a_model"] / "config.json").write_text("{}")
+    return dirs
+
+
+def test_draft_model_and_speculate_draft_need_each_other():
+    for options, option, words in [
+        (dict(draft_model="d.gguf"), "draft_model", "got no speculation"),
+        (dict(speculate="ngram", draft_model="d.gguf"), "draft_model", "got speculate='ngram'"),
+        (dict(speculate="draft"), "speculate", "needs draft_model=PATH"),
+        (dict(speculate="draft", draft_model=3), "draft_model", "checkpoint path or a loaded model, got int"),
+        (dict(speculate="draft", draft_model="d.gguf", draft_tokens=0), "draft_tokens", ">= 1"),
+        (dict(speculate="draft", draft_model="d.gguf", draft_tokens=17), "draft_tokens", "[1, 16]"),
+    ]:
+        with pytest.raises(ConfigError) as info:
+            GenerationConfig(**options)
+        assert info.value.option == option and words in str(info.value) and "\n" not in str(info.value), options
+
+
+@pytest.mark.parametrize("draft, words", [
+    ("swapped", "another tokenizer than the model: token 't1' is id 2 in the draft, 1 in the model"),
+    ("special", "another tokenizer than the model: added token"),
+    ("short", "context window of 16 positions is shorter than the 20"),
+    ("missing", "is not a usable model checkpoint"),
+    ("not_a_model", "is not a usable model checkpoint"),
+])
+def test_a_draft_model_that_does_not_fit_is_refused_before_work(tokenized, draft, words):
+    model = load_model(tokenized["model"])
+    path = tokenized.get(draft, tokenized["model"].parent / "missing")
+    with pytest.raises(ConfigError) as info:
+        generate(model, [1, 2, 3, 4], max_new_tokens=16, speculate="draft", draft_model=path)
+    assert info.value.option == "draft_model" and words in str(info.value) and "\n" not in str(info.value)
+
+
+def test_a_draft_model_of_another_vocabulary_or_without_tokenizer_is_refused(tokenized):
+    model = load_model(tokenized["model"])
+    small = random_model(LlamaConfig(vocab_size=VOCAB // 2, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2,
+                                     num_kv_heads=1, head_dim=8))
+    with pytest.raises(ConfigError, match=f"vocabulary of {VOCAB // 2} tokens, the model {VOCAB}"):
+        generate(model, [1, 2, 3], speculate="draft", draft_model=small)
+    untokenized = random_model(LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2,
+                                           num_kv_heads=1, head_dim=8))
+    with pytest.raises(ConfigError, match="draft_model has no tokenizer"):
+        generate(model, [1, 2, 3], speculate="draft", draft_model=untokenized)
+    same = generate(model, [1, 2, 3], max_new_tokens=4, speculate="draft", draft_model=tokenized["same"])
+    assert same.speculation["draft_model"] == str(tokenized["same"])
+
+
+def test_cli_draft_model_json_and_errors(tokenized, tmp_path):
+    runner = CliRunner()
+    ids = tmp_path / "ids.json"
+    ids.write_text(json.dumps(PROMPT))
+    base = ["generate", str(tokenized["model"]), "--prompt-ids", str(ids), "--max-new-tokens", "12", "--no-stop", "--json"]
+    plain = json.loads(runner.invoke(app, base).stdout)
+    result = runner.invoke(app, base + ["--speculate", "draft", "--draft-model", str(tokenized["same"]), "--draft-tokens", "3"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    spec = report["speculation"]
+    assert report["generated_ids"] == plain["generated_ids"]
+    assert report["timings"]["decode_steps"] == 11 - spec["accepted"] and spec["decoded_tokens"] == 11
+    assert spec["draft_model"] == str(tokenized["same"]) and spec["draft_prefill_s"] > 0 and spec["draft_s"] > 0
+    assert set(spec) >= {"drafted", "accepted", "acceptance_rate", "tokens_per_forward"}
+    for extra, words in [
+        (["--draft-model", str(tokenized["same"])], "--draft-model is the drafter of --speculate draft, got no speculation"),
+        (["--speculate", "draft"], "--speculate draft needs --draft-model PATH"),
+        (["--speculate", "draft", "--draft-model", str(tokenized["swapped"])], "--draft-model has another tokenizer"),
+        (["--speculate", "draft", "--draft-model", str(tokenized["short"])], "--draft-model's context window of 16 positions"),
+        (["--speculate", "draft", "--draft-model", str(tmp_path / "nothing")], f"--draft-model {tmp_path / 'nothing'} is not"),
+        (["--speculate", "draft", "--draft-model", str(tokenized["same"]), "--draft-tokens", "17"], "--draft-tokens must be in [1, 16]"),
+    ]:
+        bad = runner.invoke(app, base + extra + ["--nproc", "2"])  # refused before the ranks are spawned (exit 2, not 1)
+        lines = bad.output.strip().splitlines()
+        assert bad.exit_code == 2 and len(lines) == 1 and words in lines[0], (extra, bad.output)

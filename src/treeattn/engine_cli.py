@@ -63,6 +63,7 @@ class RankBy(str, Enum):
 class Speculate(str, Enum):
     none = "none"
     ngram = "ngram"
+    draft = "draft"
 
 
 class DType(str, Enum):
@@ -105,8 +106,11 @@ def generate_command(
                                               "exceed the model's context window: positions past it get RoPE angles the model "
                                               "never saw in training, so the output may degrade."),
     speculate: Speculate = typer.Option(Speculate.none, "--speculate", help="Speculative decoding (one prompt): ngram drafts up "
-                                        "to --draft-tokens tokens per step by prompt lookup, verified in one forward pass."),
+                                        "to --draft-tokens tokens per step by prompt lookup, draft with --draft-model; "
+                                        "verified in one forward pass."),
     draft_tokens: int = typer.Option(4, "--draft-tokens", help="Most tokens drafted per step with --speculate, in [1, 16]."),
+    draft_model: Path | None = typer.Option(None, "--draft-model", help="The draft model of --speculate draft (HF directory "
+                                            "or .gguf, the model's tokenizer); rank 0 holds it, with its own whole cache."),
     timeout: float = typer.Option(60.0, "--timeout", min=0.001, max=1e6, help="Seconds a rank may wait in a collective or show "
                                   "no sign of life before the run fails, naming the rank (see docs/faults.md)."),
 ) -> None:
@@ -121,6 +125,7 @@ def generate_command(
             stop_tokens=() if no_stop else (tuple(stop_id) or None), num_samples=num_samples, decode=decode.value,
             method=None if method is None else method.value, prefill=prefill.value, placement=placement.value, block_size=block_size, capacity=capacity,
             speculate=None if speculate is Speculate.none else speculate.value, draft_tokens=draft_tokens,
+            draft_model=None if draft_model is None else str(draft_model),
         )
         if system is not None and not chat:
             raise ValueError("--system is a chat message: give --chat too")
@@ -134,6 +139,10 @@ def generate_command(
             raise ValueError("--top K prints the K best sequences: give --rank-by mean-logprob too")
         world = _world_size(nproc)
         _check_before_spawning(config, model_dir, prompts, world, dtype.value)
+        if config.draft_model is not None:
+            from treeattn.draft_model import check_draft_model, read_draft_model
+
+            check_draft_model(read_draft_model(config.draft_model), files, positions=max(map(len, prompts)) + max_new_tokens)
         _check_context(prompts, max_new_tokens, files.config, model_dir, allow_beyond_context)
     except ConfigError as exc:
         typer.echo(f"error: {_cli_message(exc)}", err=True)
@@ -408,6 +417,10 @@ def _summary_table(result: dict, total_s: float) -> Table:
                       f"{spec['accepted']}/{spec['drafted']} drafts accepted"
                       + (f" ({spec['acceptance_rate']:.0%})" if spec["drafted"] else ""))
         table.add_row("tokens per forward pass", f"{spec['tokens_per_forward']:.2f}" if steps else "-")
+        if "draft_model" in spec:
+            table.add_row("draft model", Path(spec["draft_model"]).name)
+            table.add_row("draft prefill (in time to first token)", f"{spec['draft_prefill_s']:.3f} s")
+        table.add_row("drafting (in decode)", f"{spec['draft_s']:.3f} s")
     table.add_row("KV cache per rank", ", ".join(_bytes(b) for b in result["kv_bytes_per_rank"]))
     table.add_row("KV cache per token", f"{_bytes(result['kv_bytes_per_token'])} (all layers)")
     table.add_row("comm per token (all ranks)", _bytes(result["comm_bytes_per_token"]) if steps else "-")

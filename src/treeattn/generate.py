@@ -33,12 +33,15 @@ What happens, on each rank of `group` (p ranks; without torch.distributed initia
    no host synchronization inside a step); with cuda_graph=True that step is captured in a CUDA
    graph once and replayed for every token. Logits, sampling and the broadcast stay outside it.
 
-Speculative decoding (speculate="ngram", one prompt): each step drafts up to draft_tokens tokens by
-prompt lookup (treeattn.speculate), runs the last token and the drafts through the model in one
-forward pass (their d + 1 causal queries at their positions through the same decode attention, so
-one combine per layer verifies them all), and rank 0 accepts a prefix of the drafts (greedy: exact
-match; temperature > 0: the speculative-sampling rule, so the output distribution is the model's)
-and broadcasts it; every rank then truncates the rejected drafts' keys/values from its shard.
+Speculative decoding (speculate="ngram" or "draft", one prompt): rank 0 drafts up to draft_tokens
+tokens, by prompt lookup (treeattn.speculate) or with a draft model that it alone holds, with its own
+whole cache (treeattn.draft_model); every rank runs the last token and the drafts through the model
+in one forward pass (their d + 1 causal queries at their positions through the same decode
+attention, so one combine per layer verifies them all); rank 0 accepts a prefix of the drafts
+(greedy: exact match; temperature > 0: the speculative-sampling rule with the drafter's proposal
+distribution, so the output distribution is the model's), drafts the next step's tokens, and
+broadcasts both in one message; every rank then truncates the rejected drafts' keys/values from its
+shard. The draft model's prefill of the prompt runs on rank 0 before the first token (in prefill_s).
 
 Sampling: temperature 0 is greedy (argmax). Otherwise logits / temperature, then top-k, then top-p
 (nucleus), then one draw per sequence from a torch.Generator seeded with `seed` on rank 0.
@@ -142,8 +145,10 @@ class GenerationResult:
             the first token and before the decode steps (in neither prefill_s nor decode_s).
         speculation: {} without speculative decoding; else method, draft_tokens (k), drafted,
             accepted, acceptance_rate (accepted / drafted), decoded_tokens (tokens the decode steps
-            produced) and tokens_per_forward (decoded_tokens / decode_steps). decode_steps then
-            counts the model's verification forward passes, one per step.
+            produced), tokens_per_forward (decoded_tokens / decode_steps) and draft_s (rank 0's
+            seconds drafting, inside decode_s); with a draft model also draft_model (its path) and
+            draft_prefill_s (its prefill of the prompt, inside prefill_s). decode_steps then counts
+            the model's verification forward passes, one per step.
     """
 
     prompt_tokens: list[int]
@@ -232,6 +237,7 @@ def generate(
     cuda_graph: bool = False,
     speculate: str | None = None,
     draft_tokens: int = 4,
+    draft_model=None,
     on_token: Callable[[StepOutput], None] | None = None,
 ) -> GenerationResult:
     """Generate continuations of `prompts` with the KV cache sharded across the ranks of `group`.
@@ -278,11 +284,15 @@ def generate(
             step. Needs num_samples == 1; on CUDA a model the Triton decode kernel takes.
         cuda_graph: static_decode, with the step captured in a CUDA graph after warmup and
             replayed for every token. Needs the model on a CUDA device.
-        speculate: None, or "ngram": speculative decoding (one prompt): each step drafts up to
-            draft_tokens tokens by prompt lookup (treeattn.speculate.NgramDrafter), verifies them in
-            one forward pass and keeps what the acceptance rule accepts (greedy: the same tokens as
-            without speculation; temperature > 0: the same distribution). result.speculation reports it.
+        speculate: None, "ngram" or "draft": speculative decoding (one prompt): each step drafts up
+            to draft_tokens tokens, by prompt lookup (treeattn.speculate.NgramDrafter) or with
+            draft_model (treeattn.draft_model.DraftModelDrafter, on rank 0 with its own whole cache),
+            verifies them in one forward pass and keeps what the acceptance rule accepts (greedy: the
+            same tokens as without speculation; temperature > 0: the same distribution).
+            result.speculation reports it.
         draft_tokens: the most tokens drafted per step, in [1, 16].
+        draft_model: with speculate="draft": the draft model, a checkpoint path (loaded on rank 0 in
+            the model's dtype and device) or a loaded LlamaModel, of the model's tokenizer.
         on_token: called with each StepOutput as tokens come (on every rank).
 
     Returns:
@@ -299,6 +309,7 @@ def generate(
         seed=seed, stop_tokens=stop_tokens, num_samples=num_samples, decode=decode, method=method, prefill=prefill,
         placement=placement, block_size=block_size, capacity=capacity, chunk=chunk, group=group, topology=topology,
         cache=cache, static_decode=static_decode, cuda_graph=cuda_graph, speculate=speculate, draft_tokens=draft_tokens,
+        draft_model=draft_model,
     )
     for step in run:
         if on_token is not None:
@@ -346,7 +357,7 @@ class Generation:
         self.model, self.group, self.topology = model, group, topology
         self.rank, self.world_size = _rank_and_size(group)
         self.result: GenerationResult | None = None
-        local_error = capacity = block_size = prefill = None  # the last three: resolved below
+        local_error = capacity = block_size = prefill = draft_model = None  # resolved below
         try:
             if config is None:
                 config = GenerationConfig(**options)
@@ -366,6 +377,10 @@ class Generation:
             prefill = resolve_prefill(config.prefill, self.world_size, longest, model.config.layer_windows)
             if prefill == "local" and config.prefill == "auto" and self.world_size > 1 and self.rank == 0:
                 logger.info("a sliding window shorter than the prompt: prefill 'local' (ring_attention has no window)")
+            if config.speculate == "draft" and self.rank == 0:  # rank 0 alone holds the draft model
+                from treeattn.draft_model import check_loaded_draft
+
+                draft_model = check_loaded_draft(config.draft_model, model, positions=longest + config.max_new_tokens)
             if cache is not None:
                 tokens, positions = _left_pad(self.prompts, "cpu")
                 _check_reused_cache(cache, model, tokens, positions, longest + config.max_new_tokens, config.placement,
@@ -389,12 +404,23 @@ class Generation:
             value_dim=model.config.cache_value_dim, capacity=capacity, batch_size=len(self.prompts), placement=config.placement, block_size=block_size,
             rank=self.rank, world_size=self.world_size, dtype=model.dtype, device=model.device,
         )
+        self._drafter = self._make_drafter(draft_model) if config.speculate and self.rank == 0 else None
+        self._draft_s = self._draft_prefill_s = 0.0  # rank 0's seconds drafting, and in the draft model's prefill
         # The samples' own tokens (num_samples > 1): batch n, unsharded, the same on every rank.
         self.sample_cache = None if self.num_samples == 1 else ShardedKVCache(
             num_layers=model.config.num_layers, num_kv_heads=model.config.num_kv_heads, head_dim=model.config.head_dim,
             value_dim=model.config.cache_value_dim, capacity=self.max_new_tokens, batch_size=self.num_samples, block_size=min(block_size, self.max_new_tokens),
             dtype=model.dtype, device=model.device,
         )
+
+    def _make_drafter(self, draft_model):
+        """Rank 0's drafter: prompt lookup, or the draft model with its own whole cache."""
+        if self.config.speculate == "ngram":
+            return NgramDrafter()
+        from treeattn.draft_model import DraftModelDrafter
+
+        capacity = max(len(p) for p in self.prompts) + self.max_new_tokens + self.config.draft_tokens
+        return DraftModelDrafter(draft_model, capacity=capacity, sampling=self.sampling, chunk=self.chunk)
 
     def _agree(self, config, local_error, *, capacity, block_size, prefill) -> None:
         """Every rank checks that all ranks got the same prompts, options and model (one all-gather),
@@ -411,7 +437,8 @@ class Generation:
             values = dict.fromkeys(names, UNKNOWN)
         else:
             values = {"prompts": _fingerprint(self.prompts)}
-            values.update({name: _fingerprint(value) for name, value in config.as_dict().items()})
+            values.update({name: _model_fingerprint(value) if isinstance(value, torch.nn.Module) else _fingerprint(value)
+                           for name, value in config.as_dict().items()})
             values.update({"resolved capacity": capacity, "resolved block_size": block_size,
                            "resolved prefill": _fingerprint(prefill), "model": _model_fingerprint(self.model)})
         gather_metadata("generate", values, self.group, must_match=names, local_error=local_error)
@@ -431,6 +458,10 @@ class Generation:
             generator = torch.Generator(device="cpu").manual_seed(self.seed)
             with comm_stats() as prefill_comm:
                 last_hidden = self._prefill(tokens, positions)
+                if self.config.speculate == "draft" and self.rank == 0:  # the draft's own prefill, in the time to first token
+                    draft_start = time.perf_counter()
+                    self._drafter.prefill(self.prompts[0])
+                    self._draft_prefill_s = time.perf_counter() - draft_start
                 if self.num_samples > 1:  # n samples of the one prompt: its logits, n times
                     last_hidden = last_hidden.expand(self.num_samples, -1)
                 new, logprobs = self._next_tokens(last_hidden, generator, index=0)
@@ -452,7 +483,8 @@ class Generation:
             _remember_tokens(self.cache, torch.cat(fed, dim=1), positions.cpu())
             token_logprobs = self._token_logprobs(step_logprobs, outputs.generated)  # one broadcast, after the timed steps
             kv_bytes = self.cache.nbytes() + (self.sample_cache.nbytes() if self.sample_cache is not None else 0)
-            per_rank = self._gather_per_rank([kv_bytes, decode_comm.bytes_sent, prefill_comm.bytes_sent, peak_rss, start_rss])
+            per_rank = self._gather_per_rank([kv_bytes, decode_comm.bytes_sent, prefill_comm.bytes_sent, peak_rss, start_rss,
+                                              self._draft_s, self._draft_prefill_s])
             self.result = GenerationResult(
                 prompt_tokens=[len(p) for p in self.prompts] * self.num_samples, generated_ids=outputs.generated,
                 finish_reasons=outputs.reasons, token_logprobs=token_logprobs, num_samples=self.num_samples,
@@ -463,8 +495,19 @@ class Generation:
                 comm_bytes_per_rank=per_rank[1], prefill_comm_bytes_per_rank=per_rank[2],
                 peak_rss_bytes_per_rank=[int(x) for x in per_rank[3]], start_rss_bytes_per_rank=[int(x) for x in per_rank[4]],
                 comm=decode_comm.as_dict(), decode_step=self.decode_step, decode_setup_s=decode_setup_s,
-                speculation=getattr(self, "_speculation", {}),
+                speculation=self._speculation_report(draft_s=per_rank[5][0], draft_prefill_s=per_rank[6][0]),
             )
+
+    def _speculation_report(self, *, draft_s: float, draft_prefill_s: float) -> dict:
+        """result.speculation: the counts of _speculative_steps and rank 0's drafting times; {} without."""
+        if not self.config.speculate:
+            return {}
+        report = dict(self._speculation, draft_s=draft_s)
+        if self.config.speculate == "draft":
+            from treeattn.draft_model import describe
+
+            report.update(draft_model=describe(self.config.draft_model), draft_prefill_s=draft_prefill_s)
+        return report
 
     def _steps(self, new, logprobs, next_pos, generator, static_step, outputs, fed, step_logprobs, step_times) -> Iterator[StepOutput]:
         """The decode steps, one new token per sequence each: yields a StepOutput per token (the first
@@ -493,17 +536,19 @@ class Generation:
 
     def _speculative_steps(self, new, logprobs, next_pos, generator, static_step, outputs, fed, step_logprobs,
                            step_times) -> Iterator[StepOutput]:
-        """_steps with speculation (one sequence): each step drafts d <= draft_tokens tokens, runs the
-        last token and the d drafts through the model in one forward pass (d + 1 causal queries at
+        """_steps with speculation (one sequence): each step runs the last token and the d <= draft_tokens
+        drafts (rank 0's, broadcast) through the model in one forward pass (d + 1 causal queries at
         their positions through the decode attention), keeps the accepted drafts and the token after
-        them, and cuts the rejected drafts' keys/values out of the cache on every rank. Yields a
-        StepOutput per token; a step_times entry per forward pass."""
-        drafter = NgramDrafter()
+        them, and cuts the rejected drafts' keys/values out of the cache on every rank. Rank 0 drafts
+        the first step's tokens after the first token (one broadcast), every later step's while it
+        accepts (in _verify's broadcast). Yields a StepOutput per token; a step_times entry per
+        forward pass (rank 0's drafting included)."""
         k = self.config.draft_tokens
         context = torch.tensor(self.prompts[0] + [0] * self.max_new_tokens, dtype=torch.int64)
         length = len(self.prompts[0])
         stats = {"method": self.config.speculate, "draft_tokens": k, "drafted": 0, "accepted": 0}
         emitted, emitted_logprobs, index = [int(new[0])], [logprobs], 0
+        draft = proposal = None
         while True:
             for token, token_logprob in zip(emitted, emitted_logprobs):
                 context[length] = token
@@ -520,33 +565,73 @@ class Generation:
                     self._speculation = stats
                     return
             step_start = time.perf_counter()
-            draft = drafter.propose(context[:length], min(k, self.max_new_tokens - index - 1))
+            if draft is None:  # the first step: rank 0 drafts after the first token
+                proposed, proposal = self._propose(context[:length], [], index, generator) if self.rank == 0 else (context[:0], None)
+                draft = self._broadcast_outcome([], proposed)[1]
             inputs = torch.cat([context[length - 1: length], draft])[None]  # (1, d + 1): the last token, then the drafts
             positions = next_pos[:, None] + torch.arange(inputs.shape[1], device=next_pos.device)
             slots = self.cache.extend(positions)
             hidden = self.model(inputs.to(self.model.device), positions, self.cache.update(slots, slots.owned), self._attend)
-            accepted, emitted, emitted_logprobs = self._verify(hidden[0], draft, generator, index=index)
+            accepted, emitted, emitted_logprobs, next_draft, proposal = self._verify(hidden[0], draft, proposal, generator,
+                                                                                     context[:length], index=index)
             self.cache.truncate(self.cache.length - (draft.numel() - accepted))
             fed.append(inputs[:, : accepted + 1])
             next_pos = next_pos + accepted + 1
             stats["drafted"] += draft.numel()
             stats["accepted"] += accepted
+            draft = next_draft
             step_times.append(time.perf_counter() - step_start)
 
-    def _verify(self, hidden: torch.Tensor, draft: torch.Tensor, generator: torch.Generator, *, index: int
-                ) -> tuple[int, list[int], list[torch.Tensor]]:
-        """Accept drafts on rank 0 (treeattn.speculate.accept) and broadcast the outcome.
+    def _propose(self, context: torch.Tensor, tokens: list[int], emitted: int, generator: torch.Generator
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Rank 0's drafts for the next step, after `context` (int64 (L,)) and the new `tokens`, when
+        `emitted` tokens (these included) have been produced: (draft int64 (d,), proposal float64
+        (d, V) or None for a one-hot proposal); none when a stop token or max_new_tokens ends the run."""
+        context = torch.cat([context, torch.tensor(tokens, dtype=torch.int64)])
+        budget = min(self.config.draft_tokens, self.max_new_tokens - emitted - 1)
+        if budget <= 0 or any(t in self.stop_tokens for t in tokens):
+            return context[:0], None
+        start = time.perf_counter()
+        if self.config.speculate == "ngram":
+            draft, proposal = self._drafter.propose(context, budget), None
+        else:
+            draft, proposal = self._drafter.propose(context, budget, generator)
+        self._draft_s += time.perf_counter() - start
+        return draft, proposal
+
+    def _broadcast_outcome(self, values: list[int], draft: torch.Tensor) -> tuple[list[int], torch.Tensor]:
+        """Rank 0's ints `values` and next drafts int64 (d,), d <= draft_tokens, to every rank in one
+        broadcast; returns them on every rank (the others pass placeholders of the same length)."""
+        k = self.config.draft_tokens
+        message = torch.zeros(len(values) + 1 + k, dtype=torch.int64)
+        if self.rank == 0:
+            message[: len(values)] = torch.tensor(values, dtype=torch.int64)
+            message[len(values)] = draft.numel()
+            message[len(values) + 1: len(values) + 1 + draft.numel()] = draft
+        message = self._broadcast(message.to(self.model.device), src=0).cpu()
+        d = int(message[len(values)])
+        return message[: len(values)].tolist(), message[len(values) + 1: len(values) + 1 + d].clone()
+
+    def _verify(self, hidden: torch.Tensor, draft: torch.Tensor, proposal: torch.Tensor | None, generator: torch.Generator,
+                context: torch.Tensor, *, index: int) -> tuple[int, list[int], list[torch.Tensor], torch.Tensor, torch.Tensor | None]:
+        """Accept drafts on rank 0 (treeattn.speculate.accept), draft the next step's, and broadcast both.
 
         Args:
             hidden: (d + 1, hidden_size) final hidden states of the last token and the d drafts.
             draft: int64 (d,) on the CPU, the same on every rank.
+            proposal: float64 (d, V), the distribution the drafts were drawn from, on rank 0; None for
+                a one-hot proposal (and on the other ranks).
+            context: int64 (L,) the tokens before the drafts (rank 0 drafts after it).
+            index: tokens emitted before this step.
 
         Returns:
-            (accepted, tokens, logprobs): the number of drafts kept; the accepted + 1 new tokens;
-            their float64 (1,) log-probabilities under the model (zeros on ranks other than 0).
+            (accepted, tokens, logprobs, next_draft, next_proposal): the number of drafts kept; the
+            accepted + 1 new tokens; their float64 (1,) log-probabilities under the model (zeros on
+            ranks other than 0); the next step's drafts int64 (d',) (every rank) and their proposal
+            (rank 0; None elsewhere).
         """
         d = draft.numel()
-        outcome = torch.full((2,), -2, dtype=torch.int64)
+        values, next_draft, next_proposal = [-2, -2], draft[:0], None
         logprobs = torch.zeros(d + 1, dtype=torch.float64)
         if self.rank == 0:
             logits = self.model.logits(hidden).float().cpu()  # (d + 1, V)
@@ -556,19 +641,19 @@ class Generation:
                 else:
                     probs = sampling_probs(logits, self.sampling)
                 uniforms = torch.rand(d + 1, generator=generator, dtype=torch.float64)
-                accepted, token = accept(probs, draft, uniforms[:d], float(uniforms[d]))
-                outcome = torch.tensor([accepted, token], dtype=torch.int64)
-                tokens = torch.cat([draft[:accepted], outcome[1:]])
-                logprobs[: accepted + 1] = chosen_logprobs(logits[: accepted + 1], tokens)
+                accepted, token = accept(probs, draft, uniforms[:d], float(uniforms[d]), proposal=proposal)
+                tokens = draft[:accepted].tolist() + [token]
+                logprobs[: accepted + 1] = chosen_logprobs(logits[: accepted + 1], torch.tensor(tokens))
+                values = [accepted, token]
+                next_draft, next_proposal = self._propose(context, tokens, index + len(tokens), generator)
             else:
-                outcome[:] = -1
-        outcome = self._broadcast(outcome.to(hidden.device), src=0).cpu()
-        accepted, token = int(outcome[0]), int(outcome[1])
+                values = [-1, -1]
+        (accepted, token), next_draft = self._broadcast_outcome(values, next_draft)
         if accepted < 0:
             raise NonFiniteLogitsError(f"the model produced non-finite logits (NaN or inf) for sequence(s) [0] at new token "
                                        f"{index} (or one of the {d} drafted after it); generation stopped. {self._locate_non_finite()}")
         tokens = draft[:accepted].tolist() + [token]
-        return accepted, tokens, [logprobs[i: i + 1] for i in range(accepted + 1)]
+        return accepted, tokens, [logprobs[i: i + 1] for i in range(accepted + 1)], next_draft, next_proposal
 
     def _decode_attention(self):
         return attention_backend(self.decode, method=self.method, group=self.group, topology=self.topology)

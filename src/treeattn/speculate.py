@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-SPECULATE_KINDS = ("ngram",)
+SPECULATE_KINDS = ("ngram", "draft")  # "draft": a draft model (treeattn.draft_model)
 MAX_DRAFT_TOKENS = 16
 
 

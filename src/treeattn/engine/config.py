@@ -82,9 +82,14 @@ class GenerationConfig:
         block_size: cache block size in tokens. capacity: cache slots per sequence (None: the
             longest prompt + max_new_tokens). chunk: tokens per chunk of the local prefill.
         static_decode, cuda_graph: the fixed-shape decode step, eager or in a CUDA graph.
-        speculate: None, or "ngram": speculative decoding with prompt-lookup drafts (treeattn.speculate),
-            verified by one forward pass of the model per step. One prompt, num_samples 1, dynamic steps.
+        speculate: None, "ngram" (prompt-lookup drafts, treeattn.speculate) or "draft" (a draft model's,
+            treeattn.draft_model): speculative decoding, verified by one forward pass of the model per
+            step. One prompt, num_samples 1, dynamic steps.
         draft_tokens: the most tokens drafted per step, in [1, MAX_DRAFT_TOKENS].
+        draft_model: with speculate="draft" (and only then): the draft model's checkpoint path (an HF
+            directory or a .gguf file; a str, what travels to the ranks), or a loaded model (in one
+            process). Its tokenizer and context window are checked against the model's where the
+            model is known (check_draft_model).
     """
 
     max_new_tokens: int = 32
@@ -105,6 +110,7 @@ class GenerationConfig:
     cuda_graph: bool = False
     speculate: str | None = None
     draft_tokens: int = 4
+    draft_model: str | torch.nn.Module | None = None
 
     def __post_init__(self) -> None:
         for name, low in (("max_new_tokens", 1), ("seed", 0), ("num_samples", 1), ("block_size", 1), ("chunk", 1)):
@@ -141,10 +147,20 @@ class GenerationConfig:
         _check_int("draft_tokens", self.draft_tokens, 1)
         if self.draft_tokens > MAX_DRAFT_TOKENS:
             raise ConfigError("draft_tokens", f"draft_tokens must be in [1, {MAX_DRAFT_TOKENS}], got {self.draft_tokens}")
+        if isinstance(self.draft_model, os.PathLike):
+            object.__setattr__(self, "draft_model", os.fspath(self.draft_model))
+        if self.draft_model is not None and not isinstance(self.draft_model, (str, torch.nn.Module)):
+            raise ConfigTypeError("draft_model", f"draft_model must be a checkpoint path or a loaded model, "
+                                  f"got {type(self.draft_model).__name__}")
+        if self.speculate is not None and self.speculate not in SPECULATE_KINDS:
+            raise ConfigError("speculate", f"speculate must be None or one of {SPECULATE_KINDS}, got {self.speculate!r}")
+        if self.draft_model is not None and self.speculate != "draft":
+            got = "no speculation" if self.speculate is None else f"speculate={self.speculate!r}"
+            raise ConfigError("draft_model", f"draft_model is the drafter of speculate='draft', got {got}")
+        if self.speculate == "draft" and self.draft_model is None:
+            raise ConfigError("speculate", "speculate='draft' needs draft_model=PATH, the draft model's checkpoint")
         if self.speculate is None:
             return
-        if self.speculate not in SPECULATE_KINDS:
-            raise ConfigError("speculate", f"speculate must be None or one of {SPECULATE_KINDS}, got {self.speculate!r}")
         if self.num_samples > 1:
             raise ConfigError("speculate", f"speculate={self.speculate!r} decodes one sequence; num_samples={self.num_samples} "
                               "(bifurcated decoding) has no speculative step")
