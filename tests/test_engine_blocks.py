@@ -72,7 +72,7 @@ def _run(scheduler: Scheduler, next_token=lambda seq_id, step: 7 + seq_id, max_s
             return plans, finished
         plan = scheduler.schedule()
         plans.append(plan)
-        sampled = {c.seq_id: next_token(c.seq_id, step) for c in plan.chunks if c.sample is not None}
+        sampled = {c.seq_id: [next_token(c.seq_id, step)] for c in plan.chunks if c.sample is not None}
         finished += [seq for seq, _, reason in scheduler.complete(plan, sampled) if reason]
     raise AssertionError("the scheduler did not finish")
 

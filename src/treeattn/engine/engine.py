@@ -52,8 +52,13 @@ from treeattn.engine.runner import RankRunner
 from treeattn.engine.scheduler import Scheduler, Sequence as _Seq
 from treeattn.models.attention import DECODE_KINDS
 from treeattn.parallel.tree_decode import METHODS
+from treeattn.speculate import MAX_DRAFT_TOKENS, NgramDrafter
 
 logger = logging.getLogger(__name__)
+
+
+ENGINE_SPECULATE_KINDS = ("ngram",)
+"""Speculative decoding the engine runs: "ngram", prompt lookup (treeattn.speculate.NgramDrafter)."""
 
 
 class EngineError(RuntimeError):
@@ -76,6 +81,8 @@ class EngineConfig:
     dtype: torch.dtype | None = None
     timeout_s: float = 60.0
     threads_per_rank: int | None = None
+    speculate: str | None = None
+    draft_tokens: int = 4
 
     def __post_init__(self) -> None:
         for name in ("nproc", "max_batch_size", "block_size", "prefill_chunk"):
@@ -98,6 +105,11 @@ class EngineConfig:
             raise ValueError(f"dtype must be a floating torch.dtype or None, got {self.dtype!r}")
         if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float)) or not self.timeout_s > 0:
             raise ValueError(f"timeout_s must be a number of seconds > 0, got {self.timeout_s!r}")
+        if self.speculate is not None and self.speculate not in ENGINE_SPECULATE_KINDS:
+            raise ValueError(f"speculate must be None or one of {ENGINE_SPECULATE_KINDS}, got {self.speculate!r}")
+        k = self.draft_tokens
+        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_DRAFT_TOKENS:
+            raise ValueError(f"draft_tokens must be an int in [1, {MAX_DRAFT_TOKENS}], got {k!r}")
 
     def blocks_per_rank(self, max_position_embeddings: int) -> int:
         """Blocks in each rank's pool: cache_tokens over all ranks, default
@@ -192,6 +204,12 @@ class Engine:
         timeout_s: the group's timeout for every collective, and how long the driver waits for
             the ranks to start.
         threads_per_rank: torch threads of each rank process (default cpu_count // nproc).
+        speculate: None, or "ngram": speculative decoding by prompt lookup. Every decode step drafts
+            up to `draft_tokens` tokens per sequence from its own prompt and output
+            (treeattn.speculate.NgramDrafter), verifies them in the same batched forward pass, and
+            keeps the accepted ones and the token after them (greedy: exactly the tokens decoding
+            without speculation gives; temperature > 0: the same distribution).
+        draft_tokens: the most tokens drafted per sequence per step, in [1, MAX_DRAFT_TOKENS].
         group: inside an existing process group only: the ranks that share the cache (None:
             the world); its rank 0 is the driver.
     """
@@ -200,7 +218,7 @@ class Engine:
                  placement: str = "contiguous", max_batch_size: int = 16, cache_tokens: int | None = None,
                  prefix_cache: bool = True, block_size: int = 256, prefill_chunk: int = 512,
                  dtype: torch.dtype | None = None, timeout_s: float = 60.0, threads_per_rank: int | None = None,
-                 group: dist.ProcessGroup | None = None) -> None:
+                 speculate: str | None = None, draft_tokens: int = 4, group: dist.ProcessGroup | None = None) -> None:
         if dist.is_available() and not dist.is_initialized() and "RANK" in os.environ and "WORLD_SIZE" in os.environ:
             dist.init_process_group(backend="gloo", timeout=timedelta(seconds=timeout_s))  # under torchrun: join its group
         joined = dist.is_available() and dist.is_initialized()
@@ -213,7 +231,7 @@ class Engine:
         self.config = EngineConfig(nproc=nproc, decode=decode, method=method or DEFAULT_METHOD, placement=placement,
                                    max_batch_size=max_batch_size, cache_tokens=cache_tokens, prefix_cache=prefix_cache,
                                    block_size=block_size, prefill_chunk=prefill_chunk, dtype=dtype, timeout_s=timeout_s,
-                                   threads_per_rank=threads_per_rank)
+                                   threads_per_rank=threads_per_rank, speculate=speculate, draft_tokens=draft_tokens)
         if self.config.nproc > 1 and self.config.decode == "local":
             raise ValueError(f"decode='local' runs on one rank, but nproc={self.config.nproc}; use 'tree' or 'ring'")
         _check_model(model)
@@ -244,7 +262,9 @@ class Engine:
                                      block_size=self.config.block_size, placement=self.config.placement)
         self.prefix_cache = PrefixCache(self.pool) if self.config.prefix_cache else None
         self.scheduler = Scheduler(self.pool, max_batch_size=self.config.max_batch_size,
-                                   prefill_chunk=self.config.prefill_chunk, prefix_cache=self.prefix_cache)
+                                   prefill_chunk=self.config.prefill_chunk, prefix_cache=self.prefix_cache,
+                                   drafter=NgramDrafter() if self.config.speculate == "ngram" else None,
+                                   draft_tokens=self.config.draft_tokens)
         self.max_context = min(self.pool.max_tokens_per_sequence, info.max_position_embeddings)
         self.healthy = True
         self._update_stats()
@@ -317,7 +337,10 @@ class Engine:
 
     def stats(self) -> dict:
         """blocks_total, blocks_used, blocks_free, blocks_cached, running, waiting,
-        prefix_hit_tokens, prompt_tokens, generated_tokens, healthy (a consistent snapshot)."""
+        prefix_hit_tokens, preemptions, prompt_tokens, generated_tokens, healthy (a consistent snapshot),
+        and decoding's counters: decode_forwards (decoding chunks run, one per sequence per step),
+        tokens_per_forward (tokens they committed, per chunk: 1 without speculation), and with
+        speculative decoding drafted_tokens, accepted_tokens and acceptance_rate (NaN before any draft)."""
         self._require_driver()
         with self._lock:
             out = dict(self._stats)
@@ -377,8 +400,10 @@ class Engine:
                 sampled = self._channel.run(plan)
                 self._last_contact = time.monotonic()
                 now = time.perf_counter()
-                for seq, token, reason in self.scheduler.complete(plan, sampled):
-                    self._on_token(self._by_seq[seq.seq_id], token, reason, now)
+                for seq, token, reason in self.scheduler.complete(plan, sampled):  # one per committed token
+                    request = self._by_seq.get(seq.seq_id)
+                    if request is not None:  # None: a stop string ended it earlier in this run of tokens
+                        self._on_token(request, token, reason, now)
                 self._update_stats()
         except BaseException as exc:  # noqa: BLE001 -- every failure must reach the requests
             self._failure = f"engine failed: {type(exc).__name__}: {exc}"
@@ -490,9 +515,17 @@ class Engine:
             finish_reason=reason, prompt_tokens=len(request.prompt),
             cached_prompt_tokens=(seq.cached_prompt_tokens or 0) if seq is not None else 0,
             ttft_s=(first - request.submitted) if first is not None else float("nan"),
-            decode_s=(now - first) if first is not None else 0.0, error=error)
+            decode_s=(now - first) if first is not None else 0.0, error=error,
+            speculation=self._speculation(seq) if seq is not None and self.config.speculate else {})
         event = TokenEvent(request.handle.request_id, token, delta, finished=True, finish_reason=reason, error=error)
         request.handle._emit(event, result)
+
+    def _speculation(self, seq: _Seq) -> dict:
+        """A request's speculative decoding, as GenerationResult.speculation reports it."""
+        return {"method": self.config.speculate, "draft_tokens": self.config.draft_tokens, "drafted": seq.drafted,
+                "accepted": seq.accepted, "acceptance_rate": seq.accepted / seq.drafted if seq.drafted else float("nan"),
+                "decoded_tokens": seq.decode_tokens, "decode_forwards": seq.decode_forwards,
+                "tokens_per_forward": seq.decode_tokens / seq.decode_forwards if seq.decode_forwards else float("nan")}
 
     def _fail_stuck_head(self) -> None:
         """Nothing could run although requests wait: fail the head (cannot happen for requests

@@ -111,6 +111,11 @@ class RequestResult:
         ttft_s: seconds from submission to the first token.
         decode_s: seconds from the first token to the last.
         error: the error message when finish_reason is "error", else None.
+        speculation: {} without speculative decoding; else method, draft_tokens (k), drafted and
+            accepted (draft tokens verified and kept), acceptance_rate (NaN when none was drafted),
+            decoded_tokens (tokens committed by decode steps: all but the first, which the prefill
+            samples, unless the prompt came whole from the prefix cache), decode_forwards (the
+            model's forward passes over this request's decode steps) and tokens_per_forward.
     """
 
     request_id: str
@@ -122,3 +127,4 @@ class RequestResult:
     ttft_s: float = float("nan")
     decode_s: float = 0.0
     error: str | None = None
+    speculation: dict = field(default_factory=dict)

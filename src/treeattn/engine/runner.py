@@ -8,11 +8,12 @@ sequences and positions. The model's two injected callables come from a PagedBat
   table names the rank of every block) and gathers, per group of sequences, this rank's blocks
   of each sequence as its shard (B, blocks * block_size, Hkv, D), with every key's position
   (slots past a sequence's end and padding blocks get INVISIBLE_POSITION);
-- attend regroups the flat queries per sequence: sequences running one token (decoding) form one
-  batch (B, 1), sequences running a prompt chunk another (B, Smax), padded with queries at
-  position -1 that see nothing. Each group makes one call of the rank's attention back end
-  (tree_decode / ring_decode across the ranks, plain attention on one rank): a decode-only step
-  is one tree_decode per layer for the whole batch.
+- attend regroups the flat queries per sequence: decoding sequences (one token, and its drafts
+  under speculative decoding) form one batch (B, 1 + most drafts), sequences running a prompt
+  chunk another (B, Smax), each padded with queries at position -1 that see nothing. Each group
+  makes one call of the rank's attention back end (tree_decode / ring_decode across the ranks,
+  plain attention on one rank): a decode-only step, drafts or not, is one tree_decode per layer
+  for the whole batch.
 
 Reading a shard without copying it ("runs"): a sequence's blocks on this rank are often
 physically adjacent (blocks are handed out in order, and a long prompt takes many at once). Each
@@ -23,9 +24,10 @@ one gather (a copy of the whole shard per layer per step), so it pays when runs 
 is read this way when its runs average at least COPY_FREE_MIN_KEYS keys (tree and local decoding,
 no sliding window; ring_decode passes the shard itself, so it always gathers).
 
-Rank 0 then samples the next token of each sequence whose chunk ends at its last known token,
-each with its own torch.Generator (seeded from the request), so a request's tokens do not depend
-on what it was batched with.
+Rank 0 then samples the next token of each sequence whose chunk holds its last known token, each
+with its own torch.Generator (seeded from the request), so a request's tokens do not depend on
+what it was batched with. A chunk with drafts is verified there too (_sample): see
+RankRunner._sample for the rule.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ import torch.distributed as dist
 from treeattn.cache.blocks import tokens_to_blocks
 from treeattn.cache.paged import PagedKVCache
 from treeattn.cache.sharded import INVISIBLE_POSITION
-from treeattn.engine.scheduler import Chunk, SampleSpec, StepPlan
+from treeattn.engine.scheduler import Chunk, StepPlan
 from treeattn.models.attention import attention_backend, group_world_size
 from treeattn.models.llama import LlamaModel
 from treeattn.ops import attention, merge_states_list
@@ -126,10 +128,10 @@ class PagedBatch:
         self.offsets = offsets
         if fresh:
             cache.zero_blocks(torch.tensor(fresh, dtype=torch.int64, device=device))
-        single = [i for i, c in enumerate(plan.chunks) if len(c.tokens) == 1]
-        multi = [i for i, c in enumerate(plan.chunks) if len(c.tokens) > 1]
+        decoding = [i for i, c in enumerate(plan.chunks) if c.decoding]
+        prefill = [i for i, c in enumerate(plan.chunks) if not c.decoding]
         self.groups = [_Group([plan.chunks[i] for i in idx], [offsets[i] for i in idx], rank, cache, device, combine is not None)
-                       for idx in (single, multi) if idx]
+                       for idx in (decoding, prefill) if idx]
         self._layer = 0
 
     def kv_store(self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor):
@@ -207,9 +209,10 @@ class RankRunner:
         self._generators: dict[int, torch.Generator] = {}
 
     @torch.inference_mode()
-    def step(self, plan: StepPlan) -> dict[int, int]:
-        """Run one step. Returns {seq_id: next token} on rank 0 for every chunk that samples
-        ({} on the other ranks); the token is None where the logits were not finite."""
+    def step(self, plan: StepPlan) -> dict[int, list[int] | None]:
+        """Run one step. Returns {seq_id: new tokens} on rank 0 for every chunk that samples ({} on
+        the other ranks): the next token, preceded by the accepted drafts of a chunk with drafts;
+        None where the logits were not finite."""
         for seq_id in plan.release:
             self._generators.pop(seq_id, None)
         if not plan.chunks:
@@ -221,18 +224,42 @@ class RankRunner:
         sampling = [(i, c) for i, c in enumerate(plan.chunks) if c.sample is not None]
         if not sampling:
             return {}
-        rows = [batch.offsets[i] + len(c.tokens) - 1 for i, c in sampling]
+        ends = [batch.offsets[i] + len(c.tokens) for i, c in sampling]  # rows: the last known token, then the drafts
+        rows = [row for (_, c), end in zip(sampling, ends) for row in range(end - c.num_draft - 1, end)]
         logits = self.model.logits(hidden[0, rows])
-        return {c.seq_id: self._sample(c.seq_id, c.sample, logits[k : k + 1]) for k, (_, c) in enumerate(sampling)}
+        out, first = {}, 0
+        for _, c in sampling:
+            out[c.seq_id] = self._sample(c, logits[first : first + c.num_draft + 1])
+            first += c.num_draft + 1
+        return out
 
-    def _sample(self, seq_id: int, spec: SampleSpec, logits: torch.Tensor) -> int | None:
+    def _sample(self, chunk: Chunk, logits: torch.Tensor) -> list[int] | None:
+        """The new tokens of `chunk` from its logits (num_draft + 1, V) float32: the next token,
+        or with drafts the accepted ones and the token after them; None if the logits are not finite.
+
+        Drafts are verified by sampling each position in turn, exactly as decoding without drafts
+        would (one draw from the request's generator per token, none when greedy), and keeping
+        drafts while they equal the sampled token; the first sampled token that differs from its
+        draft, or the one after the last draft, ends the run. For a drafter that proposes one token
+        (prompt lookup: all its mass q on the draft x) this is the speculative-sampling rule of
+        treeattn.speculate.accept: x is kept with probability p(x) = min(1, p(x) / q(x)), and
+        otherwise the token is drawn from p without x, the residual max(0, p - q) normalized. Its
+        draws are coupled to decoding's: the same seed gives the same tokens with speculation or
+        without, whatever the batch, the prefix cache or the drafts (greedy: the argmax, always).
+        """
         from treeattn.engine.config import SamplingParams
         from treeattn.generate import sample
 
-        generator = self._generators.get(seq_id)
+        spec = chunk.sample
+        generator = self._generators.get(chunk.seq_id)
         if generator is None:
-            generator = self._generators[seq_id] = torch.Generator().manual_seed(spec.seed)
+            generator = self._generators[chunk.seq_id] = torch.Generator().manual_seed(spec.seed)
         params = SamplingParams(spec.temperature, spec.top_k or None, spec.top_p if spec.top_p < 1 else None)
         if not torch.isfinite(logits).all():  # never an output: the driver fails this request alone
             return None
-        return int(sample(logits, params, generator)[0])
+        drafts = chunk.tokens[len(chunk.tokens) - chunk.num_draft :]
+        tokens = []
+        for i in range(chunk.num_draft + 1):
+            tokens.append(int(sample(logits[i : i + 1], params, generator)[0]))
+            if i == chunk.num_draft or tokens[i] != drafts[i]:
+                return tokens

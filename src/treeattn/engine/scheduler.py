@@ -17,6 +17,17 @@ one, so that its recomputation is mostly a cache hit) and it waits at the front 
 be recomputed from its prompt and the tokens it already produced. The oldest sequence therefore
 always progresses, so every request that fits in the cache alone completes.
 
+Speculative decoding (a `drafter`, prompt lookup): after every sequence has its own tokens and
+their blocks, each decoding sequence gets up to `draft_tokens` drafted tokens appended to its
+one-token chunk (never past max_new_tokens, hence never past the context window the engine checked
+at submission). Drafts take blocks only after everything else of the step is placed, and are
+dropped (in part or in whole) where blocks are short, so speculation never preempts or holds back
+a request. Rank 0 keeps the accepted drafts and the token after them; complete() commits those
+(a stop token or max_new_tokens inside the run cuts it) and rolls the sequence back past the
+rejected drafts: their slots lie past the sequence's computed tokens, so they are invisible and
+overwritten later, and blocks that hold no computed token any more go back to the pool. Only
+blocks full of committed tokens ever enter the prefix cache.
+
 Sequences are numbered by arrival; a step's plan lists, per sequence, the tokens to run, their
 first position and the sequence's block table (treeattn.cache.blocks): that is all a rank needs.
 """
@@ -26,6 +37,8 @@ from __future__ import annotations
 import itertools
 from collections import deque
 from dataclasses import dataclass, field
+
+import torch
 
 from treeattn.cache.blocks import BlockRef, ShardedBlockPool, tokens_to_blocks
 from treeattn.cache.prefix import PrefixCache
@@ -48,12 +61,15 @@ class Chunk:
 
     Attributes:
         seq_id: the sequence.
-        tokens: token ids to run (1 when decoding, up to a prefill chunk).
+        tokens: token ids to run (1 when decoding, then its drafts if any; up to a prefill chunk).
         start: position of tokens[0] (positions start..start+len(tokens)-1).
         blocks: the sequence's block table, logical block j first; covers every position up to
             start + len(tokens) - 1.
-        sample: set when the last of these tokens is the sequence's last known token: rank 0
-            samples the next token from its logits.
+        sample: set when the last known token of the sequence is among these tokens (the last one,
+            or the one before the drafts): rank 0 samples the next token from its logits.
+        num_draft: the last num_draft tokens are drafts to verify (speculative decoding; 0 with
+            none): rank 0 samples at the last num_draft + 1 positions and keeps the accepted drafts
+            and the token after them.
     """
 
     seq_id: int
@@ -61,11 +77,17 @@ class Chunk:
     start: int
     blocks: tuple[BlockRef, ...]
     sample: SampleSpec | None
+    num_draft: int = 0
+
+    @property
+    def decoding(self) -> bool:
+        """One token of the sequence's own (its last known one) and its drafts, if any."""
+        return len(self.tokens) - self.num_draft == 1
 
 
 @dataclass(frozen=True)
 class StepPlan:
-    """One step: chunks of single tokens first (decoders), then longer chunks (prefills).
+    """One step: decoding chunks first (one token, and its drafts), then longer chunks (prefills).
     `release`: sequences that ended since the last step (ranks drop their sampling state)."""
 
     chunks: tuple[Chunk, ...]
@@ -86,6 +108,10 @@ class Sequence:
     cached_prompt_tokens: int | None = None  # prompt tokens found in the prefix cache at first admission
     preemptions: int = 0
     finish_reason: str | None = None
+    drafted: int = 0  # draft tokens verified (speculative decoding)
+    accepted: int = 0  # of which accepted
+    decode_forwards: int = 0  # decoding chunks run (one token, and its drafts)
+    decode_tokens: int = 0  # tokens those committed
 
     @property
     def tokens(self) -> list[int]:
@@ -109,9 +135,14 @@ class Scheduler:
         max_batch_size: running sequences at most.
         prefill_chunk: prompt tokens per step at most, over all prefilling sequences.
         prefix_cache: a PrefixCache over `pool`, or None for no prefix reuse.
+        drafter: None, or a drafter for speculative decoding: `drafter.propose(context, k)` takes
+            int64 (L,) token ids (prompt and output so far) and returns int64 (d,), d <= k, the
+            tokens it guesses come next (treeattn.speculate.NgramDrafter).
+        draft_tokens: the most tokens drafted per sequence per step.
     """
 
-    def __init__(self, pool: ShardedBlockPool, *, max_batch_size: int, prefill_chunk: int, prefix_cache: PrefixCache | None) -> None:
+    def __init__(self, pool: ShardedBlockPool, *, max_batch_size: int, prefill_chunk: int, prefix_cache: PrefixCache | None,
+                 drafter=None, draft_tokens: int = 4) -> None:
         for name, value in (("max_batch_size", max_batch_size), ("prefill_chunk", prefill_chunk)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
@@ -119,12 +150,15 @@ class Scheduler:
         self.max_batch_size = max_batch_size
         self.prefill_chunk = prefill_chunk
         self.prefix_cache = prefix_cache
+        self.drafter = drafter
+        self.draft_tokens = draft_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # oldest first
         self._ids = itertools.count()
         self._release: list[int] = []
         self.prefix_hit_tokens = 0
         self.preemptions = 0
+        self.drafted = self.accepted = self.decode_forwards = self.decode_tokens = 0
 
     # ------------------------------------------------------------------------------ requests
 
@@ -177,49 +211,106 @@ class Scheduler:
             planned.append((seq, n))
             if n > 1:
                 budget -= n
-        return self._plan(planned)
+        return self._plan(planned, self._draft(planned))
 
-    def complete(self, plan: StepPlan, sampled: dict[int, int]) -> list[tuple[Sequence, int, str | None]]:
-        """Record a step's outcome: `sampled` maps seq_id -> new token for every chunk with a
-        sample (None: the logits were not finite). Returns (sequence, token, finish reason or None)
-        for each; sequences that reached a stop token or max_new_tokens, or failed, are finished
-        here."""
+    def complete(self, plan: StepPlan, sampled: dict[int, list[int] | None]) -> list[tuple[Sequence, int | None, str | None]]:
+        """Record a step's outcome.
+
+        Args:
+            plan: the step that ran.
+            sampled: seq_id -> the new tokens of every chunk with a sample: the accepted drafts and
+                the token after them (one token without drafts); None where the logits were not finite.
+
+        Returns:
+            (sequence, token, finish reason or None) per committed token, in order; the reason is
+            set on a sequence's last. A stop token or max_new_tokens inside a run of accepted
+            tokens ends the sequence there; sequences that ended or failed (token None, reason
+            "error") are finished here.
+        """
         out = []
         by_id = {seq.seq_id: seq for seq in self.running}
         for chunk in plan.chunks:
             seq = by_id.get(chunk.seq_id)
             if seq is None:  # finished (cancelled) while the step ran
                 continue
-            seq.num_computed = chunk.start + len(chunk.tokens)
-            failed = chunk.sample is not None and sampled[chunk.seq_id] is None
-            if self.prefix_cache is not None and chunk.start < len(seq.prompt) and not failed:
-                # Prefilled full blocks are shared at once (RadixAttention): a request that arrives
-                # while this one still runs reuses them, not only after it finishes.
-                self.prefix_cache.insert(seq.tokens[: seq.num_computed], seq.blocks)
-            if chunk.sample is None:
-                continue
-            token = sampled[chunk.seq_id]
-            if token is None:  # non-finite logits: this sequence fails, its blocks are not cached
+            tokens = sampled[chunk.seq_id] if chunk.sample is not None else []
+            accepted = len(tokens) - 1 if tokens else 0  # drafts kept: their keys/values are computed
+            seq.num_computed = chunk.start + len(chunk.tokens) - chunk.num_draft + accepted
+            if chunk.num_draft:
+                self._roll_back(seq)
+            if tokens is None:  # non-finite logits: this sequence fails, its blocks are not cached
                 self.finish(seq, "error")
                 out.append((seq, None, "error"))
                 continue
-            seq.generated.append(token)
-            reason = None
-            if token in seq.stop_token_ids:
-                reason = "stop"
-            elif len(seq.generated) >= seq.params.max_new_tokens:
-                reason = "length"
+            committed, reason = self._commit(seq, tokens)
+            if chunk.decoding and chunk.sample is not None:
+                self._count(seq, chunk.num_draft, accepted, len(committed))
+            if self.prefix_cache is not None and chunk.start < len(seq.prompt):
+                # Prefilled full blocks are shared at once (RadixAttention): a request that arrives
+                # while this one still runs reuses them, not only after it finishes.
+                self.prefix_cache.insert(seq.tokens[: seq.num_computed], seq.blocks)
             if reason is not None:
                 self.finish(seq, reason)
-            out.append((seq, token, reason))
+            out += [(seq, token, reason if i == len(committed) - 1 else None) for i, token in enumerate(committed)]
         return out
 
-    def _plan(self, planned: list[tuple[Sequence, int]]) -> StepPlan:
+    def _commit(self, seq: Sequence, tokens: list[int]) -> tuple[list[int], str | None]:
+        """Append `tokens` to seq's output up to the first stop token or max_new_tokens; returns
+        the tokens appended and the finish reason ("stop", "length" or None)."""
+        reason, committed = None, []
+        for token in tokens:
+            committed.append(token)
+            if token in seq.stop_token_ids:
+                reason = "stop"
+            elif len(seq.generated) + len(committed) >= seq.params.max_new_tokens:
+                reason = "length"
+            if reason is not None:
+                break
+        seq.generated += committed
+        seq.num_computed = min(seq.num_computed, len(seq.tokens))  # a cut run: drafts past the end are not the sequence's
+        return committed, reason
+
+    def _count(self, seq: Sequence, drafted: int, accepted: int, committed: int) -> None:
+        seq.drafted += drafted
+        seq.accepted += accepted
+        seq.decode_forwards += 1
+        seq.decode_tokens += committed
+        self.drafted += drafted
+        self.accepted += accepted
+        self.decode_forwards += 1
+        self.decode_tokens += committed
+
+    def _roll_back(self, seq: Sequence) -> None:
+        """Return the blocks past seq's computed tokens (only rejected drafts were written there)."""
+        keep = tokens_to_blocks(seq.num_computed, self.pool.block_size)
+        for block in seq.blocks[keep:]:
+            self.pool.decref(block)
+        del seq.blocks[keep:]
+
+    def _draft(self, planned: list[tuple[Sequence, int]]) -> dict[int, tuple[int, ...]]:
+        """Drafts for the step's decoding sequences (seq_id -> tokens), with the blocks they need:
+        taken after every sequence's own tokens are placed, from free (or evictable cached) blocks
+        only; a draft that does not fit is cut."""
+        drafts = {}
+        if self.drafter is None:
+            return drafts
+        for seq, n in planned:
+            room = seq.params.max_new_tokens - len(seq.generated) - 1  # tokens a full acceptance may add
+            if n != 1 or seq.pending != 1 or room < 1:
+                continue
+            draft = self.drafter.propose(torch.tensor(seq.tokens, dtype=torch.int64), min(self.draft_tokens, room)).tolist()
+            fitted = self._fit(seq, 1 + len(draft)) - 1 if draft else 0
+            if fitted > 0:
+                drafts[seq.seq_id] = tuple(draft[:fitted])
+        return drafts
+
+    def _plan(self, planned: list[tuple[Sequence, int]], drafts: dict[int, tuple[int, ...]]) -> StepPlan:
         chunks = []
-        for seq, n in sorted(planned, key=lambda item: item[1] > 1):  # single tokens first, stable
+        for seq, n in sorted(planned, key=lambda item: item[1] > 1):  # decoding chunks first, stable
             tokens = seq.tokens[seq.num_computed : seq.num_computed + n]
             sample = seq.sample_spec() if seq.num_computed + n == len(seq.prompt) + len(seq.generated) else None
-            chunks.append(Chunk(seq.seq_id, tuple(tokens), seq.num_computed, tuple(seq.blocks), sample))
+            draft = drafts.get(seq.seq_id, ())
+            chunks.append(Chunk(seq.seq_id, tuple(tokens) + draft, seq.num_computed, tuple(seq.blocks), sample, len(draft)))
         release, self._release = tuple(self._release), []
         return StepPlan(tuple(chunks), release)
 
@@ -298,4 +389,9 @@ class Scheduler:
             "waiting": len(self.waiting),
             "prefix_hit_tokens": self.prefix_hit_tokens,
             "preemptions": self.preemptions,
+            "drafted_tokens": self.drafted,
+            "accepted_tokens": self.accepted,
+            "acceptance_rate": self.accepted / self.drafted if self.drafted else float("nan"),
+            "decode_forwards": self.decode_forwards,
+            "tokens_per_forward": self.decode_tokens / self.decode_forwards if self.decode_forwards else float("nan"),
         }

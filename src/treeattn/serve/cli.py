@@ -8,7 +8,7 @@ from pathlib import Path
 
 import typer
 
-from treeattn.engine_cli import Decode, DType, Method, Placement  # the same choices as `treeattn generate`
+from treeattn.engine_cli import Decode, DType, Method, Placement, Speculate  # the same choices as `treeattn generate`
 
 
 def serve_command(
@@ -24,6 +24,9 @@ def serve_command(
     prefix_cache: bool = typer.Option(True, "--prefix-cache/--no-prefix-cache", help="Reuse cached prompt prefixes."),
     block_size: int = typer.Option(256, "--block-size", min=1, help="Tokens per KV cache block."),
     dtype: DType = typer.Option(DType.float32, "--dtype"),
+    speculate: Speculate = typer.Option(Speculate.none, "--speculate", help="Speculative decoding: ngram drafts up to "
+                                        "--draft-tokens tokens per sequence per step by prompt lookup, verified in the same forward pass."),
+    draft_tokens: int = typer.Option(4, "--draft-tokens", help="Most tokens drafted per sequence per step with --speculate, in [1, 16]."),
     api_key: str | None = typer.Option(None, "--api-key", envvar="TREEATTN_API_KEY",
                                        help="Require 'Authorization: Bearer KEY' on every endpoint but /health."),
     served_model_name: str | None = typer.Option(None, "--served-model-name", help="The model id clients name (default: the file or directory name)."),
@@ -48,7 +51,8 @@ def serve_command(
         _fail(str(exc))
     engine_options = dict(nproc=nproc, decode=decode.value, method=method.value if method else None,
                           placement=placement.value, max_batch_size=max_batch_size, cache_tokens=cache_tokens,
-                          prefix_cache=prefix_cache, block_size=block_size, dtype=getattr(torch, dtype.value), timeout_s=timeout)
+                          prefix_cache=prefix_cache, block_size=block_size, dtype=getattr(torch, dtype.value), timeout_s=timeout,
+                          speculate=None if speculate is Speculate.none else speculate.value, draft_tokens=draft_tokens)
 
     def ready(bound_host: str, bound_port: int) -> None:
         typer.echo(f"treeattn serve: {model} on http://{bound_host}:{bound_port} ({nproc} rank(s), decode {decode.value})",

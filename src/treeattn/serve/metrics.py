@@ -9,6 +9,9 @@ Read from the engine at every scrape (engine.stats()):
     treeattn_requests_running, treeattn_requests_waiting (the queue length)
     treeattn_kv_blocks{state="used"|"free"|"cached"}, treeattn_prefix_cache_hit_tokens_total
     treeattn_generation_tokens_per_second           generated tokens over the last 10 s
+    treeattn_spec_decode_draft_tokens_total, treeattn_spec_decode_accepted_tokens_total
+                                                    speculative decoding: draft tokens verified, accepted
+    treeattn_decode_tokens_per_forward              tokens a decoding sequence gets per forward pass (1 without speculation)
     treeattn_healthy                                1 while the engine and its ranks are alive
 """
 
@@ -85,6 +88,13 @@ class _EngineCollector:
         hits = CounterMetricFamily("treeattn_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache")
         hits.add_metric([], stats.get("prefix_hit_tokens", 0))
         yield hits
+        for name, key, documentation in (("draft", "drafted_tokens", "Draft tokens verified (speculative decoding)"),
+                                         ("accepted", "accepted_tokens", "Draft tokens accepted (speculative decoding)")):
+            family = CounterMetricFamily(f"treeattn_spec_decode_{name}_tokens", documentation)
+            family.add_metric([], stats.get(key, 0))
+            yield family
+        yield _gauge("treeattn_decode_tokens_per_forward", "Tokens committed per decoding sequence per forward pass (1 without "
+                     "speculation; NaN before the first decode step)", stats.get("tokens_per_forward", float("nan")))
         yield _gauge("treeattn_generation_tokens_per_second", "Generated tokens per second over the last 10 s",
                      self.metrics.tokens_per_second())
         yield _gauge("treeattn_healthy", "1 while the engine and its ranks are alive", 1.0 if stats.get("healthy") else 0.0)
