@@ -4,11 +4,19 @@ from __future__ import annotations
 
 import os
 import sys
+from enum import Enum
 from pathlib import Path
 
 import typer
 
-from treeattn.engine_cli import Decode, DType, Method, Placement, Speculate  # the same choices as `treeattn generate`
+from treeattn.engine_cli import Decode, DType, Method, Placement  # the same choices as `treeattn generate`
+
+
+class Speculate(str, Enum):
+    """The engine's speculative decoding (treeattn.engine.engine.ENGINE_SPECULATE_KINDS; no draft model yet)."""
+
+    none = "none"
+    ngram = "ngram"
 
 
 def serve_command(
