@@ -14,6 +14,10 @@ the ranks in every attention layer), and rank 0 answers with the sampled tokens.
 in one background thread; submit() and cancel() only queue a message for it, so they are safe
 from any thread, and events are delivered from that thread (on_event) or through the handle.
 
+Speculative decoding (speculate="ngram"): the scheduler appends up to draft_tokens tokens drafted
+by prompt lookup to each decoding sequence's chunk, rank 0 answers with the accepted drafts and
+the next token, and the driver emits one TokenEvent per committed token (docs/engine.md).
+
 Inside an existing process group (torchrun, or a function run by ta.spawn) nothing is started:
 the Engine joins the group. On group rank 0 it is the driver and runs rank 0's share itself; on
 the other ranks the constructor serves steps until the driver closes, then returns an engine
