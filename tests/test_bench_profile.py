@@ -7,20 +7,24 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from treeattn.bench.profile import PHASES, ProfileSpec, run_profile
+from treeattn.bench.profile import PHASES, ProfileSpec, run_profile, variant_name
 from treeattn.cli import app
 from treeattn.demo import DEMO_CONFIG
 
 
 @pytest.fixture(scope="module")
 def two_ranks():
-    spec = ProfileSpec(model="demo", context=64, new_tokens=5, methods=("allreduce", "onepass"), threads=1, warmup=1)
-    return run_profile(spec, 2)
+    spec = ProfileSpec(model="demo", context=64, new_tokens=5, methods=("allreduce", "onepass"), threads=1, warmup=1,
+                       transports=("shm", "gloo"))
+    reports = run_profile(spec, 2)
+    # the shared-memory runs under the method's name, the gloo runs under "<method> gloo"
+    return [{**{m: r[variant_name(m, "shm")] for m in spec.methods}, **{f"{m} gloo": r[variant_name(m, "gloo")] for m in spec.methods}}
+            for r in reports]
 
 
 def test_phases_add_up_to_the_step_on_every_rank(two_ranks):
     for report in two_ranks:
-        for method in ("allreduce", "onepass"):
+        for method in ("allreduce", "onepass", "allreduce gloo", "onepass gloo"):
             phases = report[method]["phases"]
             assert set(phases) == {*PHASES, "step"}
             assert all(phases[p] >= 0 for p in PHASES) and phases["step"] > 0
@@ -34,7 +38,9 @@ def test_onepass_rounds_and_tokens_against_allreduce(two_ranks):
     for report in two_ranks:
         assert report["onepass"]["rounds_per_step"] == layers + 1
         assert report["allreduce"]["rounds_per_step"] == 2 * layers + 1
-        assert report["onepass"]["generated_ids"] == report["allreduce"]["generated_ids"] == two_ranks[0]["onepass"]["generated_ids"]
+        assert report["onepass gloo"]["rounds_per_step"] == layers + 1
+        ids = two_ranks[0]["onepass"]["generated_ids"]
+        assert all(report[name]["generated_ids"] == ids for name in ("allreduce", "onepass", "allreduce gloo", "onepass gloo"))
 
 
 def test_cli_prints_the_table_and_writes_json(tmp_path):
@@ -50,3 +56,8 @@ def test_cli_prints_the_table_and_writes_json(tmp_path):
 def test_cli_refuses_an_unknown_method():
     result = CliRunner().invoke(app, ["bench", "profile", "demo", "-p", "1", "--method", "ring"])
     assert result.exit_code == 2 and "--method" in result.output
+
+
+def test_cli_refuses_an_unknown_transport():
+    result = CliRunner().invoke(app, ["bench", "profile", "demo", "-p", "1", "--transport", "nccl"])
+    assert result.exit_code == 2 and "--transport" in result.output and "nccl" in result.output

@@ -86,6 +86,7 @@ from treeattn.engine.config import (
 )
 from treeattn.models.attention import RingPrefillAttention, attention_backend, group_world_size
 from treeattn.models.llama import LlamaModel
+from treeattn.parallel.shared_memory import shared_memory_group
 from treeattn.speculate import NgramDrafter, accept
 
 logger = logging.getLogger(__name__)
@@ -238,6 +239,7 @@ def generate(
     speculate: str | None = None,
     draft_tokens: int = 4,
     draft_model=None,
+    shared_memory: bool = True,
     on_token: Callable[[StepOutput], None] | None = None,
 ) -> GenerationResult:
     """Generate continuations of `prompts` with the KV cache sharded across the ranks of `group`.
@@ -293,6 +295,9 @@ def generate(
         draft_tokens: the most tokens drafted per step, in [1, 16].
         draft_model: with speculate="draft": the draft model, a checkpoint path (loaded on rank 0 in
             the model's dtype and device) or a loaded LlamaModel, of the model's tokenizer.
+        shared_memory: combine across the ranks through shared memory when they all run on this
+            host and the model is on the CPU (treeattn.parallel.shared_memory: one round, no
+            sockets); False: through the group's back end (gloo, NCCL).
         on_token: called with each StepOutput as tokens come (on every rank).
 
     Returns:
@@ -310,6 +315,7 @@ def generate(
         placement=placement, block_size=block_size, capacity=capacity, chunk=chunk, group=group, topology=topology,
         cache=cache, static_decode=static_decode, cuda_graph=cuda_graph, speculate=speculate, draft_tokens=draft_tokens,
         draft_model=draft_model,
+        shared_memory=shared_memory,
     )
     for step in run:
         if on_token is not None:
@@ -399,6 +405,10 @@ class Generation:
             logger.info("no process group: decode=%r runs as plain attention on this one process", decode)
             decode = "local"
         self.decode, self.method, self.prefill, self.placement = decode, config.method, prefill, config.placement
+        # The group the decode attention combines over and the tokens are broadcast on.
+        self.comm_group = group
+        if config.shared_memory and self.world_size > 1 and model.device.type == "cpu":
+            self.comm_group = shared_memory_group(group)
         self.cache = cache if cache is not None else ShardedKVCache(
             num_layers=model.config.num_layers, num_kv_heads=model.config.num_kv_heads, head_dim=model.config.head_dim,
             value_dim=model.config.cache_value_dim, capacity=capacity, batch_size=len(self.prompts), placement=config.placement, block_size=block_size,
@@ -656,7 +666,7 @@ class Generation:
         return accepted, tokens, [logprobs[i: i + 1] for i in range(accepted + 1)], next_draft, next_proposal
 
     def _decode_attention(self):
-        return attention_backend(self.decode, method=self.method, group=self.group, topology=self.topology)
+        return attention_backend(self.decode, method=self.method, group=self.comm_group, topology=self.topology)
 
     def _prefill(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Run the prompt into the cache. Returns the final hidden state of the last prompt slot,
@@ -668,7 +678,7 @@ class Generation:
         if self.prefill == "ring" and _distributed(self.group):
             slots = self.cache.extend(positions)
             mine = slots.owned.to(tokens.device)
-            attend = RingPrefillAttention(self.group, sequence_length=length)
+            attend = RingPrefillAttention(self.comm_group, sequence_length=length)
             hidden = self.model(tokens[:, mine], positions[:, mine], self.cache.update(slots), attend, chunk=self.chunk)
             last_owner = int(self.cache.placement.owner(torch.tensor([length - 1])))
             last = hidden[:, -1] if self.rank == last_owner else torch.empty(hidden.shape[0], hidden.shape[2], dtype=hidden.dtype, device=hidden.device)
@@ -703,7 +713,7 @@ class Generation:
         from treeattn.models.shared_context import SharedContextUpdate
 
         if not hasattr(self, "_bifurcated_attend"):
-            self._bifurcated_attend = attention_backend(self.decode, method=self.method, group=self.group, topology=self.topology,
+            self._bifurcated_attend = attention_backend(self.decode, method=self.method, group=self.comm_group, topology=self.topology,
                                                         shared_context=True)
         slots = self.sample_cache.extend(positions[:, None])
         store = SharedContextUpdate(self.cache, self.sample_cache.update(slots))
@@ -779,7 +789,7 @@ class Generation:
             return tensor
         from treeattn.parallel import comm
 
-        return comm.broadcast(tensor, src, self.group)
+        return comm.broadcast(tensor, src, self.comm_group)
 
     def _gather_per_rank(self, values: list[float]) -> list[list[float]]:
         """All-gather a few numbers from every rank: [value][rank]."""

@@ -409,6 +409,8 @@ def profile_command(
     context: int = typer.Option(8192, "--context", min=2, help="Synthetic prompt length in tokens."),
     new_tokens: int = typer.Option(16, "--new-tokens", min=4, help="Greedy tokens per method (the first --warmup steps are not counted)."),
     method: list[str] = typer.Option(["allreduce", "onepass"], "--method", "-m", help="tree_decode methods, each decoded from the same prefill."),
+    transport: list[str] = typer.Option(["shm"], "--transport", "-t", help="How the ranks combine (repeatable): shm (shared "
+                                        "memory, the default of generate and the engine) or gloo (the process group's sockets)."),
     warmup: int = typer.Option(2, "--warmup", min=0, help="Decode steps left out of the means."),
     repeats: int = typer.Option(1, "--repeats", min=1, help="Run the methods in turn this many times (means over all runs)."),
     threads: int | None = typer.Option(None, "--threads", min=1, help="torch threads per rank (default cores / ranks, at least 1)."),
@@ -421,12 +423,15 @@ def profile_command(
     from rich.console import Console
     from rich.table import Table
 
-    from treeattn.bench.profile import PHASES, ProfileSpec, run_profile
+    from treeattn.bench.profile import PHASES, ProfileSpec, run_profile, variant_name
     from treeattn.parallel.tree_decode import METHODS as TREE_METHODS
 
     bad = [m for m in method if m not in TREE_METHODS]
     if bad:
         raise _refuse(f"--method: expected tree_decode methods {TREE_METHODS}, got {bad[0]!r}")
+    bad = [t for t in transport if t not in ("shm", "gloo")]
+    if bad:
+        raise _refuse(f"--transport: expected shm or gloo, got {bad[0]!r}")
     if new_tokens <= warmup:
         raise _refuse(f"--new-tokens {new_tokens} leaves no step after --warmup {warmup}")
     _check_outputs([("--json", json_out, (".json",))])
@@ -436,17 +441,21 @@ def profile_command(
     records = []
     for p in nproc:
         spec = ProfileSpec(model=model, context=context, new_tokens=new_tokens, methods=tuple(method[:1] if p == 1 else method),
-                           threads=threads or max(1, (os.cpu_count() or 1) // p), warmup=warmup, repeats=repeats)
+                           threads=threads or max(1, (os.cpu_count() or 1) // p), warmup=warmup, repeats=repeats,
+                           transports=tuple(dict.fromkeys(transport)) if p > 1 else ("shm",))
         reports = run_profile(spec, p)
-        reference = reports[0][spec.methods[0]]["generated_ids"]
-        for name in spec.methods:
+        variants = [(m, t) for m in spec.methods for t in spec.transports]
+        reference = reports[0][variant_name(*variants[0])]["generated_ids"]
+        for method_name, transport_name in variants:
+            name = variant_name(method_name, transport_name)
             for rank, report in enumerate(reports):
                 entry = report[name]
                 ph = entry["phases"]
                 cells = [f"{ph[x] * 1e3:.2f} ({100 * ph[x] / ph['step']:.0f}%)" for x in PHASES]
                 table.add_row(str(p), name if p > 1 else "-", str(rank), f"{ph['step'] * 1e3:.2f}", *cells,
                               f"{entry['rounds_per_step']:.0f}", "yes" if entry["generated_ids"] == reference and entry["same_ids_every_run"] else "NO")
-                records.append({"model": model, "context": context, "p": p, "method": name, "rank": rank, **entry})
+                records.append({"model": model, "context": context, "p": p, "method": method_name, "transport": transport_name,
+                                "rank": rank, **entry})
     Console(width=220).print(table)
     if json_out is not None:
         json_out.write_text(json.dumps(records, indent=1))

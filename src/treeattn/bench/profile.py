@@ -57,6 +57,7 @@ class ProfileSpec:
     new_tokens: int
     methods: tuple[str, ...]
     threads: int
+    transports: tuple[str, ...] = ("shm",)  # "shm": shared memory (treeattn.parallel.shared_memory), "gloo"
     warmup: int = 2
     seed: int = 0
     repeats: int = 1
@@ -119,7 +120,7 @@ class ProfiledGeneration(Generation):
     def _decode_attention(self):
         if self.world_size == 1:
             return _TimedLocalAttention(self.clock)
-        return _TimedTreeAttention(self.method, self.group, self.clock)
+        return _TimedTreeAttention(self.method, self.comm_group, self.clock)
 
     def _decode_step(self, tokens, positions):
         self.clock.start_step()
@@ -177,8 +178,13 @@ def build_model(name: str, seed: int):
     return load_model(name)
 
 
+def variant_name(method: str, transport: str) -> str:
+    """How a (method, transport) run is named in the reports: "onepass (shm)"."""
+    return f"{method} ({transport})"
+
+
 def profile_rank(rank: int, world_size: int, spec: ProfileSpec) -> dict:
-    """One rank: prefill once, then decode with each method from that cache. Returns, per method,
+    """One rank: prefill once, then decode with each method and transport from that cache. Returns, per variant_name,
     this rank's phase means, the generated ids and the decode rounds (comm_stats)."""
     from treeattn.demo import synthetic_prompt
 
@@ -186,15 +192,16 @@ def profile_rank(rank: int, world_size: int, spec: ProfileSpec) -> dict:
     model = build_model(spec.model, spec.seed)
     prompt = synthetic_prompt(spec.context, model.config.vocab_size, spec.seed)
     group = dist.group.WORLD if world_size > 1 else None
-    cache, runs = None, {method: [] for method in spec.methods}
+    variants = [(method, transport) for method in spec.methods for transport in spec.transports]
+    cache, runs = None, {variant_name(*v): [] for v in variants}
     for _ in range(spec.repeats):
-        for method in spec.methods:
+        for method, transport in variants:
             run = ProfiledGeneration(model, [prompt], max_new_tokens=spec.new_tokens, stop_tokens=(), method=method,
-                                     cache=cache, group=group)
+                                     shared_memory=transport == "shm", cache=cache, group=group)
             for _ in run:
                 pass
             cache = run.cache
-            runs[method].append(run)
+            runs[variant_name(method, transport)].append(run)
     report = {}
     for method, done in runs.items():
         means = [run.phase_means(spec.warmup) for run in done]

@@ -90,6 +90,9 @@ class GenerationConfig:
             directory or a .gguf file; a str, what travels to the ranks), or a loaded model (in one
             process). Its tokenizer and context window are checked against the model's where the
             model is known (check_draft_model).
+        shared_memory: combine across the ranks through shared memory when they all run on this
+            host and the model is on the CPU (treeattn.parallel.shared_memory); else, or with
+            False, through the process group's back end (gloo, NCCL).
     """
 
     max_new_tokens: int = 32
@@ -111,6 +114,7 @@ class GenerationConfig:
     speculate: str | None = None
     draft_tokens: int = 4
     draft_model: str | torch.nn.Module | None = None
+    shared_memory: bool = True
 
     def __post_init__(self) -> None:
         for name, low in (("max_new_tokens", 1), ("seed", 0), ("num_samples", 1), ("block_size", 1), ("chunk", 1)):
@@ -127,7 +131,7 @@ class GenerationConfig:
         for name, allowed in (("decode", DECODE_KINDS), ("method", METHODS), ("prefill", PREFILL_KINDS), ("placement", PLACEMENTS)):
             if getattr(self, name) not in allowed:
                 raise ConfigError(name, f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
-        for name in ("static_decode", "cuda_graph"):
+        for name in ("static_decode", "cuda_graph", "shared_memory"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigTypeError(name, f"{name} must be a bool, got {type(getattr(self, name)).__name__}")
         if self.method == "onepass" and (self.static_decode or self.cuda_graph):

@@ -87,6 +87,7 @@ class EngineConfig:
     threads_per_rank: int | None = None
     speculate: str | None = None
     draft_tokens: int = 4
+    shared_memory: bool = True
 
     def __post_init__(self) -> None:
         for name in ("nproc", "max_batch_size", "block_size", "prefill_chunk"):
@@ -103,8 +104,9 @@ class EngineConfig:
             raise ValueError(f"method must be one of {METHODS}, got {self.method!r}")
         if self.placement not in PLACEMENTS:
             raise ValueError(f"placement must be one of {PLACEMENTS}, got {self.placement!r}")
-        if not isinstance(self.prefix_cache, bool):
-            raise ValueError(f"prefix_cache must be a bool, got {self.prefix_cache!r}")
+        for name in ("prefix_cache", "shared_memory"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.dtype is not None and (not isinstance(self.dtype, torch.dtype) or not self.dtype.is_floating_point):
             raise ValueError(f"dtype must be a floating torch.dtype or None, got {self.dtype!r}")
         if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float)) or not self.timeout_s > 0:
@@ -214,6 +216,9 @@ class Engine:
             keeps the accepted ones and the token after them (greedy: exactly the tokens decoding
             without speculation gives; temperature > 0: the same distribution).
         draft_tokens: the most tokens drafted per sequence per step, in [1, MAX_DRAFT_TOKENS].
+        shared_memory: the ranks combine through shared memory when they all run on this host
+            with a CPU model (treeattn.parallel.shared_memory; one round, no sockets); False:
+            through the process group's back end.
         group: inside an existing process group only: the ranks that share the cache (None:
             the world); its rank 0 is the driver.
     """
@@ -222,7 +227,8 @@ class Engine:
                  placement: str = "contiguous", max_batch_size: int = 16, cache_tokens: int | None = None,
                  prefix_cache: bool = True, block_size: int = 256, prefill_chunk: int = 512,
                  dtype: torch.dtype | None = None, timeout_s: float = 60.0, threads_per_rank: int | None = None,
-                 speculate: str | None = None, draft_tokens: int = 4, group: dist.ProcessGroup | None = None) -> None:
+                 speculate: str | None = None, draft_tokens: int = 4, shared_memory: bool = True,
+                 group: dist.ProcessGroup | None = None) -> None:
         if dist.is_available() and not dist.is_initialized() and "RANK" in os.environ and "WORLD_SIZE" in os.environ:
             dist.init_process_group(backend="gloo", timeout=timedelta(seconds=timeout_s))  # under torchrun: join its group
         joined = dist.is_available() and dist.is_initialized()
@@ -235,7 +241,8 @@ class Engine:
         self.config = EngineConfig(nproc=nproc, decode=decode, method=method or DEFAULT_METHOD, placement=placement,
                                    max_batch_size=max_batch_size, cache_tokens=cache_tokens, prefix_cache=prefix_cache,
                                    block_size=block_size, prefill_chunk=prefill_chunk, dtype=dtype, timeout_s=timeout_s,
-                                   threads_per_rank=threads_per_rank, speculate=speculate, draft_tokens=draft_tokens)
+                                   threads_per_rank=threads_per_rank, speculate=speculate, draft_tokens=draft_tokens,
+                                   shared_memory=shared_memory)
         if self.config.nproc > 1 and self.config.decode == "local":
             raise ValueError(f"decode='local' runs on one rank, but nproc={self.config.nproc}; use 'tree' or 'ring'")
         _check_model(model)
@@ -609,7 +616,8 @@ def _model_info(model) -> ModelInfo:
 
 def _make_runner(model, config: EngineConfig, group=None) -> RankRunner:
     return RankRunner(model, group=group, blocks_per_rank=config.blocks_per_rank(model.config.max_position_embeddings),
-                      block_size=config.block_size, decode=config.decode if config.nproc > 1 else "local", method=config.method)
+                      block_size=config.block_size, decode=config.decode if config.nproc > 1 else "local", method=config.method,
+                      shared_memory=config.shared_memory, timeout_s=config.timeout_s)
 
 
 def _broadcast_plan(plan, rank: int, group=None):

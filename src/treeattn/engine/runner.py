@@ -43,6 +43,7 @@ from treeattn.engine.scheduler import Chunk, StepPlan
 from treeattn.models.attention import attention_backend, group_world_size
 from treeattn.models.llama import LlamaModel
 from treeattn.ops import attention, merge_states_list
+from treeattn.parallel.shared_memory import shared_memory_group
 
 
 # A group of sequences is read run by run (no copy) when its runs of adjacent blocks average at
@@ -189,19 +190,25 @@ class RankRunner:
         group: the process group (None: the world, or one process without torch.distributed).
         blocks_per_rank, block_size: of the engine's cache.
         decode: "tree", "ring" or "local"; method, topology: tree_decode's.
+        shared_memory: combine through shared memory (treeattn.parallel.shared_memory) when every
+            rank runs on this host and the model is on the CPU; a rank missing for timeout_s
+            seconds then makes the others raise.
     """
 
     def __init__(self, model: LlamaModel, *, group: dist.ProcessGroup | None, blocks_per_rank: int, block_size: int,
-                 decode: str, method: str = "allreduce", topology=None) -> None:
+                 decode: str, method: str = "allreduce", topology=None, shared_memory: bool = False,
+                 timeout_s: float = 120.0) -> None:
         self.model, self.group = model.eval(), group
         distributed = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank(group) if distributed else 0
         c = model.config
         self.cache = PagedKVCache(num_layers=c.num_layers, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, value_dim=c.cache_value_dim,
                                   num_blocks=blocks_per_rank, block_size=block_size, dtype=model.dtype, device=model.device)
+        p = group_world_size(group)
+        if shared_memory and p > 1 and model.device.type == "cpu":
+            group = shared_memory_group(group, timeout_s=timeout_s)  # the group the attention combines over
         self.attend = attention_backend(decode, method=method, group=group, topology=topology)
         self.combine = None  # how a run-by-run read combines across ranks (None: always gather)
-        p = group_world_size(group)
         if (decode != "ring" or p == 1) and all(w is None for w in c.layer_windows):
             from treeattn.parallel import Topology
 

@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 from treeattn.cache.sharded import INVISIBLE_POSITION
 from treeattn.ops import attention, merge_states
+from treeattn.parallel import comm
 
 DECODE_KINDS = ("local", "tree", "ring")
 
@@ -210,7 +211,7 @@ def group_world_size(group: dist.ProcessGroup | None) -> int:
         if group is not None:
             raise ValueError("group was given but torch.distributed is not initialized")
         return 1
-    return dist.get_world_size(group)
+    return comm.group_size(group)
 
 
 def attention_backend(decode: str, *, method: str = "allreduce", group: dist.ProcessGroup | None = None, topology=None,

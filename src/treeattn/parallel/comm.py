@@ -47,6 +47,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from treeattn.parallel.shared_memory import SharedMemoryGroup
+
 OP_NAMES = ("allreduce", "allgather", "broadcast", "p2p")
 
 
@@ -151,18 +153,24 @@ def _record(op: str, *, payload: int = 0, sent: float = 0.0, received: float = 0
 # ------------------------------------------------------------------------------------ groups
 
 
+def process_group(group) -> dist.ProcessGroup | None:
+    """The torch.distributed group behind `group` (a SharedMemoryGroup wraps one)."""
+    return group.process_group if isinstance(group, SharedMemoryGroup) else group
+
+
 def group_size(group: dist.ProcessGroup | None) -> int:
     """Number of ranks in `group` (None: the default world group)."""
-    return dist.get_world_size(group)
+    return dist.get_world_size(process_group(group))
 
 
 def group_rank(group: dist.ProcessGroup | None) -> int:
     """This process's rank inside `group`."""
-    return dist.get_rank(group)
+    return dist.get_rank(process_group(group))
 
 
 def global_rank(group: dist.ProcessGroup | None, rank_in_group: int) -> int:
     """The world rank of `rank_in_group` (send/recv address peers by world rank)."""
+    group = process_group(group)
     if group is None or group is dist.GroupMember.WORLD:
         return rank_in_group
     return dist.get_global_rank(group, rank_in_group)
@@ -183,7 +191,9 @@ def all_reduce(tensor: torch.Tensor, op: dist.ReduceOp, group: dist.ProcessGroup
     _require_contiguous("all_reduce", tensor)
     n = nbytes(tensor)
     _record("allreduce", payload=n, sent=2 * (p - 1) / p * n, received=2 * (p - 1) / p * n)
-    dist.all_reduce(tensor, op=op, group=group)
+    if isinstance(group, SharedMemoryGroup) and group.fits(tensor, op):
+        return group.all_reduce(tensor, op)
+    dist.all_reduce(tensor, op=op, group=process_group(group))
     return tensor
 
 
@@ -196,7 +206,9 @@ def all_gather(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> list[to
     pieces = [torch.empty_like(tensor, memory_format=torch.contiguous_format) for _ in range(p)]
     n = nbytes(tensor)
     _record("allgather", payload=n, sent=(p - 1) * n, received=(p - 1) * n)
-    dist.all_gather(pieces, tensor, group=group)
+    if isinstance(group, SharedMemoryGroup) and group.fits(tensor):
+        return group.all_gather(tensor)
+    dist.all_gather(pieces, tensor, group=process_group(group))
     return pieces
 
 
@@ -209,7 +221,9 @@ def broadcast(tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None) -
     n = nbytes(tensor)
     is_src = group_rank(group) == src
     _record("broadcast", payload=n, sent=n if is_src else 0, received=0 if is_src else n)
-    dist.broadcast(tensor, src=global_rank(group, src), group=group)
+    if isinstance(group, SharedMemoryGroup) and group.fits(tensor):
+        return group.broadcast(tensor, src)
+    dist.broadcast(tensor, src=global_rank(group, src), group=process_group(group))
     return tensor
 
 
@@ -259,7 +273,7 @@ def exchange(
                 raise ValueError(f"exchange: {kind} buffers must be contiguous, got strides {t.stride()} for shape {tuple(t.shape)}")
             tag = tags.get((kind, peer), 0)
             tags[(kind, peer)] = tag + 1
-            ops.append(dist.P2POp(fn, t, global_rank(group, peer), group=group, tag=tag))
+            ops.append(dist.P2POp(fn, t, global_rank(group, peer), group=process_group(group), tag=tag))
     _record(
         "p2p",
         payload=sum(nbytes(t) for t, _ in sends),

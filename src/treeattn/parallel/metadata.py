@@ -113,7 +113,7 @@ def tensor_digest(t: torch.Tensor | None) -> Digest:
 
 def metadata_device(group: dist.ProcessGroup | None) -> torch.device:
     """Device for the metadata tensor: CUDA for an NCCL group (NCCL moves only CUDA tensors), else CPU."""
-    if "nccl" in str(dist.get_backend(group)).lower() and torch.cuda.is_available():
+    if "nccl" in str(dist.get_backend(comm.process_group(group))).lower() and torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 

@@ -81,6 +81,7 @@ def node_groups(group: dist.ProcessGroup | None, ranks_per_node: int) -> NodeGro
     first two-level call with a given ranks_per_node at the same point of the program, as it must
     for any collective. A proper subgroup of the world is refused with a ValueError.
     """
+    group = comm.process_group(group)
     world_group = dist.GroupMember.WORLD if group is None else group
     key = (id(world_group), ranks_per_node)
     cached = _NODE_GROUPS.get(key)

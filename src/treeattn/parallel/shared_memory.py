@@ -1,0 +1,198 @@
+"""Collectives through shared memory, for the ranks of a group that all run on one host.
+
+A decode step combines a few kilobytes per layer across the ranks, one layer after the other, so
+each combine costs the latency of one collective, not its bytes. Between processes on one host,
+gloo pays that latency in sockets, a helper thread and wake-ups: on this repository's 2-core VM a
+4.8 KB allreduce between two idle ranks takes ~2 ms, and a send/recv pair ~0.2 ms, against ~22 us
+for a loopback round trip (docs/benchmarks.md, "Shared-memory combine"). Here every rank writes its
+tensor into its own slot of one shared mapping, raises its sequence number, and waits (spinning,
+then yielding) until every rank's number has caught up; then each rank reads all p slots and
+reduces them itself, in rank order, so every rank computes the same bytes. One round, no kernel
+call on the fast path; vLLM's CPU back end does the same for its tensor-parallel allreduce.
+
+    shm = SharedMemoryGroup.create(group)      # collective; None when the ranks span hosts
+    group = shm or group                       # pass it wherever treeattn takes a group
+
+treeattn.parallel.comm routes allreduce (sum, max), all-gather and broadcast of CPU tensors up to
+`capacity_bytes` through it; everything else (point-to-point, CUDA tensors, larger tensors,
+other reductions) goes to the wrapped process group, `shm.process_group`.
+
+Memory order: a rank writes its data, then its sequence number; a reader sees the number, then
+reads the data. x86-64 keeps stores in order and loads in order (TSO), so that is enough there;
+create() returns None on other architectures rather than add fences from Python.
+
+Two buffers (by the parity of the sequence number) make reuse safe: a rank can start collective
+s + 1 only after every rank has published s, hence finished reading s - 1, whose buffer s + 1
+overwrites. A rank that does not arrive within `timeout_s` makes the waiting ranks raise
+TimeoutError naming it (ta.spawn also tears the group down when a rank dies).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import platform
+import socket
+import time
+import uuid
+
+import torch
+import torch.distributed as dist
+
+_LINE = 64  # bytes: one cache line per rank's sequence number, and the alignment of every slot
+_SUPPORTED_OPS = (dist.ReduceOp.SUM, dist.ReduceOp.MAX)
+_SPIN_CHECKS = 64  # checks before the first sched_yield
+_YIELD_S = 0.02  # then yield (the core stays awake: a halted vCPU wakes up in ~1 ms) for this long
+_SLEEP_S = 50e-6  # then sleep this long between checks, not to burn a core on a long wait
+
+
+class SharedMemoryGroup:
+    """A process group whose small CPU collectives go through one shared mapping (see the module).
+
+    Build it with create() on every rank of `process_group`. Attributes: process_group (the
+    wrapped group, None for the world), rank, size, capacity_bytes, timeout_s.
+    """
+
+    def __init__(self, process_group, mapping: mmap.mmap, *, rank: int, size: int, capacity_bytes: int, timeout_s: float) -> None:
+        self.process_group = process_group
+        self.rank, self.size = rank, size
+        self.capacity_bytes, self.timeout_s = capacity_bytes, timeout_s
+        self._mapping = mapping
+        self._flags = memoryview(mapping).cast("q")  # rank r's sequence number at index r * _LINE // 8
+        self._arena = torch.frombuffer(mapping, dtype=torch.uint8)
+        self._sequence = 0
+
+    @classmethod
+    def create(cls, process_group=None, *, capacity_bytes: int = 1 << 18, timeout_s: float = 120.0) -> "SharedMemoryGroup | None":
+        """Collective over `process_group` (None: the world): a SharedMemoryGroup when every rank
+        runs on this host (same hostname and boot id) on x86-64 with /dev/shm, else None on every
+        rank. capacity_bytes: the largest tensor one collective carries through shared memory."""
+        if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int) or capacity_bytes < 1:
+            raise ValueError(f"capacity_bytes must be an int >= 1, got {capacity_bytes!r}")
+        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
+            raise ValueError(f"timeout_s must be a number of seconds > 0, got {timeout_s!r}")
+        size, rank = dist.get_world_size(process_group), dist.get_rank(process_group)
+        root = 0 if process_group is None else dist.get_global_rank(process_group, 0)
+        hosts = [None] * size
+        dist.all_gather_object(hosts, _host_key(), group=process_group)
+        capacity = -(-capacity_bytes // _LINE) * _LINE
+        nbytes = size * _LINE + 2 * size * capacity
+        mapping, path, error = None, [None], None
+        if rank == 0 and len(set(hosts)) == 1 and _supported():
+            try:  # created (zero-filled) by rank 0 before the others learn its name
+                path = [f"/dev/shm/treeattn-{os.getpid()}-{uuid.uuid4().hex[:12]}"]
+                mapping = _map(path[0], nbytes, create=True)
+            except OSError:
+                path = [None]
+        dist.broadcast_object_list(path, src=root, group=process_group)
+        if path[0] is None:
+            return None
+        try:
+            if rank != 0:
+                mapping = _map(path[0], nbytes, create=False)
+        except OSError as exc:
+            error = f"rank {rank}: {exc}"
+        finally:
+            dist.barrier(group=process_group)  # every rank has mapped it (or failed): the name can go
+            if rank == 0:
+                os.unlink(path[0])
+        errors = [None] * size
+        dist.all_gather_object(errors, error, group=process_group)
+        if any(errors):
+            return None
+        return cls(process_group, mapping, rank=rank, size=size, capacity_bytes=capacity, timeout_s=float(timeout_s))
+
+    def fits(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM) -> bool:
+        """Whether a collective of `tensor` (with reduction `op`) goes through shared memory."""
+        return (tensor.device.type == "cpu" and tensor.is_contiguous() and op in _SUPPORTED_OPS
+                and tensor.numel() * tensor.element_size() <= self.capacity_bytes)
+
+    def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
+        """In place: tensor = op over the ranks' tensors (SUM or MAX), reduced in rank order."""
+        slots = self._publish(tensor)
+        acc = slots[0].clone()
+        for other in slots[1:]:
+            if op == dist.ReduceOp.SUM:
+                acc.add_(other)
+            else:
+                torch.maximum(acc, other, out=acc)
+        return tensor.copy_(acc)
+
+    def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's tensor (same shape and dtype on every rank), in rank order, as new tensors."""
+        return [slot.clone() for slot in self._publish(tensor)]
+
+    def broadcast(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
+        """In place: tensor = group rank src's tensor."""
+        slots = self._publish(tensor, write=self.rank == src)
+        if self.rank != src:
+            tensor.copy_(slots[src])
+        return tensor
+
+    def _publish(self, tensor: torch.Tensor, write: bool = True) -> list[torch.Tensor]:
+        """Write `tensor` into this rank's slot of the next buffer, raise this rank's sequence
+        number, wait for every rank's; returns the p slots of that buffer viewed like `tensor`."""
+        self._sequence += 1
+        nbytes = tensor.numel() * tensor.element_size()
+        base = self.size * _LINE + (self._sequence % 2) * self.size * self.capacity_bytes
+        slots = [self._arena[base + r * self.capacity_bytes: base + r * self.capacity_bytes + nbytes]
+                 .view(tensor.dtype).view(tensor.shape) for r in range(self.size)]
+        if write:
+            slots[self.rank].copy_(tensor)
+        self._flags[self.rank * _LINE // 8] = self._sequence
+        self._wait(self._sequence)
+        return slots
+
+    def _wait(self, sequence: int) -> None:
+        flags, stride = self._flags, _LINE // 8
+        start, checks = None, 0
+        while True:
+            behind = [r for r in range(self.size) if flags[r * stride] < sequence]
+            if not behind:
+                return
+            checks += 1
+            if checks <= _SPIN_CHECKS:
+                continue
+            now = time.monotonic()
+            start = start or now
+            if now - start > self.timeout_s:
+                raise TimeoutError(f"shared-memory collective #{sequence}: rank(s) {behind} did not arrive within "
+                                   f"{self.timeout_s:g} s (dead, or calling a different collective)")
+            if now - start < _YIELD_S:
+                os.sched_yield()
+            else:
+                time.sleep(_SLEEP_S)
+
+
+def shared_memory_group(process_group=None, *, timeout_s: float = 120.0):
+    """Collective: SharedMemoryGroup.create(process_group) when it can be made, else process_group
+    itself: what to pass as `group` wherever treeattn combines across the ranks."""
+    return SharedMemoryGroup.create(process_group, timeout_s=timeout_s) or process_group
+
+
+def _supported() -> bool:
+    return platform.machine().lower() in ("x86_64", "amd64") and os.path.isdir("/dev/shm")
+
+
+def _host_key() -> str:
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}"
+
+
+def _map(path: str, nbytes: int, *, create: bool) -> mmap.mmap:
+    """Map the shared file at `path` (created, zero-filled, by the first rank)."""
+    fd = os.open(path, os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0), 0o600)
+    try:
+        if create:
+            os.ftruncate(fd, nbytes)
+        return mmap.mmap(fd, nbytes)
+    except OSError:
+        if create:
+            os.unlink(path)
+        raise
+    finally:
+        os.close(fd)

@@ -1,0 +1,134 @@
+"""treeattn.parallel.shared_memory: collectives through one shared mapping, on real gloo ranks."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import treeattn as ta
+from treeattn.engine.config import ConfigTypeError, GenerationConfig
+from treeattn.parallel import comm
+from treeattn.parallel import shared_memory as shm_module
+from treeattn.parallel.shared_memory import SharedMemoryGroup
+from treeattn.parallel.tree_decode import METHODS
+
+
+def _segments() -> set[str]:
+    return {name for name in os.listdir("/dev/shm") if name.startswith("treeattn-")}
+
+
+def _collectives(rank: int, world_size: int) -> dict:
+    group = SharedMemoryGroup.create(None, capacity_bytes=256)
+    assert isinstance(group, SharedMemoryGroup)
+    gen = torch.Generator().manual_seed(rank)
+    out = {}
+    for name, dtype in (("f64", torch.float64), ("f32", torch.float32), ("i64", torch.int64)):
+        x = (torch.randn(3, 5, generator=gen) * 100).to(dtype)
+        mine, reference = x.clone(), x.clone()
+        comm.all_reduce(mine, dist.ReduceOp.SUM, group)
+        dist.all_reduce(reference, op=dist.ReduceOp.SUM)
+        top, top_ref = x.clone(), x.clone()
+        comm.all_reduce(top, dist.ReduceOp.MAX, group)
+        dist.all_reduce(top_ref, op=dist.ReduceOp.MAX)
+        out[name] = (mine, reference, top, top_ref)
+    out["gather"] = comm.all_gather(torch.tensor([rank, 10 * rank]), group)
+    out["broadcast"] = comm.broadcast(torch.full((4,), float(rank)), 2, group)
+    big = torch.full((100,), float(rank + 1), dtype=torch.float64)  # 800 bytes > 256: through gloo
+    out["big"] = comm.all_reduce(big, dist.ReduceOp.SUM, group)
+    out["fits"] = (group.fits(big), group.fits(torch.zeros(4)), group.fits(torch.zeros(4), dist.ReduceOp.MIN))
+    return out
+
+
+def test_collectives_match_gloo_and_are_identical_on_every_rank():
+    before = _segments()
+    results = ta.spawn(_collectives, 3)
+    for rank, out in enumerate(results):
+        for name in ("f64", "f32", "i64"):
+            mine, reference, top, top_ref = out[name]
+            torch.testing.assert_close(mine, reference, rtol=1e-6, atol=1e-4)
+            assert torch.equal(mine, results[0][name][0])  # the same bytes on every rank
+            assert torch.equal(top, top_ref)
+        assert [t.tolist() for t in out["gather"]] == [[0, 0], [1, 10], [2, 20]]
+        assert out["broadcast"].tolist() == [2.0] * 4
+        assert out["big"].tolist() == [6.0] * 100
+        assert out["fits"] == (False, True, False)
+    assert _segments() == before  # the name is unlinked once every rank has mapped it
+
+
+def _hosts_differ(rank: int, world_size: int, monkey: bool):
+    if monkey:
+        shm_module._host_key = lambda: f"host-{rank}"  # as if every rank ran on its own machine
+    return SharedMemoryGroup.create(None) is None
+
+
+def test_ranks_on_different_hosts_get_none_on_every_rank():
+    assert ta.spawn(_hosts_differ, 2, True) == [True, True]
+
+
+def _missing_rank(rank: int, world_size: int) -> str:
+    group = SharedMemoryGroup.create(None, timeout_s=0.5)
+    if rank == 1:
+        return "skipped"  # never joins the collective below
+    try:
+        comm.all_reduce(torch.ones(3), dist.ReduceOp.SUM, group)
+    except TimeoutError as exc:
+        return str(exc)
+    return "returned"
+
+
+def test_a_missing_rank_times_out_naming_it():
+    message, skipped = ta.spawn(_missing_rank, 2)
+    assert skipped == "skipped"
+    assert "rank(s) [1] did not arrive within 0.5 s" in message
+
+
+def _tree_decode_over_shm(rank: int, world_size: int, method: str):
+    group = SharedMemoryGroup.create(None)
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 3, 4, 8, generator=gen)
+    k = torch.randn(2, 30, 2, 8, generator=gen)
+    v = torch.randn(2, 30, 2, 8, generator=gen)
+    q_pos = torch.arange(27, 30).expand(2, 3)
+    kv_pos = torch.arange(30).expand(2, 30)
+    shard = slice(10 * rank, 10 * rank + 10)
+    out, lse = ta.tree_decode(q, k[:, shard], v[:, shard], group=group, method=method, q_pos=q_pos, kv_pos=kv_pos[:, shard])
+    ref_out, ref_lse = ta.reference_attention(q.double(), k.double(), v.double(), causal=True, q_pos=q_pos, kv_pos=kv_pos)
+    return (out.double() - ref_out).abs().max().item(), (lse.double() - ref_lse).abs().max().item(), out
+
+
+@pytest.mark.parametrize("method", [m for m in METHODS if m != "twolevel"])
+def test_tree_decode_through_shared_memory_is_exact(method):
+    results = ta.spawn(_tree_decode_over_shm, 3, method)
+    for err_out, err_lse, out in results:
+        assert err_out < 1e-5 and err_lse < 1e-5
+        assert torch.equal(out, results[0][2])
+
+
+def _generate_both_ways(rank: int, world_size: int):
+    from treeattn.models.llama import LlamaConfig, random_model
+
+    model = random_model(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+                                     num_kv_heads=2, head_dim=8, max_position_embeddings=256), seed=0)
+    prompt = torch.randint(0, 64, (40,), generator=torch.Generator().manual_seed(1)).tolist()
+    runs = {}
+    for shared in (True, False):
+        result = ta.generate(model, [prompt], max_new_tokens=6, shared_memory=shared)
+        runs[shared] = (result.generated_ids, result.comm["rounds"])
+    return runs
+
+
+def test_generate_gives_the_same_tokens_and_rounds_with_and_without_shared_memory():
+    for runs in ta.spawn(_generate_both_ways, 2):
+        assert runs[True] == runs[False]
+
+
+def test_the_option_must_be_a_bool():
+    with pytest.raises(ConfigTypeError, match="shared_memory must be a bool"):
+        GenerationConfig(shared_memory="yes")
+    from treeattn.engine.engine import EngineConfig
+
+    with pytest.raises(ValueError, match="shared_memory must be a bool"):
+        EngineConfig(shared_memory=1)
