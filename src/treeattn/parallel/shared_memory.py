@@ -3,12 +3,12 @@
 A decode step combines a few kilobytes per layer across the ranks, one layer after the other, so
 each combine costs the latency of one collective, not its bytes. Between processes on one host,
 gloo pays that latency in sockets, a helper thread and wake-ups: on this repository's 2-core VM a
-4.8 KB allreduce between two idle ranks takes ~2 ms, and a send/recv pair ~0.2 ms, against ~22 us
-for a loopback round trip (docs/benchmarks.md, "Shared-memory combine"). Here every rank writes its
-tensor into its own slot of one shared mapping, raises its sequence number, and waits (spinning,
-then yielding) until every rank's number has caught up; then each rank reads all p slots and
-reduces them itself, in rank order, so every rank computes the same bytes. One round, no kernel
-call on the fast path; vLLM's CPU back end does the same for its tensor-parallel allreduce.
+SmolLM2 layer's combine takes 3.5-4.5 ms through gloo and 0.9 ms here, most of it the ranks' skew
+(docs/benchmarks.md, "The shared-memory transport"). Here every rank writes its tensor into its
+own slot of one shared mapping, raises its sequence number, and waits (spinning, then yielding)
+until every rank's number has caught up; then each rank reads all p slots and reduces them itself,
+in rank order, so every rank computes the same bytes. One round, no kernel call on the fast path;
+vLLM's CPU back end has a shared-memory allreduce for the same reason.
 
     shm = SharedMemoryGroup.create(group)      # collective; None when the ranks span hosts
     group = shm or group                       # pass it wherever treeattn takes a group
