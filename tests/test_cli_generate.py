@@ -86,6 +86,16 @@ def test_default_method_is_one_round_per_layer(checkpoint, ids_file, expected):
     assert two_round["comm"]["decode_rounds_rank0"] == steps * (2 * layers + 1)
 
 
+def test_no_shared_memory_combines_through_gloo_with_the_same_tokens_and_rounds(checkpoint, ids_file, expected):
+    args = ["generate", str(checkpoint), "--prompt-ids", str(ids_file), "--max-new-tokens", "6", "--nproc", "2", "--json"]
+    result = runner.invoke(app, args + ["--no-shared-memory"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    layers = load_model(checkpoint).config.num_layers
+    assert report["generated_ids"] == expected
+    assert report["comm"]["decode_rounds_rank0"] == report["timings"]["decode_steps"] * (layers + 1)
+
+
 def test_text_prompt_prints_text_and_a_summary(checkpoint, expected):
     prompt = " ".join(f"w{i}" for i in PROMPT)
     result = runner.invoke(app, ["generate", str(checkpoint), "--prompt", prompt, "--max-new-tokens", "6", "--temperature", "0"])

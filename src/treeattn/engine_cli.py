@@ -111,6 +111,8 @@ def generate_command(
     draft_tokens: int = typer.Option(4, "--draft-tokens", help="Most tokens drafted per step with --speculate, in [1, 16]."),
     draft_model: Path | None = typer.Option(None, "--draft-model", help="The draft model of --speculate draft (HF directory "
                                             "or .gguf, the model's tokenizer); rank 0 holds it, with its own whole cache."),
+    shared_memory: bool = typer.Option(True, "--shared-memory/--no-shared-memory", help="Ranks on this host combine through "
+                                       "shared memory (one round, no sockets); --no-shared-memory: through gloo."),
     timeout: float = typer.Option(60.0, "--timeout", min=0.001, max=1e6, help="Seconds a rank may wait in a collective or show "
                                   "no sign of life before the run fails, naming the rank (see docs/faults.md)."),
 ) -> None:
@@ -125,7 +127,7 @@ def generate_command(
             stop_tokens=() if no_stop else (tuple(stop_id) or None), num_samples=num_samples, decode=decode.value,
             method=None if method is None else method.value, prefill=prefill.value, placement=placement.value, block_size=block_size, capacity=capacity,
             speculate=None if speculate is Speculate.none else speculate.value, draft_tokens=draft_tokens,
-            draft_model=None if draft_model is None else str(draft_model),
+            draft_model=None if draft_model is None else str(draft_model), shared_memory=shared_memory,
         )
         if system is not None and not chat:
             raise ValueError("--system is a chat message: give --chat too")

@@ -35,6 +35,8 @@ def serve_command(
     speculate: Speculate = typer.Option(Speculate.none, "--speculate", help="Speculative decoding: ngram drafts up to "
                                         "--draft-tokens tokens per sequence per step by prompt lookup, verified in the same forward pass."),
     draft_tokens: int = typer.Option(4, "--draft-tokens", help="Most tokens drafted per sequence per step with --speculate, in [1, 16]."),
+    shared_memory: bool = typer.Option(True, "--shared-memory/--no-shared-memory", help="Ranks on this host combine through "
+                                       "shared memory (one round, no sockets); --no-shared-memory: through gloo."),
     api_key: str | None = typer.Option(None, "--api-key", envvar="TREEATTN_API_KEY",
                                        help="Require 'Authorization: Bearer KEY' on every endpoint but /health."),
     served_model_name: str | None = typer.Option(None, "--served-model-name", help="The model id clients name (default: the file or directory name)."),
@@ -60,7 +62,8 @@ def serve_command(
     engine_options = dict(nproc=nproc, decode=decode.value, method=method.value if method else None,
                           placement=placement.value, max_batch_size=max_batch_size, cache_tokens=cache_tokens,
                           prefix_cache=prefix_cache, block_size=block_size, dtype=getattr(torch, dtype.value), timeout_s=timeout,
-                          speculate=None if speculate is Speculate.none else speculate.value, draft_tokens=draft_tokens)
+                          speculate=None if speculate is Speculate.none else speculate.value, draft_tokens=draft_tokens,
+                          shared_memory=shared_memory)
 
     def ready(bound_host: str, bound_port: int) -> None:
         typer.echo(f"treeattn serve: {model} on http://{bound_host}:{bound_port} ({nproc} rank(s), decode {decode.value})",
