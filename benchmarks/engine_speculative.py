@@ -63,7 +63,11 @@ def build_prompts(model_path, doc_tokens: int) -> tuple[dict[str, list[int]], li
     return prompts, list(stops)
 
 
-def run(model_path, p: int, speculate: str | None, prompts: dict, stops: list[int], args) -> dict:
+MODES = {"plain": None, "ngram": "ngram"}  # speculate=
+
+
+def run(model_path, p: int, mode: str, prompts: dict, stops: list[int], args) -> dict:
+    speculate = MODES[mode]
     params = SamplingParams(max_new_tokens=args.new_tokens, stop_token_ids=tuple(stops))
     longest = max(len(x) for x in prompts.values())
     with ta.Engine(str(model_path), nproc=p, decode="tree", placement="interleaved", max_batch_size=len(prompts),
@@ -82,7 +86,7 @@ def run(model_path, p: int, speculate: str | None, prompts: dict, stops: list[in
     decoded = sum(r.speculation["decoded_tokens"] for r in results.values()) if speculate else None
     drafted = after["drafted_tokens"] - before["drafted_tokens"]
     accepted = after["accepted_tokens"] - before["accepted_tokens"]
-    return {"p": p, "speculate": speculate, "wall_s": wall, "tokens": tokens, "tokens_per_s": tokens / wall,
+    return {"p": p, "mode": mode, "wall_s": wall, "tokens": tokens, "tokens_per_s": tokens / wall,
             "decode_forwards": after["decode_forwards"] - before["decode_forwards"], "decoded_tokens": decoded, "drafted": drafted, "accepted": accepted,
             "cached_prompt_tokens": {n: r.cached_prompt_tokens for n, r in results.items()},
             "token_ids": {n: r.token_ids for n, r in results.items()},
@@ -105,25 +109,24 @@ def main() -> None:
     rows = []
     for p in args.nproc:
         torch.set_num_threads(max(1, args.cores // p))  # p = 1 runs in this process
-        plain = run(model_path, p, None, prompts, stops, args)
-        spec = run(model_path, p, "ngram", prompts, stops, args)
-        rows.append({"p": p, "identical": plain["token_ids"] == spec["token_ids"], "plain": plain, "speculative": spec,
-                     "speedup": spec["tokens_per_s"] / plain["tokens_per_s"]})
-        print(f"p={p}: plain {plain['tokens_per_s']:.2f} tok/s, speculative {spec['tokens_per_s']:.2f} tok/s", file=sys.stderr,
-              flush=True)
+        plain = None
+        for mode in MODES:
+            row = run(model_path, p, mode, prompts, stops, args)
+            plain = plain or row
+            row.update(identical=row["token_ids"] == plain["token_ids"], speedup=row["tokens_per_s"] / plain["tokens_per_s"])
+            rows.append(row)
+            print(f"p={p} {mode}: {row['tokens_per_s']:.2f} tok/s", file=sys.stderr, flush=True)
     report = {"machine": f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}", "args": vars(args),
               "prompt_tokens": {n: len(x) for n, x in prompts.items()}, "load_average": os.getloadavg(), "rows": rows}
     print(json.dumps(report))
-    print("| p | requests | new tokens | identical | tokens/s plain | tokens/s speculative | speedup | decode forwards plain / spec "
-          "| accepted / drafted | tokens per forward |", file=sys.stderr)
+    print("| p | mode | requests | new tokens | same tokens | tokens/s | vs plain | decode forwards | accepted / drafted "
+          "| tokens per forward |", file=sys.stderr)
     print("|---|---|---|---|---|---|---|---|---|---|", file=sys.stderr)
     for r in rows:
-        plain, spec = r["plain"], r["speculative"]
-        rate = spec["accepted"] / spec["drafted"] if spec["drafted"] else float("nan")
-        print(f"| {r['p']} | {len(prompts)} | {plain['tokens']} | {'yes' if r['identical'] else 'NO'} | {plain['tokens_per_s']:.2f} | "
-              f"{spec['tokens_per_s']:.2f} | {r['speedup']:.2f}x | {plain['decode_forwards']} / {spec['decode_forwards']} | "
-              f"{spec['accepted']} / {spec['drafted']} ({rate:.0%}) | {spec['decoded_tokens'] / spec['decode_forwards']:.2f} |",
-              file=sys.stderr)
+        rate = f"{r['accepted']} / {r['drafted']} ({r['accepted'] / r['drafted']:.0%})" if r["drafted"] else "-"
+        per_forward = r["decoded_tokens"] / r["decode_forwards"] if r["decoded_tokens"] else 1.0
+        print(f"| {r['p']} | {r['mode']} | {len(prompts)} | {r['tokens']} | {'yes' if r['identical'] else 'NO'} | "
+              f"{r['tokens_per_s']:.2f} | {r['speedup']:.2f}x | {r['decode_forwards']} | {rate} | {per_forward:.2f} |", file=sys.stderr)
 
 
 if __name__ == "__main__":
