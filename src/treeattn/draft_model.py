@@ -9,9 +9,10 @@
 Where it runs: on one process, rank 0 of the generation, with its own whole (unsharded) KV cache of
 the context. Rank 0 drafts right after it accepts the previous step's tokens and sends the drafts in
 the same broadcast as those tokens (treeattn.generate), so drafting adds no communication round. The
-alternative, the draft's cache sharded like the target's, pays one combine per draft layer per drafted
-token; on the measured machine it was slower (docs/benchmarks.md, "Speculative decoding with a draft
-model").
+alternative, the draft's cache sharded like the target's, pays one combine per draft layer and a
+broadcast per drafted token but splits the draft's attention over the context: over gloo it was slower
+per drafted token on the 2-core machine, over the shared-memory transport 8-15% faster at 4K tokens
+(docs/benchmarks.md, "Speculative decoding with a draft model"); it is not implemented.
 
 Proposals: greedily (temperature 0; the proposal is then one-hot, q = None), else each token drawn
 from the draft's own sampling distribution q (the same temperature, top-k and top-p as the target's),
