@@ -404,3 +404,16 @@ def test_bad_speculation_options_fail_at_construction(kwargs, match):
     with pytest.raises(ValueError, match=match):
         ta.Engine(_model(), nproc=2, **kwargs)  # before any rank process starts
     assert not multiprocessing.active_children()
+
+
+def test_serve_refuses_bad_speculation_flags_before_any_work(tmp_path):
+    from typer.testing import CliRunner
+
+    from treeattn.cli import app
+
+    model = tmp_path / "model.gguf"
+    model.write_bytes(b"")  # never read: the engine's options are checked first
+    result = CliRunner().invoke(app, ["serve", str(model), "--speculate", "ngram", "--draft-tokens", "0", "--port", "0"])
+    assert result.exit_code == 2 and "draft_tokens must be an int in [1, 16], got 0" in result.output
+    result = CliRunner().invoke(app, ["serve", str(model), "--speculate", "draft", "--port", "0"])
+    assert result.exit_code == 2 and "--speculate" in result.output
