@@ -132,3 +132,15 @@ def test_the_option_must_be_a_bool():
 
     with pytest.raises(ValueError, match="shared_memory must be a bool"):
         EngineConfig(shared_memory=1)
+
+
+def _timeout_of_the_group(rank: int, world_size: int):
+    from treeattn.parallel.shared_memory import group_timeout_s, shared_memory_group
+
+    group = shared_memory_group(None)
+    return group_timeout_s(None), group.timeout_s
+
+
+def test_the_default_timeout_is_the_process_groups():
+    for read, used in ta.spawn(_timeout_of_the_group, 2, timeout=17.0):
+        assert read == used == 17.0

@@ -164,10 +164,24 @@ class SharedMemoryGroup:
                 time.sleep(_SLEEP_S)
 
 
-def shared_memory_group(process_group=None, *, timeout_s: float = 120.0):
+def shared_memory_group(process_group=None, *, timeout_s: float | None = None):
     """Collective: SharedMemoryGroup.create(process_group) when it can be made, else process_group
-    itself: what to pass as `group` wherever treeattn combines across the ranks."""
+    itself: what to pass as `group` wherever treeattn combines across the ranks. timeout_s: None
+    takes the process group's own timeout (120 s where it cannot be read), so a missing rank fails
+    the shared-memory collectives when it would have failed gloo's."""
+    if timeout_s is None:
+        timeout_s = group_timeout_s(process_group) or 120.0
     return SharedMemoryGroup.create(process_group, timeout_s=timeout_s) or process_group
+
+
+def group_timeout_s(process_group=None) -> float | None:
+    """The timeout the process group was created with, in seconds; None where torch does not say
+    (it is read through a private attribute of the group's CPU back end)."""
+    group = dist.group.WORLD if process_group is None else process_group
+    try:
+        return group._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+    except (AttributeError, RuntimeError, TypeError):
+        return None
 
 
 def _supported() -> bool:
