@@ -37,11 +37,19 @@ PAPER = Path("/work/shared/papers/tree-attention.txt")
 QUESTION = ("What does the document say about the communication volume and peak memory of Ring Attention compared with "
             "Tree Attention? Answer by quoting the relevant sentences of the document word for word.")
 SUMMARY = "Summarise the document above in one paragraph."
+# More questions about the same document (--questions all), each answered from the document.
+MORE_QUESTIONS = {
+    "qa-title": "What is the title of this paper, and who are its authors? Answer with the title and the names exactly as "
+                "written in the document.",
+    "qa-abstract": "What does the abstract of the document claim about Tree Attention's speed, communication volume and peak "
+                   "memory compared with Ring Attention? Answer with the abstract's own words.",
+    "qa-define": "How does the document define Tree Attention? Quote the sentence of the abstract that introduces it.",
+}
 
 
-def build_prompts(model, doc_tokens: int) -> tuple[dict[str, list[int]], list[int]]:
-    """{name: chat token ids} for the qa and summarise prompts over a document of doc_tokens tokens,
-    and the end-of-turn stop ids."""
+def build_prompts(model, doc_tokens: int, more_questions: bool = False) -> tuple[dict[str, list[int]], list[int]]:
+    """{name: chat token ids} for the qa and summarise prompts (and MORE_QUESTIONS if asked) over a
+    document of doc_tokens tokens, and the end-of-turn stop ids."""
     from treeattn.models.chat import encode_prompts
 
     text = PAPER.read_text(encoding="utf-8")
@@ -49,7 +57,8 @@ def build_prompts(model, doc_tokens: int) -> tuple[dict[str, list[int]], list[in
     ids = ids.ids if hasattr(ids, "ids") else ids
     document = model.tokenizer.decode(ids[:doc_tokens])
     prompts, stops = {}, []
-    for name, ask in (("qa", QUESTION), ("summarise", SUMMARY)):
+    asks = {"qa": QUESTION, "summarise": SUMMARY, **(MORE_QUESTIONS if more_questions else {})}
+    for name, ask in asks.items():
         messages = [{"role": "user", "content": f"Document:\n\n{document}\n\n{ask}"}]
         (prompt,), stops = encode_prompts(model, messages)
         prompts[name] = prompt
@@ -88,6 +97,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--nproc", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--doc-tokens", type=int, default=4000)
+    parser.add_argument("--questions", choices=["two", "all"], default="two",
+                        help="two: qa and summarise; all: also the three questions of MORE_QUESTIONS")
     parser.add_argument("--new-tokens", type=int, default=96)
     parser.add_argument("--draft-tokens", type=int, default=8)
     parser.add_argument("--threads", type=int, default=None, help="torch threads per rank (default: 2 // p, at least 1)")
@@ -98,7 +109,7 @@ def main() -> None:
         parser.error("--speculate draft and --draft-model go together")
     methods = [(m, None) for m in args.speculate if m == "ngram"] + [("draft", d) for d in args.draft_model]
     path = smollm2_path()
-    prompts, stops = build_prompts(ta.load_model(path), args.doc_tokens)
+    prompts, stops = build_prompts(ta.load_model(path), args.doc_tokens, args.questions == "all")
     rows = []
     for p in args.nproc:
         threads = args.threads or max(1, 2 // p)
