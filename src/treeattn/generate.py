@@ -406,9 +406,7 @@ class Generation:
             decode = "local"
         self.decode, self.method, self.prefill, self.placement = decode, config.method, prefill, config.placement
         # The group the decode attention combines over and the tokens are broadcast on.
-        self.comm_group = group
-        if config.shared_memory and self.world_size > 1 and model.device.type == "cpu":
-            self.comm_group = shared_memory_group(group)
+        self.comm_group = shared_memory_group(group, device=model.device) if config.shared_memory else group
         self.cache = cache if cache is not None else ShardedKVCache(
             num_layers=model.config.num_layers, num_kv_heads=model.config.num_kv_heads, head_dim=model.config.head_dim,
             value_dim=model.config.cache_value_dim, capacity=capacity, batch_size=len(self.prompts), placement=config.placement, block_size=block_size,

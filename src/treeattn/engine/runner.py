@@ -205,8 +205,8 @@ class RankRunner:
         self.cache = PagedKVCache(num_layers=c.num_layers, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, value_dim=c.cache_value_dim,
                                   num_blocks=blocks_per_rank, block_size=block_size, dtype=model.dtype, device=model.device)
         p = group_world_size(group)
-        if shared_memory and p > 1 and model.device.type == "cpu":
-            group = shared_memory_group(group, timeout_s=timeout_s)  # the group the attention combines over
+        if shared_memory:  # the group the attention combines over
+            group = shared_memory_group(group, device=model.device, timeout_s=timeout_s)
         self.attend = attention_backend(decode, method=method, group=group, topology=topology)
         self.combine = None  # how a run-by-run read combines across ranks (None: always gather)
         if (decode != "ring" or p == 1) and all(w is None for w in c.layer_windows):

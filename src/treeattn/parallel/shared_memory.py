@@ -164,11 +164,17 @@ class SharedMemoryGroup:
                 time.sleep(_SLEEP_S)
 
 
-def shared_memory_group(process_group=None, *, timeout_s: float | None = None):
+def shared_memory_group(process_group=None, *, device: torch.device | str = "cpu", timeout_s: float | None = None):
     """Collective: SharedMemoryGroup.create(process_group) when it can be made, else process_group
-    itself: what to pass as `group` wherever treeattn combines across the ranks. timeout_s: None
-    takes the process group's own timeout (120 s where it cannot be read), so a missing rank fails
-    the shared-memory collectives when it would have failed gloo's."""
+    itself: what to pass as `group` wherever treeattn combines across the ranks. The group itself
+    comes back, with no collective, for one rank (or no torch.distributed) and for tensors on a
+    `device` other than the CPU. timeout_s: None takes the process group's own timeout (120 s
+    where it cannot be read), so a missing rank fails the shared-memory collectives when it would
+    have failed gloo's."""
+    if not (dist.is_available() and dist.is_initialized()) or torch.device(device).type != "cpu":
+        return process_group
+    if dist.get_world_size(process_group) == 1:
+        return process_group
     if timeout_s is None:
         timeout_s = group_timeout_s(process_group) or 120.0
     return SharedMemoryGroup.create(process_group, timeout_s=timeout_s) or process_group
