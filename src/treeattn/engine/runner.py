@@ -1,8 +1,12 @@
 """The per-rank side of the engine: run one step's plan through the model on this rank.
 
-Every rank of the group gets the same StepPlan (treeattn.engine.scheduler) and runs the same
-forward pass: all the step's tokens of all sequences as one flat row (1, T), whatever their
-sequences and positions. The model's two injected callables come from a PagedBatch:
+Every rank of the group gets the same StepPlan (treeattn.engine.scheduler). The step's tokens of
+all sequences form one flat row (1, T), whatever their sequences and positions. A step of few
+tokens (decoding) is replicated: every rank runs all T tokens through the model. A step of at
+least token_parallel.SPLIT_MIN_TOKENS_PER_RANK tokens per rank (prompt chunks) is token-parallel:
+rank r runs only its slice of the row, and the injected callables gather the slices' keys, values
+and queries so that the PagedBatch below serves all T rows (treeattn.engine.token_parallel). Either
+way the model's two injected callables end in a PagedBatch:
 
 - kv_store writes the new keys/values of the tokens whose blocks this rank holds (the block
   table names the rank of every block) and gathers, per group of sequences, this rank's blocks
@@ -24,7 +28,8 @@ one gather (a copy of the whole shard per layer per step), so it pays when runs 
 is read this way when its runs average at least COPY_FREE_MIN_KEYS keys (tree and local decoding,
 no sliding window; ring_decode passes the shard itself, so it always gathers).
 
-Rank 0 then samples the next token of each sequence whose chunk holds its last known token, each
+Rank 0 then samples the next token of each sequence whose chunk holds its last known token (after a
+token-parallel step, the final hidden states of those rows are gathered from the ranks that ran them), each
 with its own torch.Generator (seeded from the request), so a request's tokens do not depend on
 what it was batched with. A chunk with drafts is verified there too (_sample): see
 RankRunner._sample for the rule.
@@ -39,6 +44,7 @@ import torch.distributed as dist
 from treeattn.cache.blocks import tokens_to_blocks
 from treeattn.cache.paged import PagedKVCache
 from treeattn.cache.sharded import INVISIBLE_POSITION
+from treeattn.engine import token_parallel
 from treeattn.engine.scheduler import Chunk, StepPlan
 from treeattn.models.attention import attention_backend, group_world_size
 from treeattn.models.llama import LlamaModel
@@ -204,9 +210,10 @@ class RankRunner:
         c = model.config
         self.cache = PagedKVCache(num_layers=c.num_layers, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, value_dim=c.cache_value_dim,
                                   num_blocks=blocks_per_rank, block_size=block_size, dtype=model.dtype, device=model.device)
-        p = group_world_size(group)
+        self.world_size = p = group_world_size(group)
         if shared_memory:  # the group the attention combines over
             group = shared_memory_group(group, device=model.device, timeout_s=timeout_s)
+        self.comm_group = group  # of the collectives of a token-parallel step
         self.attend = attention_backend(decode, method=method, group=group, topology=topology)
         self.combine = None  # how a run-by-run read combines across ranks (None: always gather)
         if (decode != "ring" or p == 1) and all(w is None for w in c.layer_windows):
@@ -225,15 +232,16 @@ class RankRunner:
         if not plan.chunks:
             return {}
         batch = PagedBatch(plan, self.rank, self.cache, self.attend, self.combine)
-        hidden = self.model(batch.tokens, batch.positions, batch.kv_store, batch.attend)
-        if self.rank != 0:
-            return {}
         sampling = [(i, c) for i, c in enumerate(plan.chunks) if c.sample is not None]
-        if not sampling:
-            return {}
         ends = [batch.offsets[i] + len(c.tokens) for i, c in sampling]  # rows: the last known token, then the drafts
         rows = [row for (_, c), end in zip(sampling, ends) for row in range(end - c.num_draft - 1, end)]
-        logits = self.model.logits(hidden[0, rows])
+        if token_parallel.splits(batch.tokens.shape[1], self.world_size):  # rank r runs its slice of the tokens
+            hidden = token_parallel.TokenParallelStep(batch, self.rank, self.world_size, self.comm_group).forward(self.model, rows)
+        else:  # every rank runs every token
+            hidden = self.model(batch.tokens, batch.positions, batch.kv_store, batch.attend)[0, rows]
+        if self.rank != 0 or not sampling:
+            return {}
+        logits = self.model.logits(hidden)
         out, first = {}, 0
         for _, c in sampling:
             out[c.seq_id] = self._sample(c, logits[first : first + c.num_draft + 1])
