@@ -169,9 +169,9 @@ def reference(model_file):
     def complete(prompt, max_tokens, **kw):
         return engine.generate([prompt], max_new_tokens=max_tokens, **kw)[0]
 
-    def chat(messages, max_tokens):
+    def chat(messages, max_tokens, **kw):
         ids = encode_chat(tokenizer, template, messages)
-        return complete(ids, max_tokens, stop_token_ids=[eot])
+        return complete(ids, max_tokens, stop_token_ids=[eot], **kw)
 
     yield complete, chat
     engine.close()
@@ -240,6 +240,38 @@ def test_n_choices_share_the_prompt(server, reference):
     assert len({tuple(c.token_ids) for c in sampled.choices}) > 1  # different seeds per choice
 
 
+def test_logprobs_over_the_openai_client(server, reference):
+    """completions' logprobs=k and chat's logprobs/top_logprobs, plain and streamed, carry the
+    engine's per-token log-probabilities (2 ranks here, 1 in the reference: equal up to rounding)."""
+    complete, chat = reference
+    client = server.client()
+    expected = complete("the cat", 6, logprobs=2)
+    lp = client.completions.create(model=NAME, prompt="the cat", max_tokens=6, temperature=0, logprobs=2).choices[0].logprobs
+    assert lp.token_logprobs == pytest.approx([e.logprob for e in expected.logprobs], abs=1e-4)
+    for top, e in zip(lp.top_logprobs, expected.logprobs, strict=True):  # keyed by token text: two bytes may both be U+FFFD
+        assert 1 <= len(top) <= 2 and all(min(abs(v - w) for _, w in e.top) < 1e-4 for v in top.values())
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    streamed = client.completions.create(model=NAME, prompt="the cat", max_tokens=6, temperature=0, logprobs=2, stream=True)
+    assert [v for c in streamed if c.choices[0].logprobs for v in c.choices[0].logprobs.token_logprobs] == pytest.approx(
+        lp.token_logprobs, abs=1e-6)
+
+    messages = [{"role": "user", "content": "the theme?"}]
+    expected = chat(messages, 8, logprobs=2)
+    content = client.chat.completions.create(model=NAME, messages=messages, max_tokens=8, temperature=0, logprobs=True,
+                                             top_logprobs=2).choices[0].logprobs.content
+    assert [c.logprob for c in content] == pytest.approx([e.logprob for e in expected.logprobs], abs=1e-4)
+    assert all(len(c.top_logprobs) == 2 and c.bytes == list(c.token.encode()) for c in content)
+    chunks = client.chat.completions.create(model=NAME, messages=messages, max_tokens=8, temperature=0, logprobs=True,
+                                            stream=True)
+    streamed = [c.logprob for chunk in chunks if chunk.choices and chunk.choices[0].logprobs
+                for c in chunk.choices[0].logprobs.content]
+    assert streamed == pytest.approx([c.logprob for c in content], abs=1e-6)
+    plain = client.chat.completions.create(model=NAME, messages=messages, max_tokens=2, temperature=0)
+    assert plain.choices[0].logprobs is None
+    bad = server.http().post("/v1/chat/completions", json={"model": NAME, "messages": messages, "top_logprobs": 2})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "top_logprobs"
+
+
 BAD_REQUESTS = [
     ({"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
     ({"prompt": "hi", "max_tokens": "5"}, 400, "max_tokens"),
@@ -249,7 +281,8 @@ BAD_REQUESTS = [
     ({"prompt": [1, 2, VOCAB + 5]}, 400, "prompt"),
     ({"prompt": list(range(3, 250)) * 3}, 400, "prompt"),
     ({"prompt": ""}, 400, "prompt"),
-    ({"prompt": "hi", "logprobs": 3}, 400, "logprobs"),
+    ({"prompt": "hi", "logprobs": 21}, 400, "logprobs"),
+    ({"prompt": "hi", "echo": True}, 400, "echo"),
     ({"prompt": "hi", "n": 0}, 400, "n"),
     ({"prompt": "hi", "model": "gpt-4"}, 404, "model"),
     ({"max_tokens": 3}, 400, "prompt"),

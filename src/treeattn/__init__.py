@@ -20,7 +20,7 @@ from treeattn.cache import ShardedKVCache
 from treeattn.models import LlamaConfig, LlamaModel, load_model, load_tokenizer
 from treeattn.generate import GenerationResult, generate, stream
 from treeattn.decode_step import DecodeStep
-from treeattn.engine import Engine, RequestResult, SamplingParams, TokenEvent
+from treeattn.engine import Engine, RequestResult, SamplingParams, TokenEvent, TokenLogprob
 
 __version__ = "0.1.0"
 
@@ -52,4 +52,5 @@ __all__ = [
     "RequestResult",
     "SamplingParams",
     "TokenEvent",
+    "TokenLogprob",
 ]

@@ -2,7 +2,7 @@
 
     ta.Engine (engine.py)              many requests at once over the sharded KV cache: the driver
     SamplingParams, TokenEvent,        what a request asks for and what comes back (request.py)
-    RequestResult
+    TokenLogprob, RequestResult
     Scheduler (scheduler.py)           continuous batching, chunked prefill, preemption, prefix reuse
     RankRunner (runner.py)             one rank's side of an engine step
     GenerationConfig (config.py)       what one ta.generate run is, validated once
@@ -13,6 +13,6 @@
 """
 
 from treeattn.engine.engine import Engine, EngineConfig, EngineError, RequestHandle
-from treeattn.engine.request import RequestResult, SamplingParams, TokenEvent
+from treeattn.engine.request import RequestResult, SamplingParams, TokenEvent, TokenLogprob
 
-__all__ = ["Engine", "EngineConfig", "EngineError", "RequestHandle", "RequestResult", "SamplingParams", "TokenEvent"]
+__all__ = ["Engine", "EngineConfig", "EngineError", "RequestHandle", "RequestResult", "SamplingParams", "TokenEvent", "TokenLogprob"]

@@ -51,8 +51,8 @@ from treeattn.cache.blocks import ShardedBlockPool
 from treeattn.cache.placement import PLACEMENTS
 from treeattn.cache.prefix import PrefixCache
 from treeattn.engine.config import DEFAULT_METHOD
-from treeattn.engine.request import RequestResult, SamplingParams, TokenEvent
-from treeattn.engine.runner import RankRunner
+from treeattn.engine.request import RequestResult, SamplingParams, TokenEvent, TokenLogprob
+from treeattn.engine.runner import RankRunner, StepOutcome
 from treeattn.engine.scheduler import Scheduler, Sequence as _Seq
 from treeattn.models.attention import DECODE_KINDS
 from treeattn.parallel.tree_decode import METHODS
@@ -185,6 +185,7 @@ class _Request:
         self.handle, self.prompt, self.params, self.submitted = handle, prompt, params, submitted
         self.seq: _Seq | None = None
         self.token_ids: list[int] = []
+        self.logprobs: list[TokenLogprob] = []  # one per token when params.logprobs is set
         self.text = ""
         self.first_token_at: float | None = None
 
@@ -316,12 +317,12 @@ class Engine:
         self._post(("submit", _Request(handle, ids, params, time.perf_counter())))
         return handle
 
-    def generate(self, prompts, max_new_tokens: int = 64, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
-                 seed: int = 0, stop=None, stop_token_ids: Sequence[int] = (), ignore_eos: bool = False) -> list[RequestResult]:
+    def generate(self, prompts, params: SamplingParams | None = None, **sampling) -> list[RequestResult]:
         """Run a list of prompts (strings or token-id lists) together; their results in order.
-        A single prompt (a string or one list of ints) gives a list of one result."""
-        params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
-                                stop_token_ids=tuple(stop_token_ids), stop=stop or (), ignore_eos=ignore_eos)
+        A single prompt (a string or one list of ints) gives a list of one result. `params`, or
+        SamplingParams' fields as keywords (max_new_tokens=64, temperature=0.0, top_p, top_k, seed,
+        stop, stop_token_ids, ignore_eos, logprobs), apply to every prompt."""
+        params = _sampling_params(params, sampling)
         if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts and all(_is_id(t) for t in prompts)):
             prompts = [prompts]
         handles = [self.submit(p, params) for p in prompts]
@@ -330,12 +331,10 @@ class Engine:
             raise EngineError(self._failure)
         return results
 
-    def stream(self, prompt, max_new_tokens: int = 64, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
-               seed: int = 0, stop=None, stop_token_ids: Sequence[int] = (), ignore_eos: bool = False) -> Iterator[TokenEvent]:
+    def stream(self, prompt, params: SamplingParams | None = None, **sampling) -> Iterator[TokenEvent]:
         """One prompt's TokenEvents as they come (the last one has finished=True). Leaving the loop
-        early cancels the request."""
-        params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
-                                stop_token_ids=tuple(stop_token_ids), stop=stop or (), ignore_eos=ignore_eos)
+        early cancels the request. `params` or its fields as keywords, as for generate()."""
+        params = _sampling_params(params, sampling)
         handle = self.submit(prompt, params)
         finished = False
         try:
@@ -408,13 +407,16 @@ class Engine:
                 if not plan.chunks:
                     self._fail_stuck_head()
                     continue
-                sampled = self._channel.run(plan)
+                outcome = self._channel.run(plan)
                 self._last_contact = time.monotonic()
                 now = time.perf_counter()
-                for seq, token, reason in self.scheduler.complete(plan, sampled):  # one per committed token
+                committed: dict[int, int] = {}  # seq_id -> tokens committed so far in this step
+                for seq, token, reason in self.scheduler.complete(plan, outcome.tokens):  # one per committed token
+                    index = committed[seq.seq_id] = committed.get(seq.seq_id, -1) + 1
+                    logprob = outcome.logprobs[seq.seq_id][index] if seq.seq_id in outcome.logprobs else None
                     request = self._by_seq.get(seq.seq_id)
                     if request is not None:  # None: a stop string ended it earlier in this run of tokens
-                        self._on_token(request, token, reason, now)
+                        self._on_token(request, token, reason, now, logprob)
                 self._update_stats()
         except BaseException as exc:  # noqa: BLE001 -- every failure must reach the requests
             self._failure = f"engine failed: {type(exc).__name__}: {exc}"
@@ -479,7 +481,8 @@ class Engine:
         self._by_seq[request.seq.seq_id] = request
         self._counters["prompt_tokens"] += len(request.prompt)
 
-    def _on_token(self, request: _Request, token: int | None, reason: str | None, now: float) -> None:
+    def _on_token(self, request: _Request, token: int | None, reason: str | None, now: float,
+                  logprob: TokenLogprob | None = None) -> None:
         if token is None:
             self._finish(request, "error", now, error=(
                 "the model's logits for this request were not finite (NaN or inf); no token was produced"))
@@ -487,6 +490,8 @@ class Engine:
         if request.first_token_at is None:
             request.first_token_at = now
         request.token_ids.append(token)
+        if logprob is not None:
+            request.logprobs.append(logprob)
         self._counters["generated_tokens"] += 1
         delta = self._text_delta(request)
         if reason != "stop" and request.params.stop:  # a stop string ends it, even on its last token
@@ -498,9 +503,9 @@ class Engine:
                     self.scheduler.finish(request.seq, "stop")
                 reason = "stop"
         if reason is None:
-            request.handle._emit(TokenEvent(request.handle.request_id, token, delta))
+            request.handle._emit(TokenEvent(request.handle.request_id, token, delta, logprob=logprob))
         else:
-            self._finish(request, reason, now, token=token, delta=delta)
+            self._finish(request, reason, now, token=token, delta=delta, logprob=logprob)
 
     def _text_delta(self, request: _Request) -> str:
         if self.tokenizer is None:
@@ -512,7 +517,7 @@ class Engine:
         return delta
 
     def _finish(self, request: _Request, reason: str, now: float, *, token: int | None = None, delta: str = "",
-                error: str | None = None) -> None:
+                error: str | None = None, logprob: TokenLogprob | None = None) -> None:
         """End a request: free its sequence (if the scheduler still has it) and deliver the result."""
         self._requests.pop(request.handle.request_id, None)
         seq = request.seq
@@ -527,8 +532,10 @@ class Engine:
             cached_prompt_tokens=(seq.cached_prompt_tokens or 0) if seq is not None else 0,
             ttft_s=(first - request.submitted) if first is not None else float("nan"),
             decode_s=(now - first) if first is not None else 0.0, error=error,
-            speculation=self._speculation(seq) if seq is not None and self.config.speculate else {})
-        event = TokenEvent(request.handle.request_id, token, delta, finished=True, finish_reason=reason, error=error)
+            speculation=self._speculation(seq) if seq is not None and self.config.speculate else {},
+            logprobs=list(request.logprobs) if request.params.logprobs is not None else None)
+        event = TokenEvent(request.handle.request_id, token, delta, finished=True, finish_reason=reason, error=error,
+                           logprob=logprob)
         request.handle._emit(event, result)
 
     def _speculation(self, seq: _Seq) -> dict:
@@ -574,6 +581,17 @@ class Engine:
 
 
 # ---------------------------------------------------------------------------------- the ranks
+
+
+def _sampling_params(params: SamplingParams | None, fields: dict) -> SamplingParams:
+    """`params`, or a SamplingParams of the keyword `fields` (not both)."""
+    if params is None:
+        return SamplingParams(**fields)
+    if fields:
+        raise TypeError(f"give params or SamplingParams' fields as keywords, not both (got {sorted(fields)})")
+    if not isinstance(params, SamplingParams):
+        raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
+    return params
 
 
 def _is_id(t) -> bool:
@@ -637,7 +655,7 @@ KEEPALIVE = "keepalive"
 
 def _serve_steps(runner: RankRunner, receive, reply) -> None:
     """A rank's loop: take the next plan (rank 0 from `receive`, the others by broadcast), run it,
-    (rank 0) `reply` with the sampled tokens. Ends on a None plan."""
+    (rank 0) `reply` with its StepOutcome. Ends on a None plan."""
     rank = runner.rank
     while True:
         plan = _broadcast_plan(receive() if rank == 0 else None, rank, runner.group)
@@ -645,16 +663,16 @@ def _serve_steps(runner: RankRunner, receive, reply) -> None:
             return
         if plan == KEEPALIVE:
             if rank == 0:
-                reply(("ok", {}))
+                reply(("ok", StepOutcome()))
             continue
         try:
-            sampled = runner.step(plan)
+            outcome = runner.step(plan)
         except BaseException as exc:
             if rank == 0:
                 reply(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
             raise
         if rank == 0:
-            reply(("ok", sampled))
+            reply(("ok", outcome))
 
 
 def _rank_main(rank: int, world_size: int, address, authkey: bytes, model, config: EngineConfig) -> None:
@@ -727,7 +745,7 @@ class _SpawnedRanks:
             raise EngineError(f"a step failed on rank 0: {message[1]}")
         return message
 
-    def run(self, plan) -> dict[int, int]:
+    def run(self, plan) -> StepOutcome:
         try:
             self._conn.send(plan)
         except OSError as exc:
@@ -759,9 +777,9 @@ class _GroupChannel:
     def alive(self) -> bool:
         return True
 
-    def run(self, plan) -> dict[int, int]:
+    def run(self, plan) -> StepOutcome:
         plan = _broadcast_plan(plan, 0, self.group)
-        return {} if plan == KEEPALIVE else self.runner.step(plan)
+        return StepOutcome() if plan == KEEPALIVE else self.runner.step(plan)
 
     def close(self) -> None:
         _broadcast_plan(None, 0, self.group)

@@ -4,6 +4,7 @@
                             stop_token_ids=(), stop=())
     TokenEvent     one new token of one request (or its end), as it comes
     RequestResult  the whole outcome of one request
+    TokenLogprob   a token's log-probability and the most likely alternatives (params.logprobs)
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import math
 from dataclasses import dataclass, field
 
 FINISH_REASONS = ("stop", "length", "cancelled", "error")
+MAX_LOGPROBS = 20  # most alternatives per token a request may ask for (OpenAI's top_logprobs limit)
 
 
 def _is_int(value) -> bool:
@@ -39,6 +41,10 @@ class SamplingParams:
         stop: strings that end the request when they appear in the text (needs a tokenizer);
             the text is cut before the stop string.
         ignore_eos: do not stop at the model's end-of-sequence ids.
+        logprobs: None, or k in [0, MAX_LOGPROBS]: every generated token comes with its
+            log-probability under the model and the k most likely tokens with theirs
+            (TokenLogprob). The distribution is the model's own: log-softmax of the float32
+            logits, before temperature, top-k and top-p (as vLLM and OpenAI report it).
     """
 
     max_new_tokens: int = 64
@@ -49,6 +55,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
@@ -61,6 +68,8 @@ class SamplingParams:
             raise ValueError(f"top_k must be an int >= 0 (0 = all tokens), got {self.top_k!r}")
         if not _is_int(self.seed) or self.seed < 0:
             raise ValueError(f"seed must be an int >= 0, got {self.seed!r}")
+        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs must be None or an int in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
         stop_ids = self.stop_token_ids
@@ -76,6 +85,20 @@ class SamplingParams:
 
 
 @dataclass(frozen=True)
+class TokenLogprob:
+    """A generated token's log-probability under the model, and the most likely tokens at its position.
+
+    Attributes:
+        logprob: log p(token), a finite float (log-softmax of the float32 logits).
+        top: ((token_id, logprob), ...): the k most likely tokens, most likely first (k =
+            params.logprobs; the chosen token is among them only if it is that likely).
+    """
+
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True)
 class TokenEvent:
     """One step of one request: a new token, or the request's end (or both).
 
@@ -87,6 +110,7 @@ class TokenEvent:
         finished: whether the request has ended.
         finish_reason: "stop", "length", "cancelled" or "error" when finished, else None.
         error: the error message when finish_reason is "error".
+        logprob: the token's TokenLogprob when the request asked for logprobs, else None.
     """
 
     request_id: str
@@ -95,6 +119,7 @@ class TokenEvent:
     finished: bool = False
     finish_reason: str | None = None
     error: str | None = None
+    logprob: TokenLogprob | None = None
 
 
 @dataclass
@@ -116,6 +141,7 @@ class RequestResult:
             decoded_tokens (tokens committed by decode steps: all but the first, which the prefill
             samples, unless the prompt came whole from the prefix cache), decode_forwards (the
             model's forward passes over this request's decode steps) and tokens_per_forward.
+        logprobs: one TokenLogprob per generated token when params.logprobs is set, else None.
     """
 
     request_id: str
@@ -128,3 +154,4 @@ class RequestResult:
     decode_s: float = 0.0
     error: str | None = None
     speculation: dict = field(default_factory=dict)
+    logprobs: list[TokenLogprob] | None = None

@@ -37,6 +37,7 @@ RankRunner._sample for the rule.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -45,6 +46,7 @@ from treeattn.cache.blocks import tokens_to_blocks
 from treeattn.cache.paged import PagedKVCache
 from treeattn.cache.sharded import INVISIBLE_POSITION
 from treeattn.engine import token_parallel
+from treeattn.engine.request import TokenLogprob
 from treeattn.engine.scheduler import Chunk, StepPlan
 from treeattn.models.attention import attention_backend, group_world_size
 from treeattn.models.llama import LlamaModel
@@ -188,6 +190,39 @@ class PagedBatch:
         return out.to(q.dtype)
 
 
+@dataclass
+class StepOutcome:
+    """What one step produced, on rank 0 (empty on the other ranks).
+
+    Attributes:
+        tokens: seq_id -> the new tokens of every chunk that samples (the accepted drafts and the
+            token after them; one token without drafts), None where the logits were not finite.
+        logprobs: seq_id -> one TokenLogprob per new token, for the chunks whose request asked.
+    """
+
+    tokens: dict[int, list[int] | None] = field(default_factory=dict)
+    logprobs: dict[int, list[TokenLogprob]] = field(default_factory=dict)
+
+
+def token_logprobs(logits: torch.Tensor, tokens: list[int], top: int) -> list[TokenLogprob]:
+    """Each token's log-probability under the model and the `top` most likely tokens.
+
+    Args:
+        logits: (len(tokens) or more, V) the rows that predicted tokens[0], tokens[1], ... (any float dtype).
+        tokens: the chosen token of each row.
+        top: alternatives per token (0: none).
+
+    Returns:
+        One TokenLogprob per token: log-softmax of the float32 logits (before temperature, top-k, top-p).
+    """
+    logp = torch.log_softmax(logits[: len(tokens)].float(), dim=-1)
+    chosen = logp[torch.arange(len(tokens)), torch.tensor(tokens)].tolist()
+    if top == 0:
+        return [TokenLogprob(lp) for lp in chosen]
+    values, ids = logp.topk(top, dim=-1)
+    return [TokenLogprob(lp, tuple(zip(i, v))) for lp, i, v in zip(chosen, ids.tolist(), values.tolist())]
+
+
 class RankRunner:
     """Runs step plans on one rank: the model, this rank's cache blocks, its attention back end.
 
@@ -223,14 +258,14 @@ class RankRunner:
         self._generators: dict[int, torch.Generator] = {}
 
     @torch.inference_mode()
-    def step(self, plan: StepPlan) -> dict[int, list[int] | None]:
-        """Run one step. Returns {seq_id: new tokens} on rank 0 for every chunk that samples ({} on
-        the other ranks): the next token, preceded by the accepted drafts of a chunk with drafts;
-        None where the logits were not finite."""
+    def step(self, plan: StepPlan) -> StepOutcome:
+        """Run one step. Returns, on rank 0, the new tokens of every chunk that samples (the next
+        token, preceded by the accepted drafts of a chunk with drafts; None where the logits were
+        not finite) and their log-probabilities where asked; an empty StepOutcome on the other ranks."""
         for seq_id in plan.release:
             self._generators.pop(seq_id, None)
         if not plan.chunks:
-            return {}
+            return StepOutcome()
         batch = PagedBatch(plan, self.rank, self.cache, self.attend, self.combine)
         sampling = [(i, c) for i, c in enumerate(plan.chunks) if c.sample is not None]
         ends = [batch.offsets[i] + len(c.tokens) for i, c in sampling]  # rows: the last known token, then the drafts
@@ -240,11 +275,14 @@ class RankRunner:
         else:  # every rank runs every token
             hidden = self.model(batch.tokens, batch.positions, batch.kv_store, batch.attend)[0, rows]
         if self.rank != 0 or not sampling:
-            return {}
+            return StepOutcome()
         logits = self.model.logits(hidden)
-        out, first = {}, 0
+        out, first = StepOutcome(), 0
         for _, c in sampling:
-            out[c.seq_id] = self._sample(c, logits[first : first + c.num_draft + 1])
+            rows = logits[first : first + c.num_draft + 1]
+            tokens = out.tokens[c.seq_id] = self._sample(c, rows)
+            if tokens is not None and c.sample.logprobs is not None:
+                out.logprobs[c.seq_id] = token_logprobs(rows, tokens, c.sample.logprobs)
             first += c.num_draft + 1
         return out
 

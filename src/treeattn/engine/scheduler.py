@@ -47,12 +47,14 @@ from treeattn.engine.request import SamplingParams
 
 @dataclass(frozen=True)
 class SampleSpec:
-    """How rank 0 picks a sequence's next token: sampling parameters and the seed of its generator."""
+    """How rank 0 picks a sequence's next token: sampling parameters and the seed of its generator;
+    logprobs: None, or how many alternatives to report with each token's log-probability."""
 
     temperature: float
     top_k: int
     top_p: float
     seed: int
+    logprobs: int | None = None
 
 
 @dataclass(frozen=True)
@@ -124,7 +126,7 @@ class Sequence:
 
     def sample_spec(self) -> SampleSpec:
         p = self.params
-        return SampleSpec(p.temperature, p.top_k, p.top_p, p.seed)
+        return SampleSpec(p.temperature, p.top_k, p.top_p, p.seed, p.logprobs)
 
 
 class Scheduler:

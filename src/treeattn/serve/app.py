@@ -17,6 +17,7 @@ client that disconnects cancels its choices, which frees their blocks.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import secrets
 import threading
 import time
@@ -28,7 +29,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from treeattn.engine.request import SamplingParams, TokenEvent
+from treeattn.engine.request import MAX_LOGPROBS, SamplingParams, TokenEvent, TokenLogprob
 from treeattn.serve.metrics import CONTENT_TYPE, ServerMetrics
 from treeattn.serve.protocol import APIError, ChatCompletionRequest, CompletionRequest, bad_request
 
@@ -70,9 +71,12 @@ class _Choice:
     leader: int | None = None  # index of the choice whose first token releases this one (n > 1)
     handle: object = None
     token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token when the request asked
     text: str = ""
     finish_reason: str | None = None
     error: str | None = None
+    streamed: int = 0  # tokens whose logprobs a streamed chunk has carried
+    streamed_chars: int = 0  # the length of those tokens' strings (the next text_offset)
 
 
 def create_app(engine, config: ServerConfig, *, chat_template=None, eot_ids: tuple[int, ...] = ()) -> FastAPI:
@@ -167,6 +171,7 @@ class _Server:
             raise bad_request(f"'{unsupported}' is not supported by this server", unsupported)
         if body.n < 1 or body.n > 64:
             raise bad_request(f"n must be an integer in [1, 64], got {body.n}", "n")
+        _check_logprobs(body)
 
     def completion_prompts(self, prompt) -> list[list[int]]:
         if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
@@ -219,7 +224,8 @@ class _Server:
         stop = body.stop if body.stop is not None else ()
         try:
             return SamplingParams(max_new_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
-                                  top_k=body.top_k, seed=seed, stop=stop, stop_token_ids=self.eot_ids if chat else ())
+                                  top_k=body.top_k, seed=seed, stop=stop, stop_token_ids=self.eot_ids if chat else (),
+                                  logprobs=body.logprobs_asked())
         except ValueError as exc:
             name = str(exc).split(" ", 1)[0]
             raise bad_request(str(exc).replace(name, _PARAM_NAMES.get(name, name), 1), _PARAM_NAMES.get(name, name)) from None
@@ -293,7 +299,9 @@ class _Server:
                         yield _sse({"error": {"message": f"generation failed: {event.error}", "type": "server_error",
                                               "param": None, "code": None}})
                         continue
-                    yield _sse(_chunk(run.id, kind, created, model, choice.index, chat, text=event.text, reason=reason))
+                    logprobs = self._streamed_logprobs(choice, chat) if body.logprobs_asked() is not None else None
+                    yield _sse(_chunk(run.id, kind, created, model, choice.index, chat, text=event.text, reason=reason,
+                                      logprobs=logprobs))
             if include_usage:
                 yield _sse({"id": run.id, "object": kind, "created": created, "model": model, "choices": [],
                             "usage": _usage(run.choices, prompts)})
@@ -306,14 +314,49 @@ class _Server:
         choices = []
         for c in run.choices:
             reason = _openai_reason(c.finish_reason)
+            logprobs = self._logprobs(c, chat) if body.logprobs_asked() is not None else None
             if chat:
                 choices.append({"index": c.index, "message": {"role": "assistant", "content": c.text},
-                                "finish_reason": reason, "token_ids": c.token_ids})
+                                "logprobs": logprobs, "finish_reason": reason, "token_ids": c.token_ids})
             else:
-                choices.append({"index": c.index, "text": c.text, "logprobs": None, "finish_reason": reason,
+                choices.append({"index": c.index, "text": c.text, "logprobs": logprobs, "finish_reason": reason,
                                 "token_ids": c.token_ids})
         return {"id": run.id, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
                 "model": self.config.model_name, "choices": choices, "usage": _usage(run.choices, prompts)}
+
+
+    def _logprobs(self, choice: _Choice, chat: bool, start: int = 0, offset: int = 0) -> dict:
+        """OpenAI's logprobs object for choice's tokens from `start` on: chat's {"content": [{token,
+        logprob, bytes, top_logprobs}]}, or the completions' {tokens, token_logprobs, top_logprobs,
+        text_offset} (each token's offset in the completion: `offset`, then the sum of the token
+        strings before it, as vLLM counts it)."""
+        ids, entries = choice.token_ids[start : len(choice.logprobs)], choice.logprobs[start:]
+        if chat:
+            return {"content": [{**self._token(t, e.logprob), "top_logprobs": [self._token(a, lp) for a, lp in e.top]}
+                                for t, e in zip(ids, entries)]}
+        tokens = [self._token_text(t) for t in ids]
+        offsets = list(itertools.accumulate((len(t) for t in tokens[:-1]), initial=offset)) if tokens else []
+        return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
+                "top_logprobs": [{self._token_text(a): lp for a, lp in e.top} for e in entries], "text_offset": offsets}
+
+    def _streamed_logprobs(self, choice: _Choice, chat: bool) -> dict:
+        """The logprobs of the tokens no streamed chunk has carried yet (a token whose text is still
+        an incomplete character comes with the next chunk)."""
+        logprobs = self._logprobs(choice, chat, start=choice.streamed, offset=choice.streamed_chars)
+        if not chat:
+            choice.streamed_chars += sum(len(t) for t in logprobs["tokens"])
+        choice.streamed = len(choice.logprobs)
+        return logprobs
+
+    def _token(self, token_id: int, logprob: float) -> dict:
+        text = self._token_text(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8", errors="replace"))}
+
+    def _token_text(self, token_id: int) -> str:
+        """One token's text (a partial UTF-8 character shows as U+FFFD, as in vLLM); without a
+        tokenizer "token_id:<id>"."""
+        tokenizer = self.engine.tokenizer
+        return tokenizer.decode([token_id]) if tokenizer is not None else f"token_id:{token_id}"
 
 
 class _Run:
@@ -370,6 +413,8 @@ class _Run:
     def _record(self, choice: _Choice, event: TokenEvent) -> None:
         if event.token_id is not None:
             choice.token_ids.append(event.token_id)
+        if event.logprob is not None:
+            choice.logprobs.append(event.logprob)
         choice.text += event.text
         if event.finished:
             choice.finish_reason, choice.error = event.finish_reason, event.error
@@ -378,6 +423,16 @@ class _Run:
         for choice in self.choices:
             if choice.handle is not None and choice.finish_reason is None:
                 choice.handle.cancel()
+
+
+def _check_logprobs(body) -> None:
+    """completions' logprobs, chat's top_logprobs: ints in [0, MAX_LOGPROBS]; top_logprobs needs logprobs."""
+    name = "top_logprobs" if hasattr(body, "top_logprobs") else "logprobs"
+    k = getattr(body, name)
+    if k is not None and not 0 <= k <= MAX_LOGPROBS:
+        raise bad_request(f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {k}", name)
+    if name == "top_logprobs" and k and not body.logprobs:
+        raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
 
 
 def _openai_reason(reason: str | None) -> str | None:
@@ -391,12 +446,12 @@ def _usage(choices: list[_Choice], prompts: list[list[int]]) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def _chunk(run_id, kind, created, model, index, chat, *, role=False, text="", reason=None) -> dict:
+def _chunk(run_id, kind, created, model, index, chat, *, role=False, text="", reason=None, logprobs=None) -> dict:
     if chat:
         delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
-        choice = {"index": index, "delta": delta, "finish_reason": reason}
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
     else:
-        choice = {"index": index, "text": text, "logprobs": None, "finish_reason": reason}
+        choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason}
     return {"id": run_id, "object": kind, "created": created, "model": model, "choices": [choice]}
 
 

@@ -2,8 +2,8 @@
 
 Requests are pydantic models in strict mode: a field of the wrong type (`"max_tokens": "5"`) is an
 error naming the field, as OpenAI answers it; fields this server does not know are ignored (as
-vLLM does), fields it knows but does not implement (`logprobs`, `echo`, `best_of`, ...) are refused
-by name rather than silently dropped.
+vLLM does), fields it knows but does not implement (`echo`, `best_of`, `logit_bias`, ...) are
+refused by name rather than silently dropped.
 
 Error bodies follow OpenAI's shape:
 
@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field
 # Fields of the OpenAI API that this server does not implement: a request that sets one to anything
 # but its no-op value is refused, naming it.
 UNSUPPORTED = {
-    "logprobs": (None, False), "top_logprobs": (None, 0), "echo": (None, False), "best_of": (None, 1),
+    "echo": (None, False), "best_of": (None, 1),
     "suffix": (None, ""), "logit_bias": (None, {}), "tools": (None, []), "functions": (None, []),
     "response_format": (None, {"type": "text"}), "presence_penalty": (None, 0), "frequency_penalty": (None, 0),
 }
@@ -58,9 +58,14 @@ class _Sampling(BaseModel):
 
 
 class CompletionRequest(_Sampling):
-    """POST /v1/completions. prompt: a string, a list of token ids, or a list of either (a batch)."""
+    """POST /v1/completions. prompt: a string, a list of token ids, or a list of either (a batch).
+    logprobs: None, or k: each token's log-probability and the k most likely alternatives."""
 
     prompt: Union[str, list[int], list[str], list[list[int]]]
+    logprobs: int | None = None
+
+    def logprobs_asked(self) -> int | None:
+        return self.logprobs
 
 
 class ChatMessage(BaseModel):
@@ -83,9 +88,15 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(_Sampling):
-    """POST /v1/chat/completions."""
+    """POST /v1/chat/completions. logprobs: each token's log-probability; top_logprobs: k most
+    likely alternatives with each (needs logprobs)."""
 
     messages: list[ChatMessage] = Field(min_length=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+
+    def logprobs_asked(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 class APIError(Exception):
