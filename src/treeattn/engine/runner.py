@@ -279,10 +279,10 @@ class RankRunner:
         logits = self.model.logits(hidden)
         out, first = StepOutcome(), 0
         for _, c in sampling:
-            rows = logits[first : first + c.num_draft + 1]
-            tokens = out.tokens[c.seq_id] = self._sample(c, rows)
+            chunk_logits = logits[first : first + c.num_draft + 1]
+            tokens = out.tokens[c.seq_id] = self._sample(c, chunk_logits)
             if tokens is not None and c.sample.logprobs is not None:
-                out.logprobs[c.seq_id] = token_logprobs(rows, tokens, c.sample.logprobs)
+                out.logprobs[c.seq_id] = token_logprobs(chunk_logits, tokens, c.sample.logprobs)
             first += c.num_draft + 1
         return out
 
