@@ -2,23 +2,29 @@
 
     files = read_draft_model("draft.gguf")                       # config + tokenizer, no weights
     check_draft_model(files, target, positions=len(prompt) + max_new_tokens)
-    drafter = DraftModelDrafter(load_model("draft.gguf"), capacity=..., sampling=SamplingParams())
+    drafter = DraftModelDrafter.like(load_model("draft.gguf"), target_runner, prefill="ring", sampling=SamplingParams())
     drafter.prefill(prompt_ids)                                   # the prompt into the draft's cache
     draft, q = drafter.propose(context, k, generator)             # int64 (d,); q float64 (d, V) or None
 
-Where it runs: on one process, rank 0 of the generation, with its own whole (unsharded) KV cache of
-the context. Rank 0 drafts right after it accepts the previous step's tokens and sends the drafts in
-the same broadcast as those tokens (treeattn.generate), so drafting adds no communication round. The
-alternative, the draft's cache sharded like the target's, pays one combine per draft layer and a
-broadcast per drafted token but splits the draft's attention over the context: over gloo it was slower
-per drafted token on the 2-core machine, over the shared-memory transport 8-15% faster at 4K tokens
-(docs/benchmarks.md, "Speculative decoding with a draft model"); it is not implemented.
+Where it runs: on every rank of the generation, like the model itself: the draft model goes through
+its own treeattn.sharded_runner.ShardedRunner, over its own KV cache sharded exactly like the model's
+(the same capacity, block size, placement and ranks), with the same decode attention (tree_decode /
+ring_decode across the shards) and the same prefill (ring prefill splits the prompt p ways). Every
+rank makes the same calls; drafting k tokens is k one-token forward passes of the draft on every
+rank, and after each one rank 0 picks the token (argmax, or a draw from q with its generator) and
+broadcasts it, since every rank needs it for the next draft forward pass (one small broadcast per
+drafted token; picking on each rank would need bitwise-equal logits on every rank, which ring_decode's
+per-rank merge order does not give). Sharding splits the draft's attention over the context and its
+prefill across the ranks; the price is a combine per draft layer and a broadcast per drafted token.
+Measured against the draft whole on rank 0 (the earlier placement) in docs/benchmarks.md,
+"Speculative decoding with a draft model".
 
 Proposals: greedily (temperature 0; the proposal is then one-hot, q = None), else each token drawn
 from the draft's own sampling distribution q (the same temperature, top-k and top-p as the target's),
-and q returned for the acceptance rule (treeattn.speculate.accept). The cache remembers the token ids
-it holds: each propose() keeps the longest prefix of them that the new context shares (the accepted
-drafts) and runs the rest, so a rejection costs no more than the tokens that replace the rejected ones.
+and q returned for the acceptance rule (treeattn.speculate.accept). The drafter remembers the token
+ids its cache holds: each propose() first rolls its cache back to the longest prefix of them that the
+new context shares (the accepted drafts; the rejected ones leave every rank's shard) and runs the rest,
+so a rejection costs no more than the tokens that replace the rejected ones.
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ import torch
 from treeattn.cache import ShardedKVCache
 from treeattn.engine.config import ConfigError, SamplingParams
 from treeattn.generate import sampling_probs
-from treeattn.models.attention import LocalAttention
+from treeattn.sharded_runner import ShardedRunner
 from treeattn.speculate import draw
 
 
@@ -120,76 +126,105 @@ def describe(draft_model) -> str:
 
 
 class DraftModelDrafter:
-    """A draft model proposing tokens from its own whole KV cache, on this process.
+    """A draft model proposing tokens, run on every rank over its own KV cache sharded like the model's.
 
     Args:
-        model: the draft model (a LlamaModel), the target's tokenizer.
-        capacity: the most tokens its cache holds (prompt + max_new_tokens + draft_tokens).
-        sampling: the target's sampling parameters; temperature 0: greedy proposals.
-        chunk: tokens per forward pass of the prompt's prefill.
+        runner: the draft model's ShardedRunner: its own cache, with the model's capacity, block
+            size and placement over the same ranks, and the same decode attention and prefill.
+        sampling: the model's sampling parameters; temperature 0: greedy proposals.
+
+    Every rank makes the same calls with the same context and gets the same drafts; rank 0 picks each
+    drafted token from its logits (argmax, or a draw from q with its generator) and broadcasts it
+    before the next draft forward pass.
     """
 
-    def __init__(self, model, *, capacity: int, sampling: SamplingParams, chunk: int = 1024) -> None:
-        c = model.config
-        self.model, self.sampling, self.chunk = model, sampling, chunk
-        self.cache = ShardedKVCache(num_layers=c.num_layers, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
-                                    value_dim=c.cache_value_dim, capacity=capacity, dtype=model.dtype, device=model.device)
+    def __init__(self, runner: ShardedRunner, *, sampling: SamplingParams) -> None:
+        self.runner, self.sampling = runner, sampling
         self.held = torch.zeros(0, dtype=torch.int64)  # the token ids whose keys/values the cache holds, in order
-        self.attend = LocalAttention()
+
+    @classmethod
+    def like(cls, model, target: ShardedRunner, *, prefill: str, sampling: SamplingParams) -> "DraftModelDrafter":
+        """The drafter of `model` with a cache laid out as `target`'s (capacity, block size, placement,
+        rank, world size), the same decode attention and group, and `prefill` ("ring" or "local")."""
+        c, layout = model.config, target.cache
+        cache = ShardedKVCache(num_layers=c.num_layers, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, value_dim=c.cache_value_dim,
+                               capacity=layout.capacity, block_size=layout.block_size, placement=layout.placement.kind,
+                               rank=layout.rank, world_size=layout.world_size, dtype=model.dtype, device=model.device)
+        runner = ShardedRunner(model, cache, decode=target.decode, method=target.method, prefill=prefill, group=target.group,
+                               topology=target.topology, chunk=target.chunk)
+        return cls(runner, sampling=sampling)
+
+    @property
+    def cache(self) -> ShardedKVCache:
+        return self.runner.cache
 
     def prefill(self, prompt: list[int]) -> None:
         """Run the prompt into the draft's (empty) cache; its logits come with the first propose()."""
-        self._run(torch.tensor(prompt, dtype=torch.int64))
+        tokens = torch.tensor(prompt, dtype=torch.int64)
+        self.runner.prefill(tokens[None].to(self.runner.model.device), torch.arange(len(prompt))[None].to(self.runner.model.device))
+        self.held = tokens
 
     def propose(self, context: torch.Tensor, k: int, generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Draft k tokens after `context`.
+        """Draft k tokens after `context` (a collective: every rank calls it with the same arguments).
 
         Args:
             context: int64 (L,) on the CPU, L >= 1: the prompt and every token generated so far.
             k: tokens to draft, >= 0 (0: nothing is run).
-            generator: CPU torch.Generator of the draws (one uniform per drafted token) when
-                sampling; unused for greedy proposals.
+            generator: CPU torch.Generator of rank 0's draws (one uniform per drafted token) when
+                sampling; unused for greedy proposals and on the other ranks.
 
         Returns:
-            (draft, q): int64 (d,) with d <= k (fewer if the draft's logits turn non-finite), and
-            float64 (d, V), the distribution each token was drawn from (None when greedy: one-hot).
+            (draft, q): int64 (d,) with d <= k (fewer if the draft's logits turn non-finite), the same
+            on every rank; and on rank 0 float64 (d, V), the distribution each token was drawn from
+            (None when greedy, a one-hot proposal, and on the other ranks).
         """
         if k == 0:
             return context[:0].clone(), None
-        kept = self._shared_prefix(context[:-1])  # the last token is always run: its logits propose the first draft
-        self.cache.truncate(kept)
-        self.held = self.held[:kept]
-        hidden = self._run(context[kept:])
+        self.rollback(context[:-1])  # the last token is always run: its logits propose the first draft
+        hidden = self._run(context[self.cache.length:])
         tokens, rows = [], []
         for i in range(k):
-            logits = self.model.logits(hidden[None]).float().cpu()  # (1, V)
-            if not bool(torch.isfinite(logits).all()):
+            token, q = self._pick(hidden, generator)
+            if token < 0:
                 break
-            if self.sampling.temperature == 0:
-                token = int(logits[0].argmax())
-            else:
-                q = sampling_probs(logits, self.sampling)[0]
-                token = draw(q, float(torch.rand(1, generator=generator, dtype=torch.float64)))
-                rows.append(q)
             tokens.append(token)
+            if q is not None:
+                rows.append(q)
             if i < k - 1:
                 hidden = self._run(torch.tensor([token], dtype=torch.int64))
         draft = torch.tensor(tokens, dtype=torch.int64)
         return draft, torch.stack(rows) if rows else None
 
-    def _shared_prefix(self, context: torch.Tensor) -> int:
-        """How many leading tokens of `context` (int64 (n,)) the cache already holds."""
+    def rollback(self, context: torch.Tensor) -> None:
+        """Cut the cache back to the longest prefix of its tokens that `context` (int64 (n,)) starts
+        with: rejected drafts' keys/values leave every rank's shard."""
         n = min(self.held.numel(), context.numel())
         differ = (self.held[:n] != context[:n]).nonzero()
-        return int(differ[0]) if differ.numel() else n
+        kept = int(differ[0]) if differ.numel() else n
+        self.cache.truncate(kept)
+        self.held = self.held[:kept]
+
+    def _pick(self, hidden: torch.Tensor, generator: torch.Generator | None) -> tuple[int, torch.Tensor | None]:
+        """The next drafted token after final hidden state (hidden_size,): rank 0 picks it from the
+        draft's logits and broadcasts it; -1 when they are not finite. Returns (token, q): q float64
+        (V,) on rank 0 when sampling, else None."""
+        message, q = torch.full((1,), -1, dtype=torch.int64), None
+        if self.cache.rank == 0:
+            logits = self.runner.model.logits(hidden[None]).float().cpu()  # (1, V)
+            if bool(torch.isfinite(logits).all()):
+                if self.sampling.temperature == 0:
+                    message[0] = int(logits[0].argmax())
+                else:
+                    q = sampling_probs(logits, self.sampling)[0]
+                    message[0] = draw(q, float(torch.rand(1, generator=generator, dtype=torch.float64)))
+        token = int(self.runner.broadcast(message.to(hidden.device), src=0)[0])
+        return token, q
 
     def _run(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Run tokens int64 (n,), n >= 1, after the cached ones, in chunks; returns the last one's final
-        hidden state (hidden_size,)."""
-        for start in range(0, tokens.numel(), self.chunk):
-            piece = tokens[start: start + self.chunk]
-            positions = torch.arange(self.cache.length, self.cache.length + piece.numel())[None].to(self.model.device)
-            slots = self.cache.extend(positions)
-            hidden = self.model(piece[None].to(self.model.device), positions, self.cache.update(slots), self.attend, chunk=self.chunk)
-            self.held = torch.cat([self.held, piece])
+        """Run tokens int64 (n,), n >= 1, after the cached ones (one forward pass; its queries at their
+        positions); returns the last one's final hidden state (hidden_size,)."""
+        device = self.runner.model.device
+        positions = torch.arange(self.cache.length, self.cache.length + tokens.numel())[None]
+        hidden = self.runner.forward(tokens[None].to(device), positions.to(device))
+        self.held = torch.cat([self.held, tokens])
         return hidden[0, -1]

@@ -33,15 +33,22 @@ What happens, on each rank of `group` (p ranks; without torch.distributed initia
    no host synchronization inside a step); with cuda_graph=True that step is captured in a CUDA
    graph once and replayed for every token. Logits, sampling and the broadcast stay outside it.
 
-Speculative decoding (speculate="ngram" or "draft", one prompt): rank 0 drafts up to draft_tokens
-tokens, by prompt lookup (treeattn.speculate) or with a draft model that it alone holds, with its own
-whole cache (treeattn.draft_model); every rank runs the last token and the drafts through the model
-in one forward pass (their d + 1 causal queries at their positions through the same decode
-attention, so one combine per layer verifies them all); rank 0 accepts a prefix of the drafts
-(greedy: exact match; temperature > 0: the speculative-sampling rule with the drafter's proposal
-distribution, so the output distribution is the model's), drafts the next step's tokens, and
-broadcasts both in one message; every rank then truncates the rejected drafts' keys/values from its
-shard. The draft model's prefill of the prompt runs on rank 0 before the first token (in prefill_s).
+The prefill and the forward passes run through treeattn.sharded_runner.ShardedRunner (the model over
+its sharded cache, the same calls on every rank).
+
+Speculative decoding (speculate="ngram" or "draft", one prompt): every rank drafts up to draft_tokens
+tokens: by prompt lookup (treeattn.speculate; a deterministic function of the context, which every
+rank holds), or with a draft model run like the model itself, through its own ShardedRunner over its
+own cache sharded like the model's (same capacity, placement and ranks, the same decode attention
+and prefill; treeattn.draft_model: rank 0 picks each drafted token and broadcasts it before the next
+draft forward pass). Every rank then runs the last token and the drafts through the model in one
+forward pass (their d + 1 causal queries at their positions through the same decode attention, so
+one combine per layer verifies them all); rank 0 accepts a prefix of the drafts (greedy: exact
+match; temperature > 0: the speculative-sampling rule with the drafter's proposal distribution, so
+the output distribution is the model's) and broadcasts the outcome; every rank then truncates the
+rejected drafts' keys/values from its shard of the model's cache (and the draft model from its own
+before it drafts again). The draft model's prefill of the prompt runs before the first token (in
+prefill_s), split across the ranks like the model's.
 
 Sampling: temperature 0 is greedy (argmax). Otherwise logits / temperature, then top-k, then top-p
 (nucleus), then one draw per sequence from a torch.Generator seeded with `seed` on rank 0.
@@ -84,9 +91,10 @@ from treeattn.engine.config import (
     check_prompts,
     resolve_prefill,
 )
-from treeattn.models.attention import RingPrefillAttention, attention_backend, group_world_size
+from treeattn.models.attention import attention_backend, group_world_size
 from treeattn.models.llama import LlamaModel
 from treeattn.parallel.shared_memory import shared_memory_group
+from treeattn.sharded_runner import ShardedRunner
 from treeattn.speculate import NgramDrafter, accept
 
 logger = logging.getLogger(__name__)
@@ -288,12 +296,12 @@ def generate(
             replayed for every token. Needs the model on a CUDA device.
         speculate: None, "ngram" or "draft": speculative decoding (one prompt): each step drafts up
             to draft_tokens tokens, by prompt lookup (treeattn.speculate.NgramDrafter) or with
-            draft_model (treeattn.draft_model.DraftModelDrafter, on rank 0 with its own whole cache),
+            draft_model (treeattn.draft_model.DraftModelDrafter, on every rank, its cache sharded like the model's),
             verifies them in one forward pass and keeps what the acceptance rule accepts (greedy: the
             same tokens as without speculation; temperature > 0: the same distribution).
             result.speculation reports it.
         draft_tokens: the most tokens drafted per step, in [1, 16].
-        draft_model: with speculate="draft": the draft model, a checkpoint path (loaded on rank 0 in
+        draft_model: with speculate="draft": the draft model, a checkpoint path (loaded on every rank in
             the model's dtype and device) or a loaded LlamaModel, of the model's tokenizer.
         shared_memory: combine across the ranks through shared memory when they all run on this
             host and the model is on the CPU (treeattn.parallel.shared_memory: one round, no
@@ -363,7 +371,7 @@ class Generation:
         self.model, self.group, self.topology = model, group, topology
         self.rank, self.world_size = _rank_and_size(group)
         self.result: GenerationResult | None = None
-        local_error = capacity = block_size = prefill = draft_model = None  # resolved below
+        local_error = capacity = block_size = prefill = draft_model = draft_prefill = None  # resolved below
         try:
             if config is None:
                 config = GenerationConfig(**options)
@@ -383,10 +391,11 @@ class Generation:
             prefill = resolve_prefill(config.prefill, self.world_size, longest, model.config.layer_windows)
             if prefill == "local" and config.prefill == "auto" and self.world_size > 1 and self.rank == 0:
                 logger.info("a sliding window shorter than the prompt: prefill 'local' (ring_attention has no window)")
-            if config.speculate == "draft" and self.rank == 0:  # rank 0 alone holds the draft model
+            if config.speculate == "draft":  # every rank runs the draft model, its cache sharded like the model's
                 from treeattn.draft_model import check_loaded_draft
 
                 draft_model = check_loaded_draft(config.draft_model, model, positions=longest + config.max_new_tokens)
+                draft_prefill = resolve_prefill(config.prefill, self.world_size, longest, draft_model.config.layer_windows)
             if cache is not None:
                 tokens, positions = _left_pad(self.prompts, "cpu")
                 _check_reused_cache(cache, model, tokens, positions, longest + config.max_new_tokens, config.placement,
@@ -412,8 +421,10 @@ class Generation:
             value_dim=model.config.cache_value_dim, capacity=capacity, batch_size=len(self.prompts), placement=config.placement, block_size=block_size,
             rank=self.rank, world_size=self.world_size, dtype=model.dtype, device=model.device,
         )
-        self._drafter = self._make_drafter(draft_model) if config.speculate and self.rank == 0 else None
-        self._draft_s = self._draft_prefill_s = 0.0  # rank 0's seconds drafting, and in the draft model's prefill
+        self.runner = ShardedRunner(model, self.cache, decode=decode, method=self.method, prefill=prefill, group=self.comm_group,
+                                    topology=topology, chunk=self.chunk)
+        self._drafter = self._make_drafter(draft_model, draft_prefill) if config.speculate else None
+        self._draft_s = self._draft_prefill_s = 0.0  # this rank's seconds drafting, and in the draft model's prefill
         # The samples' own tokens (num_samples > 1): batch n, unsharded, the same on every rank.
         self.sample_cache = None if self.num_samples == 1 else ShardedKVCache(
             num_layers=model.config.num_layers, num_kv_heads=model.config.num_kv_heads, head_dim=model.config.head_dim,
@@ -421,14 +432,13 @@ class Generation:
             dtype=model.dtype, device=model.device,
         )
 
-    def _make_drafter(self, draft_model):
-        """Rank 0's drafter: prompt lookup, or the draft model with its own whole cache."""
+    def _make_drafter(self, draft_model, draft_prefill: str | None):
+        """This rank's drafter: prompt lookup, or the draft model over its own cache sharded like the model's."""
         if self.config.speculate == "ngram":
             return NgramDrafter()
         from treeattn.draft_model import DraftModelDrafter
 
-        capacity = max(len(p) for p in self.prompts) + self.max_new_tokens + self.config.draft_tokens
-        return DraftModelDrafter(draft_model, capacity=capacity, sampling=self.sampling, chunk=self.chunk)
+        return DraftModelDrafter.like(draft_model, self.runner, prefill=draft_prefill, sampling=self.sampling)
 
     def _agree(self, config, local_error, *, capacity, block_size, prefill) -> None:
         """Every rank checks that all ranks got the same prompts, options and model (one all-gather),
@@ -465,8 +475,8 @@ class Generation:
             fed = [tokens.cpu()]  # the token ids run into the cache, (B, n) blocks
             generator = torch.Generator(device="cpu").manual_seed(self.seed)
             with comm_stats() as prefill_comm:
-                last_hidden = self._prefill(tokens, positions)
-                if self.config.speculate == "draft" and self.rank == 0:  # the draft's own prefill, in the time to first token
+                last_hidden = self.runner.prefill(tokens, positions)
+                if self.config.speculate == "draft":  # the draft's own prefill, in the time to first token
                     draft_start = time.perf_counter()
                     self._drafter.prefill(self.prompts[0])
                     self._draft_prefill_s = time.perf_counter() - draft_start
@@ -527,7 +537,7 @@ class Generation:
                 if static_step is not None:
                     hidden = static_step(new)
                 elif self.num_samples == 1:
-                    hidden = self._decode_step(new, next_pos)
+                    hidden = self.runner.forward(new[:, None], next_pos[:, None])[:, -1]
                 else:
                     hidden = self._sample_step(new, next_pos)
                 if self.num_samples == 1:
@@ -544,19 +554,16 @@ class Generation:
 
     def _speculative_steps(self, new, logprobs, next_pos, generator, static_step, outputs, fed, step_logprobs,
                            step_times) -> Iterator[StepOutput]:
-        """_steps with speculation (one sequence): each step runs the last token and the d <= draft_tokens
-        drafts (rank 0's, broadcast) through the model in one forward pass (d + 1 causal queries at
-        their positions through the decode attention), keeps the accepted drafts and the token after
-        them, and cuts the rejected drafts' keys/values out of the cache on every rank. Rank 0 drafts
-        the first step's tokens after the first token (one broadcast), every later step's while it
-        accepts (in _verify's broadcast). Yields a StepOutput per token; a step_times entry per
-        forward pass (rank 0's drafting included)."""
-        k = self.config.draft_tokens
+        """_steps with speculation (one sequence): each step drafts d <= draft_tokens tokens on every
+        rank (_propose), runs the last token and the drafts through the model in one forward pass
+        (d + 1 causal queries at their positions through the decode attention), keeps the accepted
+        drafts and the token after them (rank 0 decides, one broadcast), and cuts the rejected drafts'
+        keys/values out of the cache on every rank. Yields a StepOutput per token; a step_times entry
+        per forward pass (drafting included)."""
         context = torch.tensor(self.prompts[0] + [0] * self.max_new_tokens, dtype=torch.int64)
         length = len(self.prompts[0])
-        stats = {"method": self.config.speculate, "draft_tokens": k, "drafted": 0, "accepted": 0}
+        stats = {"method": self.config.speculate, "draft_tokens": self.config.draft_tokens, "drafted": 0, "accepted": 0}
         emitted, emitted_logprobs, index = [int(new[0])], [logprobs], 0
-        draft = proposal = None
         while True:
             for token, token_logprob in zip(emitted, emitted_logprobs):
                 context[length] = token
@@ -573,32 +580,25 @@ class Generation:
                     self._speculation = stats
                     return
             step_start = time.perf_counter()
-            if draft is None:  # the first step: rank 0 drafts after the first token
-                proposed, proposal = self._propose(context[:length], [], index, generator) if self.rank == 0 else (context[:0], None)
-                draft = self._broadcast_outcome([], proposed)[1]
+            draft, proposal = self._propose(context[:length], index, generator)
             inputs = torch.cat([context[length - 1: length], draft])[None]  # (1, d + 1): the last token, then the drafts
             positions = next_pos[:, None] + torch.arange(inputs.shape[1], device=next_pos.device)
-            slots = self.cache.extend(positions)
-            hidden = self.model(inputs.to(self.model.device), positions, self.cache.update(slots, slots.owned), self._attend)
-            accepted, emitted, emitted_logprobs, next_draft, proposal = self._verify(hidden[0], draft, proposal, generator,
-                                                                                     context[:length], index=index)
+            hidden = self.runner.forward(inputs.to(self.model.device), positions)
+            accepted, emitted, emitted_logprobs = self._verify(hidden[0], draft, proposal, generator, index=index)
             self.cache.truncate(self.cache.length - (draft.numel() - accepted))
             fed.append(inputs[:, : accepted + 1])
             next_pos = next_pos + accepted + 1
             stats["drafted"] += draft.numel()
             stats["accepted"] += accepted
-            draft = next_draft
             step_times.append(time.perf_counter() - step_start)
 
-    def _propose(self, context: torch.Tensor, tokens: list[int], emitted: int, generator: torch.Generator
-                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Rank 0's drafts for the next step, after `context` (int64 (L,)) and the new `tokens`, when
-        `emitted` tokens (these included) have been produced: (draft int64 (d,), proposal float64
-        (d, V) or None for a one-hot proposal); none when a stop token or max_new_tokens ends the run."""
-        context = torch.cat([context, torch.tensor(tokens, dtype=torch.int64)])
+    def _propose(self, context: torch.Tensor, emitted: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The drafts after `context` (int64 (L,)) when `emitted` tokens have been produced, on every
+        rank: (draft int64 (d,), d <= the tokens still to produce - 1, the same on every rank; proposal
+        float64 (d, V) on rank 0, or None for a one-hot proposal). Prompt lookup is a deterministic
+        function of the context, which every rank holds, so each rank runs it alone; the draft model
+        runs on every rank together (DraftModelDrafter.propose, a broadcast per drafted token)."""
         budget = min(self.config.draft_tokens, self.max_new_tokens - emitted - 1)
-        if budget <= 0 or any(t in self.stop_tokens for t in tokens):
-            return context[:0], None
         start = time.perf_counter()
         if self.config.speculate == "ngram":
             draft, proposal = self._drafter.propose(context, budget), None
@@ -607,39 +607,23 @@ class Generation:
         self._draft_s += time.perf_counter() - start
         return draft, proposal
 
-    def _broadcast_outcome(self, values: list[int], draft: torch.Tensor) -> tuple[list[int], torch.Tensor]:
-        """Rank 0's ints `values` and next drafts int64 (d,), d <= draft_tokens, to every rank in one
-        broadcast; returns them on every rank (the others pass placeholders of the same length)."""
-        k = self.config.draft_tokens
-        message = torch.zeros(len(values) + 1 + k, dtype=torch.int64)
-        if self.rank == 0:
-            message[: len(values)] = torch.tensor(values, dtype=torch.int64)
-            message[len(values)] = draft.numel()
-            message[len(values) + 1: len(values) + 1 + draft.numel()] = draft
-        message = self._broadcast(message.to(self.model.device), src=0).cpu()
-        d = int(message[len(values)])
-        return message[: len(values)].tolist(), message[len(values) + 1: len(values) + 1 + d].clone()
-
     def _verify(self, hidden: torch.Tensor, draft: torch.Tensor, proposal: torch.Tensor | None, generator: torch.Generator,
-                context: torch.Tensor, *, index: int) -> tuple[int, list[int], list[torch.Tensor], torch.Tensor, torch.Tensor | None]:
-        """Accept drafts on rank 0 (treeattn.speculate.accept), draft the next step's, and broadcast both.
+                *, index: int) -> tuple[int, list[int], list[torch.Tensor]]:
+        """Accept drafts on rank 0 (treeattn.speculate.accept) and broadcast the outcome.
 
         Args:
             hidden: (d + 1, hidden_size) final hidden states of the last token and the d drafts.
             draft: int64 (d,) on the CPU, the same on every rank.
             proposal: float64 (d, V), the distribution the drafts were drawn from, on rank 0; None for
                 a one-hot proposal (and on the other ranks).
-            context: int64 (L,) the tokens before the drafts (rank 0 drafts after it).
             index: tokens emitted before this step.
 
         Returns:
-            (accepted, tokens, logprobs, next_draft, next_proposal): the number of drafts kept; the
-            accepted + 1 new tokens; their float64 (1,) log-probabilities under the model (zeros on
-            ranks other than 0); the next step's drafts int64 (d',) (every rank) and their proposal
-            (rank 0; None elsewhere).
+            (accepted, tokens, logprobs): the number of drafts kept; the accepted + 1 new tokens; their
+            float64 (1,) log-probabilities under the model (zeros on ranks other than 0).
         """
         d = draft.numel()
-        values, next_draft, next_proposal = [-2, -2], draft[:0], None
+        outcome = torch.tensor([-2, -2], dtype=torch.int64)
         logprobs = torch.zeros(d + 1, dtype=torch.float64)
         if self.rank == 0:
             logits = self.model.logits(hidden).float().cpu()  # (d + 1, V)
@@ -652,47 +636,15 @@ class Generation:
                 accepted, token = accept(probs, draft, uniforms[:d], float(uniforms[d]), proposal=proposal)
                 tokens = draft[:accepted].tolist() + [token]
                 logprobs[: accepted + 1] = chosen_logprobs(logits[: accepted + 1], torch.tensor(tokens))
-                values = [accepted, token]
-                next_draft, next_proposal = self._propose(context, tokens, index + len(tokens), generator)
+                outcome = torch.tensor([accepted, token], dtype=torch.int64)
             else:
-                values = [-1, -1]
-        (accepted, token), next_draft = self._broadcast_outcome(values, next_draft)
+                outcome = torch.tensor([-1, -1], dtype=torch.int64)
+        accepted, token = self.runner.broadcast(outcome.to(self.model.device), src=0).tolist()
         if accepted < 0:
             raise NonFiniteLogitsError(f"the model produced non-finite logits (NaN or inf) for sequence(s) [0] at new token "
                                        f"{index} (or one of the {d} drafted after it); generation stopped. {self._locate_non_finite()}")
         tokens = draft[:accepted].tolist() + [token]
-        return accepted, tokens, [logprobs[i: i + 1] for i in range(accepted + 1)], next_draft, next_proposal
-
-    def _decode_attention(self):
-        return attention_backend(self.decode, method=self.method, group=self.comm_group, topology=self.topology)
-
-    def _prefill(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Run the prompt into the cache. Returns the final hidden state of the last prompt slot,
-        (B, hidden_size), on every rank."""
-        length = tokens.shape[1]
-        if self.prefill == "reused":
-            self.cache.truncate(length - 1)
-            return self._decode_step(tokens[:, -1], positions[:, -1])
-        if self.prefill == "ring" and _distributed(self.group):
-            slots = self.cache.extend(positions)
-            mine = slots.owned.to(tokens.device)
-            attend = RingPrefillAttention(self.comm_group, sequence_length=length)
-            hidden = self.model(tokens[:, mine], positions[:, mine], self.cache.update(slots), attend, chunk=self.chunk)
-            last_owner = int(self.cache.placement.owner(torch.tensor([length - 1])))
-            last = hidden[:, -1] if self.rank == last_owner else torch.empty(hidden.shape[0], hidden.shape[2], dtype=hidden.dtype, device=hidden.device)
-            return self._broadcast(last.contiguous(), src=last_owner)
-        attend = self._decode_attention()
-        for start in range(0, length, self.chunk):
-            stop = min(length, start + self.chunk)
-            slots = self.cache.extend(positions[:, start:stop])
-            hidden = self.model(tokens[:, start:stop], positions[:, start:stop], self.cache.update(slots, slots.owned), attend, chunk=self.chunk)
-        return hidden[:, -1]
-
-    def _decode_step(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Run one new token per sequence, tokens/positions int64 (B,). Returns hidden (B, hidden_size)."""
-        slots = self.cache.extend(positions[:, None])
-        hidden = self.model(tokens[:, None], positions[:, None], self.cache.update(slots, slots.owned), self._attend)
-        return hidden[:, -1]
+        return accepted, tokens, [logprobs[i: i + 1] for i in range(accepted + 1)]
 
     def _static_step(self, positions: torch.Tensor):
         """The DecodeStep that runs the decode steps (static_decode / cuda_graph), captured in a CUDA
@@ -706,7 +658,7 @@ class Generation:
         return step
 
     def _sample_step(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """_decode_step for num_samples > 1: the n samples' new tokens (int64 (n,)) go to the samples'
+        """A decode step for num_samples > 1: the n samples' new tokens (int64 (n,)) go to the samples'
         cache, and attention reads the shared prompt once for all of them (bifurcated)."""
         from treeattn.models.shared_context import SharedContextUpdate
 
@@ -717,12 +669,6 @@ class Generation:
         store = SharedContextUpdate(self.cache, self.sample_cache.update(slots))
         hidden = self.model(tokens[:, None], positions[:, None], store, self._bifurcated_attend)
         return hidden[:, -1]
-
-    @property
-    def _attend(self):
-        if not hasattr(self, "_attend_fn"):
-            self._attend_fn = self._decode_attention()
-        return self._attend_fn
 
     def _next_tokens(self, hidden: torch.Tensor, generator: torch.Generator, *, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Sample on rank 0, broadcast: int64 (B,) next token ids, the same on every rank, and
@@ -736,7 +682,7 @@ class Generation:
             tokens, logprobs = self._sample(hidden, generator)
         else:
             tokens = torch.empty(hidden.shape[0], dtype=torch.int64, device=hidden.device)
-        tokens = self._broadcast(tokens, src=0)
+        tokens = self.runner.broadcast(tokens, src=0)
         if int(tokens.min()) < 0:
             bad = (tokens == -1).nonzero().flatten().tolist()
             raise NonFiniteLogitsError(f"the model produced non-finite logits (NaN or inf) for sequence(s) {bad} at new token "
@@ -779,15 +725,8 @@ class Generation:
 
     def _token_logprobs(self, step_logprobs: list[torch.Tensor], generated: list[list[int]]) -> list[list[float]]:
         """Each sequence's token log-probabilities, from rank 0 to every rank in one broadcast."""
-        table = self._broadcast(torch.stack(step_logprobs).to(self.model.device), src=0).cpu()  # (steps, B)
+        table = self.runner.broadcast(torch.stack(step_logprobs).to(self.model.device), src=0).cpu()  # (steps, B)
         return [table[: len(ids), b].tolist() for b, ids in enumerate(generated)]
-
-    def _broadcast(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
-        if not _distributed(self.group):
-            return tensor
-        from treeattn.parallel import comm
-
-        return comm.broadcast(tensor, src, self.comm_group)
 
     def _gather_per_rank(self, values: list[float]) -> list[list[float]]:
         """All-gather a few numbers from every rank: [value][rank]."""
