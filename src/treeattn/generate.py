@@ -537,7 +537,7 @@ class Generation:
                 if static_step is not None:
                     hidden = static_step(new)
                 elif self.num_samples == 1:
-                    hidden = self.runner.forward(new[:, None], next_pos[:, None])[:, -1]
+                    hidden = self._decode_step(new, next_pos)
                 else:
                     hidden = self._sample_step(new, next_pos)
                 if self.num_samples == 1:
@@ -639,12 +639,19 @@ class Generation:
                 outcome = torch.tensor([accepted, token], dtype=torch.int64)
             else:
                 outcome = torch.tensor([-1, -1], dtype=torch.int64)
-        accepted, token = self.runner.broadcast(outcome.to(self.model.device), src=0).tolist()
+        accepted, token = self._broadcast(outcome.to(self.model.device), src=0).tolist()
         if accepted < 0:
             raise NonFiniteLogitsError(f"the model produced non-finite logits (NaN or inf) for sequence(s) [0] at new token "
                                        f"{index} (or one of the {d} drafted after it); generation stopped. {self._locate_non_finite()}")
         tokens = draft[:accepted].tolist() + [token]
         return accepted, tokens, [logprobs[i: i + 1] for i in range(accepted + 1)]
+
+    def _decode_step(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Run one new token per sequence, tokens/positions int64 (B,). Returns hidden (B, hidden_size)."""
+        return self.runner.forward(tokens[:, None], positions[:, None])[:, -1]
+
+    def _broadcast(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
+        return self.runner.broadcast(tensor, src)
 
     def _static_step(self, positions: torch.Tensor):
         """The DecodeStep that runs the decode steps (static_decode / cuda_graph), captured in a CUDA
@@ -682,7 +689,7 @@ class Generation:
             tokens, logprobs = self._sample(hidden, generator)
         else:
             tokens = torch.empty(hidden.shape[0], dtype=torch.int64, device=hidden.device)
-        tokens = self.runner.broadcast(tokens, src=0)
+        tokens = self._broadcast(tokens, src=0)
         if int(tokens.min()) < 0:
             bad = (tokens == -1).nonzero().flatten().tolist()
             raise NonFiniteLogitsError(f"the model produced non-finite logits (NaN or inf) for sequence(s) {bad} at new token "
@@ -725,7 +732,7 @@ class Generation:
 
     def _token_logprobs(self, step_logprobs: list[torch.Tensor], generated: list[list[int]]) -> list[list[float]]:
         """Each sequence's token log-probabilities, from rank 0 to every rank in one broadcast."""
-        table = self.runner.broadcast(torch.stack(step_logprobs).to(self.model.device), src=0).cpu()  # (steps, B)
+        table = self._broadcast(torch.stack(step_logprobs).to(self.model.device), src=0).cpu()  # (steps, B)
         return [table[: len(ids), b].tolist() for b, ids in enumerate(generated)]
 
     def _gather_per_rank(self, values: list[float]) -> list[list[float]]:

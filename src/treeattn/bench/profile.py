@@ -116,17 +116,16 @@ class ProfiledGeneration(Generation):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.clock = _Clock()
-
-    def _decode_attention(self):
         if self.world_size == 1:
-            return _TimedLocalAttention(self.clock)
-        return _TimedTreeAttention(self.method, self.comm_group, self.clock)
+            self.runner.attend = _TimedLocalAttention(self.clock)
+        else:
+            self.runner.attend = _TimedTreeAttention(self.method, self.comm_group, self.clock)
 
     def _decode_step(self, tokens, positions):
         self.clock.start_step()
         slots = self.cache.extend(positions[:, None])
         store = self.cache.update(slots, slots.owned)
-        attend = self._attend
+        attend = self.runner.attend
         before = dict(self.clock.current)
         start = time.perf_counter()
         hidden = self.model(tokens[:, None], positions[:, None], store, attend)
