@@ -5,8 +5,13 @@
   the analytic probability sum_x min(p(x), q(x)).
 - Greedy output with a draft model equals greedy output without speculation and transformers'
   uncached greedy recomputation, on p = 1, 2, 3 gloo ranks (sub-groups of one spawn), both
-  placements, tree and ring decoding; with the model itself as draft (every draft accepted) and
-  another random model (drafts rejected), both given as checkpoint paths (what travels to ranks).
+  placements, tree and ring decoding, ring and local prefill; with the model itself as draft (every
+  draft accepted) and another random model (drafts rejected), both given as checkpoint paths (what
+  travels to ranks). The draft runs on every rank, its cache laid out like the model's.
+- The draft's cache after a rejection (DraftModelDrafter.rollback): on every rank, both placements,
+  its shard holds exactly the accepted context, the lengths and positions the model's cache has after
+  its own rollback, and keys/values equal to a draft that prefilled that context directly; the next
+  drafts agree with that draft's.
 - Temperature > 0 with a sampling draft model (a non-one-hot q): the tokens follow the model's exact
   distribution (chi-square over many seeds on a tiny model).
 - Bad input: one-line errors naming the option, before any work (and, for the CLI, before spawning).
@@ -30,16 +35,20 @@ from test_speculate import (  # noqa: E402
 from typer.testing import CliRunner  # noqa: E402
 
 from treeattn.cli import app  # noqa: E402
-from treeattn.engine.config import ConfigError, GenerationConfig  # noqa: E402
-from treeattn.generate import generate  # noqa: E402
+from treeattn.cache import ShardedKVCache  # noqa: E402
+from treeattn.draft_model import DraftModelDrafter  # noqa: E402
+from treeattn.engine.config import ConfigError, GenerationConfig, SamplingParams  # noqa: E402
+from treeattn.generate import generate, stream  # noqa: E402
 from treeattn.models import load_model  # noqa: E402
 from treeattn.models.llama import LlamaConfig, random_model  # noqa: E402
 from treeattn.parallel import spawn  # noqa: E402
+from treeattn.sharded_runner import ShardedRunner  # noqa: E402
 from treeattn.speculate import accept  # noqa: E402
 
 NEW_TOKENS = 16
 BOTH = [("tree", "contiguous"), ("tree", "interleaved"), ("ring", "contiguous"), ("ring", "interleaved")]
 CASES = {1: BOTH[:1], 2: BOTH, 3: BOTH}
+ROLLBACK_CASES = {2: [BOTH[0], BOTH[3]], 3: [BOTH[1], BOTH[2]]}  # each placement and decoding on 2 and on 3 ranks
 
 
 # ----------------------------------------------------------------------- the acceptance rule
@@ -110,9 +119,17 @@ def _draft_cases(rank: int, world_size: int, dirs: dict) -> dict:
             continue
         for decode, placement in CASES[p]:
             for draft in ("model", "other"):
-                result = generate(model, PROMPT, max_new_tokens=NEW_TOKENS, stop_tokens=[], decode=decode, placement=placement,
-                                  block_size=4, group=group, speculate="draft", draft_model=dirs[draft], draft_tokens=3)
-                out[(p, decode, placement, draft)] = (result.generated_ids[0], result.decode_steps, result.speculation)
+                prefill = "local" if (p, decode, placement, draft) == (3, "tree", "interleaved", "other") else "auto"
+                run = stream(model, PROMPT, max_new_tokens=NEW_TOKENS, stop_tokens=[], decode=decode, placement=placement, prefill=prefill,
+                             block_size=4, group=group, speculate="draft", draft_model=dirs[draft], draft_tokens=3)
+                for _ in run:
+                    pass
+                result, slots = run.result, torch.arange(run.cache.capacity)
+                same_layout = (run._drafter.cache.capacity == run.cache.capacity
+                               and torch.equal(run._drafter.cache.placement.owner(slots), run.cache.placement.owner(slots)))
+                out[(p, decode, placement, draft)] = (result.generated_ids[0], result.decode_steps, result.speculation, same_layout)
+        for decode, placement in ROLLBACK_CASES.get(p, []):
+            out[("rollback", p, decode, placement)] = _rollback(model, group, decode, placement, rank, p)
     if rank < 3:  # temperature > 0 on 3 ranks: every rank returns the same tokens
         result = generate(model, PROMPT, max_new_tokens=8, temperature=0.8, seed=3, speculate="draft", draft_model=dirs["other"],
                           draft_tokens=4, placement="interleaved", block_size=4)
@@ -125,6 +142,55 @@ def ranks(checkpoints):
     return spawn(_draft_cases, 3, {name: str(directory) for name, (directory, _) in checkpoints.items()}, timeout=300)
 
 
+def _rollback(model, group, decode: str, placement: str, rank: int, world_size: int) -> dict:
+    """A drafter drafts 3 tokens after PROMPT + [5], the second is rejected; its cache after rollback
+    against the model's cache after its rollback and against a drafter that prefilled the accepted context."""
+
+    def drafter() -> DraftModelDrafter:
+        c = model.config
+        cache = ShardedKVCache(num_layers=c.num_layers, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, capacity=len(PROMPT) + 12,
+                               block_size=4, placement=placement, rank=rank, world_size=world_size)
+        runner = ShardedRunner(model, cache, decode=decode, method="onepass", prefill="ring", group=group)
+        return DraftModelDrafter(runner, sampling=SamplingParams())
+
+    with torch.inference_mode():
+        rolled = drafter()
+        rolled.prefill(PROMPT)
+        draft, _ = rolled.propose(torch.tensor(PROMPT + [5]), 3, None)
+        held = rolled.cache.length  # the prompt, 5 and the first two drafts (the third is never run)
+        accepted = PROMPT + [5, int(draft[0])]
+        rolled.rollback(torch.tensor(accepted + [(int(draft[1]) + 1) % VOCAB]))  # the second draft rejected
+        target = ShardedKVCache(num_layers=1, num_kv_heads=1, head_dim=8, capacity=len(PROMPT) + 12, block_size=4,
+                                placement=placement, rank=rank, world_size=world_size)
+        target.extend(torch.arange(len(PROMPT) + 4))  # the model verified [5] + 3 drafts, then kept 5 and the first draft
+        target.truncate(len(accepted))
+        direct = drafter()
+        direct.prefill(accepted)
+        keys = [(rolled.cache.layer(i), direct.cache.layer(i)) for i in range(model.config.num_layers)]
+        out = {"held": held, "draft": draft.tolist(), "length": rolled.cache.length, "local_length": rolled.cache.local_length,
+               "target": (target.length, target.local_length), "same_positions": torch.equal(rolled.cache.kv_pos, target.kv_pos),
+               "kv_error": max(float((a - b).abs().max()) if a.numel() else 0.0 for pair in keys for a, b in zip(*pair)),
+               "held_tokens": rolled.held.tolist()}
+        context = torch.tensor(accepted + [(int(draft[1]) + 1) % VOCAB])
+        out["next"] = (rolled.propose(context, 3, None)[0].tolist(), direct.propose(context, 3, None)[0].tolist())
+    return out
+
+
+def test_a_rejected_draft_leaves_the_draft_cache_on_every_rank(ranks):
+    for p, cases in ROLLBACK_CASES.items():
+        for decode, placement in cases:
+            results = [r[("rollback", p, decode, placement)] for r in ranks[:p]]
+            for rank, r in enumerate(results):
+                key = (p, decode, placement, rank)
+                assert r["held"] == len(PROMPT) + 3 and len(r["draft"]) == 3, key
+                assert r["length"] == len(PROMPT) + 2 == r["target"][0] and r["local_length"] == r["target"][1], (key, r)
+                assert r["same_positions"] and r["held_tokens"] == PROMPT + [5, r["draft"][0]], key
+                assert r["kv_error"] < 1e-5, (key, r["kv_error"])
+                assert r["next"][0] == r["next"][1] and len(r["next"][0]) == 3, (key, r["next"])
+                assert r["draft"] == results[0]["draft"] and r["next"] == results[0]["next"], f"ranks disagree: {key}"
+            assert all(r["local_length"] < r["length"] for r in results), f"a rank holds the whole context: {p, decode, placement}"
+
+
 def test_greedy_with_a_draft_model_equals_uncached_greedy_on_every_p(ranks, checkpoints):
     expected = _uncached_greedy(checkpoints["model"][1], PROMPT, NEW_TOKENS)
     plain = generate(load_model(checkpoints["model"][0]), PROMPT, max_new_tokens=NEW_TOKENS, stop_tokens=[])
@@ -134,8 +200,9 @@ def test_greedy_with_a_draft_model_equals_uncached_greedy_on_every_p(ranks, chec
             for draft in ("model", "other"):
                 key = (p, decode, placement, draft)
                 results = [r[key] for r in ranks[:p]]
-                tokens, steps, spec = results[0]
+                tokens, steps, spec, _ = results[0]
                 assert tokens == expected, key
+                assert all(r[3] for r in results), f"the draft's cache is not laid out like the model's: {key}"
                 assert all(r[0] == tokens and r[1] == steps for r in results), f"ranks disagree: {key}"
                 assert all(r[2] == spec for r in results), f"ranks report different speculation: {key}"
                 assert steps == NEW_TOKENS - 1 - spec["accepted"] and spec["decoded_tokens"] == NEW_TOKENS - 1, key
