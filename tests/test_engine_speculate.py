@@ -394,7 +394,8 @@ def test_a_stop_string_inside_an_accepted_run_cuts_the_text(references):
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    (dict(speculate="draft"), r"speculate must be None or one of \('ngram',\), got 'draft'"),
+    (dict(speculate="draft"), r"speculate='draft' needs draft_model=PATH"),
+    (dict(speculate="tree"), r"speculate must be None or one of \('ngram', 'draft'\), got 'tree'"),
     (dict(speculate="ngram", draft_tokens=0), r"draft_tokens must be an int in \[1, 16\], got 0"),
     (dict(speculate="ngram", draft_tokens=17), r"draft_tokens must be an int in \[1, 16\], got 17"),
     (dict(speculate="ngram", draft_tokens=2.0), r"draft_tokens must be an int in \[1, 16\], got 2.0"),
@@ -416,4 +417,4 @@ def test_serve_refuses_bad_speculation_flags_before_any_work(tmp_path):
     result = CliRunner().invoke(app, ["serve", str(model), "--speculate", "ngram", "--draft-tokens", "0", "--port", "0"])
     assert result.exit_code == 2 and "draft_tokens must be an int in [1, 16], got 0" in result.output
     result = CliRunner().invoke(app, ["serve", str(model), "--speculate", "draft", "--port", "0"])
-    assert result.exit_code == 2 and "--speculate" in result.output
+    assert result.exit_code == 2 and "--speculate draft needs --draft-model PATH" in result.output

@@ -57,13 +57,14 @@ def read_draft_model(path: str | os.PathLike):
         raise ConfigError("draft_model", f"draft_model={os.fspath(path)} is not a usable model checkpoint: {reason}") from None
 
 
-def check_draft_model(draft, target, *, positions: int) -> None:
+def check_draft_model(draft, target, *, positions: int, needed_by: str = "the prompt and max_new_tokens need") -> None:
     """Check that `draft` can propose tokens for `target`.
 
     Args:
         draft, target: anything with .config (a LlamaConfig) and .tokenizer (tokenizers.Tokenizer or
             None): a loaded model or read_draft_model's result.
         positions: positions the draft must reach (prompt + max_new_tokens).
+        needed_by: what needs them, in the error's words.
 
     Raises:
         ConfigError("draft_model"): another vocabulary size; another tokenizer (the token -> id maps
@@ -85,7 +86,7 @@ def check_draft_model(draft, target, *, positions: int) -> None:
     window = draft.config.max_position_embeddings
     if window < positions:
         raise ConfigError("draft_model", f"draft_model's context window of {window} positions is shorter than the "
-                          f"{positions} the prompt and max_new_tokens need")
+                          f"{positions} {needed_by}")
 
 
 def _tokenizer_difference(draft, target) -> str | None:

@@ -298,6 +298,16 @@ def _largest_cache_term(config: GenerationConfig, batch: int, capacity: int) -> 
     return "capacity" if config.capacity is not None else "max_new_tokens"
 
 
+def model_bytes(model, dtype: torch.dtype) -> int:
+    """Bytes of a model's weights in `dtype`: a loaded model's parameters, or a checkpoint's (a
+    directory or .gguf file, read without its weights)."""
+    if isinstance(model, (str, os.PathLike)):
+        from treeattn.models.loader import check_checkpoint
+
+        model = check_checkpoint(model, dtype=dtype)
+    return sum(p.numel() for p in model.parameters()) * torch.empty((), dtype=dtype).element_size()
+
+
 def device_memory_bytes(device: torch.device | str) -> int | None:
     """Total memory of `device`: the machine's RAM for "cpu", the GPU's for "cuda"; None if unknown."""
     device = torch.device(device)

@@ -14,9 +14,11 @@ the ranks in every attention layer), and rank 0 answers with the sampled tokens.
 in one background thread; submit() and cancel() only queue a message for it, so they are safe
 from any thread, and events are delivered from that thread (on_event) or through the handle.
 
-Speculative decoding (speculate="ngram"): the scheduler appends up to draft_tokens tokens drafted
-by prompt lookup to each decoding sequence's chunk, rank 0 answers with the accepted drafts and
-the next token, and the driver emits one TokenEvent per committed token (docs/engine.md).
+Speculative decoding: the scheduler appends up to draft_tokens drafts to each decoding sequence's
+chunk, rank 0 answers with the accepted drafts and the next token, and the driver emits one
+TokenEvent per committed token (docs/engine.md). speculate="ngram" drafts by prompt lookup on the
+driver; speculate="draft" reserves the drafts' slots and every rank runs a draft model over its own
+cache of the same blocks, filling them in before the verification (treeattn.engine.draft).
 
 Inside an existing process group (torchrun, or a function run by ta.spawn) nothing is started:
 the Engine joins the group. On group rank 0 it is the driver and runs rank 0's share itself; on
@@ -50,7 +52,8 @@ import torch.distributed as dist
 from treeattn.cache.blocks import ShardedBlockPool
 from treeattn.cache.placement import PLACEMENTS
 from treeattn.cache.prefix import PrefixCache
-from treeattn.engine.config import DEFAULT_METHOD
+from treeattn.cache.sharded import kv_bytes_per_token
+from treeattn.engine.config import DEFAULT_METHOD, ConfigError, device_memory_bytes, format_bytes, model_bytes
 from treeattn.engine.request import RequestResult, SamplingParams, TokenEvent, TokenLogprob
 from treeattn.engine.runner import RankRunner, StepOutcome
 from treeattn.engine.scheduler import Scheduler, Sequence as _Seq
@@ -61,8 +64,9 @@ from treeattn.speculate import MAX_DRAFT_TOKENS, NgramDrafter
 logger = logging.getLogger(__name__)
 
 
-ENGINE_SPECULATE_KINDS = ("ngram",)
-"""Speculative decoding the engine runs: "ngram", prompt lookup (treeattn.speculate.NgramDrafter)."""
+ENGINE_SPECULATE_KINDS = ("ngram", "draft")
+"""Speculative decoding the engine runs: "ngram", prompt lookup (treeattn.speculate.NgramDrafter), and
+"draft", a draft model on every rank (treeattn.engine.draft)."""
 
 
 class EngineError(RuntimeError):
@@ -87,6 +91,7 @@ class EngineConfig:
     threads_per_rank: int | None = None
     speculate: str | None = None
     draft_tokens: int = 4
+    draft_model: str | torch.nn.Module | None = None
     shared_memory: bool = True
 
     def __post_init__(self) -> None:
@@ -116,6 +121,19 @@ class EngineConfig:
         k = self.draft_tokens
         if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_DRAFT_TOKENS:
             raise ValueError(f"draft_tokens must be an int in [1, {MAX_DRAFT_TOKENS}], got {k!r}")
+        self._check_draft_model()
+
+    def _check_draft_model(self) -> None:
+        if isinstance(self.draft_model, os.PathLike):
+            object.__setattr__(self, "draft_model", os.fspath(self.draft_model))
+        if self.draft_model is not None and not isinstance(self.draft_model, (str, torch.nn.Module)):
+            raise ConfigError("draft_model", f"draft_model must be a checkpoint path or a loaded model, "
+                              f"got {type(self.draft_model).__name__}")
+        if self.draft_model is not None and self.speculate != "draft":
+            got = "no speculation" if self.speculate is None else f"speculate={self.speculate!r}"
+            raise ConfigError("draft_model", f"draft_model is the drafter of speculate='draft', got {got}")
+        if self.speculate == "draft" and self.draft_model is None:
+            raise ConfigError("speculate", "speculate='draft' needs draft_model=PATH, the draft model's checkpoint")
 
     def blocks_per_rank(self, max_position_embeddings: int) -> int:
         """Blocks in each rank's pool: cache_tokens over all ranks, default
@@ -211,12 +229,19 @@ class Engine:
         timeout_s: the group's timeout for every collective, and how long the driver waits for
             the ranks to start.
         threads_per_rank: torch threads of each rank process (default cpu_count // nproc).
-        speculate: None, or "ngram": speculative decoding by prompt lookup. Every decode step drafts
-            up to `draft_tokens` tokens per sequence from its own prompt and output
-            (treeattn.speculate.NgramDrafter), verifies them in the same batched forward pass, and
-            keeps the accepted ones and the token after them (greedy: exactly the tokens decoding
-            without speculation gives; temperature > 0: the same distribution).
+        speculate: None, "ngram" or "draft": speculative decoding. Every decode step drafts up to
+            `draft_tokens` tokens per sequence, verifies them in the same batched forward pass, and
+            keeps the accepted ones and the token after them: exactly the tokens decoding without
+            speculation gives, greedy or sampled with the same seed. "ngram" drafts by prompt lookup
+            from the sequence's own prompt and output (treeattn.speculate.NgramDrafter); "draft"
+            with `draft_model` (its argmax), run on every rank over its own cache sharded like the
+            model's (treeattn.engine.draft).
         draft_tokens: the most tokens drafted per sequence per step, in [1, MAX_DRAFT_TOKENS].
+        draft_model: with speculate="draft" (and only then): the draft model, a checkpoint path or
+            a LlamaModel, loaded on every rank in the model's dtype. It must share the model's
+            tokenizer and reach every position the engine runs (max_context); both are checked
+            before any rank starts (ConfigError naming draft_model). Its weights and cache count in
+            the memory check.
         shared_memory: the ranks combine through shared memory when they all run on this host
             with a CPU model (treeattn.parallel.shared_memory; one round, no sockets); False:
             through the process group's back end.
@@ -228,7 +253,7 @@ class Engine:
                  placement: str = "contiguous", max_batch_size: int = 16, cache_tokens: int | None = None,
                  prefix_cache: bool = True, block_size: int = 256, prefill_chunk: int = 512,
                  dtype: torch.dtype | None = None, timeout_s: float = 60.0, threads_per_rank: int | None = None,
-                 speculate: str | None = None, draft_tokens: int = 4, shared_memory: bool = True,
+                 speculate: str | None = None, draft_tokens: int = 4, draft_model=None, shared_memory: bool = True,
                  group: dist.ProcessGroup | None = None) -> None:
         if dist.is_available() and not dist.is_initialized() and "RANK" in os.environ and "WORLD_SIZE" in os.environ:
             dist.init_process_group(backend="gloo", timeout=timedelta(seconds=timeout_s))  # under torchrun: join its group
@@ -243,11 +268,15 @@ class Engine:
                                    max_batch_size=max_batch_size, cache_tokens=cache_tokens, prefix_cache=prefix_cache,
                                    block_size=block_size, prefill_chunk=prefill_chunk, dtype=dtype, timeout_s=timeout_s,
                                    threads_per_rank=threads_per_rank, speculate=speculate, draft_tokens=draft_tokens,
-                                   shared_memory=shared_memory)
+                                   draft_model=draft_model, shared_memory=shared_memory)
         if self.config.nproc > 1 and self.config.decode == "local":
             raise ValueError(f"decode='local' runs on one rank, but nproc={self.config.nproc}; use 'tree' or 'ring'")
         _check_model(model)
-        self.tokenizer = _tokenizer_of(model)
+        files = _model_files(model)
+        if self.config.draft_model is not None:
+            _check_draft_model(files, self.config)
+        _check_memory(model, files.config, self.config)
+        self.tokenizer = getattr(files, "tokenizer", None)
         self.healthy = False
         self.is_driver = True
         self._inbox: queue.Queue = queue.Queue()
@@ -275,8 +304,8 @@ class Engine:
         self.prefix_cache = PrefixCache(self.pool) if self.config.prefix_cache else None
         self.scheduler = Scheduler(self.pool, max_batch_size=self.config.max_batch_size,
                                    prefill_chunk=self.config.prefill_chunk, prefix_cache=self.prefix_cache,
-                                   drafter=NgramDrafter() if self.config.speculate == "ngram" else None,
-                                   draft_tokens=self.config.draft_tokens)
+                                   drafter=_drafter(self.config.speculate), draft_tokens=self.config.draft_tokens,
+                                   draft_cache=self.config.speculate == "draft")
         self.max_context = min(self.pool.max_tokens_per_sequence, info.max_position_embeddings)
         self.healthy = True
         self._update_stats()
@@ -540,10 +569,15 @@ class Engine:
 
     def _speculation(self, seq: _Seq) -> dict:
         """A request's speculative decoding, as GenerationResult.speculation reports it."""
-        return {"method": self.config.speculate, "draft_tokens": self.config.draft_tokens, "drafted": seq.drafted,
-                "accepted": seq.accepted, "acceptance_rate": seq.accepted / seq.drafted if seq.drafted else float("nan"),
-                "decoded_tokens": seq.decode_tokens, "decode_forwards": seq.decode_forwards,
-                "tokens_per_forward": seq.decode_tokens / seq.decode_forwards if seq.decode_forwards else float("nan")}
+        out = {"method": self.config.speculate, "draft_tokens": self.config.draft_tokens, "drafted": seq.drafted,
+               "accepted": seq.accepted, "acceptance_rate": seq.accepted / seq.drafted if seq.drafted else float("nan"),
+               "decoded_tokens": seq.decode_tokens, "decode_forwards": seq.decode_forwards,
+               "tokens_per_forward": seq.decode_tokens / seq.decode_forwards if seq.decode_forwards else float("nan")}
+        if self.config.draft_model is not None:
+            from treeattn.draft_model import describe
+
+            out["draft_model"] = describe(self.config.draft_model)
+        return out
 
     def _fail_stuck_head(self) -> None:
         """Nothing could run although requests wait: fail the head (cannot happen for requests
@@ -610,13 +644,61 @@ def _check_model(model) -> None:
         raise ValueError(f"model: no such file or directory: {model}")
 
 
-def _tokenizer_of(model):
-    """The checkpoint's tokenizer (directory or .gguf), a loaded model's .tokenizer, or None."""
-    if isinstance(model, (str, os.PathLike)):
-        from treeattn.models import load_tokenizer
+def _drafter(speculate: str | None):
+    """The scheduler's drafter for EngineConfig.speculate."""
+    if speculate == "ngram":
+        return NgramDrafter()
+    if speculate == "draft":
+        from treeattn.engine.draft import DraftSlots
 
-        return load_tokenizer(model)
-    return getattr(model, "tokenizer", None)
+        return DraftSlots()
+    return None
+
+
+def _model_files(model):
+    """What the checks need of the model (.config, .tokenizer): a loaded model itself, or its
+    checkpoint's config and tokenizer, read without the weights."""
+    if isinstance(model, (str, os.PathLike)):
+        from treeattn.models.loader import read_model_files
+
+        return read_model_files(model)
+    return model
+
+
+def _max_context(config: EngineConfig, max_position_embeddings: int) -> int:
+    """Engine.max_context: the most positions one request may take."""
+    return min(config.nproc * config.blocks_per_rank(max_position_embeddings) * config.block_size, max_position_embeddings)
+
+
+def _check_draft_model(target, config: EngineConfig) -> None:
+    """The draft model against the model (`target`: _model_files) before any rank starts (ConfigError
+    naming draft_model): the same tokenizer, and a context window reaching every position the engine runs."""
+    from treeattn.draft_model import check_draft_model, read_draft_model
+
+    draft = read_draft_model(config.draft_model) if isinstance(config.draft_model, str) else config.draft_model
+    check_draft_model(draft, target, positions=_max_context(config, target.config.max_position_embeddings),
+                      needed_by="positions the engine runs (max_context: the model's context window, or cache_tokens if fewer)")
+
+
+def _check_memory(model, model_config, config: EngineConfig) -> None:
+    """The weights and cache blocks the ranks on this machine hold (the draft model's too) against its
+    memory; ValueError naming the option to change."""
+    dtype = config.dtype or (torch.float32 if isinstance(model, (str, os.PathLike)) else model.dtype)
+    slots = config.blocks_per_rank(model_config.max_position_embeddings) * config.block_size
+    weights, cache = model_bytes(model, dtype), slots * kv_bytes_per_token(model_config, dtype)
+    draft = 0
+    if config.draft_model is not None:
+        draft = model_bytes(config.draft_model, dtype) + slots * kv_bytes_per_token(_model_files(config.draft_model).config, dtype)
+    here = int(os.environ.get("LOCAL_WORLD_SIZE", config.nproc))
+    memory = device_memory_bytes("cpu" if isinstance(model, (str, os.PathLike)) else model.device)
+    total = here * (weights + cache + draft)
+    if memory is None or total <= memory:
+        return
+    option = ("draft_model" if here * (weights + cache) <= memory else "nproc" if weights + cache + draft <= memory
+              else "cache_tokens")
+    drafted = f" + {format_bytes(draft)} of draft model and its cache" if config.draft_model is not None else ""
+    raise ConfigError(option, f"{option}: {here} rank(s) x ({format_bytes(weights)} of weights + {format_bytes(cache)} of KV cache{drafted}) = "
+                     f"{format_bytes(total)}, more than the {format_bytes(memory)} of memory of this machine")
 
 
 def _load_model(model, dtype):
@@ -633,9 +715,15 @@ def _model_info(model) -> ModelInfo:
 
 
 def _make_runner(model, config: EngineConfig, group=None) -> RankRunner:
+    draft = None
+    if config.draft_model is not None:  # in the model's dtype and on its device
+        from treeattn.models import load_model
+
+        draft = config.draft_model
+        draft = load_model(draft, dtype=model.dtype, device=model.device) if isinstance(draft, str) else draft.to(model.device, model.dtype)
     return RankRunner(model, group=group, blocks_per_rank=config.blocks_per_rank(model.config.max_position_embeddings),
                       block_size=config.block_size, decode=config.decode if config.nproc > 1 else "local", method=config.method,
-                      shared_memory=config.shared_memory, timeout_s=config.timeout_s)
+                      shared_memory=config.shared_memory, timeout_s=config.timeout_s, draft_model=draft)
 
 
 def _broadcast_plan(plan, rank: int, group=None):

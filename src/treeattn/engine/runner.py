@@ -234,11 +234,13 @@ class RankRunner:
         shared_memory: combine through shared memory (treeattn.parallel.shared_memory) when every
             rank runs on this host and the model is on the CPU; a rank missing for timeout_s
             seconds then makes the others raise.
+        draft_model: a draft model for speculate="draft" (treeattn.engine.draft.DraftRunner: its own
+            cache of the same blocks; it fills in each step's drafts before the model verifies them).
     """
 
     def __init__(self, model: LlamaModel, *, group: dist.ProcessGroup | None, blocks_per_rank: int, block_size: int,
                  decode: str, method: str = "allreduce", topology=None, shared_memory: bool = False,
-                 timeout_s: float = 120.0) -> None:
+                 timeout_s: float = 120.0, draft_model: LlamaModel | None = None) -> None:
         self.model, self.group = model.eval(), group
         distributed = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank(group) if distributed else 0
@@ -255,6 +257,13 @@ class RankRunner:
             from treeattn.parallel import Topology
 
             self.combine = (group, method, (topology or Topology()).resolve(p) if method == "twolevel" else 1)
+        self.drafter = None
+        if draft_model is not None:
+            from treeattn.engine.draft import DraftRunner
+
+            windowless = all(w is None for w in draft_model.config.layer_windows)
+            self.drafter = DraftRunner(draft_model, rank=self.rank, blocks_per_rank=blocks_per_rank, block_size=block_size,
+                                       attend=self.attend, combine=self.combine if windowless else None, group=group)
         self._generators: dict[int, torch.Generator] = {}
 
     @torch.inference_mode()
@@ -266,6 +275,8 @@ class RankRunner:
             self._generators.pop(seq_id, None)
         if not plan.chunks:
             return StepOutcome()
+        if self.drafter is not None:  # the drafts' placeholders -> the draft model's tokens
+            plan = self.drafter.draft(plan)
         batch = PagedBatch(plan, self.rank, self.cache, self.attend, self.combine)
         sampling = [(i, c) for i, c in enumerate(plan.chunks) if c.sample is not None]
         ends = [batch.offsets[i] + len(c.tokens) for i, c in sampling]  # rows: the last known token, then the drafts

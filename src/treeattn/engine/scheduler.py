@@ -28,6 +28,14 @@ rejected drafts: their slots lie past the sequence's computed tokens, so they ar
 overwritten later, and blocks that hold no computed token any more go back to the pool. Only
 blocks full of committed tokens ever enter the prefix cache.
 
+With a draft model (`draft_cache=True`, speculate="draft", treeattn.engine.draft) the drafter only
+reserves the draft slots (placeholder tokens); the ranks' draft model writes the drafted tokens into
+them, and keeps its own keys/values in a second cache indexed by the same block tables. That cache
+lags the model's by one token after a step whose drafts were all accepted (the last draft was
+proposed, never run through the draft model): `Sequence.draft_computed` counts the tokens it holds,
+each chunk carries the ones it lacks (`draft_prefix`), and only blocks full of tokens computed in
+both caches enter the prefix cache, so a block found there is valid for the draft model too.
+
 Sequences are numbered by arrival; a step's plan lists, per sequence, the tokens to run, their
 first position and the sequence's block table (treeattn.cache.blocks): that is all a rank needs.
 """
@@ -71,7 +79,9 @@ class Chunk:
             or the one before the drafts): rank 0 samples the next token from its logits.
         num_draft: the last num_draft tokens are drafts to verify (speculative decoding; 0 with
             none): rank 0 samples at the last num_draft + 1 positions and keeps the accepted drafts
-            and the token after them.
+            and the token after them. With a draft model they are placeholders the ranks replace.
+        draft_prefix: with a draft model, the tokens before `start` whose keys/values the draft's
+            cache lacks (at most one: the last accepted draft of the step before); () otherwise.
     """
 
     seq_id: int
@@ -80,6 +90,7 @@ class Chunk:
     blocks: tuple[BlockRef, ...]
     sample: SampleSpec | None
     num_draft: int = 0
+    draft_prefix: tuple[int, ...] = ()
 
     @property
     def decoding(self) -> bool:
@@ -107,6 +118,7 @@ class Sequence:
     generated: list[int] = field(default_factory=list)
     blocks: list[BlockRef] = field(default_factory=list)
     num_computed: int = 0  # leading tokens whose keys/values are in the cache
+    draft_computed: int = 0  # of which those in the draft model's cache too (with a draft model)
     cached_prompt_tokens: int | None = None  # prompt tokens found in the prefix cache at first admission
     preemptions: int = 0
     finish_reason: str | None = None
@@ -139,12 +151,15 @@ class Scheduler:
         prefix_cache: a PrefixCache over `pool`, or None for no prefix reuse.
         drafter: None, or a drafter for speculative decoding: `drafter.propose(context, k)` takes
             int64 (L,) token ids (prompt and output so far) and returns int64 (d,), d <= k, the
-            tokens it guesses come next (treeattn.speculate.NgramDrafter).
+            tokens it guesses come next (treeattn.speculate.NgramDrafter), or placeholders for the
+            ranks' draft model (treeattn.engine.draft.DraftSlots).
         draft_tokens: the most tokens drafted per sequence per step.
+        draft_cache: the ranks keep a draft model's cache indexed by the same block tables (see the
+            module docstring).
     """
 
     def __init__(self, pool: ShardedBlockPool, *, max_batch_size: int, prefill_chunk: int, prefix_cache: PrefixCache | None,
-                 drafter=None, draft_tokens: int = 4) -> None:
+                 drafter=None, draft_tokens: int = 4, draft_cache: bool = False) -> None:
         for name, value in (("max_batch_size", max_batch_size), ("prefill_chunk", prefill_chunk)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
@@ -154,6 +169,7 @@ class Scheduler:
         self.prefix_cache = prefix_cache
         self.drafter = drafter
         self.draft_tokens = draft_tokens
+        self.draft_cache = draft_cache
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # oldest first
         self._ids = itertools.count()
@@ -245,12 +261,14 @@ class Scheduler:
                 out.append((seq, None, "error"))
                 continue
             committed, reason = self._commit(seq, tokens)
+            # the draft model ran every token of the chunk but the last draft (never its input)
+            seq.draft_computed = min(seq.num_computed, chunk.start + len(chunk.tokens) - (chunk.num_draft > 0))
             if chunk.decoding and chunk.sample is not None:
                 self._count(seq, chunk.num_draft, accepted, len(committed))
             if self.prefix_cache is not None and chunk.start < len(seq.prompt):
                 # Prefilled full blocks are shared at once (RadixAttention): a request that arrives
                 # while this one still runs reuses them, not only after it finishes.
-                self.prefix_cache.insert(seq.tokens[: seq.num_computed], seq.blocks)
+                self.prefix_cache.insert(seq.tokens[: self._cacheable(seq)], seq.blocks)
             if reason is not None:
                 self.finish(seq, reason)
             out += [(seq, token, reason if i == len(committed) - 1 else None) for i, token in enumerate(committed)]
@@ -271,6 +289,10 @@ class Scheduler:
         seq.generated += committed
         seq.num_computed = min(seq.num_computed, len(seq.tokens))  # a cut run: drafts past the end are not the sequence's
         return committed, reason
+
+    def _cacheable(self, seq: Sequence) -> int:
+        """Leading tokens of seq computed in every cache the ranks keep (what the prefix cache may take)."""
+        return min(seq.num_computed, seq.draft_computed) if self.draft_cache else seq.num_computed
 
     def _count(self, seq: Sequence, drafted: int, accepted: int, committed: int) -> None:
         seq.drafted += drafted
@@ -312,7 +334,8 @@ class Scheduler:
             tokens = seq.tokens[seq.num_computed : seq.num_computed + n]
             sample = seq.sample_spec() if seq.num_computed + n == len(seq.prompt) + len(seq.generated) else None
             draft = drafts.get(seq.seq_id, ())
-            chunks.append(Chunk(seq.seq_id, tuple(tokens) + draft, seq.num_computed, tuple(seq.blocks), sample, len(draft)))
+            lagging = tuple(seq.tokens[seq.draft_computed : seq.num_computed]) if self.draft_cache else ()
+            chunks.append(Chunk(seq.seq_id, tuple(tokens) + draft, seq.num_computed, tuple(seq.blocks), sample, len(draft), lagging))
         release, self._release = tuple(self._release), []
         return StepPlan(tuple(chunks), release)
 
@@ -323,7 +346,7 @@ class Scheduler:
             seq.blocks = self.prefix_cache.match(seq.tokens[: len(seq.tokens) - 1])  # >= 1 token left to run
             for block in seq.blocks:
                 self.pool.incref(block)
-        seq.num_computed = len(seq.blocks) * self.pool.block_size
+        seq.num_computed = seq.draft_computed = len(seq.blocks) * self.pool.block_size
         if seq.cached_prompt_tokens is None:
             seq.cached_prompt_tokens = min(seq.num_computed, len(seq.prompt))
             self.prefix_hit_tokens += seq.cached_prompt_tokens
@@ -369,14 +392,14 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self._free_blocks(seq)
-        seq.num_computed = 0
+        seq.num_computed = seq.draft_computed = 0
         seq.preemptions += 1
         self.preemptions += 1
         self.waiting.appendleft(seq)
 
     def _free_blocks(self, seq: Sequence) -> None:
         if self.prefix_cache is not None and seq.blocks and seq.finish_reason != "error":
-            self.prefix_cache.insert(seq.tokens[: seq.num_computed], seq.blocks)
+            self.prefix_cache.insert(seq.tokens[: self._cacheable(seq)], seq.blocks)
         for block in seq.blocks:
             self.pool.decref(block)
         seq.blocks = []

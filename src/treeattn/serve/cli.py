@@ -13,10 +13,11 @@ from treeattn.engine_cli import Decode, DType, Method, Placement  # the same cho
 
 
 class Speculate(str, Enum):
-    """The engine's speculative decoding (treeattn.engine.engine.ENGINE_SPECULATE_KINDS; no draft model yet)."""
+    """The engine's speculative decoding (treeattn.engine.engine.ENGINE_SPECULATE_KINDS)."""
 
     none = "none"
     ngram = "ngram"
+    draft = "draft"
 
 
 def serve_command(
@@ -33,8 +34,11 @@ def serve_command(
     block_size: int = typer.Option(256, "--block-size", min=1, help="Tokens per KV cache block."),
     dtype: DType = typer.Option(DType.float32, "--dtype"),
     speculate: Speculate = typer.Option(Speculate.none, "--speculate", help="Speculative decoding: ngram drafts up to "
-                                        "--draft-tokens tokens per sequence per step by prompt lookup, verified in the same forward pass."),
+                                        "--draft-tokens tokens per sequence per step by prompt lookup, draft with --draft-model; "
+                                        "verified in the same forward pass."),
     draft_tokens: int = typer.Option(4, "--draft-tokens", help="Most tokens drafted per sequence per step with --speculate, in [1, 16]."),
+    draft_model: Path | None = typer.Option(None, "--draft-model", help="The draft model of --speculate draft (HF directory or "
+                                            ".gguf, the model's tokenizer); every rank holds it, with a cache sharded like the model's."),
     shared_memory: bool = typer.Option(True, "--shared-memory/--no-shared-memory", help="Ranks on this host combine through "
                                        "shared memory (one round, no sockets); --no-shared-memory: through gloo."),
     api_key: str | None = typer.Option(None, "--api-key", envvar="TREEATTN_API_KEY",
@@ -63,7 +67,7 @@ def serve_command(
                           placement=placement.value, max_batch_size=max_batch_size, cache_tokens=cache_tokens,
                           prefix_cache=prefix_cache, block_size=block_size, dtype=getattr(torch, dtype.value), timeout_s=timeout,
                           speculate=None if speculate is Speculate.none else speculate.value, draft_tokens=draft_tokens,
-                          shared_memory=shared_memory)
+                          draft_model=None if draft_model is None else str(draft_model), shared_memory=shared_memory)
 
     def ready(bound_host: str, bound_port: int) -> None:
         typer.echo(f"treeattn serve: {model} on http://{bound_host}:{bound_port} ({nproc} rank(s), decode {decode.value})",
@@ -72,7 +76,10 @@ def serve_command(
     try:
         status = serve(str(model), options, engine_options, on_ready=ready)
     except (ValueError, TypeError) as exc:
-        _fail(str(exc))
+        from treeattn.engine.config import ConfigError
+        from treeattn.engine_cli import _cli_message
+
+        _fail(_cli_message(exc) if isinstance(exc, ConfigError) else str(exc))
     raise typer.Exit(status)
 
 
