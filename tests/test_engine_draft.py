@@ -26,7 +26,7 @@ import treeattn as ta
 from test_engine_speculate import BLOCK, CONFIG, PLENTY, REQUESTS as ALL_REQUESTS, SAMPLED, TIGHT, _greedy_alone
 from treeattn.cache.blocks import ShardedBlockPool
 from treeattn.cache.prefix import PrefixCache
-from treeattn.engine import SamplingParams, runner
+from treeattn.engine import SamplingParams, runner, token_parallel
 from treeattn.engine.draft import DraftSlots
 from treeattn.engine.scheduler import Scheduler
 from treeattn.engine.config import ConfigError
@@ -85,6 +85,7 @@ def _engine_cases(rank: int, world_size: int) -> list[dict]:
         if rank >= p:
             continue
         runner.COPY_FREE_MIN_KEYS = 0 if case % 2 else 1 << 40  # some cases read shards run by run, the others gather them
+        token_parallel.SPLIT_MIN_TOKENS_PER_RANK = 2 if case % 3 == 2 else 1 << 40  # some split steps of >= 2p tokens over the ranks
         with ta.Engine(target, group=groups[p], timeout_s=60, speculate="draft", draft_model=_draft(draft, target), draft_tokens=K,
                        **options) as engine:
             if not engine.is_driver:
