@@ -343,3 +343,72 @@ def test_the_memory_check_counts_the_draft_model(monkeypatch):
     with pytest.raises(ValueError, match=r"^cache_tokens: 2 rank\(s\) x"):
         ta.Engine(target, nproc=2, block_size=BLOCK, cache_tokens=1024)
     assert not multiprocessing.active_children()
+
+
+# ----------------------------------------------------------------- the command lines: bad input, memory
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """HF checkpoints with tokenizers: the model, and a draft whose tokenizer swaps two ids."""
+    pytest.importorskip("transformers")
+    from test_model import make_checkpoint
+    from test_speculate_draft import _save_tokenizer
+
+    root = tmp_path_factory.mktemp("engine_draft")
+    for name, options in (("model", {}), ("swapped", dict(swap=True))):
+        make_checkpoint("llama", root / name)
+        _save_tokenizer(root / name, **options)
+    return {name: root / name for name in ("model", "swapped", "missing")}
+
+
+SERVE = ["--nproc", "2", "--block-size", "16", "--cache-tokens", "256", "--port", "0"]
+
+
+@pytest.mark.parametrize("extra, words", [
+    (["--draft-model", "{swapped}"], "--draft-model is the drafter of --speculate draft, got no speculation"),
+    (["--speculate", "draft"], "--speculate draft needs --draft-model PATH"),
+    (["--speculate", "draft", "--draft-model", "{swapped}"],
+     "--draft-model has another tokenizer than the model: token 't1' is id 2 in the draft, 1 in the model"),
+    (["--speculate", "draft", "--draft-model", "{missing}"], "--draft-model {missing} is not a usable model checkpoint"),
+])
+def test_serve_refuses_a_bad_draft_model_before_any_rank_starts(checkpoints, extra, words):
+    from typer.testing import CliRunner
+
+    from treeattn.cli import app
+
+    names = {name: str(path) for name, path in checkpoints.items()}
+    result = CliRunner().invoke(app, ["serve", names["model"], *SERVE, *(e.format(**names) for e in extra)])
+    lines = result.output.strip().splitlines()
+    assert result.exit_code == 2 and len(lines) == 1 and words.format(**names) in lines[0], result.output
+    assert not multiprocessing.active_children()
+
+
+def test_serve_and_generate_count_the_draft_model_in_the_memory_check(checkpoints, monkeypatch):
+    """Memory for two ranks of the model and its cache, not for a draft model as big as the model too."""
+    from typer.testing import CliRunner
+
+    from treeattn.cache.sharded import kv_bytes_per_token
+    from treeattn.cli import app
+    from treeattn.engine import config as config_module, engine as engine_module
+    from treeattn.engine.config import GenerationConfig, kv_cache_bytes_per_rank, model_bytes
+    from treeattn.models.loader import read_config
+
+    model = str(checkpoints["model"])
+    model_config = read_config(model)
+    weights = model_bytes(model, torch.float32)
+    slots = engine_module.EngineConfig(nproc=2, block_size=16, cache_tokens=256).blocks_per_rank(model_config.max_position_embeddings) * 16
+    monkeypatch.setattr(engine_module, "device_memory_bytes", lambda device: 2 * (weights + slots * kv_bytes_per_token(model_config, torch.float32)) + 1)
+    result = CliRunner().invoke(app, ["serve", model, *SERVE, "--speculate", "draft", "--draft-model", model])
+    assert result.exit_code == 2 and "error: --draft-model: 2 rank(s) x (" in result.output and "of draft model and its cache" in result.output
+
+    prompt = [1, 2, 3, 4, 5, 6, 7, 8]
+    kv = kv_cache_bytes_per_rank(GenerationConfig(max_new_tokens=8), model_config, 1, len(prompt), 2, torch.float32)
+    monkeypatch.setattr(config_module, "device_memory_bytes", lambda device: 2 * (weights + kv) + 1)
+    ids = checkpoints["model"].parent / "ids.json"
+    ids.write_text(str(prompt))
+    result = CliRunner().invoke(app, ["generate", model, "--prompt-ids", str(ids), "--max-new-tokens", "8", "--nproc", "2",
+                                      "--speculate", "draft", "--draft-model", model])
+    lines = result.output.strip().splitlines()
+    assert result.exit_code == 2 and len(lines) == 1 and lines[0].startswith("error: --draft-model: 2 rank(s) x ("), result.output
+    assert not multiprocessing.active_children()

@@ -417,3 +417,37 @@ def test_speculative_decoding_serves_the_same_tokens_and_counts_drafts(model_fil
         assert m["treeattn_decode_tokens_per_forward"] >= 1
     finally:
         assert srv.stop() == 0
+
+
+@pytest.fixture(scope="module")
+def draft_file(tmp_path_factory) -> Path:
+    """A smaller random model (one layer, other head sizes) with the model's tokenizer: a draft."""
+    torch.manual_seed(1)
+    config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                      num_key_value_heads=1, vocab_size=VOCAB, bos_token_id=1, eos_token_id=2,
+                                      initializer_range=0.1, rms_norm_eps=1e-5, tie_word_embeddings=False,
+                                      rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    path = tmp_path_factory.mktemp("serve_draft") / "draft.gguf"
+    write_gguf(path, transformers.LlamaForCausalLM(config).eval(), gguf.GGMLQuantizationType.F16, context_length=512)
+    return path
+
+
+def test_a_draft_model_serves_the_same_tokens_and_counts_drafts(model_file, draft_file, reference):
+    """`--speculate draft --draft-model PATH` (another shape, loaded on both ranks) on 2 ranks: greedy
+    completions, plain and streamed, equal the engine's without speculation; /metrics counts the drafts."""
+    complete, _ = reference
+    srv = Server(model_file, "--nproc", "2", "--speculate", "draft", "--draft-model", str(draft_file), "--draft-tokens", "3",
+                 "--served-model-name", NAME)
+    try:
+        client = srv.client()
+        prompts = ["the cat sat on the mat and the cat sat on the", "a b c d a b c d a b", "xyz"]
+        for prompt in prompts:
+            response = client.completions.create(model=NAME, prompt=prompt, max_tokens=16, temperature=0)
+            assert response.choices[0].token_ids == complete(prompt, 16).token_ids
+        stream = client.completions.create(model=NAME, prompt=prompts[0], max_tokens=16, temperature=0, stream=True)
+        assert "".join(chunk.choices[0].text for chunk in stream) == complete(prompts[0], 16).text
+        m = _wait_idle(srv)
+        drafted, accepted = m["treeattn_spec_decode_draft_tokens_total"], m["treeattn_spec_decode_accepted_tokens_total"]
+        assert drafted > 0 and 0 <= accepted <= drafted
+    finally:
+        assert srv.stop() == 0

@@ -140,11 +140,11 @@ def generate_command(
         if top is not None and rank_by is RankBy.none:
             raise ValueError("--top K prints the K best sequences: give --rank-by mean-logprob too")
         world = _world_size(nproc)
-        _check_before_spawning(config, model_dir, prompts, world, dtype.value)
         if config.draft_model is not None:
             from treeattn.draft_model import check_draft_model, read_draft_model
 
             check_draft_model(read_draft_model(config.draft_model), files, positions=max(map(len, prompts)) + max_new_tokens)
+        _check_before_spawning(config, model_dir, prompts, world, dtype.value)
         _check_context(prompts, max_new_tokens, files.config, model_dir, allow_beyond_context)
     except ConfigError as exc:
         typer.echo(f"error: {_cli_message(exc)}", err=True)
@@ -215,7 +215,7 @@ def _cli_message(exc) -> str:
 def _check_before_spawning(config, model_dir: Path, prompts: list[list[int]], world: int, dtype: str) -> None:
     """Everything the ranks would refuse, checked once here: the checkpoint (without reading its
     weights), the config against the model and the prompts, and the memory of `world` ranks on this machine (each holds all weights and its
-    share of the cache). Warns when ranks outnumber the cores or the prompt's tokens."""
+    share of the cache, the draft model's too). Warns when ranks outnumber the cores or the prompt's tokens."""
     import torch
 
     from treeattn.engine.config import (
@@ -224,6 +224,7 @@ def _check_before_spawning(config, model_dir: Path, prompts: list[list[int]], wo
         device_memory_bytes,
         format_bytes,
         kv_cache_bytes_per_rank,
+        model_bytes,
     )
     from treeattn.models.loader import check_checkpoint
 
@@ -235,12 +236,20 @@ def _check_before_spawning(config, model_dir: Path, prompts: list[list[int]], wo
     longest = max(len(p) for p in prompts)
     weights = sum(p.numel() * p.element_size() for p in skeleton.parameters())
     kv = kv_cache_bytes_per_rank(config, model_config, len(prompts), longest, world, torch_dtype)
+    draft = 0
+    if config.draft_model is not None:  # every rank holds the draft model, its cache sharded like the model's
+        draft_skeleton = check_checkpoint(config.draft_model, dtype=torch_dtype)
+        draft = (model_bytes(draft_skeleton, torch_dtype)
+                 + kv_cache_bytes_per_rank(config, draft_skeleton.config, len(prompts), longest, world, torch_dtype))
     here = int(os.environ.get("LOCAL_WORLD_SIZE", world)) if _under_torchrun() else world  # ranks on this machine
     memory = device_memory_bytes("cpu")
-    if memory is not None and here * (weights + kv) > memory:
-        option = "--nproc" if here > 1 and weights + kv <= memory else "--capacity" if config.capacity is not None else "--max-new-tokens"
-        raise ValueError(f"{option}: {here} rank(s) x ({format_bytes(weights)} of weights + {format_bytes(kv)} of KV cache) "
-                         f"= {format_bytes(here * (weights + kv))}, more than this machine's {format_bytes(memory)} of memory")
+    total = here * (weights + kv + draft)
+    if memory is not None and total > memory:
+        option = ("--draft-model" if here * (weights + kv) <= memory else "--nproc" if here > 1 and weights + kv + draft <= memory
+                  else "--capacity" if config.capacity is not None else "--max-new-tokens")
+        drafted = f" + {format_bytes(draft)} of draft model and its cache" if config.draft_model is not None else ""
+        raise ValueError(f"{option}: {here} rank(s) x ({format_bytes(weights)} of weights + {format_bytes(kv)} of KV cache{drafted}) "
+                         f"= {format_bytes(total)}, more than this machine's {format_bytes(memory)} of memory")
     if os.environ.get("RANK", "0") != "0":  # under torchrun, rank 0 warns for all
         return
     cores = os.cpu_count() or 1
