@@ -306,7 +306,7 @@ class Engine:
                                    prefill_chunk=self.config.prefill_chunk, prefix_cache=self.prefix_cache,
                                    drafter=_drafter(self.config.speculate), draft_tokens=self.config.draft_tokens,
                                    draft_cache=self.config.speculate == "draft")
-        self.max_context = min(self.pool.max_tokens_per_sequence, info.max_position_embeddings)
+        self.max_context = _max_context(self.config, info.max_position_embeddings)
         self.healthy = True
         self._update_stats()
         self._driver = threading.Thread(target=self._drive, name="treeattn-engine-driver", daemon=True)
@@ -666,7 +666,7 @@ def _model_files(model):
 
 
 def _max_context(config: EngineConfig, max_position_embeddings: int) -> int:
-    """Engine.max_context: the most positions one request may take."""
+    """Engine.max_context: the most positions one request may take (the whole cache, or the model's window)."""
     return min(config.nproc * config.blocks_per_rank(max_position_embeddings) * config.block_size, max_position_embeddings)
 
 
@@ -697,8 +697,8 @@ def _check_memory(model, model_config, config: EngineConfig) -> None:
     option = ("draft_model" if here * (weights + cache) <= memory else "nproc" if weights + cache + draft <= memory
               else "cache_tokens")
     drafted = f" + {format_bytes(draft)} of draft model and its cache" if config.draft_model is not None else ""
-    raise ConfigError(option, f"{option}: {here} rank(s) x ({format_bytes(weights)} of weights + {format_bytes(cache)} of KV cache{drafted}) = "
-                     f"{format_bytes(total)}, more than the {format_bytes(memory)} of memory of this machine")
+    raise ConfigError(option, f"{option}: {here} rank(s) x ({format_bytes(weights)} of weights + {format_bytes(cache)} of KV cache"
+                              f"{drafted}) = {format_bytes(total)}, more than the {format_bytes(memory)} of memory of this machine")
 
 
 def _load_model(model, dtype):
