@@ -23,7 +23,7 @@ import torch.distributed as dist
 from hypothesis import given, settings, strategies as st
 
 import treeattn as ta
-from test_engine_speculate import BLOCK, CONFIG, PLENTY, REQUESTS as ALL_REQUESTS, SAMPLED, TIGHT, _greedy_alone
+from test_engine_speculate import BLOCK, CONFIG, PLENTY, REQUESTS as ALL_REQUESTS, SAMPLED, TIGHT, _greedy_alone, _uncached
 from treeattn.cache.blocks import ShardedBlockPool
 from treeattn.cache.prefix import PrefixCache
 from treeattn.engine import SamplingParams, runner, token_parallel
@@ -112,7 +112,16 @@ def runs():
 
 @pytest.fixture(scope="module")
 def references():
-    return _greedy_alone(_target())[: len(REQUESTS)]
+    """Each request alone without speculation (ta.generate), checked against the uncached oracle: one
+    forward pass over prompt + tokens, whose argmax at every position is the next token."""
+    model = _target()
+    out = _greedy_alone(model)[: len(REQUESTS)]
+    for (prompt, _), tokens in zip(REQUESTS, out):
+        ids = torch.tensor([prompt + tokens])
+        with torch.no_grad():
+            hidden = model(ids, torch.arange(ids.shape[1])[None], *_uncached(ids.shape[1]))
+        assert model.logits(hidden[0, len(prompt) - 1 : -1]).argmax(-1).tolist() == tokens
+    return out
 
 
 @pytest.fixture(scope="module")
