@@ -132,6 +132,7 @@ def main() -> None:
                     "plain_forwards": plain["decode_steps"], "spec_forwards": spec["decode_steps"],
                     "drafted": s["drafted"], "accepted": s["accepted"], "acceptance_rate": s["acceptance_rate"],
                     "tokens_per_forward": s["tokens_per_forward"], "draft_s": s["draft_s"],
+                    "draft_ms_per_token": 1000 * s["draft_s"] / s["drafted"] if s["drafted"] else float("nan"),
                     "draft_prefill_s": s.get("draft_prefill_s", 0.0), "plain_prefill_s": plain["prefill_s"], "threads": threads,
                     "wall_s": time.perf_counter() - start,
                 })
