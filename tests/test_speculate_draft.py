@@ -7,7 +7,8 @@
   uncached greedy recomputation, on p = 1, 2, 3 gloo ranks (sub-groups of one spawn), both
   placements, tree and ring decoding, ring and local prefill; with the model itself as draft (every
   draft accepted) and another random model (drafts rejected), both given as checkpoint paths (what
-  travels to ranks). The draft runs on every rank, its cache laid out like the model's.
+  travels to ranks). The draft runs on every rank, its cache laid out like the model's; with
+  draft_cache="rank0" on rank 0 alone with a whole cache (on 2 and 3 ranks).
 - The draft's cache after a rejection (DraftModelDrafter.rollback): on every rank, both placements,
   its shard holds exactly the accepted context, the lengths and positions the model's cache has after
   its own rollback, and keys/values equal to a draft that prefilled that context directly; the next
@@ -49,6 +50,7 @@ NEW_TOKENS = 16
 BOTH = [("tree", "contiguous"), ("tree", "interleaved"), ("ring", "contiguous"), ("ring", "interleaved")]
 CASES = {1: BOTH[:1], 2: BOTH, 3: BOTH}
 ROLLBACK_CASES = {2: [BOTH[0], BOTH[3]], 3: [BOTH[1], BOTH[2]]}  # each placement and decoding on 2 and on 3 ranks
+RANK0_CASES = {1: [], 2: [BOTH[1]], 3: [BOTH[2]]}  # draft_cache="rank0": the draft whole on rank 0
 
 
 # ----------------------------------------------------------------------- the acceptance rule
@@ -117,23 +119,27 @@ def _draft_cases(rank: int, world_size: int, dirs: dict) -> dict:
     for p, group in groups.items():
         if rank >= p:
             continue
-        for decode, placement in CASES[p]:
+        cases = [(decode, placement, "sharded") for decode, placement in CASES[p]] + [(d, pl, "rank0") for d, pl in RANK0_CASES[p]]
+        for decode, placement, draft_cache in cases:
             for draft in ("model", "other"):
                 prefill = "local" if (p, decode, placement, draft) == (3, "tree", "interleaved", "other") else "auto"
                 run = stream(model, PROMPT, max_new_tokens=NEW_TOKENS, stop_tokens=[], decode=decode, placement=placement, prefill=prefill,
-                             block_size=4, group=group, speculate="draft", draft_model=dirs[draft], draft_tokens=3)
+                             block_size=4, group=group, speculate="draft", draft_model=dirs[draft], draft_tokens=3, draft_cache=draft_cache)
                 for _ in run:
                     pass
                 result, slots = run.result, torch.arange(run.cache.capacity)
-                same_layout = (run._drafter.cache.capacity == run.cache.capacity
-                               and torch.equal(run._drafter.cache.placement.owner(slots), run.cache.placement.owner(slots)))
-                out[(p, decode, placement, draft)] = (result.generated_ids[0], result.decode_steps, result.speculation, same_layout)
+                if draft_cache == "sharded":  # laid out like the model's cache
+                    layout = (run._drafter.cache.capacity == run.cache.capacity
+                              and torch.equal(run._drafter.cache.placement.owner(slots), run.cache.placement.owner(slots)))
+                else:  # whole on rank 0, nothing elsewhere
+                    layout = run._drafter is None if rank else run._drafter.cache.world_size == 1
+                out[(p, decode, placement, draft, draft_cache)] = (result.generated_ids[0], result.decode_steps, result.speculation, layout)
         for decode, placement in ROLLBACK_CASES.get(p, []):
             out[("rollback", p, decode, placement)] = _rollback(model, group, decode, placement, rank, p)
-    if rank < 3:  # temperature > 0 on 3 ranks: every rank returns the same tokens
+    for draft_cache in ("sharded", "rank0"):  # temperature > 0 on 3 ranks: every rank returns the same tokens
         result = generate(model, PROMPT, max_new_tokens=8, temperature=0.8, seed=3, speculate="draft", draft_model=dirs["other"],
-                          draft_tokens=4, placement="interleaved", block_size=4)
-        out["sampled"] = result.generated_ids[0]
+                          draft_tokens=4, placement="interleaved", block_size=4, draft_cache=draft_cache)
+        out[("sampled", draft_cache)] = result.generated_ids[0]
     return out
 
 
@@ -196,13 +202,14 @@ def test_greedy_with_a_draft_model_equals_uncached_greedy_on_every_p(ranks, chec
     plain = generate(load_model(checkpoints["model"][0]), PROMPT, max_new_tokens=NEW_TOKENS, stop_tokens=[])
     assert plain.generated_ids[0] == expected
     for p in (1, 2, 3):
-        for decode, placement in CASES[p]:
+        cases = [(decode, placement, "sharded") for decode, placement in CASES[p]] + [(d, pl, "rank0") for d, pl in RANK0_CASES[p]]
+        for decode, placement, draft_cache in cases:
             for draft in ("model", "other"):
-                key = (p, decode, placement, draft)
+                key = (p, decode, placement, draft, draft_cache)
                 results = [r[key] for r in ranks[:p]]
                 tokens, steps, spec, _ = results[0]
                 assert tokens == expected, key
-                assert all(r[3] for r in results), f"the draft's cache is not laid out like the model's: {key}"
+                assert all(r[3] for r in results), f"the draft's cache is not where draft_cache puts it: {key}"
                 assert all(r[0] == tokens and r[1] == steps for r in results), f"ranks disagree: {key}"
                 assert all(r[2] == spec for r in results), f"ranks report different speculation: {key}"
                 assert steps == NEW_TOKENS - 1 - spec["accepted"] and spec["decoded_tokens"] == NEW_TOKENS - 1, key
@@ -214,8 +221,9 @@ def test_greedy_with_a_draft_model_equals_uncached_greedy_on_every_p(ranks, chec
 
 
 def test_sampling_with_a_draft_model_is_the_same_on_every_rank(ranks):
-    assert ranks[0]["sampled"] == ranks[1]["sampled"] == ranks[2]["sampled"]
-    assert len(ranks[0]["sampled"]) == 8
+    for draft_cache in ("sharded", "rank0"):
+        key = ("sampled", draft_cache)
+        assert ranks[0][key] == ranks[1][key] == ranks[2][key] and len(ranks[0][key]) == 8, key
 
 
 # --------------------------------------------------------------------- end to end, sampling
@@ -290,6 +298,8 @@ def test_draft_model_and_speculate_draft_need_each_other():
         (dict(speculate="draft", draft_model=3), "draft_model", "checkpoint path or a loaded model, got int"),
         (dict(speculate="draft", draft_model="d.gguf", draft_tokens=0), "draft_tokens", ">= 1"),
         (dict(speculate="draft", draft_model="d.gguf", draft_tokens=17), "draft_tokens", "[1, 16]"),
+        (dict(speculate="draft", draft_model="d.gguf", draft_cache="whole"), "draft_cache", "one of ('sharded', 'rank0')"),
+        (dict(speculate="ngram", draft_cache="rank0"), "draft_cache", "got speculate='ngram'"),
     ]:
         with pytest.raises(ConfigError) as info:
             GenerationConfig(**options)
@@ -346,6 +356,7 @@ def test_cli_draft_model_json_and_errors(tokenized, tmp_path):
         (["--speculate", "draft", "--draft-model", str(tokenized["short"])], "--draft-model's context window of 16 positions"),
         (["--speculate", "draft", "--draft-model", str(tmp_path / "nothing")], f"--draft-model {tmp_path / 'nothing'} is not"),
         (["--speculate", "draft", "--draft-model", str(tokenized["same"]), "--draft-tokens", "17"], "--draft-tokens must be in [1, 16]"),
+        (["--draft-cache", "rank0"], "--draft-cache rank0 places the draft model of --speculate draft, got no speculation"),
     ]:
         bad = runner.invoke(app, base + extra + ["--nproc", "2"])  # refused before the ranks are spawned (exit 2, not 1)
         lines = bad.output.strip().splitlines()

@@ -145,15 +145,23 @@ class DraftModelDrafter:
 
     @classmethod
     def like(cls, model, target: ShardedRunner, *, prefill: str, sampling: SamplingParams) -> "DraftModelDrafter":
-        """The drafter of `model` with a cache laid out as `target`'s (capacity, block size, placement,
-        rank, world size), the same decode attention and group, and `prefill` ("ring" or "local")."""
-        c, layout = model.config, target.cache
-        cache = ShardedKVCache(num_layers=c.num_layers, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, value_dim=c.cache_value_dim,
-                               capacity=layout.capacity, block_size=layout.block_size, placement=layout.placement.kind,
-                               rank=layout.rank, world_size=layout.world_size, dtype=model.dtype, device=model.device)
+        """draft_cache "sharded": the drafter of `model` with a cache laid out as `target`'s (capacity,
+        block size, placement, rank, world size), the same decode attention and group, and `prefill`
+        ("ring" or "local"). Every rank builds one."""
+        layout = target.cache
+        cache = _cache_for(model, capacity=layout.capacity, block_size=layout.block_size, placement=layout.placement.kind,
+                           rank=layout.rank, world_size=layout.world_size)
         runner = ShardedRunner(model, cache, decode=target.decode, method=target.method, prefill=prefill, group=target.group,
                                topology=target.topology, chunk=target.chunk)
         return cls(runner, sampling=sampling)
+
+    @classmethod
+    def whole(cls, model, *, capacity: int, sampling: SamplingParams, chunk: int = 1024) -> "DraftModelDrafter":
+        """draft_cache "rank0": the drafter of `model` on this process alone, over one whole cache of
+        `capacity` tokens (plain attention, the prompt prefilled in chunks of `chunk`); its drafts go
+        to the other ranks in one broadcast (treeattn.generate)."""
+        cache = _cache_for(model, capacity=capacity, block_size=256, placement="contiguous", rank=0, world_size=1)
+        return cls(ShardedRunner(model, cache, decode="local", method="allreduce", prefill="local", chunk=chunk), sampling=sampling)
 
     @property
     def cache(self) -> ShardedKVCache:
@@ -229,3 +237,11 @@ class DraftModelDrafter:
         hidden = self.runner.forward(tokens[None].to(device), positions.to(device))
         self.held = torch.cat([self.held, tokens])
         return hidden[0, -1]
+
+
+def _cache_for(model, *, capacity: int, block_size: int, placement: str, rank: int, world_size: int) -> ShardedKVCache:
+    """This rank's (empty) ShardedKVCache for `model`, in its dtype and on its device."""
+    c = model.config
+    return ShardedKVCache(num_layers=c.num_layers, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, value_dim=c.cache_value_dim,
+                          capacity=capacity, block_size=block_size, placement=placement, rank=rank, world_size=world_size,
+                          dtype=model.dtype, device=model.device)

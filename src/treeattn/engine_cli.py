@@ -66,6 +66,11 @@ class Speculate(str, Enum):
     draft = "draft"
 
 
+class DraftCache(str, Enum):
+    sharded = "sharded"
+    rank0 = "rank0"
+
+
 class DType(str, Enum):
     float32 = "float32"
     bfloat16 = "bfloat16"
@@ -110,7 +115,10 @@ def generate_command(
                                         "verified in one forward pass."),
     draft_tokens: int = typer.Option(4, "--draft-tokens", help="Most tokens drafted per step with --speculate, in [1, 16]."),
     draft_model: Path | None = typer.Option(None, "--draft-model", help="The draft model of --speculate draft (HF directory "
-                                            "or .gguf, the model's tokenizer); rank 0 holds it, with its own whole cache."),
+                                            "or .gguf, the model's tokenizer), run on every rank (see --draft-cache)."),
+    draft_cache: DraftCache = typer.Option(DraftCache.sharded, "--draft-cache", help="Where --draft-model runs: sharded (on "
+                                           "every rank, its cache sharded like the model's) or rank0 (rank 0 alone, its "
+                                           "cache whole; faster with more ranks than cores, docs/benchmarks.md)."),
     shared_memory: bool = typer.Option(True, "--shared-memory/--no-shared-memory", help="Ranks on this host combine through "
                                        "shared memory (one round, no sockets); --no-shared-memory: through gloo."),
     timeout: float = typer.Option(60.0, "--timeout", min=0.001, max=1e6, help="Seconds a rank may wait in a collective or show "
@@ -127,7 +135,8 @@ def generate_command(
             stop_tokens=() if no_stop else (tuple(stop_id) or None), num_samples=num_samples, decode=decode.value,
             method=None if method is None else method.value, prefill=prefill.value, placement=placement.value, block_size=block_size, capacity=capacity,
             speculate=None if speculate is Speculate.none else speculate.value, draft_tokens=draft_tokens,
-            draft_model=None if draft_model is None else str(draft_model), shared_memory=shared_memory,
+            draft_model=None if draft_model is None else str(draft_model), draft_cache=draft_cache.value,
+            shared_memory=shared_memory,
         )
         if system is not None and not chat:
             raise ValueError("--system is a chat message: give --chat too")

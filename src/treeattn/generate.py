@@ -155,8 +155,8 @@ class GenerationResult:
         speculation: {} without speculative decoding; else method, draft_tokens (k), drafted,
             accepted, acceptance_rate (accepted / drafted), decoded_tokens (tokens the decode steps
             produced), tokens_per_forward (decoded_tokens / decode_steps) and draft_s (rank 0's
-            seconds drafting, inside decode_s); with a draft model also draft_model (its path) and
-            draft_prefill_s (its prefill of the prompt, inside prefill_s). decode_steps then counts
+            seconds drafting, inside decode_s); with a draft model also draft_model (its path),
+            draft_cache and draft_prefill_s (its prefill of the prompt, inside prefill_s). decode_steps then counts
             the model's verification forward passes, one per step.
     """
 
@@ -247,6 +247,7 @@ def generate(
     speculate: str | None = None,
     draft_tokens: int = 4,
     draft_model=None,
+    draft_cache: str = "sharded",
     shared_memory: bool = True,
     on_token: Callable[[StepOutput], None] | None = None,
 ) -> GenerationResult:
@@ -301,8 +302,11 @@ def generate(
             same tokens as without speculation; temperature > 0: the same distribution).
             result.speculation reports it.
         draft_tokens: the most tokens drafted per step, in [1, 16].
-        draft_model: with speculate="draft": the draft model, a checkpoint path (loaded on every rank in
-            the model's dtype and device) or a loaded LlamaModel, of the model's tokenizer.
+        draft_model: with speculate="draft": the draft model, a checkpoint path (loaded, on the ranks
+            that run it, in the model's dtype and device) or a loaded LlamaModel, of the model's tokenizer.
+        draft_cache: where the draft model runs: "sharded" (every rank, over its own cache sharded
+            like the model's) or "rank0" (rank 0 alone, its cache whole, the drafts broadcast);
+            docs/benchmarks.md measures both.
         shared_memory: combine across the ranks through shared memory when they all run on this
             host and the model is on the CPU (treeattn.parallel.shared_memory: one round, no
             sockets); False: through the group's back end (gloo, NCCL).
@@ -322,8 +326,7 @@ def generate(
         seed=seed, stop_tokens=stop_tokens, num_samples=num_samples, decode=decode, method=method, prefill=prefill,
         placement=placement, block_size=block_size, capacity=capacity, chunk=chunk, group=group, topology=topology,
         cache=cache, static_decode=static_decode, cuda_graph=cuda_graph, speculate=speculate, draft_tokens=draft_tokens,
-        draft_model=draft_model,
-        shared_memory=shared_memory,
+        draft_model=draft_model, draft_cache=draft_cache, shared_memory=shared_memory,
     )
     for step in run:
         if on_token is not None:
@@ -391,7 +394,7 @@ class Generation:
             prefill = resolve_prefill(config.prefill, self.world_size, longest, model.config.layer_windows)
             if prefill == "local" and config.prefill == "auto" and self.world_size > 1 and self.rank == 0:
                 logger.info("a sliding window shorter than the prompt: prefill 'local' (ring_attention has no window)")
-            if config.speculate == "draft":  # every rank runs the draft model, its cache sharded like the model's
+            if config.speculate == "draft" and (config.draft_cache == "sharded" or self.rank == 0):  # the ranks that run it
                 from treeattn.draft_model import check_loaded_draft
 
                 draft_model = check_loaded_draft(config.draft_model, model, positions=longest + config.max_new_tokens)
@@ -433,12 +436,17 @@ class Generation:
         )
 
     def _make_drafter(self, draft_model, draft_prefill: str | None):
-        """This rank's drafter: prompt lookup, or the draft model over its own cache sharded like the model's."""
+        """This rank's drafter: prompt lookup; the draft model over its own cache sharded like the model's;
+        or with draft_cache "rank0" the draft model on rank 0 alone, its cache whole (None elsewhere)."""
         if self.config.speculate == "ngram":
             return NgramDrafter()
         from treeattn.draft_model import DraftModelDrafter
 
-        return DraftModelDrafter.like(draft_model, self.runner, prefill=draft_prefill, sampling=self.sampling)
+        if self.config.draft_cache == "sharded":
+            return DraftModelDrafter.like(draft_model, self.runner, prefill=draft_prefill, sampling=self.sampling)
+        if self.rank == 0:
+            return DraftModelDrafter.whole(draft_model, capacity=self.cache.capacity, sampling=self.sampling, chunk=self.chunk)
+        return None
 
     def _agree(self, config, local_error, *, capacity, block_size, prefill) -> None:
         """Every rank checks that all ranks got the same prompts, options and model (one all-gather),
@@ -476,7 +484,7 @@ class Generation:
             generator = torch.Generator(device="cpu").manual_seed(self.seed)
             with comm_stats() as prefill_comm:
                 last_hidden = self.runner.prefill(tokens, positions)
-                if self.config.speculate == "draft":  # the draft's own prefill, in the time to first token
+                if self.config.speculate == "draft" and self._drafter is not None:  # the draft's own prefill, in the time to first token
                     draft_start = time.perf_counter()
                     self._drafter.prefill(self.prompts[0])
                     self._draft_prefill_s = time.perf_counter() - draft_start
@@ -524,7 +532,8 @@ class Generation:
         if self.config.speculate == "draft":
             from treeattn.draft_model import describe
 
-            report.update(draft_model=describe(self.config.draft_model), draft_prefill_s=draft_prefill_s)
+            report.update(draft_model=describe(self.config.draft_model), draft_cache=self.config.draft_cache,
+                          draft_prefill_s=draft_prefill_s)
         return report
 
     def _steps(self, new, logprobs, next_pos, generator, static_step, outputs, fed, step_logprobs, step_times) -> Iterator[StepOutput]:
@@ -597,15 +606,29 @@ class Generation:
         rank: (draft int64 (d,), d <= the tokens still to produce - 1, the same on every rank; proposal
         float64 (d, V) on rank 0, or None for a one-hot proposal). Prompt lookup is a deterministic
         function of the context, which every rank holds, so each rank runs it alone; the draft model
-        runs on every rank together (DraftModelDrafter.propose, a broadcast per drafted token)."""
+        runs on every rank together (DraftModelDrafter.propose, a broadcast per drafted token), or with
+        draft_cache "rank0" on rank 0 alone, which then broadcasts its drafts."""
         budget = min(self.config.draft_tokens, self.max_new_tokens - emitted - 1)
         start = time.perf_counter()
         if self.config.speculate == "ngram":
             draft, proposal = self._drafter.propose(context, budget), None
-        else:
+        elif self.config.draft_cache == "sharded":
             draft, proposal = self._drafter.propose(context, budget, generator)
+        else:
+            draft, proposal = self._drafter.propose(context, budget, generator) if self.rank == 0 else (context[:0], None)
+            draft = self._broadcast_draft(draft)
         self._draft_s += time.perf_counter() - start
         return draft, proposal
+
+    def _broadcast_draft(self, draft: torch.Tensor) -> torch.Tensor:
+        """Rank 0's drafts int64 (d,), d <= draft_tokens, to every rank in one broadcast (the others
+        pass anything); returns them on every rank."""
+        message = torch.zeros(1 + self.config.draft_tokens, dtype=torch.int64)
+        if self.rank == 0:
+            message[0] = draft.numel()
+            message[1: 1 + draft.numel()] = draft
+        message = self._broadcast(message.to(self.model.device), src=0).cpu()
+        return message[1: 1 + int(message[0])].clone()
 
     def _verify(self, hidden: torch.Tensor, draft: torch.Tensor, proposal: torch.Tensor | None, generator: torch.Generator,
                 *, index: int) -> tuple[int, list[int], list[torch.Tensor]]:

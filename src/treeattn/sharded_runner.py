@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from treeattn.cache import ShardedKVCache
-from treeattn.models.attention import RingPrefillAttention, attention_backend
+from treeattn.models.attention import RingPrefillAttention, decode_attention
 
 PREFILL_KINDS = ("ring", "local", "reused")
 
@@ -37,8 +37,9 @@ class ShardedRunner:
 
     Args:
         model: the model (a LlamaModel), the same weights on every rank.
-        cache: this rank's ShardedKVCache for `model` (its rank and world_size are the group's).
-        decode: "tree", "ring" or "local": the attention of forward().
+        cache: this rank's ShardedKVCache for `model`: its rank and world_size are the group's, or
+            world_size 1 for a cache this process holds whole (then nothing is combined or broadcast).
+        decode: "tree", "ring" or "local" (one rank): the attention of forward().
         method: tree_decode's method ("allreduce", "tree", "twolevel", "onepass").
         prefill: "ring", "local" or "reused" (see the module docstring).
         group: what the combines and broadcasts go through: the process group, or its shared-memory
@@ -53,7 +54,8 @@ class ShardedRunner:
             raise ValueError(f"prefill must be one of {PREFILL_KINDS}, got {prefill!r}")
         self.model, self.cache, self.prefill_kind, self.chunk = model, cache, prefill, chunk
         self.decode, self.method, self.group, self.topology = decode, method, group, topology
-        self.attend = attention_backend(decode, method=method, group=group, topology=topology)
+        # A cache of one rank (one process, or a draft model's whole cache on rank 0) has nothing to combine.
+        self.attend = decode_attention(decode if cache.world_size > 1 else "local", method=method, group=group, topology=topology)
 
     def prefill(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Run the prompt into the (empty, or for "reused" prompt-holding) cache.

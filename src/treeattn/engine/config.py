@@ -26,7 +26,7 @@ from treeattn.cache.placement import PLACEMENTS, make_placement
 from treeattn.cache.sharded import kv_bytes_per_token
 from treeattn.models.attention import DECODE_KINDS
 from treeattn.parallel.tree_decode import METHODS
-from treeattn.speculate import MAX_DRAFT_TOKENS, SPECULATE_KINDS
+from treeattn.speculate import DRAFT_CACHES, MAX_DRAFT_TOKENS, SPECULATE_KINDS
 
 PREFILL_KINDS = ("auto", "ring", "local")
 DEFAULT_METHOD = "onepass"
@@ -90,6 +90,8 @@ class GenerationConfig:
             directory or a .gguf file; a str, what travels to the ranks), or a loaded model (in one
             process). Its tokenizer and context window are checked against the model's where the
             model is known (check_draft_model).
+        draft_cache: where the draft model runs: "sharded" (every rank, its cache sharded like the
+            model's) or "rank0" (rank 0 alone, its cache whole); see treeattn.draft_model.
         shared_memory: combine across the ranks through shared memory when they all run on this
             host and the model is on the CPU (treeattn.parallel.shared_memory); else, or with
             False, through the process group's back end (gloo, NCCL).
@@ -114,6 +116,7 @@ class GenerationConfig:
     speculate: str | None = None
     draft_tokens: int = 4
     draft_model: str | torch.nn.Module | None = None
+    draft_cache: str = "sharded"
     shared_memory: bool = True
 
     def __post_init__(self) -> None:
@@ -163,6 +166,11 @@ class GenerationConfig:
             raise ConfigError("draft_model", f"draft_model is the drafter of speculate='draft', got {got}")
         if self.speculate == "draft" and self.draft_model is None:
             raise ConfigError("speculate", "speculate='draft' needs draft_model=PATH, the draft model's checkpoint")
+        if self.draft_cache not in DRAFT_CACHES:
+            raise ConfigError("draft_cache", f"draft_cache must be one of {DRAFT_CACHES}, got {self.draft_cache!r}")
+        if self.draft_cache != "sharded" and self.speculate != "draft":
+            got = "no speculation" if self.speculate is None else f"speculate={self.speculate!r}"
+            raise ConfigError("draft_cache", f"draft_cache={self.draft_cache!r} places the draft model of speculate='draft', got {got}")
         if self.speculate is None:
             return
         if self.num_samples > 1:
