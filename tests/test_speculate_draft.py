@@ -361,3 +361,30 @@ def test_cli_draft_model_json_and_errors(tokenized, tmp_path):
         bad = runner.invoke(app, base + extra + ["--nproc", "2"])  # refused before the ranks are spawned (exit 2, not 1)
         lines = bad.output.strip().splitlines()
         assert bad.exit_code == 2 and len(lines) == 1 and words in lines[0], (extra, bad.output)
+
+
+def test_the_memory_check_counts_a_draft_on_rank0_once(tokenized, monkeypatch):
+    """treeattn generate's check before spawning: with --draft-cache rank0 the draft model and its whole
+    cache count once (rank 0), with sharded once per rank (each with its share of the cache)."""
+    from pathlib import Path
+
+    from treeattn import engine_cli
+    from treeattn.engine import config as config_module
+    from treeattn.engine.config import kv_cache_bytes_per_rank, model_bytes
+    from treeattn.models.loader import read_config
+
+    model, prompts = str(tokenized["model"]), [list(range(8))]
+    model_config, weights = read_config(model), model_bytes(model, torch.float32)
+
+    def config(draft_cache: str) -> GenerationConfig:
+        return GenerationConfig(max_new_tokens=8, speculate="draft", draft_model=model, draft_cache=draft_cache)
+
+    kv = kv_cache_bytes_per_rank(config("sharded"), model_config, 1, 8, 2, torch.float32)
+    whole = kv_cache_bytes_per_rank(config("rank0"), model_config, 1, 8, 1, torch.float32)
+    monkeypatch.setattr(config_module, "device_memory_bytes", lambda device: 2 * (weights + kv) + weights + whole)
+    engine_cli._check_before_spawning(config("rank0"), Path(model), prompts, 2, "float32")  # fits: the draft once
+    with pytest.raises(ValueError, match=r"^--draft-model: 2 rank\(s\) x \(.* of draft model and its cache\) = "):
+        engine_cli._check_before_spawning(config("sharded"), Path(model), prompts, 2, "float32")
+    monkeypatch.setattr(config_module, "device_memory_bytes", lambda device: 2 * (weights + kv) + 1)
+    with pytest.raises(ValueError, match=r"KV cache\) \+ .* of draft model and its whole cache on rank 0 = "):
+        engine_cli._check_before_spawning(config("rank0"), Path(model), prompts, 2, "float32")

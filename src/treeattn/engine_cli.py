@@ -245,20 +245,23 @@ def _check_before_spawning(config, model_dir: Path, prompts: list[list[int]], wo
     longest = max(len(p) for p in prompts)
     weights = sum(p.numel() * p.element_size() for p in skeleton.parameters())
     kv = kv_cache_bytes_per_rank(config, model_config, len(prompts), longest, world, torch_dtype)
-    draft = 0
-    if config.draft_model is not None:  # every rank holds the draft model, its cache sharded like the model's
-        draft_skeleton = check_checkpoint(config.draft_model, dtype=torch_dtype)
-        draft = (model_bytes(draft_skeleton, torch_dtype)
-                 + kv_cache_bytes_per_rank(config, draft_skeleton.config, len(prompts), longest, world, torch_dtype))
     here = int(os.environ.get("LOCAL_WORLD_SIZE", world)) if _under_torchrun() else world  # ranks on this machine
+    draft = rank0_draft = 0
+    if config.draft_model is not None:  # the draft model on every rank, its cache sharded like the model's; or whole on rank 0
+        draft_skeleton = check_checkpoint(config.draft_model, dtype=torch_dtype)
+        sharded = config.draft_cache == "sharded"
+        draft = (model_bytes(draft_skeleton, torch_dtype)
+                 + kv_cache_bytes_per_rank(config, draft_skeleton.config, len(prompts), longest, world if sharded else 1, torch_dtype))
+        draft, rank0_draft = (draft, 0) if sharded else (0, draft)
     memory = device_memory_bytes("cpu")
-    total = here * (weights + kv + draft)
+    total = here * (weights + kv + draft) + rank0_draft
     if memory is not None and total > memory:
         option = ("--draft-model" if here * (weights + kv) <= memory else "--nproc" if here > 1 and weights + kv + draft <= memory
                   else "--capacity" if config.capacity is not None else "--max-new-tokens")
-        drafted = f" + {format_bytes(draft)} of draft model and its cache" if config.draft_model is not None else ""
-        raise ValueError(f"{option}: {here} rank(s) x ({format_bytes(weights)} of weights + {format_bytes(kv)} of KV cache{drafted}) "
-                         f"= {format_bytes(total)}, more than this machine's {format_bytes(memory)} of memory")
+        drafted = f" + {format_bytes(draft)} of draft model and its cache" if draft else ""
+        on_rank0 = f" + {format_bytes(rank0_draft)} of draft model and its whole cache on rank 0" if rank0_draft else ""
+        raise ValueError(f"{option}: {here} rank(s) x ({format_bytes(weights)} of weights + {format_bytes(kv)} of KV cache{drafted})"
+                         f"{on_rank0} = {format_bytes(total)}, more than this machine's {format_bytes(memory)} of memory")
     if os.environ.get("RANK", "0") != "0":  # under torchrun, rank 0 warns for all
         return
     cores = os.cpu_count() or 1
