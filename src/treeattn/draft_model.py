@@ -6,18 +6,25 @@
     drafter.prefill(prompt_ids)                                   # the prompt into the draft's cache
     draft, q = drafter.propose(context, k, generator)             # int64 (d,); q float64 (d, V) or None
 
-Where it runs: on every rank of the generation, like the model itself: the draft model goes through
-its own treeattn.sharded_runner.ShardedRunner, over its own KV cache sharded exactly like the model's
-(the same capacity, block size, placement and ranks), with the same decode attention (tree_decode /
-ring_decode across the shards) and the same prefill (ring prefill splits the prompt p ways). Every
-rank makes the same calls; drafting k tokens is k one-token forward passes of the draft on every
-rank, and after each one rank 0 picks the token (argmax, or a draw from q with its generator) and
-broadcasts it, since every rank needs it for the next draft forward pass (one small broadcast per
-drafted token; picking on each rank would need bitwise-equal logits on every rank, which ring_decode's
-per-rank merge order does not give). Sharding splits the draft's attention over the context and its
-prefill across the ranks; the price is a combine per draft layer and a broadcast per drafted token.
-Measured against the draft whole on rank 0 (the earlier placement) in docs/benchmarks.md,
-"Speculative decoding with a draft model".
+Where it runs (GenerationConfig.draft_cache):
+
+- "sharded" (the default, DraftModelDrafter.like): on every rank of the generation, like the model
+  itself: the draft model goes through its own treeattn.sharded_runner.ShardedRunner, over its own
+  KV cache sharded exactly like the model's (the same capacity, block size, placement and ranks),
+  with the same decode attention (tree_decode / ring_decode across the shards) and the same prefill
+  (ring prefill splits the prompt p ways). Every rank makes the same calls; drafting k tokens is k
+  one-token forward passes of the draft on every rank, and after each one rank 0 picks the token
+  (argmax, or a draw from q with its generator) and broadcasts it, since every rank needs it for the
+  next draft forward pass (one small broadcast per drafted token; picking on each rank would need
+  bitwise-equal logits on every rank, which ring_decode's per-rank merge order does not give).
+- "rank0" (DraftModelDrafter.whole): on rank 0 alone, over one whole cache with plain attention;
+  treeattn.generate broadcasts its drafts to the other ranks.
+
+Measured inside speculative decoding (docs/benchmarks.md, "Speculative decoding with a draft model";
+SmolLM2 at 4K tokens, a 4-layer draft): with a core per rank (p = 2) both cost the same per drafted
+token (0.95-1.07x) and the sharded prefill takes 0.55-0.57x the time; with two ranks per core (p = 4
+on 2 cores) the sharded draft's collectives make it 1.40-1.55x slower per drafted token. Hence the
+default "sharded", and "rank0" for ranks that share cores.
 
 Proposals: greedily (temperature 0; the proposal is then one-hot, q = None), else each token drawn
 from the draft's own sampling distribution q (the same temperature, top-k and top-p as the target's),

@@ -41,7 +41,8 @@ tokens: by prompt lookup (treeattn.speculate; a deterministic function of the co
 rank holds), or with a draft model run like the model itself, through its own ShardedRunner over its
 own cache sharded like the model's (same capacity, placement and ranks, the same decode attention
 and prefill; treeattn.draft_model: rank 0 picks each drafted token and broadcasts it before the next
-draft forward pass). Every rank then runs the last token and the drafts through the model in one
+draft forward pass; with draft_cache="rank0" the draft model runs on rank 0 alone with a whole cache
+and broadcasts its drafts). Every rank then runs the last token and the drafts through the model in one
 forward pass (their d + 1 causal queries at their positions through the same decode attention, so
 one combine per layer verifies them all); rank 0 accepts a prefix of the drafts (greedy: exact
 match; temperature > 0: the speculative-sampling rule with the drafter's proposal distribution, so
