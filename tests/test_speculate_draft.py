@@ -46,7 +46,7 @@ from treeattn.parallel import spawn  # noqa: E402
 from treeattn.sharded_runner import ShardedRunner  # noqa: E402
 from treeattn.speculate import accept  # noqa: E402
 
-NEW_TOKENS = 16
+NEW_TOKENS = 12
 BOTH = [("tree", "contiguous"), ("tree", "interleaved"), ("ring", "contiguous"), ("ring", "interleaved")]
 CASES = {1: BOTH[:1], 2: BOTH, 3: BOTH}
 ROLLBACK_CASES = {2: [BOTH[0], BOTH[3]], 3: [BOTH[1], BOTH[2]]}  # each placement and decoding on 2 and on 3 ranks
