@@ -398,27 +398,6 @@ def test_a_dead_rank_turns_health_to_503_and_the_server_exits_nonzero(model_file
         srv.stop()
 
 
-def test_speculative_decoding_serves_the_same_tokens_and_counts_drafts(model_file, reference):
-    """`--speculate ngram --draft-tokens 3` on 2 ranks: greedy completions, plain and streamed,
-    equal the engine's without speculation; /metrics counts the drafts."""
-    complete, _ = reference
-    srv = Server(model_file, "--nproc", "2", "--speculate", "ngram", "--draft-tokens", "3", "--served-model-name", NAME)
-    try:
-        client = srv.client()
-        prompts = ["the cat sat on the mat and the cat sat on the", "a b c d a b c d a b", "xyz"]
-        for prompt in prompts:
-            response = client.completions.create(model=NAME, prompt=prompt, max_tokens=16, temperature=0)
-            assert response.choices[0].token_ids == complete(prompt, 16).token_ids
-        stream = client.completions.create(model=NAME, prompt=prompts[0], max_tokens=16, temperature=0, stream=True)
-        assert "".join(chunk.choices[0].text for chunk in stream) == complete(prompts[0], 16).text
-        m = _wait_idle(srv)
-        drafted, accepted = m["treeattn_spec_decode_draft_tokens_total"], m["treeattn_spec_decode_accepted_tokens_total"]
-        assert drafted > 0 and 0 <= accepted <= drafted
-        assert m["treeattn_decode_tokens_per_forward"] >= 1
-    finally:
-        assert srv.stop() == 0
-
-
 @pytest.fixture(scope="module")
 def draft_file(tmp_path_factory) -> Path:
     """A smaller random model (one layer, other head sizes) with the model's tokenizer: a draft."""
@@ -432,12 +411,14 @@ def draft_file(tmp_path_factory) -> Path:
     return path
 
 
-def test_a_draft_model_serves_the_same_tokens_and_counts_drafts(model_file, draft_file, reference):
-    """`--speculate draft --draft-model PATH` (another shape, loaded on both ranks) on 2 ranks: greedy
-    completions, plain and streamed, equal the engine's without speculation; /metrics counts the drafts."""
+@pytest.mark.parametrize("speculate", ["ngram", "draft"])
+def test_speculative_decoding_serves_the_same_tokens_and_counts_drafts(model_file, reference, request, speculate):
+    """`--speculate ngram` (prompt lookup) or `--speculate draft --draft-model PATH` (another shape,
+    loaded on both ranks), `--draft-tokens 3`, on 2 ranks: greedy completions, plain and streamed,
+    equal the engine's without speculation; /metrics counts the drafts."""
     complete, _ = reference
-    srv = Server(model_file, "--nproc", "2", "--speculate", "draft", "--draft-model", str(draft_file), "--draft-tokens", "3",
-                 "--served-model-name", NAME)
+    extra = ["--draft-model", str(request.getfixturevalue("draft_file"))] if speculate == "draft" else []
+    srv = Server(model_file, "--nproc", "2", "--speculate", speculate, *extra, "--draft-tokens", "3", "--served-model-name", NAME)
     try:
         client = srv.client()
         prompts = ["the cat sat on the mat and the cat sat on the", "a b c d a b c d a b", "xyz"]
@@ -449,5 +430,6 @@ def test_a_draft_model_serves_the_same_tokens_and_counts_drafts(model_file, draf
         m = _wait_idle(srv)
         drafted, accepted = m["treeattn_spec_decode_draft_tokens_total"], m["treeattn_spec_decode_accepted_tokens_total"]
         assert drafted > 0 and 0 <= accepted <= drafted
+        assert m["treeattn_decode_tokens_per_forward"] >= 1
     finally:
         assert srv.stop() == 0
