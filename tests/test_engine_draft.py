@@ -23,7 +23,7 @@ import torch.distributed as dist
 from hypothesis import given, settings, strategies as st
 
 import treeattn as ta
-from test_engine_speculate import BLOCK, CONFIG, PLENTY, REQUESTS as ALL_REQUESTS, SAMPLED, TIGHT, _greedy_alone, _uncached
+from test_engine_speculate import BLOCK, CONFIG, PLENTY, REQUESTS as ALL_REQUESTS, SAMPLED, TIGHT, _greedy_alone, _uncached, one_thread  # noqa: F401
 from treeattn.cache.blocks import ShardedBlockPool
 from treeattn.cache.prefix import PrefixCache
 from treeattn.engine import SamplingParams, runner, token_parallel
@@ -68,12 +68,6 @@ CASES = [
 ]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def _engine_cases(rank: int, world_size: int) -> list[dict]:

@@ -40,16 +40,20 @@ NAME = "tiny"
 ENGINE_ARGS = ["--block-size", "16", "--cache-tokens", "4096", "--max-batch-size", "8"]
 
 
-@pytest.fixture(scope="module")
-def model_file(tmp_path_factory) -> Path:
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                                      num_key_value_heads=2, vocab_size=VOCAB, bos_token_id=1, eos_token_id=2,
-                                      initializer_range=0.1, rms_norm_eps=1e-5, tie_word_embeddings=False,
+def _write_tiny_llama_gguf(path: Path, seed: int, **sizes) -> Path:
+    """A random transformers Llama of `sizes` with the byte-level tokenizer, as an F16 GGUF file."""
+    torch.manual_seed(seed)
+    config = transformers.LlamaConfig(**sizes, vocab_size=VOCAB, bos_token_id=1, eos_token_id=2, initializer_range=0.1,
+                                      rms_norm_eps=1e-5, tie_word_embeddings=False,
                                       rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
-    path = tmp_path_factory.mktemp("serve") / f"{NAME}.gguf"
     write_gguf(path, transformers.LlamaForCausalLM(config).eval(), gguf.GGMLQuantizationType.F16, context_length=512)
     return path
+
+
+@pytest.fixture(scope="module")
+def model_file(tmp_path_factory) -> Path:
+    return _write_tiny_llama_gguf(tmp_path_factory.mktemp("serve") / f"{NAME}.gguf", 0, hidden_size=64, intermediate_size=128,
+                                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
 
 
 class Server:
@@ -401,14 +405,8 @@ def test_a_dead_rank_turns_health_to_503_and_the_server_exits_nonzero(model_file
 @pytest.fixture(scope="module")
 def draft_file(tmp_path_factory) -> Path:
     """A smaller random model (one layer, other head sizes) with the model's tokenizer: a draft."""
-    torch.manual_seed(1)
-    config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                                      num_key_value_heads=1, vocab_size=VOCAB, bos_token_id=1, eos_token_id=2,
-                                      initializer_range=0.1, rms_norm_eps=1e-5, tie_word_embeddings=False,
-                                      rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
-    path = tmp_path_factory.mktemp("serve_draft") / "draft.gguf"
-    write_gguf(path, transformers.LlamaForCausalLM(config).eval(), gguf.GGMLQuantizationType.F16, context_length=512)
-    return path
+    return _write_tiny_llama_gguf(tmp_path_factory.mktemp("serve_draft") / "draft.gguf", 1, hidden_size=32, intermediate_size=64,
+                                  num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)
 
 
 @pytest.mark.parametrize("speculate", ["ngram", "draft"])
