@@ -65,6 +65,23 @@ class SamplingParams:
             raise ConfigError("top_p", f"top_p must be in (0, 1] or None, got {self.top_p!r}")
 
 
+def check_draft_model_option(speculate: str | None, draft_model):
+    """The draft_model option of a generation or an engine, checked against speculate: a checkpoint
+    path (a path-like becomes a str) or a loaded model, given exactly when speculate == "draft".
+    Returns it normalized; raises ConfigError naming draft_model or speculate."""
+    if isinstance(draft_model, os.PathLike):
+        draft_model = os.fspath(draft_model)
+    if draft_model is not None and not isinstance(draft_model, (str, torch.nn.Module)):
+        raise ConfigTypeError("draft_model", f"draft_model must be a checkpoint path or a loaded model, "
+                              f"got {type(draft_model).__name__}")
+    if draft_model is not None and speculate != "draft":
+        got = "no speculation" if speculate is None else f"speculate={speculate!r}"
+        raise ConfigError("draft_model", f"draft_model is the drafter of speculate='draft', got {got}")
+    if speculate == "draft" and draft_model is None:
+        raise ConfigError("speculate", "speculate='draft' needs draft_model=PATH, the draft model's checkpoint")
+    return draft_model
+
+
 @dataclass(frozen=True)
 class GenerationConfig:
     """Every option of one generation (see treeattn.generate.generate for what each does).
@@ -154,18 +171,9 @@ class GenerationConfig:
         _check_int("draft_tokens", self.draft_tokens, 1)
         if self.draft_tokens > MAX_DRAFT_TOKENS:
             raise ConfigError("draft_tokens", f"draft_tokens must be in [1, {MAX_DRAFT_TOKENS}], got {self.draft_tokens}")
-        if isinstance(self.draft_model, os.PathLike):
-            object.__setattr__(self, "draft_model", os.fspath(self.draft_model))
-        if self.draft_model is not None and not isinstance(self.draft_model, (str, torch.nn.Module)):
-            raise ConfigTypeError("draft_model", f"draft_model must be a checkpoint path or a loaded model, "
-                                  f"got {type(self.draft_model).__name__}")
         if self.speculate is not None and self.speculate not in SPECULATE_KINDS:
             raise ConfigError("speculate", f"speculate must be None or one of {SPECULATE_KINDS}, got {self.speculate!r}")
-        if self.draft_model is not None and self.speculate != "draft":
-            got = "no speculation" if self.speculate is None else f"speculate={self.speculate!r}"
-            raise ConfigError("draft_model", f"draft_model is the drafter of speculate='draft', got {got}")
-        if self.speculate == "draft" and self.draft_model is None:
-            raise ConfigError("speculate", "speculate='draft' needs draft_model=PATH, the draft model's checkpoint")
+        object.__setattr__(self, "draft_model", check_draft_model_option(self.speculate, self.draft_model))
         if self.draft_cache not in DRAFT_CACHES:
             raise ConfigError("draft_cache", f"draft_cache must be one of {DRAFT_CACHES}, got {self.draft_cache!r}")
         if self.draft_cache != "sharded" and self.speculate != "draft":

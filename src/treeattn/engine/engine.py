@@ -53,7 +53,8 @@ from treeattn.cache.blocks import ShardedBlockPool
 from treeattn.cache.placement import PLACEMENTS
 from treeattn.cache.prefix import PrefixCache
 from treeattn.cache.sharded import kv_bytes_per_token
-from treeattn.engine.config import DEFAULT_METHOD, ConfigError, device_memory_bytes, format_bytes, model_bytes
+from treeattn.engine.config import (DEFAULT_METHOD, ConfigError, check_draft_model_option, device_memory_bytes, format_bytes,
+                                   model_bytes)
 from treeattn.engine.request import RequestResult, SamplingParams, TokenEvent, TokenLogprob
 from treeattn.engine.runner import RankRunner, StepOutcome
 from treeattn.engine.scheduler import Scheduler, Sequence as _Seq
@@ -121,19 +122,7 @@ class EngineConfig:
         k = self.draft_tokens
         if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_DRAFT_TOKENS:
             raise ValueError(f"draft_tokens must be an int in [1, {MAX_DRAFT_TOKENS}], got {k!r}")
-        self._check_draft_model()
-
-    def _check_draft_model(self) -> None:
-        if isinstance(self.draft_model, os.PathLike):
-            object.__setattr__(self, "draft_model", os.fspath(self.draft_model))
-        if self.draft_model is not None and not isinstance(self.draft_model, (str, torch.nn.Module)):
-            raise ConfigError("draft_model", f"draft_model must be a checkpoint path or a loaded model, "
-                              f"got {type(self.draft_model).__name__}")
-        if self.draft_model is not None and self.speculate != "draft":
-            got = "no speculation" if self.speculate is None else f"speculate={self.speculate!r}"
-            raise ConfigError("draft_model", f"draft_model is the drafter of speculate='draft', got {got}")
-        if self.speculate == "draft" and self.draft_model is None:
-            raise ConfigError("speculate", "speculate='draft' needs draft_model=PATH, the draft model's checkpoint")
+        object.__setattr__(self, "draft_model", check_draft_model_option(self.speculate, self.draft_model))
 
     def blocks_per_rank(self, max_position_embeddings: int) -> int:
         """Blocks in each rank's pool: cache_tokens over all ranks, default
