@@ -83,6 +83,7 @@ import torch.distributed as dist
 
 from treeattn.cache import PAD_POSITION, ShardedKVCache
 from treeattn.decode_step import DecodeStep, graph_safe_reason
+from treeattn.engine.measure import current_rss, peak_rss as peak_rss_bytes, reset_peak_rss
 from treeattn.engine.config import (
     ConfigError,
     ConfigTypeError,
@@ -500,13 +501,13 @@ class Generation:
             decode_setup_s = time.perf_counter() - setup_start
             step_logprobs: list[torch.Tensor] = []  # per step, (B,) float64; real on rank 0 only
             step_times: list[float] = []
-            start_rss = _current_rss()
-            _reset_peak_rss()
+            start_rss = current_rss()
+            reset_peak_rss()
             with comm_stats() as decode_comm:  # each step: one forward pass, then sample and broadcast
                 steps = self._speculative_steps if self.config.speculate else self._steps
                 yield from steps(new, logprobs, next_pos, generator, static_step, outputs, fed, step_logprobs, step_times)
             decode_s = sum(step_times)
-            peak_rss = _peak_rss()
+            peak_rss = peak_rss_bytes()
             _remember_tokens(self.cache, torch.cat(fed, dim=1), positions.cpu())
             token_logprobs = self._token_logprobs(step_logprobs, outputs.generated)  # one broadcast, after the timed steps
             kv_bytes = self.cache.nbytes() + (self.sample_cache.nbytes() if self.sample_cache is not None else 0)
@@ -925,33 +926,3 @@ def _model_fingerprint(model: LlamaModel) -> int:
     probe = [model.embed_tokens.weight[:2].float().sum().item(), model.norm.weight.float().sum().item()]
     c = model.config
     return _fingerprint([c.vocab_size, c.hidden_size, c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim, str(model.dtype), probe])
-
-
-def _reset_peak_rss() -> None:
-    """Reset this process's peak-RSS mark (Linux: write 5 to /proc/self/clear_refs); else nothing."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        pass
-
-
-def _current_rss() -> int:
-    """Resident bytes of this process now (Linux /proc/self/statm), 0 where unknown."""
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError):
-        return 0
-
-
-def _peak_rss() -> int:
-    """Peak resident bytes since the last _reset_peak_rss (Linux VmHWM), else the process peak."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

@@ -5,6 +5,7 @@
     TokenLogprob, RequestResult
     Scheduler (scheduler.py)           continuous batching, chunked prefill, preemption, prefix reuse
     RankRunner (runner.py)             one rank's side of an engine step
+    RankMeasurements (measure.py)      what each rank communicated and held (engine.rank_measurements)
     GenerationConfig (config.py)       what one ta.generate run is, validated once
     generate_rank.py                   the per-rank worker of `treeattn generate`
 
@@ -13,6 +14,7 @@
 """
 
 from treeattn.engine.engine import Engine, EngineConfig, EngineError, RequestHandle
+from treeattn.engine.measure import RankMeasurements
 from treeattn.engine.request import RequestResult, SamplingParams, TokenEvent, TokenLogprob
 
-__all__ = ["Engine", "EngineConfig", "EngineError", "RequestHandle", "RequestResult", "SamplingParams", "TokenEvent", "TokenLogprob"]
+__all__ = ["Engine", "EngineConfig", "EngineError", "RankMeasurements", "RequestHandle", "RequestResult", "SamplingParams", "TokenEvent", "TokenLogprob"]

@@ -55,6 +55,7 @@ from treeattn.cache.prefix import PrefixCache
 from treeattn.cache.sharded import kv_bytes_per_token
 from treeattn.engine.config import (DEFAULT_METHOD, ConfigError, check_draft_model_option, device_memory_bytes, format_bytes,
                                    model_bytes)
+from treeattn.engine.measure import RankMeasurements
 from treeattn.engine.request import RequestResult, SamplingParams, TokenEvent, TokenLogprob
 from treeattn.engine.runner import RankRunner, StepOutcome
 from treeattn.engine.scheduler import Scheduler, Sequence as _Seq
@@ -375,6 +376,23 @@ class Engine:
         out["healthy"] = self.healthy
         return out
 
+    def rank_measurements(self, reset: bool = False) -> list[RankMeasurements]:
+        """Every rank's RankMeasurements (treeattn.engine.measure), in rank order: steps run, bytes
+        communicated by prefill and decode steps, KV cache bytes, resident memory and its peak, since
+        the last reset. reset=True starts the counters (and the peak) anew after reading them;
+        e.g. call it with reset=True, run requests, call it again. Waits for the driver's current
+        step to end. Raises EngineError when the engine has failed or is closed."""
+        self._require_driver()
+        if self._failure is not None or self._closed:
+            raise EngineError(self._failure or "the engine is closed")
+        box: list = []
+        done = threading.Event()
+        self._post(("measure", (reset, box, done)))
+        done.wait()
+        if not box:
+            raise EngineError(self._failure or "the engine closed before the ranks were measured")
+        return box[0]
+
     def clear_prefix_cache(self) -> None:
         """Evict every cached block no running request uses (waits for the driver to do it)."""
         self._require_driver()
@@ -448,6 +466,8 @@ class Engine:
                     self._requests[payload.handle.request_id] = payload
                 elif kind == "clear":
                     payload.set()
+                elif kind == "measure":
+                    payload[2].set()
             for request in list(self._requests.values()):
                 self._finish(request, "error" if self._failure else "cancelled", time.perf_counter(),
                              error=reason if self._failure else None)
@@ -476,6 +496,12 @@ class Engine:
                 request = self._requests.get(payload)
                 if request is not None:
                     self._finish(request, "cancelled", time.perf_counter())
+            elif kind == "measure":
+                reset, box, done = payload
+                try:
+                    box.append(self._channel.run(_Measure(reset)))
+                finally:
+                    done.set()
             elif kind == "clear":
                 if self.prefix_cache is not None:
                     self.prefix_cache.clear()
@@ -730,20 +756,38 @@ def _broadcast_plan(plan, rank: int, group=None):
 KEEPALIVE = "keepalive"
 
 
+@dataclass(frozen=True)
+class _Measure:
+    """A plan that makes every rank report its RankMeasurements (rank 0 answers with all of them)."""
+
+    reset: bool
+
+
+def _run(runner: RankRunner, plan):
+    """What every rank does with a plan: a step (its StepOutcome), a keepalive (nothing), or a
+    measurement (every rank's RankMeasurements, gathered on every rank)."""
+    if plan == KEEPALIVE:
+        return StepOutcome()
+    if isinstance(plan, _Measure):
+        mine = runner.measurements(plan.reset)
+        if runner.world_size == 1:
+            return [mine]
+        everyone = [None] * runner.world_size
+        dist.all_gather_object(everyone, mine, group=runner.group)
+        return everyone
+    return runner.step(plan)
+
+
 def _serve_steps(runner: RankRunner, receive, reply) -> None:
     """A rank's loop: take the next plan (rank 0 from `receive`, the others by broadcast), run it,
-    (rank 0) `reply` with its StepOutcome. Ends on a None plan."""
+    (rank 0) `reply` with what it gave. Ends on a None plan."""
     rank = runner.rank
     while True:
         plan = _broadcast_plan(receive() if rank == 0 else None, rank, runner.group)
         if plan is None:
             return
-        if plan == KEEPALIVE:
-            if rank == 0:
-                reply(("ok", StepOutcome()))
-            continue
         try:
-            outcome = runner.step(plan)
+            outcome = _run(runner, plan)
         except BaseException as exc:
             if rank == 0:
                 reply(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
@@ -855,8 +899,7 @@ class _GroupChannel:
         return True
 
     def run(self, plan) -> StepOutcome:
-        plan = _broadcast_plan(plan, 0, self.group)
-        return StepOutcome() if plan == KEEPALIVE else self.runner.step(plan)
+        return _run(self.runner, _broadcast_plan(plan, 0, self.group))
 
     def close(self) -> None:
         _broadcast_plan(None, 0, self.group)

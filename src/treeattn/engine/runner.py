@@ -46,11 +46,13 @@ from treeattn.cache.blocks import tokens_to_blocks
 from treeattn.cache.paged import PagedKVCache
 from treeattn.cache.sharded import INVISIBLE_POSITION
 from treeattn.engine import token_parallel
+from treeattn.engine.measure import RankMeasurements, RankMeter
 from treeattn.engine.request import TokenLogprob
 from treeattn.engine.scheduler import Chunk, StepPlan
 from treeattn.models.attention import attention_backend, group_world_size
 from treeattn.models.llama import LlamaModel
 from treeattn.ops import attention, merge_states_list
+from treeattn.parallel.comm import comm_stats
 from treeattn.parallel.shared_memory import shared_memory_group
 
 
@@ -265,9 +267,27 @@ class RankRunner:
             self.drafter = DraftRunner(draft_model, rank=self.rank, blocks_per_rank=blocks_per_rank, block_size=block_size,
                                        attend=self.attend, combine=self.combine if windowless else None, group=group)
         self._generators: dict[int, torch.Generator] = {}
+        self.meter = RankMeter(self.rank)
+
+    def step(self, plan: StepPlan) -> StepOutcome:
+        """Run one step (see _step), counting what it communicated in self.meter."""
+        with comm_stats() as comm:
+            outcome = self._step(plan)
+        if plan.chunks:
+            self.meter.add_step("decode" if all(c.decoding for c in plan.chunks) else "prefill", comm)
+        return outcome
+
+    def measurements(self, reset: bool = False) -> RankMeasurements:
+        """This rank's counters since the last reset (treeattn.engine.measure); reset=True then
+        starts them anew."""
+        kv_bytes = self.cache.nbytes() + (self.drafter.cache.nbytes() if self.drafter is not None else 0)
+        out = self.meter.read(kv_bytes)
+        if reset:
+            self.meter.reset()
+        return out
 
     @torch.inference_mode()
-    def step(self, plan: StepPlan) -> StepOutcome:
+    def _step(self, plan: StepPlan) -> StepOutcome:
         """Run one step. Returns, on rank 0, the new tokens of every chunk that samples (the next
         token, preceded by the accepted drafts of a chunk with drafts; None where the logits were
         not finite) and their log-probabilities where asked; an empty StepOutcome on the other ranks."""

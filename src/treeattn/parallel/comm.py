@@ -90,6 +90,13 @@ class CommStats:
     def calls(self) -> int:
         return sum(op.calls for op in self.by_op.values())
 
+    def add(self, other: "CommStats") -> None:
+        """Add every counter of `other` to this one's."""
+        for name, op in other.by_op.items():
+            entry = self.by_op[name]
+            for counter, value in vars(op).items():
+                setattr(entry, counter, getattr(entry, counter) + value)
+
     def as_dict(self) -> dict:
         """Plain-dict copy (picklable, JSON-friendly): totals and per-op counters."""
         return {
@@ -133,10 +140,7 @@ def record_replay(stats: CommStats) -> None:
     """Add `stats` (what one captured step issued, recorded at capture) to every open comm_stats
     block: one call per replay of the CUDA graph."""
     for active in _ACTIVE.get():
-        for name, op in stats.by_op.items():
-            entry = active.by_op[name]
-            for counter, value in vars(op).items():
-                setattr(entry, counter, getattr(entry, counter) + value)
+        active.add(stats)
 
 
 def _record(op: str, *, payload: int = 0, sent: float = 0.0, received: float = 0.0, messages: int = 1) -> None:
