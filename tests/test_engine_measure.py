@@ -44,7 +44,9 @@ def test_rank_measurements_count_each_steps_bytes(checkpoint, nproc):
     for m in after:
         assert m.steps == {"prefill": 2, "decode": NEW_TOKENS - 1}  # 13 tokens in chunks of 8
         assert m.kv_bytes == arena
-        assert m.peak_rss_bytes >= m.rss_bytes > 0 and m.start_rss_bytes > 0
+        assert len(m.step_s["decode"]) == NEW_TOKENS - 1 and all(t > 0 for t in m.step_s["decode"])
+        assert set(m.peak_rss_bytes) == set(m.start_rss_bytes) == {"prefill", "decode"}
+        assert all(m.peak_rss_bytes[kind] >= m.start_rss_bytes[kind] > 0 for kind in ("prefill", "decode"))
         if nproc == 1:
             assert m.bytes_sent("decode") == m.bytes_sent("prefill") == 0
             continue

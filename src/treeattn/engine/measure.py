@@ -4,11 +4,12 @@
     ... run requests ...
     measurements = engine.rank_measurements()             # what they did since the reset
 
-Every rank keeps a RankMeter. Each step adds what the rank communicated (treeattn.parallel.comm's
-accounting) to the "prefill" bucket (a step with at least one prompt chunk) or the "decode" bucket
-(a step of decoding sequences only), and counts the step. Resident memory is read from /proc on
-Linux: the current resident set and its high-water mark since the last reset (writing 5 to
-/proc/self/clear_refs resets it); elsewhere the process's peak and 0.
+Every rank keeps a RankMeter. Each step adds its wall time and what the rank communicated
+(treeattn.parallel.comm's accounting) to the "prefill" bucket (a step with at least one prompt
+chunk) or the "decode" bucket (a step of decoding sequences only). Resident memory is read from
+/proc on Linux: the resident set when a kind's first step began, and the high-water mark over the
+steps of each kind (writing 5 to /proc/self/clear_refs resets the kernel's mark whenever the step
+kind changes); elsewhere the process's peak and 0.
 
 The collectives that carry the plans and this measurement itself are not counted: they are the
 engine's control traffic, not the attention's.
@@ -27,26 +28,31 @@ STEP_KINDS = ("prefill", "decode")
 
 @dataclass
 class RankMeasurements:
-    """One rank's counters since the last reset (picklable; plain values).
+    """One rank's counters since the last reset (picklable; plain values). Per step kind
+    ("prefill": a step with a prompt chunk; "decode": decoding sequences only):
 
     Attributes:
         rank: the rank in the engine's group.
-        steps: step kind ("prefill", "decode") -> steps run.
-        comm: step kind -> CommStats.as_dict() of what this rank sent and received in those steps.
+        steps: kind -> steps run.
+        step_s: kind -> wall seconds of each step on this rank (rank 0's include sampling).
+        comm: kind -> CommStats.as_dict() of what this rank sent and received in those steps.
+        start_rss_bytes: kind -> resident bytes when the first step of that kind began.
+        peak_rss_bytes: kind -> the resident high-water mark over the steps of that kind (Linux:
+            the kernel's mark is reset whenever the step kind changes; elsewhere the process's
+            peak). So "decode" is what decoding needs beside what the prefill left, the paper's
+            memory figure, even when a long prefill peaked higher.
         kv_bytes: bytes of this rank's KV cache arena (the model's, and the draft model's if any).
-        start_rss_bytes: resident bytes at the reset.
         rss_bytes: resident bytes now.
-        peak_rss_bytes: the resident high-water mark since the reset (Linux; elsewhere the
-            process's peak).
     """
 
     rank: int
     steps: dict[str, int] = field(default_factory=dict)
+    step_s: dict[str, list[float]] = field(default_factory=dict)
     comm: dict[str, dict] = field(default_factory=dict)
+    start_rss_bytes: dict[str, int] = field(default_factory=dict)
+    peak_rss_bytes: dict[str, int] = field(default_factory=dict)
     kv_bytes: int = 0
-    start_rss_bytes: int = 0
     rss_bytes: int = 0
-    peak_rss_bytes: int = 0
 
     def bytes_sent(self, kind: str) -> float:
         """Bytes this rank sent in the steps of `kind` ("prefill" or "decode")."""
@@ -54,7 +60,8 @@ class RankMeasurements:
 
 
 class RankMeter:
-    """A rank's running counters (see the module docstring)."""
+    """A rank's running counters (see the module docstring): call begin(kind) before a step and
+    end(kind, comm, seconds) after it."""
 
     def __init__(self, rank: int) -> None:
         self.rank = rank
@@ -62,19 +69,35 @@ class RankMeter:
 
     def reset(self) -> None:
         self.steps = dict.fromkeys(STEP_KINDS, 0)
+        self.step_s: dict[str, list[float]] = {kind: [] for kind in STEP_KINDS}
         self.comm = {kind: CommStats() for kind in STEP_KINDS}
-        self.start_rss = current_rss()
-        reset_peak_rss()
+        self.start_rss: dict[str, int] = {}
+        self.peak_rss: dict[str, int] = {}
+        self._kind: str | None = None  # the kind of the last step, whose peak the kernel's mark holds
 
-    def add_step(self, kind: str, comm: CommStats) -> None:
+    def begin(self, kind: str) -> None:
+        if kind == self._kind:
+            return
+        self._fold()
+        reset_peak_rss()
+        self._kind = kind
+        self.start_rss.setdefault(kind, current_rss())
+
+    def end(self, kind: str, comm: CommStats, seconds: float) -> None:
         self.steps[kind] += 1
+        self.step_s[kind].append(seconds)
         self.comm[kind].add(comm)
 
+    def _fold(self) -> None:
+        if self._kind is not None:
+            self.peak_rss[self._kind] = max(self.peak_rss.get(self._kind, 0), peak_rss())
+
     def read(self, kv_bytes: int) -> RankMeasurements:
-        return RankMeasurements(rank=self.rank, steps=dict(self.steps),
+        self._fold()
+        return RankMeasurements(rank=self.rank, steps=dict(self.steps), step_s={k: list(v) for k, v in self.step_s.items()},
                                 comm={kind: stats.as_dict() for kind, stats in self.comm.items()},
-                                kv_bytes=kv_bytes, start_rss_bytes=self.start_rss, rss_bytes=current_rss(),
-                                peak_rss_bytes=peak_rss())
+                                start_rss_bytes=dict(self.start_rss), peak_rss_bytes=dict(self.peak_rss),
+                                kv_bytes=kv_bytes, rss_bytes=current_rss())
 
 
 def reset_peak_rss() -> None:

@@ -37,6 +37,7 @@ RankRunner._sample for the rule.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -271,10 +272,14 @@ class RankRunner:
 
     def step(self, plan: StepPlan) -> StepOutcome:
         """Run one step (see _step), counting what it communicated in self.meter."""
+        if not plan.chunks:
+            return self._step(plan)
+        kind = "decode" if all(c.decoding for c in plan.chunks) else "prefill"
+        self.meter.begin(kind)
+        start = time.perf_counter()
         with comm_stats() as comm:
             outcome = self._step(plan)
-        if plan.chunks:
-            self.meter.add_step("decode" if all(c.decoding for c in plan.chunks) else "prefill", comm)
+        self.meter.end(kind, comm, time.perf_counter() - start)
         return outcome
 
     def measurements(self, reset: bool = False) -> RankMeasurements:
