@@ -65,6 +65,20 @@ class SamplingParams:
             raise ConfigError("top_p", f"top_p must be in (0, 1] or None, got {self.top_p!r}")
 
 
+def resolve_method(method: str | None, static_option: str | None) -> str:
+    """tree_decode's combine for a generation or an engine: `method`, or when None the default
+    (DEFAULT_METHOD; "allreduce" when `static_option` names the option that asks for static or
+    CUDA-graph steps, e.g. "cuda_graph" or "decode_step"). Static steps may not read the host inside a
+    step, which "onepass" does (one flag per layer): ConfigError naming method. Unknown methods are
+    left to the caller's own check."""
+    if method is None:
+        return "allreduce" if static_option else DEFAULT_METHOD
+    if method == "onepass" and static_option:
+        raise ConfigError("method", f"method='onepass' reads one flag on the host per layer, which {static_option} forbids "
+                          "inside a step: use method='allreduce' or 'tree'")
+    return method
+
+
 def check_draft_model_option(speculate: str | None, draft_model):
     """The draft_model option of a generation or an engine, checked against speculate: a checkpoint
     path (a path-like becomes a str) or a loaded model, given exactly when speculate == "draft".
@@ -144,20 +158,16 @@ class GenerationConfig:
         if self.capacity is not None:
             _check_int("capacity", self.capacity, 1)
         self.sampling  # noqa: B018  (validates temperature, top_k, top_p)
-        if self.method is None:
-            object.__setattr__(self, "method", "allreduce" if self.static_decode or self.cuda_graph else DEFAULT_METHOD)
         if self.stop_tokens is not None:
             object.__setattr__(self, "stop_tokens", _token_tuple(self.stop_tokens))
+        static = "cuda_graph=True" if self.cuda_graph is True else "static_decode=True" if self.static_decode is True else None
+        object.__setattr__(self, "method", resolve_method(self.method, static))
         for name, allowed in (("decode", DECODE_KINDS), ("method", METHODS), ("prefill", PREFILL_KINDS), ("placement", PLACEMENTS)):
             if getattr(self, name) not in allowed:
                 raise ConfigError(name, f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
         for name in ("static_decode", "cuda_graph", "shared_memory"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigTypeError(name, f"{name} must be a bool, got {type(getattr(self, name)).__name__}")
-        if self.method == "onepass" and (self.static_decode or self.cuda_graph):
-            option = "cuda_graph" if self.cuda_graph else "static_decode"
-            raise ConfigError("method", f"method='onepass' reads one flag on the host per layer, which {option}=True forbids "
-                              "inside a step: use method='allreduce' or 'tree'")
         if self.num_samples > 1 and self.decode == "ring":
             raise ConfigError("num_samples", f"num_samples={self.num_samples} decodes with bifurcated attention, whose context "
                               "part is a tree reduction: use decode='tree' (or decode='local' on one process), not decode='ring'")

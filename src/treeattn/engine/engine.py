@@ -54,11 +54,12 @@ from treeattn.cache.placement import PLACEMENTS
 from treeattn.cache.prefix import PrefixCache
 from treeattn.cache.sharded import kv_bytes_per_token
 from treeattn.engine.config import (DEFAULT_METHOD, ConfigError, check_draft_model_option, device_memory_bytes, format_bytes,
-                                   model_bytes)
+                                   model_bytes, resolve_method)
 from treeattn.engine.measure import RankMeasurements
 from treeattn.engine.request import RequestResult, SamplingParams, TokenEvent, TokenLogprob
 from treeattn.engine.runner import RankRunner, StepOutcome
 from treeattn.engine.scheduler import Scheduler, Sequence as _Seq
+from treeattn.engine.static_step import DECODE_STEPS
 from treeattn.models.attention import DECODE_KINDS
 from treeattn.parallel.tree_decode import METHODS
 from treeattn.speculate import MAX_DRAFT_TOKENS, NgramDrafter
@@ -95,6 +96,7 @@ class EngineConfig:
     draft_tokens: int = 4
     draft_model: str | torch.nn.Module | None = None
     shared_memory: bool = True
+    decode_step: str = "dynamic"
 
     def __post_init__(self) -> None:
         for name in ("nproc", "max_batch_size", "block_size", "prefill_chunk"):
@@ -124,6 +126,17 @@ class EngineConfig:
         if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_DRAFT_TOKENS:
             raise ValueError(f"draft_tokens must be an int in [1, {MAX_DRAFT_TOKENS}], got {k!r}")
         object.__setattr__(self, "draft_model", check_draft_model_option(self.speculate, self.draft_model))
+        self._check_decode_step()
+
+    def _check_decode_step(self) -> None:
+        if self.decode_step not in DECODE_STEPS:
+            raise ConfigError("decode_step", f"decode_step must be one of {DECODE_STEPS}, got {self.decode_step!r}")
+        if self.decode_step == "dynamic":
+            return
+        resolve_method(self.method, f"decode_step={self.decode_step!r}")
+        if self.speculate is not None:
+            raise ConfigError("speculate", f"speculate={self.speculate!r} verifies several tokens per sequence per step; "
+                              f"decode_step={self.decode_step!r} runs fixed one-token steps")
 
     def blocks_per_rank(self, max_position_embeddings: int) -> int:
         """Blocks in each rank's pool: cache_tokens over all ranks, default
@@ -206,7 +219,8 @@ class Engine:
         nproc: ranks sharing the KV cache (ignored inside an existing group: its size is used).
         decode: "tree" (tree_decode), "ring" (ring_decode, pass-KV) or "local" (one rank).
         method: tree_decode method, "allreduce", "tree", "twolevel" or "onepass"; None: the
-            default (treeattn.engine.config.DEFAULT_METHOD, onepass: one collective per layer).
+            default (treeattn.engine.config.DEFAULT_METHOD, onepass: one collective per layer;
+            "allreduce" with static decode steps).
         placement: "contiguous" or "interleaved" placement of a sequence's blocks on the ranks
             (treeattn.cache.blocks: contiguous cuts the whole cache into p spans, so sequences
             shorter than a span all sit on rank 0; interleaved spreads every sequence).
@@ -235,6 +249,12 @@ class Engine:
         shared_memory: the ranks combine through shared memory when they all run on this host
             with a CPU model (treeattn.parallel.shared_memory; one round, no sockets); False:
             through the process group's back end.
+        decode_step: how a step that only decodes (one token per sequence, no drafts) runs:
+            "dynamic" (index tensors built for its exact sizes), "static" (fixed shapes per batch
+            bucket, no host synchronization inside the step: treeattn.engine.static_step) or
+            "graph" (the static step captured in a CUDA graph per shape, then replayed: CUDA
+            only). Static steps need a method that does not read the host: method=None gives
+            "allreduce", "onepass" is refused. Steps with prompt chunks or drafts stay dynamic.
         group: inside an existing process group only: the ranks that share the cache (None:
             the world); its rank 0 is the driver.
     """
@@ -244,7 +264,7 @@ class Engine:
                  prefix_cache: bool = True, block_size: int = 256, prefill_chunk: int = 512,
                  dtype: torch.dtype | None = None, timeout_s: float = 60.0, threads_per_rank: int | None = None,
                  speculate: str | None = None, draft_tokens: int = 4, draft_model=None, shared_memory: bool = True,
-                 group: dist.ProcessGroup | None = None) -> None:
+                 decode_step: str = "dynamic", group: dist.ProcessGroup | None = None) -> None:
         if dist.is_available() and not dist.is_initialized() and "RANK" in os.environ and "WORLD_SIZE" in os.environ:
             dist.init_process_group(backend="gloo", timeout=timedelta(seconds=timeout_s))  # under torchrun: join its group
         joined = dist.is_available() and dist.is_initialized()
@@ -254,14 +274,17 @@ class Engine:
             if group is not None and dist.get_rank(group) < 0:
                 raise ValueError("this process is not a member of `group`")
             nproc = dist.get_world_size(group)
-        self.config = EngineConfig(nproc=nproc, decode=decode, method=method or DEFAULT_METHOD, placement=placement,
+        static = decode_step if decode_step in DECODE_STEPS and decode_step != "dynamic" else None
+        method = resolve_method(method, static and f"decode_step={static!r}")
+        self.config = EngineConfig(nproc=nproc, decode=decode, method=method, placement=placement,
                                    max_batch_size=max_batch_size, cache_tokens=cache_tokens, prefix_cache=prefix_cache,
                                    block_size=block_size, prefill_chunk=prefill_chunk, dtype=dtype, timeout_s=timeout_s,
                                    threads_per_rank=threads_per_rank, speculate=speculate, draft_tokens=draft_tokens,
-                                   draft_model=draft_model, shared_memory=shared_memory)
+                                   draft_model=draft_model, shared_memory=shared_memory, decode_step=decode_step)
         if self.config.nproc > 1 and self.config.decode == "local":
             raise ValueError(f"decode='local' runs on one rank, but nproc={self.config.nproc}; use 'tree' or 'ring'")
         _check_model(model)
+        _check_decode_step_device(model, self.config)
         files = _model_files(model)
         if self.config.draft_model is not None:
             _check_draft_model(files, self.config)
@@ -685,6 +708,17 @@ def _max_context(config: EngineConfig, max_position_embeddings: int) -> int:
     return min(config.nproc * config.blocks_per_rank(max_position_embeddings) * config.block_size, max_position_embeddings)
 
 
+def _check_decode_step_device(model, config: EngineConfig) -> None:
+    """decode_step="graph" needs the model on a CUDA device (a checkpoint path is loaded on the CPU);
+    ConfigError naming decode_step."""
+    if config.decode_step != "graph":
+        return
+    device = torch.device("cpu") if isinstance(model, (str, os.PathLike)) else model.device
+    if device.type != "cuda":
+        raise ConfigError("decode_step", f"decode_step='graph' records CUDA graphs: the model must be on a CUDA device, got "
+                          f"{device} (decode_step='static' runs the same steps without graphs)")
+
+
 def _check_draft_model(target, config: EngineConfig) -> None:
     """The draft model against the model (`target`: _model_files) before any rank starts (ConfigError
     naming draft_model): the same tokenizer, and a context window reaching every position the engine runs."""
@@ -738,7 +772,8 @@ def _make_runner(model, config: EngineConfig, group=None) -> RankRunner:
         draft = load_model(draft, dtype=model.dtype, device=model.device) if isinstance(draft, str) else draft.to(model.device, model.dtype)
     return RankRunner(model, group=group, blocks_per_rank=config.blocks_per_rank(model.config.max_position_embeddings),
                       block_size=config.block_size, decode=config.decode if config.nproc > 1 else "local", method=config.method,
-                      shared_memory=config.shared_memory, timeout_s=config.timeout_s, draft_model=draft)
+                      shared_memory=config.shared_memory, timeout_s=config.timeout_s, draft_model=draft,
+                      decode_step=config.decode_step, max_batch_size=config.max_batch_size)
 
 
 def _broadcast_plan(plan, rank: int, group=None):

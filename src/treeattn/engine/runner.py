@@ -239,11 +239,14 @@ class RankRunner:
             seconds then makes the others raise.
         draft_model: a draft model for speculate="draft" (treeattn.engine.draft.DraftRunner: its own
             cache of the same blocks; it fills in each step's drafts before the model verifies them).
+        decode_step: "dynamic", or "static" / "graph": steps of one token per sequence run as a
+            treeattn.engine.static_step.StaticDecodeStep (batch buckets up to max_batch_size).
     """
 
     def __init__(self, model: LlamaModel, *, group: dist.ProcessGroup | None, blocks_per_rank: int, block_size: int,
                  decode: str, method: str = "allreduce", topology=None, shared_memory: bool = False,
-                 timeout_s: float = 120.0, draft_model: LlamaModel | None = None) -> None:
+                 timeout_s: float = 120.0, draft_model: LlamaModel | None = None, decode_step: str = "dynamic",
+                 max_batch_size: int = 16) -> None:
         self.model, self.group = model.eval(), group
         distributed = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank(group) if distributed else 0
@@ -267,6 +270,12 @@ class RankRunner:
             windowless = all(w is None for w in draft_model.config.layer_windows)
             self.drafter = DraftRunner(draft_model, rank=self.rank, blocks_per_rank=blocks_per_rank, block_size=block_size,
                                        attend=self.attend, combine=self.combine if windowless else None, group=group)
+        self.static_step = None
+        if decode_step != "dynamic":
+            from treeattn.engine.static_step import StaticDecodeStep
+
+            self.static_step = StaticDecodeStep(model, self.cache, rank=self.rank, max_batch_size=max_batch_size, decode=decode,
+                                                method=method, group=group, topology=topology, graph=decode_step == "graph")
         self._generators: dict[int, torch.Generator] = {}
         self.meter = RankMeter(self.rank)
 
@@ -302,14 +311,21 @@ class RankRunner:
             return StepOutcome()
         if self.drafter is not None:  # the drafts' placeholders -> the draft model's tokens
             plan = self.drafter.draft(plan)
-        batch = PagedBatch(plan, self.rank, self.cache, self.attend, self.combine)
         sampling = [(i, c) for i, c in enumerate(plan.chunks) if c.sample is not None]
+        if self.static_step is not None and self.static_step.takes(plan):  # one row per chunk
+            return self._outcome(sampling, self.static_step(plan)[[i for i, _ in sampling]])
+        batch = PagedBatch(plan, self.rank, self.cache, self.attend, self.combine)
         ends = [batch.offsets[i] + len(c.tokens) for i, c in sampling]  # rows: the last known token, then the drafts
         rows = [row for (_, c), end in zip(sampling, ends) for row in range(end - c.num_draft - 1, end)]
         if token_parallel.splits(batch.tokens.shape[1], self.world_size):  # rank r runs its slice of the tokens
             hidden = token_parallel.TokenParallelStep(batch, self.rank, self.world_size, self.comm_group).forward(self.model, rows)
         else:  # every rank runs every token
             hidden = self.model(batch.tokens, batch.positions, batch.kv_store, batch.attend)[0, rows]
+        return self._outcome(sampling, hidden)
+
+    def _outcome(self, sampling: list[tuple[int, Chunk]], hidden: torch.Tensor) -> StepOutcome:
+        """Rank 0 samples each chunk of `sampling` from `hidden`, the final hidden states of their rows
+        (num_draft + 1 per chunk, in order); the other ranks return an empty StepOutcome."""
         if self.rank != 0 or not sampling:
             return StepOutcome()
         logits = self.model.logits(hidden)
