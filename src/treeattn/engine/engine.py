@@ -299,7 +299,7 @@ class Engine:
         self._closed = False
         self._failure: str | None = None
         self._last_contact = time.monotonic()  # of the driver with the ranks (see KEEPALIVE)
-        self._counters = {"prompt_tokens": 0, "generated_tokens": 0}
+        self._counters = {"prompt_tokens": 0, "generated_tokens": 0, "shared_prefix_keys": 0}
         self._lock = threading.Lock()
         if joined or self.config.nproc == 1:  # one rank needs no process of its own: it runs in the driver thread
             self._channel = _GroupChannel(model, self.config, group if joined else None)
@@ -392,7 +392,10 @@ class Engine:
         prefix_hit_tokens, preemptions, prompt_tokens, generated_tokens, healthy (a consistent snapshot),
         and decoding's counters: decode_forwards (decoding chunks run, one per sequence per step),
         tokens_per_forward (tokens they committed, per chunk: 1 without speculation), and with
-        speculative decoding drafted_tokens, accepted_tokens and acceptance_rate (NaN before any draft)."""
+        speculative decoding drafted_tokens, accepted_tokens and acceptance_rate (NaN before any draft);
+        shared_prefix_keys: key reads per layer that decode steps saved by reading blocks several
+        sequences share once for all of them ((sequences - 1) x keys per shared segment, summed over
+        steps; treeattn.engine.shared_prefix)."""
         self._require_driver()
         with self._lock:
             out = dict(self._stats)
@@ -467,6 +470,7 @@ class Engine:
                     self._fail_stuck_head()
                     continue
                 outcome = self._channel.run(plan)
+                self._counters["shared_prefix_keys"] += outcome.shared_prefix_keys
                 self._last_contact = time.monotonic()
                 now = time.perf_counter()
                 committed: dict[int, int] = {}  # seq_id -> tokens committed so far in this step

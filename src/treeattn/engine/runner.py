@@ -46,7 +46,7 @@ import torch.distributed as dist
 from treeattn.cache.blocks import tokens_to_blocks
 from treeattn.cache.paged import PagedKVCache
 from treeattn.cache.sharded import INVISIBLE_POSITION
-from treeattn.engine import token_parallel
+from treeattn.engine import shared_prefix, token_parallel
 from treeattn.engine.measure import RankMeasurements, RankMeter
 from treeattn.engine.request import TokenLogprob
 from treeattn.engine.scheduler import Chunk, StepPlan
@@ -63,15 +63,18 @@ COPY_FREE_MIN_KEYS = 1024
 
 
 class _Group:
-    """Sequences attended in one call: their queries' rows in the flat step and their shards."""
+    """Sequences attended in one call: their queries' rows in the flat step and their shards.
+    own_from: per chunk, the first logical block of its shard (the blocks before are read as
+    shared segments, treeattn.engine.shared_prefix); None: from block 0."""
 
-    def __init__(self, chunks: list[Chunk], offsets: list[int], rank: int, cache: PagedKVCache, device, copy_free_ok: bool) -> None:
+    def __init__(self, chunks: list[Chunk], offsets: list[int], rank: int, cache: PagedKVCache, device, copy_free_ok: bool,
+                 own_from: list[int] | None = None) -> None:
         bs = cache.block_size
         width = max(len(c.tokens) for c in chunks)
         local = []  # per chunk: [(logical block, local block id)] of the blocks this rank holds
-        for c in chunks:
+        for c, skip in zip(chunks, own_from or [0] * len(chunks)):
             used = tokens_to_blocks(c.start + len(c.tokens), bs)
-            local.append([(j, ref.index) for j, ref in enumerate(c.blocks[:used]) if ref.rank == rank])
+            local.append([(j, ref.index) for j, ref in enumerate(c.blocks[:used]) if ref.rank == rank and j >= skip])
         nb = max(len(blocks) for blocks in local)
         q_index = torch.zeros(len(chunks), width, dtype=torch.int64)
         q_pos = torch.full((len(chunks), width), -1, dtype=torch.int64)
@@ -93,6 +96,7 @@ class _Group:
         num_runs = sum(len(r) for r in self.runs)
         keys = sum(len(blocks) for blocks in local) * bs
         self.copy_free = copy_free_ok and num_runs > 0 and keys >= COPY_FREE_MIN_KEYS * num_runs
+        self.shared = None  # the SharedSegments of a decoding group whose sequences share blocks
 
 
 def _runs(blocks: list[tuple[int, int]], kv_pos: torch.Tensor, bs: int, device) -> list[tuple[int, int, torch.Tensor]]:
@@ -142,8 +146,17 @@ class PagedBatch:
             cache.zero_blocks(torch.tensor(fresh, dtype=torch.int64, device=device))
         decoding = [i for i, c in enumerate(plan.chunks) if c.decoding]
         prefill = [i for i, c in enumerate(plan.chunks) if not c.decoding]
-        self.groups = [_Group([plan.chunks[i] for i in idx], [offsets[i] for i in idx], rank, cache, device, combine is not None)
+        segments, own_from = [], None
+        if combine is not None and len(decoding) > 1:  # blocks several decoding sequences share: read once
+            segments, own_from = shared_prefix.find_segments([plan.chunks[i] for i in decoding], bs)
+        self.shared_keys = shared_prefix.saved_keys(segments, bs)  # key reads per layer saved this step
+        self.groups = [_Group([plan.chunks[i] for i in idx], [offsets[i] for i in idx], rank, cache, device, combine is not None,
+                              own_from if idx is decoding and segments else None)
                        for idx in (decoding, prefill) if idx]
+        if segments:
+            g = self.groups[0]
+            g.shared = shared_prefix.SharedSegments(segments, [plan.chunks[i] for i in decoding], [offsets[i] for i in decoding],
+                                                    g.q_index.shape[1], rank, bs, device, COPY_FREE_MIN_KEYS)
         self._layer = 0
 
     def kv_store(self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor):
@@ -162,16 +175,35 @@ class PagedBatch:
         flat = q[0]
         out = flat.new_zeros(*flat.shape[:-1], self.cache.value_dim or flat.shape[-1])  # (T, Hq, Dv)
         for g, k_g, v_g, pos_g in zip(self.groups, k, v, kv_pos):
-            if g.copy_free:
+            if g.shared is not None:
+                o = self._attend_shared(g, flat, k_g, v_g, pos_g)
+            elif g.copy_free:
                 o = self._attend_runs(g, flat[g.q_index])
             else:
                 o = self.backend(flat[g.q_index], k_g, v_g, q_pos=g.q_pos, kv_pos=pos_g, window=window)
             out[g.q_index[g.valid]] = o[g.valid]
         return out[None]
 
+    def _attend_shared(self, g: _Group, flat: torch.Tensor, k_g, v_g, pos_g) -> torch.Tensor:
+        """Group g's queries over its shared segments (each read once for its sequences) and each
+        sequence's own blocks, merged, then combined across the ranks (treeattn.engine.shared_prefix).
+        flat: (T, Hq, D) the step's queries. Returns out (B, S, Hq, Dv) in q.dtype."""
+        q = flat[g.q_index]
+        if g.copy_free:
+            out, lse = self._local_runs(g, q)
+        else:
+            out, lse = attention(q, k_g, v_g, causal=True, q_pos=g.q_pos, kv_pos=pos_g)
+        out, lse = g.shared.merge_into(out.float(), lse.float(), flat, self.cache, self._layer)
+        return self._combine(out, lse).to(q.dtype)
+
     def _attend_runs(self, g: _Group, q: torch.Tensor) -> torch.Tensor:
         """q (B, S, Hq, D) of group g over this rank's runs of blocks, merged per sequence, then
         combined across the ranks. Returns out (B, S, Hq, Dv) in q.dtype."""
+        return self._combine(*self._local_runs(g, q)).to(q.dtype)
+
+    def _local_runs(self, g: _Group, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q (B, S, Hq, D) of group g over this rank's runs of blocks, merged per sequence: this
+        rank's state, out (B, S, Hq, Dv) and lse (B, Hq, S), float32."""
         B, S, Hq, D = q.shape
         k, v = self.cache.blocks(self._layer)  # (blocks, block_size, Hkv, D), (..., Dv)
         Hkv, Dv = k.shape[-2], v.shape[-1]
@@ -184,13 +216,17 @@ class PagedBatch:
             o, lse = merge_states_list([o for o, _ in states], [lse for _, lse in states]) if len(states) > 1 else states[0]
             outs.append(o.float())
             lses.append(lse.float())
-        out, lse = torch.cat(outs), torch.cat(lses)
+        return torch.cat(outs), torch.cat(lses)
+
+    def _combine(self, out: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+        """This rank's state, out (B, S, Hq, Dv) and lse (B, Hq, S) float32 -> out over every
+        rank's keys (tree_decode's combine step), float32."""
         group, method, ranks_per_node = self.combine
         if group_world_size(group) > 1:
             from treeattn.parallel.tree_decode import combine_states
 
             out, lse = combine_states(out, lse, group=group, method=method, ranks_per_node=ranks_per_node)
-        return out.to(q.dtype)
+        return out
 
 
 @dataclass
@@ -201,10 +237,13 @@ class StepOutcome:
         tokens: seq_id -> the new tokens of every chunk that samples (the accepted drafts and the
             token after them; one token without drafts), None where the logits were not finite.
         logprobs: seq_id -> one TokenLogprob per new token, for the chunks whose request asked.
+        shared_prefix_keys: key reads per layer that reading shared blocks once saved in this step
+            (treeattn.engine.shared_prefix.saved_keys).
     """
 
     tokens: dict[int, list[int] | None] = field(default_factory=dict)
     logprobs: dict[int, list[TokenLogprob]] = field(default_factory=dict)
+    shared_prefix_keys: int = 0
 
 
 def token_logprobs(logits: torch.Tensor, tokens: list[int], top: int) -> list[TokenLogprob]:
@@ -329,7 +368,7 @@ class RankRunner:
         if self.rank != 0 or not sampling:
             return StepOutcome()
         logits = self.model.logits(hidden)
-        out, first = StepOutcome(), 0
+        out, first = StepOutcome(shared_prefix_keys=batch.shared_keys), 0
         for _, c in sampling:
             chunk_logits = logits[first : first + c.num_draft + 1]
             tokens = out.tokens[c.seq_id] = self._sample(c, chunk_logits)

@@ -1,0 +1,141 @@
+"""Shared-prefix decode attention in the engine (treeattn.engine.shared_prefix): decoding sequences
+that share blocks read them once per step, with the same tokens as reading them per sequence and
+as each request alone.
+
+The workload: two documents cached first, then questions over them submitted together, so that
+one step decodes sequences sharing different prefixes (document A, document B, and document A
+plus a shared instruction: nested sharing) next to a sequence that shares nothing. Checked on
+p = 1, 2, 3 (one spawn of 3 ranks, engines on sub-groups), both placements, run-by-run reads and
+gathers, prompt-lookup drafts, greedy against the uncached oracle and sampled against the same
+engine without sharing; the engine's shared_prefix_keys counter shows that sharing happened (and
+that ring decoding, where it does not apply, reads as before).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import treeattn as ta
+from test_engine import one_thread  # noqa: F401
+from test_engine_token_parallel import CONFIG, _uncached_greedy
+from treeattn.cache.blocks import BlockRef
+from treeattn.engine import SamplingParams, runner, shared_prefix
+from treeattn.engine.scheduler import Chunk
+from treeattn.models.llama import random_model
+from treeattn.parallel import spawn
+
+BLOCK = 4
+OPTIONS = dict(block_size=BLOCK, cache_tokens=1024, prefill_chunk=16, max_batch_size=8, timeout_s=60)
+CASES = [  # (p, engine options, read own shards run by run)
+    (1, dict(decode="local", placement="contiguous"), False),
+    (2, dict(decode="tree", placement="contiguous"), True),
+    (2, dict(decode="tree", placement="interleaved", speculate="ngram"), False),
+    (2, dict(decode="ring", placement="interleaved"), False),
+    (3, dict(decode="tree", method="tree", placement="interleaved"), True),
+    (3, dict(decode="tree", placement="contiguous", speculate="ngram"), False),
+]
+SAMPLED = SamplingParams(max_new_tokens=6, temperature=1.0, top_k=20, seed=13)
+
+
+def _workload() -> tuple[list[list[int]], list[tuple[list[int], int]]]:
+    """Two documents (40 and 24 tokens) and 7 questions: 3 over A (one repeats a piece of A, for
+    prompt lookup), 2 over A + a 16-token instruction, 1 over B, 1 over nothing cached."""
+    g = torch.Generator().manual_seed(11)
+    rand = lambda n: torch.randint(0, 128, (n,), generator=g).tolist()  # noqa: E731
+    doc_a, doc_b, instruction = rand(40), rand(24), rand(16)
+    questions = [doc_a + rand(3), doc_a + rand(6), doc_a + doc_a[8:20], doc_a + instruction + rand(2),
+                 doc_a + instruction + rand(5), doc_b + rand(4), rand(9)]
+    return [doc_a, doc_b, doc_a + instruction], [(q, 4 + i % 4) for i, q in enumerate(questions)]
+
+
+DOCS, QUESTIONS = _workload()
+
+
+def _run(engine, params=None) -> list[list[int]]:
+    engine.generate(DOCS, max_new_tokens=1)  # the documents' blocks enter the prefix cache
+    handles = [engine.submit(q, params or SamplingParams(max_new_tokens=n)) for q, n in QUESTIONS]
+    return [h.result(timeout=60).token_ids for h in handles]
+
+
+def _cases(rank: int, world_size: int) -> list[dict]:
+    torch.set_num_threads(1)
+    model = random_model(CONFIG, seed=3, std=0.15)
+    groups = {1: dist.new_group([0]), 2: dist.new_group([0, 1]), 3: None}
+    out = []
+    for p, options, copy_free in CASES:
+        if rank >= p:
+            continue
+        runner.COPY_FREE_MIN_KEYS = 0 if copy_free else 1 << 40
+        run = dict(p=p, options=options)
+        for sharing in (True, False):
+            shared_prefix.SHARE_MIN_KEYS = 8 if sharing else 1 << 40  # 2 blocks
+            with ta.Engine(model, group=groups[p], **OPTIONS, **options) as engine:
+                if engine.is_driver:
+                    run[sharing] = dict(greedy=_run(engine), stats=engine.stats())
+                    engine.clear_prefix_cache()
+                    run[sharing]["sampled"] = _run(engine, SAMPLED)
+        if rank == 0:
+            out.append(run)
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs():
+    return spawn(_cases, 3, timeout=300)[0]
+
+
+@pytest.fixture(scope="module")
+def oracle():
+    model = random_model(CONFIG, seed=3, std=0.15)
+    return [_uncached_greedy(model, q, n) for q, n in QUESTIONS]
+
+
+def _case_id(case):
+    p, options, copy_free = case
+    return f"p{p}-{options['decode']}-{options['placement']}-{'runs' if copy_free else 'gather'}" + (
+        "-ngram" if "speculate" in options else "")
+
+
+def test_every_case_ran(runs):
+    assert [(r["p"], r["options"]) for r in runs] == [(p, o) for p, o, _ in CASES]
+
+
+@pytest.mark.parametrize("case", range(len(CASES)), ids=[_case_id(c) for c in CASES])
+def test_sharing_gives_the_tokens_of_each_request_alone(runs, oracle, case):
+    run = runs[case]
+    assert run[True]["greedy"] == run[False]["greedy"] == oracle
+    assert run[True]["sampled"] == run[False]["sampled"]
+    assert run[False]["stats"]["shared_prefix_keys"] == 0
+    if run["options"]["decode"] == "ring" and run["p"] > 1:  # ring_decode passes the shards: no sharing
+        assert run[True]["stats"]["shared_prefix_keys"] == 0
+    else:  # at least the three questions over A shared its 10 blocks in their first step
+        assert run[True]["stats"]["shared_prefix_keys"] >= 2 * 40
+    if "speculate" in run["options"]:
+        assert run[True]["stats"]["drafted_tokens"] > 0
+
+
+def _chunk(blocks: list[int], start: int, drafts: int = 0) -> Chunk:
+    return Chunk(0, (1,) * (1 + drafts), start, tuple(BlockRef(b % 2, b) for b in blocks), None, drafts)
+
+
+def test_segments_cover_shared_prefixes_nested_and_apart():
+    chunks = [
+        _chunk([0, 1, 2, 3, 10], 17),          # document 0-3, own block 10
+        _chunk([0, 1, 2, 3, 4, 5, 11], 25),    # document, instruction 4-5, own 11
+        _chunk([0, 1, 2, 3, 4, 5, 12], 24, 2),  # the same, with 2 drafts
+        _chunk([20, 21, 22], 9),               # document 20-21 (+ its current block 22)
+        _chunk([20, 21, 23], 10),
+        _chunk([0, 30], 5),                    # shares block 0 only: too short to share
+    ]
+    segments, own_from = shared_prefix.find_segments(chunks, block_size=4, min_keys=8)
+    assert [(s.members, s.lo, s.hi) for s in segments] == [((0, 1, 2), 0, 4), ((1, 2), 4, 6), ((3, 4), 0, 2)]
+    assert [s.blocks for s in segments] == [tuple(chunks[0].blocks[:4]), tuple(chunks[1].blocks[4:6]), tuple(chunks[3].blocks[:2])]
+    assert own_from == [4, 6, 6, 2, 2, 0]
+    # Block 0 alone (4 keys) is below min_keys: it passes down into the document's segment and
+    # stays per-sequence for the chunk that shares nothing else.
+    segments, own_from = shared_prefix.find_segments(chunks, block_size=4, min_keys=20)
+    assert [(s.members, s.lo, s.hi) for s in segments] == [((1, 2), 0, 6)]
+    assert own_from == [0, 6, 6, 0, 0, 0]
+    assert shared_prefix.saved_keys(segments, 4) == 24
