@@ -139,3 +139,18 @@ def test_segments_cover_shared_prefixes_nested_and_apart():
     assert [(s.members, s.lo, s.hi) for s in segments] == [((1, 2), 0, 6)]
     assert own_from == [0, 6, 6, 0, 0, 0]
     assert shared_prefix.saved_keys(segments, 4) == 24
+
+
+@pytest.mark.parametrize("prefill_chunk", [16, 64])
+def test_one_prompt_submitted_n_times_together_is_prefilled_once(oracle, prefill_chunk):
+    """4 requests with one prompt: the first prefills it, the other 3 wait for its full blocks and
+    find them all in the prefix cache (each computes only the last, partial block); tokens unchanged.
+    (prefill_chunk 64: all 4 fit in the first step's budget; 16: the first prefills over 3 steps.)"""
+    prompt, n = QUESTIONS[1]
+    full = (len(prompt) - 1) // BLOCK * BLOCK
+    with ta.Engine(random_model(CONFIG, seed=3, std=0.15), nproc=1, decode="local", block_size=BLOCK, cache_tokens=512,
+                   prefill_chunk=prefill_chunk, max_batch_size=8) as engine:
+        results = engine.generate([prompt] * 4, max_new_tokens=n)
+        assert [r.cached_prompt_tokens for r in results] == [0, full, full, full]
+        assert engine.stats()["prefix_hit_tokens"] == 3 * full
+    assert [r.token_ids for r in results] == [oracle[1]] * 4

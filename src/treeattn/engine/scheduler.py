@@ -8,7 +8,11 @@ Every step the scheduler plans one batched forward pass over all running sequenc
   over several steps and the decoders keep going in between;
 - waiting requests are admitted, first come first served, while the batch has room
   (`max_batch_size`) and their first chunk's blocks can be had. With a prefix cache, a new request
-  starts from the longest cached prefix of its prompt and prefills only the rest.
+  starts from the longest cached prefix of its prompt and prefills only the rest; and a request
+  whose next full block a running sequence is prefilling (the same tokens up to it) waits for that
+  block to enter the cache instead of computing it too, while the requests behind it go on: n
+  requests with one prompt, submitted together, prefill its full blocks once (each computes only
+  its last, partial block, which is never shared).
 
 Blocks are taken as tokens need them. When a sequence needs a block and its rank's pool is empty,
 unreferenced cached blocks are evicted (least recently used first); if that is not enough, the
@@ -219,12 +223,15 @@ class Scheduler:
             planned.append((seq, n))
             if n > 1:
                 budget -= n
-        while self.waiting and len(self.running) < self.max_batch_size:
-            seq = self.waiting[0]
+        for seq in list(self.waiting):
+            if len(self.running) >= self.max_batch_size:
+                break
+            if self._awaits_prefill(seq):  # a running sequence is computing its next block: wait for it
+                continue
             n = self._admit(seq, budget)
             if n == 0:
                 break
-            self.waiting.popleft()
+            self.waiting.remove(seq)
             self.running.append(seq)
             planned.append((seq, n))
             if n > 1:
@@ -355,6 +362,22 @@ class Scheduler:
         if n == 0:
             self._free_blocks(seq)
         return n
+
+    def _awaits_prefill(self, seq: Sequence) -> bool:
+        """Whether the next block `seq` would prefill (the first full block of its tokens past the
+        prefix cache's match) is being prefilled by a running sequence with the same tokens up to
+        it: that block enters the prefix cache when computed, so `seq` waits for it instead of
+        computing it again (n requests with one prompt prefill it once)."""
+        if self.prefix_cache is None:
+            return False
+        bs, tokens = self.pool.block_size, seq.tokens
+        prefilling = [r for r in self.running if r.num_computed < len(r.prompt) and r.prompt[0] == tokens[0]]
+        if not prefilling:
+            return False
+        end = (len(self.prefix_cache.match(tokens[: len(tokens) - 1])) + 1) * bs  # past seq's next block
+        if end > len(tokens) - 1:  # its next block is its last, partial one: never cached, never shared
+            return False
+        return any(r.num_computed < end <= len(r.prompt) and r.prompt[:end] == tokens[:end] for r in prefilling)
 
     def _make_room(self, seq: Sequence, n: int, planned: list[tuple[Sequence, int]]) -> int:
         """Get the blocks for `n` more tokens of running `seq`, preempting younger sequences if
