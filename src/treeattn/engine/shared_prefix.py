@@ -14,9 +14,9 @@ step, as for a run-by-run read (treeattn.engine.runner).
 
 Segments. The decoding sequences' block tables form a trie (a path of BlockRefs per sequence,
 over its full blocks before its first query, keys every one of its queries sees). find_segments
-walks it: a stretch of blocks that m >= 2 sequences share and that holds at least min_keys keys
-(all ranks together) is a segment, read once for its m sequences; a shorter shared stretch is
-not worth an extra attention call and passes down to the next segment below it (or to the
+walks it: a stretch of K keys (all ranks together) that m >= 2 sequences share is a segment, read
+once for its m sequences, when it saves (m - 1) x K >= SHARE_MIN_SAVED_KEYS key reads; a shorter
+shared stretch is not worth an extra attention call and passes down to the next segment below it (or to the
 sequences' own part). So each sequence's blocks are, in order: the segments on its path, which
 cover logical blocks [0, own_from) with no gap, then its own part [own_from, end), read as
 before (gathered into one batched call, or run by run). Sequences sharing different prefixes in
@@ -45,10 +45,13 @@ import torch
 from treeattn.cache.blocks import BlockRef
 from treeattn.ops import attention, merge_states, merge_states_list
 
-SHARE_MIN_KEYS = 256
-"""A stretch of blocks shared by >= 2 decoding sequences is read once for them when it holds at
-least this many keys (all ranks together); below, the extra attention call and merge cost more
-than the reads they save (benchmarks/engine_shared_prefix.py, docs/benchmarks.md)."""
+SHARE_MIN_SAVED_KEYS = 512
+"""A stretch of K keys (all ranks together) shared by m >= 2 decoding sequences is read once for
+them when that saves at least this many key reads, (m - 1) x K >= SHARE_MIN_SAVED_KEYS; below, the
+extra attention call and merge cost more than the reads they save. Measured for one layer of
+SmolLM2's shape on this machine (benchmarks/engine_shared_prefix.py --threshold, docs/benchmarks.md):
+sharing won from (m - 1) x K of 512-768 on (m = 2: K = 512; m = 4: K = 256; m = 16: K = 64) and
+lost below 500."""
 
 
 @dataclass(frozen=True)
@@ -62,19 +65,20 @@ class Segment:
     blocks: tuple[BlockRef, ...]
 
 
-def find_segments(chunks, block_size: int, min_keys: int | None = None) -> tuple[list[Segment], list[int]]:
+def find_segments(chunks, block_size: int, min_saved: int | None = None) -> tuple[list[Segment], list[int]]:
     """The shared segments of decoding chunks (see the module docstring).
 
     Args:
         chunks: the step's decoding chunks (treeattn.engine.scheduler.Chunk), in order.
         block_size: tokens per block.
-        min_keys: the fewest keys (block_size x blocks) a segment holds (None: SHARE_MIN_KEYS).
+        min_saved: the fewest key reads a segment must save, (members - 1) x keys (None:
+            SHARE_MIN_SAVED_KEYS).
 
     Returns:
         segments, and own_from: per chunk, the first logical block that no segment covers (0
         for a chunk in no segment); its segments cover blocks [0, own_from).
     """
-    min_keys = SHARE_MIN_KEYS if min_keys is None else min_keys
+    min_saved = SHARE_MIN_SAVED_KEYS if min_saved is None else min_saved
     # Each chunk's full blocks before its first query: every one of its queries sees all their keys.
     paths = [c.blocks[: c.start // block_size] for c in chunks]
     segments: list[Segment] = []
@@ -85,7 +89,7 @@ def find_segments(chunks, block_size: int, min_keys: int | None = None) -> tuple
         end, first = depth, paths[members[0]]
         while all(len(paths[b]) > end and paths[b][end] == first[end] for b in members):
             end += 1
-        if len(members) > 1 and (end - start) * block_size >= min_keys:
+        if len(members) > 1 and (len(members) - 1) * (end - start) * block_size >= max(1, min_saved):
             segments.append(Segment(tuple(members), start, end, tuple(first[start:end])))
             start = end
         branches: dict[BlockRef, list[int]] = defaultdict(list)
