@@ -28,6 +28,11 @@ one gather (a copy of the whole shard per layer per step), so it pays when runs 
 is read this way when its runs average at least COPY_FREE_MIN_KEYS keys (tree and local decoding,
 no sliding window; ring_decode passes the shard itself, so it always gathers).
 
+Shared prefixes: decoding sequences whose block tables begin with the same blocks (a document in
+the prefix cache that several requests question) read those blocks once per step for all their
+query rows, then each its own blocks; the states merge, then one combine across the ranks
+(treeattn.engine.shared_prefix; same conditions as run-by-run reads).
+
 Rank 0 then samples the next token of each sequence whose chunk holds its last known token (after a
 token-parallel step, the final hidden states of those rows are gathered from the ranks that ran them), each
 with its own torch.Generator (seeded from the request), so a request's tokens do not depend on
