@@ -365,15 +365,16 @@ class RankRunner:
             hidden = token_parallel.TokenParallelStep(batch, self.rank, self.world_size, self.comm_group).forward(self.model, rows)
         else:  # every rank runs every token
             hidden = self.model(batch.tokens, batch.positions, batch.kv_store, batch.attend)[0, rows]
-        return self._outcome(sampling, hidden)
+        return self._outcome(sampling, hidden, batch.shared_keys)
 
-    def _outcome(self, sampling: list[tuple[int, Chunk]], hidden: torch.Tensor) -> StepOutcome:
+    def _outcome(self, sampling: list[tuple[int, Chunk]], hidden: torch.Tensor, shared_keys: int = 0) -> StepOutcome:
         """Rank 0 samples each chunk of `sampling` from `hidden`, the final hidden states of their rows
-        (num_draft + 1 per chunk, in order); the other ranks return an empty StepOutcome."""
+        (num_draft + 1 per chunk, in order); the other ranks return an empty StepOutcome.
+        shared_keys: the step's StepOutcome.shared_prefix_keys."""
         if self.rank != 0 or not sampling:
             return StepOutcome()
         logits = self.model.logits(hidden)
-        out, first = StepOutcome(shared_prefix_keys=batch.shared_keys), 0
+        out, first = StepOutcome(shared_prefix_keys=shared_keys), 0
         for _, c in sampling:
             chunk_logits = logits[first : first + c.num_draft + 1]
             tokens = out.tokens[c.seq_id] = self._sample(c, chunk_logits)
