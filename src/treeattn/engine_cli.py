@@ -213,9 +213,11 @@ def _cli_message(exc) -> str:
     from dataclasses import fields
 
     from treeattn.engine.config import GenerationConfig
+    from treeattn.engine.engine import EngineConfig
 
     text = str(exc)
-    for name in sorted((f.name for f in fields(GenerationConfig)), key=len, reverse=True):
+    names = {f.name for f in fields(GenerationConfig)} | {f.name for f in fields(EngineConfig)}
+    for name in sorted(names, key=len, reverse=True):
         text = re.sub(rf"\b{name}='?([^\s',;:)]*)'?", lambda m, n=name: f"{_flag(n)} {m.group(1)}", text)
         text = re.sub(rf"^{name}\b", _flag(name), text)
     return text

@@ -75,7 +75,7 @@ def resolve_method(method: str | None, static_option: str | None) -> str:
         return "allreduce" if static_option else DEFAULT_METHOD
     if method == "onepass" and static_option:
         raise ConfigError("method", f"method='onepass' reads one flag on the host per layer, which {static_option} forbids "
-                          "inside a step: use method='allreduce' or 'tree'")
+                          "inside a step: use method='allreduce' or method='tree'")
     return method
 
 

@@ -20,6 +20,14 @@ class Speculate(str, Enum):
     draft = "draft"
 
 
+class DecodeStep(str, Enum):
+    """How the engine runs its decode steps (treeattn.engine.static_step.DECODE_STEPS)."""
+
+    dynamic = "dynamic"
+    static = "static"
+    graph = "graph"
+
+
 def serve_command(
     model: Path = typer.Argument(..., help="Hugging Face checkpoint directory or .gguf file."),
     nproc: int = typer.Option(1, "--nproc", min=1, help="Ranks sharing the KV cache (ignored under torchrun: its world size)."),
@@ -41,6 +49,9 @@ def serve_command(
                                             ".gguf, the model's tokenizer); every rank holds it, with a cache sharded like the model's."),
     shared_memory: bool = typer.Option(True, "--shared-memory/--no-shared-memory", help="Ranks on this host combine through "
                                        "shared memory (one round, no sockets); --no-shared-memory: through gloo."),
+    decode_step: DecodeStep = typer.Option(DecodeStep.dynamic, "--decode-step", help="Decode-only steps: dynamic (exact sizes), "
+                                           "static (fixed shapes per batch bucket, no host synchronization; method allreduce by "
+                                           "default) or graph (static steps replayed from CUDA graphs: a CUDA model only)."),
     api_key: str | None = typer.Option(None, "--api-key", envvar="TREEATTN_API_KEY",
                                        help="Require 'Authorization: Bearer KEY' on every endpoint but /health."),
     served_model_name: str | None = typer.Option(None, "--served-model-name", help="The model id clients name (default: the file or directory name)."),
@@ -67,7 +78,8 @@ def serve_command(
                           placement=placement.value, max_batch_size=max_batch_size, cache_tokens=cache_tokens,
                           prefix_cache=prefix_cache, block_size=block_size, dtype=getattr(torch, dtype.value), timeout_s=timeout,
                           speculate=None if speculate is Speculate.none else speculate.value, draft_tokens=draft_tokens,
-                          draft_model=None if draft_model is None else str(draft_model), shared_memory=shared_memory)
+                          draft_model=None if draft_model is None else str(draft_model), shared_memory=shared_memory,
+                          decode_step=decode_step.value)
 
     def ready(bound_host: str, bound_port: int) -> None:
         typer.echo(f"treeattn serve: {model} on http://{bound_host}:{bound_port} ({nproc} rank(s), decode {decode.value})",
