@@ -86,10 +86,13 @@ def find_segments(chunks, block_size: int, min_saved: int | None = None) -> tupl
 
     def walk(members: list[int], depth: int, start: int) -> None:
         # members share blocks [0, depth); blocks [start, depth) are not in a segment yet
+        if len(members) == 1:
+            own_from[members[0]] = start
+            return
         end, first = depth, paths[members[0]]
         while all(len(paths[b]) > end and paths[b][end] == first[end] for b in members):
             end += 1
-        if len(members) > 1 and (len(members) - 1) * (end - start) * block_size >= max(1, min_saved):
+        if (len(members) - 1) * (end - start) * block_size >= max(1, min_saved):
             segments.append(Segment(tuple(members), start, end, tuple(first[start:end])))
             start = end
         branches: dict[BlockRef, list[int]] = defaultdict(list)
@@ -147,6 +150,7 @@ class SharedSegments:
         Args:
             out: (B, S, Hq, Dv) float32, lse: (B, Hq, S) float32: the group's state over each
                 sequence's own part on this rank (padding rows: anything; they are dropped later).
+                Both are overwritten.
             flat_q: (T, Hq, D) the step's queries (RoPE applied), rows in step order.
             cache: this rank's PagedKVCache; layer: the layer being run.
 
@@ -156,8 +160,8 @@ class SharedSegments:
         if not self.reads:
             return out, lse
         B, S, Hq, Dv = out.shape
-        out_rows = out.reshape(B * S, Hq, Dv).clone()
-        lse_rows = lse.transpose(1, 2).reshape(B * S, Hq).clone()
+        out_rows = out.reshape(B * S, Hq, Dv)  # written in place: out and lse are the caller's to give up
+        lse_rows = lse.transpose(1, 2).reshape(B * S, Hq)
         k_all, v_all = cache.blocks(layer)  # (blocks, block_size, Hkv, D), (..., Dv)
         Hkv, D = k_all.shape[-2], k_all.shape[-1]
         for rows, grid, runs, table in self.reads:
