@@ -154,6 +154,7 @@ def main() -> None:
         return threshold()
 
     path = args.model or default_model()
+    load_at_start = os.getloadavg()
     report = []
     for p in args.nproc:
         for doc_len in args.doc:
@@ -170,7 +171,7 @@ def main() -> None:
                                    shared_prefix_keys=(on["shared_prefix_keys"], off["shared_prefix_keys"]),
                                    cached_prompt_tokens=on["cached_prompt_tokens"]))
                 print(json.dumps(report[-1]), flush=True)
-    meta = dict(machine=f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}", load_average=os.getloadavg(),
+    meta = dict(machine=f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}", load_average_start=load_at_start, load_average_end=os.getloadavg(),
                 model=os.path.basename(args.model or default_model()), decode=args.decode, placement=args.placement,
                 block_size=args.block_size, threads=args.threads)
     print(json.dumps(meta))
