@@ -21,8 +21,10 @@ import treeattn as ta
 from test_engine import one_thread  # noqa: F401
 from test_engine_token_parallel import CONFIG, _uncached_greedy
 from treeattn.cache.blocks import BlockRef
+from treeattn.cache.paged import PagedKVCache
 from treeattn.engine import SamplingParams, runner, shared_prefix
-from treeattn.engine.scheduler import Chunk
+from treeattn.engine.scheduler import Chunk, StepPlan
+from treeattn.models.attention import LocalAttention
 from treeattn.models.llama import random_model
 from treeattn.parallel import spawn
 
@@ -154,3 +156,46 @@ def test_one_prompt_submitted_n_times_together_is_prefilled_once(oracle, prefill
         assert [r.cached_prompt_tokens for r in results] == [0, full, full, full]
         assert engine.stats()["prefix_hit_tokens"] == 3 * full
     assert [r.token_ids for r in results] == [oracle[1]] * 4
+
+
+@pytest.mark.parametrize("value_dim", [None, 8], ids=["kv", "latent"])
+@pytest.mark.parametrize("copy_free", [False, True], ids=["gather", "runs"])
+def test_one_layer_with_shared_segments_matches_float64_attention_per_sequence(monkeypatch, value_dim, copy_free):
+    """PagedBatch's decode attention with segments (nested: a document for 3 sequences, an
+    instruction after it for 2; one sequence with 2 drafts; one sharing nothing) equals plain
+    attention over each sequence's own keys, in float64, for a latent cache (values = the keys'
+    first value_dim channels) too."""
+    bs, hkv, hq, d = 4, 2, 4, 16
+    g = torch.Generator().manual_seed(0)
+    cache = PagedKVCache(num_layers=1, num_kv_heads=hkv, head_dim=d, value_dim=value_dim, num_blocks=40, block_size=bs, dtype=torch.float64)
+    cache.arena.normal_(generator=g)
+    doc, instruction = list(range(6)), [6, 7]
+    refs = lambda ids: tuple(BlockRef(0, i) for i in ids)  # noqa: E731
+    chunks = (Chunk(0, (1,), 25, refs(doc + [20]), None), Chunk(1, (1, 2, 3), 34, refs(doc + instruction + [21, 23]), None, 2),
+              Chunk(2, (1,), 32, refs(doc + instruction + [22]), None), Chunk(3, (1, 1), 9, refs([30, 31, 32]), None, 1))
+    T, dv = sum(len(c.tokens) for c in chunks), value_dim or d
+    q = torch.randn(1, T, hq, d, generator=g, dtype=torch.float64)
+    k_new, v_new = torch.randn(1, T, hkv, d, generator=g, dtype=torch.float64), torch.randn(1, T, hkv, dv, generator=g, dtype=torch.float64)
+    monkeypatch.setattr(runner, "COPY_FREE_MIN_KEYS", 0 if copy_free else 1 << 40)
+    monkeypatch.setattr(shared_prefix, "SHARE_MIN_SAVED_KEYS", 1)
+    arena = cache.arena.clone()
+    batch = runner.PagedBatch(StepPlan(chunks), 0, cache, LocalAttention(), combine=(None, "allreduce", 1))
+    k, v, pos = batch.kv_store(0, k_new, v_new)
+    out = batch.attend(q, k, v, q_pos=None, kv_pos=pos, window=None)[0]
+    assert batch.shared_keys == 2 * 24 + 8 and batch.groups[0].shared is not None
+    keys, values = cache.blocks(0)
+    row = 0
+    for c in chunks:
+        n, end = len(c.tokens), c.start + len(c.tokens)
+        ids = torch.tensor([ref.index for ref in c.blocks])
+        k_seq, v_seq = keys[ids].flatten(0, 1)[None, :end], values[ids].flatten(0, 1)[None, :end]
+        expected, _ = ta.attention(q[:, row : row + n], k_seq, v_seq, causal=True, q_pos=torch.arange(c.start, end), kv_pos=torch.arange(end))
+        torch.testing.assert_close(out[row : row + n], expected[0], rtol=1e-12, atol=1e-12)
+        row += n
+    # the same step without sharing reads as before and gives the same output
+    cache.arena.copy_(arena)
+    monkeypatch.setattr(shared_prefix, "SHARE_MIN_SAVED_KEYS", 1 << 40)
+    batch = runner.PagedBatch(StepPlan(chunks), 0, cache, LocalAttention(), combine=(None, "allreduce", 1))
+    k, v, pos = batch.kv_store(0, k_new, v_new)
+    assert batch.shared_keys == 0 and batch.groups[0].shared is None
+    torch.testing.assert_close(batch.attend(q, k, v, q_pos=None, kv_pos=pos, window=None)[0], out, rtol=1e-12, atol=1e-12)

@@ -198,7 +198,8 @@ class PagedBatch:
             out, lse = self._local_runs(g, q)
         else:
             out, lse = attention(q, k_g, v_g, causal=True, q_pos=g.q_pos, kv_pos=pos_g)
-        out, lse = g.shared.merge_into(out.float(), lse.float(), flat, self.cache, self._layer)
+        acc = torch.promote_types(q.dtype, torch.float32)  # the merges' dtype
+        out, lse = g.shared.merge_into(out.to(acc), lse.to(acc), flat, self.cache, self._layer)
         return self._combine(out, lse).to(q.dtype)
 
     def _attend_runs(self, g: _Group, q: torch.Tensor) -> torch.Tensor:
@@ -208,7 +209,7 @@ class PagedBatch:
 
     def _local_runs(self, g: _Group, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q (B, S, Hq, D) of group g over this rank's runs of blocks, merged per sequence: this
-        rank's state, out (B, S, Hq, Dv) and lse (B, Hq, S), float32."""
+        rank's state, out (B, S, Hq, Dv) and lse (B, Hq, S), float32 (float64 for float64 q)."""
         B, S, Hq, D = q.shape
         k, v = self.cache.blocks(self._layer)  # (blocks, block_size, Hkv, D), (..., Dv)
         Hkv, Dv = k.shape[-2], v.shape[-1]
@@ -219,13 +220,14 @@ class PagedBatch:
             if not states:  # nothing of this sequence here: the merge's identity
                 states = [(q.new_zeros(1, S, Hq, Dv), torch.full((1, Hq, S), float("-inf"), device=q.device))]
             o, lse = merge_states_list([o for o, _ in states], [lse for _, lse in states]) if len(states) > 1 else states[0]
-            outs.append(o.float())
-            lses.append(lse.float())
+            acc = torch.promote_types(o.dtype, torch.float32)
+            outs.append(o.to(acc))
+            lses.append(lse.to(acc))
         return torch.cat(outs), torch.cat(lses)
 
     def _combine(self, out: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
-        """This rank's state, out (B, S, Hq, Dv) and lse (B, Hq, S) float32 -> out over every
-        rank's keys (tree_decode's combine step), float32."""
+        """This rank's state, out (B, S, Hq, Dv) and lse (B, Hq, S) float32 or float64 -> out over
+        every rank's keys (tree_decode's combine step), same dtype."""
         group, method, ranks_per_node = self.combine
         if group_world_size(group) > 1:
             from treeattn.parallel.tree_decode import combine_states

@@ -148,14 +148,14 @@ class SharedSegments:
         """Merge this rank's segment states into the decoding group's own-part state.
 
         Args:
-            out: (B, S, Hq, Dv) float32, lse: (B, Hq, S) float32: the group's state over each
+            out: (B, S, Hq, Dv), lse: (B, Hq, S), float32 (float64 for float64 q): the group's state over each
                 sequence's own part on this rank (padding rows: anything; they are dropped later).
                 Both are overwritten.
             flat_q: (T, Hq, D) the step's queries (RoPE applied), rows in step order.
             cache: this rank's PagedKVCache; layer: the layer being run.
 
         Returns:
-            (out, lse) of the same shapes, float32: with every segment's keys on this rank merged in.
+            (out, lse) of the same shapes and dtype: with every segment's keys on this rank merged in.
         """
         if not self.reads:
             return out, lse
@@ -171,7 +171,7 @@ class SharedSegments:
             else:
                 states = [attention(q, k_all[a : a + n].reshape(1, -1, Hkv, D), v_all[a : a + n].reshape(1, -1, Hkv, Dv)) for a, n in runs]
             o, s = merge_states_list([o for o, _ in states], [s for _, s in states]) if len(states) > 1 else states[0]
-            merged, merged_lse = merge_states(out_rows[grid][None], lse_rows[grid].T[None], o.float(), s.float())
+            merged, merged_lse = merge_states(out_rows[grid][None], lse_rows[grid].T[None], o.to(out.dtype), s.to(out.dtype))
             out_rows[grid] = merged[0]
             lse_rows[grid] = merged_lse[0].T
         return out_rows.view(B, S, Hq, Dv), lse_rows.view(B, S, Hq).transpose(1, 2).contiguous()
