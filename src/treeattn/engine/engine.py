@@ -56,6 +56,7 @@ from treeattn.cache.sharded import kv_bytes_per_token
 from treeattn.engine.config import (DEFAULT_METHOD, ConfigError, check_draft_model_option, device_memory_bytes, format_bytes,
                                    model_bytes, resolve_method)
 from treeattn.engine.measure import RankMeasurements
+from treeattn.engine.ring_prefill import PREFILL_KINDS
 from treeattn.engine.request import RequestResult, SamplingParams, TokenEvent, TokenLogprob
 from treeattn.engine.runner import RankRunner, StepOutcome
 from treeattn.engine.scheduler import Scheduler, Sequence as _Seq
@@ -89,6 +90,7 @@ class EngineConfig:
     prefix_cache: bool = True
     block_size: int = 256
     prefill_chunk: int = 512
+    prefill: str = "auto"
     dtype: torch.dtype | None = None
     timeout_s: float = 60.0
     threads_per_rank: int | None = None
@@ -109,6 +111,8 @@ class EngineConfig:
                 raise ValueError(f"{name} must be an int >= 1 or None, got {value!r}")
         if self.decode not in DECODE_KINDS:
             raise ValueError(f"decode must be one of {DECODE_KINDS}, got {self.decode!r}")
+        if self.prefill not in PREFILL_KINDS:
+            raise ConfigError("prefill", f"prefill must be one of {PREFILL_KINDS}, got {self.prefill!r}")
         if self.method not in METHODS:
             raise ValueError(f"method must be one of {METHODS}, got {self.method!r}")
         if self.placement not in PLACEMENTS:
@@ -229,6 +233,11 @@ class Engine:
         prefix_cache: reuse cached prompt prefixes (radix tree over blocks).
         block_size: tokens per cache block (the unit of allocation, sharing and placement).
         prefill_chunk: prompt tokens per step at most (chunked prefill).
+        prefill: how a step of prompt chunks only runs on several ranks: "ring" (each rank runs a
+            zigzag share of every chunk's tokens, attention over the step's gathered keys and a ring
+            over the cached prefix: treeattn.engine.ring_prefill), "split" (each rank runs a slice,
+            attention combined across the ranks: treeattn.engine.token_parallel) or "auto" (ring,
+            but split for a model with a sliding window). Steps with decoding sequences split.
         dtype: model dtype (None: the checkpoint's float32, or the given model's).
         timeout_s: the group's timeout for every collective, and how long the driver waits for
             the ranks to start.
@@ -261,7 +270,7 @@ class Engine:
 
     def __init__(self, model, *, nproc: int = 1, decode: str = "tree", method: str | None = None,
                  placement: str = "contiguous", max_batch_size: int = 16, cache_tokens: int | None = None,
-                 prefix_cache: bool = True, block_size: int = 256, prefill_chunk: int = 512,
+                 prefix_cache: bool = True, block_size: int = 256, prefill_chunk: int = 512, prefill: str = "auto",
                  dtype: torch.dtype | None = None, timeout_s: float = 60.0, threads_per_rank: int | None = None,
                  speculate: str | None = None, draft_tokens: int = 4, draft_model=None, shared_memory: bool = True,
                  decode_step: str = "dynamic", group: dist.ProcessGroup | None = None) -> None:
@@ -278,7 +287,7 @@ class Engine:
         method = resolve_method(method, static and f"decode_step={static!r}")
         self.config = EngineConfig(nproc=nproc, decode=decode, method=method, placement=placement,
                                    max_batch_size=max_batch_size, cache_tokens=cache_tokens, prefix_cache=prefix_cache,
-                                   block_size=block_size, prefill_chunk=prefill_chunk, dtype=dtype, timeout_s=timeout_s,
+                                   block_size=block_size, prefill_chunk=prefill_chunk, prefill=prefill, dtype=dtype, timeout_s=timeout_s,
                                    threads_per_rank=threads_per_rank, speculate=speculate, draft_tokens=draft_tokens,
                                    draft_model=draft_model, shared_memory=shared_memory, decode_step=decode_step)
         if self.config.nproc > 1 and self.config.decode == "local":
@@ -777,7 +786,7 @@ def _make_runner(model, config: EngineConfig, group=None) -> RankRunner:
     return RankRunner(model, group=group, blocks_per_rank=config.blocks_per_rank(model.config.max_position_embeddings),
                       block_size=config.block_size, decode=config.decode if config.nproc > 1 else "local", method=config.method,
                       shared_memory=config.shared_memory, timeout_s=config.timeout_s, draft_model=draft,
-                      decode_step=config.decode_step, max_batch_size=config.max_batch_size)
+                      decode_step=config.decode_step, prefill=config.prefill, max_batch_size=config.max_batch_size)
 
 
 def _broadcast_plan(plan, rank: int, group=None):

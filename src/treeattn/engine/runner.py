@@ -53,6 +53,7 @@ from treeattn.cache.paged import PagedKVCache
 from treeattn.cache.sharded import INVISIBLE_POSITION
 from treeattn.engine import shared_prefix, token_parallel
 from treeattn.engine.measure import RankMeasurements, RankMeter
+from treeattn.engine.ring_prefill import RingPrefillStep, resolve_prefill
 from treeattn.engine.request import TokenLogprob
 from treeattn.engine.scheduler import Chunk, StepPlan
 from treeattn.models.attention import attention_backend, group_world_size
@@ -292,7 +293,7 @@ class RankRunner:
     def __init__(self, model: LlamaModel, *, group: dist.ProcessGroup | None, blocks_per_rank: int, block_size: int,
                  decode: str, method: str = "allreduce", topology=None, shared_memory: bool = False,
                  timeout_s: float = 120.0, draft_model: LlamaModel | None = None, decode_step: str = "dynamic",
-                 max_batch_size: int = 16) -> None:
+                 max_batch_size: int = 16, prefill: str = "auto") -> None:
         self.model, self.group = model.eval(), group
         distributed = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank(group) if distributed else 0
@@ -300,6 +301,7 @@ class RankRunner:
         self.cache = PagedKVCache(num_layers=c.num_layers, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, value_dim=c.cache_value_dim,
                                   num_blocks=blocks_per_rank, block_size=block_size, dtype=model.dtype, device=model.device)
         self.world_size = p = group_world_size(group)
+        self.prefill = resolve_prefill(prefill, p, c.layer_windows)  # of a prompt-only step that splits
         if shared_memory:  # the group the attention combines over
             group = shared_memory_group(group, device=model.device, timeout_s=timeout_s)
         self.comm_group = group  # of the collectives of a token-parallel step
@@ -363,7 +365,10 @@ class RankRunner:
         batch = PagedBatch(plan, self.rank, self.cache, self.attend, self.combine)
         ends = [batch.offsets[i] + len(c.tokens) for i, c in sampling]  # rows: the last known token, then the drafts
         rows = [row for (_, c), end in zip(sampling, ends) for row in range(end - c.num_draft - 1, end)]
-        if token_parallel.splits(batch.tokens.shape[1], self.world_size):  # rank r runs its slice of the tokens
+        split = token_parallel.splits(batch.tokens.shape[1], self.world_size)
+        if split and self.prefill == "ring" and not any(c.decoding for c in plan.chunks):  # rank r runs its zigzag pieces
+            hidden = RingPrefillStep(batch, plan.chunks, self.rank, self.world_size, self.comm_group).forward(self.model, rows)
+        elif split:  # rank r runs its slice of the tokens
             hidden = token_parallel.TokenParallelStep(batch, self.rank, self.world_size, self.comm_group).forward(self.model, rows)
         else:  # every rank runs every token
             hidden = self.model(batch.tokens, batch.positions, batch.kv_store, batch.attend)[0, rows]

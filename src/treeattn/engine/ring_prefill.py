@@ -1,0 +1,221 @@
+"""Ring prefill steps: a step of prompt chunks only, its rows spread evenly (zigzag) over the ranks.
+
+A token-parallel step (treeattn.engine.token_parallel) cuts the step's flat row (1, T) into p
+contiguous slices, but then every rank attends ALL T queries to its own shard and the states are
+combined: attention stays where the keys are. With contiguous placement a single prompt's keys sit
+on one rank after the other, so rank 0 does most of a prompt's attention while the others wait in
+the combines (docs/benchmarks.md, "Token-parallel prefill in the engine"). ta.generate's ring
+prefill (treeattn.sharded_runner) runs each rank's own tokens with ring_attention, and has the same
+causal imbalance: the rank holding the last span attends to every key.
+
+A ring prefill step balances both the model's work and the attention's. Every chunk of the step
+(one sequence's prompt tokens at positions start .. start + n - 1) is cut into 2p near-equal
+pieces, and rank r runs pieces r and 2p - 1 - r (zigzag_pieces; the load-balanced layout of ring
+attention implementations): every rank gets n / p rows, and since a query at offset i attends to
+start + i + 1 keys, the pairs of pieces cost the same attention on every rank. The model is
+unchanged and knows nothing of ranks; the injected callables do the distribution, per layer:
+
+    kv_store(layer, k_r, v_r)   k_r, v_r: (1, T_r, Hkv, D) this rank's rows' new keys/values.
+        All-gather the rows -> k, v (1, T, Hkv, D) in the step's flat order, on every rank; write
+        the tokens whose blocks this rank holds into its cache (PagedBatch.store_rows/store_slots).
+    attend(q_r, ...)            q_r: (1, T_r, Hq, D) this rank's queries (RoPE applied).
+        Per chunk, two exact states merged with merge_states:
+        - the chunk's new keys: every rank now has all of them, so each piece [lo, hi) of the
+          chunk attends locally to the chunk's keys [0, hi), causal over contiguous positions
+          (ops.attention's fused causal path, no mask built);
+        - the sequence's cached prefix (positions < start: earlier chunks, or a prefix-cache hit),
+          held by the ranks that own its blocks: ring_attention of this rank's queries of the
+          chunk over every rank's prefix keys, K/V rotating (treeattn.parallel.ring). Every
+          prefix key precedes every query, so each block is an unmasked attention.
+        Returns this rank's rows of the output, (1, T_r, Hq, Dv).
+
+Communication per layer: one all-gather of the step's keys and values ((p - 1) / p of T * 2 *
+Hkv * D elements received per rank; Hkv * D for MLA's latent cache, whose values are a view of
+its keys), and for each chunk with a cached prefix one ring of p - 1 steps passing the prefix
+shards. No queries are gathered and nothing is combined. At the end the final hidden states of the
+rows that sample are gathered to every rank (one all-gather of a few rows), as in a token-parallel
+step, and rank 0 computes the logits.
+
+The runner uses a ring step for a step of prompt chunks only (no decoding sequence: those attend
+to their whole cache, which a ring would move every step) that token_parallel.splits, when the
+engine's prefill option resolves to "ring" (resolve_prefill).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from treeattn.cache.blocks import tokens_to_blocks
+from treeattn.engine.token_parallel import gather_slices
+from treeattn.ops import attention, merge_states
+
+PREFILL_KINDS = ("auto", "ring", "split")
+"""The engine's prefill option: "ring" (this module), "split" (token_parallel's steps), "auto"."""
+
+
+def resolve_prefill(prefill: str, world_size: int, layer_windows: Sequence[int | None]) -> str:
+    """The kind of step that runs a prompt-only step of enough tokens: "ring" or "split".
+
+    "auto" is "ring" on several ranks for a model without sliding windows; with a window it is
+    "split" (a ring step's attention is exact under a window too, but through masked blocks, not the
+    fused causal kernel). One rank has nothing to split: "split" (the replicated step) there.
+    """
+    if prefill not in PREFILL_KINDS:
+        raise ValueError(f"prefill must be one of {PREFILL_KINDS}, got {prefill!r}")
+    if world_size == 1:
+        return "split"
+    if prefill == "auto":
+        return "ring" if all(w is None for w in layer_windows) else "split"
+    return prefill
+
+
+def zigzag_pieces(n: int, world_size: int, rank: int) -> list[tuple[int, int]]:
+    """The rows [lo, hi) of a chunk of `n` tokens that `rank` runs: pieces rank and 2p - 1 - rank of
+    2p near-equal contiguous pieces (one range when they touch, none empty).
+
+    Every rank gets n / p rows up to rounding, and the sum of its rows' offsets (the causal
+    attention they do) is the same on every rank up to rounding."""
+    p = world_size
+    bounds = [i * n // (2 * p) for i in range(2 * p + 1)]
+    first, second = (bounds[rank], bounds[rank + 1]), (bounds[2 * p - 1 - rank], bounds[2 * p - rank])
+    pieces = [(first[0], second[1])] if first[1] == second[0] else [first, second]
+    return [(lo, hi) for lo, hi in pieces if hi > lo]
+
+
+class _ChunkRows:
+    """One chunk of the step as this rank sees it: its pieces, and its cached prefix on this rank."""
+
+    def __init__(self, chunk, offset: int, pieces: list[tuple[int, int]], first_row: int, rank: int, cache, device) -> None:
+        bs = cache.block_size
+        self.offset, self.start, self.pieces = offset, chunk.start, pieces
+        self.first_row = first_row  # of its rows in this rank's slice
+        self.num_rows = sum(hi - lo for lo, hi in pieces)
+        self.q_pos = [torch.arange(self.start + lo, self.start + hi, device=device)[None] for lo, hi in pieces]
+        self.kv_pos = [torch.arange(self.start, self.start + hi, device=device)[None] for _, hi in pieces]
+        self.q_pos_all = torch.cat(self.q_pos, dim=1) if pieces else torch.empty(1, 0, dtype=torch.int64, device=device)
+        # The prefix (positions < start) this rank holds: its blocks of the sequence before the
+        # chunk, the last one possibly partial (it is the sequence's last prefix block).
+        local = [(j, ref.index) for j, ref in enumerate(chunk.blocks[: tokens_to_blocks(chunk.start, bs)]) if ref.rank == rank]
+        self.has_prefix = chunk.start > 0  # on some rank: every rank takes part in its ring
+        self.prefix_keys = sum(min(bs, chunk.start - j * bs) for j, _ in local)
+        positions = [torch.arange(j * bs, min((j + 1) * bs, chunk.start)) for j, _ in local]
+        self.prefix_pos = (torch.cat(positions) if positions else torch.empty(0, dtype=torch.int64))[None].to(device)
+        ids = [index for _, index in local]
+        adjacent = all(b == a + 1 for a, b in zip(ids, ids[1:]))
+        self.prefix_run = (ids[0], len(ids)) if ids and adjacent else None  # read as a view: no copy
+        self.prefix_table = torch.tensor([ids], dtype=torch.int64, device=device) if ids else None
+
+    def prefix(self, cache, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's prefix keys and values of the chunk's sequence: (1, prefix_keys, Hkv, D), (..., Dv)."""
+        n = self.prefix_keys
+        if self.prefix_run is not None:
+            first, count = self.prefix_run
+            k, v = cache.blocks(layer)
+            k, v = k[first : first + count], v[first : first + count]
+            return k.reshape(1, -1, *k.shape[2:])[:, :n], v.reshape(1, -1, *v.shape[2:])[:, :n]
+        if self.prefix_table is None:
+            k, v = cache.blocks(layer)
+            return k[:0].reshape(1, 0, *k.shape[2:]), v[:0].reshape(1, 0, *v.shape[2:])
+        k, v = cache.gather(layer, self.prefix_table)
+        return k[:, :n], v[:, :n]
+
+
+class RingPrefillStep:
+    """One prompt-only step of a PagedBatch run as a ring prefill (see the module docstring).
+
+    Args:
+        batch: the step's PagedBatch (treeattn.engine.runner): all T tokens, their positions and
+            the cache writes of this rank.
+        chunks: the step's chunks (plan.chunks, none decoding), in the batch's order.
+        rank, world_size: this rank in the group, and its size p.
+        group: the process group (or SharedMemoryGroup) of the collectives and of the rings.
+
+    Attributes:
+        rows: int64 (T_r,) the flat rows this rank runs, chunk by chunk (zigzag_pieces of each).
+        tokens, positions: int64 (1, T_r): batch.tokens / batch.positions at those rows.
+    """
+
+    def __init__(self, batch, chunks, rank: int, world_size: int, group) -> None:
+        self.batch, self.rank, self.group = batch, rank, group
+        device = batch.tokens.device
+        every_rank_rows = []
+        for r in range(world_size):
+            rows = [offset + i for c, offset in zip(chunks, batch.offsets)
+                    for lo, hi in zigzag_pieces(len(c.tokens), world_size, r) for i in range(lo, hi)]
+            every_rank_rows.append(rows)
+        self.lengths = [len(rows) for rows in every_rank_rows]
+        self.every_rank_rows = every_rank_rows
+        self.rows = torch.tensor(every_rank_rows[rank], dtype=torch.int64, device=device)
+        # gathered[:, i] is flat row order[i]; flat = gathered[:, unpermute]
+        order = torch.tensor([row for rows in every_rank_rows for row in rows], dtype=torch.int64)
+        self.unpermute = torch.argsort(order).to(device)
+        self.tokens = batch.tokens[:, self.rows]
+        self.positions = batch.positions[:, self.rows]
+        self.chunks, first_row = [], 0
+        for c, offset in zip(chunks, batch.offsets):
+            rows = _ChunkRows(c, offset, zigzag_pieces(len(c.tokens), world_size, rank), first_row, rank, batch.cache, device)
+            self.chunks.append(rows)
+            first_row += rows.num_rows
+        self._layer = 0
+
+    def _gather(self, x: torch.Tensor) -> torch.Tensor:
+        """(1, T_r, ...) of this rank's rows -> (1, T, ...) of every row, in the step's flat order."""
+        return gather_slices(x, self.lengths, self.group)[:, self.unpermute]
+
+    def kv_store(self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor):
+        """k_new (1, T_r, Hkv, D), v_new (1, T_r, Hkv, Dv) of this rank's rows: gather every row's,
+        store the tokens whose blocks this rank holds. Returns ((k,), (v,), (None,)): the step's
+        keys and values (1, T, Hkv, D), (1, T, Hkv, Dv), for attend (tuples, not tensors: no model
+        reads them as a shard)."""
+        batch = self.batch
+        k = self._gather(k_new)
+        value_dim = batch.cache.value_dim
+        v = k[..., :value_dim] if value_dim else self._gather(v_new)
+        if batch.store_rows.numel():
+            batch.cache.write(layer, batch.store_slots, k[0, batch.store_rows], v[0, batch.store_rows])
+        self._layer = layer
+        return (k,), (v,), (None,)
+
+    def attend(self, q: torch.Tensor, k, v, *, q_pos, kv_pos, window) -> torch.Tensor:
+        """q (1, T_r, Hq, D) of this rank's rows -> out (1, T_r, Hq, Dv) in q.dtype: each row over
+        its sequence's keys on every rank (the chunk's new keys here, the cached prefix by a ring)."""
+        from treeattn.parallel import ring_attention
+
+        (k,), (v,) = k, v
+        out = q.new_empty(*q.shape[:-1], v.shape[-1])
+        for c in self.chunks:  # the same order on every rank: the prefix rings pair up
+            rows = slice(c.first_row, c.first_row + c.num_rows)
+            outs, lses, row = [], [], c.first_row
+            for (lo, hi), qp, kp in zip(c.pieces, c.q_pos, c.kv_pos):
+                keys = slice(c.offset, c.offset + hi)
+                o, lse = attention(q[:, row : row + hi - lo], k[:, keys], v[:, keys], causal=True, q_pos=qp, kv_pos=kp, window=window)
+                outs.append(o.float())
+                lses.append(lse.float())
+                row += hi - lo
+            state = (torch.cat(outs, dim=1), torch.cat(lses, dim=2)) if outs else None
+            if c.has_prefix:
+                k_pre, v_pre = c.prefix(self.batch.cache, self._layer)
+                prefix = ring_attention(q[:, rows], k_pre, v_pre, group=self.group, causal=True, q_pos=c.q_pos_all,
+                                        kv_pos=c.prefix_pos, window=window, check_inputs=False)
+                prefix = (prefix[0].float(), prefix[1].float())
+                state = prefix if state is None else merge_states(*state, *prefix)
+            if state is not None:
+                out[:, rows] = state[0].to(out.dtype)
+        return out
+
+    def forward(self, model, rows: list[int]) -> torch.Tensor:
+        """Run this rank's rows through `model`; return the final hidden states of the flat `rows`
+        (indices into the step's T tokens, any order), (len(rows), hidden_size) in the model dtype,
+        on every rank."""
+        hidden = model(self.tokens, self.positions, self.kv_store, self.attend)[0]  # (T_r, hidden)
+        out = hidden.new_empty(len(rows), hidden.shape[-1])
+        if not rows:
+            return out
+        where = {row: (r, i) for r, rank_rows in enumerate(self.every_rank_rows) for i, row in enumerate(rank_rows)}
+        owned = [[i for i, row in enumerate(rows) if where[row][0] == r] for r in range(len(self.lengths))]
+        local = hidden[torch.tensor([where[rows[i]][1] for i in owned[self.rank]], dtype=torch.int64, device=hidden.device)]
+        gathered = gather_slices(local[None], [len(o) for o in owned], self.group)[0]  # rank 0's rows, rank 1's, ...
+        out[torch.tensor([i for o in owned for i in o], dtype=torch.int64, device=out.device)] = gathered
+        return out
