@@ -12,6 +12,14 @@ import typer
 from treeattn.engine_cli import Decode, DType, Method, Placement  # the same choices as `treeattn generate`
 
 
+class Prefill(str, Enum):
+    """How the engine runs a step of prompt chunks on several ranks (treeattn.engine.ring_prefill.PREFILL_KINDS)."""
+
+    auto = "auto"
+    ring = "ring"
+    split = "split"
+
+
 class Speculate(str, Enum):
     """The engine's speculative decoding (treeattn.engine.engine.ENGINE_SPECULATE_KINDS)."""
 
@@ -40,6 +48,9 @@ def serve_command(
     cache_tokens: int | None = typer.Option(None, "--cache-tokens", min=1, help="KV cache size in tokens over all ranks."),
     prefix_cache: bool = typer.Option(True, "--prefix-cache/--no-prefix-cache", help="Reuse cached prompt prefixes."),
     block_size: int = typer.Option(256, "--block-size", min=1, help="Tokens per KV cache block."),
+    prefill: Prefill = typer.Option(Prefill.auto, "--prefill", help="Prompt-only steps on several ranks: ring (each rank runs "
+                                    "an even zigzag share of the tokens), split (each rank a slice, attention combined), auto "
+                                    "(ring, split for sliding-window models)."),
     dtype: DType = typer.Option(DType.float32, "--dtype"),
     speculate: Speculate = typer.Option(Speculate.none, "--speculate", help="Speculative decoding: ngram drafts up to "
                                         "--draft-tokens tokens per sequence per step by prompt lookup, draft with --draft-model; "
@@ -76,7 +87,7 @@ def serve_command(
         _fail(str(exc))
     engine_options = dict(nproc=nproc, decode=decode.value, method=method.value if method else None,
                           placement=placement.value, max_batch_size=max_batch_size, cache_tokens=cache_tokens,
-                          prefix_cache=prefix_cache, block_size=block_size, dtype=getattr(torch, dtype.value), timeout_s=timeout,
+                          prefix_cache=prefix_cache, block_size=block_size, prefill=prefill.value, dtype=getattr(torch, dtype.value), timeout_s=timeout,
                           speculate=None if speculate is Speculate.none else speculate.value, draft_tokens=draft_tokens,
                           draft_model=None if draft_model is None else str(draft_model), shared_memory=shared_memory,
                           decode_step=decode_step.value)
