@@ -9,7 +9,8 @@ steps give the same tokens). The workload has several prompts of odd lengths in 
 chunks of a prompt and prefix-cache hits (a prefix on the ranks before the chunk), and chunks
 mixed with decoding sequences (those steps split as before). Every rank's model saw exactly its
 zigzag pieces of each ring step (a forward hook counts the rows). A model with a sliding window
-runs split steps under prefill="auto", and ring steps, still exact, under prefill="ring".
+runs split steps under prefill="auto", and ring steps, still exact, under prefill="ring". (A DeepSeek
+latent cache under ring steps: test_engine_token_parallel.py.)
 """
 
 from __future__ import annotations
@@ -171,3 +172,4 @@ def test_resolve_prefill_and_the_engine_option():
     assert resolve_prefill("ring", 1, (None,)) == "split"
     with pytest.raises(ConfigError, match="prefill must be one of"):
         EngineConfig(prefill="zigzag")
+

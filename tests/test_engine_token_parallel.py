@@ -8,7 +8,8 @@ those of replicated steps == transformers-free uncached recomputation (a full fo
 token); and every rank's model saw exactly its slice of each split step (a forward hook counts the
 rows). The threshold is lowered (SPLIT_MIN tokens per rank) so that steps of the tiny test
 workload split: prompt chunks (lengths not divisible by p), chunks mixed with decoding sequences,
-and decode-only steps of enough sequences; smaller decode steps stay replicated.
+and decode-only steps of enough sequences; smaller decode steps stay replicated. The engines run
+prefill="split" (prompt-only steps would otherwise be ring steps: test_engine_ring_prefill.py).
 """
 
 from __future__ import annotations
@@ -100,7 +101,7 @@ def _cases(rank: int, world_size: int) -> list[dict]:
         for split in (True, False):
             token_parallel.SPLIT_MIN_TOKENS_PER_RANK = SPLIT_MIN if split else 1 << 40
             del log[:]
-            with ta.Engine(model, group=groups[p], **OPTIONS, **options) as engine:
+            with ta.Engine(model, group=groups[p], prefill="split", **OPTIONS, **options) as engine:
                 run = dict(p=p, options=options, split=split, rank=rank)
                 if engine.is_driver:
                     run["tokens"] = []
@@ -176,18 +177,23 @@ def test_a_split_needs_enough_tokens_per_rank():
 def _mla_engine(rank: int, world_size: int, checkpoint: str, prompts: list[list[int]], new_tokens: int):
     torch.set_num_threads(1)
     token_parallel.SPLIT_MIN_TOKENS_PER_RANK = 1
-    with ta.Engine(checkpoint, decode="tree", placement="interleaved", block_size=4, cache_tokens=128, timeout_s=60) as engine:
-        if engine.is_driver:
-            return [r.token_ids for r in engine.generate(prompts, max_new_tokens=new_tokens, ignore_eos=True)]
+    out = {}
+    for prefill in ("split", "ring"):  # prompt-only steps token-parallel, then as ring steps (treeattn.engine.ring_prefill)
+        with ta.Engine(checkpoint, decode="tree", placement="interleaved", block_size=4, cache_tokens=128, prefill=prefill,
+                       timeout_s=60) as engine:
+            if engine.is_driver:
+                out[prefill] = [r.token_ids for r in engine.generate(prompts, max_new_tokens=new_tokens, ignore_eos=True)]
+    return out
 
 
-def test_split_steps_over_a_latent_cache_match_transformers(tmp_path):
+def test_split_and_ring_steps_over_a_latent_cache_match_transformers(tmp_path):
     """DeepSeek-V3 (MLA: the cache holds latent entries, values a view of the keys) on 2 ranks with
-    every step split: greedy tokens equal transformers' uncached recomputation."""
+    every step split (prompt-only steps token-parallel, then ring steps): greedy tokens equal
+    transformers' uncached recomputation."""
     pytest.importorskip("transformers")
     from test_deepseek import NEW_TOKENS, PROMPT, make_checkpoint, uncached_greedy
 
     hf = make_checkpoint("v3", tmp_path / "v3")
     prompts = [PROMPT, PROMPT[:6]]
     expected = [uncached_greedy(hf, prompt) for prompt in prompts]
-    assert spawn(_mla_engine, 2, str(tmp_path / "v3"), prompts, NEW_TOKENS, timeout=120)[0] == expected
+    assert spawn(_mla_engine, 2, str(tmp_path / "v3"), prompts, NEW_TOKENS, timeout=120)[0] == {"split": expected, "ring": expected}
