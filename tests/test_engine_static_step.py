@@ -30,7 +30,7 @@ from treeattn.engine import SamplingParams
 from treeattn.engine.config import ConfigError
 from treeattn.engine.runner import PagedBatch, RankRunner
 from treeattn.engine.scheduler import Chunk, StepPlan
-from treeattn.engine.static_step import StaticShape, batch_buckets
+from treeattn.engine.static_step import StaticShape, batch_buckets, width_bucket
 from treeattn.parallel import spawn
 
 CASES = [
@@ -159,10 +159,12 @@ def test_one_static_step_equals_the_dynamic_step_and_never_reads_the_host(runs):
             assert r["again"], method
 
 
-def test_batch_buckets():
+def test_batch_and_width_buckets():
     assert batch_buckets(16) == (1, 2, 4, 8, 16)
     assert batch_buckets(6) == (1, 2, 4, 6)
     assert batch_buckets(1) == (1,)
+    assert [width_bucket(n, 100) for n in range(1, 26)] == [1, 2, 3, 4, 6, 6, 8, 8, *[12] * 4, *[16] * 4, *[24] * 8, 32]
+    assert (width_bucket(17, 20), width_bucket(5, 4)) == (20, 5)  # at most the pool, never fewer than needed
 
 
 # ------------------------------------------------------------------------------ bad options

@@ -7,8 +7,8 @@ A step whose chunks all run one token each (decoding without drafts) can instead
 buffers, the way vLLM runs its decode steps in CUDA graphs. Its shape is a StaticShape:
 
     batch   B   sequences, the plan's count rounded up to a bucket (1, 2, 4, ..., max_batch_size)
-    blocks  NB  table width: the most blocks any one rank holds of any one sequence, rounded up to a
-                power of two (at most blocks_per_rank); the same on every rank
+    blocks  NB  table width: the most blocks any one rank holds of any one sequence, rounded up to
+                1, 2, 3, 4, 6, 8, 12, 16, 24, ... (at most blocks_per_rank); the same on every rank
 
 and every input lives in one int64 device buffer that the host fills with ONE copy per step:
 
@@ -79,6 +79,14 @@ def batch_buckets(max_batch_size: int) -> tuple[int, ...]:
 
 def _round_up(n: int, buckets: tuple[int, ...]) -> int:
     return next(b for b in buckets if b >= n)
+
+
+def width_bucket(n: int, cap: int) -> int:
+    """The table width for `n` blocks: the smallest of 1, 2, 3, 4, 6, 8, 12, 16, 24, ... (2^k and
+    1.5 * 2^k: at most a third more blocks than needed, and few shapes) that is >= n, at most max(n, cap)."""
+    bits = n.bit_length()
+    width = min(w for w in {1 << k for k in range(bits + 1)} | {3 << k for k in range(bits)} if w >= n)
+    return min(width, max(n, cap))
 
 
 class StaticShape(NamedTuple):
@@ -169,10 +177,7 @@ class StaticDecodeStep:
             for ref in c.blocks[: tokens_to_blocks(c.start + 1, bs)]:
                 held[ref.rank] += 1
             most = max(most, *held)
-        blocks = 1
-        while blocks < most:
-            blocks *= 2
-        return StaticShape(_round_up(len(plan.chunks), self.buckets), min(blocks, max(most, self.cache.num_blocks)))
+        return StaticShape(_round_up(len(plan.chunks), self.buckets), width_bucket(most, self.cache.num_blocks))
 
     def __call__(self, plan: StepPlan) -> torch.Tensor:
         """Run `plan` (takes(plan) must hold). Returns hidden (len(plan.chunks), hidden_size) in the
