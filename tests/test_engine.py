@@ -189,6 +189,19 @@ def test_a_prompt_that_can_never_fit_fails_alone(engine, references):
     assert results[1].finish_reason == "length" and results[1].token_ids == references[0]
 
 
+def test_max_context_limits_a_request_and_spans_contiguous_placement(references):
+    """max_context=64 on a cache of 256 tokens: a request over 64 positions fails alone naming the option,
+    and contiguous placement gives each of p = 1 ranks one span of 64 tokens."""
+    prompt, n = REQUESTS[0]
+    with ta.Engine(_model(), cache_tokens=256, block_size=BLOCK, max_context=64) as e:
+        assert e.max_context == 64 and e.pool.span_blocks == 64 // BLOCK
+        long, fits = e.generate([[1] * 64, prompt], max_new_tokens=n)
+    assert long.finish_reason == "error" and "max_context is 64" in long.error
+    assert fits.token_ids == references[0]
+    with pytest.raises(ValueError, match="max_context=512 is more than the KV cache holds"):
+        ta.Engine(_model(), cache_tokens=256, block_size=BLOCK, max_context=512)
+
+
 @pytest.mark.parametrize("kwargs, match", [
     (dict(max_new_tokens=0), "max_new_tokens must be an int >= 1, got 0"),
     (dict(temperature=-1.0), "temperature must be"),

@@ -30,6 +30,20 @@ def test_placement_of_logical_blocks(placement, owners):
     assert pool.blocks_needed(0, 9) == [3, 3, 3]
 
 
+def test_contiguous_spans_of_max_context():
+    """span_blocks = the p-th part of the longest sequence: every sequence that long is split evenly,
+    and the pool holds several such sequences (span_blocks < blocks_per_rank)."""
+    pool = ShardedBlockPool(world_size=3, blocks_per_rank=6, block_size=4, placement="contiguous", span_blocks=2)
+    assert [pool.owner(j) for j in range(6)] == [0, 0, 1, 1, 2, 2]
+    assert pool.max_tokens_per_sequence == 24
+    for _ in range(3):  # three sequences of 6 blocks fit: 2 blocks of each on every rank
+        assert pool.can_allocate(pool.blocks_needed(0, 6))
+        [pool.allocate(j) for j in range(6)]
+    assert pool.num_free == 0
+    with pytest.raises(ValueError, match="span_blocks must be at most blocks_per_rank=6, got 7"):
+        ShardedBlockPool(world_size=3, blocks_per_rank=6, block_size=4, placement="contiguous", span_blocks=7)
+
+
 def _pool(p=2, blocks=4, bs=2, placement="interleaved"):
     return ShardedBlockPool(world_size=p, blocks_per_rank=blocks, block_size=bs, placement=placement)
 

@@ -5,11 +5,13 @@ tensors). A sequence's tokens fill logical blocks 0, 1, 2, ... (block j holds po
 [j * block_size, (j + 1) * block_size)); the placement names the rank that holds logical block j,
 and that rank's pool lends one of its physical blocks for it:
 
-    "contiguous":  block j on rank j // blocks_per_rank  (rank r holds one span of the sequence)
-    "interleaved": block j on rank j % p                  (blocks dealt round-robin)
+    "contiguous":  block j on rank j // span_blocks  (rank r holds one span of the sequence)
+    "interleaved": block j on rank j % p              (blocks dealt round-robin)
 
-"contiguous" is the Tree Attention paper's layout, cut over the whole cache: a sequence shorter
-than blocks_per_rank blocks lives on rank 0 alone, so many short requests fill rank 0 first (the
+"contiguous" is the Tree Attention paper's layout. A span is span_blocks blocks: by default
+blocks_per_rank (the spans are cut over the whole cache), or the p-th part of the longest sequence
+the engine admits (its max_context), so that such a sequence is split evenly over the p ranks. A
+sequence shorter than one span lives on rank 0 alone, so short requests fill rank 0 first (the
 other ranks' blocks serve only longer sequences). "interleaved" spreads every sequence, short or
 long, over all ranks: the better choice for serving many requests.
 
@@ -93,10 +95,15 @@ class ShardedBlockPool:
         blocks_per_rank: physical blocks in every rank's pool.
         block_size: tokens per block.
         placement: "contiguous" or "interleaved" (see the module docstring).
+        span_blocks: with "contiguous", the blocks of one sequence on each rank (logical block j
+            on rank j // span_blocks), in [1, blocks_per_rank]; None: blocks_per_rank.
     """
 
-    def __init__(self, *, world_size: int, blocks_per_rank: int, block_size: int, placement: str) -> None:
-        for name, value in (("world_size", world_size), ("blocks_per_rank", blocks_per_rank), ("block_size", block_size)):
+    def __init__(self, *, world_size: int, blocks_per_rank: int, block_size: int, placement: str,
+                 span_blocks: int | None = None) -> None:
+        span_blocks = blocks_per_rank if span_blocks is None else span_blocks
+        for name, value in (("world_size", world_size), ("blocks_per_rank", blocks_per_rank), ("block_size", block_size),
+                            ("span_blocks", span_blocks)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
         if placement not in PLACEMENTS:
@@ -104,13 +111,18 @@ class ShardedBlockPool:
         self.world_size = world_size
         self.blocks_per_rank = blocks_per_rank
         self.block_size = block_size
+        if span_blocks > blocks_per_rank:
+            raise ValueError(f"span_blocks must be at most blocks_per_rank={blocks_per_rank}, got {span_blocks}")
         self.placement = placement
+        self.span_blocks = span_blocks
         self.pools = [BlockPool(blocks_per_rank) for _ in range(world_size)]
 
     @property
     def max_tokens_per_sequence(self) -> int:
-        """The longest sequence the whole cache can hold (every block of every rank)."""
-        return self.world_size * self.blocks_per_rank * self.block_size
+        """The longest sequence the cache can hold (every block of every rank; with "contiguous",
+        p spans)."""
+        blocks = self.blocks_per_rank if self.placement == "interleaved" else self.span_blocks
+        return self.world_size * blocks * self.block_size
 
     @property
     def num_blocks(self) -> int:
@@ -124,7 +136,7 @@ class ShardedBlockPool:
         """The rank that holds logical block `logical_block` of any sequence."""
         if self.placement == "interleaved":
             return logical_block % self.world_size
-        return logical_block // self.blocks_per_rank
+        return logical_block // self.span_blocks
 
     def blocks_needed(self, have: int, want: int) -> list[int]:
         """Per rank, the physical blocks that growing a sequence from `have` to `want` logical

@@ -41,7 +41,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from multiprocessing.connection import Client, Listener
 from pathlib import Path
@@ -79,11 +79,64 @@ class EngineError(RuntimeError):
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """How an Engine runs, validated once and shipped to the ranks (see Engine for the fields)."""
+    """How an Engine runs, validated once and shipped to the ranks. Engine(model, **fields) builds
+    one; a bad value raises ValueError (ConfigError for max_context) naming the field.
+
+    Attributes:
+        nproc: ranks sharing the KV cache (ignored inside an existing group: its size is used).
+        decode: "tree" (tree_decode), "ring" (ring_decode, pass-KV) or "local" (one rank).
+        method: tree_decode method, "allreduce", "tree", "twolevel" or "onepass"; None: the
+            default (treeattn.engine.config.DEFAULT_METHOD, onepass: one collective per layer;
+            "allreduce" with static decode steps). Resolved on construction.
+        placement: "contiguous" or "interleaved" placement of a sequence's blocks on the ranks
+            (treeattn.cache.blocks: contiguous gives each rank one span of max_context / p
+            tokens of every sequence, so sequences shorter than a span sit on rank 0;
+            interleaved spreads every sequence).
+        max_batch_size: sequences running together at most.
+        cache_tokens: KV cache size in tokens over all ranks (default: max(max_batch_size * 2048,
+            min(max_position_embeddings, 32768))).
+        prefix_cache: reuse cached prompt prefixes (radix tree over blocks).
+        block_size: tokens per cache block (the unit of allocation, sharing and placement).
+        prefill_chunk: prompt tokens per step at most (chunked prefill).
+        prefill: how a step of prompt chunks only runs on several ranks: "ring" (each rank runs a
+            zigzag share of every chunk's tokens, attention over the step's gathered keys and a ring
+            over the cached prefix: treeattn.engine.ring_prefill), "split" (each rank runs a slice,
+            attention combined across the ranks: treeattn.engine.token_parallel) or "auto" (ring,
+            but split for a model with a sliding window). Steps with decoding sequences split.
+        dtype: model dtype (None: the checkpoint's float32, or the given model's).
+        timeout_s: the group's timeout for every collective, and how long the driver waits for
+            the ranks to start.
+        threads_per_rank: torch threads of each rank process (default cpu_count // nproc).
+        speculate: None, "ngram" or "draft": speculative decoding. Every decode step drafts up to
+            `draft_tokens` tokens per sequence, verifies them in the same batched forward pass, and
+            keeps the accepted ones and the token after them: exactly the tokens decoding without
+            speculation gives, greedy or sampled with the same seed. "ngram" drafts by prompt lookup
+            from the sequence's own prompt and output (treeattn.speculate.NgramDrafter); "draft"
+            with `draft_model` (its argmax), run on every rank over its own cache sharded like the
+            model's (treeattn.engine.draft).
+        draft_tokens: the most tokens drafted per sequence per step, in [1, MAX_DRAFT_TOKENS].
+        draft_model: with speculate="draft" (and only then): the draft model, a checkpoint path or
+            a LlamaModel, loaded on every rank in the model's dtype. It must share the model's
+            tokenizer and reach every position the engine runs (max_context); both are checked
+            before any rank starts (ConfigError naming draft_model). Its weights and cache count in
+            the memory check.
+        shared_memory: the ranks combine through shared memory when they all run on this host
+            with a CPU model (treeattn.parallel.shared_memory; one round, no sockets); False:
+            through the process group's back end.
+        decode_step: how a step that only decodes (one token per sequence, no drafts) runs:
+            "dynamic" (index tensors built for its exact sizes), "static" (fixed shapes per batch
+            bucket, no host synchronization inside the step: treeattn.engine.static_step) or
+            "graph" (the static step captured in a CUDA graph per shape, then replayed: CUDA
+            only). Static steps need a method that does not read the host: method=None gives
+            "allreduce", "onepass" is refused. Steps with prompt chunks or drafts stay dynamic.
+        max_context: the most positions (prompt + new tokens) one request may take; None: the
+            whole cache. Never more than the model's max_position_embeddings (engine.max_context
+            is the resolved value). A request that needs more fails alone, naming the limit.
+    """
 
     nproc: int = 1
     decode: str = "tree"
-    method: str = DEFAULT_METHOD
+    method: str | None = None
     placement: str = "contiguous"
     max_batch_size: int = 16
     cache_tokens: int | None = None
@@ -99,13 +152,16 @@ class EngineConfig:
     draft_model: str | torch.nn.Module | None = None
     shared_memory: bool = True
     decode_step: str = "dynamic"
+    max_context: int | None = None
 
     def __post_init__(self) -> None:
+        static = self.decode_step in DECODE_STEPS and self.decode_step != "dynamic"
+        object.__setattr__(self, "method", resolve_method(self.method, static and f"decode_step={self.decode_step!r}"))
         for name in ("nproc", "max_batch_size", "block_size", "prefill_chunk"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-        for name in ("cache_tokens", "threads_per_rank"):
+        for name in ("cache_tokens", "threads_per_rank", "max_context"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be an int >= 1 or None, got {value!r}")
@@ -147,6 +203,21 @@ class EngineConfig:
         max(max_batch_size * 2048, min(max_position_embeddings, 32768)) tokens."""
         tokens = self.cache_tokens or max(self.max_batch_size * 2048, min(max_position_embeddings, 32768))
         return max(1, -(-tokens // (self.block_size * self.nproc)))
+
+    def max_context_tokens(self, max_position_embeddings: int) -> int:
+        """Engine.max_context: the most positions one request may take: max_context, or the whole
+        cache; never more than the model's window. Raises ConfigError when max_context is more
+        than the cache holds."""
+        cache = self.nproc * self.blocks_per_rank(max_position_embeddings) * self.block_size
+        if self.max_context is not None and self.max_context > cache:
+            raise ConfigError("max_context", f"max_context={self.max_context} is more than the KV cache holds ({cache} tokens "
+                              f"over {self.nproc} rank(s)); raise cache_tokens or lower max_context")
+        return min(self.max_context or cache, max_position_embeddings)
+
+    def span_blocks(self, max_position_embeddings: int) -> int:
+        """Blocks of one sequence on each rank under contiguous placement: the p-th part of max_context."""
+        blocks = -(-self.max_context_tokens(max_position_embeddings) // self.block_size)
+        return min(self.blocks_per_rank(max_position_embeddings), -(-blocks // self.nproc))
 
 
 @dataclass(frozen=True)
@@ -219,77 +290,36 @@ class Engine:
     """The serving core (see the module docstring).
 
     Args:
-        model: a LlamaModel, or a checkpoint directory (loaded on every rank with ta.load_model).
-        nproc: ranks sharing the KV cache (ignored inside an existing group: its size is used).
-        decode: "tree" (tree_decode), "ring" (ring_decode, pass-KV) or "local" (one rank).
-        method: tree_decode method, "allreduce", "tree", "twolevel" or "onepass"; None: the
-            default (treeattn.engine.config.DEFAULT_METHOD, onepass: one collective per layer;
-            "allreduce" with static decode steps).
-        placement: "contiguous" or "interleaved" placement of a sequence's blocks on the ranks
-            (treeattn.cache.blocks: contiguous cuts the whole cache into p spans, so sequences
-            shorter than a span all sit on rank 0; interleaved spreads every sequence).
-        max_batch_size: sequences running together at most.
-        cache_tokens: KV cache size in tokens over all ranks (default: see EngineConfig).
-        prefix_cache: reuse cached prompt prefixes (radix tree over blocks).
-        block_size: tokens per cache block (the unit of allocation, sharing and placement).
-        prefill_chunk: prompt tokens per step at most (chunked prefill).
-        prefill: how a step of prompt chunks only runs on several ranks: "ring" (each rank runs a
-            zigzag share of every chunk's tokens, attention over the step's gathered keys and a ring
-            over the cached prefix: treeattn.engine.ring_prefill), "split" (each rank runs a slice,
-            attention combined across the ranks: treeattn.engine.token_parallel) or "auto" (ring,
-            but split for a model with a sliding window). Steps with decoding sequences split.
-        dtype: model dtype (None: the checkpoint's float32, or the given model's).
-        timeout_s: the group's timeout for every collective, and how long the driver waits for
-            the ranks to start.
-        threads_per_rank: torch threads of each rank process (default cpu_count // nproc).
-        speculate: None, "ngram" or "draft": speculative decoding. Every decode step drafts up to
-            `draft_tokens` tokens per sequence, verifies them in the same batched forward pass, and
-            keeps the accepted ones and the token after them: exactly the tokens decoding without
-            speculation gives, greedy or sampled with the same seed. "ngram" drafts by prompt lookup
-            from the sequence's own prompt and output (treeattn.speculate.NgramDrafter); "draft"
-            with `draft_model` (its argmax), run on every rank over its own cache sharded like the
-            model's (treeattn.engine.draft).
-        draft_tokens: the most tokens drafted per sequence per step, in [1, MAX_DRAFT_TOKENS].
-        draft_model: with speculate="draft" (and only then): the draft model, a checkpoint path or
-            a LlamaModel, loaded on every rank in the model's dtype. It must share the model's
-            tokenizer and reach every position the engine runs (max_context); both are checked
-            before any rank starts (ConfigError naming draft_model). Its weights and cache count in
-            the memory check.
-        shared_memory: the ranks combine through shared memory when they all run on this host
-            with a CPU model (treeattn.parallel.shared_memory; one round, no sockets); False:
-            through the process group's back end.
-        decode_step: how a step that only decodes (one token per sequence, no drafts) runs:
-            "dynamic" (index tensors built for its exact sizes), "static" (fixed shapes per batch
-            bucket, no host synchronization inside the step: treeattn.engine.static_step) or
-            "graph" (the static step captured in a CUDA graph per shape, then replayed: CUDA
-            only). Static steps need a method that does not read the host: method=None gives
-            "allreduce", "onepass" is refused. Steps with prompt chunks or drafts stay dynamic.
+        model: a LlamaModel, or a checkpoint directory or .gguf file (loaded on every rank with
+            ta.load_model).
+        config: an EngineConfig; or leave it None and give its fields as keywords (**options:
+            nproc, decode, method, placement, max_batch_size, cache_tokens, prefix_cache,
+            block_size, prefill_chunk, dtype, timeout_s, threads_per_rank, speculate,
+            draft_tokens, draft_model, shared_memory, decode_step, prefill, max_context; see
+            EngineConfig). Inside an
+            existing process group nproc is the group's size.
         group: inside an existing process group only: the ranks that share the cache (None:
             the world); its rank 0 is the driver.
     """
 
-    def __init__(self, model, *, nproc: int = 1, decode: str = "tree", method: str | None = None,
-                 placement: str = "contiguous", max_batch_size: int = 16, cache_tokens: int | None = None,
-                 prefix_cache: bool = True, block_size: int = 256, prefill_chunk: int = 512, prefill: str = "auto",
-                 dtype: torch.dtype | None = None, timeout_s: float = 60.0, threads_per_rank: int | None = None,
-                 speculate: str | None = None, draft_tokens: int = 4, draft_model=None, shared_memory: bool = True,
-                 decode_step: str = "dynamic", group: dist.ProcessGroup | None = None) -> None:
+    def __init__(self, model, config: EngineConfig | None = None, *, group: dist.ProcessGroup | None = None,
+                 **options) -> None:
+        if config is None:
+            config = EngineConfig(**options)
+        elif options:
+            raise ValueError(f"give either config or its fields as keywords, not both (got {sorted(options)})")
+        elif not isinstance(config, EngineConfig):
+            raise ValueError(f"config must be an EngineConfig, got {type(config).__name__}")
         if dist.is_available() and not dist.is_initialized() and "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-            dist.init_process_group(backend="gloo", timeout=timedelta(seconds=timeout_s))  # under torchrun: join its group
+            dist.init_process_group(backend="gloo", timeout=timedelta(seconds=config.timeout_s))  # under torchrun: join its group
         joined = dist.is_available() and dist.is_initialized()
         if group is not None and not joined:
             raise ValueError("group was given but torch.distributed is not initialized")
         if joined:
             if group is not None and dist.get_rank(group) < 0:
                 raise ValueError("this process is not a member of `group`")
-            nproc = dist.get_world_size(group)
-        static = decode_step if decode_step in DECODE_STEPS and decode_step != "dynamic" else None
-        method = resolve_method(method, static and f"decode_step={static!r}")
-        self.config = EngineConfig(nproc=nproc, decode=decode, method=method, placement=placement,
-                                   max_batch_size=max_batch_size, cache_tokens=cache_tokens, prefix_cache=prefix_cache,
-                                   block_size=block_size, prefill_chunk=prefill_chunk, prefill=prefill, dtype=dtype, timeout_s=timeout_s,
-                                   threads_per_rank=threads_per_rank, speculate=speculate, draft_tokens=draft_tokens,
-                                   draft_model=draft_model, shared_memory=shared_memory, decode_step=decode_step)
+            config = replace(config, nproc=dist.get_world_size(group))
+        self.config = config
         if self.config.nproc > 1 and self.config.decode == "local":
             raise ValueError(f"decode='local' runs on one rank, but nproc={self.config.nproc}; use 'tree' or 'ring'")
         _check_model(model)
@@ -298,6 +328,7 @@ class Engine:
         if self.config.draft_model is not None:
             _check_draft_model(files, self.config)
         _check_memory(model, files.config, self.config)
+        self.config.max_context_tokens(files.config.max_position_embeddings)  # raises before any rank starts
         self.tokenizer = getattr(files, "tokenizer", None)
         self.healthy = False
         self.is_driver = True
@@ -322,13 +353,14 @@ class Engine:
         self.model_info = info
         blocks_per_rank = self.config.blocks_per_rank(info.max_position_embeddings)
         self.pool = ShardedBlockPool(world_size=self.config.nproc, blocks_per_rank=blocks_per_rank,
-                                     block_size=self.config.block_size, placement=self.config.placement)
+                                     block_size=self.config.block_size, placement=self.config.placement,
+                                     span_blocks=self.config.span_blocks(info.max_position_embeddings))
         self.prefix_cache = PrefixCache(self.pool) if self.config.prefix_cache else None
         self.scheduler = Scheduler(self.pool, max_batch_size=self.config.max_batch_size,
                                    prefill_chunk=self.config.prefill_chunk, prefix_cache=self.prefix_cache,
                                    drafter=_drafter(self.config.speculate), draft_tokens=self.config.draft_tokens,
                                    draft_cache=self.config.speculate == "draft")
-        self.max_context = _max_context(self.config, info.max_position_embeddings)
+        self.max_context = self.config.max_context_tokens(info.max_position_embeddings)
         self.healthy = True
         self._update_stats()
         self._driver = threading.Thread(target=self._drive, name="treeattn-engine-driver", daemon=True)
@@ -548,7 +580,8 @@ class Engine:
         self._requests[request.handle.request_id] = request
         need = len(request.prompt) + request.params.max_new_tokens
         if need > self.max_context:
-            limit = ("the KV cache holds" if self.max_context == self.pool.max_tokens_per_sequence
+            limit = ("max_context is" if self.max_context == self.config.max_context
+                     else "the KV cache holds" if self.max_context == self.pool.max_tokens_per_sequence
                      else "the model's max_position_embeddings is")
             self._finish(request, "error", time.perf_counter(), error=(
                 f"prompt of {len(request.prompt)} tokens + max_new_tokens={request.params.max_new_tokens} needs {need} "
@@ -716,11 +749,6 @@ def _model_files(model):
     return model
 
 
-def _max_context(config: EngineConfig, max_position_embeddings: int) -> int:
-    """Engine.max_context: the most positions one request may take (the whole cache, or the model's window)."""
-    return min(config.nproc * config.blocks_per_rank(max_position_embeddings) * config.block_size, max_position_embeddings)
-
-
 def _check_decode_step_device(model, config: EngineConfig) -> None:
     """decode_step="graph" needs the model on a CUDA device (a checkpoint path is loaded on the CPU);
     ConfigError naming decode_step."""
@@ -738,7 +766,7 @@ def _check_draft_model(target, config: EngineConfig) -> None:
     from treeattn.draft_model import check_draft_model, read_draft_model
 
     draft = read_draft_model(config.draft_model) if isinstance(config.draft_model, str) else config.draft_model
-    check_draft_model(draft, target, positions=_max_context(config, target.config.max_position_embeddings),
+    check_draft_model(draft, target, positions=config.max_context_tokens(target.config.max_position_embeddings),
                       needed_by="positions the engine runs (max_context: the model's context window, or cache_tokens if fewer)")
 
 

@@ -46,6 +46,9 @@ def serve_command(
     placement: Placement = typer.Option(Placement.contiguous, "--placement"),
     max_batch_size: int = typer.Option(16, "--max-batch-size", min=1, help="Sequences decoded together at most."),
     cache_tokens: int | None = typer.Option(None, "--cache-tokens", min=1, help="KV cache size in tokens over all ranks."),
+    max_context: int | None = typer.Option(None, "--max-context", min=1, help="Most positions (prompt + new tokens) one "
+                                           "request may take (default: the whole cache, at most the model's window); "
+                                           "--placement contiguous gives each rank a 1/nproc span of it."),
     prefix_cache: bool = typer.Option(True, "--prefix-cache/--no-prefix-cache", help="Reuse cached prompt prefixes."),
     block_size: int = typer.Option(256, "--block-size", min=1, help="Tokens per KV cache block."),
     prefill: Prefill = typer.Option(Prefill.auto, "--prefill", help="Prompt-only steps on several ranks: ring (each rank runs "
@@ -86,7 +89,7 @@ def serve_command(
     except ValueError as exc:
         _fail(str(exc))
     engine_options = dict(nproc=nproc, decode=decode.value, method=method.value if method else None,
-                          placement=placement.value, max_batch_size=max_batch_size, cache_tokens=cache_tokens,
+                          placement=placement.value, max_batch_size=max_batch_size, cache_tokens=cache_tokens, max_context=max_context,
                           prefix_cache=prefix_cache, block_size=block_size, prefill=prefill.value, dtype=getattr(torch, dtype.value), timeout_s=timeout,
                           speculate=None if speculate is Speculate.none else speculate.value, draft_tokens=draft_tokens,
                           draft_model=None if draft_model is None else str(draft_model), shared_memory=shared_memory,
