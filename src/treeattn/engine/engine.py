@@ -191,10 +191,7 @@ class EngineConfig:
     def _check_decode_step(self) -> None:
         if self.decode_step not in DECODE_STEPS:
             raise ConfigError("decode_step", f"decode_step must be one of {DECODE_STEPS}, got {self.decode_step!r}")
-        if self.decode_step == "dynamic":
-            return
-        resolve_method(self.method, f"decode_step={self.decode_step!r}")
-        if self.speculate is not None:
+        if self.decode_step != "dynamic" and self.speculate is not None:
             raise ConfigError("speculate", f"speculate={self.speculate!r} verifies several tokens per sequence per step; "
                               f"decode_step={self.decode_step!r} runs fixed one-token steps")
 
@@ -323,7 +320,7 @@ class Engine:
         if self.config.nproc > 1 and self.config.decode == "local":
             raise ValueError(f"decode='local' runs on one rank, but nproc={self.config.nproc}; use 'tree' or 'ring'")
         _check_model(model)
-        _check_decode_step_device(model, self.config)
+        _check_decode_step_device(model, self.config, group if joined else None, joined)
         files = _model_files(model)
         if self.config.draft_model is not None:
             _check_draft_model(files, self.config)
@@ -749,15 +746,20 @@ def _model_files(model):
     return model
 
 
-def _check_decode_step_device(model, config: EngineConfig) -> None:
-    """decode_step="graph" needs the model on a CUDA device (a checkpoint path is loaded on the CPU);
-    ConfigError naming decode_step."""
+def _check_decode_step_device(model, config: EngineConfig, group, joined: bool) -> None:
+    """decode_step="graph" needs the model on a CUDA device (a checkpoint path is loaded on the CPU),
+    and on several ranks an NCCL group (gloo's collectives cannot be captured); ConfigError naming
+    decode_step."""
     if config.decode_step != "graph":
         return
     device = torch.device("cpu") if isinstance(model, (str, os.PathLike)) else model.device
     if device.type != "cuda":
         raise ConfigError("decode_step", f"decode_step='graph' records CUDA graphs: the model must be on a CUDA device, got "
                           f"{device} (decode_step='static' runs the same steps without graphs)")
+    backend = dist.get_backend(group) if joined else "gloo"
+    if config.nproc > 1 and backend != "nccl":
+        raise ConfigError("decode_step", f"decode_step='graph' on {config.nproc} ranks captures the combines in CUDA graphs, "
+                          f"which needs an NCCL process group, got {backend} (decode_step='static' runs without graphs)")
 
 
 def _check_draft_model(target, config: EngineConfig) -> None:

@@ -40,8 +40,8 @@ The cost of fixed shapes: attention reads B * NB * block_size slots per rank (th
 all; on the CPU graph_safe_attention also attends to all of them), up to twice the dynamic step's
 keys, and padding rows run the whole model.
 
-    step = StaticDecodeStep(model, cache, rank=r, world_size=p, attend_kind="tree", ...)
-    if step.takes(plan):
+    step = StaticDecodeStep(model, cache, rank=rank, max_batch_size=16, decode="tree", group=group, graph=False)
+    if step.takes(plan):      # RankRunner.step does this
         hidden = step(plan)   # (len(plan.chunks), hidden_size): row i is chunk i's final hidden state
 """
 
@@ -56,8 +56,9 @@ import torch.distributed as dist
 from treeattn.cache.blocks import tokens_to_blocks
 from treeattn.cache.paged import PagedKVCache
 from treeattn.cache.sharded import INVISIBLE_POSITION
+from treeattn.decode_step import graph_safe_reason
 from treeattn.engine.scheduler import StepPlan
-from treeattn.models.attention import attention_backend
+from treeattn.models.attention import attention_backend, group_world_size
 from treeattn.models.llama import LlamaModel
 from treeattn.parallel import comm
 
@@ -142,9 +143,6 @@ class StaticDecodeStep:
 
     def __init__(self, model: LlamaModel, cache: PagedKVCache, *, rank: int, max_batch_size: int, decode: str,
                  method: str = "allreduce", group: dist.ProcessGroup | None = None, topology=None, graph: bool = False) -> None:
-        from treeattn.decode_step import graph_safe_reason
-        from treeattn.models.attention import group_world_size
-
         if graph and model.device.type != "cuda":
             raise ValueError(f"decode_step='graph' records CUDA graphs: the model must be on a CUDA device, got {model.device}")
         reason = graph_safe_reason(model, max_batch_size)
