@@ -9,7 +9,8 @@ On the CPU:
   engine's with the same seeds;
 - one static step equals the dynamic step on the same plan (three sequences padded to a bucket of
   four, one starting a new block, sequences spanning two ranks), and runs without any host read
-  (test_decode_step's no_host_sync guard);
+  (test_decode_step's no_host_sync guard); the paged read (CUDA's: the Triton paged kernel over
+  the arena, no gather) gives the same through Triton's interpreter;
 - bad options fail with one line naming the option.
 Skipped without CUDA (no GPU was available when they were written, so they have not run yet): the
 engine with decode_step="graph" gives the tokens of decode_step="static" and captures one graph per
@@ -18,19 +19,21 @@ shape, and a graphed step never synchronizes.
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.distributed as dist
 
 import treeattn as ta
-from test_decode_step import gpu, no_host_sync
+from test_decode_step import _interpreted_triton_decode, gpu, no_host_sync
 from test_engine_speculate import BLOCK, CONFIG, PLENTY, REQUESTS, SAMPLED, TIGHT, _greedy_alone, _model, one_thread  # noqa: F401
 from treeattn.cache.blocks import BlockRef
 from treeattn.engine import SamplingParams
 from treeattn.engine.config import ConfigError
 from treeattn.engine.runner import PagedBatch, RankRunner
 from treeattn.engine.scheduler import Chunk, StepPlan
-from treeattn.engine.static_step import StaticShape, batch_buckets, width_bucket
+from treeattn.engine.static_step import StaticDecodeStep, StaticShape, batch_buckets, width_bucket
 from treeattn.parallel import spawn
 
 CASES = [
@@ -131,28 +134,33 @@ def _plans():
 
 
 def _one_step(rank: int, group) -> dict:
-    """On 2 ranks: the decode plan of _plans as one dynamic step (PagedBatch) and as one static step."""
+    """On 2 ranks: the decode plan of _plans as one dynamic step (PagedBatch) and as one static step,
+    gathered (allreduce and tree combines) and paged (the Triton kernel through its interpreter)."""
     prefill, decode = _plans()
     out = {}
-    for method in ("allreduce", "tree"):
+    for read, method in (("gathered", "allreduce"), ("gathered", "tree"), ("paged", "allreduce")):
         runner = RankRunner(_model(), group=group, blocks_per_rank=4, block_size=BLOCK, decode="tree", method=method,
                             decode_step="static", max_batch_size=8)
+        if read == "paged":
+            runner.static_step = StaticDecodeStep(runner.model, runner.cache, rank=rank, max_batch_size=8, decode="tree",
+                                                  group=group, kernel=_interpreted_triton_decode())
         with torch.inference_mode():
             runner.step(prefill)  # dynamic: prompt chunks
             batch = PagedBatch(decode, rank, runner.cache, runner.attend, None)
             dynamic = runner.model(batch.tokens, batch.positions, batch.kv_store, batch.attend)[0]
             static = runner.static_step(decode).clone()
             buffers = runner.static_step._buffers[runner.static_step.shape_of(decode)]
-            with no_host_sync():
+            with no_host_sync() if read == "gathered" else contextlib.nullcontext():  # the interpreter reads the host
                 runner.static_step._run(buffers)
             again = buffers.hidden[:3].clone()
-        out[method] = dict(diff=float((static - dynamic).abs().max()), again=torch.equal(again, static),
+        out[f"{read}-{method}"] = dict(diff=float((static - dynamic).abs().max()), again=torch.equal(again, static),
                            shape=runner.static_step.shape_of(decode), scale=float(dynamic.abs().max()))
     return out
 
 
 def test_one_static_step_equals_the_dynamic_step_and_never_reads_the_host(runs):
     for result in (runs[0]["one_step"], runs[1]["one_step"]):
+        assert sorted(result) == ["gathered-allreduce", "gathered-tree", "paged-allreduce"]
         for method, r in result.items():
             assert r["shape"] == StaticShape(batch=4, blocks=2), method
             assert r["diff"] < 1e-5 * max(1.0, r["scale"]), (method, r)

@@ -22,13 +22,20 @@ and every input lives in one int64 device buffer that the host fills with ONE co
     logical    (B, NB)  their logical block numbers, -1 for padding
 
 Inside the step everything is device work of fixed shape: keys' positions come from `logical`
-(INVISIBLE_POSITION past the sequence's end and in pad blocks), this rank's shard is gathered from
-the arena through `table` into (B, NB * block_size, Hkv, D), and attention is the graph-safe back
-end (models.attention.attention_backend(graph_safe=True): graph_safe_attention, tree_decode /
-ring_decode with check_inputs=False; on CUDA the Triton decode kernel, which reads only the first
-kv_len slots of each row). The valid keys of a row are a prefix of its gathered shard (every local
-block but the sequence's last is full), so kv_len counts them. Padding rows see no key (out 0) and
-are never sampled.
+(INVISIBLE_POSITION past the sequence's end and in pad blocks), and attention reads this rank's
+blocks in one of two ways:
+
+- gathered (the CPU; ring decoding, which passes the shard itself): the blocks are copied from the
+  arena through `table` into (B, NB * block_size, Hkv, D), and attention is the graph-safe back end
+  (models.attention.attention_backend(graph_safe=True): graph_safe_attention, tree_decode /
+  ring_decode with check_inputs=False);
+- paged (CUDA, tree and local decoding): the Triton paged decode kernel reads the blocks in place
+  through the table (ops.triton_decode.paged_decode_attention, as vLLM's paged attention does), and
+  combine_states merges the ranks' states; nothing is copied.
+
+Either way only the first kv_len keys of a row are read on CUDA: the valid keys of a row are a
+prefix of its table's slots (every local block but the sequence's last is full). Padding rows see no
+key (out 0) and are never sampled.
 
 With graph=True (CUDA only) each StaticShape is captured in a CUDA graph at its first use, after
 warmup on a side stream (DecodeStep.capture's recipe); later steps of that shape copy their inputs
@@ -60,7 +67,9 @@ from treeattn.decode_step import graph_safe_reason
 from treeattn.engine.scheduler import StepPlan
 from treeattn.models.attention import attention_backend, group_world_size
 from treeattn.models.llama import LlamaModel
-from treeattn.parallel import comm
+from treeattn.ops.attention import _triton_decode_module
+from treeattn.parallel import Topology, comm
+from treeattn.parallel.tree_decode import combine_states
 
 logger = logging.getLogger(__name__)
 
@@ -101,7 +110,7 @@ class _Buffers:
     """The fixed device buffers of one StaticShape, the attention back end reading them, and the
     shape's CUDA graph once captured."""
 
-    def __init__(self, shape: StaticShape, block_size: int, world_size: int, model: LlamaModel, attend_args: dict) -> None:
+    def __init__(self, shape: StaticShape, block_size: int, world_size: int, model: LlamaModel, attend_args: dict, kernel) -> None:
         B, NB = shape
         device = model.device
         self.shape = shape
@@ -114,11 +123,44 @@ class _Buffers:
         self.kv_pos = torch.full((B, NB * block_size), INVISIBLE_POSITION, dtype=torch.int64, device=device)
         self.kv_len = torch.zeros(B, dtype=torch.int64, device=device)
         self.hidden = torch.zeros(B, model.config.hidden_size, dtype=model.dtype, device=device)
-        # every rank's gathered shard has NB * block_size slots (the ring needs them, so as not to gather them)
-        self.attend = attention_backend(graph_safe=True, kv_len=self.kv_len, shard_lengths=[NB * block_size] * world_size,
-                                        **attend_args)
+        self.table32 = torch.zeros(B, NB, dtype=torch.int32, device=device) if kernel is not None else None
+        if kernel is not None:
+            self.attend = PagedKernelAttention(kernel, self.table32, self.kv_len, world_size=world_size, **attend_args)
+        else:  # every rank's gathered shard has NB * block_size slots (the ring needs them, so as not to gather them)
+            self.attend = attention_backend(graph_safe=True, kv_len=self.kv_len, shard_lengths=[NB * block_size] * world_size,
+                                            **attend_args)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.step_comm: comm.CommStats | None = None  # one captured step's traffic
+
+
+class PagedKernelAttention:
+    """The static step's attention read in place: the Triton paged decode kernel over this rank's
+    blocks through the step's table (k, v are the arena's block pools), then combine_states across
+    the ranks. No host synchronization.
+
+    Args:
+        kernel: the treeattn.ops.triton_decode module (tests pass it loaded under Triton's interpreter).
+        table: int32 (B, NB) the step's block table; kv_len: int64 (B,) valid keys per row (buffers
+            the step fills before every call).
+        world_size, decode, method, group, topology: the combine across the ranks.
+    """
+
+    def __init__(self, kernel, table: torch.Tensor, kv_len: torch.Tensor, *, world_size: int, decode: str, method: str,
+                 group: dist.ProcessGroup | None, topology=None) -> None:
+        if decode == "ring" and world_size > 1:
+            raise ValueError("the paged read combines states (tree decoding); ring decoding passes the gathered shard")
+        self.kernel, self.table, self.kv_len = kernel, table, kv_len
+        self.world_size, self.method, self.group = world_size, method, group
+        self.ranks_per_node = (topology or Topology()).resolve(world_size) if method == "twolevel" else 1
+
+    def __call__(self, q, k, v, *, q_pos, kv_pos, window):
+        """q (B, 1, Hq, D); k, v (num_blocks + 1, block_size, Hkv, D) pools; kv_pos int64 (B, NB *
+        block_size) -> out (B, 1, Hq, D) in q.dtype."""
+        out, lse = self.kernel.paged_decode_attention(q, k, v, self.table, self.kv_len, causal=True, q_pos=q_pos, kv_pos=kv_pos,
+                                                      window=window)
+        if self.world_size > 1:
+            out, lse = combine_states(out.float(), lse, group=self.group, method=self.method, ranks_per_node=self.ranks_per_node)
+        return out.to(q.dtype)
 
 
 class StaticDecodeStep:
@@ -135,6 +177,8 @@ class StaticDecodeStep:
         group: the process group the attention combines over (None: the world).
         topology: for method "twolevel".
         graph: replay each shape from a CUDA graph (the model must be on a CUDA device).
+        kernel: the Triton decode module for the paged read (see the module docstring); None: on
+            CUDA (tree and local decoding) treeattn.ops.triton_decode, else the gathered read.
 
     Raises:
         ValueError: graph on a model off CUDA, or a model the graph-safe attention cannot take
@@ -142,7 +186,8 @@ class StaticDecodeStep:
     """
 
     def __init__(self, model: LlamaModel, cache: PagedKVCache, *, rank: int, max_batch_size: int, decode: str,
-                 method: str = "allreduce", group: dist.ProcessGroup | None = None, topology=None, graph: bool = False) -> None:
+                 method: str = "allreduce", group: dist.ProcessGroup | None = None, topology=None, graph: bool = False,
+                 kernel=None) -> None:
         if graph and model.device.type != "cuda":
             raise ValueError(f"decode_step='graph' records CUDA graphs: the model must be on a CUDA device, got {model.device}")
         reason = graph_safe_reason(model, max_batch_size)
@@ -152,6 +197,10 @@ class StaticDecodeStep:
         self.world_size = group_world_size(group)
         self.buckets = batch_buckets(max_batch_size)
         self._attend_args = dict(decode=decode, method=method, group=group, topology=topology)
+        ring = decode == "ring" and self.world_size > 1
+        if kernel is None and model.device.type == "cuda" and not ring:
+            kernel = _triton_decode_module()  # graph_safe_reason found it
+        self.kernel = None if ring else kernel
         self._buffers: dict[StaticShape, _Buffers] = {}
         self._pool = None  # the memory pool every captured graph shares
         self.steps = 0  # static steps run (tests and benchmarks read it)
@@ -183,7 +232,8 @@ class StaticDecodeStep:
         shape = self.shape_of(plan)
         buffers = self._buffers.get(shape)
         if buffers is None:
-            buffers = self._buffers[shape] = _Buffers(shape, self.cache.block_size, self.world_size, self.model, self._attend_args)
+            buffers = self._buffers[shape] = _Buffers(shape, self.cache.block_size, self.world_size, self.model, self._attend_args,
+                                                      self.kernel)
         buffers.inputs.copy_(self._host_inputs(plan, shape))
         if self.use_graphs and buffers.graph is None:
             self._capture(buffers)
@@ -228,13 +278,16 @@ class StaticDecodeStep:
         buffers.kv_len.copy_(visible.sum(dim=1))  # the visible keys are a prefix of each row
 
         owned = (buffers.owned != 0).view(-1, 1, 1)
+        if buffers.table32 is not None:
+            buffers.table32.copy_(buffers.table)
 
         def kv_store(layer: int, k_new: torch.Tensor, v_new: torch.Tensor):
             """Write this rank's new keys/values (zeros into the pad block for the others); return the
-            gathered shard k, v (B, NB * bs, Hkv, D) and kv_pos int64 (B, NB * bs)."""
+            gathered shard k, v (B, NB * bs, Hkv, D) (the paged read: the block pools, (num_blocks + 1,
+            bs, Hkv, D)) and kv_pos int64 (B, NB * bs)."""
             k_new, v_new = k_new[:, 0], v_new[:, 0]
             cache.write(layer, buffers.slots, torch.where(owned, k_new, 0), torch.where(owned, v_new, 0))
-            k, v = cache.gather(layer, buffers.table)
+            k, v = cache.blocks(layer) if buffers.table32 is not None else cache.gather(layer, buffers.table)
             return k, v, buffers.kv_pos
 
         hidden = self.model(buffers.tokens, buffers.positions, kv_store, buffers.attend)
