@@ -144,6 +144,17 @@ def test_segments_cover_shared_prefixes_nested_and_apart():
 
 
 @pytest.mark.parametrize("prefill_chunk", [16, 64])
+def test_questions_over_one_uncached_document_submitted_together_prefill_it_once(oracle, prefill_chunk):
+    """4 questions over document A (40 tokens, 10 blocks), none of it cached: the first prefills A,
+    the others wait for its blocks and prefill only their own tokens."""
+    with ta.Engine(random_model(CONFIG, seed=3, std=0.15), nproc=1, decode="local", block_size=BLOCK, cache_tokens=512,
+                   prefill_chunk=prefill_chunk, max_batch_size=8) as engine:
+        results = engine.generate([q for q, _ in QUESTIONS[:4]], max_new_tokens=4)
+    assert [r.cached_prompt_tokens for r in results] == [0, len(DOCS[0]), len(DOCS[0]), len(DOCS[0])]
+    assert [r.token_ids for r in results] == [o[:4] for o in oracle[:4]]
+
+
+@pytest.mark.parametrize("prefill_chunk", [16, 64])
 def test_one_prompt_submitted_n_times_together_is_prefilled_once(oracle, prefill_chunk):
     """4 requests with one prompt: the first prefills it, the other 3 wait for its full blocks and
     find them all in the prefix cache (each computes only the last, partial block); tokens unchanged.
