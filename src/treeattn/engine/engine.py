@@ -56,7 +56,7 @@ from treeattn.cache.sharded import kv_bytes_per_token
 from treeattn.engine.config import (DEFAULT_METHOD, ConfigError, check_draft_model_option, device_memory_bytes, format_bytes,
                                    model_bytes, resolve_method)
 from treeattn.engine.measure import RankMeasurements
-from treeattn.engine.ring_prefill import PREFILL_KINDS
+from treeattn.engine.ring_prefill import PREFILL_KINDS, idle_prefill_chunk
 from treeattn.engine.request import RequestResult, SamplingParams, TokenEvent, TokenLogprob
 from treeattn.engine.runner import RankRunner, StepOutcome
 from treeattn.engine.scheduler import Scheduler, Sequence as _Seq
@@ -97,7 +97,9 @@ class EngineConfig:
             min(max_position_embeddings, 32768))).
         prefix_cache: reuse cached prompt prefixes (radix tree over blocks).
         block_size: tokens per cache block (the unit of allocation, sharing and placement).
-        prefill_chunk: prompt tokens per step at most (chunked prefill).
+        prefill_chunk: prompt tokens per step at most (chunked prefill) while some sequence decodes;
+            with ring prefill steps and no sequence decoding, up to ring_prefill.RING_ROWS_PER_RANK
+            per rank (ring_prefill.idle_prefill_chunk).
         prefill: how a step of prompt chunks only runs on several ranks: "ring" (each rank runs a
             zigzag share of every chunk's tokens, attention over the step's gathered keys and a ring
             over the cached prefix: treeattn.engine.ring_prefill), "split" (each rank runs a slice,
@@ -356,7 +358,8 @@ class Engine:
         self.scheduler = Scheduler(self.pool, max_batch_size=self.config.max_batch_size,
                                    prefill_chunk=self.config.prefill_chunk, prefix_cache=self.prefix_cache,
                                    drafter=_drafter(self.config.speculate), draft_tokens=self.config.draft_tokens,
-                                   draft_cache=self.config.speculate == "draft")
+                                   draft_cache=self.config.speculate == "draft",
+                                   idle_prefill_chunk=idle_prefill_chunk(self.config.prefill, self.config.nproc, files.config.layer_windows))
         self.max_context = self.config.max_context_tokens(info.max_position_embeddings)
         self.healthy = True
         self._update_stats()

@@ -29,7 +29,7 @@ unchanged and knows nothing of ranks; the injected callables do the distribution
           prefix key precedes every query, so each block is an unmasked attention.
         Returns this rank's rows of the output, (1, T_r, Hq, Dv).
 
-Communication per layer: one all-gather of the step's keys and values ((p - 1) / p of T * 2 *
+Communication per layer: one all-gather of the step's keys and values together ((p - 1) / p of T * 2 *
 Hkv * D elements received per rank; Hkv * D for MLA's latent cache, whose values are a view of
 its keys), and for each chunk with a cached prefix one ring of p - 1 steps passing the prefix
 shards. No queries are gathered and nothing is combined. At the end the final hidden states of the
@@ -38,7 +38,10 @@ step, and rank 0 computes the logits.
 
 The runner uses a ring step for a step of prompt chunks only (no decoding sequence: those attend
 to their whole cache, which a ring would move every step) that token_parallel.splits, when the
-engine's prefill option resolves to "ring" (resolve_prefill).
+engine's prefill option resolves to "ring" (resolve_prefill). While no sequence decodes, the
+scheduler then gives a step up to RING_ROWS_PER_RANK prompt tokens per rank instead of
+prefill_chunk (idle_prefill_chunk): no decoder waits, and fewer, larger steps pass fewer prefixes
+around the ring.
 """
 
 from __future__ import annotations
@@ -52,6 +55,9 @@ from treeattn.engine.token_parallel import gather_slices
 from treeattn.ops import attention, merge_states
 
 PREFILL_KINDS = ("auto", "ring", "split")
+RING_ROWS_PER_RANK = 4096
+"""While no sequence decodes, a step of ring prefill takes up to this many prompt tokens per rank
+(idle_prefill_chunk): each rank runs at most as many rows as one 4096-token chunk on one rank."""
 """The engine's prefill option: "ring" (this module), "split" (token_parallel's steps), "auto"."""
 
 
@@ -69,6 +75,12 @@ def resolve_prefill(prefill: str, world_size: int, layer_windows: Sequence[int |
     if prefill == "auto":
         return "ring" if all(w is None for w in layer_windows) else "split"
     return prefill
+
+
+def idle_prefill_chunk(prefill: str, world_size: int, layer_windows: Sequence[int | None]) -> int | None:
+    """The scheduler's prompt tokens per step while no sequence decodes: RING_ROWS_PER_RANK per
+    rank when prompt-only steps are ring steps, else None (prefill_chunk, as while decoding)."""
+    return RING_ROWS_PER_RANK * world_size if resolve_prefill(prefill, world_size, layer_windows) == "ring" else None
 
 
 def zigzag_pieces(n: int, world_size: int, rank: int) -> list[tuple[int, int]]:
@@ -165,14 +177,18 @@ class RingPrefillStep:
         return gather_slices(x, self.lengths, self.group)[:, self.unpermute]
 
     def kv_store(self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor):
-        """k_new (1, T_r, Hkv, D), v_new (1, T_r, Hkv, Dv) of this rank's rows: gather every row's,
-        store the tokens whose blocks this rank holds. Returns ((k,), (v,), (None,)): the step's
-        keys and values (1, T, Hkv, D), (1, T, Hkv, Dv), for attend (tuples, not tensors: no model
-        reads them as a shard)."""
+        """k_new (1, T_r, Hkv, D), v_new (1, T_r, Hkv, Dv) of this rank's rows: gather every row's
+        (one all-gather of both), store the tokens whose blocks this rank holds. Returns ((k,), (v,),
+        (None,)): the step's keys and values (1, T, Hkv, D), (1, T, Hkv, Dv), for attend (tuples, not
+        tensors: no model reads them as a shard)."""
         batch = self.batch
-        k = self._gather(k_new)
-        value_dim = batch.cache.value_dim
-        v = k[..., :value_dim] if value_dim else self._gather(v_new)
+        value_dim, D = batch.cache.value_dim, k_new.shape[-1]
+        if value_dim:  # MLA: the values are a view of the keys
+            k = self._gather(k_new)
+            v = k[..., :value_dim]
+        else:
+            kv = self._gather(torch.cat((k_new, v_new), dim=-1))
+            k, v = kv[..., :D], kv[..., D:]
         if batch.store_rows.numel():
             batch.cache.write(layer, batch.store_slots, k[0, batch.store_rows], v[0, batch.store_rows])
         self._layer = layer

@@ -5,7 +5,8 @@ Every step the scheduler plans one batched forward pass over all running sequenc
 - a sequence that is decoding runs its one new token (every running decoder, every step);
 - a sequence still in its prompt runs the next chunk of it (chunked prefill): at most
   `prefill_chunk` prompt tokens per step over all such sequences, so a long new prompt is spread
-  over several steps and the decoders keep going in between;
+  over several steps and the decoders keep going in between (`idle_prefill_chunk`, when larger,
+  while no sequence decodes);
 - waiting requests are admitted, first come first served, while the batch has room
   (`max_batch_size`) and their first chunk's blocks can be had. With a prefix cache, a new request
   starts from the longest cached prefix of its prompt and prefills only the rest; and a request
@@ -160,16 +161,20 @@ class Scheduler:
         draft_tokens: the most tokens drafted per sequence per step.
         draft_cache: the ranks keep a draft model's cache indexed by the same block tables (see the
             module docstring).
+        idle_prefill_chunk: prompt tokens per step at most while no running sequence decodes (no
+            decoder waits on the prefill; the engine sets it for ring prefill steps,
+            treeattn.engine.ring_prefill); None: prefill_chunk always.
     """
 
     def __init__(self, pool: ShardedBlockPool, *, max_batch_size: int, prefill_chunk: int, prefix_cache: PrefixCache | None,
-                 drafter=None, draft_tokens: int = 4, draft_cache: bool = False) -> None:
+                 drafter=None, draft_tokens: int = 4, draft_cache: bool = False, idle_prefill_chunk: int | None = None) -> None:
         for name, value in (("max_batch_size", max_batch_size), ("prefill_chunk", prefill_chunk)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
         self.pool = pool
         self.max_batch_size = max_batch_size
         self.prefill_chunk = prefill_chunk
+        self.idle_prefill_chunk = max(prefill_chunk, idle_prefill_chunk or 0)
         self.prefix_cache = prefix_cache
         self.drafter = drafter
         self.draft_tokens = draft_tokens
@@ -209,7 +214,8 @@ class Scheduler:
 
     def schedule(self) -> StepPlan:
         """The next step's plan (no chunks when nothing can run)."""
-        budget = self.prefill_chunk
+        decoding = any(seq.pending == 1 for seq in self.running)
+        budget = self.prefill_chunk if decoding else self.idle_prefill_chunk
         planned: list[tuple[Sequence, int]] = []
         for seq in list(self.running):  # oldest first
             if seq not in self.running:  # preempted for an older one in this loop
