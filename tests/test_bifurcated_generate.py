@@ -1,7 +1,9 @@
 """Shared-context sampling in the engine: generate(num_samples=n) and `treeattn generate --num-samples`.
 
-n samples decoded with bifurcated attention must give the same tokens as decoding n copies of the
-prompt as a plain batch with the same seed, on one process and on 2 gloo ranks.
+n samples (n requests of the prompt in the engine: the prompt's full blocks prefilled once, shared
+through the prefix cache, decoded with the shared-prefix attention) must give the same tokens as
+decoding n copies of the prompt as a plain batch with the same seed, on one process and on 2 gloo
+ranks.
 """
 
 from __future__ import annotations
@@ -32,8 +34,8 @@ STOPS = list(range(60, 75))  # some samples stop early, others run to max_new_to
 
 def test_samples_equal_a_plain_batch_with_the_same_seed():
     model = make_model()
-    samples = ta.generate(model, PROMPT, num_samples=N, stop_tokens=STOPS, **SAMPLING)
-    batch = ta.generate(model, [PROMPT] * N, stop_tokens=STOPS, **SAMPLING)
+    samples = ta.generate(model, PROMPT, num_samples=N, stop_tokens=STOPS, block_size=8, **SAMPLING)
+    batch = ta.generate(model, [PROMPT] * N, stop_tokens=STOPS, block_size=8, **SAMPLING)
     assert samples.num_samples == N and len(samples.generated_ids) == N
     assert samples.generated_ids == batch.generated_ids
     assert samples.finish_reasons == batch.finish_reasons
@@ -48,16 +50,8 @@ def test_samples_equal_a_plain_batch_with_the_same_seed():
     order = samples.ranking()
     assert sorted(order) == list(range(N))
     assert [samples.mean_logprobs[i] for i in order] == sorted(samples.mean_logprobs, reverse=True)
-    # one copy of the prompt's K/V instead of n, plus each sample's decoded tokens
-    slot, steps = slot_bytes(model), samples.decode_steps
-    assert samples.kv_bytes_per_rank == [slot * (len(PROMPT) + N * steps)]
-    assert batch.kv_bytes_per_rank == [slot * N * (len(PROMPT) + steps)]
-
-
-def slot_bytes(model) -> int:
-    """Cache bytes of one token of one sequence: K and V of every layer, float32, and its position."""
-    cfg = model.config
-    return cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 4 + 8
+    # the prompt's 4 full blocks (32 of its 37 tokens) are prefilled once: the other samples take them cached
+    assert samples.cached_prompt_tokens == batch.cached_prompt_tokens == [0] + [32] * (N - 1)
 
 
 def test_logprobs_are_the_models_own():
@@ -84,9 +78,9 @@ def run_on_ranks(rank, world_size):
     for placement, method in (("contiguous", "allreduce"), ("interleaved", "tree")):
         result = ta.generate(model, PROMPT, num_samples=N, stop_tokens=STOPS, placement=placement, method=method,
                              block_size=8, **SAMPLING)
-        out[placement] = (result.generated_ids, result.token_logprobs, result.kv_bytes_per_rank, result.decode_steps)
+        out[placement] = (result.generated_ids, result.token_logprobs, result.cached_prompt_tokens)
     batch = ta.generate(model, [PROMPT] * N, stop_tokens=STOPS, block_size=8, **SAMPLING)
-    out["batch"] = (batch.generated_ids, batch.token_logprobs, batch.kv_bytes_per_rank, batch.decode_steps)
+    out["batch"] = (batch.generated_ids, batch.token_logprobs, batch.cached_prompt_tokens)
     return out
 
 
@@ -95,15 +89,12 @@ def test_samples_on_two_ranks_equal_the_plain_batch():
     results = ta.spawn(run_on_ranks, 2, timeout=60)
     for rank in range(2):
         for key in ("contiguous", "interleaved", "batch"):
-            ids, logprobs, _, _ = results[rank][key]
+            ids, logprobs, cached = results[rank][key]
             assert ids == reference.generated_ids, (rank, key)
             for a, b in zip(logprobs, reference.token_logprobs):
                 torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=0, atol=1e-4)
+            assert cached == [0] + [32] * (N - 1), (rank, key)  # the prompt prefilled once
             assert results[rank][key] == results[0][key]  # identical on every rank
-    # the prompt is split across the ranks (once); every rank holds all samples' decoded tokens
-    for key in ("contiguous", "interleaved"):
-        kv_bytes, steps = results[0][key][2], results[0][key][3]
-        assert sum(kv_bytes) == slot_bytes(make_model()) * (len(PROMPT) + 2 * N * steps)
 
 
 def test_bad_num_samples():
@@ -114,8 +105,6 @@ def test_bad_num_samples():
         ta.generate(model, PROMPT, num_samples=2.0)
     with pytest.raises(ValueError, match="samples completions of one prompt, got 2 prompts"):
         ta.generate(model, [PROMPT, PROMPT[:5]], num_samples=2)
-    with pytest.raises(ValueError, match="use decode='tree'"):
-        ta.generate(model, PROMPT, num_samples=2, decode="ring")
 
 
 # ------------------------------------------------------------------------------------- CLI

@@ -2,7 +2,7 @@
 
 Tiny random checkpoints written by save_pretrained (MoE layers, YaRN, q_lora_rank set and None,
 the V3 and both V2 routers): prefill logits in the absorbed and the naive form within 1e-4 of
-transformers; greedy tokens on p = 1, 2, 3 (tree and ring decoding, ring and local prefill) equal
+transformers; greedy tokens on p = 1, 2, 3 (tree and ring decoding, ring and split prefill) equal
 to transformers' uncached greedy recomputation (a full forward pass per new token); the latent
 cache holds one (kv_lora_rank + qk_rope_head_dim) entry per token and layer, values a view of it;
 unimplemented config features and mismatched latent dims fail in one line naming the key.
@@ -146,8 +146,8 @@ def references(checkpoints):
 # (decode, method, placement, prefill) per number of ranks
 CASES = {
     1: [("tree", "allreduce", "contiguous", "auto")],
-    2: [("tree", "allreduce", "interleaved", "auto"), ("ring", "allreduce", "contiguous", "local")],
-    3: [("tree", "tree", "contiguous", "auto"), ("tree", "allreduce", "interleaved", "local"),
+    2: [("tree", "allreduce", "interleaved", "auto"), ("ring", "allreduce", "contiguous", "split")],
+    3: [("tree", "tree", "contiguous", "auto"), ("tree", "allreduce", "interleaved", "split"),
         ("ring", "allreduce", "interleaved", "auto")],
 }
 

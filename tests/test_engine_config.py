@@ -14,8 +14,8 @@ from treeattn.engine.config import (
     GenerationConfig,
     check_against_model,
     kv_cache_bytes_per_rank,
-    resolve_prefill,
 )
+from treeattn.engine.ring_prefill import resolve_prefill
 from treeattn.models.llama import LlamaConfig
 
 MODEL = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
@@ -51,11 +51,11 @@ def test_each_bad_field_is_named(field, value, error):
 
 
 def test_combinations_are_refused_without_a_model():
-    with pytest.raises(ConfigError, match="num_samples=3 decodes with bifurcated attention") as info:
-        GenerationConfig(num_samples=3, decode="ring")
-    assert info.value.option == "num_samples"
-    with pytest.raises(ConfigError, match="static_decode=True decodes one sequence per prompt"):
-        GenerationConfig(num_samples=2, static_decode=True)
+    with pytest.raises(ConfigError, match="speculate='ngram' decodes one sequence; num_samples=3 asks for several") as info:
+        GenerationConfig(num_samples=3, speculate="ngram")
+    assert info.value.option == "speculate"
+    with pytest.raises(ConfigError, match="static_decode=True runs fixed one-token steps"):
+        GenerationConfig(speculate="ngram", static_decode=True)
 
 
 def test_checks_against_the_model():
@@ -65,7 +65,6 @@ def test_checks_against_the_model():
         "70 positions exceed the model's max_position_embeddings=64"]
     for config, world, option, match in [
         (GenerationConfig(decode="local"), 2, "decode", "decode='local' runs on one rank, but the group has 2"),
-        (GenerationConfig(prefill="ring"), 2, "prefill", r"sliding window \(4\) to a 10-token prompt"),
         (GenerationConfig(capacity=12), 1, "capacity", "needs 42 cache slots, more than capacity=12"),
         (GenerationConfig(stop_tokens=[64]), 1, "stop_tokens", r"token id 64 is outside the vocabulary \[0, 64\)"),
         (GenerationConfig(num_samples=2), 1, "num_samples", "got 2 prompts"),
@@ -81,17 +80,18 @@ def test_checks_against_the_model():
 
 
 def test_prefill_resolution():
-    assert resolve_prefill("auto", 1, 10, (None,)) == "local"
-    assert resolve_prefill("auto", 2, 10, (None,)) == "ring"
-    assert resolve_prefill("auto", 2, 10, (None, 4)) == "local"  # the window bites: ring_attention has none
-    assert resolve_prefill("ring", 2, 4, (None, 4)) == "ring"  # a window no shorter than the prompt masks nothing
+    assert resolve_prefill("auto", 1, (None,)) == "split"  # one rank: nothing to split, the replicated step
+    assert resolve_prefill("auto", 2, (None,)) == "ring"
+    assert resolve_prefill("auto", 2, (None, 4)) == "split"  # a window: split (ring is exact there too, but masked)
+    assert resolve_prefill("ring", 2, (None, 4)) == "ring"
 
 
-def test_kv_estimate_is_what_the_cache_reserves():
-    from treeattn.cache import ShardedKVCache
+def test_kv_estimate_is_what_the_engine_allocates():
+    from treeattn.cache.paged import PagedKVCache
 
     for placement, world in (("contiguous", 3), ("interleaved", 2)):
-        config = GenerationConfig(max_new_tokens=7, block_size=4, placement=placement)
-        caches = [ShardedKVCache(num_layers=2, num_kv_heads=2, head_dim=8, capacity=config.cache_capacity(13), batch_size=2,
-                                 placement=placement, block_size=4, rank=r, world_size=world) for r in range(world)]
-        assert kv_cache_bytes_per_rank(config, MODEL, 2, 13, world, torch.float32) == max(c.nbytes_reserved() for c in caches)
+        config = GenerationConfig(max_new_tokens=7, block_size=4, placement=placement, num_samples=1)
+        blocks = config.blocks_per_rank(13, 2, world)
+        assert blocks == 2 * -(-20 // (4 * world))  # 20 slots a sequence, dealt over the ranks
+        cache = PagedKVCache(num_layers=2, num_kv_heads=2, head_dim=8, num_blocks=blocks, block_size=4)
+        assert kv_cache_bytes_per_rank(config, MODEL, 2, 13, world, torch.float32) == cache.nbytes()

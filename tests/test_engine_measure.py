@@ -45,6 +45,9 @@ def test_rank_measurements_count_each_steps_bytes(checkpoint, nproc):
         assert m.steps == {"prefill": 2, "decode": NEW_TOKENS - 1}  # 13 tokens in chunks of 8
         assert m.kv_bytes == arena
         assert len(m.step_s["decode"]) == NEW_TOKENS - 1 and all(t > 0 for t in m.step_s["decode"])
+        for phases, step in zip(m.step_phases["decode"], m.step_s["decode"]):  # the parts add up to no more than the step
+            assert phases["attention"] > 0 and ("sampling" in phases) == (m.rank == 0)
+            assert sum(phases.values()) < step
         assert set(m.peak_rss_bytes) == set(m.start_rss_bytes) == {"prefill", "decode"}
         assert all(m.peak_rss_bytes[kind] >= m.start_rss_bytes[kind] > 0 for kind in ("prefill", "decode"))
         if nproc == 1:

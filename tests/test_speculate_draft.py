@@ -5,16 +5,12 @@
   the analytic probability sum_x min(p(x), q(x)).
 - Greedy output with a draft model equals greedy output without speculation and transformers'
   uncached greedy recomputation, on p = 1, 2, 3 gloo ranks (sub-groups of one spawn), both
-  placements, tree and ring decoding, ring and local prefill; with the model itself as draft (every
+  placements, tree and ring decoding, ring and split prefill; with the model itself as draft (every
   draft accepted) and another random model (drafts rejected), both given as checkpoint paths (what
-  travels to ranks). The draft runs on every rank, its cache laid out like the model's; with
-  draft_cache="rank0" on rank 0 alone with a whole cache (on 2 and 3 ranks).
-- The draft's cache after a rejection (DraftModelDrafter.rollback): on every rank, both placements,
-  its shard holds exactly the accepted context, the lengths and positions the model's cache has after
-  its own rollback, and keys/values equal to a draft that prefilled that context directly; the next
-  drafts agree with that draft's.
-- Temperature > 0 with a sampling draft model (a non-one-hot q): the tokens follow the model's exact
-  distribution (chi-square over many seeds on a tiny model).
+  travels to ranks). The draft runs in the engine on every rank (its cache's layout, rollback and
+  prefix sharing: tests/test_engine_draft.py).
+- Temperature > 0 with a draft model: the tokens follow the model's exact distribution (chi-square
+  over many seeds on a tiny model).
 - Bad input: one-line errors naming the option, before any work (and, for the CLI, before spawning).
 """
 
@@ -36,21 +32,16 @@ from test_speculate import (  # noqa: E402
 from typer.testing import CliRunner  # noqa: E402
 
 from treeattn.cli import app  # noqa: E402
-from treeattn.cache import ShardedKVCache  # noqa: E402
-from treeattn.draft_model import DraftModelDrafter  # noqa: E402
-from treeattn.engine.config import ConfigError, GenerationConfig, SamplingParams  # noqa: E402
-from treeattn.generate import generate, stream  # noqa: E402
+from treeattn.engine.config import ConfigError, GenerationConfig  # noqa: E402
+from treeattn.generate import generate  # noqa: E402
 from treeattn.models import load_model  # noqa: E402
 from treeattn.models.llama import LlamaConfig, random_model  # noqa: E402
 from treeattn.parallel import spawn  # noqa: E402
-from treeattn.sharded_runner import ShardedRunner  # noqa: E402
 from treeattn.speculate import accept  # noqa: E402
 
 NEW_TOKENS = 12
 BOTH = [("tree", "contiguous"), ("tree", "interleaved"), ("ring", "contiguous"), ("ring", "interleaved")]
 CASES = {1: BOTH[:1], 2: BOTH, 3: BOTH}
-ROLLBACK_CASES = {2: [BOTH[0], BOTH[3]], 3: [BOTH[1], BOTH[2]]}  # each placement and decoding on 2 and on 3 ranks
-RANK0_CASES = {1: [], 2: [BOTH[1]], 3: [BOTH[2]]}  # draft_cache="rank0": the draft whole on rank 0
 
 
 # ----------------------------------------------------------------------- the acceptance rule
@@ -119,27 +110,16 @@ def _draft_cases(rank: int, world_size: int, dirs: dict) -> dict:
     for p, group in groups.items():
         if rank >= p:
             continue
-        cases = [(decode, placement, "sharded") for decode, placement in CASES[p]] + [(d, pl, "rank0") for d, pl in RANK0_CASES[p]]
-        for decode, placement, draft_cache in cases:
+        for decode, placement in CASES[p]:
             for draft in ("model", "other"):
-                prefill = "local" if (p, decode, placement, draft) == (3, "tree", "interleaved", "other") else "auto"
-                run = stream(model, PROMPT, max_new_tokens=NEW_TOKENS, stop_tokens=[], decode=decode, placement=placement, prefill=prefill,
-                             block_size=4, group=group, speculate="draft", draft_model=dirs[draft], draft_tokens=3, draft_cache=draft_cache)
-                for _ in run:
-                    pass
-                result, slots = run.result, torch.arange(run.cache.capacity)
-                if draft_cache == "sharded":  # laid out like the model's cache
-                    layout = (run._drafter.cache.capacity == run.cache.capacity
-                              and torch.equal(run._drafter.cache.placement.owner(slots), run.cache.placement.owner(slots)))
-                else:  # whole on rank 0, nothing elsewhere
-                    layout = run._drafter is None if rank else run._drafter.cache.world_size == 1
-                out[(p, decode, placement, draft, draft_cache)] = (result.generated_ids[0], result.decode_steps, result.speculation, layout)
-        for decode, placement in ROLLBACK_CASES.get(p, []):
-            out[("rollback", p, decode, placement)] = _rollback(model, group, decode, placement, rank, p)
-    for draft_cache in ("sharded", "rank0"):  # temperature > 0 on 3 ranks: every rank returns the same tokens
-        result = generate(model, PROMPT, max_new_tokens=8, temperature=0.8, seed=3, speculate="draft", draft_model=dirs["other"],
-                          draft_tokens=4, placement="interleaved", block_size=4, draft_cache=draft_cache)
-        out[("sampled", draft_cache)] = result.generated_ids[0]
+                prefill = "split" if (p, decode, placement, draft) == (3, "tree", "interleaved", "other") else "auto"
+                result = generate(model, PROMPT, max_new_tokens=NEW_TOKENS, stop_tokens=[], decode=decode, placement=placement,
+                                  prefill=prefill, block_size=4, group=group, speculate="draft", draft_model=dirs[draft], draft_tokens=3)
+                out[(p, decode, placement, draft)] = (result.generated_ids[0], result.decode_steps, result.speculation)
+    # temperature > 0 on 3 ranks: every rank returns the same tokens
+    result = generate(model, PROMPT, max_new_tokens=8, temperature=0.8, seed=3, speculate="draft", draft_model=dirs["other"],
+                      draft_tokens=4, placement="interleaved", block_size=4)
+    out["sampled"] = result.generated_ids[0]
     return out
 
 
@@ -148,72 +128,21 @@ def ranks(checkpoints):
     return spawn(_draft_cases, 3, {name: str(directory) for name, (directory, _) in checkpoints.items()}, timeout=300)
 
 
-def _rollback(model, group, decode: str, placement: str, rank: int, world_size: int) -> dict:
-    """A drafter drafts 3 tokens after PROMPT + [5], the second is rejected; its cache after rollback
-    against the model's cache after its rollback and against a drafter that prefilled the accepted context."""
-
-    def drafter() -> DraftModelDrafter:
-        c = model.config
-        cache = ShardedKVCache(num_layers=c.num_layers, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, capacity=len(PROMPT) + 12,
-                               block_size=4, placement=placement, rank=rank, world_size=world_size)
-        runner = ShardedRunner(model, cache, decode=decode, method="onepass", prefill="ring", group=group)
-        return DraftModelDrafter(runner, sampling=SamplingParams())
-
-    with torch.inference_mode():
-        rolled = drafter()
-        rolled.prefill(PROMPT)
-        draft, _ = rolled.propose(torch.tensor(PROMPT + [5]), 3, None)
-        held = rolled.cache.length  # the prompt, 5 and the first two drafts (the third is never run)
-        accepted = PROMPT + [5, int(draft[0])]
-        rolled.rollback(torch.tensor(accepted + [(int(draft[1]) + 1) % VOCAB]))  # the second draft rejected
-        target = ShardedKVCache(num_layers=1, num_kv_heads=1, head_dim=8, capacity=len(PROMPT) + 12, block_size=4,
-                                placement=placement, rank=rank, world_size=world_size)
-        target.extend(torch.arange(len(PROMPT) + 4))  # the model verified [5] + 3 drafts, then kept 5 and the first draft
-        target.truncate(len(accepted))
-        direct = drafter()
-        direct.prefill(accepted)
-        keys = [(rolled.cache.layer(i), direct.cache.layer(i)) for i in range(model.config.num_layers)]
-        out = {"held": held, "draft": draft.tolist(), "length": rolled.cache.length, "local_length": rolled.cache.local_length,
-               "target": (target.length, target.local_length), "same_positions": torch.equal(rolled.cache.kv_pos, target.kv_pos),
-               "kv_error": max(float((a - b).abs().max()) if a.numel() else 0.0 for pair in keys for a, b in zip(*pair)),
-               "held_tokens": rolled.held.tolist()}
-        context = torch.tensor(accepted + [(int(draft[1]) + 1) % VOCAB])
-        out["next"] = (rolled.propose(context, 3, None)[0].tolist(), direct.propose(context, 3, None)[0].tolist())
-    return out
-
-
-def test_a_rejected_draft_leaves_the_draft_cache_on_every_rank(ranks):
-    for p, cases in ROLLBACK_CASES.items():
-        for decode, placement in cases:
-            results = [r[("rollback", p, decode, placement)] for r in ranks[:p]]
-            for rank, r in enumerate(results):
-                key = (p, decode, placement, rank)
-                assert r["held"] == len(PROMPT) + 3 and len(r["draft"]) == 3, key
-                assert r["length"] == len(PROMPT) + 2 == r["target"][0] and r["local_length"] == r["target"][1], (key, r)
-                assert r["same_positions"] and r["held_tokens"] == PROMPT + [5, r["draft"][0]], key
-                assert r["kv_error"] < 1e-5, (key, r["kv_error"])
-                assert r["next"][0] == r["next"][1] and len(r["next"][0]) == 3, (key, r["next"])
-                assert r["draft"] == results[0]["draft"] and r["next"] == results[0]["next"], f"ranks disagree: {key}"
-            assert all(r["local_length"] < r["length"] for r in results), f"a rank holds the whole context: {p, decode, placement}"
-
-
 def test_greedy_with_a_draft_model_equals_uncached_greedy_on_every_p(ranks, checkpoints):
     expected = _uncached_greedy(checkpoints["model"][1], PROMPT, NEW_TOKENS)
     plain = generate(load_model(checkpoints["model"][0]), PROMPT, max_new_tokens=NEW_TOKENS, stop_tokens=[])
     assert plain.generated_ids[0] == expected
     for p in (1, 2, 3):
-        cases = [(decode, placement, "sharded") for decode, placement in CASES[p]] + [(d, pl, "rank0") for d, pl in RANK0_CASES[p]]
-        for decode, placement, draft_cache in cases:
+        for decode, placement in CASES[p]:
             for draft in ("model", "other"):
-                key = (p, decode, placement, draft, draft_cache)
+                key = (p, decode, placement, draft)
                 results = [r[key] for r in ranks[:p]]
-                tokens, steps, spec, _ = results[0]
+                tokens, steps, spec = results[0]
                 assert tokens == expected, key
-                assert all(r[3] for r in results), f"the draft's cache is not where draft_cache puts it: {key}"
                 assert all(r[0] == tokens and r[1] == steps for r in results), f"ranks disagree: {key}"
                 assert all(r[2] == spec for r in results), f"ranks report different speculation: {key}"
                 assert steps == NEW_TOKENS - 1 - spec["accepted"] and spec["decoded_tokens"] == NEW_TOKENS - 1, key
-                assert spec["draft_model"].endswith(draft) and spec["draft_prefill_s"] > 0 and spec["draft_s"] > 0
+                assert spec["draft_model"].endswith(draft), key
                 if draft == "model":  # the model drafting for itself: every draft accepted, k + 1 tokens per forward
                     assert spec["accepted"] == spec["drafted"] > 0 and spec["tokens_per_forward"] > 3, (key, spec)
                 else:
@@ -221,9 +150,7 @@ def test_greedy_with_a_draft_model_equals_uncached_greedy_on_every_p(ranks, chec
 
 
 def test_sampling_with_a_draft_model_is_the_same_on_every_rank(ranks):
-    for draft_cache in ("sharded", "rank0"):
-        key = ("sampled", draft_cache)
-        assert ranks[0][key] == ranks[1][key] == ranks[2][key] and len(ranks[0][key]) == 8, key
+    assert ranks[0]["sampled"] == ranks[1]["sampled"] == ranks[2]["sampled"] and len(ranks[0]["sampled"]) == 8
 
 
 # --------------------------------------------------------------------- end to end, sampling
@@ -298,8 +225,6 @@ def test_draft_model_and_speculate_draft_need_each_other():
         (dict(speculate="draft", draft_model=3), "draft_model", "checkpoint path or a loaded model, got int"),
         (dict(speculate="draft", draft_model="d.gguf", draft_tokens=0), "draft_tokens", ">= 1"),
         (dict(speculate="draft", draft_model="d.gguf", draft_tokens=17), "draft_tokens", "[1, 16]"),
-        (dict(speculate="draft", draft_model="d.gguf", draft_cache="whole"), "draft_cache", "one of ('sharded', 'rank0')"),
-        (dict(speculate="ngram", draft_cache="rank0"), "draft_cache", "got speculate='ngram'"),
     ]:
         with pytest.raises(ConfigError) as info:
             GenerationConfig(**options)
@@ -347,7 +272,7 @@ def test_cli_draft_model_json_and_errors(tokenized, tmp_path):
     spec = report["speculation"]
     assert report["generated_ids"] == plain["generated_ids"]
     assert report["timings"]["decode_steps"] == 11 - spec["accepted"] and spec["decoded_tokens"] == 11
-    assert spec["draft_model"] == str(tokenized["same"]) and spec["draft_prefill_s"] > 0 and spec["draft_s"] > 0
+    assert spec["draft_model"] == str(tokenized["same"])
     assert set(spec) >= {"drafted", "accepted", "acceptance_rate", "tokens_per_forward"}
     for extra, words in [
         (["--draft-model", str(tokenized["same"])], "--draft-model is the drafter of --speculate draft, got no speculation"),
@@ -356,16 +281,15 @@ def test_cli_draft_model_json_and_errors(tokenized, tmp_path):
         (["--speculate", "draft", "--draft-model", str(tokenized["short"])], "--draft-model's context window of 16 positions"),
         (["--speculate", "draft", "--draft-model", str(tmp_path / "nothing")], f"--draft-model {tmp_path / 'nothing'} is not"),
         (["--speculate", "draft", "--draft-model", str(tokenized["same"]), "--draft-tokens", "17"], "--draft-tokens must be in [1, 16]"),
-        (["--draft-cache", "rank0"], "--draft-cache rank0 places the draft model of --speculate draft, got no speculation"),
     ]:
         bad = runner.invoke(app, base + extra + ["--nproc", "2"])  # refused before the ranks are spawned (exit 2, not 1)
         lines = bad.output.strip().splitlines()
         assert bad.exit_code == 2 and len(lines) == 1 and words in lines[0], (extra, bad.output)
 
 
-def test_the_memory_check_counts_a_draft_on_rank0_once(tokenized, monkeypatch):
-    """treeattn generate's check before spawning: with --draft-cache rank0 the draft model and its whole
-    cache count once (rank 0), with sharded once per rank (each with its share of the cache)."""
+def test_the_memory_check_counts_the_draft_on_every_rank(tokenized, monkeypatch):
+    """treeattn generate's check before spawning: the draft model and its share of the cache count
+    once per rank, and a draft that does not fit is named."""
     from pathlib import Path
 
     from treeattn import engine_cli
@@ -375,16 +299,10 @@ def test_the_memory_check_counts_a_draft_on_rank0_once(tokenized, monkeypatch):
 
     model, prompts = str(tokenized["model"]), [list(range(8))]
     model_config, weights = read_config(model), model_bytes(model, torch.float32)
-
-    def config(draft_cache: str) -> GenerationConfig:
-        return GenerationConfig(max_new_tokens=8, speculate="draft", draft_model=model, draft_cache=draft_cache)
-
-    kv = kv_cache_bytes_per_rank(config("sharded"), model_config, 1, 8, 2, torch.float32)
-    whole = kv_cache_bytes_per_rank(config("rank0"), model_config, 1, 8, 1, torch.float32)
-    monkeypatch.setattr(config_module, "device_memory_bytes", lambda device: 2 * (weights + kv) + weights + whole)
-    engine_cli._check_before_spawning(config("rank0"), Path(model), prompts, 2, "float32")  # fits: the draft once
+    config = GenerationConfig(max_new_tokens=8, speculate="draft", draft_model=model)
+    kv = kv_cache_bytes_per_rank(config, model_config, 1, 8, 2, torch.float32)
+    monkeypatch.setattr(config_module, "device_memory_bytes", lambda device: 4 * (weights + kv))
+    engine_cli._check_before_spawning(config, Path(model), prompts, 2, "float32")  # fits: 2 ranks x (model + draft)
+    monkeypatch.setattr(config_module, "device_memory_bytes", lambda device: 4 * (weights + kv) - 1)
     with pytest.raises(ValueError, match=r"^--draft-model: 2 rank\(s\) x \(.* of draft model and its cache\) = "):
-        engine_cli._check_before_spawning(config("sharded"), Path(model), prompts, 2, "float32")
-    monkeypatch.setattr(config_module, "device_memory_bytes", lambda device: 2 * (weights + kv) + 1)
-    with pytest.raises(ValueError, match=r"KV cache\) \+ .* of draft model and its whole cache on rank 0 = "):
-        engine_cli._check_before_spawning(config("rank0"), Path(model), prompts, 2, "float32")
+        engine_cli._check_before_spawning(config, Path(model), prompts, 2, "float32")

@@ -1,10 +1,10 @@
 """The demo behind `treeattn demo`: long-context decoding on local CPU ranks, tree vs ring, no download.
 
 A small Llama-architecture model with random weights (the same on every rank for a seed) gets a
-synthetic prompt of `context` tokens. On `nproc` gloo ranks the prompt is prefilled once into the
-sequence-sharded KV cache (ring prefill), then decoded greedily once per method -- tree_decode
-and ring_decode (pass-KV) -- from that same cache. A single process then prefills and decodes the
-same prompt with plain attention over the whole cache, and every method must give its tokens.
+synthetic prompt of `context` tokens. On `nproc` gloo ranks the prompt is prefilled into the
+sequence-sharded KV cache (the engine's ring prefill) and decoded greedily, once per method --
+tree_decode and ring_decode (pass-KV). A single process then prefills and decodes the same prompt
+with plain attention over the whole cache, and every method must give its tokens.
 
 run_demo() returns the measurements; the CLI renders them. benchmarks/engine_decode.py uses it too.
 """
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from treeattn.engine.config import DEFAULT_METHOD
-from treeattn.generate import GenerationResult, generate, stream
+from treeattn.generate import GenerationResult, generate
 from treeattn.models.llama import LlamaConfig, random_model
 
 logger = logging.getLogger(__name__)
@@ -78,7 +78,7 @@ def run_demo(
         context: prompt length in tokens.
         nproc: number of local gloo ranks.
         new_tokens: greedy tokens per method.
-        methods: (decode, tree method) pairs, decoded one after the other from one prefill.
+        methods: (decode, tree method) pairs, run one after the other (a prefill each).
         placement: cache placement on the ranks.
         threads_per_rank: torch threads in each rank; default cores // nproc (at least 1).
         seed: model weights and prompt.
@@ -118,18 +118,14 @@ def run_reference(*, context: int = 32768, new_tokens: int = 16, seed: int = 0, 
 
 
 def _demo_rank(rank: int, world_size: int, context, new_tokens, methods, placement, threads, seed):
-    """One rank: build the model, prefill once, decode with each method from the same cache."""
+    """One rank: build the model, then prefill and decode the prompt with each method."""
     torch.set_num_threads(threads)
     model = random_model(demo_config(), seed=seed)
     prompt = synthetic_prompt(context, model.config.vocab_size, seed)
     rows = []
-    cache = None
     for decode, method in methods:
         name = f"tree ({method})" if decode == "tree" else "ring (pass-KV)" if decode == "ring" else decode
-        run = stream(model, prompt, max_new_tokens=new_tokens, decode=decode, method=method, placement=placement,
-                     stop_tokens=[], cache=cache)
-        for _ in run:
-            pass
-        cache = run.cache
-        rows.append((name, decode, method, run.result))
+        result = generate(model, prompt, max_new_tokens=new_tokens, decode=decode, method=method, placement=placement,
+                          stop_tokens=[])
+        rows.append((name, decode, method, result))
     return rows

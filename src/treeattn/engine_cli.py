@@ -52,7 +52,7 @@ class Placement(str, Enum):
 class Prefill(str, Enum):
     auto = "auto"
     ring = "ring"
-    local = "local"
+    split = "split"
 
 
 class RankBy(str, Enum):
@@ -64,11 +64,6 @@ class Speculate(str, Enum):
     none = "none"
     ngram = "ngram"
     draft = "draft"
-
-
-class DraftCache(str, Enum):
-    sharded = "sharded"
-    rank0 = "rank0"
 
 
 class DType(str, Enum):
@@ -85,7 +80,9 @@ def generate_command(
     nproc: int | None = typer.Option(None, "--nproc", help="Local ranks to spawn (gloo). Default 1, or the world size under torchrun."),
     decode: Decode = typer.Option(Decode.tree, "--decode", help="Decode attention across ranks."),
     method: Method | None = typer.Option(None, "--method", help="tree_decode combine (default: onepass, one collective per layer)."),
-    prefill: Prefill = typer.Option(Prefill.auto, "--prefill", help="auto: ring on several ranks, local on one."),
+    prefill: Prefill = typer.Option(Prefill.auto, "--prefill", help="The engine's prompt steps on several ranks: ring (each rank "
+                                    "an even zigzag share of the tokens), split (each rank a slice, attention combined), auto "
+                                    "(ring, split for sliding-window models)."),
     max_new_tokens: int = typer.Option(64, "--max-new-tokens"),
     temperature: float = typer.Option(0.0, "--temperature", help="0 = greedy."),
     top_k: int | None = typer.Option(None, "--top-k"),
@@ -116,9 +113,6 @@ def generate_command(
     draft_tokens: int = typer.Option(4, "--draft-tokens", help="Most tokens drafted per step with --speculate, in [1, 16]."),
     draft_model: Path | None = typer.Option(None, "--draft-model", help="The draft model of --speculate draft (HF directory "
                                             "or .gguf, the model's tokenizer), run on every rank (see --draft-cache)."),
-    draft_cache: DraftCache = typer.Option(DraftCache.sharded, "--draft-cache", help="Where --draft-model runs: sharded (on "
-                                           "every rank, its cache sharded like the model's) or rank0 (rank 0 alone, its "
-                                           "cache whole; faster with more ranks than cores, docs/benchmarks.md)."),
     shared_memory: bool = typer.Option(True, "--shared-memory/--no-shared-memory", help="Ranks on this host combine through "
                                        "shared memory (one round, no sockets); --no-shared-memory: through gloo."),
     timeout: float = typer.Option(60.0, "--timeout", min=0.001, max=1e6, help="Seconds a rank may wait in a collective or show "
@@ -135,7 +129,7 @@ def generate_command(
             stop_tokens=() if no_stop else (tuple(stop_id) or None), num_samples=num_samples, decode=decode.value,
             method=None if method is None else method.value, prefill=prefill.value, placement=placement.value, block_size=block_size, capacity=capacity,
             speculate=None if speculate is Speculate.none else speculate.value, draft_tokens=draft_tokens,
-            draft_model=None if draft_model is None else str(draft_model), draft_cache=draft_cache.value,
+            draft_model=None if draft_model is None else str(draft_model),
             shared_memory=shared_memory,
         )
         if system is not None and not chat:
@@ -248,22 +242,19 @@ def _check_before_spawning(config, model_dir: Path, prompts: list[list[int]], wo
     weights = sum(p.numel() * p.element_size() for p in skeleton.parameters())
     kv = kv_cache_bytes_per_rank(config, model_config, len(prompts), longest, world, torch_dtype)
     here = int(os.environ.get("LOCAL_WORLD_SIZE", world)) if _under_torchrun() else world  # ranks on this machine
-    draft = rank0_draft = 0
-    if config.draft_model is not None:  # the draft model on every rank, its cache sharded like the model's; or whole on rank 0
+    draft = 0
+    if config.draft_model is not None:  # the draft model on every rank, its cache of the model's blocks
         draft_skeleton = check_checkpoint(config.draft_model, dtype=torch_dtype)
-        sharded = config.draft_cache == "sharded"
         draft = (model_bytes(draft_skeleton, torch_dtype)
-                 + kv_cache_bytes_per_rank(config, draft_skeleton.config, len(prompts), longest, world if sharded else 1, torch_dtype))
-        draft, rank0_draft = (draft, 0) if sharded else (0, draft)
+                 + kv_cache_bytes_per_rank(config, draft_skeleton.config, len(prompts), longest, world, torch_dtype))
     memory = device_memory_bytes("cpu")
-    total = here * (weights + kv + draft) + rank0_draft
+    total = here * (weights + kv + draft)
     if memory is not None and total > memory:
         option = ("--draft-model" if here * (weights + kv) <= memory else "--nproc" if here > 1 and weights + kv + draft <= memory
                   else "--capacity" if config.capacity is not None else "--max-new-tokens")
         drafted = f" + {format_bytes(draft)} of draft model and its cache" if draft else ""
-        on_rank0 = f" + {format_bytes(rank0_draft)} of draft model and its whole cache on rank 0" if rank0_draft else ""
         raise ValueError(f"{option}: {here} rank(s) x ({format_bytes(weights)} of weights + {format_bytes(kv)} of KV cache{drafted})"
-                         f"{on_rank0} = {format_bytes(total)}, more than this machine's {format_bytes(memory)} of memory")
+                         f" = {format_bytes(total)}, more than this machine's {format_bytes(memory)} of memory")
     if os.environ.get("RANK", "0") != "0":  # under torchrun, rank 0 warns for all
         return
     cores = os.cpu_count() or 1
@@ -444,8 +435,6 @@ def _summary_table(result: dict, total_s: float) -> Table:
         table.add_row("tokens per forward pass", f"{spec['tokens_per_forward']:.2f}" if steps else "-")
         if "draft_model" in spec:
             table.add_row("draft model", Path(spec["draft_model"]).name)
-            table.add_row("draft prefill (in time to first token)", f"{spec['draft_prefill_s']:.3f} s")
-        table.add_row("drafting (in decode)", f"{spec['draft_s']:.3f} s")
     table.add_row("KV cache per rank", ", ".join(_bytes(b) for b in result["kv_bytes_per_rank"]))
     table.add_row("KV cache per token", f"{_bytes(result['kv_bytes_per_token'])} (all layers)")
     table.add_row("comm per token (all ranks)", _bytes(result["comm_bytes_per_token"]) if steps else "-")

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 
 SPECULATE_KINDS = ("ngram", "draft")  # "draft": a draft model (treeattn.draft_model)
-DRAFT_CACHES = ("sharded", "rank0")  # where a draft model runs: on every rank, its cache sharded; on rank 0, whole
+
 MAX_DRAFT_TOKENS = 16
 
 

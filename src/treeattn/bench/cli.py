@@ -408,7 +408,7 @@ def profile_command(
     nproc: list[int] = typer.Option([1, 2, 4], "--nproc", "-p", help="World sizes (repeatable)."),
     context: int = typer.Option(8192, "--context", min=2, help="Synthetic prompt length in tokens."),
     new_tokens: int = typer.Option(16, "--new-tokens", min=4, help="Greedy tokens per method (the first --warmup steps are not counted)."),
-    method: list[str] = typer.Option(["allreduce", "onepass"], "--method", "-m", help="tree_decode methods, each decoded from the same prefill."),
+    method: list[str] = typer.Option(["allreduce", "onepass"], "--method", "-m", help="tree_decode methods, each a prefill and a decode."),
     transport: list[str] = typer.Option(["shm"], "--transport", "-t", help="How the ranks combine (repeatable): shm (shared "
                                         "memory, the default of generate and the engine) or gloo (the process group's sockets)."),
     warmup: int = typer.Option(2, "--warmup", min=0, help="Decode steps left out of the means."),
@@ -416,8 +416,7 @@ def profile_command(
     threads: int | None = typer.Option(None, "--threads", min=1, help="torch threads per rank (default cores / ranks, at least 1)."),
     json_out: Path | None = typer.Option(None, "--json", help="Also write every rank's figures to this JSON file."),
 ) -> None:
-    """Split one decode token's time on each rank: local attention, combine, rest of the model,
-    sampling, token broadcast, host overhead."""
+    """Split one decode token's time on each rank: local attention, combine, sampling, rest of the model."""
     import os
 
     from rich.console import Console

@@ -1,44 +1,34 @@
 """Where one decode token's time goes, on each rank: `treeattn bench profile MODEL --nproc 1,2,4`.
 
-A generation runs on `p` local gloo ranks (a synthetic prompt of `context` tokens, greedy decoding,
-no stop token), once per tree_decode method from the same prefilled cache, and every decode step
-is split, on every rank, into:
+A synthetic prompt of `context` tokens is prefilled and decoded greedily (no stop token) by a
+ta.Engine on `p` local gloo ranks (tree decoding), once per tree_decode method and transport, and
+every decode step is split, on every rank, from the engine's own measurements
+(Engine.rank_measurements, treeattn.engine.measure):
 
-    attention   this rank's local attention over its shard (ops.attention), all layers
-    combine     the cross-rank combine of the layer states (treeattn.parallel.combine_states:
-                communication and merge), all layers
-    model       the rest of the forward pass: embeddings, norms, projections, RoPE, MLPs, the
-                cache writes of the layers
-    sampling    rank 0: logits (the lm_head projection), the non-finite check, sampling and the
-                chosen tokens' log-probabilities; the other ranks do nothing here
-    broadcast   the broadcast of the new tokens from rank 0 (on the other ranks: waiting for
-                rank 0 to finish sampling)
-    host        everything else in the step: the attention call's input checks and glue, the
-                cache's slot bookkeeping, the generation loop
+    attention   this rank's local attention over its shard, all layers
+    combine     the cross-rank combine of the layer states (tree_decode's combine_states:
+                communication, waiting for the other ranks, merge), all layers
+    sampling    rank 0: logits (the lm_head projection), the non-finite check and sampling; the
+                other ranks do nothing here
+    model       the rest of the step: embeddings, norms, projections, RoPE, MLPs, the cache
+                writes, the step's index bookkeeping
 
-"step" is the wall time of the step as the generation measures it (GenerationResult.step_times_s);
-host = step - the five measured phases. The attention of a profiled step runs the two halves of
-tree_decode(check_inputs=False) -- decode_inputs, ops.attention, combine_states -- with a
-clock between them; everything else is the engine's own code. Each figure is the mean over the
-steps after `warmup`.
+"step" is the rank's wall time of the step (RankMeasurements.step_s); model = step - the three
+measured phases. The split is exact when the engine reads a shard run by run (long runs of
+blocks: engine.runner.COPY_FREE_MIN_KEYS keys a run on average, e.g. contexts of >= 1024 tokens a
+rank); on a gathered shard the back end's combine is inside "attention". What happens between
+steps (the driver's scheduling and the plan's broadcast) is not in the step. Each figure is the
+mean over the steps after `warmup`.
 """
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from treeattn.generate import Generation
-from treeattn.models.attention import LocalAttention, TreeAttention
-from treeattn.ops import attention
-from treeattn.parallel.inputs import decode_inputs
-from treeattn.parallel.packing import accumulation_dtype
-from treeattn.parallel.tree_decode import combine_states
-
-PHASES = ("attention", "combine", "model", "sampling", "broadcast", "host")
+PHASES = ("attention", "combine", "sampling", "model")
 
 # A random-weight stand-in with SmolLM2-135M's shapes (30 layers), for machines without its GGUF file.
 SMOLLM2_SHAPES = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
@@ -63,106 +53,6 @@ class ProfileSpec:
     repeats: int = 1
 
 
-class _Clock:
-    """Seconds per phase of the step being recorded; one dict per step."""
-
-    def __init__(self) -> None:
-        self.steps: list[dict[str, float]] = []
-        self.current: dict[str, float] | None = None
-
-    def start_step(self) -> None:
-        self.current = dict.fromkeys(PHASES, 0.0)
-        self.steps.append(self.current)
-
-    def add(self, phase: str, seconds: float) -> None:
-        if self.current is not None:
-            self.current[phase] += seconds
-
-
-class _TimedTreeAttention(TreeAttention):
-    """TreeAttention whose tree_decode(check_inputs=False) runs in its two timed halves."""
-
-    def __init__(self, method: str, group, clock: _Clock) -> None:
-        super().__init__(method, group)
-        self.clock = clock
-
-    def _combine(self, q, k, v, q_pos, kv_pos):
-        inputs = decode_inputs(q, k, v, None, q_pos, kv_pos, None, check=False)
-        start = time.perf_counter()
-        out, lse = attention(q, k, v, scale=inputs.scale, causal=inputs.masked, q_pos=inputs.q_pos, kv_pos=inputs.kv_pos)
-        acc = accumulation_dtype(q.dtype)
-        out, lse = out.to(acc), lse.to(acc)
-        local_done = time.perf_counter()
-        out, lse = combine_states(out, lse, group=self.group, method=self.method)
-        self.clock.add("attention", local_done - start)
-        self.clock.add("combine", time.perf_counter() - local_done)
-        return out.to(q.dtype)
-
-
-class _TimedLocalAttention(LocalAttention):
-    def __init__(self, clock: _Clock) -> None:
-        self.clock = clock
-
-    def __call__(self, q, k, v, *, q_pos, kv_pos, window):
-        start = time.perf_counter()
-        out = super().__call__(q, k, v, q_pos=q_pos, kv_pos=kv_pos, window=window)
-        self.clock.add("attention", time.perf_counter() - start)
-        return out
-
-
-class ProfiledGeneration(Generation):
-    """A Generation that records, per decode step, the seconds of each phase (see the module doc)."""
-
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.clock = _Clock()
-        if self.world_size == 1:
-            self.runner.attend = _TimedLocalAttention(self.clock)
-        else:
-            self.runner.attend = _TimedTreeAttention(self.method, self.comm_group, self.clock)
-
-    def _decode_step(self, tokens, positions):
-        self.clock.start_step()
-        slots = self.cache.extend(positions[:, None])
-        store = self.cache.update(slots, slots.owned)
-        attend = self.runner.attend
-        before = dict(self.clock.current)
-        start = time.perf_counter()
-        hidden = self.model(tokens[:, None], positions[:, None], store, attend)
-        forward = time.perf_counter() - start
-        inside = sum(self.clock.current[p] - before[p] for p in ("attention", "combine"))
-        self.clock.add("model", forward - inside)
-        return hidden[:, -1]
-
-    def _next_tokens(self, hidden, generator, **kwargs):
-        result = super()._next_tokens(hidden, generator, **kwargs)
-        self.clock.current = None  # the step ends here; later broadcasts (the log-probabilities) are not in it
-        return result
-
-    def _sample(self, hidden, generator):
-        start = time.perf_counter()
-        result = super()._sample(hidden, generator)
-        self.clock.add("sampling", time.perf_counter() - start)
-        return result
-
-    def _broadcast(self, tensor, src):
-        start = time.perf_counter()
-        result = super()._broadcast(tensor, src)
-        self.clock.add("broadcast", time.perf_counter() - start)
-        return result
-
-    def phase_means(self, warmup: int) -> dict[str, float]:
-        """Mean seconds per decode step of each phase and of the whole step ("step"), over the
-        decode steps after the first `warmup`."""
-        steps = self.result.step_times_s
-        records = self.clock.steps[len(self.clock.steps) - len(steps):]  # a reused cache's prefill records a step too
-        kept = list(zip(records, steps))[warmup:] or list(zip(records, steps))
-        means = {phase: sum(r[phase] for r, _ in kept) / len(kept) for phase in PHASES if phase != "host"}
-        means["step"] = sum(s for _, s in kept) / len(kept)
-        means["host"] = max(0.0, means["step"] - sum(means[p] for p in PHASES if p != "host"))
-        return means
-
-
 def build_model(name: str, seed: int):
     """The model of a ProfileSpec (the same weights on every rank)."""
     from treeattn.demo import DEMO_CONFIG
@@ -182,43 +72,63 @@ def variant_name(method: str, transport: str) -> str:
     return f"{method} ({transport})"
 
 
-def profile_rank(rank: int, world_size: int, spec: ProfileSpec) -> dict:
-    """One rank: prefill once, then decode with each method and transport from that cache. Returns, per variant_name,
-    this rank's phase means, the generated ids and the decode rounds (comm_stats)."""
+def profile_rank(rank: int, world_size: int, spec: ProfileSpec) -> list[dict] | None:
+    """One rank: an engine per method and transport (a prefill and the decode each). Returns on rank
+    0, for every rank, per variant_name, its phase means, the generated ids and the decode rounds
+    (comm_stats); None on the other ranks."""
     from treeattn.demo import synthetic_prompt
+    from treeattn.engine.engine import Engine
 
     torch.set_num_threads(spec.threads)
     model = build_model(spec.model, spec.seed)
     prompt = synthetic_prompt(spec.context, model.config.vocab_size, spec.seed)
     group = dist.group.WORLD if world_size > 1 else None
     variants = [(method, transport) for method in spec.methods for transport in spec.transports]
-    cache, runs = None, {variant_name(*v): [] for v in variants}
+    runs: dict[str, list] = {variant_name(*v): [] for v in variants}
+    positions = spec.context + spec.new_tokens
     for _ in range(spec.repeats):
         for method, transport in variants:
-            run = ProfiledGeneration(model, [prompt], max_new_tokens=spec.new_tokens, stop_tokens=(), method=method,
-                                     shared_memory=transport == "shm", cache=cache, group=group)
-            for _ in run:
-                pass
-            cache = run.cache
-            runs[variant_name(method, transport)].append(run)
-    report = {}
-    for method, done in runs.items():
-        means = [run.phase_means(spec.warmup) for run in done]
-        result = done[0].result
-        report[method] = {"phases": {k: sum(m[k] for m in means) / len(means) for k in means[0]},
-                          "generated_ids": result.generated_ids[0],
-                          "same_ids_every_run": all(run.result.generated_ids == result.generated_ids for run in done),
-                          "rounds_per_step": result.comm.get("rounds", 0) / max(1, result.decode_steps),
-                          "runs": len(done)}
+            with Engine(model, group=group, decode="tree" if world_size > 1 else "local", method=method,
+                        shared_memory=transport == "shm", max_batch_size=1, prefix_cache=False, block_size=256,
+                        cache_tokens=positions + 256 * world_size, max_context=positions, timeout_s=600.0) as engine:
+                if engine.is_driver:
+                    result, = engine.generate([prompt], max_new_tokens=spec.new_tokens, ignore_eos=True)
+                    runs[variant_name(method, transport)].append((result.token_ids, engine.rank_measurements()))
     if world_size > 1:
         dist.barrier()
+    if rank != 0:
+        return None
+    return [_rank_report(runs, r, spec.warmup) for r in range(world_size)]
+
+
+def _rank_report(runs: dict[str, list], rank: int, warmup: int) -> dict:
+    """One rank's figures per variant from every run's (token ids, RankMeasurements of every rank)."""
+    report = {}
+    for name, done in runs.items():
+        means = [_phase_means(measured[rank], warmup) for _, measured in done]
+        ids, measured = done[0]
+        comm = measured[rank].comm["decode"]
+        report[name] = {"phases": {k: sum(m[k] for m in means) / len(means) for k in means[0]},
+                        "generated_ids": ids, "same_ids_every_run": all(other == ids for other, _ in done),
+                        "rounds_per_step": comm["rounds"] / max(1, measured[rank].steps["decode"]), "runs": len(done)}
     return report
+
+
+def _phase_means(measured, warmup: int) -> dict[str, float]:
+    """Mean seconds per decode step of each phase and of the whole step ("step"), over the decode
+    steps after the first `warmup`."""
+    steps = list(zip(measured.step_phases["decode"], measured.step_s["decode"]))
+    kept = steps[warmup:] or steps
+    means = {phase: sum(p.get(phase, 0.0) for p, _ in kept) / len(kept) for phase in PHASES if phase != "model"}
+    means["step"] = sum(s for _, s in kept) / len(kept)
+    means["model"] = max(0.0, means["step"] - sum(means[p] for p in PHASES if p != "model"))
+    return means
 
 
 def run_profile(spec: ProfileSpec, nproc: int) -> list[dict]:
     """profile_rank on `nproc` local ranks (in this process for 1). Returns every rank's report."""
     if nproc == 1:
-        return [profile_rank(0, 1, spec)]
+        return profile_rank(0, 1, spec)
     from treeattn.parallel import spawn
 
-    return spawn(profile_rank, nproc, spec, timeout=3600)
+    return spawn(profile_rank, nproc, spec, timeout=3600)[0]

@@ -24,11 +24,11 @@ import torch
 
 from treeattn.cache.placement import PLACEMENTS, make_placement
 from treeattn.cache.sharded import kv_bytes_per_token
+from treeattn.engine.ring_prefill import PREFILL_KINDS
 from treeattn.models.attention import DECODE_KINDS
 from treeattn.parallel.tree_decode import METHODS
-from treeattn.speculate import DRAFT_CACHES, MAX_DRAFT_TOKENS, SPECULATE_KINDS
+from treeattn.speculate import MAX_DRAFT_TOKENS, SPECULATE_KINDS
 
-PREFILL_KINDS = ("auto", "ring", "local")
 DEFAULT_METHOD = "onepass"
 """tree_decode's combine when none is named: the fastest exact one measured on this repository's
 machine (docs/benchmarks.md, "One round per layer"). The static and CUDA-graph steps, which may not
@@ -103,26 +103,28 @@ class GenerationConfig:
     Attributes:
         max_new_tokens: new tokens per sequence, >= 1.
         temperature, top_k, top_p: sampling (SamplingParams); temperature 0 is greedy.
-        seed: seed of rank 0's sampling generator, >= 0.
+        seed: sampling seed, >= 0: sequence i draws from a generator seeded with seed + i.
         stop_tokens: token ids that end a sequence (a tuple); None: the model's eos ids.
-        num_samples: n >= 1 completions of one prompt (n > 1: bifurcated decoding).
+        num_samples: n >= 1 completions of one prompt (n > 1: the prompt prefilled once, the
+            samples decoding over its shared blocks).
         decode: "tree", "ring" or "local". method: tree_decode's "allreduce", "tree", "twolevel" or
             "onepass"; None (the default): DEFAULT_METHOD, or "allreduce" for static_decode and
             cuda_graph (onepass reads one flag on the host per layer). Set after validation.
-        prefill: "auto", "ring" or "local". placement: "contiguous" or "interleaved".
+        prefill: the engine's prefill of prompt steps on several ranks, "auto", "ring" or "split"
+            (EngineConfig.prefill). placement: "contiguous" or "interleaved".
         block_size: cache block size in tokens. capacity: cache slots per sequence (None: the
-            longest prompt + max_new_tokens). chunk: tokens per chunk of the local prefill.
-        static_decode, cuda_graph: the fixed-shape decode step, eager or in a CUDA graph.
+            longest prompt + max_new_tokens). chunk: prompt tokens per engine step at most.
+        static_decode, cuda_graph: the engine's fixed-shape decode steps, eager or in CUDA graphs
+            (EngineConfig.decode_step "static" / "graph").
         speculate: None, "ngram" (prompt-lookup drafts, treeattn.speculate) or "draft" (a draft model's,
             treeattn.draft_model): speculative decoding, verified by one forward pass of the model per
-            step. One prompt, num_samples 1, dynamic steps.
+            step. One prompt, num_samples 1, dynamic steps. The engine's (EngineConfig.speculate).
         draft_tokens: the most tokens drafted per step, in [1, MAX_DRAFT_TOKENS].
         draft_model: with speculate="draft" (and only then): the draft model's checkpoint path (an HF
             directory or a .gguf file; a str, what travels to the ranks), or a loaded model (in one
             process). Its tokenizer and context window are checked against the model's where the
-            model is known (check_draft_model).
-        draft_cache: where the draft model runs: "sharded" (every rank, its cache sharded like the
-            model's) or "rank0" (rank 0 alone, its cache whole); see treeattn.draft_model.
+            model is known (check_draft_model). It runs on every rank over its own cache of the
+            model's blocks (treeattn.engine.draft).
         shared_memory: combine across the ranks through shared memory when they all run on this
             host and the model is on the CPU (treeattn.parallel.shared_memory); else, or with
             False, through the process group's back end (gloo, NCCL).
@@ -147,7 +149,6 @@ class GenerationConfig:
     speculate: str | None = None
     draft_tokens: int = 4
     draft_model: str | torch.nn.Module | None = None
-    draft_cache: str = "sharded"
     shared_memory: bool = True
 
     def __post_init__(self) -> None:
@@ -168,14 +169,7 @@ class GenerationConfig:
         for name in ("static_decode", "cuda_graph", "shared_memory"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigTypeError(name, f"{name} must be a bool, got {type(getattr(self, name)).__name__}")
-        if self.num_samples > 1 and self.decode == "ring":
-            raise ConfigError("num_samples", f"num_samples={self.num_samples} decodes with bifurcated attention, whose context "
-                              "part is a tree reduction: use decode='tree' (or decode='local' on one process), not decode='ring'")
         self._check_speculation()
-        if self.num_samples > 1 and (self.static_decode or self.cuda_graph):
-            option = "cuda_graph" if self.cuda_graph else "static_decode"
-            raise ConfigError(option, f"{option}=True decodes one sequence per prompt; num_samples={self.num_samples} "
-                              "(bifurcated decoding) has no static step")
 
     def _check_speculation(self) -> None:
         _check_int("draft_tokens", self.draft_tokens, 1)
@@ -184,16 +178,11 @@ class GenerationConfig:
         if self.speculate is not None and self.speculate not in SPECULATE_KINDS:
             raise ConfigError("speculate", f"speculate must be None or one of {SPECULATE_KINDS}, got {self.speculate!r}")
         object.__setattr__(self, "draft_model", check_draft_model_option(self.speculate, self.draft_model))
-        if self.draft_cache not in DRAFT_CACHES:
-            raise ConfigError("draft_cache", f"draft_cache must be one of {DRAFT_CACHES}, got {self.draft_cache!r}")
-        if self.draft_cache != "sharded" and self.speculate != "draft":
-            got = "no speculation" if self.speculate is None else f"speculate={self.speculate!r}"
-            raise ConfigError("draft_cache", f"draft_cache={self.draft_cache!r} places the draft model of speculate='draft', got {got}")
         if self.speculate is None:
             return
         if self.num_samples > 1:
             raise ConfigError("speculate", f"speculate={self.speculate!r} decodes one sequence; num_samples={self.num_samples} "
-                              "(bifurcated decoding) has no speculative step")
+                              "asks for several")
         if self.static_decode or self.cuda_graph:
             option = "cuda_graph" if self.cuda_graph else "static_decode"
             raise ConfigError("speculate", f"speculate={self.speculate!r} verifies a varying number of tokens per step; "
@@ -211,6 +200,12 @@ class GenerationConfig:
     def cache_capacity(self, longest_prompt: int) -> int:
         """Cache slots per sequence: `capacity`, or the longest prompt + max_new_tokens."""
         return self.capacity if self.capacity is not None else longest_prompt + self.max_new_tokens
+
+    def blocks_per_rank(self, longest_prompt: int, batch: int, world_size: int) -> int:
+        """Cache blocks on each rank for `batch` prompts (times num_samples sequences) of
+        cache_capacity slots each: every sequence's blocks dealt over the ranks."""
+        span = -(-self.cache_capacity(longest_prompt) // (self.block_size * world_size))
+        return batch * self.num_samples * span
 
     def as_dict(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -265,6 +260,9 @@ def check_against_model(config: GenerationConfig, model_config, prompts: list[li
         outside = [t for t in config.stop_tokens if t >= model_config.vocab_size]
         if outside:
             raise ConfigError("stop_tokens", f"stop_tokens: token id {outside[0]} is outside the vocabulary [0, {model_config.vocab_size})")
+    if config.cuda_graph and torch.device(device).type != "cuda":
+        raise ConfigError("cuda_graph", f"cuda_graph=True needs the model on a CUDA device, got {torch.device(device)} "
+                          "(static_decode=True runs the same steps without graphs)")
     if config.decode == "local" and world_size > 1:
         raise ConfigError("decode", f"decode='local' runs on one rank, but the group has {world_size}; use decode='tree' or decode='ring'")
     longest = max(len(p) for p in prompts)
@@ -275,7 +273,6 @@ def check_against_model(config: GenerationConfig, model_config, prompts: list[li
     if needed > capacity:
         raise ConfigError("capacity", f"prompt of {longest} tokens + max_new_tokens={config.max_new_tokens} needs {needed} cache slots, "
                           f"more than capacity={capacity}")
-    resolve_prefill(config.prefill, world_size, longest, model_config.layer_windows)
     reserved = kv_cache_bytes_per_rank(config, model_config, len(prompts), longest, world_size, dtype)
     available = device_memory_bytes(device)
     if available is not None and reserved > available:
@@ -290,28 +287,12 @@ def check_against_model(config: GenerationConfig, model_config, prompts: list[li
     return warnings
 
 
-def resolve_prefill(prefill: str, world_size: int, longest: int, windows: Sequence[int | None]) -> str:
-    """The prefill that runs: "ring" or "local" ("auto": ring on several ranks unless a sliding
-    window shorter than the prompt bites, since ring_attention has no window)."""
-    bites = [w for w in windows if w is not None and w < longest]
-    if prefill == "ring" and bites and world_size > 1:
-        raise ConfigError("prefill", f"prefill='ring' cannot apply the model's sliding window ({min(bites)}) to a {longest}-token "
-                          "prompt (ring_attention masks by causality only); use prefill='local' or prefill='auto'")
-    if prefill != "auto":
-        return prefill
-    return "ring" if world_size > 1 and not bites else "local"
-
-
 def kv_cache_bytes_per_rank(config: GenerationConfig, model_config, batch: int, longest: int, world_size: int,
                             dtype: torch.dtype) -> int:
-    """Bytes the ShardedKVCache reserves on its largest rank: keys, values and positions of every
-    slot of its blocks (plus the samples' unsharded cache when num_samples > 1)."""
-    capacity = config.cache_capacity(longest)
-    placement = make_placement(config.placement, capacity, world_size, config.block_size)
-    slots = -(-placement.local_capacity(0) // config.block_size) * config.block_size
-    per_slot = kv_bytes_per_token(model_config, dtype) + 8
-    samples = config.max_new_tokens * config.num_samples if config.num_samples > 1 else 0
-    return (slots * batch + samples) * per_slot
+    """Bytes the engine's KV cache arena of this generation takes on every rank: keys and values of
+    every slot of its blocks (GenerationConfig.blocks_per_rank, and the pad block)."""
+    blocks = config.blocks_per_rank(longest, batch, world_size) + 1
+    return blocks * config.block_size * kv_bytes_per_token(model_config, dtype)
 
 
 def _largest_cache_term(config: GenerationConfig, batch: int, capacity: int) -> str:

@@ -132,8 +132,9 @@ class EngineConfig:
             only). Static steps need a method that does not read the host: method=None gives
             "allreduce", "onepass" is refused. Steps with prompt chunks or drafts stay dynamic.
         max_context: the most positions (prompt + new tokens) one request may take; None: the
-            whole cache. Never more than the model's max_position_embeddings (engine.max_context
-            is the resolved value). A request that needs more fails alone, naming the limit.
+            whole cache, but no more than the model's max_position_embeddings (engine.max_context
+            is the resolved value; a larger value given here runs positions beyond the model's
+            window, with a warning). A request that needs more fails alone, naming the limit.
     """
 
     nproc: int = 1
@@ -204,14 +205,17 @@ class EngineConfig:
         return max(1, -(-tokens // (self.block_size * self.nproc)))
 
     def max_context_tokens(self, max_position_embeddings: int) -> int:
-        """Engine.max_context: the most positions one request may take: max_context, or the whole
-        cache; never more than the model's window. Raises ConfigError when max_context is more
-        than the cache holds."""
+        """Engine.max_context: the most positions one request may take: max_context as given (the
+        caller's choice, even beyond the model's window: the engine warns), or the whole cache but
+        no more than the model's window. Raises ConfigError when max_context is more than the cache
+        holds."""
         cache = self.nproc * self.blocks_per_rank(max_position_embeddings) * self.block_size
-        if self.max_context is not None and self.max_context > cache:
+        if self.max_context is None:
+            return min(cache, max_position_embeddings)
+        if self.max_context > cache:
             raise ConfigError("max_context", f"max_context={self.max_context} is more than the KV cache holds ({cache} tokens "
                               f"over {self.nproc} rank(s)); raise cache_tokens or lower max_context")
-        return min(self.max_context or cache, max_position_embeddings)
+        return self.max_context
 
     def span_blocks(self, max_position_embeddings: int) -> int:
         """Blocks of one sequence on each rank under contiguous placement: the p-th part of max_context."""
@@ -361,6 +365,9 @@ class Engine:
                                    draft_cache=self.config.speculate == "draft",
                                    idle_prefill_chunk=idle_prefill_chunk(self.config.prefill, self.config.nproc, files.config.layer_windows))
         self.max_context = self.config.max_context_tokens(info.max_position_embeddings)
+        if self.max_context > info.max_position_embeddings:
+            logger.warning("max_context=%d exceeds the model's max_position_embeddings=%d: positions beyond it run "
+                           "(the model was not trained there)", self.max_context, info.max_position_embeddings)
         self.healthy = True
         self._update_stats()
         self._driver = threading.Thread(target=self._drive, name="treeattn-engine-driver", daemon=True)

@@ -35,6 +35,10 @@ class RankMeasurements:
         rank: the rank in the engine's group.
         steps: kind -> steps run.
         step_s: kind -> wall seconds of each step on this rank (rank 0's include sampling).
+        step_phases: kind -> per step, seconds of its parts: "attention" (local attention, all
+            layers), "combine" (the cross-rank combine of run-by-run reads), "sampling" (rank 0:
+            logits and sampling); a part a step did not run is absent (the rest of the step is
+            the model's other work and the step's bookkeeping).
         comm: kind -> CommStats.as_dict() of what this rank sent and received in those steps.
         start_rss_bytes: kind -> resident bytes when the first step of that kind began.
         peak_rss_bytes: kind -> the resident high-water mark over the steps of that kind (Linux:
@@ -48,6 +52,7 @@ class RankMeasurements:
     rank: int
     steps: dict[str, int] = field(default_factory=dict)
     step_s: dict[str, list[float]] = field(default_factory=dict)
+    step_phases: dict[str, list[dict[str, float]]] = field(default_factory=dict)
     comm: dict[str, dict] = field(default_factory=dict)
     start_rss_bytes: dict[str, int] = field(default_factory=dict)
     peak_rss_bytes: dict[str, int] = field(default_factory=dict)
@@ -61,7 +66,7 @@ class RankMeasurements:
 
 class RankMeter:
     """A rank's running counters (see the module docstring): call begin(kind) before a step and
-    end(kind, comm, seconds) after it."""
+    end(kind, comm, seconds, phases) after it."""
 
     def __init__(self, rank: int) -> None:
         self.rank = rank
@@ -70,6 +75,7 @@ class RankMeter:
     def reset(self) -> None:
         self.steps = dict.fromkeys(STEP_KINDS, 0)
         self.step_s: dict[str, list[float]] = {kind: [] for kind in STEP_KINDS}
+        self.step_phases: dict[str, list[dict[str, float]]] = {kind: [] for kind in STEP_KINDS}
         self.comm = {kind: CommStats() for kind in STEP_KINDS}
         self.start_rss: dict[str, int] = {}
         self.peak_rss: dict[str, int] = {}
@@ -83,9 +89,10 @@ class RankMeter:
         self._kind = kind
         self.start_rss.setdefault(kind, current_rss())
 
-    def end(self, kind: str, comm: CommStats, seconds: float) -> None:
+    def end(self, kind: str, comm: CommStats, seconds: float, phases: dict[str, float] | None = None) -> None:
         self.steps[kind] += 1
         self.step_s[kind].append(seconds)
+        self.step_phases[kind].append(dict(phases or {}))
         self.comm[kind].add(comm)
 
     def _fold(self) -> None:
@@ -95,6 +102,7 @@ class RankMeter:
     def read(self, kv_bytes: int) -> RankMeasurements:
         self._fold()
         return RankMeasurements(rank=self.rank, steps=dict(self.steps), step_s={k: list(v) for k, v in self.step_s.items()},
+                                step_phases={k: list(v) for k, v in self.step_phases.items()},
                                 comm={kind: stats.as_dict() for kind, stats in self.comm.items()},
                                 start_rss_bytes=dict(self.start_rss), peak_rss_bytes=dict(self.peak_rss),
                                 kv_bytes=kv_bytes, rss_bytes=current_rss())

@@ -4,9 +4,9 @@ A token-parallel step (treeattn.engine.token_parallel) cuts the step's flat row 
 contiguous slices, but then every rank attends ALL T queries to its own shard and the states are
 combined: attention stays where the keys are. With contiguous placement a single prompt's keys sit
 on one rank after the other, so rank 0 does most of a prompt's attention while the others wait in
-the combines (docs/benchmarks.md, "Token-parallel prefill in the engine"). ta.generate's ring
-prefill (treeattn.sharded_runner) runs each rank's own tokens with ring_attention, and has the same
-causal imbalance: the rank holding the last span attends to every key.
+the combines (docs/benchmarks.md, "Token-parallel prefill in the engine"). ta.generate's former ring
+prefill (each rank ran its own tokens with ring_attention) had the same causal imbalance: the rank
+holding the last span attends to every key.
 
 A ring prefill step balances both the model's work and the attention's. Every chunk of the step
 (one sequence's prompt tokens at positions start .. start + n - 1) is cut into 2p near-equal

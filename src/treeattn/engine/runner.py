@@ -126,11 +126,16 @@ class PagedBatch:
         rank: this rank in the group.
         cache: this rank's PagedKVCache.
         attend: the rank's attention back end (models.attention.attention_backend).
+        combine: (group, method, ranks_per_node) of a run-by-run read's combine, or None.
+        phases: a dict the step's seconds of attention go to: "attention" (this rank's local
+            attention; with the back end's own combine on a gathered group) and "combine" (the
+            cross-rank combine of a run-by-run read), added up over the layers.
     """
 
-    def __init__(self, plan: StepPlan, rank: int, cache: PagedKVCache, attend, combine=None) -> None:
+    def __init__(self, plan: StepPlan, rank: int, cache: PagedKVCache, attend, combine=None, phases: dict | None = None) -> None:
         device, bs = cache.device, cache.block_size
         self.cache, self.backend, self.combine = cache, attend, combine
+        self.phases = {} if phases is None else phases
         tokens, positions, offsets, rows, slots, fresh = [], [], [], [], [], []
         for c in plan.chunks:
             offsets.append(len(tokens))
@@ -178,6 +183,7 @@ class PagedBatch:
     def attend(self, q: torch.Tensor, k, v, *, q_pos, kv_pos, window) -> torch.Tensor:
         """q (1, T, Hq, D) -> out (1, T, Hq, D): one back-end call (or one run-by-run read and one
         combine) per group of sequences."""
+        start, combined = time.perf_counter(), self.phases.get("combine", 0.0)
         flat = q[0]
         out = flat.new_zeros(*flat.shape[:-1], self.cache.value_dim or flat.shape[-1])  # (T, Hq, Dv)
         for g, k_g, v_g, pos_g in zip(self.groups, k, v, kv_pos):
@@ -188,6 +194,8 @@ class PagedBatch:
             else:
                 o = self.backend(flat[g.q_index], k_g, v_g, q_pos=g.q_pos, kv_pos=pos_g, window=window)
             out[g.q_index[g.valid]] = o[g.valid]
+        local = time.perf_counter() - start - (self.phases.get("combine", 0.0) - combined)
+        self.phases["attention"] = self.phases.get("attention", 0.0) + local
         return out[None]
 
     def _attend_shared(self, g: _Group, flat: torch.Tensor, k_g, v_g, pos_g) -> torch.Tensor:
@@ -233,7 +241,9 @@ class PagedBatch:
         if group_world_size(group) > 1:
             from treeattn.parallel.tree_decode import combine_states
 
+            start = time.perf_counter()
             out, lse = combine_states(out, lse, group=group, method=method, ranks_per_node=ranks_per_node)
+            self.phases["combine"] = self.phases.get("combine", 0.0) + time.perf_counter() - start
         return out
 
 
@@ -333,10 +343,11 @@ class RankRunner:
             return self._step(plan)
         kind = "decode" if all(c.decoding for c in plan.chunks) else "prefill"
         self.meter.begin(kind)
+        self._phases: dict[str, float] = {}
         start = time.perf_counter()
         with comm_stats() as comm:
             outcome = self._step(plan)
-        self.meter.end(kind, comm, time.perf_counter() - start)
+        self.meter.end(kind, comm, time.perf_counter() - start, self._phases)
         return outcome
 
     def measurements(self, reset: bool = False) -> RankMeasurements:
@@ -362,7 +373,7 @@ class RankRunner:
         sampling = [(i, c) for i, c in enumerate(plan.chunks) if c.sample is not None]
         if self.static_step is not None and self.static_step.takes(plan):  # one row per chunk
             return self._outcome(sampling, self.static_step(plan)[[i for i, _ in sampling]])
-        batch = PagedBatch(plan, self.rank, self.cache, self.attend, self.combine)
+        batch = PagedBatch(plan, self.rank, self.cache, self.attend, self.combine, self._phases)
         ends = [batch.offsets[i] + len(c.tokens) for i, c in sampling]  # rows: the last known token, then the drafts
         rows = [row for (_, c), end in zip(sampling, ends) for row in range(end - c.num_draft - 1, end)]
         split = token_parallel.splits(batch.tokens.shape[1], self.world_size)
@@ -380,6 +391,7 @@ class RankRunner:
         shared_keys: the step's StepOutcome.shared_prefix_keys."""
         if self.rank != 0 or not sampling:
             return StepOutcome()
+        start = time.perf_counter()
         logits = self.model.logits(hidden)
         out, first = StepOutcome(shared_prefix_keys=shared_keys), 0
         for _, c in sampling:
@@ -388,6 +400,7 @@ class RankRunner:
             if tokens is not None and c.sample.logprobs is not None:
                 out.logprobs[c.seq_id] = token_logprobs(chunk_logits, tokens, c.sample.logprobs)
             first += c.num_draft + 1
+        self._phases["sampling"] = time.perf_counter() - start
         return out
 
     def _sample(self, chunk: Chunk, logits: torch.Tensor) -> list[int] | None:
@@ -405,7 +418,7 @@ class RankRunner:
         without, whatever the batch, the prefix cache or the drafts (greedy: the argmax, always).
         """
         from treeattn.engine.config import SamplingParams
-        from treeattn.generate import sample
+        from treeattn.engine.sampling import sample
 
         spec = chunk.sample
         generator = self._generators.get(chunk.seq_id)

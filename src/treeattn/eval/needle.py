@@ -6,8 +6,8 @@
 
 Each cell is one prompt (treeattn.eval.haystack): a filler document of `length` tokens with a
 number hidden at `depth`, and the question through the model's chat template. On p ranks the
-prompt is prefilled once and decoded greedily with the chosen method, then with every other
-method from the same cache; the cell's reply is the chosen method's, scored by exact retrieval
+prompt is prefilled and decoded greedily with the chosen method, then with every other method
+(ta.generate each time); the cell's reply is the chosen method's, scored by exact retrieval
 (the number appears in the reply), and the cell records whether all methods produced identical
 tokens. Attention is exact, so they must: the eval reports any cell where they do not.
 """

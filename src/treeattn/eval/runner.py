@@ -1,13 +1,13 @@
-"""Decode prompts with several methods from one prefill each, on p local ranks: the engine of
-`treeattn demo` (real weights) and `treeattn eval needle`.
+"""Decode prompts with several methods each, on p local ranks: the engine of `treeattn demo`
+(real weights) and `treeattn eval needle`.
 
     runs = decode_methods("model.gguf", [ids_a, ids_b], nproc=4, methods=(("tree", "allreduce"), ("ring", "allreduce")))
     runs[0][1].result.generated_ids      # prompt 0, second method
 
-On p > 1 ranks every rank loads the model once, then for each prompt: prefill once into the
-sequence-sharded cache (ring prefill), decode greedily with the first method, and again with each
-further method from that same cache (generate(cache=...) cuts it back to the prompt). On one
-process the prompt is prefilled and decoded locally ("local"; tree and ring need ranks).
+On p > 1 ranks every rank loads the model once, then for each prompt and method runs ta.generate
+(the engine inside the group: its ring prefill into the sequence-sharded cache, then greedy
+decoding with that method). On one process the prompt is prefilled and decoded locally ("local";
+tree and ring need ranks).
 Results come from rank 0; every rank returns the same tokens by construction (rank 0 samples and
 broadcasts).
 """
@@ -24,7 +24,7 @@ import torch
 # _MALLOC_ENV: glibc mmaps (and gives back) large allocations, so the RSS peaks mean something.
 from treeattn.engine.config import DEFAULT_METHOD
 from treeattn.demo import _MALLOC_ENV, MethodRun  # noqa: F401 -- one MethodRun for both demos
-from treeattn.generate import stream
+from treeattn.generate import generate
 
 SPAWN_TIMEOUT_S = 1800.0  # a collective may wait this long for a slow peer's prefill
 
@@ -54,7 +54,7 @@ def decode_methods(
     placement: str = "contiguous",
     on_prompt: Callable[[int], None] | None = None,
 ) -> tuple[list[list[MethodRun]], Timing]:
-    """Greedy-decode each prompt with each method on `nproc` local ranks (gloo), one prefill per prompt.
+    """Greedy-decode each prompt with each method on `nproc` local ranks (gloo).
 
     Args:
         model_path: HF directory or .gguf file, loaded once on every rank.
@@ -98,7 +98,7 @@ def decode_methods(
 
 def _decode_rank(rank, world_size, model_path, prompts, methods, max_new_tokens, stop_tokens, threads, dtype, placement,
                  on_prompt=None):
-    """One rank: load once, then per prompt one prefill and a decode per method from that cache."""
+    """One rank: load once, then per prompt and method one ta.generate (a prefill and the decode)."""
     from treeattn.models.loader import load_model
 
     torch.set_num_threads(threads)
@@ -107,16 +107,12 @@ def _decode_rank(rank, world_size, model_path, prompts, methods, max_new_tokens,
     load_s = time.perf_counter() - start
     rows = []
     for index, prompt in enumerate(prompts):
-        cache, row = None, []
+        row = []
         for decode, method in methods:
-            run = stream(model, prompt, max_new_tokens=max_new_tokens, decode=decode, method=method,
-                         stop_tokens=stop_tokens, placement=placement, cache=cache)
-            for _ in run:
-                pass
-            cache = run.cache
-            row.append((decode, method, run.result))
+            result = generate(model, prompt, max_new_tokens=max_new_tokens, decode=decode, method=method,
+                              stop_tokens=stop_tokens, placement=placement)
+            row.append((decode, method, result))
         rows.append(row)
-        del cache
         if on_prompt is not None:
             on_prompt(index)
     if world_size > 1:
