@@ -340,7 +340,7 @@ class Generation:
             yield from steps
         self.result = payload
 
-    def _engine_config(self):
+    def _engine_config(self) -> "EngineConfig":  # noqa: F821 -- imported inside
         """The EngineConfig of this batch: every sequence runs at once, over a cache of exactly
         `capacity` slots per sequence (rounded up to blocks on every rank)."""
         from treeattn.engine.engine import EngineConfig
