@@ -31,7 +31,7 @@ def checkpoint(tmp_path_factory):
 def test_rank_measurements_count_each_steps_bytes(checkpoint, nproc):
     config = ta.load_model(str(checkpoint)).config
     with ta.Engine(str(checkpoint), nproc=nproc, method="allreduce", block_size=4, cache_tokens=64,
-                   prefill_chunk=8, threads_per_rank=1) as engine:
+                   prefill_chunk=8, prefill="split", threads_per_rank=1) as engine:  # split: chunks of 8 (ring steps take more)
         engine.generate(PROMPT, max_new_tokens=2, ignore_eos=True)  # warm-up: counted before the reset only
         before = engine.rank_measurements(reset=True)
         assert all(m.steps["prefill"] >= 1 for m in before)
