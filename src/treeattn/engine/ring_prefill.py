@@ -51,7 +51,7 @@ from collections.abc import Sequence
 import torch
 
 from treeattn.cache.blocks import tokens_to_blocks
-from treeattn.engine.token_parallel import gather_slices
+from treeattn.engine.token_parallel import gather_rows, gather_slices
 from treeattn.ops import attention, merge_states
 
 PREFILL_KINDS = ("auto", "ring", "split")
@@ -226,12 +226,5 @@ class RingPrefillStep:
         (indices into the step's T tokens, any order), (len(rows), hidden_size) in the model dtype,
         on every rank."""
         hidden = model(self.tokens, self.positions, self.kv_store, self.attend)[0]  # (T_r, hidden)
-        out = hidden.new_empty(len(rows), hidden.shape[-1])
-        if not rows:
-            return out
         where = {row: (r, i) for r, rank_rows in enumerate(self.every_rank_rows) for i, row in enumerate(rank_rows)}
-        owned = [[i for i, row in enumerate(rows) if where[row][0] == r] for r in range(len(self.lengths))]
-        local = hidden[torch.tensor([where[rows[i]][1] for i in owned[self.rank]], dtype=torch.int64, device=hidden.device)]
-        gathered = gather_slices(local[None], [len(o) for o in owned], self.group)[0]  # rank 0's rows, rank 1's, ...
-        out[torch.tensor([i for o in owned for i in o], dtype=torch.int64, device=out.device)] = gathered
-        return out
+        return gather_rows(hidden, [where[row] for row in rows], self.rank, len(self.lengths), self.group)

@@ -38,6 +38,8 @@ tokens per rank (measured: docs/benchmarks.md, "Token-parallel prefill in the en
 
 from __future__ import annotations
 
+from bisect import bisect_right
+
 import torch
 
 from treeattn.parallel import comm
@@ -56,6 +58,29 @@ def row_bounds(num_tokens: int, world_size: int) -> list[int]:
     """The p + 1 bounds of the near-equal contiguous slices of a row of `num_tokens` tokens: rank r
     runs rows [bounds[r], bounds[r + 1]) (slices differ by at most one token; the first are shorter)."""
     return [r * num_tokens // world_size for r in range(world_size + 1)]
+
+
+def gather_rows(hidden: torch.Tensor, owners: list[tuple[int, int]], rank: int, world_size: int, group) -> torch.Tensor:
+    """Rows of a step that each live on one rank, on every rank (the sampled rows' final states).
+
+    Args:
+        hidden: (T_r, hidden_size) the states of this rank's rows.
+        owners: per wanted row, (the rank that ran it, its index in that rank's rows); the same
+            list on every rank.
+        rank, world_size: this rank in `group`, and the group's size.
+        group: the process group (or SharedMemoryGroup) of the ranks.
+
+    Returns:
+        (len(owners), hidden_size) in hidden's dtype, the wanted rows in order, on every rank.
+    """
+    out = hidden.new_empty(len(owners), hidden.shape[-1])
+    if not owners:
+        return out
+    owned = [[i for i, (r, _) in enumerate(owners) if r == k] for k in range(world_size)]
+    local = hidden[torch.tensor([owners[i][1] for i in owned[rank]], dtype=torch.int64, device=hidden.device)]
+    gathered = gather_slices(local[None], [len(o) for o in owned], group)[0]  # rank 0's rows, rank 1's, ...
+    out[torch.tensor([i for o in owned for i in o], dtype=torch.int64, device=out.device)] = gathered
+    return out
 
 
 def gather_slices(x: torch.Tensor, lengths: list[int], group) -> torch.Tensor:
@@ -118,11 +143,6 @@ class TokenParallelStep:
         (indices into the step's T tokens, any order), (len(rows), hidden_size) in the model dtype,
         on every rank."""
         hidden = model(self.tokens, self.positions, self.kv_store, self.attend)[0]  # (T_r, hidden)
-        out = hidden.new_empty(len(rows), hidden.shape[-1])
-        if not rows:
-            return out
-        owned = [[i for i, row in enumerate(rows) if a <= row < b] for a, b in zip(self.bounds, self.bounds[1:])]
-        local = hidden[torch.tensor([rows[i] - self.lo for i in owned[self.rank]], dtype=torch.int64, device=hidden.device)]
-        gathered = gather_slices(local[None], [len(o) for o in owned], self.group)[0]  # rank 0's rows, rank 1's, ...
-        out[torch.tensor([i for o in owned for i in o], dtype=torch.int64, device=out.device)] = gathered
-        return out
+        owner = [bisect_right(self.bounds, row) - 1 for row in rows]  # the slice that holds each row
+        owners = [(r, row - self.bounds[r]) for r, row in zip(owner, rows)]
+        return gather_rows(hidden, owners, self.rank, len(self.lengths), self.group)
