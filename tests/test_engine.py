@@ -263,8 +263,8 @@ def test_stop_token_ids_end_a_request(engine, references):
 
 def test_prefix_reuse_over_a_16k_document_on_two_ranks():
     """The second question over the same 16K-token document reuses the cached document: its
-    cached_prompt_tokens cover every full block of the document and its time to first token is
-    10x lower than the first's (which prefilled 16K tokens)."""
+    cached_prompt_tokens cover every full block of the document, and it is prefilled in one step
+    where the first took several (counted, not timed: a time ratio is at the mercy of the load)."""
     g = torch.Generator().manual_seed(9)
     doc = torch.randint(0, 128, (16000,), generator=g).tolist()
     questions = [torch.randint(0, 128, (12,), generator=g).tolist() for _ in range(2)]
@@ -272,10 +272,15 @@ def test_prefix_reuse_over_a_16k_document_on_two_ranks():
                         head_dim=16, max_position_embeddings=32768)  # the 16K prefill stays a few seconds
     with ta.Engine(random_model(small, seed=3, std=0.15), nproc=2, decode="tree", placement="interleaved", block_size=256,
                    cache_tokens=32768, prefill_chunk=4096, threads_per_rank=1) as engine:
-        first, second = (engine.generate([doc + q], max_new_tokens=4)[0] for q in questions)
+        results, prefill_steps = [], []
+        for q in questions:
+            engine.rank_measurements(reset=True)
+            results += engine.generate([doc + q], max_new_tokens=4)
+            prefill_steps.append(engine.rank_measurements()[0].steps.get("prefill", 0))
+        first, second = results
         assert first.cached_prompt_tokens == 0
         assert second.cached_prompt_tokens >= len(doc) // 256 * 256
-        assert second.ttft_s * 10 <= first.ttft_s, (first.ttft_s, second.ttft_s)
+        assert prefill_steps[1] == 1 < prefill_steps[0], prefill_steps
         engine.clear_prefix_cache()
         assert engine.stats()["blocks_used"] == 0
     assert not multiprocessing.active_children()
@@ -287,9 +292,11 @@ def test_a_dead_rank_fails_the_engine_in_the_driver_and_leaves_no_process():
         victim = next(p for p in multiprocessing.active_children() if p.name == "treeattn-rank1")
         victim.kill()
         start = time.monotonic()
-        with pytest.raises(EngineError):
+        with pytest.raises(EngineError, match="rank"):
             engine.generate([REQUESTS[1][0]], max_new_tokens=2)
-        assert time.monotonic() - start < 10 + 5
+        # a backstop against a hang, not a speed claim: the survivor's collective ends at the latest
+        # after timeout_s (10 s); the margin is for a loaded machine (seen at load 20)
+        assert time.monotonic() - start < 10 * 12
         assert not engine.healthy
         with pytest.raises(EngineError):
             engine.submit([1, 2, 3])

@@ -9,7 +9,6 @@ p = 1, 2, 3 share one process start.
 from __future__ import annotations
 
 import copy
-import time
 
 import pytest
 import torch
@@ -210,11 +209,10 @@ def _fail_mid_generation(rank: int, world_size: int, directory: str) -> None:
 
 
 def test_a_rank_failing_mid_generation_ends_every_rank(checkpoints):
-    start = time.monotonic()
     with pytest.raises(SpawnError, match="rank 1 fails at step 4") as info:
         spawn(_fail_mid_generation, 2, str(checkpoints["llama"][0]), timeout=30)
-    assert time.monotonic() - start < 60
-    assert set(info.value.failures) == {0, 1}  # rank 0 errors out of its collective too: no hang
+    # rank 0 ends too (spawn ends a rank still running GRACE_S after the first failure): no hang
+    assert set(info.value.failures) == {0, 1}
 
 
 # ------------------------------------------------------------------------- single process

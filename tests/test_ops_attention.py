@@ -81,8 +81,9 @@ def test_gqa_equals_mha_with_repeated_heads():
     q, k, v = make_qkv(Hq=12, Hkv=3, Sq=4, Sk=70)
     out, lse = ta.attention(q, k, v, causal=True)
     out_mha, lse_mha = ta.attention(q, k.repeat_interleave(4, dim=2), v.repeat_interleave(4, dim=2), causal=True)
-    torch.testing.assert_close(out, out_mha, rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(lse, lse_mha, rtol=1e-6, atol=1e-6)
+    # other matmul shapes, so other summation orders: equal up to float32 rounding (torch's defaults)
+    torch.testing.assert_close(out, out_mha)
+    torch.testing.assert_close(lse, lse_mha)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

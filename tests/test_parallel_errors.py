@@ -208,13 +208,12 @@ def dying_worker(rank: int, world: int) -> None:
         ta.tree_decode(q, k, v, method="allreduce")
 
 
-def test_killed_rank_makes_the_others_fail_within_60_s():
-    start = time.monotonic()
+def test_killed_rank_makes_the_others_fail():
+    """No hang: the survivors' collectives raise. Checked by the cause (a backend error, not spawn
+    terminating them), not by a wall-clock bound that a loaded machine can miss."""
     with pytest.raises(SpawnError) as raised:
         ta.spawn(dying_worker, 3, timeout=30)
-    elapsed = time.monotonic() - start
     failures = raised.value.failures
-    assert elapsed < 60, f"took {elapsed:.1f} s"
     assert set(failures) == {0, 1, 2}
     assert "code 7" in failures[1]
     for rank in (0, 2):  # they raised (a backend error), they were not killed by spawn
@@ -282,12 +281,10 @@ def stalling_worker(rank: int, world: int) -> None:
 
 
 def test_a_stalled_rank_ends_in_the_group_timeout():
-    """The others' collective fails after the group timeout (5 s here); spawn then ends the stalled rank."""
-    start = time.monotonic()
+    """The others' collective fails after the group timeout (5 s here); spawn then ends the stalled rank
+    (its 30 s sleep never runs out: it is terminated, not finished)."""
     with pytest.raises(SpawnError) as raised:
         ta.spawn(stalling_worker, 2, timeout=5)
-    elapsed = time.monotonic() - start
     failures = raised.value.failures
-    assert elapsed < 25, f"took {elapsed:.1f} s"
     assert "terminated" not in failures[0] and "Error" in failures[0].splitlines()[0], failures[0]
     assert "terminated" in failures[1]

@@ -256,8 +256,9 @@ def test_logprobs_over_the_openai_client(server, reference):
         assert 1 <= len(top) <= 2 and all(min(abs(v - w) for _, w in e.top) < 1e-4 for v in top.values())
     assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
     streamed = client.completions.create(model=NAME, prompt="the cat", max_tokens=6, temperature=0, logprobs=2, stream=True)
+    # the repeated prompt hits the prefix cache, so its logits come from a step of other shapes: float32 rounding
     assert [v for c in streamed if c.choices[0].logprobs for v in c.choices[0].logprobs.token_logprobs] == pytest.approx(
-        lp.token_logprobs, abs=1e-6)
+        lp.token_logprobs, abs=1e-4)
 
     messages = [{"role": "user", "content": "the theme?"}]
     expected = chat(messages, 8, logprobs=2)
@@ -269,7 +270,7 @@ def test_logprobs_over_the_openai_client(server, reference):
                                             stream=True)
     streamed = [c.logprob for chunk in chunks if chunk.choices and chunk.choices[0].logprobs
                 for c in chunk.choices[0].logprobs.content]
-    assert streamed == pytest.approx([c.logprob for c in content], abs=1e-6)
+    assert streamed == pytest.approx([c.logprob for c in content], abs=1e-4)
     plain = client.chat.completions.create(model=NAME, messages=messages, max_tokens=2, temperature=0)
     assert plain.choices[0].logprobs is None
     bad = server.http().post("/v1/chat/completions", json={"model": NAME, "messages": messages, "top_logprobs": 2})
