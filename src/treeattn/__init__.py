@@ -21,6 +21,7 @@ from treeattn.models import LlamaConfig, LlamaModel, load_model, load_tokenizer
 from treeattn.generate import GenerationResult, generate, stream
 from treeattn.decode_step import DecodeStep
 from treeattn.engine import Engine, RequestResult, SamplingParams, TokenEvent, TokenLogprob
+from treeattn.linear import linear_attention
 
 __version__ = "0.1.0"
 
@@ -53,4 +54,5 @@ __all__ = [
     "SamplingParams",
     "TokenEvent",
     "TokenLogprob",
+    "linear_attention",
 ]
