@@ -1,4 +1,4 @@
-"""Llama-family models (Llama, Qwen2, Mistral), DeepSeek-V2/V3 (MLA, MoE), their attention algorithms, and the checkpoint loader."""
+"""Llama-family models (Llama, Qwen2, Mistral), DeepSeek-V2/V3 (MLA, MoE), Gemma 3 (text), their attention algorithms, and the checkpoint loader."""
 
 from treeattn.models.attention import (
     DECODE_KINDS,
@@ -9,6 +9,7 @@ from treeattn.models.attention import (
     decode_attention,
 )
 from treeattn.models.deepseek import DeepseekConfig, DeepseekModel
+from treeattn.models.gemma3 import Gemma3Config, Gemma3Model
 from treeattn.models.llama import LlamaConfig, LlamaModel, random_model
 from treeattn.models.loader import config_from_dict, load_model, load_tokenizer, read_config
 
@@ -16,6 +17,8 @@ __all__ = [
     "DECODE_KINDS",
     "DeepseekConfig",
     "DeepseekModel",
+    "Gemma3Config",
+    "Gemma3Model",
     "LlamaConfig",
     "LlamaModel",
     "LocalAttention",

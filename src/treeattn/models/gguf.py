@@ -1,4 +1,4 @@
-"""Load a GGUF file (llama.cpp / Ollama format) into a LlamaModel.
+"""Load a GGUF file (llama.cpp / Ollama format) into a LlamaModel (a Gemma3Model for gemma3 files).
 
     model = load_gguf_model("SmolLM2-135M-Instruct.Q4_1.gguf")           # float32 weights
     config = read_gguf_config("model.gguf")                                # LlamaConfig only
@@ -15,6 +15,10 @@ What the loader undoes, tensor by tensor:
 - quantization: every tensor is dequantized by gguf.quants.dequantize (F32, F16, BF16, Q4_0,
   Q4_1, Q5_0, Q5_1, Q8_0, Q2_K..Q6_K, IQ*: whatever the installed gguf package implements) to
   float32, then cast to the working dtype.
+- gemma3 (treeattn.models.gemma3): its own names (GEMMA3_TENSOR_NAMES), every norm weight stored
+  as Gemma's 1 + weight (the loader subtracts the 1, as transformers does), and llama.cpp's fixed
+  layout: every 6th layer global, the others a sliding window of attention.sliding_window with
+  RoPE base 10K. No Q/K permutation (llama.cpp runs Gemma with NEOX-style RoPE).
 - the Q/K row permutation: for llama and mistral, llama.cpp's converter permutes the rows of
   attn_q / attn_k (weights and biases) per head from the rotate-half RoPE layout of Hugging Face
   checkpoints to the interleaved-pair layout of its own kernel; `unpermute_rows` inverts it
@@ -46,12 +50,14 @@ import gguf.quants
 import numpy as np
 import torch
 
+from treeattn.models.gemma3 import Gemma3Config
 from treeattn.models.llama import LlamaConfig, LlamaModel
 
 logger = logging.getLogger(__name__)
 
 # general.architecture -> the Hugging Face architecture name our config uses
-SUPPORTED_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+SUPPORTED_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                           "gemma3": "Gemma3ForCausalLM"}
 # Architectures whose Q/K rows llama.cpp's converter permuted (see unpermute_rows).
 PERMUTED_ARCHITECTURES = ("llama", "mistral")
 
@@ -77,6 +83,20 @@ TENSOR_NAMES = {
     "blk.{i}.ffn_up.bias": "layers.{i}.mlp.up_proj.bias",
     "blk.{i}.ffn_down.bias": "layers.{i}.mlp.down_proj.bias",
 }
+# Gemma 3's names where they differ: its norm before the MLP is ffn_norm, and it has two more norms a
+# layer and a norm per query/key head. Every *norm.weight of a gemma3 file holds Gemma's (1 + weight):
+# llama.cpp's converter added the 1 (Gemma3RMSNorm scales by 1 + weight), the loader takes it off.
+GEMMA3_TENSOR_NAMES = {
+    **{k: v for k, v in TENSOR_NAMES.items() if k != "blk.{i}.ffn_norm.weight"},
+    "blk.{i}.ffn_norm.weight": "layers.{i}.pre_feedforward_layernorm.weight",
+    "blk.{i}.post_attention_norm.weight": "layers.{i}.post_attention_layernorm.weight",
+    "blk.{i}.post_ffw_norm.weight": "layers.{i}.post_feedforward_layernorm.weight",
+    "blk.{i}.attn_q_norm.weight": "layers.{i}.self_attn.q_norm.weight",
+    "blk.{i}.attn_k_norm.weight": "layers.{i}.self_attn.k_norm.weight",
+}
+# llama.cpp's fixed Gemma 3 layout (llama-model.cpp): every 6th layer global, window layers' RoPE base 10K.
+GEMMA3_SLIDING_WINDOW_PATTERN = 6
+GEMMA3_LOCAL_ROPE_THETA = 10000.0
 ROPE_FREQS = "rope_freqs.weight"
 DEQUANTIZE_CHUNK_ELEMENTS = 1 << 22  # 16 MiB of float32 per dequantization block
 _LAYER_NAME = re.compile(r"^blk\.(\d+)\.(.+)$")
@@ -157,10 +177,22 @@ def read_gguf_config(path_or_reader, *, path: str | os.PathLike | None = None) -
                          f"embeddings (= head dim {head_dim}) are supported")
     kv_heads = get("attention.head_count_kv", int, heads)
     rope_type, rope_scaling = _rope_scaling(reader, arch, path)
-    window = get("attention.sliding_window", int, None) if arch == "mistral" else None
+    window = get("attention.sliding_window", int, None) if arch in ("mistral", "gemma3") else None
     eos = [metadata(reader, f"tokenizer.ggml.{k}", None) for k in ("eos_token_id", "eot_token_id")]
+    config_class, extra = LlamaConfig, {}
+    if arch == "gemma3":
+        from treeattn.models.gemma3 import gemma3_layer_windows
+
+        # As llama.cpp (llama-model.cpp): queries scaled by key_length ** -0.5, except the 62-layer 27B
+        # model's (hidden / heads) ** -0.5; these are the checkpoints' query_pre_attn_scalar.
+        config_class = Gemma3Config
+        scalar = hidden / heads if layers == 62 else head_dim
+        extra = dict(query_pre_attn_scalar=float(scalar), rope_local_theta=GEMMA3_LOCAL_ROPE_THETA,
+                     final_logit_softcapping=get("final_logit_softcapping", float, None))
+        if window is None:
+            raise ValueError(f"{path}: missing metadata key 'gemma3.attention.sliding_window'")
     try:
-        return LlamaConfig(
+        return config_class(
             vocab_size=int(tensors["token_embd.weight"].shape[1]),
             hidden_size=hidden,
             intermediate_size=get("feed_forward_length", int),
@@ -176,11 +208,12 @@ def read_gguf_config(path_or_reader, *, path: str | os.PathLike | None = None) -
             qkv_bias="blk.0.attn_q.bias" in tensors,
             o_bias="blk.0.attn_output.bias" in tensors,
             mlp_bias="blk.0.ffn_up.bias" in tensors,
-            layer_windows=(window,) * layers,
+            layer_windows=gemma3_layer_windows(layers, window, GEMMA3_SLIDING_WINDOW_PATTERN) if arch == "gemma3" else (window,) * layers,
             max_position_embeddings=get("context_length", int, 4096),
             architecture=SUPPORTED_ARCHITECTURES[arch],
             bos_token_id=metadata(reader, "tokenizer.ggml.bos_token_id", None),
             eos_token_ids=tuple(dict.fromkeys(int(e) for e in eos if e is not None)),
+            **extra,
         )
     except ValueError as exc:
         raise ValueError(f"{path}: {exc}") from exc
@@ -211,7 +244,10 @@ def load_gguf_model(path_or_reader, *, dtype: torch.dtype = torch.float32, devic
     else:
         reader = path_or_reader
     config = read_gguf_config(reader, path=path)
-    model = LlamaModel(config, dtype=dtype, device="meta")
+    model_class = LlamaModel
+    if isinstance(config, Gemma3Config):
+        from treeattn.models.gemma3 import Gemma3Model as model_class
+    model = model_class(config, dtype=dtype, device="meta")
     plan, rope_freqs = _match_tensors(model, reader, path)  # every check before any dequantization
 
     arch = metadata(reader, "general.architecture")
@@ -222,6 +258,8 @@ def load_gguf_model(path_or_reader, *, dtype: torch.dtype = torch.float32, devic
             weight = unpermute_rows(weight, config.num_heads)
         elif arch in PERMUTED_ARCHITECTURES and ours.endswith(("k_proj.weight", "k_proj.bias")):
             weight = unpermute_rows(weight, config.num_kv_heads)
+        elif arch == "gemma3" and ours.endswith("norm.weight"):
+            weight = (weight.float() - 1.0).to(dtype)  # the file holds 1 + weight (see GEMMA3_TENSOR_NAMES)
         state[ours] = weight
     model.load_state_dict(state, strict=True, assign=True)
     model.inv_freq = model.inv_freq.to(device)
@@ -283,6 +321,7 @@ def _match_tensors(model: LlamaModel, reader, path) -> tuple[dict, object | None
     """(our parameter name -> ReaderTensor, rope_freqs tensor or None), every name, shape and type
     checked against the model skeleton."""
     expected = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    names = tensor_names(metadata(reader, "general.architecture"))
     plan, unexpected, rope_freqs = {}, [], None
     for tensor in reader.tensors:
         name = tensor.name
@@ -291,7 +330,7 @@ def _match_tensors(model: LlamaModel, reader, path) -> tuple[dict, object | None
             shape = (model.config.head_dim // 2,)
             ours = ROPE_FREQS
         else:
-            ours = _our_name(name)
+            ours = _our_name(name, names)
             if ours is None or ours not in expected:
                 unexpected.append(name)
                 continue
@@ -309,20 +348,25 @@ def _match_tensors(model: LlamaModel, reader, path) -> tuple[dict, object | None
         raise ValueError(f"{path}: tensors the {model.config.architecture} layout does not have: {shown}")
     missing = [name for name in expected if name not in plan]
     if missing:
-        raise ValueError(f"{path}: missing {len(missing)} tensors, e.g. {_gguf_name(missing[0])!r}")
+        raise ValueError(f"{path}: missing {len(missing)} tensors, e.g. {_gguf_name(missing[0], names)!r}")
     return plan, rope_freqs
 
 
-def _our_name(gguf_name: str) -> str | None:
+def tensor_names(arch: str) -> dict[str, str]:
+    """llama.cpp tensor name -> ours for the architecture `arch` (general.architecture)."""
+    return GEMMA3_TENSOR_NAMES if arch == "gemma3" else TENSOR_NAMES
+
+
+def _our_name(gguf_name: str, names: dict[str, str]) -> str | None:
     match = _LAYER_NAME.match(gguf_name)
     if match is None:
-        return TENSOR_NAMES.get(gguf_name)
-    pattern = TENSOR_NAMES.get("blk.{i}." + match.group(2))
+        return names.get(gguf_name)
+    pattern = names.get("blk.{i}." + match.group(2))
     return pattern.format(i=match.group(1)) if pattern is not None else None
 
 
-def _gguf_name(ours: str) -> str:
-    for theirs, pattern in TENSOR_NAMES.items():
+def _gguf_name(ours: str, names: dict[str, str]) -> str:
+    for theirs, pattern in names.items():
         match = re.fullmatch(re.escape(pattern).replace(r"\{i\}", r"(\d+)"), ours)
         if match:
             return theirs.format(i=match.group(1)) if match.groups() else theirs

@@ -4,7 +4,8 @@
 
 A GGUF has no tokenizer.json; llama.cpp stores the tokenizer as metadata:
     tokenizer.ggml.model    "gpt2" (byte-level BPE: Llama 3, Qwen2, SmolLM, ...) or
-                            "llama" (SentencePiece BPE with byte fallback: Llama 2, Mistral)
+                            "llama" (SentencePiece BPE with byte fallback: Llama 2, Mistral;
+                            Gemma 3 too, spelled as transformers' GemmaTokenizer: see _gemma_bpe)
     tokenizer.ggml.pre      which pre-tokenizer split the BPE merges were learned on (gpt2 only)
     tokenizer.ggml.tokens, .token_type, .merges (gpt2), .scores (llama),
     tokenizer.ggml.{bos,eos,unknown}_token_id, .add_bos_token, .add_space_prefix
@@ -40,6 +41,8 @@ PRE_TOKENIZER_SPLITS = {
 # pre-tokenizers that split every digit off, then apply GPT-2's regex (StarCoder's vocabulary family).
 DIGIT_SPLITTING = ("smollm", "starcoder", "refact", "codeshell")
 GPT2_DEFAULT = ("default", "gpt2", "gpt-2")
+# general.architecture values whose SentencePiece vocabulary is Gemma's (see _gemma_bpe).
+GEMMA_ARCHITECTURES = ("gemma", "gemma2", "gemma3")
 
 
 def tokenizer_from_gguf(reader, *, path) -> "tokenizers.Tokenizer | None":  # noqa: F821
@@ -55,6 +58,8 @@ def tokenizer_from_gguf(reader, *, path) -> "tokenizers.Tokenizer | None":  # no
     types = metadata(reader, "tokenizer.ggml.token_type", None) or [1] * len(tokens)
     if kind == "gpt2":
         tokenizer = _byte_level_bpe(reader, tokens, path)
+    elif kind == "llama" and metadata(reader, "general.architecture", None) in GEMMA_ARCHITECTURES:
+        tokenizer = _gemma_bpe(reader, _gemma_spelling(tokens), path)
     elif kind == "llama":
         tokenizer = _sentencepiece_bpe(reader, tokens, path)
     else:
@@ -115,6 +120,31 @@ def _sentencepiece_bpe(reader, tokens: list[str], path):
     return tokenizer
 
 
+def _gemma_spelling(tokens: list[str]) -> list[str]:
+    """Gemma files store a token of two or more spaces as spaces ("  "), where the model's
+    tokenizer spells them "\u2581\u2581": respelled, so that merges built from them match (as
+    transformers' GGUF converter does)."""
+    return ["\u2581" * len(t) if " " in t and not t.strip() else t for t in tokens]
+
+
+def _gemma_bpe(reader, tokens: list[str], path):
+    """Gemma's SentencePiece BPE as transformers' GemmaTokenizer spells it: byte fallback, no prefix
+    space, spaces as U+2581, pieces split after each space; the file has no merges and Gemma's
+    scores do not follow its merge order, so merges are rebuilt ranked by the tokens' order in the
+    file (the first token's merges first)."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
+
+    vocab = {token: i for i, token in enumerate(tokens)}
+    unk = metadata(reader, "tokenizer.ggml.unknown_token_id", 0)
+    order = [-float(i) for i in range(len(tokens))]  # a higher "score" merges first
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=_merges_from_scores(vocab, order), unk_token=tokens[unk],
+                                     fuse_unk=True, byte_fallback=True))
+    tokenizer.normalizer = normalizers.Replace(" ", "\u2581")
+    tokenizer.pre_tokenizer = pre_tokenizers.Split(" ", behavior="merged_with_previous")
+    tokenizer.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
+    return tokenizer
+
+
 def _merges_from_scores(vocab: dict[str, int], scores: list[float]) -> list[tuple[str, str]]:
     """Every (left, right) split of a vocabulary piece whose halves are pieces too, best score first
     (ties: shorter left piece first, then vocabulary order), as transformers does for SentencePiece."""
@@ -129,10 +159,13 @@ def _merges_from_scores(vocab: dict[str, int], scores: list[float]) -> list[tupl
 
 
 def _add_special_tokens(tokenizer, tokens: list[str], types: list[int]) -> None:
+    """CONTROL tokens as special added tokens; USER_DEFINED ones as plain added tokens where the
+    model's vocabulary spells them as the file does (a respelled Gemma space run is not added)."""
     from tokenizers import AddedToken
 
     control = [AddedToken(t, special=True, normalized=False) for t, kind in zip(tokens, types) if kind == CONTROL]
-    user = [AddedToken(t, special=False, normalized=False) for t, kind in zip(tokens, types) if kind == USER_DEFINED]
+    vocab = tokenizer.get_vocab()
+    user = [AddedToken(t, special=False, normalized=False) for t, kind in zip(tokens, types) if kind == USER_DEFINED and t in vocab]
     if control:
         tokenizer.add_special_tokens(control)
     if user:

@@ -230,13 +230,17 @@ class LlamaModel(nn.Module):
         dtype, device: of the parameters (device "meta" builds the skeleton the loader fills).
     """
 
+    # The layer and norm a family builds (treeattn.models.gemma3 sets its own).
+    layer_class = DecoderLayer
+    norm_class = RMSNorm
+
     def __init__(self, config: LlamaConfig, *, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
         super().__init__()
         self.config = config
         with torch.device(device):
             self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-            self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
-            self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+            self.layers = nn.ModuleList(self.layer_class(config, i) for i in range(config.num_layers))
+            self.norm = self.norm_class(config.hidden_size, config.rms_norm_eps)
             self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.to(dtype)
         # Set by treeattn.load_model from the checkpoint (None for random models): a

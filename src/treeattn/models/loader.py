@@ -7,7 +7,9 @@
 A directory holds config.json, the weights as *.safetensors (one file, or shards listed by
 model.safetensors.index.json), and optionally tokenizer.json and generation_config.json.
 Supported architectures: LlamaForCausalLM, Qwen2ForCausalLM, MistralForCausalLM (treeattn.models.llama),
-DeepseekV2ForCausalLM, DeepseekV3ForCausalLM (treeattn.models.deepseek; its config.json parsing too).
+DeepseekV2ForCausalLM, DeepseekV3ForCausalLM (treeattn.models.deepseek; its config.json parsing too),
+Gemma3ForCausalLM (model_type gemma3_text) and the text model of Gemma3ForConditionalGeneration
+(model_type gemma3, its text_config; the vision tower's tensors are skipped) (treeattn.models.gemma3).
 
 Weights are read with safetensors (never unpickled). The model is first built on the "meta"
 device (no memory), then each tensor is read once from its file, converted to the requested dtype
@@ -40,7 +42,8 @@ INDEX_FILE = "model.safetensors.index.json"
 TOKENIZER_FILE = "tokenizer.json"
 GENERATION_CONFIG_FILE = "generation_config.json"
 SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "MistralForCausalLM": "mistral",
-                           "DeepseekV2ForCausalLM": "deepseek_v2", "DeepseekV3ForCausalLM": "deepseek_v3"}
+                           "DeepseekV2ForCausalLM": "deepseek_v2", "DeepseekV3ForCausalLM": "deepseek_v3",
+                           "Gemma3ForCausalLM": "gemma3_text", "Gemma3ForConditionalGeneration": "gemma3"}
 # Checkpoint entries that are not parameters (older exports saved RoPE tables).
 IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
 
@@ -199,6 +202,10 @@ def config_from_dict(raw: dict, *, source: str = CONFIG_FILE) -> LlamaConfig:
         from treeattn.models import deepseek
 
         return deepseek.config_from_dict(raw, architecture, source=source)
+    if family.startswith("gemma3"):
+        from treeattn.models import gemma3
+
+        return gemma3.config_from_dict(raw, architecture, source=source)
 
     def get(key, kind, default=...):
         if key not in raw or raw[key] is None:
@@ -252,9 +259,13 @@ def config_from_dict(raw: dict, *, source: str = CONFIG_FILE) -> LlamaConfig:
 
 
 def model_class(config) -> type:
-    """The model class of a parsed config: DeepseekModel for a DeepseekConfig, else LlamaModel."""
+    """The model class of a parsed config: DeepseekModel for a DeepseekConfig, Gemma3Model for a
+    Gemma3Config, else LlamaModel."""
     from treeattn.models.deepseek import DeepseekConfig, DeepseekModel
+    from treeattn.models.gemma3 import Gemma3Config, Gemma3Model
 
+    if isinstance(config, Gemma3Config):
+        return Gemma3Model
     return DeepseekModel if isinstance(config, DeepseekConfig) else LlamaModel
 
 
@@ -321,7 +332,9 @@ def _match_tensors(model: LlamaModel, locations: dict[str, Path]) -> dict[str, t
     for theirs, path in locations.items():
         if theirs.endswith(IGNORED_SUFFIXES):
             continue
-        ours = theirs[len("model."):] if theirs.startswith("model.") else theirs
+        ours = _our_name(theirs, model.config)
+        if ours is None:  # not the text model's (e.g. a gemma3 checkpoint's vision tower)
+            continue
         if _is_mtp_layer(ours, model.config):
             continue
         if ours == "lm_head.weight" and model.lm_head is None:
@@ -355,6 +368,16 @@ def _match_tensors(model: LlamaModel, locations: dict[str, Path]) -> dict[str, t
         for handle in handles.values():
             handle.__exit__(None, None, None)
     return plan
+
+
+def _our_name(theirs: str, config) -> str | None:
+    """Our parameter name for checkpoint tensor `theirs` (without "model."; None: not ours to load)."""
+    architecture = getattr(config, "checkpoint_architecture", None)
+    if architecture is not None and architecture.startswith("Gemma3"):
+        from treeattn.models.gemma3 import checkpoint_name
+
+        return checkpoint_name(theirs, architecture)
+    return theirs[len("model."):] if theirs.startswith("model.") else theirs
 
 
 def _shape_keys(model, name: str) -> str:
