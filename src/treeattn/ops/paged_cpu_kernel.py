@@ -1,0 +1,124 @@
+"""The CPU kernel of paged decode attention (treeattn.ops.paged_decode), compiled by numba.
+
+One pass over the blocks each query row sees, read in place from the cache's arena: for every
+visible key, the G query heads that share its KV head take their dot products with it, an online
+softmax (running max, sum and unnormalized output, float32) folds it in, and its value row is
+added with that weight. Every K and V byte is read once per query row, with no copy, no repeat of
+K/V across the query group and no score matrix in memory. The blocks of a row are split into
+contiguous ranges processed in parallel (flash-decoding); merge_splits then merges the ranges'
+states exactly, as merge_states does.
+
+Importing this module compiles nothing: numba compiles each kernel on its first call and caches
+the machine code beside this file (cache=True), so later processes load it in a fraction of a
+second. fastmath is limited to reassociation and contraction (the dot products' sums are
+vectorized: float32 sums in another order); no assumption about NaN or infinities is made, so
+masked rows stay -inf and a NaN in the inputs stays NaN (the engine never samples from it).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import numba
+from numba import njit, prange
+
+_FASTMATH = {"reassoc", "contract"}
+
+
+def set_threads(threads: int) -> None:
+    """Run the parallel kernel on `threads` threads (at most numba's pool; it is per calling thread)."""
+    numba.set_num_threads(max(1, min(threads, numba.config.NUMBA_NUM_THREADS)))
+
+
+@njit(parallel=True, cache=True, fastmath=_FASTMATH)
+def attend_splits(q, k, v, dv, scale, table, kv_pos, row_seq, q_pos, window, splits, out, m_out, l_out):  # pragma: no cover - compiled
+    """States of every (query row, block range).
+
+    q: (R, Hkv, G, D) float32 C-contiguous, the query rows (not scaled).
+    k: (NB, BS, Hkv, D) float32 C-contiguous, every block of the layer; v: (NB, BS, Hkv, Dv_stored),
+        the value blocks (may be k itself, of which the first dv channels are the values).
+    dv: value channels; scale: softmax scale.
+    table: int64 (B, nb) block ids; kv_pos: int64 (B, nb * BS) position of every slot;
+    row_seq: int64 (R,) the table row of each query row; q_pos: int64 (R,) its position.
+    window: > 0: a key is visible iff 0 <= q_pos - kv_pos < window; 0: iff kv_pos <= q_pos.
+    splits: block ranges per row. Writes out (R, splits, Hkv, G, dv) unnormalized, m_out and
+    l_out (R, splits, Hkv, G): running max (-inf: no visible key) and sum of exp(score - max).
+    """
+    R, H, G, D = q.shape
+    BS = k.shape[1]
+    nb = table.shape[1]
+    per = (nb + splits - 1) // splits
+    for w in prange(R * splits):
+        r = w // splits
+        sp = w % splits
+        b = row_seq[r]
+        qp = q_pos[r]
+        acc = np.zeros((H, G, dv), dtype=np.float32)
+        m = np.full((H, G), -np.inf, dtype=np.float32)
+        lsum = np.zeros((H, G), dtype=np.float32)
+        s = np.empty(G, dtype=np.float32)
+        j0 = sp * per
+        j1 = min(nb, j0 + per)
+        for j in range(j0, j1):
+            blk = table[b, j]
+            for t in range(BS):
+                kp = kv_pos[b, j * BS + t]
+                if kp > qp or (window > 0 and qp - kp >= window):
+                    continue
+                for h in range(H):
+                    for g in range(G):
+                        x = np.float32(0.0)
+                        for d in range(D):
+                            x += q[r, h, g, d] * k[blk, t, h, d]
+                        s[g] = x * scale
+                    for g in range(G):
+                        x = s[g]
+                        if x > m[h, g]:  # a new max: rescale what was summed against the old one
+                            c = np.float32(math.exp(m[h, g] - x))
+                            lsum[h, g] *= c
+                            for d in range(dv):
+                                acc[h, g, d] *= c
+                            m[h, g] = x
+                        p = np.float32(math.exp(x - m[h, g]))
+                        lsum[h, g] += p
+                        for d in range(dv):
+                            acc[h, g, d] += p * v[blk, t, h, d]
+        for h in range(H):
+            for g in range(G):
+                m_out[r, sp, h, g] = m[h, g]
+                l_out[r, sp, h, g] = lsum[h, g]
+                for d in range(dv):
+                    out[r, sp, h, g, d] = acc[h, g, d]
+
+
+@njit(cache=True)
+def merge_splits(out_p, m_p, l_p, out, lse):  # pragma: no cover - compiled
+    """Merge the block ranges' states of each row: out_p (R, S, Hkv, G, dv), m_p and l_p
+    (R, S, Hkv, G) -> out (R, Hkv, G, dv) normalized and lse (R, Hkv, G) = max + log(sum); a row
+    that saw no key gets out = 0, lse = -inf."""
+    R, S, H, G, dv = out_p.shape
+    for r in range(R):
+        for h in range(H):
+            for g in range(G):
+                mx = -np.inf
+                for sp in range(S):
+                    mx = max(mx, m_p[r, sp, h, g])
+                if mx == -np.inf:
+                    lse[r, h, g] = -np.inf
+                    for d in range(dv):
+                        out[r, h, g, d] = 0.0
+                    continue
+                total = 0.0
+                for d in range(dv):
+                    out[r, h, g, d] = 0.0
+                for sp in range(S):
+                    if m_p[r, sp, h, g] == -np.inf:
+                        continue
+                    wgt = math.exp(m_p[r, sp, h, g] - mx)
+                    total += l_p[r, sp, h, g] * wgt
+                    for d in range(dv):
+                        out[r, h, g, d] += out_p[r, sp, h, g, d] * wgt
+                for d in range(dv):
+                    out[r, h, g, d] /= total
+                lse[r, h, g] = mx + math.log(total)
