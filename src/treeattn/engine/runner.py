@@ -59,6 +59,7 @@ from treeattn.engine.scheduler import Chunk, StepPlan
 from treeattn.models.attention import attention_backend, group_world_size
 from treeattn.models.llama import LlamaModel
 from treeattn.ops import attention, merge_states_list
+from treeattn.ops.paged_decode import PagedDecodeLayout, kernel_takes, paged_decode_attention
 from treeattn.parallel.comm import comm_stats
 from treeattn.parallel.shared_memory import shared_memory_group
 
@@ -74,7 +75,7 @@ class _Group:
     shared segments, treeattn.engine.shared_prefix); None: from block 0."""
 
     def __init__(self, chunks: list[Chunk], offsets: list[int], rank: int, cache: PagedKVCache, device, copy_free_ok: bool,
-                 own_from: list[int] | None = None) -> None:
+                 own_from: list[int] | None = None, paged: bool = False) -> None:
         bs = cache.block_size
         width = max(len(c.tokens) for c in chunks)
         local = []  # per chunk: [(logical block, local block id)] of the blocks this rank holds
@@ -102,6 +103,8 @@ class _Group:
         num_runs = sum(len(r) for r in self.runs)
         keys = sum(len(blocks) for blocks in local) * bs
         self.copy_free = copy_free_ok and num_runs > 0 and keys >= COPY_FREE_MIN_KEYS * num_runs
+        # Decoding groups read their blocks in place with the paged kernel (checked here, once per step).
+        self.paged = PagedDecodeLayout(self.table, self.kv_pos, self.q_pos, block_size=bs) if paged else None
         self.shared = None  # the SharedSegments of a decoding group whose sequences share blocks
 
 
@@ -161,8 +164,9 @@ class PagedBatch:
         if combine is not None and len(decoding) > 1:  # blocks several decoding sequences share: read once
             segments, own_from = shared_prefix.find_segments([plan.chunks[i] for i in decoding], bs)
         self.shared_keys = shared_prefix.saved_keys(segments, bs)  # key reads per layer saved this step
+        paged = combine is not None and kernel_takes(cache.dtype, device)  # decoding groups: the paged kernel
         self.groups = [_Group([plan.chunks[i] for i in idx], [offsets[i] for i in idx], rank, cache, device, combine is not None,
-                              own_from if idx is decoding and segments else None)
+                              own_from if idx is decoding and segments else None, paged and idx is decoding)
                        for idx in (decoding, prefill) if idx]
         if segments:
             g = self.groups[0]
@@ -177,7 +181,7 @@ class PagedBatch:
         if self.store_rows.numel():
             self.cache.write(layer, self.store_slots, k_new[0, self.store_rows], v_new[0, self.store_rows])
         self._layer = layer
-        shards = [(None, None) if g.copy_free else self.cache.gather(layer, g.table) for g in self.groups]
+        shards = [(None, None) if g.copy_free or g.paged is not None else self.cache.gather(layer, g.table) for g in self.groups]
         return tuple(k for k, _ in shards), tuple(v for _, v in shards), tuple(g.kv_pos for g in self.groups)
 
     def attend(self, q: torch.Tensor, k, v, *, q_pos, kv_pos, window) -> torch.Tensor:
@@ -189,6 +193,9 @@ class PagedBatch:
         for g, k_g, v_g, pos_g in zip(self.groups, k, v, kv_pos):
             if g.shared is not None:
                 o = self._attend_shared(g, flat, k_g, v_g, pos_g)
+            elif g.paged is not None:
+                q_g = flat[g.q_index]
+                o = self._combine(*self._paged_state(g, q_g)).to(q_g.dtype)
             elif g.copy_free:
                 o = self._attend_runs(g, flat[g.q_index])
             else:
@@ -203,13 +210,21 @@ class PagedBatch:
         sequence's own blocks, merged, then combined across the ranks (treeattn.engine.shared_prefix).
         flat: (T, Hq, D) the step's queries. Returns out (B, S, Hq, Dv) in q.dtype."""
         q = flat[g.q_index]
-        if g.copy_free:
+        if g.paged is not None:
+            out, lse = self._paged_state(g, q)
+        elif g.copy_free:
             out, lse = self._local_runs(g, q)
         else:
             out, lse = attention(q, k_g, v_g, causal=True, q_pos=g.q_pos, kv_pos=pos_g)
         acc = torch.promote_types(q.dtype, torch.float32)  # the merges' dtype
         out, lse = g.shared.merge_into(out.to(acc), lse.to(acc), flat, self.cache, self._layer)
         return self._combine(out, lse).to(q.dtype)
+
+    def _paged_state(self, g: _Group, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q (B, S, Hq, D) of decoding group g over this rank's blocks, read in place by the paged
+        kernel (treeattn.ops.paged_decode): this rank's state, out (B, S, Hq, Dv) and lse (B, Hq, S) float32."""
+        k, v = self.cache.blocks(self._layer)
+        return paged_decode_attention(q, k, v, g.paged)
 
     def _attend_runs(self, g: _Group, q: torch.Tensor) -> torch.Tensor:
         """q (B, S, Hq, D) of group g over this rank's runs of blocks, merged per sequence, then

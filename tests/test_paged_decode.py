@@ -1,0 +1,184 @@
+"""ops.paged_decode: decode attention over blocks read in place, against a float64 reference over the
+gathered keys, on the shapes that break things (no block, one visible key, GQA/MQA, uneven and
+padded blocks, drafts with causal masks among them, windows, padding queries, MLA's values inside
+the keys), on both paths (the compiled CPU kernel and the gathered fallback); and the engine with
+the kernel against the engine without it (same greedy tokens, batches, two ranks, shared prefixes)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import treeattn as ta
+from treeattn.cache.sharded import INVISIBLE_POSITION
+from treeattn.ops import paged_decode as pd
+
+KERNEL = pd.kernel_takes(torch.float32, "cpu")
+needs_kernel = pytest.mark.skipif(not KERNEL, reason="numba is not installed (scripts/install.sh installs it)")
+
+# float32 results against a float64 reference: sums of at most a few hundred float32 products,
+# in another order than the reference's, stay within ~1e-6 relative; 1e-5 leaves room for the
+# exp() of float32 scores.
+TOL = 1e-5
+
+
+def make_case(*, B=2, Sq=1, Hq=6, Hkv=2, D=16, Dv=None, BS=8, NB=12, nb=3, lengths=None, window=None, seed=0,
+              logit_scale=1.0, values_in_keys=False, q_pos=None, dtype=torch.float32):
+    """A random block pool and a table of distinct blocks per sequence; sequence b holds lengths[b]
+    keys at positions 0..lengths[b]-1 in its table's order, and its queries sit right after them."""
+    g = torch.Generator().manual_seed(seed)
+    Dv = D if Dv is None else Dv
+    if values_in_keys:
+        k_blocks = torch.randn(NB, BS, Hkv, D, generator=g).to(dtype)
+        v_blocks = k_blocks[..., :Dv]
+    else:
+        k_blocks = torch.randn(NB, BS, Hkv, D, generator=g).to(dtype)
+        v_blocks = torch.randn(NB, BS, Hkv, Dv, generator=g).to(dtype)
+    table = torch.stack([torch.randperm(NB, generator=g)[:nb] for _ in range(B)]) if nb else torch.zeros(B, 0, dtype=torch.int64)
+    lengths = lengths or [nb * BS] * B
+    slot = torch.arange(nb * BS)
+    kv_pos = torch.stack([torch.where(slot < n, slot, torch.full_like(slot, INVISIBLE_POSITION)) for n in lengths])
+    if q_pos is None:
+        q_pos = torch.stack([torch.arange(n, n + Sq) for n in lengths])
+    q = (torch.randn(B, Sq, Hq, D, generator=g) * logit_scale).to(dtype)
+    layout = pd.PagedDecodeLayout(table, kv_pos, q_pos, block_size=BS, window=window)
+    return q, k_blocks, v_blocks, layout
+
+
+def reference(q, k_blocks, v_blocks, layout):
+    """float64 softmax over the gathered keys with the causal (and window) mask."""
+    B, nb = layout.block_table.shape
+    if nb == 0:  # no key: the merge's identity
+        Sq, Hq = q.shape[1], q.shape[2]
+        return torch.zeros(B, Sq, Hq, v_blocks.shape[-1], dtype=torch.float64), torch.full((B, Hq, Sq), float("-inf"), dtype=torch.float64)
+    k = k_blocks[layout.block_table].reshape(B, nb * layout.block_size, *k_blocks.shape[2:])
+    v = v_blocks[layout.block_table].reshape(B, nb * layout.block_size, *v_blocks.shape[2:])
+    return ta.reference_attention(q, k, v, causal=True, q_pos=layout.q_pos, kv_pos=layout.kv_pos, window=layout.window)
+
+
+def check(out, lse, ref_out, ref_lse):
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any()
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse))
+    finite = torch.isfinite(ref_lse)
+    torch.testing.assert_close(lse[finite].double(), ref_lse[finite].double(), rtol=TOL, atol=TOL)
+    torch.testing.assert_close(out.double(), ref_out.double(), rtol=TOL, atol=TOL * max(1.0, ref_out.abs().max().item()))
+
+
+@pytest.fixture(params=["kernel", "gathered"])
+def path(request, monkeypatch):
+    """Run a test on the compiled kernel and on the gathered fallback."""
+    if request.param == "kernel":
+        if not KERNEL:
+            pytest.skip("numba is not installed")
+    else:
+        monkeypatch.setattr(pd, "kernel_takes", lambda dtype, device: False)
+    return request.param
+
+
+CASES = {
+    "gqa": dict(),
+    "mqa": dict(Hq=4, Hkv=1),
+    "mha": dict(Hq=3, Hkv=3),
+    "one key": dict(lengths=[1, 1], nb=1),
+    "uneven and padded": dict(lengths=[17, 3], nb=3),
+    "no block": dict(nb=0, lengths=[0, 0]),
+    "drafts": dict(Sq=4, lengths=[20, 9]),
+    "window": dict(Sq=3, lengths=[24, 13], window=5),
+    "padding query": dict(Sq=2, q_pos=torch.tensor([[5, 6], [-1, -1]]), lengths=[7, 7]),
+    "mla values in keys": dict(Hq=4, Hkv=1, D=24, Dv=16, values_in_keys=True),
+    "value dim differs": dict(D=16, Dv=12),
+    "huge logits": dict(logit_scale=300.0),
+    "tiny logits": dict(logit_scale=1e-6),
+    "long": dict(B=1, NB=40, nb=33, BS=16, Hq=9, Hkv=3, D=64, lengths=[33 * 16 - 5]),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_matches_float64_reference(case, path):
+    q, kb, vb, layout = make_case(**CASES[case])
+    out, lse = pd.paged_decode_attention(q, kb, vb, layout)
+    assert out.shape == (*q.shape[:3], vb.shape[-1]) and out.dtype == q.dtype
+    assert lse.shape == (q.shape[0], q.shape[2], q.shape[1]) and lse.dtype == torch.float32
+    check(out, lse, *reference(q, kb, vb, layout))
+
+
+def test_rows_that_see_nothing_are_zero_and_minus_inf(path):
+    q, kb, vb, layout = make_case(**CASES["padding query"])
+    out, lse = pd.paged_decode_attention(q, kb, vb, layout)
+    assert torch.isneginf(lse[1]).all() and torch.equal(out[1], torch.zeros_like(out[1]))
+    q, kb, vb, layout = make_case(**CASES["no block"])
+    out, lse = pd.paged_decode_attention(q, kb, vb, layout)
+    assert torch.isneginf(lse).all() and not out.any()
+
+
+@needs_kernel
+def test_kernel_splits_and_threads_do_not_change_the_state(monkeypatch):
+    """One range per row or many (flash-decoding splits), one thread or two: the same state up to
+    float32 rounding of the merge."""
+    q, kb, vb, layout = make_case(B=1, NB=30, nb=25, lengths=[25 * 8 - 3])
+    ref = reference(q, kb, vb, layout)
+    for threads in (1, 2, 7):
+        lay = pd.PagedDecodeLayout(layout.block_table, layout.kv_pos, layout.q_pos, block_size=8, threads=threads)
+        check(*pd.paged_decode_attention(q, kb, vb, lay), *ref)
+        assert lay._kernel_arrays()[4] == min(25, 2 * threads)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_other_dtypes_take_the_gathered_path(dtype):
+    q, kb, vb, layout = make_case(dtype=dtype)
+    out, lse = pd.paged_decode_attention(q, kb, vb, layout)
+    ref_out, ref_lse = reference(q.double(), kb.double(), vb.double(), layout)
+    tol = 1e-12 if dtype == torch.float64 else 1.6e-2  # bf16: inputs and output rounded to 8 bits
+    torch.testing.assert_close(out.double(), ref_out, rtol=tol, atol=tol * ref_out.abs().max().item())
+    torch.testing.assert_close(lse.double(), ref_lse, rtol=tol, atol=tol)
+
+
+def test_bad_input_names_the_argument():
+    q, kb, vb, layout = make_case()
+    table, kv_pos, q_pos = layout.block_table, layout.kv_pos, layout.q_pos
+    with pytest.raises(TypeError, match="block_table must be a 2-D int64"):
+        pd.PagedDecodeLayout(table.int(), kv_pos, q_pos, block_size=8)
+    with pytest.raises(ValueError, match="kv_pos must have shape"):
+        pd.PagedDecodeLayout(table, kv_pos[:, 1:], q_pos, block_size=8)
+    with pytest.raises(ValueError, match="block_size must be"):
+        pd.PagedDecodeLayout(table, kv_pos, q_pos, block_size=0)
+    with pytest.raises(ValueError, match="block_table must hold block ids >= 0"):
+        pd.PagedDecodeLayout(table - 100, kv_pos, q_pos, block_size=8)
+    with pytest.raises(ValueError, match="q must have shape"):
+        pd.paged_decode_attention(q[:1], kb, vb, layout)
+    with pytest.raises(ValueError, match="must be < NB"):
+        pd.paged_decode_attention(q, kb[:2], vb[:2], layout)
+    with pytest.raises(TypeError, match="share dtype"):
+        pd.paged_decode_attention(q.double(), kb, vb, layout)
+
+
+# ---------------------------------------------------------------- the engine with and without the kernel
+
+
+def _engine_tokens(model, prompts, *, nproc=1, paged=True, max_new_tokens=5):
+    from treeattn.engine import runner
+
+    saved = runner.kernel_takes
+    if not paged:
+        runner.kernel_takes = lambda dtype, device: False
+    try:
+        with ta.Engine(model, nproc=nproc, decode="tree", max_batch_size=4, block_size=8, prefix_cache=True) as engine:
+            return [r.token_ids for r in engine.generate(prompts, max_new_tokens=max_new_tokens, temperature=0.0)]
+    finally:
+        runner.kernel_takes = saved
+
+
+@needs_kernel
+def test_engine_same_tokens_with_and_without_the_kernel():
+    """A batch of decoding sequences of different lengths, two of them sharing a 24-token prefix
+    (shared_prefix reads it once): the same greedy tokens with the paged kernel, on one process and
+    on two ranks, as with the gathered / run-by-run reads on one process."""
+    from treeattn.models.llama import LlamaConfig, random_model
+
+    model = random_model(LlamaConfig(vocab_size=97, hidden_size=48, intermediate_size=64, num_layers=2, num_heads=6,
+                                     num_kv_heads=2, head_dim=8, max_position_embeddings=512), seed=3)
+    doc = list(range(5, 29))
+    prompts = [doc + [40, 41], doc + [50], list(range(30, 33)), list(range(7, 70))]
+    without = _engine_tokens(model, prompts, paged=False)
+    assert _engine_tokens(model, prompts, paged=True) == without
+    assert _engine_tokens(model, prompts, paged=True, nproc=2) == without  # two ranks: each reads its blocks, tree combine
