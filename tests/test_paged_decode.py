@@ -182,3 +182,23 @@ def test_engine_same_tokens_with_and_without_the_kernel():
     without = _engine_tokens(model, prompts, paged=False)
     assert _engine_tokens(model, prompts, paged=True) == without
     assert _engine_tokens(model, prompts, paged=True, nproc=2) == without  # two ranks: each reads its blocks, tree combine
+
+
+@pytest.mark.parametrize("case", ["drafts", "mla values in keys"])
+def test_cuda_branch_through_the_triton_interpreter(case, monkeypatch):
+    """The CUDA branch (the Triton paged kernel through the table, the static step's kernel), run
+    by Triton's interpreter on CPU tensors when there is no GPU."""
+    from test_decode_step import HAS_CUDA, _interpreted_triton_decode
+
+    td = _interpreted_triton_decode()
+    device = "cuda" if HAS_CUDA else "cpu"
+    monkeypatch.setattr(pd, "_triton_kernel", lambda q: td)
+    params = dict(CASES[case])
+    if case == "mla values in keys":
+        params.update(D=32, Dv=16)  # the kernel takes power-of-two head dims
+    q, kb, vb, layout = make_case(**params)
+    ref = reference(q, kb, vb, layout)
+    layout = pd.PagedDecodeLayout(*(t.to(device) for t in (layout.block_table, layout.kv_pos, layout.q_pos)),
+                                  block_size=layout.block_size, window=layout.window)
+    out, lse = pd.paged_decode_attention(q.to(device), kb.to(device), vb.to(device), layout)
+    check(out.cpu(), lse.cpu(), *ref)

@@ -19,6 +19,12 @@ way the model's two injected callables end in a PagedBatch:
   plain attention on one rank): a decode-only step, drafts or not, is one tree_decode per layer
   for the whole batch.
 
+Decoding groups (tree and local decoding, no sliding window; float32 on the CPU with numba, CUDA
+with triton) read their blocks in place with the paged decode kernel (treeattn.ops.paged_decode): the group's block table
+and key positions are checked once per step (a PagedDecodeLayout), and each layer makes one
+kernel call over the arena's blocks (no gather, no GQA repeat), then one combine across the
+ranks. The reads below serve every other group (prefill chunks, other dtypes and devices, no numba).
+
 Reading a shard without copying it ("runs"): a sequence's blocks on this rank are often
 physically adjacent (blocks are handed out in order, and a long prompt takes many at once). Each
 maximal run of adjacent blocks is a view of the arena; attending to each run separately and
@@ -224,7 +230,8 @@ class PagedBatch:
         """q (B, S, Hq, D) of decoding group g over this rank's blocks, read in place by the paged
         kernel (treeattn.ops.paged_decode): this rank's state, out (B, S, Hq, Dv) and lse (B, Hq, S) float32."""
         k, v = self.cache.blocks(self._layer)
-        return paged_decode_attention(q, k, v, g.paged)
+        out, lse = paged_decode_attention(q, k, v, g.paged)
+        return out.to(torch.promote_types(out.dtype, torch.float32)), lse  # the Triton kernel's out is in q.dtype
 
     def _attend_runs(self, g: _Group, q: torch.Tensor) -> torch.Tensor:
         """q (B, S, Hq, D) of group g over this rank's runs of blocks, merged per sequence, then

