@@ -14,9 +14,10 @@ every decode step is split, on every rank, from the engine's own measurements
                 writes, the step's index bookkeeping
 
 "step" is the rank's wall time of the step (RankMeasurements.step_s); model = step - the three
-measured phases. The split is exact when the engine reads a shard run by run (long runs of
-blocks: engine.runner.COPY_FREE_MIN_KEYS keys a run on average, e.g. contexts of >= 1024 tokens a
-rank); on a gathered shard the back end's combine is inside "attention". What happens between
+measured phases. The split is exact when the engine reads a shard in place (the paged decode
+kernel, treeattn.ops.paged_decode: decoding on the CPU in float32 with numba, or on CUDA) or run
+by run (long runs of blocks: engine.runner.COPY_FREE_MIN_KEYS keys a run on average); on a
+gathered shard the back end's combine is inside "attention". What happens between
 steps (the driver's scheduling and the plan's broadcast) is not in the step. Each figure is the
 mean over the steps after `warmup`.
 """
