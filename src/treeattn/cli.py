@@ -21,6 +21,7 @@ LAZY_COMMANDS = {
     "bench": ("treeattn.bench.cli", "bench_app"),
     "eval": ("treeattn.eval.cli", "eval_app"),
     "serve": ("treeattn.serve.cli", "serve_command"),
+    "linearize": ("treeattn.linear.cli", "linearize_command"),
 }
 
 
