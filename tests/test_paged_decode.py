@@ -22,7 +22,7 @@ needs_kernel = pytest.mark.skipif(not KERNEL, reason="numba is not installed (sc
 TOL = 1e-5
 
 
-def make_case(*, B=2, Sq=1, Hq=6, Hkv=2, D=16, Dv=None, BS=8, NB=12, nb=3, lengths=None, window=None, seed=0,
+def make_case(*, B=2, Sq=1, Hq=6, Hkv=2, D=16, Dv=None, BS=8, NB=12, nb=3, lengths=None, seed=0,
               logit_scale=1.0, values_in_keys=False, q_pos=None, dtype=torch.float32):
     """A random block pool and a table of distinct blocks per sequence; sequence b holds lengths[b]
     keys at positions 0..lengths[b]-1 in its table's order, and its queries sit right after them."""
@@ -41,11 +41,11 @@ def make_case(*, B=2, Sq=1, Hq=6, Hkv=2, D=16, Dv=None, BS=8, NB=12, nb=3, lengt
     if q_pos is None:
         q_pos = torch.stack([torch.arange(n, n + Sq) for n in lengths])
     q = (torch.randn(B, Sq, Hq, D, generator=g) * logit_scale).to(dtype)
-    layout = pd.PagedDecodeLayout(table, kv_pos, q_pos, block_size=BS, window=window)
+    layout = pd.PagedDecodeLayout(table, kv_pos, q_pos, block_size=BS)
     return q, k_blocks, v_blocks, layout
 
 
-def reference(q, k_blocks, v_blocks, layout):
+def reference(q, k_blocks, v_blocks, layout, window=None):
     """float64 softmax over the gathered keys with the causal (and window) mask."""
     B, nb = layout.block_table.shape
     if nb == 0:  # no key: the merge's identity
@@ -53,7 +53,7 @@ def reference(q, k_blocks, v_blocks, layout):
         return torch.zeros(B, Sq, Hq, v_blocks.shape[-1], dtype=torch.float64), torch.full((B, Hq, Sq), float("-inf"), dtype=torch.float64)
     k = k_blocks[layout.block_table].reshape(B, nb * layout.block_size, *k_blocks.shape[2:])
     v = v_blocks[layout.block_table].reshape(B, nb * layout.block_size, *v_blocks.shape[2:])
-    return ta.reference_attention(q, k, v, causal=True, q_pos=layout.q_pos, kv_pos=layout.kv_pos, window=layout.window)
+    return ta.reference_attention(q, k, v, causal=True, q_pos=layout.q_pos, kv_pos=layout.kv_pos, window=window)
 
 
 def check(out, lse, ref_out, ref_lse):
@@ -83,7 +83,7 @@ CASES = {
     "uneven and padded": dict(lengths=[17, 3], nb=3),
     "no block": dict(nb=0, lengths=[0, 0]),
     "drafts": dict(Sq=4, lengths=[20, 9]),
-    "window": dict(Sq=3, lengths=[24, 13], window=5),
+    "window": dict(Sq=3, lengths=[24, 13]),  # with WINDOWS["window"]
     "padding query": dict(Sq=2, q_pos=torch.tensor([[5, 6], [-1, -1]]), lengths=[7, 7]),
     "mla values in keys": dict(Hq=4, Hkv=1, D=24, Dv=16, values_in_keys=True),
     "value dim differs": dict(D=16, Dv=12),
@@ -93,13 +93,17 @@ CASES = {
 }
 
 
+WINDOWS = {"window": 5}  # the layer's sliding window of these cases
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_matches_float64_reference(case, path):
     q, kb, vb, layout = make_case(**CASES[case])
-    out, lse = pd.paged_decode_attention(q, kb, vb, layout)
+    window = WINDOWS.get(case)
+    out, lse = pd.paged_decode_attention(q, kb, vb, layout, window=window)
     assert out.shape == (*q.shape[:3], vb.shape[-1]) and out.dtype == q.dtype
     assert lse.shape == (q.shape[0], q.shape[2], q.shape[1]) and lse.dtype == torch.float32
-    check(out, lse, *reference(q, kb, vb, layout))
+    check(out, lse, *reference(q, kb, vb, layout, window))
 
 
 def test_rows_that_see_nothing_are_zero_and_minus_inf(path):
@@ -199,6 +203,6 @@ def test_cuda_branch_through_the_triton_interpreter(case, monkeypatch):
     q, kb, vb, layout = make_case(**params)
     ref = reference(q, kb, vb, layout)
     layout = pd.PagedDecodeLayout(*(t.to(device) for t in (layout.block_table, layout.kv_pos, layout.q_pos)),
-                                  block_size=layout.block_size, window=layout.window)
+                                  block_size=layout.block_size)
     out, lse = pd.paged_decode_attention(q.to(device), kb.to(device), vb.to(device), layout)
     check(out.cpu(), lse.cpu(), *ref)

@@ -201,7 +201,7 @@ class PagedBatch:
                 o = self._attend_shared(g, flat, k_g, v_g, pos_g)
             elif g.paged is not None:
                 q_g = flat[g.q_index]
-                o = self._combine(*self._paged_state(g, q_g)).to(q_g.dtype)
+                o = self._combine(*self._paged_state(g, q_g, window)).to(q_g.dtype)
             elif g.copy_free:
                 o = self._attend_runs(g, flat[g.q_index])
             else:
@@ -226,11 +226,12 @@ class PagedBatch:
         out, lse = g.shared.merge_into(out.to(acc), lse.to(acc), flat, self.cache, self._layer)
         return self._combine(out, lse).to(q.dtype)
 
-    def _paged_state(self, g: _Group, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """q (B, S, Hq, D) of decoding group g over this rank's blocks, read in place by the paged
-        kernel (treeattn.ops.paged_decode): this rank's state, out (B, S, Hq, Dv) and lse (B, Hq, S) float32."""
+    def _paged_state(self, g: _Group, q: torch.Tensor, window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """q (B, S, Hq, D) of decoding group g over this rank's blocks (the layer's sliding window
+        applied), read in place by the paged kernel (treeattn.ops.paged_decode): this rank's state,
+        out (B, S, Hq, Dv) and lse (B, Hq, S) float32."""
         k, v = self.cache.blocks(self._layer)
-        out, lse = paged_decode_attention(q, k, v, g.paged)
+        out, lse = paged_decode_attention(q, k, v, g.paged, window=window)
         return out.to(torch.promote_types(out.dtype, torch.float32)), lse  # the Triton kernel's out is in q.dtype
 
     def _attend_runs(self, g: _Group, q: torch.Tensor) -> torch.Tensor:

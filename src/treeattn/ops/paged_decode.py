@@ -1,7 +1,7 @@
 """Decode attention over a paged KV cache, reading the blocks in place (no gathered copy).
 
     layout = PagedDecodeLayout(block_table, kv_pos, q_pos, block_size=BS)     # once per step
-    out, lse = paged_decode_attention(q, k_blocks, v_blocks, layout)          # once per layer
+    out, lse = paged_decode_attention(q, k_blocks, v_blocks, layout, window=W)   # once per layer
 
     block_table: int64 (B, nb)       the blocks of each sequence (any order, padding blocks too)
     kv_pos:      int64 (B, nb * BS)  the position of every slot of those blocks; a slot that holds no
@@ -14,7 +14,7 @@
     out:         (B, Sq, Hq, Dv) in q.dtype;  lse: (B, Hq, Sq) float32 (natural log, scale included)
 
 A key at kv_pos is visible to a query at q_pos iff kv_pos <= q_pos (and q_pos - kv_pos < window
-with a sliding window). The result is one rank's attention state: tree decoding merges the ranks'
+with the layer's sliding window W). The result is one rank's attention state: tree decoding merges the ranks'
 states with combine_states, exactly as for ops.attention.
 
 Everything that depends only on the step (shapes, dtypes and ranges of the table and positions)
@@ -91,7 +91,6 @@ class PagedDecodeLayout:
         kv_pos: int64 (B, nb * block_size) position of every slot of the table's blocks.
         q_pos: int64 (B, Sq) positions of the queries (Sq >= 1; -1 for padding queries).
         block_size: tokens per block (BS >= 1).
-        window: sliding window W (key visible iff 0 <= q_pos - kv_pos < W) or None.
         threads: threads for the kernel (default: torch.get_num_threads()).
 
     Raises:
@@ -99,7 +98,7 @@ class PagedDecodeLayout:
     """
 
     def __init__(self, block_table: torch.Tensor, kv_pos: torch.Tensor, q_pos: torch.Tensor, *, block_size: int,
-                 window: int | None = None, threads: int | None = None) -> None:
+                 threads: int | None = None) -> None:
         if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
             raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
         for name, t in (("block_table", block_table), ("kv_pos", kv_pos), ("q_pos", q_pos)):
@@ -116,7 +115,6 @@ class PagedDecodeLayout:
                              f"{kv_pos.device}, {q_pos.device}")
         if block_table.numel() and int(block_table.min()) < 0:
             raise ValueError(f"block_table must hold block ids >= 0, got {int(block_table.min())}")
-        self.window = check_window(window)
         self.block_table, self.kv_pos, self.q_pos = block_table, kv_pos, q_pos
         self.batch, self.queries, self.block_size = B, q_pos.shape[1], block_size
         self.max_block = int(block_table.max()) if block_table.numel() else -1
@@ -147,7 +145,7 @@ class PagedDecodeLayout:
 
 
 def paged_decode_attention(q: torch.Tensor, k_blocks: torch.Tensor, v_blocks: torch.Tensor, layout: PagedDecodeLayout, *,
-                           scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                           scale: float | None = None, window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """One layer's attention of q over the blocks of `layout`, read in place.
 
     Args:
@@ -156,6 +154,7 @@ def paged_decode_attention(q: torch.Tensor, k_blocks: torch.Tensor, v_blocks: to
         v_blocks: (NB, BS, Hkv, Dv), or a view of k_blocks[..., :Dv] (its first Dv channels).
         layout: the step's PagedDecodeLayout.
         scale: softmax scale, default D ** -0.5.
+        window: this layer's sliding window W (a key is visible iff 0 <= q_pos - kv_pos < W) or None.
 
     Returns:
         out (B, Sq, Hq, Dv) in q.dtype and lse (B, Hq, Sq) float32 (float64 for float64 q): this
@@ -176,18 +175,19 @@ def paged_decode_attention(q: torch.Tensor, k_blocks: torch.Tensor, v_blocks: to
         raise TypeError(f"q, k_blocks, v_blocks must share dtype and device, got {q.dtype}/{q.device}, "
                         f"{k_blocks.dtype}/{k_blocks.device}, {v_blocks.dtype}/{v_blocks.device}")
     scale = check_scale(scale, D)
+    window = check_window(window)
     triton = _triton_kernel(q)
     if triton is not None and triton.unsupported_reason(q, k_blocks, v_blocks) is None:
         table, seq_lens = layout._triton_arrays()
         return triton.paged_decode_attention(q, k_blocks, v_blocks, table, seq_lens, scale=scale, causal=True, q_pos=layout.q_pos,
-                                             kv_pos=layout.kv_pos, window=layout.window)
+                                             kv_pos=layout.kv_pos, window=window)
     values_in_keys = v_blocks.data_ptr() == k_blocks.data_ptr() and v_blocks.stride() == k_blocks.stride()
     if kernel_takes(q.dtype, q.device) and k_blocks.is_contiguous() and (values_in_keys or v_blocks.is_contiguous()):
-        return _kernel_attention(q, k_blocks, v_blocks if not values_in_keys else k_blocks, Dv, layout, scale)
-    return _gathered_attention(q, k_blocks, v_blocks, layout, scale)
+        return _kernel_attention(q, k_blocks, v_blocks if not values_in_keys else k_blocks, Dv, layout, scale, window)
+    return _gathered_attention(q, k_blocks, v_blocks, layout, scale, window)
 
 
-def _kernel_attention(q, k_blocks, v_store, Dv, layout: PagedDecodeLayout, scale: float):
+def _kernel_attention(q, k_blocks, v_store, Dv, layout: PagedDecodeLayout, scale: float, window: int | None):
     """The compiled CPU kernel: v_store is v_blocks, or k_blocks when the values are its first Dv channels."""
     kernel = _kernel_module()
     B, Sq, Hq, D = q.shape
@@ -200,14 +200,14 @@ def _kernel_attention(q, k_blocks, v_store, Dv, layout: PagedDecodeLayout, scale
     m_p = torch.empty(R, splits, Hkv, G)
     l_p = torch.empty(R, splits, Hkv, G)
     kernel.attend_splits(q_rows.numpy(), k_blocks.numpy(), v_store.numpy(), Dv, scale, table, kv_pos, row_seq, q_pos,
-                         layout.window or 0, splits, out_p.numpy(), m_p.numpy(), l_p.numpy())
+                         window or 0, splits, out_p.numpy(), m_p.numpy(), l_p.numpy())
     out = torch.empty(R, Hkv, G, Dv)
     lse = torch.empty(R, Hkv, G)
     kernel.merge_splits(out_p.numpy(), m_p.numpy(), l_p.numpy(), out.numpy(), lse.numpy())
     return out.view(B, Sq, Hq, Dv), lse.view(B, Sq, Hq).transpose(1, 2).contiguous()
 
 
-def _gathered_attention(q, k_blocks, v_blocks, layout: PagedDecodeLayout, scale: float):
+def _gathered_attention(q, k_blocks, v_blocks, layout: PagedDecodeLayout, scale: float, window: int | None):
     """Any dtype and device: the table's blocks gathered into one copy, then ops.attention."""
     B, nb = layout.block_table.shape
     BS = layout.block_size
@@ -215,5 +215,5 @@ def _gathered_attention(q, k_blocks, v_blocks, layout: PagedDecodeLayout, scale:
     k = k_blocks[table].reshape(B, nb * BS, *k_blocks.shape[2:])
     v = v_blocks[table].reshape(B, nb * BS, *v_blocks.shape[2:])
     out, lse = attention(q, k, v, scale=scale, causal=True, q_pos=layout.q_pos.to(q.device), kv_pos=layout.kv_pos.to(q.device),
-                         window=layout.window)
+                         window=window)
     return out, lse
