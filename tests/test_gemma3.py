@@ -5,6 +5,10 @@ model_type gemma3_text, one of gemma3 (image-text, the text model inside), and a
 the real file's tensor types (Q4_K, Q5_0, Q6_K, Q8_0, F32) and a Gemma SentencePiece vocabulary.
 The prompts are longer than the window (4), so window and global layers both matter. float32
 throughout: logits agree to float32 rounding (1e-4 on logits of size ~1-10 is ~100x that).
+
+The engine runs Gemma 3 with the hybrid KV cache (treeattn.cache.window): the global layer's keys
+and values sharded in the paged cache, the window layers' last W - 1 positions per sequence on
+every rank; its greedy tokens must equal transformers' uncached recomputation in every mode.
 """
 
 from __future__ import annotations
@@ -128,10 +132,37 @@ def test_chat_is_refused_in_one_line_without_a_template(files):
     assert re.search(r"--chat: .*tiny\.gguf has no chat template", result.stderr), result.stderr
 
 
-# -------------------------------------------------------------- the engine: tokens equal transformers'
+# ------------------------------------------------- the hybrid KV cache: window layers keep their window
 
-PROMPTS = [PROMPT, PROMPT[:9] + [277, 279, 286]]
-NEW = 8
+def test_window_cache_keeps_the_window_and_rolls_back_over_drafts():
+    from treeattn.cache.window import WindowKVCache, hybrid_windows, paged_layers
+
+    assert hybrid_windows((4, None, 4)) == {0: 4, 2: 4} and paged_layers((4, None, 4)) == [1]
+    assert hybrid_windows((4, 4)) == {} and paged_layers((4, 4)) == [0, 1]  # all windowed: the paged cache keeps all
+    cache = WindowKVCache({0: 4}, num_kv_heads=1, head_dim=2)
+    rows = torch.arange(20, dtype=torch.float32)[:, None, None].expand(20, 1, 2)  # row i holds position i's value i
+
+    def step(start, n, drafts=0):
+        k, v, pos = cache.extend(0, 7, start, rows[start : start + n], rows[start : start + n] + 100, keep_from=start + n - drafts)
+        assert torch.equal(pos, torch.arange(max(0, start - 3), start + n)) and torch.equal(k[:, 0, 0], pos.float())
+        assert torch.equal(v[:, 0, 0], pos.float() + 100)
+
+    step(0, 6)  # a prompt chunk
+    assert cache.nbytes() == 3 * 2 * 2 * 4  # W - 1 = 3 positions of keys and values
+    step(6, 3, drafts=2)  # a token and two drafts: position 7 on may be rejected
+    step(7, 2)  # one draft was rejected: the next step starts at 7 again
+    step(9, 1)
+    with pytest.raises(RuntimeError, match=r"sequence 7 starts at position 4 .* needs positions \[1, 4\) kept, but holds \[7, 10\)"):
+        step(4, 1)
+    step(0, 2)  # position 0: the sequence starts afresh (preempted and recomputed)
+    cache.release(7)
+    assert cache.nbytes() == 0
+    with pytest.raises(RuntimeError, match="holds nothing"):
+        step(5, 1)
+
+
+PROMPTS = [PROMPT, PROMPT[:9] + [277, 279, 286], [2] + [280, 290, 295, 300, 301, 270] * 25]  # the last: 151 tokens
+NEW = 6
 
 
 def _greedy_uncached(model, prompt: list[int], n: int) -> list[int]:
@@ -142,26 +173,65 @@ def _greedy_uncached(model, prompt: list[int], n: int) -> list[int]:
     return ids[len(prompt):]
 
 
+CASES = [(1, dict(decode="local")),
+         (2, dict(decode="tree", prefill_chunk=256)),  # the 151-token prompt: one token-parallel step
+         (2, dict(decode="ring", placement="interleaved", speculate="ngram", draft_tokens=3)),
+         (2, dict(decode="tree", max_batch_size=1))]  # one sequence at a time: the others wait, then run
+
+
 def _engine_runs(rank: int, world_size: int, path: str) -> list:
+    """Every case's tokens, requests submitted at once (continuous batching), and rank 0's engine
+    stats and each rank's KV bytes."""
     torch.set_num_threads(1)
     import torch.distributed as dist
 
     model = load_model(path)
     groups = {1: dist.new_group([0]), 2: None}
     out = []
-    for p, options in [(1, dict(decode="local")), (2, dict(decode="tree")), (2, dict(decode="ring")),
-                       (2, dict(decode="tree", placement="interleaved", prefix_cache=True))]:
+    for p, options in CASES:
         if rank >= p:
             continue
-        with ta.Engine(model, group=groups[p], timeout_s=60, cache_tokens=512, block_size=4, prefill_chunk=8, **options) as engine:
+        options = dict(dict(cache_tokens=512, block_size=4, prefill_chunk=8), **options)
+        with ta.Engine(model, group=groups[p], timeout_s=60, **options) as engine:
             if engine.is_driver:
                 handles = [engine.submit(prompt, SamplingParams(max_new_tokens=NEW)) for prompt in PROMPTS]
-                out.append((p, options, [h.result(timeout=120).token_ids for h in handles]))
+                tokens = [h.result(timeout=120).token_ids for h in handles]
+                out.append((p, options, tokens, engine.stats(), [m.kv_bytes for m in engine.rank_measurements()]))
     return out
 
 
-def test_engine_tokens_equal_transformers_uncached_greedy(files):
+@pytest.fixture(scope="module")
+def engine_runs(files):
+    return spawn(_engine_runs, 2, str(files["root"] / "text"), timeout=300)[0]
+
+
+def test_engine_tokens_equal_transformers_uncached_greedy(files, engine_runs):
+    """Local, tree and ring decoding, a token-parallel prefill step, speculative decoding and
+    sequences queued behind a full batch: the same greedy tokens as transformers' recomputation."""
     refs = [_greedy_uncached(files["text"], prompt, NEW) for prompt in PROMPTS]
-    path = files["root"] / "text"
-    for p, options, tokens in spawn(_engine_runs, 2, str(path), timeout=300)[0]:
+    assert [(p, o) for p, o, *_ in engine_runs] == [(p, dict(dict(cache_tokens=512, block_size=4, prefill_chunk=8), **o))
+                                                    for p, o in CASES]
+    for p, options, tokens, stats, _ in engine_runs:
         assert tokens == refs, (p, options)
+        assert stats["prefix_hit_tokens"] == 0  # a hybrid model's prefix cache is off
+
+
+def test_engine_keeps_only_the_global_layers_paged(files, engine_runs):
+    """The paged arena holds the one global layer of six; the window layers at most W - 1 = 3
+    positions per sequence (and its drafts: up to 3), whatever its length."""
+    per_slot = 1 * 2 * 1 * 256 * 4  # one layer, keys and values, 1 KV head of 256, float32
+    for p, options, _, stats, kv_bytes in engine_runs:
+        arena = (stats["blocks_total"] // p + 1) * 4 * per_slot  # blocks of every rank + the pad block
+        windows = len(PROMPTS) * 5 * (WINDOW - 1 + 3) * per_slot
+        assert all(arena <= b <= arena + windows for b in kv_bytes), (p, options, kv_bytes, arena)
+
+
+def test_generate_json_reports_global_and_window_bytes(files, tmp_path):
+    ids = tmp_path / "ids.json"
+    ids.write_text(json.dumps(PROMPT))
+    result = CliRunner().invoke(app, ["generate", str(files["root"] / "tiny.gguf"), "--prompt-ids", str(ids), "--max-new-tokens", "3",
+                                      "--no-stop", "--json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["kv_bytes_per_token"] == 1 * 2 * 256 * 4  # the global layer only
+    assert report["kv_window_bytes"] == 5 * (WINDOW - 1) * 2 * 256 * 4  # five window layers, W - 1 positions each

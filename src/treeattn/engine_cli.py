@@ -405,6 +405,8 @@ def _json_report(result: dict, texts, batched: bool, total_s: float, ranking: li
     }
     report["kv_bytes_per_rank"] = result["kv_bytes_per_rank"]
     report["kv_bytes_per_token"] = result["kv_bytes_per_token"]
+    if result["kv_window_bytes"]:
+        report["kv_window_bytes"] = result["kv_window_bytes"]
     report["peak_rss_bytes_per_rank"] = result["peak_rss_bytes_per_rank"]
     report["run"] = {k: result[k] for k in ("world_size", "decode", "method", "prefill", "placement")}
     return report
@@ -436,7 +438,11 @@ def _summary_table(result: dict, total_s: float) -> Table:
         if "draft_model" in spec:
             table.add_row("draft model", Path(spec["draft_model"]).name)
     table.add_row("KV cache per rank", ", ".join(_bytes(b) for b in result["kv_bytes_per_rank"]))
-    table.add_row("KV cache per token", f"{_bytes(result['kv_bytes_per_token'])} (all layers)")
+    if result["kv_window_bytes"]:
+        table.add_row("KV cache per token", f"{_bytes(result['kv_bytes_per_token'])} (global layers)")
+        table.add_row("KV cache of the windows", f"{_bytes(result['kv_window_bytes'])} per sequence, every rank")
+    else:
+        table.add_row("KV cache per token", f"{_bytes(result['kv_bytes_per_token'])} (all layers)")
     table.add_row("comm per token (all ranks)", _bytes(result["comm_bytes_per_token"]) if steps else "-")
     table.add_row("total wall time", f"{total_s:.2f} s")
     return table

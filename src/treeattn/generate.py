@@ -52,6 +52,7 @@ import torch
 import torch.distributed as dist
 
 from treeattn.cache.sharded import kv_bytes_per_token
+from treeattn.cache.window import window_bytes_per_sequence
 from treeattn.engine.config import (
     ConfigError,
     ConfigTypeError,
@@ -110,8 +111,11 @@ class GenerationResult:
         step_times_s: wall time of each decode step on rank 0.
         world_size, decode, method, prefill, placement: how it ran.
         kv_bytes_per_rank: bytes of KV cache each rank holds (its block arena).
-        kv_bytes_per_token: bytes of keys and values one token takes in all layers (an MLA model's
-            latent cache: one latent + RoPE key per layer).
+        kv_bytes_per_token: bytes of keys and values one more token takes in the layers the
+            sequence-sharded cache holds (an MLA model's latent cache: one latent + RoPE key per
+            layer; a hybrid model such as Gemma 3: its global layers only).
+        kv_window_bytes: bytes a hybrid model's sliding-window layers keep per sequence on every
+            rank (W - 1 positions of each; treeattn.cache.window); 0 for other models.
         comm_bytes_per_rank: bytes each rank sent during the decode steps (treeattn's accounting).
         prefill_comm_bytes_per_rank: bytes each rank sent during the prefill steps.
         peak_rss_bytes_per_rank: peak resident memory of each rank during the decode steps
@@ -144,6 +148,7 @@ class GenerationResult:
     placement: str
     kv_bytes_per_rank: list[int] = field(default_factory=list)
     kv_bytes_per_token: int = 0
+    kv_window_bytes: int = 0
     comm_bytes_per_rank: list[float] = field(default_factory=list)
     prefill_comm_bytes_per_rank: list[float] = field(default_factory=list)
     peak_rss_bytes_per_rank: list[int] = field(default_factory=list)
@@ -410,6 +415,7 @@ class Generation:
             method=c.method, prefill=self.prefill, placement=c.placement,
             kv_bytes_per_rank=[m.kv_bytes for m in measured],
             kv_bytes_per_token=kv_bytes_per_token(self.model.config, self.model.dtype),
+            kv_window_bytes=window_bytes_per_sequence(self.model.config, self.model.dtype),
             comm_bytes_per_rank=[m.bytes_sent("decode") for m in measured],
             prefill_comm_bytes_per_rank=[m.bytes_sent("prefill") for m in measured],
             peak_rss_bytes_per_rank=[m.peak_rss_bytes.get("decode", 0) for m in measured],

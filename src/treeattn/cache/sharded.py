@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from treeattn.cache.placement import Placement, make_placement
+from treeattn.cache.window import paged_layers
 
 logger = logging.getLogger(__name__)
 
@@ -66,12 +67,15 @@ class SlotRange:
 
 
 def kv_bytes_per_token(model_config, dtype: torch.dtype) -> int:
-    """Bytes of KV cache one token takes in all layers of a model (positions not counted): keys and
-    values of num_kv_heads x head_dim each, or keys only when model_config.cache_value_dim says the
-    values are a view of them (MLA's latent cache)."""
+    """Bytes of KV cache one more token takes (positions not counted): keys and values of
+    num_kv_heads x head_dim each, or keys only when model_config.cache_value_dim says the values
+    are a view of them (MLA's latent cache), in every layer the sequence-sharded cache holds -- all
+    layers, except the window layers of a hybrid model (treeattn.cache.window: a fixed cost per
+    sequence, window_bytes_per_sequence)."""
     planes = 1 if model_config.cache_value_dim else 2
     itemsize = torch.empty((), dtype=dtype).element_size()
-    return model_config.num_layers * planes * model_config.num_kv_heads * model_config.head_dim * itemsize
+    layers = len(paged_layers(tuple(model_config.layer_windows)))
+    return layers * planes * model_config.num_kv_heads * model_config.head_dim * itemsize
 
 
 class ShardedKVCache:

@@ -53,6 +53,7 @@ from treeattn.cache.blocks import ShardedBlockPool
 from treeattn.cache.placement import PLACEMENTS
 from treeattn.cache.prefix import PrefixCache
 from treeattn.cache.sharded import kv_bytes_per_token
+from treeattn.cache.window import hybrid_windows
 from treeattn.engine.config import (DEFAULT_METHOD, ConfigError, check_draft_model_option, device_memory_bytes, format_bytes,
                                    model_bytes, resolve_method)
 from treeattn.engine.measure import RankMeasurements
@@ -358,7 +359,10 @@ class Engine:
         self.pool = ShardedBlockPool(world_size=self.config.nproc, blocks_per_rank=blocks_per_rank,
                                      block_size=self.config.block_size, placement=self.config.placement,
                                      span_blocks=self.config.span_blocks(info.max_position_embeddings))
-        self.prefix_cache = PrefixCache(self.pool) if self.config.prefix_cache else None
+        # A hybrid model's window layers keep no state for a cached prefix (treeattn.cache.window):
+        # its prefix cache is off.
+        hybrid = bool(hybrid_windows(tuple(files.config.layer_windows)))
+        self.prefix_cache = PrefixCache(self.pool) if self.config.prefix_cache and not hybrid else None
         self.scheduler = Scheduler(self.pool, max_batch_size=self.config.max_batch_size,
                                    prefill_chunk=self.config.prefill_chunk, prefix_cache=self.prefix_cache,
                                    drafter=_drafter(self.config.speculate), draft_tokens=self.config.draft_tokens,

