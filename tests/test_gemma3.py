@@ -235,3 +235,15 @@ def test_generate_json_reports_global_and_window_bytes(files, tmp_path):
     report = json.loads(result.stdout)
     assert report["kv_bytes_per_token"] == 1 * 2 * 256 * 4  # the global layer only
     assert report["kv_window_bytes"] == 5 * (WINDOW - 1) * 2 * 256 * 4  # five window layers, W - 1 positions each
+
+
+def test_demo_long_on_a_base_model_prints_kv_memory_against_a_full_cache(files):
+    """`treeattn demo --long` path on the tiny Gemma GGUF (no chat template: a plain-text prompt),
+    tree and ring on 2 ranks giving the same tokens, and the KV memory lines."""
+    result = CliRunner().invoke(app, ["demo", "--long", "--model", str(files["root"] / "tiny.gguf"), "--context", "120", "--nproc", "2",
+                                      "--new-tokens", "2", "--no-reference"])
+    assert result.exit_code == 0, result.output
+    assert "as plain text to complete (no chat template)" in result.stdout
+    assert re.search(r"KV cache per rank \(measured, 2 ranks\): .* per token 2\.00 KiB \(global layers\) \+ 30\.00 KiB of windows",
+                     result.stdout), result.stdout
+    assert re.search(r"a full cache of all 6 layers for \d+ positions: .* \(12\.00 KiB per token\)", result.stdout), result.stdout

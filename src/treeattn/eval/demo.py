@@ -62,6 +62,7 @@ class DocumentDemo:
     reference: MethodRun | None
     sharded: Timing
     single: Timing | None
+    chat: bool = True  # the prompt went through a chat template (False: plain text for a base model)
 
     @property
     def all_same(self) -> bool:
@@ -78,13 +79,13 @@ def run_document_demo(model: str | Path | None = None, *, context: int = 4096, d
 
     path = str(model) if model is not None else str(smollm2_path())
     files = read_model_files(path)
-    if files.tokenizer is None or files.chat_template is None:
-        raise ValueError(f"{path}: the demo needs a model with a tokenizer and a chat template")
+    if files.tokenizer is None:
+        raise ValueError(f"{path}: the demo needs a model with a tokenizer")
     case = needle_case(files.tokenizer, files.chat_template, context_tokens=context, depth=depth, seed=seed)
     if len(case.prompt_ids) + new_tokens > files.config.max_position_embeddings:
         raise ValueError(f"--context {context}: the prompt ({len(case.prompt_ids)} tokens) + {new_tokens} new tokens exceed "
                          f"the model's context window of {files.config.max_position_embeddings}")
-    eot = end_of_turn_id(files.tokenizer, files.chat_template)
+    eot = end_of_turn_id(files.tokenizer, files.chat_template) if files.chat_template is not None else None
     stop = list(files.config.eos_token_ids) + ([eot] if eot is not None else [])
     methods = (("tree", DEFAULT_METHOD), ("ring", "allreduce"))
     runs, sharded = decode_methods(path, [case.prompt_ids], nproc=nproc, methods=methods, max_new_tokens=new_tokens,
@@ -95,7 +96,7 @@ def run_document_demo(model: str | Path | None = None, *, context: int = 4096, d
                                           threads=threads)
         ref = ref_runs[0][0]
     answer = files.tokenizer.decode(runs[0][0].result.generated_ids[0])
-    return DocumentDemo(path, case, answer, is_correct(answer, case), runs[0], ref, sharded, single)
+    return DocumentDemo(path, case, answer, is_correct(answer, case), runs[0], ref, sharded, single, files.chat_template is not None)
 
 
 __all__ = ["DocumentDemo", "gemma3_path", "run_document_demo", "smollm2_path"]

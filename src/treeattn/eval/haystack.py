@@ -51,6 +51,8 @@ FILLER = (
 )
 NEEDLE = "The secret number is {answer}."
 QUESTION = "What is the secret number? Answer with the number only."
+# A base model's prompt (no chat template): the answer is what completes the last line.
+COMPLETION = "{document}\n\nQuestion: {question}\nAnswer: The secret number is"
 
 
 @dataclass(frozen=True)
@@ -77,14 +79,14 @@ class NeedleCase:
 def needle_case(tokenizer, template, *, context_tokens: int, depth: float, seed: int = 0, system: str | None = None) -> NeedleCase:
     """Build a prompt of about `context_tokens` tokens (tokenizer's count; the filler is cut to what
     the template, instructions, needle and question leave) with the needle at `depth`, rendered
-    with the question through the chat `template`."""
-    from treeattn.models.chat import encode_chat, messages
+    with the question through the chat `template`; with template None (a base model), as plain
+    text to complete (COMPLETION: the document, the question, then "Answer: The secret number is")."""
 
     if not 0 <= depth <= 1:
         raise ValueError(f"depth must be in [0, 1], got {depth}")
     rng = random.Random(seed * 1_000_003 + context_tokens)
     answer = str(rng.randrange(1000, 10000))
-    frame = len(encode_chat(tokenizer, template, messages(_user_message(NEEDLE.format(answer=answer)), system=system)))
+    frame = len(_encode(tokenizer, template, NEEDLE.format(answer=answer), system))
     budget = context_tokens - frame
     if budget < 1:
         raise ValueError(f"context_tokens={context_tokens} leaves no room for filler: the question and template take {frame}")
@@ -105,8 +107,17 @@ def needle_case(tokenizer, template, *, context_tokens: int, depth: float, seed:
     cut = min(range(len(sentences) + 1), key=lambda i: abs(sum(lengths[:i]) - depth * total))
     needle = NEEDLE.format(answer=answer)
     document = " ".join(sentences[:cut] + [needle] + sentences[cut:])
-    ids = encode_chat(tokenizer, template, messages(_user_message(document), system=system))
+    ids = _encode(tokenizer, template, document, system)
     return NeedleCase(ids, answer, context_tokens, depth, sum(lengths[:cut]) / max(total, 1), QUESTION)
+
+
+def _encode(tokenizer, template, document: str, system: str | None) -> list[int]:
+    """The prompt's ids: the chat-rendered user message, or (template None) COMPLETION's text."""
+    from treeattn.models.chat import encode_chat, messages
+
+    if template is None:
+        return tokenizer.encode(COMPLETION.format(document=document, question=QUESTION.split("?")[0] + "?")).ids
+    return encode_chat(tokenizer, template, messages(_user_message(document), system=system))
 
 
 def _user_message(document: str) -> str:

@@ -92,8 +92,10 @@ def run_needle(
     threads: int | None = None,
     allow_beyond_context: bool = False,
 ) -> NeedleReport:
-    """Run the grid; see the module docstring. Raises ValueError for a model without tokenizer or
-    chat template, or a length beyond the model's window (unless allow_beyond_context)."""
+    """Run the grid; see the module docstring. A model without a chat template (a base model such
+    as Gemma 3 270M) gets the document and question as plain text to complete (haystack.COMPLETION).
+    Raises ValueError for a model without tokenizer, or a length beyond the model's window (unless
+    allow_beyond_context)."""
     from treeattn.eval.runner import decode_methods, method_name
     from treeattn.models.chat import end_of_turn_id
     from treeattn.models.loader import read_model_files
@@ -101,8 +103,6 @@ def run_needle(
     files = read_model_files(model_path)
     if files.tokenizer is None:
         raise ValueError(f"{model_path}: the model has no tokenizer (tokenizer.json / tokenizer.ggml.*): the eval needs text")
-    if files.chat_template is None:
-        raise ValueError(f"{model_path}: the model has no chat template: the eval asks its question through one")
     window = files.config.max_position_embeddings
     fit = window - max_new_tokens  # a length up to the window is cut so that the answer fits too
     cases = [needle_case(files.tokenizer, files.chat_template, context_tokens=min(n, fit) if n <= window else n, depth=d, seed=seed)
@@ -113,7 +113,7 @@ def run_needle(
                          "(use shorter lengths, or --allow-beyond-context)")
     chosen = (decode, method) if nproc > 1 else ("local", "allreduce")
     methods = [chosen] + ([m for m in ALL_METHODS if m != chosen] if check_methods and nproc > 1 else [])
-    eot = end_of_turn_id(files.tokenizer, files.chat_template)
+    eot = end_of_turn_id(files.tokenizer, files.chat_template) if files.chat_template is not None else None
     stop = list(files.config.eos_token_ids) + ([eot] if eot is not None else [])
     runs, timing = decode_methods(model_path, [c.prompt_ids for c in cases], nproc=nproc, methods=methods,
                                   max_new_tokens=max_new_tokens, stop_tokens=stop, threads=threads)
