@@ -39,7 +39,8 @@ def transformers_twin(model):
         layer_types=["sliding_attention" if w is not None else "full_attention" for w in c.layer_windows],
         rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": c.rope_theta},
                          "sliding_attention": {"rope_type": "default", "rope_theta": c.rope_local_theta}},
-        query_pre_attn_scalar=c.query_pre_attn_scalar, max_position_embeddings=c.max_position_embeddings,
+        query_pre_attn_scalar=int(c.query_pre_attn_scalar) if float(c.query_pre_attn_scalar).is_integer() else c.query_pre_attn_scalar,
+        max_position_embeddings=c.max_position_embeddings,
         tie_word_embeddings=True, attn_implementation="sdpa")
     hf = transformers.Gemma3ForCausalLM(config).eval()
     missing, unexpected = hf.model.load_state_dict(model.state_dict(), strict=False)
