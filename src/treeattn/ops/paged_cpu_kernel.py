@@ -26,9 +26,63 @@ from numba import njit, prange
 _FASTMATH = {"reassoc", "contract"}
 
 
-def set_threads(threads: int) -> None:
-    """Run the parallel kernel on `threads` threads (at most numba's pool; it is per calling thread)."""
-    numba.set_num_threads(max(1, min(threads, numba.config.NUMBA_NUM_THREADS)))
+def attend(threads: int, *args) -> None:
+    """attend_splits on `threads` threads (at most numba's pool; 1: the serial compilation, no pool)."""
+    threads = max(1, min(threads, numba.config.NUMBA_NUM_THREADS))
+    if threads == 1:
+        attend_splits_serial(*args)
+    else:
+        numba.set_num_threads(threads)  # per calling thread
+        attend_splits(*args)
+
+
+@njit(cache=True, fastmath=_FASTMATH)
+def _attend_range(w, q, k, v, dv, scale, table, kv_pos, row_seq, q_pos, window, splits, out, m_out, l_out):  # pragma: no cover - compiled
+    """Work item w = r * splits + sp of attend_splits: query row r over its sp-th range of blocks."""
+    H, G, D = q.shape[1], q.shape[2], q.shape[3]
+    BS = k.shape[1]
+    nb = table.shape[1]
+    per = (nb + splits - 1) // splits
+    r = w // splits
+    sp = w % splits
+    b = row_seq[r]
+    qp = q_pos[r]
+    acc = np.zeros((H, G, dv), dtype=np.float32)
+    m = np.full((H, G), -np.inf, dtype=np.float32)
+    lsum = np.zeros((H, G), dtype=np.float32)
+    s = np.empty(G, dtype=np.float32)
+    j0 = sp * per
+    j1 = min(nb, j0 + per)
+    for j in range(j0, j1):
+        blk = table[b, j]
+        for t in range(BS):
+            kp = kv_pos[b, j * BS + t]
+            if kp > qp or (window > 0 and qp - kp >= window):
+                continue
+            for h in range(H):
+                for g in range(G):
+                    x = np.float32(0.0)
+                    for d in range(D):
+                        x += q[r, h, g, d] * k[blk, t, h, d]
+                    s[g] = x * scale
+                for g in range(G):
+                    x = s[g]
+                    if x > m[h, g]:  # a new max: rescale what was summed against the old one
+                        c = np.float32(math.exp(m[h, g] - x))
+                        lsum[h, g] *= c
+                        for d in range(dv):
+                            acc[h, g, d] *= c
+                        m[h, g] = x
+                    p = np.float32(math.exp(x - m[h, g]))
+                    lsum[h, g] += p
+                    for d in range(dv):
+                        acc[h, g, d] += p * v[blk, t, h, d]
+    for h in range(H):
+        for g in range(G):
+            m_out[r, sp, h, g] = m[h, g]
+            l_out[r, sp, h, g] = lsum[h, g]
+            for d in range(dv):
+                out[r, sp, h, g, d] = acc[h, g, d]
 
 
 @njit(parallel=True, cache=True, fastmath=_FASTMATH)
@@ -45,51 +99,16 @@ def attend_splits(q, k, v, dv, scale, table, kv_pos, row_seq, q_pos, window, spl
     splits: block ranges per row. Writes out (R, splits, Hkv, G, dv) unnormalized, m_out and
     l_out (R, splits, Hkv, G): running max (-inf: no visible key) and sum of exp(score - max).
     """
-    R, H, G, D = q.shape
-    BS = k.shape[1]
-    nb = table.shape[1]
-    per = (nb + splits - 1) // splits
-    for w in prange(R * splits):
-        r = w // splits
-        sp = w % splits
-        b = row_seq[r]
-        qp = q_pos[r]
-        acc = np.zeros((H, G, dv), dtype=np.float32)
-        m = np.full((H, G), -np.inf, dtype=np.float32)
-        lsum = np.zeros((H, G), dtype=np.float32)
-        s = np.empty(G, dtype=np.float32)
-        j0 = sp * per
-        j1 = min(nb, j0 + per)
-        for j in range(j0, j1):
-            blk = table[b, j]
-            for t in range(BS):
-                kp = kv_pos[b, j * BS + t]
-                if kp > qp or (window > 0 and qp - kp >= window):
-                    continue
-                for h in range(H):
-                    for g in range(G):
-                        x = np.float32(0.0)
-                        for d in range(D):
-                            x += q[r, h, g, d] * k[blk, t, h, d]
-                        s[g] = x * scale
-                    for g in range(G):
-                        x = s[g]
-                        if x > m[h, g]:  # a new max: rescale what was summed against the old one
-                            c = np.float32(math.exp(m[h, g] - x))
-                            lsum[h, g] *= c
-                            for d in range(dv):
-                                acc[h, g, d] *= c
-                            m[h, g] = x
-                        p = np.float32(math.exp(x - m[h, g]))
-                        lsum[h, g] += p
-                        for d in range(dv):
-                            acc[h, g, d] += p * v[blk, t, h, d]
-        for h in range(H):
-            for g in range(G):
-                m_out[r, sp, h, g] = m[h, g]
-                l_out[r, sp, h, g] = lsum[h, g]
-                for d in range(dv):
-                    out[r, sp, h, g, d] = acc[h, g, d]
+    for w in prange(q.shape[0] * splits):
+        _attend_range(w, q, k, v, dv, scale, table, kv_pos, row_seq, q_pos, window, splits, out, m_out, l_out)
+
+
+@njit(cache=True, fastmath=_FASTMATH)
+def attend_splits_serial(q, k, v, dv, scale, table, kv_pos, row_seq, q_pos, window, splits, out, m_out, l_out):  # pragma: no cover - compiled
+    """attend_splits on the calling thread alone: no thread pool is started (a rank running with
+    one torch thread, several ranks on one host, then has no second pool spinning beside torch's)."""
+    for w in range(q.shape[0] * splits):
+        _attend_range(w, q, k, v, dv, scale, table, kv_pos, row_seq, q_pos, window, splits, out, m_out, l_out)
 
 
 @njit(cache=True)

@@ -43,7 +43,8 @@ from treeattn.ops.validation import check_scale, check_window
 logger = logging.getLogger(__name__)
 
 # Block ranges per query row when rows alone would leave threads idle: enough ranges that every
-# thread gets ~2 of them, and never fewer than MIN_BLOCKS_PER_SPLIT blocks in a range.
+# thread gets ~2 of them, and never fewer than MIN_BLOCKS_PER_SPLIT blocks in a range (one thread:
+# one range per row).
 SPLITS_PER_THREAD = 2
 MIN_BLOCKS_PER_SPLIT = 1
 
@@ -138,7 +139,8 @@ class PagedDecodeLayout:
             B, Sq = self.batch, self.queries
             rows = B * Sq
             nb = self.block_table.shape[1]
-            splits = max(1, min(max(1, nb // MIN_BLOCKS_PER_SPLIT), -(-SPLITS_PER_THREAD * self.threads // max(rows, 1))))
+            splits = 1 if self.threads <= 1 else max(1, min(max(1, nb // MIN_BLOCKS_PER_SPLIT),
+                                                            -(-SPLITS_PER_THREAD * self.threads // max(rows, 1))))
             self._arrays = (self.block_table.contiguous().numpy(), self.kv_pos.contiguous().numpy(),
                             torch.arange(B).repeat_interleave(Sq).numpy(), self.q_pos.reshape(-1).contiguous().numpy(), splits)
         return self._arrays
@@ -194,12 +196,11 @@ def _kernel_attention(q, k_blocks, v_store, Dv, layout: PagedDecodeLayout, scale
     Hkv = k_blocks.shape[2]
     G, R = Hq // Hkv, B * Sq
     table, kv_pos, row_seq, q_pos, splits = layout._kernel_arrays()
-    kernel.set_threads(layout.threads)
     q_rows = q.reshape(R, Hkv, G, D).contiguous()
     out_p = torch.empty(R, splits, Hkv, G, Dv)
     m_p = torch.empty(R, splits, Hkv, G)
     l_p = torch.empty(R, splits, Hkv, G)
-    kernel.attend_splits(q_rows.numpy(), k_blocks.numpy(), v_store.numpy(), Dv, scale, table, kv_pos, row_seq, q_pos,
+    kernel.attend(layout.threads, q_rows.numpy(), k_blocks.numpy(), v_store.numpy(), Dv, scale, table, kv_pos, row_seq, q_pos,
                          window or 0, splits, out_p.numpy(), m_p.numpy(), l_p.numpy())
     out = torch.empty(R, Hkv, G, Dv)
     lse = torch.empty(R, Hkv, G)
