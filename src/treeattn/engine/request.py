@@ -13,6 +13,7 @@ import math
 from dataclasses import dataclass, field
 
 FINISH_REASONS = ("stop", "length", "cancelled", "error")
+MAX_SEED = 1 << 64  # seeds are in [0, MAX_SEED): what torch.Generator.manual_seed takes
 MAX_LOGPROBS = 20  # most alternatives per token a request may ask for (OpenAI's top_logprobs limit)
 
 
@@ -34,8 +35,8 @@ class SamplingParams:
         temperature: 0 is greedy (argmax); > 0 divides the logits before sampling.
         top_p: nucleus sampling mass in (0, 1]; 1 keeps every token.
         top_k: keep the k most likely tokens; 0 keeps every token.
-        seed: seed of this request's own random generator (>= 0): its draws do not depend on the
-            other requests it runs with.
+        seed: seed of this request's own random generator, in [0, 2**64) (what torch.Generator
+            takes): its draws do not depend on the other requests it runs with.
         stop_token_ids: token ids that end the request (with the token included in the output);
             the model's end-of-sequence ids are added by the engine unless ignore_eos.
         stop: strings that end the request when they appear in the text (needs a tokenizer);
@@ -66,8 +67,8 @@ class SamplingParams:
             raise ValueError(f"top_p must be a number in (0, 1], got {self.top_p!r}")
         if not _is_int(self.top_k) or self.top_k < 0:
             raise ValueError(f"top_k must be an int >= 0 (0 = all tokens), got {self.top_k!r}")
-        if not _is_int(self.seed) or self.seed < 0:
-            raise ValueError(f"seed must be an int >= 0, got {self.seed!r}")
+        if not _is_int(self.seed) or not 0 <= self.seed < MAX_SEED:
+            raise ValueError(f"seed must be an int >= 0 and below 2**64 (a torch.Generator seed), got {self.seed!r}")
         if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise ValueError(f"logprobs must be None or an int in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
         if not isinstance(self.ignore_eos, bool):

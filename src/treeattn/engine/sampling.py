@@ -5,6 +5,11 @@
 temperature 0 is greedy (argmax, no draw). Otherwise logits / temperature, then top-k, then top-p
 (nucleus), then exactly one uniform draw per row from the CPU generator: the same seed gives the
 same stream of draws whatever else runs.
+
+The distribution is computed in float64 from (logits - max) / temperature, so that no temperature,
+however small, overflows to inf - inf = NaN: a temperature of 1e-40 leaves the most likely token
+(ties: each of them) with all the mass, i.e. the answer greedy gives. top_p keeps the most likely
+token whatever its value (1e-50 included), so a tiny top_p answers the argmax too.
 """
 
 from __future__ import annotations
@@ -44,7 +49,8 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
 def sampling_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """The distribution sample() draws from, for temperature > 0: float64 (B, V) on the CPU from
     logits (B, V): logits / temperature, then top-k, then top-p, then softmax."""
-    logits = logits.float().cpu() / params.temperature
+    logits = logits.double().cpu()
+    logits = (logits - logits.amax(dim=-1, keepdim=True)) / params.temperature  # <= 0; the maxima stay 0
     if params.top_k is not None and params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k, dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -52,7 +58,8 @@ def sampling_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
         sorted_logits, order = torch.sort(logits, dim=-1, descending=True, stable=True)
         probs = torch.softmax(sorted_logits, dim=-1)
         mass_before = probs.cumsum(dim=-1) - probs  # probability of the more likely tokens
-        drop_sorted = mass_before >= params.top_p  # the most likely token is always kept
+        drop_sorted = mass_before >= params.top_p
+        drop_sorted[:, 0] = False  # the most likely token is always kept
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
     return torch.softmax(logits, dim=-1).double()

@@ -12,6 +12,13 @@ add_generation_prompt=True, so the text ends where the assistant's answer begins
 already holds every special token the model wants (BOS included, where the template writes it),
 so it is encoded without adding special tokens.
 
+Rendering is bounded, since a template is a program the model file brings: at most
+TEMPLATE_MAX_STEPS steps (each iteration of range(), each call, attribute or item access, each
+intercepted operator), TEMPLATE_MAX_SECONDS of wall-clock time (checked at those steps) and
+TEMPLATE_MAX_CHARS characters of output; `"x" * n` and `a ** b` are refused when their result would
+be too big. Every failure, a bound or anything the template raises (TemplateError, RecursionError,
+TypeError, ...), is one ChatTemplateError (a ValueError) naming the template.
+
 The end-of-turn token is read off the template itself: render an assistant turn around a marker
 and take the first token after the marker (ChatML's <|im_end|>, Llama 3's <|eot_id|>, Mistral's
 </s>). Generation stops there as well as at the model's eos ids.
@@ -21,6 +28,8 @@ from __future__ import annotations
 
 import json
 import os
+import threading
+import time
 from dataclasses import dataclass
 from datetime import datetime
 from functools import cached_property
@@ -30,6 +39,88 @@ TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
 GGUF_TEMPLATE_KEY = "tokenizer.chat_template"
 _MARKER = "\x00treeattn-end-of-turn-probe\x00"
+TEMPLATE_MAX_STEPS = 1_000_000  # range() iterations, calls, attribute/item reads and operators of one rendering
+TEMPLATE_MAX_SECONDS = 5.0  # wall-clock time of one rendering (checked at every step)
+TEMPLATE_MAX_CHARS = 1 << 22  # characters one rendering may produce
+
+
+class ChatTemplateError(ValueError):
+    """A chat template failed (did not compile, raised, or went past a bound).
+
+    Attributes:
+        template_name: the template's name without directories ("model.gguf:tokenizer.chat_template",
+            "tokenizer_config.json"), what a server may show its clients.
+        reason: what went wrong, without the template's path.
+    """
+
+    def __init__(self, source: str, reason: str) -> None:
+        super().__init__(f"{source}: {reason}")
+        self.template_name = os.path.basename(source)
+        self.reason = reason
+
+
+class _Budget(threading.local):
+    """The steps and deadline of the rendering running on this thread (None: not rendering)."""
+
+    steps: int = 0
+    deadline: float | None = None
+
+
+_budget = _Budget()
+
+
+def _step() -> None:
+    """Count one step of the current rendering; raise once it is over its step or time budget."""
+    _budget.steps += 1
+    if _budget.steps > TEMPLATE_MAX_STEPS:
+        raise _TemplateLimit(f"it took more than {TEMPLATE_MAX_STEPS} steps (loop iterations, calls, reads)")
+    if _budget.deadline is not None and _budget.steps % 1024 == 0 and time.monotonic() > _budget.deadline:
+        raise _TemplateLimit(f"it ran for more than {TEMPLATE_MAX_SECONDS:g} s")
+
+
+class _TemplateLimit(Exception):
+    """A rendering went past a bound."""
+
+
+def _bounded_range(*args):
+    for value in range(*args):
+        _step()
+        yield value
+
+
+def _bounded_environment():
+    """A sandboxed jinja2 environment (transformers' settings) whose renderings count their steps."""
+    from jinja2.ext import loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class BoundedEnvironment(ImmutableSandboxedEnvironment):
+        intercepted_binops = frozenset({"*", "**", "+"})
+
+        def call(self, context, obj, *args, **kwargs):
+            _step()
+            return super().call(context, obj, *args, **kwargs)
+
+        def getattr(self, obj, attribute):
+            _step()
+            return super().getattr(obj, attribute)
+
+        def getitem(self, obj, argument):
+            _step()
+            return super().getitem(obj, argument)
+
+        def call_binop(self, context, operator, left, right):
+            _step()
+            if operator == "*":
+                for seq, times in ((left, right), (right, left)):
+                    if isinstance(seq, (str, list, tuple)) and isinstance(times, int) and len(seq) * times > TEMPLATE_MAX_CHARS:
+                        raise _TemplateLimit(f"a repetition would hold more than {TEMPLATE_MAX_CHARS} items")
+            if operator == "**" and isinstance(left, int) and isinstance(right, int) and abs(left) > 1 and right > 256:
+                raise _TemplateLimit(f"{left} ** {right} is too big a power")
+            return super().call_binop(context, operator, left, right)
+
+    env = BoundedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env.globals["range"] = _bounded_range
+    return env
 
 
 @dataclass(frozen=True)
@@ -50,29 +141,48 @@ class ChatTemplate:
 
     @cached_property
     def _compiled(self):
-        from jinja2 import TemplateError
-        from jinja2.ext import loopcontrols
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+        env = _bounded_environment()
         env.filters["tojson"] = lambda value, indent=None, **_: json.dumps(value, ensure_ascii=False, indent=indent)
         env.globals["raise_exception"] = _raise
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
         try:
             return env.from_string(self.template)
-        except TemplateError as exc:
-            raise ValueError(f"{self.source}: the chat template does not compile: {exc}") from exc
+        except Exception as exc:  # noqa: BLE001 -- TemplateSyntaxError, RecursionError on deep nesting, ...
+            raise ChatTemplateError(self.source, f"the chat template does not compile: {_describe(exc)}") from None
 
     def render(self, messages: list[dict], *, add_generation_prompt: bool = True) -> str:
-        """The prompt text of `messages` ([{"role": ..., "content": ...}, ...])."""
-        from jinja2 import TemplateError
+        """The prompt text of `messages` ([{"role": ..., "content": ...}, ...]), within the bounds of
+        the module docstring (TEMPLATE_MAX_STEPS, TEMPLATE_MAX_SECONDS, TEMPLATE_MAX_CHARS).
 
+        Raises:
+            ValueError: bad messages; ChatTemplateError (a ValueError) when the template fails.
+        """
         check_messages(messages)
+        compiled = self._compiled
+        _budget.steps, _budget.deadline = 0, time.monotonic() + TEMPLATE_MAX_SECONDS
+        parts, size = [], 0
         try:
-            return self._compiled.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                         bos_token=self.bos_token or "", eos_token=self.eos_token or "")
-        except TemplateError as exc:
-            raise ValueError(f"{self.source}: the chat template failed on these messages: {exc}") from exc
+            for part in compiled.generate(messages=messages, add_generation_prompt=add_generation_prompt,
+                                          bos_token=self.bos_token or "", eos_token=self.eos_token or ""):
+                _step()
+                size += len(part)
+                if size > TEMPLATE_MAX_CHARS:
+                    raise _TemplateLimit(f"its output is longer than {TEMPLATE_MAX_CHARS} characters")
+                parts.append(part)
+        except Exception as exc:  # noqa: BLE001 -- whatever the template raises is this template's failure
+            raise ChatTemplateError(self.source, f"the chat template failed on these messages: {_describe(exc)}") from None
+        finally:
+            _budget.deadline = None
+        return "".join(parts)
+
+
+def _describe(exc: BaseException) -> str:
+    """One line for a template's failure: the message (jinja2's own, or a bound's), else the type and message."""
+    from jinja2 import TemplateError
+
+    if isinstance(exc, (TemplateError, _TemplateLimit)):
+        return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}".rstrip(": ")
 
 
 def _raise(message: str):
@@ -201,6 +311,7 @@ def encode_prompts(model, prompts) -> tuple[list[list[int]], list[int]]:
 
 __all__ = [
     "ChatTemplate",
+    "ChatTemplateError",
     "check_messages",
     "encode_chat",
     "encode_prompts",

@@ -10,14 +10,24 @@ by then the prompt's blocks are in the engine's prefix cache, so the prompt is p
 its K/V shared by every choice (with the prefix cache off, all are submitted at once).
 
 Admission: a request whose choices would take the engine past `max_pending` choices in flight is
-answered 429 at once; while the engine is unhealthy every endpoint but /health answers 503. A
-client that disconnects cancels its choices, which frees their blocks.
+answered 429 at once, one that asks for more choices than `max_pending` (it could never run) 400;
+while the engine is unhealthy every endpoint but /health answers 503. A client that disconnects
+cancels its choices at once (a task waits for the disconnect), which frees their blocks; /metrics
+counts the request in treeattn_requests_cancelled_total.
+
+Hostile input: the body is limited to `max_request_bytes` (413); prompts are tokenized and chat
+templates rendered in a worker thread, never on the event loop, and a text prompt that could never
+fit the context is refused before it is tokenized; every error, whatever raised it (routing, a
+body that is not JSON or not UTF-8, a lone surrogate, an exception of ours), has OpenAI's shape and
+carries neither a traceback nor a file path; metrics are labelled by route template ("unmatched"
+for paths no route knows), so random paths cannot grow /metrics.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import secrets
 import threading
 import time
@@ -28,10 +38,15 @@ from dataclasses import dataclass, field
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 
 from treeattn.engine.request import MAX_LOGPROBS, SamplingParams, TokenEvent, TokenLogprob
 from treeattn.serve.metrics import CONTENT_TYPE, ServerMetrics
 from treeattn.serve.protocol import APIError, ChatCompletionRequest, CompletionRequest, bad_request
+
+logger = logging.getLogger(__name__)
 
 # Default max_tokens of /v1/completions when the request gives none (OpenAI's legacy default).
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
@@ -47,12 +62,18 @@ class ServerConfig:
     Attributes:
         model_name: the id clients must name in "model" (and that /v1/models lists).
         api_key: when set, every endpoint but /health needs "Authorization: Bearer <api_key>".
-        max_pending: choices in the engine at once (running and queued); more are answered 429.
+        max_pending: choices in the engine at once (running and queued); more are answered 429 (a
+            request that alone asks for more: 400).
+        max_request_bytes: the largest request body taken; a larger one is answered 413.
+        body_timeout_s: seconds a client may take to send a request's body once its headers came;
+            then 408 and the connection is closed.
     """
 
     model_name: str
     api_key: str | None = None
     max_pending: int = 256
+    max_request_bytes: int = 4 << 20
+    body_timeout_s: float = 10.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.model_name, str) or not self.model_name:
@@ -61,6 +82,10 @@ class ServerConfig:
             raise ValueError("api_key must be a non-empty string or None")
         if isinstance(self.max_pending, bool) or not isinstance(self.max_pending, int) or self.max_pending < 1:
             raise ValueError(f"max_pending must be an int >= 1, got {self.max_pending!r}")
+        if isinstance(self.max_request_bytes, bool) or not isinstance(self.max_request_bytes, int) or self.max_request_bytes < 1:
+            raise ValueError(f"max_request_bytes must be an int >= 1, got {self.max_request_bytes!r}")
+        if isinstance(self.body_timeout_s, bool) or not isinstance(self.body_timeout_s, (int, float)) or not self.body_timeout_s > 0:
+            raise ValueError(f"body_timeout_s must be a number > 0, got {self.body_timeout_s!r}")
 
 
 @dataclass
@@ -69,6 +94,7 @@ class _Choice:
     prompt: list[int]
     params: SamplingParams
     leader: int | None = None  # index of the choice whose first token releases this one (n > 1)
+    counts_prompt: bool = True  # the prompt's first choice: /metrics counts the prompt's tokens with it (once, as usage)
     handle: object = None
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token when the request asked
@@ -93,29 +119,43 @@ def create_app(engine, config: ServerConfig, *, chat_template=None, eot_ids: tup
     server = _Server(engine, config, chat_template, eot_ids)
     app.state.server = server
 
+    def answer(request: Request, error: APIError) -> JSONResponse:
+        server.metrics.requests.labels(_route(app, request.scope), str(error.status)).inc()
+        return JSONResponse(error.body, status_code=error.status)
+
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError):
-        server.metrics.requests.labels(request.url.path, str(exc.status)).inc()
-        return JSONResponse(exc.body, status_code=exc.status)
+        return answer(request, exc)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError):
-        error = _validation_message(exc)
-        server.metrics.requests.labels(request.url.path, "400").inc()
-        return JSONResponse(error.body, status_code=400)
+        return answer(request, _validation_message(exc))
 
-    @app.middleware("http")
-    async def _authorize(request: Request, call_next):
-        if config.api_key is not None and request.url.path != "/health":
-            header = request.headers.get("authorization", "")
-            if not secrets.compare_digest(header.encode(), f"Bearer {config.api_key}".encode()):
-                server.metrics.requests.labels(request.url.path, "401").inc()
-                message = "missing API key" if not header else "invalid API key"
-                return JSONResponse(APIError(401, f"{message}: send 'Authorization: Bearer <key>'",
-                                             kind="authentication_error", code="invalid_api_key").body, status_code=401)
-        return await call_next(request)
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        return answer(request, _http_message(exc, request, config))
 
-    @app.get("/health")
+    @app.exception_handler(Exception)
+    async def _internal_error(request: Request, exc: Exception):  # a bug of ours: the request fails, not the server
+        logger.exception("%s %s failed", request.method, _route(app, request.scope))
+        return answer(request, APIError(500, f"internal error ({type(exc).__name__}); the server log has the details",
+                                        kind="server_error"))
+
+    def authorize(request: Request) -> JSONResponse | None:
+        """None when the request may go on, else its 401 answer."""
+        if config.api_key is None or request.url.path == "/health":
+            return None
+        header = request.headers.get("authorization", "")
+        if secrets.compare_digest(header.encode(), f"Bearer {config.api_key}".encode()):
+            return None
+        message = "missing API key" if not header else "invalid API key"
+        return answer(request, APIError(401, f"{message}: send 'Authorization: Bearer <key>'",
+                                        kind="authentication_error", code="invalid_api_key"))
+
+    # Plain ASGI middleware (not @app.middleware, whose task group would wrap the body's errors).
+    app.add_middleware(_Guard, authorize=authorize, max_bytes=config.max_request_bytes, timeout_s=config.body_timeout_s)
+
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health():
         if not engine.healthy:
             return JSONResponse({"status": "unhealthy", "error": "the engine or one of its ranks has failed"}, status_code=503)
@@ -132,15 +172,15 @@ def create_app(engine, config: ServerConfig, *, chat_template=None, eot_ids: tup
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
-        server.check_request(body)
-        prompts = server.completion_prompts(body.prompt)
+        server.check_request(body, count=len(_batch(body.prompt)))
+        prompts = await run_in_threadpool(server.completion_prompts, body.prompt)  # tokenizing takes time: not on the loop
         default = COMPLETIONS_DEFAULT_MAX_TOKENS
         return await server.respond(request, body, prompts, default, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
-        server.check_request(body)
-        prompts = [server.chat_prompt(body)]
+        server.check_request(body, count=1)
+        prompts = [await run_in_threadpool(server.chat_prompt, body)]
         return await server.respond(request, body, prompts, None, chat=True)
 
     return app
@@ -154,12 +194,15 @@ class _Server:
         self.eot_ids = tuple(eot_ids)
         self.metrics = ServerMetrics(engine)
         self.created = int(time.time())
+        self.max_token_chars = _max_token_chars(engine.tokenizer)
         self._pending = 0
         self._lock = threading.Lock()
 
     # ---------------------------------------------------------------- validation
 
-    def check_request(self, body) -> None:
+    def check_request(self, body, count: int) -> None:
+        """Everything that can be checked before any work; `count`: the prompts of the request."""
+        _check_unicode(body)
         if not self.engine.healthy:
             raise APIError(503, "the engine has failed (a rank died or stopped answering); see /health",
                            kind="server_error")
@@ -171,11 +214,14 @@ class _Server:
             raise bad_request(f"'{unsupported}' is not supported by this server", unsupported)
         if body.n < 1 or body.n > 64:
             raise bad_request(f"n must be an integer in [1, 64], got {body.n}", "n")
+        if count * body.n > self.config.max_pending:  # could never be admitted: not a 429 to retry
+            what = f"n={body.n}" if count == 1 else f"{count} prompts x n={body.n}"
+            raise bad_request(f"this request asks for {count * body.n} completions ({what}); this server runs at most "
+                              f"{self.config.max_pending} at once (--max-pending)", "n" if count == 1 else "prompt")
         _check_logprobs(body)
 
     def completion_prompts(self, prompt) -> list[list[int]]:
-        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
-            prompt = [prompt]
+        prompt = _batch(prompt)
         if not prompt:
             raise bad_request("prompt must not be empty", "prompt")
         return [self._encode(p) for p in prompt]
@@ -185,33 +231,45 @@ class _Server:
             raise bad_request("this model has no chat template; use /v1/completions", "messages")
         from treeattn.models.chat import encode_chat
 
+        from treeattn.models.chat import ChatTemplateError
+
         try:
             conversation = [{"role": m.role, "content": m.text()} for m in body.messages]
-            return encode_chat(self.engine.tokenizer, self.chat_template, conversation)
+            ids = encode_chat(self.engine.tokenizer, self.chat_template, conversation)
+        except ChatTemplateError as exc:  # named without the template's path
+            raise bad_request(f"the model's chat template ({exc.template_name}): {exc.reason}", "messages") from None
         except ValueError as exc:
             raise bad_request(str(exc), "messages") from None
+        return self._check_ids(ids, "messages")
 
     def _encode(self, prompt) -> list[int]:
         if isinstance(prompt, str):
             if self.engine.tokenizer is None:
                 raise bad_request("this model has no tokenizer: send the prompt as a list of token ids", "prompt")
+            # Each token covers at most max_token_chars characters (twice that, for normalizers that drop some):
+            # a longer text has more tokens than the context holds whatever it says, so it is refused untokenized.
+            if len(prompt) > 2 * self.max_token_chars * self.engine.max_context:
+                raise bad_request(f"the prompt has {len(prompt)} characters, more than {self.engine.max_context} tokens "
+                                  f"(this server's context) can hold", "prompt")
             ids = self.engine.tokenizer.encode(prompt).ids
         else:
             ids = list(prompt)
-        vocab = self.engine.model_info.vocab_size
+        return self._check_ids(ids, "prompt")
+
+    def _check_ids(self, ids: list[int], field: str) -> list[int]:
+        vocab, context = self.engine.model_info.vocab_size, self.engine.max_context
         if not ids:
-            raise bad_request("prompt must hold at least one token", "prompt")
+            raise bad_request(f"{field}: the prompt must hold at least one token", field)
+        if len(ids) >= context:
+            raise bad_request(f"the prompt has {len(ids)} tokens; this server holds {context} tokens per request "
+                              "(the model's window and the KV cache)", field)
         bad = next((t for t in ids if not 0 <= t < vocab), None)
         if bad is not None:
-            raise bad_request(f"prompt token ids must be in [0, {vocab}), got {bad}", "prompt")
+            raise bad_request(f"prompt token ids must be in [0, {vocab}), got {bad}", field)
         return ids
 
     def _params(self, body, prompt_len: int, default_max: int | None, chat: bool, index: int) -> SamplingParams:
         context = self.engine.max_context
-        field = "messages" if chat else "prompt"
-        if prompt_len >= context:
-            raise bad_request(f"the prompt has {prompt_len} tokens; this server holds {context} tokens per request "
-                              "(the model's window and the KV cache)", field)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         if max_tokens is None:
             max_tokens = min(default_max, context - prompt_len) if default_max is not None else context - prompt_len
@@ -240,7 +298,7 @@ class _Server:
                 index = p * body.n + i
                 params = self._params(body, len(prompt), default_max, chat, index)
                 leader = p * body.n if share and i > 0 else None
-                choices.append(_Choice(index, prompt, params, leader))
+                choices.append(_Choice(index, prompt, params, leader, counts_prompt=i == 0))
         return choices
 
     def _admit(self, count: int) -> None:
@@ -264,39 +322,44 @@ class _Server:
             run.cancel()
             self._release(len(choices))
             raise
-        path = request.url.path
+        route = _route(request.app, request.scope)
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
-            stream = self._stream(run, body, prompts, chat, include_usage)
-            self.metrics.requests.labels(path, "200").inc()
+            stream = self._stream(run, body, prompts, chat, include_usage, route)
+            self.metrics.requests.labels(route, "200").inc()
             return StreamingResponse(stream, media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        watcher = asyncio.create_task(run.watch_disconnect(request))
         try:
-            async for _ in run.events(request):
+            async for _ in run.events():
                 pass
         finally:
+            watcher.cancel()
             run.cancel()
             self._release(len(choices))
+        if run.disconnected:  # nobody reads the answer; 499 as nginx logs it
+            self.metrics.requests.labels(route, "499").inc()
+            self.metrics.cancelled.labels(route).inc()
+            return Response(status_code=499)
         failed = next((c for c in choices if c.finish_reason == "error"), None)
         if failed is not None:
-            raise APIError(500, f"generation failed: {failed.error}", kind="server_error")
-        if run.disconnected:
-            return Response(status_code=499)
-        self.metrics.requests.labels(path, "200").inc()
+            raise APIError(500, f"generation failed: {_first_line(failed.error)}", kind="server_error")
+        self.metrics.requests.labels(route, "200").inc()
         return JSONResponse(self._body(run, body, prompts, chat))
 
-    async def _stream(self, run: "_Run", body, prompts, chat: bool, include_usage: bool) -> AsyncIterator[str]:
+    async def _stream(self, run: "_Run", body, prompts, chat: bool, include_usage: bool, route: str) -> AsyncIterator[str]:
         created, model = int(time.time()), self.config.model_name
         kind = "chat.completion.chunk" if chat else "text_completion"
+        done = False
         try:
             if chat:
                 for choice in run.choices:
                     yield _sse(_chunk(run.id, kind, created, model, choice.index, chat, role=True))
-            async for choice, event in run.events(None):
+            async for choice, event in run.events():
                 if event.text or event.finished:
                     reason = _openai_reason(event.finish_reason) if event.finished else None
                     if event.finish_reason == "error":
-                        yield _sse({"error": {"message": f"generation failed: {event.error}", "type": "server_error",
+                        yield _sse({"error": {"message": f"generation failed: {_first_line(event.error)}", "type": "server_error",
                                               "param": None, "code": None}})
                         continue
                     logprobs = self._streamed_logprobs(choice, chat) if body.logprobs_asked() is not None else None
@@ -306,9 +369,12 @@ class _Server:
                 yield _sse({"id": run.id, "object": kind, "created": created, "model": model, "choices": [],
                             "usage": _usage(run.choices, prompts)})
             yield "data: [DONE]\n\n"
-        finally:  # normal end, or the client went away (the generator is closed): cancel what still runs
+            done = True
+        finally:  # normal end, or the client went away (starlette cancels the stream): cancel what still runs
             run.cancel()
             self._release(len(run.choices))
+            if not done:
+                self.metrics.cancelled.labels(route).inc()
 
     def _body(self, run: "_Run", body, prompts, chat: bool) -> dict:
         choices = []
@@ -388,18 +454,23 @@ class _Run:
         except ValueError as exc:
             raise bad_request(str(exc), "prompt") from None
 
-    async def events(self, request: Request | None) -> AsyncIterator[tuple[_Choice, TokenEvent]]:
-        """(choice, event) as they come, until every choice has finished. With `request`, a client
-        that disconnects ends the iteration early (self.disconnected)."""
+    async def watch_disconnect(self, request: Request) -> None:
+        """Wait for the client to go away (the body is read: the next ASGI message is the
+        disconnect), then end events() at once: self.disconnected."""
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        self.disconnected = True
+        self.queue.put_nowait(None)
+
+    async def events(self) -> AsyncIterator[tuple[_Choice, TokenEvent]]:
+        """(choice, event) as they come, until every choice has finished or the client has gone
+        (watch_disconnect)."""
         open_choices = len(self.choices)
         while open_choices:
-            try:
-                choice, event = await asyncio.wait_for(self.queue.get(), timeout=0.5)
-            except asyncio.TimeoutError:
-                if request is not None and await request.is_disconnected():
-                    self.disconnected = True
-                    return
-                continue
+            item = await self.queue.get()
+            if item is None:
+                return
+            choice, event = item
             self._record(choice, event)
             for follower in self.choices:  # the leader's first token: its prompt is cached now
                 if follower.leader == choice.index:
@@ -407,7 +478,7 @@ class _Run:
             if event.finished:
                 open_choices -= 1
                 if choice.handle is not None and event.finish_reason != "cancelled":
-                    self.server.metrics.record_result(choice.handle.result(timeout=5))
+                    self.server.metrics.record_result(choice.handle.result(timeout=5), count_prompt=choice.counts_prompt)
             yield choice, event
 
     def _record(self, choice: _Choice, event: TokenEvent) -> None:
@@ -473,3 +544,120 @@ def _validation_message(exc: RequestValidationError) -> APIError:
         return bad_request(f"'{param}' is required", param)
     given = first.get("input")
     return bad_request(f"invalid value for '{param}': {first.get('msg', 'invalid')} (got {given!r:.60})", param)
+
+
+def _batch(prompt) -> list:
+    """A completions prompt as a list of prompts (a string or one list of ids is a batch of one)."""
+    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+        return [prompt]
+    return list(prompt)
+
+
+def _route(app: FastAPI, scope) -> str:
+    """The metrics label of a request: its route's template ("/v1/completions"), never the raw
+    path; "unmatched" for paths no route knows."""
+    route = scope.get("route")
+    if route is not None:
+        return route.path
+    for route in app.router.routes:
+        match, _ = route.matches(scope)
+        if match is not Match.NONE:
+            return route.path
+    return "unmatched"
+
+
+def _http_message(exc: StarletteHTTPException, request: Request, config: ServerConfig) -> APIError:
+    """OpenAI's error body for the HTTP errors of starlette/FastAPI (routing, body limit, body parsing)."""
+    status = exc.status_code
+    if status == 404:
+        return APIError(404, f"no such route: {request.method} {request.url.path[:100]}", kind="invalid_request_error",
+                        code="not_found")
+    if status == 405:
+        return APIError(405, f"method {request.method} is not allowed on {_route(request.app, request.scope)}",
+                        kind="invalid_request_error", code="method_not_allowed")
+    if status == 413:
+        return APIError(413, f"the request body is larger than {config.max_request_bytes} bytes (--max-request-bytes)",
+                        kind="invalid_request_error", code="request_too_large")
+    if status == 408:
+        return APIError(408, f"the request body did not arrive within {config.body_timeout_s:g} s", kind="invalid_request_error",
+                        code="request_timeout")
+    if status == 400:  # FastAPI could not parse the body: not UTF-8, nested too deep, ...
+        return bad_request("the body is not valid JSON (UTF-8 text, nested at most a few hundred levels deep)")
+    detail = exc.detail if isinstance(exc.detail, str) else "error"
+    return APIError(status, detail[:200], kind="invalid_request_error" if status < 500 else "server_error")
+
+
+def _check_unicode(body) -> None:
+    """400 naming the field that holds a lone surrogate ("\\ud800" in the JSON): not Unicode text,
+    no tokenizer or JSON encoder takes it."""
+    stack = [(name, value) for name, value in body]
+    while stack:
+        name, value = stack.pop()
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                raise bad_request(f"'{name}' holds a lone surrogate ({value[exc.start]!r:.10} at character {exc.start}): "
+                                  "not valid Unicode text", name.split("[", 1)[0].split(".", 1)[0]) from None
+        elif isinstance(value, dict):
+            stack += [(f"{name}.{k}", k) for k in value] + [(f"{name}.{k}", v) for k, v in value.items()]
+        elif isinstance(value, (list, tuple)):
+            stack += [(f"{name}[{i}]", v) for i, v in enumerate(value)]
+        elif hasattr(value, "__iter__") and hasattr(value, "model_fields"):  # a nested pydantic model
+            stack += [(f"{name}.{k}", v) for k, v in value]
+
+
+def _max_token_chars(tokenizer) -> int:
+    """The longest text one token stands for (special tokens included), >= 1; 1 without a tokenizer."""
+    if tokenizer is None:
+        return 1
+    texts = tokenizer.decode_batch([[i] for i in range(tokenizer.get_vocab_size())], skip_special_tokens=False)
+    return max(1, max((len(t) for t in texts), default=1))
+
+
+class _Guard:
+    """ASGI middleware: the API key (`authorize(request)` returns the 401 answer, or None), then
+    the body's bounds: at most `max_bytes` (a Content-Length above it is refused before a byte is
+    read; a chunked body once it grows past it), arriving within `timeout_s` of the headers. Past
+    either bound the app's handlers see an HTTPException (413, 408) and answer in OpenAI's shape.
+    (FastAPI's own max_body_size answers a plain-text 413 over any handler's; uvicorn bounds idle
+    keep-alive connections, not a body that never comes.)"""
+
+    def __init__(self, app, authorize, max_bytes: int, timeout_s: float) -> None:
+        self.app, self.authorize, self.max_bytes, self.timeout_s = app, authorize, max_bytes, timeout_s
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        refused = self.authorize(Request(scope))
+        if refused is not None:
+            return await refused(scope, receive, send)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.timeout_s
+        length = dict(scope["headers"]).get(b"content-length", b"")
+        declared = int(length) if length.isdigit() else None
+        body_done, size = False, 0
+
+        async def limited_receive():
+            nonlocal body_done, size
+            if body_done:
+                return await receive()
+            if declared is not None and declared > self.max_bytes:
+                raise StarletteHTTPException(413)
+            try:
+                message = await asyncio.wait_for(receive(), timeout=max(0.0, deadline - loop.time()))
+            except asyncio.TimeoutError:
+                raise StarletteHTTPException(408) from None
+            size += len(message.get("body", b""))
+            if size > self.max_bytes:
+                raise StarletteHTTPException(413)
+            body_done = message["type"] != "http.request" or not message.get("more_body", False)
+            return message
+
+        await self.app(scope, limited_receive, send)
+
+
+
+def _first_line(text: str | None) -> str:
+    """An error's first line: a rank's traceback stays in the server's log, never in a response."""
+    return (text or "unknown error").strip().splitlines()[0] if (text or "").strip() else "unknown error"

@@ -69,7 +69,12 @@ def serve_command(
     api_key: str | None = typer.Option(None, "--api-key", envvar="TREEATTN_API_KEY",
                                        help="Require 'Authorization: Bearer KEY' on every endpoint but /health."),
     served_model_name: str | None = typer.Option(None, "--served-model-name", help="The model id clients name (default: the file or directory name)."),
-    max_pending: int = typer.Option(256, "--max-pending", min=1, help="Requests (choices) in flight at most; more get 429."),
+    max_pending: int = typer.Option(256, "--max-pending", min=1, help="Requests (choices) in flight at most; more get 429 "
+                                    "(a request asking alone for more: 400)."),
+    max_request_bytes: int = typer.Option(4 << 20, "--max-request-bytes", min=1, help="Largest request body taken, in bytes; "
+                                          "larger ones get 413."),
+    body_timeout: float = typer.Option(10.0, "--body-timeout", min=0.001, help="Seconds a client may take to send a "
+                                       "request's body after its headers; then 408."),
     timeout: float = typer.Option(60.0, "--timeout", min=0.001, help="Seconds a rank may stay silent before the engine fails."),
     drain: float = typer.Option(30.0, "--drain", min=0.0, help="Seconds to let running requests finish after SIGTERM."),
 ) -> None:
@@ -85,7 +90,7 @@ def serve_command(
         _fail(f"--decode local runs on one rank, but --nproc {nproc}; use --decode tree or ring")
     try:
         options = ServeOptions(host=host, port=port, model_name=served_model_name, api_key=api_key, max_pending=max_pending,
-                               drain_s=drain)
+                               drain_s=drain, max_request_bytes=max_request_bytes, body_timeout_s=body_timeout)
     except ValueError as exc:
         _fail(str(exc))
     engine_options = dict(nproc=nproc, decode=decode.value, method=method.value if method else None,

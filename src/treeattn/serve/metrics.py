@@ -1,10 +1,13 @@
 """Prometheus metrics of the server (GET /metrics), on a registry of its own.
 
 Counted by the server as requests pass:
-    treeattn_requests_total{endpoint, status}        requests answered, by HTTP status
+    treeattn_requests_total{endpoint, status}        requests answered, by route template ("unmatched":
+                                                    no route) and HTTP status (499: the client went away)
+    treeattn_requests_cancelled_total{endpoint}      requests whose client went away before the end
+                                                    (streamed or not): their choices were cancelled
     treeattn_time_to_first_token_seconds            histogram, from submission to the first token
     treeattn_time_per_output_token_seconds          histogram, per request: decode time / (tokens - 1)
-    treeattn_prompt_tokens_total, treeattn_generation_tokens_total
+    treeattn_prompt_tokens_total, treeattn_generation_tokens_total  (a prompt counts once, whatever n)
 Read from the engine at every scrape (engine.stats()):
     treeattn_requests_running, treeattn_requests_waiting (the queue length)
     treeattn_kv_blocks{state="used"|"free"|"cached"}, treeattn_prefix_cache_hit_tokens_total
@@ -36,6 +39,8 @@ class ServerMetrics:
         self.registry = CollectorRegistry()
         self.requests = Counter("treeattn_requests", "Requests answered, by endpoint and HTTP status",
                                 ["endpoint", "status"], registry=self.registry)
+        self.cancelled = Counter("treeattn_requests_cancelled", "Requests cancelled because their client went away",
+                                 ["endpoint"], registry=self.registry)
         self.ttft = Histogram("treeattn_time_to_first_token_seconds", "Seconds from submission to the first token",
                               buckets=_LATENCY_BUCKETS, registry=self.registry)
         self.tpot = Histogram("treeattn_time_per_output_token_seconds", "Seconds per generated token after the first",
@@ -46,10 +51,12 @@ class ServerMetrics:
         self._lock = threading.Lock()
         self.registry.register(_EngineCollector(engine, self))
 
-    def record_result(self, result) -> None:
-        """Account one finished choice (a treeattn RequestResult)."""
+    def record_result(self, result, *, count_prompt: bool = True) -> None:
+        """Account one finished choice (a treeattn RequestResult); count_prompt=False for the other
+        choices of a prompt (n > 1), whose prompt tokens its first choice counted."""
         tokens = len(result.token_ids)
-        self.prompt_tokens.inc(result.prompt_tokens)
+        if count_prompt:
+            self.prompt_tokens.inc(result.prompt_tokens)
         self.generation_tokens.inc(tokens)
         if tokens:
             self.ttft.observe(result.ttft_s)

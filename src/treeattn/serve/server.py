@@ -29,6 +29,9 @@ class ServeOptions:
     api_key: str | None = None
     max_pending: int = 256
     drain_s: float = 30.0
+    max_request_bytes: int = 4 << 20
+    body_timeout_s: float = 10.0
+    keep_alive_s: int = 5
 
     def __post_init__(self) -> None:
         if isinstance(self.port, bool) or not isinstance(self.port, int) or not 0 <= self.port <= 65535:
@@ -57,10 +60,13 @@ def serve(model, options: ServeOptions, engine_options: dict, *, on_ready=None) 
     try:
         template, eot_ids = _chat_template(model, engine.tokenizer)
         config = ServerConfig(model_name=options.model_name or _default_name(model), api_key=options.api_key,
-                              max_pending=options.max_pending)
+                              max_pending=options.max_pending, max_request_bytes=options.max_request_bytes,
+                              body_timeout_s=options.body_timeout_s)
         app = create_app(engine, config, chat_template=template, eot_ids=eot_ids)
         server = _DrainingServer(uvicorn.Config(app, host=options.host, port=options.port, log_level="warning",
-                                                timeout_graceful_shutdown=options.drain_s, lifespan="off"))
+                                                timeout_graceful_shutdown=options.drain_s, lifespan="off",
+                                                timeout_keep_alive=options.keep_alive_s,
+                                                http=_http_protocol(options.body_timeout_s)))
         failed = threading.Event()
         watchdog = threading.Thread(target=_watch, args=(engine, server, failed), daemon=True, name="treeattn-serve-watchdog")
         watchdog.start()
@@ -102,6 +108,34 @@ def _DrainingServer(config):  # noqa: N802 -- a class made on first use (uvicorn
     return _draining_server_class()(config)
 
 
+def _http_protocol(headers_timeout_s: float):
+    """uvicorn's h11 protocol, closing a connection whose request line and headers have not all come
+    within `headers_timeout_s` of its opening (or of its previous response): uvicorn closes idle
+    keep-alive connections (timeout_keep_alive) but would hold a silent new connection, or one
+    dribbling its headers, for ever. The body's own deadline is the app's (408)."""
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class HeadersDeadline(H11Protocol):
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            self._arm()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            self._arm()
+
+        def _arm(self) -> None:
+            waiting_for = self.cycle  # a new request replaces self.cycle
+
+            def expire() -> None:
+                if self.cycle is waiting_for and not self.transport.is_closing():
+                    self.transport.close()
+
+            self.loop.call_later(headers_timeout_s, expire)
+
+    return HeadersDeadline
+
+
 def _watch(engine, server, failed: threading.Event) -> None:
     """Stop the server once the engine is unhealthy (a rank died or stopped answering)."""
     while not server.should_exit:
@@ -123,7 +157,9 @@ def _announce(server, on_ready) -> None:
 
 
 def _chat_template(model, tokenizer):
-    """(the checkpoint's ChatTemplate or None, the end-of-turn ids to stop at)."""
+    """(the checkpoint's ChatTemplate or None, the end-of-turn ids to stop at). The template is tried
+    once on a user turn: a template that fails there (ChatTemplateError: it does not compile, raises,
+    or runs past its bounds) stops the start-up with one line naming it."""
     import os
 
     from treeattn.models.chat import end_of_turn_id, read_chat_template
@@ -134,6 +170,7 @@ def _chat_template(model, tokenizer):
         template = getattr(model, "chat_template", None)
     if template is None or tokenizer is None:
         return template, ()
+    template.render([{"role": "user", "content": "hi"}])
     eot = end_of_turn_id(tokenizer, template)
     return template, ((eot,) if eot is not None else ())
 
