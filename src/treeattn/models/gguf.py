@@ -115,6 +115,26 @@ class _Reader(gguf.GGUFReader):
     def data(self, value):
         self._buffer = value.view(np.ndarray)
 
+    def _get(self, offset, dtype, count=1, override_order=None):
+        """The reader's read of `count` items at `offset`, refusing one that runs past the file's end
+        (numpy would hand back a shorter array, and the reader fail on it with a reshape error)."""
+        end = int(offset) + int(np.empty([], dtype=dtype).itemsize) * int(count)
+        if end > len(self._buffer):
+            raise _Truncated(end, len(self._buffer), getattr(self, "_in_tensor_data", False))
+        return super()._get(offset, dtype, count, override_order)
+
+    def _build_tensors(self, start_offs, fields):
+        self._in_tensor_data = True  # the header (metadata, tensor infos) is read: what follows is tensor data
+        return super()._build_tensors(start_offs, fields)
+
+
+class _Truncated(Exception):
+    """A read past the end of a GGUF file: (the byte it needs, the file's size)."""
+
+    def __init__(self, end: int, size: int, in_tensor_data: bool) -> None:
+        super().__init__(end, size)
+        self.end, self.size, self.in_tensor_data = end, size, in_tensor_data
+
 
 def open_gguf(path: str | os.PathLike):
     """gguf.GGUFReader over `path` (memory-mapped). Raises FileNotFoundError, or ValueError naming the
@@ -124,6 +144,9 @@ def open_gguf(path: str | os.PathLike):
         raise FileNotFoundError(f"{path}: no such GGUF file")
     try:
         reader = _Reader(path)
+    except _Truncated as cut:
+        what = "tensor data" if cut.in_tensor_data else "header"
+        raise ValueError(f"{path}: truncated: {what} ends at byte {cut.end}, the file has {cut.size}") from None
     except Exception as exc:  # the reader raises ValueError, IndexError, struct/numpy errors on damaged files
         raise ValueError(f"{path}: not a readable GGUF file (truncated or corrupt?): {type(exc).__name__}: {exc}") from exc
     end = max((t.data_offset + t.n_bytes for t in reader.tensors), default=0)

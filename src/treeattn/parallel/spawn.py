@@ -42,6 +42,7 @@ import multiprocessing.connection
 import os
 import pickle
 import signal
+import socket
 import sys
 import threading
 import time
@@ -212,7 +213,7 @@ class _RankGroup:
         self.nprocs, self.timeout = nprocs, timeout
         self.grace = min(GRACE_S, timeout)
         ctx = multiprocessing.get_context("spawn")
-        self.store = dist.TCPStore(HOST, 0, world_size=None, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout))
+        self.store = _loopback_store(timeout)
         self.heartbeats = ctx.RawArray("Q", nprocs)  # beats counted by each rank's watchdog thread
         pipes = [ctx.Pipe(duplex=False) for _ in range(nprocs)]
         self.readers = [reader for reader, _ in pipes]
@@ -373,7 +374,32 @@ def _describe_exit(code: int | None) -> str:
     return f"code {code}"
 
 
+def _loopback_store(timeout: float) -> dist.TCPStore:
+    """The rendezvous store, listening on the loopback only: TCPStore binds every interface when
+    it opens its own socket, so it is handed one bound to HOST (it takes the descriptor over)."""
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        listener.bind((HOST, 0))
+        listener.listen(128)
+    except OSError:
+        listener.close()
+        raise
+    return dist.TCPStore(HOST, 0, world_size=None, is_master=True, wait_for_workers=False,
+                         timeout=timedelta(seconds=timeout), master_listen_fd=listener.detach())
+
+
 # ------------------------------------------------------------------------------------- ranks
+
+
+def _gloo_on_loopback() -> None:
+    """Local ranks talk over the loopback: gloo binds the address the host name resolves to (on
+    many hosts a LAN address) unless GLOO_SOCKET_IFNAME names an interface, so name the loopback's
+    when the user has not named one."""
+    if "GLOO_SOCKET_IFNAME" in os.environ:
+        return
+    loopback = next((name for _, name in socket.if_nameindex() if name in ("lo", "lo0")), None)
+    if loopback is not None:
+        os.environ["GLOO_SOCKET_IFNAME"] = loopback
 
 
 def _rank_main(rank, world_size, port, backend, timeout, parent_pid, heartbeats, result_pipe, fn, args) -> None:
@@ -385,6 +411,7 @@ def _rank_main(rank, world_size, port, backend, timeout, parent_pid, heartbeats,
         if "nccl" in backend and torch.cuda.is_available():
             torch.cuda.set_device(rank % torch.cuda.device_count())
         store = dist.TCPStore(HOST, port, world_size=None, is_master=False, timeout=timedelta(seconds=timeout))
+        _gloo_on_loopback()
         dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout))
         result = fn(rank, world_size, *args)
         # plain pickle, by value: multiprocessing's own pickler would pass tensors as shared-memory

@@ -54,11 +54,12 @@ def serve(model, options: ServeOptions, engine_options: dict, *, on_ready=None) 
     from treeattn.engine import Engine
     from treeattn.serve.app import ServerConfig, create_app
 
+    template = _chat_template(model)  # a broken template fails the start-up before any rank starts
     engine = Engine(model, **engine_options)
     if not engine.is_driver:  # under torchrun: this rank served the driver's steps until it closed
         return 0
     try:
-        template, eot_ids = _chat_template(model, engine.tokenizer)
+        eot_ids = _eot_ids(template, engine.tokenizer)
         config = ServerConfig(model_name=options.model_name or _default_name(model), api_key=options.api_key,
                               max_pending=options.max_pending, max_request_bytes=options.max_request_bytes,
                               body_timeout_s=options.body_timeout_s)
@@ -156,23 +157,31 @@ def _announce(server, on_ready) -> None:
         on_ready(host, port)
 
 
-def _chat_template(model, tokenizer):
-    """(the checkpoint's ChatTemplate or None, the end-of-turn ids to stop at). The template is tried
-    once on a user turn: a template that fails there (ChatTemplateError: it does not compile, raises,
-    or runs past its bounds) stops the start-up with one line naming it."""
+def _chat_template(model):
+    """The checkpoint's ChatTemplate or None. It is tried once on a user turn: a template that fails
+    there (ChatTemplateError: it does not compile, raises, or runs past its bounds) stops the
+    start-up with one line naming it."""
     import os
 
-    from treeattn.models.chat import end_of_turn_id, read_chat_template
+    from treeattn.models.chat import read_chat_template
 
     if isinstance(model, (str, os.PathLike)):
         template = read_chat_template(model)
     else:
         template = getattr(model, "chat_template", None)
+    if template is not None:
+        template.render([{"role": "user", "content": "hi"}])
+    return template
+
+
+def _eot_ids(template, tokenizer) -> tuple[int, ...]:
+    """The end-of-turn ids to stop chat answers at."""
+    from treeattn.models.chat import end_of_turn_id
+
     if template is None or tokenizer is None:
-        return template, ()
-    template.render([{"role": "user", "content": "hi"}])
+        return ()
     eot = end_of_turn_id(tokenizer, template)
-    return template, ((eot,) if eot is not None else ())
+    return (eot,) if eot is not None else ()
 
 
 def _default_name(model) -> str:
