@@ -243,6 +243,7 @@ class RequestHandle:
         self._events: queue.Queue[TokenEvent] = queue.Queue()
         self._done = threading.Event()
         self._result: RequestResult | None = None
+        self._callback_error: str | None = None  # set when on_event raised a BaseException (see _emit)
 
     def cancel(self) -> None:
         """Stop the request (its blocks are freed); it finishes with finish_reason "cancelled"."""
@@ -266,16 +267,25 @@ class RequestHandle:
                 return
 
     def _emit(self, event: TokenEvent, result: RequestResult | None = None) -> None:
+        """Deliver an event (and with the last one the result). A callback that raises an Exception
+        is logged and the request goes on; one that raises SystemExit, KeyboardInterrupt or another
+        BaseException is not called again, and the driver fails this request alone
+        (_callback_error). Neither stops the engine."""
         if result is not None:
             self._result = result
         self._events.put(event)
-        if self._on_event is not None:
-            try:
+        try:
+            if self._on_event is not None:
                 self._on_event(event)
-            except Exception:  # a consumer's bug must not stop the engine
-                logger.exception("on_event callback of request %s raised", self.request_id)
-        if result is not None:
-            self._done.set()
+        except Exception:  # a consumer's bug must not stop the engine
+            logger.exception("on_event callback of request %s raised", self.request_id)
+        except BaseException as exc:  # noqa: BLE001 -- nor may its SystemExit or KeyboardInterrupt
+            logger.error("on_event callback of request %s raised %s: failing the request", self.request_id, type(exc).__name__)
+            self._on_event = None
+            self._callback_error = f"the on_event callback raised {type(exc).__name__}: {exc}"
+        finally:
+            if result is not None:
+                self._done.set()
 
 
 class _Request:
@@ -286,7 +296,7 @@ class _Request:
         self.seq: _Seq | None = None
         self.token_ids: list[int] = []
         self.logprobs: list[TokenLogprob] = []  # one per token when params.logprobs is set
-        self.text = ""
+        self.text = ""  # the text delivered so far (the events' deltas); a held-back tail is not in it
         self.first_token_at: float | None = None
 
 
@@ -419,8 +429,15 @@ class Engine:
         params = _sampling_params(params, sampling)
         if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts and all(_is_id(t) for t in prompts)):
             prompts = [prompts]
-        handles = [self.submit(p, params) for p in prompts]
-        results = [h.result() for h in handles]
+        handles = []
+        try:
+            for p in prompts:
+                handles.append(self.submit(p, params))
+            results = [h.result() for h in handles]
+        except BaseException:  # Ctrl-C (KeyboardInterrupt) or a bad prompt: cancel what was submitted
+            for h in handles:
+                h.cancel()
+            raise
         if self._failure is not None:
             raise EngineError(self._failure)
         return results
@@ -466,17 +483,29 @@ class Engine:
         box: list = []
         done = threading.Event()
         self._post(("measure", (reset, box, done)))
-        done.wait()
+        self._wait_for_driver(done)
         if not box:
             raise EngineError(self._failure or "the engine closed before the ranks were measured")
         return box[0]
 
     def clear_prefix_cache(self) -> None:
-        """Evict every cached block no running request uses (waits for the driver to do it)."""
+        """Evict every cached block no running request uses (waits for the driver to do it).
+        Raises EngineError when the engine has failed or is closed (or fails meanwhile)."""
         self._require_driver()
+        if self._failure is not None or self._closed:
+            raise EngineError(self._failure or "the engine is closed")
         done = threading.Event()
         self._post(("clear", done))
-        done.wait()
+        self._wait_for_driver(done)
+        if self._failure is not None:
+            raise EngineError(self._failure)
+
+    def _wait_for_driver(self, done: threading.Event) -> None:
+        """Wait for the driver to set `done`; EngineError if the driver thread ends first (a message
+        posted after it drained its inbox for the last time would never be answered)."""
+        while not done.wait(0.5):
+            if not self._driver.is_alive() and not done.is_set():
+                raise EngineError(self._failure or "the engine is closed")
 
     def close(self) -> None:
         """Cancel what is still pending, stop the ranks and wait for them to exit."""
@@ -531,7 +560,10 @@ class Engine:
                     logprob = outcome.logprobs[seq.seq_id][index] if seq.seq_id in outcome.logprobs else None
                     request = self._by_seq.get(seq.seq_id)
                     if request is not None:  # None: a stop string ended it earlier in this run of tokens
-                        self._on_token(request, token, reason, now, logprob)
+                        try:
+                            self._on_token(request, token, reason, now, logprob)
+                        except Exception as exc:  # noqa: BLE001 -- this request's alone (its text, its callback)
+                            self._fail_request(request, exc)
                 self._update_stats()
         except BaseException as exc:  # noqa: BLE001 -- every failure must reach the requests
             self._failure = f"engine failed: {type(exc).__name__}: {exc}"
@@ -570,7 +602,10 @@ class Engine:
             if kind == "close":
                 return False
             if kind == "submit":
-                self._start(payload)
+                try:
+                    self._start(payload)
+                except Exception as exc:  # noqa: BLE001 -- this request's alone
+                    self._fail_request(payload, exc)
             elif kind == "cancel":
                 request = self._requests.get(payload)
                 if request is not None:
@@ -617,28 +652,34 @@ class Engine:
         if logprob is not None:
             request.logprobs.append(logprob)
         self._counters["generated_tokens"] += 1
-        delta = self._text_delta(request)
-        if reason != "stop" and request.params.stop:  # a stop string ends it, even on its last token
-            cut = min((i for i in (request.text.find(s) for s in request.params.stop) if i >= 0), default=-1)
-            if cut >= 0:
-                delta = delta[: max(0, len(delta) - (len(request.text) - cut))]
-                request.text = request.text[:cut]
-                if reason is None:
-                    self.scheduler.finish(request.seq, "stop")
-                reason = "stop"
+        text, stopped = self._text(request)
+        if stopped:  # a stop string ends it, even on its last token
+            if reason is None:
+                self.scheduler.finish(request.seq, "stop")
+            reason = "stop"
+        if reason is None:
+            held = _held_back(text, request.params.stop)  # could begin a stop string: not delivered yet
+            text = text[: len(text) - held]
+        delta = text[len(request.text):] if len(text) > len(request.text) else ""
+        request.text = request.text + delta
         if reason is None:
             request.handle._emit(TokenEvent(request.handle.request_id, token, delta, logprob=logprob))
+            if request.handle._callback_error is not None:
+                self._finish(request, "error", now, error=request.handle._callback_error)
         else:
             self._finish(request, reason, now, token=token, delta=delta, logprob=logprob)
 
-    def _text_delta(self, request: _Request) -> str:
+    def _text(self, request: _Request) -> tuple[str, bool]:
+        """(the request's text so far, whether a stop string ended it): the decoded tokens without
+        an incomplete multi-byte character at the end, cut right before the first occurrence of any
+        stop string (stopped)."""
         if self.tokenizer is None:
-            return ""
+            return "", False
         text = self.tokenizer.decode(request.token_ids)
         if text.endswith("\ufffd"):  # an incomplete multi-byte character: wait for the rest
-            return ""
-        delta, request.text = text[len(request.text):], text
-        return delta
+            text = text.rstrip("\ufffd")
+        cut = min((i for i in (text.find(s) for s in request.params.stop) if i >= 0), default=-1)
+        return (text[:cut], True) if cut >= 0 else (text, False)
 
     def _finish(self, request: _Request, reason: str, now: float, *, token: int | None = None, delta: str = "",
                 error: str | None = None, logprob: TokenLogprob | None = None) -> None:
@@ -661,6 +702,14 @@ class Engine:
         event = TokenEvent(request.handle.request_id, token, delta, finished=True, finish_reason=reason, error=error,
                            logprob=logprob)
         request.handle._emit(event, result)
+
+    def _fail_request(self, request: _Request, exc: Exception) -> None:
+        """An exception while the driver served one request (not a step on the ranks): that
+        request finishes with "error", the engine goes on."""
+        logger.error("request %s failed: %s: %s", request.handle.request_id, type(exc).__name__, exc, exc_info=exc)
+        if request.handle.done:
+            return
+        self._finish(request, "error", time.perf_counter(), error=f"serving this request failed: {type(exc).__name__}: {exc}")
 
     def _speculation(self, seq: _Seq) -> dict:
         """A request's speculative decoding, as GenerationResult.speculation reports it."""
@@ -710,6 +759,19 @@ class Engine:
 
 
 # ---------------------------------------------------------------------------------- the ranks
+
+
+def _held_back(text: str, stops: tuple[str, ...]) -> int:
+    """How many characters at the end of `text` could be the beginning of a stop string (the
+    longest such suffix): they are delivered only once no stop string can start there (vLLM's
+    rule), so that no delivered text is ever taken back."""
+    held = 0
+    for stop in stops:
+        for k in range(min(len(stop) - 1, len(text)), held, -1):
+            if text.endswith(stop[:k]):
+                held = k
+                break
+    return held
 
 
 def _sampling_params(params: SamplingParams | None, fields: dict) -> SamplingParams:

@@ -230,7 +230,8 @@ class _RankGroup:
     def run(self, signals: _ParentSignals) -> list[Any]:
         try:
             for proc, writer in zip(self.procs, self.writers):
-                proc.start()
+                with _sigint_blocked():  # inherited: Ctrl-C in a terminal reaches the parent alone
+                    proc.start()
                 writer.close()  # the child holds its own end; EOF then means the child is gone
             self._watch()
         finally:
@@ -391,6 +392,22 @@ def _loopback_store(timeout: float) -> dist.TCPStore:
 # ------------------------------------------------------------------------------------- ranks
 
 
+@contextlib.contextmanager
+def _sigint_blocked():
+    """Block SIGINT in this thread while a rank process starts: the child inherits the mask (and,
+    from the start, never sees the SIGINT that Ctrl-C sends to the whole process group), so the
+    parent alone decides what Ctrl-C does (KeyboardInterrupt, a server's drain) and ends the ranks
+    itself. _rank_main then ignores SIGINT for good."""
+    if not hasattr(signal, "pthread_sigmask"):
+        yield
+        return
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
 def _gloo_on_loopback() -> None:
     """Local ranks talk over the loopback: gloo binds the address the host name resolves to (on
     many hosts a LAN address) unless GLOO_SOCKET_IFNAME names an interface, so name the loopback's
@@ -406,6 +423,9 @@ def _rank_main(rank, world_size, port, backend, timeout, parent_pid, heartbeats,
     """Body of one child process: tie its life to the parent's, join the group, run fn, send the
     result or the error back through the pipe."""
     faulthandler.enable()  # a native crash (SIGSEGV, SIGABRT) still prints the Python stack
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's (see _sigint_blocked)
+    if hasattr(signal, "pthread_sigmask"):
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # ignored now: nothing pending may kill it
     _die_with_parent(parent_pid, heartbeats, rank)
     try:
         if "nccl" in backend and torch.cuda.is_available():
