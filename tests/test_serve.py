@@ -351,8 +351,8 @@ def test_32_concurrent_streaming_clients(server, reference):
 def test_sigterm_drains_the_running_request_and_a_full_queue_answers_429(model_file):
     srv = Server(model_file, "--nproc", "2", "--max-pending", "2")
     try:
-        too_many = srv.http().post("/v1/completions", json={"model": NAME, "prompt": "hi", "n": 3})
-        assert too_many.status_code == 429 and too_many.json()["error"]["type"] == "rate_limit_error"
+        never = srv.http().post("/v1/completions", json={"model": NAME, "prompt": "hi", "n": 3})  # can never be admitted
+        assert never.status_code == 400 and never.json()["error"]["param"] == "n"
         lines: list[str] = []
         started = threading.Event()
 
@@ -368,6 +368,8 @@ def test_sigterm_drains_the_running_request_and_a_full_queue_answers_429(model_f
         reader = threading.Thread(target=stream)
         reader.start()
         assert started.wait(60)
+        too_many = srv.http().post("/v1/completions", json={"model": NAME, "prompt": "hi", "n": 2})  # 1 + 2 > 2 in flight
+        assert too_many.status_code == 429 and too_many.json()["error"]["type"] == "rate_limit_error"
         srv.process.send_signal(signal.SIGTERM)
         reader.join(60)
         assert srv.process.wait(timeout=60) == 0

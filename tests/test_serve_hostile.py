@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -111,6 +112,20 @@ def test_a_tiny_temperature_or_top_p_answers_as_greedy(server):
     for sampling in ({"temperature": 1e-40}, {"temperature": 5e-324}, {"top_p": 1e-50, "temperature": 1.0}):
         got = client.completions.create(model=NAME, prompt="the cat", max_tokens=12, seed=1, **sampling).choices[0].token_ids
         assert got == greedy, sampling
+
+
+# ------------------------------------------------------------------------- 5: stop strings
+
+
+def test_stop_strings_spanning_tokens_cut_the_text_right_before_them_streamed_or_not(server):
+    client = server.client()
+    full = client.completions.create(model=NAME, prompt="the cat", max_tokens=40, temperature=0).choices[0].text
+    where = next(k for k in range(1, len(full) - 3) if "\ufffd" not in full[k:k + 3] and full.find(full[k:k + 3]) == k)
+    stop = full[where:where + 3]  # 3 byte-level tokens
+    choice = client.completions.create(model=NAME, prompt="the cat", max_tokens=40, temperature=0, stop=[stop]).choices[0]
+    assert (choice.text, choice.finish_reason) == (full[:where], "stop")
+    chunks = list(client.completions.create(model=NAME, prompt="the cat", max_tokens=40, temperature=0, stop=stop, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == full[:where] and chunks[-1].choices[0].finish_reason == "stop"
 
 
 # ------------------------------------------------------------------------- 8: sockets
@@ -324,3 +339,34 @@ def test_after_the_random_bodies_the_server_is_whole(server):
     assert len(server.http().get("/metrics").content) < 64 * 1024
     text = server.http().get("/metrics").text
     assert not re.search(r'status="5\d\d"', text), [line for line in text.splitlines() if 'status="5' in line]
+
+
+# ------------------------------------------------------------------------- 11: Ctrl-C (ends the module's server)
+
+
+def test_ctrl_c_drains_like_sigterm(server):
+    """SIGINT to the server and its ranks at once (what Ctrl-C in a terminal does to the process
+    group): the ranks ignore it, the server stops accepting, lets the running stream finish and
+    exits 0. The last test of the module: the server is gone afterwards."""
+    lines: list[str] = []
+    started = threading.Event()
+
+    def stream():
+        body = {"model": NAME, "prompt": "the cat", "max_tokens": 150, "temperature": 0, "stream": True,
+                "stream_options": {"include_usage": True}}
+        with server.http().stream("POST", "/v1/completions", json=body) as response:
+            for line in response.iter_lines():
+                if line:
+                    lines.append(line)
+                    started.set()
+
+    reader = threading.Thread(target=stream)
+    reader.start()
+    assert started.wait(120)
+    for pid in [server.process.pid, *_alive(server.children)]:
+        os.kill(pid, signal.SIGINT)
+    reader.join(120)
+    assert server.process.wait(timeout=120) == 0, "".join(server.lines[-20:])
+    assert lines[-1] == "data: [DONE]"
+    chunks = [json.loads(line[len("data: "):]) for line in lines[:-1]]
+    assert chunks[-1]["usage"]["completion_tokens"] == 150 and "error" not in chunks[-2]
