@@ -165,6 +165,7 @@ def test_random_paths_do_not_grow_metrics_and_every_error_has_openai_shape(serve
     ({"model": NAME, "prompt": ["ok", "a\udfff"]}, "prompt"),
     ({"model": NAME, "prompt": "hi", "stop": ["\ud800"]}, "stop"),
     ({"model": "\ud800", "prompt": "hi"}, "model"),
+    ({"model": NAME, "prompt": "hi", "extra": {"\ud800": 1}}, "extra"),  # in a key of a field the server ignores
 ])
 def test_a_lone_surrogate_is_400_naming_the_field(server, body, param):
     raw = json.dumps(body).encode()  # json escapes it: "\ud800"

@@ -121,7 +121,7 @@ def create_app(engine, config: ServerConfig, *, chat_template=None, eot_ids: tup
 
     def answer(request: Request, error: APIError) -> JSONResponse:
         server.metrics.requests.labels(_route(app, request.scope), str(error.status)).inc()
-        return JSONResponse(error.body, status_code=error.status)
+        return _ErrorResponse(error.body, status_code=error.status)
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError):
@@ -597,6 +597,7 @@ def _check_unicode(body) -> None:
             try:
                 value.encode("utf-8")
             except UnicodeEncodeError as exc:
+                name = name.encode("utf-8", "backslashreplace").decode()  # a key may hold one too
                 raise bad_request(f"'{name}' holds a lone surrogate ({value[exc.start]!r:.10} at character {exc.start}): "
                                   "not valid Unicode text", name.split("[", 1)[0].split(".", 1)[0]) from None
         elif isinstance(value, dict):
@@ -613,6 +614,16 @@ def _max_token_chars(tokenizer) -> int:
         return 1
     texts = tokenizer.decode_batch([[i] for i in range(tokenizer.get_vocab_size())], skip_special_tokens=False)
     return max(1, max((len(t) for t in texts), default=1))
+
+
+class _ErrorResponse(JSONResponse):
+    """An error body as ASCII JSON (non-ASCII escaped): whatever a message quotes from the request,
+    it always encodes."""
+
+    def render(self, content) -> bytes:
+        import json
+
+        return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode("ascii")
 
 
 class _Guard:
