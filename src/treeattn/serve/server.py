@@ -51,9 +51,10 @@ def serve(model, options: ServeOptions, engine_options: dict, *, on_ready=None) 
     """
     import uvicorn
 
-    from treeattn.engine import Engine
+    from treeattn.engine import Engine, EngineConfig
     from treeattn.serve.app import ServerConfig, create_app
 
+    EngineConfig(**engine_options)  # the options' own errors first, before the checkpoint is read
     template = _chat_template(model)  # a broken template fails the start-up before any rank starts
     engine = Engine(model, **engine_options)
     if not engine.is_driver:  # under torchrun: this rank served the driver's steps until it closed
