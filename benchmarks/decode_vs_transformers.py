@@ -80,15 +80,15 @@ def run_transformers(gguf: Path, context: int, new_tokens: int) -> dict:
 
 
 def rank_main(rank: int, world_size: int, gguf: str, context: int, new_tokens: int) -> dict:
-    from treeattn.engine import runner
+    from treeattn.engine import batch as engine_batch
 
-    kernel_takes, used = runner.kernel_takes, []
+    kernel_takes, used = engine_batch.kernel_takes, []
 
     def alternate(dtype, device):  # PagedBatch asks once per step: the kernel on every other step
         used.append(len(used) % 2 == 0 and kernel_takes(dtype, device))
         return used[-1]
 
-    runner.kernel_takes = alternate
+    engine_batch.kernel_takes = alternate
     model = ta.load_model(gguf)
     result = ta.generate(model, prompt_ids(context, model.config.vocab_size), max_new_tokens=new_tokens, stop_tokens=[])
     steps = result.step_times_s

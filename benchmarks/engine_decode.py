@@ -2,7 +2,7 @@
 
     flock /tmp/treeattn-bench.lock python benchmarks/engine_decode.py --context 65536 --nproc 4
 
-The demo model (treeattn.demo.DEMO_CONFIG: random weights, 2 layers, hidden 128, 4 query / 2 KV
+The demo model (treeattn.eval.synthetic.DEMO_CONFIG: random weights, 2 layers, hidden 128, 4 query / 2 KV
 heads of 32, float32) is prefilled once with a synthetic prompt of --context tokens on --nproc gloo
 ranks (ring prefill, contiguous placement); then --new-tokens tokens are decoded greedily with each
 method from that same cache. Reported per method: median / p10 / p90 of rank 0's decode step time
@@ -26,7 +26,7 @@ import time
 import torch
 
 import treeattn as ta
-from treeattn.demo import DEMO_CONFIG, run_demo, run_reference
+from treeattn.eval.synthetic import DEMO_CONFIG, run_demo, run_reference
 
 METHODS = (("tree", "allreduce"), ("tree", "tree"), ("ring", "allreduce"))
 

@@ -5,7 +5,7 @@ run of physically adjacent blocks (views, no copy) and merge the states with mer
     flock /tmp/treeattn-bench.lock python benchmarks/engine_paged_read.py
 
 One process, one layer (Hq 8, Hkv 2, D 64, float32, block 256 tokens), one decode query per
-sequence; times kv_store + attend of treeattn.engine.runner.PagedBatch (the store writes one token
+sequence; times kv_store + attend of treeattn.engine.engine_batch.PagedBatch (the store writes one token
 per sequence) with each read, median of --repeat calls, for: a few long sequences whose blocks are
 adjacent (one run each: a prefilled document), and many sequences whose blocks are interleaved
 (runs of one block: decodes that grew together).
@@ -24,7 +24,7 @@ import torch
 
 from treeattn.cache.blocks import BlockRef
 from treeattn.cache.paged import PagedKVCache
-from treeattn.engine import runner
+from treeattn.engine import batch as engine_batch
 from treeattn.engine.scheduler import Chunk, StepPlan
 from treeattn.models.attention import LocalAttention
 
@@ -39,10 +39,10 @@ def layout(num_seqs: int, blocks_each: int, interleaved: bool) -> list[list[int]
 
 
 def time_read(cache, tables, copy_free: bool, repeat: int) -> float:
-    runner.COPY_FREE_MIN_KEYS = 0 if copy_free else 1 << 40
+    engine_batch.COPY_FREE_MIN_KEYS = 0 if copy_free else 1 << 40
     chunks = tuple(Chunk(s, (1,), len(t) * BS - 1, tuple(BlockRef(0, i) for i in t), None) for s, t in enumerate(tables))
     plan = StepPlan(chunks)
-    batch = runner.PagedBatch(plan, 0, cache, LocalAttention(), combine=(None, "allreduce", 1))
+    batch = engine_batch.PagedBatch(plan, 0, cache, LocalAttention(), combine=(None, "allreduce", 1))
     q = torch.randn(1, len(tables), HQ, D)
     k_new = torch.randn(1, len(tables), HKV, D)
     times = []

@@ -2,7 +2,7 @@
 
     flock /tmp/treeattn-bench.lock python benchmarks/engine_prefix.py --doc-tokens 16384 --nproc 2
 
-The demo model (treeattn.demo.DEMO_CONFIG: random weights, 2 layers, hidden 128, float32) on
+The demo model (treeattn.eval.synthetic.DEMO_CONFIG: random weights, 2 layers, hidden 128, float32) on
 --nproc gloo ranks, tree decoding, interleaved placement, blocks of 256 tokens. Request 1 is the
 document + question 1 (a full prefill); request 2 is the document + question 2, sent after the
 first finished: its prompt's full blocks come from the prefix cache. Reported: each request's time
@@ -19,7 +19,7 @@ import platform
 import torch
 
 import treeattn as ta
-from treeattn.demo import DEMO_CONFIG
+from treeattn.eval.synthetic import DEMO_CONFIG
 from treeattn.models.llama import LlamaConfig, random_model
 
 

@@ -36,7 +36,7 @@ import torch
 import treeattn as ta
 from treeattn.cache.blocks import BlockRef
 from treeattn.cache.paged import PagedKVCache
-from treeattn.engine import runner, shared_prefix
+from treeattn.engine import batch as engine_batch, runner, shared_prefix
 from treeattn.engine.scheduler import Chunk, StepPlan
 from treeattn.models.attention import LocalAttention
 from treeattn.parallel import spawn
@@ -121,7 +121,7 @@ def threshold(repeat: int = 30) -> None:
             row = dict(sequences=n, shared_keys=keys)
             for sharing in (True, False):
                 shared_prefix.SHARE_MIN_SAVED_KEYS = 0 if sharing else 1 << 40
-                batch = runner.PagedBatch(StepPlan(chunks), 0, cache, LocalAttention(), combine=(None, "allreduce", 1))
+                batch = engine_batch.PagedBatch(StepPlan(chunks), 0, cache, LocalAttention(), combine=(None, "allreduce", 1))
                 times = []
                 for _ in range(repeat):
                     start = time.perf_counter()

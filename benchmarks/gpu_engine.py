@@ -45,7 +45,7 @@ def smollm2_gguf() -> str | None:
 
 def build(name: str, context: int, tokens: int):
     import treeattn as ta
-    from treeattn.demo import DEMO_CONFIG
+    from treeattn.eval.synthetic import DEMO_CONFIG
     from treeattn.models.llama import LlamaConfig, random_model
 
     if name == "smollm2":

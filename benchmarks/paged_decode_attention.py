@@ -6,7 +6,7 @@ SmolLM2-135M's attention shapes (9 query heads, 3 KV heads of 64, float32, block
 one decode query per sequence, every sequence `context` keys. For each case, these take turns
 --repeat times (the minimum of each is reported, so a machine whose load drifts weighs on all):
 
-- engine, paged kernel: treeattn.engine.runner.PagedBatch kv_store + attend of every layer (the
+- engine, paged kernel: treeattn.engine.batch.PagedBatch kv_store + attend of every layer (the
   engine's decode attention: ops.paged_decode over the blocks in place);
 - engine, before: the same with the kernel switched off (gather or run-by-run ops.attention);
 - ta.attention over contiguous (B, context, 3, 64) K and V;
@@ -33,7 +33,7 @@ import torch.nn.functional as F
 import treeattn as ta
 from treeattn.cache.blocks import BlockRef
 from treeattn.cache.paged import PagedKVCache
-from treeattn.engine import runner
+from treeattn.engine import batch as engine_batch
 from treeattn.engine.scheduler import Chunk, StepPlan
 from treeattn.models.attention import LocalAttention
 
@@ -54,16 +54,16 @@ def run_case(context: int, batch: int, repeat: int, max_bytes: int) -> dict:
 
     @torch.inference_mode()
     def engine(paged: bool):
-        saved = runner.kernel_takes
+        saved = engine_batch.kernel_takes
         if not paged:
-            runner.kernel_takes = lambda dtype, device: False
+            engine_batch.kernel_takes = lambda dtype, device: False
         try:
-            batch_ = runner.PagedBatch(plan, 0, cache, LocalAttention(), combine=(None, "onepass", 1))
+            batch_ = engine_batch.PagedBatch(plan, 0, cache, LocalAttention(), combine=(None, "onepass", 1))
             for layer in range(layers):
                 k, v, pos = batch_.kv_store(layer, k_new, k_new)
                 batch_.attend(q, k, v, q_pos=None, kv_pos=pos, window=None)
         finally:
-            runner.kernel_takes = saved
+            engine_batch.kernel_takes = saved
 
     table = torch.tensor(tables)
     contiguous = [tuple(t.contiguous() for t in cache.gather(layer, table)) for layer in range(layers)]

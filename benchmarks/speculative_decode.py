@@ -67,7 +67,7 @@ def run_rank(rank: int, world_size: int, path: str, prompts: dict, stops: list[i
              threads: int, methods: list[tuple[str, str | None]]) -> dict | None:
     """Every prompt plain, then with each (speculate, draft_model) of `methods`."""
     from treeattn.engine.config import GenerationConfig
-    from treeattn.generate import Generation
+    from treeattn.engine.generate import Generation
 
     torch.set_num_threads(threads)
     model = ta.load_model(path)

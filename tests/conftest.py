@@ -23,3 +23,75 @@ if _device:
             pass
 
     torch.Generator = _DefaultDeviceGenerator
+
+
+# ------------------------------------------------------------------ helpers shared by test files
+# Test files import these from here (`from conftest import ...`), never from each other.
+
+import contextlib  # noqa: E402
+import importlib  # noqa: E402
+
+import pytest  # noqa: E402
+
+HAS_CUDA = torch.cuda.is_available()
+gpu = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+
+
+def use_triton_interpreter() -> None:
+    """Without CUDA, run Triton kernels on CPU tensors through Triton's interpreter. Triton reads
+    TRITON_INTERPRET when a kernel is decorated and again at launch, so call this before
+    treeattn.ops.triton_decode is imported (rank processes inherit it)."""
+    if not HAS_CUDA:
+        os.environ["TRITON_INTERPRET"] = "1"
+
+
+def interpreted_triton_decode():
+    """treeattn.ops.triton_decode, interpreted on CPU tensors when there is no CUDA (skips without triton)."""
+    use_triton_interpreter()  # before triton is imported: it reads TRITON_INTERPRET then too
+    pytest.importorskip("triton")
+    td = importlib.import_module("treeattn.ops.triton_decode")
+    if not HAS_CUDA and not td._INTERPRETED:  # imported earlier without the interpreter
+        td = importlib.reload(td)
+    return td
+
+
+class HostSyncError(AssertionError):
+    """A tensor was read on the host inside a region that must not synchronize."""
+
+
+_GUARDED_METHODS = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__", "nonzero", "unique")
+_GUARDED_FUNCTIONS = ("nonzero", "masked_select", "unique", "tensor", "as_tensor")
+
+
+@contextlib.contextmanager
+def no_host_sync():
+    """Fail on every Python-level way of reading a tensor's values on the host.
+
+    On a GPU each of these is a device-to-host synchronization (and an error inside CUDA-graph
+    capture): Tensor.item/.tolist/.cpu/.numpy, bool()/int()/float()/index use of a tensor,
+    nonzero/masked_select/unique (output size known only on the device), and torch.tensor /
+    torch.as_tensor (host data copied to the device). It cannot see what C++ does inside an op,
+    nor a .to(device) copy when every tensor is on the CPU.
+    """
+    own = {name: torch.Tensor.__dict__[name] for name in _GUARDED_METHODS if name in torch.Tensor.__dict__}
+    functions = {name: getattr(torch, name) for name in _GUARDED_FUNCTIONS}
+
+    def refuse(what):
+        def guard(*args, **kwargs):
+            raise HostSyncError(f"host synchronization inside the step: {what}")
+        return guard
+
+    for name in _GUARDED_METHODS:
+        setattr(torch.Tensor, name, refuse(f"Tensor.{name}"))
+    for name in _GUARDED_FUNCTIONS:
+        setattr(torch, name, refuse(f"torch.{name}"))
+    try:
+        yield
+    finally:
+        for name in _GUARDED_METHODS:
+            if name in own:
+                setattr(torch.Tensor, name, own[name])
+            else:
+                delattr(torch.Tensor, name)
+        for name, fn in functions.items():
+            setattr(torch, name, fn)

@@ -9,7 +9,7 @@ from typer.testing import CliRunner
 
 from treeattn.bench.profile import PHASES, ProfileSpec, run_profile, variant_name
 from treeattn.cli import app
-from treeattn.demo import DEMO_CONFIG
+from treeattn.eval.synthetic import DEMO_CONFIG
 
 
 @pytest.fixture(scope="module")

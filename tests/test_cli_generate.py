@@ -16,7 +16,7 @@ from test_model import VOCAB, make_checkpoint  # noqa: E402
 from typer.testing import CliRunner  # noqa: E402
 
 from treeattn.cli import app  # noqa: E402
-from treeattn.generate import generate  # noqa: E402
+from treeattn.engine.generate import generate  # noqa: E402
 from treeattn.models import load_model  # noqa: E402
 
 PROMPT = torch.randint(0, VOCAB, (10,), generator=torch.Generator().manual_seed(20)).tolist()
@@ -117,7 +117,7 @@ def test_python_dash_m_works(checkpoint, ids_file, expected):
     [
         (["--prompt", "w1 w2"], "has no tokenizer"),
         (["--prompt-ids", "IDS", "--prompt", "w1"], "give exactly one of --prompt, --prompt-file, --prompt-ids"),
-        (["--prompt-ids", "IDS", "--capacity", "12"], "prompt of 10 tokens \\+ --max-new-tokens 64 needs 74 cache slots, more than --capacity 12"),
+        (["--prompt-ids", "IDS", "--capacity", "12"], "prompt of 10 tokens \\+ --max-new-tokens 64 needs 74 cache slots, more than --max-context 12"),
         (["--prompt-ids", "BAD_IDS"], r"prompt 0: token id 100000 is outside the vocabulary \[0, 128\)"),
     ],
 )
@@ -156,7 +156,7 @@ def test_demo_runs_tree_and_ring_and_checks_them(tmp_path):
         (["--top-p", "0", "--temperature", "1"], r"--top-p must be in \(0, 1\] or None, got 0.0"),
         (["--temperature", "inf"], r"--temperature must be a finite number >= 0 \(0 = greedy\), got inf"),
         (["--decode", "local", "--nproc", "2"], "--decode local runs on one rank, but the group has 2; use --decode tree or --decode ring"),
-        (["--capacity", "1000000000000"], r"--capacity 1000000000000: the KV cache of 1000000000000 slots x 1 sequences \(blocks of 256\) would take "
+        (["--max-context", "1000000000000"], r"--max-context 1000000000000: the KV cache of 1000000000000 slots x 1 sequences \(blocks of 256\) would take "
                                           r"[0-9.]+ TiB per rank on 1 rank\(s\), more than the [0-9.]+ GiB of memory of cpu"),
         (["--max-new-tokens", "1000000000000", "--nproc", "2"], r"--max-new-tokens 1000000000000: the KV cache .* TiB per rank on 2 rank"),
         (["--stop-id", "-3"], "--stop-id must hold token ids >= 0, got -3"),
@@ -186,12 +186,12 @@ def test_binary_prompt_file_is_named(checkpoint, tmp_path):
 
 
 def test_ranks_beyond_the_memory_are_refused_and_beyond_the_cores_warned(checkpoint, ids_file, monkeypatch, capsys):
-    from treeattn.engine import config as engine_config
+    from treeattn.engine import memory
     from treeattn.engine.config import GenerationConfig
-    from treeattn.engine_cli import _check_before_spawning
+    from treeattn.engine.cli import _check_before_spawning
 
     weights = (checkpoint / "model.safetensors").stat().st_size  # the weights, and a header of a few KiB
-    monkeypatch.setattr(engine_config, "device_memory_bytes", lambda device: int(3.5 * weights))
+    monkeypatch.setattr(memory, "device_memory_bytes", lambda device: int(3.5 * weights))
     monkeypatch.setattr("os.cpu_count", lambda: 2)
     config = GenerationConfig(max_new_tokens=4, block_size=4)
     _check_before_spawning(config, checkpoint, [PROMPT[:2]], 2, "float32")
@@ -200,7 +200,7 @@ def test_ranks_beyond_the_memory_are_refused_and_beyond_the_cores_warned(checkpo
     err = " ".join(capsys.readouterr().err.split())
     assert "--nproc 3 ranks on 2 cores: they will time-share the cores" in err
     assert "--nproc 3 ranks for a 2-token prompt: some ranks start with no tokens" in err
-    with pytest.raises(ValueError, match=r"--nproc: 4 rank\(s\) x \(.* of weights \+ .* of KV cache\) = .*, more than this machine's"):
+    with pytest.raises(ValueError, match=r"^nproc: 4 rank\(s\) x \(.* of weights \+ .* of KV cache\) = .*, more than the .* of memory of this machine$"):
         _check_before_spawning(config, checkpoint, [PROMPT], 4, "float32")
     # under torchrun: the ranks of this machine (LOCAL_WORLD_SIZE) count, and only rank 0 warns
     monkeypatch.setenv("WORLD_SIZE", "8")

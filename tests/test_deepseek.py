@@ -20,7 +20,7 @@ transformers = pytest.importorskip("transformers")
 
 from treeattn.cache import ShardedKVCache  # noqa: E402
 from treeattn.cache.sharded import kv_bytes_per_token  # noqa: E402
-from treeattn.generate import generate  # noqa: E402
+from treeattn.engine.generate import generate  # noqa: E402
 from treeattn.models import load_model  # noqa: E402
 from treeattn.models.attention import LocalAttention  # noqa: E402
 from treeattn.models.deepseek import DeepseekModel, prefers_naive  # noqa: E402

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 import treeattn as ta
-from treeattn.engine import EngineError, SamplingParams, runner
+from treeattn.engine import batch, EngineError, SamplingParams
 from treeattn.models.llama import LlamaConfig, random_model
 from treeattn.parallel import spawn
 
@@ -90,7 +90,7 @@ def _engine_cases(rank: int, world_size: int) -> list[dict]:
         if rank >= p:
             continue
         # Half the cases read every shard run by run (no copy), half gather it (treeattn.engine.runner).
-        runner.COPY_FREE_MIN_KEYS = 0 if case % 2 else 1 << 40
+        batch.COPY_FREE_MIN_KEYS = 0 if case % 2 else 1 << 40
         with ta.Engine(model, group=groups[p], timeout_s=60, **options) as engine:
             if not engine.is_driver:
                 continue

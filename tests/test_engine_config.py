@@ -28,7 +28,7 @@ def test_the_config_is_frozen_normalized_and_picklable():
     with pytest.raises(dataclasses.FrozenInstanceError):
         config.top_p = 1.0
     assert pickle.loads(pickle.dumps(config)) == config
-    assert config.sampling.top_p == 0.5 and config.decode_step == "dynamic"
+    assert config.sampling_params(0, ()).top_p == 0.5 and config.decode_step == "dynamic"
     assert GenerationConfig(cuda_graph=True).decode_step == "graph"
 
 

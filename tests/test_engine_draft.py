@@ -26,7 +26,7 @@ import treeattn as ta
 from test_engine_speculate import BLOCK, CONFIG, PLENTY, REQUESTS as ALL_REQUESTS, SAMPLED, TIGHT, _greedy_alone, _uncached, one_thread  # noqa: F401
 from treeattn.cache.blocks import ShardedBlockPool
 from treeattn.cache.prefix import PrefixCache
-from treeattn.engine import SamplingParams, runner, token_parallel
+from treeattn.engine import batch, SamplingParams, token_parallel
 from treeattn.engine.draft import DraftSlots
 from treeattn.engine.scheduler import Scheduler
 from treeattn.engine.config import ConfigError
@@ -78,7 +78,7 @@ def _engine_cases(rank: int, world_size: int) -> list[dict]:
     for case, (p, draft, options) in enumerate(CASES):
         if rank >= p:
             continue
-        runner.COPY_FREE_MIN_KEYS = 0 if case % 2 else 1 << 40  # some cases read shards run by run, the others gather them
+        batch.COPY_FREE_MIN_KEYS = 0 if case % 2 else 1 << 40  # some cases read shards run by run, the others gather them
         token_parallel.SPLIT_MIN_TOKENS_PER_RANK = 2 if case % 3 == 2 else 1 << 40  # some split steps of >= 2p tokens over the ranks
         with ta.Engine(target, group=groups[p], timeout_s=60, speculate="draft", draft_model=_draft(draft, target), draft_tokens=K,
                        **options) as engine:
@@ -331,18 +331,19 @@ def test_a_draft_of_a_short_window_fits_a_small_enough_cache():
 def test_the_memory_check_counts_the_draft_model(monkeypatch):
     """Memory for two ranks of the model and its cache, not for the draft's too: refused, naming draft_model."""
     from treeattn.cache.sharded import kv_bytes_per_token
-    from treeattn.engine import engine as engine_module
-    from treeattn.engine.config import model_bytes
+    from treeattn.engine import memory
+    from treeattn.engine.config import EngineConfig
+    from treeattn.engine.memory import model_bytes
 
     target, draft = _target(), random_model(SMALL, seed=4)
-    config = engine_module.EngineConfig(nproc=2, block_size=BLOCK, cache_tokens=1024)
+    config = EngineConfig(nproc=2, block_size=BLOCK, cache_tokens=1024)
     slots = config.blocks_per_rank(CONFIG.max_position_embeddings) * BLOCK
     one_rank = model_bytes(target, torch.float32) + slots * kv_bytes_per_token(CONFIG, torch.float32)
-    monkeypatch.setattr(engine_module, "device_memory_bytes", lambda device: 2 * one_rank + 1)
+    monkeypatch.setattr(memory, "device_memory_bytes", lambda device: 2 * one_rank + 1)
     with pytest.raises(ValueError, match=r"^draft_model: 2 rank\(s\) x \(.* of weights \+ .* of KV cache \+ .* of draft model and its "
                                          r"cache\) = .*, more than the .* of memory of this machine$"):
         ta.Engine(target, nproc=2, block_size=BLOCK, cache_tokens=1024, speculate="draft", draft_model=draft)
-    monkeypatch.setattr(engine_module, "device_memory_bytes", lambda device: one_rank // 2)
+    monkeypatch.setattr(memory, "device_memory_bytes", lambda device: one_rank // 2)
     with pytest.raises(ValueError, match=r"^cache_tokens: 2 rank\(s\) x"):
         ta.Engine(target, nproc=2, block_size=BLOCK, cache_tokens=1024)
     assert not multiprocessing.active_children()
@@ -393,21 +394,22 @@ def test_serve_and_generate_count_the_draft_model_in_the_memory_check(checkpoint
 
     from treeattn.cache.sharded import kv_bytes_per_token
     from treeattn.cli import app
-    from treeattn.engine import config as config_module, engine as engine_module
-    from treeattn.engine.config import GenerationConfig, kv_cache_bytes_per_rank, model_bytes
+    from treeattn.engine import memory
+    from treeattn.engine.config import EngineConfig, GenerationConfig, kv_cache_bytes_per_rank
+    from treeattn.engine.memory import model_bytes
     from treeattn.models.loader import read_config
 
     model = str(checkpoints["model"])
     model_config = read_config(model)
     weights = model_bytes(model, torch.float32)
-    slots = engine_module.EngineConfig(nproc=2, block_size=16, cache_tokens=256).blocks_per_rank(model_config.max_position_embeddings) * 16
-    monkeypatch.setattr(engine_module, "device_memory_bytes", lambda device: 2 * (weights + slots * kv_bytes_per_token(model_config, torch.float32)) + 1)
+    slots = EngineConfig(nproc=2, block_size=16, cache_tokens=256).blocks_per_rank(model_config.max_position_embeddings) * 16
+    monkeypatch.setattr(memory, "device_memory_bytes", lambda device: 2 * (weights + slots * kv_bytes_per_token(model_config, torch.float32)) + 1)
     result = CliRunner().invoke(app, ["serve", model, *SERVE, "--speculate", "draft", "--draft-model", model])
     assert result.exit_code == 2 and "error: --draft-model: 2 rank(s) x (" in result.output and "of draft model and its cache" in result.output
 
     prompt = [1, 2, 3, 4, 5, 6, 7, 8]
     kv = kv_cache_bytes_per_rank(GenerationConfig(max_new_tokens=8), model_config, 1, len(prompt), 2, torch.float32)
-    monkeypatch.setattr(config_module, "device_memory_bytes", lambda device: 2 * (weights + kv) + 1)
+    monkeypatch.setattr(memory, "device_memory_bytes", lambda device: 2 * (weights + kv) + 1)
     ids = checkpoints["model"].parent / "ids.json"
     ids.write_text(str(prompt))
     result = CliRunner().invoke(app, ["generate", model, "--prompt-ids", str(ids), "--max-new-tokens", "8", "--nproc", "2",

@@ -22,7 +22,7 @@ from test_engine import one_thread  # noqa: F401
 from test_engine_token_parallel import CONFIG, _uncached_greedy
 from treeattn.cache.blocks import BlockRef
 from treeattn.cache.paged import PagedKVCache
-from treeattn.engine import SamplingParams, runner, shared_prefix
+from treeattn.engine import batch as engine_batch, SamplingParams, shared_prefix
 from treeattn.engine.scheduler import Chunk, StepPlan
 from treeattn.models.attention import LocalAttention
 from treeattn.models.llama import random_model
@@ -69,7 +69,7 @@ def _cases(rank: int, world_size: int) -> list[dict]:
     for p, options, copy_free in CASES:
         if rank >= p:
             continue
-        runner.COPY_FREE_MIN_KEYS = 0 if copy_free else 1 << 40
+        engine_batch.COPY_FREE_MIN_KEYS = 0 if copy_free else 1 << 40
         run = dict(p=p, options=options)
         for sharing in (True, False):
             shared_prefix.SHARE_MIN_SAVED_KEYS = 8 if sharing else 1 << 40
@@ -187,10 +187,10 @@ def test_one_layer_with_shared_segments_matches_float64_attention_per_sequence(m
     T, dv = sum(len(c.tokens) for c in chunks), value_dim or d
     q = torch.randn(1, T, hq, d, generator=g, dtype=torch.float64)
     k_new, v_new = torch.randn(1, T, hkv, d, generator=g, dtype=torch.float64), torch.randn(1, T, hkv, dv, generator=g, dtype=torch.float64)
-    monkeypatch.setattr(runner, "COPY_FREE_MIN_KEYS", 0 if copy_free else 1 << 40)
+    monkeypatch.setattr(engine_batch, "COPY_FREE_MIN_KEYS", 0 if copy_free else 1 << 40)
     monkeypatch.setattr(shared_prefix, "SHARE_MIN_SAVED_KEYS", 1)
     arena = cache.arena.clone()
-    batch = runner.PagedBatch(StepPlan(chunks), 0, cache, LocalAttention(), combine=(None, "allreduce", 1))
+    batch = engine_batch.PagedBatch(StepPlan(chunks), 0, cache, LocalAttention(), combine=(None, "allreduce", 1))
     k, v, pos = batch.kv_store(0, k_new, v_new)
     out = batch.attend(q, k, v, q_pos=None, kv_pos=pos, window=None)[0]
     assert batch.shared_keys == 2 * 24 + 8 and batch.groups[0].shared is not None
@@ -206,7 +206,7 @@ def test_one_layer_with_shared_segments_matches_float64_attention_per_sequence(m
     # the same step without sharing reads as before and gives the same output
     cache.arena.copy_(arena)
     monkeypatch.setattr(shared_prefix, "SHARE_MIN_SAVED_KEYS", 1 << 40)
-    batch = runner.PagedBatch(StepPlan(chunks), 0, cache, LocalAttention(), combine=(None, "allreduce", 1))
+    batch = engine_batch.PagedBatch(StepPlan(chunks), 0, cache, LocalAttention(), combine=(None, "allreduce", 1))
     k, v, pos = batch.kv_store(0, k_new, v_new)
     assert batch.shared_keys == 0 and batch.groups[0].shared is None
     torch.testing.assert_close(batch.attend(q, k, v, q_pos=None, kv_pos=pos, window=None)[0], out, rtol=1e-12, atol=1e-12)

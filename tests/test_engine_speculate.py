@@ -24,11 +24,11 @@ from hypothesis import given, settings, strategies as st
 import treeattn as ta
 from treeattn.cache.blocks import ShardedBlockPool, tokens_to_blocks
 from treeattn.cache.prefix import PrefixCache
-from treeattn.engine import SamplingParams, runner
+from treeattn.engine import batch, SamplingParams
 from treeattn.engine.scheduler import Scheduler
 from treeattn.models.llama import LlamaConfig, random_model
 from treeattn.parallel import spawn
-from treeattn.speculate import NgramDrafter
+from treeattn.engine.speculate import NgramDrafter
 
 VOCAB = 32
 CONFIG = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
@@ -143,7 +143,7 @@ def _engine_cases(rank: int, world_size: int) -> list[dict]:
     for case, (p, options) in enumerate(CASES):
         if rank >= p:
             continue
-        runner.COPY_FREE_MIN_KEYS = 0 if case % 3 else 1 << 40  # some cases read shards run by run, the others gather them
+        batch.COPY_FREE_MIN_KEYS = 0 if case % 3 else 1 << 40  # some cases read shards run by run, the others gather them
         with ta.Engine(models[_looping(case)], group=groups[p], timeout_s=60, speculate="ngram", draft_tokens=K,
                        **options) as engine:
             if not engine.is_driver:

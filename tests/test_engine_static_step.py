@@ -9,7 +9,7 @@ On the CPU:
   engine's with the same seeds;
 - one static step equals the dynamic step on the same plan (three sequences padded to a bucket of
   four, one starting a new block, sequences spanning two ranks), and runs without any host read
-  (test_decode_step's no_host_sync guard); the paged read (CUDA's: the Triton paged kernel over
+  (conftest's no_host_sync guard); the paged read (CUDA's: the Triton paged kernel over
   the arena, no gather) gives the same through Triton's interpreter;
 - bad options fail with one line naming the option.
 Skipped without CUDA (no GPU was available when they were written, so they have not run yet): the
@@ -26,15 +26,18 @@ import torch
 import torch.distributed as dist
 
 import treeattn as ta
-from test_decode_step import _interpreted_triton_decode, gpu, no_host_sync
+from conftest import gpu, interpreted_triton_decode, no_host_sync, use_triton_interpreter
 from test_engine_speculate import BLOCK, CONFIG, PLENTY, REQUESTS, SAMPLED, TIGHT, _greedy_alone, _model, one_thread  # noqa: F401
 from treeattn.cache.blocks import BlockRef
 from treeattn.engine import SamplingParams
 from treeattn.engine.config import ConfigError
-from treeattn.engine.runner import PagedBatch, RankRunner
+from treeattn.engine.batch import PagedBatch
+from treeattn.engine.runner import RankRunner
 from treeattn.engine.scheduler import Chunk, StepPlan
 from treeattn.engine.static_step import StaticDecodeStep, StaticShape, batch_buckets, width_bucket
 from treeattn.parallel import spawn
+
+use_triton_interpreter()  # the paged read's kernel branch through Triton's interpreter, in the ranks too
 
 CASES = [
     (1, dict(decode="local", placement="contiguous", **PLENTY)),
@@ -143,7 +146,7 @@ def _one_step(rank: int, group) -> dict:
                             decode_step="static", max_batch_size=8)
         if read == "paged":
             runner.static_step = StaticDecodeStep(runner.model, runner.cache, rank=rank, max_batch_size=8, decode="tree",
-                                                  group=group, kernel=_interpreted_triton_decode())
+                                                  group=group, kernel=interpreted_triton_decode())
         with torch.inference_mode():
             runner.step(prefill)  # dynamic: prompt chunks
             batch = PagedBatch(decode, rank, runner.cache, runner.attend, None)

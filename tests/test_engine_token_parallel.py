@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 import treeattn as ta
-from treeattn.engine import SamplingParams, runner, token_parallel
+from treeattn.engine import batch, runner, SamplingParams, token_parallel
 from treeattn.models.attention import LocalAttention
 from treeattn.models.llama import LlamaConfig, random_model
 from treeattn.parallel import spawn
@@ -97,7 +97,7 @@ def _cases(rank: int, world_size: int) -> list[dict]:
     for p, options, copy_free in CASES:
         if rank >= p:
             continue
-        runner.COPY_FREE_MIN_KEYS = 0 if copy_free else 1 << 40
+        batch.COPY_FREE_MIN_KEYS = 0 if copy_free else 1 << 40
         for split in (True, False):
             token_parallel.SPLIT_MIN_TOKENS_PER_RANK = SPLIT_MIN if split else 1 << 40
             del log[:]

@@ -18,8 +18,10 @@ pytest.importorskip("transformers")
 
 from test_model import ARCHS, VOCAB, make_checkpoint  # noqa: E402
 
-from treeattn.generate import NonFiniteLogitsError, SamplingParams, generate, sample, stream  # noqa: E402
-from treeattn.models import RingPrefillAttention, load_model  # noqa: E402
+from treeattn.engine.generate import NonFiniteLogitsError, generate, stream  # noqa: E402
+from treeattn.engine.request import SamplingParams  # noqa: E402
+from treeattn.engine.sampling import sample  # noqa: E402
+from treeattn.models import load_model  # noqa: E402
 from treeattn.parallel import SpawnError, spawn  # noqa: E402
 
 NEW_TOKENS = 32
@@ -113,6 +115,14 @@ def _engine_cases(rank: int, world_size: int, dirs: dict) -> dict:
     return out
 
 
+def _ring_attend(q, k, v, *, q_pos, kv_pos, window):
+    """ring_attention as the model's attention (this rank's own queries, every rank's keys; no window here)."""
+    from treeattn.parallel import ring_attention
+
+    assert window is None or window >= len(PROMPT)
+    return ring_attention(q, k, v, causal=True, q_pos=q_pos, kv_pos=kv_pos)[0]
+
+
 def _ring_prefill_logits(model, rank, placement):
     """Ring-prefill PROMPT on the 3 ranks; return this rank's (token indices, logits)."""
     from treeattn.cache import ShardedKVCache
@@ -124,7 +134,7 @@ def _ring_prefill_logits(model, rank, placement):
     slots = cache.extend(positions)
     mine = slots.owned
     with torch.inference_mode():
-        hidden = model(ids[:, mine], positions[:, mine], cache.update(slots), RingPrefillAttention(sequence_length=len(PROMPT)))
+        hidden = model(ids[:, mine], positions[:, mine], cache.update(slots), _ring_attend)
         return mine, model.logits(hidden)[0]
 
 
@@ -330,20 +340,20 @@ def test_top_k_and_top_p_restrict_the_support_and_keep_the_proportions():
     probs = torch.tensor([0.45, 0.3, 0.15, 0.1])
     logits = probs.log().expand(20000, 4)
     generator = torch.Generator().manual_seed(1)
-    counts = torch.bincount(sample(logits, SamplingParams(1.0, top_k=2), generator), minlength=4).float() / 20000
+    counts = torch.bincount(sample(logits, SamplingParams(temperature=1.0, top_k=2), generator), minlength=4).float() / 20000
     assert counts[2:].sum() == 0
     torch.testing.assert_close(counts[:2], torch.tensor([0.6, 0.4]), atol=0.02, rtol=0)
-    counts = torch.bincount(sample(logits, SamplingParams(1.0, top_p=0.7), generator), minlength=4).float() / 20000
+    counts = torch.bincount(sample(logits, SamplingParams(temperature=1.0, top_p=0.7), generator), minlength=4).float() / 20000
     assert counts[2:].sum() == 0  # 0.45 + 0.3 reaches 0.7: the rest is cut
-    counts = torch.bincount(sample(logits, SamplingParams(1.0, top_p=0.8), generator), minlength=4).float() / 20000
+    counts = torch.bincount(sample(logits, SamplingParams(temperature=1.0, top_p=0.8), generator), minlength=4).float() / 20000
     assert counts[3] == 0 and counts[2] > 0
-    counts = torch.bincount(sample(logits, SamplingParams(1.0), generator), minlength=4).float() / 20000
+    counts = torch.bincount(sample(logits, SamplingParams(temperature=1.0), generator), minlength=4).float() / 20000
     torch.testing.assert_close(counts, probs, atol=0.02, rtol=0)
 
 
 def test_same_seed_same_draws():
     logits = torch.randn(3, 100)
-    draws = [sample(logits, SamplingParams(0.7, top_p=0.95), torch.Generator().manual_seed(s)) for s in (5, 5, 6)]
+    draws = [sample(logits, SamplingParams(temperature=0.7, top_p=0.95), torch.Generator().manual_seed(s)) for s in (5, 5, 6)]
     assert torch.equal(draws[0], draws[1])
-    many = [sample(logits, SamplingParams(5.0), torch.Generator().manual_seed(s)) for s in range(8)]
+    many = [sample(logits, SamplingParams(temperature=5.0), torch.Generator().manual_seed(s)) for s in range(8)]
     assert len({tuple(d.tolist()) for d in many}) > 1

@@ -144,7 +144,7 @@ def test_missing_tokenizer_and_template_are_none(models, tmp_path):
     model = load_model(path)
     assert model.tokenizer is None and model.chat_template is None
     with pytest.raises(ValueError, match="chat messages, but the model has no tokenizer"):
-        from treeattn.generate import generate
+        from treeattn.engine.generate import generate
 
         generate(model, [{"role": "user", "content": "hi"}], max_new_tokens=1)
 

@@ -160,16 +160,16 @@ def test_bad_input_names_the_argument():
 
 
 def _engine_tokens(model, prompts, *, nproc=1, paged=True, max_new_tokens=5):
-    from treeattn.engine import runner
+    from treeattn.engine import batch as engine_batch
 
-    saved = runner.kernel_takes
+    saved = engine_batch.kernel_takes
     if not paged:
-        runner.kernel_takes = lambda dtype, device: False
+        engine_batch.kernel_takes = lambda dtype, device: False
     try:
         with ta.Engine(model, nproc=nproc, decode="tree", max_batch_size=4, block_size=8, prefix_cache=True) as engine:
             return [r.token_ids for r in engine.generate(prompts, max_new_tokens=max_new_tokens, temperature=0.0)]
     finally:
-        runner.kernel_takes = saved
+        engine_batch.kernel_takes = saved
 
 
 @needs_kernel
@@ -192,9 +192,9 @@ def test_engine_same_tokens_with_and_without_the_kernel():
 def test_cuda_branch_through_the_triton_interpreter(case, monkeypatch):
     """The CUDA branch (the Triton paged kernel through the table, the static step's kernel), run
     by Triton's interpreter on CPU tensors when there is no GPU."""
-    from test_decode_step import HAS_CUDA, _interpreted_triton_decode
+    from conftest import HAS_CUDA, interpreted_triton_decode
 
-    td = _interpreted_triton_decode()
+    td = interpreted_triton_decode()
     device = "cuda" if HAS_CUDA else "cpu"
     monkeypatch.setattr(pd, "_triton_kernel", lambda q: td)
     params = dict(CASES[case])

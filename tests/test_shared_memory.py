@@ -128,7 +128,7 @@ def test_generate_gives_the_same_tokens_and_rounds_with_and_without_shared_memor
 def test_the_option_must_be_a_bool():
     with pytest.raises(ConfigTypeError, match="shared_memory must be a bool"):
         GenerationConfig(shared_memory="yes")
-    from treeattn.engine.engine import EngineConfig
+    from treeattn.engine.config import EngineConfig
 
     with pytest.raises(ValueError, match="shared_memory must be a bool"):
         EngineConfig(shared_memory=1)

@@ -1,7 +1,6 @@
-"""Speculative decoding (treeattn.speculate, generate(speculate="ngram")).
+"""Speculative decoding (treeattn.engine.speculate, generate(speculate="ngram")).
 
 - Prompt lookup proposes the continuation of the longest matching suffix.
-- The acceptance rule's output distribution is the target's (Monte Carlo over the rule itself).
 - Greedy output with speculation equals transformers' uncached greedy recomputation, on p = 1, 2, 3
   gloo ranks (sub-groups of one spawn), both placements, tree and ring decoding, with drafts both
   accepted and rejected (so the cache roll-back on every rank is exercised).
@@ -26,13 +25,15 @@ from typer.testing import CliRunner  # noqa: E402
 
 from treeattn.cli import app  # noqa: E402
 from treeattn.cache import ShardedKVCache  # noqa: E402
-from treeattn.engine.config import ConfigError, GenerationConfig, SamplingParams  # noqa: E402
-from treeattn.generate import generate, sampling_probs  # noqa: E402
+from treeattn.engine.config import ConfigError, GenerationConfig  # noqa: E402
+from treeattn.engine.generate import generate  # noqa: E402
+from treeattn.engine.request import SamplingParams  # noqa: E402
+from treeattn.engine.sampling import sampling_probs  # noqa: E402
 from treeattn.models.attention import attention_backend  # noqa: E402
 from treeattn.models import load_model  # noqa: E402
 from treeattn.models.llama import LlamaConfig, random_model  # noqa: E402
 from treeattn.parallel import spawn  # noqa: E402
-from treeattn.speculate import NgramDrafter, accept  # noqa: E402
+from treeattn.engine.speculate import NgramDrafter  # noqa: E402
 
 NEW_TOKENS = 24
 # A prompt with repeats, so that prompt lookup finds matches (some right, some wrong).
@@ -57,34 +58,6 @@ def test_ngram_drafter_proposes_the_continuation_of_the_longest_match():
     assert drafter.propose(torch.tensor([1, 2, 3, 4]), 4).tolist() == []  # nothing recurs
     assert drafter.propose(torch.tensor([6, 6, 6, 6, 6]), 3).tolist() == [6, 6]  # a repetitive tail: the longest continuation
     assert drafter.propose(context, 0).tolist() == []
-
-
-def test_acceptance_rule_output_is_distributed_as_the_target():
-    """accept() with random uniforms: the two tokens after two drafts are independent draws from the
-    rows' distributions (the rows do not depend on the tokens here), whatever the drafts are."""
-    g = torch.Generator().manual_seed(0)
-    probs = torch.softmax(torch.randn(3, 4, generator=g, dtype=torch.float64) * 1.5, dim=-1)
-    n = 4000
-    for draft in ([int(probs[0].argmax()), int(probs[1].argmin())], [int(probs[0].argmin()), int(probs[1].argmax())]):
-        counts = torch.zeros(4, 4)
-        for _ in range(n):
-            u = torch.rand(3, generator=g, dtype=torch.float64)
-            accepted, token = accept(probs, torch.tensor(draft), u[:2], float(u[2]))
-            tokens = draft[:accepted] + [token]
-            if len(tokens) >= 2:
-                counts[tokens[0], tokens[1]] += 1
-            else:  # rejected at once: the second token would come from the next step's row 0
-                counts[tokens[0], torch.multinomial(probs[1], 1, generator=g)] += 1
-        expected = (probs[0][:, None] * probs[1][None, :] * n).flatten()
-        assert scipy_stats.chisquare(counts.flatten().numpy(), expected.numpy()).pvalue > 1e-3
-
-
-def test_greedy_acceptance_is_exact_matching():
-    probs = torch.nn.functional.one_hot(torch.tensor([3, 1, 4]), 6).double()
-    zeros = torch.zeros(2, dtype=torch.float64)
-    assert accept(probs, torch.tensor([3, 1]), zeros, 0.0) == (2, 4)
-    assert accept(probs, torch.tensor([3, 2]), zeros, 0.0) == (1, 1)
-    assert accept(probs, torch.tensor([0, 1]), zeros, 0.0) == (0, 3)
 
 
 # ------------------------------------------------------------------------ end to end, greedy

@@ -1,8 +1,5 @@
-"""Speculative decoding with a draft model (generate(speculate="draft", draft_model=...), treeattn.draft_model).
+"""Speculative decoding with a draft model (generate(speculate="draft", draft_model=...), treeattn.engine.draft_model).
 
-- The acceptance rule with a non-one-hot proposal q: the tokens it emits are distributed as the
-  target's p (chi-square against the analytic product distribution), and a draft is accepted with
-  the analytic probability sum_x min(p(x), q(x)).
 - Greedy output with a draft model equals greedy output without speculation and transformers'
   uncached greedy recomputation, on p = 1, 2, 3 gloo ranks (sub-groups of one spawn), both
   placements, tree and ring decoding, ring and split prefill; with the model itself as draft (every
@@ -33,63 +30,14 @@ from typer.testing import CliRunner  # noqa: E402
 
 from treeattn.cli import app  # noqa: E402
 from treeattn.engine.config import ConfigError, GenerationConfig  # noqa: E402
-from treeattn.generate import generate  # noqa: E402
+from treeattn.engine.generate import generate  # noqa: E402
 from treeattn.models import load_model  # noqa: E402
 from treeattn.models.llama import LlamaConfig, random_model  # noqa: E402
 from treeattn.parallel import spawn  # noqa: E402
-from treeattn.speculate import accept  # noqa: E402
 
 NEW_TOKENS = 12
 BOTH = [("tree", "contiguous"), ("tree", "interleaved"), ("ring", "contiguous"), ("ring", "interleaved")]
 CASES = {1: BOTH[:1], 2: BOTH, 3: BOTH}
-
-
-# ----------------------------------------------------------------------- the acceptance rule
-
-
-def test_acceptance_with_a_proposal_distribution_emits_the_target_distribution():
-    """Drafts drawn from q rows, accepted by the rule: the first two emitted tokens are independent
-    draws from p's first two rows (the rows do not depend on the tokens here), and the first draft is
-    accepted with probability sum_x min(p0(x), q0(x)) = 1 - total variation."""
-    g = torch.Generator().manual_seed(1)
-    vocab, n = 4, 6000
-    probs = torch.softmax(torch.randn(3, vocab, generator=g, dtype=torch.float64) * 1.5, dim=-1)
-    proposal = torch.softmax(torch.randn(2, vocab, generator=g, dtype=torch.float64) * 1.5, dim=-1)
-    proposal[1, 0] = 0.0  # a token the drafter never proposes, that the target may emit
-    proposal[1] /= proposal[1].sum()
-    counts = torch.zeros(vocab, vocab)
-    first_accepted = 0
-    for _ in range(n):
-        draft = torch.stack([torch.multinomial(proposal[i], 1, generator=g)[0] for i in range(2)])
-        u = torch.rand(3, generator=g, dtype=torch.float64)
-        accepted, token = accept(probs, draft, u[:2], float(u[2]), proposal=proposal)
-        first_accepted += accepted >= 1
-        tokens = draft[:accepted].tolist() + [token]
-        second = tokens[1] if len(tokens) >= 2 else int(torch.multinomial(probs[1], 1, generator=g))  # next step's row 0
-        counts[tokens[0], second] += 1
-    expected = (probs[0][:, None] * probs[1][None, :] * n).flatten()
-    assert scipy_stats.chisquare(counts.flatten().numpy(), expected.numpy()).pvalue > 1e-3
-    rate = float(torch.minimum(probs[0], proposal[0]).sum())
-    assert scipy_stats.binomtest(first_accepted, n, rate).pvalue > 1e-3
-
-
-def test_one_hot_proposal_is_the_deterministic_rule():
-    """proposal=None (prompt lookup, a greedy draft) and an explicit one-hot q give the same outcomes."""
-    g = torch.Generator().manual_seed(2)
-    probs = torch.softmax(torch.randn(4, 6, generator=g, dtype=torch.float64), dim=-1)
-    for _ in range(50):
-        draft = torch.randint(0, 6, (3,), generator=g)
-        u = torch.rand(4, generator=g, dtype=torch.float64)
-        one_hot = torch.nn.functional.one_hot(draft, 6).double()
-        assert accept(probs, draft, u[:3], float(u[3])) == accept(probs, draft, u[:3], float(u[3]), proposal=one_hot)
-
-
-def test_greedy_target_with_a_greedy_draft_is_exact_matching():
-    probs = torch.nn.functional.one_hot(torch.tensor([3, 1, 4]), 6).double()
-    u = torch.full((2,), 0.999, dtype=torch.float64)
-    assert accept(probs, torch.tensor([3, 1]), u, 0.5) == (2, 4)
-    assert accept(probs, torch.tensor([3, 2]), u, 0.5) == (1, 1)
-    assert accept(probs, torch.tensor([0, 1]), u, 0.5) == (0, 3)
 
 
 # ------------------------------------------------------------------------ end to end, greedy
@@ -292,17 +240,18 @@ def test_the_memory_check_counts_the_draft_on_every_rank(tokenized, monkeypatch)
     once per rank, and a draft that does not fit is named."""
     from pathlib import Path
 
-    from treeattn import engine_cli
-    from treeattn.engine import config as config_module
-    from treeattn.engine.config import kv_cache_bytes_per_rank, model_bytes
+    from treeattn.engine import cli as engine_cli
+    from treeattn.engine import memory
+    from treeattn.engine.config import kv_cache_bytes_per_rank
+    from treeattn.engine.memory import model_bytes
     from treeattn.models.loader import read_config
 
     model, prompts = str(tokenized["model"]), [list(range(8))]
     model_config, weights = read_config(model), model_bytes(model, torch.float32)
     config = GenerationConfig(max_new_tokens=8, speculate="draft", draft_model=model)
     kv = kv_cache_bytes_per_rank(config, model_config, 1, 8, 2, torch.float32)
-    monkeypatch.setattr(config_module, "device_memory_bytes", lambda device: 4 * (weights + kv))
+    monkeypatch.setattr(memory, "device_memory_bytes", lambda device: 4 * (weights + kv))
     engine_cli._check_before_spawning(config, Path(model), prompts, 2, "float32")  # fits: 2 ranks x (model + draft)
-    monkeypatch.setattr(config_module, "device_memory_bytes", lambda device: 4 * (weights + kv) - 1)
-    with pytest.raises(ValueError, match=r"^--draft-model: 2 rank\(s\) x \(.* of draft model and its cache\) = "):
+    monkeypatch.setattr(memory, "device_memory_bytes", lambda device: 4 * (weights + kv) - 1)
+    with pytest.raises(ValueError, match=r"^draft_model: 2 rank\(s\) x \(.* of draft model and its cache\) = "):
         engine_cli._check_before_spawning(config, Path(model), prompts, 2, "float32")

@@ -18,8 +18,7 @@ from treeattn.ops.bifurcated import bifurcated_attention
 from treeattn.parallel.bifurcated import sharded_bifurcated_attention
 from treeattn.cache import ShardedKVCache
 from treeattn.models import LlamaConfig, LlamaModel, load_model, load_tokenizer
-from treeattn.generate import GenerationResult, generate, stream
-from treeattn.decode_step import DecodeStep
+from treeattn.engine.generate import GenerationResult, generate, stream
 from treeattn.engine import Engine, RequestResult, SamplingParams, TokenEvent, TokenLogprob
 from treeattn.linear import linear_attention
 
@@ -48,7 +47,6 @@ __all__ = [
     "GenerationResult",
     "generate",
     "stream",
-    "DecodeStep",
     "Engine",
     "RequestResult",
     "SamplingParams",

@@ -15,7 +15,7 @@ import typer
 
 from treeattn.bench.config import METHODS, SweepConfig
 
-bench_app = typer.Typer(help="Benchmarks: decode sweeps, calibration, cost-model validation.", no_args_is_help=True)
+bench_app = typer.Typer(help="Benchmarks: decode sweeps, calibration, cost-model validation.", no_args_is_help=True, rich_markup_mode=None)
 
 
 def _refuse(message: str) -> typer.Exit:
@@ -182,7 +182,7 @@ def _print_per_rank(records: list[dict]) -> None:
 @bench_app.command("decode")
 def decode(
     method: list[str] = typer.Option(["allreduce", "tree", "ring-kv", "ring-q"], "--method", "-m", help="Methods: " + ", ".join(METHODS)),
-    world_size: list[int] = typer.Option([2], "--world-size", "-p", help="Ranks; repeat for several."),
+    world_size: list[int] = typer.Option([2], "--nproc", help="Ranks; repeat for several."),
     seq_len: list[int] = typer.Option([16384], "--seq-len", "-n", help="KV cache length(s)."),
     heads: int = typer.Option(16, help="Query heads Hq."),
     kv_heads: int | None = typer.Option(None, help="KV heads Hkv (default Hq)."),
@@ -274,7 +274,7 @@ def calibrate_command(
     output: Path = typer.Option(Path("calibration.json"), "--output", "-o", help="Where to write the calibration JSON."),
     repeats: int = typer.Option(5, help="Repetitions of each measurement (the median is kept)."),
     passes: int = typer.Option(1, help="Whole calibrations, 10 s apart; each figure keeps its fastest pass."),
-    world_size: list[int] = typer.Option([2, 4], "--world-size", "-p", help="World sizes at which the busy-round costs (p2p step, small collective among computing ranks) are measured."),
+    world_size: list[int] = typer.Option([2, 4], "--nproc", help="World sizes at which the busy-round costs (p2p step, small collective among computing ranks) are measured."),
 ) -> None:
     """Measure gloo loopback latency/bandwidth, 1-thread attention rate, merge cost, memory bandwidth,
     and the cost of a p2p step / small collective among busy ranks at each world size."""
@@ -310,9 +310,9 @@ def calibrate_command(
 @bench_app.command("validate")
 def validate_command(
     calibration: Path = typer.Option(Path("calibration.json"), help="Calibration JSON from `treeattn bench calibrate`."),
-    method: list[str] = typer.Option(["allreduce", "tree", "ring-kv", "ring-q"], "--method", "-m"),
-    world_size: list[int] = typer.Option([2, 4], "--world-size", "-p"),
-    seq_len: list[int] = typer.Option([16384, 65536, 262144], "--seq-len", "-n"),
+    method: list[str] = typer.Option(["allreduce", "tree", "ring-kv", "ring-q"], "--method", "-m", help="Method(s) to benchmark and predict; repeat for several."),
+    world_size: list[int] = typer.Option([2, 4], "--nproc", help="Ranks; repeat for several."),
+    seq_len: list[int] = typer.Option([16384, 65536, 262144], "--seq-len", "-n", help="KV cache length(s) N; repeat for several."),
     warmup: int = typer.Option(1, help="Untimed calls per case."),
     repeats: int = typer.Option(5, help="Timed calls per case."),
     tolerance: float = typer.Option(0.35, help="Allowed |predicted - measured| / measured."),
@@ -405,16 +405,16 @@ def plot_command(
 def profile_command(
     model: str = typer.Argument(..., help="demo, smollm2-shapes (random weights, SmolLM2-135M's 30-layer shapes), "
                                 "or a checkpoint: Hugging Face directory or .gguf file."),
-    nproc: list[int] = typer.Option([1, 2, 4], "--nproc", "-p", help="World sizes (repeatable)."),
+    nproc: list[int] = typer.Option([1, 2, 4], "--nproc", help="World sizes (repeatable)."),
     context: int = typer.Option(8192, "--context", min=2, help="Synthetic prompt length in tokens."),
-    new_tokens: int = typer.Option(16, "--new-tokens", min=4, help="Greedy tokens per method (the first --warmup steps are not counted)."),
+    new_tokens: int = typer.Option(16, "--max-new-tokens", min=4, help="Greedy tokens per method (the first --warmup steps are not counted)."),
     method: list[str] = typer.Option(["allreduce", "onepass"], "--method", "-m", help="tree_decode methods, each a prefill and a decode."),
     transport: list[str] = typer.Option(["shm"], "--transport", "-t", help="How the ranks combine (repeatable): shm (shared "
                                         "memory, the default of generate and the engine) or gloo (the process group's sockets)."),
     warmup: int = typer.Option(2, "--warmup", min=0, help="Decode steps left out of the means."),
     repeats: int = typer.Option(1, "--repeats", min=1, help="Run the methods in turn this many times (means over all runs)."),
     threads: int | None = typer.Option(None, "--threads", min=1, help="torch threads per rank (default cores / ranks, at least 1)."),
-    json_out: Path | None = typer.Option(None, "--json", help="Also write every rank's figures to this JSON file."),
+    json_out: Path | None = typer.Option(None, "--output", "-o", help="Also write every rank's figures to this JSON file."),
 ) -> None:
     """Split one decode token's time on each rank: local attention, combine, sampling, rest of the model."""
     import os
@@ -432,8 +432,8 @@ def profile_command(
     if bad:
         raise _refuse(f"--transport: expected shm or gloo, got {bad[0]!r}")
     if new_tokens <= warmup:
-        raise _refuse(f"--new-tokens {new_tokens} leaves no step after --warmup {warmup}")
-    _check_outputs([("--json", json_out, (".json",))])
+        raise _refuse(f"--max-new-tokens {new_tokens} leaves no step after --warmup {warmup}")
+    _check_outputs([("--output", json_out, (".json",))])
     table = Table(title=f"{model}: one decode token at {context} tokens of context (ms; % of the step)")
     for col in ("p", "method", "rank", "step", *PHASES, "rounds/step", "same tokens"):
         table.add_column(col, justify="left" if col == "method" else "right")

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from treeattn.bench.config import SweepConfig
-from treeattn.bench.runner import MMAP_THRESHOLD_ENV
+from treeattn.engine.measure import MALLOC_ENV
 
 logger = logging.getLogger(__name__)
 
@@ -251,7 +251,7 @@ def run_in_namespaces(
         for rank in range(world_size):
             env = {
                 **os.environ,
-                **MMAP_THRESHOLD_ENV,
+                **MALLOC_ENV,
                 "MASTER_ADDR": net.addresses[0],
                 "MASTER_PORT": str(port),
                 "RANK": str(rank),

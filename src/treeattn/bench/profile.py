@@ -16,7 +16,7 @@ every decode step is split, on every rank, from the engine's own measurements
 "step" is the rank's wall time of the step (RankMeasurements.step_s); model = step - the three
 measured phases. The split is exact when the engine reads a shard in place (the paged decode
 kernel, treeattn.ops.paged_decode: decoding on the CPU in float32 with numba, or on CUDA) or run
-by run (long runs of blocks: engine.runner.COPY_FREE_MIN_KEYS keys a run on average); on a
+by run (long runs of blocks: engine.batch.COPY_FREE_MIN_KEYS keys a run on average); on a
 gathered shard the back end's combine is inside "attention". What happens between
 steps (the driver's scheduling and the plan's broadcast) is not in the step. Each figure is the
 mean over the steps after `warmup`.
@@ -56,7 +56,7 @@ class ProfileSpec:
 
 def build_model(name: str, seed: int):
     """The model of a ProfileSpec (the same weights on every rank)."""
-    from treeattn.demo import DEMO_CONFIG
+    from treeattn.eval.synthetic import DEMO_CONFIG
     from treeattn.models.llama import LlamaConfig, random_model
 
     if name == "demo":
@@ -77,8 +77,8 @@ def profile_rank(rank: int, world_size: int, spec: ProfileSpec) -> list[dict] | 
     """One rank: an engine per method and transport (a prefill and the decode each). Returns on rank
     0, for every rank, per variant_name, its phase means, the generated ids and the decode rounds
     (comm_stats); None on the other ranks."""
-    from treeattn.demo import synthetic_prompt
-    from treeattn.engine.engine import Engine
+    from treeattn.eval.synthetic import synthetic_prompt
+    from treeattn.engine.client import Engine
 
     torch.set_num_threads(spec.threads)
     model = build_model(spec.model, spec.seed)

@@ -47,9 +47,6 @@ from treeattn.ops import attention
 
 logger = logging.getLogger(__name__)
 
-MMAP_THRESHOLD_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536"}
-
-
 # ------------------------------------------------------------------------------------ memory
 
 
@@ -364,16 +361,10 @@ def _read_records(path: Path) -> list[dict]:
 
 def spawn_launcher(config: SweepConfig, world_size: int, records_path: str | None) -> list[dict]:
     """Run one world size on local processes started by ta.spawn."""
-    saved = {k: os.environ.get(k) for k in MMAP_THRESHOLD_ENV}
-    os.environ.update(MMAP_THRESHOLD_ENV)  # read by glibc when the rank processes start
-    try:
+    from treeattn.engine.measure import malloc_env
+
+    with malloc_env():  # read by glibc when the rank processes start
         results = par.spawn(run_rank, world_size, config.to_json(), records_path, backend=config.backend, timeout=config.timeout)
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
     return results[0]
 
 
@@ -439,7 +430,7 @@ def check_resources(config: SweepConfig, memory_bytes: int | None = None) -> Non
 
     The estimate is the K/V cache of the longest sequence: 2 * B * N * Hkv * D * itemsize over
     all ranks, twice that with "ring-kv" (each rank also holds the shard in flight)."""
-    from treeattn.engine.config import device_memory_bytes, format_bytes
+    from treeattn.engine.memory import device_memory_bytes, format_bytes
 
     p_max = max(config.world_sizes)
     if config.backend == "nccl":

@@ -253,7 +253,7 @@ class ShardedKVCache:
     # A CUDA graph replays fixed shapes at fixed addresses, and a captured step must not read a
     # device value on the host. In static mode attention reads this rank's whole preallocated
     # shard (local_capacity slots; the unused ones at INVISIBLE_POSITION), and where a new token
-    # goes is computed on the device from a device-side slot counter (treeattn.decode_step).
+    # goes is computed on the device from a device-side slot counter (treeattn.engine.static_step).
     # The host keeps counting with advance(), which reads nothing from the device.
 
     def static_layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,20 +1,37 @@
-"""The decoding engine.
+"""The decoding engine: many requests over a KV cache sharded across ranks, and generate() on top.
 
-    ta.Engine (engine.py)              many requests at once over the sharded KV cache: the driver
-    SamplingParams, TokenEvent,        what a request asks for and what comes back (request.py)
+The public face (also at the top level: ta.Engine, ta.generate, ...):
+
+    Engine, RequestHandle (client.py)   many requests at once over the sharded KV cache
+    EngineConfig (config.py)            how an engine runs, validated once where its fields live
+    SamplingParams, TokenEvent,         what a request asks for and what comes back (request.py)
     TokenLogprob, RequestResult
-    Scheduler (scheduler.py)           continuous batching, chunked prefill, preemption, prefix reuse
-    RankRunner (runner.py)             one rank's side of an engine step
-    RankMeasurements (measure.py)      what each rank communicated and held (engine.rank_measurements)
-    GenerationConfig (config.py)       what one ta.generate run is, validated once
-    generate_rank.py                   the per-rank worker of `treeattn generate`
+    EngineError (errors.py)             the engine cannot go on; ConfigError: a bad option, named
+    RankMeasurements (measure.py)       what each rank communicated and held (engine.rank_measurements)
+    generate, stream (generate.py)      one batch of prompts from prefill to the last token, inside a group
 
-    from treeattn.engine.config import GenerationConfig
-    config = GenerationConfig(max_new_tokens=64, decode="tree", top_p=0.9, temperature=0.7)
+Inside, one job per module:
+
+    checks.py       what a rank would refuse, checked before any rank starts
+    driver.py       the driver thread: plans each step (scheduler.py), runs it, emits events
+    output.py       each request's handle, detokenizing, stop strings, result
+    transport.py    the driver's line to the ranks: spawned processes, or an existing group
+    rank.py         one rank's loop over the plans; runner.py runs a plan; batch.py is a step's
+                    PagedBatch (kv_store / attend); static_step.py the fixed-shape decode step
+    ring_prefill.py, token_parallel.py, shared_prefix.py   how steps split across the ranks
+    speculate.py, draft.py, draft_model.py                 speculative decoding
+    sampling.py     sampling one token from logits
+    cli.py, generate_rank.py                               `treeattn generate`
+
+    from treeattn.engine import EngineConfig
+    config = EngineConfig(nproc=2, decode="tree", max_batch_size=8)
 """
 
-from treeattn.engine.engine import Engine, EngineConfig, EngineError, RequestHandle
+from treeattn.engine.client import Engine
+from treeattn.engine.config import EngineConfig
 from treeattn.engine.measure import RankMeasurements
+from treeattn.engine.output import RequestHandle
+from treeattn.engine.errors import EngineError
 from treeattn.engine.request import RequestResult, SamplingParams, TokenEvent, TokenLogprob
 
 __all__ = ["Engine", "EngineConfig", "EngineError", "RankMeasurements", "RequestHandle", "RequestResult", "SamplingParams", "TokenEvent", "TokenLogprob"]

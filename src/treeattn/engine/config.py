@@ -22,47 +22,21 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from treeattn.cache.placement import PLACEMENTS, make_placement
+from treeattn.cache.placement import PLACEMENTS
 from treeattn.cache.sharded import kv_bytes_per_token
+from treeattn.engine import memory
+from treeattn.engine.errors import ConfigError, ConfigTypeError
+from treeattn.engine.request import SamplingParams
 from treeattn.engine.ring_prefill import PREFILL_KINDS
+from treeattn.engine.speculate import MAX_DRAFT_TOKENS, SPECULATE_KINDS
+from treeattn.engine.static_step import DECODE_STEPS
 from treeattn.models.attention import DECODE_KINDS
 from treeattn.parallel.tree_decode import METHODS
-from treeattn.speculate import MAX_DRAFT_TOKENS, SPECULATE_KINDS
 
 DEFAULT_METHOD = "onepass"
 """tree_decode's combine when none is named: the fastest exact one measured on this repository's
 machine (docs/benchmarks.md, "One round per layer"). The static and CUDA-graph steps, which may not
 read the host inside a step, take "allreduce" instead."""
-
-
-class ConfigError(ValueError):
-    """A bad generation option. `option` is the field's name ("top_p"), for the CLI's flag."""
-
-    def __init__(self, option: str, message: str) -> None:
-        super().__init__(message)
-        self.option = option
-
-
-class ConfigTypeError(ConfigError, TypeError):
-    """A generation option of the wrong type (a TypeError too)."""
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """temperature 0: greedy; else logits / temperature, then top_k, then top_p, then one draw."""
-
-    temperature: float = 0.0
-    top_k: int | None = None
-    top_p: float | None = None
-
-    def __post_init__(self) -> None:
-        t = self.temperature
-        if not _is_real(t) or not (math.isfinite(t) and t >= 0):
-            raise ConfigError("temperature", f"temperature must be a finite number >= 0 (0 = greedy), got {t!r}")
-        if self.top_k is not None and (not _is_int(self.top_k) or self.top_k < 1):
-            raise ConfigError("top_k", f"top_k must be a positive int or None, got {self.top_k!r}")
-        if self.top_p is not None and (not _is_real(self.top_p) or not 0 < self.top_p <= 1):
-            raise ConfigError("top_p", f"top_p must be in (0, 1] or None, got {self.top_p!r}")
 
 
 def resolve_method(method: str | None, static_option: str | None) -> str:
@@ -97,37 +71,192 @@ def check_draft_model_option(speculate: str | None, draft_model):
 
 
 @dataclass(frozen=True)
+class EngineConfig:
+    """How an Engine runs, validated once and shipped to the ranks. Engine(model, **fields) builds
+    one; a bad value raises ValueError (ConfigError for max_context) naming the field.
+
+    Attributes:
+        nproc: ranks sharing the KV cache (ignored inside an existing group: its size is used).
+        decode: "tree" (tree_decode), "ring" (ring_decode, pass-KV) or "local" (one rank).
+        method: tree_decode method, "allreduce", "tree", "twolevel" or "onepass"; None: the
+            default (treeattn.engine.config.DEFAULT_METHOD, onepass: one collective per layer;
+            "allreduce" with static decode steps). Resolved on construction.
+        placement: "contiguous" or "interleaved" placement of a sequence's blocks on the ranks
+            (treeattn.cache.blocks: contiguous gives each rank one span of max_context / p
+            tokens of every sequence, so sequences shorter than a span sit on rank 0;
+            interleaved spreads every sequence).
+        max_batch_size: sequences running together at most.
+        cache_tokens: KV cache size in tokens over all ranks (default: max(max_batch_size * 2048,
+            min(max_position_embeddings, 32768))).
+        prefix_cache: reuse cached prompt prefixes (radix tree over blocks).
+        block_size: tokens per cache block (the unit of allocation, sharing and placement).
+        prefill_chunk: prompt tokens per step at most (chunked prefill) while some sequence decodes;
+            with ring prefill steps and no sequence decoding, up to ring_prefill.RING_ROWS_PER_RANK
+            per rank (ring_prefill.idle_prefill_chunk).
+        prefill: how a step of prompt chunks only runs on several ranks: "ring" (each rank runs a
+            zigzag share of every chunk's tokens, attention over the step's gathered keys and a ring
+            over the cached prefix: treeattn.engine.ring_prefill), "split" (each rank runs a slice,
+            attention combined across the ranks: treeattn.engine.token_parallel) or "auto" (ring,
+            but split for a model with a sliding window). Steps with decoding sequences split.
+        dtype: model dtype (None: the checkpoint's float32, or the given model's).
+        timeout_s: the group's timeout for every collective, and how long the driver waits for
+            the ranks to start.
+        threads_per_rank: torch threads of each rank process (default cpu_count // nproc).
+        speculate: None, "ngram" or "draft": speculative decoding. Every decode step drafts up to
+            `draft_tokens` tokens per sequence, verifies them in the same batched forward pass, and
+            keeps the accepted ones and the token after them: exactly the tokens decoding without
+            speculation gives, greedy or sampled with the same seed. "ngram" drafts by prompt lookup
+            from the sequence's own prompt and output (treeattn.engine.speculate.NgramDrafter); "draft"
+            with `draft_model` (its argmax), run on every rank over its own cache sharded like the
+            model's (treeattn.engine.draft).
+        draft_tokens: the most tokens drafted per sequence per step, in [1, MAX_DRAFT_TOKENS].
+        draft_model: with speculate="draft" (and only then): the draft model, a checkpoint path or
+            a LlamaModel, loaded on every rank in the model's dtype. It must share the model's
+            tokenizer and reach every position the engine runs (max_context); both are checked
+            before any rank starts (ConfigError naming draft_model). Its weights and cache count in
+            the memory check.
+        shared_memory: the ranks combine through shared memory when they all run on this host
+            with a CPU model (treeattn.parallel.shared_memory; one round, no sockets); False:
+            through the process group's back end.
+        decode_step: how a step that only decodes (one token per sequence, no drafts) runs:
+            "dynamic" (index tensors built for its exact sizes), "static" (fixed shapes per batch
+            bucket, no host synchronization inside the step: treeattn.engine.static_step) or
+            "graph" (the static step captured in a CUDA graph per shape, then replayed: CUDA
+            only). Static steps need a method that does not read the host: method=None gives
+            "allreduce", "onepass" is refused. Steps with prompt chunks or drafts stay dynamic.
+        max_context: the most positions (prompt + new tokens) one request may take; None: the
+            whole cache, but no more than the model's max_position_embeddings (engine.max_context
+            is the resolved value; a larger value given here runs positions beyond the model's
+            window, with a warning). A request that needs more fails alone, naming the limit.
+    """
+
+    nproc: int = 1
+    decode: str = "tree"
+    method: str | None = None
+    placement: str = "contiguous"
+    max_batch_size: int = 16
+    cache_tokens: int | None = None
+    prefix_cache: bool = True
+    block_size: int = 256
+    prefill_chunk: int = 512
+    prefill: str = "auto"
+    dtype: torch.dtype | None = None
+    timeout_s: float = 60.0
+    threads_per_rank: int | None = None
+    speculate: str | None = None
+    draft_tokens: int = 4
+    draft_model: str | torch.nn.Module | None = None
+    shared_memory: bool = True
+    decode_step: str = "dynamic"
+    max_context: int | None = None
+
+    def __post_init__(self) -> None:
+        static = self.decode_step in DECODE_STEPS and self.decode_step != "dynamic"
+        object.__setattr__(self, "method", resolve_method(self.method, static and f"decode_step={self.decode_step!r}"))
+        for name in ("nproc", "max_batch_size", "block_size", "prefill_chunk"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        for name in ("cache_tokens", "threads_per_rank", "max_context"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be an int >= 1 or None, got {value!r}")
+        if self.decode not in DECODE_KINDS:
+            raise ValueError(f"decode must be one of {DECODE_KINDS}, got {self.decode!r}")
+        if self.prefill not in PREFILL_KINDS:
+            raise ConfigError("prefill", f"prefill must be one of {PREFILL_KINDS}, got {self.prefill!r}")
+        if self.method not in METHODS:
+            raise ValueError(f"method must be one of {METHODS}, got {self.method!r}")
+        if self.placement not in PLACEMENTS:
+            raise ValueError(f"placement must be one of {PLACEMENTS}, got {self.placement!r}")
+        for name in ("prefix_cache", "shared_memory"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if self.dtype is not None and (not isinstance(self.dtype, torch.dtype) or not self.dtype.is_floating_point):
+            raise ValueError(f"dtype must be a floating torch.dtype or None, got {self.dtype!r}")
+        if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float)) or not self.timeout_s > 0:
+            raise ValueError(f"timeout_s must be a number of seconds > 0, got {self.timeout_s!r}")
+        if self.speculate is not None and self.speculate not in SPECULATE_KINDS:
+            raise ValueError(f"speculate must be None or one of {SPECULATE_KINDS}, got {self.speculate!r}")
+        k = self.draft_tokens
+        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_DRAFT_TOKENS:
+            raise ValueError(f"draft_tokens must be an int in [1, {MAX_DRAFT_TOKENS}], got {k!r}")
+        object.__setattr__(self, "draft_model", check_draft_model_option(self.speculate, self.draft_model))
+        self._check_decode_step()
+
+    def _check_decode_step(self) -> None:
+        if self.decode_step not in DECODE_STEPS:
+            raise ConfigError("decode_step", f"decode_step must be one of {DECODE_STEPS}, got {self.decode_step!r}")
+        if self.decode_step != "dynamic" and self.speculate is not None:
+            raise ConfigError("speculate", f"speculate={self.speculate!r} verifies several tokens per sequence per step; "
+                              f"decode_step={self.decode_step!r} runs fixed one-token steps")
+
+    def blocks_per_rank(self, max_position_embeddings: int) -> int:
+        """Blocks in each rank's pool: cache_tokens over all ranks, default
+        max(max_batch_size * 2048, min(max_position_embeddings, 32768)) tokens."""
+        tokens = self.cache_tokens or max(self.max_batch_size * 2048, min(max_position_embeddings, 32768))
+        return max(1, -(-tokens // (self.block_size * self.nproc)))
+
+    def max_context_tokens(self, max_position_embeddings: int) -> int:
+        """Engine.max_context: the most positions one request may take: max_context as given (the
+        caller's choice, even beyond the model's window: the engine warns), or the whole cache but
+        no more than the model's window. Raises ConfigError when max_context is more than the cache
+        holds."""
+        cache = self.nproc * self.blocks_per_rank(max_position_embeddings) * self.block_size
+        if self.max_context is None:
+            return min(cache, max_position_embeddings)
+        if self.max_context > cache:
+            raise ConfigError("max_context", f"max_context={self.max_context} is more than the KV cache holds ({cache} tokens "
+                              f"over {self.nproc} rank(s)); raise cache_tokens or lower max_context")
+        return self.max_context
+
+    def span_blocks(self, max_position_embeddings: int) -> int:
+        """Blocks of one sequence on each rank under contiguous placement: the p-th part of max_context."""
+        blocks = -(-self.max_context_tokens(max_position_embeddings) // self.block_size)
+        return min(self.blocks_per_rank(max_position_embeddings), -(-blocks // self.nproc))
+
+
+
+@dataclass(frozen=True)
 class GenerationConfig:
-    """Every option of one generation (see treeattn.generate.generate for what each does).
+    """Every option of one generation (see treeattn.engine.generate.generate for what each does).
 
     Attributes:
         max_new_tokens: new tokens per sequence, >= 1.
-        temperature, top_k, top_p: sampling (SamplingParams); temperature 0 is greedy.
+        temperature: 0 is greedy (argmax); > 0 divides the logits before sampling.
+        top_k: sample among the k most likely tokens only (None, the default: every token).
+        top_p: nucleus sampling mass in (0, 1] (None, the default: every token).
         seed: sampling seed, >= 0: sequence i draws from a generator seeded with seed + i.
         stop_tokens: token ids that end a sequence (a tuple); None: the model's eos ids.
         num_samples: n >= 1 completions of one prompt (n > 1: the prompt prefilled once, the
             samples decoding over its shared blocks).
-        decode: "tree", "ring" or "local". method: tree_decode's "allreduce", "tree", "twolevel" or
-            "onepass"; None (the default): DEFAULT_METHOD, or "allreduce" for static_decode and
-            cuda_graph (onepass reads one flag on the host per layer). Set after validation.
-        prefill: the engine's prefill of prompt steps on several ranks, "auto", "ring" or "split"
-            (EngineConfig.prefill). placement: "contiguous" or "interleaved".
-        block_size: cache block size in tokens. capacity: cache slots per sequence (None: the
-            longest prompt + max_new_tokens). chunk: prompt tokens per engine step at most.
-        static_decode, cuda_graph: the engine's fixed-shape decode steps, eager or in CUDA graphs
-            (EngineConfig.decode_step "static" / "graph").
-        speculate: None, "ngram" (prompt-lookup drafts, treeattn.speculate) or "draft" (a draft model's,
-            treeattn.draft_model): speculative decoding, verified by one forward pass of the model per
-            step. One prompt, num_samples 1, dynamic steps. The engine's (EngineConfig.speculate).
-        draft_tokens: the most tokens drafted per step, in [1, MAX_DRAFT_TOKENS].
-        draft_model: with speculate="draft" (and only then): the draft model's checkpoint path (an HF
-            directory or a .gguf file; a str, what travels to the ranks), or a loaded model (in one
-            process). Its tokenizer and context window are checked against the model's where the
-            model is known (check_draft_model). It runs on every rank over its own cache of the
-            model's blocks (treeattn.engine.draft).
+        decode: "tree" (tree_decode), "ring" (ring_decode, pass-KV) or "local" (one rank).
+        method: tree_decode's combine, "allreduce", "tree", "twolevel" or "onepass" (None, the
+            default: onepass, one collective per layer; allreduce for static and CUDA-graph steps,
+            which may not read the host). Set after validation.
+        prefill: how a step of prompt chunks runs on several ranks: "ring" (each rank a zigzag
+            share of the tokens), "split" (each rank a slice, attention combined) or "auto" (ring,
+            split for sliding-window models).
+        placement: "contiguous" or "interleaved" placement of a sequence's cache blocks on the ranks.
+        block_size: KV cache block size in tokens.
+        capacity: KV cache slots per sequence: the most positions (prompt + new tokens) one may take
+            (None, the default: the longest prompt + the new tokens); the engine's max_context.
+        chunk: prompt tokens per engine step at most (the engine's prefill_chunk).
+        static_decode: the engine's fixed-shape decode steps, run eagerly (EngineConfig.decode_step
+            "static").
+        cuda_graph: the engine's fixed-shape decode steps replayed from CUDA graphs
+            (EngineConfig.decode_step "graph"; a CUDA model only).
+        speculate: speculative decoding, "ngram" (prompt-lookup drafts) or "draft" (a draft
+            model's), verified by one forward pass of the model per step; one prompt, one sample,
+            dynamic steps (None, the default: none).
+        draft_tokens: the most tokens drafted per step, 1 to MAX_DRAFT_TOKENS (16).
+        draft_model: the draft model of speculate "draft" (and only then): a checkpoint (an HF
+            directory or a .gguf file) with the model's tokenizer, or a loaded model (in one process).
+            Its tokenizer and context window are checked against the model's before any work; it
+            runs on every rank over its own cache of the model's blocks (treeattn.engine.draft).
         shared_memory: combine across the ranks through shared memory when they all run on this
-            host and the model is on the CPU (treeattn.parallel.shared_memory); else, or with
-            False, through the process group's back end (gloo, NCCL).
+            host and the model is on the CPU (treeattn.parallel.shared_memory); off: through the
+            process group's back end (gloo, NCCL).
     """
 
     max_new_tokens: int = 32
@@ -158,7 +287,7 @@ class GenerationConfig:
             raise ConfigError("seed", f"seed must be below 2**64 (a torch.Generator seed), got {self.seed}")
         if self.capacity is not None:
             _check_int("capacity", self.capacity, 1)
-        self.sampling  # noqa: B018  (validates temperature, top_k, top_p)
+        self._check_sampling()
         if self.stop_tokens is not None:
             object.__setattr__(self, "stop_tokens", _token_tuple(self.stop_tokens))
         static = "cuda_graph=True" if self.cuda_graph is True else "static_decode=True" if self.static_decode is True else None
@@ -188,9 +317,20 @@ class GenerationConfig:
             raise ConfigError("speculate", f"speculate={self.speculate!r} verifies a varying number of tokens per step; "
                               f"{option}=True runs fixed one-token steps")
 
-    @property
-    def sampling(self) -> SamplingParams:
-        return SamplingParams(self.temperature, self.top_k, self.top_p)
+    def _check_sampling(self) -> None:
+        t = self.temperature
+        if not _is_real(t) or not (math.isfinite(t) and t >= 0):
+            raise ConfigError("temperature", f"temperature must be a finite number >= 0 (0 = greedy), got {t!r}")
+        if self.top_k is not None and (not _is_int(self.top_k) or self.top_k < 1):
+            raise ConfigError("top_k", f"top_k must be a positive int or None, got {self.top_k!r}")
+        if self.top_p is not None and (not _is_real(self.top_p) or not 0 < self.top_p <= 1):
+            raise ConfigError("top_p", f"top_p must be in (0, 1] or None, got {self.top_p!r}")
+
+    def sampling_params(self, seed: int, stop_token_ids: tuple[int, ...]) -> SamplingParams:
+        """The engine's SamplingParams of one sequence of this generation (top_k None -> 0 and
+        top_p None -> 1.0: every token), drawing from `seed`, stopping at `stop_token_ids` only."""
+        return SamplingParams(max_new_tokens=self.max_new_tokens, temperature=self.temperature, top_k=self.top_k or 0,
+                              top_p=self.top_p or 1.0, seed=seed, stop_token_ids=stop_token_ids, ignore_eos=True, logprobs=0)
 
     @property
     def decode_step(self) -> str:
@@ -274,13 +414,13 @@ def check_against_model(config: GenerationConfig, model_config, prompts: list[li
         raise ConfigError("capacity", f"prompt of {longest} tokens + max_new_tokens={config.max_new_tokens} needs {needed} cache slots, "
                           f"more than capacity={capacity}")
     reserved = kv_cache_bytes_per_rank(config, model_config, len(prompts), longest, world_size, dtype)
-    available = device_memory_bytes(device)
+    available = memory.device_memory_bytes(device)
     if available is not None and reserved > available:
         option = _largest_cache_term(config, len(prompts), capacity)
         raise ConfigError(option, f"{option}={getattr(config, option)}: the KV cache of {capacity} slots x {len(prompts)} sequences "
                           f"(blocks of {config.block_size}{f', and {config.num_samples} samples' if config.num_samples > 1 else ''}) "
-                          f"would take {format_bytes(reserved)} per rank on {world_size} rank(s), more than the "
-                          f"{format_bytes(available)} of memory of {torch.device(device)}")
+                          f"would take {memory.format_bytes(reserved)} per rank on {world_size} rank(s), more than the "
+                          f"{memory.format_bytes(available)} of memory of {torch.device(device)}")
     warnings = []
     if needed > model_config.max_position_embeddings:
         warnings.append(f"{needed} positions exceed the model's max_position_embeddings={model_config.max_position_embeddings}")
@@ -303,36 +443,6 @@ def _largest_cache_term(config: GenerationConfig, batch: int, capacity: int) -> 
     if config.block_size > capacity:
         return "block_size"
     return "capacity" if config.capacity is not None else "max_new_tokens"
-
-
-def model_bytes(model, dtype: torch.dtype) -> int:
-    """Bytes of a model's weights in `dtype`: a loaded model's parameters, or a checkpoint's (a
-    directory or .gguf file, read without its weights)."""
-    if isinstance(model, (str, os.PathLike)):
-        from treeattn.models.loader import check_checkpoint
-
-        model = check_checkpoint(model, dtype=dtype)
-    return sum(p.numel() for p in model.parameters()) * torch.empty((), dtype=dtype).element_size()
-
-
-def device_memory_bytes(device: torch.device | str) -> int | None:
-    """Total memory of `device`: the machine's RAM for "cpu", the GPU's for "cuda"; None if unknown."""
-    device = torch.device(device)
-    if device.type == "cuda" and torch.cuda.is_available():
-        return torch.cuda.get_device_properties(device.index or 0).total_memory
-    if device.type == "cpu":
-        try:
-            return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        except (ValueError, OSError, AttributeError):
-            return None
-    return None
-
-
-def format_bytes(n: float) -> str:
-    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= size:
-            return f"{n / size:.1f} {unit}"
-    return f"{n:.0f} B"
 
 
 def _is_int(value) -> bool:

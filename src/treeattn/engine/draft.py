@@ -25,8 +25,8 @@ cannot each pick their own.
 
 Drafts are the draft model's argmax whatever the temperature: the proposal q is one-hot, and then
 the model's verification in RankRunner._sample (sample each position as decoding would, keep drafts
-while they equal the sampled token) is exactly the speculative-sampling rule of
-treeattn.speculate.accept. The output is then not only distributed as without speculation: it is
+while they equal the sampled token) is exactly the speculative-sampling rule
+(treeattn.engine.speculate). The output is then not only distributed as without speculation: it is
 the same tokens, seed by seed, which tests can check token by token. A sampled proposal would be
 accepted more often when both distributions are spread (sum_x min(p, q) against p(argmax q)), but
 needs rank 0 to keep q per draft and its own draws; exactness that can be checked came first. A
@@ -45,7 +45,7 @@ import torch
 
 from treeattn.cache.paged import PagedKVCache
 from treeattn.engine import token_parallel
-from treeattn.engine.runner import PagedBatch
+from treeattn.engine.batch import PagedBatch
 from treeattn.engine.scheduler import Chunk, StepPlan
 from treeattn.models.attention import group_world_size
 from treeattn.parallel import comm

@@ -46,7 +46,7 @@ def generate_rank(rank: int, world_size: int, job: GenerateJob, display: Display
     group). Returns GenerationResult.as_dict() on rank 0, None on the others."""
     import torch
 
-    from treeattn.generate import Generation
+    from treeattn.engine.generate import Generation
     from treeattn.models.loader import load_model
 
     if job.threads is not None:

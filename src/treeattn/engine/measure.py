@@ -13,17 +13,43 @@ kind changes); elsewhere the process's peak and 0.
 
 The collectives that carry the plans and this measurement itself are not counted: they are the
 engine's control traffic, not the attention's.
+
+Processes whose resident memory is measured (the demos', the evaluations', the benchmarks' ranks)
+are started inside `with malloc_env():` so that glibc returns large blocks to the system when they
+are freed and the peaks follow the live tensors.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import resource
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from treeattn.parallel.comm import CommStats
 
 STEP_KINDS = ("prefill", "decode")
+
+# Allocations above this size are mmap-ed and returned to the system when freed (glibc malloc), so
+# resident memory follows live tensors and a measured peak means something.
+MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "131072"}
+
+
+@contextlib.contextmanager
+def malloc_env() -> Iterator[None]:
+    """MALLOC_ENV in os.environ for the processes started inside (glibc reads it when a process
+    starts); the environment as it was afterwards."""
+    saved = {k: os.environ.get(k) for k in MALLOC_ENV}
+    os.environ.update(MALLOC_ENV)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 @dataclass

@@ -138,7 +138,7 @@ class RingPrefillStep:
     """One prompt-only step of a PagedBatch run as a ring prefill (see the module docstring).
 
     Args:
-        batch: the step's PagedBatch (treeattn.engine.runner): all T tokens, their positions and
+        batch: the step's PagedBatch (treeattn.engine.batch): all T tokens, their positions and
             the cache writes of this rank.
         chunks: the step's chunks (plan.chunks, none decoding), in the batch's order.
         rank, world_size: this rank in the group, and its size p.

@@ -1,9 +1,9 @@
 """Sampling the next token from logits: greedy, temperature, top-k, top-p (the engine's and ta.generate's).
 
-    token = sample(logits, SamplingParams(temperature=0.8, top_p=0.9), generator)   # int64 (B,)
+    token = sample(logits, SamplingParams(temperature=0.8, top_p=0.9), generator)   # int64 (B,): the request's SamplingParams
 
-temperature 0 is greedy (argmax, no draw). Otherwise logits / temperature, then top-k, then top-p
-(nucleus), then exactly one uniform draw per row from the CPU generator: the same seed gives the
+temperature 0 is greedy (argmax, no draw). Otherwise logits / temperature, then top-k (0: every
+token), then top-p (nucleus; 1: every token), then exactly one uniform draw per row from the CPU generator: the same seed gives the
 same stream of draws whatever else runs.
 
 The distribution is computed in float64 from (logits - max) / temperature, so that no temperature,
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from treeattn.engine.config import SamplingParams
+from treeattn.engine.request import SamplingParams
 
 
 def chosen_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
@@ -31,7 +31,7 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
 
     Args:
         logits: (B, V) float32.
-        params: SamplingParams.
+        params: the request's SamplingParams (temperature, top_k, top_p; the rest is not read here).
         generator: CPU torch.Generator; exactly one uniform draw per row is taken from it when
             temperature > 0 (none for greedy), so the same seed gives the same stream of draws.
 
@@ -51,10 +51,10 @@ def sampling_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
     logits (B, V): logits / temperature, then top-k, then top-p, then softmax."""
     logits = logits.double().cpu()
     logits = (logits - logits.amax(dim=-1, keepdim=True)) / params.temperature  # <= 0; the maxima stay 0
-    if params.top_k is not None and params.top_k < logits.shape[-1]:
+    if 0 < params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k, dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
-    if params.top_p is not None and params.top_p < 1:
+    if params.top_p < 1:
         sorted_logits, order = torch.sort(logits, dim=-1, descending=True, stable=True)
         probs = torch.softmax(sorted_logits, dim=-1)
         mass_before = probs.cumsum(dim=-1) - probs  # probability of the more likely tokens

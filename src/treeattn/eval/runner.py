@@ -21,10 +21,10 @@ from dataclasses import dataclass
 
 import torch
 
-# _MALLOC_ENV: glibc mmaps (and gives back) large allocations, so the RSS peaks mean something.
 from treeattn.engine.config import DEFAULT_METHOD
-from treeattn.demo import _MALLOC_ENV, MethodRun  # noqa: F401 -- one MethodRun for both demos
-from treeattn.generate import generate
+from treeattn.engine.generate import generate
+from treeattn.engine.measure import malloc_env
+from treeattn.eval.synthetic import MethodRun  # one MethodRun for both demos
 
 SPAWN_TIMEOUT_S = 1800.0  # a collective may wait this long for a slow peer's prefill
 
@@ -61,7 +61,7 @@ def decode_methods(
         prompts: token id lists.
         nproc: ranks; 1 runs in this process with local attention (methods are then ignored).
         methods: (decode, tree method) pairs; decode "tree" or "ring".
-        max_new_tokens, stop_tokens: as in treeattn.generate (stop_tokens None: the model's eos).
+        max_new_tokens, stop_tokens: as in treeattn.engine.generate (stop_tokens None: the model's eos).
         threads: torch threads per rank; default cores // nproc (at least 1).
         dtype: parameter dtype name.
         placement: cache placement of tokens on ranks ("contiguous" or "interleaved").
@@ -83,13 +83,8 @@ def decode_methods(
     else:
         from treeattn.parallel import spawn
 
-        saved = {k: os.environ.get(k) for k in _MALLOC_ENV}
-        os.environ.update(_MALLOC_ENV)  # read by the child processes' malloc at start
-        try:
+        with malloc_env():  # the ranks' resident memory follows their live tensors
             per_rank = spawn(_decode_rank, nproc, *args, timeout=SPAWN_TIMEOUT_S)
-        finally:
-            for k, v in saved.items():
-                os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
         rows = per_rank[0][0]
         load_s = max(r[1] for r in per_rank)
     runs = [[MethodRun(method_name(d, m), d, m, nproc, result) for d, m, result in row] for row in rows]

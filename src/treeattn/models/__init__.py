@@ -4,7 +4,6 @@ from treeattn.models.attention import (
     DECODE_KINDS,
     LocalAttention,
     RingDecodeAttention,
-    RingPrefillAttention,
     TreeAttention,
     decode_attention,
 )
@@ -23,7 +22,6 @@ __all__ = [
     "LlamaModel",
     "LocalAttention",
     "RingDecodeAttention",
-    "RingPrefillAttention",
     "TreeAttention",
     "config_from_dict",
     "decode_attention",

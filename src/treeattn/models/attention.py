@@ -14,16 +14,14 @@
 - TreeAttention: tree_decode: every rank attends q to its shard, the states merge across ranks.
   q must be the same on every rank (decoding; also chunked prefill where every rank runs the chunk).
 - RingDecodeAttention: ring_decode, the baseline: K/V shards travel the ring (pass_kv=True).
-- RingPrefillAttention: ring_attention for prefill: each rank brings its own queries (its own
-  tokens of the prompt) and K/V rotate.
-- GraphSafeDecodeAttention: the attention of a static-shape decode step (treeattn.decode_step):
+- GraphSafeDecodeAttention: the attention of a static-shape decode step (treeattn.engine.static_step):
   local, tree or ring with no host synchronization, over the whole preallocated shard.
 
 Sliding windows: tree_decode and ring_decode mask by causality only. For one query per sequence
 (Sq = 1) a window is the same as hiding the keys with q_pos - kv_pos >= W, which is done by
 moving their positions past the query (only positions change, never K/V). Several queries with a
-window that bites go one query at a time. ring_attention takes no window: RingPrefillAttention
-raises if a window would mask anything (generate() then prefills with TreeAttention).
+window that bites go one query at a time. (The engine's ring prefill steps are
+treeattn.engine.ring_prefill: ring attention over the cached prefix.)
 """
 
 from __future__ import annotations
@@ -116,35 +114,8 @@ class RingDecodeAttention(_ShardedDecodeAttention):
         return out
 
 
-class RingPrefillAttention:
-    """ring_attention over the ranks of `group`: each rank's own queries against every rank's keys.
-
-    Args:
-        group: process group (None: the world).
-        sequence_length: the number of positions in play (the same on every rank); a layer's
-            window is ignored when it is at least this long (it then masks nothing).
-    """
-
-    name = "ring-prefill"
-
-    def __init__(self, group: dist.ProcessGroup | None = None, *, sequence_length: int) -> None:
-        self.group = group
-        self.sequence_length = sequence_length
-
-    def __call__(self, q, k, v, *, q_pos, kv_pos, window):
-        from treeattn.parallel import ring_attention
-
-        if window is not None and window < self.sequence_length:
-            raise ValueError(
-                f"ring prefill cannot apply a sliding window of {window} to {self.sequence_length} positions "
-                "(ring_attention masks by causality only); prefill with tree attention instead"
-            )
-        out, _ = ring_attention(q, k, v, group=self.group, causal=True, q_pos=q_pos, kv_pos=kv_pos)
-        return out
-
-
 class GraphSafeDecodeAttention:
-    """Decode attention with no host synchronization, for a static-shape step (treeattn.decode_step).
+    """Decode attention with no host synchronization, for a static-shape step (treeattn.engine.static_step).
 
     k, v are this rank's whole preallocated shard (ShardedKVCache.static_layer) and kv_pos marks
     the unused slots INVISIBLE_POSITION. One query per sequence: a sliding window is applied by
@@ -215,10 +186,8 @@ def group_world_size(group: dist.ProcessGroup | None) -> int:
 
 
 def attention_backend(decode: str, *, method: str = "allreduce", group: dist.ProcessGroup | None = None, topology=None,
-                      graph_safe: bool = False, kv_len: torch.Tensor | None = None, shard_lengths: list[int] | None = None,
-                      shared_context: bool = False):
-    """The one place a rank's decode attention is built (generate, the engine, the static decode
-    step and shared-context sampling all come here).
+                      graph_safe: bool = False, kv_len: torch.Tensor | None = None, shard_lengths: list[int] | None = None):
+    """The one place a rank's decode attention is built (the engine's runner and its static decode step come here).
 
     Args:
         decode: "tree" (tree_decode), "ring" (ring_decode, pass-KV) or "local". On a group of one
@@ -228,8 +197,6 @@ def attention_backend(decode: str, *, method: str = "allreduce", group: dist.Pro
         group: the ranks whose shards are combined (None: the world).
         graph_safe: the static-shape step's attention (GraphSafeDecodeAttention) with `kv_len`
             and, for "ring", `shard_lengths`.
-        shared_context: bifurcated attention for shared-context sampling (BifurcatedAttention;
-            its context part combines across the group with tree_decode: needs "tree" or "local").
 
     Returns:
         attend(q, k, v, *, q_pos, kv_pos, window) -> out, as the model calls it.
@@ -240,12 +207,6 @@ def attention_backend(decode: str, *, method: str = "allreduce", group: dist.Pro
     if decode == "local" and p > 1:
         raise ValueError(f"decode='local' runs on one rank, but the group has {p}; use 'tree' or 'ring'")
     kind = decode if p > 1 else "local"
-    if shared_context:
-        if kind == "ring":
-            raise ValueError("shared-context (bifurcated) attention combines with tree_decode: use decode='tree', not 'ring'")
-        from treeattn.models.shared_context import BifurcatedAttention
-
-        return BifurcatedAttention(group, sharded=p > 1, method=method, topology=topology)
     if graph_safe:
         return GraphSafeDecodeAttention(kind, method=method, group=group, topology=topology, kv_len=kv_len, shard_lengths=shard_lengths)
     return decode_attention(kind, method=method, group=group, topology=topology)

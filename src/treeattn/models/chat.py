@@ -193,7 +193,7 @@ def _raise(message: str):
 
 def read_chat_template(model: str | os.PathLike) -> ChatTemplate | None:
     """The chat template of an HF directory or a .gguf file, None if it has none."""
-    from treeattn.models.loader import is_gguf
+    from treeattn.models.gguf import is_gguf
 
     return _gguf_template(Path(model)) if is_gguf(model) else _directory_template(Path(model))
 

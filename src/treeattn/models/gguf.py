@@ -102,6 +102,11 @@ DEQUANTIZE_CHUNK_ELEMENTS = 1 << 22  # 16 MiB of float32 per dequantization bloc
 _LAYER_NAME = re.compile(r"^blk\.(\d+)\.(.+)$")
 
 
+def is_gguf(path) -> bool:
+    """Whether `path` names a GGUF file (by its suffix)."""
+    return str(path).lower().endswith(".gguf")
+
+
 class _Reader(gguf.GGUFReader):
     """gguf.GGUFReader over a plain ndarray view of its np.memmap (the same mapping, no copy). The
     reader slices its buffer once per metadata string (~100K times for a 49K-token vocabulary), and

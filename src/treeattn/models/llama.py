@@ -245,7 +245,7 @@ class LlamaModel(nn.Module):
         self.to(dtype)
         # Set by treeattn.load_model from the checkpoint (None for random models): a
         # tokenizers.Tokenizer and a treeattn.models.chat.ChatTemplate, so chat messages can be
-        # rendered to ids (treeattn.generate takes them).
+        # rendered to ids (treeattn.engine.generate takes them).
         self.tokenizer = None
         self.chat_template = None
         # float32 whatever the parameter dtype (a plain attribute, so module.to(dtype) leaves it alone)

@@ -72,6 +72,8 @@ def load_model(model_dir: str | os.PathLike, *, dtype: torch.dtype = torch.float
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise TypeError(f"dtype must be a floating torch.dtype, got {dtype!r}")
     device = _check_device(device)
+    from treeattn.models.gguf import is_gguf  # here, not on top: `import treeattn` does not load the gguf package
+
     if is_gguf(model_dir):
         return _load_gguf(Path(model_dir), dtype, device)
     model_dir = _check_dir(model_dir)
@@ -104,6 +106,8 @@ def check_checkpoint(model_dir: str | os.PathLike, *, dtype: torch.dtype = torch
     Raises:
         what load_model raises for a bad checkpoint.
     """
+    from treeattn.models.gguf import is_gguf
+
     if is_gguf(model_dir):
         config = read_config(model_dir)
         return model_class(config)(config, dtype=dtype, device="meta")
@@ -144,6 +148,8 @@ class ModelFiles:
 def read_model_files(model: str | os.PathLike) -> ModelFiles:
     """Config, tokenizer and chat template of an HF directory or .gguf file, without the weights
     (a GGUF file is read once for all three)."""
+    from treeattn.models.gguf import is_gguf
+
     if is_gguf(model):
         from treeattn.models.gguf import open_gguf, read_gguf_config
         from treeattn.models.gguf_tokenizer import tokenizer_from_gguf
@@ -157,6 +163,8 @@ def read_model_files(model: str | os.PathLike) -> ModelFiles:
 def load_tokenizer(model_dir: str | os.PathLike):
     """The tokenizers.Tokenizer of tokenizer.json in `model_dir` (or built from a .gguf file's
     vocabulary), or None if there is none."""
+    from treeattn.models.gguf import is_gguf
+
     if is_gguf(model_dir):
         from treeattn.models.gguf import open_gguf
         from treeattn.models.gguf_tokenizer import tokenizer_from_gguf
@@ -176,6 +184,8 @@ def load_tokenizer(model_dir: str | os.PathLike):
 def read_config(model_dir: str | os.PathLike) -> LlamaConfig:
     """Parse config.json (and generation_config.json's eos_token_id, if present) of `model_dir`, or
     the metadata of a .gguf file."""
+    from treeattn.models.gguf import is_gguf
+
     if is_gguf(model_dir):
         from treeattn.models.gguf import read_gguf_config
 
@@ -483,11 +493,6 @@ def _read_json(path: Path) -> dict:
             return json.load(f)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ValueError(f"{path}: not valid JSON: {exc}") from exc
-
-
-def is_gguf(path) -> bool:
-    """Whether `path` names a GGUF file (by its suffix)."""
-    return str(path).lower().endswith(".gguf")
 
 
 def _check_device(device) -> torch.device:

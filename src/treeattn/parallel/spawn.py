@@ -92,6 +92,16 @@ class SpawnError(RuntimeError):
         return f"rank {first}: {self.failures[first].splitlines()[0] if self.failures[first] else 'failed'}"
 
 
+def under_torchrun() -> bool:
+    """Whether this process was launched by torchrun (RANK and WORLD_SIZE in its environment)."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def local_ranks(world_size: int) -> int:
+    """Ranks on this machine: LOCAL_WORLD_SIZE under torchrun, else all `world_size` (ta.spawn starts them here)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", world_size)) if under_torchrun() else world_size
+
+
 def spawn(
     fn: Callable[..., Any],
     nprocs: int,
@@ -122,7 +132,7 @@ def spawn(
         raise ValueError(f"nprocs must be a positive int, got {nprocs!r}")
     if isinstance(timeout, bool) or not (isinstance(timeout, (int, float)) and 0 < timeout < float("inf")):
         raise ValueError(f"timeout must be a positive, finite number of seconds, got {timeout!r}")
-    if dist.is_available() and (dist.is_initialized() or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)):
+    if dist.is_available() and (dist.is_initialized() or under_torchrun()):
         return _run_in_existing_group(fn, nprocs, args, backend, timeout)
     return _run_local_processes(fn, nprocs, args, backend, float(timeout))
 

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import typer
 
+from treeattn.engine.flags import dtype_flag
 from treeattn.sim.hardware import CALIBRATED_PRESET, GB, GIB, PRESET_NAMES, US, Cluster, load_cluster
 from treeattn.sim.model import METHODS, check_method, memory_shortfall, predict_decode, predict_generation
 from treeattn.sim.workload import DecodeShape
@@ -24,13 +25,13 @@ def _cluster_from_options(preset: str, calibration: Path | None, overrides: dict
 def simulate(
     preset: str = typer.Option("dgx-h100", help=f"Cluster preset: {', '.join(PRESET_NAMES)}."),
     calibration: Path | None = typer.Option(None, help="Calibration JSON for --preset cpu-local (default ./calibration.json)."),
-    gpus: list[int] = typer.Option([8], "--gpus", "-p", help="World size(s) p; repeat for several."),
+    gpus: list[int] = typer.Option([8], "--nproc", help="World size(s) p: ranks (devices) sharing the KV cache; repeat for several."),
     seq_len: list[int] = typer.Option([5_120_000], "--seq-len", "-n", help="KV cache length(s) N; repeat for several."),
     heads: int = typer.Option(16, help="Query heads Hq."),
     kv_heads: int | None = typer.Option(None, help="KV heads Hkv (default: Hq)."),
     head_dim: int = typer.Option(128, help="Head dim D (= Dv)."),
     batch: int = typer.Option(1, help="Batch size B."),
-    dtype: str = typer.Option("bf16", help="Storage dtype of q, k, v: bf16, fp16, fp32."),
+    dtype: str = dtype_flag("bfloat16", help="Storage dtype of q, k, v."),
     method: list[str] = typer.Option(list(METHODS), "--method", "-m", help="Method(s): " + ", ".join(METHODS) + "."),
     gpus_per_node: int | None = typer.Option(None, help="Override the preset's devices per node."),
     mem_bw_gbs: float | None = typer.Option(None, help="Device memory bandwidth, GB/s."),
@@ -47,8 +48,8 @@ def simulate(
     p2p_overlap: float | None = typer.Option(None, help="Fraction of a ring transfer hidden behind compute, [0, 1]."),
     step_overhead_us: float | None = typer.Option(None, help="Fixed software cost per decode step (every method), us."),
     memory_gib: float | None = typer.Option(None, help="Memory per device, GiB (cpu-local: the host's, shared by the ranks)."),
-    new_tokens: int | None = typer.Option(None, help="Also estimate prefill + this many decode steps."),
-    layers: int = typer.Option(1, help="Attention layers, for --new-tokens."),
+    new_tokens: int | None = typer.Option(None, "--max-new-tokens", help="Also estimate prefill + this many decode steps."),
+    layers: int = typer.Option(1, help="Attention layers, for --max-new-tokens."),
     as_json: bool = typer.Option(False, "--json", help="One JSON object per line per configuration."),
     plot: Path | None = typer.Option(None, help="Write latency/speedup/memory/comm PNGs into this folder."),
     plot_prefix: str = typer.Option("", help="File name prefix of the PNGs (default sim_<preset>)."),

@@ -225,26 +225,11 @@ def _peak_memory_bytes(shape: DecodeShape, method: str, gpus: int) -> float:
     return kv + qo + state
 
 
-def predict_decode(cluster: Cluster, shape: DecodeShape, gpus: int, method: str) -> Prediction:
-    """Predict one decode step of `method` with the KV cache of `shape` split over `gpus` devices.
-
-    Raises ValueError for an unknown method, gpus that do not fill whole nodes, or a cache with
-    fewer tokens than devices (every device must hold at least one token).
-    """
-    check_method(method)
-    cluster.nodes(gpus)  # validates gpus against gpus_per_node
-    devices = 1 if method == "local" else gpus
-    if method != "local" and shape.seq_len < gpus:
-        raise ValueError(
-            f"seq_len ({shape.seq_len}) must be >= gpus ({gpus}) for method {method!r}: "
-            f"every device holds at least one token of the sharded KV cache"
-        )
-    tokens = shape.shard_tokens(devices)
-    attn = attention_seconds(cluster, shape, tokens, devices)
-    merge = merge_seconds(cluster, devices)
-    state = shape.state_bytes()
+def _method_cost(cluster: Cluster, shape: DecodeShape, gpus: int, devices: int, method: str, tokens: int, attn: float,
+                 merge: float, state: int) -> tuple[float, CommCost, float, float | None]:
+    """One decode step of `method` before the busy-round and step-overhead terms: (compute seconds,
+    the combine's CommCost, seconds, the paper's communication volume in elements or None)."""
     paper: float | None = None
-
     if method == "local" or devices == 1:
         compute, comm = attn, NO_COMM
         seconds = compute
@@ -297,6 +282,29 @@ def predict_decode(cluster: Cluster, shape: DecodeShape, gpus: int, method: str)
         compute = attn + merge
         comm = CommCost((gpus - 1) * step.seconds, gpus - 1, (gpus - 1) * state, "ring-p2p")
         seconds = compute + comm.seconds
+
+    return compute, comm, seconds, paper
+
+
+def predict_decode(cluster: Cluster, shape: DecodeShape, gpus: int, method: str) -> Prediction:
+    """Predict one decode step of `method` with the KV cache of `shape` split over `gpus` devices.
+
+    Raises ValueError for an unknown method, gpus that do not fill whole nodes, or a cache with
+    fewer tokens than devices (every device must hold at least one token).
+    """
+    check_method(method)
+    cluster.nodes(gpus)  # validates gpus against gpus_per_node
+    devices = 1 if method == "local" else gpus
+    if method != "local" and shape.seq_len < gpus:
+        raise ValueError(
+            f"seq_len ({shape.seq_len}) must be >= gpus ({gpus}) for method {method!r}: "
+            f"every device holds at least one token of the sharded KV cache"
+        )
+    tokens = shape.shard_tokens(devices)
+    attn = attention_seconds(cluster, shape, tokens, devices)
+    merge = merge_seconds(cluster, devices)
+    state = shape.state_bytes()
+    compute, comm, seconds, paper = _method_cost(cluster, shape, gpus, devices, method, tokens, attn, merge, state)
 
     busy_rounds = busy_round_seconds(cluster, gpus, method)
     if busy_rounds > 0:

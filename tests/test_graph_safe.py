@@ -1,40 +1,32 @@
-"""The graph-safe decode step (treeattn.decode_step.DecodeStep) and what it stands on.
+"""The graph-safe pieces the engine's static decode step stands on (treeattn.engine.static_step).
 
 On the CPU:
-- the static-shape step gives the logits and tokens of the normal (dynamic) decode step on p = 1
-  and 2 gloo ranks, tree (every method) and ring, both placements, with a sliding window that bites
-  and a left-padded batch; generate(static_decode=True) gives the tokens of generate();
-- every such step runs under `no_host_sync()`, a guard that fails on any host read of a tensor
-  (.item(), .tolist(), .cpu(), bool(), int(), ...); the guard is shown to catch the host reads of
-  the dynamic path (ops.attention's checks, ring_decode's gather);
+- generate(static_decode=True) gives the tokens of generate() on p = 1 and 2 gloo ranks, tree and
+  ring, with a sliding window that bites; the step itself against the dynamic step, with the guard:
+  tests/test_engine_static_step.py;
+- `no_host_sync()` (conftest), a guard that fails on any host read of a tensor (.item(),
+  .tolist(), .cpu(), bool(), int(), ...), is shown to catch the host reads of the dynamic path
+  (ops.attention's checks, ring_decode's gather);
 - graph_safe_attention against the float64 reference, and its CUDA branch (the Triton kernel with
   kv_len as the paged seq_lens) through Triton's interpreter;
 - ring_decode's shard_lengths (no gather), tree_decode's kv_len, the static cache API.
-One spawn of 2 ranks runs every multi-rank case (a sub-group of rank 0 gives p = 1).
+One spawn of 2 ranks runs every multi-rank case.
 
-Marked gpu (skipped without CUDA; no GPU was available when they were written, so they have not
-run yet): capture + replay equals the eager step on one GPU, generate(cuda_graph=True) equals
-generate(), no sync under torch.cuda.set_sync_debug_mode("error"), and the NCCL path on 2 GPUs.
+Marked gpu (skipped without CUDA): generate(cuda_graph=True) equals generate().
 """
 
 from __future__ import annotations
 
-import contextlib
-import importlib
-import os
-
 import pytest
 import torch
-import torch.distributed as dist
 
-HAS_CUDA = torch.cuda.is_available()
-if not HAS_CUDA:  # the kernel branch runs on CPU tensors through Triton's interpreter (see test_triton_decode)
-    os.environ["TRITON_INTERPRET"] = "1"
+from conftest import HAS_CUDA, HostSyncError, gpu, interpreted_triton_decode, no_host_sync, use_triton_interpreter
+
+use_triton_interpreter()  # the kernel branch runs on CPU tensors through Triton's interpreter (see test_triton_decode)
 
 from treeattn.cache import INVISIBLE_POSITION, ShardedKVCache  # noqa: E402
-from treeattn.decode_step import DecodeStep  # noqa: E402
-from treeattn.generate import generate  # noqa: E402
-from treeattn.models import LlamaConfig, LocalAttention, decode_attention, random_model  # noqa: E402
+from treeattn.engine.generate import generate  # noqa: E402
+from treeattn.models import LlamaConfig, random_model  # noqa: E402
 from treeattn.ops import attention, reference_attention  # noqa: E402
 from treeattn.ops.graph_safe import graph_safe_attention, kernel_attention  # noqa: E402
 from treeattn.parallel import comm, comm_stats, ring_decode, spawn, tree_decode  # noqa: E402
@@ -44,132 +36,16 @@ CONFIG = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_la
 PROMPTS = [[5, 17, 3, 42, 8, 23, 61, 9, 30], [11, 2, 50, 7, 19]]  # left-padded to 9
 CAPACITY, BLOCK, STEPS = 24, 4, 6  # contiguous on 2 ranks: the decode tokens cross from rank 0 to rank 1
 
-# ------------------------------------------------------------------------------ the guard
-
-
-class HostSyncError(AssertionError):
-    """A tensor was read on the host inside a region that must not synchronize."""
-
-
-_GUARDED_METHODS = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__", "nonzero", "unique")
-_GUARDED_FUNCTIONS = ("nonzero", "masked_select", "unique", "tensor", "as_tensor")
-
-
-@contextlib.contextmanager
-def no_host_sync():
-    """Fail on every Python-level way of reading a tensor's values on the host.
-
-    On a GPU each of these is a device-to-host synchronization (and an error inside CUDA-graph
-    capture): Tensor.item/.tolist/.cpu/.numpy, bool()/int()/float()/index use of a tensor,
-    nonzero/masked_select/unique (output size known only on the device), and torch.tensor /
-    torch.as_tensor (host data copied to the device). It cannot see what C++ does inside an op,
-    nor a .to(device) copy when every tensor is on the CPU.
-    """
-    own = {name: torch.Tensor.__dict__[name] for name in _GUARDED_METHODS if name in torch.Tensor.__dict__}
-    functions = {name: getattr(torch, name) for name in _GUARDED_FUNCTIONS}
-
-    def refuse(what):
-        def guard(*args, **kwargs):
-            raise HostSyncError(f"host synchronization inside the step: {what}")
-        return guard
-
-    for name in _GUARDED_METHODS:
-        setattr(torch.Tensor, name, refuse(f"Tensor.{name}"))
-    for name in _GUARDED_FUNCTIONS:
-        setattr(torch, name, refuse(f"torch.{name}"))
-    try:
-        yield
-    finally:
-        for name in _GUARDED_METHODS:
-            if name in own:
-                setattr(torch.Tensor, name, own[name])
-            else:
-                delattr(torch.Tensor, name)
-        for name, fn in functions.items():
-            setattr(torch, name, fn)
-
-
-# ---------------------------------------------------------------------------- helpers
-
-
 def make_model(dtype=torch.float32, device="cpu"):
     return random_model(CONFIG, seed=3, std=0.2, dtype=dtype).to(device)
 
 
-def left_pad(prompts, device="cpu"):
-    length = max(len(p) for p in prompts)
-    tokens = torch.zeros(len(prompts), length, dtype=torch.int64)
-    positions = torch.full((len(prompts), length), -1, dtype=torch.int64)
-    for b, prompt in enumerate(prompts):
-        tokens[b, length - len(prompt):] = torch.tensor(prompt)
-        positions[b, length - len(prompt):] = torch.arange(len(prompt))
-    return tokens.to(device), positions.to(device)
-
-
-def make_cache(model, placement="contiguous", rank=0, world_size=1):
-    return ShardedKVCache(num_layers=CONFIG.num_layers, num_kv_heads=CONFIG.num_kv_heads, head_dim=CONFIG.head_dim,
-                          capacity=CAPACITY, batch_size=len(PROMPTS), placement=placement, block_size=BLOCK, rank=rank,
-                          world_size=world_size, dtype=model.dtype, device=model.device)
-
-
-def prefill(model, cache, attend):
-    """Every rank runs the whole prompt (generate's "local" prefill); returns the last prompt token
-    and the position of the first decoded token, int64 (B,)."""
-    tokens, positions = left_pad(PROMPTS, model.device)
-    with torch.inference_mode():
-        slots = cache.extend(positions)
-        model(tokens, positions, cache.update(slots, slots.owned), attend)
-    return tokens[:, -1], positions[:, -1] + 1
-
-
-def dynamic_logits(model, cache, attend, token, position):
-    """One normal decode step: float32 logits (B, vocab)."""
-    with torch.inference_mode():
-        slots = cache.extend(position[:, None])
-        hidden = model(token[:, None], position[:, None], cache.update(slots, slots.owned), attend)[:, -1]
-        return model.logits(hidden)
-
-
-def compare_static_with_dynamic(model, *, decode, method, placement, group=None, guard=True, steps=STEPS) -> dict:
-    """Run the same greedy decode through the dynamic path and a DecodeStep (under the guard)."""
-    distributed = dist.is_initialized()
-    rank, p = (dist.get_rank(group), dist.get_world_size(group)) if distributed else (0, 1)
-    attend = decode_attention(decode, method=method, group=group) if distributed else LocalAttention()
-    dynamic, static = make_cache(model, placement, rank, p), make_cache(model, placement, rank, p)
-    token, position = prefill(model, dynamic, attend)
-    prefill(model, static, attend)
-    step = DecodeStep(model, static, position, decode=decode if distributed else "local", method=method, group=group)
-    diffs, same_tokens = [], True
-    for _ in range(steps):
-        expected = dynamic_logits(model, dynamic, attend, token, position)
-        with no_host_sync() if guard else contextlib.nullcontext():
-            got = step(token)
-        diffs.append(float((got - expected).abs().max()))
-        same_tokens = same_tokens and torch.equal(got.argmax(-1), expected.argmax(-1))
-        token, position = expected.argmax(-1), position + 1
-    return {"max_diff": max(diffs), "same_tokens": same_tokens, "lengths": (static.length, static.local_length),
-            "expected_lengths": (dynamic.length, dynamic.local_length)}
-
-
 # ---------------------------------------------------------------- multi-rank (one spawn)
-
-P1_CASES = [("tree", "allreduce", "contiguous"), ("ring", "allreduce", "interleaved")]
-P2_CASES = [("tree", "allreduce", "contiguous"), ("tree", "tree", "interleaved"), ("tree", "twolevel", "contiguous"),
-            ("ring", "allreduce", "contiguous"), ("ring", "allreduce", "interleaved")]
-
 
 def _ranks_main(rank: int, world_size: int) -> dict:
     torch.set_num_threads(1)
     model = make_model()
-    groups = {1: dist.new_group([0]), 2: None}
-    out: dict = {"steps": {}}
-    for p, cases in ((1, P1_CASES), (2, P2_CASES)):
-        if rank >= p:
-            continue
-        for case in cases:
-            decode, method, placement = case
-            out["steps"][(p, *case)] = compare_static_with_dynamic(
-                model, decode=decode, method=method, placement=placement, group=groups[p])
+    out: dict = {}
     for decode in ("tree", "ring"):
         # method="allreduce": the static step's default; the dynamic default (onepass) sends other bytes
         options = dict(max_new_tokens=8, decode=decode, method="allreduce", capacity=CAPACITY, block_size=BLOCK, prefill="split")
@@ -244,16 +120,6 @@ def ranks():
     return spawn(_ranks_main, 2, timeout=120)
 
 
-@pytest.mark.parametrize("case", [(1, *c) for c in P1_CASES] + [(2, *c) for c in P2_CASES], ids=lambda c: "-".join(map(str, c)))
-def test_static_step_gives_the_logits_of_the_dynamic_step_without_host_sync(ranks, case):
-    p = case[0]
-    for rank in range(p):
-        result = ranks[rank]["steps"][case]
-        assert result["same_tokens"]
-        assert result["max_diff"] < 1e-4, result
-        assert result["lengths"] == result["expected_lengths"]
-
-
 def test_generate_static_decode_gives_the_tokens_of_generate(ranks):
     for decode in ("tree", "ring"):
         results = [ranks[r][f"generate-{decode}"] for r in range(2)]
@@ -312,12 +178,6 @@ def test_the_guard_catches_host_reads():
         attention(q, k, v, causal=True, q_pos=torch.tensor([4]), kv_pos=torch.arange(5))
 
 
-def test_static_step_on_one_process_without_a_group():
-    result = compare_static_with_dynamic(make_model(), decode="local", method="allreduce", placement="contiguous")
-    assert result["same_tokens"] and result["max_diff"] < 1e-4
-    assert result["lengths"] == result["expected_lengths"]
-
-
 def test_generate_static_decode_on_one_process_bf16():
     model = make_model(torch.bfloat16)
     options = dict(max_new_tokens=6, capacity=CAPACITY)
@@ -373,18 +233,10 @@ def test_graph_safe_attention_edge_cases_and_bad_input():
         graph_safe_attention(q, k, k, q_pos=torch.tensor([3]))
 
 
-def _interpreted_triton_decode():
-    pytest.importorskip("triton")
-    td = importlib.import_module("treeattn.ops.triton_decode")
-    if not HAS_CUDA and not td._INTERPRETED:  # imported earlier without the interpreter
-        td = importlib.reload(td)
-    return td
-
-
 @pytest.mark.parametrize("with_len", [False, True])
 def test_graph_safe_kernel_branch_through_the_triton_interpreter(with_len):
     """The CUDA branch (Triton kernel; kv_len as the paged seq_lens, one block per sequence)."""
-    td = _interpreted_triton_decode()
+    td = interpreted_triton_decode()
     device = "cuda" if HAS_CUDA else "cpu"
     g = torch.Generator().manual_seed(5)
     B, Sk, Hq, Hkv, D = 2, 37, 4, 2, 16
@@ -404,7 +256,7 @@ def test_graph_safe_kernel_branch_through_the_triton_interpreter(with_len):
 
 
 def test_graph_safe_kernel_branch_refuses_what_the_kernel_does_not_take():
-    td = _interpreted_triton_decode()
+    td = interpreted_triton_decode()
     q, k = torch.randn(1, 1, 4, 24), torch.randn(1, 5, 2, 24)  # head dim 24: not a power of two
     with pytest.raises(ValueError, match="graph-safe attention needs the Triton decode kernel, which does not take head dims D=24"):
         kernel_attention(td, q, k, k, scale=1.0, q_pos=None, kv_pos=None, kv_len=None)
@@ -450,29 +302,6 @@ def test_cache_static_writes_touch_only_the_owned_slot():
         cache.advance(5)
 
 
-def test_decode_step_errors():
-    model = make_model()
-    cache = make_cache(model)
-    token, position = prefill(model, cache, LocalAttention())
-    step = DecodeStep(model, cache, position, decode="local")
-    with pytest.raises(RuntimeError, match="needs .*CUDA|must be on a CUDA device"):
-        step.capture()
-    with pytest.raises(ValueError, match="tokens must be an int64 tensor of B=2 ids"):
-        step(torch.zeros(3, dtype=torch.int64))
-    step(token)
-    cache.truncate(5)
-    with pytest.raises(RuntimeError, match="changed outside the step"):
-        step(token)
-    with pytest.raises(ValueError, match="positions must be an int64 tensor of B=2"):
-        DecodeStep(model, cache, torch.tensor([1.0, 2.0]), decode="local")
-    with pytest.raises(ValueError, match="cache does not fit the model"):
-        DecodeStep(model, ShardedKVCache(num_layers=1, num_kv_heads=2, head_dim=16, capacity=4, batch_size=2), position)
-    full = make_cache(model)
-    full.advance(CAPACITY)
-    with pytest.raises(ValueError, match="KV cache full"):
-        DecodeStep(model, full, position, decode="local")(token)
-
-
 def test_generate_refuses_a_graph_without_cuda():
     model = make_model()
     with pytest.raises(ValueError, match="cuda_graph=True needs the model on a CUDA device, got cpu"):
@@ -493,58 +322,6 @@ def test_replayed_steps_add_their_captured_traffic():
 
 # ------------------------------------------------------------------------------ GPU
 
-gpu = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
-# Eager and replayed steps launch the same kernels; the tolerance only allows a different cuBLAS choice.
-GRAPH_TOL = {torch.float32: 1e-4, torch.bfloat16: 3e-2}
-two_gpus = pytest.mark.skipif(not HAS_CUDA or torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
-
-
-def compare_graph_with_eager(model, *, decode, method, placement, group=None, steps=STEPS) -> dict:
-    """The same greedy decode through an eager DecodeStep and a captured one (replayed)."""
-    distributed = dist.is_initialized()
-    rank, p = (dist.get_rank(group), dist.get_world_size(group)) if distributed else (0, 1)
-    attend = decode_attention(decode, method=method, group=group) if distributed else LocalAttention()
-    kind = decode if distributed else "local"
-    eager_cache, graph_cache = make_cache(model, placement, rank, p), make_cache(model, placement, rank, p)
-    token, position = prefill(model, eager_cache, attend)
-    prefill(model, graph_cache, attend)
-    eager = DecodeStep(model, eager_cache, position, decode=kind, method=method, group=group)
-    graphed = DecodeStep(model, graph_cache, position, decode=kind, method=method, group=group)
-    graphed.capture()
-    diffs, same_tokens = [], True
-    for _ in range(steps):
-        expected = eager(token).clone()
-        got = graphed(token).clone()
-        diffs.append(float((got - expected).abs().max()))
-        same_tokens = same_tokens and torch.equal(got.argmax(-1), expected.argmax(-1))
-        token = expected.argmax(-1)
-    return {"max_diff": max(diffs), "same_tokens": same_tokens, "captured_bytes": graphed.step_comm.bytes_sent}
-
-
-@pytest.mark.gpu
-@gpu
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_gpu_capture_and_replay_equal_the_eager_step(dtype):
-    result = compare_graph_with_eager(make_model(dtype, "cuda"), decode="local", method="allreduce", placement="contiguous")
-    assert result["same_tokens"] and result["max_diff"] < GRAPH_TOL[dtype]
-
-
-@pytest.mark.gpu
-@gpu
-def test_gpu_static_step_never_synchronizes():
-    model = make_model(torch.bfloat16, "cuda")
-    cache = make_cache(model)
-    token, position = prefill(model, cache, LocalAttention())
-    step = DecodeStep(model, cache, position, decode="local")
-    step(token)  # Triton compiles outside the checked region
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        for _ in range(3):
-            step()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-
 
 @pytest.mark.gpu
 @gpu
@@ -554,18 +331,3 @@ def test_gpu_generate_with_a_cuda_graph_gives_the_tokens_of_generate():
     dynamic, graphed = generate(model, PROMPTS, **options), generate(model, PROMPTS, cuda_graph=True, **options)
     assert graphed.decode_step == "graph"
     assert graphed.generated_ids == dynamic.generated_ids
-
-
-def _nccl_main(rank: int, world_size: int) -> dict:
-    model = make_model(torch.bfloat16, "cuda")
-    return {case: compare_graph_with_eager(model, decode=case[0], method=case[1], placement=case[2]) for case in P2_CASES}
-
-
-@pytest.mark.gpu
-@two_gpus
-def test_gpu_nccl_capture_and_replay_equal_the_eager_step_on_two_gpus():
-    results = spawn(_nccl_main, 2, backend="nccl", timeout=300)
-    for rank_result in results:
-        for case, result in rank_result.items():
-            assert result["same_tokens"] and result["max_diff"] < GRAPH_TOL[torch.bfloat16], (case, result)
-            assert result["captured_bytes"] > 0, case

@@ -45,7 +45,7 @@ import hashlib
 import logging
 import queue
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, fields
 
 import torch
@@ -53,16 +53,9 @@ import torch.distributed as dist
 
 from treeattn.cache.sharded import kv_bytes_per_token
 from treeattn.cache.window import window_bytes_per_sequence
-from treeattn.engine.config import (
-    ConfigError,
-    ConfigTypeError,
-    GenerationConfig,
-    SamplingParams,
-    check_against_model,
-    check_prompts,
-)
+from treeattn.engine.config import ConfigError, ConfigTypeError, EngineConfig, GenerationConfig, check_against_model, check_prompts
+from treeattn.engine.request import SamplingParams
 from treeattn.engine.ring_prefill import resolve_prefill
-from treeattn.engine.sampling import chosen_logprobs, sample, sampling_probs  # noqa: F401 -- re-exported
 from treeattn.models.attention import group_world_size
 from treeattn.models.llama import LlamaModel
 from treeattn.parallel.shared_memory import group_timeout_s
@@ -225,6 +218,16 @@ def generate(model: LlamaModel, prompts, config: GenerationConfig | None = None,
             option), a prompt that does not fit, ranks that disagree -- before any prefill work.
         NonFiniteLogitsError: the model produced NaN or inf logits (on every rank; nothing
             non-finite becomes a token).
+
+    Example (one process, a random-weight model)::
+
+        >>> import treeattn as ta
+        >>> from treeattn.models.llama import LlamaConfig, random_model
+        >>> model = random_model(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1,
+        ...                                  num_heads=2, num_kv_heads=1, head_dim=16, max_position_embeddings=128))
+        >>> result = ta.generate(model, [[1, 2, 3], [4, 5]], max_new_tokens=4, stop_tokens=[], block_size=16)
+        >>> [len(ids) for ids in result.generated_ids], result.finish_reasons
+        ([4, 4], ['length', 'length'])
     """
     run = stream(model, prompts, config, group=group, **options)
     for step in run:
@@ -237,7 +240,18 @@ def stream(model: LlamaModel, prompts, config: GenerationConfig | None = None, *
            **options) -> "Generation":
     """generate() as an iterator: `for step in stream(model, prompts, ...)` yields a StepOutput per
     new-token index; afterwards `.result` holds the GenerationResult. Same arguments as generate()
-    (without on_token). Arguments are checked here, before any work."""
+    (without on_token). Arguments are checked here, before any work.
+
+    Example (as for generate)::
+
+        >>> import treeattn as ta
+        >>> from treeattn.models.llama import LlamaConfig, random_model
+        >>> model = random_model(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1,
+        ...                                  num_heads=2, num_kv_heads=1, head_dim=16, max_position_embeddings=128))
+        >>> run = ta.stream(model, [1, 2, 3], max_new_tokens=3, stop_tokens=[], block_size=16)
+        >>> [step.index for step in run], len(run.result.generated_ids[0])
+        ([0, 1, 2], 3)
+    """
     from treeattn.models.chat import encode_prompts, is_chat
 
     if is_chat(prompts):  # chat messages: rendered by the model's template; stop at its end of turn too
@@ -315,7 +329,7 @@ class Generation:
     def __iter__(self) -> Iterator[StepOutput]:
         if self.result is not None:
             raise RuntimeError("this Generation has already run; call generate()/stream() again")
-        from treeattn.engine.engine import Engine
+        from treeattn.engine.client import Engine
 
         start = time.perf_counter()
         engine = Engine(self.model, self._engine_config(), group=self.group)
@@ -345,11 +359,9 @@ class Generation:
             yield from steps
         self.result = payload
 
-    def _engine_config(self) -> "EngineConfig":  # noqa: F821 -- imported inside
+    def _engine_config(self) -> EngineConfig:
         """The EngineConfig of this batch: every sequence runs at once, over a cache of exactly
         `capacity` slots per sequence (rounded up to blocks on every rank)."""
-        from treeattn.engine.engine import EngineConfig
-
         c, p = self.config, self.world_size
         longest = max(len(prompt) for prompt in self.prompts)
         blocks = c.blocks_per_rank(longest, len(self.prompts), p)
@@ -360,16 +372,11 @@ class Generation:
                             timeout_s=group_timeout_s(self.group) or DEFAULT_TIMEOUT_S, speculate=c.speculate,
                             draft_tokens=c.draft_tokens, draft_model=c.draft_model, shared_memory=c.shared_memory)
 
-    def _requests(self) -> list[tuple[list[int], "RequestParams"]]:
+    def _requests(self) -> list[tuple[list[int], SamplingParams]]:
         """(prompt, SamplingParams of the engine) of every sequence, in result order."""
-        from treeattn.engine.request import SamplingParams as RequestParams
-
         c = self.config
         prompts = self.prompts if c.num_samples == 1 else self.prompts * c.num_samples
-        return [(prompt, RequestParams(max_new_tokens=c.max_new_tokens, temperature=c.temperature, top_k=c.top_k or 0,
-                                       top_p=c.top_p or 1.0, seed=(c.seed + i) % 2**64, stop_token_ids=self.stop_tokens,
-                                       ignore_eos=True, logprobs=0))
-                for i, prompt in enumerate(prompts)]
+        return [(prompt, c.sampling_params((c.seed + i) % 2**64, self.stop_tokens)) for i, prompt in enumerate(prompts)]
 
     def _drive(self, engine, start: float) -> Iterator[StepOutput]:
         """Rank 0: submit every sequence, then yield a StepOutput each time every sequence that is
@@ -453,7 +460,7 @@ def _request_error(model, message: str | None, sequence: int, index: int) -> Exc
 
 def _check_static_step(config: GenerationConfig, model, batch: int) -> None:
     """static_decode / cuda_graph on a model the engine's static step cannot run: ConfigError naming the option."""
-    from treeattn.decode_step import graph_safe_reason
+    from treeattn.engine.static_step import graph_safe_reason
 
     reason = graph_safe_reason(model, batch)
     if reason is not None:

@@ -1,4 +1,4 @@
-"""The demo behind `treeattn demo`: long-context decoding on local CPU ranks, tree vs ring, no download.
+"""The synthetic demo behind `treeattn demo --synthetic`: long-context decoding on local CPU ranks, tree vs ring, no download.
 
 A small Llama-architecture model with random weights (the same on every rank for a seed) gets a
 synthetic prompt of `context` tokens. On `nproc` gloo ranks the prompt is prefilled into the
@@ -6,7 +6,7 @@ sequence-sharded KV cache (the engine's ring prefill) and decoded greedily, once
 tree_decode and ring_decode (pass-KV). A single process then prefills and decodes the same prompt
 with plain attention over the whole cache, and every method must give its tokens.
 
-run_demo() returns the measurements; the CLI renders them. benchmarks/engine_decode.py uses it too.
+run_demo() returns the measurements; treeattn.eval.demo_cli renders them. benchmarks/engine_decode.py uses it too.
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ from dataclasses import dataclass
 import torch
 
 from treeattn.engine.config import DEFAULT_METHOD
-from treeattn.generate import GenerationResult, generate
+from treeattn.engine.generate import GenerationResult, generate
+from treeattn.engine.measure import malloc_env
 from treeattn.models.llama import LlamaConfig, random_model
 
 logger = logging.getLogger(__name__)
@@ -36,9 +37,6 @@ DEMO_CONFIG = dict(
     rope_theta=500000.0,
     max_position_embeddings=1 << 20,
 )
-# Allocations above this size are mmap-ed and returned to the OS when freed, so resident memory
-# follows live tensors and the measured peak during decoding means something (glibc malloc).
-_MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "131072"}
 
 
 @dataclass
@@ -89,18 +87,10 @@ def run_demo(
     from treeattn.parallel import spawn
 
     threads = threads_per_rank or max(1, (os.cpu_count() or 1) // nproc)
-    saved = {k: os.environ.get(k) for k in _MALLOC_ENV}
-    os.environ.update(_MALLOC_ENV)  # read by the child processes' malloc at start
-    try:
+    with malloc_env():  # the ranks' resident memory follows their live tensors
         start = time.perf_counter()
         per_rank = spawn(_demo_rank, nproc, context, new_tokens, tuple(methods), placement, threads, seed, timeout=600)
         sharded_s = time.perf_counter() - start
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
     return [MethodRun(name, decode, method, nproc, result) for name, decode, method, result in per_rank[0]], sharded_s
 
 

@@ -2,7 +2,6 @@
 
     files = read_draft_model("draft.gguf")                       # config + tokenizer, no weights
     check_draft_model(files, target, positions=len(prompt) + max_new_tokens)
-    model = check_loaded_draft(draft_model, target, positions=...)   # a path loaded, or a model checked
 
 A draft model must share the model's tokenizer (the same ids for the same text) and reach every
 position the generation runs. It runs in the engine (treeattn.engine.draft: on every rank, over
@@ -78,22 +77,6 @@ def _tokenizer_difference(draft, target) -> str | None:
         i = min(set(special_a.items()) ^ set(special_b.items()))[0]
         return f"added token {i} is {special_a.get(i)} (content, special) in the draft, {special_b.get(i)} in the model"
     return None
-
-
-def check_loaded_draft(draft_model, target, *, positions: int):
-    """The draft model of GenerationConfig.draft_model, loaded like `target` (its dtype and device)
-    when it is a path, and checked against `target` (check_draft_model). Returns the loaded model.
-
-    Raises:
-        ConfigError("draft_model") naming what is wrong.
-    """
-    from treeattn.models.loader import load_model
-
-    if isinstance(draft_model, str):
-        check_draft_model(read_draft_model(draft_model), target, positions=positions)  # before reading any weight
-        return load_model(draft_model, dtype=target.dtype, device=target.device)
-    check_draft_model(draft_model, target, positions=positions)
-    return draft_model
 
 
 def describe(draft_model) -> str:

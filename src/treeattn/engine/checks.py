@@ -1,0 +1,86 @@
+"""The engine's checks before any rank starts: everything a rank would refuse, said once in the caller's process.
+
+    files = model_files(model)                   # config and tokenizer, without the weights for a path
+    check_model(model); check_decode_step_device(model, config, group, joined)
+    check_draft_model(files, config)             # with speculate="draft"
+    check_memory(model, files.config, config)    # weights + cache (+ draft) of the ranks on this machine
+
+Each raises ValueError (ConfigError naming the EngineConfig field to change) with one line.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from treeattn.cache.sharded import kv_bytes_per_token
+from treeattn.engine import memory
+from treeattn.engine.config import EngineConfig
+from treeattn.engine.errors import ConfigError
+from treeattn.engine.memory import model_bytes
+from treeattn.parallel.spawn import local_ranks
+
+
+def check_model(model) -> None:
+    from treeattn.models.deepseek import DeepseekModel
+    from treeattn.models.llama import LlamaModel
+
+    if isinstance(model, (LlamaModel, DeepseekModel)):
+        return
+    if not isinstance(model, (str, os.PathLike)):
+        raise ValueError(f"model must be a LlamaModel, a DeepseekModel or a checkpoint path, got {type(model).__name__}")
+    if not Path(model).exists():
+        raise ValueError(f"model: no such file or directory: {model}")
+
+
+
+def model_files(model):
+    """What the checks need of the model (.config, .tokenizer): a loaded model itself, or its
+    checkpoint's config and tokenizer, read without the weights."""
+    if isinstance(model, (str, os.PathLike)):
+        from treeattn.models.loader import read_model_files
+
+        return read_model_files(model)
+    return model
+
+
+def check_decode_step_device(model, config: EngineConfig, group, joined: bool) -> None:
+    """decode_step="graph" needs the model on a CUDA device (a checkpoint path is loaded on the CPU),
+    and on several ranks an NCCL group (gloo's collectives cannot be captured); ConfigError naming
+    decode_step."""
+    if config.decode_step != "graph":
+        return
+    device = torch.device("cpu") if isinstance(model, (str, os.PathLike)) else model.device
+    if device.type != "cuda":
+        raise ConfigError("decode_step", f"decode_step='graph' records CUDA graphs: the model must be on a CUDA device, got "
+                          f"{device} (decode_step='static' runs the same steps without graphs)")
+    backend = dist.get_backend(group) if joined else "gloo"
+    if config.nproc > 1 and backend != "nccl":
+        raise ConfigError("decode_step", f"decode_step='graph' on {config.nproc} ranks captures the combines in CUDA graphs, "
+                          f"which needs an NCCL process group, got {backend} (decode_step='static' runs without graphs)")
+
+
+def check_draft_model(target, config: EngineConfig) -> None:
+    """The draft model against the model (`target`: model_files) before any rank starts (ConfigError
+    naming draft_model): the same tokenizer, and a context window reaching every position the engine runs."""
+    from treeattn.engine.draft_model import check_draft_model, read_draft_model
+
+    draft = read_draft_model(config.draft_model) if isinstance(config.draft_model, str) else config.draft_model
+    check_draft_model(draft, target, positions=config.max_context_tokens(target.config.max_position_embeddings),
+                      needed_by="positions the engine runs (max_context: the model's context window, or cache_tokens if fewer)")
+
+
+def check_memory(model, model_config, config: EngineConfig) -> None:
+    """The weights and cache blocks the ranks on this machine hold (the draft model's too) against its
+    memory (memory.check_memory_fit); ConfigError naming the option to change."""
+    dtype = config.dtype or (torch.float32 if isinstance(model, (str, os.PathLike)) else model.dtype)
+    slots = config.blocks_per_rank(model_config.max_position_embeddings) * config.block_size
+    draft = 0
+    if config.draft_model is not None:
+        draft = model_bytes(config.draft_model, dtype) + slots * kv_bytes_per_token(model_files(config.draft_model).config, dtype)
+    memory.check_memory_fit(ranks=local_ranks(config.nproc), weights=model_bytes(model, dtype),
+                            cache=slots * kv_bytes_per_token(model_config, dtype), draft=draft,
+                            device="cpu" if isinstance(model, (str, os.PathLike)) else model.device, cache_option="cache_tokens")

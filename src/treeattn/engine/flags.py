@@ -1,0 +1,84 @@
+"""Command-line flags derived from the configuration they fill: one name, type, choice list, default and help per concept.
+
+    decode: Decode = config_flag(EngineConfig, "decode")       # --decode <tree|ring|local>, help from the field's docs
+    block_size: int = config_flag(GenerationConfig, "block_size", min=1)
+    dtype: str = dtype_flag()                                  # --dtype <float32|bfloat16|float16>
+
+A flag is named after its field (block_size -> --block-size; a bool field gives --name/--no-name),
+its default is the field's, its choices are the tuple the field is checked against (the parameter's
+annotation, Decode, Method, ...: Literal types of the same tuples EngineConfig validates with), and its help is the field's entry in the class
+docstring's "Attributes:" section. `treeattn generate`, `serve` and `demo` take their engine flags
+from here, so a concept has one flag everywhere. Old spellings stay accepted as hidden aliases:
+treeattn.cli rewrites them (ALIASES) before the command parses its arguments.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Literal
+
+import typer
+
+from treeattn.cache.placement import PLACEMENTS
+from treeattn.engine.ring_prefill import PREFILL_KINDS
+from treeattn.engine.speculate import SPECULATE_KINDS
+from treeattn.engine.static_step import DECODE_STEPS
+from treeattn.models.attention import DECODE_KINDS
+from treeattn.parallel.tree_decode import METHODS
+
+DTYPES = ("float32", "bfloat16", "float16")
+"""Model dtypes on the command line, spelled as torch spells them (torch.bfloat16)."""
+
+DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
+"""Short spellings accepted for --dtype (not listed in the help)."""
+
+# The choice lists of the command line: the tuples the configuration itself checks against.
+Decode = Literal[DECODE_KINDS]
+Method = Literal[METHODS]
+Placement = Literal[PLACEMENTS]
+Prefill = Literal[PREFILL_KINDS]
+Speculate = Literal[SPECULATE_KINDS]
+DecodeStep = Literal[DECODE_STEPS]
+
+
+def field_help(cls, name: str) -> str:
+    """The first sentence of field `name`'s entry in the "Attributes:" section of `cls`'s docstring,
+    on one line (an entry may name several fields: "temperature, top_k, top_p: ...")."""
+    doc = (cls.__doc__ or "").split("Attributes:", 1)[-1]
+    entries = re.split(r"\n {8}(?=[a-z_][a-z_0-9, ]*:)", "\n" + doc)
+    for entry in entries:
+        head, _, text = entry.partition(":")
+        if name in [n.strip() for n in head.split(",")]:
+            text = " ".join(text.split())
+            first = re.split(r"(?<=[.)])\s+(?=[A-Z\"])", text, maxsplit=1)[0]
+            return first
+    raise ValueError(f"{cls.__name__} documents no field {name!r} under Attributes")
+
+
+def config_flag(cls, name: str, *, flag: str | None = None, help: str | None = None, default=dataclasses.MISSING, **options):
+    """A typer.Option for field `name` of the dataclass `cls`: `flag` (default --name; --name/--no-name
+    for a bool), the field's default and its docs as help; `options` go to typer.Option. The choices
+    come from the parameter's annotation (Decode, Method, ...)."""
+    field = {f.name: f for f in dataclasses.fields(cls)}[name]
+    if default is dataclasses.MISSING:
+        default = field.default
+    flag = flag or "--" + name.replace("_", "-")
+    decls = [f"{flag}/--no-{flag.removeprefix('--')}"] if isinstance(default, bool) else [flag]
+    return typer.Option(default, *decls, help=help or field_help(cls, name), **options)
+
+
+def _dtype(value: str) -> str:
+    value = DTYPE_ALIASES.get(value, value)
+    if value not in DTYPES:
+        raise typer.BadParameter(f"expected one of {', '.join(DTYPES)}, got {value!r}")
+    return value
+
+
+def dtype_flag(default: str = "float32", help: str = "The model's dtype (weights, activations, KV cache).") -> str:
+    """--dtype: float32, bfloat16 or float16 (bf16, fp16, fp32 accepted too)."""
+    return typer.Option(default, "--dtype", metavar="<" + "|".join(DTYPES) + ">", callback=_dtype, help=help)
+
+
+__all__ = ["DTYPES", "DTYPE_ALIASES", "Decode", "DecodeStep", "Method", "Placement", "Prefill", "Speculate", "config_flag",
+           "dtype_flag", "field_help"]

@@ -1,0 +1,66 @@
+"""Memory: how many bytes a model and its cache take, how many a device has, and the one check that they fit.
+
+    check_memory_fit(ranks=2, weights=model_bytes(model, torch.bfloat16), cache=kv, draft=0, device="cpu",
+                     cache_option="cache_tokens")   # ConfigError naming the option to change, or nothing
+
+The engine (checks.check_memory) and `treeattn generate` (before spawning its ranks) both ask
+check_memory_fit: every rank on this machine holds all the weights (and the draft model's), and its
+share of the KV cache.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from treeattn.engine.errors import ConfigError
+
+
+def model_bytes(model, dtype: torch.dtype) -> int:
+    """Bytes of a model's weights in `dtype`: a loaded model's parameters, or a checkpoint's (a
+    directory or .gguf file, read without its weights)."""
+    if isinstance(model, (str, os.PathLike)):
+        from treeattn.models.loader import check_checkpoint
+
+        model = check_checkpoint(model, dtype=dtype)
+    return sum(p.numel() for p in model.parameters()) * torch.empty((), dtype=dtype).element_size()
+
+
+def device_memory_bytes(device: torch.device | str) -> int | None:
+    """Total memory of `device`: the machine's RAM for "cpu", the GPU's for "cuda"; None if unknown."""
+    device = torch.device(device)
+    if device.type == "cuda" and torch.cuda.is_available():
+        return torch.cuda.get_device_properties(device.index or 0).total_memory
+    if device.type == "cpu":
+        try:
+            return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        except (ValueError, OSError, AttributeError):
+            return None
+    return None
+
+
+def format_bytes(n: float) -> str:
+    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n:.0f} B"
+
+
+def check_memory_fit(*, ranks: int, weights: int, cache: int, draft: int, device, cache_option: str) -> None:
+    """`ranks` ranks on this machine, each holding `weights` bytes of weights, `cache` bytes of KV
+    cache and `draft` bytes of draft model with its cache, against the memory of `device`.
+
+    Raises:
+        ConfigError naming the option to change: "draft_model" when the draft alone does not fit,
+        else "nproc" when one rank would fit, else `cache_option` (the option that sizes the cache).
+    """
+    available = device_memory_bytes(device)
+    total = ranks * (weights + cache + draft)
+    if available is None or total <= available:
+        return
+    option = ("draft_model" if ranks * (weights + cache) <= available else "nproc" if weights + cache + draft <= available
+              else cache_option)
+    drafted = f" + {format_bytes(draft)} of draft model and its cache" if draft else ""
+    raise ConfigError(option, f"{option}: {ranks} rank(s) x ({format_bytes(weights)} of weights + {format_bytes(cache)} of KV cache"
+                              f"{drafted}) = {format_bytes(total)}, more than the {format_bytes(available)} of memory of this machine")

@@ -1,0 +1,138 @@
+"""One rank's side of the engine: build the model and its share of the cache, then run the plans it is sent.
+
+    runner = make_runner(load_model(model, config.dtype), config, group)   # a RankRunner (runner.py)
+    serve_steps(runner, receive, reply)    # until a None plan: rank 0 receives and replies, the others follow
+
+Every plan goes from rank 0 to the group by one broadcast (broadcast_plan); each rank runs it
+(run_plan): a StepPlan is a batched forward pass (RankRunner.step), KEEPALIVE is nothing (it keeps
+ranks waiting in the broadcast short of the group's timeout) and Measure gathers every rank's
+RankMeasurements. rank_main is the body of a rank process that ta.spawn started
+(transport.SpawnedRanks); inside an existing group the ranks call serve_steps themselves
+(transport.GroupChannel).
+"""
+
+from __future__ import annotations
+
+import os
+import traceback
+from dataclasses import dataclass
+from multiprocessing.connection import Client
+
+import torch
+import torch.distributed as dist
+
+from treeattn.engine.config import EngineConfig
+from treeattn.engine.runner import RankRunner, StepOutcome
+
+# A plan that runs nothing: the idle driver sends one every timeout_s / 4 so that ranks waiting for
+# the next plan in a collective never reach the group's timeout.
+KEEPALIVE = "keepalive"
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the driver needs to know of the model (rank 0 reports it)."""
+
+    vocab_size: int
+    max_position_embeddings: int
+    eos_token_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Measure:
+    """A plan that makes every rank report its RankMeasurements (rank 0 answers with all of them)."""
+
+    reset: bool
+
+
+def load_model(model, dtype):
+    """The model of a rank: a loaded model (in `dtype` if given), or a checkpoint path loaded with ta.load_model."""
+    from treeattn.models import load_model as load
+
+    if isinstance(model, (str, os.PathLike)):
+        return load(model, dtype=dtype or torch.float32)
+    return model if dtype is None else model.to(dtype)
+
+
+def model_info(model) -> ModelInfo:
+    c = model.config
+    return ModelInfo(c.vocab_size, c.max_position_embeddings, tuple(c.eos_token_ids))
+
+
+def make_runner(model, config: EngineConfig, group=None) -> RankRunner:
+    """This rank's RankRunner for `config` (the draft model, if any, loaded in the model's dtype and on its device)."""
+    draft = None
+    if config.draft_model is not None:
+        from treeattn.models import load_model as load
+
+        draft = config.draft_model
+        draft = load(draft, dtype=model.dtype, device=model.device) if isinstance(draft, str) else draft.to(model.device, model.dtype)
+    return RankRunner(model, group=group, blocks_per_rank=config.blocks_per_rank(model.config.max_position_embeddings),
+                      block_size=config.block_size, decode=config.decode if config.nproc > 1 else "local", method=config.method,
+                      shared_memory=config.shared_memory, timeout_s=config.timeout_s, draft_model=draft,
+                      decode_step=config.decode_step, prefill=config.prefill, max_batch_size=config.max_batch_size)
+
+
+def broadcast_plan(plan, rank: int, group=None):
+    """Rank 0's plan (or None, the end) on every rank of `group`; `rank` is the group rank."""
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
+        box = [plan if rank == 0 else None]
+        src = 0 if group is None else dist.get_global_rank(group, 0)
+        dist.broadcast_object_list(box, src=src, group=group)
+        return box[0]
+    return plan
+
+
+
+
+def run_plan(runner: RankRunner, plan):
+    """What every rank does with a plan: a step (its StepOutcome), a keepalive (nothing), or a
+    measurement (every rank's RankMeasurements, gathered on every rank)."""
+    if plan == KEEPALIVE:
+        return StepOutcome()
+    if isinstance(plan, Measure):
+        mine = runner.measurements(plan.reset)
+        if runner.world_size == 1:
+            return [mine]
+        everyone = [None] * runner.world_size
+        dist.all_gather_object(everyone, mine, group=runner.group)
+        return everyone
+    return runner.step(plan)
+
+
+def serve_steps(runner: RankRunner, receive, reply) -> None:
+    """A rank's loop: take the next plan (rank 0 from `receive`, the others by broadcast), run it,
+    (rank 0) `reply` with what it gave. Ends on a None plan."""
+    rank = runner.rank
+    while True:
+        plan = broadcast_plan(receive() if rank == 0 else None, rank, runner.group)
+        if plan is None:
+            return
+        try:
+            outcome = run_plan(runner, plan)
+        except BaseException as exc:
+            if rank == 0:
+                reply(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+            raise
+        if rank == 0:
+            reply(("ok", outcome))
+
+
+def rank_main(rank: int, world_size: int, address, authkey: bytes, model, config: EngineConfig) -> None:
+    """Body of a spawned rank: build the model and cache, then serve steps until the driver ends."""
+    torch.set_num_threads(config.threads_per_rank or max(1, (os.cpu_count() or 1) // world_size))
+    model = load_model(model, config.dtype)
+    runner = make_runner(model, config)
+    if rank != 0:
+        serve_steps(runner, None, None)
+        return
+    with Client(address, authkey=authkey) as conn:
+        conn.send(("ready", model_info(model)))
+
+        def receive():
+            try:
+                return conn.recv()
+            except (EOFError, OSError):  # the driver is gone: end every rank
+                return None
+
+        serve_steps(runner, receive, conn.send)

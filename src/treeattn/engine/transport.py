@@ -1,0 +1,112 @@
+"""How the driver reaches the ranks: two transports with one interface (run a plan, alive, close).
+
+    channel = SpawnedRanks(model, config)        # nproc rank processes started with ta.spawn; a socket to rank 0
+    channel = GroupChannel(model, config, group)  # inside an existing group (or one rank): rank 0 runs its share itself
+    outcome = channel.run(plan)                   # rank 0's StepOutcome (or a Measure's measurements)
+    channel.close()                               # the ranks leave serve_steps and end
+
+SpawnedRanks starts the rank processes (rank.rank_main) in a background thread and waits for rank
+0 to connect back with its ModelInfo; a plan goes to rank 0 over that connection and rank 0
+broadcasts it. A rank's failure comes back as EngineError. GroupChannel broadcasts the plan itself.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from multiprocessing.connection import Listener
+
+from treeattn.engine.config import EngineConfig
+from treeattn.engine.rank import ModelInfo, broadcast_plan, load_model, make_runner, model_info, rank_main, run_plan, serve_steps
+from treeattn.engine.errors import EngineError
+from treeattn.engine.runner import StepOutcome
+
+
+class SpawnedRanks:
+    """The rank processes of an Engine started with ta.spawn, and the driver's line to rank 0."""
+
+    def __init__(self, model, config: EngineConfig) -> None:
+        from treeattn.parallel.spawn import spawn
+
+        self.config = config
+        self._authkey = os.urandom(16)
+        self._listener = Listener(("127.0.0.1", 0), authkey=self._authkey)
+        self.failure: BaseException | None = None
+        self._thread = threading.Thread(target=self._spawn, args=(spawn, model), name="treeattn-engine-ranks", daemon=True)
+        self._thread.start()
+        accepted: list = []
+        acceptor = threading.Thread(target=lambda: accepted.append(self._listener.accept()), daemon=True)
+        acceptor.start()
+        deadline = time.monotonic() + max(config.timeout_s, 120.0)
+        while not accepted:
+            if not self._thread.is_alive():
+                self._listener.close()
+                raise EngineError(f"the engine's ranks failed to start: {self.failure}")
+            if time.monotonic() > deadline:
+                self._listener.close()
+                raise EngineError("the engine's ranks did not start in time")
+            acceptor.join(0.05)
+        self._conn = accepted[0]
+        kind, info = self._recv()
+        self.info: ModelInfo = info
+
+    def _spawn(self, spawn, model) -> None:
+        try:
+            spawn(rank_main, self.config.nproc, self._listener.address, self._authkey, model, self.config,
+                  timeout=self.config.timeout_s)
+        except BaseException as exc:  # noqa: BLE001
+            self.failure = exc
+
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def _recv(self):
+        while not self._conn.poll(0.05):
+            if not self._thread.is_alive():
+                raise EngineError(f"the engine's ranks ended: {self.failure}")
+        try:
+            message = self._conn.recv()
+        except (EOFError, OSError) as exc:
+            raise EngineError("rank 0 of the engine is gone (its connection closed)") from exc
+        if message[0] == "error":
+            raise EngineError(f"a step failed on rank 0: {message[1]}")
+        return message
+
+    def run(self, plan) -> StepOutcome:
+        try:
+            self._conn.send(plan)
+        except OSError as exc:
+            raise EngineError("rank 0 of the engine is gone (its connection closed)") from exc
+        return self._recv()[1]
+
+    def close(self) -> None:
+        try:
+            self._conn.send(None)
+        except OSError:
+            pass
+        self._thread.join()
+        self._conn.close()
+        self._listener.close()
+
+
+class GroupChannel:
+    """An Engine inside an existing process group: rank 0 drives, every rank runs its share."""
+
+    def __init__(self, model, config: EngineConfig, group) -> None:
+        model = load_model(model, config.dtype)
+        self.group = group
+        self.runner = make_runner(model, config, group)
+        self.info = model_info(model)
+
+    def serve(self) -> None:
+        serve_steps(self.runner, None, None)
+
+    def alive(self) -> bool:
+        return True
+
+    def run(self, plan) -> StepOutcome:
+        return run_plan(self.runner, broadcast_plan(plan, 0, self.group))
+
+    def close(self) -> None:
+        broadcast_plan(None, 0, self.group)

