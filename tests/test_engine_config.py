@@ -87,11 +87,14 @@ def test_prefill_resolution():
 
 
 def test_kv_estimate_is_what_the_engine_allocates():
+    """MODEL is hybrid (a global layer, a window-4 layer): the paged arena holds the global layer,
+    and every rank keeps W - 1 = 3 positions of the window layer per sequence."""
     from treeattn.cache.paged import PagedKVCache
 
     for placement, world in (("contiguous", 3), ("interleaved", 2)):
         config = GenerationConfig(max_new_tokens=7, block_size=4, placement=placement, num_samples=1)
         blocks = config.blocks_per_rank(13, 2, world)
         assert blocks == 2 * -(-20 // (4 * world))  # 20 slots a sequence, dealt over the ranks
-        cache = PagedKVCache(num_layers=2, num_kv_heads=2, head_dim=8, num_blocks=blocks, block_size=4)
-        assert kv_cache_bytes_per_rank(config, MODEL, 2, 13, world, torch.float32) == cache.nbytes()
+        arena = PagedKVCache(num_layers=1, num_kv_heads=2, head_dim=8, num_blocks=blocks, block_size=4)
+        windows = 2 * (3 * 2 * 2 * 8 * 4)  # 2 sequences x (3 positions x K and V x 2 heads x 8 x float32)
+        assert kv_cache_bytes_per_rank(config, MODEL, 2, 13, world, torch.float32) == arena.nbytes() + windows

@@ -24,6 +24,7 @@ import torch
 
 from treeattn.cache.placement import PLACEMENTS
 from treeattn.cache.sharded import kv_bytes_per_token
+from treeattn.cache.window import window_bytes_per_sequence
 from treeattn.engine import memory
 from treeattn.engine.errors import ConfigError, ConfigTypeError
 from treeattn.engine.request import SamplingParams
@@ -429,10 +430,12 @@ def check_against_model(config: GenerationConfig, model_config, prompts: list[li
 
 def kv_cache_bytes_per_rank(config: GenerationConfig, model_config, batch: int, longest: int, world_size: int,
                             dtype: torch.dtype) -> int:
-    """Bytes the engine's KV cache arena of this generation takes on every rank: keys and values of
-    every slot of its blocks (GenerationConfig.blocks_per_rank, and the pad block)."""
+    """Bytes the engine's KV cache takes on every rank for this generation: keys and values of every
+    slot of the paged arena's blocks (GenerationConfig.blocks_per_rank, and the pad block), plus a
+    hybrid model's window layers, kept per sequence on every rank (cache.window)."""
     blocks = config.blocks_per_rank(longest, batch, world_size) + 1
-    return blocks * config.block_size * kv_bytes_per_token(model_config, dtype)
+    windows = batch * window_bytes_per_sequence(model_config, dtype)
+    return blocks * config.block_size * kv_bytes_per_token(model_config, dtype) + windows
 
 
 def _largest_cache_term(config: GenerationConfig, batch: int, capacity: int) -> str:
