@@ -22,9 +22,12 @@ N = 5
 
 
 def make_model():
-    # GQA, and a second layer with a sliding window that the decode steps cross (37 + 12 > 24)
+    # GQA, and sliding windows that the decode steps cross (37 + 12 > 24). Both layers are windowed
+    # (Mistral-like: the paged cache keeps every token): a window layer beside a global one makes a
+    # hybrid cache, which has no prefix cache yet (docs/engine.md), and these samples share their
+    # prompt through it.
     config = LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
-                         num_kv_heads=2, head_dim=16, layer_windows=(None, 24))
+                         num_kv_heads=2, head_dim=16, layer_windows=(24, 24))
     return random_model(config, seed=1, std=0.2)
 
 
