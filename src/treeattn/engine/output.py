@@ -7,9 +7,11 @@
     handle.emit(event, result)                                  # to iterators, result() and on_event
 
 The driver thread (driver.py) owns every RequestState and calls these; a RequestHandle is read
-from any thread (its events go through a queue; result() waits on an event). Detokenizing decodes
-the whole output each token and holds back a trailing incomplete multi-byte character; a stop
-string cuts the text before it and ends the request, even on the request's last token.
+from any thread (its events go through a queue; result() waits on an event). Detokenizing is
+incremental (IncrementalText: a few tokens are decoded per new token, not the whole output, and a
+trailing incomplete multi-byte character waits for the rest); a stop string is searched for only
+where the new text could complete it, cuts the text before it and ends the request, even on the
+request's last token. Each token therefore costs the same whatever the output's length.
 """
 
 from __future__ import annotations
@@ -95,6 +97,8 @@ class RequestState:
         self.logprobs: list[TokenLogprob] = []  # one per token when params.logprobs is set
         self.text = ""  # the text delivered so far (the events' deltas); a held-back tail is not in it
         self.first_token_at: float | None = None
+        self._detokenizer = IncrementalText()
+        self._searched = 0  # stop strings cannot end before this index of the decoded text
 
     @property
     def request_id(self) -> str:
@@ -120,13 +124,16 @@ class RequestState:
     def _text(self, tokenizer) -> tuple[str, bool]:
         """(the request's text so far, whether a stop string ended it): the decoded tokens without
         an incomplete multi-byte character at the end, cut right before the first occurrence of any
-        stop string (stopped)."""
+        stop string (stopped). Only the text a new token could complete a stop string in is searched."""
         if tokenizer is None:
             return "", False
-        text = tokenizer.decode(self.token_ids)
-        if text.endswith("\ufffd"):  # an incomplete multi-byte character: wait for the rest
-            text = text.rstrip("\ufffd")
-        cut = min((i for i in (text.find(s) for s in self.params.stop) if i >= 0), default=-1)
+        text = self._detokenizer.add(tokenizer, self.token_ids)
+        stops = self.params.stop
+        if not stops:
+            return text, False
+        start = max(0, self._searched - max(len(s) for s in stops) + 1)
+        self._searched = len(text)
+        cut = min((i for i in (text.find(s, start) for s in stops) if i >= 0), default=-1)
         return (text[:cut], True) if cut >= 0 else (text, False)
 
     def result(self, reason: str, now: float, *, error: str | None, speculation: dict) -> RequestResult:
@@ -150,3 +157,39 @@ def held_back(text: str, stops: tuple[str, ...]) -> int:
                 held = k
                 break
     return held
+
+
+class IncrementalText:
+    """The text of a growing list of token ids, decoded a few tokens at a time (the method of
+    Hugging Face's TextStreamer and vLLM's detokenizer).
+
+    Decoding token ids one by one is wrong for byte-level vocabularies (a character's bytes may
+    span tokens) and for tokenizers whose decoders look at neighbours (SentencePiece's leading
+    space). Instead each call decodes ids[prefix:] and ids[prefix:read]: their difference is the
+    new text, and `prefix` trails `read` by the last step's tokens so that the decoder sees their
+    context. A trailing U+FFFD (an incomplete multi-byte character) is held until it completes.
+
+        text = IncrementalText()
+        for i in range(len(ids)):
+            decoded = text.add(tokenizer, ids[: i + 1])   # == tokenizer.decode(ids[: i + 1]) up to a held tail
+    """
+
+    def __init__(self) -> None:
+        self.text = ""
+        self._prefix = 0  # ids[_prefix:_read] are already in self.text; decoded again as context
+        self._read = 0
+
+    def add(self, tokenizer, ids: list[int]) -> str:
+        """The text of `ids` (the earlier call's ids and the new ones), without an incomplete tail."""
+        before = tokenizer.decode(ids[self._prefix : self._read]) if self._read > self._prefix else ""
+        after = tokenizer.decode(ids[self._prefix :])
+        new = after[len(before):]
+        if new and not new.endswith("\ufffd"):
+            self.text += new
+            self._prefix, self._read = self._read, len(ids)
+            return self.text
+        if len(ids) - self._read > 8:  # no character completes in 8 tokens: the bytes were invalid
+            self.text += new.rstrip("\ufffd")
+            self._prefix = self._read = len(ids)
+            return self.text
+        return self.text + new.rstrip("\ufffd")  # the complete characters before an incomplete one
