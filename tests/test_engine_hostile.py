@@ -68,6 +68,30 @@ def test_a_seed_beyond_2_64_is_refused_by_sampling_params_and_the_engine_lives(e
     assert len(result.token_ids) == 3 and result.finish_reason == "length"
 
 
+def test_an_exception_while_sampling_one_request_fails_that_request_alone(engine, monkeypatch):
+    """Sampling runs on rank 0 after the step's last collective: a request whose sampling raises
+    (here: a seed that a patched sampler refuses) finishes with "error" naming the exception, the
+    requests batched with it finish normally, and the engine serves on."""
+    from treeattn.engine import sampling
+
+    real = sampling.sample
+
+    def sample(logits, spec, generator):
+        if spec.seed == 666:
+            raise ArithmeticError("this request's sampler is broken")
+        return real(logits, spec, generator)
+
+    monkeypatch.setattr(sampling, "sample", sample)
+    bad = engine.submit(PROMPT, SamplingParams(max_new_tokens=20, temperature=1.0, seed=666, logprobs=2))
+    good = engine.submit(PROMPT, SamplingParams(max_new_tokens=20, temperature=1.0, seed=1))
+    result = bad.result(timeout=60)
+    assert result.finish_reason == "error" and "ArithmeticError: this request's sampler is broken" in result.error
+    assert result.token_ids == [] and result.text == ""
+    assert good.result(timeout=60).finish_reason == "length" and len(good.result().token_ids) == 20
+    assert engine.healthy and engine.stats()["running"] == 0
+    assert engine.generate([PROMPT], max_new_tokens=2)[0].finish_reason == "length"
+
+
 # ------------------------------------------------------------------------- 6: tiny temperature, tiny top_p
 
 

@@ -131,6 +131,9 @@ class Driver:
             request = self._by_seq.get(seq.seq_id)
             if request is not None:  # None: a stop string ended it earlier in this run of tokens
                 try:
+                    if token is None and seq.seq_id in outcome.errors:  # rank 0 failed to sample this request
+                        self._finish(request, "error", now, error=outcome.errors[seq.seq_id])
+                        continue
                     self._on_token(request, token, reason, now, logprob)
                 except Exception as exc:  # noqa: BLE001 -- this request's alone (its text, its callback)
                     self._fail_request(request, exc)

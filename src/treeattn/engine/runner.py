@@ -50,11 +50,14 @@ class StepOutcome:
         logprobs: seq_id -> one TokenLogprob per new token, for the chunks whose request asked.
         shared_prefix_keys: key reads per layer that reading shared blocks once saved in this step
             (treeattn.engine.shared_prefix.saved_keys).
+        errors: seq_id -> why sampling failed for that sequence (its tokens are None): an
+            exception while sampling one request fails that request alone.
     """
 
     tokens: dict[int, list[int] | None] = field(default_factory=dict)
     logprobs: dict[int, list[TokenLogprob]] = field(default_factory=dict)
     shared_prefix_keys: int = 0
+    errors: dict[int, str] = field(default_factory=dict)
 
 
 def token_logprobs(logits: torch.Tensor, tokens: list[int], top: int) -> list[TokenLogprob]:
@@ -205,10 +208,15 @@ class RankRunner:
         out, first = StepOutcome(shared_prefix_keys=shared_keys), 0
         for _, c in sampling:
             chunk_logits = logits[first : first + c.num_draft + 1]
-            tokens = out.tokens[c.seq_id] = self._sample(c, chunk_logits)
-            if tokens is not None and c.sample.logprobs is not None:
-                out.logprobs[c.seq_id] = token_logprobs(chunk_logits, tokens, c.sample.logprobs)
             first += c.num_draft + 1
+            try:  # after the step's last collective, on rank 0 alone: a failure here is this request's
+                tokens = out.tokens[c.seq_id] = self._sample(c, chunk_logits)
+                if tokens is not None and c.sample.logprobs is not None:
+                    out.logprobs[c.seq_id] = token_logprobs(chunk_logits, tokens, c.sample.logprobs)
+            except Exception as exc:  # noqa: BLE001 -- fails this sequence alone (StepOutcome.errors)
+                out.tokens[c.seq_id] = None
+                out.logprobs.pop(c.seq_id, None)
+                out.errors[c.seq_id] = f"sampling failed: {type(exc).__name__}: {exc}"
         self._phases["sampling"] = time.perf_counter() - start
         return out
 
