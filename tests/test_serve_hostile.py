@@ -35,6 +35,7 @@ from gguf_files import CHATML, VOCAB, write_gguf  # noqa: E402
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 from test_serve import KEY, NAME, Server, _alive, _metrics, _wait_idle  # noqa: E402
+from treeattn.serve.protocol import MAX_BATCH_PROMPTS  # noqa: E402
 
 MAX_PENDING = 8
 MAX_BYTES = 64 * 1024
@@ -210,6 +211,10 @@ def test_limits_refuse_before_any_work(server):
     assert f"at most {MAX_PENDING}" in error["message"]
     _assert_openai_error(http.post("/v1/completions", json={"model": NAME, "prompt": ["hi"] * (MAX_PENDING + 1)}), 400, "prompt")
     _assert_openai_error(http.post("/v1/completions", json={"model": NAME, "prompt": [[5]] * 3, "n": 3}), 400, "prompt")
+    # a batch beyond MAX_BATCH_PROMPTS is refused before its items are validated one by one
+    for batch in (["a"] * (MAX_BATCH_PROMPTS + 1), [[1]] * (MAX_BATCH_PROMPTS + 1)):  # within the test's body limit
+        error = _assert_openai_error(http.post("/v1/completions", json={"model": NAME, "prompt": batch}), 400, "prompt")
+        assert f"at most {MAX_BATCH_PROMPTS} prompts, got {MAX_BATCH_PROMPTS + 1}" in error["message"]
     # a text that no tokenization can fit in the context is refused untokenized, naming the context
     error = _assert_openai_error(http.post("/v1/completions", json={"model": NAME, "prompt": "ab" * 30_000}), 400, "prompt")
     assert "characters" in error["message"]

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 # Fields of the OpenAI API that this server does not implement: a request that sets one to anything
 # but its no-op value is refused, naming it.
@@ -23,6 +23,11 @@ UNSUPPORTED = {
     "suffix": (None, ""), "logit_bias": (None, {}), "tools": (None, []), "functions": (None, []),
     "response_format": (None, {"type": "text"}), "presence_penalty": (None, 0), "frequency_penalty": (None, 0),
 }
+
+
+# The most prompts one /v1/completions request may batch (each is at least one choice, and a server
+# runs at most --max-pending choices at once).
+MAX_BATCH_PROMPTS = 4096
 
 
 class StreamOptions(BaseModel):
@@ -63,6 +68,15 @@ class CompletionRequest(_Sampling):
 
     prompt: Union[str, list[int], list[str], list[list[int]]]
     logprobs: int | None = None
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _batch_size(cls, prompt):
+        """A batch longer than MAX_BATCH_PROMPTS is refused before its items are validated (a 4 MiB
+        body of 700,000 one-token prompts would otherwise hold the event loop for seconds)."""
+        if isinstance(prompt, list) and len(prompt) > MAX_BATCH_PROMPTS and isinstance(prompt[0], (str, list)):
+            raise ValueError(f"a batch holds at most {MAX_BATCH_PROMPTS} prompts, got {len(prompt)}")
+        return prompt
 
     def logprobs_asked(self) -> int | None:
         return self.logprobs
