@@ -7,6 +7,7 @@ child process that sends SIGINT to its own process group, as a terminal's Ctrl-C
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import subprocess
 import sys
@@ -14,6 +15,7 @@ import threading
 from pathlib import Path
 
 import pytest
+import torch
 
 transformers = pytest.importorskip("transformers")
 
@@ -21,6 +23,7 @@ from test_serve import _write_tiny_llama_gguf  # noqa: E402
 
 import treeattn as ta  # noqa: E402
 from treeattn.engine import EngineError, SamplingParams  # noqa: E402
+from treeattn.models.llama import LlamaConfig, random_model  # noqa: E402
 
 PROMPT = "the cat"
 
@@ -90,6 +93,44 @@ def test_an_exception_while_sampling_one_request_fails_that_request_alone(engine
     assert good.result(timeout=60).finish_reason == "length" and len(good.result().token_ids) == 20
     assert engine.healthy and engine.stats()["running"] == 0
     assert engine.generate([PROMPT], max_new_tokens=2)[0].finish_reason == "length"
+
+
+POISON = 99  # a token id that makes the embedding below raise
+
+
+class PoisonedEmbedding(torch.nn.Embedding):
+    """An embedding that raises when it meets POISON: a step that fails inside the forward pass
+    on the ranks (defined at module level so that the spawned ranks can unpickle it)."""
+
+    def forward(self, tokens):
+        if bool((tokens == POISON).any()):
+            raise ArithmeticError("a poisoned token reached the embedding")
+        return super().forward(tokens)
+
+
+def test_a_step_that_raises_on_the_ranks_fails_its_requests_and_the_ranks_restart():
+    """Two spawned ranks: the step holding the poisoned prompt raises in the forward pass; that
+    request fails naming the exception (no traceback), the ranks are restarted, the request queued
+    behind it gets the tokens it gets on a healthy engine, and the engine serves on."""
+    config = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2, num_kv_heads=1,
+                         head_dim=16, max_position_embeddings=256)
+    model = random_model(config, seed=1, std=0.15)
+    poisoned = PoisonedEmbedding(config.vocab_size, config.hidden_size)
+    poisoned.load_state_dict(model.embed_tokens.state_dict())
+    model.embed_tokens = poisoned
+    good = [5, 6, 7, 8, 9]
+    with ta.Engine(model, nproc=2, block_size=4, cache_tokens=256, max_batch_size=1, timeout_s=30, threads_per_rank=1) as engine:
+        reference = engine.generate([good], max_new_tokens=8)[0].token_ids
+        assert POISON not in reference
+        bad = engine.submit([5, POISON, 7], SamplingParams(max_new_tokens=4))
+        queued = engine.submit(good, SamplingParams(max_new_tokens=8))
+        result = bad.result(timeout=300)
+        assert result.finish_reason == "error" and "ArithmeticError: a poisoned token" in result.error
+        assert "restarted its ranks" in result.error and "Traceback" not in result.error
+        assert queued.result(timeout=300).token_ids == reference
+        assert engine.healthy and engine.stats()["rank_restarts"] == 1
+        assert engine.generate([good], max_new_tokens=8)[0].token_ids == reference
+    assert not multiprocessing.active_children()
 
 
 # ------------------------------------------------------------------------- 6: tiny temperature, tiny top_p

@@ -196,7 +196,8 @@ class Engine:
         speculative decoding drafted_tokens, accepted_tokens and acceptance_rate (NaN before any draft);
         shared_prefix_keys: key reads per layer that decode steps saved by reading blocks several
         sequences share once for all of them ((sequences - 1) x keys per shared segment, summed over
-        steps; treeattn.engine.shared_prefix)."""
+        steps; treeattn.engine.shared_prefix); rank_restarts: how many times a step failed on the
+        ranks and they were restarted (its requests failed, the others recomputed)."""
         self._require_driver()
         out = self._driver.stats()
         out["healthy"] = self.healthy

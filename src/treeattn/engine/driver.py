@@ -9,8 +9,10 @@ takes the queued messages, asks the scheduler for a StepPlan, sends it to the ra
 transport (transport.py) and completes it: every committed token goes through its request's
 RequestState (output.py: detokenizing, stop strings) and out as a TokenEvent. While idle the driver
 sends KEEPALIVE plans every timeout_s / 4, so that ranks waiting in a collective stay short of the
-group's timeout. An exception anywhere fails every pending request with finish_reason "error" and
-sets healthy False; the Engine's calls then raise EngineError.
+group's timeout. A step that fails on spawned ranks (a rank raised or died) fails that step's
+requests alone: the ranks are restarted and every other request prefills its tokens again
+(_recover). Any other exception fails every pending request with finish_reason "error" and sets
+healthy False; the Engine's calls then raise EngineError.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from treeattn.cache.window import hybrid_windows
 from treeattn.engine.config import EngineConfig
 from treeattn.engine.output import RequestState
 from treeattn.engine.rank import KEEPALIVE, Measure
-from treeattn.engine.errors import EngineError
+from treeattn.engine.errors import EngineError, StepFailed
 from treeattn.engine.request import TokenEvent, TokenLogprob
 from treeattn.engine.ring_prefill import idle_prefill_chunk
 from treeattn.engine.scheduler import Scheduler, Sequence
@@ -72,7 +74,8 @@ class Driver:
         self._requests: dict[str, RequestState] = {}  # by request id, until finished
         self._by_seq: dict[int, RequestState] = {}  # the same, by scheduler sequence id
         self._last_contact = time.monotonic()  # of the driver with the ranks (see KEEPALIVE)
-        self._counters = {"prompt_tokens": 0, "generated_tokens": 0, "shared_prefix_keys": 0}
+        self._counters = {"prompt_tokens": 0, "generated_tokens": 0, "shared_prefix_keys": 0, "rank_restarts": 0}
+        self._restarts_in_a_row = 0
         self._lock = threading.Lock()
         self._update_stats()
         self._thread = threading.Thread(target=self._drive, name="treeattn-engine-driver", daemon=True)
@@ -110,7 +113,13 @@ class Driver:
                 if not plan.chunks:
                     self._fail_stuck_head()
                     continue
-                self._complete(plan, self.channel.run(plan))
+                try:
+                    outcome = self.channel.run(plan)
+                except StepFailed as exc:
+                    self._recover(plan, exc)
+                    continue
+                self._restarts_in_a_row = 0
+                self._complete(plan, outcome)
                 self._update_stats()
         except BaseException as exc:  # noqa: BLE001 -- every failure must reach the requests
             self.failure = f"engine failed: {type(exc).__name__}: {exc}"
@@ -137,6 +146,27 @@ class Driver:
                     self._on_token(request, token, reason, now, logprob)
                 except Exception as exc:  # noqa: BLE001 -- this request's alone (its text, its callback)
                     self._fail_request(request, exc)
+
+    def _recover(self, plan, exc: StepFailed) -> None:
+        """A step failed on the ranks: its requests fail, the ranks restart with empty caches and
+        every other request prefills its tokens again (as after a preemption) and goes on. Ranks
+        that the driver cannot restart (an existing group), or a third failure in a row with no
+        step completed between, fail the engine."""
+        if not getattr(self.channel, "restartable", False) or self._restarts_in_a_row >= 2:
+            raise exc
+        self._restarts_in_a_row += 1
+        self._counters["rank_restarts"] += 1
+        logger.error("%s\nfailing the step's %d requests and restarting the ranks", exc, len(plan.chunks))
+        now = time.perf_counter()
+        for chunk in plan.chunks:
+            request = self._by_seq.get(chunk.seq_id)
+            if request is not None:
+                self._finish(request, "error", now, error=f"a step with this request failed on the engine's ranks "
+                                                          f"({exc.summary}); the engine restarted its ranks")
+        self.scheduler.recompute_all()
+        self.channel.restart()
+        self._last_contact = time.monotonic()
+        self._update_stats()
 
     def _end(self) -> None:
         """The loop has ended (closed or failed): every request still pending finishes."""

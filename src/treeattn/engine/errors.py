@@ -23,3 +23,12 @@ class ConfigTypeError(ConfigError, TypeError):
 
 class EngineError(RuntimeError):
     """The engine cannot go on (a rank died or failed); every pending request has failed."""
+
+
+class StepFailed(EngineError):
+    """A step raised on the ranks or a rank died during it. `summary` is one line (no traceback),
+    fit for the requests that the step failed; str() keeps the rank's traceback for the log."""
+
+    def __init__(self, message: str, summary: str) -> None:
+        super().__init__(message)
+        self.summary = summary

@@ -206,6 +206,15 @@ class Scheduler:
         self._free_blocks(seq)
         self._release.append(seq.seq_id)
 
+    def recompute_all(self) -> None:
+        """Forget every sequence's keys and values (the ranks that held them were restarted): each
+        running sequence goes back to waiting, oldest first, to prefill its tokens again (as a
+        preemption does), and the prefix cache is emptied."""
+        for seq in reversed(self.running):  # _preempt puts each at the head of waiting
+            self._preempt(seq)
+        if self.prefix_cache is not None:
+            self.prefix_cache.clear()
+
     @property
     def has_work(self) -> bool:
         return bool(self.running or self.waiting)

@@ -7,7 +7,10 @@
 
 SpawnedRanks starts the rank processes (rank.rank_main) in a background thread and waits for rank
 0 to connect back with its ModelInfo; a plan goes to rank 0 over that connection and rank 0
-broadcasts it. A rank's failure comes back as EngineError. GroupChannel broadcasts the plan itself.
+broadcasts it. A plan that raised on rank 0 comes back as StepFailed, and restart() replaces the
+ranks with new ones (the driver then recomputes its sequences); ranks that are gone (killed, or
+rank 0's connection lost) come back as EngineError, which fails the engine. GroupChannel broadcasts the plan itself;
+its ranks are the caller's, so it cannot restart them (restartable False).
 """
 
 from __future__ import annotations
@@ -19,21 +22,27 @@ from multiprocessing.connection import Listener
 
 from treeattn.engine.config import EngineConfig
 from treeattn.engine.rank import ModelInfo, broadcast_plan, load_model, make_runner, model_info, rank_main, run_plan, serve_steps
-from treeattn.engine.errors import EngineError
+from treeattn.engine.errors import EngineError, StepFailed
 from treeattn.engine.runner import StepOutcome
 
 
 class SpawnedRanks:
     """The rank processes of an Engine started with ta.spawn, and the driver's line to rank 0."""
 
+    restartable = True
+
     def __init__(self, model, config: EngineConfig) -> None:
+        self.config, self._model = config, model
+        self._start()
+
+    def _start(self) -> None:
         from treeattn.parallel.spawn import spawn
 
-        self.config = config
+        config = self.config
         self._authkey = os.urandom(16)
         self._listener = Listener(("127.0.0.1", 0), authkey=self._authkey)
         self.failure: BaseException | None = None
-        self._thread = threading.Thread(target=self._spawn, args=(spawn, model), name="treeattn-engine-ranks", daemon=True)
+        self._thread = threading.Thread(target=self._spawn, args=(spawn, self._model), name="treeattn-engine-ranks", daemon=True)
         self._thread.start()
         accepted: list = []
         acceptor = threading.Thread(target=lambda: accepted.append(self._listener.accept()), daemon=True)
@@ -50,6 +59,11 @@ class SpawnedRanks:
         self._conn = accepted[0]
         kind, info = self._recv()
         self.info: ModelInfo = info
+
+    def restart(self) -> None:
+        """End these ranks (a step failed on them) and start new ones with empty caches."""
+        self.close()
+        self._start()
 
     def _spawn(self, spawn, model) -> None:
         try:
@@ -69,8 +83,8 @@ class SpawnedRanks:
             message = self._conn.recv()
         except (EOFError, OSError) as exc:
             raise EngineError("rank 0 of the engine is gone (its connection closed)") from exc
-        if message[0] == "error":
-            raise EngineError(f"a step failed on rank 0: {message[1]}")
+        if message[0] == "error":  # the plan raised on rank 0 (after a failure of its own or of a peer)
+            raise StepFailed(f"a step failed on rank 0: {message[1]}", _first_line(f"a step failed on rank 0: {message[1]}"))
         return message
 
     def run(self, plan) -> StepOutcome:
@@ -83,7 +97,7 @@ class SpawnedRanks:
     def close(self) -> None:
         try:
             self._conn.send(None)
-        except OSError:
+        except (OSError, ValueError):  # gone, or closed by an earlier close
             pass
         self._thread.join()
         self._conn.close()
@@ -92,6 +106,8 @@ class SpawnedRanks:
 
 class GroupChannel:
     """An Engine inside an existing process group: rank 0 drives, every rank runs its share."""
+
+    restartable = False
 
     def __init__(self, model, config: EngineConfig, group) -> None:
         model = load_model(model, config.dtype)
@@ -110,3 +126,7 @@ class GroupChannel:
 
     def close(self) -> None:
         broadcast_plan(None, 0, self.group)
+
+
+def _first_line(message: str) -> str:
+    return message.strip().splitlines()[0] if message.strip() else message
