@@ -105,6 +105,37 @@ def test_text_prompt_prints_text_and_a_summary(checkpoint, expected):
     assert "time per token" in result.stderr and "KV cache per rank" in result.stderr and "comm per token" in result.stderr
 
 
+def test_text_streams_to_stdout_and_plain_status_lines_to_a_piped_stderr(checkpoint, expected):
+    """Two spawned ranks, stdout and stderr both pipes: stdout is exactly the answer (rank 0 writes it
+    as it is decoded), stderr says what happens in plain lines: no escape codes, no spinner frames."""
+    prompt = " ".join(f"w{i}" for i in PROMPT)
+    out = subprocess.run([sys.executable, "-m", "treeattn", "generate", str(checkpoint), "--prompt", prompt, "--max-new-tokens", "6",
+                          "--nproc", "2"], capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == " ".join(f"w{i}" for i in expected) + "\n"
+    lines = out.stderr.splitlines()
+    assert lines[0] == f"loading {checkpoint.name} on 2 rank(s) (starting them)"
+    assert re.fullmatch(r"model loaded in \d+\.\d\d s", lines[1])
+    assert f"prefill {len(PROMPT)} tokens on 2 rank(s), then up to 6 new tokens" in lines
+    assert any(re.fullmatch(rf"prefill {len(PROMPT)}/{len(PROMPT)} tokens \(\d+\.\d\d s\)", line) for line in lines)
+    assert "total wall time (whole command)" in out.stderr
+    assert "\x1b" not in out.stderr and "\r" not in out.stderr
+    assert not set(out.stderr) & set("⠋⠙⠹⠸⠼⠴⠦⠧⠇⠏") and "0:00:" not in out.stderr  # no spinner frames, no progress bars
+
+
+def test_prefill_progress_is_reported_chunk_by_chunk(checkpoint):
+    """on_prefill sees every chunk of a chunked prefill; the prompt's tokens found in the prefix cache count as done."""
+    model = load_model(checkpoint)
+    prompt = torch.randint(0, VOCAB, (40,), generator=torch.Generator().manual_seed(3)).tolist()
+    seen = []
+    generate(model, prompt, max_new_tokens=2, chunk=16, block_size=8, on_prefill=lambda done, total: seen.append((done, total)))
+    assert seen == [(16, 40), (32, 40), (40, 40)]
+    seen.clear()  # two samples of one prompt: the second finds its full blocks in the prefix cache
+    generate(model, prompt, max_new_tokens=2, chunk=64, block_size=8, num_samples=2,
+             on_prefill=lambda done, total: seen.append((done, total)))
+    assert seen[-1] == (80, 80)
+
+
 def test_python_dash_m_works(checkpoint, ids_file, expected):
     out = subprocess.run([sys.executable, "-m", "treeattn", "generate", str(checkpoint), "--prompt-ids", str(ids_file),
                           "--max-new-tokens", "6", "--json"], capture_output=True, text=True, timeout=120)

@@ -5,8 +5,10 @@
     treeattn generate model.gguf --chat --system "Be brief." --prompt "What is RoPE?"   # chat template
     torchrun --nproc-per-node 4 -m treeattn generate MODEL_DIR --prompt-file prompt.txt
 
-Progress and summaries go to stderr; stdout carries only the generated text (or, with --json, one
-JSON object), so the output can be piped.
+Status lines (loading, ranks starting, prefill progress by chunk) and the summary go to stderr;
+stdout carries only the generated text, streamed as it is decoded (a batch: printed at the end), or
+with --json one JSON object, so the output can be piped. Progress bars only when stderr is a
+terminal; a file or pipe gets plain lines (treeattn.engine.console).
 """
 
 from __future__ import annotations
@@ -16,16 +18,15 @@ import json
 import logging
 import os
 import re
-import time
 from pathlib import Path
 from typing import Literal
 
 import typer
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from treeattn.engine.config import EngineConfig, GenerationConfig
+from treeattn.engine.console import GenerateDisplay, process_age_s, say
 from treeattn.engine.flags import Decode, Method, Placement, Prefill, Speculate, config_flag, dtype_flag
 
 logger = logging.getLogger(__name__)
@@ -117,8 +118,11 @@ def generate_command(
 
     job = GenerateJob(model_dir=str(model_dir), prompts=tuple(map(tuple, prompts)), config=config, dtype=dtype,
                       threads=threads or max(1, (os.cpu_count() or 1) // world))
-    display = None if json_output else _progress_display
-    start = time.perf_counter()
+    batched = batched or num_samples > 1
+    streamed = not json_output and not batched and tokenizer is not None  # the answer goes to stdout as decoded
+    display = None if json_output else GenerateDisplay(stream_text=streamed)
+    if display is not None and os.environ.get("RANK", "0") == "0":
+        say(f"loading {Path(model_dir).name} on {world} rank(s)" + ("" if world == 1 or under_torchrun() else " (starting them)"))
     try:
         if world == 1 and not under_torchrun():
             result = generate_rank(0, 1, job, display)
@@ -135,15 +139,14 @@ def generate_command(
         raise typer.Exit(1) from exc
     if result is None:  # a non-zero rank under torchrun: rank 0 reports
         return
-    total_s = time.perf_counter() - start
+    total_s = process_age_s()  # the whole command: start-up, imports, loading, ranks, prefill, decode
     texts = [tokenizer.decode(ids) for ids in result["generated_ids"]] if tokenizer is not None else None
-    batched = batched or num_samples > 1
     ranked = rank_by == "mean-logprob"
     order = result["ranking"][:top] if ranked else list(range(len(result["generated_ids"])))
     if json_output:
         typer.echo(json.dumps(_json_report(result, texts, batched, total_s, order if ranked else None)))
         return
-    for i in order:
+    for i in ([] if streamed else order):
         ids = result["generated_ids"][i]
         prefix = f"[{i}] " if batched else ""
         if ranked:
@@ -210,34 +213,6 @@ def _check_before_spawning(config, model_dir: Path, prompts: list[list[int]], wo
         stderr.print(f"warning: --nproc {here} ranks on {cores} cores: they will time-share the cores (slower, not faster)")
     if world > longest:
         stderr.print(f"warning: --nproc {world} ranks for a {longest}-token prompt: some ranks start with no tokens")
-
-
-def _progress_display(world_size: int, prompt_tokens: int, max_new_tokens: int):
-    """generate_rank's display on rank 0: a rich progress bar on stderr (prefill, then decode)."""
-    return _ProgressDisplay(world_size, prompt_tokens, max_new_tokens)
-
-
-class _ProgressDisplay:
-    """Context manager yielding on_token(step), which advances the prefill and decode bars."""
-
-    def __init__(self, world_size: int, prompt_tokens: int, max_new_tokens: int) -> None:
-        self.progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                                 TimeElapsedColumn(), console=stderr, transient=False)
-        self.prefill = self.progress.add_task(f"prefill {prompt_tokens} tokens on {world_size} rank(s)", total=1)
-        self.decode = self.progress.add_task("decode", total=max_new_tokens, start=False)
-
-    def __enter__(self):
-        self.progress.__enter__()
-        return self.on_token
-
-    def __exit__(self, *exc) -> None:
-        self.progress.__exit__(*exc)
-
-    def on_token(self, step) -> None:
-        if step.index == 0:
-            self.progress.update(self.prefill, completed=1)
-            self.progress.start_task(self.decode)
-        self.progress.update(self.decode, completed=step.index + 1)
 
 
 def _read_prompts(prompt, prompt_file, prompt_ids, tokenizer, model_dir, render=None) -> tuple[list[list[int]], bool]:
@@ -390,7 +365,7 @@ def _summary_table(result: dict, total_s: float) -> Table:
     else:
         table.add_row("KV cache per token", f"{format_size(result['kv_bytes_per_token'])} (all layers)")
     table.add_row("comm per token (all ranks)", format_size(result["comm_bytes_per_token"]) if steps else "-")
-    table.add_row("total wall time", f"{total_s:.2f} s")
+    table.add_row("total wall time (whole command)", f"{total_s:.2f} s")
     return table
 
 

@@ -123,7 +123,7 @@ class Engine:
     # ------------------------------------------------------------------------------ public
 
     def submit(self, prompt, params: SamplingParams | None = None, *, on_event: Callable[[TokenEvent], None] | None = None,
-               request_id: str | None = None) -> RequestHandle:
+               request_id: str | None = None, on_prefill: Callable[[int, int], None] | None = None) -> RequestHandle:
         """Queue one request; returns at once. Thread-safe.
 
         Args:
@@ -131,6 +131,9 @@ class Engine:
             params: SamplingParams (default: greedy, 64 new tokens).
             on_event: called with each TokenEvent from the engine's driver thread.
             request_id: a name for it (default: a fresh "req-N").
+            on_prefill: called as on_prefill(computed, prompt_tokens) from the driver thread after
+                each step that advanced this prompt's prefill (chunked prefill: once per chunk;
+                computed includes the tokens found in the prefix cache), for progress displays.
 
         Raises:
             ValueError: invalid params, an empty prompt, token ids outside the vocabulary, a
@@ -149,7 +152,7 @@ class Engine:
             raise ValueError("stop strings need a tokenizer; this engine has none (use stop_token_ids)")
         self._require_running()
         request_id = request_id or f"req-{next(self._driver.ids)}"
-        handle = RequestHandle(request_id, self._driver.post, on_event)
+        handle = RequestHandle(request_id, self._driver.post, on_event, on_prefill)
         self._driver.post(("submit", RequestState(handle, ids, params, time.perf_counter())))
         return handle
 

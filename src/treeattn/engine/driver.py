@@ -134,7 +134,9 @@ class Driver:
         self._last_contact = time.monotonic()
         now = time.perf_counter()
         committed: dict[int, int] = {}  # seq_id -> tokens committed so far in this step
-        for seq, token, reason in self.scheduler.complete(plan, outcome.tokens):  # one per committed token
+        completed = self.scheduler.complete(plan, outcome.tokens)
+        self._report_prefill(plan)
+        for seq, token, reason in completed:  # one per committed token
             index = committed[seq.seq_id] = committed.get(seq.seq_id, -1) + 1
             logprob = outcome.logprobs[seq.seq_id][index] if seq.seq_id in outcome.logprobs else None
             request = self._by_seq.get(seq.seq_id)
@@ -167,6 +169,15 @@ class Driver:
         self.channel.restart()
         self._last_contact = time.monotonic()
         self._update_stats()
+
+    def _report_prefill(self, plan) -> None:
+        """Tell each request whose prompt this step advanced how far its prefill is."""
+        for chunk in plan.chunks:
+            request = self._by_seq.get(chunk.seq_id)
+            if request is None or request.seq is None or chunk.start >= len(request.prompt):
+                continue
+            total = len(request.prompt)
+            request.handle.prefill_progress(min(request.seq.num_computed, total), total)
 
     def _end(self) -> None:
         """The loop has ended (closed or failed): every request still pending finishes."""

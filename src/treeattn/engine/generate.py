@@ -190,7 +190,8 @@ class GenerationResult:
 
 
 def generate(model: LlamaModel, prompts, config: GenerationConfig | None = None, *, group: dist.ProcessGroup | None = None,
-             on_token: Callable[[StepOutput], None] | None = None, **options) -> GenerationResult:
+             on_token: Callable[[StepOutput], None] | None = None, on_prefill: Callable[[int, int], None] | None = None,
+             **options) -> GenerationResult:
     """Generate continuations of `prompts` with the KV cache sharded across the ranks of `group`.
 
     Call on every rank of the group with the same arguments (checked: a mismatch raises on every
@@ -209,6 +210,9 @@ def generate(model: LlamaModel, prompts, config: GenerationConfig | None = None,
         group: process group; None is the default group (or a single process without one).
         on_token: called with each StepOutput (on rank 0 as tokens come; on the other ranks after
             the last token, from the result).
+        on_prefill: called on rank 0 as on_prefill(computed, prompt_tokens) after each engine step
+            that advanced the prefill (chunked prefill: once per chunk), summed over the batch's
+            sequences; computed includes prompt tokens found in the prefix cache. For progress displays.
 
     Returns:
         GenerationResult.
@@ -229,7 +233,7 @@ def generate(model: LlamaModel, prompts, config: GenerationConfig | None = None,
         >>> [len(ids) for ids in result.generated_ids], result.finish_reasons
         ([4, 4], ['length', 'length'])
     """
-    run = stream(model, prompts, config, group=group, **options)
+    run = stream(model, prompts, config, group=group, on_prefill=on_prefill, **options)
     for step in run:
         if on_token is not None:
             on_token(step)
@@ -274,13 +278,14 @@ class Generation:
     """One generation run (see generate). Iterate over it to run it; then read .result.
 
     Args:
-        model, prompts, group: as for generate().
+        model, prompts, group, on_prefill: as for generate().
         config: the GenerationConfig; or leave it None and pass its fields as keywords (**options).
     """
 
     def __init__(self, model: LlamaModel, prompts, config: GenerationConfig | None = None, *,
-                 group: dist.ProcessGroup | None = None, **options) -> None:
-        self.model, self.group = model, group
+                 group: dist.ProcessGroup | None = None, on_prefill: Callable[[int, int], None] | None = None,
+                 **options) -> None:
+        self.model, self.group, self.on_prefill = model, group, on_prefill
         self.world_size = group_world_size(group)  # raises if a group is given without torch.distributed
         self.rank = dist.get_rank(group) if self.world_size > 1 else 0
         self.result: GenerationResult | None = None
@@ -383,8 +388,17 @@ class Generation:
         still running has its next token."""
         events: queue.Queue = queue.Queue()
         handles = []
-        for i, (prompt, params) in enumerate(self._requests()):
-            handles.append(engine.submit(prompt, params, on_event=lambda event, i=i: events.put((i, event))))
+        requests = self._requests()
+        prefilled = [0] * len(requests)  # per sequence, its prompt tokens in the cache (on_prefill)
+
+        def on_prefill(i: int, computed: int, total: int) -> None:  # the engine's driver thread
+            prefilled[i] = computed
+            self.on_prefill(sum(prefilled), sum(len(prompt) for prompt, _ in requests))
+
+        for i, (prompt, params) in enumerate(requests):
+            handles.append(engine.submit(prompt, params, on_event=lambda event, i=i: events.put((i, event)),
+                                         on_prefill=None if self.on_prefill is None else
+                                         (lambda computed, total, i=i: on_prefill(i, computed, total))))
         tokens: list[list[int]] = [[] for _ in handles]
         ended = [False] * len(handles)
         index = 0

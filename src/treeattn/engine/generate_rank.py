@@ -5,13 +5,12 @@
 
 The options were validated once, by the caller, before the ranks started (GenerationConfig and
 treeattn.engine.config.check_against_model); Generation checks again that every rank got the
-same ones. Progress display is the caller's: `display` (a picklable, module-level factory) is
-called on rank 0 only.
+same ones. Progress display is the caller's: `display` (picklable,
+treeattn.engine.console.GenerateDisplay) is used on rank 0 only.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
 
@@ -37,25 +36,29 @@ class GenerateJob:
     threads: int | None = None
 
 
-# display(world_size, prompt_tokens, max_new_tokens) -> context manager that yields on_token(step).
-Display = Callable[[int, int, int], object]
-
-
-def generate_rank(rank: int, world_size: int, job: GenerateJob, display: Display | None = None) -> dict | None:
+def generate_rank(rank: int, world_size: int, job: GenerateJob, display=None) -> dict | None:
     """Run `job` as rank `rank` of `world_size` (inside ta.spawn or torchrun; world_size 1 needs no
-    group). Returns GenerationResult.as_dict() on rank 0, None on the others."""
+    group). Returns GenerationResult.as_dict() on rank 0, None on the others.
+
+    `display` (rank 0 only; treeattn.engine.console.GenerateDisplay or None) is told when the model
+    is loaded, how far the prefill is, and each new token."""
+    import time
+
     import torch
 
     from treeattn.engine.generate import Generation
     from treeattn.models.loader import load_model
 
+    show = display is not None and rank == 0
     if job.threads is not None:
         torch.set_num_threads(job.threads)
+    start = time.perf_counter()
     model = load_model(job.model_dir, dtype=getattr(torch, job.dtype))
-    run = Generation(model, [list(p) for p in job.prompts], job.config)
-    show = display is not None and rank == 0
+    if show:
+        display.loaded(time.perf_counter() - start)
+    run = Generation(model, [list(p) for p in job.prompts], job.config, on_prefill=display.on_prefill if show else None)
     longest = max(len(p) for p in job.prompts)
-    with display(world_size, longest, job.config.max_new_tokens) if show else nullcontext() as on_token:
+    with display.run(getattr(model, "tokenizer", None), world_size, longest, job.config.max_new_tokens) if show else nullcontext() as on_token:
         for step in run:
             if on_token is not None:
                 on_token(step)

@@ -33,12 +33,17 @@ class RequestHandle:
         request_id: the request's id.
         post: sends a message to the engine's driver (cancel() posts ("cancel", request_id)).
         on_event: called with each TokenEvent from the driver thread, or None.
+        on_prefill: called as on_prefill(computed, prompt_tokens) from the driver thread after each
+            step that advanced the prompt's prefill (computed counts the prompt tokens whose keys and
+            values are in the cache, those found in the prefix cache included), or None.
     """
 
-    def __init__(self, request_id: str, post: Callable[[tuple], None], on_event: Callable[[TokenEvent], None] | None) -> None:
+    def __init__(self, request_id: str, post: Callable[[tuple], None], on_event: Callable[[TokenEvent], None] | None,
+                 on_prefill: Callable[[int, int], None] | None = None) -> None:
         self.request_id = request_id
         self._post = post
         self._on_event = on_event
+        self._on_prefill = on_prefill
         self._events: queue.Queue[TokenEvent] = queue.Queue()
         self._done = threading.Event()
         self._result: RequestResult | None = None
@@ -64,6 +69,17 @@ class RequestHandle:
             yield event
             if event.finished:
                 return
+
+    def prefill_progress(self, computed: int, prompt_tokens: int) -> None:
+        """Report prefill progress to on_prefill (driver thread only); a callback that raises is
+        logged and not called again (progress is for display: it never fails the request)."""
+        if self._on_prefill is None:
+            return
+        try:
+            self._on_prefill(computed, prompt_tokens)
+        except BaseException:  # noqa: BLE001 -- a display's bug must not stop the engine
+            logger.exception("on_prefill callback of request %s raised; not calling it again", self.request_id)
+            self._on_prefill = None
 
     def emit(self, event: TokenEvent, result: RequestResult | None = None) -> None:
         """Deliver `event` (and with the last one, `result`); called by the driver thread only. A
