@@ -12,8 +12,8 @@ Status and progress go to stderr, the answer to stdout, so the answer can be pip
 stderr shows rich's progress bars; when stderr is a file or a pipe it gets plain lines, one per
 event (no spinners, no cursor movement, no colours), so a log stays readable.
 
-Streaming decodes the whole output each token (the same tokenizer.decode as the final text, so the
-streamed text is exactly the text) and holds back a trailing incomplete multi-byte character.
+Streaming detokenizes incrementally (treeattn.engine.output.IncrementalText: a few tokens at a
+time, a trailing incomplete multi-byte character held back until it completes).
 """
 
 from __future__ import annotations
@@ -58,24 +58,25 @@ def say(message: str) -> None:
 
 
 class TextStream:
-    """A sequence's text as its tokens come: add(token) returns the new characters to show.
+    """A sequence's text as its tokens come: add(token) returns the new characters to show
+    (treeattn.engine.output.IncrementalText does the detokenizing).
 
     Args:
         tokenizer: has decode(ids) -> str (the model's tokenizer).
     """
 
     def __init__(self, tokenizer) -> None:
+        from treeattn.engine.output import IncrementalText
+
         self.tokenizer = tokenizer
         self.ids: list[int] = []
         self.text = ""
+        self._decoder = IncrementalText()
 
     def add(self, token: int) -> str:
         self.ids.append(token)
-        text = self.tokenizer.decode(self.ids)
-        if text.endswith("\ufffd"):  # an incomplete multi-byte character: wait for the rest
-            text = text.rstrip("\ufffd")
-        if not text.startswith(self.text):  # the tokenizer changed its mind about earlier text: show the rest
-            self.text = text
+        text = self._decoder.add(self.tokenizer, self.ids)
+        if not text.startswith(self.text):  # cannot happen: IncrementalText only appends
             return ""
         delta, self.text = text[len(self.text):], text
         return delta
