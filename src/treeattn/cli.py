@@ -1,6 +1,7 @@
 """The `treeattn` command line (also `python -m treeattn`).
 
     treeattn generate MODEL --prompt "..." --nproc 4       # treeattn.engine.cli
+    treeattn chat MODEL --nproc 2                          # treeattn.engine.chat
     treeattn serve MODEL --nproc 2 --port 8000             # treeattn.serve.cli
     treeattn demo [MODEL] [--synthetic]                    # treeattn.eval.demo_cli
     treeattn eval needle MODEL | bench ... | simulate ...  # eval/, bench/, sim/
@@ -29,6 +30,7 @@ from typer.core import TyperGroup
 # name -> (module, attribute): a typer command function or a typer.Typer sub-application.
 LAZY_COMMANDS = {
     "generate": ("treeattn.engine.cli", "generate_command"),
+    "chat": ("treeattn.engine.chat", "chat_command"),
     "demo": ("treeattn.eval.demo_cli", "demo_command"),
     "simulate": ("treeattn.sim.cli", "simulate"),
     "bench": ("treeattn.bench.cli", "bench_app"),

@@ -1,0 +1,197 @@
+"""`treeattn chat`: an interactive conversation with a model in the terminal (llama-cli -cnv,
+`ollama run`, `vllm chat`), over ta.Engine.
+
+    treeattn chat model.gguf --nproc 2 --system "Be brief."
+    > What is RoPE?
+    Rotary position embeddings ...                                  (streamed as it is decoded)
+    [turn 1: 52 prompt tokens (0 cached, 52 prefilled), 38 new tokens, 1.9 s]
+    > /reset        (forget the conversation)      /exit or Ctrl-D   (leave)
+    printf 'Hi\\nWhat is 2+2?\\n' | treeattn chat model.gguf        (lines from stdin, one reply each)
+
+Each turn renders the whole conversation with the model's chat template (the user's lines, the
+model's replies, the system message) and submits it to one ta.Engine. The engine's prefix cache
+keeps the conversation's keys and values in full blocks (--block-size tokens), so a turn prefills
+only what is new since the last one: the status line shows how many prompt tokens came from the
+cache. Ctrl-C stops the reply being written (the engine cancels the request) and the chat goes on;
+at the prompt it clears the line. Replies go to stdout, status lines to stderr.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import typer
+
+from treeattn.engine.config import EngineConfig as E
+from treeattn.engine.config import GenerationConfig as G
+from treeattn.engine.console import say, write_stdout
+from treeattn.engine.flags import Decode, config_flag, dtype_flag
+
+COMMANDS = {"/reset": "forget the conversation (the system message stays)", "/exit": "leave (Ctrl-D too)",
+            "/help": "list these commands"}
+
+
+class Conversation:
+    """The messages of one chat and the token ids of its next prompt.
+
+    Args:
+        tokenizer: the model's tokenizer.
+        template: the model's ChatTemplate (treeattn.models.chat).
+        system: the system message, or None (the template's default, if it has one).
+    """
+
+    def __init__(self, tokenizer, template, system: str | None = None) -> None:
+        self.tokenizer, self.template, self.system = tokenizer, template, system
+        self.messages: list[dict] = []
+        self.reset()
+
+    def reset(self) -> None:
+        self.messages = [] if self.system is None else [{"role": "system", "content": self.system}]
+
+    @property
+    def turns(self) -> int:
+        return sum(m["role"] == "user" for m in self.messages)
+
+    def prompt(self, text: str) -> list[int]:
+        """Add the user's `text`; the ids of the whole conversation with the generation prompt."""
+        from treeattn.models.chat import encode_chat
+
+        self.messages.append({"role": "user", "content": text})
+        return encode_chat(self.tokenizer, self.template, self.messages)
+
+    def reply(self, text: str) -> None:
+        """Add the model's reply (what was shown, also when it was stopped early)."""
+        self.messages.append({"role": "assistant", "content": text})
+
+
+def chat_command(
+    model: Path = typer.Argument(..., metavar="MODEL", help="Hugging Face checkpoint directory or .gguf file with a chat template."),
+    nproc: int = config_flag(E, "nproc", min=1, help="Ranks sharing the KV cache, spawned here (gloo)."),
+    system: str | None = typer.Option(None, "--system", help="System message before the conversation."),
+    max_new_tokens: int = config_flag(G, "max_new_tokens", default=512, min=1, help="New tokens per reply at most."),
+    temperature: float = config_flag(G, "temperature"),
+    top_p: float | None = config_flag(G, "top_p"),
+    seed: int = config_flag(G, "seed"),
+    block_size: int = config_flag(E, "block_size", default=16, min=1, help="Tokens per KV cache block; the prefix cache "
+                                  "keeps the conversation in full blocks, so small blocks reuse more of it."),
+    decode: Decode = config_flag(E, "decode"),
+    dtype: str = dtype_flag(),
+    timeout: float = config_flag(E, "timeout_s", flag="--timeout", min=0.001, max=1e6),
+) -> None:
+    """Chat with MODEL in the terminal: its chat template, replies streamed as decoded, the conversation in the prefix cache."""
+    import torch
+
+    import treeattn as ta
+    from treeattn.engine.request import SamplingParams
+    from treeattn.models.chat import end_of_turn_id
+    from treeattn.models.loader import read_model_files
+
+    try:
+        files = read_model_files(model)
+        if files.tokenizer is None:
+            raise ValueError(f"{model}: the model has no tokenizer (tokenizer.json, or tokenizer.ggml.* metadata in a .gguf)")
+        if files.chat_template is None:
+            raise ValueError(f"{model}: the model has no chat template (tokenizer_config.json 'chat_template', "
+                             "chat_template.jinja, or tokenizer.chat_template in a .gguf); use treeattn generate")
+        if decode == "local" and nproc > 1:
+            raise ValueError(f"--decode local runs on one rank, but --nproc {nproc}; use --decode tree or ring")
+        eot = end_of_turn_id(files.tokenizer, files.chat_template)
+        stop = tuple(dict.fromkeys(list(files.config.eos_token_ids) + ([] if eot is None else [eot])))
+        params = dict(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, stop_token_ids=stop,
+                      **({} if top_p is None else {"top_p": top_p}))
+        SamplingParams(**params)  # bad sampling options: one line now, before the model loads
+    except (ValueError, TypeError, FileNotFoundError) as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from exc
+
+    conversation = Conversation(files.tokenizer, files.chat_template, system)
+    say(f"loading {model.name} on {nproc} rank(s)")
+    start = time.perf_counter()
+    try:
+        engine = ta.Engine(str(model), nproc=nproc, decode=decode if nproc > 1 else "local", max_batch_size=1,
+                           prefix_cache=True, block_size=block_size, dtype=getattr(torch, dtype), timeout_s=timeout)
+    except Exception as exc:  # noqa: BLE001 -- a rank's error or a refused config: one line, exit 1
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(1) from exc
+    interactive = sys.stdin.isatty()
+    with engine:
+        say(f"ready in {time.perf_counter() - start:.2f} s. " + ("Ctrl-C stops a reply; /reset, /exit (or Ctrl-D), /help"
+                                                                   if interactive else "reading lines from stdin"))
+        while True:
+            line = _read_line(interactive)
+            if line is None:
+                break
+            line = line.strip()
+            if not line:
+                continue
+            if line.startswith("/"):
+                if line == "/exit":
+                    break
+                if line == "/reset":
+                    conversation.reset()
+                    say("conversation cleared")
+                else:
+                    if line != "/help":
+                        say(f"unknown command {line}")
+                    for name, what in COMMANDS.items():
+                        say(f"  {name:7} {what}")
+                continue
+            if not _turn(engine, conversation, line, SamplingParams(**params)):
+                raise typer.Exit(1)
+
+
+def _read_line(interactive: bool) -> str | None:
+    """The next line the user typed (None at the end of input). On a terminal: a "> " prompt with
+    line editing, and Ctrl-C clears the line; otherwise a line of stdin as it is."""
+    if not interactive:
+        line = sys.stdin.readline()
+        return line if line else None
+    try:
+        import readline  # noqa: F401 -- line editing and history for input()
+    except ImportError:  # pragma: no cover -- not on every platform
+        pass
+    while True:
+        try:
+            return input("> ")
+        except EOFError:
+            write_stdout("\n")
+            return None
+        except KeyboardInterrupt:
+            write_stdout("\n")
+
+
+def _turn(engine, conversation: Conversation, text: str, params) -> bool:
+    """One turn: submit the conversation, stream the reply; False when the engine failed."""
+    ids = conversation.prompt(text)
+    turn = conversation.turns
+    start = time.perf_counter()
+    handle = None
+    stopped = False
+    try:
+        handle = engine.submit(ids, params)
+        for event in handle:
+            write_stdout(event.text)
+    except KeyboardInterrupt:  # Ctrl-C stops this reply, not the chat
+        stopped = True
+        if handle is not None:
+            handle.cancel()
+    result = handle.result() if handle is not None else None
+    write_stdout("\n")
+    if result is None:
+        conversation.messages.pop()
+        return True
+    conversation.reply(result.text)
+    if result.finish_reason == "error":
+        say(f"error: {result.error}")
+        return engine.healthy
+    cached = result.cached_prompt_tokens
+    say(f"[turn {turn}: {result.prompt_tokens} prompt tokens ({cached} cached, {result.prompt_tokens - cached} prefilled), "
+        f"{len(result.token_ids)} new tokens, {time.perf_counter() - start:.2f} s"
+        + (", stopped by Ctrl-C]" if stopped or result.finish_reason == "cancelled" else
+           ", max tokens reached]" if result.finish_reason == "length" else "]"))
+    return True
+
+
+__all__ = ["Conversation", "chat_command"]
