@@ -29,7 +29,7 @@ from treeattn.cache.prefix import PrefixCache
 from treeattn.cache.window import hybrid_windows
 from treeattn.engine.config import EngineConfig
 from treeattn.engine.output import RequestState
-from treeattn.engine.rank import KEEPALIVE, Measure
+from treeattn.engine.plan_message import KEEPALIVE, Measure
 from treeattn.engine.errors import EngineError, StepFailed
 from treeattn.engine.request import TokenEvent, TokenLogprob
 from treeattn.engine.ring_prefill import idle_prefill_chunk

@@ -3,7 +3,8 @@
     runner = make_runner(load_model(model, config.dtype), config, group)   # a RankRunner (runner.py)
     serve_steps(runner, receive, reply)    # until a None plan: rank 0 receives and replies, the others follow
 
-Every plan goes from rank 0 to the group by one broadcast (broadcast_plan); each rank runs it
+Every plan goes from rank 0 to the group as one int32 tensor (plan_message.PlanWire: one broadcast
+per step, on the device the group's backend needs, no pickling); each rank runs it
 (run_plan): a StepPlan is a batched forward pass (RankRunner.step), KEEPALIVE is nothing (it keeps
 ranks waiting in the broadcast short of the group's timeout) and Measure gathers every rank's
 RankMeasurements. rank_main is the body of a rank process that ta.spawn started
@@ -22,11 +23,9 @@ import torch
 import torch.distributed as dist
 
 from treeattn.engine.config import EngineConfig
+from treeattn.engine.plan_message import KEEPALIVE, Measure, PlanWire, plan_device
 from treeattn.engine.runner import RankRunner, StepOutcome
 
-# A plan that runs nothing: the idle driver sends one every timeout_s / 4 so that ranks waiting for
-# the next plan in a collective never reach the group's timeout.
-KEEPALIVE = "keepalive"
 
 
 @dataclass(frozen=True)
@@ -36,13 +35,6 @@ class ModelInfo:
     vocab_size: int
     max_position_embeddings: int
     eos_token_ids: tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class Measure:
-    """A plan that makes every rank report its RankMeasurements (rank 0 answers with all of them)."""
-
-    reset: bool
 
 
 def load_model(model, dtype):
@@ -73,18 +65,6 @@ def make_runner(model, config: EngineConfig, group=None) -> RankRunner:
                       decode_step=config.decode_step, prefill=config.prefill, max_batch_size=config.max_batch_size)
 
 
-def broadcast_plan(plan, rank: int, group=None):
-    """Rank 0's plan (or None, the end) on every rank of `group`; `rank` is the group rank."""
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
-        box = [plan if rank == 0 else None]
-        src = 0 if group is None else dist.get_global_rank(group, 0)
-        dist.broadcast_object_list(box, src=src, group=group)
-        return box[0]
-    return plan
-
-
-
-
 def run_plan(runner: RankRunner, plan):
     """What every rank does with a plan: a step (its StepOutcome), a keepalive (nothing), or a
     measurement (every rank's RankMeasurements, gathered on every rank)."""
@@ -104,8 +84,9 @@ def serve_steps(runner: RankRunner, receive, reply) -> None:
     """A rank's loop: take the next plan (rank 0 from `receive`, the others by broadcast), run it,
     (rank 0) `reply` with what it gave. Ends on a None plan."""
     rank = runner.rank
+    wire = PlanWire(plan_device(runner.group))
     while True:
-        plan = broadcast_plan(receive() if rank == 0 else None, rank, runner.group)
+        plan = wire.broadcast(receive() if rank == 0 else None, rank, runner.group)
         if plan is None:
             return
         try:

@@ -21,7 +21,8 @@ import time
 from multiprocessing.connection import Listener
 
 from treeattn.engine.config import EngineConfig
-from treeattn.engine.rank import ModelInfo, broadcast_plan, load_model, make_runner, model_info, rank_main, run_plan, serve_steps
+from treeattn.engine.plan_message import PlanWire, plan_device
+from treeattn.engine.rank import ModelInfo, load_model, make_runner, model_info, rank_main, run_plan, serve_steps
 from treeattn.engine.errors import EngineError, StepFailed
 from treeattn.engine.runner import StepOutcome
 
@@ -114,6 +115,7 @@ class GroupChannel:
         self.group = group
         self.runner = make_runner(model, config, group)
         self.info = model_info(model)
+        self.wire = PlanWire(plan_device(group))  # rank 0's end; the others' is in serve_steps
 
     def serve(self) -> None:
         serve_steps(self.runner, None, None)
@@ -122,10 +124,10 @@ class GroupChannel:
         return True
 
     def run(self, plan) -> StepOutcome:
-        return run_plan(self.runner, broadcast_plan(plan, 0, self.group))
+        return run_plan(self.runner, self.wire.broadcast(plan, 0, self.group))
 
     def close(self) -> None:
-        broadcast_plan(None, 0, self.group)
+        self.wire.broadcast(None, 0, self.group)
 
 
 def _first_line(message: str) -> str:

@@ -1,0 +1,185 @@
+"""The per-step plan as one int32 tensor: how rank 0 sends every step's plan to the other ranks.
+
+    wire = PlanWire(device)                       # one per rank; every rank makes the same calls in the same order
+    plan = wire.broadcast(plan, rank, group)      # rank 0's plan on every rank: one broadcast of one int32 buffer
+
+A plan is a StepPlan (its chunks: tokens, first position, block table, sampling spec, drafts; the
+sequences released), KEEPALIVE, a Measure, or None (the end). `encode` writes it as one flat list of
+int32 words, `decode` reads it back: decode(encode(plan)) == plan, exactly (floats travel as the two
+words of their float64 bits, a 64-bit seed as two words).
+
+    header   kind, length (words, header included), chunks, released, measure_reset
+    chunk    seq_id, start, n_tokens, n_blocks, num_draft, n_draft_prefix, has_sample,
+             temperature (2 words), top_k, top_p (2 words), seed (2 words), logprobs (-1: None)
+    then     per chunk: tokens, draft_prefix, its blocks as (rank, index) pairs; last: released ids
+
+Every word must fit in int32 (token ids, positions, block numbers, sequence ids): a value that does
+not raises a ValueError naming it, on rank 0, before anything is sent.
+
+The buffer has a fixed capacity (CAPACITY words at first, 4 KiB) so that the ranks know its size
+without a first message: one broadcast per step. A longer plan (a long prefill chunk, many long
+block tables) sends its header alone first, then the whole message in a buffer grown to the next
+power of two, which every rank then keeps (they all read the same headers, so they grow together).
+The buffer lives on `device`: the CPU for gloo, the rank's CUDA device for NCCL (plan_device).
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from treeattn.cache.blocks import BlockRef
+from treeattn.engine.scheduler import Chunk, SampleSpec, StepPlan
+
+# A plan that runs nothing: the idle driver sends one every timeout_s / 4 so that ranks waiting for
+# the next plan in a collective never reach the group's timeout.
+KEEPALIVE = "keepalive"
+
+
+@dataclass(frozen=True)
+class Measure:
+    """A plan that makes every rank report its RankMeasurements (rank 0 answers with all of them)."""
+
+    reset: bool
+
+
+CAPACITY = 1024  # int32 words of the buffer at first
+
+END, KEEP, MEASURE, STEP = range(4)  # header[0]
+HEADER = 5
+CHUNK_FIELDS = 15
+
+
+def plan_device(group=None) -> torch.device:
+    """Where the plan's buffer must be for `group`'s backend: the current CUDA device for NCCL, else the CPU."""
+    if dist.is_available() and dist.is_initialized() and dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _float_words(x: float) -> tuple[int, int]:
+    return struct.unpack("<ii", struct.pack("<d", x))
+
+
+def _words_float(lo: int, hi: int) -> float:
+    return struct.unpack("<d", struct.pack("<ii", lo, hi))[0]
+
+
+def _seed_words(seed: int) -> tuple[int, int]:
+    return struct.unpack("<ii", struct.pack("<Q", seed))
+
+
+def _words_seed(lo: int, hi: int) -> int:
+    return struct.unpack("<Q", struct.pack("<ii", lo, hi))[0]
+
+
+def encode(plan) -> list[int]:
+    """The words of `plan` (a StepPlan, KEEPALIVE, a Measure or None); see the module docstring.
+    Floats and seeds are exact; the caller checks that every word fits in int32."""
+    if plan is None:
+        return [END, HEADER, 0, 0, 0]
+    if isinstance(plan, str) and plan == KEEPALIVE:
+        return [KEEP, HEADER, 0, 0, 0]
+    if isinstance(plan, Measure):
+        return [MEASURE, HEADER, 0, 0, int(plan.reset)]
+    if not isinstance(plan, StepPlan):
+        raise TypeError(f"plan must be a StepPlan, KEEPALIVE, a Measure or None, got {type(plan).__name__}")
+    words = [STEP, 0, len(plan.chunks), len(plan.release), 0]
+    for c in plan.chunks:
+        s = c.sample
+        words += (c.seq_id, c.start, len(c.tokens), len(c.blocks), c.num_draft, len(c.draft_prefix), s is not None)
+        if s is None:
+            words += (0,) * 8
+        else:
+            words += (*_float_words(s.temperature), s.top_k, *_float_words(s.top_p), *_seed_words(s.seed),
+                      -1 if s.logprobs is None else s.logprobs)
+    for c in plan.chunks:
+        words += c.tokens
+        words += c.draft_prefix
+        for block in c.blocks:
+            words += block
+    words += plan.release
+    words[1] = len(words)
+    return words
+
+
+def decode(words: list[int]):
+    """The plan that `encode` wrote as `words` (extra words past its length are ignored)."""
+    kind = words[0]
+    if kind == END:
+        return None
+    if kind == KEEP:
+        return KEEPALIVE
+    if kind == MEASURE:
+        return Measure(bool(words[4]))
+    n_chunks, n_release = words[2], words[3]
+    fields = [words[HEADER + i * CHUNK_FIELDS : HEADER + (i + 1) * CHUNK_FIELDS] for i in range(n_chunks)]
+    at = HEADER + n_chunks * CHUNK_FIELDS
+    chunks = []
+    for seq_id, start, n_tokens, n_blocks, num_draft, n_prefix, has_sample, t0, t1, top_k, p0, p1, s0, s1, logprobs in fields:
+        tokens = tuple(words[at : at + n_tokens])
+        at += n_tokens
+        prefix = tuple(words[at : at + n_prefix])
+        at += n_prefix
+        pairs = words[at : at + 2 * n_blocks]
+        at += 2 * n_blocks
+        sample = (SampleSpec(_words_float(t0, t1), top_k, _words_float(p0, p1), _words_seed(s0, s1),
+                             None if logprobs < 0 else logprobs) if has_sample else None)
+        chunks.append(Chunk(seq_id, tokens, start, tuple(map(BlockRef, pairs[0::2], pairs[1::2])), sample, num_draft, prefix))
+    return StepPlan(tuple(chunks), tuple(words[at : at + n_release]))
+
+
+class PlanWire:
+    """One rank's end of the plan broadcast (see the module docstring).
+
+    Args:
+        device: where the buffer lives: plan_device(group) (the CPU for gloo, CUDA for NCCL).
+    """
+
+    def __init__(self, device: torch.device | str = "cpu") -> None:
+        self.device = torch.device(device)
+        self.buffer = torch.zeros(CAPACITY, dtype=torch.int32, device=self.device)
+
+    def broadcast(self, plan, rank: int, group=None):
+        """Rank 0's `plan` on every rank of `group` (`rank`: this process's rank in the group; the
+        others pass anything as `plan`). Every rank of the group must call it, in the same order."""
+        if not (dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1):
+            return plan
+        if rank == 0:
+            self.send(plan, group)
+            return plan
+        return self.receive(group)
+
+    def send(self, plan, group=None) -> None:
+        """Rank 0's side: encode `plan` and broadcast it (its header first when it outgrows the buffer)."""
+        src = 0 if group is None else dist.get_global_rank(group, 0)
+        words = encode(plan)
+        try:
+            message = torch.tensor(words, dtype=torch.int32)
+        except RuntimeError as exc:  # a word past int32
+            raise ValueError(f"the step's plan has a value outside int32 (largest {max(words)}, smallest {min(words)}): "
+                             f"token ids, positions, block numbers and sequence ids must fit") from exc
+        if len(words) > self.buffer.numel():
+            self.buffer[:HEADER].copy_(message[:HEADER])
+            dist.broadcast(self.buffer, src=src, group=group)
+            self._grow(len(words))
+        self.buffer[: len(words)].copy_(message)
+        dist.broadcast(self.buffer, src=src, group=group)
+
+    def receive(self, group=None):
+        """The other ranks' side: the plan rank 0 sent (growing the buffer as its header says)."""
+        src = 0 if group is None else dist.get_global_rank(group, 0)
+        dist.broadcast(self.buffer, src=src, group=group)
+        host = self.buffer.cpu()  # one copy to the host (none on the CPU)
+        length = int(host[1])
+        if length > host.numel():
+            self._grow(length)
+            dist.broadcast(self.buffer, src=src, group=group)
+            host = self.buffer.cpu()
+        return decode(host[:length].tolist())
+
+    def _grow(self, length: int) -> None:
+        self.buffer = torch.zeros(1 << (length - 1).bit_length(), dtype=torch.int32, device=self.device)
