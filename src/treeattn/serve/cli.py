@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -66,7 +67,8 @@ def serve_command(
                           shared_memory=shared_memory, decode_step=decode_step)
 
     def ready(bound_host: str, bound_port: int) -> None:
-        typer.echo(f"treeattn serve: {model} on http://{bound_host}:{bound_port} ({nproc} rank(s), decode {decode})",
+        ranks = int(os.environ["WORLD_SIZE"]) if under_torchrun() else nproc
+        typer.echo(f"treeattn serve: {model} on http://{bound_host}:{bound_port} ({ranks} rank(s), decode {decode})",
                    err=True)
 
     try:
