@@ -128,6 +128,41 @@ class _Reader(gguf.GGUFReader):
             raise _Truncated(end, len(self._buffer), getattr(self, "_in_tensor_data", False))
         return super()._get(offset, dtype, count, override_order)
 
+    def _get_field_parts(self, orig_offs, raw_type):
+        """The reader's parts of one metadata value, an array of strings or numbers read in one
+        pass instead of one recursive call per item (a 262K-token vocabulary: ~30 s -> ~1 s).
+        The parts are the reader's own (a length and a bytes view per string, one view per number),
+        so ReaderField.contents() reads them as before."""
+        if raw_type != gguf.GGUFValueType.ARRAY or self.byte_order != "I":
+            return super()._get_field_parts(orig_offs, raw_type)
+        raw_itype = self._get(orig_offs, np.uint32)
+        alen = self._get(orig_offs + 4, np.uint64)
+        item = gguf.GGUFValueType(int(raw_itype[0]))
+        count, offs = int(alen[0]), orig_offs + 12
+        buf = self._buffer
+        if item == gguf.GGUFValueType.STRING:
+            memory, size, starts, lengths = memoryview(buf), len(buf), [], []
+            for _ in range(count):
+                if offs + 8 > size:
+                    raise _Truncated(offs + 8, size, False)
+                n = int.from_bytes(memory[offs : offs + 8], "little")
+                if offs + 8 + n > size:
+                    raise _Truncated(offs + 8 + n, size, False)
+                starts.append(offs + 8)
+                lengths.append(n)
+                offs += 8 + n
+            lens = np.array(lengths, dtype=np.uint64)
+            parts = [raw_itype, alen]
+            for i, (start, n) in enumerate(zip(starts, lengths)):
+                parts += (lens[i : i + 1], buf[start : start + n])
+            return offs - orig_offs, parts, list(range(3, 2 * count + 2, 2)), [gguf.GGUFValueType.ARRAY, item]
+        nptype = self.gguf_scalar_to_np.get(item)
+        if nptype is None:  # nested arrays: the reader's own recursion
+            return super()._get_field_parts(orig_offs, raw_type)
+        values = self._get(offs, nptype, count)
+        parts = [raw_itype, alen, *(values[i : i + 1] for i in range(count))]
+        return 12 + int(values.nbytes), parts, list(range(2, count + 2)), [gguf.GGUFValueType.ARRAY, item]
+
     def _build_tensors(self, start_offs, fields):
         self._in_tensor_data = True  # the header (metadata, tensor infos) is read: what follows is tensor data
         return super()._build_tensors(start_offs, fields)
