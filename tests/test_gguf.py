@@ -166,3 +166,32 @@ def test_sentencepiece_tokenizer_matches_transformers_gguf_tokenizer(tmp_path):
     # Text that starts with a space: SentencePiece's dummy prefix gives "▁" + "▁the" (as Llama 2's
     # tokenizer and llama.cpp do); transformers' GGUF conversion drops that "▁".
     assert ours.encode(" the").ids == [1, ours.token_to_id("▁"), ours.token_to_id("▁the")]
+
+
+def test_metadata_arrays_read_in_one_pass_equal_the_gguf_readers(tmp_path):
+    """open_gguf reads arrays of strings and numbers in one pass; every field (its types, length,
+    whole contents and single items) must equal what gguf.GGUFReader reads."""
+    from treeattn.models.gguf import open_gguf
+
+    path = tmp_path / "arrays.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_array("test.strings", ["", "a", "\u2581\u2581", "日本", "x" * 300])
+    writer.add_array("test.floats", [0.5, -1.25, 3.0])
+    writer.add_array("test.ints", list(range(-3, 40)))
+    writer.add_array("test.empty", [])
+    writer.add_string("test.scalar", "one")
+    writer.add_uint32("test.number", 7)
+    writer.add_tensor("t", np.arange(6, dtype=np.float32).reshape(2, 3))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    ours, reference = open_gguf(path), gguf.GGUFReader(path)
+    assert ours.fields.keys() == reference.fields.keys()
+    for key, expected in reference.fields.items():
+        got = ours.fields[key]
+        assert (got.types, got.contents(), len(got.data)) == (expected.types, expected.contents(), len(expected.data)), key
+        for i in range(len(expected.data)):
+            assert got.contents(i) == expected.contents(i), (key, i)
+    assert ours.fields["test.strings"].contents() == ["", "a", "\u2581\u2581", "日本", "x" * 300]
+    np.testing.assert_array_equal(ours.tensors[0].data, reference.tensors[0].data)
