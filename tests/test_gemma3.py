@@ -132,6 +132,18 @@ def test_chat_is_refused_in_one_line_without_a_template(files):
     assert re.search(r"--chat: .*tiny\.gguf has no chat template", result.stderr), result.stderr
 
 
+@pytest.mark.parametrize("option, value", [("decode_step", "static"), ("prefill", "ring")])
+def test_what_a_hybrid_cache_cannot_run_is_refused_before_any_rank_starts(files, option, value):
+    import multiprocessing
+
+    from treeattn.engine.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=f"^{option}=.*hybrid KV cache") as refused:
+        ta.Engine(str(files["root"] / "tiny.gguf"), nproc=2, **{option: value})
+    assert refused.value.option == option and "\n" not in str(refused.value)
+    assert not multiprocessing.active_children()
+
+
 # ------------------------------------------------- the hybrid KV cache: window layers keep their window
 
 def test_window_cache_keeps_the_window_and_rolls_back_over_drafts():

@@ -50,7 +50,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from treeattn.engine.checks import check_decode_step_device, check_draft_model, check_memory, check_model, model_files
+from treeattn.engine.checks import (check_decode_step_device, check_draft_model, check_hybrid_cache, check_memory, check_model,
+                                    model_files)
 from treeattn.engine.config import EngineConfig
 from treeattn.engine.driver import Driver
 from treeattn.engine.measure import RankMeasurements
@@ -94,6 +95,7 @@ class Engine:
         check_model(model)
         check_decode_step_device(model, config, group if joined else None, joined)
         files = model_files(model)
+        check_hybrid_cache(files.config, config)
         if config.draft_model is not None:
             check_draft_model(files, config)
         check_memory(model, files.config, config)
