@@ -32,6 +32,7 @@ from treeattn.models import load_model, load_tokenizer, read_config  # noqa: E40
 from treeattn.models.attention import LocalAttention  # noqa: E402
 from treeattn.models.gemma3 import Gemma3Config, Gemma3Model  # noqa: E402
 from treeattn.parallel import spawn  # noqa: E402
+from treeattn.cache.window import SPARE_ROWS  # noqa: E402
 
 PROMPT = [2, 280, 290, 295, 300, 270, 281, 285, 290, 291, 299, 270, 275, 276, 283, 284, 292, 288, 273, 296, 301]
 TOL = 1e-4
@@ -152,20 +153,27 @@ def test_window_cache_keeps_the_window_and_rolls_back_over_drafts():
     assert hybrid_windows((4, None, 4)) == {0: 4, 2: 4} and paged_layers((4, None, 4)) == [1]
     assert hybrid_windows((4, 4)) == {} and paged_layers((4, 4)) == [0, 1]  # all windowed: the paged cache keeps all
     cache = WindowKVCache({0: 4}, num_kv_heads=1, head_dim=2)
-    rows = torch.arange(20, dtype=torch.float32)[:, None, None].expand(20, 1, 2)  # row i holds position i's value i
+    rows = torch.arange(60, dtype=torch.float32)[:, None, None].expand(60, 1, 2)  # row i holds position i's value i
 
-    def step(start, n, drafts=0):
-        k, v, pos = cache.extend(0, 7, start, rows[start : start + n], rows[start : start + n] + 100, keep_from=start + n - drafts)
-        assert torch.equal(pos, torch.arange(max(0, start - 3), start + n)) and torch.equal(k[:, 0, 0], pos.float())
-        assert torch.equal(v[:, 0, 0], pos.float() + 100)
+    def step(start, n):
+        """The rows returned hold every position the new queries' windows see once, with its values;
+        any other row is one they cannot see (before the window, or after the queries)."""
+        k, v, pos = cache.extend(0, 7, start, rows[start : start + n], rows[start : start + n] + 100)
+        seen = (pos >= max(0, start - 3)) & (pos < start + n)
+        assert sorted(pos[seen].tolist()) == list(range(max(0, start - 3), start + n))
+        assert torch.equal(k[seen, 0, 0], pos[seen].float()) and torch.equal(v[seen, 0, 0], pos[seen].float() + 100)
+        return pos
 
-    step(0, 6)  # a prompt chunk
-    assert cache.nbytes() == 3 * 2 * 2 * 4  # W - 1 = 3 positions of keys and values
-    step(6, 3, drafts=2)  # a token and two drafts: position 7 on may be rejected
-    step(7, 2)  # one draft was rejected: the next step starts at 7 again
+    step(0, 6)  # a short prompt
+    assert cache.nbytes() == (3 + SPARE_ROWS) * 2 * 2 * 4  # a ring of W - 1 + SPARE_ROWS rows of keys and values
+    step(6, 3)  # a token and two drafts
+    assert sorted(p for p in step(7, 2).tolist() if p < 1 << 62) == list(range(9))  # drafts rejected: 7 again, in place
     step(9, 1)
-    with pytest.raises(RuntimeError, match=r"sequence 7 starts at position 4 .* needs positions \[1, 4\) kept, but holds \[7, 10\)"):
-        step(4, 1)
+    pos = step(10, 30)  # a prompt chunk longer than the spare rows: kept rows then the new ones, in order
+    assert pos.tolist() == list(range(7, 40))
+    step(40, 1)  # the chunk's last W - 1 positions were kept
+    with pytest.raises(RuntimeError, match=r"sequence 7 starts at position 20 .* needs positions \[17, 20\) kept, but holds \[37, 41\)"):
+        step(20, 1)
     step(0, 2)  # position 0: the sequence starts afresh (preempted and recomputed)
     cache.release(7)
     assert cache.nbytes() == 0
@@ -229,12 +237,12 @@ def test_engine_tokens_equal_transformers_uncached_greedy(files, engine_runs):
 
 
 def test_engine_keeps_only_the_global_layers_paged(files, engine_runs):
-    """The paged arena holds the one global layer of six; the window layers at most W - 1 = 3
-    positions per sequence (and its drafts: up to 3), whatever its length."""
+    """The paged arena holds the one global layer of six; the window layers a ring of W - 1 +
+    SPARE_ROWS positions per sequence, whatever its length."""
     per_slot = 1 * 2 * 1 * 256 * 4  # one layer, keys and values, 1 KV head of 256, float32
     for p, options, _, stats, kv_bytes in engine_runs:
         arena = (stats["blocks_total"] // p + 1) * 4 * per_slot  # blocks of every rank + the pad block
-        windows = len(PROMPTS) * 5 * (WINDOW - 1 + 3) * per_slot
+        windows = len(PROMPTS) * 5 * (WINDOW - 1 + SPARE_ROWS) * per_slot  # a ring per sequence and window layer
         assert all(arena <= b <= arena + windows for b in kv_bytes), (p, options, kv_bytes, arena)
 
 
@@ -246,7 +254,7 @@ def test_generate_json_reports_global_and_window_bytes(files, tmp_path):
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)
     assert report["kv_bytes_per_token"] == 1 * 2 * 256 * 4  # the global layer only
-    assert report["kv_window_bytes"] == 5 * (WINDOW - 1) * 2 * 256 * 4  # five window layers, W - 1 positions each
+    assert report["kv_window_bytes"] == 5 * (WINDOW - 1 + SPARE_ROWS) * 2 * 256 * 4  # five window layers, a ring each
 
 
 def test_demo_long_on_a_base_model_prints_kv_memory_against_a_full_cache(files):
@@ -256,6 +264,7 @@ def test_demo_long_on_a_base_model_prints_kv_memory_against_a_full_cache(files):
                                       "--new-tokens", "2", "--no-reference"])
     assert result.exit_code == 0, result.output
     assert "as plain text to complete (no chat template)" in result.stdout
-    assert re.search(r"KV cache per rank \(measured, 2 ranks\): .* per token 2\.00 KiB \(global layers\) \+ 30\.00 KiB of windows",
+    windows = 5 * (WINDOW - 1 + SPARE_ROWS) * 2 * 256 * 4 / 1024  # KiB: five window layers, a ring each
+    assert re.search(rf"KV cache per rank \(measured, 2 ranks\): .* per token 2\.00 KiB \(global layers\) \+ {windows:.2f} KiB of windows",
                      result.stdout), result.stdout
     assert re.search(r"a full cache of all 6 layers for \d+ positions: .* \(12\.00 KiB per token\)", result.stdout), result.stdout

@@ -19,11 +19,12 @@ that holds the sequence's tail instead would save that replication but need one 
 window layer's output (or the query) per layer per step, from a rank that changes as the sequence
 grows.
 
-Per sequence and window layer the cache keeps the rows of positions >= keep_from - (W - 1), where
-keep_from is the first position the next step may start at: the end of the step, or the first
-draft of a step with drafts (speculative decoding may reject them and restart there). So a step
-that starts at `start` always finds positions [start - W + 1, start) kept, and a rollback over
-rejected drafts needs nothing recomputed. A sequence that starts at position 0 starts afresh; one
+Per sequence and window layer the cache keeps a ring of W - 1 + SPARE_ROWS rows (position t in
+row t mod size): a decode step writes its token (and drafts) in place and attends to the ring as
+it is, with the rows its window cannot see masked by their positions, so no row is copied per
+step. A step that starts at `start` finds positions [start - W + 1, start) kept, and a rollback
+over rejected drafts (speculative decoding restarts at the first rejected one) needs nothing
+recomputed: the rejected rows lie after every later query until they are overwritten. A sequence that starts at position 0 starts afresh; one
 that starts later without those positions kept is refused (RuntimeError), never attended wrongly.
 
 What is not kept: the window layers' keys and values of a cached prefix. The engine's prefix cache
@@ -51,15 +52,22 @@ def paged_layers(layer_windows: tuple[int | None, ...]) -> list[int]:
 
 
 def window_bytes_per_sequence(model_config, dtype: torch.dtype) -> int:
-    """Bytes a hybrid cache keeps per sequence for the window layers between steps (W - 1 positions
-    of keys and values of each; 0 for a model that is not hybrid). Every rank keeps them."""
+    """Bytes a hybrid cache keeps per sequence for the window layers (a ring of W - 1 + SPARE_ROWS
+    positions of keys and values of each; 0 for a model that is not hybrid). Every rank keeps them."""
     itemsize = torch.empty((), dtype=dtype).element_size()
     per_position = 2 * model_config.num_kv_heads * model_config.head_dim * itemsize
-    return sum((w - 1) * per_position for w in hybrid_windows(tuple(model_config.layer_windows)).values())
+    return sum((w - 1 + SPARE_ROWS) * per_position for w in hybrid_windows(tuple(model_config.layer_windows)).values())
 
 
 class WindowKVCache:
     """One rank's copy of the window layers' keys and values, per sequence (see the module docstring).
+
+    Each (sequence, layer) has a ring of W - 1 + SPARE_ROWS rows: position t lives in row t mod
+    size, beside its position (kv_pos). A step of n <= SPARE_ROWS new rows (a decode step, with
+    its drafts) writes them in place and attends to the ring as it is: the rows its window cannot
+    see (older positions, rows never written, rejected drafts beyond the query) are masked by
+    their positions, so nothing is copied. A longer step (a prompt chunk) gets the kept rows and
+    its own concatenated, and its last positions go to the ring.
 
     Args:
         windows: {layer: window W} of the layers kept here (hybrid_windows).
@@ -74,13 +82,13 @@ class WindowKVCache:
                 raise ValueError(f"the window of layer {layer} must be an int >= 1, got {w!r}")
         self.windows = dict(windows)
         self.num_kv_heads, self.head_dim, self.dtype, self.device = num_kv_heads, head_dim, dtype, torch.device(device)
-        # seq_id -> layer -> (k (n, Hkv, D), v (n, Hkv, D), pos int64 (n,)), positions ascending and consecutive
-        self._kept: dict[int, dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
+        # seq_id -> layer -> _Ring
+        self._kept: dict[int, dict[int, _Ring]] = {}
 
     def __contains__(self, layer: int) -> bool:
         return layer in self.windows
 
-    def extend(self, layer: int, seq_id: int, start: int, k_new: torch.Tensor, v_new: torch.Tensor, keep_from: int):
+    def extend(self, layer: int, seq_id: int, start: int, k_new: torch.Tensor, v_new: torch.Tensor):
         """Add n new positions [start, start + n) of one sequence to window layer `layer`; return
         what their queries attend to.
 
@@ -89,13 +97,12 @@ class WindowKVCache:
             seq_id: the sequence.
             start: position of the first new row; 0 starts the sequence afresh.
             k_new, v_new: (n, Hkv, D) the new rows' keys (RoPE applied) and values.
-            keep_from: the first position the sequence's next step may start at (start + n, or
-                the position of the step's first draft).
-
         Returns:
-            k, v (m + n, Hkv, D) and kv_pos int64 (m + n,): the kept positions [start - m, start)
-            (m = min(start, W - 1)) followed by the new rows. Rows dropped (outside every later
-            window, or rejected drafts) free their memory.
+            k, v (L, Hkv, D) and kv_pos int64 (L,): rows holding every position of
+            [start - m, start + n) (m = min(start, W - 1)) once, with their positions; other rows
+            hold positions the new queries cannot see (before their windows, or after them) or
+            INVISIBLE_POSITION. A decode step's rows are the ring itself (no copy; valid until the
+            sequence's next step); a longer step's are the kept positions then the new ones, in order.
 
         Raises:
             RuntimeError: start > 0 and the positions [start - m, start) are not all kept.
@@ -103,22 +110,23 @@ class WindowKVCache:
         window = self.windows[layer]
         n = k_new.shape[0]
         need = min(start, window - 1)
-        kept = self._kept.setdefault(seq_id, {}).get(layer) if start > 0 else None
-        if need == 0:
-            k, v = k_new, v_new
-            pos = torch.arange(start, start + n, dtype=torch.int64, device=k_new.device)
-        else:
-            if kept is None or kept[2].numel() == 0 or int(kept[2][0]) > start - need or int(kept[2][-1]) < start - 1:
-                have = "nothing" if kept is None or kept[2].numel() == 0 else f"[{int(kept[2][0])}, {int(kept[2][-1]) + 1})"
-                raise RuntimeError(f"window cache: sequence {seq_id} starts at position {start} in layer {layer} (window {window}), "
-                                   f"which needs positions [{start - need}, {start}) kept, but holds {have}")
-            first = start - need - int(kept[2][0])  # rows of kept: consecutive positions from kept[2][0]
-            k = torch.cat((kept[0][first : first + need], k_new))
-            v = torch.cat((kept[1][first : first + need], v_new))
-            pos = torch.cat((kept[2][first : first + need], torch.arange(start, start + n, dtype=torch.int64, device=k_new.device)))
-        lo = max(0, keep_from - (window - 1))
-        keep = slice(max(0, lo - int(pos[0])) if pos.numel() else 0, None)
-        self._kept.setdefault(seq_id, {})[layer] = (k[keep].clone(), v[keep].clone(), pos[keep].clone())
+        layers = self._kept.setdefault(seq_id, {})
+        ring = layers.get(layer) if start > 0 else None
+        if need > 0 and (ring is None or ring.first > start - need or ring.end < start):
+            have = "nothing" if ring is None or ring.first >= ring.end else f"[{ring.first}, {ring.end})"
+            raise RuntimeError(f"window cache: sequence {seq_id} starts at position {start} in layer {layer} (window {window}), "
+                               f"which needs positions [{start - need}, {start}) kept, but holds {have}")
+        if ring is None:
+            ring = layers[layer] = _Ring(window - 1 + SPARE_ROWS, k_new, self.dtype)
+        if n <= SPARE_ROWS:  # rows [start - (W - 1), start) survive writing [start, start + n)
+            ring.write(start, k_new, v_new)
+            return ring.k, ring.v, ring.pos
+        kept = torch.arange(start - need, start, device=ring.pos.device) % ring.size
+        k = torch.cat((ring.k[kept], k_new.to(self.dtype)))
+        v = torch.cat((ring.v[kept], v_new.to(self.dtype)))
+        pos = torch.cat((ring.pos[kept], torch.arange(start, start + n, dtype=torch.int64, device=ring.pos.device)))
+        tail = max(0, n - (window - 1))  # the ring keeps the last W - 1 new rows
+        ring.write(start + tail, k_new[tail:], v_new[tail:])
         return k, v, pos
 
     def release(self, seq_id: int) -> None:
@@ -127,11 +135,42 @@ class WindowKVCache:
 
     def nbytes(self) -> int:
         """Bytes of keys and values kept now, over all sequences and layers."""
-        return sum(k.numel() * k.element_size() + v.numel() * v.element_size()
-                   for layers in self._kept.values() for k, v, _ in layers.values())
+        return sum(ring.k.numel() * ring.k.element_size() * 2 for layers in self._kept.values() for ring in layers.values())
 
     def __repr__(self) -> str:
         return f"WindowKVCache(layers={sorted(self.windows)}, sequences={len(self._kept)}, bytes={self.nbytes()})"
+
+
+# Rows of a ring beyond the window's W - 1: a step of up to SPARE_ROWS rows (a token and its drafts)
+# is written in place.
+SPARE_ROWS = 16
+
+
+class _Ring:
+    """The rows of one (sequence, window layer): position t in row t mod size. Positions
+    [first, end) are held (consecutive, the latest written last)."""
+
+    def __init__(self, size: int, like: torch.Tensor, dtype: torch.dtype) -> None:
+        from treeattn.cache.sharded import INVISIBLE_POSITION  # (sharded imports this module)
+
+        self.size = size
+        self.k = torch.zeros(size, *like.shape[1:], dtype=dtype, device=like.device)
+        self.v = torch.zeros_like(self.k)
+        self.pos = torch.full((size,), INVISIBLE_POSITION, dtype=torch.int64, device=like.device)
+        self.first = self.end = 0
+
+    def write(self, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Rows of positions [start, start + n) (n <= size); a rollback (start < end) forgets the
+        positions from start on."""
+        n = k.shape[0]
+        rows = torch.arange(start, start + n, device=self.pos.device)
+        if start == 0 or start > self.end:
+            self.first = start
+        self.k[rows % self.size] = k.to(self.k.dtype)
+        self.v[rows % self.size] = v.to(self.v.dtype)
+        self.pos[rows % self.size] = rows
+        self.end = start + n
+        self.first = max(self.first, self.end - self.size)
 
 
 __all__ = ["WindowKVCache", "hybrid_windows", "paged_layers", "window_bytes_per_sequence"]

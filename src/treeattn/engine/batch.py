@@ -196,12 +196,23 @@ class PagedBatch:
     def _window_store(self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor):
         """A window layer's new keys/values k_new, v_new (T, Hkv, D) of the whole step go to the
         window cache, sequence by sequence; returns per group k, v (B_g, L_g, Hkv, D) and kv_pos
-        (B_g, L_g): each sequence's kept rows then its new ones, padded with invisible positions."""
+        (B_g, L_g): each sequence's rows (WindowKVCache.extend: its ring in a decode step), padded
+        with invisible positions where their lengths differ."""
         ks, vs, positions = [], [], []
         for members in self._members:
-            rows = [self.windows.extend(layer, c.seq_id, c.start, k_new[o : o + len(c.tokens)], v_new[o : o + len(c.tokens)],
-                                        keep_from=c.start + len(c.tokens) - c.num_draft) for c, o in members]
+            rows = [self.windows.extend(layer, c.seq_id, c.start, k_new[o : o + len(c.tokens)], v_new[o : o + len(c.tokens)])
+                    for c, o in members]
             width = max(pos.numel() for _, _, pos in rows)
+            if all(pos.numel() == width for _, _, pos in rows):  # decode steps: every ring has one size
+                if len(rows) == 1:  # the ring itself, no copy
+                    ks.append(rows[0][0][None])
+                    vs.append(rows[0][1][None])
+                    positions.append(rows[0][2][None])
+                else:
+                    ks.append(torch.stack([k_b for k_b, _, _ in rows]))
+                    vs.append(torch.stack([v_b for _, v_b, _ in rows]))
+                    positions.append(torch.stack([pos_b for _, _, pos_b in rows]))
+                continue
             k = k_new.new_zeros(len(rows), width, *k_new.shape[1:])
             v = v_new.new_zeros(len(rows), width, *v_new.shape[1:])
             pos = torch.full((len(rows), width), INVISIBLE_POSITION, dtype=torch.int64, device=k_new.device)
