@@ -71,7 +71,7 @@ def path(request, monkeypatch):
         if not KERNEL:
             pytest.skip("numba is not installed")
     else:
-        monkeypatch.setattr(pd, "kernel_takes", lambda dtype, device: False)
+        monkeypatch.setattr(pd, "kernel_takes", lambda *args: False)
     return request.param
 
 
@@ -127,8 +127,38 @@ def test_kernel_splits_and_threads_do_not_change_the_state(monkeypatch):
         assert lay._kernel_arrays()[4] == (1 if threads == 1 else min(25, 2 * threads))
 
 
+@pytest.mark.parametrize("case", ["gqa", "uneven and padded", "drafts", "window", "mla values in keys", "huge logits", "long"])
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float16])
+def test_stored_16_bit_blocks_match_float64_on_the_stored_values(case, kv_dtype, path):
+    """A 16-bit cache (--kv-cache-dtype) with float32 queries: read as stored and accumulated in
+    float32, so the result is the float64 reference over the dequantized (stored) blocks up to
+    float32 rounding (every bfloat16/float16 is exactly a float32: TOL, as for float32 blocks)."""
+    q, kb, vb, layout = make_case(**CASES[case])
+    kb16 = kb.to(kv_dtype)
+    vb16 = kb16[..., : vb.shape[-1]] if CASES[case].get("values_in_keys") else vb.to(kv_dtype)
+    window = WINDOWS.get(case)
+    out, lse = pd.paged_decode_attention(q, kb16, vb16, layout, window=window)
+    assert out.dtype == torch.float32 and lse.dtype == torch.float32
+    check(out, lse, *reference(q.double(), kb16.double(), vb16.double(), layout, window))
+
+
+def test_kernel_widen_tables_are_exact():
+    """Every 16-bit pattern's table entry is torch's own conversion of it (NaNs as NaNs)."""
+    if not KERNEL:
+        pytest.skip("numba is not installed")
+    from treeattn.ops import paged_cpu_kernel
+
+    bits = torch.arange(1 << 16, dtype=torch.int32).to(torch.int16)
+    for kind, dtype in (("bfloat16", torch.bfloat16), ("float16", torch.float16)):
+        expected = bits.view(dtype).float()
+        got = torch.from_numpy(paged_cpu_kernel.widen_table(kind))
+        assert torch.equal(torch.isnan(got), torch.isnan(expected))
+        assert torch.equal(got[~torch.isnan(got)], expected[~torch.isnan(expected)])
+
+
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
-def test_other_dtypes_take_the_gathered_path(dtype):
+def test_other_dtypes(dtype):
+    """float64 gathers; bfloat16 queries over bfloat16 blocks (a bfloat16 model) take the kernel."""
     q, kb, vb, layout = make_case(dtype=dtype)
     out, lse = pd.paged_decode_attention(q, kb, vb, layout)
     ref_out, ref_lse = reference(q.double(), kb.double(), vb.double(), layout)
@@ -152,8 +182,8 @@ def test_bad_input_names_the_argument():
         pd.paged_decode_attention(q[:1], kb, vb, layout)
     with pytest.raises(ValueError, match="must be < NB"):
         pd.paged_decode_attention(q, kb[:2], vb[:2], layout)
-    with pytest.raises(TypeError, match="share dtype"):
-        pd.paged_decode_attention(q.double(), kb, vb, layout)
+    with pytest.raises(TypeError, match="the blocks of one dtype"):
+        pd.paged_decode_attention(q, kb, vb.double(), layout)
 
 
 # ---------------------------------------------------------------- the engine with and without the kernel
@@ -164,7 +194,7 @@ def _engine_tokens(model, prompts, *, nproc=1, paged=True, max_new_tokens=5):
 
     saved = engine_batch.kernel_takes
     if not paged:
-        engine_batch.kernel_takes = lambda dtype, device: False
+        engine_batch.kernel_takes = lambda *args: False
     try:
         with ta.Engine(model, nproc=nproc, decode="tree", max_batch_size=4, block_size=8, prefix_cache=True) as engine:
             return [r.token_ids for r in engine.generate(prompts, max_new_tokens=max_new_tokens, temperature=0.0)]

@@ -9,7 +9,9 @@
                                      query reaches (treeattn.cache.sharded.INVISIBLE_POSITION)
     q_pos:       int64 (B, Sq)       the queries' positions (-1: a padding query, sees nothing)
     q:           (B, Sq, Hq, D)      the step's queries; Hq % Hkv == 0
-    k_blocks:    (NB, BS, Hkv, D)    every block of the layer (PagedKVCache.blocks(layer))
+    k_blocks:    (NB, BS, Hkv, D)    every block of the layer (PagedKVCache.blocks(layer)), in the
+                                     cache's dtype, which may differ from q's (float32, bfloat16,
+                                     float16: a --kv-cache-dtype); read as stored, in float32
     v_blocks:    (NB, BS, Hkv, Dv)   (a view of k_blocks[..., :Dv] for MLA's latent cache)
     out:         (B, Sq, Hq, Dv) in q.dtype;  lse: (B, Hq, Sq) float32 (natural log, scale included)
 
@@ -21,13 +23,15 @@ Everything that depends only on the step (shapes, dtypes and ranges of the table
 is checked once, when the layout is built; a layer's call checks only that q and the blocks fit
 it (a few integer comparisons, no read of tensor data).
 
-Where it runs: float32 CPU tensors go to a compiled kernel (treeattn.ops.paged_cpu_kernel, numba:
-one pass over each row's blocks in place, the G query heads of a KV head together, online
-softmax in float32, block ranges in parallel then merged). CUDA tensors go to the Triton paged
-decode kernel (treeattn.ops.triton_decode.paged_decode_attention, the static decode step's) when
-it takes them (Sq <= 16, power-of-two head dims, float16/bfloat16/float32). Every other input
-(other dtypes and devices, no numba or triton) gathers the blocks into one (B, nb * BS, Hkv, D)
-copy and calls ops.attention, which is exact too but reads K/V twice (the copy, then the attention).
+Where it runs: CPU blocks of float32, bfloat16 or float16 go to a compiled kernel
+(treeattn.ops.paged_cpu_kernel, numba: one pass over each row's blocks in place, 16-bit blocks
+widened to float32 block by block, the G query heads of a KV head together, queries taken in
+float32, online softmax in float32, block ranges in parallel then merged). CUDA tensors go to the
+Triton paged decode kernel (treeattn.ops.triton_decode.paged_decode_attention, the static decode
+step's) when it takes them (q and blocks of one dtype, Sq <= 16, power-of-two head dims,
+float16/bfloat16/float32). Every other input (other dtypes and devices, no numba or triton)
+gathers the blocks into one (B, nb * BS, Hkv, D) copy in q's dtype (float32 at least) and calls
+ops.attention, which is exact too but reads K/V twice (the copy, then the attention).
 """
 
 from __future__ import annotations
@@ -60,15 +64,21 @@ def _kernel_module():
     return paged_cpu_kernel
 
 
-def kernel_takes(dtype: torch.dtype, device: torch.device | str) -> bool:
-    """Whether a kernel that reads the blocks in place runs a cache of this dtype and device: float32
-    on the CPU with numba installed, float16/bfloat16/float32 on CUDA with triton installed (the
-    Triton kernel may still decline a call's head dims or query count: that call gathers).
-    Otherwise paged_decode_attention gathers the blocks."""
+KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+"""Cache dtypes the in-place kernels read (the CPU kernel widens the 16-bit ones to float32)."""
+
+
+def kernel_takes(dtype: torch.dtype, device: torch.device | str, q_dtype: torch.dtype | None = None) -> bool:
+    """Whether a kernel that reads the blocks in place runs a cache of this dtype and device, with
+    queries of q_dtype (None: the cache's): float32, bfloat16 or float16 blocks and queries other
+    than float64 on the CPU with numba installed; on CUDA with triton installed, float16/bfloat16/
+    float32 blocks of the queries' dtype (the Triton kernel may still decline a call's head dims or
+    query count: that call gathers). Otherwise paged_decode_attention gathers the blocks."""
     device = torch.device(device)
+    q_dtype = dtype if q_dtype is None else q_dtype
     if device.type == "cuda":
-        return dtype in (torch.float16, torch.bfloat16, torch.float32) and _triton_module() is not None
-    return dtype == torch.float32 and device.type == "cpu" and _kernel_module() is not None
+        return dtype in KERNEL_DTYPES and q_dtype == dtype and _triton_module() is not None
+    return dtype in KERNEL_DTYPES and q_dtype in KERNEL_DTYPES and device.type == "cpu" and _kernel_module() is not None
 
 
 def _triton_module():
@@ -152,7 +162,8 @@ def paged_decode_attention(q: torch.Tensor, k_blocks: torch.Tensor, v_blocks: to
 
     Args:
         q: (B, Sq, Hq, D) float tensor, B and Sq those of the layout.
-        k_blocks: (NB, BS, Hkv, D), the layer's blocks, same dtype and device; NB > every id in the table.
+        k_blocks: (NB, BS, Hkv, D), the layer's blocks on q's device, in q's dtype or the cache's
+            (float32, bfloat16, float16); NB > every id in the table.
         v_blocks: (NB, BS, Hkv, Dv), or a view of k_blocks[..., :Dv] (its first Dv channels).
         layout: the step's PagedDecodeLayout.
         scale: softmax scale, default D ** -0.5.
@@ -173,48 +184,63 @@ def paged_decode_attention(q: torch.Tensor, k_blocks: torch.Tensor, v_blocks: to
     if Dk != D or Hq % Hkv or layout.max_block >= NB:
         raise ValueError(f"q (B, Sq, Hq={Hq}, D={D}) and k_blocks (NB={NB}, BS, Hkv={Hkv}, D={Dk}) must share D, with Hq a "
                          f"multiple of Hkv, and the table's ids (up to {layout.max_block}) must be < NB")
-    if k_blocks.dtype != q.dtype or v_blocks.dtype != q.dtype or k_blocks.device != q.device or v_blocks.device != q.device:
-        raise TypeError(f"q, k_blocks, v_blocks must share dtype and device, got {q.dtype}/{q.device}, "
-                        f"{k_blocks.dtype}/{k_blocks.device}, {v_blocks.dtype}/{v_blocks.device}")
+    if (k_blocks.dtype != v_blocks.dtype or not k_blocks.dtype.is_floating_point or not q.dtype.is_floating_point
+            or k_blocks.device != q.device or v_blocks.device != q.device):
+        raise TypeError(f"q, k_blocks, v_blocks must be floating tensors on one device, the blocks of one dtype, got "
+                        f"{q.dtype}/{q.device}, {k_blocks.dtype}/{k_blocks.device}, {v_blocks.dtype}/{v_blocks.device}")
     scale = check_scale(scale, D)
     window = check_window(window)
     triton = _triton_kernel(q)
-    if triton is not None and triton.unsupported_reason(q, k_blocks, v_blocks) is None:
+    if triton is not None and k_blocks.dtype == q.dtype and triton.unsupported_reason(q, k_blocks, v_blocks) is None:
         table, seq_lens = layout._triton_arrays()
         return triton.paged_decode_attention(q, k_blocks, v_blocks, table, seq_lens, scale=scale, causal=True, q_pos=layout.q_pos,
                                              kv_pos=layout.kv_pos, window=window)
     values_in_keys = v_blocks.data_ptr() == k_blocks.data_ptr() and v_blocks.stride() == k_blocks.stride()
-    if kernel_takes(q.dtype, q.device) and k_blocks.is_contiguous() and (values_in_keys or v_blocks.is_contiguous()):
+    if kernel_takes(k_blocks.dtype, q.device, q.dtype) and k_blocks.is_contiguous() and (values_in_keys or v_blocks.is_contiguous()):
         return _kernel_attention(q, k_blocks, v_blocks if not values_in_keys else k_blocks, Dv, layout, scale, window)
     return _gathered_attention(q, k_blocks, v_blocks, layout, scale, window)
 
 
 def _kernel_attention(q, k_blocks, v_store, Dv, layout: PagedDecodeLayout, scale: float, window: int | None):
-    """The compiled CPU kernel: v_store is v_blocks, or k_blocks when the values are its first Dv channels."""
+    """The compiled CPU kernel: v_store is v_blocks, or k_blocks when the values are its first Dv
+    channels. 16-bit blocks go in as their uint16 bit patterns with the table of their values."""
     kernel = _kernel_module()
     B, Sq, Hq, D = q.shape
     Hkv = k_blocks.shape[2]
     G, R = Hq // Hkv, B * Sq
     table, kv_pos, row_seq, q_pos, splits = layout._kernel_arrays()
-    q_rows = q.reshape(R, Hkv, G, D).contiguous()
+    q_rows = q.reshape(R, Hkv, G, D).to(torch.float32).contiguous()
+    if k_blocks.dtype == torch.float32:
+        k_arr, v_arr, widen = k_blocks.numpy(), v_store.numpy(), kernel.NO_TABLE
+    else:
+        k_arr, v_arr = k_blocks.view(torch.uint16).numpy(), v_store.view(torch.uint16).numpy()
+        widen = _widen_table(str(k_blocks.dtype).removeprefix("torch."))
     out_p = torch.empty(R, splits, Hkv, G, Dv)
     m_p = torch.empty(R, splits, Hkv, G)
     l_p = torch.empty(R, splits, Hkv, G)
-    kernel.attend(layout.threads, q_rows.numpy(), k_blocks.numpy(), v_store.numpy(), Dv, scale, table, kv_pos, row_seq, q_pos,
-                         window or 0, splits, out_p.numpy(), m_p.numpy(), l_p.numpy())
+    kernel.attend(layout.threads, q_rows.numpy(), k_arr, v_arr, Dv, scale, table, kv_pos, row_seq, q_pos,
+                  window or 0, splits, out_p.numpy(), m_p.numpy(), l_p.numpy(), widen)
     out = torch.empty(R, Hkv, G, Dv)
     lse = torch.empty(R, Hkv, G)
     kernel.merge_splits(out_p.numpy(), m_p.numpy(), l_p.numpy(), out.numpy(), lse.numpy())
-    return out.view(B, Sq, Hq, Dv), lse.view(B, Sq, Hq).transpose(1, 2).contiguous()
+    return out.view(B, Sq, Hq, Dv).to(q.dtype), lse.view(B, Sq, Hq).transpose(1, 2).contiguous()
+
+
+@functools.lru_cache(maxsize=2)
+def _widen_table(kind: str):
+    """The kernel's float32 table of every 16-bit pattern of `kind` ("bfloat16", "float16"), made once."""
+    return _kernel_module().widen_table(kind)
 
 
 def _gathered_attention(q, k_blocks, v_blocks, layout: PagedDecodeLayout, scale: float, window: int | None):
-    """Any dtype and device: the table's blocks gathered into one copy, then ops.attention."""
+    """Any dtype and device: the table's blocks gathered into one copy, then ops.attention, in q's
+    dtype when the blocks have it, else in the wider of the two and float32 (out back in q.dtype)."""
     B, nb = layout.block_table.shape
     BS = layout.block_size
     table = layout.block_table.to(k_blocks.device)
     k = k_blocks[table].reshape(B, nb * BS, *k_blocks.shape[2:])
     v = v_blocks[table].reshape(B, nb * BS, *v_blocks.shape[2:])
-    out, lse = attention(q, k, v, scale=scale, causal=True, q_pos=layout.q_pos.to(q.device), kv_pos=layout.kv_pos.to(q.device),
-                         window=window)
-    return out, lse
+    dtype = q.dtype if k.dtype == q.dtype else torch.promote_types(torch.promote_types(q.dtype, k.dtype), torch.float32)
+    out, lse = attention(q.to(dtype), k.to(dtype), v.to(dtype), scale=scale, causal=True, q_pos=layout.q_pos.to(q.device),
+                         kv_pos=layout.kv_pos.to(q.device), window=window)
+    return out.to(q.dtype), lse
