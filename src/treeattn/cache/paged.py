@@ -14,6 +14,13 @@ when a sequence starts filling it (zero_blocks), so the unwritten tail of a bloc
 A sequence's blocks on this rank are generally not adjacent, so attention reads them with
 gather(): one indexed copy per layer of the blocks a step needs, as a (B, blocks * block_size,
 Hkv, D) batch that tree_decode / ring_decode take as this rank's shard.
+
+The stored dtype (`dtype`, the engine's kv_cache_dtype) may be narrower than the model's
+(`compute_dtype`): write() rounds the new keys and values into it, and the torch readers, gather()
+and run(), hand the stored values back in the compute dtype (exactly: a bfloat16/float16 value is
+a float32 one), so attention computes in the model's dtype, accumulating in float32, over what the
+cache holds. blocks() gives the stored blocks themselves, for the paged kernel, which widens them
+as it reads (treeattn.ops.paged_decode).
 """
 
 from __future__ import annotations
@@ -31,10 +38,12 @@ class PagedKVCache:
         num_blocks: blocks this rank lends (the driver's BlockPool of this rank has as many).
         block_size: tokens per block.
         dtype, device: of the stored keys and values.
+        compute_dtype: the dtype gather() and run() return (the model's; None: dtype).
     """
 
     def __init__(self, *, num_layers: int, num_kv_heads: int, head_dim: int, num_blocks: int, block_size: int,
-                 value_dim: int | None = None, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
+                 value_dim: int | None = None, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+                 compute_dtype: torch.dtype | None = None) -> None:
         for name, value in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim), ("block_size", block_size)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
@@ -43,7 +52,11 @@ class PagedKVCache:
         if value_dim is not None and (isinstance(value_dim, bool) or not isinstance(value_dim, int) or not 1 <= value_dim <= head_dim):
             raise ValueError(f"value_dim must be None or an int in [1, head_dim={head_dim}], got {value_dim!r}")
         self.num_layers, self.num_kv_heads, self.head_dim, self.value_dim = num_layers, num_kv_heads, head_dim, value_dim
+        for name, value in (("dtype", dtype), ("compute_dtype", compute_dtype or dtype)):
+            if not isinstance(value, torch.dtype) or not value.is_floating_point:
+                raise TypeError(f"{name} must be a floating torch.dtype, got {value!r}")
         self.num_blocks, self.block_size = num_blocks, block_size
+        self.compute_dtype = compute_dtype or dtype
         self.pad_block = num_blocks
         self.arena = torch.empty(num_layers, 1 if value_dim else 2, num_blocks + 1, block_size, num_kv_heads, head_dim, dtype=dtype, device=device)
         self.arena[:, :, self.pad_block].zero_()
@@ -66,22 +79,30 @@ class PagedKVCache:
         Args:
             layer: layer index.
             slots: int64 (n,) flat slot of each token: block * block_size + offset in the block.
-            k, v: (n, Hkv, D), (n, Hkv, Dv) in the cache's dtype (v not stored with value_dim).
+            k, v: (n, Hkv, D), (n, Hkv, Dv) of any float dtype, rounded to the cache's (v not stored with value_dim).
         """
         kv = self.arena[layer].view(self.arena.shape[1], -1, self.num_kv_heads, self.head_dim)
-        kv[0].index_copy_(0, slots, k)
+        kv[0].index_copy_(0, slots, k.to(self.dtype))
         if not self.value_dim:
-            kv[1].index_copy_(0, slots, v)
+            kv[1].index_copy_(0, slots, v.to(self.dtype))
 
     def gather(self, layer: int, table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of the blocks in `table`, int64 (B, nb) block ids (pad_block where a row
-        has fewer): k (B, nb * block_size, Hkv, D), v (B, nb * block_size, Hkv, Dv), copies (v a view of k with value_dim)."""
+        has fewer): k (B, nb * block_size, Hkv, D), v (B, nb * block_size, Hkv, Dv), copies in the
+        compute dtype (v a view of k with value_dim)."""
         B, nb = table.shape
-        kv = self.arena[layer][:, table]  # (2 or 1, B, nb, block_size, Hkv, D)
+        kv = self.arena[layer][:, table].to(self.compute_dtype)  # (2 or 1, B, nb, block_size, Hkv, D)
         return self._split(kv.view(self.arena.shape[1], B, nb * self.block_size, self.num_kv_heads, self.head_dim))
 
+    def run(self, layer: int, first: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of the `count` adjacent blocks from block `first` of `layer`: k (count *
+        block_size, Hkv, D), v (..., Dv) in the compute dtype: views of the arena when it stores that
+        dtype, else converted copies."""
+        kv = self.arena[layer, :, first : first + count].to(self.compute_dtype)
+        return self._split(kv.reshape(kv.shape[0], count * self.block_size, self.num_kv_heads, self.head_dim))
+
     def blocks(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Views of every block of `layer`: k (num_blocks + 1, block_size, Hkv, D), v (..., Dv)."""
+        """Views of every stored block of `layer` (the cache's dtype): k (num_blocks + 1, block_size, Hkv, D), v (..., Dv)."""
         return self._split(self.arena[layer])
 
     def _split(self, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -92,4 +113,4 @@ class PagedKVCache:
 
     def __repr__(self) -> str:
         return (f"PagedKVCache({self.num_blocks} blocks x {self.block_size} tokens, layers={self.num_layers}, "
-                f"Hkv={self.num_kv_heads}, D={self.head_dim}, dtype={self.dtype})")
+                f"Hkv={self.num_kv_heads}, D={self.head_dim}, dtype={self.dtype}, compute_dtype={self.compute_dtype})")

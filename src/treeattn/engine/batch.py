@@ -166,7 +166,7 @@ class PagedBatch:
         if combine is not None and len(decoding) > 1:  # blocks several decoding sequences share: read once
             segments, own_from = shared_prefix.find_segments([plan.chunks[i] for i in decoding], bs)
         self.shared_keys = shared_prefix.saved_keys(segments, bs)  # key reads per layer saved this step
-        paged = combine is not None and kernel_takes(cache.dtype, device)  # decoding groups: the paged kernel
+        paged = combine is not None and kernel_takes(cache.dtype, device, cache.compute_dtype)  # decoding groups: the paged kernel
         self.groups = [_Group([plan.chunks[i] for i in idx], [offsets[i] for i in idx], rank, cache, device, combine is not None,
                               own_from if idx is decoding and segments else None, paged and idx is decoding)
                        for idx in (decoding, prefill) if idx]
@@ -279,11 +279,10 @@ class PagedBatch:
         """q (B, S, Hq, D) of group g over this rank's runs of blocks, merged per sequence: this
         rank's state, out (B, S, Hq, Dv) and lse (B, Hq, S), float32 (float64 for float64 q)."""
         B, S, Hq, D = q.shape
-        k, v = self.cache.blocks(self._layer)  # (blocks, block_size, Hkv, D), (..., Dv)
-        Hkv, Dv = k.shape[-2], v.shape[-1]
+        Dv = self.cache.value_dim or D
         outs, lses = [], []
-        for b, runs in enumerate(g.runs):
-            states = [attention(q[b : b + 1], k[a : a + n].reshape(1, -1, Hkv, D), v[a : a + n].reshape(1, -1, Hkv, Dv),
+        for b, runs in enumerate(g.runs):  # each run: views of the arena (converted copies with a narrower kv_cache_dtype)
+            states = [attention(q[b : b + 1], *(x[None] for x in self.cache.run(self._layer, a, n)),
                                 causal=True, q_pos=g.q_pos[b : b + 1], kv_pos=pos) for a, n, pos in runs]
             if not states:  # nothing of this sequence here: the merge's identity
                 states = [(q.new_zeros(1, S, Hq, Dv), torch.full((1, Hq, S), float("-inf"), device=q.device))]

@@ -5,6 +5,7 @@
     check_hybrid_cache(files.config, config)     # static/graph steps and ring prefill refuse a hybrid cache
     check_draft_model(files, config)             # with speculate="draft"
     check_memory(model, files.config, config)    # weights + cache (+ draft) of the ranks on this machine
+    check_kv_cache_dtype(model, files.config, config)
 
 Each raises ValueError (ConfigError naming the EngineConfig field to change) with one line.
 """
@@ -20,7 +21,7 @@ import torch.distributed as dist
 from treeattn.cache.sharded import kv_bytes_per_token
 from treeattn.cache.window import hybrid_windows
 from treeattn.engine import memory
-from treeattn.engine.config import EngineConfig
+from treeattn.engine.config import EngineConfig, resolve_kv_cache_dtype
 from treeattn.engine.errors import ConfigError
 from treeattn.engine.memory import model_bytes
 from treeattn.parallel.spawn import local_ranks
@@ -90,14 +91,30 @@ def check_draft_model(target, config: EngineConfig) -> None:
                       needed_by="positions the engine runs (max_context: the model's context window, or cache_tokens if fewer)")
 
 
+def model_dtype(model, config: EngineConfig) -> torch.dtype:
+    """The dtype the ranks run `model` in: config.dtype, else a checkpoint's float32 or the loaded model's."""
+    return config.dtype or (torch.float32 if isinstance(model, (str, os.PathLike)) else model.dtype)
+
+
+def check_kv_cache_dtype(model, model_config, config: EngineConfig) -> None:
+    """A KV cache stored in another dtype than the model's does not run a hybrid model's window layers
+    yet: ConfigError naming kv_cache_dtype."""
+    dtype = model_dtype(model, config)
+    if hybrid_windows(tuple(model_config.layer_windows)) and resolve_kv_cache_dtype(config.kv_cache_dtype, dtype) != dtype:
+        raise ConfigError("kv_cache_dtype", f"kv_cache_dtype={config.kv_cache_dtype!r} (--kv-cache-dtype) does not run the "
+                          f"sliding-window layers of {model_config.architecture} yet: use kv_cache_dtype='auto' (the model's "
+                          f"{str(dtype).removeprefix('torch.')})")
+
+
 def check_memory(model, model_config, config: EngineConfig) -> None:
     """The weights and cache blocks the ranks on this machine hold (the draft model's too) against its
     memory (memory.check_memory_fit); ConfigError naming the option to change."""
-    dtype = config.dtype or (torch.float32 if isinstance(model, (str, os.PathLike)) else model.dtype)
+    dtype = model_dtype(model, config)
+    kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, dtype)
     slots = config.blocks_per_rank(model_config.max_position_embeddings) * config.block_size
     draft = 0
     if config.draft_model is not None:
         draft = model_bytes(config.draft_model, dtype) + slots * kv_bytes_per_token(model_files(config.draft_model).config, dtype)
     memory.check_memory_fit(ranks=local_ranks(config.nproc), weights=model_bytes(model, dtype),
-                            cache=slots * kv_bytes_per_token(model_config, dtype), draft=draft,
+                            cache=slots * kv_bytes_per_token(model_config, kv_dtype), draft=draft,
                             device="cpu" if isinstance(model, (str, os.PathLike)) else model.device, cache_option="cache_tokens")

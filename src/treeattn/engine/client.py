@@ -50,8 +50,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from treeattn.engine.checks import (check_decode_step_device, check_draft_model, check_hybrid_cache, check_memory, check_model,
-                                    model_files)
+from treeattn.engine.checks import (check_decode_step_device, check_draft_model, check_hybrid_cache, check_kv_cache_dtype,
+                                    check_memory, check_model, model_files)
 from treeattn.engine.config import EngineConfig
 from treeattn.engine.driver import Driver
 from treeattn.engine.measure import RankMeasurements
@@ -99,6 +99,7 @@ class Engine:
         if config.draft_model is not None:
             check_draft_model(files, config)
         check_memory(model, files.config, config)
+        check_kv_cache_dtype(model, files.config, config)
         config.max_context_tokens(files.config.max_position_embeddings)  # raises before any rank starts
         self.tokenizer = getattr(files, "tokenizer", None)
         self.is_driver = True

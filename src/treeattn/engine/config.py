@@ -40,6 +40,17 @@ machine (docs/benchmarks.md, "One round per layer"). The static and CUDA-graph s
 read the host inside a step, take "allreduce" instead."""
 
 
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
+"""What the KV cache may store (kv_cache_dtype): "auto" is the model's dtype; the others are torch's names."""
+
+
+def resolve_kv_cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The torch dtype a KV cache of `kv_cache_dtype` (KV_CACHE_DTYPES) stores for a model of `model_dtype`."""
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ConfigError("kv_cache_dtype", f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")
+    return model_dtype if kv_cache_dtype == "auto" else getattr(torch, kv_cache_dtype)
+
+
 def resolve_method(method: str | None, static_option: str | None) -> str:
     """tree_decode's combine for a generation or an engine: `method`, or when None the default
     (DEFAULT_METHOD; "allreduce" when `static_option` names the option that asks for static or
@@ -100,6 +111,12 @@ class EngineConfig:
             attention combined across the ranks: treeattn.engine.token_parallel) or "auto" (ring,
             but split for a model with a sliding window). Steps with decoding sequences split.
         dtype: model dtype (None: the checkpoint's float32, or the given model's).
+        kv_cache_dtype: what the KV cache stores: "auto" (the model's dtype), "float32", "bfloat16" or
+            "float16". New keys and values are rounded to it when written; every attention read
+            takes the stored values in the model's dtype and accumulates in float32 (the CPU paged
+            kernel widens 16-bit blocks as it reads them). A 16-bit cache halves the bytes per token
+            against float32. Not with a hybrid model's window layers (Gemma 3) when it differs from
+            the model's dtype; a draft model's cache keeps the draft's dtype.
         timeout_s: the group's timeout for every collective, and how long the driver waits for
             the ranks to start.
         threads_per_rank: torch threads of each rank process (default cpu_count // nproc).
@@ -142,6 +159,7 @@ class EngineConfig:
     prefill_chunk: int = 512
     prefill: str = "auto"
     dtype: torch.dtype | None = None
+    kv_cache_dtype: str = "auto"
     timeout_s: float = 60.0
     threads_per_rank: int | None = None
     speculate: str | None = None
@@ -175,6 +193,8 @@ class EngineConfig:
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.dtype is not None and (not isinstance(self.dtype, torch.dtype) or not self.dtype.is_floating_point):
             raise ValueError(f"dtype must be a floating torch.dtype or None, got {self.dtype!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError("kv_cache_dtype", f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float)) or not self.timeout_s > 0:
             raise ValueError(f"timeout_s must be a number of seconds > 0, got {self.timeout_s!r}")
         if self.speculate is not None and self.speculate not in SPECULATE_KINDS:

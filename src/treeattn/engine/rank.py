@@ -22,7 +22,7 @@ from multiprocessing.connection import Client
 import torch
 import torch.distributed as dist
 
-from treeattn.engine.config import EngineConfig
+from treeattn.engine.config import EngineConfig, resolve_kv_cache_dtype
 from treeattn.engine.plan_message import KEEPALIVE, Measure, PlanWire, plan_device
 from treeattn.engine.runner import RankRunner, StepOutcome
 
@@ -62,7 +62,8 @@ def make_runner(model, config: EngineConfig, group=None) -> RankRunner:
     return RankRunner(model, group=group, blocks_per_rank=config.blocks_per_rank(model.config.max_position_embeddings),
                       block_size=config.block_size, decode=config.decode if config.nproc > 1 else "local", method=config.method,
                       shared_memory=config.shared_memory, timeout_s=config.timeout_s, draft_model=draft,
-                      decode_step=config.decode_step, prefill=config.prefill, max_batch_size=config.max_batch_size)
+                      decode_step=config.decode_step, prefill=config.prefill, max_batch_size=config.max_batch_size,
+                      kv_cache_dtype=resolve_kv_cache_dtype(config.kv_cache_dtype, model.dtype))
 
 
 def run_plan(runner: RankRunner, plan):

@@ -123,13 +123,11 @@ class _ChunkRows:
         """This rank's prefix keys and values of the chunk's sequence: (1, prefix_keys, Hkv, D), (..., Dv)."""
         n = self.prefix_keys
         if self.prefix_run is not None:
-            first, count = self.prefix_run
-            k, v = cache.blocks(layer)
-            k, v = k[first : first + count], v[first : first + count]
-            return k.reshape(1, -1, *k.shape[2:])[:, :n], v.reshape(1, -1, *v.shape[2:])[:, :n]
+            k, v = cache.run(layer, *self.prefix_run)  # in the model's dtype (a view, unless the cache stores another)
+            return k[None, :n], v[None, :n]
         if self.prefix_table is None:
-            k, v = cache.blocks(layer)
-            return k[:0].reshape(1, 0, *k.shape[2:]), v[:0].reshape(1, 0, *v.shape[2:])
+            k, v = cache.run(layer, 0, 0)
+            return k[None], v[None]
         k, v = cache.gather(layer, self.prefix_table)
         return k[:, :n], v[:, :n]
 
@@ -191,6 +189,8 @@ class RingPrefillStep:
             k, v = kv[..., :D], kv[..., D:]
         if batch.store_rows.numel():
             batch.cache.write(layer, batch.store_slots, k[0, batch.store_rows], v[0, batch.store_rows])
+        if batch.cache.dtype != k.dtype:  # attend to the values the cache stores (kv_cache_dtype), as every other path does
+            k, v = k.to(batch.cache.dtype).to(k.dtype), v.to(batch.cache.dtype).to(v.dtype)
         self._layer = layer
         return (k,), (v,), (None,)
 

@@ -94,12 +94,14 @@ class RankRunner:
             cache of the same blocks; it fills in each step's drafts before the model verifies them).
         decode_step: "dynamic", or "static" / "graph": steps of one token per sequence run as a
             treeattn.engine.static_step.StaticDecodeStep (batch buckets up to max_batch_size).
+        kv_cache_dtype: the dtype the paged KV cache stores (None: the model's); attention reads it
+            in the model's dtype, accumulating in float32 (treeattn.cache.paged).
     """
 
     def __init__(self, model: LlamaModel, *, group: dist.ProcessGroup | None, blocks_per_rank: int, block_size: int,
                  decode: str, method: str = "allreduce", topology=None, shared_memory: bool = False,
                  timeout_s: float = 120.0, draft_model: LlamaModel | None = None, decode_step: str = "dynamic",
-                 max_batch_size: int = 16, prefill: str = "auto") -> None:
+                 max_batch_size: int = 16, prefill: str = "auto", kv_cache_dtype: torch.dtype | None = None) -> None:
         self.model, self.group = model.eval(), group
         distributed = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank(group) if distributed else 0
@@ -108,8 +110,13 @@ class RankRunner:
         # layers, sharded; the window layers' last W - 1 positions per sequence stay on every rank
         # (treeattn.cache.window).
         windows, layers = hybrid_windows(c.layer_windows), paged_layers(c.layer_windows)
+        kv_cache_dtype = kv_cache_dtype or model.dtype
+        if windows and kv_cache_dtype != model.dtype:
+            raise ValueError(f"kv_cache_dtype={str(kv_cache_dtype).removeprefix('torch.')!r} (--kv-cache-dtype) does not run the "
+                             f"sliding-window layers of {c.architecture} yet; use kv_cache_dtype='auto' (the model's dtype)")
         self.cache = PagedKVCache(num_layers=len(layers), num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, value_dim=c.cache_value_dim,
-                                  num_blocks=blocks_per_rank, block_size=block_size, dtype=model.dtype, device=model.device)
+                                  num_blocks=blocks_per_rank, block_size=block_size, dtype=kv_cache_dtype, device=model.device,
+                                  compute_dtype=model.dtype)
         self.windows = WindowKVCache(windows, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, dtype=model.dtype,
                                      device=model.device) if windows else None
         self.paged_index = {layer: i for i, layer in enumerate(layers)} if windows else None

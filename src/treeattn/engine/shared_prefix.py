@@ -162,14 +162,12 @@ class SharedSegments:
         B, S, Hq, Dv = out.shape
         out_rows = out.reshape(B * S, Hq, Dv)  # written in place: out and lse are the caller's to give up
         lse_rows = lse.transpose(1, 2).reshape(B * S, Hq)
-        k_all, v_all = cache.blocks(layer)  # (blocks, block_size, Hkv, D), (..., Dv)
-        Hkv, D = k_all.shape[-2], k_all.shape[-1]
         for rows, grid, runs, table in self.reads:
             q = flat_q[rows][None]  # (1, R, Hq, D): the members' query rows stacked
             if runs is None:
                 states = [attention(q, *cache.gather(layer, table))]  # every query sees every key of a segment: no mask
             else:
-                states = [attention(q, k_all[a : a + n].reshape(1, -1, Hkv, D), v_all[a : a + n].reshape(1, -1, Hkv, Dv)) for a, n in runs]
+                states = [attention(q, *(x[None] for x in cache.run(layer, a, n))) for a, n in runs]
             o, s = merge_states_list([o for o, _ in states], [s for _, s in states]) if len(states) > 1 else states[0]
             merged, merged_lse = merge_states(out_rows[grid][None], lse_rows[grid].T[None], o.to(out.dtype), s.to(out.dtype))
             out_rows[grid] = merged[0]

@@ -222,7 +222,8 @@ class StaticDecodeStep:
         ring = decode == "ring" and self.world_size > 1
         if kernel is None and model.device.type == "cuda" and not ring:
             kernel = _triton_decode_module()  # graph_safe_reason found it
-        self.kernel = None if ring else kernel
+        # The Triton kernel reads blocks of the queries' dtype: a cache stored narrower (kv_cache_dtype) is gathered, in the model's.
+        self.kernel = None if ring or cache.dtype != model.dtype else kernel
         self._buffers: dict[StaticShape, _Buffers] = {}
         self._pool = None  # the memory pool every captured graph shares
         self.steps = 0  # static steps run (tests and benchmarks read it)
