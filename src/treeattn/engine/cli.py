@@ -27,7 +27,7 @@ from rich.table import Table
 
 from treeattn.engine.config import EngineConfig, GenerationConfig
 from treeattn.engine.console import GenerateDisplay, process_age_s, say
-from treeattn.engine.flags import Decode, Method, Placement, Prefill, Speculate, config_flag, dtype_flag
+from treeattn.engine.flags import Decode, KvCacheDtype, Method, Placement, Prefill, Speculate, config_flag, dtype_flag
 
 logger = logging.getLogger(__name__)
 stderr = Console(stderr=True)
@@ -59,6 +59,7 @@ def generate_command(
     block_size: int = config_flag(G, "block_size"),
     capacity: int | None = config_flag(G, "capacity", flag="--max-context"),
     dtype: str = dtype_flag(),
+    kv_cache_dtype: KvCacheDtype = config_flag(G, "kv_cache_dtype"),
     threads: int | None = config_flag(E, "threads_per_rank", flag="--threads", min=1),
     json_output: bool = typer.Option(False, "--json", help="Print one JSON object on stdout and nothing else."),
     num_samples: int = config_flag(G, "num_samples"),
@@ -90,7 +91,7 @@ def generate_command(
             method=method, prefill=prefill, placement=placement, block_size=block_size, capacity=capacity,
             speculate=speculate, draft_tokens=draft_tokens,
             draft_model=None if draft_model is None else str(draft_model),
-            shared_memory=shared_memory,
+            shared_memory=shared_memory, kv_cache_dtype=kv_cache_dtype,
         )
         if system is not None and not chat:
             raise ValueError("--system is a chat message: give --chat too")
@@ -186,7 +187,7 @@ def _check_before_spawning(config, model_dir: Path, prompts: list[list[int]], wo
     share of the cache, the draft model's too). Warns when ranks outnumber the cores or the prompt's tokens."""
     import torch
 
-    from treeattn.engine.config import check_against_model, check_prompts, kv_cache_bytes_per_rank
+    from treeattn.engine.config import check_against_model, check_prompts, kv_cache_bytes_per_rank, resolve_kv_cache_dtype
     from treeattn.engine.memory import check_memory_fit, model_bytes
     from treeattn.models.loader import check_checkpoint
     from treeattn.parallel.spawn import local_ranks
@@ -197,7 +198,7 @@ def _check_before_spawning(config, model_dir: Path, prompts: list[list[int]], wo
     prompts = check_prompts(prompts, model_config.vocab_size)
     check_against_model(config, model_config, prompts, world, dtype=torch_dtype)  # its warnings: rank 0 logs them
     longest = max(len(p) for p in prompts)
-    kv = kv_cache_bytes_per_rank(config, model_config, len(prompts), longest, world, torch_dtype)
+    kv = kv_cache_bytes_per_rank(config, model_config, len(prompts), longest, world, resolve_kv_cache_dtype(config.kv_cache_dtype, torch_dtype))
     here = local_ranks(world)
     draft = 0
     if config.draft_model is not None:  # the draft model on every rank, its cache of the model's blocks
@@ -326,6 +327,7 @@ def _json_report(result: dict, texts, batched: bool, total_s: float, ranking: li
     }
     report["kv_bytes_per_rank"] = result["kv_bytes_per_rank"]
     report["kv_bytes_per_token"] = result["kv_bytes_per_token"]
+    report["kv_cache_dtype"] = result["kv_cache_dtype"]
     if result["kv_window_bytes"]:
         report["kv_window_bytes"] = result["kv_window_bytes"]
     report["peak_rss_bytes_per_rank"] = result["peak_rss_bytes_per_rank"]

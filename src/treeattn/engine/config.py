@@ -24,7 +24,7 @@ import torch
 
 from treeattn.cache.placement import PLACEMENTS
 from treeattn.cache.sharded import kv_bytes_per_token
-from treeattn.cache.window import window_bytes_per_sequence
+from treeattn.cache.window import hybrid_windows, window_bytes_per_sequence
 from treeattn.engine import memory
 from treeattn.engine.errors import ConfigError, ConfigTypeError
 from treeattn.engine.request import SamplingParams
@@ -278,6 +278,8 @@ class GenerationConfig:
         shared_memory: combine across the ranks through shared memory when they all run on this
             host and the model is on the CPU (treeattn.parallel.shared_memory); off: through the
             process group's back end (gloo, NCCL).
+        kv_cache_dtype: what the KV cache stores: "auto" (the model's dtype), "float32", "bfloat16"
+            or "float16" (EngineConfig.kv_cache_dtype).
     """
 
     max_new_tokens: int = 32
@@ -300,6 +302,7 @@ class GenerationConfig:
     draft_tokens: int = 4
     draft_model: str | torch.nn.Module | None = None
     shared_memory: bool = True
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         for name, low in (("max_new_tokens", 1), ("seed", 0), ("num_samples", 1), ("block_size", 1), ("chunk", 1)):
@@ -313,7 +316,8 @@ class GenerationConfig:
             object.__setattr__(self, "stop_tokens", _token_tuple(self.stop_tokens))
         static = "cuda_graph=True" if self.cuda_graph is True else "static_decode=True" if self.static_decode is True else None
         object.__setattr__(self, "method", resolve_method(self.method, static))
-        for name, allowed in (("decode", DECODE_KINDS), ("method", METHODS), ("prefill", PREFILL_KINDS), ("placement", PLACEMENTS)):
+        for name, allowed in (("decode", DECODE_KINDS), ("method", METHODS), ("prefill", PREFILL_KINDS), ("placement", PLACEMENTS),
+                              ("kv_cache_dtype", KV_CACHE_DTYPES)):
             if getattr(self, name) not in allowed:
                 raise ConfigError(name, f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
         for name in ("static_decode", "cuda_graph", "shared_memory"):
@@ -404,8 +408,9 @@ def check_against_model(config: GenerationConfig, model_config, prompts: list[li
         model_config: the model's LlamaConfig.
         prompts: the output of check_prompts.
         world_size: ranks the KV cache is sharded over.
-        dtype, device: of the model (the cache takes them): the cache's reservation on one rank is
-            checked against the memory of `device`.
+        dtype, device: of the model (the cache takes the device, and the dtype unless
+            config.kv_cache_dtype names another): the cache's reservation on one rank is checked
+            against the memory of `device`.
 
     Returns:
         Warnings (strings) the caller shows once; today: positions beyond max_position_embeddings.
@@ -424,6 +429,10 @@ def check_against_model(config: GenerationConfig, model_config, prompts: list[li
     if config.cuda_graph and torch.device(device).type != "cuda":
         raise ConfigError("cuda_graph", f"cuda_graph=True needs the model on a CUDA device, got {torch.device(device)} "
                           "(static_decode=True runs the same steps without graphs)")
+    kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, dtype)
+    if kv_dtype != dtype and hybrid_windows(tuple(model_config.layer_windows)):
+        raise ConfigError("kv_cache_dtype", f"kv_cache_dtype={config.kv_cache_dtype!r} does not run the sliding-window layers "
+                          f"of {model_config.architecture} yet: use kv_cache_dtype='auto' (the model's dtype)")
     if config.decode == "local" and world_size > 1:
         raise ConfigError("decode", f"decode='local' runs on one rank, but the group has {world_size}; use decode='tree' or decode='ring'")
     longest = max(len(p) for p in prompts)
@@ -434,7 +443,7 @@ def check_against_model(config: GenerationConfig, model_config, prompts: list[li
     if needed > capacity:
         raise ConfigError("capacity", f"prompt of {longest} tokens + max_new_tokens={config.max_new_tokens} needs {needed} cache slots, "
                           f"more than capacity={capacity}")
-    reserved = kv_cache_bytes_per_rank(config, model_config, len(prompts), longest, world_size, dtype)
+    reserved = kv_cache_bytes_per_rank(config, model_config, len(prompts), longest, world_size, kv_dtype)
     available = memory.device_memory_bytes(device)
     if available is not None and reserved > available:
         option = _largest_cache_term(config, len(prompts), capacity)

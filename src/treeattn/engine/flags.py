@@ -21,6 +21,7 @@ from typing import Literal
 import typer
 
 from treeattn.cache.placement import PLACEMENTS
+from treeattn.engine.config import KV_CACHE_DTYPES
 from treeattn.engine.ring_prefill import PREFILL_KINDS
 from treeattn.engine.speculate import SPECULATE_KINDS
 from treeattn.engine.static_step import DECODE_STEPS
@@ -40,6 +41,7 @@ Placement = Literal[PLACEMENTS]
 Prefill = Literal[PREFILL_KINDS]
 Speculate = Literal[SPECULATE_KINDS]
 DecodeStep = Literal[DECODE_STEPS]
+KvCacheDtype = Literal[KV_CACHE_DTYPES]
 
 
 def field_help(cls, name: str) -> str:
@@ -80,5 +82,5 @@ def dtype_flag(default: str = "float32", help: str = "The model's dtype (weights
     return typer.Option(default, "--dtype", metavar="<" + "|".join(DTYPES) + ">", callback=_dtype, help=help)
 
 
-__all__ = ["DTYPES", "DTYPE_ALIASES", "Decode", "DecodeStep", "Method", "Placement", "Prefill", "Speculate", "config_flag",
+__all__ = ["DTYPES", "DTYPE_ALIASES", "Decode", "DecodeStep", "KvCacheDtype", "Method", "Placement", "Prefill", "Speculate", "config_flag",
            "dtype_flag", "field_help"]

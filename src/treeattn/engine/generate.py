@@ -53,7 +53,8 @@ import torch.distributed as dist
 
 from treeattn.cache.sharded import kv_bytes_per_token
 from treeattn.cache.window import window_bytes_per_sequence
-from treeattn.engine.config import ConfigError, ConfigTypeError, EngineConfig, GenerationConfig, check_against_model, check_prompts
+from treeattn.engine.config import (ConfigError, ConfigTypeError, EngineConfig, GenerationConfig, check_against_model, check_prompts,
+                                    resolve_kv_cache_dtype)
 from treeattn.engine.request import SamplingParams
 from treeattn.engine.ring_prefill import resolve_prefill
 from treeattn.models.attention import group_world_size
@@ -107,6 +108,7 @@ class GenerationResult:
         kv_bytes_per_token: bytes of keys and values one more token takes in the layers the
             sequence-sharded cache holds (an MLA model's latent cache: one latent + RoPE key per
             layer; a hybrid model such as Gemma 3: its global layers only).
+        kv_cache_dtype: what the KV cache stored ("float32", "bfloat16", "float16": kv_cache_dtype resolved).
         kv_window_bytes: bytes a hybrid model's sliding-window layers keep per sequence on every
             rank (W - 1 positions of each; treeattn.cache.window); 0 for other models.
         comm_bytes_per_rank: bytes each rank sent during the decode steps (treeattn's accounting).
@@ -142,6 +144,7 @@ class GenerationResult:
     kv_bytes_per_rank: list[int] = field(default_factory=list)
     kv_bytes_per_token: int = 0
     kv_window_bytes: int = 0
+    kv_cache_dtype: str = "float32"
     comm_bytes_per_rank: list[float] = field(default_factory=list)
     prefill_comm_bytes_per_rank: list[float] = field(default_factory=list)
     peak_rss_bytes_per_rank: list[int] = field(default_factory=list)
@@ -375,7 +378,8 @@ class Generation:
                             max_context=c.cache_capacity(longest), prefix_cache=True, block_size=c.block_size,
                             prefill_chunk=c.chunk, prefill=c.prefill, decode_step=c.decode_step,
                             timeout_s=group_timeout_s(self.group) or DEFAULT_TIMEOUT_S, speculate=c.speculate,
-                            draft_tokens=c.draft_tokens, draft_model=c.draft_model, shared_memory=c.shared_memory)
+                            draft_tokens=c.draft_tokens, draft_model=c.draft_model, shared_memory=c.shared_memory,
+                            kv_cache_dtype=c.kv_cache_dtype)
 
     def _requests(self) -> list[tuple[list[int], SamplingParams]]:
         """(prompt, SamplingParams of the engine) of every sequence, in result order."""
@@ -435,8 +439,9 @@ class Generation:
             decode_steps=len(step_times), step_times_s=step_times, world_size=self.world_size, decode=self.decode,
             method=c.method, prefill=self.prefill, placement=c.placement,
             kv_bytes_per_rank=[m.kv_bytes for m in measured],
-            kv_bytes_per_token=kv_bytes_per_token(self.model.config, self.model.dtype),
+            kv_bytes_per_token=kv_bytes_per_token(self.model.config, resolve_kv_cache_dtype(c.kv_cache_dtype, self.model.dtype)),
             kv_window_bytes=window_bytes_per_sequence(self.model.config, self.model.dtype),
+            kv_cache_dtype=str(resolve_kv_cache_dtype(c.kv_cache_dtype, self.model.dtype)).removeprefix("torch."),
             comm_bytes_per_rank=[m.bytes_sent("decode") for m in measured],
             prefill_comm_bytes_per_rank=[m.bytes_sent("prefill") for m in measured],
             peak_rss_bytes_per_rank=[m.peak_rss_bytes.get("decode", 0) for m in measured],

@@ -9,7 +9,7 @@ from pathlib import Path
 import typer
 
 from treeattn.engine.config import EngineConfig as E
-from treeattn.engine.flags import Decode, DecodeStep, Method, Placement, Prefill, Speculate, config_flag, dtype_flag
+from treeattn.engine.flags import Decode, DecodeStep, KvCacheDtype, Method, Placement, Prefill, Speculate, config_flag, dtype_flag
 
 
 def serve_command(
@@ -27,6 +27,7 @@ def serve_command(
     block_size: int = config_flag(E, "block_size", min=1),
     prefill: Prefill = config_flag(E, "prefill"),
     dtype: str = dtype_flag(),
+    kv_cache_dtype: KvCacheDtype = config_flag(E, "kv_cache_dtype"),
     speculate: Speculate | None = config_flag(E, "speculate"),
     draft_tokens: int = config_flag(E, "draft_tokens"),
     draft_model: Path | None = config_flag(E, "draft_model"),
@@ -64,7 +65,7 @@ def serve_command(
                           cache_tokens=cache_tokens, max_context=max_context, prefix_cache=prefix_cache, block_size=block_size,
                           prefill=prefill, dtype=getattr(torch, dtype), timeout_s=timeout, speculate=speculate,
                           draft_tokens=draft_tokens, draft_model=None if draft_model is None else str(draft_model),
-                          shared_memory=shared_memory, decode_step=decode_step)
+                          shared_memory=shared_memory, decode_step=decode_step, kv_cache_dtype=kv_cache_dtype)
 
     def ready(bound_host: str, bound_port: int) -> None:
         ranks = int(os.environ["WORLD_SIZE"]) if under_torchrun() else nproc

