@@ -30,14 +30,11 @@ from dataclasses import dataclass
 import torch
 
 from treeattn.cache.placement import Placement, make_placement
+from treeattn.cache.positions import INVISIBLE_POSITION, PAD_POSITION
 from treeattn.cache.window import paged_layers
 
 logger = logging.getLogger(__name__)
 
-# Position of a padding token in the positions handed to extend().
-PAD_POSITION = -1
-# Position stored for a padding slot: after every real query, so causal attention never sees it.
-INVISIBLE_POSITION = 1 << 62
 
 
 @dataclass(frozen=True)

@@ -36,6 +36,8 @@ from __future__ import annotations
 
 import torch
 
+from treeattn.cache.positions import INVISIBLE_POSITION
+
 
 def hybrid_windows(layer_windows: tuple[int | None, ...]) -> dict[int, int]:
     """{layer: window} of the layers a hybrid KV cache keeps per sequence: the window layers of a
@@ -151,8 +153,6 @@ class _Ring:
     [first, end) are held (consecutive, the latest written last)."""
 
     def __init__(self, size: int, like: torch.Tensor, dtype: torch.dtype) -> None:
-        from treeattn.cache.sharded import INVISIBLE_POSITION  # (sharded imports this module)
-
         self.size = size
         self.k = torch.zeros(size, *like.shape[1:], dtype=dtype, device=like.device)
         self.v = torch.zeros_like(self.k)
