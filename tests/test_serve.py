@@ -190,6 +190,35 @@ def test_models_and_health(server):
     assert server.http(key=None).get("/health").json() == {"status": "ok"}
 
 
+def test_start_up_steps_and_one_access_line_per_request(server):
+    """--log-level info (the default): the start-up's steps, then one line per request with its
+    method, path, status, tokens, time to first token and duration -- streamed, refused and
+    unauthorized requests too."""
+    assert any("starting the engine: 2 rank(s), decode=tree" in line for line in server.lines), server.lines
+    assert any(re.search(r"engine ready in \d+\.\d\d s: max context \d+ tokens, KV cache \d+ blocks of 16 tokens", line)
+               for line in server.lines)
+    assert any(re.search(r"listening on http://127\.0\.0\.1:\d+, \d+\.\d\d s after the start", line) for line in server.lines)
+    client = server.client()
+    client.completions.create(model=NAME, prompt=[5, 6, 7], max_tokens=4, temperature=0, extra_body={"ignore_eos": True})
+    list(client.completions.create(model=NAME, prompt=[5, 6], max_tokens=3, temperature=0, stream=True,
+                                   extra_body={"ignore_eos": True}))
+    server.http(key="wrong").get("/v1/models")
+    server.http(key=None).get("/health?x=1")
+    server.http().get("/no%22such%0Apath")  # a client's path cannot forge a log line
+    patterns = [r'"POST /v1/completions" 200 prompt_tokens=3 completion_tokens=4 ttft=\d+\.\d{3}s duration=\d+\.\d{3}s$',
+                r'"POST /v1/completions" 200 prompt_tokens=2 completion_tokens=3 ttft=\d+\.\d{3}s duration=\d+\.\d{3}s$',
+                r'"GET /v1/models" 401 duration=\d+\.\d{3}s$', r'127\.0\.0\.1:\d+ "GET /health" 200 duration=\d+\.\d{3}s$',
+                r'"GET /no\\x22such\\x0apath" 404 duration=']
+    deadline = time.monotonic() + 30  # the lines reach us through a pipe and a thread (a hang guard, not a speed bound)
+    while time.monotonic() < deadline:
+        access = [line.rstrip("\n") for line in list(server.lines) if "treeattn.serve.access" in line]
+        if all(any(re.search(p, line) for line in access) for p in patterns):
+            break
+        time.sleep(0.1)
+    for pattern in patterns:
+        assert any(re.search(pattern, line) for line in access), (pattern, access)
+
+
 @pytest.mark.parametrize("prompt", ["hello there", [5, 6, 7, 8, 9, 10]])
 def test_completions_equal_the_engine(server, reference, prompt):
     complete, _ = reference

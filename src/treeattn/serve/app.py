@@ -43,6 +43,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
 from treeattn.engine.request import MAX_LOGPROBS, SamplingParams, TokenEvent, TokenLogprob
+from treeattn.serve.access_log import USAGE, AccessLog
 from treeattn.serve.metrics import CONTENT_TYPE, ServerMetrics
 from treeattn.serve.protocol import APIError, ChatCompletionRequest, CompletionRequest, bad_request
 
@@ -154,6 +155,7 @@ def create_app(engine, config: ServerConfig, *, chat_template=None, eot_ids: tup
 
     # Plain ASGI middleware (not @app.middleware, whose task group would wrap the body's errors).
     app.add_middleware(_Guard, authorize=authorize, max_bytes=config.max_request_bytes, timeout_s=config.body_timeout_s)
+    app.add_middleware(AccessLog)  # added last: the outermost, it logs every answer (treeattn.serve.access_log)
 
     @app.api_route("/health", methods=["GET", "HEAD"])
     async def health():
@@ -316,6 +318,9 @@ class _Server:
         choices = self._choices(body, prompts, default_max, chat)
         self._admit(len(choices))
         run = _Run(self, choices, asyncio.get_running_loop())
+        run.usage = request.scope.get(USAGE)  # the access line's numbers (None without the AccessLog middleware)
+        if run.usage is not None:
+            run.usage["prompt_tokens"] = sum(len(p) for p in prompts)
         try:
             run.start()
         except Exception:
@@ -433,6 +438,7 @@ class _Run:
         self.id = f"cmpl-{uuid.uuid4().hex[:24]}"
         self.queue: asyncio.Queue = asyncio.Queue()
         self.disconnected = False
+        self.usage = None  # access_log.Usage: counts the tokens and the first one's time
         self._started: set[int] = set()
 
     def start(self) -> None:
@@ -484,6 +490,8 @@ class _Run:
     def _record(self, choice: _Choice, event: TokenEvent) -> None:
         if event.token_id is not None:
             choice.token_ids.append(event.token_id)
+            if self.usage is not None:
+                self.usage.token(time.perf_counter())
         if event.logprob is not None:
             choice.logprobs.append(event.logprob)
         choice.text += event.text

@@ -5,11 +5,14 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
+from typing import Literal
 
 import typer
 
 from treeattn.engine.config import EngineConfig as E
 from treeattn.engine.flags import Decode, DecodeStep, KvCacheDtype, Method, Placement, Prefill, Speculate, config_flag, dtype_flag
+
+LogLevel = Literal["debug", "info", "warning", "error", "critical"]
 
 
 def serve_command(
@@ -44,11 +47,17 @@ def serve_command(
                                        "request's body after its headers; then 408."),
     timeout: float = config_flag(E, "timeout_s", flag="--timeout", min=0.001),
     drain: float = typer.Option(30.0, "--drain", min=0.0, help="Seconds to let running requests finish after SIGTERM."),
+    log_level: LogLevel = typer.Option("info", "--log-level", help="Messages on stderr from this level up: info shows the "
+                                       "start-up steps and one access line per request; warning only problems."),
 ) -> None:
     """Serve MODEL over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics)."""
+    import logging
+
     import torch
 
     from treeattn.serve.server import ServeOptions, serve
+
+    logging.getLogger("treeattn").setLevel(log_level.upper())  # the root logger's handler (treeattn.cli) writes to stderr
 
     if not model.exists():
         _fail(f"MODEL: no such file or directory: {model}")
@@ -58,7 +67,8 @@ def serve_command(
         _fail(f"--decode local runs on one rank, but --nproc {nproc}; use --decode tree or ring")
     try:
         options = ServeOptions(host=host, port=port, model_name=served_model_name, api_key=api_key, max_pending=max_pending,
-                               drain_s=drain, max_request_bytes=max_request_bytes, body_timeout_s=body_timeout)
+                               drain_s=drain, max_request_bytes=max_request_bytes, body_timeout_s=body_timeout,
+                               log_level="warning" if log_level == "info" else log_level)
     except ValueError as exc:
         _fail(str(exc))
     engine_options = dict(nproc=nproc, decode=decode, method=method, placement=placement, max_batch_size=max_batch_size,

@@ -7,6 +7,10 @@ Signals: SIGTERM, SIGHUP and SIGINT stop accepting connections, let the running 
 (up to `drain_s` seconds, then they are cut), close the engine (its rank processes exit) and return
 0. A rank that dies makes the engine unhealthy: /health answers 503 and the server stops and
 returns 1 within the engine's timeout plus a second.
+
+Logging (logger "treeattn.serve.server" at INFO): the start-up's steps (the engine starting its
+ranks, the engine ready and how long it took, the address it listens on); one access line per
+request (treeattn.serve.access_log). `treeattn serve --log-level` sets the level.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from __future__ import annotations
 import logging
 import signal
 import threading
+import time
 from dataclasses import dataclass
 
 logger = logging.getLogger(__name__)
@@ -32,6 +37,7 @@ class ServeOptions:
     max_request_bytes: int = 4 << 20
     body_timeout_s: float = 10.0
     keep_alive_s: int = 5
+    log_level: str = "warning"  # uvicorn's own messages (its access log is off: treeattn.serve.access_log writes one)
 
     def __post_init__(self) -> None:
         if isinstance(self.port, bool) or not isinstance(self.port, int) or not 0 <= self.port <= 65535:
@@ -54,26 +60,33 @@ def serve(model, options: ServeOptions, engine_options: dict, *, on_ready=None) 
     from treeattn.engine import Engine, EngineConfig
     from treeattn.serve.app import ServerConfig, create_app
 
-    EngineConfig(**engine_options)  # the options' own errors first, before the checkpoint is read
+    start = time.perf_counter()
+    engine_config = EngineConfig(**engine_options)  # the options' own errors first, before the checkpoint is read
     template = _chat_template(model)  # a broken template fails the start-up before any rank starts
+    logger.info("starting the engine: %d rank(s), decode=%s; every rank loads %s", engine_config.nproc, engine_config.decode,
+                _default_name(model))
     engine = Engine(model, **engine_options)
     if not engine.is_driver:  # under torchrun: this rank served the driver's steps until it closed
         return 0
+    stats = engine.stats()
+    logger.info("engine ready in %.2f s: max context %d tokens, KV cache %d blocks of %d tokens, prefix cache %s",
+                time.perf_counter() - start, engine.max_context, stats["blocks_total"], engine.config.block_size,
+                "on" if engine.prefix_cache is not None else "off")
     try:
         eot_ids = _eot_ids(template, engine.tokenizer)
         config = ServerConfig(model_name=options.model_name or _default_name(model), api_key=options.api_key,
                               max_pending=options.max_pending, max_request_bytes=options.max_request_bytes,
                               body_timeout_s=options.body_timeout_s)
         app = create_app(engine, config, chat_template=template, eot_ids=eot_ids)
-        server = _DrainingServer(uvicorn.Config(app, host=options.host, port=options.port, log_level="warning",
+        server = _DrainingServer(uvicorn.Config(app, host=options.host, port=options.port, log_level=options.log_level,
+                                                access_log=False,
                                                 timeout_graceful_shutdown=options.drain_s, lifespan="off",
                                                 timeout_keep_alive=options.keep_alive_s,
                                                 http=_http_protocol(options.body_timeout_s)))
         failed = threading.Event()
         watchdog = threading.Thread(target=_watch, args=(engine, server, failed), daemon=True, name="treeattn-serve-watchdog")
         watchdog.start()
-        if on_ready is not None:
-            threading.Thread(target=_announce, args=(server, on_ready), daemon=True).start()
+        threading.Thread(target=_announce, args=(server, on_ready, start), daemon=True).start()
         server.run()
         return 1 if failed.is_set() or not engine.healthy else 0
     finally:
@@ -149,13 +162,15 @@ def _watch(engine, server, failed: threading.Event) -> None:
         threading.Event().wait(0.5)
 
 
-def _announce(server, on_ready) -> None:
+def _announce(server, on_ready, start: float) -> None:
     while not server.started and not server.should_exit:
         threading.Event().wait(0.05)
     if server.started:
         sockets = [s for srv in server.servers for s in srv.sockets]
         host, port = sockets[0].getsockname()[:2]
-        on_ready(host, port)
+        logger.info("listening on http://%s:%d, %.2f s after the start", host, port, time.perf_counter() - start)
+        if on_ready is not None:
+            on_ready(host, port)
 
 
 def _chat_template(model):
