@@ -138,3 +138,16 @@ def test_demo_on_a_gguf_model_checks_tree_ring_and_one_process(files):
     for name in ("tree (onepass)", "ring (pass-KV)", "single process (local)"):
         assert name in text
     assert text.count("yes") >= 3  # "same tokens" of each row (the demo exits 1 when any row says NO)
+
+
+def test_ta_generate_takes_the_file_and_gives_the_engines_text(files, tiny):
+    """ta.generate takes a path as ta.Engine does, and returns the text as the engine does; an
+    engine without speculation reports no acceptance rate (there is none, not a NaN)."""
+    ids = tiny.tokenizer.encode("the hat").ids
+    result = ta.generate(str(files["tiny"]), ids, max_new_tokens=5, stop_tokens=[])
+    assert result.generated_ids == ta.generate(tiny, ids, max_new_tokens=5, stop_tokens=[]).generated_ids
+    with ta.Engine(tiny, nproc=1, block_size=16) as engine:
+        same = engine.generate(ids, max_new_tokens=5, ignore_eos=True)[0]
+        stats = engine.stats()
+    assert same.token_ids == result.generated_ids[0] and result.texts == [same.text]
+    assert not {"acceptance_rate", "drafted_tokens", "accepted_tokens"} & set(stats) and stats["tokens_per_forward"] == 1.0

@@ -96,7 +96,8 @@ def _sharded_softcap_cases(rank: int, p: int) -> dict:
     k_local, v_local = k[:, mine], v[:, mine]
     ref_out, ref_lse = reference_attention(q, k, v, softcap=3.0)
     for name, call in {
-        "tree_decode/allreduce": lambda: ta.tree_decode(q, k_local, v_local, softcap=3.0),
+        "tree_decode/allreduce": lambda: ta.tree_decode(q, k_local, v_local, softcap=3.0, method="allreduce"),
+        "tree_decode/onepass": lambda: ta.tree_decode(q, k_local, v_local, softcap=3.0),
         "tree_decode/tree": lambda: ta.tree_decode(q, k_local, v_local, softcap=3.0, method="tree"),
         "ring_decode/kv": lambda: ta.ring_decode(q, k_local, v_local, softcap=3.0),
         "ring_decode/q": lambda: ta.ring_decode(q, k_local, v_local, softcap=3.0, pass_kv=False),

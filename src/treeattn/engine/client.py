@@ -199,7 +199,7 @@ class Engine:
         prefix_hit_tokens, preemptions, prompt_tokens, generated_tokens, healthy (a consistent snapshot),
         and decoding's counters: decode_forwards (decoding chunks run, one per sequence per step),
         tokens_per_forward (tokens they committed, per chunk: 1 without speculation), and with
-        speculative decoding drafted_tokens, accepted_tokens and acceptance_rate (NaN before any draft);
+        speculative decoding (only then) drafted_tokens, accepted_tokens and acceptance_rate (NaN before any draft);
         shared_prefix_keys: key reads per layer that decode steps saved by reading blocks several
         sequences share once for all of them ((sequences - 1) x keys per shared segment, summed over
         steps; treeattn.engine.shared_prefix); rank_restarts: how many times a step failed on the

@@ -96,6 +96,8 @@ class GenerationResult:
             engine's prefix cache (computed for an earlier sequence of the batch: the n samples of
             one prompt, or repeated prompts, prefill the shared full blocks once).
         generated_ids: the new tokens of each sequence, up to and including its stop token.
+        texts: the text of each sequence's new tokens (the engine's detokenizing, stop tokens
+            not shown); "" for every sequence when the model has no tokenizer.
         finish_reasons: per sequence, "stop" (a stop token) or "length" (max_new_tokens).
         prefill_s: seconds from the start to the first token of every sequence (engine setup,
             prefill, first sample).
@@ -155,6 +157,7 @@ class GenerationResult:
     decode_step: str = "dynamic"
     speculation: dict = field(default_factory=dict)
     cached_prompt_tokens: list[int] = field(default_factory=list)
+    texts: list[str] = field(default_factory=list)
 
     @property
     def mean_logprobs(self) -> list[float]:
@@ -192,7 +195,7 @@ class GenerationResult:
         return out
 
 
-def generate(model: LlamaModel, prompts, config: GenerationConfig | None = None, *, group: dist.ProcessGroup | None = None,
+def generate(model: "LlamaModel | str | os.PathLike", prompts, config: GenerationConfig | None = None, *, group: dist.ProcessGroup | None = None,
              on_token: Callable[[StepOutput], None] | None = None, on_prefill: Callable[[int, int], None] | None = None,
              **options) -> GenerationResult:
     """Generate continuations of `prompts` with the KV cache sharded across the ranks of `group`.
@@ -201,7 +204,8 @@ def generate(model: LlamaModel, prompts, config: GenerationConfig | None = None,
     rank). Every rank returns the same GenerationResult.
 
     Args:
-        model: a LlamaModel (treeattn.load_model or random_model), the same weights on every rank.
+        model: a LlamaModel (treeattn.load_model or random_model), the same weights on every rank;
+            or a checkpoint directory or .gguf file, loaded here with treeattn.load_model.
         prompts: one prompt (a list of token ids) or a list of prompts (a batch); or chat messages
             ([{"role": "user", "content": ...}], or a batch of such lists), rendered with the
             model's chat template and tokenizer (set by treeattn.load_model); the template's
@@ -243,7 +247,7 @@ def generate(model: LlamaModel, prompts, config: GenerationConfig | None = None,
     return run.result
 
 
-def stream(model: LlamaModel, prompts, config: GenerationConfig | None = None, *, group: dist.ProcessGroup | None = None,
+def stream(model: "LlamaModel | str | os.PathLike", prompts, config: GenerationConfig | None = None, *, group: dist.ProcessGroup | None = None,
            **options) -> "Generation":
     """generate() as an iterator: `for step in stream(model, prompts, ...)` yields a StepOutput per
     new-token index; afterwards `.result` holds the GenerationResult. Same arguments as generate()
@@ -259,8 +263,14 @@ def stream(model: LlamaModel, prompts, config: GenerationConfig | None = None, *
         >>> [step.index for step in run], len(run.result.generated_ids[0])
         ([0, 1, 2], 3)
     """
+    import os
+
     from treeattn.models.chat import encode_prompts, is_chat
 
+    if isinstance(model, (str, os.PathLike)):  # a checkpoint directory or .gguf file, as ta.Engine takes
+        from treeattn.models.loader import load_model
+
+        model = load_model(model)
     if is_chat(prompts):  # chat messages: rendered by the model's template; stop at its end of turn too
         prompts, end_of_turn = encode_prompts(model, prompts)
         stop = config.stop_tokens if config is not None else options.get("stop_tokens")
@@ -449,7 +459,7 @@ class Generation:
             comm=measured[0].comm["decode"], token_logprobs=[[lp.logprob for lp in r.logprobs] for r in results],
             num_samples=c.num_samples, decode_step=c.decode_step,
             speculation=results[0].speculation if c.speculate else {},
-            cached_prompt_tokens=[r.cached_prompt_tokens for r in results],
+            cached_prompt_tokens=[r.cached_prompt_tokens for r in results], texts=[r.text for r in results],
         )
 
     def _broadcast_outcome(self, outcome):

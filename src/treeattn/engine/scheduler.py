@@ -443,7 +443,9 @@ class Scheduler:
         seq.blocks = []
 
     def stats(self) -> dict:
-        return {
+        """The counters of Engine.stats(); the speculation counters (drafted_tokens, accepted_tokens,
+        acceptance_rate) only with a drafter: without speculative decoding there is no rate to show."""
+        out = {
             "blocks_total": self.pool.num_blocks,
             "blocks_free": self.pool.num_free,
             "blocks_used": self.pool.num_blocks - self.pool.num_free,
@@ -452,9 +454,10 @@ class Scheduler:
             "waiting": len(self.waiting),
             "prefix_hit_tokens": self.prefix_hit_tokens,
             "preemptions": self.preemptions,
-            "drafted_tokens": self.drafted,
-            "accepted_tokens": self.accepted,
-            "acceptance_rate": self.accepted / self.drafted if self.drafted else float("nan"),
             "decode_forwards": self.decode_forwards,
             "tokens_per_forward": self.decode_tokens / self.decode_forwards if self.decode_forwards else float("nan"),
         }
+        if self.drafter is not None:
+            out.update(drafted_tokens=self.drafted, accepted_tokens=self.accepted,
+                       acceptance_rate=self.accepted / self.drafted if self.drafted else float("nan"))
+        return out

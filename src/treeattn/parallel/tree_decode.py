@@ -72,7 +72,7 @@ def tree_decode(
     scale: float | None = None,
     q_pos: torch.Tensor | None = None,
     kv_pos: torch.Tensor | None = None,
-    method: str = "allreduce",
+    method: str = "onepass",
     topology: Topology | None = None,
     check_inputs: bool = True,
     graph_safe: bool = False,
@@ -95,10 +95,11 @@ def tree_decode(
         kv_pos: int64 (Sk,) or (B, Sk), absolute positions of this rank's keys. Give both or
             neither: with positions a key is visible to a query iff kv_pos <= q_pos (speculative
             decoding with Sq > 1); without, every query sees every key.
-        method: "allreduce" (Algorithm 3), "tree" (binomial merge tree), "twolevel" (per node,
-            then across node leaders) or "onepass" (one float64 Allreduce(sum) against the
-            reference 0, "allreduce" as the fallback all ranks take together when it would not
-            be exact).
+        method: "onepass" (the default, as everywhere in treeattn: one float64 Allreduce(sum)
+            against the reference 0, "allreduce" as the fallback all ranks take together when it
+            would not be exact), "allreduce" (Algorithm 3), "tree" (binomial merge tree) or
+            "twolevel" (per node, then across node leaders). With graph_safe=True on p > 1 ranks
+            give "allreduce" or "tree" (onepass decides on its fallback on the host).
         topology: for "twolevel": Topology(ranks_per_node=k); default Topology(), which reads
             LOCAL_WORLD_SIZE or puts all ranks on one node. Ignored by the other methods.
         check_inputs: validate this rank's inputs, then all-gather a few integers (shapes, dtype,
