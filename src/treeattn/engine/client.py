@@ -76,6 +76,16 @@ class Engine:
         group: inside an existing process group only: the ranks that share the cache (None:
             the world); its rank 0 is the driver.
 
+    In a script, an engine with nproc > 1 must be created under `if __name__ == "__main__":`: its
+    rank processes are started with multiprocessing's "spawn" method, which imports the main
+    module again in every rank (unguarded, each rank would start an engine of its own)::
+
+        import treeattn as ta
+
+        if __name__ == "__main__":
+            with ta.Engine("model.gguf", nproc=2) as engine:
+                print(engine.generate("The capital of France is", max_new_tokens=8)[0].text)
+
     Example (one rank, a random-weight model, token ids in and out)::
 
         >>> import treeattn as ta

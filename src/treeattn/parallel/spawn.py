@@ -121,6 +121,10 @@ def spawn(
             may show no sign of life (no heartbeat) before it is killed and named. After the first
             failure the other ranks get min(GRACE_S, timeout) seconds more.
 
+    Ranks are processes started with multiprocessing's "spawn" method: each imports the main
+    module again, so a script calls spawn under `if __name__ == "__main__":` (unguarded, every
+    rank would call spawn itself), and `fn` is a function defined at a module's top level.
+
     Returns:
         The list of fn's return values, index = rank. Under torchrun only this rank's entry is
         filled (the others are None).
