@@ -85,6 +85,37 @@ def test_hybrid_on_two_ranks_matches_one_process():
         torch.testing.assert_close(logits, single, atol=1e-4, rtol=0)
 
 
+def _greedy_recomputed(model, prompt: list[int], n: int) -> list[int]:
+    """n greedy tokens, each from the whole sequence run again in one pass (no state carried over)."""
+    ids = list(prompt)
+    for _ in range(n):
+        ids.append(int(run(model, torch.tensor([ids]), [len(ids)])[0][0, -1].argmax()))
+    return ids[len(prompt):]
+
+
+def test_the_engine_serves_a_hybrid_linear_model():
+    """ta.Engine with the hybrid model: prompts in chunks of 8 (the linear states carried across
+    chunks), three requests through a batch of two (prefill and decode in one step), on 2 gloo ranks
+    (the softmax layers sharded, the linear states on every rank): the greedy tokens of a full
+    recomputation; again after they are released (no prefix cache: it would need the states)."""
+    model = hybrid()
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 97, (n,), generator=g).tolist() for n in (19, 6, 11)]
+    expected = [_greedy_recomputed(model, p, 5) for p in prompts]
+    with ta.Engine(model, nproc=2, block_size=4, cache_tokens=128, prefill_chunk=8, max_batch_size=2,
+                   threads_per_rank=1) as engine:
+        assert [r.token_ids for r in engine.generate(prompts, max_new_tokens=5)] == expected
+        assert engine.generate(prompts[:1], max_new_tokens=5)[0].token_ids == expected[0]
+        assert engine.stats()["prefix_hit_tokens"] == 0 and engine.stats()["blocks_cached"] == 0
+
+
+@pytest.mark.parametrize("option, message", [(dict(speculate="ngram"), "speculate='ngram' does not run a hybrid linear model"),
+                                             (dict(decode_step="static"), "decode_step='static' does not run a hybrid linear model")])
+def test_what_the_engine_cannot_run_with_linear_layers_is_refused_before_any_rank(option, message):
+    with pytest.raises(ValueError, match=message):
+        ta.Engine(hybrid(), nproc=2, **option)
+
+
 def test_linear_layer_needs_a_hybrid_store():
     model = hybrid()
     cache = ShardedKVCache(num_layers=4, num_kv_heads=2, head_dim=8, capacity=4)

@@ -132,13 +132,18 @@ class PagedBatch:
             every rank): their keys and values are kept there per sequence and attended locally,
             with no combine across the ranks; `cache` then holds only the other layers, in order
             (paged_index: model layer -> cache layer). None: `cache` holds every layer.
+        linear_states: a hybrid linear model's treeattn.linear.hybrid.SequenceStates (the same on
+            every rank; the step runs every token on every rank): its linear layers call
+            `batch.linear`, and the batch itself is their kv_store (`batch(layer, k, v)` is
+            kv_store); `cache` then holds the softmax layers (paged_index).
     """
 
     def __init__(self, plan: StepPlan, rank: int, cache: PagedKVCache, attend, combine=None, phases: dict | None = None,
-                 windows: WindowKVCache | None = None, paged_index: dict[int, int] | None = None) -> None:
+                 windows: WindowKVCache | None = None, paged_index: dict[int, int] | None = None, linear_states=None) -> None:
         device, bs = cache.device, cache.block_size
         self.cache, self.backend, self.combine = cache, attend, combine
-        self.windows, self.paged_index = windows, paged_index
+        self.windows, self.paged_index, self.linear_states = windows, paged_index, linear_states
+        self.chunks = plan.chunks
         self._window_layer = False
         self.phases = {} if phases is None else phases
         tokens, positions, offsets, rows, slots, fresh = [], [], [], [], [], []
@@ -192,6 +197,19 @@ class PagedBatch:
         self._layer = layer
         shards = [(None, None) if g.copy_free or g.paged is not None else self.cache.gather(layer, g.table) for g in self.groups]
         return tuple(k for k, _ in shards), tuple(v for _, v in shards), tuple(g.kv_pos for g in self.groups)
+
+    __call__ = kv_store  # a hybrid linear model's kv_store is the batch itself (it needs .linear too)
+
+    def linear(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, feature_maps) -> torch.Tensor:
+        """A linear layer of a hybrid model: q (1, T, Hq, D), k, v (1, T, Hkv, D) of the whole step ->
+        out (1, T, Hq, Dv), each sequence's rows from its own state (linear_states)."""
+        start = time.perf_counter()
+        out = q.new_empty(*q.shape[:-1], v.shape[-1])
+        for c, o in zip(self.chunks, self.offsets):
+            rows = slice(o, o + len(c.tokens))
+            out[:, rows] = self.linear_states.attend(layer, c.seq_id, c.start, q[:, rows], k[:, rows], v[:, rows], feature_maps)
+        self.phases["attention"] = self.phases.get("attention", 0.0) + time.perf_counter() - start
+        return out
 
     def _window_store(self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor):
         """A window layer's new keys/values k_new, v_new (T, Hkv, D) of the whole step go to the

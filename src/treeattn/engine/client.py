@@ -41,6 +41,7 @@ no rank process behind.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -52,6 +53,7 @@ import torch.distributed as dist
 
 from treeattn.engine.checks import (check_decode_step_device, check_draft_model, check_hybrid_cache, check_kv_cache_dtype,
                                     check_memory, check_model, model_files)
+from treeattn.cache.window import hybrid_windows
 from treeattn.engine.config import EngineConfig
 from treeattn.engine.driver import Driver
 from treeattn.engine.measure import RankMeasurements
@@ -106,6 +108,11 @@ class Engine:
         check_decode_step_device(model, config, group if joined else None, joined)
         files = model_files(model)
         check_hybrid_cache(files.config, config)
+        if not isinstance(model, (str, os.PathLike)):  # a hybrid linear model (treeattn.linear) is a loaded model
+            from treeattn.linear.hybrid import check_linear_engine
+
+            check_linear_engine(model, decode_step=config.decode_step, speculate=config.speculate,
+                                windows=bool(hybrid_windows(tuple(files.config.layer_windows))))
         if config.draft_model is not None:
             check_draft_model(files, config)
         check_memory(model, files.config, config)

@@ -56,8 +56,9 @@ class Driver:
         self.pool = ShardedBlockPool(world_size=config.nproc, blocks_per_rank=config.blocks_per_rank(info.max_position_embeddings),
                                      block_size=config.block_size, placement=config.placement,
                                      span_blocks=config.span_blocks(info.max_position_embeddings))
-        # A hybrid model's window layers keep no state for a cached prefix (treeattn.cache.window): its prefix cache is off.
-        hybrid = bool(hybrid_windows(tuple(layer_windows)))
+        # A hybrid model's window layers (treeattn.cache.window) and linear layers (treeattn.linear) keep no state for
+        # a cached prefix: its prefix cache is off.
+        hybrid = bool(hybrid_windows(tuple(layer_windows))) or bool(info.linear_layers)
         self.prefix_cache = PrefixCache(self.pool) if config.prefix_cache and not hybrid else None
         self.scheduler = Scheduler(self.pool, max_batch_size=config.max_batch_size, prefill_chunk=config.prefill_chunk,
                                    prefix_cache=self.prefix_cache, drafter=_drafter(config.speculate),

@@ -35,6 +35,7 @@ class ModelInfo:
     vocab_size: int
     max_position_embeddings: int
     eos_token_ids: tuple[int, ...]
+    linear_layers: tuple[int, ...] = ()  # a hybrid linear model's (treeattn.linear): per-sequence states, no prefix cache
 
 
 def load_model(model, dtype):
@@ -47,8 +48,10 @@ def load_model(model, dtype):
 
 
 def model_info(model) -> ModelInfo:
+    from treeattn.linear.hybrid import linear_layers
+
     c = model.config
-    return ModelInfo(c.vocab_size, c.max_position_embeddings, tuple(c.eos_token_ids))
+    return ModelInfo(c.vocab_size, c.max_position_embeddings, tuple(c.eos_token_ids), linear_layers(model))
 
 
 def make_runner(model, config: EngineConfig, group=None) -> RankRunner:

@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from treeattn.cache.paged import PagedKVCache
 from treeattn.cache.window import WindowKVCache, hybrid_windows, paged_layers
+from treeattn.linear.hybrid import SequenceStates, check_linear_engine, linear_layers
 from treeattn.engine import token_parallel
 from treeattn.engine.batch import PagedBatch
 from treeattn.engine.measure import RankMeasurements, RankMeter
@@ -110,6 +111,14 @@ class RankRunner:
         # layers, sharded; the window layers' last W - 1 positions per sequence stay on every rank
         # (treeattn.cache.window).
         windows, layers = hybrid_windows(c.layer_windows), paged_layers(c.layer_windows)
+        # A hybrid linear model (treeattn.linear: some layers linearized): the paged cache holds the
+        # softmax layers; each sequence's linear states stay on every rank, and every step runs
+        # every token on every rank (no token-parallel or ring prefill), so they need no communication.
+        linear = linear_layers(model)
+        self.linear_states = SequenceStates() if linear else None
+        if linear:
+            check_linear_engine(model, decode_step=decode_step, draft=draft_model is not None, windows=bool(windows))
+            layers = [i for i in layers if i not in linear]
         kv_cache_dtype = kv_cache_dtype or model.dtype
         if windows and kv_cache_dtype != model.dtype:
             raise ValueError(f"kv_cache_dtype={str(kv_cache_dtype).removeprefix('torch.')!r} (--kv-cache-dtype) does not run the "
@@ -119,7 +128,7 @@ class RankRunner:
                                   compute_dtype=model.dtype)
         self.windows = WindowKVCache(windows, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, dtype=model.dtype,
                                      device=model.device) if windows else None
-        self.paged_index = {layer: i for i, layer in enumerate(layers)} if windows else None
+        self.paged_index = {layer: i for i, layer in enumerate(layers)} if windows or linear else None
         if windows and decode_step != "dynamic":
             raise ValueError(f"decode_step={decode_step!r} does not run a hybrid KV cache (the sliding-window layers of "
                              f"{c.architecture}); use decode_step='dynamic'")
@@ -171,6 +180,7 @@ class RankRunner:
         starts them anew."""
         kv_bytes = self.cache.nbytes() + (self.drafter.cache.nbytes() if self.drafter is not None else 0)
         kv_bytes += self.windows.nbytes() if self.windows is not None else 0
+        kv_bytes += self.linear_states.nbytes() if self.linear_states is not None else 0
         out = self.meter.read(kv_bytes)
         if reset:
             self.meter.reset()
@@ -185,6 +195,8 @@ class RankRunner:
             self._generators.pop(seq_id, None)
             if self.windows is not None:
                 self.windows.release(seq_id)
+            if self.linear_states is not None:
+                self.linear_states.release(seq_id)
         if not plan.chunks:
             return StepOutcome()
         if self.drafter is not None:  # the drafts' placeholders -> the draft model's tokens
@@ -192,9 +204,13 @@ class RankRunner:
         sampling = [(i, c) for i, c in enumerate(plan.chunks) if c.sample is not None]
         if self.static_step is not None and self.static_step.takes(plan):  # one row per chunk
             return self._outcome(sampling, self.static_step(plan)[[i for i, _ in sampling]])
-        batch = PagedBatch(plan, self.rank, self.cache, self.attend, self.combine, self._phases, self.windows, self.paged_index)
+        batch = PagedBatch(plan, self.rank, self.cache, self.attend, self.combine, self._phases, self.windows, self.paged_index,
+                           self.linear_states)
         ends = [batch.offsets[i] + len(c.tokens) for i, c in sampling]  # rows: the last known token, then the drafts
         rows = [row for (_, c), end in zip(sampling, ends) for row in range(end - c.num_draft - 1, end)]
+        if self.linear_states is not None:  # every rank runs every token; the batch is the kv_store (it has .linear)
+            hidden = self.model(batch.tokens, batch.positions, batch, batch.attend)[0, rows]
+            return self._outcome(sampling, hidden, batch.shared_keys)
         split = token_parallel.splits(batch.tokens.shape[1], self.world_size)
         if split and self.prefill == "ring" and not any(c.decoding for c in plan.chunks):  # rank r runs its zigzag pieces
             hidden = RingPrefillStep(batch, plan.chunks, self.rank, self.world_size, self.comm_group).forward(self.model, rows)

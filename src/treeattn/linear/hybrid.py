@@ -87,6 +87,55 @@ class LinearStates:
         self.states.clear()
 
 
+class SequenceStates:
+    """The linear layers' states of the engine's sequences on one rank: per sequence and linear
+    layer, the LinearAttentionState after its last step and the position that step ended at. Every
+    rank keeps the same (a hybrid model's steps run every token on every rank), so linear layers
+    need no communication in the engine. O(1) in the sequence's length.
+
+        states = SequenceStates()
+        out = states.attend(layer, seq_id, start, q, k, v, feature_maps)   # a step of one sequence
+        states.release(seq_id)                                             # finished or preempted
+    """
+
+    def __init__(self) -> None:
+        self._states: dict[int, dict[int, tuple[LinearAttentionState, int]]] = {}
+
+    def attend(self, layer: int, seq_id: int, start: int, q, k, v, feature_maps) -> torch.Tensor:
+        """Linear attention of positions [start, start + n) of sequence `seq_id` in `layer`, from its
+        state (none at start 0), keeping the new state.
+
+        Args:
+            q: (1, n, Hq, D); k: (1, n, Hkv, D); v: (1, n, Hkv, Dv) -- RoPE applied to q and k.
+            feature_maps: the layer's (phi_q, phi_k).
+
+        Returns:
+            out (1, n, Hq, Dv) in q's dtype (float32 accumulation).
+
+        Raises:
+            RuntimeError: start > 0 and the sequence's state in this layer does not end at `start`.
+        """
+        layers = self._states.setdefault(seq_id, {})
+        state = None
+        if start > 0:
+            kept = layers.get(layer)
+            if kept is None or kept[1] != start:
+                have = "no state" if kept is None else f"a state ending at position {kept[1]}"
+                raise RuntimeError(f"linear states: sequence {seq_id} continues at position {start} in layer {layer}, "
+                                   f"but has {have}")
+            state = kept[0]
+        out, new = linear_attention(q, k, v, feature_map=feature_maps, causal=True, return_state=True, initial_state=state,
+                                    check_inputs=False)
+        layers[layer] = (new, start + q.shape[1])
+        return out
+
+    def release(self, seq_id: int) -> None:
+        self._states.pop(seq_id, None)
+
+    def nbytes(self) -> int:
+        return sum(state.nbytes for layers in self._states.values() for state, _ in layers.values())
+
+
 class HybridStore:
     """The kv_store of one forward pass of a hybrid model.
 
@@ -112,6 +161,25 @@ class HybridStore:
             q, k, v, feature_map=feature_maps, causal=True, group=self.prefill_group, return_state=True,
             initial_state=self.states.states.get(layer), check_inputs=False)
         return out
+
+
+def check_linear_engine(model, *, decode_step: str = "dynamic", draft: bool = False, windows: bool = False,
+                        speculate: str | None = None, prefix_cache: bool = False) -> None:
+    """What the engine cannot run with a hybrid linear model, refused in one line (ValueError naming
+    the option): static/graph decode steps, speculative decoding (a rejected draft would need the
+    state before it), sliding-window layers beside linear ones. (The prefix cache is turned off:
+    a cached prefix would need its linear states.)"""
+    layers = linear_layers(model)
+    if not layers:
+        return
+    what = f"a hybrid linear model (linear layers {list(layers)})"
+    if decode_step != "dynamic":
+        raise ValueError(f"decode_step={decode_step!r} does not run {what}; use decode_step='dynamic'")
+    if draft or speculate is not None:
+        raise ValueError(f"speculate={speculate or 'draft'!r} does not run {what}: a rejected draft would need the linear "
+                         f"state before it; use speculate=None")
+    if windows:
+        raise ValueError(f"{what} with sliding-window layers is not supported")
 
 
 def linear_layers(model) -> tuple[int, ...]:
