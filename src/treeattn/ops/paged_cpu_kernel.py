@@ -15,11 +15,12 @@ vectorized: float32 sums in another order); no assumption about NaN or infinitie
 masked rows stay -inf and a NaN in the inputs stays NaN (the engine never samples from it).
 
 Stored dtypes: the blocks are float32, or 16-bit (a bfloat16 or float16 cache, the engine's
---kv-cache-dtype) passed as their uint16 bit patterns with a 65536-entry float32 table of the values
-those patterns stand for (widen_table). A 16-bit block is widened into a float32 scratch block
-(exactly: every bfloat16 and float16 is a float32) when the row reaches it, then read as a float32
-block is; queries, scores, the softmax and the output stay float32. Reading the table rather than
-shifting bfloat16's bits serves both 16-bit formats with one code path (the table stays in cache).
+--kv-cache-dtype) passed as their bit patterns: bfloat16 as uint16, float16 as int16 (the array
+type tells the kernel the format; numba has no float16 on the CPU). A 16-bit block that holds a
+visible key is widened into a float32 scratch block (exactly: every bfloat16 and float16 is a
+float32) when the row reaches it, by bit operations that vectorize, then read as a float32 block
+is; queries, scores, the softmax and the output stay float32. (A 65536-entry table lookup was
+~50x slower per block than bfloat16's shift on this machine: scalar gathers.)
 """
 
 from __future__ import annotations
@@ -34,55 +35,6 @@ from numba.extending import overload
 _FASTMATH = {"reassoc", "contract"}
 
 
-def widen_table(kind: str) -> np.ndarray:
-    """float32 (65536,): the value of every 16-bit pattern of `kind`, "bfloat16" or "float16"
-    (bfloat16: the pattern shifted into a float32's high half; float16: numpy's conversion). Exact."""
-    bits = np.arange(1 << 16, dtype=np.uint32)
-    if kind == "bfloat16":
-        return (bits << 16).view(np.float32)
-    if kind == "float16":
-        return bits.astype(np.uint16).view(np.float16).astype(np.float32)
-    raise ValueError(f"kind must be 'bfloat16' or 'float16', got {kind!r}")
-
-
-NO_TABLE = np.zeros(0, dtype=np.float32)
-"""The `widen` argument of attend for float32 blocks (nothing to widen)."""
-
-
-def _scratch(k, dv):  # pragma: no cover - replaced by its overload inside compiled code
-    raise NotImplementedError
-
-
-def _block(k, blk, dv, widen, scratch):  # pragma: no cover - replaced by its overload inside compiled code
-    raise NotImplementedError
-
-
-@overload(_scratch)
-def _scratch_impl(k, dv):
-    """A float32 block to widen 16-bit blocks into (BS, Hkv, dv); float32 blocks need none."""
-    if k.dtype == types.float32:
-        return lambda k, dv: np.empty((0, 0, 0), dtype=np.float32)
-    return lambda k, dv: np.empty((k.shape[1], k.shape[2], dv), dtype=np.float32)
-
-
-@overload(_block)
-def _block_impl(k, blk, dv, widen, scratch):
-    """Block `blk` of k as float32 (BS, Hkv, >= dv): a view of a float32 arena, or its first dv
-    channels widened through `widen` into `scratch`."""
-    if k.dtype == types.float32:
-        return lambda k, blk, dv, widen, scratch: k[blk]
-
-    def widened(k, blk, dv, widen, scratch):
-        src = k[blk]
-        for t in range(src.shape[0]):
-            for h in range(src.shape[1]):
-                for d in range(dv):
-                    scratch[t, h, d] = widen[src[t, h, d]]
-        return scratch
-
-    return widened
-
-
 def attend(threads: int, *args) -> None:
     """attend_splits on `threads` threads (at most numba's pool; 1: the serial compilation, no pool)."""
     threads = max(1, min(threads, numba.config.NUMBA_NUM_THREADS))
@@ -93,8 +45,72 @@ def attend(threads: int, *args) -> None:
         attend_splits(*args)
 
 
+NO_SCRATCH = np.zeros((0, 0, 0), dtype=np.uint32)
+
+
+def _scratch(k, dv):  # pragma: no cover - replaced by its overload inside compiled code
+    raise NotImplementedError
+
+
+def _block(k, blk, dv, scratch):  # pragma: no cover - replaced by its overload inside compiled code
+    raise NotImplementedError
+
+
+@overload(_scratch)
+def _scratch_impl(k, dv):
+    """The bits of a float32 block to widen 16-bit blocks into, uint32 (BS, Hkv, dv); float32 blocks need none."""
+    if k.dtype == types.float32:
+        return lambda k, dv: NO_SCRATCH
+    return lambda k, dv: np.empty((k.shape[1], k.shape[2], dv), dtype=np.uint32)
+
+
+@overload(_block)
+def _block_impl(k, blk, dv, scratch):
+    """Block `blk` of k as float32 (BS, Hkv, >= dv): a view of a float32 arena, or its first dv
+    channels widened into `scratch` (exactly): bfloat16 (uint16 bits) by a shift into a float32's
+    high half; float16 (int16 bits) by moving exponent and mantissa into place, scaling by 2**112
+    (which also normalizes subnormals exactly), marking infinities/NaNs, then the sign."""
+    if k.dtype == types.float32:
+        return lambda k, blk, dv, scratch: k[blk]
+    if k.dtype == types.uint16:  # bfloat16
+
+        def bfloat16(k, blk, dv, scratch):
+            src = k[blk]
+            for t in range(src.shape[0]):
+                for h in range(src.shape[1]):
+                    for d in range(dv):
+                        scratch[t, h, d] = np.uint32(src[t, h, d]) << 16
+            return scratch.view(np.float32)
+
+        return bfloat16
+    if k.dtype == types.int16:  # float16
+
+        def float16(k, blk, dv, scratch):
+            src = k[blk]
+            f = scratch.view(np.float32)
+            for t in range(src.shape[0]):
+                for h in range(src.shape[1]):
+                    for d in range(dv):
+                        scratch[t, h, d] = (np.uint32(src[t, h, d]) & np.uint32(0x7FFF)) << 13
+            for t in range(src.shape[0]):
+                for h in range(src.shape[1]):
+                    for d in range(dv):
+                        f[t, h, d] *= np.float32(5.192296858534828e33)  # 2**112: float16's exponent bias -> float32's
+            for t in range(src.shape[0]):
+                for h in range(src.shape[1]):
+                    for d in range(dv):
+                        bits = scratch[t, h, d]
+                        if f[t, h, d] >= np.float32(65536.0):  # was an infinity or NaN: all exponent bits set
+                            bits |= np.uint32(0xFF) << 23
+                        scratch[t, h, d] = bits | ((np.uint32(src[t, h, d]) & np.uint32(0x8000)) << 16)
+            return f
+
+        return float16
+    return None
+
+
 @njit(cache=True, fastmath=_FASTMATH)
-def _attend_range(w, q, k, v, dv, scale, table, kv_pos, row_seq, q_pos, window, splits, out, m_out, l_out, widen):  # pragma: no cover - compiled
+def _attend_range(w, q, k, v, dv, scale, table, kv_pos, row_seq, q_pos, window, splits, out, m_out, l_out):  # pragma: no cover - compiled
     """Work item w = r * splits + sp of attend_splits: query row r over its sp-th range of blocks."""
     H, G, D = q.shape[1], q.shape[2], q.shape[3]
     BS = k.shape[1]
@@ -122,8 +138,8 @@ def _attend_range(w, q, k, v, dv, scale, table, kv_pos, row_seq, q_pos, window, 
                 break
         if not visible:
             continue
-        kb = _block(k, blk, D, widen, k_scratch)
-        vb = _block(v, blk, dv, widen, v_scratch)
+        kb = _block(k, blk, D, k_scratch)
+        vb = _block(v, blk, dv, v_scratch)
         for t in range(BS):
             kp = kv_pos[b, j * BS + t]
             if kp > qp or (window > 0 and qp - kp >= window):
@@ -155,31 +171,30 @@ def _attend_range(w, q, k, v, dv, scale, table, kv_pos, row_seq, q_pos, window, 
 
 
 @njit(parallel=True, cache=True, fastmath=_FASTMATH)
-def attend_splits(q, k, v, dv, scale, table, kv_pos, row_seq, q_pos, window, splits, out, m_out, l_out, widen):  # pragma: no cover - compiled
+def attend_splits(q, k, v, dv, scale, table, kv_pos, row_seq, q_pos, window, splits, out, m_out, l_out):  # pragma: no cover - compiled
     """States of every (query row, block range).
 
     q: (R, Hkv, G, D) float32 C-contiguous, the query rows (not scaled).
     k: (NB, BS, Hkv, D) float32 C-contiguous, every block of the layer; v: (NB, BS, Hkv, Dv_stored),
         the value blocks (may be k itself, of which the first dv channels are the values). Or both
-        uint16: the bit patterns of 16-bit blocks, read through `widen`.
+        the bit patterns of 16-bit blocks: uint16 for bfloat16, int16 for float16.
     dv: value channels; scale: softmax scale.
     table: int64 (B, nb) block ids; kv_pos: int64 (B, nb * BS) position of every slot;
     row_seq: int64 (R,) the table row of each query row; q_pos: int64 (R,) its position.
     window: > 0: a key is visible iff 0 <= q_pos - kv_pos < window; 0: iff kv_pos <= q_pos.
-    splits: block ranges per row. widen: float32 (65536,) widen_table of 16-bit blocks (NO_TABLE
-    for float32 blocks). Writes out (R, splits, Hkv, G, dv) unnormalized, m_out and
+    splits: block ranges per row. Writes out (R, splits, Hkv, G, dv) unnormalized, m_out and
     l_out (R, splits, Hkv, G): running max (-inf: no visible key) and sum of exp(score - max).
     """
     for w in prange(q.shape[0] * splits):
-        _attend_range(w, q, k, v, dv, scale, table, kv_pos, row_seq, q_pos, window, splits, out, m_out, l_out, widen)
+        _attend_range(w, q, k, v, dv, scale, table, kv_pos, row_seq, q_pos, window, splits, out, m_out, l_out)
 
 
 @njit(cache=True, fastmath=_FASTMATH)
-def attend_splits_serial(q, k, v, dv, scale, table, kv_pos, row_seq, q_pos, window, splits, out, m_out, l_out, widen):  # pragma: no cover - compiled
+def attend_splits_serial(q, k, v, dv, scale, table, kv_pos, row_seq, q_pos, window, splits, out, m_out, l_out):  # pragma: no cover - compiled
     """attend_splits on the calling thread alone: no thread pool is started (a rank running with
     one torch thread, several ranks on one host, then has no second pool spinning beside torch's)."""
     for w in range(q.shape[0] * splits):
-        _attend_range(w, q, k, v, dv, scale, table, kv_pos, row_seq, q_pos, window, splits, out, m_out, l_out, widen)
+        _attend_range(w, q, k, v, dv, scale, table, kv_pos, row_seq, q_pos, window, splits, out, m_out, l_out)
 
 
 @njit(cache=True)

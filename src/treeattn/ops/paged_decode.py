@@ -203,33 +203,24 @@ def paged_decode_attention(q: torch.Tensor, k_blocks: torch.Tensor, v_blocks: to
 
 def _kernel_attention(q, k_blocks, v_store, Dv, layout: PagedDecodeLayout, scale: float, window: int | None):
     """The compiled CPU kernel: v_store is v_blocks, or k_blocks when the values are its first Dv
-    channels. 16-bit blocks go in as their uint16 bit patterns with the table of their values."""
+    channels. 16-bit blocks go in as their bit patterns (bfloat16: uint16, float16: int16)."""
     kernel = _kernel_module()
     B, Sq, Hq, D = q.shape
     Hkv = k_blocks.shape[2]
     G, R = Hq // Hkv, B * Sq
     table, kv_pos, row_seq, q_pos, splits = layout._kernel_arrays()
     q_rows = q.reshape(R, Hkv, G, D).to(torch.float32).contiguous()
-    if k_blocks.dtype == torch.float32:
-        k_arr, v_arr, widen = k_blocks.numpy(), v_store.numpy(), kernel.NO_TABLE
-    else:
-        k_arr, v_arr = k_blocks.view(torch.uint16).numpy(), v_store.view(torch.uint16).numpy()
-        widen = _widen_table(str(k_blocks.dtype).removeprefix("torch."))
+    bits = {torch.float32: torch.float32, torch.bfloat16: torch.uint16, torch.float16: torch.int16}[k_blocks.dtype]
+    k_arr, v_arr = k_blocks.view(bits).numpy(), v_store.view(bits).numpy()
     out_p = torch.empty(R, splits, Hkv, G, Dv)
     m_p = torch.empty(R, splits, Hkv, G)
     l_p = torch.empty(R, splits, Hkv, G)
     kernel.attend(layout.threads, q_rows.numpy(), k_arr, v_arr, Dv, scale, table, kv_pos, row_seq, q_pos,
-                  window or 0, splits, out_p.numpy(), m_p.numpy(), l_p.numpy(), widen)
+                  window or 0, splits, out_p.numpy(), m_p.numpy(), l_p.numpy())
     out = torch.empty(R, Hkv, G, Dv)
     lse = torch.empty(R, Hkv, G)
     kernel.merge_splits(out_p.numpy(), m_p.numpy(), l_p.numpy(), out.numpy(), lse.numpy())
     return out.view(B, Sq, Hq, Dv).to(q.dtype), lse.view(B, Sq, Hq).transpose(1, 2).contiguous()
-
-
-@functools.lru_cache(maxsize=2)
-def _widen_table(kind: str):
-    """The kernel's float32 table of every 16-bit pattern of `kind` ("bfloat16", "float16"), made once."""
-    return _kernel_module().widen_table(kind)
 
 
 def _gathered_attention(q, k_blocks, v_blocks, layout: PagedDecodeLayout, scale: float, window: int | None):
