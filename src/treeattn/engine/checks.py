@@ -13,6 +13,7 @@ Each raises ValueError (ConfigError naming the EngineConfig field to change) wit
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -22,6 +23,7 @@ from treeattn.cache.sharded import kv_bytes_per_token
 from treeattn.cache.window import hybrid_windows
 from treeattn.engine import memory
 from treeattn.engine.config import EngineConfig, resolve_kv_cache_dtype
+from treeattn.engine.device import backend_for, check_gpus, rank_device, resolve_device, resolve_dtype
 from treeattn.engine.errors import ConfigError
 from treeattn.engine.memory import model_bytes
 from treeattn.parallel.spawn import local_ranks
@@ -50,17 +52,36 @@ def model_files(model):
     return model
 
 
+def with_device(model, config: EngineConfig) -> EngineConfig:
+    """`config` with its device resolved to "cpu" or "cuda": a given model's own device for "auto",
+    else device.resolve_device (ConfigError naming device: CUDA asked for and not there)."""
+    if config.device == "auto" and not isinstance(model, (str, os.PathLike)):
+        kind = model.device.type
+        if kind not in ("cpu", "cuda"):
+            raise ConfigError("device", f"device: the engine runs on 'cpu' or 'cuda', but the model is on {model.device}")
+    else:
+        kind = resolve_device(config.device)
+    return replace(config, device=kind)
+
+
+def check_gpus_of(model, config: EngineConfig, joined: bool) -> None:
+    """CUDA ranks need a GPU each: more ranks on this machine than GPUs is a ConfigError naming nproc
+    (one process on a model already on its GPU needs nothing more)."""
+    if joined or config.nproc > 1 or isinstance(model, (str, os.PathLike)):
+        check_gpus(config.device, local_ranks(config.nproc))
+
+
 def check_decode_step_device(model, config: EngineConfig, group, joined: bool) -> None:
-    """decode_step="graph" needs the model on a CUDA device (a checkpoint path is loaded on the CPU),
+    """decode_step="graph" needs the ranks on CUDA (config.device, resolved by with_device),
     and on several ranks an NCCL group (gloo's collectives cannot be captured); ConfigError naming
     decode_step."""
     if config.decode_step != "graph":
         return
-    device = torch.device("cpu") if isinstance(model, (str, os.PathLike)) else model.device
+    device = torch.device(config.device)  # where the ranks run the model (with_device)
     if device.type != "cuda":
         raise ConfigError("decode_step", f"decode_step='graph' records CUDA graphs: the model must be on a CUDA device, got "
                           f"{device} (decode_step='static' runs the same steps without graphs)")
-    backend = dist.get_backend(group) if joined else "gloo"
+    backend = dist.get_backend(group) if joined else backend_for(config.device)
     if config.nproc > 1 and backend != "nccl":
         raise ConfigError("decode_step", f"decode_step='graph' on {config.nproc} ranks captures the combines in CUDA graphs, "
                           f"which needs an NCCL process group, got {backend} (decode_step='static' runs without graphs)")
@@ -92,8 +113,13 @@ def check_draft_model(target, config: EngineConfig) -> None:
 
 
 def model_dtype(model, config: EngineConfig) -> torch.dtype:
-    """The dtype the ranks run `model` in: config.dtype, else a checkpoint's float32 or the loaded model's."""
-    return config.dtype or (torch.float32 if isinstance(model, (str, os.PathLike)) else model.dtype)
+    """The dtype the ranks run `model` in: config.dtype, else a checkpoint's resolve_dtype (bfloat16 on
+    CUDA, float32 on the CPU; config.device resolved by with_device) or the loaded model's."""
+    if config.dtype is not None:
+        return config.dtype
+    if isinstance(model, (str, os.PathLike)):
+        return resolve_dtype(None, config.device if config.device != "auto" else resolve_device("auto"))
+    return model.dtype
 
 
 def check_kv_cache_dtype(model, model_config, config: EngineConfig) -> None:
@@ -115,6 +141,13 @@ def check_memory(model, model_config, config: EngineConfig) -> None:
     draft = 0
     if config.draft_model is not None:
         draft = model_bytes(config.draft_model, dtype) + slots * kv_bytes_per_token(model_files(config.draft_model).config, dtype)
-    memory.check_memory_fit(ranks=local_ranks(config.nproc), weights=model_bytes(model, dtype),
+    ranks, device, weights = local_ranks(config.nproc), torch.device("cpu"), model_bytes(model, dtype)
+    if config.device == "cuda":  # each rank its own GPU: one rank's share against the GPU with the least free memory
+        in_group = dist.is_available() and dist.is_initialized()
+        devices = [rank_device("cuda", dist.get_rank())] if in_group else [rank_device("cuda", r) for r in range(ranks)]
+        if not isinstance(model, (str, os.PathLike)) and model.device.type == "cuda" and (in_group or config.nproc == 1):
+            devices, weights = [model.device], 0  # the model stays where it is: its weights are already taken
+        ranks, device = 1, min(devices, key=memory.device_memory_bytes)
+    memory.check_memory_fit(ranks=ranks, weights=weights,
                             cache=slots * kv_bytes_per_token(model_config, kv_dtype), draft=draft,
-                            device="cpu" if isinstance(model, (str, os.PathLike)) else model.device, cache_option="cache_tokens")
+                            device=device, cache_option="cache_tokens")

@@ -51,10 +51,11 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from treeattn.engine.checks import (check_decode_step_device, check_draft_model, check_hybrid_cache, check_kv_cache_dtype,
-                                    check_memory, check_model, model_files)
+from treeattn.engine.checks import (check_decode_step_device, check_draft_model, check_gpus_of, check_hybrid_cache, check_kv_cache_dtype,
+                                    check_memory, check_model, model_files, with_device)
 from treeattn.cache.window import hybrid_windows
 from treeattn.engine.config import EngineConfig
+from treeattn.engine.device import backend_for, rank_device
 from treeattn.engine.driver import Driver
 from treeattn.engine.measure import RankMeasurements
 from treeattn.engine.output import RequestHandle, RequestState
@@ -102,9 +103,11 @@ class Engine:
 
     def __init__(self, model, config: EngineConfig | None = None, *, group: dist.ProcessGroup | None = None,
                  **options) -> None:
-        config, joined = _join(_engine_config(config, options), group)
-        self.config = config
+        config = _engine_config(config, options)
         check_model(model)
+        config, joined = _join(with_device(model, config), group)  # device: "cpu" or "cuda" from here on
+        check_gpus_of(model, config, joined)
+        self.config = config
         check_decode_step_device(model, config, group if joined else None, joined)
         files = model_files(model)
         check_hybrid_cache(files.config, config)
@@ -322,8 +325,10 @@ def _engine_config(config: EngineConfig | None, options: dict) -> EngineConfig:
 def _join(config: EngineConfig, group) -> tuple[EngineConfig, bool]:
     """Join torchrun's group when launched by it; inside a group nproc is the group's size.
     Returns (config, whether a process group is in use)."""
-    if dist.is_available() and not dist.is_initialized() and under_torchrun():
-        dist.init_process_group(backend="gloo", timeout=timedelta(seconds=config.timeout_s))  # under torchrun: join its group
+    if dist.is_available() and not dist.is_initialized() and under_torchrun():  # join torchrun's group
+        if config.device == "cuda":
+            torch.cuda.set_device(rank_device("cuda", int(os.environ["RANK"])))
+        dist.init_process_group(backend=backend_for(config.device), timeout=timedelta(seconds=config.timeout_s))
     joined = dist.is_available() and dist.is_initialized()
     if group is not None and not joined:
         raise ValueError("group was given but torch.distributed is not initialized")

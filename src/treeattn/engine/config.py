@@ -26,6 +26,7 @@ from treeattn.cache.placement import PLACEMENTS
 from treeattn.cache.sharded import kv_bytes_per_token
 from treeattn.cache.window import hybrid_windows, window_bytes_per_sequence
 from treeattn.engine import memory
+from treeattn.engine.device import DEVICES
 from treeattn.engine.errors import ConfigError, ConfigTypeError
 from treeattn.engine.request import SamplingParams
 from treeattn.engine.ring_prefill import PREFILL_KINDS
@@ -110,7 +111,12 @@ class EngineConfig:
             over the cached prefix: treeattn.engine.ring_prefill), "split" (each rank runs a slice,
             attention combined across the ranks: treeattn.engine.token_parallel) or "auto" (ring,
             but split for a model with a sliding window). Steps with decoding sequences split.
-        dtype: model dtype (None: the checkpoint's float32, or the given model's).
+        dtype: model dtype (None, "auto": a checkpoint in bfloat16 on CUDA and float32 on the CPU; a
+            given model keeps its own).
+        device: where the ranks run: "auto" (CUDA when torch sees a GPU, else the CPU; a given model's
+            own device), "cpu" or "cuda". Spawned rank r runs on cuda:r, a rank under torchrun on
+            cuda:LOCAL_RANK; CUDA ranks form an NCCL group, CPU ranks a gloo group. A checkpoint is
+            loaded straight onto each rank's device, tensor by tensor (treeattn.engine.device).
         kv_cache_dtype: what the KV cache stores: "auto" (the model's dtype), "float32", "bfloat16" or
             "float16". New keys and values are rounded to it when written; every attention read
             takes the stored values in the model's dtype and accumulates in float32 (the CPU paged
@@ -160,6 +166,7 @@ class EngineConfig:
     prefill: str = "auto"
     dtype: torch.dtype | None = None
     kv_cache_dtype: str = "auto"
+    device: str = "auto"
     timeout_s: float = 60.0
     threads_per_rank: int | None = None
     speculate: str | None = None
@@ -191,6 +198,8 @@ class EngineConfig:
         for name in ("prefix_cache", "shared_memory"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if self.device not in DEVICES:
+            raise ConfigError("device", f"device must be one of {DEVICES}, got {self.device!r}")
         if self.dtype is not None and (not isinstance(self.dtype, torch.dtype) or not self.dtype.is_floating_point):
             raise ValueError(f"dtype must be a floating torch.dtype or None, got {self.dtype!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:

@@ -28,10 +28,11 @@ def model_bytes(model, dtype: torch.dtype) -> int:
 
 
 def device_memory_bytes(device: torch.device | str) -> int | None:
-    """Total memory of `device`: the machine's RAM for "cpu", the GPU's for "cuda"; None if unknown."""
+    """Memory `device` offers: the machine's RAM for "cpu", the GPU's free memory for "cuda"
+    (torch.cuda.mem_get_info: what other processes and this one hold is already taken); None if unknown."""
     device = torch.device(device)
     if device.type == "cuda" and torch.cuda.is_available():
-        return torch.cuda.get_device_properties(device.index or 0).total_memory
+        return torch.cuda.mem_get_info(device.index if device.index is not None else torch.cuda.current_device())[0]
     if device.type == "cpu":
         try:
             return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -49,13 +50,16 @@ def format_bytes(n: float) -> str:
 
 def check_memory_fit(*, ranks: int, weights: int, cache: int, draft: int, device, cache_option: str) -> None:
     """`ranks` ranks on this machine, each holding `weights` bytes of weights, `cache` bytes of KV
-    cache and `draft` bytes of draft model with its cache, against the memory of `device`.
+    cache and `draft` bytes of draft model with its cache, against the memory of `device` (the
+    machine's RAM for the CPU; a GPU's free memory, where each CUDA rank has its own GPU: ranks=1).
 
     Raises:
         ConfigError naming the option to change: "draft_model" when the draft alone does not fit,
         else "nproc" when one rank would fit, else `cache_option` (the option that sizes the cache).
     """
+    device = torch.device(device)
     available = device_memory_bytes(device)
+    where = f"free on {device}" if device.type == "cuda" else "of memory of this machine"
     total = ranks * (weights + cache + draft)
     if available is None or total <= available:
         return
@@ -63,4 +67,4 @@ def check_memory_fit(*, ranks: int, weights: int, cache: int, draft: int, device
               else cache_option)
     drafted = f" + {format_bytes(draft)} of draft model and its cache" if draft else ""
     raise ConfigError(option, f"{option}: {ranks} rank(s) x ({format_bytes(weights)} of weights + {format_bytes(cache)} of KV cache"
-                              f"{drafted}) = {format_bytes(total)}, more than the {format_bytes(available)} of memory of this machine")
+                              f"{drafted}) = {format_bytes(total)}, more than the {format_bytes(available)} {where}")

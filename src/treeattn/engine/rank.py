@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from treeattn.engine.config import EngineConfig, resolve_kv_cache_dtype
+from treeattn.engine.device import rank_device
 from treeattn.engine.plan_message import KEEPALIVE, Measure, PlanWire, plan_device
 from treeattn.engine.runner import RankRunner, StepOutcome
 
@@ -38,13 +39,17 @@ class ModelInfo:
     linear_layers: tuple[int, ...] = ()  # a hybrid linear model's (treeattn.linear): per-sequence states, no prefix cache
 
 
-def load_model(model, dtype):
-    """The model of a rank: a loaded model (in `dtype` if given), or a checkpoint path loaded with ta.load_model."""
+def load_model(model, dtype, device: torch.device | None = None):
+    """The model of a rank: a checkpoint path loaded with ta.load_model straight onto `device` (None:
+    the CPU) in `dtype` (None: bfloat16 on CUDA, float32 on the CPU), tensor by tensor; or a loaded
+    model, moved to `device` and `dtype` where they are given."""
+    from treeattn.engine.device import resolve_dtype
     from treeattn.models import load_model as load
 
     if isinstance(model, (str, os.PathLike)):
-        return load(model, dtype=dtype or torch.float32)
-    return model if dtype is None else model.to(dtype)
+        device = device or torch.device("cpu")
+        return load(model, dtype=resolve_dtype(dtype, device.type), device=device)
+    return model.to(device=device or model.device, dtype=dtype or model.dtype)
 
 
 def model_info(model) -> ModelInfo:
@@ -106,7 +111,10 @@ def serve_steps(runner: RankRunner, receive, reply) -> None:
 def rank_main(rank: int, world_size: int, address, authkey: bytes, model, config: EngineConfig) -> None:
     """Body of a spawned rank: build the model and cache, then serve steps until the driver ends."""
     torch.set_num_threads(config.threads_per_rank or max(1, (os.cpu_count() or 1) // world_size))
-    model = load_model(model, config.dtype)
+    device = rank_device(config.device, rank)  # config.device is "cpu" or "cuda" here (Engine resolved "auto")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    model = load_model(model, config.dtype, device)
     runner = make_runner(model, config)
     if rank != 0:
         serve_steps(runner, None, None)

@@ -20,7 +20,11 @@ import threading
 import time
 from multiprocessing.connection import Listener
 
+import torch
+import torch.distributed as dist
+
 from treeattn.engine.config import EngineConfig
+from treeattn.engine.device import backend_for, rank_device
 from treeattn.engine.plan_message import PlanWire, plan_device
 from treeattn.engine.rank import ModelInfo, load_model, make_runner, model_info, rank_main, run_plan, serve_steps
 from treeattn.engine.errors import EngineError, StepFailed
@@ -69,7 +73,7 @@ class SpawnedRanks:
     def _spawn(self, spawn, model) -> None:
         try:
             spawn(rank_main, self.config.nproc, self._listener.address, self._authkey, model, self.config,
-                  timeout=self.config.timeout_s)
+                  backend=backend_for(self.config.device), timeout=self.config.timeout_s)
         except BaseException as exc:  # noqa: BLE001
             self.failure = exc
 
@@ -111,7 +115,7 @@ class GroupChannel:
     restartable = False
 
     def __init__(self, model, config: EngineConfig, group) -> None:
-        model = load_model(model, config.dtype)
+        model = load_model(model, config.dtype, _group_device(model, config, group))
         self.group = group
         self.runner = make_runner(model, config, group)
         self.info = model_info(model)
@@ -132,3 +136,13 @@ class GroupChannel:
 
 def _first_line(message: str) -> str:
     return message.strip().splitlines()[0] if message.strip() else message
+
+
+def _group_device(model, config: EngineConfig, group) -> torch.device:
+    """This process's device in GroupChannel: one rank keeps a loaded model on its own device of the
+    asked kind (a checkpoint goes to the current CUDA device, or the CPU); in a group, rank r takes
+    rank_device (cuda:LOCAL_RANK under torchrun)."""
+    in_group = dist.is_available() and dist.is_initialized()
+    if not in_group and not isinstance(model, (str, os.PathLike)) and model.device.type == config.device:
+        return model.device
+    return rank_device(config.device, dist.get_rank() if in_group else 0)

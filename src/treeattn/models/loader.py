@@ -85,11 +85,14 @@ def load_model(model_dir: str | os.PathLike, *, dtype: torch.dtype = torch.float
     by_file: dict[Path, list[tuple[str, str]]] = {}
     for ours, (path, theirs) in plan.items():
         by_file.setdefault(path, []).append((ours, theirs))
+    # Tensor by tensor, straight onto `device` (safetensors reads each one from the file mapping into
+    # the device's memory), converted to `dtype` there: no whole float32 copy of the model in host memory.
+    where = f"cuda:{torch.cuda.current_device() if device.index is None else device.index}" if device.type == "cuda" else str(device)
     for path, names in by_file.items():
-        with safe_open(str(path), framework="pt", device="cpu") as f:
+        with safe_open(str(path), framework="pt", device=where) as f:
             for ours, theirs in names:
                 keep = ours.endswith(getattr(model, "FLOAT32_PARAMETERS", ()))  # e.g. DeepSeek's router biases
-                state[ours] = f.get_tensor(theirs).to(device=device, dtype=torch.float32 if keep else dtype)
+                state[ours] = f.get_tensor(theirs).to(dtype=torch.float32 if keep else dtype)
     model.load_state_dict(state, strict=True, assign=True)
     model.inv_freq = model.inv_freq.to(device)
     model.tokenizer = load_tokenizer(model_dir)
