@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from treeattn.engine.device import backend_for, check_gpus, rank_device, resolve_device, resolve_dtype
+from treeattn.engine.config import EngineConfig
 from treeattn.engine.errors import ConfigError
 
 
@@ -52,3 +53,114 @@ def test_rank_r_runs_on_cuda_r_or_local_rank_under_torchrun(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "8")
     monkeypatch.setenv("LOCAL_RANK", "1")
     assert rank_device("cuda", 5) == torch.device("cuda", 1)
+
+
+# ---------------------------------------------------------------------------------------------- the engine
+
+def tiny_model():
+    from treeattn.models.llama import LlamaConfig, random_model
+
+    return random_model(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2,
+                                    num_kv_heads=1, head_dim=16, max_position_embeddings=128))
+
+
+def test_engine_refuses_cuda_without_cuda_before_any_work(no_cuda, monkeypatch):
+    import treeattn as ta
+    from treeattn.engine import transport
+
+    monkeypatch.setattr(transport, "SpawnedRanks", lambda *a, **k: pytest.fail("no rank may start"))
+    monkeypatch.setattr(transport, "GroupChannel", lambda *a, **k: pytest.fail("no rank may start"))
+    with pytest.raises(ConfigError, match=r"^device='cuda' needs a CUDA device") as info:
+        ta.Engine(tiny_model(), nproc=2, device="cuda", block_size=16, cache_tokens=128)
+    assert info.value.option == "device"
+    with pytest.raises(ConfigError, match=r"^device must be one of"):
+        EngineConfig(device="gpu")
+
+
+def test_engine_on_the_cpu_by_default_and_by_name(no_cuda):
+    import treeattn as ta
+
+    model = tiny_model()
+    runs = {}
+    for device in ("auto", "cpu"):
+        with ta.Engine(model, nproc=1, device=device, block_size=16, cache_tokens=128) as engine:
+            assert engine.config.device == "cpu"
+            runs[device] = engine.generate([1, 2, 3], max_new_tokens=4)[0].token_ids
+    assert runs["auto"] == runs["cpu"]
+
+
+def test_memory_check_names_the_gpus_free_memory(monkeypatch):
+    from treeattn.engine import memory
+
+    monkeypatch.setattr(memory, "device_memory_bytes", lambda device: 3 << 30)
+    memory.check_memory_fit(ranks=1, weights=1 << 30, cache=1 << 30, draft=0, device="cuda:1", cache_option="cache_tokens")
+    with pytest.raises(ConfigError, match=r"^cache_tokens: 1 rank\(s\) x \(1.0 GiB of weights \+ 4.0 GiB of KV cache\) = 5.0 GiB, "
+                                          r"more than the 3.0 GiB free on cuda:1$"):
+        memory.check_memory_fit(ranks=1, weights=1 << 30, cache=4 << 30, draft=0, device="cuda:1", cache_option="cache_tokens")
+
+
+def test_serve_refuses_cuda_without_cuda_in_one_line(no_cuda, tmp_path):
+    from typer.testing import CliRunner
+
+    from treeattn.cli import app
+
+    tmp_path.joinpath("config.json").write_text("{}")  # never read: the flag is refused first
+    result = CliRunner().invoke(app, ["serve", str(tmp_path), "--device", "cuda"])
+    assert result.exit_code == 2, result.output
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("treeattn serve: error: --device cuda needs a CUDA device"), result.output
+
+
+# ------------------------------------------------------------------- CUDA (pytest -m gpu; skipped without a GPU)
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_a_model_runs_on_the_gpu_with_the_cpus_tokens():
+    import treeattn as ta
+
+    model = tiny_model()
+    tokens = {}
+    for device in ("cpu", "cuda"):
+        with ta.Engine(model, nproc=1, device=device, dtype=torch.float32, block_size=16, cache_tokens=128) as engine:
+            runner = engine._channel.runner
+            assert runner.model.device.type == device and runner.cache.arena.device.type == device
+            tokens[device] = engine.generate([1, 2, 3, 4], max_new_tokens=6)[0].token_ids
+    assert tokens["cuda"] == tokens["cpu"]
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_a_checkpoint_loads_onto_the_gpu_in_bfloat16_and_the_memory_check_reads_free_memory(tmp_path):
+    pytest.importorskip("transformers")
+    from test_model import make_checkpoint
+
+    import treeattn as ta
+
+    make_checkpoint("llama", tmp_path / "llama")
+    with ta.Engine(str(tmp_path / "llama"), nproc=1, device="auto", block_size=16, cache_tokens=128) as engine:
+        model = engine._channel.runner.model
+        assert model.device == torch.device("cuda", torch.cuda.current_device()) and model.dtype == torch.bfloat16
+        assert len(engine.generate([1, 2, 3], max_new_tokens=3)[0].token_ids) == 3
+    from treeattn.cache.sharded import kv_bytes_per_token
+    from treeattn.models.loader import read_config
+
+    per_token = kv_bytes_per_token(read_config(tmp_path / "llama"), torch.bfloat16)
+    tokens = 16 * (torch.cuda.mem_get_info()[0] // per_token // 16 + 1)  # more KV cache than the GPU has free
+    with pytest.raises(ConfigError, match=r"^cache_tokens: .* free on cuda:"):
+        ta.Engine(str(tmp_path / "llama"), nproc=1, device="cuda", block_size=16, max_context=64, cache_tokens=tokens)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_two_cuda_ranks_form_an_nccl_group_with_the_cpus_tokens():
+    import treeattn as ta
+
+    model = tiny_model()
+    tokens = {}
+    for device in ("cpu", "cuda"):
+        with ta.Engine(model, nproc=2, device=device, dtype=torch.float32, block_size=16, cache_tokens=256) as engine:
+            tokens[device] = engine.generate([1, 2, 3, 4], max_new_tokens=6)[0].token_ids
+    assert tokens["cuda"] == tokens["cpu"]

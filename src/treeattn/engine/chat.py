@@ -25,9 +25,10 @@ from pathlib import Path
 import typer
 
 from treeattn.engine.config import EngineConfig as E
+from treeattn.engine.errors import ConfigError
 from treeattn.engine.config import GenerationConfig as G
 from treeattn.engine.console import say, write_stdout
-from treeattn.engine.flags import Decode, config_flag, dtype_flag
+from treeattn.engine.flags import Decode, Device, config_flag, dtype_flag, torch_dtype
 
 COMMANDS = {"/reset": "forget the conversation (the system message stays)", "/exit": "leave (Ctrl-D too)",
             "/help": "list these commands"}
@@ -78,11 +79,10 @@ def chat_command(
                                   "keeps the conversation in full blocks, so small blocks reuse more of it."),
     decode: Decode = config_flag(E, "decode"),
     dtype: str = dtype_flag(),
+    device: Device = config_flag(E, "device"),
     timeout: float = config_flag(E, "timeout_s", flag="--timeout", min=0.001, max=1e6),
 ) -> None:
     """Chat with MODEL in the terminal: its chat template, replies streamed as decoded, the conversation in the prefix cache."""
-    import torch
-
     import treeattn as ta
     from treeattn.engine.request import SamplingParams
     from treeattn.models.chat import end_of_turn_id
@@ -111,7 +111,12 @@ def chat_command(
     start = time.perf_counter()
     try:
         engine = ta.Engine(str(model), nproc=nproc, decode=decode if nproc > 1 else "local", max_batch_size=1,
-                           prefix_cache=True, block_size=block_size, dtype=getattr(torch, dtype), timeout_s=timeout)
+                           prefix_cache=True, block_size=block_size, dtype=torch_dtype(dtype), device=device, timeout_s=timeout)
+    except ConfigError as exc:  # a refused option (--device cuda without CUDA, ...): one line in the flags' words
+        from treeattn.engine.cli import _cli_message
+
+        typer.echo(f"error: {_cli_message(exc)}", err=True)
+        raise typer.Exit(2) from exc
     except Exception as exc:  # noqa: BLE001 -- a rank's error or a refused config: one line, exit 1
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(1) from exc

@@ -58,7 +58,7 @@ def generate_command(
     placement: Placement = config_flag(G, "placement"),
     block_size: int = config_flag(G, "block_size"),
     capacity: int | None = config_flag(G, "capacity", flag="--max-context"),
-    dtype: str = dtype_flag(),
+    dtype: str = dtype_flag("float32"),
     kv_cache_dtype: KvCacheDtype = config_flag(G, "kv_cache_dtype"),
     threads: int | None = config_flag(E, "threads_per_rank", flag="--threads", min=1),
     json_output: bool = typer.Option(False, "--json", help="Print one JSON object on stdout and nothing else."),

@@ -2,7 +2,7 @@
 
     decode: Decode = config_flag(EngineConfig, "decode")       # --decode <tree|ring|local>, help from the field's docs
     block_size: int = config_flag(GenerationConfig, "block_size", min=1)
-    dtype: str = dtype_flag()                                  # --dtype <float32|bfloat16|float16>
+    dtype: str = dtype_flag()                                  # --dtype <auto|float32|bfloat16|float16>
 
 A flag is named after its field (block_size -> --block-size; a bool field gives --name/--no-name),
 its default is the field's, its choices are the tuple the field is checked against (the parameter's
@@ -22,6 +22,7 @@ import typer
 
 from treeattn.cache.placement import PLACEMENTS
 from treeattn.engine.config import KV_CACHE_DTYPES
+from treeattn.engine.device import DEVICES
 from treeattn.engine.ring_prefill import PREFILL_KINDS
 from treeattn.engine.speculate import SPECULATE_KINDS
 from treeattn.engine.static_step import DECODE_STEPS
@@ -42,6 +43,7 @@ Prefill = Literal[PREFILL_KINDS]
 Speculate = Literal[SPECULATE_KINDS]
 DecodeStep = Literal[DECODE_STEPS]
 KvCacheDtype = Literal[KV_CACHE_DTYPES]
+Device = Literal[DEVICES]
 
 
 def field_help(cls, name: str) -> str:
@@ -77,10 +79,24 @@ def _dtype(value: str) -> str:
     return value
 
 
-def dtype_flag(default: str = "float32", help: str = "The model's dtype (weights, activations, KV cache).") -> str:
-    """--dtype: float32, bfloat16 or float16 (bf16, fp16, fp32 accepted too)."""
-    return typer.Option(default, "--dtype", metavar="<" + "|".join(DTYPES) + ">", callback=_dtype, help=help)
+def _dtype_or_auto(value: str) -> str:
+    return value if value == "auto" else _dtype(value)
 
 
-__all__ = ["DTYPES", "DTYPE_ALIASES", "Decode", "DecodeStep", "KvCacheDtype", "Method", "Placement", "Prefill", "Speculate", "config_flag",
-           "dtype_flag", "field_help"]
+def dtype_flag(default: str = "auto", help: str = "The model's dtype (weights, activations, KV cache); auto: bfloat16 "
+               "on CUDA, float32 on the CPU.") -> str:
+    """--dtype: auto (when it is the default), float32, bfloat16 or float16 (bf16, fp16, fp32 accepted too)."""
+    names = ("auto", *DTYPES) if default == "auto" else DTYPES
+    return typer.Option(default, "--dtype", metavar="<" + "|".join(names) + ">",
+                        callback=_dtype_or_auto if default == "auto" else _dtype, help=help)
+
+
+def torch_dtype(name: str):
+    """A --dtype value as EngineConfig.dtype takes it: a torch.dtype, or None for "auto"."""
+    import torch
+
+    return None if name == "auto" else getattr(torch, name)
+
+
+__all__ = ["DTYPES", "DTYPE_ALIASES", "Decode", "DecodeStep", "Device", "KvCacheDtype", "Method", "Placement", "Prefill", "Speculate", "config_flag",
+           "dtype_flag", "field_help", "torch_dtype"]

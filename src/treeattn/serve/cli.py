@@ -10,7 +10,8 @@ from typing import Literal
 import typer
 
 from treeattn.engine.config import EngineConfig as E
-from treeattn.engine.flags import Decode, DecodeStep, KvCacheDtype, Method, Placement, Prefill, Speculate, config_flag, dtype_flag
+from treeattn.engine.flags import (Decode, DecodeStep, Device, KvCacheDtype, Method, Placement, Prefill, Speculate, config_flag,
+                                  dtype_flag, torch_dtype)
 
 LogLevel = Literal["debug", "info", "warning", "error", "critical"]
 
@@ -31,6 +32,7 @@ def serve_command(
     prefill: Prefill = config_flag(E, "prefill"),
     dtype: str = dtype_flag(),
     kv_cache_dtype: KvCacheDtype = config_flag(E, "kv_cache_dtype"),
+    device: Device = config_flag(E, "device"),
     speculate: Speculate | None = config_flag(E, "speculate"),
     draft_tokens: int = config_flag(E, "draft_tokens"),
     draft_model: Path | None = config_flag(E, "draft_model"),
@@ -53,8 +55,6 @@ def serve_command(
     """Serve MODEL over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics)."""
     import logging
 
-    import torch
-
     from treeattn.serve.server import ServeOptions, serve
 
     logging.getLogger("treeattn").setLevel(log_level.upper())  # the root logger's handler (treeattn.cli) writes to stderr
@@ -73,7 +73,7 @@ def serve_command(
         _fail(str(exc))
     engine_options = dict(nproc=nproc, decode=decode, method=method, placement=placement, max_batch_size=max_batch_size,
                           cache_tokens=cache_tokens, max_context=max_context, prefix_cache=prefix_cache, block_size=block_size,
-                          prefill=prefill, dtype=getattr(torch, dtype), timeout_s=timeout, speculate=speculate,
+                          prefill=prefill, dtype=torch_dtype(dtype), device=device, timeout_s=timeout, speculate=speculate,
                           draft_tokens=draft_tokens, draft_model=None if draft_model is None else str(draft_model),
                           shared_memory=shared_memory, decode_step=decode_step, kv_cache_dtype=kv_cache_dtype)
 

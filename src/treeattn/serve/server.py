@@ -58,10 +58,12 @@ def serve(model, options: ServeOptions, engine_options: dict, *, on_ready=None) 
     import uvicorn
 
     from treeattn.engine import Engine, EngineConfig
+    from treeattn.engine.device import resolve_device
     from treeattn.serve.app import ServerConfig, create_app
 
     start = time.perf_counter()
     engine_config = EngineConfig(**engine_options)  # the options' own errors first, before the checkpoint is read
+    resolve_device(engine_config.device)  # --device cuda without a GPU: one line, before the checkpoint is read
     template = _chat_template(model)  # a broken template fails the start-up before any rank starts
     logger.info("starting the engine: %d rank(s), decode=%s; every rank loads %s", engine_config.nproc, engine_config.decode,
                 _default_name(model))
