@@ -62,3 +62,21 @@ def test_cli_refuses_an_unknown_method():
 def test_cli_refuses_an_unknown_transport():
     result = CliRunner().invoke(app, ["bench", "profile", "demo", "-p", "1", "--transport", "nccl"])
     assert result.exit_code == 2 and "--transport" in result.output and "nccl" in result.output
+
+
+def test_cli_refuses_cuda_without_cuda(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    result = CliRunner().invoke(app, ["bench", "profile", "demo", "-p", "1", "--device", "cuda"])
+    assert result.exit_code == 2 and "--device cuda needs a CUDA device" in result.output, result.output
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs CUDA")
+def test_cli_profiles_on_the_gpu(tmp_path):
+    out = tmp_path / "profile.json"
+    result = CliRunner().invoke(app, ["bench", "profile", "demo", "-p", "1", "--device", "cuda", "--context", "64",
+                                      "--max-new-tokens", "6", "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    assert out.exists()

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import typer
 
+from treeattn.engine.flags import dtype_flag
+
 from treeattn.bench.config import METHODS, SweepConfig
 
 bench_app = typer.Typer(help="Benchmarks: decode sweeps, calibration, cost-model validation.", no_args_is_help=True, rich_markup_mode=None)
@@ -410,11 +412,14 @@ def profile_command(
     new_tokens: int = typer.Option(16, "--max-new-tokens", min=4, help="Greedy tokens per method (the first --warmup steps are not counted)."),
     method: list[str] = typer.Option(["allreduce", "onepass"], "--method", "-m", help="tree_decode methods, each a prefill and a decode."),
     transport: list[str] = typer.Option(["shm"], "--transport", "-t", help="How the ranks combine (repeatable): shm (shared "
-                                        "memory, the default of generate and the engine) or gloo (the process group's sockets)."),
+                                        "memory, the default of generate and the engine) or gloo (the process group's sockets); CUDA ranks: their NCCL group."),
     warmup: int = typer.Option(2, "--warmup", min=0, help="Decode steps left out of the means."),
     repeats: int = typer.Option(1, "--repeats", min=1, help="Run the methods in turn this many times (means over all runs)."),
     threads: int | None = typer.Option(None, "--threads", min=1, help="torch threads per rank (default cores / ranks, at least 1)."),
     json_out: Path | None = typer.Option(None, "--output", "-o", help="Also write every rank's figures to this JSON file."),
+    device: str = typer.Option("auto", "--device", metavar="<auto|cpu|cuda>", help="Where the ranks run: auto (CUDA when "
+                               "torch sees a GPU), cpu or cuda (rank r on cuda:r, an NCCL group)."),
+    dtype: str = dtype_flag(),
 ) -> None:
     """Split one decode token's time on each rank: local attention, combine, sampling, rest of the model."""
     import os
@@ -425,12 +430,25 @@ def profile_command(
     from treeattn.bench.profile import PHASES, ProfileSpec, run_profile, variant_name
     from treeattn.parallel.tree_decode import METHODS as TREE_METHODS
 
+    from treeattn.engine.device import check_gpus, resolve_device
+    from treeattn.engine.errors import ConfigError
+    from treeattn.engine.flags import torch_dtype
+
+    try:
+        kind = resolve_device(device)
+        check_gpus(kind, max(nproc))
+    except ConfigError as exc:
+        from treeattn.engine.cli import _cli_message
+
+        raise _refuse(_cli_message(exc)) from exc
     bad = [m for m in method if m not in TREE_METHODS]
     if bad:
         raise _refuse(f"--method: expected tree_decode methods {TREE_METHODS}, got {bad[0]!r}")
     bad = [t for t in transport if t not in ("shm", "gloo")]
     if bad:
         raise _refuse(f"--transport: expected shm or gloo, got {bad[0]!r}")
+    if kind == "cuda":  # CUDA ranks combine over their NCCL group; shared memory is for CPU tensors
+        transport = ["nccl"]
     if new_tokens <= warmup:
         raise _refuse(f"--max-new-tokens {new_tokens} leaves no step after --warmup {warmup}")
     _check_outputs([("--output", json_out, (".json",))])
@@ -441,7 +459,8 @@ def profile_command(
     for p in nproc:
         spec = ProfileSpec(model=model, context=context, new_tokens=new_tokens, methods=tuple(method[:1] if p == 1 else method),
                            threads=threads or max(1, (os.cpu_count() or 1) // p), warmup=warmup, repeats=repeats,
-                           transports=tuple(dict.fromkeys(transport)) if p > 1 else ("shm",))
+                           transports=tuple(dict.fromkeys(transport)) if p > 1 or kind == "cuda" else ("shm",),
+                           device=kind, dtype=torch_dtype(dtype))
         reports = run_profile(spec, p)
         variants = [(m, t) for m in spec.methods for t in spec.transports]
         reference = reports[0][variant_name(*variants[0])]["generated_ids"]

@@ -52,20 +52,26 @@ class ProfileSpec:
     warmup: int = 2
     seed: int = 0
     repeats: int = 1
+    device: str = "cpu"  # "cpu" or "cuda" (resolved by the caller: treeattn.engine.device.resolve_device)
+    dtype: torch.dtype | None = None  # None: bfloat16 on CUDA, float32 on the CPU
 
 
-def build_model(name: str, seed: int):
-    """The model of a ProfileSpec (the same weights on every rank)."""
+def build_model(name: str, seed: int, device: str = "cpu", dtype: torch.dtype | None = None, rank: int = 0):
+    """The model of a ProfileSpec (the same weights on every rank), on this rank's device
+    (treeattn.engine.device.rank_device) in `dtype` (None: bfloat16 on CUDA, float32 on the CPU)."""
+    from treeattn.engine.device import rank_device, resolve_dtype
     from treeattn.eval.synthetic import DEMO_CONFIG
     from treeattn.models.llama import LlamaConfig, random_model
 
-    if name == "demo":
-        return random_model(LlamaConfig(**DEMO_CONFIG), seed=seed)
-    if name == "smollm2-shapes":
-        return random_model(LlamaConfig(**SMOLLM2_SHAPES), seed=seed)
+    where, dtype = rank_device(device, rank), resolve_dtype(dtype, device)
+    if where.type == "cuda":
+        torch.cuda.set_device(where)
+    if name in ("demo", "smollm2-shapes"):
+        config = LlamaConfig(**(DEMO_CONFIG if name == "demo" else SMOLLM2_SHAPES))
+        return random_model(config, seed=seed).to(device=where, dtype=dtype)
     from treeattn.models.loader import load_model
 
-    return load_model(name)
+    return load_model(name, dtype=dtype, device=where)
 
 
 def variant_name(method: str, transport: str) -> str:
@@ -81,7 +87,7 @@ def profile_rank(rank: int, world_size: int, spec: ProfileSpec) -> list[dict] | 
     from treeattn.engine.client import Engine
 
     torch.set_num_threads(spec.threads)
-    model = build_model(spec.model, spec.seed)
+    model = build_model(spec.model, spec.seed, spec.device, spec.dtype, rank)
     prompt = synthetic_prompt(spec.context, model.config.vocab_size, spec.seed)
     group = dist.group.WORLD if world_size > 1 else None
     variants = [(method, transport) for method in spec.methods for transport in spec.transports]
@@ -89,7 +95,7 @@ def profile_rank(rank: int, world_size: int, spec: ProfileSpec) -> list[dict] | 
     positions = spec.context + spec.new_tokens
     for _ in range(spec.repeats):
         for method, transport in variants:
-            with Engine(model, group=group, decode="tree" if world_size > 1 else "local", method=method,
+            with Engine(model, group=group, decode="tree" if world_size > 1 else "local", method=method, device=spec.device,
                         shared_memory=transport == "shm", max_batch_size=1, prefix_cache=False, block_size=256,
                         cache_tokens=positions + 256 * world_size, max_context=positions, timeout_s=600.0) as engine:
                 if engine.is_driver:
@@ -130,6 +136,7 @@ def run_profile(spec: ProfileSpec, nproc: int) -> list[dict]:
     """profile_rank on `nproc` local ranks (in this process for 1). Returns every rank's report."""
     if nproc == 1:
         return profile_rank(0, 1, spec)
+    from treeattn.engine.device import backend_for
     from treeattn.parallel import spawn
 
-    return spawn(profile_rank, nproc, spec, timeout=3600)[0]
+    return spawn(profile_rank, nproc, spec, backend=backend_for(spec.device), timeout=3600)[0]
