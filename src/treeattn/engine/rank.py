@@ -49,7 +49,9 @@ def load_model(model, dtype, device: torch.device | None = None):
     if isinstance(model, (str, os.PathLike)):
         device = device or torch.device("cpu")
         return load(model, dtype=resolve_dtype(dtype, device.type), device=device)
-    return model.to(device=device or model.device, dtype=dtype or model.dtype)
+    if device is not None and device != model.device:
+        model = model.to(device)
+    return model if dtype is None else model.to(dtype)
 
 
 def model_info(model) -> ModelInfo:
