@@ -90,7 +90,7 @@ def rank_main(rank: int, world_size: int, gguf: str, context: int, new_tokens: i
 
     engine_batch.kernel_takes = alternate
     model = ta.load_model(gguf)
-    result = ta.generate(model, prompt_ids(context, model.config.vocab_size), max_new_tokens=new_tokens, stop_tokens=[])
+    result = ta.generate(model, prompt_ids(context, model.config.vocab_size), max_new_tokens=new_tokens, ignore_eos=True)
     steps = result.step_times_s
     paged = used[len(used) - len(steps):]  # the decode steps are the last steps
     out = {"tokens": result.generated_ids[0], "threads": torch.get_num_threads()}

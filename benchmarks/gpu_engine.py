@@ -71,7 +71,7 @@ def decode_profile(model, prompt, steps: int = 8) -> dict:
     import treeattn as ta
     from torch.profiler import ProfilerActivity, profile
 
-    run = iter(ta.stream(model, prompt, max_new_tokens=steps + 1, static_decode=True, stop_tokens=[]))
+    run = iter(ta.stream(model, prompt, max_new_tokens=steps + 1, decode_step="static", ignore_eos=True))
     next(run)  # prefill and the first token, not profiled
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -109,13 +109,13 @@ def main() -> None:
         for context in args.contexts:
             model, weights = build(name, context, args.tokens)
             prompt = torch.randint(0, model.config.vocab_size, (context,), generator=torch.Generator().manual_seed(0)).tolist()
-            common = dict(max_new_tokens=args.tokens, stop_tokens=[])
+            common = dict(max_new_tokens=args.tokens, ignore_eos=True)
             warm = prompt[:1024]  # compile every kernel before anything is timed
             for static in (False, True):
-                ta.generate(model, warm, max_new_tokens=4, stop_tokens=[], static_decode=static)
+                ta.generate(model, warm, max_new_tokens=4, ignore_eos=True, decode_step="static" if static else "dynamic")
             dynamic = ta.generate(model, prompt, **common)
-            static = ta.generate(model, prompt, static_decode=True, **common)
-            graph = ta.generate(model, prompt, static_decode=True, cuda_graph=True, **common)
+            static = ta.generate(model, prompt, decode_step="static", **common)
+            graph = ta.generate(model, prompt, decode_step="graph", **common)
             same = dynamic.generated_ids == static.generated_ids == graph.generated_ids
             profiled = decode_profile(model, prompt)
             row = {"model": name, "weights": weights, "context": context, "prefill_s": dynamic.prefill_s,

@@ -82,7 +82,7 @@ def rank_main(rank: int, world_size: int, gguf: str, hf_dir: str, context: int, 
 
     def run_ours(n):
         start = time.perf_counter()
-        result = ta.generate(ours, prompt, max_new_tokens=n, stop_tokens=[])
+        result = ta.generate(ours, prompt, max_new_tokens=n, ignore_eos=True)
         return result, time.perf_counter() - start
 
     def run_tahf(n):

@@ -66,21 +66,22 @@ def build_prompts(model, doc_tokens: int, more_questions: bool = False) -> tuple
 def run_rank(rank: int, world_size: int, path: str, prompts: dict, stops: list[int], new_tokens: int, draft_tokens: int,
              threads: int, methods: list[tuple[str, str | None]]) -> dict | None:
     """Every prompt plain, then with each (speculate, draft_model) of `methods`."""
-    from treeattn.engine.config import GenerationConfig
+    from treeattn.engine.config import EngineConfig
     from treeattn.engine.generate import Generation
+    from treeattn.engine.request import SamplingParams
 
     torch.set_num_threads(threads)
     model = ta.load_model(path)
-    stop_tokens = tuple(dict.fromkeys(list(model.config.eos_token_ids) + stops))
+    sampling = SamplingParams(max_new_tokens=new_tokens, stop_token_ids=tuple(stops))  # besides the model's eos ids
     out = {}
     for name, prompt in prompts.items():
-        plain = Generation(model, prompt, GenerationConfig(max_new_tokens=new_tokens, stop_tokens=stop_tokens))
+        plain = Generation(model, prompt, EngineConfig(), sampling)
         for _ in plain:
             pass
         out[name] = {"plain": plain.result.as_dict(), "speculative": []}
         for speculate, draft_model in methods:
-            spec = Generation(model, prompt, GenerationConfig(max_new_tokens=new_tokens, stop_tokens=stop_tokens, speculate=speculate,
-                                                              draft_tokens=draft_tokens, draft_model=draft_model))
+            spec = Generation(model, prompt, EngineConfig(speculate=speculate, draft_tokens=draft_tokens, draft_model=draft_model),
+                              sampling)
             for _ in spec:
                 pass
             out[name]["speculative"].append(spec.result.as_dict())

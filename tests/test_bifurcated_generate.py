@@ -32,13 +32,13 @@ def make_model():
 
 
 SAMPLING = dict(max_new_tokens=12, temperature=1.0, top_k=40, seed=3)
-STOPS = list(range(60, 75))  # some samples stop early, others run to max_new_tokens
+STOPS = dict(stop_token_ids=list(range(60, 75)), ignore_eos=True)  # some samples stop early, others run to max_new_tokens
 
 
 def test_samples_equal_a_plain_batch_with_the_same_seed():
     model = make_model()
-    samples = ta.generate(model, PROMPT, num_samples=N, stop_tokens=STOPS, block_size=8, **SAMPLING)
-    batch = ta.generate(model, [PROMPT] * N, stop_tokens=STOPS, block_size=8, **SAMPLING)
+    samples = ta.generate(model, PROMPT, num_samples=N, **STOPS, block_size=8, **SAMPLING)
+    batch = ta.generate(model, [PROMPT] * N, **STOPS, block_size=8, **SAMPLING)
     assert samples.num_samples == N and len(samples.generated_ids) == N
     assert samples.generated_ids == batch.generated_ids
     assert samples.finish_reasons == batch.finish_reasons
@@ -63,7 +63,7 @@ def test_logprobs_are_the_models_own():
     from treeattn.models import LocalAttention
 
     model = make_model()
-    result = ta.generate(model, PROMPT, num_samples=4, max_new_tokens=1, temperature=1.0, seed=0, stop_tokens=[])
+    result = ta.generate(model, PROMPT, num_samples=4, max_new_tokens=1, temperature=1.0, seed=0, ignore_eos=True)
     cfg = model.config
     cache = ShardedKVCache(num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, capacity=len(PROMPT))
     positions = torch.arange(len(PROMPT))[None]
@@ -83,16 +83,16 @@ def run_on_ranks(rank, world_size):
     model = make_model()
     out = {}
     for placement, method in (("contiguous", "allreduce"), ("interleaved", "tree")):
-        result = ta.generate(model, PROMPT, num_samples=N, stop_tokens=STOPS, placement=placement, method=method,
+        result = ta.generate(model, PROMPT, num_samples=N, **STOPS, placement=placement, method=method,
                              block_size=8, **SAMPLING)
         out[placement] = (result.generated_ids, result.token_logprobs, result.cached_prompt_tokens)
-    batch = ta.generate(model, [PROMPT] * N, stop_tokens=STOPS, block_size=8, **SAMPLING)
+    batch = ta.generate(model, [PROMPT] * N, **STOPS, block_size=8, **SAMPLING)
     out["batch"] = (batch.generated_ids, batch.token_logprobs, batch.cached_prompt_tokens)
     return out
 
 
 def test_samples_on_two_ranks_equal_the_plain_batch():
-    reference = ta.generate(make_model(), [PROMPT] * N, stop_tokens=STOPS, **SAMPLING)
+    reference = ta.generate(make_model(), [PROMPT] * N, **STOPS, **SAMPLING)
     results = ta.spawn(run_on_ranks, 2, timeout=60)
     for rank in range(2):
         for key in ("contiguous", "interleaved", "batch"):

@@ -77,6 +77,20 @@ def test_kv_cache_dtype_halves_the_kv_bytes_per_token_in_the_json(checkpoint, id
     assert result.exit_code == 2 and "--kv-cache-dtype" in result.output
 
 
+def test_stop_strings_end_the_text_before_them(checkpoint, ids_file, expected):
+    """--stop STR (repeatable) ends a sequence at the token that completes STR and cuts the text
+    before it, as the engine and the server do; a string that never appears changes nothing."""
+    k = expected.index(expected[3])  # the first time the 4th token appears
+    args = ["generate", str(checkpoint), "--prompt-ids", str(ids_file), "--max-new-tokens", "6", "--json"]
+    result = runner.invoke(app, args + ["--stop", "never-said", "--stop", f"w{expected[3]}"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["generated_ids"] == expected[:k + 1] and report["finish_reason"] == "stop"
+    assert report["text"].split() == [f"w{i}" for i in expected[:k]]
+    plain = runner.invoke(app, args + ["--stop", "never-said"])
+    assert json.loads(plain.stdout)["generated_ids"] == expected
+
+
 def test_two_ranks_ring_decode_interleaved(checkpoint, ids_file, expected):
     result = runner.invoke(app, ["generate", str(checkpoint), "--prompt-ids", str(ids_file), "--max-new-tokens", "6", "--nproc", "2",
                                  "--decode", "ring", "--placement", "interleaved", "--block-size", "2", "--json"])
@@ -166,7 +180,8 @@ def test_python_dash_m_works(checkpoint, ids_file, expected):
     [
         (["--prompt", "w1 w2"], "has no tokenizer"),
         (["--prompt-ids", "IDS", "--prompt", "w1"], "give exactly one of --prompt, --prompt-file, --prompt-ids"),
-        (["--prompt-ids", "IDS", "--capacity", "12"], "prompt of 10 tokens \\+ --max-new-tokens 64 needs 74 cache slots, more than --max-context 12"),
+        (["--prompt-ids", "IDS", "--capacity", "12"], "prompt of 10 tokens \\+ --max-new-tokens 64 needs 74 positions, more than --max-context 12"),
+        (["--prompt-ids", "IDS", "--stop", "x"], "--stop: .* has no tokenizer to find stop strings with; use --stop-id"),
         (["--prompt-ids", "BAD_IDS"], r"prompt 0: token id 100000 is outside the vocabulary \[0, 128\)"),
     ],
 )
@@ -202,14 +217,15 @@ def test_demo_runs_tree_and_ring_and_checks_them(tmp_path):
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["--top-p", "0", "--temperature", "1"], r"--top-p must be in \(0, 1\] or None, got 0.0"),
+        (["--top-p", "0", "--temperature", "1"], r"--top-p must be a number in \(0, 1\], got 0.0"),
         (["--temperature", "inf"], r"--temperature must be a finite number >= 0 \(0 = greedy\), got inf"),
-        (["--decode", "local", "--nproc", "2"], "--decode local runs on one rank, but the group has 2; use --decode tree or --decode ring"),
-        (["--max-context", "1000000000000"], r"--max-context 1000000000000: the KV cache of 1000000000000 slots x 1 sequences \(blocks of 256\) would take "
-                                          r"[0-9.]+ TiB per rank on 1 rank\(s\), more than the [0-9.]+ GiB of memory of cpu"),
-        (["--max-new-tokens", "1000000000000", "--nproc", "2"], r"--max-new-tokens 1000000000000: the KV cache .* TiB per rank on 2 rank"),
-        (["--stop-id", "-3"], "--stop-id must hold token ids >= 0, got -3"),
-        (["--block-size", "0"], "--block-size must be >= 1, got 0"),
+        (["--decode", "local", "--nproc", "2"], "--decode local runs on one rank, but --nproc 2; use --decode tree or --decode ring"),
+        (["--max-context", "1000000000000"], r"^error: --max-context: 1 rank\(s\) x \([0-9.]+ KiB of weights \+ [0-9.]+ TiB of KV cache\) = "
+                                          r"[0-9.]+ TiB, more than the [0-9.]+ GiB of memory of this machine$"),
+        (["--max-new-tokens", "1000000000000", "--nproc", "2"], r"^error: --max-new-tokens: 2 rank\(s\) x \(.* TiB of KV cache\)"),
+        (["--stop-id", "-3"], r"--stop-id must be a sequence of ints >= 0, got \(-3,\)"),
+        (["--block-size", "0"], "--block-size must be an int >= 1, got 0"),
+        (["--top-k", "-1"], r"--top-k must be an int >= 0 \(0 = all tokens\), got -1"),
     ],
 )
 def test_option_errors_are_one_line_before_any_rank_starts(checkpoint, ids_file, args, message):
@@ -236,29 +252,30 @@ def test_binary_prompt_file_is_named(checkpoint, tmp_path):
 
 def test_ranks_beyond_the_memory_are_refused_and_beyond_the_cores_warned(checkpoint, ids_file, monkeypatch, capsys):
     from treeattn.engine import memory
-    from treeattn.engine.config import GenerationConfig
     from treeattn.engine.cli import _check_before_spawning
+    from treeattn.engine.config import EngineConfig
+    from treeattn.engine.request import SamplingParams
 
     weights = (checkpoint / "model.safetensors").stat().st_size  # the weights, and a header of a few KiB
     monkeypatch.setattr(memory, "device_memory_bytes", lambda device: int(3.5 * weights))
     monkeypatch.setattr("os.cpu_count", lambda: 2)
-    config = GenerationConfig(max_new_tokens=4, block_size=4)
-    _check_before_spawning(config, checkpoint, [PROMPT[:2]], 2, "float32")
+    config, sampling = EngineConfig(block_size=4), SamplingParams(max_new_tokens=4)
+    _check_before_spawning(config, sampling, 1, checkpoint, [PROMPT[:2]], 2, "float32")
     assert capsys.readouterr().err == ""
-    _check_before_spawning(config, checkpoint, [PROMPT[:2]], 3, "float32")
+    _check_before_spawning(config, sampling, 1, checkpoint, [PROMPT[:2]], 3, "float32")
     err = " ".join(capsys.readouterr().err.split())
     assert "--nproc 3 ranks on 2 cores: they will time-share the cores" in err
     assert "--nproc 3 ranks for a 2-token prompt: some ranks start with no tokens" in err
     with pytest.raises(ValueError, match=r"^nproc: 4 rank\(s\) x \(.* of weights \+ .* of KV cache\) = .*, more than the .* of memory of this machine$"):
-        _check_before_spawning(config, checkpoint, [PROMPT], 4, "float32")
+        _check_before_spawning(config, sampling, 1, checkpoint, [PROMPT], 4, "float32")
     # under torchrun: the ranks of this machine (LOCAL_WORLD_SIZE) count, and only rank 0 warns
     monkeypatch.setenv("WORLD_SIZE", "8")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")
     monkeypatch.setenv("RANK", "1")
-    _check_before_spawning(config, checkpoint, [PROMPT[:2]], 8, "float32")
+    _check_before_spawning(config, sampling, 1, checkpoint, [PROMPT[:2]], 8, "float32")
     assert capsys.readouterr().err == ""
     monkeypatch.setenv("RANK", "0")
-    _check_before_spawning(config, checkpoint, [PROMPT[:2]], 8, "float32")
+    _check_before_spawning(config, sampling, 1, checkpoint, [PROMPT[:2]], 8, "float32")
     err = " ".join(capsys.readouterr().err.split())
     assert "--nproc 3 ranks on 2 cores" in err and "--nproc 8 ranks for a 2-token prompt" in err
 
@@ -275,7 +292,7 @@ def test_two_ranks_say_the_max_position_warning_once(checkpoint, tmp_path, ids_f
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["generated_ids"] == expected
-    assert out.stderr.count("16 positions exceed the model's max_position_embeddings=8") == 1, out.stderr
+    assert out.stderr.count("max_context=16 exceeds the model's max_position_embeddings=8") == 1, out.stderr  # the engine's warning
 
 
 def test_generate_imports_neither_bench_nor_sim_nor_matplotlib():

@@ -15,7 +15,8 @@ import pytest
 from typer.testing import CliRunner
 
 from treeattn.cli import ALIASES, app, rewrite_aliases
-from treeattn.engine.config import EngineConfig, GenerationConfig
+from treeattn.engine.config import EngineConfig
+from treeattn.engine.request import SamplingParams
 from treeattn.engine.flags import DTYPES, config_flag, field_help
 
 runner = CliRunner()
@@ -65,7 +66,7 @@ def test_engine_flags_come_from_the_configuration(helps):
     option = config_flag(EngineConfig, "block_size")
     assert option.default == 256 and option.param_decls == ("--block-size",)
     assert config_flag(EngineConfig, "prefix_cache").param_decls == ("--prefix-cache/--no-prefix-cache",)
-    for cls in (EngineConfig, GenerationConfig):  # every field is documented, so every flag gets help
+    for cls in (EngineConfig, SamplingParams):  # every field is documented, so every flag gets help
         for field in dataclasses.fields(cls):
             assert field_help(cls, field.name)
 
@@ -74,6 +75,7 @@ def test_old_spellings_are_rewritten():
     assert rewrite_aliases(["simulate", "-p", "8", "--gpus=16"]) == ["simulate", "--nproc", "8", "--nproc=16"]
     assert rewrite_aliases(["demo", "--model", "m.gguf", "--new-tokens", "3"]) == ["demo", "m.gguf", "--max-new-tokens", "3"]
     assert rewrite_aliases(["generate", "M", "--capacity", "12"]) == ["generate", "M", "--max-context", "12"]
+    assert rewrite_aliases(["generate", "M", "--no-stop"]) == ["generate", "M", "--ignore-eos"]
     assert rewrite_aliases(["serve", "-p", "2"]) == ["serve", "-p", "2"]  # only the commands that spelled it so
     assert rewrite_aliases(["serve", "M", "--speculate", "none", "--speculate=none"]) == ["serve", "M"]  # the default's old name
     assert set(ALIASES) <= {" ".join(c).split()[0] for c in COMMANDS}

@@ -288,7 +288,7 @@ def test_shared_context_samples_and_static_step(checkpoints, references):
     """num_samples > 1 (bifurcated attention over the latent cache): greedy samples all equal the
     reference; the static (graph-safe) step is refused before any work, naming the model class."""
     model = load_model(checkpoints["v3"][0])
-    result = generate(model, PROMPT, max_new_tokens=NEW_TOKENS, num_samples=2, stop_tokens=[])
+    result = generate(model, PROMPT, max_new_tokens=NEW_TOKENS, num_samples=2, ignore_eos=True)
     assert result.generated_ids == [references["v3"]] * 2
-    with pytest.raises(ValueError, match="static_decode=True cannot run this model .*LlamaModel only, not DeepseekModel"):
-        generate(model, PROMPT, max_new_tokens=2, static_decode=True)
+    with pytest.raises(ValueError, match="decode_step='static' cannot run this model .*LlamaModel only, not DeepseekModel"):
+        generate(model, PROMPT, max_new_tokens=2, decode_step="static")

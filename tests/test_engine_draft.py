@@ -392,23 +392,25 @@ def test_serve_and_generate_count_the_draft_model_in_the_memory_check(checkpoint
     """Memory for two ranks of the model and its cache, not for a draft model as big as the model too."""
     from typer.testing import CliRunner
 
-    from treeattn.cache.sharded import kv_bytes_per_token
     from treeattn.cli import app
     from treeattn.engine import memory
-    from treeattn.engine.config import EngineConfig, GenerationConfig, kv_cache_bytes_per_rank
-    from treeattn.engine.memory import model_bytes
+    from treeattn.engine.config import EngineConfig
+    from treeattn.engine.generate import batch_config
+    from treeattn.engine.memory import kv_cache_bytes_per_rank, model_bytes
+    from treeattn.engine.request import SamplingParams
     from treeattn.models.loader import read_config
 
     model = str(checkpoints["model"])
     model_config = read_config(model)
     weights = model_bytes(model, torch.float32)
-    slots = EngineConfig(nproc=2, block_size=16, cache_tokens=256).blocks_per_rank(model_config.max_position_embeddings) * 16
-    monkeypatch.setattr(memory, "device_memory_bytes", lambda device: 2 * (weights + slots * kv_bytes_per_token(model_config, torch.float32)) + 1)
+    served = kv_cache_bytes_per_rank(EngineConfig(nproc=2, block_size=16, cache_tokens=256), model_config, torch.float32)
+    monkeypatch.setattr(memory, "device_memory_bytes", lambda device: 2 * (weights + served) + 1)
     result = CliRunner().invoke(app, ["serve", model, *SERVE, "--speculate", "draft", "--draft-model", model])
     assert result.exit_code == 2 and "error: --draft-model: 2 rank(s) x (" in result.output and "of draft model and its cache" in result.output
 
     prompt = [1, 2, 3, 4, 5, 6, 7, 8]
-    kv = kv_cache_bytes_per_rank(GenerationConfig(max_new_tokens=8), model_config, 1, len(prompt), 2, torch.float32)
+    kv = kv_cache_bytes_per_rank(batch_config(EngineConfig(), SamplingParams(max_new_tokens=8), 1, [prompt], 2), model_config,
+                                 torch.float32)
     monkeypatch.setattr(memory, "device_memory_bytes", lambda device: 2 * (weights + kv) + 1)
     ids = checkpoints["model"].parent / "ids.json"
     ids.write_text(str(prompt))

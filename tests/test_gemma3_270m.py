@@ -64,7 +64,7 @@ def test_prefill_logits_match_transformers(ours, reference, prompt):
 
 
 def test_greedy_tokens_match_uncached_recomputation(ours, reference, prompt):
-    result = ta.generate(ours, prompt, max_new_tokens=6, stop_tokens=[])
+    result = ta.generate(ours, prompt, max_new_tokens=6, ignore_eos=True)
     sequence = list(prompt)
     with torch.no_grad():
         for _ in range(6):

@@ -96,7 +96,7 @@ def _engine_cases(rank: int, world_size: int, dirs: dict) -> dict:
     for name, kwargs in {
         "mismatch": dict(max_new_tokens=4 + rank),
         "local-on-3": dict(decode="local"),
-        "too-long": dict(capacity=10),
+        "too-long": dict(max_context=10),
     }.items():
         try:
             generate(models[kwargs.pop("model", "llama")], PROMPT, **kwargs)
@@ -191,8 +191,8 @@ def test_tree_decode_sends_fewer_bytes_than_ring_decode(ranks):
 def test_bad_arguments_fail_on_every_rank_before_any_work(ranks):
     for per_rank in ranks:
         assert "max_new_tokens" in per_rank["mismatch"] and "every rank must pass the same" in per_rank["mismatch"]
-        assert "decode='local' runs on one rank, but the group has 3" in per_rank["local-on-3"]
-        assert "prompt of 12 tokens is longer than the KV cache: capacity=10 tokens" in per_rank["too-long"]
+        assert "decode='local' runs on one rank, but nproc=3" in per_rank["local-on-3"]
+        assert "prompt of 12 tokens + max_new_tokens=64 needs 76 positions, more than max_context=10" in per_rank["too-long"]
 
 
 def test_non_finite_logits_stop_every_rank_and_name_the_layer(ranks):
@@ -250,10 +250,10 @@ def test_bfloat16_model_generates(checkpoints):
     assert all(0 <= t < VOCAB for g in result.generated_ids for t in g)
 
 
-def test_stop_tokens_end_a_sequence(llama, references):
+def test_stop_token_ids_end_a_sequence(llama, references):
     stop = references["llama"][6]
     first = references["llama"].index(stop)
-    result = generate(llama, PROMPT, max_new_tokens=NEW_TOKENS, stop_tokens=[stop])
+    result = generate(llama, PROMPT, max_new_tokens=NEW_TOKENS, stop_token_ids=[stop], ignore_eos=True)
     assert result.generated_ids[0] == references["llama"][: first + 1] and result.finish_reasons == ["stop"]
 
 
@@ -300,24 +300,25 @@ def test_logits_going_non_finite_mid_decode_stop_at_that_token(llama, references
         (dict(prompts=[[1, 2], []]), ValueError, "prompt 1 must be a non-empty list"),
         (dict(prompts=[1, VOCAB]), ValueError, rf"prompt 0: token id {VOCAB} is outside the vocabulary \[0, {VOCAB}\)"),
         (dict(prompts=[1.0, 2.0]), ValueError, "prompt 0 must be a non-empty list"),
-        (dict(max_new_tokens=0), ValueError, "max_new_tokens must be >= 1"),
+        (dict(max_new_tokens=0), ValueError, "max_new_tokens must be an int >= 1"),
         (dict(temperature=-1.0), ValueError, "temperature must be a finite number >= 0"),
         (dict(temperature=float("inf")), ValueError, "temperature must be a finite number >= 0.*got inf"),
         (dict(temperature=float("nan")), ValueError, "temperature must be a finite number >= 0.*got nan"),
-        (dict(stop_tokens=[2.7]), ValueError, r"stop_tokens must hold int token ids, got float \(2.7\)"),
-        (dict(stop_tokens=[-1]), ValueError, "stop_tokens must hold token ids >= 0, got -1"),
-        (dict(stop_tokens=[VOCAB]), ValueError, f"stop_tokens: token id {VOCAB} is outside the vocabulary"),
-        (dict(stop_tokens="2"), ValueError, "stop_tokens must be a list of token ids or None"),
-        (dict(capacity=10**12), ValueError, r"capacity=1000000000000: the KV cache .* would take .* per rank .* more than the .* of memory of cpu"),
-        (dict(max_new_tokens=10**12), ValueError, r"max_new_tokens=1000000000000: the KV cache .* more than the"),
+        (dict(stop_token_ids=[2.7]), ValueError, r"stop_token_ids must be a sequence of ints >= 0, got \[2.7\]"),
+        (dict(stop_token_ids=[-1]), ValueError, r"stop_token_ids must be a sequence of ints >= 0, got \[-1\]"),
+        (dict(stop_token_ids=[VOCAB]), ValueError, f"stop_token_ids: token id {VOCAB} is outside the vocabulary"),
+        (dict(stop_token_ids="2"), ValueError, "stop_token_ids must be a sequence of ints >= 0, got '2'"),
+        (dict(stop_tokens=[2]), TypeError, "stop_tokens is no longer an option of generate\\(\\): use stop_token_ids"),
+        (dict(max_context=10**12), ValueError, r"^max_context: 1 rank\(s\) x .* of KV cache\) = .* more than the .* of memory of this machine"),
+        (dict(max_new_tokens=10**12), ValueError, r"^max_new_tokens: 1 rank\(s\) x .* more than the"),
         (dict(prompts=[PROMPT, SHORT], num_samples=2), ValueError, "num_samples=2 samples completions of one prompt, got 2 prompts"),
-        (dict(top_p=0.0), ValueError, r"top_p must be in \(0, 1\]"),
-        (dict(top_k=0), ValueError, "top_k must be a positive int"),
+        (dict(top_p=0.0), ValueError, r"top_p must be a number in \(0, 1\]"),
+        (dict(top_k=-1), ValueError, r"top_k must be an int >= 0 \(0 = all tokens\)"),
         (dict(decode="flash"), ValueError, r"decode must be one of \('local', 'tree', 'ring'\)"),
         (dict(method="star"), ValueError, "method must be one of"),
         (dict(placement="striped"), ValueError, "placement must be one of"),
         (dict(prefill="tree"), ValueError, "prefill must be one of"),
-        (dict(capacity=20), ValueError, "prompt of 12 tokens \\+ max_new_tokens=32 needs 44 cache slots, more than capacity=20"),
+        (dict(max_context=20), ValueError, "prompt of 12 tokens \\+ max_new_tokens=32 needs 44 positions, more than max_context=20"),
     ],
 )
 def test_bad_arguments_are_named(llama, kwargs, error, match):

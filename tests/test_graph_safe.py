@@ -1,7 +1,7 @@
 """The graph-safe pieces the engine's static decode step stands on (treeattn.engine.static_step).
 
 On the CPU:
-- generate(static_decode=True) gives the tokens of generate() on p = 1 and 2 gloo ranks, tree and
+- generate(decode_step="static") gives the tokens of generate() on p = 1 and 2 gloo ranks, tree and
   ring, with a sliding window that bites; the step itself against the dynamic step, with the guard:
   tests/test_engine_static_step.py;
 - `no_host_sync()` (conftest), a guard that fails on any host read of a tensor (.item(),
@@ -12,7 +12,7 @@ On the CPU:
 - ring_decode's shard_lengths (no gather), tree_decode's kv_len, the static cache API.
 One spawn of 2 ranks runs every multi-rank case.
 
-Marked gpu (skipped without CUDA): generate(cuda_graph=True) equals generate().
+Marked gpu (skipped without CUDA): generate(decode_step="graph") equals generate().
 """
 
 from __future__ import annotations
@@ -50,9 +50,9 @@ def _ranks_main(rank: int, world_size: int) -> dict:
     out: dict = {}
     for decode in ("tree", "ring"):
         # method="allreduce": the static step's default; the dynamic default (onepass) sends other bytes
-        options = dict(max_new_tokens=8, decode=decode, method="allreduce", capacity=CAPACITY, block_size=BLOCK, prefill="split")
+        options = dict(max_new_tokens=8, decode=decode, method="allreduce", max_context=CAPACITY, block_size=BLOCK, prefill="split")
         dynamic = generate(model, PROMPTS, **options)
-        static = generate(model, PROMPTS, static_decode=True, **options)
+        static = generate(model, PROMPTS, decode_step="static", **options)
         out[f"generate-{decode}"] = (dynamic.generated_ids, static.generated_ids, dynamic.token_logprobs,
                                      static.token_logprobs, dynamic.comm_bytes_per_rank, static.comm_bytes_per_rank,
                                      static.decode_step)
@@ -182,8 +182,8 @@ def test_the_guard_catches_host_reads():
 
 def test_generate_static_decode_on_one_process_bf16():
     model = make_model(torch.bfloat16)
-    options = dict(max_new_tokens=6, capacity=CAPACITY)
-    dynamic, static = generate(model, PROMPTS, **options), generate(model, PROMPTS, static_decode=True, **options)
+    options = dict(max_new_tokens=6, max_context=CAPACITY)
+    dynamic, static = generate(model, PROMPTS, **options), generate(model, PROMPTS, decode_step="static", **options)
     assert static.decode_step == "static" and dynamic.decode_step == "dynamic"
     assert static.generated_ids == dynamic.generated_ids
     assert static.kv_bytes_per_rank == dynamic.kv_bytes_per_rank
@@ -306,10 +306,10 @@ def test_cache_static_writes_touch_only_the_owned_slot():
 
 def test_generate_refuses_a_graph_without_cuda():
     model = make_model()
-    with pytest.raises(ValueError, match="cuda_graph=True needs the model on a CUDA device, got cpu"):
-        generate(model, PROMPTS[0], max_new_tokens=2, cuda_graph=True)
-    with pytest.raises(TypeError, match="static_decode must be a bool"):
-        generate(model, PROMPTS[0], max_new_tokens=2, static_decode="yes")
+    with pytest.raises(ValueError, match="decode_step='graph' records CUDA graphs: the model must be on a CUDA device, got cpu"):
+        generate(model, PROMPTS[0], max_new_tokens=2, decode_step="graph")
+    with pytest.raises(ValueError, match="decode_step must be one of"):
+        generate(model, PROMPTS[0], max_new_tokens=2, decode_step="yes")
 
 
 def test_replayed_steps_add_their_captured_traffic():
@@ -329,7 +329,7 @@ def test_replayed_steps_add_their_captured_traffic():
 @gpu
 def test_gpu_generate_with_a_cuda_graph_gives_the_tokens_of_generate():
     model = make_model(torch.float32, "cuda")
-    options = dict(max_new_tokens=8, capacity=CAPACITY)
-    dynamic, graphed = generate(model, PROMPTS, **options), generate(model, PROMPTS, cuda_graph=True, **options)
+    options = dict(max_new_tokens=8, max_context=CAPACITY)
+    dynamic, graphed = generate(model, PROMPTS, **options), generate(model, PROMPTS, decode_step="graph", **options)
     assert graphed.decode_step == "graph"
     assert graphed.generated_ids == dynamic.generated_ids

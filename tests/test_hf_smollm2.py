@@ -28,7 +28,7 @@ def _both_engines(rank: int, world_size: int, path: str, hf_dir: str) -> dict:
 
     ours = ta.load_model(path)
     prompt = ours.tokenizer.encode(PROMPT).ids
-    engine = ta.generate(ours, prompt, max_new_tokens=NEW_TOKENS, stop_tokens=[])
+    engine = ta.generate(ours, prompt, max_new_tokens=NEW_TOKENS, ignore_eos=True)
     text = ours.tokenizer.decode(engine.generated_ids[0])
     del ours
     model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()

@@ -94,11 +94,11 @@ def test_bad_inputs_raise_on_every_rank(reports):
 
 
 def test_engine_default_is_onepass_except_in_static_steps():
-    from treeattn.engine.config import ConfigError, GenerationConfig
+    from treeattn.engine.config import ConfigError, EngineConfig
 
-    assert GenerationConfig().method == "onepass"
-    assert GenerationConfig(static_decode=True).method == "allreduce"
-    assert GenerationConfig(method="tree", static_decode=True).method == "tree"
-    with pytest.raises(ConfigError, match="onepass.*static_decode") as raised:
-        GenerationConfig(method="onepass", static_decode=True)
+    assert EngineConfig().method == "onepass"
+    assert EngineConfig(decode_step="static").method == "allreduce"
+    assert EngineConfig(method="tree", decode_step="static").method == "tree"
+    with pytest.raises(ConfigError, match="onepass.*decode_step='static'") as raised:
+        EngineConfig(method="onepass", decode_step="static")
     assert raised.value.option == "method"

@@ -25,7 +25,7 @@ from typer.testing import CliRunner  # noqa: E402
 
 from treeattn.cli import app  # noqa: E402
 from treeattn.cache import ShardedKVCache  # noqa: E402
-from treeattn.engine.config import ConfigError, GenerationConfig  # noqa: E402
+from treeattn.engine.config import ConfigError  # noqa: E402
 from treeattn.engine.generate import generate  # noqa: E402
 from treeattn.engine.request import SamplingParams  # noqa: E402
 from treeattn.engine.sampling import sampling_probs  # noqa: E402
@@ -87,7 +87,7 @@ def _speculative_cases(rank: int, world_size: int, dirs: dict) -> dict:
             if rank >= p:
                 continue
             for decode, placement in CASES[arch][p]:
-                result = generate(model, PROMPT, max_new_tokens=NEW_TOKENS, stop_tokens=[], decode=decode, placement=placement,
+                result = generate(model, PROMPT, max_new_tokens=NEW_TOKENS, ignore_eos=True, decode=decode, placement=placement,
                                   block_size=4, group=group, speculate="ngram", draft_tokens=3)
                 out[(arch, p, decode, placement)] = (result.generated_ids[0], result.decode_steps, result.speculation,
                                                     result.token_logprobs[0])
@@ -190,7 +190,7 @@ def test_sampled_tokens_follow_the_model_distribution(one_thread):
     counts: dict = {}
     drafted = accepted = 0
     for seed in range(n):
-        result = generate(model, SAMPLING_PROMPT, max_new_tokens=3, stop_tokens=[], seed=seed, speculate="ngram", draft_tokens=2,
+        result = generate(model, SAMPLING_PROMPT, max_new_tokens=3, ignore_eos=True, seed=seed, speculate="ngram", draft_tokens=2,
                           **SAMPLING)
         key = tuple(result.generated_ids[0])
         counts[key] = counts.get(key, 0) + 1
@@ -208,11 +208,13 @@ def test_sampled_tokens_follow_the_model_distribution(one_thread):
     (dict(speculate="ngram", draft_tokens=17), "draft_tokens", "[1, 16]"),
     (dict(speculate="medusa"), "speculate", "'ngram'"),
     (dict(speculate="ngram", num_samples=2), "speculate", "num_samples=2"),
-    (dict(speculate="ngram", static_decode=True), "speculate", "static_decode=True"),
+    (dict(speculate="ngram", decode_step="static"), "speculate", "decode_step='static'"),
 ])
 def test_bad_speculation_options_fail_once_naming_the_option(options, option, words):
+    model = random_model(LlamaConfig(vocab_size=16, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2,
+                                     num_kv_heads=1, head_dim=8))
     with pytest.raises(ConfigError) as info:
-        GenerationConfig(**options)
+        generate(model, [1, 2], **options)
     assert info.value.option == option and words in str(info.value) and "\n" not in str(info.value)
 
 

@@ -29,7 +29,7 @@ from test_speculate import (  # noqa: E402
 from typer.testing import CliRunner  # noqa: E402
 
 from treeattn.cli import app  # noqa: E402
-from treeattn.engine.config import ConfigError, GenerationConfig  # noqa: E402
+from treeattn.engine.config import ConfigError, EngineConfig  # noqa: E402
 from treeattn.engine.generate import generate  # noqa: E402
 from treeattn.models import load_model  # noqa: E402
 from treeattn.models.llama import LlamaConfig, random_model  # noqa: E402
@@ -61,7 +61,7 @@ def _draft_cases(rank: int, world_size: int, dirs: dict) -> dict:
         for decode, placement in CASES[p]:
             for draft in ("model", "other"):
                 prefill = "split" if (p, decode, placement, draft) == (3, "tree", "interleaved", "other") else "auto"
-                result = generate(model, PROMPT, max_new_tokens=NEW_TOKENS, stop_tokens=[], decode=decode, placement=placement,
+                result = generate(model, PROMPT, max_new_tokens=NEW_TOKENS, ignore_eos=True, decode=decode, placement=placement,
                                   prefill=prefill, block_size=4, group=group, speculate="draft", draft_model=dirs[draft], draft_tokens=3)
                 out[(p, decode, placement, draft)] = (result.generated_ids[0], result.decode_steps, result.speculation)
     # temperature > 0 on 3 ranks: every rank returns the same tokens
@@ -78,7 +78,7 @@ def ranks(checkpoints):
 
 def test_greedy_with_a_draft_model_equals_uncached_greedy_on_every_p(ranks, checkpoints):
     expected = _uncached_greedy(checkpoints["model"][1], PROMPT, NEW_TOKENS)
-    plain = generate(load_model(checkpoints["model"][0]), PROMPT, max_new_tokens=NEW_TOKENS, stop_tokens=[])
+    plain = generate(load_model(checkpoints["model"][0]), PROMPT, max_new_tokens=NEW_TOKENS, ignore_eos=True)
     assert plain.generated_ids[0] == expected
     for p in (1, 2, 3):
         for decode, placement in CASES[p]:
@@ -115,7 +115,7 @@ def test_sampled_tokens_with_a_draft_model_follow_the_model_distribution(one_thr
     counts: dict = {}
     drafted = accepted = 0
     for seed in range(n):
-        result = generate(model, SAMPLING_PROMPT, max_new_tokens=3, stop_tokens=[], seed=seed, speculate="draft", draft_model=draft,
+        result = generate(model, SAMPLING_PROMPT, max_new_tokens=3, ignore_eos=True, seed=seed, speculate="draft", draft_model=draft,
                           draft_tokens=2, **SAMPLING)
         key = tuple(result.generated_ids[0])
         counts[key] = counts.get(key, 0) + 1
@@ -175,7 +175,7 @@ def test_draft_model_and_speculate_draft_need_each_other():
         (dict(speculate="draft", draft_model="d.gguf", draft_tokens=17), "draft_tokens", "[1, 16]"),
     ]:
         with pytest.raises(ConfigError) as info:
-            GenerationConfig(**options)
+            EngineConfig(**options)
         assert info.value.option == option and words in str(info.value) and "\n" not in str(info.value), options
 
 
@@ -242,16 +242,17 @@ def test_the_memory_check_counts_the_draft_on_every_rank(tokenized, monkeypatch)
 
     from treeattn.engine import cli as engine_cli
     from treeattn.engine import memory
-    from treeattn.engine.config import kv_cache_bytes_per_rank
-    from treeattn.engine.memory import model_bytes
+    from treeattn.engine.generate import batch_config
+    from treeattn.engine.memory import kv_cache_bytes_per_rank, model_bytes
+    from treeattn.engine.request import SamplingParams
     from treeattn.models.loader import read_config
 
     model, prompts = str(tokenized["model"]), [list(range(8))]
     model_config, weights = read_config(model), model_bytes(model, torch.float32)
-    config = GenerationConfig(max_new_tokens=8, speculate="draft", draft_model=model)
-    kv = kv_cache_bytes_per_rank(config, model_config, 1, 8, 2, torch.float32)
+    config, sampling = EngineConfig(speculate="draft", draft_model=model), SamplingParams(max_new_tokens=8)
+    kv = kv_cache_bytes_per_rank(batch_config(config, sampling, 1, prompts, 2), model_config, torch.float32)
     monkeypatch.setattr(memory, "device_memory_bytes", lambda device: 4 * (weights + kv))
-    engine_cli._check_before_spawning(config, Path(model), prompts, 2, "float32")  # fits: 2 ranks x (model + draft)
+    engine_cli._check_before_spawning(config, sampling, 1, Path(model), prompts, 2, "float32")  # fits: 2 ranks x (model + draft)
     monkeypatch.setattr(memory, "device_memory_bytes", lambda device: 4 * (weights + kv) - 1)
     with pytest.raises(ValueError, match=r"^draft_model: 2 rank\(s\) x \(.* of draft model and its cache\) = "):
-        engine_cli._check_before_spawning(config, Path(model), prompts, 2, "float32")
+        engine_cli._check_before_spawning(config, sampling, 1, Path(model), prompts, 2, "float32")

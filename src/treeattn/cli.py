@@ -42,7 +42,7 @@ LAZY_COMMANDS = {
 
 # command -> {old spelling: today's flag}: hidden aliases (an old spelling of a positional argument maps to "").
 ALIASES = {
-    "generate": {"--capacity": "--max-context"},
+    "generate": {"--capacity": "--max-context", "--no-stop": "--ignore-eos"},
     "demo": {"--new-tokens": "--max-new-tokens", "--model": ""},
     "simulate": {"--gpus": "--nproc", "-p": "--nproc", "--new-tokens": "--max-new-tokens"},
     "bench": {"--world-size": "--nproc", "-p": "--nproc", "--new-tokens": "--max-new-tokens", "--json": "--output"},

@@ -25,10 +25,10 @@ from pathlib import Path
 import typer
 
 from treeattn.engine.config import EngineConfig as E
-from treeattn.engine.errors import ConfigError
-from treeattn.engine.config import GenerationConfig as G
 from treeattn.engine.console import say, write_stdout
+from treeattn.engine.errors import ConfigError
 from treeattn.engine.flags import Decode, Device, config_flag, dtype_flag, torch_dtype
+from treeattn.engine.request import SamplingParams as S
 
 COMMANDS = {"/reset": "forget the conversation (the system message stays)", "/exit": "leave (Ctrl-D too)",
             "/help": "list these commands"}
@@ -71,10 +71,10 @@ def chat_command(
     model: Path = typer.Argument(..., metavar="MODEL", help="Hugging Face checkpoint directory or .gguf file with a chat template."),
     nproc: int = config_flag(E, "nproc", min=1, help="Ranks sharing the KV cache, spawned here (gloo)."),
     system: str | None = typer.Option(None, "--system", help="System message before the conversation."),
-    max_new_tokens: int = config_flag(G, "max_new_tokens", default=512, min=1, help="New tokens per reply at most."),
-    temperature: float = config_flag(G, "temperature"),
-    top_p: float | None = config_flag(G, "top_p"),
-    seed: int = config_flag(G, "seed"),
+    max_new_tokens: int = config_flag(S, "max_new_tokens", default=512, min=1, help="New tokens per reply at most."),
+    temperature: float = config_flag(S, "temperature"),
+    top_p: float = config_flag(S, "top_p"),
+    seed: int = config_flag(S, "seed"),
     block_size: int = config_flag(E, "block_size", default=16, min=1, help="Tokens per KV cache block; the prefix cache "
                                   "keeps the conversation in full blocks, so small blocks reuse more of it."),
     decode: Decode = config_flag(E, "decode"),
@@ -99,8 +99,7 @@ def chat_command(
             raise ValueError(f"--decode local runs on one rank, but --nproc {nproc}; use --decode tree or ring")
         eot = end_of_turn_id(files.tokenizer, files.chat_template)
         stop = tuple(dict.fromkeys(list(files.config.eos_token_ids) + ([] if eot is None else [eot])))
-        params = dict(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, stop_token_ids=stop,
-                      **({} if top_p is None else {"top_p": top_p}))
+        params = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed, stop_token_ids=stop)
         SamplingParams(**params)  # bad sampling options: one line now, before the model loads
     except (ValueError, TypeError, FileNotFoundError) as exc:
         typer.echo(f"error: {exc}", err=True)

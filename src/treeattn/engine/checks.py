@@ -1,11 +1,16 @@
 """The engine's checks before any rank starts: everything a rank would refuse, said once in the caller's process.
 
+    files = check_engine(model, config, group=group, joined=joined)   # all of them, in this order:
+
     files = model_files(model)                   # config and tokenizer, without the weights for a path
     check_model(model); check_decode_step_device(model, config, group, joined)
     check_hybrid_cache(files.config, config)     # static/graph steps and ring prefill refuse a hybrid cache
     check_draft_model(files, config)             # with speculate="draft"
     check_memory(model, files.config, config)    # weights + cache (+ draft) of the ranks on this machine
     check_kv_cache_dtype(model, files.config, config)
+
+ta.Engine runs check_engine before it starts a rank; ta.generate runs it on its batch-sized config
+before any work (and `treeattn generate`, before spawning, the ones that need no loaded model).
 
 Each raises ValueError (ConfigError naming the EngineConfig field to change) with one line.
 """
@@ -19,7 +24,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from treeattn.cache.sharded import kv_bytes_per_token
 from treeattn.cache.window import hybrid_windows
 from treeattn.engine import memory
 from treeattn.engine.config import EngineConfig, resolve_kv_cache_dtype
@@ -132,15 +136,18 @@ def check_kv_cache_dtype(model, model_config, config: EngineConfig) -> None:
                           f"{str(dtype).removeprefix('torch.')})")
 
 
-def check_memory(model, model_config, config: EngineConfig) -> None:
-    """The weights and cache blocks the ranks on this machine hold (the draft model's too) against its
-    memory (memory.check_memory_fit); ConfigError naming the option to change."""
+def check_memory(model, model_config, config: EngineConfig, *, cache_option: str = "cache_tokens") -> None:
+    """The weights and KV cache the ranks on this machine hold (the draft model's too) against its
+    memory (memory.check_memory_fit, the one memory check), the cache counted in the dtype it stores
+    (kv_cache_dtype); ConfigError naming the option to change (`cache_option` when the cache is what
+    does not fit: the option that sized it)."""
     dtype = model_dtype(model, config)
     kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, dtype)
-    slots = config.blocks_per_rank(model_config.max_position_embeddings) * config.block_size
     draft = 0
     if config.draft_model is not None:
-        draft = model_bytes(config.draft_model, dtype) + slots * kv_bytes_per_token(model_files(config.draft_model).config, dtype)
+        draft_config = (model_files(config.draft_model) if isinstance(config.draft_model, (str, os.PathLike))
+                        else config.draft_model).config
+        draft = model_bytes(config.draft_model, dtype) + memory.kv_cache_bytes_per_rank(config, draft_config, dtype, blocks_for=model_config)
     ranks, device, weights = local_ranks(config.nproc), torch.device("cpu"), model_bytes(model, dtype)
     if config.device == "cuda":  # each rank its own GPU: one rank's share against the GPU with the least free memory
         in_group = dist.is_available() and dist.is_initialized()
@@ -148,6 +155,28 @@ def check_memory(model, model_config, config: EngineConfig) -> None:
         if not isinstance(model, (str, os.PathLike)) and model.device.type == "cuda" and (in_group or config.nproc == 1):
             devices, weights = [model.device], 0  # the model stays where it is: its weights are already taken
         ranks, device = 1, min(devices, key=memory.device_memory_bytes)
-    memory.check_memory_fit(ranks=ranks, weights=weights,
-                            cache=slots * kv_bytes_per_token(model_config, kv_dtype), draft=draft,
-                            device=device, cache_option="cache_tokens")
+    memory.check_memory_fit(ranks=ranks, weights=weights, cache=memory.kv_cache_bytes_per_rank(config, model_config, kv_dtype),
+                            draft=draft, device=device, cache_option=cache_option)
+
+
+def check_engine(model, config: EngineConfig, *, group=None, joined: bool = False, cache_option: str = "cache_tokens"):
+    """Every check of this module, in order, for `model` (a loaded model or a checkpoint path) run
+    with `config` (its device resolved by with_device); `group`/`joined`: the existing process group,
+    if any. Returns model_files(model). `cache_option` is the option the memory check names when the
+    cache does not fit."""
+    check_model(model)
+    check_gpus_of(model, config, joined)
+    check_decode_step_device(model, config, group, joined)
+    files = model_files(model)
+    check_hybrid_cache(files.config, config)
+    if not isinstance(model, (str, os.PathLike)):  # a hybrid linear model (treeattn.linear) is a loaded model
+        from treeattn.linear.hybrid import check_linear_engine
+
+        check_linear_engine(model, decode_step=config.decode_step, speculate=config.speculate,
+                            windows=bool(hybrid_windows(tuple(files.config.layer_windows))))
+    if config.draft_model is not None:
+        check_draft_model(files, config)
+    check_memory(model, files.config, config, cache_option=cache_option)
+    check_kv_cache_dtype(model, files.config, config)
+    config.max_context_tokens(files.config.max_position_embeddings)  # max_context beyond the cache
+    return files

@@ -3,12 +3,16 @@
     treeattn generate MODEL_DIR --prompt "Once upon a time" --nproc 4 --decode tree --max-new-tokens 64
     treeattn generate MODEL_DIR --prompt-ids ids.json --nproc 2 --json      # one JSON object on stdout
     treeattn generate model.gguf --chat --system "Be brief." --prompt "What is RoPE?"   # chat template
+    treeattn generate MODEL_DIR --prompt "Q: 2+2?" --stop "Q:" --stop $'\n\n'        # stop strings (repeatable)
     torchrun --nproc-per-node 4 -m treeattn generate MODEL_DIR --prompt-file prompt.txt
 
 Status lines (loading, ranks starting, prefill progress by chunk) and the summary go to stderr;
-stdout carries only the generated text, streamed as it is decoded (a batch: printed at the end), or
-with --json one JSON object, so the output can be piped. Progress bars only when stderr is a
-terminal; a file or pipe gets plain lines (treeattn.engine.console).
+stdout carries only the generated text, streamed as it is decoded (a batch, or with --stop: printed
+at the end, cut before the stop string), or with --json one JSON object, so the output can be
+piped. Progress bars only when stderr is a terminal; a file or pipe gets plain lines
+(treeattn.engine.console). Every engine and sampling flag is the field of EngineConfig or
+SamplingParams it fills (treeattn.engine.flags): the same name, default and help as in
+`treeattn serve`, ta.Engine and ta.generate.
 """
 
 from __future__ import annotations
@@ -25,16 +29,17 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from treeattn.engine.config import EngineConfig, GenerationConfig
+from treeattn.engine.config import EngineConfig
 from treeattn.engine.console import GenerateDisplay, process_age_s, say
-from treeattn.engine.flags import Decode, KvCacheDtype, Method, Placement, Prefill, Speculate, config_flag, dtype_flag
+from treeattn.engine.flags import Decode, DecodeStep, KvCacheDtype, Method, Placement, Prefill, Speculate, config_flag, dtype_flag
+from treeattn.engine.request import SamplingParams
 
 logger = logging.getLogger(__name__)
 stderr = Console(stderr=True)
 
 RankBy = Literal["none", "mean-logprob"]
 
-G, E = GenerationConfig, EngineConfig  # the configurations the flags fill (treeattn.engine.flags)
+E, S = EngineConfig, SamplingParams  # the configurations the flags fill (treeattn.engine.flags)
 
 
 def generate_command(
@@ -45,24 +50,31 @@ def generate_command(
     prompt_ids: Path | None = typer.Option(None, "--prompt-ids", help="JSON file: a list of token ids, or a list of such lists (a batch)."),
     nproc: int | None = config_flag(E, "nproc", default=None, min=1, help="Ranks sharing the KV cache, spawned here (gloo). "
                                     "Default 1, or the world size under torchrun."),
-    decode: Decode = config_flag(G, "decode"),
-    method: Method | None = config_flag(G, "method"),
-    prefill: Prefill = config_flag(G, "prefill"),
-    max_new_tokens: int = config_flag(G, "max_new_tokens", default=64, min=1),
-    temperature: float = config_flag(G, "temperature"),
-    top_k: int | None = config_flag(G, "top_k"),
-    top_p: float | None = config_flag(G, "top_p"),
-    seed: int = config_flag(G, "seed"),
-    stop_id: list[int] = typer.Option([], "--stop-id", help="Token id that ends a sequence (repeatable). Default: the model's eos ids."),
-    no_stop: bool = typer.Option(False, "--no-stop", help="Ignore stop tokens; always generate --max-new-tokens."),
-    placement: Placement = config_flag(G, "placement"),
-    block_size: int = config_flag(G, "block_size"),
-    capacity: int | None = config_flag(G, "capacity", flag="--max-context"),
+    decode: Decode = config_flag(E, "decode"),
+    method: Method | None = config_flag(E, "method"),
+    prefill: Prefill = config_flag(E, "prefill"),
+    prefill_chunk: int = config_flag(E, "prefill_chunk", min=1),
+    decode_step: DecodeStep = config_flag(E, "decode_step"),
+    max_new_tokens: int = config_flag(S, "max_new_tokens", min=1),
+    temperature: float = config_flag(S, "temperature"),
+    top_k: int = config_flag(S, "top_k"),
+    top_p: float = config_flag(S, "top_p"),
+    seed: int = config_flag(S, "seed"),
+    stop_id: list[int] = config_flag(S, "stop_token_ids", flag="--stop-id", default=[],
+                                     help="Token id that ends a sequence (repeatable), besides the model's eos ids."),
+    stop: list[str] = config_flag(S, "stop", default=[], help="String that ends a sequence (repeatable): the text is cut "
+                                  "before it (needs the model's tokenizer)."),
+    ignore_eos: bool = config_flag(S, "ignore_eos"),
+    placement: Placement = config_flag(E, "placement"),
+    block_size: int = config_flag(E, "block_size"),
+    max_context: int | None = config_flag(E, "max_context", min=1, help="The most positions (prompt + new tokens) one "
+                                          "sequence may take, its KV cache slots (default: the longest prompt + --max-new-tokens)."),
     dtype: str = dtype_flag("float32"),
-    kv_cache_dtype: KvCacheDtype = config_flag(G, "kv_cache_dtype"),
+    kv_cache_dtype: KvCacheDtype = config_flag(E, "kv_cache_dtype"),
     threads: int | None = config_flag(E, "threads_per_rank", flag="--threads", min=1),
     json_output: bool = typer.Option(False, "--json", help="Print one JSON object on stdout and nothing else."),
-    num_samples: int = config_flag(G, "num_samples"),
+    num_samples: int = typer.Option(1, "--num-samples", min=1, help="Completions of the one prompt (the prompt prefilled "
+                                    "once, the samples decoding over its shared blocks)."),
     rank_by: RankBy = typer.Option("none", "--rank-by", help="Order the printed sequences: none (as generated) or "
                                    "mean-logprob (mean log-probability of the generated tokens, best first)."),
     top: int | None = typer.Option(None, "--top", min=1, help="Print only the first K sequences in --rank-by order (needs --rank-by mean-logprob)."),
@@ -72,55 +84,52 @@ def generate_command(
     allow_beyond_context: bool = typer.Option(False, "--allow-beyond-context", help="Run even if the prompt + --max-new-tokens "
                                               "exceed the model's context window: positions past it get RoPE angles the model "
                                               "never saw in training, so the output may degrade."),
-    speculate: Speculate | None = config_flag(G, "speculate"),
-    draft_tokens: int = config_flag(G, "draft_tokens"),
-    draft_model: Path | None = config_flag(G, "draft_model"),
-    shared_memory: bool = config_flag(G, "shared_memory"),
+    speculate: Speculate | None = config_flag(E, "speculate"),
+    draft_tokens: int = config_flag(E, "draft_tokens"),
+    draft_model: Path | None = config_flag(E, "draft_model"),
+    shared_memory: bool = config_flag(E, "shared_memory"),
     timeout: float = config_flag(E, "timeout_s", flag="--timeout", min=0.001, max=1e6),
 ) -> None:
     """Generate from a Hugging Face checkpoint or a GGUF file with the KV cache sharded across ranks."""
-    from treeattn.engine.config import ConfigError
     from treeattn.engine.generate_rank import GenerateJob, generate_rank
     from treeattn.models.loader import read_model_files
     from treeattn.parallel.spawn import under_torchrun
 
     try:
-        config = GenerationConfig(
-            max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-            stop_tokens=() if no_stop else (tuple(stop_id) or None), num_samples=num_samples, decode=decode,
-            method=method, prefill=prefill, placement=placement, block_size=block_size, capacity=capacity,
-            speculate=speculate, draft_tokens=draft_tokens,
-            draft_model=None if draft_model is None else str(draft_model),
-            shared_memory=shared_memory, kv_cache_dtype=kv_cache_dtype,
-        )
+        world = _world_size(nproc)
+        sampling = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+                                  stop_token_ids=tuple(stop_id), stop=tuple(stop), ignore_eos=ignore_eos)
+        config = EngineConfig(nproc=world, decode=decode, method=method, prefill=prefill, prefill_chunk=prefill_chunk,
+                              decode_step=decode_step, placement=placement, block_size=block_size, max_context=max_context,
+                              speculate=speculate, draft_tokens=draft_tokens, shared_memory=shared_memory, timeout_s=timeout,
+                              kv_cache_dtype=kv_cache_dtype,
+                              draft_model=None if draft_model is None else str(draft_model))
         if system is not None and not chat:
             raise ValueError("--system is a chat message: give --chat too")
         files = read_model_files(model_dir)  # config, tokenizer, chat template (a .gguf is read once)
         tokenizer = files.tokenizer
         render, end_of_turn = _chat_renderer(system, prompt_ids, files, model_dir) if chat else (None, ())
         prompts, batched = _read_prompts(prompt, prompt_file, prompt_ids, tokenizer, model_dir, render)
-        if config.stop_tokens is None and end_of_turn:  # --chat: the end of the assistant's turn stops too
-            config = dataclasses.replace(config, stop_tokens=tuple(dict.fromkeys(files.config.eos_token_ids + end_of_turn)))
+        if end_of_turn and not ignore_eos:  # --chat: the end of the assistant's turn stops too
+            sampling = dataclasses.replace(sampling, stop_token_ids=tuple(dict.fromkeys((*sampling.stop_token_ids, *end_of_turn))))
+        if sampling.stop and tokenizer is None:
+            raise ValueError(f"--stop: {model_dir} has no tokenizer to find stop strings with; use --stop-id")
         if top is not None and rank_by == "none":
             raise ValueError("--top K prints the K best sequences: give --rank-by mean-logprob too")
-        world = _world_size(nproc)
-        if config.draft_model is not None:
-            from treeattn.engine.draft_model import check_draft_model, read_draft_model
-
-            check_draft_model(read_draft_model(config.draft_model), files, positions=max(map(len, prompts)) + max_new_tokens)
-        _check_before_spawning(config, model_dir, prompts, world, dtype)
+        _check_before_spawning(config, sampling, num_samples, model_dir, prompts, world, dtype)
         _check_context(prompts, max_new_tokens, files.config, model_dir, allow_beyond_context)
-    except ConfigError as exc:
-        typer.echo(f"error: {_cli_message(exc)}", err=True)
-        raise typer.Exit(2) from exc
-    except (ValueError, FileNotFoundError, TypeError) as exc:
+    except FileNotFoundError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from exc
+    except (ValueError, TypeError) as exc:
+        typer.echo(f"error: {_cli_message(exc)}", err=True)
+        raise typer.Exit(2) from exc
 
-    job = GenerateJob(model_dir=str(model_dir), prompts=tuple(map(tuple, prompts)), config=config, dtype=dtype,
-                      threads=threads or max(1, (os.cpu_count() or 1) // world))
+    job = GenerateJob(model_dir=str(model_dir), prompts=tuple(map(tuple, prompts)), config=config, sampling=sampling,
+                      num_samples=num_samples, dtype=dtype, threads=threads or max(1, (os.cpu_count() or 1) // world))
     batched = batched or num_samples > 1
-    streamed = not json_output and not batched and tokenizer is not None  # the answer goes to stdout as decoded
+    # the answer goes to stdout as decoded; with stop strings at the end, cut before the stop string
+    streamed = not json_output and not batched and tokenizer is not None and not sampling.stop
     display = None if json_output else GenerateDisplay(stream_text=streamed)
     if display is not None and os.environ.get("RANK", "0") == "0":
         say(f"loading {Path(model_dir).name} on {world} rank(s)" + ("" if world == 1 or under_torchrun() else " (starting them)"))
@@ -141,7 +150,7 @@ def generate_command(
     if result is None:  # a non-zero rank under torchrun: rank 0 reports
         return
     total_s = process_age_s()  # the whole command: start-up, imports, loading, ranks, prefill, decode
-    texts = [tokenizer.decode(ids) for ids in result["generated_ids"]] if tokenizer is not None else None
+    texts = result["texts"] if tokenizer is not None else None  # the engine's text, cut before a stop string
     ranked = rank_by == "mean-logprob"
     order = result["ranking"][:top] if ranked else list(range(len(result["generated_ids"])))
     if json_output:
@@ -156,9 +165,8 @@ def generate_command(
     stderr.print(_summary_table(result, total_s))
 
 
-# GenerationConfig / EngineConfig field -> command-line option, where the two names differ.
-_FLAGS = {"stop_tokens": "--stop-id", "prompts": "the prompt", "capacity": "--max-context", "timeout_s": "--timeout",
-          "threads_per_rank": "--threads"}
+# EngineConfig / SamplingParams field -> command-line option, where the two names differ.
+_FLAGS = {"stop_token_ids": "--stop-id", "prompts": "the prompt", "timeout_s": "--timeout", "threads_per_rank": "--threads"}
 
 
 def _flag(field: str) -> str:
@@ -166,47 +174,40 @@ def _flag(field: str) -> str:
 
 
 def _cli_message(exc) -> str:
-    """A ConfigError's message in the command line's words: "top_p must ..." -> "--top-p must ...",
+    """A configuration error's message in the command line's words: "top_p must ..." -> "--top-p must ...",
     "decode='ring'" -> "--decode ring"."""
     from dataclasses import fields
 
-    from treeattn.engine.config import GenerationConfig
-    from treeattn.engine.config import EngineConfig
-
     text = str(exc)
-    names = {f.name for f in fields(GenerationConfig)} | {f.name for f in fields(EngineConfig)}
+    names = {f.name for f in fields(EngineConfig)} | {f.name for f in fields(SamplingParams)} | {"num_samples"}
     for name in sorted(names, key=len, reverse=True):
         text = re.sub(rf"\b{name}='?([^\s',;:)]*)'?", lambda m, n=name: f"{_flag(n)} {m.group(1)}", text)
         text = re.sub(rf"^{name}\b", _flag(name), text)
     return text
 
 
-def _check_before_spawning(config, model_dir: Path, prompts: list[list[int]], world: int, dtype: str) -> None:
-    """Everything the ranks would refuse, checked once here: the checkpoint (without reading its
-    weights), the config against the model and the prompts, and the memory of `world` ranks on this machine (each holds all weights and its
-    share of the cache, the draft model's too). Warns when ranks outnumber the cores or the prompt's tokens."""
+def _check_before_spawning(config: EngineConfig, sampling: SamplingParams, num_samples: int, model_dir: Path,
+                           prompts: list[list[int]], world: int, dtype: str) -> None:
+    """Everything the ranks would refuse, checked once here with the checks they run: the checkpoint
+    (without reading its weights), the prompts, generate's checks of the batch and the engine's checks
+    (checks.check_engine: the draft model, a hybrid cache, the memory of `world` ranks on this
+    machine, each holding all weights and its share of the cache, the draft model's too). Warns when ranks outnumber the cores or the prompt's tokens."""
     import torch
 
-    from treeattn.engine.config import check_against_model, check_prompts, kv_cache_bytes_per_rank, resolve_kv_cache_dtype
-    from treeattn.engine.memory import check_memory_fit, model_bytes
+    from treeattn.engine.checks import check_engine
+    from treeattn.engine.generate import batch_config, check_generation, check_prompts
     from treeattn.models.loader import check_checkpoint
     from treeattn.parallel.spawn import local_ranks
 
     torch_dtype = getattr(torch, dtype)
-    skeleton = check_checkpoint(model_dir, dtype=torch_dtype)  # tensor names and shapes: headers only
-    model_config = skeleton.config
+    model_config = check_checkpoint(model_dir, dtype=torch_dtype).config  # tensor names and shapes: headers only
     prompts = check_prompts(prompts, model_config.vocab_size)
-    check_against_model(config, model_config, prompts, world, dtype=torch_dtype)  # its warnings: rank 0 logs them
+    sized = dataclasses.replace(batch_config(config, sampling, num_samples, prompts, world), dtype=torch_dtype)
+    check_generation(sized, sampling, num_samples, model_config, prompts)
+    # the engine's checks (the ranks load the checkpoint on the CPU): a draft model, a hybrid cache, memory, ...
+    check_engine(str(model_dir), sized, cache_option="max_new_tokens" if config.max_context is None else "max_context")
     longest = max(len(p) for p in prompts)
-    kv = kv_cache_bytes_per_rank(config, model_config, len(prompts), longest, world, resolve_kv_cache_dtype(config.kv_cache_dtype, torch_dtype))
     here = local_ranks(world)
-    draft = 0
-    if config.draft_model is not None:  # the draft model on every rank, its cache of the model's blocks
-        draft_skeleton = check_checkpoint(config.draft_model, dtype=torch_dtype)
-        draft = (model_bytes(draft_skeleton, torch_dtype)
-                 + kv_cache_bytes_per_rank(config, draft_skeleton.config, len(prompts), longest, world, torch_dtype))
-    check_memory_fit(ranks=here, weights=model_bytes(skeleton, torch_dtype), cache=kv, draft=draft, device="cpu",
-                     cache_option="capacity" if config.capacity is not None else "max_new_tokens")
     if os.environ.get("RANK", "0") != "0":  # under torchrun, rank 0 warns for all
         return
     cores = os.cpu_count() or 1

@@ -51,10 +51,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from treeattn.engine.checks import (check_decode_step_device, check_draft_model, check_gpus_of, check_hybrid_cache, check_kv_cache_dtype,
-                                    check_memory, check_model, model_files, with_device)
-from treeattn.cache.window import hybrid_windows
-from treeattn.engine.config import EngineConfig
+from treeattn.engine.checks import check_engine, check_model, with_device
+from treeattn.engine.config import EngineConfig, given_or_built
 from treeattn.engine.device import backend_for, rank_device
 from treeattn.engine.driver import Driver
 from treeattn.engine.measure import RankMeasurements
@@ -103,24 +101,11 @@ class Engine:
 
     def __init__(self, model, config: EngineConfig | None = None, *, group: dist.ProcessGroup | None = None,
                  **options) -> None:
-        config = _engine_config(config, options)
+        config = given_or_built(EngineConfig, config, options, "config")
         check_model(model)
         config, joined = _join(with_device(model, config), group)  # device: "cpu" or "cuda" from here on
-        check_gpus_of(model, config, joined)
         self.config = config
-        check_decode_step_device(model, config, group if joined else None, joined)
-        files = model_files(model)
-        check_hybrid_cache(files.config, config)
-        if not isinstance(model, (str, os.PathLike)):  # a hybrid linear model (treeattn.linear) is a loaded model
-            from treeattn.linear.hybrid import check_linear_engine
-
-            check_linear_engine(model, decode_step=config.decode_step, speculate=config.speculate,
-                                windows=bool(hybrid_windows(tuple(files.config.layer_windows))))
-        if config.draft_model is not None:
-            check_draft_model(files, config)
-        check_memory(model, files.config, config)
-        check_kv_cache_dtype(model, files.config, config)
-        config.max_context_tokens(files.config.max_position_embeddings)  # raises before any rank starts
+        files = check_engine(model, config, group=group if joined else None, joined=joined)  # before any rank starts
         self.tokenizer = getattr(files, "tokenizer", None)
         self.is_driver = True
         self._closed = False
@@ -184,7 +169,7 @@ class Engine:
         A single prompt (a string or one list of ints) gives a list of one result. `params`, or
         SamplingParams' fields as keywords (max_new_tokens=64, temperature=0.0, top_p, top_k, seed,
         stop, stop_token_ids, ignore_eos, logprobs), apply to every prompt."""
-        params = _sampling_params(params, sampling)
+        params = given_or_built(SamplingParams, params, sampling, "params")
         if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts and all(_is_id(t) for t in prompts)):
             prompts = [prompts]
         handles = []
@@ -203,7 +188,7 @@ class Engine:
     def stream(self, prompt, params: SamplingParams | None = None, **sampling) -> Iterator[TokenEvent]:
         """One prompt's TokenEvents as they come (the last one has finished=True). Leaving the loop
         early cancels the request. `params` or its fields as keywords, as for generate()."""
-        params = _sampling_params(params, sampling)
+        params = given_or_built(SamplingParams, params, sampling, "params")
         handle = self.submit(prompt, params)
         finished = False
         try:
@@ -311,17 +296,6 @@ class Engine:
         return list(prompt)
 
 
-def _engine_config(config: EngineConfig | None, options: dict) -> EngineConfig:
-    """`config`, or an EngineConfig of the keyword `options` (not both)."""
-    if config is None:
-        return EngineConfig(**options)
-    if options:
-        raise ValueError(f"give either config or its fields as keywords, not both (got {sorted(options)})")
-    if not isinstance(config, EngineConfig):
-        raise ValueError(f"config must be an EngineConfig, got {type(config).__name__}")
-    return config
-
-
 def _join(config: EngineConfig, group) -> tuple[EngineConfig, bool]:
     """Join torchrun's group when launched by it; inside a group nproc is the group's size.
     Returns (config, whether a process group is in use)."""
@@ -336,20 +310,7 @@ def _join(config: EngineConfig, group) -> tuple[EngineConfig, bool]:
         if group is not None and dist.get_rank(group) < 0:
             raise ValueError("this process is not a member of `group`")
         config = replace(config, nproc=dist.get_world_size(group))
-    if config.nproc > 1 and config.decode == "local":
-        raise ValueError(f"decode='local' runs on one rank, but nproc={config.nproc}; use 'tree' or 'ring'")
     return config, joined
-
-
-def _sampling_params(params: SamplingParams | None, fields: dict) -> SamplingParams:
-    """`params`, or a SamplingParams of the keyword `fields` (not both)."""
-    if params is None:
-        return SamplingParams(**fields)
-    if fields:
-        raise TypeError(f"give params or SamplingParams' fields as keywords, not both (got {sorted(fields)})")
-    if not isinstance(params, SamplingParams):
-        raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
-    return params
 
 
 def _is_id(t) -> bool:

@@ -80,7 +80,7 @@ def _tokenizer_difference(draft, target) -> str | None:
 
 
 def describe(draft_model) -> str:
-    """GenerationConfig.draft_model in words for reports: the path, or the loaded model's class and size."""
+    """EngineConfig.draft_model in words for reports: the path, or the loaded model's class and size."""
     if isinstance(draft_model, str):
         return draft_model
     return f"{type(draft_model).__name__} ({draft_model.config.num_layers} layers, loaded)"

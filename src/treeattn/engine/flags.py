@@ -1,14 +1,14 @@
 """Command-line flags derived from the configuration they fill: one name, type, choice list, default and help per concept.
 
     decode: Decode = config_flag(EngineConfig, "decode")       # --decode <tree|ring|local>, help from the field's docs
-    block_size: int = config_flag(GenerationConfig, "block_size", min=1)
+    top_p: float = config_flag(SamplingParams, "top_p")        # --top-p, default 1.0, help from SamplingParams
     dtype: str = dtype_flag()                                  # --dtype <auto|float32|bfloat16|float16>
 
 A flag is named after its field (block_size -> --block-size; a bool field gives --name/--no-name),
 its default is the field's, its choices are the tuple the field is checked against (the parameter's
 annotation, Decode, Method, ...: Literal types of the same tuples EngineConfig validates with), and its help is the field's entry in the class
 docstring's "Attributes:" section. `treeattn generate`, `serve` and `demo` take their engine flags
-from here, so a concept has one flag everywhere. Old spellings stay accepted as hidden aliases:
+(EngineConfig) and sampling flags (SamplingParams) from here, so a concept has one flag everywhere. Old spellings stay accepted as hidden aliases:
 treeattn.cli rewrites them (ALIASES) before the command parses its arguments.
 """
 

@@ -4,6 +4,7 @@
     model = ta.load_model("path/to/checkpoint")
     result = ta.generate(model, [prompt_ids], max_new_tokens=64, decode="tree")
     result.generated_ids[0]              # list of new token ids of the first prompt
+    result = ta.generate(model, [prompt_ids], EngineConfig(decode="tree"), SamplingParams(max_new_tokens=64))  # the same
 
     for step in ta.stream(model, [prompt_ids], max_new_tokens=64):   # tokens as they come
         print(step.tokens)
@@ -11,16 +12,18 @@
 Call it on every rank of the group (p ranks; without torch.distributed initialized, p = 1) with
 the same arguments; every rank returns the same GenerationResult. What happens:
 
-1. Setup: the options form one GenerationConfig (treeattn.engine.config), checked with the prompts
-   and the model on every rank (a prompt that does not fit fails here); one all-gather checks that
-   every rank got the same prompts, options and model, so a mismatch raises on every rank instead
-   of hanging.
+1. Setup: the options are the engine's: an EngineConfig (how it runs) and a SamplingParams (how to
+   sample), given as objects or as their fields' keywords, the same names as everywhere. The
+   EngineConfig is sized to this batch (batch_config), then checked with the prompts and the model
+   on every rank by the engine's own checks (a prompt that does not fit, or a cache that does not
+   fit in memory, fails here); one all-gather checks that every rank got the same prompts, options
+   and model, so a mismatch raises on every rank instead of hanging.
 2. The ranks form a ta.Engine inside the group (treeattn.engine: rank 0 drives, every rank runs
-   its share of each step), sized to this batch: one running slot per sequence, `capacity` cache
-   slots per sequence, max_context = capacity (so contiguous placement gives each rank one span of
-   every sequence, the paper's layout). Rank 0 submits every sequence as a request; the engine
-   prefills them (see EngineConfig.prefill) and decodes them together, one batched forward pass
-   and one combine per layer per step.
+   its share of each step), sized to this batch: one running slot per sequence, max_context cache
+   slots per sequence (default: the longest prompt + max_new_tokens; so contiguous placement gives
+   each rank one span of every sequence, the paper's layout). Rank 0 submits every sequence as a
+   request; the engine prefills them (see EngineConfig.prefill) and decodes them together, one
+   batched forward pass and one combine per layer per step.
 3. Rank 0 turns the engine's token events into one StepOutput per new-token index, reads every
    rank's measurements (treeattn.engine.measure), closes the engine (which lets the other ranks
    return) and broadcasts the result; the other ranks replay the StepOutputs from it.
@@ -35,27 +38,31 @@ also carries each sequence's token log-probabilities under the model (log-softma
 before temperature, top-k and top-p) and their mean, the pass@top-k ranking score of the
 bifurcated-attention paper.
 
+Stop: the model's end-of-sequence ids (unless ignore_eos), stop_token_ids, and stop strings
+(`stop`, cut from the text: GenerationResult.texts) end a sequence, as for any engine request.
 Speculative decoding (speculate="ngram" or "draft", one prompt) and static or CUDA-graph decode
-steps (static_decode, cuda_graph) are the engine's (docs/engine.md).
+steps (decode_step="static" or "graph") are the engine's (docs/engine.md).
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import queue
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 
 import torch
 import torch.distributed as dist
 
 from treeattn.cache.sharded import kv_bytes_per_token
 from treeattn.cache.window import window_bytes_per_sequence
-from treeattn.engine.config import (ConfigError, ConfigTypeError, EngineConfig, GenerationConfig, check_against_model, check_prompts,
-                                    resolve_kv_cache_dtype)
-from treeattn.engine.request import SamplingParams
+from treeattn.engine.checks import check_engine
+from treeattn.engine.config import EngineConfig, given_or_built, resolve_kv_cache_dtype
+from treeattn.engine.errors import ConfigError, ConfigTypeError
+from treeattn.engine.request import MAX_SEED, SamplingParams
 from treeattn.engine.ring_prefill import resolve_prefill
 from treeattn.models.attention import group_world_size
 from treeattn.models.llama import LlamaModel
@@ -64,8 +71,21 @@ from treeattn.parallel.shared_memory import group_timeout_s
 logger = logging.getLogger(__name__)
 
 # Seconds a rank may wait for its peers in the engine's collectives when the group's own timeout
-# cannot be read (a long prefill step on a slow peer must fit).
+# cannot be read (a long prefill step on a slow peer must fit); timeout_s given to generate wins.
 DEFAULT_TIMEOUT_S = 1800.0
+
+RENAMED = {
+    "capacity": "max_context",
+    "chunk": "prefill_chunk",
+    "static_decode": "decode_step='static'",
+    "cuda_graph": "decode_step='graph'",
+    "stop_tokens": "stop_token_ids (added to the model's eos ids; with ignore_eos=True only they stop)",
+}
+"""generate()'s keywords of earlier releases (GenerationConfig's fields) -> today's (the engine's
+names); an old keyword raises a TypeError naming the new one."""
+
+ENGINE_FIELDS = frozenset(f.name for f in fields(EngineConfig))
+SAMPLING_FIELDS = frozenset(f.name for f in fields(SamplingParams))
 
 
 @dataclass
@@ -95,10 +115,12 @@ class GenerationResult:
         cached_prompt_tokens: per sequence, the prompt tokens whose keys/values came from the
             engine's prefix cache (computed for an earlier sequence of the batch: the n samples of
             one prompt, or repeated prompts, prefill the shared full blocks once).
-        generated_ids: the new tokens of each sequence, up to and including its stop token.
-        texts: the text of each sequence's new tokens (the engine's detokenizing, stop tokens
-            not shown); "" for every sequence when the model has no tokenizer.
-        finish_reasons: per sequence, "stop" (a stop token) or "length" (max_new_tokens).
+        generated_ids: the new tokens of each sequence, up to and including its stop token (or the
+            token that completed a stop string).
+        texts: the text of each sequence's new tokens (the engine's detokenizing: stop tokens not
+            shown, the text cut before a stop string); "" for every sequence when the model has no
+            tokenizer.
+        finish_reasons: per sequence, "stop" (a stop token or string) or "length" (max_new_tokens).
         prefill_s: seconds from the start to the first token of every sequence (engine setup,
             prefill, first sample).
         decode_s: seconds of the decode steps after the first tokens (rank 0's step times).
@@ -195,7 +217,8 @@ class GenerationResult:
         return out
 
 
-def generate(model: "LlamaModel | str | os.PathLike", prompts, config: GenerationConfig | None = None, *, group: dist.ProcessGroup | None = None,
+def generate(model: "LlamaModel | str | os.PathLike", prompts, config: EngineConfig | None = None,
+             sampling: SamplingParams | None = None, *, num_samples: int = 1, group: dist.ProcessGroup | None = None,
              on_token: Callable[[StepOutput], None] | None = None, on_prefill: Callable[[int, int], None] | None = None,
              **options) -> GenerationResult:
     """Generate continuations of `prompts` with the KV cache sharded across the ranks of `group`.
@@ -210,23 +233,33 @@ def generate(model: "LlamaModel | str | os.PathLike", prompts, config: Generatio
             ([{"role": "user", "content": ...}], or a batch of such lists), rendered with the
             model's chat template and tokenizer (set by treeattn.load_model); the template's
             end-of-turn token then also stops generation.
-        config: a GenerationConfig; or leave it None and give its fields as keywords (**options):
-            max_new_tokens, temperature, top_k, top_p, seed, stop_tokens, num_samples, decode,
-            method, prefill, placement, block_size, capacity, chunk, static_decode, cuda_graph,
-            speculate, draft_tokens, draft_model, shared_memory. GenerationConfig documents each.
+        config: the engine's EngineConfig (decode, method, prefill, placement, block_size,
+            max_context, prefill_chunk, decode_step, speculate, draft_tokens, draft_model,
+            shared_memory, ...); None: the defaults, or its fields as keywords (**options). nproc
+            and max_batch_size are the group's size and the batch's (every sequence runs at once);
+            max_context (None) becomes the longest prompt + max_new_tokens and cache_tokens (None)
+            exactly that many slots per sequence (batch_config).
+        sampling: a SamplingParams for every sequence (max_new_tokens, temperature, top_k, top_p,
+            seed, stop_token_ids, stop, ignore_eos); None: the defaults, or its fields as keywords.
+            Sequence i draws from seed + i.
+        num_samples: n >= 1 completions of one prompt (n > 1: the prompt prefilled once, the
+            samples decoding over its shared blocks).
         group: process group; None is the default group (or a single process without one).
         on_token: called with each StepOutput (on rank 0 as tokens come; on the other ranks after
             the last token, from the result).
         on_prefill: called on rank 0 as on_prefill(computed, prompt_tokens) after each engine step
             that advanced the prefill (chunked prefill: once per chunk), summed over the batch's
             sequences; computed includes prompt tokens found in the prefix cache. For progress displays.
+        **options: fields of EngineConfig or SamplingParams by name (not together with the object
+            they belong to). Earlier names (capacity, chunk, static_decode, cuda_graph,
+            stop_tokens) raise a TypeError naming today's (RENAMED).
 
     Returns:
         GenerationResult.
 
     Raises:
-        ValueError / TypeError: bad arguments (treeattn.engine.config.ConfigError names the
-            option), a prompt that does not fit, ranks that disagree -- before any prefill work.
+        ValueError / TypeError: bad arguments (a ConfigError names the option), a prompt that does
+            not fit, ranks that disagree -- before any prefill work.
         NonFiniteLogitsError: the model produced NaN or inf logits (on every rank; nothing
             non-finite becomes a token).
 
@@ -236,18 +269,20 @@ def generate(model: "LlamaModel | str | os.PathLike", prompts, config: Generatio
         >>> from treeattn.models.llama import LlamaConfig, random_model
         >>> model = random_model(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1,
         ...                                  num_heads=2, num_kv_heads=1, head_dim=16, max_position_embeddings=128))
-        >>> result = ta.generate(model, [[1, 2, 3], [4, 5]], max_new_tokens=4, stop_tokens=[], block_size=16)
+        >>> result = ta.generate(model, [[1, 2, 3], [4, 5]], max_new_tokens=4, ignore_eos=True, block_size=16)
         >>> [len(ids) for ids in result.generated_ids], result.finish_reasons
         ([4, 4], ['length', 'length'])
     """
-    run = stream(model, prompts, config, group=group, on_prefill=on_prefill, **options)
+    run = stream(model, prompts, config, sampling, num_samples=num_samples, group=group, on_prefill=on_prefill, **options)
     for step in run:
         if on_token is not None:
             on_token(step)
     return run.result
 
 
-def stream(model: "LlamaModel | str | os.PathLike", prompts, config: GenerationConfig | None = None, *, group: dist.ProcessGroup | None = None,
+def stream(model: "LlamaModel | str | os.PathLike", prompts, config: EngineConfig | None = None,
+           sampling: SamplingParams | None = None, *, num_samples: int = 1, group: dist.ProcessGroup | None = None,
+           on_prefill: Callable[[int, int], None] | None = None,
            **options) -> "Generation":
     """generate() as an iterator: `for step in stream(model, prompts, ...)` yields a StepOutput per
     new-token index; afterwards `.result` holds the GenerationResult. Same arguments as generate()
@@ -259,28 +294,97 @@ def stream(model: "LlamaModel | str | os.PathLike", prompts, config: GenerationC
         >>> from treeattn.models.llama import LlamaConfig, random_model
         >>> model = random_model(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1,
         ...                                  num_heads=2, num_kv_heads=1, head_dim=16, max_position_embeddings=128))
-        >>> run = ta.stream(model, [1, 2, 3], max_new_tokens=3, stop_tokens=[], block_size=16)
+        >>> run = ta.stream(model, [1, 2, 3], max_new_tokens=3, ignore_eos=True, block_size=16)
         >>> [step.index for step in run], len(run.result.generated_ids[0])
         ([0, 1, 2], 3)
     """
-    import os
-
     from treeattn.models.chat import encode_prompts, is_chat
 
+    config, sampling = split_options(config, sampling, options)
     if isinstance(model, (str, os.PathLike)):  # a checkpoint directory or .gguf file, as ta.Engine takes
         from treeattn.models.loader import load_model
 
-        model = load_model(model)
+        model = load_model(model, dtype=config.dtype or torch.float32)
     if is_chat(prompts):  # chat messages: rendered by the model's template; stop at its end of turn too
         prompts, end_of_turn = encode_prompts(model, prompts)
-        stop = config.stop_tokens if config is not None else options.get("stop_tokens")
-        if stop is None:
-            stop = list(model.config.eos_token_ids) + end_of_turn
-            if config is not None:
-                config = _replace(config, stop_tokens=stop)
-            else:
-                options["stop_tokens"] = stop
-    return Generation(model, prompts, config, group=group, **options)
+        if not sampling.ignore_eos:
+            sampling = replace(sampling, stop_token_ids=tuple(dict.fromkeys((*sampling.stop_token_ids, *end_of_turn))))
+    return Generation(model, prompts, config, sampling, num_samples=num_samples, group=group, on_prefill=on_prefill)
+
+
+def split_options(config: EngineConfig | None, sampling: SamplingParams | None, options: dict) -> tuple[EngineConfig, SamplingParams]:
+    """generate()'s (EngineConfig, SamplingParams): the objects given, or made of the keyword
+    `options` (each field goes to the class that has it; a field of a class whose object was given
+    too is refused, as are unknown and renamed keywords)."""
+    for name in options:
+        if name in RENAMED:
+            raise ConfigTypeError(name, f"{name} is no longer an option of generate(): use {RENAMED[name]}")
+        if name not in ENGINE_FIELDS and name not in SAMPLING_FIELDS:
+            raise ConfigTypeError(name, f"{name} is not an option of generate(): options are EngineConfig's and "
+                                        "SamplingParams' fields")
+    engine = {k: v for k, v in options.items() if k in ENGINE_FIELDS}
+    sampled = {k: v for k, v in options.items() if k in SAMPLING_FIELDS}
+    return given_or_built(EngineConfig, config, engine, "config"), given_or_built(SamplingParams, sampling, sampled, "sampling")
+
+
+def check_prompts(prompts, vocab_size: int) -> list[list[int]]:
+    """One prompt (ints) or a batch (lists of ints) -> list of non-empty lists of ids in [0, vocab_size)."""
+    if isinstance(prompts, torch.Tensor):
+        prompts = prompts.tolist()
+    if not isinstance(prompts, (list, tuple)) or len(prompts) == 0:
+        raise ConfigError("prompts", f"prompts must be a non-empty list of token ids or of lists of token ids, got {prompts!r:.80}")
+    if all(_is_int(t) for t in prompts):
+        prompts = [prompts]
+    checked = []
+    for i, prompt in enumerate(prompts):
+        if isinstance(prompt, torch.Tensor):
+            prompt = prompt.tolist()
+        if not isinstance(prompt, (list, tuple)) or len(prompt) == 0:
+            raise ConfigError("prompts", f"prompt {i} must be a non-empty list of token ids, got {prompt!r:.80}")
+        for t in prompt:
+            if not _is_int(t):
+                raise ConfigTypeError("prompts", f"prompt {i}: token ids must be ints, got {type(t).__name__} ({t!r})")
+            if not 0 <= t < vocab_size:
+                raise ConfigError("prompts", f"prompt {i}: token id {t} is outside the vocabulary [0, {vocab_size})")
+        checked.append([int(t) for t in prompt])
+    return checked
+
+
+def batch_config(config: EngineConfig, sampling: SamplingParams, num_samples: int, prompts: list[list[int]],
+                 world_size: int) -> EngineConfig:
+    """The EngineConfig that runs this batch at once: nproc the group's size (decode "local" on one
+    rank), max_batch_size every sequence (prompts x num_samples), max_context (when None) the longest
+    prompt + max_new_tokens, and cache_tokens (when None) max_context slots for every sequence, dealt
+    over the ranks in whole blocks (contiguous placement: one span of every sequence per rank)."""
+    longest = max(len(prompt) for prompt in prompts)
+    sequences = len(prompts) * num_samples
+    max_context = config.max_context or longest + sampling.max_new_tokens
+    span = -(-max_context // (config.block_size * world_size))
+    return replace(config, nproc=world_size, decode=config.decode if world_size > 1 else "local", max_batch_size=sequences,
+                   max_context=max_context, cache_tokens=config.cache_tokens or sequences * span * world_size * config.block_size)
+
+
+def check_generation(config: EngineConfig, sampling: SamplingParams, num_samples: int, model_config,
+                     prompts: list[list[int]]) -> None:
+    """What generate() asks beyond any engine request, checked with the batch_config'd `config`:
+    n samples of one prompt, speculation on one prompt and one sample, stop ids in the vocabulary,
+    and every prompt + max_new_tokens within max_context. ConfigError naming the option."""
+    if not _is_int(num_samples) or num_samples < 1:
+        raise ConfigError("num_samples", f"num_samples must be an int >= 1, got {num_samples!r}")
+    if num_samples > 1 and len(prompts) != 1:
+        raise ConfigError("num_samples", f"num_samples={num_samples} samples completions of one prompt, got {len(prompts)} prompts")
+    if config.speculate is not None and num_samples > 1:
+        raise ConfigError("speculate", f"speculate={config.speculate!r} decodes one sequence; num_samples={num_samples} asks for several")
+    if config.speculate is not None and len(prompts) != 1:
+        raise ConfigError("speculate", f"speculate={config.speculate!r} decodes one prompt at a time, got {len(prompts)} prompts")
+    outside = [t for t in sampling.stop_token_ids if t >= model_config.vocab_size]
+    if outside:
+        raise ConfigError("stop_token_ids", f"stop_token_ids: token id {outside[0]} is outside the vocabulary [0, {model_config.vocab_size})")
+    longest = max(len(p) for p in prompts)
+    needed = longest + sampling.max_new_tokens
+    if needed > config.max_context:
+        raise ConfigError("max_context", f"prompt of {longest} tokens + max_new_tokens={sampling.max_new_tokens} needs {needed} "
+                          f"positions, more than max_context={config.max_context}")
 
 
 class NonFiniteLogitsError(RuntimeError):
@@ -291,54 +395,60 @@ class Generation:
     """One generation run (see generate). Iterate over it to run it; then read .result.
 
     Args:
-        model, prompts, group, on_prefill: as for generate().
-        config: the GenerationConfig; or leave it None and pass its fields as keywords (**options).
+        model, prompts, num_samples, group, on_prefill: as for generate().
+        config, sampling: the EngineConfig and SamplingParams (None: the defaults; see split_options
+            for keywords).
     """
 
-    def __init__(self, model: LlamaModel, prompts, config: GenerationConfig | None = None, *,
-                 group: dist.ProcessGroup | None = None, on_prefill: Callable[[int, int], None] | None = None,
-                 **options) -> None:
+    def __init__(self, model: LlamaModel, prompts, config: EngineConfig | None = None, sampling: SamplingParams | None = None,
+                 *, num_samples: int = 1, group: dist.ProcessGroup | None = None,
+                 on_prefill: Callable[[int, int], None] | None = None) -> None:
         self.model, self.group, self.on_prefill = model, group, on_prefill
         self.world_size = group_world_size(group)  # raises if a group is given without torch.distributed
         self.rank = dist.get_rank(group) if self.world_size > 1 else 0
         self.result: GenerationResult | None = None
-        local_error = prefill = None
+        self.num_samples = num_samples
+        local_error = prefill = given = None
         try:
-            config = _config(config, options)
+            given, sampling = split_options(config, sampling, {})
+            config = given
+            if given.timeout_s == EngineConfig.timeout_s and self.world_size > 1:  # left at its default: the group's own
+                config = replace(config, timeout_s=group_timeout_s(group) or DEFAULT_TIMEOUT_S)
             self.prompts = check_prompts(prompts, model.config.vocab_size)
-            warnings = check_against_model(config, model.config, self.prompts, self.world_size, dtype=model.dtype, device=model.device)
-            if self.rank == 0:  # the same on every rank: say it once
-                for warning in warnings:
-                    logger.warning("%s", warning)
-            prefill = resolve_prefill(config.prefill, self.world_size, model.config.layer_windows)
+            config = batch_config(config, sampling, num_samples, self.prompts, self.world_size)
+            check_generation(config, sampling, num_samples, model.config, self.prompts)
+            check_engine(model, config, group=group, joined=self.world_size > 1,  # the engine's own checks, in its order
+                         cache_option="max_new_tokens" if given.max_context is None else "max_context")
             if config.decode_step != "dynamic":
-                _check_static_step(config, model, len(self.prompts) * config.num_samples)
+                _check_static_step(config, model, config.max_batch_size)
+            prefill = resolve_prefill(config.prefill, self.world_size, model.config.layer_windows)
         except (ValueError, TypeError) as exc:
             local_error = exc
-        self._agree(config, local_error, prefill=prefill)
-        self.config, self.prefill = config, prefill
-        self.decode = config.decode if self.world_size > 1 else "local"
-        if config.decode != "local" and self.world_size == 1:
-            logger.info("no process group: decode=%r runs as plain attention on this one process", config.decode)
-        self.stop_tokens = tuple(model.config.eos_token_ids if config.stop_tokens is None else config.stop_tokens)
-        self.num_sequences = len(self.prompts) * config.num_samples
+        self._agree(given, sampling, local_error, prefill=prefill)  # what each rank was given: the sizing follows from it
+        self.config, self.sampling, self.prefill, self.decode = config, sampling, prefill, config.decode
+        if given.decode != "local" and self.world_size == 1:
+            logger.info("no process group: decode=%r runs as plain attention on this one process", given.decode)
+        self.num_sequences = config.max_batch_size
 
-    def _agree(self, config, local_error, *, prefill) -> None:
-        """Every rank checks that all ranks got the same prompts, options and model (one all-gather),
-        so that a rank with bad or different arguments fails every rank instead of hanging them."""
+    def _agree(self, config, sampling, local_error, *, prefill) -> None:
+        """Every rank checks that all ranks got the same prompts, options (`config` as given, before
+        batch_config) and model (one all-gather), so that a rank with bad or different arguments
+        fails every rank instead of hanging them."""
         if self.world_size == 1:
             if local_error is not None:
                 raise local_error
             return
         from treeattn.parallel.metadata import UNKNOWN, gather_metadata
 
-        names = ("prompts", *(f.name for f in fields(GenerationConfig)), "resolved prefill", "model")
+        names = ("prompts", *sorted(ENGINE_FIELDS), *sorted(SAMPLING_FIELDS), "num_samples", "resolved prefill", "model")
         if local_error is not None:
             values = dict.fromkeys(names, UNKNOWN)
         else:
+            options = {f.name: getattr(c, f.name) for c in (config, sampling) for f in fields(c)}
+            options["num_samples"] = self.num_samples
             values = {"prompts": _fingerprint(self.prompts)}
             values.update({name: _model_fingerprint(value) if isinstance(value, torch.nn.Module) else _fingerprint(value)
-                           for name, value in config.as_dict().items()})
+                           for name, value in options.items()})
             values.update({"resolved prefill": _fingerprint(prefill), "model": _model_fingerprint(self.model)})
         gather_metadata("generate", values, self.group, must_match=names, local_error=local_error)
 
@@ -350,7 +460,7 @@ class Generation:
         from treeattn.engine.client import Engine
 
         start = time.perf_counter()
-        engine = Engine(self.model, self._engine_config(), group=self.group)
+        engine = Engine(self.model, self.config, group=self.group)
         if not engine.is_driver:  # this rank served the steps until rank 0 closed the engine
             outcome = self._broadcast_outcome(None)
         else:
@@ -377,25 +487,12 @@ class Generation:
             yield from steps
         self.result = payload
 
-    def _engine_config(self) -> EngineConfig:
-        """The EngineConfig of this batch: every sequence runs at once, over a cache of exactly
-        `capacity` slots per sequence (rounded up to blocks on every rank)."""
-        c, p = self.config, self.world_size
-        longest = max(len(prompt) for prompt in self.prompts)
-        blocks = c.blocks_per_rank(longest, len(self.prompts), p)
-        return EngineConfig(nproc=p, decode=self.decode, method=c.method, placement=c.placement,
-                            max_batch_size=self.num_sequences, cache_tokens=blocks * p * c.block_size,
-                            max_context=c.cache_capacity(longest), prefix_cache=True, block_size=c.block_size,
-                            prefill_chunk=c.chunk, prefill=c.prefill, decode_step=c.decode_step,
-                            timeout_s=group_timeout_s(self.group) or DEFAULT_TIMEOUT_S, speculate=c.speculate,
-                            draft_tokens=c.draft_tokens, draft_model=c.draft_model, shared_memory=c.shared_memory,
-                            kv_cache_dtype=c.kv_cache_dtype)
-
     def _requests(self) -> list[tuple[list[int], SamplingParams]]:
-        """(prompt, SamplingParams of the engine) of every sequence, in result order."""
-        c = self.config
-        prompts = self.prompts if c.num_samples == 1 else self.prompts * c.num_samples
-        return [(prompt, c.sampling_params((c.seed + i) % 2**64, self.stop_tokens)) for i, prompt in enumerate(prompts)]
+        """(prompt, SamplingParams) of every sequence, in result order: sequence i draws from seed + i,
+        and every token comes with its log-probability (logprobs at least 0)."""
+        s = self.sampling
+        prompts = self.prompts * self.num_samples
+        return [(prompt, replace(s, seed=(s.seed + i) % MAX_SEED, logprobs=s.logprobs or 0)) for i, prompt in enumerate(prompts)]
 
     def _drive(self, engine, start: float) -> Iterator[StepOutput]:
         """Rank 0: submit every sequence, then yield a StepOutput each time every sequence that is
@@ -417,7 +514,7 @@ class Generation:
         ended = [False] * len(handles)
         index = 0
         try:
-            while index < self.config.max_new_tokens and not all(ended[b] and len(tokens[b]) <= index for b in range(len(handles))):
+            while index < self.sampling.max_new_tokens and not all(ended[b] and len(tokens[b]) <= index for b in range(len(handles))):
                 b, event = events.get()
                 if event.token_id is not None:
                     tokens[b].append(event.token_id)
@@ -457,7 +554,7 @@ class Generation:
             peak_rss_bytes_per_rank=[m.peak_rss_bytes.get("decode", 0) for m in measured],
             start_rss_bytes_per_rank=[m.start_rss_bytes.get("decode", 0) for m in measured],
             comm=measured[0].comm["decode"], token_logprobs=[[lp.logprob for lp in r.logprobs] for r in results],
-            num_samples=c.num_samples, decode_step=c.decode_step,
+            num_samples=self.num_samples, decode_step=c.decode_step,
             speculation=results[0].speculation if c.speculate else {},
             cached_prompt_tokens=[r.cached_prompt_tokens for r in results], texts=[r.text for r in results],
         )
@@ -487,31 +584,17 @@ def _request_error(model, message: str | None, sequence: int, index: int) -> Exc
                                 f"{index}; generation stopped. {cause}")
 
 
-def _check_static_step(config: GenerationConfig, model, batch: int) -> None:
-    """static_decode / cuda_graph on a model the engine's static step cannot run: ConfigError naming the option."""
+def _check_static_step(config: EngineConfig, model, batch: int) -> None:
+    """decode_step "static" / "graph" on a model the engine's static step cannot run: ConfigError naming decode_step."""
     from treeattn.engine.static_step import graph_safe_reason
 
     reason = graph_safe_reason(model, batch)
     if reason is not None:
-        option = "cuda_graph" if config.cuda_graph else "static_decode"
-        raise ConfigError(option, f"{option}=True cannot run this model on {model.device}: {reason}")
+        raise ConfigError("decode_step", f"decode_step={config.decode_step!r} cannot run this model on {model.device}: {reason}")
 
 
-def _config(config: GenerationConfig | None, options: dict) -> GenerationConfig:
-    """`config`, or a GenerationConfig of the keyword `options` (not both)."""
-    if config is None:
-        return GenerationConfig(**options)
-    if options:
-        raise ConfigTypeError("config", f"give either config or its fields as keywords, not both (got {sorted(options)})")
-    if not isinstance(config, GenerationConfig):
-        raise ConfigTypeError("config", f"config must be a GenerationConfig, got {type(config).__name__}")
-    return config
-
-
-def _replace(config: GenerationConfig, **changes) -> GenerationConfig:
-    from dataclasses import replace
-
-    return replace(config, **changes)
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _fingerprint(value) -> int:

@@ -1,12 +1,14 @@
 """One rank of `treeattn generate`: load the model, run one Generation, hand rank 0's result back.
 
-    job = GenerateJob(model_dir="path/to/model", prompts=((1, 2, 3),), config=GenerationConfig(max_new_tokens=8))
+    job = GenerateJob(model_dir="path/to/model", prompts=((1, 2, 3),), config=EngineConfig(decode="tree"),
+                      sampling=SamplingParams(max_new_tokens=8))
     results = ta.spawn(generate_rank, 4, job)        # results[0]: GenerationResult.as_dict()
 
-The options were validated once, by the caller, before the ranks started (GenerationConfig and
-treeattn.engine.config.check_against_model); Generation checks again that every rank got the
-same ones. Progress display is the caller's: `display` (picklable,
-treeattn.engine.console.GenerateDisplay) is used on rank 0 only.
+The options were validated once, by the caller, before the ranks started (EngineConfig,
+SamplingParams, and generate's checks of the batch: treeattn.engine.generate.check_generation and
+the engine's memory check); Generation checks again that every rank got the same ones. Progress
+display is the caller's: `display` (picklable, treeattn.engine.console.GenerateDisplay) is used on
+rank 0 only.
 """
 
 from __future__ import annotations
@@ -14,7 +16,8 @@ from __future__ import annotations
 from contextlib import nullcontext
 from dataclasses import dataclass
 
-from treeattn.engine.config import GenerationConfig
+from treeattn.engine.config import EngineConfig
+from treeattn.engine.request import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -24,14 +27,18 @@ class GenerateJob:
     Attributes:
         model_dir: checkpoint to load (every rank loads all weights; the KV cache is what is sharded).
         prompts: token ids, one tuple per sequence.
-        config: the validated GenerationConfig.
+        config: the validated EngineConfig (generate sizes it to the batch).
+        sampling: the validated SamplingParams of every sequence.
+        num_samples: completions of the one prompt (generate's num_samples).
         dtype: parameter dtype name ("float32", "bfloat16", "float16").
         threads: torch threads per rank (None: torch's default).
     """
 
     model_dir: str
     prompts: tuple[tuple[int, ...], ...]
-    config: GenerationConfig
+    config: EngineConfig
+    sampling: SamplingParams
+    num_samples: int = 1
     dtype: str = "float32"
     threads: int | None = None
 
@@ -56,9 +63,10 @@ def generate_rank(rank: int, world_size: int, job: GenerateJob, display=None) ->
     model = load_model(job.model_dir, dtype=getattr(torch, job.dtype))
     if show:
         display.loaded(time.perf_counter() - start)
-    run = Generation(model, [list(p) for p in job.prompts], job.config, on_prefill=display.on_prefill if show else None)
+    run = Generation(model, [list(p) for p in job.prompts], job.config, job.sampling, num_samples=job.num_samples,
+                     on_prefill=display.on_prefill if show else None)
     longest = max(len(p) for p in job.prompts)
-    with display.run(getattr(model, "tokenizer", None), world_size, longest, job.config.max_new_tokens) if show else nullcontext() as on_token:
+    with display.run(getattr(model, "tokenizer", None), world_size, longest, job.sampling.max_new_tokens) if show else nullcontext() as on_token:
         for step in run:
             if on_token is not None:
                 on_token(step)

@@ -1,11 +1,12 @@
 """Memory: how many bytes a model and its cache take, how many a device has, and the one check that they fit.
 
+    kv = kv_cache_bytes_per_rank(config, model.config, torch.bfloat16)   # one rank's KV cache of an EngineConfig
     check_memory_fit(ranks=2, weights=model_bytes(model, torch.bfloat16), cache=kv, draft=0, device="cpu",
                      cache_option="cache_tokens")   # ConfigError naming the option to change, or nothing
 
-The engine (checks.check_memory) and `treeattn generate` (before spawning its ranks) both ask
-check_memory_fit: every rank on this machine holds all the weights (and the draft model's), and its
-share of the KV cache.
+check_memory_fit is the one memory check: the engine (checks.check_memory), ta.generate and
+`treeattn generate` (before spawning its ranks, through checks.check_memory too) ask it. Every rank
+on this machine holds all the weights (and the draft model's), and its share of the KV cache.
 """
 
 from __future__ import annotations
@@ -25,6 +26,21 @@ def model_bytes(model, dtype: torch.dtype) -> int:
 
         model = check_checkpoint(model, dtype=dtype)
     return sum(p.numel() for p in model.parameters()) * torch.empty((), dtype=dtype).element_size()
+
+
+def kv_cache_bytes_per_rank(config, model_config, dtype: torch.dtype, *, blocks_for=None) -> int:
+    """Bytes of KV cache one rank of an engine with EngineConfig `config` allocates for a model of
+    `model_config` in `dtype`: keys and values of every slot of its paged arena (config.blocks_per_rank
+    blocks and the pad block, treeattn.cache.paged), plus a hybrid model's window layers, which every
+    rank keeps per running sequence (max_batch_size of them; treeattn.cache.window). `blocks_for`: the
+    model config that sizes the arena when it is not `model_config`'s (a draft model's cache has the
+    blocks of the model's)."""
+    from treeattn.cache.sharded import kv_bytes_per_token
+    from treeattn.cache.window import window_bytes_per_sequence
+
+    blocks = config.blocks_per_rank((blocks_for or model_config).max_position_embeddings) + 1
+    windows = config.max_batch_size * window_bytes_per_sequence(model_config, dtype)
+    return blocks * config.block_size * kv_bytes_per_token(model_config, dtype) + windows
 
 
 def device_memory_bytes(device: torch.device | str) -> int | None:

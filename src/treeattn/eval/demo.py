@@ -86,13 +86,13 @@ def run_document_demo(model: str | Path | None = None, *, context: int = 4096, d
         raise ValueError(f"--context {context}: the prompt ({len(case.prompt_ids)} tokens) + {new_tokens} new tokens exceed "
                          f"the model's context window of {files.config.max_position_embeddings}")
     eot = end_of_turn_id(files.tokenizer, files.chat_template) if files.chat_template is not None else None
-    stop = list(files.config.eos_token_ids) + ([eot] if eot is not None else [])
+    stop = [eot] if eot is not None else []  # besides the model's eos ids
     methods = (("tree", DEFAULT_METHOD), ("ring", "allreduce"))
     runs, sharded = decode_methods(path, [case.prompt_ids], nproc=nproc, methods=methods, max_new_tokens=new_tokens,
-                                   stop_tokens=stop, threads=threads, placement=placement)
+                                   stop_token_ids=stop, threads=threads, placement=placement)
     ref, single = None, None
     if reference:
-        ref_runs, single = decode_methods(path, [case.prompt_ids], nproc=1, max_new_tokens=new_tokens, stop_tokens=stop,
+        ref_runs, single = decode_methods(path, [case.prompt_ids], nproc=1, max_new_tokens=new_tokens, stop_token_ids=stop,
                                           threads=threads)
         ref = ref_runs[0][0]
     answer = files.tokenizer.decode(runs[0][0].result.generated_ids[0])

@@ -19,7 +19,8 @@ from rich.console import Console
 from rich.table import Table
 
 from treeattn.engine.cli import format_mib, format_size, stderr
-from treeattn.engine.config import EngineConfig as E, GenerationConfig as G
+from treeattn.engine.config import EngineConfig as E
+from treeattn.engine.request import SamplingParams as S
 from treeattn.engine.flags import Placement, config_flag
 
 
@@ -35,9 +36,9 @@ def demo_command(
     context: int | None = typer.Option(None, "--context", min=2, help="Prompt length in tokens (default 4096; "
                                        "--synthetic: prompt length, default 32768)."),
     nproc: int = config_flag(E, "nproc", default=4, min=1, help="Local CPU ranks sharing the KV cache."),
-    max_new_tokens: int | None = config_flag(G, "max_new_tokens", default=None, min=2,
+    max_new_tokens: int | None = config_flag(S, "max_new_tokens", default=None, min=2,
                                              help="Greedy tokens per method at most (default 24; --synthetic: 16; --long: 8)."),
-    placement: Placement = config_flag(G, "placement"),
+    placement: Placement = config_flag(E, "placement"),
     threads: int | None = config_flag(E, "threads_per_rank", flag="--threads", min=1),
     seed: int = typer.Option(0, "--seed", min=0, help="Seed of the random weights and of the synthetic prompt (--synthetic)."),
     reference: bool = typer.Option(True, "--reference/--no-reference", help="Check against single-process decoding."),

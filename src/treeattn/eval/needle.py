@@ -114,9 +114,9 @@ def run_needle(
     chosen = (decode, method) if nproc > 1 else ("local", "allreduce")
     methods = [chosen] + ([m for m in ALL_METHODS if m != chosen] if check_methods and nproc > 1 else [])
     eot = end_of_turn_id(files.tokenizer, files.chat_template) if files.chat_template is not None else None
-    stop = list(files.config.eos_token_ids) + ([eot] if eot is not None else [])
+    stop = [eot] if eot is not None else []  # besides the model's eos ids
     runs, timing = decode_methods(model_path, [c.prompt_ids for c in cases], nproc=nproc, methods=methods,
-                                  max_new_tokens=max_new_tokens, stop_tokens=stop, threads=threads)
+                                  max_new_tokens=max_new_tokens, stop_token_ids=stop, threads=threads)
     cells = []
     for case, row in zip(cases, runs):
         first = row[0].result

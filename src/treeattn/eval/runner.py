@@ -48,7 +48,7 @@ def decode_methods(
     nproc: int,
     methods: Sequence[tuple[str, str]] = (("tree", DEFAULT_METHOD), ("ring", "allreduce")),
     max_new_tokens: int = 16,
-    stop_tokens: Sequence[int] | None = None,
+    stop_token_ids: Sequence[int] = (),
     threads: int | None = None,
     dtype: str = "float32",
     placement: str = "contiguous",
@@ -61,7 +61,7 @@ def decode_methods(
         prompts: token id lists.
         nproc: ranks; 1 runs in this process with local attention (methods are then ignored).
         methods: (decode, tree method) pairs; decode "tree" or "ring".
-        max_new_tokens, stop_tokens: as in treeattn.engine.generate (stop_tokens None: the model's eos).
+        max_new_tokens, stop_token_ids: as in ta.generate (SamplingParams: ids that stop besides the model's eos).
         threads: torch threads per rank; default cores // nproc (at least 1).
         dtype: parameter dtype name.
         placement: cache placement of tokens on ranks ("contiguous" or "interleaved").
@@ -72,7 +72,7 @@ def decode_methods(
     """
     threads = threads or max(1, (os.cpu_count() or 1) // nproc)
     args = (str(model_path), [list(p) for p in prompts], tuple(methods) if nproc > 1 else (("local", "allreduce"),),
-            max_new_tokens, None if stop_tokens is None else list(stop_tokens), threads, dtype, placement)
+            max_new_tokens, list(stop_token_ids), threads, dtype, placement)
     start = time.perf_counter()
     if nproc == 1:
         saved = torch.get_num_threads()
@@ -91,7 +91,7 @@ def decode_methods(
     return runs, Timing(load_s=load_s, total_s=time.perf_counter() - start)
 
 
-def _decode_rank(rank, world_size, model_path, prompts, methods, max_new_tokens, stop_tokens, threads, dtype, placement,
+def _decode_rank(rank, world_size, model_path, prompts, methods, max_new_tokens, stop_token_ids, threads, dtype, placement,
                  on_prompt=None):
     """One rank: load once, then per prompt and method one ta.generate (a prefill and the decode)."""
     from treeattn.models.loader import load_model
@@ -105,7 +105,7 @@ def _decode_rank(rank, world_size, model_path, prompts, methods, max_new_tokens,
         row = []
         for decode, method in methods:
             result = generate(model, prompt, max_new_tokens=max_new_tokens, decode=decode, method=method,
-                              stop_tokens=stop_tokens, placement=placement)
+                              stop_token_ids=stop_token_ids, placement=placement)
             row.append((decode, method, result))
         rows.append(row)
         if on_prompt is not None:

@@ -101,7 +101,7 @@ def run_reference(*, context: int = 32768, new_tokens: int = 16, seed: int = 0, 
     try:
         model = random_model(demo_config(), seed=seed)
         prompt = synthetic_prompt(context, model.config.vocab_size, seed)
-        result = generate(model, prompt, max_new_tokens=new_tokens, decode="local", stop_tokens=[])
+        result = generate(model, prompt, max_new_tokens=new_tokens, decode="local", ignore_eos=True)
     finally:
         torch.set_num_threads(saved_threads)
     return MethodRun("single process (local)", "local", "-", 1, result)
@@ -116,6 +116,6 @@ def _demo_rank(rank: int, world_size: int, context, new_tokens, methods, placeme
     for decode, method in methods:
         name = f"tree ({method})" if decode == "tree" else "ring (pass-KV)" if decode == "ring" else decode
         result = generate(model, prompt, max_new_tokens=new_tokens, decode=decode, method=method, placement=placement,
-                          stop_tokens=[])
+                          ignore_eos=True)
         rows.append((name, decode, method, result))
     return rows
