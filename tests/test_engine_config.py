@@ -100,13 +100,12 @@ def test_generation_checks_name_the_option():
          "prompt of 10 tokens \\+ max_new_tokens=32 needs 42 positions, more than max_context=12"),
         (EngineConfig(), SamplingParams(stop_token_ids=[64]), 1, 1, "stop_token_ids", r"token id 64 is outside the vocabulary \[0, 64\)"),
         (EngineConfig(), SamplingParams(), 2, 2, "num_samples", "got 2 prompts"),
-        (EngineConfig(), SamplingParams(), 0, 1, "num_samples", "num_samples must be an int >= 1, got 0"),
         (EngineConfig(speculate="ngram"), SamplingParams(), 3, 1, "speculate", "decodes one sequence; num_samples=3 asks for several"),
         (EngineConfig(speculate="ngram"), SamplingParams(), 1, 2, "speculate", "decodes one prompt at a time, got 2 prompts"),
     ]:
         batch = prompts * batch
         with pytest.raises(ConfigError, match=match) as info:
-            check_generation(batch_config(config, params, max(samples, 1), batch, 1), params, samples, MODEL, batch)
+            check_generation(batch_config(config, params, samples, batch, 1), params, samples, MODEL, batch)
         assert info.value.option == option
 
 

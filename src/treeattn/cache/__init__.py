@@ -1,8 +1,13 @@
 """The sequence-sharded KV cache: placement policies and per-rank block storage.
 
-- ShardedKVCache (sharded.py): one batch's cache, one arena per rank (ta.generate).
-- The engine's cache: refcounted block pools and the placement of logical blocks (blocks.py),
-  each rank's block tensors (paged.py), the radix prefix cache over blocks (prefix.py).
+- The engine's cache (ta.Engine, and ta.generate, which runs on it): refcounted block pools and the
+  placement of logical blocks on the ranks (blocks.py, placement.py), each rank's paged arena of
+  block tensors (paged.py), the radix prefix cache over blocks (prefix.py), and a hybrid model's
+  sliding-window layers, kept whole on every rank (window.py).
+- ShardedKVCache (sharded.py): one batch's cache, one preallocated arena per rank, for callers that
+  run a model layer by layer themselves: the transformers plug-in (treeattn.hf.ShardedCache) and
+  the tests' references. Its static API (StaticCacheUpdate, static_layer) is the graph-safe
+  building block tested beside ops.graph_safe; the engine's static step reads the paged arena.
 """
 
 from treeattn.cache.blocks import BlockPool, BlockRef, ShardedBlockPool

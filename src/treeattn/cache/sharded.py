@@ -1,4 +1,9 @@
-"""A sequence-sharded KV cache: each rank holds its shard of every layer's keys and values.
+"""A sequence-sharded KV cache of one batch: each rank holds its shard of every layer's keys and values.
+
+This is the cache of callers that run a model over one batch themselves: the transformers plug-in
+(treeattn.hf.ShardedCache) and the tests' references. The engine (ta.Engine, ta.generate) keeps a
+paged cache instead (treeattn.cache.paged, blocks.py), which its decode steps read in place with
+the paged kernel (treeattn.ops.paged_decode) or by runs of adjacent blocks (treeattn.engine.batch).
 
 Storage on one rank is one arena of fixed-size blocks, preallocated for the cache's capacity:
 
@@ -12,10 +17,11 @@ reads them as a view (no gather, no copy per step), and growth writes into the n
 without ever moving what is already there. The arena is allocated with torch.empty, so on Linux the
 pages of blocks not yet written are not resident: memory in use follows the blocks in use.
 
-Why one arena rather than a pool of blocks and a block table: a decode step must read the whole
-shard, and the CPU attention kernel wants each head's keys as one strided matrix. A block table
-would make every step gather the shard into such a matrix first (a full copy of the shard per
-layer per step); benchmarks/engine_decode.py measures that gather against the view.
+Why one arena rather than a pool of blocks and a block table here: a decode step must read the
+whole shard, and the dense CPU attention kernel wants each head's keys as one strided matrix. A
+block table would make every step gather the shard into such a matrix first (a full copy of the
+shard per layer per step; benchmarks/engine_decode.py measures that gather against the view),
+unless a paged kernel reads the blocks in place, as the engine's does.
 
 Every global slot belongs to one token of every sequence in the batch. Sequences of different
 lengths are left-padded: a padding slot gets position PAD_POSITION when written and is stored

@@ -8,8 +8,8 @@
 (decode "local" on several ranks, speculation with static steps, ...). What needs the model (its
 memory, a draft model's tokenizer, CUDA for graph steps) is checked before any rank starts by
 treeattn.engine.checks. How to sample is not here: that is each request's SamplingParams
-(treeattn.engine.request). A bad value fails once, with one line naming the field: a ValueError
-(a ConfigError, whose `.option` is the field's name, for the checks that need one).
+(treeattn.engine.request). A bad value fails once, with one line naming the field: a ConfigError
+(a ValueError; ConfigTypeError is a TypeError too) whose `.option` is the field's name.
 """
 
 from __future__ import annotations
@@ -92,7 +92,7 @@ def given_or_built(cls, given, keywords: dict, option: str):
 @dataclass(frozen=True)
 class EngineConfig:
     """How an Engine runs, validated once and shipped to the ranks. Engine(model, **fields) builds
-    one; a bad value raises ValueError (ConfigError for max_context) naming the field.
+    one; a bad value raises a ConfigError (a ValueError) whose .option is the field it names.
 
     Attributes:
         nproc: ranks sharing the KV cache (inside an existing group, and in generate(): the group's size).
@@ -188,37 +188,37 @@ class EngineConfig:
         for name in ("nproc", "max_batch_size", "block_size", "prefill_chunk"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+                raise ConfigError(name, f"{name} must be an int >= 1, got {value!r}")
         for name in ("cache_tokens", "threads_per_rank", "max_context"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise ValueError(f"{name} must be an int >= 1 or None, got {value!r}")
+                raise ConfigError(name, f"{name} must be an int >= 1 or None, got {value!r}")
         if self.decode not in DECODE_KINDS:
-            raise ValueError(f"decode must be one of {DECODE_KINDS}, got {self.decode!r}")
+            raise ConfigError("decode", f"decode must be one of {DECODE_KINDS}, got {self.decode!r}")
         if self.decode == "local" and self.nproc > 1:
             raise ConfigError("decode", f"decode='local' runs on one rank, but nproc={self.nproc}; use decode='tree' or decode='ring'")
         if self.prefill not in PREFILL_KINDS:
             raise ConfigError("prefill", f"prefill must be one of {PREFILL_KINDS}, got {self.prefill!r}")
         if self.method not in METHODS:
-            raise ValueError(f"method must be one of {METHODS}, got {self.method!r}")
+            raise ConfigError("method", f"method must be one of {METHODS}, got {self.method!r}")
         if self.placement not in PLACEMENTS:
-            raise ValueError(f"placement must be one of {PLACEMENTS}, got {self.placement!r}")
+            raise ConfigError("placement", f"placement must be one of {PLACEMENTS}, got {self.placement!r}")
         for name in ("prefix_cache", "shared_memory"):
             if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+                raise ConfigError(name, f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.device not in DEVICES:
             raise ConfigError("device", f"device must be one of {DEVICES}, got {self.device!r}")
         if self.dtype is not None and (not isinstance(self.dtype, torch.dtype) or not self.dtype.is_floating_point):
-            raise ValueError(f"dtype must be a floating torch.dtype or None, got {self.dtype!r}")
+            raise ConfigError("dtype", f"dtype must be a floating torch.dtype or None, got {self.dtype!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ConfigError("kv_cache_dtype", f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float)) or not self.timeout_s > 0:
-            raise ValueError(f"timeout_s must be a number of seconds > 0, got {self.timeout_s!r}")
+            raise ConfigError("timeout_s", f"timeout_s must be a number of seconds > 0, got {self.timeout_s!r}")
         if self.speculate is not None and self.speculate not in SPECULATE_KINDS:
-            raise ValueError(f"speculate must be None or one of {SPECULATE_KINDS}, got {self.speculate!r}")
+            raise ConfigError("speculate", f"speculate must be None or one of {SPECULATE_KINDS}, got {self.speculate!r}")
         k = self.draft_tokens
         if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_DRAFT_TOKENS:
-            raise ValueError(f"draft_tokens must be an int in [1, {MAX_DRAFT_TOKENS}], got {k!r}")
+            raise ConfigError("draft_tokens", f"draft_tokens must be an int in [1, {MAX_DRAFT_TOKENS}], got {k!r}")
         object.__setattr__(self, "draft_model", check_draft_model_option(self.speculate, self.draft_model))
         self._check_decode_step()
 

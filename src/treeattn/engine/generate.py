@@ -355,7 +355,12 @@ def batch_config(config: EngineConfig, sampling: SamplingParams, num_samples: in
     """The EngineConfig that runs this batch at once: nproc the group's size (decode "local" on one
     rank), max_batch_size every sequence (prompts x num_samples), max_context (when None) the longest
     prompt + max_new_tokens, and cache_tokens (when None) max_context slots for every sequence, dealt
-    over the ranks in whole blocks (contiguous placement: one span of every sequence per rank)."""
+    over the ranks in whole blocks (contiguous placement: one span of every sequence per rank).
+    ConfigError naming num_samples unless it is an int >= 1."""
+    if not _is_int(num_samples):
+        raise ConfigTypeError("num_samples", f"num_samples must be an int, got {type(num_samples).__name__} ({num_samples!r})")
+    if num_samples < 1:
+        raise ConfigError("num_samples", f"num_samples must be >= 1, got {num_samples}")
     longest = max(len(prompt) for prompt in prompts)
     sequences = len(prompts) * num_samples
     max_context = config.max_context or longest + sampling.max_new_tokens
@@ -369,8 +374,6 @@ def check_generation(config: EngineConfig, sampling: SamplingParams, num_samples
     """What generate() asks beyond any engine request, checked with the batch_config'd `config`:
     n samples of one prompt, speculation on one prompt and one sample, stop ids in the vocabulary,
     and every prompt + max_new_tokens within max_context. ConfigError naming the option."""
-    if not _is_int(num_samples) or num_samples < 1:
-        raise ConfigError("num_samples", f"num_samples must be an int >= 1, got {num_samples!r}")
     if num_samples > 1 and len(prompts) != 1:
         raise ConfigError("num_samples", f"num_samples={num_samples} samples completions of one prompt, got {len(prompts)} prompts")
     if config.speculate is not None and num_samples > 1:

@@ -15,7 +15,12 @@
   q must be the same on every rank (decoding; also chunked prefill where every rank runs the chunk).
 - RingDecodeAttention: ring_decode, the baseline: K/V shards travel the ring (pass_kv=True).
 - GraphSafeDecodeAttention: the attention of a static-shape decode step (treeattn.engine.static_step):
-  local, tree or ring with no host synchronization, over the whole preallocated shard.
+  local, tree or ring with no host synchronization, over fixed-shape keys (a rank's blocks of each
+  sequence gathered into (B, NB * block_size, Hkv, D), unused slots at INVISIBLE_POSITION).
+
+The engine builds its back end once per rank with attention_backend (treeattn.engine.runner); its
+dynamic steps call it per group of sequences (treeattn.engine.batch), except where the paged decode
+kernel (treeattn.ops.paged_decode) reads the blocks in place and combines across the ranks itself.
 
 Sliding windows: tree_decode and ring_decode mask by causality only. For one query per sequence
 (Sq = 1) a window is the same as hiding the keys with q_pos - kv_pos >= W, which is done by
@@ -117,8 +122,9 @@ class RingDecodeAttention(_ShardedDecodeAttention):
 class GraphSafeDecodeAttention:
     """Decode attention with no host synchronization, for a static-shape step (treeattn.engine.static_step).
 
-    k, v are this rank's whole preallocated shard (ShardedKVCache.static_layer) and kv_pos marks
-    the unused slots INVISIBLE_POSITION. One query per sequence: a sliding window is applied by
+    k, v are this rank's keys of each sequence in fixed shapes (the static step gathers its blocks
+    into (B, NB * block_size, Hkv, D); ShardedKVCache.static_layer gives a whole preallocated shard)
+    and kv_pos marks the unused slots INVISIBLE_POSITION. One query per sequence: a sliding window is applied by
     hiding keys through their positions, on the device.
 
     Args:

@@ -8,14 +8,17 @@ holds context positions of its shard only. Each step:
    exactly (allreduce, binary tree or two-level). The context K/V is read once per step for all
    n samples, and only O(n * Sq * Hq * Dv) numbers travel, never K or V.
 2. decode part: each sample's own decoded K/V is small (n * Md tokens next to Mc context
-   tokens), so the engine keeps it whole on every rank: every rank passes the same decode_k and
+   tokens), so the caller keeps it whole on every rank: every rank passes the same decode_k and
    decode_v and computes the decode state itself, with no communication.
 3. every rank merges the reduced context state with its decode state once, after the
    reduction, so each decoded key is counted exactly once and every rank ends with the same
    (out, lse).
 
 The result equals ta.bifurcated_attention on the unsharded context (and so plain attention over
-each sample's [context, decoded] K/V) up to rounding, for any number of ranks.
+each sample's [context, decoded] K/V) up to rounding, for any number of ranks. This is the op on
+its own tensors; the engine's shared-context decoding (ta.generate(num_samples=n), requests that
+share a cached prefix) applies the same folding to the blocks its block tables share, with every
+sample's own blocks sharded like the context (treeattn.engine.shared_prefix).
 """
 
 from __future__ import annotations
