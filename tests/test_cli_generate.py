@@ -160,10 +160,10 @@ def test_prefill_progress_is_reported_chunk_by_chunk(checkpoint):
     model = load_model(checkpoint)
     prompt = torch.randint(0, VOCAB, (40,), generator=torch.Generator().manual_seed(3)).tolist()
     seen = []
-    generate(model, prompt, max_new_tokens=2, chunk=16, block_size=8, on_prefill=lambda done, total: seen.append((done, total)))
+    generate(model, prompt, max_new_tokens=2, prefill_chunk=16, block_size=8, on_prefill=lambda done, total: seen.append((done, total)))
     assert seen == [(16, 40), (32, 40), (40, 40)]
     seen.clear()  # two samples of one prompt: the second finds its full blocks in the prefix cache
-    generate(model, prompt, max_new_tokens=2, chunk=64, block_size=8, num_samples=2,
+    generate(model, prompt, max_new_tokens=2, prefill_chunk=64, block_size=8, num_samples=2,
              on_prefill=lambda done, total: seen.append((done, total)))
     assert seen[-1] == (80, 80)
 
