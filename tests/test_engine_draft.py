@@ -330,15 +330,13 @@ def test_a_draft_of_a_short_window_fits_a_small_enough_cache():
 
 def test_the_memory_check_counts_the_draft_model(monkeypatch):
     """Memory for two ranks of the model and its cache, not for the draft's too: refused, naming draft_model."""
-    from treeattn.cache.sharded import kv_bytes_per_token
     from treeattn.engine import memory
     from treeattn.engine.config import EngineConfig
-    from treeattn.engine.memory import model_bytes
+    from treeattn.engine.memory import kv_cache_bytes_per_rank, model_bytes
 
     target, draft = _target(), random_model(SMALL, seed=4)
     config = EngineConfig(nproc=2, block_size=BLOCK, cache_tokens=1024)
-    slots = config.blocks_per_rank(CONFIG.max_position_embeddings) * BLOCK
-    one_rank = model_bytes(target, torch.float32) + slots * kv_bytes_per_token(CONFIG, torch.float32)
+    one_rank = model_bytes(target, torch.float32) + kv_cache_bytes_per_rank(config, CONFIG, torch.float32)
     monkeypatch.setattr(memory, "device_memory_bytes", lambda device: 2 * one_rank + 1)
     with pytest.raises(ValueError, match=r"^draft_model: 2 rank\(s\) x \(.* of weights \+ .* of KV cache \+ .* of draft model and its "
                                          r"cache\) = .*, more than the .* of memory of this machine$"):
