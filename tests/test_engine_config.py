@@ -111,8 +111,10 @@ def test_generation_checks_name_the_option():
 
 def test_kv_estimate_is_what_the_engine_allocates():
     """MODEL is hybrid (a global layer, a window-4 layer): the paged arena holds the global layer
-    (and its pad block), and every rank keeps W - 1 = 3 positions of the window layer per sequence."""
+    (and its pad block), and every rank keeps a ring of W - 1 + SPARE_ROWS rows of the window layer
+    per sequence (treeattn.cache.window)."""
     from treeattn.cache.paged import PagedKVCache
+    from treeattn.cache.window import SPARE_ROWS
 
     for placement, world in (("contiguous", 3), ("interleaved", 2)):
         config = batch_config(EngineConfig(block_size=4, placement=placement), SamplingParams(max_new_tokens=7), 1,
@@ -120,7 +122,7 @@ def test_kv_estimate_is_what_the_engine_allocates():
         blocks = config.blocks_per_rank(MODEL.max_position_embeddings)
         assert blocks == 2 * -(-20 // (4 * world))  # 20 slots a sequence, dealt over the ranks
         arena = PagedKVCache(num_layers=1, num_kv_heads=2, head_dim=8, num_blocks=blocks, block_size=4)
-        windows = 2 * (3 * 2 * 2 * 8 * 4)  # 2 sequences x (3 positions x K and V x 2 heads x 8 x float32)
+        windows = 2 * ((3 + SPARE_ROWS) * 2 * 2 * 8 * 4)  # 2 sequences x (rows x K and V x 2 heads x 8 x float32)
         assert kv_cache_bytes_per_rank(config, MODEL, torch.float32) == arena.nbytes() + windows
 
 
