@@ -194,7 +194,7 @@ def _check_before_spawning(config: EngineConfig, sampling: SamplingParams, num_s
     machine, each holding all weights and its share of the cache, the draft model's too). Warns when ranks outnumber the cores or the prompt's tokens."""
     import torch
 
-    from treeattn.engine.checks import check_engine
+    from treeattn.engine.checks import check_engine, with_device
     from treeattn.engine.generate import batch_config, check_generation, check_prompts
     from treeattn.models.loader import check_checkpoint
     from treeattn.parallel.spawn import local_ranks
@@ -205,7 +205,7 @@ def _check_before_spawning(config: EngineConfig, sampling: SamplingParams, num_s
     sized = dataclasses.replace(batch_config(config, sampling, num_samples, prompts, world), dtype=torch_dtype)
     check_generation(sized, sampling, num_samples, model_config, prompts)
     # the engine's checks (the ranks load the checkpoint on the CPU): a draft model, a hybrid cache, memory, ...
-    check_engine(str(model_dir), sized, cache_option="max_new_tokens" if config.max_context is None else "max_context")
+    check_engine(str(model_dir), with_device(str(model_dir), sized), cache_option="max_new_tokens" if config.max_context is None else "max_context")
     longest = max(len(p) for p in prompts)
     here = local_ranks(world)
     if os.environ.get("RANK", "0") != "0":  # under torchrun, rank 0 warns for all

@@ -59,7 +59,7 @@ import torch.distributed as dist
 
 from treeattn.cache.sharded import kv_bytes_per_token
 from treeattn.cache.window import window_bytes_per_sequence
-from treeattn.engine.checks import check_engine
+from treeattn.engine.checks import check_engine, with_device
 from treeattn.engine.config import EngineConfig, given_or_built, resolve_kv_cache_dtype
 from treeattn.engine.errors import ConfigError, ConfigTypeError
 from treeattn.engine.request import MAX_SEED, SamplingParams
@@ -420,6 +420,7 @@ class Generation:
             self.prompts = check_prompts(prompts, model.config.vocab_size)
             config = batch_config(config, sampling, num_samples, self.prompts, self.world_size)
             check_generation(config, sampling, num_samples, model.config, self.prompts)
+            config = with_device(model, config)  # "auto": the model's own device
             check_engine(model, config, group=group, joined=self.world_size > 1,  # the engine's own checks, in its order
                          cache_option="max_new_tokens" if given.max_context is None else "max_context")
             if config.decode_step != "dynamic":
