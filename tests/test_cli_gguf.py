@@ -144,8 +144,8 @@ def test_ta_generate_takes_the_file_and_gives_the_engines_text(files, tiny):
     """ta.generate takes a path as ta.Engine does, and returns the text as the engine does; an
     engine without speculation reports no acceptance rate (there is none, not a NaN)."""
     ids = tiny.tokenizer.encode("the hat").ids
-    result = ta.generate(str(files["tiny"]), ids, max_new_tokens=5, stop_tokens=[])
-    assert result.generated_ids == ta.generate(tiny, ids, max_new_tokens=5, stop_tokens=[]).generated_ids
+    result = ta.generate(str(files["tiny"]), ids, max_new_tokens=5, ignore_eos=True)
+    assert result.generated_ids == ta.generate(tiny, ids, max_new_tokens=5, ignore_eos=True).generated_ids
     with ta.Engine(tiny, nproc=1, block_size=16) as engine:
         same = engine.generate(ids, max_new_tokens=5, ignore_eos=True)[0]
         stats = engine.stats()
