@@ -65,7 +65,6 @@ def kernel(context: int, kinds: list[str], repeats: int) -> None:
 
     import torch
 
-    from treeattn.cache.sharded import INVISIBLE_POSITION  # noqa: F401 (every slot is visible here)
     from treeattn.ops.paged_decode import PagedDecodeLayout, paged_decode_attention
 
     torch.set_num_threads(1)
