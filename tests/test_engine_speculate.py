@@ -415,6 +415,6 @@ def test_serve_refuses_bad_speculation_flags_before_any_work(tmp_path):
     model = tmp_path / "model.gguf"
     model.write_bytes(b"")  # never read: the engine's options are checked first
     result = CliRunner().invoke(app, ["serve", str(model), "--speculate", "ngram", "--draft-tokens", "0", "--port", "0"])
-    assert result.exit_code == 2 and "draft_tokens must be an int in [1, 16], got 0" in result.output
+    assert result.exit_code == 2 and "--draft-tokens must be an int in [1, 16], got 0" in result.output  # the flag, named
     result = CliRunner().invoke(app, ["serve", str(model), "--speculate", "draft", "--port", "0"])
     assert result.exit_code == 2 and "--speculate draft needs --draft-model PATH" in result.output
