@@ -181,7 +181,13 @@ def _turn(engine, conversation: Conversation, text: str, params) -> bool:
         stopped = True
         if handle is not None:
             handle.cancel()
-    result = handle.result() if handle is not None else None
+    result = None
+    while handle is not None:  # the cancelled request ends at the driver's next step
+        try:
+            result = handle.result()
+            break
+        except KeyboardInterrupt:  # Ctrl-C again while it ends: still not the program's end
+            handle.cancel()
     write_stdout("\n")
     if result is None:
         conversation.messages.pop()
