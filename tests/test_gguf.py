@@ -195,21 +195,3 @@ def test_metadata_arrays_read_in_one_pass_equal_the_gguf_readers(tmp_path):
             assert got.contents(i) == expected.contents(i), (key, i)
     assert ours.fields["test.strings"].contents() == ["", "a", "\u2581\u2581", "日本", "x" * 300]
     np.testing.assert_array_equal(ours.tensors[0].data, reference.tensors[0].data)
-
-
-@pytest.mark.parametrize("qtype", [gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q4_1])
-def test_torch_dequantization_equals_gguf_quants_bit_for_bit(qtype):
-    """The torch dequantization of the loader (Q8_0, Q4_0, Q4_1) gives gguf.quants' float32 values
-    exactly: random blocks, every nibble and int8 value, float16 scales of both signs."""
-    from treeattn.models.gguf import _dequantize_torch
-
-    block_bytes = {gguf.GGMLQuantizationType.Q8_0: 34, gguf.GGMLQuantizationType.Q4_0: 18, gguf.GGMLQuantizationType.Q4_1: 20}[qtype]
-    raw = np.random.default_rng(int(qtype)).integers(0, 256, (48, block_bytes * 16), dtype=np.uint8)
-    blocks = raw.reshape(-1, block_bytes)
-    blocks[:, 1] &= 0xBB  # finite float16 scales (no exponent of all ones)
-    if qtype == gguf.GGMLQuantizationType.Q4_1:
-        blocks[:, 3] &= 0xBB
-    expected = gguf.quants.dequantize(raw, qtype)
-    got = _dequantize_torch(raw, qtype).reshape(expected.shape).numpy()
-    assert np.isfinite(expected).all() and np.array_equal(got, expected)
-    assert _dequantize_torch(raw, gguf.GGMLQuantizationType.Q6_K) is None  # other types: gguf.quants

@@ -12,8 +12,7 @@ What the loader undoes, tensor by tensor:
 - names: llama.cpp's (blk.3.attn_q.weight, ffn_gate, token_embd, output_norm, ...) -> ours
   (layers.3.self_attn.q_proj.weight, ...); see TENSOR_NAMES.
 - shapes: GGUF lists dimensions fastest-first ([in, out]); the numpy view is already (out, in).
-- quantization: Q8_0, Q4_0 and Q4_1 tensors are dequantized by vectorized torch code
-  (_dequantize_torch: gguf.quants' arithmetic, bit for bit); every other tensor by gguf.quants.dequantize (F32, F16, BF16, Q4_0,
+- quantization: every tensor is dequantized by gguf.quants.dequantize (F32, F16, BF16, Q4_0,
   Q4_1, Q5_0, Q5_1, Q8_0, Q2_K..Q6_K, IQ*: whatever the installed gguf package implements) to
   float32, then cast to the working dtype.
 - gemma3 (treeattn.models.gemma3): its own names (GEMMA3_TENSOR_NAMES), every norm weight stored
@@ -340,31 +339,6 @@ def dequantize(tensor) -> np.ndarray:
     return gguf.quants.dequantize(tensor.data, tensor.tensor_type).reshape(shape)
 
 
-def _dequantize_torch(raw: np.ndarray, tensor_type) -> torch.Tensor | None:
-    """float32 values of quantized blocks, vectorized in torch, for Q8_0, Q4_0 and Q4_1 (what most
-    small GGUF files hold); None for other types (gguf.quants then does it). The same arithmetic as
-    gguf.quants, in the same order (float16 scales widened to float32, then d * q [+ m]), so the
-    values are identical; torch's kernels use every core where gguf's numpy code splits the rows
-    into many small arrays first.
-
-    Args:
-        raw: uint8 (rows, bytes per row) of whole blocks.
-    """
-    Q = gguf.GGMLQuantizationType
-    if tensor_type not in (Q.Q8_0, Q.Q4_0, Q.Q4_1):
-        return None
-    block_bytes = {Q.Q8_0: 34, Q.Q4_0: 18, Q.Q4_1: 20}[tensor_type]
-    blocks = torch.from_numpy(np.ascontiguousarray(raw)).reshape(-1, block_bytes)
-    d = blocks[:, 0:2].contiguous().view(torch.float16).to(torch.float32)  # (n, 1)
-    if tensor_type == Q.Q8_0:
-        return blocks[:, 2:].contiguous().view(torch.int8).to(torch.float32) * d
-    qs = blocks[:, 4:] if tensor_type == Q.Q4_1 else blocks[:, 2:]  # 16 bytes: elements j and j + 16 of the block
-    q = torch.cat([qs & 0x0F, qs >> 4], dim=1).to(torch.float32)
-    if tensor_type == Q.Q4_0:
-        return (q - 8.0) * d
-    return d * q + blocks[:, 2:4].contiguous().view(torch.float16).to(torch.float32)
-
-
 def dequantize_to(tensor, *, dtype: torch.dtype, device: torch.device | str = "cpu",
                   chunk_elements: int = DEQUANTIZE_CHUNK_ELEMENTS) -> torch.Tensor:
     """A gguf ReaderTensor as a new torch tensor of `dtype` on `device`, in numpy order ((out, in)
@@ -378,13 +352,10 @@ def dequantize_to(tensor, *, dtype: torch.dtype, device: torch.device | str = "c
     data = tensor.data.reshape(shape[0], -1)  # one row of the tensor per row (bytes of blocks when quantized)
     rows = max(1, chunk_elements // (out.numel() // shape[0]))
     for start in range(0, shape[0], rows):
-        values = _dequantize_torch(data[start : start + rows], tensor.tensor_type)
-        if values is None:
-            block = gguf.quants.dequantize(data[start : start + rows], tensor.tensor_type)
-            if not block.flags.writeable:  # F32: a view of the read-only file mapping
-                block = block.copy()
-            values = torch.from_numpy(block)
-        out[start : start + rows] = values.reshape(-1, *shape[1:])
+        block = gguf.quants.dequantize(data[start : start + rows], tensor.tensor_type)
+        if not block.flags.writeable:  # F32: a view of the read-only file mapping
+            block = block.copy()
+        out[start : start + rows] = torch.from_numpy(block).reshape(-1, *shape[1:])
     return out
 
 
