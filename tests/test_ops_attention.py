@@ -397,3 +397,34 @@ def test_gpu_causal_prefill_uses_the_fused_flash_kernel(offset, monkeypatch):
     rel = (out.double().cpu() - ref_out).norm() / ref_out.norm()
     assert rel < 1e-2
     torch.testing.assert_close(lse.double().cpu(), ref_lse, atol=2e-2, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_sized_cpu_calls_run_the_compiled_kernel_and_match_float64(dtype, monkeypatch):
+    """ops.attention sends decode-sized CPU calls (<= cpu_decode.MAX_QUERIES queries) to the
+    compiled kernel, over any layout of K/V (a transposed view is made contiguous, never read
+    wrongly); float64, a softcap, more queries or a query position below 0 keep the matmul path."""
+    pytest.importorskip("numba")
+    from treeattn.ops import cpu_decode
+
+    calls = []
+    real = cpu_decode.attend_blocks
+    monkeypatch.setattr(cpu_decode, "attend_blocks", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, 6, 16, generator=g).to(dtype)
+    k = torch.randn(2, 2, 300, 16, generator=g).to(dtype).transpose(1, 2)  # (B, Sk, Hkv, D), not contiguous
+    v = torch.randn(2, 300, 2, 8, generator=g).to(dtype)
+    kv_pos = torch.randperm(300, generator=g)
+    cases = [dict(), dict(causal=True), dict(causal=True, q_pos=torch.tensor([[299, 10, 150, 0], [3, 4, 5, 6]]), kv_pos=kv_pos, window=40)]
+    for kw in cases:
+        out, lse = ta.attention(q, k, v, **kw)
+        out64, lse64 = ta.attention(q.double(), k.double(), v.double(), **kw)
+        tol = 1e-5 if dtype == torch.float32 else 2e-2  # bfloat16: the output's own rounding
+        assert (out.double() - out64).abs().max() < tol
+        assert torch.equal(lse.isinf(), lse64.isinf()) and (lse.double() - lse64).nan_to_num(0, 0, 0).abs().max() < 1e-5
+    assert len(calls) == len(cases)
+    for kw in (dict(softcap=30.0), dict(causal=True, q_pos=torch.tensor([-1, 0, 1, 2]))):
+        ta.attention(q, k, v, **kw)
+    ta.attention(q.double(), k.double(), v.double())
+    ta.attention(torch.randn(1, cpu_decode.MAX_QUERIES + 1, 6, 16).to(dtype), k[:1], v[:1])
+    assert len(calls) == len(cases)

@@ -6,10 +6,13 @@ memory-efficient attention). Grouped-query attention is folded into the row dime
 heads that share one KV head become G rows of one matrix product, so every K/V byte is read once
 per step, not G times.
 
-On the CPU, decode-sized work (<= 64 query rows per KV head) runs a float32 matmul path with an
-online softmax over cache-sized key chunks, measured faster there than torch's fused
-flash-attention kernel; longer query blocks (prefill) run in that kernel, which also returns the
-logsumexp. Other devices without the Triton kernel, and head dims the fused kernel does not take,
+On the CPU, decode-sized calls (at most 16 queries per sequence; float32, bfloat16 or float16;
+no softcap) run the compiled kernel of treeattn.ops.cpu_decode when numba is installed: one pass
+over the keys in place per KV head and its G query heads, float32 online softmax, block ranges in
+parallel (4-27x faster than the matmul path at 4K-64K keys). Other decode-sized work (<= 64 query
+rows per KV head; float64, a softcap, no numba) runs a float32 matmul path with an online softmax
+over cache-sized key chunks, measured faster there than torch's fused flash-attention kernel;
+longer query blocks (prefill) run in that kernel, which also returns the logsumexp. Other devices without the Triton kernel, and head dims the fused kernel does not take,
 use the matmul path too, and so does every call with a softcap (Gemma 2 logit capping), since the
 fused kernel takes no transform of the scores.
 CUDA tensors go to the Triton flash-decoding kernel (treeattn.ops.triton_decode) when triton is
@@ -31,6 +34,7 @@ import logging
 
 import torch
 
+from treeattn.ops import cpu_decode
 from treeattn.ops.merge import merge_states
 from treeattn.ops.validation import (
     check_positions,
@@ -118,6 +122,11 @@ def attention(
             kv_pos = torch.arange(Sk, device=q.device).unsqueeze(0)
         if q_pos is None:
             q_pos = (torch.arange(Sq, device=q.device) + (Sk - Sq)).unsqueeze(0)
+
+    if q.device.type == "cpu" and softcap is None and Sq <= cpu_decode.MAX_QUERIES:  # decode-sized: the compiled kernel
+        decoded = cpu_decode.decode_attention(q, k, v, scale=scale, q_pos=q_pos, kv_pos=kv_pos, window=window)
+        if decoded is not None:  # None: no numba, float64, no keys, or a query position below 0
+            return decoded
 
     lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     if B == 0 or Sq == 0 or Sk == 0:  # nothing to compute: empty, or rows that see no key

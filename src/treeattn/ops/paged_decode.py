@@ -24,7 +24,7 @@ is checked once, when the layout is built; a layer's call checks only that q and
 it (a few integer comparisons, no read of tensor data).
 
 Where it runs: CPU blocks of float32, bfloat16 or float16 go to a compiled kernel
-(treeattn.ops.paged_cpu_kernel, numba: one pass over each row's blocks in place, 16-bit blocks
+(treeattn.ops.cpu_decode over treeattn.ops.paged_cpu_kernel, numba: one pass over each row's blocks in place, 16-bit blocks
 widened to float32 block by block, the G query heads of a KV head together, queries taken in
 float32, online softmax in float32, block ranges in parallel then merged). CUDA tensors go to the
 Triton paged decode kernel (treeattn.ops.triton_decode.paged_decode_attention, the static decode
@@ -36,33 +36,12 @@ ops.attention, which is exact too but reads K/V twice (the copy, then the attent
 
 from __future__ import annotations
 
-import functools
-import logging
 
 import torch
 
 from treeattn.ops.attention import attention
+from treeattn.ops.cpu_decode import attend_blocks, kernel_module, kernel_splits
 from treeattn.ops.validation import check_scale, check_window
-
-logger = logging.getLogger(__name__)
-
-# Block ranges per query row when rows alone would leave threads idle: enough ranges that every
-# thread gets ~2 of them, and never fewer than MIN_BLOCKS_PER_SPLIT blocks in a range (one thread:
-# one range per row).
-SPLITS_PER_THREAD = 2
-MIN_BLOCKS_PER_SPLIT = 1
-
-
-@functools.lru_cache(maxsize=1)
-def _kernel_module():
-    """treeattn.ops.paged_cpu_kernel, or None (logged once) when numba is not installed."""
-    try:
-        from treeattn.ops import paged_cpu_kernel
-    except ImportError as exc:
-        logger.info("numba unavailable (%s): paged decode attention gathers the blocks", exc)
-        return None
-    return paged_cpu_kernel
-
 
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 """Cache dtypes the in-place kernels read (the CPU kernel widens the 16-bit ones to float32)."""
@@ -78,7 +57,7 @@ def kernel_takes(dtype: torch.dtype, device: torch.device | str, q_dtype: torch.
     q_dtype = dtype if q_dtype is None else q_dtype
     if device.type == "cuda":
         return dtype in KERNEL_DTYPES and q_dtype == dtype and _triton_module() is not None
-    return dtype in KERNEL_DTYPES and q_dtype in KERNEL_DTYPES and device.type == "cpu" and _kernel_module() is not None
+    return dtype in KERNEL_DTYPES and q_dtype in KERNEL_DTYPES and device.type == "cpu" and kernel_module() is not None
 
 
 def _triton_module():
@@ -149,8 +128,7 @@ class PagedDecodeLayout:
             B, Sq = self.batch, self.queries
             rows = B * Sq
             nb = self.block_table.shape[1]
-            splits = 1 if self.threads <= 1 else max(1, min(max(1, nb // MIN_BLOCKS_PER_SPLIT),
-                                                            -(-SPLITS_PER_THREAD * self.threads // max(rows, 1))))
+            splits = kernel_splits(self.threads, rows, nb)
             self._arrays = (self.block_table.contiguous().numpy(), self.kv_pos.contiguous().numpy(),
                             torch.arange(B).repeat_interleave(Sq).numpy(), self.q_pos.reshape(-1).contiguous().numpy(), splits)
         return self._arrays
@@ -202,25 +180,9 @@ def paged_decode_attention(q: torch.Tensor, k_blocks: torch.Tensor, v_blocks: to
 
 
 def _kernel_attention(q, k_blocks, v_store, Dv, layout: PagedDecodeLayout, scale: float, window: int | None):
-    """The compiled CPU kernel: v_store is v_blocks, or k_blocks when the values are its first Dv
-    channels. 16-bit blocks go in as their bit patterns (bfloat16: uint16, float16: int16)."""
-    kernel = _kernel_module()
-    B, Sq, Hq, D = q.shape
-    Hkv = k_blocks.shape[2]
-    G, R = Hq // Hkv, B * Sq
-    table, kv_pos, row_seq, q_pos, splits = layout._kernel_arrays()
-    q_rows = q.reshape(R, Hkv, G, D).to(torch.float32).contiguous()
-    bits = {torch.float32: torch.float32, torch.bfloat16: torch.uint16, torch.float16: torch.int16}[k_blocks.dtype]
-    k_arr, v_arr = k_blocks.view(bits).numpy(), v_store.view(bits).numpy()
-    out_p = torch.empty(R, splits, Hkv, G, Dv)
-    m_p = torch.empty(R, splits, Hkv, G)
-    l_p = torch.empty(R, splits, Hkv, G)
-    kernel.attend(layout.threads, q_rows.numpy(), k_arr, v_arr, Dv, scale, table, kv_pos, row_seq, q_pos,
-                  window or 0, splits, out_p.numpy(), m_p.numpy(), l_p.numpy())
-    out = torch.empty(R, Hkv, G, Dv)
-    lse = torch.empty(R, Hkv, G)
-    kernel.merge_splits(out_p.numpy(), m_p.numpy(), l_p.numpy(), out.numpy(), lse.numpy())
-    return out.view(B, Sq, Hq, Dv).to(q.dtype), lse.view(B, Sq, Hq).transpose(1, 2).contiguous()
+    """The compiled CPU kernel (ops.cpu_decode): v_store is v_blocks, or k_blocks when the values
+    are its first Dv channels."""
+    return attend_blocks(q, k_blocks, v_store, Dv, layout._kernel_arrays(), threads=layout.threads, scale=scale, window=window)
 
 
 def _gathered_attention(q, k_blocks, v_blocks, layout: PagedDecodeLayout, scale: float, window: int | None):

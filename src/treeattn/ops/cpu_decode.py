@@ -1,0 +1,123 @@
+"""The compiled CPU decode-attention kernel (numba), run over key/value blocks read in place.
+
+    out, lse = attend_blocks(q, k_blocks, v_store, Dv, arrays, threads=T, scale=s, window=W)   # paged blocks
+    decoded = decode_attention(q, k, v, scale=s, q_pos=..., kv_pos=..., window=W)               # contiguous K/V, or None
+
+Two callers share it. ops.paged_decode runs the engine's paged cache through attend_blocks. And
+ops.attention sends its decode-sized CPU calls (at most MAX_QUERIES queries per sequence, float32 /
+bfloat16 / float16, no softcap) through decode_attention: a contiguous K/V of one sequence is a
+paged cache whose blocks follow each other, so the kernel reads it in place. That path replaces
+a GQA matmul over a (B, Hkv, G * Sq, Sk) score tensor with one pass over the keys per KV head and
+its G query heads. At 4K-64K keys it is 4-27x faster than the matmul path; the figures are in
+docs/benchmarks.md.
+
+The kernel (treeattn.ops.paged_cpu_kernel) takes the queries in float32, widens 16-bit blocks to
+float32 block by block, runs an online softmax in float32, and splits each row's blocks into
+ranges that threads attend in parallel before merging them. A key at kv_pos is visible to a query
+at q_pos iff kv_pos <= q_pos (and q_pos - kv_pos < W with a window); a query at q_pos -1 sees
+nothing. Without numba, decode_attention returns None and its caller keeps its own path.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+# Block ranges per query row when rows alone would leave threads idle: enough ranges that every
+# thread gets ~2 of them, and never fewer than MIN_BLOCKS_PER_SPLIT blocks in a range (one thread:
+# one range per row).
+SPLITS_PER_THREAD = 2
+MIN_BLOCKS_PER_SPLIT = 1
+# ops.attention calls with at most this many queries per sequence go to the kernel (decode steps
+# and their drafts); longer ones (prefill) stay on the matmul path, which batches queries.
+MAX_QUERIES = 16
+_BITS = {torch.float32: torch.float32, torch.bfloat16: torch.uint16, torch.float16: torch.int16}
+
+
+@functools.lru_cache(maxsize=1)
+def kernel_module():
+    """treeattn.ops.paged_cpu_kernel, or None (logged once) when numba is not installed."""
+    try:
+        from treeattn.ops import paged_cpu_kernel
+    except ImportError as exc:
+        logger.info("numba unavailable (%s): CPU decode attention uses torch ops", exc)
+        return None
+    return paged_cpu_kernel
+
+
+def kernel_splits(threads: int, rows: int, blocks_per_row: int) -> int:
+    """Block ranges per query row (see SPLITS_PER_THREAD)."""
+    if threads <= 1:
+        return 1
+    return max(1, min(max(1, blocks_per_row // MIN_BLOCKS_PER_SPLIT), -(-SPLITS_PER_THREAD * threads // max(rows, 1))))
+
+
+def attend_blocks(q: torch.Tensor, k_blocks: torch.Tensor, v_store: torch.Tensor, Dv: int, arrays, *, threads: int,
+                  scale: float, window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel over blocks read in place.
+
+    Args:
+        q: (B, Sq, Hq, D) float tensor on the CPU (taken in float32).
+        k_blocks: (NB, BS, Hkv, D) contiguous, float32, bfloat16 or float16.
+        v_store: (NB, BS, Hkv, Dv) contiguous in k_blocks' dtype, or k_blocks itself when the
+            values are its first Dv channels.
+        arrays: (table (B, nb), kv_pos (B, nb * BS), row_seq (B * Sq,), q_pos (B * Sq,), splits), the
+            first four C-contiguous int64 numpy arrays (row_seq: each query row's sequence).
+
+    Returns:
+        out (B, Sq, Hq, Dv) in q.dtype, lse (B, Hq, Sq) float32; a row that sees no key: 0, -inf.
+    """
+    kernel = kernel_module()
+    B, Sq, Hq, D = q.shape
+    Hkv = k_blocks.shape[2]
+    G, R = Hq // Hkv, B * Sq
+    table, kv_pos, row_seq, q_pos, splits = arrays
+    q_rows = q.reshape(R, Hkv, G, D).to(torch.float32).contiguous()
+    bits = _BITS[k_blocks.dtype]
+    k_arr, v_arr = k_blocks.view(bits).numpy(), v_store.view(bits).numpy()
+    out_p = torch.empty(R, splits, Hkv, G, Dv)
+    m_p = torch.empty(R, splits, Hkv, G)
+    l_p = torch.empty(R, splits, Hkv, G)
+    kernel.attend(threads, q_rows.numpy(), k_arr, v_arr, Dv, scale, table, kv_pos, row_seq, q_pos,
+                  window or 0, splits, out_p.numpy(), m_p.numpy(), l_p.numpy())
+    out = torch.empty(R, Hkv, G, Dv)
+    lse = torch.empty(R, Hkv, G)
+    kernel.merge_splits(out_p.numpy(), m_p.numpy(), l_p.numpy(), out.numpy(), lse.numpy())
+    return out.view(B, Sq, Hq, Dv).to(q.dtype), lse.view(B, Sq, Hq).transpose(1, 2).contiguous()
+
+
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, q_pos: torch.Tensor | None,
+                     kv_pos: torch.Tensor | None, window: int | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """ops.attention's decode case on the CPU through the kernel, or None when it does not take it.
+
+    Args (checked by ops.attention already): q (B, Sq, Hq, D), k (B, Sk, Hkv, D), v (B, Sk, Hkv, Dv)
+    of one dtype on the CPU; q_pos (1 or B, Sq) and kv_pos (1 or B, Sk) int64 for a causal call, both
+    None for one that sees every key; window only with positions.
+
+    Returns (out (B, Sq, Hq, Dv) in q.dtype, lse (B, Hq, Sq) float32), or None: no numba, another
+    dtype (float64 stays on the matmul path), more than MAX_QUERIES queries, no keys, or a query
+    position below 0 (the kernel reads -1 as "sees nothing"; ops.attention does not).
+    """
+    B, Sq, Hq, D = q.shape
+    Sk = k.shape[1]
+    if (q.device.type != "cpu" or q.dtype not in _BITS or k.dtype != q.dtype or v.dtype != q.dtype or not 1 <= Sq <= MAX_QUERIES
+            or B == 0 or Sk == 0 or kernel_module() is None):
+        return None
+    if q_pos is None:  # every key visible: every position 0
+        q_pos = torch.zeros(B, Sq, dtype=torch.int64)
+        kv_pos = torch.zeros(B, Sk, dtype=torch.int64)
+    elif bool((q_pos < 0).any()):
+        return None
+    block = next((b for b in (256, 128, 64, 32, 16) if Sk % b == 0), Sk)  # several blocks per row: threads share a row
+    nb = Sk // block
+    k_blocks = k.contiguous().view(B * nb, block, *k.shape[2:])
+    v_blocks = v.contiguous().view(B * nb, block, *v.shape[2:])
+    threads = torch.get_num_threads()
+    arrays = (torch.arange(B * nb).view(B, nb).numpy(), kv_pos.expand(B, Sk).contiguous().numpy(),
+              torch.arange(B).repeat_interleave(Sq).numpy(), q_pos.expand(B, Sq).reshape(-1).contiguous().numpy(),
+              kernel_splits(threads, B * Sq, nb))
+    return attend_blocks(q, k_blocks, v_blocks, v.shape[-1], arrays, threads=threads, scale=scale, window=window)
