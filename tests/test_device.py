@@ -164,3 +164,46 @@ def test_two_cuda_ranks_form_an_nccl_group_with_the_cpus_tokens():
         with ta.Engine(model, nproc=2, device=device, dtype=torch.float32, block_size=16, cache_tokens=256) as engine:
             tokens[device] = engine.generate([1, 2, 3, 4], max_new_tokens=6)[0].token_ids
     assert tokens["cuda"] == tokens["cpu"]
+
+
+def test_generate_takes_a_device(no_cuda):
+    import treeattn as ta
+
+    model = tiny_model()
+    base = ta.generate(model, [1, 2, 3], max_new_tokens=4, ignore_eos=True, block_size=16).generated_ids
+    assert ta.generate(model, [1, 2, 3], max_new_tokens=4, ignore_eos=True, block_size=16, device="cpu").generated_ids == base
+    with pytest.raises(ConfigError, match=r"^device='cuda' needs a CUDA device"):
+        ta.generate(model, [1, 2, 3], max_new_tokens=4, device="cuda")
+
+
+def test_generate_command_device_cpu_dtype_auto_gives_the_defaults_tokens(no_cuda, tmp_path):
+    import json
+
+    from typer.testing import CliRunner
+
+    pytest.importorskip("transformers")
+    from test_model import make_checkpoint
+
+    from treeattn.cli import app
+
+    make_checkpoint("llama", tmp_path / "llama")
+    ids = tmp_path / "ids.json"
+    ids.write_text(json.dumps([3, 4, 5, 6, 7]))
+    args = ["generate", str(tmp_path / "llama"), "--prompt-ids", str(ids), "--max-new-tokens", "4", "--json"]
+    runner = CliRunner()
+    default, explicit = (runner.invoke(app, args + extra) for extra in ([], ["--device", "cpu", "--dtype", "auto"]))
+    assert default.exit_code == 0 and explicit.exit_code == 0, (default.output, explicit.output)
+    assert json.loads(explicit.stdout)["generated_ids"] == json.loads(default.stdout)["generated_ids"]
+    refused = runner.invoke(app, args + ["--device", "cuda"])
+    assert refused.exit_code == 2
+    lines = refused.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: --device cuda needs a CUDA device, but torch sees none"), refused.stderr
+    with pytest.MonkeyPatch.context() as mp:  # a machine with one GPU, asked for two CUDA ranks
+        mp.setattr(torch.cuda, "is_available", lambda: True)
+        mp.setattr(torch.cuda, "device_count", lambda: 1)
+        mp.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+        refused = runner.invoke(app, args + ["--device", "cuda", "--nproc", "2"])
+    assert refused.exit_code == 2
+    lines = refused.stderr.strip().splitlines()
+    assert lines == ["error: --nproc 2: 2 CUDA ranks on this machine need one GPU each, but 1 GPU(s) are visible; give at "
+                     "most 1 ranks, or --device cpu"], refused.stderr

@@ -31,7 +31,7 @@ from rich.table import Table
 
 from treeattn.engine.config import EngineConfig
 from treeattn.engine.console import GenerateDisplay, process_age_s, say
-from treeattn.engine.flags import Decode, DecodeStep, KvCacheDtype, Method, Placement, Prefill, Speculate, config_flag, dtype_flag
+from treeattn.engine.flags import Decode, DecodeStep, Device, KvCacheDtype, Method, Placement, Prefill, Speculate, config_flag, dtype_flag
 from treeattn.engine.request import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -69,7 +69,8 @@ def generate_command(
     block_size: int = config_flag(E, "block_size"),
     max_context: int | None = config_flag(E, "max_context", min=1, help="The most positions (prompt + new tokens) one "
                                           "sequence may take, its KV cache slots (default: the longest prompt + --max-new-tokens)."),
-    dtype: str = dtype_flag("float32"),
+    dtype: str = dtype_flag(),
+    device: Device = config_flag(E, "device"),
     kv_cache_dtype: KvCacheDtype = config_flag(E, "kv_cache_dtype"),
     threads: int | None = config_flag(E, "threads_per_rank", flag="--threads", min=1),
     json_output: bool = typer.Option(False, "--json", help="Print one JSON object on stdout and nothing else."),
@@ -102,7 +103,7 @@ def generate_command(
         config = EngineConfig(nproc=world, decode=decode, method=method, prefill=prefill, prefill_chunk=prefill_chunk,
                               decode_step=decode_step, placement=placement, block_size=block_size, max_context=max_context,
                               speculate=speculate, draft_tokens=draft_tokens, shared_memory=shared_memory, timeout_s=timeout,
-                              kv_cache_dtype=kv_cache_dtype,
+                              kv_cache_dtype=kv_cache_dtype, device=device,
                               draft_model=None if draft_model is None else str(draft_model))
         if system is not None and not chat:
             raise ValueError("--system is a chat message: give --chat too")
@@ -116,6 +117,7 @@ def generate_command(
             raise ValueError(f"--stop: {model_dir} has no tokenizer to find stop strings with; use --stop-id")
         if top is not None and rank_by == "none":
             raise ValueError("--top K prints the K best sequences: give --rank-by mean-logprob too")
+        kind, dtype = _device_and_dtype(device, dtype, world)  # "cpu" or "cuda"; --dtype auto: bfloat16 on CUDA
         _check_before_spawning(config, sampling, num_samples, model_dir, prompts, world, dtype)
         _check_context(prompts, max_new_tokens, files.config, model_dir, allow_beyond_context)
     except FileNotFoundError as exc:
@@ -126,7 +128,7 @@ def generate_command(
         raise typer.Exit(2) from exc
 
     job = GenerateJob(model_dir=str(model_dir), prompts=tuple(map(tuple, prompts)), config=config, sampling=sampling,
-                      num_samples=num_samples, dtype=dtype, threads=threads or max(1, (os.cpu_count() or 1) // world))
+                      num_samples=num_samples, dtype=dtype, device=kind, threads=threads or max(1, (os.cpu_count() or 1) // world))
     batched = batched or num_samples > 1
     # the answer goes to stdout as decoded; with stop strings at the end, cut before the stop string
     streamed = not json_output and not batched and tokenizer is not None and not sampling.stop
@@ -139,7 +141,9 @@ def generate_command(
         else:
             from treeattn.parallel import spawn
 
-            result = spawn(generate_rank, world, job, display, timeout=timeout)[0]
+            from treeattn.engine.device import backend_for
+
+            result = spawn(generate_rank, world, job, display, backend=backend_for(kind), timeout=timeout)[0]
     except Exception as exc:  # a rank's error (SpawnError names it) or a local one: report, exit non-zero
         from treeattn.parallel import SpawnError
 
@@ -186,6 +190,19 @@ def _cli_message(exc) -> str:
     return text
 
 
+def _device_and_dtype(device: str, dtype: str, world: int) -> tuple[str, str]:
+    """(--device resolved to "cpu" or "cuda", --dtype resolved: auto is bfloat16 on CUDA, float32 on
+    the CPU). ConfigError naming device (no CUDA) or nproc (more ranks on this machine than GPUs)."""
+    import torch
+
+    from treeattn.engine.device import check_gpus, resolve_device, resolve_dtype
+    from treeattn.parallel.spawn import local_ranks
+
+    kind = resolve_device(device)
+    check_gpus(kind, local_ranks(world))
+    return kind, str(resolve_dtype(None if dtype == "auto" else getattr(torch, dtype), kind)).removeprefix("torch.")
+
+
 def _check_before_spawning(config: EngineConfig, sampling: SamplingParams, num_samples: int, model_dir: Path,
                            prompts: list[list[int]], world: int, dtype: str) -> None:
     """Everything the ranks would refuse, checked once here with the checks they run: the checkpoint
@@ -204,7 +221,7 @@ def _check_before_spawning(config: EngineConfig, sampling: SamplingParams, num_s
     prompts = check_prompts(prompts, model_config.vocab_size)
     sized = dataclasses.replace(batch_config(config, sampling, num_samples, prompts, world), dtype=torch_dtype)
     check_generation(sized, sampling, num_samples, model_config, prompts)
-    # the engine's checks (the ranks load the checkpoint on the CPU): a draft model, a hybrid cache, memory, ...
+    # the engine's checks (the ranks load the checkpoint on --device): a draft model, a hybrid cache, memory, ...
     check_engine(str(model_dir), with_device(str(model_dir), sized), cache_option="max_new_tokens" if config.max_context is None else "max_context")
     longest = max(len(p) for p in prompts)
     here = local_ranks(world)

@@ -301,10 +301,13 @@ def stream(model: "LlamaModel | str | os.PathLike", prompts, config: EngineConfi
     from treeattn.models.chat import encode_prompts, is_chat
 
     config, sampling = split_options(config, sampling, options)
-    if isinstance(model, (str, os.PathLike)):  # a checkpoint directory or .gguf file, as ta.Engine takes
+    if isinstance(model, (str, os.PathLike)):  # a checkpoint directory or .gguf file, as ta.Engine takes: straight
+        from treeattn.engine.device import rank_device, resolve_device, resolve_dtype  # onto this rank's device
         from treeattn.models.loader import load_model
 
-        model = load_model(model, dtype=config.dtype or torch.float32)
+        kind = resolve_device(config.device)
+        rank = dist.get_rank(group) if dist.is_available() and dist.is_initialized() else 0
+        model = load_model(model, dtype=resolve_dtype(config.dtype, kind), device=rank_device(kind, rank))
     if is_chat(prompts):  # chat messages: rendered by the model's template; stop at its end of turn too
         prompts, end_of_turn = encode_prompts(model, prompts)
         if not sampling.ignore_eos:

@@ -31,6 +31,7 @@ class GenerateJob:
         sampling: the validated SamplingParams of every sequence.
         num_samples: completions of the one prompt (generate's num_samples).
         dtype: parameter dtype name ("float32", "bfloat16", "float16").
+        device: "cpu" or "cuda" (rank r on treeattn.engine.device.rank_device: cuda:r, or cuda:LOCAL_RANK under torchrun).
         threads: torch threads per rank (None: torch's default).
     """
 
@@ -41,6 +42,7 @@ class GenerateJob:
     num_samples: int = 1
     dtype: str = "float32"
     threads: int | None = None
+    device: str = "cpu"
 
 
 def generate_rank(rank: int, world_size: int, job: GenerateJob, display=None) -> dict | None:
@@ -60,7 +62,12 @@ def generate_rank(rank: int, world_size: int, job: GenerateJob, display=None) ->
     if job.threads is not None:
         torch.set_num_threads(job.threads)
     start = time.perf_counter()
-    model = load_model(job.model_dir, dtype=getattr(torch, job.dtype))
+    from treeattn.engine.device import rank_device
+
+    device = rank_device(job.device, rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    model = load_model(job.model_dir, dtype=getattr(torch, job.dtype), device=device)
     if show:
         display.loaded(time.perf_counter() - start)
     run = Generation(model, [list(p) for p in job.prompts], job.config, job.sampling, num_samples=job.num_samples,
