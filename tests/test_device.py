@@ -207,3 +207,27 @@ def test_generate_command_device_cpu_dtype_auto_gives_the_defaults_tokens(no_cud
     lines = refused.stderr.strip().splitlines()
     assert lines == ["error: --nproc 2: 2 CUDA ranks on this machine need one GPU each, but 1 GPU(s) are visible; give at "
                      "most 1 ranks, or --device cpu"], refused.stderr
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_generate_command_runs_dynamic_static_and_graph_steps_on_the_gpu(tmp_path):
+    import json
+
+    from typer.testing import CliRunner
+
+    pytest.importorskip("transformers")
+    from test_model import make_checkpoint
+
+    from treeattn.cli import app
+
+    make_checkpoint("llama", tmp_path / "llama")
+    ids = tmp_path / "ids.json"
+    ids.write_text(json.dumps([3, 4, 5, 6, 7]))
+    tokens = {}
+    for step in ("dynamic", "static", "graph"):
+        result = CliRunner().invoke(app, ["generate", str(tmp_path / "llama"), "--prompt-ids", str(ids), "--max-new-tokens", "6",
+                                          "--device", "cuda", "--dtype", "float32", "--decode-step", step, "--json"])
+        assert result.exit_code == 0, result.output
+        tokens[step] = json.loads(result.stdout)["generated_ids"]
+    assert tokens["static"] == tokens["dynamic"] and tokens["graph"] == tokens["dynamic"]
