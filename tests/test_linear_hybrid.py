@@ -178,3 +178,16 @@ def test_linearize_command_on_a_tiny_gguf(tmp_path):
     assert isinstance(model.layers[1].self_attn, LinearizedAttention)
     bad = CliRunner().invoke(app, ["linearize", str(path), "--layers", "1,x", "--text", str(text), "--out", str(tmp_path / "m2")])
     assert bad.exit_code == 2 and "--layers must be" in bad.output
+    # the maps on the command line: treeattn generate --linear-maps serves the hybrid model through the engine,
+    # with the tokens of ta.Engine on the model load_hybrid builds
+    prompt = [5, 9, 14, 3, 7, 2, 11]
+    with ta.Engine(model, nproc=1, block_size=16, cache_tokens=256) as engine:
+        expected = engine.generate([prompt], max_new_tokens=4)[0].token_ids
+    (tmp_path / "ids.json").write_text(json.dumps(prompt))
+    generated = CliRunner().invoke(app, ["generate", str(path), "--linear-maps", str(tmp_path / "maps"), "--prompt-ids",
+                                         str(tmp_path / "ids.json"), "--max-new-tokens", "4", "--nproc", "1", "--json"])
+    assert generated.exit_code == 0, generated.output
+    assert json.loads(generated.stdout)["generated_ids"] == expected
+    refused = CliRunner().invoke(app, ["generate", str(path), "--linear-maps", str(tmp_path), "--prompt-ids",
+                                       str(tmp_path / "ids.json"), "--max-new-tokens", "4"])
+    assert refused.exit_code == 2 and "--linear-maps" in refused.output and "linear_layers.json" in refused.output

@@ -106,6 +106,18 @@ def check_hybrid_cache(model_config, config: EngineConfig) -> None:
                           f"use prefill='split' or 'auto'")
 
 
+def check_linear_maps(config: EngineConfig) -> None:
+    """config.linear_maps names a directory `treeattn linearize` wrote (ConfigError naming
+    linear_maps), before any rank starts."""
+    if config.linear_maps is None:
+        return
+    from treeattn.linear.hybrid import CONFIG_FILE
+
+    if not (Path(config.linear_maps) / CONFIG_FILE).is_file():
+        raise ConfigError("linear_maps", f"linear_maps: {config.linear_maps} holds no {CONFIG_FILE} (a directory written by "
+                          f"`treeattn linearize --out`)")
+
+
 def check_draft_model(target, config: EngineConfig) -> None:
     """The draft model against the model (`target`: model_files) before any rank starts (ConfigError
     naming draft_model): the same tokenizer, and a context window reaching every position the engine runs."""
@@ -169,6 +181,7 @@ def check_engine(model, config: EngineConfig, *, group=None, joined: bool = Fals
     check_decode_step_device(model, config, group, joined)
     files = model_files(model)
     check_hybrid_cache(files.config, config)
+    check_linear_maps(config)
     if not isinstance(model, (str, os.PathLike)):  # a hybrid linear model (treeattn.linear) is a loaded model
         from treeattn.linear.hybrid import check_linear_engine
 

@@ -88,6 +88,7 @@ def generate_command(
     speculate: Speculate | None = config_flag(E, "speculate"),
     draft_tokens: int = config_flag(E, "draft_tokens"),
     draft_model: Path | None = config_flag(E, "draft_model"),
+    linear_maps: Path | None = config_flag(E, "linear_maps"),
     shared_memory: bool = config_flag(E, "shared_memory"),
     timeout: float = config_flag(E, "timeout_s", flag="--timeout", min=0.001, max=1e6),
 ) -> None:
@@ -104,7 +105,8 @@ def generate_command(
                               decode_step=decode_step, placement=placement, block_size=block_size, max_context=max_context,
                               speculate=speculate, draft_tokens=draft_tokens, shared_memory=shared_memory, timeout_s=timeout,
                               kv_cache_dtype=kv_cache_dtype, device=device,
-                              draft_model=None if draft_model is None else str(draft_model))
+                              draft_model=None if draft_model is None else str(draft_model),
+                              linear_maps=None if linear_maps is None else str(linear_maps))
         if system is not None and not chat:
             raise ValueError("--system is a chat message: give --chat too")
         files = read_model_files(model_dir)  # config, tokenizer, chat template (a .gguf is read once)

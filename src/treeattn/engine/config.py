@@ -158,6 +158,10 @@ class EngineConfig:
             whole cache, but no more than the model's max_position_embeddings (engine.max_context
             is the resolved value; a larger value given here runs positions beyond the model's
             window, with a warning). A request that needs more fails alone, naming the limit.
+        linear_maps: a directory of Hedgehog feature maps (`treeattn linearize --out`): the layers
+            it names run linear attention (treeattn.linear; a hybrid model), their states kept per
+            sequence on every rank. Not with speculate or static/graph decode steps; the prefix
+            cache is off for such a model.
     """
 
     nproc: int = 1
@@ -181,6 +185,7 @@ class EngineConfig:
     shared_memory: bool = True
     decode_step: str = "dynamic"
     max_context: int | None = None
+    linear_maps: str | None = None
 
     def __post_init__(self) -> None:
         static = self.decode_step in DECODE_STEPS and self.decode_step != "dynamic"
@@ -228,6 +233,15 @@ class EngineConfig:
         if self.decode_step != "dynamic" and self.speculate is not None:
             raise ConfigError("speculate", f"speculate={self.speculate!r} verifies several tokens per sequence per step; "
                               f"decode_step={self.decode_step!r} runs fixed one-token steps")
+        if isinstance(self.linear_maps, os.PathLike):
+            object.__setattr__(self, "linear_maps", os.fspath(self.linear_maps))
+        if self.linear_maps is not None:
+            if not isinstance(self.linear_maps, str):
+                raise ConfigTypeError("linear_maps", f"linear_maps must be a directory path, got {type(self.linear_maps).__name__}")
+            if self.speculate is not None or self.decode_step != "dynamic":
+                what = f"speculate={self.speculate!r}" if self.speculate is not None else f"decode_step={self.decode_step!r}"
+                raise ConfigError("linear_maps", f"linear_maps (a hybrid linear model) does not run with {what}: a linear "
+                                  f"layer's state cannot step back over rejected drafts or run in static steps")
 
     def blocks_per_rank(self, max_position_embeddings: int) -> int:
         """Blocks in each rank's pool: cache_tokens over all ranks, default

@@ -62,7 +62,12 @@ def model_info(model) -> ModelInfo:
 
 
 def make_runner(model, config: EngineConfig, group=None) -> RankRunner:
-    """This rank's RankRunner for `config` (the draft model, if any, loaded in the model's dtype and on its device)."""
+    """This rank's RankRunner for `config` (the draft model, if any, loaded in the model's dtype and on its device;
+    config.linear_maps' layers linearized with their feature maps first)."""
+    if config.linear_maps is not None:
+        from treeattn.linear.hybrid import load_feature_maps
+
+        load_feature_maps(model, config.linear_maps)
     draft = None
     if config.draft_model is not None:
         from treeattn.models import load_model as load

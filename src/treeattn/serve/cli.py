@@ -36,6 +36,7 @@ def serve_command(
     speculate: Speculate | None = config_flag(E, "speculate"),
     draft_tokens: int = config_flag(E, "draft_tokens"),
     draft_model: Path | None = config_flag(E, "draft_model"),
+    linear_maps: Path | None = config_flag(E, "linear_maps"),
     shared_memory: bool = config_flag(E, "shared_memory"),
     decode_step: DecodeStep = config_flag(E, "decode_step"),
     api_key: str | None = typer.Option(None, "--api-key", envvar="TREEATTN_API_KEY",
@@ -75,7 +76,8 @@ def serve_command(
                           cache_tokens=cache_tokens, max_context=max_context, prefix_cache=prefix_cache, block_size=block_size,
                           prefill=prefill, dtype=torch_dtype(dtype), device=device, timeout_s=timeout, speculate=speculate,
                           draft_tokens=draft_tokens, draft_model=None if draft_model is None else str(draft_model),
-                          shared_memory=shared_memory, decode_step=decode_step, kv_cache_dtype=kv_cache_dtype)
+                          shared_memory=shared_memory, decode_step=decode_step, kv_cache_dtype=kv_cache_dtype,
+                          linear_maps=None if linear_maps is None else str(linear_maps))
 
     def ready(bound_host: str, bound_port: int) -> None:
         ranks = int(os.environ["WORLD_SIZE"]) if under_torchrun() else nproc
