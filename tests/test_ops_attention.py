@@ -427,4 +427,6 @@ def test_decode_sized_cpu_calls_run_the_compiled_kernel_and_match_float64(dtype,
         ta.attention(q, k, v, **kw)
     ta.attention(q.double(), k.double(), v.double())
     ta.attention(torch.randn(1, cpu_decode.MAX_QUERIES + 1, 6, 16).to(dtype), k[:1], v[:1])
+    out, _ = ta.attention(q.detach().requires_grad_(), k, v)  # autograd records it: the differentiable path
+    out.float().sum().backward()
     assert len(calls) == len(cases)

@@ -99,14 +99,17 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale
     None for one that sees every key; window only with positions.
 
     Returns (out (B, Sq, Hq, Dv) in q.dtype, lse (B, Hq, Sq) float32), or None: no numba, another
-    dtype (float64 stays on the matmul path), more than MAX_QUERIES queries, no keys, or a query
-    position below 0 (the kernel reads -1 as "sees nothing"; ops.attention does not).
+    dtype (float64 stays on the matmul path), more than MAX_QUERIES queries, no keys, a query
+    position below 0 (the kernel reads -1 as "sees nothing"; ops.attention does not), or inputs
+    that autograd records (the kernel has no backward).
     """
     B, Sq, Hq, D = q.shape
     Sk = k.shape[1]
     if (q.device.type != "cpu" or q.dtype not in _BITS or k.dtype != q.dtype or v.dtype != q.dtype or not 1 <= Sq <= MAX_QUERIES
             or B == 0 or Sk == 0 or kernel_module() is None):
         return None
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return None  # the kernel has no backward: a call that autograd records keeps the differentiable path
     if q_pos is None:  # every key visible: every position 0
         q_pos = torch.zeros(B, Sq, dtype=torch.int64)
         kv_pos = torch.zeros(B, Sk, dtype=torch.int64)
