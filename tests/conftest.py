@@ -26,7 +26,9 @@ if _device:
 
 
 # ------------------------------------------------------------------ helpers shared by test files
-# Test files import these from here (`from conftest import ...`), never from each other.
+# Test files import these from here (`from conftest import ...`) or from the tests/helpers package
+# (checkpoints, engine test models, the server in a child process, ...), never from each other.
+# Shared fixtures (one_thread) are defined here, so every test module gets them by name.
 
 import contextlib  # noqa: E402
 import importlib  # noqa: E402
@@ -95,3 +97,15 @@ def no_host_sync():
                 delattr(torch.Tensor, name)
         for name, fn in functions.items():
             setattr(torch, name, fn)
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """One torch thread for the rest of the module: tiny models on a shared 2-core machine (threads
+    contending for the cores cost up to 50x here), and how ranks of a sequence-parallel run use the
+    CPU. A module that wants it for every test says `pytestmark = pytest.mark.usefixtures("one_thread")`;
+    a test that wants it names it."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

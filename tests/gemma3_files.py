@@ -18,6 +18,8 @@ import gguf.quants
 import numpy as np
 import torch
 
+from treeattn.models.attention import LocalAttention
+
 Q = gguf.GGMLQuantizationType
 CONTROL = ["<pad>", "<eos>", "<bos>", "<unk>", "<mask>", "<start_of_turn>", "<end_of_turn>"]
 USER = ["\n", "\n\n", "  ", "   "]
@@ -139,3 +141,14 @@ def write_gemma3_gguf(path, hf_model, *, seed: int = 0, context_length: int = 25
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+def ours_logits(model, ids: list[int]) -> torch.Tensor:
+    """(S, V) float32 prefill logits of our model over `ids`, no cache."""
+    positions = torch.arange(len(ids))[None]
+
+    def store(layer, k, v):
+        return k, v, positions
+
+    with torch.no_grad():
+        return model.logits(model(torch.tensor([ids]), positions, store, LocalAttention()))[0]

@@ -170,7 +170,7 @@ def test_plots_and_csv_leave_failed_cases_out(tmp_path):
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_sigterm_keeps_the_finished_cases_and_leaves_no_rank_or_temp_dir(tmp_path):
-    from test_spawn_faults import SRC, alive, children, wait_for_ranks, wait_gone
+    from helpers.processes import SRC, alive, children, wait_for_ranks, wait_gone
 
     tmp = tmp_path / "tmp"
     tmp.mkdir()

@@ -120,7 +120,7 @@ def test_bad_num_samples():
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     pytest.importorskip("transformers")
-    from test_model import make_checkpoint
+    from helpers.llama_checkpoints import make_checkpoint
 
     directory = tmp_path_factory.mktemp("bifurcated-cli") / "llama"
     make_checkpoint("llama", directory)

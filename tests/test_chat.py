@@ -18,7 +18,7 @@ import pytest
 pytest.importorskip("transformers")
 
 from gguf_files import write_gguf  # noqa: E402
-from test_gguf import hf_model  # noqa: E402
+from helpers.gguf_models import hf_model  # noqa: E402
 from typer.testing import CliRunner  # noqa: E402
 
 from treeattn.cli import app  # noqa: E402

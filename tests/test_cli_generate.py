@@ -12,7 +12,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from test_model import VOCAB, make_checkpoint  # noqa: E402
+from helpers.llama_checkpoints import VOCAB, make_checkpoint  # noqa: E402
 from typer.testing import CliRunner  # noqa: E402
 
 from treeattn.cli import app  # noqa: E402

@@ -135,7 +135,7 @@ def test_a_model_runs_on_the_gpu_with_the_cpus_tokens():
 @needs_cuda
 def test_a_checkpoint_loads_onto_the_gpu_in_bfloat16_and_the_memory_check_reads_free_memory(tmp_path):
     pytest.importorskip("transformers")
-    from test_model import make_checkpoint
+    from helpers.llama_checkpoints import make_checkpoint
 
     import treeattn as ta
 

@@ -25,6 +25,8 @@ from treeattn.engine import batch, EngineError, SamplingParams
 from treeattn.models.llama import LlamaConfig, random_model
 from treeattn.parallel import spawn
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one torch thread (conftest.py)
+
 CONFIG = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
                      head_dim=16, max_position_embeddings=32768)
 BLOCK = 4
@@ -164,15 +166,6 @@ def test_no_block_leaks_after_the_cache_is_cleared(runs):
 
 
 # ------------------------------------------------------------------- one process: API and bad input
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models on a shared 2-core machine: one torch thread (threads contending for cores cost 50x here)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
@@ -337,7 +330,7 @@ def test_checkpoint_directory_matches_transformers_uncached_greedy(tmp_path, arc
     """An HF checkpoint directory (Llama 3 rope scaling + bias; Mistral's sliding window of 8),
     three prompts batched with chunked prefill, against transformers' full forward per new token."""
     transformers = pytest.importorskip("transformers")  # noqa: F841
-    from test_model import make_checkpoint
+    from helpers.llama_checkpoints import make_checkpoint
 
     hf = make_checkpoint(arch, tmp_path / arch)
     g = torch.Generator().manual_seed(2)

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from hypothesis import given, settings, strategies as st
 
 import treeattn as ta
-from test_engine_speculate import BLOCK, CONFIG, PLENTY, REQUESTS as ALL_REQUESTS, SAMPLED, TIGHT, _greedy_alone, _uncached, one_thread  # noqa: F401
+from helpers.speculate_engine import BLOCK, CONFIG, PLENTY, REQUESTS as ALL_REQUESTS, SAMPLED, TIGHT, _greedy_alone, _uncached
 from treeattn.cache.blocks import ShardedBlockPool
 from treeattn.cache.prefix import PrefixCache
 from treeattn.engine import batch, SamplingParams, token_parallel
@@ -32,6 +32,8 @@ from treeattn.engine.scheduler import Scheduler
 from treeattn.engine.config import ConfigError
 from treeattn.models.llama import LlamaConfig, random_model
 from treeattn.parallel import spawn
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one torch thread (conftest.py)
 
 K = 3
 REQUESTS = ALL_REQUESTS[:7]  # three share a prefix
@@ -279,7 +281,7 @@ def test_sampled_tokens_with_a_draft_model_follow_the_model_distribution():
     """Temperature 1 with top-k 4 of 5 tokens, another random model as draft: over 400 seeds (one
     engine, batched, prefix cache on) the first three new tokens against the model's exact
     distribution (chi-square)."""
-    from test_speculate import SAMPLING, SAMPLING_CONFIG, SAMPLING_PROMPT, chi_square_pvalue, exact_distribution
+    from helpers.speculate_sampling import SAMPLING, SAMPLING_CONFIG, SAMPLING_PROMPT, chi_square_pvalue, exact_distribution
 
     model, draft = random_model(SAMPLING_CONFIG, seed=2, std=0.5), random_model(SAMPLING_CONFIG, seed=5, std=0.5)
     exact = exact_distribution(model, SAMPLING_PROMPT, SAMPLING)
@@ -354,8 +356,8 @@ def test_the_memory_check_counts_the_draft_model(monkeypatch):
 def checkpoints(tmp_path_factory):
     """HF checkpoints with tokenizers: the model, and a draft whose tokenizer swaps two ids."""
     pytest.importorskip("transformers")
-    from test_model import make_checkpoint
-    from test_speculate_draft import _save_tokenizer
+    from helpers.llama_checkpoints import make_checkpoint
+    from helpers.llama_checkpoints import _save_tokenizer
 
     root = tmp_path_factory.mktemp("engine_draft")
     for name, options in (("model", {}), ("swapped", dict(swap=True))):

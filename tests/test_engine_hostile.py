@@ -19,7 +19,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from test_serve import _write_tiny_llama_gguf  # noqa: E402
+from helpers.serve import _write_tiny_llama_gguf  # noqa: E402
 
 import treeattn as ta  # noqa: E402
 from treeattn.engine import EngineError, SamplingParams  # noqa: E402

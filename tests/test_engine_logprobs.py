@@ -14,7 +14,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from test_model import VOCAB, make_checkpoint  # noqa: E402
+from helpers.llama_checkpoints import VOCAB, make_checkpoint  # noqa: E402
 
 import treeattn as ta  # noqa: E402
 from treeattn.engine import SamplingParams  # noqa: E402

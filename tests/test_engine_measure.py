@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from test_model import VOCAB, make_checkpoint
+from helpers.llama_checkpoints import VOCAB, make_checkpoint
 
 import treeattn as ta
 from treeattn.engine import EngineError

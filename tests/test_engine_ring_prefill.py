@@ -31,7 +31,7 @@ from treeattn.engine.ring_prefill import idle_prefill_chunk, resolve_prefill, zi
 from treeattn.engine.scheduler import Scheduler
 from treeattn.models.llama import random_model
 from treeattn.parallel import spawn
-from test_engine_token_parallel import CONFIG, OPTIONS, REQUESTS, SPLIT_MIN, _model, _uncached_greedy
+from helpers.token_parallel import CONFIG, OPTIONS, REQUESTS, SPLIT_MIN, _model, _uncached_greedy
 
 CASES = [  # (p, engine options)
     (2, dict(decode="tree", placement="contiguous", prefix_cache=True)),

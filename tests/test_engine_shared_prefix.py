@@ -18,8 +18,7 @@ import torch
 import torch.distributed as dist
 
 import treeattn as ta
-from test_engine import one_thread  # noqa: F401
-from test_engine_token_parallel import CONFIG, _uncached_greedy
+from helpers.token_parallel import CONFIG, _uncached_greedy
 from treeattn.cache.blocks import BlockRef
 from treeattn.cache.paged import PagedKVCache
 from treeattn.engine import batch as engine_batch, SamplingParams, shared_prefix
@@ -27,6 +26,8 @@ from treeattn.engine.scheduler import Chunk, StepPlan
 from treeattn.models.attention import LocalAttention
 from treeattn.models.llama import random_model
 from treeattn.parallel import spawn
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one torch thread (conftest.py)
 
 BLOCK = 4
 OPTIONS = dict(block_size=BLOCK, cache_tokens=1024, prefill_chunk=16, max_batch_size=8, timeout_s=60)

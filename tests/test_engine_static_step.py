@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 import treeattn as ta
 from conftest import gpu, interpreted_triton_decode, no_host_sync, use_triton_interpreter
-from test_engine_speculate import BLOCK, CONFIG, PLENTY, REQUESTS, SAMPLED, TIGHT, _greedy_alone, _model, one_thread  # noqa: F401
+from helpers.speculate_engine import BLOCK, CONFIG, PLENTY, REQUESTS, SAMPLED, TIGHT, _greedy_alone, _model
 from treeattn.cache.blocks import BlockRef
 from treeattn.engine import SamplingParams
 from treeattn.engine.config import ConfigError
@@ -36,6 +36,8 @@ from treeattn.engine.runner import RankRunner
 from treeattn.engine.scheduler import Chunk, StepPlan
 from treeattn.engine.static_step import StaticDecodeStep, StaticShape, batch_buckets, width_bucket
 from treeattn.parallel import spawn
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one torch thread (conftest.py)
 
 use_triton_interpreter()  # the paged read's kernel branch through Triton's interpreter, in the ranks too
 

@@ -20,14 +20,9 @@ import torch.distributed as dist
 
 import treeattn as ta
 from treeattn.engine import batch, runner, SamplingParams, token_parallel
-from treeattn.models.attention import LocalAttention
-from treeattn.models.llama import LlamaConfig, random_model
 from treeattn.parallel import spawn
+from helpers.token_parallel import SPLIT_MIN, OPTIONS, _model, REQUESTS, _uncached_greedy  # noqa: E402
 
-CONFIG = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
-                     head_dim=16, max_position_embeddings=4096)
-SPLIT_MIN = 2  # tokens per rank: steps of >= 2p tokens split in these tests
-OPTIONS = dict(block_size=4, cache_tokens=1024, prefill_chunk=16, max_batch_size=8, timeout_s=60)
 CASES = [  # (p, engine options, read shards run by run)
     (2, dict(decode="tree", placement="contiguous", prefix_cache=True), False),
     (2, dict(decode="ring", placement="interleaved", prefix_cache=False), False),
@@ -35,39 +30,6 @@ CASES = [  # (p, engine options, read shards run by run)
     (3, dict(decode="tree", method="tree", placement="contiguous", prefix_cache=False), True),
     (3, dict(decode="ring", placement="contiguous", prefix_cache=True), False),
 ]
-
-
-def _model():
-    return random_model(CONFIG, seed=3, std=0.15)
-
-
-def _requests() -> list[tuple[list[int], int]]:
-    """12 (prompt, max_new_tokens): the even ones share a 31-token prefix; lengths 3 to 44."""
-    g = torch.Generator().manual_seed(7)
-    shared = torch.randint(0, 128, (31,), generator=g).tolist()
-    out = []
-    for i in range(12):
-        n = 2 + (5 * i) % 12
-        prompt = shared + torch.randint(0, 128, (n,), generator=g).tolist() if i % 2 == 0 else torch.randint(0, 128, (n + 1,), generator=g).tolist()
-        out.append((prompt, 2 + i % 5))
-    return out
-
-
-REQUESTS = _requests()
-
-
-def _uncached_greedy(model, prompt: list[int], n: int) -> list[int]:
-    """Greedy tokens recomputed with a full forward pass over all tokens per new token (no cache)."""
-    ids = list(prompt)
-    with torch.no_grad():
-        for _ in range(n):
-            length = len(ids)
-            logits = model.logits(model(torch.tensor([ids]), torch.arange(length)[None],
-                                        lambda layer, k, v: (k, v, torch.arange(length)[None]), LocalAttention())[0, -1])
-            top2 = logits.topk(2).values
-            assert top2[0] - top2[1] > 1e-4, "near-tie in the oracle: choose another seed"
-            ids.append(int(logits.argmax()))
-    return ids[len(prompt):]
 
 
 def _record_steps(model) -> list:
@@ -191,7 +153,7 @@ def test_split_and_ring_steps_over_a_latent_cache_match_transformers(tmp_path):
     every step split (prompt-only steps token-parallel, then ring steps): greedy tokens equal
     transformers' uncached recomputation."""
     pytest.importorskip("transformers")
-    from test_deepseek import NEW_TOKENS, PROMPT, make_checkpoint, uncached_greedy
+    from helpers.deepseek_checkpoints import NEW_TOKENS, PROMPT, make_checkpoint, uncached_greedy
 
     hf = make_checkpoint("v3", tmp_path / "v3")
     prompts = [PROMPT, PROMPT[:6]]

@@ -29,24 +29,13 @@ import treeattn as ta  # noqa: E402
 from treeattn.cli import app  # noqa: E402
 from treeattn.engine import SamplingParams  # noqa: E402
 from treeattn.models import load_model, load_tokenizer, read_config  # noqa: E402
-from treeattn.models.attention import LocalAttention  # noqa: E402
 from treeattn.models.gemma3 import Gemma3Config, Gemma3Model  # noqa: E402
 from treeattn.parallel import spawn  # noqa: E402
 from treeattn.cache.window import SPARE_ROWS  # noqa: E402
+from gemma3_files import ours_logits  # noqa: E402
 
 PROMPT = [2, 280, 290, 295, 300, 270, 281, 285, 290, 291, 299, 270, 275, 276, 283, 284, 292, 288, 273, 296, 301]
 TOL = 1e-4
-
-
-def ours_logits(model, ids: list[int]) -> torch.Tensor:
-    """(S, V) float32 prefill logits of our model over `ids`, no cache."""
-    positions = torch.arange(len(ids))[None]
-
-    def store(layer, k, v):
-        return k, v, positions
-
-    with torch.no_grad():
-        return model.logits(model(torch.tensor([ids]), positions, store, LocalAttention()))[0]
 
 
 def hf_logits(model, ids: list[int]) -> torch.Tensor:

@@ -21,7 +21,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from test_gemma3 import ours_logits  # noqa: E402
+from gemma3_files import ours_logits  # noqa: E402
 
 import treeattn as ta  # noqa: E402
 from treeattn.eval.demo import GEMMA3_PACKAGE, gemma3_path  # noqa: E402

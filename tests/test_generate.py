@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 pytest.importorskip("transformers")
 
-from test_model import ARCHS, VOCAB, make_checkpoint  # noqa: E402
+from helpers.llama_checkpoints import ARCHS, VOCAB, make_checkpoint  # noqa: E402
 
 from treeattn.engine.generate import NonFiniteLogitsError, generate, stream  # noqa: E402
 from treeattn.engine.request import SamplingParams  # noqa: E402

@@ -18,24 +18,14 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from gguf_files import CHATML, VOCAB, gguf_name, roundtrip, roundtrip_model, write_gguf  # noqa: E402
-from test_model import treeattn_logits  # noqa: E402
+from helpers.llama_checkpoints import treeattn_logits  # noqa: E402
 
 from treeattn.models import load_model, load_tokenizer, read_config  # noqa: E402
 from treeattn.models.chat import encode_chat, end_of_turn_id, messages, read_chat_template  # noqa: E402
 from treeattn.models.gguf import unpermute_rows  # noqa: E402
+from helpers.gguf_models import COMMON, hf_model  # noqa: E402
 
 Q = gguf.GGMLQuantizationType
-COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-              vocab_size=VOCAB, bos_token_id=1, eos_token_id=2, pad_token_id=None, initializer_range=0.1, rms_norm_eps=1e-5)
-
-
-def hf_model(arch: str, seed: int = 0):
-    torch.manual_seed(seed)
-    if arch == "llama":
-        config = transformers.LlamaConfig(**COMMON, tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
-        return transformers.LlamaForCausalLM(config).eval()
-    config = transformers.Qwen2Config(**COMMON, tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 1e6})
-    return transformers.Qwen2ForCausalLM(config).eval()
 
 
 @pytest.fixture(scope="module")

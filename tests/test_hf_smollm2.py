@@ -13,7 +13,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from test_smollm2 import smollm2_path  # noqa: E402
+from helpers.smollm2 import smollm2_path  # noqa: E402
 
 import treeattn as ta  # noqa: E402
 

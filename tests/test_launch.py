@@ -17,7 +17,7 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from test_model import make_checkpoint  # noqa: E402
+from helpers.llama_checkpoints import make_checkpoint  # noqa: E402
 
 from treeattn.engine.generate import generate  # noqa: E402
 from treeattn.models import load_model  # noqa: E402

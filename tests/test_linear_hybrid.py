@@ -159,7 +159,7 @@ def test_linearize_command_on_a_tiny_gguf(tmp_path):
     pytest.importorskip("transformers")
     import gguf
     from gguf_files import write_gguf
-    from test_gguf import hf_model
+    from helpers.gguf_models import hf_model
     from typer.testing import CliRunner
 
     from treeattn.cli import app

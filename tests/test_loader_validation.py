@@ -12,7 +12,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from test_model import make_checkpoint  # noqa: E402
+from helpers.llama_checkpoints import make_checkpoint  # noqa: E402
 
 from treeattn.models.llama import LlamaConfig  # noqa: E402
 from treeattn.models.loader import load_model  # noqa: E402
@@ -121,7 +121,7 @@ def test_a_device_that_does_not_exist_is_named_before_reading(checkpoint, device
 
 @pytest.mark.parametrize("rope", [dict(rope_theta=float("nan")), dict(factor=-4.0), dict(mscale=float("inf"))])
 def test_deepseek_configs_are_checked_the_same_way(rope):
-    from test_deepseek import COMMON, YARN
+    from helpers.deepseek_checkpoints import COMMON, YARN
 
     from treeattn.models.loader import config_from_dict
 

@@ -3,7 +3,7 @@
 Tiny random-weight LlamaForCausalLM (Llama 3 rope scaling, attention bias), Qwen2ForCausalLM (q/k/v
 bias, tied embeddings) and MistralForCausalLM (sliding window shorter than the prompt) are saved
 with save_pretrained (safetensors) and loaded with treeattn; prefill logits must agree to 1e-4.
-test_generate.py reuses make_checkpoint for the decoding tests.
+The checkpoints come from tests/helpers/llama_checkpoints.py (the decoding tests use them too).
 """
 
 from __future__ import annotations
@@ -19,38 +19,7 @@ transformers = pytest.importorskip("transformers")
 
 from treeattn.cache import ShardedKVCache  # noqa: E402
 from treeattn.models import LocalAttention, load_model, load_tokenizer, read_config  # noqa: E402
-
-VOCAB = 128
-COMMON = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-              vocab_size=VOCAB, bos_token_id=None, eos_token_id=None, pad_token_id=None, initializer_range=0.1)
-ARCHS = {
-    "llama": ("LlamaConfig", "LlamaForCausalLM", dict(
-        attention_bias=True,
-        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-                         "high_freq_factor": 4.0, "original_max_position_embeddings": 16})),
-    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(tie_word_embeddings=True)),
-    "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=8, head_dim=16)),
-}
-
-
-def make_checkpoint(arch: str, directory: Path, seed: int = 0, **save_kwargs):
-    """Build a random-weight transformers model of `arch`, save it to `directory`; return the model."""
-    config_cls, model_cls, extra = ARCHS[arch]
-    torch.manual_seed(seed)
-    model = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**COMMON, **extra)).eval()
-    model.save_pretrained(directory, **save_kwargs)
-    return model
-
-
-def treeattn_logits(model, ids: torch.Tensor) -> torch.Tensor:
-    """All-position logits (1, S, V) of one prompt on one process, prefilled in one pass."""
-    cfg = model.config
-    cache = ShardedKVCache(num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
-                           capacity=ids.shape[1], dtype=model.dtype)
-    positions = torch.arange(ids.shape[1]).unsqueeze(0)
-    slots = cache.extend(positions)
-    with torch.inference_mode():
-        return model.logits(model(ids, positions, cache.update(slots), LocalAttention()))
+from helpers.llama_checkpoints import VOCAB, ARCHS, make_checkpoint, treeattn_logits  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -57,15 +57,6 @@ def test_value_dim_differs_from_key_dim(dtype):
         assert_state_close(*ta.attention(q, k, v, causal=causal), *ta.reference_attention(q, k, v, causal=causal), dtype)
 
 
-@pytest.fixture
-def one_thread():
-    """One intra-op thread: how ranks of a sequence-parallel run use the CPU (the matmul path)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.mark.parametrize("Hq,Hkv,Sq", [(8, 8, 1), (8, 2, 3), (8, 1, 2)])
 def test_single_thread_decode_path(one_thread, Hq, Hkv, Sq):
     assert attention_module._prefer_matmul(Hq // Hkv * Sq)

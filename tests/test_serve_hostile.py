@@ -34,7 +34,7 @@ hypothesis = pytest.importorskip("hypothesis")
 from gguf_files import CHATML, VOCAB, write_gguf  # noqa: E402
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
-from test_serve import KEY, NAME, Server, _alive, _metrics, _wait_idle  # noqa: E402
+from helpers.serve import KEY, NAME, Server, _alive, _metrics, _wait_idle  # noqa: E402
 from treeattn.serve.protocol import MAX_BATCH_PROMPTS  # noqa: E402
 
 MAX_PENDING = 8

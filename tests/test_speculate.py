@@ -20,26 +20,19 @@ import torch.distributed as dist
 pytest.importorskip("transformers")
 scipy_stats = pytest.importorskip("scipy.stats")
 
-from test_model import VOCAB, make_checkpoint  # noqa: E402
+from helpers.llama_checkpoints import make_checkpoint  # noqa: E402
 from typer.testing import CliRunner  # noqa: E402
 
 from treeattn.cli import app  # noqa: E402
-from treeattn.cache import ShardedKVCache  # noqa: E402
 from treeattn.engine.config import ConfigError  # noqa: E402
 from treeattn.engine.generate import generate  # noqa: E402
-from treeattn.engine.request import SamplingParams  # noqa: E402
-from treeattn.engine.sampling import sampling_probs  # noqa: E402
-from treeattn.models.attention import attention_backend  # noqa: E402
 from treeattn.models import load_model  # noqa: E402
 from treeattn.models.llama import LlamaConfig, random_model  # noqa: E402
 from treeattn.parallel import spawn  # noqa: E402
 from treeattn.engine.speculate import NgramDrafter  # noqa: E402
+from helpers.speculate_sampling import NEW_TOKENS, PROMPT, _uncached_greedy, SAMPLING_CONFIG, SAMPLING_PROMPT, SAMPLING, exact_distribution, chi_square_pvalue  # noqa: E402
 
-NEW_TOKENS = 24
 # A prompt with repeats, so that prompt lookup finds matches (some right, some wrong).
-_G = torch.Generator().manual_seed(30)
-_PATTERN = torch.randint(0, VOCAB, (5,), generator=_G).tolist()
-PROMPT = _PATTERN + torch.randint(0, VOCAB, (4,), generator=_G).tolist() + _PATTERN + _PATTERN[:2]
 BOTH = [("tree", "contiguous"), ("tree", "interleaved"), ("ring", "contiguous"), ("ring", "interleaved")]
 # (decode, placement) per arch and number of ranks (one process: plain attention, one case). mistral's
 # sliding window (8) is shorter than the prompt, so its verification runs the per-query window path.
@@ -67,14 +60,6 @@ def test_ngram_drafter_proposes_the_continuation_of_the_longest_match():
 def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("speculate")
     return {arch: (root / arch, make_checkpoint(arch, root / arch)) for arch in ("llama", "mistral")}
-
-
-def _uncached_greedy(hf, prompt, new_tokens):
-    ids = list(prompt)
-    with torch.no_grad():
-        for _ in range(new_tokens):
-            ids.append(int(hf(torch.tensor([ids])).logits[0, -1].argmax()))
-    return ids[len(prompt):]
 
 
 def _speculative_cases(rank: int, world_size: int, dirs: dict) -> dict:
@@ -130,55 +115,6 @@ def test_sampling_with_speculation_is_the_same_on_every_rank(ranks):
 
 
 # --------------------------------------------------------------------- end to end, sampling
-
-
-@pytest.fixture
-def one_thread():
-    """A tiny model's matmuls on one thread (several threads spin against each other on a loaded machine)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-SAMPLING_VOCAB = 5
-SAMPLING_CONFIG = LlamaConfig(vocab_size=SAMPLING_VOCAB, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2,
-                              num_kv_heads=1, head_dim=8)
-SAMPLING_PROMPT = [0, 1, 2, 0, 1, 2, 0, 1]
-SAMPLING = dict(temperature=1.0, top_k=4)
-
-
-def exact_distribution(model, prompt: list[int], sampling: dict) -> dict[tuple[int, int, int], float]:
-    """The exact probability of each 3-token continuation of `prompt` under `sampling`, from one
-    uncached forward pass per prefix."""
-
-    def dist_after(ids):
-        cache = ShardedKVCache(num_layers=model.config.num_layers, num_kv_heads=model.config.num_kv_heads,
-                               head_dim=model.config.head_dim, capacity=len(ids))
-        positions = torch.arange(len(ids))
-        with torch.no_grad():
-            hidden = model(torch.tensor([ids]), positions[None], cache.update(cache.extend(positions)), attention_backend("local"))
-            return sampling_probs(model.logits(hidden[:, -1]), SamplingParams(**sampling))[0]
-
-    vocab = model.config.vocab_size
-    exact = {}
-    first = dist_after(prompt)
-    for a in range(vocab):
-        second = dist_after(prompt + [a])
-        for b in range(vocab):
-            third = dist_after(prompt + [a, b])
-            for c in range(vocab):
-                exact[(a, b, c)] = float(first[a] * second[b] * third[c])
-    return exact
-
-
-def chi_square_pvalue(counts: dict, exact: dict, n: int) -> float:
-    """Chi-square p-value of n observed continuations `counts` against `exact`: cells with expected
-    count >= 5 on their own, the rest pooled into one cell."""
-    big = [k for k, p in exact.items() if p * n >= 5]
-    observed = [counts.get(k, 0) for k in big] + [n - sum(counts.get(k, 0) for k in big)]
-    expected = [exact[k] * n for k in big] + [n * (1 - sum(exact[k] for k in big))]
-    return scipy_stats.chisquare(observed, expected).pvalue
 
 
 def test_sampled_tokens_follow_the_model_distribution(one_thread):

@@ -22,10 +22,8 @@ import torch.distributed as dist
 pytest.importorskip("transformers")
 scipy_stats = pytest.importorskip("scipy.stats")
 
-from test_model import VOCAB, make_checkpoint  # noqa: E402
-from test_speculate import (  # noqa: E402
-    PROMPT, SAMPLING, SAMPLING_CONFIG, SAMPLING_PROMPT, _uncached_greedy, chi_square_pvalue, exact_distribution, one_thread,  # noqa: F401
-)
+from helpers.llama_checkpoints import VOCAB, make_checkpoint  # noqa: E402
+from helpers.speculate_sampling import PROMPT, SAMPLING, SAMPLING_CONFIG, SAMPLING_PROMPT, _uncached_greedy, chi_square_pvalue, exact_distribution  # noqa: E402
 from typer.testing import CliRunner  # noqa: E402
 
 from treeattn.cli import app  # noqa: E402
@@ -34,6 +32,7 @@ from treeattn.engine.generate import generate  # noqa: E402
 from treeattn.models import load_model  # noqa: E402
 from treeattn.models.llama import LlamaConfig, random_model  # noqa: E402
 from treeattn.parallel import spawn  # noqa: E402
+from helpers.llama_checkpoints import _save_tokenizer  # noqa: E402
 
 NEW_TOKENS = 12
 BOTH = [("tree", "contiguous"), ("tree", "interleaved"), ("ring", "contiguous"), ("ring", "interleaved")]
@@ -126,22 +125,6 @@ def test_sampled_tokens_with_a_draft_model_follow_the_model_distribution(one_thr
 
 
 # ---------------------------------------------------------------------------------- bad input
-
-
-def _save_tokenizer(directory, *, swap: bool = False, special: tuple[str, ...] = ()) -> None:
-    """A word-level tokenizer.json of VOCAB tokens t0..t{VOCAB-1} (swap: t1 and t2 trade ids; special:
-    those tokens marked special)."""
-    from tokenizers import Tokenizer
-    from tokenizers.models import WordLevel
-    from tokenizers.pre_tokenizers import Whitespace
-
-    vocab = {f"t{i}": i for i in range(VOCAB)}
-    if swap:
-        vocab["t1"], vocab["t2"] = 2, 1
-    tokenizer = Tokenizer(WordLevel(vocab, unk_token="t0"))
-    tokenizer.pre_tokenizer = Whitespace()
-    tokenizer.add_special_tokens(list(special))
-    tokenizer.save(str(directory / "tokenizer.json"))
 
 
 @pytest.fixture(scope="module")
