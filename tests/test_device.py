@@ -182,7 +182,7 @@ def test_generate_command_device_cpu_dtype_auto_gives_the_defaults_tokens(no_cud
     from typer.testing import CliRunner
 
     pytest.importorskip("transformers")
-    from test_model import make_checkpoint
+    from helpers.llama_checkpoints import make_checkpoint
 
     from treeattn.cli import app
 
@@ -217,7 +217,7 @@ def test_generate_command_runs_dynamic_static_and_graph_steps_on_the_gpu(tmp_pat
     from typer.testing import CliRunner
 
     pytest.importorskip("transformers")
-    from test_model import make_checkpoint
+    from helpers.llama_checkpoints import make_checkpoint
 
     from treeattn.cli import app
 
