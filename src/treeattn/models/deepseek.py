@@ -532,29 +532,7 @@ def config_from_dict(raw: dict, architecture: str, *, source: str = "config.json
     def refuse(key: str, value, supported: str) -> None:
         raise ValueError(f"{source}: {key}={value!r} is not implemented for {architecture} (supported: {supported})")
 
-    if raw.get("quantization_config") is not None:
-        method = raw["quantization_config"].get("quant_method") if isinstance(raw["quantization_config"], dict) else None
-        refuse("quantization_config", method, "unquantized checkpoints; dequantize the weights first (e.g. FP8 block scales)")
-    if get("hidden_act", str) != "silu":
-        refuse("hidden_act", raw["hidden_act"], "'silu'")
-    if get("moe_layer_freq", int, 1) != 1:
-        refuse("moe_layer_freq", raw["moe_layer_freq"], "1: every layer from first_k_dense_replace on is MoE")
-    scoring = raw.get("scoring_func")
-    if scoring is not None and scoring != ("sigmoid" if v3 else "softmax"):
-        refuse("scoring_func", scoring, "'sigmoid'" if v3 else "'softmax'")
-    if v3:
-        router = "v3"
-        method = raw.get("topk_method")
-        if method not in (None, "noaux_tc"):
-            refuse("topk_method", method, "'noaux_tc'")
-    else:
-        router = get("topk_method", str)
-        if router not in ("greedy", "group_limited_greedy"):
-            refuse("topk_method", router, "'greedy', 'group_limited_greedy'")
-        if get("norm_topk_prob", bool):
-            refuse("norm_topk_prob", True, "false (transformers' DeepseekV2 router ignores it; DeepSeek's reference code applies it)")
-    if not v3 and raw.get("rope_interleave") is False:
-        refuse("rope_interleave", False, "true (DeepseekV2 always rotates interleaved pairs)")
+    router = _router(raw, v3, get, refuse)
     theta, rope_type, scaling = _rope(raw, source, refuse)
     routed = get("n_routed_experts", int) or 0
     values = dict(
@@ -598,6 +576,35 @@ def config_from_dict(raw: dict, architecture: str, *, source: str = "config.json
         return DeepseekConfig(**values)
     except ValueError as exc:
         raise ValueError(f"{source}: {exc}") from exc
+
+
+def _router(raw: dict, v3: bool, get, refuse) -> str:
+    """The checkpoint's router ("v3", "greedy" or "group_limited_greedy"), after refusing (through
+    `refuse`) the features config_from_dict does not implement; `get` reads a typed key."""
+    if raw.get("quantization_config") is not None:
+        method = raw["quantization_config"].get("quant_method") if isinstance(raw["quantization_config"], dict) else None
+        refuse("quantization_config", method, "unquantized checkpoints; dequantize the weights first (e.g. FP8 block scales)")
+    if get("hidden_act", str) != "silu":
+        refuse("hidden_act", raw["hidden_act"], "'silu'")
+    if get("moe_layer_freq", int, 1) != 1:
+        refuse("moe_layer_freq", raw["moe_layer_freq"], "1: every layer from first_k_dense_replace on is MoE")
+    scoring = raw.get("scoring_func")
+    if scoring is not None and scoring != ("sigmoid" if v3 else "softmax"):
+        refuse("scoring_func", scoring, "'sigmoid'" if v3 else "'softmax'")
+    if v3:
+        router = "v3"
+        method = raw.get("topk_method")
+        if method not in (None, "noaux_tc"):
+            refuse("topk_method", method, "'noaux_tc'")
+    else:
+        router = get("topk_method", str)
+        if router not in ("greedy", "group_limited_greedy"):
+            refuse("topk_method", router, "'greedy', 'group_limited_greedy'")
+        if get("norm_topk_prob", bool):
+            refuse("norm_topk_prob", True, "false (transformers' DeepseekV2 router ignores it; DeepSeek's reference code applies it)")
+    if not v3 and raw.get("rope_interleave") is False:
+        refuse("rope_interleave", False, "true (DeepseekV2 always rotates interleaved pairs)")
+    return router
 
 
 # transformers 5's defaults (configuration_deepseek_v3.py / configuration_deepseek_v2.py) for keys a config.json may omit.
