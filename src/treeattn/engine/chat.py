@@ -95,8 +95,6 @@ def chat_command(
         if files.chat_template is None:
             raise ValueError(f"{model}: the model has no chat template (tokenizer_config.json 'chat_template', "
                              "chat_template.jinja, or tokenizer.chat_template in a .gguf); use treeattn generate")
-        if decode == "local" and nproc > 1:
-            raise ValueError(f"--decode local runs on one rank, but --nproc {nproc}; use --decode tree or ring")
         eot = end_of_turn_id(files.tokenizer, files.chat_template)
         stop = tuple(dict.fromkeys(list(files.config.eos_token_ids) + ([] if eot is None else [eot])))
         params = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed, stop_token_ids=stop)

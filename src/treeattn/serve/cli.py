@@ -62,10 +62,6 @@ def serve_command(
 
     if not model.exists():
         _fail(f"MODEL: no such file or directory: {model}")
-    from treeattn.parallel.spawn import under_torchrun
-
-    if decode == "local" and nproc > 1 and not under_torchrun():
-        _fail(f"--decode local runs on one rank, but --nproc {nproc}; use --decode tree or ring")
     try:
         options = ServeOptions(host=host, port=port, model_name=served_model_name, api_key=api_key, max_pending=max_pending,
                                drain_s=drain, max_request_bytes=max_request_bytes, body_timeout_s=body_timeout,
@@ -80,6 +76,8 @@ def serve_command(
                           linear_maps=None if linear_maps is None else str(linear_maps))
 
     def ready(bound_host: str, bound_port: int) -> None:
+        from treeattn.parallel.spawn import under_torchrun
+
         ranks = int(os.environ["WORLD_SIZE"]) if under_torchrun() else nproc
         typer.echo(f"treeattn serve: {model} on http://{bound_host}:{bound_port} ({ranks} rank(s), decode {decode})",
                    err=True)
