@@ -421,3 +421,17 @@ def test_decode_sized_cpu_calls_run_the_compiled_kernel_and_match_float64(dtype,
     out, _ = ta.attention(q.detach().requires_grad_(), k, v)  # autograd records it: the differentiable path
     out.float().sum().backward()
     assert len(calls) == len(cases)
+
+
+def test_non_finite_inputs_never_become_a_finite_output_on_the_cpu_kernel():
+    """A NaN (or inf) in the query or in keys makes the kernel's scores NaN: the row's output and
+    lse are NaN, never the zeros of a row that saw no key (the engine then names the layer)."""
+    pytest.importorskip("numba")
+    g = torch.Generator().manual_seed(1)
+    q, k, v = torch.randn(1, 1, 4, 8, generator=g), torch.randn(1, 40, 2, 8, generator=g), torch.randn(1, 40, 2, 8, generator=g)
+    nan_key = k.clone()
+    nan_key[0, 3] = float("nan")
+    for qq, kk, vv in ((q * float("nan"), k, v), (q, k * float("nan"), v), (q, nan_key, v), (q * float("inf"), k, v),
+                       (q, k, v * float("nan"))):
+        out, _ = ta.attention(qq, kk, vv)
+        assert out.isnan().all()

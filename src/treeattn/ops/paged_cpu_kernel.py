@@ -201,14 +201,22 @@ def attend_splits_serial(q, k, v, dv, scale, table, kv_pos, row_seq, q_pos, wind
 def merge_splits(out_p, m_p, l_p, out, lse):  # pragma: no cover - compiled
     """Merge the block ranges' states of each row: out_p (R, S, Hkv, G, dv), m_p and l_p
     (R, S, Hkv, G) -> out (R, Hkv, G, dv) normalized and lse (R, Hkv, G) = max + log(sum); a row
-    that saw no key gets out = 0, lse = -inf."""
+    that saw no key gets out = 0, lse = -inf; a row whose sums are NaN (a NaN score: NaN or inf in
+    its query or a key) gets NaN, so that non-finite inputs never turn into a finite output."""
     R, S, H, G, dv = out_p.shape
     for r in range(R):
         for h in range(H):
             for g in range(G):
                 mx = -np.inf
+                poisoned = False
                 for sp in range(S):
                     mx = max(mx, m_p[r, sp, h, g])
+                    poisoned = poisoned or l_p[r, sp, h, g] != l_p[r, sp, h, g]
+                if poisoned:  # a NaN score (NaN or inf in q or k) made a sum NaN: the row is NaN, never "saw no key"
+                    lse[r, h, g] = np.nan
+                    for d in range(dv):
+                        out[r, h, g, d] = np.nan
+                    continue
                 if mx == -np.inf:
                     lse[r, h, g] = -np.inf
                     for d in range(dv):
