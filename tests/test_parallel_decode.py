@@ -24,7 +24,7 @@ import torch
 import treeattn as ta
 from treeattn.parallel.tree_decode import ONEPASS_WINDOW
 
-WORLD_SIZES = [1, 2, 3, 5, 8]
+WORLD_SIZES = [1, 2, 3, 8]  # 3: not a power of two; 8: three tree rounds (5 ran too until CI neared 20 minutes)
 TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 3e-3}
 
 # ------------------------------------------------------------------------------ case tables

@@ -355,8 +355,8 @@ def test_speculative_decoding_serves_the_same_tokens_and_counts_drafts(model_fil
 def test_decode_step_graph_is_refused_on_cpu_in_one_line(model_file):
     """`--decode-step` reaches the engine (whose static steps tests/test_engine_static_step.py checks):
     graph steps need a CUDA model, so on the CPU the server fails at start with one line."""
-    refused = subprocess.run([sys.executable, "-m", "treeattn", "serve", str(model_file), "--decode-step", "graph"],
-                             capture_output=True, text=True, timeout=120)
+    refused = subprocess.run([sys.executable, "-m", "treeattn", "serve", str(model_file), "--decode-step", "graph",
+                              "--log-level", "warning"], capture_output=True, text=True, timeout=120)  # no start-up INFO lines
     assert refused.returncode == 2
     assert refused.stderr.strip().splitlines() == ["treeattn serve: error: --decode-step graph records CUDA graphs: the model must be "
                                                    "on a CUDA device, got cpu (--decode-step static runs the same steps without graphs)"]
