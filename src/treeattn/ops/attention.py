@@ -9,7 +9,7 @@ per step, not G times.
 On the CPU, decode-sized calls (at most 16 queries per sequence; float32, bfloat16 or float16;
 no softcap) run the compiled kernel of treeattn.ops.cpu_decode when numba is installed: one pass
 over the keys in place per KV head and its G query heads, float32 online softmax, block ranges in
-parallel (4-27x faster than the matmul path at 4K-64K keys). Other decode-sized work (<= 64 query
+parallel (0.27-0.67x the matmul path's time at 4K-64K keys, docs/benchmarks.md). Other decode-sized work (<= 64 query
 rows per KV head; float64, a softcap, no numba) runs a float32 matmul path with an online softmax
 over cache-sized key chunks, measured faster there than torch's fused flash-attention kernel;
 longer query blocks (prefill) run in that kernel, which also returns the logsumexp. Other devices without the Triton kernel, and head dims the fused kernel does not take,
