@@ -10,23 +10,17 @@ visible (a decode step). Prints ms per call (median of --repeats) and the ratios
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 
 import torch
 
 import treeattn as ta
+from attention_cpu import median_seconds  # a sibling script: python3 benchmarks/cpu_decode_attention.py
 from treeattn.ops import cpu_decode
 
 
 def median_ms(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
+    return median_seconds(fn, repeats) * 1e3
 
 
 def main() -> None:
