@@ -244,3 +244,14 @@ def test_shared_context_samples_and_static_step(checkpoints, references):
     assert result.generated_ids == [references["v3"]] * 2
     with pytest.raises(ValueError, match="decode_step='static' cannot run this model .*LlamaModel only, not DeepseekModel"):
         generate(model, PROMPT, max_new_tokens=2, decode_step="static")
+
+
+def test_the_loaders_meta_skeleton_runs_no_random_init(checkpoints, monkeypatch):
+    from treeattn.models.loader import check_checkpoint
+
+    calls = []
+    monkeypatch.setattr(torch.nn.init, "normal_", lambda tensor, *args, **kwargs: calls.append(tuple(tensor.shape)))
+    for directory, _ in checkpoints.values():
+        skeleton = check_checkpoint(directory)
+        assert skeleton.embed_tokens.weight.is_meta and tuple(skeleton.embed_tokens.weight.shape) == (VOCAB, skeleton.config.hidden_size)
+    assert calls == []

@@ -183,3 +183,22 @@ def test_index_naming_a_missing_shard(broken):
     (broken / "model.safetensors.index.json").write_text(json.dumps({"weights": {}}))
     with pytest.raises(ValueError, match=r"index.json: expected a 'weight_map' object"):
         load_model(broken)
+
+
+def test_the_loaders_meta_skeleton_runs_no_random_init(checkpoints, monkeypatch):
+    # nn.Embedding's init (normal_) on "meta" imports torch._dynamo on its first call: ~2 s of every
+    # load in every process, for values the loader replaces. The skeleton skips it; a CPU model does not.
+    from treeattn.models.loader import check_checkpoint
+    from treeattn.models.llama import LlamaModel
+
+    calls = []
+    monkeypatch.setattr(torch.nn.init, "normal_", lambda tensor, *args, **kwargs: calls.append(tuple(tensor.shape)))
+    for arch, (directory, _) in checkpoints.items():
+        skeleton = check_checkpoint(directory)
+        assert skeleton.embed_tokens.weight.is_meta and skeleton.embed_tokens.weight.requires_grad, arch
+        assert tuple(skeleton.embed_tokens.weight.shape) == (skeleton.config.vocab_size, skeleton.config.hidden_size)
+    assert calls == []
+    LlamaModel(skeleton.config)  # on the CPU the embedding is initialized as nn.Embedding does
+    assert calls == [(skeleton.config.vocab_size, skeleton.config.hidden_size)]
+    model = load_model(directory)
+    assert calls == [(skeleton.config.vocab_size, skeleton.config.hidden_size)] and not model.embed_tokens.weight.is_meta

@@ -52,7 +52,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from treeattn.models.llama import AttendFn, KVStore, RMSNorm, check_norm_and_rope
+from treeattn.models.llama import AttendFn, KVStore, RMSNorm, check_norm_and_rope, embedding
 
 ATTENTION_FORMS = ("auto", "absorbed", "naive")
 SUPPORTED_ROPE_TYPES = ("default", "yarn")
@@ -446,7 +446,7 @@ class DeepseekModel(nn.Module):
         self.config = config
         self.attention_form = attention_form
         with torch.device(device):
-            self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+            self.embed_tokens = embedding(config.vocab_size, config.hidden_size, device)
             self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
             self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
             self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)

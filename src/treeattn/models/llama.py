@@ -222,6 +222,17 @@ class DecoderLayer(nn.Module):
         return h
 
 
+def embedding(num_embeddings: int, embedding_dim: int, device: torch.device | str) -> nn.Embedding:
+    """nn.Embedding(num_embeddings, embedding_dim) on `device`; on "meta" (the loaders' skeleton)
+    without its random init: reset_parameters' normal_ on "meta" runs a torch._refs decomposition whose
+    first call imports torch._dynamo (about 2 s in every process that loads a model, every rank's
+    included) for values the loader replaces anyway."""
+    if torch.device(device).type == "meta":
+        return nn.Embedding.from_pretrained(torch.empty(num_embeddings, embedding_dim, device="meta"), freeze=False)
+    with torch.device(device):
+        return nn.Embedding(num_embeddings, embedding_dim)
+
+
 class LlamaModel(nn.Module):
     """A Llama-family causal language model.
 
@@ -238,7 +249,7 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.config = config
         with torch.device(device):
-            self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+            self.embed_tokens = embedding(config.vocab_size, config.hidden_size, device)
             self.layers = nn.ModuleList(self.layer_class(config, i) for i in range(config.num_layers))
             self.norm = self.norm_class(config.hidden_size, config.rms_norm_eps)
             self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
