@@ -206,12 +206,20 @@ def test_missing_model_directory(tmp_path, ids_file):
 
 
 def test_demo_runs_tree_and_ring_and_checks_them(tmp_path):
-    result = runner.invoke(app, ["demo", "--synthetic", "--context", "300", "--nproc", "2", "--new-tokens", "3"])
+    """--device cpu --dtype auto (the defaults on a machine without CUDA, spelled out) give the tokens of
+    the synthetic demo's reference with its defaults (float32 on the CPU)."""
+    from treeattn.eval.synthetic import run_reference
+
+    result = runner.invoke(app, ["demo", "--synthetic", "--context", "300", "--nproc", "2", "--new-tokens", "3",
+                                 "--device", "cpu", "--dtype", "auto"])
     assert result.exit_code == 0, result.output
     text = " ".join(result.stdout.split())
     for name in ("tree (onepass)", "ring (pass-KV)", "single process (local)"):
         assert name in text
     assert text.count("yes") == 3 and "NO" not in text
+    assert "gloo ranks on cpu" in result.stderr and "float32" in result.stderr
+    tokens = run_reference(context=300, new_tokens=3).result.generated_ids[0]
+    assert f"Tokens: {tokens}" in " ".join(result.stderr.split())
 
 
 @pytest.mark.parametrize(

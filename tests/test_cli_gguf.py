@@ -117,6 +117,9 @@ def test_eval_needle_methods_and_rank_counts_agree(files, tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     single = json.loads(runner.invoke(app, common).stdout)
     assert [c["generated_ids"] for c in single["cells"]] == [c["generated_ids"] for c in report["cells"]]
+    on_cpu = json.loads(runner.invoke(app, common + ["--device", "cpu", "--dtype", "auto"]).stdout)  # the defaults, spelled out
+    untimed = [[{k: v for k, v in c.items() if not k.endswith("_s")} for c in r["cells"]] for r in (on_cpu, single)]
+    assert untimed[0] == untimed[1] and all("generated_ids" in c for c in untimed[0])
 
 
 @pytest.mark.parametrize("args, match", [

@@ -60,7 +60,7 @@ def test_engine_flags_come_from_the_configuration(helps):
     generate, serve = helps["generate"], helps["serve"]
     for text in (generate, serve):
         assert "--decode <local|tree|ring>" in text and "--placement <contiguous|interleaved>" in text
-    for text in (generate, serve):
+    for text in (generate, serve, helps["demo"], helps["eval needle"], helps["bench profile"]):  # every command that runs a model
         assert "--dtype <auto|" + "|".join(DTYPES) + ">" in text and "--device <auto|cpu|cuda>" in text
     assert " ".join(field_help(EngineConfig, "max_batch_size").split()) in " ".join(serve.split())
     option = config_flag(EngineConfig, "block_size")

@@ -111,6 +111,22 @@ def test_serve_refuses_cuda_without_cuda_in_one_line(no_cuda, tmp_path):
     assert len(lines) == 1 and lines[0].startswith("treeattn serve: error: --device cuda needs a CUDA device"), result.output
 
 
+@pytest.mark.parametrize("command", [["demo"], ["demo", "--synthetic"], ["demo", "--long"], ["eval", "needle", "missing.gguf"]],
+                         ids=" ".join)
+def test_demo_and_eval_refuse_cuda_without_cuda_in_one_line(no_cuda, command):
+    """Every command that runs a model takes --device; without CUDA, `--device cuda` is one line naming
+    the flag, before any model is looked for (no traceback, exit status 2)."""
+    from typer.testing import CliRunner
+
+    from treeattn.cli import app
+
+    result = CliRunner().invoke(app, [*command, "--device", "cuda", "--dtype", "auto"])
+    assert result.exit_code == 2, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: --device cuda needs a CUDA device, but torch sees none"), result.stderr
+    assert "Traceback" not in result.output
+
+
 # ------------------------------------------------------------------- CUDA (pytest -m gpu; skipped without a GPU)
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

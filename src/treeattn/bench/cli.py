@@ -438,9 +438,9 @@ def profile_command(
         kind = resolve_device(device)
         check_gpus(kind, max(nproc))
     except ConfigError as exc:
-        from treeattn.engine.cli import _cli_message
+        from treeattn.engine.flags import cli_message
 
-        raise _refuse(_cli_message(exc)) from exc
+        raise _refuse(cli_message(exc)) from exc
     bad = [m for m in method if m not in TREE_METHODS]
     if bad:
         raise _refuse(f"--method: expected tree_decode methods {TREE_METHODS}, got {bad[0]!r}")

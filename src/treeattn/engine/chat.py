@@ -110,9 +110,9 @@ def chat_command(
         engine = ta.Engine(str(model), nproc=nproc, decode=decode if nproc > 1 else "local", max_batch_size=1,
                            prefix_cache=True, block_size=block_size, dtype=torch_dtype(dtype), device=device, timeout_s=timeout)
     except ConfigError as exc:  # a refused option (--device cuda without CUDA, ...): one line in the flags' words
-        from treeattn.engine.cli import _cli_message
+        from treeattn.engine.flags import cli_message
 
-        typer.echo(f"error: {_cli_message(exc)}", err=True)
+        typer.echo(f"error: {cli_message(exc)}", err=True)
         raise typer.Exit(2) from exc
     except Exception as exc:  # noqa: BLE001 -- a rank's error or a refused config: one line, exit 1
         typer.echo(f"error: {exc}", err=True)

@@ -21,7 +21,6 @@ import dataclasses
 import json
 import logging
 import os
-import re
 from pathlib import Path
 from typing import Literal
 
@@ -31,7 +30,8 @@ from rich.table import Table
 
 from treeattn.engine.config import EngineConfig
 from treeattn.engine.console import GenerateDisplay, process_age_s, say
-from treeattn.engine.flags import Decode, DecodeStep, Device, KvCacheDtype, Method, Placement, Prefill, Speculate, config_flag, dtype_flag
+from treeattn.engine.flags import (Decode, DecodeStep, Device, KvCacheDtype, Method, Placement, Prefill, Speculate, cli_message, config_flag,
+                                  device_and_dtype, dtype_flag)
 from treeattn.engine.request import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -119,14 +119,14 @@ def generate_command(
             raise ValueError(f"--stop: {model_dir} has no tokenizer to find stop strings with; use --stop-id")
         if top is not None and rank_by == "none":
             raise ValueError("--top K prints the K best sequences: give --rank-by mean-logprob too")
-        kind, dtype = _device_and_dtype(device, dtype, world)  # "cpu" or "cuda"; --dtype auto: bfloat16 on CUDA
+        kind, dtype = device_and_dtype(device, dtype, world)  # "cpu" or "cuda"; --dtype auto: bfloat16 on CUDA
         _check_before_spawning(config, sampling, num_samples, model_dir, prompts, world, dtype)
         _check_context(prompts, max_new_tokens, files.config, model_dir, allow_beyond_context)
     except FileNotFoundError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from exc
     except (ValueError, TypeError) as exc:
-        typer.echo(f"error: {_cli_message(exc)}", err=True)
+        typer.echo(f"error: {cli_message(exc)}", err=True)
         raise typer.Exit(2) from exc
 
     job = GenerateJob(model_dir=str(model_dir), prompts=tuple(map(tuple, prompts)), config=config, sampling=sampling,
@@ -169,40 +169,6 @@ def generate_command(
             prefix += f"(mean logprob {result['mean_logprobs'][i]:.4f}) "
         typer.echo(prefix + (texts[i] if texts is not None else " ".join(map(str, ids))))
     stderr.print(_summary_table(result, total_s))
-
-
-# EngineConfig / SamplingParams field -> command-line option, where the two names differ.
-_FLAGS = {"stop_token_ids": "--stop-id", "prompts": "the prompt", "timeout_s": "--timeout", "threads_per_rank": "--threads"}
-
-
-def _flag(field: str) -> str:
-    return _FLAGS.get(field, "--" + field.replace("_", "-"))
-
-
-def _cli_message(exc) -> str:
-    """A configuration error's message in the command line's words: "top_p must ..." -> "--top-p must ...",
-    "decode='ring'" -> "--decode ring"."""
-    from dataclasses import fields
-
-    text = str(exc)
-    names = {f.name for f in fields(EngineConfig)} | {f.name for f in fields(SamplingParams)} | {"num_samples"}
-    for name in sorted(names, key=len, reverse=True):
-        text = re.sub(rf"\b{name}='?([^\s',;:)]*)'?", lambda m, n=name: f"{_flag(n)} {m.group(1)}", text)
-        text = re.sub(rf"^{name}\b", _flag(name), text)
-    return text
-
-
-def _device_and_dtype(device: str, dtype: str, world: int) -> tuple[str, str]:
-    """(--device resolved to "cpu" or "cuda", --dtype resolved: auto is bfloat16 on CUDA, float32 on
-    the CPU). ConfigError naming device (no CUDA) or nproc (more ranks on this machine than GPUs)."""
-    import torch
-
-    from treeattn.engine.device import check_gpus, resolve_device, resolve_dtype
-    from treeattn.parallel.spawn import local_ranks
-
-    kind = resolve_device(device)
-    check_gpus(kind, local_ranks(world))
-    return kind, str(resolve_dtype(None if dtype == "auto" else getattr(torch, dtype), kind)).removeprefix("torch.")
 
 
 def _check_before_spawning(config: EngineConfig, sampling: SamplingParams, num_samples: int, model_dir: Path,

@@ -7,9 +7,11 @@
 A flag is named after its field (block_size -> --block-size; a bool field gives --name/--no-name),
 its default is the field's, its choices are the tuple the field is checked against (the parameter's
 annotation, Decode, Method, ...: Literal types of the same tuples EngineConfig validates with), and its help is the field's entry in the class
-docstring's "Attributes:" section. `treeattn generate`, `serve` and `demo` take their engine flags
+docstring's "Attributes:" section. `treeattn generate`, `serve`, `chat`, `demo`, `eval needle` and `bench profile` take their engine flags
 (EngineConfig) and sampling flags (SamplingParams) from here, so a concept has one flag everywhere. Old spellings stay accepted as hidden aliases:
-treeattn.cli rewrites them (ALIASES) before the command parses its arguments.
+treeattn.cli rewrites them (ALIASES) before the command parses its arguments. A configuration error
+reaches the user in flag words (cli_message: "top_p must ..." -> "--top-p must ..."); device_and_dtype
+resolves --device and --dtype auto the same way for every command.
 """
 
 from __future__ import annotations
@@ -98,5 +100,42 @@ def torch_dtype(name: str):
     return None if name == "auto" else getattr(torch, name)
 
 
-__all__ = ["DTYPES", "DTYPE_ALIASES", "Decode", "DecodeStep", "Device", "KvCacheDtype", "Method", "Placement", "Prefill", "Speculate", "config_flag",
-           "dtype_flag", "field_help", "torch_dtype"]
+# EngineConfig / SamplingParams field -> command-line option, where the two names differ.
+FIELD_FLAGS = {"stop_token_ids": "--stop-id", "prompts": "the prompt", "timeout_s": "--timeout", "threads_per_rank": "--threads"}
+
+
+def flag_of(field: str) -> str:
+    """The command-line flag of an EngineConfig / SamplingParams field (max_new_tokens -> --max-new-tokens)."""
+    return FIELD_FLAGS.get(field, "--" + field.replace("_", "-"))
+
+
+def cli_message(exc) -> str:
+    """A configuration error's message in the command line's words: "top_p must ..." -> "--top-p must ...",
+    "decode='ring'" -> "--decode ring"."""
+    from treeattn.engine.config import EngineConfig
+    from treeattn.engine.request import SamplingParams
+
+    text = str(exc)
+    names = {f.name for f in dataclasses.fields(EngineConfig)} | {f.name for f in dataclasses.fields(SamplingParams)} | {"num_samples"}
+    for name in sorted(names, key=len, reverse=True):
+        text = re.sub(rf"\b{name}='?([^\s',;:)]*)'?", lambda m, n=name: f"{flag_of(n)} {m.group(1)}", text)
+        text = re.sub(rf"^{name}\b", flag_of(name), text)
+    return text
+
+
+def device_and_dtype(device: str, dtype: str, world: int) -> tuple[str, str]:
+    """(--device resolved to "cpu" or "cuda", --dtype resolved to a dtype name: auto is bfloat16 on CUDA,
+    float32 on the CPU) for `world` ranks. ConfigError naming device (no CUDA) or nproc (more ranks on
+    this machine than GPUs); cli_message turns it into the flags' words."""
+    import torch
+
+    from treeattn.engine.device import check_gpus, resolve_device, resolve_dtype
+    from treeattn.parallel.spawn import local_ranks
+
+    kind = resolve_device(device)
+    check_gpus(kind, local_ranks(world))
+    return kind, str(resolve_dtype(None if dtype == "auto" else getattr(torch, dtype), kind)).removeprefix("torch.")
+
+
+__all__ = ["DTYPES", "DTYPE_ALIASES", "Decode", "DecodeStep", "Device", "KvCacheDtype", "Method", "Placement", "Prefill", "Speculate", "FIELD_FLAGS", "cli_message", "config_flag",
+           "device_and_dtype", "dtype_flag", "field_help", "flag_of", "torch_dtype"]

@@ -3,6 +3,7 @@
     treeattn eval needle model.gguf                                   # lengths sized for the window
     treeattn eval needle model.gguf --lengths 1024,4096 --depths 0,0.5,1 --nproc 4 --decode tree
     treeattn eval needle model.gguf --heatmap needle.png --json       # one JSON object on stdout
+    treeattn eval needle model.gguf --nproc 2 --device cuda           # the ranks on cuda:0, cuda:1 (NCCL)
 
 Progress and the table go to stderr (stdout with no --json); the exit status is 1 when the decode
 methods disagree anywhere (they must not: attention is exact).
@@ -21,6 +22,8 @@ from rich.console import Console
 from rich.table import Table
 
 from treeattn.engine.config import DEFAULT_METHOD
+from treeattn.engine.config import EngineConfig as E
+from treeattn.engine.flags import Device, cli_message, config_flag, device_and_dtype, dtype_flag
 
 eval_app = typer.Typer(help="Evaluate a model through the engine.", no_args_is_help=True, rich_markup_mode=None)
 stderr = Console(stderr=True)
@@ -64,6 +67,8 @@ def needle_command(
     heatmap_path: Path | None = typer.Option(None, "--heatmap", help="Write a heatmap PNG (matplotlib) here."),
     allow_beyond_context: bool = typer.Option(False, "--allow-beyond-context", help="Allow prompts longer than the model's "
                                               "context window (positions it never saw in training)."),
+    dtype: str = dtype_flag(),
+    device: Device = config_flag(E, "device"),
     json_output: bool = typer.Option(False, "--json", help="Print one JSON object on stdout and nothing else."),
 ) -> None:
     """Needle-in-a-haystack: hide a number in a long document, ask for it, score exact retrieval."""
@@ -72,6 +77,7 @@ def needle_command(
     from treeattn.parallel import SpawnError
 
     try:
+        kind, dtype = device_and_dtype(device, dtype, nproc)  # "cpu" or "cuda"; --dtype auto: bfloat16 on CUDA
         depth_list = _numbers(depths, float, "--depths")
         if not all(0 <= d <= 1 for d in depth_list):
             raise ValueError(f"--depths: every depth must be in [0, 1], got {depths!r}")
@@ -81,13 +87,13 @@ def needle_command(
         start = time.perf_counter()
         if not json_output:
             stderr.print(f"needle eval of {model}: lengths {length_list}, depths {depth_list}, {nproc} rank(s), "
-                         f"decode {decode.value if nproc > 1 else 'local'}")
+                         f"decode {decode.value if nproc > 1 else 'local'}, {dtype} on {kind}")
         with stderr.status(f"{len(length_list) * len(depth_list)} prompts ...") if not json_output else _nothing():
             report = run_needle(str(model), lengths=length_list, depths=depth_list, nproc=nproc, decode=decode.value,
                                 method=method.value, check_methods=check_methods, max_new_tokens=max_new_tokens, seed=seed,
-                                threads=threads, allow_beyond_context=allow_beyond_context)
+                                threads=threads, allow_beyond_context=allow_beyond_context, dtype=dtype, device=kind)
     except (ValueError, FileNotFoundError) as exc:
-        typer.echo(f"error: {exc}", err=True)
+        typer.echo(f"error: {cli_message(exc)}", err=True)
         raise typer.Exit(2) from exc
     except SpawnError as exc:  # a rank failed: one line, then every rank's error
         typer.echo(f"error: {exc.summary}", err=True)

@@ -1,7 +1,8 @@
 """`treeattn demo`: a real model answers a question hidden in a long document, decoded across local CPU ranks.
 
-    treeattn demo                       # SmolLM2 answers a question hidden in a 4K-token document, 4 CPU ranks
-    treeattn demo --synthetic           # random-weight Llama, 32K synthetic tokens, 4 CPU ranks
+    treeattn demo                       # SmolLM2 answers a question hidden in a 4K-token document, 4 ranks
+    treeattn demo --synthetic           # random-weight Llama, 32K synthetic tokens, 4 ranks
+    treeattn demo --device cuda --nproc 2   # the ranks on cuda:0 and cuda:1 (NCCL); --device auto: CUDA where present
 
 The document demo runs treeattn.eval.demo.run_document_demo, the synthetic one
 treeattn.eval.synthetic.run_demo; this module renders their tables (tree vs ring vs one process).
@@ -21,7 +22,7 @@ from rich.table import Table
 from treeattn.engine.cli import format_mib, format_size, stderr
 from treeattn.engine.config import EngineConfig as E
 from treeattn.engine.request import SamplingParams as S
-from treeattn.engine.flags import Placement, config_flag
+from treeattn.engine.flags import Device, Placement, cli_message, config_flag, device_and_dtype, dtype_flag
 
 
 def demo_command(
@@ -35,16 +36,23 @@ def demo_command(
                               "of every layer. Slow on a CPU: minutes per prefill."),
     context: int | None = typer.Option(None, "--context", min=2, help="Prompt length in tokens (default 4096; "
                                        "--synthetic: prompt length, default 32768)."),
-    nproc: int = config_flag(E, "nproc", default=4, min=1, help="Local CPU ranks sharing the KV cache."),
+    nproc: int = config_flag(E, "nproc", default=4, min=1, help="Local ranks sharing the KV cache."),
     max_new_tokens: int | None = config_flag(S, "max_new_tokens", default=None, min=2,
                                              help="Greedy tokens per method at most (default 24; --synthetic: 16; --long: 8)."),
     placement: Placement = config_flag(E, "placement"),
     threads: int | None = config_flag(E, "threads_per_rank", flag="--threads", min=1),
+    dtype: str = dtype_flag(),
+    device: Device = config_flag(E, "device"),
     seed: int = typer.Option(0, "--seed", min=0, help="Seed of the random weights and of the synthetic prompt (--synthetic)."),
     reference: bool = typer.Option(True, "--reference/--no-reference", help="Check against single-process decoding."),
 ) -> None:
-    """A real model answers a question hidden in a long document, decoded across local CPU ranks
+    """A real model answers a question hidden in a long document, decoded across local ranks
     (tree vs ring vs one process); --synthetic: long-context decoding with a random-weight Llama."""
+    try:
+        kind, dtype = device_and_dtype(device, dtype, nproc)  # "cpu" or "cuda"; --dtype auto: bfloat16 on CUDA
+    except ValueError as exc:
+        typer.echo(f"error: {cli_message(exc)}", err=True)
+        raise typer.Exit(2) from exc
     if long:
         if synthetic:
             typer.echo("error: --long runs the real Gemma 3 model; --synthetic a random-weight one: give only one", err=True)
@@ -57,17 +65,19 @@ def demo_command(
             except FileNotFoundError as exc:
                 typer.echo(f"error: {exc}", err=True)
                 raise typer.Exit(2) from exc
-        _document_demo(model, context or 30000, nproc, max_new_tokens or 8, placement, threads, seed, reference, memory=True)
+        _document_demo(model, context or 30000, nproc, max_new_tokens or 8, placement, threads, seed, reference, dtype, kind,
+                       memory=True)
     elif synthetic:
         if model is not None:
             typer.echo("error: MODEL names a real model; --synthetic uses a random-weight one: give only one", err=True)
             raise typer.Exit(2)
-        _synthetic_demo(context or 32768, nproc, max_new_tokens or 16, placement, threads, seed, reference)
+        _synthetic_demo(context or 32768, nproc, max_new_tokens or 16, placement, threads, seed, reference, dtype, kind)
     else:
-        _document_demo(model, context or 4096, nproc, max_new_tokens or 24, placement, threads, seed, reference)
+        _document_demo(model, context or 4096, nproc, max_new_tokens or 24, placement, threads, seed, reference, dtype, kind)
 
 
-def _document_demo(model, context, nproc, new_tokens, placement, threads, seed, reference, memory: bool = False) -> None:
+def _document_demo(model, context, nproc, new_tokens, placement, threads, seed, reference, dtype, device,
+                   memory: bool = False) -> None:
     from treeattn.eval.demo import run_document_demo
 
     start = time.perf_counter()
@@ -75,7 +85,7 @@ def _document_demo(model, context, nproc, new_tokens, placement, threads, seed, 
         with stderr.status(f"{nproc} ranks: load the model, prefill a {context}-token document, answer with tree "
                            "and ring decoding" + ("; then one process" if reference else "") + " ..."):
             demo = run_document_demo(model, context=context, nproc=nproc, new_tokens=new_tokens, placement=placement,
-                                     threads=threads, seed=seed, reference=reference)
+                                     threads=threads, seed=seed, reference=reference, dtype=dtype, device=device)
     except (ValueError, FileNotFoundError) as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from exc
@@ -118,23 +128,24 @@ def _kv_memory_lines(demo, nproc: int) -> None:
                + ", ".join(f"{b / full:.2f}" for b in result.kv_bytes_per_rank))
 
 
-def _synthetic_demo(context, nproc, new_tokens, placement, threads, seed, reference) -> None:
+def _synthetic_demo(context, nproc, new_tokens, placement, threads, seed, reference, dtype, device) -> None:
+    from treeattn.engine.device import backend_for
     from treeattn.eval.synthetic import DEMO_CONFIG, run_demo, run_reference
 
     cfg = DEMO_CONFIG
     stderr.print(
         f"model: Llama architecture, random weights, {cfg['num_layers']} layers, hidden {cfg['hidden_size']}, "
-        f"{cfg['num_heads']} heads / {cfg['num_kv_heads']} KV heads x {cfg['head_dim']}, vocab {cfg['vocab_size']}, float32\n"
-        f"prompt: {context} synthetic tokens; {nproc} gloo ranks on {os.cpu_count()} cores; {new_tokens} greedy tokens per method"
+        f"{cfg['num_heads']} heads / {cfg['num_kv_heads']} KV heads x {cfg['head_dim']}, vocab {cfg['vocab_size']}, {dtype}\n"
+        f"prompt: {context} synthetic tokens; {nproc} {backend_for(device)} ranks on {device} ({os.cpu_count()} cores); {new_tokens} greedy tokens per method"
     )
     start = time.perf_counter()
     with stderr.status(f"prefill {context} tokens on {nproc} ranks (ring), then decode with each method ..."):
         runs, sharded_s = run_demo(context=context, nproc=nproc, new_tokens=new_tokens, placement=placement,
-                                   threads_per_rank=threads, seed=seed)
+                                   threads_per_rank=threads, seed=seed, dtype=dtype, device=device)
     ref = None
     if reference:
         with stderr.status(f"single process: prefill {context} tokens and decode ..."):
-            ref = run_reference(context=context, new_tokens=new_tokens, seed=seed)
+            ref = run_reference(context=context, new_tokens=new_tokens, seed=seed, dtype=dtype, device=device)
     total_s = time.perf_counter() - start
     table, all_same = _methods_table(f"Decoding {new_tokens} tokens after a {context}-token prompt ({placement} placement)",
                                      runs, ref)

@@ -91,11 +91,13 @@ def run_needle(
     seed: int = 0,
     threads: int | None = None,
     allow_beyond_context: bool = False,
+    dtype: str = "float32",
+    device: str = "cpu",
 ) -> NeedleReport:
     """Run the grid; see the module docstring. A model without a chat template (a base model such
     as Gemma 3 270M) gets the document and question as plain text to complete (haystack.COMPLETION).
     Raises ValueError for a model without tokenizer, or a length beyond the model's window (unless
-    allow_beyond_context)."""
+    allow_beyond_context). dtype, device: as decode_methods takes them (a dtype name; "cpu" or "cuda")."""
     from treeattn.eval.runner import decode_methods, method_name
     from treeattn.models.chat import end_of_turn_id
     from treeattn.models.loader import read_model_files
@@ -116,7 +118,8 @@ def run_needle(
     eot = end_of_turn_id(files.tokenizer, files.chat_template) if files.chat_template is not None else None
     stop = [eot] if eot is not None else []  # besides the model's eos ids
     runs, timing = decode_methods(model_path, [c.prompt_ids for c in cases], nproc=nproc, methods=methods,
-                                  max_new_tokens=max_new_tokens, stop_token_ids=stop, threads=threads)
+                                  max_new_tokens=max_new_tokens, stop_token_ids=stop, threads=threads, dtype=dtype,
+                                  device=device)
     cells = []
     for case, row in zip(cases, runs):
         first = row[0].result

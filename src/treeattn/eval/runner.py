@@ -51,6 +51,7 @@ def decode_methods(
     stop_token_ids: Sequence[int] = (),
     threads: int | None = None,
     dtype: str = "float32",
+    device: str = "cpu",
     placement: str = "contiguous",
     on_prompt: Callable[[int], None] | None = None,
 ) -> tuple[list[list[MethodRun]], Timing]:
@@ -63,7 +64,9 @@ def decode_methods(
         methods: (decode, tree method) pairs; decode "tree" or "ring".
         max_new_tokens, stop_token_ids: as in ta.generate (SamplingParams: ids that stop besides the model's eos).
         threads: torch threads per rank; default cores // nproc (at least 1).
-        dtype: parameter dtype name.
+        dtype: parameter dtype name ("float32", "bfloat16", "float16").
+        device: "cpu" or "cuda" (resolved, treeattn.engine.device.resolve_device): rank r loads onto
+            rank_device(device, r) and the ranks' group is NCCL for CUDA, gloo for the CPU.
         placement: cache placement of tokens on ranks ("contiguous" or "interleaved").
         on_prompt: called in this process with the index of each finished prompt (nproc == 1 only).
 
@@ -72,7 +75,7 @@ def decode_methods(
     """
     threads = threads or max(1, (os.cpu_count() or 1) // nproc)
     args = (str(model_path), [list(p) for p in prompts], tuple(methods) if nproc > 1 else (("local", "allreduce"),),
-            max_new_tokens, list(stop_token_ids), threads, dtype, placement)
+            max_new_tokens, list(stop_token_ids), threads, dtype, device, placement)
     start = time.perf_counter()
     if nproc == 1:
         saved = torch.get_num_threads()
@@ -81,24 +84,26 @@ def decode_methods(
         finally:
             torch.set_num_threads(saved)
     else:
+        from treeattn.engine.device import backend_for
         from treeattn.parallel import spawn
 
         with malloc_env():  # the ranks' resident memory follows their live tensors
-            per_rank = spawn(_decode_rank, nproc, *args, timeout=SPAWN_TIMEOUT_S)
+            per_rank = spawn(_decode_rank, nproc, *args, backend=backend_for(device), timeout=SPAWN_TIMEOUT_S)
         rows = per_rank[0][0]
         load_s = max(r[1] for r in per_rank)
     runs = [[MethodRun(method_name(d, m), d, m, nproc, result) for d, m, result in row] for row in rows]
     return runs, Timing(load_s=load_s, total_s=time.perf_counter() - start)
 
 
-def _decode_rank(rank, world_size, model_path, prompts, methods, max_new_tokens, stop_token_ids, threads, dtype, placement,
-                 on_prompt=None):
-    """One rank: load once, then per prompt and method one ta.generate (a prefill and the decode)."""
+def _decode_rank(rank, world_size, model_path, prompts, methods, max_new_tokens, stop_token_ids, threads, dtype, device,
+                 placement, on_prompt=None):
+    """One rank: load once (onto its device), then per prompt and method one ta.generate (a prefill and the decode)."""
+    from treeattn.engine.device import rank_device
     from treeattn.models.loader import load_model
 
     torch.set_num_threads(threads)
     start = time.perf_counter()
-    model = load_model(model_path, dtype=getattr(torch, dtype))
+    model = load_model(model_path, dtype=getattr(torch, dtype), device=rank_device(device, rank))
     load_s = time.perf_counter() - start
     rows = []
     for index, prompt in enumerate(prompts):

@@ -69,6 +69,8 @@ def run_demo(
     placement: str = "contiguous",
     threads_per_rank: int | None = None,
     seed: int = 0,
+    dtype: str = "float32",
+    device: str = "cpu",
 ) -> tuple[list[MethodRun], float]:
     """Decode a random-weight model from a `context`-token prompt on `nproc` local ranks.
 
@@ -80,26 +82,32 @@ def run_demo(
         placement: cache placement on the ranks.
         threads_per_rank: torch threads in each rank; default cores // nproc (at least 1).
         seed: model weights and prompt.
+        dtype: the model's dtype name (the weights are drawn in float32, then converted).
+        device: "cpu" or "cuda" (resolved): rank r runs on rank_device(device, r), in an NCCL group for CUDA.
 
     Returns:
         (one MethodRun per method, wall seconds of the whole sharded run incl. process start).
     """
+    from treeattn.engine.device import backend_for
     from treeattn.parallel import spawn
 
     threads = threads_per_rank or max(1, (os.cpu_count() or 1) // nproc)
     with malloc_env():  # the ranks' resident memory follows their live tensors
         start = time.perf_counter()
-        per_rank = spawn(_demo_rank, nproc, context, new_tokens, tuple(methods), placement, threads, seed, timeout=600)
+        per_rank = spawn(_demo_rank, nproc, context, new_tokens, tuple(methods), placement, threads, seed, dtype, device,
+                         backend=backend_for(device), timeout=600)
         sharded_s = time.perf_counter() - start
     return [MethodRun(name, decode, method, nproc, result) for name, decode, method, result in per_rank[0]], sharded_s
 
 
-def run_reference(*, context: int = 32768, new_tokens: int = 16, seed: int = 0, threads: int | None = None) -> MethodRun:
-    """Prefill and decode the demo prompt in this process with plain attention over the whole cache."""
+def run_reference(*, context: int = 32768, new_tokens: int = 16, seed: int = 0, threads: int | None = None,
+                  dtype: str = "float32", device: str = "cpu") -> MethodRun:
+    """Prefill and decode the demo prompt in this process with plain attention over the whole cache
+    (dtype, device: as run_demo takes them; CUDA: the first GPU)."""
     saved_threads = torch.get_num_threads()
     torch.set_num_threads(threads or os.cpu_count() or 1)
     try:
-        model = random_model(demo_config(), seed=seed)
+        model = _demo_model(seed, dtype, device, rank=0)
         prompt = synthetic_prompt(context, model.config.vocab_size, seed)
         result = generate(model, prompt, max_new_tokens=new_tokens, decode="local", ignore_eos=True)
     finally:
@@ -107,10 +115,17 @@ def run_reference(*, context: int = 32768, new_tokens: int = 16, seed: int = 0, 
     return MethodRun("single process (local)", "local", "-", 1, result)
 
 
-def _demo_rank(rank: int, world_size: int, context, new_tokens, methods, placement, threads, seed):
+def _demo_model(seed: int, dtype: str, device: str, rank: int):
+    """The demo's random-weight model (the same for a seed on every rank) on rank `rank`'s device."""
+    from treeattn.engine.device import rank_device
+
+    return random_model(demo_config(), seed=seed, dtype=getattr(torch, dtype)).to(rank_device(device, rank))
+
+
+def _demo_rank(rank: int, world_size: int, context, new_tokens, methods, placement, threads, seed, dtype="float32", device="cpu"):
     """One rank: build the model, then prefill and decode the prompt with each method."""
     torch.set_num_threads(threads)
-    model = random_model(demo_config(), seed=seed)
+    model = _demo_model(seed, dtype, device, rank)
     prompt = synthetic_prompt(context, model.config.vocab_size, seed)
     rows = []
     for decode, method in methods:

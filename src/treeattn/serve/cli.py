@@ -86,9 +86,9 @@ def serve_command(
         status = serve(str(model), options, engine_options, on_ready=ready)
     except (ValueError, TypeError) as exc:
         from treeattn.engine.config import ConfigError
-        from treeattn.engine.cli import _cli_message
+        from treeattn.engine.flags import cli_message
 
-        _fail(_cli_message(exc) if isinstance(exc, ConfigError) else str(exc))
+        _fail(cli_message(exc) if isinstance(exc, ConfigError) else str(exc))
     raise typer.Exit(status)
 
 
