@@ -8,6 +8,7 @@
     check_draft_model(files, config)             # with speculate="draft"
     check_memory(model, files.config, config)    # weights + cache (+ draft) of the ranks on this machine
     check_kv_cache_dtype(model, files.config, config)
+    check_weight_format(model, config)
 
 ta.Engine runs check_engine before it starts a rank; ta.generate runs it on its batch-sized config
 before any work (and `treeattn generate`, before spawning, the ones that need no loaded model).
@@ -148,6 +149,36 @@ def check_kv_cache_dtype(model, model_config, config: EngineConfig) -> None:
                           f"{str(dtype).removeprefix('torch.')})")
 
 
+def check_weight_format(model, config: EngineConfig) -> None:
+    """config.weight_format against the model (ConfigError naming weight_format), before any rank starts:
+    "packed" needs a .gguf file whose quantized matrices a packed kernel reads, on the CPU (config.device
+    resolved by with_device); a loaded model keeps the format it was loaded in ("auto" takes it as it is)."""
+    fmt = config.weight_format
+    if fmt == "auto":
+        return
+    if not isinstance(model, (str, os.PathLike)):
+        from treeattn.models.packed import is_packed
+
+        if is_packed(model) != (fmt == "packed"):
+            raise ConfigError("weight_format", f"weight_format={fmt!r}: the loaded model's weights are "
+                              f"{'packed' if is_packed(model) else 'dequantized'}; a loaded model keeps its format: load it "
+                              f"with ta.load_model(path, weight_format={fmt!r}), or give weight_format='auto'")
+        return
+    from treeattn.models.gguf import is_gguf
+
+    if fmt != "packed":
+        return
+    if not is_gguf(model):
+        raise ConfigError("weight_format", f"weight_format='packed' keeps a GGUF file's quantized matrices; {model} is not a "
+                          f".gguf file: use weight_format='dequantize' or 'auto'")
+    from treeattn.models.gguf import open_gguf, packed_tensors
+
+    try:
+        packed_tensors({t.name: t for t in open_gguf(model).tensors}, fmt, torch.device(config.device), model)
+    except ValueError as exc:
+        raise ConfigError("weight_format", str(exc)) from None
+
+
 def check_memory(model, model_config, config: EngineConfig, *, cache_option: str = "cache_tokens") -> None:
     """The weights and KV cache the ranks on this machine hold (the draft model's too) against its
     memory (memory.check_memory_fit, the one memory check), the cache counted in the dtype it stores
@@ -191,5 +222,6 @@ def check_engine(model, config: EngineConfig, *, group=None, joined: bool = Fals
         check_draft_model(files, config)
     check_memory(model, files.config, config, cache_option=cache_option)
     check_kv_cache_dtype(model, files.config, config)
+    check_weight_format(model, config)
     config.max_context_tokens(files.config.max_position_embeddings)  # max_context beyond the cache
     return files

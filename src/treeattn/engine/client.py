@@ -72,7 +72,8 @@ class Engine:
         config: an EngineConfig; or leave it None and give its fields as keywords (**options:
             nproc, decode, method, placement, max_batch_size, cache_tokens, prefix_cache,
             block_size, prefill_chunk, dtype, timeout_s, threads_per_rank, speculate,
-            draft_tokens, draft_model, shared_memory, decode_step, prefill, max_context, kv_cache_dtype; see
+            draft_tokens, draft_model, shared_memory, decode_step, prefill, max_context, kv_cache_dtype,
+            weight_format; see
             EngineConfig). Inside an existing process group nproc is the group's size.
         group: inside an existing process group only: the ranks that share the cache (None:
             the world); its rank 0 is the driver.

@@ -26,6 +26,7 @@ from treeattn.engine.ring_prefill import PREFILL_KINDS
 from treeattn.engine.speculate import MAX_DRAFT_TOKENS, SPECULATE_KINDS
 from treeattn.engine.static_step import DECODE_STEPS
 from treeattn.models.attention import DECODE_KINDS
+from treeattn.models.packed import WEIGHT_FORMATS
 from treeattn.parallel.tree_decode import METHODS
 
 DEFAULT_METHOD = "onepass"
@@ -129,6 +130,12 @@ class EngineConfig:
             kernel widens 16-bit blocks as it reads them). A 16-bit cache halves the bytes per token
             against float32. Not with a hybrid model's window layers (Gemma 3) when it differs from
             the model's dtype; a draft model's cache keeps the draft's dtype.
+        weight_format: how a checkpoint's quantized weights are held: "auto" (on the CPU a GGUF file's
+            Q4_0, Q4_1 and Q8_0 matrices kept packed, the rest in the model's dtype; on CUDA, dequantized),
+            "packed" (every quantized matrix kept as the file ships it, multiplied by a kernel that reads
+            its blocks: refused for other quantized types, a safetensors checkpoint or CUDA) or "dequantize"
+            (every weight in the model's dtype). A packed weight is exactly the file's; activations and
+            accumulation stay float32 (treeattn.ops.packed_linear). A loaded model keeps its own format.
         timeout_s: the group's timeout for every collective, and how long the driver waits for
             the ranks to start.
         threads_per_rank: torch threads of each rank process (default cpu_count // nproc).
@@ -176,6 +183,7 @@ class EngineConfig:
     prefill: str = "auto"
     dtype: torch.dtype | None = None
     kv_cache_dtype: str = "auto"
+    weight_format: str = "auto"
     device: str = "auto"
     timeout_s: float = 60.0
     threads_per_rank: int | None = None
@@ -217,6 +225,8 @@ class EngineConfig:
             raise ConfigError("dtype", f"dtype must be a floating torch.dtype or None, got {self.dtype!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ConfigError("kv_cache_dtype", f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
+        if self.weight_format not in WEIGHT_FORMATS:
+            raise ConfigError("weight_format", f"weight_format must be one of {WEIGHT_FORMATS}, got {self.weight_format!r}")
         if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float)) or not self.timeout_s > 0:
             raise ConfigError("timeout_s", f"timeout_s must be a number of seconds > 0, got {self.timeout_s!r}")
         if self.speculate is not None and self.speculate not in SPECULATE_KINDS:

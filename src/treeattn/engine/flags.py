@@ -29,6 +29,7 @@ from treeattn.engine.ring_prefill import PREFILL_KINDS
 from treeattn.engine.speculate import SPECULATE_KINDS
 from treeattn.engine.static_step import DECODE_STEPS
 from treeattn.models.attention import DECODE_KINDS
+from treeattn.models.packed import WEIGHT_FORMATS
 from treeattn.parallel.tree_decode import METHODS
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -45,6 +46,7 @@ Prefill = Literal[PREFILL_KINDS]
 Speculate = Literal[SPECULATE_KINDS]
 DecodeStep = Literal[DECODE_STEPS]
 KvCacheDtype = Literal[KV_CACHE_DTYPES]
+WeightFormat = Literal[WEIGHT_FORMATS]
 Device = Literal[DEVICES]
 
 
@@ -137,5 +139,5 @@ def device_and_dtype(device: str, dtype: str, world: int) -> tuple[str, str]:
     return kind, str(resolve_dtype(None if dtype == "auto" else getattr(torch, dtype), kind)).removeprefix("torch.")
 
 
-__all__ = ["DTYPES", "DTYPE_ALIASES", "Decode", "DecodeStep", "Device", "KvCacheDtype", "Method", "Placement", "Prefill", "Speculate", "FIELD_FLAGS", "cli_message", "config_flag",
+__all__ = ["DTYPES", "DTYPE_ALIASES", "Decode", "DecodeStep", "Device", "KvCacheDtype", "Method", "Placement", "Prefill", "Speculate", "WeightFormat", "FIELD_FLAGS", "cli_message", "config_flag",
            "device_and_dtype", "dtype_flag", "field_help", "flag_of", "torch_dtype"]

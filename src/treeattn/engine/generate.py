@@ -61,6 +61,7 @@ from treeattn.cache.sharded import kv_bytes_per_token
 from treeattn.cache.window import window_bytes_per_sequence
 from treeattn.engine.checks import check_engine, with_device
 from treeattn.engine.config import EngineConfig, given_or_built, resolve_kv_cache_dtype
+from treeattn.models.packed import is_packed, weight_bytes
 from treeattn.engine.errors import ConfigError, ConfigTypeError
 from treeattn.engine.request import MAX_SEED, SamplingParams
 from treeattn.engine.ring_prefill import resolve_prefill
@@ -133,6 +134,9 @@ class GenerationResult:
             sequence-sharded cache holds (an MLA model's latent cache: one latent + RoPE key per
             layer; a hybrid model such as Gemma 3: its global layers only).
         kv_cache_dtype: what the KV cache stored ("float32", "bfloat16", "float16": kv_cache_dtype resolved).
+        weight_bytes_per_rank: bytes of the weights every rank holds (each holds all of them):
+            parameters, and the blocks and scales of weights kept packed (weight_format).
+        weight_format: "packed" when some weight is kept in its file's blocks, else "dequantize".
         kv_window_bytes: bytes a hybrid model's sliding-window layers keep per sequence on every
             rank (W - 1 positions of each; treeattn.cache.window); 0 for other models.
         comm_bytes_per_rank: bytes each rank sent during the decode steps (treeattn's accounting).
@@ -169,6 +173,8 @@ class GenerationResult:
     kv_bytes_per_token: int = 0
     kv_window_bytes: int = 0
     kv_cache_dtype: str = "float32"
+    weight_bytes_per_rank: int = 0
+    weight_format: str = "dequantize"
     comm_bytes_per_rank: list[float] = field(default_factory=list)
     prefill_comm_bytes_per_rank: list[float] = field(default_factory=list)
     peak_rss_bytes_per_rank: list[int] = field(default_factory=list)
@@ -307,7 +313,8 @@ def stream(model: "LlamaModel | str | os.PathLike", prompts, config: EngineConfi
 
         kind = resolve_device(config.device)
         rank = dist.get_rank(group) if dist.is_available() and dist.is_initialized() else 0
-        model = load_model(model, dtype=resolve_dtype(config.dtype, kind), device=rank_device(kind, rank))
+        model = load_model(model, dtype=resolve_dtype(config.dtype, kind), device=rank_device(kind, rank),
+                           weight_format=config.weight_format)
     if is_chat(prompts):  # chat messages: rendered by the model's template; stop at its end of turn too
         prompts, end_of_turn = encode_prompts(model, prompts)
         if not sampling.ignore_eos:
@@ -556,6 +563,7 @@ class Generation:
             kv_bytes_per_token=kv_bytes_per_token(self.model.config, resolve_kv_cache_dtype(c.kv_cache_dtype, self.model.dtype)),
             kv_window_bytes=window_bytes_per_sequence(self.model.config, self.model.dtype),
             kv_cache_dtype=str(resolve_kv_cache_dtype(c.kv_cache_dtype, self.model.dtype)).removeprefix("torch."),
+            weight_bytes_per_rank=weight_bytes(self.model), weight_format="packed" if is_packed(self.model) else "dequantize",
             comm_bytes_per_rank=[m.bytes_sent("decode") for m in measured],
             prefill_comm_bytes_per_rank=[m.bytes_sent("prefill") for m in measured],
             peak_rss_bytes_per_rank=[m.peak_rss_bytes.get("decode", 0) for m in measured],
@@ -612,6 +620,7 @@ def _fingerprint(value) -> int:
 
 def _model_fingerprint(model) -> int:
     """A digest of a model's shape, dtype and a few weights (the same checkpoint on every rank)."""
-    probe = [model.embed_tokens.weight[:2].float().sum().item(), model.norm.weight.float().sum().item()]
+    rows = model.embed_tokens(torch.arange(2, device=model.device))  # an nn.Embedding or a packed table alike
+    probe = [rows.float().sum().item(), model.norm.weight.float().sum().item()]
     c = model.config
     return _fingerprint([c.vocab_size, c.hidden_size, c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim, str(model.dtype), probe])

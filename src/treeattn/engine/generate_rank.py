@@ -67,7 +67,7 @@ def generate_rank(rank: int, world_size: int, job: GenerateJob, display=None) ->
     device = rank_device(job.device, rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    model = load_model(job.model_dir, dtype=getattr(torch, job.dtype), device=device)
+    model = load_model(job.model_dir, dtype=getattr(torch, job.dtype), device=device, weight_format=job.config.weight_format)
     if show:
         display.loaded(time.perf_counter() - start)
     run = Generation(model, [list(p) for p in job.prompts], job.config, job.sampling, num_samples=job.num_samples,

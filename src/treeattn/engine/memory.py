@@ -19,12 +19,17 @@ from treeattn.engine.errors import ConfigError
 
 
 def model_bytes(model, dtype: torch.dtype) -> int:
-    """Bytes of a model's weights in `dtype`: a loaded model's parameters, or a checkpoint's (a
-    directory or .gguf file, read without its weights)."""
+    """Bytes of a model's weights in `dtype`: a loaded model's parameters (a model with packed weights:
+    what it holds), or a checkpoint's (a directory or .gguf file, read without its weights; counted
+    dequantized, an upper bound for weight_format "packed")."""
     if isinstance(model, (str, os.PathLike)):
         from treeattn.models.loader import check_checkpoint
 
         model = check_checkpoint(model, dtype=dtype)
+    from treeattn.models.packed import is_packed, weight_bytes
+
+    if is_packed(model):
+        return weight_bytes(model)
     return sum(p.numel() for p in model.parameters()) * torch.empty((), dtype=dtype).element_size()
 
 

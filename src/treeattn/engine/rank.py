@@ -39,16 +39,17 @@ class ModelInfo:
     linear_layers: tuple[int, ...] = ()  # a hybrid linear model's (treeattn.linear): per-sequence states, no prefix cache
 
 
-def load_model(model, dtype, device: torch.device | None = None):
+def load_model(model, dtype, device: torch.device | None = None, weight_format: str = "auto"):
     """The model of a rank: a checkpoint path loaded with ta.load_model straight onto `device` (None:
-    the CPU) in `dtype` (None: bfloat16 on CUDA, float32 on the CPU), tensor by tensor; or a loaded
-    model, moved to `device` and `dtype` where they are given."""
+    the CPU) in `dtype` (None: bfloat16 on CUDA, float32 on the CPU), tensor by tensor, its quantized
+    weights held as `weight_format` says (EngineConfig.weight_format); or a loaded model, moved to
+    `device` and `dtype` where they are given."""
     from treeattn.engine.device import resolve_dtype
     from treeattn.models import load_model as load
 
     if isinstance(model, (str, os.PathLike)):
         device = device or torch.device("cpu")
-        return load(model, dtype=resolve_dtype(dtype, device.type), device=device)
+        return load(model, dtype=resolve_dtype(dtype, device.type), device=device, weight_format=weight_format)
     if device is not None and device != model.device:
         model = model.to(device)
     return model if dtype is None else model.to(dtype)
@@ -121,7 +122,7 @@ def rank_main(rank: int, world_size: int, address, authkey: bytes, model, config
     device = rank_device(config.device, rank)  # config.device is "cpu" or "cuda" here (Engine resolved "auto")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    model = load_model(model, config.dtype, device)
+    model = load_model(model, config.dtype, device, config.weight_format)
     runner = make_runner(model, config)
     if rank != 0:
         serve_steps(runner, None, None)

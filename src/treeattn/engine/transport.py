@@ -115,7 +115,7 @@ class GroupChannel:
     restartable = False
 
     def __init__(self, model, config: EngineConfig, group) -> None:
-        model = load_model(model, config.dtype, _group_device(model, config, group))
+        model = load_model(model, config.dtype, _group_device(model, config, group), config.weight_format)
         self.group = group
         self.runner = make_runner(model, config, group)
         self.info = model_info(model)

@@ -50,7 +50,7 @@ class LinearizedAttention(nn.Module):
         self.layer = attention.layer
         self.num_heads, self.num_kv_heads, self.head_dim = attention.num_heads, attention.num_kv_heads, attention.head_dim
         self.q_proj, self.k_proj, self.v_proj, self.o_proj = attention.q_proj, attention.k_proj, attention.v_proj, attention.o_proj
-        params = dict(dtype=torch.float32, device=attention.q_proj.weight.device)
+        params = dict(dtype=torch.float32, device=next(iter(attention.q_proj.state_dict().values())).device)  # nn.Linear or packed
         self.feature_map_q = HedgehogFeatureMap(self.num_kv_heads, self.head_dim, feature_dim, **params)
         self.feature_map_k = HedgehogFeatureMap(self.num_kv_heads, self.head_dim, feature_dim, **params)
 

@@ -177,7 +177,7 @@ class Gemma3Model(LlamaModel):
                 chunk: int = 1024) -> torch.Tensor:
         """As LlamaModel.forward: tokens, positions int64 (B, S) -> (B, S, hidden_size) final hidden
         states (after the last norm) in the model dtype."""
-        h = self.embed_tokens(tokens)
+        h = self.embed_tokens(tokens).to(self.dtype)  # a packed table gives float32 rows
         h = h * torch.tensor(self.config.hidden_size ** 0.5, dtype=h.dtype, device=h.device)
         if self.inv_freq.device != h.device:  # plain attributes do not follow module.to(device): move them once
             self.inv_freq, self.inv_freq_local = self.inv_freq.to(h.device), self.inv_freq_local.to(h.device)

@@ -1,6 +1,7 @@
 """Load a GGUF file (llama.cpp / Ollama format) into a LlamaModel (a Gemma3Model for gemma3 files).
 
     model = load_gguf_model("SmolLM2-135M-Instruct.Q4_1.gguf")           # float32 weights
+    model = load_gguf_model(path, weight_format="packed")                  # Q4_0/Q4_1/Q8_0 matrices kept as shipped
     config = read_gguf_config("model.gguf")                                # LlamaConfig only
 
 Reading goes through the `gguf` package (gguf.GGUFReader memory-maps the file; gguf.quants
@@ -27,6 +28,14 @@ What the loader undoes, tensor by tensor:
   frequencies, applied to model.inv_freq instead of a rope_scaling config.
 - tied embeddings: a file without output.weight ties the output projection to token_embd.
 
+Weight formats (weight_format): "dequantize" turns every tensor into `dtype` (above). "packed"
+keeps every Q4_0, Q4_1 and Q8_0 weight matrix (the projections, the token embeddings, the output
+projection) in its blocks, as treeattn.models.packed's PackedLinear / PackedEmbedding, multiplied
+by treeattn.ops.packed_linear without a float copy of the weight; the norms (F32) and float
+matrices (F32/F16/BF16) are loaded into `dtype` as before. It refuses, before reading any weight, a
+matrix of another quantized type (K-quants, Q5_*, IQ*: no kernel here) and a device other than the
+CPU. "auto" keeps what "packed" can keep and dequantizes the rest (everything on a GPU).
+
 Memory: the model is built on the "meta" device and each tensor is dequantized straight into its
 parameter in the working dtype, a block of rows at a time (dequantize_to), so beside the finished
 weights there are only the bounded float32 intermediates of one block (and the pages of the
@@ -52,6 +61,8 @@ import torch
 
 from treeattn.models.gemma3 import Gemma3Config
 from treeattn.models.llama import LlamaConfig, LlamaModel
+from treeattn.models.packed import WEIGHT_FORMATS, PackedEmbedding, PackedLinear
+from treeattn.ops.packed_linear import unpack_blocks
 
 logger = logging.getLogger(__name__)
 
@@ -98,6 +109,10 @@ GEMMA3_TENSOR_NAMES = {
 GEMMA3_SLIDING_WINDOW_PATTERN = 6
 GEMMA3_LOCAL_ROPE_THETA = 10000.0
 ROPE_FREQS = "rope_freqs.weight"
+# Quantized types the packed layers multiply in place (treeattn.ops.packed_linear), by their format name.
+PACKED_TYPES = {gguf.GGMLQuantizationType.Q4_0: "q4_0", gguf.GGMLQuantizationType.Q4_1: "q4_1",
+                gguf.GGMLQuantizationType.Q8_0: "q8_0"}
+FLOAT_TYPES = (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.BF16)
 DEQUANTIZE_CHUNK_ELEMENTS = 1 << 22  # 16 MiB of float32 per dequantization block
 _LAYER_NAME = re.compile(r"^blk\.(\d+)\.(.+)$")
 
@@ -283,13 +298,15 @@ def read_gguf_config(path_or_reader, *, path: str | os.PathLike | None = None) -
 
 
 def load_gguf_model(path_or_reader, *, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
-                    path: str | os.PathLike | None = None) -> LlamaModel:
-    """Load a GGUF file into a LlamaModel, dequantizing every tensor to `dtype`.
+                    path: str | os.PathLike | None = None, weight_format: str = "dequantize") -> LlamaModel:
+    """Load a GGUF file into a LlamaModel, dequantizing every tensor to `dtype` or keeping the quantized
+    matrices packed.
 
     Args:
         path_or_reader: the .gguf file, or a reader of it from open_gguf (then `path` names it).
-        dtype: parameter dtype (float32, bfloat16, float16).
+        dtype: parameter dtype (float32, bfloat16, float16); the activations' dtype of a packed model.
         device: where the parameters live.
+        weight_format: "dequantize", "packed" or "auto" (WEIGHT_FORMATS; see the module doc).
 
     Returns:
         A LlamaModel in eval mode (model.config from the metadata). Its tokenizer and chat template
@@ -298,10 +315,13 @@ def load_gguf_model(path_or_reader, *, dtype: torch.dtype = torch.float32, devic
     Raises:
         FileNotFoundError: no such file.
         ValueError: unreadable or truncated file, unsupported architecture, missing metadata, a
-            missing, unexpected or misshapen tensor, or a tensor type gguf cannot dequantize.
+            missing, unexpected or misshapen tensor, or a tensor type gguf cannot dequantize; with
+            weight_format="packed", a matrix no packed kernel reads or a device other than the CPU.
     """
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise TypeError(f"dtype must be a floating torch.dtype, got {dtype!r}")
+    if weight_format not in WEIGHT_FORMATS:
+        raise ValueError(f"weight_format must be one of {WEIGHT_FORMATS}, got {weight_format!r}")
     if isinstance(path_or_reader, (str, os.PathLike)):
         path, reader = Path(path_or_reader), open_gguf(path_or_reader)
     else:
@@ -312,10 +332,13 @@ def load_gguf_model(path_or_reader, *, dtype: torch.dtype = torch.float32, devic
         from treeattn.models.gemma3 import Gemma3Model as model_class
     model = model_class(config, dtype=dtype, device="meta")
     plan, rope_freqs = _match_tensors(model, reader, path)  # every check before any dequantization
+    packed = packed_tensors(plan, weight_format, device, path)
 
     arch = metadata(reader, "general.architecture")
     state: dict[str, torch.Tensor] = {}
     for ours, tensor in plan.items():
+        if ours in packed:
+            continue
         weight = dequantize_to(tensor, dtype=dtype, device=device)
         if arch in PERMUTED_ARCHITECTURES and ours.endswith(("q_proj.weight", "q_proj.bias")):
             weight = unpermute_rows(weight, config.num_heads)
@@ -324,12 +347,47 @@ def load_gguf_model(path_or_reader, *, dtype: torch.dtype = torch.float32, devic
         elif arch == "gemma3" and ours.endswith("norm.weight"):
             weight = (weight.float() - 1.0).to(dtype)  # the file holds 1 + weight (see GEMMA3_TENSOR_NAMES)
         state[ours] = weight
+    for ours in packed:  # the packed layers replace their modules; their buffers go in the state too
+        raw = np.asarray(plan[ours].data)  # uint8 (rows, bytes of a row's blocks)
+        if arch in PERMUTED_ARCHITECTURES and ours.endswith("q_proj.weight"):
+            raw = unpermute_rows(raw, config.num_heads)
+        elif arch in PERMUTED_ARCHITECTURES and ours.endswith("k_proj.weight"):
+            raw = unpermute_rows(raw, config.num_kv_heads)
+        name = ours.removesuffix(".weight")
+        fmt = PACKED_TYPES[plan[ours].tensor_type]
+        qs, d, m = unpack_blocks(fmt, raw)
+        layer = (PackedEmbedding(fmt, qs, d, m) if name == "embed_tokens" else
+                 PackedLinear(fmt, qs, d, m, bias=state.get(name + ".bias")))
+        model.set_submodule(name, layer)
+        state.update({f"{name}.{key}": value for key, value in layer.state_dict().items()})
     model.load_state_dict(state, strict=True, assign=True)
     model.inv_freq = model.inv_freq.to(device)
     if rope_freqs is not None:  # llama.cpp divides each inverse frequency by its factor
         model.inv_freq = model.inv_freq / torch.from_numpy(dequantize(rope_freqs).copy()).to(device=device, dtype=torch.float32)
-    logger.info("loaded %s (%s, %d tensors) as %s on %s", path, arch, len(state), dtype, device)
+    logger.info("loaded %s (%s, %d tensors, %d kept packed) as %s on %s", path, arch, len(plan), len(packed), dtype, device)
     return model.eval()
+
+
+def packed_tensors(plan: dict, weight_format: str, device, path) -> set[str]:
+    """Our names of the tensors of `plan` that `weight_format` keeps packed (module doc): none for
+    "dequantize"; every Q4_0/Q4_1/Q8_0 weight matrix for "packed" and, on the CPU, "auto". Raises
+    ValueError naming weight_format for what "packed" cannot keep."""
+    if weight_format == "dequantize" or (weight_format == "auto" and torch.device(device).type != "cpu"):
+        return set()
+    if torch.device(device).type != "cpu":
+        raise ValueError(f"weight_format='packed' runs on the CPU only (no {torch.device(device).type} kernel for packed "
+                         f"weights), got device {str(device)!r}: use weight_format='dequantize'")
+    keep = {ours for ours, t in plan.items() if ours.endswith(".weight") and len(t.shape) == 2 and t.tensor_type in PACKED_TYPES}
+    if weight_format == "packed":
+        other = [(ours, t) for ours, t in plan.items() if len(t.shape) == 2 and t.tensor_type not in PACKED_TYPES
+                 and t.tensor_type not in FLOAT_TYPES]
+        if other:
+            raise ValueError(f"weight_format='packed' keeps Q4_0, Q4_1 and Q8_0 matrices; {path} has {other[0][1].name!r} in "
+                             f"{other[0][1].tensor_type.name} (and {len(other) - 1} more of other types): use "
+                             f"weight_format='auto' (dequantizes those) or 'dequantize'")
+        if not keep:
+            raise ValueError(f"weight_format='packed': {path} has no Q4_0, Q4_1 or Q8_0 matrix to keep; use weight_format='dequantize'")
+    return keep
 
 
 def dequantize(tensor) -> np.ndarray:
@@ -448,7 +506,9 @@ def _rope_scaling(reader, arch: str, path) -> tuple[str, dict]:
 
 
 __all__ = [
+    "PACKED_TYPES",
     "PERMUTED_ARCHITECTURES",
+    "WEIGHT_FORMATS",
     "SUPPORTED_ARCHITECTURES",
     "TENSOR_NAMES",
     "can_dequantize",
@@ -456,6 +516,7 @@ __all__ = [
     "load_gguf_model",
     "metadata",
     "open_gguf",
+    "packed_tensors",
     "read_gguf_config",
     "unpermute_rows",
 ]

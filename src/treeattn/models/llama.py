@@ -264,11 +264,11 @@ class LlamaModel(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.embed_tokens.weight.dtype
+        return self.norm.weight.dtype  # the embeddings may be kept packed (treeattn.models.packed)
 
     @property
     def device(self) -> torch.device:
-        return self.embed_tokens.weight.device
+        return self.norm.weight.device
 
     def forward(
         self,
@@ -292,7 +292,7 @@ class LlamaModel(nn.Module):
             (B, S, hidden_size) final hidden states after the last RMSNorm, in the model dtype;
             logits() turns the rows you need into logits.
         """
-        h = self.embed_tokens(tokens)
+        h = self.embed_tokens(tokens).to(self.dtype)  # a packed table gives float32 rows
         if self.inv_freq.device != h.device:  # a plain attribute does not follow module.to(device): move it once
             self.inv_freq = self.inv_freq.to(h.device)
         cos, sin = rope_cos_sin(self.inv_freq, positions, h.dtype)
@@ -302,8 +302,10 @@ class LlamaModel(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(..., hidden_size) final hidden states -> (..., vocab_size) float32 logits."""
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        head = self.embed_tokens if self.lm_head is None else self.lm_head
+        if isinstance(head, (nn.Embedding, nn.Linear)):
+            return F.linear(hidden, head.weight).float()
+        return head.project(hidden).float()  # kept packed (treeattn.models.packed)
 
 
 def random_model(config: LlamaConfig, *, seed: int = 0, dtype: torch.dtype = torch.float32, std: float = 0.02) -> LlamaModel:

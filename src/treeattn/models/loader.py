@@ -34,6 +34,7 @@ import torch
 
 from treeattn.models.chat import ChatTemplate, gguf_chat_template, read_chat_template
 from treeattn.models.llama import SUPPORTED_ROPE_TYPES, LlamaConfig, LlamaModel
+from treeattn.models.packed import WEIGHT_FORMATS
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +49,8 @@ SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwe
 IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
 
 
-def load_model(model_dir: str | os.PathLike, *, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> LlamaModel:
+def load_model(model_dir: str | os.PathLike, *, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+               weight_format: str = "dequantize") -> LlamaModel:
     """Load a Llama-family checkpoint: a Hugging Face directory or a .gguf file.
 
     The model's tokenizer and chat template come along as model.tokenizer and model.chat_template
@@ -59,6 +61,9 @@ def load_model(model_dir: str | os.PathLike, *, dtype: torch.dtype = torch.float
             .gguf file (treeattn.models.gguf).
         dtype: parameter dtype (float32, bfloat16, float16); the weights are converted on load.
         device: where the parameters live.
+        weight_format: "dequantize" (every weight in `dtype`), "packed" (a GGUF file's Q4_0/Q4_1/Q8_0
+            matrices kept as they ship: treeattn.models.gguf) or "auto" (packed what can be, on the
+            CPU; a safetensors checkpoint is loaded in `dtype` either way).
 
     Returns:
         A LlamaModel in eval mode; model.config holds the parsed configuration.
@@ -75,7 +80,12 @@ def load_model(model_dir: str | os.PathLike, *, dtype: torch.dtype = torch.float
     from treeattn.models.gguf import is_gguf  # here, not on top: `import treeattn` does not load the gguf package
 
     if is_gguf(model_dir):
-        return _load_gguf(Path(model_dir), dtype, device)
+        return _load_gguf(Path(model_dir), dtype, device, weight_format)
+    if weight_format not in WEIGHT_FORMATS:
+        raise ValueError(f"weight_format must be one of {WEIGHT_FORMATS}, got {weight_format!r}")
+    if weight_format == "packed":
+        raise ValueError(f"weight_format='packed' keeps a GGUF file's quantized matrices; {model_dir} is not a .gguf file: "
+                         "use weight_format='dequantize' or 'auto'")
     model_dir = _check_dir(model_dir)
     model, plan = _plan(model_dir, dtype)  # checks names and shapes before reading any data
 
@@ -125,7 +135,7 @@ def _plan(model_dir: Path, dtype: torch.dtype) -> tuple[LlamaModel, dict[str, tu
     return model, _match_tensors(model, locations)
 
 
-def _load_gguf(path: Path, dtype: torch.dtype, device) -> LlamaModel:
+def _load_gguf(path: Path, dtype: torch.dtype, device, weight_format: str) -> LlamaModel:
     """load_model of a .gguf file: weights, tokenizer and chat template from one reading of it."""
     from treeattn.models.gguf import load_gguf_model, open_gguf
     from treeattn.models.gguf_tokenizer import tokenizer_from_gguf
@@ -133,7 +143,7 @@ def _load_gguf(path: Path, dtype: torch.dtype, device) -> LlamaModel:
     reader = open_gguf(path)
     tokenizer = tokenizer_from_gguf(reader, path=path)
     template = gguf_chat_template(reader, path)
-    model = load_gguf_model(reader, path=path, dtype=dtype, device=device)
+    model = load_gguf_model(reader, path=path, dtype=dtype, device=device, weight_format=weight_format)
     model.tokenizer, model.chat_template = tokenizer, template
     return model
 

@@ -10,7 +10,7 @@ from typing import Literal
 import typer
 
 from treeattn.engine.config import EngineConfig as E
-from treeattn.engine.flags import (Decode, DecodeStep, Device, KvCacheDtype, Method, Placement, Prefill, Speculate, config_flag,
+from treeattn.engine.flags import (Decode, DecodeStep, Device, KvCacheDtype, Method, Placement, Prefill, Speculate, WeightFormat, config_flag,
                                   dtype_flag, torch_dtype)
 
 LogLevel = Literal["debug", "info", "warning", "error", "critical"]
@@ -32,6 +32,7 @@ def serve_command(
     prefill: Prefill = config_flag(E, "prefill"),
     dtype: str = dtype_flag(),
     kv_cache_dtype: KvCacheDtype = config_flag(E, "kv_cache_dtype"),
+    weight_format: WeightFormat = config_flag(E, "weight_format"),
     device: Device = config_flag(E, "device"),
     speculate: Speculate | None = config_flag(E, "speculate"),
     draft_tokens: int = config_flag(E, "draft_tokens"),
@@ -73,6 +74,7 @@ def serve_command(
                           prefill=prefill, dtype=torch_dtype(dtype), device=device, timeout_s=timeout, speculate=speculate,
                           draft_tokens=draft_tokens, draft_model=None if draft_model is None else str(draft_model),
                           shared_memory=shared_memory, decode_step=decode_step, kv_cache_dtype=kv_cache_dtype,
+                          weight_format=weight_format,
                           linear_maps=None if linear_maps is None else str(linear_maps))
 
     def ready(bound_host: str, bound_port: int) -> None:

@@ -1,0 +1,98 @@
+"""Layers whose weights stay in a GGUF file's block formats (q4_0, q4_1, q8_0): the loader's weight_format="packed".
+
+    layer = PackedLinear("q4_1", qs, d, m, bias=None)     # replaces an nn.Linear: y = layer(x)
+    embed = PackedEmbedding("q8_0", qs, d, None)           # replaces an nn.Embedding: rows = embed(tokens)
+    logits = embed.project(hidden)                         # a tied output projection, packed too
+    n = weight_bytes(model)                                 # bytes of every parameter and packed buffer
+
+The quantized values and the float32 scales (unpack_blocks of treeattn.ops.packed_linear) are
+buffers: integer tensors, so `model.to(dtype)` leaves them alone. The scales are kept as their int32
+bit patterns (viewed as float32 when used) for the same reason: a float buffer would be rounded by
+`model.to(torch.bfloat16)`, and the weights would no longer be the file's.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from treeattn.ops.packed_linear import BLOCK, FORMATS, dequantize_packed, packed_matmul
+
+WEIGHT_FORMATS = ("auto", "dequantize", "packed")
+"""How a loader holds a checkpoint's quantized weights: "dequantize" (in the model's dtype), "packed"
+(a GGUF file's q4_0/q4_1/q8_0 matrices as these layers; refused for what they cannot keep) or "auto"
+(packed what can be on the CPU, the rest dequantized; treeattn.models.gguf)."""
+
+
+class _Packed(nn.Module):
+    """The storage both packed layers share: qs, and d (and m) as int32 bits."""
+
+    def __init__(self, fmt: str, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None) -> None:
+        super().__init__()
+        if fmt not in FORMATS:
+            raise ValueError(f"fmt must be one of {FORMATS}, got {fmt!r}")
+        if (m is not None) != (fmt == "q4_1"):
+            raise ValueError(f"m (the blocks' offsets) is given exactly for q4_1, got fmt={fmt!r} and m={'a tensor' if m is not None else None}")
+        self.fmt = fmt
+        self.register_buffer("qs", qs)
+        self.register_buffer("d_bits", d.to(torch.float32).view(torch.int32))
+        self.register_buffer("m_bits", None if m is None else m.to(torch.float32).view(torch.int32))
+
+    @property
+    def rows(self) -> int:
+        return self.qs.shape[0]
+
+    @property
+    def columns(self) -> int:
+        return self.qs.shape[1] * BLOCK
+
+    def _parts(self):
+        return self.fmt, self.qs, self.d_bits.view(torch.float32), None if self.m_bits is None else self.m_bits.view(torch.float32)
+
+    def dequantized(self) -> torch.Tensor:
+        """The float32 (rows, columns) weight: the file's float32 dequantization."""
+        return dequantize_packed(*self._parts())
+
+    def project(self, x: torch.Tensor) -> torch.Tensor:
+        """x (..., columns) @ W.T -> (..., rows) in x.dtype, float32 accumulation."""
+        return packed_matmul(x, *self._parts())
+
+    def extra_repr(self) -> str:
+        return f"{self.fmt}, rows={self.rows}, columns={self.columns}"
+
+
+class PackedLinear(_Packed):
+    """nn.Linear(columns, rows) over a packed weight: forward(x (..., columns)) -> (..., rows) in x.dtype."""
+
+    def __init__(self, fmt: str, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, bias: torch.Tensor | None = None) -> None:
+        super().__init__(fmt, qs, d, m)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return packed_matmul(x, *self._parts(), bias=self.bias)
+
+
+class PackedEmbedding(_Packed):
+    """nn.Embedding(rows, columns) over a packed table: forward(tokens int64 (...)) -> float32 (..., columns),
+    only the looked-up rows dequantized."""
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        fmt, qs, d, m = self._parts()
+        return dequantize_packed(fmt, qs[tokens], d[tokens], None if m is None else m[tokens])
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes a model's weights take in memory: every parameter and every packed layer's buffers."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    for module in model.modules():
+        if isinstance(module, _Packed):
+            total += sum(b.numel() * b.element_size() for b in module.buffers(recurse=False))
+    return total
+
+
+def is_packed(model: nn.Module) -> bool:
+    """Whether some layer of `model` keeps its weight packed."""
+    return any(isinstance(module, _Packed) for module in model.modules())
+
+
+__all__ = ["WEIGHT_FORMATS", "PackedEmbedding", "PackedLinear", "is_packed", "weight_bytes"]

@@ -1,0 +1,139 @@
+"""The CPU kernel of a linear layer whose weight is kept in ggml's block formats (treeattn.ops.packed_linear), compiled by numba.
+
+    out[i, n] = sum_k x[i, k] * w[n, k]        x: (M, K) float32, w: (N, K) in blocks of 32 along K
+
+A decode step multiplies a few rows of activations (M <= packed_linear.MAX_KERNEL_ROWS) by every
+weight matrix once: a GEMV whose time is the time to stream the weight. A float32 weight streams 32
+bits per value; a q4_1 block 16 bytes of 4-bit values and two float32 scales for 32 weights (6 bits
+a weight). This kernel reads the blocks as they are, dequantizes each block in registers and
+accumulates in float32; ranges of output rows are split over threads (prange).
+
+Formats (ggml's blocks of 32 weights along a row; the scales d, m are the file's float16 values,
+widened to float32 once at load, exactly):
+    q4_0: 16 bytes, byte j holds weight j (low nibble) and weight j + 16 (high nibble); w = d * (q - 8)
+    q4_1: the same 16 bytes;                                                               w = d * q + m
+    q8_0: 32 int8;                                                                         w = d * q
+
+Each weight is computed in float32 as ggml and gguf.quants compute it (d * q is exact in float32:
+an 11-bit mantissa times an integer below 256; for q4_1 the + m rounds once, the same with or without
+a fused multiply-add), so the kernel multiplies by exactly the values a float32 dequantization holds.
+The only difference from x @ W in float64 is the float32 accumulation of the dot products: 16 or 32
+lanes along the row, then the lanes' sum (fastmath here is reassociation and contraction only).
+
+Importing this module compiles nothing: numba compiles each kernel on its first call and caches the
+machine code beside this file (cache=True).
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+from numba import njit, prange
+
+_FASTMATH = {"reassoc", "contract"}
+BLOCK = 32
+CHUNKS_PER_THREAD = 4  # row ranges per thread: small enough to balance, few enough that each range's lanes are allocated once
+
+
+def matmul(threads: int, fmt: str, x, qs, d, m, out) -> None:
+    """out = x @ W.T for a packed W of format `fmt` on `threads` threads (1: the serial compilation, no pool).
+
+    x: (M, K) float32 C-contiguous; qs: (N, K // 32, 16) uint8 (q4_0, q4_1) or (N, K // 32, 32) int8
+    (q8_0); d, m: (N, K // 32) float32 (m: q4_1 only; any float32 array otherwise); out: (M, N) float32.
+    """
+    threads = max(1, min(threads, numba.config.NUMBA_NUM_THREADS))
+    if threads > 1:
+        numba.set_num_threads(threads)  # per calling thread
+    kernel = _KERNELS[fmt][threads > 1]
+    chunks = 1 if threads == 1 else min(qs.shape[0], CHUNKS_PER_THREAD * threads)
+    kernel(x, qs, d, m, out, chunks)
+
+
+@njit(cache=True, fastmath=_FASTMATH, inline="always")
+def _q4_rows(x, qs, d, m, out, n0, n1, offset, affine):  # pragma: no cover - compiled
+    """Output columns n0..n1-1 of every row of x (see the module doc). Sixteen float32 lanes, one per
+    byte of a block, each add a weight's product for the low and the high nibble; the lanes are
+    summed at the end of the row (a vectorized loop: no reduction inside it)."""
+    M, nb = x.shape[0], qs.shape[1]
+    acc = np.zeros(16, dtype=np.float32)
+    for n in range(n0, n1):
+        for i in range(M):
+            acc[:] = 0.0
+            for b in range(nb):
+                db = d[n, b]
+                mb = m[n, b] if affine else np.float32(0.0)
+                base = b * BLOCK
+                for j in range(16):
+                    q = np.int32(qs[n, b, j])
+                    lo = db * np.float32((q & 15) - offset) + mb
+                    hi = db * np.float32((q >> 4) - offset) + mb
+                    acc[j] += x[i, base + j] * lo + x[i, base + 16 + j] * hi
+            s = np.float32(0.0)
+            for j in range(16):
+                s += acc[j]
+            out[i, n] = s
+
+
+@njit(cache=True, fastmath=_FASTMATH, inline="always")
+def _q8_rows(x, qs, d, out, n0, n1):  # pragma: no cover - compiled
+    """Output columns n0..n1-1 of every row of x for a q8_0 weight (32 lanes, one per weight of a block)."""
+    M, nb = x.shape[0], qs.shape[1]
+    acc = np.zeros(BLOCK, dtype=np.float32)
+    for n in range(n0, n1):
+        for i in range(M):
+            acc[:] = 0.0
+            for b in range(nb):
+                db = d[n, b]
+                base = b * BLOCK
+                for j in range(BLOCK):
+                    acc[j] += x[i, base + j] * (db * np.float32(qs[n, b, j]))
+            s = np.float32(0.0)
+            for j in range(BLOCK):
+                s += acc[j]
+            out[i, n] = s
+
+
+@njit(cache=True, fastmath=_FASTMATH)
+def _q4_0_serial(x, qs, d, m, out, chunks):  # pragma: no cover - compiled
+    """q4_0, every row on the calling thread."""
+    _q4_rows(x, qs, d, m, out, 0, qs.shape[0], 8, False)
+
+
+@njit(parallel=True, cache=True, fastmath=_FASTMATH)
+def _q4_0_parallel(x, qs, d, m, out, chunks):  # pragma: no cover - compiled
+    """q4_0, `chunks` ranges of rows over numba's threads."""
+    N = qs.shape[0]
+    for c in prange(chunks):
+        _q4_rows(x, qs, d, m, out, c * N // chunks, (c + 1) * N // chunks, 8, False)
+
+
+@njit(cache=True, fastmath=_FASTMATH)
+def _q4_1_serial(x, qs, d, m, out, chunks):  # pragma: no cover - compiled
+    """q4_1, every row on the calling thread."""
+    _q4_rows(x, qs, d, m, out, 0, qs.shape[0], 0, True)
+
+
+@njit(parallel=True, cache=True, fastmath=_FASTMATH)
+def _q4_1_parallel(x, qs, d, m, out, chunks):  # pragma: no cover - compiled
+    """q4_1, `chunks` ranges of rows over numba's threads."""
+    N = qs.shape[0]
+    for c in prange(chunks):
+        _q4_rows(x, qs, d, m, out, c * N // chunks, (c + 1) * N // chunks, 0, True)
+
+
+@njit(cache=True, fastmath=_FASTMATH)
+def _q8_0_serial(x, qs, d, m, out, chunks):  # pragma: no cover - compiled
+    """q8_0, every row on the calling thread."""
+    _q8_rows(x, qs, d, out, 0, qs.shape[0])
+
+
+@njit(parallel=True, cache=True, fastmath=_FASTMATH)
+def _q8_0_parallel(x, qs, d, m, out, chunks):  # pragma: no cover - compiled
+    """q8_0, `chunks` ranges of rows over numba's threads."""
+    N = qs.shape[0]
+    for c in prange(chunks):
+        _q8_rows(x, qs, d, out, c * N // chunks, (c + 1) * N // chunks)
+
+
+_KERNELS = {"q4_0": (_q4_0_serial, _q4_0_parallel), "q4_1": (_q4_1_serial, _q4_1_parallel),
+            "q8_0": (_q8_0_serial, _q8_0_parallel)}

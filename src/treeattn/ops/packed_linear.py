@@ -1,0 +1,124 @@
+"""Linear layers over weights kept in ggml's block formats (q4_0, q4_1, q8_0), as a GGUF file ships them.
+
+    qs, d, m = unpack_blocks("q4_1", raw)          # raw: uint8 (N, K // 32 * 20), the file's rows of blocks
+    y = packed_matmul(x, "q4_1", qs, d, m)         # x (..., K) float -> y (..., N) in x.dtype
+    w = dequantize_packed("q4_1", qs, d, m)        # float32 (N, K): what gguf.quants.dequantize gives
+
+A row of an (N, K) weight is K // 32 blocks of 32 weights. Each block holds a float16 scale d (and,
+for q4_1, a float16 offset m) and its 32 quantized values q:
+
+    q4_0: 18 bytes: d, then 16 bytes, byte j = weight j (low nibble) | weight j + 16 (high nibble);  w = d * (q - 8)
+    q4_1: 20 bytes: d, m, then the same 16 bytes;                                                  w = d * q + m
+    q8_0: 34 bytes: d, then 32 int8;                                                               w = d * q
+
+unpack_blocks splits the file's bytes into the quantized values qs (kept as they are: uint8 (N,
+K // 32, 16) for the 4-bit formats, int8 (N, K // 32, 32) for q8_0) and the scales, widened from
+float16 to float32 once (exactly: every float16 is a float32), so nothing is rounded. The weights a
+layer multiplies by are exactly the file's float32 dequantization; only the float32 accumulation of
+the products differs from x @ W in float64.
+
+packed_matmul: calls of at most MAX_KERNEL_ROWS rows of x (decode steps, their drafts) run the numba
+kernel (treeattn.ops.packed_cpu_kernel), which reads the blocks in place: bytes streamed per weight
+are 4.75 (q4_0), 6 (q4_1) or 9 (q8_0) bits instead of float32's 32. Longer calls (prefill chunks)
+dequantize the whole weight once to float32 and use torch's matmul, which batches the rows; so does
+a call without numba, on a device other than the CPU, or one that autograd records.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+logger = logging.getLogger(__name__)
+
+FORMATS = ("q4_0", "q4_1", "q8_0")
+BLOCK = 32
+BLOCK_BYTES = {"q4_0": 18, "q4_1": 20, "q8_0": 34}
+# packed_matmul calls with at most this many rows of x go to the kernel (a decode step of a batch of up
+# to 16 sequences); longer ones (prefill) dequantize the weight and run torch's matmul.
+MAX_KERNEL_ROWS = 16
+
+
+@functools.lru_cache(maxsize=1)
+def kernel_module():
+    """treeattn.ops.packed_cpu_kernel, or None (logged once) when numba is not installed."""
+    try:
+        from treeattn.ops import packed_cpu_kernel
+    except ImportError as exc:
+        logger.info("numba unavailable (%s): packed weights are dequantized for every call", exc)
+        return None
+    return packed_cpu_kernel
+
+
+def unpack_blocks(fmt: str, raw: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Split rows of ggml blocks into quantized values and float32 scales (new tensors, no view of `raw`).
+
+    Args:
+        fmt: "q4_0", "q4_1" or "q8_0".
+        raw: uint8 (N, K // 32 * BLOCK_BYTES[fmt]): each row's blocks as the file stores them.
+
+    Returns:
+        qs: uint8 (N, K // 32, 16) (q4_0, q4_1) or int8 (N, K // 32, 32) (q8_0);
+        d: float32 (N, K // 32), the blocks' scales; m: float32 (N, K // 32) for q4_1, else None.
+    """
+    if fmt not in FORMATS:
+        raise ValueError(f"fmt must be one of {FORMATS}, got {fmt!r}")
+    if raw.dtype != np.uint8 or raw.ndim != 2 or raw.shape[1] % BLOCK_BYTES[fmt]:
+        raise ValueError(f"raw must be uint8 (N, K // 32 * {BLOCK_BYTES[fmt]}) for {fmt}, got {raw.dtype} {raw.shape}")
+    blocks = np.ascontiguousarray(raw).reshape(raw.shape[0], -1, BLOCK_BYTES[fmt])
+    d = torch.from_numpy(blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32))
+    m = torch.from_numpy(blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)) if fmt == "q4_1" else None
+    values = blocks[..., 4:] if fmt == "q4_1" else blocks[..., 2:]
+    qs = torch.from_numpy(values.copy().view(np.int8) if fmt == "q8_0" else values.copy())
+    return qs, d, m
+
+
+def dequantize_packed(fmt: str, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None) -> torch.Tensor:
+    """float32 (N, K) weights of unpack_blocks' output (any leading rows of it): d * q (+ m) per block."""
+    if fmt == "q8_0":
+        q = qs.to(torch.float32)
+    else:
+        q = torch.cat((qs & 15, qs >> 4), dim=-1).to(torch.float32)  # low nibbles are weights 0..15, high 16..31
+        if fmt == "q4_0":
+            q -= 8.0
+    w = q * d[..., None]
+    if m is not None:
+        w += m[..., None]
+    return w.reshape(*qs.shape[:-2], -1)
+
+
+def packed_matmul(x: torch.Tensor, fmt: str, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None,
+                  bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ W.T (+ bias) for a weight W kept packed (unpack_blocks' qs, d, m).
+
+    Args:
+        x: (..., K) float tensor on W's device.
+        fmt, qs, d, m: the packed weight, W (N, K).
+        bias: (N,) or None.
+
+    Returns:
+        (..., N) in x.dtype, accumulated in float32 (x is taken in float32).
+    """
+    N, K = qs.shape[0], qs.shape[1] * BLOCK
+    if x.shape[-1] != K:
+        raise ValueError(f"x must have {K} features (the packed weight's columns), got shape {tuple(x.shape)}")
+    rows = x.reshape(-1, K)
+    kernel = kernel_module()
+    if (rows.shape[0] <= MAX_KERNEL_ROWS and x.device.type == "cpu" and kernel is not None
+            and not (torch.is_grad_enabled() and x.requires_grad)):
+        rows = rows.to(torch.float32).contiguous()
+        out = torch.empty(rows.shape[0], N)
+        scales = d if m is None else m
+        kernel.matmul(torch.get_num_threads(), fmt, rows.numpy(), qs.numpy(), d.numpy(), scales.numpy(), out.numpy())
+    else:
+        out = F.linear(rows.to(torch.float32), dequantize_packed(fmt, qs, d, m))
+    if bias is not None:
+        out = out + bias.to(torch.float32)
+    return out.reshape(*x.shape[:-1], N).to(x.dtype)
+
+
+__all__ = ["BLOCK", "BLOCK_BYTES", "FORMATS", "MAX_KERNEL_ROWS", "dequantize_packed", "packed_matmul", "unpack_blocks"]

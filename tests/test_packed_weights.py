@@ -1,0 +1,183 @@
+"""Weights kept as a GGUF file ships them (weight_format="packed"): q4_0, q4_1 and q8_0 blocks.
+
+The packed layers must multiply by exactly the file's weights: the blocks unpacked and dequantized
+equal gguf.quants.dequantize bit for bit, and packed_matmul (the numba kernel for <= 16 rows, the
+dequantize-then-matmul path above) equals float64 x @ W within the error bound of a float32 dot
+product of length K (any summation order): |err| <= gamma_K * sum_k |x_k| |w_k|, gamma_K = K u / (1 - K u),
+u = 2**-24 (the products w are exact float32 values; one more rounding for a bias: gamma_{K+1}).
+A model loaded packed holds the dequantized model's weights exactly and gives its greedy tokens, on
+one rank and on two; what cannot be kept is refused in one line naming weight_format.
+"""
+
+from __future__ import annotations
+
+import json
+
+import gguf
+import gguf.quants
+import numpy as np
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from gguf_files import VOCAB, write_gguf  # noqa: E402
+from helpers.gguf_models import hf_model  # noqa: E402
+from typer.testing import CliRunner  # noqa: E402
+
+import treeattn as ta  # noqa: E402
+from treeattn.cli import app  # noqa: E402
+from treeattn.engine.checks import check_weight_format  # noqa: E402
+from treeattn.engine.config import EngineConfig  # noqa: E402
+from treeattn.engine.errors import ConfigError  # noqa: E402
+from treeattn.models import load_model  # noqa: E402
+from treeattn.models.gguf import open_gguf, packed_tensors  # noqa: E402
+from treeattn.models.packed import PackedEmbedding, PackedLinear, is_packed, weight_bytes  # noqa: E402
+from treeattn.ops.packed_linear import dequantize_packed, kernel_module, packed_matmul, unpack_blocks  # noqa: E402
+
+Q = gguf.GGMLQuantizationType
+FORMATS = [("q4_0", Q.Q4_0), ("q4_1", Q.Q4_1), ("q8_0", Q.Q8_0)]
+U = 2.0 ** -24
+
+
+def gamma(n: int) -> float:
+    return n * U / (1 - n * U)
+
+
+def weights(rows: int, cols: int, seed: int) -> np.ndarray:
+    """Rows of varied scale: ordinary, large, tiny, one constant row, one zero row (scale 0), one with an offset."""
+    g = np.random.default_rng(seed)
+    w = g.standard_normal((rows, cols)).astype(np.float32)
+    w[1] *= 1e3
+    w[2] *= 1e-4
+    w[3] = 0.5
+    w[4] = 0.0
+    w[5] += 7.0
+    return w
+
+
+@pytest.mark.parametrize("fmt,qtype", FORMATS)
+def test_unpacked_blocks_dequantize_to_exactly_the_files_values(fmt, qtype):
+    raw = gguf.quants.quantize(weights(37, 96, 0), qtype)
+    qs, d, m = unpack_blocks(fmt, raw)
+    expected = gguf.quants.dequantize(raw, qtype).reshape(37, 96)
+    assert np.array_equal(dequantize_packed(fmt, qs, d, m).numpy(), expected)
+    assert qs.dtype == (torch.int8 if fmt == "q8_0" else torch.uint8) and d.dtype == torch.float32
+    with pytest.raises(ValueError, match="raw must be uint8"):
+        unpack_blocks(fmt, raw[:, :-1])
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("fmt,qtype", FORMATS)
+def test_packed_matmul_is_x_times_the_files_weights_within_float32_accumulation(fmt, qtype, threads):
+    assert kernel_module() is not None  # numba is a dependency: rows <= 16 run the kernel
+    N, K = 53, 160
+    raw = gguf.quants.quantize(weights(N, K, 1), qtype)
+    qs, d, m = unpack_blocks(fmt, raw)
+    w = torch.from_numpy(gguf.quants.dequantize(raw, qtype).reshape(N, K)).double()
+    bias = torch.randn(N, generator=torch.Generator().manual_seed(2))
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for rows in (1, 3, 16, 17, 40):  # 17 and 40: the dequantize-then-matmul path
+            x = torch.randn(2, rows, K, generator=torch.Generator().manual_seed(rows))[:1]  # a leading dim of 1
+            x[0, 0, :5] *= 1e4
+            for b in (None, bias):
+                y = packed_matmul(x, fmt, qs, d, m, b)
+                ref = x.double() @ w.T + (0 if b is None else b.double())
+                bound = gamma(K + 1) * (x.double().abs() @ w.abs().T + (0 if b is None else b.double().abs()))
+                assert y.shape == (1, rows, N) and y.dtype == torch.float32
+                assert bool(((y.double() - ref).abs() <= bound).all()), (rows, float(((y.double() - ref).abs() / bound).max()))
+    finally:
+        torch.set_num_threads(before)
+    x16 = torch.randn(2, K).to(torch.bfloat16)  # a bfloat16 model's activations: exact in float32, the result rounded once
+    y16 = packed_matmul(x16, fmt, qs, d, m)
+    ref = x16.double() @ w.T
+    assert y16.dtype == torch.bfloat16
+    assert bool(((y16.double() - ref).abs() <= gamma(K) * (x16.double().abs() @ w.abs().T) + 2.0 ** -8 * ref.abs()).all())
+    with pytest.raises(ValueError, match=f"x must have {K} features"):
+        packed_matmul(torch.zeros(1, K + 32), fmt, qs, d, m)
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    """Tiny GGUF files: llama (untied, permuted Q/K) in each packed format, qwen2 (tied, q/k/v bias) in Q8_0,
+    and llama with one matrix in Q5_0 (no packed kernel)."""
+    root = tmp_path_factory.mktemp("packed")
+    models = {arch: hf_model(arch) for arch in ("llama", "qwen2")}
+    paths = {}
+    for fmt, qtype in FORMATS:
+        paths[fmt] = root / f"llama.{fmt}.gguf"
+        write_gguf(paths[fmt], models["llama"], qtype)
+    paths["qwen2"] = root / "qwen2.q8_0.gguf"
+    write_gguf(paths["qwen2"], models["qwen2"], Q.Q8_0, arch="qwen2")
+    paths["q5_0"] = root / "llama.mixed.gguf"
+    write_gguf(paths["q5_0"], models["llama"], Q.Q4_1, raw_types={"blk.1.ffn_down.weight": Q.Q5_0})
+    return paths
+
+
+@pytest.mark.parametrize("name", ["q4_0", "q4_1", "q8_0", "qwen2"])
+def test_a_packed_model_holds_exactly_the_dequantized_models_weights(files, name):
+    dense = load_model(files[name])
+    packed = load_model(files[name], weight_format="packed")
+    layers = {n: m for n, m in packed.named_modules() if isinstance(m, (PackedLinear, PackedEmbedding))}
+    assert len(layers) == 1 + 2 * 7 + (packed.lm_head is not None)  # embeddings, 7 matrices a layer, the output projection
+    for n, layer in layers.items():
+        assert torch.equal(layer.dequantized(), dense.get_submodule(n).weight), n  # Q/K rows unpermuted alike
+        if isinstance(layer, PackedLinear) and layer.bias is not None:
+            assert torch.equal(layer.bias, dense.get_submodule(n).bias), n
+    assert is_packed(packed) and not is_packed(dense)
+    assert weight_bytes(packed) < weight_bytes(dense) / 2.5  # 4.75 to 9 bits a weight, not 32 (norms stay float32)
+    packed.to(torch.bfloat16)  # the activations' dtype; the blocks and scales are integer buffers: untouched
+    assert torch.equal(layers["embed_tokens"].dequantized(), dense.embed_tokens.weight) and packed.dtype == torch.bfloat16
+
+
+def test_greedy_tokens_equal_the_dequantized_models_on_one_and_two_ranks(files):
+    prompt = torch.randint(3, VOCAB, (12,), generator=torch.Generator().manual_seed(3)).tolist()
+    options = dict(max_new_tokens=8, ignore_eos=True, block_size=16)
+    dense = {}
+    for name in ("q4_1", "qwen2"):
+        dense[name] = ta.generate(files[name], prompt, weight_format="dequantize", **options)
+        packed = ta.generate(files[name], prompt, weight_format="packed", **options)
+        assert packed.generated_ids == dense[name].generated_ids, name
+        assert packed.weight_format == "packed" and dense[name].weight_format == "dequantize"
+        assert 0 < packed.weight_bytes_per_rank < dense[name].weight_bytes_per_rank
+    with ta.Engine(files["q4_1"], nproc=2, weight_format="packed", block_size=16, max_batch_size=2) as engine:
+        two = engine.generate(prompt, max_new_tokens=8, ignore_eos=True)[0].token_ids  # every rank holds the packed weights
+    assert two == dense["q4_1"].generated_ids[0]
+
+
+def test_what_cannot_be_kept_packed_is_refused_in_one_line(files, tmp_path):
+    with pytest.raises(ValueError, match=r"weight_format='packed' keeps Q4_0, Q4_1 and Q8_0 matrices; .* in Q5_0"):
+        load_model(files["q5_0"], weight_format="packed")
+    mixed = load_model(files["q5_0"], weight_format="auto")  # auto: what a kernel reads packed, the rest dequantized
+    assert isinstance(mixed.layers[0].mlp.down_proj, PackedLinear) and isinstance(mixed.layers[1].mlp.down_proj, torch.nn.Linear)
+    with pytest.raises(ConfigError, match="weight_format='packed' keeps .* Q5_0") as info:
+        check_weight_format(str(files["q5_0"]), EngineConfig(weight_format="packed", device="cpu"))
+    assert info.value.option == "weight_format" and "\n" not in str(info.value)
+    tensors = {t.name: t for t in open_gguf(files["q4_1"]).tensors}
+    with pytest.raises(ValueError, match="weight_format='packed' runs on the CPU only"):
+        packed_tensors(tensors, "packed", "cuda", files["q4_1"])
+    assert packed_tensors(tensors, "auto", "cuda", files["q4_1"]) == set()  # auto on a GPU: dequantized
+    with pytest.raises(ConfigError, match="not a .gguf file"):
+        check_weight_format(str(tmp_path), EngineConfig(weight_format="packed", device="cpu"))
+    with pytest.raises(ConfigError, match="weight_format must be one of"):
+        EngineConfig(weight_format="int4")
+    with pytest.raises(ConfigError, match="the loaded model's weights are dequantized"):
+        ta.generate(load_model(files["q4_1"]), [5, 6], max_new_tokens=1, weight_format="packed")
+
+
+def test_cli_reports_weight_bytes_per_rank_and_the_format(files, tmp_path):
+    ids = tmp_path / "ids.json"
+    ids.write_text(json.dumps([5, 9, 14, 3, 7]))
+    reports = {}
+    for fmt in ("packed", "dequantize"):
+        result = CliRunner().invoke(app, ["generate", str(files["q8_0"]), "--prompt-ids", str(ids), "--max-new-tokens", "4",
+                                          "--weight-format", fmt, "--json"])
+        assert result.exit_code == 0, result.output
+        reports[fmt] = json.loads(result.stdout)
+    assert reports["packed"]["weight_format"] == "packed" and reports["dequantize"]["weight_format"] == "dequantize"
+    assert 0 < reports["packed"]["weight_bytes_per_rank"] < reports["dequantize"]["weight_bytes_per_rank"]
+    assert reports["packed"]["generated_ids"] == reports["dequantize"]["generated_ids"]
+    result = CliRunner().invoke(app, ["generate", str(files["q8_0"]), "--prompt-ids", str(ids), "--weight-format", "int4"])
+    assert result.exit_code == 2 and "--weight-format" in result.output
