@@ -33,7 +33,7 @@ def models():
     return {arch: hf_model(arch) for arch in ("llama", "qwen2")}
 
 
-@pytest.mark.parametrize("arch,qtype", [("llama", Q.F16), ("llama", Q.Q8_0), ("llama", Q.Q4_1), ("qwen2", Q.Q8_0)])
+@pytest.mark.parametrize("arch,qtype", [("llama", Q.F16), ("llama", Q.Q8_0), ("llama", Q.Q4_1), ("llama", Q.Q4_0), ("qwen2", Q.Q8_0)])
 def test_weights_and_logits_match_the_checkpoint(models, tmp_path, arch, qtype):
     hf = models[arch]
     path = tmp_path / f"tiny-{arch}.{qtype.name}.gguf"
@@ -80,6 +80,28 @@ def test_config_tokenizer_and_template_come_from_the_file(models, tmp_path):
     assert tokenizer.decode(ids, skip_special_tokens=False) == (
         "<|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
     assert end_of_turn_id(tokenizer, template) == 2
+
+
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q4_1])
+def test_whole_array_dequantization_is_bit_for_bit_gguf_quants(qtype):
+    import gguf.quants
+
+    from treeattn.models.gguf import dequantize_blocks
+
+    rng = np.random.default_rng(0)
+    values = (rng.standard_normal((64, 256)) * rng.uniform(1e-4, 1e3, (64, 1))).astype(np.float32)
+    values[3] = 0.0
+    raw = gguf.quants.quantize(values, qtype)  # (64, bytes per row): what a file holds
+    expected = gguf.quants.dequantize(raw, qtype)
+    got = dequantize_blocks(raw, qtype).reshape(expected.shape)
+    assert got.dtype == np.float32 and got.tobytes() == expected.tobytes()
+    noise = rng.integers(0, 256, raw.shape, dtype=np.uint8)  # any bytes, inf/NaN scales included
+    with np.errstate(invalid="ignore", over="ignore"):  # inf * 0 in both
+        expected = gguf.quants.dequantize(noise, qtype)
+        got = dequantize_blocks(noise, qtype).reshape(expected.shape)
+    finite = np.isfinite(expected)
+    assert np.array_equal(np.isfinite(got), finite) and got[finite].tobytes() == expected[finite].tobytes()
+    assert np.array_equal(np.isnan(got), np.isnan(expected))
 
 
 def test_unpermute_inverts_llama_cpp_permutation():
