@@ -97,6 +97,17 @@ class ShardedKVCache:
         block_size: slots per block: the unit of allocation, and of dealing for "interleaved".
         rank, world_size: this rank and the number of ranks sharing the cache.
         dtype, device: of the stored keys and values.
+
+    Example (rank 1 of 2 with contiguous placement holds the second half of a 10-token sequence)::
+
+        >>> import torch, treeattn as ta
+        >>> cache = ta.ShardedKVCache(num_layers=2, num_kv_heads=2, head_dim=8, capacity=10, rank=1, world_size=2, block_size=4)
+        >>> slots = cache.extend(torch.arange(10).unsqueeze(0))       # positions (B, S) of new tokens
+        >>> slots.num_tokens, slots.num_owned, cache.kv_pos
+        (10, 5, tensor([[5, 6, 7, 8, 9]]))
+        >>> k, v = cache.layer(0)                                       # this rank's shard: (B, 5, Hkv, D) views
+        >>> k.shape
+        torch.Size([1, 5, 2, 8])
     """
 
     def __init__(

@@ -46,6 +46,18 @@ class SamplingParams:
             log-probability under the model and the k most likely tokens with theirs
             (TokenLogprob). The distribution is the model's own: log-softmax of the float32
             logits, before temperature, top-k and top-p (as vLLM and OpenAI report it).
+
+    Example (checked when built: a bad field is one line naming it)::
+
+        >>> import treeattn as ta
+        >>> sampling = ta.SamplingParams(max_new_tokens=16, temperature=0.7, top_p=0.9, stop=("Q:",))
+        >>> sampling.top_k, sampling.ignore_eos                       # 0: every token; stop at the model's eos ids too
+        (0, False)
+        >>> try:
+        ...     ta.SamplingParams(top_p=0)
+        ... except ValueError as error:
+        ...     print(error)
+        top_p must be a number in (0, 1], got 0
     """
 
     max_new_tokens: int = 64

@@ -42,7 +42,16 @@ SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
 
 @dataclass
 class LlamaConfig:
-    """Hyperparameters of a Llama-family decoder (see treeattn.models.loader for reading config.json)."""
+    """Hyperparameters of a Llama-family decoder (see treeattn.models.loader for reading config.json).
+
+    Example::
+
+        >>> import torch, treeattn as ta
+        >>> config = ta.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+        ...                         num_kv_heads=2, head_dim=8)
+        >>> config.num_heads // config.num_kv_heads, config.max_position_embeddings      # GQA groups, the default window
+        (2, 4096)
+    """
 
     vocab_size: int
     hidden_size: int
@@ -239,6 +248,22 @@ class LlamaModel(nn.Module):
     Args:
         config: LlamaConfig.
         dtype, device: of the parameters (device "meta" builds the skeleton the loader fills).
+
+    Example (a random-weight model, one prompt through its KV cache on one process)::
+
+        >>> import torch, treeattn as ta
+        >>> config = ta.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+        ...                         num_kv_heads=2, head_dim=8)
+        >>> from treeattn.models import LocalAttention
+        >>> from treeattn.models.llama import random_model
+        >>> model = random_model(config, seed=0)              # ta.LlamaModel(config) leaves the weights to load_state_dict
+        >>> cache = ta.ShardedKVCache(num_layers=2, num_kv_heads=2, head_dim=8, capacity=16)
+        >>> ids, positions = torch.tensor([[1, 2, 3, 4]]), torch.arange(4).unsqueeze(0)
+        >>> with torch.inference_mode():
+        ...     hidden = model(ids, positions, cache.update(cache.extend(positions)), LocalAttention())
+        ...     logits = model.logits(hidden)
+        >>> logits.shape                                       # (B, S, vocab)
+        torch.Size([1, 4, 64])
     """
 
     # The layer and norm a family builds (treeattn.models.gemma3 sets its own).

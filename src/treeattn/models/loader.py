@@ -73,6 +73,25 @@ def load_model(model_dir: str | os.PathLike, *, dtype: torch.dtype = torch.float
             by the index that does not exist.
         ValueError: malformed or unsupported config, malformed safetensors file or index, missing or
             unexpected tensors, or a tensor whose shape disagrees with the config.
+
+    Example (a tiny Hugging Face directory written here: config.json and model.safetensors)::
+
+        >>> import json, pathlib, tempfile, torch, treeattn as ta
+        >>> from safetensors.torch import save_file
+        >>> from treeattn.models.llama import random_model
+        >>> config = ta.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=4,
+        ...                         num_kv_heads=2, head_dim=8)
+        >>> weights = random_model(config).state_dict()         # our names are the checkpoint's without "model."
+        >>> directory = pathlib.Path(tempfile.mkdtemp())
+        >>> save_file({("" if n == "lm_head.weight" else "model.") + n: t for n, t in weights.items()},
+        ...           directory / "model.safetensors")
+        >>> (directory / "config.json").write_text(json.dumps({"model_type": "llama", "vocab_size": 64, "hidden_size": 32,
+        ...     "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2,
+        ...     "head_dim": 8})) > 0
+        True
+        >>> model = ta.load_model(directory, dtype=torch.bfloat16)
+        >>> model.dtype, torch.equal(model.embed_tokens.weight, weights["embed_tokens.weight"].bfloat16())
+        (torch.bfloat16, True)
     """
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise TypeError(f"dtype must be a floating torch.dtype, got {dtype!r}")
@@ -175,7 +194,21 @@ def read_model_files(model: str | os.PathLike) -> ModelFiles:
 
 def load_tokenizer(model_dir: str | os.PathLike):
     """The tokenizers.Tokenizer of tokenizer.json in `model_dir` (or built from a .gguf file's
-    vocabulary), or None if there is none."""
+    vocabulary), or None if there is none.
+
+    Example (a word-level tokenizer.json written here)::
+
+        >>> import pathlib, tempfile, treeattn as ta
+        >>> from tokenizers import Tokenizer, models, pre_tokenizers
+        >>> directory = pathlib.Path(tempfile.mkdtemp())
+        >>> tokenizer = Tokenizer(models.WordLevel({"[unk]": 0, "hello": 1, "world": 2}, unk_token="[unk]"))
+        >>> tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+        >>> tokenizer.save(str(directory / "tokenizer.json"))
+        >>> ta.load_tokenizer(directory).encode("hello world").ids
+        [1, 2]
+        >>> ta.load_tokenizer(tempfile.mkdtemp()) is None            # a directory without tokenizer.json
+        True
+    """
     from treeattn.models.gguf import is_gguf
 
     if is_gguf(model_dir):

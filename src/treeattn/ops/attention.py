@@ -98,6 +98,22 @@ def attention(
         lse: (B, Hq, Sq) float32 (float64 for float64 inputs), natural log of the sum of
             exp(score) over the visible keys (score = scale * q.k, capped if softcap is given).
             A row that sees no key has out = 0, lse = -inf.
+
+    Example (one decode query over 300 keys, grouped-query heads)::
+
+        >>> import torch, treeattn as ta
+        >>> q = torch.randn(2, 1, 8, 64)                                    # (B, Sq, Hq, D)
+        >>> k, v = torch.randn(2, 300, 2, 64), torch.randn(2, 300, 2, 64)   # (B, Sk, Hkv, D): 4 query heads per KV head
+        >>> out, lse = ta.attention(q, k, v)
+        >>> out.shape, lse.shape, lse.dtype
+        (torch.Size([2, 1, 8, 64]), torch.Size([2, 8, 1]), torch.float32)
+        >>> ref, ref_lse = ta.reference_attention(q, k, v)                  # float64, naive
+        >>> torch.allclose(out.double(), ref, atol=1e-5) and torch.allclose(lse.double(), ref_lse, atol=1e-5)
+        True
+        >>> out, lse = ta.attention(q[:1], k[:1, :10], v[:1, :10], causal=True,   # a sliding window of 4
+        ...                         q_pos=torch.tensor([9]), kv_pos=torch.arange(10), window=4)
+        >>> torch.allclose(out, ta.attention(q[:1], k[:1, 6:10], v[:1, 6:10])[0], atol=1e-6)
+        True
     """
     B, Sq, Sk, Hq, Hkv, D, Dv = check_qkv(q, k, v)
     scale = check_scale(scale, D)

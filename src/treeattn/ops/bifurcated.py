@@ -91,6 +91,17 @@ def bifurcated_attention(
         out: (n, Sq, Hq, Dv) in q.dtype.
         lse: (n, Hq, Sq) float32 (float64 for float64 inputs). A row that sees no key has out = 0
             and lse = -inf.
+
+    Example (4 samples decoding after one shared 200-token context)::
+
+        >>> import torch, treeattn as ta
+        >>> q = torch.randn(4, 1, 8, 32)                                             # (n, Sq, Hq, D)
+        >>> ck, cv = torch.randn(1, 200, 2, 32), torch.randn(1, 200, 2, 32)          # the shared context, once
+        >>> dk, dv = torch.randn(4, 5, 2, 32), torch.randn(4, 5, 2, 32)              # each sample's own tokens
+        >>> out, lse = ta.bifurcated_attention(q, ck, cv, dk, dv, mode="bifurcated")
+        >>> batched = ta.attention(q, torch.cat([ck.expand(4, -1, -1, -1), dk], 1), torch.cat([cv.expand(4, -1, -1, -1), dv], 1))
+        >>> torch.allclose(out, batched[0], atol=1e-5)
+        True
     """
     n, Sq, Hq, D, Mc, Md, Hkv, Dv = check_bifurcated_inputs(q, context_k, context_v, decode_k, decode_v)
     scale = check_scale(scale, D)

@@ -26,6 +26,15 @@ def energy(
     Returns:
         (B, Hq, Sq) in float32 (float64 for float64 inputs). This is the naive O(Sq * Sk) form,
         meant for checking the theory, not for long sequences.
+
+    Example (at zeta = 0 the energy is the logsumexp of the scores: attention's lse)::
+
+        >>> import torch, treeattn as ta
+        >>> q = torch.randn(1, 1, 4, 16, dtype=torch.float64)
+        >>> k, v = torch.randn(1, 10, 2, 16, dtype=torch.float64), torch.randn(1, 10, 2, 16, dtype=torch.float64)
+        >>> f = ta.energy(q, k, v, torch.zeros(1, 1, 4, 16, dtype=torch.float64))   # (B, Hq, Sq)
+        >>> f.shape, torch.allclose(f, ta.attention(q, k, v)[1])
+        (torch.Size([1, 4, 1]), True)
     """
     B, Sq, Sk, Hq, Hkv, D, Dv = check_qkv(q, k, v)
     scale = check_scale(scale, D)
@@ -49,6 +58,14 @@ def attention_via_energy(
 
     Returns:
         out: (B, Sq, Hq, Dv) in q.dtype, equal to ta.attention(q, k, v, scale=scale)[0].
+
+    Example::
+
+        >>> import torch, treeattn as ta
+        >>> q = torch.randn(1, 1, 4, 16, dtype=torch.float64)
+        >>> k, v = torch.randn(1, 10, 2, 16, dtype=torch.float64), torch.randn(1, 10, 2, 16, dtype=torch.float64)
+        >>> torch.allclose(ta.attention_via_energy(q, k, v), ta.attention(q, k, v)[0])
+        True
     """
     B, Sq, Sk, Hq, Hkv, D, Dv = check_qkv(q, k, v)
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32

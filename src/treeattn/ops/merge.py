@@ -50,6 +50,18 @@ def merge_states(
     Returns:
         (out, lse): out (B, Sq, Hq, Dv) in out_a.dtype, lse (B, Hq, Sq) float32. Computed in
         float32 (float64 if the inputs are float64).
+
+    Example (attention over two segments of the keys, merged, is attention over all of them)::
+
+        >>> import torch, treeattn as ta
+        >>> q = torch.randn(1, 1, 4, 32)
+        >>> k, v = torch.randn(1, 100, 4, 32), torch.randn(1, 100, 4, 32)
+        >>> out_a, lse_a = ta.attention(q, k[:, :60], v[:, :60])             # keys 0..59
+        >>> out_b, lse_b = ta.attention(q, k[:, 60:], v[:, 60:])             # keys 60..99
+        >>> out, lse = ta.merge_states(out_a, lse_a, out_b, lse_b)
+        >>> full, full_lse = ta.attention(q, k, v)
+        >>> torch.allclose(out, full, atol=1e-5) and torch.allclose(lse, full_lse, atol=1e-5)
+        True
     """
     return merge_states_list([out_a, out_b], [lse_a, lse_b])
 
@@ -66,6 +78,16 @@ def merge_states_list(
     Returns:
         (out, lse) as in merge_states. Merging all states at once rounds only once, so it is at
         least as accurate as any sequence of pairwise merges.
+
+    Example (three segments, one merge)::
+
+        >>> import torch, treeattn as ta
+        >>> q = torch.randn(1, 2, 4, 32)
+        >>> k, v = torch.randn(1, 90, 4, 32), torch.randn(1, 90, 4, 32)
+        >>> states = [ta.attention(q, kc, vc) for kc, vc in zip(k.split(30, dim=1), v.split(30, dim=1))]
+        >>> out, lse = ta.merge_states_list([o for o, _ in states], [s for _, s in states])
+        >>> torch.allclose(out, ta.attention(q, k, v)[0], atol=1e-5)
+        True
     """
     outs, lses = list(outs), list(lses)
     if len(outs) == 0 or len(outs) != len(lses):

@@ -21,7 +21,16 @@ def reference_attention(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Materialize every score in float64 and softmax them. Same contract as ta.attention,
     but returns float64 out (B, Sq, Hq, Dv) and float64 lse (B, Hq, Sq). Small inputs only.
-    softcap c: every score s becomes c * tanh(s / c) before masking and softmax."""
+    softcap c: every score s becomes c * tanh(s / c) before masking and softmax.
+
+    Example (the float64 oracle the tests check every method against)::
+
+        >>> import torch, treeattn as ta
+        >>> q, k, v = torch.randn(1, 3, 4, 16), torch.randn(1, 8, 2, 16), torch.randn(1, 8, 2, 16)
+        >>> out, lse = ta.reference_attention(q, k, v, causal=True)          # query i at position 5 + i
+        >>> out.dtype, out.shape, lse.shape
+        (torch.float64, torch.Size([1, 3, 4, 16]), torch.Size([1, 4, 3]))
+    """
     B, Sq, Sk, Hq, Hkv, D, _ = check_qkv(q, k, v)
     check_window_is_causal(window, causal)
     scale = D ** -0.5 if scale is None else scale

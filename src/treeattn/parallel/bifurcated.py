@@ -91,6 +91,19 @@ def sharded_bifurcated_attention(
     Returns:
         out: (n, Sq, Hq, Dv) in q.dtype; lse: (n, Hq, Sq) float32 (float64 for float64 inputs).
         Identical on every rank.
+
+    Example (on every rank of a group: the shared context sharded, each sample's own tokens on every rank)::
+
+        >>> import torch, torch.distributed as dist, treeattn as ta
+        >>> rank, p = dist.get_rank(), dist.get_world_size()
+        >>> g = torch.Generator().manual_seed(0)                       # the same tensors on every rank
+        >>> q = torch.randn(4, 1, 8, 32, generator=g)                            # 4 samples
+        >>> ck, cv = torch.randn(2, 1, 200, 2, 32, generator=g)                   # the shared context
+        >>> dk, dv = torch.randn(2, 4, 5, 2, 32, generator=g)                     # each sample's own tokens
+        >>> mine = slice(rank * 200 // p, (rank + 1) * 200 // p)
+        >>> out, lse = ta.sharded_bifurcated_attention(q, ck[:, mine], cv[:, mine], dk, dv)
+        >>> torch.allclose(out, ta.bifurcated_attention(q, ck, cv, dk, dv)[0], atol=1e-5)
+        True
     """
     p = comm.group_size(group)
     resolved, _ = validate_and_agree(

@@ -115,7 +115,18 @@ _ACTIVE: contextvars.ContextVar[tuple[CommStats, ...]] = contextvars.ContextVar(
 @contextlib.contextmanager
 def comm_stats() -> Iterator[CommStats]:
     """Record every op treeattn issues on this rank inside the block. Blocks may nest; each
-    records everything issued while it is open."""
+    records everything issued while it is open.
+
+    Example (on every rank of a group: what this rank sent inside the block)::
+
+        >>> import torch, treeattn as ta
+        >>> q = torch.randn(1, 1, 8, 64, generator=torch.Generator().manual_seed(0))   # the same q on every rank
+        >>> k, v = torch.randn(2, 1, 100, 2, 64)                       # this rank's shard (any values)
+        >>> with ta.comm_stats() as stats:
+        ...     out, lse = ta.tree_decode(q, k, v, method="allreduce")
+        >>> stats.by_op["allreduce"].calls, stats.bytes_sent > 0      # Algorithm 3: an allreduce of max, one of sums
+        (2, True)
+    """
     stats = CommStats()
     token = _ACTIVE.set(_ACTIVE.get() + (stats,))
     try:

@@ -90,6 +90,20 @@ def ring_decode(
     Returns:
         out: (B, Sq, Hq, Dv) in q.dtype; lse: (B, Hq, Sq) float32 (float64 for float64 inputs);
         identical on every rank.
+
+    Example (on every rank of a group, as for tree_decode)::
+
+        >>> import torch, torch.distributed as dist, treeattn as ta
+        >>> rank, p = dist.get_rank(), dist.get_world_size()
+        >>> g = torch.Generator().manual_seed(0)                       # the same tensors on every rank
+        >>> q = torch.randn(1, 1, 8, 64, generator=g)
+        >>> k, v = torch.randn(2, 1, 1000, 2, 64, generator=g)
+        >>> mine = slice(rank * 1000 // p, (rank + 1) * 1000 // p)
+        >>> out, lse = ta.ring_decode(q, k[:, mine], v[:, mine])                      # pass-KV: the shards travel
+        >>> out_q, lse_q = ta.ring_decode(q, k[:, mine], v[:, mine], pass_kv=False)   # pass-Q: the (out, lse) state travels
+        >>> full = ta.attention(q, k, v)[0]
+        >>> torch.allclose(out, full, atol=1e-5) and torch.allclose(out_q, full, atol=1e-5)
+        True
     """
     p = comm.group_size(group)
 
@@ -305,6 +319,17 @@ def ring_attention(
     Returns:
         out: (B, Sq, Hq, Dv) in q.dtype; lse: (B, Hq, Sq) float32 (float64 for float64 inputs):
         this rank's queries over all keys they may see. A query that sees none: out 0, lse -inf.
+
+    Example (causal prefill: each rank holds a chunk of the prompt's queries, keys and values)::
+
+        >>> import torch, torch.distributed as dist, treeattn as ta
+        >>> rank, p = dist.get_rank(), dist.get_world_size()
+        >>> g = torch.Generator().manual_seed(0)                       # the same tensors on every rank
+        >>> q, k, v = torch.randn(3, 1, 64, 4, 32, generator=g)          # the whole prompt, (B, S, H, D) each
+        >>> mine = slice(rank * 64 // p, (rank + 1) * 64 // p)
+        >>> out, lse = ta.ring_attention(q[:, mine], k[:, mine], v[:, mine])   # positions: the chunks in rank order
+        >>> torch.allclose(out, ta.attention(q, k, v, causal=True)[0][:, mine], atol=1e-5)
+        True
     """
     p, r = comm.group_size(group), comm.group_rank(group)
 

@@ -131,6 +131,12 @@ def spawn(
 
     Raises:
         SpawnError: naming each failed rank and its error (the cause first).
+
+    Example (fn(rank, world_size, *args) on 2 gloo ranks; fn must be importable, here the builtin pow)::
+
+        >>> import treeattn as ta
+        >>> ta.spawn(pow, 2, 10)                      # [pow(0, 2, 10), pow(1, 2, 10)]: index = rank
+        [0, 1]
     """
     if isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1:
         raise ValueError(f"nprocs must be a positive int, got {nprocs!r}")

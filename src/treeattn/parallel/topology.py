@@ -22,6 +22,13 @@ class Topology:
     Args:
         ranks_per_node: ranks per node, >= 1. None: the LOCAL_WORLD_SIZE environment variable
             (torchrun sets it), else every rank of the group on one node.
+
+    Example (8 ranks, 2 per node)::
+
+        >>> import treeattn as ta
+        >>> topology = ta.Topology(ranks_per_node=2)
+        >>> topology.leaders(8), topology.node_ranks(5, 8)
+        ([0, 2, 4, 6], [4, 5])
     """
 
     ranks_per_node: int | None = None

@@ -126,6 +126,18 @@ def tree_decode(
     Raises:
         ValueError / TypeError: bad local input (on that rank; with check_inputs the other ranks
             raise a ValueError naming it), or ranks that disagree (the same error on every rank).
+
+    Example (on every rank of a group: in ta.spawn's fn or under torchrun; group=None is the world)::
+
+        >>> import torch, torch.distributed as dist, treeattn as ta
+        >>> rank, p = dist.get_rank(), dist.get_world_size()
+        >>> g = torch.Generator().manual_seed(0)                       # the same tensors on every rank
+        >>> q = torch.randn(1, 1, 8, 64, generator=g)                  # one decode query, the same on every rank
+        >>> k, v = torch.randn(2, 1, 1000, 2, 64, generator=g)         # the whole cache, (B, N, Hkv, D) each
+        >>> mine = slice(rank * 1000 // p, (rank + 1) * 1000 // p)     # this rank's shard of the sequence
+        >>> out, lse = ta.tree_decode(q, k[:, mine], v[:, mine])       # method="onepass": one collective
+        >>> torch.allclose(out, ta.attention(q, k, v)[0], atol=1e-5)   # every rank gets the whole answer
+        True
     """
     p = comm.group_size(group)
 
