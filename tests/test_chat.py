@@ -145,3 +145,24 @@ def test_chat_on_smollm2_in_a_terminal_ctrl_c_stops_the_reply_not_the_chat():
             os.waitpid(term.pid, 0)
         except (ProcessLookupError, ChildProcessError):
             pass
+
+
+def test_kv_cache_dtype_and_weight_format_flags_reach_the_engine(tiny, monkeypatch):
+    """--kv-cache-dtype and --weight-format are EngineConfig's flags: their values reach ta.Engine (here a
+    stand-in that records its options and refuses, so no rank starts); a value outside the field's list
+    is refused by the command line naming the flag."""
+    import treeattn
+    from treeattn.engine.errors import ConfigError
+
+    seen = {}
+
+    def engine(model, **options):
+        seen.update(options)
+        raise ConfigError("kv_cache_dtype", "stand-in")
+
+    monkeypatch.setattr(treeattn, "Engine", engine)
+    result = CliRunner().invoke(app, ["chat", str(tiny), "--kv-cache-dtype", "bfloat16", "--weight-format", "packed"], input="/exit\n")
+    assert result.exit_code == 2 and "stand-in" in result.stderr
+    assert seen["kv_cache_dtype"] == "bfloat16" and seen["weight_format"] == "packed"
+    result = CliRunner().invoke(app, ["chat", str(tiny), "--kv-cache-dtype", "fp7"], input="/exit\n")
+    assert result.exit_code == 2 and "--kv-cache-dtype" in result.output

@@ -222,6 +222,30 @@ def test_demo_runs_tree_and_ring_and_checks_them(tmp_path):
     assert f"Tokens: {tokens}" in " ".join(result.stderr.split())
 
 
+def test_demo_takes_kv_cache_dtype_and_weight_format(monkeypatch):
+    """`treeattn demo --kv-cache-dtype --weight-format` hands both to the runs (stand-ins that record them
+    and stop, so no rank starts): the document demo both, the synthetic one the KV dtype."""
+    import treeattn.eval.demo
+    import treeattn.eval.synthetic
+
+    seen = {}
+
+    def record(**options):
+        seen.update(options)
+        raise ValueError("stand-in")
+
+    monkeypatch.setattr(treeattn.eval.demo, "run_document_demo", lambda model, **options: record(**options))
+    result = runner.invoke(app, ["demo", "--kv-cache-dtype", "float16", "--weight-format", "dequantize"])
+    assert result.exit_code == 2 and "stand-in" in result.stderr
+    assert seen["kv_cache_dtype"] == "float16" and seen["weight_format"] == "dequantize"
+    seen.clear()
+    monkeypatch.setattr(treeattn.eval.synthetic, "run_demo", record)
+    result = runner.invoke(app, ["demo", "--synthetic", "--kv-cache-dtype", "bfloat16"])
+    assert isinstance(result.exception, ValueError) and seen["kv_cache_dtype"] == "bfloat16"
+    result = runner.invoke(app, ["demo", "--weight-format", "int4"])
+    assert result.exit_code == 2 and "--weight-format" in result.output
+
+
 @pytest.mark.parametrize(
     "args, message",
     [

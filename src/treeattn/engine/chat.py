@@ -27,7 +27,7 @@ import typer
 from treeattn.engine.config import EngineConfig as E
 from treeattn.engine.console import say, write_stdout
 from treeattn.engine.errors import ConfigError
-from treeattn.engine.flags import Decode, Device, config_flag, dtype_flag, torch_dtype
+from treeattn.engine.flags import Decode, Device, KvCacheDtype, WeightFormat, config_flag, dtype_flag, torch_dtype
 from treeattn.engine.request import SamplingParams as S
 
 COMMANDS = {"/reset": "forget the conversation (the system message stays)", "/exit": "leave (Ctrl-D too)",
@@ -80,6 +80,8 @@ def chat_command(
     decode: Decode = config_flag(E, "decode"),
     dtype: str = dtype_flag(),
     device: Device = config_flag(E, "device"),
+    kv_cache_dtype: KvCacheDtype = config_flag(E, "kv_cache_dtype"),
+    weight_format: WeightFormat = config_flag(E, "weight_format"),
     timeout: float = config_flag(E, "timeout_s", flag="--timeout", min=0.001, max=1e6),
 ) -> None:
     """Chat with MODEL in the terminal: its chat template, replies streamed as decoded, the conversation in the prefix cache."""
@@ -108,7 +110,8 @@ def chat_command(
     start = time.perf_counter()
     try:
         engine = ta.Engine(str(model), nproc=nproc, decode=decode if nproc > 1 else "local", max_batch_size=1,
-                           prefix_cache=True, block_size=block_size, dtype=torch_dtype(dtype), device=device, timeout_s=timeout)
+                           prefix_cache=True, block_size=block_size, dtype=torch_dtype(dtype), device=device, timeout_s=timeout,
+                           kv_cache_dtype=kv_cache_dtype, weight_format=weight_format)
     except ConfigError as exc:  # a refused option (--device cuda without CUDA, ...): one line in the flags' words
         from treeattn.engine.flags import cli_message
 

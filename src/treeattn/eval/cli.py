@@ -23,7 +23,7 @@ from rich.table import Table
 
 from treeattn.engine.config import DEFAULT_METHOD
 from treeattn.engine.config import EngineConfig as E
-from treeattn.engine.flags import Device, cli_message, config_flag, device_and_dtype, dtype_flag
+from treeattn.engine.flags import Device, KvCacheDtype, WeightFormat, cli_message, config_flag, device_and_dtype, dtype_flag
 
 eval_app = typer.Typer(help="Evaluate a model through the engine.", no_args_is_help=True, rich_markup_mode=None)
 stderr = Console(stderr=True)
@@ -69,6 +69,8 @@ def needle_command(
                                               "context window (positions it never saw in training)."),
     dtype: str = dtype_flag(),
     device: Device = config_flag(E, "device"),
+    kv_cache_dtype: KvCacheDtype = config_flag(E, "kv_cache_dtype"),
+    weight_format: WeightFormat = config_flag(E, "weight_format"),
     json_output: bool = typer.Option(False, "--json", help="Print one JSON object on stdout and nothing else."),
 ) -> None:
     """Needle-in-a-haystack: hide a number in a long document, ask for it, score exact retrieval."""
@@ -91,7 +93,8 @@ def needle_command(
         with stderr.status(f"{len(length_list) * len(depth_list)} prompts ...") if not json_output else _nothing():
             report = run_needle(str(model), lengths=length_list, depths=depth_list, nproc=nproc, decode=decode.value,
                                 method=method.value, check_methods=check_methods, max_new_tokens=max_new_tokens, seed=seed,
-                                threads=threads, allow_beyond_context=allow_beyond_context, dtype=dtype, device=kind)
+                                threads=threads, allow_beyond_context=allow_beyond_context, dtype=dtype, device=kind,
+                                kv_cache_dtype=kv_cache_dtype, weight_format=weight_format)
     except (ValueError, FileNotFoundError) as exc:
         typer.echo(f"error: {cli_message(exc)}", err=True)
         raise typer.Exit(2) from exc

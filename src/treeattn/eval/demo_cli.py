@@ -22,7 +22,8 @@ from rich.table import Table
 from treeattn.engine.cli import format_mib, format_size, stderr
 from treeattn.engine.config import EngineConfig as E
 from treeattn.engine.request import SamplingParams as S
-from treeattn.engine.flags import Device, Placement, cli_message, config_flag, device_and_dtype, dtype_flag
+from treeattn.engine.flags import (Device, KvCacheDtype, Placement, WeightFormat, cli_message, config_flag, device_and_dtype,
+                                  dtype_flag)
 
 
 def demo_command(
@@ -43,6 +44,8 @@ def demo_command(
     threads: int | None = config_flag(E, "threads_per_rank", flag="--threads", min=1),
     dtype: str = dtype_flag(),
     device: Device = config_flag(E, "device"),
+    kv_cache_dtype: KvCacheDtype = config_flag(E, "kv_cache_dtype"),
+    weight_format: WeightFormat = config_flag(E, "weight_format"),
     seed: int = typer.Option(0, "--seed", min=0, help="Seed of the random weights and of the synthetic prompt (--synthetic)."),
     reference: bool = typer.Option(True, "--reference/--no-reference", help="Check against single-process decoding."),
 ) -> None:
@@ -66,18 +69,20 @@ def demo_command(
                 typer.echo(f"error: {exc}", err=True)
                 raise typer.Exit(2) from exc
         _document_demo(model, context or 30000, nproc, max_new_tokens or 8, placement, threads, seed, reference, dtype, kind,
-                       memory=True)
+                       kv_cache_dtype, weight_format, memory=True)
     elif synthetic:
         if model is not None:
             typer.echo("error: MODEL names a real model; --synthetic uses a random-weight one: give only one", err=True)
             raise typer.Exit(2)
-        _synthetic_demo(context or 32768, nproc, max_new_tokens or 16, placement, threads, seed, reference, dtype, kind)
+        _synthetic_demo(context or 32768, nproc, max_new_tokens or 16, placement, threads, seed, reference, dtype, kind,
+                        kv_cache_dtype)
     else:
-        _document_demo(model, context or 4096, nproc, max_new_tokens or 24, placement, threads, seed, reference, dtype, kind)
+        _document_demo(model, context or 4096, nproc, max_new_tokens or 24, placement, threads, seed, reference, dtype, kind,
+                       kv_cache_dtype, weight_format)
 
 
 def _document_demo(model, context, nproc, new_tokens, placement, threads, seed, reference, dtype, device,
-                   memory: bool = False) -> None:
+                   kv_cache_dtype="auto", weight_format="auto", memory: bool = False) -> None:
     from treeattn.eval.demo import run_document_demo
 
     start = time.perf_counter()
@@ -85,7 +90,8 @@ def _document_demo(model, context, nproc, new_tokens, placement, threads, seed, 
         with stderr.status(f"{nproc} ranks: load the model, prefill a {context}-token document, answer with tree "
                            "and ring decoding" + ("; then one process" if reference else "") + " ..."):
             demo = run_document_demo(model, context=context, nproc=nproc, new_tokens=new_tokens, placement=placement,
-                                     threads=threads, seed=seed, reference=reference, dtype=dtype, device=device)
+                                     threads=threads, seed=seed, reference=reference, dtype=dtype, device=device,
+                                     kv_cache_dtype=kv_cache_dtype, weight_format=weight_format)
     except (ValueError, FileNotFoundError) as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from exc
@@ -128,7 +134,7 @@ def _kv_memory_lines(demo, nproc: int) -> None:
                + ", ".join(f"{b / full:.2f}" for b in result.kv_bytes_per_rank))
 
 
-def _synthetic_demo(context, nproc, new_tokens, placement, threads, seed, reference, dtype, device) -> None:
+def _synthetic_demo(context, nproc, new_tokens, placement, threads, seed, reference, dtype, device, kv_cache_dtype="auto") -> None:
     from treeattn.engine.device import backend_for
     from treeattn.eval.synthetic import DEMO_CONFIG, run_demo, run_reference
 
@@ -141,11 +147,11 @@ def _synthetic_demo(context, nproc, new_tokens, placement, threads, seed, refere
     start = time.perf_counter()
     with stderr.status(f"prefill {context} tokens on {nproc} ranks (ring), then decode with each method ..."):
         runs, sharded_s = run_demo(context=context, nproc=nproc, new_tokens=new_tokens, placement=placement,
-                                   threads_per_rank=threads, seed=seed, dtype=dtype, device=device)
+                                   threads_per_rank=threads, seed=seed, dtype=dtype, device=device, kv_cache_dtype=kv_cache_dtype)
     ref = None
     if reference:
         with stderr.status(f"single process: prefill {context} tokens and decode ..."):
-            ref = run_reference(context=context, new_tokens=new_tokens, seed=seed, dtype=dtype, device=device)
+            ref = run_reference(context=context, new_tokens=new_tokens, seed=seed, dtype=dtype, device=device, kv_cache_dtype=kv_cache_dtype)
     total_s = time.perf_counter() - start
     table, all_same = _methods_table(f"Decoding {new_tokens} tokens after a {context}-token prompt ({placement} placement)",
                                      runs, ref)

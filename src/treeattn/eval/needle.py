@@ -93,11 +93,14 @@ def run_needle(
     allow_beyond_context: bool = False,
     dtype: str = "float32",
     device: str = "cpu",
+    kv_cache_dtype: str = "auto",
+    weight_format: str = "auto",
 ) -> NeedleReport:
     """Run the grid; see the module docstring. A model without a chat template (a base model such
     as Gemma 3 270M) gets the document and question as plain text to complete (haystack.COMPLETION).
     Raises ValueError for a model without tokenizer, or a length beyond the model's window (unless
-    allow_beyond_context). dtype, device: as decode_methods takes them (a dtype name; "cpu" or "cuda")."""
+    allow_beyond_context). dtype, device, kv_cache_dtype, weight_format: as decode_methods takes them (a dtype
+    name; "cpu" or "cuda"; EngineConfig's names)."""
     from treeattn.eval.runner import decode_methods, method_name
     from treeattn.models.chat import end_of_turn_id
     from treeattn.models.loader import read_model_files
@@ -119,7 +122,7 @@ def run_needle(
     stop = [eot] if eot is not None else []  # besides the model's eos ids
     runs, timing = decode_methods(model_path, [c.prompt_ids for c in cases], nproc=nproc, methods=methods,
                                   max_new_tokens=max_new_tokens, stop_token_ids=stop, threads=threads, dtype=dtype,
-                                  device=device)
+                                  device=device, kv_cache_dtype=kv_cache_dtype, weight_format=weight_format)
     cells = []
     for case, row in zip(cases, runs):
         first = row[0].result

@@ -54,6 +54,8 @@ def decode_methods(
     device: str = "cpu",
     placement: str = "contiguous",
     on_prompt: Callable[[int], None] | None = None,
+    kv_cache_dtype: str = "auto",
+    weight_format: str = "auto",
 ) -> tuple[list[list[MethodRun]], Timing]:
     """Greedy-decode each prompt with each method on `nproc` local ranks (gloo).
 
@@ -69,13 +71,15 @@ def decode_methods(
             rank_device(device, r) and the ranks' group is NCCL for CUDA, gloo for the CPU.
         placement: cache placement of tokens on ranks ("contiguous" or "interleaved").
         on_prompt: called in this process with the index of each finished prompt (nproc == 1 only).
+        kv_cache_dtype, weight_format: as EngineConfig takes them (what the KV cache stores; how a
+            GGUF file's quantized weights are held).
 
     Returns:
         (runs[prompt][method], Timing).
     """
     threads = threads or max(1, (os.cpu_count() or 1) // nproc)
     args = (str(model_path), [list(p) for p in prompts], tuple(methods) if nproc > 1 else (("local", "allreduce"),),
-            max_new_tokens, list(stop_token_ids), threads, dtype, device, placement)
+            max_new_tokens, list(stop_token_ids), threads, dtype, device, placement, kv_cache_dtype, weight_format)
     start = time.perf_counter()
     if nproc == 1:
         saved = torch.get_num_threads()
@@ -96,21 +100,21 @@ def decode_methods(
 
 
 def _decode_rank(rank, world_size, model_path, prompts, methods, max_new_tokens, stop_token_ids, threads, dtype, device,
-                 placement, on_prompt=None):
+                 placement, kv_cache_dtype, weight_format, on_prompt=None):
     """One rank: load once (onto its device), then per prompt and method one ta.generate (a prefill and the decode)."""
     from treeattn.engine.device import rank_device
     from treeattn.models.loader import load_model
 
     torch.set_num_threads(threads)
     start = time.perf_counter()
-    model = load_model(model_path, dtype=getattr(torch, dtype), device=rank_device(device, rank))
+    model = load_model(model_path, dtype=getattr(torch, dtype), device=rank_device(device, rank), weight_format=weight_format)
     load_s = time.perf_counter() - start
     rows = []
     for index, prompt in enumerate(prompts):
         row = []
         for decode, method in methods:
             result = generate(model, prompt, max_new_tokens=max_new_tokens, decode=decode, method=method,
-                              stop_token_ids=stop_token_ids, placement=placement)
+                              stop_token_ids=stop_token_ids, placement=placement, kv_cache_dtype=kv_cache_dtype)
             row.append((decode, method, result))
         rows.append(row)
         if on_prompt is not None:

@@ -71,6 +71,7 @@ def run_demo(
     seed: int = 0,
     dtype: str = "float32",
     device: str = "cpu",
+    kv_cache_dtype: str = "auto",
 ) -> tuple[list[MethodRun], float]:
     """Decode a random-weight model from a `context`-token prompt on `nproc` local ranks.
 
@@ -84,6 +85,7 @@ def run_demo(
         seed: model weights and prompt.
         dtype: the model's dtype name (the weights are drawn in float32, then converted).
         device: "cpu" or "cuda" (resolved): rank r runs on rank_device(device, r), in an NCCL group for CUDA.
+        kv_cache_dtype: what the KV cache stores (EngineConfig.kv_cache_dtype).
 
     Returns:
         (one MethodRun per method, wall seconds of the whole sharded run incl. process start).
@@ -95,21 +97,21 @@ def run_demo(
     with malloc_env():  # the ranks' resident memory follows their live tensors
         start = time.perf_counter()
         per_rank = spawn(_demo_rank, nproc, context, new_tokens, tuple(methods), placement, threads, seed, dtype, device,
-                         backend=backend_for(device), timeout=600)
+                         kv_cache_dtype, backend=backend_for(device), timeout=600)
         sharded_s = time.perf_counter() - start
     return [MethodRun(name, decode, method, nproc, result) for name, decode, method, result in per_rank[0]], sharded_s
 
 
 def run_reference(*, context: int = 32768, new_tokens: int = 16, seed: int = 0, threads: int | None = None,
-                  dtype: str = "float32", device: str = "cpu") -> MethodRun:
+                  dtype: str = "float32", device: str = "cpu", kv_cache_dtype: str = "auto") -> MethodRun:
     """Prefill and decode the demo prompt in this process with plain attention over the whole cache
-    (dtype, device: as run_demo takes them; CUDA: the first GPU)."""
+    (dtype, device, kv_cache_dtype: as run_demo takes them; CUDA: the first GPU)."""
     saved_threads = torch.get_num_threads()
     torch.set_num_threads(threads or os.cpu_count() or 1)
     try:
         model = _demo_model(seed, dtype, device, rank=0)
         prompt = synthetic_prompt(context, model.config.vocab_size, seed)
-        result = generate(model, prompt, max_new_tokens=new_tokens, decode="local", ignore_eos=True)
+        result = generate(model, prompt, max_new_tokens=new_tokens, decode="local", ignore_eos=True, kv_cache_dtype=kv_cache_dtype)
     finally:
         torch.set_num_threads(saved_threads)
     return MethodRun("single process (local)", "local", "-", 1, result)
@@ -122,7 +124,8 @@ def _demo_model(seed: int, dtype: str, device: str, rank: int):
     return random_model(demo_config(), seed=seed, dtype=getattr(torch, dtype)).to(rank_device(device, rank))
 
 
-def _demo_rank(rank: int, world_size: int, context, new_tokens, methods, placement, threads, seed, dtype="float32", device="cpu"):
+def _demo_rank(rank: int, world_size: int, context, new_tokens, methods, placement, threads, seed, dtype="float32", device="cpu",
+               kv_cache_dtype="auto"):
     """One rank: build the model, then prefill and decode the prompt with each method."""
     torch.set_num_threads(threads)
     model = _demo_model(seed, dtype, device, rank)
@@ -131,6 +134,6 @@ def _demo_rank(rank: int, world_size: int, context, new_tokens, methods, placeme
     for decode, method in methods:
         name = f"tree ({method})" if decode == "tree" else "ring (pass-KV)" if decode == "ring" else decode
         result = generate(model, prompt, max_new_tokens=new_tokens, decode=decode, method=method, placement=placement,
-                          ignore_eos=True)
+                          ignore_eos=True, kv_cache_dtype=kv_cache_dtype)
         rows.append((name, decode, method, result))
     return rows
