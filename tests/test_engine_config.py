@@ -112,7 +112,8 @@ def test_generation_checks_name_the_option():
 def test_kv_estimate_is_what_the_engine_allocates():
     """MODEL is hybrid (a global layer, a window-4 layer): the paged arena holds the global layer
     (and its pad block), and every rank keeps a ring of W - 1 + SPARE_ROWS rows of the window layer
-    per sequence (treeattn.cache.window)."""
+    per sequence (treeattn.cache.window), and with the prefix cache as many window checkpoints at most
+    (treeattn.cache.prefix)."""
     from treeattn.cache.paged import PagedKVCache
     from treeattn.cache.window import SPARE_ROWS
 
@@ -123,7 +124,10 @@ def test_kv_estimate_is_what_the_engine_allocates():
         assert blocks == 2 * -(-20 // (4 * world))  # 20 slots a sequence, dealt over the ranks
         arena = PagedKVCache(num_layers=1, num_kv_heads=2, head_dim=8, num_blocks=blocks, block_size=4)
         windows = 2 * ((3 + SPARE_ROWS) * 2 * 2 * 8 * 4)  # 2 sequences x (rows x K and V x 2 heads x 8 x float32)
-        assert kv_cache_bytes_per_rank(config, MODEL, torch.float32) == arena.nbytes() + windows
+        assert config.prefix_cache
+        assert kv_cache_bytes_per_rank(config, MODEL, torch.float32) == arena.nbytes() + 2 * windows  # + 2 checkpoints
+        no_prefix = dataclasses.replace(config, prefix_cache=False)
+        assert kv_cache_bytes_per_rank(no_prefix, MODEL, torch.float32) == arena.nbytes() + windows
 
 
 def test_one_memory_check_names_the_option_that_sized_the_cache():

@@ -161,7 +161,7 @@ def test_window_cache_keeps_the_window_and_rolls_back_over_drafts():
     pos = step(10, 30)  # a prompt chunk longer than the spare rows: kept rows then the new ones, in order
     assert pos.tolist() == list(range(7, 40))
     step(40, 1)  # the chunk's last W - 1 positions were kept
-    with pytest.raises(RuntimeError, match=r"sequence 7 starts at position 20 .* needs positions \[17, 20\) kept, but holds \[37, 41\)"):
+    with pytest.raises(RuntimeError, match=r"sequence 7 starts at position 20 .* needs positions \[17, 20\) kept, but holds \[22, 41\)"):
         step(20, 1)
     step(0, 2)  # position 0: the sequence starts afresh (preempted and recomputed)
     cache.release(7)
@@ -170,8 +170,58 @@ def test_window_cache_keeps_the_window_and_rolls_back_over_drafts():
         step(5, 1)
 
 
+def test_window_checkpoints_save_restore_and_drop():
+    """A checkpoint holds the window of every window layer at a boundary; a sequence restored from
+    it sees exactly those positions; the prefix tree matches only up to a checkpointed node and
+    lists what it drops (least recently used over the limit, or evicted with its node)."""
+    from treeattn.cache.blocks import ShardedBlockPool
+    from treeattn.cache.prefix import PrefixCache
+    from treeattn.cache.window import WindowKVCache
+
+    cache = WindowKVCache({0: 4, 2: 6}, num_kv_heads=1, head_dim=2)
+    rows = torch.arange(40, dtype=torch.float32)[:, None, None].expand(40, 1, 2)
+    for layer in (0, 2):
+        cache.extend(layer, 1, 0, rows[:30], rows[:30] + 100)  # a 30-token prompt chunk
+    cache.save(1, 28, checkpoint=5)  # 2 positions behind the sequence's end: still in its rings
+    with pytest.raises(RuntimeError, match=r"checkpoint 6 of sequence 1 at position 8 needs positions \[5, 8\) of layer 0"):
+        cache.save(1, 8, checkpoint=6)  # overwritten long ago: refused, never saved wrong
+    cache.release(1)
+    cache.restore(2, 5)
+    for layer, window in ((0, 4), (2, 6)):
+        k, v, pos = cache.extend(layer, 2, 28, rows[28:29], rows[28:29] + 100)
+        seen = (pos > 28 - window) & (pos <= 28)
+        assert sorted(pos[seen].tolist()) == list(range(29 - window, 29))
+        assert torch.equal(k[seen, 0, 0], pos[seen].float()) and torch.equal(v[seen, 0, 0], pos[seen].float() + 100)
+    with pytest.raises(KeyError, match="no checkpoint 6"):
+        cache.restore(3, 6)
+    cache.drop(5)
+    assert cache.checkpoints == 0
+
+    pool = ShardedBlockPool(world_size=2, blocks_per_rank=8, block_size=2, placement="interleaved")
+    tree = PrefixCache(pool, checkpoints=2)
+    tokens = list(range(10))
+    blocks = [pool.allocate(j) for j in range(5)]
+    tree.insert(tokens, blocks)
+    assert tree.match(tokens) == [] and tree.match_checkpointed(tokens) == ([], None)  # no checkpoint: no hit
+    first, second = tree.add_checkpoint(tokens, 2), tree.add_checkpoint(tokens, 4)
+    assert tree.add_checkpoint(tokens, 4) is None and tree.add_checkpoint([7, 7, 7, 7], 2) is None  # has one / not cached
+    assert tree.match_checkpointed(tokens) == (blocks[:4], second)
+    assert tree.match_checkpointed(tokens[:7]) == (blocks[:2], first)  # the deepest checkpoint of the matched path
+    third = tree.add_checkpoint(tokens, 5)  # over the limit: the least recently matched (second) goes
+    assert tree.take_dropped() == (second,) and tree.take_dropped() == ()
+    assert tree.match_checkpointed(tokens[:9]) == (blocks[:2], first)
+    assert tree.match_checkpointed(tokens) == (blocks, third)
+    for block in blocks:
+        pool.decref(block)
+    tree.clear()  # evicted with their nodes
+    assert sorted(tree.take_dropped()) == sorted((first, third)) and tree.num_checkpoints == 0
+    with pytest.raises(ValueError, match="checkpoints must be None or an int >= 1, got 0"):
+        PrefixCache(pool, checkpoints=0)
+
+
 PROMPTS = [PROMPT, PROMPT[:9] + [277, 279, 286], [2] + [280, 290, 295, 300, 301, 270] * 25]  # the last: 151 tokens
 NEW = 6
+FOLLOW_UP = [277, 279]
 
 
 def _greedy_uncached(model, prompt: list[int], n: int) -> list[int]:
@@ -205,7 +255,12 @@ def _engine_runs(rank: int, world_size: int, path: str) -> list:
             if engine.is_driver:
                 handles = [engine.submit(prompt, SamplingParams(max_new_tokens=NEW)) for prompt in PROMPTS]
                 tokens = [h.result(timeout=120).token_ids for h in handles]
-                out.append((p, options, tokens, engine.stats(), [m.kv_bytes for m in engine.rank_measurements()]))
+                stats = engine.stats()
+                # the conversation goes on: its 156 computed tokens start from the window checkpoint of its end
+                follow_up = engine.submit(PROMPTS[2] + tokens[2] + FOLLOW_UP, SamplingParams(max_new_tokens=NEW))
+                tokens.append(follow_up.result(timeout=120).token_ids)
+                hit = engine.stats()["prefix_hit_tokens"] - stats["prefix_hit_tokens"]
+                out.append((p, options, tokens, stats, [m.kv_bytes for m in engine.rank_measurements()], hit))
     return out
 
 
@@ -218,21 +273,25 @@ def test_engine_tokens_equal_transformers_uncached_greedy(files, engine_runs):
     """Local, tree and ring decoding, a token-parallel prefill step, speculative decoding and
     sequences queued behind a full batch: the same greedy tokens as transformers' recomputation."""
     refs = [_greedy_uncached(files["text"], prompt, NEW) for prompt in PROMPTS]
+    refs.append(_greedy_uncached(files["text"], PROMPTS[2] + refs[2] + FOLLOW_UP, NEW))
     assert [(p, o) for p, o, *_ in engine_runs] == [(p, dict(dict(cache_tokens=512, block_size=4, prefill_chunk=8), **o))
                                                     for p, o in CASES]
-    for p, options, tokens, stats, _ in engine_runs:
+    for p, options, tokens, stats, _, follow_up_hit in engine_runs:
         assert tokens == refs, (p, options)
-        assert stats["prefix_hit_tokens"] == 0  # a hybrid model's prefix cache is off
+        # the prefix cache starts the follow-up from a window checkpoint: 151 + 5 computed tokens, 39 blocks of 4
+        assert follow_up_hit == 156, (p, options)
 
 
 def test_engine_keeps_only_the_global_layers_paged(files, engine_runs):
     """The paged arena holds the one global layer of six; the window layers a ring of W - 1 +
-    SPARE_ROWS positions per sequence, whatever its length."""
+    SPARE_ROWS positions per sequence, whatever its length, and the prefix cache's window
+    checkpoints W - 1 positions each, at most max_batch_size of them."""
     per_slot = 1 * 2 * 1 * 256 * 4  # one layer, keys and values, 1 KV head of 256, float32
-    for p, options, _, stats, kv_bytes in engine_runs:
+    for p, options, _, stats, kv_bytes, _ in engine_runs:
         arena = (stats["blocks_total"] // p + 1) * 4 * per_slot  # blocks of every rank + the pad block
-        windows = len(PROMPTS) * 5 * (WINDOW - 1 + SPARE_ROWS) * per_slot  # a ring per sequence and window layer
-        assert all(arena <= b <= arena + windows for b in kv_bytes), (p, options, kv_bytes, arena)
+        windows = (len(PROMPTS) + 1) * 5 * (WINDOW - 1 + SPARE_ROWS) * per_slot  # a ring per sequence and window layer
+        checkpoints = options.get("max_batch_size", 16) * 5 * (WINDOW - 1) * per_slot
+        assert all(arena <= b <= arena + windows + checkpoints for b in kv_bytes), (p, options, kv_bytes, arena)
 
 
 def test_generate_json_reports_global_and_window_bytes(files, tmp_path):

@@ -25,6 +25,8 @@ def sample_plans() -> list:
         StepPlan((Chunk(1, (5, 6, 7), 40, (BlockRef(1, 2),), odd, num_draft=2, draft_prefix=(4,)),
                   Chunk(2, tuple(range(100, 164)), 0, (BlockRef(0, 0), BlockRef(1, 0)), None)), release=(7,)),
         StepPlan((long_prefill,)),  # longer than the buffer: it grows
+        StepPlan((Chunk(3, (8,), 32, (BlockRef(0, 1),), greedy),), release=(1,), window_saves=((1, 32, 0), (2, 48, 5)),
+                 window_restores=((3, 0),), window_drops=(4, 6, 7)),  # a hybrid model's window checkpoints
     ]
 
 

@@ -15,6 +15,14 @@ The tree holds one reference on every block it owns; a block is in use by sequen
 count is above 1. Only leaves whose block nobody else references can be evicted, so a cached
 prefix never loses a block from its middle. Partial blocks are never cached (a sequence's last,
 partly filled block stays private to it), as in SGLang with page_size > 1 and vLLM's block hashes.
+
+A hybrid model (window and global layers, Gemma 3) needs more than blocks to start a sequence at a
+cached boundary b: its window layers' rows of positions [b - W + 1, b), which the paged blocks do
+not hold (treeattn.cache.window). With `checkpoints=N` the tree keeps at most N window checkpoints,
+each attached to the node of its boundary: `add_checkpoint` gives a node a new id (the ranks save
+the window state under it), `match` stops at the deepest node of the matched path that has one
+(its id comes with `match_checkpointed`), and a checkpoint whose node is evicted, or the least
+recently used one when a new one exceeds N, is listed by `take_dropped` (the ranks free it).
 """
 
 from __future__ import annotations
@@ -26,7 +34,7 @@ from treeattn.cache.blocks import BlockRef, ShardedBlockPool
 
 
 class _Node:
-    __slots__ = ("parent", "key", "block", "children", "last_access")
+    __slots__ = ("parent", "key", "block", "children", "last_access", "checkpoint")
 
     def __init__(self, parent: "_Node | None", key: tuple[int, ...], block: BlockRef | None, last_access: int) -> None:
         self.parent = parent
@@ -34,13 +42,26 @@ class _Node:
         self.block = block
         self.children: dict[tuple[int, ...], _Node] = {}
         self.last_access = last_access
+        self.checkpoint: int | None = None  # a window checkpoint id (hybrid models)
 
 
 class PrefixCache:
-    """Radix tree of cached full blocks over a ShardedBlockPool (see the module docstring)."""
+    """Radix tree of cached full blocks over a ShardedBlockPool (see the module docstring).
 
-    def __init__(self, pool: ShardedBlockPool) -> None:
+    Args:
+        pool: the blocks of every rank.
+        checkpoints: None for a model whose cached blocks are all a prefix needs; an int N >= 1 for
+            a hybrid model: matches stop at window checkpoints, of which at most N are kept.
+    """
+
+    def __init__(self, pool: ShardedBlockPool, *, checkpoints: int | None = None) -> None:
+        if checkpoints is not None and (isinstance(checkpoints, bool) or not isinstance(checkpoints, int) or checkpoints < 1):
+            raise ValueError(f"checkpoints must be None or an int >= 1, got {checkpoints!r}")
         self.pool = pool
+        self.max_checkpoints = checkpoints
+        self._checkpoint_ids = itertools.count()
+        self._checkpointed: set[_Node] = set()
+        self._dropped: list[int] = []
         self.block_size = pool.block_size
         self._clock = itertools.count(1)
         self._root = _Node(None, (), None, 0)
@@ -52,16 +73,61 @@ class PrefixCache:
 
     def match(self, tokens) -> list[BlockRef]:
         """The blocks of the longest cached prefix of `tokens` made of full blocks (marks them used
-        now, for LRU). The caller must take its own reference (pool.incref) on blocks it keeps."""
+        now, for LRU); with checkpoints, of the longest such prefix that ends at a checkpoint (or
+        none). The caller must take its own reference (pool.incref) on blocks it keeps."""
+        return self.match_checkpointed(tokens)[0]
+
+    def match_checkpointed(self, tokens) -> tuple[list[BlockRef], int | None]:
+        """match(tokens) and the id of the window checkpoint at its end (None without checkpoints
+        or for no blocks)."""
         now = next(self._clock)
-        node, blocks = self._root, []
+        node, blocks, usable, checkpoint = self._root, [], 0, None
         for key in self._keys(tokens, len(tokens) // self.block_size):
             node = node.children.get(key)
             if node is None:
                 break
             node.last_access = now
             blocks.append(node.block)
-        return blocks
+            if node.checkpoint is not None:
+                usable, checkpoint = len(blocks), node.checkpoint
+        if self.max_checkpoints is None:
+            return blocks, None
+        return blocks[:usable], checkpoint
+
+    def add_checkpoint(self, tokens, num_blocks: int) -> int | None:
+        """A new window checkpoint id for the cached prefix of `num_blocks` full blocks of
+        `tokens`, attached to its node; None where that prefix is not cached, already has one, or
+        the tree keeps no checkpoints. Over the limit, the least recently used other checkpoint
+        is dropped (take_dropped)."""
+        if self.max_checkpoints is None or num_blocks < 1:
+            return None
+        node = self._root
+        for key in self._keys(tokens, num_blocks):
+            node = node.children.get(key)
+            if node is None:
+                return None
+        if node.checkpoint is not None:
+            return None
+        node.checkpoint = next(self._checkpoint_ids)
+        node.last_access = next(self._clock)
+        self._checkpointed.add(node)
+        while len(self._checkpointed) > self.max_checkpoints:
+            self._drop_checkpoint(min(self._checkpointed - {node}, key=lambda n: n.last_access))
+        return node.checkpoint
+
+    def take_dropped(self) -> tuple[int, ...]:
+        """The checkpoint ids dropped since the last call (the ranks may free them)."""
+        dropped, self._dropped = tuple(self._dropped), []
+        return dropped
+
+    @property
+    def num_checkpoints(self) -> int:
+        return len(self._checkpointed)
+
+    def _drop_checkpoint(self, node: _Node) -> None:
+        self._dropped.append(node.checkpoint)
+        node.checkpoint = None
+        self._checkpointed.discard(node)
 
     def insert(self, tokens, blocks: list[BlockRef]) -> int:
         """Cache the full blocks of a sequence: `blocks[j]` holds tokens[j*bs:(j+1)*bs] for every
@@ -102,6 +168,8 @@ class PrefixCache:
             parent = node.parent
             del parent.children[node.key]
             self.num_blocks -= 1
+            if node.checkpoint is not None:
+                self._drop_checkpoint(node)
             freed += self.pool.decref(node.block)
             if self.evictable(parent):
                 heapq.heappush(heap, (parent.last_access, id(parent), parent))

@@ -27,9 +27,12 @@ over rejected drafts (speculative decoding restarts at the first rejected one) n
 recomputed: the rejected rows lie after every later query until they are overwritten. A sequence that starts at position 0 starts afresh; one
 that starts later without those positions kept is refused (RuntimeError), never attended wrongly.
 
-What is not kept: the window layers' keys and values of a cached prefix. The engine's prefix cache
-shares global-layer blocks only, so for a hybrid model it is off (a cached prefix's window-layer
-state would have to be stored with it; see docs/engine.md).
+Cached prefixes (the engine's prefix cache) keep their window state as checkpoints: a
+checkpoint is the window layers' rows of positions [b - W + 1, b) of one sequence at a block
+boundary b, copied out of its ring (`save`) and copied into a new sequence's ring that starts at b
+(`restore`). The scheduler decides which boundaries get one (the end of every prefill chunk and of
+every sequence, at most a fixed number kept: treeattn.cache.prefix); the ranks hold the rows, the
+same copy on every rank, under the id the scheduler gave.
 """
 
 from __future__ import annotations
@@ -86,6 +89,8 @@ class WindowKVCache:
         self.num_kv_heads, self.head_dim, self.dtype, self.device = num_kv_heads, head_dim, dtype, torch.device(device)
         # seq_id -> layer -> _Ring
         self._kept: dict[int, dict[int, _Ring]] = {}
+        # checkpoint id -> (b, layer -> (k, v) rows of positions [max(0, b - W + 1), b))
+        self._checkpoints: dict[int, tuple[int, dict[int, tuple[torch.Tensor, torch.Tensor]]]] = {}
 
     def __contains__(self, layer: int) -> bool:
         return layer in self.windows
@@ -127,7 +132,7 @@ class WindowKVCache:
         k = torch.cat((ring.k[kept], k_new.to(self.dtype)))
         v = torch.cat((ring.v[kept], v_new.to(self.dtype)))
         pos = torch.cat((ring.pos[kept], torch.arange(start, start + n, dtype=torch.int64, device=ring.pos.device)))
-        tail = max(0, n - (window - 1))  # the ring keeps the last W - 1 new rows
+        tail = max(0, n - ring.size)  # the ring keeps the last `size` new rows (a checkpoint may want them)
         ring.write(start + tail, k_new[tail:], v_new[tail:])
         return k, v, pos
 
@@ -135,9 +140,55 @@ class WindowKVCache:
         """Forget sequence `seq_id` (finished, failed or preempted)."""
         self._kept.pop(seq_id, None)
 
+    def save(self, seq_id: int, end: int, checkpoint: int) -> None:
+        """Copy sequence `seq_id`'s window state at position `end` (every window layer's rows of
+        positions [max(0, end - W + 1), end)) into checkpoint `checkpoint`.
+
+        Raises:
+            RuntimeError: the sequence's rings do not hold those positions (the scheduler asked
+                for a boundary too far behind the sequence's last step: a bug, never a wrong answer).
+        """
+        rows = {}
+        for layer, window in self.windows.items():
+            ring = self._kept.get(seq_id, {}).get(layer)
+            first = max(0, end - window + 1)
+            if end > 0 and (ring is None or ring.first > first or ring.end < end):
+                have = "nothing" if ring is None else f"[{ring.first}, {ring.end})"
+                raise RuntimeError(f"window cache: checkpoint {checkpoint} of sequence {seq_id} at position {end} needs positions "
+                                   f"[{first}, {end}) of layer {layer}, but the sequence holds {have}")
+            at = torch.arange(first, end, device=self.device) % ring.size if end > 0 else None
+            rows[layer] = (ring.k[at].clone(), ring.v[at].clone()) if at is not None else None
+        self._checkpoints[checkpoint] = (end, rows)
+
+    def restore(self, seq_id: int, checkpoint: int) -> None:
+        """Start sequence `seq_id` at checkpoint `checkpoint`'s position with its window state
+        (the sequence's next step starts there). Raises KeyError naming an unknown checkpoint."""
+        if checkpoint not in self._checkpoints:
+            raise KeyError(f"window cache: no checkpoint {checkpoint} (held: {sorted(self._checkpoints)})")
+        end, rows = self._checkpoints[checkpoint]
+        layers = self._kept[seq_id] = {}
+        for layer, window in self.windows.items():
+            if rows[layer] is None:
+                continue
+            k, v = rows[layer]
+            ring = layers[layer] = _Ring(window - 1 + SPARE_ROWS, k, self.dtype)
+            ring.write(end - k.shape[0], k, v)
+
+    def drop(self, checkpoint: int) -> None:
+        """Forget checkpoint `checkpoint` (its prefix left the prefix cache); unknown ids are ignored."""
+        self._checkpoints.pop(checkpoint, None)
+
+    @property
+    def checkpoints(self) -> int:
+        """Checkpoints held now."""
+        return len(self._checkpoints)
+
     def nbytes(self) -> int:
-        """Bytes of keys and values kept now, over all sequences and layers."""
-        return sum(ring.k.numel() * ring.k.element_size() * 2 for layers in self._kept.values() for ring in layers.values())
+        """Bytes of keys and values kept now, over all sequences and layers, checkpoints included."""
+        rings = sum(ring.k.numel() * ring.k.element_size() * 2 for layers in self._kept.values() for ring in layers.values())
+        saved = sum(kv[0].numel() * kv[0].element_size() * 2 for _, rows in self._checkpoints.values()
+                    for kv in rows.values() if kv is not None)
+        return rings + saved
 
     def __repr__(self) -> str:
         return f"WindowKVCache(layers={sorted(self.windows)}, sequences={len(self._kept)}, bytes={self.nbytes()})"

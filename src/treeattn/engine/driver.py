@@ -56,10 +56,12 @@ class Driver:
         self.pool = ShardedBlockPool(world_size=config.nproc, blocks_per_rank=config.blocks_per_rank(info.max_position_embeddings),
                                      block_size=config.block_size, placement=config.placement,
                                      span_blocks=config.span_blocks(info.max_position_embeddings))
-        # A hybrid model's window layers (treeattn.cache.window) and linear layers (treeattn.linear) keep no state for
-        # a cached prefix: its prefix cache is off.
-        hybrid = bool(hybrid_windows(tuple(layer_windows))) or bool(info.linear_layers)
-        self.prefix_cache = PrefixCache(self.pool) if config.prefix_cache and not hybrid else None
+        # A hybrid model's window layers (treeattn.cache.window) start a cached prefix from a window checkpoint, at
+        # most max_batch_size of them kept (the memory check counts them); a linear hybrid's states (treeattn.linear)
+        # are kept for no cached prefix: its prefix cache is off.
+        checkpoints = config.max_batch_size if hybrid_windows(tuple(layer_windows)) else None
+        self.prefix_cache = (PrefixCache(self.pool, checkpoints=checkpoints)
+                             if config.prefix_cache and not info.linear_layers else None)
         self.scheduler = Scheduler(self.pool, max_batch_size=config.max_batch_size, prefill_chunk=config.prefill_chunk,
                                    prefix_cache=self.prefix_cache, drafter=_drafter(config.speculate),
                                    draft_tokens=config.draft_tokens, draft_cache=config.speculate == "draft",

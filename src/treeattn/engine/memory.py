@@ -37,14 +37,15 @@ def kv_cache_bytes_per_rank(config, model_config, dtype: torch.dtype, *, blocks_
     """Bytes of KV cache one rank of an engine with EngineConfig `config` allocates for a model of
     `model_config` in `dtype`: keys and values of every slot of its paged arena (config.blocks_per_rank
     blocks and the pad block, treeattn.cache.paged), plus a hybrid model's window layers, which every
-    rank keeps per running sequence (max_batch_size of them; treeattn.cache.window). `blocks_for`: the
+    rank keeps per running sequence (max_batch_size of them; treeattn.cache.window) and, with the
+    prefix cache, as many window checkpoints at most (treeattn.cache.prefix). `blocks_for`: the
     model config that sizes the arena when it is not `model_config`'s (a draft model's cache has the
     blocks of the model's)."""
     from treeattn.cache.sharded import kv_bytes_per_token
     from treeattn.cache.window import window_bytes_per_sequence
 
     blocks = config.blocks_per_rank((blocks_for or model_config).max_position_embeddings) + 1
-    windows = config.max_batch_size * window_bytes_per_sequence(model_config, dtype)
+    windows = config.max_batch_size * (2 if config.prefix_cache else 1) * window_bytes_per_sequence(model_config, dtype)
     return blocks * config.block_size * kv_bytes_per_token(model_config, dtype) + windows
 
 

@@ -8,10 +8,12 @@ sequences released), KEEPALIVE, a Measure, or None (the end). `encode` writes it
 int32 words, `decode` reads it back: decode(encode(plan)) == plan, exactly (floats travel as the two
 words of their float64 bits, a 64-bit seed as two words).
 
-    header   kind, length (words, header included), chunks, released, measure_reset
+    header   kind, length (words, header included), chunks, released, measure_reset,
+             window saves, window restores, window drops
     chunk    seq_id, start, n_tokens, n_blocks, num_draft, n_draft_prefix, has_sample,
              temperature (2 words), top_k, top_p (2 words), seed (2 words), logprobs (-1: None)
-    then     per chunk: tokens, draft_prefix, its blocks as (rank, index) pairs; last: released ids
+    then     per chunk: tokens, draft_prefix, its blocks as (rank, index) pairs; then released ids,
+             window saves (seq_id, position, checkpoint), restores (seq_id, checkpoint), drops
 
 Every word must fit in int32 (token ids, positions, block numbers, sequence ids): a value that does
 not raises a ValueError naming it, on rank 0, before anything is sent.
@@ -49,7 +51,7 @@ class Measure:
 CAPACITY = 1024  # int32 words of the buffer at first
 
 END, KEEP, MEASURE, STEP = range(4)  # header[0]
-HEADER = 5
+HEADER = 8
 CHUNK_FIELDS = 15
 
 
@@ -80,14 +82,15 @@ def encode(plan) -> list[int]:
     """The words of `plan` (a StepPlan, KEEPALIVE, a Measure or None); see the module docstring.
     Floats and seeds are exact; the caller checks that every word fits in int32."""
     if plan is None:
-        return [END, HEADER, 0, 0, 0]
+        return [END, HEADER, 0, 0, 0, 0, 0, 0]
     if isinstance(plan, str) and plan == KEEPALIVE:
-        return [KEEP, HEADER, 0, 0, 0]
+        return [KEEP, HEADER, 0, 0, 0, 0, 0, 0]
     if isinstance(plan, Measure):
-        return [MEASURE, HEADER, 0, 0, int(plan.reset)]
+        return [MEASURE, HEADER, 0, 0, int(plan.reset), 0, 0, 0]
     if not isinstance(plan, StepPlan):
         raise TypeError(f"plan must be a StepPlan, KEEPALIVE, a Measure or None, got {type(plan).__name__}")
-    words = [STEP, 0, len(plan.chunks), len(plan.release), 0]
+    words = [STEP, 0, len(plan.chunks), len(plan.release), 0, len(plan.window_saves), len(plan.window_restores),
+             len(plan.window_drops)]
     for c in plan.chunks:
         s = c.sample
         words += (c.seq_id, c.start, len(c.tokens), len(c.blocks), c.num_draft, len(c.draft_prefix), s is not None)
@@ -102,6 +105,9 @@ def encode(plan) -> list[int]:
         for block in c.blocks:
             words += block
     words += plan.release
+    for entry in (*plan.window_saves, *plan.window_restores):
+        words += entry
+    words += plan.window_drops
     words[1] = len(words)
     return words
 
@@ -115,7 +121,7 @@ def decode(words: list[int]):
         return KEEPALIVE
     if kind == MEASURE:
         return Measure(bool(words[4]))
-    n_chunks, n_release = words[2], words[3]
+    n_chunks, n_release, n_saves, n_restores, n_drops = words[2], words[3], words[5], words[6], words[7]
     fields = [words[HEADER + i * CHUNK_FIELDS : HEADER + (i + 1) * CHUNK_FIELDS] for i in range(n_chunks)]
     at = HEADER + n_chunks * CHUNK_FIELDS
     chunks = []
@@ -129,7 +135,13 @@ def decode(words: list[int]):
         sample = (SampleSpec(_words_float(t0, t1), top_k, _words_float(p0, p1), _words_seed(s0, s1),
                              None if logprobs < 0 else logprobs) if has_sample else None)
         chunks.append(Chunk(seq_id, tokens, start, tuple(map(BlockRef, pairs[0::2], pairs[1::2])), sample, num_draft, prefix))
-    return StepPlan(tuple(chunks), tuple(words[at : at + n_release]))
+    release = tuple(words[at : at + n_release])
+    at += n_release
+    saves = tuple(tuple(words[i : i + 3]) for i in range(at, at + 3 * n_saves, 3))
+    at += 3 * n_saves
+    restores = tuple(tuple(words[i : i + 2]) for i in range(at, at + 2 * n_restores, 2))
+    at += 2 * n_restores
+    return StepPlan(tuple(chunks), release, saves, restores, tuple(words[at : at + n_drops]))
 
 
 class PlanWire:

@@ -191,6 +191,13 @@ class RankRunner:
         """Run one step. Returns, on rank 0, the new tokens of every chunk that samples (the next
         token, preceded by the accepted drafts of a chunk with drafts; None where the logits were
         not finite) and their log-probabilities where asked; an empty StepOutcome on the other ranks."""
+        if self.windows is not None:  # a hybrid model's window checkpoints (the scheduler's order)
+            for seq_id, end, checkpoint in plan.window_saves:
+                self.windows.save(seq_id, end, checkpoint)
+            for seq_id, checkpoint in plan.window_restores:
+                self.windows.restore(seq_id, checkpoint)
+            for checkpoint in plan.window_drops:
+                self.windows.drop(checkpoint)
         for seq_id in plan.release:
             self._generators.pop(seq_id, None)
             if self.windows is not None:

@@ -41,6 +41,15 @@ proposed, never run through the draft model): `Sequence.draft_computed` counts t
 each chunk carries the ones it lacks (`draft_prefix`), and only blocks full of tokens computed in
 both caches enter the prefix cache, so a block found there is valid for the draft model too.
 
+A hybrid model (window and global layers; the prefix cache made with `checkpoints`) also needs its
+window layers' last W - 1 positions to start at a cached boundary (treeattn.cache.window). After
+every prefill chunk and when a sequence ends, the last full-block boundary b of its computed tokens
+gets a window checkpoint (`StepPlan.window_saves`: the ranks copy the rows out of the sequence's
+rings before its next step or its release) when the rings still hold [b - W + 1, b): they hold
+every position written since the sequence started (at 0, or restored at a checkpoint) that is at
+most SPARE_ROWS behind its last write, hence b >= last write - SPARE_ROWS. A request whose match
+ends at a checkpoint starts there (`window_restores`); dropped checkpoints go in `window_drops`.
+
 Sequences are numbered by arrival; a step's plan lists, per sequence, the tokens to run, their
 first position and the sequence's block table (treeattn.cache.blocks): that is all a rank needs.
 """
@@ -55,6 +64,7 @@ import torch
 
 from treeattn.cache.blocks import BlockRef, ShardedBlockPool, tokens_to_blocks
 from treeattn.cache.prefix import PrefixCache
+from treeattn.cache.window import SPARE_ROWS
 from treeattn.engine.request import SamplingParams
 
 
@@ -106,10 +116,20 @@ class Chunk:
 @dataclass(frozen=True)
 class StepPlan:
     """One step: decoding chunks first (one token, and its drafts), then longer chunks (prefills).
-    `release`: sequences that ended since the last step (ranks drop their sampling state)."""
+
+    Before the chunks run, every rank applies, in this order (hybrid models' window checkpoints,
+    treeattn.cache.window; empty otherwise):
+        window_saves: (seq_id, position b, checkpoint id): copy the sequence's window state at b.
+        window_restores: (seq_id, checkpoint id): the sequence starts at that checkpoint.
+        window_drops: checkpoint ids to free.
+        release: sequences that ended since the last step (ranks drop their state).
+    """
 
     chunks: tuple[Chunk, ...]
     release: tuple[int, ...] = ()
+    window_saves: tuple[tuple[int, int, int], ...] = ()
+    window_restores: tuple[tuple[int, int], ...] = ()
+    window_drops: tuple[int, ...] = ()
 
 
 @dataclass(eq=False)
@@ -125,6 +145,8 @@ class Sequence:
     num_computed: int = 0  # leading tokens whose keys/values are in the cache
     draft_computed: int = 0  # of which those in the draft model's cache too (with a draft model)
     cached_prompt_tokens: int | None = None  # prompt tokens found in the prefix cache at first admission
+    window_from: int = 0  # hybrid models: where the ranks' window rings of the sequence started (0, or a restored checkpoint)
+    written_end: int = 0  # the end of the positions its last step wrote (drafts included)
     preemptions: int = 0
     finish_reason: str | None = None
     drafted: int = 0  # draft tokens verified (speculative decoding)
@@ -183,6 +205,8 @@ class Scheduler:
         self.running: list[Sequence] = []  # oldest first
         self._ids = itertools.count()
         self._release: list[int] = []
+        self._window_saves: list[tuple[int, int, int]] = []
+        self._window_restores: list[tuple[int, int]] = []
         self.prefix_hit_tokens = 0
         self.preemptions = 0
         self.drafted = self.accepted = self.decode_forwards = self.decode_tokens = 0
@@ -214,6 +238,7 @@ class Scheduler:
             self._preempt(seq)
         if self.prefix_cache is not None:
             self.prefix_cache.clear()
+        self._window_saves.clear()  # the restarted ranks hold no rings to save from
 
     @property
     def has_work(self) -> bool:
@@ -276,6 +301,7 @@ class Scheduler:
             tokens = sampled[chunk.seq_id] if chunk.sample is not None else []
             accepted = len(tokens) - 1 if tokens else 0  # drafts kept: their keys/values are computed
             seq.num_computed = chunk.start + len(chunk.tokens) - chunk.num_draft + accepted
+            seq.written_end = chunk.start + len(chunk.tokens)
             if chunk.num_draft:
                 self._roll_back(seq)
             if tokens is None:  # non-finite logits: this sequence fails, its blocks are not cached
@@ -291,6 +317,7 @@ class Scheduler:
                 # Prefilled full blocks are shared at once (RadixAttention): a request that arrives
                 # while this one still runs reuses them, not only after it finishes.
                 self.prefix_cache.insert(seq.tokens[: self._cacheable(seq)], seq.blocks)
+                self._checkpoint(seq)
             if reason is not None:
                 self.finish(seq, reason)
             out += [(seq, token, reason if i == len(committed) - 1 else None) for i, token in enumerate(committed)]
@@ -311,6 +338,19 @@ class Scheduler:
         seq.generated += committed
         seq.num_computed = min(seq.num_computed, len(seq.tokens))  # a cut run: drafts past the end are not the sequence's
         return committed, reason
+
+    def _checkpoint(self, seq: Sequence) -> None:
+        """Give the last full-block boundary of seq's cached tokens a window checkpoint where the
+        ranks' rings still hold its window (see the module docstring); hybrid models only."""
+        if self.prefix_cache is None or self.prefix_cache.max_checkpoints is None:
+            return
+        num_blocks = self._cacheable(seq) // self.pool.block_size
+        end = num_blocks * self.pool.block_size
+        if end == 0 or seq.written_end <= seq.window_from or end < seq.window_from or end < seq.written_end - SPARE_ROWS:
+            return
+        checkpoint = self.prefix_cache.add_checkpoint(seq.tokens, num_blocks)
+        if checkpoint is not None:
+            self._window_saves.append((seq.seq_id, end, checkpoint))
 
     def _cacheable(self, seq: Sequence) -> int:
         """Leading tokens of seq computed in every cache the ranks keep (what the prefix cache may take)."""
@@ -358,17 +398,25 @@ class Scheduler:
             draft = drafts.get(seq.seq_id, ())
             lagging = tuple(seq.tokens[seq.draft_computed : seq.num_computed]) if self.draft_cache else ()
             chunks.append(Chunk(seq.seq_id, tuple(tokens) + draft, seq.num_computed, tuple(seq.blocks), sample, len(draft), lagging))
+        if not chunks:  # the driver sends no empty plan: what the ranks must do waits for the next one
+            return StepPlan(())
         release, self._release = tuple(self._release), []
-        return StepPlan(tuple(chunks), release)
+        saves, self._window_saves = tuple(self._window_saves), []
+        restores, self._window_restores = tuple(self._window_restores), []
+        drops = self.prefix_cache.take_dropped() if self.prefix_cache is not None else ()
+        return StepPlan(tuple(chunks), release, saves, restores, drops)
 
     def _admit(self, seq: Sequence, budget: int) -> int:
         """Give the head of the queue its cached prefix and its first chunk's blocks; returns the
         tokens it runs this step (0: it cannot start now, and holds nothing)."""
+        checkpoint = None
         if self.prefix_cache is not None:
-            seq.blocks = self.prefix_cache.match(seq.tokens[: len(seq.tokens) - 1])  # >= 1 token left to run
+            blocks, checkpoint = self.prefix_cache.match_checkpointed(seq.tokens[: len(seq.tokens) - 1])  # >= 1 token left to run
+            seq.blocks = blocks
             for block in seq.blocks:
                 self.pool.incref(block)
         seq.num_computed = seq.draft_computed = len(seq.blocks) * self.pool.block_size
+        seq.window_from = seq.written_end = seq.num_computed
         if seq.cached_prompt_tokens is None:
             seq.cached_prompt_tokens = min(seq.num_computed, len(seq.prompt))
             self.prefix_hit_tokens += seq.cached_prompt_tokens
@@ -376,6 +424,8 @@ class Scheduler:
         n = self._fit(seq, n) if n else 0
         if n == 0:
             self._free_blocks(seq)
+        elif checkpoint is not None:
+            self._window_restores.append((seq.seq_id, checkpoint))
         return n
 
     def _awaits_prefill(self, seq: Sequence) -> bool:
@@ -438,6 +488,7 @@ class Scheduler:
     def _free_blocks(self, seq: Sequence) -> None:
         if self.prefix_cache is not None and seq.blocks and seq.finish_reason != "error":
             self.prefix_cache.insert(seq.tokens[: self._cacheable(seq)], seq.blocks)
+            self._checkpoint(seq)
         for block in seq.blocks:
             self.pool.decref(block)
         seq.blocks = []
