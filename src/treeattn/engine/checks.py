@@ -4,7 +4,7 @@
 
     files = model_files(model)                   # config and tokenizer, without the weights for a path
     check_model(model); check_decode_step_device(model, config, group, joined)
-    check_hybrid_cache(files.config, config)     # static/graph steps and ring prefill refuse a hybrid cache
+    check_hybrid_cache(files.config, config)     # static/graph steps refuse a hybrid cache
     check_draft_model(files, config)             # with speculate="draft"
     check_memory(model, files.config, config)    # weights + cache (+ draft) of the ranks on this machine
     check_kv_cache_dtype(model, files.config, config)
@@ -94,17 +94,14 @@ def check_decode_step_device(model, config: EngineConfig, group, joined: bool) -
 
 def check_hybrid_cache(model_config, config: EngineConfig) -> None:
     """A hybrid model (window and global layers, e.g. Gemma 3) keeps its window layers per sequence
-    (treeattn.cache.window), which static and graph steps and ring prefill do not run: ConfigError
-    naming decode_step or prefill, before any rank starts."""
+    (treeattn.cache.window), which static and graph steps do not run: ConfigError naming
+    decode_step, before any rank starts."""
     if not hybrid_windows(tuple(model_config.layer_windows)):
         return
     arch = getattr(model_config, "architecture", "this model")
     if config.decode_step != "dynamic":
         raise ConfigError("decode_step", f"decode_step={config.decode_step!r} does not run a hybrid KV cache (the "
                           f"sliding-window layers of {arch}); use decode_step='dynamic'")
-    if config.prefill == "ring":
-        raise ConfigError("prefill", f"prefill='ring' does not run a hybrid KV cache (the sliding-window layers of {arch}); "
-                          f"use prefill='split' or 'auto'")
 
 
 def check_linear_maps(config: EngineConfig) -> None:

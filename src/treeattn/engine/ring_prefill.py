@@ -36,6 +36,12 @@ shards. No queries are gathered and nothing is combined. At the end the final hi
 rows that sample are gathered to every rank (one all-gather of a few rows), as in a token-parallel
 step, and rank 0 computes the logits.
 
+A hybrid model's window layers (Gemma 3; treeattn.cache.window) keep their last W - 1 positions
+per sequence on every rank: kv_store's all-gather already gives every rank all the step's keys and
+values, so a window layer stores them in the window cache instead of the paged arena, and attend
+runs this rank's queries over what it returns (the kept positions and the chunk's), a local call:
+no prefix ring and no combine.
+
 The runner uses a ring step for a step of prompt chunks only (no decoding sequence: those attend
 to their whole cache, which a ring would move every step) that token_parallel.splits, when the
 engine's prefill option resolves to "ring" (resolve_prefill). While no sequence decodes, the
@@ -163,12 +169,14 @@ class RingPrefillStep:
         self.unpermute = torch.argsort(order).to(device)
         self.tokens = batch.tokens[:, self.rows]
         self.positions = batch.positions[:, self.rows]
+        self.plan_chunks = chunks
         self.chunks, first_row = [], 0
         for c, offset in zip(chunks, batch.offsets):
             rows = _ChunkRows(c, offset, zigzag_pieces(len(c.tokens), world_size, rank), first_row, rank, batch.cache, device)
             self.chunks.append(rows)
             first_row += rows.num_rows
         self._layer = 0
+        self._window_rows = None  # a window layer's kept and new rows per chunk (kv_store -> attend)
 
     def _gather(self, x: torch.Tensor) -> torch.Tensor:
         """(1, T_r, ...) of this rank's rows -> (1, T, ...) of every row, in the step's flat order."""
@@ -187,6 +195,13 @@ class RingPrefillStep:
         else:
             kv = self._gather(torch.cat((k_new, v_new), dim=-1))
             k, v = kv[..., :D], kv[..., D:]
+        if batch.windows is not None and layer in batch.windows:  # a hybrid model's window layer
+            self._window_rows = [batch.windows.extend(layer, c.seq_id, c.start, k[0, o : o + len(c.tokens)], v[0, o : o + len(c.tokens)])
+                                 for c, o in zip(self.plan_chunks, batch.offsets)]
+            return (k,), (v,), (None,)
+        self._window_rows = None
+        if batch.paged_index is not None:  # a hybrid model: the arena holds the global layers only
+            layer = batch.paged_index[layer]
         if batch.store_rows.numel():
             batch.cache.write(layer, batch.store_slots, k[0, batch.store_rows], v[0, batch.store_rows])
         if batch.cache.dtype != k.dtype:  # attend to the values the cache stores (kv_cache_dtype), as every other path does
@@ -201,6 +216,8 @@ class RingPrefillStep:
 
         (k,), (v,) = k, v
         out = q.new_empty(*q.shape[:-1], v.shape[-1])
+        if self._window_rows is not None:
+            return self._attend_window(q, out, window)
         for c in self.chunks:  # the same order on every rank: the prefix rings pair up
             rows = slice(c.first_row, c.first_row + c.num_rows)
             outs, lses, row = [], [], c.first_row
@@ -219,6 +236,15 @@ class RingPrefillStep:
                 state = prefix if state is None else merge_states(*state, *prefix)
             if state is not None:
                 out[:, rows] = state[0].to(out.dtype)
+        return out
+
+    def _attend_window(self, q: torch.Tensor, out: torch.Tensor, window: int | None) -> torch.Tensor:
+        """A window layer: this rank's rows of each chunk over the chunk's kept and new rows (kv_store)."""
+        for c, (k_w, v_w, pos_w) in zip(self.chunks, self._window_rows):
+            if c.num_rows:
+                rows = slice(c.first_row, c.first_row + c.num_rows)
+                o, _ = attention(q[:, rows], k_w[None], v_w[None], causal=True, q_pos=c.q_pos_all, kv_pos=pos_w[None], window=window)
+                out[:, rows] = o.to(out.dtype)
         return out
 
     def forward(self, model, rows: list[int]) -> torch.Tensor:

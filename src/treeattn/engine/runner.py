@@ -134,9 +134,6 @@ class RankRunner:
                              f"{c.architecture}); use decode_step='dynamic'")
         self.world_size = p = group_world_size(group)
         self.prefill = resolve_prefill(prefill, p, c.layer_windows)  # of a prompt-only step that splits
-        if windows and self.prefill == "ring":
-            raise ValueError(f"prefill='ring' does not run a hybrid KV cache (the sliding-window layers of {c.architecture}); "
-                             f"use prefill='split' or 'auto'")
         if shared_memory:  # the group the attention combines over
             group = shared_memory_group(group, device=model.device, timeout_s=timeout_s)
         self.comm_group = group  # of the collectives of a token-parallel step
