@@ -11,6 +11,10 @@ import os
 
 import torch
 
+# Tests load many throw-away GGUF files: no converted copies of them in the user's cache
+# (treeattn.models.gguf_cache; its own tests turn it on in a temporary directory).
+os.environ.setdefault("TREEATTN_GGUF_CACHE", "0")
+
 _device = os.environ.get("TREEATTN_TEST_DEVICE")
 if _device:
     torch.set_default_device(_device)

@@ -10,6 +10,8 @@ file. Bad files fail with one error naming the file and the key or tensor at fau
 
 from __future__ import annotations
 
+import os
+
 import gguf
 import numpy as np
 import pytest
@@ -207,3 +209,58 @@ def test_metadata_arrays_read_in_one_pass_equal_the_gguf_readers(tmp_path):
             assert got.contents(i) == expected.contents(i), (key, i)
     assert ours.fields["test.strings"].contents() == ["", "a", "\u2581\u2581", "日本", "x" * 300]
     np.testing.assert_array_equal(ours.tensors[0].data, reference.tensors[0].data)
+
+
+# ------------------------------------------------------------------------------- converted copies
+
+
+def _same_model(a, b) -> None:
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys()
+    for name in sa:
+        assert sa[name].dtype == sb[name].dtype and torch.equal(sa[name], sb[name]), name
+    assert torch.equal(a.inv_freq, b.inv_freq) and a.config == b.config and a.chat_template == b.chat_template
+    text = "<|im_start|>user\nhéllo, the world<|im_end|>"
+    assert a.tokenizer.encode(text).ids == b.tokenizer.encode(text).ids
+
+
+def test_a_converted_copy_loads_the_same_model_without_reading_the_file(models, tmp_path, monkeypatch):
+    import treeattn.models.gguf as gguf_module
+    from treeattn.models import gguf_cache
+
+    path = tmp_path / "tiny.gguf"
+    write_gguf(path, models["llama"], Q.Q4_1, arch="llama")
+    monkeypatch.setenv("TREEATTN_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("TREEATTN_GGUF_CACHE", "0")
+    reference = load_model(path)
+    assert not (tmp_path / "cache").exists()  # off: nothing written
+    monkeypatch.setenv("TREEATTN_GGUF_CACHE", "1")
+    _same_model(load_model(path), reference)  # converts and writes the copy
+    entries = list((tmp_path / "cache" / "gguf").glob("*.safetensors"))
+    assert entries == [gguf_cache.entry_path(path, torch.float32)]
+
+    def unread(*args, **kwargs):
+        raise AssertionError("the GGUF file was read")
+
+    with monkeypatch.context() as m:
+        m.setattr(gguf_module, "open_gguf", unread)
+        _same_model(load_model(path), reference)  # from the copy alone
+    load_model(path, weight_format="packed")  # packed weights come from the file: no copy of them
+    assert list(entries[0].parent.glob("*.safetensors")) == entries
+    half = load_model(path, dtype=torch.bfloat16)  # another dtype: its own entry
+    assert half.dtype == torch.bfloat16 and len(list(entries[0].parent.glob("*.safetensors"))) == 2
+
+    write_gguf(path, models["llama"], Q.Q8_0, arch="llama")  # the file written again: the old copy is stale
+    os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns + 10**9))
+    monkeypatch.setenv("TREEATTN_GGUF_CACHE", "off")
+    fresh = load_model(path)
+    monkeypatch.setenv("TREEATTN_GGUF_CACHE", "1")
+    _same_model(load_model(path), fresh)
+    assert not entries[0].exists() and gguf_cache.entry_path(path, torch.float32).exists()
+    assert not torch.equal(fresh.layers[0].mlp.up_proj.weight, reference.layers[0].mlp.up_proj.weight)
+
+    entry = gguf_cache.entry_path(path, torch.float32)
+    entry.write_bytes(entry.read_bytes()[:1000])  # a damaged copy is converted and written again
+    _same_model(load_model(path), fresh)
+    _same_model(load_model(path), fresh)
+    assert entry.stat().st_size > 1000 and not list(entry.parent.glob(".tmp-*"))

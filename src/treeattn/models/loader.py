@@ -155,15 +155,24 @@ def _plan(model_dir: Path, dtype: torch.dtype) -> tuple[LlamaModel, dict[str, tu
 
 
 def _load_gguf(path: Path, dtype: torch.dtype, device, weight_format: str) -> LlamaModel:
-    """load_model of a .gguf file: weights, tokenizer and chat template from one reading of it."""
+    """load_model of a .gguf file: weights, tokenizer and chat template from one reading of it, or from
+    its converted copy (treeattn.models.gguf_cache) when every tensor is dequantized."""
+    from treeattn.models import gguf_cache
     from treeattn.models.gguf import load_gguf_model, open_gguf
     from treeattn.models.gguf_tokenizer import tokenizer_from_gguf
 
+    cached = gguf_cache.enabled() and path.is_file() and (weight_format == "dequantize" or (weight_format == "auto" and device.type != "cpu"))
+    if cached:
+        model = gguf_cache.load(path, dtype, device)
+        if model is not None:
+            return model
     reader = open_gguf(path)
     tokenizer = tokenizer_from_gguf(reader, path=path)
     template = gguf_chat_template(reader, path)
     model = load_gguf_model(reader, path=path, dtype=dtype, device=device, weight_format=weight_format)
     model.tokenizer, model.chat_template = tokenizer, template
+    if cached:
+        gguf_cache.store(path, model)
     return model
 
 
