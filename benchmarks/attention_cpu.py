@@ -46,7 +46,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--threads", type=int, default=None, help="intra-op threads (default: torch's)")
     parser.add_argument("--heads", type=int, nargs=2, default=[32, 8], metavar=("HQ", "HKV"))
-    parser.add_argument("--json", action="store_true", help="print one JSON object per sequence length")
+    parser.add_argument("--json", metavar="PATH", help="also write the rows (one object per sequence length) to this JSON file")
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
     if args.threads:
@@ -54,11 +54,11 @@ def main() -> None:
     B, D = 1, 128
     Hq, Hkv = args.heads
     bandwidth = read_bandwidth()
-    if not args.json:
-        print(f"# {platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}, {args.dtype}, Hq={Hq}, Hkv={Hkv}, D={D}")
-        print(f"# measured read bandwidth (sum over 1 GiB): {bandwidth / 1e9:.1f} GB/s")
-        print("| Sk | ta.attention | SDPA (same layout) | SDPA (B,H,S,D contiguous) | speedup vs best SDPA | ta K/V read rate | % of read bw |")
-        print("|---:|---:|---:|---:|---:|---:|---:|")
+    rows = []
+    print(f"# {platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}, {args.dtype}, Hq={Hq}, Hkv={Hkv}, D={D}")
+    print(f"# measured read bandwidth (sum over 1 GiB): {bandwidth / 1e9:.1f} GB/s")
+    print("| Sk | ta.attention | SDPA (same layout) | SDPA (B,H,S,D contiguous) | speedup vs best SDPA | ta K/V read rate | % of read bw |")
+    print("|---:|---:|---:|---:|---:|---:|---:|")
     for Sk in args.seq_lens:
         g = torch.Generator().manual_seed(0)
         q = torch.randn(B, 1, Hq, D, generator=g).to(dtype)
@@ -83,15 +83,16 @@ def main() -> None:
             "kv_read_gb_per_s": kv_bytes / t_ours / 1e9,
             "read_gb_per_s": bandwidth / 1e9,
         }
-        if args.json:
-            print(json.dumps(row))
-        else:
-            print(
-                f"| {Sk:,} | {row['ours_ms']:.2f} ms | {row['sdpa_ms']:.2f} ms | {row['sdpa_contiguous_ms']:.2f} ms | "
-                f"{row['speedup_vs_best_sdpa']:.2f}x | {row['kv_read_gb_per_s']:.1f} GB/s | "
-                f"{100 * row['kv_read_gb_per_s'] / row['read_gb_per_s']:.0f}% |"
-            )
+        rows.append(row)
+        print(
+            f"| {Sk:,} | {row['ours_ms']:.2f} ms | {row['sdpa_ms']:.2f} ms | {row['sdpa_contiguous_ms']:.2f} ms | "
+            f"{row['speedup_vs_best_sdpa']:.2f}x | {row['kv_read_gb_per_s']:.1f} GB/s | "
+            f"{100 * row['kv_read_gb_per_s'] / row['read_gb_per_s']:.0f}% |"
+        )
         del k, v, k_heads, v_heads
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
 
 
 if __name__ == "__main__":

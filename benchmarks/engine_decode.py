@@ -4,7 +4,7 @@
 
 The demo model (treeattn.eval.synthetic.DEMO_CONFIG: random weights, 2 layers, hidden 128, 4 query / 2 KV
 heads of 32, float32) is prefilled once with a synthetic prompt of --context tokens on --nproc gloo
-ranks (ring prefill, contiguous placement); then --new-tokens tokens are decoded greedily with each
+ranks (ring prefill, contiguous placement); then --max-new-tokens tokens are decoded greedily with each
 method from that same cache. Reported per method: median / p10 / p90 of rank 0's decode step time
 (a step = one token through the model + sampling + broadcast of the id), bytes sent per step by all
 ranks together and sequential communication rounds per step (treeattn's comm_stats), KV bytes per
@@ -96,15 +96,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--context", type=int, default=65536)
     parser.add_argument("--nproc", type=int, default=4)
-    parser.add_argument("--new-tokens", type=int, default=16)
+    parser.add_argument("--max-new-tokens", type=int, default=16)
+    parser.add_argument("--new-tokens", dest="max_new_tokens", type=int, default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # old spelling
     parser.add_argument("--reference", action="store_true", help="also decode on one process (its own prefill)")
     parser.add_argument("--gather-check", action="store_true")
     parser.add_argument("--json", help="write the rows to this file")
     args = parser.parse_args()
 
     machine = f"{platform.machine()}, {torch.get_num_threads()} threads available, torch {torch.__version__}"
-    print(f"# {machine}; context {args.context}, {args.nproc} ranks, {args.new_tokens} new tokens")
-    rows = decode_rows(args.context, args.nproc, args.new_tokens, args.reference)
+    print(f"# {machine}; context {args.context}, {args.nproc} ranks, {args.max_new_tokens} new tokens")
+    rows = decode_rows(args.context, args.nproc, args.max_new_tokens, args.reference)
     print("| method | ranks | decode step median (p10-p90) | comm per step, all ranks | rounds per step (rank 0) | KV per rank | RSS growth while decoding |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:

@@ -6,7 +6,7 @@ run of physically adjacent blocks (views, no copy) and merge the states with mer
 
 One process, one layer (Hq 8, Hkv 2, D 64, float32, block 256 tokens), one decode query per
 sequence; times kv_store + attend of treeattn.engine.engine_batch.PagedBatch (the store writes one token
-per sequence) with each read, median of --repeat calls, for: a few long sequences whose blocks are
+per sequence) with each read, median of --repeats calls, for: a few long sequences whose blocks are
 adjacent (one run each: a prefilled document), and many sequences whose blocks are interleaved
 (runs of one block: decodes that grew together).
 """
@@ -56,7 +56,8 @@ def time_read(cache, tables, copy_free: bool, repeat: int) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeat", type=int, default=20)
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--repeat", dest="repeats", type=int, default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # old spelling
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -69,8 +70,8 @@ def main() -> None:
         cache = PagedKVCache(num_layers=1, num_kv_heads=HKV, head_dim=D, num_blocks=n * blocks, block_size=BS)
         cache.arena.normal_()
         tables = layout(n, blocks, interleaved)
-        gather = time_read(cache, tables, False, args.repeat)
-        runs = time_read(cache, tables, True, args.repeat)
+        gather = time_read(cache, tables, False, args.repeats)
+        runs = time_read(cache, tables, True, args.repeats)
         rows.append({"case": name, "gather_ms": gather * 1e3, "runs_ms": runs * 1e3, "gather_over_runs": gather / runs})
     print(json.dumps({"rows": rows, "threads": args.threads,
                       "machine": f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}"}, indent=2))

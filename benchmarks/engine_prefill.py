@@ -10,7 +10,7 @@ of it: 1/p of its keys, read without a copy; --placement interleaved deals its b
 prefill chunks of --prefill-chunk tokens, prefix
 cache off, prompt-only steps run as --prefill says (auto: ring steps, treeattn.engine.ring_prefill;
 split: token-parallel slices; auto is left to the engine, so older checkouts run too). Each prompt (random token ids, seed 0) asks for one new token; its RequestResult.ttft_s
-is reported, --repeat times on the same engine (the model is loaded once per nproc). Run it with
+is reported, --repeats times on the same engine (the model is loaded once per nproc). Run it with
 PYTHONPATH pointing at another checkout to measure that version (the script uses only ta.Engine).
 Also writes each prompt's ids to --ids-dir (for `treeattn generate --prompt-ids`). Prints one
 JSON object.
@@ -44,7 +44,8 @@ def main() -> None:
     parser.add_argument("--placement", default="contiguous", choices=["contiguous", "interleaved"])
     parser.add_argument("--prefill", default="auto", choices=["auto", "ring", "split"],
                         help="prompt-only steps: ring (zigzag pieces, the default under auto) or split (token-parallel slices)")
-    parser.add_argument("--repeat", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--repeat", dest="repeats", type=int, default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # old spelling
     parser.add_argument("--ids-dir", type=Path, default=None)
     args = parser.parse_args()
     from treeattn.eval.demo import smollm2_path
@@ -66,7 +67,7 @@ def main() -> None:
                        timeout_s=600) as engine:
             assert engine.model_info.vocab_size == vocab, engine.model_info
             for n, ids in prompts.items():
-                for i in range(args.repeat):
+                for i in range(args.repeats):
                     result = engine.generate([ids], max_new_tokens=1, ignore_eos=True)[0]
                     rows.append(dict(nproc=p, tokens=n, run=i, ttft_s=result.ttft_s, token_ids=result.token_ids))
                     print(f"p={p} tokens={n} run={i}: ttft {result.ttft_s:.2f} s", file=sys.stderr, flush=True)

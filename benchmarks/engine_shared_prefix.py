@@ -6,7 +6,7 @@ blocks read once per step for all the questions) vs without (read once per quest
 For each number of ranks and document length: an engine (joined to a group of --nproc ranks made
 by ta.spawn, one torch thread per rank on 2 cores) prefills the document once (its blocks enter
 the prefix cache), then --questions questions (the document + 16 random tokens each) are submitted
-together and decode --new-tokens tokens greedily (ignore_eos). The same is run with sharing off
+together and decode --max-new-tokens tokens greedily (ignore_eos). The same is run with sharing off
 (treeattn.engine.shared_prefix.SHARE_MIN_SAVED_KEYS set past any document on every rank: each sequence
 reads the document's blocks itself, run by run or gathered, as before) in a second engine. The
 tokens must be equal. Reported per case: decode ms per step (rank 0's engine steps in which every
@@ -92,7 +92,7 @@ def _case(rank: int, world_size: int, path: str, doc_len: int, questions: list[i
                     del log[:]
                     keys = engine.stats()["shared_prefix_keys"]
                     start = time.perf_counter()
-                    results = engine.generate(prompts, max_new_tokens=args.new_tokens, ignore_eos=True)
+                    results = engine.generate(prompts, max_new_tokens=args.max_new_tokens, ignore_eos=True)
                     wall = time.perf_counter() - start
                     steps = [t for b, t in log if b == n]
                     row = dict(nproc=world_size, doc=doc_len, questions=n, sharing=sharing, wall_s=wall,
@@ -139,7 +139,8 @@ def main() -> None:
     parser.add_argument("--nproc", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--doc", type=int, nargs="+", default=[4096])
     parser.add_argument("--questions", type=int, nargs="+", default=[8, 16])
-    parser.add_argument("--new-tokens", type=int, default=16)
+    parser.add_argument("--max-new-tokens", type=int, default=16)
+    parser.add_argument("--new-tokens", dest="max_new_tokens", type=int, default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # old spelling
     parser.add_argument("--decode", default="tree")
     parser.add_argument("--placement", default="interleaved")
     parser.add_argument("--block-size", type=int, default=256)
@@ -162,7 +163,7 @@ def main() -> None:
             for n in args.questions:
                 on, off = (next(r for r in rows if r["questions"] == n and r["sharing"] == s) for s in (True, False))
                 assert on["tokens"] == off["tokens"], f"p={p} doc={doc_len} n={n}: tokens differ with sharing"
-                report.append(dict(nproc=p, doc=doc_len, questions=n, new_tokens=args.new_tokens,
+                report.append(dict(nproc=p, doc=doc_len, questions=n, new_tokens=args.max_new_tokens,
                                    decode_ms_per_step_shared=on["decode_ms_per_step"], decode_ms_per_step_unshared=off["decode_ms_per_step"],
                                    step_speedup=off["decode_ms_per_step"] / on["decode_ms_per_step"],
                                    tokens_per_s_shared=on["tokens_per_s"], tokens_per_s_unshared=off["tokens_per_s"],

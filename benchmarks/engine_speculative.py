@@ -2,7 +2,7 @@
 without speculation: prompt lookup, or draft models (docs/benchmarks.md).
 
     flock /tmp/treeattn-quiet.lock python benchmarks/engine_speculative.py --nproc 1 2 --doc-tokens 3000 \
-        --new-tokens 64 --draft-tokens 4
+        --max-new-tokens 64 --draft-tokens 4
     flock /tmp/treeattn-quiet.lock python benchmarks/engine_speculative.py --speculate draft \
         --draft-model /tmp/smollm2-draft-4.gguf self     # self: the model as its own draft (every draft accepted)
 
@@ -12,7 +12,7 @@ four chat prompts ask about it (two ask for quotes, one for a summary, one for a
 and each mode (plain, then speculate="ngram" and/or speculate="draft" with each --draft-model), one
 engine: a warm-up request prefills the document once (it enters the prefix cache; with a draft
 model its cache too), then the four requests are submitted together and decoded greedily (stop at
-the chat's end of turn, at most --new-tokens). Measured from their submission to
+the chat's end of turn, at most --max-new-tokens). Measured from their submission to
 the last one's end (their prefill is only the question after the cached document): generated
 tokens per second, decode forward passes per sequence (engine.stats()), drafts accepted. Greedy
 both ways, so the tokens must be identical (checked and reported). One JSON object on stdout, a
@@ -77,10 +77,10 @@ def modes(args, model_path) -> dict[str, tuple[str | None, str | None]]:
 
 
 def run(model_path, p: int, mode: str, speculate: str | None, draft_model: str | None, prompts: dict, stops: list[int], args) -> dict:
-    params = SamplingParams(max_new_tokens=args.new_tokens, stop_token_ids=tuple(stops))
+    params = SamplingParams(max_new_tokens=args.max_new_tokens, stop_token_ids=tuple(stops))
     longest = max(len(x) for x in prompts.values())
     with ta.Engine(str(model_path), nproc=p, decode="tree", placement="interleaved", max_batch_size=len(prompts),
-                   cache_tokens=len(prompts) * (longest + args.new_tokens + 2 * args.block_size), block_size=args.block_size,
+                   cache_tokens=len(prompts) * (longest + args.max_new_tokens + 2 * args.block_size), block_size=args.block_size,
                    prefill_chunk=1024, threads_per_rank=max(1, args.cores // p), speculate=speculate,
                    draft_tokens=args.draft_tokens, draft_model=draft_model) as engine:
         first = next(iter(prompts.values()))
@@ -106,7 +106,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nproc", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--doc-tokens", type=int, default=3000)
-    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--new-tokens", dest="max_new_tokens", type=int, default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # old spelling
     parser.add_argument("--draft-tokens", type=int, default=4)
     parser.add_argument("--block-size", type=int, default=256)
     parser.add_argument("--cores", type=int, default=os.cpu_count() or 1, help="torch threads over all ranks")

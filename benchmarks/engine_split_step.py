@@ -12,7 +12,7 @@ tokens per sequence (zeros: the time does not depend on the values):
 - decode: T sequences of one token each, every one at position --context (sharing one block table).
 
 Each is timed replicated (every rank runs all T tokens) and split (rank r runs its T / p tokens,
-treeattn.engine.token_parallel), median of --repeat steps on rank 0 after one warm-up step.
+treeattn.engine.token_parallel), median of --repeats steps on rank 0 after one warm-up step.
 Prints one JSON object.
 """
 
@@ -63,7 +63,7 @@ def rank_main(rank: int, world_size: int, model_path: str, args) -> list[dict] |
             for mode, threshold in (("replicated", 1 << 40), ("split", 1)):
                 token_parallel.SPLIT_MIN_TOKENS_PER_RANK = threshold
                 times = []
-                for _ in range(args.repeat + 1):
+                for _ in range(args.repeats + 1):
                     dist.barrier()
                     start = time.perf_counter()
                     runner.step(plan)
@@ -80,7 +80,8 @@ def main() -> None:
     parser.add_argument("--kinds", nargs="+", default=["prefill", "decode"], choices=["prefill", "decode"])
     parser.add_argument("--context", type=int, default=2048)
     parser.add_argument("--block-size", type=int, default=256)
-    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeat", dest="repeats", type=int, default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # old spelling
     parser.add_argument("--cores", type=int, default=os.cpu_count() or 1, help="torch threads over all ranks")
     args = parser.parse_args()
     from treeattn.eval.demo import smollm2_path

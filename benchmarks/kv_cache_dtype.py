@@ -4,7 +4,7 @@
     flock /tmp/treeattn-quiet.lock python benchmarks/kv_cache_dtype.py --kernel --context 4096   # the attention alone
 
 For each number of ranks and each --kv-cache-dtype, runs `treeattn generate MODEL --prompt-ids FILE
---json` (a prompt of --context tokens of this repository's docs, --new-tokens greedy tokens) and
+--json` (a prompt of --context tokens of this repository's docs, --max-new-tokens greedy tokens) and
 reports the decode time per token (the engine's decode steps on rank 0), the KV bytes per token
 and whether the greedy tokens equal the first dtype's of the same number of ranks. The runs of one
 invocation alternate the dtypes (--repeats rounds), so their ratio compares like with like on a
@@ -55,7 +55,7 @@ def prompt_ids(model: str, context: int) -> list[int]:
 
 def run(model: str, ids_file: str, nproc: int, kv: str, new_tokens: int) -> dict:
     cmd = [sys.executable, "-m", "treeattn.cli", "generate", model, "--prompt-ids", ids_file, "--max-new-tokens", str(new_tokens),
-           "--no-stop", "--nproc", str(nproc), "--kv-cache-dtype", kv, "--json"]
+           "--ignore-eos", "--nproc", str(nproc), "--kv-cache-dtype", kv, "--json"]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True)
     return json.loads(out.stdout)
 
@@ -92,35 +92,37 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None)
     parser.add_argument("--context", type=int, default=4096)
-    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--new-tokens", dest="max_new_tokens", type=int, default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # old spelling
     parser.add_argument("--nproc", type=int, nargs="+", default=[1, 2])
-    parser.add_argument("--kv", nargs="+", default=["float32", "bfloat16"])
+    parser.add_argument("--kv-cache-dtype", nargs="+", default=["float32", "bfloat16"])
+    parser.add_argument("--kv", dest="kv_cache_dtype", nargs="+", default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # old spelling
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--kernel", action="store_true", help="time the paged decode attention alone")
     args = parser.parse_args()
     if args.kernel:
         print(f"# {os.cpu_count()} cores, load {os.getloadavg()}")
-        kernel(args.context, args.kv if args.kv != ["float32", "bfloat16"] else ["float32", "bfloat16", "float16"], max(args.repeats, 5))
+        kernel(args.context, args.kv_cache_dtype if args.kv_cache_dtype != ["float32", "bfloat16"] else ["float32", "bfloat16", "float16"], max(args.repeats, 5))
         print(f"# load after: {os.getloadavg()}")
         return
     model = args.model or default_model()
     print(f"# {platform.processor() or platform.machine()}, {os.cpu_count()} cores, load {os.getloadavg()}, model {Path(model).name}, "
-          f"context {args.context}, {args.new_tokens} new tokens")
+          f"context {args.context}, {args.max_new_tokens} new tokens")
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(prompt_ids(model, args.context), f)
     for nproc in args.nproc:
         best: dict[str, dict] = {}
         for _ in range(args.repeats):
-            for kv in args.kv:
-                report = run(model, f.name, nproc, kv, args.new_tokens)
+            for kv in args.kv_cache_dtype:
+                report = run(model, f.name, nproc, kv, args.max_new_tokens)
                 if kv not in best or report["timings"]["time_per_token_s"] < best[kv]["timings"]["time_per_token_s"]:
                     best[kv] = report
-        base = best[args.kv[0]]
-        for kv in args.kv:
+        base = best[args.kv_cache_dtype[0]]
+        for kv in args.kv_cache_dtype:
             r = best[kv]
             ms = 1e3 * r["timings"]["time_per_token_s"]
             print(json.dumps({"nproc": nproc, "kv_cache_dtype": r["kv_cache_dtype"], "ms_per_token": round(ms, 2),
-                              "ratio_to_" + args.kv[0]: round(ms / (1e3 * base["timings"]["time_per_token_s"]), 3),
+                              "ratio_to_" + args.kv_cache_dtype[0]: round(ms / (1e3 * base["timings"]["time_per_token_s"]), 3),
                               "kv_bytes_per_token": r["kv_bytes_per_token"], "prompt_tokens": r["prompt_tokens"],
                               "same_greedy_tokens": r["generated_ids"] == base["generated_ids"],
                               "tokens_equal": sum(a == b for a, b in zip(r["generated_ids"], base["generated_ids"]))}))

@@ -1,6 +1,6 @@
 """Sequence-parallel linear attention: the two state exchanges, all-gather vs log2(p) scan.
 
-    python benchmarks/linear_exchange.py [--worlds 2 3 4] [--tokens 2048] [--repeats 20]
+    python benchmarks/linear_exchange.py [--nproc 2 3 4] [--tokens 2048] [--repeats 20]
 
 Each rank holds tokens/p tokens of one sequence (B = 1, Hq = 9, Hkv = 3, D = Dv = 64: a SmolLM2
 layer; Hedgehog F = 128). Timed per method: the exchange alone (the state of this rank's chunk ->
@@ -54,12 +54,13 @@ def worker(rank: int, world: int, tokens: int, repeats: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--worlds", type=int, nargs="+", default=[2, 3, 4])
+    parser.add_argument("--nproc", type=int, nargs="+", default=[2, 3, 4])
+    parser.add_argument("--worlds", dest="nproc", type=int, nargs="+", default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # old spelling
     parser.add_argument("--tokens", type=int, default=2048)
     parser.add_argument("--repeats", type=int, default=20)
     args = parser.parse_args()
     rows = []
-    for world in args.worlds:
+    for world in args.nproc:
         r = ta.spawn(worker, world, args.tokens, args.repeats)[0]
         rows.append({"p": world, **{key: round(value * 1e3, 3) for key, value in r.items()},
                      "exchange scan/allgather": round(r["exchange/scan"] / r["exchange/allgather"], 2),

@@ -164,10 +164,10 @@ def part_needle(args):
         index = softmax_index(model)
         cfg = model.config
         cache = ShardedKVCache(num_layers=max(len(index), 1), num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
-                               capacity=ids.shape[1] + args.new_tokens)
+                               capacity=ids.shape[1] + args.max_new_tokens)
         states, attend = LinearStates(), LocalAttention()
         tokens, start = ids, 0
-        for _ in range(args.new_tokens):
+        for _ in range(args.max_new_tokens):
             positions = torch.arange(start, start + tokens.shape[1]).unsqueeze(0)
             logits = model.logits(model(tokens, positions, HybridStore(cache.update(cache.extend(positions)), states, index), attend)[:, -1])
             start += tokens.shape[1]
@@ -191,7 +191,8 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=8192)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--needle-tokens", type=int, default=1024)
-    parser.add_argument("--new-tokens", type=int, default=16)
+    parser.add_argument("--max-new-tokens", type=int, default=16)
+    parser.add_argument("--new-tokens", dest="max_new_tokens", type=int, default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # old spelling
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--parts", nargs="+", default=["errors", "perplexity", "decode", "needle"])
     args = parser.parse_args()

@@ -4,7 +4,7 @@
 
 SmolLM2-135M's attention shapes (9 query heads, 3 KV heads of 64, float32, blocks of 256 tokens),
 one decode query per sequence, every sequence `context` keys. For each case, these take turns
---repeat times (the minimum of each is reported, so a machine whose load drifts weighs on all):
+--repeats times (the minimum of each is reported, so a machine whose load drifts weighs on all):
 
 - engine, paged kernel: treeattn.engine.batch.PagedBatch kv_store + attend of every layer (the
   engine's decode attention: ops.paged_decode over the blocks in place);
@@ -102,7 +102,8 @@ def run_case(context: int, batch: int, repeat: int, max_bytes: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", nargs="+", default=["4096x1", "4096x8", "16384x1", "16384x8"], help="CONTEXTxBATCH")
-    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeat", dest="repeats", type=int, default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # old spelling
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--max-bytes", type=int, default=1 << 30)
     args = parser.parse_args()
@@ -111,7 +112,7 @@ def main() -> None:
     rows = []
     for case in args.cases:
         context, batch = (int(x) for x in case.split("x"))
-        rows.append(run_case(context, batch, args.repeat, args.max_bytes))
+        rows.append(run_case(context, batch, args.repeats, args.max_bytes))
     print(json.dumps({"rows": rows, "threads": args.threads, "load_average": [load_before, os.getloadavg()],
                       "machine": f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}"}, indent=1))
     names = list(rows[0]["ms_per_token"])

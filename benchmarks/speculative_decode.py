@@ -1,7 +1,7 @@
 """Speculative decoding on a long document: tokens/s with and without, prompt lookup and draft models (docs/benchmarks.md).
 
     flock /tmp/treeattn-quiet.lock python benchmarks/speculative_decode.py --nproc 1 2 --doc-tokens 4000 \
-        --new-tokens 96 --draft-tokens 8
+        --max-new-tokens 96 --draft-tokens 8
     python benchmarks/make_draft_gguf.py --layers 8 --out /tmp/smollm2-draft-8.gguf
     flock /tmp/treeattn-quiet.lock python benchmarks/speculative_decode.py --nproc 1 --speculate ngram draft \
         --draft-model /tmp/smollm2-draft-8.gguf         # every --speculate method (each draft model) vs plain
@@ -98,7 +98,8 @@ def main() -> None:
     parser.add_argument("--doc-tokens", type=int, default=4000)
     parser.add_argument("--questions", choices=["two", "all"], default="two",
                         help="two: qa and summarise; all: also the three questions of MORE_QUESTIONS")
-    parser.add_argument("--new-tokens", type=int, default=96)
+    parser.add_argument("--max-new-tokens", type=int, default=96)
+    parser.add_argument("--new-tokens", dest="max_new_tokens", type=int, default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # old spelling
     parser.add_argument("--draft-tokens", type=int, default=8)
     parser.add_argument("--threads", type=int, default=None, help="torch threads per rank (default: 2 // p, at least 1)")
     parser.add_argument("--speculate", nargs="+", choices=["ngram", "draft"], default=["ngram"])
@@ -114,9 +115,9 @@ def main() -> None:
         threads = args.threads or max(1, 2 // p)
         start = time.perf_counter()
         if p == 1:
-            out = run_rank(0, 1, str(path), prompts, stops, args.new_tokens, args.draft_tokens, threads, methods)
+            out = run_rank(0, 1, str(path), prompts, stops, args.max_new_tokens, args.draft_tokens, threads, methods)
         else:
-            out = ta.spawn(run_rank, p, str(path), prompts, stops, args.new_tokens, args.draft_tokens, threads, methods,
+            out = ta.spawn(run_rank, p, str(path), prompts, stops, args.max_new_tokens, args.draft_tokens, threads, methods,
                            timeout=1800)[0]
         for name, runs in out.items():
             plain = runs["plain"]

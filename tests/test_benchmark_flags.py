@@ -1,0 +1,53 @@
+"""The benchmark scripts name their flags as the `treeattn` commands do (read from their source, nothing runs).
+
+--nproc for the number of ranks (never --world-size(s), --worlds, -p), --max-new-tokens (never
+--new-tokens, --max-tokens), --threads for threads per rank, --repeats, --kv-cache-dtype, and
+--json PATH for a JSON file of the results (never --out, never a bare switch). Old spellings stay as
+hidden aliases: argparse.SUPPRESS help, the same destination as the visible flag.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+SCRIPTS = sorted((Path(__file__).parent.parent / "benchmarks").glob("*.py"))
+RETIRED = {"--world-size", "--world-sizes", "--worlds", "-p", "--gpus", "--new-tokens", "--max-tokens", "--out",
+           "--threads-per-rank", "--repeat", "--kv", "--capacity"}
+# (script, flag): where the retired name means something else than the CLI's concept
+OTHER_MEANING = {("make_draft_gguf.py", "--out")}  # the .gguf file it writes, not results as JSON
+
+
+def _arguments(path: Path) -> list[dict]:
+    """Every parser.add_argument(...) of a script: its option strings, keywords (as source) and dest."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "add_argument":
+            names = [a.value for a in node.args if isinstance(a, ast.Constant)]
+            keywords = {k.arg: ast.unparse(k.value) for k in node.keywords}
+            longest = max(names, key=len)
+            dest = keywords.get("dest", repr(longest.lstrip("-").replace("-", "_"))).strip("'\"")
+            found.append({"names": names, "keywords": keywords, "dest": dest,
+                          "hidden": keywords.get("help") == "argparse.SUPPRESS"})
+    return found
+
+
+def test_there_are_scripts_to_check():
+    assert len(SCRIPTS) > 20 and any(a["hidden"] for s in SCRIPTS for a in _arguments(s))
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
+def test_visible_flags_use_the_cli_names(script):
+    arguments = _arguments(script)
+    visible = [a for a in arguments if not a["hidden"]]
+    for argument in visible:
+        retired = {n for n in argument["names"] if (script.name, n) not in OTHER_MEANING} & RETIRED
+        assert not retired, f"{script.name}: {sorted(retired)} is an old spelling; use the CLI's name and keep it hidden"
+        if "--json" in argument["names"]:
+            assert "store_true" not in argument["keywords"].get("action", ""), f"{script.name}: --json takes a PATH"
+    dests = {a["dest"] for a in visible}
+    for alias in (a for a in arguments if a["hidden"]):
+        assert alias["dest"] in dests, f"{script.name}: hidden {alias['names']} is no alias of a visible flag"
+        assert alias["keywords"].get("default") == "argparse.SUPPRESS", f"{script.name}: {alias['names']} must not reset the default"
