@@ -91,6 +91,27 @@ def test_stop_strings_end_the_text_before_them(checkpoint, ids_file, expected):
     assert json.loads(plain.stdout)["generated_ids"] == expected
 
 
+def test_stop_strings_stream_the_text_holding_back_a_possible_start(checkpoint, ids_file, expected, monkeypatch):
+    """With --stop the answer still streams to stdout token by token; the word that could begin the
+    stop string is held back (it is written neither when it comes nor after, since the stop string
+    completes), so stdout gets exactly the engine's text, cut before the stop string."""
+    import treeattn.engine.console as console
+
+    i = next(i for i in range(2, 5) if expected[i] not in expected[:i])  # a word the text has not had yet
+    stop = f"w{expected[i]} w{expected[i + 1]}"
+    writes: list[str] = []
+    monkeypatch.setattr(console, "write_stdout", writes.append)
+    args = ["generate", str(checkpoint), "--prompt-ids", str(ids_file), "--max-new-tokens", "6", "--stop", stop]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    report = json.loads(runner.invoke(app, args + ["--json"]).stdout)
+    assert report["generated_ids"] == expected[:i + 2] and report["finish_reason"] == "stop"
+    assert writes[:i] == [t.split()[0] if j == 0 else " " + t.split()[0] for j, t in enumerate(f"w{e}" for e in expected[:i])]
+    # token i adds " w<e_i>": the space goes out, "w<e_i>" (the stop string's start) is held; token i + 1 completes it: cut
+    assert writes[i:] == [" ", "", "\n"]
+    assert "".join(writes) == report["text"] + "\n" and stop not in report["text"]
+
+
 def test_two_ranks_ring_decode_interleaved(checkpoint, ids_file, expected):
     result = runner.invoke(app, ["generate", str(checkpoint), "--prompt-ids", str(ids_file), "--max-new-tokens", "6", "--nproc", "2",
                                  "--decode", "ring", "--placement", "interleaved", "--block-size", "2", "--json"])

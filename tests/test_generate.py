@@ -238,6 +238,7 @@ def test_single_process_matches_transformers_and_streams(llama, references):
     result = generate(llama, PROMPT, max_new_tokens=NEW_TOKENS, on_token=steps.append)
     assert result.generated_ids[0] == references["llama"]
     assert [s.tokens[0] for s in steps] == references["llama"] and steps[-1].finished == [True]
+    assert "".join(s.texts[0] for s in steps) == result.texts[0]  # the steps' texts are the result's, piece by piece
     assert result.decode_steps == NEW_TOKENS - 1 and result.finish_reasons == ["length"]
     run = stream(llama, PROMPT, max_new_tokens=5)
     assert [s.tokens[0] for s in run] == references["llama"][:5] and run.result.generated_ids[0] == references["llama"][:5]

@@ -7,9 +7,9 @@
     torchrun --nproc-per-node 4 -m treeattn generate MODEL_DIR --prompt-file prompt.txt
 
 Status lines (loading, ranks starting, prefill progress by chunk) and the summary go to stderr;
-stdout carries only the generated text, streamed as it is decoded (a batch, or with --stop: printed
-at the end, cut before the stop string), or with --json one JSON object, so the output can be
-piped. Progress bars only when stderr is a terminal; a file or pipe gets plain lines
+stdout carries only the generated text, streamed as it is decoded (with --stop a tail that could
+begin a stop string waits until it cannot, and the text ends before the stop string; a batch is
+printed at the end), or with --json one JSON object, so the output can be piped. Progress bars only when stderr is a terminal; a file or pipe gets plain lines
 (treeattn.engine.console). Every engine and sampling flag is the field of EngineConfig or
 SamplingParams it fills (treeattn.engine.flags): the same name, default and help as in
 `treeattn serve`, ta.Engine and ta.generate.
@@ -133,8 +133,8 @@ def generate_command(
     job = GenerateJob(model_dir=str(model_dir), prompts=tuple(map(tuple, prompts)), config=config, sampling=sampling,
                       num_samples=num_samples, dtype=dtype, device=kind, threads=threads or max(1, (os.cpu_count() or 1) // world))
     batched = batched or num_samples > 1
-    # the answer goes to stdout as decoded; with stop strings at the end, cut before the stop string
-    streamed = not json_output and not batched and tokenizer is not None and not sampling.stop
+    # the answer goes to stdout as decoded (the engine's text: cut before a stop string, a possible start held back)
+    streamed = not json_output and not batched and tokenizer is not None
     display = None if json_output else GenerateDisplay(stream_text=streamed)
     if display is not None and os.environ.get("RANK", "0") == "0":
         say(f"loading {Path(model_dir).name} on {world} rank(s)" + ("" if world == 1 or under_torchrun() else " (starting them)"))

@@ -5,15 +5,17 @@
     display.loaded(seconds=2.1)                         # "model loaded in 2.10 s"
     display.on_prefill(1024, 3197)                      # prefill progress, chunk by chunk
     with display.run(tokenizer, world_size, 3197, 64) as on_token:
-        for step in generation: on_token(step)          # the answer streamed to stdout as decoded
-    writer = TextStream(tokenizer); writer.add(ids)     # incremental detokenizing (text deltas)
+        for step in generation: on_token(step)          # the answer streamed to stdout as decoded (step.texts)
 
 Status and progress go to stderr, the answer to stdout, so the answer can be piped. On a terminal
 stderr shows rich's progress bars; when stderr is a file or a pipe it gets plain lines, one per
 event (no spinners, no cursor movement, no colours), so a log stays readable.
 
-Streaming detokenizes incrementally (treeattn.engine.output.IncrementalText: a few tokens at a
-time, a trailing incomplete multi-byte character held back until it completes).
+The streamed text is the engine's own (StepOutput.texts, from treeattn.engine.output): detokenized
+incrementally, a trailing incomplete multi-byte character held back until it completes, and with
+stop strings a tail that could begin one held back until it cannot (vLLM's output processor and
+llama-server do the same), the text ending right before a stop string. So what streams is exactly
+GenerationResult.texts.
 """
 
 from __future__ import annotations
@@ -57,31 +59,6 @@ def say(message: str) -> None:
         sys.stderr.flush()
 
 
-class TextStream:
-    """A sequence's text as its tokens come: add(token) returns the new characters to show
-    (treeattn.engine.output.IncrementalText does the detokenizing).
-
-    Args:
-        tokenizer: has decode(ids) -> str (the model's tokenizer).
-    """
-
-    def __init__(self, tokenizer) -> None:
-        from treeattn.engine.output import IncrementalText
-
-        self.tokenizer = tokenizer
-        self.ids: list[int] = []
-        self.text = ""
-        self._decoder = IncrementalText()
-
-    def add(self, token: int) -> str:
-        self.ids.append(token)
-        text = self._decoder.add(self.tokenizer, self.ids)
-        if not text.startswith(self.text):  # cannot happen: IncrementalText only appends
-            return ""
-        delta, self.text = text[len(self.text):], text
-        return delta
-
-
 def write_stdout(text: str) -> None:
     """Write `text` to stdout now (the answer is shown as it is decoded)."""
     if text:
@@ -123,7 +100,6 @@ class GenerateDisplay:
         self._prefill_started = time.perf_counter()
         say(f"prefill {prompt_tokens} tokens on {world_size} rank(s), then up to {max_new_tokens} new tokens")
         stream = self.stream_text and tokenizer is not None
-        texts = TextStream(tokenizer) if stream else None
         progress = decode_task = None
         if console.is_terminal:
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -145,7 +121,7 @@ class GenerateDisplay:
                 else:
                     progress.start_task(decode_task)
             if stream:
-                write_stdout(texts.add(step.tokens[0]))
+                write_stdout(step.texts[0])  # the engine's text: stop strings cut, a possible start held back
             elif decode_task is not None:
                 progress.update(decode_task, completed=step.index + 1)
 
@@ -159,4 +135,4 @@ class GenerateDisplay:
                 write_stdout("\n")
 
 
-__all__ = ["GenerateDisplay", "TextStream", "process_age_s", "say", "stderr_console", "write_stdout"]
+__all__ = ["GenerateDisplay", "process_age_s", "say", "stderr_console", "write_stdout"]

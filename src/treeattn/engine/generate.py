@@ -99,12 +99,17 @@ class StepOutput:
             last token and is to be ignored).
         finished: per sequence, whether it has stopped (stop token or this was its last token).
         elapsed_s: seconds since generation started (setup and prefill included), on rank 0.
+        texts: per sequence, the text this token adds (the engine's TokenEvent.text: "" without a
+            tokenizer; a tail that could begin a stop string is held back until it cannot, and the
+            text ends right before a stop string), so the texts of all steps join to
+            GenerationResult.texts. "" for a finished sequence's repeated entry.
     """
 
     index: int
     tokens: list[int]
     finished: list[bool]
     elapsed_s: float
+    texts: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -525,6 +530,7 @@ class Generation:
                                          on_prefill=None if self.on_prefill is None else
                                          (lambda computed, total, i=i: on_prefill(i, computed, total))))
         tokens: list[list[int]] = [[] for _ in handles]
+        texts: list[list[str]] = [[] for _ in handles]  # the text each token added (TokenEvent.text)
         ended = [False] * len(handles)
         index = 0
         try:
@@ -532,6 +538,7 @@ class Generation:
                 b, event = events.get()
                 if event.token_id is not None:
                     tokens[b].append(event.token_id)
+                    texts[b].append(event.text)
                 if event.finished:
                     ended[b] = True
                     if event.finish_reason == "error":
@@ -539,7 +546,7 @@ class Generation:
                 while all(len(t) > index or done for t, done in zip(tokens, ended)) and any(len(t) > index for t in tokens):
                     yield StepOutput(index, [t[min(index, len(t) - 1)] if t else 0 for t in tokens],
                                      [done and len(t) <= index + 1 for t, done in zip(tokens, ended)],
-                                     time.perf_counter() - start)
+                                     time.perf_counter() - start, [t[index] if len(t) > index else "" for t in texts])
                     index += 1
         finally:
             for handle in handles:
