@@ -67,24 +67,19 @@ def write_hf_dir(gguf_path: Path, directory: Path) -> None:
 
 def serve_ready_s(path: str, nproc: int) -> float:
     """Seconds from starting `treeattn serve path --nproc nproc` to its first 200 on /health."""
-    import re
     import signal
     import time
     import urllib.request
 
+    from treeattn.serve.child import start_serve
+
     start = time.perf_counter()
-    server = subprocess.Popen([sys.executable, "-m", "treeattn", "serve", path, "--nproc", str(nproc), "--port", "0",
-                               "--log-level", "warning"], stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+    child = start_serve(path, "--nproc", str(nproc), "--log-level", "warning")
+    server = child.process
     try:
-        for line in server.stderr:
-            match = re.search(r"on (http://[\d.]+:\d+)", line)
-            if match:
-                break
-        else:
-            raise RuntimeError(f"treeattn serve exited with {server.wait()}")
         while True:
             try:
-                with urllib.request.urlopen(match.group(1) + "/health", timeout=5) as response:
+                with urllib.request.urlopen(child.url + "/health", timeout=5) as response:
                     if response.status == 200:
                         return time.perf_counter() - start
             except OSError:

@@ -18,27 +18,22 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import signal
 import statistics
 import subprocess
 import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 
 def start_server(model: str, nproc: int, extra: list[str]) -> tuple[subprocess.Popen, str]:
-    command = [sys.executable, "-m", "treeattn", "serve", model, "--nproc", str(nproc), "--port", "0",
-               "--served-model-name", "bench", *extra]
-    process = subprocess.Popen(command, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
-                               env=dict(os.environ, PYTHONUNBUFFERED="1"))
-    for line in process.stderr:
-        match = re.search(r"on (http://[\d.]+:\d+)", line)
-        if match:
-            threading.Thread(target=lambda: [None for _ in process.stderr], daemon=True).start()
-            return process, match.group(1)
-    raise SystemExit(f"serve_load: the server did not start (exit {process.wait()})")
+    from treeattn.serve.child import start_serve
+
+    try:
+        child = start_serve(model, "--nproc", str(nproc), "--served-model-name", "bench", *extra)
+    except RuntimeError as exc:
+        raise SystemExit(f"serve_load: {exc}") from exc
+    return child.process, child.url
 
 
 def one_request(client, prompt: str, max_tokens: int) -> dict:

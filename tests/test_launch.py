@@ -15,6 +15,8 @@ import time
 import httpx
 import pytest
 
+from treeattn.serve.child import ready_url
+
 pytest.importorskip("transformers")
 
 from helpers.llama_checkpoints import make_checkpoint  # noqa: E402
@@ -97,10 +99,10 @@ def test_serve_on_two_nodes(checkpoint, expected):
                 line = node.stderr.readline()
                 if line:
                     lines[i].append(line)
-                    match = re.search(r"on (http://[\d.]+:\d+) \((\d+) rank", line)
-                    if match:
-                        url, server = match.group(1), i
-                        assert match.group(2) == "2"  # the world's ranks, not --nproc's default
+                    ready = ready_url(line)
+                    if ready is not None:
+                        url, server = ready[0], i
+                        assert ready[1] == 2  # the world's ranks, not --nproc's default
                 elif node.poll() is not None:
                     pytest.fail(f"a launch ended before serving ({node.returncode}): {''.join(lines[i])[-3000:]}")
             time.sleep(0.05)

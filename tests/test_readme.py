@@ -71,17 +71,12 @@ def test_engine_block_on_smollm2(tmp_path):
 def test_openai_client_block_against_treeattn_serve(tmp_path):
     from treeattn.eval.demo import smollm2_path
 
-    server = subprocess.Popen([sys.executable, "-m", "treeattn", "serve", str(smollm2_path()), "--port", "0",
-                               "--served-model-name", "smollm2"], stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+    from treeattn.serve.child import start_serve
+
+    server = start_serve(smollm2_path(), "--served-model-name", "smollm2")
     try:
-        for line in server.stderr:
-            match = re.search(r"on (http://[\d.]+:\d+)", line)
-            if match:
-                break
-        else:
-            raise AssertionError(f"the server exited with {server.wait()}")
-        block = _block("from openai import OpenAI").replace("http://127.0.0.1:8000", match.group(1))
+        block = _block("from openai import OpenAI").replace("http://127.0.0.1:8000", server.url)
         assert _run(block, tmp_path, "openai").strip()
     finally:
-        server.terminate()
-        assert server.wait(timeout=60) == 0
+        server.process.terminate()
+        assert server.process.wait(timeout=60) == 0

@@ -7,11 +7,7 @@
 from __future__ import annotations
 
 import os
-import re
 import signal
-import subprocess
-import sys
-import threading
 import time
 from pathlib import Path
 
@@ -24,6 +20,8 @@ transformers = pytest.importorskip("transformers")
 openai = pytest.importorskip("openai")
 
 from gguf_files import VOCAB, write_gguf  # noqa: E402
+
+from treeattn.serve.child import start_serve  # noqa: E402
 
 KEY = "test-key"
 NAME = "tiny"
@@ -44,29 +42,9 @@ class Server:
     """`treeattn serve` in a child process on a free port."""
 
     def __init__(self, model: Path, *extra: str) -> None:
-        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "treeattn", "serve", str(model), "--port", "0", *ENGINE_ARGS, *extra],
-            stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env)
-        self.lines: list[str] = []
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            line = self.process.stderr.readline()
-            if not line:
-                raise RuntimeError(f"server exited ({self.process.wait()}): {''.join(self.lines)}")
-            self.lines.append(line)
-            match = re.search(r"on (http://[\d.]+:\d+)", line)
-            if match:
-                self.url = match.group(1)
-                break
-        else:
-            raise RuntimeError("server did not start")
-        threading.Thread(target=self._drain_stderr, daemon=True).start()
+        child = start_serve(model, *ENGINE_ARGS, *extra, env=dict(os.environ, OMP_NUM_THREADS="1"))
+        self.process, self.url, self.lines = child.process, child.url, child.lines  # lines: stderr, kept read
         self.children = _children(self.process.pid)
-
-    def _drain_stderr(self) -> None:
-        for line in self.process.stderr:
-            self.lines.append(line)
 
     def client(self, key: str | None = KEY) -> openai.OpenAI:
         return openai.OpenAI(base_url=f"{self.url}/v1", api_key=key or "none", max_retries=0, timeout=120)

@@ -79,10 +79,10 @@ def serve_command(
 
     def ready(bound_host: str, bound_port: int) -> None:
         from treeattn.parallel.spawn import under_torchrun
+        from treeattn.serve.child import ready_line
 
         ranks = int(os.environ["WORLD_SIZE"]) if under_torchrun() else nproc
-        typer.echo(f"treeattn serve: {model} on http://{bound_host}:{bound_port} ({ranks} rank(s), decode {decode})",
-                   err=True)
+        typer.echo(ready_line(model, bound_host, bound_port, ranks, decode), err=True)
 
     try:
         status = serve(str(model), options, engine_options, on_ready=ready)
