@@ -11,6 +11,7 @@ on a tiny GGUF. Tolerances: float32 forward passes that differ only in summation
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -111,9 +112,14 @@ def test_the_engine_serves_a_hybrid_linear_model():
 
 @pytest.mark.parametrize("option, message", [(dict(speculate="ngram"), "speculate='ngram' does not run a hybrid linear model"),
                                              (dict(decode_step="static"), "decode_step='static' does not run a hybrid linear model")])
-def test_what_the_engine_cannot_run_with_linear_layers_is_refused_before_any_rank(option, message):
+def test_what_the_engine_cannot_run_with_linear_layers_is_refused_before_any_rank(option, message, tmp_path):
+    """The same refusal, from one check (engine.checks.check_linear), for a loaded hybrid model and
+    for a plain one whose --linear-maps directory names the layers to linearize."""
     with pytest.raises(ValueError, match=message):
         ta.Engine(hybrid(), nproc=2, **option)
+    (tmp_path / "linear_layers.json").write_text(json.dumps({"layers": LINEAR, "feature_dim": 8}))  # read before any rank
+    with pytest.raises(ValueError, match=re.escape(message) + r" \(linear layers \[1, 3\]\)"):
+        ta.Engine(random_model(LlamaConfig(**CONFIG)), nproc=2, linear_maps=tmp_path, **option)
 
 
 def test_linear_layer_needs_a_hybrid_store():

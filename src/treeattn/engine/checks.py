@@ -116,6 +116,20 @@ def check_linear_maps(config: EngineConfig) -> None:
                           f"`treeattn linearize --out`)")
 
 
+def check_linear(model, config: EngineConfig, windows: bool) -> None:
+    """A hybrid linear model -- a loaded one, or a checkpoint whose config.linear_maps layers are
+    linearized on load -- refused with what the engine cannot run with it, before any rank starts
+    (treeattn.linear.hybrid.check_linear_engine: the one copy of those refusals, which the runner
+    calls too). `windows`: the model has sliding-window layers."""
+    from treeattn.linear.hybrid import check_linear_engine, linear_layers, maps_layers
+
+    check_linear_maps(config)
+    layers = set(maps_layers(config.linear_maps)) if config.linear_maps is not None else set()
+    if not isinstance(model, (str, os.PathLike)):
+        layers |= set(linear_layers(model))
+    check_linear_engine(tuple(sorted(layers)), decode_step=config.decode_step, speculate=config.speculate, windows=windows)
+
+
 def check_draft_model(target, config: EngineConfig) -> None:
     """The draft model against the model (`target`: model_files) before any rank starts (ConfigError
     naming draft_model): the same tokenizer, and a context window reaching every position the engine runs."""
@@ -209,12 +223,7 @@ def check_engine(model, config: EngineConfig, *, group=None, joined: bool = Fals
     check_decode_step_device(model, config, group, joined)
     files = model_files(model)
     check_hybrid_cache(files.config, config)
-    check_linear_maps(config)
-    if not isinstance(model, (str, os.PathLike)):  # a hybrid linear model (treeattn.linear) is a loaded model
-        from treeattn.linear.hybrid import check_linear_engine
-
-        check_linear_engine(model, decode_step=config.decode_step, speculate=config.speculate,
-                            windows=bool(hybrid_windows(tuple(files.config.layer_windows))))
+    check_linear(model, config, windows=bool(hybrid_windows(tuple(files.config.layer_windows))))
     if config.draft_model is not None:
         check_draft_model(files, config)
     check_memory(model, files.config, config, cache_option=cache_option)

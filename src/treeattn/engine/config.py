@@ -248,10 +248,7 @@ class EngineConfig:
         if self.linear_maps is not None:
             if not isinstance(self.linear_maps, str):
                 raise ConfigTypeError("linear_maps", f"linear_maps must be a directory path, got {type(self.linear_maps).__name__}")
-            if self.speculate is not None or self.decode_step != "dynamic":
-                what = f"speculate={self.speculate!r}" if self.speculate is not None else f"decode_step={self.decode_step!r}"
-                raise ConfigError("linear_maps", f"linear_maps (a hybrid linear model) does not run with {what}: a linear "
-                                  f"layer's state cannot step back over rejected drafts or run in static steps")
+            # what a hybrid linear model cannot run with: engine.checks.check_linear (one copy, for --linear-maps too)
 
     def blocks_per_rank(self, max_position_embeddings: int) -> int:
         """Blocks in each rank's pool: cache_tokens over all ranks, default

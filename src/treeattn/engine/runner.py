@@ -117,7 +117,8 @@ class RankRunner:
         linear = linear_layers(model)
         self.linear_states = SequenceStates() if linear else None
         if linear:
-            check_linear_engine(model, decode_step=decode_step, draft=draft_model is not None, windows=bool(windows))
+            check_linear_engine(linear, decode_step=decode_step, speculate="draft" if draft_model is not None else None,
+                                windows=bool(windows))
             layers = [i for i in layers if i not in linear]
         kv_cache_dtype = kv_cache_dtype or model.dtype
         if windows and kv_cache_dtype != model.dtype:

@@ -163,23 +163,29 @@ class HybridStore:
         return out
 
 
-def check_linear_engine(model, *, decode_step: str = "dynamic", draft: bool = False, windows: bool = False,
-                        speculate: str | None = None, prefix_cache: bool = False) -> None:
-    """What the engine cannot run with a hybrid linear model, refused in one line (ValueError naming
-    the option): static/graph decode steps, speculative decoding (a rejected draft would need the
-    state before it), sliding-window layers beside linear ones. (The prefix cache is turned off:
-    a cached prefix would need its linear states.)"""
-    layers = linear_layers(model)
+def check_linear_engine(layers: Sequence[int], *, decode_step: str = "dynamic", speculate: str | None = None,
+                        windows: bool = False) -> None:
+    """What the engine cannot run with a hybrid linear model (linear `layers`; () for a plain model),
+    refused in one line (ValueError naming the option): static/graph decode steps, speculative
+    decoding (a rejected draft would need the state before it), sliding-window layers beside linear
+    ones. (The prefix cache is turned off: a cached prefix would need its linear states.) The one
+    copy of these refusals: treeattn.engine.checks.check_linear (before any rank starts, for a loaded
+    hybrid model or --linear-maps) and the runner (a rank's own guard) call it."""
     if not layers:
         return
     what = f"a hybrid linear model (linear layers {list(layers)})"
     if decode_step != "dynamic":
         raise ValueError(f"decode_step={decode_step!r} does not run {what}; use decode_step='dynamic'")
-    if draft or speculate is not None:
-        raise ValueError(f"speculate={speculate or 'draft'!r} does not run {what}: a rejected draft would need the linear "
+    if speculate is not None:
+        raise ValueError(f"speculate={speculate!r} does not run {what}: a rejected draft would need the linear "
                          f"state before it; use speculate=None")
     if windows:
         raise ValueError(f"{what} with sliding-window layers is not supported")
+
+
+def maps_layers(directory: str | Path) -> tuple[int, ...]:
+    """The layers a feature-maps directory (`treeattn linearize --out`) linearizes."""
+    return tuple(json.loads((Path(directory) / CONFIG_FILE).read_text())["layers"])
 
 
 def linear_layers(model) -> tuple[int, ...]:
