@@ -52,7 +52,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from treeattn.models.llama import AttendFn, KVStore, RMSNorm, check_norm_and_rope, embedding
+from treeattn.models.llama import AttendFn, KVStore, RMSNorm, check_norm_and_rope, config_reader, embedding
 
 ATTENTION_FORMS = ("auto", "absorbed", "naive")
 SUPPORTED_ROPE_TYPES = ("default", "yarn")
@@ -517,17 +517,7 @@ def config_from_dict(raw: dict, architecture: str, *, source: str = "config.json
     v3 = architecture == "DeepseekV3ForCausalLM"
     defaults = _V3_DEFAULTS if v3 else _V2_DEFAULTS
 
-    def get(key, kind, default=...):
-        value = raw.get(key)
-        if value is None:
-            value = defaults.get(key) if default is ... else default
-            if value is None and default is ...:
-                raise ValueError(f"{source}: missing required key {key!r}")
-            return value
-        ok = isinstance(value, (int, float)) if kind is float else isinstance(value, kind)
-        if not ok or (isinstance(value, bool) and kind is not bool):
-            raise ValueError(f"{source}: key {key!r} must be {kind.__name__}, got {value!r}")
-        return value
+    get = config_reader(raw, source, defaults)
 
     def refuse(key: str, value, supported: str) -> None:
         raise ValueError(f"{source}: {key}={value!r} is not implemented for {architecture} (supported: {supported})")

@@ -31,7 +31,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from treeattn.models.llama import AttendFn, KVStore, LlamaConfig, LlamaModel, apply_rope, rope_cos_sin, rope_inverse_frequencies
+from treeattn.models.llama import (AttendFn, KVStore, LlamaConfig, LlamaModel, apply_rope, config_reader, rope_cos_sin,
+                                   rope_inverse_frequencies)
 
 ARCHITECTURE = "Gemma3ForCausalLM"
 
@@ -229,17 +230,7 @@ def config_from_dict(raw: dict, architecture: str, *, source: str = "config.json
             raise ValueError(f"{source}: a gemma3 (image-text) config needs a 'text_config' object, got {text!r}")
         raw, source = text, f"{source} text_config"
 
-    def get(key, kind, default=...):
-        value = raw.get(key)
-        if value is None:
-            value = TEXT_DEFAULTS.get(key) if default is ... else default
-            if value is None and default is ...:
-                raise ValueError(f"{source}: missing required key {key!r}")
-            return value
-        ok = isinstance(value, (int, float)) if kind is float else isinstance(value, kind)
-        if not ok or (isinstance(value, bool) and kind is not bool):
-            raise ValueError(f"{source}: key {key!r} must be {kind.__name__}, got {value!r}")
-        return value
+    get = config_reader(raw, source, TEXT_DEFAULTS)
 
     if get("hidden_activation", str) not in ("gelu_pytorch_tanh", "gelu_tanh"):
         raise ValueError(f"{source}: unsupported hidden_activation {raw['hidden_activation']!r}; Gemma 3 uses 'gelu_pytorch_tanh'")

@@ -113,6 +113,28 @@ class LlamaConfig:
 POSITIVE_ROPE_SCALING = ("factor", "original_max_position_embeddings", "low_freq_factor", "high_freq_factor")
 
 
+def config_reader(raw: dict, source: str, defaults: dict | None = None) -> Callable:
+    """get(key, kind, default=...) over a Hugging Face config dict: raw[key] checked to be a `kind`
+    (float takes ints too; a bool only where kind is bool), or where it is missing or null the given
+    default, else defaults[key]; no value at all is a ValueError naming `source` and the key. The
+    one key reader of the Llama, Gemma 3 and DeepSeek configs."""
+    defaults = defaults or {}
+
+    def get(key: str, kind: type, default=...):
+        value = raw.get(key)
+        if value is None:
+            value = defaults.get(key) if default is ... else default
+            if value is None and default is ...:
+                raise ValueError(f"{source}: missing required key {key!r}")
+            return value
+        ok = isinstance(value, (int, float)) if kind is float else isinstance(value, kind)
+        if not ok or (isinstance(value, bool) and kind is not bool):
+            raise ValueError(f"{source}: key {key!r} must be {kind.__name__}, got {value!r}")
+        return value
+
+    return get
+
+
 def check_norm_and_rope(config) -> None:
     """The numbers a NaN or a sign error in config.json would silently turn into NaN activations:
     rms_norm_eps and rope_theta finite and > 0, rope_scaling's numbers finite (lengths and factors

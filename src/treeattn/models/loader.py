@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 from treeattn.models.chat import ChatTemplate, gguf_chat_template, read_chat_template
-from treeattn.models.llama import SUPPORTED_ROPE_TYPES, LlamaConfig, LlamaModel
+from treeattn.models.llama import SUPPORTED_ROPE_TYPES, LlamaConfig, LlamaModel, config_reader
 from treeattn.models.packed import WEIGHT_FORMATS
 
 logger = logging.getLogger(__name__)
@@ -272,18 +272,7 @@ def config_from_dict(raw: dict, *, source: str = CONFIG_FILE) -> LlamaConfig:
 
         return gemma3.config_from_dict(raw, architecture, source=source)
 
-    def get(key, kind, default=...):
-        if key not in raw or raw[key] is None:
-            if default is ...:
-                raise ValueError(f"{source}: missing required key {key!r}")
-            return default
-        value = raw[key]
-        ok = isinstance(value, kind) and not (isinstance(value, bool) and kind is not bool)
-        if kind is float:
-            ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-        if not ok:
-            raise ValueError(f"{source}: key {key!r} must be {kind.__name__}, got {value!r}")
-        return value
+    get = config_reader(raw, source)
 
     hidden_act = get("hidden_act", str, "silu")
     if hidden_act != "silu":
