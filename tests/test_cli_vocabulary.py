@@ -21,7 +21,7 @@ from treeattn.engine.flags import DTYPES, config_flag, field_help
 
 runner = CliRunner()
 
-COMMANDS = [["generate"], ["serve"], ["demo"], ["simulate"], ["eval", "needle"], ["bench", "decode"], ["bench", "calibrate"],
+COMMANDS = [["generate"], ["serve"], ["chat"], ["demo"], ["simulate"], ["eval", "needle"], ["bench", "decode"], ["bench", "calibrate"],
             ["bench", "validate"], ["bench", "plot"], ["bench", "profile"], ["linearize"]]
 RETIRED = {"--world-size", "--gpus", "--new-tokens", "--capacity", "--model", "-p"}
 
@@ -76,6 +76,7 @@ def test_old_spellings_are_rewritten():
     assert rewrite_aliases(["demo", "--model", "m.gguf", "--new-tokens", "3"]) == ["demo", "m.gguf", "--max-new-tokens", "3"]
     assert rewrite_aliases(["generate", "M", "--capacity", "12"]) == ["generate", "M", "--max-context", "12"]
     assert rewrite_aliases(["generate", "M", "--no-stop"]) == ["generate", "M", "--ignore-eos"]
+    assert rewrite_aliases(["bench", "decode", "--threads-per-rank", "2"]) == ["bench", "decode", "--threads", "2"]
     assert rewrite_aliases(["serve", "-p", "2"]) == ["serve", "-p", "2"]  # only the commands that spelled it so
     assert rewrite_aliases(["serve", "M", "--speculate", "none", "--speculate=none"]) == ["serve", "M"]  # the default's old name
     assert set(ALIASES) <= {" ".join(c).split()[0] for c in COMMANDS}
@@ -88,3 +89,34 @@ def test_usage_errors_are_one_line():
         assert result.exit_code == 2 and len(lines) == 1 and lines[0].startswith("error: "), (args, result.stderr)
     result = runner.invoke(app, ["simulate", "--dtype", "bf16", "-p", "8", "-n", "1000", "--json"])
     assert result.exit_code == 0, result.output  # an old spelling of a value and of a flag
+
+
+def field_flags() -> dict[str, dict[str, list[str]]]:
+    """EngineConfig / SamplingParams field -> {visible flag: the commands that use it}, over every
+    command: an option is a field's when its parameter is named after the field or its flag is the
+    field's (flags.flag_of)."""
+    from treeattn.engine.flags import flag_of
+
+    fields = [f.name for cls in (EngineConfig, SamplingParams) for f in dataclasses.fields(cls)]
+    found: dict[str, dict[str, list[str]]] = {}
+    for command in COMMANDS:
+        for option in _options(command):
+            for field in fields:
+                if option.name == field or flag_of(field) in option.opts:
+                    for flag in (o for o in option.opts if o.startswith("--")):  # a one-letter short form (-m) is no second name
+                        found.setdefault(field, {}).setdefault(flag, []).append(" ".join(command))
+    return found
+
+
+def test_one_flag_per_configuration_field_in_every_command():
+    """No two names for one concept: every command that sets a field of EngineConfig or
+    SamplingParams spells it as flags.flag_of(field) and nothing else."""
+    from treeattn.engine.flags import flag_of
+
+    found = field_flags()
+    assert {"nproc", "max_new_tokens", "device", "threads_per_rank", "placement", "dtype"} <= set(found)
+    for field, flags in found.items():
+        assert set(flags) == {flag_of(field)}, f"{field} has several names: {flags}"
+    for command in (c for c in COMMANDS if any("--dtype" in o.opts for o in _options(c))):  # one spelling of the values too: torch's names (bf16 & co. are hidden aliases)
+        (option,) = [o for o in _options(command) if "--dtype" in o.opts]
+        assert option.metavar in ("<auto|float32|bfloat16|float16>", "<float32|bfloat16|float16>"), (command, option.metavar)

@@ -45,7 +45,8 @@ ALIASES = {
     "generate": {"--capacity": "--max-context", "--no-stop": "--ignore-eos"},
     "demo": {"--new-tokens": "--max-new-tokens", "--model": ""},
     "simulate": {"--gpus": "--nproc", "-p": "--nproc", "--new-tokens": "--max-new-tokens"},
-    "bench": {"--world-size": "--nproc", "-p": "--nproc", "--new-tokens": "--max-new-tokens", "--json": "--output"},
+    "bench": {"--world-size": "--nproc", "-p": "--nproc", "--new-tokens": "--max-new-tokens", "--json": "--output",
+              "--threads-per-rank": "--threads"},
 }
 
 

@@ -13,9 +13,12 @@ from pathlib import Path
 
 import typer
 
-from treeattn.engine.flags import dtype_flag
+from treeattn.engine.flags import DTYPE_ALIASES, dtype_flag
 
 from treeattn.bench.config import METHODS, SweepConfig
+
+SHORT_DTYPES = {name: short for short, name in DTYPE_ALIASES.items() if short != "half"}
+"""--dtype's names (float32, ...) -> the sweep records' (fp32, ...)."""
 
 bench_app = typer.Typer(help="Benchmarks: decode sweeps, calibration, cost-model validation.", no_args_is_help=True, rich_markup_mode=None)
 
@@ -190,10 +193,10 @@ def decode(
     kv_heads: int | None = typer.Option(None, help="KV heads Hkv (default Hq)."),
     head_dim: int = typer.Option(128, help="Head dim D."),
     batch: int = typer.Option(1, help="Batch B."),
-    dtype: str = typer.Option("fp32", help="fp32, bf16 or fp16."),
+    dtype: str = dtype_flag(default="float32", help="q, k, v dtype."),
     warmup: int = typer.Option(2, help="Untimed calls per case."),
     repeats: int = typer.Option(10, help="Timed calls per case."),
-    threads_per_rank: int = typer.Option(1, help="torch threads in each rank."),
+    threads_per_rank: int = typer.Option(1, "--threads", min=1, help="torch threads in each rank."),
     backend: str = typer.Option("gloo", help="gloo (CPU) or nccl (GPU)."),
     ranks_per_node: int | None = typer.Option(None, help="Ranks per node for twolevel (must divide every world size)."),
     topology: str | None = typer.Option(None, help="NODESxRANKS: run in that many network namespaces (needs root + iproute2)."),
@@ -224,7 +227,7 @@ def decode(
     try:
         config = SweepConfig(
             methods=tuple(method), world_sizes=tuple(world_size), seq_lens=tuple(seq_len), heads=heads, kv_heads=kv_heads,
-            head_dim=head_dim, batch=batch, dtype=dtype, warmup=warmup, repeats=repeats, ranks_per_node=ranks_per_node,
+            head_dim=head_dim, batch=batch, dtype=SHORT_DTYPES[dtype], warmup=warmup, repeats=repeats, ranks_per_node=ranks_per_node,
             threads_per_rank=threads_per_rank, backend=backend, timeout=timeout,
         )
         if nodes is not None:
