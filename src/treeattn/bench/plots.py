@@ -3,7 +3,8 @@
 A record is a dict with at least `method`, `gpus`, `seq_len`, a latency in seconds (the key is a
 parameter: "median_seconds" for benchmarks, "predicted_seconds" for the cost model), and
 optionally `bytes` (sent by the busiest rank) and `peak_memory_bytes`. Methods keep one colour
-and marker in every figure.
+and marker in every figure. Legends sit beside the axes, never over a line. Each plot_* function
+writes a PNG and returns its path; the *_figure functions build the matplotlib figure (for tests).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import NullFormatter  # noqa: E402
 
 METHOD_STYLE: dict[str, tuple[str, str]] = {
+    "onepass": ("tab:cyan", "P"),
     "allreduce": ("tab:blue", "o"),
     "tree": ("tab:green", "s"),
     "twolevel": ("tab:purple", "D"),
@@ -26,7 +28,11 @@ METHOD_STYLE: dict[str, tuple[str, str]] = {
     "ring-q": ("tab:orange", "v"),
     "local": ("tab:gray", "x"),
 }
-TREE_METHODS = ("allreduce", "tree", "twolevel")
+TREE_METHODS = ("onepass", "allreduce", "tree", "twolevel")
+# The speedup figure: each tree method's line style, and its shift along the p axis (in octaves) so that
+# methods with equal speedups (tree and twolevel often are) stay visible side by side.
+SPEEDUP_LINES = {"onepass": ("-", -0.075), "allreduce": ("-.", -0.025), "tree": ("--", 0.025), "twolevel": (":", 0.075)}
+LEGEND_BESIDE = {"loc": "upper left", "bbox_to_anchor": (1.02, 1.0), "borderaxespad": 0.0, "fontsize": 8}
 
 
 def _style(method: str) -> dict[str, str]:
@@ -62,7 +68,18 @@ def _series(records: Iterable[dict], x: str, y: str, **fixed: object) -> dict[st
     return {m: sorted(pts) for m, pts in out.items()}
 
 
-def plot_latency(records: Sequence[dict], path: Path, latency_key: str, title: str) -> Path:
+def _save(fig, path: Path) -> Path:
+    """Write `fig` with the legends beside its axes kept whole ("tight" counts every legend, also one
+    added with add_artist), then close it."""
+    from matplotlib.legend import Legend
+
+    legends = [c for ax in fig.axes for c in ax.get_children() if isinstance(c, Legend)]
+    fig.savefig(path, dpi=120, bbox_inches="tight", bbox_extra_artists=legends)
+    plt.close(fig)
+    return path
+
+
+def latency_figure(records: Sequence[dict], latency_key: str, title: str):
     """Latency vs sequence length, one line per method, one panel per world size (figure 4)."""
     sizes = sorted({r["gpus"] for r in records})
     fig, axes = plt.subplots(1, len(sizes), figsize=(4.2 * len(sizes), 3.6), squeeze=False)
@@ -76,22 +93,27 @@ def plot_latency(records: Sequence[dict], path: Path, latency_key: str, title: s
         ax.set_xlabel("sequence length (tokens)")
         ax.grid(True, which="both", alpha=0.3)
     axes[0][0].set_ylabel("latency per decode step (ms)")
-    axes[0][-1].legend(fontsize=8)
+    axes[0][-1].legend(**LEGEND_BESIDE)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return fig
 
 
-def plot_speedup(records: Sequence[dict], path: Path, latency_key: str, title: str, baseline: str = "ring-kv") -> Path:
-    """Speedup of each tree method over `baseline` vs world size, one line per sequence length
-    (figure 5); solid for allreduce, dashed for tree, dotted for twolevel."""
+def plot_latency(records: Sequence[dict], path: Path, latency_key: str, title: str) -> Path:
+    return _save(latency_figure(records, latency_key, title), path)
+
+
+def speedup_figure(records: Sequence[dict], latency_key: str, title: str, baseline: str = "ring-kv"):
+    """Speedup of each tree method over `baseline` vs world size (figure 5): colour = sequence length,
+    line style and marker = method (SPEEDUP_LINES, METHOD_STYLE), each method's points shifted a little
+    along p so that equal speedups do not hide one another; two legends say which is which."""
+    from matplotlib.lines import Line2D
+
     latency = {(r["method"], r["gpus"], r["seq_len"]): r[latency_key] for r in records}
     lengths = sorted({r["seq_len"] for r in records})
     cmap = plt.get_cmap("viridis")
     fig, ax = plt.subplots(figsize=(5.5, 4.0))
-    dashes = {"allreduce": "-", "tree": "--", "twolevel": ":"}
+    drawn = []
     for i, n in enumerate(lengths):
         color = cmap(i / max(1, len(lengths) - 1))
         for method in TREE_METHODS:
@@ -102,24 +124,37 @@ def plot_speedup(records: Sequence[dict], path: Path, latency_key: str, title: s
             )
             if not pts:
                 continue
+            style, shift = SPEEDUP_LINES[method]
             xs, ys = zip(*pts)
-            label = f"N={_seq_label(n)}" if method == "allreduce" or len(lengths) == 1 else None
-            ax.plot(xs, ys, linestyle=dashes[method], marker="o", color=color, label=label)
+            ax.plot([x * 2**shift for x in xs], ys, linestyle=style, marker=METHOD_STYLE[method][1], markersize=5,
+                    color=color, label=f"{method} N={_seq_label(n)}")
+            if method not in drawn:
+                drawn.append(method)
     ax.axhline(1.0, color="black", linewidth=0.8)
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
-    ax.set_xlabel("world size p")
+    sizes = sorted({r["gpus"] for r in records})
+    ax.set_xticks(sizes, [str(p) for p in sizes])
+    ax.set_xlabel("world size p (each method's points drawn slightly apart)")
     ax.set_ylabel(f"speedup over {baseline}")
-    ax.set_title(title + "\n(solid allreduce, dashed tree, dotted twolevel)", fontsize=9)
+    ax.set_title(title, fontsize=9)
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
+    by_length = [Line2D([], [], color=cmap(i / max(1, len(lengths) - 1)), linewidth=3, label=f"N={_seq_label(n)}")
+                 for i, n in enumerate(lengths)]
+    by_method = [Line2D([], [], color="black", linestyle=SPEEDUP_LINES[m][0], marker=METHOD_STYLE[m][1], label=m) for m in drawn]
+    first = ax.legend(handles=by_length, title="sequence length", **LEGEND_BESIDE)
+    ax.add_artist(first)
+    ax.legend(handles=by_method, title="method", loc="lower left", bbox_to_anchor=(1.02, 0.0), borderaxespad=0.0, fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return fig
 
 
-def _plot_per_method(records: Sequence[dict], path: Path, key: str, scale: float, ylabel: str, title: str) -> Path:
+def plot_speedup(records: Sequence[dict], path: Path, latency_key: str, title: str, baseline: str = "ring-kv") -> Path:
+    return _save(speedup_figure(records, latency_key, title, baseline), path)
+
+
+def per_method_figure(records: Sequence[dict], key: str, scale: float, ylabel: str, title: str):
+    """`key` / scale vs sequence length at the largest world size, one line per method."""
     p = max(r["gpus"] for r in records)
     fig, ax = plt.subplots(figsize=(5.5, 4.0))
     for method, pts in _series(records, "seq_len", key, gpus=p).items():
@@ -133,21 +168,19 @@ def _plot_per_method(records: Sequence[dict], path: Path, key: str, scale: float
     ax.set_ylabel(ylabel)
     ax.set_title(f"{title}\np = {p}", fontsize=9)
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.legend(**LEGEND_BESIDE)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return fig
 
 
 def plot_memory(records: Sequence[dict], path: Path, title: str) -> Path:
     """Peak memory per rank vs sequence length at the largest world size."""
-    return _plot_per_method(records, path, "peak_memory_bytes", 2**20, "peak memory per rank (MiB)", title)
+    return _save(per_method_figure(records, "peak_memory_bytes", 2**20, "peak memory per rank (MiB)", title), path)
 
 
 def plot_comm(records: Sequence[dict], path: Path, title: str) -> Path:
     """Bytes sent by the busiest rank per decode step vs sequence length."""
-    return _plot_per_method(records, path, "bytes", 1.0, "bytes sent per step (busiest rank)", title)
+    return _save(per_method_figure(records, "bytes", 1.0, "bytes sent per step (busiest rank)", title), path)
 
 
 def check_records(records: object, latency_key: str) -> None:

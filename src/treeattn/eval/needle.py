@@ -15,7 +15,7 @@ tokens. Attention is exact, so they must: the eval reports any cell where they d
 from __future__ import annotations
 
 import logging
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 
 from treeattn.engine.config import DEFAULT_METHOD
 from treeattn.eval.haystack import is_correct, needle_case
@@ -66,6 +66,13 @@ class NeedleReport:
         out = asdict(self)
         out.update(accuracy=self.accuracy, methods_agree=self.methods_agree)
         return out
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> "NeedleReport":
+        """The report of an as_dict() (the JSON `treeattn eval needle --json` prints), e.g. to draw
+        its heatmap again; accuracy and methods_agree are recomputed from the cells."""
+        cells = [NeedleCell(**cell) for cell in raw["cells"]]
+        return cls(**{f.name: raw[f.name] for f in fields(cls) if f.name != "cells"}, cells=cells)
 
 
 def default_lengths(context_window: int) -> list[int]:
@@ -142,9 +149,10 @@ def run_needle(
                         methods=[method_name(*m) for m in methods], cells=cells, load_s=timing.load_s, total_s=timing.total_s)
 
 
-def heatmap(report: NeedleReport, path) -> None:
-    """Write a PNG: rows needle depth, columns context length, green = retrieved, red = missed;
-    a cell where the decode methods disagreed is marked with an X."""
+def heatmap_figure(report: NeedleReport):
+    """The heatmap's matplotlib figure: rows needle depth, columns context length, green = retrieved,
+    red = missed (the colour bar says so), X = the decode methods disagreed; the title (model, then
+    accuracy, ranks, method) is on two lines that the figure's width holds."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -154,23 +162,34 @@ def heatmap(report: NeedleReport, path) -> None:
     lengths = sorted({c.length for c in report.cells})
     depths = sorted({c.depth for c in report.cells})
     grid = np.full((len(depths), len(lengths)), np.nan)
-    fig, ax = plt.subplots(figsize=(1.4 + 1.1 * len(lengths), 1.2 + 0.6 * len(depths)))
+    fig, ax = plt.subplots(figsize=(3.2 + 1.1 * len(lengths), 1.6 + 0.6 * len(depths)))
     for c in report.cells:
         i, j = depths.index(c.depth), lengths.index(c.length)
         grid[i, j] = 1.0 if c.correct else 0.0
         if not c.methods_agree:
             ax.text(j, i, "X", ha="center", va="center", fontsize=14, color="black")
-    ax.imshow(grid, cmap="RdYlGn", vmin=0, vmax=1, aspect="auto")
+    image = ax.imshow(grid, cmap="RdYlGn", vmin=0, vmax=1, aspect="auto")
+    bar = fig.colorbar(image, ax=ax, ticks=[0.0, 1.0], fraction=0.08, pad=0.04)
+    bar.ax.set_yticklabels(["missed", "retrieved"], fontsize=8)
+    bar.set_label("X: methods disagree", fontsize=8)
     ax.set_xticks(range(len(lengths)), [f"{n // 1024}K" if n % 1024 == 0 else str(n) for n in lengths])
     ax.set_yticks(range(len(depths)), [f"{d:.0%}" for d in depths])
     ax.set_xlabel("context length (tokens)")
     ax.set_ylabel("needle depth")
     name = report.model.rsplit("/", 1)[-1]
-    ax.set_title(f"{name}: {report.accuracy:.0%} retrieved, {report.nproc} rank(s), {report.decode}"
-                 + ("" if report.methods_agree else " (methods DISAGREE)"), fontsize=9)
+    ax.set_title(f"{name}\n{report.accuracy:.0%} retrieved, {report.nproc} rank(s), {report.decode} ({report.method})"
+                 + ("" if report.methods_agree else ", methods DISAGREE"), fontsize=9, wrap=True)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    return fig
+
+
+def heatmap(report: NeedleReport, path) -> None:
+    """Write heatmap_figure(report) as a PNG at `path`."""
+    import matplotlib.pyplot as plt
+
+    fig = heatmap_figure(report)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
 
 
-__all__ = ["ALL_METHODS", "NeedleCell", "NeedleReport", "default_lengths", "heatmap", "run_needle"]
+__all__ = ["ALL_METHODS", "NeedleCell", "NeedleReport", "default_lengths", "heatmap", "heatmap_figure", "run_needle"]
