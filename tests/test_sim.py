@@ -356,3 +356,33 @@ def test_onepass_is_one_collective_of_float64_state(gpus):
     saved = allreduce_combine(H100, shape, gpus).seconds - onepass_combine(H100, shape, gpus).seconds - H100.host_read_seconds
     assert two.predicted_seconds - one.predicted_seconds == pytest.approx(saved)
     assert allgather_combine(H100, shape, gpus).rounds == gpus - 1
+
+
+def test_units_read_as_people_write_them():
+    from treeattn.sim.units import format_bytes, format_flops, format_memory, format_rate, format_seconds
+
+    assert [format_bytes(16_510), format_bytes(512), format_bytes(2.5e9)] == ["16.5 KB", "512 B", "2.5 GB"]
+    assert [format_memory(4e4 * 2**20), format_memory(80 * 2**30), format_memory(1536)] == ["39.1 GiB", "80 GiB", "1.5 KiB"]
+    assert [format_seconds(0.0123), format_seconds(5e-6), format_seconds(3.4), format_seconds(0)] == ["12.3 ms", "5 us", "3.4 s", "0 s"]
+    assert [format_rate(4.5e11), format_flops(9.89e14)] == ["450 GB/s", "989 TFLOP/s"]
+
+
+def test_simulate_table_and_preset_print_human_units():
+    import re
+
+    from treeattn.sim import load_cluster
+
+    runner = CliRunner()
+    table = runner.invoke(app, ["simulate", "-p", "8", "-n", "5120000", "-n", "1000000000", "-m", "tree", "-m", "ring-kv"])
+    assert table.exit_code == 0, table.output
+    assert not re.search(r"\de[+-]\d", table.stdout)  # no 1.651e+04
+    assert re.search(r"\d (KB|MB|GB) ", table.stdout) and re.search(r"\d (GiB|TiB) ", table.stdout)
+    assert re.search(r"\d (us|ms|s) ", table.stdout) and "5,120,000" in table.stdout
+    assert re.search(r"more than the 80 GiB of one dgx-h100", table.stderr)
+    preset = runner.invoke(app, ["simulate", "--preset", "dgx-h100", "--show-preset"])
+    assert preset.exit_code == 0, preset.output
+    assert not re.search(r"\de[+-]\d", preset.stdout)
+    for shown in ("3.35 TB/s", "989 TFLOP/s", "80 GiB", "80 %", "360 GB/s", "5 us"):
+        assert shown in preset.stdout, shown
+    raw = runner.invoke(app, ["simulate", "--preset", "dgx-h100", "--show-preset", "--json"])
+    assert Cluster.from_dict(json.loads(raw.stdout)) == load_cluster("dgx-h100")

@@ -63,6 +63,6 @@ def test_simulate_says_what_does_not_fit():
     rows = [json.loads(line) for line in result.stdout.splitlines()]
     assert [r["fits_memory"] for r in rows] == [True, False]
     lines = [line for line in result.stderr.splitlines() if line.startswith("does not fit in memory:")]
-    assert len(lines) == 1 and "tree p=8 N=1000000000" in lines[0] and "80.0 GiB of one dgx-h100 device" in lines[0]
+    assert len(lines) == 1 and "tree p=8 N=1000000000" in lines[0] and "80 GiB of one dgx-h100 device" in lines[0]
     result = CliRunner().invoke(app, ["simulate", "-p", "8", "-n", "1000000000", "-m", "tree", "--memory-gib", "1024"])
     assert result.exit_code == 0 and "does not fit" not in result.output

@@ -53,7 +53,7 @@ def simulate(
     as_json: bool = typer.Option(False, "--json", help="One JSON object per line per configuration."),
     plot: Path | None = typer.Option(None, help="Write latency/speedup/memory/comm PNGs into this folder."),
     plot_prefix: str = typer.Option("", help="File name prefix of the PNGs (default sim_<preset>)."),
-    show_preset: bool = typer.Option(False, help="Print the cluster parameters and their sources, then exit."),
+    show_preset: bool = typer.Option(False, help="Print the cluster parameters and their sources, then exit (--json: raw values)."),
     paper: bool = typer.Option(False, help="Print the comparison with the paper's reported figures (Markdown), then exit."),
 ) -> None:
     """Predict one decode step (or prefill + n decode steps) of every method on a two-level cluster."""
@@ -94,7 +94,10 @@ def simulate(
         raise typer.Exit(2) from None
 
     if show_preset:
-        typer.echo(json.dumps(cluster.to_dict(), indent=2))
+        if as_json:  # the raw values (SI units: bytes, seconds), as Cluster.from_dict reads them
+            typer.echo(json.dumps(cluster.to_dict(), indent=2))
+        else:
+            _print_preset(cluster)
         return
 
     records: list[dict] = []
@@ -141,28 +144,80 @@ def _print_table(records: list[dict], preset: str, generation: bool) -> None:
     from rich.console import Console
     from rich.table import Table
 
+    from treeattn.sim.units import format_bytes, format_memory, format_seconds
+
     table = Table(title=f"predicted decode step, preset {preset}")
-    for col in ("method", "gpus", "seq_len", "latency (ms)", "speedup vs ring-kv", "bytes sent", "rounds", "steps", "peak mem (MiB)"):
+    for col in ("method", "gpus", "seq_len", "latency", "speedup vs ring-kv", "sent (busiest rank)", "rounds", "steps", "peak memory"):
         table.add_column(col, justify="right" if col != "method" else "left")
     if generation:
-        table.add_column("prefill+decode (s)", justify="right")
+        table.add_column("prefill + decode", justify="right")
     ring = {(r["gpus"], r["seq_len"]): r["predicted_seconds"] for r in records if r["method"] == "ring-kv"}
     for r in records:
         base = ring.get((r["gpus"], r["seq_len"]))
         row = [
             r["method"],
             str(r["gpus"]),
-            str(r["seq_len"]),
-            f"{r['predicted_seconds'] * 1e3:.4g}",
+            f"{r['seq_len']:,}",
+            format_seconds(r["predicted_seconds"]),
             f"{base / r['predicted_seconds']:.3g}x" if base else "-",
-            f"{r['bytes']:.4g}",
+            format_bytes(r["bytes"]),
             str(r["rounds"]),
             str(r["steps"]),
-            f"{r['peak_memory_bytes'] / 2**20:.4g}" + (" !" if r.get("fits_memory") is False else ""),
+            format_memory(r["peak_memory_bytes"]) + (" !" if r.get("fits_memory") is False else ""),
         ]
         if generation:
-            row.append(f"{r['generation_seconds']:.4g}")
+            row.append(format_seconds(r["generation_seconds"]))
         table.add_row(*row)
     Console(width=160).print(table)
     if any(r.get("fits_memory") is False for r in records):
         Console(width=160).print("! the K/V cache does not fit in the devices' memory (see below)")
+
+
+def preset_rows(cluster) -> list[tuple[str, str, str]]:
+    """(parameter, readable value, source) of every parameter of `cluster`, in its field order
+    (links as latency and bandwidth rows)."""
+    from dataclasses import fields
+
+    from treeattn.sim.units import format_flops, format_memory, format_rate, format_seconds
+
+    def readable(name: str, value) -> str:
+        if value is None:
+            return "-"
+        if name.endswith("bandwidth"):
+            return format_rate(value)
+        if name.endswith(("efficiency", "overlap")):
+            return f"{value * 100:.3g} %"
+        if name == "peak_flops":
+            return format_flops(value)
+        if name == "memory_capacity":
+            return format_memory(value)
+        if name.endswith(("overhead", "seconds", "latency")):
+            return format_seconds(value)
+        if name.startswith("busy_"):
+            return ", ".join(f"p={p}: {format_seconds(t)}" for p, t in value) or "-"
+        return str(value)
+
+    rows = []
+    for f in fields(cluster):
+        if f.name == "sources":
+            continue
+        value = getattr(cluster, f.name)
+        if f.name in ("intra", "inter"):
+            for part in ("latency", "bandwidth"):
+                key = f"{f.name}.{part}"
+                rows.append((key, readable(key, getattr(value, part)), cluster.sources.get(key, "")))
+        else:
+            rows.append((f.name, readable(f.name, value), cluster.sources.get(f.name, "")))
+    return rows
+
+
+def _print_preset(cluster) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"preset {cluster.name}")
+    for col in ("parameter", "value", "source"):
+        table.add_column(col, justify="right" if col == "value" else "left", overflow="fold")
+    for row in preset_rows(cluster):
+        table.add_row(*row)
+    Console(width=160).print(table)

@@ -144,7 +144,9 @@ def memory_shortfall(cluster: Cluster, prediction: Prediction) -> str | None:
 
 
 def _gib(n: float) -> str:
-    return f"{n / 2**30:.1f} GiB"
+    from treeattn.sim.units import format_memory
+
+    return format_memory(n)
 
 
 # ------------------------------------------------------------------------------------ compute
