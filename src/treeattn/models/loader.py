@@ -54,7 +54,9 @@ def load_model(model_dir: str | os.PathLike, *, dtype: torch.dtype = torch.float
     """Load a Llama-family checkpoint: a Hugging Face directory or a .gguf file.
 
     The model's tokenizer and chat template come along as model.tokenizer and model.chat_template
-    (None where the checkpoint has none).
+    (None where the checkpoint has none). A .gguf file whose every tensor is dequantized is read
+    from its converted copy in the user cache when there is one, and the copy is written after the
+    first such load (treeattn.models.gguf_cache; TREEATTN_GGUF_CACHE=0 turns that off).
 
     Args:
         model_dir: directory with config.json and *.safetensors (with or without an index), or a
