@@ -125,6 +125,7 @@ def test_eval_needle_methods_and_rank_counts_agree(files, tmp_path):
 @pytest.mark.parametrize("args, match", [
     (["--depths", "0,1.5"], r"--depths: every depth must be in \[0, 1\]"),
     (["--lengths", "1000"], r"--lengths: the longest prompt needs \d+ positions, beyond the model's context window of 64"),
+    (["--decode", "local", "--nproc", "2"], r"^error: --decode local runs on one rank, but --nproc 2; use --decode tree or --decode ring$"),
 ])
 def test_eval_needle_bad_input(files, args, match):
     result = runner.invoke(app, ["eval", "needle", str(files["short"]), *args])

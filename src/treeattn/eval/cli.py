@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import sys
 import time
-from enum import Enum
 from pathlib import Path
 
 import typer
@@ -23,21 +22,14 @@ from rich.table import Table
 
 from treeattn.engine.config import DEFAULT_METHOD
 from treeattn.engine.config import EngineConfig as E
-from treeattn.engine.flags import Device, KvCacheDtype, WeightFormat, cli_message, config_flag, device_and_dtype, dtype_flag
+from treeattn.engine.request import SamplingParams as S
+from treeattn.engine.flags import (Decode, Device, KvCacheDtype, Method, WeightFormat, cli_message, config_flag, device_and_dtype,
+                                  dtype_flag)
 
 eval_app = typer.Typer(help="Evaluate a model through the engine.", no_args_is_help=True, rich_markup_mode=None)
 stderr = Console(stderr=True)
 
 
-class Decode(str, Enum):
-    tree = "tree"
-    ring = "ring"
-
-
-class Method(str, Enum):
-    allreduce = "allreduce"
-    onepass = "onepass"
-    tree = "tree"
 
 
 def _numbers(text: str, kind, option: str) -> list:
@@ -56,14 +48,15 @@ def needle_command(
     lengths: str | None = typer.Option(None, "--lengths", help="Document lengths in tokens, comma-separated "
                                        "(default: 1024, 2048, ... up to the model's context window)."),
     depths: str = typer.Option("0,0.25,0.5,0.75,1", "--depths", help="Needle depths in [0, 1], comma-separated."),
-    nproc: int = typer.Option(1, "--nproc", min=1, help="Local ranks (gloo); the KV cache is sharded across them."),
-    decode: Decode = typer.Option(Decode.tree, "--decode", help="Decode attention whose answer is scored (on --nproc > 1)."),
-    method: Method = typer.Option(Method(DEFAULT_METHOD), "--method", help="tree_decode combine."),
+    nproc: int = config_flag(E, "nproc", min=1, help="Local ranks; the KV cache is sharded across them."),
+    decode: Decode = config_flag(E, "decode", help="Decode attention whose answer is scored (on --nproc > 1; one rank "
+                                 "decodes locally)."),
+    method: Method | None = config_flag(E, "method"),
     check_methods: bool = typer.Option(True, "--check-methods/--no-check-methods", help="Also decode every other method "
                                        "from the same prefill and check that all give identical tokens."),
-    max_new_tokens: int = typer.Option(16, "--max-new-tokens", min=1, help="Greedy tokens of each answer at most."),
-    seed: int = typer.Option(0, "--seed", min=0, help="Filler order and hidden number."),
-    threads: int | None = typer.Option(None, "--threads", min=1, help="torch threads per rank (default cores / ranks)."),
+    max_new_tokens: int = config_flag(S, "max_new_tokens", default=16, min=1, help="Greedy tokens of each answer at most."),
+    seed: int = config_flag(S, "seed", min=0, help="Filler order and hidden number."),
+    threads: int | None = config_flag(E, "threads_per_rank", flag="--threads", min=1),
     heatmap_path: Path | None = typer.Option(None, "--heatmap", help="Write a heatmap PNG (matplotlib) here."),
     allow_beyond_context: bool = typer.Option(False, "--allow-beyond-context", help="Allow prompts longer than the model's "
                                               "context window (positions it never saw in training)."),
@@ -79,6 +72,8 @@ def needle_command(
     from treeattn.parallel import SpawnError
 
     try:
+        method = method or DEFAULT_METHOD
+        E(nproc=nproc, decode=decode if nproc > 1 else "local", method=method)  # --decode local on --nproc 2: one line
         kind, dtype = device_and_dtype(device, dtype, nproc)  # "cpu" or "cuda"; --dtype auto: bfloat16 on CUDA
         depth_list = _numbers(depths, float, "--depths")
         if not all(0 <= d <= 1 for d in depth_list):
@@ -89,10 +84,10 @@ def needle_command(
         start = time.perf_counter()
         if not json_output:
             stderr.print(f"needle eval of {model}: lengths {length_list}, depths {depth_list}, {nproc} rank(s), "
-                         f"decode {decode.value if nproc > 1 else 'local'}, {dtype} on {kind}")
+                         f"decode {decode if nproc > 1 else 'local'}, {dtype} on {kind}")
         with stderr.status(f"{len(length_list) * len(depth_list)} prompts ...") if not json_output else _nothing():
-            report = run_needle(str(model), lengths=length_list, depths=depth_list, nproc=nproc, decode=decode.value,
-                                method=method.value, check_methods=check_methods, max_new_tokens=max_new_tokens, seed=seed,
+            report = run_needle(str(model), lengths=length_list, depths=depth_list, nproc=nproc, decode=decode,
+                                method=method, check_methods=check_methods, max_new_tokens=max_new_tokens, seed=seed,
                                 threads=threads, allow_beyond_context=allow_beyond_context, dtype=dtype, device=kind,
                                 kv_cache_dtype=kv_cache_dtype, weight_format=weight_format)
     except (ValueError, FileNotFoundError) as exc:
