@@ -170,7 +170,10 @@ def test_text_streams_to_stdout_and_plain_status_lines_to_a_piped_stderr(checkpo
     assert lines[0] == f"loading {checkpoint.name} on 2 rank(s) (starting them)"
     assert re.fullmatch(r"model loaded in \d+\.\d\d s", lines[1])
     assert f"prefill {len(PROMPT)} tokens on 2 rank(s), then up to 6 new tokens" in lines
-    assert any(re.fullmatch(rf"prefill {len(PROMPT)}/{len(PROMPT)} tokens \(\d+\.\d\d s\)", line) for line in lines)
+    done = [i for i, line in enumerate(lines) if re.fullmatch(rf"prefill {len(PROMPT)}/{len(PROMPT)} tokens \(\d+\.\d\d s\)", line)]
+    # the one ring step's progress, layer by layer (the tiny model's 2 layers: a line after the first)
+    within = [i for i, line in enumerate(lines) if re.fullmatch(rf"prefill 0/{len(PROMPT)} tokens, this step at layer 1/2 \(\d+\.\d\d s\)", line)]
+    assert len(done) == 1 and len(within) == 1 and within[0] < done[0], out.stderr
     assert "total wall time (whole command)" in out.stderr
     assert "\x1b" not in out.stderr and "\r" not in out.stderr
     assert not set(out.stderr) & set("⠋⠙⠹⠸⠼⠴⠦⠧⠇⠏") and "0:00:" not in out.stderr  # no spinner frames, no progress bars

@@ -4,6 +4,7 @@
     display = GenerateDisplay(stream_text=True)         # picklable: rank 0 of `generate` gets it
     display.loaded(seconds=2.1)                         # "model loaded in 2.10 s"
     display.on_prefill(1024, 3197)                      # prefill progress, chunk by chunk
+    display.on_layer(7, 30)                             # within a step: rank 0 finished layer 8 of 30
     with display.run(tokenizer, world_size, 3197, 64) as on_token:
         for step in generation: on_token(step)          # the answer streamed to stdout as decoded (step.texts)
 
@@ -79,6 +80,7 @@ class GenerateDisplay:
         self.stream_text = stream_text
         self._progress = self._prefill_task = None
         self._prefill_started: float | None = None
+        self._computed, self._total, self._prefilled = 0, 0, False
 
     def loaded(self, seconds: float) -> None:
         say(f"model loaded in {seconds:.2f} s")
@@ -88,16 +90,34 @@ class GenerateDisplay:
         now = time.perf_counter()
         if self._prefill_started is None:  # (called outside run())
             self._prefill_started = now
+        self._computed, self._total, self._prefilled = computed, total, computed >= total
         if self._progress is not None:
-            self._progress.update(self._prefill_task, completed=computed, total=total)
+            self._progress.update(self._prefill_task, completed=computed, total=total, description="prefill")
         else:
             say(f"prefill {computed}/{total} tokens ({now - self._prefill_started:.2f} s)")
+
+    def on_layer(self, layer: int, layers: int) -> None:
+        """Rank 0 has run layer `layer` (0-based) of `layers` in the step now running (a forward hook
+        on its decoder layers, in the step's thread). On 2+ ranks a prompt-only step is a ring step of
+        up to 4096 tokens a rank, the whole of most prompts, and its ranks go through the layers
+        together (each layer's ring attention waits for every rank), so this is that step's progress.
+        Shown until the prefill is done: the bar's label in a terminal, else a plain line at each
+        quarter of the layers."""
+        if self._prefill_started is None or self._prefilled:
+            return
+        done = layer + 1
+        if self._progress is not None:
+            self._progress.update(self._prefill_task, description=f"prefill (layer {done}/{layers})")
+        elif done < layers and done % max(1, layers // 4) == 0:
+            say(f"prefill {self._computed}/{self._total} tokens, this step at layer {done}/{layers} "
+                f"({time.perf_counter() - self._prefill_started:.2f} s)")
 
     @contextmanager
     def run(self, tokenizer, world_size: int, prompt_tokens: int, max_new_tokens: int):
         """Context yielding on_token(step) for one Generation on rank 0."""
         console = stderr_console()
         self._prefill_started = time.perf_counter()
+        self._computed, self._total, self._prefilled = 0, prompt_tokens, False
         say(f"prefill {prompt_tokens} tokens on {world_size} rank(s), then up to {max_new_tokens} new tokens")
         stream = self.stream_text and tokenizer is not None
         progress = decode_task = None
@@ -113,6 +133,7 @@ class GenerateDisplay:
             self._progress = progress
 
         def on_token(step) -> None:
+            self._prefilled = True
             if step.index == 0 and progress is not None:
                 progress.update(self._prefill_task, completed=prompt_tokens)
                 if stream:  # the answer takes the terminal from here

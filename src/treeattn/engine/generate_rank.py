@@ -70,6 +70,10 @@ def generate_rank(rank: int, world_size: int, job: GenerateJob, display=None) ->
     model = load_model(job.model_dir, dtype=getattr(torch, job.dtype), device=device, weight_format=job.config.weight_format)
     if show:
         display.loaded(time.perf_counter() - start)
+    if show and world_size > 1:  # a ring prefill step is the whole prompt: show its progress layer by layer
+        layers = len(model.layers)
+        for i, layer in enumerate(model.layers):
+            layer.register_forward_hook(lambda module, args, output, i=i: display.on_layer(i, layers))
     run = Generation(model, [list(p) for p in job.prompts], job.config, job.sampling, num_samples=job.num_samples,
                      on_prefill=display.on_prefill if show else None)
     longest = max(len(p) for p in job.prompts)
