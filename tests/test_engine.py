@@ -19,6 +19,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
+from helpers.letters import LetterTokenizer
 
 import treeattn as ta
 from treeattn.engine import batch, EngineError, SamplingParams
@@ -296,25 +297,11 @@ def test_a_dead_rank_fails_the_engine_in_the_driver_and_leaves_no_process():
     assert not multiprocessing.active_children()
 
 
-class _LetterTokenizer:
-    """Token id i is the letter chr(97 + i % 26): enough to test text and stop strings."""
-
-    class _Encoding:
-        def __init__(self, ids):
-            self.ids = ids
-
-    def encode(self, text):
-        return self._Encoding([ord(c) - 97 for c in text])
-
-    def decode(self, ids):
-        return "".join(chr(97 + i % 26) for i in ids)
-
-
 def test_text_streams_and_a_stop_string_cuts_it(references):
     model = _model()
-    model.tokenizer = _LetterTokenizer()
+    model.tokenizer = LetterTokenizer()
     prompt, n = REQUESTS[7]
-    expected = _LetterTokenizer().decode(references[7])
+    expected = LetterTokenizer().decode(references[7])
     with ta.Engine(model, nproc=1, cache_tokens=256, block_size=BLOCK) as engine:
         events = list(engine.stream(prompt, max_new_tokens=n))
         assert "".join(e.text for e in events) == expected

@@ -29,6 +29,7 @@ from treeattn.engine.scheduler import Scheduler
 from treeattn.parallel import spawn
 from treeattn.engine.speculate import NgramDrafter
 from helpers.speculate_engine import BLOCK, _model, REQUESTS, PLENTY, TIGHT, _greedy_alone, SAMPLED  # noqa: E402
+from helpers.letters import LetterTokenizer  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one torch thread (conftest.py)
 
@@ -295,25 +296,11 @@ def test_cancel_mid_speculation_frees_the_blocks(engine):
     assert engine.stats()["blocks_used"] == 0
 
 
-class _LetterTokenizer:
-    """Token id i is the letter chr(97 + i % 26)."""
-
-    class _Encoding:
-        def __init__(self, ids):
-            self.ids = ids
-
-    def encode(self, text):
-        return self._Encoding([ord(c) - 97 for c in text])
-
-    def decode(self, ids):
-        return "".join(chr(97 + i % 26) for i in ids)
-
-
 def test_a_stop_string_inside_an_accepted_run_cuts_the_text(references):
     model = _model(looping=True)
-    model.tokenizer = _LetterTokenizer()
+    model.tokenizer = LetterTokenizer()
     prompt, n = REQUESTS[2]
-    expected = _LetterTokenizer().decode(references[True][2])
+    expected = LetterTokenizer().decode(references[True][2])
     with ta.Engine(model, nproc=1, cache_tokens=256, block_size=BLOCK, speculate="ngram", draft_tokens=K) as engine:
         for stop in {expected[i : i + 2] for i in range(2, len(expected) - 2, 3)}:
             result = engine.generate([prompt], max_new_tokens=n, stop=stop)[0]

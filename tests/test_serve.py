@@ -16,7 +16,6 @@ import re
 import signal
 import subprocess
 import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -32,7 +31,7 @@ from gguf_files import VOCAB  # noqa: E402
 import treeattn as ta  # noqa: E402
 from treeattn.models import load_tokenizer  # noqa: E402
 from treeattn.models.chat import encode_chat, end_of_turn_id, read_chat_template  # noqa: E402
-from helpers.serve import KEY, NAME, _write_tiny_llama_gguf, Server, _alive, _metrics, _wait_idle  # noqa: E402
+from helpers.serve import KEY, NAME, _write_tiny_llama_gguf, Server, _alive, _metrics, _wait_idle, stream_in_background  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -269,20 +268,7 @@ def test_sigterm_drains_the_running_request_and_a_full_queue_answers_429(model_f
     try:
         never = srv.http().post("/v1/completions", json={"model": NAME, "prompt": "hi", "n": 3})  # can never be admitted
         assert never.status_code == 400 and never.json()["error"]["param"] == "n"
-        lines: list[str] = []
-        started = threading.Event()
-
-        def stream():
-            body = {"model": NAME, "prompt": "the cat", "max_tokens": 150, "temperature": 0, "stream": True,
-                    "stream_options": {"include_usage": True}}
-            with srv.http().stream("POST", "/v1/completions", json=body) as response:
-                for line in response.iter_lines():
-                    if line:
-                        lines.append(line)
-                        started.set()
-
-        reader = threading.Thread(target=stream)
-        reader.start()
+        reader, lines, started = stream_in_background(srv)
         assert started.wait(60)
         too_many = srv.http().post("/v1/completions", json={"model": NAME, "prompt": "hi", "n": 2})  # 1 + 2 > 2 in flight
         assert too_many.status_code == 429 and too_many.json()["error"]["type"] == "rate_limit_error"

@@ -18,7 +18,6 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -34,7 +33,7 @@ hypothesis = pytest.importorskip("hypothesis")
 from gguf_files import CHATML, VOCAB, write_gguf  # noqa: E402
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
-from helpers.serve import KEY, NAME, Server, _alive, _metrics, _wait_idle  # noqa: E402
+from helpers.serve import KEY, NAME, Server, _alive, _metrics, _wait_idle, stream_in_background  # noqa: E402
 from treeattn.serve.protocol import MAX_BATCH_PROMPTS  # noqa: E402
 
 MAX_PENDING = 8
@@ -358,20 +357,7 @@ def test_ctrl_c_drains_like_sigterm(server):
     """SIGINT to the server and its ranks at once (what Ctrl-C in a terminal does to the process
     group): the ranks ignore it, the server stops accepting, lets the running stream finish and
     exits 0. The last test of the module: the server is gone afterwards."""
-    lines: list[str] = []
-    started = threading.Event()
-
-    def stream():
-        body = {"model": NAME, "prompt": "the cat", "max_tokens": 150, "temperature": 0, "stream": True,
-                "stream_options": {"include_usage": True}}
-        with server.http().stream("POST", "/v1/completions", json=body) as response:
-            for line in response.iter_lines():
-                if line:
-                    lines.append(line)
-                    started.set()
-
-    reader = threading.Thread(target=stream)
-    reader.start()
+    reader, lines, started = stream_in_background(server)
     assert started.wait(120)
     for pid in [server.process.pid, *_alive(server.children)]:
         os.kill(pid, signal.SIGINT)

@@ -9,7 +9,8 @@ holds the shared fixtures such as one_thread), never from one another.
     speculate_engine      the engine tests' tiny Llamas and requests (speculation, drafts, static steps)
     speculate_sampling    the speculation tests' prompt, uncached greedy oracle, exact sampling distribution
     token_parallel        the prefill tests' tiny Llama and requests, and their uncached greedy tokens
-    serve                 `treeattn serve` in a child process, its tiny GGUF model, its /metrics
+    serve                 `treeattn serve` in a child process, its tiny GGUF model, its /metrics, a background stream
+    letters               a tokenizer of letters for the engine's text and stop-string tests
 
 tests/gguf_files.py and tests/gemma3_files.py write GGUF and Gemma 3 files the same way.
 """

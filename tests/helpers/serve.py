@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 from pathlib import Path
 
@@ -114,3 +115,23 @@ def _wait_idle(server: Server, timeout: float = 20.0) -> dict[str, float]:
         if idle or time.monotonic() > deadline:
             return m
         time.sleep(0.2)
+
+
+def stream_in_background(server: Server, max_tokens: int = 150) -> tuple[threading.Thread, list[str], threading.Event]:
+    """Start one streamed greedy completion of "the cat" (with usage) in a thread: (the thread, the SSE
+    lines as they arrive, an event set at the first line). For the drain tests (SIGTERM, Ctrl-C)."""
+    lines: list[str] = []
+    started = threading.Event()
+
+    def stream():
+        body = {"model": NAME, "prompt": "the cat", "max_tokens": max_tokens, "temperature": 0, "stream": True,
+                "stream_options": {"include_usage": True}}
+        with server.http().stream("POST", "/v1/completions", json=body) as response:
+            for line in response.iter_lines():
+                if line:
+                    lines.append(line)
+                    started.set()
+
+    reader = threading.Thread(target=stream)
+    reader.start()
+    return reader, lines, started
