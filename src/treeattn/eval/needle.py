@@ -177,7 +177,8 @@ def heatmap_figure(report: NeedleReport):
     ax.set_xlabel("context length (tokens)")
     ax.set_ylabel("needle depth")
     name = report.model.rsplit("/", 1)[-1]
-    ax.set_title(f"{name}\n{report.accuracy:.0%} retrieved, {report.nproc} rank(s), {report.decode} ({report.method})"
+    method = f" ({report.method})" if report.nproc > 1 else ""  # one rank attends locally: no combine method
+    ax.set_title(f"{name}\n{report.accuracy:.0%} retrieved, {report.nproc} rank(s), {report.decode}{method}"
                  + ("" if report.methods_agree else ", methods DISAGREE"), fontsize=9, wrap=True)
     fig.tight_layout()
     return fig
