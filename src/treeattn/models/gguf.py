@@ -329,10 +329,9 @@ def load_gguf_model(path_or_reader, *, dtype: torch.dtype = torch.float32, devic
     else:
         reader = path_or_reader
     config = read_gguf_config(reader, path=path)
-    model_class = LlamaModel
-    if isinstance(config, Gemma3Config):
-        from treeattn.models.gemma3 import Gemma3Model as model_class
-    model = model_class(config, dtype=dtype, device="meta")
+    from treeattn.models.families import model_class
+
+    model = model_class(config)(config, dtype=dtype, device="meta")
     plan, rope_freqs = _match_tensors(model, reader, path)  # every check before any dequantization
     packed = packed_tensors(plan, weight_format, device, path)
 

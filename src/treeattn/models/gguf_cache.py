@@ -124,7 +124,7 @@ def _read(entry: Path, path, dtype: torch.dtype, device: torch.device):
     from safetensors import safe_open
 
     from treeattn.models.chat import GGUF_TEMPLATE_KEY, ChatTemplate
-    from treeattn.models.loader import model_class
+    from treeattn.models.families import model_class
 
     where = f"cuda:{torch.cuda.current_device() if device.index is None else device.index}" if device.type == "cuda" else str(device)
     with safe_open(str(entry), framework="pt", device=where) as f:

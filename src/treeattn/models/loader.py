@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 
 from treeattn.models.chat import ChatTemplate, gguf_chat_template, read_chat_template
+from treeattn.models.families import model_class
 from treeattn.models.llama import SUPPORTED_ROPE_TYPES, LlamaConfig, LlamaModel, config_reader
 from treeattn.models.packed import WEIGHT_FORMATS
 
@@ -312,17 +313,6 @@ def config_from_dict(raw: dict, *, source: str = CONFIG_FILE) -> LlamaConfig:
         return LlamaConfig(**values)
     except ValueError as exc:
         raise ValueError(f"{source}: {exc}") from exc
-
-
-def model_class(config) -> type:
-    """The model class of a parsed config: DeepseekModel for a DeepseekConfig, Gemma3Model for a
-    Gemma3Config, else LlamaModel."""
-    from treeattn.models.deepseek import DeepseekConfig, DeepseekModel
-    from treeattn.models.gemma3 import Gemma3Config, Gemma3Model
-
-    if isinstance(config, Gemma3Config):
-        return Gemma3Model
-    return DeepseekModel if isinstance(config, DeepseekConfig) else LlamaModel
 
 
 def _architecture(raw: dict, source: str) -> str:
