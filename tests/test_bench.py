@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
 
 import pytest
 import torch
@@ -103,10 +104,13 @@ def test_shards_cover_the_sequence():
 
 
 def test_peak_memory_sees_a_large_allocation():
-    with PeakMemory(torch.device("cpu")) as memory:
-        block = torch.ones(16 * 2**20 // 4)  # 16 MiB
-        del block
-    assert memory.peak_bytes is not None and memory.peak_bytes >= 15 * 2**20
+    """In a fresh process, as the bench's rank workers run it: in a long-lived one (the test suite's)
+    a 16 MiB block is served from freed heap memory that is resident already, and the RSS does not grow."""
+    code = ("import torch\nfrom treeattn.bench.runner import PeakMemory\n"
+            "with PeakMemory(torch.device('cpu')) as memory:\n    block = torch.ones(16 * 2**20 // 4)\n    del block\n"
+            "print(memory.peak_bytes)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True).stdout
+    assert int(out) >= 15 * 2**20, out
 
 
 def test_records_round_trip_and_validation_table(tiny_sweep, tmp_path):
