@@ -84,6 +84,45 @@ def test_config_tokenizer_and_template_come_from_the_file(models, tmp_path):
     assert end_of_turn_id(tokenizer, template) == 2
 
 
+def test_shared_readers_parse_an_unchanged_file_once(models, tmp_path, monkeypatch):
+    """Inside shared_readers() (ta.Engine's checks, `treeattn serve`'s start-up) the chat template,
+    the config, the tokenizer and the memory check's sizes come from one parse of the file; outside
+    it, and for a file written again, the file is parsed anew."""
+    import treeattn.engine.checks as checks
+    import treeattn.models.gguf as gguf_module
+    from treeattn.engine import EngineConfig
+
+    path = tmp_path / "tiny.gguf"
+    write_gguf(path, models["llama"], Q.Q8_0, arch="llama", context_length=96)
+    parsed = []
+    monkeypatch.setattr(gguf_module, "_Reader", lambda p: parsed.append(p) or gguf.GGUFReader(p))
+
+    assert gguf_module.open_gguf(path) is not gguf_module.open_gguf(path) and len(parsed) == 2
+    parsed.clear()
+    config = checks.with_device(str(path), EngineConfig(nproc=2, weight_format="packed", cache_tokens=256, block_size=16))
+    with gguf_module.shared_readers():
+        template = read_chat_template(path)
+        with gguf_module.shared_readers():  # nested, as serve's block around the Engine's
+            files = checks.check_engine(str(path), config)
+        assert len(parsed) == 1 and gguf_module.open_gguf(str(path)) is gguf_module.open_gguf(path)
+        assert template.template == CHATML and files.config.num_layers == 2 and files.tokenizer is not None
+        stat = path.stat()
+        os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1))  # "written again"
+        gguf_module.open_gguf(path)
+        assert len(parsed) == 2
+    gguf_module.open_gguf(path)
+    assert len(parsed) == 3 and gguf_module._SHARED.readers == {}
+
+    import treeattn.engine.client as client  # ta.Engine's own checks: one parse (stopped before the model is loaded)
+    from treeattn.engine import Engine
+
+    parsed.clear()
+    monkeypatch.setattr(client, "GroupChannel", lambda *args: (_ for _ in ()).throw(RuntimeError("checks passed")))
+    with pytest.raises(RuntimeError, match="checks passed"):
+        Engine(str(path), nproc=1, cache_tokens=256, block_size=16)
+    assert len(parsed) == 1
+
+
 @pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q4_1])
 def test_whole_array_dequantization_is_bit_for_bit_gguf_quants(qtype):
     import gguf.quants

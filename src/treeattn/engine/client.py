@@ -106,7 +106,10 @@ class Engine:
         check_model(model)
         config, joined = _join(with_device(model, config), group)  # device: "cpu" or "cuda" from here on
         self.config = config
-        files = check_engine(model, config, group=group if joined else None, joined=joined)  # before any rank starts
+        from treeattn.models.gguf import shared_readers
+
+        with shared_readers():  # the checks read a GGUF file's config, tokenizer and sizes: one parse of it
+            files = check_engine(model, config, group=group if joined else None, joined=joined)  # before any rank starts
         self.tokenizer = getattr(files, "tokenizer", None)
         self.is_driver = True
         self._closed = False

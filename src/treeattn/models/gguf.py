@@ -51,9 +51,12 @@ tensor at fault, so nothing is half-loaded.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import gguf
@@ -193,12 +196,62 @@ class _Truncated(Exception):
         self.end, self.size, self.in_tensor_data = end, size, in_tensor_data
 
 
+class _SharedReaders:
+    """The readers open_gguf hands out again while shared_readers() is open (see there)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.depth = 0
+        self.readers: dict[tuple, object] = {}
+
+
+_SHARED = _SharedReaders()
+
+
+@contextlib.contextmanager
+def shared_readers() -> Iterator[None]:
+    """While this block is open (in any thread), open_gguf parses each file once and hands the same
+    reader out again, as long as the file is unchanged on disk (same resolved path, size, mtime_ns and
+    inode). For start-ups that read one file's chat template, config, tokenizer and sizes in several
+    places (ta.Engine's checks, `treeattn serve`). Blocks nest; the readers (a reader holds the parsed
+    metadata: about 74 MiB for a 49k-token vocabulary) are dropped when the outermost block ends.
+
+        with shared_readers():
+            template, files = read_chat_template(path), read_model_files(path)   # one parse of path
+    """
+    with _SHARED.lock:
+        _SHARED.depth += 1
+    try:
+        yield
+    finally:
+        with _SHARED.lock:
+            _SHARED.depth -= 1
+            if _SHARED.depth == 0:
+                _SHARED.readers.clear()
+
+
 def open_gguf(path: str | os.PathLike):
     """gguf.GGUFReader over `path` (memory-mapped). Raises FileNotFoundError, or ValueError naming the
-    file for anything the reader cannot parse (bad magic, truncated header or tensor data)."""
+    file for anything the reader cannot parse (bad magic, truncated header or tensor data). Inside
+    shared_readers(), an unchanged file's reader is parsed once and returned again."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such GGUF file")
+    if _SHARED.depth == 0:
+        return _open_gguf(path)
+    stat = path.stat()
+    key = (str(path.resolve()), stat.st_size, stat.st_mtime_ns, stat.st_ino)
+    with _SHARED.lock:
+        reader = _SHARED.readers.get(key)
+    if reader is None:
+        reader = _open_gguf(path)
+        with _SHARED.lock:
+            if _SHARED.depth > 0:
+                reader = _SHARED.readers.setdefault(key, reader)
+    return reader
+
+
+def _open_gguf(path: Path):
     try:
         reader = _Reader(path)
     except _Truncated as cut:
