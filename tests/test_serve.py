@@ -346,3 +346,43 @@ def test_decode_step_graph_is_refused_on_cpu_in_one_line(model_file):
     assert refused.returncode == 2
     assert refused.stderr.strip().splitlines() == ["treeattn serve: error: --decode-step graph records CUDA graphs: the model must be "
                                                    "on a CUDA device, got cpu (--decode-step static runs the same steps without graphs)"]
+
+
+def test_the_engine_starts_while_the_web_stack_is_imported_and_its_failures_come_back():
+    """serve builds ta.Engine in a thread while it imports uvicorn and FastAPI (so the ranks start
+    during the imports): the engine comes back ready; the engine's own error is raised in the
+    caller's thread (one line at the command, as the test above checks end to end); an import that
+    fails closes the engine it started."""
+    import treeattn.engine
+    import treeattn.serve.server as server_module
+    from treeattn.engine.config import ConfigError
+    from treeattn.models.llama import LlamaConfig, random_model
+
+    model = random_model(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2, num_kv_heads=1,
+                                     head_dim=16, max_position_embeddings=128))
+    options = dict(nproc=1, block_size=16, cache_tokens=128)
+    engine = server_module._started_engine(model, options)
+    try:
+        assert engine.healthy and engine.max_context == 128
+    finally:
+        engine.close()
+
+    with pytest.raises(ConfigError, match="decode_step='graph'"):
+        server_module._started_engine(model, dict(options, decode_step="graph"))
+
+    built = []
+
+    class Recorded(treeattn.engine.Engine):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            built.append(self)
+
+    def broken_import():
+        raise ImportError("no web stack")
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(treeattn.engine, "Engine", Recorded)
+        patch.setattr(server_module, "_import_web_stack", broken_import)
+        with pytest.raises(ImportError, match="no web stack"):
+            server_module._started_engine(model, options)
+    assert len(built) == 1 and not built[0].healthy and built[0]._closed

@@ -14,6 +14,7 @@ RankMeasurements. rank_main is the body of a rank process that ta.spawn started
 
 from __future__ import annotations
 
+import logging
 import os
 import traceback
 from dataclasses import dataclass
@@ -27,6 +28,7 @@ from treeattn.engine.device import rank_device
 from treeattn.engine.plan_message import KEEPALIVE, Measure, PlanWire, plan_device
 from treeattn.engine.runner import RankRunner, StepOutcome
 
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -123,7 +125,9 @@ def rank_main(rank: int, world_size: int, address, authkey: bytes, model, config
     if device.type == "cuda":
         torch.cuda.set_device(device)
     model = load_model(model, config.dtype, device, config.weight_format)
+    logger.debug("rank %d: model loaded", rank)
     runner = make_runner(model, config)
+    logger.debug("rank %d: runner ready", rank)
     if rank != 0:
         serve_steps(runner, None, None)
         return

@@ -15,6 +15,7 @@ its ranks are the caller's, so it cannot restart them (restartable False).
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -29,6 +30,8 @@ from treeattn.engine.plan_message import PlanWire, plan_device
 from treeattn.engine.rank import ModelInfo, load_model, make_runner, model_info, rank_main, run_plan, serve_steps
 from treeattn.engine.errors import EngineError, StepFailed
 from treeattn.engine.runner import StepOutcome
+
+logger = logging.getLogger(__name__)
 
 
 class SpawnedRanks:
@@ -49,6 +52,7 @@ class SpawnedRanks:
         self.failure: BaseException | None = None
         self._thread = threading.Thread(target=self._spawn, args=(spawn, self._model), name="treeattn-engine-ranks", daemon=True)
         self._thread.start()
+        logger.debug("starting %d rank process(es)", config.nproc)
         accepted: list = []
         acceptor = threading.Thread(target=lambda: accepted.append(self._listener.accept()), daemon=True)
         acceptor.start()
@@ -64,6 +68,7 @@ class SpawnedRanks:
         self._conn = accepted[0]
         kind, info = self._recv()
         self.info: ModelInfo = info
+        logger.debug("rank 0 is ready")
 
     def restart(self) -> None:
         """End these ranks (a step failed on them) and start new ones with empty caches."""

@@ -453,6 +453,7 @@ def _rank_main(rank, world_size, port, backend, timeout, parent_pid, heartbeats,
         store = dist.TCPStore(HOST, port, world_size=None, is_master=False, timeout=timedelta(seconds=timeout))
         _gloo_on_loopback()
         dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout))
+        logger.debug("rank %d: process group ready", rank)
         result = fn(rank, world_size, *args)
         # plain pickle, by value: multiprocessing's own pickler would pass tensors as shared-memory
         # handles that the parent can only open while this process, about to exit, still runs

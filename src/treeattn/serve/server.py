@@ -10,7 +10,16 @@ returns 1 within the engine's timeout plus a second.
 
 Logging (logger "treeattn.serve.server" at INFO): the start-up's steps (the engine starting its
 ranks, the engine ready and how long it took, the address it listens on); one access line per
-request (treeattn.serve.access_log). `treeattn serve --log-level` sets the level.
+request (treeattn.serve.access_log). `treeattn serve --log-level` sets the level; at DEBUG also the
+web stack imported and the ranks started (treeattn.engine.transport). The rank processes log their
+own steps at DEBUG (treeattn.parallel.spawn: process group ready; treeattn.engine.rank: model
+loaded, runner ready), which a rank shows only where logging is configured in it:
+benchmarks/serve_timeline.py does that and puts every process's steps on one timeline.
+
+Start-up order: the options and the chat template are checked, then ta.Engine is built in a thread
+(its checks, then its rank processes) while this thread imports uvicorn and FastAPI, so that the
+ranks' own start (interpreter, torch, the model) overlaps the server's imports; a GGUF file is
+parsed once for the template and the engine's checks (treeattn.models.gguf.shared_readers).
 """
 
 from __future__ import annotations
@@ -55,19 +64,18 @@ def serve(model, options: ServeOptions, engine_options: dict, *, on_ready=None) 
         engine_options: keyword arguments of ta.Engine (nproc, decode, method, ...).
         on_ready: called with the bound (host, port) once the server accepts connections.
     """
-    import uvicorn
-
-    from treeattn.engine import Engine, EngineConfig
+    from treeattn.engine import EngineConfig
     from treeattn.engine.device import resolve_device
-    from treeattn.serve.app import ServerConfig, create_app
+    from treeattn.models.gguf import shared_readers
 
     start = time.perf_counter()
     engine_config = EngineConfig(**engine_options)  # the options' own errors first, before the checkpoint is read
     resolve_device(engine_config.device)  # --device cuda without a GPU: one line, before the checkpoint is read
-    template = _chat_template(model)  # a broken template fails the start-up before any rank starts
-    logger.info("starting the engine: %d rank(s), decode=%s; every rank loads %s", engine_config.nproc, engine_config.decode,
-                _default_name(model))
-    engine = Engine(model, **engine_options)
+    with shared_readers():  # the template, the engine's checks: one parse of a GGUF file
+        template = _chat_template(model)  # a broken template fails the start-up before any rank starts
+        logger.info("starting the engine: %d rank(s), decode=%s; every rank loads %s", engine_config.nproc, engine_config.decode,
+                    _default_name(model))
+        engine = _started_engine(model, engine_options)
     if not engine.is_driver:  # under torchrun: this rank served the driver's steps until it closed
         return 0
     stats = engine.stats()
@@ -75,6 +83,10 @@ def serve(model, options: ServeOptions, engine_options: dict, *, on_ready=None) 
                 time.perf_counter() - start, engine.max_context, stats["blocks_total"], engine.config.block_size,
                 "on" if engine.prefix_cache is not None else "off")
     try:
+        import uvicorn
+
+        from treeattn.serve.app import ServerConfig, create_app
+
         eot_ids = _eot_ids(template, engine.tokenizer)
         config = ServerConfig(model_name=options.model_name or _default_name(model), api_key=options.api_key,
                               max_pending=options.max_pending, max_request_bytes=options.max_request_bytes,
@@ -93,6 +105,50 @@ def serve(model, options: ServeOptions, engine_options: dict, *, on_ready=None) 
         return 1 if failed.is_set() or not engine.healthy else 0
     finally:
         engine.close()
+
+
+def _started_engine(model, engine_options: dict):
+    """ta.Engine(model, **engine_options), with the web stack (uvicorn, FastAPI, the app's module)
+    imported while it starts: the Engine (its checks, then its rank processes, each importing torch and
+    loading the model) is built in a thread of its own and this thread imports meanwhile, so a rank's
+    start overlaps the server's imports. Raises what the Engine raised (a ConfigError: one line).
+    Under torchrun the Engine is built here (every rank joins the group; the non-drivers serve in it)."""
+    from treeattn.engine import Engine
+    from treeattn.parallel.spawn import under_torchrun
+
+    if under_torchrun():
+        engine = Engine(model, **engine_options)
+        _import_web_stack()
+        return engine
+    box: list = []
+
+    def build() -> None:
+        try:
+            box.append(Engine(model, **engine_options))
+        except BaseException as exc:  # noqa: BLE001 -- re-raised in the caller's thread
+            box.append(exc)
+
+    thread = threading.Thread(target=build, name="treeattn-serve-engine", daemon=True)
+    thread.start()
+    try:
+        _import_web_stack()
+    except BaseException:
+        thread.join()
+        if not isinstance(box[0], BaseException):
+            box[0].close()  # no rank is left behind by a failed import
+        raise
+    thread.join()
+    if isinstance(box[0], BaseException):
+        raise box[0]
+    return box[0]
+
+
+def _import_web_stack() -> None:
+    import uvicorn  # noqa: F401
+
+    import treeattn.serve.app  # noqa: F401 -- FastAPI
+
+    logger.debug("web stack imported")
 
 
 def _draining_server_class():
