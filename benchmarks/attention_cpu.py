@@ -46,7 +46,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--threads", type=int, default=None, help="intra-op threads (default: torch's)")
     parser.add_argument("--heads", type=int, nargs=2, default=[32, 8], metavar=("HQ", "HKV"))
-    parser.add_argument("--json", metavar="PATH", help="also write the rows (one object per sequence length) to this JSON file")
+    parser.add_argument("--output", metavar="PATH", help="also write the rows (one object per sequence length) to this JSON file")
+    parser.add_argument("--json", dest="output", default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # old spelling
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
     if args.threads:
@@ -90,8 +91,8 @@ def main() -> None:
             f"{100 * row['kv_read_gb_per_s'] / row['read_gb_per_s']:.0f}% |"
         )
         del k, v, k_heads, v_heads
-    if args.json:
-        with open(args.json, "w") as f:
+    if args.output:
+        with open(args.output, "w") as f:
             json.dump(rows, f, indent=1)
 
 

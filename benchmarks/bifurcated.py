@@ -2,7 +2,7 @@
 
     python benchmarks/bifurcated.py step     # latency, K/V bytes read and peak memory vs n
     python benchmarks/bifurcated.py switch   # where plain attention beats the split (the "auto" rule)
-    python benchmarks/bifurcated.py summarize run1.json run2.json ...   # several `step --json` runs
+    python benchmarks/bifurcated.py summarize run1.json run2.json ...   # several `step --output` runs
 
 step: one attention layer, one decode step (Sq = 1), float32, n samples that have each decoded
 Md = 64 tokens after a context of Mc tokens. Shapes: MHA Hq = Hkv = 16, D = 64 (hidden size 1024,
@@ -150,8 +150,8 @@ def step(args) -> None:
             peak_plain = f"> {read_plain / GIB:.0f} GiB"
         print(f"| {variant} | {Mc // 1024}K | {n} | {t_bif * 1e3:.1f} | {plain_cells} | {_mib(read_bif)} | "
               f"{_mib(read_plain)} | {_mib(row['peak_bytes']['bifurcated'])} | {peak_plain} |", flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
+    if args.output:
+        with open(args.output, "w") as f:
             json.dump(rows, f, indent=1)
 
 
@@ -167,7 +167,7 @@ def _child(argv: list) -> dict:
 
 
 def summarize(paths: list[str]) -> None:
-    """One table from several `step --json` runs: per layout the best time over all runs, the
+    """One table from several `step --output` runs: per layout the best time over all runs, the
     speedup from those, and each run's own speedup (the spread on a shared machine). K/V read and
     peak memory come from the last run."""
     runs = []
@@ -219,8 +219,8 @@ def switch(args) -> None:
     print(f"\nfitted rule: batched iff n * Mc * Hkv * D <= {threshold}. Over the {len(points)} workloads it picks the "
           f"slower mode (by > 5%) {misses} times, mean slowdown vs the faster mode {math.exp(log_slowdown / len(points)):.3f}x; "
           f"always bifurcated: {always_misses} times, {math.exp(always_log / len(points)):.3f}x")
-    if args.json:
-        with open(args.json, "w") as f:
+    if args.output:
+        with open(args.output, "w") as f:
             json.dump({"points": points, "threshold": threshold}, f, indent=1)
 
 
@@ -268,7 +268,7 @@ def main() -> None:
         return
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("what", choices=["step", "switch", "summarize"])
-    parser.add_argument("files", nargs="*", help="summarize: JSON files written by step --json")
+    parser.add_argument("files", nargs="*", help="summarize: JSON files written by step --output")
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     parser.add_argument("--contexts", type=int, nargs="+", default=[8192, 32768])
     parser.add_argument("--samples", type=int, nargs="+", default=[1, 8, 32, 128])
@@ -278,7 +278,8 @@ def main() -> None:
     parser.add_argument("--switch-contexts", type=int, nargs="+", default=[16, 64, 256, 1024, 4096])
     parser.add_argument("--switch-samples", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
     parser.add_argument("--switch-decoded", type=int, nargs="+", default=[1, 64])
-    parser.add_argument("--json", help="also write the measurements to this file")
+    parser.add_argument("--output", help="also write the measurements to this file")
+    parser.add_argument("--json", dest="output", default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # old spelling
     args = parser.parse_args()
     if args.what == "summarize":
         summarize(args.files)

@@ -76,7 +76,8 @@ def main() -> None:
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--methods", nargs="+", default=["allreduce", "onepass", "tree"])
     parser.add_argument("--transports", nargs="+", default=["gloo", "shm"], choices=["gloo", "shm"])
-    parser.add_argument("--json", default=None)
+    parser.add_argument("--output", default=None)
+    parser.add_argument("--json", dest="output", default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # old spelling
     args = parser.parse_args()
     results = {}
     for p in args.nproc:
@@ -85,8 +86,8 @@ def main() -> None:
         for m, r in report.items():
             print(f"p={p} {m:17s} combine per layer: median {r['median_ms']:.3f} ms (p10 {r['p10_ms']:.3f}, p90 {r['p90_ms']:.3f}), "
                   f"{r['rounds']} round(s), {r['samples']} layers")
-    if args.json:
-        with open(args.json, "w") as f:
+    if args.output:
+        with open(args.output, "w") as f:
             json.dump(results, f, indent=1)
 
 

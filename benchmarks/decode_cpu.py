@@ -1,7 +1,7 @@
 """Decode-step latency of sequence-parallel attention on gloo CPU ranks: tree vs ring.
 
     flock /tmp/treeattn-bench.lock python benchmarks/decode_cpu.py [--nproc 2 4]
-        [--seq-lens 16384 65536 262144] [--repeats 7] [--ring-repeats 3] [--json results.json]
+        [--seq-lens 16384 65536 262144] [--repeats 7] [--ring-repeats 3] [--output results.json]
     python benchmarks/decode_cpu.py --render results.json    # the tables again, from the samples
 
 One decode step (B = 1, Sq = 1, Hq = Hkv = 16, D = 128, float32; the paper's benchmark block) with
@@ -205,8 +205,9 @@ def main() -> None:
     parser.add_argument("--seq-lens", type=int, nargs="+", default=[16384, 65536, 262144])
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--ring-repeats", type=int, default=3, help="repeats of ring pass-KV (seconds per call at 256K)")
-    parser.add_argument("--json", type=str, default=None, help="write the raw samples here")
-    parser.add_argument("--render", type=str, default=None, help="print the tables of an earlier --json file and exit")
+    parser.add_argument("--output", type=str, default=None, help="write the raw samples here")
+    parser.add_argument("--json", dest="output", type=str, default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # old spelling
+    parser.add_argument("--render", type=str, default=None, help="print the tables of an earlier --output file and exit")
     args = parser.parse_args()
     if args.render:
         with open(args.render) as f:
@@ -225,8 +226,8 @@ def main() -> None:
     machine = f"{platform.machine()}, {torch.get_num_threads()} threads available, torch {torch.__version__}"
     print(f"machine: {machine}; wall time {time.time() - started:.0f} s")
     print(markdown(rows))
-    if args.json:
-        with open(args.json, "w") as f:
+    if args.output:
+        with open(args.output, "w") as f:
             json.dump({"machine": machine, "rows": rows}, f, indent=1)
 
 

@@ -83,8 +83,9 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=8)
     parser.add_argument("--new-tokens", dest="max_new_tokens", type=int, default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # old spelling
     parser.add_argument("--nproc", type=int, nargs="+", default=[1, 2])
-    parser.add_argument("--json", type=Path)
-    parser.add_argument("--out", dest="json", type=Path, default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # old spelling
+    parser.add_argument("--output", type=Path)
+    parser.add_argument("--json", dest="output", type=Path, default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # old spelling
+    parser.add_argument("--out", dest="output", type=Path, default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # old spelling
     args = parser.parse_args()
     import transformers
 
@@ -113,8 +114,8 @@ def main() -> None:
     result = {"meta": meta, "rows": rows}
     text = json.dumps(result, indent=1)
     print(text)
-    if args.json:
-        args.json.write_text(text + "\n")
+    if args.output:
+        args.output.write_text(text + "\n")
     print("| context | variant | ranks | threads | ms/token median (min) | / transformers | same tokens |", file=sys.stderr)
     print("|---|---|---|---|---|---|---|", file=sys.stderr)
     for r in rows:

@@ -100,7 +100,8 @@ def main() -> None:
     parser.add_argument("--new-tokens", dest="max_new_tokens", type=int, default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # old spelling
     parser.add_argument("--reference", action="store_true", help="also decode on one process (its own prefill)")
     parser.add_argument("--gather-check", action="store_true")
-    parser.add_argument("--json", help="write the rows to this file")
+    parser.add_argument("--output", help="write the rows to this file")
+    parser.add_argument("--json", dest="output", default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # old spelling
     args = parser.parse_args()
 
     machine = f"{platform.machine()}, {torch.get_num_threads()} threads available, torch {torch.__version__}"
@@ -118,8 +119,8 @@ def main() -> None:
         print(f"# one rank, one layer, {check['shard_tokens']} tokens, blocks of {check['block_size']}: attention on the arena view "
               f"{check['view_ms']:.2f} ms; gather through a block table + attention {check['gather_then_attend_ms']:.2f} ms")
         result["gather_check"] = check
-    if args.json:
-        with open(args.json, "w") as f:
+    if args.output:
+        with open(args.output, "w") as f:
             json.dump(result, f, indent=1)
 
 

@@ -125,7 +125,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2, help="torch threads over all ranks")
     parser.add_argument("--repeats", type=int, default=2, help="runs per case; the fastest is reported")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json", default=None, help="also write the rows to this file")
+    parser.add_argument("--output", default=None, help="also write the rows to this file")
+    parser.add_argument("--json", dest="output", default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # old spelling
     parser.add_argument("--threshold", action="store_true", help="time one layer's read per shared length instead")
     args = parser.parse_args()
     if args.threshold:
@@ -153,8 +154,8 @@ def main() -> None:
                 model=os.path.basename(args.model or default_model()), decode=args.decode, placement=args.placement,
                 block_size=args.block_size, threads=args.threads)
     print(json.dumps(meta))
-    if args.json:
-        with open(args.json, "w") as f:
+    if args.output:
+        with open(args.output, "w") as f:
             json.dump(dict(meta=meta, rows=report), f, indent=1)
 
 

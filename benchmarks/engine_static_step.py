@@ -122,7 +122,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2, help="torch threads over all ranks (CPU)")
     parser.add_argument("--repeats", type=int, default=2, help="runs per case; the fastest is reported")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json", default=None, help="also write the rows to this file")
+    parser.add_argument("--output", default=None, help="also write the rows to this file")
+    parser.add_argument("--json", dest="output", default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # old spelling
     args = parser.parse_args()
     if args.device == "cuda" and (not torch.cuda.is_available() or args.nproc != [1]):
         raise SystemExit("--device cuda needs a CUDA device and runs --nproc 1 (one process)")
@@ -147,8 +148,8 @@ def main() -> None:
                 decode=args.decode, placement=args.placement, block_size=args.block_size, threads=args.threads,
                 command=" ".join(["python", "benchmarks/engine_static_step.py", *os.sys.argv[1:]]))
     print(json.dumps(meta))
-    if args.json:
-        with open(args.json, "w") as f:
+    if args.output:
+        with open(args.output, "w") as f:
             json.dump(dict(meta=meta, rows=report), f, indent=1)
 
 

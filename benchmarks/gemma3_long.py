@@ -1,7 +1,7 @@
 """Gemma 3 270M at long contexts: greedy tokens against transformers' uncached recomputation, KV
 bytes per rank against a full cache, and time per token against transformers, in one run.
 
-    python3 benchmarks/gemma3_long.py --context 8192 --nproc 1 2 4 --max-new-tokens 4 --json gemma3_8k.json
+    python3 benchmarks/gemma3_long.py --context 8192 --nproc 1 2 4 --max-new-tokens 4 --output gemma3_8k.json
     python3 benchmarks/gemma3_long.py --context 30000 --nproc 2 --max-new-tokens 2 --no-oracle
     python3 benchmarks/gemma3_long.py --check-gguf     # prefill logits vs transformers' own GGUF load
 
@@ -97,8 +97,9 @@ def main() -> None:
     parser.add_argument("--no-oracle", action="store_true")
     parser.add_argument("--check-gguf", action="store_true", help="only: prefill logits of a short prompt against "
                         "transformers' own load of the GGUF file (minutes on a 2-core machine)")
-    parser.add_argument("--json", default=None)
-    parser.add_argument("--out", dest="json", default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # old spelling
+    parser.add_argument("--output", default=None)
+    parser.add_argument("--json", dest="output", default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # old spelling
+    parser.add_argument("--out", dest="output", default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # old spelling
     args = parser.parse_args()
 
     import treeattn as ta
@@ -138,8 +139,8 @@ def main() -> None:
             run["tokens_equal_transformers"] = run["tokens"] == report["transformers"]["tokens"]
         print(json.dumps(report["transformers"]), flush=True)
     report["load_after"] = os.getloadavg()
-    if args.json:
-        with open(args.json, "w") as f:
+    if args.output:
+        with open(args.output, "w") as f:
             json.dump(report, f, indent=1)
 
 

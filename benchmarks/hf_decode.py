@@ -15,7 +15,7 @@ every rank runs, on the same synthetic prompt of --context token ids:
 
 Each pair runs once with 2 new tokens first (warm-up, not timed). Reported from rank 0: median,
 p10 and p90 of the decode step time, the time to the first token, and whether the two produced the
-same tokens. One JSON object on stdout (--json writes it to a file too) and a markdown table on stderr.
+same tokens. One JSON object on stdout (--output writes it to a file too) and a markdown table on stderr.
 """
 
 from __future__ import annotations
@@ -109,8 +109,9 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--new-tokens", dest="max_new_tokens", type=int, default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # old spelling
-    parser.add_argument("--json", type=Path)
-    parser.add_argument("--out", dest="json", type=Path, default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # old spelling
+    parser.add_argument("--output", type=Path)
+    parser.add_argument("--json", dest="output", type=Path, default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # old spelling
+    parser.add_argument("--out", dest="output", type=Path, default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # old spelling
     args = parser.parse_args()
 
     import transformers
@@ -133,8 +134,8 @@ def main() -> None:
     result = {"meta": meta, "rows": rows}
     text = json.dumps(result, indent=1)
     print(text)
-    if args.json:
-        args.json.write_text(text + "\n")
+    if args.output:
+        args.output.write_text(text + "\n")
     print("| p | ours ms/token (p10-p90) | tahf ms/token (p10-p90) | tahf / ours | same tokens |", file=sys.stderr)
     print("|---|---|---|---|---|", file=sys.stderr)
     for row in rows:

@@ -124,7 +124,8 @@ def main() -> None:
     parser.add_argument("--prefill", type=int, nargs="*", default=[64, 256, 1024])
     parser.add_argument("--bytes-context", type=int, default=131072)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
-    parser.add_argument("--json", default=None)
+    parser.add_argument("--output", default=None)
+    parser.add_argument("--json", dest="output", default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # old spelling
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     report = {"machine": f"{platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}",
@@ -150,8 +151,8 @@ def main() -> None:
     report.update(heads=args.heads, decode=decode, prefill=prefill)
     for row in report["kv_bytes"]:
         print(json.dumps(row))
-    if args.json:
-        with open(args.json, "w") as f:
+    if args.output:
+        with open(args.output, "w") as f:
             json.dump(report, f, indent=1)
 
 

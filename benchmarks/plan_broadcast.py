@@ -228,7 +228,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--pings", type=int, default=300, help="back-to-back broadcasts per ping measurement")
-    parser.add_argument("--json", default=None)
+    parser.add_argument("--output", default=None)
+    parser.add_argument("--json", dest="output", default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # old spelling
     args = parser.parse_args()
     path = args.model or default_model()
     load = os.getloadavg()
@@ -266,8 +267,8 @@ def main() -> None:
                 load_average_after=os.getloadavg(), model=os.path.basename(path), nproc=args.nproc, context=args.context,
                 new_tokens=args.max_new_tokens, command=" ".join(["python", "benchmarks/plan_broadcast.py", *os.sys.argv[1:]]))
     print(json.dumps(meta))
-    if args.json:
-        with open(args.json, "w") as f:
+    if args.output:
+        with open(args.output, "w") as f:
             json.dump(dict(meta=meta, pings=report_pings, rows=report, codec=codec), f, indent=1)
 
 

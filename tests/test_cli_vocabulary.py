@@ -56,6 +56,21 @@ def test_every_option_has_help_and_no_retired_spelling_is_shown(helps, command):
     assert "<bool>" not in text and "╭" not in text
 
 
+
+def test_json_is_a_switch_and_a_results_file_is_output():
+    """--json prints one JSON object on stdout in every command (never a file name); a file of
+    results is --output PATH (benchmarks/*.py spell it so too, tests/test_benchmark_flags.py)."""
+    switches = outputs = 0
+    for command in COMMANDS:
+        for option in _options(command):
+            if "--json" in option.opts:
+                assert option.is_flag, f"treeattn {' '.join(command)} --json takes a value; name a results file --output"
+                switches += 1
+            if "--output" in option.opts:
+                assert not option.is_flag, f"treeattn {' '.join(command)} --output takes no PATH"
+                outputs += 1
+    assert switches >= 3 and outputs >= 3
+
 def test_engine_flags_come_from_the_configuration(helps):
     generate, serve = helps["generate"], helps["serve"]
     for text in (generate, serve):
