@@ -128,7 +128,7 @@ def step(args) -> None:
     print("| variant | context | n | bifurcated ms | plain batch ms | speedup | KV read bifurcated | KV read plain | "
           "peak mem bifurcated | peak mem plain |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for variant, Mc, n in itertools.product(args.variants, args.contexts, args.samples):
+    for variant, Mc, n in itertools.product(args.variants, args.context, args.samples):
         Hq, Hkv, D = VARIANTS[variant]
         read_bif = kv_bytes(Mc + n * args.decoded, Hkv, D)
         read_plain = kv_bytes(n * (Mc + args.decoded), Hkv, D)
@@ -270,7 +270,8 @@ def main() -> None:
     parser.add_argument("what", choices=["step", "switch", "summarize"])
     parser.add_argument("files", nargs="*", help="summarize: JSON files written by step --output")
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
-    parser.add_argument("--contexts", type=int, nargs="+", default=[8192, 32768])
+    parser.add_argument("--context", type=int, nargs="+", default=[8192, 32768], help="context lengths in tokens")
+    parser.add_argument("--contexts", dest="context", type=int, nargs="+", default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # old spelling
     parser.add_argument("--samples", type=int, nargs="+", default=[1, 8, 32, 128])
     parser.add_argument("--decoded", type=int, default=64, help="Md, tokens each sample has decoded")
     parser.add_argument("--repeats", type=int, default=5)

@@ -1,6 +1,6 @@
 """Prefix reuse in ta.Engine: two questions over the same long document (docs/benchmarks.md).
 
-    flock /tmp/treeattn-bench.lock python benchmarks/engine_prefix.py --doc-tokens 16384 --nproc 2
+    flock /tmp/treeattn-bench.lock python benchmarks/engine_prefix.py --context 16384 --nproc 2
 
 The demo model (treeattn.eval.synthetic.DEMO_CONFIG: random weights, 2 layers, hidden 128, float32) on
 --nproc gloo ranks, tree decoding, interleaved placement, blocks of 256 tokens. Request 1 is the
@@ -25,20 +25,21 @@ from treeattn.models.llama import LlamaConfig, random_model
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--doc-tokens", type=int, default=16384)
+    parser.add_argument("--context", type=int, default=16384, help="prompt length in tokens: the document's, as `treeattn demo --context`")
+    parser.add_argument("--doc-tokens", dest="context", type=int, default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # old spelling
     parser.add_argument("--question-tokens", type=int, default=16)
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--prefill-chunk", type=int, default=4096)
     args = parser.parse_args()
     config = LlamaConfig(**DEMO_CONFIG)
     g = torch.Generator().manual_seed(0)
-    doc = torch.randint(0, config.vocab_size, (args.doc_tokens,), generator=g).tolist()
+    doc = torch.randint(0, config.vocab_size, (args.context,), generator=g).tolist()
     questions = [torch.randint(0, config.vocab_size, (args.question_tokens,), generator=g).tolist() for _ in range(2)]
     with ta.Engine(random_model(config, seed=0), nproc=args.nproc, decode="tree", placement="interleaved", block_size=256,
-                   cache_tokens=2 * args.doc_tokens, prefill_chunk=args.prefill_chunk, threads_per_rank=1) as engine:
+                   cache_tokens=2 * args.context, prefill_chunk=args.prefill_chunk, threads_per_rank=1) as engine:
         first, second = (engine.generate([doc + q], max_new_tokens=4, ignore_eos=True)[0] for q in questions)
     print(json.dumps({
-        "doc_tokens": args.doc_tokens, "nproc": args.nproc,
+        "doc_tokens": args.context, "nproc": args.nproc,
         "first": {"ttft_s": first.ttft_s, "cached_prompt_tokens": first.cached_prompt_tokens},
         "second": {"ttft_s": second.ttft_s, "cached_prompt_tokens": second.cached_prompt_tokens},
         "ttft_ratio": first.ttft_s / second.ttft_s,

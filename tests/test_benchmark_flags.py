@@ -1,7 +1,8 @@
 """The benchmark scripts name their flags as the `treeattn` commands do (read from their source, nothing runs).
 
 --nproc for the number of ranks (never --world-size(s), --worlds, -p), --max-new-tokens (never
---new-tokens, --max-tokens), --threads for threads per rank, --repeats, --kv-cache-dtype, and
+--new-tokens, --max-tokens), --threads for threads per rank, --repeats, --kv-cache-dtype, --context
+for the prompt (or context) length in tokens (never --doc, --doc-tokens, --contexts), and
 --output PATH for a JSON file of the results, as `treeattn bench` writes it (never --out, never a
 visible --json: in the `treeattn` commands --json is the switch that prints one JSON object on stdout,
 so a --json that takes a PATH would give one flag two meanings). Old spellings stay as hidden aliases:
@@ -18,7 +19,8 @@ import pytest
 
 SCRIPTS = sorted((Path(__file__).parent.parent / "benchmarks").glob("*.py"))
 RETIRED = {"--world-size", "--world-sizes", "--worlds", "-p", "--gpus", "--new-tokens", "--max-tokens", "--out",
-           "--threads-per-rank", "--repeat", "--kv", "--capacity", "--model"}
+           "--threads-per-rank", "--repeat", "--kv", "--capacity", "--model",
+           "--doc", "--doc-tokens", "--contexts"}
 # (script, flag): where the retired name means something else than the CLI's concept
 OTHER_MEANING = {("make_draft_gguf.py", "--out")}  # the .gguf file it writes, not results as JSON
 
