@@ -90,8 +90,7 @@ def simulate(
         for p in gpus:
             cluster.nodes(p)
     except (ValueError, TypeError) as err:
-        typer.echo(f"error: {err}", err=True)
-        raise typer.Exit(2) from None
+        raise _usage_error(err) from None
 
     if show_preset:
         if as_json:  # the raw values (SI units: bytes, seconds), as Cluster.from_dict reads them
@@ -100,29 +99,10 @@ def simulate(
             _print_preset(cluster)
         return
 
-    records: list[dict] = []
-    shortfalls: list[str] = []
     try:
-        for p in gpus:
-            for shape in shapes:
-                for m in method:
-                    prediction = predict_decode(cluster, shape, p, m)
-                    if (shortfall := memory_shortfall(cluster, prediction)) is not None:
-                        shortfalls.append(shortfall)
-                    record = prediction.as_dict()
-                    record["preset"] = cluster.name
-                    if new_tokens is not None:
-                        gen = predict_generation(cluster, shape, p, m, new_tokens, layers)
-                        record.update(
-                            new_tokens=new_tokens,
-                            layers=layers,
-                            prefill_seconds=gen.prefill_seconds,
-                            generation_seconds=gen.predicted_seconds,
-                        )
-                    records.append(record)
+        records, shortfalls = _predict(cluster, shapes, gpus, method, new_tokens, layers)
     except (ValueError, TypeError) as err:
-        typer.echo(f"error: {err}", err=True)
-        raise typer.Exit(2) from None
+        raise _usage_error(err) from None
 
     if as_json:
         for record in records:
@@ -132,12 +112,51 @@ def simulate(
     for line in shortfalls:
         typer.echo(f"does not fit in memory: {line}", err=True)
     if plot is not None:
-        from treeattn.bench.plots import make_figures
-
         title = f"cost model, {cluster.name}, Hq={heads} D={head_dim} B={batch} {shapes[0].dtype}"
-        paths = make_figures(records, plot, plot_prefix or f"sim_{cluster.name}", "predicted_seconds", title)
-        for path in paths:
-            typer.echo(f"wrote {path}", err=True)
+        _write_figures(records, plot, plot_prefix or f"sim_{cluster.name}", title)
+
+
+def _usage_error(err: Exception) -> typer.Exit:
+    """Print `err` as the command's one `error:` line; the exit (status 2, a usage error) to raise."""
+    typer.echo(f"error: {err}", err=True)
+    return typer.Exit(2)
+
+
+def _predict(cluster: Cluster, shapes: list[DecodeShape], nprocs: list[int], methods: list[str],
+             new_tokens: int | None, layers: int) -> tuple[list[dict], list[str]]:
+    """One record per (world size, shape, method), in that nesting order, and a line per
+    configuration whose K/V cache does not fit in the cluster's memory.
+
+    Each record is `Prediction.as_dict()` plus `preset`; with `new_tokens`, also `new_tokens`,
+    `layers`, `prefill_seconds` and `generation_seconds` (prefill + new_tokens decode steps)."""
+    records: list[dict] = []
+    shortfalls: list[str] = []
+    for p in nprocs:
+        for shape in shapes:
+            for m in methods:
+                prediction = predict_decode(cluster, shape, p, m)
+                if (shortfall := memory_shortfall(cluster, prediction)) is not None:
+                    shortfalls.append(shortfall)
+                record = prediction.as_dict()
+                record["preset"] = cluster.name
+                if new_tokens is not None:
+                    gen = predict_generation(cluster, shape, p, m, new_tokens, layers)
+                    record.update(
+                        new_tokens=new_tokens,
+                        layers=layers,
+                        prefill_seconds=gen.prefill_seconds,
+                        generation_seconds=gen.predicted_seconds,
+                    )
+                records.append(record)
+    return records, shortfalls
+
+
+def _write_figures(records: list[dict], folder: Path, prefix: str, title: str) -> None:
+    """The latency/speedup/memory/comm PNGs of the predictions in `folder`; their paths on stderr."""
+    from treeattn.bench.plots import make_figures
+
+    for path in make_figures(records, folder, prefix, "predicted_seconds", title):
+        typer.echo(f"wrote {path}", err=True)
 
 
 def _print_table(records: list[dict], preset: str, generation: bool) -> None:
