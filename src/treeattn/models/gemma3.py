@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from treeattn.models.llama import (AttendFn, KVStore, LlamaConfig, LlamaModel, apply_rope, config_reader, rope_cos_sin,
+from treeattn.models.llama import (AttendFn, Attention, KVStore, LlamaConfig, LlamaModel, config_reader, rope_cos_sin,
                                    rope_inverse_frequencies)
 
 ARCHITECTURE = "Gemma3ForCausalLM"
@@ -93,33 +93,22 @@ class Gemma3RMSNorm(nn.Module):
         return (normed * (1.0 + self.weight.float())).to(x.dtype)
 
 
-class Gemma3Attention(nn.Module):
+class Gemma3Attention(Attention):
+    """Llama's attention (projections, cache, attend, output) with Gemma 3's heads: an RMS norm on
+    each query and key head before the rotation, and query_pre_attn_scalar's scale on the queries."""
+
     def __init__(self, config: Gemma3Config, layer: int) -> None:
-        super().__init__()
-        self.layer = layer
-        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
-        self.window = config.layer_windows[layer]
-        d, hd = config.hidden_size, config.head_dim
-        self.q_proj = nn.Linear(d, config.num_heads * hd, bias=config.qkv_bias)
-        self.k_proj = nn.Linear(d, config.num_kv_heads * hd, bias=config.qkv_bias)
-        self.v_proj = nn.Linear(d, config.num_kv_heads * hd, bias=config.qkv_bias)
-        self.o_proj = nn.Linear(config.num_heads * hd, d, bias=config.o_bias)
+        super().__init__(config, layer)
+        hd = config.head_dim
         self.q_norm = Gemma3RMSNorm(hd, config.rms_norm_eps)
         self.k_norm = Gemma3RMSNorm(hd, config.rms_norm_eps)
         # attend() scales scores by head_dim ** -0.5; the queries carry the rest of Gemma's scale.
         ratio = (config.query_pre_attn_scalar ** -0.5) / (hd ** -0.5)
         self.query_factor = None if ratio == 1.0 else ratio
 
-    def forward(self, x, positions, cos, sin, kv_store: KVStore, attend: AttendFn) -> torch.Tensor:
-        B, S, _ = x.shape
-        q = apply_rope(self.q_norm(self.q_proj(x).view(B, S, self.num_heads, self.head_dim)), cos, sin)
-        k = apply_rope(self.k_norm(self.k_proj(x).view(B, S, self.num_kv_heads, self.head_dim)), cos, sin)
-        v = self.v_proj(x).view(B, S, self.num_kv_heads, self.head_dim)
-        if self.query_factor is not None:
-            q = q * self.query_factor
-        k_all, v_all, kv_pos = kv_store(self.layer, k, v)
-        out = attend(q, k_all, v_all, q_pos=positions, kv_pos=kv_pos, window=self.window)
-        return self.o_proj(out.reshape(B, S, self.num_heads * self.head_dim))
+    def queries_keys(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        q, k = super().queries_keys(self.q_norm(q), self.k_norm(k), cos, sin)
+        return (q if self.query_factor is None else q * self.query_factor), k
 
 
 class Gemma3MLP(nn.Module):

@@ -214,12 +214,20 @@ class Attention(nn.Module):
 
     def forward(self, x, positions, cos, sin, kv_store: KVStore, attend: AttendFn) -> torch.Tensor:
         B, S, _ = x.shape
-        q = apply_rope(self.q_proj(x).view(B, S, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rope(self.k_proj(x).view(B, S, self.num_kv_heads, self.head_dim), cos, sin)
+        q = self.q_proj(x).view(B, S, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(B, S, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(B, S, self.num_kv_heads, self.head_dim)
+        q, k = self.queries_keys(q, k, cos, sin)
         k_all, v_all, kv_pos = kv_store(self.layer, k, v)
         out = attend(q, k_all, v_all, q_pos=positions, kv_pos=kv_pos, window=self.window)
         return self.o_proj(out.reshape(B, S, self.num_heads * self.head_dim))
+
+    def queries_keys(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """The projected heads as the cache and attend() take them: rotated by their positions' angles.
+
+        q: [B, S, Hq, D], k: [B, S, Hkv, D]; cos, sin: the rope tables of these positions. A family
+        that normalises or scales the heads first (Gemma 3) overrides this, not forward."""
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
 
 class MLP(nn.Module):
