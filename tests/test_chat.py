@@ -60,7 +60,20 @@ def test_refuses_a_model_without_chat_template(tmp_path):
     path = tmp_path / "bare.gguf"
     write_gguf(path, hf_model("llama"), gguf.GGMLQuantizationType.F16, chat_template=None)
     result = CliRunner().invoke(app, ["chat", str(path)])
-    assert result.exit_code == 2 and "has no chat template" in result.stderr and len(result.stderr.splitlines()) == 1
+    assert result.exit_code == 2 and len(result.stderr.splitlines()) == 1
+    assert re.search(r"bare\.gguf: the model has no chat template \(.*\); use treeattn generate$", result.stderr.strip()), result.stderr
+
+
+def test_chat_end_of_turn_names_what_is_missing():
+    """One check of a model's chat files for `treeattn chat` and `generate --chat` (models.chat)."""
+    from types import SimpleNamespace
+
+    from treeattn.models.chat import chat_end_of_turn
+
+    with pytest.raises(ValueError, match=r"^--chat: m has no tokenizer \(tokenizer\.json"):
+        chat_end_of_turn(SimpleNamespace(tokenizer=None, chat_template=None), "--chat: m", otherwise="; x")
+    with pytest.raises(ValueError, match=r"^m has no chat template \(.*\.gguf\); use generate$"):
+        chat_end_of_turn(SimpleNamespace(tokenizer=object(), chat_template=None), "m", otherwise="; use generate")
 
 
 class Terminal:

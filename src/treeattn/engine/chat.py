@@ -87,17 +87,12 @@ def chat_command(
     """Chat with MODEL in the terminal: its chat template, replies streamed as decoded, the conversation in the prefix cache."""
     import treeattn as ta
     from treeattn.engine.request import SamplingParams
-    from treeattn.models.chat import end_of_turn_id
+    from treeattn.models.chat import chat_end_of_turn
     from treeattn.models.loader import read_model_files
 
     try:
         files = read_model_files(model)
-        if files.tokenizer is None:
-            raise ValueError(f"{model}: the model has no tokenizer (tokenizer.json, or tokenizer.ggml.* metadata in a .gguf)")
-        if files.chat_template is None:
-            raise ValueError(f"{model}: the model has no chat template (tokenizer_config.json 'chat_template', "
-                             "chat_template.jinja, or tokenizer.chat_template in a .gguf); use treeattn generate")
-        eot = end_of_turn_id(files.tokenizer, files.chat_template)
+        eot = chat_end_of_turn(files, f"{model}: the model", otherwise="; use treeattn generate")
         stop = tuple(dict.fromkeys(list(files.config.eos_token_ids) + ([] if eot is None else [eot])))
         params = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed, stop_token_ids=stop)
         SamplingParams(**params)  # bad sampling options: one line now, before the model loads

@@ -243,16 +243,11 @@ def _read_prompts(prompt, prompt_file, prompt_ids, tokenizer, model_dir, render=
 def _chat_renderer(system, prompt_ids, files, model_dir):
     """--chat: (text -> ids of the text as a user turn, after --system, rendered by the model's chat
     template with the generation prompt; the end-of-turn stop token, or () if none is found)."""
-    from treeattn.models.chat import encode_chat, end_of_turn_id, messages
+    from treeattn.models.chat import chat_end_of_turn, encode_chat, messages
 
     if prompt_ids is not None:
         raise ValueError("--chat renders text through the chat template: give --prompt or --prompt-file, not --prompt-ids")
-    if files.tokenizer is None:
-        raise ValueError(f"--chat: {model_dir} has no tokenizer (tokenizer.json, or tokenizer.ggml.* metadata in a .gguf)")
-    if files.chat_template is None:
-        raise ValueError(f"--chat: {model_dir} has no chat template (tokenizer_config.json 'chat_template', "
-                         "chat_template.jinja, or tokenizer.chat_template in a .gguf)")
-    eot = end_of_turn_id(files.tokenizer, files.chat_template)
+    eot = chat_end_of_turn(files, f"--chat: {model_dir}")
     return (lambda text: encode_chat(files.tokenizer, files.chat_template, messages(text, system=system))), (() if eot is None else (eot,))
 
 

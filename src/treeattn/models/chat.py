@@ -275,6 +275,17 @@ def encode_chat(tokenizer, template: ChatTemplate, conversation: list[dict]) -> 
     return tokenizer.encode(template.render(conversation), add_special_tokens=False).ids
 
 
+def chat_end_of_turn(files, where: str, *, otherwise: str = "") -> int | None:
+    """end_of_turn_id of a model's files (models.loader.ModelFiles) that can chat: a tokenizer and a
+    chat template, else one ValueError "<where> has no tokenizer (...)" / "... no chat template (...)"
+    naming the files each can come from, with `otherwise` (what to do instead) appended to the latter."""
+    if files.tokenizer is None:
+        raise ValueError(f"{where} has no tokenizer (tokenizer.json, or tokenizer.ggml.* metadata in a .gguf)")
+    if files.chat_template is None:
+        raise ValueError(f"{where} has no chat template (tokenizer_config.json 'chat_template', "
+                         f"chat_template.jinja, or tokenizer.chat_template in a .gguf){otherwise}")
+    return end_of_turn_id(files.tokenizer, files.chat_template)
+
 def end_of_turn_id(tokenizer, template: ChatTemplate) -> int | None:
     """The token that closes an assistant turn in this template, None if none can be found."""
     probe = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": _MARKER}]
