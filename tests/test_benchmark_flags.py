@@ -7,7 +7,7 @@ for the prompt (or context) length in tokens (never --doc, --doc-tokens, --conte
 visible --json: in the `treeattn` commands --json is the switch that prints one JSON object on stdout,
 so a --json that takes a PATH would give one flag two meanings). Old spellings stay as hidden aliases:
 argparse.SUPPRESS help, the same destination as the visible flag. The model is the optional
-positional MODEL, as in `treeattn generate MODEL` (--model is its hidden alias).
+positional MODEL, as in `treeattn generate MODEL` (--model, or --gguf, is its hidden alias).
 """
 
 from __future__ import annotations
@@ -20,9 +20,10 @@ import pytest
 SCRIPTS = sorted((Path(__file__).parent.parent / "benchmarks").glob("*.py"))
 RETIRED = {"--world-size", "--world-sizes", "--worlds", "-p", "--gpus", "--new-tokens", "--max-tokens", "--out",
            "--threads-per-rank", "--repeat", "--kv", "--capacity", "--model",
-           "--doc", "--doc-tokens", "--contexts"}
+           "--doc", "--doc-tokens", "--contexts", "--gguf"}
 # (script, flag): where the retired name means something else than the CLI's concept
-OTHER_MEANING = {("make_draft_gguf.py", "--out")}  # the .gguf file it writes, not results as JSON
+OTHER_MEANING = {("make_draft_gguf.py", "--out"),  # the .gguf file it writes, not results as JSON
+                 ("gpu_engine.py", "--gguf")}  # the file of one of several --models, not the model argument
 
 
 def _arguments(path: Path) -> list[dict]:
@@ -63,6 +64,8 @@ def test_visible_flags_use_the_cli_names(script):
         assert positional["keywords"].get("nargs") == "'?'", f"{script.name}: {positional['dest']} is an optional positional"
         assert positional["keywords"].get("default") == "argparse.SUPPRESS", \
             f"{script.name}: positional {positional['dest']} needs default=argparse.SUPPRESS, or its hidden alias is overwritten"
+        assert "type" not in positional["keywords"], \
+            f"{script.name}: positional {positional['dest']} takes no type= (argparse would convert the SUPPRESS string)"
         assert f"namespace=argparse.Namespace({positional['dest']}=" in script.read_text(), \
             f"{script.name}: parse_args must start from a namespace holding {positional['dest']}'s default"
     for alias in (a for a in arguments if a["hidden"]):
