@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from treeattn.models.llama import (AttendFn, Attention, KVStore, LlamaConfig, LlamaModel, config_reader, rope_cos_sin,
+from treeattn.models.llama import (MLP, AttendFn, Attention, KVStore, LlamaConfig, LlamaModel, config_reader, rope_cos_sin,
                                    rope_inverse_frequencies)
 
 ARCHITECTURE = "Gemma3ForCausalLM"
@@ -111,15 +111,8 @@ class Gemma3Attention(Attention):
         return (q if self.query_factor is None else q * self.query_factor), k
 
 
-class Gemma3MLP(nn.Module):
-    """down(gelu_tanh(gate(x)) * up(x))."""
-
-    def __init__(self, config: Gemma3Config) -> None:
-        super().__init__()
-        d, i = config.hidden_size, config.intermediate_size
-        self.gate_proj = nn.Linear(d, i, bias=config.mlp_bias)
-        self.up_proj = nn.Linear(d, i, bias=config.mlp_bias)
-        self.down_proj = nn.Linear(i, d, bias=config.mlp_bias)
+class Gemma3MLP(MLP):
+    """Llama's gated MLP (the same projections) with GELU (tanh approximation): down(gelu_tanh(gate(x)) * up(x))."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.gelu(self.gate_proj(x), approximate="tanh") * self.up_proj(x))
