@@ -303,3 +303,29 @@ def test_a_converted_copy_loads_the_same_model_without_reading_the_file(models, 
     _same_model(load_model(path), fresh)
     _same_model(load_model(path), fresh)
     assert entry.stat().st_size > 1000 and not list(entry.parent.glob(".tmp-*"))
+
+
+def test_a_load_without_the_tokenizer_has_the_same_weights_and_writes_no_copy(models, tmp_path, monkeypatch):
+    """with_tokenizer=False (the engine's ranks: they run token ids) skips building the tokenizer and
+    the template and gives the same weights; with the cache on it writes no copy, which would lack
+    them; a rank's load (treeattn.engine.rank.load_model) is such a load."""
+    import treeattn.models.gguf_tokenizer as gguf_tokenizer
+    from treeattn.engine.rank import load_model as rank_load_model
+
+    path = tmp_path / "tiny.gguf"
+    write_gguf(path, models["llama"], Q.Q8_0, arch="llama")
+    monkeypatch.setenv("TREEATTN_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("TREEATTN_GGUF_CACHE", "1")
+    with monkeypatch.context() as m:
+        m.setattr(gguf_tokenizer, "tokenizer_from_gguf", lambda *a, **k: pytest.fail("the tokenizer was built"))
+        bare = load_model(path, with_tokenizer=False)
+        ranks = rank_load_model(str(path), None, torch.device("cpu"), "packed")
+        assert ranks.tokenizer is None and ranks.chat_template is None
+    assert bare.tokenizer is None and bare.chat_template is None
+    assert not (tmp_path / "cache").exists()
+    full = load_model(path)  # writes the copy, with the tokenizer
+    assert full.tokenizer is not None and full.chat_template is not None
+    for name, tensor in full.state_dict().items():
+        assert torch.equal(tensor, bare.state_dict()[name]), name
+    from_copy = load_model(path, with_tokenizer=False)
+    assert from_copy.tokenizer is None and torch.equal(from_copy.lm_head.weight, full.lm_head.weight)

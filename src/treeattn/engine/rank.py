@@ -44,14 +44,16 @@ class ModelInfo:
 def load_model(model, dtype, device: torch.device | None = None, weight_format: str = "auto"):
     """The model of a rank: a checkpoint path loaded with ta.load_model straight onto `device` (None:
     the CPU) in `dtype` (None: bfloat16 on CUDA, float32 on the CPU), tensor by tensor, its quantized
-    weights held as `weight_format` says (EngineConfig.weight_format); or a loaded model, moved to
+    weights held as `weight_format` says (EngineConfig.weight_format), without its tokenizer and chat
+    template (model.tokenizer None: a rank runs token ids only); or a loaded model, moved to
     `device` and `dtype` where they are given."""
     from treeattn.engine.device import resolve_dtype
     from treeattn.models import load_model as load
 
     if isinstance(model, (str, os.PathLike)):
         device = device or torch.device("cpu")
-        return load(model, dtype=resolve_dtype(dtype, device.type), device=device, weight_format=weight_format)
+        return load(model, dtype=resolve_dtype(dtype, device.type), device=device, weight_format=weight_format,
+                    with_tokenizer=False)  # the driver holds the tokenizer (Engine: check_engine's model files)
     if device is not None and device != model.device:
         model = model.to(device)
     return model if dtype is None else model.to(dtype)
@@ -76,7 +78,8 @@ def make_runner(model, config: EngineConfig, group=None) -> RankRunner:
         from treeattn.models import load_model as load
 
         draft = config.draft_model
-        draft = load(draft, dtype=model.dtype, device=model.device) if isinstance(draft, str) else draft.to(model.device, model.dtype)
+        draft = (load(draft, dtype=model.dtype, device=model.device, with_tokenizer=False) if isinstance(draft, str)
+                 else draft.to(model.device, model.dtype))
     return RankRunner(model, group=group, blocks_per_rank=config.blocks_per_rank(model.config.max_position_embeddings),
                       block_size=config.block_size, decode=config.decode if config.nproc > 1 else "local", method=config.method,
                       shared_memory=config.shared_memory, timeout_s=config.timeout_s, draft_model=draft,

@@ -51,7 +51,7 @@ IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
 
 
 def load_model(model_dir: str | os.PathLike, *, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
-               weight_format: str = "dequantize") -> LlamaModel:
+               weight_format: str = "dequantize", with_tokenizer: bool = True) -> LlamaModel:
     """Load a Llama-family checkpoint: a Hugging Face directory or a .gguf file.
 
     The model's tokenizer and chat template come along as model.tokenizer and model.chat_template
@@ -67,6 +67,9 @@ def load_model(model_dir: str | os.PathLike, *, dtype: torch.dtype = torch.float
         weight_format: "dequantize" (every weight in `dtype`), "packed" (a GGUF file's Q4_0/Q4_1/Q8_0
             matrices kept as they ship: treeattn.models.gguf) or "auto" (packed what can be, on the
             CPU; a safetensors checkpoint is loaded in `dtype` either way).
+        with_tokenizer: False: the tokenizer and chat template are not read (model.tokenizer and
+            model.chat_template are None), for processes that only run the model, such as the
+            engine's ranks (building a GGUF file's tokenizer costs about as much as its packed weights).
 
     Returns:
         A LlamaModel in eval mode; model.config holds the parsed configuration.
@@ -102,7 +105,7 @@ def load_model(model_dir: str | os.PathLike, *, dtype: torch.dtype = torch.float
     from treeattn.models.gguf import is_gguf  # here, not on top: `import treeattn` does not load the gguf package
 
     if is_gguf(model_dir):
-        return _load_gguf(Path(model_dir), dtype, device, weight_format)
+        return _load_gguf(Path(model_dir), dtype, device, weight_format, with_tokenizer)
     if weight_format not in WEIGHT_FORMATS:
         raise ValueError(f"weight_format must be one of {WEIGHT_FORMATS}, got {weight_format!r}")
     if weight_format == "packed":
@@ -127,8 +130,8 @@ def load_model(model_dir: str | os.PathLike, *, dtype: torch.dtype = torch.float
                 state[ours] = f.get_tensor(theirs).to(dtype=torch.float32 if keep else dtype)
     model.load_state_dict(state, strict=True, assign=True)
     model.inv_freq = model.inv_freq.to(device)
-    model.tokenizer = load_tokenizer(model_dir)
-    model.chat_template = read_chat_template(model_dir)
+    model.tokenizer = load_tokenizer(model_dir) if with_tokenizer else None
+    model.chat_template = read_chat_template(model_dir) if with_tokenizer else None
     logger.info("loaded %s (%d tensors from %d files) as %s on %s", model_dir, len(state), len(by_file), dtype, device)
     return model.eval()
 
@@ -157,7 +160,7 @@ def _plan(model_dir: Path, dtype: torch.dtype) -> tuple[LlamaModel, dict[str, tu
     return model, _match_tensors(model, locations)
 
 
-def _load_gguf(path: Path, dtype: torch.dtype, device, weight_format: str) -> LlamaModel:
+def _load_gguf(path: Path, dtype: torch.dtype, device, weight_format: str, with_tokenizer: bool = True) -> LlamaModel:
     """load_model of a .gguf file: weights, tokenizer and chat template from one reading of it, or from
     its converted copy (treeattn.models.gguf_cache) when every tensor is dequantized."""
     from treeattn.models import gguf_cache
@@ -168,13 +171,15 @@ def _load_gguf(path: Path, dtype: torch.dtype, device, weight_format: str) -> Ll
     if cached:
         model = gguf_cache.load(path, dtype, device)
         if model is not None:
+            if not with_tokenizer:
+                model.tokenizer = model.chat_template = None
             return model
     reader = open_gguf(path)
-    tokenizer = tokenizer_from_gguf(reader, path=path)
-    template = gguf_chat_template(reader, path)
+    tokenizer = tokenizer_from_gguf(reader, path=path) if with_tokenizer else None
+    template = gguf_chat_template(reader, path) if with_tokenizer else None
     model = load_gguf_model(reader, path=path, dtype=dtype, device=device, weight_format=weight_format)
     model.tokenizer, model.chat_template = tokenizer, template
-    if cached:
+    if cached and with_tokenizer:  # a copy holds the tokenizer and template too
         gguf_cache.store(path, model)
     return model
 
