@@ -150,7 +150,7 @@ def test_bench_plot_refuses_bad_files_in_one_line(tmp_path, content, expected):
     path = tmp_path / "records.json"
     if content is not None:
         path.write_text(content)
-    result = cli.invoke(app, ["bench", "plot", str(path), "--out", str(tmp_path / "figures")])
+    result = cli.invoke(app, ["bench", "plot", str(path), "--plot", str(tmp_path / "figures")])
     assert result.exit_code == 2
     assert result.stderr.startswith(f"error: RECORDS {path}: ") and result.stderr.count("\n") == 1
     assert expected in result.stderr

@@ -46,7 +46,7 @@ ALIASES = {
     "demo": {"--new-tokens": "--max-new-tokens", "--model": ""},
     "simulate": {"--gpus": "--nproc", "-p": "--nproc", "--new-tokens": "--max-new-tokens"},
     "bench": {"--world-size": "--nproc", "-p": "--nproc", "--new-tokens": "--max-new-tokens", "--json": "--output",
-              "--threads-per-rank": "--threads"},
+              "--threads-per-rank": "--threads", "--out": "--plot"},
 }
 
 

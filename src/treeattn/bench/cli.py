@@ -389,7 +389,7 @@ def validate_command(
 @bench_app.command("plot")
 def plot_command(
     records: Path = typer.Argument(..., help="Records JSON from `bench decode --output` or `bench validate --output`."),
-    out: Path = typer.Option(Path("docs/figures"), help="Folder for the PNGs."),
+    out: Path = typer.Option(Path("docs/figures"), "--plot", help="Folder for the PNGs (as `simulate --plot` and `bench decode --plot`)."),
     prefix: str = typer.Option("bench", help="File name prefix."),
     title: str = typer.Option("measured, gloo CPU ranks", help="Figure title."),
 ) -> None:
@@ -397,7 +397,7 @@ def plot_command(
     from treeattn.bench.plots import make_figures
 
     rows = _load_records(records, "RECORDS")
-    _check_outputs([], [("--out", out)])
+    _check_outputs([], [("--plot", out)])
     try:
         paths = make_figures(rows, out, prefix, "median_seconds", title)
     except ValueError as err:
