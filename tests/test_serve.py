@@ -286,21 +286,28 @@ def test_sigterm_drains_the_running_request_and_a_full_queue_answers_429(model_f
 
 
 def test_a_dead_rank_turns_health_to_503_and_the_server_exits_nonzero(model_file):
+    """The server stops within half a second of the engine turning unhealthy, so a poll may or may
+    not land in the window where /health says 503 (on a busy machine it often does not): what must
+    hold is that once /health has said 503 it never says 200 again, that the server says why it
+    stops, exits non-zero and leaves no rank behind."""
     srv = Server(model_file, "--nproc", "2", "--timeout", "10")
     try:
         ranks = [pid for pid in srv.children if "spawn" in Path(f"/proc/{pid}/cmdline").read_text()]
         assert ranks, "no rank process found"
         os.kill(ranks[-1], signal.SIGKILL)
-        status = None
-        deadline = time.monotonic() + 60
+        statuses = []
+        deadline = time.monotonic() + 120
         while time.monotonic() < deadline and srv.process.poll() is None:
             try:
-                status = srv.http().get("/health").status_code
+                statuses.append(srv.http().get("/health").status_code)
             except httpx.TransportError:
                 pass
-            time.sleep(0.2)
+            time.sleep(0.05)
         assert srv.process.wait(timeout=5) != 0
-        assert status in (None, 503)
+        assert set(statuses) <= {200, 503}, statuses
+        if 503 in statuses:
+            assert 200 not in statuses[statuses.index(503):], statuses
+        assert any("stopping the server" in line for line in srv.lines), srv.lines[-5:]
         time.sleep(0.5)
         assert _alive(srv.children) == []
     finally:
