@@ -61,8 +61,8 @@ def rank_main(rank: int, world_size: int, gguf: str, context: int, new_tokens: i
 
     kernel_takes, used = engine_batch.kernel_takes, []
 
-    def alternate(dtype, device):  # PagedBatch asks once per step: the kernel on every other step
-        used.append(len(used) % 2 == 0 and kernel_takes(dtype, device))
+    def alternate(dtype, device, q_dtype=None):  # PagedBatch asks once per step: the kernel on every other step
+        used.append(len(used) % 2 == 0 and kernel_takes(dtype, device, q_dtype))
         return used[-1]
 
     engine_batch.kernel_takes = alternate
