@@ -67,7 +67,7 @@ import torch
 from treeattn.models.gemma3 import Gemma3Config
 from treeattn.models.llama import LlamaConfig, LlamaModel
 from treeattn.models.packed import WEIGHT_FORMATS, PackedEmbedding, PackedLinear
-from treeattn.ops.packed_linear import unpack_blocks
+from treeattn.ops.packed_linear import BLOCK_BYTES as PACKED_BLOCK_BYTES, unpack_blocks
 
 logger = logging.getLogger(__name__)
 
@@ -451,8 +451,9 @@ def dequantize(tensor) -> np.ndarray:
     return gguf.quants.dequantize(tensor.data, tensor.tensor_type).reshape(shape)
 
 
-# bytes per block of 32 values: a float16 scale d (Q4_1: and a float16 minimum m), then the quants
-BLOCK_BYTES = {gguf.GGMLQuantizationType.Q8_0: 34, gguf.GGMLQuantizationType.Q4_0: 18, gguf.GGMLQuantizationType.Q4_1: 20}
+# bytes per block of 32 values (a float16 scale d, Q4_1's float16 minimum m, then the quants), by
+# quantization type: the packed formats' table (treeattn.ops.packed_linear.BLOCK_BYTES)
+BLOCK_BYTES = {tensor_type: PACKED_BLOCK_BYTES[fmt] for tensor_type, fmt in PACKED_TYPES.items()}
 
 
 def dequantize_blocks(raw: np.ndarray, tensor_type, out: np.ndarray | None = None) -> np.ndarray:
