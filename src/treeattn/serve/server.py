@@ -24,6 +24,7 @@ parsed once for the template and the engine's checks (treeattn.models.gguf.share
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import signal
 import threading
@@ -120,27 +121,15 @@ def _started_engine(model, engine_options: dict):
         engine = Engine(model, **engine_options)
         _import_web_stack()
         return engine
-    box: list = []
-
-    def build() -> None:
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="treeattn-serve-engine") as pool:
+        started = pool.submit(Engine, model, **engine_options)
         try:
-            box.append(Engine(model, **engine_options))
-        except BaseException as exc:  # noqa: BLE001 -- re-raised in the caller's thread
-            box.append(exc)
-
-    thread = threading.Thread(target=build, name="treeattn-serve-engine", daemon=True)
-    thread.start()
-    try:
-        _import_web_stack()
-    except BaseException:
-        thread.join()
-        if not isinstance(box[0], BaseException):
-            box[0].close()  # no rank is left behind by a failed import
-        raise
-    thread.join()
-    if isinstance(box[0], BaseException):
-        raise box[0]
-    return box[0]
+            _import_web_stack()
+        except BaseException:
+            if started.exception() is None:
+                started.result().close()  # no rank is left behind by a failed import
+            raise
+        return started.result()  # the Engine's own error is raised here, in the caller's thread
 
 
 def _import_web_stack() -> None:
