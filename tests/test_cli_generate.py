@@ -61,18 +61,22 @@ def test_json_output_is_one_object_with_the_tokens(checkpoint, ids_file, expecte
 
 def test_kv_cache_dtype_halves_the_kv_bytes_per_token_in_the_json(checkpoint, ids_file, expected):
     """--kv-cache-dtype bfloat16: the cache stores bfloat16 (half float32's bytes per token, reported
-    with the dtype); the greedy tokens are the model's own, which a bfloat16 rounding of the keys may
+    with the dtype; fp8_e4m3 a quarter plus its scales); the greedy tokens are the model's own, which a bfloat16 rounding of the keys may
     legitimately change, so only their number is checked here (tests/test_kv_cache_dtype.py checks
     the attention exactly). An unknown dtype is refused before any work."""
     base = ["generate", str(checkpoint), "--prompt-ids", str(ids_file), "--max-new-tokens", "6", "--json"]
     reports = {}
-    for kv in ("auto", "bfloat16"):
+    for kv in ("auto", "bfloat16", "fp8_e4m3"):
         result = runner.invoke(app, base + ["--kv-cache-dtype", kv])
         assert result.exit_code == 0, result.output
         reports[kv] = json.loads(result.stdout)
     assert reports["auto"]["kv_cache_dtype"] == "float32" and reports["bfloat16"]["kv_cache_dtype"] == "bfloat16"
     assert reports["auto"]["kv_bytes_per_token"] == 2 * reports["bfloat16"]["kv_bytes_per_token"] > 0
     assert reports["auto"]["generated_ids"] == expected and len(reports["bfloat16"]["generated_ids"]) == len(expected)
+    # fp8: one byte per channel and a float32 scale per token and KV head: (D + 4) / (4 D) of float32's bytes
+    D = load_model(checkpoint).config.head_dim
+    assert reports["fp8_e4m3"]["kv_cache_dtype"] == "fp8_e4m3" and len(reports["fp8_e4m3"]["generated_ids"]) == len(expected)
+    assert reports["fp8_e4m3"]["kv_bytes_per_token"] * 4 * D == reports["auto"]["kv_bytes_per_token"] * (D + 4)
     result = runner.invoke(app, base + ["--kv-cache-dtype", "fp8"])
     assert result.exit_code == 2 and "--kv-cache-dtype" in result.output
 

@@ -140,13 +140,15 @@ def _plans():
 
 def _one_step(rank: int, group) -> dict:
     """On 2 ranks: the decode plan of _plans as one dynamic step (PagedBatch) and as one static step,
-    gathered (allreduce and tree combines) and paged (the Triton kernel through its interpreter)."""
+    gathered (allreduce and tree combines) and paged (the Triton kernel through its interpreter; also
+    over an fp8 cache, whose dynamic step reads dequantized copies and the kernel codes and scales)."""
     prefill, decode = _plans()
     out = {}
-    for read, method in (("gathered", "allreduce"), ("gathered", "tree"), ("paged", "allreduce")):
+    for read, method in (("gathered", "allreduce"), ("gathered", "tree"), ("paged", "allreduce"), ("paged-fp8", "allreduce")):
         runner = RankRunner(_model(), group=group, blocks_per_rank=4, block_size=BLOCK, decode="tree", method=method,
-                            decode_step="static", max_batch_size=8)
-        if read == "paged":
+                            decode_step="static", max_batch_size=8,
+                            kv_cache_dtype=torch.float8_e4m3fn if read == "paged-fp8" else None)
+        if read.startswith("paged"):
             runner.static_step = StaticDecodeStep(runner.model, runner.cache, rank=rank, max_batch_size=8, decode="tree",
                                                   group=group, kernel=interpreted_triton_decode())
         with torch.inference_mode():
@@ -165,7 +167,7 @@ def _one_step(rank: int, group) -> dict:
 
 def test_one_static_step_equals_the_dynamic_step_and_never_reads_the_host(runs):
     for result in (runs[0]["one_step"], runs[1]["one_step"]):
-        assert sorted(result) == ["gathered-allreduce", "gathered-tree", "paged-allreduce"]
+        assert sorted(result) == ["gathered-allreduce", "gathered-tree", "paged-allreduce", "paged-fp8-allreduce"]
         for method, r in result.items():
             assert r["shape"] == StaticShape(batch=4, blocks=2), method
             assert r["diff"] < 1e-5 * max(1.0, r["scale"]), (method, r)

@@ -1,10 +1,11 @@
 """A KV cache stored in another dtype than the model's (EngineConfig.kv_cache_dtype, --kv-cache-dtype).
 
 Exactness: one engine layer (PagedBatch: the new keys written, then every read path: the paged CPU
-kernel, the gathered fallback, run-by-run views, shared prefixes, a prefill chunk) over a bfloat16
-or float16 cache with float32 queries equals float64 attention over the values the cache holds
-(the dequantized cache), up to float32 accumulation; on one rank and on two (real gloo, each rank
-its blocks, the states combined). The engine: bfloat16 KV against float32 KV on a tiny model (the
+kernel, the gathered fallback, run-by-run views, shared prefixes, a prefill chunk) over a bfloat16,
+float16 or fp8_e4m3 cache with float32 queries equals float64 attention over the values the cache
+holds (the dequantized cache: fp8 codes times their scales), up to float32 accumulation; on one
+rank and on two (real gloo, each rank its blocks, the states combined). fp8's quantization itself:
+power-of-two scales per token and KV head, e4m3's rounding bound, non-finite values kept non-finite. The engine: bfloat16 KV against float32 KV on a tiny model (the
 agreement is printed, not asserted: rounding the keys may legitimately flip a near-tie), and the
 bfloat16 cache read by every path (kernel or not, static steps, two ranks, ring prefill) giving one
 set of greedy tokens; a 16-bit cache takes half the bytes per token; what cannot run it is refused.
@@ -25,6 +26,7 @@ from treeattn.engine.scheduler import Chunk, StepPlan
 from treeattn.models.attention import LocalAttention, attention_backend
 from treeattn.models.llama import LlamaConfig, random_model
 from treeattn.ops import paged_decode
+from treeattn.ops.fp8 import FP8, dequantize_fp8, quantize_fp8
 
 KERNEL = paged_decode.kernel_takes(torch.bfloat16, "cpu", torch.float32)
 # float32 accumulation of a few dozen products against float64 on the same (exactly widened) values.
@@ -50,7 +52,13 @@ def _step(kv_dtype, path, monkeypatch, rank=0, combine=(None, "allreduce", 1), o
     g = torch.Generator().manual_seed(0)
     cache = PagedKVCache(num_layers=1, num_kv_heads=HKV, head_dim=D, num_blocks=40, block_size=BS, dtype=kv_dtype,
                          compute_dtype=torch.float32)
-    cache.arena.copy_(torch.randn(cache.arena.shape, generator=g))  # the same cached keys on every rank (each reads its own)
+    cached = torch.randn(cache.arena.shape, generator=g)  # the same cached keys on every rank (each reads its own)
+    if cache.scales is None:
+        cache.arena.copy_(cached)
+    else:  # fp8: codes and a scale per token and head, magnitudes spread over 2**-8 .. 2**8
+        codes, scales = quantize_fp8(cached * torch.exp2(torch.randint(-8, 9, cached.shape[:-1], generator=g))[..., None])
+        cache.arena.view(torch.uint8).copy_(codes.view(torch.uint8))
+        cache.scales.copy_(scales)
     chunks = _chunks(owner)
     T = sum(len(c.tokens) for c in chunks)
     q = torch.randn(1, T, HQ, D, generator=g)
@@ -83,29 +91,43 @@ def _check_against_float64(chunks, q, out, keys, values):
 PATHS = ["kernel", "gather", "runs", "shared"]
 
 
-@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float16])
+def _stored(cache, layer=0):
+    """The values cache holds in `layer`, float64 (blocks, BS, Hkv, D) keys and values (fp8: codes times scales)."""
+    keys, values = cache.blocks(layer)
+    if cache.scales is not None:
+        k_scales, v_scales = cache.block_scales(layer)
+        keys, values = dequantize_fp8(keys, k_scales), dequantize_fp8(values, v_scales)
+    return keys.double(), values.double()
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float16, FP8])
 @pytest.mark.parametrize("path", PATHS)
 def test_one_layer_matches_float64_on_the_stored_cache(kv_dtype, path, monkeypatch):
     if path == "kernel" and not KERNEL:
         pytest.skip("numba is not installed")
     chunks, q, out, cache = _step(kv_dtype, path, monkeypatch)
     assert cache.arena.dtype == kv_dtype and out.dtype == torch.float32
-    keys, values = cache.blocks(0)
-    _check_against_float64(chunks, q, out, keys.double(), values.double())
+    keys, values = _stored(cache)
+    _check_against_float64(chunks, q, out, keys, values)
     # What the cache holds is the new keys rounded once: the first chunk's token (position 25) sits
     # in slot 1 of block 20.
     g = torch.Generator().manual_seed(0)
-    torch.randn(cache.arena.shape, generator=g), torch.randn(1, q.shape[1], HQ, D, generator=g)
+    cached = torch.randn(cache.arena.shape, generator=g)
+    if kv_dtype == FP8:
+        torch.randint(-8, 9, cached.shape[:-1], generator=g)
+    torch.randn(1, q.shape[1], HQ, D, generator=g)
     k_new = torch.randn(1, q.shape[1], HKV, D, generator=g)
-    assert torch.equal(keys[20, 1], k_new[0, 0].to(kv_dtype))
+    rounded = dequantize_fp8(*quantize_fp8(k_new[0, 0])) if kv_dtype == FP8 else k_new[0, 0].to(kv_dtype)
+    assert torch.equal(keys[20, 1], rounded.double())
+    assert torch.equal(cache.stored(k_new[0, 0]), rounded.float())
 
 
 def _two_ranks(rank, world_size, paths):
-    for path in paths:
+    for kv_dtype, path in paths:
         with pytest.MonkeyPatch.context() as monkeypatch:
-            chunks, q, out, cache = _step(torch.bfloat16, path, monkeypatch, rank=rank, combine=(None, "allreduce", 1),
+            chunks, q, out, cache = _step(kv_dtype, path, monkeypatch, rank=rank, combine=(None, "allreduce", 1),
                                           owner=lambda b: b % 2, backend=attention_backend("tree", method="allreduce"))
-        mine = cache.arena[0].float()  # (2, blocks, BS, Hkv, D): this rank's blocks are those b % 2 == rank
+        mine = torch.stack(_stored(cache)).float()  # (2, blocks, BS, Hkv, D): this rank's blocks are those b % 2 == rank
         every = [torch.empty_like(mine) for _ in range(world_size)]
         dist.all_gather(every, mine)
         stored = torch.stack([every[b % 2][:, b] for b in range(mine.shape[1])], dim=1).double()  # block b from its rank
@@ -114,11 +136,13 @@ def _two_ranks(rank, world_size, paths):
 
 
 def test_two_ranks_match_float64_on_the_stored_cache():
-    """Each rank stores its blocks (b % 2) in bfloat16 and reads them by the paged kernel (or the
-    gathered path without numba), the shared-prefix reads, or gathers; the states combine across
+    """Each rank stores its blocks (b % 2) in bfloat16 or fp8 and reads them by the paged kernel (or
+    the gathered path without numba), the shared-prefix reads, or gathers; the states combine across
     real gloo ranks (tree_decode's combine; the prefill chunk by tree_decode) into float64
     attention over every rank's stored blocks."""
-    assert ta.spawn(_two_ranks, 2, (["kernel"] if KERNEL else []) + ["shared", "gather"]) == [True, True]
+    paths = [(torch.bfloat16, "kernel"), (FP8, "kernel")] if KERNEL else []
+    paths += [(torch.bfloat16, "shared"), (FP8, "shared"), (torch.bfloat16, "gather"), (FP8, "runs")]
+    assert ta.spawn(_two_ranks, 2, paths) == [True, True]
 
 
 # ---------------------------------------------------------------- the engine
@@ -151,6 +175,19 @@ def test_engine_bfloat16_cache_every_path_gives_one_answer(monkeypatch):
     assert _tokens(model, kv_cache_dtype="bfloat16")[0] == bf16
 
 
+def test_engine_fp8_cache_every_path_gives_one_answer(monkeypatch):
+    """The fp8 cache read by the paged kernel (scales folded into scores and weights), on two ranks
+    with ring prefill (which attends to its own chunk's keys quantized as stored), and by the
+    gathered / run-by-run reads (dequantized copies): the same greedy tokens. (Static steps read
+    through gather(), as the gathered path does; the float32 comparison is bfloat16's test's.)"""
+    model = random_model(CONFIG, seed=3)
+    fp8, measured = _tokens(model, kv_cache_dtype="fp8_e4m3")
+    assert measured[0].kv_bytes % (CONFIG.num_layers * 2 * CONFIG.num_kv_heads * (CONFIG.head_dim + 4)) == 0
+    assert _tokens(model, kv_cache_dtype="fp8_e4m3", nproc=2, prefill="ring", prefill_chunk=32)[0] == fp8
+    monkeypatch.setattr(engine_batch, "kernel_takes", lambda *args: False)
+    assert _tokens(model, kv_cache_dtype="fp8_e4m3")[0] == fp8
+
+
 def test_kv_cache_dtype_is_checked_and_resolved():
     assert resolve_kv_cache_dtype("auto", torch.bfloat16) == torch.bfloat16
     assert resolve_kv_cache_dtype("float16", torch.float32) == torch.float16
@@ -160,3 +197,63 @@ def test_kv_cache_dtype_is_checked_and_resolved():
                         head_dim=16, max_position_embeddings=128, layer_windows=(8, None))
     with pytest.raises(ConfigError, match=r"kv_cache_dtype='bfloat16' \(--kv-cache-dtype\) does not run the sliding-window"):
         ta.Engine(random_model(gemma, seed=0), kv_cache_dtype="bfloat16")
+    with pytest.raises(ConfigError, match=r"kv_cache_dtype='fp8_e4m3' \(--kv-cache-dtype\) does not run the sliding-window"):
+        ta.Engine(random_model(gemma, seed=0), kv_cache_dtype="fp8_e4m3")
+    assert resolve_kv_cache_dtype("fp8_e4m3", torch.bfloat16) == FP8
+
+
+# ---------------------------------------------------------------- fp8: the quantization itself
+
+
+def test_fp8_rows_have_power_of_two_scales_and_e4m3_rounding():
+    """Each row (token, KV head) gets scale 2**(e - 8), max|row| = m 2**e: codes stay below 256 (e4m3's
+    max is 448), the dequantization codes * scale is exact (checked in float64), and every entry of
+    at least max|row| * 2**-13 (a normal e4m3 code) is within 2**-4 relative of the input; rows of
+    zeros, of huge and of tiny magnitudes included."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(64, 3, 32, generator=g) * torch.exp2(torch.randint(-140, 120, (64, 3, 1), generator=g).float())
+    x[0, 0] = 0.0
+    codes, scales = quantize_fp8(x.bfloat16())  # any float dtype in
+    assert codes.dtype == FP8 and scales.dtype == torch.float32 and scales.shape == (64, 3)
+    mantissa, exponent = torch.frexp(scales)
+    assert torch.all(mantissa == 0.5) and torch.all(exponent >= -125)  # powers of two, 2**-126 at least
+    assert torch.all(codes.float().abs() <= 256)
+    back = dequantize_fp8(codes, scales)
+    assert torch.equal(back.double(), codes.double() * scales.double()[..., None])
+    xb = x.bfloat16().double()
+    big = xb.abs() >= xb.abs().amax(-1, keepdim=True) * 2.0**-13
+    assert torch.all(((back.double() - xb).abs() <= 2.0**-4 * xb.abs())[big])
+    assert torch.equal(back[0, 0], torch.zeros(32))
+    assert dequantize_fp8(*quantize_fp8(x), torch.bfloat16).dtype == torch.bfloat16
+
+
+def test_fp8_keeps_non_finite_values_non_finite():
+    """torch's float8_e4m3fn conversion saturates inf to 448; the cache must not turn a non-finite key into a finite one."""
+    x = torch.ones(4, 8)
+    x[0, 3], x[1, 0], x[2, 5] = float("inf"), float("-inf"), float("nan")
+    back = dequantize_fp8(*quantize_fp8(x))
+    assert torch.isnan(back[:3]).any(dim=-1).all() and torch.equal(back[3], torch.ones(8))
+    assert torch.isnan(back[0, 3]) and torch.isnan(back[1, 0]) and torch.isnan(back[2, 5])
+
+
+def test_fp8_bad_input_names_the_argument():
+    with pytest.raises(TypeError, match="x must be a floating tensor"):
+        quantize_fp8(torch.ones(3, dtype=torch.int64))
+    with pytest.raises(TypeError, match="codes must be float8_e4m3fn"):
+        dequantize_fp8(torch.ones(2, 4), torch.ones(2))
+    with pytest.raises(TypeError, match="dtype must be a floating torch.dtype"):
+        PagedKVCache(num_layers=1, num_kv_heads=1, head_dim=4, num_blocks=2, block_size=2, dtype=torch.float8_e5m2)
+    with pytest.raises(TypeError, match="compute_dtype must be a dtype attention computes in"):
+        PagedKVCache(num_layers=1, num_kv_heads=1, head_dim=4, num_blocks=2, block_size=2, dtype=FP8, compute_dtype=FP8)
+
+
+def test_fp8_cache_bytes_count_the_scales():
+    """An fp8 arena holds D bytes of codes and 4 of scale per token, head and k/v plane; kv_bytes_per_token says as much."""
+    from treeattn.cache.sharded import kv_bytes_per_token
+
+    c = CONFIG
+    cache = PagedKVCache(num_layers=c.num_layers, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, num_blocks=3, block_size=BS,
+                         dtype=FP8)
+    per_token = c.num_layers * 2 * c.num_kv_heads * (c.head_dim + 4)
+    assert cache.nbytes() == (3 + 1) * BS * kv_bytes_per_token(c, FP8) == (3 + 1) * BS * per_token
+    assert kv_bytes_per_token(c, FP8) * 4 * c.head_dim == kv_bytes_per_token(c, torch.float32) * (c.head_dim + 4)

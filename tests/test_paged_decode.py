@@ -165,6 +165,67 @@ def test_kernel_widens_every_16_bit_pattern_exactly():
         assert torch.equal(torch.signbit(got), torch.signbit(expected))
 
 
+def _fp8_blocks(kb, vb, values_in_keys=False, seed=0):
+    """kb, vb as an fp8 cache stores them: codes and a scale per (block, slot, head), the rows' magnitudes
+    spread over 2**-8 .. 2**8; MLA's values are the keys' first channels (and share their scales)."""
+    from treeattn.ops.fp8 import quantize_fp8
+
+    g = torch.Generator().manual_seed(seed)
+    spread = lambda x: x * torch.exp2(torch.randint(-8, 9, x.shape[:-1], generator=g).float())[..., None]  # noqa: E731
+    kc, ks = quantize_fp8(spread(kb))
+    if values_in_keys:
+        return kc, kc[..., : vb.shape[-1]], ks, ks
+    vc, vs = quantize_fp8(spread(vb))
+    return kc, vc, ks, vs
+
+
+@pytest.mark.parametrize("case", ["gqa", "uneven and padded", "drafts", "window", "mla values in keys", "huge logits", "long"])
+def test_stored_fp8_blocks_match_float64_on_the_dequantized_values(case, path):
+    """An fp8 cache (codes + a power-of-two scale per key and head) with float32 queries: the kernel
+    folds the scales into scores and weights, the gathered path dequantizes; both give the float64
+    reference over codes * scales up to float32 rounding (the dequantization is exact: TOL)."""
+    from treeattn.ops.fp8 import dequantize_fp8
+
+    q, kb, vb, layout = make_case(**CASES[case])
+    kc, vc, ks, vs = _fp8_blocks(kb, vb, CASES[case].get("values_in_keys", False))
+    window = WINDOWS.get(case)
+    out, lse = pd.paged_decode_attention(q, kc, vc, layout, window=window, k_scales=ks, v_scales=vs)
+    assert out.dtype == torch.float32 and lse.dtype == torch.float32
+    check(out, lse, *reference(q.double(), dequantize_fp8(kc, ks).double(), dequantize_fp8(vc, vs).double(), layout, window))
+
+
+def test_kernels_read_every_fp8_code_exactly(monkeypatch):
+    """One visible key (softmax weight exactly 1): the output is that key's value row, 256 channels holding
+    the 256 e4m3 codes times a scale; the CPU kernel (and, through its interpreter, the Triton kernel)
+    give codes * scale bit for bit: zeros, subnormals, normals of both signs, NaNs as NaNs (a zero's
+    sign is the float32 accumulator's: 0 + -0 is 0)."""
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn)
+    vc = torch.zeros(2, 4, 1, 256, dtype=torch.float8_e4m3fn)
+    vc[1, 0, 0] = codes
+    kc = torch.zeros_like(vc)
+    scales = torch.full((2, 4, 1), 2.0**-5)
+    layout = pd.PagedDecodeLayout(torch.tensor([[1]]), torch.tensor([[0, INVISIBLE_POSITION, INVISIBLE_POSITION, INVISIBLE_POSITION]]),
+                                  torch.tensor([[3]]), block_size=4)
+    expected = codes.float() * 2.0**-5
+    q = torch.randn(1, 1, 2, 256)
+    kernels = ["cpu"] if KERNEL else []
+    try:
+        from conftest import interpreted_triton_decode
+
+        td = interpreted_triton_decode()
+        kernels.append("triton")
+    except pytest.skip.Exception:
+        pass
+    for kernel in kernels:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(pd, "_triton_kernel", lambda q: td if kernel == "triton" else None)
+            out, lse = pd.paged_decode_attention(q, kc, vc, layout, k_scales=scales, v_scales=scales)
+        for row in out[0, 0]:
+            assert torch.equal(torch.isnan(row), torch.isnan(expected)), kernel
+            assert torch.equal(row[~torch.isnan(row)], expected[~torch.isnan(expected)]), kernel
+        torch.testing.assert_close(lse, torch.zeros(1, 2, 1))
+
+
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
 def test_other_dtypes(dtype):
     """float64 gathers; bfloat16 queries over bfloat16 blocks (a bfloat16 model) take the kernel."""
@@ -193,6 +254,13 @@ def test_bad_input_names_the_argument():
         pd.paged_decode_attention(q, kb[:2], vb[:2], layout)
     with pytest.raises(TypeError, match="the blocks of one dtype"):
         pd.paged_decode_attention(q, kb, vb.double(), layout)
+    kc, vc, ks, vs = _fp8_blocks(kb, vb)
+    with pytest.raises(TypeError, match=r"k_scales must be a float32 tensor of shape \(NB, BS, Hkv\)"):
+        pd.paged_decode_attention(q, kc, vc, layout)  # fp8 codes without their scales
+    with pytest.raises(TypeError, match=r"v_scales must be a float32 tensor"):
+        pd.paged_decode_attention(q, kc, vc, layout, k_scales=ks, v_scales=vs[:, :1])
+    with pytest.raises(TypeError, match="k_scales and v_scales go with float8_e4m3fn blocks only"):
+        pd.paged_decode_attention(q, kb, vb, layout, k_scales=ks, v_scales=vs)
 
 
 # ---------------------------------------------------------------- the engine with and without the kernel
@@ -227,10 +295,12 @@ def test_engine_same_tokens_with_and_without_the_kernel():
     assert _engine_tokens(model, prompts, paged=True, nproc=2) == without  # two ranks: each reads its blocks, tree combine
 
 
+@pytest.mark.parametrize("fp8", [False, True], ids=["same-dtype", "fp8"])
 @pytest.mark.parametrize("case", ["drafts", "mla values in keys"])
-def test_cuda_branch_through_the_triton_interpreter(case, monkeypatch):
+def test_cuda_branch_through_the_triton_interpreter(case, fp8, monkeypatch):
     """The CUDA branch (the Triton paged kernel through the table, the static step's kernel), run
-    by Triton's interpreter on CPU tensors when there is no GPU."""
+    by Triton's interpreter on CPU tensors when there is no GPU; also over fp8 blocks and their
+    scales (float32 queries: the reference is float64 over the dequantized blocks)."""
     from conftest import HAS_CUDA, interpreted_triton_decode
 
     td = interpreted_triton_decode()
@@ -240,8 +310,16 @@ def test_cuda_branch_through_the_triton_interpreter(case, monkeypatch):
     if case == "mla values in keys":
         params.update(D=32, Dv=16)  # the kernel takes power-of-two head dims
     q, kb, vb, layout = make_case(**params)
-    ref = reference(q, kb, vb, layout)
+    scales = {}
+    if fp8:
+        from treeattn.ops.fp8 import dequantize_fp8
+
+        kb, vb, ks, vs = _fp8_blocks(kb, vb, case == "mla values in keys")
+        scales = dict(k_scales=ks.to(device), v_scales=vs.to(device))
+        ref = reference(q.double(), dequantize_fp8(kb, ks).double(), dequantize_fp8(vb, vs).double(), layout)
+    else:
+        ref = reference(q, kb, vb, layout)
     layout = pd.PagedDecodeLayout(*(t.to(device) for t in (layout.block_table, layout.kv_pos, layout.q_pos)),
                                   block_size=layout.block_size)
-    out, lse = pd.paged_decode_attention(q.to(device), kb.to(device), vb.to(device), layout)
+    out, lse = pd.paged_decode_attention(q.to(device), kb.to(device), vb.to(device), layout, **scales)
     check(out.cpu(), lse.cpu(), *ref)

@@ -74,11 +74,13 @@ def kv_bytes_per_token(model_config, dtype: torch.dtype) -> int:
     num_kv_heads x head_dim each, or keys only when model_config.cache_value_dim says the values
     are a view of them (MLA's latent cache), in every layer the sequence-sharded cache holds -- all
     layers, except the window layers of a hybrid model (treeattn.cache.window: a fixed cost per
-    sequence, window_bytes_per_sequence)."""
+    sequence, window_bytes_per_sequence). An fp8 cache (float8_e4m3fn) adds its float32 scale per
+    token and KV head (treeattn.cache.paged): head_dim + 4 bytes per head."""
     planes = 1 if model_config.cache_value_dim else 2
     itemsize = torch.empty((), dtype=dtype).element_size()
+    scale_bytes = 4 if dtype == torch.float8_e4m3fn else 0
     layers = len(paged_layers(tuple(model_config.layer_windows)))
-    return layers * planes * model_config.num_kv_heads * model_config.head_dim * itemsize
+    return layers * planes * model_config.num_kv_heads * (model_config.head_dim * itemsize + scale_bytes)
 
 
 class ShardedKVCache:

@@ -285,7 +285,8 @@ class PagedBatch:
         applied), read in place by the paged kernel (treeattn.ops.paged_decode): this rank's state,
         out (B, S, Hq, Dv) and lse (B, Hq, S) float32."""
         k, v = self.cache.blocks(self._layer)
-        out, lse = paged_decode_attention(q, k, v, g.paged, window=window)
+        k_scales, v_scales = self.cache.block_scales(self._layer)  # an fp8 cache's, else None
+        out, lse = paged_decode_attention(q, k, v, g.paged, window=window, k_scales=k_scales, v_scales=v_scales)
         return out.to(torch.promote_types(out.dtype, torch.float32)), lse  # the Triton kernel's out is in q.dtype
 
     def _attend_runs(self, g: _Group, q: torch.Tensor) -> torch.Tensor:
@@ -299,7 +300,7 @@ class PagedBatch:
         B, S, Hq, D = q.shape
         Dv = self.cache.value_dim or D
         outs, lses = [], []
-        for b, runs in enumerate(g.runs):  # each run: views of the arena (converted copies with a narrower kv_cache_dtype)
+        for b, runs in enumerate(g.runs):  # each run: views of the arena (converted or dequantized copies with a narrower kv_cache_dtype)
             states = [attention(q[b : b + 1], *(x[None] for x in self.cache.run(self._layer, a, n)),
                                 causal=True, q_pos=g.q_pos[b : b + 1], kv_pos=pos) for a, n, pos in runs]
             if not states:  # nothing of this sequence here: the merge's identity

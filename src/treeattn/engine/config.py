@@ -35,15 +35,24 @@ machine (docs/benchmarks.md, "One round per layer"). The static and CUDA-graph s
 read the host inside a step, take "allreduce" instead."""
 
 
-KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
-"""What the KV cache may store (kv_cache_dtype): "auto" is the model's dtype; the others are torch's names."""
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8_e4m3")
+"""What the KV cache may store (kv_cache_dtype): "auto" is the model's dtype; "fp8_e4m3" is
+torch.float8_e4m3fn codes with a float32 scale per token and KV head (treeattn.ops.fp8); the others
+are torch's names."""
 
 
 def resolve_kv_cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
     """The torch dtype a KV cache of `kv_cache_dtype` (KV_CACHE_DTYPES) stores for a model of `model_dtype`."""
     if kv_cache_dtype not in KV_CACHE_DTYPES:
         raise ConfigError("kv_cache_dtype", f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")
+    if kv_cache_dtype == "fp8_e4m3":
+        return torch.float8_e4m3fn
     return model_dtype if kv_cache_dtype == "auto" else getattr(torch, kv_cache_dtype)
+
+
+def kv_cache_dtype_name(dtype: torch.dtype) -> str:
+    """The kv_cache_dtype name of a stored torch dtype (float8_e4m3fn: "fp8_e4m3"), as --json reports it."""
+    return "fp8_e4m3" if dtype == torch.float8_e4m3fn else str(dtype).removeprefix("torch.")
 
 
 def resolve_method(method: str | None, static_option: str | None) -> str:
@@ -124,12 +133,15 @@ class EngineConfig:
             own device), "cpu" or "cuda". Spawned rank r runs on cuda:r, a rank under torchrun on
             cuda:LOCAL_RANK; CUDA ranks form an NCCL group, CPU ranks a gloo group. A checkpoint is
             loaded straight onto each rank's device, tensor by tensor (treeattn.engine.device).
-        kv_cache_dtype: what the KV cache stores: "auto" (the model's dtype), "float32", "bfloat16" or
-            "float16". New keys and values are rounded to it when written; every attention read
-            takes the stored values in the model's dtype and accumulates in float32 (the CPU paged
-            kernel widens 16-bit blocks as it reads them). A 16-bit cache halves the bytes per token
-            against float32. Not with a hybrid model's window layers (Gemma 3) when it differs from
-            the model's dtype; a draft model's cache keeps the draft's dtype.
+        kv_cache_dtype: what the KV cache stores: "auto" (the model's dtype), "float32", "bfloat16",
+            "float16" or "fp8_e4m3" (e4m3 codes and a float32 power-of-two scale per token and KV
+            head, set from that token's row when it is written: treeattn.ops.fp8). New keys and
+            values are rounded to it when written; every attention read takes the stored values
+            (fp8: codes times scales) in the model's dtype and accumulates in float32 (the CPU paged
+            kernel widens 16-bit and fp8 blocks as it reads them). A 16-bit cache halves the bytes
+            per token against float32; fp8 takes D + 4 bytes per head and token instead of 4 D.
+            Not with a hybrid model's window layers (Gemma 3) when it differs from the model's
+            dtype; a draft model's cache keeps the draft's dtype.
         weight_format: how a checkpoint's quantized weights are held: "auto" (on the CPU a GGUF file's
             Q4_0, Q4_1 and Q8_0 matrices kept packed, the rest in the model's dtype; on CUDA, dequantized),
             "packed" (every quantized matrix kept as the file ships it, multiplied by a kernel that reads

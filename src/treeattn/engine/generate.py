@@ -60,7 +60,7 @@ import torch.distributed as dist
 from treeattn.cache.sharded import kv_bytes_per_token
 from treeattn.cache.window import window_bytes_per_sequence
 from treeattn.engine.checks import check_engine, with_device
-from treeattn.engine.config import EngineConfig, given_or_built, resolve_kv_cache_dtype
+from treeattn.engine.config import EngineConfig, given_or_built, kv_cache_dtype_name, resolve_kv_cache_dtype
 from treeattn.models.packed import is_packed, weight_bytes
 from treeattn.engine.errors import ConfigError, ConfigTypeError
 from treeattn.engine.request import MAX_SEED, SamplingParams
@@ -138,7 +138,7 @@ class GenerationResult:
         kv_bytes_per_token: bytes of keys and values one more token takes in the layers the
             sequence-sharded cache holds (an MLA model's latent cache: one latent + RoPE key per
             layer; a hybrid model such as Gemma 3: its global layers only).
-        kv_cache_dtype: what the KV cache stored ("float32", "bfloat16", "float16": kv_cache_dtype resolved).
+        kv_cache_dtype: what the KV cache stored ("float32", "bfloat16", "float16", "fp8_e4m3": kv_cache_dtype resolved).
         weight_bytes_per_rank: bytes of the weights every rank holds (each holds all of them):
             parameters, and the blocks and scales of weights kept packed (weight_format).
         weight_format: "packed" when some weight is kept in its file's blocks, else "dequantize".
@@ -569,7 +569,7 @@ class Generation:
             kv_bytes_per_rank=[m.kv_bytes for m in measured],
             kv_bytes_per_token=kv_bytes_per_token(self.model.config, resolve_kv_cache_dtype(c.kv_cache_dtype, self.model.dtype)),
             kv_window_bytes=window_bytes_per_sequence(self.model.config, self.model.dtype),
-            kv_cache_dtype=str(resolve_kv_cache_dtype(c.kv_cache_dtype, self.model.dtype)).removeprefix("torch."),
+            kv_cache_dtype=kv_cache_dtype_name(resolve_kv_cache_dtype(c.kv_cache_dtype, self.model.dtype)),
             weight_bytes_per_rank=weight_bytes(self.model), weight_format="packed" if is_packed(self.model) else "dequantize",
             comm_bytes_per_rank=[m.bytes_sent("decode") for m in measured],
             prefill_comm_bytes_per_rank=[m.bytes_sent("prefill") for m in measured],

@@ -205,7 +205,8 @@ class RingPrefillStep:
         if batch.store_rows.numel():
             batch.cache.write(layer, batch.store_slots, k[0, batch.store_rows], v[0, batch.store_rows])
         if batch.cache.dtype != k.dtype:  # attend to the values the cache stores (kv_cache_dtype), as every other path does
-            k, v = k.to(batch.cache.dtype).to(k.dtype), v.to(batch.cache.dtype).to(v.dtype)
+            k = batch.cache.stored(k)
+            v = k[..., :value_dim] if value_dim else batch.cache.stored(v)
         self._layer = layer
         return (k,), (v,), (None,)
 

@@ -67,6 +67,7 @@ from treeattn.engine.scheduler import StepPlan
 from treeattn.models.attention import attention_backend, group_world_size
 from treeattn.models.llama import LlamaModel
 from treeattn.ops.attention import _triton_decode_module
+from treeattn.ops.fp8 import FP8
 from treeattn.parallel import Topology, comm
 from treeattn.parallel.tree_decode import combine_states
 
@@ -173,13 +174,15 @@ class PagedKernelAttention:
             raise ValueError("the paged read combines states (tree decoding); ring decoding passes the gathered shard")
         self.kernel, self.table, self.kv_len = kernel, table, kv_len
         self.world_size, self.method, self.group = world_size, method, group
+        self.scales = (None, None)  # an fp8 cache's scales of the layer being run (PagedKVCache.block_scales), set by kv_store
         self.ranks_per_node = (topology or Topology()).resolve(world_size) if method == "twolevel" else 1
 
     def __call__(self, q, k, v, *, q_pos, kv_pos, window):
-        """q (B, 1, Hq, D); k, v (num_blocks + 1, block_size, Hkv, D) pools; kv_pos int64 (B, NB *
-        block_size) -> out (B, 1, Hq, D) in q.dtype."""
+        """q (B, 1, Hq, D); k, v (num_blocks + 1, block_size, Hkv, D) pools (fp8: codes, with
+        self.scales); kv_pos int64 (B, NB * block_size) -> out (B, 1, Hq, D) in q.dtype."""
+        k_scales, v_scales = self.scales
         out, lse = self.kernel.paged_decode_attention(q, k, v, self.table, self.kv_len, causal=True, q_pos=q_pos, kv_pos=kv_pos,
-                                                      window=window)
+                                                      window=window, k_scales=k_scales, v_scales=v_scales)
         if self.world_size > 1:
             out, lse = combine_states(out.float(), lse, group=self.group, method=self.method, ranks_per_node=self.ranks_per_node)
         return out.to(q.dtype)
@@ -222,8 +225,9 @@ class StaticDecodeStep:
         ring = decode == "ring" and self.world_size > 1
         if kernel is None and model.device.type == "cuda" and not ring:
             kernel = _triton_decode_module()  # graph_safe_reason found it
-        # The Triton kernel reads blocks of the queries' dtype: a cache stored narrower (kv_cache_dtype) is gathered, in the model's.
-        self.kernel = None if ring or cache.dtype != model.dtype else kernel
+        # The Triton kernel reads blocks of the queries' dtype or fp8 blocks with their scales: a cache
+        # stored in another dtype (a 16-bit kv_cache_dtype under a float32 model) is gathered, in the model's.
+        self.kernel = None if ring or cache.dtype not in (model.dtype, FP8) else kernel
         self._buffers: dict[StaticShape, _Buffers] = {}
         self._pool = None  # the memory pool every captured graph shares
         self.steps = 0  # static steps run (tests and benchmarks read it)
@@ -310,7 +314,11 @@ class StaticDecodeStep:
             bs, Hkv, D)) and kv_pos int64 (B, NB * bs)."""
             k_new, v_new = k_new[:, 0], v_new[:, 0]
             cache.write(layer, buffers.slots, torch.where(owned, k_new, 0), torch.where(owned, v_new, 0))
-            k, v = cache.blocks(layer) if buffers.table32 is not None else cache.gather(layer, buffers.table)
+            if buffers.table32 is None:
+                k, v = cache.gather(layer, buffers.table)
+            else:
+                k, v = cache.blocks(layer)
+                buffers.attend.scales = cache.block_scales(layer)
             return k, v, buffers.kv_pos
 
         hidden = self.model(buffers.tokens, buffers.positions, kv_store, buffers.attend)

@@ -11,8 +11,8 @@ a GQA matmul over a (B, Hkv, G * Sq, Sk) score tensor with one pass over the key
 its G query heads. At 4K-64K keys it takes 0.27-0.67x the matmul path's time (quiet machine; the
 figures are in docs/benchmarks.md).
 
-The kernel (treeattn.ops.paged_cpu_kernel) takes the queries in float32, widens 16-bit blocks to
-float32 block by block, runs an online softmax in float32, and splits each row's blocks into
+The kernel (treeattn.ops.paged_cpu_kernel) takes the queries in float32, widens 16-bit and fp8
+blocks to float32 block by block (fp8 blocks' scales folded into scores and weights), runs an online softmax in float32, and splits each row's blocks into
 ranges that threads attend in parallel before merging them. A key at kv_pos is visible to a query
 at q_pos iff kv_pos <= q_pos (and q_pos - kv_pos < W with a window); a query at q_pos -1 sees
 nothing. Without numba, decode_attention returns None and its caller keeps its own path.
@@ -35,7 +35,7 @@ MIN_BLOCKS_PER_SPLIT = 1
 # ops.attention calls with at most this many queries per sequence go to the kernel (decode steps
 # and their drafts); longer ones (prefill) stay on the matmul path, which batches queries.
 MAX_QUERIES = 16
-_BITS = {torch.float32: torch.float32, torch.bfloat16: torch.uint16, torch.float16: torch.int16}
+_BITS = {torch.float32: torch.float32, torch.bfloat16: torch.uint16, torch.float16: torch.int16, torch.float8_e4m3fn: torch.uint8}
 
 
 @functools.lru_cache(maxsize=1)
@@ -57,14 +57,17 @@ def kernel_splits(threads: int, rows: int, blocks_per_row: int) -> int:
 
 
 def attend_blocks(q: torch.Tensor, k_blocks: torch.Tensor, v_store: torch.Tensor, Dv: int, arrays, *, threads: int,
-                  scale: float, window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+                  scale: float, window: int | None, k_scales: torch.Tensor | None = None,
+                  v_scales: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The kernel over blocks read in place.
 
     Args:
         q: (B, Sq, Hq, D) float tensor on the CPU (taken in float32).
-        k_blocks: (NB, BS, Hkv, D) contiguous, float32, bfloat16 or float16.
+        k_blocks: (NB, BS, Hkv, D) contiguous, float32, bfloat16, float16 or float8_e4m3fn.
         v_store: (NB, BS, Hkv, Dv) contiguous in k_blocks' dtype, or k_blocks itself when the
             values are its first Dv channels.
+        k_scales, v_scales: float32 (NB, BS, Hkv) contiguous, the scale of every key and value of
+            float8_e4m3fn blocks (treeattn.ops.fp8); None for other dtypes.
         arrays: (table (B, nb), kv_pos (B, nb * BS), row_seq (B * Sq,), q_pos (B * Sq,), splits), the
             first four C-contiguous int64 numpy arrays (row_seq: each query row's sequence).
 
@@ -82,7 +85,8 @@ def attend_blocks(q: torch.Tensor, k_blocks: torch.Tensor, v_store: torch.Tensor
     out_p = torch.empty(R, splits, Hkv, G, Dv)
     m_p = torch.empty(R, splits, Hkv, G)
     l_p = torch.empty(R, splits, Hkv, G)
-    kernel.attend(threads, q_rows.numpy(), k_arr, v_arr, Dv, scale, table, kv_pos, row_seq, q_pos,
+    scales = (kernel.NO_SCALES, kernel.NO_SCALES) if k_scales is None else (k_scales.numpy(), v_scales.numpy())
+    kernel.attend(threads, q_rows.numpy(), k_arr, v_arr, *scales, Dv, scale, table, kv_pos, row_seq, q_pos,
                   window or 0, splits, out_p.numpy(), m_p.numpy(), l_p.numpy())
     out = torch.empty(R, Hkv, G, Dv)
     lse = torch.empty(R, Hkv, G)
@@ -105,7 +109,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale
     """
     B, Sq, Hq, D = q.shape
     Sk = k.shape[1]
-    if (q.device.type != "cpu" or q.dtype not in _BITS or k.dtype != q.dtype or v.dtype != q.dtype or not 1 <= Sq <= MAX_QUERIES
+    if (q.device.type != "cpu" or q.dtype not in _BITS or q.dtype == torch.float8_e4m3fn or k.dtype != q.dtype or v.dtype != q.dtype or not 1 <= Sq <= MAX_QUERIES
             or B == 0 or Sk == 0 or kernel_module() is None):
         return None
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):

@@ -21,6 +21,13 @@ visible key is widened into a float32 scratch block (exactly: every bfloat16 and
 float32) when the row reaches it, by bit operations that vectorize, then read as a float32 block
 is; queries, scores, the softmax and the output stay float32. (A 65536-entry table lookup was
 ~50x slower per block than bfloat16's shift on this machine: scalar gathers.)
+
+fp8 blocks (an fp8_e4m3 cache: e4m3 codes passed as uint8, with float32 scales (NB, BS, Hkv), one
+per key and KV head, treeattn.ops.fp8) are widened the same way without their scales (exactly:
+every e4m3 code is a float32), and the scales enter where FlashInfer folds its per-tensor ones: a
+key's scale multiplies its score (with the softmax scale), a value's scale its softmax weight.
+Both scales are powers of two, so this gives bit for bit what the dequantized values would (up to
+the order of the float32 sums, as for any dtype). Other dtypes ignore the scales (pass NO_SCALES).
 """
 
 from __future__ import annotations
@@ -46,6 +53,14 @@ def attend(threads: int, *args) -> None:
 
 
 NO_SCRATCH = np.zeros((0, 0, 0), dtype=np.uint32)
+NO_SCALES = np.ones((1, 1, 1), dtype=np.float32)
+"""The scales argument of float32 and 16-bit blocks (never read)."""
+# 2**120: e4m3's exponent bias (7) -> float32's (127); also normalizes e4m3's subnormals exactly.
+_FP8_BIAS = np.float32(2.0**120)
+
+
+def _scale(k, scales, blk, t, h):  # pragma: no cover - replaced by its overload inside compiled code
+    raise NotImplementedError
 
 
 def _scratch(k, dv):  # pragma: no cover - replaced by its overload inside compiled code
@@ -83,6 +98,24 @@ def _block_impl(k, blk, dv, scratch):
             return scratch.view(np.float32)
 
         return bfloat16
+    if k.dtype == types.uint8:  # fp8 e4m3 (e4m3fn: no infinities; S.1111.111 is NaN)
+
+        def fp8(k, blk, dv, scratch):
+            src = k[blk]
+            f = scratch.view(np.float32)
+            for t in range(src.shape[0]):
+                for h in range(src.shape[1]):
+                    for d in range(dv):
+                        x = np.uint32(src[t, h, d])
+                        scratch[t, h, d] = ((x & np.uint32(0x7F)) << 20) | ((x & np.uint32(0x80)) << 24)
+            for t in range(src.shape[0]):
+                for h in range(src.shape[1]):
+                    for d in range(dv):
+                        nan = (src[t, h, d] & np.uint8(0x7F)) == np.uint8(0x7F)
+                        f[t, h, d] = np.float32(np.nan) if nan else f[t, h, d] * _FP8_BIAS
+            return f
+
+        return fp8
     if k.dtype == types.int16:  # float16
 
         def float16(k, blk, dv, scratch):
@@ -109,8 +142,16 @@ def _block_impl(k, blk, dv, scratch):
     return None
 
 
+@overload(_scale)
+def _scale_impl(k, scales, blk, t, h):
+    """The scale of key (or value) t of block blk, head h: scales[blk, t, h] for fp8 blocks, else 1."""
+    if k.dtype == types.uint8:
+        return lambda k, scales, blk, t, h: scales[blk, t, h]
+    return lambda k, scales, blk, t, h: np.float32(1.0)
+
+
 @njit(cache=True, fastmath=_FASTMATH)
-def _attend_range(w, q, k, v, dv, scale, table, kv_pos, row_seq, q_pos, window, splits, out, m_out, l_out):  # pragma: no cover - compiled
+def _attend_range(w, q, k, v, k_scales, v_scales, dv, scale, table, kv_pos, row_seq, q_pos, window, splits, out, m_out, l_out):  # pragma: no cover - compiled
     """Work item w = r * splits + sp of attend_splits: query row r over its sp-th range of blocks."""
     H, G, D = q.shape[1], q.shape[2], q.shape[3]
     BS = k.shape[1]
@@ -145,11 +186,13 @@ def _attend_range(w, q, k, v, dv, scale, table, kv_pos, row_seq, q_pos, window, 
             if kp > qp or (window > 0 and qp - kp >= window):
                 continue
             for h in range(H):
+                key_scale = _scale(k, k_scales, blk, t, h) * scale
+                value_scale = _scale(v, v_scales, blk, t, h)
                 for g in range(G):
                     x = np.float32(0.0)
                     for d in range(D):
                         x += q[r, h, g, d] * kb[t, h, d]
-                    s[g] = x * scale
+                    s[g] = x * key_scale
                 for g in range(G):
                     x = s[g]
                     if x > m[h, g]:  # a new max: rescale what was summed against the old one
@@ -160,8 +203,9 @@ def _attend_range(w, q, k, v, dv, scale, table, kv_pos, row_seq, q_pos, window, 
                         m[h, g] = x
                     p = np.float32(math.exp(x - m[h, g]))
                     lsum[h, g] += p
+                    pv = p * value_scale
                     for d in range(dv):
-                        acc[h, g, d] += p * vb[t, h, d]
+                        acc[h, g, d] += pv * vb[t, h, d]
     for h in range(H):
         for g in range(G):
             m_out[r, sp, h, g] = m[h, g]
@@ -171,13 +215,16 @@ def _attend_range(w, q, k, v, dv, scale, table, kv_pos, row_seq, q_pos, window, 
 
 
 @njit(parallel=True, cache=True, fastmath=_FASTMATH)
-def attend_splits(q, k, v, dv, scale, table, kv_pos, row_seq, q_pos, window, splits, out, m_out, l_out):  # pragma: no cover - compiled
+def attend_splits(q, k, v, k_scales, v_scales, dv, scale, table, kv_pos, row_seq, q_pos, window, splits, out, m_out, l_out):  # pragma: no cover - compiled
     """States of every (query row, block range).
 
     q: (R, Hkv, G, D) float32 C-contiguous, the query rows (not scaled).
     k: (NB, BS, Hkv, D) float32 C-contiguous, every block of the layer; v: (NB, BS, Hkv, Dv_stored),
         the value blocks (may be k itself, of which the first dv channels are the values). Or both
-        the bit patterns of 16-bit blocks: uint16 for bfloat16, int16 for float16.
+        the bit patterns of 16-bit blocks: uint16 for bfloat16, int16 for float16; or of fp8 e4m3
+        blocks: uint8.
+    k_scales, v_scales: float32 (NB, BS, Hkv) the scale of each key / value of fp8 blocks (NO_SCALES
+        for other dtypes; v_scales is k_scales when v is k).
     dv: value channels; scale: softmax scale.
     table: int64 (B, nb) block ids; kv_pos: int64 (B, nb * BS) position of every slot;
     row_seq: int64 (R,) the table row of each query row; q_pos: int64 (R,) its position.
@@ -186,15 +233,15 @@ def attend_splits(q, k, v, dv, scale, table, kv_pos, row_seq, q_pos, window, spl
     l_out (R, splits, Hkv, G): running max (-inf: no visible key) and sum of exp(score - max).
     """
     for w in prange(q.shape[0] * splits):
-        _attend_range(w, q, k, v, dv, scale, table, kv_pos, row_seq, q_pos, window, splits, out, m_out, l_out)
+        _attend_range(w, q, k, v, k_scales, v_scales, dv, scale, table, kv_pos, row_seq, q_pos, window, splits, out, m_out, l_out)
 
 
 @njit(cache=True, fastmath=_FASTMATH)
-def attend_splits_serial(q, k, v, dv, scale, table, kv_pos, row_seq, q_pos, window, splits, out, m_out, l_out):  # pragma: no cover - compiled
+def attend_splits_serial(q, k, v, k_scales, v_scales, dv, scale, table, kv_pos, row_seq, q_pos, window, splits, out, m_out, l_out):  # pragma: no cover - compiled
     """attend_splits on the calling thread alone: no thread pool is started (a rank running with
     one torch thread, several ranks on one host, then has no second pool spinning beside torch's)."""
     for w in range(q.shape[0] * splits):
-        _attend_range(w, q, k, v, dv, scale, table, kv_pos, row_seq, q_pos, window, splits, out, m_out, l_out)
+        _attend_range(w, q, k, v, k_scales, v_scales, dv, scale, table, kv_pos, row_seq, q_pos, window, splits, out, m_out, l_out)
 
 
 @njit(cache=True)

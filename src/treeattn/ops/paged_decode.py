@@ -2,6 +2,7 @@
 
     layout = PagedDecodeLayout(block_table, kv_pos, q_pos, block_size=BS)     # once per step
     out, lse = paged_decode_attention(q, k_blocks, v_blocks, layout, window=W)   # once per layer
+    out, lse = paged_decode_attention(q, k_codes, v_codes, layout, k_scales=ks, v_scales=vs)   # an fp8 cache
 
     block_table: int64 (B, nb)       the blocks of each sequence (any order, padding blocks too)
     kv_pos:      int64 (B, nb * BS)  the position of every slot of those blocks; a slot that holds no
@@ -11,8 +12,11 @@
     q:           (B, Sq, Hq, D)      the step's queries; Hq % Hkv == 0
     k_blocks:    (NB, BS, Hkv, D)    every block of the layer (PagedKVCache.blocks(layer)), in the
                                      cache's dtype, which may differ from q's (float32, bfloat16,
-                                     float16: a --kv-cache-dtype); read as stored, in float32
+                                     float16, float8_e4m3fn: a --kv-cache-dtype); read as stored,
+                                     in float32
     v_blocks:    (NB, BS, Hkv, Dv)   (a view of k_blocks[..., :Dv] for MLA's latent cache)
+    k_scales:    (NB, BS, Hkv)       float32, float8_e4m3fn blocks only: key (slot, head)'s value is
+    v_scales:    (NB, BS, Hkv)       its code times its scale (PagedKVCache.block_scales, ops.fp8)
     out:         (B, Sq, Hq, Dv) in q.dtype;  lse: (B, Hq, Sq) float32 (natural log, scale included)
 
 A key at kv_pos is visible to a query at q_pos iff kv_pos <= q_pos (and q_pos - kv_pos < window
@@ -23,13 +27,13 @@ Everything that depends only on the step (shapes, dtypes and ranges of the table
 is checked once, when the layout is built; a layer's call checks only that q and the blocks fit
 it (a few integer comparisons, no read of tensor data).
 
-Where it runs: CPU blocks of float32, bfloat16 or float16 go to a compiled kernel
-(treeattn.ops.cpu_decode over treeattn.ops.paged_cpu_kernel, numba: one pass over each row's blocks in place, 16-bit blocks
-widened to float32 block by block, the G query heads of a KV head together, queries taken in
+Where it runs: CPU blocks of float32, bfloat16, float16 or fp8 go to a compiled kernel
+(treeattn.ops.cpu_decode over treeattn.ops.paged_cpu_kernel, numba: one pass over each row's blocks in place, 16-bit and
+fp8 blocks widened to float32 block by block (an fp8 key's scale multiplies its score, a value's its weight), the G query heads of a KV head together, queries taken in
 float32, online softmax in float32, block ranges in parallel then merged). CUDA tensors go to the
 Triton paged decode kernel (treeattn.ops.triton_decode.paged_decode_attention, the static decode
-step's) when it takes them (q and blocks of one dtype, Sq <= 16, power-of-two head dims,
-float16/bfloat16/float32). Every other input (other dtypes and devices, no numba or triton)
+step's) when it takes them (q and blocks of one dtype, or fp8 blocks with their scales; Sq <= 16,
+power-of-two head dims, float16/bfloat16/float32 queries). Every other input (other dtypes and devices, no numba or triton)
 gathers the blocks into one (B, nb * BS, Hkv, D) copy in q's dtype (float32 at least) and calls
 ops.attention, which is exact too but reads K/V twice (the copy, then the attention).
 """
@@ -41,23 +45,26 @@ import torch
 
 from treeattn.ops.attention import attention
 from treeattn.ops.cpu_decode import attend_blocks, kernel_module, kernel_splits
+from treeattn.ops.fp8 import FP8, dequantize_fp8
 from treeattn.ops.validation import check_scale, check_window
 
-KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-"""Cache dtypes the in-place kernels read (the CPU kernel widens the 16-bit ones to float32)."""
+KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16, FP8)
+"""Cache dtypes the in-place kernels read (the CPU kernel widens the 16-bit and fp8 ones to float32)."""
+QUERY_DTYPES = KERNEL_DTYPES[:3]
 
 
 def kernel_takes(dtype: torch.dtype, device: torch.device | str, q_dtype: torch.dtype | None = None) -> bool:
     """Whether a kernel that reads the blocks in place runs a cache of this dtype and device, with
-    queries of q_dtype (None: the cache's): float32, bfloat16 or float16 blocks and queries other
-    than float64 on the CPU with numba installed; on CUDA with triton installed, float16/bfloat16/
-    float32 blocks of the queries' dtype (the Triton kernel may still decline a call's head dims or
-    query count: that call gathers). Otherwise paged_decode_attention gathers the blocks."""
+    queries of q_dtype (None: the cache's; float32 for fp8): float32, bfloat16, float16 or fp8 blocks
+    and float32, bfloat16 or float16 queries on the CPU with numba installed; on CUDA with triton
+    installed, float16/bfloat16/float32 blocks of the queries' dtype or fp8 blocks (the Triton kernel
+    may still decline a call's head dims or query count: that call gathers). Otherwise
+    paged_decode_attention gathers the blocks."""
     device = torch.device(device)
-    q_dtype = dtype if q_dtype is None else q_dtype
+    q_dtype = (torch.float32 if dtype == FP8 else dtype) if q_dtype is None else q_dtype
     if device.type == "cuda":
-        return dtype in KERNEL_DTYPES and q_dtype == dtype and _triton_module() is not None
-    return dtype in KERNEL_DTYPES and q_dtype in KERNEL_DTYPES and device.type == "cpu" and kernel_module() is not None
+        return dtype in KERNEL_DTYPES and q_dtype in (dtype, *QUERY_DTYPES[: 3 if dtype == FP8 else 0]) and _triton_module() is not None
+    return dtype in KERNEL_DTYPES and q_dtype in QUERY_DTYPES and device.type == "cpu" and kernel_module() is not None
 
 
 def _triton_module():
@@ -135,17 +142,21 @@ class PagedDecodeLayout:
 
 
 def paged_decode_attention(q: torch.Tensor, k_blocks: torch.Tensor, v_blocks: torch.Tensor, layout: PagedDecodeLayout, *,
-                           scale: float | None = None, window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                           scale: float | None = None, window: int | None = None, k_scales: torch.Tensor | None = None,
+                           v_scales: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """One layer's attention of q over the blocks of `layout`, read in place.
 
     Args:
         q: (B, Sq, Hq, D) float tensor, B and Sq those of the layout.
         k_blocks: (NB, BS, Hkv, D), the layer's blocks on q's device, in q's dtype or the cache's
-            (float32, bfloat16, float16); NB > every id in the table.
+            (float32, bfloat16, float16, float8_e4m3fn); NB > every id in the table.
         v_blocks: (NB, BS, Hkv, Dv), or a view of k_blocks[..., :Dv] (its first Dv channels).
         layout: the step's PagedDecodeLayout.
         scale: softmax scale, default D ** -0.5.
         window: this layer's sliding window W (a key is visible iff 0 <= q_pos - kv_pos < W) or None.
+        k_scales, v_scales: float32 (NB, BS, Hkv) on q's device, given exactly with float8_e4m3fn
+            blocks: the blocks hold codes, key (b, t, h) is k_blocks[b, t, h] * k_scales[b, t, h]
+            (treeattn.ops.fp8), likewise the values.
 
     Returns:
         out (B, Sq, Hq, Dv) in q.dtype and lse (B, Hq, Sq) float32 (float64 for float64 q): this
@@ -166,33 +177,52 @@ def paged_decode_attention(q: torch.Tensor, k_blocks: torch.Tensor, v_blocks: to
             or k_blocks.device != q.device or v_blocks.device != q.device):
         raise TypeError(f"q, k_blocks, v_blocks must be floating tensors on one device, the blocks of one dtype, got "
                         f"{q.dtype}/{q.device}, {k_blocks.dtype}/{k_blocks.device}, {v_blocks.dtype}/{v_blocks.device}")
+    _check_scales(k_blocks, k_scales, v_scales, q.device)
     scale = check_scale(scale, D)
     window = check_window(window)
     triton = _triton_kernel(q)
-    if triton is not None and k_blocks.dtype == q.dtype and triton.unsupported_reason(q, k_blocks, v_blocks) is None:
+    if (triton is not None and k_blocks.dtype in (q.dtype, FP8)
+            and triton.unsupported_reason(q, k_blocks, v_blocks) is None):
         table, seq_lens = layout._triton_arrays()
         return triton.paged_decode_attention(q, k_blocks, v_blocks, table, seq_lens, scale=scale, causal=True, q_pos=layout.q_pos,
-                                             kv_pos=layout.kv_pos, window=window)
+                                             kv_pos=layout.kv_pos, window=window, k_scales=k_scales, v_scales=v_scales)
     values_in_keys = v_blocks.data_ptr() == k_blocks.data_ptr() and v_blocks.stride() == k_blocks.stride()
-    if kernel_takes(k_blocks.dtype, q.device, q.dtype) and k_blocks.is_contiguous() and (values_in_keys or v_blocks.is_contiguous()):
-        return _kernel_attention(q, k_blocks, v_blocks if not values_in_keys else k_blocks, Dv, layout, scale, window)
-    return _gathered_attention(q, k_blocks, v_blocks, layout, scale, window)
+    if (kernel_takes(k_blocks.dtype, q.device, q.dtype) and k_blocks.is_contiguous() and (values_in_keys or v_blocks.is_contiguous())
+            and (k_scales is None or (k_scales.is_contiguous() and v_scales.is_contiguous()))):
+        v_store = v_blocks if not values_in_keys else k_blocks
+        return attend_blocks(q, k_blocks, v_store, Dv, layout._kernel_arrays(), threads=layout.threads, scale=scale, window=window,
+                             k_scales=k_scales, v_scales=v_scales)
+    return _gathered_attention(q, k_blocks, v_blocks, layout, scale, window, k_scales, v_scales)
 
 
-def _kernel_attention(q, k_blocks, v_store, Dv, layout: PagedDecodeLayout, scale: float, window: int | None):
-    """The compiled CPU kernel (ops.cpu_decode): v_store is v_blocks, or k_blocks when the values
-    are its first Dv channels."""
-    return attend_blocks(q, k_blocks, v_store, Dv, layout._kernel_arrays(), threads=layout.threads, scale=scale, window=window)
+def _check_scales(k_blocks: torch.Tensor, k_scales, v_scales, device: torch.device) -> None:
+    """Scales come with fp8 blocks and only with them: float32 (NB, BS, Hkv) each, on q's device."""
+    fp8 = k_blocks.dtype == FP8
+    if not fp8 and k_scales is None and v_scales is None:
+        return
+    if not fp8:
+        raise TypeError(f"k_scales and v_scales go with float8_e4m3fn blocks only, got {k_blocks.dtype} blocks with scales")
+    for name, t in (("k_scales", k_scales), ("v_scales", v_scales)):
+        if (not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or tuple(t.shape) != tuple(k_blocks.shape[:3])
+                or t.device != device):
+            got = f"{t.dtype} tensor of shape {tuple(t.shape)} on {t.device}" if isinstance(t, torch.Tensor) else type(t).__name__
+            raise TypeError(f"{name} must be a float32 tensor of shape (NB, BS, Hkv) = {tuple(k_blocks.shape[:3])} on {device} "
+                            f"with float8_e4m3fn blocks, got {got}")
 
 
-def _gathered_attention(q, k_blocks, v_blocks, layout: PagedDecodeLayout, scale: float, window: int | None):
-    """Any dtype and device: the table's blocks gathered into one copy, then ops.attention, in q's
-    dtype when the blocks have it, else in the wider of the two and float32 (out back in q.dtype)."""
+def _gathered_attention(q, k_blocks, v_blocks, layout: PagedDecodeLayout, scale: float, window: int | None, k_scales=None,
+                        v_scales=None):
+    """Any dtype and device: the table's blocks gathered into one copy (fp8: dequantized), then
+    ops.attention, in q's dtype when the blocks have it, else in the wider of the two and float32
+    (out back in q.dtype)."""
     B, nb = layout.block_table.shape
     BS = layout.block_size
     table = layout.block_table.to(k_blocks.device)
-    k = k_blocks[table].reshape(B, nb * BS, *k_blocks.shape[2:])
-    v = v_blocks[table].reshape(B, nb * BS, *v_blocks.shape[2:])
+    k, v = k_blocks[table], v_blocks[table]  # (B, nb, BS, Hkv, D or Dv)
+    if k_scales is not None:  # fp8 codes and their scales: the values they stand for, in float32
+        k, v = dequantize_fp8(k, k_scales[table]), dequantize_fp8(v, v_scales[table])
+    k = k.reshape(B, nb * BS, *k_blocks.shape[2:])
+    v = v.reshape(B, nb * BS, *v_blocks.shape[2:])
     dtype = q.dtype if k.dtype == q.dtype else torch.promote_types(torch.promote_types(q.dtype, k.dtype), torch.float32)
     out, lse = attention(q.to(dtype), k.to(dtype), v.to(dtype), scale=scale, causal=True, q_pos=layout.q_pos.to(q.device),
                          kv_pos=layout.kv_pos.to(q.device), window=window)

@@ -66,10 +66,11 @@ _LOG2E = 1.0 / _LN2
 @triton.jit
 def _split_kv_kernel(
     q_ptr, k_ptr, v_ptr, part_out_ptr, part_lse_ptr,
-    q_pos_ptr, kv_pos_ptr, block_table_ptr, seq_lens_ptr,
+    q_pos_ptr, kv_pos_ptr, block_table_ptr, seq_lens_ptr, k_scale_ptr, v_scale_ptr,
     stride_qb, stride_qs, stride_qh, stride_qd,
     stride_kb, stride_ks, stride_kh, stride_kd,
     stride_vb, stride_vs, stride_vh, stride_vd,
+    stride_ksb, stride_kss, stride_ksh, stride_vsb, stride_vss, stride_vsh,
     stride_po_split, stride_po_b, stride_po_q, stride_po_h,
     stride_pl_split, stride_pl_b, stride_pl_h,
     stride_qpos_b, stride_qpos_s, stride_kvpos_b, stride_kvpos_s,
@@ -77,7 +78,7 @@ def _split_kv_kernel(
     Sq, Sk, Hkv, group, split_len, block_size, window, scale_log2, softcap_log2,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_Q_POS: tl.constexpr, HAS_KV_POS: tl.constexpr,
-    PAGED: tl.constexpr, DOT_FP32: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    PAGED: tl.constexpr, DOT_FP32: tl.constexpr, HAS_SOFTCAP: tl.constexpr, FP8_KV: tl.constexpr,
 ):
     """One (batch, KV head) x key range x row block: partial (o, lse) for its rows.
 
@@ -89,6 +90,10 @@ def _split_kv_kernel(
     under the interpreter, whose tl.dot cannot take bfloat16, triton-lang/triton#11584).
     HAS_SOFTCAP: each score s = scale * q.k becomes c * tanh(s / c) where it is formed; in base 2,
     s2 = s * log2(e) becomes C * tanh(s2 / C) with C = softcap_log2 = c * log2(e).
+    FP8_KV (paged only): k/v hold e4m3 codes as uint8 bytes, widened exactly to q's dtype by bit
+    operations (the same on every card and under the interpreter), and k_scale/v_scale (num_blocks,
+    block_size, Hkv) float32 hold each key's and value's scale: a key's scale multiplies its score,
+    a value's its softmax weight (FlashInfer folds its per-tensor scales the same way).
     """
     bh = tl.program_id(0)
     split = tl.program_id(1)
@@ -136,13 +141,21 @@ def _split_kv_kernel(
         else:
             k_rows = k_ptr + b * stride_kb + n64 * stride_ks + kv_head * stride_kh
             v_rows = v_ptr + b * stride_vb + n64 * stride_vs + kv_head * stride_vh
-        k = tl.load(k_rows[:, None] + offs_d[None, :] * stride_kd, mask=key_valid[:, None], other=0.0)
-        v = tl.load(v_rows[:, None] + offs_dv[None, :] * stride_vd, mask=key_valid[:, None], other=0.0)
+        if FP8_KV:
+            k = _e4m3_to_float(tl.load(k_rows[:, None] + offs_d[None, :] * stride_kd, mask=key_valid[:, None], other=0)).to(q.dtype)
+            v = _e4m3_to_float(tl.load(v_rows[:, None] + offs_dv[None, :] * stride_vd, mask=key_valid[:, None], other=0)).to(q.dtype)
+            k_scale = tl.load(k_scale_ptr + block_id * stride_ksb + slot * stride_kss + kv_head * stride_ksh, mask=key_valid, other=0.0)
+            v_scale = tl.load(v_scale_ptr + block_id * stride_vsb + slot * stride_vss + kv_head * stride_vsh, mask=key_valid, other=0.0)
+        else:
+            k = tl.load(k_rows[:, None] + offs_d[None, :] * stride_kd, mask=key_valid[:, None], other=0.0)
+            v = tl.load(v_rows[:, None] + offs_dv[None, :] * stride_vd, mask=key_valid[:, None], other=0.0)
 
         if DOT_FP32:
             scores = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
         else:
             scores = tl.dot(q, tl.trans(k))
+        if FP8_KV:
+            scores = scores * k_scale[None, :]
         scores = scores * scale_log2  # base-2 logits: exp(x) == exp2(x * log2(e))
         if HAS_SOFTCAP:  # tanh(x) = sign(x) (1 - e) / (1 + e), e = exp(-2|x|) in (0, 1]: never overflows
             x = scores / softcap_log2
@@ -166,6 +179,8 @@ def _split_kv_kernel(
         alpha = tl.exp2(m_i - m_base)
         p = tl.exp2(scores - m_base[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
+        if FP8_KV:
+            p = p * v_scale[None, :]  # the values' scales go with their weights (l_i sums the weights alone)
         if DOT_FP32:  # p rounded to v's dtype as on the tensor-core path, then an exact fp32 dot
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), input_precision="ieee")
         else:
@@ -178,6 +193,17 @@ def _split_kv_kernel(
     po_rows = part_out_ptr + split * stride_po_split + b * stride_po_b + i * stride_po_q + head * stride_po_h
     tl.store(po_rows[:, None] + offs_dv[None, :], out, mask=row_valid[:, None])
     tl.store(part_lse_ptr + split * stride_pl_split + b * stride_pl_b + head * stride_pl_h + i, lse, mask=row_valid)
+
+
+@triton.jit
+def _e4m3_to_float(bits):
+    """e4m3fn codes (uint8) -> float32, exactly: exponent and mantissa moved into a float32's place,
+    scaled by 2**120 (e4m3's bias 7 -> float32's 127; subnormals come out normalized), the sign
+    put back; S.1111.111 is NaN (e4m3fn has no infinities)."""
+    x = bits.to(tl.uint32)
+    magnitude = ((x & 0x7F) << 20).to(tl.float32, bitcast=True) * 1.329227995784916e36  # 2**120
+    value = tl.where((x & 0x80) != 0, -magnitude, magnitude)
+    return tl.where((x & 0x7F) == 0x7F, float("nan"), value)
 
 
 @triton.jit
@@ -302,6 +328,8 @@ def paged_decode_attention(
     window: int | None = None,
     num_splits: int | None = None,
     softcap: float | None = None,
+    k_scales: torch.Tensor | None = None,
+    v_scales: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Flash-decoding attention over a paged KV cache read through a block table.
 
@@ -314,7 +342,8 @@ def paged_decode_attention(
 
     Args:
         q: (B, Sq, Hq, D), 1 <= Sq <= 16, float16, bfloat16 or float32.
-        k_pool: (num_blocks, block_size, Hkv, D), same dtype and device, any strides.
+        k_pool: (num_blocks, block_size, Hkv, D), same dtype and device (or float8_e4m3fn codes with
+            k_scales), any strides.
         v_pool: (num_blocks, block_size, Hkv, Dv), any strides.
         block_table: (B, max_blocks) int32 physical block ids, any strides.
         seq_lens: (B,) int32 or int64 valid keys per sequence, 0 <= seq_lens[b] <= max_blocks * block_size;
@@ -326,16 +355,20 @@ def paged_decode_attention(
             default j.
         num_splits: key ranges per (batch, KV head) over the table's capacity.
         softcap: as in ``decode_attention``.
+        k_scales, v_scales: float32 (num_blocks, block_size, Hkv), any strides, exactly when the pools
+            are float8_e4m3fn (an fp8 KV cache, treeattn.ops.fp8): key (b, t, h) is
+            k_pool[b, t, h] * k_scales[b, t, h], likewise the values; read in place, the scales
+            folded into the scores and the softmax weights, float32 accumulation.
 
     Returns:
         out: (B, Sq, Hq, Dv) in q.dtype; lse: (B, Hq, Sq) float32. A row that sees no key (e.g.
         seq_lens[b] == 0) has out = 0 and lse = -inf.
     """
-    B, Sq, Hq, Hkv, D, Dv, capacity = _check_paged(q, k_pool, v_pool, block_table, seq_lens)
+    B, Sq, Hq, Hkv, D, Dv, capacity = _check_paged(q, k_pool, v_pool, block_table, seq_lens, k_scales, v_scales)
     scale, causal, window, q_pos, kv_pos = _check_mask_args(q, scale, causal, q_pos, kv_pos, window, B, Sq, capacity, D)
     _raise_if_unsupported(q, k_pool, v_pool)
     return _decode(q, k_pool, v_pool, block_table, seq_lens, capacity, scale, causal, q_pos, kv_pos, window, num_splits,
-                   check_softcap(softcap))
+                   check_softcap(softcap), k_scales, v_scales)
 
 
 def merge_split_states(part_out: torch.Tensor, part_lse: torch.Tensor, out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -382,8 +415,9 @@ def try_decode_attention(q, k, v, *, scale, causal, q_pos, kv_pos, window, softc
 _INTERPRETED = isinstance(_split_kv_kernel, InterpretedFunction)
 
 
-def _check_paged(q, k_pool, v_pool, block_table, seq_lens) -> tuple[int, int, int, int, int, int, int]:
+def _check_paged(q, k_pool, v_pool, block_table, seq_lens, k_scales=None, v_scales=None) -> tuple[int, int, int, int, int, int, int]:
     """Validate the paged inputs; returns (B, Sq, Hq, Hkv, D, Dv, capacity = max_blocks * block_size)."""
+    fp8 = isinstance(k_pool, torch.Tensor) and k_pool.dtype == torch.float8_e4m3fn
     for name, t, layout in (
         ("q", q, "(B, Sq, Hq, D)"),
         ("k_pool", k_pool, "(num_blocks, block_size, Hkv, D)"),
@@ -391,10 +425,18 @@ def _check_paged(q, k_pool, v_pool, block_table, seq_lens) -> tuple[int, int, in
     ):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
             raise ValueError(f"{name} must be a 4-dim tensor {layout}, got {_shape_of(t)}")
-        if t.dtype not in SUPPORTED_DTYPES + (torch.float64,):
-            raise TypeError(f"{name} must be float32, float16, bfloat16 or float64, got {t.dtype}")
-    if k_pool.dtype != q.dtype or v_pool.dtype != q.dtype:
-        raise TypeError(f"q, k_pool, v_pool must share one dtype, got q {q.dtype}, k_pool {k_pool.dtype}, v_pool {v_pool.dtype}")
+        if t.dtype not in SUPPORTED_DTYPES + (torch.float64,) and not (fp8 and name != "q"):
+            raise TypeError(f"{name} must be float32, float16, bfloat16 or float64 (pools: or float8_e4m3fn), got {t.dtype}")
+    if (v_pool.dtype != k_pool.dtype) or (k_pool.dtype != q.dtype and not fp8):
+        raise TypeError(f"q, k_pool, v_pool must share one dtype (or the pools be float8_e4m3fn), got q {q.dtype}, "
+                        f"k_pool {k_pool.dtype}, v_pool {v_pool.dtype}")
+    for name, t in (("k_scales", k_scales), ("v_scales", v_scales)):
+        if fp8 and (not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or tuple(t.shape) != tuple(k_pool.shape[:3])
+                    or t.device != q.device):
+            raise TypeError(f"{name} must be a float32 tensor of shape (num_blocks, block_size, Hkv) = {tuple(k_pool.shape[:3])} "
+                            f"on {q.device} with float8_e4m3fn pools, got {_shape_of(t)}")
+        if not fp8 and t is not None:
+            raise TypeError(f"{name} goes with float8_e4m3fn pools only, got {k_pool.dtype} pools")
     B, Sq, Hq, D = q.shape
     num_blocks, block_size, Hkv, Dk = k_pool.shape
     if tuple(v_pool.shape[:3]) != (num_blocks, block_size, Hkv):
@@ -496,8 +538,10 @@ def _describe(**tensors) -> str:
     )
 
 
-def _decode(q, k, v, block_table, seq_lens, capacity, scale, causal, q_pos, kv_pos, window, num_splits, softcap=None):
-    """Run both kernels. k, v are (B, Sk, ...) or pools (num_blocks, block_size, ...) if block_table is given."""
+def _decode(q, k, v, block_table, seq_lens, capacity, scale, causal, q_pos, kv_pos, window, num_splits, softcap=None,
+            k_scales=None, v_scales=None):
+    """Run both kernels. k, v are (B, Sk, ...) or pools (num_blocks, block_size, ...) if block_table
+    is given (float8_e4m3fn pools with their k_scales, v_scales)."""
     B, Sq, Hq, D = q.shape
     Hkv, Dv = k.shape[2], v.shape[3]
     paged = block_table is not None
@@ -523,14 +567,17 @@ def _decode(q, k, v, block_table, seq_lens, capacity, scale, causal, q_pos, kv_p
     kvpos_strides = (kv_pos.stride(0) if kv_pos.shape[0] > 1 else 0, kv_pos.stride(1)) if has_kv_pos else (0, 0)
     # The kernel does not read the pointers a constexpr flag switches off; any tensor will do.
     dummy = part_lse
+    fp8 = k_scales is not None
     grid = (B * Hkv, num_splits, row_blocks)
     try:
         with _on_device(q.device):
             _split_kv_kernel[grid](
-                q, k, v, part_out, part_lse,
+                q, k.view(torch.uint8) if fp8 else k, v.view(torch.uint8) if fp8 else v, part_out, part_lse,
                 q_pos if has_q_pos else dummy, kv_pos if has_kv_pos else dummy,
                 block_table if paged else dummy, seq_lens if paged else dummy,
+                k_scales if fp8 else dummy, v_scales if fp8 else dummy,
                 *q.stride(), *k.stride(), *v.stride(),
+                *(k_scales.stride() if fp8 else (0, 0, 0)), *(v_scales.stride() if fp8 else (0, 0, 0)),
                 *part_out.stride()[:4], *part_lse.stride()[:3],
                 *qpos_strides, *kvpos_strides,
                 *(block_table.stride() if paged else (0, 0)), seq_lens.stride(0) if paged else 0,
@@ -539,7 +586,7 @@ def _decode(q, k, v, block_table, seq_lens, capacity, scale, causal, q_pos, kv_p
                 D=D, DV=Dv, BLOCK_M=block_m, BLOCK_N=block_n,
                 CAUSAL=causal, HAS_WINDOW=window is not None, HAS_Q_POS=has_q_pos, HAS_KV_POS=has_kv_pos,
                 PAGED=paged, DOT_FP32=q.dtype == torch.float32 or (_INTERPRETED and q.dtype == torch.bfloat16),
-                HAS_SOFTCAP=softcap is not None,
+                HAS_SOFTCAP=softcap is not None, FP8_KV=fp8,
                 num_warps=num_warps, num_stages=num_stages,
             )
             _launch_merge(part_out, part_lse, out, lse)
