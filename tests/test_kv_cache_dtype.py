@@ -124,9 +124,11 @@ def test_one_layer_matches_float64_on_the_stored_cache(kv_dtype, path, monkeypat
 
 def _two_ranks(rank, world_size, paths):
     for kv_dtype, path in paths:
-        with pytest.MonkeyPatch.context() as monkeypatch:
-            chunks, q, out, cache = _step(kv_dtype, path, monkeypatch, rank=rank, combine=(None, "allreduce", 1),
-                                          owner=lambda b: b % 2, backend=attention_backend("tree", method="allreduce"))
+        backend = attention_backend("ring") if path == "ring" else attention_backend("tree", method="allreduce")
+        with pytest.MonkeyPatch.context() as monkeypatch:  # ring: the gathered shards pass around the ring (ring_decode)
+            chunks, q, out, cache = _step(kv_dtype, "gather" if path == "ring" else path, monkeypatch, rank=rank,
+                                          combine=None if path == "ring" else (None, "allreduce", 1), owner=lambda b: b % 2,
+                                          backend=backend)
         mine = torch.stack(_stored(cache)).float()  # (2, blocks, BS, Hkv, D): this rank's blocks are those b % 2 == rank
         every = [torch.empty_like(mine) for _ in range(world_size)]
         dist.all_gather(every, mine)
@@ -138,10 +140,10 @@ def _two_ranks(rank, world_size, paths):
 def test_two_ranks_match_float64_on_the_stored_cache():
     """Each rank stores its blocks (b % 2) in bfloat16 or fp8 and reads them by the paged kernel (or
     the gathered path without numba), the shared-prefix reads, or gathers; the states combine across
-    real gloo ranks (tree_decode's combine; the prefill chunk by tree_decode) into float64
-    attention over every rank's stored blocks."""
+    real gloo ranks (tree_decode's combine; the prefill chunk by tree_decode; or ring_decode passing
+    the dequantized shards) into float64 attention over every rank's stored blocks."""
     paths = [(torch.bfloat16, "kernel"), (FP8, "kernel")] if KERNEL else []
-    paths += [(torch.bfloat16, "shared"), (FP8, "shared"), (torch.bfloat16, "gather"), (FP8, "runs")]
+    paths += [(torch.bfloat16, "shared"), (FP8, "shared"), (torch.bfloat16, "gather"), (FP8, "runs"), (FP8, "ring")]
     assert ta.spawn(_two_ranks, 2, paths) == [True, True]
 
 
@@ -175,15 +177,15 @@ def test_engine_bfloat16_cache_every_path_gives_one_answer(monkeypatch):
     assert _tokens(model, kv_cache_dtype="bfloat16")[0] == bf16
 
 
-def test_engine_fp8_cache_every_path_gives_one_answer(monkeypatch):
-    """The fp8 cache read by the paged kernel (scales folded into scores and weights), on two ranks
-    with ring prefill (which attends to its own chunk's keys quantized as stored), and by the
-    gathered / run-by-run reads (dequantized copies): the same greedy tokens. (Static steps read
-    through gather(), as the gathered path does; the float32 comparison is bfloat16's test's.)"""
+def test_engine_fp8_cache_kernel_and_torch_reads_give_one_answer(monkeypatch):
+    """The fp8 cache read by the paged kernel (scales folded into scores and weights) and by the
+    gathered / run-by-run reads (dequantized copies): the same greedy tokens. (Two ranks, ring
+    decoding and shared prefixes over fp8: test_two_ranks_match_float64_on_the_stored_cache; static
+    steps read through gather(); the float32 comparison is bfloat16's test's. Kept to one process:
+    an engine of two ranks costs ~10 s here.)"""
     model = random_model(CONFIG, seed=3)
     fp8, measured = _tokens(model, kv_cache_dtype="fp8_e4m3")
     assert measured[0].kv_bytes % (CONFIG.num_layers * 2 * CONFIG.num_kv_heads * (CONFIG.head_dim + 4)) == 0
-    assert _tokens(model, kv_cache_dtype="fp8_e4m3", nproc=2, prefill="ring", prefill_chunk=32)[0] == fp8
     monkeypatch.setattr(engine_batch, "kernel_takes", lambda *args: False)
     assert _tokens(model, kv_cache_dtype="fp8_e4m3")[0] == fp8
 
