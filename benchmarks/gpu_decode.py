@@ -231,14 +231,17 @@ def _specialize(jit_fn, values, constexprs):
     return signature, attrs, constants
 
 
-def _split_kernel_values(Sq, Hq, Hkv, Dh, dtype, paged, Sk=65536, block_size=16):
+def _split_kernel_values(Sq, Hq, Hkv, Dh, dtype, paged, Sk=65536, block_size=16, fp8=False):
     kv = (block_size * Hkv * Dh if paged else Sk * Hkv * Dh, Hkv * Dh, Dh, 1)
+    kv_type = "*u8" if fp8 else "*" + dtype  # an fp8 cache's codes are passed as bytes
     return dict(
-        q_ptr="*" + dtype, k_ptr="*" + dtype, v_ptr="*" + dtype, part_out_ptr="*fp32", part_lse_ptr="*fp32",
+        q_ptr="*" + dtype, k_ptr=kv_type, v_ptr=kv_type, part_out_ptr="*fp32", part_lse_ptr="*fp32",
         q_pos_ptr="*i64", kv_pos_ptr="*i64", block_table_ptr="*i32", seq_lens_ptr="*i32",
+        k_scale_ptr="*fp32", v_scale_ptr="*fp32",
         stride_qb=Sq * Hq * Dh, stride_qs=Hq * Dh, stride_qh=Dh, stride_qd=1,
         stride_kb=kv[0], stride_ks=kv[1], stride_kh=kv[2], stride_kd=1,
         stride_vb=kv[0], stride_vs=kv[1], stride_vh=kv[2], stride_vd=1,
+        stride_ksb=block_size * Hkv, stride_kss=Hkv, stride_ksh=1, stride_vsb=block_size * Hkv, stride_vss=Hkv, stride_vsh=1,
         stride_po_split=Sq * Hq * Dh, stride_po_b=Sq * Hq * Dh, stride_po_q=Hq * Dh, stride_po_h=Dh,
         stride_pl_split=Hq * Sq, stride_pl_b=Hq * Sq, stride_pl_h=Sq,
         stride_qpos_b=0, stride_qpos_s=1, stride_kvpos_b=0, stride_kvpos_s=1,
@@ -261,18 +264,19 @@ def compile_report(archs, quick: bool) -> list[dict]:
     tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     dtypes = ["bf16"] if quick else ["bf16", "fp16", "fp32"]
     head_dims = [128] if quick else [64, 128, 256]
-    cases = [(1, False, False), (16, False, True), (1, True, True)]  # (Sq, paged, causal with kv_pos)
+    # (Sq, paged, causal with kv_pos, fp8 cache: e4m3 codes and per-key scales)
+    cases = [(1, False, False, False), (16, False, True, False), (1, True, True, False), (1, True, True, True)]
     report = []
-    for arch, dtype, Dh, (Sq, paged, causal) in itertools.product(archs, dtypes, head_dims, cases):
+    for arch, dtype, Dh, (Sq, paged, causal, fp8) in itertools.product(archs, dtypes, head_dims, cases):
         size = 4 if dtype == "fp32" else 2
         rows = HQ // HKV * Sq
         block_m = min(max(td.MIN_BLOCK_ROWS, triton.next_power_of_2(rows)), td.MAX_BLOCK_ROWS)
         block_n, num_warps, num_stages = td._pick_tiles(block_m, Dh, Dh, size)
         constexprs = dict(D=Dh, DV=Dh, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal, HAS_WINDOW=False,
                           HAS_Q_POS=False, HAS_KV_POS=causal, PAGED=paged, DOT_FP32=dtype == "fp32",
-                          HAS_SOFTCAP=False)
+                          HAS_SOFTCAP=False, FP8_KV=fp8)
         jit_fn = td._split_kv_kernel
-        signature, attrs, constants = _specialize(jit_fn, _split_kernel_values(Sq, HQ, HKV, Dh, dtype, paged), constexprs)
+        signature, attrs, constants = _specialize(jit_fn, _split_kernel_values(Sq, HQ, HKV, Dh, dtype, paged, fp8=fp8), constexprs)
         kernel = triton.compile(ASTSource(jit_fn, signature, constexprs=constants, attrs=attrs),
                                 target=GPUTarget("cuda", arch, 32), options=dict(num_warps=num_warps, num_stages=num_stages))
         with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
@@ -282,7 +286,7 @@ def compile_report(archs, quick: bool) -> list[dict]:
                                    capture_output=True, text=True, check=True).stdout
         fields = dict(item.split(":") for item in next(l for l in usage.splitlines() if "REG:" in l).split())
         report.append({
-            "arch": f"sm_{arch}", "dtype": dtype, "D": Dh, "Sq": Sq, "rows": rows, "paged": paged, "causal": causal,
+            "arch": f"sm_{arch}", "dtype": dtype, "D": Dh, "Sq": Sq, "rows": rows, "paged": paged, "causal": causal, "fp8_kv": fp8,
             "BLOCK_M": block_m, "BLOCK_N": block_n, "num_warps": num_warps, "num_stages": num_stages,
             "registers": int(fields["REG"]), "spill_stack_bytes": int(fields["STACK"]), "local_bytes": int(fields["LOCAL"]),
             "shared_bytes": kernel.metadata.shared,
@@ -314,10 +318,10 @@ def main() -> None:
 
     if args.compile_only:
         report = compile_report(args.arch, args.quick)
-        print("| arch | dtype | D | rows | paged | BLOCK_M x BLOCK_N | warps | stages | registers | spill bytes | shared KiB | pipelined |")
-        print("|---|---|---:|---:|---|---|---:|---:|---:|---:|---:|---|")
+        print("| arch | dtype | D | rows | paged | fp8 KV | BLOCK_M x BLOCK_N | warps | stages | registers | spill bytes | shared KiB | pipelined |")
+        print("|---|---|---:|---:|---|---|---|---:|---:|---:|---:|---:|---|")
         for r in report:
-            print(f"| {r['arch']} | {r['dtype']} | {r['D']} | {r['rows']} | {r['paged']} | {r['BLOCK_M']} x {r['BLOCK_N']} | "
+            print(f"| {r['arch']} | {r['dtype']} | {r['D']} | {r['rows']} | {r['paged']} | {r['fp8_kv']} | {r['BLOCK_M']} x {r['BLOCK_N']} | "
                   f"{r['num_warps']} | {r['num_stages']} | {r['registers']} | {r['spill_stack_bytes']} | "
                   f"{r['shared_bytes'] / 1024:.1f} | {r['pipelined_loads']} |")
         result = {"compile_report": report, "triton": __import__("triton").__version__}

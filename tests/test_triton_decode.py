@@ -352,15 +352,15 @@ _BENCHMARK = os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks", "g
 
 @pytest.mark.skipif(not os.path.exists(_NVIDIA_TOOLS), reason="triton wheel without the NVIDIA tools")
 def test_kernels_compile_for_nvidia_without_spills(tmp_path):
-    """bf16, Hq=32, Hkv=8, D=128 compiled offline for sm_80 and sm_90 (decode, 16 queries, paged):
-    K/V loads are pipelined and nothing spills. A subprocess, because the interpreter mode this
-    module turns on must be off when triton is imported for compilation."""
+    """bf16, Hq=32, Hkv=8, D=128 compiled offline for sm_80 and sm_90 (decode, 16 queries, paged, paged
+    over an fp8 cache): K/V loads are pipelined and nothing spills. A subprocess, because the
+    interpreter mode this module turns on must be off when triton is imported for compilation."""
     report_file = tmp_path / "compile.json"
     env = {key: val for key, val in os.environ.items() if key != "TRITON_INTERPRET"}
     subprocess.run([sys.executable, _BENCHMARK, "--compile-only", "--quick", "--arch", "80", "90", "--out", str(report_file)],
                    env=env, check=True, capture_output=True, timeout=300)
     report = json.loads(report_file.read_text())["compile_report"]
-    assert len(report) == 6
+    assert len(report) == 8 and sum(entry["fp8_kv"] for entry in report) == 2
     for entry in report:
         assert entry["spill_stack_bytes"] == 0 and entry["local_bytes"] == 0, entry
         assert entry["pipelined_loads"], entry
