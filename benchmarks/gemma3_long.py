@@ -4,6 +4,7 @@ bytes per rank against a full cache, and time per token against transformers, in
     python3 benchmarks/gemma3_long.py --context 8192 --nproc 1 2 4 --max-new-tokens 4 --output gemma3_8k.json
     python3 benchmarks/gemma3_long.py --context 30000 --nproc 2 --max-new-tokens 2 --no-oracle
     python3 benchmarks/gemma3_long.py --check-gguf     # prefill logits vs transformers' own GGUF load
+    python3 benchmarks/gemma3_long.py --timing --context 8192 --nproc 1 2 --max-new-tokens 12 --output t8k.json
 
 The prompt is a needle-in-a-haystack document (treeattn.eval.haystack, plain text: the model has
 no chat template). For each rank count, ta.generate (the engine, tree decoding, the hybrid KV
@@ -14,6 +15,12 @@ the loaded model: the weights themselves are checked against transformers' own G
 tests/test_gemma3_270m.py), run with no cache: one full forward per new token. Its time per token
 is transformers' own cached greedy decoding (generate with its DynamicCache, sdpa attention) of
 the same prompt, in the same process.
+
+--timing measures time per token fairly instead (no oracle tokens): for each rank count, ta.generate
+on that many ranks with ignore_eos, and transformers' cached greedy generate (sdpa, DynamicCache) on
+the same weights and prompt, each for --max-new-tokens tokens; a row reports the median and the
+minimum of the decode steps after the first (which loads compiled kernels), from the engine's step
+timer and from a streamer's token times, and whether the tokens agree.
 """
 
 from __future__ import annotations
@@ -86,6 +93,63 @@ def oracle(model, prompt: list[int], new_tokens: int, timing_tokens: int) -> dic
                 cached_tokens=out[0, len(prompt):].tolist())
 
 
+def step_summary(step_times: list[float]) -> dict:
+    """ms per token of the decode steps after the first (median and min) and how many were counted."""
+    import statistics
+
+    steps = step_times[1:]
+    return {"ms_per_token": 1e3 * statistics.median(steps), "min_ms": 1e3 * min(steps), "steps": len(steps)}
+
+
+def timed_rank(rank: int, world_size: int, path: str, prompt: list[int], new_tokens: int) -> dict:
+    """One rank of a timing run: the engine's greedy decode with ignore_eos, its step times."""
+    import treeattn as ta
+
+    result = ta.generate(ta.load_model(path), prompt, max_new_tokens=new_tokens, ignore_eos=True)
+    return {"tokens": result.generated_ids[0], "threads": torch.get_num_threads(), **step_summary(result.step_times_s)}
+
+
+def transformers_timing(model, prompt: list[int], new_tokens: int) -> dict:
+    """transformers' cached greedy decoding (generate, sdpa) on our weights: time per token from a streamer."""
+    hf = transformers_twin(model)
+
+    class StepTimer:  # a transformers streamer: the first put() is the prompt, then one per new token
+        times: list[float] = []
+
+        def put(self, value) -> None:
+            self.times.append(time.perf_counter())
+
+        def end(self) -> None:
+            pass
+
+    timer = StepTimer()
+    ids = torch.tensor([prompt])
+    with torch.inference_mode():
+        out = hf.generate(ids, max_new_tokens=new_tokens, do_sample=False, eos_token_id=None, streamer=timer,
+                          attention_mask=torch.ones_like(ids), pad_token_id=0)
+    steps = [b - a for a, b in zip(timer.times[1:], timer.times[2:])]  # new token i -> i + 1: one decode step each
+    return {"tokens": out[0, len(prompt):].tolist(), "threads": torch.get_num_threads(),
+            "time_to_first_token_s": timer.times[1] - timer.times[0], **step_summary(steps)}
+
+
+def time_per_token(path: str, prompt: list[int], nprocs: list[int], new_tokens: int) -> dict:
+    """Time per token of the engine on each rank count and of transformers, one prompt, one run."""
+    import treeattn as ta
+
+    rows = []
+    for p in nprocs:
+        rows.append({"name": f"treeattn, {p} rank{'s' if p > 1 else ''}", "nproc": p,
+                     **ta.spawn(timed_rank, p, path, prompt, new_tokens, timeout=7200.0)[0]})
+        print(json.dumps(rows[-1]), flush=True)
+    rows.append({"name": "transformers (sdpa, cached)", "nproc": 1, **transformers_timing(ta.load_model(path), prompt, new_tokens)})
+    print(json.dumps(rows[-1]), flush=True)
+    base = rows[-1]
+    for row in rows:
+        row["over_transformers"] = row["ms_per_token"] / base["ms_per_token"]
+        row["same_tokens"] = row["tokens"] == base["tokens"]
+    return {"rows": rows}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--context", type=int, default=8192)
@@ -95,6 +159,8 @@ def main() -> None:
     parser.add_argument("--timing-tokens", type=int, default=8, help="decode steps timed for transformers' cached decoding")
     parser.add_argument("--depth", type=float, default=0.5)
     parser.add_argument("--no-oracle", action="store_true")
+    parser.add_argument("--timing", action="store_true", help="only: time per token of the engine on each --nproc and of "
+                        "transformers' cached decoding, --max-new-tokens steps each (see the module doc)")
     parser.add_argument("--check-gguf", action="store_true", help="only: prefill logits of a short prompt against "
                         "transformers' own load of the GGUF file (minutes on a 2-core machine)")
     parser.add_argument("--output", default=None)
@@ -118,6 +184,15 @@ def main() -> None:
     case = needle_case(files.tokenizer, None, context_tokens=args.context, depth=args.depth)
     report = dict(model=path, context=args.context, prompt_tokens=len(case.prompt_ids), answer=case.answer, depth=case.actual_depth,
                   cores=os.cpu_count(), load_before=os.getloadavg(), runs=[])
+    if args.timing:
+        report.update(time_per_token(path, case.prompt_ids, args.nproc, args.max_new_tokens), load_after=os.getloadavg())
+        for row in report["rows"]:
+            print(f"| {report['prompt_tokens']} | {row['name']} | {row['threads']} | {row['ms_per_token']:.1f} ({row['min_ms']:.1f}) | "
+                  f"{row['over_transformers']:.2f}x | {row['same_tokens']} |")
+        if args.output:
+            with open(args.output, "w") as f:
+                json.dump(report, f, indent=1)
+        return
     c = files.config
     report["full_cache_bytes_per_token"] = c.num_layers * 2 * c.num_kv_heads * c.head_dim * 4
     for p in args.nproc:

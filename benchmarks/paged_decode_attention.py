@@ -56,7 +56,7 @@ def run_case(context: int, batch: int, repeat: int, max_bytes: int) -> dict:
     def engine(paged: bool):
         saved = engine_batch.kernel_takes
         if not paged:
-            engine_batch.kernel_takes = lambda dtype, device: False
+            engine_batch.kernel_takes = lambda *args: False
         try:
             batch_ = engine_batch.PagedBatch(plan, 0, cache, LocalAttention(), combine=(None, "onepass", 1))
             for layer in range(layers):
