@@ -10,7 +10,8 @@ in this order:
 - transformers: model.generate(greedy, max_new_tokens=N) in this process, torch threads = cores;
   step times from a streamer's token callbacks (the first callback is the prompt, the second the
   first new token); run once before and once after ours (a drifting load shows as a gap);
-- ours, one process and two ranks (ta.spawn, ta.generate: tree decoding, onepass, the engine's
+- ours, one process and two ranks (ta.spawn, ta.generate: tree decoding, onepass, cores / ranks torch
+  threads per rank as the engine runs them, the engine's
   step timer). The decode steps alternate between the paged decode kernel ("after") and the
   reads it replaced ("before": gather / run by run), step by step in the same generation, so that
   both see the same load (the tokens do not depend on the read: both are exact).
@@ -66,6 +67,7 @@ def rank_main(rank: int, world_size: int, gguf: str, context: int, new_tokens: i
         return used[-1]
 
     engine_batch.kernel_takes = alternate
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))  # as the engine's ranks: no oversubscription
     model = ta.load_model(gguf)
     result = ta.generate(model, prompt_ids(context, model.config.vocab_size), max_new_tokens=new_tokens, ignore_eos=True)
     steps = result.step_times_s

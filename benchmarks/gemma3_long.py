@@ -102,9 +102,11 @@ def step_summary(step_times: list[float]) -> dict:
 
 
 def timed_rank(rank: int, world_size: int, path: str, prompt: list[int], new_tokens: int) -> dict:
-    """One rank of a timing run: the engine's greedy decode with ignore_eos, its step times."""
+    """One rank of a timing run: the engine's greedy decode with ignore_eos, its step times. Each rank
+    runs cores / ranks torch threads, as the engine's ranks do (more would oversubscribe the cores)."""
     import treeattn as ta
 
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     result = ta.generate(ta.load_model(path), prompt, max_new_tokens=new_tokens, ignore_eos=True)
     return {"tokens": result.generated_ids[0], "threads": torch.get_num_threads(), **step_summary(result.step_times_s)}
 

@@ -435,3 +435,26 @@ def test_non_finite_inputs_never_become_a_finite_output_on_the_cpu_kernel():
                        (q, k, v * float("nan"))):
         out, _ = ta.attention(qq, kk, vv)
         assert out.isnan().all()
+
+
+def test_optional_kernels_load_or_fall_back(monkeypatch, caplog):
+    """ops.kernels: each optional kernel imports (numba is a dependency here), an unknown name is
+    refused in one line, and a missing dependency gives None (the callers' torch path), logged."""
+    import logging
+    import sys
+
+    from treeattn.ops.kernels import optional_kernel
+
+    assert optional_kernel("paged_cpu_kernel").__name__ == "treeattn.ops.paged_cpu_kernel"
+    assert optional_kernel("packed_cpu_kernel").__name__ == "treeattn.ops.packed_cpu_kernel"
+    with pytest.raises(ValueError, match="name must be one of"):
+        optional_kernel("cuda_magic")
+    monkeypatch.setitem(sys.modules, "numba", None)  # import numba now raises ImportError
+    monkeypatch.delitem(sys.modules, "treeattn.ops.packed_cpu_kernel")
+    optional_kernel.cache_clear()
+    try:
+        with caplog.at_level(logging.INFO, logger="treeattn.ops.kernels"):
+            assert optional_kernel("packed_cpu_kernel") is None
+        assert "packed_cpu_kernel unavailable" in caplog.text
+    finally:
+        optional_kernel.cache_clear()

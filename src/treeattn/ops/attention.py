@@ -29,11 +29,10 @@ with no host read; it refuses, rather than falls back on, inputs the kernel does
 
 from __future__ import annotations
 
-import functools
-import logging
 
 import torch
 
+from treeattn.ops.kernels import optional_kernel
 from treeattn.ops import cpu_decode
 from treeattn.ops.merge import merge_states
 from treeattn.ops.validation import (
@@ -44,8 +43,6 @@ from treeattn.ops.validation import (
     check_window,
     check_window_is_causal,
 )
-
-logger = logging.getLogger(__name__)
 
 # Keys per chunk when a mask must be built (its size is rows x chunk). Without a mask the fused
 # CPU kernel streams the whole KV itself in bounded memory, so no chunking is needed.
@@ -177,15 +174,10 @@ def attention(
     return out.to(q.dtype, memory_format=torch.contiguous_format), lse.to(lse_dtype, memory_format=torch.contiguous_format)
 
 
-@functools.lru_cache(maxsize=1)
 def _triton_decode_module():
-    """treeattn.ops.triton_decode, or None (logged once) when triton, an optional dependency, is missing."""
-    try:
-        from treeattn.ops import triton_decode
-    except ImportError as exc:
-        logger.info("Triton decode kernel unavailable (%s); CUDA attention uses the generic path", exc)
-        return None
-    return triton_decode
+    """treeattn.ops.triton_decode, or None when triton is missing (ops.kernels): CUDA attention then
+    runs the generic path."""
+    return optional_kernel("triton_decode")
 
 
 def _masked_attention(q_rows, k_heads, v_heads, q_pos, kv_pos, causal, window, scale, group, use_flash, softcap=None):

@@ -20,12 +20,9 @@ nothing. Without numba, decode_attention returns None and its caller keeps its o
 
 from __future__ import annotations
 
-import functools
-import logging
-
 import torch
 
-logger = logging.getLogger(__name__)
+from treeattn.ops.kernels import optional_kernel
 
 # Block ranges per query row when rows alone would leave threads idle: enough ranges that every
 # thread gets ~2 of them, and never fewer than MIN_BLOCKS_PER_SPLIT blocks in a range (one thread:
@@ -38,15 +35,9 @@ MAX_QUERIES = 16
 _BITS = {torch.float32: torch.float32, torch.bfloat16: torch.uint16, torch.float16: torch.int16, torch.float8_e4m3fn: torch.uint8}
 
 
-@functools.lru_cache(maxsize=1)
 def kernel_module():
-    """treeattn.ops.paged_cpu_kernel, or None (logged once) when numba is not installed."""
-    try:
-        from treeattn.ops import paged_cpu_kernel
-    except ImportError as exc:
-        logger.info("numba unavailable (%s): CPU decode attention uses torch ops", exc)
-        return None
-    return paged_cpu_kernel
+    """treeattn.ops.paged_cpu_kernel, or None when numba is not installed (ops.kernels)."""
+    return optional_kernel("paged_cpu_kernel")
 
 
 def kernel_splits(threads: int, rows: int, blocks_per_row: int) -> int:

@@ -26,14 +26,11 @@ a call without numba, on a device other than the CPU, or one that autograd recor
 
 from __future__ import annotations
 
-import functools
-import logging
-
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-logger = logging.getLogger(__name__)
+from treeattn.ops.kernels import optional_kernel
 
 FORMATS = ("q4_0", "q4_1", "q8_0")
 BLOCK = 32
@@ -43,15 +40,10 @@ BLOCK_BYTES = {"q4_0": 18, "q4_1": 20, "q8_0": 34}
 MAX_KERNEL_ROWS = 16
 
 
-@functools.lru_cache(maxsize=1)
 def kernel_module():
-    """treeattn.ops.packed_cpu_kernel, or None (logged once) when numba is not installed."""
-    try:
-        from treeattn.ops import packed_cpu_kernel
-    except ImportError as exc:
-        logger.info("numba unavailable (%s): packed weights are dequantized for every call", exc)
-        return None
-    return packed_cpu_kernel
+    """treeattn.ops.packed_cpu_kernel, or None when numba is not installed (ops.kernels): packed
+    weights are then dequantized for every call."""
+    return optional_kernel("packed_cpu_kernel")
 
 
 def unpack_blocks(fmt: str, raw: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
