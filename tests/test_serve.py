@@ -292,7 +292,8 @@ def test_a_dead_rank_turns_health_to_503_and_the_server_exits_nonzero(model_file
     stops, exits non-zero and leaves no rank behind."""
     srv = Server(model_file, "--nproc", "2", "--timeout", "10")
     try:
-        ranks = [pid for pid in srv.children if "spawn" in Path(f"/proc/{pid}/cmdline").read_text()]
+        # the ranks: forked from the server (StartedRanks), so they share its command line; not multiprocessing's resource tracker
+        ranks = [pid for pid in srv.children if "resource_tracker" not in Path(f"/proc/{pid}/cmdline").read_text()]
         assert ranks, "no rank process found"
         os.kill(ranks[-1], signal.SIGKILL)
         statuses = []

@@ -60,7 +60,7 @@ from treeattn.engine.output import RequestHandle, RequestState
 from treeattn.engine.errors import EngineError
 from treeattn.engine.request import RequestResult, SamplingParams, TokenEvent
 from treeattn.engine.transport import GroupChannel, SpawnedRanks
-from treeattn.parallel.spawn import under_torchrun
+from treeattn.parallel.spawn import StartedRanks, under_torchrun
 
 
 class Engine:
@@ -77,6 +77,10 @@ class Engine:
             EngineConfig). Inside an existing process group nproc is the group's size.
         group: inside an existing process group only: the ranks that share the cache (None:
             the world); its rank 0 is the driver.
+        ranks: rank processes started earlier (ta.parallel.spawn.StartedRanks(nproc)), which the
+            engine's spawn adopts instead of starting new ones (treeattn serve starts them first
+            thing, so their start overlaps the checks); None: started here. Only with nproc > 1
+            outside a process group. A restart after a failed step starts new ones.
 
     In a script, an engine with nproc > 1 must be created under `if __name__ == "__main__":`: its
     rank processes are started with multiprocessing's "spawn" method, which imports the main
@@ -101,10 +105,15 @@ class Engine:
     """
 
     def __init__(self, model, config: EngineConfig | None = None, *, group: dist.ProcessGroup | None = None,
-                 **options) -> None:
+                 ranks: StartedRanks | None = None, **options) -> None:
         config = given_or_built(EngineConfig, config, options, "config")
         check_model(model)
         config, joined = _join(with_device(model, config), group)  # device: "cpu" or "cuda" from here on
+        if ranks is not None and (joined or config.nproc == 1):
+            raise ValueError(f"ranks: started rank processes need nproc > 1 outside a process group, got nproc={config.nproc}"
+                             f"{' in a process group' if joined else ''}")
+        if ranks is not None:
+            ranks.check_adoptable(config.nproc)
         self.config = config
         from treeattn.models.gguf import shared_readers
 
@@ -121,7 +130,7 @@ class Engine:
                 self._channel.serve()
                 return
         else:
-            self._channel = SpawnedRanks(model, config)
+            self._channel = SpawnedRanks(model, config, ranks)
         self._driver = Driver(config, self._channel, self.tokenizer, files.config.layer_windows)
         self.model_info = self._driver.model_info
         self.pool, self.prefix_cache, self.scheduler = self._driver.pool, self._driver.prefix_cache, self._driver.scheduler

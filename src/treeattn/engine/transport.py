@@ -1,6 +1,6 @@
 """How the driver reaches the ranks: two transports with one interface (run a plan, alive, close).
 
-    channel = SpawnedRanks(model, config)        # nproc rank processes started with ta.spawn; a socket to rank 0
+    channel = SpawnedRanks(model, config, ranks)  # nproc rank processes run by ta.spawn (ranks: started earlier, or None); a socket to rank 0
     channel = GroupChannel(model, config, group)  # inside an existing group (or one rank): rank 0 runs its share itself
     outcome = channel.run(plan)                   # rank 0's StepOutcome (or a Measure's measurements)
     channel.close()                               # the ranks leave serve_steps and end
@@ -39,20 +39,21 @@ class SpawnedRanks:
 
     restartable = True
 
-    def __init__(self, model, config: EngineConfig) -> None:
+    def __init__(self, model, config: EngineConfig, ranks=None) -> None:
         self.config, self._model = config, model
-        self._start()
+        self._start(ranks)
 
-    def _start(self) -> None:
+    def _start(self, ranks=None) -> None:
+        """Run rank_main on `ranks` (a StartedRanks for the first start, adopted by spawn) or on new processes."""
         from treeattn.parallel.spawn import spawn
 
         config = self.config
         self._authkey = os.urandom(16)
         self._listener = Listener(("127.0.0.1", 0), authkey=self._authkey)
         self.failure: BaseException | None = None
-        self._thread = threading.Thread(target=self._spawn, args=(spawn, self._model), name="treeattn-engine-ranks", daemon=True)
+        self._thread = threading.Thread(target=self._spawn, args=(spawn, self._model, ranks), name="treeattn-engine-ranks", daemon=True)
         self._thread.start()
-        logger.debug("starting %d rank process(es)", config.nproc)
+        logger.debug("%s %d rank process(es)", "starting" if ranks is None else "handing the work to the started", config.nproc)
         accepted: list = []
         acceptor = threading.Thread(target=lambda: accepted.append(self._listener.accept()), daemon=True)
         acceptor.start()
@@ -75,10 +76,10 @@ class SpawnedRanks:
         self.close()
         self._start()
 
-    def _spawn(self, spawn, model) -> None:
+    def _spawn(self, spawn, model, ranks) -> None:
         try:
             spawn(rank_main, self.config.nproc, self._listener.address, self._authkey, model, self.config,
-                  backend=backend_for(self.config.device), timeout=self.config.timeout_s)
+                  backend=backend_for(self.config.device), timeout=self.config.timeout_s, ranks=ranks)
         except BaseException as exc:  # noqa: BLE001
             self.failure = exc
 

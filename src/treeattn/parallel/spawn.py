@@ -29,6 +29,17 @@ Faults (docs/faults.md states what the tests check):
   parent is gone. SIGTERM and SIGHUP in the parent (when spawn runs in the main thread) end the
   ranks first and are then delivered as before: with the default disposition the parent dies of
   the signal. SIGINT raises KeyboardInterrupt, which ends the ranks likewise.
+
+Ranks started ahead of their work (a server's start-up: the ranks' start overlaps the parent's own)::
+
+    ranks = StartedRanks(2)                    # now: forked (CPU ranks on Linux) or spawned, waiting for work
+    ...                                        # the parent goes on (checks, imports)
+    results = spawn(fn, 2, *args, ranks=ranks) # adopted: the same rendezvous, supervision and faults
+    ranks.close()                              # ends those never given work (idempotent)
+
+Started ranks are tied to the parent from their start (parent-death signal, watchdog, heartbeat),
+so a parent that dies or fails before it calls spawn leaves none behind; a StartedRanks serves one
+spawn of exactly its `nprocs` (anything else is a ValueError before any work).
 """
 
 from __future__ import annotations
@@ -108,6 +119,7 @@ def spawn(
     *args: Any,
     backend: str = "gloo",
     timeout: float = DEFAULT_TIMEOUT_S,
+    ranks: StartedRanks | None = None,
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on `nprocs` ranks of a new process group.
 
@@ -120,6 +132,8 @@ def spawn(
         timeout: seconds; the process group's timeout for every collective, and how long a rank
             may show no sign of life (no heartbeat) before it is killed and named. After the first
             failure the other ranks get min(GRACE_S, timeout) seconds more.
+        ranks: processes started earlier (StartedRanks(nprocs)) to run fn instead of new ones; they
+            serve this one call (None: start `nprocs` processes now).
 
     Ranks are processes started with multiprocessing's "spawn" method: each imports the main
     module again, so a script calls spawn under `if __name__ == "__main__":` (unguarded, every
@@ -142,9 +156,13 @@ def spawn(
         raise ValueError(f"nprocs must be a positive int, got {nprocs!r}")
     if isinstance(timeout, bool) or not (isinstance(timeout, (int, float)) and 0 < timeout < float("inf")):
         raise ValueError(f"timeout must be a positive, finite number of seconds, got {timeout!r}")
+    if ranks is not None:
+        ranks.check_adoptable(nprocs)
     if dist.is_available() and (dist.is_initialized() or under_torchrun()):
+        if ranks is not None:
+            raise ValueError("ranks: started processes cannot join an existing process group (torchrun); pass ranks=None")
         return _run_in_existing_group(fn, nprocs, args, backend, timeout)
-    return _run_local_processes(fn, nprocs, args, backend, float(timeout))
+    return _run_local_processes(fn, nprocs, args, backend, float(timeout), ranks)
 
 
 def _run_in_existing_group(fn, nprocs, args, backend, timeout) -> list[Any]:
@@ -213,11 +231,11 @@ class _ParentSignals:
             os.kill(os.getpid(), self.pending)
 
 
-def _run_local_processes(fn, nprocs: int, args, backend: str, timeout: float) -> list[Any]:
+def _run_local_processes(fn, nprocs: int, args, backend: str, timeout: float, ranks: StartedRanks | None) -> list[Any]:
     signals = _ParentSignals()
     try:
         with signals.installed():
-            return _RankGroup(fn, nprocs, args, backend, timeout).run(signals)
+            return _RankGroup(fn, nprocs, args, backend, timeout, ranks).run(signals)
     except _Signalled:
         pass
     finally:  # the ranks are gone and the handlers restored: with the default disposition this process ends here
@@ -226,39 +244,136 @@ def _run_local_processes(fn, nprocs: int, args, backend: str, timeout: float) ->
     raise SpawnError({rank: f"terminated: the parent received {name}" for rank in range(nprocs)}, {})
 
 
-class _RankGroup:
-    """The parent's view of one spawn: the processes, their result pipes and heartbeats."""
+class StartedRanks:
+    """`nprocs` rank processes started now, waiting for the work a later spawn(..., ranks=self) gives them.
 
-    def __init__(self, fn, nprocs: int, args, backend: str, timeout: float) -> None:
+    Args:
+        nprocs: number of ranks, >= 1.
+        device: the kind of device the ranks will use, "cpu" or "cuda" (a forked process cannot use
+            CUDA once its parent has touched it, and torch.cuda.is_available() does).
+        method: multiprocessing start method; None: "fork" for CPU ranks on Linux when this process
+            runs one Python thread (a fork of a process that has imported torch and treeattn starts
+            in milliseconds and shares those pages; a "spawn"ed rank starts an interpreter and
+            imports torch again, seconds of CPU), else "spawn".
+        work: (rank -> the rank's work) to hand over at the start (ta.spawn's own ranks); None: the
+            ranks wait for spawn to adopt them.
+
+    From its start each process is tied to this one (parent-death signal on Linux, a watchdog
+    thread that exits it once its parent is gone, a heartbeat) and ignores SIGINT; one still waiting
+    for work ends when its work pipe closes. close() kills those still running (SIGKILL) and is
+    idempotent; the processes are daemonic, so an interpreter that exits without close() ends them too.
+    """
+
+    def __init__(self, nprocs: int, *, device: str = "cpu", method: str | None = None,
+                 work: Callable[[int], tuple] | None = None) -> None:
+        if isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1:
+            raise ValueError(f"nprocs must be a positive int, got {nprocs!r}")
+        if device not in ("cpu", "cuda"):
+            raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
+        if method is not None and method not in multiprocessing.get_all_start_methods():
+            raise ValueError(f"method must be one of {multiprocessing.get_all_start_methods()}, got {method!r}")
+        self.nprocs = nprocs
+        self.method = method or _start_method(device)
+        self.adopted = work is not None
+        self.closed = False
+        ctx = multiprocessing.get_context(self.method)
+        self.heartbeats = ctx.RawArray("Q", nprocs)  # beats counted by each rank's watchdog thread
+        self.procs, self.readers, self.jobs = [], [], []
+        try:
+            for rank in range(nprocs):
+                reader, writer = ctx.Pipe(duplex=False)
+                job_reader, job_writer = ctx.Pipe(duplex=False) if work is None else (None, None)
+                proc = ctx.Process(target=_rank_main, name=f"treeattn-rank{rank}", daemon=work is None,
+                                   args=(rank, os.getpid(), self.heartbeats, writer, job_reader, None if work is None else work(rank)))
+                self.procs.append(proc)
+                self.readers.append(reader)
+                self.jobs.append(job_writer)
+                try:
+                    with _sigint_blocked():  # inherited: Ctrl-C in a terminal reaches the parent alone
+                        proc.start()
+                finally:
+                    writer.close()  # the child holds its own end; EOF then means the child is gone
+                    if job_reader is not None:
+                        job_reader.close()
+        except BaseException:
+            self.close()
+            raise
+
+    def check_adoptable(self, nprocs: int) -> None:
+        """Raise ValueError unless a spawn of `nprocs` ranks may adopt these processes."""
+        if self.nprocs != nprocs:
+            raise ValueError(f"ranks: {self.nprocs} process(es) were started, but spawn was asked for nprocs={nprocs}")
+        if self.adopted or self.closed:
+            raise ValueError("ranks: these processes were already given work or closed (a StartedRanks serves one spawn)")
+
+    def give(self, work: Callable[[int], tuple]) -> None:
+        """Hand each waiting rank its work: work(rank). A rank already gone is the caller's to notice
+        (its process sentinel), so a closed pipe is not an error here."""
+        self.adopted = True
+        for rank, job in enumerate(self.jobs):
+            with contextlib.suppress(OSError):
+                job.send(work(rank))
+            job.close()
+
+    def kill(self, ranks: list[int]) -> None:
+        """SIGKILL (works on stopped processes too) and reap the given ranks."""
+        for rank in ranks:
+            proc = self.procs[rank]
+            if proc.pid is not None and proc.is_alive():
+                proc.kill()
+            if proc.pid is not None:
+                proc.join()
+
+    def close(self) -> None:
+        """Kill the ranks still running and close the parent's ends of their pipes."""
+        if self.closed:
+            return
+        self.closed = True
+        self.kill(list(range(len(self.procs))))
+        for conn in self.readers + self.jobs:
+            if conn is not None:
+                conn.close()
+
+    def __enter__(self) -> StartedRanks:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _start_method(device: str) -> str:
+    """"fork" where a fork is safe and cheap (CPU ranks, Linux, one Python thread: no other thread
+    can hold a lock the child would inherit), else "spawn"."""
+    if device == "cpu" and sys.platform.startswith("linux") and threading.active_count() == 1:
+        return "fork"
+    return "spawn"
+
+
+class _RankGroup:
+    """The parent's view of one spawn: the processes (StartedRanks), their result pipes and heartbeats."""
+
+    def __init__(self, fn, nprocs: int, args, backend: str, timeout: float, ranks: StartedRanks | None = None) -> None:
         self.nprocs, self.timeout = nprocs, timeout
         self.grace = min(GRACE_S, timeout)
-        ctx = multiprocessing.get_context("spawn")
         self.store = _loopback_store(timeout)
-        self.heartbeats = ctx.RawArray("Q", nprocs)  # beats counted by each rank's watchdog thread
-        pipes = [ctx.Pipe(duplex=False) for _ in range(nprocs)]
-        self.readers = [reader for reader, _ in pipes]
-        self.writers = [writer for _, writer in pipes]
-        self.procs = [
-            ctx.Process(target=_rank_main, name=f"treeattn-rank{rank}",
-                        args=(rank, nprocs, self.store.port, backend, timeout, os.getpid(), self.heartbeats, self.writers[rank], fn, args))
-            for rank in range(nprocs)
-        ]
+        self.work = lambda rank: (nprocs, self.store.port, backend, timeout, fn, args)
+        self.ranks = ranks
         self.outcomes: dict[int, tuple[str, Any]] = {}  # rank -> ("ok", result) | ("error", text), as received
         self.failures: dict[int, str] = {}
         self.results: dict[int, Any] = {}
 
     def run(self, signals: _ParentSignals) -> list[Any]:
         try:
-            for proc, writer in zip(self.procs, self.writers):
-                with _sigint_blocked():  # inherited: Ctrl-C in a terminal reaches the parent alone
-                    proc.start()
-                writer.close()  # the child holds its own end; EOF then means the child is gone
+            if self.ranks is None:
+                self.ranks = StartedRanks(self.nprocs, method="spawn", work=self.work)
+            else:
+                self.ranks.give(self.work)
+            self.procs, self.readers, self.heartbeats = self.ranks.procs, self.ranks.readers, self.ranks.heartbeats
             self._watch()
         finally:
             signals.deferring = True  # a signal now must not interrupt the cleanup
-            self._kill(list(range(self.nprocs)))
-            for conn in self.readers + self.writers:
-                conn.close()
+            if self.ranks is not None:
+                self.ranks.close()
             del self.store
         if self.failures:
             raise SpawnError(self.failures, self.results)
@@ -344,12 +459,7 @@ class _RankGroup:
         self.failures = blamed | self.failures
 
     def _kill(self, ranks: list[int]) -> None:
-        for rank in ranks:
-            proc = self.procs[rank]
-            if proc.pid is not None and proc.is_alive():
-                proc.kill()  # SIGKILL: works on stopped processes too
-            if proc.pid is not None:
-                proc.join()
+        self.ranks.kill(ranks)
 
 
 class _Liveness:
@@ -439,14 +549,22 @@ def _gloo_on_loopback() -> None:
         os.environ["GLOO_SOCKET_IFNAME"] = loopback
 
 
-def _rank_main(rank, world_size, port, backend, timeout, parent_pid, heartbeats, result_pipe, fn, args) -> None:
-    """Body of one child process: tie its life to the parent's, join the group, run fn, send the
-    result or the error back through the pipe."""
+def _rank_main(rank, parent_pid, heartbeats, result_pipe, job_pipe, work) -> None:
+    """Body of one child process: tie its life to the parent's, wait for its work if it has none yet
+    (`job_pipe`; closed without work: exit), join the group, run fn, send the result or the error
+    back through the pipe."""
     faulthandler.enable()  # a native crash (SIGSEGV, SIGABRT) still prints the Python stack
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's (see _sigint_blocked)
     if hasattr(signal, "pthread_sigmask"):
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # ignored now: nothing pending may kill it
     _die_with_parent(parent_pid, heartbeats, rank)
+    if work is None:
+        try:
+            work = job_pipe.recv()
+        except (EOFError, OSError):  # the parent closed (or lost) this rank without giving it work
+            exit_without_teardown(0)
+        job_pipe.close()
+    world_size, port, backend, timeout, fn, args = work
     try:
         if "nccl" in backend and torch.cuda.is_available():
             torch.cuda.set_device(rank % torch.cuda.device_count())

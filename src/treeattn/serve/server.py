@@ -16,10 +16,13 @@ own steps at DEBUG (treeattn.parallel.spawn: process group ready; treeattn.engin
 loaded, runner ready), which a rank shows only where logging is configured in it:
 benchmarks/serve_timeline.py does that and puts every process's steps on one timeline.
 
-Start-up order: the options and the chat template are checked, then ta.Engine is built in a thread
-(its checks, then its rank processes) while this thread imports uvicorn and FastAPI, so that the
-ranks' own start (interpreter, torch, the model) overlaps the server's imports; a GGUF file is
-parsed once for the template and the engine's checks (treeattn.models.gguf.shared_readers).
+Start-up order: the options are checked, then the rank processes are started first thing
+(treeattn.parallel.spawn.StartedRanks: forked for CPU ranks, so they share the server's imported
+torch and treeattn instead of importing them again; spawned for CUDA ranks) and wait; the chat
+template is checked, then ta.Engine is built in a thread (its checks, then its work handed to the
+started ranks, which load the model) while this thread imports uvicorn and FastAPI; a GGUF file is
+parsed once for the template and the engine's checks (treeattn.models.gguf.shared_readers). A
+start-up that fails closes the started ranks; a server that dies takes them with it.
 """
 
 from __future__ import annotations
@@ -67,16 +70,29 @@ def serve(model, options: ServeOptions, engine_options: dict, *, on_ready=None) 
     """
     from treeattn.engine import EngineConfig
     from treeattn.engine.device import resolve_device
-    from treeattn.models.gguf import shared_readers
+    from treeattn.models.gguf import shared_readers  # noqa: F401 -- before the ranks fork: they inherit the gguf package
+    from treeattn.parallel.spawn import StartedRanks, under_torchrun
 
     start = time.perf_counter()
     engine_config = EngineConfig(**engine_options)  # the options' own errors first, before the checkpoint is read
-    resolve_device(engine_config.device)  # --device cuda without a GPU: one line, before the checkpoint is read
+    kind = resolve_device(engine_config.device)  # --device cuda without a GPU: one line, before the checkpoint is read
+    if engine_config.nproc == 1 or under_torchrun():
+        return _serve(model, options, engine_options, engine_config, on_ready, start, ranks=None)
+    with StartedRanks(engine_config.nproc, device=kind) as ranks:  # first: their start overlaps the checks and imports
+        logger.debug("started %d rank process(es) (%s)", ranks.nprocs, ranks.method)
+        return _serve(model, options, engine_options, engine_config, on_ready, start, ranks)
+
+
+def _serve(model, options: ServeOptions, engine_options: dict, engine_config, on_ready, start: float, ranks) -> int:
+    """serve()'s body once the options are checked (engine_config: the EngineConfig built from them): `ranks`
+    (a StartedRanks or None) go to ta.Engine."""
+    from treeattn.models.gguf import shared_readers
+
     with shared_readers():  # the template, the engine's checks: one parse of a GGUF file
-        template = _chat_template(model)  # a broken template fails the start-up before any rank starts
+        template = _chat_template(model)  # a broken template fails the start-up before any rank is given work
         logger.info("starting the engine: %d rank(s), decode=%s; every rank loads %s", engine_config.nproc, engine_config.decode,
                     _default_name(model))
-        engine = _started_engine(model, engine_options)
+        engine = _started_engine(model, engine_options if ranks is None else dict(engine_options, ranks=ranks))
     if not engine.is_driver:  # under torchrun: this rank served the driver's steps until it closed
         return 0
     stats = engine.stats()
