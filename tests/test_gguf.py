@@ -95,7 +95,7 @@ def test_shared_readers_parse_an_unchanged_file_once(models, tmp_path, monkeypat
     path = tmp_path / "tiny.gguf"
     write_gguf(path, models["llama"], Q.Q8_0, arch="llama", context_length=96)
     parsed = []
-    monkeypatch.setattr(gguf_module, "_Reader", lambda p: parsed.append(p) or gguf.GGUFReader(p))
+    monkeypatch.setattr(gguf_module, "_Reader", lambda p, *rest: parsed.append(p) or gguf.GGUFReader(p))
 
     assert gguf_module.open_gguf(path) is not gguf_module.open_gguf(path) and len(parsed) == 2
     parsed.clear()
@@ -329,3 +329,23 @@ def test_a_load_without_the_tokenizer_has_the_same_weights_and_writes_no_copy(mo
         assert torch.equal(tensor, bare.state_dict()[name]), name
     from_copy = load_model(path, with_tokenizer=False)
     assert from_copy.tokenizer is None and torch.equal(from_copy.lm_head.weight, full.lm_head.weight)
+
+
+def test_a_reader_without_the_tokenizer_steps_over_its_arrays_and_keeps_everything_else(models, tmp_path):
+    """open_gguf(path, tokenizer=False) (a load without the tokenizer: an engine's rank) does not parse
+    the tokenizer's arrays: they have no field; every other field, every tensor and the config are the
+    full reader's; shared_readers keeps the two kinds apart."""
+    from treeattn.models.gguf import open_gguf, read_gguf_config, shared_readers
+
+    path = tmp_path / "tiny.gguf"
+    write_gguf(path, models["llama"], Q.Q8_0, arch="llama")
+    full, lite = open_gguf(path), open_gguf(path, tokenizer=False)
+    skipped = sorted(set(full.fields) - set(lite.fields))
+    assert "tokenizer.ggml.tokens" in skipped and all(k.startswith("tokenizer.") and full.fields[k].types[0] == gguf.GGUFValueType.ARRAY
+                                                      for k in skipped)
+    assert "tokenizer.ggml.eos_token_id" in lite.fields and set(lite.fields) <= set(full.fields)
+    assert all(lite.fields[k].contents() == full.fields[k].contents() for k in lite.fields)
+    assert [(t.name, t.data_offset, t.n_bytes) for t in lite.tensors] == [(t.name, t.data_offset, t.n_bytes) for t in full.tensors]
+    assert read_gguf_config(lite, path=path) == read_gguf_config(full, path=path)
+    with shared_readers():
+        assert open_gguf(path, tokenizer=False) is not open_gguf(path) and "tokenizer.ggml.tokens" in open_gguf(path).fields

@@ -174,7 +174,7 @@ def _load_gguf(path: Path, dtype: torch.dtype, device, weight_format: str, with_
             if not with_tokenizer:
                 model.tokenizer = model.chat_template = None
             return model
-    reader = open_gguf(path)
+    reader = open_gguf(path, tokenizer=with_tokenizer)  # without a tokenizer its arrays are not parsed
     tokenizer = tokenizer_from_gguf(reader, path=path) if with_tokenizer else None
     template = gguf_chat_template(reader, path) if with_tokenizer else None
     model = load_gguf_model(reader, path=path, dtype=dtype, device=device, weight_format=weight_format)
