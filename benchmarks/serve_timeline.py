@@ -10,6 +10,10 @@ loggers (the server's and the ranks' start-up steps), each with its wall-clock t
 script times the Popen and the first 200 from GET /health, stops the server with SIGTERM, and
 prints each event in seconds after the Popen. Nothing in the library changes for this.
 
+Since the ranks are started first thing and forked (treeattn.parallel.spawn.StartedRanks), a rank
+has no "interpreter started" or "import torch done" line of its own: it shares the server's; its
+first line is "process group ready", once the server has handed it its work.
+
 Each repeat also times one process's `ta.load_model(GGUF)` from the file (TREEATTN_GGUF_CACHE=0,
 benchmarks/gguf_load.py's child), the yardstick of issue #28's goal: /health within 1.5x of (that
 load + 2 s). --before DIR: a second source tree (e.g. `git archive` of an older commit, its src/

@@ -275,6 +275,7 @@ class StartedRanks:
         self.nprocs = nprocs
         self.method = method or _start_method(device)
         self.adopted = work is not None
+        self.given = threading.Event()  # set once every rank has been handed its work
         self.closed = False
         ctx = multiprocessing.get_context(self.method)
         self.heartbeats = ctx.RawArray("Q", nprocs)  # beats counted by each rank's watchdog thread
@@ -314,6 +315,7 @@ class StartedRanks:
             with contextlib.suppress(OSError):
                 job.send(work(rank))
             job.close()
+        self.given.set()
 
     def kill(self, ranks: list[int]) -> None:
         """SIGKILL (works on stopped processes too) and reap the given ranks."""

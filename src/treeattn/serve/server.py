@@ -126,10 +126,13 @@ def _serve(model, options: ServeOptions, engine_options: dict, engine_config, on
 
 def _started_engine(model, engine_options: dict):
     """ta.Engine(model, **engine_options), with the web stack (uvicorn, FastAPI, the app's module)
-    imported while it starts: the Engine (its checks, then its rank processes, each importing torch and
-    loading the model) is built in a thread of its own and this thread imports meanwhile, so a rank's
-    start overlaps the server's imports. Raises what the Engine raised (a ConfigError: one line).
-    Under torchrun the Engine is built here (every rank joins the group; the non-drivers serve in it)."""
+    imported while it starts: the Engine (its checks, then its ranks loading the model) is built in a
+    thread of its own and this thread imports meanwhile, so the ranks' start overlaps the server's
+    imports. With started ranks (engine_options["ranks"]) the import waits until they have their work:
+    the engine's checks (Python, like the import) then have this process's GIL to themselves, and the
+    import overlaps the ranks' model load, in processes of their own. Raises what the Engine raised
+    (a ConfigError: one line). Under torchrun the Engine is built here (every rank joins the group;
+    the non-drivers serve in it)."""
     from treeattn.engine import Engine
     from treeattn.parallel.spawn import under_torchrun
 
@@ -139,6 +142,11 @@ def _started_engine(model, engine_options: dict):
         return engine
     with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="treeattn-serve-engine") as pool:
         started = pool.submit(Engine, model, **engine_options)
+        ranks = engine_options.get("ranks")
+        while ranks is not None and not ranks.given.wait(0.02) and not started.done():
+            pass  # the checks first
+        if started.done() and started.exception() is not None:
+            return started.result()  # a refused start-up: its one line without the import's delay
         try:
             _import_web_stack()
         except BaseException:
