@@ -44,7 +44,9 @@ def _numbers(text: str, kind, option: str) -> list:
 
 @eval_app.command("needle")
 def needle_command(
-    model: Path = typer.Argument(..., help="Hugging Face model directory or .gguf file (with a tokenizer and a chat template)."),
+    model: Path = typer.Argument(..., help="Hugging Face model directory or .gguf file with a tokenizer; its chat "
+                                 "template renders the question when it has one (a base model such as Gemma 3 270M "
+                                 "completes the document as plain text)."),
     lengths: str | None = typer.Option(None, "--lengths", help="Document lengths in tokens, comma-separated "
                                        "(default: 1024, 2048, ... up to the model's context window)."),
     depths: str = typer.Option("0,0.25,0.5,0.75,1", "--depths", help="Needle depths in [0, 1], comma-separated."),
