@@ -4,8 +4,9 @@ Rank r holds the r-th contiguous chunk of one sequence; every rank must get its 
 causal (or non-causal) linear attention over the whole sequence, and the state of the whole
 sequence, from which it decodes a next token with no communication. p = 1..5; chunks even,
 uneven, with empty ranks, all empty; GQA and MQA; float32 and bfloat16; elu, relu and Hedgehog
-maps; both state exchanges (all-gather, scan). One spawn per p runs every case and reports back;
-the parent asserts per case. Tolerances as in test_linear.py (sums of non-negative kernel values
+maps; both state exchanges (all-gather, scan). One spawn of 5 ranks runs every case, p < 5 on the
+sub-group of the first p ranks (process start-up dominates the cost), and reports back; the parent
+asserts per case. Tolerances as in test_linear.py (sums of non-negative kernel values
 in float32, plus the final rounding to the input dtype).
 """
 
@@ -50,8 +51,8 @@ def tolerance(dtype, S, F, v) -> float:
     return 4 * (S + F) * EPS[torch.float32] * vmax + 2 * EPS[dtype] * vmax
 
 
-def run_cases(rank: int, world: int) -> list[tuple[str, float, float]]:
-    group = dist.group.WORLD
+def run_cases(rank: int, world: int, group) -> list[tuple[str, float, float]]:
+    """Every case on the `world` ranks of `group` (this rank is its `rank`)."""
     results = []
     for i, (layout, lengths_of) in enumerate(LAYOUTS.items()):
         lengths = lengths_of(world)
@@ -80,16 +81,16 @@ def run_cases(rank: int, world: int) -> list[tuple[str, float, float]]:
     return results
 
 
-def disagreeing_inputs(rank: int, world: int) -> list[str]:
-    """Ranks that disagree raise the same ValueError on every rank instead of hanging."""
+def disagreeing_inputs(rank: int, group) -> list[str]:
+    """Ranks that disagree raise the same ValueError on every rank instead of hanging (2 ranks)."""
     messages = []
     q = torch.randn(1, 3, 2, D, dtype=torch.bfloat16 if rank == 1 else torch.float32)
     for call in (
-        lambda: ta.linear_attention(q, q[:, :, :1], q[:, :, :1], group=dist.group.WORLD),  # dtype differs on rank 1
-        lambda: ta.linear_attention(q.float(), q.float()[:, :, :1], q.float()[:, :, :1], group=dist.group.WORLD,
+        lambda: ta.linear_attention(q, q[:, :, :1], q[:, :, :1], group=group),  # dtype differs on rank 1
+        lambda: ta.linear_attention(q.float(), q.float()[:, :, :1], q.float()[:, :, :1], group=group,
                                     method="scan" if rank == 0 else "allgather"),
         lambda: ta.linear_attention(q.float() if rank == 0 else q.float()[0], q.float()[:, :, :1], q.float()[:, :, :1],
-                                    group=dist.group.WORLD),  # rank 1's q is 3-d
+                                    group=group),  # rank 1's q is 3-d
     ):
         try:
             call()
@@ -99,29 +100,36 @@ def disagreeing_inputs(rank: int, world: int) -> list[str]:
     return messages
 
 
-def every_case(rank: int, world: int):
-    """One spawn per p (process start-up dominates): the cases, and at p = 2 the disagreements."""
-    return run_cases(rank, world), disagreeing_inputs(rank, world) if world == 2 else None
+WORLDS = [1, 2, 3, 4, 5]
+
+
+def every_case(rank: int, world_size: int) -> dict:
+    """One spawn for every p (process start-up dominates): p -> this rank's cases on the first p ranks
+    (the ranks past p skip them), and "disagree" -> the disagreements on the first 2 ranks."""
+    groups = {p: dist.new_group(list(range(p))) for p in WORLDS[:-1]}  # every rank creates every group, in order
+    groups[world_size] = dist.group.WORLD
+    # the largest p first: a rank done with its groups then waits for nothing in a collective
+    out = {p: run_cases(rank, p, groups[p]) for p in reversed(WORLDS) if rank < p}
+    out["disagree"] = disagreeing_inputs(rank, groups[2]) if rank < 2 else None
+    return out
 
 
 @pytest.fixture(scope="module")
-def outcomes():
-    return {}
+def outcomes() -> list[dict]:
+    return ta.spawn(every_case, WORLDS[-1], timeout=120)
 
 
-@pytest.mark.parametrize("world", [1, 2, 3, 4, 5])
+@pytest.mark.parametrize("world", WORLDS)
 def test_sharded_linear_attention_matches_reference(world, outcomes):
-    outcomes[world] = ta.spawn(every_case, world)
-    results = [rows for rows, _ in outcomes[world]]
+    results = [ranks[world] for ranks in outcomes[:world]]
+    assert all(world not in ranks for ranks in outcomes[world:])
     failures = [(rank, case, err, tol) for rank, rows in enumerate(results) for case, err, tol in rows if not err <= tol]
     assert not failures, failures[:5]
-    assert len(results[0]) == 2 * len(LAYOUTS) * len(COMBOS)
+    assert all(len(rows) == 2 * len(LAYOUTS) * len(COMBOS) for rows in results)
 
 
 def test_disagreeing_ranks_raise_the_same_error(outcomes):
-    if 2 not in outcomes:  # run alone (-k): spawn it here
-        outcomes[2] = ta.spawn(every_case, 2)
-    rank0, rank1 = (messages for _, messages in outcomes[2])
+    rank0, rank1 = (ranks["disagree"] for ranks in outcomes[:2])
     assert "every rank must pass the same dtype" in rank0[0] and rank0[0] == rank1[0]
     assert "every rank must pass the same method" in rank0[1] and rank0[1] == rank1[1]
     assert rank1[2].startswith("q must have 4 dims") and "rank(s) [1] rejected their local inputs" in rank0[2]
