@@ -9,8 +9,8 @@ with a different RoPE base per kind, q/k norms.
 
 Oracle: the model's UNCACHED greedy recomputation (a full forward over the whole sequence per new
 token, with its own attention), never transformers' cached generate(). On p = 1 (one process,
-no torch.distributed), p = 2 and p = 3 (real gloo groups; one spawn per p runs every
-architecture): greedy tokens equal, the logits of every generated step and of the sharded
+no torch.distributed), p = 2 and p = 3 (real gloo groups: one spawn of 3 ranks runs every
+architecture on all 3, then on the sub-group of the first 2): greedy tokens equal, the logits of every generated step and of the sharded
 prefill within 1e-4. At p = 3 the contiguous placement of 16 slots leaves the last rank no
 prompt token in generate's prefill (it runs the placeholder token of ShardedCache.prefill).
 """
@@ -87,16 +87,16 @@ def saved_models(tmp_path_factory):
     return saved
 
 
-def run_arch(path: str, method: str) -> dict:
+def run_arch(path: str, method: str, group=None) -> dict:
     """tahf.generate and a sharded prefill of one checkpoint on this rank: generated ids, step
     logits, and the max error of this rank's prefill logits against the full forward."""
     model = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
     prompt = prompt_ids()
     out = tahf.generate(model, prompt, max_new_tokens=NEW_TOKENS, method=method, return_dict_in_generate=True,
-                        output_logits=True)
+                        output_logits=True, group=group)
     model.set_attn_implementation("eager")
     full = model(prompt, use_cache=False).logits
-    cache = tahf.ShardedCache(model, capacity=PROMPT_LEN, method=method)
+    cache = tahf.ShardedCache(model, capacity=PROMPT_LEN, method=method, group=group)
     previous = model.config._attn_implementation
     model.set_attn_implementation(tahf.ATTN_IMPLEMENTATION)
     with torch.no_grad(), cache.prefill(prompt) as part:
@@ -108,23 +108,35 @@ def run_arch(path: str, method: str) -> dict:
             "prefill_tokens": mine, "placeholder": part.placeholder}
 
 
-def _rank_worker(rank: int, world_size: int, paths: dict, method: str) -> dict:
-    reports = {arch: run_arch(path, method) for arch, path in paths.items()}
+SHARDED = {3: "tree", 2: "allreduce"}  # p -> method: the 3 ranks of one spawn, then the first 2 of them
+
+
+def _group_cases(rank: int, paths: dict, method: str, group) -> dict:
+    reports = {arch: run_arch(path, method, group) for arch, path in paths.items()}
     # ranks with different prompts: the same ValueError on every rank, no hang
     model = transformers.AutoModelForCausalLM.from_pretrained(paths["llama"]).eval()
     torch.manual_seed(rank)  # different RNG states: tahf.generate must seed every rank alike
-    reports["sampled"] = tahf.generate(model, prompt_ids(), max_new_tokens=6, do_sample=True, top_k=20, method=method)
+    reports["sampled"] = tahf.generate(model, prompt_ids(), max_new_tokens=6, do_sample=True, top_k=20, method=method,
+                                       group=group)
     try:
-        tahf.generate(model, (prompt_ids() + rank) % VOCAB, max_new_tokens=2, method=method)
+        tahf.generate(model, (prompt_ids() + rank) % VOCAB, max_new_tokens=2, method=method, group=group)
         reports["disagreement"] = "no error"
     except ValueError as exc:
         reports["disagreement"] = str(exc)
     return reports
 
 
+def _rank_worker(rank: int, world_size: int, paths: dict) -> dict:
+    """p -> this rank's reports, for each p of SHARDED this rank belongs to (one spawn: rank start-up dominates)."""
+    import torch.distributed as dist
+
+    groups = {2: dist.new_group([0, 1]), 3: dist.group.WORLD}  # every rank creates every group
+    return {p: _group_cases(rank, paths, method, groups[p]) for p, method in SHARDED.items() if rank < p}
+
+
 @functools.lru_cache(maxsize=None)
-def _spawned(p: int, paths: tuple, method: str) -> list[dict]:
-    return ta.spawn(_rank_worker, p, dict(paths), method, timeout=120.0)
+def _spawned(paths: tuple) -> list[dict]:
+    return ta.spawn(_rank_worker, max(SHARDED), dict(paths), timeout=120.0)
 
 
 def check_against_oracle(arch, report, seq, logits, where):
@@ -142,7 +154,8 @@ def test_one_process_matches_uncached_greedy(saved_models):
 @pytest.mark.parametrize("p,method", [(2, "allreduce"), (3, "tree")])
 def test_sharded_matches_uncached_greedy(saved_models, p, method):
     paths = tuple((arch, entry[0]) for arch, entry in saved_models.items())
-    reports = _spawned(p, paths, method)
+    assert SHARDED[p] == method
+    reports = [by_p[p] for by_p in _spawned(paths)[:p]]
     for rank, by_arch in enumerate(reports):
         assert torch.equal(by_arch["sampled"], reports[0]["sampled"]), "sampling must agree across ranks"
         assert by_arch["disagreement"] == reports[0]["disagreement"], "every rank must raise the same error"
