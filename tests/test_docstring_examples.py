@@ -4,53 +4,32 @@ Every name `treeattn.__all__` exports that a caller starts from (functions and t
 has an example; the result types (GenerationResult, RequestResult, TokenEvent, TokenLogprob) are
 returned, not built, and need none. The examples of the collectives (tree_decode, ring_decode,
 ring_attention, comm_stats, sharded_bifurcated_attention) are rank code: they run on the two gloo
-ranks of one ta.spawn, with group=None the world, so a stale example fails here.
+ranks of tests/test_parallel_decode.py's p = 2 spawn (one spawn fewer in CI), with group=None the
+world, so a stale example fails there (test_collectives_docstring_examples_run_on_two_ranks).
 """
 
 from __future__ import annotations
 
-import doctest
-
 import pytest
+from helpers.doc_examples import IN_RANKS, run_examples
 
 import treeattn as ta
 
 RESULT_TYPES = {"GenerationResult", "RequestResult", "TokenEvent", "TokenLogprob"}
-IN_RANKS = ("tree_decode", "ring_decode", "ring_attention", "comm_stats", "sharded_bifurcated_attention")
 IN_PROCESS = tuple(sorted(set(ta.__all__) - RESULT_TYPES - set(IN_RANKS)))
-
-
-def _run_examples(names) -> tuple[list[str], str]:
-    """Run the docstring examples of ta.<name> for each name: (names without an example, the failures' report)."""
-    import io
-
-    finder, out = doctest.DocTestFinder(recurse=False), io.StringIO()
-    runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
-    missing = []
-    for name in names:
-        tests = finder.find(getattr(ta, name), name, globs={})
-        if not any(test.examples for test in tests):
-            missing.append(name)
-        for test in tests:
-            runner.run(test, out=out.write)
-    return missing, out.getvalue()
-
-
-def _examples_rank(rank: int, world_size: int, names) -> tuple[list[str], str]:
-    return _run_examples(names)
 
 
 @pytest.mark.parametrize("name", IN_PROCESS)
 def test_docstring_example_runs(name):
-    missing, failures = _run_examples([name])
+    missing, failures = run_examples([name])
     assert not missing, f"ta.{name} has no example"
     assert not failures, failures
 
 
-def test_collectives_examples_run_on_two_ranks():
-    for missing, failures in ta.spawn(_examples_rank, 2, IN_RANKS, timeout=120):
-        assert not missing, f"no example in {missing}"
-        assert not failures, failures
+def test_every_public_name_has_its_examples_run():
+    """Each exported name is run here, run on ranks, or a result type: none is left out."""
+    assert set(ta.__all__) == set(IN_PROCESS) | set(IN_RANKS) | RESULT_TYPES
+    assert set(IN_RANKS) <= set(ta.__all__) and RESULT_TYPES <= set(ta.__all__)
 
 
 def test_a_stale_example_fails():
@@ -64,7 +43,7 @@ def test_a_stale_example_fails():
 
     ta.stale_example_probe = stale
     try:
-        missing, failures = _run_examples(["stale_example_probe"])
+        missing, failures = run_examples(["stale_example_probe"])
     finally:
         del ta.stale_example_probe
     assert not missing and "Expected:\n    3\nGot:\n    2" in failures

@@ -5,6 +5,7 @@ float64 oracle and with single-device ta.attention over the concatenated KV, for
 {1, 2, 3, 8}, shard lengths 0, 1, uneven (one rank holding 90%) and all-empty, B in {1, 3},
 GQA and MQA, float32, bfloat16 and float16, huge logits (past onepass's window too), Sq = 1, and Sq = 4 with q_pos/kv_pos and keys sharded
 round-robin. comm_stats is checked against the paper's volumes (eq. 10 and 14) and round counts.
+The p = 2 ranks also run the collectives' docstring examples (tests/helpers/doc_examples.py).
 
 One spawn per world size runs every case (process start-up dominates the cost); each case reports
 back to the parent, which asserts per case so a failure names its case.
@@ -20,6 +21,8 @@ import zlib
 
 import pytest
 import torch
+
+from helpers.doc_examples import IN_RANKS, run_examples
 
 import treeattn as ta
 from treeattn.parallel.tree_decode import ONEPASS_WINDOW
@@ -247,6 +250,8 @@ def worker(rank: int, p: int) -> dict:
         record(f"ring_attention/{name}", functools.partial(run_ring_attention_case, rank, p, name))
     record("nested_spawn", functools.partial(nested_spawn_case, rank, p))
     report["comm"] = comm_cases(rank, p)
+    if p == 2:  # the collectives' docstring examples are written for these ranks: group=None, the world
+        report["doc_examples"] = run_examples(IN_RANKS)
     return report
 
 
@@ -270,6 +275,16 @@ def test_cases_exact_and_identical_on_every_rank(p):
         elif case_id.startswith("decode/") and len({o[1] for o in outcomes}) != 1:
             failures.append(f"{case_id}: out/lse differ between ranks")
     assert not failures, f"{len(failures)} of {len(case_ids(p)) + 1} cases failed:\n" + "\n\n".join(failures[:5])
+
+
+def test_collectives_docstring_examples_run_on_two_ranks():
+    """The examples in the docstrings of tree_decode, ring_decode, ring_attention, comm_stats and
+    sharded_bifurcated_attention (tests/test_docstring_examples.py runs every other name's) run on
+    these 2 gloo ranks and show what they say."""
+    for rank, report in enumerate(reports(2)):
+        missing, failures = report["doc_examples"]
+        assert not missing, f"rank {rank}: no example in {missing}"
+        assert not failures, f"rank {rank}: {failures}"
 
 
 def test_case_table_covers_the_issue():

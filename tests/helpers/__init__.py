@@ -11,6 +11,7 @@ holds the shared fixtures such as one_thread), never from one another.
     token_parallel        the prefill tests' tiny Llama and requests, and their uncached greedy tokens
     serve                 `treeattn serve` in a child process, its tiny GGUF model, its /metrics, a background stream
     letters               a tokenizer of letters for the engine's text and stop-string tests
+    doc_examples          runs the docstring examples of treeattn's public names (doctest)
 
 tests/gguf_files.py and tests/gemma3_files.py write GGUF and Gemma 3 files the same way.
 """
