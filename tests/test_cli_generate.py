@@ -196,13 +196,6 @@ def test_prefill_progress_is_reported_chunk_by_chunk(checkpoint):
     assert seen[-1] == (80, 80)
 
 
-def test_python_dash_m_works(checkpoint, ids_file, expected):
-    out = subprocess.run([sys.executable, "-m", "treeattn", "generate", str(checkpoint), "--prompt-ids", str(ids_file),
-                          "--max-new-tokens", "6", "--json"], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
-    assert json.loads(out.stdout)["generated_ids"] == expected
-
-
 @pytest.mark.parametrize(
     "args, match",
     [
@@ -341,27 +334,23 @@ def test_ranks_beyond_the_memory_are_refused_and_beyond_the_cores_warned(checkpo
 
 
 def test_two_ranks_say_the_max_position_warning_once(checkpoint, tmp_path, ids_file, expected):
+    """Also `python -m treeattn generate --prompt-ids --json` in a process of its own: the tokens, as JSON on
+    stdout; and (python -X importtime) generate imports neither treeattn.bench nor treeattn.sim nor matplotlib."""
     directory = tmp_path / "short-positions"
     directory.mkdir()
     config = json.loads((checkpoint / "config.json").read_text())
     config["max_position_embeddings"] = 8
     (directory / "config.json").write_text(json.dumps(config))
     (directory / "model.safetensors").symlink_to(checkpoint / "model.safetensors")
-    out = subprocess.run([sys.executable, "-m", "treeattn", "generate", str(directory), "--prompt-ids", str(ids_file),
-                          "--max-new-tokens", "6", "--nproc", "2", "--json", "--allow-beyond-context"],
+    out = subprocess.run([sys.executable, "-X", "importtime", "-m", "treeattn", "generate", str(directory), "--prompt-ids",
+                          str(ids_file), "--max-new-tokens", "6", "--nproc", "2", "--json", "--allow-beyond-context"],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["generated_ids"] == expected
     assert out.stderr.count("max_context=16 exceeds the model's max_position_embeddings=8") == 1, out.stderr  # the engine's warning
-
-
-def test_generate_imports_neither_bench_nor_sim_nor_matplotlib():
-    code = ("import sys; from typer.testing import CliRunner; from treeattn.cli import app; "
-            "CliRunner().invoke(app, ['generate', '--help']); "
-            "print(sorted(m for m in sys.modules if m.split('.')[:2] in (['treeattn', 'bench'], ['treeattn', 'sim']) or m == 'matplotlib'))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "[]"
+    imported = {line.rsplit("|", 1)[1].strip() for line in out.stderr.splitlines() if line.startswith("import time:")}
+    assert "treeattn.engine.client" in imported  # importtime's lines were read (the Engine)
+    assert sorted(m for m in imported if m.split(".")[:2] in (["treeattn", "bench"], ["treeattn", "sim"]) or m == "matplotlib") == []
 
 
 def test_a_broken_checkpoint_is_reported_once_before_spawning(checkpoint, tmp_path, ids_file):
