@@ -43,6 +43,20 @@ HAS_CUDA = torch.cuda.is_available()
 gpu = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
 
 
+def skip_unless_installed(*modules: str) -> None:
+    """Skip the calling test module unless each top-level module is installed, without importing it.
+
+    For modules whose functions run on spawned ranks: every rank imports the test module to find its
+    function, and `pytest.importorskip` there would make each rank import transformers (~1.5 s of CPU)
+    or scipy.stats (~2.5 s) that only the parent's oracle uses. Import them where they are used.
+    """
+    import importlib.util
+
+    missing = [name for name in modules if importlib.util.find_spec(name) is None]
+    if missing:
+        pytest.skip(f"needs {', '.join(missing)}", allow_module_level=True)
+
+
 def use_triton_interpreter() -> None:
     """Without CUDA, run Triton kernels on CPU tensors through Triton's interpreter. Triton reads
     TRITON_INTERPRET when a kernel is decorated and again at launch, so call this before

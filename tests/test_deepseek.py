@@ -16,7 +16,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-transformers = pytest.importorskip("transformers")
+from conftest import skip_unless_installed  # noqa: E402
+
+skip_unless_installed("transformers")  # not imported: the ranks import this module too
 
 from treeattn.cache import ShardedKVCache  # noqa: E402
 from treeattn.cache.sharded import kv_bytes_per_token  # noqa: E402

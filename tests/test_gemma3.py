@@ -20,7 +20,9 @@ import gguf
 import pytest
 import torch
 
-transformers = pytest.importorskip("transformers")
+from conftest import skip_unless_installed  # noqa: E402
+
+skip_unless_installed("transformers")  # not imported: the ranks import this module too
 
 from gemma3_files import TOKENS, VOCAB, WINDOW, hf_gemma3, write_gemma3_gguf  # noqa: E402
 from typer.testing import CliRunner  # noqa: E402
@@ -95,6 +97,8 @@ def test_gguf_matches_transformers_loading_the_same_file(files):
     assert isinstance(model, Gemma3Model)
     c = read_config(path)
     assert c.layer_windows == (WINDOW,) * 5 + (None,) and c.rope_local_theta == 1e4 and c.bos_token_id == 2
+    import transformers
+
     theirs = transformers.AutoModelForCausalLM.from_pretrained(files["root"], gguf_file="tiny.gguf", dtype=torch.float32).eval()
     torch.testing.assert_close(ours_logits(model, PROMPT), hf_logits(theirs, PROMPT), atol=TOL, rtol=0)
     # The Q5_0 / Q8_0 matrices hold the HF model's weights (up to quantization); the norms its weights exactly.
@@ -108,6 +112,8 @@ def test_gguf_tokenizer_is_gemmas(files):
     says: the same ids as transformers' tokenizer built from the same file."""
     path = files["root"] / "tiny.gguf"
     ours = load_tokenizer(path)
+    import transformers
+
     theirs = transformers.AutoTokenizer.from_pretrained(files["root"], gguf_file="tiny.gguf")
     for text in ["the cat", " the world", "the  cat   sat\n\nblue sky", "<start_of_turn>user\nhi<end_of_turn>", "ünï 🎉 x"]:
         ids = ours.encode(text).ids

@@ -14,7 +14,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-pytest.importorskip("transformers")
+from conftest import skip_unless_installed  # noqa: E402
+
+skip_unless_installed("transformers")  # not imported: the ranks import this module too
 
 from helpers.llama_checkpoints import ARCHS, VOCAB, make_checkpoint  # noqa: E402
 

@@ -17,8 +17,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-pytest.importorskip("transformers")
-scipy_stats = pytest.importorskip("scipy.stats")
+from conftest import skip_unless_installed  # noqa: E402
+
+skip_unless_installed("transformers", "scipy")  # not imported: the ranks import this module too
 
 from helpers.llama_checkpoints import make_checkpoint  # noqa: E402
 from typer.testing import CliRunner  # noqa: E402

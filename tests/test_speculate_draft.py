@@ -19,8 +19,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-pytest.importorskip("transformers")
-scipy_stats = pytest.importorskip("scipy.stats")
+from conftest import skip_unless_installed  # noqa: E402
+
+skip_unless_installed("transformers", "scipy")  # not imported: the ranks import this module too
 
 from helpers.llama_checkpoints import VOCAB, make_checkpoint  # noqa: E402
 from helpers.speculate_sampling import PROMPT, SAMPLING, SAMPLING_CONFIG, SAMPLING_PROMPT, _uncached_greedy, chi_square_pvalue, exact_distribution  # noqa: E402

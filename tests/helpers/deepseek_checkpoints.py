@@ -6,10 +6,11 @@
 
 from __future__ import annotations
 
-import pytest
 import torch
 
-transformers = pytest.importorskip("transformers")
+from conftest import skip_unless_installed  # noqa: E402
+
+skip_unless_installed("transformers")  # imported where used: the ranks that import this module need none of it
 
 VOCAB = 96
 NEW_TOKENS = 10
@@ -39,6 +40,8 @@ def make_checkpoint(arch: str, directory, seed: int = 0):
     """A random transformers DeepSeek model of `arch` saved to `directory`; returns it. Weights at
     std 0.2 (the default 0.02 gives near-uniform logits whose argmax rounding could flip), router
     correction biases nonzero."""
+    import transformers
+
     config_cls, model_cls, extra = ARCHS[arch]
     torch.manual_seed(seed)
     hf = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**COMMON, **extra)).eval()

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
 import torch
 
-transformers = pytest.importorskip("transformers")
+from conftest import skip_unless_installed  # noqa: E402
+
+skip_unless_installed("transformers")  # imported where used: the ranks that import this module need none of it
 
 from treeattn.cache import ShardedKVCache  # noqa: E402
 from treeattn.models import LocalAttention  # noqa: E402
@@ -35,6 +36,8 @@ ARCHS = {
 
 def make_checkpoint(arch: str, directory: Path, seed: int = 0, **save_kwargs):
     """Build a random-weight transformers model of `arch`, save it to `directory`; return the model."""
+    import transformers
+
     config_cls, model_cls, extra = ARCHS[arch]
     torch.manual_seed(seed)
     model = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**COMMON, **extra)).eval()
