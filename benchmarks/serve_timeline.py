@@ -145,15 +145,18 @@ def main() -> None:
             average = os.getloadavg()[0]
             seconds, lines = timeline(args.model, args.nproc, source)
             ready[label].append(seconds)
-            print(f"--- {label}: treeattn serve --nproc {args.nproc}: /health after {seconds:.2f} s (load average {average:.1f} at the start)")
+            print(f"--- {label}: treeattn serve --nproc {args.nproc}: /health after {seconds:.2f} s (load average {average:.1f} at the start); "
+                  f"this repeat: {seconds:.2f} / ({load:.2f} + 2) = {seconds / (load + 2):.2f}x")
             print("\n".join(lines), flush=True)
     load = statistics.median(loads)
     print(f"one process's load from the file: {load:.2f} s (median of {len(loads)}); goal: /health within 1.5 x {load + 2:.2f} s "
           f"= {1.5 * (load + 2):.2f} s")
     for label, runs in ready.items():
         median = statistics.median(runs)
+        paired = [r / (one + 2) for r, one in zip(runs, loads)]  # each serve against the load timed just before it
         print(f"{label}: /health after {median:.2f} s (median of {len(runs)}: {', '.join(f'{r:.2f}' for r in runs)}); "
-              f"ratio {median / (load + 2):.2f}x (goal <= 1.5x)")
+              f"ratio {median / (load + 2):.2f}x (goal <= 1.5x); per repeat {', '.join(f'{x:.2f}x' for x in paired)}, "
+              f"median {statistics.median(paired):.2f}x")
     if args.before is not None:
         print(f"after / before: {statistics.median(ready['after']) / statistics.median(ready['before']):.2f}")
 
