@@ -250,7 +250,8 @@ def test_fp8_bad_input_names_the_argument():
 
 
 def test_fp8_cache_bytes_count_the_scales():
-    """An fp8 arena holds D bytes of codes and 4 of scale per token, head and k/v plane; kv_bytes_per_token says as much."""
+    """An fp8 arena holds D bytes of codes and 4 of scale per token, head and k/v plane; kv_bytes_per_token
+    and the memory check's per-rank bytes say as much."""
     from treeattn.cache.sharded import kv_bytes_per_token
 
     c = CONFIG
@@ -259,3 +260,8 @@ def test_fp8_cache_bytes_count_the_scales():
     per_token = c.num_layers * 2 * c.num_kv_heads * (c.head_dim + 4)
     assert cache.nbytes() == (3 + 1) * BS * kv_bytes_per_token(c, FP8) == (3 + 1) * BS * per_token
     assert kv_bytes_per_token(c, FP8) * 4 * c.head_dim == kv_bytes_per_token(c, torch.float32) * (c.head_dim + 4)
+    # the memory check sizes a rank's fp8 arena with its scales too
+    from treeattn.engine.memory import kv_cache_bytes_per_rank
+
+    config = EngineConfig(block_size=BS)
+    assert kv_cache_bytes_per_rank(config, c, FP8) == (config.blocks_per_rank(c.max_position_embeddings) + 1) * BS * per_token
