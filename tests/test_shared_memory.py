@@ -41,9 +41,27 @@ def _collectives(rank: int, world_size: int) -> dict:
     return out
 
 
-def test_collectives_match_gloo_and_are_identical_on_every_rank():
+SHM_METHODS = [m for m in METHODS if m != "twolevel"]
+
+
+def _three_ranks(rank: int, world_size: int) -> dict:
+    """One spawn for the 3-rank tests (rank start-up dominates): the collectives, then tree_decode
+    through shared memory by every method, each on a SharedMemoryGroup of its own."""
+    return {"collectives": _collectives(rank, world_size),
+            "tree_decode": {method: _tree_decode_over_shm(rank, world_size, method) for method in SHM_METHODS}}
+
+
+@pytest.fixture(scope="module")
+def three_ranks() -> tuple[list[dict], set[str], set[str]]:
+    """(each rank's results, the shared-memory segments before the spawn, and after it)."""
     before = _segments()
-    results = ta.spawn(_collectives, 3)
+    results = ta.spawn(_three_ranks, 3)
+    return results, before, _segments()
+
+
+def test_collectives_match_gloo_and_are_identical_on_every_rank(three_ranks):
+    per_rank, before, after = three_ranks
+    results = [r["collectives"] for r in per_rank]
     for rank, out in enumerate(results):
         for name in ("f64", "f32", "i64"):
             mine, reference, top, top_ref = out[name]
@@ -54,7 +72,7 @@ def test_collectives_match_gloo_and_are_identical_on_every_rank():
         assert out["broadcast"].tolist() == [2.0] * 4
         assert out["big"].tolist() == [6.0] * 100
         assert out["fits"] == (False, True, False)
-    assert _segments() == before  # the name is unlinked once every rank has mapped it
+    assert after == before  # each name is unlinked once every rank has mapped it
 
 
 def _hosts_differ(rank: int, world_size: int, monkey: bool):
@@ -98,9 +116,9 @@ def _tree_decode_over_shm(rank: int, world_size: int, method: str):
     return (out.double() - ref_out).abs().max().item(), (lse.double() - ref_lse).abs().max().item(), out
 
 
-@pytest.mark.parametrize("method", [m for m in METHODS if m != "twolevel"])
-def test_tree_decode_through_shared_memory_is_exact(method):
-    results = ta.spawn(_tree_decode_over_shm, 3, method)
+@pytest.mark.parametrize("method", SHM_METHODS)
+def test_tree_decode_through_shared_memory_is_exact(three_ranks, method):
+    results = [r["tree_decode"][method] for r in three_ranks[0]]
     for err_out, err_lse, out in results:
         assert err_out < 1e-5 and err_lse < 1e-5
         assert torch.equal(out, results[0][2])
