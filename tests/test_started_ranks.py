@@ -3,6 +3,7 @@
 `treeattn serve` starts its ranks first thing (forked: they share the server's imported torch) and
 hands them the engine's work once its checks pass. Checked here on real processes:
 - adopted ranks run fn in a real gloo group, as children of this process, and are gone afterwards;
+  while they wait they import their preload modules (one that is missing does not end them);
 - a StartedRanks serves one spawn of exactly its nprocs: anything else is a ValueError before any
   work, and the ranks still wait; ta.Engine refuses them where it starts no processes;
 - a started rank that died before it was given work ends the spawn in a SpawnError naming it (no hang);
@@ -39,6 +40,12 @@ def whoami(rank: int, world_size: int, token: int) -> tuple:
     return rank, world_size, dist.get_world_size(), os.getppid(), os.getpid(), token, t.item()
 
 
+def imported(rank: int, world_size: int, names: tuple) -> list[bool]:
+    import sys
+
+    return [name in sys.modules for name in names]
+
+
 def fails_on_rank_1(rank: int, world_size: int) -> int:
     if rank == 1:
         raise RuntimeError("rank 1 refuses")
@@ -56,6 +63,15 @@ def test_adopted_ranks_run_fn_in_a_real_group_and_are_gone_after():
     assert sorted(r[4] for r in results) == sorted(pids)  # the started processes ran it, no new ones
     assert not any(alive(pid) for pid in pids)
     ranks.close()  # idempotent
+
+
+def test_waiting_ranks_import_their_preload_and_a_missing_module_is_left_to_the_work():
+    import sys
+
+    assert "tabnanny" not in sys.modules
+    ranks = StartedRanks(2, method="fork", preload=("tabnanny", "no_such_module_for_treeattn"))
+    assert ta.spawn(imported, 2, ("tabnanny",), ranks=ranks) == [[True], [True]]
+    assert "tabnanny" not in sys.modules  # imported in the ranks, not here
 
 
 def test_a_started_ranks_serves_one_spawn_of_its_size_and_nothing_else():

@@ -47,6 +47,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import faulthandler
+import importlib
 import logging
 import multiprocessing
 import multiprocessing.connection
@@ -257,6 +258,9 @@ class StartedRanks:
             imports torch again, seconds of CPU), else "spawn".
         work: (rank -> the rank's work) to hand over at the start (ta.spawn's own ranks); None: the
             ranks wait for spawn to adopt them.
+        preload: modules each waiting rank imports while it waits (what its work will import first,
+            e.g. a model loader), so that the import is off the path once the work comes; an
+            import that fails there is left for the work itself to raise.
 
     From its start each process is tied to this one (parent-death signal on Linux, a watchdog
     thread that exits it once its parent is gone, a heartbeat) and ignores SIGINT; one still waiting
@@ -265,7 +269,7 @@ class StartedRanks:
     """
 
     def __init__(self, nprocs: int, *, device: str = "cpu", method: str | None = None,
-                 work: Callable[[int], tuple] | None = None) -> None:
+                 work: Callable[[int], tuple] | None = None, preload: tuple[str, ...] = ()) -> None:
         if isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1:
             raise ValueError(f"nprocs must be a positive int, got {nprocs!r}")
         if device not in ("cpu", "cuda"):
@@ -285,7 +289,8 @@ class StartedRanks:
                 reader, writer = ctx.Pipe(duplex=False)
                 job_reader, job_writer = ctx.Pipe(duplex=False) if work is None else (None, None)
                 proc = ctx.Process(target=_rank_main, name=f"treeattn-rank{rank}", daemon=work is None,
-                                   args=(rank, os.getpid(), self.heartbeats, writer, job_reader, None if work is None else work(rank)))
+                                   args=(rank, os.getpid(), self.heartbeats, writer, job_reader, None if work is None else work(rank),
+                                         tuple(preload)))
                 self.procs.append(proc)
                 self.readers.append(reader)
                 self.jobs.append(job_writer)
@@ -551,16 +556,19 @@ def _gloo_on_loopback() -> None:
         os.environ["GLOO_SOCKET_IFNAME"] = loopback
 
 
-def _rank_main(rank, parent_pid, heartbeats, result_pipe, job_pipe, work) -> None:
+def _rank_main(rank, parent_pid, heartbeats, result_pipe, job_pipe, work, preload=()) -> None:
     """Body of one child process: tie its life to the parent's, wait for its work if it has none yet
-    (`job_pipe`; closed without work: exit), join the group, run fn, send the result or the error
-    back through the pipe."""
+    (`job_pipe`, importing the `preload` modules meanwhile; closed without work: exit), join the
+    group, run fn, send the result or the error back through the pipe."""
     faulthandler.enable()  # a native crash (SIGSEGV, SIGABRT) still prints the Python stack
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's (see _sigint_blocked)
     if hasattr(signal, "pthread_sigmask"):
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # ignored now: nothing pending may kill it
     _die_with_parent(parent_pid, heartbeats, rank)
     if work is None:
+        for name in preload:
+            with contextlib.suppress(Exception):  # a failing import is the work's to raise, with its context
+                importlib.import_module(name)
         try:
             work = job_pipe.recv()
         except (EOFError, OSError):  # the parent closed (or lost) this rank without giving it work

@@ -71,7 +71,6 @@ def serve(model, options: ServeOptions, engine_options: dict, *, on_ready=None) 
     """
     from treeattn.engine import EngineConfig
     from treeattn.engine.device import resolve_device
-    from treeattn.models.gguf import shared_readers  # noqa: F401 -- before the ranks fork: they inherit the gguf package
     from treeattn.parallel.spawn import StartedRanks, under_torchrun
 
     start = time.perf_counter()
@@ -79,7 +78,8 @@ def serve(model, options: ServeOptions, engine_options: dict, *, on_ready=None) 
     kind = resolve_device(engine_config.device)  # --device cuda without a GPU: one line, before the checkpoint is read
     if engine_config.nproc == 1 or under_torchrun():
         return _serve(model, options, engine_options, engine_config, on_ready, start, ranks=None)
-    with StartedRanks(engine_config.nproc, device=kind) as ranks:  # first: their start overlaps the checks and imports
+    # first: their start overlaps the checks and imports; while they wait they import the GGUF loader (this process too, meanwhile)
+    with StartedRanks(engine_config.nproc, device=kind, preload=("treeattn.models.gguf", "treeattn.models.gguf_cache")) as ranks:
         logger.debug("started %d rank process(es) (%s)", ranks.nprocs, ranks.method)
         return _serve(model, options, engine_options, engine_config, on_ready, start, ranks)
 
