@@ -235,15 +235,24 @@ def test_spawn_names_the_failed_rank_and_keeps_the_results():
 
 
 def tensor_worker(rank: int, world: int) -> dict:
-    return {"rank": rank, "tensor": torch.full((300, 300), float(rank))}
+    return {"rank": rank, "tensor": torch.full((300, 300), float(rank)), "threads": torch.get_num_threads()}
 
 
-def test_spawn_returns_tensors():
+def test_spawn_returns_tensors(monkeypatch):
     """Results travel by value: a tensor sent as a shared-memory handle could not be opened once
-    the rank process had exited."""
+    the rank process had exited. Each rank runs cores // nprocs torch threads (the ranks share the
+    host's cores)."""
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     results = ta.spawn(tensor_worker, 2)
     for rank, result in enumerate(results):
         assert result["rank"] == rank and torch.equal(result["tensor"], torch.full((300, 300), float(rank)))
+        assert result["threads"] == max(1, (os.cpu_count() or 1) // 2)
+
+
+def test_spawn_threads_follow_omp_num_threads(monkeypatch):
+    """OMP_NUM_THREADS, when set, decides the ranks' torch threads (as torch reads it), not spawn."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert [r["threads"] for r in ta.spawn(tensor_worker, 2)] == [3, 3]
 
 
 def test_spawn_rejects_bad_arguments():

@@ -138,7 +138,10 @@ def spawn(
 
     Ranks are processes started with multiprocessing's "spawn" method: each imports the main
     module again, so a script calls spawn under `if __name__ == "__main__":` (unguarded, every
-    rank would call spawn itself), and `fn` is a function defined at a module's top level.
+    rank would call spawn itself), and `fn` is a function defined at a module's top level. Each
+    rank runs cores // nprocs torch threads (at least 1), as torchrun's ranks and the engine's do, so
+    that the ranks do not oversubscribe the host's cores; OMP_NUM_THREADS in the environment, or
+    torch.set_num_threads inside fn, overrides it.
 
     Returns:
         The list of fn's return values, index = rank. Under torchrun only this rank's entry is
@@ -556,6 +559,14 @@ def _gloo_on_loopback() -> None:
         os.environ["GLOO_SOCKET_IFNAME"] = loopback
 
 
+def rank_threads(world_size: int) -> int:
+    """torch threads of each of `world_size` local ranks: OMP_NUM_THREADS when it is a positive
+    integer (set explicitly, so that a forked rank, whose torch was initialized by its parent, follows
+    it too), else cores // world_size, at least 1: the ranks share this host's cores."""
+    given = os.environ.get("OMP_NUM_THREADS", "")
+    return int(given) if given.isdigit() and int(given) > 0 else max(1, (os.cpu_count() or 1) // world_size)
+
+
 def _rank_main(rank, parent_pid, heartbeats, result_pipe, job_pipe, work, preload=()) -> None:
     """Body of one child process: tie its life to the parent's, wait for its work if it has none yet
     (`job_pipe`, importing the `preload` modules meanwhile; closed without work: exit), join the
@@ -575,6 +586,7 @@ def _rank_main(rank, parent_pid, heartbeats, result_pipe, job_pipe, work, preloa
             exit_without_teardown(0)
         job_pipe.close()
     world_size, port, backend, timeout, fn, args = work
+    torch.set_num_threads(rank_threads(world_size))
     try:
         if "nccl" in backend and torch.cuda.is_available():
             torch.cuda.set_device(rank % torch.cuda.device_count())
