@@ -129,29 +129,23 @@ def test_two_ranks_ring_decode_interleaved(checkpoint, ids_file, expected):
 def test_default_method_is_one_round_per_layer(checkpoint, ids_file, expected):
     """The default combine (onepass) issues one round per layer per decode step; the two-collective
     allreduce 2 x layers (the engine's plan broadcast carries the tokens and is not counted); the
-    greedy tokens are the same."""
+    greedy tokens are the same. The allreduce run also takes --no-shared-memory: its collectives go
+    through gloo, with the same tokens and rounds (tests/test_shared_memory.py compares generate's
+    tokens and rounds with and without shared memory on the default method; a run of its own here
+    cost a 2-rank start)."""
     layers = load_model(checkpoint).config.num_layers
     reports = {}
-    for method in (None, "allreduce"):
+    for extra in ([], ["--method", "allreduce", "--no-shared-memory"]):
         args = ["generate", str(checkpoint), "--prompt-ids", str(ids_file), "--max-new-tokens", "6", "--nproc", "2", "--json"]
-        result = runner.invoke(app, args + (["--method", method] if method else []))
+        result = runner.invoke(app, args + extra)
         assert result.exit_code == 0, result.output
-        reports[method] = json.loads(result.stdout)
-    default, two_round = reports[None], reports["allreduce"]
+        reports[bool(extra)] = json.loads(result.stdout)
+    default, two_round = reports[False], reports[True]
     steps = default["timings"]["decode_steps"]
-    assert default["run"]["method"] == "onepass" and default["generated_ids"] == two_round["generated_ids"] == expected
+    assert default["run"]["method"] == "onepass" and two_round["run"]["method"] == "allreduce"
+    assert default["generated_ids"] == two_round["generated_ids"] == expected
     assert default["comm"]["decode_rounds_rank0"] == steps * layers
-    assert two_round["comm"]["decode_rounds_rank0"] == steps * 2 * layers
-
-
-def test_no_shared_memory_combines_through_gloo_with_the_same_tokens_and_rounds(checkpoint, ids_file, expected):
-    args = ["generate", str(checkpoint), "--prompt-ids", str(ids_file), "--max-new-tokens", "6", "--nproc", "2", "--json"]
-    result = runner.invoke(app, args + ["--no-shared-memory"])
-    assert result.exit_code == 0, result.output
-    report = json.loads(result.stdout)
-    layers = load_model(checkpoint).config.num_layers
-    assert report["generated_ids"] == expected
-    assert report["comm"]["decode_rounds_rank0"] == report["timings"]["decode_steps"] * layers
+    assert two_round["comm"]["decode_rounds_rank0"] == two_round["timings"]["decode_steps"] * 2 * layers
 
 
 def test_text_prompt_prints_text_and_a_summary(checkpoint, expected):
