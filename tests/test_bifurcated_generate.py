@@ -86,6 +86,8 @@ def run_on_ranks(rank, world_size):
         result = ta.generate(model, PROMPT, num_samples=N, **STOPS, placement=placement, method=method,
                              block_size=8, **SAMPLING)
         out[placement] = (result.generated_ids, result.token_logprobs, result.cached_prompt_tokens)
+    batch = ta.generate(model, [PROMPT] * N, **STOPS, block_size=8, **SAMPLING)
+    out["batch"] = (batch.generated_ids, batch.token_logprobs, batch.cached_prompt_tokens)
     return out
 
 
@@ -93,8 +95,7 @@ def test_samples_on_two_ranks_equal_the_plain_batch():
     reference = ta.generate(make_model(), [PROMPT] * N, **STOPS, **SAMPLING)
     results = ta.spawn(run_on_ranks, 2, timeout=60)
     for rank in range(2):
-        for key in ("contiguous", "interleaved"):  # each against one process's plain batch (seeded sampling on
-            # ranks equal to one process is also tests/test_generate.py's)
+        for key in ("contiguous", "interleaved", "batch"):
             ids, logprobs, cached = results[rank][key]
             assert ids == reference.generated_ids, (rank, key)
             for a, b in zip(logprobs, reference.token_logprobs):
