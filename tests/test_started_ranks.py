@@ -169,3 +169,20 @@ def _processes_with(entry: str) -> list[int]:
         except OSError:
             pass
     return found
+
+
+def test_ranks_are_forked_only_when_each_runs_one_thread(monkeypatch):
+    """A forked child inherits the parent's OpenMP pool without its threads: its first parallel region
+    of 2+ threads never ends when the parent ran one (GNU libgomp), so ranks of more than one torch
+    thread are spawned, never forked; CUDA ranks are always spawned."""
+    import threading
+
+    from treeattn.parallel.spawn import _start_method
+
+    monkeypatch.setattr(threading, "active_count", lambda: 1)
+    linux = sys.platform.startswith("linux")
+    assert _start_method("cpu", 1) == ("fork" if linux else "spawn")
+    assert _start_method("cpu", 2) == "spawn"
+    assert _start_method("cuda", 1) == "spawn"
+    monkeypatch.setattr(threading, "active_count", lambda: 2)  # another Python thread could hold a lock
+    assert _start_method("cpu", 1) == "spawn"

@@ -256,9 +256,14 @@ class StartedRanks:
         device: the kind of device the ranks will use, "cpu" or "cuda" (a forked process cannot use
             CUDA once its parent has touched it, and torch.cuda.is_available() does).
         method: multiprocessing start method; None: "fork" for CPU ranks on Linux when this process
-            runs one Python thread (a fork of a process that has imported torch and treeattn starts
-            in milliseconds and shares those pages; a "spawn"ed rank starts an interpreter and
-            imports torch again, seconds of CPU), else "spawn".
+            runs one Python thread and each rank will run one torch thread (a fork of a process that
+            has imported torch and treeattn starts in milliseconds and shares those pages; a "spawn"ed
+            rank starts an interpreter and imports torch again, seconds of CPU), else "spawn". A
+            forked rank must not run more threads: if this process ever ran an OpenMP parallel region,
+            the child inherits its thread pool without the threads, and its first parallel region
+            with 2 or more threads never ends (GNU libgomp; seen here).
+        threads: the torch threads each rank will run (the engine's threads_per_rank); None:
+            rank_threads(nprocs), what spawn gives its ranks.
         work: (rank -> the rank's work) to hand over at the start (ta.spawn's own ranks); None: the
             ranks wait for spawn to adopt them.
         preload: modules each waiting rank imports while it waits (what its work will import first,
@@ -272,7 +277,7 @@ class StartedRanks:
     """
 
     def __init__(self, nprocs: int, *, device: str = "cpu", method: str | None = None,
-                 work: Callable[[int], tuple] | None = None, preload: tuple[str, ...] = ()) -> None:
+                 work: Callable[[int], tuple] | None = None, preload: tuple[str, ...] = (), threads: int | None = None) -> None:
         if isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1:
             raise ValueError(f"nprocs must be a positive int, got {nprocs!r}")
         if device not in ("cpu", "cuda"):
@@ -280,7 +285,7 @@ class StartedRanks:
         if method is not None and method not in multiprocessing.get_all_start_methods():
             raise ValueError(f"method must be one of {multiprocessing.get_all_start_methods()}, got {method!r}")
         self.nprocs = nprocs
-        self.method = method or _start_method(device)
+        self.method = method or _start_method(device, threads or rank_threads(nprocs))
         self.adopted = work is not None
         self.given = threading.Event()  # set once every rank has been handed its work
         self.closed = False
@@ -351,10 +356,11 @@ class StartedRanks:
         self.close()
 
 
-def _start_method(device: str) -> str:
-    """"fork" where a fork is safe and cheap (CPU ranks, Linux, one Python thread: no other thread
-    can hold a lock the child would inherit), else "spawn"."""
-    if device == "cpu" and sys.platform.startswith("linux") and threading.active_count() == 1:
+def _start_method(device: str, threads: int) -> str:
+    """"fork" where a fork is safe and cheap (CPU ranks of one torch thread each, Linux, one Python
+    thread: no other thread can hold a lock the child would inherit, and the child never starts an
+    OpenMP team from the parent's inherited pool), else "spawn"."""
+    if device == "cpu" and threads == 1 and sys.platform.startswith("linux") and threading.active_count() == 1:
         return "fork"
     return "spawn"
 

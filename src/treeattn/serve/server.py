@@ -79,7 +79,8 @@ def serve(model, options: ServeOptions, engine_options: dict, *, on_ready=None) 
     if engine_config.nproc == 1 or under_torchrun():
         return _serve(model, options, engine_options, engine_config, on_ready, start, ranks=None)
     # first: their start overlaps the checks and imports; while they wait they import the GGUF loader (this process too, meanwhile)
-    with StartedRanks(engine_config.nproc, device=kind, preload=("treeattn.models.gguf", "treeattn.models.gguf_cache")) as ranks:
+    with StartedRanks(engine_config.nproc, device=kind, preload=("treeattn.models.gguf", "treeattn.models.gguf_cache"),
+                      threads=engine_config.threads_per_rank) as ranks:
         logger.debug("started %d rank process(es) (%s)", ranks.nprocs, ranks.method)
         return _serve(model, options, engine_options, engine_config, on_ready, start, ranks)
 
