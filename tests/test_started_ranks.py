@@ -186,3 +186,18 @@ def test_ranks_are_forked_only_when_each_runs_one_thread(monkeypatch):
     assert _start_method("cuda", 1) == "spawn"
     monkeypatch.setattr(threading, "active_count", lambda: 2)  # another Python thread could hold a lock
     assert _start_method("cpu", 1) == "spawn"
+
+
+def test_an_engine_refuses_forked_ranks_that_would_run_several_threads():
+    """ta.Engine(ranks=...) with forked ranks and threads_per_rank > 1: one line naming ranks, before any work."""
+    import pytest
+
+    import treeattn as ta
+    from treeattn.models.llama import LlamaConfig, random_model
+    from treeattn.parallel.spawn import StartedRanks
+
+    model = random_model(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2,
+                                     num_kv_heads=1, head_dim=16, max_position_embeddings=128))
+    with StartedRanks(2, method="fork", threads=1) as ranks:
+        with pytest.raises(ValueError, match=r"ranks: forked rank processes run one torch thread each, but threads_per_rank would be 2"):
+            ta.Engine(model, nproc=2, threads_per_rank=2, ranks=ranks)

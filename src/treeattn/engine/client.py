@@ -60,7 +60,7 @@ from treeattn.engine.output import RequestHandle, RequestState
 from treeattn.engine.errors import EngineError
 from treeattn.engine.request import RequestResult, SamplingParams, TokenEvent
 from treeattn.engine.transport import GroupChannel, SpawnedRanks
-from treeattn.parallel.spawn import StartedRanks, under_torchrun
+from treeattn.parallel.spawn import StartedRanks, rank_threads, under_torchrun
 
 
 class Engine:
@@ -114,6 +114,10 @@ class Engine:
                              f"{' in a process group' if joined else ''}")
         if ranks is not None:
             ranks.check_adoptable(config.nproc)
+            threads = config.threads_per_rank or rank_threads(config.nproc)  # what rank_main will set
+            if ranks.method == "fork" and threads > 1:  # StartedRanks' doc: the forked OpenMP pool hangs
+                raise ValueError(f"ranks: forked rank processes run one torch thread each, but threads_per_rank would be "
+                                 f"{threads}; start them with StartedRanks({config.nproc}, threads={threads})")
         self.config = config
         from treeattn.models.gguf import shared_readers
 

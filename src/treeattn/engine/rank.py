@@ -27,6 +27,7 @@ from treeattn.engine.config import EngineConfig, resolve_kv_cache_dtype
 from treeattn.engine.device import rank_device
 from treeattn.engine.plan_message import KEEPALIVE, Measure, PlanWire, plan_device
 from treeattn.engine.runner import RankRunner, StepOutcome
+from treeattn.parallel.spawn import rank_threads
 
 logger = logging.getLogger(__name__)
 
@@ -123,7 +124,7 @@ def serve_steps(runner: RankRunner, receive, reply) -> None:
 
 def rank_main(rank: int, world_size: int, address, authkey: bytes, model, config: EngineConfig) -> None:
     """Body of a spawned rank: build the model and cache, then serve steps until the driver ends."""
-    torch.set_num_threads(config.threads_per_rank or max(1, (os.cpu_count() or 1) // world_size))
+    torch.set_num_threads(config.threads_per_rank or rank_threads(world_size))
     device = rank_device(config.device, rank)  # config.device is "cpu" or "cuda" here (Engine resolved "auto")
     if device.type == "cuda":
         torch.cuda.set_device(device)
