@@ -38,6 +38,7 @@ import torch
 from treeattn.cache.placement import Placement, make_placement
 from treeattn.cache.positions import INVISIBLE_POSITION, PAD_POSITION
 from treeattn.cache.window import paged_layers
+from treeattn.ops.fp8 import FP8
 
 logger = logging.getLogger(__name__)
 
@@ -78,7 +79,7 @@ def kv_bytes_per_token(model_config, dtype: torch.dtype) -> int:
     token and KV head (treeattn.cache.paged): head_dim + 4 bytes per head."""
     planes = 1 if model_config.cache_value_dim else 2
     itemsize = torch.empty((), dtype=dtype).element_size()
-    scale_bytes = 4 if dtype == torch.float8_e4m3fn else 0
+    scale_bytes = 4 if dtype == FP8 else 0
     layers = len(paged_layers(tuple(model_config.layer_windows)))
     return layers * planes * model_config.num_kv_heads * (model_config.head_dim * itemsize + scale_bytes)
 

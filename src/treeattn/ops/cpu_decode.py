@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import torch
 
+from treeattn.ops.fp8 import FP8
 from treeattn.ops.kernels import optional_kernel
 
 # Block ranges per query row when rows alone would leave threads idle: enough ranges that every
@@ -32,7 +33,7 @@ MIN_BLOCKS_PER_SPLIT = 1
 # ops.attention calls with at most this many queries per sequence go to the kernel (decode steps
 # and their drafts); longer ones (prefill) stay on the matmul path, which batches queries.
 MAX_QUERIES = 16
-_BITS = {torch.float32: torch.float32, torch.bfloat16: torch.uint16, torch.float16: torch.int16, torch.float8_e4m3fn: torch.uint8}
+_BITS = {torch.float32: torch.float32, torch.bfloat16: torch.uint16, torch.float16: torch.int16, FP8: torch.uint8}
 
 
 def kernel_module():
@@ -100,7 +101,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale
     """
     B, Sq, Hq, D = q.shape
     Sk = k.shape[1]
-    if (q.device.type != "cpu" or q.dtype not in _BITS or q.dtype == torch.float8_e4m3fn or k.dtype != q.dtype or v.dtype != q.dtype or not 1 <= Sq <= MAX_QUERIES
+    if (q.device.type != "cpu" or q.dtype not in _BITS or q.dtype == FP8 or k.dtype != q.dtype or v.dtype != q.dtype or not 1 <= Sq <= MAX_QUERIES
             or B == 0 or Sk == 0 or kernel_module() is None):
         return None
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):

@@ -50,7 +50,8 @@ from treeattn.ops.validation import check_scale, check_window
 
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16, FP8)
 """Cache dtypes the in-place kernels read (the CPU kernel widens the 16-bit and fp8 ones to float32)."""
-QUERY_DTYPES = KERNEL_DTYPES[:3]
+QUERY_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+"""Query dtypes the in-place kernels take (fp8 blocks are read with queries of any of these)."""
 
 
 def kernel_takes(dtype: torch.dtype, device: torch.device | str, q_dtype: torch.dtype | None = None) -> bool:
@@ -63,7 +64,7 @@ def kernel_takes(dtype: torch.dtype, device: torch.device | str, q_dtype: torch.
     device = torch.device(device)
     q_dtype = (torch.float32 if dtype == FP8 else dtype) if q_dtype is None else q_dtype
     if device.type == "cuda":
-        return dtype in KERNEL_DTYPES and q_dtype in (dtype, *QUERY_DTYPES[: 3 if dtype == FP8 else 0]) and _triton_module() is not None
+        return dtype in KERNEL_DTYPES and (q_dtype == dtype or (dtype == FP8 and q_dtype in QUERY_DTYPES)) and _triton_module() is not None
     return dtype in KERNEL_DTYPES and q_dtype in QUERY_DTYPES and device.type == "cpu" and kernel_module() is not None
 
 

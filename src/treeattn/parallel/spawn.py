@@ -422,7 +422,7 @@ class _RankGroup:
             if deadline is not None and running and now > deadline:
                 for rank in sorted(running):
                     self.failures[rank] = f"terminated: still running {self.grace:.0f} s after rank {next(iter(self.failures))} failed"
-                self._kill(sorted(running))
+                self.ranks.kill(sorted(running))
                 running.clear()
 
     def _silent(self, running: set[int], liveness: _Liveness, now: float, first_failure: bool) -> dict[int, float]:
@@ -471,11 +471,8 @@ class _RankGroup:
             state = _process_state(pid)
             how = f"; process state: {_STATES.get(state, state)}" if state else ""
             blamed[rank] = f"stopped answering (pid {pid}): no heartbeat for {quiet_s:.1f} s{how}; terminated"
-        self._kill(list(silent))
+        self.ranks.kill(list(silent))
         self.failures = blamed | self.failures
-
-    def _kill(self, ranks: list[int]) -> None:
-        self.ranks.kill(ranks)
 
 
 class _Liveness:
