@@ -245,6 +245,26 @@ def test_cancel_frees_the_blocks(engine):
     assert engine.stats()["blocks_used"] == 0
 
 
+def test_set_decode_only_between_requests(engine, references):
+    """Engine.set_decode: a method EngineConfig refuses and a pending request are refused; between
+    requests it switches (one process: local attention whatever is asked) and the caches stay."""
+    with pytest.raises(ValueError, match="method must be one of"):
+        engine.set_decode("tree", "bogus")
+    handle = engine.submit(REQUESTS[0][0], SamplingParams(max_new_tokens=150))
+    next(iter(handle))  # running, with 149 tokens to go
+    with pytest.raises(ValueError, match=r"1 request\(s\) still pending"):
+        engine.set_decode("ring")
+    handle.cancel()
+    handle.result(timeout=30)
+    engine.set_decode("ring", "allreduce")
+    assert (engine.config.decode, engine.config.method) == ("local", "allreduce")
+    prompt, n = REQUESTS[3]
+    assert engine.generate([prompt], max_new_tokens=n)[0].token_ids == references[3]
+    with ta.Engine(_model(), nproc=1, cache_tokens=64, block_size=BLOCK, decode_step="static") as static:
+        with pytest.raises(ValueError, match="decode_step='static' keeps the decode it was built with"):
+            static.set_decode("tree")
+
+
 def test_stop_token_ids_end_a_request(engine, references):
     prompt, n = REQUESTS[2]
     stop = references[2][1]

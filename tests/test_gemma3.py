@@ -322,3 +322,29 @@ def test_demo_long_on_a_base_model_prints_kv_memory_against_a_full_cache(files):
     assert re.search(rf"KV cache per rank \(measured, 2 ranks\): .* per token 2\.00 KiB \(global layers\) \+ {windows:.2f} KiB of windows",
                      result.stdout), result.stdout
     assert re.search(r"a full cache of all 6 layers for \d+ positions: .* \(12\.00 KiB per token\)", result.stdout), result.stdout
+    # the 84-token prompt fills no block of 256: ring finds no cached prefix and says so (test_methods_share_one_prefill)
+    assert "ring (pass-KV) found none of tree (onepass)'s prefill in the prefix cache" in result.stdout, result.stdout
+
+
+def _shared_prefill(rank: int, world_size: int, path: str) -> list | None:
+    """decode_methods' engine on the ranks: one prefill per prompt, then set_decode per method."""
+    from treeattn.eval.runner import shared_prefill_rows
+
+    torch.set_num_threads(1)
+    return shared_prefill_rows(load_model(path), [PROMPTS[2], PROMPT], METHODS, NEW, block_size=16)
+
+
+METHODS = (("tree", "onepass"), ("ring", "allreduce"), ("tree", "allreduce"))
+
+
+def test_methods_share_one_prefill(files):
+    """treeattn.eval.runner.shared_prefill_rows on 2 ranks: each method after the first switches the
+    engine's decode (Engine.set_decode) and takes the prompt's prefill from the prefix cache, up to
+    the window checkpoint at its last full block; every method's tokens are transformers' greedy ones."""
+    rows = spawn(_shared_prefill, 2, str(files["root"] / "text"), timeout=300)[0]
+    for prompt, row in zip((PROMPTS[2], PROMPT), rows):
+        reference = _greedy_uncached(files["text"], prompt, NEW)
+        assert [r.generated_ids[0] for _, _, r in row] == [reference] * len(METHODS)
+        assert [(r.decode, r.method) for _, _, r in row] == list(METHODS)
+        cached = [r.cached_prompt_tokens[0] for _, _, r in row]
+        assert cached == [0] + [len(prompt) // 16 * 16] * 2, cached  # a checkpoint at the last full block, <= 16 behind

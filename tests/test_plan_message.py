@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 import treeattn as ta
 from treeattn.cache.blocks import BlockRef
-from treeattn.engine.plan_message import CAPACITY, KEEPALIVE, Measure, PlanWire, decode, encode, plan_device
+from treeattn.engine.plan_message import CAPACITY, KEEPALIVE, Measure, PlanWire, SetDecode, decode, encode, plan_device
 from treeattn.engine.scheduler import Chunk, SampleSpec, StepPlan
 
 
@@ -19,7 +19,7 @@ def sample_plans() -> list:
     odd = SampleSpec(0.7123456789012345, 50, 0.9000000000000001, 2**64 - 1, 5)
     long_prefill = Chunk(9, tuple(range(3000)), 0, tuple(BlockRef(r % 2, r) for r in range(12)), greedy)
     return [
-        None, KEEPALIVE, Measure(True), Measure(False),
+        None, KEEPALIVE, Measure(True), Measure(False), SetDecode("ring", "allreduce"), SetDecode("tree", "twolevel"),
         StepPlan((), (3, 4)),
         StepPlan((Chunk(0, (17,), 4095, tuple(BlockRef(r % 2, r // 2) for r in range(16)), greedy),)),
         StepPlan((Chunk(1, (5, 6, 7), 40, (BlockRef(1, 2),), odd, num_draft=2, draft_prefix=(4,)),
@@ -50,6 +50,8 @@ def test_values_past_int32_are_refused_before_sending(monkeypatch):
 def test_anything_else_is_refused():
     with pytest.raises(TypeError, match="plan must be"):
         encode({"chunks": []})
+    with pytest.raises(ValueError, match="SetDecode: decode must be one of .* got 'pipe' and 'onepass'"):
+        encode(SetDecode("pipe", "onepass"))
 
 
 def _follow(rank, world_size, plans):

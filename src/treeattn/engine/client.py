@@ -247,6 +247,34 @@ class Engine:
             raise EngineError(self._driver.failure or "the engine closed before the ranks were measured")
         return box[0]
 
+    def set_decode(self, decode: str, method: str | None = None) -> None:
+        """Decode the requests that come next with `decode` ("tree" or "ring") and tree_decode's
+        `method` (None: the default, EngineConfig.method's), keeping the caches: a prompt asked
+        again is found in the prefix cache, so several decode methods can answer one prefill
+        (treeattn.eval.runner.decode_methods). One rank (nproc=1) decodes locally whatever is
+        asked. Only between requests: waits for the driver, then engine.config names the new decode.
+
+        Raises:
+            ValueError: a decode or method EngineConfig refuses, a request still pending, or an
+                engine with a draft model or static decode steps (they keep the decode they were built with).
+            EngineError: the engine has failed or is closed (or fails meanwhile).
+        """
+        self._require_driver()
+        if self.config.speculate == "draft" or self.config.decode_step != "dynamic":
+            raise ValueError(f"set_decode({decode!r}): an engine with speculate='draft' or decode_step="
+                             f"{self.config.decode_step!r} keeps the decode it was built with")
+        config = replace(self.config, decode=decode if self.config.nproc > 1 else "local", method=method)  # its checks
+        self._require_running()
+        box: list = []
+        done = threading.Event()
+        self._driver.post(("decode", (config.decode, config.method, box, done)))
+        self._wait_for_driver(done)
+        if self._driver.failure is not None:
+            raise EngineError(self._driver.failure)
+        if box:
+            raise box[0]
+        self.config = config
+
     def clear_prefix_cache(self) -> None:
         """Evict every cached block no running request uses (waits for the driver to do it).
         Raises EngineError when the engine has failed or is closed (or fails meanwhile)."""

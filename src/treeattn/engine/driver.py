@@ -1,7 +1,7 @@
 """The engine's driver loop: one thread that plans each step, runs it on the ranks and turns its tokens into events.
 
     driver = Driver(config, channel, tokenizer, layer_windows)   # owns the scheduler, block pool and prefix cache
-    driver.post(("submit", RequestState(...)))                   # any thread: submit, cancel, measure, clear, close
+    driver.post(("submit", RequestState(...)))                   # any thread: submit, cancel, measure, decode, clear, close
     driver.join()                                                # after ("close", None)
 
 Every message goes through one queue, so only the driver thread touches the scheduler. Each turn
@@ -29,7 +29,7 @@ from treeattn.cache.prefix import PrefixCache
 from treeattn.cache.window import hybrid_windows
 from treeattn.engine.config import EngineConfig
 from treeattn.engine.output import RequestState
-from treeattn.engine.plan_message import KEEPALIVE, Measure
+from treeattn.engine.plan_message import KEEPALIVE, Measure, SetDecode
 from treeattn.engine.errors import EngineError, StepFailed
 from treeattn.engine.request import TokenEvent, TokenLogprob
 from treeattn.engine.ring_prefill import idle_prefill_chunk
@@ -77,6 +77,7 @@ class Driver:
         self._requests: dict[str, RequestState] = {}  # by request id, until finished
         self._by_seq: dict[int, RequestState] = {}  # the same, by scheduler sequence id
         self._last_contact = time.monotonic()  # of the driver with the ranks (see KEEPALIVE)
+        self._decode = (config.decode, config.method)  # what the ranks decode with (set_decode may change it)
         self._counters = {"prompt_tokens": 0, "generated_tokens": 0, "shared_prefix_keys": 0, "rank_restarts": 0}
         self._restarts_in_a_row = 0
         self._lock = threading.Lock()
@@ -86,7 +87,8 @@ class Driver:
 
     def post(self, message: tuple) -> None:
         """Queue a message for the driver thread: ("submit", RequestState), ("cancel", request_id),
-        ("measure", (reset, box, done)), ("clear", done) or ("close", None). Thread-safe."""
+        ("measure", (reset, box, done)), ("decode", (decode, method, box, done)), ("clear", done) or
+        ("close", None). Thread-safe."""
         self._inbox.put(message)
 
     def stats(self) -> dict:
@@ -170,6 +172,8 @@ class Driver:
                                                           f"({exc.summary}); the engine restarted its ranks")
         self.scheduler.recompute_all()
         self.channel.restart()
+        if self._decode != (self.config.decode, self.config.method):  # the restarted ranks start from the config's
+            self.channel.run(SetDecode(*self._decode))
         self._last_contact = time.monotonic()
         self._update_stats()
 
@@ -193,6 +197,8 @@ class Driver:
                 payload.set()
             elif kind == "measure":
                 payload[2].set()
+            elif kind == "decode":
+                payload[3].set()
         for request in list(self._requests.values()):
             self._finish(request, "error" if self.failure else "cancelled", time.perf_counter(),
                          error=reason if self.failure else None)
@@ -231,6 +237,17 @@ class Driver:
             reset, box, done = payload
             try:
                 box.append(self.channel.run(Measure(reset)))
+            finally:
+                done.set()
+        elif kind == "decode":
+            decode, method, box, done = payload
+            try:
+                if self._requests:
+                    box.append(ValueError(f"set_decode({decode!r}, {method!r}): {len(self._requests)} request(s) still "
+                                          "pending; switch the decode between requests"))
+                else:
+                    self.channel.run(SetDecode(decode, method))
+                    self._decode = (decode, method)
             finally:
                 done.set()
         elif kind == "clear":

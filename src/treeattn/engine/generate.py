@@ -416,16 +416,24 @@ class Generation:
         model, prompts, num_samples, group, on_prefill: as for generate().
         config, sampling: the EngineConfig and SamplingParams (None: the defaults; see split_options
             for keywords).
+        engine: run on this Engine instead of starting one (rank 0's handle, is_driver; the other
+            ranks serve it): only rank 0 makes the Generation, its sequences are the engine's
+            requests, the engine stays open afterwards (a prompt asked again finds its prefix
+            cached), and its config is the run's (config must be None). The measurements are reset
+            when the run starts, so the result's counters are this run's alone.
     """
 
     def __init__(self, model: LlamaModel, prompts, config: EngineConfig | None = None, sampling: SamplingParams | None = None,
                  *, num_samples: int = 1, group: dist.ProcessGroup | None = None,
-                 on_prefill: Callable[[int, int], None] | None = None) -> None:
-        self.model, self.group, self.on_prefill = model, group, on_prefill
-        self.world_size = group_world_size(group)  # raises if a group is given without torch.distributed
-        self.rank = dist.get_rank(group) if self.world_size > 1 else 0
+                 on_prefill: Callable[[int, int], None] | None = None, engine=None) -> None:
+        self.model, self.group, self.on_prefill, self._engine = model, group, on_prefill, engine
         self.result: GenerationResult | None = None
         self.num_samples = num_samples
+        if engine is not None:
+            self._on_engine(engine, prompts, config, sampling)
+            return
+        self.world_size = group_world_size(group)  # raises if a group is given without torch.distributed
+        self.rank = dist.get_rank(group) if self.world_size > 1 else 0
         local_error = prefill = given = None
         try:
             given, sampling = split_options(config, sampling, {})
@@ -448,6 +456,25 @@ class Generation:
         if given.decode != "local" and self.world_size == 1:
             logger.info("no process group: decode=%r runs as plain attention on this one process", given.decode)
         self.num_sequences = config.max_batch_size
+
+    def _on_engine(self, engine, prompts, config, sampling) -> None:
+        """__init__ with a running engine: rank 0 alone, the engine's config, generate()'s checks of
+        the batch against it (before any work)."""
+        if not getattr(engine, "is_driver", False):
+            raise ValueError("engine: expected the Engine handle of the driving rank (rank 0; is_driver), "
+                             f"got {type(engine).__name__}")
+        if config is not None:
+            raise ValueError("config: a Generation on a running engine uses engine.config; got a config too")
+        _, sampling = split_options(None, sampling, {})
+        c = self.config = engine.config
+        self.world_size, self.rank, self.sampling = c.nproc, 0, sampling
+        self.prompts = check_prompts(prompts, self.model.config.vocab_size)
+        check_generation(replace(c, max_context=engine.max_context), sampling, self.num_samples, self.model.config, self.prompts)
+        if self.num_samples * len(self.prompts) > c.max_batch_size:
+            raise ConfigError("num_samples", f"{self.num_samples * len(self.prompts)} sequences, but the engine runs "
+                              f"max_batch_size={c.max_batch_size} at once")
+        self.prefill, self.decode = resolve_prefill(c.prefill, c.nproc, self.model.config.layer_windows), c.decode
+        self.num_sequences = self.num_samples * len(self.prompts)
 
     def _agree(self, config, sampling, local_error, *, prefill) -> None:
         """Every rank checks that all ranks got the same prompts, options (`config` as given, before
@@ -479,7 +506,12 @@ class Generation:
         from treeattn.engine.client import Engine
 
         start = time.perf_counter()
-        engine = Engine(self.model, self.config, group=self.group)
+        own = self._engine is None  # else a running engine, which stays open (rank 0 alone)
+        if own:
+            engine = Engine(self.model, self.config, group=self.group)
+        else:
+            engine = self._engine
+            engine.rank_measurements(reset=True)  # this run's counters alone
         if not engine.is_driver:  # this rank served the steps until rank 0 closed the engine
             outcome = self._broadcast_outcome(None)
         else:
@@ -492,11 +524,13 @@ class Generation:
             except NonFiniteLogitsError as exc:
                 outcome = ("non-finite", str(exc), steps)
             except BaseException as exc:
-                engine.close()
-                self._broadcast_outcome(("error", f"{type(exc).__name__}: {exc}", steps))
+                if own:
+                    engine.close()
+                    self._broadcast_outcome(("error", f"{type(exc).__name__}: {exc}", steps))
                 raise
-            engine.close()
-            self._broadcast_outcome(outcome)
+            if own:
+                engine.close()
+                self._broadcast_outcome(outcome)
         kind, payload, steps = outcome
         if kind == "non-finite":
             raise NonFiniteLogitsError(payload)

@@ -4,12 +4,13 @@
     plan = wire.broadcast(plan, rank, group)      # rank 0's plan on every rank: one broadcast of one int32 buffer
 
 A plan is a StepPlan (its chunks: tokens, first position, block table, sampling spec, drafts; the
-sequences released), KEEPALIVE, a Measure, or None (the end). `encode` writes it as one flat list of
+sequences released), KEEPALIVE, a Measure, a SetDecode, or None (the end). `encode` writes it as one flat list of
 int32 words, `decode` reads it back: decode(encode(plan)) == plan, exactly (floats travel as the two
 words of their float64 bits, a 64-bit seed as two words).
 
     header   kind, length (words, header included), chunks, released, measure_reset,
-             window saves, window restores, window drops
+             window saves, window restores, window drops (a SetDecode: kind, length, then the
+             indices of its decode in DECODE_KINDS and of its method in METHODS)
     chunk    seq_id, start, n_tokens, n_blocks, num_draft, n_draft_prefix, has_sample,
              temperature (2 words), top_k, top_p (2 words), seed (2 words), logprobs (-1: None)
     then     per chunk: tokens, draft_prefix, its blocks as (rank, index) pairs; then released ids,
@@ -35,6 +36,8 @@ import torch.distributed as dist
 
 from treeattn.cache.blocks import BlockRef
 from treeattn.engine.scheduler import Chunk, SampleSpec, StepPlan
+from treeattn.models.attention import DECODE_KINDS
+from treeattn.parallel.tree_decode import METHODS
 
 # A plan that runs nothing: the idle driver sends one every timeout_s / 4 so that ranks waiting for
 # the next plan in a collective never reach the group's timeout.
@@ -48,9 +51,18 @@ class Measure:
     reset: bool
 
 
+@dataclass(frozen=True)
+class SetDecode:
+    """A plan that makes every rank decode from now on with `decode` ("tree" or "ring") and
+    tree_decode's `method` (RankRunner.set_decode); its caches stay as they are."""
+
+    decode: str
+    method: str
+
+
 CAPACITY = 1024  # int32 words of the buffer at first
 
-END, KEEP, MEASURE, STEP = range(4)  # header[0]
+END, KEEP, MEASURE, STEP, DECODE = range(5)  # header[0]
 HEADER = 8
 CHUNK_FIELDS = 15
 
@@ -79,16 +91,21 @@ def _words_seed(lo: int, hi: int) -> int:
 
 
 def encode(plan) -> list[int]:
-    """The words of `plan` (a StepPlan, KEEPALIVE, a Measure or None); see the module docstring.
-    Floats and seeds are exact; the caller checks that every word fits in int32."""
+    """The words of `plan` (a StepPlan, KEEPALIVE, a Measure, a SetDecode or None); see the module
+    docstring. Floats and seeds are exact; the caller checks that every word fits in int32."""
     if plan is None:
         return [END, HEADER, 0, 0, 0, 0, 0, 0]
     if isinstance(plan, str) and plan == KEEPALIVE:
         return [KEEP, HEADER, 0, 0, 0, 0, 0, 0]
     if isinstance(plan, Measure):
         return [MEASURE, HEADER, 0, 0, int(plan.reset), 0, 0, 0]
+    if isinstance(plan, SetDecode):
+        if plan.decode not in DECODE_KINDS or plan.method not in METHODS:
+            raise ValueError(f"SetDecode: decode must be one of {DECODE_KINDS} and method one of {METHODS}, "
+                             f"got {plan.decode!r} and {plan.method!r}")
+        return [DECODE, HEADER, DECODE_KINDS.index(plan.decode), METHODS.index(plan.method), 0, 0, 0, 0]
     if not isinstance(plan, StepPlan):
-        raise TypeError(f"plan must be a StepPlan, KEEPALIVE, a Measure or None, got {type(plan).__name__}")
+        raise TypeError(f"plan must be a StepPlan, KEEPALIVE, a Measure, a SetDecode or None, got {type(plan).__name__}")
     words = [STEP, 0, len(plan.chunks), len(plan.release), 0, len(plan.window_saves), len(plan.window_restores),
              len(plan.window_drops)]
     for c in plan.chunks:
@@ -121,6 +138,8 @@ def decode(words: list[int]):
         return KEEPALIVE
     if kind == MEASURE:
         return Measure(bool(words[4]))
+    if kind == DECODE:
+        return SetDecode(DECODE_KINDS[words[2]], METHODS[words[3]])
     n_chunks, n_release, n_saves, n_restores, n_drops = words[2], words[3], words[5], words[6], words[7]
     fields = [words[HEADER + i * CHUNK_FIELDS : HEADER + (i + 1) * CHUNK_FIELDS] for i in range(n_chunks)]
     at = HEADER + n_chunks * CHUNK_FIELDS

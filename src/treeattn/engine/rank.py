@@ -6,8 +6,8 @@
 Every plan goes from rank 0 to the group as one int32 tensor (plan_message.PlanWire: one broadcast
 per step, on the device the group's backend needs, no pickling); each rank runs it
 (run_plan): a StepPlan is a batched forward pass (RankRunner.step), KEEPALIVE is nothing (it keeps
-ranks waiting in the broadcast short of the group's timeout) and Measure gathers every rank's
-RankMeasurements. rank_main is the body of a rank process that ta.spawn started
+ranks waiting in the broadcast short of the group's timeout), Measure gathers every rank's
+RankMeasurements and SetDecode switches every rank's decode attention (RankRunner.set_decode). rank_main is the body of a rank process that ta.spawn started
 (transport.SpawnedRanks); inside an existing group the ranks call serve_steps themselves
 (transport.GroupChannel).
 """
@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from treeattn.engine.config import EngineConfig, resolve_kv_cache_dtype
 from treeattn.engine.device import rank_device
-from treeattn.engine.plan_message import KEEPALIVE, Measure, PlanWire, plan_device
+from treeattn.engine.plan_message import KEEPALIVE, Measure, PlanWire, SetDecode, plan_device
 from treeattn.engine.runner import RankRunner, StepOutcome
 from treeattn.parallel.spawn import rank_threads
 
@@ -89,9 +89,12 @@ def make_runner(model, config: EngineConfig, group=None) -> RankRunner:
 
 
 def run_plan(runner: RankRunner, plan):
-    """What every rank does with a plan: a step (its StepOutcome), a keepalive (nothing), or a
-    measurement (every rank's RankMeasurements, gathered on every rank)."""
+    """What every rank does with a plan: a step (its StepOutcome), a keepalive (nothing), a decode
+    switch (nothing to return), or a measurement (every rank's RankMeasurements, gathered on every rank)."""
     if plan == KEEPALIVE:
+        return StepOutcome()
+    if isinstance(plan, SetDecode):
+        runner.set_decode(plan.decode, plan.method)
         return StepOutcome()
     if isinstance(plan, Measure):
         mine = runner.measurements(plan.reset)

@@ -139,12 +139,8 @@ class RankRunner:
         if shared_memory:  # the group the attention combines over
             group = shared_memory_group(group, device=model.device, timeout_s=timeout_s)
         self.comm_group = group  # of the collectives of a token-parallel step
-        self.attend = attention_backend(decode, method=method, group=group, topology=topology)
-        self.combine = None  # how a run-by-run read combines across ranks (None: always gather)
-        if (decode != "ring" or p == 1) and all(c.layer_windows[layer] is None for layer in layers):
-            from treeattn.parallel import Topology
-
-            self.combine = (group, method, (topology or Topology()).resolve(p) if method == "twolevel" else 1)
+        self._topology, self._windowless = topology, all(c.layer_windows[layer] is None for layer in layers)
+        self._use_decode(decode, method)
         self.drafter = None
         if draft_model is not None:
             from treeattn.engine.draft import DraftRunner
@@ -160,6 +156,27 @@ class RankRunner:
                                                 method=method, group=group, topology=topology, graph=decode_step == "graph")
         self._generators: dict[int, torch.Generator] = {}
         self.meter = RankMeter(self.rank)
+
+    def set_decode(self, decode: str, method: str) -> None:
+        """Decode from the next step on with `decode` ("tree" or "ring"; every kind is local
+        attention on one rank) and tree_decode's `method`. The caches stay: requests that follow
+        find their prefixes as before (the engine's set_decode). Refused (ValueError) with a draft
+        model or static decode steps, which were built for the engine's decode."""
+        if self.drafter is not None or self.static_step is not None:
+            raise ValueError(f"set_decode({decode!r}, {method!r}): an engine with a draft model or decode_step "
+                             "'static'/'graph' keeps the decode it was built with")
+        self._use_decode(decode if self.world_size > 1 else "local", method)
+
+    def _use_decode(self, decode: str, method: str) -> None:
+        """self.attend (the decode attention) and self.combine (how a run-by-run read combines across
+        ranks; None: always gather) for `decode` and `method`."""
+        group, p = self.comm_group, self.world_size
+        self.attend = attention_backend(decode, method=method, group=group, topology=self._topology)
+        self.combine = None
+        if (decode != "ring" or p == 1) and self._windowless:
+            from treeattn.parallel import Topology
+
+            self.combine = (group, method, (self._topology or Topology()).resolve(p) if method == "twolevel" else 1)
 
     def step(self, plan: StepPlan) -> StepOutcome:
         """Run one step (see _step), counting what it communicated in self.meter."""

@@ -55,7 +55,8 @@ def needle_command(
                                  "decodes locally)."),
     method: Method | None = config_flag(E, "method"),
     check_methods: bool = typer.Option(True, "--check-methods/--no-check-methods", help="Also answer with every other "
-                                       "method (each prefills the document again) and check that all give identical tokens."),
+                                       "method (from the first one's prefill: the prefix cache serves the document again) and check that all give "
+                                       "identical tokens."),
     max_new_tokens: int = config_flag(S, "max_new_tokens", default=16, min=1, help="Greedy tokens of each answer at most."),
     seed: int = config_flag(S, "seed", min=0, help="Filler order and hidden number."),
     threads: int | None = config_flag(E, "threads_per_rank", flag="--threads", min=1),

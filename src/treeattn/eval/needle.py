@@ -7,7 +7,8 @@
 Each cell is one prompt (treeattn.eval.haystack): a filler document of `length` tokens with a
 number hidden at `depth`, and the question through the model's chat template. On p ranks the
 prompt is prefilled and decoded greedily with the chosen method, then with every other method
-(ta.generate each time); the cell's reply is the chosen method's, scored by exact retrieval
+from that prefill (the ranks' one engine switches its decode and its prefix cache serves the
+prompt again: treeattn.eval.runner.decode_methods); the cell's reply is the chosen method's, scored by exact retrieval
 (the number appears in the reply), and the cell records whether all methods produced identical
 tokens. Attention is exact, so they must: the eval reports any cell where they do not.
 """
@@ -39,6 +40,7 @@ class NeedleCell:
     generated_ids: list[int]
     methods_agree: bool
     method_ids: dict[str, list[int]] = field(default_factory=dict)
+    method_cached_tokens: dict[str, int] = field(default_factory=dict)  # prompt tokens each method found cached
     prefill_s: float = 0.0
     time_per_token_s: float | None = None
 
@@ -142,7 +144,8 @@ def run_needle(
         cells.append(NeedleCell(
             length=lengths[len(cells) // len(depths)], depth=case.depth, prompt_tokens=len(case.prompt_ids), answer=case.answer,
             reply=reply, correct=is_correct(reply, case), generated_ids=ids, methods_agree=agree,
-            method_ids={r.name: r.result.generated_ids[0] for r in row}, prefill_s=first.prefill_s,
+            method_ids={r.name: r.result.generated_ids[0] for r in row},
+            method_cached_tokens={r.name: r.result.cached_prompt_tokens[0] for r in row}, prefill_s=first.prefill_s,
             time_per_token_s=first.time_per_token_s if first.decode_steps else None,
         ))
     return NeedleReport(model=str(model_path), nproc=nproc, decode=chosen[0], method=chosen[1],

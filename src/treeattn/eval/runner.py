@@ -4,10 +4,12 @@
     runs = decode_methods("model.gguf", [ids_a, ids_b], nproc=4, methods=(("tree", "allreduce"), ("ring", "allreduce")))
     runs[0][1].result.generated_ids      # prompt 0, second method
 
-On p > 1 ranks every rank loads the model once, then for each prompt and method runs ta.generate
-(the engine inside the group: its ring prefill into the sequence-sharded cache, then greedy
-decoding with that method). On one process the prompt is prefilled and decoded locally ("local";
-tree and ring need ranks).
+On p > 1 ranks every rank loads the model once and the ranks run one ta.Engine inside the group for
+everything (shared_prefill_rows): the first method prefills each prompt into the sequence-sharded
+cache and decodes greedily; each next method switches the engine's decode (Engine.set_decode) and
+asks the same prompt again, which the prefix cache serves, so every method decodes from that one
+prefill (GenerationResult.cached_prompt_tokens: the prompt tokens it found cached). On one process
+the prompt is prefilled and decoded locally ("local"; tree and ring need ranks).
 Results come from rank 0; every rank returns the same tokens by construction (rank 0 samples and
 broadcasts).
 """
@@ -101,7 +103,8 @@ def decode_methods(
 
 def _decode_rank(rank, world_size, model_path, prompts, methods, max_new_tokens, stop_token_ids, threads, dtype, device,
                  placement, kv_cache_dtype, weight_format, on_prompt=None):
-    """One rank: load once (onto its device), then per prompt and method one ta.generate (a prefill and the decode)."""
+    """One rank: load once (onto its device); on one process one ta.generate per prompt (its prefill
+    and decode); on several ranks one engine for everything (see shared_prefill_rows)."""
     from treeattn.engine.device import rank_device
     from treeattn.models.loader import load_model
 
@@ -109,6 +112,12 @@ def _decode_rank(rank, world_size, model_path, prompts, methods, max_new_tokens,
     start = time.perf_counter()
     model = load_model(model_path, dtype=getattr(torch, dtype), device=rank_device(device, rank), weight_format=weight_format)
     load_s = time.perf_counter() - start
+    if world_size > 1:
+        rows = shared_prefill_rows(model, prompts, methods, max_new_tokens, stop_token_ids, placement, kv_cache_dtype)
+        import torch.distributed as dist
+
+        dist.barrier()  # leave together: a rank tearing its group down early can abort a peer still in gloo
+        return rows, load_s
     rows = []
     for index, prompt in enumerate(prompts):
         row = []
@@ -119,11 +128,47 @@ def _decode_rank(rank, world_size, model_path, prompts, methods, max_new_tokens,
         rows.append(row)
         if on_prompt is not None:
             on_prompt(index)
-    if world_size > 1:
-        import torch.distributed as dist
-
-        dist.barrier()  # leave together: a rank tearing its group down early can abort a peer still in gloo
-    return (rows if rank == 0 else None), load_s
+    return rows, load_s
 
 
-__all__ = ["MethodRun", "Timing", "decode_methods", "method_name"]
+def shared_prefill_rows(model, prompts, methods, max_new_tokens, stop_token_ids=(), placement="contiguous", kv_cache_dtype="auto",
+                        block_size: int | None = None):
+    """On every rank of the default group: one ta.Engine inside the group for every prompt and method.
+    Per prompt, the first method prefills it and answers; each next method switches the engine's
+    decode (Engine.set_decode: the caches stay) and asks the same prompt again, which the prefix
+    cache serves (its full blocks, from the window checkpoint of a hybrid model such as Gemma 3): the
+    methods decode from one prefill, and each result's cached_prompt_tokens says how many prompt
+    tokens came from it. The engine is sized for one sequence of the longest prompt, so a next
+    prompt evicts the last one's blocks; block_size is the engine's (None: EngineConfig's default).
+    Returns rank 0's rows [(decode, method, GenerationResult)] per prompt, None on the other ranks."""
+    from treeattn.engine.client import Engine
+    from treeattn.engine.config import EngineConfig
+    from treeattn.engine.generate import DEFAULT_TIMEOUT_S, Generation, batch_config
+    from treeattn.engine.request import SamplingParams
+    from treeattn.parallel.shared_memory import group_timeout_s
+
+    sampling = SamplingParams(max_new_tokens=max_new_tokens, stop_token_ids=tuple(stop_token_ids))
+    (decode, method), world_size = methods[0], torch.distributed.get_world_size()
+    config = EngineConfig(decode=decode, method=method, placement=placement, kv_cache_dtype=kv_cache_dtype,
+                          timeout_s=group_timeout_s() or DEFAULT_TIMEOUT_S, block_size=block_size or EngineConfig.block_size)
+    config = batch_config(config, sampling, 1, [max(prompts, key=len)], world_size)
+    engine = Engine(model, config)  # the other ranks serve its steps here until rank 0 closes it
+    if not engine.is_driver:
+        return None
+    rows = []
+    try:
+        for prompt in prompts:
+            row = []
+            for decode, method in methods:
+                engine.set_decode(decode, method)
+                run = Generation(model, [prompt], sampling=sampling, engine=engine)
+                for _ in run:
+                    pass
+                row.append((decode, method, run.result))
+            rows.append(row)
+    finally:
+        engine.close()
+    return rows
+
+
+__all__ = ["MethodRun", "Timing", "decode_methods", "method_name", "shared_prefill_rows"]
