@@ -244,9 +244,12 @@ CASES = [(1, dict(decode="local")),
          (2, dict(decode="tree", max_batch_size=1, prefill="ring"))]  # one sequence at a time, ring prefill steps
 
 
-def _engine_runs(rank: int, world_size: int, path: str) -> list:
+def _engine_runs(rank: int, world_size: int, path: str) -> tuple:
     """Every case's tokens, requests submitted at once (continuous batching), and rank 0's engine
-    stats and each rank's KV bytes."""
+    stats and each rank's KV bytes; then decode_methods' engine on both ranks (one prefill per
+    prompt, set_decode per method: treeattn.eval.runner.shared_prefill_rows)."""
+    from treeattn.eval.runner import shared_prefill_rows
+
     torch.set_num_threads(1)
     import torch.distributed as dist
 
@@ -267,12 +270,20 @@ def _engine_runs(rank: int, world_size: int, path: str) -> list:
                 tokens.append(follow_up.result(timeout=120).token_ids)
                 hit = engine.stats()["prefix_hit_tokens"] - stats["prefix_hit_tokens"]
                 out.append((p, options, tokens, stats, [m.kv_bytes for m in engine.rank_measurements()], hit))
-    return out
+    return out, shared_prefill_rows(model, [PROMPTS[2], PROMPT], METHODS, NEW, block_size=16)
+
+
+METHODS = (("tree", "onepass"), ("ring", "allreduce"), ("tree", "allreduce"))
 
 
 @pytest.fixture(scope="module")
-def engine_runs(files):
+def ranks_ran(files):
     return spawn(_engine_runs, 2, str(files["root"] / "text"), timeout=300)[0]
+
+
+@pytest.fixture(scope="module")
+def engine_runs(ranks_ran):
+    return ranks_ran[0]
 
 
 def test_engine_tokens_equal_transformers_uncached_greedy(files, engine_runs):
@@ -326,22 +337,11 @@ def test_demo_long_on_a_base_model_prints_kv_memory_against_a_full_cache(files):
     assert "ring (pass-KV) found none of tree (onepass)'s prefill in the prefix cache" in result.stdout, result.stdout
 
 
-def _shared_prefill(rank: int, world_size: int, path: str) -> list | None:
-    """decode_methods' engine on the ranks: one prefill per prompt, then set_decode per method."""
-    from treeattn.eval.runner import shared_prefill_rows
-
-    torch.set_num_threads(1)
-    return shared_prefill_rows(load_model(path), [PROMPTS[2], PROMPT], METHODS, NEW, block_size=16)
-
-
-METHODS = (("tree", "onepass"), ("ring", "allreduce"), ("tree", "allreduce"))
-
-
-def test_methods_share_one_prefill(files):
+def test_methods_share_one_prefill(files, ranks_ran):
     """treeattn.eval.runner.shared_prefill_rows on 2 ranks: each method after the first switches the
     engine's decode (Engine.set_decode) and takes the prompt's prefill from the prefix cache, up to
     the window checkpoint at its last full block; every method's tokens are transformers' greedy ones."""
-    rows = spawn(_shared_prefill, 2, str(files["root"] / "text"), timeout=300)[0]
+    rows = ranks_ran[1]
     for prompt, row in zip((PROMPTS[2], PROMPT), rows):
         reference = _greedy_uncached(files["text"], prompt, NEW)
         assert [r.generated_ids[0] for _, _, r in row] == [reference] * len(METHODS)
