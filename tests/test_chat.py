@@ -82,6 +82,9 @@ class Terminal:
     def __init__(self, argv: list[str]) -> None:
         self.pid, self.fd = pty.fork()
         if self.pid == 0:  # the child: the pty is its controlling terminal (Ctrl-C -> SIGINT)
+            # a suite started in the background (`cmd &`, nohup) ignores SIGINT, and an ignored signal
+            # stays ignored across exec: give the chat the default a terminal user has
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
             os.execvpe(argv[0], argv, os.environ)
         self.output = ""
 
