@@ -10,9 +10,12 @@ baseline; `ta.load_model(path)` is timed, and the peak RSS (VmHWM) minus the bas
 load added. The float32 weights themselves are the floor for both. Prints one JSON line per load
 and a summary (medians).
 
-The GGUF file is loaded two ways: with TREEATTN_GGUF_CACHE=0 (read and dequantized from the file),
-and from its converted copy (treeattn.models.gguf_cache, in a temporary TREEATTN_CACHE_DIR that is
-removed at the end); the one load that converts and writes the copy is timed once, before the repeats.
+The GGUF file is loaded three ways: with TREEATTN_GGUF_CACHE=0 (read and dequantized from the file),
+from its converted copy (treeattn.models.gguf_cache, in a temporary TREEATTN_CACHE_DIR that is
+removed at the end; the one load that converts and writes the copy is timed once, before the
+repeats), and kept packed as the file ships it (weight_format="packed": Q4_0/Q4_1/Q8_0 tensors stay
+quantized, the rest float32; what the engine loads on a CPU by default), from the file and from its
+own converted copy (written by one load before the repeats, like the dequantized one).
 
 --serve N...: for each rank count N, `python -m treeattn serve GGUF --nproc N --port 0` is started
 and timed from the Popen to the first 200 from GET /health (interpreter start, imports, the ranks
@@ -39,12 +42,17 @@ def status(key):
 base = status("VmRSS:")
 open("/proc/self/clear_refs", "w").write("5")
 start = time.perf_counter()
-model = ta.load_model(sys.argv[1])
+model = ta.load_model(sys.argv[1], weight_format=sys.argv[2])
 seconds = time.perf_counter() - start
-weights = sum(p.numel() * p.element_size() for p in model.parameters())
+from treeattn.models.packed import weight_bytes
+weights = weight_bytes(model)
 print(json.dumps({"path": sys.argv[1], "load_s": seconds, "peak_added_bytes": status("VmHWM:") - base, "weights_bytes": weights,
                   "tokenizer": model.tokenizer is not None, "chat_template": model.chat_template is not None}))
 """
+
+
+PACKED = "gguf, kept packed (weight_format='packed', the engine's default on a CPU)"
+PACKED_COPY = "gguf, kept packed, from its converted copy"
 
 
 def write_hf_dir(gguf_path: Path, directory: Path) -> None:
@@ -118,11 +126,15 @@ def main() -> None:
     cache = tempfile.mkdtemp(prefix="treeattn-gguf-load-")
     environments = {"gguf, from the file": {"TREEATTN_GGUF_CACHE": "0"},
                     "gguf, from its converted copy": {"TREEATTN_GGUF_CACHE": "1", "TREEATTN_CACHE_DIR": cache},
+                    PACKED: {"TREEATTN_GGUF_CACHE": "0"},
+                    PACKED_COPY: {"TREEATTN_GGUF_CACHE": "1", "TREEATTN_CACHE_DIR": cache},
                     "safetensors": {}}
-    sources = {"gguf, from the file": str(args.model), "gguf, from its converted copy": str(args.model), "safetensors": str(args.dir)}
+    sources = {"gguf, from the file": str(args.model), "gguf, from its converted copy": str(args.model), PACKED: str(args.model),
+               PACKED_COPY: str(args.model), "safetensors": str(args.dir)}
 
     def load(label: str) -> dict:
-        out = subprocess.run([sys.executable, "-c", CHILD, sources[label]], capture_output=True, text=True, check=True,
+        weight_format = "packed" if label in (PACKED, PACKED_COPY) else "dequantize"
+        out = subprocess.run([sys.executable, "-c", CHILD, sources[label], weight_format], capture_output=True, text=True, check=True,
                              env={**os.environ, **environments[label]})
         row = {"what": label, **json.loads(out.stdout.strip().splitlines()[-1])}
         print(json.dumps(row), flush=True)
@@ -130,6 +142,7 @@ def main() -> None:
 
     try:
         convert = load("gguf, from its converted copy")  # the first load converts and writes the copy
+        convert_packed = load(PACKED_COPY)
         rows: dict[str, list[dict]] = {label: [] for label in environments}
         serve_rows: dict[int, list[float]] = {}
         for _ in range(args.repeats):
@@ -141,15 +154,16 @@ def main() -> None:
                 serve_rows.setdefault(nproc, []).append(ready)
     finally:
         shutil.rmtree(cache, ignore_errors=True)
-    print(f"gguf, first load with the cache on (converts and writes the copy): {convert['load_s']:.2f} s")
+    print(f"gguf, first load with the cache on (converts and writes the copy): {convert['load_s']:.2f} s; "
+          f"packed: {convert_packed['load_s']:.2f} s")
     loads = {}
     for label, runs in rows.items():
         loads[label] = statistics.median(r["load_s"] for r in runs)
         print(f"{label}: load {loads[label]:.2f} s (median of {len(runs)}), "
               f"peak RSS added {statistics.median(r['peak_added_bytes'] for r in runs) / 2**20:.0f} MiB, "
-              f"float32 weights {runs[0]['weights_bytes'] / 2**20:.0f} MiB")
+              f"weights {runs[0]['weights_bytes'] / 2**20:.0f} MiB")
     hf_s = loads["safetensors"]
-    for label in ("gguf, from the file", "gguf, from its converted copy"):
+    for label in ("gguf, from the file", "gguf, from its converted copy", PACKED, PACKED_COPY):
         print(f"{label} / safetensors load time: {loads[label] / hf_s:.2f}x (goal <= 1.5x)")
     gguf_s = loads["gguf, from the file"]
     for nproc, runs in serve_rows.items():

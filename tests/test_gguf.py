@@ -25,6 +25,7 @@ from helpers.llama_checkpoints import treeattn_logits  # noqa: E402
 from treeattn.models import load_model, load_tokenizer, read_config  # noqa: E402
 from treeattn.models.chat import encode_chat, end_of_turn_id, messages, read_chat_template  # noqa: E402
 from treeattn.models.gguf import unpermute_rows  # noqa: E402
+from treeattn.models.packed import is_packed  # noqa: E402
 from helpers.gguf_models import COMMON, hf_model  # noqa: E402
 
 Q = gguf.GGMLQuantizationType
@@ -284,10 +285,22 @@ def test_a_converted_copy_loads_the_same_model_without_reading_the_file(models, 
     with monkeypatch.context() as m:
         m.setattr(gguf_module, "open_gguf", unread)
         _same_model(load_model(path), reference)  # from the copy alone
-    load_model(path, weight_format="packed")  # packed weights come from the file: no copy of them
-    assert list(entries[0].parent.glob("*.safetensors")) == entries
+    monkeypatch.setenv("TREEATTN_GGUF_CACHE", "0")
+    packed_reference = load_model(path, weight_format="packed")
+    monkeypatch.setenv("TREEATTN_GGUF_CACHE", "1")
+    _same_model(load_model(path, weight_format="packed"), packed_reference)  # packed weights: their own copy
+    assert sorted(entries[0].parent.glob("*.safetensors")) == sorted([entries[0], gguf_cache.entry_path(path, torch.float32, "packed")])
+    with monkeypatch.context() as m:
+        m.setattr(gguf_module, "open_gguf", unread)
+        from_copy = load_model(path, weight_format="packed")  # the packed layers, from the copy alone
+    _same_model(from_copy, packed_reference)
+    kinds = lambda model: [(name, type(module).__name__, getattr(module, "fmt", None)) for name, module in model.named_modules()]
+    assert kinds(from_copy) == kinds(packed_reference) and is_packed(from_copy)
+    ids = torch.tensor([[1, 5, 9, 2]])
+    with torch.no_grad():
+        assert torch.equal(treeattn_logits(from_copy, ids), treeattn_logits(packed_reference, ids))
     half = load_model(path, dtype=torch.bfloat16)  # another dtype: its own entry
-    assert half.dtype == torch.bfloat16 and len(list(entries[0].parent.glob("*.safetensors"))) == 2
+    assert half.dtype == torch.bfloat16 and len(list(entries[0].parent.glob("*.safetensors"))) == 3
 
     write_gguf(path, models["llama"], Q.Q8_0, arch="llama")  # the file written again: the old copy is stale
     os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns + 10**9))

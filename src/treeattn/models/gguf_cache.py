@@ -6,8 +6,12 @@ in one safetensors file, so that loading the same file again costs what a safete
     TREEATTN_GGUF_CACHE=0              # neither read nor write copies
     TREEATTN_CACHE_DIR=/some/dir       # where (default $XDG_CACHE_HOME/treeattn, else ~/.cache/treeattn)
 
-What is cached: loads that dequantize every tensor (weight_format "dequantize"; "auto" on a GPU), in
-one dtype. Packed weights (weight_format "packed", "auto" on the CPU) are read from the file itself.
+What is cached: every load of a file with its tokenizer, one entry per (file, dtype, weight format):
+dequantized weights (weight_format "dequantize"; "auto" on a GPU) in the dtype, and packed weights
+("packed", and "auto" on the CPU, each its own entry) as the packed layers hold them (their block
+codes and the scales' float32 bits, exactly the file's values; treeattn.models.packed) with the rest
+in the dtype. A packed copy skips what a packed load from the file costs besides the weights:
+parsing the GGUF metadata and building the tokenizer.
 
 Never stale: an entry is found by the file's identity -- its resolved path, size, modification time
 (ns) and inode -- with the dtype and this module's FORMAT version; a file written again gets a new
@@ -20,7 +24,9 @@ cache directory's disk would keep less free space than the entry's size.
 Entry: <cache dir>/gguf/<path key>-<file key>.safetensors; tensors: the model's state dict and
 "inv_freq" (RoPE inverse frequencies, after a file's rope_freqs); metadata (strings): "config" (JSON
 of the config dataclass and its class), "tokenizer" (tokenizers' JSON, absent without one),
-"chat_template" (JSON [template, bos_token, eos_token], absent without one), "source", "format".
+"chat_template" (JSON [template, bos_token, eos_token], absent without one), "packed" (JSON
+{module name: [kind, block format]} of the packed layers, absent for a dequantized copy), "source",
+"format".
 """
 
 from __future__ import annotations
@@ -57,19 +63,22 @@ def cache_dir() -> Path:
     return Path(base) / "treeattn" / "gguf"
 
 
-def entry_path(path: str | os.PathLike, dtype: torch.dtype) -> Path:
-    """The copy's file for GGUF file `path` loaded as `dtype` (see the module doc for the key)."""
+def entry_path(path: str | os.PathLike, dtype: torch.dtype, weight_format: str = "dequantize") -> Path:
+    """The copy's file for GGUF file `path` loaded as `dtype` with `weight_format` ("dequantize", or
+    "packed" / "auto" as they load on the CPU; see the module doc for the key)."""
     source = Path(path).resolve()
     stat = source.stat()
-    path_key = hashlib.sha256(f"{source}\0{dtype}".encode()).hexdigest()[:16]
+    kept = "" if weight_format == "dequantize" else f"\0{weight_format}"  # dequantized copies keep their old keys
+    path_key = hashlib.sha256(f"{source}\0{dtype}{kept}".encode()).hexdigest()[:16]
     file_key = hashlib.sha256(f"{stat.st_size}\0{stat.st_mtime_ns}\0{stat.st_ino}\0{FORMAT}".encode()).hexdigest()[:16]
     return cache_dir() / f"{path_key}-{file_key}.safetensors"
 
 
-def load(path: str | os.PathLike, dtype: torch.dtype, device: torch.device):
-    """The model of `path`'s copy in `dtype` on `device`, with its tokenizer and chat template; None
-    when there is no copy (or it cannot be read: it is then logged and left to be written again)."""
-    entry = entry_path(path, dtype)
+def load(path: str | os.PathLike, dtype: torch.dtype, device: torch.device, weight_format: str = "dequantize"):
+    """The model of `path`'s copy in `dtype` on `device` with `weight_format` (as entry_path takes it),
+    with its tokenizer and chat template; None when there is no copy (or it cannot be read: it is then
+    logged and left to be written again)."""
+    entry = entry_path(path, dtype, weight_format)
     if not entry.is_file():
         return None
     try:
@@ -80,10 +89,13 @@ def load(path: str | os.PathLike, dtype: torch.dtype, device: torch.device):
         return None
 
 
-def store(path: str | os.PathLike, model) -> Path | None:
-    """Write `model` (loaded from GGUF file `path`, every tensor dequantized) as the file's copy; returns
-    the entry, or None when the disk would keep less free space than its size, or writing failed (logged)."""
-    entry = entry_path(path, model.dtype)
+def store(path: str | os.PathLike, model, weight_format: str = "dequantize") -> Path | None:
+    """Write `model` (loaded from GGUF file `path` with `weight_format`, as entry_path takes it) as the
+    file's copy; returns the entry, or None when the disk would keep less free space than its size, or
+    writing failed (logged)."""
+    from treeattn.models.packed import PackedEmbedding, PackedLinear
+
+    entry = entry_path(path, model.dtype, weight_format)
     state = {name: t.detach().to("cpu").contiguous() for name, t in model.state_dict().items()}
     state["inv_freq"] = model.inv_freq.detach().to("cpu").contiguous()
     size = sum(t.numel() * t.element_size() for t in state.values())
@@ -99,6 +111,10 @@ def store(path: str | os.PathLike, model) -> Path | None:
         if model.chat_template is not None:
             t = model.chat_template
             metadata["chat_template"] = json.dumps([t.template, t.bos_token, t.eos_token])
+        packed = {name: ["embedding" if isinstance(module, PackedEmbedding) else "linear", module.fmt]
+                  for name, module in model.named_modules() if isinstance(module, (PackedLinear, PackedEmbedding))}
+        if packed:
+            metadata["packed"] = json.dumps(packed)
         from safetensors.torch import save_file
 
         handle, temporary = tempfile.mkstemp(dir=entry.parent, prefix=".tmp-", suffix=".safetensors")
@@ -135,6 +151,14 @@ def _read(entry: Path, path, dtype: torch.dtype, device: torch.device):
         model = model_class(config)(config, dtype=dtype, device="meta")
         state = {name: f.get_tensor(name) for name in f.keys() if name != "inv_freq"}
         inv_freq = f.get_tensor("inv_freq")
+    if "packed" in metadata:  # the packed layers replace their modules, as the GGUF loader places them
+        from treeattn.models.packed import PackedEmbedding, PackedLinear
+
+        for name, (kind, fmt) in json.loads(metadata["packed"]).items():
+            qs, d = state[f"{name}.qs"], state[f"{name}.d_bits"].view(torch.float32)
+            m = state[f"{name}.m_bits"].view(torch.float32) if f"{name}.m_bits" in state else None
+            layer = PackedEmbedding(fmt, qs, d, m) if kind == "embedding" else PackedLinear(fmt, qs, d, m, bias=state.get(f"{name}.bias"))
+            model.set_submodule(name, layer)
     model.load_state_dict(state, strict=True, assign=True)
     model.inv_freq = inv_freq
     tokenizer = None

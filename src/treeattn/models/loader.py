@@ -55,9 +55,9 @@ def load_model(model_dir: str | os.PathLike, *, dtype: torch.dtype = torch.float
     """Load a Llama-family checkpoint: a Hugging Face directory or a .gguf file.
 
     The model's tokenizer and chat template come along as model.tokenizer and model.chat_template
-    (None where the checkpoint has none). A .gguf file whose every tensor is dequantized is read
-    from its converted copy in the user cache when there is one, and the copy is written after the
-    first such load (treeattn.models.gguf_cache; TREEATTN_GGUF_CACHE=0 turns that off).
+    (None where the checkpoint has none). A .gguf file is read from its converted copy in the user
+    cache when there is one for this dtype and weight format, and the copy is written after the first
+    such load with the tokenizer (treeattn.models.gguf_cache; TREEATTN_GGUF_CACHE=0 turns that off).
 
     Args:
         model_dir: directory with config.json and *.safetensors (with or without an index), or a
@@ -162,14 +162,17 @@ def _plan(model_dir: Path, dtype: torch.dtype) -> tuple[LlamaModel, dict[str, tu
 
 def _load_gguf(path: Path, dtype: torch.dtype, device, weight_format: str, with_tokenizer: bool = True) -> LlamaModel:
     """load_model of a .gguf file: weights, tokenizer and chat template from one reading of it, or from
-    its converted copy (treeattn.models.gguf_cache) when every tensor is dequantized."""
+    its converted copy (treeattn.models.gguf_cache)."""
     from treeattn.models import gguf_cache
     from treeattn.models.gguf import load_gguf_model, open_gguf
     from treeattn.models.gguf_tokenizer import tokenizer_from_gguf
 
-    cached = gguf_cache.enabled() and path.is_file() and (weight_format == "dequantize" or (weight_format == "auto" and device.type != "cpu"))
+    # the copy's kind: "auto" dequantizes everything off the CPU (the dequantized copy), and on the CPU
+    # keeps what it can packed (its own copy: "packed" refuses what "auto" dequantizes)
+    kind = "dequantize" if weight_format == "dequantize" or (weight_format == "auto" and device.type != "cpu") else weight_format
+    cached = gguf_cache.enabled() and path.is_file() and (kind == "dequantize" or device.type == "cpu")
     if cached:
-        model = gguf_cache.load(path, dtype, device)
+        model = gguf_cache.load(path, dtype, device, kind)
         if model is not None:
             if not with_tokenizer:
                 model.tokenizer = model.chat_template = None
@@ -180,7 +183,7 @@ def _load_gguf(path: Path, dtype: torch.dtype, device, weight_format: str, with_
     model = load_gguf_model(reader, path=path, dtype=dtype, device=device, weight_format=weight_format)
     model.tokenizer, model.chat_template = tokenizer, template
     if cached and with_tokenizer:  # a copy holds the tokenizer and template too
-        gguf_cache.store(path, model)
+        gguf_cache.store(path, model, kind)
     return model
 
 
