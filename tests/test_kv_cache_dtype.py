@@ -8,7 +8,9 @@ rank and on two (real gloo, each rank its blocks, the states combined). fp8's qu
 power-of-two scales per token and KV head, e4m3's rounding bound, non-finite values kept non-finite. The engine: bfloat16 KV against float32 KV on a tiny model (the
 agreement is printed, not asserted: rounding the keys may legitimately flip a near-tie), and the
 bfloat16 cache read by every path (kernel or not, static steps, two ranks, ring prefill) giving one
-set of greedy tokens; a 16-bit cache takes half the bytes per token; what cannot run it is refused.
+set of greedy tokens; a 16-bit cache takes half the bytes per token; a hybrid model's window layers
+in the cache's dtype (what a float32 ring holds when fed the stored values; checkpoints bit for bit);
+what cannot run it is refused.
 """
 
 from __future__ import annotations
@@ -195,13 +197,69 @@ def test_kv_cache_dtype_is_checked_and_resolved():
     assert resolve_kv_cache_dtype("float16", torch.float32) == torch.float16
     with pytest.raises(ConfigError, match="kv_cache_dtype must be one of"):
         EngineConfig(kv_cache_dtype="fp8")
-    gemma = LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2, num_kv_heads=1,
-                        head_dim=16, max_position_embeddings=128, layer_windows=(8, None))
-    with pytest.raises(ConfigError, match=r"kv_cache_dtype='bfloat16' \(--kv-cache-dtype\) does not run the sliding-window"):
-        ta.Engine(random_model(gemma, seed=0), kv_cache_dtype="bfloat16")
-    with pytest.raises(ConfigError, match=r"kv_cache_dtype='fp8_e4m3' \(--kv-cache-dtype\) does not run the sliding-window"):
-        ta.Engine(random_model(gemma, seed=0), kv_cache_dtype="fp8_e4m3")
     assert resolve_kv_cache_dtype("fp8_e4m3", torch.bfloat16) == FP8
+
+
+# ---------------------------------------------------------------- a hybrid model's window layers
+
+def _held(x, kv_dtype):
+    """x as a cache of kv_dtype holds it, widened to float32."""
+    return dequantize_fp8(*quantize_fp8(x)) if kv_dtype == FP8 else x.to(kv_dtype).float()
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, FP8], ids=["bfloat16", "fp8"])
+def test_window_layers_hold_what_the_cache_dtype_stores(kv_dtype):
+    """A window ring stored in kv_dtype returns, in float32, exactly what a float32 ring returns when
+    fed the stored values (prompt chunks, decode steps past the window, a rollback); a checkpoint
+    restores the same bits (no second rounding); its bytes count fp8's scales."""
+    from treeattn.cache.window import WindowKVCache, window_bytes_per_sequence
+
+    g = torch.Generator().manual_seed(0)
+    ours = WindowKVCache({0: 8}, num_kv_heads=2, head_dim=16, dtype=kv_dtype, compute_dtype=torch.float32)
+    reference = WindowKVCache({0: 8}, num_kv_heads=2, head_dim=16, dtype=torch.float32)
+    steps = [(0, 20), (20, 1), (21, 3), (22, 1), (23, 30), (53, 1)]  # (start, n): chunks, decodes, a rollback to 22
+    for start, n in steps:
+        k = torch.randn(n, 2, 16, generator=g) * torch.exp2(torch.randint(-6, 7, (n, 2, 1), generator=g))
+        v = torch.randn(n, 2, 16, generator=g)
+        got, want = ours.extend(0, 7, start, k, v), reference.extend(0, 7, start, _held(k, kv_dtype), _held(v, kv_dtype))
+        assert all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(got, want)), (start, n)
+    ours.save(7, 54, checkpoint=1)
+    reference.save(7, 54, checkpoint=1)
+    ours.restore(8, 1)
+    reference.restore(8, 1)
+    k, v = torch.randn(1, 2, 16, generator=g), torch.randn(1, 2, 16, generator=g)
+    got, want = ours.extend(0, 8, 54, k, v), reference.extend(0, 8, 54, _held(k, kv_dtype), _held(v, kv_dtype))
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    itemsize = 1 if kv_dtype == FP8 else 2
+    per_row = 2 * 2 * (16 * itemsize + (4 if kv_dtype == FP8 else 0))
+    config = LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2, num_kv_heads=2,
+                         head_dim=16, max_position_embeddings=128, layer_windows=(8, None))
+    assert window_bytes_per_sequence(config, kv_dtype) == (8 - 1 + 16) * per_row
+    assert ours.nbytes() == 2 * (8 - 1 + 16) * per_row + 7 * per_row  # two rings and one checkpoint of 7 rows
+
+
+HYBRID = LlamaConfig(vocab_size=97, hidden_size=48, intermediate_size=64, num_layers=2, num_heads=6, num_kv_heads=2,
+                     head_dim=8, max_position_embeddings=512, layer_windows=(16, None))
+
+
+@pytest.mark.parametrize("kv_dtype", ["bfloat16", "fp8_e4m3"])
+def test_engine_hybrid_model_runs_a_16_and_8_bit_cache(kv_dtype, monkeypatch):
+    """A window layer beside a global one: the kernel and the torch reads of the global layer give
+    one set of greedy tokens, and a follow-up request that starts from a window checkpoint of the
+    prefix cache gives the tokens of the same request without the prefix cache."""
+    model = random_model(HYBRID, seed=5)
+    tokens, measured = _tokens(model, kv_cache_dtype=kv_dtype)
+    assert measured[0].kv_bytes < _tokens(model, kv_cache_dtype="float32")[1][0].kv_bytes
+    follow = PROMPTS[3] + tokens[3] + list(range(40, 60))
+    options = {"nproc": 1, "decode": "tree", "max_batch_size": 4, "block_size": 8, "kv_cache_dtype": kv_dtype}
+    with ta.Engine(model, **options) as engine:
+        engine.generate(PROMPTS[3], max_new_tokens=6)
+        cached = engine.generate(follow, max_new_tokens=6)[0]
+    with ta.Engine(model, prefix_cache=False, **options) as engine:
+        alone = engine.generate(follow, max_new_tokens=6)[0]
+    assert cached.cached_prompt_tokens > 0 and cached.token_ids == alone.token_ids
+    monkeypatch.setattr(engine_batch, "kernel_takes", lambda *args: False)
+    assert _tokens(model, kv_cache_dtype=kv_dtype)[0] == tokens
 
 
 # ---------------------------------------------------------------- fp8: the quantization itself

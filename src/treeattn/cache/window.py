@@ -33,6 +33,12 @@ boundary b, copied out of its ring (`save`) and copied into a new sequence's rin
 (`restore`). The scheduler decides which boundaries get one (the end of every prefill chunk and of
 every sequence, at most a fixed number kept: treeattn.cache.prefix); the ranks hold the rows, the
 same copy on every rank, under the id the scheduler gave.
+
+Stored dtype: the engine's kv_cache_dtype, as for the global layers (a 16-bit dtype, or fp8 e4m3
+codes with one power-of-two float32 scale per row and KV head, treeattn.ops.fp8). Reads give the
+model's dtype (`compute_dtype`): the ring widened, and a prompt chunk's own new rows rounded
+through the stored dtype first, so that every query attends to the values the cache holds. A
+checkpoint keeps the stored rows (codes and scales), so a restored sequence holds the same bits.
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ from __future__ import annotations
 import torch
 
 from treeattn.cache.positions import INVISIBLE_POSITION
+from treeattn.ops.fp8 import FP8, dequantize_fp8, quantize_fp8
 
 
 def hybrid_windows(layer_windows: tuple[int | None, ...]) -> dict[int, int]:
@@ -60,7 +67,8 @@ def window_bytes_per_sequence(model_config, dtype: torch.dtype) -> int:
     """Bytes a hybrid cache keeps per sequence for the window layers (a ring of W - 1 + SPARE_ROWS
     positions of keys and values of each; 0 for a model that is not hybrid). Every rank keeps them."""
     itemsize = torch.empty((), dtype=dtype).element_size()
-    per_position = 2 * model_config.num_kv_heads * model_config.head_dim * itemsize
+    scale = 4 if dtype == FP8 else 0  # an fp8 row's float32 scale
+    per_position = 2 * model_config.num_kv_heads * (model_config.head_dim * itemsize + scale)
     return sum((w - 1 + SPARE_ROWS) * per_position for w in hybrid_windows(tuple(model_config.layer_windows)).values())
 
 
@@ -77,20 +85,25 @@ class WindowKVCache:
     Args:
         windows: {layer: window W} of the layers kept here (hybrid_windows).
         num_kv_heads, head_dim: of the model (values share head_dim).
-        dtype, device: of the kept keys and values.
+        dtype, device: of the kept keys and values (dtype: a float dtype, or float8_e4m3fn codes with
+            their scales).
+        compute_dtype: of what `extend` returns (the model's; default: dtype).
     """
 
     def __init__(self, windows: dict[int, int], *, num_kv_heads: int, head_dim: int, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu") -> None:
+                 device: torch.device | str = "cpu", compute_dtype: torch.dtype | None = None) -> None:
         for layer, w in windows.items():
             if isinstance(w, bool) or not isinstance(w, int) or w < 1:
                 raise ValueError(f"the window of layer {layer} must be an int >= 1, got {w!r}")
         self.windows = dict(windows)
+        if compute_dtype == FP8:
+            raise ValueError("compute_dtype must be a float dtype the model computes in, got float8_e4m3fn")
         self.num_kv_heads, self.head_dim, self.dtype, self.device = num_kv_heads, head_dim, dtype, torch.device(device)
+        self.compute_dtype = compute_dtype or dtype
         # seq_id -> layer -> _Ring
         self._kept: dict[int, dict[int, _Ring]] = {}
-        # checkpoint id -> (b, layer -> (k, v) rows of positions [max(0, b - W + 1), b))
-        self._checkpoints: dict[int, tuple[int, dict[int, tuple[torch.Tensor, torch.Tensor]]]] = {}
+        # checkpoint id -> (b, layer -> stored rows (k, v, scales or None) of positions [max(0, b - W + 1), b))
+        self._checkpoints: dict[int, tuple[int, dict[int, tuple[torch.Tensor, ...] | None]]] = {}
 
     def __contains__(self, layer: int) -> bool:
         return layer in self.windows
@@ -108,8 +121,10 @@ class WindowKVCache:
             k, v (L, Hkv, D) and kv_pos int64 (L,): rows holding every position of
             [start - m, start + n) (m = min(start, W - 1)) once, with their positions; other rows
             hold positions the new queries cannot see (before their windows, or after them) or
-            INVISIBLE_POSITION. A decode step's rows are the ring itself (no copy; valid until the
-            sequence's next step); a longer step's are the kept positions then the new ones, in order.
+            INVISIBLE_POSITION; k and v in compute_dtype, the values the cache holds. A decode step's
+            rows are the ring itself when it is stored in compute_dtype (no copy; valid until the
+            sequence's next step), else the ring widened; a longer step's are the kept positions then
+            the new ones, in order.
 
         Raises:
             RuntimeError: start > 0 and the positions [start - m, start) are not all kept.
@@ -124,13 +139,14 @@ class WindowKVCache:
             raise RuntimeError(f"window cache: sequence {seq_id} starts at position {start} in layer {layer} (window {window}), "
                                f"which needs positions [{start - need}, {start}) kept, but holds {have}")
         if ring is None:
-            ring = layers[layer] = _Ring(window - 1 + SPARE_ROWS, k_new, self.dtype)
+            ring = layers[layer] = _Ring(window - 1 + SPARE_ROWS, k_new, self.dtype, self.compute_dtype)
         if n <= SPARE_ROWS:  # rows [start - (W - 1), start) survive writing [start, start + n)
             ring.write(start, k_new, v_new)
-            return ring.k, ring.v, ring.pos
+            return (*ring.read(), ring.pos)
         kept = torch.arange(start - need, start, device=ring.pos.device) % ring.size
-        k = torch.cat((ring.k[kept], k_new.to(self.dtype)))
-        v = torch.cat((ring.v[kept], v_new.to(self.dtype)))
+        k_kept, v_kept = ring.read(kept)
+        k = torch.cat((k_kept, ring.as_stored(k_new)))
+        v = torch.cat((v_kept, ring.as_stored(v_new)))
         pos = torch.cat((ring.pos[kept], torch.arange(start, start + n, dtype=torch.int64, device=ring.pos.device)))
         tail = max(0, n - ring.size)  # the ring keeps the last `size` new rows (a checkpoint may want them)
         ring.write(start + tail, k_new[tail:], v_new[tail:])
@@ -157,7 +173,7 @@ class WindowKVCache:
                 raise RuntimeError(f"window cache: checkpoint {checkpoint} of sequence {seq_id} at position {end} needs positions "
                                    f"[{first}, {end}) of layer {layer}, but the sequence holds {have}")
             at = torch.arange(first, end, device=self.device) % ring.size if end > 0 else None
-            rows[layer] = (ring.k[at].clone(), ring.v[at].clone()) if at is not None else None
+            rows[layer] = ring.stored(at) if at is not None else None
         self._checkpoints[checkpoint] = (end, rows)
 
     def restore(self, seq_id: int, checkpoint: int) -> None:
@@ -170,9 +186,9 @@ class WindowKVCache:
         for layer, window in self.windows.items():
             if rows[layer] is None:
                 continue
-            k, v = rows[layer]
-            ring = layers[layer] = _Ring(window - 1 + SPARE_ROWS, k, self.dtype)
-            ring.write(end - k.shape[0], k, v)
+            k = rows[layer][0]
+            ring = layers[layer] = _Ring(window - 1 + SPARE_ROWS, k, self.dtype, self.compute_dtype)
+            ring.write_stored(end - k.shape[0], *rows[layer])
 
     def drop(self, checkpoint: int) -> None:
         """Forget checkpoint `checkpoint` (its prefix left the prefix cache); unknown ids are ignored."""
@@ -185,9 +201,9 @@ class WindowKVCache:
 
     def nbytes(self) -> int:
         """Bytes of keys and values kept now, over all sequences and layers, checkpoints included."""
-        rings = sum(ring.k.numel() * ring.k.element_size() * 2 for layers in self._kept.values() for ring in layers.values())
-        saved = sum(kv[0].numel() * kv[0].element_size() * 2 for _, rows in self._checkpoints.values()
-                    for kv in rows.values() if kv is not None)
+        rings = sum(ring.nbytes() for layers in self._kept.values() for ring in layers.values())
+        saved = sum(t.numel() * t.element_size() for _, rows in self._checkpoints.values()
+                    for stored in rows.values() if stored is not None for t in stored if t is not None)
         return rings + saved
 
     def __repr__(self) -> str:
@@ -201,27 +217,65 @@ SPARE_ROWS = 16
 
 class _Ring:
     """The rows of one (sequence, window layer): position t in row t mod size. Positions
-    [first, end) are held (consecutive, the latest written last)."""
+    [first, end) are held (consecutive, the latest written last). Stored in `dtype` (fp8: codes and
+    their float32 scales, `scales[0]` the keys', `scales[1]` the values'), read in `compute_dtype`."""
 
-    def __init__(self, size: int, like: torch.Tensor, dtype: torch.dtype) -> None:
-        self.size = size
+    def __init__(self, size: int, like: torch.Tensor, dtype: torch.dtype, compute_dtype: torch.dtype) -> None:
+        self.size, self.compute_dtype = size, compute_dtype
         self.k = torch.zeros(size, *like.shape[1:], dtype=dtype, device=like.device)
         self.v = torch.zeros_like(self.k)
+        self.scales = torch.ones(2, size, like.shape[1], dtype=torch.float32, device=like.device) if dtype == FP8 else None
         self.pos = torch.full((size,), INVISIBLE_POSITION, dtype=torch.int64, device=like.device)
         self.first = self.end = 0
 
-    def write(self, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Rows of positions [start, start + n) (n <= size); a rollback (start < end) forgets the
-        positions from start on."""
-        n = k.shape[0]
+    def _rows(self, start: int, n: int) -> torch.Tensor:
+        """The ring rows of positions [start, start + n) (n <= size), marked held; a rollback
+        (start < end) forgets the positions from start on."""
         rows = torch.arange(start, start + n, device=self.pos.device)
         if start == 0 or start > self.end:
             self.first = start
-        self.k[rows % self.size] = k.to(self.k.dtype)
-        self.v[rows % self.size] = v.to(self.v.dtype)
         self.pos[rows % self.size] = rows
         self.end = start + n
         self.first = max(self.first, self.end - self.size)
+        return rows % self.size
+
+    def write(self, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Keys and values (n, Hkv, D) of positions [start, start + n), stored in the ring's dtype."""
+        at = self._rows(start, k.shape[0])
+        if self.scales is None:
+            self.k[at], self.v[at] = k.to(self.k.dtype), v.to(self.v.dtype)
+        else:
+            (self.k[at], self.scales[0, at]), (self.v[at], self.scales[1, at]) = quantize_fp8(k), quantize_fp8(v)
+
+    def write_stored(self, start: int, k: torch.Tensor, v: torch.Tensor, scales: torch.Tensor | None) -> None:
+        """Rows as `stored` gave them (the same bits: nothing is rounded again)."""
+        at = self._rows(start, k.shape[0])
+        self.k[at], self.v[at] = k, v
+        if self.scales is not None:
+            self.scales[:, at] = scales
+
+    def stored(self, at: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Copies of rows `at` as stored: k, v and (fp8) their scales (2, len(at), Hkv)."""
+        return self.k[at].clone(), self.v[at].clone(), None if self.scales is None else self.scales[:, at].clone()
+
+    def read(self, at: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of rows `at` (every row when None) in compute_dtype: the ring itself when it
+        is stored so and every row is read, else a copy."""
+        k, v = (self.k, self.v) if at is None else (self.k[at], self.v[at])
+        if self.scales is not None:
+            ks, vs = self.scales if at is None else self.scales[:, at]
+            return dequantize_fp8(k, ks, self.compute_dtype), dequantize_fp8(v, vs, self.compute_dtype)
+        return k.to(self.compute_dtype), v.to(self.compute_dtype)
+
+    def as_stored(self, x: torch.Tensor) -> torch.Tensor:
+        """New rows (n, Hkv, D) in compute_dtype, with the values storing them would keep."""
+        if self.scales is not None:
+            return dequantize_fp8(*quantize_fp8(x), self.compute_dtype)
+        return x.to(self.k.dtype).to(self.compute_dtype)
+
+    def nbytes(self) -> int:
+        scales = 0 if self.scales is None else self.scales.numel() * 4
+        return 2 * self.k.numel() * self.k.element_size() + scales
 
 
 __all__ = ["WindowKVCache", "hybrid_windows", "paged_layers", "window_bytes_per_sequence"]

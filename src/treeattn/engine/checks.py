@@ -7,7 +7,6 @@
     check_hybrid_cache(files.config, config)     # static/graph steps refuse a hybrid cache
     check_draft_model(files, config)             # with speculate="draft"
     check_memory(model, files.config, config)    # weights + cache (+ draft) of the ranks on this machine
-    check_kv_cache_dtype(model, files.config, config)
     check_weight_format(model, config)
 
 ta.Engine runs check_engine before it starts a rank; ta.generate runs it on its batch-sized config
@@ -150,16 +149,6 @@ def model_dtype(model, config: EngineConfig) -> torch.dtype:
     return model.dtype
 
 
-def check_kv_cache_dtype(model, model_config, config: EngineConfig) -> None:
-    """A KV cache stored in another dtype than the model's does not run a hybrid model's window layers
-    yet: ConfigError naming kv_cache_dtype."""
-    dtype = model_dtype(model, config)
-    if hybrid_windows(tuple(model_config.layer_windows)) and resolve_kv_cache_dtype(config.kv_cache_dtype, dtype) != dtype:
-        raise ConfigError("kv_cache_dtype", f"kv_cache_dtype={config.kv_cache_dtype!r} (--kv-cache-dtype) does not run the "
-                          f"sliding-window layers of {model_config.architecture} yet: use kv_cache_dtype='auto' (the model's "
-                          f"{str(dtype).removeprefix('torch.')})")
-
-
 def check_weight_format(model, config: EngineConfig) -> None:
     """config.weight_format against the model (ConfigError naming weight_format), before any rank starts:
     "packed" needs a .gguf file whose quantized matrices a packed kernel reads, on the CPU (config.device
@@ -227,7 +216,6 @@ def check_engine(model, config: EngineConfig, *, group=None, joined: bool = Fals
     if config.draft_model is not None:
         check_draft_model(files, config)
     check_memory(model, files.config, config, cache_option=cache_option)
-    check_kv_cache_dtype(model, files.config, config)
     check_weight_format(model, config)
     config.max_context_tokens(files.config.max_position_embeddings)  # max_context beyond the cache
     return files

@@ -602,7 +602,7 @@ class Generation:
             method=c.method, prefill=self.prefill, placement=c.placement,
             kv_bytes_per_rank=[m.kv_bytes for m in measured],
             kv_bytes_per_token=kv_bytes_per_token(self.model.config, resolve_kv_cache_dtype(c.kv_cache_dtype, self.model.dtype)),
-            kv_window_bytes=window_bytes_per_sequence(self.model.config, self.model.dtype),
+            kv_window_bytes=window_bytes_per_sequence(self.model.config, resolve_kv_cache_dtype(c.kv_cache_dtype, self.model.dtype)),
             kv_cache_dtype=kv_cache_dtype_name(resolve_kv_cache_dtype(c.kv_cache_dtype, self.model.dtype)),
             weight_bytes_per_rank=weight_bytes(self.model), weight_format="packed" if is_packed(self.model) else "dequantize",
             comm_bytes_per_rank=[m.bytes_sent("decode") for m in measured],

@@ -31,7 +31,6 @@ from treeattn.cache.window import WindowKVCache, hybrid_windows, paged_layers
 from treeattn.linear.hybrid import SequenceStates, check_linear_engine, linear_layers
 from treeattn.engine import token_parallel
 from treeattn.engine.batch import PagedBatch
-from treeattn.engine.config import kv_cache_dtype_name
 from treeattn.engine.measure import RankMeasurements, RankMeter
 from treeattn.engine.ring_prefill import RingPrefillStep, resolve_prefill
 from treeattn.engine.request import TokenLogprob
@@ -122,14 +121,11 @@ class RankRunner:
                                 windows=bool(windows))
             layers = [i for i in layers if i not in linear]
         kv_cache_dtype = kv_cache_dtype or model.dtype
-        if windows and kv_cache_dtype != model.dtype:
-            raise ValueError(f"kv_cache_dtype={kv_cache_dtype_name(kv_cache_dtype)!r} (--kv-cache-dtype) does not run the "
-                             f"sliding-window layers of {c.architecture} yet; use kv_cache_dtype='auto' (the model's dtype)")
         self.cache = PagedKVCache(num_layers=len(layers), num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, value_dim=c.cache_value_dim,
                                   num_blocks=blocks_per_rank, block_size=block_size, dtype=kv_cache_dtype, device=model.device,
                                   compute_dtype=model.dtype)
-        self.windows = WindowKVCache(windows, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, dtype=model.dtype,
-                                     device=model.device) if windows else None
+        self.windows = WindowKVCache(windows, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, dtype=kv_cache_dtype,
+                                     device=model.device, compute_dtype=model.dtype) if windows else None
         self.paged_index = {layer: i for i, layer in enumerate(layers)} if windows or linear else None
         if windows and decode_step != "dynamic":
             raise ValueError(f"decode_step={decode_step!r} does not run a hybrid KV cache (the sliding-window layers of "
