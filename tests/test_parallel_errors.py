@@ -260,6 +260,52 @@ def test_spawn_rejects_bad_arguments():
         ta.spawn(raising_worker, 0)
     with pytest.raises(ValueError, match="timeout"):
         ta.spawn(raising_worker, 2, timeout=0)
+    with pytest.raises(ValueError, match="threads must be a positive int"):
+        ta.spawn(raising_worker, 2, threads=0)
+    with pytest.raises(ValueError, match="method must be one of"):
+        ta.spawn(raising_worker, 2, method="vfork")
+    with pytest.raises(ValueError, match=r"threads: forked ranks run one torch thread each.*threads=2"):
+        ta.spawn(raising_worker, 2, threads=2, method="fork")  # before any process starts
+
+
+START_MARK = "a fresh interpreter"  # a forked rank sees the parent's value instead (monkeypatched below)
+
+
+def start_worker(rank: int, world: int) -> tuple:
+    import signal
+
+    handlers = [signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGHUP)]
+    return START_MARK, torch.get_num_threads(), all(h in (signal.SIG_DFL, signal.SIG_IGN) for h in handlers)
+
+
+def test_one_thread_cpu_ranks_are_forked_and_the_others_spawned(monkeypatch):
+    """A forked rank shares the parent's state (here a module global); a spawned one imports afresh.
+    Ranks of one torch thread are forked on Linux; method="spawn" spawns them. In a forked rank the
+    parent's Python signal handlers (ta.spawn's own SIGTERM/SIGHUP ones among them) are back to the
+    default, as in a new process. (Ranks of 2+ threads are spawned: test_spawn_threads_follow_omp_num_threads,
+    and the rule itself in test_started_ranks.)"""
+    import sys
+
+    monkeypatch.setattr(sys.modules[__name__], "START_MARK", "the parent's state")
+    forked = "the parent's state" if sys.platform.startswith("linux") else "a fresh interpreter"
+    assert ta.spawn(start_worker, 2, threads=1) == [(forked, 1, True)] * 2
+    assert ta.spawn(start_worker, 2, threads=1, method="spawn") == [("a fresh interpreter", 1, True)] * 2
+
+
+def more_threads_worker(rank: int, world: int) -> None:
+    torch.set_num_threads(2)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="forks ranks")
+def test_a_forked_rank_refuses_more_torch_threads_instead_of_hanging():
+    """A forked rank inherited the parent's OpenMP pool without its threads: torch.set_num_threads(2)
+    there raises (its first parallel region would never end once the parent ran one)."""
+    torch.ones(512, 512) @ torch.ones(512, 512)  # the parent has run a parallel region
+    with pytest.raises(SpawnError) as raised:
+        ta.spawn(more_threads_worker, 2, threads=1, method="fork")
+    assert sorted(raised.value.failures) == [0, 1]
+    assert "ValueError: torch.set_num_threads(2) in a forked rank" in raised.value.summary
+    assert "pass threads=2 (or method='spawn') to ta.spawn" in raised.value.summary
 
 
 # ----------------------------------------------------------------------------- topology

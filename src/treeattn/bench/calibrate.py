@@ -286,7 +286,7 @@ def _busy_round_measurements(world_sizes: tuple[int, ...], repeats: int) -> dict
     """_busy_rounds at every world size, as lists aligned with busy_world_sizes."""
     out: dict[str, list] = {key: [] for key in BUSY_KEYS}
     for p in world_sizes:
-        result = par.spawn(_busy_rounds, p, repeats)[0]
+        result = par.spawn(_busy_rounds, p, repeats, threads=1)[0]
         out["busy_world_sizes"].append(p)
         for name in BUSY_VARIANTS:
             out[f"busy_{name}_seconds"].append(result[name])
@@ -311,7 +311,7 @@ def calibrate(repeats: int = 5, passes: int = 1, pause: float = 10.0, world_size
     for i in range(passes):
         if i:
             time.sleep(pause)
-        measured = par.spawn(_calibrate_rank, 2, repeats)[0]
+        measured = par.spawn(_calibrate_rank, 2, repeats, threads=1)[0]
         measured.update(_host_measurements(repeats))
         measured.update(_busy_round_measurements(world_sizes, 5 * repeats))
         runs.append(measured)

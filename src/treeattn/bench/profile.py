@@ -139,4 +139,4 @@ def run_profile(spec: ProfileSpec, nproc: int) -> list[dict]:
     from treeattn.engine.device import backend_for
     from treeattn.parallel import spawn
 
-    return spawn(profile_rank, nproc, spec, backend=backend_for(spec.device), timeout=3600)[0]
+    return spawn(profile_rank, nproc, spec, backend=backend_for(spec.device), timeout=3600, threads=spec.threads)[0]

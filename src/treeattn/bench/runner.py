@@ -364,7 +364,8 @@ def spawn_launcher(config: SweepConfig, world_size: int, records_path: str | Non
     from treeattn.engine.measure import malloc_env
 
     with malloc_env():  # read by glibc when the rank processes start
-        results = par.spawn(run_rank, world_size, config.to_json(), records_path, backend=config.backend, timeout=config.timeout)
+        results = par.spawn(run_rank, world_size, config.to_json(), records_path, backend=config.backend, timeout=config.timeout,
+                             threads=config.threads_per_rank, method="spawn")  # spawned: glibc reads MALLOC_ENV at the start
     return results[0]
 
 

@@ -146,7 +146,7 @@ def generate_command(
 
             from treeattn.engine.device import backend_for
 
-            result = spawn(generate_rank, world, job, display, backend=backend_for(kind), timeout=timeout)[0]
+            result = spawn(generate_rank, world, job, display, backend=backend_for(kind), timeout=timeout, threads=job.threads)[0]
     except Exception as exc:  # a rank's error (SpawnError names it) or a local one: report, exit non-zero
         from treeattn.parallel import SpawnError
 

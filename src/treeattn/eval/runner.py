@@ -94,7 +94,8 @@ def decode_methods(
         from treeattn.parallel import spawn
 
         with malloc_env():  # the ranks' resident memory follows their live tensors
-            per_rank = spawn(_decode_rank, nproc, *args, backend=backend_for(device), timeout=SPAWN_TIMEOUT_S)
+            per_rank = spawn(_decode_rank, nproc, *args, backend=backend_for(device), timeout=SPAWN_TIMEOUT_S, threads=threads,
+                             method="spawn")  # spawned: glibc reads MALLOC_ENV when a process starts
         rows = per_rank[0][0]
         load_s = max(r[1] for r in per_rank)
     runs = [[MethodRun(method_name(d, m), d, m, nproc, result) for d, m, result in row] for row in rows]

@@ -97,7 +97,8 @@ def run_demo(
     with malloc_env():  # the ranks' resident memory follows their live tensors
         start = time.perf_counter()
         per_rank = spawn(_demo_rank, nproc, context, new_tokens, tuple(methods), placement, threads, seed, dtype, device,
-                         kv_cache_dtype, backend=backend_for(device), timeout=600)
+                         kv_cache_dtype, backend=backend_for(device), timeout=600, threads=threads,
+                         method="spawn")  # spawned: glibc reads MALLOC_ENV when a process starts
         sharded_s = time.perf_counter() - start
     return [MethodRun(name, decode, method, nproc, result) for name, decode, method, result in per_rank[0]], sharded_s
 

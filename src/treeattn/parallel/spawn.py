@@ -6,12 +6,21 @@
 
     results = ta.spawn(work, 4, 1024)          # [result of rank 0, ..., result of rank 3]
 
-Locally, spawn starts `nprocs` processes (start method "spawn", so `fn` must be importable: a
-module-level function) that rendezvous through a TCPStore the parent opens on a free localhost
-port, so there is no port race. Each rank sends its result (or its error) back through a pipe;
-nothing is written to disk. Under torchrun (RANK and WORLD_SIZE in the environment), or when
-torch.distributed is already initialized, it starts nothing: it joins that group and calls fn in
-this process.
+Locally, spawn starts `nprocs` processes that rendezvous through a TCPStore the parent opens on a
+free localhost port, so there is no port race. Each rank sends its result (or its error) back
+through a pipe; nothing is written to disk. Under torchrun (RANK and WORLD_SIZE in the environment),
+or when torch.distributed is already initialized, it starts nothing: it joins that group and calls
+fn in this process.
+
+Start method (`_start_method`): CPU ranks of one torch thread each are forked on Linux when this
+process runs one Python thread, its default torch device is the CPU and it has not initialized
+CUDA. A fork shares this process's imported torch and modules (milliseconds; a "spawn"ed rank starts
+an interpreter and imports torch again, about 3 s of CPU). Every other rank is spawned: a forked
+child inherits GNU OpenMP's thread pool without its threads, so its first parallel region of 2+
+threads would never end once this process ran one; CUDA cannot be used in a fork of a process that
+touched it; and a lock held by another thread at the fork would stay held in the child forever. The
+forked ranks are started before the TCPStore's server thread exists (the store takes over a socket
+bound earlier), and their work is in their memory, not pickled.
 
 Faults (docs/faults.md states what the tests check):
 
@@ -40,6 +49,11 @@ Ranks started ahead of their work (a server's start-up: the ranks' start overlap
 Started ranks are tied to the parent from their start (parent-death signal, watchdog, heartbeat),
 so a parent that dies or fails before it calls spawn leaves none behind; a StartedRanks serves one
 spawn of exactly its `nprocs` (anything else is a ValueError before any work).
+
+Ranks supervised from another thread (ta.Engine), started in this one, where the start method is judged::
+
+    group = start(fn, 2, *args)                # the ranks start now, with their work
+    results = group.join()                     # from any thread: what spawn(fn, 2, *args) returns
 """
 
 from __future__ import annotations
@@ -121,6 +135,8 @@ def spawn(
     backend: str = "gloo",
     timeout: float = DEFAULT_TIMEOUT_S,
     ranks: StartedRanks | None = None,
+    threads: int | None = None,
+    method: str | None = None,
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on `nprocs` ranks of a new process group.
 
@@ -135,13 +151,22 @@ def spawn(
             failure the other ranks get min(GRACE_S, timeout) seconds more.
         ranks: processes started earlier (StartedRanks(nprocs)) to run fn instead of new ones; they
             serve this one call (None: start `nprocs` processes now).
+        threads: torch threads of each new rank, set before fn runs; None: rank_threads(nprocs), that is
+            OMP_NUM_THREADS when set, else cores // nprocs (at least 1), as torchrun's ranks and the
+            engine's run, so that the ranks do not oversubscribe the host's cores. A fn that sets
+            its own thread count passes it here too: it decides the start method.
+        method: multiprocessing start method of new ranks, "fork" or "spawn" (or "forkserver");
+            None: "fork" where it is safe (one torch thread a rank, CPU, see the module doc), else
+            "spawn". Ask for "spawn" when the ranks must start fresh: e.g. to read environment
+            variables that only a process start reads (glibc's MALLOC_*), or a fn that raises its
+            thread count itself.
 
-    Ranks are processes started with multiprocessing's "spawn" method: each imports the main
+    New ranks are forked or spawned (the module doc says which). A spawned rank imports the main
     module again, so a script calls spawn under `if __name__ == "__main__":` (unguarded, every
-    rank would call spawn itself), and `fn` is a function defined at a module's top level. Each
-    rank runs cores // nprocs torch threads (at least 1), as torchrun's ranks and the engine's do, so
-    that the ranks do not oversubscribe the host's cores; OMP_NUM_THREADS in the environment, or
-    torch.set_num_threads inside fn, overrides it.
+    rank would call spawn itself), and `fn` is a function defined at a module's top level. A forked
+    rank starts from this process's state instead (its imported modules and their settings, torch's
+    random state, monkeypatches) with the signal handlers reset as a new process has them, and it
+    refuses torch.set_num_threads(n > 1) in one line (ValueError) rather than hang in OpenMP.
 
     Returns:
         The list of fn's return values, index = rank. Under torchrun only this rank's entry is
@@ -156,17 +181,64 @@ def spawn(
         >>> ta.spawn(pow, 2, 10)                      # [pow(0, 2, 10), pow(1, 2, 10)]: index = rank
         [0, 1]
     """
-    if isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1:
-        raise ValueError(f"nprocs must be a positive int, got {nprocs!r}")
-    if isinstance(timeout, bool) or not (isinstance(timeout, (int, float)) and 0 < timeout < float("inf")):
-        raise ValueError(f"timeout must be a positive, finite number of seconds, got {timeout!r}")
+    _check_arguments(nprocs, timeout, threads, method)
     if ranks is not None:
         ranks.check_adoptable(nprocs)
+        if method is not None:
+            raise ValueError(f"method: the started ranks' processes exist already ({ranks.method}); pass method=None with ranks")
     if dist.is_available() and (dist.is_initialized() or under_torchrun()):
         if ranks is not None:
             raise ValueError("ranks: started processes cannot join an existing process group (torchrun); pass ranks=None")
         return _run_in_existing_group(fn, nprocs, args, backend, timeout)
-    return _run_local_processes(fn, nprocs, args, backend, float(timeout), ranks)
+    threads, method = _threads_and_method(nprocs, backend, threads, method, ranks)
+    return _supervised(lambda: RankGroup(fn, nprocs, args, backend, float(timeout), ranks, threads, method), nprocs)
+
+
+def start(fn: Callable[..., Any], nprocs: int, *args: Any, backend: str = "gloo", timeout: float = DEFAULT_TIMEOUT_S,
+          threads: int | None = None, method: str | None = None) -> RankGroup:
+    """spawn in two halves: start the ranks now, in this thread; RankGroup.join() (from any thread,
+    once) supervises them and returns or raises what spawn would. For a caller that supervises its
+    ranks from a thread of its own (ta.Engine): whether a fork is safe is judged where the ranks
+    start (the module doc), so they start here, before that thread exists.
+
+    The arguments are spawn's. Not for torchrun or an initialized process group (spawn joins those):
+    ValueError there, as for a bad argument.
+
+    Example (the builtin pow on 2 ranks; join in another thread would do the same)::
+
+        >>> from treeattn.parallel.spawn import start
+        >>> start(pow, 2, 10).join()
+        [0, 1]
+    """
+    _check_arguments(nprocs, timeout, threads, method)
+    if dist.is_available() and (dist.is_initialized() or under_torchrun()):
+        raise ValueError("start: this process is in a process group (torchrun) already; call spawn, which joins it")
+    threads, method = _threads_and_method(nprocs, backend, threads, method, None)
+    return RankGroup(fn, nprocs, args, backend, float(timeout), None, threads, method)
+
+
+def _check_arguments(nprocs, timeout, threads, method) -> None:
+    """spawn's and start's arguments: one line naming the first bad one."""
+    if isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1:
+        raise ValueError(f"nprocs must be a positive int, got {nprocs!r}")
+    if isinstance(timeout, bool) or not (isinstance(timeout, (int, float)) and 0 < timeout < float("inf")):
+        raise ValueError(f"timeout must be a positive, finite number of seconds, got {timeout!r}")
+    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+        raise ValueError(f"threads must be a positive int or None, got {threads!r}")
+    if method is not None and method not in multiprocessing.get_all_start_methods():
+        raise ValueError(f"method must be one of {multiprocessing.get_all_start_methods()} or None, got {method!r}")
+
+
+def _threads_and_method(nprocs: int, backend: str, threads: int | None, method: str | None,
+                        ranks: StartedRanks | None) -> tuple[int, str | None]:
+    """The ranks' torch threads and the start method of new ranks (None with started ranks)."""
+    threads = threads or rank_threads(nprocs)
+    if (method or getattr(ranks, "method", None)) == "fork" and threads > 1:
+        raise ValueError(f"threads: forked ranks run one torch thread each (see the module doc), got threads={threads}; "
+                         + ("use method='spawn'" if ranks is None else f"start them with StartedRanks({nprocs}, threads={threads})"))
+    if ranks is not None:
+        return threads, None
+    return threads, method or _start_method("cuda" if "nccl" in backend else "cpu", threads)
 
 
 def _run_in_existing_group(fn, nprocs, args, backend, timeout) -> list[Any]:
@@ -235,11 +307,13 @@ class _ParentSignals:
             os.kill(os.getpid(), self.pending)
 
 
-def _run_local_processes(fn, nprocs: int, args, backend: str, timeout: float, ranks: StartedRanks | None) -> list[Any]:
+def _supervised(group: Callable[[], RankGroup], nprocs: int) -> list[Any]:
+    """group().run() with the parent's signal handlers installed (main thread): the results, or
+    SpawnError naming every rank as terminated when SIGTERM/SIGHUP came (then delivered again)."""
     signals = _ParentSignals()
     try:
         with signals.installed():
-            return _RankGroup(fn, nprocs, args, backend, timeout, ranks).run(signals)
+            return group().run(signals)
     except _Signalled:
         pass
     finally:  # the ranks are gone and the handlers restored: with the default disposition this process ends here
@@ -298,7 +372,7 @@ class StartedRanks:
                 job_reader, job_writer = ctx.Pipe(duplex=False) if work is None else (None, None)
                 proc = ctx.Process(target=_rank_main, name=f"treeattn-rank{rank}", daemon=work is None,
                                    args=(rank, os.getpid(), self.heartbeats, writer, job_reader, None if work is None else work(rank),
-                                         tuple(preload)))
+                                         tuple(preload), self.method == "fork"))
                 self.procs.append(proc)
                 self.readers.append(reader)
                 self.jobs.append(job_writer)
@@ -357,40 +431,64 @@ class StartedRanks:
 
 
 def _start_method(device: str, threads: int) -> str:
-    """"fork" where a fork is safe and cheap (CPU ranks of one torch thread each, Linux, one Python
-    thread: no other thread can hold a lock the child would inherit, and the child never starts an
-    OpenMP team from the parent's inherited pool), else "spawn"."""
-    if device == "cpu" and threads == 1 and sys.platform.startswith("linux") and threading.active_count() == 1:
+    """"fork" where a fork is safe and cheap, else "spawn". Safe: CPU ranks of one torch thread each
+    (the child never starts an OpenMP team from the parent's inherited pool), on Linux, from a
+    process that runs one Python thread (no other thread can hold a lock the child would inherit),
+    whose default torch device is the CPU and which has not initialized CUDA (a fork of it could not
+    use CUDA, and its tensors would be made there)."""
+    if (device == "cpu" and threads == 1 and sys.platform.startswith("linux") and threading.active_count() == 1
+            and torch.get_default_device().type == "cpu" and not torch.cuda.is_initialized()):
         return "fork"
     return "spawn"
 
 
-class _RankGroup:
-    """The parent's view of one spawn: the processes (StartedRanks), their result pipes and heartbeats."""
+class RankGroup:
+    """The parent's view of one spawn: the processes (StartedRanks), their result pipes and heartbeats.
 
-    def __init__(self, fn, nprocs: int, args, backend: str, timeout: float, ranks: StartedRanks | None = None) -> None:
+    Made by spawn, or by start() (then: join() supervises the ranks, close() ends them unsupervised).
+    The ranks start when it is made (new ones: with their work, forked or spawned; started ones: they
+    get their work in run), before the rendezvous store's server thread exists, so that a fork
+    copies no such thread: the store takes over a socket bound first.
+    """
+
+    def __init__(self, fn, nprocs: int, args, backend: str, timeout: float, ranks: StartedRanks | None,
+                 threads: int, method: str | None) -> None:
         self.nprocs, self.timeout = nprocs, timeout
         self.grace = min(GRACE_S, timeout)
-        self.store = _loopback_store(timeout)
-        self.work = lambda rank: (nprocs, self.store.port, backend, timeout, fn, args)
-        self.ranks = ranks
+        self.listener = _loopback_listener()  # bound now, so the port is known; the store takes it over later
+        port = self.listener.getsockname()[1]
+        self.work = lambda rank: (nprocs, port, backend, timeout, fn, args, threads)
+        self.store: dist.TCPStore | None = None
         self.outcomes: dict[int, tuple[str, Any]] = {}  # rank -> ("ok", result) | ("error", text), as received
         self.failures: dict[int, str] = {}
         self.results: dict[int, Any] = {}
+        try:
+            self.ranks = ranks if ranks is not None else StartedRanks(nprocs, method=method, work=self.work)
+        except BaseException:
+            self.listener.close()
+            raise
+
+    def join(self) -> list[Any]:
+        """Supervise the ranks until they end: fn's results, index = rank (SpawnError as spawn raises it)."""
+        return _supervised(lambda: self, self.nprocs)
+
+    def close(self) -> None:
+        """End the ranks unsupervised (a start() whose join never comes); idempotent."""
+        self.ranks.close()
+        self.listener.close()
 
     def run(self, signals: _ParentSignals) -> list[Any]:
         try:
-            if self.ranks is None:
-                self.ranks = StartedRanks(self.nprocs, method="spawn", work=self.work)
-            else:
+            # the ranks connect to the bound socket meanwhile: the kernel queues them until the store accepts
+            self.store = _loopback_store(self.listener, self.timeout)
+            if not self.ranks.adopted:
                 self.ranks.give(self.work)
             self.procs, self.readers, self.heartbeats = self.ranks.procs, self.ranks.readers, self.ranks.heartbeats
             self._watch()
         finally:
             signals.deferring = True  # a signal now must not interrupt the cleanup
-            if self.ranks is not None:
-                self.ranks.close()
-            del self.store
+            self.close()  # the listener: a no-op once the store took it over
+            self.store = None
         if self.failures:
             raise SpawnError(self.failures, self.results)
         return [self.results[rank] for rank in range(self.nprocs)]
@@ -518,9 +616,10 @@ def _describe_exit(code: int | None) -> str:
     return f"code {code}"
 
 
-def _loopback_store(timeout: float) -> dist.TCPStore:
-    """The rendezvous store, listening on the loopback only: TCPStore binds every interface when
-    it opens its own socket, so it is handed one bound to HOST (it takes the descriptor over)."""
+def _loopback_listener() -> socket.socket:
+    """A listening socket on a free port of the loopback, for the rendezvous store: TCPStore binds
+    every interface when it opens its own socket. Ranks may connect before the store exists (the
+    kernel queues them)."""
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     try:
         listener.bind((HOST, 0))
@@ -528,6 +627,11 @@ def _loopback_store(timeout: float) -> dist.TCPStore:
     except OSError:
         listener.close()
         raise
+    return listener
+
+
+def _loopback_store(listener: socket.socket, timeout: float) -> dist.TCPStore:
+    """The rendezvous store on `listener` (it takes the descriptor over; the socket object is detached)."""
     return dist.TCPStore(HOST, 0, world_size=None, is_master=True, wait_for_workers=False,
                          timeout=timedelta(seconds=timeout), master_listen_fd=listener.detach())
 
@@ -570,11 +674,13 @@ def rank_threads(world_size: int) -> int:
     return int(given) if given.isdigit() and int(given) > 0 else max(1, (os.cpu_count() or 1) // world_size)
 
 
-def _rank_main(rank, parent_pid, heartbeats, result_pipe, job_pipe, work, preload=()) -> None:
+def _rank_main(rank, parent_pid, heartbeats, result_pipe, job_pipe, work, preload=(), forked=False) -> None:
     """Body of one child process: tie its life to the parent's, wait for its work if it has none yet
     (`job_pipe`, importing the `preload` modules meanwhile; closed without work: exit), join the
     group, run fn, send the result or the error back through the pipe."""
-    faulthandler.enable()  # a native crash (SIGSEGV, SIGABRT) still prints the Python stack
+    if forked:
+        _as_a_new_process()
+    faulthandler.enable(file=2)  # a native crash (SIGSEGV, SIGABRT) still prints the Python stack on stderr
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's (see _sigint_blocked)
     if hasattr(signal, "pthread_sigmask"):
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # ignored now: nothing pending may kill it
@@ -588,9 +694,11 @@ def _rank_main(rank, parent_pid, heartbeats, result_pipe, job_pipe, work, preloa
         except (EOFError, OSError):  # the parent closed (or lost) this rank without giving it work
             exit_without_teardown(0)
         job_pipe.close()
-    world_size, port, backend, timeout, fn, args = work
-    torch.set_num_threads(rank_threads(world_size))
+    world_size, port, backend, timeout, fn, args, threads = work
     try:
+        if forked:
+            _refuse_more_threads()
+        torch.set_num_threads(threads or rank_threads(world_size))
         if "nccl" in backend and torch.cuda.is_available():
             torch.cuda.set_device(rank % torch.cuda.device_count())
         store = dist.TCPStore(HOST, port, world_size=None, is_master=False, timeout=timedelta(seconds=timeout))
@@ -614,6 +722,31 @@ def _rank_main(rank, parent_pid, heartbeats, result_pipe, job_pipe, work, preloa
     # workers) can abort the process at exit ("terminate called without an active exception")
     # after all work is done; the result is already sent.
     exit_without_teardown(0)
+
+
+def _as_a_new_process() -> None:
+    """In a forked rank: the signal handlers a new process has. The Python handlers inherited from
+    the parent (ta.spawn's own SIGTERM/SIGHUP handlers, a test runner's, a server's) go back to the
+    default, as an exec would reset them; ignored signals stay ignored."""
+    for signum in signal.valid_signals():
+        with contextlib.suppress(OSError, ValueError):  # SIGKILL, SIGSTOP and the like cannot be set
+            if callable(signal.getsignal(signum)):
+                signal.signal(signum, signal.SIG_DFL)
+
+
+def _refuse_more_threads() -> None:
+    """In a forked rank: torch.set_num_threads(n > 1) raises a ValueError naming the way out. The
+    rank inherited GNU OpenMP's thread pool without its threads; its first parallel region of 2 or
+    more threads would never end (the module doc)."""
+    set_num_threads = torch.set_num_threads
+
+    def one_thread_only(n: int) -> None:
+        if n > 1:
+            raise ValueError(f"torch.set_num_threads({n}) in a forked rank: its OpenMP pool cannot start threads; "
+                             f"pass threads={n} (or method='spawn') to ta.spawn")
+        set_num_threads(n)
+
+    torch.set_num_threads = one_thread_only
 
 
 def _die_with_parent(parent_pid: int, heartbeats, rank: int) -> None:
