@@ -186,6 +186,11 @@ def test_ranks_are_forked_only_when_each_runs_one_thread(monkeypatch):
     assert _start_method("cuda", 1) == "spawn"
     monkeypatch.setattr(threading, "active_count", lambda: 2)  # another Python thread could hold a lock
     assert _start_method("cpu", 1) == "spawn"
+    monkeypatch.setattr(threading, "active_count", lambda: 1)
+    import torch
+
+    monkeypatch.setattr(torch, "get_default_device", lambda: torch.device("meta"))  # a fork would make its tensors there
+    assert _start_method("cpu", 1) == "spawn"
 
 
 def test_an_engine_refuses_forked_ranks_that_would_run_several_threads():

@@ -39,7 +39,8 @@ def alive(pid: int) -> bool:
 
 def has_socket(pid: int) -> bool:
     """A rank opens its store connection first thing in its main function: once it has a socket it
-    is past its start-up and runs fn (or is about to)."""
+    is past its start-up and runs fn (or is about to). A forked rank holds its parent's sockets from
+    the start, milliseconds before that."""
     try:
         return any(os.readlink(f"/proc/{pid}/fd/{fd}").startswith("socket:") for fd in os.listdir(f"/proc/{pid}/fd"))
     except OSError:

@@ -5,8 +5,9 @@
     outcome = channel.run(plan)                   # rank 0's StepOutcome (or a Measure's measurements)
     channel.close()                               # the ranks leave serve_steps and end
 
-SpawnedRanks starts the rank processes (rank.rank_main) in a background thread and waits for rank
-0 to connect back with its ModelInfo; a plan goes to rank 0 over that connection and rank 0
+SpawnedRanks starts the rank processes (rank.rank_main) in the caller's thread (treeattn.parallel.spawn.start:
+forked where that is safe), supervises them from a background thread and waits for rank 0 to connect
+back with its ModelInfo; a plan goes to rank 0 over that connection and rank 0
 broadcasts it. A plan that raised on rank 0 comes back as StepFailed, and restart() replaces the
 ranks with new ones (the driver then recomputes its sequences); ranks that are gone (killed, or
 rank 0's connection lost) come back as EngineError, which fails the engine. GroupChannel broadcasts the plan itself;
@@ -44,14 +45,24 @@ class SpawnedRanks:
         self._start(ranks)
 
     def _start(self, ranks=None) -> None:
-        """Run rank_main on `ranks` (a StartedRanks for the first start, adopted by spawn) or on new processes."""
-        from treeattn.parallel.spawn import spawn
+        """Run rank_main on `ranks` (a StartedRanks for the first start, adopted by spawn) or on new
+        processes, started here, in the caller's thread (forked where that is safe: ta.spawn's module
+        doc judges it by the threads this process runs), and supervised by a thread of their own."""
+        from treeattn.parallel.spawn import start
 
         config = self.config
         self._authkey = os.urandom(16)
         self._listener = Listener(("127.0.0.1", 0), authkey=self._authkey)
         self.failure: BaseException | None = None
-        self._thread = threading.Thread(target=self._spawn, args=(spawn, self._model, ranks), name="treeattn-engine-ranks", daemon=True)
+        group = None
+        if ranks is None:
+            try:
+                group = start(rank_main, config.nproc, self._listener.address, self._authkey, self._model, config,
+                              backend=backend_for(config.device), timeout=config.timeout_s, threads=config.threads_per_rank)
+            except Exception as exc:
+                self._listener.close()
+                raise EngineError(f"the engine's ranks failed to start: {exc}") from exc
+        self._thread = threading.Thread(target=self._spawn, args=(group, ranks), name="treeattn-engine-ranks", daemon=True)
         self._thread.start()
         logger.debug("%s %d rank process(es)", "starting" if ranks is None else "handing the work to the started", config.nproc)
         accepted: list = []
@@ -76,10 +87,17 @@ class SpawnedRanks:
         self.close()
         self._start()
 
-    def _spawn(self, spawn, model, ranks) -> None:
+    def _spawn(self, group, ranks) -> None:
+        """Supervise the ranks (`group`, started by _start) or hand the work to the started `ranks`."""
+        from treeattn.parallel.spawn import spawn
+
         try:
-            spawn(rank_main, self.config.nproc, self._listener.address, self._authkey, model, self.config,
-                  backend=backend_for(self.config.device), timeout=self.config.timeout_s, ranks=ranks)
+            if group is not None:
+                group.join()
+            else:
+                spawn(rank_main, self.config.nproc, self._listener.address, self._authkey, self._model, self.config,
+                      backend=backend_for(self.config.device), timeout=self.config.timeout_s, ranks=ranks,
+                      threads=self.config.threads_per_rank)
         except BaseException as exc:  # noqa: BLE001
             self.failure = exc
 
