@@ -15,6 +15,17 @@ import torch
 # (treeattn.models.gguf_cache; its own tests turn it on in a temporary directory).
 os.environ.setdefault("TREEATTN_GGUF_CACHE", "0")
 
+# tqdm's progress bars (transformers' save_pretrained, when a test writes a checkpoint) start a monitor
+# thread that lives while any bar object does. With a second Python thread in this process ta.spawn
+# spawns its ranks instead of forking them (treeattn.parallel.spawn's module doc: a thread could hold a
+# lock at the fork), about 3 s of CPU more per rank. Bars work without their monitor.
+try:
+    import tqdm
+
+    tqdm.tqdm.monitor_interval = 0
+except ImportError:
+    pass
+
 _device = os.environ.get("TREEATTN_TEST_DEVICE")
 if _device:
     torch.set_default_device(_device)
