@@ -15,8 +15,10 @@ The collectives that carry the plans and this measurement itself are not counted
 engine's control traffic, not the attention's.
 
 Processes whose resident memory is measured (the demos', the evaluations', the benchmarks' ranks)
-are started inside `with malloc_env():` so that glibc returns large blocks to the system when they
-are freed and the peaks follow the live tensors.
+are spawned (ta.spawn(method="spawn")) inside `with malloc_env():` so that glibc returns large blocks
+to the system when they are freed and the peaks follow the live tensors. A forked rank (ta.spawn's
+default for CPU ranks of one thread) would start with the resident pages it shares with its parent,
+and glibc reads MALLOC_ENV only when a process starts.
 """
 
 from __future__ import annotations
