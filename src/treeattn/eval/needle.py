@@ -66,6 +66,9 @@ class NeedleReport:
 
     def as_dict(self) -> dict:
         out = asdict(self)
+        for cell in out["cells"]:  # a report whose methods each prefilled (older ones, one rank) has none
+            if not cell["method_cached_tokens"]:
+                del cell["method_cached_tokens"]
         out.update(accuracy=self.accuracy, methods_agree=self.methods_agree)
         return out
 
