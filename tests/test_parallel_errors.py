@@ -280,7 +280,7 @@ def start_worker(rank: int, world: int) -> tuple:
 
 def test_one_thread_cpu_ranks_are_forked_and_the_others_spawned(monkeypatch):
     """A forked rank shares the parent's state (here a module global); a spawned one imports afresh.
-    Ranks of one torch thread are forked on Linux; method="spawn" spawns them. In a forked rank the
+    ta.spawn forks on request (method="fork") and spawns by default (see spawn's module doc). In a forked rank the
     parent's Python signal handlers (ta.spawn's own SIGTERM/SIGHUP ones among them) are back to the
     default, as in a new process. (Ranks of 2+ threads are spawned: test_spawn_threads_follow_omp_num_threads,
     and the rule itself in test_started_ranks.)"""
@@ -288,8 +288,8 @@ def test_one_thread_cpu_ranks_are_forked_and_the_others_spawned(monkeypatch):
 
     monkeypatch.setattr(sys.modules[__name__], "START_MARK", "the parent's state")
     forked = "the parent's state" if sys.platform.startswith("linux") else "a fresh interpreter"
-    assert ta.spawn(start_worker, 2, threads=1) == [(forked, 1, True)] * 2
-    assert ta.spawn(start_worker, 2, threads=1, method="spawn") == [("a fresh interpreter", 1, True)] * 2
+    assert ta.spawn(start_worker, 2, threads=1, method="fork" if forked != "a fresh interpreter" else None) == [(forked, 1, True)] * 2
+    assert ta.spawn(start_worker, 2, threads=1) == [("a fresh interpreter", 1, True)] * 2
 
 
 def more_threads_worker(rank: int, world: int) -> None:

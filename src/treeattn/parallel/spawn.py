@@ -22,6 +22,14 @@ touched it; and a lock held by another thread at the fork would stay held in the
 forked ranks are started before the TCPStore's server thread exists (the store takes over a socket
 bound earlier), and their work is in their memory, not pickled.
 
+That rule is StartedRanks' default (`treeattn serve` forks its ranks first thing, before this process
+has multiplied a matrix). ta.spawn's new ranks are spawned unless the caller asks for
+method="fork": a fork of a process that has already run MKL matrix products can hang in the child.
+Seen in a full test run (2026-11-26): two forked ranks spun for 12 minutes inside MKL's allocator
+(mkl_serv_allocate -> mm_account_ptr_by_tid, from an sgemm), in a pytest process that had run many
+tests' matrix products on 2 threads; the same tests had passed when forked from fresher processes.
+Until that is understood, forks stay opt-in there.
+
 Faults (docs/faults.md states what the tests check):
 
 - An exception in any rank, or a rank that dies, ends in a SpawnError in the parent that names
@@ -156,12 +164,11 @@ def spawn(
             engine's run, so that the ranks do not oversubscribe the host's cores. A fn that sets
             its own thread count passes it here too: it decides the start method.
         method: multiprocessing start method of new ranks, "fork" or "spawn" (or "forkserver");
-            None: "fork" where it is safe (one torch thread a rank, CPU, see the module doc), else
-            "spawn". Ask for "spawn" when the ranks must start fresh: e.g. to read environment
+            None: "spawn" (a fork of a process that ran MKL products can hang: see the module doc). Ask for "spawn" when the ranks must start fresh: e.g. to read environment
             variables that only a process start reads (glibc's MALLOC_*), or a fn that raises its
             thread count itself.
 
-    New ranks are forked or spawned (the module doc says which). A spawned rank imports the main
+    New ranks are spawned unless method="fork" (the module doc says why). A spawned rank imports the main
     module again, so a script calls spawn under `if __name__ == "__main__":` (unguarded, every
     rank would call spawn itself), and `fn` is a function defined at a module's top level. A forked
     rank starts from this process's state instead (its imported modules and their settings, torch's
@@ -238,7 +245,7 @@ def _threads_and_method(nprocs: int, backend: str, threads: int | None, method: 
                          + ("use method='spawn'" if ranks is None else f"start them with StartedRanks({nprocs}, threads={threads})"))
     if ranks is not None:
         return threads, None
-    return threads, method or _start_method("cuda" if "nccl" in backend else "cpu", threads)
+    return threads, method or "spawn"  # a fork only on request: see the module doc's MKL note
 
 
 def _run_in_existing_group(fn, nprocs, args, backend, timeout) -> list[Any]:
