@@ -83,10 +83,9 @@ class Engine:
             outside a process group. A restart after a failed step starts new ones.
 
     In a script, an engine with nproc > 1 must be created under `if __name__ == "__main__":`: rank
-    processes of more than one torch thread (and CUDA ones) are started with multiprocessing's "spawn"
-    method, which imports the main module again in every rank (unguarded, each rank would start an
-    engine of its own); CPU ranks of one thread each are forked from this process where ta.spawn's
-    rule allows (treeattn.parallel.spawn's module doc)::
+    processes are started with multiprocessing's "spawn" method, which imports the main module again
+    in every rank (unguarded, each rank would start an engine of its own; ranks started earlier with
+    StartedRanks may be forked instead: treeattn.parallel.spawn's module doc)::
 
         import treeattn as ta
 

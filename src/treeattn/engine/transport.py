@@ -6,7 +6,7 @@
     channel.close()                               # the ranks leave serve_steps and end
 
 SpawnedRanks starts the rank processes (rank.rank_main) in the caller's thread (treeattn.parallel.spawn.start:
-forked where that is safe), supervises them from a background thread and waits for rank 0 to connect
+spawned), supervises them from a background thread and waits for rank 0 to connect
 back with its ModelInfo; a plan goes to rank 0 over that connection and rank 0
 broadcasts it. A plan that raised on rank 0 comes back as StepFailed, and restart() replaces the
 ranks with new ones (the driver then recomputes its sequences); ranks that are gone (killed, or
@@ -46,8 +46,8 @@ class SpawnedRanks:
 
     def _start(self, ranks=None) -> None:
         """Run rank_main on `ranks` (a StartedRanks for the first start, adopted by spawn) or on new
-        processes, started here, in the caller's thread (forked where that is safe: ta.spawn's module
-        doc judges it by the threads this process runs), and supervised by a thread of their own."""
+        processes, started here, in the caller's thread (spawned: ta.spawn's module doc says why not
+        forked), and supervised by a thread of their own."""
         from treeattn.parallel.spawn import start
 
         config = self.config
