@@ -17,10 +17,12 @@ is transformers' own cached greedy decoding (generate with its DynamicCache, sdp
 the same prompt, in the same process.
 
 --timing measures time per token fairly instead (no oracle tokens): for each rank count, ta.generate
-on that many ranks with ignore_eos, and transformers' cached greedy generate (sdpa, DynamicCache) on
-the same weights and prompt, each for --max-new-tokens tokens; a row reports the median and the
-minimum of the decode steps after the first (which loads compiled kernels), from the engine's step
-timer and from a streamer's token times, and whether the tokens agree.
+on that many ranks with ignore_eos, and transformers' cached greedy decoding (sdpa, a DynamicCache
+whose window layers keep their window; the prompt prefilled in 2,048-token forwards, then one
+forward per token) on the same weights and prompt, each for --max-new-tokens tokens; a row reports
+the median and the minimum of the decode steps after the first (which loads compiled kernels), from
+the engine's step timer and from timing each of transformers' forwards, and whether the tokens
+agree.
 """
 
 from __future__ import annotations
@@ -111,27 +113,32 @@ def timed_rank(rank: int, world_size: int, path: str, prompt: list[int], new_tok
     return {"tokens": result.generated_ids[0], "threads": torch.get_num_threads(), **step_summary(result.step_times_s)}
 
 
-def transformers_timing(model, prompt: list[int], new_tokens: int) -> dict:
-    """transformers' cached greedy decoding (generate, sdpa) on our weights: time per token from a streamer."""
+def transformers_timing(model, prompt: list[int], new_tokens: int, chunk: int = 2048) -> dict:
+    """transformers' cached greedy decoding on our weights (sdpa, a DynamicCache built from the config, so
+    the window layers keep only their window), one forward per token, each timed.
+
+    The prompt is prefilled in `chunk`-token forwards through that cache: one 30K-token forward would
+    compute every window layer's full 30K x 30K scores (~15 min here), which no decoder needs. The
+    timed loop is the least a transformers user can run (no generate() bookkeeping)."""
+    from transformers import DynamicCache
+
     hf = transformers_twin(model)
-
-    class StepTimer:  # a transformers streamer: the first put() is the prompt, then one per new token
-        times: list[float] = []
-
-        def put(self, value) -> None:
-            self.times.append(time.perf_counter())
-
-        def end(self) -> None:
-            pass
-
-    timer = StepTimer()
-    ids = torch.tensor([prompt])
+    cache = DynamicCache(config=hf.config)
+    t0 = time.perf_counter()
     with torch.inference_mode():
-        out = hf.generate(ids, max_new_tokens=new_tokens, do_sample=False, eos_token_id=None, streamer=timer,
-                          attention_mask=torch.ones_like(ids), pad_token_id=0)
-    steps = [b - a for a, b in zip(timer.times[1:], timer.times[2:])]  # new token i -> i + 1: one decode step each
-    return {"tokens": out[0, len(prompt):].tolist(), "threads": torch.get_num_threads(),
-            "time_to_first_token_s": timer.times[1] - timer.times[0], **step_summary(steps)}
+        for start in range(0, len(prompt), chunk):
+            logits = hf(input_ids=torch.tensor([prompt[start:start + chunk]]), past_key_values=cache, use_cache=True,
+                        logits_to_keep=1).logits
+        tokens = [int(logits[0, -1].argmax())]
+        t1 = time.perf_counter()
+        steps = []
+        for _ in range(new_tokens - 1):
+            a = time.perf_counter()
+            logits = hf(input_ids=torch.tensor([[tokens[-1]]]), past_key_values=cache, use_cache=True).logits
+            tokens.append(int(logits[0, -1].argmax()))
+            steps.append(time.perf_counter() - a)
+    return {"tokens": tokens, "threads": torch.get_num_threads(), "time_to_first_token_s": t1 - t0,
+            "prefill_chunk": chunk, **step_summary(steps)}
 
 
 def time_per_token(path: str, prompt: list[int], nprocs: list[int], new_tokens: int) -> dict:

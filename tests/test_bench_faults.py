@@ -170,7 +170,7 @@ def test_plots_and_csv_leave_failed_cases_out(tmp_path):
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_sigterm_keeps_the_finished_cases_and_leaves_no_rank_or_temp_dir(tmp_path):
-    from helpers.processes import SRC, alive, children, wait_for_ranks, wait_gone
+    from helpers.processes import SRC, alive, descendants, wait_for_ranks, wait_gone
 
     tmp = tmp_path / "tmp"
     tmp.mkdir()
@@ -184,16 +184,17 @@ def test_sigterm_keeps_the_finished_cases_and_leaves_no_rank_or_temp_dir(tmp_pat
     try:
         ranks += wait_for_ranks(parent, 2)
         time.sleep(2.0)
+        started = descendants(parent.pid)  # the ranks, and the fork server that started them
         parent.send_signal(signal.SIGTERM)
         _, err = parent.communicate(timeout=30)
         assert parent.returncode == 130, err[-2000:]
-        assert not wait_gone(ranks, 10.0)
+        assert not wait_gone(ranks + started, 10.0)
         records = json.loads(out.read_text())
         assert "interrupted: keeping the" in err and len(records) < len(lengths)
         assert [r["seq_len"] for r in records] == [int(n) for n in lengths[: len(records)]]
         assert list(tmp.iterdir()) == []
     finally:
-        for pid in [parent.pid, *ranks, *children(parent.pid)]:
+        for pid in [parent.pid, *ranks, *descendants(parent.pid)]:
             if alive(pid):
                 os.kill(pid, signal.SIGKILL)
         parent.wait()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import sys
 import time
 from unittest import mock
 
@@ -280,7 +281,8 @@ def start_worker(rank: int, world: int) -> tuple:
 
 def test_one_thread_cpu_ranks_are_forked_and_the_others_spawned(monkeypatch):
     """A forked rank shares the parent's state (here a module global); a spawned one imports afresh.
-    ta.spawn forks on request (method="fork") and spawns by default (see spawn's module doc). In a forked rank the
+    ta.spawn forks on request (method="fork"); by default its ranks come from a fork server (Linux) or are
+    spawned, and either imports this module afresh (see spawn's module doc). In a forked rank the
     parent's Python signal handlers (ta.spawn's own SIGTERM/SIGHUP ones among them) are back to the
     default, as in a new process. (Ranks of 2+ threads are spawned: test_spawn_threads_follow_omp_num_threads,
     and the rule itself in test_started_ranks.)"""
@@ -290,6 +292,30 @@ def test_one_thread_cpu_ranks_are_forked_and_the_others_spawned(monkeypatch):
     forked = "the parent's state" if sys.platform.startswith("linux") else "a fresh interpreter"
     assert ta.spawn(start_worker, 2, threads=1, method="fork" if forked != "a fresh interpreter" else None) == [(forked, 1, True)] * 2
     assert ta.spawn(start_worker, 2, threads=1) == [("a fresh interpreter", 1, True)] * 2
+
+
+def fork_server_worker(rank: int, world: int) -> tuple:
+    with open(f"/proc/{os.getpid()}/comm") as f:
+        name = f.read().strip()
+    x = torch.randn(256, 256)
+    (x @ x).sum()  # a parallel region of 2 threads: it ends (the server never started OpenMP's pool)
+    return os.environ.get("TREEATTN_TEST_PROBE"), torch.get_num_threads(), name, os.getppid()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the fork server is the Linux default")
+def test_the_fork_server_gives_ranks_the_callers_environment_and_any_thread_count(monkeypatch):
+    """ta.spawn's default on Linux: ranks forked from one fork server (not from this process, which
+    has run matrix products), with this process's environment as it is at each call, 2 torch threads
+    allowed, named treeattn-rankN; the same server serves the next call."""
+    torch.ones(512, 512) @ torch.ones(512, 512)  # this process has run a parallel region
+    monkeypatch.setenv("TREEATTN_TEST_PROBE", "first")
+    first = ta.spawn(fork_server_worker, 2, threads=2)
+    monkeypatch.setenv("TREEATTN_TEST_PROBE", "second")
+    second = ta.spawn(fork_server_worker, 2, threads=1)
+    assert [r[:3] for r in first] == [("first", 2, "treeattn-rank0"), ("first", 2, "treeattn-rank1")]
+    assert [r[:3] for r in second] == [("second", 1, "treeattn-rank0"), ("second", 1, "treeattn-rank1")]
+    servers = {r[3] for r in first + second}
+    assert len(servers) == 1 and os.getpid() not in servers  # one server, the ranks' parent
 
 
 def more_threads_worker(rank: int, world: int) -> None:

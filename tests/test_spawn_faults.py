@@ -24,7 +24,7 @@ import torch
 
 import treeattn as ta
 from treeattn.parallel import SpawnError
-from helpers.processes import SRC, children, alive, wait_for_ranks, wait_gone  # noqa: E402
+from helpers.processes import SRC, alive, descendants, wait_for_ranks, wait_gone  # noqa: E402
 
 
 # ----------------------------------------------------------------------------- processes
@@ -55,7 +55,7 @@ def generate_process(checkpoint: Path, tmp: Path, *extra: str) -> Iterator[tuple
         ranks += wait_for_ranks(parent, 2)
         yield parent, ranks
     finally:
-        for pid in [parent.pid, *ranks, *children(parent.pid)]:
+        for pid in [parent.pid, *ranks, *descendants(parent.pid)]:
             if alive(pid):
                 os.kill(pid, signal.SIGKILL)
         parent.wait()
@@ -69,10 +69,11 @@ def generate_process(checkpoint: Path, tmp: Path, *extra: str) -> Iterator[tuple
 def test_a_signalled_generate_parent_leaves_no_rank_and_no_temp_dir(checkpoint, tmp_path, signame):
     with generate_process(checkpoint, tmp_path / "tmp") as (parent, ranks):
         time.sleep(1.0)  # decoding
+        started = descendants(parent.pid)  # the ranks, and the fork server that started them
         parent.send_signal(getattr(signal, signame))
         parent.wait(timeout=10)
-        left = wait_gone(ranks, 10.0)
-        assert not left, f"rank processes {left} still alive 10 s after {signame} to the parent"
+        left = wait_gone(ranks + started, 10.0)
+        assert not left, f"processes {left} of the parent still alive 10 s after {signame} to it (ranks: {ranks})"
         assert parent.returncode == -getattr(signal, signame)  # the parent died of the signal, as before
         assert list((tmp_path / "tmp").iterdir()) == []
 

@@ -1,6 +1,6 @@
 """Processes seen from /proc (Linux): children of a process, whether one is alive, waiting for rank processes.
 
-    ranks = wait_for_ranks(parent, 2)       # the parent's rank processes, once they run their function
+    ranks = wait_for_ranks(parent, 2)       # the parent's rank processes (its children, or its fork server's), once they run their function
     assert wait_gone(ranks, 30) == []
 """
 
@@ -28,6 +28,25 @@ def children(pid: int) -> list[int]:
     return found
 
 
+def descendants(pid: int) -> list[int]:
+    """Children of `pid`, their children, and so on (Linux /proc)."""
+    found, todo = [], [pid]
+    while todo:
+        kids = children(todo.pop())
+        found += kids
+        todo += kids
+    return found
+
+
+def is_rank(pid: int) -> bool:
+    """Whether `pid` is a rank of ta.spawn (its process name, set by the rank: treeattn-rankN)."""
+    try:
+        with open(f"/proc/{pid}/comm") as f:
+            return f.read().startswith("treeattn-rank")
+    except OSError:
+        return False
+
+
 def alive(pid: int) -> bool:
     """True if `pid` exists and is not a zombie (an orphan's zombie may wait for init to reap it)."""
     try:
@@ -48,11 +67,12 @@ def has_socket(pid: int) -> bool:
 
 
 def wait_for_ranks(parent: subprocess.Popen, n: int, limit_s: float = 120.0) -> list[int]:
-    """The pids of the parent's `n` rank processes, once all of them run their rank function."""
+    """The pids of the parent's `n` rank processes (started by it or by its fork server), once all of
+    them run their rank function."""
     deadline = time.monotonic() + limit_s
     while time.monotonic() < deadline:
         assert parent.poll() is None, parent.communicate()
-        ranks = [pid for pid in children(parent.pid) if has_socket(pid)]
+        ranks = [pid for pid in descendants(parent.pid) if is_rank(pid) and has_socket(pid)]
         if len(ranks) >= n:
             return ranks
         time.sleep(0.2)

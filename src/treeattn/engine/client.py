@@ -83,9 +83,10 @@ class Engine:
             outside a process group. A restart after a failed step starts new ones.
 
     In a script, an engine with nproc > 1 must be created under `if __name__ == "__main__":`: rank
-    processes are started with multiprocessing's "spawn" method, which imports the main module again
-    in every rank (unguarded, each rank would start an engine of its own; ranks started earlier with
-    StartedRanks may be forked instead: treeattn.parallel.spawn's module doc)::
+    processes (forks of a fork server on Linux, spawned interpreters elsewhere) import the main
+    module again in every rank (unguarded, each rank would start an engine of its own; ranks started
+    earlier with StartedRanks may be forks of this process instead: treeattn.parallel.spawn's module
+    doc)::
 
         import treeattn as ta
 

@@ -12,23 +12,31 @@ through a pipe; nothing is written to disk. Under torchrun (RANK and WORLD_SIZE 
 or when torch.distributed is already initialized, it starts nothing: it joins that group and calls
 fn in this process.
 
-Start method (`_start_method`): CPU ranks of one torch thread each are forked on Linux when this
-process runs one Python thread, its default torch device is the CPU and it has not initialized
-CUDA. A fork shares this process's imported torch and modules (milliseconds; a "spawn"ed rank starts
-an interpreter and imports torch again, about 3 s of CPU). Every other rank is spawned: a forked
-child inherits GNU OpenMP's thread pool without its threads, so its first parallel region of 2+
-threads would never end once this process ran one; CUDA cannot be used in a fork of a process that
-touched it; and a lock held by another thread at the fork would stay held in the child forever. The
-forked ranks are started before the TCPStore's server thread exists (the store takes over a socket
-bound earlier), and their work is in their memory, not pickled.
+Start methods. A "spawn"ed rank starts an interpreter and imports torch again: about 3 s of CPU
+per rank. A fork of this process starts in milliseconds but inherits its state, and that is only
+safe from a fresh process: a forked child inherits GNU OpenMP's thread pool without its threads (its
+first parallel region of 2+ threads never ends once this process ran one), CUDA cannot be used in a
+fork of a process that touched it, a lock held by another thread at the fork stays held in the child
+forever, and a fork of a process that has run many MKL matrix products can spin in MKL's allocator
+(seen in a full test run, 2026-11-26: two forked ranks spun for 12 minutes in mkl_serv_allocate ->
+mm_account_ptr_by_tid under an sgemm, forked from a pytest process that had run hundreds of tests'
+products on 2 threads).
 
-That rule is StartedRanks' default (`treeattn serve` forks its ranks first thing, before this process
-has multiplied a matrix). ta.spawn's new ranks are spawned unless the caller asks for
-method="fork": a fork of a process that has already run MKL matrix products can hang in the child.
-Seen in a full test run (2026-11-26): two forked ranks spun for 12 minutes inside MKL's allocator
-(mkl_serv_allocate -> mm_account_ptr_by_tid, from an sgemm), in a pytest process that had run many
-tests' matrix products on 2 threads; the same tests had passed when forked from fresher processes.
-Until that is understood, forks stay opt-in there.
+- ta.spawn's new CPU ranks (gloo) come from a fork server on Linux (`method="forkserver"`, the
+  default; `_new_rank_method`): one process per parent, started (spawned) the first time it is needed,
+  that imports torch and treeattn (`FORKSERVER_PRELOAD`) and then only forks ranks; it never runs a
+  tensor operation, so each rank is a fork of a clean process. The first spawn pays one interpreter
+  start; each rank after that starts in tens of milliseconds. Such a rank gets this process's
+  environment, working directory and sys.path as they are at the spawn (not the server's), and may
+  run any number of torch threads. Its parent is the fork server, which exits when this process does
+  (multiprocessing closes its pipe); the rank has the parent-death signal tied to the server and its
+  watchdog also checks this process.
+- NCCL ranks, and every rank off Linux, are spawned.
+- StartedRanks (`treeattn serve`'s ranks, started before the server has multiplied a matrix) are
+  forked from this process where `_start_method` says a fork is safe: CPU ranks of one torch thread,
+  one Python thread here, CPU default device, CUDA not initialized. Their work is in their memory,
+  not pickled, and they start before the TCPStore's server thread exists (the store takes over a
+  socket bound earlier). method="fork" asks the same of ta.spawn.
 
 Faults (docs/faults.md states what the tests check):
 
@@ -93,9 +101,12 @@ logger = logging.getLogger(__name__)
 DEFAULT_TIMEOUT_S = 60.0
 GRACE_S = 5.0  # after the first failure, how long the other ranks may run on (at most `timeout`)
 HEARTBEAT_S = 0.5  # how often a rank's watchdog thread beats and checks for its parent
+# what the fork server imports once, for every rank; the last removes its socket file when it exits
+FORKSERVER_PRELOAD = ("torch", "torch.distributed", "treeattn", "treeattn.parallel.fork_server_exit")
 STARTUP_S = 120.0  # a rank that has not beaten yet (still importing) is silent for at most this long
 HOST = "127.0.0.1"
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+PR_SET_NAME = 15
 
 
 class SpawnError(RuntimeError):
@@ -163,17 +174,18 @@ def spawn(
             OMP_NUM_THREADS when set, else cores // nprocs (at least 1), as torchrun's ranks and the
             engine's run, so that the ranks do not oversubscribe the host's cores. A fn that sets
             its own thread count passes it here too: it decides the start method.
-        method: multiprocessing start method of new ranks, "fork" or "spawn" (or "forkserver");
-            None: "spawn" (a fork of a process that ran MKL products can hang: see the module doc). Ask for "spawn" when the ranks must start fresh: e.g. to read environment
-            variables that only a process start reads (glibc's MALLOC_*), or a fn that raises its
-            thread count itself.
+        method: multiprocessing start method of new ranks, "forkserver", "spawn" or "fork"; None:
+            "forkserver" for gloo ranks on Linux, else "spawn" (the module doc says why). Ask for
+            "spawn" when the ranks must start as new processes: e.g. to read environment variables
+            that only a process start reads (glibc's MALLOC_*).
 
-    New ranks are spawned unless method="fork" (the module doc says why). A spawned rank imports the main
-    module again, so a script calls spawn under `if __name__ == "__main__":` (unguarded, every
-    rank would call spawn itself), and `fn` is a function defined at a module's top level. A forked
-    rank starts from this process's state instead (its imported modules and their settings, torch's
-    random state, monkeypatches) with the signal handlers reset as a new process has them, and it
-    refuses torch.set_num_threads(n > 1) in one line (ValueError) rather than hang in OpenMP.
+    A rank started by the fork server or spawned imports the main module again, so a script calls
+    spawn under `if __name__ == "__main__":` (unguarded, every rank would call spawn itself), and
+    `fn` is a function defined at a module's top level; it sees this process's environment variables
+    as they are at the call. A rank forked from this process (method="fork") starts from its state
+    instead (its imported modules and their settings, torch's random state, monkeypatches) with the
+    signal handlers reset as a new process has them, and it refuses torch.set_num_threads(n > 1) in
+    one line (ValueError) rather than hang in OpenMP.
 
     Returns:
         The list of fn's return values, index = rank. Under torchrun only this rank's entry is
@@ -245,7 +257,7 @@ def _threads_and_method(nprocs: int, backend: str, threads: int | None, method: 
                          + ("use method='spawn'" if ranks is None else f"start them with StartedRanks({nprocs}, threads={threads})"))
     if ranks is not None:
         return threads, None
-    return threads, method or "spawn"  # a fork only on request: see the module doc's MKL note
+    return threads, method or _new_rank_method(backend)
 
 
 def _run_in_existing_group(fn, nprocs, args, backend, timeout) -> list[Any]:
@@ -371,6 +383,9 @@ class StartedRanks:
         self.given = threading.Event()  # set once every rank has been handed its work
         self.closed = False
         ctx = multiprocessing.get_context(self.method)
+        if self.method == "forkserver":
+            ctx.set_forkserver_preload(list(FORKSERVER_PRELOAD))  # read when the server starts (once per process)
+        environ = dict(os.environ) if self.method == "forkserver" else None  # a fork server's ranks get the caller's
         self.heartbeats = ctx.RawArray("Q", nprocs)  # beats counted by each rank's watchdog thread
         self.procs, self.readers, self.jobs = [], [], []
         try:
@@ -379,7 +394,7 @@ class StartedRanks:
                 job_reader, job_writer = ctx.Pipe(duplex=False) if work is None else (None, None)
                 proc = ctx.Process(target=_rank_main, name=f"treeattn-rank{rank}", daemon=work is None,
                                    args=(rank, os.getpid(), self.heartbeats, writer, job_reader, None if work is None else work(rank),
-                                         tuple(preload), self.method == "fork"))
+                                         tuple(preload), self.method, environ))
                 self.procs.append(proc)
                 self.readers.append(reader)
                 self.jobs.append(job_writer)
@@ -446,6 +461,14 @@ def _start_method(device: str, threads: int) -> str:
     if (device == "cpu" and threads == 1 and sys.platform.startswith("linux") and threading.active_count() == 1
             and torch.get_default_device().type == "cpu" and not torch.cuda.is_initialized()):
         return "fork"
+    return "spawn"
+
+
+def _new_rank_method(backend: str) -> str:
+    """ta.spawn's start method for new ranks: "forkserver" for gloo ranks on Linux (forks of a clean
+    process that imported torch once: the module doc), else "spawn"."""
+    if sys.platform.startswith("linux") and "nccl" not in backend and "forkserver" in multiprocessing.get_all_start_methods():
+        return "forkserver"
     return "spawn"
 
 
@@ -681,17 +704,23 @@ def rank_threads(world_size: int) -> int:
     return int(given) if given.isdigit() and int(given) > 0 else max(1, (os.cpu_count() or 1) // world_size)
 
 
-def _rank_main(rank, parent_pid, heartbeats, result_pipe, job_pipe, work, preload=(), forked=False) -> None:
-    """Body of one child process: tie its life to the parent's, wait for its work if it has none yet
-    (`job_pipe`, importing the `preload` modules meanwhile; closed without work: exit), join the
-    group, run fn, send the result or the error back through the pipe."""
+def _rank_main(rank, parent_pid, heartbeats, result_pipe, job_pipe, work, preload=(), method="spawn", environ=None) -> None:
+    """Body of one child process: tie its life to the parent's (`parent_pid`, the process that
+    started the ranks), wait for its work if it has none yet (`job_pipe`, importing the `preload`
+    modules meanwhile; closed without work: exit), join the group, run fn, send the result or the
+    error back through the pipe. `environ`: the parent's environment (a fork server's ranks)."""
+    _name_process(f"treeattn-rank{rank}")
+    forked = method == "fork"
     if forked:
         _as_a_new_process()
+    if environ is not None:
+        os.environ.clear()
+        os.environ.update(environ)
     faulthandler.enable(file=2)  # a native crash (SIGSEGV, SIGABRT) still prints the Python stack on stderr
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's (see _sigint_blocked)
     if hasattr(signal, "pthread_sigmask"):
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # ignored now: nothing pending may kill it
-    _die_with_parent(parent_pid, heartbeats, rank)
+    _die_with_parent(parent_pid, heartbeats, rank, via_server=method == "forkserver")
     if work is None:
         for name in preload:
             with contextlib.suppress(Exception):  # a failing import is the work's to raise, with its context
@@ -731,6 +760,14 @@ def _rank_main(rank, parent_pid, heartbeats, result_pipe, job_pipe, work, preloa
     exit_without_teardown(0)
 
 
+def _name_process(name: str) -> None:
+    """Linux: this process's name as ps and top show it (the kernel keeps 15 bytes), so that a
+    rank reads as one: a fork server's ranks otherwise carry the server's command line."""
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_NAME, name.encode()[:15], 0, 0, 0)
+
+
 def _as_a_new_process() -> None:
     """In a forked rank: the signal handlers a new process has. The Python handlers inherited from
     the parent (ta.spawn's own SIGTERM/SIGHUP handlers, a test runner's, a server's) go back to the
@@ -756,26 +793,46 @@ def _refuse_more_threads() -> None:
     torch.set_num_threads = one_thread_only
 
 
-def _die_with_parent(parent_pid: int, heartbeats, rank: int) -> None:
+def _die_with_parent(parent_pid: int, heartbeats, rank: int, via_server: bool = False) -> None:
     """Make this rank end when the parent does: the Linux parent-death signal (SIGKILL, so it
     holds when the parent was SIGKILLed), and everywhere a watchdog thread that exits the process
-    once its parent is gone. The same thread counts this rank's heartbeats."""
+    once its parent is gone. The same thread counts this rank's heartbeats.
+
+    via_server: this rank's parent is the fork server of `parent_pid`, which exits when that process
+    does; the signal and the watchdog then follow the server, and the watchdog checks
+    `parent_pid` too."""
+    server_pid = os.getppid() if via_server else None
+    if via_server and (server_pid == 1 or not _alive(parent_pid)):
+        os._exit(1)  # the parent (or its server) died before this rank started
     if sys.platform.startswith("linux"):
         try:
             ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
         except (OSError, AttributeError):
             logger.warning("rank %d: prctl(PR_SET_PDEATHSIG) unavailable; relying on the watchdog thread", rank)
 
+    expected = server_pid if via_server else parent_pid
+
     def watch() -> None:
         while True:
-            if os.getppid() != parent_pid:  # re-parented: the parent is gone
+            if os.getppid() != expected or (via_server and not _alive(parent_pid)):  # re-parented: the parent is gone
                 os._exit(1)
             heartbeats[rank] += 1
             time.sleep(HEARTBEAT_S)
 
-    if os.getppid() != parent_pid:  # the parent died before the signal was armed
+    if os.getppid() != expected:  # the parent died before the signal was armed
         os._exit(1)
     threading.Thread(target=watch, name="treeattn-rank-watchdog", daemon=True).start()
+
+
+def _alive(pid: int) -> bool:
+    """Whether process `pid` exists (a zombie counts: its parent has not reaped it yet)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else
+        return True
+    return True
 
 
 def exit_without_teardown(code: int) -> None:
