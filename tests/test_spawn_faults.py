@@ -24,7 +24,7 @@ import torch
 
 import treeattn as ta
 from treeattn.parallel import SpawnError
-from helpers.processes import SRC, alive, descendants, wait_for_ranks, wait_gone  # noqa: E402
+from helpers.processes import SRC, alive, default_signals, descendants, wait_for_ranks, wait_gone  # noqa: E402
 
 
 # ----------------------------------------------------------------------------- processes
@@ -49,7 +49,8 @@ def generate_process(checkpoint: Path, tmp: Path, *extra: str) -> Iterator[tuple
     env = {**os.environ, "PYTHONPATH": SRC, "TMPDIR": str(tmp)}
     command = [sys.executable, "-m", "treeattn", "generate", str(checkpoint), "--prompt-ids", str(checkpoint / "ids.json"),
                "--nproc", "2", "--threads", "1", "--max-new-tokens", "20000", "--allow-beyond-context", "--no-stop", "--json", *extra]
-    parent = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=open(tmp.parent / "stderr.txt", "w"), text=True)
+    parent = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=open(tmp.parent / "stderr.txt", "w"), text=True,
+                              preexec_fn=default_signals)
     ranks: list[int] = []
     try:
         ranks += wait_for_ranks(parent, 2)

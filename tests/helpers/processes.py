@@ -7,11 +7,20 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import time
 from pathlib import Path
 
 SRC = os.environ.get("TREEATTN_FAULTS_SRC", str(Path(__file__).resolve().parents[2] / "src"))  # tests/helpers/ -> the repository
+
+
+def default_signals() -> None:
+    """preexec_fn for a child whose test sends it SIGINT or SIGHUP: those back to the default. A suite
+    started in the background (`cmd &` ignores SIGINT, nohup SIGHUP) would hand the ignored signal
+    down, and an ignored signal stays ignored across exec; a terminal's processes do not ignore them."""
+    for signum in (signal.SIGINT, signal.SIGHUP):
+        signal.signal(signum, signal.SIG_DFL)
 
 
 def children(pid: int) -> list[int]:
