@@ -318,6 +318,34 @@ def test_the_fork_server_gives_ranks_the_callers_environment_and_any_thread_coun
     assert len(servers) == 1 and os.getpid() not in servers  # one server, the ranks' parent
 
 
+KERNEL_IN_A_RANK = """
+import torch, treeattn as ta
+
+def attend(rank, world):
+    q, k = torch.randn(1, 1, 4, 16), torch.randn(1, 512, 2, 16)
+    return ta.attention(q, k, k)[0].shape  # decode-sized: numba's compiled kernel, 2 threads
+
+if __name__ == "__main__":
+    print(ta.spawn(attend, 1, threads=2))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the fork server is the Linux default")
+def test_a_fork_server_rank_that_ran_the_compiled_kernel_leaves_no_semaphore(tmp_path):
+    """numba's threading layer takes a named semaphore when the start method is "fork*"; a rank ends
+    with os._exit, so the caller's resource tracker would warn at exit. The ranks' own start method is
+    "spawn", and the caller's stderr stays clean."""
+    pytest.importorskip("numba")
+    import subprocess
+
+    script = tmp_path / "kernel_in_a_rank.py"
+    script.write_text(KERNEL_IN_A_RANK)
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip() == "[torch.Size([1, 1, 4, 16])]"
+    assert "leaked" not in done.stderr and "Warning" not in done.stderr, done.stderr[-3000:]
+
+
 def more_threads_worker(rank: int, world: int) -> None:
     torch.set_num_threads(2)
 

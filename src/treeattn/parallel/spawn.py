@@ -716,6 +716,11 @@ def _rank_main(rank, parent_pid, heartbeats, result_pipe, job_pipe, work, preloa
     if environ is not None:
         os.environ.clear()
         os.environ.update(environ)
+    if method == "forkserver":
+        # The processes this rank starts itself are spawned. Under a start method named "fork*",
+        # numba's threading layer takes a named semaphore at its first parallel call, which a rank
+        # ending with os._exit would leave to the resource tracker ("leaked semaphore" at exit).
+        multiprocessing.set_start_method("spawn", force=True)
     faulthandler.enable(file=2)  # a native crash (SIGSEGV, SIGABRT) still prints the Python stack on stderr
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's (see _sigint_blocked)
     if hasattr(signal, "pthread_sigmask"):
