@@ -16,9 +16,10 @@ import torch
 os.environ.setdefault("TREEATTN_GGUF_CACHE", "0")
 
 # tqdm's progress bars (transformers' save_pretrained, when a test writes a checkpoint) start a monitor
-# thread that lives while any bar object does. With a second Python thread in this process ta.spawn
-# spawns its ranks instead of forking them (treeattn.parallel.spawn's module doc: a thread could hold a
-# lock at the fork), about 3 s of CPU more per rank. Bars work without their monitor.
+# thread that lives while any bar object does. With a second Python thread in this process,
+# StartedRanks' default rule spawns its ranks instead of forking them (treeattn.parallel.spawn's
+# module doc: a thread could hold a lock at the fork), about 3 s of CPU more per rank. Bars work
+# without their monitor.
 try:
     import tqdm
 

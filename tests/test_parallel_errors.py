@@ -286,8 +286,6 @@ def test_one_thread_cpu_ranks_are_forked_and_the_others_spawned(monkeypatch):
     parent's Python signal handlers (ta.spawn's own SIGTERM/SIGHUP ones among them) are back to the
     default, as in a new process. (Ranks of 2+ threads are spawned: test_spawn_threads_follow_omp_num_threads,
     and the rule itself in test_started_ranks.)"""
-    import sys
-
     monkeypatch.setattr(sys.modules[__name__], "START_MARK", "the parent's state")
     forked = "the parent's state" if sys.platform.startswith("linux") else "a fresh interpreter"
     assert ta.spawn(start_worker, 2, threads=1, method="fork" if forked != "a fresh interpreter" else None) == [(forked, 1, True)] * 2

@@ -6,7 +6,7 @@
     channel.close()                               # the ranks leave serve_steps and end
 
 SpawnedRanks starts the rank processes (rank.rank_main) in the caller's thread (treeattn.parallel.spawn.start:
-spawned), supervises them from a background thread and waits for rank 0 to connect
+the fork server's ranks on Linux), supervises them from a background thread and waits for rank 0 to connect
 back with its ModelInfo; a plan goes to rank 0 over that connection and rank 0
 broadcasts it. A plan that raised on rank 0 comes back as StepFailed, and restart() replaces the
 ranks with new ones (the driver then recomputes its sequences); ranks that are gone (killed, or
@@ -16,6 +16,7 @@ its ranks are the caller's, so it cannot restart them (restartable False).
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
@@ -46,23 +47,25 @@ class SpawnedRanks:
 
     def _start(self, ranks=None) -> None:
         """Run rank_main on `ranks` (a StartedRanks for the first start, adopted by spawn) or on new
-        processes, started here, in the caller's thread (spawned: ta.spawn's module doc says why not
-        forked), and supervised by a thread of their own."""
-        from treeattn.parallel.spawn import start
+        processes, started here, in the caller's thread (where ta.spawn judges the start method), and
+        supervised by a thread of their own."""
+        from treeattn.parallel.spawn import spawn, start
 
         config = self.config
         self._authkey = os.urandom(16)
         self._listener = Listener(("127.0.0.1", 0), authkey=self._authkey)
         self.failure: BaseException | None = None
-        group = None
+        args = (rank_main, config.nproc, self._listener.address, self._authkey, self._model, config)
+        options = dict(backend=backend_for(config.device), timeout=config.timeout_s, threads=config.threads_per_rank)
         if ranks is None:
             try:
-                group = start(rank_main, config.nproc, self._listener.address, self._authkey, self._model, config,
-                              backend=backend_for(config.device), timeout=config.timeout_s, threads=config.threads_per_rank)
+                supervise = start(*args, **options).join
             except Exception as exc:
                 self._listener.close()
                 raise EngineError(f"the engine's ranks failed to start: {exc}") from exc
-        self._thread = threading.Thread(target=self._spawn, args=(group, ranks), name="treeattn-engine-ranks", daemon=True)
+        else:
+            supervise = functools.partial(spawn, *args, ranks=ranks, **options)  # hands the work to the started ranks
+        self._thread = threading.Thread(target=self._supervise, args=(supervise,), name="treeattn-engine-ranks", daemon=True)
         self._thread.start()
         logger.debug("%s %d rank process(es)", "starting" if ranks is None else "handing the work to the started", config.nproc)
         accepted: list = []
@@ -87,17 +90,10 @@ class SpawnedRanks:
         self.close()
         self._start()
 
-    def _spawn(self, group, ranks) -> None:
-        """Supervise the ranks (`group`, started by _start) or hand the work to the started `ranks`."""
-        from treeattn.parallel.spawn import spawn
-
+    def _supervise(self, supervise) -> None:
+        """Run `supervise` (the ranks' supervision, until they end) and keep what ended it."""
         try:
-            if group is not None:
-                group.join()
-            else:
-                spawn(rank_main, self.config.nproc, self._listener.address, self._authkey, self._model, self.config,
-                      backend=backend_for(self.config.device), timeout=self.config.timeout_s, ranks=ranks,
-                      threads=self.config.threads_per_rank)
+            supervise()
         except BaseException as exc:  # noqa: BLE001
             self.failure = exc
 

@@ -17,7 +17,7 @@ import socket
 import stat
 
 
-def _listening_socket_paths() -> list[str]:
+def _unix_socket_paths() -> list[str]:
     """File paths of the Unix sockets this process has open (the fork server has exactly one)."""
     paths = []
     for name in os.listdir("/proc/self/fd") if os.path.isdir("/proc/self/fd") else []:
@@ -43,4 +43,4 @@ def _remove(pid: int, paths: list[str]) -> None:
                 os.rmdir(directory)  # only if empty: anything else in it is not ours
 
 
-atexit.register(_remove, os.getpid(), _listening_socket_paths())
+atexit.register(_remove, os.getpid(), _unix_socket_paths())

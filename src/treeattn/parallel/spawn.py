@@ -770,7 +770,12 @@ def _name_process(name: str) -> None:
     rank reads as one: a fork server's ranks otherwise carry the server's command line."""
     if sys.platform.startswith("linux"):
         with contextlib.suppress(OSError, AttributeError):
-            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_NAME, name.encode()[:15], 0, 0, 0)
+            _prctl(PR_SET_NAME, name.encode()[:15])
+
+
+def _prctl(option: int, arg) -> None:
+    """Linux prctl(option, arg) through libc (OSError or AttributeError where there is none)."""
+    ctypes.CDLL(None, use_errno=True).prctl(option, arg, 0, 0, 0)
 
 
 def _as_a_new_process() -> None:
@@ -811,7 +816,7 @@ def _die_with_parent(parent_pid: int, heartbeats, rank: int, via_server: bool = 
         os._exit(1)  # the parent (or its server) died before this rank started
     if sys.platform.startswith("linux"):
         try:
-            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+            _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
         except (OSError, AttributeError):
             logger.warning("rank %d: prctl(PR_SET_PDEATHSIG) unavailable; relying on the watchdog thread", rank)
 
