@@ -33,6 +33,7 @@ from treeattn.engine.errors import ConfigError  # noqa: E402
 from treeattn.models import load_model  # noqa: E402
 from treeattn.models.gguf import open_gguf, packed_tensors  # noqa: E402
 from treeattn.models.packed import PackedEmbedding, PackedLinear, is_packed, weight_bytes  # noqa: E402
+from treeattn.ops import packed_linear  # noqa: E402
 from treeattn.ops.packed_linear import dequantize_packed, kernel_module, packed_matmul, unpack_blocks  # noqa: E402
 
 Q = gguf.GGMLQuantizationType
@@ -69,8 +70,9 @@ def test_unpacked_blocks_dequantize_to_exactly_the_files_values(fmt, qtype):
 
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("fmt,qtype", FORMATS)
-def test_packed_matmul_is_x_times_the_files_weights_within_float32_accumulation(fmt, qtype, threads):
+def test_packed_matmul_is_x_times_the_files_weights_within_float32_accumulation(fmt, qtype, threads, monkeypatch):
     assert kernel_module() is not None  # numba is a dependency: rows <= 16 run the kernel
+    monkeypatch.setattr(packed_linear, "PARALLEL_MIN_WEIGHTS", 0)  # this small weight on the parallel kernel too
     N, K = 53, 160
     raw = gguf.quants.quantize(weights(N, K, 1), qtype)
     qs, d, m = unpack_blocks(fmt, raw)
@@ -97,6 +99,39 @@ def test_packed_matmul_is_x_times_the_files_weights_within_float32_accumulation(
     assert bool(((y16.double() - ref).abs() <= gamma(K) * (x16.double().abs() @ w.abs().T) + 2.0 ** -8 * ref.abs()).all())
     with pytest.raises(ValueError, match=f"x must have {K} features"):
         packed_matmul(torch.zeros(1, K + 32), fmt, qs, d, m)
+
+
+def test_small_weights_run_on_one_thread_large_ones_on_torchs(monkeypatch):
+    kernel, calls = kernel_module(), []
+    real = kernel.matmul
+    monkeypatch.setattr(kernel, "matmul", lambda threads, *args: (calls.append(threads), real(threads, *args)))
+    raw = gguf.quants.quantize(weights(64, 128, 3), Q.Q8_0)
+    qs, d, m = unpack_blocks("q8_0", raw)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        x = torch.randn(1, 128)
+        small = packed_matmul(x, "q8_0", qs, d, m)
+        monkeypatch.setattr(packed_linear, "PARALLEL_MIN_WEIGHTS", 64 * 128)  # this weight counts as large now
+        large = packed_matmul(x, "q8_0", qs, d, m)
+    finally:
+        torch.set_num_threads(before)
+    assert calls == [1, 2]
+    assert torch.allclose(small, large, rtol=1e-6, atol=1e-6)  # the same dot products, summed by other threads
+
+
+def test_packed_layers_follow_replaced_buffers_and_pickle():
+    import pickle
+
+    raw = gguf.quants.quantize(weights(40, 64, 4), Q.Q4_1)
+    layer = PackedLinear("q4_1", *unpack_blocks("q4_1", raw))
+    x = torch.randn(2, 64)
+    y = layer(x)
+    assert torch.equal(pickle.loads(pickle.dumps(layer))(x), y)
+    other = gguf.quants.quantize(weights(40, 64, 5), Q.Q4_1)
+    qs, d, m = unpack_blocks("q4_1", other)
+    layer.qs, layer.d_bits, layer.m_bits = qs, d.view(torch.int32), m.view(torch.int32)  # what load_state_dict or .to() do
+    assert torch.equal(layer(x), PackedLinear("q4_1", qs, d, m)(x)) and not torch.equal(layer(x), y)
 
 
 @pytest.fixture(scope="module")
@@ -181,4 +216,17 @@ def test_cli_reports_weight_bytes_per_rank_and_the_format(files, tmp_path):
     assert 0 < reports["packed"]["weight_bytes_per_rank"] < reports["dequantize"]["weight_bytes_per_rank"]
     assert reports["packed"]["generated_ids"] == reports["dequantize"]["generated_ids"]
     result = CliRunner().invoke(app, ["generate", str(files["q8_0"]), "--prompt-ids", str(ids), "--weight-format", "int4"])
+    assert result.exit_code == 2 and "--weight-format" in result.output
+
+
+def test_bench_profile_takes_the_weight_format_and_kv_cache_dtype(files, tmp_path):
+    out = {}
+    for fmt in ("packed", "dequantize"):
+        path = tmp_path / f"{fmt}.json"
+        result = CliRunner().invoke(app, ["bench", "profile", str(files["q8_0"]), "-p", "1", "--context", "24", "--max-new-tokens", "4",
+                                          "--warmup", "1", "--weight-format", fmt, "--kv-cache-dtype", "bfloat16", "-o", str(path)])
+        assert result.exit_code == 0, result.output
+        out[fmt] = json.loads(path.read_text())[0]
+    assert out["packed"]["generated_ids"] == out["dequantize"]["generated_ids"] and len(out["packed"]["generated_ids"]) == 4
+    result = CliRunner().invoke(app, ["bench", "profile", str(files["q8_0"]), "-p", "1", "--weight-format", "int4"])
     assert result.exit_code == 2 and "--weight-format" in result.output

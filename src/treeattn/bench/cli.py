@@ -13,7 +13,8 @@ from pathlib import Path
 
 import typer
 
-from treeattn.engine.flags import DTYPE_ALIASES, dtype_flag
+from treeattn.engine.config import EngineConfig
+from treeattn.engine.flags import DTYPE_ALIASES, KvCacheDtype, WeightFormat, config_flag, dtype_flag
 
 from treeattn.bench.config import METHODS, SweepConfig
 
@@ -423,6 +424,8 @@ def profile_command(
     device: str = typer.Option("auto", "--device", metavar="<auto|cpu|cuda>", help="Where the ranks run: auto (CUDA when "
                                "torch sees a GPU), cpu or cuda (rank r on cuda:r, an NCCL group)."),
     dtype: str = dtype_flag(),
+    kv_cache_dtype: KvCacheDtype = config_flag(EngineConfig, "kv_cache_dtype"),
+    weight_format: WeightFormat = config_flag(EngineConfig, "weight_format"),
 ) -> None:
     """Split one decode token's time on each rank: local attention, combine, sampling, rest of the model."""
     import os
@@ -463,7 +466,7 @@ def profile_command(
         spec = ProfileSpec(model=model, context=context, new_tokens=new_tokens, methods=tuple(method[:1] if p == 1 else method),
                            threads=threads or max(1, (os.cpu_count() or 1) // p), warmup=warmup, repeats=repeats,
                            transports=tuple(dict.fromkeys(transport)) if p > 1 or kind == "cuda" else ("shm",),
-                           device=kind, dtype=torch_dtype(dtype))
+                           device=kind, dtype=torch_dtype(dtype), weight_format=weight_format, kv_cache_dtype=kv_cache_dtype)
         reports = run_profile(spec, p)
         variants = [(m, t) for m in spec.methods for t in spec.transports]
         reference = reports[0][variant_name(*variants[0])]["generated_ids"]
@@ -476,6 +479,7 @@ def profile_command(
                 table.add_row(str(p), name if p > 1 else "-", str(rank), f"{ph['step'] * 1e3:.2f}", *cells,
                               f"{entry['rounds_per_step']:.0f}", "yes" if entry["generated_ids"] == reference and entry["same_ids_every_run"] else "NO")
                 records.append({"model": model, "context": context, "p": p, "method": method_name, "transport": transport_name,
+                                "weight_format": weight_format, "kv_cache_dtype": kv_cache_dtype,
                                 "rank": rank, **entry})
     Console(width=220).print(table)
     if json_out is not None:

@@ -54,11 +54,15 @@ class ProfileSpec:
     repeats: int = 1
     device: str = "cpu"  # "cpu" or "cuda" (resolved by the caller: treeattn.engine.device.resolve_device)
     dtype: torch.dtype | None = None  # None: bfloat16 on CUDA, float32 on the CPU
+    weight_format: str = "auto"  # a GGUF checkpoint's weights: EngineConfig.weight_format
+    kv_cache_dtype: str = "auto"  # EngineConfig.kv_cache_dtype
 
 
-def build_model(name: str, seed: int, device: str = "cpu", dtype: torch.dtype | None = None, rank: int = 0):
+def build_model(name: str, seed: int, device: str = "cpu", dtype: torch.dtype | None = None, rank: int = 0,
+                weight_format: str = "dequantize"):
     """The model of a ProfileSpec (the same weights on every rank), on this rank's device
-    (treeattn.engine.device.rank_device) in `dtype` (None: bfloat16 on CUDA, float32 on the CPU)."""
+    (treeattn.engine.device.rank_device) in `dtype` (None: bfloat16 on CUDA, float32 on the CPU);
+    a GGUF checkpoint's weights in `weight_format` (treeattn.models.loader.load_model)."""
     from treeattn.engine.device import rank_device, resolve_dtype
     from treeattn.eval.synthetic import DEMO_CONFIG
     from treeattn.models.llama import LlamaConfig, random_model
@@ -71,7 +75,7 @@ def build_model(name: str, seed: int, device: str = "cpu", dtype: torch.dtype | 
         return random_model(config, seed=seed).to(device=where, dtype=dtype)
     from treeattn.models.loader import load_model
 
-    return load_model(name, dtype=dtype, device=where)
+    return load_model(name, dtype=dtype, device=where, weight_format=weight_format, with_tokenizer=False)
 
 
 def variant_name(method: str, transport: str) -> str:
@@ -87,7 +91,7 @@ def profile_rank(rank: int, world_size: int, spec: ProfileSpec) -> list[dict] | 
     from treeattn.engine.client import Engine
 
     torch.set_num_threads(spec.threads)
-    model = build_model(spec.model, spec.seed, spec.device, spec.dtype, rank)
+    model = build_model(spec.model, spec.seed, spec.device, spec.dtype, rank, spec.weight_format)
     prompt = synthetic_prompt(spec.context, model.config.vocab_size, spec.seed)
     group = dist.group.WORLD if world_size > 1 else None
     variants = [(method, transport) for method in spec.methods for transport in spec.transports]
@@ -97,7 +101,8 @@ def profile_rank(rank: int, world_size: int, spec: ProfileSpec) -> list[dict] | 
         for method, transport in variants:
             with Engine(model, group=group, decode="tree" if world_size > 1 else "local", method=method, device=spec.device,
                         shared_memory=transport == "shm", max_batch_size=1, prefix_cache=False, block_size=256,
-                        cache_tokens=positions + 256 * world_size, max_context=positions, timeout_s=600.0) as engine:
+                        cache_tokens=positions + 256 * world_size, max_context=positions, timeout_s=600.0,
+                        kv_cache_dtype=spec.kv_cache_dtype) as engine:
                 if engine.is_driver:
                     result, = engine.generate([prompt], max_new_tokens=spec.new_tokens, ignore_eos=True)
                     runs[variant_name(method, transport)].append((result.token_ids, engine.rank_measurements()))

@@ -47,7 +47,22 @@ class _Packed(nn.Module):
         return self.qs.shape[1] * BLOCK
 
     def _parts(self):
-        return self.fmt, self.qs, self.d_bits.view(torch.float32), None if self.m_bits is None else self.m_bits.view(torch.float32)
+        """(fmt, qs, d, m) with the scales viewed as float32. Made once per set of buffers (module.to()
+        replaces them): a decode step calls every packed layer once, and the views cost about as much
+        as a small layer's kernel."""
+        buffers = self._buffers
+        key = (buffers["qs"], buffers["d_bits"], buffers["m_bits"])
+        cached = self.__dict__.get("_cached_parts")
+        if cached is None or any(a is not b for a, b in zip(cached[0], key)):
+            qs, d_bits, m_bits = key
+            cached = (key, (self.fmt, qs, d_bits.view(torch.float32), None if m_bits is None else m_bits.view(torch.float32)))
+            self.__dict__["_cached_parts"] = cached
+        return cached[1]
+
+    def __getstate__(self):
+        state = super().__getstate__().copy()
+        state.pop("_cached_parts", None)  # views of the buffers: rebuilt on first use
+        return state
 
     def dequantized(self) -> torch.Tensor:
         """The float32 (rows, columns) weight: the file's float32 dequantization."""

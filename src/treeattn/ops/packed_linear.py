@@ -21,7 +21,13 @@ packed_matmul: calls of at most MAX_KERNEL_ROWS rows of x (decode steps, their d
 kernel (treeattn.ops.packed_cpu_kernel), which reads the blocks in place: bytes streamed per weight
 are 4.75 (q4_0), 6 (q4_1) or 9 (q8_0) bits instead of float32's 32. Longer calls (prefill chunks)
 dequantize the whole weight once to float32 and use torch's matmul, which batches the rows; so does
-a call without numba, on a device other than the CPU, or one that autograd records.
+a call without numba, on a device other than the CPU, or one that autograd records. The kernel runs
+on torch's thread count for weights of PARALLEL_MIN_WEIGHTS values or more (an output projection over
+the vocabulary) and on the calling thread for smaller ones (a layer's projections): waking numba's
+thread pool 7 times a layer, beside torch's own pool, cost more than the second thread gained. On
+this project's 2-core machine one process with 2 threads decoded SmolLM2 (packed, 4,096 tokens of
+context) in a median 90.6 / 93.7 ms per step against 141.5 / 131.7 ms with every call parallel (two
+runs each, alternated; docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -38,6 +44,10 @@ BLOCK_BYTES = {"q4_0": 18, "q4_1": 20, "q8_0": 34}
 # packed_matmul calls with at most this many rows of x go to the kernel (a decode step of a batch of up
 # to 16 sequences); longer ones (prefill) dequantize the weight and run torch's matmul.
 MAX_KERNEL_ROWS = 16
+# Weights of fewer values than this are multiplied on the calling thread whatever torch's thread count: waking a
+# thread pool costs more than the second thread gains on a matrix this small (a Llama layer's
+# projections); larger ones (an output projection over the vocabulary) split their rows over the threads.
+PARALLEL_MIN_WEIGHTS = 1 << 22
 
 
 def kernel_module():
@@ -102,15 +112,18 @@ def packed_matmul(x: torch.Tensor, fmt: str, qs: torch.Tensor, d: torch.Tensor, 
     kernel = kernel_module()
     if (rows.shape[0] <= MAX_KERNEL_ROWS and x.device.type == "cpu" and kernel is not None
             and not (torch.is_grad_enabled() and x.requires_grad)):
-        rows = rows.to(torch.float32).contiguous()
-        out = torch.empty(rows.shape[0], N)
-        scales = d if m is None else m
-        kernel.matmul(torch.get_num_threads(), fmt, rows.numpy(), qs.numpy(), d.numpy(), scales.numpy(), out.numpy())
+        if rows.dtype != torch.float32 or not rows.is_contiguous():
+            rows = rows.to(torch.float32).contiguous()
+        out = np.empty((rows.shape[0], N), dtype=np.float32)  # numpy first: cheaper than torch.empty + .numpy()
+        threads = torch.get_num_threads() if N * K >= PARALLEL_MIN_WEIGHTS else 1
+        kernel.matmul(threads, fmt, rows.numpy(), qs.numpy(), d.numpy(), (d if m is None else m).numpy(), out)
+        out = torch.from_numpy(out)
     else:
         out = F.linear(rows.to(torch.float32), dequantize_packed(fmt, qs, d, m))
     if bias is not None:
         out = out + bias.to(torch.float32)
-    return out.reshape(*x.shape[:-1], N).to(x.dtype)
+    out = out.view(*x.shape[:-1], N)
+    return out if out.dtype == x.dtype else out.to(x.dtype)
 
 
-__all__ = ["BLOCK", "BLOCK_BYTES", "FORMATS", "MAX_KERNEL_ROWS", "dequantize_packed", "packed_matmul", "unpack_blocks"]
+__all__ = ["BLOCK", "BLOCK_BYTES", "FORMATS", "MAX_KERNEL_ROWS", "PARALLEL_MIN_WEIGHTS", "dequantize_packed", "packed_matmul", "unpack_blocks"]
