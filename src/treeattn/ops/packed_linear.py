@@ -26,8 +26,8 @@ on torch's thread count for weights of PARALLEL_MIN_WEIGHTS values or more (an o
 the vocabulary) and on the calling thread for smaller ones (a layer's projections): waking numba's
 thread pool 7 times a layer, beside torch's own pool, cost more than the second thread gained. On
 this project's 2-core machine one process with 2 threads decoded SmolLM2 (packed, 4,096 tokens of
-context) in a median 90.6 / 93.7 ms per step against 141.5 / 131.7 ms with every call parallel (two
-runs each, alternated; docs/benchmarks.md).
+context) in a median 85.5 / 95.9 ms per step against 143.9 / 116.3 ms with every call parallel
+(benchmarks/packed_threads.py; docs/benchmarks.md, "Weights kept packed").
 """
 
 from __future__ import annotations
