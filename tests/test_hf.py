@@ -26,6 +26,7 @@ transformers = pytest.importorskip("transformers")
 
 import treeattn as ta  # noqa: E402
 import treeattn.hf as tahf  # noqa: E402
+from treeattn.hf.compat import cache_keyword  # noqa: E402
 
 PROMPT_LEN, NEW_TOKENS, VOCAB = 12, 4, 96
 TOL = 1e-4
@@ -100,7 +101,7 @@ def run_arch(path: str, method: str, group=None) -> dict:
     previous = model.config._attn_implementation
     model.set_attn_implementation(tahf.ATTN_IMPLEMENTATION)
     with torch.no_grad(), cache.prefill(prompt) as part:
-        logits = model(input_ids=part.input_ids, position_ids=part.position_ids, past_key_values=cache).logits
+        logits = model(input_ids=part.input_ids, position_ids=part.position_ids, **{cache_keyword(model): cache}).logits
     model.set_attn_implementation(previous)
     mine = 0 if part.placeholder else part.input_ids.shape[1]
     prefill_error = 0.0 if part.placeholder else (logits - full[:, part.position_ids[0]]).abs().max().item()

@@ -40,7 +40,7 @@ ATTN_IMPLEMENTATION = "treeattn"
 # Keyword arguments transformers' models pass through to every attention function that carry no
 # information this implementation needs (positions come from the cache).
 IGNORED_KWARGS = frozenset({"position_ids", "use_cache", "output_attentions", "output_hidden_states", "output_router_logits",
-                            "cache_position", "return_dict", "past_key_value", "past_key_values"})
+                            "cache_position", "return_dict", "past_key_value", "past_key_values", "cache"})
 
 _BOUND_CACHE: contextvars.ContextVar = contextvars.ContextVar("treeattn_hf_cache", default=None)
 
@@ -83,7 +83,7 @@ def sharded_attention(
     if cache is None:
         raise RuntimeError(
             f"{name}: attn_implementation='{ATTN_IMPLEMENTATION}' runs only inside `with cache.prefill(ids):` or "
-            "`with cache.decode():` of a treeattn.hf.ShardedCache passed as past_key_values (tahf.generate does this)"
+            "`with cache.decode():` of a treeattn.hf.ShardedCache passed to the model as its cache (tahf.generate does this)"
         )
     _check_supported(module, name, attention_mask, dropout, kwargs)
     layer = module.layer_idx

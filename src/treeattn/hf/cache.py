@@ -1,6 +1,6 @@
 """ShardedCache: a transformers Cache that holds only this rank's shard of every layer's keys/values.
 
-A transformers attention layer calls ``past_key_values.update(k_new, v_new, layer_idx)`` with the
+A transformers attention layer calls ``cache.update(k_new, v_new, layer_idx)`` on the model's cache with the
 new tokens' keys and values (RoPE and q/k norms applied) and attends to what it gets back. This
 cache stores the new tokens this rank owns (the placement policy decides, as in the engine:
 treeattn.cache.placement) and returns this rank's whole shard, never the full cache. The keys'
@@ -12,9 +12,12 @@ implementation for the forward passes run inside them):
 
     cache = ShardedCache(model, capacity=prompt_len + max_new_tokens, group=group)
     with cache.prefill(prompt_ids) as part:                    # this rank's tokens of the prompt
-        model(input_ids=part.input_ids, position_ids=part.position_ids, past_key_values=cache)  # ring_attention
+        model(input_ids=part.input_ids, position_ids=part.position_ids, cache=cache)  # ring_attention
     with cache.decode():                                       # every rank runs the same tokens
-        model(input_ids=next_ids, past_key_values=cache)         # tree_decode
+        model(input_ids=next_ids, cache=cache)                   # tree_decode
+
+(transformers before the rename takes the cache as ``past_key_values=cache``;
+treeattn.hf.compat.cache_keyword(model) says which.)
 
 get_seq_length() is the global number of tokens in the cache (the same on every rank), so
 transformers' own position ids and generate() count as they would with the unsharded cache.
@@ -201,7 +204,7 @@ class ShardedCache(Cache):
         if self._returned[layer] is None or key is not self._returned[layer]:
             raise RuntimeError(
                 f"{self.model_class} layer {layer}: the keys given to the treeattn attention are not this "
-                "ShardedCache's shard; pass past_key_values=cache to the model"
+                "ShardedCache's shard; pass the cache to the model (cache=cache, past_key_values=cache before transformers renamed it)"
             )
         check = (self.phase, layer) not in self._checked
         self._checked.add((self.phase, layer))

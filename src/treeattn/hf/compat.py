@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import inspect
+
 import transformers
 from packaging.version import Version
 
@@ -17,6 +19,12 @@ SUPPORTED_LAYER_TYPES = frozenset({"full_attention", "sliding_attention"})
 # use the same code path but are untested.
 TESTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM",
                         "Gemma2ForCausalLM", "Phi3ForCausalLM", "Gemma3ForCausalLM")
+
+
+def cache_keyword(model) -> str:
+    """The keyword `model`'s forward and generate() take the KV cache by: "cache" in the transformers
+    versions that renamed it (5.24 warns that "past_key_values" goes in 6.0), else "past_key_values"."""
+    return "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
 
 
 def check_transformers_version(version: str | None = None) -> None:

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from treeattn.cache.placement import PLACEMENTS
 from treeattn.hf.attention import ATTN_IMPLEMENTATION
 from treeattn.hf.cache import ShardedCache
-from treeattn.hf.compat import check_model
+from treeattn.hf.compat import cache_keyword, check_model
 from treeattn.parallel import comm
 from treeattn.parallel.metadata import UNKNOWN, gather_metadata, metadata_device
 from treeattn.parallel.tree_decode import METHODS
@@ -33,7 +33,7 @@ from treeattn.parallel.tree_decode import METHODS
 # generate() options that need a cache other than one sharded sequence per batch row.
 UNSUPPORTED_OPTIONS = {
     "num_beams": 1, "num_return_sequences": 1, "assistant_model": None, "prompt_lookup_num_tokens": None,
-    "past_key_values": None, "cache_implementation": None,
+    "past_key_values": None, "cache": None, "cache_implementation": None,
 }
 
 
@@ -95,11 +95,11 @@ def generate(
         with torch.no_grad():
             if N > 1:  # the last prompt token runs as generate()'s first step, on every rank
                 with cache.prefill(input_ids[:, :-1]) as part:
-                    model(input_ids=part.input_ids, position_ids=part.position_ids, past_key_values=cache, use_cache=True,
-                          logits_to_keep=1)
+                    model(input_ids=part.input_ids, position_ids=part.position_ids, use_cache=True, logits_to_keep=1,
+                          **{cache_keyword(model): cache})
             with cache.decode():
-                output = model.generate(input_ids, past_key_values=cache, max_new_tokens=max_new_tokens,
-                                        do_sample=do_sample, **generate_kwargs)
+                output = model.generate(input_ids, max_new_tokens=max_new_tokens, do_sample=do_sample,
+                                        **{cache_keyword(model): cache}, **generate_kwargs)
     finally:
         model.set_attn_implementation(previous)
     _check_identical(output, group)
