@@ -237,3 +237,15 @@ def test_attention_outside_a_cache_block_raises():
     model.set_attn_implementation(tahf.ATTN_IMPLEMENTATION)
     with pytest.raises(RuntimeError, match="LlamaAttention: attn_implementation='treeattn' runs only inside"):
         model(prompt_ids())
+
+
+def test_cache_keyword_follows_the_models_forward():
+    class Renamed(torch.nn.Module):
+        def forward(self, input_ids, cache=None):
+            return input_ids
+
+    class Older(torch.nn.Module):
+        def forward(self, input_ids, past_key_values=None):
+            return input_ids
+
+    assert cache_keyword(Renamed()) == "cache" and cache_keyword(Older()) == "past_key_values"
