@@ -59,7 +59,7 @@ class ProfileSpec:
 
 
 def build_model(name: str, seed: int, device: str = "cpu", dtype: torch.dtype | None = None, rank: int = 0,
-                weight_format: str = "dequantize"):
+                weight_format: str = "auto"):
     """The model of a ProfileSpec (the same weights on every rank), on this rank's device
     (treeattn.engine.device.rank_device) in `dtype` (None: bfloat16 on CUDA, float32 on the CPU);
     a GGUF checkpoint's weights in `weight_format` (treeattn.models.loader.load_model)."""

@@ -7,7 +7,7 @@ On every rank of the group, with the same model and input_ids:
    the same ValueError instead of hanging.
 2. Sharded prefill of all prompt tokens but the last: each rank runs only the tokens the placement
    gives it, with their absolute position ids; attention is ring_attention across the ranks.
-3. model.generate(input_ids, past_key_values=cache, ...): transformers runs the last prompt token
+3. model.generate(input_ids, cache=cache, ...) (past_key_values= before transformers renamed it): transformers runs the last prompt token
    and every new token on every rank; each layer's attention is tree_decode over the shards, so
    every rank computes the same logits and picks the same tokens. Logits processors, stopping
    criteria, return_dict_in_generate, eos handling are transformers' own.
