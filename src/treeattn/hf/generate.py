@@ -91,15 +91,15 @@ def generate(
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
     if model.config._attn_implementation != ATTN_IMPLEMENTATION:
         raise ValueError(f"{type(model).__name__} did not accept attn_implementation={ATTN_IMPLEMENTATION!r}")
+    given_cache = {cache_keyword(model): cache}
     try:
         with torch.no_grad():
             if N > 1:  # the last prompt token runs as generate()'s first step, on every rank
                 with cache.prefill(input_ids[:, :-1]) as part:
-                    model(input_ids=part.input_ids, position_ids=part.position_ids, use_cache=True, logits_to_keep=1,
-                          **{cache_keyword(model): cache})
+                    model(input_ids=part.input_ids, position_ids=part.position_ids, use_cache=True, logits_to_keep=1, **given_cache)
             with cache.decode():
-                output = model.generate(input_ids, max_new_tokens=max_new_tokens, do_sample=do_sample,
-                                        **{cache_keyword(model): cache}, **generate_kwargs)
+                output = model.generate(input_ids, max_new_tokens=max_new_tokens, do_sample=do_sample, **given_cache,
+                                        **generate_kwargs)
     finally:
         model.set_attn_implementation(previous)
     _check_identical(output, group)

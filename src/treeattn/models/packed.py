@@ -50,14 +50,13 @@ class _Packed(nn.Module):
         """(fmt, qs, d, m) with the scales viewed as float32. Made once per set of buffers (module.to()
         replaces them): a decode step calls every packed layer once, and the views cost about as much
         as a small layer's kernel."""
-        buffers = self._buffers
-        key = (buffers["qs"], buffers["d_bits"], buffers["m_bits"])
+        qs, d_bits, m_bits = self._buffers["qs"], self._buffers["d_bits"], self._buffers["m_bits"]
         cached = self.__dict__.get("_cached_parts")
-        if cached is None or any(a is not b for a, b in zip(cached[0], key)):
-            qs, d_bits, m_bits = key
-            cached = (key, (self.fmt, qs, d_bits.view(torch.float32), None if m_bits is None else m_bits.view(torch.float32)))
+        if cached is None or cached[1] is not qs or cached[4] is not d_bits or cached[5] is not m_bits:
+            cached = (self.fmt, qs, d_bits.view(torch.float32), None if m_bits is None else m_bits.view(torch.float32),
+                      d_bits, m_bits)  # the last two: the buffers the views were made of
             self.__dict__["_cached_parts"] = cached
-        return cached[1]
+        return cached[:4]
 
     def __getstate__(self):
         state = super().__getstate__().copy()
