@@ -295,6 +295,53 @@ def test_engine_same_tokens_with_and_without_the_kernel():
     assert _engine_tokens(model, prompts, paged=True, nproc=2) == without  # two ranks: each reads its blocks, tree combine
 
 
+@pytest.mark.parametrize("kernel", [True, False], ids=["kernel", "gathered"])
+@pytest.mark.parametrize("tokens, in_order", [([(1,), (1,), (1,)], True), ([(1, 2), (3, 4), (5, 6)], True),
+                                              ([(1,), (1, 2, 3), (1,)], False), ([(1,), (1,), (1, 2, 3, 4)], False)],
+                         ids=["decode", "drafts alike", "drafts unlike", "with a prefill"])
+def test_engine_step_in_row_order_is_viewed_not_regrouped(tokens, in_order, kernel, monkeypatch):
+    """A step whose rows form one group in order (decode steps, drafts of one length) attends a view
+    of its queries and returns the group's output as the step's; it gives bit for bit what regrouping
+    (index the rows, scatter the output back) gives, on the paged kernel and on the gathered read.
+    Steps with padded rows or a prefill chunk regroup. Every new key is stored without a row gather."""
+    from treeattn.cache.blocks import BlockRef
+    from treeattn.cache.paged import PagedKVCache
+    from treeattn.engine import batch as engine_batch
+    from treeattn.engine.scheduler import Chunk, StepPlan
+    from treeattn.models.attention import LocalAttention
+
+    if kernel and not KERNEL:
+        pytest.skip("numba is not installed")
+    if not kernel:
+        monkeypatch.setattr(engine_batch, "kernel_takes", lambda *args: False)
+    g = torch.Generator().manual_seed(0)
+    cache = PagedKVCache(num_layers=1, num_kv_heads=2, head_dim=8, num_blocks=12, block_size=4)
+    cache.arena.copy_(torch.randn(cache.arena.shape, generator=g))
+    chunks = tuple(Chunk(s, t, start, tuple(BlockRef(0, 4 * s + b) for b in range(4)), None, len(t) - 1 if len(t) < 4 else 0)
+                   for s, (t, start) in enumerate(zip(tokens, (9, 5, 2))))
+    T = sum(len(t) for t in tokens)
+    q = torch.randn(1, T, 4, 8, generator=g)
+    k_new, v_new = torch.randn(1, T, 2, 8, generator=g), torch.randn(1, T, 2, 8, generator=g)
+    outs = []
+    for regroup in (False, True):
+        batch = engine_batch.PagedBatch(StepPlan(chunks), 0, cache, LocalAttention(), combine=(None, "allreduce", 1))
+        assert batch._in_order == in_order and batch._store_all and (batch.groups[0].paged is not None) == kernel
+        batch._in_order = batch._in_order and not regroup
+        k, v, pos = batch.kv_store(0, k_new, v_new)
+        outs.append(batch.attend(q, k, v, q_pos=None, kv_pos=pos, window=None))
+    assert outs[0].shape == (1, T, 4, 8) and torch.equal(outs[0], outs[1])
+    keys, values = cache.blocks(0)
+    row = 0
+    for c in chunks:  # against float64 over what the cache holds, the new keys included
+        n, end = len(c.tokens), c.start + len(c.tokens)
+        ids = torch.tensor([ref.index for ref in c.blocks])
+        expected, _ = ta.reference_attention(q[:, row : row + n].double(), keys[ids].flatten(0, 1)[None, :end].double(),
+                                             values[ids].flatten(0, 1)[None, :end].double(), causal=True,
+                                             q_pos=torch.arange(c.start, end)[None], kv_pos=torch.arange(end)[None])
+        torch.testing.assert_close(outs[0][:, row : row + n].double(), expected, rtol=TOL, atol=TOL)
+        row += n
+
+
 @pytest.mark.parametrize("fp8", [False, True], ids=["same-dtype", "fp8"])
 @pytest.mark.parametrize("case", ["drafts", "mla values in keys"])
 def test_cuda_branch_through_the_triton_interpreter(case, fp8, monkeypatch):

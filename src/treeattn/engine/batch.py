@@ -92,6 +92,8 @@ class _Group:
                 pos = (logical[:, None] * bs + torch.arange(bs)).flatten()  # every slot's position
                 kv_pos[b, : len(blocks) * bs] = torch.where(pos < end, pos, INVISIBLE_POSITION)
         self.valid = (q_pos >= 0).to(device)
+        # every query row is real and the rows are 0, 1, ... in order: the step's rows, viewed as (B, S)
+        self.in_order = bool((q_pos >= 0).all()) and torch.equal(q_index.flatten(), torch.arange(q_index.numel()))
         self.q_index, self.q_pos = q_index.to(device), q_pos.to(device)
         self.table, self.kv_pos = table.to(device), kv_pos.to(device)
         self.runs = [_runs(blocks, kv_pos[b], bs, device) for b, blocks in enumerate(local)]
@@ -176,6 +178,8 @@ class PagedBatch:
                               own_from if idx is decoding and segments else None, paged and idx is decoding)
                        for idx in (decoding, prefill) if idx]
         self._members = [[(plan.chunks[i], offsets[i]) for i in idx] for idx in (decoding, prefill) if idx]  # per group
+        self._in_order = len(self.groups) == 1 and self.groups[0].in_order and self.groups[0].q_index.numel() == len(tokens)
+        self._store_all = rows == list(range(len(tokens)))  # every new key is stored here, in order: no row gather
         if segments:
             g = self.groups[0]
             g.shared = shared_prefix.SharedSegments(segments, [plan.chunks[i] for i in decoding], [offsets[i] for i in decoding],
@@ -192,7 +196,9 @@ class PagedBatch:
             return self._window_store(layer, k_new[0], v_new[0])
         if self.paged_index is not None:
             layer = self.paged_index[layer]
-        if self.store_rows.numel():
+        if self._store_all:
+            self.cache.write(layer, self.store_slots, k_new[0], v_new[0])
+        elif self.store_rows.numel():
             self.cache.write(layer, self.store_slots, k_new[0, self.store_rows], v_new[0, self.store_rows])
         self._layer = layer
         shards = [(None, None) if g.copy_free or g.paged is not None else self.cache.gather(layer, g.table) for g in self.groups]
@@ -244,26 +250,35 @@ class PagedBatch:
     def attend(self, q: torch.Tensor, k, v, *, q_pos, kv_pos, window) -> torch.Tensor:
         """q (1, T, Hq, D) -> out (1, T, Hq, D): one back-end call (or one run-by-run read and one
         combine) per group of sequences; for a hybrid cache's window layer, one local attention
-        call per group over what _window_store returned (every rank holds it all: no combine)."""
+        call per group over what _window_store returned (every rank holds it all: no combine).
+        A step that is one group with every row in order (a decode step without drafts) regroups
+        nothing: its queries are a view of q and its output is the group's."""
         start, combined = time.perf_counter(), self.phases.get("combine", 0.0)
         flat = q[0]
-        out = flat.new_zeros(*flat.shape[:-1], self.cache.value_dim or flat.shape[-1])  # (T, Hq, Dv)
-        for g, k_g, v_g, pos_g in zip(self.groups, k, v, kv_pos):
-            if self._window_layer:
-                o = _LOCAL(flat[g.q_index], k_g, v_g, q_pos=g.q_pos, kv_pos=pos_g, window=window)
-            elif g.shared is not None:
-                o = self._attend_shared(g, flat, k_g, v_g, pos_g)
-            elif g.paged is not None:
-                q_g = flat[g.q_index]
-                o = self._combine(*self._paged_state(g, q_g, window)).to(q_g.dtype)
-            elif g.copy_free:
-                o = self._attend_runs(g, flat[g.q_index])
-            else:
-                o = self.backend(flat[g.q_index], k_g, v_g, q_pos=g.q_pos, kv_pos=pos_g, window=window)
-            out[g.q_index[g.valid]] = o[g.valid]
+        if self._in_order:
+            g = self.groups[0]
+            o = self._attend_group(g, flat, flat.reshape(*g.q_index.shape, *flat.shape[1:]), k[0], v[0], kv_pos[0], window)
+            out = o.reshape(flat.shape[0], *o.shape[2:])
+        else:
+            out = flat.new_zeros(*flat.shape[:-1], self.cache.value_dim or flat.shape[-1])  # (T, Hq, Dv)
+            for g, k_g, v_g, pos_g in zip(self.groups, k, v, kv_pos):
+                o = self._attend_group(g, flat, flat[g.q_index], k_g, v_g, pos_g, window)
+                out[g.q_index[g.valid]] = o[g.valid]
         local = time.perf_counter() - start - (self.phases.get("combine", 0.0) - combined)
         self.phases["attention"] = self.phases.get("attention", 0.0) + local
         return out[None]
+
+    def _attend_group(self, g: _Group, flat: torch.Tensor, q_g: torch.Tensor, k_g, v_g, pos_g, window) -> torch.Tensor:
+        """Group g's queries q_g (B, S, Hq, D) (flat: the step's, (T, Hq, D)) over its keys -> out (B, S, Hq, Dv) in q's dtype."""
+        if self._window_layer:
+            return _LOCAL(q_g, k_g, v_g, q_pos=g.q_pos, kv_pos=pos_g, window=window)
+        if g.shared is not None:
+            return self._attend_shared(g, flat, k_g, v_g, pos_g)
+        if g.paged is not None:
+            return self._combine(*self._paged_state(g, q_g, window)).to(q_g.dtype)
+        if g.copy_free:
+            return self._attend_runs(g, q_g)
+        return self.backend(q_g, k_g, v_g, q_pos=g.q_pos, kv_pos=pos_g, window=window)
 
     def _attend_shared(self, g: _Group, flat: torch.Tensor, k_g, v_g, pos_g) -> torch.Tensor:
         """Group g's queries over its shared segments (each read once for its sequences) and each

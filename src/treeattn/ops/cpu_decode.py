@@ -71,19 +71,16 @@ def attend_blocks(q: torch.Tensor, k_blocks: torch.Tensor, v_store: torch.Tensor
     Hkv = k_blocks.shape[2]
     G, R = Hq // Hkv, B * Sq
     table, kv_pos, row_seq, q_pos, splits = arrays
-    q_rows = q.reshape(R, Hkv, G, D).to(torch.float32).contiguous()
+    q_rows = q.reshape(R, Hkv, G, D)
+    if q_rows.dtype != torch.float32 or not q_rows.is_contiguous():
+        q_rows = q_rows.to(torch.float32).contiguous()
     bits = _BITS[k_blocks.dtype]
-    k_arr, v_arr = k_blocks.view(bits).numpy(), v_store.view(bits).numpy()
-    out_p = torch.empty(R, splits, Hkv, G, Dv)
-    m_p = torch.empty(R, splits, Hkv, G)
-    l_p = torch.empty(R, splits, Hkv, G)
+    out = torch.empty(B, Sq, Hq, Dv)
+    lse = torch.empty(B, Sq, Hq)
     scales = (kernel.NO_SCALES, kernel.NO_SCALES) if k_scales is None else (k_scales.numpy(), v_scales.numpy())
-    kernel.attend(threads, q_rows.numpy(), k_arr, v_arr, *scales, Dv, scale, table, kv_pos, row_seq, q_pos,
-                  window or 0, splits, out_p.numpy(), m_p.numpy(), l_p.numpy())
-    out = torch.empty(R, Hkv, G, Dv)
-    lse = torch.empty(R, Hkv, G)
-    kernel.merge_splits(out_p.numpy(), m_p.numpy(), l_p.numpy(), out.numpy(), lse.numpy())
-    return out.view(B, Sq, Hq, Dv).to(q.dtype), lse.view(B, Sq, Hq).transpose(1, 2).contiguous()
+    kernel.attend(threads, q_rows.numpy(), k_blocks.view(bits).numpy(), v_store.view(bits).numpy(), *scales, Dv, scale,
+                  table, kv_pos, row_seq, q_pos, window or 0, splits, out.view(R, Hkv, G, Dv).numpy(), lse.view(R, Hkv, G).numpy())
+    return out.to(q.dtype), lse.transpose(1, 2).contiguous()
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, q_pos: torch.Tensor | None,

@@ -43,13 +43,13 @@ _FASTMATH = {"reassoc", "contract"}
 
 
 def attend(threads: int, *args) -> None:
-    """attend_splits on `threads` threads (at most numba's pool; 1: the serial compilation, no pool)."""
+    """attend_parallel on `threads` threads (at most numba's pool; 1: attend_serial, no pool)."""
     threads = max(1, min(threads, numba.config.NUMBA_NUM_THREADS))
     if threads == 1:
-        attend_splits_serial(*args)
+        attend_serial(*args)
     else:
         numba.set_num_threads(threads)  # per calling thread
-        attend_splits(*args)
+        attend_parallel(*args)
 
 
 NO_SCRATCH = np.zeros((0, 0, 0), dtype=np.uint32)
@@ -152,7 +152,7 @@ def _scale_impl(k, scales, blk, t, h):
 
 @njit(cache=True, fastmath=_FASTMATH)
 def _attend_range(w, q, k, v, k_scales, v_scales, dv, scale, table, kv_pos, row_seq, q_pos, window, splits, out, m_out, l_out):  # pragma: no cover - compiled
-    """Work item w = r * splits + sp of attend_splits: query row r over its sp-th range of blocks."""
+    """Work item w = r * splits + sp of attend_parallel: query row r over its sp-th range of blocks."""
     H, G, D = q.shape[1], q.shape[2], q.shape[3]
     BS = k.shape[1]
     nb = table.shape[1]
@@ -215,8 +215,8 @@ def _attend_range(w, q, k, v, k_scales, v_scales, dv, scale, table, kv_pos, row_
 
 
 @njit(parallel=True, cache=True, fastmath=_FASTMATH)
-def attend_splits(q, k, v, k_scales, v_scales, dv, scale, table, kv_pos, row_seq, q_pos, window, splits, out, m_out, l_out):  # pragma: no cover - compiled
-    """States of every (query row, block range).
+def attend_parallel(q, k, v, k_scales, v_scales, dv, scale, table, kv_pos, row_seq, q_pos, window, splits, out, lse):  # pragma: no cover - compiled
+    """Every query row's attention state: its `splits` ranges of blocks in parallel, then merged.
 
     q: (R, Hkv, G, D) float32 C-contiguous, the query rows (not scaled).
     k: (NB, BS, Hkv, D) float32 C-contiguous, every block of the layer; v: (NB, BS, Hkv, Dv_stored),
@@ -229,19 +229,29 @@ def attend_splits(q, k, v, k_scales, v_scales, dv, scale, table, kv_pos, row_seq
     table: int64 (B, nb) block ids; kv_pos: int64 (B, nb * BS) position of every slot;
     row_seq: int64 (R,) the table row of each query row; q_pos: int64 (R,) its position.
     window: > 0: a key is visible iff 0 <= q_pos - kv_pos < window; 0: iff kv_pos <= q_pos.
-    splits: block ranges per row. Writes out (R, splits, Hkv, G, dv) unnormalized, m_out and
-    l_out (R, splits, Hkv, G): running max (-inf: no visible key) and sum of exp(score - max).
+    splits: block ranges per row (flash-decoding). Writes out (R, Hkv, G, dv) float32, normalized,
+    and lse (R, Hkv, G) float32 (merge_splits: 0 and -inf for a row that sees no key).
     """
-    for w in prange(q.shape[0] * splits):
-        _attend_range(w, q, k, v, k_scales, v_scales, dv, scale, table, kv_pos, row_seq, q_pos, window, splits, out, m_out, l_out)
+    R, H, G = q.shape[0], q.shape[1], q.shape[2]
+    out_p = np.empty((R, splits, H, G, dv), dtype=np.float32)
+    m_p = np.empty((R, splits, H, G), dtype=np.float32)
+    l_p = np.empty((R, splits, H, G), dtype=np.float32)
+    for w in prange(R * splits):
+        _attend_range(w, q, k, v, k_scales, v_scales, dv, scale, table, kv_pos, row_seq, q_pos, window, splits, out_p, m_p, l_p)
+    merge_splits(out_p, m_p, l_p, out, lse)
 
 
 @njit(cache=True, fastmath=_FASTMATH)
-def attend_splits_serial(q, k, v, k_scales, v_scales, dv, scale, table, kv_pos, row_seq, q_pos, window, splits, out, m_out, l_out):  # pragma: no cover - compiled
-    """attend_splits on the calling thread alone: no thread pool is started (a rank running with
+def attend_serial(q, k, v, k_scales, v_scales, dv, scale, table, kv_pos, row_seq, q_pos, window, splits, out, lse):  # pragma: no cover - compiled
+    """attend_parallel on the calling thread alone: no thread pool is started (a rank running with
     one torch thread, several ranks on one host, then has no second pool spinning beside torch's)."""
-    for w in range(q.shape[0] * splits):
-        _attend_range(w, q, k, v, k_scales, v_scales, dv, scale, table, kv_pos, row_seq, q_pos, window, splits, out, m_out, l_out)
+    R, H, G = q.shape[0], q.shape[1], q.shape[2]
+    out_p = np.empty((R, splits, H, G, dv), dtype=np.float32)
+    m_p = np.empty((R, splits, H, G), dtype=np.float32)
+    l_p = np.empty((R, splits, H, G), dtype=np.float32)
+    for w in range(R * splits):
+        _attend_range(w, q, k, v, k_scales, v_scales, dv, scale, table, kv_pos, row_seq, q_pos, window, splits, out_p, m_p, l_p)
+    merge_splits(out_p, m_p, l_p, out, lse)
 
 
 @njit(cache=True)
