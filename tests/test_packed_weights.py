@@ -132,6 +132,8 @@ def test_packed_layers_follow_replaced_buffers_and_pickle():
     qs, d, m = unpack_blocks("q4_1", other)
     layer.qs, layer.d_bits, layer.m_bits = qs, d.view(torch.int32), m.view(torch.int32)  # what load_state_dict or .to() do
     assert torch.equal(layer(x), PackedLinear("q4_1", qs, d, m)(x)) and not torch.equal(layer(x), y)
+    arrays = layer._cached()[4]  # the kernel's numpy views, made once per set of buffers: of the new ones
+    assert [a.ctypes.data for a in arrays] == [qs.data_ptr(), d.data_ptr(), m.data_ptr()] and layer._cached()[4] is arrays
 
 
 @pytest.fixture(scope="module")

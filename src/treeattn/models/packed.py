@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from treeattn.ops.packed_linear import BLOCK, FORMATS, dequantize_packed, packed_matmul
+from treeattn.ops.packed_linear import BLOCK, FORMATS, dequantize_packed, kernel_arrays, packed_matmul
 
 WEIGHT_FORMATS = ("auto", "dequantize", "packed")
 """How a loader holds a checkpoint's quantized weights: "dequantize" (in the model's dtype), "packed"
@@ -50,13 +50,19 @@ class _Packed(nn.Module):
         """(fmt, qs, d, m) with the scales viewed as float32. Made once per set of buffers (module.to()
         replaces them): a decode step calls every packed layer once, and the views cost about as much
         as a small layer's kernel."""
+        return self._cached()[:4]
+
+    def _cached(self):
+        """(fmt, qs, d, m, the kernel's numpy views of them (ops.packed_linear.kernel_arrays; None off
+        the CPU), d_bits, m_bits): rebuilt when a buffer was replaced (the last two are the buffers the
+        views were made of)."""
         qs, d_bits, m_bits = self._buffers["qs"], self._buffers["d_bits"], self._buffers["m_bits"]
         cached = self.__dict__.get("_cached_parts")
-        if cached is None or cached[1] is not qs or cached[4] is not d_bits or cached[5] is not m_bits:
-            cached = (self.fmt, qs, d_bits.view(torch.float32), None if m_bits is None else m_bits.view(torch.float32),
-                      d_bits, m_bits)  # the last two: the buffers the views were made of
+        if cached is None or cached[1] is not qs or cached[5] is not d_bits or cached[6] is not m_bits:
+            d, m = d_bits.view(torch.float32), None if m_bits is None else m_bits.view(torch.float32)
+            cached = (self.fmt, qs, d, m, kernel_arrays(qs, d, m), d_bits, m_bits)
             self.__dict__["_cached_parts"] = cached
-        return cached[:4]
+        return cached
 
     def __getstate__(self):
         state = super().__getstate__().copy()
@@ -69,7 +75,8 @@ class _Packed(nn.Module):
 
     def project(self, x: torch.Tensor) -> torch.Tensor:
         """x (..., columns) @ W.T -> (..., rows) in x.dtype, float32 accumulation."""
-        return packed_matmul(x, *self._parts())
+        fmt, qs, d, m, arrays = self._cached()[:5]
+        return packed_matmul(x, fmt, qs, d, m, arrays=arrays)
 
     def extra_repr(self) -> str:
         return f"{self.fmt}, rows={self.rows}, columns={self.columns}"
@@ -83,7 +90,8 @@ class PackedLinear(_Packed):
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return packed_matmul(x, *self._parts(), bias=self.bias)
+        fmt, qs, d, m, arrays = self._cached()[:5]
+        return packed_matmul(x, fmt, qs, d, m, self.bias, arrays=arrays)
 
 
 class PackedEmbedding(_Packed):

@@ -93,14 +93,24 @@ def dequantize_packed(fmt: str, qs: torch.Tensor, d: torch.Tensor, m: torch.Tens
     return w.reshape(*qs.shape[:-2], -1)
 
 
+def kernel_arrays(qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """A CPU packed weight's blocks as the kernel reads them: numpy views of qs, d and m (d again for
+    the formats without m); None on another device. A caller that multiplies by one weight many times
+    (the packed layers) makes them once and passes them to packed_matmul."""
+    if qs.device.type != "cpu":
+        return None
+    return qs.numpy(), d.numpy(), (d if m is None else m).numpy()
+
+
 def packed_matmul(x: torch.Tensor, fmt: str, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None,
-                  bias: torch.Tensor | None = None) -> torch.Tensor:
+                  bias: torch.Tensor | None = None, *, arrays: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None) -> torch.Tensor:
     """x @ W.T (+ bias) for a weight W kept packed (unpack_blocks' qs, d, m).
 
     Args:
         x: (..., K) float tensor on W's device.
         fmt, qs, d, m: the packed weight, W (N, K).
         bias: (N,) or None.
+        arrays: kernel_arrays(qs, d, m), made once by the caller; None: made here when the kernel runs.
 
     Returns:
         (..., N) in x.dtype, accumulated in float32 (x is taken in float32).
@@ -110,13 +120,13 @@ def packed_matmul(x: torch.Tensor, fmt: str, qs: torch.Tensor, d: torch.Tensor, 
         raise ValueError(f"x must have {K} features (the packed weight's columns), got shape {tuple(x.shape)}")
     rows = x.reshape(-1, K)
     kernel = kernel_module()
-    if (rows.shape[0] <= MAX_KERNEL_ROWS and x.device.type == "cpu" and kernel is not None
-            and not (torch.is_grad_enabled() and x.requires_grad)):
+    if (rows.shape[0] <= MAX_KERNEL_ROWS and kernel is not None and x.device.type == "cpu"
+            and not (x.requires_grad and torch.is_grad_enabled())):
         if rows.dtype != torch.float32 or not rows.is_contiguous():
             rows = rows.to(torch.float32).contiguous()
         out = np.empty((rows.shape[0], N), dtype=np.float32)  # numpy first: cheaper than torch.empty + .numpy()
         threads = torch.get_num_threads() if N * K >= PARALLEL_MIN_WEIGHTS else 1
-        kernel.matmul(threads, fmt, rows.numpy(), qs.numpy(), d.numpy(), (d if m is None else m).numpy(), out)
+        kernel.matmul(threads, fmt, rows.numpy(), *(arrays or kernel_arrays(qs, d, m)), out)
         out = torch.from_numpy(out)
     else:
         out = F.linear(rows.to(torch.float32), dequantize_packed(fmt, qs, d, m))
@@ -126,4 +136,5 @@ def packed_matmul(x: torch.Tensor, fmt: str, qs: torch.Tensor, d: torch.Tensor, 
     return out if out.dtype == x.dtype else out.to(x.dtype)
 
 
-__all__ = ["BLOCK", "BLOCK_BYTES", "FORMATS", "MAX_KERNEL_ROWS", "PARALLEL_MIN_WEIGHTS", "dequantize_packed", "packed_matmul", "unpack_blocks"]
+__all__ = ["BLOCK", "BLOCK_BYTES", "FORMATS", "MAX_KERNEL_ROWS", "PARALLEL_MIN_WEIGHTS", "dequantize_packed", "kernel_arrays", "packed_matmul",
+           "unpack_blocks"]
