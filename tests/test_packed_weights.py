@@ -68,6 +68,35 @@ def test_unpacked_blocks_dequantize_to_exactly_the_files_values(fmt, qtype):
         unpack_blocks(fmt, raw[:, :-1])
 
 
+def q4_k_rows(rows: int, cols: int, seed: int) -> np.ndarray:
+    """Random Q4_K super-blocks (gguf-py has no Q4_K quantizer): random 6-bit scales, minimums and 4-bit
+    values, float16 d and dmin spread over 2**-14 .. 2**2, some zero (a row that is all zeros, one of
+    only offsets)."""
+    g = np.random.default_rng(seed)
+    raw = g.integers(0, 256, (rows, cols // 256 * 144), dtype=np.uint8)
+    blocks = raw.reshape(-1, 144)
+    for col in (0, 2):  # d, dmin
+        values = (g.uniform(0.5, 1.0, len(blocks)) * 2.0 ** g.integers(-14, 3, len(blocks))).astype(np.float16)
+        blocks[:, col : col + 2] = values.view(np.uint8).reshape(-1, 2)
+    raw[0, 0:4] = 0  # d = dmin = 0 in the first row's first super-block
+    raw[1, 0:2] = 0  # d = 0: only the offsets
+    return raw
+
+
+def test_q4_k_regrouped_as_q4_1_blocks_dequantizes_to_exactly_the_files_values():
+    raw = q4_k_rows(5, 768, 7)
+    qs, d, m = packed_linear.q4_k_as_q4_1(raw)
+    assert qs.shape == (5, 24, 16) and qs.dtype == torch.uint8 and d.shape == m.shape == (5, 24)
+    expected = gguf.quants.dequantize(raw, Q.Q4_K).reshape(5, 768)
+    assert np.array_equal(dequantize_packed("q4_1", qs, d, m).numpy(), expected)
+    x = torch.randn(3, 768, generator=torch.Generator().manual_seed(1))
+    exact = x.double() @ torch.from_numpy(expected).double().T
+    bound = gamma(768) * (x.double().abs() @ torch.from_numpy(expected).double().abs().T)
+    assert ((packed_matmul(x, "q4_1", qs, d, m).double() - exact).abs() <= bound).all()
+    with pytest.raises(ValueError, match="raw must be uint8"):
+        packed_linear.q4_k_as_q4_1(raw[:, :-1])
+
+
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("fmt,qtype", FORMATS)
 def test_packed_matmul_is_x_times_the_files_weights_within_float32_accumulation(fmt, qtype, threads, monkeypatch):
@@ -186,7 +215,7 @@ def test_greedy_tokens_equal_the_dequantized_models_on_one_and_two_ranks(files):
 
 
 def test_what_cannot_be_kept_packed_is_refused_in_one_line(files, tmp_path):
-    with pytest.raises(ValueError, match=r"weight_format='packed' keeps Q4_0, Q4_1 and Q8_0 matrices; .* in Q5_0"):
+    with pytest.raises(ValueError, match=r"weight_format='packed' keeps Q4_0, Q4_1, Q8_0 and Q4_K matrices; .* in Q5_0"):
         load_model(files["q5_0"], weight_format="packed")
     mixed = load_model(files["q5_0"], weight_format="auto")  # auto: what a kernel reads packed, the rest dequantized
     assert isinstance(mixed.layers[0].mlp.down_proj, PackedLinear) and isinstance(mixed.layers[1].mlp.down_proj, torch.nn.Linear)

@@ -79,6 +79,45 @@ def unpack_blocks(fmt: str, raw: np.ndarray) -> tuple[torch.Tensor, torch.Tensor
     return qs, d, m
 
 
+Q4_K_BLOCK_BYTES = 144
+"""Bytes of a Q4_K super-block of 256 weights: float16 d and dmin, 12 bytes of eight 6-bit scales and
+eight 6-bit minimums, 128 bytes of 4-bit values."""
+
+
+def q4_k_as_q4_1(raw: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rows of Q4_K super-blocks as q4_1 blocks of 32 weights (unpack_blocks' "q4_1" output), the same values exactly.
+
+    Sub-block j (32 weights) of a super-block holds w = (d * sc_j) * q - dmin * m_j with q in 0..15, which is
+    how ggml and gguf.quants dequantize it. d * sc_j and dmin * m_j are exact in float32 (an 11-bit
+    mantissa times a 6-bit integer), and so is (d * sc_j) * q (17 bits times 4); so the q4_1 block with
+    scale D = d * sc_j and offset M = -(dmin * m_j) gives D * q + M: the same single rounding. The 4-bit
+    values are regrouped (a super-block stores each 64 weights as 32 bytes, low nibbles first; a q4_1
+    block byte i holds weights i and i + 16): 6 bits a weight in memory instead of the file's 4.5.
+
+    Args:
+        raw: uint8 (N, K // 256 * 144), each row's super-blocks as the file stores them.
+
+    Returns:
+        qs uint8 (N, K // 32, 16); d, m float32 (N, K // 32).
+    """
+    if raw.dtype != np.uint8 or raw.ndim != 2 or raw.shape[1] % Q4_K_BLOCK_BYTES:
+        raise ValueError(f"raw must be uint8 (N, K // 256 * {Q4_K_BLOCK_BYTES}) for q4_k, got {raw.dtype} {raw.shape}")
+    import gguf.quants
+
+    N = raw.shape[0]
+    blocks = np.ascontiguousarray(raw).reshape(-1, Q4_K_BLOCK_BYTES)  # (N * super-blocks, 144)
+    d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)  # (n, 1)
+    dmin = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)
+    sc, mins = gguf.quants.Q4_K.get_scale_min(blocks[:, 4:16].copy())  # (n, 8) each: sub-block j's 6-bit scale and minimum
+    values = blocks[:, 16:].reshape(-1, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+    values = (values & np.uint8(15)).reshape(-1, 8, 32)  # sub-block j's 32 values in order (gguf.quants' order)
+    qs = values[..., :16] | (values[..., 16:] << np.uint8(4))
+    scale = d * sc.astype(np.float32)
+    offset = -(dmin * mins.astype(np.float32))
+    return (torch.from_numpy(np.ascontiguousarray(qs).reshape(N, -1, 16)), torch.from_numpy(scale.reshape(N, -1)),
+            torch.from_numpy(offset.reshape(N, -1)))
+
+
 def dequantize_packed(fmt: str, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None) -> torch.Tensor:
     """float32 (N, K) weights of unpack_blocks' output (any leading rows of it): d * q (+ m) per block."""
     if fmt == "q8_0":
@@ -136,5 +175,5 @@ def packed_matmul(x: torch.Tensor, fmt: str, qs: torch.Tensor, d: torch.Tensor, 
     return out if out.dtype == x.dtype else out.to(x.dtype)
 
 
-__all__ = ["BLOCK", "BLOCK_BYTES", "FORMATS", "MAX_KERNEL_ROWS", "PARALLEL_MIN_WEIGHTS", "dequantize_packed", "kernel_arrays", "packed_matmul",
-           "unpack_blocks"]
+__all__ = ["BLOCK", "BLOCK_BYTES", "FORMATS", "MAX_KERNEL_ROWS", "PARALLEL_MIN_WEIGHTS", "Q4_K_BLOCK_BYTES", "dequantize_packed", "kernel_arrays",
+           "packed_matmul", "q4_k_as_q4_1", "unpack_blocks"]
