@@ -72,16 +72,17 @@ def test_greedy_tokens_match_uncached_recomputation(ours, reference, prompt):
     assert result.generated_ids[0] == sequence[len(prompt):]
 
 
-def test_q4_k_matrices_kept_packed_hold_the_files_values(ours, prompt):
-    """weight_format="auto" on this file keeps its Q8_0 and Q4_K matrices packed (Q4_K regrouped into q4_1
-    blocks, ops.packed_linear.q4_k_as_q4_1) and dequantizes the Q5_0 and Q6_K ones: every packed layer holds
-    exactly the dequantized model's weight, and the prefill logits agree up to the order of float32 sums."""
+def test_quantized_matrices_kept_packed_hold_the_files_values(ours, prompt):
+    """weight_format="auto" on this file keeps its Q8_0, Q4_K and Q5_0 matrices packed (Q4_K regrouped into
+    q4_1 blocks, Q5_0 widened into q8_0 blocks: ops.packed_linear) and dequantizes the Q6_K ones: every packed
+    layer holds exactly the dequantized model's weight, and the prefill logits agree up to the order of
+    float32 sums."""
     from treeattn.models.packed import PackedEmbedding, PackedLinear
 
     packed = ta.load_model(gemma3_path(), weight_format="auto")
     kept = {n: m for n, m in packed.named_modules() if isinstance(m, (PackedLinear, PackedEmbedding))}
-    assert sum(n.endswith("o_proj") for n in kept) == 18 and sum(n.endswith("down_proj") for n in kept) == 9  # the Q4_K ones
-    assert isinstance(packed.layers[0].self_attn.q_proj, torch.nn.Linear)  # Q5_0: no kernel, dequantized
+    assert len(kept) == 1 + 18 * 7 - 9  # the embeddings and every matrix but the 9 Q6_K down projections
+    assert sum(isinstance(layer.mlp.down_proj, torch.nn.Linear) for layer in packed.layers) == 9  # Q6_K: no kernel
     for n, layer in kept.items():
         assert layer.fmt in ("q4_1", "q8_0") and torch.equal(layer.dequantized(), ours.get_submodule(n).weight), n
     got, expected = ours_logits(packed, prompt), ours_logits(ours, prompt)

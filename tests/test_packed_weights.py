@@ -83,6 +83,15 @@ def q4_k_rows(rows: int, cols: int, seed: int) -> np.ndarray:
     return raw
 
 
+def test_q5_0_widened_to_q8_0_blocks_dequantizes_to_exactly_the_files_values():
+    raw = gguf.quants.quantize(weights(37, 96, 6), Q.Q5_0)
+    qs, d, m = packed_linear.q5_0_as_q8_0(raw)
+    assert qs.shape == (37, 3, 32) and qs.dtype == torch.int8 and m is None and int(qs.min()) >= -16 and int(qs.max()) <= 15
+    assert np.array_equal(dequantize_packed("q8_0", qs, d, m).numpy(), gguf.quants.dequantize(raw, Q.Q5_0).reshape(37, 96))
+    with pytest.raises(ValueError, match="raw must be uint8"):
+        packed_linear.q5_0_as_q8_0(raw[:, :-1])
+
+
 def test_q4_k_regrouped_as_q4_1_blocks_dequantizes_to_exactly_the_files_values():
     raw = q4_k_rows(5, 768, 7)
     qs, d, m = packed_linear.q4_k_as_q4_1(raw)
@@ -168,7 +177,7 @@ def test_packed_layers_follow_replaced_buffers_and_pickle():
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
     """Tiny GGUF files: llama (untied, permuted Q/K) in each packed format, qwen2 (tied, q/k/v bias) in Q8_0,
-    and llama with one matrix in Q5_0 (no packed kernel)."""
+    llama with one matrix in Q5_1 (no packed kernel), and llama in Q5_0 (kept as q8_0 blocks)."""
     root = tmp_path_factory.mktemp("packed")
     models = {arch: hf_model(arch) for arch in ("llama", "qwen2")}
     paths = {}
@@ -177,12 +186,14 @@ def files(tmp_path_factory):
         write_gguf(paths[fmt], models["llama"], qtype)
     paths["qwen2"] = root / "qwen2.q8_0.gguf"
     write_gguf(paths["qwen2"], models["qwen2"], Q.Q8_0, arch="qwen2")
-    paths["q5_0"] = root / "llama.mixed.gguf"
-    write_gguf(paths["q5_0"], models["llama"], Q.Q4_1, raw_types={"blk.1.ffn_down.weight": Q.Q5_0})
+    paths["q5_1"] = root / "llama.mixed.gguf"
+    write_gguf(paths["q5_1"], models["llama"], Q.Q4_1, raw_types={"blk.1.ffn_down.weight": Q.Q5_1})
+    paths["q5_0"] = root / "llama.q5_0.gguf"
+    write_gguf(paths["q5_0"], models["llama"], Q.Q5_0)
     return paths
 
 
-@pytest.mark.parametrize("name", ["q4_0", "q4_1", "q8_0", "qwen2"])
+@pytest.mark.parametrize("name", ["q4_0", "q4_1", "q8_0", "qwen2", "q5_0"])
 def test_a_packed_model_holds_exactly_the_dequantized_models_weights(files, name):
     dense = load_model(files[name])
     packed = load_model(files[name], weight_format="packed")
@@ -215,12 +226,12 @@ def test_greedy_tokens_equal_the_dequantized_models_on_one_and_two_ranks(files):
 
 
 def test_what_cannot_be_kept_packed_is_refused_in_one_line(files, tmp_path):
-    with pytest.raises(ValueError, match=r"weight_format='packed' keeps Q4_0, Q4_1, Q8_0 and Q4_K matrices; .* in Q5_0"):
-        load_model(files["q5_0"], weight_format="packed")
-    mixed = load_model(files["q5_0"], weight_format="auto")  # auto: what a kernel reads packed, the rest dequantized
+    with pytest.raises(ValueError, match=r"weight_format='packed' keeps Q4_0, Q4_1, Q8_0, Q4_K and Q5_0 matrices; .* in Q5_1"):
+        load_model(files["q5_1"], weight_format="packed")
+    mixed = load_model(files["q5_1"], weight_format="auto")  # auto: what a kernel reads packed, the rest dequantized
     assert isinstance(mixed.layers[0].mlp.down_proj, PackedLinear) and isinstance(mixed.layers[1].mlp.down_proj, torch.nn.Linear)
-    with pytest.raises(ConfigError, match="weight_format='packed' keeps .* Q5_0") as info:
-        check_weight_format(str(files["q5_0"]), EngineConfig(weight_format="packed", device="cpu"))
+    with pytest.raises(ConfigError, match="weight_format='packed' keeps .* Q5_1") as info:
+        check_weight_format(str(files["q5_1"]), EngineConfig(weight_format="packed", device="cpu"))
     assert info.value.option == "weight_format" and "\n" not in str(info.value)
     tensors = {t.name: t for t in open_gguf(files["q4_1"]).tensors}
     with pytest.raises(ValueError, match="weight_format='packed' runs on the CPU only"):

@@ -118,6 +118,35 @@ def q4_k_as_q4_1(raw: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
             torch.from_numpy(offset.reshape(N, -1)))
 
 
+Q5_0_BLOCK_BYTES = 22
+"""Bytes of a Q5_0 block of 32 weights: float16 d, 4 bytes of the values' fifth bits, 16 bytes of their low 4 bits."""
+
+
+def q5_0_as_q8_0(raw: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, None]:
+    """Rows of Q5_0 blocks as q8_0 blocks (unpack_blocks' "q8_0" output), the same values exactly.
+
+    A Q5_0 weight is d * (q - 16) with q = (low nibble) | (fifth bit << 4) in 0..31, which is how ggml and
+    gguf.quants dequantize it: the q8_0 block with the same d and the int8 value q - 16 holds exactly that
+    (d * int8 is the q8_0 kernel's product, exact in float32). 9 bits a weight in memory where the file has 5.5.
+
+    Args:
+        raw: uint8 (N, K // 32 * 22), each row's blocks as the file stores them.
+
+    Returns:
+        qs int8 (N, K // 32, 32); d float32 (N, K // 32); None (q8_0 has no offsets).
+    """
+    if raw.dtype != np.uint8 or raw.ndim != 2 or raw.shape[1] % Q5_0_BLOCK_BYTES:
+        raise ValueError(f"raw must be uint8 (N, K // 32 * {Q5_0_BLOCK_BYTES}) for q5_0, got {raw.dtype} {raw.shape}")
+    N = raw.shape[0]
+    blocks = np.ascontiguousarray(raw).reshape(-1, Q5_0_BLOCK_BYTES)
+    d = blocks[:, 0:2].copy().view(np.float16)[:, 0].astype(np.float32)
+    high = (blocks[:, 2:6].copy().view(np.uint32) >> np.arange(32, dtype=np.uint32)) & np.uint32(1)  # (n, 32): weight j's fifth bit
+    low = (blocks[:, 6:22, None] >> np.array([0, 4], dtype=np.uint8)) & np.uint8(15)  # (n, 16, 2): weights j and j + 16
+    low = low.transpose(0, 2, 1).reshape(-1, 32)
+    qs = (low | (high.astype(np.uint8) << np.uint8(4))).astype(np.int8) - np.int8(16)
+    return torch.from_numpy(qs.reshape(N, -1, 32)), torch.from_numpy(d.reshape(N, -1)), None
+
+
 def dequantize_packed(fmt: str, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None) -> torch.Tensor:
     """float32 (N, K) weights of unpack_blocks' output (any leading rows of it): d * q (+ m) per block."""
     if fmt == "q8_0":
@@ -175,5 +204,5 @@ def packed_matmul(x: torch.Tensor, fmt: str, qs: torch.Tensor, d: torch.Tensor, 
     return out if out.dtype == x.dtype else out.to(x.dtype)
 
 
-__all__ = ["BLOCK", "BLOCK_BYTES", "FORMATS", "MAX_KERNEL_ROWS", "PARALLEL_MIN_WEIGHTS", "Q4_K_BLOCK_BYTES", "dequantize_packed", "kernel_arrays",
-           "packed_matmul", "q4_k_as_q4_1", "unpack_blocks"]
+__all__ = ["BLOCK", "BLOCK_BYTES", "FORMATS", "MAX_KERNEL_ROWS", "PARALLEL_MIN_WEIGHTS", "Q4_K_BLOCK_BYTES", "Q5_0_BLOCK_BYTES", "dequantize_packed",
+           "kernel_arrays", "packed_matmul", "q4_k_as_q4_1", "q5_0_as_q8_0", "unpack_blocks"]
