@@ -73,16 +73,14 @@ def test_greedy_tokens_match_uncached_recomputation(ours, reference, prompt):
 
 
 def test_quantized_matrices_kept_packed_hold_the_files_values(ours, prompt):
-    """weight_format="auto" on this file keeps its Q8_0, Q4_K and Q5_0 matrices packed (Q4_K regrouped into
-    q4_1 blocks, Q5_0 widened into q8_0 blocks: ops.packed_linear) and dequantizes the Q6_K ones: every packed
-    layer holds exactly the dequantized model's weight, and the prefill logits agree up to the order of
-    float32 sums."""
+    """weight_format="packed" keeps every matrix of this file in blocks (Q4_K regrouped into q4_1 blocks, Q5_0
+    and Q6_K widened into q8_0 blocks of int8 / int16 values: ops.packed_linear): every packed layer holds
+    exactly the dequantized model's weight, and the prefill logits agree up to the order of float32 sums."""
     from treeattn.models.packed import PackedEmbedding, PackedLinear
 
-    packed = ta.load_model(gemma3_path(), weight_format="auto")
+    packed = ta.load_model(gemma3_path(), weight_format="packed")
     kept = {n: m for n, m in packed.named_modules() if isinstance(m, (PackedLinear, PackedEmbedding))}
-    assert len(kept) == 1 + 18 * 7 - 9  # the embeddings and every matrix but the 9 Q6_K down projections
-    assert sum(isinstance(layer.mlp.down_proj, torch.nn.Linear) for layer in packed.layers) == 9  # Q6_K: no kernel
+    assert len(kept) == 1 + 18 * 7  # the embeddings and every layer's 7 matrices
     for n, layer in kept.items():
         assert layer.fmt in ("q4_1", "q8_0") and torch.equal(layer.dequantized(), ours.get_submodule(n).weight), n
     got, expected = ours_logits(packed, prompt), ours_logits(ours, prompt)

@@ -83,6 +83,26 @@ def q4_k_rows(rows: int, cols: int, seed: int) -> np.ndarray:
     return raw
 
 
+def test_q6_k_widened_to_int16_q8_0_blocks_dequantizes_to_exactly_the_files_values():
+    """Random Q6_K super-blocks (gguf-py has no Q6_K quantizer): random 6-bit values and int8 scales (-128 and
+    127 included), float16 d over 2**-14 .. 2**2; the int16 values sc * (q - 32) times d are gguf's weights."""
+    g = np.random.default_rng(8)
+    raw = g.integers(0, 256, (5, 512 // 256 * 210), dtype=np.uint8)
+    blocks = raw.reshape(-1, 210)
+    blocks[:, 208:210] = (g.uniform(0.5, 1.0, len(blocks)) * 2.0 ** g.integers(-14, 3, len(blocks))).astype(np.float16).view(np.uint8).reshape(-1, 2)
+    blocks[0, 192:194] = np.array([-128, 127], dtype=np.int8).view(np.uint8)
+    qs, d, m = packed_linear.q6_k_as_q8_0(raw)
+    assert qs.shape == (5, 16, 32) and qs.dtype == torch.int16 and m is None
+    expected = gguf.quants.dequantize(raw, Q.Q6_K).reshape(5, 512)
+    assert np.array_equal(dequantize_packed("q8_0", qs, d, m).numpy(), expected)
+    x = torch.randn(3, 512, generator=torch.Generator().manual_seed(2))
+    exact = x.double() @ torch.from_numpy(expected).double().T
+    bound = gamma(512) * (x.double().abs() @ torch.from_numpy(expected).double().abs().T)
+    assert ((packed_matmul(x, "q8_0", qs, d, m).double() - exact).abs() <= bound).all()
+    with pytest.raises(ValueError, match="raw must be uint8"):
+        packed_linear.q6_k_as_q8_0(raw[:, :-1])
+
+
 def test_q5_0_widened_to_q8_0_blocks_dequantizes_to_exactly_the_files_values():
     raw = gguf.quants.quantize(weights(37, 96, 6), Q.Q5_0)
     qs, d, m = packed_linear.q5_0_as_q8_0(raw)
@@ -226,7 +246,7 @@ def test_greedy_tokens_equal_the_dequantized_models_on_one_and_two_ranks(files):
 
 
 def test_what_cannot_be_kept_packed_is_refused_in_one_line(files, tmp_path):
-    with pytest.raises(ValueError, match=r"weight_format='packed' keeps Q4_0, Q4_1, Q8_0, Q4_K and Q5_0 matrices; .* in Q5_1"):
+    with pytest.raises(ValueError, match=r"weight_format='packed' keeps Q4_0, Q4_1, Q8_0, Q4_K, Q5_0 and Q6_K matrices; .* in Q5_1"):
         load_model(files["q5_1"], weight_format="packed")
     mixed = load_model(files["q5_1"], weight_format="auto")  # auto: what a kernel reads packed, the rest dequantized
     assert isinstance(mixed.layers[0].mlp.down_proj, PackedLinear) and isinstance(mixed.layers[1].mlp.down_proj, torch.nn.Linear)

@@ -1,7 +1,7 @@
 """Load a GGUF file (llama.cpp / Ollama format) into a LlamaModel (a Gemma3Model for gemma3 files).
 
     model = load_gguf_model("SmolLM2-135M-Instruct.Q4_1.gguf")           # float32 weights
-    model = load_gguf_model(path, weight_format="packed")                  # Q4_0/Q4_1/Q8_0/Q4_K/Q5_0 matrices kept as shipped
+    model = load_gguf_model(path, weight_format="packed")                  # Q4_0/Q4_1/Q8_0/Q4_K/Q5_0/Q6_K matrices kept as shipped
     config = read_gguf_config("model.gguf")                                # LlamaConfig only
 
 Reading goes through the `gguf` package (gguf.GGUFReader memory-maps the file; gguf.quants
@@ -31,13 +31,13 @@ What the loader undoes, tensor by tensor:
 - tied embeddings: a file without output.weight ties the output projection to token_embd.
 
 Weight formats (weight_format): "dequantize" turns every tensor into `dtype` (above). "packed"
-keeps every Q4_0, Q4_1, Q8_0, Q4_K and Q5_0 weight matrix (the projections, the token embeddings, the
-output projection) in its blocks, as treeattn.models.packed's PackedLinear / PackedEmbedding, multiplied
-by treeattn.ops.packed_linear without a float copy of the weight (at load, Q4_K regrouped into q4_1
-blocks of 32 and Q5_0 widened into q8_0 blocks: the same values); the norms (F32) and float matrices
-(F32/F16/BF16) are loaded into `dtype` as before. It refuses, before reading any weight, a matrix of
-another quantized type (Q5_1, Q6_K and the other K-quants, IQ*: no kernel here) and a device other
-than the CPU. "auto" keeps what "packed" can keep and dequantizes the rest (everything on a GPU).
+keeps every Q4_0, Q4_1, Q8_0, Q4_K, Q5_0 and Q6_K weight matrix (the projections, the token embeddings,
+the output projection) in its blocks, as treeattn.models.packed's PackedLinear / PackedEmbedding,
+multiplied by treeattn.ops.packed_linear without a float copy of the weight (at load, Q4_K regrouped into
+q4_1 blocks of 32, Q5_0 and Q6_K widened into q8_0 blocks of int8 / int16 values: the same values); the
+norms (F32) and float matrices (F32/F16/BF16) are loaded into `dtype` as before. It refuses, before
+reading any weight, a matrix of another quantized type (Q5_1, Q2_K, Q3_K, Q5_K, IQ*: no kernel here) and a
+device other than the CPU. "auto" keeps what "packed" can keep and dequantizes the rest (everything on a GPU).
 
 Memory: the model is built on the "meta" device and each tensor is dequantized straight into its
 parameter in the working dtype, a block of rows at a time (dequantize_to), so beside the finished
@@ -68,7 +68,7 @@ import torch
 from treeattn.models.gemma3 import Gemma3Config
 from treeattn.models.llama import LlamaConfig, LlamaModel
 from treeattn.models.packed import WEIGHT_FORMATS, PackedEmbedding, PackedLinear
-from treeattn.ops.packed_linear import BLOCK_BYTES as PACKED_BLOCK_BYTES, q4_k_as_q4_1, q5_0_as_q8_0, unpack_blocks
+from treeattn.ops.packed_linear import BLOCK_BYTES as PACKED_BLOCK_BYTES, q4_k_as_q4_1, q5_0_as_q8_0, q6_k_as_q8_0, unpack_blocks
 
 logger = logging.getLogger(__name__)
 
@@ -119,9 +119,12 @@ ROPE_FREQS = "rope_freqs.weight"
 PACKED_TYPES = {gguf.GGMLQuantizationType.Q4_0: "q4_0", gguf.GGMLQuantizationType.Q4_1: "q4_1",
                 gguf.GGMLQuantizationType.Q8_0: "q8_0"}
 # Every type weight_format="packed" keeps, by the format its blocks are held in: the above as they are,
-# Q4_K regrouped into q4_1 blocks of 32 and Q5_0 widened into q8_0 blocks (the same values exactly).
-KEPT_TYPES = {**PACKED_TYPES, gguf.GGMLQuantizationType.Q4_K: "q4_1", gguf.GGMLQuantizationType.Q5_0: "q8_0"}
-_CONVERTED = {gguf.GGMLQuantizationType.Q4_K: q4_k_as_q4_1, gguf.GGMLQuantizationType.Q5_0: q5_0_as_q8_0}
+# Q4_K regrouped into q4_1 blocks of 32, Q5_0 and Q6_K widened into q8_0 blocks (int8 and int16 values):
+# the same values exactly (treeattn.ops.packed_linear).
+KEPT_TYPES = {**PACKED_TYPES, gguf.GGMLQuantizationType.Q4_K: "q4_1", gguf.GGMLQuantizationType.Q5_0: "q8_0",
+              gguf.GGMLQuantizationType.Q6_K: "q8_0"}
+_CONVERTED = {gguf.GGMLQuantizationType.Q4_K: q4_k_as_q4_1, gguf.GGMLQuantizationType.Q5_0: q5_0_as_q8_0,
+              gguf.GGMLQuantizationType.Q6_K: q6_k_as_q8_0}
 FLOAT_TYPES = (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.BF16)
 DEQUANTIZE_CHUNK_ELEMENTS = 1 << 22  # 16 MiB of float32 per dequantization block
 _LAYER_NAME = re.compile(r"^blk\.(\d+)\.(.+)$")
@@ -476,7 +479,7 @@ def load_gguf_model(path_or_reader, *, dtype: torch.dtype = torch.float32, devic
 
 def packed_tensors(plan: dict, weight_format: str, device, path) -> set[str]:
     """Our names of the tensors of `plan` that `weight_format` keeps packed (module doc): none for
-    "dequantize"; every Q4_0/Q4_1/Q8_0/Q4_K/Q5_0 weight matrix for "packed" and, on the CPU, "auto". Raises
+    "dequantize"; every Q4_0/Q4_1/Q8_0/Q4_K/Q5_0/Q6_K weight matrix for "packed" and, on the CPU, "auto". Raises
     ValueError naming weight_format for what "packed" cannot keep."""
     if weight_format == "dequantize" or (weight_format == "auto" and torch.device(device).type != "cpu"):
         return set()
@@ -488,11 +491,11 @@ def packed_tensors(plan: dict, weight_format: str, device, path) -> set[str]:
         other = [(ours, t) for ours, t in plan.items() if len(t.shape) == 2 and t.tensor_type not in KEPT_TYPES
                  and t.tensor_type not in FLOAT_TYPES]
         if other:
-            raise ValueError(f"weight_format='packed' keeps Q4_0, Q4_1, Q8_0, Q4_K and Q5_0 matrices; {path} has {other[0][1].name!r} in "
+            raise ValueError(f"weight_format='packed' keeps Q4_0, Q4_1, Q8_0, Q4_K, Q5_0 and Q6_K matrices; {path} has {other[0][1].name!r} in "
                              f"{other[0][1].tensor_type.name} (and {len(other) - 1} more of other types): use "
                              f"weight_format='auto' (dequantizes those) or 'dequantize'")
         if not keep:
-            raise ValueError(f"weight_format='packed': {path} has no Q4_0, Q4_1, Q8_0, Q4_K or Q5_0 matrix to keep; use weight_format='dequantize'")
+            raise ValueError(f"weight_format='packed': {path} has no Q4_0, Q4_1, Q8_0, Q4_K, Q5_0 or Q6_K matrix to keep; use weight_format='dequantize'")
     return keep
 
 

@@ -44,7 +44,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-FORMAT = "2"  # 2: "packed" and "auto" keep Q4_K and Q5_0 matrices packed too (session 8); a copy of format 1 holds them dequantized
+FORMAT = "2"  # 2: "packed" and "auto" keep Q4_K, Q5_0 and Q6_K matrices packed too (session 8); a copy of format 1 holds them dequantized
 ENV_SWITCH = "TREEATTN_GGUF_CACHE"
 ENV_DIR = "TREEATTN_CACHE_DIR"
 _OFF = ("0", "off", "false", "no")

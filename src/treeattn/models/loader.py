@@ -64,7 +64,7 @@ def load_model(model_dir: str | os.PathLike, *, dtype: torch.dtype = torch.float
             .gguf file (treeattn.models.gguf).
         dtype: parameter dtype (float32, bfloat16, float16); the weights are converted on load.
         device: where the parameters live.
-        weight_format: "dequantize" (every weight in `dtype`), "packed" (a GGUF file's Q4_0/Q4_1/Q8_0/Q4_K/Q5_0
+        weight_format: "dequantize" (every weight in `dtype`), "packed" (a GGUF file's Q4_0/Q4_1/Q8_0/Q4_K/Q5_0/Q6_K
             matrices kept as they ship: treeattn.models.gguf) or "auto" (packed what can be, on the
             CPU; a safetensors checkpoint is loaded in `dtype` either way).
         with_tokenizer: False: the tokenizer and chat template are not read (model.tokenizer and

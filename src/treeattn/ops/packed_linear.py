@@ -147,6 +147,39 @@ def q5_0_as_q8_0(raw: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, None]:
     return torch.from_numpy(qs.reshape(N, -1, 32)), torch.from_numpy(d.reshape(N, -1)), None
 
 
+Q6_K_BLOCK_BYTES = 210
+"""Bytes of a Q6_K super-block of 256 weights: 128 bytes of low 4 bits, 64 of high 2 bits, sixteen int8 scales, float16 d."""
+
+
+def q6_k_as_q8_0(raw: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, None]:
+    """Rows of Q6_K super-blocks as q8_0-style blocks of 32 with int16 values, the same values exactly.
+
+    Weight t of sub-block j (16 weights) of a super-block is (d * sc_j) * q_t with q_t = (6-bit value) - 32, as
+    ggml and gguf.quants dequantize it. Here it is d * v_t with the int16 v_t = sc_j * q_t (|v_t| <= 4096): the
+    same real number, and exactly a float32 both ways (an 11-bit mantissa times an integer below 2**13 needs at
+    most 24 bits), so the q8_0 kernel's d * v is gguf's value bit for bit. Each block of 32 gets its
+    super-block's d. 17 bits a weight in memory where the file has 6.56 (float32: 32).
+
+    Args:
+        raw: uint8 (N, K // 256 * 210), each row's super-blocks as the file stores them.
+
+    Returns:
+        qs int16 (N, K // 32, 32); d float32 (N, K // 32); None.
+    """
+    if raw.dtype != np.uint8 or raw.ndim != 2 or raw.shape[1] % Q6_K_BLOCK_BYTES:
+        raise ValueError(f"raw must be uint8 (N, K // 256 * {Q6_K_BLOCK_BYTES}) for q6_k, got {raw.dtype} {raw.shape}")
+    N = raw.shape[0]
+    blocks = np.ascontiguousarray(raw).reshape(-1, Q6_K_BLOCK_BYTES)  # gguf.quants.Q6_K's unpacking, in integers
+    ql, qh = blocks[:, :128], blocks[:, 128:192]
+    scales = blocks[:, 192:208].copy().view(np.int8).astype(np.int16)  # (n, 16)
+    d = blocks[:, 208:210].copy().view(np.float16).astype(np.float32)  # (n, 1)
+    ql = (ql.reshape(-1, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)) & np.uint8(15)
+    qh = (qh.reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)) & np.uint8(3)
+    q = (ql.reshape(-1, 256) | (qh.reshape(-1, 256) << np.uint8(4))).astype(np.int16) - np.int16(32)
+    v = (q.reshape(-1, 16, 16) * scales[:, :, None]).astype(np.int16)
+    return torch.from_numpy(v.reshape(N, -1, 32)), torch.from_numpy(np.repeat(d, 8, axis=1).reshape(N, -1)), None
+
+
 def dequantize_packed(fmt: str, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None) -> torch.Tensor:
     """float32 (N, K) weights of unpack_blocks' output (any leading rows of it): d * q (+ m) per block."""
     if fmt == "q8_0":
@@ -204,5 +237,5 @@ def packed_matmul(x: torch.Tensor, fmt: str, qs: torch.Tensor, d: torch.Tensor, 
     return out if out.dtype == x.dtype else out.to(x.dtype)
 
 
-__all__ = ["BLOCK", "BLOCK_BYTES", "FORMATS", "MAX_KERNEL_ROWS", "PARALLEL_MIN_WEIGHTS", "Q4_K_BLOCK_BYTES", "Q5_0_BLOCK_BYTES", "dequantize_packed",
-           "kernel_arrays", "packed_matmul", "q4_k_as_q4_1", "q5_0_as_q8_0", "unpack_blocks"]
+__all__ = ["BLOCK", "BLOCK_BYTES", "FORMATS", "MAX_KERNEL_ROWS", "PARALLEL_MIN_WEIGHTS", "Q4_K_BLOCK_BYTES", "Q5_0_BLOCK_BYTES", "Q6_K_BLOCK_BYTES",
+           "dequantize_packed", "kernel_arrays", "packed_matmul", "q4_k_as_q4_1", "q5_0_as_q8_0", "q6_k_as_q8_0", "unpack_blocks"]
