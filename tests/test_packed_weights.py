@@ -68,6 +68,18 @@ def test_unpacked_blocks_dequantize_to_exactly_the_files_values(fmt, qtype):
         unpack_blocks(fmt, raw[:, :-1])
 
 
+def float16_bytes(g: np.random.Generator, n: int) -> np.ndarray:
+    """n random float16 scales spread over 2**-14 .. 2**2, as the (n, 2) bytes a block stores."""
+    return (g.uniform(0.5, 1.0, n) * 2.0 ** g.integers(-14, 3, n)).astype(np.float16).view(np.uint8).reshape(-1, 2)
+
+
+def assert_within_float32_bound(y: torch.Tensor, x: torch.Tensor, w: np.ndarray) -> None:
+    """y = x @ w.T accumulated in float32: within gamma_K * |x| @ |w|.T of the float64 product."""
+    w64 = torch.from_numpy(w).double()
+    bound = gamma(w.shape[1]) * (x.double().abs() @ w64.abs().T)
+    assert ((y.double() - x.double() @ w64.T).abs() <= bound).all()
+
+
 def q4_k_rows(rows: int, cols: int, seed: int) -> np.ndarray:
     """Random Q4_K super-blocks (gguf-py has no Q4_K quantizer): random 6-bit scales, minimums and 4-bit
     values, float16 d and dmin spread over 2**-14 .. 2**2, some zero (a row that is all zeros, one of
@@ -76,8 +88,7 @@ def q4_k_rows(rows: int, cols: int, seed: int) -> np.ndarray:
     raw = g.integers(0, 256, (rows, cols // 256 * 144), dtype=np.uint8)
     blocks = raw.reshape(-1, 144)
     for col in (0, 2):  # d, dmin
-        values = (g.uniform(0.5, 1.0, len(blocks)) * 2.0 ** g.integers(-14, 3, len(blocks))).astype(np.float16)
-        blocks[:, col : col + 2] = values.view(np.uint8).reshape(-1, 2)
+        blocks[:, col : col + 2] = float16_bytes(g, len(blocks))
     raw[0, 0:4] = 0  # d = dmin = 0 in the first row's first super-block
     raw[1, 0:2] = 0  # d = 0: only the offsets
     return raw
@@ -89,16 +100,14 @@ def test_q6_k_widened_to_int16_q8_0_blocks_dequantizes_to_exactly_the_files_valu
     g = np.random.default_rng(8)
     raw = g.integers(0, 256, (5, 512 // 256 * 210), dtype=np.uint8)
     blocks = raw.reshape(-1, 210)
-    blocks[:, 208:210] = (g.uniform(0.5, 1.0, len(blocks)) * 2.0 ** g.integers(-14, 3, len(blocks))).astype(np.float16).view(np.uint8).reshape(-1, 2)
+    blocks[:, 208:210] = float16_bytes(g, len(blocks))
     blocks[0, 192:194] = np.array([-128, 127], dtype=np.int8).view(np.uint8)
     qs, d, m = packed_linear.q6_k_as_q8_0(raw)
     assert qs.shape == (5, 16, 32) and qs.dtype == torch.int16 and m is None
     expected = gguf.quants.dequantize(raw, Q.Q6_K).reshape(5, 512)
     assert np.array_equal(dequantize_packed("q8_0", qs, d, m).numpy(), expected)
     x = torch.randn(3, 512, generator=torch.Generator().manual_seed(2))
-    exact = x.double() @ torch.from_numpy(expected).double().T
-    bound = gamma(512) * (x.double().abs() @ torch.from_numpy(expected).double().abs().T)
-    assert ((packed_matmul(x, "q8_0", qs, d, m).double() - exact).abs() <= bound).all()
+    assert_within_float32_bound(packed_matmul(x, "q8_0", qs, d, m), x, expected)
     with pytest.raises(ValueError, match="raw must be uint8"):
         packed_linear.q6_k_as_q8_0(raw[:, :-1])
 
@@ -119,9 +128,7 @@ def test_q4_k_regrouped_as_q4_1_blocks_dequantizes_to_exactly_the_files_values()
     expected = gguf.quants.dequantize(raw, Q.Q4_K).reshape(5, 768)
     assert np.array_equal(dequantize_packed("q4_1", qs, d, m).numpy(), expected)
     x = torch.randn(3, 768, generator=torch.Generator().manual_seed(1))
-    exact = x.double() @ torch.from_numpy(expected).double().T
-    bound = gamma(768) * (x.double().abs() @ torch.from_numpy(expected).double().abs().T)
-    assert ((packed_matmul(x, "q4_1", qs, d, m).double() - exact).abs() <= bound).all()
+    assert_within_float32_bound(packed_matmul(x, "q4_1", qs, d, m), x, expected)
     with pytest.raises(ValueError, match="raw must be uint8"):
         packed_linear.q4_k_as_q4_1(raw[:, :-1])
 

@@ -143,8 +143,8 @@ class EngineConfig:
             Not with a hybrid model's window layers (Gemma 3) when it differs from the model's
             dtype; a draft model's cache keeps the draft's dtype.
         weight_format: how a checkpoint's quantized weights are held: "auto" (on the CPU a GGUF file's
-            Q4_0, Q4_1, Q8_0, Q4_K, Q5_0 and Q6_K matrices kept
-            packed, the rest in the model's dtype; on CUDA, dequantized),
+            Q4_0, Q4_1, Q8_0, Q4_K, Q5_0 and Q6_K matrices kept packed, the rest in the model's dtype;
+            on CUDA, dequantized),
             "packed" (every quantized matrix kept as the file ships it, multiplied by a kernel that reads
             its blocks: refused for other quantized types, a safetensors checkpoint or CUDA) or "dequantize"
             (every weight in the model's dtype). A packed weight is exactly the file's; activations and

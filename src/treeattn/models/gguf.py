@@ -53,6 +53,7 @@ tensor at fault, so nothing is half-loaded.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import re
@@ -123,8 +124,10 @@ PACKED_TYPES = {gguf.GGMLQuantizationType.Q4_0: "q4_0", gguf.GGMLQuantizationTyp
 # the same values exactly (treeattn.ops.packed_linear).
 KEPT_TYPES = {**PACKED_TYPES, gguf.GGMLQuantizationType.Q4_K: "q4_1", gguf.GGMLQuantizationType.Q5_0: "q8_0",
               gguf.GGMLQuantizationType.Q6_K: "q8_0"}
-_CONVERTED = {gguf.GGMLQuantizationType.Q4_K: q4_k_as_q4_1, gguf.GGMLQuantizationType.Q5_0: q5_0_as_q8_0,
-              gguf.GGMLQuantizationType.Q6_K: q6_k_as_q8_0}
+# How each kept type's rows of blocks become the (qs, d, m) of its format.
+_UNPACK = {**{t: functools.partial(unpack_blocks, fmt) for t, fmt in PACKED_TYPES.items()},
+           gguf.GGMLQuantizationType.Q4_K: q4_k_as_q4_1, gguf.GGMLQuantizationType.Q5_0: q5_0_as_q8_0,
+           gguf.GGMLQuantizationType.Q6_K: q6_k_as_q8_0}
 FLOAT_TYPES = (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.BF16)
 DEQUANTIZE_CHUNK_ELEMENTS = 1 << 22  # 16 MiB of float32 per dequantization block
 _LAYER_NAME = re.compile(r"^blk\.(\d+)\.(.+)$")
@@ -463,8 +466,7 @@ def load_gguf_model(path_or_reader, *, dtype: torch.dtype = torch.float32, devic
             raw = unpermute_rows(raw, config.num_kv_heads)
         name = ours.removesuffix(".weight")
         fmt = KEPT_TYPES[plan[ours].tensor_type]
-        convert = _CONVERTED.get(plan[ours].tensor_type)
-        qs, d, m = convert(raw) if convert is not None else unpack_blocks(fmt, raw)
+        qs, d, m = _UNPACK[plan[ours].tensor_type](raw)
         layer = (PackedEmbedding(fmt, qs, d, m) if name == "embed_tokens" else
                  PackedLinear(fmt, qs, d, m, bias=state.get(name + ".bias")))
         model.set_submodule(name, layer)

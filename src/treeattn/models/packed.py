@@ -13,6 +13,8 @@ bit patterns (viewed as float32 when used) for the same reason: a float buffer w
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import nn
 
@@ -22,6 +24,18 @@ WEIGHT_FORMATS = ("auto", "dequantize", "packed")
 """How a loader holds a checkpoint's quantized weights: "dequantize" (in the model's dtype), "packed"
 (a GGUF file's q4_0/q4_1/q8_0 matrices as these layers; refused for what they cannot keep) or "auto"
 (packed what can be on the CPU, the rest dequantized; treeattn.models.gguf)."""
+
+
+class _Views(NamedTuple):
+    """A packed layer's buffers as its calls read them (made once per set of buffers, _Packed._cached)."""
+
+    fmt: str
+    qs: torch.Tensor
+    d: torch.Tensor  # the scales' int32 bits viewed as float32
+    m: torch.Tensor | None
+    arrays: tuple | None  # ops.packed_linear.kernel_arrays(qs, d, m); None off the CPU
+    d_bits: torch.Tensor  # the buffers the views were made of
+    m_bits: torch.Tensor | None
 
 
 class _Packed(nn.Module):
@@ -50,17 +64,16 @@ class _Packed(nn.Module):
         """(fmt, qs, d, m) with the scales viewed as float32. Made once per set of buffers (module.to()
         replaces them): a decode step calls every packed layer once, and the views cost about as much
         as a small layer's kernel."""
-        return self._cached()[:4]
+        views = self._cached()
+        return views.fmt, views.qs, views.d, views.m
 
-    def _cached(self):
-        """(fmt, qs, d, m, the kernel's numpy views of them (ops.packed_linear.kernel_arrays; None off
-        the CPU), d_bits, m_bits): rebuilt when a buffer was replaced (the last two are the buffers the
-        views were made of)."""
+    def _cached(self) -> _Views:
+        """The _Views of the current buffers: rebuilt when a buffer was replaced."""
         qs, d_bits, m_bits = self._buffers["qs"], self._buffers["d_bits"], self._buffers["m_bits"]
         cached = self.__dict__.get("_cached_parts")
-        if cached is None or cached[1] is not qs or cached[5] is not d_bits or cached[6] is not m_bits:
+        if cached is None or cached.qs is not qs or cached.d_bits is not d_bits or cached.m_bits is not m_bits:
             d, m = d_bits.view(torch.float32), None if m_bits is None else m_bits.view(torch.float32)
-            cached = (self.fmt, qs, d, m, kernel_arrays(qs, d, m), d_bits, m_bits)
+            cached = _Views(self.fmt, qs, d, m, kernel_arrays(qs, d, m), d_bits, m_bits)
             self.__dict__["_cached_parts"] = cached
         return cached
 
@@ -75,8 +88,8 @@ class _Packed(nn.Module):
 
     def project(self, x: torch.Tensor) -> torch.Tensor:
         """x (..., columns) @ W.T -> (..., rows) in x.dtype, float32 accumulation."""
-        fmt, qs, d, m, arrays = self._cached()[:5]
-        return packed_matmul(x, fmt, qs, d, m, arrays=arrays)
+        v = self._cached()
+        return packed_matmul(x, v.fmt, v.qs, v.d, v.m, arrays=v.arrays)
 
     def extra_repr(self) -> str:
         return f"{self.fmt}, rows={self.rows}, columns={self.columns}"
@@ -90,8 +103,8 @@ class PackedLinear(_Packed):
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        fmt, qs, d, m, arrays = self._cached()[:5]
-        return packed_matmul(x, fmt, qs, d, m, self.bias, arrays=arrays)
+        v = self._cached()
+        return packed_matmul(x, v.fmt, v.qs, v.d, v.m, self.bias, arrays=v.arrays)
 
 
 class PackedEmbedding(_Packed):

@@ -56,6 +56,18 @@ def kernel_module():
     return optional_kernel("packed_cpu_kernel")
 
 
+def _blocks(raw: np.ndarray, block_bytes: int, block_weights: int, what: str) -> np.ndarray:
+    """raw uint8 (N, K // block_weights * block_bytes), checked, as its blocks: (N, K // block_weights, block_bytes)."""
+    if raw.dtype != np.uint8 or raw.ndim != 2 or raw.shape[1] % block_bytes:
+        raise ValueError(f"raw must be uint8 (N, K // {block_weights} * {block_bytes}) for {what}, got {raw.dtype} {raw.shape}")
+    return np.ascontiguousarray(raw).reshape(raw.shape[0], -1, block_bytes)
+
+
+def _float16(blocks: np.ndarray, at: int) -> np.ndarray:
+    """The float16 stored at byte `at` of every block (..., bytes), widened to float32 (exactly): (...)."""
+    return blocks[..., at : at + 2].copy().view(np.float16)[..., 0].astype(np.float32)
+
+
 def unpack_blocks(fmt: str, raw: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Split rows of ggml blocks into quantized values and float32 scales (new tensors, no view of `raw`).
 
@@ -69,11 +81,9 @@ def unpack_blocks(fmt: str, raw: np.ndarray) -> tuple[torch.Tensor, torch.Tensor
     """
     if fmt not in FORMATS:
         raise ValueError(f"fmt must be one of {FORMATS}, got {fmt!r}")
-    if raw.dtype != np.uint8 or raw.ndim != 2 or raw.shape[1] % BLOCK_BYTES[fmt]:
-        raise ValueError(f"raw must be uint8 (N, K // 32 * {BLOCK_BYTES[fmt]}) for {fmt}, got {raw.dtype} {raw.shape}")
-    blocks = np.ascontiguousarray(raw).reshape(raw.shape[0], -1, BLOCK_BYTES[fmt])
-    d = torch.from_numpy(blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32))
-    m = torch.from_numpy(blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)) if fmt == "q4_1" else None
+    blocks = _blocks(raw, BLOCK_BYTES[fmt], BLOCK, fmt)
+    d = torch.from_numpy(_float16(blocks, 0))
+    m = torch.from_numpy(_float16(blocks, 2)) if fmt == "q4_1" else None
     values = blocks[..., 4:] if fmt == "q4_1" else blocks[..., 2:]
     qs = torch.from_numpy(values.copy().view(np.int8) if fmt == "q8_0" else values.copy())
     return qs, d, m
@@ -100,14 +110,11 @@ def q4_k_as_q4_1(raw: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
     Returns:
         qs uint8 (N, K // 32, 16); d, m float32 (N, K // 32).
     """
-    if raw.dtype != np.uint8 or raw.ndim != 2 or raw.shape[1] % Q4_K_BLOCK_BYTES:
-        raise ValueError(f"raw must be uint8 (N, K // 256 * {Q4_K_BLOCK_BYTES}) for q4_k, got {raw.dtype} {raw.shape}")
     import gguf.quants
 
     N = raw.shape[0]
-    blocks = np.ascontiguousarray(raw).reshape(-1, Q4_K_BLOCK_BYTES)  # (N * super-blocks, 144)
-    d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)  # (n, 1)
-    dmin = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)
+    blocks = _blocks(raw, Q4_K_BLOCK_BYTES, 256, "q4_k").reshape(-1, Q4_K_BLOCK_BYTES)  # (N * super-blocks, 144)
+    d, dmin = _float16(blocks, 0)[:, None], _float16(blocks, 2)[:, None]  # (n, 1)
     sc, mins = gguf.quants.Q4_K.get_scale_min(blocks[:, 4:16].copy())  # (n, 8) each: sub-block j's 6-bit scale and minimum
     values = blocks[:, 16:].reshape(-1, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
     values = (values & np.uint8(15)).reshape(-1, 8, 32)  # sub-block j's 32 values in order (gguf.quants' order)
@@ -135,11 +142,9 @@ def q5_0_as_q8_0(raw: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, None]:
     Returns:
         qs int8 (N, K // 32, 32); d float32 (N, K // 32); None (q8_0 has no offsets).
     """
-    if raw.dtype != np.uint8 or raw.ndim != 2 or raw.shape[1] % Q5_0_BLOCK_BYTES:
-        raise ValueError(f"raw must be uint8 (N, K // 32 * {Q5_0_BLOCK_BYTES}) for q5_0, got {raw.dtype} {raw.shape}")
     N = raw.shape[0]
-    blocks = np.ascontiguousarray(raw).reshape(-1, Q5_0_BLOCK_BYTES)
-    d = blocks[:, 0:2].copy().view(np.float16)[:, 0].astype(np.float32)
+    blocks = _blocks(raw, Q5_0_BLOCK_BYTES, BLOCK, "q5_0").reshape(-1, Q5_0_BLOCK_BYTES)
+    d = _float16(blocks, 0)
     high = (blocks[:, 2:6].copy().view(np.uint32) >> np.arange(32, dtype=np.uint32)) & np.uint32(1)  # (n, 32): weight j's fifth bit
     low = (blocks[:, 6:22, None] >> np.array([0, 4], dtype=np.uint8)) & np.uint8(15)  # (n, 16, 2): weights j and j + 16
     low = low.transpose(0, 2, 1).reshape(-1, 32)
@@ -166,13 +171,11 @@ def q6_k_as_q8_0(raw: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, None]:
     Returns:
         qs int16 (N, K // 32, 32); d float32 (N, K // 32); None.
     """
-    if raw.dtype != np.uint8 or raw.ndim != 2 or raw.shape[1] % Q6_K_BLOCK_BYTES:
-        raise ValueError(f"raw must be uint8 (N, K // 256 * {Q6_K_BLOCK_BYTES}) for q6_k, got {raw.dtype} {raw.shape}")
     N = raw.shape[0]
-    blocks = np.ascontiguousarray(raw).reshape(-1, Q6_K_BLOCK_BYTES)  # gguf.quants.Q6_K's unpacking, in integers
+    blocks = _blocks(raw, Q6_K_BLOCK_BYTES, 256, "q6_k").reshape(-1, Q6_K_BLOCK_BYTES)  # gguf.quants.Q6_K's unpacking, in integers
     ql, qh = blocks[:, :128], blocks[:, 128:192]
     scales = blocks[:, 192:208].copy().view(np.int8).astype(np.int16)  # (n, 16)
-    d = blocks[:, 208:210].copy().view(np.float16).astype(np.float32)  # (n, 1)
+    d = _float16(blocks, 208)[:, None]  # (n, 1)
     ql = (ql.reshape(-1, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)) & np.uint8(15)
     qh = (qh.reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)) & np.uint8(3)
     q = (ql.reshape(-1, 256) | (qh.reshape(-1, 256) << np.uint8(4))).astype(np.int16) - np.int16(32)

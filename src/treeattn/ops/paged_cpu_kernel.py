@@ -214,6 +214,14 @@ def _attend_range(w, q, k, v, k_scales, v_scales, dv, scale, table, kv_pos, row_
                 out[r, sp, h, g, d] = acc[h, g, d]
 
 
+@njit(cache=True, inline="always")
+def _range_states(q, splits, dv):  # pragma: no cover - compiled
+    """Scratch for each (query row, block range)'s state: out (R, splits, Hkv, G, dv), max and sum (R, splits, Hkv, G)."""
+    R, H, G = q.shape[0], q.shape[1], q.shape[2]
+    return (np.empty((R, splits, H, G, dv), dtype=np.float32), np.empty((R, splits, H, G), dtype=np.float32),
+            np.empty((R, splits, H, G), dtype=np.float32))
+
+
 @njit(parallel=True, cache=True, fastmath=_FASTMATH)
 def attend_parallel(q, k, v, k_scales, v_scales, dv, scale, table, kv_pos, row_seq, q_pos, window, splits, out, lse):  # pragma: no cover - compiled
     """Every query row's attention state: its `splits` ranges of blocks in parallel, then merged.
@@ -232,11 +240,8 @@ def attend_parallel(q, k, v, k_scales, v_scales, dv, scale, table, kv_pos, row_s
     splits: block ranges per row (flash-decoding). Writes out (R, Hkv, G, dv) float32, normalized,
     and lse (R, Hkv, G) float32 (merge_splits: 0 and -inf for a row that sees no key).
     """
-    R, H, G = q.shape[0], q.shape[1], q.shape[2]
-    out_p = np.empty((R, splits, H, G, dv), dtype=np.float32)
-    m_p = np.empty((R, splits, H, G), dtype=np.float32)
-    l_p = np.empty((R, splits, H, G), dtype=np.float32)
-    for w in prange(R * splits):
+    out_p, m_p, l_p = _range_states(q, splits, dv)
+    for w in prange(q.shape[0] * splits):
         _attend_range(w, q, k, v, k_scales, v_scales, dv, scale, table, kv_pos, row_seq, q_pos, window, splits, out_p, m_p, l_p)
     merge_splits(out_p, m_p, l_p, out, lse)
 
@@ -245,11 +250,8 @@ def attend_parallel(q, k, v, k_scales, v_scales, dv, scale, table, kv_pos, row_s
 def attend_serial(q, k, v, k_scales, v_scales, dv, scale, table, kv_pos, row_seq, q_pos, window, splits, out, lse):  # pragma: no cover - compiled
     """attend_parallel on the calling thread alone: no thread pool is started (a rank running with
     one torch thread, several ranks on one host, then has no second pool spinning beside torch's)."""
-    R, H, G = q.shape[0], q.shape[1], q.shape[2]
-    out_p = np.empty((R, splits, H, G, dv), dtype=np.float32)
-    m_p = np.empty((R, splits, H, G), dtype=np.float32)
-    l_p = np.empty((R, splits, H, G), dtype=np.float32)
-    for w in range(R * splits):
+    out_p, m_p, l_p = _range_states(q, splits, dv)
+    for w in range(q.shape[0] * splits):
         _attend_range(w, q, k, v, k_scales, v_scales, dv, scale, table, kv_pos, row_seq, q_pos, window, splits, out_p, m_p, l_p)
     merge_splits(out_p, m_p, l_p, out, lse)
 
