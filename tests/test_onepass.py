@@ -9,6 +9,8 @@ not hang), when every state underflows, the round counts of each path, and the b
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 
@@ -60,9 +62,39 @@ def _errors(rank: int, p: int):
     return found
 
 
+def _kernel_and_torch(rank: int, p: int) -> dict:
+    """onepass_combine through the compiled CPU kernel and through torch (the kernel switched off), on
+    the same states: float32 and float64, a row this rank does not see (lse = -inf), a hot rank
+    (the fallback), a NaN state (the fallback, which keeps the NaN)."""
+    td = importlib.import_module("treeattn.parallel.tree_decode")  # the module (the package exports its function)
+
+    g = torch.Generator().manual_seed(100 + rank)
+    found = {}
+    for case in ("common", "hot", "nan"):
+        for dtype in (torch.float32, torch.float64):
+            out = torch.randn(2, 3, 4, 8, generator=g, dtype=dtype)
+            lse = (torch.randn(2, 4, 3, generator=g) * 5).to(dtype)
+            lse[0, 1, rank % 3] = float("-inf")  # each rank misses another row; row (0, 1, 0) is missed by rank 0 only
+            out[0, rank % 3, 1] = 0.0
+            if case == "hot" and rank == 1:
+                lse[1, 2, 0] = 2 * ONEPASS_WINDOW
+            if case == "nan" and rank == 2:
+                out[1, 0, 0, 0] = float("nan")
+            assert td._combine_kernel(out, lse) is not None
+            compiled = td.onepass_combine(out, lse, None if p == 1 else torch.distributed.group.WORLD)
+            kernel, td._combine_kernel = td._combine_kernel, lambda out, lse: None
+            try:
+                eager = td.onepass_combine(out, lse, torch.distributed.group.WORLD)
+            finally:
+                td._combine_kernel = kernel
+            found[f"{case} {dtype}"] = (compiled, eager)
+    return found
+
+
 def _worker(rank: int, p: int):
     torch.set_num_threads(1)
-    return {case: _run(rank, p, case) for case in ("common", "one-rank-hot", "all-underflow")} | {"errors": _errors(rank, p)}
+    return ({case: _run(rank, p, case) for case in ("common", "one-rank-hot", "all-underflow")}
+            | {"errors": _errors(rank, p), "kernel": _kernel_and_torch(rank, p)})
 
 
 @pytest.fixture(scope="module")
@@ -91,6 +123,17 @@ def test_bad_inputs_raise_on_every_rank(reports):
     messages = [r["errors"]["mismatch"] for r in reports]
     assert len(set(messages)) == 1 and "method" in messages[0] and "'onepass'" in messages[0]
     assert all("graph_safe" in r["errors"]["graph_safe"] and "onepass" in r["errors"]["graph_safe"] for r in reports)
+
+
+def test_compiled_combine_equals_torchs(reports):
+    """The CPU kernel (ops.combine_cpu_kernel) gives the torch path's bytes, fallbacks and NaN included."""
+    for r in reports:
+        for name, ((out, lse), (out_ref, lse_ref)) in r["kernel"].items():
+            assert out.dtype == out_ref.dtype and lse.dtype == lse_ref.dtype, name
+            torch.testing.assert_close(out, out_ref, rtol=0, atol=0, equal_nan=True, msg=name)
+            torch.testing.assert_close(lse, lse_ref, rtol=0, atol=0, equal_nan=True, msg=name)
+            assert torch.equal(out.nan_to_num(), reports[0]["kernel"][name][0][0].nan_to_num()), name  # every rank alike
+    assert torch.isnan(reports[0]["kernel"]["nan torch.float32"][0][0]).any()  # a NaN is never hidden
 
 
 def test_engine_default_is_onepass_except_in_static_steps():

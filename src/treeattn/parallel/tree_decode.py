@@ -45,6 +45,7 @@ import torch.distributed as dist
 
 from treeattn.ops import attention, merge_states
 from treeattn.ops.graph_safe import graph_safe_attention
+from treeattn.ops.kernels import optional_kernel
 from treeattn.parallel import comm
 from treeattn.parallel.inputs import MATCHED_FIELDS, DecodeInputs, decode_inputs, input_fields
 from treeattn.parallel.metadata import UNKNOWN, validate_and_agree
@@ -258,6 +259,9 @@ def onepass_combine(
     Returns:
         The merged state over all ranks of `group`, in out's dtype, identical on every rank.
     """
+    kernel = _combine_kernel(out, lse)
+    if kernel is not None:
+        return _onepass_combine_cpu(kernel, out, lse, group)
     n_state = out.numel() + lse.numel()
     buffer = torch.empty(n_state + 1, dtype=torch.float64, device=out.device)
     numerator, denominator = unpack_state(buffer[:n_state], out.shape)
@@ -274,6 +278,29 @@ def onepass_combine(
     merged_out = numerator / safe.transpose(1, 2).unsqueeze(-1)
     merged_lse = torch.log(denominator)  # log(0) = -inf: the row saw no key anywhere
     return merged_out.to(out.dtype), merged_lse.to(lse.dtype)
+
+
+def _combine_kernel(out: torch.Tensor, lse: torch.Tensor):
+    """treeattn.ops.combine_cpu_kernel for CPU states of float32 or float64 (both the same dtype)
+    outside autograd, else None (the torch path)."""
+    if (out.device.type != "cpu" or out.dtype not in (torch.float32, torch.float64) or lse.dtype != out.dtype
+            or (torch.is_grad_enabled() and (out.requires_grad or lse.requires_grad))):
+        return None
+    return optional_kernel("combine_cpu_kernel")
+
+
+def _onepass_combine_cpu(kernel, out: torch.Tensor, lse: torch.Tensor, group) -> tuple[torch.Tensor, torch.Tensor]:
+    """onepass_combine's arithmetic in two compiled calls around the one all-reduce
+    (treeattn.ops.combine_cpu_kernel: the same float64 buffer, the same fallback)."""
+    out_c, lse_c = out.contiguous(), lse.contiguous()
+    buffer = torch.empty(out.numel() + lse.numel() + 1, dtype=torch.float64)
+    kernel.onepass_pack(out_c.numpy(), lse_c.numpy(), ONEPASS_WINDOW, buffer.numpy())
+    comm.all_reduce(buffer, dist.ReduceOp.SUM, group)
+    merged_out, merged_lse = torch.empty_like(out_c), torch.empty_like(lse_c)
+    if kernel.onepass_unpack(buffer.numpy(), merged_out.numpy(), merged_lse.numpy()):
+        return merged_out, merged_lse
+    logger.debug("onepass: a state outside the float64 window; falling back to the two-collective combine")
+    return allreduce_combine(out, lse, group)
 
 
 def tree_reduce(

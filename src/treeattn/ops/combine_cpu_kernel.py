@@ -1,0 +1,69 @@
+"""The CPU kernels of onepass's combine (treeattn.parallel.tree_decode.onepass_combine), compiled by numba.
+
+onepass merges the ranks' attention states with one all-reduce of a float64 buffer
+
+    [out * exp(lse) (B, Sq, Hq, Dv), exp(lse) (B, Hq, Sq), rows outside the window (1)]
+
+and divides after it. In torch that is some thirty small operations around the collective; a
+decode step runs it once per layer, and on the CPU their fixed cost (about 300 us a call on this
+project's 2-core machine, docs/benchmarks.md) was most of the combine. Here the packing is one
+call and the check and division one more, with the same arithmetic: float64 exp of the float32 (or
+float64) lse, float64 products, the division by the reduced sum (1 where it is 0) and its log, cast
+once to the states' dtype. A result can differ from the torch path's only where libm's and torch's
+float64 exp differ in their last bit, far below the float32 output's rounding.
+
+Importing this module compiles nothing: numba compiles each kernel on its first call and caches
+the machine code beside this file (cache=True).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+
+@njit(cache=True)
+def onepass_pack(out, lse, window, buffer):  # pragma: no cover - compiled
+    """Fill buffer (float64, B*Sq*Hq*Dv + B*Hq*Sq + 1) from out (B, Sq, Hq, Dv) and lse (B, Hq, Sq),
+    both float32 or both float64: [out * exp(lse), exp(lse), the number of finite lse with |lse| > window].
+    A row with lse = -inf (no key here) packs zeros."""
+    B, Sq, Hq, Dv = out.shape
+    n_out = B * Sq * Hq * Dv
+    outside = 0
+    for b in range(B):
+        for h in range(Hq):
+            for s in range(Sq):
+                value = np.float64(lse[b, h, s])
+                if np.isfinite(value) and abs(value) > window:
+                    outside += 1
+                weight = np.exp(value)
+                buffer[n_out + (b * Hq + h) * Sq + s] = weight
+                base = ((b * Sq + s) * Hq + h) * Dv
+                for d in range(Dv):
+                    buffer[base + d] = np.float64(out[b, s, h, d]) * weight
+    buffer[n_out + B * Hq * Sq] = outside
+
+
+@njit(cache=True)
+def onepass_unpack(buffer, out, lse):  # pragma: no cover - compiled
+    """From the reduced buffer (onepass_pack's layout, summed over the ranks) write the merged out
+    (B, Sq, Hq, Dv) and lse (B, Hq, Sq) (float32 or float64) and return True; return False, writing
+    nothing, when the one pass was not exact (a row outside the window on some rank, or a numerator
+    that is not finite): the caller then falls back to the two-collective combine."""
+    B, Sq, Hq, Dv = out.shape
+    n_out = B * Sq * Hq * Dv
+    if buffer[n_out + B * Hq * Sq] != 0:
+        return False
+    for i in range(n_out):
+        if not np.isfinite(buffer[i]):
+            return False
+    for b in range(B):
+        for h in range(Hq):
+            for s in range(Sq):
+                total = buffer[n_out + (b * Hq + h) * Sq + s]
+                safe = total if total > 0 else 1.0
+                lse[b, h, s] = np.log(total)  # log(0) = -inf: the row saw no key anywhere
+                base = ((b * Sq + s) * Hq + h) * Dv
+                for d in range(Dv):
+                    out[b, s, h, d] = buffer[base + d] / safe
+    return True
