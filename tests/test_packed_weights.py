@@ -201,6 +201,17 @@ def test_packed_layers_follow_replaced_buffers_and_pickle():
     assert [a.ctypes.data for a in arrays] == [qs.data_ptr(), d.data_ptr(), m.data_ptr()] and layer._cached()[4] is arrays
 
 
+@pytest.mark.parametrize("fmt, qtype", FORMATS)
+def test_a_projection_over_some_rows_gives_exactly_those_columns(fmt, qtype):
+    """_Packed.project(x, rows): what each rank computes of a vocabulary-split output projection."""
+    raw = gguf.quants.quantize(weights(45, 64, 6), qtype)
+    table = PackedEmbedding(fmt, *unpack_blocks(fmt, raw))
+    x = torch.randn(3, 64)
+    full = table.project(x)
+    for rows in (slice(0, 23), slice(23, 46), slice(40, 45), slice(45, 50)):
+        assert torch.equal(table.project(x, rows), full[:, rows]), rows
+
+
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
     """Tiny GGUF files: llama (untied, permuted Q/K) in each packed format, qwen2 (tied, q/k/v bias) in Q8_0,

@@ -9,7 +9,9 @@ every decode step is split, on every rank, from the engine's own measurements
     combine     the cross-rank combine of the layer states (tree_decode's combine_states:
                 communication, waiting for the other ranks, merge), all layers
     sampling    rank 0: logits (the lm_head projection), the non-finite check and sampling; the
-                other ranks do nothing here
+                other ranks nothing, except where the projection is split by vocabulary
+                (engine.runner.VOCAB_SPLIT_MIN_WEIGHTS: SmolLM2's is): then every rank projects
+                its share and takes part in the logits' all-gather (one more round a step)
     model       the rest of the step: embeddings, norms, projections, RoPE, MLPs, the cache
                 writes, the step's index bookkeeping
 

@@ -37,8 +37,14 @@ from treeattn.engine.request import TokenLogprob
 from treeattn.engine.scheduler import Chunk, StepPlan
 from treeattn.models.attention import attention_backend, group_world_size
 from treeattn.models.llama import LlamaModel
+from treeattn.parallel import comm
 from treeattn.parallel.comm import comm_stats
 from treeattn.parallel.shared_memory import shared_memory_group
+
+VOCAB_SPLIT_MIN_WEIGHTS = 1 << 22
+"""On several CPU ranks, an output projection of at least this many weights (vocab_size x
+hidden_size) is split over the ranks by vocabulary (RankRunner._vocab_logits): below, one rank's
+projection costs less than the all-gather's round (about 50 us through shared memory)."""
 
 
 @dataclass
@@ -152,6 +158,7 @@ class RankRunner:
                                                 method=method, group=group, topology=topology, graph=decode_step == "graph")
         self._generators: dict[int, torch.Generator] = {}
         self.meter = RankMeter(self.rank)
+        self._split_vocab = p > 1 and c.vocab_size * c.hidden_size >= VOCAB_SPLIT_MIN_WEIGHTS
 
     def set_decode(self, decode: str, method: str) -> None:
         """Decode from the next step on with `decode` ("tree" or "ring"; every kind is local
@@ -241,12 +248,21 @@ class RankRunner:
 
     def _outcome(self, sampling: list[tuple[int, Chunk]], hidden: torch.Tensor, shared_keys: int = 0) -> StepOutcome:
         """Rank 0 samples each chunk of `sampling` from `hidden`, the final hidden states of their rows
-        (num_draft + 1 per chunk, in order); the other ranks return an empty StepOutcome.
-        shared_keys: the step's StepOutcome.shared_prefix_keys."""
-        if self.rank != 0 or not sampling:
+        (num_draft + 1 per chunk, in order, on every rank); the other ranks return an empty
+        StepOutcome. On several CPU ranks with a large output projection (VOCAB_SPLIT_MIN_WEIGHTS)
+        each rank computes the logits of its share of the vocabulary first (_vocab_logits). shared_keys: the step's StepOutcome.shared_prefix_keys."""
+        if not sampling:
             return StepOutcome()
         start = time.perf_counter()
-        logits = self.model.logits(hidden)
+        if self._split_vocab and hidden.device.type == "cpu":
+            logits = self._vocab_logits(hidden)
+            if self.rank != 0:
+                self._phases["sampling"] = time.perf_counter() - start
+                return StepOutcome()
+        elif self.rank != 0:
+            return StepOutcome()
+        else:
+            logits = self.model.logits(hidden)
         out, first = StepOutcome(shared_prefix_keys=shared_keys), 0
         for _, c in sampling:
             chunk_logits = logits[first : first + c.num_draft + 1]
@@ -261,6 +277,21 @@ class RankRunner:
                 out.errors[c.seq_id] = f"sampling failed: {type(exc).__name__}: {exc}"
         self._phases["sampling"] = time.perf_counter() - start
         return out
+
+    def _vocab_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """The output projection split over the ranks by vocabulary: rank r computes the logits of
+        token ids [r * n, (r + 1) * n), n = ceil(V / p), and one all-gather brings them to rank 0,
+        which returns all (rows, V) float32; the other ranks return None. The values are the
+        one-rank call's (each logit is one dot product, the same one). On a CPU rank of one thread
+        the projection is a step's largest matrix (SmolLM2: 49152 x 576), which rank 0 alone ran
+        while the others waited for its token."""
+        vocab, p = self.model.config.vocab_size, self.world_size
+        share = -(-vocab // p)
+        mine = self.model.logits(hidden, slice(self.rank * share, (self.rank + 1) * share))
+        if mine.shape[-1] < share:  # the last ranks' shares are short (or empty): pad, rank 0 drops the padding
+            mine = torch.cat((mine, mine.new_zeros(*mine.shape[:-1], share - mine.shape[-1])), dim=-1)
+        pieces = comm.all_gather(mine.contiguous(), self.comm_group)
+        return torch.cat(pieces, dim=-1)[..., :vocab] if self.rank == 0 else None
 
     def _sample(self, chunk: Chunk, logits: torch.Tensor) -> list[int] | None:
         """The new tokens of `chunk` from its logits (num_draft + 1, V) float32: the next token,

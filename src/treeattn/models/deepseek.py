@@ -499,10 +499,11 @@ class DeepseekModel(nn.Module):
             h = layer(h, positions, cos, sin, kv_store, attend, chunk, self.attention_form)
         return self.norm(h)
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """(..., hidden_size) final hidden states -> (..., vocab_size) float32 logits."""
+    def logits(self, hidden: torch.Tensor, vocab: slice | None = None) -> torch.Tensor:
+        """(..., hidden_size) final hidden states -> (..., vocab_size) float32 logits (the columns of
+        `vocab` only, as LlamaModel.logits)."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        return F.linear(hidden, weight if vocab is None else weight[vocab]).float()
 
 
 # ------------------------------------------------------------------------------ config.json

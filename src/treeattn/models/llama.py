@@ -355,12 +355,14 @@ class LlamaModel(nn.Module):
             h = layer(h, positions, cos, sin, kv_store, attend, chunk)
         return self.norm(h)
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """(..., hidden_size) final hidden states -> (..., vocab_size) float32 logits."""
+    def logits(self, hidden: torch.Tensor, vocab: slice | None = None) -> torch.Tensor:
+        """(..., hidden_size) final hidden states -> (..., vocab_size) float32 logits; with `vocab`
+        (a slice of token ids, step 1) only those columns, (..., len(range(vocab_size)[vocab])), the
+        same values as the full call's (each logit is its own dot product)."""
         head = self.embed_tokens if self.lm_head is None else self.lm_head
         if isinstance(head, (nn.Embedding, nn.Linear)):
-            return F.linear(hidden, head.weight).float()
-        return head.project(hidden).float()  # kept packed (treeattn.models.packed)
+            return F.linear(hidden, head.weight if vocab is None else head.weight[vocab]).float()
+        return head.project(hidden, vocab).float()  # kept packed (treeattn.models.packed)
 
 
 def random_model(config: LlamaConfig, *, seed: int = 0, dtype: torch.dtype = torch.float32, std: float = 0.02) -> LlamaModel:

@@ -86,10 +86,14 @@ class _Packed(nn.Module):
         """The float32 (rows, columns) weight: the file's float32 dequantization."""
         return dequantize_packed(*self._parts())
 
-    def project(self, x: torch.Tensor) -> torch.Tensor:
-        """x (..., columns) @ W.T -> (..., rows) in x.dtype, float32 accumulation."""
+    def project(self, x: torch.Tensor, rows: slice | None = None) -> torch.Tensor:
+        """x (..., columns) @ W.T -> (..., rows) in x.dtype, float32 accumulation; with `rows` (a slice,
+        step 1) only those rows of W: the same values as the full product's columns."""
         v = self._cached()
-        return packed_matmul(x, v.fmt, v.qs, v.d, v.m, arrays=v.arrays)
+        if rows is None:
+            return packed_matmul(x, v.fmt, v.qs, v.d, v.m, arrays=v.arrays)
+        arrays = None if v.arrays is None else tuple(a[rows] for a in v.arrays)
+        return packed_matmul(x, v.fmt, v.qs[rows], v.d[rows], None if v.m is None else v.m[rows], arrays=arrays)
 
     def extra_repr(self) -> str:
         return f"{self.fmt}, rows={self.rows}, columns={self.columns}"
