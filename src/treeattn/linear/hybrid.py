@@ -31,7 +31,7 @@ from torch import nn
 from treeattn.linear.attention import linear_attention
 from treeattn.linear.feature_maps import HedgehogFeatureMap
 from treeattn.linear.kernel import LinearAttentionState
-from treeattn.models.llama import apply_rope
+from treeattn.ops.rowwise import apply_rope
 
 FEATURE_MAPS_FILE = "feature_maps.safetensors"
 CONFIG_FILE = "linear_layers.json"

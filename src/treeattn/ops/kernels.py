@@ -1,5 +1,5 @@
 """The compiled kernels that need an optional dependency, imported on first use: numba's CPU kernels
-(paged decode attention, packed-weight GEMV, onepass's combine) and the Triton decode kernel for CUDA.
+(paged decode attention, packed-weight GEMV, onepass's combine, RMSNorm and RoPE) and the Triton decode kernel for CUDA.
 
     module = optional_kernel("paged_cpu_kernel")   # treeattn.ops.paged_cpu_kernel, or None without numba
 
@@ -16,7 +16,7 @@ from types import ModuleType
 
 logger = logging.getLogger(__name__)
 
-KERNELS = {"paged_cpu_kernel": "numba", "packed_cpu_kernel": "numba", "combine_cpu_kernel": "numba", "triton_decode": "triton"}
+KERNELS = {"paged_cpu_kernel": "numba", "packed_cpu_kernel": "numba", "combine_cpu_kernel": "numba", "rowwise_cpu_kernel": "numba", "triton_decode": "triton"}
 """Each optional kernel module of treeattn.ops and the dependency it needs."""
 
 

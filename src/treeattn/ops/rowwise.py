@@ -1,0 +1,71 @@
+"""Row-wise ops of a decoder layer: RMSNorm and rotate-half RoPE.
+
+    y = rms_norm(x, weight, eps)     x (..., D), weight (D,) -> (..., D) in x.dtype
+    y = apply_rope(x, cos, sin)      x (B, S, H, D), cos, sin (B, S, D) -> (B, S, H, D) in x.dtype
+
+Each is a few torch calls; a decode step of a few rows on the CPU, in float32, outside autograd,
+runs the compiled kernel instead (treeattn.ops.rowwise_cpu_kernel, numba: one call), whose fixed
+cost is a fraction of theirs. The kernel's RoPE gives torch's bits; its RMSNorm sums the squares
+in another order (within float32 rounding). Anything else (more rows, other dtypes or devices, no
+numba) takes the torch path below, which is transformers' arithmetic.
+
+Example::
+
+    >>> import torch
+    >>> from treeattn.ops.rowwise import rms_norm
+    >>> x = torch.tensor([[3.0, 4.0]])
+    >>> rms_norm(x, torch.ones(2), 0.0)   # x / sqrt(mean(x**2)) = x / sqrt(12.5)
+    tensor([[0.8485, 1.1314]])
+"""
+
+from __future__ import annotations
+
+import torch
+
+from treeattn.ops.kernels import optional_kernel
+
+MAX_KERNEL_ROWS = 64
+"""Calls of at most this many rows take the kernel (decode steps and their drafts); longer ones
+(prompt chunks) spend their time in the arithmetic, which torch spreads over its threads."""
+
+
+def _kernel(rows: int, *tensors: torch.Tensor):
+    """treeattn.ops.rowwise_cpu_kernel when it takes a call of `rows` rows on these tensors, else None."""
+    if (rows > MAX_KERNEL_ROWS or any(t.device.type != "cpu" or t.dtype != torch.float32 for t in tensors)
+            or (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))):
+        return None
+    return optional_kernel("rowwise_cpu_kernel")
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """weight * x / sqrt(mean(x**2, -1) + eps), computed in float32: x (..., D) any float dtype,
+    weight (D,). Returns (..., D) in x.dtype (weight's product in the wider of the two, as in
+    transformers' LlamaRMSNorm)."""
+    kernel = _kernel(x.numel() // max(1, x.shape[-1]), x, weight)
+    if kernel is not None and x.numel():
+        rows = x.reshape(-1, x.shape[-1]).contiguous()
+        out = torch.empty_like(rows)
+        kernel.rms_norm(rows.numpy(), weight.detach().contiguous().numpy(), float(eps), out.numpy())
+        return out.view(x.shape)
+    normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
+    return weight * normed.to(x.dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x (B, S, H, D) by cos, sin (B, S, D) in the rotate-half layout of HF checkpoints:
+    x * cos + rotate_half(x) * sin, rotate_half(x) = cat(-x[..., D/2:], x[..., :D/2]). Same dtype out."""
+    kernel = _kernel(x.shape[0] * x.shape[1], x, cos, sin)
+    if kernel is not None and cos.shape[:2] == x.shape[:2] and x.numel():
+        B, S, H, D = x.shape
+        rows = x.reshape(B * S, H, D).contiguous()
+        out = torch.empty_like(rows)
+        kernel.rope(rows.numpy(), cos.reshape(B * S, D).contiguous().numpy(), sin.reshape(B * S, D).contiguous().numpy(),
+                    out.numpy())
+        return out.view(B, S, H, D)
+    cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+__all__ = ["MAX_KERNEL_ROWS", "apply_rope", "rms_norm"]
