@@ -370,3 +370,22 @@ def test_cuda_branch_through_the_triton_interpreter(case, fp8, monkeypatch):
                                   block_size=layout.block_size)
     out, lse = pd.paged_decode_attention(q.to(device), kb.to(device), vb.to(device), layout, **scales)
     check(out.cpu(), lse.cpu(), *ref)
+
+
+def test_the_kernels_exp_is_within_two_ulp_of_float64_and_keeps_nan():
+    """paged_cpu_kernel._exp_shifted, the softmax's exp: float32 operations that vectorize."""
+    import numpy as np
+
+    from treeattn.ops import paged_cpu_kernel
+
+    g = np.random.default_rng(0)
+    x = np.concatenate([-g.random(20000, dtype=np.float32) * 90, np.float32([0.0, -1e-30, -87.0, -87.01, -1e4, -np.inf, np.nan])])
+    shift = np.float32(2.5)
+    got = (x + shift).astype(np.float32)
+    paged_cpu_kernel._exp_shifted(got, shift, np.empty(got.shape[0], dtype=np.int32))
+    a = (x + shift).astype(np.float32) - shift  # what the kernel exponentiates: (x + shift) - shift in float32
+    ref = np.exp(a.astype(np.float64))
+    normal = (a >= -87.0) & np.isfinite(a)
+    assert (np.abs(got[normal] - ref[normal]) <= 2 * 2.0**-24 * ref[normal]).all()
+    assert (got[(a < -87.0)] == 0).all()  # far below any block maximum's exp (1): 0, as -inf
+    assert np.isnan(got[np.isnan(a)]).all()

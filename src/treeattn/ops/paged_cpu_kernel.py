@@ -1,10 +1,12 @@
 """The CPU kernel of paged decode attention (treeattn.ops.paged_decode), compiled by numba.
 
 One pass over the blocks each query row sees, read in place from the cache's arena: for every
-visible key, the G query heads that share its KV head take their dot products with it, an online
-softmax (running max, sum and unnormalized output, float32) folds it in, and its value row is
-added with that weight. Every K and V byte is read once per query row, with no copy, no repeat of
-K/V across the query group and no score matrix in memory. The blocks of a row are split into
+visible key of a block, the G query heads that share its KV head take their dot products with it;
+an online softmax (running max, sum and unnormalized output, float32) folds the block in, its
+scores' exps computed in one vectorized pass (_exp_shifted, float32 operations within 1.3 ulp of
+exp), and every value row is added with its weight. Every K and V byte is read once per query row,
+with no copy, no repeat of K/V across the query group and no score matrix beyond one block's
+(Hkv x G x block_size floats). The blocks of a row are split into
 contiguous ranges processed in parallel (flash-decoding); merge_splits then merges the ranges'
 states exactly, as merge_states does.
 
@@ -150,9 +152,51 @@ def _scale_impl(k, scales, blk, t, h):
     return lambda k, scales, blk, t, h: np.float32(1.0)
 
 
+# exp(x) for x <= 0 in float32 operations only, so that a block's exps vectorize (numba's math.exp is
+# one libm call per value: about 6 ns, against 0.85 ns here, measured on this project's machine):
+# cephes' expf, x = k ln2 + r (ln2 in two parts), a degree-6 polynomial in r, times 2**k built in the
+# float's exponent bits. Within 1.3 ulp of float64's exp (libm: 1 ulp); 0 below -87 (libm: 0 or a
+# subnormal, nothing beside the block's maximum, whose exp is 1); NaN stays NaN.
+_LOG2E = np.float32(1.4426950408889634)
+_LN2_HI = np.float32(0.693359375)
+_LN2_LO = np.float32(-2.12194440e-4)
+_EXP_MIN = np.float32(-87.0)
+
+
+@njit(cache=True, fastmath={"contract"})  # no reassociation: it would merge the two parts of ln2
+def _exp_shifted(x, shift, bits):  # pragma: no cover - compiled
+    """x[i] = exp(x[i] - shift) in place, for x (n,) float32 whose values are <= shift (or NaN, or
+    -inf: 0); bits: int32 scratch (n,)."""
+    two_k = bits.view(np.float32)
+    for i in range(x.shape[0]):
+        a = x[i] - shift
+        k = np.floor(a * _LOG2E + np.float32(0.5))
+        r = a - k * _LN2_HI
+        r = r - k * _LN2_LO
+        p = np.float32(1.9875691500e-4)
+        p = p * r + np.float32(1.3981999507e-3)
+        p = p * r + np.float32(8.3334519073e-3)
+        p = p * r + np.float32(4.1665795894e-2)
+        p = p * r + np.float32(1.6666665459e-1)
+        p = p * r + np.float32(5.0000001201e-1)
+        keep = not (a < _EXP_MIN)  # NaN keeps its NaN
+        x[i] = p * r * r + r + np.float32(1.0) if keep else np.float32(0.0)
+        k = k if k > np.float32(-126.0) else np.float32(-126.0)
+        bits[i] = np.int32((k + np.float32(127.0)) * np.float32(8388608.0)) if keep else np.int32(0)  # 2**k's bits
+    for i in range(x.shape[0]):
+        x[i] *= two_k[i]
+
+
 @njit(cache=True, fastmath=_FASTMATH)
 def _attend_range(w, q, k, v, k_scales, v_scales, dv, scale, table, kv_pos, row_seq, q_pos, window, splits, out, m_out, l_out):  # pragma: no cover - compiled
-    """Work item w = r * splits + sp of attend_parallel: query row r over its sp-th range of blocks."""
+    """Work item w = r * splits + sp of attend_parallel: query row r over its sp-th range of blocks.
+
+    Block by block, in three passes: every query head's scores against the block's visible keys
+    (key by key, as the block lies in memory); per head, the block's maximum (the running maximum,
+    and what was summed against it, rescaled once per block when it grows) and every score's exp in
+    one vectorized pass (_exp_shifted); then the values, key by key, summed with those weights.
+    Against one pass with an exp per score (libm's) this took 0.78-0.87x the time (30 layers of
+    4096 keys, SmolLM2's heads, one thread, alternated in one process)."""
     H, G, D = q.shape[1], q.shape[2], q.shape[3]
     BS = k.shape[1]
     nb = table.shape[1]
@@ -164,44 +208,57 @@ def _attend_range(w, q, k, v, k_scales, v_scales, dv, scale, table, kv_pos, row_
     acc = np.zeros((H, G, dv), dtype=np.float32)
     m = np.full((H, G), -np.inf, dtype=np.float32)
     lsum = np.zeros((H, G), dtype=np.float32)
-    s = np.empty(G, dtype=np.float32)
+    scores = np.empty((H, G, BS), dtype=np.float32)  # a block's scores, then their exps
+    bits = np.empty(BS, dtype=np.int32)
+    visible = np.empty(BS, dtype=np.bool_)
     j0 = sp * per
     j1 = min(nb, j0 + per)
     k_scratch = _scratch(k, D)
     v_scratch = _scratch(v, dv)
     for j in range(j0, j1):
         blk = table[b, j]
-        visible = False
+        seen = 0
         for t in range(BS):
             kp = kv_pos[b, j * BS + t]
-            if kp <= qp and not (window > 0 and qp - kp >= window):
-                visible = True
-                break
-        if not visible:
+            visible[t] = kp <= qp and not (window > 0 and qp - kp >= window)
+            seen += visible[t]
+        if seen == 0:
             continue
         kb = _block(k, blk, D, k_scratch)
         vb = _block(v, blk, dv, v_scratch)
         for t in range(BS):
-            kp = kv_pos[b, j * BS + t]
-            if kp > qp or (window > 0 and qp - kp >= window):
+            if not visible[t]:
+                for h in range(H):
+                    for g in range(G):
+                        scores[h, g, t] = -np.inf
                 continue
             for h in range(H):
                 key_scale = _scale(k, k_scales, blk, t, h) * scale
-                value_scale = _scale(v, v_scales, blk, t, h)
                 for g in range(G):
                     x = np.float32(0.0)
                     for d in range(D):
                         x += q[r, h, g, d] * kb[t, h, d]
-                    s[g] = x * key_scale
+                    scores[h, g, t] = x * key_scale
+        for h in range(H):
+            for g in range(G):
+                top = m[h, g]
+                for t in range(BS):
+                    if scores[h, g, t] > top:
+                        top = scores[h, g, t]
+                if top > m[h, g]:  # a new max: rescale what was summed against the old one
+                    c = np.float32(math.exp(m[h, g] - top))
+                    lsum[h, g] *= c
+                    for d in range(dv):
+                        acc[h, g, d] *= c
+                    m[h, g] = top
+                _exp_shifted(scores[h, g], m[h, g], bits)
+        for t in range(BS):
+            if not visible[t]:
+                continue
+            for h in range(H):
+                value_scale = _scale(v, v_scales, blk, t, h)
                 for g in range(G):
-                    x = s[g]
-                    if x > m[h, g]:  # a new max: rescale what was summed against the old one
-                        c = np.float32(math.exp(m[h, g] - x))
-                        lsum[h, g] *= c
-                        for d in range(dv):
-                            acc[h, g, d] *= c
-                        m[h, g] = x
-                    p = np.float32(math.exp(x - m[h, g]))
+                    p = scores[h, g, t]
                     lsum[h, g] += p
                     pv = p * value_scale
                     for d in range(dv):
