@@ -141,6 +141,19 @@ def _plans(world_size: int = 2):
     return prefill, decode
 
 
+@contextlib.contextmanager
+def _cuda_paths():
+    """The row-wise ops' torch path, the one a CUDA step runs (and a CUDA graph captures): their
+    compiled CPU kernel reads numpy views of CPU tensors, which no_host_sync counts as host reads."""
+    from treeattn.ops import rowwise
+
+    kernel, rowwise._kernel = rowwise._kernel, lambda *args: None
+    try:
+        yield
+    finally:
+        rowwise._kernel = kernel
+
+
 def _one_step(rank: int, group) -> dict:
     """On 2 ranks: the decode plan of _plans as one dynamic step (PagedBatch) and as one static step,
     gathered (allreduce and tree combines) and paged (the Triton kernel through its interpreter; also
@@ -158,10 +171,11 @@ def _one_step(rank: int, group) -> dict:
             runner.step(prefill)  # dynamic: prompt chunks
             batch = PagedBatch(decode, rank, runner.cache, runner.attend, None)
             dynamic = runner.model(batch.tokens, batch.positions, batch.kv_store, batch.attend)[0]
-            static = runner.static_step(decode).clone()
-            buffers = runner.static_step._buffers[runner.static_step.shape_of(decode)]
-            with no_host_sync() if read == "gathered" else contextlib.nullcontext():  # the interpreter reads the host
-                runner.static_step._run(buffers)
+            with _cuda_paths():  # the step and its replay alike
+                static = runner.static_step(decode).clone()
+                buffers = runner.static_step._buffers[runner.static_step.shape_of(decode)]
+                with no_host_sync() if read == "gathered" else contextlib.nullcontext():  # the interpreter reads the host
+                    runner.static_step._run(buffers)
             again = buffers.hidden[:3].clone()
         out[f"{read}-{method}"] = dict(diff=float((static - dynamic).abs().max()), again=torch.equal(again, static),
                            shape=runner.static_step.shape_of(decode), scale=float(dynamic.abs().max()))

@@ -250,7 +250,8 @@ class RankRunner:
         """Rank 0 samples each chunk of `sampling` from `hidden`, the final hidden states of their rows
         (num_draft + 1 per chunk, in order, on every rank); the other ranks return an empty
         StepOutcome. On several CPU ranks with a large output projection (VOCAB_SPLIT_MIN_WEIGHTS)
-        each rank computes the logits of its share of the vocabulary first (_vocab_logits). shared_keys: the step's StepOutcome.shared_prefix_keys."""
+        each rank first computes the logits of its share of the vocabulary (_vocab_logits).
+        shared_keys: the step's StepOutcome.shared_prefix_keys."""
         if not sampling:
             return StepOutcome()
         start = time.perf_counter()
