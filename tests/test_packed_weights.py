@@ -94,6 +94,19 @@ def q4_k_rows(rows: int, cols: int, seed: int) -> np.ndarray:
     return raw
 
 
+def assert_kept_exactly(convert, raw: np.ndarray, qtype, fmt: str, seed: int):
+    """convert(raw) -> (qs, d, m) of `fmt` whose dequantization is gguf's for `qtype` bit for bit, whose
+    product with x is within the float32 bound, and which refuses a cut row. Returns (qs, d, m)."""
+    qs, d, m = convert(raw)
+    expected = gguf.quants.dequantize(raw, qtype).reshape(raw.shape[0], -1)
+    assert np.array_equal(dequantize_packed(fmt, qs, d, m).numpy(), expected)
+    x = torch.randn(3, expected.shape[1], generator=torch.Generator().manual_seed(seed))
+    assert_within_float32_bound(packed_matmul(x, fmt, qs, d, m), x, expected)
+    with pytest.raises(ValueError, match="raw must be uint8"):
+        convert(raw[:, :-1])
+    return qs, d, m
+
+
 def test_q6_k_widened_to_int16_q8_0_blocks_dequantizes_to_exactly_the_files_values():
     """Random Q6_K super-blocks (gguf-py has no Q6_K quantizer): random 6-bit values and int8 scales (-128 and
     127 included), float16 d over 2**-14 .. 2**2; the int16 values sc * (q - 32) times d are gguf's weights."""
@@ -102,14 +115,8 @@ def test_q6_k_widened_to_int16_q8_0_blocks_dequantizes_to_exactly_the_files_valu
     blocks = raw.reshape(-1, 210)
     blocks[:, 208:210] = float16_bytes(g, len(blocks))
     blocks[0, 192:194] = np.array([-128, 127], dtype=np.int8).view(np.uint8)
-    qs, d, m = packed_linear.q6_k_as_q8_0(raw)
+    qs, d, m = assert_kept_exactly(packed_linear.q6_k_as_q8_0, raw, Q.Q6_K, "q8_0", seed=2)
     assert qs.shape == (5, 16, 32) and qs.dtype == torch.int16 and m is None
-    expected = gguf.quants.dequantize(raw, Q.Q6_K).reshape(5, 512)
-    assert np.array_equal(dequantize_packed("q8_0", qs, d, m).numpy(), expected)
-    x = torch.randn(3, 512, generator=torch.Generator().manual_seed(2))
-    assert_within_float32_bound(packed_matmul(x, "q8_0", qs, d, m), x, expected)
-    with pytest.raises(ValueError, match="raw must be uint8"):
-        packed_linear.q6_k_as_q8_0(raw[:, :-1])
 
 
 def test_q5_0_widened_to_q8_0_blocks_dequantizes_to_exactly_the_files_values():
@@ -123,14 +130,8 @@ def test_q5_0_widened_to_q8_0_blocks_dequantizes_to_exactly_the_files_values():
 
 def test_q4_k_regrouped_as_q4_1_blocks_dequantizes_to_exactly_the_files_values():
     raw = q4_k_rows(5, 768, 7)
-    qs, d, m = packed_linear.q4_k_as_q4_1(raw)
+    qs, d, m = assert_kept_exactly(packed_linear.q4_k_as_q4_1, raw, Q.Q4_K, "q4_1", seed=1)
     assert qs.shape == (5, 24, 16) and qs.dtype == torch.uint8 and d.shape == m.shape == (5, 24)
-    expected = gguf.quants.dequantize(raw, Q.Q4_K).reshape(5, 768)
-    assert np.array_equal(dequantize_packed("q4_1", qs, d, m).numpy(), expected)
-    x = torch.randn(3, 768, generator=torch.Generator().manual_seed(1))
-    assert_within_float32_bound(packed_matmul(x, "q4_1", qs, d, m), x, expected)
-    with pytest.raises(ValueError, match="raw must be uint8"):
-        packed_linear.q4_k_as_q4_1(raw[:, :-1])
 
 
 @pytest.mark.parametrize("threads", [1, 2])

@@ -158,7 +158,7 @@ class RankRunner:
                                                 method=method, group=group, topology=topology, graph=decode_step == "graph")
         self._generators: dict[int, torch.Generator] = {}
         self.meter = RankMeter(self.rank)
-        self._split_vocab = p > 1 and c.vocab_size * c.hidden_size >= VOCAB_SPLIT_MIN_WEIGHTS
+        self._split_vocab = p > 1 and model.device.type == "cpu" and c.vocab_size * c.hidden_size >= VOCAB_SPLIT_MIN_WEIGHTS
 
     def set_decode(self, decode: str, method: str) -> None:
         """Decode from the next step on with `decode` ("tree" or "ring"; every kind is local
@@ -252,18 +252,13 @@ class RankRunner:
         StepOutcome. On several CPU ranks with a large output projection (VOCAB_SPLIT_MIN_WEIGHTS)
         each rank first computes the logits of its share of the vocabulary (_vocab_logits).
         shared_keys: the step's StepOutcome.shared_prefix_keys."""
-        if not sampling:
+        if not sampling or (self.rank != 0 and not self._split_vocab):
             return StepOutcome()
         start = time.perf_counter()
-        if self._split_vocab and hidden.device.type == "cpu":
-            logits = self._vocab_logits(hidden)
-            if self.rank != 0:
-                self._phases["sampling"] = time.perf_counter() - start
-                return StepOutcome()
-        elif self.rank != 0:
+        logits = self._vocab_logits(hidden) if self._split_vocab else self.model.logits(hidden)
+        if logits is None:  # this rank's share went to rank 0
+            self._phases["sampling"] = time.perf_counter() - start
             return StepOutcome()
-        else:
-            logits = self.model.logits(hidden)
         out, first = StepOutcome(shared_prefix_keys=shared_keys), 0
         for _, c in sampling:
             chunk_logits = logits[first : first + c.num_draft + 1]

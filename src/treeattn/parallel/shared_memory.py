@@ -146,29 +146,30 @@ class SharedMemoryGroup:
     def _publish(self, tensor: torch.Tensor, write: bool = True) -> list[torch.Tensor]:
         """Write `tensor` into this rank's slot of the next buffer, raise this rank's sequence
         number, wait for every rank's; returns the p slots of that buffer viewed like `tensor`."""
-        self._sequence += 1
         nbytes = tensor.numel() * tensor.element_size()
-        base = self.size * _LINE + (self._sequence % 2) * self.size * self.capacity_bytes
-        slots = [self._arena[base + r * self.capacity_bytes: base + r * self.capacity_bytes + nbytes]
-                 .view(tensor.dtype).view(tensor.shape) for r in range(self.size)]
+        slots = [self._arena[s].view(tensor.dtype).view(tensor.shape) for s in self._next_slots(nbytes)]
         if write:
             slots[self.rank].copy_(tensor)
-        self._flags[self.rank * _LINE // 8] = self._sequence
-        self._wait(self._sequence)
+        self._arrive()
         return slots
 
     def _publish_array(self, array: np.ndarray) -> list[np.ndarray]:
         """_publish for a 1-D numpy array: the p slots as 1-D arrays of its dtype."""
-        self._sequence += 1
-        nbytes = array.nbytes
-        base = self.size * _LINE + (self._sequence % 2) * self.size * self.capacity_bytes
-        bytes_ = self._bytes
-        slots = [bytes_[base + r * self.capacity_bytes: base + r * self.capacity_bytes + nbytes].view(array.dtype)
-                 for r in range(self.size)]
+        slots = [self._bytes[s].view(array.dtype) for s in self._next_slots(array.nbytes)]
         slots[self.rank][:] = array
+        self._arrive()
+        return slots
+
+    def _next_slots(self, nbytes: int) -> list[slice]:
+        """The next collective's sequence number; the byte ranges of its p slots of `nbytes`, in rank order."""
+        self._sequence += 1
+        base = self.size * _LINE + (self._sequence % 2) * self.size * self.capacity_bytes
+        return [slice(base + r * self.capacity_bytes, base + r * self.capacity_bytes + nbytes) for r in range(self.size)]
+
+    def _arrive(self) -> None:
+        """Publish this rank's sequence number (its slot is written) and wait for every rank's."""
         self._flags[self.rank * _LINE // 8] = self._sequence
         self._wait(self._sequence)
-        return slots
 
     def _wait(self, sequence: int) -> None:
         flags, stride = self._flags, _LINE // 8
