@@ -6,6 +6,7 @@ the kernel against the engine without it (same greedy tokens, batches, two ranks
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -143,22 +144,25 @@ def test_stored_16_bit_blocks_match_float64_on_the_stored_values(case, kv_dtype,
 
 
 def test_kernel_widens_every_16_bit_pattern_exactly():
-    """The kernel's widening of a 16-bit block (bfloat16 by a shift, float16 by bit operations and
-    a 2**112 scale) gives torch's own conversion of every one of the 65536 patterns: zeros, subnormals,
+    """The kernel's widening of a 16-bit element in registers (bfloat16 by a shift, float16 by LLVM's
+    fpext) gives torch's own conversion of every one of the 65536 patterns: zeros, subnormals,
     normals, infinities of both signs, NaNs as NaNs."""
     if not KERNEL:
         pytest.skip("numba is not installed")
     from numba import njit
 
-    from treeattn.ops.paged_cpu_kernel import _block, _scratch
+    from treeattn.ops.paged_cpu_kernel import _wide
 
     @njit
-    def widen(k):
-        return _block(k, 0, k.shape[3], _scratch(k, k.shape[3])).copy()
+    def widen(bits):
+        out = np.empty(bits.shape, dtype=np.float32)
+        for i in range(bits.shape[0]):
+            out[i] = _wide(bits[i])
+        return out
 
-    patterns = torch.arange(1 << 16, dtype=torch.int32).to(torch.int16).view(1, 1024, 1, 64)
+    patterns = torch.arange(1 << 16, dtype=torch.int32).to(torch.int16)
     for dtype, bits in ((torch.bfloat16, torch.uint16), (torch.float16, torch.int16)):
-        expected = patterns.view(dtype).float()[0]
+        expected = patterns.view(dtype).float()
         got = torch.from_numpy(widen(patterns.view(dtype).view(bits).numpy()))
         assert torch.equal(torch.isnan(got), torch.isnan(expected))
         assert torch.equal(got[~torch.isnan(got)], expected[~torch.isnan(expected)])

@@ -18,18 +18,22 @@ masked rows stay -inf and a NaN in the inputs stays NaN (the engine never sample
 
 Stored dtypes: the blocks are float32, or 16-bit (a bfloat16 or float16 cache, the engine's
 --kv-cache-dtype) passed as their bit patterns: bfloat16 as uint16, float16 as int16 (the array
-type tells the kernel the format; numba has no float16 on the CPU). A 16-bit block that holds a
-visible key is widened into a float32 scratch block (exactly: every bfloat16 and float16 is a
-float32) when the row reaches it, by bit operations that vectorize, then read as a float32 block
-is; queries, scores, the softmax and the output stay float32. (A 65536-entry table lookup was
-~50x slower per block than bfloat16's shift on this machine: scalar gathers.)
+type tells the kernel the format; numba has no float16 on the CPU). A 16-bit element is widened to
+float32 in registers where the loops read it (exactly: every bfloat16 and float16 is a float32):
+bfloat16 by a shift into a float32's high half, float16 by LLVM's fpext (F16C's vcvtph2ps), both
+vectorized (_wide); queries, scores, the softmax and the output stay float32. Session 8's kernel
+widened every 16-bit block into a float32 scratch block first, which made a 16-bit cache slower than
+a float32 one; 30 layers of 4096 keys, one thread, alternated with it in one process: bfloat16
+14.7 -> 7.3 ms, float16 19.5 -> 7.1 ms, float32 9.3 ms either way (docs/benchmarks.md, "KV cache dtype").
 
 fp8 blocks (an fp8_e4m3 cache: e4m3 codes passed as uint8, with float32 scales (NB, BS, Hkv), one
-per key and KV head, treeattn.ops.fp8) are widened the same way without their scales (exactly:
-every e4m3 code is a float32), and the scales enter where FlashInfer folds its per-tensor ones: a
-key's scale multiplies its score (with the softmax scale), a value's scale its softmax weight.
-Both scales are powers of two, so this gives bit for bit what the dequantized values would (up to
-the order of the float32 sums, as for any dtype). Other dtypes ignore the scales (pass NO_SCALES).
+per key and KV head, treeattn.ops.fp8) are widened a block at a time into a float32 scratch block
+(_widen_block; an e4m3 code takes ~10 operations, which the G query heads of a group would otherwise
+repeat), without their scales (exactly: every e4m3 code is a float32), and the scales enter where
+FlashInfer folds its per-tensor ones: a key's scale multiplies its score (with the softmax scale), a
+value's scale its softmax weight. Both scales are powers of two, so this gives bit for bit what the
+dequantized values would (up to the order of the float32 sums, as for any dtype). Other dtypes
+ignore the scales (pass NO_SCALES).
 """
 
 from __future__ import annotations
@@ -39,7 +43,8 @@ import math
 import numpy as np
 import numba
 from numba import njit, prange, types
-from numba.extending import overload
+from llvmlite import ir
+from numba.extending import intrinsic, overload
 
 _FASTMATH = {"reassoc", "contract"}
 
@@ -54,7 +59,7 @@ def attend(threads: int, *args) -> None:
         attend_parallel(*args)
 
 
-NO_SCRATCH = np.zeros((0, 0, 0), dtype=np.uint32)
+NO_SCRATCH = np.zeros((0, 0, 0), dtype=np.float32)
 NO_SCALES = np.ones((1, 1, 1), dtype=np.float32)
 """The scales argument of float32 and 16-bit blocks (never read)."""
 # 2**120: e4m3's exponent bias (7) -> float32's (127); also normalizes e4m3's subnormals exactly.
@@ -65,83 +70,119 @@ def _scale(k, scales, blk, t, h):  # pragma: no cover - replaced by its overload
     raise NotImplementedError
 
 
+def _wide(x):  # pragma: no cover - replaced by its overload inside compiled code
+    raise NotImplementedError
+
+
+def _i32(value):
+    return ir.Constant(ir.IntType(32), value)
+
+
+@intrinsic
+def _bfloat16_bits_to_float32(typingctx, x):
+    """The float32 of a bfloat16's bits (uint16): the bits shifted into a float32's high half (exact)."""
+    if x != types.uint16:
+        return None
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(builder.shl(builder.zext(args[0], ir.IntType(32)), _i32(16)), ir.FloatType())
+
+    return types.float32(types.uint16), codegen
+
+
+@intrinsic
+def _float16_bits_to_float32(typingctx, x):
+    """The float32 of a float16's bits (int16): LLVM's fpext from half, the CPU's conversion (F16C's
+    vcvtph2ps here), exact for every value, subnormals, infinities and NaNs included."""
+    if x != types.int16:
+        return None
+
+    def codegen(context, builder, signature, args):
+        return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
+
+    return types.float32(types.int16), codegen
+
+
+@intrinsic
+def _fp8_e4m3_bits_to_float32(typingctx, x):
+    """The float32 of an e4m3fn code (uint8; no infinities, S.1111.111 is NaN), without its scale:
+    exponent and mantissa moved into a float32's place, the sign on top, times 2**120 (e4m3's exponent
+    bias -> float32's; it normalizes e4m3's subnormals too), exact; NaN for the NaN codes."""
+    if x != types.uint8:
+        return None
+
+    def codegen(context, builder, signature, args):
+        code = builder.zext(args[0], ir.IntType(32))
+        magnitude = builder.and_(code, _i32(0x7F))
+        bits = builder.or_(builder.shl(magnitude, _i32(20)), builder.shl(builder.and_(code, _i32(0x80)), _i32(24)))
+        value = builder.fmul(builder.bitcast(bits, ir.FloatType()), ir.Constant(ir.FloatType(), float(_FP8_BIAS)))
+        is_nan = builder.icmp_unsigned("==", magnitude, _i32(0x7F))
+        return builder.select(is_nan, ir.Constant(ir.FloatType(), float("nan")), value)
+
+    return types.float32(types.uint8), codegen
+
+
+@overload(_wide)
+def _wide_impl(x):
+    """A stored element as float32, widened in registers where the loops read it (exactly), so that
+    they vectorize: float32 as it is, bfloat16 (uint16 bits), float16 (int16 bits), fp8 e4m3 (uint8
+    codes; without their scales)."""
+    if x == types.float32:
+        return lambda x: x
+    if x == types.uint16:
+        return lambda x: _bfloat16_bits_to_float32(x)
+    if x == types.int16:
+        return lambda x: _float16_bits_to_float32(x)
+    if x == types.uint8:
+        return lambda x: _fp8_e4m3_bits_to_float32(x)
+    return None
+
+
 def _scratch(k, dv):  # pragma: no cover - replaced by its overload inside compiled code
     raise NotImplementedError
 
 
-def _block(k, blk, dv, scratch):  # pragma: no cover - replaced by its overload inside compiled code
+def _widen_block(k, blk, dv, scratch):  # pragma: no cover - replaced by its overload inside compiled code
+    raise NotImplementedError
+
+
+def _row(k, blk, t, scratch):  # pragma: no cover - replaced by its overload inside compiled code
     raise NotImplementedError
 
 
 @overload(_scratch)
 def _scratch_impl(k, dv):
-    """The bits of a float32 block to widen 16-bit blocks into, uint32 (BS, Hkv, dv); float32 blocks need none."""
-    if k.dtype == types.float32:
-        return lambda k, dv: NO_SCRATCH
-    return lambda k, dv: np.empty((k.shape[1], k.shape[2], dv), dtype=np.uint32)
+    """A float32 block (BS, Hkv, dv) to widen an fp8 block into; the other dtypes need none."""
+    if k.dtype == types.uint8:
+        return lambda k, dv: np.empty((k.shape[1], k.shape[2], dv), dtype=np.float32)
+    return lambda k, dv: NO_SCRATCH
 
 
-@overload(_block)
-def _block_impl(k, blk, dv, scratch):
-    """Block `blk` of k as float32 (BS, Hkv, >= dv): a view of a float32 arena, or its first dv
-    channels widened into `scratch` (exactly): bfloat16 (uint16 bits) by a shift into a float32's
-    high half; float16 (int16 bits) by moving exponent and mantissa into place, scaling by 2**112
-    (which also normalizes subnormals exactly), marking infinities/NaNs, then the sign."""
-    if k.dtype == types.float32:
-        return lambda k, blk, dv, scratch: k[blk]
-    if k.dtype == types.uint16:  # bfloat16
+@overload(_widen_block)
+def _widen_block_impl(k, blk, dv, scratch):
+    """fp8: block blk's first dv channels widened into `scratch` (float32), once a block, so that the
+    query heads of a group and the value loop read float32 (widening an e4m3 code costs ~10
+    operations, once per query head where the loops read it); the other dtypes: nothing."""
+    if k.dtype != types.uint8:
+        return lambda k, blk, dv, scratch: None
 
-        def bfloat16(k, blk, dv, scratch):
-            src = k[blk]
-            for t in range(src.shape[0]):
-                for h in range(src.shape[1]):
-                    for d in range(dv):
-                        scratch[t, h, d] = np.uint32(src[t, h, d]) << 16
-            return scratch.view(np.float32)
+    def fp8(k, blk, dv, scratch):
+        src = k[blk]
+        for t in range(src.shape[0]):
+            for h in range(src.shape[1]):
+                for d in range(dv):
+                    scratch[t, h, d] = _wide(src[t, h, d])
 
-        return bfloat16
-    if k.dtype == types.uint8:  # fp8 e4m3 (e4m3fn: no infinities; S.1111.111 is NaN)
+    return fp8
 
-        def fp8(k, blk, dv, scratch):
-            src = k[blk]
-            f = scratch.view(np.float32)
-            for t in range(src.shape[0]):
-                for h in range(src.shape[1]):
-                    for d in range(dv):
-                        x = np.uint32(src[t, h, d])
-                        scratch[t, h, d] = ((x & np.uint32(0x7F)) << 20) | ((x & np.uint32(0x80)) << 24)
-            for t in range(src.shape[0]):
-                for h in range(src.shape[1]):
-                    for d in range(dv):
-                        nan = (src[t, h, d] & np.uint8(0x7F)) == np.uint8(0x7F)
-                        f[t, h, d] = np.float32(np.nan) if nan else f[t, h, d] * _FP8_BIAS
-            return f
 
-        return fp8
-    if k.dtype == types.int16:  # float16
-
-        def float16(k, blk, dv, scratch):
-            src = k[blk]
-            f = scratch.view(np.float32)
-            for t in range(src.shape[0]):
-                for h in range(src.shape[1]):
-                    for d in range(dv):
-                        scratch[t, h, d] = (np.uint32(src[t, h, d]) & np.uint32(0x7FFF)) << 13
-            for t in range(src.shape[0]):
-                for h in range(src.shape[1]):
-                    for d in range(dv):
-                        f[t, h, d] *= np.float32(5.192296858534828e33)  # 2**112: float16's exponent bias -> float32's
-            for t in range(src.shape[0]):
-                for h in range(src.shape[1]):
-                    for d in range(dv):
-                        bits = scratch[t, h, d]
-                        if f[t, h, d] >= np.float32(65536.0):  # was an infinity or NaN: all exponent bits set
-                            bits |= np.uint32(0xFF) << 23
-                        scratch[t, h, d] = bits | ((np.uint32(src[t, h, d]) & np.uint32(0x8000)) << 16)
-            return f
-
-        return float16
-    return None
+@overload(_row)
+def _row_impl(k, blk, t, scratch):
+    """Row t of block blk, (Hkv, >= dv), as the loops read it through _wide: the arena's own row, or
+    for fp8 the widened block's."""
+    if k.dtype == types.uint8:
+        return lambda k, blk, t, scratch: scratch[t]
+    return lambda k, blk, t, scratch: k[blk, t]
 
 
 @overload(_scale)
@@ -224,20 +265,21 @@ def _attend_range(w, q, k, v, k_scales, v_scales, dv, scale, table, kv_pos, row_
             seen += visible[t]
         if seen == 0:
             continue
-        kb = _block(k, blk, D, k_scratch)
-        vb = _block(v, blk, dv, v_scratch)
+        _widen_block(k, blk, D, k_scratch)
+        _widen_block(v, blk, dv, v_scratch)
         for t in range(BS):
             if not visible[t]:
                 for h in range(H):
                     for g in range(G):
                         scores[h, g, t] = -np.inf
                 continue
+            kb = _row(k, blk, t, k_scratch)
             for h in range(H):
                 key_scale = _scale(k, k_scales, blk, t, h) * scale
                 for g in range(G):
                     x = np.float32(0.0)
                     for d in range(D):
-                        x += q[r, h, g, d] * kb[t, h, d]
+                        x += q[r, h, g, d] * _wide(kb[h, d])
                     scores[h, g, t] = x * key_scale
         for h in range(H):
             for g in range(G):
@@ -255,6 +297,7 @@ def _attend_range(w, q, k, v, k_scales, v_scales, dv, scale, table, kv_pos, row_
         for t in range(BS):
             if not visible[t]:
                 continue
+            vb = _row(v, blk, t, v_scratch)
             for h in range(H):
                 value_scale = _scale(v, v_scales, blk, t, h)
                 for g in range(G):
@@ -262,7 +305,7 @@ def _attend_range(w, q, k, v, k_scales, v_scales, dv, scale, table, kv_pos, row_
                     lsum[h, g] += p
                     pv = p * value_scale
                     for d in range(dv):
-                        acc[h, g, d] += pv * vb[t, h, d]
+                        acc[h, g, d] += pv * _wide(vb[h, d])
     for h in range(H):
         for g in range(G):
             m_out[r, sp, h, g] = m[h, g]
