@@ -12,7 +12,9 @@ one decode query per sequence, every sequence `context` keys. For each case, the
 - ta.attention over contiguous (B, context, 3, 64) K and V;
 - torch SDPA (enable_gqa=True) over the same contiguous K and V;
 - K/V copy: copy_ of every layer's K and V into a preallocated buffer (read once, write once):
-  the streaming floor the issue measures against.
+  the streaming floor the issue measures against;
+- with --kv-dtypes bfloat16 float16: the engine's paged kernel over the same keys and values
+  stored in 16 bits (the engine's --kv-cache-dtype; attention still in float32).
 
 Figures are per token of a 30-layer model: the measured layers' time x 30 / layers (a case
 whose cache would exceed --max-bytes measures fewer distinct layers; each still streams from
@@ -40,12 +42,18 @@ from treeattn.models.attention import LocalAttention
 MODEL_LAYERS, HQ, HKV, D, BS = 30, 9, 3, 64, 256
 
 
-def run_case(context: int, batch: int, repeat: int, max_bytes: int) -> dict:
+def run_case(context: int, batch: int, repeat: int, max_bytes: int, kv_dtypes: tuple[str, ...] = ()) -> dict:
     nb = context // BS
     layer_bytes = 2 * batch * context * HKV * D * 4
-    layers = max(2, min(MODEL_LAYERS, max_bytes // (2 * layer_bytes)))  # the arena and the contiguous copies
+    layers = max(2, min(MODEL_LAYERS, max_bytes // ((2 + len(kv_dtypes)) * layer_bytes)))  # the arenas and the contiguous copies
     cache = PagedKVCache(num_layers=layers, num_kv_heads=HKV, head_dim=D, num_blocks=batch * nb, block_size=BS)
     cache.arena.normal_()
+    # the same keys and values in a 16-bit arena per --kv-dtypes (attention in float32, as the engine's --kv-cache-dtype)
+    caches = {"float32": cache}
+    for name in kv_dtypes:
+        caches[name] = PagedKVCache(num_layers=layers, num_kv_heads=HKV, head_dim=D, num_blocks=batch * nb, block_size=BS,
+                                    dtype=getattr(torch, name), compute_dtype=torch.float32)
+        caches[name].arena.copy_(cache.arena)
     tables = [[s * nb + b for b in range(nb)] for s in range(batch)]
     # every sequence has context - 1 keys and decodes the token at position context - 1
     plan = StepPlan(tuple(Chunk(s, (1,), context - 1, tuple(BlockRef(0, i) for i in t), None) for s, t in enumerate(tables)))
@@ -53,12 +61,12 @@ def run_case(context: int, batch: int, repeat: int, max_bytes: int) -> dict:
     k_new = torch.randn(1, batch, HKV, D)
 
     @torch.inference_mode()
-    def engine(paged: bool):
+    def engine(paged: bool, kv_dtype: str = "float32"):
         saved = engine_batch.kernel_takes
         if not paged:
             engine_batch.kernel_takes = lambda *args: False
         try:
-            batch_ = engine_batch.PagedBatch(plan, 0, cache, LocalAttention(), combine=(None, "onepass", 1))
+            batch_ = engine_batch.PagedBatch(plan, 0, caches[kv_dtype], LocalAttention(), combine=(None, "onepass", 1))
             for layer in range(layers):
                 k, v, pos = batch_.kv_store(layer, k_new, k_new)
                 batch_.attend(q, k, v, q_pos=None, kv_pos=pos, window=None)
@@ -85,6 +93,8 @@ def run_case(context: int, batch: int, repeat: int, max_bytes: int) -> dict:
 
     fns = {"engine, paged kernel": lambda: engine(True), "engine, before": lambda: engine(False),
            "ta.attention (contiguous)": ta_attention, "torch SDPA (enable_gqa)": sdpa, "K/V copy (floor)": kv_copy}
+    for name in kv_dtypes:
+        fns[f"engine, paged kernel, {name} KV"] = lambda name=name: engine(True, name)
     for fn in fns.values():
         fn()  # warm-up (the kernel's first call loads its compiled code)
     best = {}
@@ -106,13 +116,15 @@ def main() -> None:
     parser.add_argument("--repeat", dest="repeats", type=int, default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # old spelling
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--max-bytes", type=int, default=1 << 30)
+    parser.add_argument("--kv-dtypes", nargs="*", default=[], choices=["bfloat16", "float16"],
+                        help="also run the engine over a cache of these dtypes (the same values; float32 attention)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     load_before = os.getloadavg()
     rows = []
     for case in args.cases:
         context, batch = (int(x) for x in case.split("x"))
-        rows.append(run_case(context, batch, args.repeats, args.max_bytes))
+        rows.append(run_case(context, batch, args.repeats, args.max_bytes, tuple(args.kv_dtypes)))
     print(json.dumps({"rows": rows, "threads": args.threads, "load_average": [load_before, os.getloadavg()],
                       "machine": f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}"}, indent=1))
     names = list(rows[0]["ms_per_token"])
