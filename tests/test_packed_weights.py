@@ -273,8 +273,9 @@ def test_what_cannot_be_kept_packed_is_refused_in_one_line(files, tmp_path):
         check_weight_format(str(files["q5_1"]), EngineConfig(weight_format="packed", device="cpu"))
     assert info.value.option == "weight_format" and "\n" not in str(info.value)
     tensors = {t.name: t for t in open_gguf(files["q4_1"]).tensors}
-    with pytest.raises(ValueError, match="weight_format='packed' runs on the CPU only"):
-        packed_tensors(tensors, "packed", "cuda", files["q4_1"])
+    with pytest.raises(ValueError, match="weight_format='packed' runs on the CPU .* and on CUDA with triton installed .*, got device 'mps'"):
+        packed_tensors(tensors, "packed", "mps", files["q4_1"])
+    assert packed_tensors(tensors, "packed", "cuda", files["q4_1"])  # CUDA: the Triton kernel (tests/test_packed_triton.py)
     assert packed_tensors(tensors, "auto", "cuda", files["q4_1"]) == set()  # auto on a GPU: dequantized
     with pytest.raises(ConfigError, match="not a .gguf file"):
         check_weight_format(str(tmp_path), EngineConfig(weight_format="packed", device="cpu"))

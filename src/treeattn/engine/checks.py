@@ -151,8 +151,8 @@ def model_dtype(model, config: EngineConfig) -> torch.dtype:
 
 def check_weight_format(model, config: EngineConfig) -> None:
     """config.weight_format against the model (ConfigError naming weight_format), before any rank starts:
-    "packed" needs a .gguf file whose quantized matrices a packed kernel reads, on the CPU (config.device
-    resolved by with_device); a loaded model keeps the format it was loaded in ("auto" takes it as it is)."""
+    "packed" needs a .gguf file whose quantized matrices a packed kernel reads, on the CPU or on CUDA
+    with triton installed (config.device resolved by with_device); a loaded model keeps the format it was loaded in ("auto" takes it as it is)."""
     fmt = config.weight_format
     if fmt == "auto":
         return

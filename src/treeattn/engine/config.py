@@ -146,7 +146,8 @@ class EngineConfig:
             Q4_0, Q4_1, Q8_0, Q4_K, Q5_0 and Q6_K matrices kept packed, the rest in the model's dtype;
             on CUDA, dequantized),
             "packed" (every quantized matrix kept as the file ships it, multiplied by a kernel that reads
-            its blocks: refused for other quantized types, a safetensors checkpoint or CUDA) or "dequantize"
+            its blocks, numba's kernel on the CPU, Triton's on CUDA: refused for other quantized types, a
+            safetensors checkpoint or CUDA without triton) or "dequantize"
             (every weight in the model's dtype). A packed weight is exactly the file's; activations and
             accumulation stay float32 (treeattn.ops.packed_linear). A loaded model keeps its own format.
         timeout_s: the group's timeout for every collective, and how long the driver waits for

@@ -37,7 +37,9 @@ multiplied by treeattn.ops.packed_linear without a float copy of the weight (at 
 q4_1 blocks of 32, Q5_0 and Q6_K widened into q8_0 blocks of int8 / int16 values: the same values); the
 norms (F32) and float matrices (F32/F16/BF16) are loaded into `dtype` as before. It refuses, before
 reading any weight, a matrix of another quantized type (Q5_1, Q2_K, Q3_K, Q5_K, IQ*: no kernel here) and a
-device other than the CPU. "auto" keeps what "packed" can keep and dequantizes the rest (everything on a GPU).
+device other than the CPU and CUDA (CUDA needs triton: treeattn.ops.packed_triton). "auto" keeps what
+"packed" can keep on the CPU and dequantizes the rest (everything on a GPU: the Triton kernel has not
+been timed on one yet).
 
 Memory: the model is built on the "meta" device and each tensor is dequantized straight into its
 parameter in the working dtype, a block of rows at a time (dequantize_to), so beside the finished
@@ -54,6 +56,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib.util
 import logging
 import os
 import re
@@ -428,7 +431,8 @@ def load_gguf_model(path_or_reader, *, dtype: torch.dtype = torch.float32, devic
         FileNotFoundError: no such file.
         ValueError: unreadable or truncated file, unsupported architecture, missing metadata, a
             missing, unexpected or misshapen tensor, or a tensor type gguf cannot dequantize; with
-            weight_format="packed", a matrix no packed kernel reads or a device other than the CPU.
+            weight_format="packed", a matrix no packed kernel reads, or a device other than the CPU and
+            CUDA (CUDA without triton).
     """
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise TypeError(f"dtype must be a floating torch.dtype, got {dtype!r}")
@@ -485,9 +489,11 @@ def packed_tensors(plan: dict, weight_format: str, device, path) -> set[str]:
     ValueError naming weight_format for what "packed" cannot keep."""
     if weight_format == "dequantize" or (weight_format == "auto" and torch.device(device).type != "cpu"):
         return set()
-    if torch.device(device).type != "cpu":
-        raise ValueError(f"weight_format='packed' runs on the CPU only (no {torch.device(device).type} kernel for packed "
-                         f"weights), got device {str(device)!r}: use weight_format='dequantize'")
+    kind = torch.device(device).type
+    if kind not in ("cpu", "cuda") or (kind == "cuda" and importlib.util.find_spec("triton") is None):
+        raise ValueError(f"weight_format='packed' runs on the CPU (numba's kernel) and on CUDA with triton installed "
+                         f"(treeattn.ops.packed_triton), got device {str(device)!r}"
+                         f"{' without triton' if kind == 'cuda' else ''}: use weight_format='dequantize'")
     keep = {ours for ours, t in plan.items() if ours.endswith(".weight") and len(t.shape) == 2 and t.tensor_type in KEPT_TYPES}
     if weight_format == "packed":
         other = [(ours, t) for ours, t in plan.items() if len(t.shape) == 2 and t.tensor_type not in KEPT_TYPES

@@ -11,8 +11,8 @@ a GQA matmul over a (B, Hkv, G * Sq, Sk) score tensor with one pass over the key
 its G query heads. At 4K-64K keys it takes 0.27-0.67x the matmul path's time (quiet machine; the
 figures are in docs/benchmarks.md).
 
-The kernel (treeattn.ops.paged_cpu_kernel) takes the queries in float32, widens 16-bit and fp8
-blocks to float32 block by block (fp8 blocks' scales folded into scores and weights), runs an online softmax in float32, and splits each row's blocks into
+The kernel (treeattn.ops.paged_cpu_kernel) takes the queries in float32, widens 16-bit
+elements to float32 in registers and fp8 blocks block by block (fp8 blocks' scales folded into scores and weights), runs an online softmax in float32, and splits each row's blocks into
 ranges that threads attend in parallel before merging them. A key at kv_pos is visible to a query
 at q_pos iff kv_pos <= q_pos (and q_pos - kv_pos < W with a window); a query at q_pos -1 sees
 nothing. Without numba, decode_attention returns None and its caller keeps its own path.

@@ -21,7 +21,8 @@ packed_matmul: calls of at most MAX_KERNEL_ROWS rows of x (decode steps, their d
 kernel (treeattn.ops.packed_cpu_kernel), which reads the blocks in place: bytes streamed per weight
 are 4.75 (q4_0), 6 (q4_1) or 9 (q8_0) bits instead of float32's 32. Longer calls (prefill chunks)
 dequantize the whole weight once to float32 and use torch's matmul, which batches the rows; so does
-a call without numba, on a device other than the CPU, or one that autograd records. The kernel runs
+a call without numba, or one that autograd records. On CUDA, decode-sized calls run the Triton kernel
+(treeattn.ops.packed_triton), which reads the blocks in place the same way; longer ones dequantize. The kernel runs
 on torch's thread count for weights of PARALLEL_MIN_WEIGHTS values or more (an output projection over
 the vocabulary) and on the calling thread for smaller ones (a layer's projections): waking numba's
 thread pool 7 times a layer, beside torch's own pool, cost more than the second thread gained. On
@@ -223,15 +224,19 @@ def packed_matmul(x: torch.Tensor, fmt: str, qs: torch.Tensor, d: torch.Tensor, 
     if x.shape[-1] != K:
         raise ValueError(f"x must have {K} features (the packed weight's columns), got shape {tuple(x.shape)}")
     rows = x.reshape(-1, K)
-    kernel = kernel_module()
-    if (rows.shape[0] <= MAX_KERNEL_ROWS and kernel is not None and x.device.type == "cpu"
-            and not (x.requires_grad and torch.is_grad_enabled())):
+    decode_sized = rows.shape[0] <= MAX_KERNEL_ROWS and not (x.requires_grad and torch.is_grad_enabled())
+    kernel = kernel_module() if decode_sized and x.device.type == "cpu" else None
+    if kernel is not None:
         if rows.dtype != torch.float32 or not rows.is_contiguous():
             rows = rows.to(torch.float32).contiguous()
         out = np.empty((rows.shape[0], N), dtype=np.float32)  # numpy first: cheaper than torch.empty + .numpy()
         threads = torch.get_num_threads() if N * K >= PARALLEL_MIN_WEIGHTS else 1
         kernel.matmul(threads, fmt, rows.numpy(), *(arrays or kernel_arrays(qs, d, m)), out)
         out = torch.from_numpy(out)
+    elif decode_sized and x.device.type == "cuda":
+        from treeattn.ops.packed_triton import packed_matmul as triton_packed_matmul  # triton: installed where packed weights run on CUDA
+
+        out = triton_packed_matmul(rows, fmt, qs, d, m)
     else:
         out = F.linear(rows.to(torch.float32), dequantize_packed(fmt, qs, d, m))
     if bias is not None:

