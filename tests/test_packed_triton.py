@@ -24,6 +24,8 @@ pytest.importorskip("triton")
 gguf = pytest.importorskip("gguf")
 import gguf.quants  # noqa: E402
 
+from helpers.packed import assert_within_float32_bound, weights  # noqa: E402
+
 from treeattn.ops import packed_linear  # noqa: E402
 from treeattn.ops.packed_linear import dequantize_packed, unpack_blocks  # noqa: E402
 
@@ -33,34 +35,6 @@ if not HAS_CUDA and not pt._INTERPRETED:  # imported earlier without the interpr
 
 DEVICE = "cuda" if HAS_CUDA else "cpu"
 Q = gguf.GGMLQuantizationType
-U = 2.0 ** -24
-
-
-def gamma(n: int) -> float:
-    return n * U / (1 - n * U)
-
-
-def assert_within_float32_bound(y: torch.Tensor, x: torch.Tensor, w: np.ndarray) -> None:
-    """y = x @ w.T accumulated in float32: within gamma_K * |x| @ |w|.T of the float64 product."""
-    w64 = torch.from_numpy(w).double()
-    x64 = x.cpu().double()
-    bound = gamma(w.shape[1]) * (x64.abs() @ w64.abs().T)
-    assert y.dtype == torch.float32 and y.shape == (x.shape[0], w.shape[0])
-    assert bool(((y.cpu().double() - x64 @ w64.T).abs() <= bound).all())
-
-
-def weights(rows: int, cols: int, seed: int) -> np.ndarray:
-    """Rows of varied scale: ordinary, large, tiny, one constant, one zero, one with an offset."""
-    g = np.random.default_rng(seed)
-    w = g.standard_normal((rows, cols)).astype(np.float32)
-    w[1] *= 1e3
-    w[2] *= 1e-4
-    w[3] = 0.5
-    w[4] = 0.0
-    w[5] += 7.0
-    return w
-
-
 def on_device(*tensors):
     return tuple(None if t is None else t.to(DEVICE) for t in tensors)
 
@@ -75,7 +49,9 @@ def test_kernel_is_x_times_the_files_weights_within_float32_accumulation(fmt, qt
     qs, d, m = on_device(*unpack_blocks(fmt, raw))
     assert np.array_equal(dequantize_packed(fmt, qs.cpu(), d.cpu(), None if m is None else m.cpu()).numpy(), w)
     x = torch.randn(rows, 160, generator=torch.Generator().manual_seed(rows)).to(DEVICE)
-    assert_within_float32_bound(pt.packed_matmul(x, fmt, qs, d, m), x, w)
+    y = pt.packed_matmul(x, fmt, qs, d, m)
+    assert y.dtype == torch.float32
+    assert_within_float32_bound(y, x, w)
     x16 = x.to(torch.bfloat16)  # taken in float32, exactly
     assert_within_float32_bound(pt.packed_matmul(x16, fmt, qs, d, m), x16.float(), w)
 

@@ -23,6 +23,7 @@ transformers = pytest.importorskip("transformers")
 
 from gguf_files import VOCAB, write_gguf  # noqa: E402
 from helpers.gguf_models import hf_model  # noqa: E402
+from helpers.packed import assert_within_float32_bound, gamma, weights  # noqa: E402
 from typer.testing import CliRunner  # noqa: E402
 
 import treeattn as ta  # noqa: E402
@@ -38,25 +39,6 @@ from treeattn.ops.packed_linear import dequantize_packed, kernel_module, packed_
 
 Q = gguf.GGMLQuantizationType
 FORMATS = [("q4_0", Q.Q4_0), ("q4_1", Q.Q4_1), ("q8_0", Q.Q8_0)]
-U = 2.0 ** -24
-
-
-def gamma(n: int) -> float:
-    return n * U / (1 - n * U)
-
-
-def weights(rows: int, cols: int, seed: int) -> np.ndarray:
-    """Rows of varied scale: ordinary, large, tiny, one constant row, one zero row (scale 0), one with an offset."""
-    g = np.random.default_rng(seed)
-    w = g.standard_normal((rows, cols)).astype(np.float32)
-    w[1] *= 1e3
-    w[2] *= 1e-4
-    w[3] = 0.5
-    w[4] = 0.0
-    w[5] += 7.0
-    return w
-
-
 @pytest.mark.parametrize("fmt,qtype", FORMATS)
 def test_unpacked_blocks_dequantize_to_exactly_the_files_values(fmt, qtype):
     raw = gguf.quants.quantize(weights(37, 96, 0), qtype)
@@ -71,13 +53,6 @@ def test_unpacked_blocks_dequantize_to_exactly_the_files_values(fmt, qtype):
 def float16_bytes(g: np.random.Generator, n: int) -> np.ndarray:
     """n random float16 scales spread over 2**-14 .. 2**2, as the (n, 2) bytes a block stores."""
     return (g.uniform(0.5, 1.0, n) * 2.0 ** g.integers(-14, 3, n)).astype(np.float16).view(np.uint8).reshape(-1, 2)
-
-
-def assert_within_float32_bound(y: torch.Tensor, x: torch.Tensor, w: np.ndarray) -> None:
-    """y = x @ w.T accumulated in float32: within gamma_K * |x| @ |w|.T of the float64 product."""
-    w64 = torch.from_numpy(w).double()
-    bound = gamma(w.shape[1]) * (x.double().abs() @ w64.abs().T)
-    assert ((y.double() - x.double() @ w64.T).abs() <= bound).all()
 
 
 def q4_k_rows(rows: int, cols: int, seed: int) -> np.ndarray:
