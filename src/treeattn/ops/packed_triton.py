@@ -41,6 +41,7 @@ def _packed_matmul_kernel(x_ptr, qs_ptr, d_ptr, m_ptr, out_ptr, N, K, stride_xm,
     row = tl.program_id(0)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = rn < N
+    rows = rn.to(tl.int64)  # row offsets in int64: N * K passes 2**31 for the largest output projections
     blocks = K // 32
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -50,17 +51,17 @@ def _packed_matmul_kernel(x_ptr, qs_ptr, d_ptr, m_ptr, out_ptr, N, K, stride_xm,
         blk = rk // 32
         pos = rk % 32
         ok = n_ok[:, None] & k_ok[None, :]
-        d = tl.load(d_ptr + rn[:, None] * blocks + blk[None, :], mask=ok, other=0.0)
+        d = tl.load(d_ptr + rows[:, None] * blocks + blk[None, :], mask=ok, other=0.0)
         if FMT == 2:  # q8_0: a block's 32 values in order
-            q = tl.load(qs_ptr + rn[:, None] * K + rk[None, :], mask=ok, other=0).to(tl.float32)
+            q = tl.load(qs_ptr + rows[:, None] * K + rk[None, :], mask=ok, other=0).to(tl.float32)
             w = d * q
         else:  # q4_0, q4_1: weight pos of a block is byte pos % 16's low (pos < 16) or high nibble
-            byte = tl.load(qs_ptr + rn[:, None] * (blocks * 16) + (blk * 16 + pos % 16)[None, :], mask=ok, other=0)
+            byte = tl.load(qs_ptr + rows[:, None] * (blocks * 16) + (blk * 16 + pos % 16)[None, :], mask=ok, other=0)
             q = tl.where((pos < 16)[None, :], byte & 15, byte >> 4).to(tl.float32)
             if FMT == 0:
                 w = d * (q - 8.0)
             else:
-                m = tl.load(m_ptr + rn[:, None] * blocks + blk[None, :], mask=ok, other=0.0)
+                m = tl.load(m_ptr + rows[:, None] * blocks + blk[None, :], mask=ok, other=0.0)
                 w = d * q + m
         acc += tl.sum(w * x[None, :], axis=1)
     tl.store(out_ptr + row * stride_om + rn, acc, mask=n_ok)
