@@ -110,7 +110,7 @@ class Engine:
                  ranks: StartedRanks | None = None, **options) -> None:
         config = given_or_built(EngineConfig, config, options, "config")
         check_model(model)
-        config, joined = _join(with_device(model, config), group)  # device: "cpu" or "cuda" from here on
+        config, joined, self._owns_group = _join(with_device(model, config), group)  # device: "cpu" or "cuda" from here on
         if ranks is not None and (joined or config.nproc == 1):
             raise ValueError(f"ranks: started rank processes need nproc > 1 outside a process group, got nproc={config.nproc}"
                              f"{' in a process group' if joined else ''}")
@@ -133,7 +133,10 @@ class Engine:
             self._channel = GroupChannel(model, config, group if joined else None)
             if joined and dist.get_rank(group) != 0:
                 self.is_driver = False
-                self._channel.serve()
+                try:
+                    self._channel.serve()
+                finally:
+                    _leave(self._owns_group)
                 return
         else:
             self._channel = SpawnedRanks(model, config, ranks)
@@ -300,9 +303,12 @@ class Engine:
         if not self.is_driver or self._closed:
             return
         self._closed = True
-        self._driver.post(("close", None))
-        self._driver.join()
-        self._channel.close()
+        try:
+            self._driver.post(("close", None))
+            self._driver.join()
+            self._channel.close()
+        finally:
+            _leave(self._owns_group)
 
     def __enter__(self) -> "Engine":
         return self
@@ -343,13 +349,16 @@ class Engine:
         return list(prompt)
 
 
-def _join(config: EngineConfig, group) -> tuple[EngineConfig, bool]:
+def _join(config: EngineConfig, group) -> tuple[EngineConfig, bool, bool]:
     """Join torchrun's group when launched by it; inside a group nproc is the group's size.
-    Returns (config, whether a process group is in use)."""
+    Returns (config, whether a process group is in use, whether this call created it: the engine then
+    destroys it when it closes)."""
+    created = False
     if dist.is_available() and not dist.is_initialized() and under_torchrun():  # join torchrun's group
         if config.device == "cuda":
             torch.cuda.set_device(rank_device("cuda", int(os.environ["RANK"])))
         dist.init_process_group(backend=backend_for(config.device), timeout=timedelta(seconds=config.timeout_s))
+        created = True
     joined = dist.is_available() and dist.is_initialized()
     if group is not None and not joined:
         raise ValueError("group was given but torch.distributed is not initialized")
@@ -357,7 +366,15 @@ def _join(config: EngineConfig, group) -> tuple[EngineConfig, bool]:
         if group is not None and dist.get_rank(group) < 0:
             raise ValueError("this process is not a member of `group`")
         config = replace(config, nproc=dist.get_world_size(group))
-    return config, joined
+    return config, joined, created
+
+
+def _leave(created: bool) -> None:
+    """Destroy the process group _join created, once the engine's last collective is done. Left to the
+    interpreter's exit, gloo's threads were sometimes destroyed while joinable there: std::terminate, a
+    SIGABRT, and torchrun reporting the launch as failed after a clean shutdown (tests/test_launch.py)."""
+    if created and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _is_id(t) -> bool:
