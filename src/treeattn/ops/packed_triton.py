@@ -83,10 +83,10 @@ def packed_matmul(x: torch.Tensor, fmt: str, qs: torch.Tensor, d: torch.Tensor, 
 
     Example (on a GPU; the tests run it through the interpreter)::
 
-        >>> import numpy as np, torch
+        >>> import gguf.quants, numpy as np, torch
         >>> from treeattn.ops.packed_linear import dequantize_packed, unpack_blocks
-        >>> raw = np.random.default_rng(0).integers(0, 256, (64, 2 * 20), dtype=np.uint8)    # 64 rows of two q4_1 blocks
-        >>> raw[:, 0:2] = raw[:, 20:22] = np.frombuffer(np.float16(0.01).tobytes(), np.uint8)  # finite scales
+        >>> w = np.random.default_rng(0).standard_normal((64, 64)).astype(np.float32)
+        >>> raw = gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q4_1)       # 64 rows of two q4_1 blocks, as a file holds them
         >>> qs, d, m = (t.cuda() for t in unpack_blocks("q4_1", raw))
         >>> x = torch.randn(1, 64, device="cuda")
         >>> torch.allclose(packed_matmul(x, "q4_1", qs, d, m), x @ dequantize_packed("q4_1", qs, d, m).T, atol=1e-4)

@@ -23,8 +23,9 @@ float32 in registers where the loops read it (exactly: every bfloat16 and float1
 bfloat16 by a shift into a float32's high half, float16 by LLVM's fpext (F16C's vcvtph2ps), both
 vectorized (_wide); queries, scores, the softmax and the output stay float32. Session 8's kernel
 widened every 16-bit block into a float32 scratch block first, which made a 16-bit cache slower than
-a float32 one; 30 layers of 4096 keys, one thread, alternated with it in one process: bfloat16
-14.7 -> 7.3 ms, float16 19.5 -> 7.1 ms, float32 9.3 ms either way (docs/benchmarks.md, "KV cache dtype").
+a float32 one; 30 layers of 4096 keys, one thread, session 9's kernel and this one in alternating
+processes: bfloat16 14.4-16.2 -> 8.5-8.9 ms, float16 18.1-21.9 -> 8.5-8.9 ms, float32 the same code
+(docs/benchmarks.md, "Session 10").
 
 fp8 blocks (an fp8_e4m3 cache: e4m3 codes passed as uint8, with float32 scales (NB, BS, Hkv), one
 per key and KV head, treeattn.ops.fp8) are widened a block at a time into a float32 scratch block
