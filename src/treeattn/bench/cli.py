@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
+import shutil
 import signal
 import tempfile
 import threading
@@ -73,7 +75,8 @@ def run_with_progress(config: SweepConfig, launcher=None) -> list[dict]:
     from treeattn.bench.runner import run_decode_sweep
 
     total = len(config.world_sizes) * len(config.seq_lens) * len(config.methods)
-    with tempfile.TemporaryDirectory(prefix="treeattn-bench-") as tmp:
+    tmp = tempfile.mkdtemp(prefix="treeattn-bench-")
+    try:
         records_path = Path(tmp) / "records.jsonl"
         records_path.touch()
         outcome: dict = {}
@@ -104,6 +107,19 @@ def run_with_progress(config: SweepConfig, launcher=None) -> list[dict]:
         if "error" in outcome:
             raise outcome["error"]
         return outcome["records"]
+    finally:
+        _remove_folder(tmp)
+
+
+def _remove_folder(path: str, attempts: int = 50) -> None:
+    """shutil.rmtree that outlasts the sweep's thread appending one more record while the folder goes (after
+    Ctrl-C or SIGTERM the thread still runs: TemporaryDirectory's cleanup then failed with "Directory not
+    empty", and the interrupted sweep exited 1 instead of 130, leaving the folder)."""
+    for _ in range(attempts):
+        shutil.rmtree(path, ignore_errors=True)
+        if not os.path.exists(path):
+            return
+        time.sleep(0.1)
 
 
 def _run_sweep(config: SweepConfig, nodes: int | None, spec, ranks_per_node: int | None) -> list[dict]:

@@ -176,8 +176,8 @@ def shared_prefill_rows(model, prompts, methods, max_new_tokens, stop_token_ids=
     return rows
 
 
-# The warm-up request's prompt (its first tokens of the first prompt: less than a block, so the prefix
-# cache keeps nothing of it) and new tokens (prefill, then decode steps).
+# The warm-up request's prompt (the first tokens of the first prompt, its first token changed) and new
+# tokens (prefill, then decode steps).
 WARM_UP_PROMPT = 16
 WARM_UP_TOKENS = 3
 
@@ -190,8 +190,9 @@ def _warm_up(model, engine, prompt) -> None:
     from treeattn.engine.generate import Generation
     from treeattn.engine.request import SamplingParams
 
-    for _ in Generation(model, [prompt[:WARM_UP_PROMPT]], sampling=SamplingParams(max_new_tokens=WARM_UP_TOKENS, ignore_eos=True),
-                        engine=engine):
+    # another first token than the prompt's: no block the prefix cache keeps of it can match a timed prompt's
+    short = [(prompt[0] + 1) % engine.model_info.vocab_size, *prompt[1:WARM_UP_PROMPT]]
+    for _ in Generation(model, [short], sampling=SamplingParams(max_new_tokens=WARM_UP_TOKENS, ignore_eos=True), engine=engine):
         pass
 
 
