@@ -16,20 +16,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
-import sys
 import tempfile
 import time
 
 import torch
 
-from weight_format import default_model
-
-
-def generate(model: str, ids_file: str, nproc: int, weight_format: str, new_tokens: int) -> list[int]:
-    cmd = [sys.executable, "-m", "treeattn.cli", "generate", model, "--prompt-ids", ids_file, "--max-new-tokens", str(new_tokens),
-           "--ignore-eos", "--nproc", str(nproc), "--weight-format", weight_format, "--json"]
-    return json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout)["generated_ids"]
+from weight_format import default_model, treeattn
 
 
 def main() -> None:
@@ -51,8 +43,8 @@ def main() -> None:
     print(f"# {os.path.basename(model)}: prompt {len(case.prompt_ids)} tokens, needle {case.answer} at {case.actual_depth:.0%}", flush=True)
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(case.prompt_ids, f)
-    ours = {(1, "dequantize"): generate(model, f.name, 1, "dequantize", args.max_new_tokens),
-            (2, "packed"): generate(model, f.name, 2, "packed", args.max_new_tokens)}
+    ours = {(1, "dequantize"): treeattn(model, f.name, 1, "dequantize", "auto", args.max_new_tokens)["tokens"],
+            (2, "packed"): treeattn(model, f.name, 2, "packed", "auto", args.max_new_tokens)["tokens"]}
     os.unlink(f.name)
     for (nproc, weight_format), tokens in ours.items():
         text = files.tokenizer.decode(tokens)

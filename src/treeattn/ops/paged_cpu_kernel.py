@@ -29,7 +29,7 @@ processes: bfloat16 14.4-16.2 -> 8.5-8.9 ms, float16 18.1-21.9 -> 8.5-8.9 ms, fl
 
 fp8 blocks (an fp8_e4m3 cache: e4m3 codes passed as uint8, with float32 scales (NB, BS, Hkv), one
 per key and KV head, treeattn.ops.fp8) are widened a block at a time into a float32 scratch block
-(_widen_block; an e4m3 code takes ~10 operations, which the G query heads of a group would otherwise
+(_block; an e4m3 code takes ~10 operations, which the G query heads of a group would otherwise
 repeat), without their scales (exactly: every e4m3 code is a float32), and the scales enter where
 FlashInfer folds its per-tensor ones: a key's scale multiplies its score (with the softmax scale), a
 value's scale its softmax weight. Both scales are powers of two, so this gives bit for bit what the
@@ -143,11 +143,7 @@ def _scratch(k, dv):  # pragma: no cover - replaced by its overload inside compi
     raise NotImplementedError
 
 
-def _widen_block(k, blk, dv, scratch):  # pragma: no cover - replaced by its overload inside compiled code
-    raise NotImplementedError
-
-
-def _row(k, blk, t, scratch):  # pragma: no cover - replaced by its overload inside compiled code
+def _block(k, blk, dv, scratch):  # pragma: no cover - replaced by its overload inside compiled code
     raise NotImplementedError
 
 
@@ -159,13 +155,14 @@ def _scratch_impl(k, dv):
     return lambda k, dv: NO_SCRATCH
 
 
-@overload(_widen_block)
-def _widen_block_impl(k, blk, dv, scratch):
-    """fp8: block blk's first dv channels widened into `scratch` (float32), once a block, so that the
-    query heads of a group and the value loop read float32 (widening an e4m3 code costs ~10
-    operations, once per query head where the loops read it); the other dtypes: nothing."""
+@overload(_block)
+def _block_impl(k, blk, dv, scratch):
+    """Block blk of k, (BS, Hkv, >= dv), as the loops read it through _wide: the arena's own block
+    (float32, 16-bit), or for fp8 its first dv channels widened into `scratch` (float32) once a block,
+    so that the query heads of a group and the value loop read float32 (widening an e4m3 code costs
+    ~10 operations, once per query head where the loops read it)."""
     if k.dtype != types.uint8:
-        return lambda k, blk, dv, scratch: None
+        return lambda k, blk, dv, scratch: k[blk]
 
     def fp8(k, blk, dv, scratch):
         src = k[blk]
@@ -173,17 +170,9 @@ def _widen_block_impl(k, blk, dv, scratch):
             for h in range(src.shape[1]):
                 for d in range(dv):
                     scratch[t, h, d] = _wide(src[t, h, d])
+        return scratch
 
     return fp8
-
-
-@overload(_row)
-def _row_impl(k, blk, t, scratch):
-    """Row t of block blk, (Hkv, >= dv), as the loops read it through _wide: the arena's own row, or
-    for fp8 the widened block's."""
-    if k.dtype == types.uint8:
-        return lambda k, blk, t, scratch: scratch[t]
-    return lambda k, blk, t, scratch: k[blk, t]
 
 
 @overload(_scale)
@@ -266,21 +255,20 @@ def _attend_range(w, q, k, v, k_scales, v_scales, dv, scale, table, kv_pos, row_
             seen += visible[t]
         if seen == 0:
             continue
-        _widen_block(k, blk, D, k_scratch)
-        _widen_block(v, blk, dv, v_scratch)
+        kb = _block(k, blk, D, k_scratch)
+        vb = _block(v, blk, dv, v_scratch)
         for t in range(BS):
             if not visible[t]:
                 for h in range(H):
                     for g in range(G):
                         scores[h, g, t] = -np.inf
                 continue
-            kb = _row(k, blk, t, k_scratch)
             for h in range(H):
                 key_scale = _scale(k, k_scales, blk, t, h) * scale
                 for g in range(G):
                     x = np.float32(0.0)
                     for d in range(D):
-                        x += q[r, h, g, d] * _wide(kb[h, d])
+                        x += q[r, h, g, d] * _wide(kb[t, h, d])
                     scores[h, g, t] = x * key_scale
         for h in range(H):
             for g in range(G):
@@ -298,7 +286,6 @@ def _attend_range(w, q, k, v, k_scales, v_scales, dv, scale, table, kv_pos, row_
         for t in range(BS):
             if not visible[t]:
                 continue
-            vb = _row(v, blk, t, v_scratch)
             for h in range(H):
                 value_scale = _scale(v, v_scales, blk, t, h)
                 for g in range(G):
@@ -306,7 +293,7 @@ def _attend_range(w, q, k, v, k_scales, v_scales, dv, scale, table, kv_pos, row_
                     lsum[h, g] += p
                     pv = p * value_scale
                     for d in range(dv):
-                        acc[h, g, d] += pv * _wide(vb[h, d])
+                        acc[h, g, d] += pv * _wide(vb[t, h, d])
     for h in range(H):
         for g in range(G):
             m_out[r, sp, h, g] = m[h, g]
