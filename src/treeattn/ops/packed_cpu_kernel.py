@@ -20,6 +20,12 @@ a fused multiply-add), so the kernel multiplies by exactly the values a float32 
 The only difference from x @ W in float64 is the float32 accumulation of the dot products: 16 or 32
 lanes along the row, then the lanes' sum (fastmath here is reassociation and contraction only).
 
+The accumulators live on the stack (_stack_floats: an LLVM alloca), not in a numba array: LLVM then
+knows they alias none of the argument arrays and keeps them in vector registers across a row's
+blocks, where an np.zeros scratch (heap memory, which might be x or out) was loaded and stored at
+every block: the kernels ran at 0.4-0.7x their present speed on one thread (docs/benchmarks.md,
+"Session 11").
+
 Importing this module compiles nothing: numba compiles each kernel on its first call and caches the
 machine code beside this file (cache=True).
 """
@@ -29,12 +35,15 @@ from __future__ import annotations
 import numba
 import numpy as np
 from numba import njit, prange
+from numba.core import cgutils, types
+from numba.extending import intrinsic
 
 _FASTMATH = {"reassoc", "contract"}
 BLOCK = 32
 # q4 weight rows per pass over x: 0.57-0.73x the time of one row at a time (docs/benchmarks.md, "Weights kept packed"). q8_0 stays at
 # one row: grouping its rows was faster on a layer's matrices but 1.3x slower on a 49152-row output projection.
 ROWS = 4
+Q4_LANES = ROWS * 16  # a q4 group's accumulators: 16 lanes per weight row (a literal for _stack_floats)
 CHUNKS_PER_THREAD = 4  # row ranges per thread: small enough to balance, few enough that each range's lanes are allocated once
 
 
@@ -52,11 +61,26 @@ def matmul(threads: int, fmt: str, x, qs, d, m, out) -> None:
     kernel(x, qs, d, m, out, chunks)
 
 
+@intrinsic
+def _stack_floats(typingctx, count):
+    """A pointer to `count` (a literal int) float32 on the calling function's stack (one alloca in its
+    entry block), uninitialized; view it with numba.carray. It never escapes the function, so LLVM can
+    keep it in registers."""
+    if not isinstance(count, types.IntegerLiteral):
+        return None
+    n = count.literal_value
+
+    def codegen(context, builder, signature, args):
+        return cgutils.alloca_once(builder, context.get_value_type(types.float32), size=n)
+
+    return types.CPointer(types.float32)(count), codegen
+
+
 @njit(cache=True, fastmath=_FASTMATH, inline="always")
 def _q4_rows(x, qs, d, m, out, n0, n1, offset, affine):  # pragma: no cover - compiled
     """Output columns n0..n1-1 of every row of x (see the module doc), ROWS weight rows at a time (each
     x element loaded once for all of them), then the remaining rows one by one."""
-    acc = np.zeros((ROWS, 16), dtype=np.float32)
+    acc = numba.carray(_stack_floats(Q4_LANES), (ROWS, 16))
     n = n0
     while n + ROWS <= n1:
         _q4_group(x, qs, d, m, out, n, ROWS, offset, affine, acc)
@@ -71,7 +95,7 @@ def _q4_group(x, qs, d, m, out, n0, rows, offset, affine, acc):  # pragma: no co
     """Output columns n0..n0+rows-1 of every row of x. Sixteen float32 lanes per weight row, one per
     byte of a block, each add a weight's product for the low and the high nibble; the lanes are
     summed at the end of the row (a vectorized loop: no reduction inside it; acc: (ROWS, 16) float32
-    scratch). A byte's nibbles are split in float32, exactly (byte = 16 * high + low, all below 256):
+    on the stack). A byte's nibbles are split in float32, exactly (byte = 16 * high + low, all below 256):
     numba widens integer arithmetic to 64 bits, which AVX2 cannot convert to float32 in vector registers."""
     M, nb = x.shape[0], qs.shape[1]
     off = np.float32(offset)
@@ -98,7 +122,7 @@ def _q4_group(x, qs, d, m, out, n0, rows, offset, affine, acc):  # pragma: no co
 def _q8_rows(x, qs, d, out, n0, n1):  # pragma: no cover - compiled
     """Output columns n0..n1-1 of every row of x for a q8_0 weight (32 lanes, one per weight of a block)."""
     M, nb = x.shape[0], qs.shape[1]
-    acc = np.zeros(BLOCK, dtype=np.float32)
+    acc = numba.carray(_stack_floats(BLOCK), (BLOCK,))
     for n in range(n0, n1):
         for i in range(M):
             acc[:] = 0.0
