@@ -66,3 +66,24 @@ def test_below_the_threshold_rank_zero_projects_alone():
 
     assert runner.VOCAB_SPLIT_MIN_WEIGHTS == 1 << 22
     assert 4096 * 128 < runner.VOCAB_SPLIT_MIN_WEIGHTS  # the demo's model: no split, no extra round
+
+
+def _gather_route(rank: int, world_size: int, vocab: int) -> tuple[str, bool]:
+    from treeattn.engine.runner import RankRunner
+
+    torch.set_num_threads(1)
+    runner = RankRunner(random_model(_config(vocab), seed=5), group=None, blocks_per_rank=4, block_size=8, decode="tree",
+                        shared_memory=True)
+    row = torch.zeros(1, -(-vocab // world_size))  # one decode row of this rank's share of the logits
+    return type(runner.comm_group).__name__, runner.comm_group.fits(row)
+
+
+def test_a_large_vocabularys_logits_gather_goes_through_shared_memory():
+    # Gemma 3's 262,144 tokens: half the vocabulary is 512 KiB of float32 logits a row, twice the
+    # shared-memory group's default capacity; the runner sizes its group for one row (gloo took 1.3 ms).
+    from treeattn.parallel.shared_memory import DEFAULT_CAPACITY_BYTES
+
+    vocab = 262_144
+    assert 4 * (vocab // 2) > DEFAULT_CAPACITY_BYTES
+    for route in ta.spawn(_gather_route, 2, vocab, timeout=300):
+        assert route == ("SharedMemoryGroup", True)

@@ -140,6 +140,27 @@ def test_what_a_hybrid_cache_cannot_run_is_refused_before_any_rank_starts(files,
     assert not multiprocessing.active_children()
 
 
+def test_rms_norm_is_x_over_rms_times_one_plus_weight_and_follows_its_weight():
+    """Gemma3RMSNorm in float32 takes the row-wise kernel with weight_offset=1 (1 + w): within float32
+    rounding of the float64 formula, also after the weight is written in place (nothing cached), and for
+    a norm made under inference_mode; bfloat16 keeps the torch path (the product in float32, cast at the end)."""
+    from treeattn.models.gemma3 import Gemma3RMSNorm
+
+    norm = Gemma3RMSNorm(64, 1e-6)
+    x = torch.randn(2, 3, 64, generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        for step in range(2):
+            norm.weight.copy_(torch.randn(64, generator=torch.Generator().manual_seed(step + 1)))
+            x64 = x.double()
+            expected = x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + 1e-6) * (1 + norm.weight.double())
+            assert torch.allclose(norm(x).double(), expected, rtol=1e-6, atol=1e-6), step
+        low = norm(x.bfloat16())
+        assert low.dtype == torch.bfloat16 and torch.allclose(low.double(), expected, rtol=2e-2, atol=2e-2)
+        made_here = Gemma3RMSNorm(64, 1e-6)  # inference tensors: no version counter to read
+        made_here.weight.copy_(norm.weight)
+        assert torch.equal(made_here(x), norm(x))
+
+
 # ------------------------------------------------- the hybrid KV cache: window layers keep their window
 
 def test_window_cache_keeps_the_window_and_rolls_back_over_drafts():

@@ -40,7 +40,7 @@ from treeattn.models.attention import attention_backend, group_world_size
 from treeattn.models.llama import LlamaModel
 from treeattn.parallel import comm
 from treeattn.parallel.comm import comm_stats
-from treeattn.parallel.shared_memory import shared_memory_group
+from treeattn.parallel.shared_memory import DEFAULT_CAPACITY_BYTES, shared_memory_group
 
 VOCAB_SPLIT_MIN_WEIGHTS = 1 << 22
 """On several CPU ranks, an output projection of at least this many weights (vocab_size x
@@ -147,8 +147,9 @@ class RankRunner:
                              f"{c.architecture}); use decode_step='dynamic'")
         self.world_size = p = group_world_size(group)
         self.prefill = resolve_prefill(prefill, p, c.layer_windows)  # of a prompt-only step that splits
-        if shared_memory:  # the group the attention combines over
-            group = shared_memory_group(group, device=model.device, timeout_s=timeout_s)
+        if shared_memory:  # the group the attention combines over, and (_vocab_logits) one decode row's logits gather
+            capacity = max(DEFAULT_CAPACITY_BYTES, 4 * -(-c.vocab_size // p))
+            group = shared_memory_group(group, device=model.device, timeout_s=timeout_s, capacity_bytes=capacity)
         self.comm_group = group  # of the collectives of a token-parallel step
         self._topology, self._windowless = topology, all(c.layer_windows[layer] is None for layer in layers)
         self._use_decode(decode, method)

@@ -1,6 +1,6 @@
 """Row-wise ops of a decoder layer: RMSNorm and rotate-half RoPE.
 
-    y = rms_norm(x, weight, eps)     x (..., D), weight (D,) -> (..., D) in x.dtype
+    y = rms_norm(x, weight, eps)     x (..., D), weight (D,) -> (..., D) in x.dtype (weight_offset=1.0: Gemma's 1 + weight)
     y = apply_rope(x, cos, sin)      x (B, S, H, D), cos, sin (B, S, D) -> (B, S, H, D) in x.dtype
 
 Each is a few torch calls; a decode step of a few rows on the CPU, in float32, outside autograd,
@@ -37,18 +37,19 @@ def _kernel(rows: int, *tensors: torch.Tensor):
     return optional_kernel("rowwise_cpu_kernel")
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, weight_offset: float = 0.0) -> torch.Tensor:
     """weight * x / sqrt(mean(x**2, -1) + eps), computed in float32: x (..., D) any float dtype,
     weight (D,). Returns (..., D) in x.dtype (weight's product in the wider of the two, as in
-    transformers' LlamaRMSNorm)."""
+    transformers' LlamaRMSNorm). weight_offset: multiply by weight + weight_offset instead (Gemma's
+    1 + weight), which for float32 x is Gemma3RMSNorm's arithmetic."""
     kernel = _kernel(x.numel() // max(1, x.shape[-1]), x, weight)
     if kernel is not None and x.numel():
         rows = x.reshape(-1, x.shape[-1]).contiguous()
         out = torch.empty_like(rows)
-        kernel.rms_norm(rows.numpy(), weight.detach().contiguous().numpy(), float(eps), out.numpy())
+        kernel.rms_norm(rows.numpy(), weight.detach().contiguous().numpy(), float(weight_offset), float(eps), out.numpy())
         return out.view(x.shape)
     normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
-    return weight * normed.to(x.dtype)
+    return (weight if weight_offset == 0 else weight + weight_offset) * normed.to(x.dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -5,9 +5,10 @@ rows of a few hundred values: each costs a handful of torch calls whose fixed co
 each on this project's 2-core machine) was about a seventh of a SmolLM2 layer's time outside
 attention (docs/benchmarks.md). Here each is one call.
 
-    rms_norm(x, weight, eps, out)   x, out (R, D) float32, weight (D,) float32:
-        out = weight * (x * 1 / sqrt(mean(x**2) + eps)), the mean in float32 (lanes summed in another
-        order than torch's: the one difference, within float32 rounding)
+    rms_norm(x, weight, offset, eps, out)   x, out (R, D) float32, weight (D,) float32, offset a float:
+        out = (weight + offset) * (x * 1 / sqrt(mean(x**2) + eps)), the mean in float32 (lanes summed
+        in another order than torch's: the one difference, within float32 rounding); offset 0 is
+        Llama's norm (the weight itself, not weight + 0), 1 Gemma's (1 + weight, rounded to float32)
     rope(x, cos, sin, out)          x, out (R, H, D) float32, cos, sin (R, D) float32, the
         rotate-half layout: out = x * cos + rotate_half(x) * sin, the same two roundings as torch's
         (no fused multiply-add here: bit for bit torch's result)
@@ -23,16 +24,21 @@ from numba import njit
 
 
 @njit(cache=True, fastmath={"reassoc", "contract"})
-def rms_norm(x, weight, eps, out):  # pragma: no cover - compiled
+def rms_norm(x, weight, offset, eps, out):  # pragma: no cover - compiled
     """RMSNorm of every row of x (R, D) float32 into out (see the module doc)."""
     R, D = x.shape
+    shift = np.float32(offset)
     for r in range(R):
         total = np.float32(0.0)
         for j in range(D):
             total += x[r, j] * x[r, j]
         inverse = np.float32(1.0) / np.sqrt(total / np.float32(D) + np.float32(eps))
-        for j in range(D):
-            out[r, j] = weight[j] * (x[r, j] * inverse)
+        if offset == 0:
+            for j in range(D):
+                out[r, j] = weight[j] * (x[r, j] * inverse)
+        else:
+            for j in range(D):
+                out[r, j] = (weight[j] + shift) * (x[r, j] * inverse)
 
 
 @njit(cache=True)

@@ -40,6 +40,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+DEFAULT_CAPACITY_BYTES = 1 << 18
+"""The largest tensor a collective carries through shared memory unless the group is made with another:
+a decode step's combine of a few kilobytes per layer fits many times over."""
+
 _LINE = 64  # bytes: one cache line per rank's sequence number, and the alignment of every slot
 _SUPPORTED_OPS = (dist.ReduceOp.SUM, dist.ReduceOp.MAX)
 _SPIN_CHECKS = 64  # checks before the first sched_yield
@@ -66,7 +70,7 @@ class SharedMemoryGroup:
         self._sequence = 0
 
     @classmethod
-    def create(cls, process_group=None, *, capacity_bytes: int = 1 << 18, timeout_s: float = 120.0) -> "SharedMemoryGroup | None":
+    def create(cls, process_group=None, *, capacity_bytes: int = DEFAULT_CAPACITY_BYTES, timeout_s: float = 120.0) -> "SharedMemoryGroup | None":
         """Collective over `process_group` (None: the world): a SharedMemoryGroup when every rank
         runs on this host (same hostname and boot id) on x86-64 with /dev/shm, else None on every
         rank. capacity_bytes: the largest tensor one collective carries through shared memory."""
@@ -192,20 +196,22 @@ class SharedMemoryGroup:
                 time.sleep(_SLEEP_S)
 
 
-def shared_memory_group(process_group=None, *, device: torch.device | str = "cpu", timeout_s: float | None = None):
-    """Collective: SharedMemoryGroup.create(process_group) when it can be made, else process_group
-    itself: what to pass as `group` wherever treeattn combines across the ranks. The group itself
-    comes back, with no collective, for one rank (or no torch.distributed) and for tensors on a
-    `device` other than the CPU. timeout_s: None takes the process group's own timeout (120 s
-    where it cannot be read), so a missing rank fails the shared-memory collectives when it would
-    have failed gloo's."""
+def shared_memory_group(process_group=None, *, device: torch.device | str = "cpu", timeout_s: float | None = None,
+                        capacity_bytes: int = DEFAULT_CAPACITY_BYTES):
+    """Collective: SharedMemoryGroup.create(process_group, capacity_bytes=...) when it can be made,
+    else process_group itself: what to pass as `group` wherever treeattn combines across the ranks.
+    The group itself comes back, with no collective, for one rank (or no torch.distributed) and for
+    tensors on a `device` other than the CPU. timeout_s: None takes the process group's own timeout
+    (120 s where it cannot be read), so a missing rank fails the shared-memory collectives when it
+    would have failed gloo's. capacity_bytes: the largest tensor a collective carries through shared
+    memory (the mapping holds 2 * p slots of it)."""
     if not (dist.is_available() and dist.is_initialized()) or torch.device(device).type != "cpu":
         return process_group
     if dist.get_world_size(process_group) == 1:
         return process_group
     if timeout_s is None:
         timeout_s = group_timeout_s(process_group) or 120.0
-    return SharedMemoryGroup.create(process_group, timeout_s=timeout_s) or process_group
+    return SharedMemoryGroup.create(process_group, capacity_bytes=capacity_bytes, timeout_s=timeout_s) or process_group
 
 
 def group_timeout_s(process_group=None) -> float | None:
