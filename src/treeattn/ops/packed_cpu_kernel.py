@@ -41,7 +41,8 @@ from numba.extending import intrinsic
 _FASTMATH = {"reassoc", "contract"}
 BLOCK = 32
 # q4 weight rows per pass over x: 0.57-0.73x the time of one row at a time (docs/benchmarks.md, "Weights kept packed"). q8_0 stays at
-# one row: grouping its rows was faster on a layer's matrices but 1.3x slower on a 49152-row output projection.
+# one row: grouping its rows was faster on a layer's matrices but 1.3x slower on a 49152-row output projection
+# (session 11, with the accumulators on the stack: groups of 2 and 4 rows 0.5-0.8x one row's throughput on every matrix).
 ROWS = 4
 Q4_LANES = ROWS * 16  # a q4 group's accumulators: 16 lanes per weight row (a literal for _stack_floats)
 CHUNKS_PER_THREAD = 4  # row ranges per thread: small enough to balance, few enough that each range's lanes are allocated once
