@@ -367,6 +367,19 @@ def test_non_finite_logits_fail_that_request_alone(engine, references):
         assert poisoned.healthy and poisoned.stats()["blocks_cached"] == poisoned.stats()["blocks_used"]
 
 
+def test_the_finiteness_check_catches_nan_and_both_infinities_anywhere():
+    from treeattn.engine.runner import all_finite
+
+    logits = torch.randn(3, 1000, generator=torch.Generator().manual_seed(0))
+    logits[1, 7] = 3.0e38  # large but finite
+    assert all_finite(logits)
+    for value in (float("nan"), float("inf"), float("-inf")):
+        for row, column in ((0, 0), (1, 500), (2, 999)):
+            poisoned = logits.clone()
+            poisoned[row, column] = value
+            assert not all_finite(poisoned), (value, row, column)
+
+
 def test_an_idle_engine_outlives_the_group_timeout():
     """Ranks wait for the next plan in a collective; an idle driver keeps them short of its timeout.
     The timeout is 5 s, not less: a rank starved of the CPU on a loaded machine (load 21 on 2 cores
