@@ -225,25 +225,24 @@ def packed_matmul(x: torch.Tensor, fmt: str, qs: torch.Tensor, d: torch.Tensor, 
     N, K = qs.shape[0], qs.shape[1] * BLOCK
     if x.shape[-1] != K:
         raise ValueError(f"x must have {K} features (the packed weight's columns), got shape {tuple(x.shape)}")
-    rows = x.reshape(-1, K)
-    decode_sized = rows.shape[0] <= MAX_KERNEL_ROWS and not (x.requires_grad and torch.is_grad_enabled())
+    M = x.shape[:-1].numel()  # rows of x
+    decode_sized = M <= MAX_KERNEL_ROWS and not (x.requires_grad and torch.is_grad_enabled())
     kernel = kernel_module() if decode_sized and x.device.type == "cpu" else None
-    if kernel is not None:
-        if rows.dtype != torch.float32 or not rows.is_contiguous():
-            rows = rows.to(torch.float32).contiguous()
-        out = np.empty((rows.shape[0], N), dtype=np.float32)  # numpy first: cheaper than torch.empty + .numpy()
+    if kernel is not None:  # numpy views around the call: a fraction of torch's reshape/view cost
+        rows = x if x.dtype == torch.float32 and x.is_contiguous() else x.to(torch.float32).contiguous()
+        out = np.empty((*x.shape[:-1], N), dtype=np.float32)
         threads = torch.get_num_threads() if N * K >= PARALLEL_MIN_WEIGHTS else 1
-        kernel.matmul(threads, fmt, rows.numpy(), *(arrays or kernel_arrays(qs, d, m)), out)
+        rows = rows.detach() if rows.requires_grad else rows  # outside autograd (decode_sized)
+        kernel.matmul(threads, fmt, rows.numpy().reshape(M, K), *(arrays or kernel_arrays(qs, d, m)), out.reshape(M, N))
         out = torch.from_numpy(out)
     elif decode_sized and x.device.type == "cuda":
         from treeattn.ops.packed_triton import packed_matmul as triton_packed_matmul  # triton: installed where packed weights run on CUDA
 
-        out = triton_packed_matmul(rows, fmt, qs, d, m)
+        out = triton_packed_matmul(x.reshape(-1, K), fmt, qs, d, m).view(*x.shape[:-1], N)
     else:
-        out = F.linear(rows.to(torch.float32), dequantize_packed(fmt, qs, d, m))
+        out = F.linear(x.reshape(-1, K).to(torch.float32), dequantize_packed(fmt, qs, d, m)).view(*x.shape[:-1], N)
     if bias is not None:
         out = out + bias.to(torch.float32)
-    out = out.view(*x.shape[:-1], N)
     return out if out.dtype == x.dtype else out.to(x.dtype)
 
 

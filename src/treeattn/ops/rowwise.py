@@ -20,6 +20,7 @@ Example::
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from treeattn.ops.kernels import optional_kernel
@@ -31,10 +32,19 @@ MAX_KERNEL_ROWS = 64
 
 def _kernel(rows: int, *tensors: torch.Tensor):
     """treeattn.ops.rowwise_cpu_kernel when it takes a call of `rows` rows on these tensors, else None."""
-    if (rows > MAX_KERNEL_ROWS or any(t.device.type != "cpu" or t.dtype != torch.float32 for t in tensors)
-            or (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))):
+    if rows > MAX_KERNEL_ROWS:
         return None
+    for t in tensors:
+        if t.dtype != torch.float32 or t.device.type != "cpu" or (t.requires_grad and torch.is_grad_enabled()):
+            return None
     return optional_kernel("rowwise_cpu_kernel")
+
+
+def _rows(t: torch.Tensor, width: int) -> np.ndarray:
+    """t (a CPU float32 tensor) as a C-contiguous numpy (-1, width) array: a view when t is contiguous."""
+    if t.requires_grad:  # a parameter outside autograd (_kernel checked)
+        t = t.detach()
+    return (t if t.is_contiguous() else t.contiguous()).numpy().reshape(-1, width)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, weight_offset: float = 0.0) -> torch.Tensor:
@@ -43,11 +53,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, weight_offset: f
     transformers' LlamaRMSNorm). weight_offset: multiply by weight + weight_offset instead (Gemma's
     1 + weight), which for float32 x is Gemma3RMSNorm's arithmetic."""
     kernel = _kernel(x.numel() // max(1, x.shape[-1]), x, weight)
-    if kernel is not None and x.numel():
-        rows = x.reshape(-1, x.shape[-1]).contiguous()
-        out = torch.empty_like(rows)
-        kernel.rms_norm(rows.numpy(), weight.detach().contiguous().numpy(), float(weight_offset), float(eps), out.numpy())
-        return out.view(x.shape)
+    if kernel is not None and x.numel():  # numpy views around the call: a fraction of torch's reshape/view cost
+        D = x.shape[-1]
+        out = np.empty(x.shape, dtype=np.float32)
+        kernel.rms_norm(_rows(x, D), _rows(weight, D)[0], float(weight_offset), float(eps), out.reshape(-1, D))
+        return torch.from_numpy(out)
     normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
     return (weight if weight_offset == 0 else weight + weight_offset) * normed.to(x.dtype)
 
@@ -58,11 +68,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     kernel = _kernel(x.shape[0] * x.shape[1], x, cos, sin)
     if kernel is not None and cos.shape[:2] == x.shape[:2] and x.numel():
         B, S, H, D = x.shape
-        rows = x.reshape(B * S, H, D).contiguous()
-        out = torch.empty_like(rows)
-        kernel.rope(rows.numpy(), cos.reshape(B * S, D).contiguous().numpy(), sin.reshape(B * S, D).contiguous().numpy(),
-                    out.numpy())
-        return out.view(B, S, H, D)
+        out = np.empty(x.shape, dtype=np.float32)
+        kernel.rope(_rows(x, H * D).reshape(B * S, H, D), _rows(cos, D), _rows(sin, D), out.reshape(B * S, H, D))
+        return torch.from_numpy(out)
     cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
