@@ -6,7 +6,8 @@ The baseline's src/treeattn/ops/packed_cpu_kernel.py (git show REV:...) is impor
 folder beside this checkout's module, and both multiply the same random blocks (quantized by
 gguf.quants) by one decode row on one thread, taking turns --rounds times over enough copies of each
 matrix to stream --stream-mb from memory; the median of each is reported in weights per second, with
-the ratio of times and each one's largest difference from float64 x @ W.T. Shapes: SmolLM2-135M's and
+the ratio of times, each one's largest difference from float64 x @ W.T, and whether the two outputs
+are the same bits. Shapes: SmolLM2-135M's and
 Gemma 3 270M's layer matrices and output projections (half of Gemma's: one of two ranks' share).
 """
 
@@ -56,8 +57,8 @@ def main() -> None:
 
     rng = np.random.default_rng(0)
     print(f"# load before {os.getloadavg()}, baseline {args.baseline}, one thread")
-    print("| format | matrix | baseline G weights/s | this checkout G weights/s | time ratio | max error vs float64: baseline / this |")
-    print("|---|---|---|---|---|---|")
+    print("| format | matrix | baseline G weights/s | this checkout G weights/s | time ratio | max error vs float64: baseline / this | same bits |")
+    print("|---|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as folder:
         baseline = baseline_module(args.baseline, folder)
         for fmt in args.formats:
@@ -69,7 +70,7 @@ def main() -> None:
                 arrays = (qs.numpy(), d.numpy(), (d if m is None else m).numpy())
                 copies = max(1, -(-args.stream_mb * 2**20 // (N * K * 4)))
                 sets = [tuple(a.copy() for a in arrays) for _ in range(copies)]
-                times, errors = {"baseline": [], "this": []}, {}
+                times, errors, outs = {"baseline": [], "this": []}, {}, {}
                 for _ in range(args.rounds):
                     for label, module in (("baseline", baseline), ("this", current)):
                         out = np.empty((1, N), np.float32)
@@ -77,10 +78,11 @@ def main() -> None:
                         for a in sets:
                             module.matmul(1, fmt, x, *a, out)
                         times[label].append((time.perf_counter() - start) / copies)
-                        errors[label] = float(np.abs(out - expected).max())
+                        errors[label], outs[label] = float(np.abs(out - expected).max()), out
                 old, new = (float(np.median(times[k][1:])) for k in ("baseline", "this"))  # the first round compiles or loads
                 print(f"| {fmt} | {name} {N}x{K} | {N * K / old / 1e9:.1f} | {N * K / new / 1e9:.1f} | {new / old:.2f} | "
-                      f"{errors['baseline']:.1e} / {errors['this']:.1e} |", flush=True)
+                      f"{errors['baseline']:.1e} / {errors['this']:.1e} | {'yes' if np.array_equal(outs['baseline'], outs['this']) else 'no'} |",
+                      flush=True)
     print(f"# load after {os.getloadavg()}; {sys.platform}, torch {torch.__version__}")
 
 
