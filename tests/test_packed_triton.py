@@ -35,6 +35,8 @@ if not HAS_CUDA and not pt._INTERPRETED:  # imported earlier without the interpr
 
 DEVICE = "cuda" if HAS_CUDA else "cpu"
 Q = gguf.GGMLQuantizationType
+
+
 def on_device(*tensors):
     return tuple(None if t is None else t.to(DEVICE) for t in tensors)
 

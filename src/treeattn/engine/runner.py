@@ -147,8 +147,10 @@ class RankRunner:
                              f"{c.architecture}); use decode_step='dynamic'")
         self.world_size = p = group_world_size(group)
         self.prefill = resolve_prefill(prefill, p, c.layer_windows)  # of a prompt-only step that splits
-        if shared_memory:  # the group the attention combines over, and (_vocab_logits) one decode row's logits gather
-            capacity = max(DEFAULT_CAPACITY_BYTES, 4 * -(-c.vocab_size // p))
+        self._split_vocab = p > 1 and model.device.type == "cpu" and c.vocab_size * c.hidden_size >= VOCAB_SPLIT_MIN_WEIGHTS
+        if shared_memory:  # the group the attention combines over (with a split vocabulary, sized for
+            # _vocab_logits' all-gather of one decode row: a rank's share of the float32 logits)
+            capacity = max(DEFAULT_CAPACITY_BYTES, 4 * -(-c.vocab_size // p)) if self._split_vocab else DEFAULT_CAPACITY_BYTES
             group = shared_memory_group(group, device=model.device, timeout_s=timeout_s, capacity_bytes=capacity)
         self.comm_group = group  # of the collectives of a token-parallel step
         self._topology, self._windowless = topology, all(c.layer_windows[layer] is None for layer in layers)
@@ -168,7 +170,6 @@ class RankRunner:
                                                 method=method, group=group, topology=topology, graph=decode_step == "graph")
         self._generators: dict[int, torch.Generator] = {}
         self.meter = RankMeter(self.rank)
-        self._split_vocab = p > 1 and model.device.type == "cpu" and c.vocab_size * c.hidden_size >= VOCAB_SPLIT_MIN_WEIGHTS
 
     def set_decode(self, decode: str, method: str) -> None:
         """Decode from the next step on with `decode` ("tree" or "ring"; every kind is local

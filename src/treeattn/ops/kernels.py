@@ -2,6 +2,7 @@
 (paged decode attention, packed-weight GEMV, onepass's combine, RMSNorm and RoPE) and the Triton decode kernel for CUDA.
 
     module = optional_kernel("paged_cpu_kernel")   # treeattn.ops.paged_cpu_kernel, or None without numba
+    rows = numpy_rows(x, width)                    # a float32 CPU tensor as the (-1, width) array numba's kernels take
 
 Each caller keeps its torch path for None, so a missing numba or triton slows a path down and never
 breaks it; the first miss is logged (INFO) once per kernel.
@@ -13,6 +14,9 @@ import functools
 import importlib
 import logging
 from types import ModuleType
+
+import numpy as np
+import torch
 
 logger = logging.getLogger(__name__)
 
@@ -32,4 +36,13 @@ def optional_kernel(name: str) -> ModuleType | None:
         return None
 
 
-__all__ = ["KERNELS", "optional_kernel"]
+def numpy_rows(t: torch.Tensor, width: int) -> np.ndarray:
+    """t, a float32 CPU tensor outside autograd (callers check), as a C-contiguous numpy (-1, width)
+    array: a view when t is contiguous, else a contiguous copy's. numpy's reshape costs a fraction of
+    torch's reshape and view around a small kernel call."""
+    if t.requires_grad:  # a parameter read while grad is off
+        t = t.detach()
+    return (t if t.is_contiguous() else t.contiguous()).numpy().reshape(-1, width)
+
+
+__all__ = ["KERNELS", "numpy_rows", "optional_kernel"]

@@ -39,7 +39,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from treeattn.ops.kernels import optional_kernel
+from treeattn.ops.kernels import numpy_rows, optional_kernel
 
 FORMATS = ("q4_0", "q4_1", "q8_0")
 BLOCK = 32
@@ -229,11 +229,10 @@ def packed_matmul(x: torch.Tensor, fmt: str, qs: torch.Tensor, d: torch.Tensor, 
     decode_sized = M <= MAX_KERNEL_ROWS and not (x.requires_grad and torch.is_grad_enabled())
     kernel = kernel_module() if decode_sized and x.device.type == "cpu" else None
     if kernel is not None:  # numpy views around the call: a fraction of torch's reshape/view cost
-        rows = x if x.dtype == torch.float32 and x.is_contiguous() else x.to(torch.float32).contiguous()
+        rows = numpy_rows(x if x.dtype == torch.float32 else x.to(torch.float32), K)
         out = np.empty((*x.shape[:-1], N), dtype=np.float32)
         threads = torch.get_num_threads() if N * K >= PARALLEL_MIN_WEIGHTS else 1
-        rows = rows.detach() if rows.requires_grad else rows  # outside autograd (decode_sized)
-        kernel.matmul(threads, fmt, rows.numpy().reshape(M, K), *(arrays or kernel_arrays(qs, d, m)), out.reshape(M, N))
+        kernel.matmul(threads, fmt, rows, *(arrays or kernel_arrays(qs, d, m)), out.reshape(M, N))
         out = torch.from_numpy(out)
     elif decode_sized and x.device.type == "cuda":
         from treeattn.ops.packed_triton import packed_matmul as triton_packed_matmul  # triton: installed where packed weights run on CUDA

@@ -23,7 +23,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from treeattn.ops.kernels import optional_kernel
+from treeattn.ops.kernels import numpy_rows, optional_kernel
 
 MAX_KERNEL_ROWS = 64
 """Calls of at most this many rows take the kernel (decode steps and their drafts); longer ones
@@ -40,13 +40,6 @@ def _kernel(rows: int, *tensors: torch.Tensor):
     return optional_kernel("rowwise_cpu_kernel")
 
 
-def _rows(t: torch.Tensor, width: int) -> np.ndarray:
-    """t (a CPU float32 tensor) as a C-contiguous numpy (-1, width) array: a view when t is contiguous."""
-    if t.requires_grad:  # a parameter outside autograd (_kernel checked)
-        t = t.detach()
-    return (t if t.is_contiguous() else t.contiguous()).numpy().reshape(-1, width)
-
-
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, weight_offset: float = 0.0) -> torch.Tensor:
     """weight * x / sqrt(mean(x**2, -1) + eps), computed in float32: x (..., D) any float dtype,
     weight (D,). Returns (..., D) in x.dtype (weight's product in the wider of the two, as in
@@ -56,7 +49,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, weight_offset: f
     if kernel is not None and x.numel():  # numpy views around the call: a fraction of torch's reshape/view cost
         D = x.shape[-1]
         out = np.empty(x.shape, dtype=np.float32)
-        kernel.rms_norm(_rows(x, D), _rows(weight, D)[0], float(weight_offset), float(eps), out.reshape(-1, D))
+        kernel.rms_norm(numpy_rows(x, D), numpy_rows(weight, D)[0], float(weight_offset), float(eps), out.reshape(-1, D))
         return torch.from_numpy(out)
     normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
     return (weight if weight_offset == 0 else weight + weight_offset) * normed.to(x.dtype)
@@ -69,7 +62,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     if kernel is not None and cos.shape[:2] == x.shape[:2] and x.numel():
         B, S, H, D = x.shape
         out = np.empty(x.shape, dtype=np.float32)
-        kernel.rope(_rows(x, H * D).reshape(B * S, H, D), _rows(cos, D), _rows(sin, D), out.reshape(B * S, H, D))
+        kernel.rope(numpy_rows(x, H * D).reshape(B * S, H, D), numpy_rows(cos, D), numpy_rows(sin, D), out.reshape(B * S, H, D))
         return torch.from_numpy(out)
     cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
     half = x.shape[-1] // 2
