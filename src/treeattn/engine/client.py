@@ -178,6 +178,9 @@ class Engine:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
         ids = self._prompt_ids(prompt)
+        outside = next((t for t, _ in params.logit_bias if t >= self.model_info.vocab_size), None)
+        if outside is not None:
+            raise ValueError(f"logit_bias: token id {outside} is outside the vocabulary [0, {self.model_info.vocab_size})")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; this engine has none (use stop_token_ids)")
         self._require_running()

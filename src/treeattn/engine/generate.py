@@ -398,6 +398,9 @@ def check_generation(config: EngineConfig, sampling: SamplingParams, num_samples
     outside = [t for t in sampling.stop_token_ids if t >= model_config.vocab_size]
     if outside:
         raise ConfigError("stop_token_ids", f"stop_token_ids: token id {outside[0]} is outside the vocabulary [0, {model_config.vocab_size})")
+    outside = [t for t, _ in sampling.logit_bias if t >= model_config.vocab_size]
+    if outside:
+        raise ConfigError("logit_bias", f"logit_bias: token id {outside[0]} is outside the vocabulary [0, {model_config.vocab_size})")
     longest = max(len(p) for p in prompts)
     needed = longest + sampling.max_new_tokens
     if needed > config.max_context:

@@ -1,7 +1,8 @@
 """What a request is, what it asks for and what comes back (the engine's public data types).
 
     params = SamplingParams(max_new_tokens=64, temperature=0.0, top_p=1.0, top_k=0, seed=0,
-                            stop_token_ids=(), stop=())
+                            stop_token_ids=(), stop=(), presence_penalty=0.0, frequency_penalty=0.0,
+                            repetition_penalty=1.0, min_p=0.0, logit_bias={})
     TokenEvent     one new token of one request (or its end), as it comes
     RequestResult  the whole outcome of one request
     TokenLogprob   a token's log-probability and the most likely alternatives (params.logprobs)
@@ -15,6 +16,8 @@ from dataclasses import dataclass, field
 FINISH_REASONS = ("stop", "length", "cancelled", "error")
 MAX_SEED = 1 << 64  # seeds are in [0, MAX_SEED): what torch.Generator.manual_seed takes
 MAX_LOGPROBS = 20  # most alternatives per token a request may ask for (OpenAI's top_logprobs limit)
+MAX_LOGIT_BIAS = 100.0  # |bias| at most (OpenAI's range for logit_bias)
+MAX_PENALTY = 2.0  # |presence_penalty|, |frequency_penalty| at most (OpenAI's and vLLM's range)
 
 
 def _is_int(value) -> bool:
@@ -46,6 +49,17 @@ class SamplingParams:
             log-probability under the model and the k most likely tokens with theirs
             (TokenLogprob). The distribution is the model's own: log-softmax of the float32
             logits, before temperature, top-k and top-p (as vLLM and OpenAI report it).
+        presence_penalty: in [-2, 2]; subtracted from the logit of every token the output holds
+            (vLLM's and OpenAI's semantics; the prompt does not count).
+        frequency_penalty: in [-2, 2]; times how often a token occurs in the output, subtracted
+            from its logit.
+        repetition_penalty: > 0 (1: none); the logit of every token in the prompt or the output is
+            divided by it when positive and multiplied by it when negative (vLLM's, after CTRL).
+        min_p: in [0, 1] (0: none); after temperature, tokens whose probability is below min_p
+            times the most likely token's are dropped (before top-k and top-p, as vLLM).
+        logit_bias: {token_id: bias} (or (token_id, bias) pairs), bias in [-100, 100], added to
+            the token's logit before anything else (ids must be in the model's vocabulary: checked
+            at submission). Biases and penalties apply to greedy requests too: they move the argmax.
 
     Example (checked when built: a bad field is one line naming it)::
 
@@ -58,6 +72,13 @@ class SamplingParams:
         ... except ValueError as error:
         ...     print(error)
         top_p must be a number in (0, 1], got 0
+        >>> ta.SamplingParams(logit_bias={7: -100, 3: 2.5}, repetition_penalty=1.2).logit_bias   # sorted (id, bias) pairs
+        ((3, 2.5), (7, -100.0))
+        >>> try:
+        ...     ta.SamplingParams(logit_bias={7: 101})
+        ... except ValueError as error:
+        ...     print(error)
+        logit_bias: the bias of token 7 must be a number in [-100, 100], got 101
     """
 
     max_new_tokens: int = 64
@@ -69,6 +90,11 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
@@ -95,6 +121,45 @@ class SamplingParams:
             raise ValueError(f"stop must be a non-empty string or a sequence of them, got {self.stop!r}")
         object.__setattr__(self, "stop_token_ids", tuple(stop_ids))
         object.__setattr__(self, "stop", tuple(stop))
+        self._check_penalties()
+
+    def _check_penalties(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_number(value) or not -MAX_PENALTY <= value <= MAX_PENALTY:
+                raise ValueError(f"{name} must be a number in [-2, 2] (0: none), got {value!r}")
+        if not _is_number(self.repetition_penalty) or self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be a finite number > 0 (1: none), got {self.repetition_penalty!r}")
+        if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be a number in [0, 1] (0: none), got {self.min_p!r}")
+        object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))
+
+    @property
+    def penalized(self) -> bool:
+        """Whether a penalty is set (the sampler then needs the request's tokens)."""
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+
+def _logit_bias(bias) -> tuple[tuple[int, float], ...]:
+    """logit_bias as sorted (token_id, float bias) pairs: from a mapping or pairs; ValueError naming the bad entry."""
+    if bias is None:
+        return ()
+    pairs = bias.items() if hasattr(bias, "items") else bias
+    if isinstance(pairs, (str, bytes)) or not hasattr(pairs, "__iter__"):
+        raise ValueError(f"logit_bias must be a mapping of token ids to biases, got {bias!r:.80}")
+    out: dict[int, float] = {}
+    for pair in pairs:
+        if not isinstance(pair, (tuple, list)) or len(pair) != 2:
+            raise ValueError(f"logit_bias must be a mapping of token ids to biases, got the entry {pair!r:.60}")
+        token, value = pair
+        if not _is_int(token) or token < 0:
+            raise ValueError(f"logit_bias: token ids must be ints >= 0, got {token!r:.60}")
+        if not _is_number(value) or not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias: the bias of token {token} must be a number in [-100, 100], got {value!r:.60}")
+        if token in out:
+            raise ValueError(f"logit_bias: token {token} is given twice")
+        out[token] = float(value)
+    return tuple(sorted(out.items()))
 
 
 @dataclass(frozen=True)

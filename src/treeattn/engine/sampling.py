@@ -1,10 +1,16 @@
-"""Sampling the next token from logits: greedy, temperature, top-k, top-p (the engine's and ta.generate's).
+"""Sampling the next token from logits: greedy, temperature, min-p, top-k, top-p, with logit_bias and
+presence / frequency / repetition penalties (the engine's and ta.generate's).
 
     token = sample(logits, SamplingParams(temperature=0.8, top_p=0.9), generator)   # int64 (B,): the request's SamplingParams
+    token = sample(logits, params, generator, prompt_ids=prompt, output_ids=output)  # penalties read the request's tokens
 
-temperature 0 is greedy (argmax, no draw). Otherwise logits / temperature, then top-k (0: every
-token), then top-p (nucleus; 1: every token), then exactly one uniform draw per row from the CPU generator: the same seed gives the
-same stream of draws whatever else runs.
+vLLM's order: logit_bias is added, then the penalties (repetition over the prompt's and the output's
+tokens: a positive logit divided by it, a negative one multiplied; frequency times each token's count
+in the output, presence once per token the output holds, both subtracted), all in float64
+(adjust_logits). temperature 0 is then greedy (argmax, no draw). Otherwise logits / temperature, then
+min-p (tokens below min_p times the top probability dropped), then top-k (0: every token), then top-p
+(nucleus; 1: every token), then exactly one uniform draw per row from the CPU generator: the same
+seed gives the same stream of draws whatever else runs.
 
 The distribution is computed in float64 from (logits - max) / temperature, so that no temperature,
 however small, overflows to inf - inf = NaN: a temperature of 1e-40 leaves the most likely token
@@ -26,19 +32,56 @@ def chosen_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     return logits.gather(1, tokens[:, None].cpu()).squeeze(1) - torch.logsumexp(logits, dim=-1)
 
 
-def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> torch.Tensor:
+def adjust_logits(logits: torch.Tensor, params: SamplingParams, prompt_ids=(), output_ids=()) -> torch.Tensor:
+    """logits (B, V) with params' logit_bias and penalties applied (vLLM's order and semantics), float64
+    on the CPU; the logits themselves (float32) when params sets none. prompt_ids, output_ids: the
+    request's prompt and its generated tokens so far (sequences of ints, the same for every row).
+
+    Example::
+
+        >>> import torch, treeattn as ta
+        >>> from treeattn.engine.sampling import adjust_logits
+        >>> logits = torch.tensor([[2.0, -1.0, 0.5, 1.0]])
+        >>> params = ta.SamplingParams(repetition_penalty=2.0, frequency_penalty=0.5, logit_bias={3: 1.0})
+        >>> adjust_logits(logits, params, prompt_ids=[0], output_ids=[1, 1]).tolist()   # 2/2, -1*2 - 2*0.5, 0.5, 1 + 1
+        [[1.0, -3.0, 0.5, 2.0]]
+    """
+    logits = logits.float().cpu()
+    if not params.logit_bias and not params.penalized:
+        return logits
+    logits = logits.double()
+    vocab = logits.shape[-1]
+    if params.logit_bias:
+        ids = torch.tensor([t for t, _ in params.logit_bias], dtype=torch.int64)
+        logits[:, ids] += torch.tensor([b for _, b in params.logit_bias], dtype=torch.float64)
+    if params.penalized:
+        counts = torch.bincount(torch.as_tensor(list(output_ids), dtype=torch.int64), minlength=vocab)[:vocab].double()
+        if params.repetition_penalty != 1:
+            seen = counts > 0
+            seen[torch.as_tensor(list(prompt_ids), dtype=torch.int64)] = True
+            penalized = torch.where(logits > 0, logits / params.repetition_penalty, logits * params.repetition_penalty)
+            logits = torch.where(seen, penalized, logits)
+        logits = logits - params.frequency_penalty * counts - params.presence_penalty * (counts > 0).double()
+    return logits
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator, *, prompt_ids=(),
+           output_ids=()) -> torch.Tensor:
     """Pick the next token of each row.
 
     Args:
         logits: (B, V) float32.
-        params: the request's SamplingParams (temperature, top_k, top_p; the rest is not read here).
+        params: the request's SamplingParams (temperature, top_k, top_p, min_p, logit_bias and the
+            penalties; the rest is not read here).
         generator: CPU torch.Generator; exactly one uniform draw per row is taken from it when
             temperature > 0 (none for greedy), so the same seed gives the same stream of draws.
+        prompt_ids, output_ids: the request's prompt and generated tokens so far (read only when a
+            penalty is set: repetition reads both, presence and frequency the output).
 
     Returns:
         int64 (B,) token ids on the CPU.
     """
-    logits = logits.float().cpu()
+    logits = adjust_logits(logits, params, prompt_ids, output_ids)
     if params.temperature == 0:
         return logits.argmax(dim=-1)
     cdf = sampling_probs(logits, params).cumsum(dim=-1)
@@ -48,9 +91,12 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
 
 def sampling_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """The distribution sample() draws from, for temperature > 0: float64 (B, V) on the CPU from
-    logits (B, V): logits / temperature, then top-k, then top-p, then softmax."""
+    logits (B, V) (adjust_logits' already): logits / temperature, then min-p, then top-k, then top-p, then softmax."""
     logits = logits.double().cpu()
     logits = (logits - logits.amax(dim=-1, keepdim=True)) / params.temperature  # <= 0; the maxima stay 0
+    if params.min_p > 0:  # p < min_p * p_max, i.e. exp(logit) < min_p (the maxima are 0): vLLM's rule, in float64
+        probs = torch.softmax(logits, dim=-1)
+        logits = logits.masked_fill(probs < params.min_p * probs.amax(dim=-1, keepdim=True), float("-inf"))
     if 0 < params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k, dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))

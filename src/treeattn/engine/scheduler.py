@@ -71,13 +71,28 @@ from treeattn.engine.request import SamplingParams
 @dataclass(frozen=True)
 class SampleSpec:
     """How rank 0 picks a sequence's next token: sampling parameters and the seed of its generator;
-    logprobs: None, or how many alternatives to report with each token's log-probability."""
+    logprobs: None, or how many alternatives to report with each token's log-probability.
+
+    The fields after logprobs (SamplingParams' of the same names; prompt_ids and output_ids: the
+    sequence's tokens, given only when a penalty needs them) are read by rank 0 alone, which gets the
+    plan from the driver as it is: the plan's wire to the other ranks (plan_message) leaves them out."""
 
     temperature: float
     top_k: int
     top_p: float
     seed: int
     logprobs: int | None = None
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    prompt_ids: tuple[int, ...] = ()
+    output_ids: tuple[int, ...] = ()
+
+    @property
+    def penalized(self) -> bool:
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
 
 @dataclass(frozen=True)
@@ -165,7 +180,11 @@ class Sequence:
 
     def sample_spec(self) -> SampleSpec:
         p = self.params
-        return SampleSpec(p.temperature, p.top_k, p.top_p, p.seed, p.logprobs)
+        if not p.penalized:
+            return SampleSpec(p.temperature, p.top_k, p.top_p, p.seed, p.logprobs, p.min_p, logit_bias=p.logit_bias)
+        prompt = tuple(self.prompt) if p.repetition_penalty != 1 else ()
+        return SampleSpec(p.temperature, p.top_k, p.top_p, p.seed, p.logprobs, p.min_p, p.presence_penalty, p.frequency_penalty,
+                          p.repetition_penalty, p.logit_bias, prompt, tuple(self.generated))
 
 
 class Scheduler:
