@@ -7,10 +7,13 @@ onepass merges the ranks' attention states with one all-reduce of a float64 buff
 and divides after it. In torch that is some thirty small operations around the collective; a
 decode step runs it once per layer, and on the CPU their fixed cost (about 300 us a call on this
 project's 2-core machine, docs/benchmarks.md) was most of the combine. Here the packing is one
-call and the check and division one more, with the same arithmetic: float64 exp of the float32 (or
-float64) lse, float64 products, the division by the reduced sum (1 where it is 0) and its log, cast
-once to the states' dtype. A result can differ from the torch path's only where libm's and torch's
-float64 exp differ in their last bit, far below the float32 output's rounding.
+call and the check and division one more, with the same operations in the same order: float64 exp
+of the float32 (or float64) lse, float64 products, the division by the reduced sum (1 where it is 0)
+and its log, cast once to the states' dtype. Not the same bits on every host: exp and log here are
+libm's, torch's are its vectorized ones (SLEEF) or libm's depending on the CPU capability it picks,
+each within 1 ulp, so the two results can differ by a few float64 ulps (tests/test_onepass.py
+derives the bound) and a float32 result by one float32 rounding. The fallbacks are torch's code on
+both paths.
 
 Importing this module compiles nothing: numba compiles each kernel on its first call and caches
 the machine code beside this file (cache=True).
