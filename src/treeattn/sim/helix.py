@@ -22,6 +22,10 @@ attention is not priced: the all-to-all is exposed). Layouts (`LAYOUTS`):
               over N (treeattn's layout before issue 47).
     medha     attention KVP x TPA as helix; the output projection, MLP and LM head over the TPA ranks
               only, replicated across the KVP groups (Medha's layout, the paper's KVP baseline).
+    dp-attention  attention data-parallel: each rank attends whole sequences (ceil(B / N) of them) with
+              every head and holds the attention weights whole; the MLP and LM head over all N ranks
+              on the gathered batch (an all-gather and a reduce-scatter of the hidden states a layer,
+              priced as one all-reduce). The usual large-batch baseline (DeepSeek's attention DP).
 
 The helix combine is the paper's all-to-all (`combine="alltoall"`: every rank then holds 1/KVP of its
 TPA heads, which is the slice the N-way output projection needs) or treeattn's onepass allreduce
@@ -43,7 +47,7 @@ from dataclasses import asdict, dataclass
 from treeattn.sim.collectives import NO_COMM, CommCost, all_to_all, direct_allreduce, nccl_allreduce, ring_allgather
 from treeattn.sim.hardware import Cluster
 
-LAYOUTS: tuple[str, ...] = ("helix", "tp-only", "kvp-only", "medha")
+LAYOUTS: tuple[str, ...] = ("helix", "tp-only", "kvp-only", "medha", "dp-attention")
 COMBINES: tuple[str, ...] = ("alltoall", "onepass")
 # bytes per element; fp4 is the paper's 0.5 (block scales not counted), q8_0 and q4_0 are GGUF's blocks
 # of 32 weights with one float16 scale (34 and 18 bytes)
@@ -188,7 +192,7 @@ class Layout:
     kv the sequence shards (KVP).
 
     >>> Layout.of("helix", nproc=4, tp=2)
-    Layout(kind='helix', tp=2, kv=2)
+    Layout(kind='helix', tp=2, kv=2, dp=1)
     >>> Layout.of("helix", nproc=4, tp=2).ffn_ranks, Layout.of("kvp-only", nproc=4).ffn_ranks
     (4, 1)
     """
@@ -196,6 +200,7 @@ class Layout:
     kind: str
     tp: int
     kv: int
+    dp: int = 1
 
     @classmethod
     def of(cls, kind: str, nproc: int, tp: int = 1) -> Layout:
@@ -210,18 +215,30 @@ class Layout:
             return cls(kind, nproc, 1)
         if kind == "kvp-only":
             return cls(kind, 1, nproc)
+        if kind == "dp-attention":
+            return cls(kind, 1, 1, nproc)
         if nproc % tp != 0:
             raise ValueError(f"tp ({tp}) must divide nproc ({nproc}): the sequence is split nproc / tp ways")
         return cls(kind, tp, nproc // tp)
 
     @property
     def nproc(self) -> int:
-        return self.tp * self.kv
+        return self.tp * self.kv * self.dp
 
     @property
     def ffn_ranks(self) -> int:
-        """Ranks that split the output projection, the MLP and the LM head."""
-        return {"helix": self.nproc, "tp-only": self.nproc, "kvp-only": 1, "medha": self.tp}[self.kind]
+        """Ranks that split the MLP (and, but for dp-attention, the output projection)."""
+        return {"helix": self.nproc, "tp-only": self.nproc, "kvp-only": 1, "medha": self.tp,
+                "dp-attention": self.nproc}[self.kind]
+
+    @property
+    def o_ranks(self) -> int:
+        """Ranks that split the attention's output projection."""
+        return 1 if self.kind == "dp-attention" else self.ffn_ranks
+
+    def local_batch(self, batch: int) -> int:
+        """Sequences a rank attends to: all of them, but ceil(B / N) with dp-attention."""
+        return -(-batch // self.dp)
 
     @property
     def lm_head_ranks(self) -> int:
@@ -277,7 +294,7 @@ def weight_bytes_per_rank(model: ModelShape, layout: Layout, weight_dtype: str =
     0.25
     """
     wb = element_bytes(weight_dtype, "weight_dtype")
-    per_layer = [model.qkv_elements(layout.tp) + (model.o_elements() + model.mlp_elements(i)) / layout.ffn_ranks
+    per_layer = [model.qkv_elements(layout.tp) + model.o_elements() / layout.o_ranks + model.mlp_elements(i) / layout.ffn_ranks
                  for i in range(model.layers)]
     return wb * (sum(per_layer) + model.embedding_elements() / layout.lm_head_ranks)
 
@@ -320,23 +337,42 @@ def _combine_cost(cluster: Cluster, model: ModelShape, layout: Layout, batch: in
     return CommCost(cost.seconds + cluster.host_read_seconds, cost.rounds, cost.bytes_sent, "onepass")
 
 
+def layer_read_bytes(model: ModelShape, layout: Layout, layer: int, seq_len: int, batch: int,
+                     sizes: tuple[float, float, float]) -> tuple[float, float]:
+    """(KV cache bytes, weight bytes) one rank reads in layer `layer` of a decode step; sizes are the
+    bytes per element of (weights, KV cache, activations). The paper's roofline (its appendix) in
+    bytes: KV B x 2 ceil(K / TPA) Hsz x S / KVP, weights (Q / TPA + ceil(K / TPA)) H Hsz + the output
+    projection + 3 H F / TPF.
+
+    >>> m = MODELS["llama-3.1-405b"]
+    >>> kv, w = layer_read_bytes(m, Layout.of("helix", 64, tp=8), 0, 1_000_000, 8, (0.5, 0.5, 2))
+    >>> kv == 8 * 2 * 1 * 128 * 125_000 * 0.5
+    True
+    """
+    wb, kvb, _ = sizes
+    kv = layout.local_batch(batch) * math.ceil(seq_len / layout.kv) * model.kv_elements_per_token(layout.tp) * kvb
+    weights = (model.qkv_elements(layout.tp) + model.o_elements() / layout.o_ranks
+               + model.mlp_read_elements(layer, batch) / layout.ffn_ranks)
+    return kv, weights * wb
+
+
 def _layer_seconds(cluster: Cluster, model: ModelShape, layout: Layout, layer: int, seq_len: int, batch: int,
                    sizes: tuple[float, float, float], combine: str) -> tuple[float, float, CommCost]:
     """(attention seconds, other kernels' seconds, communication) of one layer on the busiest rank."""
     wb, kvb, act = sizes
-    tokens = math.ceil(seq_len / layout.kv)
-    attention = _kernel_seconds(cluster, batch * tokens * model.kv_elements_per_token(layout.tp) * kvb,
-                                batch * tokens * model.attention_flops_per_key(layout.tp))
+    tokens, local = math.ceil(seq_len / layout.kv), layout.local_batch(batch)
+    kv_read, _ = layer_read_bytes(model, layout, layer, seq_len, batch, sizes)
+    attention = _kernel_seconds(cluster, kv_read, local * tokens * model.attention_flops_per_key(layout.tp))
     qkv = model.qkv_elements(layout.tp)
-    o = model.o_elements() / layout.ffn_ranks
+    o = model.o_elements() / layout.o_ranks
     mlp_read = model.mlp_read_elements(layer, batch) / layout.ffn_ranks
-    weights = (_kernel_seconds(cluster, qkv * wb, 2 * batch * qkv)
-               + _kernel_seconds(cluster, o * wb, 2 * batch * o)
+    weights = (_kernel_seconds(cluster, qkv * wb, 2 * local * qkv)
+               + _kernel_seconds(cluster, o * wb, 2 * local * o)
                + _kernel_seconds(cluster, mlp_read * wb, model.mlp_flops(layer, batch) / layout.ffn_ranks, kernels=2))
     comm = _combine_cost(cluster, model, layout, batch, act, combine)
-    if layout.ffn_ranks > 1:  # after the output projection and after the MLP
+    if layout.ffn_ranks > 1:  # after the output projection and after the MLP (dp-attention: around the MLP)
         hidden = allreduce(cluster, layout.ffn_ranks, batch * model.hidden * act)
-        comm = comm + hidden + hidden
+        comm = comm + hidden if layout.kind == "dp-attention" else comm + hidden + hidden
     return attention, weights, comm
 
 
@@ -375,7 +411,7 @@ def predict_step(cluster: Cluster, model: ModelShape, layout: Layout, seq_len: i
     lm = model.vocab * model.hidden / layout.lm_head_ranks
     weights += _kernel_seconds(cluster, lm * sizes[0], 2 * batch * lm)
     comm = comm + allgather(cluster, layout.lm_head_ranks, batch * model.vocab / layout.lm_head_ranks * 4)
-    kv_bytes = batch * model.layers * math.ceil(seq_len / layout.kv) * model.kv_elements_per_token(layout.tp) * sizes[1]
+    kv_bytes = layout.local_batch(batch) * model.layers * math.ceil(seq_len / layout.kv) * model.kv_elements_per_token(layout.tp) * sizes[1]
     held = weight_bytes_per_rank(model, layout, weight_dtype)
     fits = None if cluster.memory_capacity is None else held + kv_bytes <= cluster.memory_capacity
     return StepPrediction(
