@@ -71,13 +71,13 @@ def frontier(cluster: Cluster, model: ModelShape, kind: str, seq_len: int = SEQ_
     return points
 
 
-def best_ttl(points: list[StepPrediction], batch: int) -> float | None:
+def _best_ttl(points: list[StepPrediction], batch: int) -> float | None:
     """The lowest time per token among `points` at `batch` (None if none)."""
     times = [p.predicted_seconds for p in points if p.batch == batch]
     return min(times) if times else None
 
 
-def max_batch(points: list[StepPrediction], ttl: float) -> int | None:
+def _max_batch(points: list[StepPrediction], ttl: float) -> int | None:
     """The largest batch among `points` whose time per token is at most `ttl` (None if none)."""
     batches = [p.batch for p in points if p.predicted_seconds <= ttl * (1 + 1e-12)]
     return max(batches) if batches else None
@@ -97,15 +97,15 @@ class Ratios:
 
 
 def compare(helix: list[StepPrediction], baseline: list[StepPrediction], name: str) -> Ratios:
-    """The ratios of `helix`'s points over `baseline`'s."""
+    """The ratios of `helix`'s points over `baseline`'s (model_ratios has an example)."""
     ttl_ratios = []
     for b in BATCHES:
-        h, base = best_ttl(helix, b), best_ttl(baseline, b)
+        h, base = _best_ttl(helix, b), _best_ttl(baseline, b)
         if h is not None and base is not None:
             ttl_ratios.append((b, base / h))
     batch_ratios = []
     for p in baseline:
-        h, base = max_batch(helix, p.predicted_seconds), max_batch(baseline, p.predicted_seconds)
+        h, base = _max_batch(helix, p.predicted_seconds), _max_batch(baseline, p.predicted_seconds)
         if h is not None and base is not None:
             batch_ratios.append(h / base)
     b1 = dict(ttl_ratios).get(1)
@@ -113,7 +113,12 @@ def compare(helix: list[StepPrediction], baseline: list[StepPrediction], name: s
 
 
 def model_ratios(cluster: Cluster, model: ModelShape, seq_len: int = SEQ_LEN) -> list[Ratios]:
-    """Helix against each baseline family and against the best of them."""
+    """Helix against each baseline family and against the best of them.
+
+    >>> r = model_ratios(PRESETS["gb200-nvl72"], MODELS["deepseek-r1"])[-1]
+    >>> r.baseline, r.ttl_b1 > 1, r.batch_max > 1
+    ('best baseline', True, True)
+    """
     helix = frontier(cluster, model, "helix", seq_len)
     families = {kind: frontier(cluster, model, kind, seq_len) for kind in BASELINES}
     ratios = [compare(helix, points, kind) for kind, points in families.items()]
@@ -126,7 +131,12 @@ def _x(value: float | None) -> str:
 
 
 def markdown_report(cluster_name: str = "gb200-nvl72") -> str:
-    """The comparison table of docs/helix.md, in Markdown (`treeattn simulate --paper`)."""
+    """The comparison table of docs/helix.md, in Markdown (`treeattn simulate --paper` prints it after the
+    Tree Attention paper's tables).
+
+    >>> markdown_report().splitlines()[2]
+    '| model | Helix vs | TTL ratio, batch 1 | TTL ratio, best over fixed batches | batch ratio at equal TTL | paper |'
+    """
     cluster = PRESETS[cluster_name]
     out = [f"Helix against the baselines at {SEQ_LEN:,} cached tokens, `{cluster_name}` preset, FP4 weights and KV cache, "
            f"N = {NPROCS[0]}..{NPROCS[-1]} GPUs, batch {BATCHES[0]}..{BATCHES[-1]}; the cost model's ratios beside "
