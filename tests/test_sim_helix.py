@@ -67,9 +67,12 @@ def test_weights_per_rank_are_the_layouts_share():
     qkv = sum(m.qkv_elements(1) for _ in range(m.layers))
     rest = m.weight_elements() - qkv
     assert weight_bytes_per_rank(m, Layout.of("helix", 4, tp=2), "bfloat16") == pytest.approx(2 * (qkv / 2 + rest / 4))
-    # today's layout (kvp-only) holds every weight but the vocabulary-split embedding
-    emb = m.embedding_elements()
-    assert weight_bytes_per_rank(m, Layout.of("kvp-only", 4), "bfloat16") == pytest.approx(2 * (m.weight_elements() - emb + emb / 4))
+    # today's layout (kvp-only) holds every weight (the tied table too: the embedding reads it whole)
+    assert weight_bytes_per_rank(m, Layout.of("kvp-only", 4), "bfloat16") == pytest.approx(2 * m.weight_elements())
+    untied = MODELS["llama-3.1-405b"]
+    table = untied.vocab * untied.hidden
+    assert weight_bytes_per_rank(untied, Layout.of("kvp-only", 4), "bfloat16") == \
+        pytest.approx(2 * (untied.weight_elements() - table + table / 4))
 
 
 def test_kv_per_rank_gqa_duplicates_past_the_kv_heads_and_mla_always():

@@ -6,7 +6,8 @@ rank computes the query, key and value projections of its TPA heads from the who
 weights of those projections are replicated across the KVP ranks), attends to its sequence shard, and
 the partial states of a TPA slice combine across its KVP ranks. Then the same N ranks run the output
 projection, the MLP and the LM head as N-way tensor parallelism: column- then row-parallel, one
-all-reduce of the hidden state after the output projection and one after the MLP.
+all-reduce of the hidden state after the output projection and one after the MLP; per step, one
+all-reduce of the embedded rows (the table split by vocabulary) and an all-gather of the logits.
 
 A step's time is, per layer and rank, a roofline for every kernel (a fixed kernel overhead plus the
 larger of bytes / achieved memory bandwidth and FLOPs / achieved peak) plus the exposed communication
@@ -18,8 +19,8 @@ attention is not priced: the all-to-all is exposed). Layouts (`LAYOUTS`):
               whole KV head (ceil(K / N) = 1): the cache is duplicated. MLA's latent KV is not split by
               heads at all: every TP rank keeps and reads the whole latent cache.
     kvp-only  attention KVP = N, TPA = 1, combined by onepass (every rank gets every head's output);
-              the output projection and MLP replicated on every rank; the LM head split by vocabulary
-              over N (treeattn's layout before issue 47).
+              the output projection, MLP and embedding table replicated on every rank; the LM head's
+              rows split by vocabulary over N (treeattn's layout before issue 47).
     medha     attention KVP x TPA as helix; the output projection, MLP and LM head over the TPA ranks
               only, replicated across the KVP groups (Medha's layout, the paper's KVP baseline).
     dp-attention  attention data-parallel: each rank attends whole sequences (ceil(B / N) of them) with
@@ -296,7 +297,22 @@ def weight_bytes_per_rank(model: ModelShape, layout: Layout, weight_dtype: str =
     wb = element_bytes(weight_dtype, "weight_dtype")
     per_layer = [model.qkv_elements(layout.tp) + model.o_elements() / layout.o_ranks + model.mlp_elements(i) / layout.ffn_ranks
                  for i in range(model.layers)]
-    return wb * (sum(per_layer) + model.embedding_elements() / layout.lm_head_ranks)
+    return wb * (sum(per_layer) + embedding_elements_per_rank(model, layout))
+
+
+def embedding_elements_per_rank(model: ModelShape, layout: Layout) -> float:
+    """The token embedding and LM head one rank holds: split by vocabulary over lm_head_ranks, but in
+    kvp-only (treeattn before issue 47) the embedding table is whole on every rank and only the LM
+    head's rows are split (a tied table: held whole).
+
+    >>> m = MODELS["llama-3.2-1b"]  # tied
+    >>> embedding_elements_per_rank(m, Layout.of("kvp-only", 4)) == m.vocab * m.hidden
+    True
+    """
+    table = model.vocab * model.hidden
+    if layout.kind != "kvp-only":
+        return model.embedding_elements() / layout.lm_head_ranks
+    return table if model.tied_embeddings else table + table / layout.lm_head_ranks
 
 
 def allreduce(cluster: Cluster, ranks: int, nbytes: float) -> CommCost:
@@ -411,6 +427,8 @@ def predict_step(cluster: Cluster, model: ModelShape, layout: Layout, seq_len: i
     lm = model.vocab * model.hidden / layout.lm_head_ranks
     weights += _kernel_seconds(cluster, lm * sizes[0], 2 * batch * lm)
     comm = comm + allgather(cluster, layout.lm_head_ranks, batch * model.vocab / layout.lm_head_ranks * 4)
+    if layout.kind != "kvp-only" and layout.lm_head_ranks > 1:  # the vocabulary-split embedding's rows
+        comm = comm + allreduce(cluster, layout.lm_head_ranks, batch * model.hidden * sizes[2])
     kv_bytes = layout.local_batch(batch) * model.layers * math.ceil(seq_len / layout.kv) * model.kv_elements_per_token(layout.tp) * sizes[1]
     held = weight_bytes_per_rank(model, layout, weight_dtype)
     fits = None if cluster.memory_capacity is None else held + kv_bytes <= cluster.memory_capacity

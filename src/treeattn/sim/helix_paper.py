@@ -51,7 +51,7 @@ def _tp_choices(model: ModelShape, kind: str, nproc: int) -> list[int]:
 
 
 def frontier(cluster: Cluster, model: ModelShape, kind: str, seq_len: int = SEQ_LEN,
-             nprocs: tuple[int, ...] = NPROCS, batches: tuple[int, ...] = BATCHES) -> list[StepPrediction]:
+             nprocs: tuple[int, ...] = NPROCS, batches: tuple[int, ...] = BATCHES, combine: str = "alltoall") -> list[StepPrediction]:
     """Every configuration of layout family `kind` that fits in memory (all of them, not only the
     Pareto-optimal ones).
 
@@ -65,7 +65,7 @@ def frontier(cluster: Cluster, model: ModelShape, kind: str, seq_len: int = SEQ_
     for n in nprocs:
         for tp in _tp_choices(model, kind, n):
             for b in batches:
-                p = predict_step(cluster, model, Layout.of(kind, n, tp=tp), seq_len, batch=b)
+                p = predict_step(cluster, model, Layout.of(kind, n, tp=tp), seq_len, batch=b, combine=combine)
                 if p.fits_memory is not False:
                     points.append(p)
     return points
@@ -112,18 +112,34 @@ def compare(helix: list[StepPrediction], baseline: list[StepPrediction], name: s
     return Ratios(name, b1, max((r for _, r in ttl_ratios), default=None), max(batch_ratios, default=None))
 
 
-def model_ratios(cluster: Cluster, model: ModelShape, seq_len: int = SEQ_LEN) -> list[Ratios]:
+def model_ratios(cluster: Cluster, model: ModelShape, seq_len: int = SEQ_LEN, combine: str = "alltoall") -> list[Ratios]:
     """Helix against each baseline family and against the best of them.
 
     >>> r = model_ratios(PRESETS["gb200-nvl72"], MODELS["deepseek-r1"])[-1]
     >>> r.baseline, r.ttl_b1 > 1, r.batch_max > 1
     ('best baseline', True, True)
     """
-    helix = frontier(cluster, model, "helix", seq_len)
+    helix = frontier(cluster, model, "helix", seq_len, combine=combine)
     families = {kind: frontier(cluster, model, kind, seq_len) for kind in BASELINES}
     ratios = [compare(helix, points, kind) for kind, points in families.items()]
     ratios.append(compare(helix, [p for points in families.values() for p in points], "best baseline"))
     return ratios
+
+
+def fixed_ratios(cluster: Cluster, model: ModelShape, nproc: int, batch: int, seq_len: int = SEQ_LEN,
+                 combine: str = "alltoall") -> dict[str, float]:
+    """Time per token of each layout / Helix's, all on `nproc` ranks at `batch`, each layout at its best
+    attention TP width, memory ignored (what the layouts cost when they run, not whether they fit).
+
+    >>> r = fixed_ratios(PRESETS["gb200-nvl72"], MODELS["llama-3.1-405b"], 64, 1)
+    >>> r["helix"], r["kvp-only"] > r["tp-only"] > 1
+    (1.0, True)
+    """
+    best = {}
+    for kind in LAYOUTS:
+        best[kind] = min(predict_step(cluster, model, Layout.of(kind, nproc, tp=tp), seq_len, batch=batch,
+                                      combine=combine).predicted_seconds for tp in _tp_choices(model, kind, nproc))
+    return {kind: t / best["helix"] for kind, t in best.items()}
 
 
 def _x(value: float | None) -> str:
@@ -148,4 +164,14 @@ def markdown_report(cluster_name: str = "gb200-nvl72") -> str:
             paper = (f"up to {claim.ttl:g}x TTL, up to {claim.batch:g}x batch ({claim.source})"
                      if r.baseline == "best baseline" else "-")
             out.append(f"| {claim.model} | {r.baseline} | {_x(r.ttl_b1)} | {_x(r.ttl_max)} | {_x(r.batch_max)} | {paper} |")
+        onepass = model_ratios(cluster, MODELS[claim.model], combine="onepass")[-1]
+        out.append(f"| {claim.model} | best baseline, Helix combining by onepass (treeattn's engine) | {_x(onepass.ttl_b1)} | "
+                   f"{_x(onepass.ttl_max)} | {_x(onepass.batch_max)} | - |")
+    out += ["", f"Time per token of each layout over Helix's on 64 GPUs at {SEQ_LEN:,} tokens, each at its best attention "
+            "TP width, memory ignored (kvp-only and medha hold more than a GPU's memory for these models):\n",
+            "| model | batch | " + " | ".join(LAYOUTS) + " |", "|---|---:|" + "---:|" * len(LAYOUTS)]
+    for claim in PAPER_CLAIMS:
+        for batch in (1, 8, 64):
+            r = fixed_ratios(cluster, MODELS[claim.model], 64, batch)
+            out.append(f"| {claim.model} | {batch} | " + " | ".join(f"{r[k]:.2f}x" for k in LAYOUTS) + " |")
     return "\n".join(out)
