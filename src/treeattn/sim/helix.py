@@ -37,7 +37,9 @@ approximation). Groups of ranks are priced as contiguous (one node: exact inside
 All-reduces take the faster of NCCL's algorithms and, inside one node, the direct one-shot / two-shot
 all-reduce of TensorRT-LLM's custom kernels (`collectives.direct_allreduce`): NCCL's intra-node chain
 would charge 2 (p - 1) hops for the small hidden-state messages of decode. The LM head's logits are
-gathered the same way (one direct step inside a node).
+gathered the same way (one direct step inside a node). Ranks that are processes of one host (the
+calibrated cpu-local preset) share its memory bandwidth, and every collective issued after compute pays
+the calibrated busy-round cost of a gloo collective (Cluster.busy_round_seconds).
 """
 
 from __future__ import annotations
@@ -278,11 +280,22 @@ class StepPrediction:
         return asdict(self)
 
 
-def _kernel_seconds(cluster: Cluster, nbytes: float, flops: float, kernels: int = 1) -> float:
-    """Roofline of `kernels` kernels that together read nbytes and compute flops."""
-    memory = nbytes / cluster.attention_bandwidth
+def _kernel_seconds(cluster: Cluster, nbytes: float, flops: float, kernels: int = 1, ranks: int = 1) -> float:
+    """Roofline of `kernels` kernels that together read nbytes and compute flops while `ranks` ranks
+    work at once: ranks that are processes of one host (host_cores set) share its memory bandwidth
+    and, beyond its cores, time-slice (as treeattn.sim.model.attention_seconds)."""
+    bandwidth, slowdown = cluster.attention_bandwidth, 1.0
+    if cluster.host_cores is not None and cluster.host_memory_bandwidth is not None:
+        bandwidth = min(bandwidth, cluster.host_memory_bandwidth / min(ranks, cluster.host_cores))
+        slowdown = max(1.0, ranks / cluster.host_cores)
     compute = flops / (cluster.peak_flops * cluster.flops_efficiency)
-    return kernels * cluster.kernel_overhead + max(memory, compute)
+    return (kernels * cluster.kernel_overhead + max(nbytes / bandwidth, compute)) * slowdown
+
+
+def _busy(cluster: Cluster, ranks: int) -> CommCost:
+    """The calibrated extra cost of one collective issued right after compute among `ranks` ranks
+    sharing a host (Cluster.busy_round_seconds; 0 on the GPU presets)."""
+    return CommCost(cluster.busy_round_seconds(ranks)[1], 0, 0.0, "busy")
 
 
 def weight_bytes_per_rank(model: ModelShape, layout: Layout, weight_dtype: str = "fp4") -> float:
@@ -378,16 +391,19 @@ def _layer_seconds(cluster: Cluster, model: ModelShape, layout: Layout, layer: i
     wb, kvb, act = sizes
     tokens, local = math.ceil(seq_len / layout.kv), layout.local_batch(batch)
     kv_read, _ = layer_read_bytes(model, layout, layer, seq_len, batch, sizes)
-    attention = _kernel_seconds(cluster, kv_read, local * tokens * model.attention_flops_per_key(layout.tp))
+    n = layout.nproc
+    attention = _kernel_seconds(cluster, kv_read, local * tokens * model.attention_flops_per_key(layout.tp), ranks=n)
     qkv = model.qkv_elements(layout.tp)
     o = model.o_elements() / layout.o_ranks
     mlp_read = model.mlp_read_elements(layer, batch) / layout.ffn_ranks
-    weights = (_kernel_seconds(cluster, qkv * wb, 2 * local * qkv)
-               + _kernel_seconds(cluster, o * wb, 2 * local * o)
-               + _kernel_seconds(cluster, mlp_read * wb, model.mlp_flops(layer, batch) / layout.ffn_ranks, kernels=2))
+    weights = (_kernel_seconds(cluster, qkv * wb, 2 * local * qkv, ranks=n)
+               + _kernel_seconds(cluster, o * wb, 2 * local * o, ranks=n)
+               + _kernel_seconds(cluster, mlp_read * wb, model.mlp_flops(layer, batch) / layout.ffn_ranks, kernels=2, ranks=n))
     comm = _combine_cost(cluster, model, layout, batch, act, combine)
+    if layout.kv > 1:
+        comm = comm + _busy(cluster, layout.kv)
     if layout.ffn_ranks > 1:  # after the output projection and after the MLP (dp-attention: around the MLP)
-        hidden = allreduce(cluster, layout.ffn_ranks, batch * model.hidden * act)
+        hidden = allreduce(cluster, layout.ffn_ranks, batch * model.hidden * act) + _busy(cluster, layout.ffn_ranks)
         comm = comm + hidden if layout.kind == "dp-attention" else comm + hidden + hidden
     return attention, weights, comm
 
@@ -425,8 +441,9 @@ def predict_step(cluster: Cluster, model: ModelShape, layout: Layout, seq_len: i
         a, w, c = per_layer[moe]
         attention, weights, comm = attention + a, weights + w, comm + c
     lm = model.vocab * model.hidden / layout.lm_head_ranks
-    weights += _kernel_seconds(cluster, lm * sizes[0], 2 * batch * lm)
+    weights += _kernel_seconds(cluster, lm * sizes[0], 2 * batch * lm, ranks=layout.nproc)
     comm = comm + allgather(cluster, layout.lm_head_ranks, batch * model.vocab / layout.lm_head_ranks * 4)
+    comm = comm + _busy(cluster, layout.lm_head_ranks)
     if layout.kind != "kvp-only" and layout.lm_head_ranks > 1:  # the vocabulary-split embedding's rows
         comm = comm + allreduce(cluster, layout.lm_head_ranks, batch * model.hidden * sizes[2])
     kv_bytes = layout.local_batch(batch) * model.layers * math.ceil(seq_len / layout.kv) * model.kv_elements_per_token(layout.tp) * sizes[1]
