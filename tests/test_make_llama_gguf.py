@@ -124,3 +124,21 @@ def test_default_shape_is_llama_3_2_1b():
     assert (args.hidden, args.layers, args.heads, args.kv_heads, args.ffn, args.vocab, args.rope_theta) == \
         (2048, 16, 32, 8, 8192, 128256, 500000.0)
     assert args.type == "q4_0" and math.isclose(args.hidden / args.heads, 64)
+
+
+def test_the_cost_model_reads_the_files_shape_and_counts_its_weight_bytes(tiny):
+    """`treeattn simulate FILE`: the config's shape; one rank's weight bytes = the file's matrices."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from treeattn.cli import app
+
+    folder, _, _, _ = tiny
+    result = CliRunner().invoke(app, ["simulate", str(folder / "tiny.gguf"), "--nproc", "1", "-n", "64",
+                                      "--weight-dtype", "q8_0", "--layout", "helix", "--json"])
+    assert result.exit_code == 0, result.output
+    record = json.loads(result.output.splitlines()[0])
+    matrices = sum(int(t.n_bytes) for t in gguf.GGUFReader(str(folder / "tiny.gguf")).tensors
+                   if t.tensor_type == gguf.GGMLQuantizationType.Q8_0)
+    assert record["weight_bytes_per_rank"] == matrices

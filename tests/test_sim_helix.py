@@ -160,18 +160,18 @@ def test_bad_input_is_one_line(call, message):
 
 def test_cli_model_mode_json_and_errors():
     runner = CliRunner()
-    result = runner.invoke(app, ["simulate", "--preset", "gb200-nvl72", "--model", "deepseek-r1", "--nproc", "8",
+    result = runner.invoke(app, ["simulate", "deepseek-r1", "--preset", "gb200-nvl72", "--nproc", "8",
                                  "-n", "100000", "--batch", "2", "--json"])
     assert result.exit_code == 0, result.output
     records = [json.loads(line) for line in result.output.splitlines()]
     assert [r["layout"] for r in records] == list(helix.LAYOUTS)
     assert {r["nproc"] for r in records} == {8} and all(r["preset"] == "gb200-nvl72" for r in records)
-    result = runner.invoke(app, ["simulate", "--model", "llama-3.2-1b", "--nproc", "4", "--tp", "2", "--layout", "helix",
+    result = runner.invoke(app, ["simulate", "llama-3.2-1b", "--nproc", "4", "--tp", "2", "--layout", "helix",
                                  "--method", "alltoall", "--method", "onepass", "--json"])
     assert [(json.loads(line)["tp"], json.loads(line)["combine"]) for line in result.output.splitlines()] == \
         [(2, "alltoall"), (2, "onepass")]
-    for args, message in ((["--model", "gpt-5"], "--model must be one of"), (["--model", "llama-3.2-1b", "--method", "tree"],
-                          "--method with --model must be one of"), (["--model", "llama-3.2-1b", "--layout", "x"], "--layout must be")):
+    for args, message in ((["gpt-5"], "MODEL must be one of"), (["llama-3.2-1b", "--method", "tree"],
+                          "--method with MODEL must be one of"), (["llama-3.2-1b", "--layout", "x"], "--layout must be")):
         result = runner.invoke(app, ["simulate", *args])
         assert result.exit_code == 2 and message in result.output and len(result.output.strip().splitlines()) == 1
 

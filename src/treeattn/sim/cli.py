@@ -11,7 +11,17 @@ from treeattn.engine.flags import dtype_flag
 from dataclasses import dataclass
 
 from treeattn.sim.hardware import CALIBRATED_PRESET, GB, GIB, PRESET_NAMES, US, Cluster, load_cluster
-from treeattn.sim.helix import COMBINES, ELEMENT_BYTES, LAYOUTS, MODELS, Layout, helix_tp_choices, predict_step
+from treeattn.sim.helix import (
+    COMBINES,
+    ELEMENT_BYTES,
+    LAYOUTS,
+    MODELS,
+    Layout,
+    ModelShape,
+    helix_tp_choices,
+    predict_step,
+    shape_from_config,
+)
 from treeattn.sim.model import METHODS, check_method, memory_shortfall, predict_decode, predict_generation
 from treeattn.sim.workload import DecodeShape
 
@@ -36,14 +46,15 @@ def simulate(
     batch: int = typer.Option(1, help="Batch size B."),
     dtype: str = dtype_flag("bfloat16", help="Storage dtype of q, k, v."),
     method: list[str] | None = typer.Option(None, "--method", "-m", help="Method(s): " + ", ".join(METHODS) + " (default: all); "
-                                            "with --model, how the KV ranks combine: alltoall (Helix's, default) or onepass."),
-    model: str | None = typer.Option(None, help="Price a whole model's decode step in a 2-D layout (N = KV ranks x TP ranks) "
-                                     "instead of one attention layer: " + ", ".join(MODELS) + "."),
-    tp: list[int] | None = typer.Option(None, "--tp", help="With --model: attention TP width(s) T of the helix and medha layouts "
+                                            "with MODEL, how the KV ranks combine: alltoall (Helix's, default) or onepass."),
+    model: str | None = typer.Argument(None, help="Price a whole model's decode step in a 2-D layout (N = KV ranks x TP ranks) "
+                                       "instead of one attention layer: " + ", ".join(MODELS) + ", or a Llama-family "
+                                       "checkpoint directory or .gguf file (its config)."),
+    tp: list[int] | None = typer.Option(None, "--tp", help="With MODEL: attention TP width(s) T of the helix and medha layouts "
                                         "(the sequence is split N / T ways; default: every T that divides N and the KV heads)."),
-    layout: list[str] | None = typer.Option(None, help="With --model: layout(s) " + ", ".join(LAYOUTS) + " (default: all)."),
-    weight_dtype: str = typer.Option("fp4", help="With --model: weight storage, " + ", ".join(ELEMENT_BYTES) + "."),
-    kv_cache_dtype: str = typer.Option("fp4", help="With --model: KV cache storage, " + ", ".join(ELEMENT_BYTES) + "."),
+    layout: list[str] | None = typer.Option(None, help="With MODEL: layout(s) " + ", ".join(LAYOUTS) + " (default: all)."),
+    weight_dtype: str = typer.Option("fp4", help="With MODEL: weight storage, " + ", ".join(ELEMENT_BYTES) + "."),
+    kv_cache_dtype: str = typer.Option("fp4", help="With MODEL: KV cache storage, " + ", ".join(ELEMENT_BYTES) + "."),
     gpus_per_node: int | None = typer.Option(None, help="Override the preset's devices per node."),
     mem_bw_gbs: float | None = typer.Option(None, help="Device memory bandwidth, GB/s."),
     mem_efficiency: float | None = typer.Option(None, help="Fraction of memory bandwidth a decode kernel reaches."),
@@ -141,7 +152,7 @@ def simulate(
 
 @dataclass(frozen=True)
 class ModelOptions:
-    """The --model mode's options as given on the command line (None: the default)."""
+    """The MODEL mode's options as given on the command line (None: the default)."""
 
     model: str
     tp: list[int] | None
@@ -155,9 +166,7 @@ def _predict_model(cluster: Cluster, options: ModelOptions, nprocs: list[int], s
                    activation_dtype: str) -> list[dict]:
     """One record per (world size, layout, tp, sequence length, combine): StepPrediction.as_dict()
     plus `preset`. Every argument is checked before the first prediction."""
-    if options.model not in MODELS:
-        raise ValueError(f"--model must be one of {', '.join(MODELS)}, got {options.model!r}")
-    shape = MODELS[options.model]
+    shape = _model_shape(options.model)
     layouts = options.layouts or list(LAYOUTS)
     for kind in layouts:
         if kind not in LAYOUTS:
@@ -165,7 +174,7 @@ def _predict_model(cluster: Cluster, options: ModelOptions, nprocs: list[int], s
     combines = options.combine or ["alltoall"]
     for c in combines:
         if c not in COMBINES:
-            raise ValueError(f"--method with --model must be one of {', '.join(COMBINES)}, got {c!r}")
+            raise ValueError(f"--method with MODEL must be one of {', '.join(COMBINES)}, got {c!r}")
     configs = []
     for n in nprocs:
         cluster.nodes(n)
@@ -183,6 +192,19 @@ def _predict_model(cluster: Cluster, options: ModelOptions, nprocs: list[int], s
                              kv_dtype=options.kv_cache_dtype, activation_dtype=activation_dtype, combine=combine)
             records.append({**p.as_dict(), "preset": cluster.name})
     return records
+
+
+def _model_shape(model: str) -> ModelShape:
+    """A MODELS name, or the config of a checkpoint directory / .gguf file."""
+    if model in MODELS:
+        return MODELS[model]
+    from pathlib import Path
+
+    if not Path(model).exists():
+        raise ValueError(f"MODEL must be one of {', '.join(MODELS)} or a checkpoint directory or .gguf file, got {model!r}")
+    from treeattn.models import read_config
+
+    return shape_from_config(read_config(model), Path(model).name)
 
 
 def _print_model_records(records: list[dict], preset: str, as_json: bool) -> None:

@@ -189,6 +189,25 @@ MODELS: dict[str, ModelShape] = {m.name: m for m in (
 )}
 
 
+def shape_from_config(config, name: str) -> ModelShape:
+    """The ModelShape of a loaded Llama-family config (treeattn.models.read_config of a checkpoint
+    directory or .gguf file: Llama, Qwen2, Mistral, Gemma 3; sliding windows priced as global layers).
+
+    >>> from treeattn.models.llama import LlamaConfig
+    >>> c = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
+    ...                 num_kv_heads=3, head_dim=64, tie_word_embeddings=True)
+    >>> shape_from_config(c, "smollm2-135m") == MODELS["smollm2-135m"]
+    True
+    """
+    needed = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim")
+    missing = [key for key in needed if not hasattr(config, key)]
+    if missing:
+        raise ValueError(f"MODEL {name!r}: the cost model prices Llama-family configs; {type(config).__name__} has no {missing[0]}")
+    return ModelShape(name, layers=config.num_layers, hidden=config.hidden_size, heads=config.num_heads,
+                      kv_heads=config.num_kv_heads, head_dim=config.head_dim, ffn=config.intermediate_size,
+                      vocab=config.vocab_size, tied_embeddings=bool(getattr(config, "tie_word_embeddings", False)))
+
+
 @dataclass(frozen=True)
 class Layout:
     """How N = tp x kv ranks share a model: `kind` one of LAYOUTS, tp the attention TP width (TPA),
