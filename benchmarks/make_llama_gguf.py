@@ -102,7 +102,7 @@ def _metadata(writer: gguf.GGUFWriter, args, tokenizer: gguf.GGUFReader) -> None
     writer.add_name(f"random Llama-3.2-1B shape ({args.layers} layers, hidden {args.hidden}, seed {args.seed})")
     writer.add_file_type(FILE_TYPES[args.type])
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
-    writer.add_context_length(args.context)
+    writer.add_context_length(args.max_position_embeddings)
     writer.add_embedding_length(args.hidden)
     writer.add_block_count(args.layers)
     writer.add_feed_forward_length(args.ffn)
@@ -180,7 +180,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--kv-heads", type=int, default=8)
     parser.add_argument("--ffn", type=int, default=8192, help="the MLP's intermediate size")
     parser.add_argument("--vocab", type=int, default=128256, help="embedding rows; >= the tokenizer's tokens")
-    parser.add_argument("--context", type=int, default=131072, help="llama.context_length")
+    parser.add_argument("--max-position-embeddings", type=int, default=131072, help="llama.context_length (the model's, not a prompt)")
     parser.add_argument("--rope-theta", type=float, default=500000.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--tokenizer", type=Path, default=None,

@@ -53,7 +53,7 @@ def tiny(tmp_path_factory):
     n_tokens = _tokenizer_source(folder / "tokenizer.gguf")
     script = _script()
     args = script.parse_args(["--out", str(folder / "tiny.gguf"), "--type", "q8_0", "--layers", "2", "--hidden", "128",
-                              "--heads", "4", "--kv-heads", "2", "--ffn", "256", "--vocab", "320", "--context", "512",
+                              "--heads", "4", "--kv-heads", "2", "--ffn", "256", "--vocab", "320", "--max-position-embeddings", "512",
                               "--tokenizer", str(folder / "tokenizer.gguf")])
     info = script.write_random_llama(args)
     return folder, info, n_tokens, script
