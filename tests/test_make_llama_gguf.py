@@ -53,7 +53,8 @@ def tiny(tmp_path_factory):
     n_tokens = _tokenizer_source(folder / "tokenizer.gguf")
     script = _script()
     args = script.parse_args(["--out", str(folder / "tiny.gguf"), "--type", "q8_0", "--layers", "2", "--hidden", "128",
-                              "--heads", "4", "--kv-heads", "2", "--ffn", "256", "--vocab", "320", "--max-position-embeddings", "512",
+                              "--heads", "4", "--kv-heads", "2", "--ffn", "256", "--vocab", "320",
+                              "--max-position-embeddings", "512",
                               "--tokenizer", str(folder / "tokenizer.gguf")])
     info = script.write_random_llama(args)
     return folder, info, n_tokens, script
@@ -70,7 +71,7 @@ def test_the_file_has_the_shape_the_tokenizer_and_llama3_rope(tiny):
     tokens = field("tokenizer.ggml.tokens")
     assert len(tokens) == 320 == field("llama.vocab_size")  # llama.cpp's n_vocab is the token count
     assert tokens[:n_tokens] == vocabulary()[0] and tokens[-1] == f"<|reserved_special_token_{320 - n_tokens - 1}|>"
-    assert field("tokenizer.ggml.token_type")[n_tokens:] == [3] * (320 - n_tokens)
+    assert field("tokenizer.ggml.token_type")[n_tokens:] == [5] * (320 - n_tokens)  # UNUSED
     tensors = {t.name: t for t in reader.tensors}
     assert "output.weight" not in tensors  # tied, as Llama-3.2-1B
     assert tensors["blk.1.ffn_down.weight"].tensor_type == gguf.GGMLQuantizationType.Q8_0

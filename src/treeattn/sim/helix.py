@@ -158,7 +158,8 @@ class ModelShape:
         return 3 * self.hidden * self.ffn
 
     def mlp_flops(self, layer: int, batch: int) -> float:
-        width = (self.active_experts + self.shared_experts) * self.expert_ffn if self.experts and layer >= self.dense_layers else self.ffn
+        moe = self.experts and layer >= self.dense_layers
+        width = (self.active_experts + self.shared_experts) * self.expert_ffn if moe else self.ffn
         return 2 * batch * 3 * self.hidden * width
 
     def embedding_elements(self) -> int:
@@ -202,7 +203,8 @@ def shape_from_config(config, name: str) -> ModelShape:
     needed = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim")
     missing = [key for key in needed if not hasattr(config, key)]
     if missing:
-        raise ValueError(f"MODEL {name!r}: the cost model prices Llama-family configs; {type(config).__name__} has no {missing[0]}")
+        raise ValueError(f"MODEL {name!r}: the cost model prices Llama-family configs; "
+                         f"{type(config).__name__} has no {missing[0]}")
     return ModelShape(name, layers=config.num_layers, hidden=config.hidden_size, heads=config.num_heads,
                       kv_heads=config.num_kv_heads, head_dim=config.head_dim, ffn=config.intermediate_size,
                       vocab=config.vocab_size, tied_embeddings=bool(getattr(config, "tie_word_embeddings", False)))
@@ -465,7 +467,8 @@ def predict_step(cluster: Cluster, model: ModelShape, layout: Layout, seq_len: i
     comm = comm + _busy(cluster, layout.lm_head_ranks)
     if layout.kind != "kvp-only" and layout.lm_head_ranks > 1:  # the vocabulary-split embedding's rows
         comm = comm + allreduce(cluster, layout.lm_head_ranks, batch * model.hidden * sizes[2])
-    kv_bytes = layout.local_batch(batch) * model.layers * math.ceil(seq_len / layout.kv) * model.kv_elements_per_token(layout.tp) * sizes[1]
+    kv_bytes = (layout.local_batch(batch) * model.layers * math.ceil(seq_len / layout.kv)
+                * model.kv_elements_per_token(layout.tp) * sizes[1])
     held = weight_bytes_per_rank(model, layout, weight_dtype)
     fits = None if cluster.memory_capacity is None else held + kv_bytes <= cluster.memory_capacity
     return StepPrediction(

@@ -51,7 +51,8 @@ def _tp_choices(model: ModelShape, kind: str, nproc: int) -> list[int]:
 
 
 def frontier(cluster: Cluster, model: ModelShape, kind: str, seq_len: int = SEQ_LEN,
-             nprocs: tuple[int, ...] = NPROCS, batches: tuple[int, ...] = BATCHES, combine: str = "alltoall") -> list[StepPrediction]:
+             nprocs: tuple[int, ...] = NPROCS, batches: tuple[int, ...] = BATCHES,
+             combine: str = "alltoall") -> list[StepPrediction]:
     """Every configuration of layout family `kind` that fits in memory (all of them, not only the
     Pareto-optimal ones).
 
