@@ -23,6 +23,7 @@ RETIRED = {"--world-size", "--world-sizes", "--worlds", "-p", "--gpus", "--new-t
            "--doc", "--doc-tokens", "--contexts", "--gguf"}
 # (script, flag): where the retired name means something else than the CLI's concept
 OTHER_MEANING = {("make_draft_gguf.py", "--out"),  # the .gguf file it writes, not results as JSON
+                 ("make_llama_gguf.py", "--out"),  # idem
                  ("gpu_engine.py", "--gguf")}  # the file of one of several --models, not the model argument
 
 

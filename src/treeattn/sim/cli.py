@@ -8,7 +8,20 @@ from pathlib import Path
 import typer
 
 from treeattn.engine.flags import dtype_flag
+from dataclasses import dataclass
+
 from treeattn.sim.hardware import CALIBRATED_PRESET, GB, GIB, PRESET_NAMES, US, Cluster, load_cluster
+from treeattn.sim.helix import (
+    COMBINES,
+    ELEMENT_BYTES,
+    LAYOUTS,
+    MODELS,
+    Layout,
+    ModelShape,
+    helix_tp_choices,
+    predict_step,
+    shape_from_config,
+)
 from treeattn.sim.model import METHODS, check_method, memory_shortfall, predict_decode, predict_generation
 from treeattn.sim.workload import DecodeShape
 
@@ -32,7 +45,16 @@ def simulate(
     head_dim: int = typer.Option(128, help="Head dim D (= Dv)."),
     batch: int = typer.Option(1, help="Batch size B."),
     dtype: str = dtype_flag("bfloat16", help="Storage dtype of q, k, v."),
-    method: list[str] = typer.Option(list(METHODS), "--method", "-m", help="Method(s): " + ", ".join(METHODS) + "."),
+    method: list[str] | None = typer.Option(None, "--method", "-m", help="Method(s): " + ", ".join(METHODS) + " (default: all); "
+                                            "with MODEL, how the KV ranks combine: alltoall (Helix's, default) or onepass."),
+    model: str | None = typer.Argument(None, help="Price a whole model's decode step in a 2-D layout (N = KV ranks x TP ranks) "
+                                       "instead of one attention layer: " + ", ".join(MODELS) + ", or a Llama-family "
+                                       "checkpoint directory or .gguf file (its config)."),
+    tp: list[int] | None = typer.Option(None, "--tp", help="With MODEL: attention TP width(s) T of the helix and medha layouts "
+                                        "(the sequence is split N / T ways; default: every T that divides N and the KV heads)."),
+    layout: list[str] | None = typer.Option(None, help="With MODEL: layout(s) " + ", ".join(LAYOUTS) + " (default: all)."),
+    weight_dtype: str = typer.Option("fp4", help="With MODEL: weight storage, " + ", ".join(ELEMENT_BYTES) + "."),
+    kv_cache_dtype: str = typer.Option("fp4", help="With MODEL: KV cache storage, " + ", ".join(ELEMENT_BYTES) + "."),
     gpus_per_node: int | None = typer.Option(None, help="Override the preset's devices per node."),
     mem_bw_gbs: float | None = typer.Option(None, help="Device memory bandwidth, GB/s."),
     mem_efficiency: float | None = typer.Option(None, help="Fraction of memory bandwidth a decode kernel reaches."),
@@ -58,9 +80,11 @@ def simulate(
 ) -> None:
     """Predict one decode step (or prefill + n decode steps) of every method on a two-level cluster."""
     if paper:
+        from treeattn.sim import helix_paper
         from treeattn.sim.paper import markdown_report
 
         typer.echo(markdown_report())
+        typer.echo("\n" + helix_paper.markdown_report())
         return
     scale = {
         "memory_bandwidth": None if mem_bw_gbs is None else mem_bw_gbs * GB,
@@ -81,6 +105,16 @@ def simulate(
     }
     try:
         cluster = _cluster_from_options(preset, calibration, scale)
+        if model is not None:
+            options = ModelOptions(model, tp, layout, weight_dtype, kv_cache_dtype, method)
+            records = _predict_model(cluster, options, gpus, seq_len, batch, dtype)
+    except (ValueError, TypeError) as err:
+        raise _usage_error(err) from None
+    if model is not None:
+        _print_model_records(records, cluster.name, as_json)
+        return
+    method = list(METHODS) if method is None else method
+    try:
         for m in method:
             check_method(m)
         shapes = [
@@ -114,6 +148,90 @@ def simulate(
     if plot is not None:
         title = f"cost model, {cluster.name}, Hq={heads} D={head_dim} B={batch} {shapes[0].dtype}"
         _write_figures(records, plot, plot_prefix or f"sim_{cluster.name}", title)
+
+
+@dataclass(frozen=True)
+class ModelOptions:
+    """The MODEL mode's options as given on the command line (None: the default)."""
+
+    model: str
+    tp: list[int] | None
+    layouts: list[str] | None
+    weight_dtype: str
+    kv_cache_dtype: str
+    combine: list[str] | None
+
+
+def _predict_model(cluster: Cluster, options: ModelOptions, nprocs: list[int], seq_lens: list[int], batch: int,
+                   activation_dtype: str) -> list[dict]:
+    """One record per (world size, layout, tp, sequence length, combine): StepPrediction.as_dict()
+    plus `preset`. Every argument is checked before the first prediction."""
+    shape = _model_shape(options.model)
+    layouts = options.layouts or list(LAYOUTS)
+    for kind in layouts:
+        if kind not in LAYOUTS:
+            raise ValueError(f"--layout must be one of {', '.join(LAYOUTS)}, got {kind!r}")
+    combines = options.combine or ["alltoall"]
+    for c in combines:
+        if c not in COMBINES:
+            raise ValueError(f"--method with MODEL must be one of {', '.join(COMBINES)}, got {c!r}")
+    configs = []
+    for n in nprocs:
+        cluster.nodes(n)
+        for kind in layouts:
+            tps = (options.tp or helix_tp_choices(shape, n)) if kind in ("helix", "medha") else [1]
+            for t in tps:
+                layout = Layout.of(kind, n, tp=t)
+                if shape.heads % layout.tp != 0:
+                    raise ValueError(f"--tp {t} must divide {shape.name}'s {shape.heads} query heads")
+                configs += [(layout, c) for c in (combines if kind == "helix" else combines[:1])]
+    records = []
+    for layout, combine in configs:
+        for n_tokens in seq_lens:
+            p = predict_step(cluster, shape, layout, n_tokens, batch=batch, weight_dtype=options.weight_dtype,
+                             kv_dtype=options.kv_cache_dtype, activation_dtype=activation_dtype, combine=combine)
+            records.append({**p.as_dict(), "preset": cluster.name})
+    return records
+
+
+def _model_shape(model: str) -> ModelShape:
+    """A MODELS name, or the config of a checkpoint directory / .gguf file."""
+    if model in MODELS:
+        return MODELS[model]
+    from pathlib import Path
+
+    if not Path(model).exists():
+        raise ValueError(f"MODEL must be one of {', '.join(MODELS)} or a checkpoint directory or .gguf file, got {model!r}")
+    from treeattn.models import read_config
+
+    return shape_from_config(read_config(model), Path(model).name)
+
+
+def _print_model_records(records: list[dict], preset: str, as_json: bool) -> None:
+    if as_json:
+        for record in records:
+            typer.echo(json.dumps(record))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    from treeattn.sim.units import format_bytes, format_memory, format_seconds
+
+    table = Table(title=f"predicted decode step of {records[0]['model']} (every layer), preset {preset}")
+    columns = ("layout", "N", "tp", "kv", "seq_len", "batch", "time/token", "attention", "other kernels", "comm",
+               "sent", "weights/rank", "KV/rank")
+    for col in columns:
+        table.add_column(col, justify="left" if col == "layout" else "right")
+    for r in records:
+        fits = "" if r["fits_memory"] is not False else " !"
+        name = r["layout"] + (f" ({r['combine']})" if r["layout"] == "helix" and r["kv"] > 1 else "")
+        table.add_row(name, str(r["nproc"]), str(r["tp"]), str(r["kv"]), f"{r['seq_len']:,}", str(r["batch"]),
+                      format_seconds(r["predicted_seconds"]), format_seconds(r["attention_seconds"]),
+                      format_seconds(r["weights_seconds"]), format_seconds(r["comm_seconds"]), format_bytes(r["comm_bytes"]),
+                      format_memory(r["weight_bytes_per_rank"]) + fits, format_memory(r["kv_bytes_per_rank"]) + fits)
+    Console(width=180).print(table)
+    if any(r["fits_memory"] is False for r in records):
+        Console(width=180).print("! weights + KV cache do not fit in one device's memory")
 
 
 def _usage_error(err: Exception) -> typer.Exit:

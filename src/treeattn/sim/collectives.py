@@ -133,6 +133,45 @@ def ring_allgather(cluster: Cluster, ranks: int, nbytes: float) -> CommCost:
     return CommCost(seconds, ranks - 1, sent, "ring-allgather")
 
 
+def all_to_all(cluster: Cluster, ranks: int, nbytes: float) -> CommCost:
+    """All-to-all of `nbytes` per rank cut in `ranks` equal pieces, piece j going to rank j (NCCL's
+    grouped send/recv, as TensorRT-LLM's Helix all-to-all): the p - 1 messages of a rank leave at once,
+    so the step pays one latency, and (p - 1) / p x nbytes pass through each rank's link.
+
+    >>> from treeattn.sim import PRESETS
+    >>> cost = all_to_all(PRESETS["gb200-nvl72"], 4, 4000)
+    >>> cost.rounds, cost.bytes_sent
+    (1, 3000.0)
+    """
+    if ranks == 1:
+        return CommCost(0.0, 0, 0.0, "all-to-all")
+    link = slowest_link(cluster, ranks)
+    sent = (ranks - 1) / ranks * nbytes
+    seconds = cluster.collective_overhead + link.latency + sent / link.bandwidth
+    return CommCost(seconds, 1, sent, "all-to-all")
+
+
+def direct_allreduce(cluster: Cluster, ranks: int, nbytes: float) -> CommCost:
+    """All-reduce of `nbytes` per rank among ranks of one node that reach every peer through a switch
+    (NVSwitch), as TensorRT-LLM's and vLLM's custom all-reduce run it for small messages, the faster of:
+    one-shot (every rank reads every peer's buffer at once and reduces it: one latency, (p - 1) x nbytes
+    through its link) and two-shot (a direct reduce-scatter, then a direct all-gather: two latencies,
+    2 (p - 1) / p x nbytes). Not NCCL's ring or chain: no p - 1 sequential hops.
+
+    >>> from treeattn.sim import PRESETS
+    >>> direct_allreduce(PRESETS["gb200-nvl72"], 64, 4096).algorithm, direct_allreduce(PRESETS["gb200-nvl72"], 64, 32768).algorithm
+    ('one-shot', 'two-shot')
+    """
+    if ranks == 1:
+        return CommCost(0.0, 0, 0.0, "direct")
+    link = cluster.intra
+    one = CommCost(cluster.collective_overhead + link.latency + (ranks - 1) * nbytes / link.bandwidth, 1,
+                   (ranks - 1) * nbytes, "one-shot")
+    sent = 2 * (ranks - 1) / ranks * nbytes
+    two = CommCost(cluster.collective_overhead + 2 * link.latency + sent / link.bandwidth, 2, sent, "two-shot")
+    return one if one.seconds <= two.seconds else two
+
+
 def chain_broadcast(cluster: Cluster, ranks: list[int], nbytes: float) -> CommCost:
     """NCCL broadcast from ranks[0]: a pipelined chain, n - 1 hops of latency plus one pass of
     the bytes. The source sends the message once (one collective call: one round)."""

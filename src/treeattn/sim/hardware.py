@@ -381,7 +381,46 @@ _RTX4090_PCIE = Cluster(
     },
 )
 
-PRESETS: dict[str, Cluster] = {c.name: c for c in (_DGX_H100, _MI300X, _RTX4090_PCIE)}
+# GB200 NVL72 (the Helix paper's system, arXiv 2507.07120): 72 Blackwell GPUs in one NVLink domain.
+#   B200 in GB200: HBM3e 8 TB/s and 186 GB per GPU (GB200 NVL72 data sheet: 576 TB/s and 13.4 TB for 72
+#   GPUs); NVLink 5: 1.8 TB/s bidirectional per GPU = 900 GB/s per direction; FP8 dense 5 PFLOP/s per GPU
+#   (the data sheet's 720 PFLOP/s FP8 for 72 GPUs is with sparsity: half of it dense). The Helix paper's own
+#   roofline (its Figure 1) uses MemBW = 8000 GB/s.
+_GB200_NVL72 = Cluster(
+    name="gb200-nvl72",
+    gpus_per_node=72,
+    memory_bandwidth=8e12,
+    memory_efficiency=0.8,
+    peak_flops=5e15,
+    flops_efficiency=0.6,
+    kernel_overhead=2 * US,
+    merge_seconds=2 * US,
+    collective_overhead=3 * US,
+    memory_capacity=186 * GB,
+    host_read_seconds=10 * US,
+    intra=Link(latency=2 * US, bandwidth=0.8 * 900 * GB),
+    inter=Link(latency=8 * US, bandwidth=0.9 * 100 * GB),
+    p2p_overlap=1.0,
+    sources={
+        "memory_capacity": "spec: GB200 NVL72, 13.4 TB HBM3e for 72 GPUs = 186 GB per GPU",
+        "gpus_per_node": "spec: GB200 NVL72, 72 GPUs in one NVLink domain",
+        "memory_bandwidth": "spec: GB200 NVL72, 576 TB/s for 72 GPUs = 8 TB/s per GPU (the Helix paper's MemBW too)",
+        "memory_efficiency": "assumption: decode kernels and GEMVs reach ~80% of HBM bandwidth",
+        "peak_flops": "spec: GB200 NVL72 FP8 720 PFLOP/s with sparsity for 72 GPUs = 5 PFLOP/s dense per GPU",
+        "flops_efficiency": "assumption: ~60% of peak in attention and GEMMs",
+        "kernel_overhead": "assumption: ~2 us per kernel inside a CUDA graph (no launch from the host)",
+        "merge_seconds": "assumption: one small fused kernel, ~2 us",
+        "collective_overhead": "assumption: ~3 us per NCCL collective or send/recv inside a CUDA graph",
+        "host_read_seconds": "assumption: ~10 us: a device-to-host copy of one value, then the next kernel's launch",
+        "intra.latency": "assumption: ~2 us per NVLink 5 message through the NVLink switch",
+        "intra.bandwidth": "spec 900 GB/s per direction (NVLink 5, 1.8 TB/s bidirectional) x 0.8 achieved (assumption)",
+        "inter.latency": "assumption: ~8 us per message across racks (not used inside one NVL72)",
+        "inter.bandwidth": "assumption: one 800 Gb/s NIC per GPU (100 GB/s) x 0.9 achieved",
+        "p2p_overlap": "assumption: copy engines overlap transfers with compute completely",
+    },
+)
+
+PRESETS: dict[str, Cluster] = {c.name: c for c in (_DGX_H100, _MI300X, _RTX4090_PCIE, _GB200_NVL72)}
 CALIBRATED_PRESET = "cpu-local"
 PRESET_NAMES: tuple[str, ...] = (*PRESETS, CALIBRATED_PRESET)
 DEFAULT_CALIBRATION_PATH = Path("calibration.json")
