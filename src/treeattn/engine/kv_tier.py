@@ -233,6 +233,7 @@ class StoreTier:
         self.counters["store_load_s"] += time.perf_counter() - start
         failed = self._count(reports)
         good = next((i for i, b in enumerate(loaded) if (b.rank, b.index) in failed), len(loaded))
+        self.counters["store_hit_blocks"] += good  # the blocks after a failed one are loaded but not used
         cache.insert(tokens[: (m + good) * bs], matched + loaded[:good])
         cache.take_new()  # on disk already (flush ran before)
         for block in matched + loaded:
@@ -243,7 +244,6 @@ class StoreTier:
         for r in reports:
             self.counters["store_saved_blocks"] += r.saved
             self.counters["store_saved_bytes"] += r.saved_bytes
-            self.counters["store_hit_blocks"] += r.loaded
             self.counters["store_loaded_bytes"] += r.loaded_bytes
             self.counters["store_failed_blocks"] += len(r.failed)
             failed.update(r.failed)
