@@ -243,3 +243,30 @@ def test_metrics_show_hits_and_misses_per_tier():
     assert samples[("treeattn_kv_tier_blocks_total", (("result", "miss"), ("tier", "arena")))] == 6
     assert samples[("treeattn_kv_store_bytes_total", (("direction", "read"),))] == 20
     assert samples[("treeattn_kv_store_seconds_total", (("op", "load"),))] == 0.5
+
+
+def test_docstring_examples_of_the_store_modules_run():
+    import doctest
+
+    import treeattn.cache.store as store
+    import treeattn.engine.kv_tier as kv_tier
+
+    for module in (store, kv_tier):
+        failures, tried = doctest.testmod(module)
+        assert tried and not failures, module.__name__
+
+
+def test_mla_latent_cache_restores(tmp_path):
+    """DeepSeek-V3's latent cache (one plane per layer: the values inside the keys), loaded from a
+    checkpoint directory on every start: a restart gives the fresh prefill's tokens."""
+    pytest.importorskip("transformers")
+    from helpers.deepseek_checkpoints import PROMPT as IDS, make_checkpoint
+
+    make_checkpoint("v3", tmp_path / "v3")
+    runs = []
+    for _ in range(2):
+        with ta.Engine(str(tmp_path / "v3"), nproc=1, block_size=4, cache_tokens=64, kv_store=str(tmp_path / "store")) as e:
+            runs.append((e.generate(IDS, max_new_tokens=8, ignore_eos=True)[0], e.stats()))
+    (fresh, first), (restored, second) = runs
+    assert first["store_saved_blocks"] >= 3 and second["store_hit_blocks"] == 3 and restored.cached_prompt_tokens == 12
+    assert restored.token_ids == fresh.token_ids
