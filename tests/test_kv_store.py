@@ -6,7 +6,8 @@ first; two processes writing the same and different blocks at once leave only wh
 block's payload is its arena bytes (disk bytes per token == arena bytes per token for float32,
 bfloat16 and fp8). The engine: a new Engine on the same directory (a restart) finds the prompt's
 blocks on disk and gives the fresh prefill's greedy tokens, on 1 and 2 gloo ranks with float32 and
-bfloat16 KV, and a 2-rank store read by 1 rank (re-sharded by reading); another model or KV dtype
+bfloat16 KV, and a 2-rank store read by 1 rank (re-sharded by reading); a hybrid model's window
+checkpoints are stored and restored with its blocks; DeepSeek's latent cache; another model or KV dtype
 never matches; a corrupt block is skipped and recomputed; nothing is written outside the directory;
 the refusals are one line.
 """
@@ -220,17 +221,25 @@ def test_eviction_from_the_arena_then_a_store_hit(tmp_path):
     assert stats["store_hit_blocks"] >= 6
 
 
-def test_refusals_are_one_line(tmp_path, caplog):
+def test_refusals_are_one_line(tmp_path):
     with pytest.raises(ConfigError, match="kv_store is the prefix cache's second tier: it needs prefix_cache=True"):
         EngineConfig(kv_store=str(tmp_path), prefix_cache=False)
     with pytest.raises(ConfigError, match="not with speculate='draft'"):
         EngineConfig(kv_store=str(tmp_path), speculate="draft", draft_model="x")
     with pytest.raises(ConfigError, match="kv_store_bytes must be an int >= 1"):
         EngineConfig(kv_store=str(tmp_path), kv_store_bytes=0)
-    with caplog.at_level(logging.WARNING, logger="treeattn.engine.driver"):
-        result, stats = _run(model(layer_windows=(8, None)), tmp_path / "store")
-    assert "--kv-store is off for this model: its sliding-window layers" in caplog.text
-    assert "store_hit_blocks" not in stats and len(result.token_ids) == 6
+
+
+@pytest.mark.parametrize("nproc, kv", [(1, "float32"), (2, "bfloat16"), (1, "fp8_e4m3")])
+def test_a_hybrid_models_window_checkpoints_are_stored(tmp_path, nproc, kv):
+    """Window and global layers (Gemma 3's kind): a restart loads the blocks and the window
+    checkpoint at their end (every rank), and gives the fresh prefill's tokens."""
+    m, store = model(num_layers=3, layer_windows=(8, None, 24)), tmp_path / "store"
+    fresh, first = _run(m, store, nproc, kv_cache_dtype=kv)
+    restored, second = _run(m, store, nproc, kv_cache_dtype=kv)
+    assert first["store_saved_blocks"] == 6 and len(os.listdir(store)) == 3  # .lock, blocks, window checkpoints
+    assert restored.cached_prompt_tokens == 6 * BLOCK and second["store_hit_blocks"] == 6 and second["store_failed_blocks"] == 0
+    assert restored.token_ids == fresh.token_ids
 
 
 def test_metrics_show_hits_and_misses_per_tier():

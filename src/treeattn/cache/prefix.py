@@ -89,6 +89,19 @@ class PrefixCache:
     def match_checkpointed(self, tokens) -> tuple[list[BlockRef], int | None]:
         """match(tokens) and the id of the window checkpoint at its end (None without checkpoints
         or for no blocks)."""
+        blocks, usable, checkpoint = self._walk(tokens)
+        if self.max_checkpoints is None:
+            return blocks, None
+        return blocks[:usable], checkpoint
+
+    def match_all(self, tokens) -> list[BlockRef]:
+        """The blocks of the longest cached full-block prefix of `tokens`, not cut at a checkpoint
+        (a hybrid model cannot start a sequence at its end without one: the KV store loads one)."""
+        return self._walk(tokens)[0]
+
+    def _walk(self, tokens) -> tuple[list[BlockRef], int, int | None]:
+        """The blocks of the cached path of `tokens` (marked used now), how many end at its deepest
+        checkpoint, and that checkpoint's id."""
         now = next(self._clock)
         node, blocks, usable, checkpoint = self._root, [], 0, None
         for key in self._keys(tokens, len(tokens) // self.block_size):
@@ -99,9 +112,7 @@ class PrefixCache:
             blocks.append(node.block)
             if node.checkpoint is not None:
                 usable, checkpoint = len(blocks), node.checkpoint
-        if self.max_checkpoints is None:
-            return blocks, None
-        return blocks[:usable], checkpoint
+        return blocks, usable, checkpoint
 
     def add_checkpoint(self, tokens, num_blocks: int) -> int | None:
         """A new window checkpoint id for the cached prefix of `num_blocks` full blocks of
@@ -128,6 +139,15 @@ class PrefixCache:
         """The checkpoint ids dropped since the last call (the ranks may free them)."""
         dropped, self._dropped = tuple(self._dropped), []
         return dropped
+
+    def checkpoint_digest(self, checkpoint: int) -> bytes | None:
+        """The key (hash chain) of the node that holds window checkpoint `checkpoint`, None if dropped."""
+        return next((n.digest for n in self._checkpointed if n.checkpoint == checkpoint), None)
+
+    def drop_checkpoint(self, checkpoint: int) -> None:
+        """Drop window checkpoint `checkpoint` (listed by take_dropped); unknown ids are ignored."""
+        for node in [n for n in self._checkpointed if n.checkpoint == checkpoint]:
+            self._drop_checkpoint(node)
 
     @property
     def num_checkpoints(self) -> int:

@@ -62,7 +62,7 @@ class Driver:
         checkpoints = config.max_batch_size if hybrid_windows(tuple(layer_windows)) else None
         self.prefix_cache = (PrefixCache(self.pool, checkpoints=checkpoints, record_new=config.kv_store is not None)
                              if config.prefix_cache and not info.linear_layers else None)
-        self.tier = self._store_tier(layer_windows)  # the prefix cache's second tier (treeattn.engine.kv_tier)
+        self.tier = self._store_tier()  # the prefix cache's second tier (treeattn.engine.kv_tier)
         self.scheduler = Scheduler(self.pool, max_batch_size=config.max_batch_size, prefill_chunk=config.prefill_chunk,
                                    prefix_cache=self.prefix_cache, drafter=_drafter(config.speculate),
                                    draft_tokens=config.draft_tokens, draft_cache=config.speculate == "draft",
@@ -86,14 +86,14 @@ class Driver:
         self._thread = threading.Thread(target=self._drive, name="treeattn-engine-driver", daemon=True)
         self._thread.start()
 
-    def _store_tier(self, layer_windows):
+    def _store_tier(self):
         """The KV store's driver side for config.kv_store, or None (none asked, or refused: one warning)."""
         from treeattn.engine.kv_tier import StoreTier, store_refusal
 
         info = self.model_info
         if self.config.kv_store is None:
             return None
-        refusal = store_refusal(layer_windows, info.linear_layers, getattr(self.config, "tp", 1))
+        refusal = store_refusal(info.linear_layers, getattr(self.config, "tp", 1))
         if refusal is not None or info.kv_store_namespace is None:
             logger.warning("--kv-store is off for this model: %s", refusal or "its ranks made no store")
             return None
@@ -143,7 +143,7 @@ class Driver:
                 self._restarts_in_a_row = 0
                 self._complete(plan, outcome)
                 if self.tier is not None:
-                    self.tier.flush()
+                    self.tier.flush(plan)
                 self._update_stats()
         except BaseException as exc:  # noqa: BLE001 -- every failure must reach the requests
             self.failure = f"engine failed: {type(exc).__name__}: {exc}"

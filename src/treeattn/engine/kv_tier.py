@@ -23,10 +23,16 @@ weight tensor: model_fingerprint), the KV dtype and the arena's block shape: ano
 block size never matches. It holds no rank: a block's bytes are the same on any rank, so an engine
 of any rank count reads any block (a store written with 2 ranks is read by 1, re-sharded).
 
-Refused (the store is off with a one-line warning; the engine runs): a hybrid model's window layers
-(Gemma 3: a cached prefix also needs its window checkpoint, which is not stored), a hybrid linear
-model (no prefix cache). Refused before any rank starts (ConfigError): speculate="draft" (the draft
-model's cache is not stored), prefix_cache=False.
+A hybrid model (window and global layers, Gemma 3) starts a cached prefix only at a window
+checkpoint (treeattn.cache.window): the window layers' last W - 1 rows at a block boundary, the same
+on every rank. Rank 0 writes each checkpoint the ranks copy (after the step that copies it) to a
+second namespace of the same directory, keyed by its boundary's block key; a lookup loads the
+blocks up to the deepest boundary whose checkpoint is stored, then that checkpoint into every rank
+under a new id of the prefix cache.
+
+Refused: a hybrid linear model (no prefix cache; the store is off with a one-line warning), and
+before any rank starts (ConfigError) speculate="draft" (the draft model's cache is not stored) and
+prefix_cache=False.
 """
 
 from __future__ import annotations
@@ -40,7 +46,6 @@ import torch
 
 from treeattn.cache.paged import PagedKVCache
 from treeattn.cache.store import DIGEST_SIZE, KVStore, chain_digests, namespace
-from treeattn.cache.window import hybrid_windows
 from treeattn.engine.plan_message import StoreOps
 
 logger = logging.getLogger(__name__)
@@ -73,6 +78,12 @@ def model_fingerprint(model) -> str:
     return namespace(*parts)
 
 
+def window_namespace(block_namespace: str) -> str:
+    """The namespace of a hybrid model's window checkpoints beside its blocks' (their layout follows
+    from the model and the KV dtype, which the blocks' namespace holds)."""
+    return namespace(block_namespace, "window checkpoints")
+
+
 def cache_namespace(cache: PagedKVCache, fingerprint: str) -> str:
     """The store namespace of `cache`'s blocks for a model of `fingerprint`: its dtype and block shape."""
     block = (cache.arena.shape[0], cache.arena.shape[1], *cache.arena.shape[3:])
@@ -103,10 +114,11 @@ class RankKVStore:
         directory, max_bytes: the store's (EngineConfig.kv_store, kv_store_bytes).
     """
 
-    def __init__(self, cache: PagedKVCache, model, directory: str, max_bytes: int | None) -> None:
-        self.cache = cache
+    def __init__(self, cache: PagedKVCache, model, directory: str, max_bytes: int | None, windows=None) -> None:
+        self.cache, self.windows = cache, windows
         self.namespace = cache_namespace(cache, model_fingerprint(model))
         self.store = KVStore(directory, self.namespace, max_bytes=max_bytes)
+        self.window_store = KVStore(directory, window_namespace(self.namespace), max_bytes=max_bytes) if windows is not None else None
 
     def _planes(self, index: int) -> list[torch.Tensor]:
         """Views of block `index`'s bytes: its keys/values (and an fp8 cache's scales), as uint8."""
@@ -132,17 +144,32 @@ class RankKVStore:
             plane.copy_(flat[at : at + plane.numel()].view(plane.shape))
             at += plane.numel()
 
-    def apply(self, saves, loads, rank: int) -> StoreReport:
-        """Save and load the blocks of `saves` and `loads` ((rank, index, key) triples) that are this rank's."""
+    def apply(self, ops: StoreOps, rank: int) -> StoreReport:
+        """Save and load this rank's blocks of `ops` ((rank, index, key) triples), and its window
+        checkpoints (rank 0 writes them: every rank holds the same; every rank reads them)."""
         start = time.perf_counter()
         saved = saved_bytes = 0
-        for owner, index, key in saves:
+        for owner, index, key in ops.saves:
             if owner == rank:
                 written = self.store.put(key, self.block_bytes(index))
                 saved, saved_bytes = saved + (written > 0), saved_bytes + written
-        if saved and self.store.max_bytes is not None:
+        for checkpoint, _, key in ops.window_saves if rank == 0 else ():
+            payload = self.windows.checkpoint_payload(checkpoint)  # None: dropped in the step that saved it
+            saved_bytes += self.window_store.put(key, payload) if payload is not None else 0
+        if saved_bytes and self.store.max_bytes is not None:
             self.store.evict()
         middle = time.perf_counter()
+        loaded, loaded_bytes, failed = self._load(ops.loads, rank)
+        for checkpoint, position, key in ops.window_loads:
+            payload = self.window_store.get(key)
+            if payload is None or not self.windows.load_checkpoint(checkpoint, position, payload):
+                failed.append((-1, checkpoint))  # (-1, id): a window checkpoint that did not load
+            else:
+                loaded_bytes += len(payload)
+        return StoreReport(rank, saved, saved_bytes, loaded, loaded_bytes, middle - start, time.perf_counter() - middle, tuple(failed))
+
+    def _load(self, loads, rank: int) -> tuple[int, int, list[tuple[int, int]]]:
+        """Load this rank's blocks of `loads`: (blocks loaded, their bytes, (rank, index) of those that failed)."""
         loaded = loaded_bytes = 0
         failed = []
         for owner, index, key in loads:
@@ -156,7 +183,7 @@ class RankKVStore:
                 continue
             self.load_block(index, payload)
             loaded, loaded_bytes = loaded + 1, loaded_bytes + len(payload)
-        return StoreReport(rank, saved, saved_bytes, loaded, loaded_bytes, middle - start, time.perf_counter() - middle, tuple(failed))
+        return loaded, loaded_bytes, failed
 
 
 COUNTERS = ("arena_hit_blocks", "arena_miss_blocks", "store_hit_blocks", "store_miss_blocks", "store_failed_blocks",
@@ -169,12 +196,14 @@ class StoreTier:
 
     Args:
         directory: the store's directory; namespace: the ranks' (rank 0 reports it).
-        pool, prefix_cache: the driver's ShardedBlockPool and PrefixCache (record_new=True).
+        pool, prefix_cache: the driver's ShardedBlockPool and PrefixCache (record_new=True; with
+            checkpoints for a hybrid model, whose window checkpoints are stored too).
         run: sends a StoreOps to the ranks and returns their StoreReports (channel.run).
     """
 
     def __init__(self, directory: str, namespace: str, pool, prefix_cache, run) -> None:
         self.store = KVStore(directory, namespace)
+        self.windows = KVStore(directory, window_namespace(namespace)) if prefix_cache.max_checkpoints is not None else None
         self.pool, self.prefix_cache, self.run = pool, prefix_cache, run
         self.counters = dict.fromkeys(COUNTERS, 0)
         self.counters.update(store_load_s=0.0, store_save_s=0.0)
@@ -187,12 +216,18 @@ class StoreTier:
         """Forget the blocks not yet saved (the ranks that held them were restarted)."""
         self.prefix_cache.take_new()
 
-    def flush(self) -> None:
-        """Save every block the prefix cache took since the last call that the store lacks."""
+    def flush(self, plan=None) -> None:
+        """Save every block the prefix cache took since the last call that the store lacks, and the
+        window checkpoints that `plan` (the step that just ran) had the ranks copy."""
         saves = tuple((block.rank, block.index, key) for key, block in self.prefix_cache.take_new() if key not in self.store)
-        if saves:
+        windows = []
+        for _, _, checkpoint in getattr(plan, "window_saves", ()) if self.windows is not None else ():
+            key = self.prefix_cache.checkpoint_digest(checkpoint)
+            if key is not None and key not in self.windows:
+                windows.append((checkpoint, 0, key))
+        if saves or windows:
             start = time.perf_counter()
-            self._count(self.run(StoreOps(saves, ())))
+            self._count(self.run(StoreOps(saves, (), tuple(windows))))
             self.counters["store_save_s"] += time.perf_counter() - start
 
     def promote(self, scheduler) -> None:
@@ -203,41 +238,64 @@ class StoreTier:
             self._probed.add(seq)
 
     def _promote(self, tokens, first: bool) -> None:
-        """The blocks of `tokens`' full-block prefix past the arena's match that are on disk: loaded
-        into new blocks, the leading ones that loaded inserted into the prefix cache."""
-        bs, cache, pool = self.pool.block_size, self.prefix_cache, self.pool
-        matched, n = cache.match(tokens), len(tokens) // bs
-        m = len(matched)
-        keys = chain_digests(tokens, bs, n, cache.match_digest(tokens, m), m)
-        found = 0
-        while found < len(keys) and keys[found] in self.store:
-            found += 1
+        """The blocks of `tokens`' full-block prefix past the arena's that are on disk, loaded into new
+        blocks and into the prefix cache; for a hybrid model, up to the deepest boundary with a
+        stored window checkpoint, which is loaded too."""
+        bs, cache = self.pool.block_size, self.prefix_cache
+        n = len(tokens) // bs
+        path = cache.match_all(tokens)
+        usable = len(cache.match(tokens))  # where a sequence may start now (path's end without checkpoints)
+        keys = chain_digests(tokens, bs, n)
+        end = len(path)
+        while end < n and keys[end] in self.store:
+            end += 1
+        if self.windows is not None:  # the deepest boundary past `usable` that has a stored checkpoint
+            end = next((t for t in range(end, usable, -1) if keys[t - 1] in self.windows), usable)
         if first:
-            self.counters["arena_hit_blocks"] += m
-            self.counters["arena_miss_blocks"] += n - m
-            self.counters["store_miss_blocks"] += n - m - found
-        if not found:
+            self.counters["arena_hit_blocks"] += usable
+            self.counters["arena_miss_blocks"] += n - usable
+            self.counters["store_miss_blocks"] += n - max(usable, end)
+        if end <= usable:
             return
-        for block in matched:  # pinned: making room must not evict the prefix the loads extend
+        good = self._load_blocks(tokens, path[:end], end, keys)
+        if self.windows is not None and good == end:
+            checkpoint = cache.add_checkpoint(tokens, end)
+            if checkpoint is not None and self._load_window(checkpoint, end * bs, keys[end - 1]):
+                cache.drop_checkpoint(checkpoint)
+        cache.take_new()  # on disk already (flush ran before)
+
+    def _load_blocks(self, tokens, path, end: int, keys) -> int:
+        """Load blocks len(path)..end-1 of `tokens` (the arena holds `path`) into new blocks and the
+        prefix cache; returns how many leading blocks of `tokens` the cache then holds."""
+        cache, pool = self.prefix_cache, self.pool
+        for block in path:  # pinned: making room must not evict the prefix the loads extend
             pool.incref(block)
         loaded = []
-        for j in range(m, m + found):
+        for j in range(len(path), end):
             rank = pool.owner(j)
             if pool.pools[rank].num_free == 0:
                 cache.evict(rank, 1)
             if pool.pools[rank].num_free == 0:
                 break
             loaded.append(pool.allocate(j))
-        start = time.perf_counter()
-        reports = self.run(StoreOps((), tuple((b.rank, b.index, keys[i]) for i, b in enumerate(loaded))))
-        self.counters["store_load_s"] += time.perf_counter() - start
-        failed = self._count(reports)
+        failed = set()
+        if loaded:
+            start = time.perf_counter()
+            failed = self._count(self.run(StoreOps((), tuple((b.rank, b.index, keys[len(path) + i]) for i, b in enumerate(loaded)))))
+            self.counters["store_load_s"] += time.perf_counter() - start
         good = next((i for i, b in enumerate(loaded) if (b.rank, b.index) in failed), len(loaded))
         self.counters["store_hit_blocks"] += good  # the blocks after a failed one are loaded but not used
-        cache.insert(tokens[: (m + good) * bs], matched + loaded[:good])
-        cache.take_new()  # on disk already (flush ran before)
-        for block in matched + loaded:
+        cache.insert(tokens[: (len(path) + good) * self.pool.block_size], path + loaded[:good])
+        for block in path + loaded:
             pool.decref(block)
+        return len(path) + good
+
+    def _load_window(self, checkpoint: int, position: int, key: bytes) -> bool:
+        """Have every rank load the window checkpoint `key` as `checkpoint`; True if one failed."""
+        start = time.perf_counter()
+        failed = self._count(self.run(StoreOps(window_loads=((checkpoint, position, key),))))
+        self.counters["store_load_s"] += time.perf_counter() - start
+        return bool(failed)
 
     def _count(self, reports) -> set[tuple[int, int]]:
         failed = set()
@@ -250,10 +308,8 @@ class StoreTier:
         return failed
 
 
-def store_refusal(layer_windows, linear_layers, tp: int = 1) -> str | None:
+def store_refusal(linear_layers, tp: int = 1) -> str | None:
     """Why the store is off for a model (one line), or None when it runs."""
-    if hybrid_windows(tuple(layer_windows)):
-        return ("its sliding-window layers (a cached prefix also needs their window checkpoint, which is not stored)")
     if linear_layers:
         return "its linear-attention layers keep per-sequence states and no prefix cache"
     if tp > 1:

@@ -5,8 +5,8 @@
 
 A plan is a StepPlan (its chunks: tokens, first position, block table, sampling spec, drafts; the
 sequences released), KEEPALIVE, a Measure, a SetDecode, a StoreOps (the KV store's block saves and
-loads: header kind, length, saves, loads; then per block rank, index and its 16-byte key as four
-words), or None (the end). `encode` writes it as one flat list of
+loads and window checkpoint saves and loads: header kind, length, and the four counts; then per
+entry rank or checkpoint id, block index or position, and its 16-byte key as four words), or None (the end). `encode` writes it as one flat list of
 int32 words, `decode` reads it back: decode(encode(plan)) == plan, exactly (floats travel as the two
 words of their float64 bits, a 64-bit seed as two words).
 
@@ -70,6 +70,8 @@ class StoreOps:
 
     saves: tuple[tuple[int, int, bytes], ...] = ()
     loads: tuple[tuple[int, int, bytes], ...] = ()
+    window_saves: tuple[tuple[int, int, bytes], ...] = ()  # (checkpoint id, 0, key): rank 0 writes the window checkpoint
+    window_loads: tuple[tuple[int, int, bytes], ...] = ()  # (checkpoint id, position, key): every rank reads it
 
 
 CAPACITY = 1024  # int32 words of the buffer at first
@@ -117,8 +119,8 @@ def encode(plan) -> list[int]:
                              f"got {plan.decode!r} and {plan.method!r}")
         return [DECODE, HEADER, DECODE_KINDS.index(plan.decode), METHODS.index(plan.method), 0, 0, 0, 0]
     if isinstance(plan, StoreOps):
-        words = [STORE, 0, len(plan.saves), len(plan.loads), 0, 0, 0, 0]
-        for rank, index, key in (*plan.saves, *plan.loads):
+        words = [STORE, 0, len(plan.saves), len(plan.loads), len(plan.window_saves), len(plan.window_loads), 0, 0]
+        for rank, index, key in (*plan.saves, *plan.loads, *plan.window_saves, *plan.window_loads):
             words += (rank, index, *struct.unpack("<4i", key))
         words[1] = len(words)
         return words
@@ -160,7 +162,8 @@ def decode(words: list[int]):
         return SetDecode(DECODE_KINDS[words[2]], METHODS[words[3]])
     if kind == STORE:
         ops = [(words[i], words[i + 1], struct.pack("<4i", *words[i + 2 : i + 6])) for i in range(HEADER, words[1], 6)]
-        return StoreOps(tuple(ops[: words[2]]), tuple(ops[words[2] :]))
+        cuts = [0, words[2], words[2] + words[3], words[2] + words[3] + words[4], len(ops)]
+        return StoreOps(*(tuple(ops[a:b]) for a, b in zip(cuts, cuts[1:])))
     n_chunks, n_release, n_saves, n_restores, n_drops = words[2], words[3], words[5], words[6], words[7]
     fields = [words[HEADER + i * CHUNK_FIELDS : HEADER + (i + 1) * CHUNK_FIELDS] for i in range(n_chunks)]
     at = HEADER + n_chunks * CHUNK_FIELDS

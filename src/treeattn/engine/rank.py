@@ -91,10 +91,10 @@ def make_runner(model, config: EngineConfig, group=None) -> RankRunner:
                       decode_step=config.decode_step, prefill=config.prefill, max_batch_size=config.max_batch_size,
                       kv_cache_dtype=resolve_kv_cache_dtype(config.kv_cache_dtype, model.dtype))
     runner.kv_store = None  # the second KV tier (treeattn.engine.kv_tier), for a cache of full blocks only
-    if config.kv_store is not None and runner.windows is None and runner.linear_states is None:
+    if config.kv_store is not None and runner.linear_states is None:
         from treeattn.engine.kv_tier import RankKVStore
 
-        runner.kv_store = RankKVStore(runner.cache, model, config.kv_store, config.kv_store_bytes)
+        runner.kv_store = RankKVStore(runner.cache, model, config.kv_store, config.kv_store_bytes, runner.windows)
     return runner
 
 
@@ -108,7 +108,7 @@ def run_plan(runner: RankRunner, plan):
         return StepOutcome()
     if isinstance(plan, (Measure, StoreOps)):
         mine = (runner.measurements(plan.reset) if isinstance(plan, Measure)
-                else runner.kv_store.apply(plan.saves, plan.loads, runner.rank))
+                else runner.kv_store.apply(plan, runner.rank))
         if runner.world_size == 1:
             return [mine]
         everyone = [None] * runner.world_size
