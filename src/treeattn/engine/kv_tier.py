@@ -1,7 +1,7 @@
 """The engine's second KV tier: prefix-cache blocks written through to a disk store and loaded back (treeattn.cache.store).
 
-    ranks:   runner.kv_store = RankKVStore(runner.cache, model, config.kv_store, config.kv_store_bytes)
-             reports = runner.kv_store.apply(StoreOps(saves, loads), rank)   # its own blocks of each list
+    ranks:   runner.block_store = RankKVStore(runner.cache, model, config.kv_store, config.kv_store_bytes, runner.windows)
+             reports = runner.block_store.apply(StoreOps(saves, loads), rank)   # its own blocks, rank 0 the window checkpoints
     driver:  tier = StoreTier(directory, namespace, pool, prefix_cache, channel.run)
              tier.flush()            # after every step: blocks the prefix cache took go to the store
              tier.promote(scheduler) # before planning: waiting requests' blocks found on disk are loaded

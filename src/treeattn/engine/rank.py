@@ -66,7 +66,7 @@ def model_info(model, runner: RankRunner | None = None) -> ModelInfo:
     from treeattn.linear.hybrid import linear_layers
 
     c = model.config
-    store = getattr(runner, "kv_store", None)
+    store = getattr(runner, "block_store", None)
     return ModelInfo(c.vocab_size, c.max_position_embeddings, tuple(c.eos_token_ids), linear_layers(model),
                      None if store is None else store.namespace)
 
@@ -90,11 +90,11 @@ def make_runner(model, config: EngineConfig, group=None) -> RankRunner:
                       shared_memory=config.shared_memory, timeout_s=config.timeout_s, draft_model=draft,
                       decode_step=config.decode_step, prefill=config.prefill, max_batch_size=config.max_batch_size,
                       kv_cache_dtype=resolve_kv_cache_dtype(config.kv_cache_dtype, model.dtype))
-    runner.kv_store = None  # the second KV tier (treeattn.engine.kv_tier), for a cache of full blocks only
+    runner.block_store = None  # the prefix cache's disk tier (treeattn.engine.kv_tier): not for a linear hybrid
     if config.kv_store is not None and runner.linear_states is None:
         from treeattn.engine.kv_tier import RankKVStore
 
-        runner.kv_store = RankKVStore(runner.cache, model, config.kv_store, config.kv_store_bytes, runner.windows)
+        runner.block_store = RankKVStore(runner.cache, model, config.kv_store, config.kv_store_bytes, runner.windows)
     return runner
 
 
@@ -108,7 +108,7 @@ def run_plan(runner: RankRunner, plan):
         return StepOutcome()
     if isinstance(plan, (Measure, StoreOps)):
         mine = (runner.measurements(plan.reset) if isinstance(plan, Measure)
-                else runner.kv_store.apply(plan, runner.rank))
+                else runner.block_store.apply(plan, runner.rank))
         if runner.world_size == 1:
             return [mine]
         everyone = [None] * runner.world_size
