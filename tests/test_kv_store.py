@@ -279,3 +279,14 @@ def test_mla_latent_cache_restores(tmp_path):
     (fresh, first), (restored, second) = runs
     assert first["store_saved_blocks"] >= 3 and second["store_hit_blocks"] == 3 and restored.cached_prompt_tokens == 12
     assert restored.token_ids == fresh.token_ids
+
+
+def test_two_live_engines_share_one_store(tmp_path):
+    """Two engines open at once on one directory (two servers of one host): what one prefilled,
+    the other loads."""
+    m, store = model(), tmp_path / "store"
+    with engine(m, store) as a, engine(m, store) as b:
+        first = a.generate(PROMPT, max_new_tokens=6)[0]
+        second = b.generate(PROMPT, max_new_tokens=6)[0]
+        stats = b.stats()
+    assert second.token_ids == first.token_ids and second.cached_prompt_tokens == 6 * BLOCK and stats["store_hit_blocks"] == 6
