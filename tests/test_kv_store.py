@@ -290,3 +290,22 @@ def test_two_live_engines_share_one_store(tmp_path):
         second = b.generate(PROMPT, max_new_tokens=6)[0]
         stats = b.stats()
     assert second.token_ids == first.token_ids and second.cached_prompt_tokens == 6 * BLOCK and stats["store_hit_blocks"] == 6
+
+
+def test_a_store_that_cannot_be_written_is_refused_or_skipped(tmp_path, caplog):
+    """A kv_store path that cannot be a directory: ConfigError before any rank starts; a store
+    that fails under a running engine (here its namespace replaced by a file): warnings, and the
+    request's tokens as without a store."""
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ConfigError, match="kv_store: cannot create the directory"):
+        engine(model(), tmp_path / "file" / "store")
+    m, store = model(), tmp_path / "store"
+    fresh, _ = _run(m, None)
+    with engine(m, store) as e:
+        for sub in os.listdir(store):
+            if sub != ".lock":
+                os.rmdir(store / sub)
+                (store / sub).write_text("not a directory")
+        with caplog.at_level(logging.WARNING, logger="treeattn.engine.kv_tier"):
+            result = e.generate(PROMPT, max_new_tokens=6)[0]
+    assert result.token_ids == fresh.token_ids and "KV store: writing to" in caplog.text

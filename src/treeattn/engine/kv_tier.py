@@ -149,19 +149,22 @@ class RankKVStore:
         checkpoints (rank 0 writes them: every rank holds the same; every rank reads them)."""
         start = time.perf_counter()
         saved = saved_bytes = 0
-        for owner, index, key in ops.saves:
-            if owner == rank:
-                written = self.store.put(key, self.block_bytes(index))
-                saved, saved_bytes = saved + (written > 0), saved_bytes + written
-        for checkpoint, _, key in ops.window_saves if rank == 0 else ():
-            payload = self.windows.checkpoint_payload(checkpoint)  # None: dropped in the step that saved it
-            saved_bytes += self.window_store.put(key, payload) if payload is not None else 0
-        if saved_bytes and self.store.max_bytes is not None:
-            self.store.evict()
+        try:  # a full or unwritable disk loses the writes (a warning), never the step
+            for owner, index, key in ops.saves:
+                if owner == rank:
+                    written = self.store.put(key, self.block_bytes(index))
+                    saved, saved_bytes = saved + (written > 0), saved_bytes + written
+            for checkpoint, _, key in ops.window_saves if rank == 0 else ():
+                payload = self.windows.checkpoint_payload(checkpoint)  # None: dropped in the step that saved it
+                saved_bytes += self.window_store.put(key, payload) if payload is not None else 0
+            if saved_bytes and self.store.max_bytes is not None:
+                self.store.evict()
+        except OSError as exc:
+            logger.warning("KV store: writing to %s failed (%s); blocks not stored", self.store.root, exc)
         middle = time.perf_counter()
         loaded, loaded_bytes, failed = self._load(ops.loads, rank)
         for checkpoint, position, key in ops.window_loads:
-            payload = self.window_store.get(key)
+            payload = _read(self.window_store, key)
             if payload is None or not self.windows.load_checkpoint(checkpoint, position, payload):
                 failed.append((-1, checkpoint))  # (-1, id): a window checkpoint that did not load
             else:
@@ -175,7 +178,7 @@ class RankKVStore:
         for owner, index, key in loads:
             if owner != rank:
                 continue
-            payload = self.store.get(key)
+            payload = _read(self.store, key)
             if payload is None or len(payload) != self.bytes_per_block:
                 if payload is not None:
                     logger.warning("KV store: block %s has %d bytes, %d expected; skipped", key.hex(), len(payload), self.bytes_per_block)
@@ -184,6 +187,15 @@ class RankKVStore:
             self.load_block(index, payload)
             loaded, loaded_bytes = loaded + 1, loaded_bytes + len(payload)
         return loaded, loaded_bytes, failed
+
+
+def _read(store: KVStore, key: bytes):
+    """store.get(key), None (a warning) where the disk fails to read."""
+    try:
+        return store.get(key)
+    except OSError as exc:
+        logger.warning("KV store: reading %s failed (%s); block skipped", store.path(key), exc)
+        return None
 
 
 COUNTERS = ("arena_hit_blocks", "arena_miss_blocks", "store_hit_blocks", "store_miss_blocks", "store_failed_blocks",
