@@ -23,6 +23,11 @@ each attached to the node of its boundary: `add_checkpoint` gives a node a new i
 the window state under it), `match` stops at the deepest node of the matched path that has one
 (its id comes with `match_checkpointed`), and a checkpoint whose node is evicted, or the least
 recently used one when a new one exceeds N, is listed by `take_dropped` (the ranks free it).
+
+Every node also carries its block's key in the token-prefix hash chain (treeattn.cache.store:
+`digest`, the blake2b of its parent's and its own tokens): the name of the block in a KV store.
+With `record_new=True` the tree lists the (key, block) of every node it creates, for `take_new`
+(the engine writes those blocks through to its store, treeattn.engine.kv_tier).
 """
 
 from __future__ import annotations
@@ -31,10 +36,11 @@ import heapq
 import itertools
 
 from treeattn.cache.blocks import BlockRef, ShardedBlockPool
+from treeattn.cache.store import ROOT, block_digest
 
 
 class _Node:
-    __slots__ = ("parent", "key", "block", "children", "last_access", "checkpoint")
+    __slots__ = ("parent", "key", "block", "children", "last_access", "checkpoint", "digest")
 
     def __init__(self, parent: "_Node | None", key: tuple[int, ...], block: BlockRef | None, last_access: int) -> None:
         self.parent = parent
@@ -43,6 +49,7 @@ class _Node:
         self.children: dict[tuple[int, ...], _Node] = {}
         self.last_access = last_access
         self.checkpoint: int | None = None  # a window checkpoint id (hybrid models)
+        self.digest = ROOT if parent is None else block_digest(parent.digest, key)  # its key in the hash chain
 
 
 class PrefixCache:
@@ -52,9 +59,10 @@ class PrefixCache:
         pool: the blocks of every rank.
         checkpoints: None for a model whose cached blocks are all a prefix needs; an int N >= 1 for
             a hybrid model: matches stop at window checkpoints, of which at most N are kept.
+        record_new: list every block the tree takes, with its key, for take_new().
     """
 
-    def __init__(self, pool: ShardedBlockPool, *, checkpoints: int | None = None) -> None:
+    def __init__(self, pool: ShardedBlockPool, *, checkpoints: int | None = None, record_new: bool = False) -> None:
         if checkpoints is not None and (isinstance(checkpoints, bool) or not isinstance(checkpoints, int) or checkpoints < 1):
             raise ValueError(f"checkpoints must be None or an int >= 1, got {checkpoints!r}")
         self.pool = pool
@@ -66,6 +74,7 @@ class PrefixCache:
         self._clock = itertools.count(1)
         self._root = _Node(None, (), None, 0)
         self.num_blocks = 0  # blocks owned by the tree
+        self._new: list[tuple[bytes, BlockRef]] | None = [] if record_new else None
 
     def _keys(self, tokens, num_blocks: int):
         bs = self.block_size
@@ -80,6 +89,19 @@ class PrefixCache:
     def match_checkpointed(self, tokens) -> tuple[list[BlockRef], int | None]:
         """match(tokens) and the id of the window checkpoint at its end (None without checkpoints
         or for no blocks)."""
+        blocks, usable, checkpoint = self._walk(tokens)
+        if self.max_checkpoints is None:
+            return blocks, None
+        return blocks[:usable], checkpoint
+
+    def match_all(self, tokens) -> list[BlockRef]:
+        """The blocks of the longest cached full-block prefix of `tokens`, not cut at a checkpoint
+        (a hybrid model cannot start a sequence at its end without one: the KV store loads one)."""
+        return self._walk(tokens)[0]
+
+    def _walk(self, tokens) -> tuple[list[BlockRef], int, int | None]:
+        """The blocks of the cached path of `tokens` (marked used now), how many end at its deepest
+        checkpoint, and that checkpoint's id."""
         now = next(self._clock)
         node, blocks, usable, checkpoint = self._root, [], 0, None
         for key in self._keys(tokens, len(tokens) // self.block_size):
@@ -90,9 +112,7 @@ class PrefixCache:
             blocks.append(node.block)
             if node.checkpoint is not None:
                 usable, checkpoint = len(blocks), node.checkpoint
-        if self.max_checkpoints is None:
-            return blocks, None
-        return blocks[:usable], checkpoint
+        return blocks, usable, checkpoint
 
     def add_checkpoint(self, tokens, num_blocks: int) -> int | None:
         """A new window checkpoint id for the cached prefix of `num_blocks` full blocks of
@@ -120,6 +140,15 @@ class PrefixCache:
         dropped, self._dropped = tuple(self._dropped), []
         return dropped
 
+    def checkpoint_digest(self, checkpoint: int) -> bytes | None:
+        """The key (hash chain) of the node that holds window checkpoint `checkpoint`, None if dropped."""
+        return next((n.digest for n in self._checkpointed if n.checkpoint == checkpoint), None)
+
+    def drop_checkpoint(self, checkpoint: int) -> None:
+        """Drop window checkpoint `checkpoint` (listed by take_dropped); unknown ids are ignored."""
+        for node in [n for n in self._checkpointed if n.checkpoint == checkpoint]:
+            self._drop_checkpoint(node)
+
     @property
     def num_checkpoints(self) -> int:
         return len(self._checkpointed)
@@ -143,11 +172,30 @@ class PrefixCache:
                     raise ValueError(f"block {j} is on rank {blocks[j].rank}, but the placement puts it on rank {self.pool.owner(j)}")
                 self.pool.incref(blocks[j])
                 child = node.children[key] = _Node(node, key, blocks[j], now)
+                if self._new is not None:
+                    self._new.append((child.digest, blocks[j]))
                 self.num_blocks += 1
                 added += 1
             child.last_access = now
             node = child
         return added
+
+    def take_new(self) -> list[tuple[bytes, BlockRef]]:
+        """(key, block) of every block the tree took since the last call (record_new=True; else [])."""
+        if self._new is None:
+            return []
+        new, self._new = self._new, []
+        return new
+
+    def match_digest(self, tokens, num_blocks: int) -> bytes | None:
+        """The key of the cached prefix of `num_blocks` full blocks of `tokens` (ROOT for 0), or
+        None where the tree does not hold it."""
+        node = self._root
+        for key in self._keys(tokens, num_blocks):
+            node = node.children.get(key)
+            if node is None:
+                return None
+        return node.digest
 
     def evictable(self, node: _Node) -> bool:
         return node is not self._root and not node.children and self.pool.refcount(node.block) == 1

@@ -43,6 +43,8 @@ checkpoint keeps the stored rows (codes and scales), so a restored sequence hold
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from treeattn.cache.positions import INVISIBLE_POSITION
@@ -189,6 +191,41 @@ class WindowKVCache:
             k = rows[layer][0]
             ring = layers[layer] = _Ring(window - 1 + SPARE_ROWS, k, self.dtype, self.compute_dtype)
             ring.write_stored(end - k.shape[0], *rows[layer])
+
+    def checkpoint_payload(self, checkpoint: int) -> bytes | None:
+        """Checkpoint `checkpoint`'s rows as bytes, exactly as held (per window layer, in order: keys,
+        values, an fp8 cache's scales), for the KV store; None when it is not held."""
+        if checkpoint not in self._checkpoints:
+            return None
+        _, rows = self._checkpoints[checkpoint]
+        parts = [t.contiguous().view(torch.uint8).reshape(-1).cpu() for stored in rows.values() if stored is not None
+                 for t in stored if t is not None]
+        return torch.cat(parts).numpy().tobytes() if parts else b""
+
+    def load_checkpoint(self, checkpoint: int, end: int, payload) -> bool:
+        """Hold `payload` (checkpoint_payload's bytes of a checkpoint at position `end`) as
+        checkpoint `checkpoint`. False, holding nothing, when its length does not fit."""
+        flat = torch.frombuffer(payload, dtype=torch.uint8) if len(payload) else torch.empty(0, dtype=torch.uint8)
+        rows, at = {}, 0
+        for layer, window in self.windows.items():
+            n = min(end, window - 1)
+            if n == 0:
+                rows[layer] = None
+                continue
+            shapes = [((n, self.num_kv_heads, self.head_dim), self.dtype)] * 2
+            shapes += [((2, n, self.num_kv_heads), torch.float32)] if self.dtype == FP8 else []
+            stored = []
+            for shape, dtype in shapes:
+                size = dtype.itemsize * math.prod(shape)
+                if at + size > flat.numel():
+                    return False
+                stored.append(flat[at : at + size].view(dtype).view(shape).to(self.device, copy=True))
+                at += size
+            rows[layer] = (*stored, None) if self.dtype != FP8 else tuple(stored)
+        if at != flat.numel():
+            return False
+        self._checkpoints[checkpoint] = (end, rows)
+        return True
 
     def drop(self, checkpoint: int) -> None:
         """Forget checkpoint `checkpoint` (its prefix left the prefix cache); unknown ids are ignored."""

@@ -83,6 +83,8 @@ def chat_command(
     kv_cache_dtype: KvCacheDtype = config_flag(E, "kv_cache_dtype"),
     weight_format: WeightFormat = config_flag(E, "weight_format"),
     timeout: float = config_flag(E, "timeout_s", flag="--timeout", min=0.001, max=1e6),
+    kv_store: Path | None = config_flag(E, "kv_store"),
+    kv_store_bytes: int = config_flag(E, "kv_store_bytes", min=1),
 ) -> None:
     """Chat with MODEL in the terminal: its chat template, replies streamed as decoded, the conversation in the prefix cache."""
     import treeattn as ta
@@ -106,7 +108,8 @@ def chat_command(
     try:
         engine = ta.Engine(str(model), nproc=nproc, decode=decode if nproc > 1 else "local", max_batch_size=1,
                            prefix_cache=True, block_size=block_size, dtype=torch_dtype(dtype), device=device, timeout_s=timeout,
-                           kv_cache_dtype=kv_cache_dtype, weight_format=weight_format)
+                           kv_cache_dtype=kv_cache_dtype, weight_format=weight_format,
+                           kv_store=None if kv_store is None else str(kv_store), kv_store_bytes=kv_store_bytes)
     except ConfigError as exc:  # a refused option (--device cuda without CUDA, ...): one line in the flags' words
         from treeattn.engine.flags import cli_message
 

@@ -202,6 +202,19 @@ def check_memory(model, model_config, config: EngineConfig, *, cache_option: str
                             draft=draft, device=device, cache_option=cache_option)
 
 
+def check_kv_store(config: EngineConfig) -> None:
+    """config.kv_store is a directory this process can create and write (ConfigError naming
+    kv_store), before any rank starts."""
+    if config.kv_store is None:
+        return
+    try:
+        os.makedirs(config.kv_store, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError("kv_store", f"kv_store: cannot create the directory {config.kv_store}: {exc.strerror}") from exc
+    if not os.access(config.kv_store, os.W_OK | os.X_OK):
+        raise ConfigError("kv_store", f"kv_store: {config.kv_store} is not a directory this process can write")
+
+
 def check_engine(model, config: EngineConfig, *, group=None, joined: bool = False, cache_option: str = "cache_tokens"):
     """Every check of this module, in order, for `model` (a loaded model or a checkpoint path) run
     with `config` (its device resolved by with_device); `group`/`joined`: the existing process group,
@@ -217,5 +230,6 @@ def check_engine(model, config: EngineConfig, *, group=None, joined: bool = Fals
         check_draft_model(files, config)
     check_memory(model, files.config, config, cache_option=cache_option)
     check_weight_format(model, config)
+    check_kv_store(config)
     config.max_context_tokens(files.config.max_position_embeddings)  # max_context beyond the cache
     return files

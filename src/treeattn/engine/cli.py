@@ -90,6 +90,8 @@ def generate_command(
     draft_tokens: int = config_flag(E, "draft_tokens"),
     draft_model: Path | None = config_flag(E, "draft_model"),
     linear_maps: Path | None = config_flag(E, "linear_maps"),
+    kv_store: Path | None = config_flag(E, "kv_store"),
+    kv_store_bytes: int = config_flag(E, "kv_store_bytes", min=1),
     shared_memory: bool = config_flag(E, "shared_memory"),
     timeout: float = config_flag(E, "timeout_s", flag="--timeout", min=0.001, max=1e6),
 ) -> None:
@@ -107,7 +109,8 @@ def generate_command(
                               speculate=speculate, draft_tokens=draft_tokens, shared_memory=shared_memory, timeout_s=timeout,
                               kv_cache_dtype=kv_cache_dtype, weight_format=weight_format, device=device,
                               draft_model=None if draft_model is None else str(draft_model),
-                              linear_maps=None if linear_maps is None else str(linear_maps))
+                              linear_maps=None if linear_maps is None else str(linear_maps),
+                              kv_store=None if kv_store is None else str(kv_store), kv_store_bytes=kv_store_bytes)
         if system is not None and not chat:
             raise ValueError("--system is a chat message: give --chat too")
         files = read_model_files(model_dir)  # config, tokenizer, chat template (a .gguf is read once)

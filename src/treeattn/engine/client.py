@@ -73,7 +73,7 @@ class Engine:
             nproc, decode, method, placement, max_batch_size, cache_tokens, prefix_cache,
             block_size, prefill_chunk, dtype, timeout_s, threads_per_rank, speculate,
             draft_tokens, draft_model, shared_memory, decode_step, prefill, max_context, kv_cache_dtype,
-            weight_format; see
+            weight_format, kv_store, kv_store_bytes; see
             EngineConfig). Inside an existing process group nproc is the group's size.
         group: inside an existing process group only: the ranks that share the cache (None:
             the world); its rank 0 is the driver.
@@ -233,7 +233,9 @@ class Engine:
         shared_prefix_keys: key reads per layer that decode steps saved by reading blocks several
         sequences share once for all of them ((sequences - 1) x keys per shared segment, summed over
         steps; treeattn.engine.shared_prefix); rank_restarts: how many times a step failed on the
-        ranks and they were restarted (its requests failed, the others recomputed)."""
+        ranks and they were restarted (its requests failed, the others recomputed); with kv_store, the
+        tiers' counters (treeattn.engine.kv_tier.COUNTERS: arena_/store_ hit and miss blocks, bytes,
+        seconds; docs/kv_store.md)."""
         self._require_driver()
         out = self._driver.stats()
         out["healthy"] = self.healthy

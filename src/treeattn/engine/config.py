@@ -183,6 +183,12 @@ class EngineConfig:
             it names run linear attention (treeattn.linear; a hybrid model), their states kept per
             sequence on every rank. Not with speculate or static/graph decode steps; the prefix
             cache is off for such a model.
+        kv_store: a directory where the prefix cache's blocks are written through to disk and found
+            again after an eviction or a restart, shared by the engines of one host (None: no second
+            tier; treeattn.engine.kv_tier). Needs prefix_cache; not with speculate="draft"; off with a
+            warning for a model with window layers (Gemma 3) or linear layers.
+        kv_store_bytes: the most bytes the kv_store directory holds; least recently used blocks are
+            deleted past it.
     """
 
     nproc: int = 1
@@ -208,6 +214,8 @@ class EngineConfig:
     decode_step: str = "dynamic"
     max_context: int | None = None
     linear_maps: str | None = None
+    kv_store: str | None = None
+    kv_store_bytes: int = 16 << 30
 
     def __post_init__(self) -> None:
         static = self.decode_step in DECODE_STEPS and self.decode_step != "dynamic"
@@ -250,6 +258,22 @@ class EngineConfig:
             raise ConfigError("draft_tokens", f"draft_tokens must be an int in [1, {MAX_DRAFT_TOKENS}], got {k!r}")
         object.__setattr__(self, "draft_model", check_draft_model_option(self.speculate, self.draft_model))
         self._check_decode_step()
+        self._check_kv_store()
+
+    def _check_kv_store(self) -> None:
+        if isinstance(self.kv_store, os.PathLike):
+            object.__setattr__(self, "kv_store", os.fspath(self.kv_store))
+        b = self.kv_store_bytes
+        if isinstance(b, bool) or not isinstance(b, int) or b < 1:
+            raise ConfigError("kv_store_bytes", f"kv_store_bytes must be an int >= 1, got {b!r}")
+        if self.kv_store is None:
+            return
+        if not isinstance(self.kv_store, str) or not self.kv_store:
+            raise ConfigTypeError("kv_store", f"kv_store must be a directory path, got {self.kv_store!r}")
+        if not self.prefix_cache:
+            raise ConfigError("kv_store", "kv_store is the prefix cache's second tier: it needs prefix_cache=True")
+        if self.speculate == "draft":
+            raise ConfigError("kv_store", "kv_store does not store the draft model's cache: not with speculate='draft'")
 
     def _check_decode_step(self) -> None:
         if self.decode_step not in DECODE_STEPS:

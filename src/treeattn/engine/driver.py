@@ -60,8 +60,9 @@ class Driver:
         # most max_batch_size of them kept (the memory check counts them); a linear hybrid's states (treeattn.linear)
         # are kept for no cached prefix: its prefix cache is off.
         checkpoints = config.max_batch_size if hybrid_windows(tuple(layer_windows)) else None
-        self.prefix_cache = (PrefixCache(self.pool, checkpoints=checkpoints)
+        self.prefix_cache = (PrefixCache(self.pool, checkpoints=checkpoints, record_new=config.kv_store is not None)
                              if config.prefix_cache and not info.linear_layers else None)
+        self.tier = self._store_tier()  # the prefix cache's second tier (treeattn.engine.kv_tier)
         self.scheduler = Scheduler(self.pool, max_batch_size=config.max_batch_size, prefill_chunk=config.prefill_chunk,
                                    prefix_cache=self.prefix_cache, drafter=_drafter(config.speculate),
                                    draft_tokens=config.draft_tokens, draft_cache=config.speculate == "draft",
@@ -84,6 +85,19 @@ class Driver:
         self._update_stats()
         self._thread = threading.Thread(target=self._drive, name="treeattn-engine-driver", daemon=True)
         self._thread.start()
+
+    def _store_tier(self):
+        """The KV store's driver side for config.kv_store, or None (none asked, or refused: one warning)."""
+        from treeattn.engine.kv_tier import StoreTier, store_refusal
+
+        info = self.model_info
+        if self.config.kv_store is None:
+            return None
+        refusal = store_refusal(info.linear_layers, getattr(self.config, "tp", 1))
+        if refusal is not None or info.kv_store_namespace is None:
+            logger.warning("--kv-store is off for this model: %s", refusal or "its ranks made no store")
+            return None
+        return StoreTier(self.config.kv_store, info.kv_store_namespace, self.pool, self.prefix_cache, self.channel.run)
 
     def post(self, message: tuple) -> None:
         """Queue a message for the driver thread: ("submit", RequestState), ("cancel", request_id),
@@ -111,6 +125,9 @@ class Driver:
             while True:
                 if not self._take_messages(block=not self.scheduler.has_work):
                     break
+                if self.tier is not None:  # blocks cached since the last step to disk, waiting requests' from it
+                    self.tier.flush()
+                    self.tier.promote(self.scheduler)
                 if not self.scheduler.has_work:
                     self._update_stats()  # a cancel or a refused request changed the counts
                     continue
@@ -125,6 +142,8 @@ class Driver:
                     continue
                 self._restarts_in_a_row = 0
                 self._complete(plan, outcome)
+                if self.tier is not None:
+                    self.tier.flush(plan)
                 self._update_stats()
         except BaseException as exc:  # noqa: BLE001 -- every failure must reach the requests
             self.failure = f"engine failed: {type(exc).__name__}: {exc}"
@@ -171,6 +190,8 @@ class Driver:
                 self._finish(request, "error", now, error=f"a step with this request failed on the engine's ranks "
                                                           f"({exc.summary}); the engine restarted its ranks")
         self.scheduler.recompute_all()
+        if self.tier is not None:  # the restarted ranks hold none of the blocks not yet saved
+            self.tier.discard()
         self.channel.restart()
         if self._decode != (self.config.decode, self.config.method):  # the restarted ranks start from the config's
             self.channel.run(SetDecode(*self._decode))
@@ -339,6 +360,8 @@ class Driver:
     def _update_stats(self) -> None:
         stats = self.scheduler.stats()
         stats.update(self._counters)
+        if self.tier is not None:
+            stats.update(self.tier.stats())
         with self._lock:
             self._stats = stats
 

@@ -4,7 +4,9 @@
     plan = wire.broadcast(plan, rank, group)      # rank 0's plan on every rank: one broadcast of one int32 buffer
 
 A plan is a StepPlan (its chunks: tokens, first position, block table, sampling spec, drafts; the
-sequences released), KEEPALIVE, a Measure, a SetDecode, or None (the end). `encode` writes it as one flat list of
+sequences released), KEEPALIVE, a Measure, a SetDecode, a StoreOps (the KV store's block saves and
+loads and window checkpoint saves and loads: header kind, length, and the four counts; then per
+entry rank or checkpoint id, block index or position, and its 16-byte key as four words), or None (the end). `encode` writes it as one flat list of
 int32 words, `decode` reads it back: decode(encode(plan)) == plan, exactly (floats travel as the two
 words of their float64 bits, a 64-bit seed as two words).
 
@@ -60,9 +62,21 @@ class SetDecode:
     method: str
 
 
+@dataclass(frozen=True)
+class StoreOps:
+    """A plan that makes every rank save and load its blocks named here to and from its KV store
+    (treeattn.engine.kv_tier): saves and loads are (rank, block index, 16-byte key) triples; rank 0
+    answers with every rank's StoreReport."""
+
+    saves: tuple[tuple[int, int, bytes], ...] = ()
+    loads: tuple[tuple[int, int, bytes], ...] = ()
+    window_saves: tuple[tuple[int, int, bytes], ...] = ()  # (checkpoint id, 0, key): rank 0 writes the window checkpoint
+    window_loads: tuple[tuple[int, int, bytes], ...] = ()  # (checkpoint id, position, key): every rank reads it
+
+
 CAPACITY = 1024  # int32 words of the buffer at first
 
-END, KEEP, MEASURE, STEP, DECODE = range(5)  # header[0]
+END, KEEP, MEASURE, STEP, DECODE, STORE = range(6)  # header[0]
 HEADER = 8
 CHUNK_FIELDS = 15
 
@@ -104,8 +118,14 @@ def encode(plan) -> list[int]:
             raise ValueError(f"SetDecode: decode must be one of {DECODE_KINDS} and method one of {METHODS}, "
                              f"got {plan.decode!r} and {plan.method!r}")
         return [DECODE, HEADER, DECODE_KINDS.index(plan.decode), METHODS.index(plan.method), 0, 0, 0, 0]
+    if isinstance(plan, StoreOps):
+        words = [STORE, 0, len(plan.saves), len(plan.loads), len(plan.window_saves), len(plan.window_loads), 0, 0]
+        for rank, index, key in (*plan.saves, *plan.loads, *plan.window_saves, *plan.window_loads):
+            words += (rank, index, *struct.unpack("<4i", key))
+        words[1] = len(words)
+        return words
     if not isinstance(plan, StepPlan):
-        raise TypeError(f"plan must be a StepPlan, KEEPALIVE, a Measure, a SetDecode or None, got {type(plan).__name__}")
+        raise TypeError(f"plan must be a StepPlan, KEEPALIVE, a Measure, a SetDecode, a StoreOps or None, got {type(plan).__name__}")
     words = [STEP, 0, len(plan.chunks), len(plan.release), 0, len(plan.window_saves), len(plan.window_restores),
              len(plan.window_drops)]
     for c in plan.chunks:
@@ -140,6 +160,10 @@ def decode(words: list[int]):
         return Measure(bool(words[4]))
     if kind == DECODE:
         return SetDecode(DECODE_KINDS[words[2]], METHODS[words[3]])
+    if kind == STORE:
+        ops = [(words[i], words[i + 1], struct.pack("<4i", *words[i + 2 : i + 6])) for i in range(HEADER, words[1], 6)]
+        cuts = [0, words[2], words[2] + words[3], words[2] + words[3] + words[4], len(ops)]
+        return StoreOps(*(tuple(ops[a:b]) for a, b in zip(cuts, cuts[1:])))
     n_chunks, n_release, n_saves, n_restores, n_drops = words[2], words[3], words[5], words[6], words[7]
     fields = [words[HEADER + i * CHUNK_FIELDS : HEADER + (i + 1) * CHUNK_FIELDS] for i in range(n_chunks)]
     at = HEADER + n_chunks * CHUNK_FIELDS

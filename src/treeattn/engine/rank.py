@@ -6,7 +6,8 @@
 Every plan goes from rank 0 to the group as one int32 tensor (plan_message.PlanWire: one broadcast
 per step, on the device the group's backend needs, no pickling); each rank runs it
 (run_plan): a StepPlan is a batched forward pass (RankRunner.step), KEEPALIVE is nothing (it keeps
-ranks waiting in the broadcast short of the group's timeout), Measure gathers every rank's
+ranks waiting in the broadcast short of the group's timeout), StoreOps saves and loads KV store
+blocks (treeattn.engine.kv_tier; every rank's StoreReport gathered), Measure gathers every rank's
 RankMeasurements and SetDecode switches every rank's decode attention (RankRunner.set_decode). rank_main is the body of a rank process that ta.spawn started
 (transport.SpawnedRanks); inside an existing group the ranks call serve_steps themselves
 (transport.GroupChannel).
@@ -25,7 +26,7 @@ import torch.distributed as dist
 
 from treeattn.engine.config import EngineConfig, resolve_kv_cache_dtype
 from treeattn.engine.device import rank_device
-from treeattn.engine.plan_message import KEEPALIVE, Measure, PlanWire, SetDecode, plan_device
+from treeattn.engine.plan_message import KEEPALIVE, Measure, PlanWire, SetDecode, StoreOps, plan_device
 from treeattn.engine.runner import RankRunner, StepOutcome
 from treeattn.parallel.spawn import rank_threads
 
@@ -40,6 +41,7 @@ class ModelInfo:
     max_position_embeddings: int
     eos_token_ids: tuple[int, ...]
     linear_layers: tuple[int, ...] = ()  # a hybrid linear model's (treeattn.linear): per-sequence states, no prefix cache
+    kv_store_namespace: str | None = None  # the ranks' KV store namespace (treeattn.engine.kv_tier), None: no store
 
 
 def load_model(model, dtype, device: torch.device | None = None, weight_format: str = "auto"):
@@ -60,11 +62,13 @@ def load_model(model, dtype, device: torch.device | None = None, weight_format: 
     return model if dtype is None else model.to(dtype)
 
 
-def model_info(model) -> ModelInfo:
+def model_info(model, runner: RankRunner | None = None) -> ModelInfo:
     from treeattn.linear.hybrid import linear_layers
 
     c = model.config
-    return ModelInfo(c.vocab_size, c.max_position_embeddings, tuple(c.eos_token_ids), linear_layers(model))
+    store = getattr(runner, "block_store", None)
+    return ModelInfo(c.vocab_size, c.max_position_embeddings, tuple(c.eos_token_ids), linear_layers(model),
+                     None if store is None else store.namespace)
 
 
 def make_runner(model, config: EngineConfig, group=None) -> RankRunner:
@@ -81,11 +85,17 @@ def make_runner(model, config: EngineConfig, group=None) -> RankRunner:
         draft = config.draft_model
         draft = (load(draft, dtype=model.dtype, device=model.device, with_tokenizer=False) if isinstance(draft, str)
                  else draft.to(model.device, model.dtype))
-    return RankRunner(model, group=group, blocks_per_rank=config.blocks_per_rank(model.config.max_position_embeddings),
+    runner = RankRunner(model, group=group, blocks_per_rank=config.blocks_per_rank(model.config.max_position_embeddings),
                       block_size=config.block_size, decode=config.decode if config.nproc > 1 else "local", method=config.method,
                       shared_memory=config.shared_memory, timeout_s=config.timeout_s, draft_model=draft,
                       decode_step=config.decode_step, prefill=config.prefill, max_batch_size=config.max_batch_size,
                       kv_cache_dtype=resolve_kv_cache_dtype(config.kv_cache_dtype, model.dtype))
+    runner.block_store = None  # the prefix cache's disk tier (treeattn.engine.kv_tier): not for a linear hybrid
+    if config.kv_store is not None and runner.linear_states is None:
+        from treeattn.engine.kv_tier import RankKVStore
+
+        runner.block_store = RankKVStore(runner.cache, model, config.kv_store, config.kv_store_bytes, runner.windows)
+    return runner
 
 
 def run_plan(runner: RankRunner, plan):
@@ -96,8 +106,9 @@ def run_plan(runner: RankRunner, plan):
     if isinstance(plan, SetDecode):
         runner.set_decode(plan.decode, plan.method)
         return StepOutcome()
-    if isinstance(plan, Measure):
-        mine = runner.measurements(plan.reset)
+    if isinstance(plan, (Measure, StoreOps)):
+        mine = (runner.measurements(plan.reset) if isinstance(plan, Measure)
+                else runner.block_store.apply(plan, runner.rank))
         if runner.world_size == 1:
             return [mine]
         everyone = [None] * runner.world_size
@@ -139,7 +150,7 @@ def rank_main(rank: int, world_size: int, address, authkey: bytes, model, config
         serve_steps(runner, None, None)
         return
     with Client(address, authkey=authkey) as conn:
-        conn.send(("ready", model_info(model)))
+        conn.send(("ready", model_info(model, runner)))
 
         def receive():
             try:

@@ -138,7 +138,7 @@ class GroupChannel:
         model = load_model(model, config.dtype, _group_device(model, config, group), config.weight_format)
         self.group = group
         self.runner = make_runner(model, config, group)
-        self.info = model_info(model)
+        self.info = model_info(model, self.runner)
         self.wire = PlanWire(plan_device(group))  # rank 0's end; the others' is in serve_steps
 
     def serve(self) -> None:

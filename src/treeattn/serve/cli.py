@@ -38,6 +38,8 @@ def serve_command(
     draft_tokens: int = config_flag(E, "draft_tokens"),
     draft_model: Path | None = config_flag(E, "draft_model"),
     linear_maps: Path | None = config_flag(E, "linear_maps"),
+    kv_store: Path | None = config_flag(E, "kv_store"),
+    kv_store_bytes: int = config_flag(E, "kv_store_bytes", min=1),
     shared_memory: bool = config_flag(E, "shared_memory"),
     decode_step: DecodeStep = config_flag(E, "decode_step"),
     api_key: str | None = typer.Option(None, "--api-key", envvar="TREEATTN_API_KEY",
@@ -75,7 +77,8 @@ def serve_command(
                           draft_tokens=draft_tokens, draft_model=None if draft_model is None else str(draft_model),
                           shared_memory=shared_memory, decode_step=decode_step, kv_cache_dtype=kv_cache_dtype,
                           weight_format=weight_format,
-                          linear_maps=None if linear_maps is None else str(linear_maps))
+                          linear_maps=None if linear_maps is None else str(linear_maps),
+                          kv_store=None if kv_store is None else str(kv_store), kv_store_bytes=kv_store_bytes)
 
     def ready(bound_host: str, bound_port: int) -> None:
         from treeattn.parallel.spawn import under_torchrun

@@ -95,6 +95,8 @@ class _EngineCollector:
         hits = CounterMetricFamily("treeattn_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache")
         hits.add_metric([], stats.get("prefix_hit_tokens", 0))
         yield hits
+        if "store_hit_blocks" in stats:  # --kv-store
+            yield from _store_metrics(stats)
         for name, key, documentation in (("draft", "drafted_tokens", "Draft tokens verified (speculative decoding)"),
                                          ("accepted", "accepted_tokens", "Draft tokens accepted (speculative decoding)")):
             family = CounterMetricFamily(f"treeattn_spec_decode_{name}_tokens", documentation)
@@ -105,6 +107,26 @@ class _EngineCollector:
         yield _gauge("treeattn_generation_tokens_per_second", "Generated tokens per second over the last 10 s",
                      self.metrics.tokens_per_second())
         yield _gauge("treeattn_healthy", "1 while the engine and its ranks are alive", 1.0 if stats.get("healthy") else 0.0)
+
+
+def _store_metrics(stats: dict):
+    """The KV tiers' counters (treeattn.engine.kv_tier): blocks per tier and result, bytes, seconds."""
+    blocks = CounterMetricFamily("treeattn_kv_tier_blocks", "Prompt blocks looked up per tier (arena, then the disk "
+                                 "store) by result (failed: a stored block that did not load)", labels=["tier", "result"])
+    for tier, key in (("arena", "arena"), ("disk", "store")):
+        for result in ("hit", "miss"):
+            blocks.add_metric([tier, result], stats.get(f"{key}_{result}_blocks", 0))
+    blocks.add_metric(["disk", "failed"], stats.get("store_failed_blocks", 0))
+    yield blocks
+    moved = CounterMetricFamily("treeattn_kv_store_bytes", "Bytes of KV blocks written to and read from the disk store",
+                                labels=["direction"])
+    moved.add_metric(["written"], stats.get("store_saved_bytes", 0))
+    moved.add_metric(["read"], stats.get("store_loaded_bytes", 0))
+    yield moved
+    seconds = CounterMetricFamily("treeattn_kv_store_seconds", "Seconds the engine waited on the disk store", labels=["op"])
+    seconds.add_metric(["save"], stats.get("store_save_s", 0.0))
+    seconds.add_metric(["load"], stats.get("store_load_s", 0.0))
+    yield seconds
 
 
 def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:
