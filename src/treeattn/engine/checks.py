@@ -4,7 +4,11 @@
 
     files = model_files(model)                   # config and tokenizer, without the weights for a path
     check_model(model); check_decode_step_device(model, config, group, joined)
-    check_hybrid_cache(files.config, config)     # static/graph steps refuse a hybrid cache
+    check_hybrid_cache(files.config, config)
+    if config.tp is not None:
+        from treeattn.engine.tensor_parallel import check_tensor_parallel
+
+        check_tensor_parallel(files.config, config.tp, config.nproc)     # static/graph steps refuse a hybrid cache
     check_draft_model(files, config)             # with speculate="draft"
     check_memory(model, files.config, config)    # weights + cache (+ draft) of the ranks on this machine
     check_weight_format(model, config)
@@ -212,6 +216,10 @@ def check_engine(model, config: EngineConfig, *, group=None, joined: bool = Fals
     check_decode_step_device(model, config, group, joined)
     files = model_files(model)
     check_hybrid_cache(files.config, config)
+    if config.tp is not None:
+        from treeattn.engine.tensor_parallel import check_tensor_parallel
+
+        check_tensor_parallel(files.config, config.tp, config.nproc)
     check_linear(model, config, windows=bool(hybrid_windows(tuple(files.config.layer_windows))))
     if config.draft_model is not None:
         check_draft_model(files, config)

@@ -81,11 +81,26 @@ def make_runner(model, config: EngineConfig, group=None) -> RankRunner:
         draft = config.draft_model
         draft = (load(draft, dtype=model.dtype, device=model.device, with_tokenizer=False) if isinstance(draft, str)
                  else draft.to(model.device, model.dtype))
+    helix = None
+    if config.tp is not None and config.nproc > 1:  # the Helix layout: this rank's share of the weights, its KV and TP groups
+        from treeattn.engine.tensor_parallel import helix_groups, shard_loaded
+
+        helix = helix_groups(helix_layout(config, group), group)
+        shard_loaded(model, helix.layout)
     return RankRunner(model, group=group, blocks_per_rank=config.blocks_per_rank(model.config.max_position_embeddings),
                       block_size=config.block_size, decode=config.decode if config.nproc > 1 else "local", method=config.method,
                       shared_memory=config.shared_memory, timeout_s=config.timeout_s, draft_model=draft,
                       decode_step=config.decode_step, prefill=config.prefill, max_batch_size=config.max_batch_size,
-                      kv_cache_dtype=resolve_kv_cache_dtype(config.kv_cache_dtype, model.dtype))
+                      kv_cache_dtype=resolve_kv_cache_dtype(config.kv_cache_dtype, model.dtype), helix=helix)
+
+
+def helix_layout(config: EngineConfig, group=None):
+    """This rank's HelixLayout of `config` (config.tp set) in `group` (None: the world; rank 0 alone
+    without torch.distributed)."""
+    from treeattn.engine.tensor_parallel import HelixLayout
+
+    rank = dist.get_rank(group) if dist.is_available() and dist.is_initialized() else 0
+    return HelixLayout(world_size=config.nproc, tp=config.tp, rank=rank)
 
 
 def run_plan(runner: RankRunner, plan):

@@ -1,0 +1,336 @@
+"""Tensor parallelism beside the sharded KV cache (the Helix layout): the plan applied to a loaded model from outside.
+
+    layout = HelixLayout(world_size=4, tp=2, rank=r)      # rank r -> (kv_index r // 2, tp_index r % 2)
+    cuts = tensor_parallel_cuts(model.config, layout)      # parameter name -> Cut: this rank's share of it
+    groups = helix_groups(layout)                          # collective: the KV and TP subgroups (new_group)
+    shard_model(model, cuts)                               # a loaded model keeps its share (loaders read only it)
+    connect(model, layout, cuts, world_group)              # head counts and the all-reduces (RankRunner does it)
+
+N ranks = T tensor-parallel ranks x N / T KV ranks (TensorRT-LLM's Helix, arXiv 2507.07120). The
+model classes stay free of ranks (like gpt-fast's tp.py and torchtitan's parallelize functions):
+this module narrows their parameters and hooks two modules per block. One layer's data flow on
+rank (j, t) (kv index j, tp index t), for a model of Hq query and Hkv KV heads, hidden size d:
+
+    x (replicated) -> q/k/v_proj, column-parallel by heads over the TP dimension: rank t computes its
+        Hq / T query heads and their KV heads (Hkv / T of them, or when T > Hkv the one KV head its
+        queries share: KV heads are then replicated T / Hkv times)
+    -> its KV shard's attention over its heads, combined across the KV dimension (the KV group of
+        slice t: onepass, one collective, as without tensor parallelism): every rank of slice t
+        holds its heads' whole attention output (B, S, Hq / T * D)
+    -> o_proj, row-parallel over all N ranks: rank (j, t) multiplies the j-th part of slice t's
+        columns; ALL-REDUCE (sum) over the N ranks gives o_proj(x) on every rank
+    -> MLP over all N ranks: gate/up column-parallel (rank r: its N-th of the intermediate rows),
+        down row-parallel on the same columns; ALL-REDUCE (sum) over the N ranks.
+
+Per layer: one combine over the KV group (N / T ranks; none when T = N) and two all-reduces of the
+step's hidden rows (B * S * d values) over the N ranks. Per step: one all-reduce of the embedded
+rows (the table is split by vocabulary: each rank looks up its rows, the others give zeros) and
+the LM head's all-gather of the logits (each rank its N-th of the vocabulary, as today).
+
+Weights a rank holds: attention's q/k/v / T, o_proj / N, MLP / N, embeddings and LM head / N (a
+tied table once). Splits along a matrix's input dimension (o_proj, down_proj) land on multiples of
+32 columns wherever the share allows, so a packed GGUF matrix splits on its block boundaries; a
+packed matrix whose share does not is refused in one line.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from treeattn.engine.errors import ConfigError
+from treeattn.parallel import comm
+
+ALIGN = 32
+"""Input-dimension splits land on multiples of this many columns where the share allows: a GGUF block."""
+
+
+@dataclass(frozen=True)
+class HelixLayout:
+    """N = world_size ranks as tp tensor-parallel x world_size // tp KV ranks; this is `rank`.
+
+    Rank r is tp index r % tp and kv index r // tp: the ranks of one KV group (the same heads, the
+    sequence sharded) are tp apart, the ranks of one TP group (the same sequence shard) adjacent.
+
+    Example::
+
+        >>> layout = HelixLayout(world_size=4, tp=2, rank=3)
+        >>> layout.kv, layout.kv_index, layout.tp_index, layout.kv_members(1), layout.tp_members(1)
+        (2, 1, 1, [1, 3], [2, 3])
+    """
+
+    world_size: int
+    tp: int
+    rank: int
+
+    def __post_init__(self) -> None:
+        if self.tp < 1 or self.world_size % self.tp:
+            raise ConfigError("tp", f"tp must divide nproc={self.world_size}, got tp={self.tp}")
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank must be in [0, {self.world_size}), got {self.rank}")
+
+    @property
+    def kv(self) -> int:
+        return self.world_size // self.tp
+
+    @property
+    def kv_index(self) -> int:
+        return self.rank // self.tp
+
+    @property
+    def tp_index(self) -> int:
+        return self.rank % self.tp
+
+    def kv_members(self, tp_index: int) -> list[int]:
+        """Group ranks of the KV group of tensor-parallel slice `tp_index`, in kv-index order."""
+        return [tp_index + self.tp * j for j in range(self.kv)]
+
+    def tp_members(self, kv_index: int) -> list[int]:
+        return [kv_index * self.tp + t for t in range(self.tp)]
+
+
+@dataclass
+class HelixGroups:
+    """The process groups of a layout: kv (this rank's KV group: its slice's ranks that shard the
+    sequence), tp (this rank's TP group) and world (the group of all N ranks; None: the default)."""
+
+    layout: HelixLayout
+    kv: object
+    tp: object
+    world: object
+
+
+def helix_groups(layout: HelixLayout, group=None) -> HelixGroups:
+    """Collective over `group` (None: the world): every rank makes every KV and TP subgroup with
+    torch.distributed.new_group, in the same order; returns this rank's."""
+    if layout.world_size == 1:  # one process, perhaps without torch.distributed: nothing to make
+        return HelixGroups(layout, group, group, group)
+    to_global = [comm.global_rank(group, r) for r in range(layout.world_size)]
+    kv = tp = None
+    for t in range(layout.tp):
+        made = dist.new_group([to_global[r] for r in layout.kv_members(t)])
+        kv = made if t == layout.tp_index else kv
+    for j in range(layout.kv):
+        made = dist.new_group([to_global[r] for r in layout.tp_members(j)])
+        tp = made if j == layout.kv_index else tp
+    return HelixGroups(layout, kv, tp, group)
+
+
+@dataclass(frozen=True)
+class Cut:
+    """This rank's share of a parameter: indices [start, stop) along `dim`."""
+
+    dim: int
+    start: int
+    stop: int
+
+
+def split_bounds(length: int, parts: int, align: int = 1) -> list[int]:
+    """parts + 1 bounds splitting [0, length) into near-equal parts, on multiples of `align` when
+    length is one and every part gets at least one unit of it (else on multiples of 1).
+
+    >>> split_bounds(96, 2, 32), split_bounds(10, 4), split_bounds(32, 2, 32)
+    ([0, 64, 96], [0, 2, 5, 7, 10], [0, 16, 32])
+    """
+    unit = align if length % align == 0 and length // align >= parts else 1
+    units = length // unit
+    return [(i * units // parts) * unit for i in range(parts + 1)]
+
+
+def _heads(config, layout: HelixLayout) -> tuple[slice, slice]:
+    """This rank's query heads and KV heads (ranges of head indices)."""
+    t, tp, hq, hkv = layout.tp_index, layout.tp, config.num_heads, config.num_kv_heads
+    q = slice(t * hq // tp, (t + 1) * hq // tp)
+    if hkv % tp == 0:
+        return q, slice(t * hkv // tp, (t + 1) * hkv // tp)
+    kv = t // (tp // hkv)  # tp % hkv == 0 (check_tensor_parallel): this slice's queries share one KV head
+    return q, slice(kv, kv + 1)
+
+
+def check_tensor_parallel(config, tp: int, nproc: int) -> None:
+    """What a model of `config` needs of tp (ConfigError naming tp, one line): a family this plan
+    covers, query heads divisible by tp, and KV heads that tp divides or that divide tp."""
+    from treeattn.models.deepseek import DeepseekConfig
+
+    if isinstance(config, DeepseekConfig):
+        raise ConfigError("tp", f"tp={tp}: tensor parallelism is not planned for DeepSeek MLA ({config.architecture}); use tp=None")
+    hq, hkv = config.num_heads, config.num_kv_heads
+    if nproc % tp:
+        raise ConfigError("tp", f"tp={tp} must divide nproc={nproc}")
+    if hq % tp:
+        raise ConfigError("tp", f"tp={tp} must divide the model's {hq} query heads")
+    if hkv % tp and tp % hkv:
+        raise ConfigError("tp", f"tp={tp}: the model's {hkv} KV heads can neither be split {tp} ways nor replicated "
+                                f"(tp must divide {hkv} or be a multiple of it)")
+    if config.vocab_size < nproc:
+        raise ConfigError("tp", f"tp={tp}: a vocabulary of {config.vocab_size} cannot be split over nproc={nproc} ranks")
+
+
+def tensor_parallel_cuts(config, layout: HelixLayout) -> dict[str, Cut]:
+    """Parameter name -> this rank's Cut, for every parameter the layout splits (module doc); the
+    others (norms, o_proj's and down_proj's biases) stay whole."""
+    q, kv = _heads(config, layout)
+    hd, n, r = config.head_dim, layout.world_size, layout.rank
+    cuts: dict[str, Cut] = {}
+    heads_cols = (q.stop - q.start) * hd
+    o_bounds = split_bounds(heads_cols, layout.kv, ALIGN)
+    o_cut = Cut(1, q.start * hd + o_bounds[layout.kv_index], q.start * hd + o_bounds[layout.kv_index + 1])
+    mlp = split_bounds(config.intermediate_size, n, ALIGN)
+    for i in range(config.num_layers):
+        a, m = f"layers.{i}.self_attn.", f"layers.{i}.mlp."
+        for proj, heads in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
+            for kind in ("weight", "bias"):
+                cuts[f"{a}{proj}.{kind}"] = Cut(0, heads.start * hd, heads.stop * hd)
+        cuts[a + "o_proj.weight"] = o_cut
+        for proj in ("gate_proj", "up_proj"):
+            for kind in ("weight", "bias"):
+                cuts[f"{m}{proj}.{kind}"] = Cut(0, mlp[r], mlp[r + 1])
+        cuts[m + "down_proj.weight"] = Cut(1, mlp[r], mlp[r + 1])
+    share = -(-config.vocab_size // n)  # the runner's vocabulary split: rank r has ids [r * share, (r + 1) * share)
+    vocab = Cut(0, min(r * share, config.vocab_size), min((r + 1) * share, config.vocab_size))
+    cuts["embed_tokens.weight"] = cuts["lm_head.weight"] = vocab
+    return cuts
+
+
+def local_heads(config, layout: HelixLayout) -> tuple[int, int]:
+    """(query heads, KV heads) this rank runs."""
+    q, kv = _heads(config, layout)
+    return q.stop - q.start, kv.stop - kv.start
+
+
+def narrow(tensor: torch.Tensor, cut: Cut | None) -> torch.Tensor:
+    """This rank's share of a whole tensor: a new contiguous tensor (none of the whole one kept)."""
+    if cut is None:
+        return tensor
+    return tensor.narrow(cut.dim, cut.start, cut.stop - cut.start).clone(memory_format=torch.contiguous_format)
+
+
+def _packed_share(module, cut: Cut, name: str):
+    """A packed layer (treeattn.models.packed) holding only `cut` of its weight: rows as they are,
+    columns on block boundaries (ValueError naming the parameter otherwise); the file's bytes."""
+    from treeattn.models.packed import PackedEmbedding, PackedLinear
+    from treeattn.ops.packed_linear import BLOCK
+
+    qs, d_bits, m_bits = module.qs, module.d_bits, module.m_bits
+    if cut.dim == 1:
+        if cut.start % BLOCK or cut.stop % BLOCK:
+            raise ConfigError("tp", f"tp: {name} is packed in blocks of {BLOCK} columns, but this rank's share [{cut.start}, "
+                                    f"{cut.stop}) does not start and end on a block boundary; use weight_format='dequantize'")
+        cut = Cut(1, cut.start // BLOCK, cut.stop // BLOCK)
+    pieces = [None if t is None else narrow(t, cut) for t in (qs, d_bits, m_bits)]
+    d, m = pieces[1].view(torch.float32), None if pieces[2] is None else pieces[2].view(torch.float32)
+    if isinstance(module, PackedEmbedding):
+        return PackedEmbedding(module.fmt, pieces[0], d, m)
+    return PackedLinear(module.fmt, pieces[0], d, m, bias=module.bias)
+
+
+def shard_model(model: nn.Module, cuts: dict[str, Cut]) -> None:
+    """Narrow, in place, every parameter of `model` that `cuts` names to this rank's share (a packed
+    layer's blocks too); the model's "meta" skeleton the same way (the loaders then read the shares)."""
+    from treeattn.models.packed import _Packed
+
+    for name, cut in cuts.items():
+        owner, _, attr = name.rpartition(".")
+        try:
+            module = model.get_submodule(owner)
+        except AttributeError:
+            continue  # e.g. lm_head of a tied model, biases of a model without them
+        if isinstance(module, _Packed) and attr == "weight":
+            model.set_submodule(owner, _packed_share(module, cut, name))
+            continue
+        param = getattr(module, attr, None)
+        if isinstance(param, nn.Parameter):
+            setattr(module, attr, nn.Parameter(narrow(param.data, cut), requires_grad=False))
+
+
+class VocabParallelEmbedding(nn.Module):
+    """An embedding table split by vocabulary over a group: this rank holds rows [start, stop) of
+    it (`table`, an nn.Embedding or a packed one); a lookup gives those rows and zeros for the
+    others, and one all-reduce (sum) over `group` gives every rank every row (exactly: one addend
+    of each sum is nonzero)."""
+
+    def __init__(self, table: nn.Module, start: int, stop: int, group) -> None:
+        super().__init__()
+        self.table, self.start, self.stop, self.group = table, start, stop, group
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        mine = (tokens >= self.start) & (tokens < self.stop)
+        local = torch.where(mine, tokens - self.start, torch.zeros_like(tokens))
+        if self.stop > self.start:
+            rows = self.table(local)
+            rows = torch.where(mine[..., None], rows, torch.zeros((), dtype=rows.dtype, device=rows.device)).contiguous()
+        else:  # an empty share (a vocabulary smaller than the ranks' shares)
+            rows = torch.zeros(*tokens.shape, self.width, dtype=torch.float32, device=tokens.device)
+        return comm.all_reduce(rows, dist.ReduceOp.SUM, self.group)
+
+    @property
+    def width(self) -> int:
+        weight = getattr(self.table, "weight", None)
+        return weight.shape[1] if weight is not None else self.table.columns
+
+
+def _sum_over(group):
+    """A forward hook: the module's output, all-reduced (sum) over `group`."""
+
+    def hook(module, args, output):
+        return comm.all_reduce(output.contiguous(), dist.ReduceOp.SUM, group)
+
+    return hook
+
+
+def _columns(start: int, stop: int):
+    """A forward pre-hook: the input's last dimension narrowed to [start, stop)."""
+
+    def hook(module, args):
+        return (args[0][..., start:stop],)
+
+    return hook
+
+
+def _bias_once(module: nn.Module, rank: int) -> None:
+    """A row-parallel layer's bias counts once in the sum: rank 0 keeps it, the others hold zeros."""
+    bias = getattr(module, "bias", None)
+    if isinstance(bias, torch.Tensor) and rank != 0:
+        with torch.no_grad():
+            bias.zero_()
+
+
+def connect(model: nn.Module, layout: HelixLayout, cuts: dict[str, Cut], group) -> None:
+    """Make a sharded model (shard_model, or a loader's shares) run its layout: every attention
+    layer runs its query and KV heads; o_proj and down_proj take their columns and all-reduce over
+    `group` (all N ranks); the embedding table looks up by vocabulary (VocabParallelEmbedding); a
+    tied LM head is the same share of the table. Marks the model (model.helix = layout)."""
+    config = model.config
+    heads, kv_heads = local_heads(config, layout)
+    q_start = _heads(config, layout)[0].start * config.head_dim
+    for i, layer in enumerate(model.layers):
+        attn, mlp = layer.self_attn, layer.mlp
+        attn.num_heads, attn.num_kv_heads = heads, kv_heads
+        cut = cuts[f"layers.{i}.self_attn.o_proj.weight"]
+        attn.o_proj.register_forward_pre_hook(_columns(cut.start - q_start, cut.stop - q_start))
+        for proj in (attn.o_proj, mlp.down_proj):
+            _bias_once(proj, layout.rank)
+            proj.register_forward_hook(_sum_over(group))
+    vocab = cuts["embed_tokens.weight"]
+    table = model.embed_tokens
+    if model.lm_head is None:  # tied: the head is this rank's rows of the table
+        model.lm_head = table
+    model.embed_tokens = VocabParallelEmbedding(table, vocab.start, vocab.stop, group)
+    model.helix = layout
+
+
+def shard_loaded(model: nn.Module, layout: HelixLayout) -> nn.Module:
+    """A loaded model holding this rank's share of `layout` (in place; nothing to do for a model a
+    loader read as shares: its `helix_cuts`, or one already sharded). Returns the model."""
+    if getattr(model, "helix_cuts", None) is None:
+        cuts = tensor_parallel_cuts(model.config, layout)
+        shard_model(model, cuts)
+        model.helix_cuts = cuts
+    return model
+
+
+__all__ = ["ALIGN", "Cut", "HelixGroups", "HelixLayout", "VocabParallelEmbedding", "check_tensor_parallel", "connect",
+           "helix_groups", "local_heads", "narrow", "shard_loaded", "shard_model", "split_bounds", "tensor_parallel_cuts"]
