@@ -139,7 +139,7 @@ class GenerationResult:
             sequence-sharded cache holds (an MLA model's latent cache: one latent + RoPE key per
             layer; a hybrid model such as Gemma 3: its global layers only).
         kv_cache_dtype: what the KV cache stored ("float32", "bfloat16", "float16", "fp8_e4m3": kv_cache_dtype resolved).
-        weight_bytes_per_rank: bytes of the weights every rank holds (each holds all of them):
+        weight_bytes_per_rank: bytes of the weights rank 0 holds (every rank holds all of them, or with tp its share):
             parameters, and the blocks and scales of weights kept packed (weight_format).
         weight_format: "packed" when some weight is kept in its file's blocks, else "dequantize".
         kv_window_bytes: bytes a hybrid model's sliding-window layers keep per sequence on every
@@ -661,7 +661,9 @@ def _fingerprint(value) -> int:
 
 def _model_fingerprint(model) -> int:
     """A digest of a model's shape, dtype and a few weights (the same checkpoint on every rank)."""
-    rows = model.embed_tokens(torch.arange(2, device=model.device))  # an nn.Embedding or a packed table alike
-    probe = [rows.float().sum().item(), model.norm.weight.float().sum().item()]
+    probe = [model.norm.weight.float().sum().item()]
+    if getattr(model, "helix_cuts", None) is None:  # a rank's share of a table (tensor parallelism) differs per rank
+        rows = model.embed_tokens(torch.arange(2, device=model.device))  # an nn.Embedding or a packed table alike
+        probe.append(rows.float().sum().item())
     c = model.config
     return _fingerprint([c.vocab_size, c.hidden_size, c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim, str(model.dtype), probe])

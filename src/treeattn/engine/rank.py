@@ -42,19 +42,26 @@ class ModelInfo:
     linear_layers: tuple[int, ...] = ()  # a hybrid linear model's (treeattn.linear): per-sequence states, no prefix cache
 
 
-def load_model(model, dtype, device: torch.device | None = None, weight_format: str = "auto"):
+def load_model(model, dtype, device: torch.device | None = None, weight_format: str = "auto", layout=None):
     """The model of a rank: a checkpoint path loaded with ta.load_model straight onto `device` (None:
     the CPU) in `dtype` (None: bfloat16 on CUDA, float32 on the CPU), tensor by tensor, its quantized
     weights held as `weight_format` says (EngineConfig.weight_format), without its tokenizer and chat
     template (model.tokenizer None: a rank runs token ids only); or a loaded model, moved to
-    `device` and `dtype` where they are given."""
+    `device` and `dtype` where they are given. With a HelixLayout `layout` (tensor parallelism) a
+    checkpoint's ranks read only their share of the weights (treeattn.engine.tensor_parallel)."""
     from treeattn.engine.device import resolve_dtype
     from treeattn.models import load_model as load
 
     if isinstance(model, (str, os.PathLike)):
         device = device or torch.device("cpu")
+        shard = None
+        if layout is not None and layout.world_size > 1:
+            from treeattn.engine.tensor_parallel import tensor_parallel_cuts
+            from treeattn.models.loader import read_config
+
+            shard = tensor_parallel_cuts(read_config(model), layout)
         return load(model, dtype=resolve_dtype(dtype, device.type), device=device, weight_format=weight_format,
-                    with_tokenizer=False)  # the driver holds the tokenizer (Engine: check_engine's model files)
+                    with_tokenizer=False, shard=shard)  # the driver holds the tokenizer (Engine: check_engine's model files)
     if device is not None and device != model.device:
         model = model.to(device)
     return model if dtype is None else model.to(dtype)
@@ -146,7 +153,8 @@ def rank_main(rank: int, world_size: int, address, authkey: bytes, model, config
     device = rank_device(config.device, rank)  # config.device is "cpu" or "cuda" here (Engine resolved "auto")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    model = load_model(model, config.dtype, device, config.weight_format)
+    layout = helix_layout(config) if config.tp is not None else None  # the world's group is up (ta.spawn)
+    model = load_model(model, config.dtype, device, config.weight_format, layout)
     logger.debug("rank %d: model loaded", rank)
     runner = make_runner(model, config)
     logger.debug("rank %d: runner ready", rank)

@@ -42,6 +42,7 @@ import torch.distributed as dist
 from torch import nn
 
 from treeattn.engine.errors import ConfigError
+from treeattn.models.shards import Cut, shard_model
 from treeattn.parallel import comm
 
 ALIGN = 32
@@ -119,15 +120,6 @@ def helix_groups(layout: HelixLayout, group=None) -> HelixGroups:
     return HelixGroups(layout, kv, tp, group)
 
 
-@dataclass(frozen=True)
-class Cut:
-    """This rank's share of a parameter: indices [start, stop) along `dim`."""
-
-    dim: int
-    start: int
-    stop: int
-
-
 def split_bounds(length: int, parts: int, align: int = 1) -> list[int]:
     """parts + 1 bounds splitting [0, length) into near-equal parts, on multiples of `align` when
     length is one and every part gets at least one unit of it (else on multiples of 1).
@@ -199,51 +191,6 @@ def local_heads(config, layout: HelixLayout) -> tuple[int, int]:
     """(query heads, KV heads) this rank runs."""
     q, kv = _heads(config, layout)
     return q.stop - q.start, kv.stop - kv.start
-
-
-def narrow(tensor: torch.Tensor, cut: Cut | None) -> torch.Tensor:
-    """This rank's share of a whole tensor: a new contiguous tensor (none of the whole one kept)."""
-    if cut is None:
-        return tensor
-    return tensor.narrow(cut.dim, cut.start, cut.stop - cut.start).clone(memory_format=torch.contiguous_format)
-
-
-def _packed_share(module, cut: Cut, name: str):
-    """A packed layer (treeattn.models.packed) holding only `cut` of its weight: rows as they are,
-    columns on block boundaries (ValueError naming the parameter otherwise); the file's bytes."""
-    from treeattn.models.packed import PackedEmbedding, PackedLinear
-    from treeattn.ops.packed_linear import BLOCK
-
-    qs, d_bits, m_bits = module.qs, module.d_bits, module.m_bits
-    if cut.dim == 1:
-        if cut.start % BLOCK or cut.stop % BLOCK:
-            raise ConfigError("tp", f"tp: {name} is packed in blocks of {BLOCK} columns, but this rank's share [{cut.start}, "
-                                    f"{cut.stop}) does not start and end on a block boundary; use weight_format='dequantize'")
-        cut = Cut(1, cut.start // BLOCK, cut.stop // BLOCK)
-    pieces = [None if t is None else narrow(t, cut) for t in (qs, d_bits, m_bits)]
-    d, m = pieces[1].view(torch.float32), None if pieces[2] is None else pieces[2].view(torch.float32)
-    if isinstance(module, PackedEmbedding):
-        return PackedEmbedding(module.fmt, pieces[0], d, m)
-    return PackedLinear(module.fmt, pieces[0], d, m, bias=module.bias)
-
-
-def shard_model(model: nn.Module, cuts: dict[str, Cut]) -> None:
-    """Narrow, in place, every parameter of `model` that `cuts` names to this rank's share (a packed
-    layer's blocks too); the model's "meta" skeleton the same way (the loaders then read the shares)."""
-    from treeattn.models.packed import _Packed
-
-    for name, cut in cuts.items():
-        owner, _, attr = name.rpartition(".")
-        try:
-            module = model.get_submodule(owner)
-        except AttributeError:
-            continue  # e.g. lm_head of a tied model, biases of a model without them
-        if isinstance(module, _Packed) and attr == "weight":
-            model.set_submodule(owner, _packed_share(module, cut, name))
-            continue
-        param = getattr(module, attr, None)
-        if isinstance(param, nn.Parameter):
-            setattr(module, attr, nn.Parameter(narrow(param.data, cut), requires_grad=False))
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -332,5 +279,5 @@ def shard_loaded(model: nn.Module, layout: HelixLayout) -> nn.Module:
     return model
 
 
-__all__ = ["ALIGN", "Cut", "HelixGroups", "HelixLayout", "VocabParallelEmbedding", "check_tensor_parallel", "connect",
-           "helix_groups", "local_heads", "narrow", "shard_loaded", "shard_model", "split_bounds", "tensor_parallel_cuts"]
+__all__ = ["ALIGN", "HelixGroups", "HelixLayout", "VocabParallelEmbedding", "check_tensor_parallel", "connect",
+           "helix_groups", "local_heads", "shard_loaded", "split_bounds", "tensor_parallel_cuts"]
