@@ -122,12 +122,16 @@ def helix_groups(layout: HelixLayout, group=None) -> HelixGroups:
 
 def split_bounds(length: int, parts: int, align: int = 1) -> list[int]:
     """parts + 1 bounds splitting [0, length) into near-equal parts, on multiples of `align` when
-    length is one and every part gets at least one unit of it (else on multiples of 1).
+    length is one and the parts stay near-equal: the units of `align` divide evenly, or there are at
+    least 8 a part (a part then differs from another by one unit at most); else on multiples of 1.
 
-    >>> split_bounds(96, 2, 32), split_bounds(10, 4), split_bounds(32, 2, 32)
-    ([0, 64, 96], [0, 2, 5, 7, 10], [0, 16, 32])
+    >>> split_bounds(128, 2, 32), split_bounds(96, 2, 32), split_bounds(10, 4), split_bounds(288, 2, 32)
+    ([0, 64, 128], [0, 48, 96], [0, 2, 5, 7, 10], [0, 144, 288])
+    >>> split_bounds(8192 + 32, 3, 32)[1] % 32
+    0
     """
-    unit = align if length % align == 0 and length // align >= parts else 1
+    units = length // align
+    unit = align if length % align == 0 and units >= parts and (units % parts == 0 or units >= 8 * parts) else 1
     units = length // unit
     return [(i * units // parts) * unit for i in range(parts + 1)]
 
@@ -161,6 +165,20 @@ def check_tensor_parallel(config, tp: int, nproc: int) -> None:
         raise ConfigError("tp", f"tp={tp}: a vocabulary of {config.vocab_size} cannot be split over nproc={nproc} ranks")
 
 
+def check_block_cuts(config, tp: int, nproc: int) -> None:
+    """For a checkpoint whose matrices may be kept packed (a GGUF file, weight_format not "dequantize"):
+    every rank's input-dimension share (o_proj, down_proj) must start and end on a block of ALIGN
+    columns; ConfigError naming tp (one line) otherwise, before any rank starts."""
+    for rank in range(nproc):
+        cuts = tensor_parallel_cuts(config, HelixLayout(nproc, tp, rank))
+        for name in ("layers.0.self_attn.o_proj.weight", "layers.0.mlp.down_proj.weight"):
+            cut = cuts[name]
+            if cut.start % ALIGN or cut.stop % ALIGN:
+                raise ConfigError("tp", f"tp={tp} on nproc={nproc}: rank {rank}'s columns [{cut.start}, {cut.stop}) of "
+                                        f"{name.removeprefix('layers.0.')} are not whole blocks of {ALIGN} packed weights; "
+                                        "use weight_format='dequantize' or another layout")
+
+
 def tensor_parallel_cuts(config, layout: HelixLayout) -> dict[str, Cut]:
     """Parameter name -> this rank's Cut, for every parameter the layout splits (module doc); the
     others (norms, o_proj's and down_proj's biases) stay whole."""
@@ -185,6 +203,23 @@ def tensor_parallel_cuts(config, layout: HelixLayout) -> dict[str, Cut]:
     vocab = Cut(0, min(r * share, config.vocab_size), min((r + 1) * share, config.vocab_size))
     cuts["embed_tokens.weight"] = cuts["lm_head.weight"] = vocab
     return cuts
+
+
+def share_fraction(config, tp: int, nproc: int) -> float:
+    """The largest fraction of a model's parameters (of `config`) one rank of the layout holds (the
+    engine's memory check), counted on "meta" skeletons (no memory)."""
+    from treeattn.models.families import model_class
+
+    def count(model) -> int:
+        return sum(p.numel() for p in model.parameters())
+
+    whole = count(model_class(config)(config, device="meta"))
+    shares = []
+    for rank in range(nproc):
+        skeleton = model_class(config)(config, device="meta")
+        shard_model(skeleton, tensor_parallel_cuts(config, HelixLayout(nproc, tp, rank)))
+        shares.append(count(skeleton))
+    return max(shares) / whole
 
 
 def local_heads(config, layout: HelixLayout) -> tuple[int, int]:
@@ -279,5 +314,5 @@ def shard_loaded(model: nn.Module, layout: HelixLayout) -> nn.Module:
     return model
 
 
-__all__ = ["ALIGN", "HelixGroups", "HelixLayout", "VocabParallelEmbedding", "check_tensor_parallel", "connect",
-           "helix_groups", "local_heads", "shard_loaded", "split_bounds", "tensor_parallel_cuts"]
+__all__ = ["ALIGN", "check_block_cuts", "HelixGroups", "HelixLayout", "VocabParallelEmbedding", "check_tensor_parallel", "connect",
+           "helix_groups", "local_heads", "share_fraction", "shard_loaded", "split_bounds", "tensor_parallel_cuts"]

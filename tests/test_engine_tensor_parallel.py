@@ -1,0 +1,226 @@
+"""Tensor parallelism beside the sharded KV cache (EngineConfig.tp, the Helix layout: treeattn.engine.tensor_parallel).
+
+Greedy tokens of tiny random checkpoints (Llama with biases and Llama 3 rope scaling, Qwen2 with qkv
+biases and tied embeddings, Mistral's sliding window, Gemma 3's hybrid cache and single KV head)
+on real gloo ranks in the layouts tp x kv = 1x2, 2x1, 2x2 and 4x1 equal transformers' uncached
+greedy recomputation. The collectives per step are counted; each rank's weight bytes are at most
+the layout's share + 5 %; a GGUF file's packed blocks split on block boundaries give the one-rank
+engine's tokens; what the layout does not run is refused in one line before any rank starts.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import treeattn as ta
+from treeattn.engine.config import EngineConfig
+from treeattn.engine.errors import ConfigError
+from treeattn.engine.tensor_parallel import HelixLayout, check_tensor_parallel, local_heads, split_bounds, tensor_parallel_cuts
+from treeattn.models.llama import random_model
+from treeattn.models.packed import weight_bytes
+from treeattn.models.shards import Cut
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+NEW_TOKENS = 5
+PROMPTS = [[5, 17, 33, 2, 9, 100, 64, 3, 8, 21, 7], [1, 2, 3]]
+
+
+def _uncached_greedy(hf, prompts, new_tokens=NEW_TOKENS) -> list[list[int]]:
+    out = []
+    with torch.no_grad():
+        for prompt in prompts:
+            ids = list(prompt)
+            for _ in range(new_tokens):
+                logits = hf(torch.tensor([ids]), use_cache=False).logits[0, -1].double()
+                top2 = logits.topk(2).values
+                assert top2[0] - top2[1] > 1e-4, "near-tie in the oracle: choose another seed"
+                ids.append(int(logits.argmax()))
+            out.append(ids[len(prompt):])
+    return out
+
+
+def _engine_tokens(path, nproc: int, tp: int, prompts=PROMPTS, **options) -> list[list[int]]:
+    with ta.Engine(path, nproc=nproc, tp=tp, cache_tokens=128, block_size=4, prefill_chunk=5, timeout_s=300, **options) as engine:
+        return [r.token_ids for r in engine.generate(prompts, max_new_tokens=NEW_TOKENS)]
+
+
+@pytest.mark.parametrize("arch,tp,kv", [("llama", 1, 2), ("llama", 2, 1), ("llama", 2, 2), ("llama", 4, 1),
+                                        ("qwen2", 2, 1), ("qwen2", 2, 2), ("mistral", 1, 2), ("mistral", 2, 1)])
+def test_greedy_tokens_equal_transformers_uncached(tmp_path, arch, tp, kv):
+    pytest.importorskip("transformers")
+    from helpers.llama_checkpoints import make_checkpoint
+
+    hf = make_checkpoint(arch, tmp_path / arch)
+    assert _engine_tokens(tmp_path / arch, tp * kv, tp) == _uncached_greedy(hf, PROMPTS)
+
+
+@pytest.mark.parametrize("tp,kv", [(2, 1), (2, 2)])
+def test_gemma3_window_layers_and_one_kv_head(tmp_path, tp, kv):
+    """Gemma 3 (1 KV head, replicated on both TP ranks; window layers kept whole on every rank, global
+    layers sharded over the KV ranks): transformers' tokens."""
+    pytest.importorskip("transformers")
+    from gemma3_files import hf_gemma3
+
+    hf = hf_gemma3(layers=3, window=4)
+    hf.save_pretrained(tmp_path / "gemma3")
+    prompts = [[p % 250 for p in prompt] for prompt in PROMPTS]
+    assert _engine_tokens(tmp_path / "gemma3", tp * kv, tp, prompts) == _uncached_greedy(hf, prompts)
+
+
+def _counts(rank: int, world_size: int, tp: int) -> dict:
+    torch.set_num_threads(1)
+    config = ta.LlamaConfig(vocab_size=101, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4, num_kv_heads=2,
+                            head_dim=16, qkv_bias=True, o_bias=True, mlp_bias=True)
+    model = random_model(config, seed=1, std=0.2)
+    whole, share = weight_bytes(model), _layout_share(model, world_size, tp)
+    result = ta.generate(model, PROMPTS, max_new_tokens=NEW_TOKENS, ignore_eos=True, block_size=4,
+                         tp=tp if world_size > 1 else None)
+    calls = {op: c["calls"] for op, c in result.comm["by_op"].items()}
+    return {"ids": result.generated_ids, "calls": calls, "steps": result.decode_steps, "bytes": weight_bytes(model),
+            "share": share, "whole": whole}
+
+
+def _layout_share(model, n: int, tp: int) -> float:
+    """Bytes of the layout's share: q/k/v (weights and biases) / tp; everything else split / n; norms and
+    the row-parallel biases whole."""
+    share = 0.0
+    for name, p in model.named_parameters():
+        size = p.numel() * p.element_size()
+        if "norm" in name or name.endswith(("o_proj.bias", "down_proj.bias")):
+            share += size
+        elif any(k in name for k in ("q_proj", "k_proj", "v_proj")):
+            share += size / tp
+        else:
+            share += size / n
+    return share
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_collectives_per_step_and_weight_bytes(tp):
+    """Per decode step on 2 ranks: the embedding's all-reduce, per layer the KV combine (when the KV
+    group has 2 ranks) and the o_proj and down_proj all-reduces, then the logits' all-gather. Each
+    rank holds at most the layout's share + 5 % (q/k/v over tp, the rest over both ranks)."""
+    one = _counts(0, 1, tp)  # one process: the whole model
+    ranks = ta.spawn(_counts, 2, tp, timeout=300)
+    assert ranks[0]["ids"] == one["ids"]
+    steps, layers, kv = ranks[0]["steps"], 2, 2 // tp
+    assert steps == NEW_TOKENS - 1
+    assert ranks[0]["calls"]["allreduce"] == steps * (1 + layers * (2 + (kv > 1)))
+    assert ranks[0]["calls"]["allgather"] == steps
+    for rank in ranks:
+        assert rank["bytes"] <= 1.05 * rank["share"] and rank["bytes"] < 0.7 * one["whole"]
+
+
+def _row_parallel(rank: int, world_size: int, seed: int) -> tuple:
+    """A model's o_proj/MLP/embedding through the layout's collectives against float64 on one process."""
+    from treeattn.engine.tensor_parallel import connect, shard_model
+
+    torch.set_num_threads(1)
+    config = ta.LlamaConfig(vocab_size=50, hidden_size=64, intermediate_size=96, num_layers=1, num_heads=4, num_kv_heads=2,
+                            head_dim=16, mlp_bias=True, o_bias=True)
+    model = random_model(config, seed=seed, std=0.3)
+    x = torch.randn(1, 3, 64, generator=torch.Generator().manual_seed(seed))
+    layout = HelixLayout(world_size, 2, rank)
+    with torch.no_grad():
+        want_mlp = model.layers[0].mlp.double()(x.double())
+        model.float()
+        cuts = tensor_parallel_cuts(config, layout)
+        shard_model(model, cuts)
+        connect(model, layout, cuts, None)
+        got_mlp = model.layers[0].mlp(x)
+        rows = model.embed_tokens(torch.tensor([[0, 24, 25, 49]]))
+    return (got_mlp - want_mlp).abs().max().item(), want_mlp.abs().max().item(), rows
+
+
+def test_row_parallel_collectives_against_float64():
+    results = ta.spawn(_row_parallel, 2, 3, timeout=300)
+    reference = random_model(ta.LlamaConfig(vocab_size=50, hidden_size=64, intermediate_size=96, num_layers=1, num_heads=4,
+                                            num_kv_heads=2, head_dim=16, mlp_bias=True, o_bias=True), seed=3, std=0.3)
+    for err, scale, rows in results:
+        assert err <= 1e-5 * max(1.0, scale)
+        assert torch.equal(rows, reference.embed_tokens(torch.tensor([[0, 24, 25, 49]])))  # one addend per row: exact
+
+
+def test_layout_and_cuts():
+    layout = HelixLayout(world_size=4, tp=2, rank=3)
+    assert (layout.kv, layout.kv_index, layout.tp_index) == (2, 1, 1)
+    assert split_bounds(96, 4, 32) == [0, 24, 48, 72, 96]  # 3 blocks over 4 ranks: not on blocks
+    assert split_bounds(128, 4, 32) == [0, 32, 64, 96, 128]
+    config = ta.LlamaConfig(vocab_size=10, hidden_size=64, intermediate_size=128, num_layers=1, num_heads=8, num_kv_heads=2,
+                            head_dim=16)
+    cuts = tensor_parallel_cuts(config, layout)
+    assert cuts["layers.0.self_attn.q_proj.weight"] == Cut(0, 64, 128)  # heads 4..7
+    assert cuts["layers.0.self_attn.k_proj.weight"] == Cut(0, 16, 32)  # KV head 1
+    assert cuts["layers.0.self_attn.o_proj.weight"] == Cut(1, 96, 128)  # kv part 1 of slice 1's columns
+    assert cuts["layers.0.mlp.down_proj.weight"] == Cut(1, 96, 128)
+    assert cuts["embed_tokens.weight"] == Cut(0, 9, 10)  # shares of ceil(10 / 4) = 3 ids
+    assert local_heads(config, HelixLayout(world_size=8, tp=8, rank=5)) == (1, 1)  # KV head 2 replicated 4 ways
+
+
+@pytest.mark.parametrize("options,option", [
+    (dict(nproc=4, tp=3), "tp"), (dict(nproc=2, tp=2, speculate="ngram"), "speculate"),
+    (dict(nproc=2, tp=2, decode_step="static"), "decode_step"), (dict(nproc=2, tp=1, prefill="ring"), "prefill"),
+    (dict(nproc=2, tp=2, method="twolevel"), "method"), (dict(nproc=2, tp=0), "tp")])
+def test_config_refusals_are_one_line(options, option):
+    with pytest.raises(ConfigError) as info:
+        EngineConfig(**options)
+    assert info.value.option == option and "\n" not in str(info.value)
+
+
+def test_model_refusals_are_one_line():
+    config = ta.LlamaConfig(vocab_size=10, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=6, num_kv_heads=3,
+                            head_dim=8)
+    for tp, nproc, what in ((4, 4, "query heads"), (2, 2, "KV heads"), (2, 3, "divide")):
+        with pytest.raises(ConfigError, match=what) as info:
+            check_tensor_parallel(config, tp, nproc)
+        assert "\n" not in str(info.value)
+    from treeattn.models.deepseek import DeepseekConfig
+
+    deepseek = object.__new__(DeepseekConfig)
+    deepseek.architecture = "DeepseekV3ForCausalLM"
+    with pytest.raises(ConfigError, match="DeepSeek MLA"):
+        check_tensor_parallel(deepseek, 2, 2)
+
+
+@pytest.fixture(scope="module")
+def q8_gguf(tmp_path_factory):
+    pytest.importorskip("transformers")
+    import gguf
+
+    from gguf_files import write_gguf
+    from helpers.gguf_models import hf_model
+
+    path = tmp_path_factory.mktemp("tp_gguf") / "llama.q8_0.gguf"
+    write_gguf(path, hf_model("llama", seed=4), gguf.GGMLQuantizationType.Q8_0)
+    return path
+
+
+def _packed_run(rank: int, world_size: int, path, tp) -> tuple:
+    torch.set_num_threads(1)
+    from treeattn.engine.generate_rank import GenerateJob, generate_rank
+    from treeattn.engine.request import SamplingParams
+
+    config = EngineConfig(nproc=world_size, tp=tp, block_size=4, weight_format="packed", max_context=64)
+    job = GenerateJob(model_dir=str(path), prompts=tuple(tuple(p) for p in PROMPTS), config=config,
+                      sampling=SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True))
+    return generate_rank(rank, world_size, job)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_packed_gguf_shares_keep_the_files_blocks(q8_gguf, tp):
+    """A Q8_0 file loaded packed on 2 ranks, each reading its rows and its whole blocks of columns:
+    the one-rank packed engine's tokens; each rank holds about half the packed bytes."""
+    one = _packed_run(0, 1, q8_gguf, None)
+    two = ta.spawn(_packed_run, 2, q8_gguf, tp, timeout=300)
+    assert two[0]["generated_ids"] == one["generated_ids"]
+    assert two[0]["weight_format"] == "packed" and two[0]["tp"] == tp
+    assert two[0]["weight_bytes_per_rank"] < 0.6 * one["weight_bytes_per_rank"]
+
+
+def test_packed_split_off_block_boundaries_is_refused_before_ranks_start(q8_gguf):
+    # 2 x 2: a slice's o_proj has 32 columns, 16 a KV rank: half a Q8_0 block
+    with pytest.raises(ConfigError, match="not whole blocks") as info:
+        ta.Engine(q8_gguf, nproc=4, tp=2, weight_format="packed")
+    assert "\n" not in str(info.value)
