@@ -224,3 +224,14 @@ def test_packed_split_off_block_boundaries_is_refused_before_ranks_start(q8_gguf
     with pytest.raises(ConfigError, match="not whole blocks") as info:
         ta.Engine(q8_gguf, nproc=4, tp=2, weight_format="packed")
     assert "\n" not in str(info.value)
+
+
+def test_docstring_examples_of_the_layout_modules():
+    import doctest
+
+    from treeattn.engine import tensor_parallel
+    from treeattn.models import shards
+
+    for module in (tensor_parallel, shards):
+        result = doctest.testmod(module, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
+        assert result.failed == 0 and result.attempted > 0, module.__name__
