@@ -1,11 +1,12 @@
-"""Time per decoded token on 2 ranks: the Helix layout (tp=2: heads, MLP and vocabulary split) against
-the sequence-only layout (tp=None: every rank holds and streams all the weights), alternated.
+"""Time per decoded token on 2 ranks: the Helix layout (tp=2: heads, MLP and vocabulary split; tp=1: the
+heads whole, o_proj, MLP and vocabulary split) against the sequence-only layout (tp=None: every rank
+holds and streams all the weights), alternated.
 
     python benchmarks/helix_vs_sequence.py --context 1024 --new 32 --rounds 2 [--hidden 1024 --layers 8]
 
 A random Llama-shaped model (float32, tied embeddings) built on each rank from one seed; one torch
 thread per rank; the prompt is `--context` tokens, then `--new` greedy tokens. Each round runs both
-layouts, one after the other (their order alternates between rounds), and prints one JSON line per
+layouts, one after the other (their order rotates between rounds), and prints one JSON line per
 run: layout, time_per_token_s, weight_bytes_per_rank, the machine's load average when it ended.
 """
 
@@ -29,7 +30,7 @@ def _run(rank: int, world_size: int, shape: dict, context: int, new: int, tp) ->
     model = random_model(config, seed=0)
     prompt = torch.randint(0, config.vocab_size, (context,), generator=torch.Generator().manual_seed(1)).tolist()
     result = ta.generate(model, prompt, max_new_tokens=new, ignore_eos=True, block_size=256, tp=tp)
-    return {"layout": "helix tp=2" if tp else "sequence-only", "time_per_token_s": result.time_per_token_s,
+    return {"layout": f"helix tp={tp}" if tp else "sequence-only", "time_per_token_s": result.time_per_token_s,
             "weight_bytes_per_rank": result.weight_bytes_per_rank, "generated_ids": result.generated_ids[0],
             "loadavg": open("/proc/loadavg").read().split()[:3]}
 
@@ -47,7 +48,8 @@ def main() -> None:
     print(json.dumps({"command": "python benchmarks/" + os.path.basename(__file__), "args": vars(args)}), flush=True)
     tokens = {}
     for i in range(args.rounds):
-        for tp in ((None, 2) if i % 2 == 0 else (2, None)):
+        layouts = [None, 1, 2]
+        for tp in layouts[i % 3:] + layouts[: i % 3]:
             out = ta.spawn(_run, 2, shape, args.context, args.new, tp, timeout=3600)[0]
             tokens.setdefault(out["layout"], out.pop("generated_ids"))
             out.pop("generated_ids", None)

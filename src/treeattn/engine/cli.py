@@ -316,7 +316,9 @@ def _json_report(result: dict, texts, batched: bool, total_s: float, ranking: li
     if result["kv_window_bytes"]:
         report["kv_window_bytes"] = result["kv_window_bytes"]
     report["peak_rss_bytes_per_rank"] = result["peak_rss_bytes_per_rank"]
-    report["run"] = {k: result[k] for k in ("world_size", "tp", "decode", "method", "prefill", "placement")}
+    report["run"] = {k: result[k] for k in ("world_size", "decode", "method", "prefill", "placement")}
+    if result.get("tp") is not None:  # the Helix layout: tp tensor-parallel x world_size / tp KV ranks
+        report["run"]["tp"] = result["tp"]
     return report
 
 

@@ -288,16 +288,20 @@ def connect(model: nn.Module, layout: HelixLayout, cuts: dict[str, Cut], group) 
     config = model.config
     heads, kv_heads = local_heads(config, layout)
     q_start = _heads(config, layout)[0].start * config.head_dim
+    for handle in model.__dict__.pop("_helix_hooks", []):  # connected before (an earlier engine): hooked anew
+        handle.remove()
+    hooks = model.__dict__["_helix_hooks"] = []
     for i, layer in enumerate(model.layers):
         attn, mlp = layer.self_attn, layer.mlp
         attn.num_heads, attn.num_kv_heads = heads, kv_heads
         cut = cuts[f"layers.{i}.self_attn.o_proj.weight"]
-        attn.o_proj.register_forward_pre_hook(_columns(cut.start - q_start, cut.stop - q_start))
+        hooks.append(attn.o_proj.register_forward_pre_hook(_columns(cut.start - q_start, cut.stop - q_start)))
         for proj in (attn.o_proj, mlp.down_proj):
             _bias_once(proj, layout.rank)
-            proj.register_forward_hook(_sum_over(group))
+            hooks.append(proj.register_forward_hook(_sum_over(group)))
     vocab = cuts["embed_tokens.weight"]
     table = model.embed_tokens
+    table = table.table if isinstance(table, VocabParallelEmbedding) else table
     if model.lm_head is None:  # tied: the head is this rank's rows of the table
         model.lm_head = table
     model.embed_tokens = VocabParallelEmbedding(table, vocab.start, vocab.stop, group)
