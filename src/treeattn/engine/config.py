@@ -185,7 +185,7 @@ class EngineConfig:
             nproc ranks. None: no tensor parallelism (every rank holds every weight; the KV cache
             alone is sharded). tp must divide nproc. With tp, prompt steps run every token on
             every rank (no token-parallel or ring prefill); refused with speculation, static or
-            graph decode steps, linear_maps, method "twolevel" and DeepSeek (MLA) models.
+            graph decode steps, linear_maps and method "twolevel".
         linear_maps: a directory of Hedgehog feature maps (`treeattn linearize --out`): the layers
             it names run linear attention (treeattn.linear; a hybrid model), their states kept per
             sequence on every rank. Not with speculate or static/graph decode steps; the prefix

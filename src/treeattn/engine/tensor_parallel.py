@@ -149,10 +149,6 @@ def _heads(config, layout: HelixLayout) -> tuple[slice, slice]:
 def check_tensor_parallel(config, tp: int, nproc: int) -> None:
     """What a model of `config` needs of tp (ConfigError naming tp, one line): a family this plan
     covers, query heads divisible by tp, and KV heads that tp divides or that divide tp."""
-    from treeattn.models.deepseek import DeepseekConfig
-
-    if isinstance(config, DeepseekConfig):
-        raise ConfigError("tp", f"tp={tp}: tensor parallelism is not planned for DeepSeek MLA ({config.architecture}); use tp=None")
     hq, hkv = config.num_heads, config.num_kv_heads
     if nproc % tp:
         raise ConfigError("tp", f"tp={tp} must divide nproc={nproc}")
@@ -172,33 +168,73 @@ def check_block_cuts(config, tp: int, nproc: int) -> None:
     for rank in range(nproc):
         cuts = tensor_parallel_cuts(config, HelixLayout(nproc, tp, rank))
         for name in ("layers.0.self_attn.o_proj.weight", "layers.0.mlp.down_proj.weight"):
-            cut = cuts[name]
-            if cut.start % ALIGN or cut.stop % ALIGN:
+            cut = cuts.get(name)
+            if cut is not None and (cut.start % ALIGN or cut.stop % ALIGN):
                 raise ConfigError("tp", f"tp={tp} on nproc={nproc}: rank {rank}'s columns [{cut.start}, {cut.stop}) of "
                                         f"{name.removeprefix('layers.0.')} are not whole blocks of {ALIGN} packed weights; "
                                         "use weight_format='dequantize' or another layout")
 
 
+def _is_mla(config) -> bool:
+    from treeattn.models.deepseek import DeepseekConfig
+
+    return isinstance(config, DeepseekConfig)
+
+
+def _o_cut(config, layout: HelixLayout) -> Cut:
+    """o_proj's columns of this rank: part kv_index of its slice's heads' columns."""
+    q = _heads(config, layout)[0]
+    unit = config.v_head_dim if _is_mla(config) else config.head_dim
+    bounds = split_bounds((q.stop - q.start) * unit, layout.kv, ALIGN)
+    return Cut(1, q.start * unit + bounds[layout.kv_index], q.start * unit + bounds[layout.kv_index + 1])
+
+
+def _mlp_cuts(prefix: str, intermediate: int, layout: HelixLayout) -> dict[str, Cut]:
+    """A gated MLP's (gate/up column-parallel, down row-parallel) cuts over all ranks."""
+    b, r = split_bounds(intermediate, layout.world_size, ALIGN), layout.rank
+    cuts = {f"{prefix}{proj}.{kind}": Cut(0, b[r], b[r + 1]) for proj in ("gate_proj", "up_proj") for kind in ("weight", "bias")}
+    cuts[prefix + "down_proj.weight"] = Cut(1, b[r], b[r + 1])
+    return cuts
+
+
+def _attention_cuts(config, layout: HelixLayout, a: str) -> dict[str, Cut]:
+    """One attention layer's cuts: Llama's q/k/v by heads; MLA's query and up-projections by heads
+    (its latent projection whole: the latent cache is every head's); o_proj by columns."""
+    q, kv = _heads(config, layout)
+    cuts = {a + "o_proj.weight": _o_cut(config, layout)}
+    if _is_mla(config):
+        per = (("q_proj" if config.q_lora_rank is None else "q_b_proj", config.qk_head_dim),
+               ("kv_b_proj", config.qk_nope_head_dim + config.v_head_dim))
+        cuts.update({f"{a}{proj}.weight": Cut(0, q.start * size, q.stop * size) for proj, size in per})
+        return cuts
+    hd = config.head_dim
+    for proj, heads in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
+        for kind in ("weight", "bias"):
+            cuts[f"{a}{proj}.{kind}"] = Cut(0, heads.start * hd, heads.stop * hd)
+    return cuts
+
+
+def _layer_mlp_cuts(config, layout: HelixLayout, i: int) -> dict[str, Cut]:
+    """Layer i's MLP cuts: the dense MLP's, or each routed and shared expert's (DeepSeek MoE)."""
+    m = f"layers.{i}.mlp."
+    if not (_is_mla(config) and config.n_routed_experts > 0 and i >= config.first_k_dense_replace):
+        return _mlp_cuts(m, config.intermediate_size, layout)
+    cuts = {}
+    for e in range(config.n_routed_experts):
+        cuts.update(_mlp_cuts(f"{m}experts.{e}.", config.moe_intermediate_size, layout))
+    if config.n_shared_experts:
+        cuts.update(_mlp_cuts(f"{m}shared_experts.", config.moe_intermediate_size * config.n_shared_experts, layout))
+    return cuts
+
+
 def tensor_parallel_cuts(config, layout: HelixLayout) -> dict[str, Cut]:
     """Parameter name -> this rank's Cut, for every parameter the layout splits (module doc); the
-    others (norms, o_proj's and down_proj's biases) stay whole."""
-    q, kv = _heads(config, layout)
-    hd, n, r = config.head_dim, layout.world_size, layout.rank
+    others (norms, o_proj's and down_proj's biases, a router, MLA's latent projection) stay whole."""
+    n, r = layout.world_size, layout.rank
     cuts: dict[str, Cut] = {}
-    heads_cols = (q.stop - q.start) * hd
-    o_bounds = split_bounds(heads_cols, layout.kv, ALIGN)
-    o_cut = Cut(1, q.start * hd + o_bounds[layout.kv_index], q.start * hd + o_bounds[layout.kv_index + 1])
-    mlp = split_bounds(config.intermediate_size, n, ALIGN)
     for i in range(config.num_layers):
-        a, m = f"layers.{i}.self_attn.", f"layers.{i}.mlp."
-        for proj, heads in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
-            for kind in ("weight", "bias"):
-                cuts[f"{a}{proj}.{kind}"] = Cut(0, heads.start * hd, heads.stop * hd)
-        cuts[a + "o_proj.weight"] = o_cut
-        for proj in ("gate_proj", "up_proj"):
-            for kind in ("weight", "bias"):
-                cuts[f"{m}{proj}.{kind}"] = Cut(0, mlp[r], mlp[r + 1])
-        cuts[m + "down_proj.weight"] = Cut(1, mlp[r], mlp[r + 1])
+        cuts.update(_attention_cuts(config, layout, f"layers.{i}.self_attn."))
+        cuts.update(_layer_mlp_cuts(config, layout, i))
     share = -(-config.vocab_size // n)  # the runner's vocabulary split: rank r has ids [r * share, (r + 1) * share)
     vocab = Cut(0, min(r * share, config.vocab_size), min((r + 1) * share, config.vocab_size))
     cuts["embed_tokens.weight"] = cuts["lm_head.weight"] = vocab
@@ -287,7 +323,7 @@ def connect(model: nn.Module, layout: HelixLayout, cuts: dict[str, Cut], group) 
     tied LM head is the same share of the table. Marks the model (model.helix = layout)."""
     config = model.config
     heads, kv_heads = local_heads(config, layout)
-    q_start = _heads(config, layout)[0].start * config.head_dim
+    q_start = _heads(config, layout)[0].start * (config.v_head_dim if _is_mla(config) else config.head_dim)
     for handle in model.__dict__.pop("_helix_hooks", []):  # connected before (an earlier engine): hooked anew
         handle.remove()
     hooks = model.__dict__["_helix_hooks"] = []
@@ -296,9 +332,11 @@ def connect(model: nn.Module, layout: HelixLayout, cuts: dict[str, Cut], group) 
         attn.num_heads, attn.num_kv_heads = heads, kv_heads
         cut = cuts[f"layers.{i}.self_attn.o_proj.weight"]
         hooks.append(attn.o_proj.register_forward_pre_hook(_columns(cut.start - q_start, cut.stop - q_start)))
-        for proj in (attn.o_proj, mlp.down_proj):
+        experts = [*getattr(mlp, "experts", ()), *filter(None, [getattr(mlp, "shared_experts", None)])]
+        for proj in (attn.o_proj, *(e.down_proj for e in experts or [mlp])):
             _bias_once(proj, layout.rank)
-            hooks.append(proj.register_forward_hook(_sum_over(group)))
+        for module in (attn.o_proj, mlp if experts else mlp.down_proj):  # a MoE: one sum of its weighted experts
+            hooks.append(module.register_forward_hook(_sum_over(group)))
     vocab = cuts["embed_tokens.weight"]
     table = model.embed_tokens
     table = table.table if isinstance(table, VocabParallelEmbedding) else table
