@@ -70,6 +70,20 @@ def test_ring_decode_and_a_16_bit_cache_in_the_layout(tmp_path):
         assert bf16 == [r.token_ids for r in engine.generate(PROMPTS, max_new_tokens=NEW_TOKENS)]
 
 
+def test_prompt_lookup_speculation_in_the_layout(tmp_path):
+    """speculate="ngram" at 2 x 1: drafts verified in the same replicated step, the tokens of decoding
+    without speculation (transformers' greedy), and drafts were accepted."""
+    pytest.importorskip("transformers")
+    from helpers.llama_checkpoints import make_checkpoint
+
+    hf = make_checkpoint("llama", tmp_path / "llama")
+    prompts = [[5, 6, 7, 8] * 3 + [5, 6], PROMPTS[1]]
+    with ta.Engine(tmp_path / "llama", nproc=2, tp=2, speculate="ngram", cache_tokens=128, block_size=4, timeout_s=300) as engine:
+        results = engine.generate(prompts, max_new_tokens=8)
+    assert [r.token_ids for r in results] == _uncached_greedy(hf, prompts, 8)
+    assert results[0].speculation["accepted"] > 0
+
+
 @pytest.mark.parametrize("arch,tp,kv", [("v3", 2, 1), ("v2", 1, 2)])
 def test_deepseek_mla_heads_split_latent_cache_shared(tmp_path, arch, tp, kv):
     """DeepSeek-V3 (q compression, MoE experts split by columns, one all-reduce of their sum) at 2 x 1 and
@@ -185,7 +199,7 @@ def test_layout_and_cuts():
 
 
 @pytest.mark.parametrize("options,option", [
-    (dict(nproc=4, tp=3), "tp"), (dict(nproc=2, tp=2, speculate="ngram"), "speculate"),
+    (dict(nproc=4, tp=3), "tp"), (dict(nproc=2, tp=2, speculate="draft", draft_model="draft.gguf"), "speculate"),
     (dict(nproc=2, tp=2, decode_step="static"), "decode_step"), (dict(nproc=2, tp=1, prefill="ring"), "prefill"),
     (dict(nproc=2, tp=2, method="twolevel"), "method"), (dict(nproc=2, tp=0), "tp")])
 def test_config_refusals_are_one_line(options, option):
