@@ -268,3 +268,23 @@ def test_docstring_examples_of_the_layout_modules():
     for module in (tensor_parallel, shards):
         result = doctest.testmod(module, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
         assert result.failed == 0 and result.attempted > 0, module.__name__
+
+
+def test_serve_passes_tp_through(tmp_path):
+    """`treeattn serve --nproc 2 --tp 2` (an F16 GGUF file, each rank reading its rows and columns):
+    the greedy completions of the one-rank engine."""
+    pytest.importorskip("openai")
+    from helpers.serve import KEY, NAME, Server, _write_tiny_llama_gguf
+
+    path = _write_tiny_llama_gguf(tmp_path / "tiny.gguf", 0, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2)
+    with ta.Engine(str(path), nproc=1, block_size=16, cache_tokens=4096) as engine:
+        expected = [r.text for r in engine.generate(["the cat", "hello there"], max_new_tokens=8, ignore_eos=True)]
+    server = Server(path, "--nproc", "2", "--tp", "2", "--api-key", KEY, "--served-model-name", NAME)
+    try:
+        got = [server.client().completions.create(model=NAME, prompt=p, max_tokens=8, temperature=0.0,
+                                                  extra_body={"ignore_eos": True}).choices[0].text
+               for p in ("the cat", "hello there")]
+    finally:
+        assert server.stop() == 0
+    assert got == expected
