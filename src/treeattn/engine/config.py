@@ -179,8 +179,8 @@ class EngineConfig:
             whole cache, but no more than the model's max_position_embeddings (engine.max_context
             is the resolved value; a larger value given here runs positions beyond the model's
             window, with a warning). A request that needs more fails alone, naming the limit.
-        tp: the Helix layout's tensor-parallel ranks T (treeattn.engine.tensor_parallel): the nproc ranks
-            are T tensor-parallel x nproc / T KV ranks; attention's heads split T ways and the
+        tp: tensor-parallel ranks T: the nproc ranks are T tensor-parallel x nproc / T KV ranks (the Helix
+            layout, treeattn.engine.tensor_parallel). Attention's heads split T ways and the
             sequence nproc / T ways, the output projections, MLP, embeddings and LM head over all
             nproc ranks. None: no tensor parallelism (every rank holds every weight; the KV cache
             alone is sharded). tp must divide nproc. With tp, prompt steps run every token on
@@ -281,7 +281,7 @@ class EngineConfig:
                    ("prefill", self.prefill != "auto", f"prefill={self.prefill!r} (with tp every rank runs every prompt token)")]
         for option, bad, what in refused:
             if bad:
-                raise ConfigError(option, f"{what} does not run with tp={tp} (the Helix layout); use tp=None")
+                raise ConfigError(option, f"{what} does not run with tp={tp} (the Helix layout): run it without tp")
 
     def _check_decode_step(self) -> None:
         if self.decode_step not in DECODE_STEPS:
