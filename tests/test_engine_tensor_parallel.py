@@ -217,17 +217,26 @@ def test_model_refusals_are_one_line():
         assert "\n" not in str(info.value)
 
 
-@pytest.fixture(scope="module")
-def q8_gguf(tmp_path_factory):
+def _q8_gguf(tmp_path_factory, arch: str):
     pytest.importorskip("transformers")
     import gguf
 
     from gguf_files import write_gguf
     from helpers.gguf_models import hf_model
 
-    path = tmp_path_factory.mktemp("tp_gguf") / "llama.q8_0.gguf"
-    write_gguf(path, hf_model("llama", seed=4), gguf.GGMLQuantizationType.Q8_0)
+    path = tmp_path_factory.mktemp("tp_gguf") / f"{arch}.q8_0.gguf"
+    write_gguf(path, hf_model(arch, seed=4), gguf.GGMLQuantizationType.Q8_0, arch=arch)
     return path
+
+
+@pytest.fixture(scope="module")
+def q8_gguf(tmp_path_factory):
+    return _q8_gguf(tmp_path_factory, "llama")
+
+
+@pytest.fixture(scope="module")
+def q8_gguf_tied(tmp_path_factory):
+    return _q8_gguf(tmp_path_factory, "qwen2")  # tied embeddings: the packed table is the LM head too
 
 
 def _packed_run(rank: int, world_size: int, path, tp) -> tuple:
@@ -241,12 +250,14 @@ def _packed_run(rank: int, world_size: int, path, tp) -> tuple:
     return generate_rank(rank, world_size, job)
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_packed_gguf_shares_keep_the_files_blocks(q8_gguf, tp):
-    """A Q8_0 file loaded packed on 2 ranks, each reading its rows and its whole blocks of columns:
-    the one-rank packed engine's tokens; each rank holds about half the packed bytes."""
-    one = _packed_run(0, 1, q8_gguf, None)
-    two = ta.spawn(_packed_run, 2, q8_gguf, tp, timeout=300)
+@pytest.mark.parametrize("tp,tied", [(1, False), (2, False), (2, True)])
+def test_packed_gguf_shares_keep_the_files_blocks(q8_gguf, q8_gguf_tied, tp, tied):
+    """A Q8_0 file (Llama; Qwen2 with its tied table) loaded packed on 2 ranks, each reading its rows
+    and its whole blocks of columns: the one-rank packed engine's tokens; each rank holds about half
+    the packed bytes."""
+    path = q8_gguf_tied if tied else q8_gguf
+    one = _packed_run(0, 1, path, None)
+    two = ta.spawn(_packed_run, 2, path, tp, timeout=300)
     assert two[0]["generated_ids"] == one["generated_ids"]
     assert two[0]["weight_format"] == "packed" and two[0]["tp"] == tp
     assert two[0]["weight_bytes_per_rank"] < 0.6 * one["weight_bytes_per_rank"]
