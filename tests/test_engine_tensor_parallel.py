@@ -200,7 +200,7 @@ def test_layout_and_cuts():
 
 @pytest.mark.parametrize("options,option", [
     (dict(nproc=4, tp=3), "tp"), (dict(nproc=2, tp=2, speculate="draft", draft_model="draft.gguf"), "speculate"),
-    (dict(nproc=2, tp=2, decode_step="static"), "decode_step"), (dict(nproc=2, tp=1, prefill="ring"), "prefill"),
+    (dict(nproc=2, tp=2, decode_step="graph"), "decode_step"), (dict(nproc=2, tp=1, prefill="ring"), "prefill"),
     (dict(nproc=2, tp=2, method="twolevel"), "method"), (dict(nproc=2, tp=0), "tp")])
 def test_config_refusals_are_one_line(options, option):
     with pytest.raises(ConfigError) as info:
@@ -299,3 +299,26 @@ def test_serve_passes_tp_through(tmp_path):
     finally:
         assert server.stop() == 0
     assert got == expected
+
+
+def _static(rank: int, world_size: int, tp, decode_step: str) -> dict | None:
+    torch.set_num_threads(1)
+    config = ta.LlamaConfig(vocab_size=101, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4, num_kv_heads=2,
+                            head_dim=16, qkv_bias=True)
+    engine = ta.Engine(random_model(config, seed=2, std=0.2), tp=tp, decode_step=decode_step, block_size=4, cache_tokens=128,
+                       max_batch_size=4, timeout_s=300)
+    if not engine.is_driver:
+        return None
+    with engine:
+        tokens = [r.token_ids for r in engine.generate(PROMPTS, max_new_tokens=NEW_TOKENS)]
+        step = engine._channel.runner.static_step
+    return {"tokens": tokens, "static_steps": 0 if step is None else step.steps}
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_static_decode_steps_in_the_layout(tp):
+    """decode_step="static" (fixed shapes, no host read inside a step; CPU here) on 2 ranks: every
+    decode step static, the one-process dynamic engine's tokens."""
+    one = _static(0, 1, None, "dynamic")
+    two = ta.spawn(_static, 2, tp, "static", timeout=300)[0]
+    assert two["tokens"] == one["tokens"] and two["static_steps"] == NEW_TOKENS - 1

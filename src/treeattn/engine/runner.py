@@ -171,8 +171,9 @@ class RankRunner:
         if decode_step != "dynamic":
             from treeattn.engine.static_step import StaticDecodeStep
 
-            self.static_step = StaticDecodeStep(model, self.cache, rank=self.rank, max_batch_size=max_batch_size, decode=decode,
-                                                method=method, group=self.comm_group, topology=topology, graph=decode_step == "graph")
+            self.static_step = StaticDecodeStep(model, self.cache, rank=self.kv_rank, max_batch_size=max_batch_size, decode=decode,
+                                                method=method, group=self.attention_group, topology=topology,
+                                                graph=decode_step == "graph")
         self._generators: dict[int, torch.Generator] = {}
         self.meter = RankMeter(self.rank)
 
