@@ -84,6 +84,21 @@ def test_prompt_lookup_speculation_in_the_layout(tmp_path):
     assert results[0].speculation["accepted"] > 0
 
 
+def test_draft_model_speculation_in_the_layout(tmp_path):
+    """speculate="draft" at 1 x 2 (a Mistral draft for a Llama target of the same vocabulary): the draft
+    model stays whole on every rank, its cache sharded over the KV group; the target's greedy tokens."""
+    pytest.importorskip("transformers")
+    from helpers.llama_checkpoints import make_checkpoint
+
+    hf = make_checkpoint("llama", tmp_path / "llama")
+    make_checkpoint("mistral", tmp_path / "draft", seed=1)
+    with ta.Engine(tmp_path / "llama", nproc=2, tp=1, speculate="draft", draft_model=str(tmp_path / "draft"), cache_tokens=128,
+                   block_size=4, timeout_s=300) as engine:
+        results = engine.generate(PROMPTS, max_new_tokens=NEW_TOKENS)
+    assert [r.token_ids for r in results] == _uncached_greedy(hf, PROMPTS)
+    assert results[0].speculation["drafted"] > 0
+
+
 @pytest.mark.parametrize("arch,tp,kv", [("v3", 2, 1), ("v2", 1, 2)])
 def test_deepseek_mla_heads_split_latent_cache_shared(tmp_path, arch, tp, kv):
     """DeepSeek-V3 (q compression, MoE experts split by columns, one all-reduce of their sum) at 2 x 1 and
@@ -199,7 +214,7 @@ def test_layout_and_cuts():
 
 
 @pytest.mark.parametrize("options,option", [
-    (dict(nproc=4, tp=3), "tp"), (dict(nproc=2, tp=2, speculate="draft", draft_model="draft.gguf"), "speculate"),
+    (dict(nproc=4, tp=3), "tp"),
     (dict(nproc=2, tp=2, decode_step="graph"), "decode_step"), (dict(nproc=2, tp=1, prefill="ring"), "prefill"),
     (dict(nproc=2, tp=2, method="twolevel"), "method"), (dict(nproc=2, tp=0), "tp")])
 def test_config_refusals_are_one_line(options, option):

@@ -184,8 +184,8 @@ class EngineConfig:
             sequence nproc / T ways, the output projections, MLP, embeddings and LM head over all
             nproc ranks. None: no tensor parallelism (every rank holds every weight; the KV cache
             alone is sharded). tp must divide nproc. With tp, prompt steps run every token on
-            every rank (no token-parallel or ring prefill); refused with speculate="draft",
-            decode_step="graph" (CUDA graphs), linear_maps and method "twolevel".
+            every rank (no token-parallel or ring prefill); a draft model stays whole on every rank.
+            Refused with decode_step="graph" (CUDA graphs), linear_maps and method "twolevel".
         linear_maps: a directory of Hedgehog feature maps (`treeattn linearize --out`): the layers
             it names run linear attention (treeattn.linear; a hybrid model), their states kept per
             sequence on every rank. Not with speculate or static/graph decode steps; the prefix
@@ -274,8 +274,7 @@ class EngineConfig:
             # nproc 1 is also the default that a process group's size replaces (generate, Engine in a group):
             # the engine's checks see the final nproc (tensor_parallel.check_tensor_parallel)
             raise ConfigError("tp", f"tp must be None or an int >= 1 that divides nproc={self.nproc}, got {tp!r}")
-        refused = [("speculate", self.speculate == "draft", "speculate='draft'"),
-                   ("decode_step", self.decode_step == "graph", "decode_step='graph'"),
+        refused = [("decode_step", self.decode_step == "graph", "decode_step='graph'"),
                    ("linear_maps", self.linear_maps is not None, "linear_maps"),
                    ("method", self.method == "twolevel", "method='twolevel'"),
                    ("prefill", self.prefill != "auto", f"prefill={self.prefill!r} (with tp every rank runs every prompt token)")]

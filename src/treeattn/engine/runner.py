@@ -166,7 +166,8 @@ class RankRunner:
 
             windowless = all(w is None for w in draft_model.config.layer_windows)
             self.drafter = DraftRunner(draft_model, rank=self.rank, blocks_per_rank=blocks_per_rank, block_size=block_size,
-                                       attend=self.attend, combine=self.combine if windowless else None, group=self.comm_group)
+                                       attend=self.attend, combine=self.combine if windowless else None, group=self.comm_group,
+                                       kv_rank=None if helix is None else self.kv_rank)
         self.static_step = None
         if decode_step != "dynamic":
             from treeattn.engine.static_step import StaticDecodeStep
