@@ -113,6 +113,11 @@ class RankRunner:
             treeattn.engine.static_step.StaticDecodeStep (batch buckets up to max_batch_size).
         kv_cache_dtype: the dtype the paged KV cache stores (None: the model's); attention reads it
             in the model's dtype, accumulating in float32 (treeattn.cache.paged).
+        helix: the Helix layout's HelixGroups (treeattn.engine.tensor_parallel; the model holds this
+            rank's share of the weights): the cache holds this rank's KV heads and its KV group's
+            blocks (kv_rank), attention combines over the KV group, the model's all-reduces and the
+            LM head's gather run over `group`, and every rank runs every token of a step. None: no
+            tensor parallelism.
     """
 
     def __init__(self, model: LlamaModel, *, group: dist.ProcessGroup | None, blocks_per_rank: int, block_size: int,
