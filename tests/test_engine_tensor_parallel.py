@@ -337,3 +337,16 @@ def test_static_decode_steps_in_the_layout(tp):
     one = _static(0, 1, None, "dynamic")
     two = ta.spawn(_static, 2, tp, "static", timeout=300)[0]
     assert two["tokens"] == one["tokens"] and two["static_steps"] == NEW_TOKENS - 1
+
+
+def test_k_quant_superblocks_refuse_a_split_inside_them(tmp_path):
+    """Gemma 3's file layout (ffn_down in Q6_K: 256-weight superblocks): an MLP of 256 split over 2 ranks
+    would cut a superblock; refused in one line before any rank starts (dequantized, it runs)."""
+    pytest.importorskip("transformers")
+    from gemma3_files import hf_gemma3, write_gemma3_gguf
+
+    path = tmp_path / "gemma3.gguf"
+    write_gemma3_gguf(path, hf_gemma3(layers=2))
+    with pytest.raises(ConfigError, match="blocks of 256") as info:
+        ta.Engine(path, nproc=2, tp=2, weight_format="packed")
+    assert "\n" not in str(info.value)

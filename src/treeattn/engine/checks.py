@@ -10,7 +10,7 @@
 
         check_tensor_parallel(files.config, config.tp, config.nproc)
         if _may_pack(model, config):
-            check_block_cuts(files.config, config.tp, config.nproc)     # static/graph steps refuse a hybrid cache
+            check_block_cuts(files.config, config.tp, config.nproc, _block_of(model))     # static/graph steps refuse a hybrid cache
     check_draft_model(files, config)             # with speculate="draft"
     check_memory(model, files.config, config)    # weights + cache (+ draft) of the ranks on this machine
     check_weight_format(model, config)
@@ -224,6 +224,17 @@ def _may_pack(model, config: EngineConfig) -> bool:
     return is_gguf(model) and (config.weight_format == "packed" or (config.weight_format == "auto" and config.device == "cpu"))
 
 
+def _block_of(model) -> int:
+    """The packed blocks' width a plan's column shares must respect: a GGUF file's (256 for its
+    K-quant matrices), else 32."""
+    if isinstance(model, (str, os.PathLike)):
+        from treeattn.models.gguf import is_gguf, packed_block
+
+        if is_gguf(model):
+            return max(32, packed_block(model))
+    return 32
+
+
 def check_engine(model, config: EngineConfig, *, group=None, joined: bool = False, cache_option: str = "cache_tokens"):
     """Every check of this module, in order, for `model` (a loaded model or a checkpoint path) run
     with `config` (its device resolved by with_device); `group`/`joined`: the existing process group,
@@ -239,7 +250,7 @@ def check_engine(model, config: EngineConfig, *, group=None, joined: bool = Fals
 
         check_tensor_parallel(files.config, config.tp, config.nproc)
         if _may_pack(model, config):
-            check_block_cuts(files.config, config.tp, config.nproc)
+            check_block_cuts(files.config, config.tp, config.nproc, _block_of(model))
     check_linear(model, config, windows=bool(hybrid_windows(tuple(files.config.layer_windows))))
     if config.draft_model is not None:
         check_draft_model(files, config)

@@ -161,17 +161,17 @@ def check_tensor_parallel(config, tp: int, nproc: int) -> None:
         raise ConfigError("tp", f"tp={tp}: a vocabulary of {config.vocab_size} cannot be split over nproc={nproc} ranks")
 
 
-def check_block_cuts(config, tp: int, nproc: int) -> None:
-    """For a checkpoint whose matrices may be kept packed (a GGUF file, weight_format not "dequantize"):
-    every rank's input-dimension share (o_proj, down_proj) must start and end on a block of ALIGN
-    columns; ConfigError naming tp (one line) otherwise, before any rank starts."""
+def check_block_cuts(config, tp: int, nproc: int, block: int = ALIGN) -> None:
+    """For a checkpoint whose matrices may be kept packed (a GGUF file, weight_format not "dequantize";
+    `block`: its o_proj / down_proj blocks' width, 256 for K-quants): every rank's input-dimension
+    share must start and end on a block; ConfigError naming tp (one line) otherwise, before any rank starts."""
     for rank in range(nproc):
         cuts = tensor_parallel_cuts(config, HelixLayout(nproc, tp, rank))
         for name in ("layers.0.self_attn.o_proj.weight", "layers.0.mlp.down_proj.weight"):
             cut = cuts.get(name)
-            if cut is not None and (cut.start % ALIGN or cut.stop % ALIGN):
+            if cut is not None and (cut.start % block or cut.stop % block):
                 raise ConfigError("tp", f"tp={tp} on nproc={nproc}: rank {rank}'s columns [{cut.start}, {cut.stop}) of "
-                                        f"{name.removeprefix('layers.0.')} are not whole blocks of {ALIGN} packed weights; "
+                                        f"{name.removeprefix('layers.0.')} are not whole blocks of {block} packed weights; "
                                         "use weight_format='dequantize' or another layout")
 
 

@@ -600,6 +600,15 @@ def dequantize_to(tensor, *, dtype: torch.dtype, device: torch.device | str = "c
     return out
 
 
+def packed_block(path, names=("attn_output.weight", "ffn_down.weight")) -> int:
+    """The largest block (weights along a row) of the matrices of layer 0 of a GGUF file named
+    blk.0.<name> for `names` (the matrices a tensor-parallel plan splits by columns): 32 for Q4_0,
+    Q4_1, Q8_0 and Q5_0, 256 for the K-quants, 1 for float types."""
+    reader = open_gguf(path, tokenizer=False)
+    wanted = {f"blk.0.{name}" for name in names}
+    return max([gguf.GGML_QUANT_SIZES[t.tensor_type][0] for t in reader.tensors if t.name in wanted], default=1)
+
+
 def share_rows(tensor, cut, path=None) -> np.ndarray:
     """The file's data of a ReaderTensor's share `cut` (a treeattn.models.shards.Cut of the numpy-order
     (out, in) tensor, or None: all of it), as rows: (rows, a row's blocks in the file's units), no
