@@ -58,8 +58,8 @@ def test_greedy_tokens_equal_transformers_uncached(tmp_path, arch, tp, kv):
 
 
 def test_ring_decode_and_a_16_bit_cache_in_the_layout(tmp_path):
-    """decode="ring" and tree_decode's "tree" combine over the KV group (1 x 2), and a bfloat16 KV cache
-    (2 x 2) giving the tokens of the same cache on one rank."""
+    """decode="ring" and tree_decode's "tree" combine over the KV group (1 x 2), and a bfloat16 and an fp8
+    KV cache (2 x 1) giving the tokens of the same cache on one rank."""
     pytest.importorskip("transformers")
     from helpers.llama_checkpoints import make_checkpoint
 
@@ -67,9 +67,11 @@ def test_ring_decode_and_a_16_bit_cache_in_the_layout(tmp_path):
     expected = _uncached_greedy(hf, PROMPTS)
     assert _engine_tokens(tmp_path / "llama", 2, 1, decode="ring") == expected
     assert _engine_tokens(tmp_path / "llama", 2, 1, method="tree") == expected
-    bf16 = _engine_tokens(tmp_path / "llama", 2, 2, kv_cache_dtype="bfloat16")
-    with ta.Engine(tmp_path / "llama", nproc=1, cache_tokens=128, block_size=4, prefill_chunk=5, kv_cache_dtype="bfloat16") as engine:
-        assert bf16 == [r.token_ids for r in engine.generate(PROMPTS, max_new_tokens=NEW_TOKENS)]
+    for kv_cache_dtype in ("bfloat16", "fp8_e4m3"):  # fp8: a scale per token and (local) KV head
+        two = _engine_tokens(tmp_path / "llama", 2, 2, kv_cache_dtype=kv_cache_dtype)
+        with ta.Engine(tmp_path / "llama", nproc=1, cache_tokens=128, block_size=4, prefill_chunk=5,
+                       kv_cache_dtype=kv_cache_dtype) as engine:
+            assert two == [r.token_ids for r in engine.generate(PROMPTS, max_new_tokens=NEW_TOKENS)], kv_cache_dtype
 
 
 def test_prompt_lookup_speculation_in_the_layout(tmp_path):
