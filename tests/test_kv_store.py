@@ -309,3 +309,13 @@ def test_a_store_that_cannot_be_written_is_refused_or_skipped(tmp_path, caplog):
         with caplog.at_level(logging.WARNING, logger="treeattn.engine.kv_tier"):
             result = e.generate(PROMPT, max_new_tokens=6)[0]
     assert result.token_ids == fresh.token_ids and "KV store: writing to" in caplog.text
+
+
+def test_kv_store_is_refused_with_tensor_parallel_heads(tmp_path):
+    """Blocks of the store hold every KV head; tensor-parallel ranks hold some: refused in one line."""
+    from treeattn.engine.config import ConfigError, EngineConfig
+
+    with pytest.raises(ConfigError, match="kv_store.*tp=2") as raised:
+        EngineConfig(nproc=2, tp=2, kv_store=str(tmp_path))
+    assert raised.value.option == "kv_store"
+    EngineConfig(nproc=2, tp=1, kv_store=str(tmp_path))  # tp=1: every rank holds every head

@@ -55,10 +55,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _two_nodes(*command: str) -> list[subprocess.Popen]:
-    """Two torchrun launches of one node each, meeting at a c10d rendezvous on 127.0.0.1."""
+def _two_nodes(*command: str, per_node: int = 1) -> list[subprocess.Popen]:
+    """Two torchrun launches of `per_node` ranks each, meeting at a c10d rendezvous on 127.0.0.1."""
     port = _free_port()
-    launch = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+    launch = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", str(per_node), "--rdzv-backend", "c10d",
               "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"test-{port}", "-m", "treeattn", *command]
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
     return [subprocess.Popen(launch, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
@@ -84,6 +84,21 @@ def test_generate_on_two_nodes(checkpoint, ids_file, expected):
     assert len(reports) == 1  # rank 0 prints, the other rank nothing
     assert reports[0]["generated_ids"] == expected
     assert reports[0]["run"]["world_size"] == 2
+
+
+def test_generate_on_two_nodes_in_the_helix_layout(checkpoint, ids_file, expected):
+    """Two nodes of 2 ranks, --tp 2: each node's ranks split the heads, the MLP and the vocabulary
+    (4 ways), the sequence is sharded across the nodes; the one-process tokens."""
+    nodes = _two_nodes("generate", str(checkpoint), "--prompt-ids", str(ids_file), "--max-new-tokens", str(NEW), "--tp", "2",
+                       "--json", per_node=2)
+    try:
+        outs = [node.communicate(timeout=DEADLINE_S) for node in nodes]
+    finally:
+        _end(nodes)
+    assert [node.returncode for node in nodes] == [0, 0], [err[-3000:] for _, err in outs]
+    reports = [json.loads(out) for out, _ in outs if out.strip()]
+    assert len(reports) == 1 and reports[0]["generated_ids"] == expected
+    assert reports[0]["run"]["world_size"] == 4 and reports[0]["run"]["tp"] == 2
 
 
 def test_serve_on_two_nodes(checkpoint, expected):

@@ -70,6 +70,7 @@ class Conversation:
 def chat_command(
     model: Path = typer.Argument(..., metavar="MODEL", help="Hugging Face checkpoint directory or .gguf file with a chat template."),
     nproc: int = config_flag(E, "nproc", min=1, help="Ranks sharing the KV cache, spawned here (gloo)."),
+    tp: int | None = config_flag(E, "tp", min=1),
     system: str | None = typer.Option(None, "--system", help="System message before the conversation."),
     max_new_tokens: int = config_flag(S, "max_new_tokens", default=512, min=1, help="New tokens per reply at most."),
     temperature: float = config_flag(S, "temperature"),
@@ -106,7 +107,7 @@ def chat_command(
     say(f"loading {model.name} on {nproc} rank(s)")
     start = time.perf_counter()
     try:
-        engine = ta.Engine(str(model), nproc=nproc, decode=decode if nproc > 1 else "local", max_batch_size=1,
+        engine = ta.Engine(str(model), nproc=nproc, tp=tp, decode=decode if nproc > 1 else "local", max_batch_size=1,
                            prefix_cache=True, block_size=block_size, dtype=torch_dtype(dtype), device=device, timeout_s=timeout,
                            kv_cache_dtype=kv_cache_dtype, weight_format=weight_format,
                            kv_store=None if kv_store is None else str(kv_store), kv_store_bytes=kv_store_bytes)

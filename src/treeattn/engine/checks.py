@@ -4,7 +4,13 @@
 
     files = model_files(model)                   # config and tokenizer, without the weights for a path
     check_model(model); check_decode_step_device(model, config, group, joined)
-    check_hybrid_cache(files.config, config)     # static/graph steps refuse a hybrid cache
+    check_hybrid_cache(files.config, config)
+    if config.tp is not None:
+        from treeattn.engine.tensor_parallel import check_block_cuts, check_tensor_parallel
+
+        check_tensor_parallel(files.config, config.tp, config.nproc)
+        if _may_pack(model, config):
+            check_block_cuts(files.config, config.tp, config.nproc, _block_of(model))     # static/graph steps refuse a hybrid cache
     check_draft_model(files, config)             # with speculate="draft"
     check_memory(model, files.config, config)    # weights + cache (+ draft) of the ranks on this machine
     check_weight_format(model, config)
@@ -192,6 +198,10 @@ def check_memory(model, model_config, config: EngineConfig, *, cache_option: str
                         else config.draft_model).config
         draft = model_bytes(config.draft_model, dtype) + memory.kv_cache_bytes_per_rank(config, draft_config, dtype, blocks_for=model_config)
     ranks, device, weights = local_ranks(config.nproc), torch.device("cpu"), model_bytes(model, dtype)
+    if config.tp is not None and config.nproc > 1:  # the Helix layout: each rank holds its share
+        from treeattn.engine.tensor_parallel import share_fraction
+
+        weights = int(weights * share_fraction(model_config, config.tp, config.nproc))
     if config.device == "cuda":  # each rank its own GPU: one rank's share against the GPU with the least free memory
         in_group = dist.is_available() and dist.is_initialized()
         devices = [rank_device("cuda", dist.get_rank())] if in_group else [rank_device("cuda", r) for r in range(ranks)]
@@ -215,6 +225,29 @@ def check_kv_store(config: EngineConfig) -> None:
         raise ConfigError("kv_store", f"kv_store: {config.kv_store} is not a directory this process can write")
 
 
+def _may_pack(model, config: EngineConfig) -> bool:
+    """Whether the ranks may keep some of the model's matrices packed: a GGUF checkpoint with
+    weight_format "packed", or "auto" on the CPU; a loaded model that holds packed layers."""
+    if not isinstance(model, (str, os.PathLike)):
+        from treeattn.models.packed import is_packed
+
+        return is_packed(model)
+    from treeattn.models.gguf import is_gguf
+
+    return is_gguf(model) and (config.weight_format == "packed" or (config.weight_format == "auto" and config.device == "cpu"))
+
+
+def _block_of(model) -> int:
+    """The packed blocks' width a plan's column shares must respect: a GGUF file's (256 for its
+    K-quant matrices), else 32."""
+    if isinstance(model, (str, os.PathLike)):
+        from treeattn.models.gguf import is_gguf, packed_block
+
+        if is_gguf(model):
+            return max(32, packed_block(model))
+    return 32
+
+
 def check_engine(model, config: EngineConfig, *, group=None, joined: bool = False, cache_option: str = "cache_tokens"):
     """Every check of this module, in order, for `model` (a loaded model or a checkpoint path) run
     with `config` (its device resolved by with_device); `group`/`joined`: the existing process group,
@@ -225,6 +258,12 @@ def check_engine(model, config: EngineConfig, *, group=None, joined: bool = Fals
     check_decode_step_device(model, config, group, joined)
     files = model_files(model)
     check_hybrid_cache(files.config, config)
+    if config.tp is not None:
+        from treeattn.engine.tensor_parallel import check_block_cuts, check_tensor_parallel
+
+        check_tensor_parallel(files.config, config.tp, config.nproc)
+        if _may_pack(model, config):
+            check_block_cuts(files.config, config.tp, config.nproc, _block_of(model))
     check_linear(model, config, windows=bool(hybrid_windows(tuple(files.config.layer_windows))))
     if config.draft_model is not None:
         check_draft_model(files, config)

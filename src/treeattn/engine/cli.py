@@ -50,6 +50,7 @@ def generate_command(
     prompt_ids: Path | None = typer.Option(None, "--prompt-ids", help="JSON file: a list of token ids, or a list of such lists (a batch)."),
     nproc: int | None = config_flag(E, "nproc", default=None, min=1, help="Ranks sharing the KV cache, spawned here (gloo). "
                                     "Default 1, or the world size under torchrun."),
+    tp: int | None = config_flag(E, "tp", min=1),
     decode: Decode = config_flag(E, "decode"),
     method: Method | None = config_flag(E, "method"),
     prefill: Prefill = config_flag(E, "prefill"),
@@ -104,7 +105,7 @@ def generate_command(
         world = _world_size(nproc)
         sampling = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
                                   stop_token_ids=tuple(stop_id), stop=tuple(stop), ignore_eos=ignore_eos)
-        config = EngineConfig(nproc=world, decode=decode, method=method, prefill=prefill, prefill_chunk=prefill_chunk,
+        config = EngineConfig(nproc=world, tp=tp, decode=decode, method=method, prefill=prefill, prefill_chunk=prefill_chunk,
                               decode_step=decode_step, placement=placement, block_size=block_size, max_context=max_context,
                               speculate=speculate, draft_tokens=draft_tokens, shared_memory=shared_memory, timeout_s=timeout,
                               kv_cache_dtype=kv_cache_dtype, weight_format=weight_format, device=device,
@@ -319,6 +320,8 @@ def _json_report(result: dict, texts, batched: bool, total_s: float, ranking: li
         report["kv_window_bytes"] = result["kv_window_bytes"]
     report["peak_rss_bytes_per_rank"] = result["peak_rss_bytes_per_rank"]
     report["run"] = {k: result[k] for k in ("world_size", "decode", "method", "prefill", "placement")}
+    if result.get("tp") is not None:  # the Helix layout: tp tensor-parallel x world_size / tp KV ranks
+        report["run"]["tp"] = result["tp"]
     return report
 
 

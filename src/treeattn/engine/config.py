@@ -115,7 +115,7 @@ class EngineConfig:
             tokens of every sequence, so sequences shorter than a span sit on rank 0;
             interleaved spreads every sequence).
         max_batch_size: sequences running together at most.
-        cache_tokens: KV cache size in tokens over all ranks (default: max(max_batch_size * 2048,
+        cache_tokens: KV cache size in tokens over all ranks (over the KV ranks of one slice with tp; default: max(max_batch_size * 2048,
             min(max_position_embeddings, 32768))).
         prefix_cache: reuse cached prompt prefixes (radix tree over blocks).
         block_size: tokens per cache block (the unit of allocation, sharing and placement).
@@ -179,6 +179,13 @@ class EngineConfig:
             whole cache, but no more than the model's max_position_embeddings (engine.max_context
             is the resolved value; a larger value given here runs positions beyond the model's
             window, with a warning). A request that needs more fails alone, naming the limit.
+        tp: tensor-parallel ranks T: the nproc ranks are T tensor-parallel x nproc / T KV ranks (the Helix
+            layout, treeattn.engine.tensor_parallel). Attention's heads split T ways and the
+            sequence nproc / T ways, the output projections, MLP, embeddings and LM head over all
+            nproc ranks. None: no tensor parallelism (every rank holds every weight; the KV cache
+            alone is sharded). tp must divide nproc. With tp, prompt steps run every token on
+            every rank (no token-parallel or ring prefill); a draft model stays whole on every rank.
+            Refused with decode_step="graph" (CUDA graphs), linear_maps and method "twolevel".
         linear_maps: a directory of Hedgehog feature maps (`treeattn linearize --out`): the layers
             it names run linear attention (treeattn.linear; a hybrid model), their states kept per
             sequence on every rank. Not with speculate or static/graph decode steps; the prefix
@@ -216,6 +223,7 @@ class EngineConfig:
     linear_maps: str | None = None
     kv_store: str | None = None
     kv_store_bytes: int = 16 << 30
+    tp: int | None = None
 
     def __post_init__(self) -> None:
         static = self.decode_step in DECODE_STEPS and self.decode_step != "dynamic"
@@ -258,6 +266,7 @@ class EngineConfig:
             raise ConfigError("draft_tokens", f"draft_tokens must be an int in [1, {MAX_DRAFT_TOKENS}], got {k!r}")
         object.__setattr__(self, "draft_model", check_draft_model_option(self.speculate, self.draft_model))
         self._check_decode_step()
+        self._check_tp()
         self._check_kv_store()
 
     def _check_kv_store(self) -> None:
@@ -274,6 +283,31 @@ class EngineConfig:
             raise ConfigError("kv_store", "kv_store is the prefix cache's second tier: it needs prefix_cache=True")
         if self.speculate == "draft":
             raise ConfigError("kv_store", "kv_store does not store the draft model's cache: not with speculate='draft'")
+        if self.tp is not None and self.tp > 1:
+            raise ConfigError("kv_store", f"kv_store keys blocks that hold every KV head: not with tp={self.tp} "
+                              "(tensor-parallel ranks hold different heads)")
+
+    @property
+    def kv_ranks(self) -> int:
+        """Ranks the KV cache of one sequence is sharded over: nproc, or nproc / tp in the Helix layout."""
+        return self.nproc if self.tp is None else self.nproc // self.tp
+
+    def _check_tp(self) -> None:
+        """tp (None, or an int >= 1 dividing nproc) and what the Helix layout does not run, one line each."""
+        tp = self.tp
+        if tp is None:
+            return
+        if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1 or (self.nproc > 1 and self.nproc % tp):
+            # nproc 1 is also the default that a process group's size replaces (generate, Engine in a group):
+            # the engine's checks see the final nproc (tensor_parallel.check_tensor_parallel)
+            raise ConfigError("tp", f"tp must be None or an int >= 1 that divides nproc={self.nproc}, got {tp!r}")
+        refused = [("decode_step", self.decode_step == "graph", "decode_step='graph'"),
+                   ("linear_maps", self.linear_maps is not None, "linear_maps"),
+                   ("method", self.method == "twolevel", "method='twolevel'"),
+                   ("prefill", self.prefill != "auto", f"prefill={self.prefill!r} (with tp every rank runs every prompt token)")]
+        for option, bad, what in refused:
+            if bad:
+                raise ConfigError(option, f"{what} does not run with tp={tp} (the Helix layout): run it without tp")
 
     def _check_decode_step(self) -> None:
         if self.decode_step not in DECODE_STEPS:
@@ -292,22 +326,22 @@ class EngineConfig:
         """Blocks in each rank's pool: cache_tokens over all ranks, default
         max(max_batch_size * 2048, min(max_position_embeddings, 32768)) tokens."""
         tokens = self.cache_tokens or max(self.max_batch_size * 2048, min(max_position_embeddings, 32768))
-        return max(1, -(-tokens // (self.block_size * self.nproc)))
+        return max(1, -(-tokens // (self.block_size * self.kv_ranks)))
 
     def max_context_tokens(self, max_position_embeddings: int) -> int:
         """Engine.max_context: the most positions one request may take: max_context as given (the
         caller's choice, even beyond the model's window: the engine warns), or the whole cache but
         no more than the model's window. Raises ConfigError when max_context is more than the cache
         holds."""
-        cache = self.nproc * self.blocks_per_rank(max_position_embeddings) * self.block_size
+        cache = self.kv_ranks * self.blocks_per_rank(max_position_embeddings) * self.block_size
         if self.max_context is None:
             return min(cache, max_position_embeddings)
         if self.max_context > cache:
             raise ConfigError("max_context", f"max_context={self.max_context} is more than the KV cache holds ({cache} tokens "
-                              f"over {self.nproc} rank(s)); raise cache_tokens or lower max_context")
+                              f"over {self.kv_ranks} rank(s)); raise cache_tokens or lower max_context")
         return self.max_context
 
     def span_blocks(self, max_position_embeddings: int) -> int:
         """Blocks of one sequence on each rank under contiguous placement: the p-th part of max_context."""
         blocks = -(-self.max_context_tokens(max_position_embeddings) // self.block_size)
-        return min(self.blocks_per_rank(max_position_embeddings), -(-blocks // self.nproc))
+        return min(self.blocks_per_rank(max_position_embeddings), -(-blocks // self.kv_ranks))

@@ -70,11 +70,16 @@ class DraftRunner:
         attend: the rank's attention back end (the model's: models.attention.attention_backend).
         combine: how a run-by-run read combines across the ranks (PagedBatch's), or None.
         group: the group of the drafts' broadcast (the shared-memory group where there is one).
+        kv_rank: the rank whose blocks this rank holds in the Helix layout (its KV group's index; the
+            draft model stays whole, its cache holds all its heads, sharded over the KV group as
+            `attend` and `combine` are); None: `rank`. Steps then run every token on every rank.
     """
 
-    def __init__(self, model, *, rank: int, blocks_per_rank: int, block_size: int, attend, combine, group) -> None:
+    def __init__(self, model, *, rank: int, blocks_per_rank: int, block_size: int, attend, combine, group,
+                 kv_rank: int | None = None) -> None:
         c = model.config
         self.model, self.rank, self.attend, self.combine, self.group = model.eval(), rank, attend, combine, group
+        self.kv_rank, self.split = rank if kv_rank is None else kv_rank, kv_rank is None
         self.world_size = group_world_size(group)
         self.cache = PagedKVCache(num_layers=c.num_layers, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, value_dim=c.cache_value_dim,
                                   num_blocks=blocks_per_rank, block_size=block_size, dtype=model.dtype, device=model.device)
@@ -100,9 +105,9 @@ class DraftRunner:
         """One draft forward pass over `chunks` (their keys/values into the draft's cache), token-parallel
         where the model's step would be (treeattn.engine.token_parallel); returns the final hidden states
         (n, hidden_size) after the last token of chunks[i] for each i in `last_of`."""
-        batch = PagedBatch(StepPlan(tuple(chunks)), self.rank, self.cache, self.attend, self.combine)
+        batch = PagedBatch(StepPlan(tuple(chunks)), self.kv_rank, self.cache, self.attend, self.combine)
         rows = [batch.offsets[i] + len(chunks[i].tokens) - 1 for i in last_of]
-        if token_parallel.splits(batch.tokens.shape[1], self.world_size):
+        if self.split and token_parallel.splits(batch.tokens.shape[1], self.world_size):
             return token_parallel.TokenParallelStep(batch, self.rank, self.world_size, self.group).forward(self.model, rows)
         return self.model(batch.tokens, batch.positions, batch.kv_store, batch.attend)[0, rows]
 

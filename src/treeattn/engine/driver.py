@@ -53,7 +53,7 @@ class Driver:
     def __init__(self, config: EngineConfig, channel, tokenizer, layer_windows) -> None:
         info = self.model_info = channel.info
         self.config, self.channel, self.tokenizer = config, channel, tokenizer
-        self.pool = ShardedBlockPool(world_size=config.nproc, blocks_per_rank=config.blocks_per_rank(info.max_position_embeddings),
+        self.pool = ShardedBlockPool(world_size=config.kv_ranks, blocks_per_rank=config.blocks_per_rank(info.max_position_embeddings),
                                      block_size=config.block_size, placement=config.placement,
                                      span_blocks=config.span_blocks(info.max_position_embeddings))
         # A hybrid model's window layers (treeattn.cache.window) start a cached prefix from a window checkpoint, at
@@ -66,7 +66,8 @@ class Driver:
         self.scheduler = Scheduler(self.pool, max_batch_size=config.max_batch_size, prefill_chunk=config.prefill_chunk,
                                    prefix_cache=self.prefix_cache, drafter=_drafter(config.speculate),
                                    draft_tokens=config.draft_tokens, draft_cache=config.speculate == "draft",
-                                   idle_prefill_chunk=idle_prefill_chunk(config.prefill, config.nproc, layer_windows))
+                                   idle_prefill_chunk=idle_prefill_chunk(config.prefill, config.nproc if config.tp is None else 1,
+                                                                        layer_windows))
         self.max_context = config.max_context_tokens(info.max_position_embeddings)
         if self.max_context > info.max_position_embeddings:
             logger.warning("max_context=%d exceeds the model's max_position_embeddings=%d: positions beyond it run "
@@ -93,7 +94,7 @@ class Driver:
         info = self.model_info
         if self.config.kv_store is None:
             return None
-        refusal = store_refusal(info.linear_layers, getattr(self.config, "tp", 1))
+        refusal = store_refusal(info.linear_layers, self.config.tp or 1)
         if refusal is not None or info.kv_store_namespace is None:
             logger.warning("--kv-store is off for this model: %s", refusal or "its ranks made no store")
             return None

@@ -139,9 +139,10 @@ class GenerationResult:
             sequence-sharded cache holds (an MLA model's latent cache: one latent + RoPE key per
             layer; a hybrid model such as Gemma 3: its global layers only).
         kv_cache_dtype: what the KV cache stored ("float32", "bfloat16", "float16", "fp8_e4m3": kv_cache_dtype resolved).
-        weight_bytes_per_rank: bytes of the weights every rank holds (each holds all of them):
+        weight_bytes_per_rank: bytes of the weights rank 0 holds (every rank holds all of them, or with tp its share):
             parameters, and the blocks and scales of weights kept packed (weight_format).
         weight_format: "packed" when some weight is kept in its file's blocks, else "dequantize".
+        tp: the Helix layout's tensor-parallel ranks (EngineConfig.tp; None: no tensor parallelism).
         kv_window_bytes: bytes a hybrid model's sliding-window layers keep per sequence on every
             rank (W - 1 positions of each; treeattn.cache.window); 0 for other models.
         comm_bytes_per_rank: bytes each rank sent during the decode steps (treeattn's accounting).
@@ -179,6 +180,7 @@ class GenerationResult:
     kv_window_bytes: int = 0
     kv_cache_dtype: str = "float32"
     weight_bytes_per_rank: int = 0
+    tp: int | None = None
     weight_format: str = "dequantize"
     comm_bytes_per_rank: list[float] = field(default_factory=list)
     prefill_comm_bytes_per_rank: list[float] = field(default_factory=list)
@@ -451,7 +453,8 @@ class Generation:
                          cache_option="max_new_tokens" if given.max_context is None else "max_context")
             if config.decode_step != "dynamic":
                 _check_static_step(config, model, config.max_batch_size)
-            prefill = resolve_prefill(config.prefill, self.world_size, model.config.layer_windows)
+            prefill = resolve_prefill(config.prefill, self.world_size if config.tp is None else 1,  # tp: every rank every token
+                                      model.config.layer_windows)
         except (ValueError, TypeError) as exc:
             local_error = exc
         self._agree(given, sampling, local_error, prefill=prefill)  # what each rank was given: the sizing follows from it
@@ -476,7 +479,7 @@ class Generation:
         if self.num_samples * len(self.prompts) > c.max_batch_size:
             raise ConfigError("num_samples", f"{self.num_samples * len(self.prompts)} sequences, but the engine runs "
                               f"max_batch_size={c.max_batch_size} at once")
-        self.prefill, self.decode = resolve_prefill(c.prefill, c.nproc, self.model.config.layer_windows), c.decode
+        self.prefill, self.decode = resolve_prefill(c.prefill, c.nproc if c.tp is None else 1, self.model.config.layer_windows), c.decode
         self.num_sequences = self.num_samples * len(self.prompts)
 
     def _agree(self, config, sampling, local_error, *, prefill) -> None:
@@ -602,7 +605,7 @@ class Generation:
             prompt_tokens=[r.prompt_tokens for r in results], generated_ids=[r.token_ids for r in results],
             finish_reasons=[r.finish_reason for r in results], prefill_s=first_token, decode_s=sum(step_times),
             decode_steps=len(step_times), step_times_s=step_times, world_size=self.world_size, decode=self.decode,
-            method=c.method, prefill=self.prefill, placement=c.placement,
+            method=c.method, prefill=self.prefill, placement=c.placement, tp=c.tp,
             kv_bytes_per_rank=[m.kv_bytes for m in measured],
             kv_bytes_per_token=kv_bytes_per_token(self.model.config, resolve_kv_cache_dtype(c.kv_cache_dtype, self.model.dtype)),
             kv_window_bytes=window_bytes_per_sequence(self.model.config, resolve_kv_cache_dtype(c.kv_cache_dtype, self.model.dtype)),
@@ -664,7 +667,9 @@ def _fingerprint(value) -> int:
 
 def _model_fingerprint(model) -> int:
     """A digest of a model's shape, dtype and a few weights (the same checkpoint on every rank)."""
-    rows = model.embed_tokens(torch.arange(2, device=model.device))  # an nn.Embedding or a packed table alike
-    probe = [rows.float().sum().item(), model.norm.weight.float().sum().item()]
+    probe = [model.norm.weight.float().sum().item()]
+    if getattr(model, "helix_cuts", None) is None:  # a rank's share of a table (tensor parallelism) differs per rank
+        rows = model.embed_tokens(torch.arange(2, device=model.device))  # an nn.Embedding or a packed table alike
+        probe.append(rows.float().sum().item())
     c = model.config
     return _fingerprint([c.vocab_size, c.hidden_size, c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim, str(model.dtype), probe])

@@ -25,7 +25,7 @@ class GenerateJob:
     """What every rank runs.
 
     Attributes:
-        model_dir: checkpoint to load (every rank loads all weights; the KV cache is what is sharded).
+        model_dir: checkpoint to load (every rank loads all weights, or with config.tp its share of them).
         prompts: token ids, one tuple per sequence.
         config: the validated EngineConfig (generate sizes it to the batch).
         sampling: the validated SamplingParams of every sequence.
@@ -67,7 +67,14 @@ def generate_rank(rank: int, world_size: int, job: GenerateJob, display=None) ->
     device = rank_device(job.device, rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    model = load_model(job.model_dir, dtype=getattr(torch, job.dtype), device=device, weight_format=job.config.weight_format)
+    shard = None
+    if job.config.tp is not None and world_size > 1:  # the Helix layout: this rank reads its share of the weights
+        from treeattn.engine.tensor_parallel import HelixLayout, tensor_parallel_cuts
+        from treeattn.models.loader import read_config
+
+        shard = tensor_parallel_cuts(read_config(job.model_dir), HelixLayout(world_size, job.config.tp, rank))
+    model = load_model(job.model_dir, dtype=getattr(torch, job.dtype), device=device, weight_format=job.config.weight_format,
+                       shard=shard)
     if show:
         display.loaded(time.perf_counter() - start)
     if show and world_size > 1:  # a ring prefill step is the whole prompt: show its progress layer by layer

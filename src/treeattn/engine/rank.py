@@ -44,19 +44,26 @@ class ModelInfo:
     kv_store_namespace: str | None = None  # the ranks' KV store namespace (treeattn.engine.kv_tier), None: no store
 
 
-def load_model(model, dtype, device: torch.device | None = None, weight_format: str = "auto"):
+def load_model(model, dtype, device: torch.device | None = None, weight_format: str = "auto", layout=None):
     """The model of a rank: a checkpoint path loaded with ta.load_model straight onto `device` (None:
     the CPU) in `dtype` (None: bfloat16 on CUDA, float32 on the CPU), tensor by tensor, its quantized
     weights held as `weight_format` says (EngineConfig.weight_format), without its tokenizer and chat
     template (model.tokenizer None: a rank runs token ids only); or a loaded model, moved to
-    `device` and `dtype` where they are given."""
+    `device` and `dtype` where they are given. With a HelixLayout `layout` (tensor parallelism) a
+    checkpoint's ranks read only their share of the weights (treeattn.engine.tensor_parallel)."""
     from treeattn.engine.device import resolve_dtype
     from treeattn.models import load_model as load
 
     if isinstance(model, (str, os.PathLike)):
         device = device or torch.device("cpu")
+        shard = None
+        if layout is not None and layout.world_size > 1:
+            from treeattn.engine.tensor_parallel import tensor_parallel_cuts
+            from treeattn.models.loader import read_config
+
+            shard = tensor_parallel_cuts(read_config(model), layout)
         return load(model, dtype=resolve_dtype(dtype, device.type), device=device, weight_format=weight_format,
-                    with_tokenizer=False)  # the driver holds the tokenizer (Engine: check_engine's model files)
+                    with_tokenizer=False, shard=shard)  # the driver holds the tokenizer (Engine: check_engine's model files)
     if device is not None and device != model.device:
         model = model.to(device)
     return model if dtype is None else model.to(dtype)
@@ -85,17 +92,32 @@ def make_runner(model, config: EngineConfig, group=None) -> RankRunner:
         draft = config.draft_model
         draft = (load(draft, dtype=model.dtype, device=model.device, with_tokenizer=False) if isinstance(draft, str)
                  else draft.to(model.device, model.dtype))
+    helix = None
+    if config.tp is not None and config.nproc > 1:  # the Helix layout: this rank's share of the weights, its KV and TP groups
+        from treeattn.engine.tensor_parallel import helix_groups, shard_loaded
+
+        helix = helix_groups(helix_layout(config, group), group)
+        shard_loaded(model, helix.layout)
     runner = RankRunner(model, group=group, blocks_per_rank=config.blocks_per_rank(model.config.max_position_embeddings),
-                      block_size=config.block_size, decode=config.decode if config.nproc > 1 else "local", method=config.method,
-                      shared_memory=config.shared_memory, timeout_s=config.timeout_s, draft_model=draft,
-                      decode_step=config.decode_step, prefill=config.prefill, max_batch_size=config.max_batch_size,
-                      kv_cache_dtype=resolve_kv_cache_dtype(config.kv_cache_dtype, model.dtype))
+                        block_size=config.block_size, decode=config.decode if config.nproc > 1 else "local", method=config.method,
+                        shared_memory=config.shared_memory, timeout_s=config.timeout_s, draft_model=draft,
+                        decode_step=config.decode_step, prefill=config.prefill, max_batch_size=config.max_batch_size,
+                        kv_cache_dtype=resolve_kv_cache_dtype(config.kv_cache_dtype, model.dtype), helix=helix)
     runner.block_store = None  # the prefix cache's disk tier (treeattn.engine.kv_tier): not for a linear hybrid
     if config.kv_store is not None and runner.linear_states is None:
         from treeattn.engine.kv_tier import RankKVStore
 
         runner.block_store = RankKVStore(runner.cache, model, config.kv_store, config.kv_store_bytes, runner.windows)
     return runner
+
+
+def helix_layout(config: EngineConfig, group=None):
+    """This rank's HelixLayout of `config` (config.tp set) in `group` (None: the world; rank 0 alone
+    without torch.distributed)."""
+    from treeattn.engine.tensor_parallel import HelixLayout
+
+    rank = dist.get_rank(group) if dist.is_available() and dist.is_initialized() else 0
+    return HelixLayout(world_size=config.nproc, tp=config.tp, rank=rank)
 
 
 def run_plan(runner: RankRunner, plan):
@@ -142,7 +164,8 @@ def rank_main(rank: int, world_size: int, address, authkey: bytes, model, config
     device = rank_device(config.device, rank)  # config.device is "cpu" or "cuda" here (Engine resolved "auto")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    model = load_model(model, config.dtype, device, config.weight_format)
+    layout = helix_layout(config) if config.tp is not None else None  # the world's group is up (ta.spawn)
+    model = load_model(model, config.dtype, device, config.weight_format, layout)
     logger.debug("rank %d: model loaded", rank)
     runner = make_runner(model, config)
     logger.debug("rank %d: runner ready", rank)

@@ -36,6 +36,7 @@ from treeattn.engine.measure import RankMeasurements, RankMeter
 from treeattn.engine.ring_prefill import RingPrefillStep, resolve_prefill
 from treeattn.engine.request import TokenLogprob
 from treeattn.engine.scheduler import Chunk, StepPlan
+from treeattn.engine.tensor_parallel import connect, local_heads, tensor_parallel_cuts
 from treeattn.models.attention import attention_backend, group_world_size
 from treeattn.models.llama import LlamaModel
 from treeattn.parallel import comm
@@ -112,16 +113,28 @@ class RankRunner:
             treeattn.engine.static_step.StaticDecodeStep (batch buckets up to max_batch_size).
         kv_cache_dtype: the dtype the paged KV cache stores (None: the model's); attention reads it
             in the model's dtype, accumulating in float32 (treeattn.cache.paged).
+        helix: the Helix layout's HelixGroups (treeattn.engine.tensor_parallel; the model holds this
+            rank's share of the weights): the cache holds this rank's KV heads and its KV group's
+            blocks (kv_rank), attention combines over the KV group, the model's all-reduces and the
+            LM head's gather run over `group`, and every rank runs every token of a step. None: no
+            tensor parallelism.
     """
 
     def __init__(self, model: LlamaModel, *, group: dist.ProcessGroup | None, blocks_per_rank: int, block_size: int,
                  decode: str, method: str = "allreduce", topology=None, shared_memory: bool = False,
                  timeout_s: float = 120.0, draft_model: LlamaModel | None = None, decode_step: str = "dynamic",
-                 max_batch_size: int = 16, prefill: str = "auto", kv_cache_dtype: torch.dtype | None = None) -> None:
+                 max_batch_size: int = 16, prefill: str = "auto", kv_cache_dtype: torch.dtype | None = None,
+                 helix=None) -> None:
         self.model, self.group = model.eval(), group
         distributed = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank(group) if distributed else 0
         c = model.config
+        # The Helix layout (treeattn.engine.tensor_parallel: `helix` its HelixGroups, the model already
+        # parallelized): attention and the cache over this rank's KV group and heads, the rest over all ranks.
+        self.helix = helix
+        self.kv_rank = self.rank if helix is None else helix.layout.kv_index
+        attention_group = group if helix is None else helix.kv
+        num_kv_heads = c.num_kv_heads if helix is None else local_heads(c, helix.layout)[1]
         # A hybrid model (window and global layers, e.g. Gemma 3): the paged cache holds the global
         # layers, sharded; the window layers' last W - 1 positions per sequence stay on every rank
         # (treeattn.cache.window).
@@ -136,10 +149,10 @@ class RankRunner:
                                 windows=bool(windows))
             layers = [i for i in layers if i not in linear]
         kv_cache_dtype = kv_cache_dtype or model.dtype
-        self.cache = PagedKVCache(num_layers=len(layers), num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, value_dim=c.cache_value_dim,
+        self.cache = PagedKVCache(num_layers=len(layers), num_kv_heads=num_kv_heads, head_dim=c.head_dim, value_dim=c.cache_value_dim,
                                   num_blocks=blocks_per_rank, block_size=block_size, dtype=kv_cache_dtype, device=model.device,
                                   compute_dtype=model.dtype)
-        self.windows = WindowKVCache(windows, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, dtype=kv_cache_dtype,
+        self.windows = WindowKVCache(windows, num_kv_heads=num_kv_heads, head_dim=c.head_dim, dtype=kv_cache_dtype,
                                      device=model.device, compute_dtype=model.dtype) if windows else None
         self.paged_index = {layer: i for i, layer in enumerate(layers)} if windows or linear else None
         if windows and decode_step != "dynamic":
@@ -147,12 +160,9 @@ class RankRunner:
                              f"{c.architecture}); use decode_step='dynamic'")
         self.world_size = p = group_world_size(group)
         self.prefill = resolve_prefill(prefill, p, c.layer_windows)  # of a prompt-only step that splits
-        self._split_vocab = p > 1 and model.device.type == "cpu" and c.vocab_size * c.hidden_size >= VOCAB_SPLIT_MIN_WEIGHTS
-        if shared_memory:  # the group the attention combines over (with a split vocabulary, sized for
-            # _vocab_logits' all-gather of one decode row: a rank's share of the float32 logits)
-            capacity = max(DEFAULT_CAPACITY_BYTES, 4 * -(-c.vocab_size // p)) if self._split_vocab else DEFAULT_CAPACITY_BYTES
-            group = shared_memory_group(group, device=model.device, timeout_s=timeout_s, capacity_bytes=capacity)
-        self.comm_group = group  # of the collectives of a token-parallel step
+        self._split_vocab = p > 1 and (helix is not None or (model.device.type == "cpu" and c.vocab_size * c.hidden_size
+                                                             >= VOCAB_SPLIT_MIN_WEIGHTS))
+        self.comm_group, self.attention_group = self._groups(group, attention_group, shared_memory, timeout_s)
         self._topology, self._windowless = topology, all(c.layer_windows[layer] is None for layer in layers)
         self._use_decode(decode, method)
         self.drafter = None
@@ -161,13 +171,15 @@ class RankRunner:
 
             windowless = all(w is None for w in draft_model.config.layer_windows)
             self.drafter = DraftRunner(draft_model, rank=self.rank, blocks_per_rank=blocks_per_rank, block_size=block_size,
-                                       attend=self.attend, combine=self.combine if windowless else None, group=group)
+                                       attend=self.attend, combine=self.combine if windowless else None, group=self.comm_group,
+                                       kv_rank=None if helix is None else self.kv_rank)
         self.static_step = None
         if decode_step != "dynamic":
             from treeattn.engine.static_step import StaticDecodeStep
 
-            self.static_step = StaticDecodeStep(model, self.cache, rank=self.rank, max_batch_size=max_batch_size, decode=decode,
-                                                method=method, group=group, topology=topology, graph=decode_step == "graph")
+            self.static_step = StaticDecodeStep(model, self.cache, rank=self.kv_rank, max_batch_size=max_batch_size, decode=decode,
+                                                method=method, group=self.attention_group, topology=topology,
+                                                graph=decode_step == "graph")
         self._generators: dict[int, torch.Generator] = {}
         self.meter = RankMeter(self.rank)
 
@@ -181,10 +193,27 @@ class RankRunner:
                              "'static'/'graph' keeps the decode it was built with")
         self._use_decode(decode if self.world_size > 1 else "local", method)
 
+    def _groups(self, group, attention_group, shared_memory: bool, timeout_s: float):
+        """(the group of all ranks' collectives: a token-parallel step's, the vocabulary's gather, the
+        Helix layout's all-reduces; the group attention combines over), through shared memory where
+        asked and possible. Sized, with a split vocabulary, for _vocab_logits' all-gather of one decode
+        row (a rank's share of the float32 logits). Without the Helix layout they are one group."""
+        c, p, device = self.model.config, self.world_size, self.model.device
+        capacity = max(DEFAULT_CAPACITY_BYTES, 4 * -(-c.vocab_size // p)) if self._split_vocab else DEFAULT_CAPACITY_BYTES
+        if shared_memory:
+            group = shared_memory_group(group, device=device, timeout_s=timeout_s, capacity_bytes=capacity)
+        if self.helix is None:
+            return group, group
+        if shared_memory:
+            attention_group = shared_memory_group(attention_group, device=device, timeout_s=timeout_s)
+        layout = self.helix.layout  # the model holds its share (make_runner): its all-reduces go through `group`
+        connect(self.model, layout, tensor_parallel_cuts(c, layout), group)
+        return group, attention_group
+
     def _use_decode(self, decode: str, method: str) -> None:
         """self.attend (the decode attention) and self.combine (how a run-by-run read combines across
         ranks; None: always gather) for `decode` and `method`."""
-        group, p = self.comm_group, self.world_size
+        group, p = self.attention_group, group_world_size(comm.process_group(self.attention_group))
         self.attend = attention_backend(decode, method=method, group=group, topology=self._topology)
         self.combine = None
         if (decode != "ring" or p == 1) and self._windowless:
@@ -241,14 +270,14 @@ class RankRunner:
         sampling = [(i, c) for i, c in enumerate(plan.chunks) if c.sample is not None]
         if self.static_step is not None and self.static_step.takes(plan):  # one row per chunk
             return self._outcome(sampling, self.static_step(plan)[[i for i, _ in sampling]])
-        batch = PagedBatch(plan, self.rank, self.cache, self.attend, self.combine, self._phases, self.windows, self.paged_index,
+        batch = PagedBatch(plan, self.kv_rank, self.cache, self.attend, self.combine, self._phases, self.windows, self.paged_index,
                            self.linear_states)
         ends = [batch.offsets[i] + len(c.tokens) for i, c in sampling]  # rows: the last known token, then the drafts
         rows = [row for (_, c), end in zip(sampling, ends) for row in range(end - c.num_draft - 1, end)]
         if self.linear_states is not None:  # every rank runs every token; the batch is the kv_store (it has .linear)
             hidden = self.model(batch.tokens, batch.positions, batch, batch.attend)[0, rows]
             return self._outcome(sampling, hidden, batch.shared_keys)
-        split = token_parallel.splits(batch.tokens.shape[1], self.world_size)
+        split = self.helix is None and token_parallel.splits(batch.tokens.shape[1], self.world_size)  # Helix: every rank every token
         if split and self.prefill == "ring" and not any(c.decoding for c in plan.chunks):  # rank r runs its zigzag pieces
             hidden = RingPrefillStep(batch, plan.chunks, self.rank, self.world_size, self.comm_group).forward(self.model, rows)
         elif split:  # rank r runs its slice of the tokens
@@ -293,8 +322,8 @@ class RankRunner:
         the projection is a step's largest matrix (SmolLM2: 49152 x 576), which rank 0 alone ran
         while the others waited for its token."""
         vocab, p = self.model.config.vocab_size, self.world_size
-        share = -(-vocab // p)
-        mine = self.model.logits(hidden, slice(self.rank * share, (self.rank + 1) * share))
+        share = -(-vocab // p)  # the Helix layout's LM head holds this rank's share alone
+        mine = self.model.logits(hidden, None if self.helix is not None else slice(self.rank * share, (self.rank + 1) * share))
         if mine.shape[-1] < share:  # the last ranks' shares are short (or empty): pad, rank 0 drops the padding
             mine = torch.cat((mine, mine.new_zeros(*mine.shape[:-1], share - mine.shape[-1])), dim=-1)
         pieces = comm.all_gather(mine.contiguous(), self.comm_group)

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from treeattn.engine.config import EngineConfig
 from treeattn.engine.device import backend_for, rank_device
 from treeattn.engine.plan_message import PlanWire, plan_device
-from treeattn.engine.rank import ModelInfo, load_model, make_runner, model_info, rank_main, run_plan, serve_steps
+from treeattn.engine.rank import ModelInfo, helix_layout, load_model, make_runner, model_info, rank_main, run_plan, serve_steps
 from treeattn.engine.errors import EngineError, StepFailed
 from treeattn.engine.runner import StepOutcome
 
@@ -135,7 +135,8 @@ class GroupChannel:
     restartable = False
 
     def __init__(self, model, config: EngineConfig, group) -> None:
-        model = load_model(model, config.dtype, _group_device(model, config, group), config.weight_format)
+        layout = helix_layout(config, group) if config.tp is not None else None
+        model = load_model(model, config.dtype, _group_device(model, config, group), config.weight_format, layout)
         self.group = group
         self.runner = make_runner(model, config, group)
         self.info = model_info(model, self.runner)

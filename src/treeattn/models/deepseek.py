@@ -274,7 +274,7 @@ class MLAttention(nn.Module):
         super().__init__()
         self.config, self.layer = config, layer
         c, d = config, config.hidden_size
-        H = c.num_heads
+        H = self.num_heads = c.num_heads  # the heads this module runs (a tensor-parallel plan narrows them)
         if c.q_lora_rank is None:
             self.q_proj = nn.Linear(d, H * c.qk_head_dim, bias=False)
         else:
@@ -289,13 +289,13 @@ class MLAttention(nn.Module):
     def up_projections(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Views of kv_b_proj's weight: W_UK (H, qk_nope_head_dim, kv_lora_rank), W_UV (H, v_head_dim, kv_lora_rank)."""
         c = self.config
-        w = self.kv_b_proj.weight.view(c.num_heads, c.qk_nope_head_dim + c.v_head_dim, c.kv_lora_rank)
+        w = self.kv_b_proj.weight.view(self.num_heads, c.qk_nope_head_dim + c.v_head_dim, c.kv_lora_rank)
         return w[:, : c.qk_nope_head_dim], w[:, c.qk_nope_head_dim :]
 
     def forward(self, x, positions, cos, sin, kv_store: KVStore, attend: AttendFn, form: str) -> torch.Tensor:
         c = self.config
         B, S, _ = x.shape
-        H, rank = c.num_heads, c.kv_lora_rank
+        H, rank = self.num_heads, c.kv_lora_rank
         q = self.q_proj(x) if c.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
         q_nope, q_rope = q.view(B, S, H, c.qk_head_dim).split([c.qk_nope_head_dim, c.qk_rope_head_dim], dim=-1)
         latent, k_rope = self.kv_a_proj_with_mqa(x).split([rank, c.qk_rope_head_dim], dim=-1)
@@ -328,7 +328,7 @@ class MLAttention(nn.Module):
         latent, k_rope = entries[:, :, 0].split([c.kv_lora_rank, c.qk_rope_head_dim], dim=-1)
         k_nope = torch.einsum("bkr,hnr->bkhn", latent, w_uk)
         v = torch.einsum("bkr,hvr->bkhv", latent, w_uv)
-        k = torch.cat((k_nope, k_rope[:, :, None].expand(B, Sk, c.num_heads, c.qk_rope_head_dim)), dim=-1)
+        k = torch.cat((k_nope, k_rope[:, :, None].expand(B, Sk, self.num_heads, c.qk_rope_head_dim)), dim=-1)
         q = torch.cat((q_nope, q_rope), dim=-1) * (c.softmax_scale * math.sqrt(c.qk_head_dim))
         return attend(q, k, v, q_pos=positions, kv_pos=kv_pos, window=None)
 

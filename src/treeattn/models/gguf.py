@@ -413,7 +413,7 @@ def read_gguf_config(path_or_reader, *, path: str | os.PathLike | None = None) -
 
 
 def load_gguf_model(path_or_reader, *, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
-                    path: str | os.PathLike | None = None, weight_format: str = "dequantize") -> LlamaModel:
+                    path: str | os.PathLike | None = None, weight_format: str = "dequantize", shard: dict | None = None) -> LlamaModel:
     """Load a GGUF file into a LlamaModel, dequantizing every tensor to `dtype` or keeping the quantized
     matrices packed.
 
@@ -422,6 +422,9 @@ def load_gguf_model(path_or_reader, *, dtype: torch.dtype = torch.float32, devic
         dtype: parameter dtype (float32, bfloat16, float16); the activations' dtype of a packed model.
         device: where the parameters live.
         weight_format: "dequantize", "packed" or "auto" (WEIGHT_FORMATS; see the module doc).
+        shard: parameter name -> treeattn.models.shards.Cut: only that share of each named tensor
+            is read (rows; or columns on the file's block boundaries, else a ValueError naming the
+            tensor), packed matrices as the file's bytes (treeattn.models.loader.load_model).
 
     Returns:
         A LlamaModel in eval mode (model.config from the metadata). Its tokenizer and chat template
@@ -448,26 +451,29 @@ def load_gguf_model(path_or_reader, *, dtype: torch.dtype = torch.float32, devic
     model = model_class(config)(config, dtype=dtype, device="meta")
     plan, rope_freqs = _match_tensors(model, reader, path)  # every check before any dequantization
     packed = packed_tensors(plan, weight_format, device, path)
+    shard = shard or {}
+    if shard:
+        from treeattn.models.shards import shard_model
+
+        shard_model(model, shard)  # the skeleton's shapes are the shares read below
 
     arch = metadata(reader, "general.architecture")
     state: dict[str, torch.Tensor] = {}
     for ours, tensor in plan.items():
         if ours in packed:
             continue
-        weight = dequantize_to(tensor, dtype=dtype, device=device)
-        if arch in PERMUTED_ARCHITECTURES and ours.endswith(("q_proj.weight", "q_proj.bias")):
-            weight = _unpermuted(weight, config.num_heads)
-        elif arch in PERMUTED_ARCHITECTURES and ours.endswith(("k_proj.weight", "k_proj.bias")):
-            weight = _unpermuted(weight, config.num_kv_heads)
+        cut = shard.get(ours)
+        weight = dequantize_to(tensor, dtype=dtype, device=device) if cut is None else _share(tensor, cut, dtype, device, path)
+        heads = weight.shape[0] // config.head_dim  # a share holds whole heads
+        if arch in PERMUTED_ARCHITECTURES and ours.endswith(("q_proj.weight", "q_proj.bias", "k_proj.weight", "k_proj.bias")):
+            weight = _unpermuted(weight, heads)
         elif arch == "gemma3" and ours.endswith("norm.weight"):
             weight = (weight.float() - 1.0).to(dtype)  # the file holds 1 + weight (see GEMMA3_TENSOR_NAMES)
         state[ours] = weight
     for ours in packed:  # the packed layers replace their modules; their buffers go in the state too
-        raw = np.asarray(plan[ours].data)  # uint8 (rows, bytes of a row's blocks)
-        if arch in PERMUTED_ARCHITECTURES and ours.endswith("q_proj.weight"):
-            raw = unpermute_rows(raw, config.num_heads)
-        elif arch in PERMUTED_ARCHITECTURES and ours.endswith("k_proj.weight"):
-            raw = unpermute_rows(raw, config.num_kv_heads)
+        raw = share_rows(plan[ours], shard.get(ours), path)  # uint8 (rows, bytes of a row's blocks)
+        if arch in PERMUTED_ARCHITECTURES and ours.endswith(("q_proj.weight", "k_proj.weight")):
+            raw = unpermute_rows(raw, raw.shape[0] // config.head_dim)
         name = ours.removesuffix(".weight")
         fmt = KEPT_TYPES[plan[ours].tensor_type]
         qs, d, m = _UNPACK[plan[ours].tensor_type](raw)
@@ -476,6 +482,7 @@ def load_gguf_model(path_or_reader, *, dtype: torch.dtype = torch.float32, devic
         model.set_submodule(name, layer)
         state.update({f"{name}.{key}": value for key, value in layer.state_dict().items()})
     model.load_state_dict(state, strict=True, assign=True)
+    model.helix_cuts = shard or None
     model.inv_freq = model.inv_freq.to(device)
     if rope_freqs is not None:  # llama.cpp divides each inverse frequency by its factor
         model.inv_freq = model.inv_freq / torch.from_numpy(dequantize(rope_freqs).copy()).to(device=device, dtype=torch.float32)
@@ -591,6 +598,45 @@ def dequantize_to(tensor, *, dtype: torch.dtype, device: torch.device | str = "c
             block = block.copy()
         out[start : start + rows] = torch.from_numpy(block).reshape(-1, *shape[1:])
     return out
+
+
+def packed_block(path, names=("attn_output.weight", "ffn_down.weight")) -> int:
+    """The largest block (weights along a row) of the matrices of layer 0 of a GGUF file named
+    blk.0.<name> for `names` (the matrices a tensor-parallel plan splits by columns): 32 for Q4_0,
+    Q4_1, Q8_0 and Q5_0, 256 for the K-quants, 1 for float types."""
+    reader = open_gguf(path, tokenizer=False)
+    wanted = {f"blk.0.{name}" for name in names}
+    return max([gguf.GGML_QUANT_SIZES[t.tensor_type][0] for t in reader.tensors if t.name in wanted], default=1)
+
+
+def share_rows(tensor, cut, path=None) -> np.ndarray:
+    """The file's data of a ReaderTensor's share `cut` (a treeattn.models.shards.Cut of the numpy-order
+    (out, in) tensor, or None: all of it), as rows: (rows, a row's blocks in the file's units), no
+    copy of the rest. Columns are cut on the type's block boundaries (ValueError naming the tensor
+    otherwise); a 1-D tensor is one row per value."""
+    shape = tuple(int(n) for n in reversed(tensor.shape))
+    data = np.asarray(tensor.data).reshape(shape[0], -1)
+    if cut is None:
+        return data
+    if cut.dim == 0:
+        return data[cut.start : cut.stop]
+    block = gguf.GGML_QUANT_SIZES[tensor.tensor_type][0]
+    if cut.start % block or cut.stop % block:
+        raise ValueError(f"{path}: tensor {tensor.name!r} ({tensor.tensor_type.name}) is stored in blocks of {block} columns; "
+                         f"this rank's columns [{cut.start}, {cut.stop}) do not start and end on a block boundary")
+    units = data.shape[1] // (shape[1] // block)  # of the data's dtype per block
+    return data[:, cut.start // block * units : cut.stop // block * units]
+
+
+def _share(tensor, cut, dtype: torch.dtype, device, path) -> torch.Tensor:
+    """A ReaderTensor's share `cut` dequantized to `dtype` on `device` (share_rows, then its values)."""
+    raw = share_rows(tensor, cut, path)
+    rows = raw.shape[0]
+    values = dequantize_blocks(np.ascontiguousarray(raw), tensor.tensor_type).reshape(rows, -1)
+    weight = torch.from_numpy(np.array(values, dtype=np.float32))
+    if len(tensor.shape) == 1:
+        weight = weight.reshape(-1)
+    return weight.to(device=device, dtype=dtype)
 
 
 def can_dequantize(tensor_type) -> bool:

@@ -15,7 +15,7 @@ Weights are read with safetensors (never unpickled). The model is first built on
 device (no memory), then each tensor is read once from its file, converted to the requested dtype
 and device, checked against the shape the config implies, and placed in the model: no second copy
 of the weights exists at any time. Sequence parallelism shards the KV cache, not the weights, so
-every rank loads all of them.
+every rank loads all of them; with tensor parallelism (`shard=`) a rank reads only its share.
 
 Every problem is reported before any weight is read, as a ValueError (or FileNotFoundError)
 naming the file, the key and the value at fault.
@@ -36,6 +36,7 @@ from treeattn.models.chat import ChatTemplate, gguf_chat_template, read_chat_tem
 from treeattn.models.families import model_class
 from treeattn.models.llama import SUPPORTED_ROPE_TYPES, LlamaConfig, LlamaModel, config_reader
 from treeattn.models.packed import WEIGHT_FORMATS
+from treeattn.models.shards import shard_model
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +52,7 @@ IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
 
 
 def load_model(model_dir: str | os.PathLike, *, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
-               weight_format: str = "dequantize", with_tokenizer: bool = True) -> LlamaModel:
+               weight_format: str = "dequantize", with_tokenizer: bool = True, shard: dict | None = None) -> LlamaModel:
     """Load a Llama-family checkpoint: a Hugging Face directory or a .gguf file.
 
     The model's tokenizer and chat template come along as model.tokenizer and model.chat_template
@@ -70,6 +71,11 @@ def load_model(model_dir: str | os.PathLike, *, dtype: torch.dtype = torch.float
         with_tokenizer: False: the tokenizer and chat template are not read (model.tokenizer and
             model.chat_template are None), for processes that only run the model, such as the
             engine's ranks (building a GGUF file's tokenizer costs about as much as its packed weights).
+        shard: parameter name -> treeattn.models.shards.Cut: only that share of each named tensor is
+            read (safetensors slices; a GGUF file's rows, or its columns on block boundaries, packed
+            blocks kept as the file's bytes) and the model holds only it (model.helix_cuts = shard);
+            the engine's tensor-parallel plan gives it (treeattn.engine.tensor_parallel). Every name
+            and whole shape is checked first, as without it.
 
     Returns:
         A LlamaModel in eval mode; model.config holds the parsed configuration.
@@ -105,7 +111,7 @@ def load_model(model_dir: str | os.PathLike, *, dtype: torch.dtype = torch.float
     from treeattn.models.gguf import is_gguf  # here, not on top: `import treeattn` does not load the gguf package
 
     if is_gguf(model_dir):
-        return _load_gguf(Path(model_dir), dtype, device, weight_format, with_tokenizer)
+        return _load_gguf(Path(model_dir), dtype, device, weight_format, with_tokenizer, shard)
     if weight_format not in WEIGHT_FORMATS:
         raise ValueError(f"weight_format must be one of {WEIGHT_FORMATS}, got {weight_format!r}")
     if weight_format == "packed":
@@ -113,6 +119,8 @@ def load_model(model_dir: str | os.PathLike, *, dtype: torch.dtype = torch.float
                          "use weight_format='dequantize' or 'auto'")
     model_dir = _check_dir(model_dir)
     model, plan = _plan(model_dir, dtype)  # checks names and shapes before reading any data
+    if shard:
+        shard_model(model, shard)  # the skeleton's shapes are the shares read below
 
     from safetensors import safe_open
 
@@ -127,13 +135,24 @@ def load_model(model_dir: str | os.PathLike, *, dtype: torch.dtype = torch.float
         with safe_open(str(path), framework="pt", device=where) as f:
             for ours, theirs in names:
                 keep = ours.endswith(getattr(model, "FLOAT32_PARAMETERS", ()))  # e.g. DeepSeek's router biases
-                state[ours] = f.get_tensor(theirs).to(dtype=torch.float32 if keep else dtype)
+                state[ours] = _read(f, theirs, (shard or {}).get(ours)).to(dtype=torch.float32 if keep else dtype)
     model.load_state_dict(state, strict=True, assign=True)
+    model.helix_cuts = shard or None
     model.inv_freq = model.inv_freq.to(device)
     model.tokenizer = load_tokenizer(model_dir) if with_tokenizer else None
     model.chat_template = read_chat_template(model_dir) if with_tokenizer else None
     logger.info("loaded %s (%d tensors from %d files) as %s on %s", model_dir, len(state), len(by_file), dtype, device)
     return model.eval()
+
+
+def _read(f, name: str, cut) -> torch.Tensor:
+    """Tensor `name` of an open safetensors file, or only its `cut` (a slice read from the file)."""
+    if cut is None:
+        return f.get_tensor(name)
+    part = f.get_slice(name)
+    index = [slice(None)] * len(part.get_shape())
+    index[cut.dim] = slice(cut.start, cut.stop)
+    return part[tuple(index)]
 
 
 def check_checkpoint(model_dir: str | os.PathLike, *, dtype: torch.dtype = torch.float32) -> LlamaModel:
@@ -160,7 +179,8 @@ def _plan(model_dir: Path, dtype: torch.dtype) -> tuple[LlamaModel, dict[str, tu
     return model, _match_tensors(model, locations)
 
 
-def _load_gguf(path: Path, dtype: torch.dtype, device, weight_format: str, with_tokenizer: bool = True) -> LlamaModel:
+def _load_gguf(path: Path, dtype: torch.dtype, device, weight_format: str, with_tokenizer: bool = True,
+               shard: dict | None = None) -> LlamaModel:
     """load_model of a .gguf file: weights, tokenizer and chat template from one reading of it, or from
     its converted copy (treeattn.models.gguf_cache)."""
     from treeattn.models import gguf_cache
@@ -170,7 +190,7 @@ def _load_gguf(path: Path, dtype: torch.dtype, device, weight_format: str, with_
     # the copy's kind: "auto" dequantizes everything off the CPU (the dequantized copy), and on the CPU
     # keeps what it can packed (its own copy: "packed" refuses what "auto" dequantizes)
     kind = "dequantize" if weight_format == "dequantize" or (weight_format == "auto" and device.type != "cpu") else weight_format
-    cached = gguf_cache.enabled() and path.is_file() and (kind == "dequantize" or device.type == "cpu")
+    cached = not shard and gguf_cache.enabled() and path.is_file() and (kind == "dequantize" or device.type == "cpu")
     if cached:
         model = gguf_cache.load(path, dtype, device, kind)
         if model is not None:
@@ -180,7 +200,7 @@ def _load_gguf(path: Path, dtype: torch.dtype, device, weight_format: str, with_
     reader = open_gguf(path, tokenizer=with_tokenizer)  # without a tokenizer its arrays are not parsed
     tokenizer = tokenizer_from_gguf(reader, path=path) if with_tokenizer else None
     template = gguf_chat_template(reader, path) if with_tokenizer else None
-    model = load_gguf_model(reader, path=path, dtype=dtype, device=device, weight_format=weight_format)
+    model = load_gguf_model(reader, path=path, dtype=dtype, device=device, weight_format=weight_format, shard=shard)
     model.tokenizer, model.chat_template = tokenizer, template
     if cached and with_tokenizer:  # a copy holds the tokenizer and template too
         gguf_cache.store(path, model, kind)

@@ -21,6 +21,7 @@ def serve_command(
     nproc: int = config_flag(E, "nproc", min=1, help="Ranks sharing the KV cache (ignored under torchrun: its world size)."),
     host: str = typer.Option("127.0.0.1", "--host", help="Address to bind; 0.0.0.0 to listen on every interface."),
     port: int = typer.Option(8000, "--port", min=0, max=65535, help="Port (0: any free port, printed at start)."),
+    tp: int | None = config_flag(E, "tp", min=1),
     decode: Decode = config_flag(E, "decode"),
     method: Method | None = config_flag(E, "method"),
     placement: Placement = config_flag(E, "placement"),
@@ -71,7 +72,7 @@ def serve_command(
                                log_level="warning" if log_level == "info" else log_level)
     except ValueError as exc:
         _fail(str(exc))
-    engine_options = dict(nproc=nproc, decode=decode, method=method, placement=placement, max_batch_size=max_batch_size,
+    engine_options = dict(nproc=nproc, tp=tp, decode=decode, method=method, placement=placement, max_batch_size=max_batch_size,
                           cache_tokens=cache_tokens, max_context=max_context, prefix_cache=prefix_cache, block_size=block_size,
                           prefill=prefill, dtype=torch_dtype(dtype), device=device, timeout_s=timeout, speculate=speculate,
                           draft_tokens=draft_tokens, draft_model=None if draft_model is None else str(draft_model),
