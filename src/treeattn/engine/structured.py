@@ -67,7 +67,8 @@ class StructuredOutput:
 
     Example::
 
-        >>> from treeattn.engine.structured import StructuredOutput
+        >>> import treeattn as ta
+        >>> StructuredOutput = ta.StructuredOutput
         >>> StructuredOutput.choice(["yes", "no"]).options
         ('yes', 'no')
         >>> StructuredOutput.json({"type": "object", "properties": {"n": {"type": "integer"}}}).kind
@@ -75,8 +76,8 @@ class StructuredOutput:
         >>> try:
         ...     StructuredOutput.regex("[0-9")
         ... except ValueError as error:
-        ...     print(str(error)[:45])
-        structured output: the regex is invalid: ...
+        ...     print(str(error)[:39])
+        structured output: the regex is invalid
     """
 
     kind: str
