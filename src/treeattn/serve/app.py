@@ -46,6 +46,7 @@ from treeattn.engine.request import MAX_LOGPROBS, SamplingParams, TokenEvent, To
 from treeattn.serve.access_log import USAGE, AccessLog
 from treeattn.serve.metrics import CONTENT_TYPE, ServerMetrics
 from treeattn.serve.protocol import APIError, ChatCompletionRequest, CompletionRequest, bad_request
+from treeattn.serve.structured import structured_output
 
 logger = logging.getLogger(__name__)
 
@@ -285,7 +286,7 @@ class _Server:
         try:
             return SamplingParams(max_new_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
                                   top_k=body.top_k, seed=seed, stop=stop, stop_token_ids=self.eot_ids if chat else (),
-                                  logprobs=body.logprobs_asked())
+                                  logprobs=body.logprobs_asked(), structured=structured_output(body, self.engine))
         except ValueError as exc:
             name = str(exc).split(" ", 1)[0]
             raise bad_request(str(exc).replace(name, _PARAM_NAMES.get(name, name), 1), _PARAM_NAMES.get(name, name)) from None
