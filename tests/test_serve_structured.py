@@ -130,3 +130,22 @@ def test_a_bad_constraint_is_a_400_naming_the_param(server, extra, param):
         assert answer.status_code == 400, answer.text
         error = answer.json()["error"]
         assert error["param"] == param and "\n" not in error["message"], error
+
+
+def test_tool_calls_are_refused_naming_the_field(server):
+    """The tiny model's ChatML template (as SmolLM2's and Gemma 3's) renders no tools: offering tools or
+    demanding a call is a 400 naming the field; tool_choice "auto" or "none" without tools is taken."""
+    client, http = server.client(), server.http()
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {}}}}
+    messages = [{"role": "user", "content": "weather?"}]
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=NAME, messages=messages, max_tokens=4, tools=[tool])
+    assert info.value.body["param"] == "tools" and "chat template defines no tool calls" in info.value.body["message"]
+    for extra, param in (({"tools": [tool], "tool_choice": "auto"}, "tools"), ({"tool_choice": "required"}, "tool_choice"),
+                         ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
+                         ({"functions": [tool["function"]]}, "functions"), ({"function_call": {"name": "f"}}, "function_call")):
+        answer = http.post("/v1/chat/completions", json={"model": NAME, "messages": messages, "max_tokens": 4, **extra})
+        assert answer.status_code == 400 and answer.json()["error"]["param"] == param, (extra, answer.text)
+    for choice in ("auto", "none"):
+        answer = client.chat.completions.create(model=NAME, messages=messages, max_tokens=4, tool_choice=choice)
+        assert answer.choices[0].message.tool_calls is None

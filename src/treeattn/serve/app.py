@@ -47,6 +47,7 @@ from treeattn.serve.access_log import USAGE, AccessLog
 from treeattn.serve.metrics import CONTENT_TYPE, ServerMetrics
 from treeattn.serve.protocol import APIError, ChatCompletionRequest, CompletionRequest, bad_request
 from treeattn.serve.structured import structured_output
+from treeattn.serve.tools import check_tools
 
 logger = logging.getLogger(__name__)
 
@@ -212,6 +213,7 @@ class _Server:
         if body.model != self.config.model_name:
             raise APIError(404, f"the model '{body.model}' does not exist; this server serves '{self.config.model_name}'",
                            param="model", code="model_not_found")
+        check_tools(body, self.chat_template)
         unsupported = body.unsupported_field()
         if unsupported is not None:
             raise bad_request(f"'{unsupported}' is not supported by this server", unsupported)
