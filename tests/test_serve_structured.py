@@ -120,6 +120,9 @@ def test_greedy_equals_the_engine(server, model_file):
     ({"structured_outputs": {"grammar": "start: foo"}}, "structured_outputs.grammar"),
     ({"structured_outputs": {"choice": []}}, "structured_outputs.choice"),
     ({"structured_outputs": {"structural_tag": "{}"}}, "structured_outputs.structural_tag"),
+    ({"structured_outputs": {"choice": ["x" * 100] * 400}}, "structured_outputs.choice"),  # over MAX_CONSTRAINT_CHARS
+    ({"structured_outputs": {"json": json.loads('{"type": "object", "properties": {"a": ' * 150 + '{}' + '}}' * 150)}},
+     "structured_outputs.json"),  # nested past llguidance's recursion limit
     ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
     ({"structured_outputs": {"regex": "a"}, "response_format": {"type": "json_object"}}, "structured_outputs"),
 ])

@@ -145,7 +145,8 @@ def _grammar(llguidance, kind: str, value: str, options: tuple[str, ...]) -> str
             return llguidance.grammar_from("choice", list(options))
         return llguidance.grammar_from("grammar", value)
     except ValueError as exc:
-        raise ValueError(f"structured output: the {kind} is invalid: {' '.join(str(exc).split()):.300}") from None
+        what = "JSON schema" if kind == "json" else kind
+        raise ValueError(f"structured output: the {what} is invalid: {' '.join(str(exc).split()):.300}") from None
 
 
 def apply_mask(logits: torch.Tensor, allowed: bytes) -> torch.Tensor:

@@ -178,6 +178,7 @@ def create_app(engine, config: ServerConfig, *, chat_template=None, eot_ids: tup
     async def completions(body: CompletionRequest, request: Request):
         server.check_request(body, count=len(_batch(body.prompt)))
         prompts = await run_in_threadpool(server.completion_prompts, body.prompt)  # tokenizing takes time: not on the loop
+        await run_in_threadpool(structured_output, body, server.engine)  # checked off the loop; _params finds it cached
         default = COMPLETIONS_DEFAULT_MAX_TOKENS
         return await server.respond(request, body, prompts, default, chat=False)
 
@@ -185,6 +186,7 @@ def create_app(engine, config: ServerConfig, *, chat_template=None, eot_ids: tup
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         server.check_request(body, count=1)
         prompts = [await run_in_threadpool(server.chat_prompt, body)]
+        await run_in_threadpool(structured_output, body, server.engine)  # checked off the loop; _params finds it cached
         return await server.respond(request, body, prompts, None, chat=True)
 
     return app
