@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -189,7 +190,8 @@ class Grammars:
         self.tokenizer, self.vocab_size = tokenizer, vocab_size
         self.eos_token_ids = tuple(eos_token_ids)
         self.speculate = speculate
-        self._llg_tokenizer = None  # built on the first constrained request (about 1 s for a 49K vocabulary)
+        self._llg_tokenizer = None  # built by prepare(): on the first constrained request, or before (serve)
+        self._lock = threading.Lock()
         self._matchers: dict[int, _Matcher] = {}
 
     def start(self, seq_id: int, constraint, stop_ids) -> None:
@@ -204,13 +206,22 @@ class Grammars:
             raise ValueError("structured outputs are not supported with speculate='draft' (its drafts are made on the ranks)")
         if not self.eos_token_ids:
             raise ValueError("structured outputs need the model's end-of-sequence id (eos_token_ids is empty)")
-        if self._llg_tokenizer is None:
-            self._llg_tokenizer = llguidance.LLTokenizer(self.tokenizer.to_str(), n_vocab=self.vocab_size,
-                                                         eos_token=list(self.eos_token_ids))
-        matcher = llguidance.LLMatcher(self._llg_tokenizer, constraint.compiled, log_level=0)
+        matcher = llguidance.LLMatcher(self.prepare(), constraint.compiled, log_level=0)
         if matcher.is_error():
             raise ValueError(f"structured output: {matcher.get_error():.300}")
         self._matchers[seq_id] = _Matcher(matcher, frozenset(stop_ids))
+
+    def prepare(self):
+        """The grammar's view of the vocabulary (llguidance.LLTokenizer), built on the first call: about
+        1-2 s for SmolLM2's 49K tokens and 13-16 s for Gemma 3's 262K (under load), most of it reading
+        the tokenizer's JSON, with the GIL held. Thread-safe (`treeattn serve` calls it before it listens)."""
+        import llguidance
+
+        with self._lock:
+            if self._llg_tokenizer is None:
+                self._llg_tokenizer = llguidance.LLTokenizer(self.tokenizer.to_str(), n_vocab=self.vocab_size,
+                                                             eos_token=list(self.eos_token_ids))
+            return self._llg_tokenizer
 
     def release(self, seq_id: int) -> None:
         self._matchers.pop(seq_id, None)
