@@ -1,6 +1,7 @@
 """Grammar engines compared: the time to fill one token mask (and consume the token), llguidance vs xgrammar.
 
     PYTHONPATH=src python3 benchmarks/structured_mask.py [--rounds 5] > docs/data/structured_mask.txt
+    (needs xgrammar besides llguidance: pip install xgrammar; it is not a dependency of treeattn)
 
 For each tokenizer (SmolLM2's 49K vocabulary and Gemma 3's 262K, both built from their GGUF files as
 treeattn builds them, models/gguf_tokenizer.py) and each constraint (a JSON schema, any JSON object), a
