@@ -20,6 +20,7 @@ from treeattn.cache import ShardedKVCache
 from treeattn.models import LlamaConfig, LlamaModel, load_model, load_tokenizer
 from treeattn.engine.generate import GenerationResult, generate, stream
 from treeattn.engine import Engine, RequestResult, SamplingParams, TokenEvent, TokenLogprob
+from treeattn.engine.structured import StructuredOutput
 from treeattn.linear import linear_attention
 
 __version__ = "0.1.0"
@@ -50,6 +51,7 @@ __all__ = [
     "Engine",
     "RequestResult",
     "SamplingParams",
+    "StructuredOutput",
     "TokenEvent",
     "TokenLogprob",
     "linear_attention",

@@ -189,6 +189,15 @@ class Engine:
         self._driver.post(("submit", RequestState(handle, ids, params, time.perf_counter())))
         return handle
 
+    def prepare_structured_outputs(self) -> None:
+        """Build the grammar's view of the vocabulary now rather than on the first constrained request
+        (SamplingParams.structured; seconds for a large vocabulary, with the GIL held: see
+        treeattn.engine.structured.Grammars.prepare). Needs the model's tokenizer: ValueError without."""
+        self._require_driver()
+        if self.tokenizer is None:
+            raise ValueError("structured outputs need the model's tokenizer; this engine has none")
+        self._driver.grammars.prepare()
+
     def generate(self, prompts, params: SamplingParams | None = None, **sampling) -> list[RequestResult]:
         """Run a list of prompts (strings or token-id lists) together; their results in order.
         A single prompt (a string or one list of ints) gives a list of one result. `params`, or

@@ -35,6 +35,7 @@ from treeattn.engine.request import TokenEvent, TokenLogprob
 from treeattn.engine.ring_prefill import idle_prefill_chunk
 from treeattn.engine.scheduler import Scheduler, Sequence
 from treeattn.engine.speculate import NgramDrafter
+from treeattn.engine.structured import Grammars
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +69,7 @@ class Driver:
                                    draft_tokens=config.draft_tokens, draft_cache=config.speculate == "draft",
                                    idle_prefill_chunk=idle_prefill_chunk(config.prefill, config.nproc if config.tp is None else 1,
                                                                         layer_windows))
+        self.grammars = Grammars(tokenizer, info.vocab_size, info.eos_token_ids, config.speculate)  # structured outputs
         self.max_context = config.max_context_tokens(info.max_position_embeddings)
         if self.max_context > info.max_position_embeddings:
             logger.warning("max_context=%d exceeds the model's max_position_embeddings=%d: positions beyond it run "
@@ -132,7 +134,7 @@ class Driver:
                 if not self.scheduler.has_work:
                     self._update_stats()  # a cancel or a refused request changed the counts
                     continue
-                plan = self.scheduler.schedule()
+                plan = self.grammars.constrain(self.scheduler.schedule())
                 if not plan.chunks:
                     self._fail_stuck_head()
                     continue
@@ -294,6 +296,7 @@ class Driver:
             stop_ids |= set(self.model_info.eos_token_ids)
         request.seq = self.scheduler.add(request.prompt, request.params, frozenset(stop_ids))
         self._by_seq[request.seq.seq_id] = request
+        self.grammars.start(request.seq.seq_id, request.params.structured, stop_ids)
         self._counters["prompt_tokens"] += len(request.prompt)
 
     def _on_token(self, request: RequestState, token: int | None, reason: str | None, now: float,
@@ -303,6 +306,7 @@ class Driver:
                 "the model's logits for this request were not finite (NaN or inf); no token was produced"))
             return
         self._counters["generated_tokens"] += 1
+        self.grammars.advance(request.seq.seq_id, token)
         delta, stopped = request.add_token(token, logprob, self.tokenizer, now, last=reason is not None)
         if stopped:  # a stop string ends it, even on its last token
             if reason is None:
@@ -322,6 +326,7 @@ class Driver:
         seq = request.seq
         if seq is not None:
             self._by_seq.pop(seq.seq_id, None)
+            self.grammars.release(seq.seq_id)
         if seq is not None and seq.finish_reason is None:
             self.scheduler.finish(seq, reason)
         speculation = self._speculation(seq) if seq is not None and self.config.speculate else {}

@@ -2,7 +2,7 @@
 
     params = SamplingParams(max_new_tokens=64, temperature=0.0, top_p=1.0, top_k=0, seed=0,
                             stop_token_ids=(), stop=(), presence_penalty=0.0, frequency_penalty=0.0,
-                            repetition_penalty=1.0, min_p=0.0, logit_bias={})
+                            repetition_penalty=1.0, min_p=0.0, logit_bias={}, structured=None)
     TokenEvent     one new token of one request (or its end), as it comes
     RequestResult  the whole outcome of one request
     TokenLogprob   a token's log-probability and the most likely alternatives (params.logprobs)
@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+
+from treeattn.engine.structured import StructuredOutput
 
 FINISH_REASONS = ("stop", "length", "cancelled", "error")
 MAX_SEED = 1 << 64  # seeds are in [0, MAX_SEED): what torch.Generator.manual_seed takes
@@ -60,6 +62,9 @@ class SamplingParams:
         logit_bias: {token_id: bias} (or (token_id, bias) pairs), bias in [-100, 100], added to
             the token's logit before anything else (ids must be in the model's vocabulary: checked
             at submission). Biases and penalties apply to greedy requests too: they move the argmax.
+        structured: None, or a StructuredOutput (treeattn.engine.structured: a JSON schema, a regex, a
+            choice, a grammar) that every generated token must follow; the request ends ("stop") when
+            the grammar is complete. Not with ignore_eos.
 
     Example (checked when built: a bad field is one line naming it)::
 
@@ -95,6 +100,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     min_p: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()
+    structured: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
@@ -122,6 +128,10 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", tuple(stop_ids))
         object.__setattr__(self, "stop", tuple(stop))
         self._check_penalties()
+        if self.structured is not None and not isinstance(self.structured, StructuredOutput):
+            raise ValueError(f"structured must be None or a StructuredOutput, got {type(self.structured).__name__}")
+        if self.structured is not None and self.ignore_eos:
+            raise ValueError("structured: a structured output ends at the model's end-of-sequence token; ignore_eos must be False")
 
     def _check_penalties(self) -> None:
         for name in ("presence_penalty", "frequency_penalty"):

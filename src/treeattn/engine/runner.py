@@ -345,6 +345,7 @@ class RankRunner:
         without, whatever the batch, the prefix cache or the drafts (greedy: the argmax, always).
         """
         from treeattn.engine.sampling import sample
+        from treeattn.engine.structured import apply_mask
 
         spec = chunk.sample
         generator = self._generators.get(chunk.seq_id)
@@ -356,6 +357,7 @@ class RankRunner:
         tokens = []
         for i in range(chunk.num_draft + 1):  # a penalty counts the drafts kept before position i as output
             output = spec.output_ids + tuple(tokens) if spec.penalized else ()
-            tokens.append(int(sample(logits[i : i + 1], spec, generator, prompt_ids=spec.prompt_ids, output_ids=output)[0]))
+            row = logits[i : i + 1] if spec.allowed is None else apply_mask(logits[i : i + 1], spec.allowed[i])
+            tokens.append(int(sample(row, spec, generator, prompt_ids=spec.prompt_ids, output_ids=output)[0]))
             if i == chunk.num_draft or tokens[i] != drafts[i]:
                 return tokens

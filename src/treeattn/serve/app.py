@@ -46,6 +46,8 @@ from treeattn.engine.request import MAX_LOGPROBS, SamplingParams, TokenEvent, To
 from treeattn.serve.access_log import USAGE, AccessLog
 from treeattn.serve.metrics import CONTENT_TYPE, ServerMetrics
 from treeattn.serve.protocol import APIError, ChatCompletionRequest, CompletionRequest, bad_request
+from treeattn.serve.structured import structured_output
+from treeattn.serve.tools import check_tools
 
 logger = logging.getLogger(__name__)
 
@@ -176,6 +178,7 @@ def create_app(engine, config: ServerConfig, *, chat_template=None, eot_ids: tup
     async def completions(body: CompletionRequest, request: Request):
         server.check_request(body, count=len(_batch(body.prompt)))
         prompts = await run_in_threadpool(server.completion_prompts, body.prompt)  # tokenizing takes time: not on the loop
+        await run_in_threadpool(structured_output, body, server.engine)  # checked off the loop; _params finds it cached
         default = COMPLETIONS_DEFAULT_MAX_TOKENS
         return await server.respond(request, body, prompts, default, chat=False)
 
@@ -183,6 +186,7 @@ def create_app(engine, config: ServerConfig, *, chat_template=None, eot_ids: tup
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         server.check_request(body, count=1)
         prompts = [await run_in_threadpool(server.chat_prompt, body)]
+        await run_in_threadpool(structured_output, body, server.engine)  # checked off the loop; _params finds it cached
         return await server.respond(request, body, prompts, None, chat=True)
 
     return app
@@ -211,6 +215,7 @@ class _Server:
         if body.model != self.config.model_name:
             raise APIError(404, f"the model '{body.model}' does not exist; this server serves '{self.config.model_name}'",
                            param="model", code="model_not_found")
+        check_tools(body, self.chat_template)
         unsupported = body.unsupported_field()
         if unsupported is not None:
             raise bad_request(f"'{unsupported}' is not supported by this server", unsupported)
@@ -285,7 +290,7 @@ class _Server:
         try:
             return SamplingParams(max_new_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
                                   top_k=body.top_k, seed=seed, stop=stop, stop_token_ids=self.eot_ids if chat else (),
-                                  logprobs=body.logprobs_asked())
+                                  logprobs=body.logprobs_asked(), structured=structured_output(body, self.engine))
         except ValueError as exc:
             name = str(exc).split(" ", 1)[0]
             raise bad_request(str(exc).replace(name, _PARAM_NAMES.get(name, name), 1), _PARAM_NAMES.get(name, name)) from None

@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 UNSUPPORTED = {
     "echo": (None, False), "best_of": (None, 1),
     "suffix": (None, ""), "logit_bias": (None, {}), "tools": (None, []), "functions": (None, []),
-    "response_format": (None, {"type": "text"}), "presence_penalty": (None, 0), "frequency_penalty": (None, 0),
+    "presence_penalty": (None, 0), "frequency_penalty": (None, 0),
 }
 
 

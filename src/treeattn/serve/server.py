@@ -101,6 +101,10 @@ def _serve(model, options: ServeOptions, engine_options: dict, engine_config, on
     logger.info("engine ready in %.2f s: max context %d tokens, KV cache %d blocks of %d tokens, prefix cache %s",
                 time.perf_counter() - start, engine.max_context, stats["blocks_total"], engine.config.block_size,
                 "on" if engine.prefix_cache is not None else "off")
+    if engine.tokenizer is not None and engine.model_info.eos_token_ids:  # structured outputs: the grammar's
+        started = time.perf_counter()  # view of the vocabulary holds the GIL while it is built: before listening, not on a request
+        engine.prepare_structured_outputs()
+        logger.info("structured outputs ready in %.2f s (the grammar's view of the vocabulary)", time.perf_counter() - started)
     try:
         import uvicorn
 
