@@ -80,10 +80,10 @@ def test_an_exception_while_sampling_one_request_fails_that_request_alone(engine
 
     real = sampling.sample
 
-    def sample(logits, spec, generator):
+    def sample(logits, spec, generator, **history):
         if spec.seed == 666:
             raise ArithmeticError("this request's sampler is broken")
-        return real(logits, spec, generator)
+        return real(logits, spec, generator, **history)
 
     monkeypatch.setattr(sampling, "sample", sample)
     bad = engine.submit(PROMPT, SamplingParams(max_new_tokens=20, temperature=1.0, seed=666, logprobs=2))
