@@ -150,6 +150,12 @@ class Engine:
         """Whether the engine takes requests: set up, not failed, not closed."""
         return self._driver is not None and self._driver.healthy and not self._closed
 
+    @property
+    def failure(self) -> str | None:
+        """Why the engine failed (one line: e.g. the rank that died, its pid and signal), None while it has not."""
+        failure = self._driver.failure if self._driver is not None else None
+        return failure.strip().splitlines()[0] if failure else None
+
     # ------------------------------------------------------------------------------ public
 
     def submit(self, prompt, params: SamplingParams | None = None, *, on_event: Callable[[TokenEvent], None] | None = None,

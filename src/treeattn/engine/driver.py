@@ -212,8 +212,9 @@ class Driver:
             except queue.Empty:
                 if not block:
                     return True
-                if not self.channel.alive():  # idle, and the ranks are gone
-                    raise EngineError("the engine's rank processes ended")
+                if not self.channel.alive():  # idle, and a rank is gone: named where the channel knows it
+                    raise EngineError(getattr(self.channel, "death", None) and f"the engine's {self.channel.death}"
+                                      or "the engine's rank processes ended")
                 if time.monotonic() - self._last_contact > self.config.timeout_s / 4:
                     self.channel.run(KEEPALIVE)  # idle ranks wait in a collective: keep it short of the timeout
                     self._last_contact = time.monotonic()
