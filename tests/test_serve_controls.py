@@ -287,3 +287,32 @@ def test_a_rank_killed_under_a_step_is_a_503_and_the_ranks_restart(model_file):
         assert srv.http(key=None).get("/health").status_code == 200
     finally:
         assert srv.stop() == 0
+
+
+# ------------------------------------------------------------------------- vLLM's metric names
+
+
+def test_vllm_metric_names_count_each_request(server):
+    def scrape() -> dict[str, float]:
+        values = {}
+        for line in server.http().get("/metrics").text.splitlines():
+            if line.startswith("vllm:"):
+                name, value = line.rsplit(" ", 1)
+                values[name] = float(value)
+        return values
+
+    label = f'{{model_name="{NAME}"}}'
+    before = scrape()
+    response = server.client().completions.create(model=NAME, prompt=[5, 6, 7], max_tokens=5, temperature=0,
+                                                  extra_body={"ignore_eos": True})
+    assert len(response.choices[0].token_ids) == 5
+    after = scrape()
+    for name, grew in (("vllm:e2e_request_latency_seconds_count", 1), ("vllm:request_queue_time_seconds_count", 1),
+                       ("vllm:time_to_first_token_seconds_count", 1), ("vllm:inter_token_latency_seconds_count", 4),
+                       ("vllm:time_per_output_token_seconds_count", 4), ("vllm:prompt_tokens_total", 3),
+                       ("vllm:generation_tokens_total", 5)):
+        assert after[name + label] - before.get(name + label, 0) == grew, name
+    reason = f'vllm:request_success_total{{finished_reason="length",model_name="{NAME}"}}'
+    assert after[reason] - before.get(reason, 0) == 1
+    assert after["vllm:num_requests_running" + label] == 0 and after["vllm:num_requests_waiting" + label] == 0
+    assert after["vllm:kv_cache_usage_perc" + label] == 0  # idle: only the prefix cache holds blocks

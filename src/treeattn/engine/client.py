@@ -231,7 +231,7 @@ class Engine:
                 handle.cancel()
 
     def stats(self) -> dict:
-        """blocks_total, blocks_used, blocks_free, blocks_cached, running, waiting,
+        """blocks_total, blocks_used, blocks_free, blocks_cached, blocks_active (held by running requests), running, waiting,
         prefix_hit_tokens, preemptions, prompt_tokens, generated_tokens, healthy (a consistent snapshot),
         and decoding's counters: decode_forwards (decoding chunks run, one per sequence per step),
         tokens_per_forward (tokens they committed, per chunk: 1 without speculation), and with

@@ -115,6 +115,7 @@ class Driver:
                     self._update_stats()  # a cancel or a refused request changed the counts
                     continue
                 plan = self.scheduler.schedule()
+                self._mark_scheduled(plan)
                 if not plan.chunks:
                     self._fail_stuck_head()
                     continue
@@ -132,6 +133,14 @@ class Driver:
             self.healthy = False
         finally:
             self._end()
+
+    def _mark_scheduled(self, plan) -> None:
+        """Note when each request first runs (RequestResult.queue_s)."""
+        now = time.perf_counter()
+        for chunk in plan.chunks:
+            request = self._by_seq.get(chunk.seq_id)
+            if request is not None and request.scheduled_at is None:
+                request.scheduled_at = now
 
     def _complete(self, plan, outcome) -> None:
         """Commit a step's tokens: one event per committed token of every sequence."""

@@ -106,6 +106,7 @@ class _Choice:
     error: str | None = None
     streamed: int = 0  # tokens whose logprobs a streamed chunk has carried
     streamed_chars: int = 0  # the length of those tokens' strings (the next text_offset)
+    last_token_at: float | None = None  # when the server got its last token (vllm:inter_token_latency_seconds)
 
 
 def create_app(engine, config: ServerConfig, *, chat_template=None, eot_ids: tuple[int, ...] = ()) -> FastAPI:
@@ -198,7 +199,7 @@ class _Server:
     def __init__(self, engine, config: ServerConfig, chat_template, eot_ids) -> None:
         self.engine, self.config, self.chat_template = engine, config, chat_template
         self.eot_ids = tuple(eot_ids)
-        self.metrics = ServerMetrics(engine)
+        self.metrics = ServerMetrics(engine, config.model_name)
         self.created = int(time.time())
         self.max_token_chars = _max_token_chars(engine.tokenizer)
         self._pending = 0
@@ -547,8 +548,12 @@ class _Run:
     def _record(self, choice: _Choice, event: TokenEvent) -> None:
         if event.token_id is not None:
             choice.token_ids.append(event.token_id)
+            now = time.perf_counter()
+            if choice.last_token_at is not None:
+                self.server.metrics.inter_token(now - choice.last_token_at)
+            choice.last_token_at = now
             if self.usage is not None:
-                self.usage.token(time.perf_counter())
+                self.usage.token(now)
         if event.logprob is not None:
             choice.logprobs.append(event.logprob)
         choice.text += event.text
