@@ -95,3 +95,11 @@ def test_goodput_parsing():
     with pytest.raises(ValueError, match="goodput: each item must be NAME:MILLISECONDS"):
         parse_goodput("itl:5")
     assert math.isinf(ServeBenchConfig(base_url="http://x").request_rate)
+
+
+def test_the_serving_module_examples_run():
+    import doctest
+
+    import treeattn.bench.serving as serving
+
+    assert doctest.testmod(serving).failed == 0

@@ -281,7 +281,6 @@ class _Server:
             if self.engine.tokenizer is None:
                 raise bad_request("this model has no tokenizer: send the prompt as a list of token ids", "prompt")
             if len(prompt) > self._max_prompt_chars():  # refused untokenized
-
                 raise bad_request(f"the prompt has {len(prompt)} characters, more than {self.engine.max_context} tokens "
                                   f"(this server's context) can hold", "prompt")
             ids = self.engine.tokenizer.encode(prompt).ids
@@ -403,9 +402,10 @@ class _Server:
     def _failure(self, error: str | None) -> APIError:
         """A choice's error as an answer: 503 when the engine failed or a rank failed under the step (the
         server cannot serve it now: retry, elsewhere or after the restart), 500 for this request's own."""
-        ranks = not self.engine.healthy or (error or "").startswith(("engine failed", "a step with this request failed on the engine's ranks"))
-        if ranks:
+        if not self.engine.healthy or (error or "").startswith("engine failed"):
             return APIError(503, f"the engine failed: {_first_line(error)}", kind="server_error")
+        if (error or "").startswith("a step with this request failed on the engine's ranks"):  # the driver's words (_recover)
+            return APIError(503, _first_line(error), kind="server_error")
         return APIError(500, f"generation failed: {_first_line(error)}", kind="server_error")
 
     async def _stream(self, run: "_Run", body, prompts, chat: bool, include_usage: bool, route: str) -> AsyncIterator[str]:
