@@ -33,6 +33,7 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=32)
     parser.add_argument("--out-dir", default="docs/data")
     args = parser.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a timeout's SIGTERM: stop the server on the way out
     model = args.model
     if model is None:
         from treeattn.eval.demo import smollm2_path

@@ -271,9 +271,16 @@ async def _run(config: ServeBenchConfig, requests: list[BenchRequest]) -> tuple[
 
 
 async def _first_model(client) -> str:
-    response = await client.get("/v1/models")
-    response.raise_for_status()
-    return response.json()["data"][0]["id"]
+    """The first model id of the server's /v1/models; ValueError naming base_url when it does not answer one."""
+    import httpx
+
+    try:
+        response = await client.get("/v1/models")
+        response.raise_for_status()
+        return response.json()["data"][0]["id"]
+    except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError) as exc:
+        raise ValueError(f"base_url: {str(client.base_url).rstrip('/')}/v1/models gave no model id ({type(exc).__name__}: {exc}); "
+                         "is the server up? (or pass --model)") from None
 
 
 def run_serve_benchmark(config: ServeBenchConfig) -> dict:
