@@ -134,7 +134,7 @@ class SpawnedRanks:
                 raise StepFailed(f"the engine's {self.death}", f"the engine's {self.death}") from exc
             raise self._gone() from exc
         if message[0] == "error":  # the plan raised on rank 0 (after a failure of its own or of a peer)
-            if self._wait_for_death(1.0):  # a peer died: rank 0's error (a closed connection) is the consequence
+            if self._wait_for_death(1.0) and not self.death.startswith("rank 0 "):  # a peer died: rank 0's error is the consequence
                 raise StepFailed(f"the engine's {self.death}; rank 0: {message[1]}", f"the engine's {self.death}")
             raise StepFailed(f"a step failed on rank 0: {message[1]}", _first_line(f"a step failed on rank 0: {message[1]}"))
         return message
