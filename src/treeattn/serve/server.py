@@ -5,8 +5,8 @@
 
 Signals: SIGTERM, SIGHUP and SIGINT stop accepting connections, let the running requests finish
 (up to `drain_s` seconds, then they are cut), close the engine (its rank processes exit) and return
-0. A rank that dies makes the engine unhealthy: /health answers 503 and the server stops and
-returns 1 within the engine's timeout plus a second.
+0. A rank that dies makes the engine unhealthy at once (the supervisor sees its process end): /health
+and the API answer 503 for FAILED_LINGER_S seconds, then the server stops and returns 1.
 
 Logging (logger "treeattn.serve.server" at INFO): the start-up's steps (the engine starting its
 ranks, the engine ready and how long it took, the address it listens on); one access line per
@@ -249,12 +249,19 @@ def _http_protocol(headers_timeout_s: float):
     return HeadersDeadline
 
 
+FAILED_LINGER_S = 2.0
+"""After the engine fails, the server answers 503 (with the reason) this long before it stops, so that
+health checks and clients see the failure rather than a refused connection."""
+
+
 def _watch(engine, server, failed: threading.Event) -> None:
-    """Stop the server once the engine is unhealthy (a rank died or stopped answering)."""
+    """Stop the server FAILED_LINGER_S after the engine turned unhealthy (a rank died or stopped answering)."""
     while not server.should_exit:
         if not engine.healthy:
-            logger.error("the engine failed (%s): stopping the server", getattr(engine, "failure", None) or "a rank died or stopped answering")
+            logger.error("the engine failed (%s): stopping the server in %g s", getattr(engine, "failure", None)
+                         or "a rank died or stopped answering", FAILED_LINGER_S)
             failed.set()
+            threading.Event().wait(FAILED_LINGER_S)
             server.should_exit = True
             return
         threading.Event().wait(0.1)
