@@ -23,7 +23,7 @@ from treeattn.bench.config import METHODS, SweepConfig
 SHORT_DTYPES = {name: short for short, name in DTYPE_ALIASES.items() if short != "half"}
 """--dtype's names (float32, ...) -> the sweep records' (fp32, ...)."""
 
-bench_app = typer.Typer(help="Benchmarks: decode sweeps, calibration, cost-model validation.", no_args_is_help=True, rich_markup_mode=None)
+bench_app = typer.Typer(help="Benchmarks: decode sweeps, calibration, cost-model validation, serving load.", no_args_is_help=True, rich_markup_mode=None)
 
 
 def _refuse(message: str) -> typer.Exit:
@@ -523,3 +523,61 @@ def _load_records(path: Path, option: str) -> list[dict]:
     except ValueError as err:
         raise _refuse(f"{option} {path}: not benchmark records: {err}") from None
     return rows
+
+
+@bench_app.command("serve")
+def serve_command(
+    base_url: str = typer.Option(..., "--base-url", help="The server, e.g. http://127.0.0.1:8000 (treeattn serve, vLLM, llama.cpp)."),
+    model: str | None = typer.Option(None, "--model", help="The model id to send (default: the first /v1/models lists)."),
+    endpoint: str = typer.Option("/v1/completions", "--endpoint", help="/v1/completions or /v1/chat/completions."),
+    num_prompts: int = typer.Option(100, "--num-prompts", min=1, help="Requests to send."),
+    input_len: int = typer.Option(512, "--input-len", min=1, help="Synthetic prompts: tokens per prompt."),
+    output_len: int = typer.Option(128, "--output-len", min=1, help="max_tokens of each request (answers are this long: ignore_eos)."),
+    range_ratio: float = typer.Option(0.0, "--range-ratio", min=0.0, max=0.99, help="Synthetic lengths uniform in len x [1-r, 1+r]."),
+    min_token_id: int = typer.Option(100, "--min-token-id", min=0, help="Synthetic prompts' token ids are drawn from [min, max)."),
+    max_token_id: int = typer.Option(1000, "--max-token-id", min=1),
+    dataset_path: Path | None = typer.Option(None, "--dataset-path", help="Prompts from a file: one per line, or .jsonl objects "
+                                             "with 'prompt' and optionally 'output_len'."),
+    request_rate: float = typer.Option(float("inf"), "--request-rate", help="Requests per second (inf: all at once)."),
+    arrival: str = typer.Option("poisson", "--arrival", help="poisson (gamma intervals, --burstiness) or constant."),
+    burstiness: float = typer.Option(1.0, "--burstiness", help="Gamma shape of the intervals: 1 is Poisson, lower is burstier."),
+    max_concurrency: int | None = typer.Option(None, "--max-concurrency", min=1, help="Requests in flight at most "
+                                               "(with --request-rate inf: a fixed concurrency)."),
+    goodput: str = typer.Option("", "--goodput", help="SLOs in ms, e.g. 'ttft:500 tpot:50 e2el:5000': good requests per second."),
+    percentiles: str = typer.Option("50,90,99", "--percentiles", help="Percentiles of ttft, tpot, itl and e2el to report."),
+    seed: int = typer.Option(0, "--seed"),
+    ignore_eos: bool = typer.Option(True, "--ignore-eos/--no-ignore-eos", help="Send ignore_eos so that answers are --output-len long."),
+    label: str | None = typer.Option(None, "--label", help="A label stored in the result."),
+    result_file: Path | None = typer.Option(None, "--result-file", "-o", help="Write the result JSON (vllm bench serve's keys) here."),
+) -> None:
+    """Open-loop load on an OpenAI-compatible server: TTFT, TPOT, ITL and end-to-end latency
+    percentiles, throughput and goodput, as `vllm bench serve` reports them (its JSON keys)."""
+    from treeattn.bench.serving import ServeBenchConfig, parse_goodput, report_lines, run_serve_benchmark
+
+    _check_outputs([("--result-file", result_file, (".json",))])
+    try:
+        config = ServeBenchConfig(base_url=base_url.rstrip("/"), model=model, endpoint=endpoint, num_prompts=num_prompts,
+                                  input_len=input_len, output_len=output_len, range_ratio=range_ratio, min_token_id=min_token_id,
+                                  max_token_id=max_token_id, dataset_path=None if dataset_path is None else str(dataset_path),
+                                  request_rate=request_rate, arrival=arrival, burstiness=burstiness, max_concurrency=max_concurrency,
+                                  goodput=parse_goodput(goodput), percentiles=_percentiles(percentiles),
+                                  seed=seed, api_key=os.environ.get("OPENAI_API_KEY") or os.environ.get("TREEATTN_API_KEY"),
+                                  ignore_eos=ignore_eos, label=label)
+        result = run_serve_benchmark(config)
+    except ValueError as exc:
+        raise _refuse(str(exc)) from None
+    for line in report_lines(result, config.percentiles):
+        typer.echo(line)
+    if result_file is not None:
+        result_file.write_text(json.dumps(result, indent=1) + "\n")
+    if result["failed"]:
+        typer.echo(f"{result['failed']} of {config.num_prompts} requests failed; first: "
+                   f"{next(e for e in result['errors'] if e)}", err=True)
+        raise typer.Exit(1)
+
+
+def _percentiles(text: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(p) for p in text.split(",") if p.strip())
+    except ValueError:
+        raise ValueError(f"percentiles must be numbers in (0, 100) separated by commas, got {text!r}") from None

@@ -150,6 +150,12 @@ class Engine:
         """Whether the engine takes requests: set up, not failed, not closed."""
         return self._driver is not None and self._driver.healthy and not self._closed
 
+    @property
+    def failure(self) -> str | None:
+        """Why the engine failed (one line: e.g. the rank that died, its pid and signal), None while it has not."""
+        failure = self._driver.failure if self._driver is not None else None
+        return failure.strip().splitlines()[0] if failure else None
+
     # ------------------------------------------------------------------------------ public
 
     def submit(self, prompt, params: SamplingParams | None = None, *, on_event: Callable[[TokenEvent], None] | None = None,
@@ -234,7 +240,7 @@ class Engine:
                 handle.cancel()
 
     def stats(self) -> dict:
-        """blocks_total, blocks_used, blocks_free, blocks_cached, running, waiting,
+        """blocks_total, blocks_used, blocks_free, blocks_cached, blocks_active (held by running requests), running, waiting,
         prefix_hit_tokens, preemptions, prompt_tokens, generated_tokens, healthy (a consistent snapshot),
         and decoding's counters: decode_forwards (decoding chunks run, one per sequence per step),
         tokens_per_forward (tokens they committed, per chunk: 1 without speculation), and with

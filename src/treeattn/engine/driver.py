@@ -135,6 +135,7 @@ class Driver:
                     self._update_stats()  # a cancel or a refused request changed the counts
                     continue
                 plan = self.grammars.constrain(self.scheduler.schedule())
+                self._mark_scheduled(plan)
                 if not plan.chunks:
                     self._fail_stuck_head()
                     continue
@@ -154,6 +155,14 @@ class Driver:
             self.healthy = False
         finally:
             self._end()
+
+    def _mark_scheduled(self, plan) -> None:
+        """Note when each request first runs (RequestResult.queue_s)."""
+        now = time.perf_counter()
+        for chunk in plan.chunks:
+            request = self._by_seq.get(chunk.seq_id)
+            if request is not None and request.scheduled_at is None:
+                request.scheduled_at = now
 
     def _complete(self, plan, outcome) -> None:
         """Commit a step's tokens: one event per committed token of every sequence."""
@@ -236,8 +245,9 @@ class Driver:
             except queue.Empty:
                 if not block:
                     return True
-                if not self.channel.alive():  # idle, and the ranks are gone
-                    raise EngineError("the engine's rank processes ended")
+                if not self.channel.alive():  # idle, and a rank is gone: named where the channel knows it
+                    raise EngineError(getattr(self.channel, "death", None) and f"the engine's {self.channel.death}"
+                                      or "the engine's rank processes ended")
                 if time.monotonic() - self._last_contact > self.config.timeout_s / 4:
                     self.channel.run(KEEPALIVE)  # idle ranks wait in a collective: keep it short of the timeout
                     self._last_contact = time.monotonic()

@@ -113,6 +113,7 @@ class RequestState:
         self.logprobs: list[TokenLogprob] = []  # one per token when params.logprobs is set
         self.text = ""  # the text delivered so far (the events' deltas); a held-back tail is not in it
         self.first_token_at: float | None = None
+        self.scheduled_at: float | None = None  # when a step first ran it (the driver sets it)
         self._detokenizer = IncrementalText()
         self._searched = 0  # stop strings cannot end before this index of the decoded text
 
@@ -160,7 +161,8 @@ class RequestState:
             prompt_tokens=len(self.prompt), cached_prompt_tokens=(seq.cached_prompt_tokens or 0) if seq is not None else 0,
             ttft_s=(first - self.submitted) if first is not None else float("nan"),
             decode_s=(now - first) if first is not None else 0.0, error=error, speculation=speculation,
-            logprobs=list(self.logprobs) if self.params.logprobs is not None else None)
+            logprobs=list(self.logprobs) if self.params.logprobs is not None else None,
+            queue_s=(self.scheduled_at - self.submitted) if self.scheduled_at is not None else float("nan"))
 
 
 def held_back(text: str, stops: tuple[str, ...]) -> int:

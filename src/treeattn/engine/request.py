@@ -230,6 +230,7 @@ class RequestResult:
             samples, unless the prompt came whole from the prefix cache), decode_forwards (the
             model's forward passes over this request's decode steps) and tokens_per_forward.
         logprobs: one TokenLogprob per generated token when params.logprobs is set, else None.
+        queue_s: seconds from submission to the first step that ran it (NaN if none did).
     """
 
     request_id: str
@@ -243,3 +244,4 @@ class RequestResult:
     error: str | None = None
     speculation: dict = field(default_factory=dict)
     logprobs: list[TokenLogprob] | None = None
+    queue_s: float = float("nan")

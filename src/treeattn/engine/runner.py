@@ -356,8 +356,8 @@ class RankRunner:
         drafts = chunk.tokens[len(chunk.tokens) - chunk.num_draft :]
         tokens = []
         for i in range(chunk.num_draft + 1):  # a penalty counts the drafts kept before position i as output
-            output = spec.output_ids + tuple(tokens) if spec.penalized else ()
+            history = dict(prompt_ids=spec.prompt_ids, output_ids=spec.output_ids + tuple(tokens)) if spec.penalized else {}
             row = logits[i : i + 1] if spec.allowed is None else apply_mask(logits[i : i + 1], spec.allowed[i])
-            tokens.append(int(sample(row, spec, generator, prompt_ids=spec.prompt_ids, output_ids=output)[0]))
+            tokens.append(int(sample(row, spec, generator, **history)[0]))
             if i == chunk.num_draft or tokens[i] != drafts[i]:
                 return tokens

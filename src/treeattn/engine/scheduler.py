@@ -521,6 +521,7 @@ class Scheduler:
             "blocks_free": self.pool.num_free,
             "blocks_used": self.pool.num_blocks - self.pool.num_free,
             "blocks_cached": self.prefix_cache.num_blocks if self.prefix_cache is not None else 0,
+            "blocks_active": len({block for seq in self.running for block in seq.blocks}),  # held by running requests
             "running": len(self.running),
             "waiting": len(self.waiting),
             "prefix_hit_tokens": self.prefix_hit_tokens,

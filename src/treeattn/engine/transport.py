@@ -55,8 +55,10 @@ class SpawnedRanks:
         self._authkey = os.urandom(16)
         self._listener = Listener(("127.0.0.1", 0), authkey=self._authkey)
         self.failure: BaseException | None = None
+        self.death: str | None = None  # the first rank the supervisor saw fail: "rank 1 (pid 4242): ... signal SIGKILL ..."
         args = (rank_main, config.nproc, self._listener.address, self._authkey, self._model, config)
-        options = dict(backend=backend_for(config.device), timeout=config.timeout_s, threads=config.threads_per_rank)
+        options = dict(backend=backend_for(config.device), timeout=config.timeout_s, threads=config.threads_per_rank,
+                       on_failure=self._on_failure)
         if ranks is None:
             try:
                 supervise = start(*args, **options).join
@@ -97,26 +99,53 @@ class SpawnedRanks:
         except BaseException as exc:  # noqa: BLE001
             self.failure = exc
 
+    def _on_failure(self, rank: int, pid: int | None, text: str) -> None:
+        """The supervisor saw its first failed rank (treeattn.parallel.spawn's on_failure), at once."""
+        self.death = f"rank {rank} (pid {pid}) failed: {text}"
+        logger.error("the engine's %s", self.death)
+
     def alive(self) -> bool:
-        return self._thread.is_alive()
+        """False as soon as the supervisor has seen a rank fail (not only once every rank has ended)."""
+        return self._thread.is_alive() and self.death is None
+
+    def _gone(self) -> EngineError:
+        """The error for a lost connection to rank 0: the rank that failed first, once the supervisor
+        has seen it (it sees a process exit at once; waited for up to a second)."""
+        self._wait_for_death(1.0)
+        return EngineError(f"the engine's {self.death}" if self.death else "rank 0 of the engine is gone (its connection closed)")
+
+    def _wait_for_death(self, seconds: float) -> bool:
+        """Whether the supervisor has seen a rank fail, waiting up to `seconds` for it (it sees a process exit at once)."""
+        deadline = time.monotonic() + seconds
+        while self.death is None and self._thread.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return self.death is not None
 
     def _recv(self):
         while not self._conn.poll(0.05):
+            if self.death is not None:  # a rank died during the step: the step fails, named (the driver restarts the ranks)
+                raise StepFailed(f"the engine's {self.death}", f"the engine's {self.death}")
             if not self._thread.is_alive():
                 raise EngineError(f"the engine's ranks ended: {self.failure}")
         try:
             message = self._conn.recv()
-        except (EOFError, OSError) as exc:
-            raise EngineError("rank 0 of the engine is gone (its connection closed)") from exc
+        except (EOFError, OSError) as exc:  # rank 0 is gone: after a peer that died first, the step fails (restartable)
+            if self._wait_for_death(1.0) and not self.death.startswith("rank 0 "):
+                raise StepFailed(f"the engine's {self.death}", f"the engine's {self.death}") from exc
+            raise self._gone() from exc
         if message[0] == "error":  # the plan raised on rank 0 (after a failure of its own or of a peer)
+            if self._wait_for_death(1.0) and not self.death.startswith("rank 0 "):  # a peer died: rank 0's error is the consequence
+                raise StepFailed(f"the engine's {self.death}; rank 0: {message[1]}", f"the engine's {self.death}")
             raise StepFailed(f"a step failed on rank 0: {message[1]}", _first_line(f"a step failed on rank 0: {message[1]}"))
         return message
 
     def run(self, plan) -> StepOutcome:
+        if self.death is not None:
+            raise self._gone()
         try:
             self._conn.send(plan)
         except OSError as exc:
-            raise EngineError("rank 0 of the engine is gone (its connection closed)") from exc
+            raise self._gone() from exc
         return self._recv()[1]
 
     def close(self) -> None:

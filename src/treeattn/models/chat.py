@@ -150,9 +150,11 @@ class ChatTemplate:
         except Exception as exc:  # noqa: BLE001 -- TemplateSyntaxError, RecursionError on deep nesting, ...
             raise ChatTemplateError(self.source, f"the chat template does not compile: {_describe(exc)}") from None
 
-    def render(self, messages: list[dict], *, add_generation_prompt: bool = True) -> str:
+    def render(self, messages: list[dict], *, add_generation_prompt: bool = True, variables: dict | None = None) -> str:
         """The prompt text of `messages` ([{"role": ..., "content": ...}, ...]), within the bounds of
         the module docstring (TEMPLATE_MAX_STEPS, TEMPLATE_MAX_SECONDS, TEMPLATE_MAX_CHARS).
+        variables: more template variables (a request's chat_template_kwargs, e.g. enable_thinking);
+        they cannot replace messages, add_generation_prompt, bos_token or eos_token.
 
         Raises:
             ValueError: bad messages; ChatTemplateError (a ValueError) when the template fails.
@@ -162,8 +164,8 @@ class ChatTemplate:
         _budget.steps, _budget.deadline = 0, time.monotonic() + TEMPLATE_MAX_SECONDS
         parts, size = [], 0
         try:
-            for part in compiled.generate(messages=messages, add_generation_prompt=add_generation_prompt,
-                                          bos_token=self.bos_token or "", eos_token=self.eos_token or ""):
+            for part in compiled.generate({**(variables or {}), "messages": messages, "add_generation_prompt": add_generation_prompt,
+                                           "bos_token": self.bos_token or "", "eos_token": self.eos_token or ""}):
                 _step()
                 size += len(part)
                 if size > TEMPLATE_MAX_CHARS:

@@ -156,6 +156,7 @@ def spawn(
     ranks: StartedRanks | None = None,
     threads: int | None = None,
     method: str | None = None,
+    on_failure: Callable[[int, int | None, str], None] | None = None,
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on `nprocs` ranks of a new process group.
 
@@ -178,6 +179,9 @@ def spawn(
             "forkserver" for gloo ranks on Linux, else "spawn" (the module doc says why). Ask for
             "spawn" when the ranks must start as new processes: e.g. to read environment variables
             that only a process start reads (glibc's MALLOC_*).
+        on_failure: called once, from the supervising thread, with (rank, pid, description) of the
+            first rank seen failing (a rank that died before one that raised, when seen together),
+            as soon as it is seen, before the other ranks' grace period (ta.Engine's liveness).
 
     A rank started by the fork server or spawned imports the main module again, so a script calls
     spawn under `if __name__ == "__main__":` (unguarded, every rank would call spawn itself), and
@@ -210,11 +214,12 @@ def spawn(
             raise ValueError("ranks: started processes cannot join an existing process group (torchrun); pass ranks=None")
         return _run_in_existing_group(fn, nprocs, args, backend, timeout)
     threads, method = _threads_and_method(nprocs, backend, threads, method, ranks)
-    return _supervised(lambda: RankGroup(fn, nprocs, args, backend, float(timeout), ranks, threads, method), nprocs)
+    return _supervised(lambda: RankGroup(fn, nprocs, args, backend, float(timeout), ranks, threads, method, on_failure), nprocs)
 
 
 def start(fn: Callable[..., Any], nprocs: int, *args: Any, backend: str = "gloo", timeout: float = DEFAULT_TIMEOUT_S,
-          threads: int | None = None, method: str | None = None) -> RankGroup:
+          threads: int | None = None, method: str | None = None,
+          on_failure: Callable[[int, int | None, str], None] | None = None) -> RankGroup:
     """spawn in two halves: start the ranks now, in this thread; RankGroup.join() (from any thread,
     once) supervises them and returns or raises what spawn would. For a caller that supervises its
     ranks from a thread of its own (ta.Engine): whether a fork is safe is judged where the ranks
@@ -233,7 +238,7 @@ def start(fn: Callable[..., Any], nprocs: int, *args: Any, backend: str = "gloo"
     if dist.is_available() and (dist.is_initialized() or under_torchrun()):
         raise ValueError("start: this process is in a process group (torchrun) already; call spawn, which joins it")
     threads, method = _threads_and_method(nprocs, backend, threads, method, None)
-    return RankGroup(fn, nprocs, args, backend, float(timeout), None, threads, method)
+    return RankGroup(fn, nprocs, args, backend, float(timeout), None, threads, method, on_failure)
 
 
 def _check_arguments(nprocs, timeout, threads, method) -> None:
@@ -482,8 +487,8 @@ class RankGroup:
     """
 
     def __init__(self, fn, nprocs: int, args, backend: str, timeout: float, ranks: StartedRanks | None,
-                 threads: int, method: str | None) -> None:
-        self.nprocs, self.timeout = nprocs, timeout
+                 threads: int, method: str | None, on_failure=None) -> None:
+        self.nprocs, self.timeout, self.on_failure = nprocs, timeout, on_failure
         self.grace = min(GRACE_S, timeout)
         self.listener = _loopback_listener()  # bound now, so the port is known; the store takes it over later
         port = self.listener.getsockname()[1]
@@ -546,12 +551,24 @@ class RankGroup:
                 self._blame_silent(silent)
                 running -= set(silent)
             if self.failures and deadline is None:
+                self._report_first_failure()
+            if self.failures and deadline is None:
                 deadline = now + self.grace
             if deadline is not None and running and now > deadline:
                 for rank in sorted(running):
                     self.failures[rank] = f"terminated: still running {self.grace:.0f} s after rank {next(iter(self.failures))} failed"
                 self.ranks.kill(sorted(running))
                 running.clear()
+
+    def _report_first_failure(self) -> None:
+        """Call on_failure with the first failure: a rank that died or went silent before one that
+        raised (the others' errors, a closed connection, are the consequence)."""
+        if self.on_failure is None:
+            return
+        raised = {rank for rank, (kind, _) in self.outcomes.items() if kind == "error"}
+        rank = next((r for r in self.failures if r not in raised), next(iter(self.failures)))
+        text = self.failures[rank].strip().splitlines()
+        self.on_failure(rank, self.procs[rank].pid, text[0] if text else "failed")
 
     def _silent(self, running: set[int], liveness: _Liveness, now: float, first_failure: bool) -> dict[int, float]:
         """rank -> seconds without a heartbeat, for the running ranks to be ended as silent: those

@@ -42,10 +42,11 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
+from treeattn.engine.errors import EngineError
 from treeattn.engine.request import MAX_LOGPROBS, SamplingParams, TokenEvent, TokenLogprob
 from treeattn.serve.access_log import USAGE, AccessLog
 from treeattn.serve.metrics import CONTENT_TYPE, ServerMetrics
-from treeattn.serve.protocol import APIError, ChatCompletionRequest, CompletionRequest, bad_request
+from treeattn.serve.protocol import APIError, ChatCompletionRequest, CompletionRequest, _shown, bad_request
 from treeattn.serve.structured import structured_output
 from treeattn.serve.tools import check_tools
 
@@ -54,8 +55,9 @@ logger = logging.getLogger(__name__)
 # Default max_tokens of /v1/completions when the request gives none (OpenAI's legacy default).
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 # SamplingParams field -> the request field named in errors.
-_PARAM_NAMES = {"max_new_tokens": "max_tokens", "temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
-                "seed": "seed", "stop": "stop"}
+_PARAM_NAMES = {"max_new_tokens": "max_tokens"}
+# chat_template_kwargs that would replace what the server gives the template.
+_RESERVED_TEMPLATE_VARIABLES = ("messages", "add_generation_prompt", "bos_token", "eos_token")
 
 
 @dataclass(frozen=True)
@@ -106,6 +108,7 @@ class _Choice:
     error: str | None = None
     streamed: int = 0  # tokens whose logprobs a streamed chunk has carried
     streamed_chars: int = 0  # the length of those tokens' strings (the next text_offset)
+    last_token_at: float | None = None  # when the server got its last token (vllm:inter_token_latency_seconds)
 
 
 def create_app(engine, config: ServerConfig, *, chat_template=None, eot_ids: tuple[int, ...] = ()) -> FastAPI:
@@ -162,14 +165,15 @@ def create_app(engine, config: ServerConfig, *, chat_template=None, eot_ids: tup
     @app.api_route("/health", methods=["GET", "HEAD"])
     async def health():
         if not engine.healthy:
-            return JSONResponse({"status": "unhealthy", "error": "the engine or one of its ranks has failed"}, status_code=503)
+            why = getattr(engine, "failure", None) or "the engine or one of its ranks has failed"
+            return JSONResponse({"status": "unhealthy", "error": why}, status_code=503)
         return {"status": "ok"}
 
-    @app.get("/metrics")
+    @app.api_route("/metrics", methods=["GET", "HEAD"])
     async def metrics():
         return Response(server.metrics.render(), media_type=CONTENT_TYPE)
 
-    @app.get("/v1/models")
+    @app.api_route("/v1/models", methods=["GET", "HEAD"])
     async def models():
         return {"object": "list", "data": [{"id": config.model_name, "object": "model", "created": server.created,
                                             "owned_by": "treeattn", "max_model_len": engine.max_context}]}
@@ -185,6 +189,7 @@ def create_app(engine, config: ServerConfig, *, chat_template=None, eot_ids: tup
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         server.check_request(body, count=1)
+        server.check_chat(body)  # bounded before the template and the tokenizer run
         prompts = [await run_in_threadpool(server.chat_prompt, body)]
         await run_in_threadpool(structured_output, body, server.engine)  # checked off the loop; _params finds it cached
         return await server.respond(request, body, prompts, None, chat=True)
@@ -198,7 +203,7 @@ class _Server:
     def __init__(self, engine, config: ServerConfig, chat_template, eot_ids) -> None:
         self.engine, self.config, self.chat_template = engine, config, chat_template
         self.eot_ids = tuple(eot_ids)
-        self.metrics = ServerMetrics(engine)
+        self.metrics = ServerMetrics(engine, config.model_name)
         self.created = int(time.time())
         self.max_token_chars = _max_token_chars(engine.tokenizer)
         self._pending = 0
@@ -213,12 +218,12 @@ class _Server:
             raise APIError(503, "the engine has failed (a rank died or stopped answering); see /health",
                            kind="server_error")
         if body.model != self.config.model_name:
-            raise APIError(404, f"the model '{body.model}' does not exist; this server serves '{self.config.model_name}'",
+            raise APIError(404, f"the model '{_shown(body.model)}' does not exist; this server serves '{self.config.model_name}'",
                            param="model", code="model_not_found")
         check_tools(body, self.chat_template)
         unsupported = body.unsupported_field()
         if unsupported is not None:
-            raise bad_request(f"'{unsupported}' is not supported by this server", unsupported)
+            raise bad_request(unsupported[1], _shown(unsupported[0]))
         if body.n < 1 or body.n > 64:
             raise bad_request(f"n must be an integer in [1, 64], got {body.n}", "n")
         if count * body.n > self.config.max_pending:  # could never be admitted: not a 429 to retry
@@ -233,29 +238,54 @@ class _Server:
             raise bad_request("prompt must not be empty", "prompt")
         return [self._encode(p) for p in prompt]
 
-    def chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
+    def check_chat(self, body: ChatCompletionRequest) -> None:
+        """What a chat request asks of the template, and its size, checked on the event loop before
+        any rendering or tokenizing (cheap: a sum of lengths)."""
         if self.chat_template is None or self.engine.tokenizer is None:
             raise bad_request("this model has no chat template; use /v1/completions", "messages")
-        from treeattn.models.chat import encode_chat
+        if body.chat_template is not None:
+            raise bad_request("'chat_template': this server renders the model's own chat template; a template sent "
+                              "with the request is not run", "chat_template")
+        if body.continue_final_message and body.add_generation_prompt:
+            raise bad_request("continue_final_message continues the last message: it needs add_generation_prompt: false",
+                              "continue_final_message")
+        reserved = [k for k in (body.chat_template_kwargs or {}) if k in _RESERVED_TEMPLATE_VARIABLES]
+        if reserved:
+            raise bad_request(f"chat_template_kwargs cannot set '{reserved[0]}' (the server gives it)", "chat_template_kwargs")
+        chars = sum(m.chars() for m in body.messages)
+        if chars > self._max_prompt_chars():
+            raise bad_request(f"the messages hold {chars} characters, more than {self.engine.max_context} tokens "
+                              f"(this server's context) can hold", "messages")
 
+    def _max_prompt_chars(self) -> int:
+        """Each token covers at most max_token_chars characters (twice that, for normalizers that drop some):
+        a longer text has more tokens than the context holds whatever it says, so it is refused untokenized."""
+        return 2 * self.max_token_chars * self.engine.max_context
+
+    def chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
         from treeattn.models.chat import ChatTemplateError
 
         try:
             conversation = [{"role": m.role, "content": m.text()} for m in body.messages]
-            ids = encode_chat(self.engine.tokenizer, self.chat_template, conversation)
+            text = self.chat_template.render(conversation, add_generation_prompt=body.add_generation_prompt,
+                                             variables=body.chat_template_kwargs)
         except ChatTemplateError as exc:  # named without the template's path
             raise bad_request(f"the model's chat template ({exc.template_name}): {exc.reason}", "messages") from None
         except ValueError as exc:
             raise bad_request(str(exc), "messages") from None
+        if body.continue_final_message:
+            text = _continued(text, conversation[-1]["content"])
+        if len(text) > self._max_prompt_chars():
+            raise bad_request(f"the rendered conversation has {len(text)} characters, more than {self.engine.max_context} "
+                              "tokens (this server's context) can hold", "messages")
+        ids = self.engine.tokenizer.encode(text, add_special_tokens=False).ids  # the template writes the special tokens
         return self._check_ids(ids, "messages")
 
     def _encode(self, prompt) -> list[int]:
         if isinstance(prompt, str):
             if self.engine.tokenizer is None:
                 raise bad_request("this model has no tokenizer: send the prompt as a list of token ids", "prompt")
-            # Each token covers at most max_token_chars characters (twice that, for normalizers that drop some):
-            # a longer text has more tokens than the context holds whatever it says, so it is refused untokenized.
-            if len(prompt) > 2 * self.max_token_chars * self.engine.max_context:
+            if len(prompt) > self._max_prompt_chars():  # refused untokenized
                 raise bad_request(f"the prompt has {len(prompt)} characters, more than {self.engine.max_context} tokens "
                                   f"(this server's context) can hold", "prompt")
             ids = self.engine.tokenizer.encode(prompt).ids
@@ -287,17 +317,35 @@ class _Server:
                               f"positions; at most {context} fit (max_tokens <= {context - prompt_len})", "max_tokens")
         seed = body.seed + index if body.seed is not None else secrets.randbelow(1 << 31)
         stop = body.stop if body.stop is not None else ()
+        stop_ids = tuple(body.stop_token_ids or ()) + (self.eot_ids if chat and not body.ignore_eos else ())
         try:
             return SamplingParams(max_new_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
-                                  top_k=body.top_k, seed=seed, stop=stop, stop_token_ids=self.eot_ids if chat else (),
-                                  logprobs=body.logprobs_asked(), structured=structured_output(body, self.engine))
+                                  top_k=body.top_k, seed=seed, stop=stop, stop_token_ids=tuple(dict.fromkeys(stop_ids)),
+                                  logprobs=body.logprobs_asked(), ignore_eos=body.ignore_eos,
+                                  presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
+                                  repetition_penalty=body.repetition_penalty, min_p=body.min_p,
+                                  logit_bias=self._logit_bias(body.logit_bias),
+                                  structured=structured_output(body, self.engine))
         except ValueError as exc:
-            name = str(exc).split(" ", 1)[0]
+            name = str(exc).split(" ", 1)[0].rstrip(":")
             raise bad_request(str(exc).replace(name, _PARAM_NAMES.get(name, name), 1), _PARAM_NAMES.get(name, name)) from None
+
+    def _logit_bias(self, bias: dict[str, float] | None) -> dict[int, float]:
+        """OpenAI's logit_bias (token ids as JSON keys: decimal strings) as {id: bias}, ids in the vocabulary."""
+        out, vocab = {}, self.engine.model_info.vocab_size
+        for key, value in (bias or {}).items():
+            if not (key.isascii() and key.isdigit()) or int(key) >= vocab:
+                raise bad_request(f"logit_bias: keys must be token ids in [0, {vocab}), got '{_shown(key, 40)}'", "logit_bias")
+            out[int(key)] = value
+        return out
 
     # ---------------------------------------------------------------- running a request
 
     def _choices(self, body, prompts: list[list[int]], default_max: int | None, chat: bool) -> list[_Choice]:
+        vocab = self.engine.model_info.vocab_size
+        bad = next((t for t in body.stop_token_ids or () if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise bad_request(f"stop_token_ids must be token ids in [0, {vocab}), got {bad}", "stop_token_ids")
         choices = []
         share = self.engine.config.prefix_cache and body.n > 1
         for p, prompt in enumerate(prompts):
@@ -322,7 +370,7 @@ class _Server:
     async def respond(self, request: Request, body, prompts, default_max, *, chat: bool):
         choices = self._choices(body, prompts, default_max, chat)
         self._admit(len(choices))
-        run = _Run(self, choices, asyncio.get_running_loop())
+        run = _Run(self, choices, asyncio.get_running_loop(), chat)
         run.usage = request.scope.get(USAGE)  # the access line's numbers (None without the AccessLog middleware)
         if run.usage is not None:
             run.usage["prompt_tokens"] = sum(len(p) for p in prompts)
@@ -353,9 +401,18 @@ class _Server:
             return Response(status_code=499)
         failed = next((c for c in choices if c.finish_reason == "error"), None)
         if failed is not None:
-            raise APIError(500, f"generation failed: {_first_line(failed.error)}", kind="server_error")
+            raise self._failure(failed.error)
         self.metrics.requests.labels(route, "200").inc()
         return JSONResponse(self._body(run, body, prompts, chat))
+
+    def _failure(self, error: str | None) -> APIError:
+        """A choice's error as an answer: 503 when the engine failed or a rank failed under the step (the
+        server cannot serve it now: retry, elsewhere or after the restart), 500 for this request's own."""
+        if not self.engine.healthy or (error or "").startswith("engine failed"):
+            return APIError(503, f"the engine failed: {_first_line(error)}", kind="server_error")
+        if (error or "").startswith("a step with this request failed on the engine's ranks"):  # the driver's words (_recover)
+            return APIError(503, _first_line(error), kind="server_error")
+        return APIError(500, f"generation failed: {_first_line(error)}", kind="server_error")
 
     async def _stream(self, run: "_Run", body, prompts, chat: bool, include_usage: bool, route: str) -> AsyncIterator[str]:
         created, model = int(time.time()), self.config.model_name
@@ -438,9 +495,9 @@ class _Server:
 class _Run:
     """The choices of one HTTP request in the engine; their events arrive on one asyncio queue."""
 
-    def __init__(self, server: _Server, choices: list[_Choice], loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, server: _Server, choices: list[_Choice], loop: asyncio.AbstractEventLoop, chat: bool = False) -> None:
         self.server, self.choices, self.loop = server, choices, loop
-        self.id = f"cmpl-{uuid.uuid4().hex[:24]}"
+        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"  # OpenAI's and vLLM's prefixes
         self.queue: asyncio.Queue = asyncio.Queue()
         self.disconnected = False
         self.usage = None  # access_log.Usage: counts the tokens and the first one's time
@@ -464,6 +521,8 @@ class _Run:
                                                       request_id=f"{self.id}-{choice.index}")
         except ValueError as exc:
             raise bad_request(str(exc), "prompt") from None
+        except EngineError as exc:  # it failed since check_request
+            raise APIError(503, f"the engine failed: {_first_line(str(exc))}", kind="server_error") from None
 
     async def watch_disconnect(self, request: Request) -> None:
         """Wait for the client to go away (the body is read: the next ASGI message is the
@@ -495,8 +554,12 @@ class _Run:
     def _record(self, choice: _Choice, event: TokenEvent) -> None:
         if event.token_id is not None:
             choice.token_ids.append(event.token_id)
+            now = time.perf_counter()
+            if choice.last_token_at is not None:
+                self.server.metrics.inter_token(now - choice.last_token_at)
+            choice.last_token_at = now
             if self.usage is not None:
-                self.usage.token(time.perf_counter())
+                self.usage.token(now)
         if event.logprob is not None:
             choice.logprobs.append(event.logprob)
         choice.text += event.text
@@ -545,17 +608,29 @@ def _sse(payload: dict) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
 
+# What a union field takes, named in its errors (pydantic reports one error per member type).
+_UNION_EXPECTED = {"prompt": "a string, a list of token ids, or a list of strings or of token-id lists",
+                   "stop": "a string, a list of strings, or null", "content": "a string or a list of content parts"}
+_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "dict", "list", "none", "null"})
+
+
 def _validation_message(exc: RequestValidationError) -> APIError:
-    """One OpenAI-style 400 for FastAPI's validation errors, naming the first bad field."""
+    """One OpenAI-style 400 for FastAPI's validation errors, naming the first bad field (never a
+    union's member type: "prompt", not "prompt.str")."""
     first = exc.errors()[0] if exc.errors() else {}
     if first.get("type") == "json_invalid":
         return bad_request(f"the body is not valid JSON: {first.get('ctx', {}).get('error', first.get('msg'))}")
     loc = [str(part) for part in first.get("loc", ()) if part != "body"]
-    # Union fields report one error per member type: name the field, not the member.
-    param = ".".join(p for p in loc if not any(ch in p for ch in "[]")) or None
+    kept = [p for p in loc if p.split("[", 1)[0] not in _TYPE_TAGS and not any(ch in p for ch in "[]")]
+    param = ".".join(kept) or None
+    if param is None:  # the body itself: not a JSON object, or not sent as JSON
+        return bad_request("the body must be a JSON object sent with 'Content-Type: application/json', got "
+                           f"{type(first.get('input')).__name__ if first.get('input') is not None else 'nothing'}")
     if first.get("type") == "missing":
         return bad_request(f"'{param}' is required", param)
     given = first.get("input")
+    if len(kept) < len(loc) and kept[-1] in _UNION_EXPECTED:  # a member type's error: say what the field takes
+        return bad_request(f"invalid value for '{param}': expected {_UNION_EXPECTED[kept[-1]]} (got {given!r:.60})", param)
     return bad_request(f"invalid value for '{param}': {first.get('msg', 'invalid')} (got {given!r:.60})", param)
 
 
@@ -680,6 +755,16 @@ class _Guard:
 
         await self.app(scope, limited_receive, send)
 
+
+
+def _continued(text: str, final: str) -> str:
+    """continue_final_message (vLLM's): the rendered conversation cut right after the last message's
+    content, so that the answer continues it instead of opening a new turn."""
+    at = text.rfind(final) if final else -1
+    if at < 0:
+        raise bad_request("continue_final_message: the chat template's text does not hold the last message's content "
+                          "(it must be non-empty and written as it is)", "continue_final_message")
+    return text[: at + len(final)]
 
 
 def _first_line(text: str | None) -> str:

@@ -43,8 +43,10 @@ def serve_command(
     kv_store_bytes: int = config_flag(E, "kv_store_bytes", min=1),
     shared_memory: bool = config_flag(E, "shared_memory"),
     decode_step: DecodeStep = config_flag(E, "decode_step"),
-    api_key: str | None = typer.Option(None, "--api-key", envvar="TREEATTN_API_KEY",
-                                       help="Require 'Authorization: Bearer KEY' on every endpoint but /health."),
+    api_key: str | None = typer.Option(None, "--api-key", envvar="TREEATTN_API_KEY", show_envvar=True,
+                                       help="Require 'Authorization: Bearer KEY' on every endpoint but /health. On the "
+                                       "command line it shows in `ps`: prefer the environment variable or --api-key-file."),
+    api_key_file: Path | None = typer.Option(None, "--api-key-file", help="Read the API key from this file (its first line)."),
     served_model_name: str | None = typer.Option(None, "--served-model-name", help="The model id clients name (default: the file or directory name)."),
     max_pending: int = typer.Option(256, "--max-pending", min=1, help="Requests (choices) in flight at most; more get 429 "
                                     "(a request asking alone for more: 400)."),
@@ -66,6 +68,7 @@ def serve_command(
 
     if not model.exists():
         _fail(f"MODEL: no such file or directory: {model}")
+    api_key = _api_key(api_key, api_key_file)
     try:
         options = ServeOptions(host=host, port=port, model_name=served_model_name, api_key=api_key, max_pending=max_pending,
                                drain_s=drain, max_request_bytes=max_request_bytes, body_timeout_s=body_timeout,
@@ -96,6 +99,28 @@ def serve_command(
 
         _fail(cli_message(exc) if isinstance(exc, ConfigError) else str(exc))
     raise typer.Exit(status)
+
+
+def _api_key(given: str | None, path: Path | None) -> str | None:
+    """The key from --api-key / TREEATTN_API_KEY, or --api-key-file's first line (not both). A key on the
+    command line is visible to every user in `ps` (and in the ranks', which are forked from this process):
+    a warning says so."""
+    import logging
+
+    if path is not None:
+        if given is not None:
+            _fail("--api-key-file: give the key once (--api-key or TREEATTN_API_KEY is set too)")
+        try:
+            lines = path.read_text().splitlines()
+        except (OSError, UnicodeDecodeError) as exc:
+            _fail(f"--api-key-file: cannot read {path}: {exc}")
+        if not lines or not lines[0].strip():
+            _fail(f"--api-key-file: {path} holds no key on its first line")
+        return lines[0].strip()
+    if given is not None and any(arg == "--api-key" or arg.startswith("--api-key=") for arg in sys.argv):
+        logging.getLogger("treeattn.serve.server").warning(
+            "--api-key on the command line is visible to every user in `ps`; use TREEATTN_API_KEY or --api-key-file")
+    return given
 
 
 def _fail(message: str) -> None:

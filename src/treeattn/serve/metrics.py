@@ -16,11 +16,24 @@ Read from the engine at every scrape (engine.stats()):
                                                     speculative decoding: draft tokens verified, accepted
     treeattn_decode_tokens_per_forward              tokens a decoding sequence gets per forward pass (1 without speculation)
     treeattn_healthy                                1 while the engine and its ranks are alive
+
+Beside them, under vLLM's names (labelled model_name, as vLLM's), so that a dashboard made for vLLM
+reads this server:
+    vllm:e2e_request_latency_seconds        histogram, submission to the last token
+    vllm:request_queue_time_seconds         histogram, submission to the first step that ran it
+    vllm:time_to_first_token_seconds        histogram
+    vllm:inter_token_latency_seconds        histogram, every gap between a request's tokens as the server got them
+    vllm:time_per_output_token_seconds      the same gaps under vLLM's older name
+    vllm:prompt_tokens_total, vllm:generation_tokens_total, vllm:request_success_total{finished_reason}
+    vllm:num_requests_running, vllm:num_requests_waiting (gauges)
+    vllm:kv_cache_usage_perc                blocks held by running requests / all blocks, in [0, 1] (blocks
+                                            only the prefix cache holds count as free, as vLLM counts them)
 """
 
 from __future__ import annotations
 
 import collections
+import math
 import threading
 import time
 
@@ -30,13 +43,21 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 _RATE_WINDOW_S = 10.0
+# vLLM's buckets (vllm/v1/metrics/loggers.py)
+_VLLM_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
+                      80.0, 160.0, 640.0, 2560.0)
+_VLLM_ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_VLLM_REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0,
+                         960.0, 1920.0, 7680.0)
+_VLLM_REASONS = {"stop": "stop", "length": "length", "cancelled": "abort", "error": "error"}
 
 
 class ServerMetrics:
     """The server's metrics; `engine` is read at scrape time."""
 
-    def __init__(self, engine) -> None:
+    def __init__(self, engine, model_name: str = "treeattn-model") -> None:
         self.registry = CollectorRegistry()
+        self.model_name = model_name
         self.requests = Counter("treeattn_requests", "Requests answered, by endpoint and HTTP status",
                                 ["endpoint", "status"], registry=self.registry)
         self.cancelled = Counter("treeattn_requests_cancelled", "Requests cancelled because their client went away",
@@ -47,9 +68,35 @@ class ServerMetrics:
                               buckets=_LATENCY_BUCKETS, registry=self.registry)
         self.prompt_tokens = Counter("treeattn_prompt_tokens", "Prompt tokens of finished requests", registry=self.registry)
         self.generation_tokens = Counter("treeattn_generation_tokens", "Generated tokens", registry=self.registry)
+        self._vllm_metrics()
         self._recent: collections.deque[tuple[float, int]] = collections.deque()
         self._lock = threading.Lock()
         self.registry.register(_EngineCollector(engine, self))
+
+    def _vllm_metrics(self) -> None:
+        def histogram(name, documentation, buckets):
+            return Histogram(name, documentation, ["model_name"], buckets=buckets, registry=self.registry).labels(self.model_name)
+
+        self.vllm_e2e = histogram("vllm:e2e_request_latency_seconds", "Seconds from submission to the last token",
+                                  _VLLM_REQUEST_BUCKETS)
+        self.vllm_queue = histogram("vllm:request_queue_time_seconds", "Seconds from submission to the first step that ran it",
+                                    _VLLM_REQUEST_BUCKETS)
+        self.vllm_ttft = histogram("vllm:time_to_first_token_seconds", "Seconds from submission to the first token",
+                                   _VLLM_TTFT_BUCKETS)
+        self.vllm_itl = histogram("vllm:inter_token_latency_seconds", "Seconds between a request's tokens", _VLLM_ITL_BUCKETS)
+        self.vllm_tpot = histogram("vllm:time_per_output_token_seconds", "Seconds between a request's tokens (vLLM's older name)",
+                                   _VLLM_ITL_BUCKETS)
+        self.vllm_prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens of finished requests", ["model_name"],
+                                          registry=self.registry).labels(self.model_name)
+        self.vllm_generation_tokens = Counter("vllm:generation_tokens", "Generated tokens", ["model_name"],
+                                              registry=self.registry).labels(self.model_name)
+        self.vllm_success = Counter("vllm:request_success", "Finished requests, by finish reason", ["model_name", "finished_reason"],
+                                    registry=self.registry)
+
+    def inter_token(self, seconds: float) -> None:
+        """One gap between two tokens of a request (the server saw them `seconds` apart)."""
+        self.vllm_itl.observe(seconds)
+        self.vllm_tpot.observe(seconds)
 
     def record_result(self, result, *, count_prompt: bool = True) -> None:
         """Account one finished choice (a treeattn RequestResult); count_prompt=False for the other
@@ -62,6 +109,15 @@ class ServerMetrics:
             self.ttft.observe(result.ttft_s)
         if tokens > 1:
             self.tpot.observe(result.decode_s / (tokens - 1))
+        if count_prompt:
+            self.vllm_prompt_tokens.inc(result.prompt_tokens)
+        self.vllm_generation_tokens.inc(tokens)
+        if tokens:
+            self.vllm_ttft.observe(result.ttft_s)
+            self.vllm_e2e.observe(result.ttft_s + result.decode_s)
+        if not math.isnan(result.queue_s):
+            self.vllm_queue.observe(result.queue_s)
+        self.vllm_success.labels(self.model_name, _VLLM_REASONS.get(result.finish_reason, "error")).inc()
         with self._lock:
             self._recent.append((time.monotonic(), tokens))
 
@@ -107,6 +163,12 @@ class _EngineCollector:
         yield _gauge("treeattn_generation_tokens_per_second", "Generated tokens per second over the last 10 s",
                      self.metrics.tokens_per_second())
         yield _gauge("treeattn_healthy", "1 while the engine and its ranks are alive", 1.0 if stats.get("healthy") else 0.0)
+        name = self.metrics.model_name
+        yield _gauge("vllm:num_requests_running", "Requests decoding or prefilling now", stats.get("running", 0), name)
+        yield _gauge("vllm:num_requests_waiting", "Requests queued for admission", stats.get("waiting", 0), name)
+        total = stats.get("blocks_total", 0)
+        yield _gauge("vllm:kv_cache_usage_perc", "KV cache usage in [0, 1]: blocks held by running requests over all blocks",
+                     stats.get("blocks_active", 0) / total if total else 0.0, name)
 
 
 def _store_metrics(stats: dict):
@@ -129,7 +191,7 @@ def _store_metrics(stats: dict):
     yield seconds
 
 
-def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:
-    family = GaugeMetricFamily(name, documentation)
-    family.add_metric([], value)
+def _gauge(name: str, documentation: str, value: float, model_name: str | None = None) -> GaugeMetricFamily:
+    family = GaugeMetricFamily(name, documentation, labels=["model_name"] if model_name is not None else None)
+    family.add_metric([model_name] if model_name is not None else [], value)
     return family

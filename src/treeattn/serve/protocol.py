@@ -1,9 +1,10 @@
 """The OpenAI request bodies the server takes, and its error bodies.
 
 Requests are pydantic models in strict mode: a field of the wrong type (`"max_tokens": "5"`) is an
-error naming the field, as OpenAI answers it; fields this server does not know are ignored (as
-vLLM does), fields it knows but does not implement (`echo`, `best_of`, `logit_bias`, ...) are
-refused by name rather than silently dropped.
+error naming the field, as OpenAI answers it. Nothing is silently dropped: fields of OpenAI's API
+or vLLM's extensions that this server does not implement (`echo`, `best_of`, `tools`, ...) are
+refused by name unless they hold their no-op value, and a field nobody defines is refused by name
+too (OpenAI answers "Unrecognized request argument").
 
 Error bodies follow OpenAI's shape:
 
@@ -19,10 +20,26 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 # Fields of the OpenAI API that this server does not implement: a request that sets one to anything
 # but its no-op value is refused, naming it.
 UNSUPPORTED = {
-    "echo": (None, False), "best_of": (None, 1),
-    "suffix": (None, ""), "logit_bias": (None, {}), "tools": (None, []), "functions": (None, []),
-    "presence_penalty": (None, 0), "frequency_penalty": (None, 0),
+    "echo": (None, False), "best_of": (None, 1), "suffix": (None, ""),
+    "parallel_tool_calls": (None, True, False),
+    "store": (None, False), "metadata": (None, {}), "service_tier": (None, "auto", "default"),
+    "modalities": (None, ["text"]), "audio": (None,), "prediction": (None,), "reasoning_effort": (None,),
+    "web_search_options": (None,),
+    # vLLM's extensions
+    "use_beam_search": (None, False), "length_penalty": (None, 1, 1.0), "min_tokens": (None, 0),
+    "include_stop_str_in_output": (None, False), "skip_special_tokens": (None, True),
+    "spaces_between_special_tokens": (None, True), "allowed_token_ids": (None,), "bad_words": (None, []),
+    "truncate_prompt_tokens": (None,), "prompt_logprobs": (None,), "add_special_tokens": (None, False),
+    "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
+    "guided_decoding_backend": (None,), "guided_whitespace_pattern": (None,),
+    "documents": (None,), "mm_processor_kwargs": (None,), "priority": (None, 0), "request_id": (None,),
+    "logits_processors": (None,), "return_tokens_as_token_ids": (None, False), "kv_transfer_params": (None,),
+    "vllm_xargs": (None,), "cache_salt": (None,), "prompt_embeds": (None,),
 }
+
+# Fields read from the request's extra fields by their own modules, which check them and name them
+# in their errors: structured outputs (treeattn.serve.structured) and tool calls (treeattn.serve.tools).
+HANDLED_ELSEWHERE = frozenset({"response_format", "structured_outputs", "tools", "tool_choice", "functions", "function_call"})
 
 
 # The most prompts one /v1/completions request may batch (each is at least one choice, and a server
@@ -52,13 +69,24 @@ class _Sampling(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # vLLM's extensions from here on
+    min_p: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
 
-    def unsupported_field(self) -> str | None:
-        """The first field this server does not implement that the request sets to a real value."""
-        extra = self.model_extra or {}
-        for name, noops in UNSUPPORTED.items():
-            if name in extra and extra[name] not in noops:
-                return name
+    def unsupported_field(self) -> tuple[str, str] | None:
+        """(name, message) of the first field the request sets that this server does not implement
+        (to anything but its no-op value), or that nobody defines; None when there is none."""
+        for name, value in (self.model_extra or {}).items():
+            if name in HANDLED_ELSEWHERE:
+                continue
+            if name not in UNSUPPORTED:
+                return name, f"unknown field '{_shown(name)}': not a field of OpenAI's API or of the vLLM extensions this server takes"
+            if not any(value == noop and type(value) is type(noop) or value is noop for noop in UNSUPPORTED[name]):
+                return name, f"'{name}' is not supported by this server"
         return None
 
 
@@ -82,6 +110,11 @@ class CompletionRequest(_Sampling):
         return self.logprobs
 
 
+def _shown(text: str, limit: int = 80) -> str:
+    """A client's string in an error message: at most `limit` characters (then "...")."""
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
 
@@ -94,11 +127,20 @@ class ChatMessage(BaseModel):
         if isinstance(self.content, str):
             return self.content
         parts = []
-        for part in self.content:
-            if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise ValueError(f"only text content parts are supported, got {part.get('type')!r}")
+        for j, part in enumerate(self.content):
+            kind = part.get("type")
+            if kind != "text":
+                raise ValueError(f"content part {j}: only text content parts are supported, got type {_shown(repr(kind), 40)}")
+            if not isinstance(part.get("text"), str):
+                raise ValueError(f"content part {j}: a text part needs a string 'text', got {_shown(repr(part.get('text')), 40)}")
             parts.append(part["text"])
         return "".join(parts)
+
+    def chars(self) -> int:
+        """The characters of its text (0 for parts that are not text: text() refuses those)."""
+        if isinstance(self.content, str):
+            return len(self.content)
+        return sum(len(p["text"]) for p in self.content if isinstance(p.get("text"), str))
 
 
 class ChatCompletionRequest(_Sampling):
@@ -108,6 +150,10 @@ class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: bool | None = None
     top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict | None = None
 
     def logprobs_asked(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None

@@ -5,8 +5,8 @@
 
 Signals: SIGTERM, SIGHUP and SIGINT stop accepting connections, let the running requests finish
 (up to `drain_s` seconds, then they are cut), close the engine (its rank processes exit) and return
-0. A rank that dies makes the engine unhealthy: /health answers 503 and the server stops and
-returns 1 within the engine's timeout plus a second.
+0. A rank that dies makes the engine unhealthy at once (the supervisor sees its process end): /health
+and the API answer 503 for FAILED_LINGER_S seconds, then the server stops and returns 1.
 
 Logging (logger "treeattn.serve.server" at INFO): the start-up's steps (the engine starting its
 ranks, the engine ready and how long it took, the address it listens on); one access line per
@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import json
 import logging
 import signal
 import threading
@@ -226,6 +227,20 @@ def _http_protocol(headers_timeout_s: float):
             super().on_response_complete()
             self._arm()
 
+        def send_400_response(self, msg: str) -> None:
+            """uvicorn's answer to a request h11 cannot parse, in OpenAI's error shape: 431 when the
+            request line and headers outgrew h11's limit (h11_max_incomplete_event_size), else 400."""
+            import h11
+
+            too_long = len(getattr(self.conn, "_receive_buffer", b"")) > getattr(self.conn, "_max_incomplete_event_size", 1 << 62)
+            status, message, code = ((431, "the request line and headers are larger than this server takes", "headers_too_large")
+                                     if too_long else (400, "the request is not valid HTTP/1.1", "invalid_http"))
+            body = json.dumps({"error": {"message": message, "type": "invalid_request_error", "param": None, "code": code}}).encode()
+            headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), (b"connection", b"close")]
+            for event in (h11.Response(status_code=status, headers=headers), h11.Data(data=body), h11.EndOfMessage()):
+                self.transport.write(self.conn.send(event))
+            self.transport.close()
+
         def _arm(self) -> None:
             waiting_for = self.cycle  # a new request replaces self.cycle
 
@@ -238,15 +253,22 @@ def _http_protocol(headers_timeout_s: float):
     return HeadersDeadline
 
 
+FAILED_LINGER_S = 2.0
+"""After the engine fails, the server answers 503 (with the reason) this long before it stops, so that
+health checks and clients see the failure rather than a refused connection."""
+
+
 def _watch(engine, server, failed: threading.Event) -> None:
-    """Stop the server once the engine is unhealthy (a rank died or stopped answering)."""
+    """Stop the server FAILED_LINGER_S after the engine turned unhealthy (a rank died or stopped answering)."""
     while not server.should_exit:
         if not engine.healthy:
-            logger.error("the engine failed (a rank died or stopped answering): stopping the server")
+            logger.error("the engine failed (%s): stopping the server in %g s", getattr(engine, "failure", None)
+                         or "a rank died or stopped answering", FAILED_LINGER_S)
             failed.set()
+            threading.Event().wait(FAILED_LINGER_S)
             server.should_exit = True
             return
-        threading.Event().wait(0.5)
+        threading.Event().wait(0.1)
 
 
 def _announce(server, on_ready, start: float) -> None:
