@@ -10,6 +10,7 @@ A circle is a strongly connected component of more than one module. A module's f
 imports no treeattn module, else one more than the highest floor it imports (a circle shares one
 floor). A function's body is its lines from the first statement to the last; kernels (ops/triton_*)
 are exempt from the 80-line bound. Exit status 1 when there is a circle or a long function.
+tests/test_structure.py runs the circle check in the suite (tests/test_function_length.py the long bodies).
 """
 
 from __future__ import annotations
