@@ -25,7 +25,6 @@ import pytest
 transformers = pytest.importorskip("transformers")
 openai = pytest.importorskip("openai")
 
-from gguf_files import CHATML  # noqa: E402
 from helpers.serve import KEY, NAME, Server, _alive, _children, _write_tiny_llama_gguf  # noqa: E402
 
 import treeattn as ta  # noqa: E402
