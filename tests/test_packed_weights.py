@@ -179,13 +179,18 @@ def test_packed_layers_follow_replaced_buffers_and_pickle():
 
 @pytest.mark.parametrize("fmt, qtype", FORMATS)
 def test_a_projection_over_some_rows_gives_exactly_those_columns(fmt, qtype):
-    """_Packed.project(x, rows): what each rank computes of a vocabulary-split output projection."""
+    """_Packed.project(x, rows): what each rank computes of a vocabulary-split output projection: those
+    columns of the float32 product, within its rounding bound. Not compared bit for bit with the full
+    product's columns: the kernel runs groups of ROWS weight rows and single rows through loops that
+    LLVM compiles for the host (fastmath: reassociated, contracted to FMA where the CPU has it), so a
+    row computed in a group here and alone there may round differently on another host (issue 46)."""
     raw = gguf.quants.quantize(weights(45, 64, 6), qtype)
     table = PackedEmbedding(fmt, *unpack_blocks(fmt, raw))
+    w = table.dequantized().numpy()
     x = torch.randn(3, 64)
-    full = table.project(x)
+    assert_within_float32_bound(table.project(x), x, w)
     for rows in (slice(0, 23), slice(23, 46), slice(40, 45), slice(45, 50)):
-        assert torch.equal(table.project(x, rows), full[:, rows]), rows
+        assert_within_float32_bound(table.project(x, rows), x, w[rows])
 
 
 @pytest.fixture(scope="module")
