@@ -158,7 +158,9 @@ def test_small_weights_run_on_one_thread_large_ones_on_torchs(monkeypatch):
     finally:
         torch.set_num_threads(before)
     assert calls == [1, 2]
-    assert torch.allclose(small, large, rtol=1e-6, atol=1e-6)  # the same dot products, summed by other threads
+    w = dequantize_packed("q8_0", qs, d, m).numpy()  # the same dot products in two compiled loops: float32's bound, on any host
+    assert_within_float32_bound(small, x, w)
+    assert_within_float32_bound(large, x, w)
 
 
 def test_packed_layers_follow_replaced_buffers_and_pickle():
@@ -179,13 +181,18 @@ def test_packed_layers_follow_replaced_buffers_and_pickle():
 
 @pytest.mark.parametrize("fmt, qtype", FORMATS)
 def test_a_projection_over_some_rows_gives_exactly_those_columns(fmt, qtype):
-    """_Packed.project(x, rows): what each rank computes of a vocabulary-split output projection."""
+    """_Packed.project(x, rows): what each rank computes of a vocabulary-split output projection: those
+    columns of the float32 product, within its rounding bound. Not compared bit for bit with the full
+    product's columns: the kernel runs groups of ROWS weight rows and single rows through loops that
+    LLVM compiles for the host (fastmath: reassociated, contracted to FMA where the CPU has it), so a
+    row computed in a group here and alone there may round differently on another host (issue 46)."""
     raw = gguf.quants.quantize(weights(45, 64, 6), qtype)
     table = PackedEmbedding(fmt, *unpack_blocks(fmt, raw))
+    w = table.dequantized().numpy()
     x = torch.randn(3, 64)
-    full = table.project(x)
+    assert_within_float32_bound(table.project(x), x, w)
     for rows in (slice(0, 23), slice(23, 46), slice(40, 45), slice(45, 50)):
-        assert torch.equal(table.project(x, rows), full[:, rows]), rows
+        assert_within_float32_bound(table.project(x, rows), x, w[rows])
 
 
 @pytest.fixture(scope="module")

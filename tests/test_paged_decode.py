@@ -145,13 +145,13 @@ def test_stored_16_bit_blocks_match_float64_on_the_stored_values(case, kv_dtype,
 
 def test_kernel_widens_every_16_bit_pattern_exactly():
     """The kernel's widening of a 16-bit element in registers (bfloat16 by a shift, float16 by LLVM's
-    fpext) gives torch's own conversion of every one of the 65536 patterns: zeros, subnormals,
-    normals, infinities of both signs, NaNs as NaNs."""
+    fpext where the CPU has F16C, else in integers) gives torch's own conversion of every one of the
+    65536 patterns: zeros, subnormals, normals, infinities of both signs, NaNs as NaNs."""
     if not KERNEL:
         pytest.skip("numba is not installed")
     from numba import njit
 
-    from treeattn.ops.paged_cpu_kernel import _wide
+    from treeattn.ops.paged_cpu_kernel import _float16_bits_to_float32_in_integers, _wide
 
     @njit
     def widen(bits):
@@ -160,10 +160,18 @@ def test_kernel_widens_every_16_bit_pattern_exactly():
             out[i] = _wide(bits[i])
         return out
 
+    @njit
+    def widen_in_integers(bits):  # the kernel's float16 path on a CPU without F16C (issue 46)
+        out = np.empty(bits.shape, dtype=np.float32)
+        for i in range(bits.shape[0]):
+            out[i] = _float16_bits_to_float32_in_integers(bits[i])
+        return out
+
     patterns = torch.arange(1 << 16, dtype=torch.int32).to(torch.int16)
-    for dtype, bits in ((torch.bfloat16, torch.uint16), (torch.float16, torch.int16)):
+    for dtype, bits, convert in ((torch.bfloat16, torch.uint16, widen), (torch.float16, torch.int16, widen),
+                                 (torch.float16, torch.int16, widen_in_integers)):
         expected = patterns.view(dtype).float()
-        got = torch.from_numpy(widen(patterns.view(dtype).view(bits).numpy()))
+        got = torch.from_numpy(convert(patterns.view(dtype).view(bits).numpy()))
         assert torch.equal(torch.isnan(got), torch.isnan(expected))
         assert torch.equal(got[~torch.isnan(got)], expected[~torch.isnan(expected)])
         assert torch.equal(torch.signbit(got), torch.signbit(expected))

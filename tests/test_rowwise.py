@@ -48,6 +48,13 @@ def test_rms_norm_torch_path_and_kernel_agree_on_a_zero_row(monkeypatch):
 
 @pytest.mark.parametrize("shape", [(1, 1, 9, 64), (2, 3, 4, 16), (1, 5, 1, 2)])
 def test_rope_kernel_gives_torchs_bits(shape, monkeypatch):
+    """The same bits on every host by construction: the kernel computes x * cos - x' * sin with two
+    float32 products and one sum, each rounded (numba without fastmath emits no `contract` flag, so
+    LLVM fuses nothing into an FMA even where the CPU has one), and torch's path is three separate
+    elementwise ops (mul, mul, add), each rounded; negation is exact. The first assert keeps it so."""
+    from treeattn.ops import rowwise_cpu_kernel
+
+    assert not rowwise_cpu_kernel.rope.targetoptions.get("fastmath")
     g = torch.Generator().manual_seed(1)
     B, S, H, D = shape
     x = torch.randn(*shape, generator=g)

@@ -31,7 +31,7 @@ from treeattn.models import load_model  # noqa: E402
 from treeattn.models.llama import LlamaConfig, random_model  # noqa: E402
 from treeattn.parallel import spawn  # noqa: E402
 from treeattn.engine.speculate import NgramDrafter  # noqa: E402
-from helpers.speculate_sampling import NEW_TOKENS, PROMPT, _uncached_greedy, SAMPLING_CONFIG, SAMPLING_PROMPT, SAMPLING, exact_distribution, chi_square_pvalue  # noqa: E402
+from helpers.speculate_sampling import NEW_TOKENS, PROMPT, _uncached_greedy, SAMPLING_CONFIG, SAMPLING_PROMPT, SAMPLING, exact_distribution, chi_square_pvalue, P_MIN, check_coupled, coupled_tokens, sampled_counts  # noqa: E402
 
 # A prompt with repeats, so that prompt lookup finds matches (some right, some wrong).
 BOTH = [("tree", "contiguous"), ("tree", "interleaved"), ("ring", "contiguous"), ("ring", "interleaved")]
@@ -120,21 +120,36 @@ def test_sampling_with_speculation_is_the_same_on_every_rank(ranks):
 
 def test_sampled_tokens_follow_the_model_distribution(one_thread):
     """Temperature 1 with top-k on a vocabulary of 5: over 400 seeds, the first three new tokens with
-    speculation against the exact distribution from uncached forward passes (chi-square)."""
+    speculation are, seed by seed, those decoding without it draws (deterministic given the seeds),
+    and follow the exact distribution from uncached forward passes (chi-square at P_MIN)."""
     model = random_model(SAMPLING_CONFIG, seed=2, std=0.5)
     exact = exact_distribution(model, SAMPLING_PROMPT, SAMPLING)
     n = 400
     counts: dict = {}
+    found = []
     drafted = accepted = 0
     for seed in range(n):
         result = generate(model, SAMPLING_PROMPT, max_new_tokens=3, ignore_eos=True, seed=seed, speculate="ngram", draft_tokens=2,
                           **SAMPLING)
         key = tuple(result.generated_ids[0])
         counts[key] = counts.get(key, 0) + 1
+        found.append(key)
         drafted += result.speculation["drafted"]
         accepted += result.speculation["accepted"]
     assert 0 < accepted < drafted
-    assert chi_square_pvalue(counts, exact, n) > 1e-3
+    check_coupled(found, *coupled_tokens(model, SAMPLING_PROMPT, SAMPLING, range(n)))  # seed by seed: deterministic
+    assert chi_square_pvalue(counts, exact, n) > P_MIN
+
+
+def test_sample_follows_the_exact_distribution():
+    """The sampler that decoding, speculation's verification and the seed-by-seed oracle
+    (coupled_tokens) all use draws from the exact distribution: 10,000 continuations, chi-square at
+    P_MIN (1e-6 false failures over random seeds). Its power there: a temperature 10 % off (1.1 or
+    0.9) or top-k 3 or 5 instead of 4 fails with probability > 0.99 (noncentral chi-square, lambda >= 166)."""
+    model = random_model(SAMPLING_CONFIG, seed=2, std=0.5)
+    n = 10_000
+    counts = sampled_counts(model, SAMPLING_PROMPT, SAMPLING, n)
+    assert chi_square_pvalue(counts, exact_distribution(model, SAMPLING_PROMPT, SAMPLING), n) > P_MIN
 
 
 # ---------------------------------------------------------------------------------- bad input

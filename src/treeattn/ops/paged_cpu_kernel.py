@@ -20,7 +20,8 @@ Stored dtypes: the blocks are float32, or 16-bit (a bfloat16 or float16 cache, t
 --kv-cache-dtype) passed as their bit patterns: bfloat16 as uint16, float16 as int16 (the array
 type tells the kernel the format; numba has no float16 on the CPU). A 16-bit element is widened to
 float32 in registers where the loops read it (exactly: every bfloat16 and float16 is a float32):
-bfloat16 by a shift into a float32's high half, float16 by LLVM's fpext (F16C's vcvtph2ps), both
+bfloat16 by a shift into a float32's high half, float16 by LLVM's fpext (F16C's vcvtph2ps; on a
+CPU without F16C by integer operations, exactly too: _float16_bits_to_float32), both
 vectorized (_wide); queries, scores, the softmax and the output stay float32. Session 8's kernel
 widened every 16-bit block into a float32 scratch block first, which made a 16-bit cache slower than
 a float32 one; 30 layers of 4096 keys, one thread, session 9's kernel and this one in alternating
@@ -91,15 +92,52 @@ def _bfloat16_bits_to_float32(typingctx, x):
     return types.float32(types.uint16), codegen
 
 
+_HALF_BIAS = np.float32(2.0**112)  # float16's exponent bias (15) -> float32's (127); also normalizes its subnormals
+
+
+def _has_f16c(context) -> bool:
+    """Whether numba compiles for a CPU with F16C (its target features; NUMBA_CPU_NAME=generic: none)."""
+    return "+f16c" in str(getattr(context.codegen(), "_tm_features", ""))
+
+
+def _half_bits_in_integers(builder, bits):
+    """float16 bits (i16) -> float32 without the CPU's conversion: exponent and mantissa moved into a
+    float32's place, the sign on top, times 2**112 (exact, subnormals included); exponent 31 keeps
+    its mantissa under an all-ones float32 exponent (infinities, NaNs)."""
+    code = builder.zext(bits, ir.IntType(32))
+    magnitude = builder.and_(code, _i32(0x7FFF))
+    placed = builder.or_(builder.shl(magnitude, _i32(13)), builder.shl(builder.and_(code, _i32(0x8000)), _i32(16)))
+    value = builder.fmul(builder.bitcast(placed, ir.FloatType()), ir.Constant(ir.FloatType(), float(_HALF_BIAS)))
+    special = builder.bitcast(builder.or_(placed, _i32(0x7F800000)), ir.FloatType())
+    return builder.select(builder.icmp_unsigned(">=", magnitude, _i32(0x7C00)), special, value)
+
+
 @intrinsic
 def _float16_bits_to_float32(typingctx, x):
-    """The float32 of a float16's bits (int16): LLVM's fpext from half, the CPU's conversion (F16C's
-    vcvtph2ps here), exact for every value, subnormals, infinities and NaNs included."""
+    """The float32 of a float16's bits (int16), exact for every value, subnormals, infinities and
+    NaNs included: LLVM's fpext from half where the CPU has F16C (vcvtph2ps), else in integers. A
+    target without F16C (an old CPU, a VM that hides it, NUMBA_CPU_NAME=generic) would otherwise
+    compile fpext to a call of compiler-rt's __extendhfsf2, which numba's JIT cannot resolve: LLVM
+    aborted the process (issue 46)."""
     if x != types.int16:
         return None
 
     def codegen(context, builder, signature, args):
-        return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
+        if _has_f16c(context):
+            return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
+        return _half_bits_in_integers(builder, args[0])
+
+    return types.float32(types.int16), codegen
+
+
+@intrinsic
+def _float16_bits_to_float32_in_integers(typingctx, x):
+    """_float16_bits_to_float32's path for a CPU without F16C, on any CPU (its test)."""
+    if x != types.int16:
+        return None
+
+    def codegen(context, builder, signature, args):
+        return _half_bits_in_integers(builder, args[0])
 
     return types.float32(types.int16), codegen
 
