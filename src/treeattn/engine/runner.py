@@ -37,6 +37,7 @@ from treeattn.engine.ring_prefill import RingPrefillStep, resolve_prefill
 from treeattn.engine.request import TokenLogprob
 from treeattn.engine.scheduler import Chunk, StepPlan
 from treeattn.engine.tensor_parallel import connect, local_heads, tensor_parallel_cuts
+from treeattn.engine.warmup import warm_up_rank
 from treeattn.models.attention import attention_backend, group_world_size
 from treeattn.models.llama import LlamaModel
 from treeattn.parallel import comm
@@ -182,6 +183,8 @@ class RankRunner:
                                                 graph=decode_step == "graph")
         self._generators: dict[int, torch.Generator] = {}
         self.meter = RankMeter(self.rank)
+        # numba's kernels compiled or loaded now, not inside the first request's steps (engine.warmup)
+        self.warmed = warm_up_rank(model, kv_dtype=kv_cache_dtype, world_size=p, draft_model=draft_model)
 
     def set_decode(self, decode: str, method: str) -> None:
         """Decode from the next step on with `decode` ("tree" or "ring"; every kind is local

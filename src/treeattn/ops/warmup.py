@@ -1,0 +1,135 @@
+"""Every numba kernel called once on tiny inputs, so that no compilation happens inside a timed step.
+
+    warm_kernels(kv_dtypes=(torch.float32,), attention_threads=2, packed=[("q4_1", torch.uint8, 1)],
+                 rowwise=True, combine=(torch.float32,))      # a rank at start: what its model will call
+    warm_all()                                                 # every kernel in every dtype (install time)
+    python -m treeattn.ops.warmup                              # the same, from scripts/install.sh
+
+numba compiles a kernel for each new type signature on its first call and keeps the machine code
+beside its source file (cache=True); a later process loads it from there, which still takes a
+fraction of a second per kernel. So the first decode step of a fresh install compiled for seconds,
+and the first step of every process paid the loading. warm_all, run by scripts/install.sh, fills the
+on-disk cache for every signature the library calls: the four KV-cache element types (float32,
+bfloat16, float16, fp8_e4m3), serial and parallel kernels, the packed weight formats, the row-wise
+ops and onepass's combine. The engine's ranks call warm_kernels at start (as vLLM warms up before
+serving) with what their model and cache will call, so the first request loads nothing either.
+
+The inputs go through the same wrappers and array types as the real calls (attend_blocks,
+packed_matmul's kernel.matmul, rowwise, onepass's numpy views), so every call hits a signature the
+real ones then find compiled; tests/test_warmup.py checks it on an engine's first request. Without
+numba every function here does nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import numpy as np
+import torch
+
+from treeattn.ops.fp8 import FP8
+from treeattn.ops.kernels import optional_kernel
+
+KV_DTYPES = (torch.float32, torch.bfloat16, torch.float16, FP8)
+"""The element types of a KV cache the CPU attention kernel reads (treeattn.cache.paged)."""
+PACKED_KINDS = (("q4_0", torch.uint8), ("q4_1", torch.uint8), ("q8_0", torch.int8), ("q8_0", torch.int16))
+"""(format, values' dtype) of the packed weights (treeattn.ops.packed_linear; int16: Q6_K as q8_0)."""
+ONEPASS_WINDOW = 550.0  # treeattn.parallel.tree_decode.ONEPASS_WINDOW's type (a float); ops imports nothing above it
+
+
+def _attend(dtype: torch.dtype, threads: int) -> None:
+    """attend_blocks over two blocks of two tokens in `dtype` on `threads` threads (1: the serial kernel)."""
+    from treeattn.ops.cpu_decode import attend_blocks, kernel_splits
+
+    blocks = torch.zeros(2, 2, 1, 8).to(dtype)
+    scales = (torch.ones(2, 2, 1), torch.ones(2, 2, 1)) if dtype == FP8 else (None, None)
+    arrays = (torch.arange(2).view(1, 2).numpy(), torch.arange(4).view(1, 4).numpy(), torch.zeros(1, dtype=torch.int64).numpy(),
+              torch.full((1,), 3, dtype=torch.int64).numpy(), kernel_splits(threads, 1, 2))
+    attend_blocks(torch.zeros(1, 1, 2, 8), blocks, blocks, 8, arrays, threads=threads, scale=0.5, window=None,
+                  k_scales=scales[0], v_scales=scales[1])
+
+
+def _matmul(fmt: str, values: torch.dtype, threads: int) -> None:
+    """packed_matmul's kernel call on a weight of two rows and one block in `fmt`, `values` dtype."""
+    from treeattn.ops.packed_linear import kernel_arrays, kernel_module
+    from treeattn.ops.kernels import numpy_rows
+
+    qs = torch.zeros(2, 1, 32 if fmt == "q8_0" else 16, dtype=values)
+    d = torch.ones(2, 1)
+    out = np.empty((1, 2), dtype=np.float32)
+    kernel_module().matmul(threads, fmt, numpy_rows(torch.zeros(1, 32), 32), *kernel_arrays(qs, d, d if fmt == "q4_1" else None), out)
+
+
+def _rowwise() -> None:
+    from treeattn.ops.rowwise import apply_rope, rms_norm
+
+    rms_norm(torch.ones(1, 8), torch.ones(8), 1e-6)
+    apply_rope(torch.ones(1, 1, 1, 8), torch.ones(1, 1, 8), torch.zeros(1, 1, 8))
+
+
+def _combine(dtype: torch.dtype) -> None:
+    """onepass_combine's two kernel calls (treeattn.parallel.tree_decode._onepass_combine_cpu) without the all-reduce."""
+    kernel = optional_kernel("combine_cpu_kernel")
+    out, lse = torch.zeros(1, 1, 2, 4, dtype=dtype), torch.zeros(1, 2, 1, dtype=dtype)
+    buffer = torch.empty(out.numel() + lse.numel() + 1, dtype=torch.float64)
+    kernel.onepass_pack(out.numpy(), lse.numpy(), ONEPASS_WINDOW, buffer.numpy())
+    kernel.onepass_unpack(buffer.numpy(), torch.empty_like(out).numpy(), torch.empty_like(lse).numpy())
+
+
+def warm_kernels(*, kv_dtypes=(), attention_threads: int = 1, packed=(), rowwise: bool = False, combine=()) -> list[str]:
+    """Call each named numba kernel once on tiny inputs (compiling it, or loading it from numba's cache).
+
+    Args:
+        kv_dtypes: KV-cache element types (of KV_DTYPES) the paged attention kernel reads.
+        attention_threads: the attention kernel's threads (torch.get_num_threads() of the rank; 1: serial).
+        packed: (fmt, values dtype, threads) of the packed weights multiplied (threads 1: serial).
+        rowwise: RMSNorm and RoPE in float32.
+        combine: state dtypes (float32, float64) of onepass's combine.
+
+    Returns:
+        What was called, one line each; [] without numba.
+
+    >>> warm_kernels(rowwise=True, packed=[("q4_1", torch.uint8, 1)]) in ([], ["rowwise", "packed q4_1 torch.uint8 threads=1"])
+    True
+    """
+    done = []
+    if optional_kernel("rowwise_cpu_kernel") is None:
+        return done
+    if rowwise:
+        _rowwise()
+        done.append("rowwise")
+    for dtype in kv_dtypes:
+        _attend(dtype, attention_threads)
+        done.append(f"attention {dtype} threads={attention_threads}")
+    for fmt, values, threads in packed:
+        _matmul(fmt, values, threads)
+        done.append(f"packed {fmt} {values} threads={threads}")
+    for dtype in combine:
+        _combine(dtype)
+        done.append(f"combine {dtype}")
+    return done
+
+
+def warm_all(threads: int | None = None) -> list[str]:
+    """warm_kernels for every signature the library calls: serial and `threads`-thread (default: the
+    CPU count, at least 2) kernels, every KV dtype and packed kind, the row-wise ops, both combine dtypes."""
+    threads = max(2, threads or os.cpu_count() or 2)
+    done = []
+    for t in (1, threads):
+        done += warm_kernels(kv_dtypes=KV_DTYPES, attention_threads=t, packed=[(f, v, t) for f, v in PACKED_KINDS])
+    return done + warm_kernels(rowwise=True, combine=(torch.float32, torch.float64))
+
+
+def main() -> int:
+    """`python -m treeattn.ops.warmup`: warm_all, one line on stderr."""
+    done = warm_all()
+    sys.stderr.write(f"treeattn: {len(done)} numba kernel signatures compiled or loaded from numba's cache\n" if done
+                     else "treeattn: numba is not installed; nothing to compile\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+
+__all__ = ["KV_DTYPES", "PACKED_KINDS", "warm_all", "warm_kernels"]

@@ -1,0 +1,96 @@
+"""No numba kernel is compiled (or loaded from numba's cache) inside an engine's first request.
+
+Each case runs in fresh rank processes (ta.spawn), whose kernels start with no signature: the rank's
+warm-up at engine start (treeattn.engine.warmup, called by RankRunner) must leave every signature the
+first generate then calls already present, so the set of signatures of every dispatcher of the four
+kernel modules is the same before and after it. The control runs the same ranks with the warm-up
+turned off and sees the first generate add signatures: the check can fail.
+"""
+
+from __future__ import annotations
+
+import doctest
+
+import pytest
+import torch
+
+pytest.importorskip("numba")
+transformers = pytest.importorskip("transformers")
+
+from gguf_files import VOCAB, write_gguf  # noqa: E402
+from helpers.gguf_models import hf_model  # noqa: E402
+
+import treeattn as ta  # noqa: E402
+from treeattn.engine import warmup as engine_warmup  # noqa: E402
+from treeattn.ops import warmup as ops_warmup  # noqa: E402
+
+KERNEL_MODULES = ("paged_cpu_kernel", "packed_cpu_kernel", "combine_cpu_kernel", "rowwise_cpu_kernel")
+
+
+def signatures() -> dict[str, list[str]]:
+    """Every numba dispatcher of the kernel modules and the signatures it holds now."""
+    import importlib
+
+    from numba.core.registry import CPUDispatcher
+
+    found = {}
+    for name in KERNEL_MODULES:
+        module = importlib.import_module(f"treeattn.ops.{name}")
+        for attr, f in vars(module).items():
+            if isinstance(f, CPUDispatcher):
+                found[f"{name}.{attr}"] = sorted(str(s) for s in f.signatures)
+    return found
+
+
+def first_request(rank, world_size, path, warm):
+    """On every rank: ta.generate (an engine inside the group); (signatures right after the runner's
+    warm-up, signatures after the first generate, the warm-up's lines)."""
+    import treeattn.engine.runner as runner
+
+    seen = {}
+
+    def warm_up_rank(*args, **kwargs):
+        seen["warmed"] = engine_warmup.warm_up_rank(*args, **kwargs) if warm else []
+        seen["start"] = signatures()
+        return seen["warmed"]
+
+    runner.warm_up_rank = warm_up_rank
+    prompt = list(range(3, 23))
+    ta.generate(path, prompt, max_new_tokens=4, ignore_eos=True, block_size=16, weight_format="packed", kv_cache_dtype="bfloat16")
+    return seen["start"], signatures(), seen["warmed"]
+
+
+@pytest.fixture(scope="module")
+def q4_1_file(tmp_path_factory):
+    import gguf
+
+    path = tmp_path_factory.mktemp("warm") / "llama.q4_1.gguf"
+    write_gguf(path, hf_model("llama"), gguf.GGMLQuantizationType.Q4_1)
+    assert VOCAB > 0
+    return str(path)
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_the_first_request_after_engine_start_compiles_no_kernel(q4_1_file, world_size):
+    for rank, (start, after, warmed) in enumerate(ta.spawn(first_request, world_size, q4_1_file, True)):
+        assert warmed and any(start.values()), rank  # the warm-up ran kernels
+        assert after == start, (rank, {k: v for k, v in after.items() if v != start.get(k)})
+        if world_size > 1:
+            assert any("combine" in line for line in warmed), warmed
+
+
+def test_without_the_warm_up_the_first_request_adds_signatures(q4_1_file):
+    [(start, after, warmed)] = ta.spawn(first_request, 1, q4_1_file, False)
+    assert warmed == [] and after != start
+
+
+def test_packed_kinds_names_the_formats_a_model_holds(q4_1_file):
+    model = ta.load_model(q4_1_file, weight_format="packed")
+    assert engine_warmup.packed_kinds(model) == [("q4_1", torch.uint8)]
+    assert engine_warmup.packed_kinds(ta.load_model(q4_1_file, weight_format="dequantize")) == []
+
+
+def test_the_docstring_examples_run():
+    for module in (ops_warmup,):
+        failures, tried = doctest.testmod(module)
+        assert tried and not failures, module.__name__
