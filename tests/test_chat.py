@@ -134,7 +134,8 @@ def test_chat_on_smollm2_in_a_terminal_ctrl_c_stops_the_reply_not_the_chat():
     the program with status 0."""
     from treeattn.eval.demo import smollm2_path
 
-    term = Terminal([sys.executable, "-m", "treeattn", "chat", smollm2_path(), "--nproc", "2", "--max-new-tokens", "48"])
+    term = Terminal([sys.executable, "-m", "treeattn", "chat", smollm2_path(), "--nproc", "2", "--max-new-tokens", "48",
+                     "--block-size", "16"])
     try:
         term.expect(r"ready in [\d.]+ s\. Ctrl-C stops a reply")
         term.expect(r"> ")

@@ -4,6 +4,7 @@
     treeattn chat MODEL --nproc 2                          # treeattn.engine.chat
     treeattn serve MODEL --nproc 2 --port 8000             # treeattn.serve.cli
     treeattn demo [MODEL] [--synthetic]                    # treeattn.eval.demo_cli
+    treeattn models [--path NAME]                          # treeattn.eval.models_cli: the installed models
     treeattn eval needle MODEL | bench ... | simulate ...  # eval/, bench/, sim/
 
 Each subcommand lives in the module of its layer and is listed here, so this file stays a
@@ -32,6 +33,7 @@ LAZY_COMMANDS = {
     "generate": ("treeattn.engine.cli", "generate_command"),
     "chat": ("treeattn.engine.chat", "chat_command"),
     "demo": ("treeattn.eval.demo_cli", "demo_command"),
+    "models": ("treeattn.eval.models_cli", "models_command"),
     "simulate": ("treeattn.sim.cli", "simulate"),
     "bench": ("treeattn.bench.cli", "bench_app"),
     "eval": ("treeattn.eval.cli", "eval_app"),

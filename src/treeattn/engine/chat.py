@@ -18,6 +18,7 @@ at the prompt it clears the line. Replies go to stdout, status lines to stderr.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
 from pathlib import Path
@@ -27,8 +28,14 @@ import typer
 from treeattn.engine.config import EngineConfig as E
 from treeattn.engine.console import say, write_stdout
 from treeattn.engine.errors import ConfigError
-from treeattn.engine.flags import Decode, Device, KvCacheDtype, WeightFormat, config_flag, dtype_flag, torch_dtype
+from treeattn.engine.flags import Decode, Device, KvCacheDtype, WeightFormat, config_flag, dtype_flag, model_argument, torch_dtype
 from treeattn.engine.request import SamplingParams as S
+
+CHAT_SAMPLING = {"temperature": 0.7, "top_p": 0.9, "top_k": 0, "repetition_penalty": 1.1}
+"""The chat's sampling where the checkpoint ships none (treeattn.models.generation_config) and no flag is given:
+ollama's and llama.cpp's kind of defaults (they sample, with a repeat penalty), where greedy decoding of a small
+model repeats itself. top_k 0: off."""
+SAMPLING_FLAGS = {"temperature": "--temperature", "top_p": "--top-p", "top_k": "--top-k", "repetition_penalty": "--repetition-penalty"}
 
 COMMANDS = {"/reset": "forget the conversation (the system message stays)", "/exit": "leave (Ctrl-D too)",
             "/help": "list these commands"}
@@ -68,16 +75,19 @@ class Conversation:
 
 
 def chat_command(
-    model: Path = typer.Argument(..., metavar="MODEL", help="Hugging Face checkpoint directory or .gguf file with a chat template."),
+    model: Path = model_argument(", with a chat template."),
     nproc: int = config_flag(E, "nproc", min=1, help="Ranks sharing the KV cache, spawned here (gloo)."),
     tp: int | None = config_flag(E, "tp", min=1),
     system: str | None = typer.Option(None, "--system", help="System message before the conversation."),
     max_new_tokens: int = config_flag(S, "max_new_tokens", default=512, min=1, help="New tokens per reply at most."),
-    temperature: float = config_flag(S, "temperature"),
-    top_p: float = config_flag(S, "top_p"),
+    temperature: float | None = config_flag(S, "temperature", default=None, help="Sampling temperature (0: greedy); "
+                                            "default: the checkpoint's generation config, else 0.7."),
+    top_p: float | None = config_flag(S, "top_p", default=None, help="Nucleus sampling: keep the most likely tokens "
+                                      "up to this probability mass; default: the checkpoint's, else 0.9."),
+    top_k: int | None = config_flag(S, "top_k", default=None, help="Keep the k most likely tokens (0: all); default: "
+                                    "the checkpoint's, else 0."),
     seed: int = config_flag(S, "seed"),
-    block_size: int = config_flag(E, "block_size", default=16, min=1, help="Tokens per KV cache block; the prefix cache "
-                                  "keeps the conversation in full blocks, so small blocks reuse more of it."),
+    block_size: int = config_flag(E, "block_size", min=1),
     decode: Decode = config_flag(E, "decode"),
     dtype: str = dtype_flag(),
     device: Device = config_flag(E, "device"),
@@ -97,11 +107,15 @@ def chat_command(
         files = read_model_files(model)
         eot = chat_end_of_turn(files, f"{model}: the model", otherwise="; use treeattn generate")
         stop = tuple(dict.fromkeys(list(files.config.eos_token_ids) + ([] if eot is None else [eot])))
-        params = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed, stop_token_ids=stop)
+        sampling, sources = chat_sampling(model, temperature=temperature, top_p=top_p, top_k=top_k)
+        params = dict(max_new_tokens=max_new_tokens, seed=seed, stop_token_ids=stop, **sampling)
         SamplingParams(**params)  # bad sampling options: one line now, before the model loads
     except (ValueError, TypeError, FileNotFoundError) as exc:
-        typer.echo(f"error: {exc}", err=True)
+        from treeattn.engine.flags import cli_message
+
+        typer.echo(f"error: {cli_message(exc)}", err=True)
         raise typer.Exit(2) from exc
+    say("sampling: " + ", ".join(f"{SAMPLING_FLAGS[k]} {v} ({sources[k]})" for k, v in sampling.items()))
 
     conversation = Conversation(files.tokenizer, files.chat_template, system)
     say(f"loading {model.name} on {nproc} rank(s)")
@@ -144,6 +158,28 @@ def chat_command(
                 continue
             if not _turn(engine, conversation, line, SamplingParams(**params)):
                 raise typer.Exit(1)
+
+
+def chat_sampling(model, **given) -> tuple[dict, dict]:
+    """The chat's sampling settings ({field: value}) and where each came from ({field: "flag", "the
+    checkpoint's generation config" or "chat default"}): a flag given (not None) wins, then the
+    checkpoint's generation config (treeattn.models.generation_config), then CHAT_SAMPLING."""
+    from treeattn.engine.request import SamplingParams
+    from treeattn.models.generation_config import read_generation_config
+
+    shipped = read_generation_config(model)
+    fields = {f.name for f in dataclasses.fields(SamplingParams)}
+    values, sources = {}, {}
+    for name, default in CHAT_SAMPLING.items():
+        if name not in fields:  # a setting this engine's SamplingParams does not have
+            continue
+        if given.get(name) is not None:
+            values[name], sources[name] = given[name], "flag"
+        elif name in shipped:
+            values[name], sources[name] = shipped[name], "the checkpoint's generation config"
+        else:
+            values[name], sources[name] = default, "chat default"
+    return values, sources
 
 
 def _read_line(interactive: bool) -> str | None:
@@ -200,7 +236,8 @@ def _turn(engine, conversation: Conversation, text: str, params) -> bool:
     say(f"[turn {turn}: {result.prompt_tokens} prompt tokens ({cached} cached, {result.prompt_tokens - cached} prefilled), "
         f"{len(result.token_ids)} new tokens, {time.perf_counter() - start:.2f} s"
         + (", stopped by Ctrl-C]" if stopped or result.finish_reason == "cancelled" else
-           ", max tokens reached]" if result.finish_reason == "length" else "]"))
+           f", cut at --max-new-tokens {params.max_new_tokens} (finish_reason length): raise it for longer replies]"
+           if result.finish_reason == "length" else "]"))
     return True
 
 

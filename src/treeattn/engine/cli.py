@@ -30,7 +30,7 @@ from rich.table import Table
 
 from treeattn.engine.config import EngineConfig
 from treeattn.engine.console import GenerateDisplay, process_age_s, say
-from treeattn.engine.flags import (Decode, DecodeStep, Device, KvCacheDtype, Method, Placement, Prefill, Speculate, WeightFormat, cli_message, config_flag,
+from treeattn.engine.flags import (Decode, DecodeStep, Device, KvCacheDtype, Method, Placement, Prefill, Speculate, WeightFormat, cli_message, config_flag, model_argument,
                                   device_and_dtype, dtype_flag)
 from treeattn.engine.request import SamplingParams
 
@@ -43,8 +43,7 @@ E, S = EngineConfig, SamplingParams  # the configurations the flags fill (treeat
 
 
 def generate_command(
-    model_dir: Path = typer.Argument(..., metavar="MODEL", help="Hugging Face model directory (config.json, *.safetensors, "
-                                     "tokenizer.json) or a .gguf file."),
+    model_dir: Path = model_argument(),
     prompt: str | None = typer.Option(None, "--prompt", help="Prompt text (needs the model's tokenizer)."),
     prompt_file: Path | None = typer.Option(None, "--prompt-file", help="Read the prompt text (UTF-8) from this file."),
     prompt_ids: Path | None = typer.Option(None, "--prompt-ids", help="JSON file: a list of token ids, or a list of such lists (a batch)."),

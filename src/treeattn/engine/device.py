@@ -46,8 +46,9 @@ def check_gpus(kind: str, ranks: int) -> None:
     if ranks > count:
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         where = f" (CUDA_VISIBLE_DEVICES={visible})" if visible is not None else ""
+        fewer = f"nproc={count} (one rank per GPU)" if count else "device='cpu'"
         raise ConfigError("nproc", f"nproc={ranks}: {ranks} CUDA ranks on this machine need one GPU each, but {count} GPU(s) "
-                                   f"are visible{where}; give at most {count} ranks, or device='cpu'")
+                                   f"are visible{where}; use {fewer}, or device='cpu' to run the ranks on the CPU")
 
 
 def rank_device(kind: str, rank: int) -> torch.device:

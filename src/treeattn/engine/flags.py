@@ -25,8 +25,9 @@ import typer
 from treeattn.cache.placement import PLACEMENTS
 from treeattn.engine.config import KV_CACHE_DTYPES
 from treeattn.engine.device import DEVICES
-from treeattn.engine.ring_prefill import PREFILL_KINDS
-from treeattn.engine.speculate import SPECULATE_KINDS
+from treeattn.engine.request import MAX_LOGPROBS
+from treeattn.engine.ring_prefill import PREFILL_KINDS, RING_ROWS_PER_RANK
+from treeattn.engine.speculate import MAX_DRAFT_TOKENS, SPECULATE_KINDS
 from treeattn.engine.static_step import DECODE_STEPS
 from treeattn.models.attention import DECODE_KINDS
 from treeattn.models.packed import WEIGHT_FORMATS
@@ -50,9 +51,36 @@ WeightFormat = Literal[WEIGHT_FORMATS]
 Device = Literal[DEVICES]
 
 
+MODEL_HELP = "A .gguf file or a Hugging Face model directory (config.json, *.safetensors, tokenizer.json)"
+"""The model argument's help, the same words in every command (a command adds what it needs of the model)."""
+
+
+def model_argument(needs: str = "", default=...):
+    """The MODEL positional argument: MODEL_HELP, then `needs` (e.g. " with a chat template.")."""
+    return typer.Argument(default, metavar="MODEL", help=MODEL_HELP + (needs or "."))
+
+
+# Help of the fields whose documentation's first sentence speaks of the code (a constant's name, a class):
+# the command line says the same in a user's words.
+FLAG_HELP = {
+    "method": 'How tree decoding combines the ranks\' partial results: "onepass" (the default: one collective per layer; allreduce with static decode steps), '
+              '"allreduce" (two), "tree" (send/recv over a binary tree) or "twolevel" (inside each node, then across nodes).',
+    "prefill_chunk": "Prompt tokens per step at most (chunked prefill) while some sequence decodes; with no sequence decoding, "
+                     f"ring prefill steps take up to {RING_ROWS_PER_RANK} tokens per rank.",
+    "draft_tokens": f"The most tokens drafted per sequence per step, 1 to {MAX_DRAFT_TOKENS}.",
+    "draft_model": 'With --speculate draft (and only then): the draft model\'s checkpoint (a .gguf file or a Hugging Face '
+                   'directory of the same tokenizer), loaded on every rank in the model\'s dtype.',
+    "logprobs": f"None, or k in [0, {MAX_LOGPROBS}]: every generated token comes with its log-probability and the k most likely tokens with theirs.",
+}
+_MODULE_NOTE = re.compile(r"\s*\(treeattn\.[\w.]+\)|(?<=\()treeattn\.[\w.]+[:;] |[:;] treeattn\.[\w.]+(?=\))")
+
+
 def field_help(cls, name: str) -> str:
     """The first sentence of field `name`'s entry in the "Attributes:" section of `cls`'s docstring,
-    on one line (an entry may name several fields: "temperature, top_k, top_p: ...")."""
+    on one line (an entry may name several fields: "temperature, top_k, top_p: ..."), without the
+    module names it cites for a reader of the code (FLAG_HELP replaces the entries that need more)."""
+    if name in FLAG_HELP:
+        return FLAG_HELP[name]
     doc = (cls.__doc__ or "").split("Attributes:", 1)[-1]
     entries = re.split(r"\n {8}(?=[a-z_][a-z_0-9, ]*:)", "\n" + doc)
     for entry in entries:
@@ -60,7 +88,7 @@ def field_help(cls, name: str) -> str:
         if name in [n.strip() for n in head.split(",")]:
             text = " ".join(text.split())
             first = re.split(r"(?<=[.)])\s+(?=[A-Z\"])", text, maxsplit=1)[0]
-            return first
+            return _MODULE_NOTE.sub("", first)
     raise ValueError(f"{cls.__name__} documents no field {name!r} under Attributes")
 
 
@@ -139,5 +167,5 @@ def device_and_dtype(device: str, dtype: str, world: int) -> tuple[str, str]:
     return kind, str(resolve_dtype(None if dtype == "auto" else getattr(torch, dtype), kind)).removeprefix("torch.")
 
 
-__all__ = ["DTYPES", "DTYPE_ALIASES", "Decode", "DecodeStep", "Device", "KvCacheDtype", "Method", "Placement", "Prefill", "Speculate", "WeightFormat", "FIELD_FLAGS", "cli_message", "config_flag",
+__all__ = ["FLAG_HELP", "MODEL_HELP", "model_argument", "DTYPES", "DTYPE_ALIASES", "Decode", "DecodeStep", "Device", "KvCacheDtype", "Method", "Placement", "Prefill", "Speculate", "WeightFormat", "FIELD_FLAGS", "cli_message", "config_flag",
            "device_and_dtype", "dtype_flag", "field_help", "flag_of", "torch_dtype"]

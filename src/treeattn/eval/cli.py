@@ -23,7 +23,7 @@ from rich.table import Table
 from treeattn.engine.config import DEFAULT_METHOD
 from treeattn.engine.config import EngineConfig as E
 from treeattn.engine.request import SamplingParams as S
-from treeattn.engine.flags import (Decode, Device, KvCacheDtype, Method, WeightFormat, cli_message, config_flag, device_and_dtype,
+from treeattn.engine.flags import (Decode, Device, KvCacheDtype, Method, WeightFormat, cli_message, config_flag, model_argument, device_and_dtype,
                                   dtype_flag)
 
 eval_app = typer.Typer(help="Evaluate a model through the engine.", no_args_is_help=True, rich_markup_mode=None)
@@ -44,9 +44,8 @@ def _numbers(text: str, kind, option: str) -> list:
 
 @eval_app.command("needle")
 def needle_command(
-    model: Path = typer.Argument(..., help="Hugging Face model directory or .gguf file with a tokenizer; its chat "
-                                 "template renders the question when it has one (a base model such as Gemma 3 270M "
-                                 "completes the document as plain text)."),
+    model: Path = model_argument(", with a tokenizer; its chat template renders the question when it has one (a base "
+                                 "model such as Gemma 3 270M completes the document as plain text)."),
     lengths: str | None = typer.Option(None, "--lengths", help="Document lengths in tokens, comma-separated "
                                        "(default: 1024, 2048, ... up to the model's context window)."),
     depths: str = typer.Option("0,0.25,0.5,0.75,1", "--depths", help="Needle depths in [0, 1], comma-separated."),

@@ -76,10 +76,11 @@ class DocumentDemo:
 def run_document_demo(model: str | Path | None = None, *, context: int = 4096, depth: float = 0.5, nproc: int = 4,
                       new_tokens: int = 24, placement: str = "contiguous", threads: int | None = None, seed: int = 0,
                       reference: bool = True, dtype: str = "float32", device: str = "cpu", kv_cache_dtype: str = "auto",
-                      weight_format: str = "auto") -> DocumentDemo:
+                      weight_format: str = "auto", progress=None) -> DocumentDemo:
     """Build the document, answer it on `nproc` ranks (tree, then ring) and, with `reference`, on one process.
     dtype, device, kv_cache_dtype, weight_format: as treeattn.eval.runner.decode_methods takes them (a dtype
-    name; "cpu" or "cuda"; EngineConfig's names)."""
+    name; "cpu" or "cuda"; EngineConfig's names). progress: called with a line of text at each stage (None: silent)."""
+    say = progress or (lambda line: None)
     from treeattn.models.chat import end_of_turn_id
     from treeattn.models.loader import read_model_files
 
@@ -94,15 +95,20 @@ def run_document_demo(model: str | Path | None = None, *, context: int = 4096, d
     eot = end_of_turn_id(files.tokenizer, files.chat_template) if files.chat_template is not None else None
     stop = [eot] if eot is not None else []  # besides the model's eos ids
     methods = (("tree", DEFAULT_METHOD), ("ring", "allreduce"))
+    say(f"{nproc} ranks: loading the model, prefilling the {len(case.prompt_ids)}-token prompt across them, answering with "
+        "tree decoding, then with ring decoding from the same cache ...")
     runs, sharded = decode_methods(path, [case.prompt_ids], nproc=nproc, methods=methods, max_new_tokens=new_tokens,
                                    stop_token_ids=stop, threads=threads, placement=placement, dtype=dtype, device=device,
                                    kv_cache_dtype=kv_cache_dtype, weight_format=weight_format)
+    say(f"{nproc} ranks done in {sharded.total_s:.1f} s (prefill {runs[0][0].result.prefill_s:.1f} s)")
     ref, single = None, None
     if reference:
+        say("one process: loading the model, prefilling the same prompt and answering alone ...")
         ref_runs, single = decode_methods(path, [case.prompt_ids], nproc=1, max_new_tokens=new_tokens, stop_token_ids=stop,
                                           threads=threads, dtype=dtype, device=device, kv_cache_dtype=kv_cache_dtype,
                                           weight_format=weight_format)
         ref = ref_runs[0][0]
+        say(f"one process done in {single.total_s:.1f} s (prefill {ref.result.prefill_s:.1f} s)")
     answer = files.tokenizer.decode(runs[0][0].result.generated_ids[0])
     return DocumentDemo(path, case, answer, is_correct(answer, case), runs[0], ref, sharded, single, files.chat_template is not None)
 

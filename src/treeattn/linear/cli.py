@@ -7,6 +7,8 @@ from pathlib import Path
 
 import typer
 
+from treeattn.engine.flags import model_argument
+
 
 def _layers(text: str, num_layers: int) -> list[int]:
     """"1,3,5" -> [1, 3, 5]; "odd", "even", "every:4" (0, 4, 8, ...) or "every:4+1" (1, 5, 9, ...)."""
@@ -19,7 +21,7 @@ def _layers(text: str, num_layers: int) -> list[int]:
 
 
 def linearize_command(
-    model: Path = typer.Argument(..., help="Hugging Face checkpoint directory or .gguf file."),
+    model: Path = model_argument(),
     layers: str = typer.Option(..., "--layers", help='Layers to linearize: "1,3,5", "odd", "even", "every:4" or "every:4+1".'),
     text: Path = typer.Option(..., "--text", help="UTF-8 text file to train on (tokenized with the model's tokenizer)."),
     tokens: int = typer.Option(1024, "--tokens", min=1, help="Training tokens (the first N of the text)."),

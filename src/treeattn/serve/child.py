@@ -17,13 +17,14 @@ import subprocess
 import sys
 import threading
 from dataclasses import dataclass, field
+from pathlib import Path
 
 _READY = re.compile(r" on (http://[^\s]+:\d+) \((\d+) rank\(s\)")
 
 
 def ready_line(model, host: str, port: int, ranks: int, decode: str) -> str:
-    """The line `treeattn serve` writes to stderr once it listens."""
-    return f"treeattn serve: {model} on http://{host}:{port} ({ranks} rank(s), decode {decode})"
+    """The line `treeattn serve` writes to stderr once it listens (the model's file or directory name, not its path)."""
+    return f"treeattn serve: {Path(model).name} on http://{host}:{port} ({ranks} rank(s), decode {decode})"
 
 
 def ready_url(line: str) -> tuple[str, int] | None:

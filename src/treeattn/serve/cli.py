@@ -10,14 +10,14 @@ from typing import Literal
 import typer
 
 from treeattn.engine.config import EngineConfig as E
-from treeattn.engine.flags import (Decode, DecodeStep, Device, KvCacheDtype, Method, Placement, Prefill, Speculate, WeightFormat, config_flag,
+from treeattn.engine.flags import (Decode, DecodeStep, Device, KvCacheDtype, Method, Placement, Prefill, Speculate, WeightFormat, config_flag, model_argument,
                                   dtype_flag, torch_dtype)
 
 LogLevel = Literal["debug", "info", "warning", "error", "critical"]
 
 
 def serve_command(
-    model: Path = typer.Argument(..., metavar="MODEL", help="Hugging Face checkpoint directory or .gguf file."),
+    model: Path = model_argument(),
     nproc: int = config_flag(E, "nproc", min=1, help="Ranks sharing the KV cache (ignored under torchrun: its world size)."),
     host: str = typer.Option("127.0.0.1", "--host", help="Address to bind; 0.0.0.0 to listen on every interface."),
     port: int = typer.Option(8000, "--port", min=0, max=65535, help="Port (0: any free port, printed at start)."),
@@ -93,6 +93,7 @@ def serve_command(
 
     try:
         status = serve(str(model), options, engine_options, on_ready=ready)
+        typer.echo(f"treeattn serve: stopped ({'cleanly' if status == 0 else 'after a failure'}), the engine closed", err=True)
     except (ValueError, TypeError) as exc:
         from treeattn.engine.config import ConfigError
         from treeattn.engine.flags import cli_message

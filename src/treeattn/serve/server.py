@@ -204,6 +204,12 @@ def _draining_server_class():
                 for sig, handler in previous.items():
                     signal.signal(sig, handler)
 
+        def handle_exit(self, sig, frame) -> None:
+            if not self.should_exit:  # the first signal: say what happens now (a second one forces the exit)
+                logger.warning("%s: no new requests; the ones in flight finish (at most --drain seconds), then the engine "
+                               "closes", signal.Signals(sig).name)
+            super().handle_exit(sig, frame)
+
     return DrainingServer
 
 

@@ -1,0 +1,83 @@
+"""Where sharding the KV cache pays on this machine: time per token of p ranks against one process, measured alternately.
+
+    python3 benchmarks/sharding_crossover.py --contexts 2048 4096 8000 --nproc 2 --rounds 3 --output crossover.json
+    python3 benchmarks/sharding_crossover.py --model gemma3 --contexts 16384 --nproc 2
+
+For each context the demo's needle document (treeattn.eval.haystack, the model's chat template if it
+has one) is prefilled once into two engines that stay up side by side: one process (all the cores'
+threads) and `--nproc` local ranks (tree decoding, the cores split among them). Then each round asks
+both engines the same prompt again (the prefix cache holds it: only its last partial block is
+recomputed) for --max-new-tokens greedy tokens, the order alternating from round to round so that
+both see the same load; a round's time per token is decode_s / (tokens - 1). The JSON records every
+round's two times, their ratio, the greedy tokens (they must agree) and the load average around it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+
+def model_path(name: str) -> str:
+    from treeattn.eval.demo import gemma3_path, smollm2_path
+
+    return str({"smollm2": smollm2_path, "gemma3": gemma3_path}[name]()) if name in ("smollm2", "gemma3") else name
+
+
+def measure(path: str, context: int, nproc: int, rounds: int, new_tokens: int) -> dict:
+    import treeattn as ta
+    from treeattn.eval.haystack import needle_case
+    from treeattn.models.loader import read_model_files
+
+    files = read_model_files(path)
+    case = needle_case(files.tokenizer, files.chat_template, context_tokens=context, depth=0.5, seed=0)
+    engines = {1: ta.Engine(path, nproc=1), nproc: ta.Engine(path, nproc=nproc)}
+    row = {"context": context, "prompt_tokens": len(case.prompt_ids), "nproc": nproc, "cores": os.cpu_count(), "rounds": []}
+    try:
+        for p, engine in engines.items():  # the prefill, not timed here
+            start = time.perf_counter()
+            engine.generate([case.prompt_ids], max_new_tokens=2, ignore_eos=True)
+            row[f"prefill_s_{p}"] = time.perf_counter() - start
+        for r in range(rounds):
+            times, tokens = {}, {}
+            load = os.getloadavg()[0]
+            for p in ([1, nproc] if r % 2 == 0 else [nproc, 1]):
+                result = engines[p].generate([case.prompt_ids], max_new_tokens=new_tokens, ignore_eos=True)[0]
+                times[p] = result.decode_s / (len(result.token_ids) - 1) * 1e3
+                tokens[p] = result.token_ids
+            row["rounds"].append({"ms_per_token_1": times[1], f"ms_per_token_{nproc}": times[nproc],
+                                  "ratio": times[nproc] / times[1], "same_tokens": tokens[1] == tokens[nproc],
+                                  "load_before": load, "load_after": os.getloadavg()[0]})
+            print(json.dumps(row["rounds"][-1]), flush=True)
+    finally:
+        for engine in engines.values():
+            engine.close()
+    row["median_ratio"] = statistics.median(x["ratio"] for x in row["rounds"])
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="smollm2", help="smollm2, gemma3 or a model path")
+    parser.add_argument("--contexts", type=int, nargs="+", default=[2048, 4096, 8000])
+    parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--max-new-tokens", type=int, default=12)
+    parser.add_argument("--output", default=None)
+    args = parser.parse_args()
+    path = model_path(args.model)
+    rows = []
+    for context in args.contexts:
+        rows.append(measure(path, context, args.nproc, args.rounds, args.max_new_tokens))
+        print(f"context {context}: {args.nproc} ranks / 1 process, median of {args.rounds} rounds: {rows[-1]['median_ratio']:.2f}",
+              flush=True)
+    if args.output:
+        with open(args.output, "w") as f:
+            json.dump({"model": path, "command": " ".join(os.sys.argv), "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
