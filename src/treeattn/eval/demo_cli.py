@@ -127,8 +127,8 @@ def _document_demo(model, context, nproc, new_tokens, placement, threads, seed, 
     if demo.reference is not None:
         _verdict(demo.runs[0], demo.reference, len(case.prompt_ids), nproc, device)
     single = f"; single process {demo.single.total_s:.1f} s" if demo.single else ""
-    stderr.print(f"prefill {first.prefill_s:.1f} s (time to first token); model load {demo.sharded.load_s:.1f} s per rank; "
-                 f"{nproc} ranks {demo.sharded.total_s:.1f} s incl. process start{single}; total {total_s:.1f} s")
+    say(f"prefill {first.prefill_s:.1f} s (time to first token); model load {demo.sharded.load_s:.1f} s per rank; "
+        f"{nproc} ranks {demo.sharded.total_s:.1f} s incl. process start{single}; total {total_s:.1f} s")
     if not (all_same and demo.all_same):
         stderr.print("[red]the methods disagree" + (" with single-process decoding" if demo.reference else "") + "[/red]")
         raise typer.Exit(1)
@@ -165,6 +165,13 @@ def _kv_memory_lines(demo, nproc: int) -> None:
     typer.echo(f"a full cache of all {config.num_layers} layers for {positions} positions: {format_mib(full)} per rank "
                f"({format_size(full_per_token)} per token); measured / full: "
                + ", ".join(f"{b / full:.2f}" for b in result.kv_bytes_per_rank))
+    windows = [w for w in config.layer_windows if w is not None]
+    if result.kv_window_bytes and windows:
+        most = max(result.kv_bytes_per_rank)
+        typer.echo(f"  why: of a rank's {format_mib(most)}, {format_mib(result.kv_window_bytes)} are the {len(windows)} window "
+                   f"layers' last {max(windows) - 1} positions, kept whole on every rank, and {format_mib(most - result.kv_window_bytes)} "
+                   f"its 1/{nproc} share of the {config.num_layers - len(windows)} global layers; the windows do not grow with "
+                   "the context, so the ratio falls as it grows (above 1 at a few thousand tokens, 0.29 at 30K on 4 ranks)")
 
 
 def _synthetic_demo(context, nproc, new_tokens, placement, threads, seed, reference, dtype, device, kv_cache_dtype="auto") -> None:
@@ -222,10 +229,13 @@ def _legend(nproc: int, device: str) -> None:
                    f"(--nproc {cores} runs one rank per core)")
 
 
-# Where p ranks passed one process on this repository's 2-core machine (benchmarks/sharding_crossover.py; docs/benchmarks.md,
-# "Where sharding pays on 2 cores"): a measured figure, quoted as such.
-CROSSOVER_NOTE = ("on this repository's 2-core machine, SmolLM2 on 2 ranks (tree) took {ratio} one process's time per token at "
-                  "{context} tokens (docs/benchmarks.md, \"Where sharding pays on 2 cores\")")
+# Where 2 ranks passed one process on this repository's 2-core machine, quiet (load 1.3-2.0), as measured
+# (quoted, with their raw data; benchmarks/sharding_crossover.py measures it on any machine).
+CROSSOVER_LINES = (
+    "SmolLM2, 8,140-token prompt, bfloat16 KV: 2 ranks 25.42 ms a token, one process 26.21 (0.97x); float32 KV 1.02x; "
+    "4K 1.00x (docs/data/weight_format_8k_s11_final.txt, weight_format_4k_s11_final.txt)",
+    "Gemma 3 270M, 29,995-token prompt: 2 ranks 151.0 ms a token, one process 158.0 (0.96x) (docs/data/gemma3_timing_30k_quiet.json)",
+)
 
 
 def _verdict(run, reference, prompt_tokens: int, nproc: int, device: str) -> None:
@@ -241,7 +251,11 @@ def _verdict(run, reference, prompt_tokens: int, nproc: int, device: str) -> Non
                    "the cores and splits only the attention over the cache, which grows with the context: sharding pays at "
                    "long contexts, with one rank per core")
     if device == "cpu":
-        typer.echo("  " + CROSSOVER_NOTE.format(**CROSSOVER))
+        typer.echo("  where 2 ranks passed one process on this repository's 2-core machine (quiet; under load they lose "
+                   "at short contexts: docs/benchmarks.md, \"Where sharding pays on 2 cores\"):")
+        for line in CROSSOVER_LINES:
+            typer.echo("    " + line)
+        typer.echo("  try: treeattn demo --context 8000 --kv-cache-dtype bfloat16, or treeattn demo --long --nproc 2")
 
 
 def _methods_table(title: str, runs, ref) -> tuple[Table, bool]:
