@@ -183,3 +183,48 @@ def test_kv_cache_dtype_and_weight_format_flags_reach_the_engine(tiny, monkeypat
     assert seen["kv_cache_dtype"] == "bfloat16" and seen["weight_format"] == "packed"
     result = CliRunner().invoke(app, ["chat", str(tiny), "--kv-cache-dtype", "fp7"], input="/exit\n")
     assert result.exit_code == 2 and "--kv-cache-dtype" in result.output
+
+
+def test_sampling_comes_from_a_flag_then_the_checkpoint_then_the_chat_defaults(tiny, tmp_path):
+    """chat_sampling: the tiny GGUF ships no general.sampling.* keys (chat defaults); a directory's
+    generation_config.json gives its values; a flag given wins over both."""
+    from treeattn.engine.chat import CHAT_SAMPLING, chat_sampling
+
+    values, sources = chat_sampling(tiny)
+    assert values == CHAT_SAMPLING and set(sources.values()) == {"chat default"}
+    (tmp_path / "generation_config.json").write_text('{"do_sample": true, "temperature": 0.6, "top_p": 0.95, "eos_token_id": 2}')
+    values, sources = chat_sampling(tmp_path, temperature=1.0)
+    assert values == {"temperature": 1.0, "top_p": 0.95, "top_k": 0, "repetition_penalty": 1.1}
+    assert sources == {"temperature": "flag", "top_p": "the checkpoint's generation config", "top_k": "chat default",
+                       "repetition_penalty": "chat default"}
+    (tmp_path / "generation_config.json").write_text('{"do_sample": false, "temperature": 0.6}')  # greedy, as transformers reads it
+    assert chat_sampling(tmp_path)[0]["temperature"] == 0.0
+
+
+def test_three_turns_on_smollm2_in_a_terminal_sample_with_the_printed_defaults():
+    """SmolLM2 on one rank in a pseudo-terminal, three turns: the sampling line says which settings apply
+    and where they came from, each turn's status line follows its reply, and turns 2 and 3 find the
+    conversation so far in the prefix cache (16-token blocks)."""
+    from treeattn.eval.demo import smollm2_path
+
+    term = Terminal([sys.executable, "-m", "treeattn", "chat", smollm2_path(), "--max-new-tokens", "32", "--block-size", "16"])
+    try:
+        term.expect(r"sampling: --temperature 0\.7 \(chat default\), --top-p 0\.9 \(chat default\), --top-k 0 \(chat default\), "
+                    r"--repetition-penalty 1\.1 \(chat default\)")
+        cached = []
+        for turn, text in enumerate(("My name is Ada.", "What is my name?", "Thank you!"), 1):
+            term.expect(r"> ")
+            term.type(text + "\r")
+            status = term.expect(rf"(.*)\n\[turn {turn}: (\d+) prompt tokens \((\d+) cached, \d+ prefilled\), (\d+) new tokens")
+            assert status.group(1).strip() and 0 < int(status.group(4)) <= 32
+            cached.append(int(status.group(3)))
+        assert cached[0] == 0 and cached[1] > 0 and cached[2] > cached[1]
+        term.expect(r"> ")
+        term.type("/exit\r")
+        assert term.wait() == 0
+    finally:
+        try:
+            os.kill(term.pid, signal.SIGKILL)
+            os.waitpid(term.pid, 0)
+        except (ProcessLookupError, ChildProcessError):
+            pass

@@ -18,7 +18,6 @@ at the prompt it clears the line. Replies go to stdout, status lines to stderr.
 
 from __future__ import annotations
 
-import dataclasses
 import sys
 import time
 from pathlib import Path
@@ -86,6 +85,9 @@ def chat_command(
                                       "up to this probability mass; default: the checkpoint's, else 0.9."),
     top_k: int | None = config_flag(S, "top_k", default=None, help="Keep the k most likely tokens (0: all); default: "
                                     "the checkpoint's, else 0."),
+    repetition_penalty: float | None = config_flag(S, "repetition_penalty", default=None, help="Divide the logits of tokens "
+                                                   "already in the conversation or the reply by this (1: none); default: "
+                                                   "the checkpoint's, else 1.1."),
     seed: int = config_flag(S, "seed"),
     block_size: int = config_flag(E, "block_size", min=1),
     decode: Decode = config_flag(E, "decode"),
@@ -107,7 +109,8 @@ def chat_command(
         files = read_model_files(model)
         eot = chat_end_of_turn(files, f"{model}: the model", otherwise="; use treeattn generate")
         stop = tuple(dict.fromkeys(list(files.config.eos_token_ids) + ([] if eot is None else [eot])))
-        sampling, sources = chat_sampling(model, temperature=temperature, top_p=top_p, top_k=top_k)
+        sampling, sources = chat_sampling(model, temperature=temperature, top_p=top_p, top_k=top_k,
+                                          repetition_penalty=repetition_penalty)
         params = dict(max_new_tokens=max_new_tokens, seed=seed, stop_token_ids=stop, **sampling)
         SamplingParams(**params)  # bad sampling options: one line now, before the model loads
     except (ValueError, TypeError, FileNotFoundError) as exc:
@@ -164,15 +167,11 @@ def chat_sampling(model, **given) -> tuple[dict, dict]:
     """The chat's sampling settings ({field: value}) and where each came from ({field: "flag", "the
     checkpoint's generation config" or "chat default"}): a flag given (not None) wins, then the
     checkpoint's generation config (treeattn.models.generation_config), then CHAT_SAMPLING."""
-    from treeattn.engine.request import SamplingParams
     from treeattn.models.generation_config import read_generation_config
 
     shipped = read_generation_config(model)
-    fields = {f.name for f in dataclasses.fields(SamplingParams)}
     values, sources = {}, {}
     for name, default in CHAT_SAMPLING.items():
-        if name not in fields:  # a setting this engine's SamplingParams does not have
-            continue
         if given.get(name) is not None:
             values[name], sources[name] = given[name], "flag"
         elif name in shipped:
