@@ -105,8 +105,8 @@ def decode_methods(
 def _decode_rank(rank, world_size, model_path, prompts, methods, max_new_tokens, stop_token_ids, threads, dtype, device,
                  placement, kv_cache_dtype, weight_format, on_prompt=None):
     """One rank: load once (onto its device); on one process one ta.generate per prompt (its prefill
-    and decode), after a short warm-up (_warm_up); on several ranks one engine for everything (see
-    shared_prefill_rows)."""
+    and decode); on several ranks one engine for everything (see shared_prefill_rows). No warm-up
+    request: every engine's ranks compile or load their numba kernels when they start (treeattn.engine.warmup)."""
     from treeattn.engine.device import rank_device
     from treeattn.models.loader import load_model
 
@@ -120,7 +120,6 @@ def _decode_rank(rank, world_size, model_path, prompts, methods, max_new_tokens,
 
         dist.barrier()  # leave together: a rank tearing its group down early can abort a peer still in gloo
         return rows, load_s
-    _warm_up(model, prompts[0], kv_cache_dtype=kv_cache_dtype)
     rows = []
     for index, prompt in enumerate(prompts):
         row = []
@@ -143,7 +142,6 @@ def shared_prefill_rows(model, prompts, methods, max_new_tokens, stop_token_ids=
     methods decode from one prefill, and each result's cached_prompt_tokens says how many prompt
     tokens came from it. The engine is sized for one sequence of the longest prompt, so a next
     prompt evicts the last one's blocks; block_size is the engine's (None: EngineConfig's default).
-    A short warm-up request runs first (_warm_up: the kernels' first calls compile outside the times).
     Returns rank 0's rows [(decode, method, GenerationResult)] per prompt, None on the other ranks."""
     from treeattn.engine.client import Engine
     from treeattn.engine.config import EngineConfig
@@ -161,7 +159,6 @@ def shared_prefill_rows(model, prompts, methods, max_new_tokens, stop_token_ids=
         return None
     rows = []
     try:
-        _warm_up(model, prompts[0], engine=engine)
         for prompt in prompts:
             row = []
             for decode, method in methods:
@@ -174,31 +171,6 @@ def shared_prefill_rows(model, prompts, methods, max_new_tokens, stop_token_ids=
     finally:
         engine.close()
     return rows
-
-
-# The warm-up request's prompt (the first tokens of the first prompt, its first token changed) and new
-# tokens (prefill, then decode steps).
-WARM_UP_PROMPT = 16
-WARM_UP_TOKENS = 3
-
-
-def _warm_up(model, prompt, *, engine=None, kv_cache_dtype: str = "auto") -> None:
-    """One short request before the timed ones, on `engine` (the ranks' shared one) or, without it, in
-    this process (ta.generate). A process's first decode steps compile the CPU kernels (numba; cached
-    on disk afterwards, then loaded in a fraction of a second): on a fresh install that took seconds,
-    which landed in the first method's time per token (`treeattn demo` on a fresh clone: tree 975.7 ms
-    a token, then 46.7 ms on the next run)."""
-    from treeattn.engine.generate import Generation
-    from treeattn.engine.request import SamplingParams
-
-    # another first token than the prompt's: no block the prefix cache keeps of it can match a timed prompt's
-    short = [(prompt[0] + 1) % model.config.vocab_size, *prompt[1:WARM_UP_PROMPT]]
-    sampling = SamplingParams(max_new_tokens=WARM_UP_TOKENS, ignore_eos=True)
-    if engine is None:
-        generate(model, short, sampling=sampling, kv_cache_dtype=kv_cache_dtype)
-        return
-    for _ in Generation(model, [short], sampling=sampling, engine=engine):
-        pass
 
 
 __all__ = ["MethodRun", "Timing", "decode_methods", "method_name", "shared_prefill_rows"]
