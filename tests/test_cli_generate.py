@@ -154,6 +154,8 @@ def test_text_prompt_prints_text_and_a_summary(checkpoint, expected):
     assert result.exit_code == 0, result.output
     assert result.stdout.strip() == " ".join(f"w{i}" for i in expected)
     assert "time per token" in result.stderr and "KV cache per rank" in result.stderr and "comm per token" in result.stderr
+    # the 6 tokens ran out before a stop token: the summary says the answer was cut and by which flag
+    assert "the answer was cut at --max-new-tokens 6 (finish_reason length): raise it for a longer one" in result.stderr
 
 
 def test_text_streams_to_stdout_and_plain_status_lines_to_a_piped_stderr(checkpoint, expected):

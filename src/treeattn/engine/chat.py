@@ -85,9 +85,9 @@ def chat_command(
                                       "up to this probability mass; default: the checkpoint's, else 0.9."),
     top_k: int | None = config_flag(S, "top_k", default=None, help="Keep the k most likely tokens (0: all); default: "
                                     "the checkpoint's, else 0."),
-    repetition_penalty: float | None = config_flag(S, "repetition_penalty", default=None, help="Divide the logits of tokens "
-                                                   "already in the conversation or the reply by this (1: none); default: "
-                                                   "the checkpoint's, else 1.1."),
+    repetition_penalty: float | None = config_flag(S, "repetition_penalty", default=None, help="Penalize tokens already in "
+                                                   "the conversation or the reply: a positive logit divided by it, a "
+                                                   "negative one multiplied (1: none); default: the checkpoint's, else 1.1."),
     seed: int = config_flag(S, "seed"),
     block_size: int = config_flag(E, "block_size", min=1),
     decode: Decode = config_flag(E, "decode"),

@@ -173,6 +173,8 @@ def generate_command(
             prefix += f"(mean logprob {result['mean_logprobs'][i]:.4f}) "
         typer.echo(prefix + (texts[i] if texts is not None else " ".join(map(str, ids))))
     stderr.print(_summary_table(result, total_s))
+    if "length" in result["finish_reasons"]:
+        say(f"the answer was cut at --max-new-tokens {max_new_tokens} (finish_reason length): raise it for a longer one")
 
 
 def _check_before_spawning(config: EngineConfig, sampling: SamplingParams, num_samples: int, model_dir: Path,
@@ -337,6 +339,7 @@ def _summary_table(result: dict, total_s: float) -> Table:
     steps = result["decode_steps"]
     table.add_row("prompt tokens", ", ".join(map(str, result["prompt_tokens"])))
     table.add_row("new tokens", ", ".join(str(len(g)) for g in result["generated_ids"]))
+    table.add_row("finish reason", ", ".join(result["finish_reasons"]))
     table.add_row("time to first token", f"{result['prefill_s']:.3f} s")
     table.add_row("time per token (decode)", f"{result['time_per_token_s'] * 1e3:.2f} ms" if steps else "-")
     table.add_row("tokens/s (decode)", f"{result['tokens_per_s']:.1f}" if steps else "-")
