@@ -185,17 +185,18 @@ def _synthetic_demo(context, nproc, new_tokens, placement, threads, seed, refere
         f"prompt: {context} synthetic tokens; {nproc} {backend_for(device)} ranks on {device} ({os.cpu_count()} cores); {new_tokens} greedy tokens per method"
     )
     start = time.perf_counter()
-    with stderr.status(f"prefill {context} tokens on {nproc} ranks (ring), then decode with each method ..."):
-        runs, sharded_s = run_demo(context=context, nproc=nproc, new_tokens=new_tokens, placement=placement,
-                                   threads_per_rank=threads, seed=seed, dtype=dtype, device=device, kv_cache_dtype=kv_cache_dtype)
+    say(f"{nproc} ranks: prefill {context} tokens (ring), then decode with each method ...")  # plain lines: a log sees them
+    runs, sharded_s = run_demo(context=context, nproc=nproc, new_tokens=new_tokens, placement=placement,
+                               threads_per_rank=threads, seed=seed, dtype=dtype, device=device, kv_cache_dtype=kv_cache_dtype)
     ref = None
     if reference:
-        with stderr.status(f"single process: prefill {context} tokens and decode ..."):
-            ref = run_reference(context=context, new_tokens=new_tokens, seed=seed, dtype=dtype, device=device, kv_cache_dtype=kv_cache_dtype)
+        say(f"one process: prefill {context} tokens and decode ...")
+        ref = run_reference(context=context, new_tokens=new_tokens, seed=seed, dtype=dtype, device=device, kv_cache_dtype=kv_cache_dtype)
     total_s = time.perf_counter() - start
     table, all_same = _methods_table(f"Decoding {new_tokens} tokens after a {context}-token prompt ({placement} placement)",
                                      runs, ref)
     Console(width=None if sys.stdout.isatty() else TABLE_WIDTH).print(table)
+    _legend(nproc, device)
     first = runs[0].result
     stderr.print(
         f"ring prefill: {first.prefill_s:.2f} s (time to first token); sharded part {sharded_s:.1f} s incl. process start; "
