@@ -47,7 +47,7 @@ def test_the_demo_runs_one_rank_per_core_or_per_gpu(monkeypatch):
 
     from treeattn.eval.demo_cli import default_ranks
 
-    assert default_ranks("cpu") == max(2, os.cpu_count() or 1)
+    assert default_ranks("cpu") == min(8, max(2, os.cpu_count() or 1))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 3)
     assert default_ranks("cuda") == 3 and default_ranks("auto") == 3

@@ -38,7 +38,7 @@ def demo_command(
     context: int | None = typer.Option(None, "--context", min=2, help="Prompt length in tokens (default 4096; "
                                        "--synthetic: prompt length, default 32768)."),
     nproc: int | None = config_flag(E, "nproc", default=None, min=1, help="Local ranks sharing the KV cache (default: one "
-                                    "per CPU core, at least 2; on CUDA one per GPU)."),
+                                    "per CPU core, 2 to 8; on CUDA one per GPU)."),
     max_new_tokens: int | None = config_flag(S, "max_new_tokens", default=None, min=2,
                                              help="Greedy tokens per method at most (default 24; --synthetic: 16; --long: 8)."),
     placement: Placement = config_flag(E, "placement"),
@@ -83,16 +83,21 @@ def demo_command(
                        kv_cache_dtype, weight_format)
 
 
+MAX_DEFAULT_CPU_RANKS = 8
+"""The most CPU ranks the demo starts by itself: each holds the whole model (~0.6 GB of SmolLM2's), and a 4K prompt
+over more ranks leaves each a few hundred tokens."""
+
+
 def default_ranks(device: str) -> int:
     """The demo's rank count when --nproc is not given: one per GPU on CUDA (--device cuda, or auto where CUDA is
-    available), else one per CPU core and at least 2 (the KV cache is sharded)."""
+    available), else one per CPU core, at least 2 (the KV cache is sharded) and at most MAX_DEFAULT_CPU_RANKS."""
     import torch
 
     from treeattn.engine.device import resolve_device
 
     if resolve_device(device) == "cuda":
         return max(1, torch.cuda.device_count())
-    return max(2, os.cpu_count() or 1)
+    return min(MAX_DEFAULT_CPU_RANKS, max(2, os.cpu_count() or 1))
 
 
 def _document_demo(model, context, nproc, new_tokens, placement, threads, seed, reference, dtype, device,
