@@ -354,6 +354,9 @@ def test_demo_long_on_a_base_model_prints_kv_memory_against_a_full_cache(files):
     assert re.search(rf"KV cache per rank \(measured, 2 ranks\): .* per token 2\.00 KiB \(global layers\) \+ {windows:.2f} KiB of windows",
                      result.stdout), result.stdout
     assert re.search(r"a full cache of all 6 layers for \d+ positions: .* \(12\.00 KiB per token\)", result.stdout), result.stdout
+    # why a rank can hold more than 1/p of a full cache: the windows, whole on every rank, and the arena's spare blocks
+    assert re.search(r"why: of a rank's [\d.]+ MiB, [\d.]+ MiB are the 5 window layers' last \d+ positions, kept whole on every "
+                     r"rank, and [\d.]+ MiB the paged blocks of the 1 global layers \(room for [\d,]+ positions", result.stdout), result.stdout
     # the 84-token prompt fills no block of 256: ring finds no cached prefix and says so (test_methods_share_one_prefill)
     assert "ring (pass-KV) found none of tree (onepass)'s prefill in the prefix cache" in result.stdout, result.stdout
 

@@ -171,12 +171,14 @@ def _kv_memory_lines(demo, nproc: int) -> None:
                f"({format_size(full_per_token)} per token); measured / full: "
                + ", ".join(f"{b / full:.2f}" for b in result.kv_bytes_per_rank))
     windows = [w for w in config.layer_windows if w is not None]
-    if result.kv_window_bytes and windows:
+    if result.kv_window_bytes and windows and result.kv_bytes_per_token:
         most = max(result.kv_bytes_per_rank)
+        paged = most - result.kv_window_bytes
         typer.echo(f"  why: of a rank's {format_mib(most)}, {format_mib(result.kv_window_bytes)} are the {len(windows)} window "
-                   f"layers' last {max(windows) - 1} positions, kept whole on every rank, and {format_mib(most - result.kv_window_bytes)} "
-                   f"its 1/{nproc} share of the {config.num_layers - len(windows)} global layers; the windows do not grow with "
-                   "the context, so the ratio falls as it grows (above 1 at a few thousand tokens, 0.29 at 30K on 4 ranks)")
+                   f"layers' last {max(windows) - 1} positions, kept whole on every rank, and {format_mib(paged)} the paged "
+                   f"blocks of the {config.num_layers - len(windows)} global layers (room for {paged / result.kv_bytes_per_token:,.0f} "
+                   f"positions: this rank's span of the {positions} with spare blocks); the windows do not grow with the context, "
+                   "so the ratio falls as it grows (above 1 at a few thousand tokens, 0.29 at 30K on 4 ranks)")
 
 
 def _synthetic_demo(context, nproc, new_tokens, placement, threads, seed, reference, dtype, device, kv_cache_dtype="auto") -> None:
