@@ -221,8 +221,8 @@ def test_generate_command_device_cpu_dtype_auto_gives_the_defaults_tokens(no_cud
         refused = runner.invoke(app, args + ["--device", "cuda", "--nproc", "2"])
     assert refused.exit_code == 2
     lines = refused.stderr.strip().splitlines()
-    assert lines == ["error: --nproc 2: 2 CUDA ranks on this machine need one GPU each, but 1 GPU(s) are visible; give at "
-                     "most 1 ranks, or --device cpu"], refused.stderr
+    assert lines == ["error: --nproc 2: 2 CUDA ranks on this machine need one GPU each, but 1 GPU(s) are visible; use "
+                     "--nproc 1 (one rank per GPU), or --device cpu to run the ranks on the CPU"], refused.stderr
 
 
 @pytest.mark.gpu
