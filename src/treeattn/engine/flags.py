@@ -72,7 +72,7 @@ FLAG_HELP = {
                    'directory of the same tokenizer), loaded on every rank in the model\'s dtype.',
     "logprobs": f"None, or k in [0, {MAX_LOGPROBS}]: every generated token comes with its log-probability and the k most likely tokens with theirs.",
 }
-_MODULE_NOTE = re.compile(r"\s*\(treeattn\.[\w.]+\)|(?<=\()treeattn\.[\w.]+[:;] |[:;] treeattn\.[\w.]+(?=\))")
+_MODULE_NOTE = re.compile(r"\s*\(treeattn\.[\w.]+\)|(?<=\()treeattn\.[\w.]+[:;,] |[:;,] treeattn\.[\w.]+(?=\))")
 
 
 def field_help(cls, name: str) -> str:
