@@ -29,15 +29,17 @@ def packed_kinds(*models) -> list[tuple[str, torch.dtype]]:
 def warm_up_rank(model, *, kv_dtype: torch.dtype, world_size: int, draft_model=None) -> list[str]:
     """Warm the numba kernels `model` (and `draft_model`) and a KV cache of `kv_dtype` will call on
     this rank (see the module docstring). Returns ops.warmup.warm_kernels' lines; [] off the CPU."""
-    if model.device.type != "cpu":
+    weight = next(model.parameters(), None)  # the model's device and dtype (not every model family names them)
+    if weight is None or weight.device.type != "cpu":
         return []
+    dtype = getattr(model, "dtype", weight.dtype)
     from treeattn.ops.warmup import KV_DTYPES, warm_kernels  # here: `python -m treeattn.ops.warmup` runs it as __main__
 
     threads = torch.get_num_threads()
     packed = [(fmt, values, t) for fmt, values in packed_kinds(model, draft_model) for t in sorted({1, threads})]
-    kv_dtypes = [d for d in dict.fromkeys((kv_dtype, model.dtype)) if d in KV_DTYPES]
-    combine = (model.dtype,) if world_size > 1 and model.dtype in (torch.float32, torch.float64) else ()
-    return warm_kernels(kv_dtypes=kv_dtypes, attention_threads=threads, packed=packed, rowwise=model.dtype == torch.float32,
+    kv_dtypes = [d for d in dict.fromkeys((kv_dtype, dtype)) if d in KV_DTYPES]
+    combine = (dtype,) if world_size > 1 and dtype in (torch.float32, torch.float64) else ()
+    return warm_kernels(kv_dtypes=kv_dtypes, attention_threads=threads, packed=packed, rowwise=dtype == torch.float32,
                         combine=combine)
 
 
