@@ -1,7 +1,7 @@
 """Where sharding the KV cache pays on this machine: time per token of p ranks against one process, measured alternately.
 
     python3 benchmarks/sharding_crossover.py --contexts 2048 4096 8000 --nproc 2 --rounds 3 --output crossover.json
-    python3 benchmarks/sharding_crossover.py --model gemma3 --contexts 16384 --nproc 2
+    python3 benchmarks/sharding_crossover.py --contexts 8000 --kv-cache-dtype bfloat16 --rounds 4
 
 For each context the demo's needle document (treeattn.eval.haystack, the model's chat template if it
 has one) is prefilled once into two engines that stay up side by side: one process (all the cores'
@@ -27,15 +27,16 @@ def model_path(name: str) -> str:
     return str({"smollm2": smollm2_path, "gemma3": gemma3_path}[name]()) if name in ("smollm2", "gemma3") else name
 
 
-def measure(path: str, context: int, nproc: int, rounds: int, new_tokens: int) -> dict:
+def measure(path: str, context: int, nproc: int, rounds: int, new_tokens: int, kv_cache_dtype: str = "auto") -> dict:
     import treeattn as ta
     from treeattn.eval.haystack import needle_case
     from treeattn.models.loader import read_model_files
 
     files = read_model_files(path)
     case = needle_case(files.tokenizer, files.chat_template, context_tokens=context, depth=0.5, seed=0)
-    engines = {1: ta.Engine(path, nproc=1), nproc: ta.Engine(path, nproc=nproc)}
-    row = {"context": context, "prompt_tokens": len(case.prompt_ids), "nproc": nproc, "cores": os.cpu_count(), "rounds": []}
+    engines = {1: ta.Engine(path, nproc=1, kv_cache_dtype=kv_cache_dtype), nproc: ta.Engine(path, nproc=nproc, kv_cache_dtype=kv_cache_dtype)}
+    row = {"context": context, "prompt_tokens": len(case.prompt_ids), "nproc": nproc, "cores": os.cpu_count(),
+           "kv_cache_dtype": kv_cache_dtype, "rounds": []}
     try:
         for p, engine in engines.items():  # the prefill, not timed here
             start = time.perf_counter()
@@ -66,12 +67,13 @@ def main() -> None:
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--max-new-tokens", type=int, default=12)
+    parser.add_argument("--kv-cache-dtype", default="auto")
     parser.add_argument("--output", default=None)
     args = parser.parse_args()
     path = model_path(args.model)
     rows = []
     for context in args.contexts:
-        rows.append(measure(path, context, args.nproc, args.rounds, args.max_new_tokens))
+        rows.append(measure(path, context, args.nproc, args.rounds, args.max_new_tokens, args.kv_cache_dtype))
         print(f"context {context}: {args.nproc} ranks / 1 process, median of {args.rounds} rounds: {rows[-1]['median_ratio']:.2f}",
               flush=True)
     if args.output:
