@@ -259,8 +259,8 @@ def _verdict(run, reference, prompt_tokens: int, nproc: int, device: str) -> Non
                    "the cores and splits only the attention over the cache, which grows with the context: sharding pays at "
                    "long contexts, with one rank per core")
     if device == "cpu":
-        typer.echo("  where 2 ranks passed one process on this repository's 2-core machine (quiet; under load they lose "
-                   "at short contexts: docs/benchmarks.md, \"Where sharding pays on 2 cores\"):")
+        typer.echo("  where 2 ranks passed one process on this repository's 2-core machine (quiet; with the cores busy "
+                   "they lose, 2.15x at 8K at load 6: docs/benchmarks.md, \"Where sharding pays on 2 cores\"):")
         for line in CROSSOVER_LINES:
             typer.echo("    " + line)
         typer.echo("  try: treeattn demo --context 8000 --kv-cache-dtype bfloat16, or treeattn demo --long --nproc 2")
