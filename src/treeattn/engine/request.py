@@ -46,6 +46,11 @@ class SamplingParams:
             log-probability under the model and the k most likely tokens with theirs
             (TokenLogprob). The distribution is the model's own: log-softmax of the float32
             logits, before temperature, top-k and top-p (as vLLM and OpenAI report it).
+        prompt_logprobs: None, or k in [0, MAX_LOGPROBS]: every prompt token but the first comes
+            with its log-probability given the tokens before it and the k most likely tokens at its
+            position (RequestResult.prompt_logprobs; vLLM's prompt_logprobs). Such a request does
+            not start from the prefix cache (a cached prefix holds no logprobs): its whole prompt
+            is computed again (treeattn.engine.prompt_logprobs).
 
     Example (checked when built: a bad field is one line naming it)::
 
@@ -69,6 +74,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
@@ -83,6 +89,8 @@ class SamplingParams:
             raise ValueError(f"seed must be an int >= 0 and below 2**64 (a torch.Generator seed), got {self.seed!r}")
         if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise ValueError(f"logprobs must be None or an int in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        if self.prompt_logprobs is not None and (not _is_int(self.prompt_logprobs) or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"prompt_logprobs must be None or an int in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs!r}")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
         stop_ids = self.stop_token_ids
@@ -155,6 +163,21 @@ class RequestResult:
             samples, unless the prompt came whole from the prefix cache), decode_forwards (the
             model's forward passes over this request's decode steps) and tokens_per_forward.
         logprobs: one TokenLogprob per generated token when params.logprobs is set, else None.
+        prompt_logprobs: when params.prompt_logprobs is set, one entry per prompt token: None for
+            the first (nothing predicts it), then the TokenLogprob of token i given tokens [0, i);
+            else None.
+
+    Example (prompt log-probabilities of a tiny random model; the first token has none)::
+
+        >>> import treeattn as ta
+        >>> from treeattn.models import random_model
+        >>> model = random_model(ta.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1,
+        ...                                     num_heads=2, num_kv_heads=1, head_dim=16), seed=0)
+        >>> with ta.Engine(model, nproc=1) as engine:
+        ...     result = engine.generate([[5, 9, 2, 7]], ta.SamplingParams(max_new_tokens=1, prompt_logprobs=1))[0]
+        >>> first, *rest = result.prompt_logprobs
+        >>> first, len(rest), all(entry.logprob < 0 and len(entry.top) == 1 for entry in rest)
+        (None, 3, True)
     """
 
     request_id: str
@@ -168,3 +191,4 @@ class RequestResult:
     error: str | None = None
     speculation: dict = field(default_factory=dict)
     logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
