@@ -42,6 +42,7 @@ def _check(result, hf, prompt) -> None:
     torch.testing.assert_close(got, expected[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])], atol=2e-5, rtol=0)
     top_values, top_ids = expected.topk(TOP, dim=-1)
     for entry, values, ids in zip(result.prompt_logprobs[1:], top_values.tolist(), top_ids.tolist()):
+        assert entry.rank >= 1 and (entry.rank == 1) == (entry.logprob >= values[0] - 1e-5)
         assert [lp for _, lp in entry.top] == pytest.approx(values, abs=2e-5)
         close = abs(values[0] - values[1]) < 1e-5  # a near tie may order either way
         assert close or [a for a, _ in entry.top] == ids
@@ -71,6 +72,8 @@ def test_row_blocks_equal_one_log_softmax(monkeypatch):
     logp = torch.log_softmax(model.logits(hidden).double(), dim=-1)
     torch.testing.assert_close(packed[:, 0], logp[torch.arange(23), targets], atol=1e-5, rtol=0)
     torch.testing.assert_close(packed[:, 2:5], logp.topk(3).values, atol=1e-5, rtol=0)
+    rank = (logp > logp[torch.arange(23), targets][:, None]).sum(dim=-1) + 1
+    assert torch.equal(packed[:, 1].long(), rank)
     assert torch.equal(packed[:, 5:].long(), logp.topk(3).indices)
 
 

@@ -14,8 +14,8 @@ The work is the output projection of every such row over the whole vocabulary, w
 prompt is a prompt x vocabulary matrix (8K x 262,144 float32 for Gemma 3: 8 GiB). It is never
 materialized: the rows are taken ROWS_PER_BLOCK at a time, and for each block one matrix product
 gives its logits (ROWS_PER_BLOCK x V), from which the log-softmax at the target
-(logit - logsumexp, float32 as the generated tokens' logprobs, runner.token_logprobs) and the top k
-are kept: 2 + 2k numbers a row.
+(logit - logsumexp, float32 as the generated tokens' logprobs, runner.token_logprobs), the target's
+rank and the top k are kept: 2 + 2k numbers a row.
 
 Across ranks the rows are split, not the vocabulary: in a token-parallel or ring prefill step each
 rank already holds the final hidden states of its own rows, so it scores those (no hidden state
@@ -85,7 +85,7 @@ class PromptRows:
             rank, group: this rank and the group of the step's ranks (their number: len(owned)).
 
         Returns:
-            On rank 0, float64 (len(self.rows), 2 + 2 * top): per row its logprob, its logsumexp, then
+            On rank 0, float64 (len(self.rows), 2 + 2 * top): per row its logprob, its rank, then
             the top values and the top token ids (see score_rows); None on the other ranks.
         """
         from treeattn.models.attention import group_world_size
@@ -119,7 +119,8 @@ class PromptRows:
             rows = values[first : first + n]
             first += n
             finite = torch.isfinite(packed[first - n : first, : 2 + k]).all().item()
-            entries = [TokenLogprob(row[0], tuple((int(row[2 + self.top + j]), row[2 + j]) for j in range(k))) for row in rows]
+            entries = [TokenLogprob(row[0], tuple((int(row[2 + self.top + j]), row[2 + j]) for j in range(k)), int(row[1]))
+                       for row in rows]
             out[seq_id] = (position, entries if finite else None)
         return out
 
@@ -135,8 +136,9 @@ def score_rows(model, hidden: torch.Tensor, targets: torch.Tensor, top: int) -> 
         top: alternatives per row (0: none).
 
     Returns:
-        float64 (n, 2 + 2 * top): logprob of the target (float32 logit - float32 logsumexp), the
-        logsumexp, the top log-probabilities (most likely first), the top token ids.
+        float64 (n, 2 + 2 * top): logprob of the target (float32 logit - float32 logsumexp), its
+        rank (1 + the tokens with a larger logit, vLLM's), the top log-probabilities (most likely
+        first), the top token ids.
 
     Example (a tiny random model; the values equal torch.log_softmax of the whole logits)::
 
@@ -159,8 +161,9 @@ def score_rows(model, hidden: torch.Tensor, targets: torch.Tensor, top: int) -> 
         hi = min(lo + ROWS_PER_BLOCK, hidden.shape[0])
         logits = model.logits(hidden[lo:hi]).float()  # (rows, V)
         lse = torch.logsumexp(logits, dim=-1)
-        out[lo:hi, 0] = logits.gather(1, targets[lo:hi, None]).squeeze(1) - lse
-        out[lo:hi, 1] = lse
+        chosen = logits.gather(1, targets[lo:hi, None])  # (rows, 1)
+        out[lo:hi, 0] = chosen.squeeze(1) - lse
+        out[lo:hi, 1] = (logits > chosen).sum(dim=-1) + 1
         if top:
             values, ids = logits.topk(top, dim=-1)
             out[lo:hi, 2 : 2 + top] = values - lse[:, None]

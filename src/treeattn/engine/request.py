@@ -113,10 +113,13 @@ class TokenLogprob:
         logprob: log p(token), a finite float (log-softmax of the float32 logits).
         top: ((token_id, logprob), ...): the k most likely tokens, most likely first (k =
             params.logprobs; the chosen token is among them only if it is that likely).
+        rank: of a prompt token (SamplingParams.prompt_logprobs), 1 + the number of tokens the model
+            found more likely (vLLM's rank); None for generated tokens.
     """
 
     logprob: float
     top: tuple[tuple[int, float], ...] = ()
+    rank: int | None = None
 
 
 @dataclass(frozen=True)

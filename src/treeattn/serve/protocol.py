@@ -2,7 +2,7 @@
 
 Requests are pydantic models in strict mode: a field of the wrong type (`"max_tokens": "5"`) is an
 error naming the field, as OpenAI answers it; fields this server does not know are ignored (as
-vLLM does), fields it knows but does not implement (`echo`, `best_of`, `logit_bias`, ...) are
+vLLM does), fields it knows but does not implement (`best_of`, `logit_bias`, ...) are
 refused by name rather than silently dropped.
 
 Error bodies follow OpenAI's shape:
@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 # Fields of the OpenAI API that this server does not implement: a request that sets one to anything
 # but its no-op value is refused, naming it.
 UNSUPPORTED = {
-    "echo": (None, False), "best_of": (None, 1),
+    "best_of": (None, 1),
     "suffix": (None, ""), "logit_bias": (None, {}), "tools": (None, []), "functions": (None, []),
     "response_format": (None, {"type": "text"}), "presence_penalty": (None, 0), "frequency_penalty": (None, 0),
 }
@@ -64,10 +64,15 @@ class _Sampling(BaseModel):
 
 class CompletionRequest(_Sampling):
     """POST /v1/completions. prompt: a string, a list of token ids, or a list of either (a batch).
-    logprobs: None, or k: each token's log-probability and the k most likely alternatives."""
+    logprobs: None, or k: each token's log-probability and the k most likely alternatives.
+    echo: the answer's text and logprobs begin with the prompt's (OpenAI's legacy echo; with
+    logprobs, the prompt tokens' too, the first one's None). prompt_logprobs: None, or k: vLLM's
+    per-prompt-token logprobs, in the choice's "prompt_logprobs" (treeattn.serve.echo)."""
 
     prompt: Union[str, list[int], list[str], list[list[int]]]
     logprobs: int | None = None
+    echo: bool = False
+    prompt_logprobs: int | None = None
 
     @field_validator("prompt", mode="before")
     @classmethod
