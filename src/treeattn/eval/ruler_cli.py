@@ -52,6 +52,7 @@ def ruler_command(
     """RULER (NIAH single/multi-key/multi-value/multi-query, variable tracking, common words) per rank count."""
     from treeattn.eval.ruler import run_ruler
     from treeattn.eval.ruler_tasks import TASKS
+    from treeattn.models.loader import read_config
     from treeattn.parallel import SpawnError
 
     start = time.perf_counter()
@@ -61,6 +62,9 @@ def ruler_command(
         unknown = [t for t in task_list if t not in TASKS]
         if unknown or not task_list:
             raise ValueError(f"--tasks: expected some of {', '.join(TASKS)}, got {tasks!r}")
+        window = read_config(model).max_position_embeddings
+        if max(contexts) > window:
+            raise ValueError(f"--context: {max(contexts)} is beyond the model's context window of {window}")
         if not json_output:
             stderr.print(f"RULER on {model}: tasks {task_list}, contexts {contexts}, {samples} sample(s) each, ranks {nprocs}")
         report = run_ruler(str(model), tasks=task_list, contexts=contexts, samples=samples, nprocs=nprocs,
