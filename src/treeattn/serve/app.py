@@ -230,7 +230,7 @@ class _Server:
             raise bad_request(f"this request asks for {count * body.n} completions ({what}); this server runs at most "
                               f"{self.config.max_pending} at once (--max-pending)", "n" if count == 1 else "prompt")
         _check_logprobs(body)
-        if getattr(body, "echo", False) and body.stream:
+        if isinstance(body, CompletionRequest) and body.echo and body.stream:
             raise bad_request("'echo' is not supported with 'stream': true on this server", "echo")
 
     def completion_prompts(self, prompt) -> list[list[int]]:
