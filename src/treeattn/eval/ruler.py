@@ -83,7 +83,7 @@ class RulerReport:
 def run_ruler(model_path: str, *, tasks=TASKS, contexts: list[int], samples: int, nprocs: list[int], method: str = DEFAULT_METHOD,
               seed: int = 0, threads: int | None = None, dtype: str = "float32", on_done=None) -> RulerReport:
     """Generate the samples, answer them on each rank count in `nprocs`, score them (see the module
-    docstring). on_done(nproc) is called after each rank count. ValueError (one line naming the
+    docstring). on_done(nproc, report so far) is called after each rank count. ValueError (one line naming the
     argument) for a model without a tokenizer or a context beyond its window."""
     from treeattn.models.loader import read_model_files
 
@@ -107,7 +107,7 @@ def run_ruler(model_path: str, *, tasks=TASKS, contexts: list[int], samples: int
             results.append(RulerResult(task, context, index, p, len(sample.prompt_ids), sample.answers, ids, reply,
                                        score(reply, sample.answers), ttft, decode_s))
         if on_done is not None:
-            on_done(p)
+            on_done(p, RulerReport(str(model_path), "tree", method, list(results), time.perf_counter() - start))
     return RulerReport(str(model_path), "tree", method, results, time.perf_counter() - start)
 
 

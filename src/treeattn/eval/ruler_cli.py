@@ -67,9 +67,15 @@ def ruler_command(
             raise ValueError(f"--context: {max(contexts)} is beyond the model's context window of {window}")
         if not json_output:
             stderr.print(f"RULER on {model}: tasks {task_list}, contexts {contexts}, {samples} sample(s) each, ranks {nprocs}")
+
+        def done(p: int, partial) -> None:  # the report so far goes to --output after each rank count
+            if output is not None:
+                output.write_text(json.dumps(partial.as_dict(), indent=1))
+            if not json_output:
+                stderr.print(f"  {p} rank(s) done ({time.perf_counter() - start:.0f} s)")
+
         report = run_ruler(str(model), tasks=task_list, contexts=contexts, samples=samples, nprocs=nprocs,
-                           method=method or DEFAULT_METHOD, seed=seed, threads=threads,
-                           on_done=None if json_output else lambda p: stderr.print(f"  {p} rank(s) done ({time.perf_counter() - start:.0f} s)"))
+                           method=method or DEFAULT_METHOD, seed=seed, threads=threads, on_done=done)
     except (ValueError, FileNotFoundError) as exc:
         typer.echo(f"error: {cli_message(exc)}", err=True)
         raise typer.Exit(2) from exc
