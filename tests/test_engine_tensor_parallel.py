@@ -84,6 +84,8 @@ def test_prompt_lookup_speculation_in_the_layout(tmp_path):
     prompts = [[5, 6, 7, 8] * 3 + [5, 6], PROMPTS[1]]
     with ta.Engine(tmp_path / "llama", nproc=2, tp=2, speculate="ngram", cache_tokens=128, block_size=4, timeout_s=300) as engine:
         results = engine.generate(prompts, max_new_tokens=8)
+        with pytest.raises(ValueError, match="^prompt_logprobs: not with tp=2"):  # refused in one line, before any step
+            engine.submit(prompts[0], ta.SamplingParams(max_new_tokens=1, prompt_logprobs=1))
     assert [r.token_ids for r in results] == _uncached_greedy(hf, prompts, 8)
     assert results[0].speculation["accepted"] > 0
 

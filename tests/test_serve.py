@@ -202,7 +202,7 @@ BAD_REQUESTS = [
     ({"prompt": list(range(3, 250)) * 3}, 400, "prompt"),
     ({"prompt": ""}, 400, "prompt"),
     ({"prompt": "hi", "logprobs": 21}, 400, "logprobs"),
-    ({"prompt": "hi", "echo": True}, 400, "echo"),
+    ({"prompt": "hi", "echo": True, "stream": True}, 400, "echo"),
     ({"prompt": "hi", "n": 0}, 400, "n"),
     ({"prompt": "hi", "model": "gpt-4"}, 404, "model"),
     ({"max_tokens": 3}, 400, "prompt"),

@@ -189,6 +189,9 @@ class Engine:
             raise ValueError(f"logit_bias: token id {outside} is outside the vocabulary [0, {self.model_info.vocab_size})")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; this engine has none (use stop_token_ids)")
+        if params.prompt_logprobs is not None and self.config.tp is not None and self.config.nproc > 1:
+            raise ValueError(f"prompt_logprobs: not with tp={self.config.tp} (the Helix layout splits the LM head by "
+                             "vocabulary, and prompt rows are scored whole on one rank); run without tp")
         self._require_running()
         request_id = request_id or f"req-{next(self._driver.ids)}"
         handle = RequestHandle(request_id, self._driver.post, on_event, on_prefill)

@@ -170,6 +170,7 @@ class Driver:
         self._last_contact = time.monotonic()
         now = time.perf_counter()
         committed: dict[int, int] = {}  # seq_id -> tokens committed so far in this step
+        self._record_prompt_logprobs(outcome, now)
         completed = self.scheduler.complete(plan, outcome.tokens)
         self._report_prefill(plan)
         for seq, token, reason in completed:  # one per committed token
@@ -184,6 +185,19 @@ class Driver:
                     self._on_token(request, token, reason, now, logprob)
                 except Exception as exc:  # noqa: BLE001 -- this request's alone (its text, its callback)
                     self._fail_request(request, exc)
+
+    def _record_prompt_logprobs(self, outcome, now: float) -> None:
+        """Put a step's prompt log-probabilities into their requests (a recomputed prefill writes the
+        same positions again); a request whose values were not finite fails alone."""
+        for seq_id, (position, entries) in outcome.prompt_logprobs.items():
+            request = self._by_seq.get(seq_id)
+            if request is None or request.prompt_logprobs is None:
+                continue
+            if entries is None:
+                self._finish(request, "error", now, error="the model's prompt log-probabilities for this request were not "
+                                                          "finite (NaN or inf)")
+                continue
+            request.prompt_logprobs[position : position + len(entries)] = entries
 
     def _recover(self, plan, exc: StepFailed) -> None:
         """A step failed on the ranks: its requests fail, the ranks restart with empty caches and

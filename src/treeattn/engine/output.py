@@ -111,6 +111,8 @@ class RequestState:
         self.seq = None  # the scheduler's Sequence once admitted
         self.token_ids: list[int] = []
         self.logprobs: list[TokenLogprob] = []  # one per token when params.logprobs is set
+        # params.prompt_logprobs: per prompt position, its TokenLogprob (None for the first), filled in by the prefill
+        self.prompt_logprobs = [None] * len(prompt) if params.prompt_logprobs is not None else None
         self.text = ""  # the text delivered so far (the events' deltas); a held-back tail is not in it
         self.first_token_at: float | None = None
         self.scheduled_at: float | None = None  # when a step first ran it (the driver sets it)
@@ -162,7 +164,8 @@ class RequestState:
             ttft_s=(first - self.submitted) if first is not None else float("nan"),
             decode_s=(now - first) if first is not None else 0.0, error=error, speculation=speculation,
             logprobs=list(self.logprobs) if self.params.logprobs is not None else None,
-            queue_s=(self.scheduled_at - self.submitted) if self.scheduled_at is not None else float("nan"))
+            queue_s=(self.scheduled_at - self.submitted) if self.scheduled_at is not None else float("nan"),
+            prompt_logprobs=list(self.prompt_logprobs) if self.prompt_logprobs is not None else None)
 
 
 def held_back(text: str, stops: tuple[str, ...]) -> int:

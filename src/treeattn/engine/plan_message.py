@@ -14,8 +14,9 @@ words of their float64 bits, a 64-bit seed as two words).
              window saves, window restores, window drops (a SetDecode: kind, length, then the
              indices of its decode in DECODE_KINDS and of its method in METHODS)
     chunk    seq_id, start, n_tokens, n_blocks, num_draft, n_draft_prefix, has_sample,
-             temperature (2 words), top_k, top_p (2 words), seed (2 words), logprobs (-1: None)
-    then     per chunk: tokens, draft_prefix, its blocks as (rank, index) pairs; then released ids,
+             temperature (2 words), top_k, top_p (2 words), seed (2 words), logprobs (-1: None),
+             prompt_logprobs (-1: None), n_targets
+    then     per chunk: tokens, draft_prefix, targets, its blocks as (rank, index) pairs; then released ids,
              window saves (seq_id, position, checkpoint), restores (seq_id, checkpoint), drops
 
 Every word must fit in int32 (token ids, positions, block numbers, sequence ids): a value that does
@@ -78,7 +79,7 @@ CAPACITY = 1024  # int32 words of the buffer at first
 
 END, KEEP, MEASURE, STEP, DECODE, STORE = range(6)  # header[0]
 HEADER = 8
-CHUNK_FIELDS = 15
+CHUNK_FIELDS = 17
 
 
 def plan_device(group=None) -> torch.device:
@@ -136,9 +137,11 @@ def encode(plan) -> list[int]:
         else:
             words += (*_float_words(s.temperature), s.top_k, *_float_words(s.top_p), *_seed_words(s.seed),
                       -1 if s.logprobs is None else s.logprobs)
+        words += (-1 if c.prompt_logprobs is None else c.prompt_logprobs, len(c.targets))
     for c in plan.chunks:
         words += c.tokens
         words += c.draft_prefix
+        words += c.targets
         for block in c.blocks:
             words += block
     words += plan.release
@@ -168,16 +171,19 @@ def decode(words: list[int]):
     fields = [words[HEADER + i * CHUNK_FIELDS : HEADER + (i + 1) * CHUNK_FIELDS] for i in range(n_chunks)]
     at = HEADER + n_chunks * CHUNK_FIELDS
     chunks = []
-    for seq_id, start, n_tokens, n_blocks, num_draft, n_prefix, has_sample, t0, t1, top_k, p0, p1, s0, s1, logprobs in fields:
+    for seq_id, start, n_tokens, n_blocks, num_draft, n_prefix, has_sample, t0, t1, top_k, p0, p1, s0, s1, logprobs, k, n_targets in fields:
         tokens = tuple(words[at : at + n_tokens])
         at += n_tokens
         prefix = tuple(words[at : at + n_prefix])
         at += n_prefix
+        targets = tuple(words[at : at + n_targets])
+        at += n_targets
         pairs = words[at : at + 2 * n_blocks]
         at += 2 * n_blocks
         sample = (SampleSpec(_words_float(t0, t1), top_k, _words_float(p0, p1), _words_seed(s0, s1),
                              None if logprobs < 0 else logprobs) if has_sample else None)
-        chunks.append(Chunk(seq_id, tokens, start, tuple(map(BlockRef, pairs[0::2], pairs[1::2])), sample, num_draft, prefix))
+        chunks.append(Chunk(seq_id, tokens, start, tuple(map(BlockRef, pairs[0::2], pairs[1::2])), sample, num_draft, prefix,
+                            None if k < 0 else k, targets))
     release = tuple(words[at : at + n_release])
     at += n_release
     saves = tuple(tuple(words[i : i + 3]) for i in range(at, at + 3 * n_saves, 3))

@@ -65,6 +65,11 @@ class SamplingParams:
         structured: None, or a StructuredOutput (treeattn.engine.structured: a JSON schema, a regex, a
             choice, a grammar) that every generated token must follow; the request ends ("stop") when
             the grammar is complete. Not with ignore_eos.
+        prompt_logprobs: None, or k in [0, MAX_LOGPROBS]: every prompt token but the first comes
+            with its log-probability given the tokens before it and the k most likely tokens at its
+            position (RequestResult.prompt_logprobs; vLLM's prompt_logprobs). Such a request does
+            not start from the prefix cache (a cached prefix holds no logprobs): its whole prompt
+            is computed again (treeattn.engine.prompt_logprobs).
 
     Example (checked when built: a bad field is one line naming it)::
 
@@ -101,6 +106,7 @@ class SamplingParams:
     min_p: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()
     structured: StructuredOutput | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
@@ -115,6 +121,8 @@ class SamplingParams:
             raise ValueError(f"seed must be an int >= 0 and below 2**64 (a torch.Generator seed), got {self.seed!r}")
         if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise ValueError(f"logprobs must be None or an int in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        if self.prompt_logprobs is not None and (not _is_int(self.prompt_logprobs) or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"prompt_logprobs must be None or an int in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs!r}")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
         stop_ids = self.stop_token_ids
@@ -180,10 +188,13 @@ class TokenLogprob:
         logprob: log p(token), a finite float (log-softmax of the float32 logits).
         top: ((token_id, logprob), ...): the k most likely tokens, most likely first (k =
             params.logprobs; the chosen token is among them only if it is that likely).
+        rank: of a prompt token (SamplingParams.prompt_logprobs), 1 + the number of tokens the model
+            found more likely (vLLM's rank); None for generated tokens.
     """
 
     logprob: float
     top: tuple[tuple[int, float], ...] = ()
+    rank: int | None = None
 
 
 @dataclass(frozen=True)
@@ -231,6 +242,21 @@ class RequestResult:
             model's forward passes over this request's decode steps) and tokens_per_forward.
         logprobs: one TokenLogprob per generated token when params.logprobs is set, else None.
         queue_s: seconds from submission to the first step that ran it (NaN if none did).
+        prompt_logprobs: when params.prompt_logprobs is set, one entry per prompt token: None for
+            the first (nothing predicts it), then the TokenLogprob of token i given tokens [0, i);
+            else None.
+
+    Example (prompt log-probabilities of a tiny random model; the first token has none)::
+
+        >>> import treeattn as ta
+        >>> from treeattn.models import random_model
+        >>> model = random_model(ta.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1,
+        ...                                     num_heads=2, num_kv_heads=1, head_dim=16), seed=0)
+        >>> with ta.Engine(model, nproc=1) as engine:
+        ...     result = engine.generate([[5, 9, 2, 7]], ta.SamplingParams(max_new_tokens=1, prompt_logprobs=1))[0]
+        >>> first, *rest = result.prompt_logprobs
+        >>> first, len(rest), all(entry.logprob < 0 and len(entry.top) == 1 for entry in rest)
+        (None, 3, True)
     """
 
     request_id: str
@@ -245,3 +271,4 @@ class RequestResult:
     speculation: dict = field(default_factory=dict)
     logprobs: list[TokenLogprob] | None = None
     queue_s: float = float("nan")
+    prompt_logprobs: list[TokenLogprob | None] | None = None

@@ -252,6 +252,6 @@ class RingPrefillStep:
         """Run this rank's rows through `model`; return the final hidden states of the flat `rows`
         (indices into the step's T tokens, any order), (len(rows), hidden_size) in the model dtype,
         on every rank."""
-        hidden = model(self.tokens, self.positions, self.kv_store, self.attend)[0]  # (T_r, hidden)
+        hidden = self.hidden = model(self.tokens, self.positions, self.kv_store, self.attend)[0]  # (T_r, hidden): kept for prompt logprobs
         where = {row: (r, i) for r, rank_rows in enumerate(self.every_rank_rows) for i, row in enumerate(rank_rows)}
         return gather_rows(hidden, [where[row] for row in rows], self.rank, len(self.lengths), self.group)

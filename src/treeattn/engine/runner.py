@@ -34,6 +34,7 @@ from treeattn.engine import token_parallel
 from treeattn.engine.batch import PagedBatch
 from treeattn.engine.measure import RankMeasurements, RankMeter
 from treeattn.engine.ring_prefill import RingPrefillStep, resolve_prefill
+from treeattn.engine.prompt_logprobs import PromptRows
 from treeattn.engine.request import TokenLogprob
 from treeattn.engine.scheduler import Chunk, StepPlan
 from treeattn.engine.tensor_parallel import connect, local_heads, tensor_parallel_cuts
@@ -62,12 +63,16 @@ class StepOutcome:
             (treeattn.engine.shared_prefix.saved_keys).
         errors: seq_id -> why sampling failed for that sequence (its tokens are None): an
             exception while sampling one request fails that request alone.
+        prompt_logprobs: seq_id -> (the first prompt position scored, one TokenLogprob per scored
+            prompt token of its chunk; None where a value was not finite), for the chunks of requests
+            with SamplingParams.prompt_logprobs (treeattn.engine.prompt_logprobs).
     """
 
     tokens: dict[int, list[int] | None] = field(default_factory=dict)
     logprobs: dict[int, list[TokenLogprob]] = field(default_factory=dict)
     shared_prefix_keys: int = 0
     errors: dict[int, str] = field(default_factory=dict)
+    prompt_logprobs: dict[int, tuple[int, list[TokenLogprob] | None]] = field(default_factory=dict)
 
 
 def all_finite(x: torch.Tensor) -> bool:
@@ -271,23 +276,33 @@ class RankRunner:
         if self.drafter is not None:  # the drafts' placeholders -> the draft model's tokens
             plan = self.drafter.draft(plan)
         sampling = [(i, c) for i, c in enumerate(plan.chunks) if c.sample is not None]
-        if self.static_step is not None and self.static_step.takes(plan):  # one row per chunk
+        scored = any(c.targets for c in plan.chunks)  # prompt logprobs: never a static step
+        if self.static_step is not None and not scored and self.static_step.takes(plan):  # one row per chunk
             return self._outcome(sampling, self.static_step(plan)[[i for i, _ in sampling]])
         batch = PagedBatch(plan, self.kv_rank, self.cache, self.attend, self.combine, self._phases, self.windows, self.paged_index,
                            self.linear_states)
         ends = [batch.offsets[i] + len(c.tokens) for i, c in sampling]  # rows: the last known token, then the drafts
         rows = [row for (_, c), end in zip(sampling, ends) for row in range(end - c.num_draft - 1, end)]
-        if self.linear_states is not None:  # every rank runs every token; the batch is the kv_store (it has .linear)
-            hidden = self.model(batch.tokens, batch.positions, batch, batch.attend)[0, rows]
-            return self._outcome(sampling, hidden, batch.shared_keys)
-        split = self.helix is None and token_parallel.splits(batch.tokens.shape[1], self.world_size)  # Helix: every rank every token
+        owned = None  # per rank, the rows whose final states it holds (None: every rank holds all)
+        # Helix: every rank runs every token; a hybrid linear model too
+        split = self.helix is None and self.linear_states is None and token_parallel.splits(batch.tokens.shape[1], self.world_size)
         if split and self.prefill == "ring" and not any(c.decoding for c in plan.chunks):  # rank r runs its zigzag pieces
-            hidden = RingPrefillStep(batch, plan.chunks, self.rank, self.world_size, self.comm_group).forward(self.model, rows)
+            step = RingPrefillStep(batch, plan.chunks, self.rank, self.world_size, self.comm_group)
+            hidden, local, owned = step.forward(self.model, rows), step.hidden, step.every_rank_rows
         elif split:  # rank r runs its slice of the tokens
-            hidden = token_parallel.TokenParallelStep(batch, self.rank, self.world_size, self.comm_group).forward(self.model, rows)
-        else:  # every rank runs every token
-            hidden = self.model(batch.tokens, batch.positions, batch.kv_store, batch.attend)[0, rows]
-        return self._outcome(sampling, hidden, batch.shared_keys)
+            step = token_parallel.TokenParallelStep(batch, self.rank, self.world_size, self.comm_group)
+            hidden, local = step.forward(self.model, rows), step.hidden
+            owned = [range(lo, hi) for lo, hi in zip(step.bounds, step.bounds[1:])]
+        else:  # every rank runs every token (a hybrid linear model's batch is its own kv_store: it has .linear)
+            kv_store = batch if self.linear_states is not None else batch.kv_store
+            local = self.model(batch.tokens, batch.positions, kv_store, batch.attend)[0]
+            hidden = local[rows]
+        prompt = PromptRows.of(plan.chunks, batch.offsets) if scored else None
+        packed = prompt.compute(self.model, owned, local, self.rank, self.comm_group) if prompt is not None else None
+        outcome = self._outcome(sampling, hidden, batch.shared_keys)
+        if packed is not None:
+            outcome.prompt_logprobs = prompt.unpack(packed)
+        return outcome
 
     def _outcome(self, sampling: list[tuple[int, Chunk]], hidden: torch.Tensor, shared_keys: int = 0) -> StepOutcome:
         """Rank 0 samples each chunk of `sampling` from `hidden`, the final hidden states of their rows

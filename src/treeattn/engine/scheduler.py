@@ -113,6 +113,9 @@ class Chunk:
             and the token after them. With a draft model they are placeholders the ranks replace.
         draft_prefix: with a draft model, the tokens before `start` whose keys/values the draft's
             cache lacks (at most one: the last accepted draft of the step before); () otherwise.
+        prompt_logprobs: the request's SamplingParams.prompt_logprobs (k), where `targets` is set.
+        targets: for a request with prompt_logprobs, the prompt tokens the chunk's first rows
+            predict: targets[i] = prompt[start + i + 1] (treeattn.engine.prompt_logprobs); () otherwise.
     """
 
     seq_id: int
@@ -122,6 +125,8 @@ class Chunk:
     sample: SampleSpec | None
     num_draft: int = 0
     draft_prefix: tuple[int, ...] = ()
+    prompt_logprobs: int | None = None
+    targets: tuple[int, ...] = ()
 
     @property
     def decoding(self) -> bool:
@@ -417,7 +422,10 @@ class Scheduler:
             sample = seq.sample_spec() if seq.num_computed + n == len(seq.prompt) + len(seq.generated) else None
             draft = drafts.get(seq.seq_id, ())
             lagging = tuple(seq.tokens[seq.draft_computed : seq.num_computed]) if self.draft_cache else ()
-            chunks.append(Chunk(seq.seq_id, tuple(tokens) + draft, seq.num_computed, tuple(seq.blocks), sample, len(draft), lagging))
+            k = seq.params.prompt_logprobs
+            targets = tuple(seq.prompt[seq.num_computed + 1 : seq.num_computed + n + 1]) if k is not None else ()
+            chunks.append(Chunk(seq.seq_id, tuple(tokens) + draft, seq.num_computed, tuple(seq.blocks), sample, len(draft), lagging,
+                                k if targets else None, targets))
         if not chunks:  # the driver sends no empty plan: what the ranks must do waits for the next one
             return StepPlan(())
         release, self._release = tuple(self._release), []
@@ -430,7 +438,7 @@ class Scheduler:
         """Give the head of the queue its cached prefix and its first chunk's blocks; returns the
         tokens it runs this step (0: it cannot start now, and holds nothing)."""
         checkpoint = None
-        if self.prefix_cache is not None:
+        if self.prefix_cache is not None and seq.params.prompt_logprobs is None:  # a cached prefix holds no logprobs
             blocks, checkpoint = self.prefix_cache.match_checkpointed(seq.tokens[: len(seq.tokens) - 1])  # >= 1 token left to run
             seq.blocks = blocks
             for block in seq.blocks:
@@ -453,7 +461,7 @@ class Scheduler:
         prefix cache's match) is being prefilled by a running sequence with the same tokens up to
         it: that block enters the prefix cache when computed, so `seq` waits for it instead of
         computing it again (n requests with one prompt prefill it once)."""
-        if self.prefix_cache is None:
+        if self.prefix_cache is None or seq.params.prompt_logprobs is not None:  # it computes its whole prompt
             return False
         bs, tokens = self.pool.block_size, seq.tokens
         prefilling = [r for r in self.running if r.num_computed < len(r.prompt) and r.prompt[0] == tokens[0]]

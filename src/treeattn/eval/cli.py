@@ -135,4 +135,8 @@ class _nothing:
         return None
 
 
-__all__ = ["eval_app", "needle_command"]
+from treeattn.eval.ruler_cli import ruler_command  # noqa: E402
+
+eval_app.command("ruler")(ruler_command)
+
+__all__ = ["eval_app", "needle_command", "ruler_command"]

@@ -44,6 +44,7 @@ from starlette.routing import Match
 
 from treeattn.engine.errors import EngineError
 from treeattn.engine.request import MAX_LOGPROBS, SamplingParams, TokenEvent, TokenLogprob
+from treeattn.serve import echo
 from treeattn.serve.access_log import USAGE, AccessLog
 from treeattn.serve.metrics import CONTENT_TYPE, ServerMetrics
 from treeattn.serve.protocol import APIError, ChatCompletionRequest, CompletionRequest, _shown, bad_request
@@ -65,7 +66,8 @@ class ServerConfig:
     """What the HTTP layer needs beyond the engine.
 
     Attributes:
-        model_name: the id clients must name in "model" (and that /v1/models lists).
+        model_name: the id clients must name in "model" (and that /v1/models lists first; answers carry it).
+        aliases: other ids clients may name (vLLM's --served-model-name A B: A is model_name, B an alias).
         api_key: when set, every endpoint but /health needs "Authorization: Bearer <api_key>".
         max_pending: choices in the engine at once (running and queued); more are answered 429 (a
             request that alone asks for more: 400).
@@ -76,6 +78,7 @@ class ServerConfig:
 
     model_name: str
     api_key: str | None = None
+    aliases: tuple[str, ...] = ()
     max_pending: int = 256
     max_request_bytes: int = 4 << 20
     body_timeout_s: float = 10.0
@@ -83,6 +86,8 @@ class ServerConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.model_name, str) or not self.model_name:
             raise ValueError(f"model_name must be a non-empty string, got {self.model_name!r}")
+        if not isinstance(self.aliases, tuple) or not all(isinstance(a, str) and a for a in self.aliases):
+            raise ValueError(f"aliases must be a tuple of non-empty strings, got {self.aliases!r}")
         if self.api_key is not None and (not isinstance(self.api_key, str) or not self.api_key):
             raise ValueError("api_key must be a non-empty string or None")
         if isinstance(self.max_pending, bool) or not isinstance(self.max_pending, int) or self.max_pending < 1:
@@ -109,6 +114,7 @@ class _Choice:
     streamed: int = 0  # tokens whose logprobs a streamed chunk has carried
     streamed_chars: int = 0  # the length of those tokens' strings (the next text_offset)
     last_token_at: float | None = None  # when the server got its last token (vllm:inter_token_latency_seconds)
+    prompt_logprobs: list | None = None  # RequestResult.prompt_logprobs when the request asked (echo, prompt_logprobs)
 
 
 def create_app(engine, config: ServerConfig, *, chat_template=None, eot_ids: tuple[int, ...] = ()) -> FastAPI:
@@ -175,8 +181,8 @@ def create_app(engine, config: ServerConfig, *, chat_template=None, eot_ids: tup
 
     @app.api_route("/v1/models", methods=["GET", "HEAD"])
     async def models():
-        return {"object": "list", "data": [{"id": config.model_name, "object": "model", "created": server.created,
-                                            "owned_by": "treeattn", "max_model_len": engine.max_context}]}
+        return {"object": "list", "data": [{"id": name, "object": "model", "created": server.created, "owned_by": "treeattn",
+                                            "max_model_len": engine.max_context} for name in (config.model_name, *config.aliases)]}
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
@@ -194,6 +200,9 @@ def create_app(engine, config: ServerConfig, *, chat_template=None, eot_ids: tup
         await run_in_threadpool(structured_output, body, server.engine)  # checked off the loop; _params finds it cached
         return await server.respond(request, body, prompts, None, chat=True)
 
+    from treeattn.serve.tokenize import add_tokenizer_routes
+
+    add_tokenizer_routes(app, server)
     return app
 
 
@@ -217,7 +226,7 @@ class _Server:
         if not self.engine.healthy:
             raise APIError(503, "the engine has failed (a rank died or stopped answering); see /health",
                            kind="server_error")
-        if body.model != self.config.model_name:
+        if body.model != self.config.model_name and body.model not in self.config.aliases:
             raise APIError(404, f"the model '{_shown(body.model)}' does not exist; this server serves '{self.config.model_name}'",
                            param="model", code="model_not_found")
         check_tools(body, self.chat_template)
@@ -231,6 +240,8 @@ class _Server:
             raise bad_request(f"this request asks for {count * body.n} completions ({what}); this server runs at most "
                               f"{self.config.max_pending} at once (--max-pending)", "n" if count == 1 else "prompt")
         _check_logprobs(body)
+        if isinstance(body, CompletionRequest) and body.echo and body.stream:
+            raise bad_request("'echo' is not supported with 'stream': true on this server", "echo")
 
     def completion_prompts(self, prompt) -> list[list[int]]:
         prompt = _batch(prompt)
@@ -325,7 +336,8 @@ class _Server:
                                   presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
                                   repetition_penalty=body.repetition_penalty, min_p=body.min_p,
                                   logit_bias=self._logit_bias(body.logit_bias),
-                                  structured=structured_output(body, self.engine))
+                                  structured=structured_output(body, self.engine),
+                                  prompt_logprobs=None if chat else echo.prompt_logprobs_asked(body))
         except ValueError as exc:
             name = str(exc).split(" ", 1)[0].rstrip(":")
             raise bad_request(str(exc).replace(name, _PARAM_NAMES.get(name, name), 1), _PARAM_NAMES.get(name, name)) from None
@@ -453,7 +465,7 @@ class _Server:
                                 "logprobs": logprobs, "finish_reason": reason, "token_ids": c.token_ids})
             else:
                 choices.append({"index": c.index, "text": c.text, "logprobs": logprobs, "finish_reason": reason,
-                                "token_ids": c.token_ids})
+                                "token_ids": c.token_ids, **self._echo(c, body, prompts)})
         return {"id": run.id, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
                 "model": self.config.model_name, "choices": choices, "usage": _usage(run.choices, prompts)}
 
@@ -471,6 +483,19 @@ class _Server:
         offsets = list(itertools.accumulate((len(t) for t in tokens[:-1]), initial=offset)) if tokens else []
         return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
                 "top_logprobs": [{self._token_text(a): lp for a, lp in e.top} for e in entries], "text_offset": offsets}
+
+    def _echo(self, choice: _Choice, body, prompts) -> dict:
+        """A completions choice's fields with the prompt (treeattn.serve.echo): with echo its text and
+        logprobs from the prompt's first token on; with prompt_logprobs vLLM's "prompt_logprobs"."""
+        out, prompt = {}, prompts[choice.index // body.n]
+        if body.echo:
+            out["text"] = echo.echo_text(self.engine.tokenizer, _batch(body.prompt)[choice.index // body.n]) + choice.text
+            if body.logprobs is not None:
+                out["logprobs"] = echo.echo_logprobs(self._token_text, prompt, choice.prompt_logprobs, choice.token_ids,
+                                                     choice.logprobs)
+        if body.prompt_logprobs is not None:
+            out["prompt_logprobs"] = echo.vllm_prompt_logprobs(self._token_text, prompt, choice.prompt_logprobs)
+        return out
 
     def _streamed_logprobs(self, choice: _Choice, chat: bool) -> dict:
         """The logprobs of the tokens no streamed chunk has carried yet (a token whose text is still
@@ -548,7 +573,9 @@ class _Run:
             if event.finished:
                 open_choices -= 1
                 if choice.handle is not None and event.finish_reason != "cancelled":
-                    self.server.metrics.record_result(choice.handle.result(timeout=5), count_prompt=choice.counts_prompt)
+                    result = choice.handle.result(timeout=5)
+                    choice.prompt_logprobs = result.prompt_logprobs
+                    self.server.metrics.record_result(result, count_prompt=choice.counts_prompt)
             yield choice, event
 
     def _record(self, choice: _Choice, event: TokenEvent) -> None:

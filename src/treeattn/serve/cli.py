@@ -47,7 +47,9 @@ def serve_command(
                                        help="Require 'Authorization: Bearer KEY' on every endpoint but /health. On the "
                                        "command line it shows in `ps`: prefer the environment variable or --api-key-file."),
     api_key_file: Path | None = typer.Option(None, "--api-key-file", help="Read the API key from this file (its first line)."),
-    served_model_name: str | None = typer.Option(None, "--served-model-name", help="The model id clients name (default: the file or directory name)."),
+    served_model_name: list[str] | None = typer.Option(None, "--served-model-name", metavar="NAME", help="The model id clients name (default: the "
+                                                       "file or directory name); repeat it for aliases: the first is the name /v1/models "
+                                                       "lists first and answers carry, every one is accepted (vLLM's)."),
     max_pending: int = typer.Option(256, "--max-pending", min=1, help="Requests (choices) in flight at most; more get 429 "
                                     "(a request asking alone for more: 400)."),
     max_request_bytes: int = typer.Option(4 << 20, "--max-request-bytes", min=1, help="Largest request body taken, in bytes; "
@@ -70,7 +72,9 @@ def serve_command(
         _fail(f"MODEL: no such file or directory: {model}")
     api_key = _api_key(api_key, api_key_file)
     try:
-        options = ServeOptions(host=host, port=port, model_name=served_model_name, api_key=api_key, max_pending=max_pending,
+        names = list(served_model_name or [])
+        options = ServeOptions(host=host, port=port, model_name=names[0] if names else None, aliases=tuple(names[1:]),
+                               api_key=api_key, max_pending=max_pending,
                                drain_s=drain, max_request_bytes=max_request_bytes, body_timeout_s=body_timeout,
                                log_level="warning" if log_level == "info" else log_level)
     except ValueError as exc:

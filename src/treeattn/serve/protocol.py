@@ -92,10 +92,15 @@ class _Sampling(BaseModel):
 
 class CompletionRequest(_Sampling):
     """POST /v1/completions. prompt: a string, a list of token ids, or a list of either (a batch).
-    logprobs: None, or k: each token's log-probability and the k most likely alternatives."""
+    logprobs: None, or k: each token's log-probability and the k most likely alternatives.
+    echo: the answer's text and logprobs begin with the prompt's (OpenAI's legacy echo; with
+    logprobs, the prompt tokens' too, the first one's None). prompt_logprobs: None, or k: vLLM's
+    per-prompt-token logprobs, in the choice's "prompt_logprobs" (treeattn.serve.echo)."""
 
     prompt: Union[str, list[int], list[str], list[list[int]]]
     logprobs: int | None = None
+    echo: bool = False
+    prompt_logprobs: int | None = None
 
     @field_validator("prompt", mode="before")
     @classmethod

@@ -46,6 +46,7 @@ class ServeOptions:
     host: str = "127.0.0.1"
     port: int = 8000
     model_name: str | None = None  # default: the checkpoint's file or directory name
+    aliases: tuple[str, ...] = ()  # other names clients may use (--served-model-name given more than once)
     api_key: str | None = None
     max_pending: int = 256
     drain_s: float = 30.0
@@ -112,7 +113,7 @@ def _serve(model, options: ServeOptions, engine_options: dict, engine_config, on
         from treeattn.serve.app import ServerConfig, create_app
 
         eot_ids = _eot_ids(template, engine.tokenizer)
-        config = ServerConfig(model_name=options.model_name or _default_name(model), api_key=options.api_key,
+        config = ServerConfig(model_name=options.model_name or _default_name(model), aliases=options.aliases, api_key=options.api_key,
                               max_pending=options.max_pending, max_request_bytes=options.max_request_bytes,
                               body_timeout_s=options.body_timeout_s)
         app = create_app(engine, config, chat_template=template, eot_ids=eot_ids)

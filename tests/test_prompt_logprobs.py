@@ -1,0 +1,95 @@
+"""Prompt log-probabilities (SamplingParams.prompt_logprobs, treeattn.engine.prompt_logprobs).
+
+Every prompt token's logprob and its top-k equal the float64 log-softmax of transformers' forward
+over the prompt (within float32 rounding), on one rank and on two spawned ranks under every kind of
+prefill step: chunked (several chunks, the short ones replicated on every rank), token-parallel
+("split") and ring. A prompt already in the prefix cache is computed again (cached_prompt_tokens 0)
+and gives the same values; the packing over row blocks equals one log-softmax of all the logits.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from helpers.llama_checkpoints import VOCAB, make_checkpoint  # noqa: E402
+
+import treeattn as ta  # noqa: E402
+from treeattn.engine import SamplingParams  # noqa: E402
+from treeattn.engine import prompt_logprobs as pl  # noqa: E402
+
+_G = torch.Generator().manual_seed(5)
+LONG = torch.randint(0, VOCAB, (200,), generator=_G).tolist()  # one split or ring step on 2 ranks (>= 64 rows a rank)
+SHORT = torch.randint(0, VOCAB, (70,), generator=_G).tolist()
+TOP = 2
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("prompt_logprobs") / "llama"
+    hf = make_checkpoint("llama", directory)
+    return directory, hf.double().eval()
+
+
+def _check(result, hf, prompt) -> None:
+    assert result.finish_reason == "length" and result.cached_prompt_tokens == 0
+    assert len(result.prompt_logprobs) == len(prompt) and result.prompt_logprobs[0] is None
+    with torch.no_grad():
+        expected = torch.log_softmax(hf(torch.tensor([prompt])).logits[0, :-1], dim=-1)  # row i predicts prompt[i + 1]
+    got = torch.tensor([e.logprob for e in result.prompt_logprobs[1:]], dtype=torch.float64)
+    torch.testing.assert_close(got, expected[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])], atol=2e-5, rtol=0)
+    top_values, top_ids = expected.topk(TOP, dim=-1)
+    for entry, values, ids in zip(result.prompt_logprobs[1:], top_values.tolist(), top_ids.tolist()):
+        assert entry.rank >= 1 and (entry.rank == 1) == (entry.logprob >= values[0] - 1e-5)
+        assert [lp for _, lp in entry.top] == pytest.approx(values, abs=2e-5)
+        close = abs(values[0] - values[1]) < 1e-5  # a near tie may order either way
+        assert close or [a for a, _ in entry.top] == ids
+
+
+@pytest.mark.parametrize("nproc, prefill, chunk", [(1, "auto", 48), (2, "split", 160), (2, "ring", 512)])
+def test_prompt_logprobs_equal_the_models_log_softmax(checkpoint, nproc, prefill, chunk):
+    directory, hf = checkpoint
+    with ta.Engine(str(directory), nproc=nproc, block_size=16, cache_tokens=1024, prefill=prefill, prefill_chunk=chunk,
+                   threads_per_rank=1) as engine:
+        engine.generate(LONG, max_new_tokens=1)  # the prompt is now in the prefix cache
+        long, short = engine.generate([LONG, SHORT], max_new_tokens=2, ignore_eos=True, prompt_logprobs=TOP)
+        plain, = engine.generate(SHORT, max_new_tokens=2, ignore_eos=True)
+    _check(long, hf, LONG)
+    _check(short, hf, SHORT)
+    assert plain.prompt_logprobs is None and plain.token_ids == short.token_ids
+
+
+def test_row_blocks_equal_one_log_softmax(monkeypatch):
+    from treeattn.models import random_model
+
+    model = random_model(ta.LlamaConfig(vocab_size=300, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2,
+                                        num_kv_heads=1, head_dim=8), seed=1, std=0.5)
+    hidden, targets = torch.randn(23, 16, generator=_G), torch.randint(0, 300, (23,), generator=_G)
+    monkeypatch.setattr(pl, "ROWS_PER_BLOCK", 5)  # 5 blocks, the last short
+    packed = pl.score_rows(model, hidden, targets, top=3)
+    logp = torch.log_softmax(model.logits(hidden).double(), dim=-1)
+    torch.testing.assert_close(packed[:, 0], logp[torch.arange(23), targets], atol=1e-5, rtol=0)
+    torch.testing.assert_close(packed[:, 2:5], logp.topk(3).values, atol=1e-5, rtol=0)
+    rank = (logp > logp[torch.arange(23), targets][:, None]).sum(dim=-1) + 1
+    assert torch.equal(packed[:, 1].long(), rank)
+    assert torch.equal(packed[:, 5:].long(), logp.topk(3).indices)
+
+
+@pytest.mark.parametrize("value", [-1, 21, 2.5, True, "3"])
+def test_bad_prompt_logprobs_are_refused_naming_the_field(value):
+    with pytest.raises(ValueError, match="^prompt_logprobs must be None or an int in \\[0, 20\\], got"):
+        SamplingParams(prompt_logprobs=value)
+
+
+def test_docstring_examples_run():
+    import doctest
+
+    from treeattn.engine import request
+
+    for obj in (request.RequestResult, pl.score_rows):
+        finder, runner = doctest.DocTestFinder(), doctest.DocTestRunner(optionflags=doctest.ELLIPSIS)
+        for test in finder.find(obj, globs={}):
+            runner.run(test)
+        assert runner.failures == 0 and runner.tries > 0, obj
