@@ -1,16 +1,16 @@
 """Time to first token after a restart with --kv-store, against the fresh prefill (docs/kv_store.md).
 
-    flock /tmp/treeattn-bench.lock python benchmarks/kv_store_restart.py --context 8192 --nproc 2 --kv float32 bfloat16
+    flock /tmp/treeattn-bench.lock python benchmarks/kv_store_restart.py --context 8192 --nproc 2 --kv-cache-dtype float32 bfloat16
 
 For one needle-in-a-haystack prompt of about --context tokens (treeattn.eval.haystack, through the
-model's chat template), for each --kv cache dtype, on an empty store directory: engine 1 (a fresh
+model's chat template), for each --kv-cache-dtype, on an empty store directory: engine 1 (a fresh
 prefill, its blocks written through to the store), closed; engine 2 on the same directory (a
 restart): its prompt's full blocks load from disk and only the last partial block is prefilled.
 Reported per dtype: both TTFTs and their ratio, the seconds the driver waited on the store's saves
 (the write-through's cost, inside engine 1's TTFT) and loads, the bytes on disk per stored token
 against the arena's bytes per token, the cached prompt tokens, whether the greedy tokens are
 equal, and the load average before and after each engine. The model is SmolLM2-135M-Instruct
-(treeattn.eval.demo.smollm2_path) unless --model names another.
+(treeattn.eval.demo.smollm2_path) unless MODEL names another.
 """
 
 from __future__ import annotations
@@ -42,10 +42,10 @@ def run(model: str, ids: list[int], args, kv: str, store: str) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default=None)
+    parser.add_argument("model", nargs="?", default=None, metavar="MODEL")
     parser.add_argument("--context", type=int, default=8192)
     parser.add_argument("--nproc", type=int, default=2)
-    parser.add_argument("--kv", nargs="+", default=["float32", "bfloat16"])
+    parser.add_argument("--kv-cache-dtype", nargs="+", default=["float32", "bfloat16"])
     parser.add_argument("--block-size", type=int, default=256)
     parser.add_argument("--max-new-tokens", type=int, default=8)
     args = parser.parse_args()
@@ -59,7 +59,7 @@ def main() -> None:
     ids = list(case.prompt_ids)
     print(f"# {platform.machine()}, {os.cpu_count()} cores, {os.path.basename(model)}, prompt {len(ids)} tokens, "
           f"{args.nproc} rank(s), blocks of {args.block_size}, load average {os.getloadavg()}", flush=True)
-    for kv in args.kv:
+    for kv in args.kv_cache_dtype:
         with tempfile.TemporaryDirectory(prefix="kv-store-") as store:
             fresh = run(model, ids, args, kv, store)
             restart = run(model, ids, args, kv, store)

@@ -1,8 +1,8 @@
 """TTFT over a working set of documents larger than the arena, with and without the disk store (docs/kv_store.md).
 
-    flock /tmp/treeattn-bench.lock python benchmarks/kv_store_working_set.py --docs 8 --doc-tokens 512 --arena-docs 2
+    flock /tmp/treeattn-bench.lock python benchmarks/kv_store_working_set.py --docs 8 --context 512 --arena-docs 2
 
---docs documents of --doc-tokens random token ids (seed 0), an arena of --arena-docs documents'
+--docs documents of random token ids each (--context tokens, seed 0), an arena of --arena-docs documents'
 blocks (cache_tokens; the working set is docs / arena-docs times the arena), and --requests requests
 in one seeded random order, each a document followed by a 16-token question, one at a time,
 greedy, one new token (the time to first token is the measure), after one warm-up request each. The same requests run twice in
@@ -10,7 +10,7 @@ one process, alternating the settings by request: engine A with no second tier, 
 --kv-store on a fresh directory bounded by --store-bytes (default: 1.25 x the working set's
 bytes). Reported: TTFT p50, p90, p99 and max per setting (p99 of a few dozen requests is
 about the max), the store's counters, and the load average before and after. SmolLM2 (Q4_1 GGUF)
-unless --model (a GGUF or HF directory, or "demo": a random 2-layer model, to check the script).
+unless MODEL (a GGUF or HF directory, or "demo": a random 2-layer model, to check the script).
 """
 
 from __future__ import annotations
@@ -31,9 +31,9 @@ def percentile(xs: list[float], q: float) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default=None)
+    parser.add_argument("model", nargs="?", default=None, metavar="MODEL")
     parser.add_argument("--docs", type=int, default=8)
-    parser.add_argument("--doc-tokens", type=int, default=512)
+    parser.add_argument("--context", type=int, default=512, help="tokens per document")
     parser.add_argument("--arena-docs", type=int, default=2)
     parser.add_argument("--requests", type=int, default=24)
     parser.add_argument("--nproc", type=int, default=1)
@@ -51,18 +51,18 @@ def main() -> None:
         model = random_model(LlamaConfig(**DEMO_CONFIG), seed=0)
     rng = random.Random(0)
     vocab = 4096 if not isinstance(model, str) else 40000
-    docs = [[rng.randrange(100, vocab) for _ in range(args.doc_tokens)] for _ in range(args.docs)]
+    docs = [[rng.randrange(100, vocab) for _ in range(args.context)] for _ in range(args.docs)]
     order = [rng.randrange(args.docs) for _ in range(args.requests)]
     prompts = [docs[d] + [rng.randrange(100, vocab) for _ in range(16)] for d in order]
-    cache_tokens = args.arena_docs * args.doc_tokens + 2 * args.block_size  # the documents, a question block, slack
+    cache_tokens = args.arena_docs * args.context + 2 * args.block_size  # the documents, a question block, slack
     common = dict(nproc=args.nproc, block_size=args.block_size, cache_tokens=cache_tokens, max_batch_size=1)
-    print(f"# {platform.machine()}, {os.cpu_count()} cores, {os.path.basename(model) if isinstance(model, str) else 'demo'}, {args.docs} docs x {args.doc_tokens} "
+    print(f"# {platform.machine()}, {os.cpu_count()} cores, {os.path.basename(model) if isinstance(model, str) else 'demo'}, {args.docs} docs x {args.context} "
           f"tokens, arena {cache_tokens} tokens ({args.arena_docs} docs), {args.requests} requests, {args.nproc} rank(s), "
           f"load average {os.getloadavg()}", flush=True)
     with tempfile.TemporaryDirectory(prefix="kv-ws-") as store:
         with ta.Engine(model, **common) as plain:
             per_token = plain.rank_measurements()[0].kv_bytes / ((plain.pool.blocks_per_rank + 1) * args.block_size)
-            bound = args.store_bytes or int(1.25 * per_token * args.docs * args.doc_tokens)
+            bound = args.store_bytes or int(1.25 * per_token * args.docs * args.context)
             with ta.Engine(model, kv_store=store, kv_store_bytes=bound, **common) as tiered:
                 for engine in (plain, tiered):  # warm-up (kernels compiled on first use): a prompt of no document
                     engine.generate([7] * 40, max_new_tokens=1, ignore_eos=True)

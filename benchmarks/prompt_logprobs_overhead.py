@@ -1,6 +1,6 @@
 """What prompt log-probabilities add to a prefill: the same prompt with and without prompt_logprobs, alternately.
 
-    python benchmarks/prompt_logprobs_overhead.py --model SmolLM2.gguf --tokens 8000 --nproc 1 --rounds 2
+    python benchmarks/prompt_logprobs_overhead.py SmolLM2.gguf --tokens 8000 --nproc 1 --rounds 2
 
 One engine (prefix cache off: every request prefills its whole prompt), one prompt of random token
 ids; each round runs it with max_new_tokens=1 without prompt_logprobs, then with prompt_logprobs=0
@@ -22,7 +22,7 @@ import treeattn as ta
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", required=True)
+    parser.add_argument("model", metavar="MODEL")
     parser.add_argument("--tokens", type=int, default=8000)
     parser.add_argument("--nproc", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=2)

@@ -1,7 +1,7 @@
 """Where sharding the KV cache pays on this machine: time per token of p ranks against one process, measured alternately.
 
-    python3 benchmarks/sharding_crossover.py --contexts 2048 4096 8000 --nproc 2 --rounds 3 --output crossover.json
-    python3 benchmarks/sharding_crossover.py --contexts 8000 --kv-cache-dtype bfloat16 --rounds 4
+    python3 benchmarks/sharding_crossover.py --context 2048 4096 8000 --nproc 2 --rounds 3 --output crossover.json
+    python3 benchmarks/sharding_crossover.py --context 8000 --kv-cache-dtype bfloat16 --rounds 4
 
 For each context the demo's needle document (treeattn.eval.haystack, the model's chat template if it
 has one) is prefilled once into two engines that stay up side by side: one process (all the cores'
@@ -62,8 +62,8 @@ def measure(path: str, context: int, nproc: int, rounds: int, new_tokens: int, k
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", default="smollm2", help="smollm2, gemma3 or a model path")
-    parser.add_argument("--contexts", type=int, nargs="+", default=[2048, 4096, 8000])
+    parser.add_argument("model", nargs="?", default="smollm2", metavar="MODEL", help="smollm2, gemma3 or a model path")
+    parser.add_argument("--context", type=int, nargs="+", default=[2048, 4096, 8000])
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--max-new-tokens", type=int, default=12)
@@ -72,7 +72,7 @@ def main() -> None:
     args = parser.parse_args()
     path = model_path(args.model)
     rows = []
-    for context in args.contexts:
+    for context in args.context:
         rows.append(measure(path, context, args.nproc, args.rounds, args.max_new_tokens, args.kv_cache_dtype))
         print(f"context {context}: {args.nproc} ranks / 1 process, median of {args.rounds} rounds: {rows[-1]['median_ratio']:.2f}",
               flush=True)
