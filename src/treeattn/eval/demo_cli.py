@@ -243,6 +243,9 @@ CROSSOVER_LINES = (
     "SmolLM2, 8,140-token prompt, bfloat16 KV: 2 ranks 25.42 ms a token, one process 26.21 (0.97x); float32 KV 1.02x; "
     "4K 1.00x (docs/data/weight_format_8k_s11_final.txt, weight_format_4k_s11_final.txt)",
     "Gemma 3 270M, 29,995-token prompt: 2 ranks 151.0 ms a token, one process 158.0 (0.96x) (docs/data/gemma3_timing_30k_quiet.json)",
+    "the Helix layout (--tp: the MLP and output projection split over the ranks too): SmolLM2, 4,080 tokens, --tp 1: "
+    "2 ranks 28.5-29.8 ms a token, one process 32.5 (0.88-0.92x) (docs/data/helix_smollm2_4k_s12.txt); a 1B Llama shape, "
+    "4,080 tokens, --tp 2: 94.1-94.7 against 99.3-99.6 (0.95x) (docs/data/helix_llama1b_4k_s12.txt)",
 )
 
 
