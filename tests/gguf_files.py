@@ -92,14 +92,7 @@ def write_gguf(path, hf_model, qtype, *, arch: str = "llama", tokenizer: bool = 
     writer.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
     writer.add_rope_dimension_count(head_dim)
     if tokenizer:
-        tokens, types = vocabulary()
-        writer.add_tokenizer_model("gpt2")
-        writer.add_tokenizer_pre("default")
-        writer.add_token_list(tokens)
-        writer.add_token_types(types)
-        writer.add_token_merges(MERGES)
-        writer.add_bos_token_id(1)
-        writer.add_eos_token_id(2)
+        add_tokenizer(writer)
     if chat_template is not None:
         writer.add_chat_template(chat_template)
     for hf_name, tensor in hf_model.state_dict().items():
@@ -178,3 +171,15 @@ def write_spm_gguf(path, hf_model) -> None:
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+def add_tokenizer(writer) -> None:
+    """Write the tiny byte-level BPE tokenizer (vocabulary(), MERGES, BOS 1, EOS 2) into a GGUFWriter."""
+    tokens, types = vocabulary()
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges(MERGES)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)

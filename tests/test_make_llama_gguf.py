@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from gguf_files import CHATML, MERGES, vocabulary
+from gguf_files import CHATML, add_tokenizer, vocabulary
 from helpers.llama_checkpoints import treeattn_logits
 
 import treeattn as ta
@@ -30,21 +30,14 @@ def _script():
 
 def _tokenizer_source(path: Path) -> int:
     """A GGUF holding only a tiny byte-level BPE tokenizer (tests/gguf_files.py's); returns its size."""
-    tokens, types = vocabulary()
     writer = gguf.GGUFWriter(str(path), arch="llama")
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("default")
-    writer.add_token_list(tokens)
-    writer.add_token_types(types)
-    writer.add_token_merges(MERGES)
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
+    add_tokenizer(writer)
     writer.add_chat_template(CHATML)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
     writer.close()
-    return len(tokens)
+    return len(vocabulary()[0])
 
 
 @pytest.fixture(scope="module")
