@@ -47,7 +47,6 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None, help="intra-op threads (default: torch's)")
     parser.add_argument("--heads", type=int, nargs=2, default=[32, 8], metavar=("HQ", "HKV"))
     parser.add_argument("--output", metavar="PATH", help="also write the rows (one object per sequence length) to this JSON file")
-    parser.add_argument("--json", dest="output", default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # old spelling
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
     if args.threads:

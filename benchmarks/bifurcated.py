@@ -271,7 +271,6 @@ def main() -> None:
     parser.add_argument("files", nargs="*", help="summarize: JSON files written by step --output")
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     parser.add_argument("--context", type=int, nargs="+", default=[8192, 32768], help="context lengths in tokens")
-    parser.add_argument("--contexts", dest="context", type=int, nargs="+", default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # old spelling
     parser.add_argument("--samples", type=int, nargs="+", default=[1, 8, 32, 128])
     parser.add_argument("--decoded", type=int, default=64, help="Md, tokens each sample has decoded")
     parser.add_argument("--repeats", type=int, default=5)
@@ -280,7 +279,6 @@ def main() -> None:
     parser.add_argument("--switch-samples", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
     parser.add_argument("--switch-decoded", type=int, nargs="+", default=[1, 64])
     parser.add_argument("--output", help="also write the measurements to this file")
-    parser.add_argument("--json", dest="output", default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # old spelling
     args = parser.parse_args()
     if args.what == "summarize":
         summarize(args.files)

@@ -77,7 +77,6 @@ def main() -> None:
     parser.add_argument("--methods", nargs="+", default=["allreduce", "onepass", "tree"])
     parser.add_argument("--transports", nargs="+", default=["gloo", "shm"], choices=["gloo", "shm"])
     parser.add_argument("--output", default=None)
-    parser.add_argument("--json", dest="output", default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # old spelling
     args = parser.parse_args()
     results = {}
     for p in args.nproc:

@@ -10,12 +10,11 @@ visible (a decode step). Prints ms per call (median of --repeats) and the ratios
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 
 import treeattn as ta
-from attention_cpu import median_seconds  # a sibling script: python3 benchmarks/cpu_decode_attention.py
+from treeattn.bench.harness import median_seconds
 from treeattn.ops import cpu_decode
 
 

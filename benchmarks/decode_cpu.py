@@ -201,12 +201,10 @@ def markdown(rows: list[dict]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--nproc", type=int, nargs="+", default=[2, 4])
-    parser.add_argument("--world-sizes", dest="nproc", type=int, nargs="+", default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # old spelling
     parser.add_argument("--seq-lens", type=int, nargs="+", default=[16384, 65536, 262144])
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--ring-repeats", type=int, default=3, help="repeats of ring pass-KV (seconds per call at 256K)")
     parser.add_argument("--output", type=str, default=None, help="write the raw samples here")
-    parser.add_argument("--json", dest="output", type=str, default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # old spelling
     parser.add_argument("--render", type=str, default=None, help="print the tables of an earlier --output file and exit")
     args = parser.parse_args()
     if args.render:

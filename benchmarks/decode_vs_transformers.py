@@ -24,10 +24,8 @@ JSON on stdout, a markdown table on stderr.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 from pathlib import Path
@@ -35,8 +33,8 @@ from pathlib import Path
 import torch
 
 import treeattn as ta
-
-from hf_decode import SMOLLM2_FILE, StepTimer, smollm2_path  # a sibling script: python3 benchmarks/decode_vs_transformers.py
+from treeattn.bench import harness
+from treeattn.bench.harness import StepTimer
 
 
 def prompt_ids(context: int, vocab: int) -> list[int]:
@@ -81,19 +79,12 @@ def rank_main(rank: int, world_size: int, gguf: str, context: int, new_tokens: i
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--context", type=int, nargs="+", default=[4096, 8192])
-    parser.add_argument("--max-new-tokens", type=int, default=8)
-    parser.add_argument("--new-tokens", dest="max_new_tokens", type=int, default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # old spelling
-    parser.add_argument("--nproc", type=int, nargs="+", default=[1, 2])
+    parser = harness.parser(__doc__, model="smollm2", context=[4096, 8192], max_new_tokens=8, nproc=[1, 2])
     parser.add_argument("--weight-format", choices=["dequantize", "packed"], default="dequantize")
-    parser.add_argument("--output", type=Path)
-    parser.add_argument("--json", dest="output", type=Path, default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # old spelling
-    parser.add_argument("--out", dest="output", type=Path, default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # old spelling
-    args = parser.parse_args()
+    args = harness.parse_args(parser)
     import transformers
 
-    gguf = smollm2_path()
+    gguf = Path(args.model)
     rows = []
     for context in args.context:
         hf_first = run_transformers(gguf, context, args.max_new_tokens)
@@ -111,15 +102,11 @@ def main() -> None:
                              "tokens": run["tokens"]})
         for row in rows[-2 - 2 * len(ours):]:
             print(json.dumps(row), file=sys.stderr)
-    load = os.getloadavg()
-    meta = {"machine": f"{platform.machine()}, {os.cpu_count()} cores", "torch": torch.__version__,
-            "transformers": transformers.__version__, "model": SMOLLM2_FILE, "weight_format": args.weight_format, "new_tokens": args.max_new_tokens,
-            "load_average_at_end": load, "command": " ".join(sys.argv)}
+    meta = {"transformers": transformers.__version__, "model": gguf.name, "weight_format": args.weight_format,
+            "new_tokens": args.max_new_tokens}
     result = {"meta": meta, "rows": rows}
-    text = json.dumps(result, indent=1)
-    print(text)
-    if args.output:
-        args.output.write_text(text + "\n")
+    print(json.dumps(result, indent=1))
+    harness.write_output(args.output, result)  # with the command and the machine (load average at the end)
     print("| context | variant | ranks | threads | ms/token median (min) | / transformers | same tokens |", file=sys.stderr)
     print("|---|---|---|---|---|---|---|", file=sys.stderr)
     for r in rows:

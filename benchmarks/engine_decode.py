@@ -97,11 +97,9 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=65536)
     parser.add_argument("--nproc", type=int, default=4)
     parser.add_argument("--max-new-tokens", type=int, default=16)
-    parser.add_argument("--new-tokens", dest="max_new_tokens", type=int, default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # old spelling
     parser.add_argument("--reference", action="store_true", help="also decode on one process (its own prefill)")
     parser.add_argument("--gather-check", action="store_true")
     parser.add_argument("--output", help="write the rows to this file")
-    parser.add_argument("--json", dest="output", default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # old spelling
     args = parser.parse_args()
 
     machine = f"{platform.machine()}, {torch.get_num_threads()} threads available, torch {torch.__version__}"

@@ -39,14 +39,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nproc", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--context", type=int, nargs="+", default=[4096, 8191], help="prompt lengths in tokens")
-    parser.add_argument("--tokens", dest="context", type=int, nargs="+", default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # old spelling
     parser.add_argument("--prefill-chunk", type=int, default=512)
     parser.add_argument("--block-size", type=int, default=256)
     parser.add_argument("--placement", default="contiguous", choices=["contiguous", "interleaved"])
     parser.add_argument("--prefill", default="auto", choices=["auto", "ring", "split"],
                         help="prompt-only steps: ring (zigzag pieces, the default under auto) or split (token-parallel slices)")
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--repeat", dest="repeats", type=int, default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # old spelling
     parser.add_argument("--ids-dir", type=Path, default=None)
     args = parser.parse_args()
     from treeattn.eval.demo import smollm2_path

@@ -26,7 +26,6 @@ from treeattn.models.llama import LlamaConfig, random_model
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--context", type=int, default=16384, help="prompt length in tokens: the document's, as `treeattn demo --context`")
-    parser.add_argument("--doc-tokens", dest="context", type=int, default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # old spelling
     parser.add_argument("--question-tokens", type=int, default=16)
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--prefill-chunk", type=int, default=4096)

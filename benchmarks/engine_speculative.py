@@ -106,9 +106,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nproc", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--context", type=int, default=3000, help="prompt length in tokens: the document's, as `treeattn demo --context`")
-    parser.add_argument("--doc-tokens", dest="context", type=int, default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # old spelling
     parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--new-tokens", dest="max_new_tokens", type=int, default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # old spelling
     parser.add_argument("--draft-tokens", type=int, default=4)
     parser.add_argument("--block-size", type=int, default=256)
     parser.add_argument("--cores", type=int, default=os.cpu_count() or 1, help="torch threads over all ranks")

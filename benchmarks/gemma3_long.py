@@ -164,7 +164,6 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=8192)
     parser.add_argument("--nproc", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--max-new-tokens", type=int, default=4)
-    parser.add_argument("--new-tokens", dest="max_new_tokens", type=int, default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # old spelling
     parser.add_argument("--timing-tokens", type=int, default=8, help="decode steps timed for transformers' cached decoding")
     parser.add_argument("--depth", type=float, default=0.5)
     parser.add_argument("--no-oracle", action="store_true")
@@ -173,8 +172,6 @@ def main() -> None:
     parser.add_argument("--check-gguf", action="store_true", help="only: prefill logits of a short prompt against "
                         "transformers' own load of the GGUF file (minutes on a 2-core machine)")
     parser.add_argument("--output", default=None)
-    parser.add_argument("--json", dest="output", default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # old spelling
-    parser.add_argument("--out", dest="output", default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # old spelling
     args = parser.parse_args()
 
     import treeattn as ta

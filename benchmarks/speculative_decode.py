@@ -96,11 +96,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--nproc", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--context", type=int, default=4000, help="prompt length in tokens: the document's, as `treeattn demo --context`")
-    parser.add_argument("--doc-tokens", dest="context", type=int, default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # old spelling
     parser.add_argument("--questions", choices=["two", "all"], default="two",
                         help="two: qa and summarise; all: also the three questions of MORE_QUESTIONS")
     parser.add_argument("--max-new-tokens", type=int, default=96)
-    parser.add_argument("--new-tokens", dest="max_new_tokens", type=int, default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # old spelling
     parser.add_argument("--draft-tokens", type=int, default=8)
     parser.add_argument("--threads", type=int, default=None, help="torch threads per rank (default: 2 // p, at least 1)")
     parser.add_argument("--speculate", nargs="+", choices=["ngram", "draft"], default=["ngram"])

@@ -8,27 +8,43 @@ document does). Time per token is RequestResult.decode_s / (tokens - 1) (the fir
 the prefill). The two kinds alternate round by round so that load from other processes hits both
 alike; reported per round and as the ratio of the medians. The constrained output is printed and
 checked against the schema
-(structured_mask.py's, with each tag at most 12 characters: SmolLM2-135M looped in an unbounded one).
+(structured_mask.py's, with each tag at most 12 characters: SmolLM2-135M looped in an unbounded one;
+the schema is written out here, so that this script imports no other).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import time
 
 import torch
-from structured_mask import SCHEMA as MASK_SCHEMA
 
 import treeattn as ta
-from treeattn.eval.demo import smollm2_path
+from treeattn.bench import harness
 from treeattn.models import load_tokenizer
 from treeattn.models.chat import encode_chat, end_of_turn_id, read_chat_template
 
 # structured_mask.py's schema with each tag bounded (a 135M model loops in an unbounded string: it ran to max_new_tokens)
-SCHEMA = {**MASK_SCHEMA, "properties": {**MASK_SCHEMA["properties"],
-                                        "tags": {"type": "array", "items": {"type": "string", "maxLength": 12}, "maxItems": 5}}}
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "minLength": 1, "maxLength": 40},
+        "age": {"type": "integer", "minimum": 0, "maximum": 150},
+        "email": {"type": "string", "pattern": "^[a-z]+@[a-z]+\\.[a-z]{2,3}$"},
+        "role": {"enum": ["admin", "user", "guest"]},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 12}, "maxItems": 5},
+        "address": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
+            "required": ["city", "zip"],
+            "additionalProperties": False,
+        },
+        "score": {"type": "number", "minimum": 0, "maximum": 1},
+    },
+    "required": ["name", "age", "email", "role", "tags", "address", "score"],
+    "additionalProperties": False,
+}
 PROMPT = "Describe a fictional person as JSON with name, age, email, role, tags, address and score."
 
 
@@ -70,12 +86,11 @@ def _apply_mask_us(engine) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = harness.parser(__doc__, model="smollm2", nproc=1, output=False)
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--tokens", type=int, default=64)
-    parser.add_argument("--nproc", type=int, default=1)
-    args = parser.parse_args()
-    path = smollm2_path()
+    args = harness.parse_args(parser)
+    path = args.model
     tokenizer, template = load_tokenizer(path), read_chat_template(path)
     prompt = encode_chat(tokenizer, template, [{"role": "user", "content": PROMPT}])
     stop = [end_of_turn_id(tokenizer, template)]

