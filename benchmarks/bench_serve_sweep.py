@@ -14,7 +14,6 @@ concurrency. The server is then stopped with SIGTERM.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import signal
@@ -22,23 +21,19 @@ import subprocess
 import sys
 from pathlib import Path
 
+from treeattn.bench import harness
+
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("model", nargs="?", default=None)
-    parser.add_argument("--nproc", type=int, default=1)
+    parser = harness.parser(__doc__, model="smollm2", nproc=1, output=False)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--num-prompts", type=int, default=8)
     parser.add_argument("--input-len", type=int, default=256)
     parser.add_argument("--output-len", type=int, default=32)
     parser.add_argument("--out-dir", default="docs/data")
-    args = parser.parse_args()
+    args = harness.parse_args(parser)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a timeout's SIGTERM: stop the server on the way out
     model = args.model
-    if model is None:
-        from treeattn.eval.demo import smollm2_path
-
-        model = str(smollm2_path())
     from treeattn.serve.child import start_serve
 
     child = start_serve(model, "--nproc", str(args.nproc), "--served-model-name", "bench", "--log-level", "warning")

@@ -32,7 +32,6 @@ over the grid (every workload weighs the same).
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import json
 import math
@@ -46,6 +45,7 @@ import time
 import torch
 
 import treeattn as ta
+from treeattn.bench import harness
 
 VARIANTS = {"MHA": (16, 16, 64), "MQA": (16, 1, 64)}  # (Hq, Hkv, D)
 GIB = 1 << 30
@@ -150,9 +150,7 @@ def step(args) -> None:
             peak_plain = f"> {read_plain / GIB:.0f} GiB"
         print(f"| {variant} | {Mc // 1024}K | {n} | {t_bif * 1e3:.1f} | {plain_cells} | {_mib(read_bif)} | "
               f"{_mib(read_plain)} | {_mib(row['peak_bytes']['bifurcated'])} | {peak_plain} |", flush=True)
-    if args.output:
-        with open(args.output, "w") as f:
-            json.dump(rows, f, indent=1)
+    harness.write_output(args.output, rows)
 
 
 def _mib(nbytes: int) -> str:
@@ -219,9 +217,7 @@ def switch(args) -> None:
     print(f"\nfitted rule: batched iff n * Mc * Hkv * D <= {threshold}. Over the {len(points)} workloads it picks the "
           f"slower mode (by > 5%) {misses} times, mean slowdown vs the faster mode {math.exp(log_slowdown / len(points)):.3f}x; "
           f"always bifurcated: {always_misses} times, {math.exp(always_log / len(points)):.3f}x")
-    if args.output:
-        with open(args.output, "w") as f:
-            json.dump({"points": points, "threshold": threshold}, f, indent=1)
+    harness.write_output(args.output, {"points": points, "threshold": threshold})
 
 
 def _interleaved(Hq, Hkv, D, Mc, n, Md, repeats) -> tuple[float, float]:
@@ -266,20 +262,17 @@ def main() -> None:
             result = memory_one(mode, variant, int(Mc), int(n), int(Md))
         print(json.dumps(result))
         return
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = harness.parser(__doc__, context=[8192, 32768], repeats=5, helps={'context': 'context lengths in tokens', 'output': 'also write the measurements to this file'})
     parser.add_argument("what", choices=["step", "switch", "summarize"])
     parser.add_argument("files", nargs="*", help="summarize: JSON files written by step --output")
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
-    parser.add_argument("--context", type=int, nargs="+", default=[8192, 32768], help="context lengths in tokens")
     parser.add_argument("--samples", type=int, nargs="+", default=[1, 8, 32, 128])
     parser.add_argument("--decoded", type=int, default=64, help="Md, tokens each sample has decoded")
-    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--max-cache-gib", type=float, default=12.0, help="skip plain batches whose K/V cache exceeds this")
     parser.add_argument("--switch-contexts", type=int, nargs="+", default=[16, 64, 256, 1024, 4096])
     parser.add_argument("--switch-samples", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
     parser.add_argument("--switch-decoded", type=int, nargs="+", default=[1, 64])
-    parser.add_argument("--output", help="also write the measurements to this file")
-    args = parser.parse_args()
+    args = harness.parse_args(parser)
     if args.what == "summarize":
         summarize(args.files)
     else:

@@ -15,8 +15,6 @@ rounds comm_stats counted per combine.
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
 import time
 
@@ -24,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 import treeattn as ta
+from treeattn.bench import harness
 from treeattn.ops import attention
 from treeattn.parallel.shared_memory import SharedMemoryGroup
 from treeattn.parallel.tree_decode import combine_states
@@ -66,8 +65,7 @@ def rank_main(rank: int, world_size: int, args) -> dict | None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--nproc", type=int, nargs="+", default=[2, 4])
+    parser = harness.parser(__doc__, nproc=[2, 4])
     parser.add_argument("--tokens", type=int, default=4096, help="keys per rank")
     parser.add_argument("--layers", type=int, default=30)
     parser.add_argument("--steps", type=int, default=20)
@@ -76,8 +74,7 @@ def main() -> None:
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--methods", nargs="+", default=["allreduce", "onepass", "tree"])
     parser.add_argument("--transports", nargs="+", default=["gloo", "shm"], choices=["gloo", "shm"])
-    parser.add_argument("--output", default=None)
-    args = parser.parse_args()
+    args = harness.parse_args(parser)
     results = {}
     for p in args.nproc:
         report = ta.spawn(rank_main, p, args, timeout=600)[0]
@@ -85,9 +82,7 @@ def main() -> None:
         for m, r in report.items():
             print(f"p={p} {m:17s} combine per layer: median {r['median_ms']:.3f} ms (p10 {r['p10_ms']:.3f}, p90 {r['p90_ms']:.3f}), "
                   f"{r['rounds']} round(s), {r['samples']} layers")
-    if args.output:
-        with open(args.output, "w") as f:
-            json.dump(results, f, indent=1)
+    harness.write_output(args.output, results)
 
 
 if __name__ == "__main__":

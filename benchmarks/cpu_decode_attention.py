@@ -9,11 +9,10 @@ visible (a decode step). Prints ms per call (median of --repeats) and the ratios
 
 from __future__ import annotations
 
-import argparse
-
 import torch
 
 import treeattn as ta
+from treeattn.bench import harness
 from treeattn.bench.harness import median_seconds
 from treeattn.ops import cpu_decode
 
@@ -23,12 +22,10 @@ def median_ms(fn, repeats: int) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = harness.parser(__doc__, threads=2, repeats=9, output=False)
     parser.add_argument("--keys", type=int, nargs="+", default=[4096, 16384, 65536])
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8])
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--repeats", type=int, default=9)
-    args = parser.parse_args()
+    args = harness.parse_args(parser)
     torch.set_num_threads(args.threads)
     real = cpu_decode.decode_attention
     print(f"{'B':>3} {'keys':>7} {'kernel ms':>10} {'matmul ms':>10} {'sdpa ms':>9} {'kernel/matmul':>14} {'kernel/sdpa':>12}")

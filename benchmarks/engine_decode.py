@@ -17,8 +17,6 @@ blocks through a shuffled block table first (what a paged pool needs before a de
 
 from __future__ import annotations
 
-import argparse
-import json
 import platform
 import statistics
 import time
@@ -26,6 +24,7 @@ import time
 import torch
 
 import treeattn as ta
+from treeattn.bench import harness
 from treeattn.eval.synthetic import DEMO_CONFIG, run_demo, run_reference
 
 METHODS = (("tree", "allreduce"), ("tree", "tree"), ("ring", "allreduce"))
@@ -93,14 +92,10 @@ def gather_check(shard_tokens: int, block_size: int, repeats: int) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--context", type=int, default=65536)
-    parser.add_argument("--nproc", type=int, default=4)
-    parser.add_argument("--max-new-tokens", type=int, default=16)
+    parser = harness.parser(__doc__, context=65536, nproc=4, max_new_tokens=16, helps={'output': 'write the rows to this file'})
     parser.add_argument("--reference", action="store_true", help="also decode on one process (its own prefill)")
     parser.add_argument("--gather-check", action="store_true")
-    parser.add_argument("--output", help="write the rows to this file")
-    args = parser.parse_args()
+    args = harness.parse_args(parser)
 
     machine = f"{platform.machine()}, {torch.get_num_threads()} threads available, torch {torch.__version__}"
     print(f"# {machine}; context {args.context}, {args.nproc} ranks, {args.max_new_tokens} new tokens")
@@ -117,9 +112,7 @@ def main() -> None:
         print(f"# one rank, one layer, {check['shard_tokens']} tokens, blocks of {check['block_size']}: attention on the arena view "
               f"{check['view_ms']:.2f} ms; gather through a block table + attention {check['gather_then_attend_ms']:.2f} ms")
         result["gather_check"] = check
-    if args.output:
-        with open(args.output, "w") as f:
-            json.dump(result, f, indent=1)
+    harness.write_output(args.output, result)
 
 
 if __name__ == "__main__":

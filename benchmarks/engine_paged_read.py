@@ -13,7 +13,6 @@ adjacent (one run each: a prefilled document), and many sequences whose blocks a
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
@@ -22,6 +21,7 @@ import time
 
 import torch
 
+from treeattn.bench import harness
 from treeattn.cache.blocks import BlockRef
 from treeattn.cache.paged import PagedKVCache
 from treeattn.engine import batch as engine_batch
@@ -55,10 +55,8 @@ def time_read(cache, tables, copy_free: bool, repeat: int) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=20)
-    parser.add_argument("--threads", type=int, default=1)
-    args = parser.parse_args()
+    parser = harness.parser(__doc__, repeats=20, threads=1, output=False)
+    args = harness.parse_args(parser)
     torch.set_num_threads(args.threads)
     cases = [("1 sequence x 64 blocks (16K keys), adjacent", 1, 64, False),
              ("4 sequences x 16 blocks (4K keys each), adjacent", 4, 16, False),

@@ -18,7 +18,6 @@ JSON object.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
@@ -29,6 +28,7 @@ from pathlib import Path
 import torch
 
 import treeattn as ta
+from treeattn.bench import harness
 
 
 def prompt_ids(tokens: int, vocab_size: int) -> list[int]:
@@ -36,17 +36,14 @@ def prompt_ids(tokens: int, vocab_size: int) -> list[int]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--nproc", type=int, nargs="+", default=[1, 2, 4])
-    parser.add_argument("--context", type=int, nargs="+", default=[4096, 8191], help="prompt lengths in tokens")
+    parser = harness.parser(__doc__, nproc=[1, 2, 4], context=[4096, 8191], repeats=2, output=False, helps={'context': 'prompt lengths in tokens'})
     parser.add_argument("--prefill-chunk", type=int, default=512)
     parser.add_argument("--block-size", type=int, default=256)
     parser.add_argument("--placement", default="contiguous", choices=["contiguous", "interleaved"])
     parser.add_argument("--prefill", default="auto", choices=["auto", "ring", "split"],
                         help="prompt-only steps: ring (zigzag pieces, the default under auto) or split (token-parallel slices)")
-    parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--ids-dir", type=Path, default=None)
-    args = parser.parse_args()
+    args = harness.parse_args(parser)
     from treeattn.eval.demo import smollm2_path
 
     model_path = smollm2_path()

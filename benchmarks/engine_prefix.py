@@ -11,7 +11,6 @@ to first token and cached prompt tokens, and the ratio of the TTFTs.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
@@ -19,17 +18,16 @@ import platform
 import torch
 
 import treeattn as ta
+from treeattn.bench import harness
 from treeattn.eval.synthetic import DEMO_CONFIG
 from treeattn.models.llama import LlamaConfig, random_model
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--context", type=int, default=16384, help="prompt length in tokens: the document's, as `treeattn demo --context`")
+    parser = harness.parser(__doc__, context=16384, nproc=2, output=False, helps={'context': "prompt length in tokens: the document's, as `treeattn demo --context`"})
     parser.add_argument("--question-tokens", type=int, default=16)
-    parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--prefill-chunk", type=int, default=4096)
-    args = parser.parse_args()
+    args = harness.parse_args(parser)
     config = LlamaConfig(**DEMO_CONFIG)
     g = torch.Generator().manual_seed(0)
     doc = torch.randint(0, config.vocab_size, (args.context,), generator=g).tolist()

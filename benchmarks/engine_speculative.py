@@ -21,7 +21,6 @@ markdown table on stderr.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
@@ -32,6 +31,7 @@ from pathlib import Path
 import torch
 
 import treeattn as ta
+from treeattn.bench import harness
 from treeattn.engine import SamplingParams
 
 PAPER = Path(__file__).resolve().parents[1] / "docs" / "papers" / "tree-attention.txt"
@@ -103,17 +103,14 @@ def run(model_path, p: int, mode: str, speculate: str | None, draft_model: str |
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--nproc", type=int, nargs="+", default=[1, 2])
-    parser.add_argument("--context", type=int, default=3000, help="prompt length in tokens: the document's, as `treeattn demo --context`")
-    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser = harness.parser(__doc__, nproc=[1, 2], context=3000, max_new_tokens=64, output=False, helps={'context': "prompt length in tokens: the document's, as `treeattn demo --context`"})
     parser.add_argument("--draft-tokens", type=int, default=4)
     parser.add_argument("--block-size", type=int, default=256)
     parser.add_argument("--cores", type=int, default=os.cpu_count() or 1, help="torch threads over all ranks")
     parser.add_argument("--speculate", nargs="+", choices=["ngram", "draft"], default=["ngram"])
     parser.add_argument("--draft-model", nargs="*", default=[], help="draft models of --speculate draft, each run "
                         "(a .gguf or HF directory of the model's tokenizer; 'self': the model itself)")
-    args = parser.parse_args()
+    args = harness.parse_args(parser)
     if ("draft" in args.speculate) != bool(args.draft_model):
         parser.error("--speculate draft and --draft-model go together")
     from treeattn.eval.demo import smollm2_path

@@ -18,7 +18,6 @@ Prints one JSON object.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
@@ -28,6 +27,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from treeattn.bench import harness
 from treeattn.cache.blocks import ShardedBlockPool
 from treeattn.engine import token_parallel
 from treeattn.engine.runner import RankRunner
@@ -74,15 +74,12 @@ def rank_main(rank: int, world_size: int, model_path: str, args) -> list[dict] |
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--nproc", type=int, default=2)
+    parser = harness.parser(__doc__, nproc=2, context=2048, repeats=3, output=False)
     parser.add_argument("--tokens", type=int, nargs="+", default=[8, 16, 32, 64, 128, 256, 512])
     parser.add_argument("--kinds", nargs="+", default=["prefill", "decode"], choices=["prefill", "decode"])
-    parser.add_argument("--context", type=int, default=2048)
     parser.add_argument("--block-size", type=int, default=256)
-    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--cores", type=int, default=os.cpu_count() or 1, help="torch threads over all ranks")
-    args = parser.parse_args()
+    args = harness.parse_args(parser)
     from treeattn.eval.demo import smollm2_path
 
     rows = spawn(rank_main, args.nproc, str(smollm2_path()), args, timeout=3600)[0]

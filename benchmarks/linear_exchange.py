@@ -10,7 +10,6 @@ the same calls after a barrier; the figure is the median over repeats of the slo
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import time
@@ -19,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 import treeattn as ta
+from treeattn.bench import harness
 from treeattn.linear import HedgehogFeatureMap, LinearAttentionState
 from treeattn.linear.exchange import exchange_states
 
@@ -53,11 +53,9 @@ def worker(rank: int, world: int, tokens: int, repeats: int) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--nproc", type=int, nargs="+", default=[2, 3, 4])
+    parser = harness.parser(__doc__, nproc=[2, 3, 4], repeats=20, output=False)
     parser.add_argument("--tokens", type=int, default=2048)
-    parser.add_argument("--repeats", type=int, default=20)
-    args = parser.parse_args()
+    args = harness.parse_args(parser)
     rows = []
     for world in args.nproc:
         r = ta.spawn(worker, world, args.tokens, args.repeats)[0]

@@ -19,7 +19,6 @@ Prints one JSON object per line.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import statistics
@@ -29,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 import treeattn as ta
+from treeattn.bench import harness
 from treeattn.cache import ShardedKVCache
 from treeattn.linear.cli import _layers
 from treeattn.linear.hybrid import HybridStore, LinearStates, linear_layers, linearize_layers, load_hybrid, softmax_index
@@ -182,19 +182,15 @@ def part_needle(args):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("model")
+    parser = harness.parser(__doc__, model="required", context=8192, max_new_tokens=16, threads=2, output=False)
     parser.add_argument("maps")
     parser.add_argument("--heldout", required=True)
     parser.add_argument("--heldout-tokens", type=int, default=1024)
     parser.add_argument("--seq-len", type=int, default=256)
-    parser.add_argument("--context", type=int, default=8192)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--needle-tokens", type=int, default=1024)
-    parser.add_argument("--max-new-tokens", type=int, default=16)
-    parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--parts", nargs="+", default=["errors", "perplexity", "decode", "needle"])
-    args = parser.parse_args()
+    args = harness.parse_args(parser)
     torch.set_num_threads(args.threads)
     model = ta.load_model(args.model)
     held = model.tokenizer.encode(open(args.heldout, encoding="utf-8").read()).ids

@@ -21,7 +21,6 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import platform
 import statistics
@@ -29,6 +28,7 @@ import time
 
 import torch
 
+from treeattn.bench import harness
 from treeattn.cache import ShardedKVCache
 from treeattn.models.attention import LocalAttention
 from treeattn.models.deepseek import DeepseekConfig, MLAttention, prefers_naive, rope_cos_sin, rope_parameters
@@ -117,15 +117,11 @@ def mha_cache_step(config: DeepseekConfig, context: int):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--context", type=int, nargs="+", default=[8192, 16384, 32768, 65536], help="context lengths in tokens")
+    parser = harness.parser(__doc__, context=[8192, 16384, 32768, 65536], repeats=3, threads=torch.get_num_threads(), helps={'context': 'context lengths in tokens'})
     parser.add_argument("--heads", type=int, default=16)
-    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--prefill", type=int, nargs="*", default=[64, 256, 1024])
     parser.add_argument("--bytes-context", type=int, default=131072)
-    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
-    parser.add_argument("--output", default=None)
-    args = parser.parse_args()
+    args = harness.parse_args(parser)
     torch.set_num_threads(args.threads)
     report = {"machine": f"{platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}",
               "kv_bytes": kv_bytes_rows(args.bytes_context, [1, 2, 4, 8])}
@@ -150,9 +146,7 @@ def main() -> None:
     report.update(heads=args.heads, decode=decode, prefill=prefill)
     for row in report["kv_bytes"]:
         print(json.dumps(row))
-    if args.output:
-        with open(args.output, "w") as f:
-            json.dump(report, f, indent=1)
+    harness.write_output(args.output, report)
 
 
 if __name__ == "__main__":

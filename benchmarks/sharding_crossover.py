@@ -14,11 +14,12 @@ round's two times, their ratio, the greedy tokens (they must agree) and the load
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
 import time
+
+from treeattn.bench import harness
 
 
 def model_path(name: str) -> str:
@@ -61,24 +62,17 @@ def measure(path: str, context: int, nproc: int, rounds: int, new_tokens: int, k
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = harness.parser(__doc__, context=[2048, 4096, 8000], nproc=2, max_new_tokens=12, kv_cache_dtype='auto')
     parser.add_argument("model", nargs="?", default="smollm2", metavar="MODEL", help="smollm2, gemma3 or a model path")
-    parser.add_argument("--context", type=int, nargs="+", default=[2048, 4096, 8000])
-    parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--max-new-tokens", type=int, default=12)
-    parser.add_argument("--kv-cache-dtype", default="auto")
-    parser.add_argument("--output", default=None)
-    args = parser.parse_args()
+    args = harness.parse_args(parser)
     path = model_path(args.model)
     rows = []
     for context in args.context:
         rows.append(measure(path, context, args.nproc, args.rounds, args.max_new_tokens, args.kv_cache_dtype))
         print(f"context {context}: {args.nproc} ranks / 1 process, median of {args.rounds} rounds: {rows[-1]['median_ratio']:.2f}",
               flush=True)
-    if args.output:
-        with open(args.output, "w") as f:
-            json.dump({"model": path, "command": " ".join(os.sys.argv), "rows": rows}, f, indent=1)
+    harness.write_output(args.output, {"model": path, "command": " ".join(os.sys.argv), "rows": rows})
 
 
 if __name__ == "__main__":

