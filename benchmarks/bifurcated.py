@@ -262,7 +262,8 @@ def main() -> None:
             result = memory_one(mode, variant, int(Mc), int(n), int(Md))
         print(json.dumps(result))
         return
-    parser = harness.parser(__doc__, context=[8192, 32768], repeats=5, helps={'context': 'context lengths in tokens', 'output': 'also write the measurements to this file'})
+    parser = harness.parser(__doc__, context=[8192, 32768], repeats=5,
+                            helps={"context": "context lengths in tokens", "output": "also write the measurements to this file"})
     parser.add_argument("what", choices=["step", "switch", "summarize"])
     parser.add_argument("files", nargs="*", help="summarize: JSON files written by step --output")
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))

@@ -92,7 +92,8 @@ def gather_check(shard_tokens: int, block_size: int, repeats: int) -> dict:
 
 
 def main() -> None:
-    parser = harness.parser(__doc__, context=65536, nproc=4, max_new_tokens=16, helps={'output': 'write the rows to this file'})
+    parser = harness.parser(__doc__, context=65536, nproc=4, max_new_tokens=16,
+                            helps={"output": "write the rows to this file"})
     parser.add_argument("--reference", action="store_true", help="also decode on one process (its own prefill)")
     parser.add_argument("--gather-check", action="store_true")
     args = harness.parse_args(parser)

@@ -36,7 +36,8 @@ def prompt_ids(tokens: int, vocab_size: int) -> list[int]:
 
 
 def main() -> None:
-    parser = harness.parser(__doc__, nproc=[1, 2, 4], context=[4096, 8191], repeats=2, output=False, helps={'context': 'prompt lengths in tokens'})
+    parser = harness.parser(__doc__, nproc=[1, 2, 4], context=[4096, 8191], repeats=2, output=False,
+                            helps={"context": "prompt lengths in tokens"})
     parser.add_argument("--prefill-chunk", type=int, default=512)
     parser.add_argument("--block-size", type=int, default=256)
     parser.add_argument("--placement", default="contiguous", choices=["contiguous", "interleaved"])

@@ -24,7 +24,8 @@ from treeattn.models.llama import LlamaConfig, random_model
 
 
 def main() -> None:
-    parser = harness.parser(__doc__, context=16384, nproc=2, output=False, helps={'context': "prompt length in tokens: the document's, as `treeattn demo --context`"})
+    parser = harness.parser(__doc__, context=16384, nproc=2, output=False,
+                            helps={'context': "prompt length in tokens: the document's, as `treeattn demo --context`"})
     parser.add_argument("--question-tokens", type=int, default=16)
     parser.add_argument("--prefill-chunk", type=int, default=4096)
     args = harness.parse_args(parser)

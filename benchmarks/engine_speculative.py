@@ -103,7 +103,8 @@ def run(model_path, p: int, mode: str, speculate: str | None, draft_model: str |
 
 
 def main() -> None:
-    parser = harness.parser(__doc__, nproc=[1, 2], context=3000, max_new_tokens=64, output=False, helps={'context': "prompt length in tokens: the document's, as `treeattn demo --context`"})
+    parser = harness.parser(__doc__, nproc=[1, 2], context=3000, max_new_tokens=64, output=False,
+                            helps={'context': "prompt length in tokens: the document's, as `treeattn demo --context`"})
     parser.add_argument("--draft-tokens", type=int, default=4)
     parser.add_argument("--block-size", type=int, default=256)
     parser.add_argument("--cores", type=int, default=os.cpu_count() or 1, help="torch threads over all ranks")

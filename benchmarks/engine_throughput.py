@@ -24,7 +24,7 @@ from treeattn.bench import harness
 
 
 def main() -> None:
-    parser = harness.parser(__doc__, model="smollm2", nproc=2, max_new_tokens=32, threads=1, output=False, helps={'model': 'HF directory or .gguf'})
+    parser = harness.parser(__doc__, model="smollm2", nproc=2, max_new_tokens=32, threads=1, output=False)
     parser.add_argument("--decode", default="tree")
     parser.add_argument("--requests", type=int, default=16)
     parser.add_argument("--prompt-min", type=int, default=64)

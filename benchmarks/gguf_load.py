@@ -103,7 +103,8 @@ def serve_ready_s(path: str, nproc: int) -> float:
 
 
 def main() -> None:
-    parser = harness.parser(__doc__, model="smollm2", repeats=3, output=False, helps={'model': 'a .gguf file'})
+    parser = harness.parser(__doc__, model="smollm2", repeats=3, output=False,
+                            helps={"model": "a .gguf file"})
     parser.add_argument("--dir", type=Path, default=Path("/tmp/treeattn-smollm2-hf"))
     parser.add_argument("--serve", type=int, nargs="*", default=[], help="rank counts of treeattn serve to time to /health")
     args = harness.parse_args(parser)

@@ -91,7 +91,8 @@ def kernel(context: int, kinds: list[str], repeats: int) -> None:
 
 
 def main() -> None:
-    parser = harness.parser(__doc__, model="smollm2", context=4096, max_new_tokens=32, nproc=[1, 2], kv_cache_dtype=['float32', 'bfloat16'], repeats=1, output=False, helps={'model': 'HF directory or .gguf'})
+    parser = harness.parser(__doc__, model="smollm2", context=4096, max_new_tokens=32, nproc=[1, 2],
+                            kv_cache_dtype=["float32", "bfloat16"], repeats=1, output=False)
     parser.add_argument("--kernel", action="store_true", help="time the paged decode attention alone")
     args = harness.parse_args(parser)
     if args.kernel:

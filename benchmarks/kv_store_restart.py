@@ -42,7 +42,8 @@ def run(model: str, ids: list[int], args, kv: str, store: str) -> dict:
 
 
 def main() -> None:
-    parser = harness.parser(__doc__, model="smollm2", context=8192, nproc=2, kv_cache_dtype=['float32', 'bfloat16'], max_new_tokens=8, output=False)
+    parser = harness.parser(__doc__, model="smollm2", context=8192, nproc=2,
+                            kv_cache_dtype=["float32", "bfloat16"], max_new_tokens=8, output=False)
     parser.add_argument("--block-size", type=int, default=256)
     args = harness.parse_args(parser)
     from treeattn.eval.haystack import needle_case

@@ -31,7 +31,8 @@ def percentile(xs: list[float], q: float) -> float:
 
 
 def main() -> None:
-    parser = harness.parser(__doc__, model="smollm2", context=512, nproc=1, output=False, helps={'context': 'tokens per document'})
+    parser = harness.parser(__doc__, model="smollm2", context=512, nproc=1, output=False,
+                            helps={"context": "tokens per document"})
     parser.add_argument("--docs", type=int, default=8)
     parser.add_argument("--arena-docs", type=int, default=2)
     parser.add_argument("--requests", type=int, default=24)

@@ -117,7 +117,8 @@ def mha_cache_step(config: DeepseekConfig, context: int):
 
 
 def main() -> None:
-    parser = harness.parser(__doc__, context=[8192, 16384, 32768, 65536], repeats=3, threads=torch.get_num_threads(), helps={'context': 'context lengths in tokens'})
+    parser = harness.parser(__doc__, context=[8192, 16384, 32768, 65536], repeats=3, threads=torch.get_num_threads(),
+                            helps={"context": "context lengths in tokens"})
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--prefill", type=int, nargs="*", default=[64, 256, 1024])
     parser.add_argument("--bytes-context", type=int, default=131072)

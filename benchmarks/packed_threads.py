@@ -22,7 +22,8 @@ from treeattn.bench import harness
 
 
 def main() -> None:
-    parser = harness.parser(__doc__, model="smollm2", context=[256, 4096], threads=2, output=False, helps={'model': '.gguf file'})
+    parser = harness.parser(__doc__, model="smollm2", context=[256, 4096], threads=2, output=False,
+                            helps={"model": ".gguf file"})
     parser.add_argument("--rounds", type=int, default=3)
     args = harness.parse_args(parser)
     from treeattn.engine.client import Engine

@@ -71,7 +71,8 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def main() -> None:
-    parser = harness.parser(__doc__, model="smollm2", nproc=2, max_new_tokens=16, helps={'model': 'HF directory or .gguf', 'output': 'write the results as JSON to this file'})
+    parser = harness.parser(__doc__, model="smollm2", nproc=2, max_new_tokens=16,
+                            helps={"output": "write the results as JSON to this file"})
     parser.add_argument("--clients", type=int, default=32)
     args = harness.parse_args(parser)
     import httpx

@@ -62,7 +62,8 @@ def measure(path: str, context: int, nproc: int, rounds: int, new_tokens: int, k
 
 
 def main() -> None:
-    parser = harness.parser(__doc__, context=[2048, 4096, 8000], nproc=2, max_new_tokens=12, kv_cache_dtype='auto')
+    parser = harness.parser(__doc__, context=[2048, 4096, 8000], nproc=2, max_new_tokens=12,
+                            kv_cache_dtype="auto")
     parser.add_argument("model", nargs="?", default="smollm2", metavar="MODEL", help="smollm2, gemma3 or a model path")
     parser.add_argument("--rounds", type=int, default=3)
     args = harness.parse_args(parser)
