@@ -124,7 +124,7 @@ def generate_command(
         if top is not None and rank_by == "none":
             raise ValueError("--top K prints the K best sequences: give --rank-by mean-logprob too")
         kind, dtype = device_and_dtype(device, dtype, world)  # "cpu" or "cuda"; --dtype auto: bfloat16 on CUDA
-        _check_before_spawning(config, sampling, num_samples, model_dir, prompts, world, dtype)
+        config = _check_before_spawning(config, sampling, num_samples, model_dir, prompts, world, dtype)  # the ranks trust it
         _check_context(prompts, max_new_tokens, files.config, model_dir, allow_beyond_context)
     except FileNotFoundError as exc:
         typer.echo(f"error: {exc}", err=True)
@@ -133,7 +133,7 @@ def generate_command(
         typer.echo(f"error: {cli_message(exc)}", err=True)
         raise typer.Exit(2) from exc
 
-    job = GenerateJob(model_dir=str(model_dir), prompts=tuple(map(tuple, prompts)), config=config, sampling=sampling,
+    job = GenerateJob(model_dir=str(model_dir), prompts=tuple(map(tuple, prompts)), config=config, sampling=sampling, checked=True,
                       num_samples=num_samples, dtype=dtype, device=kind, threads=threads or max(1, (os.cpu_count() or 1) // world))
     batched = batched or num_samples > 1
     # the answer goes to stdout as decoded (the engine's text: cut before a stop string, a possible start held back)
@@ -178,11 +178,12 @@ def generate_command(
 
 
 def _check_before_spawning(config: EngineConfig, sampling: SamplingParams, num_samples: int, model_dir: Path,
-                           prompts: list[list[int]], world: int, dtype: str) -> None:
+                           prompts: list[list[int]], world: int, dtype: str) -> EngineConfig:
     """Everything the ranks would refuse, checked once here with the checks they run: the checkpoint
     (without reading its weights), the prompts, generate's checks of the batch and the engine's checks
     (checks.check_engine: the draft model, a hybrid cache, the memory of `world` ranks on this
-    machine, each holding all weights and its share of the cache, the draft model's too). Warns when ranks outnumber the cores or the prompt's tokens."""
+    machine, each holding all weights and its share of the cache, the draft model's too). Warns when ranks outnumber the cores or the prompt's tokens.
+    Returns the checked config, sized to the batch (generate.batch_config): the ranks run it without checking it again."""
     import torch
 
     from treeattn.engine.checks import check_engine, with_device
@@ -196,16 +197,18 @@ def _check_before_spawning(config: EngineConfig, sampling: SamplingParams, num_s
     sized = dataclasses.replace(batch_config(config, sampling, num_samples, prompts, world), dtype=torch_dtype)
     check_generation(sized, sampling, num_samples, model_config, prompts)
     # the engine's checks (the ranks load the checkpoint on --device): a draft model, a hybrid cache, memory, ...
-    check_engine(str(model_dir), with_device(str(model_dir), sized), cache_option="max_new_tokens" if config.max_context is None else "max_context")
+    sized = with_device(str(model_dir), sized)
+    check_engine(str(model_dir), sized, cache_option="max_new_tokens" if config.max_context is None else "max_context")
     longest = max(len(p) for p in prompts)
     here = local_ranks(world)
     if os.environ.get("RANK", "0") != "0":  # under torchrun, rank 0 warns for all
-        return
+        return sized
     cores = os.cpu_count() or 1
     if here > cores:
         stderr.print(f"warning: --nproc {here} ranks on {cores} cores: they will time-share the cores (slower, not faster)")
     if world > longest:
         stderr.print(f"warning: --nproc {world} ranks for a {longest}-token prompt: some ranks start with no tokens")
+    return sized
 
 
 def _read_prompts(prompt, prompt_file, prompt_ids, tokenizer, model_dir, render=None) -> tuple[list[list[int]], bool]:
