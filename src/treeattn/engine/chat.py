@@ -100,7 +100,7 @@ def chat_command(
     kv_store_bytes: int = config_flag(E, "kv_store_bytes", min=1),
 ) -> None:
     """Chat with MODEL in the terminal: its chat template, replies streamed as decoded, the conversation in the prefix cache."""
-    import treeattn as ta
+    from treeattn.engine.client import Engine
     from treeattn.engine.request import SamplingParams
     from treeattn.models.chat import chat_end_of_turn
     from treeattn.models.loader import read_model_files
@@ -124,7 +124,7 @@ def chat_command(
     say(f"loading {model.name} on {nproc} rank(s)")
     start = time.perf_counter()
     try:
-        engine = ta.Engine(str(model), nproc=nproc, tp=tp, decode=decode if nproc > 1 else "local", max_batch_size=1,
+        engine = Engine(str(model), nproc=nproc, tp=tp, decode=decode if nproc > 1 else "local", max_batch_size=1,
                            prefix_cache=True, block_size=block_size, dtype=torch_dtype(dtype), device=device, timeout_s=timeout,
                            kv_cache_dtype=kv_cache_dtype, weight_format=weight_format,
                            kv_store=None if kv_store is None else str(kv_store), kv_store_bytes=kv_store_bytes)
