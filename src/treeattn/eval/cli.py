@@ -24,7 +24,7 @@ from treeattn.engine.config import DEFAULT_METHOD
 from treeattn.engine.config import EngineConfig as E
 from treeattn.engine.request import SamplingParams as S
 from treeattn.engine.flags import (Decode, Device, KvCacheDtype, Method, WeightFormat, cli_message, config_flag, model_argument, device_and_dtype,
-                                  dtype_flag)
+                                  dtype_flag, torch_dtype)
 
 eval_app = typer.Typer(help="Evaluate a model through the engine.", no_args_is_help=True, rich_markup_mode=None)
 stderr = Console(stderr=True)
@@ -88,10 +88,10 @@ def needle_command(
             stderr.print(f"needle eval of {model}: lengths {length_list}, depths {depth_list}, {nproc} rank(s), "
                          f"decode {decode if nproc > 1 else 'local'}, {dtype} on {kind}")
         with stderr.status(f"{len(length_list) * len(depth_list)} prompts ...") if not json_output else _nothing():
-            report = run_needle(str(model), lengths=length_list, depths=depth_list, nproc=nproc, decode=decode,
-                                method=method, check_methods=check_methods, max_new_tokens=max_new_tokens, seed=seed,
-                                threads=threads, allow_beyond_context=allow_beyond_context, dtype=dtype, device=kind,
-                                kv_cache_dtype=kv_cache_dtype, weight_format=weight_format)
+            config = E(nproc=nproc, decode=decode if nproc > 1 else "local", method=method, threads_per_rank=threads,
+                       dtype=torch_dtype(dtype), device=kind, kv_cache_dtype=kv_cache_dtype, weight_format=weight_format)
+            report = run_needle(str(model), config, S(max_new_tokens=max_new_tokens), lengths=length_list, depths=depth_list,
+                                check_methods=check_methods, seed=seed, allow_beyond_context=allow_beyond_context)
     except (ValueError, FileNotFoundError) as exc:
         typer.echo(f"error: {cli_message(exc)}", err=True)
         raise typer.Exit(2) from exc
