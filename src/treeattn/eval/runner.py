@@ -60,7 +60,7 @@ def decode_methods(
         model_path: HF directory or .gguf file, loaded once on every rank.
         prompts: token id lists.
         config: how the ranks run: nproc (1 runs in this process with local attention: methods are
-            then ignored), device ("cpu" or "cuda", resolved: treeattn.engine.device.resolve_device;
+            then ignored), device ("cpu", "cuda", or "auto": treeattn.engine.device.resolve_device;
             rank r loads onto rank_device(device, r) and the group is NCCL for CUDA, gloo for the CPU),
             dtype (the weights' torch dtype; None: float32), placement, kv_cache_dtype, weight_format,
             block_size, threads_per_rank (None: cores // nproc, at least 1). decode and method come
@@ -73,8 +73,11 @@ def decode_methods(
     Returns:
         (runs[prompt][method], Timing).
     """
+    from treeattn.engine.device import resolve_device
+
     nproc = config.nproc
-    config = replace(config, threads_per_rank=config.threads_per_rank or max(1, (os.cpu_count() or 1) // nproc))
+    config = replace(config, device=resolve_device(config.device),  # "auto": CUDA when there is one, else the CPU
+                     threads_per_rank=config.threads_per_rank or max(1, (os.cpu_count() or 1) // nproc))
     args = (str(model_path), [list(p) for p in prompts], tuple(methods) if nproc > 1 else (("local", "allreduce"),), config, sampling)
     start = time.perf_counter()
     if nproc == 1:
