@@ -168,19 +168,19 @@ def test_kv_cache_dtype_and_weight_format_flags_reach_the_engine(tiny, monkeypat
     """--kv-cache-dtype and --weight-format are EngineConfig's flags: their values reach ta.Engine (here a
     stand-in that records its options and refuses, so no rank starts); a value outside the field's list
     is refused by the command line naming the flag."""
-    import treeattn
+    from treeattn.engine import client
     from treeattn.engine.errors import ConfigError
 
     seen = {}
 
-    def engine(model, **options):
-        seen.update(options)
+    def engine(model, config):
+        seen["config"] = config
         raise ConfigError("kv_cache_dtype", "stand-in")
 
-    monkeypatch.setattr(treeattn, "Engine", engine)
+    monkeypatch.setattr(client, "Engine", engine)
     result = CliRunner().invoke(app, ["chat", str(tiny), "--kv-cache-dtype", "bfloat16", "--weight-format", "packed"], input="/exit\n")
     assert result.exit_code == 2 and "stand-in" in result.stderr
-    assert seen["kv_cache_dtype"] == "bfloat16" and seen["weight_format"] == "packed"
+    assert seen["config"].kv_cache_dtype == "bfloat16" and seen["config"].weight_format == "packed"
     result = CliRunner().invoke(app, ["chat", str(tiny), "--kv-cache-dtype", "fp7"], input="/exit\n")
     assert result.exit_code == 2 and "--kv-cache-dtype" in result.output
 

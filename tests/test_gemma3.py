@@ -269,6 +269,7 @@ def _engine_runs(rank: int, world_size: int, path: str) -> tuple:
     """Every case's tokens, requests submitted at once (continuous batching), and rank 0's engine
     stats and each rank's KV bytes; then decode_methods' engine on both ranks (one prefill per
     prompt, set_decode per method: treeattn.eval.runner.shared_prefill_rows)."""
+    from treeattn.engine import EngineConfig
     from treeattn.eval.runner import shared_prefill_rows
 
     torch.set_num_threads(1)
@@ -291,7 +292,7 @@ def _engine_runs(rank: int, world_size: int, path: str) -> tuple:
                 tokens.append(follow_up.result(timeout=120).token_ids)
                 hit = engine.stats()["prefix_hit_tokens"] - stats["prefix_hit_tokens"]
                 out.append((p, options, tokens, stats, [m.kv_bytes for m in engine.rank_measurements()], hit))
-    return out, shared_prefill_rows(model, [PROMPTS[2], PROMPT], METHODS, NEW, block_size=16)
+    return out, shared_prefill_rows(model, [PROMPTS[2], PROMPT], METHODS, EngineConfig(block_size=16), SamplingParams(max_new_tokens=NEW))
 
 
 METHODS = (("tree", "onepass"), ("ring", "allreduce"), ("tree", "allreduce"))

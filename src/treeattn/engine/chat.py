@@ -24,10 +24,10 @@ from pathlib import Path
 
 import typer
 
-from treeattn.engine.config import EngineConfig as E
+from treeattn.engine.config import EngineConfig
 from treeattn.engine.console import say, write_stdout
 from treeattn.engine.errors import ConfigError
-from treeattn.engine.flags import Decode, Device, KvCacheDtype, WeightFormat, config_flag, dtype_flag, model_argument, torch_dtype
+from treeattn.engine.flags import config_flag, config_options, dtype_flag, model_argument, torch_dtype
 from treeattn.engine.request import SamplingParams as S
 
 CHAT_SAMPLING = {"temperature": 0.7, "top_p": 0.9, "top_k": 0, "repetition_penalty": 1.1}
@@ -73,10 +73,14 @@ class Conversation:
         self.messages.append({"role": "assistant", "content": text})
 
 
+CHAT_ENGINE_FLAGS = ("nproc", "tp", "block_size", "decode", "device", "kv_cache_dtype", "weight_format", "timeout_s",
+                     "kv_store", "kv_store_bytes")
+
+
+@config_options(EngineConfig, CHAT_ENGINE_FLAGS, into="engine_options", nproc={"help": "Ranks sharing the KV cache, spawned here (gloo)."},
+                block_size={"min": 1})
 def chat_command(
     model: Path = model_argument(", with a chat template."),
-    nproc: int = config_flag(E, "nproc", min=1, help="Ranks sharing the KV cache, spawned here (gloo)."),
-    tp: int | None = config_flag(E, "tp", min=1),
     system: str | None = typer.Option(None, "--system", help="System message before the conversation."),
     max_new_tokens: int = config_flag(S, "max_new_tokens", default=512, min=1, help="New tokens per reply at most."),
     temperature: float | None = config_flag(S, "temperature", default=None, help="Sampling temperature (0: greedy); "
@@ -89,18 +93,11 @@ def chat_command(
                                                    "the conversation or the reply: a positive logit divided by it, a "
                                                    "negative one multiplied (1: none); default: the checkpoint's, else 1.1."),
     seed: int = config_flag(S, "seed"),
-    block_size: int = config_flag(E, "block_size", min=1),
-    decode: Decode = config_flag(E, "decode"),
     dtype: str = dtype_flag(),
-    device: Device = config_flag(E, "device"),
-    kv_cache_dtype: KvCacheDtype = config_flag(E, "kv_cache_dtype"),
-    weight_format: WeightFormat = config_flag(E, "weight_format"),
-    timeout: float = config_flag(E, "timeout_s", flag="--timeout", min=0.001, max=1e6),
-    kv_store: Path | None = config_flag(E, "kv_store"),
-    kv_store_bytes: int = config_flag(E, "kv_store_bytes", min=1),
+    engine_options: dict | None = None,
 ) -> None:
     """Chat with MODEL in the terminal: its chat template, replies streamed as decoded, the conversation in the prefix cache."""
-    import treeattn as ta
+    from treeattn.engine.client import Engine
     from treeattn.engine.request import SamplingParams
     from treeattn.models.chat import chat_end_of_turn
     from treeattn.models.loader import read_model_files
@@ -121,13 +118,12 @@ def chat_command(
     say("sampling: " + ", ".join(f"{SAMPLING_FLAGS[k]} {v} ({sources[k]})" for k, v in sampling.items()))
 
     conversation = Conversation(files.tokenizer, files.chat_template, system)
-    say(f"loading {model.name} on {nproc} rank(s)")
+    say(f"loading {model.name} on {engine_options['nproc']} rank(s)")
     start = time.perf_counter()
     try:
-        engine = ta.Engine(str(model), nproc=nproc, tp=tp, decode=decode if nproc > 1 else "local", max_batch_size=1,
-                           prefix_cache=True, block_size=block_size, dtype=torch_dtype(dtype), device=device, timeout_s=timeout,
-                           kv_cache_dtype=kv_cache_dtype, weight_format=weight_format,
-                           kv_store=None if kv_store is None else str(kv_store), kv_store_bytes=kv_store_bytes)
+        nproc = engine_options["nproc"]
+        engine = Engine(str(model), EngineConfig(**{**engine_options, "decode": engine_options["decode"] if nproc > 1 else "local"},
+                                                 max_batch_size=1, prefix_cache=True, dtype=torch_dtype(dtype)))
     except ConfigError as exc:  # a refused option (--device cuda without CUDA, ...): one line in the flags' words
         from treeattn.engine.flags import cli_message
 

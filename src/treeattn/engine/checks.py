@@ -15,8 +15,11 @@
     check_memory(model, files.config, config)    # weights + cache (+ draft) of the ranks on this machine
     check_weight_format(model, config)
 
-ta.Engine runs check_engine before it starts a rank; ta.generate runs it on its batch-sized config
-before any work (and `treeattn generate`, before spawning, the ones that need no loaded model).
+Once per run, wherever the run starts: ta.Engine runs check_engine before it starts a rank; ta.generate
+runs it on its batch-sized config before any work and hands the Engine it starts the proof, a Checked
+(the config, the model it was checked for, the model files): the Engine trusts it instead of checking
+again, as vLLM trusts a VllmConfig once it is built. `treeattn generate` checks before spawning, with
+the checkpoint's path, and its ranks hand on a Checked for the model they load from that path.
 
 Each raises ValueError (ConfigError naming the EngineConfig field to change) with one line.
 """
@@ -24,7 +27,7 @@ Each raises ValueError (ConfigError naming the EngineConfig field to change) wit
 from __future__ import annotations
 
 import os
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -246,6 +249,35 @@ def _block_of(model) -> int:
         if is_gguf(model):
             return max(32, packed_block(model))
     return 32
+
+
+@dataclass(frozen=True, eq=False)
+class Checked:
+    """An EngineConfig that check_engine passed for one model: handed on, it is not checked again.
+
+    Attributes:
+        config: the checked config (its device resolved by with_device).
+        model: the model it was checked for (a loaded model, or the checkpoint path given).
+        files: model_files(model): what the engine needs of the model (.config, .tokenizer).
+
+    Example::
+
+        >>> from treeattn.models.llama import LlamaConfig, random_model
+        >>> model = random_model(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1,
+        ...                                  num_heads=2, num_kv_heads=1, head_dim=16, max_position_embeddings=128))
+        >>> config = with_device(model, EngineConfig(nproc=1, block_size=16, cache_tokens=128))
+        >>> proof = Checked(config, model, check_engine(model, config))
+        >>> proof.vouches_for(model, config), proof.vouches_for(model, EngineConfig(nproc=1, block_size=32, cache_tokens=128))
+        (True, False)
+    """
+
+    config: EngineConfig
+    model: object
+    files: object
+
+    def vouches_for(self, model, config: EngineConfig) -> bool:
+        """Whether this proof covers running `model` with `config` (the same model object, an equal config)."""
+        return self.model is model and self.config == config
 
 
 def check_engine(model, config: EngineConfig, *, group=None, joined: bool = False, cache_option: str = "cache_tokens"):

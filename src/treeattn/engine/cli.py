@@ -30,8 +30,7 @@ from rich.table import Table
 
 from treeattn.engine.config import EngineConfig
 from treeattn.engine.console import GenerateDisplay, process_age_s, say
-from treeattn.engine.flags import (Decode, DecodeStep, Device, KvCacheDtype, Method, Placement, Prefill, Speculate, WeightFormat, cli_message, config_flag, model_argument,
-                                  device_and_dtype, dtype_flag)
+from treeattn.engine.flags import cli_message, config_options, device_and_dtype, dtype_flag, model_argument
 from treeattn.engine.request import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -42,38 +41,23 @@ RankBy = Literal["none", "mean-logprob"]
 E, S = EngineConfig, SamplingParams  # the configurations the flags fill (treeattn.engine.flags)
 
 
+ENGINE_FLAGS = ("nproc", "tp", "decode", "method", "prefill", "prefill_chunk", "decode_step", "placement", "block_size",
+                "max_context", "device", "kv_cache_dtype", "weight_format", "threads_per_rank", "speculate", "draft_tokens",
+                "draft_model", "linear_maps", "kv_store", "kv_store_bytes", "shared_memory", "timeout_s")
+SAMPLING_FLAGS = ("max_new_tokens", "temperature", "top_k", "top_p", "seed", "stop_token_ids", "stop", "ignore_eos")
+
+
+@config_options(S, SAMPLING_FLAGS, into="sampled")
+@config_options(E, ENGINE_FLAGS, into="engine", nproc={"default": None, "help": "Ranks sharing the KV cache, spawned here "
+                                                                                  "(gloo). Default 1, or the world size under torchrun."},
+                max_context={"help": "The most positions (prompt + new tokens) one sequence may take, its KV cache slots "
+                                     "(default: the longest prompt + --max-new-tokens)."})
 def generate_command(
     model_dir: Path = model_argument(),
     prompt: str | None = typer.Option(None, "--prompt", help="Prompt text (needs the model's tokenizer)."),
     prompt_file: Path | None = typer.Option(None, "--prompt-file", help="Read the prompt text (UTF-8) from this file."),
     prompt_ids: Path | None = typer.Option(None, "--prompt-ids", help="JSON file: a list of token ids, or a list of such lists (a batch)."),
-    nproc: int | None = config_flag(E, "nproc", default=None, min=1, help="Ranks sharing the KV cache, spawned here (gloo). "
-                                    "Default 1, or the world size under torchrun."),
-    tp: int | None = config_flag(E, "tp", min=1),
-    decode: Decode = config_flag(E, "decode"),
-    method: Method | None = config_flag(E, "method"),
-    prefill: Prefill = config_flag(E, "prefill"),
-    prefill_chunk: int = config_flag(E, "prefill_chunk", min=1),
-    decode_step: DecodeStep = config_flag(E, "decode_step"),
-    max_new_tokens: int = config_flag(S, "max_new_tokens", min=1),
-    temperature: float = config_flag(S, "temperature"),
-    top_k: int = config_flag(S, "top_k"),
-    top_p: float = config_flag(S, "top_p"),
-    seed: int = config_flag(S, "seed"),
-    stop_id: list[int] = config_flag(S, "stop_token_ids", flag="--stop-id", default=[],
-                                     help="Token id that ends a sequence (repeatable), besides the model's eos ids."),
-    stop: list[str] = config_flag(S, "stop", default=[], help="String that ends a sequence (repeatable): the text is cut "
-                                  "before it (needs the model's tokenizer)."),
-    ignore_eos: bool = config_flag(S, "ignore_eos"),
-    placement: Placement = config_flag(E, "placement"),
-    block_size: int = config_flag(E, "block_size"),
-    max_context: int | None = config_flag(E, "max_context", min=1, help="The most positions (prompt + new tokens) one "
-                                          "sequence may take, its KV cache slots (default: the longest prompt + --max-new-tokens)."),
     dtype: str = dtype_flag(),
-    device: Device = config_flag(E, "device"),
-    kv_cache_dtype: KvCacheDtype = config_flag(E, "kv_cache_dtype"),
-    weight_format: WeightFormat = config_flag(E, "weight_format"),
-    threads: int | None = config_flag(E, "threads_per_rank", flag="--threads", min=1),
     json_output: bool = typer.Option(False, "--json", help="Print one JSON object on stdout and nothing else."),
     num_samples: int = typer.Option(1, "--num-samples", min=1, help="Completions of the one prompt (the prompt prefilled "
                                     "once, the samples decoding over its shared blocks)."),
@@ -86,14 +70,8 @@ def generate_command(
     allow_beyond_context: bool = typer.Option(False, "--allow-beyond-context", help="Run even if the prompt + --max-new-tokens "
                                               "exceed the model's context window: positions past it get RoPE angles the model "
                                               "never saw in training, so the output may degrade."),
-    speculate: Speculate | None = config_flag(E, "speculate"),
-    draft_tokens: int = config_flag(E, "draft_tokens"),
-    draft_model: Path | None = config_flag(E, "draft_model"),
-    linear_maps: Path | None = config_flag(E, "linear_maps"),
-    kv_store: Path | None = config_flag(E, "kv_store"),
-    kv_store_bytes: int = config_flag(E, "kv_store_bytes", min=1),
-    shared_memory: bool = config_flag(E, "shared_memory"),
-    timeout: float = config_flag(E, "timeout_s", flag="--timeout", min=0.001, max=1e6),
+    engine: dict | None = None,
+    sampled: dict | None = None,
 ) -> None:
     """Generate from a Hugging Face checkpoint or a GGUF file with the KV cache sharded across ranks."""
     from treeattn.engine.generate_rank import GenerateJob, generate_rank
@@ -101,31 +79,24 @@ def generate_command(
     from treeattn.parallel.spawn import under_torchrun
 
     try:
-        world = _world_size(nproc)
-        sampling = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-                                  stop_token_ids=tuple(stop_id), stop=tuple(stop), ignore_eos=ignore_eos)
-        config = EngineConfig(nproc=world, tp=tp, decode=decode, method=method, prefill=prefill, prefill_chunk=prefill_chunk,
-                              decode_step=decode_step, placement=placement, block_size=block_size, max_context=max_context,
-                              speculate=speculate, draft_tokens=draft_tokens, shared_memory=shared_memory, timeout_s=timeout,
-                              kv_cache_dtype=kv_cache_dtype, weight_format=weight_format, device=device,
-                              draft_model=None if draft_model is None else str(draft_model),
-                              linear_maps=None if linear_maps is None else str(linear_maps),
-                              kv_store=None if kv_store is None else str(kv_store), kv_store_bytes=kv_store_bytes)
+        world = _world_size(engine["nproc"])
+        sampling = SamplingParams(**sampled)
+        config = EngineConfig(**{**engine, "nproc": world, "threads_per_rank": None})  # threads: the job's, below
         if system is not None and not chat:
             raise ValueError("--system is a chat message: give --chat too")
         files = read_model_files(model_dir)  # config, tokenizer, chat template (a .gguf is read once)
         tokenizer = files.tokenizer
         render, end_of_turn = _chat_renderer(system, prompt_ids, files, model_dir) if chat else (None, ())
         prompts, batched = _read_prompts(prompt, prompt_file, prompt_ids, tokenizer, model_dir, render)
-        if end_of_turn and not ignore_eos:  # --chat: the end of the assistant's turn stops too
+        if end_of_turn and not sampling.ignore_eos:  # --chat: the end of the assistant's turn stops too
             sampling = dataclasses.replace(sampling, stop_token_ids=tuple(dict.fromkeys((*sampling.stop_token_ids, *end_of_turn))))
         if sampling.stop and tokenizer is None:
             raise ValueError(f"--stop: {model_dir} has no tokenizer to find stop strings with; use --stop-id")
         if top is not None and rank_by == "none":
             raise ValueError("--top K prints the K best sequences: give --rank-by mean-logprob too")
-        kind, dtype = device_and_dtype(device, dtype, world)  # "cpu" or "cuda"; --dtype auto: bfloat16 on CUDA
-        _check_before_spawning(config, sampling, num_samples, model_dir, prompts, world, dtype)
-        _check_context(prompts, max_new_tokens, files.config, model_dir, allow_beyond_context)
+        kind, dtype = device_and_dtype(config.device, dtype, world)  # "cpu" or "cuda"; --dtype auto: bfloat16 on CUDA
+        config = _check_before_spawning(config, sampling, num_samples, model_dir, prompts, world, dtype)  # the ranks trust it
+        _check_context(prompts, sampling.max_new_tokens, files.config, model_dir, allow_beyond_context)
     except FileNotFoundError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from exc
@@ -133,8 +104,8 @@ def generate_command(
         typer.echo(f"error: {cli_message(exc)}", err=True)
         raise typer.Exit(2) from exc
 
-    job = GenerateJob(model_dir=str(model_dir), prompts=tuple(map(tuple, prompts)), config=config, sampling=sampling,
-                      num_samples=num_samples, dtype=dtype, device=kind, threads=threads or max(1, (os.cpu_count() or 1) // world))
+    job = GenerateJob(model_dir=str(model_dir), prompts=tuple(map(tuple, prompts)), config=config, sampling=sampling, checked=True,
+                      num_samples=num_samples, dtype=dtype, device=kind, threads=engine["threads_per_rank"] or max(1, (os.cpu_count() or 1) // world))
     batched = batched or num_samples > 1
     # the answer goes to stdout as decoded (the engine's text: cut before a stop string, a possible start held back)
     streamed = not json_output and not batched and tokenizer is not None
@@ -149,7 +120,7 @@ def generate_command(
 
             from treeattn.engine.device import backend_for
 
-            result = spawn(generate_rank, world, job, display, backend=backend_for(kind), timeout=timeout, threads=job.threads)[0]
+            result = spawn(generate_rank, world, job, display, backend=backend_for(kind), timeout=config.timeout_s, threads=job.threads)[0]
     except Exception as exc:  # a rank's error (SpawnError names it) or a local one: report, exit non-zero
         from treeattn.parallel import SpawnError
 
@@ -174,15 +145,16 @@ def generate_command(
         typer.echo(prefix + (texts[i] if texts is not None else " ".join(map(str, ids))))
     stderr.print(_summary_table(result, total_s))
     if "length" in result["finish_reasons"]:
-        say(f"the answer was cut at --max-new-tokens {max_new_tokens} (finish_reason length): raise it for a longer one")
+        say(f"the answer was cut at --max-new-tokens {sampling.max_new_tokens} (finish_reason length): raise it for a longer one")
 
 
 def _check_before_spawning(config: EngineConfig, sampling: SamplingParams, num_samples: int, model_dir: Path,
-                           prompts: list[list[int]], world: int, dtype: str) -> None:
+                           prompts: list[list[int]], world: int, dtype: str) -> EngineConfig:
     """Everything the ranks would refuse, checked once here with the checks they run: the checkpoint
     (without reading its weights), the prompts, generate's checks of the batch and the engine's checks
     (checks.check_engine: the draft model, a hybrid cache, the memory of `world` ranks on this
-    machine, each holding all weights and its share of the cache, the draft model's too). Warns when ranks outnumber the cores or the prompt's tokens."""
+    machine, each holding all weights and its share of the cache, the draft model's too). Warns when ranks outnumber the cores or the prompt's tokens.
+    Returns the checked config, sized to the batch (generate.batch_config): the ranks run it without checking it again."""
     import torch
 
     from treeattn.engine.checks import check_engine, with_device
@@ -196,16 +168,18 @@ def _check_before_spawning(config: EngineConfig, sampling: SamplingParams, num_s
     sized = dataclasses.replace(batch_config(config, sampling, num_samples, prompts, world), dtype=torch_dtype)
     check_generation(sized, sampling, num_samples, model_config, prompts)
     # the engine's checks (the ranks load the checkpoint on --device): a draft model, a hybrid cache, memory, ...
-    check_engine(str(model_dir), with_device(str(model_dir), sized), cache_option="max_new_tokens" if config.max_context is None else "max_context")
+    sized = with_device(str(model_dir), sized)
+    check_engine(str(model_dir), sized, cache_option="max_new_tokens" if config.max_context is None else "max_context")
     longest = max(len(p) for p in prompts)
     here = local_ranks(world)
     if os.environ.get("RANK", "0") != "0":  # under torchrun, rank 0 warns for all
-        return
+        return sized
     cores = os.cpu_count() or 1
     if here > cores:
         stderr.print(f"warning: --nproc {here} ranks on {cores} cores: they will time-share the cores (slower, not faster)")
     if world > longest:
         stderr.print(f"warning: --nproc {world} ranks for a {longest}-token prompt: some ranks start with no tokens")
+    return sized
 
 
 def _read_prompts(prompt, prompt_file, prompt_ids, tokenizer, model_dir, render=None) -> tuple[list[list[int]], bool]:

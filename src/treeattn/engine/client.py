@@ -51,7 +51,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from treeattn.engine.checks import check_engine, check_model, with_device
+from treeattn.engine.checks import Checked, check_engine, check_model, with_device
 from treeattn.engine.config import EngineConfig, given_or_built
 from treeattn.engine.device import backend_for, rank_device
 from treeattn.engine.driver import Driver
@@ -74,7 +74,8 @@ class Engine:
             block_size, prefill_chunk, dtype, timeout_s, threads_per_rank, speculate,
             draft_tokens, draft_model, shared_memory, decode_step, prefill, max_context, kv_cache_dtype,
             weight_format, kv_store, kv_store_bytes; see
-            EngineConfig). Inside an existing process group nproc is the group's size.
+            EngineConfig). Inside an existing process group nproc is the group's size. A
+            checks.Checked (what ta.generate hands on) is trusted for its model instead of checked again.
         group: inside an existing process group only: the ranks that share the cache (None:
             the world); its rank 0 is the driver.
         ranks: rank processes started earlier (ta.parallel.spawn.StartedRanks(nproc)), which the
@@ -106,10 +107,14 @@ class Engine:
         (4, 'length')
     """
 
-    def __init__(self, model, config: EngineConfig | None = None, *, group: dist.ProcessGroup | None = None,
+    def __init__(self, model, config: EngineConfig | Checked | None = None, *, group: dist.ProcessGroup | None = None,
                  ranks: StartedRanks | None = None, **options) -> None:
+        proof = None
+        if isinstance(config, Checked):  # checked already (ta.generate, a rank of `treeattn generate`): not again
+            proof, config = config, config.config
         config = given_or_built(EngineConfig, config, options, "config")
-        check_model(model)
+        if proof is None:
+            check_model(model)
         config, joined, self._owns_group = _join(with_device(model, config), group)  # device: "cpu" or "cuda" from here on
         if ranks is not None and (joined or config.nproc == 1):
             raise ValueError(f"ranks: started rank processes need nproc > 1 outside a process group, got nproc={config.nproc}"
@@ -123,8 +128,11 @@ class Engine:
         self.config = config
         from treeattn.models.gguf import shared_readers
 
-        with shared_readers():  # the checks read a GGUF file's config, tokenizer and sizes: one parse of it
-            files = check_engine(model, config, group=group if joined else None, joined=joined)  # before any rank starts
+        if proof is not None and proof.vouches_for(model, config):
+            files = proof.files
+        else:
+            with shared_readers():  # the checks read a GGUF file's config, tokenizer and sizes: one parse of it
+                files = check_engine(model, config, group=group if joined else None, joined=joined)  # before any rank starts
         self.tokenizer = getattr(files, "tokenizer", None)
         self.is_driver = True
         self._closed = False

@@ -17,7 +17,10 @@ resolves --device and --dtype auto the same way for every command.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import inspect
 import re
+from pathlib import Path
 from typing import Literal
 
 import typer
@@ -49,6 +52,29 @@ DecodeStep = Literal[DECODE_STEPS]
 KvCacheDtype = Literal[KV_CACHE_DTYPES]
 WeightFormat = Literal[WEIGHT_FORMATS]
 Device = Literal[DEVICES]
+
+
+# The command line's type of every field a command takes as a flag: the one definition config_options
+# reads (choices: the tuples the configuration itself checks against; a path field: a Path).
+FLAG_TYPES = {
+    "nproc": int | None, "tp": int | None, "decode": Decode, "method": Method | None, "placement": Placement,
+    "max_batch_size": int, "cache_tokens": int | None, "prefix_cache": bool, "block_size": int, "prefill_chunk": int,
+    "prefill": Prefill, "kv_cache_dtype": KvCacheDtype, "weight_format": WeightFormat, "device": Device,
+    "timeout_s": float, "threads_per_rank": int | None, "speculate": Speculate | None, "draft_tokens": int,
+    "draft_model": Path | None, "shared_memory": bool, "decode_step": DecodeStep, "max_context": int | None,
+    "linear_maps": Path | None, "kv_store": Path | None, "kv_store_bytes": int,
+    "max_new_tokens": int, "temperature": float, "top_p": float, "top_k": int, "seed": int,
+    "stop_token_ids": list[int], "stop": list[str], "ignore_eos": bool,
+}
+# Bounds and spellings of a field's flag that are the same in every command (config_flag's keywords).
+FLAG_OPTIONS = {
+    "nproc": {"min": 1}, "tp": {"min": 1}, "prefill_chunk": {"min": 1}, "max_context": {"min": 1},
+    "threads_per_rank": {"min": 1, "flag": "--threads"}, "kv_store_bytes": {"min": 1}, "max_new_tokens": {"min": 1},
+    "max_batch_size": {"min": 1}, "cache_tokens": {"min": 1},
+    "timeout_s": {"min": 0.001, "max": 1e6, "flag": "--timeout"},
+    "stop_token_ids": {"flag": "--stop-id", "default": [], "help": "Token id that ends a sequence (repeatable), besides the model's eos ids."},
+    "stop": {"default": [], "help": "String that ends a sequence (repeatable): the text is cut before it (needs the model's tokenizer)."},
+}
 
 
 MODEL_HELP = "A .gguf file or a Hugging Face model directory (config.json, *.safetensors, tokenizer.json)"
@@ -102,6 +128,42 @@ def config_flag(cls, name: str, *, flag: str | None = None, help: str | None = N
     flag = flag or "--" + name.replace("_", "-")
     decls = [f"{flag}/--no-{flag.removeprefix('--')}"] if isinstance(default, bool) else [flag]
     return typer.Option(default, *decls, help=help or field_help(cls, name), **options)
+
+
+def config_options(cls, names, *, into: str, **changed):
+    """Decorator: the command takes one flag per field of `cls` in `names` (FLAG_TYPES's type, the field's
+    default and help, FLAG_OPTIONS's bounds; `changed`: per field, config_flag keywords this command
+    says otherwise) and receives their values as one dict, its parameter `into` (field -> value; a
+    repeated flag as a tuple, a path as a str), ready for `cls(**values)`.
+
+        >>> from treeattn.engine.request import SamplingParams
+        >>> @config_options(SamplingParams, ["top_k", "seed"], into="sampling")
+        ... def command(prompt: str, sampling: dict = None):
+        ...     return prompt, sampling
+        >>> list(inspect.signature(command).parameters)
+        ['prompt', 'top_k', 'seed']
+        >>> command("hi", top_k=5, seed=1)
+        ('hi', {'top_k': 5, 'seed': 1})
+    """
+    def decorate(command):
+        signature = inspect.signature(command)
+        own = [p for p in signature.parameters.values() if p.name != into]
+        flags = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, annotation=FLAG_TYPES[name],
+                                   default=config_flag(cls, name, **{**FLAG_OPTIONS.get(name, {}), **changed.get(name, {})}))
+                 for name in names]
+
+        @functools.wraps(command)
+        def run(*args, **kwargs):
+            values = {name: kwargs.pop(name) for name in names}
+            values = {n: tuple(v) if isinstance(v, list) else str(v) if isinstance(v, Path) else v for n, v in values.items()}
+            return command(*args, **kwargs, **{into: values})
+
+        run.__signature__ = signature.replace(parameters=own + flags)
+        run.__annotations__ = {**{k: v for k, v in command.__annotations__.items() if k != into},
+                               **{name: FLAG_TYPES[name] for name in names}}
+        return run
+
+    return decorate
 
 
 def _dtype(value: str) -> str:
@@ -167,5 +229,5 @@ def device_and_dtype(device: str, dtype: str, world: int) -> tuple[str, str]:
     return kind, str(resolve_dtype(None if dtype == "auto" else getattr(torch, dtype), kind)).removeprefix("torch.")
 
 
-__all__ = ["FLAG_HELP", "MODEL_HELP", "model_argument", "DTYPES", "DTYPE_ALIASES", "Decode", "DecodeStep", "Device", "KvCacheDtype", "Method", "Placement", "Prefill", "Speculate", "WeightFormat", "FIELD_FLAGS", "cli_message", "config_flag",
+__all__ = ["FLAG_HELP", "FLAG_OPTIONS", "FLAG_TYPES", "config_options", "MODEL_HELP", "model_argument", "DTYPES", "DTYPE_ALIASES", "Decode", "DecodeStep", "Device", "KvCacheDtype", "Method", "Placement", "Prefill", "Speculate", "WeightFormat", "FIELD_FLAGS", "cli_message", "config_flag",
            "device_and_dtype", "dtype_flag", "field_help", "flag_of", "torch_dtype"]

@@ -59,7 +59,7 @@ import torch.distributed as dist
 
 from treeattn.cache.sharded import kv_bytes_per_token
 from treeattn.cache.window import window_bytes_per_sequence
-from treeattn.engine.checks import check_engine, with_device
+from treeattn.engine.checks import Checked, check_engine, with_device
 from treeattn.engine.config import EngineConfig, given_or_built, kv_cache_dtype_name, resolve_kv_cache_dtype
 from treeattn.models.packed import is_packed, weight_bytes
 from treeattn.engine.errors import ConfigError, ConfigTypeError
@@ -440,18 +440,24 @@ class Generation:
         self.world_size = group_world_size(group)  # raises if a group is given without torch.distributed
         self.rank = dist.get_rank(group) if self.world_size > 1 else 0
         local_error = prefill = given = None
+        proof = config if isinstance(config, Checked) else None  # `treeattn generate`'s ranks: checked before they started
         try:
-            given, sampling = split_options(config, sampling, {})
+            given, sampling = split_options(config if proof is None else proof.config, sampling, {})
             config = given
-            if given.timeout_s == EngineConfig.timeout_s and self.world_size > 1:  # left at its default: the group's own
+            if proof is None and given.timeout_s == EngineConfig.timeout_s and self.world_size > 1:  # the group's own
                 config = replace(config, timeout_s=group_timeout_s(group) or DEFAULT_TIMEOUT_S)
-            self.prompts = check_prompts(prompts, model.config.vocab_size)
-            config = batch_config(config, sampling, num_samples, self.prompts, self.world_size)
-            check_generation(config, sampling, num_samples, model.config, self.prompts)
-            config = with_device(model, config)  # "auto": the model's own device
-            check_engine(model, config, group=group, joined=self.world_size > 1,  # the engine's own checks, in its order
-                         cache_option="max_new_tokens" if given.max_context is None else "max_context")
-            if config.decode_step != "dynamic":
+            if proof is not None and proof.vouches_for(model, config):
+                self.prompts = [[int(t) for t in p] for p in prompts]  # checked with the proof
+            else:
+                proof = None
+                self.prompts = check_prompts(prompts, model.config.vocab_size)
+                config = batch_config(config, sampling, num_samples, self.prompts, self.world_size)
+                check_generation(config, sampling, num_samples, model.config, self.prompts)
+                config = with_device(model, config)  # "auto": the model's own device
+                files = check_engine(model, config, group=group, joined=self.world_size > 1,  # the engine's own checks, in its order
+                                     cache_option="max_new_tokens" if given.max_context is None else "max_context")
+                proof = Checked(config, model, files)
+            if config.decode_step != "dynamic":  # needs the loaded model: checked here, also under a proof
                 _check_static_step(config, model, config.max_batch_size)
             prefill = resolve_prefill(config.prefill, self.world_size if config.tp is None else 1,  # tp: every rank every token
                                       model.config.layer_windows)
@@ -459,6 +465,7 @@ class Generation:
             local_error = exc
         self._agree(given, sampling, local_error, prefill=prefill)  # what each rank was given: the sizing follows from it
         self.config, self.sampling, self.prefill, self.decode = config, sampling, prefill, config.decode
+        self._proof = proof  # handed to the Engine this run starts: it does not check again
         if given.decode != "local" and self.world_size == 1:
             logger.info("no process group: decode=%r runs as plain attention on this one process", given.decode)
         self.num_sequences = config.max_batch_size
@@ -514,7 +521,7 @@ class Generation:
         start = time.perf_counter()
         own = self._engine is None  # else a running engine, which stays open (rank 0 alone)
         if own:
-            engine = Engine(self.model, self.config, group=self.group)
+            engine = Engine(self.model, self._proof, group=self.group)
         else:
             engine = self._engine
             engine.rank_measurements(reset=True)  # this run's counters alone

@@ -6,7 +6,9 @@
 
 The options were validated once, by the caller, before the ranks started (EngineConfig,
 SamplingParams, and generate's checks of the batch: treeattn.engine.generate.check_generation and
-the engine's memory check); Generation checks again that every rank got the same ones. Progress
+the engine's checks); with `checked` the ranks hand that proof on (treeattn.engine.checks.Checked,
+for the model each loads from model_dir) and nothing is checked again. Generation still checks
+that every rank got the same options (one all-gather). Progress
 display is the caller's: `display` (picklable, treeattn.engine.console.GenerateDisplay) is used on
 rank 0 only.
 """
@@ -27,12 +29,14 @@ class GenerateJob:
     Attributes:
         model_dir: checkpoint to load (every rank loads all weights, or with config.tp its share of them).
         prompts: token ids, one tuple per sequence.
-        config: the validated EngineConfig (generate sizes it to the batch).
+        config: the validated EngineConfig (generate sizes it to the batch; with `checked`, sized already).
         sampling: the validated SamplingParams of every sequence.
         num_samples: completions of the one prompt (generate's num_samples).
         dtype: parameter dtype name ("float32", "bfloat16", "float16").
         device: "cpu" or "cuda" (rank r on treeattn.engine.device.rank_device: cuda:r, or cuda:LOCAL_RANK under torchrun).
         threads: torch threads per rank (None: torch's default).
+        checked: config is the batch-sized config the caller checked for model_dir (checks.check_engine,
+            generate.check_generation): every rank runs it as checked.
     """
 
     model_dir: str
@@ -43,6 +47,7 @@ class GenerateJob:
     dtype: str = "float32"
     threads: int | None = None
     device: str = "cpu"
+    checked: bool = False
 
 
 def generate_rank(rank: int, world_size: int, job: GenerateJob, display=None) -> dict | None:
@@ -81,7 +86,12 @@ def generate_rank(rank: int, world_size: int, job: GenerateJob, display=None) ->
         layers = len(model.layers)
         for i, layer in enumerate(model.layers):
             layer.register_forward_hook(lambda module, args, output, i=i: display.on_layer(i, layers))
-    run = Generation(model, [list(p) for p in job.prompts], job.config, job.sampling, num_samples=job.num_samples,
+    config = job.config
+    if job.checked:  # checked by the caller for model_dir, which this rank just loaded: handed on, not checked again
+        from treeattn.engine.checks import Checked, model_files
+
+        config = Checked(config, model, model_files(model))
+    run = Generation(model, [list(p) for p in job.prompts], config, job.sampling, num_samples=job.num_samples,
                      on_prefill=display.on_prefill if show else None)
     longest = max(len(p) for p in job.prompts)
     with display.run(getattr(model, "tokenizer", None), world_size, longest, job.sampling.max_new_tokens) if show else nullcontext() as on_token:

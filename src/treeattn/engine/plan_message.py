@@ -2,6 +2,8 @@
 
     wire = PlanWire(device)                       # one per rank; every rank makes the same calls in the same order
     plan = wire.broadcast(plan, rank, group)      # rank 0's plan on every rank: one broadcast of one int32 buffer
+    conn.send_bytes(pack(plan).numpy().tobytes())  # the driver to rank 0 (spawned ranks): the same words
+    plan = wire.relay(unpack(conn.recv_bytes()) if rank == 0 else None, rank, group)   # rank 0 passes them on
 
 A plan is a StepPlan (its chunks: tokens, first position, block table, sampling spec, drafts; the
 sequences released), KEEPALIVE, a Measure, a SetDecode, a StoreOps (the KV store's block saves and
@@ -152,6 +154,27 @@ def encode(plan) -> list[int]:
     return words
 
 
+def pack(plan) -> torch.Tensor:
+    """`plan`'s words (encode) as the one int32 tensor that carries it, from the driver to rank 0 (its
+    bytes) and from rank 0 to the other ranks (a broadcast). ValueError when a word does not fit in
+    int32, before anything is sent.
+
+        >>> decode(pack(Measure(reset=True)).tolist())
+        Measure(reset=True)
+    """
+    words = encode(plan)
+    try:
+        return torch.tensor(words, dtype=torch.int32)
+    except RuntimeError as exc:  # a word past int32
+        raise ValueError(f"the step's plan has a value outside int32 (largest {max(words)}, smallest {min(words)}): "
+                         f"token ids, positions, block numbers and sequence ids must fit") from exc
+
+
+def unpack(data: bytes) -> torch.Tensor:
+    """The int32 tensor of pack's bytes (what rank 0 reads from the driver's connection)."""
+    return torch.frombuffer(bytearray(data), dtype=torch.int32)
+
+
 def decode(words: list[int]):
     """The plan that `encode` wrote as `words` (extra words past its length are ignored)."""
     kind = words[0]
@@ -214,20 +237,27 @@ class PlanWire:
             return plan
         return self.receive(group)
 
+    def relay(self, message: torch.Tensor | None, rank: int, group=None):
+        """The plan of rank 0's `message` (pack's int32 tensor, as the driver sent it to rank 0) on every
+        rank of `group`: rank 0 broadcasts the message as it came, without decoding and encoding it
+        again; the others pass None. Every rank of the group must call it, in the same order."""
+        if rank == 0:
+            if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
+                self._send_packed(message, group)
+            return decode(message.tolist())
+        return self.receive(group)
+
     def send(self, plan, group=None) -> None:
         """Rank 0's side: encode `plan` and broadcast it (its header first when it outgrows the buffer)."""
+        self._send_packed(pack(plan), group)
+
+    def _send_packed(self, message: torch.Tensor, group=None) -> None:
         src = 0 if group is None else dist.get_global_rank(group, 0)
-        words = encode(plan)
-        try:
-            message = torch.tensor(words, dtype=torch.int32)
-        except RuntimeError as exc:  # a word past int32
-            raise ValueError(f"the step's plan has a value outside int32 (largest {max(words)}, smallest {min(words)}): "
-                             f"token ids, positions, block numbers and sequence ids must fit") from exc
-        if len(words) > self.buffer.numel():
+        if message.numel() > self.buffer.numel():
             self.buffer[:HEADER].copy_(message[:HEADER])
             dist.broadcast(self.buffer, src=src, group=group)
-            self._grow(len(words))
-        self.buffer[: len(words)].copy_(message)
+            self._grow(message.numel())
+        self.buffer[: message.numel()].copy_(message)
         dist.broadcast(self.buffer, src=src, group=group)
 
     def receive(self, group=None):

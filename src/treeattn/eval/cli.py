@@ -23,8 +23,7 @@ from rich.table import Table
 from treeattn.engine.config import DEFAULT_METHOD
 from treeattn.engine.config import EngineConfig as E
 from treeattn.engine.request import SamplingParams as S
-from treeattn.engine.flags import (Decode, Device, KvCacheDtype, Method, WeightFormat, cli_message, config_flag, model_argument, device_and_dtype,
-                                  dtype_flag)
+from treeattn.engine.flags import cli_message, config_flag, config_options, device_and_dtype, dtype_flag, model_argument, torch_dtype
 
 eval_app = typer.Typer(help="Evaluate a model through the engine.", no_args_is_help=True, rich_markup_mode=None)
 stderr = Console(stderr=True)
@@ -42,31 +41,29 @@ def _numbers(text: str, kind, option: str) -> list:
     return values
 
 
+NEEDLE_ENGINE_FLAGS = ("nproc", "decode", "method", "threads_per_rank", "device", "kv_cache_dtype", "weight_format")
+
+
 @eval_app.command("needle")
+@config_options(E, NEEDLE_ENGINE_FLAGS, into="engine", nproc={"help": "Local ranks; the KV cache is sharded across them."},
+                decode={"help": "Decode attention whose answer is scored (on --nproc > 1; one rank decodes locally)."})
 def needle_command(
     model: Path = model_argument(", with a tokenizer; its chat template renders the question when it has one (a base "
                                  "model such as Gemma 3 270M completes the document as plain text)."),
     lengths: str | None = typer.Option(None, "--lengths", help="Document lengths in tokens, comma-separated "
                                        "(default: 1024, 2048, ... up to the model's context window)."),
     depths: str = typer.Option("0,0.25,0.5,0.75,1", "--depths", help="Needle depths in [0, 1], comma-separated."),
-    nproc: int = config_flag(E, "nproc", min=1, help="Local ranks; the KV cache is sharded across them."),
-    decode: Decode = config_flag(E, "decode", help="Decode attention whose answer is scored (on --nproc > 1; one rank "
-                                 "decodes locally)."),
-    method: Method | None = config_flag(E, "method"),
     check_methods: bool = typer.Option(True, "--check-methods/--no-check-methods", help="Also answer with every other "
                                        "method (from the first one's prefill: the prefix cache serves the document again) and check that all give "
                                        "identical tokens."),
     max_new_tokens: int = config_flag(S, "max_new_tokens", default=16, min=1, help="Greedy tokens of each answer at most."),
     seed: int = config_flag(S, "seed", min=0, help="Filler order and hidden number."),
-    threads: int | None = config_flag(E, "threads_per_rank", flag="--threads", min=1),
     heatmap_path: Path | None = typer.Option(None, "--heatmap", help="Write a heatmap PNG (matplotlib) here."),
     allow_beyond_context: bool = typer.Option(False, "--allow-beyond-context", help="Allow prompts longer than the model's "
                                               "context window (positions it never saw in training)."),
     dtype: str = dtype_flag(),
-    device: Device = config_flag(E, "device"),
-    kv_cache_dtype: KvCacheDtype = config_flag(E, "kv_cache_dtype"),
-    weight_format: WeightFormat = config_flag(E, "weight_format"),
     json_output: bool = typer.Option(False, "--json", help="Print one JSON object on stdout and nothing else."),
+    engine: dict | None = None,
 ) -> None:
     """Needle-in-a-haystack: hide a number in a long document, ask for it, score exact retrieval."""
     from treeattn.eval.needle import default_lengths, heatmap, run_needle
@@ -74,9 +71,10 @@ def needle_command(
     from treeattn.parallel import SpawnError
 
     try:
-        method = method or DEFAULT_METHOD
-        E(nproc=nproc, decode=decode if nproc > 1 else "local", method=method)  # --decode local on --nproc 2: one line
-        kind, dtype = device_and_dtype(device, dtype, nproc)  # "cpu" or "cuda"; --dtype auto: bfloat16 on CUDA
+        nproc = engine["nproc"]
+        kind, dtype = device_and_dtype(engine["device"], dtype, nproc)  # "cpu" or "cuda"; --dtype auto: bfloat16 on CUDA
+        config = E(**{**engine, "decode": engine["decode"] if nproc > 1 else "local", "method": engine["method"] or DEFAULT_METHOD,
+                      "dtype": torch_dtype(dtype), "device": kind})  # --decode local on --nproc 2: one line
         depth_list = _numbers(depths, float, "--depths")
         if not all(0 <= d <= 1 for d in depth_list):
             raise ValueError(f"--depths: every depth must be in [0, 1], got {depths!r}")
@@ -86,12 +84,10 @@ def needle_command(
         start = time.perf_counter()
         if not json_output:
             stderr.print(f"needle eval of {model}: lengths {length_list}, depths {depth_list}, {nproc} rank(s), "
-                         f"decode {decode if nproc > 1 else 'local'}, {dtype} on {kind}")
+                         f"decode {config.decode}, {dtype} on {kind}")
         with stderr.status(f"{len(length_list) * len(depth_list)} prompts ...") if not json_output else _nothing():
-            report = run_needle(str(model), lengths=length_list, depths=depth_list, nproc=nproc, decode=decode,
-                                method=method, check_methods=check_methods, max_new_tokens=max_new_tokens, seed=seed,
-                                threads=threads, allow_beyond_context=allow_beyond_context, dtype=dtype, device=kind,
-                                kv_cache_dtype=kv_cache_dtype, weight_format=weight_format)
+            report = run_needle(str(model), config, S(max_new_tokens=max_new_tokens), lengths=length_list, depths=depth_list,
+                                check_methods=check_methods, seed=seed, allow_beyond_context=allow_beyond_context)
     except (ValueError, FileNotFoundError) as exc:
         typer.echo(f"error: {cli_message(exc)}", err=True)
         raise typer.Exit(2) from exc

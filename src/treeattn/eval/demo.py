@@ -15,10 +15,13 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
-from treeattn.engine.config import DEFAULT_METHOD
+import torch
+
+from treeattn.engine.config import DEFAULT_METHOD, EngineConfig
+from treeattn.engine.request import SamplingParams
 from treeattn.eval.haystack import NeedleCase, is_correct, needle_case
 from treeattn.eval.runner import MethodRun, Timing, decode_methods
 
@@ -97,16 +100,15 @@ def run_document_demo(model: str | Path | None = None, *, context: int = 4096, d
     methods = (("tree", DEFAULT_METHOD), ("ring", "allreduce"))
     say(f"{nproc} ranks: loading the model, prefilling the {len(case.prompt_ids)}-token prompt across them, answering with "
         "tree decoding, then with ring decoding from the same cache ...")
-    runs, sharded = decode_methods(path, [case.prompt_ids], nproc=nproc, methods=methods, max_new_tokens=new_tokens,
-                                   stop_token_ids=stop, threads=threads, placement=placement, dtype=dtype, device=device,
-                                   kv_cache_dtype=kv_cache_dtype, weight_format=weight_format)
+    config = EngineConfig(nproc=nproc, threads_per_rank=threads, placement=placement, dtype=getattr(torch, dtype), device=device,
+                          kv_cache_dtype=kv_cache_dtype, weight_format=weight_format)
+    sampling = SamplingParams(max_new_tokens=new_tokens, stop_token_ids=tuple(stop))
+    runs, sharded = decode_methods(path, [case.prompt_ids], config, sampling, methods=methods)
     say(f"{nproc} ranks done in {sharded.total_s:.1f} s (prefill {runs[0][0].result.prefill_s:.1f} s)")
     ref, single = None, None
     if reference:
         say("one process: loading the model, prefilling the same prompt and answering alone ...")
-        ref_runs, single = decode_methods(path, [case.prompt_ids], nproc=1, max_new_tokens=new_tokens, stop_token_ids=stop,
-                                          threads=threads, dtype=dtype, device=device, kv_cache_dtype=kv_cache_dtype,
-                                          weight_format=weight_format)
+        ref_runs, single = decode_methods(path, [case.prompt_ids], replace(config, nproc=1, placement="contiguous"), sampling)
         ref = ref_runs[0][0]
         say(f"one process done in {single.total_s:.1f} s (prefill {ref.result.prefill_s:.1f} s)")
     answer = files.tokenizer.decode(runs[0][0].result.generated_ids[0])

@@ -1,6 +1,7 @@
 """Needle-in-a-haystack retrieval over context lengths x needle depths: `treeattn eval needle MODEL`.
 
-    report = run_needle("model.gguf", lengths=[1024, 2048], depths=[0.0, 0.5, 1.0], nproc=4, decode="tree")
+    report = run_needle("model.gguf", EngineConfig(nproc=4, decode="tree"), SamplingParams(max_new_tokens=16),
+                        lengths=[1024, 2048], depths=[0.0, 0.5, 1.0])
     report.accuracy                      # fraction of cells answered exactly
     report.methods_agree                 # every decode method gave the same tokens in every cell
 
@@ -16,9 +17,10 @@ tokens. Attention is exact, so they must: the eval reports any cell where they d
 from __future__ import annotations
 
 import logging
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 
-from treeattn.engine.config import DEFAULT_METHOD
+from treeattn.engine.config import DEFAULT_METHOD, EngineConfig
+from treeattn.engine.request import SamplingParams
 from treeattn.eval.haystack import is_correct, needle_case
 
 logger = logging.getLogger(__name__)
@@ -92,27 +94,21 @@ def default_lengths(context_window: int) -> list[int]:
 
 def run_needle(
     model_path: str,
+    config: EngineConfig,
+    sampling: SamplingParams,
     *,
     lengths: list[int],
     depths: list[float],
-    nproc: int = 1,
-    decode: str = "tree",
-    method: str = DEFAULT_METHOD,
     check_methods: bool = True,
-    max_new_tokens: int = 16,
     seed: int = 0,
-    threads: int | None = None,
     allow_beyond_context: bool = False,
-    dtype: str = "float32",
-    device: str = "cpu",
-    kv_cache_dtype: str = "auto",
-    weight_format: str = "auto",
 ) -> NeedleReport:
     """Run the grid; see the module docstring. A model without a chat template (a base model such
     as Gemma 3 270M) gets the document and question as plain text to complete (haystack.COMPLETION).
     Raises ValueError for a model without tokenizer, or a length beyond the model's window (unless
-    allow_beyond_context). dtype, device, kv_cache_dtype, weight_format: as decode_methods takes them (a dtype
-    name; "cpu" or "cuda"; EngineConfig's names)."""
+    allow_beyond_context). config: the ranks (nproc), the decode and method scored, and the rest as
+    decode_methods takes it; sampling: max_new_tokens of each answer (greedy); seed: the filler's order
+    and the hidden number."""
     from treeattn.eval.runner import decode_methods, method_name
     from treeattn.models.chat import end_of_turn_id
     from treeattn.models.loader import read_model_files
@@ -121,6 +117,7 @@ def run_needle(
     if files.tokenizer is None:
         raise ValueError(f"{model_path}: the model has no tokenizer (tokenizer.json / tokenizer.ggml.*): the eval needs text")
     window = files.config.max_position_embeddings
+    max_new_tokens, nproc = sampling.max_new_tokens, config.nproc
     fit = window - max_new_tokens  # a length up to the window is cut so that the answer fits too
     cases = [needle_case(files.tokenizer, files.chat_template, context_tokens=min(n, fit) if n <= window else n, depth=d, seed=seed)
              for n in lengths for d in depths]
@@ -128,13 +125,12 @@ def run_needle(
     if longest > window and not allow_beyond_context:
         raise ValueError(f"--lengths: the longest prompt needs {longest} positions, beyond the model's context window of {window} "
                          "(use shorter lengths, or --allow-beyond-context)")
-    chosen = (decode, method) if nproc > 1 else ("local", "allreduce")
+    chosen = (config.decode, config.method or DEFAULT_METHOD) if nproc > 1 else ("local", "allreduce")
     methods = [chosen] + ([m for m in ALL_METHODS if m != chosen] if check_methods and nproc > 1 else [])
     eot = end_of_turn_id(files.tokenizer, files.chat_template) if files.chat_template is not None else None
     stop = [eot] if eot is not None else []  # besides the model's eos ids
-    runs, timing = decode_methods(model_path, [c.prompt_ids for c in cases], nproc=nproc, methods=methods,
-                                  max_new_tokens=max_new_tokens, stop_token_ids=stop, threads=threads, dtype=dtype,
-                                  device=device, kv_cache_dtype=kv_cache_dtype, weight_format=weight_format)
+    sampling = replace(sampling, stop_token_ids=(*sampling.stop_token_ids, *stop))
+    runs, timing = decode_methods(model_path, [c.prompt_ids for c in cases], config, sampling, methods=methods)
     cells = []
     for case, row in zip(cases, runs):
         first = row[0].result

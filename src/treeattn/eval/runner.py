@@ -1,7 +1,8 @@
 """Decode prompts with several methods each, on p local ranks: the engine of `treeattn demo`
 (real weights) and `treeattn eval needle`.
 
-    runs = decode_methods("model.gguf", [ids_a, ids_b], nproc=4, methods=(("tree", "allreduce"), ("ring", "allreduce")))
+    runs = decode_methods("model.gguf", [ids_a, ids_b], EngineConfig(nproc=4, device="cpu"), SamplingParams(max_new_tokens=16),
+                          methods=(("tree", "allreduce"), ("ring", "allreduce")))
     runs[0][1].result.generated_ids      # prompt 0, second method
 
 On p > 1 ranks every rank loads the model once and the ranks run one ta.Engine inside the group for
@@ -19,13 +20,14 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
-from treeattn.engine.config import DEFAULT_METHOD
+from treeattn.engine.config import DEFAULT_METHOD, EngineConfig
 from treeattn.engine.generate import generate
 from treeattn.engine.measure import malloc_env
+from treeattn.engine.request import SamplingParams
 from treeattn.eval.synthetic import MethodRun  # one MethodRun for both demos
 
 SPAWN_TIMEOUT_S = 1800.0  # a collective may wait this long for a slow peer's prefill
@@ -46,42 +48,37 @@ def method_name(decode: str, method: str) -> str:
 def decode_methods(
     model_path: str,
     prompts: Sequence[Sequence[int]],
+    config: EngineConfig,
+    sampling: SamplingParams,
     *,
-    nproc: int,
     methods: Sequence[tuple[str, str]] = (("tree", DEFAULT_METHOD), ("ring", "allreduce")),
-    max_new_tokens: int = 16,
-    stop_token_ids: Sequence[int] = (),
-    threads: int | None = None,
-    dtype: str = "float32",
-    device: str = "cpu",
-    placement: str = "contiguous",
     on_prompt: Callable[[int], None] | None = None,
-    kv_cache_dtype: str = "auto",
-    weight_format: str = "auto",
 ) -> tuple[list[list[MethodRun]], Timing]:
-    """Greedy-decode each prompt with each method on `nproc` local ranks (gloo).
+    """Greedy-decode each prompt with each method on `config.nproc` local ranks (gloo).
 
     Args:
         model_path: HF directory or .gguf file, loaded once on every rank.
         prompts: token id lists.
-        nproc: ranks; 1 runs in this process with local attention (methods are then ignored).
+        config: how the ranks run: nproc (1 runs in this process with local attention: methods are
+            then ignored), device ("cpu", "cuda", or "auto": treeattn.engine.device.resolve_device;
+            rank r loads onto rank_device(device, r) and the group is NCCL for CUDA, gloo for the CPU),
+            dtype (the weights' torch dtype; None: float32), placement, kv_cache_dtype, weight_format,
+            block_size, threads_per_rank (None: cores // nproc, at least 1). decode and method come
+            from `methods`.
+        sampling: what each answer asks (max_new_tokens, stop_token_ids besides the model's eos ids;
+            greedy at its default temperature 0).
         methods: (decode, tree method) pairs; decode "tree" or "ring".
-        max_new_tokens, stop_token_ids: as in ta.generate (SamplingParams: ids that stop besides the model's eos).
-        threads: torch threads per rank; default cores // nproc (at least 1).
-        dtype: parameter dtype name ("float32", "bfloat16", "float16").
-        device: "cpu" or "cuda" (resolved, treeattn.engine.device.resolve_device): rank r loads onto
-            rank_device(device, r) and the ranks' group is NCCL for CUDA, gloo for the CPU.
-        placement: cache placement of tokens on ranks ("contiguous" or "interleaved").
         on_prompt: called in this process with the index of each finished prompt (nproc == 1 only).
-        kv_cache_dtype, weight_format: as EngineConfig takes them (what the KV cache stores; how a
-            GGUF file's quantized weights are held).
 
     Returns:
         (runs[prompt][method], Timing).
     """
-    threads = threads or max(1, (os.cpu_count() or 1) // nproc)
-    args = (str(model_path), [list(p) for p in prompts], tuple(methods) if nproc > 1 else (("local", "allreduce"),),
-            max_new_tokens, list(stop_token_ids), threads, dtype, device, placement, kv_cache_dtype, weight_format)
+    from treeattn.engine.device import resolve_device
+
+    nproc = config.nproc
+    config = replace(config, device=resolve_device(config.device),  # "auto": CUDA when there is one, else the CPU
+                     threads_per_rank=config.threads_per_rank or max(1, (os.cpu_count() or 1) // nproc))
+    args = (str(model_path), [list(p) for p in prompts], tuple(methods) if nproc > 1 else (("local", "allreduce"),), config, sampling)
     start = time.perf_counter()
     if nproc == 1:
         saved = torch.get_num_threads()
@@ -94,28 +91,28 @@ def decode_methods(
         from treeattn.parallel import spawn
 
         with malloc_env():  # the ranks' resident memory follows their live tensors
-            per_rank = spawn(_decode_rank, nproc, *args, backend=backend_for(device), timeout=SPAWN_TIMEOUT_S, threads=threads,
-                             method="spawn")  # spawned: glibc reads MALLOC_ENV when a process starts
+            per_rank = spawn(_decode_rank, nproc, *args, backend=backend_for(config.device), timeout=SPAWN_TIMEOUT_S,
+                             threads=config.threads_per_rank, method="spawn")  # spawned: glibc reads MALLOC_ENV when a process starts
         rows = per_rank[0][0]
         load_s = max(r[1] for r in per_rank)
     runs = [[MethodRun(method_name(d, m), d, m, nproc, result) for d, m, result in row] for row in rows]
     return runs, Timing(load_s=load_s, total_s=time.perf_counter() - start)
 
 
-def _decode_rank(rank, world_size, model_path, prompts, methods, max_new_tokens, stop_token_ids, threads, dtype, device,
-                 placement, kv_cache_dtype, weight_format, on_prompt=None):
+def _decode_rank(rank, world_size, model_path, prompts, methods, config: EngineConfig, sampling: SamplingParams, on_prompt=None):
     """One rank: load once (onto its device); on one process one ta.generate per prompt (its prefill
     and decode); on several ranks one engine for everything (see shared_prefill_rows). No warm-up
     request: every engine's ranks compile or load their numba kernels when they start (treeattn.engine.warmup)."""
     from treeattn.engine.device import rank_device
     from treeattn.models.loader import load_model
 
-    torch.set_num_threads(threads)
+    torch.set_num_threads(config.threads_per_rank)
     start = time.perf_counter()
-    model = load_model(model_path, dtype=getattr(torch, dtype), device=rank_device(device, rank), weight_format=weight_format)
+    model = load_model(model_path, dtype=config.dtype or torch.float32, device=rank_device(config.device, rank),
+                       weight_format=config.weight_format)
     load_s = time.perf_counter() - start
     if world_size > 1:
-        rows = shared_prefill_rows(model, prompts, methods, max_new_tokens, stop_token_ids, placement, kv_cache_dtype)
+        rows = shared_prefill_rows(model, prompts, methods, config, sampling)
         import torch.distributed as dist
 
         dist.barrier()  # leave together: a rank tearing its group down early can abort a peer still in gloo
@@ -124,8 +121,7 @@ def _decode_rank(rank, world_size, model_path, prompts, methods, max_new_tokens,
     for index, prompt in enumerate(prompts):
         row = []
         for decode, method in methods:
-            result = generate(model, prompt, max_new_tokens=max_new_tokens, decode=decode, method=method,
-                              stop_token_ids=stop_token_ids, placement=placement, kv_cache_dtype=kv_cache_dtype)
+            result = generate(model, prompt, _engine_config(config, decode, method), sampling)
             row.append((decode, method, result))
         rows.append(row)
         if on_prompt is not None:
@@ -133,26 +129,28 @@ def _decode_rank(rank, world_size, model_path, prompts, methods, max_new_tokens,
     return rows, load_s
 
 
-def shared_prefill_rows(model, prompts, methods, max_new_tokens, stop_token_ids=(), placement="contiguous", kv_cache_dtype="auto",
-                        block_size: int | None = None):
+def _engine_config(config: EngineConfig, decode: str, method: str, **changes) -> EngineConfig:
+    """The engine's config of one method: what `config` says of the cache (placement, kv_cache_dtype,
+    block_size), the rest as a loaded model's engine takes it by default (its own device and dtype)."""
+    return EngineConfig(decode=decode, method=method, placement=config.placement, kv_cache_dtype=config.kv_cache_dtype,
+                        block_size=config.block_size, **changes)
+
+
+def shared_prefill_rows(model, prompts, methods, config: EngineConfig, sampling: SamplingParams):
     """On every rank of the default group: one ta.Engine inside the group for every prompt and method.
     Per prompt, the first method prefills it and answers; each next method switches the engine's
     decode (Engine.set_decode: the caches stay) and asks the same prompt again, which the prefix
     cache serves (its full blocks, from the window checkpoint of a hybrid model such as Gemma 3): the
     methods decode from one prefill, and each result's cached_prompt_tokens says how many prompt
     tokens came from it. The engine is sized for one sequence of the longest prompt, so a next
-    prompt evicts the last one's blocks; block_size is the engine's (None: EngineConfig's default).
+    prompt evicts the last one's blocks; `config` gives placement, kv_cache_dtype and block_size.
     Returns rank 0's rows [(decode, method, GenerationResult)] per prompt, None on the other ranks."""
     from treeattn.engine.client import Engine
-    from treeattn.engine.config import EngineConfig
     from treeattn.engine.generate import DEFAULT_TIMEOUT_S, Generation, batch_config
-    from treeattn.engine.request import SamplingParams
     from treeattn.parallel.shared_memory import group_timeout_s
 
-    sampling = SamplingParams(max_new_tokens=max_new_tokens, stop_token_ids=tuple(stop_token_ids))
     (decode, method), world_size = methods[0], torch.distributed.get_world_size()
-    config = EngineConfig(decode=decode, method=method, placement=placement, kv_cache_dtype=kv_cache_dtype,
-                          timeout_s=group_timeout_s() or DEFAULT_TIMEOUT_S, block_size=block_size or EngineConfig.block_size)
+    config = _engine_config(config, decode, method, timeout_s=group_timeout_s() or DEFAULT_TIMEOUT_S)
     config = batch_config(config, sampling, 1, [max(prompts, key=len)], world_size)
     engine = Engine(model, config)  # the other ranks serve its steps here until rank 0 closes it
     if not engine.is_driver:

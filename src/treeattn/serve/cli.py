@@ -10,39 +10,24 @@ from typing import Literal
 import typer
 
 from treeattn.engine.config import EngineConfig as E
-from treeattn.engine.flags import (Decode, DecodeStep, Device, KvCacheDtype, Method, Placement, Prefill, Speculate, WeightFormat, config_flag, model_argument,
-                                  dtype_flag, torch_dtype)
+from treeattn.engine.flags import config_options, dtype_flag, model_argument, torch_dtype
 
 LogLevel = Literal["debug", "info", "warning", "error", "critical"]
 
 
+SERVE_ENGINE_FLAGS = ("nproc", "tp", "decode", "method", "placement", "max_batch_size", "cache_tokens", "max_context",
+                      "prefix_cache", "block_size", "prefill", "kv_cache_dtype", "weight_format", "device", "speculate",
+                      "draft_tokens", "draft_model", "linear_maps", "kv_store", "kv_store_bytes", "shared_memory",
+                      "decode_step", "timeout_s")
+
+
+@config_options(E, SERVE_ENGINE_FLAGS, into="engine", nproc={"help": "Ranks sharing the KV cache (ignored under torchrun: its world size)."},
+                block_size={"min": 1}, timeout_s={"max": None})
 def serve_command(
     model: Path = model_argument(),
-    nproc: int = config_flag(E, "nproc", min=1, help="Ranks sharing the KV cache (ignored under torchrun: its world size)."),
     host: str = typer.Option("127.0.0.1", "--host", help="Address to bind; 0.0.0.0 to listen on every interface."),
     port: int = typer.Option(8000, "--port", min=0, max=65535, help="Port (0: any free port, printed at start)."),
-    tp: int | None = config_flag(E, "tp", min=1),
-    decode: Decode = config_flag(E, "decode"),
-    method: Method | None = config_flag(E, "method"),
-    placement: Placement = config_flag(E, "placement"),
-    max_batch_size: int = config_flag(E, "max_batch_size", min=1),
-    cache_tokens: int | None = config_flag(E, "cache_tokens", min=1),
-    max_context: int | None = config_flag(E, "max_context", min=1),
-    prefix_cache: bool = config_flag(E, "prefix_cache"),
-    block_size: int = config_flag(E, "block_size", min=1),
-    prefill: Prefill = config_flag(E, "prefill"),
     dtype: str = dtype_flag(),
-    kv_cache_dtype: KvCacheDtype = config_flag(E, "kv_cache_dtype"),
-    weight_format: WeightFormat = config_flag(E, "weight_format"),
-    device: Device = config_flag(E, "device"),
-    speculate: Speculate | None = config_flag(E, "speculate"),
-    draft_tokens: int = config_flag(E, "draft_tokens"),
-    draft_model: Path | None = config_flag(E, "draft_model"),
-    linear_maps: Path | None = config_flag(E, "linear_maps"),
-    kv_store: Path | None = config_flag(E, "kv_store"),
-    kv_store_bytes: int = config_flag(E, "kv_store_bytes", min=1),
-    shared_memory: bool = config_flag(E, "shared_memory"),
-    decode_step: DecodeStep = config_flag(E, "decode_step"),
     api_key: str | None = typer.Option(None, "--api-key", envvar="TREEATTN_API_KEY", show_envvar=True,
                                        help="Require 'Authorization: Bearer KEY' on every endpoint but /health. On the "
                                        "command line it shows in `ps`: prefer the environment variable or --api-key-file."),
@@ -56,10 +41,10 @@ def serve_command(
                                           "larger ones get 413."),
     body_timeout: float = typer.Option(10.0, "--body-timeout", min=0.001, help="Seconds a client may take to send a "
                                        "request's body after its headers; then 408."),
-    timeout: float = config_flag(E, "timeout_s", flag="--timeout", min=0.001),
     drain: float = typer.Option(30.0, "--drain", min=0.0, help="Seconds to let running requests finish after SIGTERM."),
     log_level: LogLevel = typer.Option("info", "--log-level", help="Messages on stderr from this level up: info shows the "
                                        "start-up steps and one access line per request; warning only problems."),
+    engine: dict | None = None,
 ) -> None:
     """Serve MODEL over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics)."""
     import logging
@@ -79,21 +64,14 @@ def serve_command(
                                log_level="warning" if log_level == "info" else log_level)
     except ValueError as exc:
         _fail(str(exc))
-    engine_options = dict(nproc=nproc, tp=tp, decode=decode, method=method, placement=placement, max_batch_size=max_batch_size,
-                          cache_tokens=cache_tokens, max_context=max_context, prefix_cache=prefix_cache, block_size=block_size,
-                          prefill=prefill, dtype=torch_dtype(dtype), device=device, timeout_s=timeout, speculate=speculate,
-                          draft_tokens=draft_tokens, draft_model=None if draft_model is None else str(draft_model),
-                          shared_memory=shared_memory, decode_step=decode_step, kv_cache_dtype=kv_cache_dtype,
-                          weight_format=weight_format,
-                          linear_maps=None if linear_maps is None else str(linear_maps),
-                          kv_store=None if kv_store is None else str(kv_store), kv_store_bytes=kv_store_bytes)
+    engine_options = {**engine, "dtype": torch_dtype(dtype)}
 
     def ready(bound_host: str, bound_port: int) -> None:
         from treeattn.parallel.spawn import under_torchrun
         from treeattn.serve.child import ready_line
 
-        ranks = int(os.environ["WORLD_SIZE"]) if under_torchrun() else nproc
-        typer.echo(ready_line(model, bound_host, bound_port, ranks, decode), err=True)
+        ranks = int(os.environ["WORLD_SIZE"]) if under_torchrun() else engine["nproc"]
+        typer.echo(ready_line(model, bound_host, bound_port, ranks, engine["decode"]), err=True)
 
     try:
         status = serve(str(model), options, engine_options, on_ready=ready)
