@@ -198,8 +198,8 @@ def main() -> None:
     c = files.config
     report["full_cache_bytes_per_token"] = c.num_layers * 2 * c.num_kv_heads * c.head_dim * 4
     for p in args.nproc:
-        runs, timing = decode_methods(path, [case.prompt_ids], nproc=p, methods=(("tree", "onepass"),),
-                                      max_new_tokens=args.max_new_tokens)
+        runs, timing = decode_methods(path, [case.prompt_ids], ta.EngineConfig(nproc=p, device="cpu"),
+                                      ta.SamplingParams(max_new_tokens=args.max_new_tokens), methods=(("tree", "onepass"),))
         r = runs[0][0].result
         positions = len(case.prompt_ids) + len(r.generated_ids[0])
         report["runs"].append(dict(nproc=p, tokens=r.generated_ids[0], text=files.tokenizer.decode(r.generated_ids[0]),
