@@ -142,6 +142,26 @@ def test_demo_on_a_gguf_model_checks_tree_ring_and_one_process(files):
     for name in ("tree (onepass)", "ring (pass-KV)", "single process (local)"):
         assert name in text
     assert text.count("yes") >= 3  # "same tokens" of each row (the demo exits 1 when any row says NO)
+    assert "layout: Helix, --tp 1 on 2 ranks: attention split by sequence over 2 ranks" in text  # the default layout
+
+
+@pytest.mark.parametrize("args, layout", [(["--tp", "2"], "layout: Helix, --tp 2 on 2 ranks: attention split by heads over 2 "
+                                           "ranks (the cache not split by sequence), the output projections"),
+                                          (["--sequence-only"], "layout: sequence only (--sequence-only)")])
+def test_demo_runs_either_layout_with_the_single_process_tokens(files, args, layout):
+    """The sharded rows (tree, then ring from the same cache) in the Helix layout with tp = nproc, and in the
+    sequence-only one, give the one process's tokens; the layout line says which ran."""
+    result = runner.invoke(app, ["demo", "--model", str(files["tiny"]), "--context", "240", "--nproc", "2", "--new-tokens", "3",
+                                 *args])
+    assert result.exit_code == 0, result.output
+    text = " ".join(result.stdout.split())
+    assert layout in text and text.count("yes") == 3 and "ring (pass-KV)" in text  # exit 1 had a row said NO
+
+
+def test_demo_refuses_a_tp_the_model_cannot_split_before_any_rank_starts(files):
+    """The tiny model has 4 query heads: --tp 3 on 3 ranks is the engine's one-line refusal, before the ranks' progress."""
+    result = runner.invoke(app, ["demo", "--model", str(files["tiny"]), "--context", "240", "--nproc", "3", "--tp", "3"])
+    assert result.exit_code == 2 and result.stderr.strip() == "error: --tp 3 must divide the model's 4 query heads", result.stderr
 
 
 def test_ta_generate_takes_the_file_and_gives_the_engines_text(files, tiny):
