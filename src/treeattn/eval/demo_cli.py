@@ -39,11 +39,12 @@ def demo_command(
                                        "--synthetic: prompt length, default 32768)."),
     nproc: int | None = config_flag(E, "nproc", default=None, min=1, help="Local ranks sharing the KV cache (default: one "
                                     "per CPU core, 2 to 8; on CUDA one per GPU)."),
-    tp: int | None = config_flag(E, "tp", min=1, help="Tensor-parallel ranks T of the sharded rows (the Helix layout: the "
-                                 "ranks are T x nproc / T KV ranks; attention's heads split T ways and the sequence nproc / T "
-                                 "ways, the output projections, MLP, embeddings and LM head over all ranks). Default 1: "
-                                 "the sequence split over every rank, the other weights too. T must divide nproc and the "
-                                 "model's query heads, and divide its KV heads or be a multiple of them."),
+    tp: int | None = config_flag(E, "tp", min=1, help="Tensor-parallel ranks T of the sharded rows: the Helix layout, "
+                                 "T x nproc / T KV ranks (attention's heads split T ways and the sequence nproc / T ways; the "
+                                 "output projections, MLP, embeddings and LM head over all ranks). Default 1: attention split "
+                                 "by sequence over every rank, the rest of the weights too (about 1/nproc of them a rank). T "
+                                 "must divide nproc and the model's query heads, and divide its KV heads or be a multiple of "
+                                 "them (SmolLM2: 1, 3 or 9). Not with --synthetic or --sequence-only."),
     sequence_only: bool = typer.Option(False, "--sequence-only", help="Shard only the KV cache, by sequence: every rank "
                                        "holds all the weights and runs the whole MLP (the layout without --tp)."),
     max_new_tokens: int | None = config_flag(S, "max_new_tokens", default=None, min=2,
