@@ -147,7 +147,7 @@ def test_demo_on_a_gguf_model_checks_tree_ring_and_one_process(files):
 
 @pytest.mark.parametrize("args, layout", [(["--tp", "2"], "layout: Helix, --tp 2 on 2 ranks: attention split by heads over 2 "
                                            "ranks (the cache not split by sequence), the output projections"),
-                                          (["--sequence-only"], "layout: sequence only (--sequence-only)")])
+                                          (["--sequence-only"], "layout: sequence only: the KV cache split by sequence over the 2 ranks")])
 def test_demo_runs_either_layout_with_the_single_process_tokens(files, args, layout):
     """The sharded rows (tree, then ring from the same cache) in the Helix layout with tp = nproc, and in the
     sequence-only one, give the one process's tokens; the layout line says which ran."""
@@ -156,6 +156,18 @@ def test_demo_runs_either_layout_with_the_single_process_tokens(files, args, lay
     assert result.exit_code == 0, result.output
     text = " ".join(result.stdout.split())
     assert layout in text and text.count("yes") == 3 and "ring (pass-KV)" in text  # exit 1 had a row said NO
+
+
+def test_the_demos_default_layout_is_helix_where_the_packed_weights_split_else_sequence_only(files):
+    """The tiny Q8_0 model's o_proj has 64 input columns in blocks of 32: tp=1 splits them on 2 ranks, not on 4
+    (16 columns a rank); there the default falls back to the sequence-only layout with the engine's reason."""
+    from treeattn.eval.demo import DEFAULT_TP, default_layout
+
+    assert default_layout(str(files["tiny"]), 2) == (DEFAULT_TP, None)
+    tp, why = default_layout(str(files["tiny"]), 4)
+    assert tp is None and "not whole blocks of 32 packed weights" in why
+    assert default_layout(str(files["tiny"]), 4, weight_format="dequantize") == (DEFAULT_TP, None)
+    assert default_layout(str(files["tiny"]), 1) == (None, None)
 
 
 def test_demo_refuses_a_tp_the_model_cannot_split_before_any_rank_starts(files):

@@ -53,6 +53,27 @@ def gemma3_path() -> Path:
     return Path(package.assemble())
 
 
+DEFAULT_TP = 1
+"""The document demo's tensor-parallel ranks unless --tp or --sequence-only: the Helix layout with the sequence over every
+rank, which made 2 ranks faster than one process on this repository's 2-core machine where the sequence-only layout was
+not (docs/benchmarks.md, "Where sharding pays on 2 cores")."""
+
+
+def default_layout(path: str, nproc: int, *, dtype: str = "float32", device: str = "cpu",
+                   weight_format: str = "auto") -> tuple[int | None, str | None]:
+    """The sharded rows' tp when none is asked for: (DEFAULT_TP, None) where the engine runs it for this checkpoint on
+    `nproc` ranks, else (None, the engine's one-line reason): the sequence-only layout then. A packed GGUF matrix splits
+    only on its blocks, so SmolLM2's Q4_1 (576 columns, blocks of 32) takes the Helix layout on 2, 3 or 6 ranks, not 4.
+    One rank: (None, None). Reads headers only."""
+    if nproc == 1:
+        return None, None
+    try:
+        check_layout(path, nproc, DEFAULT_TP, dtype, device, weight_format)
+    except ValueError as exc:
+        return None, str(exc)
+    return DEFAULT_TP, None
+
+
 @dataclass
 class DocumentDemo:
     """What the demo measured. runs: the sharded methods then (if run) the single process."""
@@ -116,4 +137,4 @@ def run_document_demo(model: str | Path | None = None, *, context: int = 4096, d
     return DocumentDemo(path, case, answer, is_correct(answer, case), runs[0], ref, sharded, single, files.chat_template is not None)
 
 
-__all__ = ["DocumentDemo", "gemma3_path", "run_document_demo", "smollm2_path"]
+__all__ = ["DEFAULT_TP", "DocumentDemo", "default_layout", "gemma3_path", "run_document_demo", "smollm2_path"]

@@ -92,26 +92,21 @@ def demo_command(
                        kv_cache_dtype, weight_format, tp)
 
 
-DEFAULT_TP = 1
-"""The document demo's tensor-parallel ranks unless --tp or --sequence-only: the Helix layout with the sequence over every
-rank, which made 2 ranks faster than one process on this repository's 2-core machine where the sequence-only layout was
-not (docs/benchmarks.md, "Where sharding pays on 2 cores")."""
-
-
-def demo_layout(tp: int | None, sequence_only: bool, synthetic: bool, nproc: int) -> int | None:
-    """The sharded rows' EngineConfig.tp: --tp, else DEFAULT_TP, None with --sequence-only or --synthetic (its random-weight
-    model runs the sequence-only layout). ValueError (one line) for --tp with either. The model's own refusals of tp (its
-    heads) come from treeattn.eval.runner.check_layout, before any rank starts.
+def demo_layout(tp: int | None, sequence_only: bool, synthetic: bool, nproc: int) -> int | str | None:
+    """The sharded rows' layout from the flags: --tp's T, "default" (no flag: treeattn.eval.demo.default_layout picks the
+    Helix layout where the model splits on nproc ranks), or None (--sequence-only, --synthetic: its random-weight model runs
+    the sequence-only layout). ValueError (one line) for --tp with either. The model's own refusals of a given T (its heads,
+    its packed blocks) come from treeattn.eval.runner.check_layout, before any rank starts.
 
     >>> demo_layout(None, False, False, 2), demo_layout(3, False, False, 3), demo_layout(None, True, False, 2)
-    (1, 3, None)
+    ('default', 3, None)
     """
     if tp is not None and (sequence_only or synthetic):
         raise ValueError(f"--tp {tp} splits the weights over the ranks; {'--sequence-only' if sequence_only else '--synthetic'} "
                          "runs every rank with all of them: give only one")
     if sequence_only or synthetic:
         return None
-    return DEFAULT_TP if tp is None else tp
+    return "default" if tp is None else tp
 
 
 MAX_DEFAULT_CPU_RANKS = 8
@@ -132,11 +127,16 @@ def default_ranks(device: str) -> int:
 
 
 def _document_demo(model, context, nproc, new_tokens, placement, threads, seed, reference, dtype, device,
-                   kv_cache_dtype="auto", weight_format="auto", tp: int | None = None, memory: bool = False) -> None:
-    from treeattn.eval.demo import run_document_demo
+                   kv_cache_dtype="auto", weight_format="auto", tp: int | str | None = None, memory: bool = False) -> None:
+    from treeattn.eval.demo import DEFAULT_TP, default_layout, run_document_demo, smollm2_path
 
     start = time.perf_counter()
+    note = None
     try:  # progress as plain lines on stderr, a terminal or not (a spinner shows nothing in a log)
+        if tp == "default":  # the Helix layout where this model splits on nproc ranks (a missing model: reported below)
+            path = model if model is not None else _installed(smollm2_path)
+            tp, why = default_layout(str(path), nproc, dtype=dtype, device=device, weight_format=weight_format) if path else (DEFAULT_TP, None)
+            note = why and f"  the Helix layout (the default) does not fit here, so the sequence-only one ran: {cli_message(ValueError(why))}"
         demo = run_document_demo(model, context=context, nproc=nproc, new_tokens=new_tokens, placement=placement,
                                  threads=threads, seed=seed, reference=reference, dtype=dtype, device=device,
                                  kv_cache_dtype=kv_cache_dtype, weight_format=weight_format, tp=tp, progress=say)
@@ -150,6 +150,8 @@ def _document_demo(model, context, nproc, new_tokens, placement, threads, seed, 
     typer.echo(f"document: filler text with one fact hidden at {case.actual_depth:.0%} of it; prompt {len(case.prompt_ids)} "
                f"tokens {rendered}, KV cache sharded over {nproc} ranks")
     typer.echo(layout_line(demo.runs[0].result, demo.reference.result if demo.reference else None, nproc))
+    if note:
+        typer.echo(note)
     typer.echo(f"question: {case.question}")
     answer = demo.answer_text.strip().split("\n")[0]  # the answer's line, not the model's next one
     typer.echo(f"answer ({demo.runs[0].name}, {nproc} ranks): {answer}")
@@ -171,6 +173,13 @@ def _document_demo(model, context, nproc, new_tokens, placement, threads, seed, 
         raise typer.Exit(1)
 
 
+def _installed(find):
+    try:
+        return find()
+    except FileNotFoundError:
+        return None
+
+
 def layout_line(result, single, nproc: int) -> str:
     """One line: which layout the sharded rows ran (result.tp: EngineConfig.tp) and what it means, with rank 0's
     weight bytes (and the single process's, when it ran).
@@ -185,7 +194,7 @@ def layout_line(result, single, nproc: int) -> str:
     alone = f" (one process: {format_mib(single.weight_bytes_per_rank)})" if single is not None else ""
     tp = result.tp
     if tp is None:
-        return (f"layout: sequence only (--sequence-only): the KV cache split by sequence over the {nproc} ranks; every rank "
+        return (f"layout: sequence only: the KV cache split by sequence over the {nproc} ranks; every rank "
                 f"holds all the weights ({weights}) and runs the whole MLP and LM head")
     kv = nproc // tp
     heads = "" if tp == 1 else f"by heads over {tp} ranks" + (" and " if kv > 1 else " (the cache not split by sequence)")
