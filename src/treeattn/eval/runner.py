@@ -112,7 +112,15 @@ def decode_methods(
 def check_layout(model_path: str, nproc: int, tp: int, dtype: str, device: str, weight_format: str) -> None:
     """The engine's own refusals of `tp` on `nproc` ranks for this checkpoint (tp must divide nproc and the
     model's query heads, and divide its KV heads or be a multiple of them; a packed matrix must split on
-    its blocks), in one line (a ValueError naming tp) before any rank starts. Reads headers only."""
+    its blocks), in one line (a ValueError naming tp) before any rank starts. Reads headers only.
+
+    >>> from treeattn.eval.demo import smollm2_path
+    >>> check_layout(str(smollm2_path()), 2, 1, "float32", "cpu", "auto")    # SmolLM2: 9 query heads, 3 KV heads
+    >>> check_layout(str(smollm2_path()), 2, 2, "float32", "cpu", "auto")
+    Traceback (most recent call last):
+    ...
+    treeattn.engine.errors.ConfigError: tp=2 must divide the model's 9 query heads
+    """
     from treeattn.engine.checks import check_engine, with_device
     from treeattn.engine.config import EngineConfig
 
