@@ -80,7 +80,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--max-new-tokens", type=int, default=12)
     parser.add_argument("--kv-cache-dtype", default="auto")
-    parser.add_argument("--tp", type=int, default=None, help="also the ranks in the Helix layout with this many tensor-parallel ranks")
+    parser.add_argument("--tp", type=int, default=None,
+                        help="also the ranks in the Helix layout with this many tensor-parallel ranks")
     parser.add_argument("--output", default=None)
     args = parser.parse_args()
     path = model_path(args.model)

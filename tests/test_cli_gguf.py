@@ -147,7 +147,8 @@ def test_demo_on_a_gguf_model_checks_tree_ring_and_one_process(files):
 
 @pytest.mark.parametrize("args, layout", [(["--tp", "2"], "layout: Helix, --tp 2 on 2 ranks: attention split by heads over 2 "
                                            "ranks (the cache not split by sequence), the output projections"),
-                                          (["--sequence-only"], "layout: sequence only: the KV cache split by sequence over the 2 ranks")])
+                                          (["--sequence-only"], "layout: sequence only: the KV cache split by sequence over the 2 "
+                                           "ranks")])
 def test_demo_runs_either_layout_with_the_single_process_tokens(files, args, layout):
     """The sharded rows (tree, then ring from the same cache) in the Helix layout with tp = nproc, and in the
     sequence-only one, give the one process's tokens; the layout line says which ran."""

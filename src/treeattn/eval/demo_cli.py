@@ -135,8 +135,10 @@ def _document_demo(model, context, nproc, new_tokens, placement, threads, seed, 
     try:  # progress as plain lines on stderr, a terminal or not (a spinner shows nothing in a log)
         if tp == "default":  # the Helix layout where this model splits on nproc ranks (a missing model: reported below)
             path = model if model is not None else _installed(smollm2_path)
-            tp, why = default_layout(str(path), nproc, dtype=dtype, device=device, weight_format=weight_format) if path else (DEFAULT_TP, None)
-            note = why and f"  the Helix layout (the default) does not fit here, so the sequence-only one ran: {cli_message(ValueError(why))}"
+            tp, why = (default_layout(str(path), nproc, dtype=dtype, device=device, weight_format=weight_format) if path
+                       else (DEFAULT_TP, None))
+            note = why and ("  the Helix layout (the default) does not fit here, so the sequence-only one ran: "
+                            + cli_message(ValueError(why)))
         demo = run_document_demo(model, context=context, nproc=nproc, new_tokens=new_tokens, placement=placement,
                                  threads=threads, seed=seed, reference=reference, dtype=dtype, device=device,
                                  kv_cache_dtype=kv_cache_dtype, weight_format=weight_format, tp=tp, progress=say)

@@ -176,7 +176,8 @@ def shared_prefill_rows(model, prompts, methods, max_new_tokens, stop_token_ids=
     methods decode from one prefill, and each result's cached_prompt_tokens says how many prompt
     tokens came from it. The engine is sized for one sequence of the longest prompt, so a next
     prompt evicts the last one's blocks; block_size and tp are the engine's (None: EngineConfig's default;
-    tp: the Helix layout, the model loaded whole or as this rank's share). Returns rank 0's rows [(decode, method, GenerationResult)] per prompt, None on the other ranks."""
+    tp: the Helix layout, the model loaded whole or as this rank's share).
+    Returns rank 0's rows [(decode, method, GenerationResult)] per prompt, None on the other ranks."""
     from treeattn.engine.client import Engine
     from treeattn.engine.config import EngineConfig
     from treeattn.engine.generate import DEFAULT_TIMEOUT_S, Generation, batch_config
@@ -185,7 +186,8 @@ def shared_prefill_rows(model, prompts, methods, max_new_tokens, stop_token_ids=
 
     sampling = SamplingParams(max_new_tokens=max_new_tokens, stop_token_ids=tuple(stop_token_ids))
     (decode, method), world_size = methods[0], torch.distributed.get_world_size()
-    config = EngineConfig(nproc=world_size, tp=tp, decode=decode, method=method, placement=placement, kv_cache_dtype=kv_cache_dtype,
+    config = EngineConfig(nproc=world_size, tp=tp, decode=decode, method=method, placement=placement,
+                          kv_cache_dtype=kv_cache_dtype,
                           timeout_s=group_timeout_s() or DEFAULT_TIMEOUT_S, block_size=block_size or EngineConfig.block_size)
     config = batch_config(config, sampling, 1, [max(prompts, key=len)], world_size)
     engine = Engine(model, config)  # the other ranks serve its steps here until rank 0 closes it
