@@ -255,6 +255,12 @@ def test_demo_takes_kv_cache_dtype_and_weight_format(monkeypatch):
     result = runner.invoke(app, ["demo", "--kv-cache-dtype", "float16", "--weight-format", "dequantize"])
     assert result.exit_code == 2 and "stand-in" in result.stderr
     assert seen["kv_cache_dtype"] == "float16" and seen["weight_format"] == "dequantize"
+    assert seen["tp"] == 1  # the Helix layout by default (eval.demo.DEFAULT_TP; dequantized weights split on any nproc)
+    for args, tp in ((["--nproc", "3", "--tp", "3"], 3), (["--sequence-only"], None)):
+        seen.clear()
+        assert runner.invoke(app, ["demo", *args]).exit_code == 2 and seen["tp"] == tp
+    result = runner.invoke(app, ["demo", "--tp", "1", "--sequence-only"])
+    assert result.exit_code == 2 and "give only one" in result.stderr
     seen.clear()
     monkeypatch.setattr(treeattn.eval.synthetic, "run_demo", record)
     result = runner.invoke(app, ["demo", "--synthetic", "--kv-cache-dtype", "bfloat16"])

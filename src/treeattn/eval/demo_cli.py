@@ -39,6 +39,14 @@ def demo_command(
                                        "--synthetic: prompt length, default 32768)."),
     nproc: int | None = config_flag(E, "nproc", default=None, min=1, help="Local ranks sharing the KV cache (default: one "
                                     "per CPU core, 2 to 8; on CUDA one per GPU)."),
+    tp: int | None = config_flag(E, "tp", min=1, help="Tensor-parallel ranks T of the sharded rows: the Helix layout, "
+                                 "T x nproc / T KV ranks (attention's heads split T ways and the sequence nproc / T ways; the "
+                                 "output projections, MLP, embeddings and LM head over all ranks). Default 1: attention split "
+                                 "by sequence over every rank, the rest of the weights too (about 1/nproc of them a rank). T "
+                                 "must divide nproc and the model's query heads, and divide its KV heads or be a multiple of "
+                                 "them (SmolLM2: 1, 3 or 9). Not with --synthetic or --sequence-only."),
+    sequence_only: bool = typer.Option(False, "--sequence-only", help="Shard only the KV cache, by sequence: every rank "
+                                       "holds all the weights and runs the whole MLP (the layout without --tp)."),
     max_new_tokens: int | None = config_flag(S, "max_new_tokens", default=None, min=2,
                                              help="Greedy tokens per method at most (default 24; --synthetic: 16; --long: 8)."),
     placement: Placement = config_flag(E, "placement"),
@@ -55,6 +63,7 @@ def demo_command(
     try:
         nproc = nproc or default_ranks(device)
         kind, dtype = device_and_dtype(device, dtype, nproc)  # "cpu" or "cuda"; --dtype auto: bfloat16 on CUDA
+        tp = demo_layout(tp, sequence_only, synthetic, nproc)
     except ValueError as exc:
         typer.echo(f"error: {cli_message(exc)}", err=True)
         raise typer.Exit(2) from exc
@@ -71,7 +80,7 @@ def demo_command(
                 typer.echo(f"error: {exc}", err=True)
                 raise typer.Exit(2) from exc
         _document_demo(model, context or 30000, nproc, max_new_tokens or 8, placement, threads, seed, reference, dtype, kind,
-                       kv_cache_dtype, weight_format, memory=True)
+                       kv_cache_dtype, weight_format, tp, memory=True)
     elif synthetic:
         if model is not None:
             typer.echo("error: MODEL names a real model; --synthetic uses a random-weight one: give only one", err=True)
@@ -80,7 +89,24 @@ def demo_command(
                         kv_cache_dtype)
     else:
         _document_demo(model, context or 4096, nproc, max_new_tokens or 24, placement, threads, seed, reference, dtype, kind,
-                       kv_cache_dtype, weight_format)
+                       kv_cache_dtype, weight_format, tp)
+
+
+def demo_layout(tp: int | None, sequence_only: bool, synthetic: bool, nproc: int) -> int | str | None:
+    """The sharded rows' layout from the flags: --tp's T, "default" (no flag: treeattn.eval.demo.default_layout picks the
+    Helix layout where the model splits on nproc ranks), or None (--sequence-only, --synthetic: its random-weight model runs
+    the sequence-only layout). ValueError (one line) for --tp with either. The model's own refusals of a given T (its heads,
+    its packed blocks) come from treeattn.eval.runner.check_layout, before any rank starts.
+
+    >>> demo_layout(None, False, False, 2), demo_layout(3, False, False, 3), demo_layout(None, True, False, 2)
+    ('default', 3, None)
+    """
+    if tp is not None and (sequence_only or synthetic):
+        raise ValueError(f"--tp {tp} splits the weights over the ranks; {'--sequence-only' if sequence_only else '--synthetic'} "
+                         "runs every rank with all of them: give only one")
+    if sequence_only or synthetic:
+        return None
+    return "default" if tp is None else tp
 
 
 MAX_DEFAULT_CPU_RANKS = 8
@@ -101,14 +127,21 @@ def default_ranks(device: str) -> int:
 
 
 def _document_demo(model, context, nproc, new_tokens, placement, threads, seed, reference, dtype, device,
-                   kv_cache_dtype="auto", weight_format="auto", memory: bool = False) -> None:
-    from treeattn.eval.demo import run_document_demo
+                   kv_cache_dtype="auto", weight_format="auto", tp: int | str | None = None, memory: bool = False) -> None:
+    from treeattn.eval.demo import DEFAULT_TP, default_layout, run_document_demo, smollm2_path
 
     start = time.perf_counter()
+    note = None
     try:  # progress as plain lines on stderr, a terminal or not (a spinner shows nothing in a log)
+        if tp == "default":  # the Helix layout where this model splits on nproc ranks (a missing model: reported below)
+            path = model if model is not None else _installed(smollm2_path)
+            tp, why = (default_layout(str(path), nproc, dtype=dtype, device=device, weight_format=weight_format) if path
+                       else (DEFAULT_TP, None))
+            note = why and ("  the Helix layout (the default) does not fit here, so the sequence-only one ran: "
+                            + cli_message(ValueError(why)))
         demo = run_document_demo(model, context=context, nproc=nproc, new_tokens=new_tokens, placement=placement,
                                  threads=threads, seed=seed, reference=reference, dtype=dtype, device=device,
-                                 kv_cache_dtype=kv_cache_dtype, weight_format=weight_format, progress=say)
+                                 kv_cache_dtype=kv_cache_dtype, weight_format=weight_format, tp=tp, progress=say)
     except (ValueError, FileNotFoundError) as exc:
         typer.echo(f"error: {cli_message(exc)}", err=True)
         raise typer.Exit(2) from exc
@@ -118,6 +151,9 @@ def _document_demo(model, context, nproc, new_tokens, placement, threads, seed, 
     rendered = "through the chat template" if demo.chat else "as plain text to complete (no chat template)"
     typer.echo(f"document: filler text with one fact hidden at {case.actual_depth:.0%} of it; prompt {len(case.prompt_ids)} "
                f"tokens {rendered}, KV cache sharded over {nproc} ranks")
+    typer.echo(layout_line(demo.runs[0].result, demo.reference.result if demo.reference else None, nproc))
+    if note:
+        typer.echo(note)
     typer.echo(f"question: {case.question}")
     answer = demo.answer_text.strip().split("\n")[0]  # the answer's line, not the model's next one
     typer.echo(f"answer ({demo.runs[0].name}, {nproc} ranks): {answer}")
@@ -137,6 +173,36 @@ def _document_demo(model, context, nproc, new_tokens, placement, threads, seed, 
     if not (all_same and demo.all_same):
         stderr.print("[red]the methods disagree" + (" with single-process decoding" if demo.reference else "") + "[/red]")
         raise typer.Exit(1)
+
+
+def _installed(find):
+    try:
+        return find()
+    except FileNotFoundError:
+        return None
+
+
+def layout_line(result, single, nproc: int) -> str:
+    """One line: which layout the sharded rows ran (result.tp: EngineConfig.tp) and what it means, with rank 0's
+    weight bytes (and the single process's, when it ran).
+
+    >>> from types import SimpleNamespace as R
+    >>> layout_line(R(tp=1, weight_bytes_per_rank=62_100_000), R(weight_bytes_per_rank=111_600_000), 2)[:61]
+    'layout: Helix, --tp 1 on 2 ranks: attention split by sequence'
+    >>> "every rank holds all the weights" in layout_line(R(tp=None, weight_bytes_per_rank=111_600_000), None, 2)
+    True
+    """
+    weights = format_mib(result.weight_bytes_per_rank)
+    alone = f" (one process: {format_mib(single.weight_bytes_per_rank)})" if single is not None else ""
+    tp = result.tp
+    if tp is None:
+        return (f"layout: sequence only: the KV cache split by sequence over the {nproc} ranks; every rank "
+                f"holds all the weights ({weights}) and runs the whole MLP and LM head")
+    kv = nproc // tp
+    heads = "" if tp == 1 else f"by heads over {tp} ranks" + (" and " if kv > 1 else " (the cache not split by sequence)")
+    sequence = f"by sequence over {kv} ranks" if kv > 1 else ""
+    return (f"layout: Helix, --tp {tp} on {nproc} ranks: attention split {heads}{sequence}, the output "
+            f"projections, MLP, embeddings and LM head split over all {nproc}: weights {weights} per rank{alone}")
 
 
 def _shared_prefill_lines(runs) -> None:
@@ -237,15 +303,15 @@ def _legend(nproc: int, device: str) -> None:
                    f"(--nproc {cores} runs one rank per core)")
 
 
-# Where 2 ranks passed one process on this repository's 2-core machine, quiet (load 1.3-2.0), as measured
+# Where 2 ranks passed one process on this repository's 2-core machine, quiet (load 0.4-2.0), as measured
 # (quoted, with their raw data; benchmarks/sharding_crossover.py measures it on any machine).
 CROSSOVER_LINES = (
-    "SmolLM2, 8,140-token prompt, bfloat16 KV: 2 ranks 25.42 ms a token, one process 26.21 (0.97x); float32 KV 1.02x; "
-    "4K 1.00x (docs/data/weight_format_8k_s11_final.txt, weight_format_4k_s11_final.txt)",
-    "Gemma 3 270M, 29,995-token prompt: 2 ranks 151.0 ms a token, one process 158.0 (0.96x) (docs/data/gemma3_timing_30k_quiet.json)",
-    "the Helix layout (--tp: the MLP and output projection split over the ranks too): SmolLM2, 4,080 tokens, --tp 1: "
-    "2 ranks 28.5-29.8 ms a token, one process 32.5 (0.88-0.92x) (docs/data/helix_smollm2_4k_s12.txt); a 1B Llama shape, "
-    "4,080 tokens, --tp 2: 94.1-94.7 against 99.3-99.6 (0.95x) (docs/data/helix_llama1b_4k_s12.txt)",
+    "the layout this demo runs (Helix, --tp 1): SmolLM2, 4,080 tokens, 2 ranks 28.5-29.8 ms a token, one process 32.5 "
+    "(0.88-0.92x, docs/data/helix_smollm2_4k_s12.txt); a 1B Llama shape, 4,080 tokens, --tp 2: 94.1-94.7 against 99.3-99.6 "
+    "(0.95x, docs/data/helix_llama1b_4k_s12.txt)",
+    "the sequence-only layout (--sequence-only): SmolLM2 4K 1.00x; 8,140 tokens, bfloat16 KV 25.42 against 26.21 (0.97x), "
+    "float32 KV 1.02x (docs/data/weight_format_{4k,8k}_s11_final.txt); Gemma 3 270M, 29,995 tokens, 151.0 against 158.0 "
+    "(0.96x, docs/data/gemma3_timing_30k_quiet.json)",
 )
 
 
@@ -258,15 +324,19 @@ def _verdict(run, reference, prompt_tokens: int, nproc: int, device: str) -> Non
     typer.echo(f"{run.name} on {nproc} ranks took {ratio:.2f}x one process's time per token at {prompt_tokens} tokens: "
                + ("sharding paid here." if ratio < 1 else "one process was faster here."))
     if ratio >= 1 and device == "cpu":
-        typer.echo("  every rank repeats a step's fixed work (the MLP, the output projection, window layers) on its share of "
-                   "the cores and splits only the attention over the cache, which grows with the context: sharding pays at "
-                   "long contexts, with one rank per core")
+        split = ("the ranks split the MLP, output projections and LM head as well as the attention, but meet three times "
+                 "a layer (the attention's combine, two sums)" if run.result.tp is not None else
+                 "every rank repeats a step's fixed work (the MLP, the output projection, window layers) on its share of the "
+                 "cores and splits only the attention over the cache, which grows with the context")
+        typer.echo(f"  {split}: ranks that wait on each other lose to one process when other programs hold the cores "
+                   f"(load average now {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores)")
     if device == "cpu":
         typer.echo("  where 2 ranks passed one process on this repository's 2-core machine (quiet; with the cores busy "
                    "they lose, 2.15x at 8K at load 6: docs/benchmarks.md, \"Where sharding pays on 2 cores\"):")
         for line in CROSSOVER_LINES:
             typer.echo("    " + line)
-        typer.echo("  try: treeattn demo --context 8000 --kv-cache-dtype bfloat16, or treeattn demo --long --nproc 2")
+        other = "treeattn demo --sequence-only" if run.result.tp is not None else "treeattn demo (the Helix layout)"
+        typer.echo(f"  try: {other}, treeattn demo --context 8000 --kv-cache-dtype bfloat16, or treeattn demo --long --nproc 2")
 
 
 def _methods_table(title: str, runs, ref) -> tuple[Table, bool]:

@@ -78,6 +78,10 @@ def decode_methods(
     nproc = config.nproc
     config = replace(config, device=resolve_device(config.device),  # "auto": CUDA when there is one, else the CPU
                      threads_per_rank=config.threads_per_rank or max(1, (os.cpu_count() or 1) // nproc))
+    if nproc == 1:
+        config = replace(config, tp=None)
+    elif config.tp is not None:
+        check_layout(str(model_path), config)
     args = (str(model_path), [list(p) for p in prompts], tuple(methods) if nproc > 1 else (("local", "allreduce"),), config, sampling)
     start = time.perf_counter()
     if nproc == 1:
@@ -99,17 +103,39 @@ def decode_methods(
     return runs, Timing(load_s=load_s, total_s=time.perf_counter() - start)
 
 
+def check_layout(model_path: str, config: EngineConfig) -> None:
+    """The engine's own refusals of `config.tp` on `config.nproc` ranks for this checkpoint (tp must divide
+    nproc and the model's query heads, and divide its KV heads or be a multiple of them; a packed matrix
+    must split on its blocks), in one line (a ConfigError naming tp) before any rank starts. Reads headers only.
+
+    >>> from treeattn.eval.demo import smollm2_path
+    >>> check_layout(str(smollm2_path()), EngineConfig(nproc=2, tp=1, device="cpu"))    # SmolLM2: 9 query heads, 3 KV heads
+    >>> check_layout(str(smollm2_path()), EngineConfig(nproc=2, tp=2, device="cpu"))
+    Traceback (most recent call last):
+    ...
+    treeattn.engine.errors.ConfigError: tp=2 must divide the model's 9 query heads
+    """
+    from treeattn.engine.checks import check_engine, with_device
+
+    check_engine(model_path, with_device(model_path, replace(config, cache_tokens=config.nproc)))
+
+
 def _decode_rank(rank, world_size, model_path, prompts, methods, config: EngineConfig, sampling: SamplingParams, on_prompt=None):
     """One rank: load once (onto its device); on one process one ta.generate per prompt (its prefill
     and decode); on several ranks one engine for everything (see shared_prefill_rows). No warm-up
     request: every engine's ranks compile or load their numba kernels when they start (treeattn.engine.warmup)."""
     from treeattn.engine.device import rank_device
-    from treeattn.models.loader import load_model
+    from treeattn.models.loader import load_model, read_config
 
     torch.set_num_threads(config.threads_per_rank)
     start = time.perf_counter()
+    shard = None
+    if config.tp is not None and world_size > 1:  # the Helix layout: this rank reads its share of the weights
+        from treeattn.engine.tensor_parallel import HelixLayout, tensor_parallel_cuts
+
+        shard = tensor_parallel_cuts(read_config(model_path), HelixLayout(world_size, config.tp, rank))
     model = load_model(model_path, dtype=config.dtype or torch.float32, device=rank_device(config.device, rank),
-                       weight_format=config.weight_format)
+                       weight_format=config.weight_format, shard=shard)
     load_s = time.perf_counter() - start
     if world_size > 1:
         rows = shared_prefill_rows(model, prompts, methods, config, sampling)
@@ -132,8 +158,8 @@ def _decode_rank(rank, world_size, model_path, prompts, methods, config: EngineC
 def _engine_config(config: EngineConfig, decode: str, method: str, **changes) -> EngineConfig:
     """The engine's config of one method: what `config` says of the cache (placement, kv_cache_dtype,
     block_size), the rest as a loaded model's engine takes it by default (its own device and dtype)."""
-    return EngineConfig(decode=decode, method=method, placement=config.placement, kv_cache_dtype=config.kv_cache_dtype,
-                        block_size=config.block_size, **changes)
+    return EngineConfig(nproc=config.nproc, tp=config.tp, decode=decode, method=method, placement=config.placement,
+                        kv_cache_dtype=config.kv_cache_dtype, block_size=config.block_size, **changes)
 
 
 def shared_prefill_rows(model, prompts, methods, config: EngineConfig, sampling: SamplingParams):
@@ -171,4 +197,4 @@ def shared_prefill_rows(model, prompts, methods, config: EngineConfig, sampling:
     return rows
 
 
-__all__ = ["MethodRun", "Timing", "decode_methods", "method_name", "shared_prefill_rows"]
+__all__ = ["MethodRun", "Timing", "check_layout", "decode_methods", "method_name", "shared_prefill_rows"]
