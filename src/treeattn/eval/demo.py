@@ -127,12 +127,12 @@ def run_document_demo(model: str | Path | None = None, *, context: int = 4096, d
     eot = end_of_turn_id(files.tokenizer, files.chat_template) if files.chat_template is not None else None
     stop = [eot] if eot is not None else []  # besides the model's eos ids
     methods = (("tree", DEFAULT_METHOD), ("ring", "allreduce"))
-    say(f"{nproc} ranks: loading the model, prefilling the {len(case.prompt_ids)}-token prompt across them, answering with "
-        "tree decoding, then with ring decoding from the same cache ...")
     config = EngineConfig(nproc=nproc, tp=tp if nproc > 1 else None, threads_per_rank=threads, placement=placement,
                           dtype=getattr(torch, dtype), device=device, kv_cache_dtype=kv_cache_dtype, weight_format=weight_format)
     if config.tp is not None:
         check_layout(path, config)  # the engine's refusals of tp, before any rank starts
+    say(f"{nproc} ranks: loading the model, prefilling the {len(case.prompt_ids)}-token prompt across them, answering with "
+        "tree decoding, then with ring decoding from the same cache ...")
     sampling = SamplingParams(max_new_tokens=new_tokens, stop_token_ids=tuple(stop))
     runs, sharded = decode_methods(path, [case.prompt_ids], config, sampling, methods=methods)
     say(f"{nproc} ranks done in {sharded.total_s:.1f} s (prefill {runs[0][0].result.prefill_s:.1f} s)")
