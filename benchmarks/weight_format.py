@@ -74,7 +74,7 @@ def llama_cpp(python: str, model: str, ids_file: str, threads: int, new_tokens: 
     arg = json.dumps({"model": model, "ids": ids_file, "threads": threads, "new": new_tokens})
     r = json.loads(subprocess.run([python, "-c", LLAMA_CPP, arg], capture_output=True, text=True, check=True).stdout.splitlines()[-1])
     return {"tokens": r["tokens"], "prefill_s": r["prefill_s"], "ms_per_token": 1e3 * r["decode_s"] / max(r["decode_steps"], 1),
-            "weight_bytes_per_rank": os.path.getsize(model), "weight_format": "gguf (llama.cpp)", "kv_cache_dtype": "float16",
+            "weight_bytes_per_rank": [os.path.getsize(model)], "weight_format": "gguf (llama.cpp)", "kv_cache_dtype": "float16",
             "kv_bytes_per_token": None}
 
 

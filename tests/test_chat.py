@@ -228,3 +228,40 @@ def test_three_turns_on_smollm2_in_a_terminal_sample_with_the_printed_defaults()
             os.waitpid(term.pid, 0)
         except (ProcessLookupError, ChildProcessError):
             pass
+
+
+def _greedy_chat_replies(path, *layout: str) -> list[str]:
+    """Two turns of a greedy chat in a pseudo-terminal with `layout`'s flags: each reply's text."""
+    term = Terminal([sys.executable, "-m", "treeattn", "chat", str(path), *layout, "--temperature", "0", "--max-new-tokens", "8",
+                     "--block-size", "4"])
+    replies = []
+    try:
+        for turn, text in enumerate(("the hat", "the cat"), 1):
+            term.expect(r"> ")
+            term.type(text + "\r")
+            term.expect(re.escape(text) + r"\n")  # the terminal's echo
+            replies.append(term.expect(rf"(.*)\n\[turn {turn}: \d+ prompt tokens \((\d+) cached").group(1))
+        term.expect(r"> ")
+        term.type("/exit\r")
+        assert term.wait() == 0
+    finally:
+        try:
+            os.kill(term.pid, signal.SIGKILL)
+            os.waitpid(term.pid, 0)
+        except (ProcessLookupError, ChildProcessError):
+            pass
+    return replies
+
+
+@pytest.fixture(scope="module")
+def one_process_replies(tiny):
+    replies = _greedy_chat_replies(tiny, "--nproc", "1")
+    assert len(replies) == 2 and all(r.strip() for r in replies)
+    return replies
+
+
+@pytest.mark.parametrize("tp", ["2", "1"])
+def test_chat_in_the_helix_layout_answers_as_one_process(tiny, one_process_replies, tp):
+    """`treeattn chat --nproc 2 --tp T` (the tiny Q8_0 Llama, its packed blocks split over both ranks) in a
+    pseudo-terminal, two greedy turns: the replies of `--nproc 1`."""
+    assert _greedy_chat_replies(tiny, "--nproc", "2", "--tp", tp) == one_process_replies

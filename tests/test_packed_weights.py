@@ -240,7 +240,7 @@ def test_greedy_tokens_equal_the_dequantized_models_on_one_and_two_ranks(files):
         packed = ta.generate(files[name], prompt, **chosen, **options)
         assert packed.generated_ids == dense[name].generated_ids, name
         assert packed.weight_format == "packed" and dense[name].weight_format == "dequantize"
-        assert 0 < packed.weight_bytes_per_rank < dense[name].weight_bytes_per_rank
+        assert 0 < packed.weight_bytes_per_rank[0] < dense[name].weight_bytes_per_rank[0] and len(packed.weight_bytes_per_rank) == 1
     with ta.Engine(files["q4_1"], nproc=2, weight_format="packed", block_size=16, max_batch_size=2) as engine:
         two = engine.generate(prompt, max_new_tokens=8, ignore_eos=True)[0].token_ids  # every rank holds the packed weights
     assert two == dense["q4_1"].generated_ids[0]
@@ -277,7 +277,7 @@ def test_cli_reports_weight_bytes_per_rank_and_the_format(files, tmp_path):
         assert result.exit_code == 0, result.output
         reports[fmt] = json.loads(result.stdout)
     assert reports["packed"]["weight_format"] == "packed" and reports["dequantize"]["weight_format"] == "dequantize"
-    assert 0 < reports["packed"]["weight_bytes_per_rank"] < reports["dequantize"]["weight_bytes_per_rank"]
+    assert 0 < reports["packed"]["weight_bytes_per_rank"][0] < reports["dequantize"]["weight_bytes_per_rank"][0]
     assert reports["packed"]["generated_ids"] == reports["dequantize"]["generated_ids"]
     result = CliRunner().invoke(app, ["generate", str(files["q8_0"]), "--prompt-ids", str(ids), "--weight-format", "int4"])
     assert result.exit_code == 2 and "--weight-format" in result.output

@@ -61,7 +61,7 @@ from treeattn.cache.sharded import kv_bytes_per_token
 from treeattn.cache.window import window_bytes_per_sequence
 from treeattn.engine.checks import Checked, check_engine, with_device
 from treeattn.engine.config import EngineConfig, given_or_built, kv_cache_dtype_name, resolve_kv_cache_dtype
-from treeattn.models.packed import is_packed, weight_bytes
+from treeattn.models.packed import is_packed
 from treeattn.engine.errors import ConfigError, ConfigTypeError
 from treeattn.engine.request import MAX_SEED, SamplingParams
 from treeattn.engine.ring_prefill import resolve_prefill
@@ -139,8 +139,8 @@ class GenerationResult:
             sequence-sharded cache holds (an MLA model's latent cache: one latent + RoPE key per
             layer; a hybrid model such as Gemma 3: its global layers only).
         kv_cache_dtype: what the KV cache stored ("float32", "bfloat16", "float16", "fp8_e4m3": kv_cache_dtype resolved).
-        weight_bytes_per_rank: bytes of the weights rank 0 holds (every rank holds all of them, or with tp its share):
-            parameters, and the blocks and scales of weights kept packed (weight_format).
+        weight_bytes_per_rank: bytes of the weights each rank holds, in rank order (every rank all of them, or with
+            tp its share): parameters, and the blocks and scales of weights kept packed (weight_format).
         weight_format: "packed" when some weight is kept in its file's blocks, else "dequantize".
         tp: the Helix layout's tensor-parallel ranks (EngineConfig.tp; None: no tensor parallelism).
         kv_window_bytes: bytes a hybrid model's sliding-window layers keep per sequence on every
@@ -179,7 +179,7 @@ class GenerationResult:
     kv_bytes_per_token: int = 0
     kv_window_bytes: int = 0
     kv_cache_dtype: str = "float32"
-    weight_bytes_per_rank: int = 0
+    weight_bytes_per_rank: list[int] = field(default_factory=list)
     tp: int | None = None
     weight_format: str = "dequantize"
     comm_bytes_per_rank: list[float] = field(default_factory=list)
@@ -617,7 +617,7 @@ class Generation:
             kv_bytes_per_token=kv_bytes_per_token(self.model.config, resolve_kv_cache_dtype(c.kv_cache_dtype, self.model.dtype)),
             kv_window_bytes=window_bytes_per_sequence(self.model.config, resolve_kv_cache_dtype(c.kv_cache_dtype, self.model.dtype)),
             kv_cache_dtype=kv_cache_dtype_name(resolve_kv_cache_dtype(c.kv_cache_dtype, self.model.dtype)),
-            weight_bytes_per_rank=weight_bytes(self.model), weight_format="packed" if is_packed(self.model) else "dequantize",
+            weight_bytes_per_rank=[m.weight_bytes for m in measured], weight_format="packed" if is_packed(self.model) else "dequantize",
             comm_bytes_per_rank=[m.bytes_sent("decode") for m in measured],
             prefill_comm_bytes_per_rank=[m.bytes_sent("prefill") for m in measured],
             peak_rss_bytes_per_rank=[m.peak_rss_bytes.get("decode", 0) for m in measured],

@@ -74,6 +74,8 @@ class RankMeasurements:
             peak). So "decode" is what decoding needs beside what the prefill left, the paper's
             memory figure, even when a long prefill peaked higher.
         kv_bytes: bytes of this rank's KV cache arena (the model's, and the draft model's if any).
+        weight_bytes: bytes of the weights this rank holds (treeattn.models.packed.weight_bytes: the whole
+            model, or with tensor parallelism its share).
         rss_bytes: resident bytes now.
     """
 
@@ -85,6 +87,7 @@ class RankMeasurements:
     start_rss_bytes: dict[str, int] = field(default_factory=dict)
     peak_rss_bytes: dict[str, int] = field(default_factory=dict)
     kv_bytes: int = 0
+    weight_bytes: int = 0
     rss_bytes: int = 0
 
     def bytes_sent(self, kind: str) -> float:
@@ -127,13 +130,13 @@ class RankMeter:
         if self._kind is not None:
             self.peak_rss[self._kind] = max(self.peak_rss.get(self._kind, 0), peak_rss())
 
-    def read(self, kv_bytes: int) -> RankMeasurements:
+    def read(self, kv_bytes: int, weight_bytes: int = 0) -> RankMeasurements:
         self._fold()
         return RankMeasurements(rank=self.rank, steps=dict(self.steps), step_s={k: list(v) for k, v in self.step_s.items()},
                                 step_phases={k: list(v) for k, v in self.step_phases.items()},
                                 comm={kind: stats.as_dict() for kind, stats in self.comm.items()},
                                 start_rss_bytes=dict(self.start_rss), peak_rss_bytes=dict(self.peak_rss),
-                                kv_bytes=kv_bytes, rss_bytes=current_rss())
+                                kv_bytes=kv_bytes, weight_bytes=weight_bytes, rss_bytes=current_rss())
 
 
 def reset_peak_rss() -> None:

@@ -41,6 +41,7 @@ from treeattn.engine.tensor_parallel import connect, local_heads, tensor_paralle
 from treeattn.engine.warmup import warm_up_rank
 from treeattn.models.attention import attention_backend, group_world_size
 from treeattn.models.llama import LlamaModel
+from treeattn.models.packed import weight_bytes
 from treeattn.parallel import comm
 from treeattn.parallel.comm import comm_stats
 from treeattn.parallel.shared_memory import DEFAULT_CAPACITY_BYTES, shared_memory_group
@@ -248,7 +249,7 @@ class RankRunner:
         kv_bytes = self.cache.nbytes() + (self.drafter.cache.nbytes() if self.drafter is not None else 0)
         kv_bytes += self.windows.nbytes() if self.windows is not None else 0
         kv_bytes += self.linear_states.nbytes() if self.linear_states is not None else 0
-        out = self.meter.read(kv_bytes)
+        out = self.meter.read(kv_bytes, weight_bytes(self.model))
         if reset:
             self.meter.reset()
         return out

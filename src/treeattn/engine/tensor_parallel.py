@@ -331,7 +331,8 @@ def connect(model: nn.Module, layout: HelixLayout, cuts: dict[str, Cut], group) 
         attn, mlp = layer.self_attn, layer.mlp
         attn.num_heads, attn.num_kv_heads = heads, kv_heads
         cut = cuts[f"layers.{i}.self_attn.o_proj.weight"]
-        hooks.append(attn.o_proj.register_forward_pre_hook(_columns(cut.start - q_start, cut.stop - q_start)))
+        if layout.kv > 1:  # the heads' output columns of this KV rank (one KV rank: all of them, no narrowing)
+            hooks.append(attn.o_proj.register_forward_pre_hook(_columns(cut.start - q_start, cut.stop - q_start)))
         experts = [*getattr(mlp, "experts", ()), *filter(None, [getattr(mlp, "shared_experts", None)])]
         for proj in (attn.o_proj, *(e.down_proj for e in experts or [mlp])):
             _bias_once(proj, layout.rank)

@@ -175,6 +175,8 @@ def process_group(group) -> dist.ProcessGroup | None:
 
 def group_size(group: dist.ProcessGroup | None) -> int:
     """Number of ranks in `group` (None: the default world group)."""
+    if isinstance(group, SharedMemoryGroup):  # known without asking torch.distributed (a decode step asks per layer)
+        return group.size
     return dist.get_world_size(process_group(group))
 
 

@@ -68,6 +68,8 @@ class SharedMemoryGroup:
         self._arena = torch.frombuffer(mapping, dtype=torch.uint8)
         self._bytes = np.frombuffer(mapping, dtype=np.uint8)
         self._sequence = 0
+        self._flag_indices = [r * _LINE // 8 for r in range(size)]
+        self._array_slots: dict = {}  # (buffer parity, nbytes, dtype) -> the p slots as numpy views
 
     @classmethod
     def create(cls, process_group=None, *, capacity_bytes: int = DEFAULT_CAPACITY_BYTES, timeout_s: float = 120.0) -> "SharedMemoryGroup | None":
@@ -118,14 +120,14 @@ class SharedMemoryGroup:
         """In place: tensor = op over the ranks' tensors (SUM or MAX), reduced in rank order."""
         if tensor.dtype in _NUMPY_DTYPES and not tensor.requires_grad:
             # numpy's elementwise ops give the same bits as torch's at a fraction of their fixed cost
-            # (a decode step makes one small all-reduce per layer: the cost is this fixed part).
+            # (a decode step makes a few small all-reduces per layer: the cost is this fixed part).
             array = tensor.numpy().reshape(-1)
             slots = self._publish_array(array)
             reduce = np.add if op == dist.ReduceOp.SUM else np.maximum
-            acc = slots[0].copy()
-            for other in slots[1:]:
-                reduce(acc, other, out=acc)
-            array[:] = acc
+            if self.size > 1:  # in rank order, straight into the tensor (one rank: it is the sum already)
+                reduce(slots[0], slots[1], out=array)
+            for other in slots[2:]:
+                reduce(array, other, out=array)
             return tensor
         slots = self._publish(tensor)
         acc = slots[0].clone()
@@ -158,16 +160,25 @@ class SharedMemoryGroup:
         return slots
 
     def _publish_array(self, array: np.ndarray) -> list[np.ndarray]:
-        """_publish for a 1-D numpy array: the p slots as 1-D arrays of its dtype."""
-        slots = [self._bytes[s].view(array.dtype) for s in self._next_slots(array.nbytes)]
-        slots[self.rank][:] = array
+        """_publish for a 1-D numpy array: the p slots as 1-D arrays of its dtype (views made once
+        per buffer, size and dtype: a decode step repeats the same few)."""
+        self._sequence += 1
+        key = (self._sequence % 2, array.nbytes, array.dtype)
+        slots = self._array_slots.get(key)
+        if slots is None:
+            slots = self._array_slots[key] = [self._bytes[s].view(array.dtype) for s in self._slots(self._sequence, array.nbytes)]
+        np.copyto(slots[self.rank], array)
         self._arrive()
         return slots
 
     def _next_slots(self, nbytes: int) -> list[slice]:
         """The next collective's sequence number; the byte ranges of its p slots of `nbytes`, in rank order."""
         self._sequence += 1
-        base = self.size * _LINE + (self._sequence % 2) * self.size * self.capacity_bytes
+        return self._slots(self._sequence, nbytes)
+
+    def _slots(self, sequence: int, nbytes: int) -> list[slice]:
+        """The byte ranges of collective `sequence`'s p slots of `nbytes`, in rank order (its buffer: the parity)."""
+        base = self.size * _LINE + (sequence % 2) * self.size * self.capacity_bytes
         return [slice(base + r * self.capacity_bytes, base + r * self.capacity_bytes + nbytes) for r in range(self.size)]
 
     def _arrive(self) -> None:
@@ -176,11 +187,10 @@ class SharedMemoryGroup:
         self._wait(self._sequence)
 
     def _wait(self, sequence: int) -> None:
-        flags, stride = self._flags, _LINE // 8
+        flags, indices = self._flags, self._flag_indices
         start, checks = None, 0
         while True:
-            behind = [r for r in range(self.size) if flags[r * stride] < sequence]
-            if not behind:
+            if all(flags[i] >= sequence for i in indices):
                 return
             checks += 1
             if checks <= _SPIN_CHECKS:
@@ -188,6 +198,7 @@ class SharedMemoryGroup:
             now = time.monotonic()
             start = start or now
             if now - start > self.timeout_s:
+                behind = [r for r, i in enumerate(indices) if flags[i] < sequence]
                 raise TimeoutError(f"shared-memory collective #{sequence}: rank(s) {behind} did not arrive within "
                                    f"{self.timeout_s:g} s (dead, or calling a different collective)")
             if now - start < _YIELD_S:
