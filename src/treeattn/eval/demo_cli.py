@@ -183,17 +183,18 @@ def _installed(find):
 
 
 def layout_line(result, single, nproc: int) -> str:
-    """One line: which layout the sharded rows ran (result.tp: EngineConfig.tp) and what it means, with rank 0's
-    weight bytes (and the single process's, when it ran).
+    """One line: which layout the sharded rows ran (result.tp: EngineConfig.tp) and what it means, with the
+    largest rank's weight bytes (GenerationResult.weight_bytes_per_rank lists every rank's; and the single
+    process's, when it ran).
 
     >>> from types import SimpleNamespace as R
-    >>> layout_line(R(tp=1, weight_bytes_per_rank=62_100_000), R(weight_bytes_per_rank=111_600_000), 2)[:61]
+    >>> layout_line(R(tp=1, weight_bytes_per_rank=[62_100_000] * 2), R(weight_bytes_per_rank=[111_600_000]), 2)[:61]
     'layout: Helix, --tp 1 on 2 ranks: attention split by sequence'
-    >>> "every rank holds all the weights" in layout_line(R(tp=None, weight_bytes_per_rank=111_600_000), None, 2)
+    >>> "every rank holds all the weights" in layout_line(R(tp=None, weight_bytes_per_rank=[111_600_000] * 2), None, 2)
     True
     """
-    weights = format_mib(result.weight_bytes_per_rank)
-    alone = f" (one process: {format_mib(single.weight_bytes_per_rank)})" if single is not None else ""
+    weights = format_mib(max(result.weight_bytes_per_rank))
+    alone = f" (one process: {format_mib(max(single.weight_bytes_per_rank))})" if single is not None else ""
     tp = result.tp
     if tp is None:
         return (f"layout: sequence only: the KV cache split by sequence over the {nproc} ranks; every rank "
