@@ -27,7 +27,7 @@ import typer
 from treeattn.engine.config import EngineConfig as E
 from treeattn.engine.console import say, write_stdout
 from treeattn.engine.errors import ConfigError
-from treeattn.engine.flags import Decode, Device, KvCacheDtype, WeightFormat, config_flag, dtype_flag, model_argument, torch_dtype
+from treeattn.engine.flags import ActivationFormat, Decode, Device, KvCacheDtype, WeightFormat, config_flag, dtype_flag, model_argument, torch_dtype
 from treeattn.engine.request import SamplingParams as S
 
 CHAT_SAMPLING = {"temperature": 0.7, "top_p": 0.9, "top_k": 0, "repetition_penalty": 1.1}
@@ -95,6 +95,7 @@ def chat_command(
     device: Device = config_flag(E, "device"),
     kv_cache_dtype: KvCacheDtype = config_flag(E, "kv_cache_dtype"),
     weight_format: WeightFormat = config_flag(E, "weight_format"),
+    activation_format: ActivationFormat = config_flag(E, "activation_format"),
     timeout: float = config_flag(E, "timeout_s", flag="--timeout", min=0.001, max=1e6),
     kv_store: Path | None = config_flag(E, "kv_store"),
     kv_store_bytes: int = config_flag(E, "kv_store_bytes", min=1),
@@ -126,7 +127,7 @@ def chat_command(
     try:
         engine = ta.Engine(str(model), nproc=nproc, tp=tp, decode=decode if nproc > 1 else "local", max_batch_size=1,
                            prefix_cache=True, block_size=block_size, dtype=torch_dtype(dtype), device=device, timeout_s=timeout,
-                           kv_cache_dtype=kv_cache_dtype, weight_format=weight_format,
+                           kv_cache_dtype=kv_cache_dtype, weight_format=weight_format, activation_format=activation_format,
                            kv_store=None if kv_store is None else str(kv_store), kv_store_bytes=kv_store_bytes)
     except ConfigError as exc:  # a refused option (--device cuda without CUDA, ...): one line in the flags' words
         from treeattn.engine.flags import cli_message

@@ -30,7 +30,7 @@ from rich.table import Table
 
 from treeattn.engine.config import EngineConfig
 from treeattn.engine.console import GenerateDisplay, process_age_s, say
-from treeattn.engine.flags import (Decode, DecodeStep, Device, KvCacheDtype, Method, Placement, Prefill, Speculate, WeightFormat, cli_message, config_flag, model_argument,
+from treeattn.engine.flags import (ActivationFormat, Decode, DecodeStep, Device, KvCacheDtype, Method, Placement, Prefill, Speculate, WeightFormat, cli_message, config_flag, model_argument,
                                   device_and_dtype, dtype_flag)
 from treeattn.engine.request import SamplingParams
 
@@ -73,6 +73,7 @@ def generate_command(
     device: Device = config_flag(E, "device"),
     kv_cache_dtype: KvCacheDtype = config_flag(E, "kv_cache_dtype"),
     weight_format: WeightFormat = config_flag(E, "weight_format"),
+    activation_format: ActivationFormat = config_flag(E, "activation_format"),
     threads: int | None = config_flag(E, "threads_per_rank", flag="--threads", min=1),
     json_output: bool = typer.Option(False, "--json", help="Print one JSON object on stdout and nothing else."),
     num_samples: int = typer.Option(1, "--num-samples", min=1, help="Completions of the one prompt (the prompt prefilled "
@@ -107,7 +108,7 @@ def generate_command(
         config = EngineConfig(nproc=world, tp=tp, decode=decode, method=method, prefill=prefill, prefill_chunk=prefill_chunk,
                               decode_step=decode_step, placement=placement, block_size=block_size, max_context=max_context,
                               speculate=speculate, draft_tokens=draft_tokens, shared_memory=shared_memory, timeout_s=timeout,
-                              kv_cache_dtype=kv_cache_dtype, weight_format=weight_format, device=device,
+                              kv_cache_dtype=kv_cache_dtype, weight_format=weight_format, activation_format=activation_format, device=device,
                               draft_model=None if draft_model is None else str(draft_model),
                               linear_maps=None if linear_maps is None else str(linear_maps),
                               kv_store=None if kv_store is None else str(kv_store), kv_store_bytes=kv_store_bytes)
@@ -317,6 +318,7 @@ def _json_report(result: dict, texts, batched: bool, total_s: float, ranking: li
     report["kv_cache_dtype"] = result["kv_cache_dtype"]
     report["weight_bytes_per_rank"] = result["weight_bytes_per_rank"]
     report["weight_format"] = result["weight_format"]
+    report["activation_format"] = result["activation_format"]  # how packed weights multiplied the decode steps: float32 or int8
     if result["kv_window_bytes"]:
         report["kv_window_bytes"] = result["kv_window_bytes"]
     report["peak_rss_bytes_per_rank"] = result["peak_rss_bytes_per_rank"]

@@ -31,6 +31,7 @@ from treeattn.engine.speculate import MAX_DRAFT_TOKENS, SPECULATE_KINDS
 from treeattn.engine.static_step import DECODE_STEPS
 from treeattn.models.attention import DECODE_KINDS
 from treeattn.models.packed import WEIGHT_FORMATS
+from treeattn.ops.packed_linear import ACTIVATION_FORMATS
 from treeattn.parallel.tree_decode import METHODS
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -48,6 +49,7 @@ Speculate = Literal[SPECULATE_KINDS]
 DecodeStep = Literal[DECODE_STEPS]
 KvCacheDtype = Literal[KV_CACHE_DTYPES]
 WeightFormat = Literal[WEIGHT_FORMATS]
+ActivationFormat = Literal[ACTIVATION_FORMATS]
 Device = Literal[DEVICES]
 
 

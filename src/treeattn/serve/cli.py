@@ -10,7 +10,7 @@ from typing import Literal
 import typer
 
 from treeattn.engine.config import EngineConfig as E
-from treeattn.engine.flags import (Decode, DecodeStep, Device, KvCacheDtype, Method, Placement, Prefill, Speculate, WeightFormat, config_flag, model_argument,
+from treeattn.engine.flags import (ActivationFormat, Decode, DecodeStep, Device, KvCacheDtype, Method, Placement, Prefill, Speculate, WeightFormat, config_flag, model_argument,
                                   dtype_flag, torch_dtype)
 
 LogLevel = Literal["debug", "info", "warning", "error", "critical"]
@@ -34,6 +34,7 @@ def serve_command(
     dtype: str = dtype_flag(),
     kv_cache_dtype: KvCacheDtype = config_flag(E, "kv_cache_dtype"),
     weight_format: WeightFormat = config_flag(E, "weight_format"),
+    activation_format: ActivationFormat = config_flag(E, "activation_format"),
     device: Device = config_flag(E, "device"),
     speculate: Speculate | None = config_flag(E, "speculate"),
     draft_tokens: int = config_flag(E, "draft_tokens"),
@@ -84,7 +85,7 @@ def serve_command(
                           prefill=prefill, dtype=torch_dtype(dtype), device=device, timeout_s=timeout, speculate=speculate,
                           draft_tokens=draft_tokens, draft_model=None if draft_model is None else str(draft_model),
                           shared_memory=shared_memory, decode_step=decode_step, kv_cache_dtype=kv_cache_dtype,
-                          weight_format=weight_format,
+                          weight_format=weight_format, activation_format=activation_format,
                           linear_maps=None if linear_maps is None else str(linear_maps),
                           kv_store=None if kv_store is None else str(kv_store), kv_store_bytes=kv_store_bytes)
 
