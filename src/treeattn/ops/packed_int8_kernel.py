@@ -238,18 +238,23 @@ def _prepare(x, nb, lanes, offset):  # pragma: no cover - compiled
     xhi = np.empty((M, nb, half), dtype=np.int8)
     corr = np.empty((M, nb, lanes), dtype=np.int32)
     _arrange(xq, offset, lanes, xlo, xhi, corr)
-    return xq, xd, xs, xlo, xhi, corr
+    sx = np.empty((M, nb), dtype=np.float32)  # d_x * sum q_x: ggml's q8_1 s (in float32), once per x row
+    for i in range(M):
+        for b in range(nb):
+            sx[i, b] = xd[i, b] * np.float32(xs[i, b])
+    return xq, xd, sx, xlo, xhi, corr
 
 
 @njit(cache=True, fastmath=_FASTMATH, inline="always")
 def _q4_rows(qs, d, m, out, n0, n1, xd, xs, xlo, xhi, corr, affine):  # pragma: no cover - compiled
+    """Output columns n0..n1-1 of every quantized x row (xs: d_x * sum q_x per block, for q4_1's offsets)."""
     M, nb = xd.shape[0], qs.shape[1]
     for n in range(n0, n1):
         for i in range(M):
             if affine:
                 s = _row_dot_q4_affine(qs, n, d, xlo, xhi, i, corr, xd, nb)
                 for b in range(nb):  # the offsets: m_w * (d_x * sum q_x), ggml's q8_1 s term
-                    s += m[n, b] * (xd[i, b] * np.float32(xs[i, b]))
+                    s += m[n, b] * xs[i, b]
             else:
                 s = _row_dot_q4(qs, n, d, xlo, xhi, i, corr, xd, nb)
             out[i, n] = s
