@@ -1,5 +1,7 @@
 """python benchmarks/activation_format_agreement.py MODEL.gguf 64  (issue 50) -- Token agreement of activation_format int8 vs float32: greedy tokens from a few prompts, one engine per setting."""
-import sys, json, treeattn as ta
+import sys
+import json
+import treeattn as ta
 from treeattn.models.loader import read_model_files
 path, n = sys.argv[1], int(sys.argv[2])
 prompts = ["The capital of France is", "Once upon a time, in a small village,", "def fibonacci(n):",
@@ -16,5 +18,7 @@ for p, a, b in zip(prompts, out["float32"], out["int8"]):
     first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
     rows.append({"prompt": p, "equal_positions": same, "first_difference": first, "of": len(a)})
     print(json.dumps(rows[-1]))
-tot = sum(r["equal_positions"] for r in rows); prefix = sum(r["first_difference"] for r in rows); N = sum(r["of"] for r in rows)
+tot = sum(r["equal_positions"] for r in rows)
+prefix = sum(r["first_difference"] for r in rows)
+N = sum(r["of"] for r in rows)
 print(json.dumps({"model": path.split("/")[-1], "tokens": N, "equal_positions": tot, "common_prefix_tokens": prefix}))

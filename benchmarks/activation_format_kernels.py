@@ -1,5 +1,10 @@
 """python benchmarks/activation_format_kernels.py  (issue 50) -- A/B in one process, alternated 41 times: each SmolLM2/Gemma matrix through packed_matmul float32 vs int8, one thread.; min (and median ratio) of each."""
-import time, os, numpy as np, torch, gguf, gguf.quants, sys
+import time
+import os
+import numpy as np
+import torch
+import gguf
+import gguf.quants
 from treeattn.ops.packed_linear import unpack_blocks, packed_matmul
 torch.set_num_threads(1)
 Q = gguf.GGMLQuantizationType
@@ -17,7 +22,8 @@ for name, N, K in shapes:
         for a in ("float32", "int8"):
             packed_matmul(x, fmt, qs, d, m, activations=a)
             s = time.perf_counter()
-            for _ in range(reps): packed_matmul(x, fmt, qs, d, m, activations=a)
+            for _ in range(reps):
+                packed_matmul(x, fmt, qs, d, m, activations=a)
             t[a].append((time.perf_counter() - s) / reps * 1e6)
     f, i = np.min(t["float32"]), np.min(t["int8"])
     fm, im = np.median(t["float32"]), np.median(t["int8"])

@@ -115,13 +115,13 @@ def _arrange(xq, offset, lanes, xlo, xhi, corr):  # pragma: no cover - compiled
                 for j in range(16):
                     xlo[i, b, j] = xq[i, b, j]
                     xhi[i, b, j] = xq[i, b, 16 + j]
-            for l in range(lanes):
+            for lane in range(lanes):
                 s = 0
                 for t in range(4):
-                    s += np.int32(xq[i, b, 4 * l + t])
+                    s += np.int32(xq[i, b, 4 * lane + t])
                     if lanes == _Q4_LANES:
-                        s += np.int32(xq[i, b, 16 + 4 * l + t])
-                corr[i, b, l] = np.int32(offset * s)
+                        s += np.int32(xq[i, b, 16 + 4 * lane + t])
+                corr[i, b, lane] = np.int32(offset * s)
 
 
 def _declare(builder, width):
