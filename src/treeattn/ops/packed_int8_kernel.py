@@ -175,11 +175,26 @@ def _scaled(builder, acc, dw, xd, b0, blocks, lanes, sum_vec):
     return builder.fadd(sum_vec, builder.fmul(f, spread, flags=("contract",)), flags=("contract",))
 
 
-def _hsum(builder, vec, count):
-    total = builder.extract_element(vec, ir.Constant(ir.IntType(32), 0))
-    for k in range(1, count):
-        total = builder.fadd(total, builder.extract_element(vec, ir.Constant(ir.IntType(32), k)))
-    return total
+def _halves(builder, vec, count):
+    """The two halves of a float vector of `count` lanes, added lane by lane: count // 2 lanes."""
+    half = count // 2
+    lo = builder.shuffle_vector(vec, vec, ir.Constant(ir.VectorType(ir.IntType(32), half), list(range(half))))
+    hi = builder.shuffle_vector(vec, vec, ir.Constant(ir.VectorType(ir.IntType(32), half), list(range(half, count))))
+    return builder.fadd(lo, hi)
+
+
+def _hsum(builder, main, tail, lanes):
+    """The sum of the 16 lanes of `main` and the `lanes` lanes of `tail`, as a tree of halvings (a few
+    shuffles and adds deep, where a chain of 20 scalar adds waited on each other)."""
+    count = 16
+    while count > lanes:
+        main = _halves(builder, main, count)
+        count //= 2
+    vec = builder.fadd(main, tail)
+    while count > 1:
+        vec = _halves(builder, vec, count)
+        count //= 2
+    return builder.extract_element(vec, ir.Constant(ir.IntType(32), 0))
 
 
 def _row_dot_codegen(q4: bool, with_corr: bool):
@@ -214,7 +229,7 @@ def _row_dot_codegen(q4: bool, with_corr: bool):
             with cgutils.for_range_slice(builder, start, nb_v, ir.Constant(i64, 1), inc=True) as (b, _):
                 acc = _block_dots(builder, q4, lanes * 32, wbase, xa_base, xb_base, corr_base, b, lanes)
                 builder.store(_scaled(builder, acc, dw_base, xd_base, b, 1, lanes, builder.load(tail)), tail)
-            return builder.fadd(_hsum(builder, builder.load(main), 16), _hsum(builder, builder.load(tail), lanes))
+            return _hsum(builder, builder.load(main), builder.load(tail), lanes)
 
         return sig, codegen
 
