@@ -161,3 +161,11 @@ def test_the_activation_format_is_chosen_per_host_and_checked():
         qs, d, m = power_of_two_blocks("q4_1", 2, 160, 0)
         fresh(np.zeros((1, 160), np.float32), qs.numpy(), d.numpy(), m.numpy(), np.empty((1, 2), np.float32), 1)
         assert "vpdpbusd" in "".join(fresh.inspect_asm().values())  # the VNNI instruction, 512-bit and in the tail
+
+
+@needs_int8
+def test_strided_arrays_are_refused_not_misread():
+    qs, d, m = power_of_two_blocks("q4_0", 8, 64, 0)
+    out = np.empty((1, 4), np.float32)
+    with pytest.raises(ValueError, match="must be C-contiguous"):
+        int8_module().matmul(1, "q4_0", np.zeros((1, 64), np.float32), qs.numpy()[::2], d.numpy()[::2], d.numpy()[::2], out)

@@ -67,6 +67,8 @@ def matmul(threads: int, fmt: str, x, qs, d, m, out) -> None:
     d, m: (N, K // 32) float32 (m: q4_1 only; any float32 array otherwise); out: (M, N) float32.
     Call only where available().
     """
+    if not (x.flags.c_contiguous and qs.flags.c_contiguous and d.flags.c_contiguous and m.flags.c_contiguous):
+        raise ValueError("x, qs, d and m must be C-contiguous arrays (the dot products read rows by pointer arithmetic)")
     threads = max(1, min(threads, numba.config.NUMBA_NUM_THREADS))
     if threads > 1:
         numba.set_num_threads(threads)
