@@ -61,13 +61,16 @@ def default_model() -> str:
     return str(next(Path(spec.submodule_search_locations[0]).glob("*.gguf")))
 
 
-def treeattn(model: str, ids_file: str, nproc: int, weight_format: str, kv: str, new_tokens: int) -> dict:
+def treeattn(model: str, ids_file: str, nproc: int, weight_format: str, kv: str, new_tokens: int, activations: str | None = None) -> dict:
     cmd = [sys.executable, "-m", "treeattn.cli", "generate", model, "--prompt-ids", ids_file, "--max-new-tokens", str(new_tokens),
            "--ignore-eos", "--nproc", str(nproc), "--weight-format", weight_format, "--kv-cache-dtype", kv, "--json"]
+    if activations is not None:  # issue 50: how packed weights multiply decode steps (float32, int8); None: the default
+        cmd += ["--activation-format", activations]
     r = json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout)
     return {"tokens": r["generated_ids"], "prefill_s": r["timings"]["prefill_s"], "ms_per_token": 1e3 * r["timings"]["time_per_token_s"],
             "weight_bytes_per_rank": r["weight_bytes_per_rank"], "weight_format": r["weight_format"],
-            "kv_cache_dtype": r["kv_cache_dtype"], "kv_bytes_per_token": r["kv_bytes_per_token"]}
+            "kv_cache_dtype": r["kv_cache_dtype"], "kv_bytes_per_token": r["kv_bytes_per_token"],
+            "activation_format": r.get("activation_format")}
 
 
 def llama_cpp(python: str, model: str, ids_file: str, threads: int, new_tokens: int) -> dict:
@@ -87,6 +90,8 @@ def main() -> None:
     parser.add_argument("--nproc", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--weight-format", nargs="+", default=["dequantize", "packed"])
     parser.add_argument("--kv-cache-dtype", nargs="+", default=["auto"], help="--kv-cache-dtype values to run")
+    parser.add_argument("--activation-format", nargs="+", default=[None], help="--activation-format values to run (default: "
+                        "the engine's default only)")
     parser.add_argument("--llama-python", default=None, help="a Python with llama-cpp-python: also run llama.cpp")
     parser.add_argument("--llama-threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=1)
@@ -102,8 +107,9 @@ def main() -> None:
           f"{len(case.prompt_ids)} tokens (needle {case.answer} at {case.actual_depth:.0%}), {args.max_new_tokens} greedy tokens")
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(case.prompt_ids, f)
-    settings = [(f"treeattn {p} rank(s), weights {w}, kv {kv}", p, (lambda p=p, w=w, kv=kv: treeattn(model, f.name, p, w, kv, args.max_new_tokens)))
-                for p in args.nproc for w in args.weight_format for kv in args.kv_cache_dtype]
+    settings = [(f"treeattn {p} rank(s), weights {w}, kv {kv}" + (f", activations {a}" if a else ""), p,
+                 (lambda p=p, w=w, kv=kv, a=a: treeattn(model, f.name, p, w, kv, args.max_new_tokens, a)))
+                for p in args.nproc for w in args.weight_format for kv in args.kv_cache_dtype for a in args.activation_format]
     if args.llama_python:
         settings.append((f"llama.cpp {args.llama_threads} threads", 1,
                          lambda: llama_cpp(args.llama_python, model, f.name, args.llama_threads, args.max_new_tokens)))
@@ -122,7 +128,8 @@ def main() -> None:
         print(json.dumps({"setting": name, "ms_per_token": round(r["ms_per_token"], 2), "prefill_s": round(r["prefill_s"], 2),
                           "ratio_to_first": round(r["ms_per_token"] / base["ms_per_token"], 3),
                           "weight_bytes_per_rank": r["weight_bytes_per_rank"], "kv_cache_dtype": r["kv_cache_dtype"],
-                          "kv_bytes_per_token": r["kv_bytes_per_token"], "needle_retrieved": is_correct(answer, case),
+                          "kv_bytes_per_token": r["kv_bytes_per_token"], "activation_format": r.get("activation_format"),
+                          "needle_retrieved": is_correct(answer, case),
                           "tokens_equal_to_first": sum(a == b for a, b in zip(r["tokens"], base["tokens"])),
                           "answer": answer.strip()[:60], "load_before_after": r["load_before_after"]}))
     os.unlink(f.name)

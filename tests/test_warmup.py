@@ -24,7 +24,7 @@ import treeattn as ta  # noqa: E402
 from treeattn.engine import warmup as engine_warmup  # noqa: E402
 from treeattn.ops import warmup as ops_warmup  # noqa: E402
 
-KERNEL_MODULES = ("paged_cpu_kernel", "packed_cpu_kernel", "combine_cpu_kernel", "rowwise_cpu_kernel")
+KERNEL_MODULES = ("paged_cpu_kernel", "packed_cpu_kernel", "packed_int8_kernel", "combine_cpu_kernel", "rowwise_cpu_kernel")
 
 
 def signatures() -> dict[str, list[str]]:
@@ -42,7 +42,7 @@ def signatures() -> dict[str, list[str]]:
     return found
 
 
-def first_request(rank, world_size, path, warm):
+def first_request(rank, world_size, path, warm, activation_format="auto"):
     """On every rank: ta.generate (an engine inside the group); (signatures right after the runner's
     warm-up, signatures after the first generate, the warm-up's lines)."""
     import treeattn.engine.runner as runner
@@ -56,7 +56,8 @@ def first_request(rank, world_size, path, warm):
 
     runner.warm_up_rank = warm_up_rank
     prompt = list(range(3, 23))
-    ta.generate(path, prompt, max_new_tokens=4, ignore_eos=True, block_size=16, weight_format="packed", kv_cache_dtype="bfloat16")
+    ta.generate(path, prompt, max_new_tokens=4, ignore_eos=True, block_size=16, weight_format="packed", kv_cache_dtype="bfloat16",
+                activation_format=activation_format)
     return seen["start"], signatures(), seen["warmed"]
 
 
@@ -77,6 +78,14 @@ def test_the_first_request_after_engine_start_compiles_no_kernel(q4_1_file, worl
         assert after == start, (rank, {k: v for k, v in after.items() if v != start.get(k)})
         if world_size > 1:
             assert any("combine" in line for line in warmed), warmed
+
+
+@pytest.mark.skipif(__import__("treeattn.ops.packed_linear", fromlist=["x"]).int8_module() is None,
+                    reason="the int8 kernel needs AVX-512 VNNI/BW/VL; this CPU has not")
+def test_the_int8_activation_path_is_warmed_too(q4_1_file):
+    [(start, after, warmed)] = ta.spawn(first_request, 1, q4_1_file, True, "int8")
+    assert any("packed int8 q4_1" in line for line in warmed), warmed
+    assert after == start, {k: v for k, v in after.items() if v != start.get(k)}
 
 
 def test_without_the_warm_up_the_first_request_adds_signatures(q4_1_file):

@@ -73,7 +73,8 @@ class Conversation:
         self.messages.append({"role": "assistant", "content": text})
 
 
-CHAT_ENGINE_FLAGS = ("nproc", "tp", "block_size", "decode", "device", "kv_cache_dtype", "weight_format", "timeout_s",
+CHAT_ENGINE_FLAGS = ("nproc", "tp", "block_size", "decode", "device", "kv_cache_dtype", "weight_format", "activation_format",
+                     "timeout_s",
                      "kv_store", "kv_store_bytes")
 
 

@@ -159,9 +159,17 @@ def model_dtype(model, config: EngineConfig) -> torch.dtype:
 
 
 def check_weight_format(model, config: EngineConfig) -> None:
-    """config.weight_format against the model (ConfigError naming weight_format), before any rank starts:
+    """config.weight_format against the model (ConfigError naming weight_format), before any rank starts
+    (and config.activation_format "int8" against this host's CPU):
     "packed" needs a .gguf file whose quantized matrices a packed kernel reads, on the CPU or on CUDA
     with triton installed (config.device resolved by with_device); a loaded model keeps the format it was loaded in ("auto" takes it as it is)."""
+    if config.activation_format != "auto":
+        from treeattn.ops.packed_linear import resolve_activation_format
+
+        try:
+            resolve_activation_format(config.activation_format)
+        except ValueError as exc:
+            raise ConfigError("activation_format", str(exc)) from None
     fmt = config.weight_format
     if fmt == "auto":
         return

@@ -27,6 +27,7 @@ from treeattn.engine.speculate import MAX_DRAFT_TOKENS, SPECULATE_KINDS
 from treeattn.engine.static_step import DECODE_STEPS
 from treeattn.models.attention import DECODE_KINDS
 from treeattn.models.packed import WEIGHT_FORMATS
+from treeattn.ops.packed_linear import ACTIVATION_FORMATS
 from treeattn.parallel.tree_decode import METHODS
 
 DEFAULT_METHOD = "onepass"
@@ -150,6 +151,11 @@ class EngineConfig:
             safetensors checkpoint or CUDA without triton) or "dequantize"
             (every weight in the model's dtype). A packed weight is exactly the file's; activations and
             accumulation stay float32 (treeattn.ops.packed_linear). A loaded model keeps its own format.
+        activation_format: how packed weights multiply a decode step's activations on the CPU: "float32" (exact:
+            the file's weights times float32 activations), "int8" (as llama.cpp does: activations quantized to 8
+            bits per block of 32, integer dot products on AVX-512 VNNI, one scale per block; only on a CPU with
+            avx512_vnni) or "auto" (this host's choice: float32 for now, see docs/benchmarks.md, issue 50).
+            Prefill-sized calls always run float32 (treeattn.ops.packed_linear).
         timeout_s: the group's timeout for every collective, and how long the driver waits for
             the ranks to start.
         threads_per_rank: torch threads of each rank process (default cpu_count // nproc).
@@ -211,6 +217,7 @@ class EngineConfig:
     dtype: torch.dtype | None = None
     kv_cache_dtype: str = "auto"
     weight_format: str = "auto"
+    activation_format: str = "auto"
     device: str = "auto"
     timeout_s: float = 60.0
     threads_per_rank: int | None = None
@@ -257,6 +264,8 @@ class EngineConfig:
             raise ConfigError("kv_cache_dtype", f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         if self.weight_format not in WEIGHT_FORMATS:
             raise ConfigError("weight_format", f"weight_format must be one of {WEIGHT_FORMATS}, got {self.weight_format!r}")
+        if self.activation_format not in ACTIVATION_FORMATS:
+            raise ConfigError("activation_format", f"activation_format must be one of {ACTIVATION_FORMATS}, got {self.activation_format!r}")
         if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float)) or not self.timeout_s > 0:
             raise ConfigError("timeout_s", f"timeout_s must be a number of seconds > 0, got {self.timeout_s!r}")
         if self.speculate is not None and self.speculate not in SPECULATE_KINDS:

@@ -34,6 +34,7 @@ from treeattn.engine.speculate import MAX_DRAFT_TOKENS, SPECULATE_KINDS
 from treeattn.engine.static_step import DECODE_STEPS
 from treeattn.models.attention import DECODE_KINDS
 from treeattn.models.packed import WEIGHT_FORMATS
+from treeattn.ops.packed_linear import ACTIVATION_FORMATS
 from treeattn.parallel.tree_decode import METHODS
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -51,6 +52,7 @@ Speculate = Literal[SPECULATE_KINDS]
 DecodeStep = Literal[DECODE_STEPS]
 KvCacheDtype = Literal[KV_CACHE_DTYPES]
 WeightFormat = Literal[WEIGHT_FORMATS]
+ActivationFormat = Literal[ACTIVATION_FORMATS]
 Device = Literal[DEVICES]
 
 
@@ -59,7 +61,8 @@ Device = Literal[DEVICES]
 FLAG_TYPES = {
     "nproc": int | None, "tp": int | None, "decode": Decode, "method": Method | None, "placement": Placement,
     "max_batch_size": int, "cache_tokens": int | None, "prefix_cache": bool, "block_size": int, "prefill_chunk": int,
-    "prefill": Prefill, "kv_cache_dtype": KvCacheDtype, "weight_format": WeightFormat, "device": Device,
+    "prefill": Prefill, "kv_cache_dtype": KvCacheDtype, "weight_format": WeightFormat,
+    "activation_format": ActivationFormat, "device": Device,
     "timeout_s": float, "threads_per_rank": int | None, "speculate": Speculate | None, "draft_tokens": int,
     "draft_model": Path | None, "shared_memory": bool, "decode_step": DecodeStep, "max_context": int | None,
     "linear_maps": Path | None, "kv_store": Path | None, "kv_store_bytes": int,

@@ -62,6 +62,7 @@ from treeattn.cache.window import window_bytes_per_sequence
 from treeattn.engine.checks import Checked, check_engine, with_device
 from treeattn.engine.config import EngineConfig, given_or_built, kv_cache_dtype_name, resolve_kv_cache_dtype
 from treeattn.models.packed import is_packed
+from treeattn.ops.packed_linear import resolve_activation_format
 from treeattn.engine.errors import ConfigError, ConfigTypeError
 from treeattn.engine.request import MAX_SEED, SamplingParams
 from treeattn.engine.ring_prefill import resolve_prefill
@@ -142,6 +143,8 @@ class GenerationResult:
         weight_bytes_per_rank: bytes of the weights each rank holds, in rank order (every rank all of them, or with
             tp its share): parameters, and the blocks and scales of weights kept packed (weight_format).
         weight_format: "packed" when some weight is kept in its file's blocks, else "dequantize".
+        activation_format: how the packed weights multiplied the decode steps' activations: "float32" or "int8"
+            (EngineConfig.activation_format resolved on this host); None without packed weights.
         tp: the Helix layout's tensor-parallel ranks (EngineConfig.tp; None: no tensor parallelism).
         kv_window_bytes: bytes a hybrid model's sliding-window layers keep per sequence on every
             rank (W - 1 positions of each; treeattn.cache.window); 0 for other models.
@@ -182,6 +185,7 @@ class GenerationResult:
     weight_bytes_per_rank: list[int] = field(default_factory=list)
     tp: int | None = None
     weight_format: str = "dequantize"
+    activation_format: str | None = None
     comm_bytes_per_rank: list[float] = field(default_factory=list)
     prefill_comm_bytes_per_rank: list[float] = field(default_factory=list)
     peak_rss_bytes_per_rank: list[int] = field(default_factory=list)
@@ -618,6 +622,7 @@ class Generation:
             kv_window_bytes=window_bytes_per_sequence(self.model.config, resolve_kv_cache_dtype(c.kv_cache_dtype, self.model.dtype)),
             kv_cache_dtype=kv_cache_dtype_name(resolve_kv_cache_dtype(c.kv_cache_dtype, self.model.dtype)),
             weight_bytes_per_rank=[m.weight_bytes for m in measured], weight_format="packed" if is_packed(self.model) else "dequantize",
+            activation_format=resolve_activation_format(c.activation_format) if is_packed(self.model) else None,
             comm_bytes_per_rank=[m.bytes_sent("decode") for m in measured],
             prefill_comm_bytes_per_rank=[m.bytes_sent("prefill") for m in measured],
             peak_rss_bytes_per_rank=[m.peak_rss_bytes.get("decode", 0) for m in measured],

@@ -7,7 +7,8 @@ kernels of its steps before the first request: the paged attention kernel for th
 type (and the model's, in which the window layers and contiguous decode calls read), serial or on the
 rank's threads; the packed GEMV of each weight format the model (and its draft model) holds, serial
 and, with several threads, parallel (a vocabulary split over ranks can fall on either side of
-packed_linear.PARALLEL_MIN_WEIGHTS); RMSNorm and RoPE for a float32 model; onepass's combine on
+packed_linear.PARALLEL_MIN_WEIGHTS), and the 8-bit activation kernel of each where the model's packed layers take it
+(activation_format="int8"); RMSNorm and RoPE for a float32 model; onepass's combine on
 several ranks. Nothing here communicates, so ranks warm up independently. A model off the CPU
 warms nothing (Triton compiles in StaticDecodeStep's warm-up on CUDA).
 """
@@ -39,8 +40,9 @@ def warm_up_rank(model, *, kv_dtype: torch.dtype, world_size: int, draft_model=N
     packed = [(fmt, values, t) for fmt, values in packed_kinds(model, draft_model) for t in sorted({1, threads})]
     kv_dtypes = [d for d in dict.fromkeys((kv_dtype, dtype)) if d in KV_DTYPES]
     combine = (dtype,) if world_size > 1 and dtype in (torch.float32, torch.float64) else ()
+    int8 = any(getattr(m, "activations", None) == "int8" for m in model.modules())  # set_activation_format: its kernel too
     return warm_kernels(kv_dtypes=kv_dtypes, attention_threads=threads, packed=packed, rowwise=dtype == torch.float32,
-                        combine=combine)
+                        combine=combine, int8=int8)
 
 
 __all__ = ["packed_kinds", "warm_up_rank"]

@@ -33,6 +33,7 @@ from torch import nn
 
 from treeattn.models.llama import (MLP, AttendFn, Attention, KVStore, LlamaConfig, LlamaModel, config_reader, rope_cos_sin,
                                    rope_inverse_frequencies)
+from treeattn.models.packed import fused_projections
 from treeattn.ops.rowwise import rms_norm
 
 ARCHITECTURE = "Gemma3ForCausalLM"
@@ -122,7 +123,8 @@ class Gemma3MLP(MLP):
     """Llama's gated MLP (the same projections) with GELU (tanh approximation): down(gelu_tanh(gate(x)) * up(x))."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.gelu(self.gate_proj(x), approximate="tanh") * self.up_proj(x))
+        gate, up = fused_projections(self, x, ("gate_proj", "up_proj"))  # one packed matrix when fused (models.packed)
+        return self.down_proj(F.gelu(gate, approximate="tanh") * up)
 
 
 class Gemma3DecoderLayer(nn.Module):

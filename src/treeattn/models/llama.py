@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from treeattn.models.packed import fused_projections
 from treeattn.ops.rowwise import apply_rope, rms_norm
 
 KVStore = Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
@@ -207,9 +208,10 @@ class Attention(nn.Module):
 
     def forward(self, x, positions, cos, sin, kv_store: KVStore, attend: AttendFn) -> torch.Tensor:
         B, S, _ = x.shape
-        q = self.q_proj(x).view(B, S, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(B, S, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(B, S, self.num_kv_heads, self.head_dim)
+        q, k, v = fused_projections(self, x, ("q_proj", "k_proj", "v_proj"))  # one packed matrix when fused (models.packed)
+        q = q.view(B, S, self.num_heads, self.head_dim)
+        k = k.view(B, S, self.num_kv_heads, self.head_dim)
+        v = v.view(B, S, self.num_kv_heads, self.head_dim)
         q, k = self.queries_keys(q, k, cos, sin)
         k_all, v_all, kv_pos = kv_store(self.layer, k, v)
         out = attend(q, k_all, v_all, q_pos=positions, kv_pos=kv_pos, window=self.window)
@@ -234,7 +236,8 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(i, d, bias=config.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = fused_projections(self, x, ("gate_proj", "up_proj"))  # one packed matrix when fused (models.packed)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):

@@ -4,6 +4,7 @@
     embed = PackedEmbedding("q8_0", qs, d, None)           # replaces an nn.Embedding: rows = embed(tokens)
     logits = embed.project(hidden)                         # a tied output projection, packed too
     n = weight_bytes(model)                                 # bytes of every parameter and packed buffer
+    fuse_projections(model)                                 # q/k/v and gate/up each one matrix for decode calls
 
 The quantized values and the float32 scales (unpack_blocks of treeattn.ops.packed_linear) are
 buffers: integer tensors, so `model.to(dtype)` leaves them alone. The scales are kept as their int32
@@ -18,7 +19,8 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from treeattn.ops.packed_linear import BLOCK, FORMATS, dequantize_packed, kernel_arrays, packed_matmul
+from treeattn.ops.packed_linear import (BLOCK, FORMATS, PARALLEL_MIN_WEIGHTS, dequantize_packed, kernel_arrays, kernel_module,
+                                        kernel_takes, packed_matmul, resolve_activation_format)
 
 WEIGHT_FORMATS = ("auto", "dequantize", "packed")
 """How a loader holds a checkpoint's quantized weights: "dequantize" (in the model's dtype), "packed"
@@ -48,6 +50,7 @@ class _Packed(nn.Module):
         if (m is not None) != (fmt == "q4_1"):
             raise ValueError(f"m (the blocks' offsets) is given exactly for q4_1, got fmt={fmt!r} and m={'a tensor' if m is not None else None}")
         self.fmt = fmt
+        self.activations = "float32"  # how decode-sized calls multiply: "float32" or "int8" (set_activation_format)
         self.register_buffer("qs", qs)
         self.register_buffer("d_bits", d.to(torch.float32).view(torch.int32))
         self.register_buffer("m_bits", None if m is None else m.to(torch.float32).view(torch.int32))
@@ -91,9 +94,10 @@ class _Packed(nn.Module):
         step 1) only those rows of W: the same values as the full product's columns."""
         v = self._cached()
         if rows is None:
-            return packed_matmul(x, v.fmt, v.qs, v.d, v.m, arrays=v.arrays)
+            return packed_matmul(x, v.fmt, v.qs, v.d, v.m, arrays=v.arrays, activations=self.activations)
         arrays = None if v.arrays is None else tuple(a[rows] for a in v.arrays)
-        return packed_matmul(x, v.fmt, v.qs[rows], v.d[rows], None if v.m is None else v.m[rows], arrays=arrays)
+        return packed_matmul(x, v.fmt, v.qs[rows], v.d[rows], None if v.m is None else v.m[rows], arrays=arrays,
+                             activations=self.activations)
 
     def extra_repr(self) -> str:
         return f"{self.fmt}, rows={self.rows}, columns={self.columns}"
@@ -108,7 +112,7 @@ class PackedLinear(_Packed):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         v = self._cached()
-        return packed_matmul(x, v.fmt, v.qs, v.d, v.m, self.bias, arrays=v.arrays)
+        return packed_matmul(x, v.fmt, v.qs, v.d, v.m, self.bias, arrays=v.arrays, activations=self.activations)
 
 
 class PackedEmbedding(_Packed):
@@ -120,6 +124,116 @@ class PackedEmbedding(_Packed):
         return dequantize_packed(fmt, qs[tokens], d[tokens], None if m is None else m[tokens])
 
 
+class FusedPacked:
+    """PackedLinear layers of one format over the same input (q, k, v; gate, up) as one matrix: their rows
+    stacked, one kernel call per decode step instead of one per part, the product split back.
+
+    Made by fuse_packed. The parts' buffers become views of the stacked ones (no second copy: the model's
+    parameters, state_dict and weight_bytes stay as they were), so each part still works alone. A call is
+    bit for bit the parts' own calls: the CPU kernel computes every output row by itself, the stacked call
+    runs on one thread as each part did, and each part but the last has a multiple of the kernel's row
+    group (packed_cpu_kernel.ROWS), so every row falls in the same group of rows as alone. Calls the kernel
+    does not take (prefill-sized, CUDA, autograd), and parts whose buffers were replaced since (module.to(),
+    load_state_dict), run the parts one by one.
+
+    Example::
+
+        >>> import numpy as np, torch
+        >>> from treeattn.models.packed import PackedLinear, fuse_packed
+        >>> def part(rows, seed):
+        ...     g = np.random.default_rng(seed)
+        ...     qs = torch.from_numpy(g.integers(0, 256, (rows, 2, 16), dtype=np.uint8))
+        ...     return PackedLinear("q4_0", qs, torch.from_numpy(g.random((rows, 2), dtype=np.float32)), None)
+        >>> q, k = part(8, 0), part(4, 1)
+        >>> x = torch.randn(1, 64)
+        >>> alone = (q(x), k(x))
+        >>> fused = fuse_packed([q, k])
+        >>> all(torch.equal(a, b) for a, b in zip(fused(x), alone))
+        True
+    """
+
+    def __init__(self, parts: list[PackedLinear]) -> None:
+        first = parts[0]
+        qs = torch.cat([p.qs for p in parts])
+        d = torch.cat([p.d_bits for p in parts]).view(torch.float32)
+        m = None if first.m_bits is None else torch.cat([p.m_bits for p in parts]).view(torch.float32)
+        self.whole = PackedLinear(first.fmt, qs, d, m)
+        self.parts = tuple(parts)
+        self.bounds = []
+        start = 0
+        for p in parts:  # each part keeps a view of its rows of the stacked buffers
+            stop = start + p.rows
+            p.qs = self.whole.qs[start:stop]
+            p.d_bits = self.whole.d_bits[start:stop]
+            if m is not None:
+                p.m_bits = self.whole.m_bits[start:stop]
+            self.bounds.append((start, stop))
+            start = stop
+        self.views = tuple(p.qs for p in parts)
+
+    def current(self) -> bool:
+        """Whether every part still holds the views made at fusion (module.to() or load_state_dict replace them)."""
+        return all(p._buffers["qs"] is view for p, view in zip(self.parts, self.views))
+
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """(part(x) for every part), bit for bit: x (..., columns) -> one (..., part.rows) tensor per part in x.dtype."""
+        if not (kernel_takes(x) and self.current()):
+            return tuple(p(x) for p in self.parts)
+        v = self.whole._cached()
+        out = packed_matmul(x.to(torch.float32), v.fmt, v.qs, v.d, v.m, arrays=v.arrays, threads=1,
+                            activations=self.parts[0].activations)
+        results = []
+        for p, (start, stop) in zip(self.parts, self.bounds):
+            y = out[..., start:stop]
+            if p.bias is not None:  # as packed_matmul adds a part's bias: in float32, then x's dtype
+                y = y + p.bias.to(torch.float32)
+            results.append(y if y.dtype == x.dtype else y.to(x.dtype))
+        return tuple(results)
+
+
+def fuse_packed(parts: list[nn.Module]) -> FusedPacked | None:
+    """A FusedPacked of `parts`, or None when they cannot be multiplied as one matrix bit for bit: not all
+    PackedLinear of one format, value dtype and column count on the CPU, no numba kernel, a part large
+    enough for the parallel kernel (PARALLEL_MIN_WEIGHTS), or (4-bit formats) a part before the last whose
+    rows are not a multiple of the kernel's row group."""
+    kernel = kernel_module()
+    if kernel is None or len(parts) < 2 or not all(type(p) is PackedLinear for p in parts):
+        return None
+    first = parts[0]
+    if any(p.fmt != first.fmt or p.columns != first.columns or p.qs.dtype != first.qs.dtype or p.qs.device.type != "cpu"
+           or p.rows * p.columns >= PARALLEL_MIN_WEIGHTS for p in parts):
+        return None
+    if first.fmt != "q8_0" and any(p.rows % kernel.ROWS for p in parts[:-1]):
+        return None
+    return FusedPacked(list(parts))
+
+
+def fuse_projections(model: nn.Module) -> int:
+    """Fuse every attention's q/k/v_proj and every MLP's gate/up_proj where fuse_packed can (in place; the
+    attention and MLP forwards use a module's `fused` attribute, a FusedPacked, while it is current).
+    Apply it to the model as it will run: after tensor-parallel sharding (each rank fuses its own rows).
+    Returns the number of fusions made."""
+    made = 0
+    for module in model.modules():
+        names = (("q_proj", "k_proj", "v_proj") if hasattr(module, "q_proj") else
+                 ("gate_proj", "up_proj") if hasattr(module, "gate_proj") else None)
+        if names is None or "fused" in module.__dict__ or not all(isinstance(getattr(module, n, None), nn.Module) for n in names):
+            continue
+        fused = fuse_packed([getattr(module, n) for n in names])
+        if fused is not None:
+            module.__dict__["fused"] = fused  # a plain attribute: not a submodule, no second copy in state_dict
+            made += 1
+    return made
+
+
+def fused_projections(module: nn.Module, x: torch.Tensor, names: tuple[str, ...]) -> tuple[torch.Tensor, ...]:
+    """(module.<name>(x) for name in names): through the module's FusedPacked (fuse_projections) when it has one."""
+    fused = module.__dict__.get("fused")
+    if fused is not None:
+        return fused(x)
+    return tuple(getattr(module, n)(x) for n in names)
+
+
 def weight_bytes(model: nn.Module) -> int:
     """Bytes a model's weights take in memory: every parameter and every packed layer's buffers."""
     total = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -129,9 +243,26 @@ def weight_bytes(model: nn.Module) -> int:
     return total
 
 
+def set_activation_format(model: nn.Module, activation_format: str) -> str:
+    """Set how every packed layer of `model` multiplies its decode-sized CPU calls (ops.packed_linear.ACTIVATION_FORMATS:
+    "auto" resolved for this host; "int8" refused in one line where the host cannot run it). Returns "float32" or "int8".
+
+    >>> import torch
+    >>> layer = PackedLinear("q8_0", torch.zeros(2, 1, 32, dtype=torch.int8), torch.ones(2, 1), None)
+    >>> set_activation_format(layer, "float32"), layer.activations
+    ('float32', 'float32')
+    """
+    resolved = resolve_activation_format(activation_format)
+    for module in model.modules():
+        if isinstance(module, _Packed):
+            module.activations = resolved
+    return resolved
+
+
 def is_packed(model: nn.Module) -> bool:
     """Whether some layer of `model` keeps its weight packed."""
     return any(isinstance(module, _Packed) for module in model.modules())
 
 
-__all__ = ["WEIGHT_FORMATS", "PackedEmbedding", "PackedLinear", "is_packed", "weight_bytes"]
+__all__ = ["WEIGHT_FORMATS", "FusedPacked", "PackedEmbedding", "PackedLinear", "fuse_packed", "fuse_projections", "fused_projections", "is_packed",
+           "set_activation_format", "weight_bytes"]

@@ -51,6 +51,39 @@ MAX_KERNEL_ROWS = 16
 # thread pool costs more than the second thread gains on a matrix this small (a Llama layer's
 # projections); larger ones (an output projection over the vocabulary) split their rows over the threads.
 PARALLEL_MIN_WEIGHTS = 1 << 22
+ACTIVATION_FORMATS = ("auto", "float32", "int8")
+"""How a packed CPU layer multiplies its decode-sized calls: "float32" (the exact kernel: the file's weights,
+float32 activations), "int8" (llama.cpp's arithmetic: activations quantized to 8 bits per block of 32,
+integer dot products on AVX-512 VNNI: treeattn.ops.packed_int8_kernel; only where the CPU has it) or
+"auto" (resolve_activation_format: AUTO_ACTIVATIONS where the host can, else float32)."""
+AUTO_ACTIVATIONS = "float32"
+"""What "auto" picks on a host that can run both paths: the exact one (see docs/benchmarks.md, issue 50,
+for the measured speed and token agreement of "int8")."""
+
+
+def int8_module():
+    """treeattn.ops.packed_int8_kernel where this host can run it (numba installed, AVX-512 VNNI/BW/VL), else None."""
+    module = optional_kernel("packed_int8_kernel")
+    return module if module is not None and module.available() else None
+
+
+def resolve_activation_format(activation_format: str) -> str:
+    """"float32" or "int8" for one of ACTIVATION_FORMATS on this host; "int8" where the host cannot run it is
+    refused in one line.
+
+    >>> resolve_activation_format("float32")
+    'float32'
+    >>> resolve_activation_format("auto") in ("float32", "int8")
+    True
+    """
+    if activation_format not in ACTIVATION_FORMATS:
+        raise ValueError(f"activation_format must be one of {ACTIVATION_FORMATS}, got {activation_format!r}")
+    if activation_format == "auto":
+        return AUTO_ACTIVATIONS if int8_module() is not None else "float32"
+    if activation_format == "int8" and int8_module() is None:
+        raise ValueError("activation_format='int8' needs numba and a CPU with AVX-512 VNNI, BW and VL (avx512_vnni in "
+                         "/proc/cpuinfo); this host has not: use activation_format='float32' or 'auto'")
+    return activation_format
 
 
 def kernel_module():
@@ -209,8 +242,17 @@ def kernel_arrays(qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None) -> 
     return qs.numpy(), d.numpy(), (d if m is None else m).numpy()
 
 
+def kernel_takes(x: torch.Tensor) -> bool:
+    """Whether packed_matmul(x, ...) runs the CPU kernel: x on the CPU, at most MAX_KERNEL_ROWS rows, outside
+    autograd, numba installed."""
+    rows = x.shape[:-1].numel()
+    return (x.device.type == "cpu" and rows <= MAX_KERNEL_ROWS and not (x.requires_grad and torch.is_grad_enabled())
+            and kernel_module() is not None)
+
+
 def packed_matmul(x: torch.Tensor, fmt: str, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None,
-                  bias: torch.Tensor | None = None, *, arrays: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None) -> torch.Tensor:
+                  bias: torch.Tensor | None = None, *, arrays: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None,
+                  threads: int | None = None, activations: str = "float32") -> torch.Tensor:
     """x @ W.T (+ bias) for a weight W kept packed (unpack_blocks' qs, d, m).
 
     Args:
@@ -218,6 +260,11 @@ def packed_matmul(x: torch.Tensor, fmt: str, qs: torch.Tensor, d: torch.Tensor, 
         fmt, qs, d, m: the packed weight, W (N, K).
         bias: (N,) or None.
         arrays: kernel_arrays(qs, d, m), made once by the caller; None: made here when the kernel runs.
+        threads: the CPU kernel's threads; None: torch's thread count for weights of PARALLEL_MIN_WEIGHTS
+            values or more, else 1 (a fused matrix passes 1: its parts' rows then group as they did alone).
+        activations: "float32" (the exact kernel) or "int8" (x quantized per block of 32 and integer dot products,
+            llama.cpp's arithmetic: packed_int8_kernel) for the calls the CPU kernel takes; int16 values (Q6_K
+            as q8_0) and hosts without the int8 kernel run float32.
 
     Returns:
         (..., N) in x.dtype, accumulated in float32 (x is taken in float32).
@@ -231,8 +278,10 @@ def packed_matmul(x: torch.Tensor, fmt: str, qs: torch.Tensor, d: torch.Tensor, 
     if kernel is not None:  # numpy views around the call: a fraction of torch's reshape/view cost
         rows = numpy_rows(x if x.dtype == torch.float32 else x.to(torch.float32), K)
         out = np.empty((*x.shape[:-1], N), dtype=np.float32)
-        threads = torch.get_num_threads() if N * K >= PARALLEL_MIN_WEIGHTS else 1
-        kernel.matmul(threads, fmt, rows, *(arrays or kernel_arrays(qs, d, m)), out.reshape(M, N))
+        if threads is None:
+            threads = torch.get_num_threads() if N * K >= PARALLEL_MIN_WEIGHTS else 1
+        int8 = int8_module() if activations == "int8" and qs.dtype != torch.int16 else None
+        (int8 or kernel).matmul(threads, fmt, rows, *(arrays or kernel_arrays(qs, d, m)), out.reshape(M, N))
         out = torch.from_numpy(out)
     elif decode_sized and x.device.type == "cuda":
         from treeattn.ops.packed_triton import packed_matmul as triton_packed_matmul  # triton: installed where packed weights run on CUDA
@@ -245,5 +294,5 @@ def packed_matmul(x: torch.Tensor, fmt: str, qs: torch.Tensor, d: torch.Tensor, 
     return out if out.dtype == x.dtype else out.to(x.dtype)
 
 
-__all__ = ["BLOCK", "BLOCK_BYTES", "FORMATS", "MAX_KERNEL_ROWS", "PARALLEL_MIN_WEIGHTS", "Q4_K_BLOCK_BYTES", "Q5_0_BLOCK_BYTES", "Q6_K_BLOCK_BYTES",
-           "dequantize_packed", "kernel_arrays", "packed_matmul", "q4_k_as_q4_1", "q5_0_as_q8_0", "q6_k_as_q8_0", "unpack_blocks"]
+__all__ = ["ACTIVATION_FORMATS", "AUTO_ACTIVATIONS", "BLOCK", "BLOCK_BYTES", "FORMATS", "MAX_KERNEL_ROWS", "PARALLEL_MIN_WEIGHTS", "Q4_K_BLOCK_BYTES", "Q5_0_BLOCK_BYTES", "Q6_K_BLOCK_BYTES",
+           "dequantize_packed", "int8_module", "kernel_arrays", "kernel_takes", "packed_matmul", "q4_k_as_q4_1", "q5_0_as_q8_0", "q6_k_as_q8_0", "resolve_activation_format", "unpack_blocks"]

@@ -50,15 +50,21 @@ def _attend(dtype: torch.dtype, threads: int) -> None:
                   k_scales=scales[0], v_scales=scales[1])
 
 
-def _matmul(fmt: str, values: torch.dtype, threads: int) -> None:
-    """packed_matmul's kernel call on a weight of two rows and one block in `fmt`, `values` dtype."""
-    from treeattn.ops.packed_linear import kernel_arrays, kernel_module
+def _matmul(fmt: str, values: torch.dtype, threads: int, int8: bool = False) -> bool:
+    """packed_matmul's kernel call on a weight of two rows and one block in `fmt`, `values` dtype; with `int8` the
+    8-bit activation kernel's instead (activation_format="int8"). Returns False where that kernel does not run
+    (int16 values, or a host without the int8 kernel), having called nothing."""
+    from treeattn.ops.packed_linear import int8_module, kernel_arrays, kernel_module
     from treeattn.ops.kernels import numpy_rows
 
+    kernel = (int8_module() if values != torch.int16 else None) if int8 else kernel_module()
+    if kernel is None:
+        return False
     qs = torch.zeros(2, 1, 32 if fmt == "q8_0" else 16, dtype=values)
     d = torch.ones(2, 1)
     out = np.empty((1, 2), dtype=np.float32)
-    kernel_module().matmul(threads, fmt, numpy_rows(torch.zeros(1, 32), 32), *kernel_arrays(qs, d, d if fmt == "q4_1" else None), out)
+    kernel.matmul(threads, fmt, numpy_rows(torch.zeros(1, 32), 32), *kernel_arrays(qs, d, d if fmt == "q4_1" else None), out)
+    return True
 
 
 def _rowwise() -> None:
@@ -77,7 +83,7 @@ def _combine(dtype: torch.dtype) -> None:
     kernel.onepass_unpack(buffer.numpy(), torch.empty_like(out).numpy(), torch.empty_like(lse).numpy())
 
 
-def warm_kernels(*, kv_dtypes=(), attention_threads: int = 1, packed=(), rowwise: bool = False, combine=()) -> list[str]:
+def warm_kernels(*, kv_dtypes=(), attention_threads: int = 1, packed=(), rowwise: bool = False, combine=(), int8: bool = False) -> list[str]:
     """Call each named numba kernel once on tiny inputs (compiling it, or loading it from numba's cache).
 
     Args:
@@ -86,6 +92,7 @@ def warm_kernels(*, kv_dtypes=(), attention_threads: int = 1, packed=(), rowwise
         packed: (fmt, values dtype, threads) of the packed weights multiplied (threads 1: serial).
         rowwise: RMSNorm and RoPE in float32.
         combine: state dtypes (float32, float64) of onepass's combine.
+        int8: the packed weights' 8-bit activation kernel too (activation_format="int8"), where this host runs it.
 
     Returns:
         What was called, one line each; [] without numba.
@@ -105,6 +112,8 @@ def warm_kernels(*, kv_dtypes=(), attention_threads: int = 1, packed=(), rowwise
     for fmt, values, threads in packed:
         _matmul(fmt, values, threads)
         done.append(f"packed {fmt} {values} threads={threads}")
+        if int8 and _matmul(fmt, values, threads, int8=True):
+            done.append(f"packed int8 {fmt} {values} threads={threads}")
     for dtype in combine:
         _combine(dtype)
         done.append(f"combine {dtype}")
@@ -113,11 +122,12 @@ def warm_kernels(*, kv_dtypes=(), attention_threads: int = 1, packed=(), rowwise
 
 def warm_all(threads: int | None = None) -> list[str]:
     """warm_kernels for every signature the library calls: serial and `threads`-thread (default: the
-    CPU count, at least 2) kernels, every KV dtype and packed kind, the row-wise ops, both combine dtypes."""
+    CPU count, at least 2) kernels, every KV dtype and packed kind (and its int8 kernel where the host runs it), the
+    row-wise ops, both combine dtypes."""
     threads = max(2, threads or os.cpu_count() or 2)
     done = []
     for t in (1, threads):
-        done += warm_kernels(kv_dtypes=KV_DTYPES, attention_threads=t, packed=[(f, v, t) for f, v in PACKED_KINDS])
+        done += warm_kernels(kv_dtypes=KV_DTYPES, attention_threads=t, packed=[(f, v, t) for f, v in PACKED_KINDS], int8=True)
     return done + warm_kernels(rowwise=True, combine=(torch.float32, torch.float64))
 
 
