@@ -2,8 +2,6 @@
 
     wire = PlanWire(device)                       # one per rank; every rank makes the same calls in the same order
     plan = wire.broadcast(plan, rank, group)      # rank 0's plan on every rank: one broadcast of one int32 buffer
-    conn.send_bytes(pack(plan).numpy().tobytes())  # the driver to rank 0 (spawned ranks): the same words
-    plan = wire.relay(unpack(conn.recv_bytes()) if rank == 0 else None, rank, group)   # rank 0 passes them on
 
 A plan is a StepPlan (its chunks: tokens, first position, block table, sampling spec, drafts; the
 sequences released), KEEPALIVE, a Measure, a SetDecode, a StoreOps (the KV store's block saves and
@@ -155,8 +153,8 @@ def encode(plan) -> list[int]:
 
 
 def pack(plan) -> torch.Tensor:
-    """`plan`'s words (encode) as the one int32 tensor that carries it, from the driver to rank 0 (its
-    bytes) and from rank 0 to the other ranks (a broadcast). ValueError when a word does not fit in
+    """`plan`'s words (encode) as the one int32 tensor that carries it from rank 0 to the other ranks (a
+    broadcast). ValueError when a word does not fit in
     int32, before anything is sent.
 
         >>> decode(pack(Measure(reset=True)).tolist())
@@ -168,11 +166,6 @@ def pack(plan) -> torch.Tensor:
     except RuntimeError as exc:  # a word past int32
         raise ValueError(f"the step's plan has a value outside int32 (largest {max(words)}, smallest {min(words)}): "
                          f"token ids, positions, block numbers and sequence ids must fit") from exc
-
-
-def unpack(data: bytes) -> torch.Tensor:
-    """The int32 tensor of pack's bytes (what rank 0 reads from the driver's connection)."""
-    return torch.frombuffer(bytearray(data), dtype=torch.int32)
 
 
 def decode(words: list[int]):
@@ -235,16 +228,6 @@ class PlanWire:
         if rank == 0:
             self.send(plan, group)
             return plan
-        return self.receive(group)
-
-    def relay(self, message: torch.Tensor | None, rank: int, group=None):
-        """The plan of rank 0's `message` (pack's int32 tensor, as the driver sent it to rank 0) on every
-        rank of `group`: rank 0 broadcasts the message as it came, without decoding and encoding it
-        again; the others pass None. Every rank of the group must call it, in the same order."""
-        if rank == 0:
-            if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
-                self._send_packed(message, group)
-            return decode(message.tolist())
         return self.receive(group)
 
     def send(self, plan, group=None) -> None:

@@ -3,9 +3,8 @@
     runner = make_runner(load_model(model, config.dtype), config, group)   # a RankRunner (runner.py)
     serve_steps(runner, receive, reply)    # until a None plan: rank 0 receives and replies, the others follow
 
-Every plan travels in one encoding, one int32 tensor (plan_message.pack): from the driver to rank 0 as
-its bytes, then from rank 0 to the group as it came (plan_message.PlanWire.relay: one broadcast per
-step, on the device the group's backend needs, no pickling); each rank runs it
+Every plan goes from rank 0 to the group as one int32 tensor (plan_message.PlanWire: one broadcast
+per step, on the device the group's backend needs, no pickling); each rank runs it
 (run_plan): a StepPlan is a batched forward pass (RankRunner.step), KEEPALIVE is nothing (it keeps
 ranks waiting in the broadcast short of the group's timeout), StoreOps saves and loads KV store
 blocks (treeattn.engine.kv_tier; every rank's StoreReport gathered), Measure gathers every rank's
@@ -27,7 +26,7 @@ import torch.distributed as dist
 
 from treeattn.engine.config import EngineConfig, resolve_kv_cache_dtype
 from treeattn.engine.device import rank_device
-from treeattn.engine.plan_message import KEEPALIVE, Measure, PlanWire, SetDecode, StoreOps, pack, plan_device, unpack
+from treeattn.engine.plan_message import KEEPALIVE, Measure, PlanWire, SetDecode, StoreOps, plan_device
 from treeattn.engine.runner import RankRunner, StepOutcome
 from treeattn.models.packed import fuse_projections, set_activation_format
 from treeattn.parallel.spawn import rank_threads
@@ -144,12 +143,12 @@ def run_plan(runner: RankRunner, plan):
 
 
 def serve_steps(runner: RankRunner, receive, reply) -> None:
-    """A rank's loop: take the next plan (rank 0 from `receive`, pack's int32 tensor; the others by broadcast), run it,
+    """A rank's loop: take the next plan (rank 0 from `receive`, the others by broadcast), run it,
     (rank 0) `reply` with what it gave. Ends on a None plan."""
     rank = runner.rank
     wire = PlanWire(plan_device(runner.group))
     while True:
-        plan = wire.relay(receive() if rank == 0 else None, rank, runner.group)
+        plan = wire.broadcast(receive() if rank == 0 else None, rank, runner.group)
         if plan is None:
             return
         try:
@@ -181,8 +180,10 @@ def rank_main(rank: int, world_size: int, address, authkey: bytes, model, config
 
         def receive():
             try:
-                return unpack(conn.recv_bytes())  # the plan as the driver packed it (plan_message.pack)
+                # The plan object as the driver made it: rank 0 alone samples, so it reads the sampling fields the
+                # int32 wire to the other ranks leaves out (SampleSpec's penalties, logit bias, structured masks).
+                return conn.recv()
             except (EOFError, OSError):  # the driver is gone: end every rank
-                return pack(None)
+                return None
 
         serve_steps(runner, receive, conn.send)

@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from treeattn.engine.config import EngineConfig
 from treeattn.engine.device import backend_for, rank_device
-from treeattn.engine.plan_message import PlanWire, pack, plan_device
+from treeattn.engine.plan_message import PlanWire, plan_device
 from treeattn.engine.rank import ModelInfo, helix_layout, load_model, make_runner, model_info, rank_main, run_plan, serve_steps
 from treeattn.engine.errors import EngineError, StepFailed
 from treeattn.engine.runner import StepOutcome
@@ -143,14 +143,14 @@ class SpawnedRanks:
         if self.death is not None:
             raise self._gone()
         try:
-            self._conn.send_bytes(pack(plan).numpy().tobytes())  # the plan's one encoding: rank 0 broadcasts these words as they are
+            self._conn.send(plan)  # the whole plan: rank 0 samples with fields the ranks' int32 wire leaves out (SampleSpec)
         except OSError as exc:
             raise self._gone() from exc
         return self._recv()[1]
 
     def close(self) -> None:
         try:
-            self._conn.send_bytes(pack(None).numpy().tobytes())
+            self._conn.send(None)
         except (OSError, ValueError):  # gone, or closed by an earlier close
             pass
         self._thread.join()
