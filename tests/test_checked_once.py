@@ -1,7 +1,7 @@
 """The engine's checks run once for one generate (issue 53): ta.generate checks its batch-sized config
 and hands the Engine it starts the proof (treeattn.engine.checks.Checked); `treeattn generate` checks
-before spawning and its ranks hand the proof on. And the plan travels in one encoding (plan_message.pack):
-the bytes the driver sends rank 0 are the words rank 0 broadcasts."""
+before spawning and its ranks hand the proof on. Rank 0 samples from the plan the driver made (with the
+fields the int32 wire to the other ranks leaves out), so a penalized answer on spawned ranks is one process's."""
 
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ import torch
 
 import treeattn as ta
 from treeattn.engine import EngineConfig, checks, client, generate
-from treeattn.engine.plan_message import Measure, PlanWire, SetDecode, decode, pack, unpack
 from treeattn.models.llama import LlamaConfig, random_model
 
 
@@ -80,8 +79,23 @@ def _ids(tmp_path) -> str:
     return str(path)
 
 
-def test_one_encoding_from_the_driver_to_every_rank():
-    for plan in (None, Measure(reset=True), SetDecode("tree", "onepass")):
-        message = unpack(pack(plan).numpy().tobytes())  # what rank 0 reads from the driver's connection
-        assert decode(message.tolist()) == plan
-        assert PlanWire().relay(message, 0) == plan  # no group: rank 0's own plan, decoded once
+def test_rank_0_samples_with_what_the_ranks_wire_leaves_out(tmp_path):
+    """Repetition and frequency penalties and a logit bias reach rank 0 of spawned ranks (a checkpoint path:
+    the driver sends each plan over its connection): 2 ranks give one process's greedy tokens. Session 13
+    briefly sent rank 0 the int32 words, which carry none of them, and chat's answers changed on 2 ranks."""
+    pytest.importorskip("transformers")
+    from gguf_files import write_gguf
+    from helpers.gguf_models import hf_model
+
+    path = tmp_path / "tiny.gguf"
+    write_gguf(path, hf_model("llama"), gguf.GGMLQuantizationType.Q8_0, context_length=256)
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5]
+    penalized = ta.SamplingParams(max_new_tokens=12, ignore_eos=True, repetition_penalty=1.8, frequency_penalty=0.7,
+                                  logit_bias={7: 5.0})
+    answers = {}
+    for nproc in (1, 2):
+        with client.Engine(str(path), EngineConfig(nproc=nproc, decode="local" if nproc == 1 else "tree", max_batch_size=1)) as engine:
+            answers[nproc] = [engine.generate(prompt, sampling)[0].token_ids
+                              for sampling in (penalized, ta.SamplingParams(max_new_tokens=12, ignore_eos=True))]
+    assert answers[2] == answers[1]
+    assert answers[1][0] != answers[1][1]  # the controls changed the answer, so the test can fail
