@@ -50,7 +50,12 @@ def main() -> None:
     parser.add_argument("--warm-minutes", type=float, default=5.0, help="RSS growth is measured from here to the end")
     parser.add_argument("--out", default="docs/data/serve_soak.jsonl")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--summarize", default=None, help="recompute the RSS verdict of a finished soak's JSONL from "
+                        "--warm-minutes on, run nothing")
     args = parser.parse_args()
+    if args.summarize:
+        print(json.dumps(summarize(Path(args.summarize), args.warm_minutes * 60.0), indent=1))
+        return
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     model = args.model
     if model is None:
@@ -233,6 +238,23 @@ def _verdict(samples: list[dict], idle: dict, stats: dict, warm_s: float) -> dic
             "ok": stats["errors"] == 0 and idle["idle"] and flat}
 
 
+def summarize(path: Path, warm_s: float) -> dict:
+    """The RSS and open-file growth of each process of a soak's JSONL from the first sample at or after warm_s
+    to the last sample, and the largest RSS any sample saw."""
+    samples = [r for r in map(json.loads, path.read_text().splitlines()) if "t_s" in r]
+    warm, last = next(s for s in samples if s["t_s"] >= warm_s), samples[-1]
+    out = {"warm_sample_t_s": warm["t_s"], "last_sample_t_s": last["t_s"], "processes": {}}
+    for pid, info in last["processes"].items():
+        before = warm["processes"][pid]
+        peak = max(s["processes"].get(pid, {}).get("rss_kib", 0) for s in samples)
+        role = "server" if pid == next(iter(samples[0]["processes"])) else "rank"  # the server is sampled first
+        out["processes"][pid] = {"role": role, "rss_kib_at_warm": before["rss_kib"], "rss_kib_last": info["rss_kib"],
+                                 "rss_kib_peak": peak,
+                                 "rss_growth_pct": round(100.0 * (info["rss_kib"] - before["rss_kib"]) / before["rss_kib"], 3),
+                                 "open_files": [before["open_files"], info["open_files"]]}
+    return out
+
+
 def _descendants(pid: int) -> list[int]:
     parents = {}
     for entry in Path("/proc").iterdir():
@@ -243,7 +265,8 @@ def _descendants(pid: int) -> list[int]:
                 continue
     found, frontier = [], [pid]
     while frontier:
-        kids = [p for p, pp in parents.items() if pp == frontier.pop()]
+        parent = frontier.pop()
+        kids = [p for p, pp in parents.items() if pp == parent]
         found += kids
         frontier += kids
     return found
