@@ -16,8 +16,8 @@ OUT_DIR/<model>_<server>_L<len>_c<C>.json.
 Prompts are text (llama-cpp-python's server takes no token ids): random words cut to `len` tokens of the
 model's tokenizer, different for every server and cell, so no server finds another's prompts in a
 cache. Neither server is asked for ignore_eos (llama-cpp-python has none): every request carries
-`logit_bias` -100 on the end-of-sequence token instead, so answers are `--output-len` tokens long on
-both. num_prompts per cell: max(4, 2 x concurrency). Cells stop starting after `--budget-min` minutes.
+`logit_bias` -100 on the end-of-sequence token and the end-of-generation tokens the vocabulary has instead, so answers are `--output-len` tokens long on
+both. num_prompts per cell: max(--min-prompts, --prompts-factor x concurrency), default max(4, 2 x C). Cells stop starting after `--budget-min` minutes.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ import time
 import zlib
 from pathlib import Path
 
+END_TOKENS = ("<|endoftext|>", "<|im_end|>", "<eos>", "<end_of_turn>", "<|eot_id|>")  # end-of-generation tokens llama.cpp stops at
 WORDS = ("the", "cat", "sat", "on", "a", "mat", "while", "rain", "fell", "over", "old", "city", "and", "music", "played",
          "river", "light", "stone", "under", "green", "hills", "where", "people", "walk", "slowly", "home")
 
@@ -48,6 +49,8 @@ def main() -> None:
     parser.add_argument("--llama-python", default=None, help="the python of a venv with llama-cpp-python[server]")
     parser.add_argument("--llama-threads", type=int, default=2)
     parser.add_argument("--budget-min", type=float, default=20.0)
+    parser.add_argument("--prompts-factor", type=int, default=2, help="num_prompts per cell: max(--min-prompts, factor x C)")
+    parser.add_argument("--min-prompts", type=int, default=4)
     parser.add_argument("--out-dir", default="docs/data/serve_matrix")
     parser.add_argument("--table", default=None, help="print the markdown table of the JSONs in this folder, run nothing")
     args = parser.parse_args()
@@ -91,7 +94,7 @@ def run(args) -> None:
                         return
                     seed = zlib.crc32(f"{server} {length} {c}".encode())
                     prompts = out_dir / f"prompts_{name}_{server}_L{length}_c{c}.jsonl"
-                    _write_prompts(prompts, tokenizer, length, max(4, 2 * c), args.output_len, seed)
+                    _write_prompts(prompts, tokenizer, length, _count(args, c), args.output_len, seed)
                     _cell(servers[server], server, name, length, c, prompts, args, eos, out_dir)
                     prompts.unlink()
                 cell += 1
@@ -106,11 +109,11 @@ def run(args) -> None:
                 process.kill()
 
 
-def _cell(url: str, server: str, name: str, length: int, c: int, prompts: Path, args, eos: int, out_dir: Path) -> None:
+def _cell(url: str, server: str, name: str, length: int, c: int, prompts: Path, args, eos: list[int], out_dir: Path) -> None:
     out = out_dir / f"{name}_{server}_L{length}_c{c}.json"
     command = [sys.executable, "-m", "treeattn", "bench", "serve", "--base-url", url, "--dataset-path", str(prompts),
-               "--num-prompts", str(max(4, 2 * c)), "--max-concurrency", str(c), "--no-ignore-eos",
-               "--extra-body", json.dumps({"logit_bias": {str(eos): -100}}), "--label", server, "--result-file", str(out)]
+               "--num-prompts", str(_count(args, c)), "--max-concurrency", str(c), "--no-ignore-eos",
+               "--extra-body", json.dumps({"logit_bias": {str(e): -100 for e in eos}}), "--label", server, "--result-file", str(out)]
     before = _loadavg()
     done = subprocess.run(command, capture_output=True, text=True)
     after = _loadavg()
@@ -125,6 +128,10 @@ def _cell(url: str, server: str, name: str, length: int, c: int, prompts: Path, 
           f"{result['median_ttft_ms']:.0f} ms, TPOT p50 {result['median_tpot_ms']:.0f} ms, load {before} -> {after}", flush=True)
 
 
+def _count(args, c: int) -> int:
+    return max(args.min_prompts, args.prompts_factor * c)
+
+
 def _tokenizer(model: str):
     from treeattn.models import load_tokenizer
 
@@ -133,7 +140,8 @@ def _tokenizer(model: str):
 
     reader = gguf.GGUFReader(model)
     field = reader.fields["tokenizer.ggml.eos_token_id"]
-    return tokenizer, int(field.parts[field.data[0]][0])
+    ends = {int(field.parts[field.data[0]][0])} | {tokenizer.token_to_id(t) for t in END_TOKENS if tokenizer.token_to_id(t) is not None}
+    return tokenizer, sorted(ends)
 
 
 def _write_prompts(path: Path, tokenizer, length: int, count: int, output_len: int, seed: int) -> None:
