@@ -186,17 +186,18 @@ def _loadavg() -> str:
 
 def table(folder: Path) -> list[str]:
     """One row per cell and server: throughput, TTFT and TPOT percentiles, the load, and treeattn's ratio to llama.cpp."""
-    results = [json.loads(p.read_text()) for p in sorted(folder.glob("*.json"))]
     by_cell = {}
-    for r in results:
-        by_cell.setdefault((r["model_id"], r["input_len"], r["max_concurrency"]), {})[r["server"]] = r
-    lines = ["| prompt | concurrency | server | done | output tok/s | x llama.cpp | TTFT p50 / p99 (ms) | TPOT p50 / p99 (ms) "
-             "| load before -> after |", "|---|---|---|---|---|---|---|---|---|"]
-    for (_, length, c), cell in sorted(by_cell.items(), key=lambda kv: (kv[0][1], kv[0][2])):
+    for path in sorted(folder.glob("*.json")):
+        r = json.loads(path.read_text())
+        model = path.name.split(f"_{r['server']}_")[0]  # every server serves "bench": the model is the file's prefix
+        by_cell.setdefault((model, r["input_len"], r["max_concurrency"]), {})[r["server"]] = r
+    lines = ["| model | prompt | concurrency | server | done | output tok/s | x llama.cpp | TTFT p50 / p99 (ms) | TPOT p50 / p99 (ms) "
+             "| load before -> after |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for (model, length, c), cell in sorted(by_cell.items(), key=lambda kv: (kv[0][0] != "smollm2", kv[0])):
         base = cell.get("llamacpp")
         for server, r in sorted(cell.items()):
             ratio = f"{r['output_throughput'] / base['output_throughput']:.2f}" if base and base["output_throughput"] else "-"
-            lines.append(f"| {length} | {c} | {server} | {r['completed']}/{r['num_prompts']} | {r['output_throughput']:.2f} | {ratio} "
+            lines.append(f"| {model} | {length} | {c} | {server} | {r['completed']}/{r['num_prompts']} | {r['output_throughput']:.2f} | {ratio} "
                          f"| {r['median_ttft_ms']:.0f} / {r['p99_ttft_ms']:.0f} | {r['median_tpot_ms']:.0f} / {r['p99_tpot_ms']:.0f} "
                          f"| {r['loadavg_before']} -> {r['loadavg_after']} |")
     return lines
