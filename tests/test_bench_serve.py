@@ -71,6 +71,24 @@ def test_the_command_writes_the_json_and_goodput(server, tmp_path):
     assert result["request_rate"] == "inf" and result["max_concurrency"] == 4
 
 
+def test_extra_body_and_text_prompts_from_a_file(server, tmp_path):
+    """--extra-body reaches every request (a logit_bias of 100 forces token 120, "u", without ignore_eos);
+    a .jsonl prompt's prompt_len is kept where the server's usage gives none (ours gives it)."""
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt": "the cat", "prompt_len": 99, "output_len": 4}) for _ in range(3)) + "\n")
+    out = tmp_path / "result.json"
+    run = subprocess.run([sys.executable, "-m", "treeattn", "bench", "serve", "--base-url", server.url, "--dataset-path", str(prompts),
+                          "--num-prompts", "3", "--no-ignore-eos", "--extra-body", '{"logit_bias": {"120": 100}}',
+                          "--result-file", str(out)], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    result = json.loads(out.read_text())
+    assert result["completed"] == 3 and result["output_lens"] == [4, 4, 4] and result["generated_texts"] == ["uuuu"] * 3
+    assert all(n != 99 for n in result["input_lens"])  # the server's usage wins
+    bad = subprocess.run([sys.executable, "-m", "treeattn", "bench", "serve", "--base-url", server.url, "--extra-body", "[1]"],
+                         capture_output=True, text=True, timeout=300)
+    assert bad.returncode != 0 and "--extra-body must be a JSON object" in bad.stderr
+
+
 def test_arrival_schedules_have_the_asked_rate():
     poisson = arrival_times(ServeBenchConfig(base_url="http://x", request_rate=4.0, seed=1), 4001)
     assert poisson[0] == 0 and all(b >= a for a, b in zip(poisson, poisson[1:]))

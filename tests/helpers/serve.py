@@ -20,7 +20,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 openai = pytest.importorskip("openai")
 
-from gguf_files import VOCAB, write_gguf  # noqa: E402
+from gguf_files import CHATML, VOCAB, write_gguf  # noqa: E402
 
 from treeattn.serve.child import start_serve  # noqa: E402
 
@@ -29,13 +29,14 @@ NAME = "tiny"
 ENGINE_ARGS = ["--block-size", "16", "--cache-tokens", "4096", "--max-batch-size", "8"]
 
 
-def _write_tiny_llama_gguf(path: Path, seed: int, **sizes) -> Path:
-    """A random transformers Llama of `sizes` with the byte-level tokenizer, as an F16 GGUF file."""
+def _write_tiny_llama_gguf(path: Path, seed: int, chat_template: str = CHATML, context_length: int = 512, **sizes) -> Path:
+    """A random transformers Llama of `sizes` with the byte-level tokenizer and `chat_template`, as an F16 GGUF file."""
     torch.manual_seed(seed)
     config = transformers.LlamaConfig(**sizes, vocab_size=VOCAB, bos_token_id=1, eos_token_id=2, initializer_range=0.1,
                                       rms_norm_eps=1e-5, tie_word_embeddings=False,
                                       rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
-    write_gguf(path, transformers.LlamaForCausalLM(config).eval(), gguf.GGMLQuantizationType.F16, context_length=512)
+    write_gguf(path, transformers.LlamaForCausalLM(config).eval(), gguf.GGMLQuantizationType.F16, context_length=context_length,
+               chat_template=chat_template)
     return path
 
 

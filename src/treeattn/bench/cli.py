@@ -548,6 +548,8 @@ def serve_command(
     seed: int = typer.Option(0, "--seed"),
     ignore_eos: bool = typer.Option(True, "--ignore-eos/--no-ignore-eos", help="Send ignore_eos so that answers are --output-len long."),
     label: str | None = typer.Option(None, "--label", help="A label stored in the result."),
+    extra_body: str = typer.Option("", "--extra-body", help="A JSON object of more fields for every request, e.g. "
+                                   "'{\"logit_bias\": {\"2\": -100}}' for a server without ignore_eos."),
     result_file: Path | None = typer.Option(None, "--result-file", "-o", help="Write the result JSON (vllm bench serve's keys) here."),
 ) -> None:
     """Open-loop load on an OpenAI-compatible server: TTFT, TPOT, ITL and end-to-end latency
@@ -562,7 +564,7 @@ def serve_command(
                                   request_rate=request_rate, arrival=arrival, burstiness=burstiness, max_concurrency=max_concurrency,
                                   goodput=parse_goodput(goodput), percentiles=_percentiles(percentiles),
                                   seed=seed, api_key=os.environ.get("OPENAI_API_KEY") or os.environ.get("TREEATTN_API_KEY"),
-                                  ignore_eos=ignore_eos, label=label)
+                                  ignore_eos=ignore_eos, label=label, extra_body=_json_object(extra_body, "--extra-body"))
         result = run_serve_benchmark(config)
     except ValueError as exc:
         raise _refuse(str(exc)) from None
@@ -574,6 +576,19 @@ def serve_command(
         typer.echo(f"{result['failed']} of {config.num_prompts} requests failed; first: "
                    f"{next(e for e in result['errors'] if e)}", err=True)
         raise typer.Exit(1)
+
+
+def _json_object(text: str, flag: str) -> dict:
+    """A flag's JSON object ("" -> {}); ValueError naming the flag."""
+    if not text:
+        return {}
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise ValueError(f"{flag} must be a JSON object, got {text[:60]!r} ({exc})") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{flag} must be a JSON object, got {type(value).__name__}")
+    return value
 
 
 def _percentiles(text: str) -> tuple[float, ...]:

@@ -76,6 +76,7 @@ class ServeBenchConfig:
     timeout_s: float = 600.0
     label: str | None = None
     ignore_eos: bool = True  # every answer output_len tokens long (vLLM's default for its random prompts)
+    extra_body: dict = field(default_factory=dict)  # more fields of every request (e.g. a logit_bias for servers without ignore_eos)
 
     def __post_init__(self) -> None:
         checks = (
@@ -96,6 +97,7 @@ class ServeBenchConfig:
              f"a dict of {GOODPUT_METRICS} to milliseconds > 0"),
             ("percentiles", all(0 < p < 100 for p in self.percentiles), "numbers in (0, 100)"),
             ("timeout_s", isinstance(self.timeout_s, (int, float)) and self.timeout_s > 0, "a number > 0"),
+            ("extra_body", isinstance(self.extra_body, dict), "a dict of request fields"),
         )
         for name, ok, expected in checks:
             if not ok:
@@ -167,7 +169,7 @@ def make_requests(config: ServeBenchConfig) -> list[BenchRequest]:
 
 def _read_prompts(path: Path, output_len: int) -> list[BenchRequest]:
     """One prompt per non-empty line; a .jsonl file: one object per line with "prompt" (text or token ids)
-    and optionally "output_len". ValueError naming the file and line."""
+    and optionally "output_len" (and "prompt_len", the text's token count, used when the server sends no usage). ValueError naming the file and line."""
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
     except (OSError, UnicodeDecodeError) as exc:
@@ -184,7 +186,8 @@ def _read_prompts(path: Path, output_len: int) -> list[BenchRequest]:
             prompt, n = item["prompt"], int(item.get("output_len", output_len))
         except (ValueError, KeyError, TypeError) as exc:
             raise ValueError(f"dataset_path: {path}:{number}: expected an object with 'prompt' (and 'output_len'): {exc}") from None
-        out.append(BenchRequest(prompt, len(prompt) if isinstance(prompt, list) else None, n))
+        known = len(prompt) if isinstance(prompt, list) else item.get("prompt_len")
+        out.append(BenchRequest(prompt, int(known) if known is not None else None, n))
     if not out:
         raise ValueError(f"dataset_path: {path} holds no prompt")
     return out
@@ -210,6 +213,7 @@ async def _send(client, config: ServeBenchConfig, model: str, request: BenchRequ
             "stream_options": {"include_usage": True}}
     if config.ignore_eos:
         body["ignore_eos"] = True
+    body.update(config.extra_body)
     if chat:
         body["messages"] = [{"role": "user", "content": request.prompt}]
     else:
@@ -242,6 +246,8 @@ async def _send(client, config: ServeBenchConfig, model: str, request: BenchRequ
                     last = now
                     texts.append(text)
         out.latency = time.perf_counter() - out.start_time
+        if not out.output_len:  # a server that sends no usage (llama-cpp-python's): one chunk with text per token
+            out.output_len = sum(1 for t in texts if t)
         out.generated_text = "".join(texts)
         out.success = last is not None
         out.error = "" if out.success else "no token came back"

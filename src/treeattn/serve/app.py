@@ -49,7 +49,7 @@ from treeattn.serve.access_log import USAGE, AccessLog
 from treeattn.serve.metrics import CONTENT_TYPE, ServerMetrics
 from treeattn.serve.protocol import APIError, ChatCompletionRequest, CompletionRequest, _shown, bad_request
 from treeattn.serve.structured import structured_output
-from treeattn.serve.tools import check_tools
+from treeattn.serve.tools import ToolRequest, check_no_tools, template_messages, tool_request
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +58,7 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 # SamplingParams field -> the request field named in errors.
 _PARAM_NAMES = {"max_new_tokens": "max_tokens"}
 # chat_template_kwargs that would replace what the server gives the template.
-_RESERVED_TEMPLATE_VARIABLES = ("messages", "add_generation_prompt", "bos_token", "eos_token")
+_RESERVED_TEMPLATE_VARIABLES = ("messages", "add_generation_prompt", "bos_token", "eos_token", "tools")
 
 
 @dataclass(frozen=True)
@@ -197,7 +197,7 @@ def create_app(engine, config: ServerConfig, *, chat_template=None, eot_ids: tup
         server.check_request(body, count=1)
         server.check_chat(body)  # bounded before the template and the tokenizer run
         prompts = [await run_in_threadpool(server.chat_prompt, body)]
-        await run_in_threadpool(structured_output, body, server.engine)  # checked off the loop; _params finds it cached
+        await run_in_threadpool(structured_output, body, server.engine, server.tools_of(body))  # _params finds it cached
         return await server.respond(request, body, prompts, None, chat=True)
 
     from treeattn.serve.tokenize import add_tokenizer_routes
@@ -229,7 +229,10 @@ class _Server:
         if body.model != self.config.model_name and body.model not in self.config.aliases:
             raise APIError(404, f"the model '{_shown(body.model)}' does not exist; this server serves '{self.config.model_name}'",
                            param="model", code="model_not_found")
-        check_tools(body, self.chat_template)
+        if isinstance(body, ChatCompletionRequest):
+            self.tools_of(body)  # checked before any work
+        else:
+            check_no_tools(body)
         unsupported = body.unsupported_field()
         if unsupported is not None:
             raise bad_request(unsupported[1], _shown(unsupported[0]))
@@ -242,6 +245,10 @@ class _Server:
         _check_logprobs(body)
         if isinstance(body, CompletionRequest) and body.echo and body.stream:
             raise bad_request("'echo' is not supported with 'stream': true on this server", "echo")
+
+    def tools_of(self, body) -> ToolRequest | None:
+        """A chat request's tools, checked (treeattn.serve.tools); None for completions or a request without tools."""
+        return tool_request(body, self.chat_template) if isinstance(body, ChatCompletionRequest) else None
 
     def completion_prompts(self, prompt) -> list[list[int]]:
         prompt = _batch(prompt)
@@ -277,9 +284,11 @@ class _Server:
         from treeattn.models.chat import ChatTemplateError
 
         try:
-            conversation = [{"role": m.role, "content": m.text()} for m in body.messages]
+            conversation = template_messages(body.messages, self.chat_template)
+            tools = self.tools_of(body)
+            variables = {**(body.chat_template_kwargs or {}), **({"tools": tools.template_tools()} if tools else {})}
             text = self.chat_template.render(conversation, add_generation_prompt=body.add_generation_prompt,
-                                             variables=body.chat_template_kwargs)
+                                             variables=variables)
         except ChatTemplateError as exc:  # named without the template's path
             raise bad_request(f"the model's chat template ({exc.template_name}): {exc.reason}", "messages") from None
         except ValueError as exc:
@@ -336,7 +345,7 @@ class _Server:
                                   presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
                                   repetition_penalty=body.repetition_penalty, min_p=body.min_p,
                                   logit_bias=self._logit_bias(body.logit_bias),
-                                  structured=structured_output(body, self.engine),
+                                  structured=structured_output(body, self.engine, self.tools_of(body)),
                                   prompt_logprobs=None if chat else echo.prompt_logprobs_asked(body))
         except ValueError as exc:
             name = str(exc).split(" ", 1)[0].rstrip(":")
@@ -429,21 +438,20 @@ class _Server:
     async def _stream(self, run: "_Run", body, prompts, chat: bool, include_usage: bool, route: str) -> AsyncIterator[str]:
         created, model = int(time.time()), self.config.model_name
         kind = "chat.completion.chunk" if chat else "text_completion"
+        tools = self.tools_of(body)
+        parsers = {c.index: tools.stream() for c in run.choices} if tools is not None else {}
         done = False
         try:
             if chat:
                 for choice in run.choices:
                     yield _sse(_chunk(run.id, kind, created, model, choice.index, chat, role=True))
             async for choice, event in run.events():
-                if event.text or event.finished:
-                    reason = _openai_reason(event.finish_reason) if event.finished else None
-                    if event.finish_reason == "error":
-                        yield _sse({"error": {"message": f"generation failed: {_first_line(event.error)}", "type": "server_error",
-                                              "param": None, "code": None}})
-                        continue
-                    logprobs = self._streamed_logprobs(choice, chat) if body.logprobs_asked() is not None else None
-                    yield _sse(_chunk(run.id, kind, created, model, choice.index, chat, text=event.text, reason=reason,
-                                      logprobs=logprobs))
+                if event.finish_reason == "error":
+                    yield _sse({"error": {"message": f"generation failed: {_first_line(event.error)}", "type": "server_error",
+                                          "param": None, "code": None}})
+                    continue
+                for chunk in self._stream_chunks(run, body, choice, event, parsers.get(choice.index), chat, created, kind):
+                    yield _sse(chunk)
             if include_usage:
                 yield _sse({"id": run.id, "object": kind, "created": created, "model": model, "choices": [],
                             "usage": _usage(run.choices, prompts)})
@@ -455,13 +463,42 @@ class _Server:
             if not done:
                 self.metrics.cancelled.labels(route).inc()
 
+    def _stream_chunks(self, run: "_Run", body, choice: _Choice, event, parser, chat: bool, created: int, kind: str):
+        """The chunks one event of `choice` makes: its text as one chunk, or through the tool-call parser
+        (treeattn.serve.tools.ToolCallStream) as content and tool_calls deltas; the last carries the finish_reason."""
+        if parser is None:
+            if not (event.text or event.finished):
+                return []
+            deltas = [{"content": event.text} if event.text else {}] if chat else [event.text]
+        else:
+            deltas = parser.feed(event.text) + (parser.finish() if event.finished else [])
+            if event.finished and not deltas:
+                deltas = [{}]
+        reason = _openai_reason(event.finish_reason) if event.finished else None
+        if parser is not None and reason == "stop" and parser.made_calls() and parser.tools.choice in ("auto", "required"):
+            reason = "tool_calls"
+        chunks = []
+        for j, delta in enumerate(deltas):
+            last = j == len(deltas) - 1
+            logprobs = self._streamed_logprobs(choice, chat) if body.logprobs_asked() is not None and last else None
+            chunks.append(_chunk(run.id, kind, created, self.config.model_name, choice.index, chat, text=delta if not chat else "",
+                                 delta=delta if chat else None, reason=reason if last else None, logprobs=logprobs))
+        return chunks
+
     def _body(self, run: "_Run", body, prompts, chat: bool) -> dict:
         choices = []
+        tools = self.tools_of(body)
         for c in run.choices:
             reason = _openai_reason(c.finish_reason)
             logprobs = self._logprobs(c, chat) if body.logprobs_asked() is not None else None
             if chat:
-                choices.append({"index": c.index, "message": {"role": "assistant", "content": c.text},
+                message = {"role": "assistant", "content": c.text}
+                if tools is not None:
+                    content, calls = tools.parse(c.text)
+                    if calls:
+                        message = {"role": "assistant", "content": content, "tool_calls": calls}
+                        reason = "tool_calls" if reason == "stop" and tools.choice in ("auto", "required") else reason
+                choices.append({"index": c.index, "message": message,
                                 "logprobs": logprobs, "finish_reason": reason, "token_ids": c.token_ids})
             else:
                 choices.append({"index": c.index, "text": c.text, "logprobs": logprobs, "finish_reason": reason,
@@ -620,9 +657,10 @@ def _usage(choices: list[_Choice], prompts: list[list[int]]) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def _chunk(run_id, kind, created, model, index, chat, *, role=False, text="", reason=None, logprobs=None) -> dict:
+def _chunk(run_id, kind, created, model, index, chat, *, role=False, text="", reason=None, logprobs=None, delta=None) -> dict:
     if chat:
-        delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
+        if delta is None:
+            delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
         choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
     else:
         choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason}

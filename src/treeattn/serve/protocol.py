@@ -13,6 +13,7 @@ Error bodies follow OpenAI's shape:
 
 from __future__ import annotations
 
+import json
 from typing import Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -124,11 +125,18 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: Union[str, list[dict]]
+    content: Union[str, list[dict], None] = None
     name: str | None = None
+    tool_calls: list[dict] | None = None  # an assistant's calls (OpenAI's shape), rendered by templates with tools
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
     def text(self) -> str:
-        """The content as text: a string, or the concatenated text parts of a list."""
+        """The content as text: a string, or the concatenated text parts of a list ("" for an
+        assistant message that carries only tool calls)."""
+        if self.content is None:
+            if self.role == "assistant" and self.tool_calls:
+                return ""
+            raise ValueError(f"a {self.role} message needs 'content' (only an assistant message with tool_calls may omit it)")
         if isinstance(self.content, str):
             return self.content
         parts = []
@@ -142,10 +150,11 @@ class ChatMessage(BaseModel):
         return "".join(parts)
 
     def chars(self) -> int:
-        """The characters of its text (0 for parts that are not text: text() refuses those)."""
-        if isinstance(self.content, str):
-            return len(self.content)
-        return sum(len(p["text"]) for p in self.content if isinstance(p.get("text"), str))
+        """The characters of its text (0 for parts that are not text: text() refuses those) and of its tool calls' JSON."""
+        calls = len(json.dumps(self.tool_calls)) if self.tool_calls else 0
+        if self.content is None or isinstance(self.content, str):
+            return calls + len(self.content or "")
+        return calls + sum(len(p["text"]) for p in self.content if isinstance(p.get("text"), str))
 
 
 class ChatCompletionRequest(_Sampling):

@@ -30,14 +30,21 @@ KINDS = ("json", "json_object", "regex", "choice", "grammar")
 IGNORED = ("disable_any_whitespace", "disable_fallback", "disable_additional_properties")
 
 
-def structured_output(body, engine) -> StructuredOutput | None:
-    """The constraint `body` asks for (its response_format or structured_outputs), checked; None when none."""
+def structured_output(body, engine, tools=None) -> StructuredOutput | None:
+    """The constraint `body` asks for (its response_format or structured_outputs, or the schema its
+    tool_choice forces: tools, a treeattn.serve.tools.ToolRequest), checked; None when none."""
     extra = body.model_extra or {}
     response_format, outputs = extra.get("response_format"), extra.get("structured_outputs")
-    if response_format is not None and outputs is not None:
-        if not (isinstance(response_format, dict) and response_format.get("type") == "text"):
-            raise bad_request("set response_format or structured_outputs, not both", "structured_outputs")
-    if outputs is not None:
+    plain = response_format is None or (isinstance(response_format, dict) and response_format.get("type") == "text")
+    if response_format is not None and outputs is not None and not plain:
+        raise bad_request("set response_format or structured_outputs, not both", "structured_outputs")
+    tool_schema = tools.schema() if tools is not None else None
+    if tool_schema is not None:
+        if outputs is not None or not plain:
+            raise bad_request("tool_choice \"required\" or a named function forces the output: it cannot be combined with "
+                              "response_format or structured_outputs", "tool_choice")
+        kind, value, param = "json", tool_schema, "tools"
+    elif outputs is not None:
         kind, value, param = _from_structured_outputs(outputs)
     elif response_format is not None:
         found = _from_response_format(response_format)

@@ -88,11 +88,12 @@ def add_tokenizer_routes(app: FastAPI, server) -> None:
 def _chat_ids(server, body: TokenizeRequest) -> list[int]:
     """The ids of body.messages through the model's chat template (as /v1/chat/completions encodes them)."""
     from treeattn.models.chat import ChatTemplateError, encode_chat
+    from treeattn.serve.tools import template_messages
 
     if server.chat_template is None:
         raise bad_request("this model has no chat template", "messages")
     try:
-        conversation = [{"role": m.role, "content": m.text()} for m in body.messages]
+        conversation = template_messages(body.messages, server.chat_template)  # tool calls too, as chat renders them
         return encode_chat(server.engine.tokenizer, server.chat_template, conversation)
     except ChatTemplateError as exc:
         raise bad_request(f"the model's chat template ({exc.template_name}): {exc.reason}", "messages") from None
