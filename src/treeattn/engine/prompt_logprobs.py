@@ -47,6 +47,7 @@ PASS_BYTES = 2 << 20
 The reductions read the logits several times (max, exp-sum, compare, top k); over a block of 256
 rows (SmolLM2: 48 MiB) every read comes from memory, over 2 MiB of rows the reads after the first
 come from the cache (benchmarks/prompt_logprobs_reductions.py: docs/engine.md#prompt-log-probabilities).
+On the CPU only: on a GPU a block is reduced in one pass (one kernel launch per reduction, not per row).
 The values are the same bit for bit: each row is reduced alone."""
 
 
@@ -177,7 +178,8 @@ def score_rows(model, hidden: torch.Tensor, targets: torch.Tensor, top: int) -> 
     targets = targets.to(hidden.device)
     for lo in range(0, hidden.shape[0], ROWS_PER_BLOCK):
         logits = model.logits(hidden[lo : lo + ROWS_PER_BLOCK]).float()  # (rows, V): one pass over the LM head
-        step, n = rows_per_pass(logits.shape[1]), logits.shape[0]
+        n = logits.shape[0]
+        step = rows_per_pass(logits.shape[1]) if logits.device.type == "cpu" else n  # a GPU: one launch per block
         for first in range(0, n, step):
             last = min(first + step, n)
             _score_block(logits[first:last], targets[lo + first : lo + last], top, out[lo + first : lo + last])
