@@ -69,6 +69,8 @@ def test_row_blocks_equal_one_log_softmax(monkeypatch):
     hidden, targets = torch.randn(23, 16, generator=_G), torch.randint(0, 300, (23,), generator=_G)
     monkeypatch.setattr(pl, "ROWS_PER_BLOCK", 5)  # 5 blocks, the last short
     packed = pl.score_rows(model, hidden, targets, top=3)
+    monkeypatch.setattr(pl, "PASS_BYTES", 2 * 4 * 300)  # 2 rows a pass: blocks of 5 in passes of 2, 2, 1
+    assert pl.rows_per_pass(300) == 2 and torch.equal(pl.score_rows(model, hidden, targets, top=3), packed)
     logp = torch.log_softmax(model.logits(hidden).double(), dim=-1)
     torch.testing.assert_close(packed[:, 0], logp[torch.arange(23), targets], atol=1e-5, rtol=0)
     torch.testing.assert_close(packed[:, 2:5], logp.topk(3).values, atol=1e-5, rtol=0)

@@ -22,6 +22,7 @@ pytest.importorskip("transformers")
 from helpers.serve import _write_tiny_llama_gguf  # noqa: E402
 from helpers.smollm2 import smollm2_path  # noqa: E402
 
+from treeattn.eval.ruler_cli import join_values  # noqa: E402
 from treeattn.eval.ruler_tasks import MAX_NEW_TOKENS, TASKS, ruler_sample, score  # noqa: E402
 from treeattn.models.loader import read_model_files  # noqa: E402
 
@@ -73,7 +74,7 @@ def _ruler(*args: str) -> subprocess.CompletedProcess:
 
 def test_the_command_gives_identical_tokens_on_1_and_2_ranks(tiny_model, tmp_path):
     out = tmp_path / "ruler.json"
-    run = _ruler(str(tiny_model), "--context", "480", "--tasks", "niah_single,vt", "--samples", "2", "--nproc", "1,2",
+    run = _ruler(str(tiny_model), "--context", "480", "--tasks", "niah_single,vt", "--samples", "2", "--nproc", "1", "2",
                  "--threads", "1", "--output", str(out))
     assert run.returncode == 0, run.stderr[-2000:]
     report = json.loads(out.read_text())
@@ -83,10 +84,24 @@ def test_the_command_gives_identical_tokens_on_1_and_2_ranks(tiny_model, tmp_pat
     assert {(s["nproc"], s["task"]) for s in report["scores"]} == {(p, t) for p in (1, 2) for t in ("niah_single", "vt")}
 
 
+def test_several_values_after_one_flag_comma_lists_and_repeats_read_the_same():
+    """`--nproc 1 2 4`, `--nproc 1,2,4` and `--nproc 1 --nproc 2 --nproc 4` (and mixes) give the same lists."""
+    import doctest
+
+    from treeattn.eval import ruler_cli
+
+    assert doctest.testmod(ruler_cli).failed == 0
+    assert join_values(["m", "--nproc", "1", "2", "4", "--context", "4096", "8192"]) == ["m", "--nproc", "1,2,4", "--context", "4096,8192"]
+    assert join_values(["--nproc", "1,2", "4", "m", "--nproc", "8"]) == ["--nproc", "1,2,4", "m", "--nproc", "8"]
+    assert join_values(["--context", "4k", "2"]) == ["--context", "4k", "2"]  # not integers: left to the option's check
+    assert join_values(["--threads", "1", "2", "--", "--nproc", "3", "4"]) == ["--threads", "1", "2", "--", "--nproc", "3", "4"]
+    assert ruler_cli._ints(["1,2,4"], "--nproc") == ruler_cli._ints(["1", "2", "4"], "--nproc") == [1, 2, 4]
+
+
 @pytest.mark.parametrize("args, message", [
     (["--tasks", "niah"], "--tasks: expected some of"),
     (["--nproc", "0"], "--nproc: expected integers >= 1"),
-    (["--context", "4k"], "--context: expected comma-separated integers"),
+    (["--context", "4k"], "--context: expected integers (space- or comma-separated)"),
     (["--context", "100000"], "--context: 100000 is beyond the model's context window of 512"),
 ])
 def test_bad_arguments_are_one_line_naming_the_option(tiny_model, args, message):

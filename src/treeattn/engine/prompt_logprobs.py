@@ -15,7 +15,8 @@ prompt is a prompt x vocabulary matrix (8K x 262,144 float32 for Gemma 3: 8 GiB)
 materialized: the rows are taken ROWS_PER_BLOCK at a time, and for each block one matrix product
 gives its logits (ROWS_PER_BLOCK x V), from which the log-softmax at the target
 (logit - logsumexp, float32 as the generated tokens' logprobs, runner.token_logprobs), the target's
-rank and the top k are kept: 2 + 2k numbers a row.
+rank and the top k are kept: 2 + 2k numbers a row. Those reductions run a few rows at a time
+(rows_per_pass: 2 MiB of logits), so that they read the block's logits from the cache, not memory.
 
 Across ranks the rows are split, not the vocabulary: in a token-parallel or ring prefill step each
 rank already holds the final hidden states of its own rows, so it scores those (no hidden state
@@ -40,6 +41,24 @@ from treeattn.engine.token_parallel import gather_slices, row_bounds
 ROWS_PER_BLOCK = 256
 """Prompt rows whose logits are computed at once: a block holds ROWS_PER_BLOCK x vocab_size float32
 logits (Gemma 3: 256 MiB; SmolLM2: 48 MiB)."""
+
+PASS_BYTES = 2 << 20
+"""Logits whose log-softmax, rank and top k are taken together: rows_per_pass(V) rows of a block.
+The reductions read the logits several times (max, exp-sum, compare, top k); over a block of 256
+rows (SmolLM2: 48 MiB) every read comes from memory, over 2 MiB of rows the reads after the first
+come from the cache (benchmarks/prompt_logprobs_reductions.py: docs/engine.md#prompt-log-probabilities).
+On the CPU only: on a GPU a block is reduced in one pass (one kernel launch per reduction, not per row).
+The values are the same bit for bit: each row is reduced alone."""
+
+
+def rows_per_pass(vocab_size: int) -> int:
+    """Rows whose logits fill PASS_BYTES (at least 1): SmolLM2's 49,152 tokens 10, Gemma 3's 262,144 2.
+
+    >>> from treeattn.engine.prompt_logprobs import rows_per_pass
+    >>> rows_per_pass(49152), rows_per_pass(262144), rows_per_pass(10**7)
+    (10, 2, 1)
+    """
+    return max(1, PASS_BYTES // (4 * vocab_size))
 
 
 @dataclass(frozen=True)
@@ -158,14 +177,23 @@ def score_rows(model, hidden: torch.Tensor, targets: torch.Tensor, top: int) -> 
     out = torch.empty(hidden.shape[0], 2 + 2 * top, dtype=torch.float64, device=hidden.device)
     targets = targets.to(hidden.device)
     for lo in range(0, hidden.shape[0], ROWS_PER_BLOCK):
-        hi = min(lo + ROWS_PER_BLOCK, hidden.shape[0])
-        logits = model.logits(hidden[lo:hi]).float()  # (rows, V)
-        lse = torch.logsumexp(logits, dim=-1)
-        chosen = logits.gather(1, targets[lo:hi, None])  # (rows, 1)
-        out[lo:hi, 0] = chosen.squeeze(1) - lse
-        out[lo:hi, 1] = (logits > chosen).sum(dim=-1) + 1
-        if top:
-            values, ids = logits.topk(top, dim=-1)
-            out[lo:hi, 2 : 2 + top] = values - lse[:, None]
-            out[lo:hi, 2 + top :] = ids
+        logits = model.logits(hidden[lo : lo + ROWS_PER_BLOCK]).float()  # (rows, V): one pass over the LM head
+        n = logits.shape[0]
+        step = rows_per_pass(logits.shape[1]) if logits.device.type == "cpu" else n  # a GPU: one launch per block
+        for first in range(0, n, step):
+            last = min(first + step, n)
+            _score_block(logits[first:last], targets[lo + first : lo + last], top, out[lo + first : lo + last])
     return out
+
+
+def _score_block(logits: torch.Tensor, targets: torch.Tensor, top: int, out: torch.Tensor) -> None:
+    """score_rows' values for a few rows' logits (rows_per_pass(V) x V: small enough that the reads after
+    the first come from the cache), written into `out`."""
+    lse = torch.logsumexp(logits, dim=-1)
+    chosen = logits.gather(1, targets[:, None])  # (rows, 1)
+    out[:, 0] = chosen.squeeze(1) - lse
+    out[:, 1] = (logits > chosen).sum(dim=-1) + 1
+    if top:
+        values, ids = logits.topk(top, dim=-1)
+        out[:, 2 : 2 + top] = values - lse[:, None]
+        out[:, 2 + top :] = ids

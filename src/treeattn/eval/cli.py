@@ -131,8 +131,8 @@ class _nothing:
         return None
 
 
-from treeattn.eval.ruler_cli import ruler_command  # noqa: E402
+from treeattn.eval.ruler_cli import RulerCommand, ruler_command  # noqa: E402
 
-eval_app.command("ruler")(ruler_command)
+eval_app.command("ruler", cls=RulerCommand)(ruler_command)
 
 __all__ = ["eval_app", "needle_command", "ruler_command"]

@@ -1,4 +1,4 @@
-"""RULER through the engine on several rank counts: `treeattn eval ruler MODEL --context 4096 --nproc 1,2,4`.
+"""RULER through the engine on several rank counts: `treeattn eval ruler MODEL --context 4096 --nproc 1 2 4`.
 
     report = run_ruler("model.gguf", tasks=TASKS, contexts=[4096], samples=4, nprocs=[1, 2])
     report.scores()          # {(p, task, context): mean RULER score}

@@ -1,7 +1,12 @@
 """`treeattn eval ruler MODEL`: RULER's synthetic tasks on 1, 2, 4 ... ranks, the outputs compared.
 
-    treeattn eval ruler model.gguf --context 4096 --samples 4 --nproc 1,2
+    treeattn eval ruler model.gguf --context 4096 --samples 4 --nproc 1 2 4
     treeattn eval ruler model.gguf --context 4096,8192 --tasks niah_single,vt --nproc 1 --nproc 2 --json
+
+--context and --nproc take several values in any of three spellings, mixed freely: space-separated
+after one flag (`--nproc 1 2 4`), comma-separated (`--nproc 1,2,4`) or the flag repeated
+(`--nproc 1 --nproc 2 --nproc 4`). Click options take one value each, so the command's class
+(RulerCommand) joins the integers that follow such a flag into its comma list before click parses.
 
 The table (score per task and context for each rank count, and seconds per sample) goes to stderr
 (stdout without --json); the exit status is 1 when a sample's greedy tokens differ between rank
@@ -11,6 +16,7 @@ counts (they must not: attention is exact).
 from __future__ import annotations
 
 import json
+import re
 import sys
 import time
 from pathlib import Path
@@ -18,6 +24,7 @@ from pathlib import Path
 import typer
 from rich.console import Console
 from rich.table import Table
+from typer.core import TyperCommand
 
 from treeattn.engine.config import DEFAULT_METHOD
 from treeattn.engine.config import EngineConfig as E
@@ -26,11 +33,44 @@ from treeattn.engine.flags import Method, cli_message, config_flag
 stderr = Console(stderr=True)
 
 
+_INTS = re.compile(r"[0-9][0-9,]*")
+MULTI_VALUE_OPTIONS = ("--context", "--nproc")
+
+
+def join_values(args: list[str], options=MULTI_VALUE_OPTIONS) -> list[str]:
+    """The command line with the integers that follow one of `options`' values joined to it by commas.
+
+    >>> join_values(["m.gguf", "--nproc", "1", "2", "4", "--context", "4096", "8192", "--samples", "2"])
+    ['m.gguf', '--nproc', '1,2,4', '--context', '4096,8192', '--samples', '2']
+    >>> join_values(["--nproc=1", "2", "m.gguf", "--samples", "3", "4"])  # --samples takes one: 4 stays
+    ['--nproc=1,2', 'm.gguf', '--samples', '3', '4']
+    """
+    out: list[str] = []
+    open_ = False  # the last word was a value of one of `options`
+    for i, word in enumerate(args):
+        if word == "--":
+            return out + args[i:]
+        if open_ and _INTS.fullmatch(word):
+            out[-1] += "," + word
+            continue
+        name, eq, value = word.partition("=")
+        open_ = bool(_INTS.fullmatch(word) and out and out[-1] in options) or bool(eq and name in options and _INTS.fullmatch(value))
+        out.append(word)
+    return out
+
+
+class RulerCommand(TyperCommand):
+    """`--nproc 1 2 4`: the words after --context / --nproc that are integers are that option's values."""
+
+    def parse_args(self, ctx, args: list[str]) -> list[str]:
+        return super().parse_args(ctx, join_values(list(args)))
+
+
 def _ints(values: list[str], option: str) -> list[int]:
     try:
         out = [int(x) for v in values for x in v.split(",") if x.strip()]
     except ValueError as exc:
-        raise ValueError(f"{option}: expected comma-separated integers, got {values!r}") from exc
+        raise ValueError(f"{option}: expected integers (space- or comma-separated), got {values!r}") from exc
     if not out or any(n < 1 for n in out):
         raise ValueError(f"{option}: expected integers >= 1, got {values!r}")
     return out
@@ -38,11 +78,11 @@ def _ints(values: list[str], option: str) -> list[int]:
 
 def ruler_command(
     model: Path = typer.Argument(..., help="Hugging Face model directory or .gguf file with a tokenizer."),
-    context: list[str] = typer.Option(["4096"], "--context", metavar="N[,N...]", help="Context lengths in tokens (comma-separated or repeated)."),
+    context: list[str] = typer.Option(["4096"], "--context", metavar="N [N...]", help="Context lengths in tokens (space- or comma-separated, or repeated)."),
     tasks: str = typer.Option(",".join(("niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery", "vt", "cwe")),
                               "--tasks", metavar="TASK[,TASK...]", help="RULER tasks, comma-separated."),
     samples: int = typer.Option(4, "--samples", min=1, help="Samples per task and context."),
-    nproc: list[str] = typer.Option(["1", "2"], "--nproc", metavar="P[,P...]", help="Rank counts to run and compare (comma-separated or repeated)."),
+    nproc: list[str] = typer.Option(["1", "2"], "--nproc", metavar="P [P...]", help="Rank counts to run and compare (space- or comma-separated, or repeated)."),
     method: Method | None = config_flag(E, "method"),
     seed: int = typer.Option(0, "--seed", min=0, help="Seed of the generated samples."),
     threads: int | None = config_flag(E, "threads_per_rank", flag="--threads", min=1),
@@ -112,4 +152,4 @@ def _table(report) -> Table:
     return table
 
 
-__all__ = ["ruler_command"]
+__all__ = ["MULTI_VALUE_OPTIONS", "RulerCommand", "join_values", "ruler_command"]
