@@ -57,7 +57,7 @@ def run_transformers(gguf: Path, context: int, new_tokens: int) -> dict:
 
 
 def rank_main(rank: int, world_size: int, gguf: str, context: int, new_tokens: int, weight_format: str) -> dict:
-    from treeattn.engine import batch as engine_batch
+    from treeattn.engine.worker import batch as engine_batch
 
     kernel_takes, used = engine_batch.kernel_takes, []
 

@@ -24,7 +24,7 @@ import torch
 from treeattn.bench import harness
 from treeattn.cache.blocks import BlockRef
 from treeattn.cache.paged import PagedKVCache
-from treeattn.engine import batch as engine_batch
+from treeattn.engine.worker import batch as engine_batch
 from treeattn.engine.scheduler import Chunk, StepPlan
 from treeattn.models.attention import LocalAttention
 

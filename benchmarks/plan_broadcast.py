@@ -35,7 +35,8 @@ import torch
 import torch.distributed as dist
 
 import treeattn as ta
-from treeattn.engine import plan_message, rank as rank_module, transport
+from treeattn.engine import plan_message, transport
+from treeattn.engine.worker import rank as rank_module
 from treeattn.parallel import spawn
 
 QUESTION_TOKENS = 16

@@ -5,7 +5,7 @@
 One block of logits (rows x vocab, float32, from a random hidden state and LM head of SmolLM2's shape
 by default), then, alternately in each round: the block's matrix product, the log-softmax at the
 targets, the ranks and the top k over the whole block at once (as before), and the same reductions
-rows_per_pass(V) rows at a time, or --rows-per-pass (treeattn.engine.prompt_logprobs.score_rows). Checks that both give the
+rows_per_pass(V) rows at a time, or --rows-per-pass (treeattn.engine.worker.prompt_logprobs.score_rows). Checks that both give the
 same values bit for bit; prints one JSON object with the milliseconds of each round and the load average.
 """
 
@@ -18,7 +18,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from treeattn.engine.prompt_logprobs import _score_block, rows_per_pass
+from treeattn.engine.worker.prompt_logprobs import _score_block, rows_per_pass
 
 
 def whole(logits: torch.Tensor, targets: torch.Tensor, top: int) -> torch.Tensor:

@@ -159,7 +159,7 @@ def test_bench_plot_refuses_bad_files_in_one_line(tmp_path, content, expected):
 def test_plots_and_csv_leave_failed_cases_out(tmp_path):
     ok = {"method": "tree", "gpus": 2, "seq_len": 64, "median_seconds": 1e-3, "bytes": 8, "peak_memory_bytes": 2**20}
     records = [ok, {**ok, "seq_len": 128}, {"method": "tree", "gpus": 2, "seq_len": 256, "error": "SpawnError: rank 0: boom"}]
-    from treeattn.bench.plots import make_figures
+    from treeattn.sim.plots import make_figures
 
     paths = make_figures(records, tmp_path, "t", "median_seconds", "title")
     assert all(p.exists() for p in paths) and len(paths) == 3  # latency, memory, comm

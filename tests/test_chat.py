@@ -22,7 +22,7 @@ from helpers.gguf_models import hf_model  # noqa: E402
 from typer.testing import CliRunner  # noqa: E402
 
 from treeattn.cli import app  # noqa: E402
-from treeattn.engine.chat import Conversation  # noqa: E402
+from treeattn.commands.chat import Conversation  # noqa: E402
 from treeattn.models.loader import read_model_files  # noqa: E402
 
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")  # colours and cursor control, the terminal's business
@@ -188,7 +188,7 @@ def test_kv_cache_dtype_and_weight_format_flags_reach_the_engine(tiny, monkeypat
 def test_sampling_comes_from_a_flag_then_the_checkpoint_then_the_chat_defaults(tiny, tmp_path):
     """chat_sampling: the tiny GGUF ships no general.sampling.* keys (chat defaults); a directory's
     generation_config.json gives its values; a flag given wins over both."""
-    from treeattn.engine.chat import CHAT_SAMPLING, chat_sampling
+    from treeattn.commands.chat import CHAT_SAMPLING, chat_sampling
 
     values, sources = chat_sampling(tiny)
     assert values == CHAT_SAMPLING and set(sources.values()) == {"chat default"}

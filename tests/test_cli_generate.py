@@ -99,7 +99,7 @@ def test_stop_strings_stream_the_text_holding_back_a_possible_start(checkpoint, 
     """With --stop the answer still streams to stdout token by token; the word that could begin the
     stop string is held back (it is written neither when it comes nor after, since the stop string
     completes), so stdout gets exactly the engine's text, cut before the stop string."""
-    import treeattn.engine.console as console
+    import treeattn.commands.console as console
 
     i = next(i for i in range(2, 5) if expected[i] not in expected[:i])  # a word the text has not had yet
     stop = f"w{expected[i]} w{expected[i + 1]}"
@@ -307,7 +307,7 @@ def test_binary_prompt_file_is_named(checkpoint, tmp_path):
 
 def test_ranks_beyond_the_memory_are_refused_and_beyond_the_cores_warned(checkpoint, ids_file, monkeypatch, capsys):
     from treeattn.engine import memory
-    from treeattn.engine.cli import _check_before_spawning
+    from treeattn.commands.generate import _check_before_spawning
     from treeattn.engine.config import EngineConfig
     from treeattn.engine.request import SamplingParams
 

@@ -1,4 +1,4 @@
-"""One vocabulary across the commands (treeattn.cli, treeattn.engine.flags); no command runs here.
+"""One vocabulary across the commands (treeattn.cli, treeattn.commands.flags); no command runs here.
 
 - every option of every command has help, and bool flags show no type;
 - one name per concept: no visible --world-size, --gpus, --new-tokens, --capacity, -p; the
@@ -17,7 +17,7 @@ from typer.testing import CliRunner
 from treeattn.cli import ALIASES, app, rewrite_aliases
 from treeattn.engine.config import EngineConfig
 from treeattn.engine.request import SamplingParams
-from treeattn.engine.flags import DTYPES, config_flag, field_help
+from treeattn.commands.flags import DTYPES, config_flag, field_help
 
 runner = CliRunner()
 
@@ -110,7 +110,7 @@ def field_flags() -> dict[str, dict[str, list[str]]]:
     """EngineConfig / SamplingParams field -> {visible flag: the commands that use it}, over every
     command: an option is a field's when its parameter is named after the field or its flag is the
     field's (flags.flag_of)."""
-    from treeattn.engine.flags import flag_of
+    from treeattn.commands.flags import flag_of
 
     fields = [f.name for cls in (EngineConfig, SamplingParams) for f in dataclasses.fields(cls)]
     found: dict[str, dict[str, list[str]]] = {}
@@ -126,7 +126,7 @@ def field_flags() -> dict[str, dict[str, list[str]]]:
 def test_one_flag_per_configuration_field_in_every_command():
     """No two names for one concept: every command that sets a field of EngineConfig or
     SamplingParams spells it as flags.flag_of(field) and nothing else."""
-    from treeattn.engine.flags import flag_of
+    from treeattn.commands.flags import flag_of
 
     found = field_flags()
     assert {"nproc", "max_new_tokens", "device", "threads_per_rank", "placement", "dtype"} <= set(found)

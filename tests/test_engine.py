@@ -22,7 +22,8 @@ import torch.distributed as dist
 from helpers.letters import LetterTokenizer
 
 import treeattn as ta
-from treeattn.engine import batch, EngineError, SamplingParams
+from treeattn.engine.worker import batch
+from treeattn.engine import EngineError, SamplingParams
 from treeattn.models.llama import LlamaConfig, random_model
 from treeattn.parallel import spawn
 
@@ -92,7 +93,7 @@ def _engine_cases(rank: int, world_size: int) -> list[dict]:
     for case, (p, options) in enumerate(CASES):
         if rank >= p:
             continue
-        # Half the cases read every shard run by run (no copy), half gather it (treeattn.engine.runner).
+        # Half the cases read every shard run by run (no copy), half gather it (treeattn.engine.worker.runner).
         batch.COPY_FREE_MIN_KEYS = 0 if case % 2 else 1 << 40
         with ta.Engine(model, group=groups[p], timeout_s=60, **options) as engine:
             if not engine.is_driver:
@@ -373,7 +374,7 @@ def test_non_finite_logits_fail_that_request_alone(engine, references):
 
 
 def test_the_finiteness_check_catches_nan_and_both_infinities_anywhere():
-    from treeattn.engine.runner import all_finite
+    from treeattn.engine.worker.runner import all_finite
 
     logits = torch.randn(3, 1000, generator=torch.Generator().manual_seed(0))
     logits[1, 7] = 3.0e38  # large but finite

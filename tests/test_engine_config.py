@@ -16,7 +16,7 @@ from treeattn.engine.config import ConfigError, ConfigTypeError, EngineConfig
 from treeattn.engine.generate import RENAMED, batch_config, check_generation, split_options
 from treeattn.engine.memory import kv_cache_bytes_per_rank
 from treeattn.engine.request import SamplingParams
-from treeattn.engine.ring_prefill import resolve_prefill
+from treeattn.engine.config import resolve_prefill
 from treeattn.models.llama import LlamaConfig, random_model
 
 MODEL = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,

@@ -1,4 +1,4 @@
-"""Speculative decoding with a draft model in ta.Engine (speculate="draft", treeattn.engine.draft).
+"""Speculative decoding with a draft model in ta.Engine (speculate="draft", treeattn.engine.worker.draft).
 
 - Greedy tokens with a draft model equal each request alone without speculation (ta.generate, whose
   tokens are checked against an uncached recomputation) on p = 1, 2, 3 ranks (sub-groups of one
@@ -26,8 +26,9 @@ import treeattn as ta
 from helpers.speculate_engine import BLOCK, CONFIG, PLENTY, REQUESTS as ALL_REQUESTS, SAMPLED, TIGHT, _greedy_alone, _uncached
 from treeattn.cache.blocks import ShardedBlockPool
 from treeattn.cache.prefix import PrefixCache
-from treeattn.engine import batch, SamplingParams, token_parallel
-from treeattn.engine.draft import DraftSlots
+from treeattn.engine.worker import batch, token_parallel
+from treeattn.engine import SamplingParams
+from treeattn.engine.speculate import DraftSlots
 from treeattn.engine.scheduler import Scheduler
 from treeattn.engine.config import ConfigError
 from treeattn.models.llama import LlamaConfig, random_model

@@ -76,7 +76,7 @@ def test_an_exception_while_sampling_one_request_fails_that_request_alone(engine
     """Sampling runs on rank 0 after the step's last collective: a request whose sampling raises
     (here: a seed that a patched sampler refuses) finishes with "error" naming the exception, the
     requests batched with it finish normally, and the engine serves on."""
-    from treeattn.engine import sampling
+    from treeattn.engine.worker import sampling
 
     real = sampling.sample
 

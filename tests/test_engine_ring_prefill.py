@@ -1,4 +1,4 @@
-"""Ring prefill steps in the engine (treeattn.engine.ring_prefill): a step of prompt chunks only is
+"""Ring prefill steps in the engine (treeattn.engine.worker.ring_prefill): a step of prompt chunks only is
 spread over the ranks in zigzag pieces; attention is local over the step's gathered keys plus a ring
 over each sequence's cached prefix.
 
@@ -23,11 +23,13 @@ import torch
 import torch.distributed as dist
 
 import treeattn as ta
-from treeattn.engine import EngineConfig, SamplingParams, runner, token_parallel
+from treeattn.engine import EngineConfig, SamplingParams
+from treeattn.engine.worker import runner, token_parallel
 from treeattn.engine.config import ConfigError
 from treeattn.cache.blocks import ShardedBlockPool
-from treeattn.engine import ring_prefill
-from treeattn.engine.ring_prefill import idle_prefill_chunk, resolve_prefill, zigzag_pieces
+from treeattn.engine import config as engine_config
+from treeattn.engine.config import idle_prefill_chunk, resolve_prefill
+from treeattn.engine.worker.ring_prefill import zigzag_pieces
 from treeattn.engine.scheduler import Scheduler
 from treeattn.models.llama import random_model
 from treeattn.parallel import spawn
@@ -84,7 +86,7 @@ def _run(engine, waves) -> dict:
 def _cases(rank: int, world_size: int) -> list[dict]:
     torch.set_num_threads(1)
     token_parallel.SPLIT_MIN_TOKENS_PER_RANK = SPLIT_MIN
-    ring_prefill.RING_ROWS_PER_RANK = IDLE_ROWS_PER_RANK
+    engine_config.RING_ROWS_PER_RANK = IDLE_ROWS_PER_RANK
     model, window_model = _model(), _window_model()
     log = _record_steps(model)
     window_log = _record_steps(window_model)
@@ -185,7 +187,7 @@ def test_prompt_steps_are_larger_while_nothing_decodes():
         if len(steps) == 2:  # `first` decodes from now on: prompt chunks are prefill_chunk again
             scheduler.add(list(range(20)), SamplingParams(max_new_tokens=4), frozenset())
     assert steps == [[32], [8], [1, 8]] and first.generated == [1, 1]
-    assert idle_prefill_chunk("auto", 3, (None,)) == 3 * ring_prefill.RING_ROWS_PER_RANK
+    assert idle_prefill_chunk("auto", 3, (None,)) == 3 * engine_config.RING_ROWS_PER_RANK
     assert idle_prefill_chunk("split", 3, (None,)) is None and idle_prefill_chunk("auto", 2, (8,)) is None
 
 

@@ -1,4 +1,4 @@
-"""Shared-prefix decode attention in the engine (treeattn.engine.shared_prefix): decoding sequences
+"""Shared-prefix decode attention in the engine (treeattn.engine.worker.shared_prefix): decoding sequences
 that share blocks read them once per step, with the same tokens as reading them per sequence and
 as each request alone.
 
@@ -21,7 +21,8 @@ import treeattn as ta
 from helpers.token_parallel import CONFIG, _uncached_greedy
 from treeattn.cache.blocks import BlockRef
 from treeattn.cache.paged import PagedKVCache
-from treeattn.engine import batch as engine_batch, SamplingParams, shared_prefix
+from treeattn.engine.worker import batch as engine_batch, shared_prefix
+from treeattn.engine import SamplingParams
 from treeattn.engine.scheduler import Chunk, StepPlan
 from treeattn.models.attention import LocalAttention
 from treeattn.models.llama import random_model

@@ -24,7 +24,8 @@ from hypothesis import given, settings, strategies as st
 import treeattn as ta
 from treeattn.cache.blocks import ShardedBlockPool, tokens_to_blocks
 from treeattn.cache.prefix import PrefixCache
-from treeattn.engine import batch, SamplingParams
+from treeattn.engine.worker import batch
+from treeattn.engine import SamplingParams
 from treeattn.engine.scheduler import Scheduler
 from treeattn.parallel import spawn
 from treeattn.engine.speculate import NgramDrafter

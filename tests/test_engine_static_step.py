@@ -1,4 +1,4 @@
-"""The engine's static decode step (decode_step="static" / "graph", treeattn.engine.static_step).
+"""The engine's static decode step (decode_step="static" / "graph", treeattn.engine.worker.static_step).
 
 On the CPU:
 - greedy tokens with static decode steps equal each request alone (ta.generate, whose tokens are
@@ -31,10 +31,10 @@ from helpers.speculate_engine import BLOCK, CONFIG, PLENTY, REQUESTS, SAMPLED, T
 from treeattn.cache.blocks import BlockRef
 from treeattn.engine import SamplingParams
 from treeattn.engine.config import ConfigError
-from treeattn.engine.batch import PagedBatch
-from treeattn.engine.runner import RankRunner
+from treeattn.engine.worker.batch import PagedBatch
+from treeattn.engine.worker.runner import RankRunner
 from treeattn.engine.scheduler import Chunk, StepPlan
-from treeattn.engine.static_step import StaticDecodeStep, StaticShape, batch_buckets, width_bucket
+from treeattn.engine.worker.static_step import StaticDecodeStep, StaticShape, batch_buckets, width_bucket
 from treeattn.parallel import spawn
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one torch thread (conftest.py)

@@ -1,4 +1,4 @@
-"""Tensor parallelism beside the sharded KV cache (EngineConfig.tp, the Helix layout: treeattn.engine.tensor_parallel).
+"""Tensor parallelism beside the sharded KV cache (EngineConfig.tp, the Helix layout: treeattn.engine.worker.tensor_parallel).
 
 Greedy tokens of tiny random checkpoints (Llama with biases and Llama 3 rope scaling, Qwen2 with qkv
 biases and tied embeddings, Mistral's sliding window, Gemma 3's hybrid cache and single KV head,
@@ -17,7 +17,7 @@ import torch
 import treeattn as ta
 from treeattn.engine.config import EngineConfig
 from treeattn.engine.errors import ConfigError
-from treeattn.engine.tensor_parallel import HelixLayout, check_tensor_parallel, local_heads, split_bounds, tensor_parallel_cuts
+from treeattn.engine.worker.tensor_parallel import HelixLayout, check_tensor_parallel, local_heads, split_bounds, tensor_parallel_cuts
 from treeattn.models.llama import random_model
 from treeattn.models.packed import weight_bytes
 from treeattn.models.shards import Cut
@@ -177,7 +177,7 @@ def test_collectives_per_step_and_weight_bytes(tp):
 
 def _row_parallel(rank: int, world_size: int, seed: int) -> tuple:
     """A model's o_proj/MLP/embedding through the layout's collectives against float64 on one process."""
-    from treeattn.engine.tensor_parallel import connect, shard_model
+    from treeattn.engine.worker.tensor_parallel import connect, shard_model
 
     torch.set_num_threads(1)
     config = ta.LlamaConfig(vocab_size=50, hidden_size=64, intermediate_size=96, num_layers=1, num_heads=4, num_kv_heads=2,
@@ -264,7 +264,7 @@ def q8_gguf_tied(tmp_path_factory):
 
 def _packed_run(rank: int, world_size: int, path, tp) -> tuple:
     torch.set_num_threads(1)
-    from treeattn.engine.generate_rank import GenerateJob, generate_rank
+    from treeattn.commands.generate_rank import GenerateJob, generate_rank
     from treeattn.engine.request import SamplingParams
 
     config = EngineConfig(nproc=world_size, tp=tp, block_size=4, weight_format="packed", max_context=64)
@@ -296,7 +296,7 @@ def test_packed_split_off_block_boundaries_is_refused_before_ranks_start(q8_gguf
 def test_docstring_examples_of_the_layout_modules():
     import doctest
 
-    from treeattn.engine import tensor_parallel
+    from treeattn.engine.worker import tensor_parallel
     from treeattn.models import shards
 
     for module in (tensor_parallel, shards):

@@ -1,4 +1,4 @@
-"""Token-parallel steps in the engine (treeattn.engine.token_parallel): a step of enough tokens is
+"""Token-parallel steps in the engine (treeattn.engine.worker.token_parallel): a step of enough tokens is
 cut into p slices and rank r runs only its slice through the model; attention gathers the slices'
 queries and keys and combines across the ranks.
 
@@ -19,7 +19,8 @@ import torch
 import torch.distributed as dist
 
 import treeattn as ta
-from treeattn.engine import batch, runner, SamplingParams, token_parallel
+from treeattn.engine.worker import batch, runner, token_parallel
+from treeattn.engine import SamplingParams
 from treeattn.parallel import spawn
 from helpers.token_parallel import SPLIT_MIN, OPTIONS, _model, REQUESTS, _uncached_greedy  # noqa: E402
 
@@ -140,7 +141,7 @@ def _mla_engine(rank: int, world_size: int, checkpoint: str, prompts: list[list[
     torch.set_num_threads(1)
     token_parallel.SPLIT_MIN_TOKENS_PER_RANK = 1
     out = {}
-    for prefill in ("split", "ring"):  # prompt-only steps token-parallel, then as ring steps (treeattn.engine.ring_prefill)
+    for prefill in ("split", "ring"):  # prompt-only steps token-parallel, then as ring steps (treeattn.engine.worker.ring_prefill)
         with ta.Engine(checkpoint, decode="tree", placement="interleaved", block_size=4, cache_tokens=128, prefill=prefill,
                        timeout_s=60) as engine:
             if engine.is_driver:

@@ -1,4 +1,4 @@
-"""The output projection split over CPU ranks by vocabulary (engine.runner: VOCAB_SPLIT_MIN_WEIGHTS).
+"""The output projection split over CPU ranks by vocabulary (engine.worker.runner: VOCAB_SPLIT_MIN_WEIGHTS).
 
 A model whose vocab_size x hidden_size reaches the threshold has each of 2 real gloo ranks compute
 the logits of its half of the vocabulary, all-gathered to rank 0: the tokens (greedy and sampled, a
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import treeattn as ta
-from treeattn.engine.runner import VOCAB_SPLIT_MIN_WEIGHTS
+from treeattn.engine.worker.runner import VOCAB_SPLIT_MIN_WEIGHTS
 from treeattn.models.llama import random_model
 
 HIDDEN = 64
@@ -31,7 +31,7 @@ def _prompts(vocab: int) -> list[list[int]]:
 
 
 def _generate(rank: int, world_size: int, vocab: int, split: bool = True) -> dict:
-    from treeattn.engine import runner
+    from treeattn.engine.worker import runner
 
     torch.set_num_threads(1)
     if not split:  # this process's ranks project on rank 0 alone, as below the threshold
@@ -64,14 +64,14 @@ def test_split_projection_gives_the_one_process_tokens_and_logprobs(vocab):
 
 
 def test_below_the_threshold_rank_zero_projects_alone():
-    from treeattn.engine import runner
+    from treeattn.engine.worker import runner
 
     assert runner.VOCAB_SPLIT_MIN_WEIGHTS == 1 << 22
     assert 4096 * 128 < runner.VOCAB_SPLIT_MIN_WEIGHTS  # the demo's model: no split, no extra round
 
 
 def _gather_route(rank: int, world_size: int, vocab: int) -> tuple[str, bool]:
-    from treeattn.engine.runner import RankRunner
+    from treeattn.engine.worker.runner import RankRunner
 
     torch.set_num_threads(1)
     runner = RankRunner(random_model(_config(vocab), seed=5), group=None, blocks_per_rank=4, block_size=8, decode="tree",

@@ -13,7 +13,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import pytest  # noqa: E402
 
-from treeattn.bench.plots import METHOD_STYLE, TREE_METHODS, per_method_figure, speedup_figure  # noqa: E402
+from treeattn.sim.plots import METHOD_STYLE, TREE_METHODS, per_method_figure, speedup_figure  # noqa: E402
 from treeattn.eval.needle import NeedleCell, NeedleReport, heatmap, heatmap_figure  # noqa: E402
 from treeattn.sim import DecodeShape, load_cluster, predict_decode  # noqa: E402
 

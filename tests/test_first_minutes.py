@@ -58,7 +58,7 @@ def test_more_cuda_ranks_than_gpus_is_refused_in_flag_words(monkeypatch):
 
     from treeattn.engine.device import check_gpus
     from treeattn.engine.errors import ConfigError
-    from treeattn.engine.flags import cli_message
+    from treeattn.commands.flags import cli_message
 
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     with pytest.raises(ConfigError) as refused:

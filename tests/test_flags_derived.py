@@ -11,7 +11,7 @@ import typer
 from typer.testing import CliRunner
 
 from treeattn.engine.config import EngineConfig
-from treeattn.engine.flags import FLAG_TYPES, config_options, field_help
+from treeattn.commands.flags import FLAG_TYPES, config_options, field_help
 from treeattn.engine.request import SamplingParams
 
 
@@ -38,8 +38,8 @@ def _options(command) -> dict:
 
 
 def test_generate_serve_and_chat_take_their_engine_flags_from_the_fields():
-    from treeattn.engine.chat import CHAT_ENGINE_FLAGS, chat_command
-    from treeattn.engine.cli import ENGINE_FLAGS, SAMPLING_FLAGS, generate_command
+    from treeattn.commands.chat import CHAT_ENGINE_FLAGS, chat_command
+    from treeattn.commands.generate import ENGINE_FLAGS, SAMPLING_FLAGS, generate_command
     from treeattn.serve.cli import SERVE_ENGINE_FLAGS, serve_command
 
     engine_fields = {f.name: f for f in dataclasses.fields(EngineConfig)}

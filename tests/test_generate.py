@@ -22,7 +22,7 @@ from helpers.llama_checkpoints import ARCHS, VOCAB, make_checkpoint  # noqa: E40
 
 from treeattn.engine.generate import NonFiniteLogitsError, generate, stream  # noqa: E402
 from treeattn.engine.request import SamplingParams  # noqa: E402
-from treeattn.engine.sampling import sample  # noqa: E402
+from treeattn.engine.worker.sampling import sample  # noqa: E402
 from treeattn.models import load_model  # noqa: E402
 from treeattn.parallel import SpawnError, spawn  # noqa: E402
 

@@ -321,9 +321,9 @@ def test_a_converted_copy_loads_the_same_model_without_reading_the_file(models, 
 def test_a_load_without_the_tokenizer_has_the_same_weights_and_writes_no_copy(models, tmp_path, monkeypatch):
     """with_tokenizer=False (the engine's ranks: they run token ids) skips building the tokenizer and
     the template and gives the same weights; with the cache on it writes no copy, which would lack
-    them; a rank's load (treeattn.engine.rank.load_model) is such a load."""
+    them; a rank's load (treeattn.engine.worker.rank.load_model) is such a load."""
     import treeattn.models.gguf_tokenizer as gguf_tokenizer
-    from treeattn.engine.rank import load_model as rank_load_model
+    from treeattn.engine.worker.rank import load_model as rank_load_model
 
     path = tmp_path / "tiny.gguf"
     write_gguf(path, models["llama"], Q.Q8_0, arch="llama")

@@ -1,4 +1,4 @@
-"""The graph-safe pieces the engine's static decode step stands on (treeattn.engine.static_step).
+"""The graph-safe pieces the engine's static decode step stands on (treeattn.engine.worker.static_step).
 
 On the CPU:
 - generate(decode_step="static") gives the tokens of generate() on p = 1 and 2 gloo ranks, tree and

@@ -22,7 +22,7 @@ import torch.distributed as dist
 import treeattn as ta
 from treeattn.cache.blocks import BlockRef
 from treeattn.cache.paged import PagedKVCache
-from treeattn.engine import batch as engine_batch, shared_prefix
+from treeattn.engine.worker import batch as engine_batch, shared_prefix
 from treeattn.engine.config import ConfigError, EngineConfig, resolve_kv_cache_dtype
 from treeattn.engine.scheduler import Chunk, StepPlan
 from treeattn.models.attention import LocalAttention, attention_backend

@@ -279,7 +279,7 @@ def test_bad_input_names_the_argument():
 
 
 def _engine_tokens(model, prompts, *, nproc=1, paged=True, max_new_tokens=5):
-    from treeattn.engine import batch as engine_batch
+    from treeattn.engine.worker import batch as engine_batch
 
     saved = engine_batch.kernel_takes
     if not paged:
@@ -318,7 +318,7 @@ def test_engine_step_in_row_order_is_viewed_not_regrouped(tokens, in_order, kern
     Steps with padded rows or a prefill chunk regroup. Every new key is stored without a row gather."""
     from treeattn.cache.blocks import BlockRef
     from treeattn.cache.paged import PagedKVCache
-    from treeattn.engine import batch as engine_batch
+    from treeattn.engine.worker import batch as engine_batch
     from treeattn.engine.scheduler import Chunk, StepPlan
     from treeattn.models.attention import LocalAttention
 

@@ -1,4 +1,4 @@
-"""Prompt log-probabilities (SamplingParams.prompt_logprobs, treeattn.engine.prompt_logprobs).
+"""Prompt log-probabilities (SamplingParams.prompt_logprobs, treeattn.engine.worker.prompt_logprobs).
 
 Every prompt token's logprob and its top-k equal the float64 log-softmax of transformers' forward
 over the prompt (within float32 rounding), on one rank and on two spawned ranks under every kind of
@@ -18,7 +18,7 @@ from helpers.llama_checkpoints import VOCAB, make_checkpoint  # noqa: E402
 
 import treeattn as ta  # noqa: E402
 from treeattn.engine import SamplingParams  # noqa: E402
-from treeattn.engine import prompt_logprobs as pl  # noqa: E402
+from treeattn.engine.worker import prompt_logprobs as pl  # noqa: E402
 
 _G = torch.Generator().manual_seed(5)
 LONG = torch.randint(0, VOCAB, (200,), generator=_G).tolist()  # one split or ring step on 2 ranks (>= 64 rows a rank)

@@ -1,6 +1,6 @@
 """presence_penalty, frequency_penalty, repetition_penalty, min_p and logit_bias (SamplingParams).
 
-The sampler (treeattn.engine.sampling) is checked against a float64 reference written here from
+The sampler (treeattn.engine.worker.sampling) is checked against a float64 reference written here from
 vLLM's semantics in plain Python: logit_bias added by token id; repetition over the prompt's and the
 output's tokens (positive logits divided, negative multiplied); frequency (count in the output) and
 presence (once per token in the output) subtracted; greedy is the argmax of that; sampling divides
@@ -20,8 +20,8 @@ import pytest
 import torch
 
 import treeattn as ta
-from treeattn.engine import sampling as sampling_module
-from treeattn.engine.sampling import adjust_logits, sample, sampling_probs
+from treeattn.engine.worker import sampling as sampling_module
+from treeattn.engine.worker.sampling import adjust_logits, sample, sampling_probs
 
 
 def reference_adjust(logits: list[float], params: ta.SamplingParams, prompt: list[int], output: list[int]) -> list[float]:

@@ -228,7 +228,7 @@ def test_the_memory_check_counts_the_draft_on_every_rank(tokenized, monkeypatch)
     once per rank, and a draft that does not fit is named."""
     from pathlib import Path
 
-    from treeattn.engine import cli as engine_cli
+    from treeattn.commands import generate as engine_cli
     from treeattn.engine import memory
     from treeattn.engine.generate import batch_config
     from treeattn.engine.memory import kv_cache_bytes_per_rank, model_bytes

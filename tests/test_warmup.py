@@ -1,7 +1,7 @@
 """No numba kernel is compiled (or loaded from numba's cache) inside an engine's first request.
 
 Each case runs in fresh rank processes (ta.spawn), whose kernels start with no signature: the rank's
-warm-up at engine start (treeattn.engine.warmup, called by RankRunner) must leave every signature the
+warm-up at engine start (treeattn.engine.worker.warmup, called by RankRunner) must leave every signature the
 first generate then calls already present, so the set of signatures of every dispatcher of the four
 kernel modules is the same before and after it. The control runs the same ranks with the warm-up
 turned off and sees the first generate add signatures: the check can fail.
@@ -21,7 +21,7 @@ from gguf_files import VOCAB, write_gguf  # noqa: E402
 from helpers.gguf_models import hf_model  # noqa: E402
 
 import treeattn as ta  # noqa: E402
-from treeattn.engine import warmup as engine_warmup  # noqa: E402
+from treeattn.engine.worker import warmup as engine_warmup  # noqa: E402
 from treeattn.ops import warmup as ops_warmup  # noqa: E402
 
 KERNEL_MODULES = ("paged_cpu_kernel", "packed_cpu_kernel", "packed_int8_kernel", "combine_cpu_kernel", "rowwise_cpu_kernel")
@@ -45,7 +45,7 @@ def signatures() -> dict[str, list[str]]:
 def first_request(rank, world_size, path, warm, activation_format="auto"):
     """On every rank: ta.generate (an engine inside the group); (signatures right after the runner's
     warm-up, signatures after the first generate, the warm-up's lines)."""
-    import treeattn.engine.runner as runner
+    import treeattn.engine.worker.runner as runner
 
     seen = {}
 

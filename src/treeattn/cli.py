@@ -1,7 +1,7 @@
 """The `treeattn` command line (also `python -m treeattn`).
 
-    treeattn generate MODEL --prompt "..." --nproc 4       # treeattn.engine.cli
-    treeattn chat MODEL --nproc 2                          # treeattn.engine.chat
+    treeattn generate MODEL --prompt "..." --nproc 4       # treeattn.commands.generate
+    treeattn chat MODEL --nproc 2                          # treeattn.commands.chat
     treeattn serve MODEL --nproc 2 --port 8000             # treeattn.serve.cli
     treeattn demo [MODEL] [--synthetic]                    # treeattn.eval.demo_cli
     treeattn models [--path NAME]                          # treeattn.eval.models_cli: the installed models
@@ -14,7 +14,7 @@ lists them all): `treeattn generate` never imports bench/, sim/ or matplotlib.
 One vocabulary: a concept has one flag in every command (--nproc for the number of ranks,
 --max-new-tokens, --max-context, --dtype float32|bfloat16|float16, --json for one JSON object on
 stdout, the model as the first positional argument); the engine's flags come from the fields of
-its configuration (treeattn.engine.flags). Spellings of earlier releases still work: ALIASES
+its configuration (treeattn.commands.flags). Spellings of earlier releases still work: ALIASES
 rewrites them before the command parses its arguments, and the help does not list them. A usage
 error is one line on stderr, `error: ...`, with exit status 2.
 """
@@ -30,15 +30,15 @@ from typer.core import TyperGroup
 
 # name -> (module, attribute): a typer command function or a typer.Typer sub-application.
 LAZY_COMMANDS = {
-    "generate": ("treeattn.engine.cli", "generate_command"),
-    "chat": ("treeattn.engine.chat", "chat_command"),
+    "generate": ("treeattn.commands.generate", "generate_command"),
+    "chat": ("treeattn.commands.chat", "chat_command"),
     "demo": ("treeattn.eval.demo_cli", "demo_command"),
     "models": ("treeattn.eval.models_cli", "models_command"),
     "simulate": ("treeattn.sim.cli", "simulate"),
     "bench": ("treeattn.bench.cli", "bench_app"),
     "eval": ("treeattn.eval.cli", "eval_app"),
     "serve": ("treeattn.serve.cli", "serve_command"),
-    "linearize": ("treeattn.linear.cli", "linearize_command"),
+    "linearize": ("treeattn.commands.linearize", "linearize_command"),
 }
 
 

@@ -4,7 +4,7 @@ continuations with a chi-square test against it, and the tokens decoding without
 seed by seed (the engine's verification is coupled to them: check_coupled).
 
 The sampled-token tests are deterministic given their seeds: a request's draws come from its own
-generator, one per token (treeattn.engine.runner.RankRunner._sample), so its tokens are the
+generator, one per token (treeattn.engine.worker.runner.RankRunner._sample), so its tokens are the
 oracle's (coupled_tokens) whatever the batch, the prefix cache, the drafts or the thread count. Only
 a draw within NEAR of a boundary of the cumulative distribution may pick another token on another
 host or batch shape, whose float32 logits differ in their last bits; those seeds are named and left
@@ -19,7 +19,7 @@ import torch
 from helpers.llama_checkpoints import VOCAB
 from treeattn.cache import ShardedKVCache
 from treeattn.engine.request import SamplingParams
-from treeattn.engine.sampling import sampling_probs
+from treeattn.engine.worker.sampling import sampling_probs
 from treeattn.models.attention import attention_backend
 from treeattn.models.llama import LlamaConfig
 
@@ -87,11 +87,11 @@ test_engine_draft, measured), so its cumulative probabilities differ by less tha
 
 def coupled_tokens(model, prompt: list[int], sampling: dict, seeds, new_tokens: int = 3) -> tuple[list[tuple[int, ...]], set]:
     """For each seed, the `new_tokens` tokens that decoding without speculation draws: the request's
-    generator (torch.Generator().manual_seed(seed)), one treeattn.engine.sampling.sample per token over
+    generator (torch.Generator().manual_seed(seed)), one treeattn.engine.worker.sampling.sample per token over
     uncached forward passes (as RankRunner._sample draws them). Returns (tokens per seed, the seeds
     with a draw within NEAR of a boundary of its cumulative distribution, where a rounding
     difference in the logits may legitimately pick the neighbouring token)."""
-    from treeattn.engine.sampling import sample
+    from treeattn.engine.worker.sampling import sample
 
     params = SamplingParams(**sampling)
     logits, cdfs = {}, {}
@@ -115,9 +115,9 @@ def coupled_tokens(model, prompt: list[int], sampling: dict, seeds, new_tokens: 
 
 
 def sampled_counts(model, prompt: list[int], sampling: dict, n: int, seed: int = 0) -> dict:
-    """n 3-token continuations of `prompt` drawn by treeattn.engine.sampling.sample, batched: every
+    """n 3-token continuations of `prompt` drawn by treeattn.engine.worker.sampling.sample, batched: every
     prefix's rows in one call (one uniform draw per row from one generator). Returns their counts."""
-    from treeattn.engine.sampling import sample
+    from treeattn.engine.worker.sampling import sample
 
     params, generator = SamplingParams(**sampling), torch.Generator().manual_seed(seed)
     groups = {(): n}

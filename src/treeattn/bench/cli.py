@@ -16,7 +16,7 @@ from pathlib import Path
 import typer
 
 from treeattn.engine.config import EngineConfig
-from treeattn.engine.flags import DTYPE_ALIASES, KvCacheDtype, WeightFormat, config_flag, dtype_flag
+from treeattn.commands.flags import DTYPE_ALIASES, KvCacheDtype, WeightFormat, config_flag, dtype_flag
 
 from treeattn.bench.config import METHODS, SweepConfig
 
@@ -279,7 +279,7 @@ def decode(
         raise typer.Exit(130)
     failed = [r for r in records if "error" in r]
     if plot is not None and len(failed) < len(records):
-        from treeattn.bench.plots import make_figures
+        from treeattn.sim.plots import make_figures
 
         title = f"measured, gloo CPU, Hq={heads} D={head_dim} B={batch} {dtype}" + (f", {topology}" if topology else "")
         for path in make_figures(records, plot, plot_prefix, "median_seconds", title):
@@ -411,7 +411,7 @@ def plot_command(
     title: str = typer.Option("measured, gloo CPU ranks", help="Figure title."),
 ) -> None:
     """Draw the latency/speedup/memory/comm figures of saved benchmark records."""
-    from treeattn.bench.plots import make_figures
+    from treeattn.sim.plots import make_figures
 
     rows = _load_records(records, "RECORDS")
     _check_outputs([], [("--plot", out)])
@@ -454,13 +454,13 @@ def profile_command(
 
     from treeattn.engine.device import check_gpus, resolve_device
     from treeattn.engine.errors import ConfigError
-    from treeattn.engine.flags import torch_dtype
+    from treeattn.commands.flags import torch_dtype
 
     try:
         kind = resolve_device(device)
         check_gpus(kind, max(nproc))
     except ConfigError as exc:
-        from treeattn.engine.flags import cli_message
+        from treeattn.commands.flags import cli_message
 
         raise _refuse(cli_message(exc)) from exc
     bad = [m for m in method if m not in TREE_METHODS]
@@ -505,7 +505,7 @@ def profile_command(
 def _load_records(path: Path, option: str) -> list[dict]:
     """Benchmark records saved by `bench decode --output x.json` (a list) or `bench validate
     --output` (an object with "records"); refuses, in one line naming the file, anything else."""
-    from treeattn.bench.plots import check_records
+    from treeattn.sim.plots import check_records
 
     try:
         saved = json.loads(path.read_text())

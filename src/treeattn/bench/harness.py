@@ -187,7 +187,7 @@ def timed_steps(log: list) -> None:
     seconds): patches the rank runner's step in this process (call it in the rank's function)."""
     import torch
 
-    from treeattn.engine import runner
+    from treeattn.engine.worker import runner
 
     step = runner.RankRunner.step
 

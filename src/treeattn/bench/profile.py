@@ -10,7 +10,7 @@ every decode step is split, on every rank, from the engine's own measurements
                 communication, waiting for the other ranks, merge), all layers
     sampling    rank 0: logits (the lm_head projection), the non-finite check and sampling; the
                 other ranks nothing, except where the projection is split by vocabulary
-                (engine.runner.VOCAB_SPLIT_MIN_WEIGHTS: SmolLM2's is): then every rank projects
+                (engine.worker.runner.VOCAB_SPLIT_MIN_WEIGHTS: SmolLM2's is): then every rank projects
                 its share and takes part in the logits' all-gather (one more round a step)
     model       the rest of the step: embeddings, norms, projections, RoPE, MLPs, the cache
                 writes, the step's index bookkeeping
@@ -18,7 +18,7 @@ every decode step is split, on every rank, from the engine's own measurements
 "step" is the rank's wall time of the step (RankMeasurements.step_s); model = step - the three
 measured phases. The split is exact when the engine reads a shard in place (the paged decode
 kernel, treeattn.ops.paged_decode: decoding on the CPU in float32 with numba, or on CUDA) or run
-by run (long runs of blocks: engine.batch.COPY_FREE_MIN_KEYS keys a run on average); on a
+by run (long runs of blocks: engine.worker.batch.COPY_FREE_MIN_KEYS keys a run on average); on a
 gathered shard the back end's combine is inside "attention". What happens between
 steps (the driver's scheduling and the plan's broadcast) is not in the step. Each figure is the
 mean over the steps after `warmup`.

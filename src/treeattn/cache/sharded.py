@@ -3,7 +3,7 @@
 This is the cache of callers that run a model over one batch themselves: the transformers plug-in
 (treeattn.hf.ShardedCache) and the tests' references. The engine (ta.Engine, ta.generate) keeps a
 paged cache instead (treeattn.cache.paged, blocks.py), which its decode steps read in place with
-the paged kernel (treeattn.ops.paged_decode) or by runs of adjacent blocks (treeattn.engine.batch).
+the paged kernel (treeattn.ops.paged_decode) or by runs of adjacent blocks (treeattn.engine.worker.batch).
 
 Storage on one rank is one arena of fixed-size blocks, preallocated for the cache's capacity:
 
@@ -270,7 +270,7 @@ class ShardedKVCache:
     # A CUDA graph replays fixed shapes at fixed addresses, and a captured step must not read a
     # device value on the host. In static mode attention reads this rank's whole preallocated
     # shard (local_capacity slots; the unused ones at INVISIBLE_POSITION), and where a new token
-    # goes is computed on the device from a device-side slot counter (treeattn.engine.static_step).
+    # goes is computed on the device from a device-side slot counter (treeattn.engine.worker.static_step).
     # The host keeps counting with advance(), which reads nothing from the device.
 
     def static_layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -16,14 +16,13 @@ Inside, one job per module:
     driver.py       the driver thread: plans each step (scheduler.py), runs it, emits events
     output.py       each request's handle, detokenizing, stop strings, result
     transport.py    the driver's line to the ranks: spawned processes, or an existing group
-    rank.py         one rank's loop over the plans; runner.py runs a plan; batch.py is a step's
-                    PagedBatch (kv_store / attend); static_step.py the fixed-shape decode step
-    ring_prefill.py, token_parallel.py, shared_prefix.py   how steps split across the ranks
-    speculate.py, draft.py, draft_model.py                 speculative decoding
-    sampling.py     sampling one token from logits
-    cli.py, generate_rank.py                               `treeattn generate`
-    chat.py                                                `treeattn chat`
-    console.py                                             what those two show on the terminal
+    worker/         what runs on every rank: rank.py's loop over the plans, runner.py runs a plan,
+                    batch.py, static_step.py, ring_prefill.py, token_parallel.py, shared_prefix.py,
+                    draft.py (the draft model), sampling.py, tensor_parallel.py
+    speculate.py, draft_model.py                           speculative decoding: the driver's drafters
+                                                           (NgramDrafter, DraftSlots), the draft model's checks
+
+The terminal commands (`treeattn generate`, `treeattn chat`) live in treeattn.commands.
 
     from treeattn.engine import EngineConfig
     config = EngineConfig(nproc=2, decode="tree", max_batch_size=8)

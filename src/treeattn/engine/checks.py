@@ -6,7 +6,7 @@
     check_model(model); check_decode_step_device(model, config, group, joined)
     check_hybrid_cache(files.config, config)
     if config.tp is not None:
-        from treeattn.engine.tensor_parallel import check_block_cuts, check_tensor_parallel
+        from treeattn.engine.worker.tensor_parallel import check_block_cuts, check_tensor_parallel
 
         check_tensor_parallel(files.config, config.tp, config.nproc)
         if _may_pack(model, config):
@@ -210,7 +210,7 @@ def check_memory(model, model_config, config: EngineConfig, *, cache_option: str
         draft = model_bytes(config.draft_model, dtype) + memory.kv_cache_bytes_per_rank(config, draft_config, dtype, blocks_for=model_config)
     ranks, device, weights = local_ranks(config.nproc), torch.device("cpu"), model_bytes(model, dtype)
     if config.tp is not None and config.nproc > 1:  # the Helix layout: each rank holds its share
-        from treeattn.engine.tensor_parallel import share_fraction
+        from treeattn.engine.worker.tensor_parallel import share_fraction
 
         weights = int(weights * share_fraction(model_config, config.tp, config.nproc))
     if config.device == "cuda":  # each rank its own GPU: one rank's share against the GPU with the least free memory
@@ -299,7 +299,7 @@ def check_engine(model, config: EngineConfig, *, group=None, joined: bool = Fals
     files = model_files(model)
     check_hybrid_cache(files.config, config)
     if config.tp is not None:
-        from treeattn.engine.tensor_parallel import check_block_cuts, check_tensor_parallel
+        from treeattn.engine.worker.tensor_parallel import check_block_cuts, check_tensor_parallel
 
         check_tensor_parallel(files.config, config.tp, config.nproc)
         if _may_pack(model, config):

@@ -26,7 +26,7 @@ Speculative decoding: the scheduler appends up to draft_tokens drafts to each de
 chunk, rank 0 answers with the accepted drafts and the next token, and the driver emits one
 TokenEvent per committed token (docs/engine.md). speculate="ngram" drafts by prompt lookup on the
 driver; speculate="draft" reserves the drafts' slots and every rank runs a draft model over its own
-cache of the same blocks, filling them in before the verification (treeattn.engine.draft).
+cache of the same blocks, filling them in before the verification (treeattn.engine.worker.draft).
 
 Inside an existing process group (torchrun, or a function run by ta.spawn) nothing is started:
 the Engine joins the group. On group rank 0 it is the driver and runs rank 0's share itself; on
@@ -258,7 +258,7 @@ class Engine:
         speculative decoding (only then) drafted_tokens, accepted_tokens and acceptance_rate (NaN before any draft);
         shared_prefix_keys: key reads per layer that decode steps saved by reading blocks several
         sequences share once for all of them ((sequences - 1) x keys per shared segment, summed over
-        steps; treeattn.engine.shared_prefix); rank_restarts: how many times a step failed on the
+        steps; treeattn.engine.worker.shared_prefix); rank_restarts: how many times a step failed on the
         ranks and they were restarted (its requests failed, the others recomputed); with kv_store, the
         tiers' counters (treeattn.engine.kv_tier.COUNTERS: arena_/store_ hit and miss blocks, bytes,
         seconds; docs/kv_store.md)."""

@@ -15,6 +15,7 @@ treeattn.engine.checks. How to sample is not here: that is each request's Sampli
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -22,13 +23,46 @@ import torch
 from treeattn.cache.placement import PLACEMENTS
 from treeattn.engine.device import DEVICES
 from treeattn.engine.errors import ConfigError, ConfigTypeError
-from treeattn.engine.ring_prefill import PREFILL_KINDS
 from treeattn.engine.speculate import MAX_DRAFT_TOKENS, SPECULATE_KINDS
-from treeattn.engine.static_step import DECODE_STEPS
 from treeattn.models.attention import DECODE_KINDS
 from treeattn.models.packed import WEIGHT_FORMATS
 from treeattn.ops.packed_linear import ACTIVATION_FORMATS
 from treeattn.parallel.tree_decode import METHODS
+
+PREFILL_KINDS = ("auto", "ring", "split")
+"""The engine's prefill option: "ring" (treeattn.engine.worker.ring_prefill), "split" (token_parallel's steps), "auto"."""
+
+RING_ROWS_PER_RANK = 4096
+"""While no sequence decodes, a step of ring prefill takes up to this many prompt tokens per rank
+(idle_prefill_chunk): each rank runs at most as many rows as one 4096-token chunk on one rank."""
+
+
+def resolve_prefill(prefill: str, world_size: int, layer_windows: Sequence[int | None]) -> str:
+    """The kind of step that runs a prompt-only step of enough tokens: "ring" or "split".
+
+    "auto" is "ring" on several ranks for a model without sliding windows; with a window it is
+    "split" (a ring step's attention is exact under a window too, but through masked blocks, not the
+    fused causal kernel). One rank has nothing to split: "split" (the replicated step) there.
+    """
+    if prefill not in PREFILL_KINDS:
+        raise ValueError(f"prefill must be one of {PREFILL_KINDS}, got {prefill!r}")
+    if world_size == 1:
+        return "split"
+    if prefill == "auto":
+        return "ring" if all(w is None for w in layer_windows) else "split"
+    return prefill
+
+
+def idle_prefill_chunk(prefill: str, world_size: int, layer_windows: Sequence[int | None]) -> int | None:
+    """The scheduler's prompt tokens per step while no sequence decodes: RING_ROWS_PER_RANK per
+    rank when prompt-only steps are ring steps, else None (prefill_chunk, as while decoding)."""
+    return RING_ROWS_PER_RANK * world_size if resolve_prefill(prefill, world_size, layer_windows) == "ring" else None
+
+
+DECODE_STEPS = ("dynamic", "static", "graph")
+"""How the engine runs a decode step: "dynamic" (PagedBatch: host-built indices, exact sizes),
+"static" (StaticDecodeStep, eager) or "graph" (StaticDecodeStep replayed from CUDA graphs)."""
+
 
 DEFAULT_METHOD = "onepass"
 """tree_decode's combine when none is named: the fastest exact one measured on this repository's
@@ -121,12 +155,12 @@ class EngineConfig:
         prefix_cache: reuse cached prompt prefixes (radix tree over blocks).
         block_size: tokens per cache block (the unit of allocation, sharing and placement).
         prefill_chunk: prompt tokens per step at most (chunked prefill) while some sequence decodes;
-            with ring prefill steps and no sequence decoding, up to ring_prefill.RING_ROWS_PER_RANK
-            per rank (ring_prefill.idle_prefill_chunk).
+            with ring prefill steps and no sequence decoding, up to config.RING_ROWS_PER_RANK
+            per rank (config.idle_prefill_chunk).
         prefill: how a step of prompt chunks only runs on several ranks: "ring" (each rank runs a
             zigzag share of every chunk's tokens, attention over the step's gathered keys and a ring
-            over the cached prefix: treeattn.engine.ring_prefill), "split" (each rank runs a slice,
-            attention combined across the ranks: treeattn.engine.token_parallel) or "auto" (ring,
+            over the cached prefix: treeattn.engine.worker.ring_prefill), "split" (each rank runs a slice,
+            attention combined across the ranks: treeattn.engine.worker.token_parallel) or "auto" (ring,
             but split for a model with a sliding window). Steps with decoding sequences split.
         dtype: model dtype (None, "auto": a checkpoint in bfloat16 on CUDA and float32 on the CPU; a
             given model keeps its own).
@@ -165,7 +199,7 @@ class EngineConfig:
             speculation gives, greedy or sampled with the same seed. "ngram" drafts by prompt lookup
             from the sequence's own prompt and output (treeattn.engine.speculate.NgramDrafter); "draft"
             with `draft_model` (its argmax), run on every rank over its own cache sharded like the
-            model's (treeattn.engine.draft).
+            model's (treeattn.engine.worker.draft).
         draft_tokens: the most tokens drafted per sequence per step, in [1, MAX_DRAFT_TOKENS].
         draft_model: with speculate="draft" (and only then): the draft model, a checkpoint path or
             a LlamaModel, loaded on every rank in the model's dtype. It must share the model's
@@ -177,7 +211,7 @@ class EngineConfig:
             through the process group's back end.
         decode_step: how a step that only decodes (one token per sequence, no drafts) runs:
             "dynamic" (index tensors built for its exact sizes), "static" (fixed shapes per batch
-            bucket, no host synchronization inside the step: treeattn.engine.static_step) or
+            bucket, no host synchronization inside the step: treeattn.engine.worker.static_step) or
             "graph" (the static step captured in a CUDA graph per shape, then replayed: CUDA
             only). Static steps need a method that does not read the host: method=None gives
             "allreduce", "onepass" is refused. Steps with prompt chunks or drafts stay dynamic.
@@ -186,7 +220,7 @@ class EngineConfig:
             is the resolved value; a larger value given here runs positions beyond the model's
             window, with a warning). A request that needs more fails alone, naming the limit.
         tp: tensor-parallel ranks T: the nproc ranks are T tensor-parallel x nproc / T KV ranks (the Helix
-            layout, treeattn.engine.tensor_parallel). Attention's heads split T ways and the
+            layout, treeattn.engine.worker.tensor_parallel). Attention's heads split T ways and the
             sequence nproc / T ways, the output projections, MLP, embeddings and LM head over all
             nproc ranks. None: no tensor parallelism (every rank holds every weight; the KV cache
             alone is sharded). tp must divide nproc. With tp, prompt steps run every token on

@@ -4,7 +4,7 @@
     check_draft_model(files, target, positions=len(prompt) + max_new_tokens)
 
 A draft model must share the model's tokenizer (the same ids for the same text) and reach every
-position the generation runs. It runs in the engine (treeattn.engine.draft: on every rank, over
+position the generation runs. It runs in the engine (treeattn.engine.worker.draft: on every rank, over
 its own KV cache of the model's blocks); ta.generate and `treeattn serve` take it through the
 engine's speculate="draft".
 """

@@ -32,7 +32,7 @@ from treeattn.engine.output import RequestState
 from treeattn.engine.plan_message import KEEPALIVE, Measure, SetDecode
 from treeattn.engine.errors import EngineError, StepFailed
 from treeattn.engine.request import TokenEvent, TokenLogprob
-from treeattn.engine.ring_prefill import idle_prefill_chunk
+from treeattn.engine.config import idle_prefill_chunk
 from treeattn.engine.scheduler import Scheduler, Sequence
 from treeattn.engine.speculate import NgramDrafter
 from treeattn.engine.structured import Grammars
@@ -48,7 +48,7 @@ class Driver:
         channel: the transport to the ranks (transport.SpawnedRanks or GroupChannel); its .info
             is the ModelInfo rank 0 reported.
         tokenizer: the model's tokenizer (for text and stop strings), or None.
-        layer_windows: the model's per-layer sliding windows (ring_prefill.idle_prefill_chunk).
+        layer_windows: the model's per-layer sliding windows (config.idle_prefill_chunk).
     """
 
     def __init__(self, config: EngineConfig, channel, tokenizer, layer_windows) -> None:
@@ -401,7 +401,7 @@ def _drafter(speculate: str | None):
     if speculate == "ngram":
         return NgramDrafter()
     if speculate == "draft":
-        from treeattn.engine.draft import DraftSlots
+        from treeattn.engine.speculate import DraftSlots
 
         return DraftSlots()
     return None

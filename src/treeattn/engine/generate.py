@@ -28,7 +28,7 @@ the same arguments; every rank returns the same GenerationResult. What happens:
    rank's measurements (treeattn.engine.measure), closes the engine (which lets the other ranks
    return) and broadcasts the result; the other ranks replay the StepOutputs from it.
 
-Sampling: sequence i draws from its own generator seeded with seed + i (treeattn.engine.sampling:
+Sampling: sequence i draws from its own generator seeded with seed + i (treeattn.engine.worker.sampling:
 temperature 0 is greedy; otherwise logits / temperature, then top-k, then top-p, one draw per
 token), so a sequence's tokens do not depend on the others in the batch. Shared-context sampling
 (num_samples = n > 1, one prompt) is n requests of the same prompt with seeds seed .. seed + n - 1:
@@ -65,7 +65,7 @@ from treeattn.models.packed import is_packed
 from treeattn.ops.packed_linear import resolve_activation_format
 from treeattn.engine.errors import ConfigError, ConfigTypeError
 from treeattn.engine.request import MAX_SEED, SamplingParams
-from treeattn.engine.ring_prefill import resolve_prefill
+from treeattn.engine.config import resolve_prefill
 from treeattn.models.attention import group_world_size
 from treeattn.models.llama import LlamaModel
 from treeattn.parallel.shared_memory import group_timeout_s
@@ -660,7 +660,7 @@ def _request_error(model, message: str | None, sequence: int, index: int) -> Exc
 
 def _check_static_step(config: EngineConfig, model, batch: int) -> None:
     """decode_step "static" / "graph" on a model the engine's static step cannot run: ConfigError naming decode_step."""
-    from treeattn.engine.static_step import graph_safe_reason
+    from treeattn.engine.worker.static_step import graph_safe_reason
 
     reason = graph_safe_reason(model, batch)
     if reason is not None:

@@ -48,7 +48,7 @@ def kv_cache_bytes_per_rank(config, model_config, dtype: torch.dtype, *, blocks_
     windows = config.max_batch_size * (2 if config.prefix_cache else 1) * window_bytes_per_sequence(model_config, dtype)
     total = blocks * config.block_size * kv_bytes_per_token(model_config, dtype) + windows
     if getattr(config, "tp", None) is not None and config.nproc > 1 and blocks_for is None:  # the Helix layout: its KV heads
-        from treeattn.engine.tensor_parallel import HelixLayout, local_heads
+        from treeattn.engine.worker.tensor_parallel import HelixLayout, local_heads
 
         total = total * local_heads(model_config, HelixLayout(config.nproc, config.tp, 0))[1] // model_config.num_kv_heads
     return total

@@ -69,7 +69,7 @@ class SamplingParams:
             with its log-probability given the tokens before it and the k most likely tokens at its
             position (RequestResult.prompt_logprobs; vLLM's prompt_logprobs). Such a request does
             not start from the prefix cache (a cached prefix holds no logprobs): its whole prompt
-            is computed again (treeattn.engine.prompt_logprobs).
+            is computed again (treeattn.engine.worker.prompt_logprobs).
 
     Example (checked when built: a bad field is one line naming it)::
 

@@ -33,7 +33,7 @@ rejected drafts: their slots lie past the sequence's computed tokens, so they ar
 overwritten later, and blocks that hold no computed token any more go back to the pool. Only
 blocks full of committed tokens ever enter the prefix cache.
 
-With a draft model (`draft_cache=True`, speculate="draft", treeattn.engine.draft) the drafter only
+With a draft model (`draft_cache=True`, speculate="draft", treeattn.engine.worker.draft) the drafter only
 reserves the draft slots (placeholder tokens); the ranks' draft model writes the drafted tokens into
 them, and keeps its own keys/values in a second cache indexed by the same block tables. That cache
 lags the model's by one token after a step whose drafts were all accepted (the last draft was
@@ -115,7 +115,7 @@ class Chunk:
             cache lacks (at most one: the last accepted draft of the step before); () otherwise.
         prompt_logprobs: the request's SamplingParams.prompt_logprobs (k), where `targets` is set.
         targets: for a request with prompt_logprobs, the prompt tokens the chunk's first rows
-            predict: targets[i] = prompt[start + i + 1] (treeattn.engine.prompt_logprobs); () otherwise.
+            predict: targets[i] = prompt[start + i + 1] (treeattn.engine.worker.prompt_logprobs); () otherwise.
     """
 
     seq_id: int
@@ -204,13 +204,13 @@ class Scheduler:
         drafter: None, or a drafter for speculative decoding: `drafter.propose(context, k)` takes
             int64 (L,) token ids (prompt and output so far) and returns int64 (d,), d <= k, the
             tokens it guesses come next (treeattn.engine.speculate.NgramDrafter), or placeholders for the
-            ranks' draft model (treeattn.engine.draft.DraftSlots).
+            ranks' draft model (treeattn.engine.speculate.DraftSlots).
         draft_tokens: the most tokens drafted per sequence per step.
         draft_cache: the ranks keep a draft model's cache indexed by the same block tables (see the
             module docstring).
         idle_prefill_chunk: prompt tokens per step at most while no running sequence decodes (no
             decoder waits on the prefill; the engine sets it for ring prefill steps,
-            treeattn.engine.ring_prefill); None: prefill_chunk always.
+            treeattn.engine.worker.ring_prefill); None: prefill_chunk always.
     """
 
     def __init__(self, pool: ShardedBlockPool, *, max_batch_size: int, prefill_chunk: int, prefix_cache: PrefixCache | None,

@@ -1,8 +1,8 @@
 """Speculative decoding: propose tokens cheaply, verify them with one forward pass of the target.
 
 The engine drafts on its driver (the scheduler appends each decoding sequence's drafts to its chunk)
-and verifies on rank 0 in the same batched forward pass (treeattn.engine.runner.RankRunner._sample);
-this module holds the prompt-lookup drafter (a draft model drafts on every rank: treeattn.engine.draft):
+and verifies on rank 0 in the same batched forward pass (treeattn.engine.worker.runner.RankRunner._sample);
+this module holds the prompt-lookup drafter (a draft model drafts on every rank: treeattn.engine.worker.draft):
 
     drafter = NgramDrafter(max_ngram=3)
     draft = drafter.propose(context, k)                 # int64 (d,), d <= k: prompt lookup
@@ -29,7 +29,7 @@ import torch
 
 SPECULATE_KINDS = ("ngram", "draft")
 """Speculative decoding the engine runs: "ngram", prompt lookup (NgramDrafter), and "draft", a draft
-model on every rank (treeattn.engine.draft)."""
+model on every rank (treeattn.engine.worker.draft)."""
 
 MAX_DRAFT_TOKENS = 16
 
@@ -68,3 +68,12 @@ class NgramDrafter:
                 start = int(full[-1]) if full.numel() else int(starts[0])
                 return context[start: start + k].clone()
         return context[:0].clone()
+
+
+class DraftSlots:
+    """The driver's drafter for speculate="draft": it reserves the slots of k drafts per decoding
+    sequence (placeholder tokens 0); the ranks' DraftRunner writes the drafted tokens into them."""
+
+    def propose(self, context: torch.Tensor, k: int) -> torch.Tensor:
+        """int64 (k,) placeholders (context: int64 (L,), unused: the draft model reads its cache)."""
+        return torch.zeros(k, dtype=torch.int64)

@@ -29,9 +29,9 @@ import torch.distributed as dist
 from treeattn.engine.config import EngineConfig
 from treeattn.engine.device import backend_for, rank_device
 from treeattn.engine.plan_message import PlanWire, plan_device
-from treeattn.engine.rank import ModelInfo, helix_layout, load_model, make_runner, model_info, rank_main, run_plan, serve_steps
+from treeattn.engine.worker.rank import ModelInfo, helix_layout, load_model, make_runner, model_info, rank_main, run_plan, serve_steps
 from treeattn.engine.errors import EngineError, StepFailed
-from treeattn.engine.runner import StepOutcome
+from treeattn.engine.worker.runner import StepOutcome
 
 logger = logging.getLogger(__name__)
 

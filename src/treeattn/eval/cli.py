@@ -23,7 +23,7 @@ from rich.table import Table
 from treeattn.engine.config import DEFAULT_METHOD
 from treeattn.engine.config import EngineConfig as E
 from treeattn.engine.request import SamplingParams as S
-from treeattn.engine.flags import cli_message, config_flag, config_options, device_and_dtype, dtype_flag, model_argument, torch_dtype
+from treeattn.commands.flags import cli_message, config_flag, config_options, device_and_dtype, dtype_flag, model_argument, torch_dtype
 
 eval_app = typer.Typer(help="Evaluate a model through the engine.", no_args_is_help=True, rich_markup_mode=None)
 stderr = Console(stderr=True)

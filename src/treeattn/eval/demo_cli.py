@@ -19,11 +19,11 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from treeattn.engine.cli import format_mib, format_size, stderr
-from treeattn.engine.console import say
+from treeattn.commands.generate import format_mib, format_size, stderr
+from treeattn.commands.console import say
 from treeattn.engine.config import EngineConfig as E
 from treeattn.engine.request import SamplingParams as S
-from treeattn.engine.flags import (Device, KvCacheDtype, Placement, WeightFormat, cli_message, config_flag, model_argument, device_and_dtype,
+from treeattn.commands.flags import (Device, KvCacheDtype, Placement, WeightFormat, cli_message, config_flag, model_argument, device_and_dtype,
                                   dtype_flag)
 
 

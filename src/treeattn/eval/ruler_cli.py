@@ -28,7 +28,7 @@ from typer.core import TyperCommand
 
 from treeattn.engine.config import DEFAULT_METHOD
 from treeattn.engine.config import EngineConfig as E
-from treeattn.engine.flags import Method, cli_message, config_flag
+from treeattn.commands.flags import Method, cli_message, config_flag
 
 stderr = Console(stderr=True)
 

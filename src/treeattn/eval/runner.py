@@ -123,7 +123,7 @@ def check_layout(model_path: str, config: EngineConfig) -> None:
 def _decode_rank(rank, world_size, model_path, prompts, methods, config: EngineConfig, sampling: SamplingParams, on_prompt=None):
     """One rank: load once (onto its device); on one process one ta.generate per prompt (its prefill
     and decode); on several ranks one engine for everything (see shared_prefill_rows). No warm-up
-    request: every engine's ranks compile or load their numba kernels when they start (treeattn.engine.warmup)."""
+    request: every engine's ranks compile or load their numba kernels when they start (treeattn.engine.worker.warmup)."""
     from treeattn.engine.device import rank_device
     from treeattn.models.loader import load_model, read_config
 
@@ -131,7 +131,7 @@ def _decode_rank(rank, world_size, model_path, prompts, methods, config: EngineC
     start = time.perf_counter()
     shard = None
     if config.tp is not None and world_size > 1:  # the Helix layout: this rank reads its share of the weights
-        from treeattn.engine.tensor_parallel import HelixLayout, tensor_parallel_cuts
+        from treeattn.engine.worker.tensor_parallel import HelixLayout, tensor_parallel_cuts
 
         shard = tensor_parallel_cuts(read_config(model_path), HelixLayout(world_size, config.tp, rank))
     model = load_model(model_path, dtype=config.dtype or torch.float32, device=rank_device(config.device, rank),

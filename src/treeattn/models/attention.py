@@ -14,19 +14,19 @@
 - TreeAttention: tree_decode: every rank attends q to its shard, the states merge across ranks.
   q must be the same on every rank (decoding; also chunked prefill where every rank runs the chunk).
 - RingDecodeAttention: ring_decode, the baseline: K/V shards travel the ring (pass_kv=True).
-- GraphSafeDecodeAttention: the attention of a static-shape decode step (treeattn.engine.static_step):
+- GraphSafeDecodeAttention: the attention of a static-shape decode step (treeattn.engine.worker.static_step):
   local, tree or ring with no host synchronization, over fixed-shape keys (a rank's blocks of each
   sequence gathered into (B, NB * block_size, Hkv, D), unused slots at INVISIBLE_POSITION).
 
-The engine builds its back end once per rank with attention_backend (treeattn.engine.runner); its
-dynamic steps call it per group of sequences (treeattn.engine.batch), except where the paged decode
+The engine builds its back end once per rank with attention_backend (treeattn.engine.worker.runner); its
+dynamic steps call it per group of sequences (treeattn.engine.worker.batch), except where the paged decode
 kernel (treeattn.ops.paged_decode) reads the blocks in place and combines across the ranks itself.
 
 Sliding windows: tree_decode and ring_decode mask by causality only. For one query per sequence
 (Sq = 1) a window is the same as hiding the keys with q_pos - kv_pos >= W, which is done by
 moving their positions past the query (only positions change, never K/V). Several queries with a
 window that bites go one query at a time. (The engine's ring prefill steps are
-treeattn.engine.ring_prefill: ring attention over the cached prefix.)
+treeattn.engine.worker.ring_prefill: ring attention over the cached prefix.)
 """
 
 from __future__ import annotations
@@ -120,7 +120,7 @@ class RingDecodeAttention(_ShardedDecodeAttention):
 
 
 class GraphSafeDecodeAttention:
-    """Decode attention with no host synchronization, for a static-shape step (treeattn.engine.static_step).
+    """Decode attention with no host synchronization, for a static-shape step (treeattn.engine.worker.static_step).
 
     k, v are this rank's keys of each sequence in fixed shapes (the static step gathers its blocks
     into (B, NB * block_size, Hkv, D); ShardedKVCache.static_layer gives a whole preallocated shard)

@@ -74,7 +74,7 @@ def load_model(model_dir: str | os.PathLike, *, dtype: torch.dtype = torch.float
         shard: parameter name -> treeattn.models.shards.Cut: only that share of each named tensor is
             read (safetensors slices; a GGUF file's rows, or its columns on block boundaries, packed
             blocks kept as the file's bytes) and the model holds only it (model.helix_cuts = shard);
-            the engine's tensor-parallel plan gives it (treeattn.engine.tensor_parallel). Every name
+            the engine's tensor-parallel plan gives it (treeattn.engine.worker.tensor_parallel). Every name
             and whole shape is checked first, as without it.
 
     Returns:

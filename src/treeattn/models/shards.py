@@ -4,7 +4,7 @@
     shard_model(model, cuts)               # in place: a loaded model, or a loader's "meta" skeleton
     share = narrow(tensor, cuts[name])     # what a loader reads of one tensor
 
-Which share a rank holds is the engine's plan (treeattn.engine.tensor_parallel); this module only
+Which share a rank holds is the engine's plan (treeattn.engine.worker.tensor_parallel); this module only
 cuts. A packed layer (treeattn.models.packed) keeps the file's bytes: its rows as they are, its
 columns on block boundaries only (a ValueError naming the parameter otherwise).
 """

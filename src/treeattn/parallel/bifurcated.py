@@ -18,7 +18,7 @@ The result equals ta.bifurcated_attention on the unsharded context (and so plain
 each sample's [context, decoded] K/V) up to rounding, for any number of ranks. This is the op on
 its own tensors; the engine's shared-context decoding (ta.generate(num_samples=n), requests that
 share a cached prefix) applies the same folding to the blocks its block tables share, with every
-sample's own blocks sharded like the context (treeattn.engine.shared_prefix).
+sample's own blocks sharded like the context (treeattn.engine.worker.shared_prefix).
 """
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ CUDA graphs: the wrappers record when they are called, which for a captured step
 only; a replay issues the same collectives without passing through Python. A captured step
 therefore records its traffic once, inside ``separate_comm_stats()`` (so that warmup and capture
 do not count as traffic of any enclosing block), and adds it with ``record_replay(stats)`` at each
-replay (treeattn.engine.static_step.StaticDecodeStep does both).
+replay (treeattn.engine.worker.static_step.StaticDecodeStep does both).
 """
 
 from __future__ import annotations

@@ -109,7 +109,7 @@ def tree_decode(
             silently mixing. One small collective; turn it off only when the inputs are known to be
             valid and to agree (the engine does): then only the local attention validates them.
         graph_safe: no host synchronization anywhere in the call, so that it can run inside a
-            CUDA graph (treeattn.engine.static_step): this rank's attention is
+            CUDA graph (treeattn.engine.worker.static_step): this rank's attention is
             treeattn.ops.graph_safe.graph_safe_attention (on CUDA the Triton kernel, which must
             take the inputs: ValueError otherwise), never the generic path. Needs
             check_inputs=False when p > 1 (the check reads the gathered metadata on the host).

@@ -10,7 +10,7 @@ from typing import Literal
 import typer
 
 from treeattn.engine.config import EngineConfig as E
-from treeattn.engine.flags import config_options, dtype_flag, model_argument, torch_dtype
+from treeattn.commands.flags import config_options, dtype_flag, model_argument, torch_dtype
 
 LogLevel = Literal["debug", "info", "warning", "error", "critical"]
 
@@ -78,7 +78,7 @@ def serve_command(
         typer.echo(f"treeattn serve: stopped ({'cleanly' if status == 0 else 'after a failure'}), the engine closed", err=True)
     except (ValueError, TypeError) as exc:
         from treeattn.engine.config import ConfigError
-        from treeattn.engine.flags import cli_message
+        from treeattn.commands.flags import cli_message
 
         _fail(cli_message(exc) if isinstance(exc, ConfigError) else str(exc))
     raise typer.Exit(status)

@@ -7,7 +7,7 @@
       -> choice["prompt_logprobs"] = [None, {"<id>": {"logprob": lp, "rank": r, "decoded_token": "..."}, ...}, ...]
 
 The values come from the engine (SamplingParams.prompt_logprobs, computed in the prefill:
-treeattn.engine.prompt_logprobs); a request asking for them does not start from the prefix cache.
+treeattn.engine.worker.prompt_logprobs); a request asking for them does not start from the prefix cache.
 This is what lm-evaluation-harness's `local-completions` model sends for its loglikelihood
 requests (echo, logprobs 1, max_tokens 1, temperature 0).
 """

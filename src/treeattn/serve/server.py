@@ -12,7 +12,7 @@ Logging (logger "treeattn.serve.server" at INFO): the start-up's steps (the engi
 ranks, the engine ready and how long it took, the address it listens on); one access line per
 request (treeattn.serve.access_log). `treeattn serve --log-level` sets the level; at DEBUG also the
 web stack imported and the ranks started (treeattn.engine.transport). The rank processes log their
-own steps at DEBUG (treeattn.parallel.spawn: process group ready; treeattn.engine.rank: model
+own steps at DEBUG (treeattn.parallel.spawn: process group ready; treeattn.engine.worker.rank: model
 loaded, runner ready), which a rank shows only where logging is configured in it:
 benchmarks/serve_timeline.py does that and puts every process's steps on one timeline.
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import typer
 
-from treeattn.engine.flags import dtype_flag
+from treeattn.commands.flags import dtype_flag
 from dataclasses import dataclass
 
 from treeattn.sim.hardware import CALIBRATED_PRESET, GB, GIB, PRESET_NAMES, US, Cluster, load_cluster
@@ -271,7 +271,7 @@ def _predict(cluster: Cluster, shapes: list[DecodeShape], nprocs: list[int], met
 
 def _write_figures(records: list[dict], folder: Path, prefix: str, title: str) -> None:
     """The latency/speedup/memory/comm PNGs of the predictions in `folder`; their paths on stderr."""
-    from treeattn.bench.plots import make_figures
+    from treeattn.sim.plots import make_figures
 
     for path in make_figures(records, folder, prefix, "predicted_seconds", title):
         typer.echo(f"wrote {path}", err=True)

@@ -25,9 +25,9 @@ from pathlib import Path
 import typer
 
 from treeattn.engine.config import EngineConfig
-from treeattn.engine.console import say, write_stdout
+from treeattn.commands.console import say, write_stdout
 from treeattn.engine.errors import ConfigError
-from treeattn.engine.flags import config_flag, config_options, dtype_flag, model_argument, torch_dtype
+from treeattn.commands.flags import config_flag, config_options, dtype_flag, model_argument, torch_dtype
 from treeattn.engine.request import SamplingParams as S
 
 CHAT_SAMPLING = {"temperature": 0.7, "top_p": 0.9, "top_k": 0, "repetition_penalty": 1.1}
@@ -112,7 +112,7 @@ def chat_command(
         params = dict(max_new_tokens=max_new_tokens, seed=seed, stop_token_ids=stop, **sampling)
         SamplingParams(**params)  # bad sampling options: one line now, before the model loads
     except (ValueError, TypeError, FileNotFoundError) as exc:
-        from treeattn.engine.flags import cli_message
+        from treeattn.commands.flags import cli_message
 
         typer.echo(f"error: {cli_message(exc)}", err=True)
         raise typer.Exit(2) from exc
@@ -126,7 +126,7 @@ def chat_command(
         engine = Engine(str(model), EngineConfig(**{**engine_options, "decode": engine_options["decode"] if nproc > 1 else "local"},
                                                  max_batch_size=1, prefix_cache=True, dtype=torch_dtype(dtype)))
     except ConfigError as exc:  # a refused option (--device cuda without CUDA, ...): one line in the flags' words
-        from treeattn.engine.flags import cli_message
+        from treeattn.commands.flags import cli_message
 
         typer.echo(f"error: {cli_message(exc)}", err=True)
         raise typer.Exit(2) from exc

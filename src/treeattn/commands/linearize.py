@@ -7,7 +7,7 @@ from pathlib import Path
 
 import typer
 
-from treeattn.engine.flags import model_argument
+from treeattn.commands.flags import model_argument
 
 
 def _layers(text: str, num_layers: int) -> list[int]:

@@ -35,7 +35,7 @@ no sliding window; ring_decode passes the shard itself, so it always gathers).
 Shared prefixes: decoding sequences whose block tables begin with the same blocks (a document in
 the prefix cache that several requests question) read those blocks once per step for all their
 query rows, then each its own blocks; the states merge, then one combine across the ranks
-(treeattn.engine.shared_prefix; same conditions as run-by-run reads).
+(treeattn.engine.worker.shared_prefix; same conditions as run-by-run reads).
 
 A hybrid cache's window layers (treeattn.cache.window) are attended locally on every rank, no combine.
 The runner (runner.py) and the draft model's runner (draft.py) both run their steps through one.
@@ -51,7 +51,7 @@ from treeattn.cache.blocks import tokens_to_blocks
 from treeattn.cache.paged import PagedKVCache
 from treeattn.cache.window import WindowKVCache
 from treeattn.cache.sharded import INVISIBLE_POSITION
-from treeattn.engine import shared_prefix
+from treeattn.engine.worker import shared_prefix
 from treeattn.engine.scheduler import Chunk, StepPlan
 from treeattn.models.attention import LocalAttention, group_world_size
 from treeattn.ops import attention, merge_states_list
@@ -67,7 +67,7 @@ _LOCAL = LocalAttention()  # a hybrid cache's window layers: every rank attends 
 class _Group:
     """Sequences attended in one call: their queries' rows in the flat step and their shards.
     own_from: per chunk, the first logical block of its shard (the blocks before are read as
-    shared segments, treeattn.engine.shared_prefix); None: from block 0."""
+    shared segments, treeattn.engine.worker.shared_prefix); None: from block 0."""
 
     def __init__(self, chunks: list[Chunk], offsets: list[int], rank: int, cache: PagedKVCache, device, copy_free_ok: bool,
                  own_from: list[int] | None = None, paged: bool = False) -> None:
@@ -282,7 +282,7 @@ class PagedBatch:
 
     def _attend_shared(self, g: _Group, flat: torch.Tensor, k_g, v_g, pos_g) -> torch.Tensor:
         """Group g's queries over its shared segments (each read once for its sequences) and each
-        sequence's own blocks, merged, then combined across the ranks (treeattn.engine.shared_prefix).
+        sequence's own blocks, merged, then combined across the ranks (treeattn.engine.worker.shared_prefix).
         flat: (T, Hq, D) the step's queries. Returns out (B, S, Hq, Dv) in q.dtype."""
         q = flat[g.q_index]
         if g.paged is not None:

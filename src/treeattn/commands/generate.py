@@ -10,8 +10,8 @@ Status lines (loading, ranks starting, prefill progress by chunk) and the summar
 stdout carries only the generated text, streamed as it is decoded (with --stop a tail that could
 begin a stop string waits until it cannot, and the text ends before the stop string; a batch is
 printed at the end), or with --json one JSON object, so the output can be piped. Progress bars only when stderr is a terminal; a file or pipe gets plain lines
-(treeattn.engine.console). Every engine and sampling flag is the field of EngineConfig or
-SamplingParams it fills (treeattn.engine.flags): the same name, default and help as in
+(treeattn.commands.console). Every engine and sampling flag is the field of EngineConfig or
+SamplingParams it fills (treeattn.commands.flags): the same name, default and help as in
 `treeattn serve`, ta.Engine and ta.generate.
 """
 
@@ -29,8 +29,8 @@ from rich.console import Console
 from rich.table import Table
 
 from treeattn.engine.config import EngineConfig
-from treeattn.engine.console import GenerateDisplay, process_age_s, say
-from treeattn.engine.flags import cli_message, config_options, device_and_dtype, dtype_flag, model_argument
+from treeattn.commands.console import GenerateDisplay, process_age_s, say
+from treeattn.commands.flags import cli_message, config_options, device_and_dtype, dtype_flag, model_argument
 from treeattn.engine.request import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -38,7 +38,7 @@ stderr = Console(stderr=True)
 
 RankBy = Literal["none", "mean-logprob"]
 
-E, S = EngineConfig, SamplingParams  # the configurations the flags fill (treeattn.engine.flags)
+E, S = EngineConfig, SamplingParams  # the configurations the flags fill (treeattn.commands.flags)
 
 
 ENGINE_FLAGS = ("nproc", "tp", "decode", "method", "prefill", "prefill_chunk", "decode_step", "placement", "block_size",
@@ -74,7 +74,7 @@ def generate_command(
     sampled: dict | None = None,
 ) -> None:
     """Generate from a Hugging Face checkpoint or a GGUF file with the KV cache sharded across ranks."""
-    from treeattn.engine.generate_rank import GenerateJob, generate_rank
+    from treeattn.commands.generate_rank import GenerateJob, generate_rank
     from treeattn.models.loader import read_model_files
     from treeattn.parallel.spawn import under_torchrun
 

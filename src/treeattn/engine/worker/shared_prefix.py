@@ -10,7 +10,7 @@ shared keys in one call -- bifurcated attention (papers/bifurcated-attention.txt
 treeattn.ops.bifurcated's fold_samples) with the context found in the block tables instead of
 given. Each sequence then attends to the rest of its blocks, the two states merge exactly
 (merge_states), and one combine across the ranks (tree_decode's combine_states) finishes the
-step, as for a run-by-run read (treeattn.engine.runner).
+step, as for a run-by-run read (treeattn.engine.worker.runner).
 
 Segments. The decoding sequences' block tables form a trie (a path of BlockRefs per sequence,
 over its full blocks before its first query, keys every one of its queries sees). find_segments

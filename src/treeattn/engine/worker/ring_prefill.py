@@ -1,6 +1,6 @@
 """Ring prefill steps: a step of prompt chunks only, its rows spread evenly (zigzag) over the ranks.
 
-A token-parallel step (treeattn.engine.token_parallel) cuts the step's flat row (1, T) into p
+A token-parallel step (treeattn.engine.worker.token_parallel) cuts the step's flat row (1, T) into p
 contiguous slices, but then every rank attends ALL T queries to its own shard and the states are
 combined: attention stays where the keys are. With contiguous placement a single prompt's keys sit
 on one rank after the other, so rank 0 does most of a prompt's attention while the others wait in
@@ -52,41 +52,11 @@ around the ring.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 
 from treeattn.cache.blocks import tokens_to_blocks
-from treeattn.engine.token_parallel import gather_rows, gather_slices
+from treeattn.engine.worker.token_parallel import gather_rows, gather_slices
 from treeattn.ops import attention, merge_states
-
-PREFILL_KINDS = ("auto", "ring", "split")
-RING_ROWS_PER_RANK = 4096
-"""While no sequence decodes, a step of ring prefill takes up to this many prompt tokens per rank
-(idle_prefill_chunk): each rank runs at most as many rows as one 4096-token chunk on one rank."""
-"""The engine's prefill option: "ring" (this module), "split" (token_parallel's steps), "auto"."""
-
-
-def resolve_prefill(prefill: str, world_size: int, layer_windows: Sequence[int | None]) -> str:
-    """The kind of step that runs a prompt-only step of enough tokens: "ring" or "split".
-
-    "auto" is "ring" on several ranks for a model without sliding windows; with a window it is
-    "split" (a ring step's attention is exact under a window too, but through masked blocks, not the
-    fused causal kernel). One rank has nothing to split: "split" (the replicated step) there.
-    """
-    if prefill not in PREFILL_KINDS:
-        raise ValueError(f"prefill must be one of {PREFILL_KINDS}, got {prefill!r}")
-    if world_size == 1:
-        return "split"
-    if prefill == "auto":
-        return "ring" if all(w is None for w in layer_windows) else "split"
-    return prefill
-
-
-def idle_prefill_chunk(prefill: str, world_size: int, layer_windows: Sequence[int | None]) -> int | None:
-    """The scheduler's prompt tokens per step while no sequence decodes: RING_ROWS_PER_RANK per
-    rank when prompt-only steps are ring steps, else None (prefill_chunk, as while decoding)."""
-    return RING_ROWS_PER_RANK * world_size if resolve_prefill(prefill, world_size, layer_windows) == "ring" else None
 
 
 def zigzag_pieces(n: int, world_size: int, rank: int) -> list[tuple[int, int]]:
@@ -142,7 +112,7 @@ class RingPrefillStep:
     """One prompt-only step of a PagedBatch run as a ring prefill (see the module docstring).
 
     Args:
-        batch: the step's PagedBatch (treeattn.engine.batch): all T tokens, their positions and
+        batch: the step's PagedBatch (treeattn.engine.worker.batch): all T tokens, their positions and
             the cache writes of this rank.
         chunks: the step's chunks (plan.chunks, none decoding), in the batch's order.
         rank, world_size: this rank in the group, and its size p.

@@ -44,20 +44,11 @@ import dataclasses
 import torch
 
 from treeattn.cache.paged import PagedKVCache
-from treeattn.engine import token_parallel
-from treeattn.engine.batch import PagedBatch
+from treeattn.engine.worker import token_parallel
+from treeattn.engine.worker.batch import PagedBatch
 from treeattn.engine.scheduler import Chunk, StepPlan
 from treeattn.models.attention import group_world_size
 from treeattn.parallel import comm
-
-
-class DraftSlots:
-    """The driver's drafter for speculate="draft": it reserves the slots of k drafts per decoding
-    sequence (placeholder tokens 0); the ranks' DraftRunner writes the drafted tokens into them."""
-
-    def propose(self, context: torch.Tensor, k: int) -> torch.Tensor:
-        """int64 (k,) placeholders (context: int64 (L,), unused: the draft model reads its cache)."""
-        return torch.zeros(k, dtype=torch.int64)
 
 
 class DraftRunner:
@@ -103,7 +94,7 @@ class DraftRunner:
 
     def _run(self, chunks: list[Chunk], last_of) -> torch.Tensor:
         """One draft forward pass over `chunks` (their keys/values into the draft's cache), token-parallel
-        where the model's step would be (treeattn.engine.token_parallel); returns the final hidden states
+        where the model's step would be (treeattn.engine.worker.token_parallel); returns the final hidden states
         (n, hidden_size) after the last token of chunks[i] for each i in `last_of`."""
         batch = PagedBatch(StepPlan(tuple(chunks)), self.kv_rank, self.cache, self.attend, self.combine)
         rows = [batch.offsets[i] + len(chunks[i].tokens) - 1 for i in last_of]

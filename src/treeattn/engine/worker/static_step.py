@@ -1,6 +1,6 @@
 """The engine's static decode step: fixed shapes, no host synchronization, capturable in a CUDA graph.
 
-A dynamic engine step (treeattn.engine.batch.PagedBatch) builds its index tensors on the host from
+A dynamic engine step (treeattn.engine.worker.batch.PagedBatch) builds its index tensors on the host from
 the step's plan, with shapes that follow the batch and the sequences' lengths, and attention picks
 its path from the data: on a GPU each step waits on the device many times and cannot be captured.
 A step whose chunks all run one token each (decoding without drafts) can instead run over fixed
@@ -73,9 +73,7 @@ from treeattn.parallel.tree_decode import combine_states
 
 logger = logging.getLogger(__name__)
 
-DECODE_STEPS = ("dynamic", "static", "graph")
-"""How the engine runs a decode step: "dynamic" (PagedBatch: host-built indices, exact sizes),
-"static" (StaticDecodeStep, eager) or "graph" (StaticDecodeStep replayed from CUDA graphs)."""
+
 
 
 def graph_safe_reason(model: LlamaModel, batch_size: int = 1) -> str | None:

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from treeattn.engine.config import EngineConfig, resolve_kv_cache_dtype
 from treeattn.engine.device import rank_device
 from treeattn.engine.plan_message import KEEPALIVE, Measure, PlanWire, SetDecode, StoreOps, plan_device
-from treeattn.engine.runner import RankRunner, StepOutcome
+from treeattn.engine.worker.runner import RankRunner, StepOutcome
 from treeattn.models.packed import fuse_projections, set_activation_format
 from treeattn.parallel.spawn import rank_threads
 
@@ -51,7 +51,7 @@ def load_model(model, dtype, device: torch.device | None = None, weight_format: 
     weights held as `weight_format` says (EngineConfig.weight_format), without its tokenizer and chat
     template (model.tokenizer None: a rank runs token ids only); or a loaded model, moved to
     `device` and `dtype` where they are given. With a HelixLayout `layout` (tensor parallelism) a
-    checkpoint's ranks read only their share of the weights (treeattn.engine.tensor_parallel)."""
+    checkpoint's ranks read only their share of the weights (treeattn.engine.worker.tensor_parallel)."""
     from treeattn.engine.device import resolve_dtype
     from treeattn.models import load_model as load
 
@@ -59,7 +59,7 @@ def load_model(model, dtype, device: torch.device | None = None, weight_format: 
         device = device or torch.device("cpu")
         shard = None
         if layout is not None and layout.world_size > 1:
-            from treeattn.engine.tensor_parallel import tensor_parallel_cuts
+            from treeattn.engine.worker.tensor_parallel import tensor_parallel_cuts
             from treeattn.models.loader import read_config
 
             shard = tensor_parallel_cuts(read_config(model), layout)
@@ -95,7 +95,7 @@ def make_runner(model, config: EngineConfig, group=None) -> RankRunner:
                  else draft.to(model.device, model.dtype))
     helix = None
     if config.tp is not None and config.nproc > 1:  # the Helix layout: this rank's share of the weights, its KV and TP groups
-        from treeattn.engine.tensor_parallel import helix_groups, shard_loaded
+        from treeattn.engine.worker.tensor_parallel import helix_groups, shard_loaded
 
         helix = helix_groups(helix_layout(config, group), group)
         shard_loaded(model, helix.layout)
@@ -117,7 +117,7 @@ def make_runner(model, config: EngineConfig, group=None) -> RankRunner:
 def helix_layout(config: EngineConfig, group=None):
     """This rank's HelixLayout of `config` (config.tp set) in `group` (None: the world; rank 0 alone
     without torch.distributed)."""
-    from treeattn.engine.tensor_parallel import HelixLayout
+    from treeattn.engine.worker.tensor_parallel import HelixLayout
 
     rank = dist.get_rank(group) if dist.is_available() and dist.is_initialized() else 0
     return HelixLayout(world_size=config.nproc, tp=config.tp, rank=rank)

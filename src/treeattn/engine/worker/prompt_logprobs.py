@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from treeattn.engine.request import TokenLogprob
-from treeattn.engine.token_parallel import gather_slices, row_bounds
+from treeattn.engine.worker.token_parallel import gather_slices, row_bounds
 
 ROWS_PER_BLOCK = 256
 """Prompt rows whose logits are computed at once: a block holds ROWS_PER_BLOCK x vocab_size float32
@@ -54,7 +54,7 @@ The values are the same bit for bit: each row is reduced alone."""
 def rows_per_pass(vocab_size: int) -> int:
     """Rows whose logits fill PASS_BYTES (at least 1): SmolLM2's 49,152 tokens 10, Gemma 3's 262,144 2.
 
-    >>> from treeattn.engine.prompt_logprobs import rows_per_pass
+    >>> from treeattn.engine.worker.prompt_logprobs import rows_per_pass
     >>> rows_per_pass(49152), rows_per_pass(262144), rows_per_pass(10**7)
     (10, 2, 1)
     """
@@ -162,7 +162,7 @@ def score_rows(model, hidden: torch.Tensor, targets: torch.Tensor, top: int) -> 
     Example (a tiny random model; the values equal torch.log_softmax of the whole logits)::
 
         >>> import torch, treeattn as ta
-        >>> from treeattn.engine.prompt_logprobs import score_rows
+        >>> from treeattn.engine.worker.prompt_logprobs import score_rows
         >>> from treeattn.models import random_model
         >>> model = random_model(ta.LlamaConfig(vocab_size=50, hidden_size=16, intermediate_size=32,
         ...     num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8), seed=0)

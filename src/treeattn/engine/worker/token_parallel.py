@@ -1,6 +1,6 @@
 """Token-parallel steps: a step's tokens split across the ranks, attention as tree attention.
 
-A replicated step (treeattn.engine.batch.PagedBatch) runs all T tokens of the step, the flat row
+A replicated step (treeattn.engine.worker.batch.PagedBatch) runs all T tokens of the step, the flat row
 (1, T), through the whole model on every rank; only attention is split (each rank attends to its
 shard of the cache, and the states are combined). For a prompt chunk that wastes p - 1 copies of
 the embeddings, projections, MLP and norms. A token-parallel step cuts the row into p near-equal
@@ -106,7 +106,7 @@ class TokenParallelStep:
     attend that distribute the model's layers (see the module docstring).
 
     Args:
-        batch: the step's PagedBatch (treeattn.engine.batch): all T tokens, their positions, the
+        batch: the step's PagedBatch (treeattn.engine.worker.batch): all T tokens, their positions, the
             cache writes and attention groups of this rank.
         rank, world_size: this rank in the group, and its size p.
         group: the process group (or SharedMemoryGroup) of the collectives.

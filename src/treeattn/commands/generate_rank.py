@@ -9,7 +9,7 @@ SamplingParams, and generate's checks of the batch: treeattn.engine.generate.che
 the engine's checks); with `checked` the ranks hand that proof on (treeattn.engine.checks.Checked,
 for the model each loads from model_dir) and nothing is checked again. Generation still checks
 that every rank got the same options (one all-gather). Progress
-display is the caller's: `display` (picklable, treeattn.engine.console.GenerateDisplay) is used on
+display is the caller's: `display` (picklable, treeattn.commands.console.GenerateDisplay) is used on
 rank 0 only.
 """
 
@@ -54,7 +54,7 @@ def generate_rank(rank: int, world_size: int, job: GenerateJob, display=None) ->
     """Run `job` as rank `rank` of `world_size` (inside ta.spawn or torchrun; world_size 1 needs no
     group). Returns GenerationResult.as_dict() on rank 0, None on the others.
 
-    `display` (rank 0 only; treeattn.engine.console.GenerateDisplay or None) is told when the model
+    `display` (rank 0 only; treeattn.commands.console.GenerateDisplay or None) is told when the model
     is loaded, how far the prefill is, and each new token."""
     import time
 
@@ -74,7 +74,7 @@ def generate_rank(rank: int, world_size: int, job: GenerateJob, display=None) ->
         torch.cuda.set_device(device)
     shard = None
     if job.config.tp is not None and world_size > 1:  # the Helix layout: this rank reads its share of the weights
-        from treeattn.engine.tensor_parallel import HelixLayout, tensor_parallel_cuts
+        from treeattn.engine.worker.tensor_parallel import HelixLayout, tensor_parallel_cuts
         from treeattn.models.loader import read_config
 
         shard = tensor_parallel_cuts(read_config(job.model_dir), HelixLayout(world_size, job.config.tp, rank))

@@ -5,8 +5,8 @@ all sequences form one flat row (1, T), whatever their sequences and positions. 
 tokens (decoding) is replicated: every rank runs all T tokens through the model. A step of at
 least token_parallel.SPLIT_MIN_TOKENS_PER_RANK tokens per rank (prompt chunks) is token-parallel:
 rank r runs only its slice of the row, and the injected callables gather the slices' keys, values
-and queries so that one PagedBatch serves all T rows (treeattn.engine.token_parallel). Either
-way the model's two injected callables end in a PagedBatch (treeattn.engine.batch: kv_store writes
+and queries so that one PagedBatch serves all T rows (treeattn.engine.worker.token_parallel). Either
+way the model's two injected callables end in a PagedBatch (treeattn.engine.worker.batch: kv_store writes
 this rank's new keys/values and gathers its shards, attend runs one attention call per group of
 sequences, reading decoding groups' blocks in place with the paged kernel, shards run by run and
 shared prefixes once where that pays; a hybrid cache's window layers locally).
@@ -30,15 +30,16 @@ import torch.distributed as dist
 from treeattn.cache.paged import PagedKVCache
 from treeattn.cache.window import WindowKVCache, hybrid_windows, paged_layers
 from treeattn.linear.hybrid import SequenceStates, check_linear_engine, linear_layers
-from treeattn.engine import token_parallel
-from treeattn.engine.batch import PagedBatch
+from treeattn.engine.worker import token_parallel
+from treeattn.engine.worker.batch import PagedBatch
 from treeattn.engine.measure import RankMeasurements, RankMeter
-from treeattn.engine.ring_prefill import RingPrefillStep, resolve_prefill
-from treeattn.engine.prompt_logprobs import PromptRows
+from treeattn.engine.worker.ring_prefill import RingPrefillStep
+from treeattn.engine.config import resolve_prefill
+from treeattn.engine.worker.prompt_logprobs import PromptRows
 from treeattn.engine.request import TokenLogprob
 from treeattn.engine.scheduler import Chunk, StepPlan
-from treeattn.engine.tensor_parallel import connect, local_heads, tensor_parallel_cuts
-from treeattn.engine.warmup import warm_up_rank
+from treeattn.engine.worker.tensor_parallel import connect, local_heads, tensor_parallel_cuts
+from treeattn.engine.worker.warmup import warm_up_rank
 from treeattn.models.attention import attention_backend, group_world_size
 from treeattn.models.llama import LlamaModel
 from treeattn.models.packed import weight_bytes
@@ -61,12 +62,12 @@ class StepOutcome:
             token after them; one token without drafts), None where the logits were not finite.
         logprobs: seq_id -> one TokenLogprob per new token, for the chunks whose request asked.
         shared_prefix_keys: key reads per layer that reading shared blocks once saved in this step
-            (treeattn.engine.shared_prefix.saved_keys).
+            (treeattn.engine.worker.shared_prefix.saved_keys).
         errors: seq_id -> why sampling failed for that sequence (its tokens are None): an
             exception while sampling one request fails that request alone.
         prompt_logprobs: seq_id -> (the first prompt position scored, one TokenLogprob per scored
             prompt token of its chunk; None where a value was not finite), for the chunks of requests
-            with SamplingParams.prompt_logprobs (treeattn.engine.prompt_logprobs).
+            with SamplingParams.prompt_logprobs (treeattn.engine.worker.prompt_logprobs).
     """
 
     tokens: dict[int, list[int] | None] = field(default_factory=dict)
@@ -114,13 +115,13 @@ class RankRunner:
         shared_memory: combine through shared memory (treeattn.parallel.shared_memory) when every
             rank runs on this host and the model is on the CPU; a rank missing for timeout_s
             seconds then makes the others raise.
-        draft_model: a draft model for speculate="draft" (treeattn.engine.draft.DraftRunner: its own
+        draft_model: a draft model for speculate="draft" (treeattn.engine.worker.draft.DraftRunner: its own
             cache of the same blocks; it fills in each step's drafts before the model verifies them).
         decode_step: "dynamic", or "static" / "graph": steps of one token per sequence run as a
-            treeattn.engine.static_step.StaticDecodeStep (batch buckets up to max_batch_size).
+            treeattn.engine.worker.static_step.StaticDecodeStep (batch buckets up to max_batch_size).
         kv_cache_dtype: the dtype the paged KV cache stores (None: the model's); attention reads it
             in the model's dtype, accumulating in float32 (treeattn.cache.paged).
-        helix: the Helix layout's HelixGroups (treeattn.engine.tensor_parallel; the model holds this
+        helix: the Helix layout's HelixGroups (treeattn.engine.worker.tensor_parallel; the model holds this
             rank's share of the weights): the cache holds this rank's KV heads and its KV group's
             blocks (kv_rank), attention combines over the KV group, the model's all-reduces and the
             LM head's gather run over `group`, and every rank runs every token of a step. None: no
@@ -136,7 +137,7 @@ class RankRunner:
         distributed = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank(group) if distributed else 0
         c = model.config
-        # The Helix layout (treeattn.engine.tensor_parallel: `helix` its HelixGroups, the model already
+        # The Helix layout (treeattn.engine.worker.tensor_parallel: `helix` its HelixGroups, the model already
         # parallelized): attention and the cache over this rank's KV group and heads, the rest over all ranks.
         self.helix = helix
         self.kv_rank = self.rank if helix is None else helix.layout.kv_index
@@ -174,7 +175,7 @@ class RankRunner:
         self._use_decode(decode, method)
         self.drafter = None
         if draft_model is not None:
-            from treeattn.engine.draft import DraftRunner
+            from treeattn.engine.worker.draft import DraftRunner
 
             windowless = all(w is None for w in draft_model.config.layer_windows)
             self.drafter = DraftRunner(draft_model, rank=self.rank, blocks_per_rank=blocks_per_rank, block_size=block_size,
@@ -182,14 +183,14 @@ class RankRunner:
                                        kv_rank=None if helix is None else self.kv_rank)
         self.static_step = None
         if decode_step != "dynamic":
-            from treeattn.engine.static_step import StaticDecodeStep
+            from treeattn.engine.worker.static_step import StaticDecodeStep
 
             self.static_step = StaticDecodeStep(model, self.cache, rank=self.kv_rank, max_batch_size=max_batch_size, decode=decode,
                                                 method=method, group=self.attention_group, topology=topology,
                                                 graph=decode_step == "graph")
         self._generators: dict[int, torch.Generator] = {}
         self.meter = RankMeter(self.rank)
-        # numba's kernels compiled or loaded now, not inside the first request's steps (engine.warmup)
+        # numba's kernels compiled or loaded now, not inside the first request's steps (engine.worker.warmup)
         self.warmed = warm_up_rank(model, kv_dtype=kv_cache_dtype, world_size=p, draft_model=draft_model)
 
     def set_decode(self, decode: str, method: str) -> None:
@@ -363,7 +364,7 @@ class RankRunner:
         draws are coupled to decoding's: the same seed gives the same tokens with speculation or
         without, whatever the batch, the prefix cache or the drafts (greedy: the argmax, always).
         """
-        from treeattn.engine.sampling import sample
+        from treeattn.engine.worker.sampling import sample
         from treeattn.engine.structured import apply_mask
 
         spec = chunk.sample

@@ -40,7 +40,7 @@ def adjust_logits(logits: torch.Tensor, params: SamplingParams, prompt_ids=(), o
     Example::
 
         >>> import torch, treeattn as ta
-        >>> from treeattn.engine.sampling import adjust_logits
+        >>> from treeattn.engine.worker.sampling import adjust_logits
         >>> logits = torch.tensor([[2.0, -1.0, 0.5, 1.0]])
         >>> params = ta.SamplingParams(repetition_penalty=2.0, frequency_penalty=0.5, logit_bias={3: 1.0})
         >>> adjust_logits(logits, params, prompt_ids=[0], output_ids=[1, 1]).tolist()   # 2/2, -1*2 - 2*0.5, 0.5, 1 + 1

@@ -29,9 +29,9 @@ from treeattn.cache.placement import PLACEMENTS
 from treeattn.engine.config import KV_CACHE_DTYPES
 from treeattn.engine.device import DEVICES
 from treeattn.engine.request import MAX_LOGPROBS
-from treeattn.engine.ring_prefill import PREFILL_KINDS, RING_ROWS_PER_RANK
+from treeattn.engine.config import PREFILL_KINDS, RING_ROWS_PER_RANK
 from treeattn.engine.speculate import MAX_DRAFT_TOKENS, SPECULATE_KINDS
-from treeattn.engine.static_step import DECODE_STEPS
+from treeattn.engine.config import DECODE_STEPS
 from treeattn.models.attention import DECODE_KINDS
 from treeattn.models.packed import WEIGHT_FORMATS
 from treeattn.ops.packed_linear import ACTIVATION_FORMATS
