@@ -7,7 +7,7 @@ from the loaded model (benchmarks.gemma3_long.transformers_twin), not from trans
 load, which takes minutes for this 262K-token vocabulary on a 2-core machine: the loader's names,
 norm offsets and dequantization of every tensor type in this file are checked against transformers'
 GGUF load by tests/test_gemma3.py on a tiny file, and on this file by
-`python3 benchmarks/gemma3_long.py --check-gguf` (docs/models.md: 2.7e-5 max logit difference).
+`python3 benchmarks/engine/gemma3_long.py --check-gguf` (docs/models.md: 2.7e-5 max logit difference).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def ours():
 
 @pytest.fixture(scope="module")
 def reference(ours):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks" / "engine"))
     from gemma3_long import transformers_twin
 
     return transformers_twin(ours)

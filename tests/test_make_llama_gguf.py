@@ -1,4 +1,4 @@
-"""benchmarks/make_llama_gguf.py: a small random Llama GGUF loads in treeattn, decodes greedily, and is the
+"""benchmarks/models/make_llama_gguf.py: a small random Llama GGUF loads in treeattn, decodes greedily, and is the
 same model transformers reads from the file (its RoPE divided by the file's rope_freqs, as llama.cpp and
 treeattn apply them)."""
 
@@ -18,7 +18,7 @@ from helpers.llama_checkpoints import treeattn_logits
 
 import treeattn as ta
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "make_llama_gguf.py"
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "models" / "make_llama_gguf.py"
 
 
 def _script():

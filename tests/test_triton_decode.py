@@ -347,7 +347,7 @@ def test_attention_on_cpu_uses_the_generic_path(monkeypatch):
 # ---------------------------------------------------------------- compiled for real GPUs
 
 _NVIDIA_TOOLS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-_BENCHMARK = os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks", "gpu_decode.py")
+_BENCHMARK = os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks", "kernels", "gpu_decode.py")
 
 
 @pytest.mark.skipif(not os.path.exists(_NVIDIA_TOOLS), reason="triton wheel without the NVIDIA tools")

@@ -20,7 +20,7 @@ pages of blocks not yet written are not resident: memory in use follows the bloc
 Why one arena rather than a pool of blocks and a block table here: a decode step must read the
 whole shard, and the dense CPU attention kernel wants each head's keys as one strided matrix. A
 block table would make every step gather the shard into such a matrix first (a full copy of the
-shard per layer per step; benchmarks/engine_decode.py measures that gather against the view),
+shard per layer per step; benchmarks/engine/engine_decode.py measures that gather against the view),
 unless a paged kernel reads the blocks in place, as the engine's does.
 
 Every global slot belongs to one token of every sequence in the batch. Sequences of different

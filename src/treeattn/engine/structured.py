@@ -8,7 +8,7 @@
     grammars.advance(seq_id, token)      # after a token is committed
 
 The grammar engine is llguidance (the one vLLM's "guidance" backend and llama.cpp use): chosen over
-xgrammar by measurement on this CPU (benchmarks/structured_mask.py, docs/data/structured_mask.txt):
+xgrammar by measurement on this CPU (benchmarks/retired/structured_mask.py, docs/data/structured_mask.txt):
 its compile takes about a millisecond where xgrammar's took 60-340 ms per new schema, for a mask of
 tens of microseconds per token in both. JSON is compact (no free whitespace between tokens:
 whitespace_flexible False, vLLM's disable_any_whitespace), so that no model can loop on spaces.

@@ -305,7 +305,7 @@ def _legend(nproc: int, device: str) -> None:
 
 
 # Where 2 ranks passed one process on this repository's 2-core machine, quiet (load 0.4-2.0), as measured
-# (quoted, with their raw data; benchmarks/sharding_crossover.py measures it on any machine).
+# (quoted, with their raw data; benchmarks/parallel/sharding_crossover.py measures it on any machine).
 CROSSOVER_LINES = (
     "the layout this demo runs (Helix, --tp 1): SmolLM2, 4,080 tokens, 2 ranks 28.5-29.8 ms a token, one process 32.5 "
     "(0.88-0.92x, docs/data/helix_smollm2_4k_s12.txt); a 1B Llama shape, 4,080 tokens, --tp 2: 94.1-94.7 against 99.3-99.6 "

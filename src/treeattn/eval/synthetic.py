@@ -6,7 +6,7 @@ sequence-sharded KV cache (the engine's ring prefill) and decoded greedily, once
 tree_decode and ring_decode (pass-KV). A single process then prefills and decodes the same prompt
 with plain attention over the whole cache, and every method must give its tokens.
 
-run_demo() returns the measurements; treeattn.eval.demo_cli renders them. benchmarks/engine_decode.py uses it too.
+run_demo() returns the measurements; treeattn.eval.demo_cli renders them. benchmarks/engine/engine_decode.py uses it too.
 """
 
 from __future__ import annotations

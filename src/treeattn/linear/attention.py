@@ -14,7 +14,7 @@ from treeattn.ops.validation import check_qkv
 from treeattn.parallel import comm
 from treeattn.parallel.metadata import UNKNOWN, Digest, device_code, dtype_code, tensor_digest, validate_and_agree
 
-# Measured with benchmarks/linear_exchange.py (docs/linear.md): on gloo over loopback the single
+# Measured with benchmarks/parallel/linear_exchange.py (docs/linear.md): on gloo over loopback the single
 # all-gather beat the log2(p)-round scan at every p measured, so it is the default.
 DEFAULT_METHOD = "allgather"
 

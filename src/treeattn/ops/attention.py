@@ -53,7 +53,7 @@ MAX_SCORE_ELEMENTS = 1 << 22
 CACHE_SCORE_ELEMENTS = 1 << 15
 # Queries per block of causal attention over contiguous positions (prefill) on the CPU. On CUDA the
 # whole query range is one block: the fused kernel streams it in bounded memory, and fewer, larger
-# calls run 2-3x faster there (32K causal prefill on an H100: benchmarks/gpu_prefill.py).
+# calls run 2-3x faster there (32K causal prefill on an H100: benchmarks/kernels/gpu_prefill.py).
 CAUSAL_QUERY_BLOCK = 512
 
 _cpu_flash = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
@@ -431,7 +431,7 @@ def _prefer_matmul(rows_per_kv_head: int) -> bool:
     """For decode-sized row counts (<= 64 query rows per KV head) the online-softmax matmul path
     over cache-sized key chunks beats the fused kernel, on one thread and on two (measured on an
     idle 2-core x86_64: 64K keys, D = 128, 2 threads: MHA 40 ms vs 65 ms, Hq/Hkv = 32/8 29 ms vs
-    35 ms; benchmarks/attention_cpu.py, docs/benchmarks.md). Longer query blocks (prefill) keep
+    35 ms; benchmarks/retired/attention_cpu.py, docs/benchmarks.md). Longer query blocks (prefill) keep
     the fused kernel.
     """
     return rows_per_kv_head <= 64

@@ -45,7 +45,7 @@ MODES = ("auto", "bifurcated", "batched")
 # concatenated [context, decoded] K/V is faster than the split on this machine; above it the split
 # wins. Measured on x86_64 (AMD EPYC, 2 cores, AVX-512), CPU-only, torch 2.13.0, float32, Sq = 1,
 # MHA (Hq = Hkv = 16) and MQA (Hq = 16, Hkv = 1), D = 64, n 1..64, Mc 16..4096, Md 1 and 64, by
-#     flock /tmp/treeattn-bench.lock python benchmarks/bifurcated.py switch --repeats 20
+#     flock /tmp/treeattn-bench.lock python benchmarks/kernels/bifurcated.py switch --repeats 20
 # Result: "batched iff n * Mc * Hkv * D <= 131072": over the 140 workloads it picks the slower mode
 # (by > 5%) 19 times, mean slowdown vs the faster mode 1.045x (always splitting: 55 times, 1.179x).
 # An earlier run of the same grid fits 262144; the loss is flat between the two (mean 1.02x-1.05x).

@@ -28,7 +28,7 @@ the vocabulary) and on the calling thread for smaller ones (a layer's projection
 thread pool 7 times a layer, beside torch's own pool, cost more than the second thread gained. On
 this project's 2-core machine one process with 2 threads decoded SmolLM2 (packed, 4,096 tokens of
 context) in a median 85.5 / 95.9 ms per step against 143.9 / 116.3 ms with every call parallel
-(benchmarks/packed_threads.py; docs/benchmarks.md, "Weights kept packed"); with session 11's faster
+(benchmarks/kernels/packed_threads.py; docs/benchmarks.md, "Weights kept packed"); with session 11's faster
 kernels the model's part of a step took 11.5 ms against 19.8 with every call parallel (`treeattn bench
 profile` at 4,096 tokens, one process, two runs alternated).
 """

@@ -54,7 +54,7 @@ MAX_SPLITS = 1024
 MIN_TILES_PER_SPLIT = 4
 # Programs to aim for per streaming multiprocessor when choosing num_splits. Measured on an H100
 # (B = 1, Hq/Hkv = 32/8, D = 128, bf16, CUDA-graph replays): 2 beats 4 by 5 % at 64K keys and
-# 9 % at 512K (benchmarks/gpu_decode.py; docs/gpu.md).
+# 9 % at 512K (benchmarks/kernels/gpu_decode.py; docs/gpu.md).
 PROGRAMS_PER_SM = 2
 # Bytes of one K tile (BLOCK_N keys x D): sets BLOCK_N from the head dim and dtype.
 TILE_BYTES = 16 * 1024
@@ -497,7 +497,7 @@ def _pick_tiles(block_m: int, D: int, Dv: int, element_size: int) -> tuple[int, 
 
     A 16-bit K tile holds at most TILE_BYTES (64 keys x 128 dims); float32, whose IEEE dots run
     on FMA units, takes 16-key tiles and 8 warps; three pipeline stages for 16-row blocks, two
-    for larger ones. Compiled offline for sm_80 and sm_90 (``benchmarks/gpu_decode.py
+    for larger ones. Compiled offline for sm_80 and sm_90 (``benchmarks/kernels/gpu_decode.py
     --compile-only``), every dtype x D in {64, 128, 256} x {4, 64} rows x {contiguous, paged}
     pipelines its K/V loads, uses at most ~100 KiB of shared memory and spills nothing but 8
     bytes in one case (float32, D = 64, 64 rows, sm_80).

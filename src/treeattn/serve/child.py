@@ -6,7 +6,7 @@
 
 The command prints one line on stderr once it listens (`ready_line`); `ready_url` reads the URL back
 from it. The tests' server fixture, the README's client test and the benchmarks that time a server
-(benchmarks/serve_load.py, gguf_load.py) start it this way. Nothing here imports FastAPI.
+(benchmarks/serving/serve_load.py, gguf_load.py) start it this way. Nothing here imports FastAPI.
 """
 
 from __future__ import annotations

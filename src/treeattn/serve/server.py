@@ -14,7 +14,7 @@ request (treeattn.serve.access_log). `treeattn serve --log-level` sets the level
 web stack imported and the ranks started (treeattn.engine.transport). The rank processes log their
 own steps at DEBUG (treeattn.parallel.spawn: process group ready; treeattn.engine.worker.rank: model
 loaded, runner ready), which a rank shows only where logging is configured in it:
-benchmarks/serve_timeline.py does that and puts every process's steps on one timeline.
+benchmarks/serving/serve_timeline.py does that and puts every process's steps on one timeline.
 
 Start-up order: the options are checked, then the rank processes are started first thing
 (treeattn.parallel.spawn.StartedRanks: forked for CPU ranks, so they share the server's imported

@@ -178,7 +178,7 @@ MODELS: dict[str, ModelShape] = {m.name: m for m in (
     ModelShape("deepseek-r1", layers=61, hidden=7168, heads=128, kv_heads=1, head_dim=192, ffn=18432, vocab=129280,
                q_lora_rank=1536, kv_lora_rank=512, rope_dim=64, v_head_dim=128, experts=256, active_experts=8,
                expert_ffn=2048, shared_experts=1, dense_layers=3),
-    # config.json of meta-llama/Llama-3.2-1B (the shape of benchmarks/make_llama_gguf.py)
+    # config.json of meta-llama/Llama-3.2-1B (the shape of benchmarks/models/make_llama_gguf.py)
     ModelShape("llama-3.2-1b", layers=16, hidden=2048, heads=32, kv_heads=8, head_dim=64, ffn=8192, vocab=128256,
                tied_embeddings=True),
     # config.json of HuggingFaceTB/SmolLM2-135M(-Instruct)

@@ -59,7 +59,7 @@ from treeattn.ops.paged_decode import PagedDecodeLayout, kernel_takes, paged_dec
 
 
 # A group of sequences is read run by run (no copy) when its runs of adjacent blocks average at
-# least this many keys; below, one gather and one batched call are cheaper (benchmarks/engine_paged_read.py).
+# least this many keys; below, one gather and one batched call are cheaper (benchmarks/engine/engine_paged_read.py).
 COPY_FREE_MIN_KEYS = 1024
 _LOCAL = LocalAttention()  # a hybrid cache's window layers: every rank attends alone
 

@@ -46,7 +46,7 @@ PASS_BYTES = 2 << 20
 """Logits whose log-softmax, rank and top k are taken together: rows_per_pass(V) rows of a block.
 The reductions read the logits several times (max, exp-sum, compare, top k); over a block of 256
 rows (SmolLM2: 48 MiB) every read comes from memory, over 2 MiB of rows the reads after the first
-come from the cache (benchmarks/prompt_logprobs_reductions.py: docs/engine.md#prompt-log-probabilities).
+come from the cache (benchmarks/engine/prompt_logprobs_reductions.py: docs/engine.md#prompt-log-probabilities).
 On the CPU only: on a GPU a block is reduced in one pass (one kernel launch per reduction, not per row).
 The values are the same bit for bit: each row is reduced alone."""
 

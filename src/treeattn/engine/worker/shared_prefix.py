@@ -49,7 +49,7 @@ SHARE_MIN_SAVED_KEYS = 512
 """A stretch of K keys (all ranks together) shared by m >= 2 decoding sequences is read once for
 them when that saves at least this many key reads, (m - 1) x K >= SHARE_MIN_SAVED_KEYS; below, the
 extra attention call and merge cost more than the reads they save. Measured for one layer of
-SmolLM2's shape on this machine (benchmarks/engine_shared_prefix.py --threshold, docs/benchmarks.md):
+SmolLM2's shape on this machine (benchmarks/engine/engine_shared_prefix.py --threshold, docs/benchmarks.md):
 sharing lost at (m - 1) x K <= 496 for m = 4 and 16 and won from 768 (m = 4) and 960 (m = 16);
 for m = 2 it already won at 256 (1.15x), the one case of the grid this threshold leaves unshared."""
 

@@ -1,0 +1,54 @@
+"""What prompt log-probabilities add to a prefill: the same prompt with and without prompt_logprobs, alternately.
+
+    python benchmarks/engine/prompt_logprobs_overhead.py SmolLM2.gguf --tokens 8000 --nproc 1 --rounds 2
+
+One engine (prefix cache off: every request prefills its whole prompt), one prompt of random token
+ids; each round runs it with max_new_tokens=1 without prompt_logprobs, then with prompt_logprobs=0
+(the logprob of every prompt token), and records each request's time to first token (the prefill).
+Prints one JSON object: the times, the per-round ratios (with / without), their mean, and the load
+average read at the start and at the end (timings on a shared machine are under load).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import torch
+
+import treeattn as ta
+from treeattn.bench import harness
+
+
+def main() -> None:
+    parser = harness.parser(__doc__, model="required", nproc=1, output=False)
+    parser.add_argument("--tokens", type=int, default=8000)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--prefill-chunk", type=int, default=512)
+    args = harness.parse_args(parser)
+    load_start = open("/proc/loadavg").read().split()[:3]
+    from treeattn.models.loader import read_config
+
+    prompt = torch.randint(100, read_config(args.model).vocab_size, (args.tokens,), generator=torch.Generator().manual_seed(0)).tolist()
+    rows = []
+    with ta.Engine(args.model, nproc=args.nproc, prefix_cache=False, max_context=args.tokens + 8,
+                   prefill_chunk=args.prefill_chunk) as engine:
+        engine.generate([prompt[:64]], max_new_tokens=2)  # warm-up
+        for _ in range(args.rounds):
+            row = {}
+            for name, k in (("without", None), ("with", 0)):
+                start = time.perf_counter()
+                result = engine.generate([prompt], max_new_tokens=1, prompt_logprobs=k)[0]
+                row[name] = result.ttft_s
+                row[name + "_wall"] = time.perf_counter() - start
+                if k is not None:
+                    assert len(result.prompt_logprobs) == len(prompt)
+            rows.append(row)
+    ratios = [r["with"] / r["without"] for r in rows]
+    print(json.dumps({"model": args.model, "tokens": args.tokens, "nproc": args.nproc, "prefill_chunk": args.prefill_chunk,
+                      "rounds": rows, "ratios": ratios, "mean_ratio": sum(ratios) / len(ratios),
+                      "loadavg_start": load_start, "loadavg_end": open("/proc/loadavg").read().split()[:3]}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

