@@ -2,7 +2,7 @@
 
     python benchmarks/models/make_llama_gguf.py --out /tmp/llama1b.Q4_0.gguf
     python benchmarks/parallel/helix_layouts.py /tmp/llama1b.Q4_0.gguf --context 4096 \
-        --llama-python /work/llama/venv/bin/python --out docs/data/helix_layouts_4k.txt
+        --llama-python /work/llama/venv/bin/python --output docs/data/helix_layouts_4k.txt
 
 For one prompt of --context random token ids (random.Random(0), ids in [100, 49000): the vocabulary
 `make_llama_gguf.py` encodes text into), each layout runs `treeattn generate MODEL --prompt-ids FILE
@@ -123,10 +123,10 @@ def main() -> None:
     parser.add_argument("--kv-cache-dtype", default="auto", help="treeattn's --kv-cache-dtype (auto: float32 on the CPU)")
     parser.add_argument("--llama-python", default=None, help="a Python with llama-cpp-python (without it: no llama.cpp row)")
     parser.add_argument("--llama-threads", type=int, default=2)
-    parser.add_argument("--out", default=None, help="also write everything printed to this file")
+    parser.add_argument("--output", default=None, help="also write everything printed to this file")
     args = parser.parse_args()
     layouts = [x for x in args.layouts if x != "llama" or args.llama_python]
-    out = open(args.out, "w") if args.out else None
+    out = open(args.output, "w") if args.output else None
 
     def say(line: str) -> None:
         print(line, flush=True)

@@ -1,6 +1,6 @@
 """`treeattn bench serve` against `treeattn serve` (1 and 2 ranks) and llama-cpp-python's server on the same GGUF.
 
-    nice -n 10 python benchmarks/serving/serve_matrix.py --model smollm2 --nproc 1 2 --input-len 512 2048 \\
+    nice -n 10 python benchmarks/serving/serve_matrix.py smollm2 --nproc 1 2 --input-len 512 2048 \\
         --concurrency 1 2 4 8 --output-len 32 --llama-python /work/llama/venv/bin/python [--budget-min 20]
     python benchmarks/serving/serve_matrix.py --table docs/data/serve_matrix      # the markdown table of the JSONs there
 
@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import signal
 import socket
@@ -41,7 +40,7 @@ WORDS = ("the", "cat", "sat", "on", "a", "mat", "while", "rain", "fell", "over",
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="smollm2")
+    parser.add_argument("model", nargs="?", default="smollm2", metavar="MODEL", help="smollm2, gemma3 or a .gguf path")
     parser.add_argument("--nproc", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--input-len", type=int, nargs="+", default=[512, 2048])
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8])

