@@ -157,11 +157,7 @@ def test_chat_on_smollm2_in_a_terminal_ctrl_c_stops_the_reply_not_the_chat():
         term.type("/exit\r")
         assert term.wait() == 0
     finally:
-        try:
-            os.kill(term.pid, signal.SIGKILL)
-            os.waitpid(term.pid, 0)
-        except (ProcessLookupError, ChildProcessError):
-            pass
+        _kill(term)
 
 
 def test_kv_cache_dtype_and_weight_format_flags_reach_the_engine(tiny, monkeypatch):
@@ -223,12 +219,17 @@ def test_three_turns_on_smollm2_in_a_terminal_sample_with_the_printed_defaults()
         term.type("/exit\r")
         assert term.wait() == 0
     finally:
-        try:
-            os.kill(term.pid, signal.SIGKILL)
-            os.waitpid(term.pid, 0)
-        except (ProcessLookupError, ChildProcessError):
-            pass
+        _kill(term)
 
+
+
+def _kill(term) -> None:
+    """End the pseudo-terminal's process if a test left it running (a failed expect), and reap it."""
+    try:
+        os.kill(term.pid, signal.SIGKILL)
+        os.waitpid(term.pid, 0)
+    except (ProcessLookupError, ChildProcessError):
+        pass
 
 def _greedy_chat_replies(path, *layout: str) -> list[str]:
     """Two turns of a greedy chat in a pseudo-terminal with `layout`'s flags: each reply's text."""
@@ -245,11 +246,7 @@ def _greedy_chat_replies(path, *layout: str) -> list[str]:
         term.type("/exit\r")
         assert term.wait() == 0
     finally:
-        try:
-            os.kill(term.pid, signal.SIGKILL)
-            os.waitpid(term.pid, 0)
-        except (ProcessLookupError, ChildProcessError):
-            pass
+        _kill(term)
     return replies
 
 

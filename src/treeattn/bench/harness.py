@@ -203,6 +203,44 @@ def timed_steps(log: list) -> None:
     runner.RankRunner.step = timed
 
 
+LLAMA_CPP_GREEDY = r"""
+import json, sys, time
+from llama_cpp import Llama
+a = json.loads(sys.argv[1])
+ids = json.load(open(a["ids"]))
+start = time.perf_counter()
+llm = Llama(model_path=a["model"], n_ctx=len(ids) + a["new"] + 8, n_threads=a["threads"], n_threads_batch=a["threads"],
+            n_batch=512, verbose=False)
+load_s = time.perf_counter() - start
+tokens, times = [], []
+start = time.perf_counter()
+for token in llm.generate(ids, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0, reset=True):
+    times.append(time.perf_counter() - start)
+    tokens.append(int(token))
+    if len(tokens) == a["new"]:
+        break
+print(json.dumps({"tokens": tokens, "prefill_s": times[0], "decode_s": times[-1] - times[0], "decode_steps": len(times) - 1,
+                  "load_s": load_s}))
+"""
+
+
+def llama_cpp_greedy(python: str, model: str, prompt_ids_file: str, new_tokens: int, threads: int) -> dict:
+    """llama.cpp's greedy decode of the ids in `prompt_ids_file` (a JSON list) for `new_tokens` tokens, run by
+    `python`, an interpreter with llama-cpp-python (never a treeattn dependency): tokens, prefill_s (to the first
+    token), decode_s, decode_steps, load_s, and ms_per_token (the tokens after the first). SystemExit with its
+    stderr's tail when it fails.
+
+    >>> llama_cpp_greedy("/work/llama/venv/bin/python", default_model(), "ids.json", 16, 2)["ms_per_token"]  # doctest: +SKIP
+    19.7
+    """
+    arg = json.dumps({"model": model, "ids": prompt_ids_file, "new": new_tokens, "threads": threads})
+    done = subprocess.run([python, "-c", LLAMA_CPP_GREEDY, arg], capture_output=True, text=True)
+    if done.returncode:
+        raise SystemExit(f"llama.cpp ({python}) failed ({done.returncode}): {done.stderr[-2000:]}")
+    r = json.loads(done.stdout.splitlines()[-1])
+    return {**r, "ms_per_token": 1e3 * r["decode_s"] / max(r["decode_steps"], 1)}
+
+
 def cpu_model() -> str:
     """The CPU's model name (/proc/cpuinfo's, as lscpu shows it), else platform.processor()."""
     try:
