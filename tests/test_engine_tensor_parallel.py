@@ -262,14 +262,15 @@ def q8_gguf_tied(tmp_path_factory):
     return _q8_gguf(tmp_path_factory, "qwen2")  # tied embeddings: the packed table is the LM head too
 
 
-def _packed_run(rank: int, world_size: int, path, tp) -> tuple:
+def _packed_run(rank: int, world_size: int, path, tp, activation_format: str = "auto", logprobs: int | None = None) -> tuple:
     torch.set_num_threads(1)
     from treeattn.commands.generate_rank import GenerateJob, generate_rank
     from treeattn.engine.request import SamplingParams
 
-    config = EngineConfig(nproc=world_size, tp=tp, block_size=4, weight_format="packed", max_context=64)
+    config = EngineConfig(nproc=world_size, tp=tp, block_size=4, weight_format="packed", max_context=64,
+                          activation_format=activation_format)
     job = GenerateJob(model_dir=str(path), prompts=tuple(tuple(p) for p in PROMPTS), config=config,
-                      sampling=SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True))
+                      sampling=SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True, logprobs=logprobs))
     return generate_rank(rank, world_size, job)
 
 
@@ -284,6 +285,26 @@ def test_packed_gguf_shares_keep_the_files_blocks(q8_gguf, q8_gguf_tied, tp, tie
     assert two[0]["generated_ids"] == one["generated_ids"]
     assert two[0]["weight_format"] == "packed" and two[0]["tp"] == tp
     assert len(two[0]["weight_bytes_per_rank"]) == 2 and max(two[0]["weight_bytes_per_rank"]) < 0.6 * one["weight_bytes_per_rank"][0]
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_int8_activations_in_the_layout(q8_gguf, tp):
+    """activation_format="int8" (llama.cpp's arithmetic: 8-bit activations per block of 32) with the packed
+    file split over 2 ranks: o_proj and down_proj split their input columns on whole blocks, so each rank
+    quantizes the same blocks of activations the one-rank call does, and only the sum's order changes:
+    the one-rank int8 engine's greedy tokens, and the result says int8."""
+    from treeattn.ops.packed_linear import int8_module
+
+    if int8_module() is None:
+        pytest.skip("the int8 kernel needs numba and AVX-512 VNNI/BW/VL; this CPU has not")
+    exact = _packed_run(0, 1, q8_gguf, None, "float32", 0)
+    one = _packed_run(0, 1, q8_gguf, None, "int8", 0)
+    two = ta.spawn(_packed_run, 2, q8_gguf, tp, "int8", 0, timeout=300)[0]
+    assert two["activation_format"] == one["activation_format"] == "int8"
+    assert two["generated_ids"] == one["generated_ids"]
+    got, want, float32 = (torch.tensor(r["token_logprobs"], dtype=torch.float64) for r in (two, one, exact))
+    assert (want - float32).abs().max() > 1e-5  # the int8 path ran: its rounding shows in the logprobs
+    assert (got - want).abs().max() <= 1e-4  # the layout changes only the order of float32 sums
 
 
 def test_packed_split_off_block_boundaries_is_refused_before_ranks_start(q8_gguf):
