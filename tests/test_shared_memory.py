@@ -103,6 +103,26 @@ def test_a_missing_rank_times_out_naming_it(two_ranks):
     assert "rank(s) [1] did not arrive within 0.5 s" in message
 
 
+def _counted_waits(rank: int, world_size: int) -> tuple:
+    SharedMemoryGroup.count_waits = True  # this rank's process only
+    group = SharedMemoryGroup.create(None)
+    SharedMemoryGroup.count_waits = False
+    comm.all_reduce(torch.ones(3), dist.ReduceOp.SUM, group)  # sequence 1: stamps in word _STAMP + 1
+    stamps = [group._flags[i + shm_module._STAMP + 1] for i in group._flag_indices]
+    return group.waits, stamps, group._flags[group._flag_indices[rank] + shm_module._STAMP + 1]
+
+
+def test_counted_waits_split_each_wait_into_the_peers_lateness_and_the_handoff():
+    """SharedMemoryGroup.count_waits: every rank reads every rank's arrival time, so each rank's late_ns
+    is the last arrival minus its own (the last rank's is 0) and its handoff is what remains of its wait."""
+    results = ta.spawn(_counted_waits, 2)
+    (waits0, stamps, _), (waits1, stamps1, _) = results
+    assert stamps == stamps1 and all(s > 0 for s in stamps)
+    assert [w.calls for w in (waits0, waits1)] == [1, 1]
+    assert [w.late_ns for w in (waits0, waits1)] == [max(stamps) - mine for _, _, mine in results]
+    assert min(waits0.late_ns, waits1.late_ns) == 0 and waits0.handoff_ns >= 0 and waits1.handoff_ns >= 0
+
+
 def _tree_decode_over_shm(rank: int, world_size: int, method: str):
     group = SharedMemoryGroup.create(None)
     gen = torch.Generator().manual_seed(0)
@@ -179,3 +199,10 @@ def _timeout_of_the_group(rank: int, world_size: int):
 def test_the_default_timeout_is_the_process_groups():
     for read, used in ta.spawn(_timeout_of_the_group, 2, timeout=17.0):
         assert read == used == 17.0
+
+
+def test_docstring_examples_of_the_module():
+    import doctest
+
+    result = doctest.testmod(shm_module)
+    assert result.failed == 0 and result.attempted > 0

@@ -35,6 +35,7 @@ import platform
 import socket
 import time
 import uuid
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -49,15 +50,47 @@ _SUPPORTED_OPS = (dist.ReduceOp.SUM, dist.ReduceOp.MAX)
 _SPIN_CHECKS = 64  # checks before the first sched_yield
 _YIELD_S = 0.02  # then yield (the core stays awake: a halted vCPU wakes up in ~1 ms) for this long
 _SLEEP_S = 50e-6  # then sleep this long between checks, not to burn a core on a long wait
+_STAMP = 1  # words 1, 2 of a rank's flag line (by the sequence's parity): when it arrived (perf_counter_ns), when waits are counted
 _NUMPY_DTYPES = (torch.float64, torch.float32, torch.float16, torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
+
+
+@dataclass
+class WaitStats:
+    """What a rank's shared-memory collectives waited for, in nanoseconds (SharedMemoryGroup.count_waits).
+
+    calls: collectives counted. late_ns: the time from this rank's arrival to the last rank's (waiting
+    for a rank that had not arrived: the ranks' imbalance, or a peer descheduled). handoff_ns: the time
+    from the last rank's arrival to this rank seeing it (the handshake's own latency: spinning, a yield
+    or a sleep in progress). Arrival times are every rank's time.perf_counter_ns(), one clock on one
+    host (CLOCK_MONOTONIC on Linux).
+
+    >>> stats = WaitStats()
+    >>> stats.add(arrived=100, last=350, seen=360); stats.add(arrived=500, last=500, seen=502)
+    >>> stats
+    WaitStats(calls=2, late_ns=250, handoff_ns=12)
+    """
+
+    calls: int = 0
+    late_ns: int = 0
+    handoff_ns: int = 0
+
+    def add(self, arrived: int, last: int, seen: int) -> None:
+        self.calls += 1
+        self.late_ns += last - arrived
+        self.handoff_ns += max(0, seen - last)
 
 
 class SharedMemoryGroup:
     """A process group whose small CPU collectives go through one shared mapping (see the module).
 
     Build it with create() on every rank of `process_group`. Attributes: process_group (the
-    wrapped group, None for the world), rank, size, capacity_bytes, timeout_s.
+    wrapped group, None for the world), rank, size, capacity_bytes, timeout_s, waits (a WaitStats
+    while the group counts its waits, else None).
     """
+
+    count_waits = False
+    """Set True (on the class, in every rank's process, before the groups are made) to give every group
+    a WaitStats in .waits: what each collective waited for (a benchmark's view; ~1 us a collective)."""
 
     def __init__(self, process_group, mapping: mmap.mmap, *, rank: int, size: int, capacity_bytes: int, timeout_s: float) -> None:
         self.process_group = process_group
@@ -70,6 +103,7 @@ class SharedMemoryGroup:
         self._sequence = 0
         self._flag_indices = [r * _LINE // 8 for r in range(size)]
         self._array_slots: dict = {}  # (buffer parity, nbytes, dtype) -> the p slots as numpy views
+        self.waits = WaitStats() if self.count_waits else None
 
     @classmethod
     def create(cls, process_group=None, *, capacity_bytes: int = DEFAULT_CAPACITY_BYTES, timeout_s: float = 120.0) -> "SharedMemoryGroup | None":
@@ -183,8 +217,20 @@ class SharedMemoryGroup:
 
     def _arrive(self) -> None:
         """Publish this rank's sequence number (its slot is written) and wait for every rank's."""
+        if self.waits is not None:
+            return self._arrive_counted()
         self._flags[self.rank * _LINE // 8] = self._sequence
         self._wait(self._sequence)
+
+    def _arrive_counted(self) -> None:
+        """_arrive, with this rank's arrival time published before its number and the wait counted (self.waits)."""
+        # by parity: a rank can publish s + 2's stamp only after every rank published s + 1, after reading s's
+        arrived, stamp = time.perf_counter_ns(), _STAMP + self._sequence % 2
+        self._flags[self.rank * _LINE // 8 + stamp] = arrived
+        self._flags[self.rank * _LINE // 8] = self._sequence
+        self._wait(self._sequence)
+        seen = time.perf_counter_ns()
+        self.waits.add(arrived, max(self._flags[i + stamp] for i in self._flag_indices), seen)
 
     def _wait(self, sequence: int) -> None:
         flags, indices = self._flags, self._flag_indices
