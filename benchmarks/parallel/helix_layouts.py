@@ -50,9 +50,9 @@ LAYOUTS = {
 NAMES = {"seq": "sequence-only, 2 ranks", "tp1": "Helix T=1, 2 ranks", "tp2": "Helix T=2, 2 ranks", "one": "one process, 2 threads",
          "llama": "llama.cpp, 2 threads"}
 
-def treeattn_run(model: str, ids: str, layout: str, new: int, kv_cache_dtype: str) -> dict:
+def treeattn_run(model: str, ids: str, layout: str, new: int, kv_cache_dtype: str, activation_format: str) -> dict:
     cmd = [sys.executable, "-m", "treeattn", "generate", model, "--prompt-ids", ids, "--max-new-tokens", str(new), "--ignore-eos",
-           "--kv-cache-dtype", kv_cache_dtype, *LAYOUTS[layout], "--json"]
+           "--kv-cache-dtype", kv_cache_dtype, "--activation-format", activation_format, *LAYOUTS[layout], "--json"]
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode:
         raise SystemExit(f"{shlex.join(cmd)} failed ({done.returncode}): {done.stderr[-2000:]}")
@@ -60,7 +60,8 @@ def treeattn_run(model: str, ids: str, layout: str, new: int, kv_cache_dtype: st
     t = r["timings"]
     return {"tokens": r["generated_ids"], "ms_per_token": 1e3 * t["time_per_token_s"], "prefill_s": t["prefill_s"],
             "weight_bytes_per_rank": r["weight_bytes_per_rank"], "kv_bytes_per_rank": r["kv_bytes_per_rank"],
-            "kv_cache_dtype": r["kv_cache_dtype"], "comm_bytes_per_token": r["comm"]["bytes_per_token"]}
+            "kv_cache_dtype": r["kv_cache_dtype"], "activation_format": r.get("activation_format"),
+            "comm_bytes_per_token": r["comm"]["bytes_per_token"]}
 
 
 def llama_run(python: str, model: str, ids: str, new: int, threads: int) -> dict:
@@ -101,6 +102,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--layouts", nargs="+", default=["seq", "tp1", "tp2", "one", "llama"], choices=[*LAYOUTS, "llama"])
     parser.add_argument("--kv-cache-dtype", default="auto", help="treeattn's --kv-cache-dtype (auto: float32 on the CPU)")
+    parser.add_argument("--activation-format", default="auto", choices=["auto", "float32", "int8"],
+                        help="treeattn's --activation-format (int8: 8-bit activations for the packed weights, as llama.cpp multiplies)")
     parser.add_argument("--llama-python", default=None, help="a Python with llama-cpp-python (without it: no llama.cpp row)")
     parser.add_argument("--llama-threads", type=int, default=2)
     parser.add_argument("--output", default=None, help="also write everything printed to this file")
@@ -120,7 +123,7 @@ def main() -> None:
     say(f"# {shlex.join([Path(sys.executable).name, *sys.argv])}")
     say(f"# {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}, {cpu}, {os.cpu_count()} cores, file {Path(args.model).name} "
         f"({os.path.getsize(args.model)} bytes), prompt {len(prompt)} random ids, {args.max_new_tokens} greedy tokens, "
-        f"treeattn KV {args.kv_cache_dtype}")
+        f"treeattn KV {args.kv_cache_dtype}, activations {args.activation_format}")
     runs = []
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(prompt, f)
@@ -130,7 +133,7 @@ def main() -> None:
                 before = open("/proc/loadavg").read().split()[:3]
                 try:
                     r = (llama_run(args.llama_python, args.model, f.name, args.max_new_tokens, args.llama_threads) if layout == "llama"
-                         else treeattn_run(args.model, f.name, layout, args.max_new_tokens, args.kv_cache_dtype))
+                         else treeattn_run(args.model, f.name, layout, args.max_new_tokens, args.kv_cache_dtype, args.activation_format))
                 except SystemExit as failed:  # one layout's failure (llama.cpp not importable, say) leaves the others' rows
                     say(f"# {layout} round {i}: {failed}")
                     continue

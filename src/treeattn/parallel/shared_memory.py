@@ -88,6 +88,10 @@ class SharedMemoryGroup:
     while the group counts its waits, else None).
     """
 
+    spin_s = 0.0
+    """Seconds a waiting rank checks the flags without yielding its core, after its first _SPIN_CHECKS checks
+    (set on the class, in every rank's process, before the collectives): 0 yields at once (the default)."""
+
     count_waits = False
     """Set True (on the class, in every rank's process, before the groups are made) to give every group
     a WaitStats in .waits: what each collective waited for (a benchmark's view; ~1 us a collective)."""
@@ -243,6 +247,8 @@ class SharedMemoryGroup:
                 continue
             now = time.monotonic()
             start = start or now
+            if now - start < self.spin_s:
+                continue
             if now - start > self.timeout_s:
                 behind = [r for r, i in enumerate(indices) if flags[i] < sequence]
                 raise TimeoutError(f"shared-memory collective #{sequence}: rank(s) {behind} did not arrive within "
