@@ -129,6 +129,49 @@ def test_gemma3_window_layers_and_one_kv_head(tmp_path, tp, kv):
     assert _engine_tokens(tmp_path / "gemma3", tp * kv, tp, prompts) == _uncached_greedy(hf, prompts)
 
 
+def _gemma3_four_heads():
+    """tests/gemma3_files.hf_gemma3's tiny Gemma 3 (1 KV head, window and global layers) with 4 query heads, so
+    that tp = 4 divides them (its 2 heads refuse tp=4 in one line): the one KV head on every TP rank."""
+    import transformers
+
+    torch.manual_seed(0)
+    text = transformers.Gemma3TextConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=256, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=1,
+        head_dim=64, sliding_window=4, max_position_embeddings=256, query_pre_attn_scalar=64,
+        rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}},
+        initializer_range=0.1, rms_norm_eps=1e-6, pad_token_id=0, bos_token_id=2, eos_token_id=1, tie_word_embeddings=True)
+    model = transformers.Gemma3ForCausalLM(text).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.normal_(0.0, 0.2)
+    return model
+
+
+@pytest.mark.parametrize("family,tp,kv", [("qwen2", 1, 2), ("qwen2", 4, 1), ("mistral", 2, 2), ("mistral", 4, 1),
+                                          ("v3", 2, 2), ("v2", 4, 1), ("gemma3", 1, 2), ("gemma3", 4, 1)])
+def test_every_family_in_every_layout(tmp_path, family, tp, kv):
+    """With the tests above, every family the engine loads (Llama, Qwen2, Mistral, DeepSeek MLA as V2 and V3,
+    Gemma 3) runs every layout tp x kv of 1x2, 2x1, 2x2 and 4x1: transformers' uncached greedy tokens."""
+    pytest.importorskip("transformers")
+    path = tmp_path / family
+    if family in ("v2", "v3"):
+        from helpers.deepseek_checkpoints import PROMPT, make_checkpoint, uncached_greedy
+
+        hf = make_checkpoint(family, path)
+        assert _engine_tokens(path, tp * kv, tp, [PROMPT]) == [uncached_greedy(hf, PROMPT, NEW_TOKENS)]
+        return
+    if family == "gemma3":
+        hf = _gemma3_four_heads()
+        hf.save_pretrained(path)
+    else:
+        from helpers.llama_checkpoints import make_checkpoint
+
+        hf = make_checkpoint(family, path)
+    assert _engine_tokens(path, tp * kv, tp) == _uncached_greedy(hf, PROMPTS)
+
+
 def _counts(rank: int, world_size: int, tp: int) -> dict:
     torch.set_num_threads(1)
     config = ta.LlamaConfig(vocab_size=101, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4, num_kv_heads=2,
