@@ -9,7 +9,7 @@ One process, one torch thread. The rank's share of the file is loaded packed as 
 fused as the engine fuses it, and connected to a 2-rank SharedMemoryGroup over an anonymous mapping whose
 other rank's sequence number is far ahead, so no collective ever waits (the sums add the absent rank's zero
 slot: the values are not the model's, the work is the rank's). A prompt of --context random ids is
-prefilled into a local cache, then --max-new-tokens steps of one token each are timed in thread CPU time
+prefilled into a local cache, 2 decode steps warm the kernels up, then --max-new-tokens steps of one token each are timed in thread CPU time
 (preemption by other processes does not count; a loaded machine's cache and memory contention does). What a
 measured 2-rank step takes beyond this figure is waiting: the peer's imbalance, the handshake, the plan.
 """
@@ -23,6 +23,8 @@ import time
 import torch
 
 from treeattn.bench import harness
+
+WARMUP = 2  # decode steps run before the timed ones
 
 
 def _rank_model(path: str, tp: int | None, activation_format: str):
@@ -53,9 +55,9 @@ def _measure(model, context: int, new_tokens: int, tp: int | None) -> dict:
 
     c = model.config
     kv_heads = local_heads(c, HelixLayout(2, tp, 0))[1] if tp else c.num_kv_heads
-    cache = ShardedKVCache(num_layers=c.num_layers, num_kv_heads=kv_heads, head_dim=c.head_dim, capacity=context + new_tokens)
+    cache = ShardedKVCache(num_layers=c.num_layers, num_kv_heads=kv_heads, head_dim=c.head_dim, capacity=context + new_tokens + WARMUP)
     vocab = None if tp else slice(0, -(-c.vocab_size // 2))  # sequence-only: the runner's LM head share of rank 0
-    spent = {"matmul": 0, "lm_head": 0, "attention": 0}
+    spent = dict.fromkeys(("matmul", "lm_head", "attention"), 0)
     original = packed.packed_matmul
     where = ["matmul"]
 
@@ -79,10 +81,10 @@ def _measure(model, context: int, new_tokens: int, tp: int | None) -> dict:
     try:
         with torch.inference_mode():
             model(ids, torch.arange(context)[None], cache.update(cache.extend(torch.arange(context)[None])), local)
-            for key in spent:
-                spent[key] = 0
             total = 0
-            for i in range(new_tokens):
+            for i in range(new_tokens + WARMUP):
+                if i == WARMUP:  # the decode-shaped kernels compiled (or loaded from numba's cache) in the first steps
+                    total, spent = 0, dict.fromkeys(spent, 0)
                 pos = torch.tensor([[context + i]])
                 start = time.thread_time_ns()
                 where[0] = "matmul"
