@@ -12,7 +12,8 @@ weights are the step when it is short), --max-new-tokens greedy tokens. Each ran
 SharedMemoryGroup.count_waits (treeattn.parallel.shared_memory.WaitStats: every rank publishes when it
 arrived at each collective, so late_ns = the last arrival minus this rank's, handoff_ns = from the last
 arrival to this rank seeing it) and wraps RankRunner.step to stamp each step's start and end. Only the
-decode steps are counted. The (layout, --spin-us) runs alternate within each round (rotated by one between rounds).
+decode steps are counted; the wait at each step's first collective (the embedding's all-reduce: the other rank
+starting the step late, e.g. rank 1 woken by the plan's broadcast) is also shown apart. The (layout, --spin-us) runs alternate within each round (rotated by one between rounds).
 
     seq   the sequence-only layout (every rank all the weights; one combine a layer)
     tp1   Helix T=1 (KV split by sequence; o_proj, MLP, LM head over both ranks)
@@ -40,8 +41,15 @@ def _rank(rank: int, world_size: int, model: str, tp, prompt: list[int], new_tok
     torch.set_num_threads(1)
     SharedMemoryGroup.count_waits = True
     SharedMemoryGroup.spin_s = spin_us * 1e-6
-    steps, totals = [], WaitStats()
-    step = RankRunner.step
+    steps, totals, first_late = [], WaitStats(), []
+    step, add = RankRunner.step, WaitStats.add
+    log: list[int] = []  # every counted collective's late_ns, in order
+
+    def logged_add(self, arrived: int, last: int, seen: int) -> None:
+        log.append(last - arrived)
+        add(self, arrived, last, seen)
+
+    WaitStats.add = logged_add
 
     def groups(runner) -> list:
         found = [g for g in (runner.comm_group, runner.attention_group) if isinstance(g, SharedMemoryGroup)]
@@ -50,11 +58,12 @@ def _rank(rank: int, world_size: int, model: str, tp, prompt: list[int], new_tok
     def timed(self, plan):
         decoding = bool(plan.chunks) and all(c.decoding for c in plan.chunks)
         before = [(g.waits.calls, g.waits.late_ns, g.waits.handoff_ns) for g in groups(self)]
-        start = time.perf_counter_ns()
+        start, first = time.perf_counter_ns(), len(log)
         out = step(self, plan)
         end = time.perf_counter_ns()
         if decoding:
             steps.append((start, end))
+            first_late.append(log[first] if len(log) > first else 0)  # the step's first collective: the embedding's
             for g, (calls, late, handoff) in zip(groups(self), before):
                 totals.calls += g.waits.calls - calls
                 totals.late_ns += g.waits.late_ns - late
@@ -73,6 +82,7 @@ def _rank(rank: int, world_size: int, model: str, tp, prompt: list[int], new_tok
     gaps = [steps[i + 1][0] - steps[i][1] for i in range(n - 1)]
     return {"rank": rank, "tokens": tokens, "decode_steps": n, "step_ms": busy / n / 1e6,
             "late_ms": totals.late_ns / n / 1e6, "handoff_ms": totals.handoff_ns / n / 1e6,
+            "first_late_ms": sum(first_late) / n / 1e6,
             "collectives_per_step": totals.calls / n, "gap_ms": sum(gaps) / max(1, len(gaps)) / 1e6,
             "wall_ms_per_token": (steps[-1][1] - steps[0][0]) / (n - 1) / 1e6 if n > 1 else float("nan")}
 
@@ -91,9 +101,9 @@ def main() -> None:
     rng = random.Random(0)
     prompt = [rng.randrange(100, 49000) for _ in range(args.context)]
     rows = []
-    header = ("| layout | spin us | round | rank | load before | ms / step | of which: waiting for the peer | handoff | "
+    header = ("| layout | spin us | round | rank | load before | ms / step | of which: waiting for the peer | (at the first collective) | handoff | "
               "compute and the rest | gap between steps | wall ms / token | collectives / step |")
-    lines = [header, "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [header, "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     print(header, flush=True)
     for i in range(args.rounds):
         runs = [(layout, spin) for layout in args.layouts for spin in args.spin_us]
@@ -104,7 +114,8 @@ def main() -> None:
                 r.update(layout=layout, round=i, load_before=load, spin_us=spin)
                 rows.append(r)
                 rest = r["step_ms"] - r["late_ms"] - r["handoff_ms"]
-                line = (f"| {layout} | {spin:g} | {i} | {r['rank']} | {load} | {r['step_ms']:.1f} | {r['late_ms']:.1f} | {r['handoff_ms']:.2f} | "
+                line = (f"| {layout} | {spin:g} | {i} | {r['rank']} | {load} | {r['step_ms']:.1f} | {r['late_ms']:.1f} | {r['first_late_ms']:.2f} | "
+                        f"{r['handoff_ms']:.2f} | "
                         f"{rest:.1f} | {r['gap_ms']:.2f} | {r['wall_ms_per_token']:.1f} | {r['collectives_per_step']:.0f} |")
                 lines.append(line)
                 print(line, flush=True)
