@@ -2,14 +2,16 @@
 2 ranks run for one token, split into the packed matmuls (the LM head's share apart), attention and the
 rest (norms, RoPE, activations, cache writes, module calls, the collectives' own work: Python and small ops).
 
-    python benchmarks/parallel/helix_rank_cpu.py /tmp/llama1b.Q4_0.gguf --context 8 --max-new-tokens 16
+    python benchmarks/parallel/helix_rank_cpu.py /tmp/llama1b.Q4_0.gguf --context 4096 16384
 
 One process, one torch thread. The rank's share of the file is loaded packed as an engine rank loads it
 (`HelixLayout(2, 2, 0)`'s cuts; the sequence-only rank: the whole model, its LM head half the vocabulary),
 fused as the engine fuses it, and connected to a 2-rank SharedMemoryGroup over an anonymous mapping whose
 other rank's sequence number is far ahead, so no collective ever waits (the sums add the absent rank's zero
-slot: the values are not the model's, the work is the rank's). A prompt of --context random ids is
-prefilled into a local cache, 2 decode steps warm the kernels up, then --max-new-tokens steps of one token each are timed in thread CPU time
+slot: the values are not the model's, the work is the rank's). The rank's share of a --context cache (a T=2 rank:
+all positions of its 4 KV heads; a sequence-only rank: half the positions of all 8) is filled with random keys and
+values, as a prefill would leave it without running one (decode's cost depends on the cache's length, not its
+values), 2 decode steps warm the kernels up, then --max-new-tokens steps of one token each are timed in thread CPU time
 (preemption by other processes does not count; a loaded machine's cache and memory contention does). What a
 measured 2-rank step takes beyond this figure is waiting: the peer's imbalance, the handshake, the plan.
 """
@@ -17,7 +19,6 @@ measured 2-rank step takes beyond this figure is waiting: the peer's imbalance, 
 from __future__ import annotations
 
 import mmap
-import random
 import time
 
 import torch
@@ -47,6 +48,17 @@ def _rank_model(path: str, tp: int | None, activation_format: str):
     return model
 
 
+def _fill(cache, layers: int, keys: int) -> None:
+    """`keys` positions of random keys and values (normal, seeded) in every layer of `cache`: a rank's share
+    of the context, as a prefill would leave it (decode's cost depends on the cache's length, not its values)."""
+    g = torch.Generator().manual_seed(0)
+    k = torch.randn(1, keys, cache.num_kv_heads, cache.head_dim, generator=g)
+    v = torch.randn(1, keys, cache.num_kv_heads, cache.head_dim, generator=g)
+    store = cache.update(cache.extend(torch.arange(keys)[None]))
+    for layer in range(layers):
+        store(layer, k, v)
+
+
 def _measure(model, context: int, new_tokens: int, tp: int | None) -> dict:
     import treeattn.models.packed as packed
     from treeattn.cache import ShardedKVCache
@@ -55,7 +67,8 @@ def _measure(model, context: int, new_tokens: int, tp: int | None) -> dict:
 
     c = model.config
     kv_heads = local_heads(c, HelixLayout(2, tp, 0))[1] if tp else c.num_kv_heads
-    cache = ShardedKVCache(num_layers=c.num_layers, num_kv_heads=kv_heads, head_dim=c.head_dim, capacity=context + new_tokens + WARMUP)
+    cache = ShardedKVCache(num_layers=c.num_layers, num_kv_heads=kv_heads, head_dim=c.head_dim,
+                           capacity=(context if tp else context // 2) + new_tokens + WARMUP)
     vocab = None if tp else slice(0, -(-c.vocab_size // 2))  # sequence-only: the runner's LM head share of rank 0
     spent = dict.fromkeys(("matmul", "lm_head", "attention"), 0)
     original = packed.packed_matmul
@@ -75,12 +88,10 @@ def _measure(model, context: int, new_tokens: int, tp: int | None) -> dict:
         spent["attention"] += time.thread_time_ns() - start
         return out
 
-    rng = random.Random(0)
-    ids = torch.tensor([[rng.randrange(100, 49000) for _ in range(context)]])
     packed.packed_matmul = timed_matmul
     try:
         with torch.inference_mode():
-            model(ids, torch.arange(context)[None], cache.update(cache.extend(torch.arange(context)[None])), local)
+            _fill(cache, c.num_layers, context if tp else context // 2)
             total = 0
             for i in range(new_tokens + WARMUP):
                 if i == WARMUP:  # the decode-shaped kernels compiled (or loaded from numba's cache) in the first steps
@@ -101,20 +112,24 @@ def _measure(model, context: int, new_tokens: int, tp: int | None) -> dict:
 
 
 def main() -> None:
-    p = harness.parser(__doc__, model="required", context=8, max_new_tokens=16)
+    p = harness.parser(__doc__, model="required", context=[4096], max_new_tokens=12)
     p.add_argument("--layouts", nargs="+", default=["tp2", "seq"], choices=["tp2", "seq"])
     p.add_argument("--activation-format", default="float32", choices=["float32", "int8"],
                    help="how the packed weights multiply the activations (EngineConfig.activation_format)")
     args = harness.parse_args(p)
     torch.set_num_threads(1)
-    rows, lines = [], ["| rank of | CPU ms / step | packed matmuls | LM head share | attention | the rest |", "|---|---|---|---|---|---|"]
+    rows = []
+    lines = ["| context | rank of | CPU ms / step | packed matmuls | LM head share | attention | the rest |", "|---|---|---|---|---|---|---|"]
     print(lines[0], flush=True)
     for layout in args.layouts:
         tp = {"tp2": 2, "seq": None}[layout]
-        ms = _measure(_rank_model(args.model, tp, args.activation_format), args.context, args.max_new_tokens, tp)
-        rows.append({"layout": layout, **ms})
-        lines.append(f"| {layout} | {ms['step']:.1f} | {ms['matmul']:.1f} | {ms['lm_head']:.1f} | {ms['attention']:.1f} | {ms['rest']:.1f} |")
-        print(lines[-1], flush=True)
+        model = _rank_model(args.model, tp, args.activation_format)
+        for context in args.context:
+            ms = _measure(model, context, args.max_new_tokens, tp)
+            rows.append({"layout": layout, "context": context, **ms})
+            lines.append(f"| {context} | {layout} | {ms['step']:.1f} | {ms['matmul']:.1f} | {ms['lm_head']:.1f} | {ms['attention']:.1f} | "
+                         f"{ms['rest']:.1f} |")
+            print(lines[-1], flush=True)
     harness.write_output(args.output, rows, "\n".join(lines))
 
 
