@@ -263,6 +263,62 @@ def _nearest(table: tuple[tuple[int, float], ...], ranks: int) -> float:
 GB = 1e9
 GIB = 2**30
 US = 1e-6
+TFLOPS = 1e12
+
+
+@dataclass(frozen=True)
+class ClusterFlag:
+    """A Cluster parameter the command line overrides (`treeattn simulate --mem-bw-gbs 2000`).
+
+    Attributes:
+        key: the parameter as Cluster.with_overrides names it (intra_latency for intra.latency).
+        name: the flag's parameter name (--mem-bw-gbs for mem_bw_gbs); its value is in the flag's unit.
+        scale: SI units per flag unit (GB for GB/s, US for us); 1 for a count or a fraction.
+        help: the flag's help.
+        kind: the flag's type, int or float.
+    """
+
+    key: str
+    name: str
+    scale: float
+    help: str
+    kind: type = float
+
+
+CLUSTER_FLAGS = (
+    ClusterFlag("gpus_per_node", "gpus_per_node", 1, "Override the preset's devices per node.", int),
+    ClusterFlag("memory_bandwidth", "mem_bw_gbs", GB, "Device memory bandwidth, GB/s."),
+    ClusterFlag("memory_efficiency", "mem_efficiency", 1, "Fraction of memory bandwidth a decode kernel reaches."),
+    ClusterFlag("peak_flops", "peak_tflops", TFLOPS, "Dense peak, TFLOP/s."),
+    ClusterFlag("flops_efficiency", "flops_efficiency", 1, "Fraction of peak reached in prefill."),
+    ClusterFlag("kernel_overhead", "kernel_overhead_us", US, "Fixed cost per attention kernel, us."),
+    ClusterFlag("merge_seconds", "merge_us", US, "Cost of one merge of two states, us."),
+    ClusterFlag("collective_overhead", "collective_overhead_us", US, "Fixed cost per collective or send/recv call, us."),
+    ClusterFlag("intra_latency", "intra_latency_us", US, "Intra-node link latency, us."),
+    ClusterFlag("intra_bandwidth", "intra_bw_gbs", GB, "Intra-node bandwidth per device per direction, GB/s."),
+    ClusterFlag("inter_latency", "inter_latency_us", US, "Inter-node link latency, us."),
+    ClusterFlag("inter_bandwidth", "inter_bw_gbs", GB, "Inter-node bandwidth per device per direction, GB/s."),
+    ClusterFlag("p2p_overlap", "p2p_overlap", 1, "Fraction of a ring transfer hidden behind compute, [0, 1]."),
+    ClusterFlag("step_overhead", "step_overhead_us", US, "Fixed software cost per decode step (every method), us."),
+    ClusterFlag("memory_capacity", "memory_gib", GIB, "Memory per device, GiB (cpu-local: the host's, shared by the ranks)."),
+)
+"""The command line's Cluster overrides, in the Cluster's field order: one entry per flag."""
+
+
+def cluster_overrides(values: dict[str, float | int | None]) -> dict[str, float | int | None]:
+    """Cluster.with_overrides keywords, in SI units, from flag values (CLUSTER_FLAGS name -> value in
+    the flag's unit; a missing or None value stays None: the preset's).
+
+        >>> cluster_overrides({"mem_bw_gbs": 2000, "merge_us": 5})["memory_bandwidth"]
+        2000000000000.0
+        >>> cluster = PRESETS["dgx-h100"].with_overrides(**cluster_overrides({"gpus_per_node": 4, "intra_bw_gbs": 100}))
+        >>> cluster.nodes(8), cluster.intra.bandwidth
+        (2, 100000000000.0)
+    """
+    unknown = set(values) - {f.name for f in CLUSTER_FLAGS}
+    if unknown:
+        raise ValueError(f"cluster_overrides takes CLUSTER_FLAGS names, got {sorted(unknown)}")
+    return {f.key: None if values.get(f.name) is None else values[f.name] * f.scale for f in CLUSTER_FLAGS}
 
 # --------------------------------------------------------------------------------------- presets
 # Sources (data sheets, read 2024):
