@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
+import functools
+import inspect
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import typer
 
 from treeattn.commands.flags import dtype_flag
-from dataclasses import dataclass
-
-from treeattn.sim.hardware import CALIBRATED_PRESET, GB, GIB, PRESET_NAMES, US, Cluster, load_cluster
+from treeattn.sim.hardware import CALIBRATED_PRESET, CLUSTER_FLAGS, PRESET_NAMES, Cluster, cluster_overrides, load_cluster
 from treeattn.sim.helix import (
     COMBINES,
     ELEMENT_BYTES,
@@ -25,7 +26,73 @@ from treeattn.sim.helix import (
 from treeattn.sim.model import METHODS, check_method, memory_shortfall, predict_decode, predict_generation
 from treeattn.sim.workload import DecodeShape
 
-TFLOPS = 1e12
+
+def _option_group(into: str, options: list[tuple[str, object, object]], build=dict):
+    """Decorator: the command's parameter `into` becomes one keyword-only parameter per (name, type,
+    typer.Option or typer.Argument) of `options`, at its place; the command receives build(name -> value)."""
+    def decorate(command):
+        signature = inspect.signature(command)
+        params = list(signature.parameters.values())
+        at = [p.name for p in params].index(into)
+        group = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, annotation=kind, default=default)
+                 for name, kind, default in options]
+        rest = [p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in params[at + 1:]]
+
+        @functools.wraps(command)
+        def run(*args, **kwargs):
+            values = {name: kwargs.pop(name) for name, _, _ in options}
+            return command(*args, **kwargs, **{into: build(values)})
+
+        run.__signature__ = signature.replace(parameters=params[:at] + group + rest)
+        run.__annotations__ = {**{k: v for k, v in command.__annotations__.items() if k != into},
+                               **{name: kind for name, kind, _ in options}}
+        return run
+
+    return decorate
+
+
+def cluster_options(into: str):
+    """Decorator: the command takes one flag per CLUSTER_FLAGS entry (--mem-bw-gbs, ..., in the flag's
+    unit; default None: the preset's value), in place of its parameter `into`, which receives them as
+    Cluster.with_overrides keywords in SI units (cluster_overrides).
+
+        >>> @cluster_options(into="overrides")
+        ... def command(preset: str = "dgx-h100", overrides: dict = None):
+        ...     return {k: v for k, v in overrides.items() if v is not None}
+        >>> list(inspect.signature(command).parameters)[:3]
+        ['preset', 'gpus_per_node', 'mem_bw_gbs']
+        >>> command(**{f.name: None for f in CLUSTER_FLAGS} | {"mem_bw_gbs": 2000.0, "gpus_per_node": 4})
+        {'gpus_per_node': 4, 'memory_bandwidth': 2000000000000.0}
+    """
+    options = [(f.name, f.kind | None, typer.Option(None, help=f.help)) for f in CLUSTER_FLAGS]
+    return _option_group(into, options, cluster_overrides)
+
+
+MODEL_HELP = ("Price a whole model's decode step in a 2-D layout (N = KV ranks x TP ranks) instead of one attention "
+              "layer: " + ", ".join(MODELS) + ", or a Llama-family checkpoint directory or .gguf file (its config).")
+
+
+def model_options(into: str):
+    """Decorator: the command takes the MODEL mode's argument and flags (MODEL, --tp, --layout, --weight-dtype,
+    --kv-cache-dtype) in place of its parameter `into`, which receives them as one dict (name -> value).
+
+        >>> @model_options(into="model")
+        ... def command(model: dict = None):
+        ...     return model
+        >>> list(inspect.signature(command).parameters)
+        ['model', 'tp', 'layout', 'weight_dtype', 'kv_cache_dtype']
+        >>> command(model="deepseek-r1", tp=[8], layout=None, weight_dtype="fp4", kv_cache_dtype="fp8")["tp"]
+        [8]
+    """
+    options = [
+        ("model", str | None, typer.Argument(None, help=MODEL_HELP)),
+        ("tp", list[int] | None, typer.Option(None, "--tp", help="With MODEL: attention TP width(s) T of the helix and medha "
+                                              "layouts (the sequence is split N / T ways; default: every T that divides N and the KV heads).")),
+        ("layout", list[str] | None, typer.Option(None, help="With MODEL: layout(s) " + ", ".join(LAYOUTS) + " (default: all).")),
+        ("weight_dtype", str, typer.Option("fp4", help="With MODEL: weight storage, " + ", ".join(ELEMENT_BYTES) + ".")),
+        ("kv_cache_dtype", str, typer.Option("fp4", help="With MODEL: KV cache storage, " + ", ".join(ELEMENT_BYTES) + ".")),
+    ]
+    return _option_group(into, options)
 
 
 def _cluster_from_options(preset: str, calibration: Path | None, overrides: dict[str, float | int | None]) -> Cluster:
@@ -35,6 +102,8 @@ def _cluster_from_options(preset: str, calibration: Path | None, overrides: dict
     return cluster.with_overrides(**overrides)
 
 
+@model_options(into="model_flags")
+@cluster_options(into="overrides")
 def simulate(
     preset: str = typer.Option("dgx-h100", help=f"Cluster preset: {', '.join(PRESET_NAMES)}."),
     calibration: Path | None = typer.Option(None, help="Calibration JSON for --preset cpu-local (default ./calibration.json)."),
@@ -47,29 +116,8 @@ def simulate(
     dtype: str = dtype_flag("bfloat16", help="Storage dtype of q, k, v."),
     method: list[str] | None = typer.Option(None, "--method", "-m", help="Method(s): " + ", ".join(METHODS) + " (default: all); "
                                             "with MODEL, how the KV ranks combine: alltoall (Helix's, default) or onepass."),
-    model: str | None = typer.Argument(None, help="Price a whole model's decode step in a 2-D layout (N = KV ranks x TP ranks) "
-                                       "instead of one attention layer: " + ", ".join(MODELS) + ", or a Llama-family "
-                                       "checkpoint directory or .gguf file (its config)."),
-    tp: list[int] | None = typer.Option(None, "--tp", help="With MODEL: attention TP width(s) T of the helix and medha layouts "
-                                        "(the sequence is split N / T ways; default: every T that divides N and the KV heads)."),
-    layout: list[str] | None = typer.Option(None, help="With MODEL: layout(s) " + ", ".join(LAYOUTS) + " (default: all)."),
-    weight_dtype: str = typer.Option("fp4", help="With MODEL: weight storage, " + ", ".join(ELEMENT_BYTES) + "."),
-    kv_cache_dtype: str = typer.Option("fp4", help="With MODEL: KV cache storage, " + ", ".join(ELEMENT_BYTES) + "."),
-    gpus_per_node: int | None = typer.Option(None, help="Override the preset's devices per node."),
-    mem_bw_gbs: float | None = typer.Option(None, help="Device memory bandwidth, GB/s."),
-    mem_efficiency: float | None = typer.Option(None, help="Fraction of memory bandwidth a decode kernel reaches."),
-    peak_tflops: float | None = typer.Option(None, help="Dense peak, TFLOP/s."),
-    flops_efficiency: float | None = typer.Option(None, help="Fraction of peak reached in prefill."),
-    kernel_overhead_us: float | None = typer.Option(None, help="Fixed cost per attention kernel, us."),
-    merge_us: float | None = typer.Option(None, help="Cost of one merge of two states, us."),
-    collective_overhead_us: float | None = typer.Option(None, help="Fixed cost per collective or send/recv call, us."),
-    intra_latency_us: float | None = typer.Option(None, help="Intra-node link latency, us."),
-    intra_bw_gbs: float | None = typer.Option(None, help="Intra-node bandwidth per device per direction, GB/s."),
-    inter_latency_us: float | None = typer.Option(None, help="Inter-node link latency, us."),
-    inter_bw_gbs: float | None = typer.Option(None, help="Inter-node bandwidth per device per direction, GB/s."),
-    p2p_overlap: float | None = typer.Option(None, help="Fraction of a ring transfer hidden behind compute, [0, 1]."),
-    step_overhead_us: float | None = typer.Option(None, help="Fixed software cost per decode step (every method), us."),
-    memory_gib: float | None = typer.Option(None, help="Memory per device, GiB (cpu-local: the host's, shared by the ranks)."),
+    model_flags: dict | None = None,
+    overrides: dict | None = None,
     new_tokens: int | None = typer.Option(None, "--max-new-tokens", help="Also estimate prefill + this many decode steps."),
     layers: int = typer.Option(1, help="Attention layers, for --max-new-tokens."),
     as_json: bool = typer.Option(False, "--json", help="One JSON object per line per configuration."),
@@ -86,27 +134,12 @@ def simulate(
         typer.echo(markdown_report())
         typer.echo("\n" + helix_paper.markdown_report())
         return
-    scale = {
-        "memory_bandwidth": None if mem_bw_gbs is None else mem_bw_gbs * GB,
-        "memory_efficiency": mem_efficiency,
-        "peak_flops": None if peak_tflops is None else peak_tflops * TFLOPS,
-        "flops_efficiency": flops_efficiency,
-        "kernel_overhead": None if kernel_overhead_us is None else kernel_overhead_us * US,
-        "merge_seconds": None if merge_us is None else merge_us * US,
-        "collective_overhead": None if collective_overhead_us is None else collective_overhead_us * US,
-        "intra_latency": None if intra_latency_us is None else intra_latency_us * US,
-        "intra_bandwidth": None if intra_bw_gbs is None else intra_bw_gbs * GB,
-        "inter_latency": None if inter_latency_us is None else inter_latency_us * US,
-        "inter_bandwidth": None if inter_bw_gbs is None else inter_bw_gbs * GB,
-        "p2p_overlap": p2p_overlap,
-        "step_overhead": None if step_overhead_us is None else step_overhead_us * US,
-        "gpus_per_node": gpus_per_node,
-        "memory_capacity": None if memory_gib is None else memory_gib * GIB,
-    }
+    model = model_flags["model"]
     try:
-        cluster = _cluster_from_options(preset, calibration, scale)
+        cluster = _cluster_from_options(preset, calibration, overrides)
         if model is not None:
-            options = ModelOptions(model, tp, layout, weight_dtype, kv_cache_dtype, method)
+            options = ModelOptions(model, model_flags["tp"], model_flags["layout"], model_flags["weight_dtype"],
+                                   model_flags["kv_cache_dtype"], method)
             records = _predict_model(cluster, options, gpus, seq_len, batch, dtype)
     except (ValueError, TypeError) as err:
         raise _usage_error(err) from None
