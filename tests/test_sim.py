@@ -324,6 +324,33 @@ def test_simulate_json_prints_one_line_per_method():
         assert r["gpus"] == 128 and r["seq_len"] == 5_120_000 and r["predicted_seconds"] > 0
 
 
+def test_cluster_flags_come_from_one_table():
+    """Each CLUSTER_FLAGS entry is a `treeattn simulate` flag whose value reaches the Cluster scaled to SI
+    units once; the model mode's flags are one group; the decorators' examples hold."""
+    import doctest
+    import inspect
+
+    from treeattn.sim import cli as sim_cli
+    from treeattn.sim import hardware
+    from treeattn.sim.hardware import CLUSTER_FLAGS
+
+    args = ["simulate", "--show-preset", "--json"]
+    for f in CLUSTER_FLAGS:
+        args += ["--" + f.name.replace("_", "-"), "1"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    raw = json.loads(result.output)
+    for f in CLUSTER_FLAGS:
+        link, _, part = f.key.partition("_")
+        value = raw[link][part] if link in ("intra", "inter") else raw[f.key]
+        assert value == f.scale and raw["sources"][f.key].startswith("override"), f
+    params = inspect.signature(sim_cli.simulate).parameters
+    assert [f.name for f in CLUSTER_FLAGS] == [n for n in params if n in {f.name for f in CLUSTER_FLAGS}]
+    assert len(inspect.signature(sim_cli.simulate.__wrapped__.__wrapped__).parameters) == 19  # was 37 loose parameters
+    for module in (hardware, sim_cli):
+        assert doctest.testmod(module).failed == 0
+
+
 def test_simulate_overrides_and_errors(tmp_path):
     runner = CliRunner()
     base = ["simulate", "-p", "16", "-n", "1000000", "-m", "ring-kv", "--json"]
