@@ -48,8 +48,6 @@ from numba import njit, prange, types
 from llvmlite import ir
 from numba.extending import intrinsic, overload
 
-from treeattn.ops.paged_cpu_tiles import LANES, half_bits_in_integers, has_f16c, prefetch, tile_dots, tile_values, tileable
-
 _FASTMATH = {"reassoc", "contract"}
 
 
@@ -94,6 +92,26 @@ def _bfloat16_bits_to_float32(typingctx, x):
     return types.float32(types.uint16), codegen
 
 
+_HALF_BIAS = np.float32(2.0**112)  # float16's exponent bias (15) -> float32's (127); also normalizes its subnormals
+
+
+def _has_f16c(context) -> bool:
+    """Whether numba compiles for a CPU with F16C (its target features; NUMBA_CPU_NAME=generic: none)."""
+    return "+f16c" in str(getattr(context.codegen(), "_tm_features", ""))
+
+
+def _half_bits_in_integers(builder, bits):
+    """float16 bits (i16) -> float32 without the CPU's conversion: exponent and mantissa moved into a
+    float32's place, the sign on top, times 2**112 (exact, subnormals included); exponent 31 keeps
+    its mantissa under an all-ones float32 exponent (infinities, NaNs)."""
+    code = builder.zext(bits, ir.IntType(32))
+    magnitude = builder.and_(code, _i32(0x7FFF))
+    placed = builder.or_(builder.shl(magnitude, _i32(13)), builder.shl(builder.and_(code, _i32(0x8000)), _i32(16)))
+    value = builder.fmul(builder.bitcast(placed, ir.FloatType()), ir.Constant(ir.FloatType(), float(_HALF_BIAS)))
+    special = builder.bitcast(builder.or_(placed, _i32(0x7F800000)), ir.FloatType())
+    return builder.select(builder.icmp_unsigned(">=", magnitude, _i32(0x7C00)), special, value)
+
+
 @intrinsic
 def _float16_bits_to_float32(typingctx, x):
     """The float32 of a float16's bits (int16), exact for every value, subnormals, infinities and
@@ -105,9 +123,9 @@ def _float16_bits_to_float32(typingctx, x):
         return None
 
     def codegen(context, builder, signature, args):
-        if has_f16c(context):
+        if _has_f16c(context):
             return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
-        return half_bits_in_integers(builder, args[0])
+        return _half_bits_in_integers(builder, args[0])
 
     return types.float32(types.int16), codegen
 
@@ -119,7 +137,7 @@ def _float16_bits_to_float32_in_integers(typingctx, x):
         return None
 
     def codegen(context, builder, signature, args):
-        return half_bits_in_integers(builder, args[0])
+        return _half_bits_in_integers(builder, args[0])
 
     return types.float32(types.int16), codegen
 
@@ -238,81 +256,6 @@ def _exp_shifted(x, shift, bits):  # pragma: no cover - compiled
         x[i] *= two_k[i]
 
 
-_AHEAD = 2 * LANES  # keys ahead of a tile whose rows it asks the cache to load
-
-
-@njit(cache=True)
-def _tile_full(visible, t0):  # pragma: no cover - compiled
-    """Whether keys t0 .. t0 + 15 of a block are all visible (a tile of paged_cpu_tiles)."""
-    for t in range(t0, t0 + LANES):
-        if not visible[t]:
-            return False
-    return True
-
-
-@njit(cache=True, fastmath=_FASTMATH)
-def _key_scores(q, r, kb, k, k_scales, blk, t, seen, scale, scores):  # pragma: no cover - compiled
-    """scores[h, g, t] of key t of block blk (kb: the block as the loops read it) for query row r: each
-    query head's dot product with it times the scale (fp8: times the key's own scale); -inf if not seen."""
-    H, G, D = q.shape[1], q.shape[2], q.shape[3]
-    for h in range(H):
-        key_scale = _scale(k, k_scales, blk, t, h) * scale
-        for g in range(G):
-            if not seen:
-                scores[h, g, t] = -np.inf
-                continue
-            x = np.float32(0.0)
-            for d in range(D):
-                x += q[r, h, g, d] * _wide(kb[t, h, d])
-            scores[h, g, t] = x * key_scale
-
-
-@njit(cache=True, fastmath=_FASTMATH)
-def _key_values(vb, v, v_scales, blk, t, dv, weights, lsum, acc):  # pragma: no cover - compiled
-    """Key t's value row added to every query head's sum with its weight weights[h, g, t] (fp8: times
-    the value's scale), the weight to lsum."""
-    H, G = acc.shape[0], acc.shape[1]
-    for h in range(H):
-        value_scale = _scale(v, v_scales, blk, t, h)
-        for g in range(G):
-            p = weights[h, g, t]
-            lsum[h, g] += p
-            pv = p * value_scale
-            for d in range(dv):
-                acc[h, g, d] += pv * _wide(vb[t, h, d])
-
-
-@njit(cache=True, fastmath=_FASTMATH)
-def _tile_scores(q, r, k, blk, t0, scale, scores):  # pragma: no cover - compiled
-    """_key_scores for the 16 visible keys t0 .. t0 + 15 of block blk at once (paged_cpu_tiles.tile_dots)."""
-    H, G, D = q.shape[1], q.shape[2], q.shape[3]
-    BS, Dk = k.shape[1], k.shape[3]
-    if t0 + _AHEAD < BS:
-        prefetch(k, (blk * BS + t0 + _AHEAD) * H * Dk, LANES * H * Dk)
-    for h in range(H):
-        k_off = ((blk * BS + t0) * H + h) * Dk
-        for g in range(G):
-            tile_dots(q, ((r * H + h) * G + g) * D, k, k_off, H * Dk, D, scores, (h * G + g) * BS + t0)
-            for t in range(t0, t0 + LANES):
-                scores[h, g, t] = scores[h, g, t] * scale
-
-
-@njit(cache=True, fastmath=_FASTMATH)
-def _tile_sums(v, blk, t0, dv, weights, lsum, acc):  # pragma: no cover - compiled
-    """_key_values for the 16 visible keys t0 .. t0 + 15 of block blk at once (paged_cpu_tiles.tile_values):
-    each query head's weights summed into lsum and its 16 weighted value rows into acc, in key order."""
-    H, G = acc.shape[0], acc.shape[1]
-    BS, Dvs = v.shape[1], v.shape[3]
-    if t0 + _AHEAD < BS:
-        prefetch(v, (blk * BS + t0 + _AHEAD) * H * Dvs, LANES * H * Dvs)
-    for h in range(H):
-        v_off = ((blk * BS + t0) * H + h) * Dvs
-        for g in range(G):
-            for t in range(t0, t0 + LANES):
-                lsum[h, g] += weights[h, g, t]
-            tile_values(weights, (h * G + g) * BS + t0, v, v_off, H * Dvs, dv, acc, (h * G + g) * dv)
-
-
 @njit(cache=True, fastmath=_FASTMATH)
 def _attend_range(w, q, k, v, k_scales, v_scales, dv, scale, table, kv_pos, row_seq, q_pos, window, splits, out, m_out, l_out):  # pragma: no cover - compiled
     """Work item w = r * splits + sp of attend_parallel: query row r over its sp-th range of blocks.
@@ -341,7 +284,6 @@ def _attend_range(w, q, k, v, k_scales, v_scales, dv, scale, table, kv_pos, row_
     j1 = min(nb, j0 + per)
     k_scratch = _scratch(k, D)
     v_scratch = _scratch(v, dv)
-    tiles = tileable(q, k, v) and D % LANES == 0 and dv % LANES == 0 and BS % LANES == 0
     for j in range(j0, j1):
         blk = table[b, j]
         seen = 0
@@ -353,12 +295,19 @@ def _attend_range(w, q, k, v, k_scales, v_scales, dv, scale, table, kv_pos, row_
             continue
         kb = _block(k, blk, D, k_scratch)
         vb = _block(v, blk, dv, v_scratch)
-        for t0 in range(0, BS, LANES if tiles else BS):
-            if tiles and _tile_full(visible, t0):
-                _tile_scores(q, r, k, blk, t0, scale, scores)
+        for t in range(BS):
+            if not visible[t]:
+                for h in range(H):
+                    for g in range(G):
+                        scores[h, g, t] = -np.inf
                 continue
-            for t in range(t0, t0 + LANES if tiles else BS):
-                _key_scores(q, r, kb, k, k_scales, blk, t, visible[t], scale, scores)
+            for h in range(H):
+                key_scale = _scale(k, k_scales, blk, t, h) * scale
+                for g in range(G):
+                    x = np.float32(0.0)
+                    for d in range(D):
+                        x += q[r, h, g, d] * _wide(kb[t, h, d])
+                    scores[h, g, t] = x * key_scale
         for h in range(H):
             for g in range(G):
                 top = m[h, g]
@@ -372,13 +321,17 @@ def _attend_range(w, q, k, v, k_scales, v_scales, dv, scale, table, kv_pos, row_
                         acc[h, g, d] *= c
                     m[h, g] = top
                 _exp_shifted(scores[h, g], m[h, g], bits)
-        for t0 in range(0, BS, LANES if tiles else BS):
-            if tiles and _tile_full(visible, t0):
-                _tile_sums(v, blk, t0, dv, scores, lsum, acc)
+        for t in range(BS):
+            if not visible[t]:
                 continue
-            for t in range(t0, t0 + LANES if tiles else BS):
-                if visible[t]:
-                    _key_values(vb, v, v_scales, blk, t, dv, scores, lsum, acc)
+            for h in range(H):
+                value_scale = _scale(v, v_scales, blk, t, h)
+                for g in range(G):
+                    p = scores[h, g, t]
+                    lsum[h, g] += p
+                    pv = p * value_scale
+                    for d in range(dv):
+                        acc[h, g, d] += pv * _wide(vb[t, h, d])
     for h in range(H):
         for g in range(G):
             m_out[r, sp, h, g] = m[h, g]
