@@ -17,6 +17,8 @@ gives its logits (ROWS_PER_BLOCK x V), from which the log-softmax at the target
 (logit - logsumexp, float32 as the generated tokens' logprobs, runner.token_logprobs), the target's
 rank and the top k are kept: 2 + 2k numbers a row. Those reductions run a few rows at a time
 (rows_per_pass: 2 MiB of logits), so that they read the block's logits from the cache, not memory.
+A GGUF file's packed output projection is dequantized once (dense_head) and kept for the next steps,
+not once per block as the packed layer's own product of many rows would.
 
 Across ranks the rows are split, not the vocabulary: in a token-parallel or ring prefill step each
 rank already holds the final hidden states of its own rows, so it scores those (no hidden state
