@@ -90,8 +90,38 @@ def test_docstring_examples_run():
 
     from treeattn.engine import request
 
-    for obj in (request.RequestResult, pl.score_rows):
+    for obj in (request.RequestResult, pl.score_rows, pl.dense_head):
         finder, runner = doctest.DocTestFinder(), doctest.DocTestRunner(optionflags=doctest.ELLIPSIS)
         for test in finder.find(obj, globs={}):
             runner.run(test)
         assert runner.failures == 0 and runner.tries > 0, obj
+
+
+@pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
+def test_a_packed_head_is_dequantized_once_and_gives_the_packed_layers_values(fmt, monkeypatch):
+    """A GGUF file's packed output projection: score_rows multiplies its float32 copy (dense_head, made
+    once for every block and step), the values of the packed layer's own product bit for bit, within
+    float32 rounding of float64."""
+    import gguf
+    import gguf.quants
+
+    from treeattn.models import random_model
+    from treeattn.models.packed import PackedLinear
+    from treeattn.ops.packed_linear import unpack_blocks
+
+    model = random_model(ta.LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=32, num_layers=1, num_heads=2,
+                                        num_kv_heads=1, head_dim=32), seed=2, std=0.5)
+    quantized = gguf.quants.quantize(model.lm_head.weight.detach().numpy(), gguf.GGMLQuantizationType[fmt.upper()])
+    model.lm_head = PackedLinear(fmt, *unpack_blocks(fmt, quantized))
+    made = []
+    monkeypatch.setattr(PackedLinear, "dequantized", lambda self, real=PackedLinear.dequantized: made.append(1) or real(self))
+    monkeypatch.setattr(pl, "ROWS_PER_BLOCK", 20)  # > MAX_KERNEL_ROWS: the packed layer dequantizes too
+    hidden, targets = torch.randn(50, 64, generator=_G), torch.randint(0, 300, (50,), generator=_G)
+    dense = pl.score_rows(model, hidden, targets, top=3)
+    assert torch.equal(pl.score_rows(model, hidden, targets, top=3), dense) and len(made) == 1  # kept for the next call
+    monkeypatch.setattr(pl, "dense_head", lambda model: None)  # the packed layer's own product, block by block
+    rows = slice(0, 40)  # the two full blocks (the last one, 10 rows, takes the packed kernel: another summation order)
+    assert torch.equal(pl.score_rows(model, hidden[rows], targets[rows], top=3), dense[rows])
+    logp = torch.log_softmax(hidden.double() @ model.lm_head.dequantized().double().T, dim=-1)
+    torch.testing.assert_close(dense[:, 0], logp[torch.arange(50), targets], atol=1e-5, rtol=0)
+    torch.testing.assert_close(dense[:, 2:5], logp.topk(3).values, atol=1e-5, rtol=0)

@@ -4,20 +4,43 @@
 
 One engine (prefix cache off: every request prefills its whole prompt), one prompt of random token
 ids; each round runs it with max_new_tokens=1 without prompt_logprobs, then with prompt_logprobs=0
-(the logprob of every prompt token), and records each request's time to first token (the prefill).
-Prints one JSON object: the times, the per-round ratios (with / without), their mean, and the load
-average read at the start and at the end (timings on a shared machine are under load).
+(the logprob of every prompt token), and records each request's time to first token (the prefill)
+and the CPU seconds this process and its rank processes spent on the request (Linux: /proc; on a
+loaded machine the CPU time moves far less than the wall time, which waits for the cores).
+Prints one JSON object: the times, the per-round ratios (with / without) of the wall and the CPU
+times, their means, and the load average read at the start and at the end.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import time
 
 import torch
 
 import treeattn as ta
 from treeattn.bench import harness
+
+
+def cpu_seconds() -> float:
+    """User + system CPU seconds of this process and its descendants alive now (the engine's ranks), from /proc."""
+    parents = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+        except OSError:  # gone meanwhile
+            continue
+        parents[int(pid)] = (int(fields[1]), int(fields[11]) + int(fields[12]))  # ppid, utime + stime (ticks)
+    mine, grew = {os.getpid()}, True
+    while grew:
+        grew = False
+        for pid, (ppid, _) in parents.items():
+            if ppid in mine and pid not in mine:
+                mine.add(pid)
+                grew = True
+    total = sum(parents[pid][1] for pid in mine if pid in parents)
+    return total / os.sysconf("SC_CLK_TCK")
 
 
 def main() -> None:
@@ -37,16 +60,19 @@ def main() -> None:
         for _ in range(args.rounds):
             row = {}
             for name, k in (("without", None), ("with", 0)):
-                start = time.perf_counter()
+                start, cpu = time.perf_counter(), cpu_seconds()
                 result = engine.generate([prompt], max_new_tokens=1, prompt_logprobs=k)[0]
                 row[name] = result.ttft_s
                 row[name + "_wall"] = time.perf_counter() - start
+                row[name + "_cpu"] = cpu_seconds() - cpu
                 if k is not None:
                     assert len(result.prompt_logprobs) == len(prompt)
             rows.append(row)
     ratios = [r["with"] / r["without"] for r in rows]
+    cpu_ratios = [r["with_cpu"] / r["without_cpu"] for r in rows]
     print(json.dumps({"model": args.model, "tokens": args.tokens, "nproc": args.nproc, "prefill_chunk": args.prefill_chunk,
                       "rounds": rows, "ratios": ratios, "mean_ratio": sum(ratios) / len(ratios),
+                      "cpu_ratios": cpu_ratios, "mean_cpu_ratio": sum(cpu_ratios) / len(cpu_ratios),
                       "loadavg_start": load_start, "loadavg_end": open("/proc/loadavg").read().split()[:3]}, indent=1))
 
 

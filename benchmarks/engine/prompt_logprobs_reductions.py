@@ -23,14 +23,13 @@ from treeattn.engine.worker.prompt_logprobs import _score_block, rows_per_pass
 
 def whole(logits: torch.Tensor, targets: torch.Tensor, top: int) -> torch.Tensor:
     out = torch.empty(logits.shape[0], 2 + 2 * top, dtype=torch.float64)
-    _score_block(logits, targets, top, out)
+    _score_block(logits, targets, top, out, logits.shape[0])
     return out
 
 
 def by_pass(logits: torch.Tensor, targets: torch.Tensor, top: int, step: int) -> torch.Tensor:
     out = torch.empty(logits.shape[0], 2 + 2 * top, dtype=torch.float64)
-    for lo in range(0, logits.shape[0], step):
-        _score_block(logits[lo : lo + step], targets[lo : lo + step], top, out[lo : lo + step])
+    _score_block(logits, targets, top, out, step)
     return out
 
 

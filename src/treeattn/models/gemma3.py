@@ -181,10 +181,10 @@ class Gemma3Model(LlamaModel):
             h = layer(h, positions, cos, sin, kv_store, attend, chunk)
         return self.norm(h)
 
-    def logits(self, hidden: torch.Tensor, vocab: slice | None = None) -> torch.Tensor:
+    def logits(self, hidden: torch.Tensor, vocab: slice | None = None, weight: torch.Tensor | None = None) -> torch.Tensor:
         """(..., hidden_size) final hidden states -> (..., vocab_size) float32 logits (the columns of
-        `vocab` only, as LlamaModel.logits), soft-capped when the config says so."""
-        logits = super().logits(hidden, vocab)
+        `vocab` only, `weight` as LlamaModel.logits), soft-capped when the config says so."""
+        logits = super().logits(hidden, vocab, weight)
         cap = self.config.final_logit_softcapping
         return logits if cap is None else torch.tanh(logits / cap) * cap
 

@@ -351,11 +351,16 @@ class LlamaModel(nn.Module):
             h = layer(h, positions, cos, sin, kv_store, attend, chunk)
         return self.norm(h)
 
-    def logits(self, hidden: torch.Tensor, vocab: slice | None = None) -> torch.Tensor:
+    def logits(self, hidden: torch.Tensor, vocab: slice | None = None, weight: torch.Tensor | None = None) -> torch.Tensor:
         """(..., hidden_size) final hidden states -> (..., vocab_size) float32 logits; with `vocab`
         (a slice of token ids, step 1) only those columns, (..., len(range(vocab_size)[vocab])), the
-        same values as the full call's (each logit is its own dot product)."""
+        same values as the full call's (each logit is its own dot product). `weight`: a packed output
+        projection's float32 dequantization held by the caller (prompt logprobs: made once for many
+        calls), multiplied as the packed layer multiplies more than MAX_KERNEL_ROWS rows."""
         head = self.embed_tokens if self.lm_head is None else self.lm_head
+        if weight is not None:
+            out = F.linear(hidden.to(weight.dtype), weight if vocab is None else weight[vocab])
+            return out.to(hidden.dtype).float()
         if isinstance(head, (nn.Embedding, nn.Linear)):
             return F.linear(hidden, head.weight if vocab is None else head.weight[vocab]).float()
         return head.project(hidden, vocab).float()  # kept packed (treeattn.models.packed)

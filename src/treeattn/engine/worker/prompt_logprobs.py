@@ -17,6 +17,8 @@ gives its logits (ROWS_PER_BLOCK x V), from which the log-softmax at the target
 (logit - logsumexp, float32 as the generated tokens' logprobs, runner.token_logprobs), the target's
 rank and the top k are kept: 2 + 2k numbers a row. Those reductions run a few rows at a time
 (rows_per_pass: 2 MiB of logits), so that they read the block's logits from the cache, not memory.
+A GGUF file's packed output projection is dequantized once (dense_head) and kept for the next steps,
+not once per block as the packed layer's own product of many rows would.
 
 Across ranks the rows are split, not the vocabulary: in a token-parallel or ring prefill step each
 rank already holds the final hidden states of its own rows, so it scores those (no hidden state
@@ -144,6 +146,39 @@ class PromptRows:
         return out
 
 
+_dense_head: list = []  # one (packed head, its qs and d_bits buffers, its float32 dequantization): dense_head's cache
+
+
+def dense_head(model) -> torch.Tensor | None:
+    """The float32 dequantization of `model`'s output projection when it is kept packed
+    (treeattn.models.packed), else None (a plain weight is multiplied as it is).
+
+    A packed layer multiplies more than MAX_KERNEL_ROWS rows by dequantizing its whole weight for
+    each call (ops.packed_linear.packed_matmul): for the prompt rows, block after block, that
+    dequantization cost about as much as the product itself (SmolLM2: 49,152 x 576). The copy is
+    made once and kept for the next steps (one model's at a time: SmolLM2 113 MB, Gemma 3 270M 671 MB
+    a rank), and model.logits(hidden, weight=copy) multiplies it as the packed layer would: the
+    same values, bit for bit.
+
+        >>> import torch, treeattn as ta
+        >>> from treeattn.engine.worker.prompt_logprobs import dense_head
+        >>> from treeattn.models import random_model
+        >>> model = random_model(ta.LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=32,
+        ...     num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16), seed=0)
+        >>> dense_head(model) is None  # its embedding is a plain nn.Embedding
+        True
+    """
+    head = model.embed_tokens if getattr(model, "lm_head", None) is None else model.lm_head
+    if not hasattr(head, "dequantized"):
+        return None
+    if _dense_head and _dense_head[0][0] is head and _dense_head[0][1] is head.qs and _dense_head[0][2] is head.d_bits:
+        return _dense_head[0][3]
+    _dense_head.clear()  # the previous model's copy goes first
+    weight = head.dequantized()
+    _dense_head.append((head, head.qs, head.d_bits, weight))
+    return weight
+
+
 def score_rows(model, hidden: torch.Tensor, targets: torch.Tensor, top: int) -> torch.Tensor:
     """Each row's log-softmax at its target token and its `top` most likely tokens, ROWS_PER_BLOCK
     rows at a time (never more logits at once).
@@ -176,24 +211,34 @@ def score_rows(model, hidden: torch.Tensor, targets: torch.Tensor, top: int) -> 
     """
     out = torch.empty(hidden.shape[0], 2 + 2 * top, dtype=torch.float64, device=hidden.device)
     targets = targets.to(hidden.device)
-    for lo in range(0, hidden.shape[0], ROWS_PER_BLOCK):
-        logits = model.logits(hidden[lo : lo + ROWS_PER_BLOCK]).float()  # (rows, V): one pass over the LM head
-        n = logits.shape[0]
-        step = rows_per_pass(logits.shape[1]) if logits.device.type == "cpu" else n  # a GPU: one launch per block
-        for first in range(0, n, step):
-            last = min(first + step, n)
-            _score_block(logits[first:last], targets[lo + first : lo + last], top, out[lo + first : lo + last])
+    weight = dense_head(model)
+    dense = {} if weight is None else {"weight": weight}  # a packed head: its float32 copy, made once
+    with torch.no_grad():  # the reductions write into `out=` tensors
+        for lo in range(0, hidden.shape[0], ROWS_PER_BLOCK):
+            logits = model.logits(hidden[lo : lo + ROWS_PER_BLOCK], **dense).float()  # (rows, V): one pass over the LM head
+            step = rows_per_pass(logits.shape[1]) if logits.device.type == "cpu" else logits.shape[0]  # a GPU: one launch a block
+            _score_block(logits, targets[lo : lo + ROWS_PER_BLOCK], top, out[lo : lo + ROWS_PER_BLOCK], step)
     return out
 
 
-def _score_block(logits: torch.Tensor, targets: torch.Tensor, top: int, out: torch.Tensor) -> None:
-    """score_rows' values for a few rows' logits (rows_per_pass(V) x V: small enough that the reads after
-    the first come from the cache), written into `out`."""
-    lse = torch.logsumexp(logits, dim=-1)
+def _score_block(logits: torch.Tensor, targets: torch.Tensor, top: int, out: torch.Tensor, step: int) -> None:
+    """score_rows' values for a block's logits (rows, V), written into `out`. The reductions that read
+    every logit (logsumexp, the count of larger logits, the top k) run `step` rows at a time, small enough
+    that the reads after the first come from the cache; the rest (the target's logit, the differences,
+    the float64 copies) once for the block: fewer calls, the same values bit for bit."""
+    n = logits.shape[0]
     chosen = logits.gather(1, targets[:, None])  # (rows, 1)
+    lse = logits.new_empty(n)
+    larger = torch.empty(n, dtype=torch.int64, device=logits.device)
+    values, ids = logits.new_empty(n, top), torch.empty(n, top, dtype=torch.int64, device=logits.device)
+    for first in range(0, n, step):
+        rows, part = logits[first : first + step], slice(first, first + step)
+        torch.logsumexp(rows, dim=-1, out=lse[part])
+        torch.sum(rows > chosen[part], dim=-1, out=larger[part])
+        if top:
+            torch.topk(rows, top, dim=-1, out=(values[part], ids[part]))
     out[:, 0] = chosen.squeeze(1) - lse
-    out[:, 1] = (logits > chosen).sum(dim=-1) + 1
+    out[:, 1] = larger + 1
     if top:
-        values, ids = logits.topk(top, dim=-1)
         out[:, 2 : 2 + top] = values - lse[:, None]
         out[:, 2 + top :] = ids

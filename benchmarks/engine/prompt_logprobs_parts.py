@@ -1,0 +1,55 @@
+"""The CPU seconds of prompt logprobs' parts for one block of rows, one thread, alternately.
+
+    python benchmarks/engine/prompt_logprobs_parts.py SmolLM2.gguf --repeats 5
+
+For a model whose output projection is kept packed (a GGUF file): dequantizing the whole head (what the
+packed layer did for every block of rows before dense_head kept one copy), the block's float32 LM head
+product (the floor of any exact method), and the block's reductions (log-softmax at the target, rank;
+treeattn.engine.worker.prompt_logprobs). One torch thread and time.thread_time, so that on a loaded
+machine the figures are the CPU each part costs, not the wait for a core. Prints one JSON object: each
+part's CPU seconds per repeat and their minimum, the rows per block, the load average.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import torch
+
+import treeattn.engine.worker.prompt_logprobs as pl
+from treeattn.bench import harness
+
+
+def main() -> None:
+    parser = harness.parser(__doc__, model="required", output=False, repeats=5)
+    args = harness.parse_args(parser)
+    from treeattn.models.loader import load_model
+
+    torch.set_num_threads(1)
+    model = load_model(args.model, weight_format="auto")
+    head = model.embed_tokens if model.lm_head is None else model.lm_head
+    if not hasattr(head, "dequantized"):
+        raise SystemExit(f"MODEL: {args.model}'s output projection is not kept packed (a GGUF file's q4_0/q4_1/q8_0 head is)")
+    rows, g = pl.ROWS_PER_BLOCK, torch.Generator().manual_seed(0)
+    hidden = torch.randn(rows, model.config.hidden_size, generator=g)
+    targets = torch.randint(0, model.config.vocab_size, (rows,), generator=g)
+    weight = head.dequantized()
+    logits = model.logits(hidden, weight=weight)
+    out = torch.empty(rows, 2, dtype=torch.float64)
+    step = pl.rows_per_pass(logits.shape[1])
+    parts = {"dequantize the head": head.dequantized, "LM head product": lambda: model.logits(hidden, weight=weight),
+             "reductions": lambda: pl._score_block(logits, targets, 0, out, step)}
+    seconds = {name: [] for name in parts}
+    for _ in range(args.repeats):
+        for name, part in parts.items():
+            start = time.thread_time()
+            part()
+            seconds[name].append(time.thread_time() - start)
+    print(json.dumps({"model": args.model, "rows_per_block": rows, "vocab_size": model.config.vocab_size,
+                      "hidden_size": model.config.hidden_size, "cpu_s_min": {k: min(v) for k, v in seconds.items()},
+                      "cpu_s": seconds, "loadavg": open("/proc/loadavg").read().split()[:3]}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
