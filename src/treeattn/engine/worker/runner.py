@@ -39,7 +39,7 @@ from treeattn.engine.worker.prompt_logprobs import PromptRows
 from treeattn.engine.request import TokenLogprob
 from treeattn.engine.scheduler import Chunk, StepPlan
 from treeattn.engine.worker.tensor_parallel import connect, local_heads, tensor_parallel_cuts
-from treeattn.engine.worker.warmup import warm_up_rank
+from treeattn.engine.worker.warmup import pretouch_cache, warm_up_rank
 from treeattn.models.attention import attention_backend, group_world_size
 from treeattn.models.llama import LlamaModel
 from treeattn.models.packed import weight_bytes
@@ -190,8 +190,10 @@ class RankRunner:
                                                 graph=decode_step == "graph")
         self._generators: dict[int, torch.Generator] = {}
         self.meter = RankMeter(self.rank)
-        # numba's kernels compiled or loaded now, not inside the first request's steps (engine.worker.warmup)
+        # numba's kernels compiled or loaded now, not inside the first request's steps, and the KV arenas
+        # written once, so that their memory is resident from the start (engine.worker.warmup)
         self.warmed = warm_up_rank(model, kv_dtype=kv_cache_dtype, world_size=p, draft_model=draft_model)
+        self.pretouched_bytes = sum(pretouch_cache(c) for c in (self.cache, getattr(self.drafter, "cache", None)) if c is not None)
 
     def set_decode(self, decode: str, method: str) -> None:
         """Decode from the next step on with `decode` ("tree" or "ring"; every kind is local
