@@ -139,3 +139,20 @@ def test_rank_zero_waits_for_the_masks_only_at_sampling(engine):
     constrained = engine.rank_measurements()[0].step_phases["decode"]
     assert free and not any("mask_wait" in phases for phases in free)
     assert constrained and all("mask_wait" in phases for phases in constrained)
+
+
+def test_a_request_whose_masks_never_came_fails_alone(engine):
+    """If the driver's StepMasks leave a marked chunk out, rank 0 samples no unconstrained token for it:
+    that request ends with finish_reason "error" naming the missing mask; the free one beside it is served."""
+    from treeattn.engine.structured import StepMasks
+
+    grammars = engine._driver.grammars
+    grammars.masks = lambda plan: StepMasks({})  # an instance attribute: the driver's next steps call it
+    try:
+        constrained = ta.SamplingParams(max_new_tokens=8, structured=StructuredOutput.regex("[a-z]{8}"))
+        free = ta.SamplingParams(max_new_tokens=8, ignore_eos=True)
+        bad, good = _run(engine, [constrained, free])
+    finally:
+        del grammars.masks
+    assert bad.finish_reason == "error" and "no mask came" in bad.error, (bad.finish_reason, bad.error)
+    assert good.finish_reason == "length" and len(good.token_ids) == 8
