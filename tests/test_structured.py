@@ -6,6 +6,8 @@ sampled, parses and validates against its schema (jsonschema, formats checked) a
 finish_reason "stop" at the model's end-of-sequence token. Regexes match whole, choices are one of
 the options, a Lark grammar's language holds. Logprobs are the model's own, before the mask. With
 prompt-lookup speculation the tokens equal those without. A bad constraint is one line naming it.
+All on one rank and on two (where the masks are filled while the step runs and sent to rank 0 after
+the plan), and the step's "mask_wait" phase shows rank 0 waited for them at sampling.
 """
 
 from __future__ import annotations
@@ -37,9 +39,11 @@ def model_file(tmp_path_factory) -> Path:
                                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
 
 
-@pytest.fixture(scope="module")
-def engine(model_file):
-    with ta.Engine(str(model_file), nproc=1, block_size=16, cache_tokens=32768, max_batch_size=64) as engine:
+@pytest.fixture(scope="module", params=[1, 2], ids=["one_rank", "two_ranks"])
+def engine(model_file, request):
+    """One rank (GroupChannel: the masks are filled in the driver's thread when rank 0 samples) and two
+    (spawned ranks: the driver fills them while the ranks run the step, rank 0 reads them when it samples)."""
+    with ta.Engine(str(model_file), nproc=request.param, block_size=16, cache_tokens=32768, max_batch_size=64) as engine:
         yield engine
 
 
@@ -123,3 +127,32 @@ def test_a_bad_constraint_is_one_line_naming_it(build, match):
     with pytest.raises(ValueError, match=re.escape(match)) as info:
         build()
     assert "\n" not in str(info.value)
+
+
+def test_rank_zero_waits_for_the_masks_only_at_sampling(engine):
+    """The masks come after the plan (StepMasks), read by rank 0 after the step's logits: the
+    steps of a constrained request record the "mask_wait" phase, those of a free one do not."""
+    engine.rank_measurements(reset=True)
+    _run(engine, [ta.SamplingParams(max_new_tokens=8, ignore_eos=True)])
+    free = engine.rank_measurements(reset=True)[0].step_phases["decode"]
+    _run(engine, [ta.SamplingParams(max_new_tokens=8, structured=StructuredOutput.regex("[a-z]{8}"))])
+    constrained = engine.rank_measurements()[0].step_phases["decode"]
+    assert free and not any("mask_wait" in phases for phases in free)
+    assert constrained and all("mask_wait" in phases for phases in constrained)
+
+
+def test_a_request_whose_masks_never_came_fails_alone(engine):
+    """If the driver's StepMasks leave a marked chunk out, rank 0 samples no unconstrained token for it:
+    that request ends with finish_reason "error" naming the missing mask; the free one beside it is served."""
+    from treeattn.engine.structured import StepMasks
+
+    grammars = engine._driver.grammars
+    grammars.masks = lambda plan: StepMasks({})  # an instance attribute: the driver's next steps call it
+    try:
+        constrained = ta.SamplingParams(max_new_tokens=8, structured=StructuredOutput.regex("[a-z]{8}"))
+        free = ta.SamplingParams(max_new_tokens=8, ignore_eos=True)
+        bad, good = _run(engine, [constrained, free])
+    finally:
+        del grammars.masks
+    assert bad.finish_reason == "error" and "no mask came" in bad.error, (bad.finish_reason, bad.error)
+    assert good.finish_reason == "length" and len(good.token_ids) == 8

@@ -1,12 +1,15 @@
 """What a JSON-schema constraint costs per token at batch 1: SmolLM2 through ta.Engine, with and without it, alternated.
 
-    PYTHONPATH=src python3 benchmarks/engine/structured_engine.py [--rounds 6] [--nproc 1] > docs/data/structured_engine.txt
+    PYTHONPATH=src python3 benchmarks/engine/structured_engine.py [--rounds 6] [--nproc 2] > docs/data/structured_engine.txt
 
 One engine; each round runs the chat prompt twice, one request at a time: free (greedy, ignore_eos,
 --tokens new tokens) and under benchmarks/retired/structured_mask.py's schema (greedy; it ends when the
 document does). Time per token is RequestResult.decode_s / (tokens - 1) (the first token comes from
 the prefill). The two kinds alternate round by round so that load from other processes hits both
-alike; reported per round and as the ratio of the medians. The constrained output is printed and
+alike; reported per round and as the ratio of the medians. The mask's cost is reported as the
+driver's grammar work per token (masks() and advance(); on 2+ ranks masks() runs while the ranks run
+the step), rank 0's wait for the masks at sampling per decode step (the part the step did not hide:
+the "mask_wait" phase of its rank measurements) and apply_mask's time. The constrained output is printed and
 checked against the schema
 (structured_mask.py's, with each tag at most 12 characters: SmolLM2-135M looped in an unbounded one;
 the schema is written out here, so that this script imports no other).
@@ -49,14 +52,15 @@ PROMPT = "Describe a fictional person as JSON with name, age, email, role, tags,
 
 
 def _time_grammars(grammars) -> dict:
-    """Wrap the driver's Grammars.constrain and .advance with timers: {"s": seconds in them, "tokens": advances}."""
+    """Wrap the driver's Grammars.masks and .advance with timers: {"s": seconds in them, "tokens": advances}.
+    masks() runs while the ranks run the step (on 2+ ranks): this is the driver's work, not what waits."""
     box = {"s": 0.0, "tokens": 0}
-    constrain, advance = grammars.constrain, grammars.advance
+    masks, advance = grammars.masks, grammars.advance
 
-    def timed_constrain(plan):
+    def timed_masks(plan):
         started = time.perf_counter()
         try:
-            return constrain(plan)
+            return masks(plan)
         finally:
             box["s"] += time.perf_counter() - started
 
@@ -68,8 +72,14 @@ def _time_grammars(grammars) -> dict:
             box["s"] += time.perf_counter() - started
             box["tokens"] += seq_id in grammars._matchers
 
-    grammars.constrain, grammars.advance = timed_constrain, timed_advance
+    grammars.masks, grammars.advance = timed_masks, timed_advance
     return box
+
+
+def _mask_wait_s(engine) -> tuple[float, int]:
+    """(seconds rank 0 waited for the masks at sampling, decode steps) since the last reset: the mask's exposed part."""
+    steps = engine.rank_measurements(reset=True)[0].step_phases.get("decode", [])
+    return sum(phases.get("mask_wait", 0.0) for phases in steps), len(steps)
 
 
 def _apply_mask_us(engine) -> float:
@@ -97,13 +107,17 @@ def main() -> None:
     print(f"loadavg: {open('/proc/loadavg').read().strip()}  torch threads: {torch.get_num_threads()}  nproc: {args.nproc}")
     free_params = ta.SamplingParams(max_new_tokens=args.tokens, ignore_eos=True)
     constrained = ta.SamplingParams(max_new_tokens=256, stop_token_ids=stop, structured=ta.StructuredOutput.json(SCHEMA))
-    per_token = {"free": [], "json_schema": []}
+    per_token, wait = {"free": [], "json_schema": []}, {"s": 0.0, "steps": 0}
     with ta.Engine(path, nproc=args.nproc, max_batch_size=1) as engine:
         engine.generate([prompt], constrained)  # warm: the grammar's tokenizer is built on the first constrained request
         driver_s = _time_grammars(engine._driver.grammars)
         for round_ in range(args.rounds):
             for name, params in (("free", free_params), ("json_schema", constrained))[:: 1 if round_ % 2 == 0 else -1]:
+                engine.rank_measurements(reset=True)
                 result = engine.generate([prompt], params)[0]
+                if name == "json_schema":
+                    waited, steps = _mask_wait_s(engine)
+                    wait["s"], wait["steps"] = wait["s"] + waited, wait["steps"] + steps
                 per_token[name].append(result.decode_s / (len(result.token_ids) - 1))
                 print(f"round {round_} {name}: {len(result.token_ids)} tokens, {result.finish_reason}, "
                       f"{per_token[name][-1] * 1e3:.2f} ms/token")
@@ -111,7 +125,11 @@ def main() -> None:
     print("constrained output:", text)
     print(f"the driver's grammar work (masks filled, tokens consumed) over the constrained requests: "
           f"{driver_s['s'] * 1e3:.1f} ms for {driver_s['tokens']} tokens = {driver_s['s'] / driver_s['tokens'] * 1e6:.0f} us/token")
-    print(f"rank 0's apply_mask on (1, {engine.model_info.vocab_size}) logits: {_apply_mask_us(engine) :.0f} us (median of 200)")
+    apply_us = _apply_mask_us(engine)
+    print(f"rank 0's apply_mask on (1, {engine.model_info.vocab_size}) logits: {apply_us:.0f} us (median of 200)")
+    wait_us = wait["s"] / max(wait["steps"], 1) * 1e6
+    print(f"rank 0's wait for the masks at sampling (the driver's work not hidden by the step): {wait['s'] * 1e3:.1f} ms "
+          f"over {wait['steps']} decode steps = {wait_us:.0f} us/token")
     import jsonschema
 
     jsonschema.validate(json.loads(text), SCHEMA)
@@ -120,6 +138,8 @@ def main() -> None:
         print(f"{name}: median {statistics.median(values) * 1e3:.2f} ms/token over {len(values)} rounds")
     ratio = statistics.median(per_token["json_schema"]) / statistics.median(per_token["free"])
     print(f"json_schema / free, medians: {ratio:.3f}")
+    exposed = (wait_us + apply_us) / 1e6 / statistics.median(per_token["json_schema"])
+    print(f"the mask's exposed cost (rank 0's wait + apply_mask) / constrained time per token: {exposed * 100:.2f} %")
     print(f"loadavg: {open('/proc/loadavg').read().strip()}")
 
 

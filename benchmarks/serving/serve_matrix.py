@@ -1,8 +1,11 @@
-"""`treeattn bench serve` against `treeattn serve` (1 and 2 ranks) and llama-cpp-python's server on the same GGUF.
+"""`treeattn bench serve` against `treeattn serve` (1, 2, 4 ranks) and llama-cpp-python's server on the same GGUF.
 
     nice -n 10 python benchmarks/serving/serve_matrix.py smollm2 --nproc 1 2 --input-len 512 2048 \\
         --concurrency 1 2 4 8 --output-len 32 --llama-python /work/llama/venv/bin/python [--budget-min 20]
+    nice -n 10 python benchmarks/serving/serve_matrix.py smollm2 --nproc 2 4 --cells 512:16 2048:1 8192:1 ...
+                                                     # chosen (prompt length, concurrency) cells, in this order
     python benchmarks/serving/serve_matrix.py --table docs/data/serve_matrix      # the markdown table of the JSONs there
+    python benchmarks/serving/serve_matrix.py --knee docs/data/serve_matrix       # each server's knee, from those JSONs
 
 For one model (`treeattn models` name or a .gguf path) it starts every server at once, each idle while
 another is measured: `treeattn serve MODEL --nproc N` for each N, and
@@ -18,6 +21,14 @@ model's tokenizer, different for every server and cell, so no server finds anoth
 cache. Neither server is asked for ignore_eos (llama-cpp-python has none): every request carries
 `logit_bias` -100 on the end-of-sequence token and the end-of-generation tokens the vocabulary has instead, so answers are `--output-len` tokens long on
 both. num_prompts per cell: max(--min-prompts, --prompts-factor x concurrency), default max(4, 2 x C). Cells stop starting after `--budget-min` minutes.
+`--cells L:C ...` runs those cells instead of every --input-len x --concurrency pair.
+
+The knee (`--knee`): for each model, server and prompt length, the output throughput against the
+concurrency (the cells of that length, from every run in the folder): the knee is the last
+concurrency whose step up (to the next measured one) still raised the throughput by at least
+KNEE_GAIN (10 %) per doubling of the concurrency; past it, more concurrency buys latency, not
+throughput. With one measured concurrency there is no knee ("-"); when the throughput still rose at
+every step, the knee is past the largest concurrency measured ("> C").
 """
 
 from __future__ import annotations
@@ -51,11 +62,19 @@ def main() -> None:
     parser.add_argument("--prompts-factor", type=int, default=2, help="num_prompts per cell: max(--min-prompts, factor x C)")
     parser.add_argument("--min-prompts", type=int, default=4)
     parser.add_argument("--out-dir", default="docs/data/serve_matrix")
+    parser.add_argument("--cells", nargs="+", default=None, metavar="L:C",
+                        help="run these (prompt length, concurrency) cells, in order, instead of --input-len x --concurrency")
     parser.add_argument("--table", default=None, help="print the markdown table of the JSONs in this folder, run nothing")
+    parser.add_argument("--knee", default=None, help="print each server's knee from the JSONs in this folder, run nothing")
     args = parser.parse_args()
     if args.table:
         print("\n".join(table(Path(args.table))))
         return
+    if args.knee:
+        print("\n".join(knee_table(Path(args.knee))))
+        return
+    args.cells = _cells(args.cells) if args.cells else [(n, c) for n in args.input_len for c in args.concurrency]
+    args.input_len = sorted({n for n, _ in args.cells})
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     run(args)
 
@@ -83,20 +102,18 @@ def run(args) -> None:
         if args.llama_python:
             url, process = _start_llama(args.llama_python, model, args.llama_threads, max(args.input_len) + args.output_len + 64)
             servers["llamacpp"], processes = url, processes + [process]
-        start, cell = time.monotonic(), 0
-        for length in args.input_len:
-            for c in args.concurrency:
-                order = list(servers) if cell % 2 == 0 else list(reversed(servers))
-                for server in order:
-                    if time.monotonic() - start > args.budget_min * 60:
-                        print(f"budget spent: stopped before {server} L{length} c{c}", flush=True)
-                        return
-                    seed = zlib.crc32(f"{server} {length} {c}".encode())
-                    prompts = out_dir / f"prompts_{name}_{server}_L{length}_c{c}.jsonl"
-                    _write_prompts(prompts, tokenizer, length, _count(args, c), args.output_len, seed)
-                    _cell(servers[server], server, name, length, c, prompts, args, eos, out_dir)
-                    prompts.unlink()
-                cell += 1
+        start = time.monotonic()
+        for cell, (length, c) in enumerate(args.cells):
+            order = list(servers) if cell % 2 == 0 else list(reversed(servers))
+            for server in order:
+                if time.monotonic() - start > args.budget_min * 60:
+                    print(f"budget spent: stopped before {server} L{length} c{c}", flush=True)
+                    return
+                seed = zlib.crc32(f"{server} {length} {c}".encode())
+                prompts = out_dir / f"prompts_{name}_{server}_L{length}_c{c}.jsonl"
+                _write_prompts(prompts, tokenizer, length, _count(args, c), args.output_len, seed)
+                _cell(servers[server], server, name, length, c, prompts, args, eos, out_dir)
+                prompts.unlink()
     finally:
         for process in processes:
             if process.poll() is None:
@@ -125,6 +142,17 @@ def _cell(url: str, server: str, name: str, length: int, c: int, prompts: Path, 
     out.write_text(json.dumps(result, indent=1) + "\n")
     print(f"{server} L{length} c{c}: {result['completed']} done, {result['output_throughput']:.2f} tok/s, TTFT p50 "
           f"{result['median_ttft_ms']:.0f} ms, TPOT p50 {result['median_tpot_ms']:.0f} ms, load {before} -> {after}", flush=True)
+
+
+def _cells(specs: list[str]) -> list[tuple[int, int]]:
+    """[(prompt length, concurrency)] of "L:C" strings; SystemExit naming a bad one."""
+    cells = []
+    for spec in specs:
+        length, _, c = spec.partition(":")
+        if not (length.isdigit() and c.isdigit() and int(length) > 0 and int(c) > 0):
+            raise SystemExit(f"--cells: expected L:C with two positive integers (e.g. 2048:4), got {spec!r}")
+        cells.append((int(length), int(c)))
+    return cells
 
 
 def _count(args, c: int) -> int:
@@ -199,6 +227,46 @@ def table(folder: Path) -> list[str]:
             lines.append(f"| {model} | {length} | {c} | {server} | {r['completed']}/{r['num_prompts']} | {r['output_throughput']:.2f} | {ratio} "
                          f"| {r['median_ttft_ms']:.0f} / {r['p99_ttft_ms']:.0f} | {r['median_tpot_ms']:.0f} / {r['p99_tpot_ms']:.0f} "
                          f"| {r['loadavg_before']} -> {r['loadavg_after']} |")
+    return lines
+
+
+KNEE_GAIN = 0.10  # the least throughput gain per doubling of the concurrency that still counts as scaling
+
+
+def knee(points: list[tuple[int, float]]) -> int | None:
+    """The knee of (concurrency, output throughput) points (see the module docstring); None with fewer
+    than two points or when the throughput rose at every step.
+
+        >>> knee([(1, 1.0), (2, 1.9), (4, 2.0), (8, 2.1)]), knee([(1, 1.0), (4, 3.0)]), knee([(1, 1.0)])
+        (2, None, None)
+    """
+    import math
+
+    points = sorted(points)
+    if len(points) < 2:
+        return None
+    for (c0, t0), (c1, t1) in zip(points, points[1:]):
+        doublings = math.log2(c1 / c0)
+        if t0 <= 0 or (t1 / t0) ** (1 / doublings) - 1 < KNEE_GAIN:
+            return c0
+    return None
+
+
+def knee_table(folder: Path) -> list[str]:
+    """One row per model, server and prompt length: throughput by concurrency, the knee and its latency."""
+    runs = {}
+    for path in sorted(folder.glob("*.json")):
+        r = json.loads(path.read_text())
+        model = path.name.split(f"_{r['server']}_")[0]
+        runs.setdefault((model, r["server"], r["input_len"]), {})[r["max_concurrency"]] = r
+    lines = ["| model | server | prompt | output tok/s by concurrency | knee | at the knee: TTFT p50 / TPOT p50 (ms) |",
+             "|---|---|---|---|---|---|"]
+    for (model, server, length), cells in sorted(runs.items()):
+        at = knee([(c, r["output_throughput"]) for c, r in cells.items()])
+        curve = ", ".join(f"{c}: {r['output_throughput']:.2f}" for c, r in sorted(cells.items()))
+        latency = f"{cells[at]['median_ttft_ms']:.0f} / {cells[at]['median_tpot_ms']:.0f}" if at else "-"
+        shown = at if at else ("-" if len(cells) < 2 else f"> {max(cells)}")
+        lines.append(f"| {model} | {server} | {length} | {curve} | {shown} | {latency} |")
     return lines
 
 

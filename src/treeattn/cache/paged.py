@@ -8,8 +8,9 @@ Block `num_blocks` (the last) is never lent: it is zero and pads block tables of
 lengths, with its keys marked invisible by position. A key that is masked out (a slot past a
 sequence's end, a padding block) must still be a finite number: masked attention multiplies it by
 0, and 0 * NaN is not 0. The arena is allocated with torch.empty (on Linux, pages of blocks never
-written are not resident, so memory follows the blocks in use), and the engine zeroes a block
-when a sequence starts filling it (zero_blocks), so the unwritten tail of a block is zeros.
+written are not resident until first written: the engine's ranks write every block once at start,
+engine.worker.warmup.pretouch_cache, so that a rank's memory is taken then), and the engine zeroes a
+block when a sequence starts filling it (zero_blocks), so the unwritten tail of a block is zeros.
 
 A sequence's blocks on this rank are generally not adjacent, so attention reads them with
 gather(): one indexed copy per layer of the blocks a step needs, as a (B, blocks * block_size,

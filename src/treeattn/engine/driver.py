@@ -17,6 +17,7 @@ healthy False; the Engine's calls then raise EngineError.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import queue
@@ -134,13 +135,13 @@ class Driver:
                 if not self.scheduler.has_work:
                     self._update_stats()  # a cancel or a refused request changed the counts
                     continue
-                plan = self.grammars.constrain(self.scheduler.schedule())
+                plan = self.grammars.mark(self.scheduler.schedule())  # structured outputs: masks follow the plan
                 self._mark_scheduled(plan)
                 if not plan.chunks:
                     self._fail_stuck_head()
                     continue
                 try:
-                    outcome = self.channel.run(plan)
+                    outcome = self.channel.run(plan, masks=functools.partial(self.grammars.masks, plan))
                 except StepFailed as exc:
                     self._recover(plan, exc)
                     continue

@@ -89,7 +89,7 @@ class SampleSpec:
     logit_bias: tuple[tuple[int, float], ...] = ()
     prompt_ids: tuple[int, ...] = ()
     output_ids: tuple[int, ...] = ()
-    allowed: tuple[bytes, ...] | None = None  # structured outputs: a token bitmask per sampled position (engine/structured.py)
+    allowed: tuple[bytes, ...] | None = None  # structured outputs: a token bitmask per sampled position; () while they follow the plan (engine/structured.py)
 
     @property
     def penalized(self) -> bool:

@@ -4,7 +4,8 @@
     constraint = StructuredOutput.regex(r"[0-9]{3}"); StructuredOutput.choice(["yes", "no"])  # .grammar(lark or GBNF)
     params = SamplingParams(max_new_tokens=64, structured=constraint)                  # checked here: one line naming it
     grammars = Grammars(tokenizer, vocab_size, eos_token_ids)                          # the driver's, one per engine
-    plan = grammars.constrain(plan)      # each constrained chunk's SampleSpec.allowed: the token bitmask(s) of its step
+    plan = grammars.mark(plan)           # each constrained chunk's SampleSpec.allowed = MASKS_AT_SAMPLING
+    step_masks = grammars.masks(plan)    # StepMasks: the bitmask(s) of each marked chunk, made while the step runs
     grammars.advance(seq_id, token)      # after a token is committed
 
 The grammar engine is llguidance (the one vLLM's "guidance" backend and llama.cpp use): chosen over
@@ -13,17 +14,19 @@ its compile takes about a millisecond where xgrammar's took 60-340 ms per new sc
 tens of microseconds per token in both. JSON is compact (no free whitespace between tokens:
 whitespace_flexible False, vLLM's disable_any_whitespace), so that no model can loop on spaces.
 
-Where it runs. The driver holds the tokenizer and every request's state; the ranks run token ids only
-(they load the model without its tokenizer). So the driver keeps one llguidance matcher per
-constrained sequence: after a step it consumes the committed tokens, and before sending the next
-plan it fills each constrained chunk's bitmask (ceil(V / 32) int32 words: 6 KiB for SmolLM2, 32 KiB
-for Gemma 3) into the chunk's SampleSpec, which goes to rank 0 with the plan as it is (the other
-ranks never read it). Rank 0 then sets the logits of the disallowed tokens to -inf (apply_mask)
-before the sampler (bias, penalties, temperature, min-p, top-k, top-p), greedy and sampled alike.
-The mask is not overlapped with the step: the mask of step N + 1 needs step N's token, which the
-driver learns when step N ends, and step N + 1's plan (with the mask) leaves right after; an overlap
-would need the matcher on rank 0, which has no tokenizer. Measured, the mask costs tens of
-microseconds a token (docs/serve.md).
+Where it runs, overlapped with the step (as vLLM v1 does). The driver holds the tokenizer and
+every request's state; the ranks run token ids only (they load the model without its tokenizer). So
+the driver keeps one llguidance matcher per constrained sequence and consumes each committed token.
+A step's plan leaves with each constrained chunk marked (SampleSpec.allowed = MASKS_AT_SAMPLING,
+mark()); while the ranks run that step's forward pass, the driver fills the chunks' bitmasks
+(ceil(V / 32) int32 words: 6 KiB for SmolLM2, 32 KiB for Gemma 3; masks()) and sends them to rank 0
+as their own message (StepMasks), which rank 0 reads only when it samples, after the step's logits:
+so only sampling on rank 0 waits for the mask, and only if the forward pass was shorter than the
+driver's work. Rank 0 then sets the logits of the disallowed tokens to -inf (apply_mask) before the
+sampler (bias, penalties, temperature, min-p, top-k, top-p), greedy and sampled alike. The other
+ranks never see a mask. Inside an existing process group (GroupChannel: the driver's thread is rank
+0) the masks are filled at sampling time in the same thread, not overlapped. A chunk whose masks did
+not come fails alone (its sampling raises). Measured costs: docs/serve.md.
 
 End. When the grammar is complete the matcher allows only end-of-sequence: the model's eos ids and
 the request's other stop tokens (a chat's end of turn), so the next token ends the request with
@@ -170,6 +173,27 @@ def apply_mask(logits: torch.Tensor, allowed: bytes) -> torch.Tensor:
     return logits.masked_fill(~bits.to(logits.device), float("-inf"))
 
 
+MASKS_AT_SAMPLING: tuple = ()  # SampleSpec.allowed of a constrained chunk whose masks come at sampling time
+
+
+@dataclass(frozen=True)
+class StepMasks:
+    """One step's structured-output masks, the driver's message to rank 0 after the step's plan:
+    seq_id -> one bitmask (llguidance's: token t is bit t % 32 of int32 word t // 32) per sampled position.
+
+        >>> StepMasks({7: (b"\\x0f\\x00\\x00\\x00",)}).for_chunk(7)
+        (b'\\x0f\\x00\\x00\\x00',)
+    """
+
+    masks: dict[int, tuple[bytes, ...]]
+
+    def for_chunk(self, seq_id: int) -> tuple[bytes, ...]:
+        """The masks of sequence `seq_id`; ValueError when the driver sent none (that request fails alone)."""
+        if seq_id not in self.masks:
+            raise ValueError(f"structured output: no mask came for sequence {seq_id} (its matcher failed in the driver)")
+        return self.masks[seq_id]
+
+
 @dataclass
 class _Matcher:
     matcher: object  # llguidance.LLMatcher
@@ -235,18 +259,30 @@ class Grammars:
         if not state.matcher.consume_token(token):
             raise ValueError(f"structured output: token {token} does not follow the grammar: {state.matcher.get_error():.200}")
 
-    def constrain(self, plan):
-        """The plan with each constrained chunk's SampleSpec.allowed set: one bitmask per position it
-        samples (num_draft + 1)."""
+    def mark(self, plan):
+        """The plan with each constrained chunk that samples marked: SampleSpec.allowed = MASKS_AT_SAMPLING
+        (its masks follow in masks(plan)'s StepMasks). Plans without one come back as they are."""
         if not self._matchers or not hasattr(plan, "chunks"):
             return plan
-        chunks = []
-        for chunk in plan.chunks:
-            state = self._matchers.get(chunk.seq_id) if chunk.sample is not None else None
-            if state is not None:
-                chunk = replace(chunk, sample=replace(chunk.sample, allowed=self._masks(state, chunk)))
-            chunks.append(chunk)
-        return replace(plan, chunks=tuple(chunks))
+        marked = [replace(c, sample=replace(c.sample, allowed=MASKS_AT_SAMPLING)) if self._constrained(c) else c
+                  for c in plan.chunks]
+        return replace(plan, chunks=tuple(marked)) if any(m is not c for m, c in zip(marked, plan.chunks)) else plan
+
+    def masks(self, plan) -> StepMasks | None:
+        """The masks of the chunks mark() marked in `plan`: one bitmask per position each samples
+        (num_draft + 1), as the grammar stands after the tokens committed so far; None when none is marked."""
+        chunks = [c for c in getattr(plan, "chunks", ()) if c.sample is not None and c.sample.allowed == MASKS_AT_SAMPLING]
+        if not chunks:
+            return None
+        masks = {}
+        for chunk in chunks:
+            state = self._matchers.get(chunk.seq_id)
+            if state is not None:  # released since mark() (a cancel): rank 0 fails it alone, no one reads it
+                masks[chunk.seq_id] = self._masks(state, chunk)
+        return StepMasks(masks)
+
+    def _constrained(self, chunk) -> bool:
+        return chunk.sample is not None and chunk.seq_id in self._matchers
 
     def _masks(self, state: _Matcher, chunk) -> tuple[bytes, ...]:
         """The bitmask at each sampled position of `chunk`: after the drafts before it (consumed, then rolled back)."""

@@ -139,11 +139,17 @@ class SpawnedRanks:
             raise StepFailed(f"a step failed on rank 0: {message[1]}", _first_line(f"a step failed on rank 0: {message[1]}"))
         return message
 
-    def run(self, plan) -> StepOutcome:
+    def run(self, plan, masks=None) -> StepOutcome:
+        """Rank 0's outcome of `plan`. masks: None, or a callable giving the plan's structured-output
+        StepMasks (or None): called after the plan has gone, while the ranks run it, and its result sent
+        to rank 0 as the next message, which rank 0 reads when it samples (engine.structured)."""
         if self.death is not None:
             raise self._gone()
         try:
             self._conn.send(plan)  # the whole plan: rank 0 samples with fields the ranks' int32 wire leaves out (SampleSpec)
+            step_masks = masks() if masks is not None else None
+            if step_masks is not None:
+                self._conn.send(step_masks)
         except OSError as exc:
             raise self._gone() from exc
         return self._recv()[1]
@@ -177,7 +183,9 @@ class GroupChannel:
     def alive(self) -> bool:
         return True
 
-    def run(self, plan) -> StepOutcome:
+    def run(self, plan, masks=None) -> StepOutcome:
+        """Rank 0's outcome of `plan`; masks (SpawnedRanks.run's) are filled when this rank samples."""
+        self.runner.receive_masks = masks
         return run_plan(self.runner, self.wire.broadcast(plan, 0, self.group))
 
     def close(self) -> None:

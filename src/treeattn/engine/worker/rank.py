@@ -27,6 +27,7 @@ import torch.distributed as dist
 from treeattn.engine.config import EngineConfig, resolve_kv_cache_dtype
 from treeattn.engine.device import rank_device
 from treeattn.engine.plan_message import KEEPALIVE, Measure, PlanWire, SetDecode, StoreOps, plan_device
+from treeattn.engine.structured import StepMasks
 from treeattn.engine.worker.runner import RankRunner, StepOutcome
 from treeattn.models.packed import fuse_projections, set_activation_format
 from treeattn.parallel.spawn import rank_threads
@@ -182,8 +183,20 @@ def rank_main(rank: int, world_size: int, address, authkey: bytes, model, config
             try:
                 # The plan object as the driver made it: rank 0 alone samples, so it reads the sampling fields the
                 # int32 wire to the other ranks leaves out (SampleSpec's penalties, logit bias, structured masks).
-                return conn.recv()
+                message = conn.recv()
+                while isinstance(message, StepMasks):  # a failed step's masks, never read: not a plan
+                    message = conn.recv()
+                return message
             except (EOFError, OSError):  # the driver is gone: end every rank
                 return None
 
+        def receive_masks():
+            """The step's structured-output masks: the driver's next message, sent after the plan while
+            the step ran (engine.structured)."""
+            message = conn.recv()
+            if not isinstance(message, StepMasks):
+                raise RuntimeError(f"rank 0 expected the step's StepMasks from the driver, got {type(message).__name__}")
+            return message
+
+        runner.receive_masks = receive_masks
         serve_steps(runner, receive, conn.send)

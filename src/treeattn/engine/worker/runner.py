@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.distributed as dist
@@ -38,8 +38,9 @@ from treeattn.engine.config import resolve_prefill
 from treeattn.engine.worker.prompt_logprobs import PromptRows
 from treeattn.engine.request import TokenLogprob
 from treeattn.engine.scheduler import Chunk, StepPlan
+from treeattn.engine.structured import MASKS_AT_SAMPLING
 from treeattn.engine.worker.tensor_parallel import connect, local_heads, tensor_parallel_cuts
-from treeattn.engine.worker.warmup import warm_up_rank
+from treeattn.engine.worker.warmup import pretouch_cache, warm_up_rank
 from treeattn.models.attention import attention_backend, group_world_size
 from treeattn.models.llama import LlamaModel
 from treeattn.models.packed import weight_bytes
@@ -189,9 +190,14 @@ class RankRunner:
                                                 method=method, group=self.attention_group, topology=topology,
                                                 graph=decode_step == "graph")
         self._generators: dict[int, torch.Generator] = {}
+        # rank 0: how a step's structured-output masks arrive (a callable returning its StepMasks), set by
+        # whoever gives it plans (rank.rank_main: the driver's next message; GroupChannel: filled in place)
+        self.receive_masks = None
         self.meter = RankMeter(self.rank)
-        # numba's kernels compiled or loaded now, not inside the first request's steps (engine.worker.warmup)
+        # numba's kernels compiled or loaded now, not inside the first request's steps, and the KV arenas
+        # written once, so that their memory is resident from the start (engine.worker.warmup)
         self.warmed = warm_up_rank(model, kv_dtype=kv_cache_dtype, world_size=p, draft_model=draft_model)
+        self.pretouched_bytes = sum(pretouch_cache(c) for c in (self.cache, getattr(self.drafter, "cache", None)) if c is not None)
 
     def set_decode(self, decode: str, method: str) -> None:
         """Decode from the next step on with `decode` ("tree" or "ring"; every kind is local
@@ -320,10 +326,13 @@ class RankRunner:
             self._phases["sampling"] = time.perf_counter() - start
             return StepOutcome()
         out, first = StepOutcome(shared_prefix_keys=shared_keys), 0
+        masks = self._step_masks(sampling)
         for _, c in sampling:
             chunk_logits = logits[first : first + c.num_draft + 1]
             first += c.num_draft + 1
             try:  # after the step's last collective, on rank 0 alone: a failure here is this request's
+                if masks is not None and c.sample.allowed == MASKS_AT_SAMPLING:
+                    c = replace(c, sample=replace(c.sample, allowed=masks.for_chunk(c.seq_id)))
                 tokens = out.tokens[c.seq_id] = self._sample(c, chunk_logits)
                 if tokens is not None and c.sample.logprobs is not None:
                     out.logprobs[c.seq_id] = token_logprobs(chunk_logits, tokens, c.sample.logprobs)
@@ -333,6 +342,18 @@ class RankRunner:
                 out.errors[c.seq_id] = f"sampling failed: {type(exc).__name__}: {exc}"
         self._phases["sampling"] = time.perf_counter() - start
         return out
+
+    def _step_masks(self, sampling: list[tuple[int, Chunk]]):
+        """Rank 0: the step's StepMasks (engine.structured) if a chunk of `sampling` is marked
+        MASKS_AT_SAMPLING, from self.receive_masks (the driver fills them while the step ran); the
+        seconds waited for them are the step's "mask_wait" phase. None when no chunk is marked."""
+        if not any(c.sample.allowed == MASKS_AT_SAMPLING for _, c in sampling):
+            return None
+        start = time.perf_counter()
+        try:
+            return self.receive_masks() if self.receive_masks is not None else None
+        finally:
+            self._phases["mask_wait"] = time.perf_counter() - start
 
     def _vocab_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """The output projection split over the ranks by vocabulary: rank r computes the logits of
@@ -367,6 +388,8 @@ class RankRunner:
         from treeattn.engine.worker.sampling import sample
         from treeattn.engine.structured import apply_mask
 
+        if chunk.sample.allowed == MASKS_AT_SAMPLING:
+            raise ValueError("structured output: no mask came for this step (the driver sent none)")
         spec = chunk.sample
         generator = self._generators.get(chunk.seq_id)
         if generator is None:

@@ -11,6 +11,14 @@ packed_linear.PARALLEL_MIN_WEIGHTS), and the 8-bit activation kernel of each whe
 (activation_format="int8"); RMSNorm and RoPE for a float32 model; onepass's combine on
 several ranks. Nothing here communicates, so ranks warm up independently. A model off the CPU
 warms nothing (Triton compiles in StaticDecodeStep's warm-up on CUDA).
+
+    pretouch_cache(cache)        # every block of a PagedKVCache written once (zeros) at the rank's start
+
+Memory is taken at start, as a GPU engine's is: the paged KV arena is allocated with torch.empty,
+whose pages on Linux become resident only when first written, so without this a rank's RSS would
+grow for as long as the free list hands out blocks never used before (the soak of issue 49 saw rank
+0 grow 46 % over its first 11 minutes). pretouch_cache zeroes every block, which is what the engine
+does anyway when a sequence starts filling one (PagedKVCache.zero_blocks), so no result changes.
 """
 
 from __future__ import annotations
@@ -45,4 +53,24 @@ def warm_up_rank(model, *, kv_dtype: torch.dtype, world_size: int, draft_model=N
                         combine=combine, int8=int8)
 
 
-__all__ = ["packed_kinds", "warm_up_rank"]
+def pretouch_cache(cache) -> int:
+    """Write every block of `cache` (a treeattn.cache.paged.PagedKVCache: its keys, values and fp8
+    scales) once, with zeros, so that its memory is resident from now on. Returns the bytes written.
+
+        >>> import torch
+        >>> from treeattn.cache.paged import PagedKVCache
+        >>> cache = PagedKVCache(num_layers=1, num_kv_heads=1, head_dim=4, num_blocks=2, block_size=2, dtype=torch.float32)
+        >>> pretouch_cache(cache)  # 3 blocks (the pad block too) x 2 slots x K and V x 4 floats
+        192
+        >>> bool((cache.arena == 0).all())
+        True
+    """
+    written = 0
+    for tensor in (cache.arena, cache.scales):  # the pad block is zero already; zeroing it again changes nothing
+        if tensor is not None:
+            tensor.view(torch.uint8).zero_()  # in place, no temporary (torch fills no float8 tensor: its bytes)
+            written += tensor.numel() * tensor.element_size()
+    return written
+
+
+__all__ = ["packed_kinds", "pretouch_cache", "warm_up_rank"]
