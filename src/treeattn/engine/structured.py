@@ -17,8 +17,8 @@ Where it runs. The driver holds the tokenizer and every request's state; the ran
 (they load the model without its tokenizer). So the driver keeps one llguidance matcher per
 constrained sequence: after a step it consumes the committed tokens, and before sending the next
 plan it fills each constrained chunk's bitmask (ceil(V / 32) int32 words: 6 KiB for SmolLM2, 32 KiB
-for Gemma 3) into the chunk's SampleSpec, which goes to rank 0 with the plan as it is (the other
-ranks never read it). Rank 0 then sets the logits of the disallowed tokens to -inf (apply_mask)
+for Gemma 3) into the chunk's SampleSpec, which goes to rank 0 in the plan's words (plan_message: past the part
+rank 0 broadcasts, so the other ranks, which never read it, never receive it). Rank 0 then sets the logits of the disallowed tokens to -inf (apply_mask)
 before the sampler (bias, penalties, temperature, min-p, top-k, top-p), greedy and sampled alike.
 The mask is not overlapped with the step: the mask of step N + 1 needs step N's token, which the
 driver learns when step N ends, and step N + 1's plan (with the mask) leaves right after; an overlap
