@@ -1,6 +1,8 @@
 """src/, tests/, benchmarks/ and scripts/ pass `ruff check` with pyproject.toml's [tool.ruff] configuration (issue 53).
 
-The rules selected there passed with no finding when they were adopted, so any finding here is new.
+The rules selected there passed with no finding when they were adopted, so any finding here is new. E501 (lines over
+130 columns) joined them in issue 53: /work/wt/house53-e501.py wrapped the 616 long lines mechanically on main after the
+merges (statement by statement, never a whole file), so a line over 130 columns here is new too.
 Skipped when ruff is not installed (it is in the test extra: pip install -e '.[test]').
 """
 
