@@ -1,6 +1,7 @@
-"""The source tree's shape, read with Python's ast (nothing is imported): import circles, floors and long functions.
+"""The source tree's shape, read with Python's ast (nothing is imported): import circles, floors, rooms, arrows back
+up and long functions.
 
-    python3 scripts/check_structure.py            # src/treeattn: circles, floors, functions over 80 lines
+    python3 scripts/check_structure.py            # src/treeattn: circles, floors, rooms, arrows back up, long functions
     python3 scripts/check_structure.py --verbose  # and every module's floor
 
 An import is an edge from the importing module to the module it names (`from pkg import name` names
@@ -8,9 +9,12 @@ pkg.name when that is a module, else pkg), wherever it stands: at the top of a f
 function (a lazy import closes a circle all the same). `if TYPE_CHECKING:` blocks count too.
 A circle is a strongly connected component of more than one module. A module's floor is 0 when it
 imports no treeattn module, else one more than the highest floor it imports (a circle shares one
-floor). A function's body is its lines from the first statement to the last; kernels (ops/triton_*)
-are exempt from the 80-line bound. Exit status 1 when there is a circle or a long function.
-tests/test_structure.py runs the circle check in the suite (tests/test_function_length.py the long bodies).
+floor). A room is a package folder (treeattn/x/, and engine/worker/) or the package's top-level modules; an
+arrow back up is an import of the package root `treeattn` from inside a room, or an import from a room to a
+room later in ROOM_ORDER (the layers of DESIGN.md: ops < parallel < cache < models < ... < serve; engine/worker
+counts as engine; imports inside a room are not counted). A function's body is its lines from the first statement to the last; kernels (ops/triton_*)
+are exempt from the 80-line bound. Exit status 1 when there is a circle, an arrow back up or a long function.
+tests/test_structure.py runs the circle and arrow checks in the suite (tests/test_function_length.py the long bodies).
 """
 
 from __future__ import annotations
@@ -24,6 +28,11 @@ ROOT = Path(__file__).resolve().parent.parent / "src"
 PACKAGE = "treeattn"
 MAX_BODY_LINES = 80
 KERNEL_FILES = ("treeattn/ops/triton_decode.py",)
+
+
+ROOM_ORDER = ("ops", "parallel", "cache", "models", "linear", "engine", "hf", "commands", "sim", "bench", "eval", "serve",
+              "(top)")
+"""The rooms from the lowest floor up: a room imports only rooms before it."""
 
 
 def module_name(path: Path) -> str:
@@ -122,6 +131,29 @@ def floors(graph: dict[str, set[str]], cycles: list[list[str]]) -> dict[str, int
     return {m: visit(group[m]) for m in graph}
 
 
+def room(module: str, root: Path = ROOT) -> str:
+    """The room of `module`: its folder under treeattn/ ("engine.worker" for engine/worker/), "(top)" for a
+    top-level module, "(root)" for the package itself."""
+    parts = module.split(".")[1:]
+    if not parts:
+        return "(root)"
+    if parts[:2] == ["engine", "worker"]:
+        return "engine.worker"
+    return parts[0] if len(parts) > 1 or (root / PACKAGE / parts[0]).is_dir() else "(top)"
+
+
+def arrows_back_up(graph: dict[str, set[str]], root: Path = ROOT) -> list[tuple[str, str]]:
+    """(importer, imported) of every import that points up: to the package root from a room, or to a room
+    later in ROOM_ORDER."""
+    back = []
+    for module, targets in graph.items():
+        for target in targets:
+            a, b = (room(m, root).replace("engine.worker", "engine") for m in (module, target))
+            if (b == "(root)" and a != "(top)") or (a in ROOM_ORDER and b in ROOM_ORDER and ROOM_ORDER.index(b) > ROOM_ORDER.index(a)):
+                back.append((module, target))
+    return sorted(back)
+
+
 def long_functions(trees: dict[str, ast.Module], limit: int = MAX_BODY_LINES) -> list[tuple[str, str, int]]:
     """(module, function, body lines) of every function whose body is longer than `limit`, kernels aside."""
     out = []
@@ -145,17 +177,22 @@ def main() -> int:
     cycles = circles(graph)
     level = floors(graph, cycles)
     long = long_functions(trees)
-    print(f"modules: {len(graph)}; import edges: {sum(map(len, graph.values()))}; floors: {max(level.values()) + 1}")
+    back = arrows_back_up(graph)
+    rooms = {room(m) for m in graph} - {"(root)", "(top)"}
+    print(f"modules: {len(graph)}; import edges: {sum(map(len, graph.values()))}; rooms: {len(rooms)}; floors: {max(level.values()) + 1}")
     print(f"import circles: {len(cycles)}")
     for cycle in cycles:
         print("  circle: " + " <-> ".join(cycle))
+    print(f"arrows back up: {len(back)}")
+    for module, target in back:
+        print(f"  {module} -> {target}")
     print(f"function bodies over {MAX_BODY_LINES} lines (kernels aside): {len(long)}")
     for module, function, lines in long:
         print(f"  {module}.{function}: {lines} lines")
     if args.verbose:
         for m in sorted(level, key=lambda m: (level[m], m)):
             print(f"  floor {level[m]:2d}  {m}")
-    return 1 if cycles or long else 0
+    return 1 if cycles or back or long else 0
 
 
 if __name__ == "__main__":

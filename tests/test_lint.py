@@ -1,6 +1,8 @@
-"""src/ and tests/ pass `ruff check` with pyproject.toml's [tool.ruff] configuration (issue 53).
+"""src/, tests/, benchmarks/ and scripts/ pass `ruff check` with pyproject.toml's [tool.ruff] configuration (issue 53).
 
-The rules selected there passed with no finding when they were adopted, so any finding here is new.
+The rules selected there passed with no finding when they were adopted, so any finding here is new. E501 (lines over
+130 columns) joined them in issue 53: /work/wt/house53-e501.py wrapped the 616 long lines mechanically on main after the
+merges (statement by statement, never a whole file), so a line over 130 columns here is new too.
 Skipped when ruff is not installed (it is in the test extra: pip install -e '.[test]').
 """
 
@@ -23,9 +25,12 @@ def _ruff() -> str | None:
         return shutil.which("ruff")
 
 
-def test_ruff_check_passes_on_src_and_tests():
+FOLDERS = ("src", "tests", "benchmarks", "scripts")
+
+
+def test_ruff_check_passes_on_src_tests_benchmarks_and_scripts():
     ruff = _ruff()
     if ruff is None:
         pytest.skip("ruff is not installed (pip install ruff, or the test extra)")
-    done = subprocess.run([ruff, "check", "--no-cache", "src", "tests"], cwd=ROOT, capture_output=True, text=True)
-    assert done.returncode == 0, f"ruff check src tests:\n{done.stdout}{done.stderr}"
+    done = subprocess.run([ruff, "check", "--no-cache", *FOLDERS], cwd=ROOT, capture_output=True, text=True)
+    assert done.returncode == 0, f"ruff check {' '.join(FOLDERS)}:\n{done.stdout}{done.stderr}"

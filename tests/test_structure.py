@@ -1,6 +1,6 @@
-"""No import circle in src/treeattn (issue 53): scripts/check_structure.py's checks, run in the tests.
+"""No import circle and no arrow back up in src/treeattn (issue 53): scripts/check_structure.py's checks, run in the tests.
 
-Only the circle check runs here: function bodies over 80 lines are already policed by
+The circle and arrow checks run here: function bodies over 80 lines are already policed by
 tests/test_function_length.py, which reads the same bound with its own counter. Read with ast,
 nothing of treeattn is imported, so the test takes well under a second.
 """
@@ -51,3 +51,27 @@ def test_no_import_circle_in_src():
     cycles = cs.circles(graph)
     assert not cycles, "import circles (layers import downward: ops < parallel < cache < models < engine < " \
         "serve/eval/bench/sim): " + "; ".join(" <-> ".join(c) for c in cycles)
+
+
+def test_the_check_finds_an_arrow_back_up(tmp_path, monkeypatch):
+    cs = _check_structure()
+    root = _write(tmp_path, {
+        "__init__.py": "",
+        "ops/__init__.py": "", "ops/a.py": "from treeattn.models.m import x\n",  # ops may not import models
+        "models/__init__.py": "", "models/m.py": "import treeattn\nfrom treeattn.ops import a\n",  # nor a room the root
+        "bench/__init__.py": "", "bench/b.py": "from treeattn.eval import e\n",  # bench sits below eval
+        "eval/__init__.py": "", "eval/e.py": "from treeattn.bench import b\n",
+        "cli.py": "import treeattn\n",  # a top-level module may
+    })
+    monkeypatch.setattr(cs, "ROOT", root)
+    graph, _ = cs.import_graph(root)
+    assert cs.arrows_back_up(graph, root) == [("treeattn.bench.b", "treeattn.eval.e"), ("treeattn.models.m", "treeattn"),
+                                              ("treeattn.ops.a", "treeattn.models.m")]
+
+
+def test_no_arrow_back_up_in_src():
+    """Imports point down ROOM_ORDER (DESIGN.md's layers): a piece two rooms share lives on the lower one's floor."""
+    cs = _check_structure()
+    graph, _ = cs.import_graph()
+    back = cs.arrows_back_up(graph)
+    assert not back, "imports that point up the layers: " + "; ".join(f"{a} -> {b}" for a, b in back)

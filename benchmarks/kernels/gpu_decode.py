@@ -46,7 +46,7 @@ def copy_bandwidth(do_bench, nbytes: int = 2 << 30) -> float:
     src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
     ms = do_bench(lambda: dst.copy_(src), warmup=5, rep=50, return_mode="median")
-    del src, dst
+    src = dst = None  # free the copies (rebinding, not del: the lambda above reads these names)
     return 2 * nbytes / (ms * 1e-3)
 
 
@@ -157,7 +157,7 @@ def measure(args) -> dict:
         # The alternatives read K/V in the (B, H, S, D) layout they prefer; K/V are moved there
         # (not copied: the originals are freed) so 2M keys fit next to the repeated copies.
         k_heads, v_heads = k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous()
-        del k, v, k_pool, v_pool
+        k = v = k_pool = v_pool = None  # free this length's tensors (rebinding, not del: lambdas above read the names)
         for name in ("flash", "efficient"):
             try:
                 fn, how = sdpa_runner(name, q, k_heads, v_heads, scale)
@@ -177,7 +177,7 @@ def measure(args) -> dict:
         except torch.cuda.OutOfMemoryError as exc:
             row["matmul_ms"] = None
             row["notes"]["matmul"] = f"not run: {str(exc).splitlines()[0][:120]}"
-        del k_heads, v_heads
+        k_heads = v_heads = None
         torch.cuda.empty_cache()
 
         row["triton_gb_per_s"] = kv_bytes / (row["triton_ms"] * 1e-3) / 1e9
@@ -285,7 +285,7 @@ def compile_report(archs, quick: bool) -> list[dict]:
             cubin.flush()
             usage = subprocess.run([os.path.join(tools, "cuobjdump"), "--dump-resource-usage", cubin.name],
                                    capture_output=True, text=True, check=True).stdout
-        fields = dict(item.split(":") for item in next(l for l in usage.splitlines() if "REG:" in l).split())
+        fields = dict(item.split(":") for item in next(line for line in usage.splitlines() if "REG:" in line).split())
         report.append({
             "arch": f"sm_{arch}", "dtype": dtype, "D": Dh, "Sq": Sq, "rows": rows, "paged": paged, "causal": causal, "fp8_kv": fp8,
             "BLOCK_M": block_m, "BLOCK_N": block_n, "num_warps": num_warps, "num_stages": num_stages,

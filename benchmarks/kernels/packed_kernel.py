@@ -67,7 +67,7 @@ def main() -> None:
                         start = time.perf_counter()
                         fn()
                         best[key] = min(best.get(key, float("inf")), time.perf_counter() - start)
-            del packed, dense
+            packed = dense = None
             rows.append({"format": fmt, "matrix": name, "copies": copies, "packed_gw_s": copies * N * K / best["packed"] / 1e9,
                          "float32_gw_s": copies * N * K / best["float32"] / 1e9, "packed_over_float32_time": best["packed"] / best["float32"]})
     print(json.dumps({"rows": rows, "threads": args.threads, "load_average": [load, os.getloadavg()],

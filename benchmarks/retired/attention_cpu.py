@@ -89,7 +89,7 @@ def main() -> None:
             f"{row['speedup_vs_best_sdpa']:.2f}x | {row['kv_read_gb_per_s']:.1f} GB/s | "
             f"{100 * row['kv_read_gb_per_s'] / row['read_gb_per_s']:.0f}% |"
         )
-        del k, v, k_heads, v_heads
+        k = v = k_heads = v_heads = None
     if args.output:
         with open(args.output, "w") as f:
             json.dump(rows, f, indent=1)

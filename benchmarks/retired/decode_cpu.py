@@ -129,7 +129,7 @@ def bench_rank(rank: int, p: int, seq_lens: list[int], repeats: int, ring_repeat
             with ta.comm_stats() as stats:
                 row["memory"][name] = peak_extra_bytes(methods[name])
             row["bytes_sent"][name] = stats.bytes_sent
-        del k, v
+        k = v = None
         rows.append(row)
     return rows if rank == 0 else None
 

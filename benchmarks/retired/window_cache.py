@@ -25,20 +25,26 @@ def run(cls, steps=40, batch=1):
     c = cls({i: W for i in range(L)}, num_kv_heads=H, head_dim=D)
     kw = (lambda start, n: dict(keep_from=start + n)) if cls is old.WindowKVCache else (lambda start, n: {})
     for s in range(batch):
-        for l in range(L):
-            c.extend(l, s, 0, torch.randn(600, H, D), torch.randn(600, H, D), **kw(0, 600))
-    new = torch.randn(1, H, D); pos = 600; t = time.perf_counter()
+        for layer in range(L):
+            c.extend(layer, s, 0, torch.randn(600, H, D), torch.randn(600, H, D), **kw(0, 600))
+    new = torch.randn(1, H, D)
+    pos = 600
+    t = time.perf_counter()
     for _ in range(steps):
-        for l in range(L):
-            rows = [c.extend(l, s, pos, new, new, **kw(pos, 1)) for s in range(batch)]
+        for layer in range(L):
+            rows = [c.extend(layer, s, pos, new, new, **kw(pos, 1)) for s in range(batch)]
             width = max(p.numel() for _, _, p in rows)
             if cls is old.WindowKVCache or batch > 1:
-                k = new.new_zeros(batch, width, H, D); v = new.new_zeros(batch, width, H, D)
-                for b, (kb, vb, pb) in enumerate(rows): k[b, :pb.numel()] = kb; v[b, :pb.numel()] = vb
+                k = new.new_zeros(batch, width, H, D)
+                v = new.new_zeros(batch, width, H, D)
+                for b, (kb, vb, pb) in enumerate(rows):
+                    k[b, :pb.numel()] = kb
+                    v[b, :pb.numel()] = vb
         pos += 1
     return (time.perf_counter() - t) / steps * 1e3
 for batch in (1, 4):
     a, b = [], []
     for _ in range(3):
-        a.append(run(old.WindowKVCache, batch=batch)); b.append(run(Ring, batch=batch))
+        a.append(run(old.WindowKVCache, batch=batch))
+        b.append(run(Ring, batch=batch))
     print(f"batch {batch}: old {min(a):.2f} ms/step, ring {min(b):.2f} ms/step, ratio {min(b)/min(a):.2f}")

@@ -16,12 +16,16 @@ from pathlib import Path
 import typer
 
 from treeattn.engine.config import EngineConfig
-from treeattn.commands.flags import DTYPE_ALIASES, KvCacheDtype, WeightFormat, config_flag, dtype_flag
+from treeattn.commands.flags import DTYPE_ALIASES, config_options, dtype_flag
 
 from treeattn.bench.config import METHODS, SweepConfig
 
 SHORT_DTYPES = {name: short for short, name in DTYPE_ALIASES.items() if short != "half"}
 """--dtype's names (float32, ...) -> the sweep records' (fp32, ...)."""
+
+PROFILE_ENGINE_FLAGS = ("threads_per_rank", "device", "kv_cache_dtype", "weight_format")
+"""The EngineConfig fields `bench profile` takes as flags (commands.flags.config_options), one value each; --nproc and
+--method are sweeps (lists of values), --max-new-tokens counts its warm-up steps: its own options."""
 
 bench_app = typer.Typer(help="Benchmarks: decode sweeps, calibration, cost-model validation, serving load.", no_args_is_help=True, rich_markup_mode=None)
 
@@ -424,6 +428,9 @@ def plot_command(
 
 
 @bench_app.command("profile")
+@config_options(EngineConfig, PROFILE_ENGINE_FLAGS, into="engine",
+                threads_per_rank={"help": "torch threads per rank (default cores / ranks, at least 1)."},
+                device={"help": "Where the ranks run: auto (CUDA when torch sees a GPU), cpu or cuda (rank r on cuda:r, an NCCL group)."})
 def profile_command(
     model: str = typer.Argument(..., help="demo, smollm2-shapes (random weights, SmolLM2-135M's 30-layer shapes), "
                                 "or a checkpoint: Hugging Face directory or .gguf file."),
@@ -435,13 +442,9 @@ def profile_command(
                                         "memory, the default of generate and the engine) or gloo (the process group's sockets); CUDA ranks: their NCCL group."),
     warmup: int = typer.Option(2, "--warmup", min=0, help="Decode steps left out of the means."),
     repeats: int = typer.Option(1, "--repeats", min=1, help="Run the methods in turn this many times (means over all runs)."),
-    threads: int | None = typer.Option(None, "--threads", min=1, help="torch threads per rank (default cores / ranks, at least 1)."),
     json_out: Path | None = typer.Option(None, "--output", "-o", help="Also write every rank's figures to this JSON file."),
-    device: str = typer.Option("auto", "--device", metavar="<auto|cpu|cuda>", help="Where the ranks run: auto (CUDA when "
-                               "torch sees a GPU), cpu or cuda (rank r on cuda:r, an NCCL group)."),
     dtype: str = dtype_flag(),
-    kv_cache_dtype: KvCacheDtype = config_flag(EngineConfig, "kv_cache_dtype"),
-    weight_format: WeightFormat = config_flag(EngineConfig, "weight_format"),
+    engine: dict = None,
 ) -> None:
     """Split one decode token's time on each rank: local attention, combine, sampling, rest of the model."""
     import os
@@ -456,8 +459,9 @@ def profile_command(
     from treeattn.engine.errors import ConfigError
     from treeattn.commands.flags import torch_dtype
 
+    threads, weight_format, kv_cache_dtype = engine["threads_per_rank"], engine["weight_format"], engine["kv_cache_dtype"]
     try:
-        kind = resolve_device(device)
+        kind = resolve_device(engine["device"])
         check_gpus(kind, max(nproc))
     except ConfigError as exc:
         from treeattn.commands.flags import cli_message

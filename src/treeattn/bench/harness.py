@@ -50,7 +50,7 @@ def default_model() -> str:
     >>> default_model().endswith(".gguf")  # doctest: +SKIP
     True
     """
-    from treeattn.eval.demo import smollm2_path
+    from treeattn.models.installed import smollm2_path
 
     try:
         return str(smollm2_path())

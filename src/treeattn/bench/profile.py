@@ -66,7 +66,7 @@ def build_model(name: str, seed: int, device: str = "cpu", dtype: torch.dtype | 
     (treeattn.engine.device.rank_device) in `dtype` (None: bfloat16 on CUDA, float32 on the CPU);
     a GGUF checkpoint's weights in `weight_format` (treeattn.models.loader.load_model)."""
     from treeattn.engine.device import rank_device, resolve_dtype
-    from treeattn.eval.synthetic import DEMO_CONFIG
+    from treeattn.models.synthetic import DEMO_CONFIG
     from treeattn.models.llama import LlamaConfig, random_model
 
     where, dtype = rank_device(device, rank), resolve_dtype(dtype, device)
@@ -89,7 +89,7 @@ def profile_rank(rank: int, world_size: int, spec: ProfileSpec) -> list[dict] | 
     """One rank: an engine per method and transport (a prefill and the decode each). Returns on rank
     0, for every rank, per variant_name, its phase means, the generated ids and the decode rounds
     (comm_stats); None on the other ranks."""
-    from treeattn.eval.synthetic import synthetic_prompt
+    from treeattn.models.synthetic import synthetic_prompt
     from treeattn.engine.client import Engine
 
     torch.set_num_threads(spec.threads)

@@ -7,7 +7,7 @@
 A flag is named after its field (block_size -> --block-size; a bool field gives --name/--no-name),
 its default is the field's, its choices are the tuple the field is checked against (the parameter's
 annotation, Decode, Method, ...: Literal types of the same tuples EngineConfig validates with), and its help is the field's entry in the class
-docstring's "Attributes:" section. `treeattn generate`, `serve`, `chat`, `demo`, `eval needle` and `bench profile` take their engine flags
+docstring's "Attributes:" section. `treeattn generate`, `serve`, `chat`, `demo`, `eval needle`, `eval ruler` and `bench profile` take their engine flags
 (EngineConfig) and sampling flags (SamplingParams) from here, so a concept has one flag everywhere. Old spellings stay accepted as hidden aliases:
 treeattn.cli rewrites them (ALIASES) before the command parses its arguments. A configuration error
 reaches the user in flag words (cli_message: "top_p must ..." -> "--top-p must ..."); device_and_dtype

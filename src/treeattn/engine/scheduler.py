@@ -74,8 +74,8 @@ class SampleSpec:
     logprobs: None, or how many alternatives to report with each token's log-probability.
 
     The fields after logprobs (SamplingParams' of the same names; prompt_ids and output_ids: the
-    sequence's tokens, given only when a penalty needs them) are read by rank 0 alone, which gets the
-    plan from the driver as it is: the plan's wire to the other ranks (plan_message) leaves them out."""
+    sequence's tokens, given only when a penalty needs them) are read by rank 0 alone: the plan's words
+    (plan_message) carry them past the part rank 0 broadcasts to the other ranks."""
 
     temperature: float
     top_k: int

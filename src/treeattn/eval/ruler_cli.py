@@ -28,7 +28,7 @@ from typer.core import TyperCommand
 
 from treeattn.engine.config import DEFAULT_METHOD
 from treeattn.engine.config import EngineConfig as E
-from treeattn.commands.flags import Method, cli_message, config_flag
+from treeattn.commands.flags import cli_message, config_options
 
 stderr = Console(stderr=True)
 
@@ -76,6 +76,7 @@ def _ints(values: list[str], option: str) -> list[int]:
     return out
 
 
+@config_options(E, ("method", "threads_per_rank"), into="engine")
 def ruler_command(
     model: Path = typer.Argument(..., help="Hugging Face model directory or .gguf file with a tokenizer."),
     context: list[str] = typer.Option(["4096"], "--context", metavar="N [N...]", help="Context lengths in tokens (space- or comma-separated, or repeated)."),
@@ -83,13 +84,13 @@ def ruler_command(
                               "--tasks", metavar="TASK[,TASK...]", help="RULER tasks, comma-separated."),
     samples: int = typer.Option(4, "--samples", min=1, help="Samples per task and context."),
     nproc: list[str] = typer.Option(["1", "2"], "--nproc", metavar="P [P...]", help="Rank counts to run and compare (space- or comma-separated, or repeated)."),
-    method: Method | None = config_flag(E, "method"),
     seed: int = typer.Option(0, "--seed", min=0, help="Seed of the generated samples."),
-    threads: int | None = config_flag(E, "threads_per_rank", flag="--threads", min=1),
     output: Path | None = typer.Option(None, "--output", help="Also write the JSON report (every sample) here."),
     json_output: bool = typer.Option(False, "--json", help="Print one JSON object on stdout and nothing else."),
+    engine: dict = None,
 ) -> None:
     """RULER (NIAH single/multi-key/multi-value/multi-query, variable tracking, common words) per rank count."""
+    method, threads = engine["method"], engine["threads_per_rank"]
     from treeattn.eval.ruler import run_ruler
     from treeattn.eval.ruler_tasks import TASKS
     from treeattn.models.loader import read_config

@@ -22,21 +22,9 @@ from treeattn.engine.config import DEFAULT_METHOD
 from treeattn.engine.generate import GenerationResult, generate
 from treeattn.engine.measure import malloc_env
 from treeattn.models.llama import LlamaConfig, random_model
+from treeattn.models.synthetic import DEMO_CONFIG, synthetic_prompt
 
 logger = logging.getLogger(__name__)
-
-# Small enough that a 32K-token prefill takes seconds on two CPU cores, shaped like a Llama (GQA).
-DEMO_CONFIG = dict(
-    vocab_size=4096,
-    hidden_size=128,
-    intermediate_size=256,
-    num_layers=2,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=32,
-    rope_theta=500000.0,
-    max_position_embeddings=1 << 20,
-)
 
 
 @dataclass
@@ -52,12 +40,6 @@ class MethodRun:
 
 def demo_config() -> LlamaConfig:
     return LlamaConfig(**DEMO_CONFIG)
-
-
-def synthetic_prompt(context: int, vocab_size: int, seed: int) -> list[int]:
-    """`context` token ids drawn uniformly (reproducibly) from the vocabulary."""
-    generator = torch.Generator().manual_seed(seed)
-    return torch.randint(0, vocab_size, (context,), generator=generator).tolist()
 
 
 def run_demo(

@@ -3,8 +3,9 @@
     runner = make_runner(load_model(model, config.dtype), config, group)   # a RankRunner (runner.py)
     serve_steps(runner, receive, reply)    # until a None plan: rank 0 receives and replies, the others follow
 
-Every plan goes from rank 0 to the group as one int32 tensor (plan_message.PlanWire: one broadcast
-per step, on the device the group's backend needs, no pickling); each rank runs it
+Every plan reaches the ranks in one encoding, int32 words (plan_message): the driver encodes it once, rank 0
+decodes it and broadcasts its ranks' part as it came (plan_message.PlanWire: one broadcast per step, on the
+device the group's backend needs, no pickling); each rank runs it
 (run_plan): a StepPlan is a batched forward pass (RankRunner.step), KEEPALIVE is nothing (it keeps
 ranks waiting in the broadcast short of the group's timeout), StoreOps saves and loads KV store
 blocks (treeattn.engine.kv_tier; every rank's StoreReport gathered), Measure gathers every rank's
@@ -26,7 +27,7 @@ import torch.distributed as dist
 
 from treeattn.engine.config import EngineConfig, resolve_kv_cache_dtype
 from treeattn.engine.device import rank_device
-from treeattn.engine.plan_message import KEEPALIVE, Measure, PlanWire, SetDecode, StoreOps, plan_device
+from treeattn.engine.plan_message import KEEPALIVE, Measure, PlanWire, SetDecode, StoreOps, decode, encode, is_masks, plan_device
 from treeattn.engine.structured import StepMasks
 from treeattn.engine.worker.runner import RankRunner, StepOutcome
 from treeattn.models.packed import fuse_projections, set_activation_format
@@ -144,12 +145,17 @@ def run_plan(runner: RankRunner, plan):
 
 
 def serve_steps(runner: RankRunner, receive, reply) -> None:
-    """A rank's loop: take the next plan (rank 0 from `receive`, the others by broadcast), run it,
-    (rank 0) `reply` with what it gave. Ends on a None plan."""
+    """A rank's loop: take the next plan (rank 0 from `receive`: the driver's encoded plan, bytes, or
+    None when the driver is gone; the others by broadcast), run it, (rank 0) `reply` with what it gave.
+    Ends on a None plan."""
     rank = runner.rank
     wire = PlanWire(plan_device(runner.group))
     while True:
-        plan = wire.broadcast(receive() if rank == 0 else None, rank, runner.group)
+        if rank == 0:
+            message = receive()
+            plan = wire.relay(encode(None) if message is None else message, runner.group)
+        else:
+            plan = wire.receive(runner.group)
         if plan is None:
             return
         try:
@@ -181,11 +187,10 @@ def rank_main(rank: int, world_size: int, address, authkey: bytes, model, config
 
         def receive():
             try:
-                # The plan object as the driver made it: rank 0 alone samples, so it reads the sampling fields the
-                # int32 wire to the other ranks leaves out (SampleSpec's penalties, logit bias, structured masks).
-                message = conn.recv()
-                while isinstance(message, StepMasks):  # a failed step's masks, never read: not a plan
-                    message = conn.recv()
+                # The plan's words as the driver packed them, rank 0's sampling part included (plan_message).
+                message = conn.recv_bytes()
+                while is_masks(message):  # a failed step's masks, never read: not a plan
+                    message = conn.recv_bytes()
                 return message
             except (EOFError, OSError):  # the driver is gone: end every rank
                 return None
@@ -193,7 +198,7 @@ def rank_main(rank: int, world_size: int, address, authkey: bytes, model, config
         def receive_masks():
             """The step's structured-output masks: the driver's next message, sent after the plan while
             the step ran (engine.structured)."""
-            message = conn.recv()
+            message = decode(conn.recv_bytes())
             if not isinstance(message, StepMasks):
                 raise RuntimeError(f"rank 0 expected the step's StepMasks from the driver, got {type(message).__name__}")
             return message
