@@ -12,7 +12,8 @@ imports no treeattn module, else one more than the highest floor it imports (a c
 floor). A room is a package folder (treeattn/x/, and engine/worker/) or the package's top-level modules; an
 arrow back up is an import of the package root `treeattn` from inside a room, or an import from a room to a
 room later in ROOM_ORDER (the layers of DESIGN.md: ops < parallel < cache < models < ... < serve; engine/worker
-counts as engine; imports inside a room are not counted). A function's body is its lines from the first statement to the last; kernels (ops/triton_*)
+counts as engine; imports inside a room are not counted). A function's body is its lines from the first statement to the last;
+kernels (ops/triton_*)
 are exempt from the 80-line bound. Exit status 1 when there is a circle, an arrow back up or a long function.
 tests/test_structure.py runs the circle and arrow checks in the suite (tests/test_function_length.py the long bodies).
 """
@@ -149,7 +150,9 @@ def arrows_back_up(graph: dict[str, set[str]], root: Path = ROOT) -> list[tuple[
     for module, targets in graph.items():
         for target in targets:
             a, b = (room(m, root).replace("engine.worker", "engine") for m in (module, target))
-            if (b == "(root)" and a != "(top)") or (a in ROOM_ORDER and b in ROOM_ORDER and ROOM_ORDER.index(b) > ROOM_ORDER.index(a)):
+            if (b == "(root)" and a != "(top)") or (
+                a in ROOM_ORDER and b in ROOM_ORDER and ROOM_ORDER.index(b) > ROOM_ORDER.index(a)
+            ):
                 back.append((module, target))
     return sorted(back)
 
@@ -179,7 +182,8 @@ def main() -> int:
     long = long_functions(trees)
     back = arrows_back_up(graph)
     rooms = {room(m) for m in graph} - {"(root)", "(top)"}
-    print(f"modules: {len(graph)}; import edges: {sum(map(len, graph.values()))}; rooms: {len(rooms)}; floors: {max(level.values()) + 1}")
+    print(f"modules: {len(graph)}; import edges: {sum(map(len, graph.values()))}; rooms: {len(rooms)}; floors: "
+          f"{max(level.values()) + 1}")
     print(f"import circles: {len(cycles)}")
     for cycle in cycles:
         print("  circle: " + " <-> ".join(cycle))

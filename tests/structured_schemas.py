@@ -51,7 +51,8 @@ def schemas() -> list[dict]:
     for i in range(4):  # 4: an array of small objects
         out.append(_obj({"items": {"type": "array", "items": _obj({"k": LEAVES[4 + i]}), "maxItems": 2}}))
     for i in range(4):  # 4: anyOf of two objects
-        out.append({"anyOf": [_obj({"kind": {"const": "num"}, "n": LEAVES[i]}), _obj({"kind": {"const": "txt"}, "t": _short(2)})]})
+        out.append({"anyOf": [_obj({"kind": {"const": "num"}, "n": LEAVES[i]}), _obj({"kind": {"const": "txt"},
+                                                                                      "t": _short(2)})]})
     for i in range(4):  # 4: optional fields (only "req" required)
         out.append(_obj({"req": LEAVES[i], "opt": LEAVES[i + 4], "opt2": LEAVES[6]}, required=["req"]))
     for i in range(3):  # 3: arrays at the top level

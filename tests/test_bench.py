@@ -153,7 +153,8 @@ def test_two_tier_network_is_built_shaped_and_always_removed():
             qdisc = subprocess.run(["ip", "netns", "exec", net.namespaces[0], "tc", "qdisc", "show", "dev", "eth0"],
                                    capture_output=True, text=True).stdout
             assert "tbf" in qdisc and "50Mbit" in qdisc
-            route = subprocess.run(["ip", "-n", net.namespaces[1], "route", "get", net.addresses[0]], capture_output=True, text=True)
+            route = subprocess.run(["ip", "-n", net.namespaces[1], "route", "get", net.addresses[0]], capture_output=True,
+                                   text=True)
             assert "dev eth0" in route.stdout  # node 1 reaches node 0 through its shaped link
             raise RuntimeError("boom")
     assert _namespaces() == before
@@ -217,7 +218,9 @@ def test_calibration_passes_keep_the_fastest_and_a_consistent_ring_step():
     assert (combined["ring_step_seconds"], combined["ring_step_attention_seconds"]) == (0.07, 0.01)
     assert combined["copy_bandwidth_1_thread"] == 4e10
     cluster = cluster_from_measurements(combined)
-    assert cluster.intra.bandwidth == pytest.approx(64 * 2**20 / (0.07 - 0.01 - cluster.collective_overhead - cluster.intra.latency), rel=1e-6)
+    assert cluster.intra.bandwidth == pytest.approx(
+        64 * 2**20 / (0.07 - 0.01 - cluster.collective_overhead - cluster.intra.latency), rel=1e-6
+    )
     assert cluster.host_cores >= 1 and cluster.p2p_overlap == 0.0
 
 
@@ -269,7 +272,8 @@ def test_busy_rounds_are_measured_on_real_ranks():
 
     measured = _busy_round_measurements((2,), repeats=2)
     assert measured["busy_world_sizes"] == [2]
-    for key in ("busy_compute_seconds", "busy_p2p_seconds", "busy_allreduce_seconds", "busy_p2p_pair_seconds", "busy_allreduce_pair_seconds"):
+    for key in ("busy_compute_seconds", "busy_p2p_seconds", "busy_allreduce_seconds", "busy_p2p_pair_seconds",
+                "busy_allreduce_pair_seconds"):
         assert len(measured[key]) == 1 and 0 < measured[key][0] < 10
     with pytest.raises(ValueError, match="world_sizes must be integers >= 2"):
         from treeattn.bench.calibrate import calibrate

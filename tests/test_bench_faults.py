@@ -56,7 +56,9 @@ def test_a_failed_case_is_a_record_and_the_later_cases_still_run(tmp_path):
     assert [(r["seq_len"], r["method"]) for r in records] == list(product((32, 48), ("allreduce", "tree")))
     failed = {f"{r['seq_len']}/{r['method']}": r["error"] for r in records if "error" in r}
     assert set(failed) == set(faults)
-    assert failed["32/tree"].startswith("SpawnError: rank ") and "RuntimeError: injected failure at N=32 tree" in failed["32/tree"]
+    assert (
+        failed["32/tree"].startswith("SpawnError: rank ") and "RuntimeError: injected failure at N=32 tree" in failed["32/tree"]
+    )
     assert "\n" not in failed["32/tree"]
     for r in records:
         assert ("error" in r) == ("median_seconds" not in r)
@@ -89,7 +91,8 @@ def test_bench_decode_writes_every_case_and_exits_1_when_one_failed(tmp_path, mo
 
     monkeypatch.setattr(runner, "spawn_launcher", launch)
     out_json, out_csv = tmp_path / "out" / "r.json", tmp_path / "out" / "r.csv"
-    result = cli.invoke(app, ["bench", "decode", "-m", "tree", "-n", "32", "-n", "48", "-n", "64", "-o", str(out_json), "-o", str(out_csv)])
+    result = cli.invoke(app, ["bench", "decode", "-m", "tree", "-n", "32", "-n", "48", "-n", "64", "-o", str(out_json), "-o",
+                              str(out_csv)])
     assert result.exit_code == 1, result.output
     records = json.loads(out_json.read_text())
     assert [(r["seq_len"], "error" in r) for r in records] == [(32, False), (48, True), (64, False)]

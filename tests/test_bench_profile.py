@@ -19,8 +19,13 @@ def two_ranks():
                        transports=("shm", "gloo"))
     reports = run_profile(spec, 2)
     # the shared-memory runs under the method's name, the gloo runs under "<method> gloo"
-    return [{**{m: r[variant_name(m, "shm")] for m in spec.methods}, **{f"{m} gloo": r[variant_name(m, "gloo")] for m in spec.methods}}
-            for r in reports]
+    return [
+        {
+            **{m: r[variant_name(m, "shm")] for m in spec.methods},
+            **{f"{m} gloo": r[variant_name(m, "gloo")] for m in spec.methods},
+        }
+        for r in reports
+    ]
 
 
 def test_phases_add_up_to_the_step_on_every_rank(two_ranks):

@@ -77,7 +77,8 @@ def test_extra_body_and_text_prompts_from_a_file(server, tmp_path):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("\n".join(json.dumps({"prompt": "the cat", "prompt_len": 99, "output_len": 4}) for _ in range(3)) + "\n")
     out = tmp_path / "result.json"
-    run = subprocess.run([sys.executable, "-m", "treeattn", "bench", "serve", "--base-url", server.url, "--dataset-path", str(prompts),
+    run = subprocess.run([sys.executable, "-m", "treeattn", "bench", "serve", "--base-url", server.url, "--dataset-path",
+                          str(prompts),
                           "--num-prompts", "3", "--no-ignore-eos", "--extra-body", '{"logit_bias": {"120": 100}}',
                           "--result-file", str(out)], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
@@ -99,7 +100,8 @@ def test_arrival_schedules_have_the_asked_rate():
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    ({"request_rate": -1}, "request_rate must be a number > 0"), ({"arrival": "burst"}, "arrival must be 'poisson' or 'constant'"),
+    ({"request_rate": -1}, "request_rate must be a number > 0"), ({"arrival": "burst"},
+                                                                  "arrival must be 'poisson' or 'constant'"),
     ({"max_concurrency": 0}, "max_concurrency must be None or an int >= 1"), ({"base_url": "localhost:8000"}, "base_url must be"),
     ({"goodput": {"ttl": 5}}, "goodput must be a dict"),
 ])

@@ -105,7 +105,8 @@ def test_explicit_context_positions_and_rows_that_see_nothing():
     ref = ta.reference_attention(q, keys, values, causal=True, q_pos=q_pos, kv_pos=kv_pos.expand(2, -1))
     assert torch.isneginf(ref[1][0, :, 0]).all()
     for mode in ("bifurcated", "batched"):
-        out, lse = ta.bifurcated_attention(q, ck, cv, dk, dv, q_pos=q_pos, context_pos=context_pos, decode_pos=decode_pos, mode=mode)
+        out, lse = ta.bifurcated_attention(q, ck, cv, dk, dv, q_pos=q_pos, context_pos=context_pos, decode_pos=decode_pos,
+                                           mode=mode)
         assert_state_close(out, lse, *ref, torch.float32)
         assert (out[0, 0] == 0).all()
 
@@ -221,16 +222,23 @@ def _bad(**changes):
     "changes, exc, pattern",
     [
         ({"q": torch.randn(0, 1, 8, 16)}, ValueError, r"q must hold at least one sample.*n >= 1.*\(0, 1, 8, 16\)"),
-        ({"decode_k": torch.randn(0, 4, 2, 16), "decode_v": torch.randn(0, 4, 2, 16), "q": torch.randn(0, 1, 8, 16)}, ValueError, "n >= 1"),
-        ({"decode_k": torch.randn(3, 4, 4, 16), "decode_v": torch.randn(3, 4, 4, 16)}, ValueError, r"decode_k must have the KV head count of context_k \(Hkv = 2\), got Hkv = 4"),
+        ({"decode_k": torch.randn(0, 4, 2, 16), "decode_v": torch.randn(0, 4, 2, 16), "q": torch.randn(0, 1, 8, 16)}, ValueError,
+         "n >= 1"),
+        ({"decode_k": torch.randn(3, 4, 4, 16), "decode_v": torch.randn(3, 4, 4, 16)}, ValueError,
+         r"decode_k must have the KV head count of context_k \(Hkv = 2\), got Hkv = 4"),
         ({"context_v": torch.randn(1, 37, 1, 16)}, ValueError, r"context_v must have the KV head count of context_k"),
-        ({"decode_k": torch.randn(3, 4, 2, 16, dtype=torch.bfloat16)}, TypeError, r"decode_k must have the dtype of q \(torch.float32\), got torch.bfloat16"),
+        ({"decode_k": torch.randn(3, 4, 2, 16, dtype=torch.bfloat16)}, TypeError,
+         r"decode_k must have the dtype of q \(torch.float32\), got torch.bfloat16"),
         ({"context_k": torch.randn(1, 37, 2, 16, dtype=torch.float64)}, TypeError, r"context_k must have the dtype of q"),
-        ({"decode_v": torch.randn(3, 5, 2, 16)}, ValueError, r"decode_k and decode_v must have one decoded length, got Md = 4 and 5"),
+        ({"decode_v": torch.randn(3, 5, 2, 16)}, ValueError,
+         r"decode_k and decode_v must have one decoded length, got Md = 4 and 5"),
         ({"context_v": torch.randn(1, 36, 2, 16)}, ValueError, r"context_k and context_v must have one length"),
-        ({"decode_k": [torch.randn(4, 2, 16), torch.randn(6, 2, 16), torch.randn(1, 2, 16)]}, TypeError, r"decode_k must be one tensor \(n, Md, Hkv, D\).*\(4, 2, 16\), \(6, 2, 16\).*q_pos and decode_pos"),
-        ({"context_k": torch.randn(3, 37, 2, 16), "context_v": torch.randn(3, 37, 2, 16)}, ValueError, r"context_k must have batch 1"),
-        ({"decode_k": torch.randn(2, 4, 2, 16), "decode_v": torch.randn(2, 4, 2, 16)}, ValueError, r"decode_k must have one row per sample, n = 3"),
+        ({"decode_k": [torch.randn(4, 2, 16), torch.randn(6, 2, 16), torch.randn(1, 2, 16)]}, TypeError,
+         r"decode_k must be one tensor \(n, Md, Hkv, D\).*\(4, 2, 16\), \(6, 2, 16\).*q_pos and decode_pos"),
+        ({"context_k": torch.randn(3, 37, 2, 16), "context_v": torch.randn(3, 37, 2, 16)}, ValueError,
+         r"context_k must have batch 1"),
+        ({"decode_k": torch.randn(2, 4, 2, 16), "decode_v": torch.randn(2, 4, 2, 16)}, ValueError,
+         r"decode_k must have one row per sample, n = 3"),
         ({"q": torch.randn(3, 1, 7, 16)}, ValueError, r"Hq must be a multiple of Hkv"),
         ({"decode_k": torch.randn(3, 4, 2, 8)}, ValueError, r"decode_k must have the head dim of q \(D = 16\)"),
         ({"decode_v": torch.randn(3, 4, 2, 8)}, ValueError, r"decode_v must have the value head dim of context_v"),

@@ -122,7 +122,8 @@ def test_capacity_error_is_raised_before_any_state_changes():
 
 
 def test_truncate_forgets_the_tail():
-    cache = ShardedKVCache(num_layers=1, num_kv_heads=1, head_dim=2, capacity=16, placement="interleaved", block_size=2, rank=0, world_size=2)
+    cache = ShardedKVCache(num_layers=1, num_kv_heads=1, head_dim=2, capacity=16, placement="interleaved", block_size=2, rank=0,
+                           world_size=2)
     cache.extend(torch.arange(9))
     assert cache.local_length == 5  # blocks 0, 2 and the first slot of block 4
     cache.truncate(4)
@@ -144,8 +145,10 @@ def test_nbytes_counts_tokens_in_use():
     [
         (lambda c: c.extend(torch.arange(3, dtype=torch.int32)), TypeError, "positions must be int64"),
         (lambda c: c.extend(torch.zeros(3, 4, dtype=torch.int64)), ValueError, r"positions must have shape \(S,\) or \(B=2, S\)"),
-        (lambda c: c.write(0, c.extend(torch.arange(2)), torch.zeros(2, 3, 2, 4), torch.zeros(2, 3, 2, 4)), ValueError, r"k must have shape .* \(2, 2, 2, 4\)"),
-        (lambda c: c.write(0, c.extend(torch.arange(2)), torch.zeros(2, 2, 2, 4, dtype=torch.float64), torch.zeros(2, 2, 2, 4)), TypeError, "cache's dtype"),
+        (lambda c: c.write(0, c.extend(torch.arange(2)), torch.zeros(2, 3, 2, 4), torch.zeros(2, 3, 2, 4)), ValueError,
+         r"k must have shape .* \(2, 2, 2, 4\)"),
+        (lambda c: c.write(0, c.extend(torch.arange(2)), torch.zeros(2, 2, 2, 4, dtype=torch.float64), torch.zeros(2, 2, 2, 4)),
+         TypeError, "cache's dtype"),
         (lambda c: c.layer(5), ValueError, r"layer must be an int in \[0, 2\)"),
     ],
 )

@@ -61,7 +61,8 @@ def test_refuses_a_model_without_chat_template(tmp_path):
     write_gguf(path, hf_model("llama"), gguf.GGMLQuantizationType.F16, chat_template=None)
     result = CliRunner().invoke(app, ["chat", str(path)])
     assert result.exit_code == 2 and len(result.stderr.splitlines()) == 1
-    assert re.search(r"bare\.gguf: the model has no chat template \(.*\); use treeattn generate$", result.stderr.strip()), result.stderr
+    assert re.search(r"bare\.gguf: the model has no chat template \(.*\); use treeattn generate$",
+                     result.stderr.strip()), result.stderr
 
 
 def test_chat_end_of_turn_names_what_is_missing():
@@ -150,7 +151,8 @@ def test_chat_on_smollm2_in_a_terminal_ctrl_c_stops_the_reply_not_the_chat():
         term.expect(r"cat\.\n")
         term.expect(r"\w")  # the reply has begun
         term.type("\x03")  # Ctrl-C: the line discipline sends SIGINT to the foreground process group
-        second = term.expect(r"\[turn 2: (\d+) prompt tokens \((\d+) cached, \d+ prefilled\), (\d+) new tokens, [\d.]+ s, stopped by Ctrl-C\]")
+        second = term.expect(r"\[turn 2: (\d+) prompt tokens \((\d+) cached, \d+ prefilled\), (\d+) new tokens, [\d.]+ s, "
+                             r"stopped by Ctrl-C\]")
         assert int(second.group(2)) >= int(first.group(1)) // 16 * 16 > 0
         assert int(second.group(3)) < 48
         term.expect(r"> ")
@@ -174,7 +176,8 @@ def test_kv_cache_dtype_and_weight_format_flags_reach_the_engine(tiny, monkeypat
         raise ConfigError("kv_cache_dtype", "stand-in")
 
     monkeypatch.setattr(client, "Engine", engine)
-    result = CliRunner().invoke(app, ["chat", str(tiny), "--kv-cache-dtype", "bfloat16", "--weight-format", "packed"], input="/exit\n")
+    result = CliRunner().invoke(app, ["chat", str(tiny), "--kv-cache-dtype", "bfloat16", "--weight-format", "packed"],
+                                input="/exit\n")
     assert result.exit_code == 2 and "stand-in" in result.stderr
     assert seen["config"].kv_cache_dtype == "bfloat16" and seen["config"].weight_format == "packed"
     result = CliRunner().invoke(app, ["chat", str(tiny), "--kv-cache-dtype", "fp7"], input="/exit\n")
@@ -193,7 +196,8 @@ def test_sampling_comes_from_a_flag_then_the_checkpoint_then_the_chat_defaults(t
     assert values == {"temperature": 1.0, "top_p": 0.95, "top_k": 0, "repetition_penalty": 1.1}
     assert sources == {"temperature": "flag", "top_p": "the checkpoint's generation config", "top_k": "chat default",
                        "repetition_penalty": "chat default"}
-    (tmp_path / "generation_config.json").write_text('{"do_sample": false, "temperature": 0.6}')  # greedy, as transformers reads it
+    # greedy, as transformers reads it
+    (tmp_path / "generation_config.json").write_text('{"do_sample": false, "temperature": 0.6}')
     assert chat_sampling(tmp_path)[0]["temperature"] == 0.0
 
 

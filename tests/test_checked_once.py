@@ -94,7 +94,8 @@ def test_rank_0_samples_with_what_the_ranks_wire_leaves_out(tmp_path):
                                   logit_bias={7: 5.0})
     answers = {}
     for nproc in (1, 2):
-        with client.Engine(str(path), EngineConfig(nproc=nproc, decode="local" if nproc == 1 else "tree", max_batch_size=1)) as engine:
+        with client.Engine(str(path), EngineConfig(nproc=nproc, decode="local" if nproc == 1 else "tree",
+                                                   max_batch_size=1)) as engine:
             answers[nproc] = [engine.generate(prompt, sampling)[0].token_ids
                               for sampling in (penalized, ta.SamplingParams(max_new_tokens=12, ignore_eos=True))]
     assert answers[2] == answers[1]

@@ -61,7 +61,8 @@ def test_json_output_is_one_object_with_the_tokens(checkpoint, ids_file, expecte
 
 def test_kv_cache_dtype_halves_the_kv_bytes_per_token_in_the_json(checkpoint, ids_file, expected):
     """--kv-cache-dtype bfloat16: the cache stores bfloat16 (half float32's bytes per token, reported
-    with the dtype; fp8_e4m3 a quarter plus its scales); the greedy tokens are the model's own, which a bfloat16 rounding of the keys may
+    with the dtype; fp8_e4m3 a quarter plus its scales); the greedy tokens are the model's own, which a bfloat16 rounding of the
+    keys may
     legitimately change, so only their number is checked here (tests/test_kv_cache_dtype.py checks
     the attention exactly). An unknown dtype is refused before any work."""
     base = ["generate", str(checkpoint), "--prompt-ids", str(ids_file), "--max-new-tokens", "6", "--json"]
@@ -117,12 +118,14 @@ def test_stop_strings_stream_the_text_holding_back_a_possible_start(checkpoint, 
 
 
 def test_two_ranks_ring_decode_interleaved(checkpoint, ids_file, expected):
-    result = runner.invoke(app, ["generate", str(checkpoint), "--prompt-ids", str(ids_file), "--max-new-tokens", "6", "--nproc", "2",
+    result = runner.invoke(app, ["generate", str(checkpoint), "--prompt-ids", str(ids_file), "--max-new-tokens", "6", "--nproc",
+                                 "2",
                                  "--decode", "ring", "--placement", "interleaved", "--block-size", "2", "--json"])
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)
     assert report["generated_ids"] == expected
-    assert report["run"] == {"world_size": 2, "decode": "ring", "method": "onepass", "prefill": "ring", "placement": "interleaved"}
+    assert report["run"] == {"world_size": 2, "decode": "ring", "method": "onepass", "prefill": "ring",
+                             "placement": "interleaved"}
     assert len(report["kv_bytes_per_rank"]) == 2 and report["comm"]["bytes_per_token"] > 0
 
 
@@ -162,7 +165,8 @@ def test_text_streams_to_stdout_and_plain_status_lines_to_a_piped_stderr(checkpo
     """Two spawned ranks, stdout and stderr both pipes: stdout is exactly the answer (rank 0 writes it
     as it is decoded), stderr says what happens in plain lines: no escape codes, no spinner frames."""
     prompt = " ".join(f"w{i}" for i in PROMPT)
-    out = subprocess.run([sys.executable, "-m", "treeattn", "generate", str(checkpoint), "--prompt", prompt, "--max-new-tokens", "6",
+    out = subprocess.run([sys.executable, "-m", "treeattn", "generate", str(checkpoint), "--prompt", prompt, "--max-new-tokens",
+                          "6",
                           "--nproc", "2"], capture_output=True, text=True, timeout=180)
     assert out.returncode == 0, out.stderr
     assert out.stdout == " ".join(f"w{i}" for i in expected) + "\n"
@@ -170,9 +174,12 @@ def test_text_streams_to_stdout_and_plain_status_lines_to_a_piped_stderr(checkpo
     assert lines[0] == f"loading {checkpoint.name} on 2 rank(s) (starting them)"
     assert re.fullmatch(r"model loaded in \d+\.\d\d s", lines[1])
     assert f"prefill {len(PROMPT)} tokens on 2 rank(s), then up to 6 new tokens" in lines
-    done = [i for i, line in enumerate(lines) if re.fullmatch(rf"prefill {len(PROMPT)}/{len(PROMPT)} tokens \(\d+\.\d\d s\)", line)]
+    done = [i for i, line in enumerate(lines) if re.fullmatch(rf"prefill {len(PROMPT)}/{len(PROMPT)} tokens \(\d+\.\d\d s\)",
+                                                              line)]
     # the one ring step's progress, layer by layer (the tiny model's 2 layers: a line after the first)
-    within = [i for i, line in enumerate(lines) if re.fullmatch(rf"prefill 0/{len(PROMPT)} tokens, this step at layer 1/2 \(\d+\.\d\d s\)", line)]
+    within = [i for i,
+              line in enumerate(lines) if re.fullmatch(rf"prefill 0/{len(PROMPT)} tokens, this step at layer 1/2 \(\d+\.\d\d s\)",
+                                                       line)]
     assert len(done) == 1 and len(within) == 1 and within[0] < done[0], out.stderr
     assert "total wall time (whole command)" in out.stderr
     assert "\x1b" not in out.stderr and "\r" not in out.stderr
@@ -184,7 +191,8 @@ def test_prefill_progress_is_reported_chunk_by_chunk(checkpoint):
     model = load_model(checkpoint)
     prompt = torch.randint(0, VOCAB, (40,), generator=torch.Generator().manual_seed(3)).tolist()
     seen = []
-    generate(model, prompt, max_new_tokens=2, prefill_chunk=16, block_size=8, on_prefill=lambda done, total: seen.append((done, total)))
+    generate(model, prompt, max_new_tokens=2, prefill_chunk=16, block_size=8, on_prefill=lambda done,
+             total: seen.append((done, total)))
     assert seen == [(16, 40), (32, 40), (40, 40)]
     seen.clear()  # two samples of one prompt: the second finds its full blocks in the prefix cache
     generate(model, prompt, max_new_tokens=2, prefill_chunk=64, block_size=8, num_samples=2,
@@ -197,7 +205,8 @@ def test_prefill_progress_is_reported_chunk_by_chunk(checkpoint):
     [
         (["--prompt", "w1 w2"], "has no tokenizer"),
         (["--prompt-ids", "IDS", "--prompt", "w1"], "give exactly one of --prompt, --prompt-file, --prompt-ids"),
-        (["--prompt-ids", "IDS", "--capacity", "12"], "prompt of 10 tokens \\+ --max-new-tokens 64 needs 74 positions, more than --max-context 12"),
+        (["--prompt-ids", "IDS", "--capacity", "12"],
+         "prompt of 10 tokens \\+ --max-new-tokens 64 needs 74 positions, more than --max-context 12"),
         (["--prompt-ids", "IDS", "--stop", "x"], "--stop: .* has no tokenizer to find stop strings with; use --stop-id"),
         (["--prompt-ids", "BAD_IDS"], r"prompt 0: token id 100000 is outside the vocabulary \[0, 128\)"),
     ],
@@ -274,10 +283,13 @@ def test_demo_takes_kv_cache_dtype_and_weight_format(monkeypatch):
     [
         (["--top-p", "0", "--temperature", "1"], r"--top-p must be a number in \(0, 1\], got 0.0"),
         (["--temperature", "inf"], r"--temperature must be a finite number >= 0 \(0 = greedy\), got inf"),
-        (["--decode", "local", "--nproc", "2"], "--decode local runs on one rank, but --nproc 2; use --decode tree or --decode ring"),
-        (["--max-context", "1000000000000"], r"^error: --max-context: 1 rank\(s\) x \([0-9.]+ KiB of weights \+ [0-9.]+ TiB of KV cache\) = "
+        (["--decode", "local", "--nproc", "2"],
+         "--decode local runs on one rank, but --nproc 2; use --decode tree or --decode ring"),
+        (["--max-context", "1000000000000"],
+         r"^error: --max-context: 1 rank\(s\) x \([0-9.]+ KiB of weights \+ [0-9.]+ TiB of KV cache\) = "
                                           r"[0-9.]+ TiB, more than the [0-9.]+ GiB of memory of this machine$"),
-        (["--max-new-tokens", "1000000000000", "--nproc", "2"], r"^error: --max-new-tokens: 2 rank\(s\) x \(.* TiB of KV cache\)"),
+        (["--max-new-tokens", "1000000000000", "--nproc", "2"],
+         r"^error: --max-new-tokens: 2 rank\(s\) x \(.* TiB of KV cache\)"),
         (["--stop-id", "-3"], r"--stop-id must be a sequence of ints >= 0, got \(-3,\)"),
         (["--block-size", "0"], "--block-size must be an int >= 1, got 0"),
         (["--top-k", "-1"], r"--top-k must be an int >= 0 \(0 = all tokens\), got -1"),
@@ -296,7 +308,8 @@ def test_binary_prompt_file_is_named(checkpoint, tmp_path):
     path.write_bytes(bytes(range(256)))
     result = runner.invoke(app, ["generate", str(checkpoint), "--prompt-file", str(path)])
     assert result.exit_code == 2
-    assert result.stderr.strip() == f"error: --prompt-file {path}: not UTF-8 text (byte 0x80 at offset 128); a binary file? Pass token ids with --prompt-ids"
+    assert result.stderr.strip() == (f"error: --prompt-file {path}: not UTF-8 text (byte 0x80 at offset 128); a binary file? "
+                                     f"Pass token ids with --prompt-ids")
     path.write_bytes(b"w1 w2\x00w3")
     result = runner.invoke(app, ["generate", str(checkpoint), "--prompt-file", str(path)])
     assert result.exit_code == 2 and "holds NUL bytes (offset 5)" in result.stderr
@@ -321,7 +334,9 @@ def test_ranks_beyond_the_memory_are_refused_and_beyond_the_cores_warned(checkpo
     err = " ".join(capsys.readouterr().err.split())
     assert "--nproc 3 ranks on 2 cores: they will time-share the cores" in err
     assert "--nproc 3 ranks for a 2-token prompt: some ranks start with no tokens" in err
-    with pytest.raises(ValueError, match=r"^nproc: 4 rank\(s\) x \(.* of weights \+ .* of KV cache\) = .*, more than the .* of memory of this machine$"):
+    with pytest.raises(ValueError,
+                       match=r"^nproc: 4 rank\(s\) x \(.* of weights \+ .* of KV cache\) = .*, more than the .* of memory of "
+                             r"this machine$"):
         _check_before_spawning(config, sampling, 1, checkpoint, [PROMPT], 4, "float32")
     # under torchrun: the ranks of this machine (LOCAL_WORLD_SIZE) count, and only rank 0 warns
     monkeypatch.setenv("WORLD_SIZE", "8")
@@ -349,10 +364,12 @@ def test_two_ranks_say_the_max_position_warning_once(checkpoint, tmp_path, ids_f
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["generated_ids"] == expected
-    assert out.stderr.count("max_context=16 exceeds the model's max_position_embeddings=8") == 1, out.stderr  # the engine's warning
+    # the engine's warning
+    assert out.stderr.count("max_context=16 exceeds the model's max_position_embeddings=8") == 1, out.stderr
     imported = {line.rsplit("|", 1)[1].strip() for line in out.stderr.splitlines() if line.startswith("import time:")}
     assert "treeattn.engine.client" in imported  # importtime's lines were read (the Engine)
-    assert sorted(m for m in imported if m.split(".")[:2] in (["treeattn", "bench"], ["treeattn", "sim"]) or m == "matplotlib") == []
+    assert sorted(m for m in imported if m.split(".")[:2] in (["treeattn", "bench"], ["treeattn",
+                                                                                      "sim"]) or m == "matplotlib") == []
 
 
 def test_a_broken_checkpoint_is_reported_once_before_spawning(checkpoint, tmp_path, ids_file):
@@ -366,4 +383,6 @@ def test_a_broken_checkpoint_is_reported_once_before_spawning(checkpoint, tmp_pa
     save_file(tensors, directory / "model.safetensors")
     result = runner.invoke(app, ["generate", str(directory), "--prompt-ids", str(ids_file), "--nproc", "2"])
     assert result.exit_code == 2
-    assert result.stderr.strip().splitlines() == [f"error: {directory}: missing 1 tensors, e.g. model.layers.1.mlp.up_proj.weight"]
+    assert result.stderr.strip().splitlines() == [
+        f"error: {directory}: missing 1 tensors, e.g. model.layers.1.mlp.up_proj.weight"
+    ]

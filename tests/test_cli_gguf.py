@@ -49,7 +49,8 @@ def tiny(files):
 
 
 def test_generate_text_prompt_from_a_lone_gguf(files, tiny):
-    result = runner.invoke(app, ["generate", str(files["tiny"]), "--prompt", "the hat", "--max-new-tokens", "5", "--no-stop", "--json"])
+    result = runner.invoke(app, ["generate", str(files["tiny"]), "--prompt", "the hat", "--max-new-tokens", "5", "--no-stop",
+                                 "--json"])
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)
     ids = tiny.tokenizer.encode("the hat").ids
@@ -58,7 +59,8 @@ def test_generate_text_prompt_from_a_lone_gguf(files, tiny):
 
 
 def test_chat_and_system_render_the_template(files, tiny):
-    args = ["generate", str(files["tiny"]), "--chat", "--system", "be brief", "--prompt", "hi there", "--max-new-tokens", "4", "--json"]
+    args = ["generate", str(files["tiny"]), "--chat", "--system", "be brief", "--prompt", "hi there", "--max-new-tokens", "4",
+            "--json"]
     result = runner.invoke(app, args)
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)
@@ -73,7 +75,8 @@ def test_chat_and_system_render_the_template(files, tiny):
     ("tiny", ["--system", "x", "--prompt", "hi"], r"--system is a chat message: give --chat too"),
     ("tiny", ["--chat", "--prompt-ids", "IDS"], r"--chat renders text .* not --prompt-ids"),
     ("short", ["--prompt", "the " * 30, "--max-new-tokens", "40"],
-     r"--max-new-tokens: the prompt's \d+ tokens \+ 40 new tokens need \d+ positions, beyond the context window of .*short\.gguf \(64\)"),
+     r"--max-new-tokens: the prompt's \d+ tokens \+ 40 new tokens need \d+ positions, beyond the context window of "
+     r".*short\.gguf \(64\)"),
     ("falcon", ["--prompt-ids", "IDS"], r"falcon\.gguf: unsupported architecture 'falcon' .* supported: llama, mistral, qwen2"),
     ("corrupt", ["--prompt-ids", "IDS"], r"corrupt\.gguf: not a readable GGUF file"),
 ])
@@ -108,7 +111,8 @@ def test_eval_needle_methods_and_rank_counts_agree(files, tmp_path):
     assert sharded.exit_code == 0, sharded.output
     report = json.loads(sharded.stdout)
     assert [(c["length"], c["depth"]) for c in report["cells"]] == [(200, 0.0), (200, 1.0), (260, 0.0), (260, 1.0)]
-    assert report["methods"] == ["tree (onepass)", "tree (allreduce)", "tree (tree)", "ring (pass-KV)"] and report["methods_agree"]
+    assert report["methods"] == ["tree (onepass)", "tree (allreduce)", "tree (tree)",
+                                 "ring (pass-KV)"] and report["methods_agree"]
     for cell in report["cells"]:
         assert len(set(map(tuple, cell["method_ids"].values()))) == 1
         assert cell["correct"] == (cell["answer"] in cell["reply"])
@@ -125,7 +129,8 @@ def test_eval_needle_methods_and_rank_counts_agree(files, tmp_path):
 @pytest.mark.parametrize("args, match", [
     (["--depths", "0,1.5"], r"--depths: every depth must be in \[0, 1\]"),
     (["--lengths", "1000"], r"--lengths: the longest prompt needs \d+ positions, beyond the model's context window of 64"),
-    (["--decode", "local", "--nproc", "2"], r"^error: --decode local runs on one rank, but --nproc 2; use --decode tree or --decode ring$"),
+    (["--decode", "local", "--nproc", "2"],
+     r"^error: --decode local runs on one rank, but --nproc 2; use --decode tree or --decode ring$"),
 ])
 def test_eval_needle_bad_input(files, args, match):
     result = runner.invoke(app, ["eval", "needle", str(files["short"]), *args])
@@ -147,7 +152,8 @@ def test_demo_on_a_gguf_model_checks_tree_ring_and_one_process(files):
 
 @pytest.mark.parametrize("args, layout", [(["--tp", "2"], "layout: Helix, --tp 2 on 2 ranks: attention split by heads over 2 "
                                            "ranks (the cache not split by sequence), the output projections"),
-                                          (["--sequence-only"], "layout: sequence only: the KV cache split by sequence over the 2 "
+                                          (["--sequence-only"],
+                                           "layout: sequence only: the KV cache split by sequence over the 2 "
                                            "ranks")])
 def test_demo_runs_either_layout_with_the_single_process_tokens(files, args, layout):
     """The sharded rows (tree, then ring from the same cache) in the Helix layout with tp = nproc, and in the

@@ -21,7 +21,8 @@ from treeattn.commands.flags import DTYPES, config_flag, field_help
 
 runner = CliRunner()
 
-COMMANDS = [["generate"], ["serve"], ["chat"], ["demo"], ["simulate"], ["eval", "needle"], ["bench", "decode"], ["bench", "calibrate"],
+COMMANDS = [["generate"], ["serve"], ["chat"], ["demo"], ["simulate"], ["eval", "needle"], ["bench", "decode"],
+            ["bench", "calibrate"],
             ["bench", "validate"], ["bench", "plot"], ["bench", "profile"], ["linearize"]]
 RETIRED = {"--world-size", "--gpus", "--new-tokens", "--capacity", "--model", "-p"}
 
@@ -132,6 +133,7 @@ def test_one_flag_per_configuration_field_in_every_command():
     assert {"nproc", "max_new_tokens", "device", "threads_per_rank", "placement", "dtype"} <= set(found)
     for field, flags in found.items():
         assert set(flags) == {flag_of(field)}, f"{field} has several names: {flags}"
-    for command in (c for c in COMMANDS if any("--dtype" in o.opts for o in _options(c))):  # one spelling of the values too: torch's names (bf16 & co. are hidden aliases)
+    # one spelling of the values too: torch's names (bf16 & co. are hidden aliases)
+    for command in (c for c in COMMANDS if any("--dtype" in o.opts for o in _options(c))):
         (option,) = [o for o in _options(command) if "--dtype" in o.opts]
         assert option.metavar in ("<auto|float32|bfloat16|float16>", "<float32|bfloat16|float16>"), (command, option.metavar)

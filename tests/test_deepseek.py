@@ -68,7 +68,8 @@ def test_moe_layers_route_to_several_experts(checkpoints):
     weights, index = moe.gate(x)
     assert index.shape == (40, 3) and index.unique().numel() >= 6
     assert torch.allclose(weights.sum(-1), torch.full((40,), 2.5))  # normalized, times routed_scaling_factor
-    bf16 = load_model(checkpoints["v3"][0], dtype=torch.bfloat16)  # the router's correction bias stays float32, as in transformers
+    # the router's correction bias stays float32, as in transformers
+    bf16 = load_model(checkpoints["v3"][0], dtype=torch.bfloat16)
     assert bf16.layers[1].mlp.gate.e_score_correction_bias.dtype == torch.float32 and bf16.norm.weight.dtype == torch.bfloat16
 
 
@@ -255,5 +256,8 @@ def test_the_loaders_meta_skeleton_runs_no_random_init(checkpoints, monkeypatch)
     monkeypatch.setattr(torch.nn.init, "normal_", lambda tensor, *args, **kwargs: calls.append(tuple(tensor.shape)))
     for directory, _ in checkpoints.values():
         skeleton = check_checkpoint(directory)
-        assert skeleton.embed_tokens.weight.is_meta and tuple(skeleton.embed_tokens.weight.shape) == (VOCAB, skeleton.config.hidden_size)
+        assert skeleton.embed_tokens.weight.is_meta and tuple(skeleton.embed_tokens.weight.shape) == (
+            VOCAB,
+            skeleton.config.hidden_size,
+        )
     assert calls == []

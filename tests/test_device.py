@@ -94,7 +94,8 @@ def test_memory_check_names_the_gpus_free_memory(monkeypatch):
 
     monkeypatch.setattr(memory, "device_memory_bytes", lambda device: 3 << 30)
     memory.check_memory_fit(ranks=1, weights=1 << 30, cache=1 << 30, draft=0, device="cuda:1", cache_option="cache_tokens")
-    with pytest.raises(ConfigError, match=r"^cache_tokens: 1 rank\(s\) x \(1.0 GiB of weights \+ 4.0 GiB of KV cache\) = 5.0 GiB, "
+    with pytest.raises(ConfigError,
+                       match=r"^cache_tokens: 1 rank\(s\) x \(1.0 GiB of weights \+ 4.0 GiB of KV cache\) = 5.0 GiB, "
                                           r"more than the 3.0 GiB free on cuda:1$"):
         memory.check_memory_fit(ranks=1, weights=1 << 30, cache=4 << 30, draft=0, device="cuda:1", cache_option="cache_tokens")
 
@@ -213,7 +214,9 @@ def test_generate_command_device_cpu_dtype_auto_gives_the_defaults_tokens(no_cud
     refused = runner.invoke(app, args + ["--device", "cuda"])
     assert refused.exit_code == 2
     lines = refused.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: --device cuda needs a CUDA device, but torch sees none"), refused.stderr
+    assert len(lines) == 1 and lines[0].startswith("error: --device cuda needs a CUDA device, but torch sees none"), (
+        refused.stderr
+    )
     with pytest.MonkeyPatch.context() as mp:  # a machine with one GPU, asked for two CUDA ranks
         mp.setattr(torch.cuda, "is_available", lambda: True)
         mp.setattr(torch.cuda, "device_count", lambda: 1)

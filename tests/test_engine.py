@@ -141,7 +141,8 @@ def test_every_configuration_ran(runs):
 
 
 @pytest.mark.parametrize("case", range(len(CASES)), ids=[f"p{p}-{o['decode']}-{o['placement']}-prefix{int(o['prefix_cache'])}"
-                                                          f"-{'pressure' if o['cache_tokens'] < 100 else 'plenty'}" for p, o in CASES])
+                                                          f"-{'pressure' if o['cache_tokens'] < 100 else 'plenty'}" for p,
+                                                         o in CASES])
 def test_batched_greedy_tokens_equal_each_request_alone(runs, references, case):
     run = runs[case]
     assert run["together"] == references
@@ -302,7 +303,8 @@ def test_prefix_reuse_over_a_16k_document_on_two_ranks():
 
 
 def test_a_dead_rank_fails_the_engine_in_the_driver_and_leaves_no_process():
-    with ta.Engine(_model(), nproc=2, decode="tree", block_size=BLOCK, cache_tokens=256, timeout_s=10, threads_per_rank=1) as engine:
+    with ta.Engine(_model(), nproc=2, decode="tree", block_size=BLOCK, cache_tokens=256, timeout_s=10,
+                   threads_per_rank=1) as engine:
         assert engine.generate([REQUESTS[1][0]], max_new_tokens=2)[0].finish_reason == "length"
         victim = next(p for p in multiprocessing.active_children() if p.name == "treeattn-rank1")
         victim.kill()

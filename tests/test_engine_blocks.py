@@ -137,7 +137,8 @@ from hypothesis import given, settings, strategies as st  # noqa: E402
 
 
 @settings(max_examples=60, deadline=None)
-@given(p=st.integers(1, 3), blocks=st.integers(2, 6), bs=st.integers(1, 4), placement=st.sampled_from(["contiguous", "interleaved"]),
+@given(p=st.integers(1, 3), blocks=st.integers(2, 6), bs=st.integers(1, 4),
+       placement=st.sampled_from(["contiguous", "interleaved"]),
        prefix=st.booleans(), batch=st.integers(1, 5), chunk=st.integers(1, 9), data=st.data())
 def test_every_request_that_fits_alone_completes_without_leaks(p, blocks, bs, placement, prefix, batch, chunk, data):
     pool = ShardedBlockPool(world_size=p, blocks_per_rank=blocks, block_size=bs, placement=placement)

@@ -38,7 +38,8 @@ def test_the_config_is_frozen_normalized_and_picklable():
     "cls, field, value",
     [
         (SamplingParams, "max_new_tokens", 0), (SamplingParams, "max_new_tokens", 2.0), (SamplingParams, "seed", -1),
-        (SamplingParams, "temperature", math.inf), (SamplingParams, "temperature", math.nan), (SamplingParams, "temperature", True),
+        (SamplingParams, "temperature", math.inf), (SamplingParams, "temperature", math.nan), (SamplingParams, "temperature",
+                                                                                               True),
         (SamplingParams, "top_p", 0.0), (SamplingParams, "top_p", 1.5), (SamplingParams, "top_k", -1),
         (SamplingParams, "stop_token_ids", [2.7]), (SamplingParams, "stop_token_ids", [True]), (SamplingParams, "seed", 2**64),
         (SamplingParams, "stop", [""]), (EngineConfig, "decode", "flash"), (EngineConfig, "method", "ring"),
@@ -93,14 +94,17 @@ def test_batch_config_sizes_the_engine_to_the_batch():
 
 def test_generation_checks_name_the_option():
     prompts = [[1] * 10]
-    check_generation(batch_config(EngineConfig(), SamplingParams(max_new_tokens=4), 1, prompts, 2), SamplingParams(max_new_tokens=4),
+    check_generation(batch_config(EngineConfig(), SamplingParams(max_new_tokens=4), 1, prompts, 2),
+                     SamplingParams(max_new_tokens=4),
                      1, MODEL, prompts)
     for config, params, samples, batch, option, match in [
         (EngineConfig(max_context=12), SamplingParams(max_new_tokens=32), 1, 1, "max_context",
          "prompt of 10 tokens \\+ max_new_tokens=32 needs 42 positions, more than max_context=12"),
-        (EngineConfig(), SamplingParams(stop_token_ids=[64]), 1, 1, "stop_token_ids", r"token id 64 is outside the vocabulary \[0, 64\)"),
+        (EngineConfig(), SamplingParams(stop_token_ids=[64]), 1, 1, "stop_token_ids",
+         r"token id 64 is outside the vocabulary \[0, 64\)"),
         (EngineConfig(), SamplingParams(), 2, 2, "num_samples", "got 2 prompts"),
-        (EngineConfig(speculate="ngram"), SamplingParams(), 3, 1, "speculate", "decodes one sequence; num_samples=3 asks for several"),
+        (EngineConfig(speculate="ngram"), SamplingParams(), 3, 1, "speculate",
+         "decodes one sequence; num_samples=3 asks for several"),
         (EngineConfig(speculate="ngram"), SamplingParams(), 1, 2, "speculate", "decodes one prompt at a time, got 2 prompts"),
     ]:
         batch = prompts * batch
@@ -135,7 +139,8 @@ def test_one_memory_check_names_the_option_that_sized_the_cache():
                                      num_kv_heads=1, head_dim=16, max_position_embeddings=2**62))
     huge = batch_config(EngineConfig(), SamplingParams(max_new_tokens=2**50), 1, [[1] * 10], 1)
     for option in ("max_new_tokens", "max_context", "cache_tokens"):
-        with pytest.raises(ConfigError, match=rf"^{option}: 1 rank\(s\) x \(.* of weights \+ .* of KV cache\) = .*, more than the .* "
+        with pytest.raises(ConfigError,
+                           match=rf"^{option}: 1 rank\(s\) x \(.* of weights \+ .* of KV cache\) = .*, more than the .* "
                                               "of memory of this machine$") as info:
             check_memory(model, model.config, huge, cache_option=option)
         assert info.value.option == option

@@ -82,8 +82,10 @@ def _engine_cases(rank: int, world_size: int) -> list[dict]:
         if rank >= p:
             continue
         batch.COPY_FREE_MIN_KEYS = 0 if case % 2 else 1 << 40  # some cases read shards run by run, the others gather them
-        token_parallel.SPLIT_MIN_TOKENS_PER_RANK = 2 if case % 3 == 2 else 1 << 40  # some split steps of >= 2p tokens over the ranks
-        with ta.Engine(target, group=groups[p], timeout_s=60, speculate="draft", draft_model=_draft(draft, target), draft_tokens=K,
+        # some split steps of >= 2p tokens over the ranks
+        token_parallel.SPLIT_MIN_TOKENS_PER_RANK = 2 if case % 3 == 2 else 1 << 40
+        with ta.Engine(target, group=groups[p], timeout_s=60, speculate="draft", draft_model=_draft(draft, target),
+                       draft_tokens=K,
                        **options) as engine:
             if not engine.is_driver:
                 continue
@@ -93,7 +95,8 @@ def _engine_cases(rank: int, world_size: int) -> list[dict]:
             again = engine.submit(*_repeat(0)).result(timeout=60)  # its prompt's blocks from the prefix cache, if on
             stats = engine.stats()
             engine.clear_prefix_cache()
-            out.append(dict(tokens=[r.token_ids for r in results[: len(REQUESTS)]], sampled=[r.token_ids for r in results[len(REQUESTS):]],
+            out.append(dict(tokens=[r.token_ids for r in results[: len(REQUESTS)]],
+                            sampled=[r.token_ids for r in results[len(REQUESTS):]],
                             spec=[r.speculation for r in results], again=again, stats=stats, cleared=engine.stats()))
     return out
 
@@ -127,7 +130,8 @@ def sampled_references():
         return [engine.submit(REQUESTS[i][0], params).result(timeout=60).token_ids for i, params in enumerate(SAMPLED)]
 
 
-IDS = [f"p{p}-{draft}-{o['decode']}-{o['placement']}-prefix{int(o['prefix_cache'])}-{'tight' if o['cache_tokens'] < 100 else 'plenty'}"
+IDS = [f"p{p}-{draft}-{o['decode']}-{o['placement']}-prefix{int(o['prefix_cache'])}-"
+       f"{'tight' if o['cache_tokens'] < 100 else 'plenty'}"
        for p, draft, o in CASES]
 
 
@@ -240,7 +244,8 @@ class _TwoCaches:
 
 
 @settings(max_examples=60, deadline=None)
-@given(p=st.integers(1, 3), blocks=st.integers(2, 6), bs=st.integers(1, 4), placement=st.sampled_from(["contiguous", "interleaved"]),
+@given(p=st.integers(1, 3), blocks=st.integers(2, 6), bs=st.integers(1, 4),
+       placement=st.sampled_from(["contiguous", "interleaved"]),
        batch=st.integers(1, 4), chunk=st.integers(1, 9), right=st.lists(st.booleans(), min_size=1, max_size=6), data=st.data())
 def test_both_caches_hold_what_is_read_and_what_is_cached(p, blocks, bs, placement, batch, chunk, right, data):
     """Prefix cache on: requests repeat each other's prompts and outputs, so cached blocks are reused,
@@ -312,12 +317,15 @@ def test_sampled_tokens_with_a_draft_model_follow_the_model_distribution():
     (dict(draft_model="d.gguf"), "draft_model", "draft_model is the drafter of speculate='draft', got no speculation"),
     (dict(speculate="ngram", draft_model="d.gguf"), "draft_model", "got speculate='ngram'"),
     (dict(speculate="draft", draft_model=3), "draft_model", "a checkpoint path or a loaded model, got int"),
-    (dict(speculate="draft", draft_model="missing.gguf"), "draft_model", "draft_model=missing.gguf is not a usable model checkpoint"),
-    (dict(speculate="draft", draft_model=random_model(LlamaConfig(vocab_size=16, hidden_size=16, intermediate_size=32, num_layers=1,
+    (dict(speculate="draft", draft_model="missing.gguf"), "draft_model",
+     "draft_model=missing.gguf is not a usable model checkpoint"),
+    (dict(speculate="draft", draft_model=random_model(LlamaConfig(vocab_size=16, hidden_size=16, intermediate_size=32,
+                                                                  num_layers=1,
                                                                   num_heads=2, num_kv_heads=1, head_dim=8))),
      "draft_model", "draft_model has a vocabulary of 16 tokens, the model 32"),
     (dict(speculate="draft", cache_tokens=1024, draft_model=random_model(LlamaConfig(
-        vocab_size=32, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8, max_position_embeddings=64))),
+        vocab_size=32, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8,
+                                                                                     max_position_embeddings=64))),
      "draft_model", "draft_model's context window of 64 positions is shorter than the 1024 positions the engine runs"),
 ])
 def test_bad_draft_options_fail_before_any_rank_starts(kwargs, option, words):
@@ -328,7 +336,8 @@ def test_bad_draft_options_fail_before_any_rank_starts(kwargs, option, words):
 
 
 def test_a_draft_of_a_short_window_fits_a_small_enough_cache():
-    draft = random_model(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
+    draft = random_model(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2,
+                                     num_kv_heads=1,
                                      head_dim=8, max_position_embeddings=64))
     with ta.Engine(_target(), nproc=1, block_size=BLOCK, cache_tokens=64, speculate="draft", draft_model=draft) as engine:
         assert engine.max_context == 64
@@ -345,7 +354,8 @@ def test_the_memory_check_counts_the_draft_model(monkeypatch):
     config = EngineConfig(nproc=2, block_size=BLOCK, cache_tokens=1024)
     one_rank = model_bytes(target, torch.float32) + kv_cache_bytes_per_rank(config, CONFIG, torch.float32)
     monkeypatch.setattr(memory, "device_memory_bytes", lambda device: 2 * one_rank + 1)
-    with pytest.raises(ValueError, match=r"^draft_model: 2 rank\(s\) x \(.* of weights \+ .* of KV cache \+ .* of draft model and its "
+    with pytest.raises(ValueError,
+                       match=r"^draft_model: 2 rank\(s\) x \(.* of weights \+ .* of KV cache \+ .* of draft model and its "
                                          r"cache\) = .*, more than the .* of memory of this machine$"):
         ta.Engine(target, nproc=2, block_size=BLOCK, cache_tokens=1024, speculate="draft", draft_model=draft)
     monkeypatch.setattr(memory, "device_memory_bytes", lambda device: one_rank // 2)
@@ -411,7 +421,11 @@ def test_serve_and_generate_count_the_draft_model_in_the_memory_check(checkpoint
     served = kv_cache_bytes_per_rank(EngineConfig(nproc=2, block_size=16, cache_tokens=256), model_config, torch.float32)
     monkeypatch.setattr(memory, "device_memory_bytes", lambda device: 2 * (weights + served) + 1)
     result = CliRunner().invoke(app, ["serve", model, *SERVE, "--speculate", "draft", "--draft-model", model])
-    assert result.exit_code == 2 and "error: --draft-model: 2 rank(s) x (" in result.output and "of draft model and its cache" in result.output
+    assert (
+        result.exit_code == 2
+        and "error: --draft-model: 2 rank(s) x (" in result.output
+        and "of draft model and its cache" in result.output
+    )
 
     prompt = [1, 2, 3, 4, 5, 6, 7, 8]
     kv = kv_cache_bytes_per_rank(batch_config(EngineConfig(), SamplingParams(max_new_tokens=8), 1, [prompt], 2), model_config,

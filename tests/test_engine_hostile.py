@@ -267,4 +267,5 @@ def test_ctrl_c_during_generate_cancels_the_request_and_keeps_the_engine(model_f
     done = subprocess.run([sys.executable, str(script), str(model_file)], capture_output=True, text=True, timeout=300,
                           start_new_session=True, env=dict(os.environ, OMP_NUM_THREADS="1"), preexec_fn=default_signals)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.split("\n")[:3] == ["interrupted", "running 0 healthy True", "again True"], done.stdout + done.stderr[-3000:]
+    assert done.stdout.split("\n")[:3] == ["interrupted", "running 0 healthy True",
+                                           "again True"], done.stdout + done.stderr[-3000:]

@@ -134,8 +134,10 @@ def test_segments_cover_shared_prefixes_nested_and_apart():
         _chunk([0, 30], 5),                    # shares block 0 only
     ]
     segments, own_from = shared_prefix.find_segments(chunks, block_size=4, min_saved=8)
-    assert [(s.members, s.lo, s.hi) for s in segments] == [((0, 1, 2, 5), 0, 1), ((0, 1, 2), 1, 4), ((1, 2), 4, 6), ((3, 4), 0, 2)]
-    assert [s.blocks for s in segments] == [chunks[0].blocks[:1], chunks[0].blocks[1:4], chunks[1].blocks[4:6], chunks[3].blocks[:2]]
+    assert [(s.members, s.lo, s.hi) for s in segments] == [((0, 1, 2, 5), 0, 1), ((0, 1, 2), 1, 4), ((1, 2), 4, 6),
+                                                           ((3, 4), 0, 2)]
+    assert [s.blocks for s in segments] == [chunks[0].blocks[:1], chunks[0].blocks[1:4], chunks[1].blocks[4:6],
+                                            chunks[3].blocks[:2]]
     assert own_from == [4, 6, 6, 2, 2, 1]
     assert shared_prefix.saved_keys(segments, 4) == 3 * 4 + 2 * 12 + 8 + 8
     # Stretches saving fewer than 20 key reads pass down into the segment below them, or stay
@@ -180,7 +182,8 @@ def test_one_layer_with_shared_segments_matches_float64_attention_per_sequence(m
     first value_dim channels) too."""
     bs, hkv, hq, d = 4, 2, 4, 16
     g = torch.Generator().manual_seed(0)
-    cache = PagedKVCache(num_layers=1, num_kv_heads=hkv, head_dim=d, value_dim=value_dim, num_blocks=40, block_size=bs, dtype=torch.float64)
+    cache = PagedKVCache(num_layers=1, num_kv_heads=hkv, head_dim=d, value_dim=value_dim, num_blocks=40, block_size=bs,
+                         dtype=torch.float64)
     cache.arena.normal_(generator=g)
     doc, instruction = list(range(6)), [6, 7]
     refs = lambda ids: tuple(BlockRef(0, i) for i in ids)  # noqa: E731
@@ -188,7 +191,8 @@ def test_one_layer_with_shared_segments_matches_float64_attention_per_sequence(m
               Chunk(2, (1,), 32, refs(doc + instruction + [22]), None), Chunk(3, (1, 1), 9, refs([30, 31, 32]), None, 1))
     T, dv = sum(len(c.tokens) for c in chunks), value_dim or d
     q = torch.randn(1, T, hq, d, generator=g, dtype=torch.float64)
-    k_new, v_new = torch.randn(1, T, hkv, d, generator=g, dtype=torch.float64), torch.randn(1, T, hkv, dv, generator=g, dtype=torch.float64)
+    k_new, v_new = torch.randn(1, T, hkv, d, generator=g, dtype=torch.float64), torch.randn(1, T, hkv, dv, generator=g,
+                                                                                            dtype=torch.float64)
     monkeypatch.setattr(engine_batch, "COPY_FREE_MIN_KEYS", 0 if copy_free else 1 << 40)
     monkeypatch.setattr(shared_prefix, "SHARE_MIN_SAVED_KEYS", 1)
     arena = cache.arena.clone()
@@ -202,7 +206,8 @@ def test_one_layer_with_shared_segments_matches_float64_attention_per_sequence(m
         n, end = len(c.tokens), c.start + len(c.tokens)
         ids = torch.tensor([ref.index for ref in c.blocks])
         k_seq, v_seq = keys[ids].flatten(0, 1)[None, :end], values[ids].flatten(0, 1)[None, :end]
-        expected, _ = ta.attention(q[:, row : row + n], k_seq, v_seq, causal=True, q_pos=torch.arange(c.start, end), kv_pos=torch.arange(end))
+        expected, _ = ta.attention(q[:, row : row + n], k_seq, v_seq, causal=True, q_pos=torch.arange(c.start, end),
+                                   kv_pos=torch.arange(end))
         torch.testing.assert_close(out[row : row + n], expected[0], rtol=1e-12, atol=1e-12)
         row += n
     # the same step without sharing reads as before and gives the same output

@@ -58,7 +58,8 @@ def sampled_references():
     out = {}
     for looping in (False, True):
         with ta.Engine(_model(looping), nproc=1, cache_tokens=512, block_size=BLOCK) as engine:
-            out[looping] = [engine.submit(REQUESTS[i][0], params).result(timeout=60).token_ids for i, params in enumerate(SAMPLED)]
+            out[looping] = [engine.submit(REQUESTS[i][0], params).result(timeout=60).token_ids for i,
+                            params in enumerate(SAMPLED)]
     return out
 
 
@@ -100,7 +101,8 @@ def test_every_configuration_ran(runs):
 
 
 @pytest.mark.parametrize("case", range(len(CASES)), ids=[f"p{p}-{o['decode']}-{o['placement']}-prefix{int(o['prefix_cache'])}"
-                                                          f"-{'tight' if o['cache_tokens'] < 100 else 'plenty'}" for p, o in CASES])
+                                                          f"-{'tight' if o['cache_tokens'] < 100 else 'plenty'}" for p,
+                                                         o in CASES])
 def test_greedy_tokens_with_speculation_equal_each_request_alone(runs, references, case):
     assert runs[case]["tokens"] == references[_looping(case)]
 
@@ -193,9 +195,11 @@ def _expected(target: list[int], max_new_tokens: int, stop: frozenset[int]) -> l
 
 
 @settings(max_examples=60, deadline=None)
-@given(p=st.integers(1, 3), blocks=st.integers(2, 6), bs=st.integers(1, 4), placement=st.sampled_from(["contiguous", "interleaved"]),
+@given(p=st.integers(1, 3), blocks=st.integers(2, 6), bs=st.integers(1, 4),
+       placement=st.sampled_from(["contiguous", "interleaved"]),
        prefix=st.booleans(), batch=st.integers(1, 5), chunk=st.integers(1, 9), data=st.data())
-def test_speculating_scheduler_commits_exactly_the_target_and_frees_every_block(p, blocks, bs, placement, prefix, batch, chunk, data):
+def test_speculating_scheduler_commits_exactly_the_target_and_frees_every_block(p, blocks, bs, placement, prefix, batch, chunk,
+                                                                                data):
     pool = ShardedBlockPool(world_size=p, blocks_per_rank=blocks, block_size=bs, placement=placement)
     tree = PrefixCache(pool) if prefix else None
     model = _KnowingModel(Scheduler(pool, max_batch_size=batch, prefill_chunk=chunk, prefix_cache=tree, drafter=NgramDrafter(),
@@ -223,7 +227,8 @@ def test_drafts_never_preempt_and_are_cut_when_blocks_are_short():
     """Two sequences in a cache that holds both without drafts but not with all of them: the
     younger is never preempted, the older's drafts shrink to the slots left."""
     pool = ShardedBlockPool(world_size=1, blocks_per_rank=5, block_size=2, placement="contiguous")
-    model = _KnowingModel(Scheduler(pool, max_batch_size=2, prefill_chunk=64, prefix_cache=None, drafter=NgramDrafter(), draft_tokens=K))
+    model = _KnowingModel(Scheduler(pool, max_batch_size=2, prefill_chunk=64, prefix_cache=None, drafter=NgramDrafter(),
+                                    draft_tokens=K))
     a = model.add([1, 2, 1, 2], [1, 2] * 2, 4, frozenset())  # 4 + 4 tokens: 4 blocks at the end
     b = model.add([3, 4], [3, 4], 2, frozenset())  # 2 + 2 tokens: 2 blocks
     plan = model.scheduler.schedule()
@@ -274,7 +279,8 @@ def test_sampling_with_speculation_is_reproducible_by_seed(engine):
     params = SamplingParams(max_new_tokens=20, temperature=0.8, top_k=16, top_p=0.95, seed=7)
     prompt = REQUESTS[0][0]
     alone = engine.submit(prompt, params).result(timeout=30)
-    others = [engine.submit(p, SamplingParams(max_new_tokens=20, temperature=1.0, seed=i)) for i, (p, _) in enumerate(REQUESTS[1:4])]
+    others = [engine.submit(p, SamplingParams(max_new_tokens=20, temperature=1.0, seed=i)) for i, (p,
+                                                                                                   _) in enumerate(REQUESTS[1:4])]
     again = engine.submit(prompt, params).result(timeout=30)
     assert [h.result(timeout=30).finish_reason for h in others] == ["length"] * 3
     assert again.token_ids == alone.token_ids and again.cached_prompt_tokens > 0

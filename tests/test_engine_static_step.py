@@ -57,7 +57,8 @@ def _run(engine) -> dict:
         pass
     handles += [engine.submit(prompt, SamplingParams(max_new_tokens=n)) for prompt, n in REQUESTS[4:]]
     sampled = [engine.submit(REQUESTS[i][0], params) for i, params in enumerate(SAMPLED)]
-    return dict(tokens=[h.result(timeout=120).token_ids for h in handles], sampled=[h.result(timeout=120).token_ids for h in sampled])
+    return dict(tokens=[h.result(timeout=120).token_ids for h in handles],
+                sampled=[h.result(timeout=120).token_ids for h in sampled])
 
 
 def _engine_cases(rank: int, world_size: int) -> list[dict]:
@@ -131,7 +132,8 @@ def _plans(world_size: int = 2):
     block i becomes block 4 + i)."""
     g = torch.Generator().manual_seed(1)
     lengths = (7, 4, 10)
-    tables = [(BlockRef(0, 0), BlockRef(0, 1)), (BlockRef(0, 2), BlockRef(1, 0)), (BlockRef(1, 1), BlockRef(1, 2), BlockRef(0, 3))]
+    tables = [(BlockRef(0, 0), BlockRef(0, 1)), (BlockRef(0, 2), BlockRef(1, 0)), (BlockRef(1, 1), BlockRef(1, 2),
+                                                                                   BlockRef(0, 3))]
     if world_size == 1:
         tables = [tuple(BlockRef(0, 4 * ref.rank + ref.index) for ref in table) for table in tables]
     # sequence 2 is placed by hand (block 2 on rank 0) to cover a table whose local blocks are not the leading ones
@@ -205,7 +207,8 @@ def test_batch_and_width_buckets():
 @pytest.mark.parametrize("options, option, match", [
     (dict(decode_step="fast"), "decode_step", r"decode_step must be one of \('dynamic', 'static', 'graph'\), got 'fast'"),
     (dict(decode_step="static", method="onepass"), "method", "method='onepass' reads one flag on the host.*decode_step='static'"),
-    (dict(decode_step="static", speculate="ngram"), "speculate", "speculate='ngram' verifies several tokens.*decode_step='static'"),
+    (dict(decode_step="static", speculate="ngram"), "speculate",
+     "speculate='ngram' verifies several tokens.*decode_step='static'"),
     pytest.param(dict(decode_step="graph"), "decode_step", "decode_step='graph' records CUDA graphs: the model must be on a CUDA "
                  "device, got cpu", id="graph-on-cpu"),
 ])

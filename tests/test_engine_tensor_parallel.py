@@ -17,7 +17,8 @@ import torch
 import treeattn as ta
 from treeattn.engine.config import EngineConfig
 from treeattn.engine.errors import ConfigError
-from treeattn.engine.worker.tensor_parallel import HelixLayout, check_tensor_parallel, local_heads, split_bounds, tensor_parallel_cuts
+from treeattn.engine.worker.tensor_parallel import (HelixLayout, check_tensor_parallel, local_heads, split_bounds,
+                                                    tensor_parallel_cuts)
 from treeattn.models.llama import random_model
 from treeattn.models.packed import weight_bytes
 from treeattn.models.shards import Cut
@@ -327,7 +328,9 @@ def test_packed_gguf_shares_keep_the_files_blocks(q8_gguf, q8_gguf_tied, tp, tie
     two = ta.spawn(_packed_run, 2, path, tp, timeout=300)
     assert two[0]["generated_ids"] == one["generated_ids"]
     assert two[0]["weight_format"] == "packed" and two[0]["tp"] == tp
-    assert len(two[0]["weight_bytes_per_rank"]) == 2 and max(two[0]["weight_bytes_per_rank"]) < 0.6 * one["weight_bytes_per_rank"][0]
+    assert (
+        len(two[0]["weight_bytes_per_rank"]) == 2 and max(two[0]["weight_bytes_per_rank"]) < 0.6 * one["weight_bytes_per_rank"][0]
+    )
 
 
 @pytest.mark.parametrize("tp", [1, 2])

@@ -141,7 +141,8 @@ def _mla_engine(rank: int, world_size: int, checkpoint: str, prompts: list[list[
     torch.set_num_threads(1)
     token_parallel.SPLIT_MIN_TOKENS_PER_RANK = 1
     out = {}
-    for prefill in ("split", "ring"):  # prompt-only steps token-parallel, then as ring steps (treeattn.engine.worker.ring_prefill)
+    # prompt-only steps token-parallel, then as ring steps (treeattn.engine.worker.ring_prefill)
+    for prefill in ("split", "ring"):
         with ta.Engine(checkpoint, decode="tree", placement="interleaved", block_size=4, cache_tokens=128, prefill=prefill,
                        timeout_s=60) as engine:
             if engine.is_driver:
@@ -159,4 +160,5 @@ def test_split_and_ring_steps_over_a_latent_cache_match_transformers(tmp_path):
     hf = make_checkpoint("v3", tmp_path / "v3")
     prompts = [PROMPT, PROMPT[:6]]
     expected = [uncached_greedy(hf, prompt) for prompt in prompts]
-    assert spawn(_mla_engine, 2, str(tmp_path / "v3"), prompts, NEW_TOKENS, timeout=120)[0] == {"split": expected, "ring": expected}
+    assert spawn(_mla_engine, 2, str(tmp_path / "v3"), prompts, NEW_TOKENS, timeout=120)[0] == {"split": expected,
+                                                                                                "ring": expected}

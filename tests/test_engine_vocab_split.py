@@ -4,7 +4,8 @@ A model whose vocab_size x hidden_size reaches the threshold has each of 2 real 
 the logits of its half of the vocabulary, all-gathered to rank 0: the tokens (greedy and sampled, a
 batch of two prompts) are those of 2 ranks without the split and of the one-process engine, the
 log-probabilities theirs within float32 rounding (each logit is the same dot product, but a BLAS may
-sum it in another order for a matrix of half the rows: not the same bits on every host, issue 46); the decode steps count the gather's round. An odd vocabulary pads the last rank's share.
+sum it in another order for a matrix of half the rows: not the same bits on every host, issue 46); the decode steps count the
+gather's round. An odd vocabulary pads the last rank's share.
 """
 
 from __future__ import annotations
@@ -42,7 +43,8 @@ def _generate(rank: int, world_size: int, vocab: int, split: bool = True) -> dic
         result = ta.generate(model, _prompts(vocab), max_new_tokens=NEW_TOKENS, ignore_eos=True, logprobs=3,
                              block_size=8, **sampling)
         out[name] = (result.generated_ids, result.token_logprobs)  # a log-softmax over every gathered logit
-        out["steps"], out["by_op"] = result.decode_steps, {op: c["calls"] for op, c in (result.comm or {}).get("by_op", {}).items()}
+        out["steps"], out["by_op"] = result.decode_steps, {op: c["calls"] for op,
+                                                           c in (result.comm or {}).get("by_op", {}).items()}
     return out
 
 

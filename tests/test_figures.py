@@ -27,7 +27,8 @@ def records():
     for p in (8, 64):
         for n in (80_000, 640_000):
             for method in (*TREE_METHODS, "ring-kv", "ring-q"):
-                out.append(predict_decode(cluster, DecodeShape(seq_len=n, heads=16, head_dim=128, dtype="bf16"), p, method).as_dict())
+                out.append(predict_decode(cluster, DecodeShape(seq_len=n, heads=16, head_dim=128, dtype="bf16"), p,
+                                          method).as_dict())
     return out
 
 

@@ -43,7 +43,8 @@ def test_generate_serve_and_chat_take_their_engine_flags_from_the_fields():
     from treeattn.serve.cli import SERVE_ENGINE_FLAGS, serve_command
 
     engine_fields = {f.name: f for f in dataclasses.fields(EngineConfig)}
-    for command, names in ((generate_command, ENGINE_FLAGS), (serve_command, SERVE_ENGINE_FLAGS), (chat_command, CHAT_ENGINE_FLAGS)):
+    for command, names in ((generate_command, ENGINE_FLAGS), (serve_command, SERVE_ENGINE_FLAGS), (chat_command,
+                                                                                                   CHAT_ENGINE_FLAGS)):
         options = _options(command)
         for name in names:
             assert name in options and name in FLAG_TYPES, (command.__name__, name)

@@ -188,7 +188,8 @@ def test_window_cache_keeps_the_window_and_rolls_back_over_drafts():
     pos = step(10, 30)  # a prompt chunk longer than the spare rows: kept rows then the new ones, in order
     assert pos.tolist() == list(range(7, 40))
     step(40, 1)  # the chunk's last W - 1 positions were kept
-    with pytest.raises(RuntimeError, match=r"sequence 7 starts at position 20 .* needs positions \[17, 20\) kept, but holds \[22, 41\)"):
+    with pytest.raises(RuntimeError,
+                       match=r"sequence 7 starts at position 20 .* needs positions \[17, 20\) kept, but holds \[22, 41\)"):
         step(20, 1)
     step(0, 2)  # position 0: the sequence starts afresh (preempted and recomputed)
     cache.release(7)
@@ -292,7 +293,8 @@ def _engine_runs(rank: int, world_size: int, path: str) -> tuple:
                 tokens.append(follow_up.result(timeout=120).token_ids)
                 hit = engine.stats()["prefix_hit_tokens"] - stats["prefix_hit_tokens"]
                 out.append((p, options, tokens, stats, [m.kv_bytes for m in engine.rank_measurements()], hit))
-    return out, shared_prefill_rows(model, [PROMPTS[2], PROMPT], METHODS, EngineConfig(block_size=16), SamplingParams(max_new_tokens=NEW))
+    return out, shared_prefill_rows(model, [PROMPTS[2], PROMPT], METHODS, EngineConfig(block_size=16),
+                                    SamplingParams(max_new_tokens=NEW))
 
 
 METHODS = (("tree", "onepass"), ("ring", "allreduce"), ("tree", "allreduce"))
@@ -336,7 +338,8 @@ def test_engine_keeps_only_the_global_layers_paged(files, engine_runs):
 def test_generate_json_reports_global_and_window_bytes(files, tmp_path):
     ids = tmp_path / "ids.json"
     ids.write_text(json.dumps(PROMPT))
-    result = CliRunner().invoke(app, ["generate", str(files["root"] / "tiny.gguf"), "--prompt-ids", str(ids), "--max-new-tokens", "3",
+    result = CliRunner().invoke(app, ["generate", str(files["root"] / "tiny.gguf"), "--prompt-ids", str(ids), "--max-new-tokens",
+                                      "3",
                                       "--no-stop", "--json"])
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)
@@ -347,17 +350,20 @@ def test_generate_json_reports_global_and_window_bytes(files, tmp_path):
 def test_demo_long_on_a_base_model_prints_kv_memory_against_a_full_cache(files):
     """`treeattn demo --long` path on the tiny Gemma GGUF (no chat template: a plain-text prompt),
     tree and ring on 2 ranks giving the same tokens, and the KV memory lines."""
-    result = CliRunner().invoke(app, ["demo", "--long", "--model", str(files["root"] / "tiny.gguf"), "--context", "120", "--nproc", "2",
+    result = CliRunner().invoke(app, ["demo", "--long", "--model", str(files["root"] / "tiny.gguf"), "--context", "120",
+                                      "--nproc", "2",
                                       "--new-tokens", "2", "--no-reference"])
     assert result.exit_code == 0, result.output
     assert "as plain text to complete (no chat template)" in result.stdout
     windows = 5 * (WINDOW - 1 + SPARE_ROWS) * 2 * 256 * 4 / 1024  # KiB: five window layers, a ring each
-    assert re.search(rf"KV cache per rank \(measured, 2 ranks\): .* per token 2\.00 KiB \(global layers\) \+ {windows:.2f} KiB of windows",
+    assert re.search(rf"KV cache per rank \(measured, 2 ranks\): .* per token 2\.00 KiB \(global layers\) \+ {windows:.2f} KiB "
+                     rf"of windows",
                      result.stdout), result.stdout
     assert re.search(r"a full cache of all 6 layers for \d+ positions: .* \(12\.00 KiB per token\)", result.stdout), result.stdout
     # why a rank can hold more than 1/p of a full cache: the windows, whole on every rank, and the arena's spare blocks
     assert re.search(r"why: of a rank's [\d.]+ MiB, [\d.]+ MiB are the 5 window layers' last \d+ positions, kept whole on every "
-                     r"rank, and [\d.]+ MiB the paged blocks of the 1 global layers \(room for [\d,]+ positions", result.stdout), result.stdout
+                     r"rank, and [\d.]+ MiB the paged blocks of the 1 global layers \(room for [\d,]+ positions",
+                     result.stdout), result.stdout
     # the 84-token prompt fills no block of 256: ring finds no cached prefix and says so (test_methods_share_one_prefill)
     assert "ring (pass-KV) found none of tree (onepass)'s prefill in the prefix cache" in result.stdout, result.stdout
 

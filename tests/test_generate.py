@@ -85,7 +85,8 @@ def _engine_cases(rank: int, world_size: int, dirs: dict) -> dict:
                                   placement=placement, prefill=prefill, block_size=4, group=group)
                 out[(arch, p, decode, method, placement, result.prefill)] = result.generated_ids[0]
         for placement in ("contiguous", "interleaved"):
-            result = generate(models["llama"], PROMPT, max_new_tokens=12, placement=placement, block_size=4, group=group, **SAMPLING)
+            result = generate(models["llama"], PROMPT, max_new_tokens=12, placement=placement, block_size=4, group=group,
+                              **SAMPLING)
             out[("sampled", p, placement)] = result.generated_ids[0]
     # p = 3 only, on the world group
     llama = models["llama"]
@@ -94,7 +95,8 @@ def _engine_cases(rank: int, world_size: int, dirs: dict) -> dict:
     out["kv_bytes_per_rank"] = result.kv_bytes_per_rank
     out["comm_per_token"] = {decode: generate(llama, PROMPT, max_new_tokens=8, decode=decode).comm_bytes_per_token
                              for decode in ("tree", "ring")}
-    out["ring_prefill_logits"] = {placement: _ring_prefill_logits(llama, rank, placement) for placement in ("contiguous", "interleaved")}
+    out["ring_prefill_logits"] = {placement: _ring_prefill_logits(llama, rank,
+                                                                  placement) for placement in ("contiguous", "interleaved")}
     for name, kwargs in {
         "mismatch": dict(max_new_tokens=4 + rank),
         "local-on-3": dict(decode="local"),
@@ -317,16 +319,19 @@ def test_logits_going_non_finite_mid_decode_stop_at_that_token(llama, references
         (dict(stop_token_ids=[VOCAB]), ValueError, f"stop_token_ids: token id {VOCAB} is outside the vocabulary"),
         (dict(stop_token_ids="2"), ValueError, "stop_token_ids must be a sequence of ints >= 0, got '2'"),
         (dict(stop_tokens=[2]), TypeError, "stop_tokens is no longer an option of generate\\(\\): use stop_token_ids"),
-        (dict(max_context=10**12), ValueError, r"^max_context: 1 rank\(s\) x .* of KV cache\) = .* more than the .* of memory of this machine"),
+        (dict(max_context=10**12), ValueError,
+         r"^max_context: 1 rank\(s\) x .* of KV cache\) = .* more than the .* of memory of this machine"),
         (dict(max_new_tokens=10**12), ValueError, r"^max_new_tokens: 1 rank\(s\) x .* more than the"),
-        (dict(prompts=[PROMPT, SHORT], num_samples=2), ValueError, "num_samples=2 samples completions of one prompt, got 2 prompts"),
+        (dict(prompts=[PROMPT, SHORT], num_samples=2), ValueError,
+         "num_samples=2 samples completions of one prompt, got 2 prompts"),
         (dict(top_p=0.0), ValueError, r"top_p must be a number in \(0, 1\]"),
         (dict(top_k=-1), ValueError, r"top_k must be an int >= 0 \(0 = all tokens\)"),
         (dict(decode="flash"), ValueError, r"decode must be one of \('local', 'tree', 'ring'\)"),
         (dict(method="star"), ValueError, "method must be one of"),
         (dict(placement="striped"), ValueError, "placement must be one of"),
         (dict(prefill="tree"), ValueError, "prefill must be one of"),
-        (dict(max_context=20), ValueError, "prompt of 12 tokens \\+ max_new_tokens=32 needs 44 positions, more than max_context=20"),
+        (dict(max_context=20), ValueError,
+         "prompt of 12 tokens \\+ max_new_tokens=32 needs 44 positions, more than max_context=20"),
     ],
 )
 def test_bad_arguments_are_named(llama, kwargs, error, match):

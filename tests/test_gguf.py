@@ -36,7 +36,8 @@ def models():
     return {arch: hf_model(arch) for arch in ("llama", "qwen2")}
 
 
-@pytest.mark.parametrize("arch,qtype", [("llama", Q.F16), ("llama", Q.Q8_0), ("llama", Q.Q4_1), ("llama", Q.Q4_0), ("qwen2", Q.Q8_0)])
+@pytest.mark.parametrize("arch,qtype", [("llama", Q.F16), ("llama", Q.Q8_0), ("llama", Q.Q4_1), ("llama", Q.Q4_0),
+                                        ("qwen2", Q.Q8_0)])
 def test_weights_and_logits_match_the_checkpoint(models, tmp_path, arch, qtype):
     hf = models[arch]
     path = tmp_path / f"tiny-{arch}.{qtype.name}.gguf"
@@ -68,7 +69,8 @@ def test_config_tokenizer_and_template_come_from_the_file(models, tmp_path):
     path = tmp_path / "tiny.gguf"
     write_gguf(path, models["qwen2"], Q.F16, arch="qwen2", context_length=96)
     config = read_config(path)
-    assert (config.architecture, config.num_layers, config.num_heads, config.num_kv_heads, config.head_dim) == ("Qwen2ForCausalLM", 2, 4, 2, 16)
+    assert (config.architecture, config.num_layers, config.num_heads, config.num_kv_heads,
+            config.head_dim) == ("Qwen2ForCausalLM", 2, 4, 2, 16)
     assert config.qkv_bias and config.tie_word_embeddings and config.max_position_embeddings == 96
     assert config.rope_theta == 1e6 and config.eos_token_ids == (2,) and config.bos_token_id == 1
 
@@ -289,7 +291,8 @@ def test_a_converted_copy_loads_the_same_model_without_reading_the_file(models, 
     packed_reference = load_model(path, weight_format="packed")
     monkeypatch.setenv("TREEATTN_GGUF_CACHE", "1")
     _same_model(load_model(path, weight_format="packed"), packed_reference)  # packed weights: their own copy
-    assert sorted(entries[0].parent.glob("*.safetensors")) == sorted([entries[0], gguf_cache.entry_path(path, torch.float32, "packed")])
+    assert sorted(entries[0].parent.glob("*.safetensors")) == sorted([entries[0],
+                                                                      gguf_cache.entry_path(path, torch.float32, "packed")])
     with monkeypatch.context() as m:
         m.setattr(gguf_module, "open_gguf", unread)
         from_copy = load_model(path, weight_format="packed")  # the packed layers, from the copy alone
@@ -354,11 +357,13 @@ def test_a_reader_without_the_tokenizer_steps_over_its_arrays_and_keeps_everythi
     write_gguf(path, models["llama"], Q.Q8_0, arch="llama")
     full, lite = open_gguf(path), open_gguf(path, tokenizer=False)
     skipped = sorted(set(full.fields) - set(lite.fields))
-    assert "tokenizer.ggml.tokens" in skipped and all(k.startswith("tokenizer.") and full.fields[k].types[0] == gguf.GGUFValueType.ARRAY
-                                                      for k in skipped)
+    assert "tokenizer.ggml.tokens" in skipped and all(
+        k.startswith("tokenizer.") and full.fields[k].types[0] == gguf.GGUFValueType.ARRAY for k in skipped
+    )
     assert "tokenizer.ggml.eos_token_id" in lite.fields and set(lite.fields) <= set(full.fields)
     assert all(lite.fields[k].contents() == full.fields[k].contents() for k in lite.fields)
-    assert [(t.name, t.data_offset, t.n_bytes) for t in lite.tensors] == [(t.name, t.data_offset, t.n_bytes) for t in full.tensors]
+    assert [(t.name, t.data_offset, t.n_bytes) for t in lite.tensors] == [(t.name, t.data_offset,
+                                                                           t.n_bytes) for t in full.tensors]
     assert read_gguf_config(lite, path=path) == read_gguf_config(full, path=path)
     with shared_readers():
         assert open_gguf(path, tokenizer=False) is not open_gguf(path) and "tokenizer.ggml.tokens" in open_gguf(path).fields

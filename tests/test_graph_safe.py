@@ -50,7 +50,8 @@ def _ranks_main(rank: int, world_size: int) -> dict:
     out: dict = {}
     for decode in ("tree", "ring"):
         # method="allreduce": the static step's default; the dynamic default (onepass) sends other bytes
-        options = dict(max_new_tokens=8, decode=decode, method="allreduce", max_context=CAPACITY, block_size=BLOCK, prefill="split")
+        options = dict(max_new_tokens=8, decode=decode, method="allreduce", max_context=CAPACITY, block_size=BLOCK,
+                       prefill="split")
         dynamic = generate(model, PROMPTS, **options)
         static = generate(model, PROMPTS, decode_step="static", **options)
         out[f"generate-{decode}"] = (dynamic.generated_ids, static.generated_ids, dynamic.token_logprobs,
@@ -85,7 +86,8 @@ def _parallel_cases(rank: int) -> dict:
     with comm_stats() as checked:
         compared, _ = ring_decode(q, k, v, q_pos=q_pos, kv_pos=kv_pos, shard_lengths=lengths)
     with no_host_sync():
-        graph_safe, _ = ring_decode(q, k, v, q_pos=q_pos, kv_pos=kv_pos, check_inputs=False, shard_lengths=lengths, graph_safe=True)
+        graph_safe, _ = ring_decode(q, k, v, q_pos=q_pos, kv_pos=kv_pos, check_inputs=False, shard_lengths=lengths,
+                                    graph_safe=True)
     out["ring-shard-lengths"] = (torch.equal(default, given), torch.equal(default, compared),
                                  unchecked.by_op["allgather"].calls, checked.by_op["allgather"].calls,
                                  float((graph_safe - default).abs().max()))
@@ -260,7 +262,8 @@ def test_graph_safe_kernel_branch_through_the_triton_interpreter(with_len):
 def test_graph_safe_kernel_branch_refuses_what_the_kernel_does_not_take():
     td = interpreted_triton_decode()
     q, k = torch.randn(1, 1, 4, 24), torch.randn(1, 5, 2, 24)  # head dim 24: not a power of two
-    with pytest.raises(ValueError, match="graph-safe attention needs the Triton decode kernel, which does not take head dims D=24"):
+    with pytest.raises(ValueError,
+                       match="graph-safe attention needs the Triton decode kernel, which does not take head dims D=24"):
         kernel_attention(td, q, k, k, scale=1.0, q_pos=None, kv_pos=None, kv_len=None)
 
 

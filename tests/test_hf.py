@@ -10,7 +10,8 @@ with a different RoPE base per kind, q/k norms.
 Oracle: the model's UNCACHED greedy recomputation (a full forward over the whole sequence per new
 token, with its own attention), never transformers' cached generate(). On p = 1 (one process,
 no torch.distributed), p = 2 and p = 3 (real gloo groups: one spawn of 3 ranks runs every
-architecture on all 3, then on the sub-group of the first 2): greedy tokens equal, the logits of every generated step and of the sharded
+architecture on all 3, then on the sub-group of the first 2): greedy tokens equal, the logits of every generated step and of the
+sharded
 prefill within 1e-4. At p = 3 the contiguous placement of 16 slots leaves the last rank no
 prompt token in generate's prefill (it runs the placeholder token of ShardedCache.prefill).
 """

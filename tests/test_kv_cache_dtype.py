@@ -5,7 +5,8 @@ kernel, the gathered fallback, run-by-run views, shared prefixes, a prefill chun
 float16 or fp8_e4m3 cache with float32 queries equals float64 attention over the values the cache
 holds (the dequantized cache: fp8 codes times their scales), up to float32 accumulation; on one
 rank and on two (real gloo, each rank its blocks, the states combined). fp8's quantization itself:
-power-of-two scales per token and KV head, e4m3's rounding bound, non-finite values kept non-finite. The engine: bfloat16 KV against float32 KV on a tiny model (the
+power-of-two scales per token and KV head, e4m3's rounding bound, non-finite values kept non-finite. The engine: bfloat16 KV
+against float32 KV on a tiny model (the
 agreement is printed, not asserted: rounding the keys may legitimately flip a near-tie), and the
 bfloat16 cache read by every path (kernel or not, static steps, two ranks, ring prefill) giving one
 set of greedy tokens; a 16-bit cache takes half the bytes per token; a hybrid model's window layers

@@ -139,7 +139,9 @@ def test_disk_bytes_per_token_equal_arena_bytes_per_token(tmp_path, dtype):
     cache.write(1, torch.arange(2 * BLOCK), torch.randn(2 * BLOCK, 1, 16), torch.randn(2 * BLOCK, 1, 16))
     rank = RankKVStore(cache, m, str(tmp_path), None)
     arena_per_token = cache.nbytes() / ((cache.num_blocks + 1) * BLOCK)
-    assert rank.bytes_per_block / BLOCK == arena_per_token == 2 * 2 * 16 * dtype.itemsize + (2 * 2 * 4 if dtype.itemsize == 1 else 0)
+    assert (
+        rank.bytes_per_block / BLOCK == arena_per_token == 2 * 2 * 16 * dtype.itemsize + (2 * 2 * 4 if dtype.itemsize == 1 else 0)
+    )
     key = chain_digests(PROMPT, BLOCK, 1)[0]
     written = rank.store.put(key, rank.block_bytes(1))
     assert written - HEADER.size == rank.bytes_per_block == os.path.getsize(rank.store.path(key)) - HEADER.size
@@ -245,7 +247,8 @@ def test_a_hybrid_models_window_checkpoints_are_stored(tmp_path, nproc, kv):
 def test_metrics_show_hits_and_misses_per_tier():
     from treeattn.serve.metrics import _store_metrics
 
-    stats = {"arena_hit_blocks": 1, "arena_miss_blocks": 6, "store_hit_blocks": 5, "store_miss_blocks": 1, "store_failed_blocks": 0,
+    stats = {"arena_hit_blocks": 1, "arena_miss_blocks": 6, "store_hit_blocks": 5, "store_miss_blocks": 1,
+             "store_failed_blocks": 0,
              "store_saved_bytes": 10, "store_loaded_bytes": 20, "store_load_s": 0.5, "store_save_s": 0.25}
     samples = {(s.name, tuple(sorted(s.labels.items()))): s.value for f in _store_metrics(stats) for s in f.samples}
     assert samples[("treeattn_kv_tier_blocks_total", (("result", "hit"), ("tier", "disk")))] == 5

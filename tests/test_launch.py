@@ -58,7 +58,8 @@ def _free_port() -> int:
 def _two_nodes(*command: str, per_node: int = 1) -> list[subprocess.Popen]:
     """Two torchrun launches of `per_node` ranks each, meeting at a c10d rendezvous on 127.0.0.1."""
     port = _free_port()
-    launch = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", str(per_node), "--rdzv-backend", "c10d",
+    launch = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", str(per_node), "--rdzv-backend",
+              "c10d",
               "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"test-{port}", "-m", "treeattn", *command]
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
     return [subprocess.Popen(launch, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)

@@ -111,7 +111,8 @@ def test_the_engine_serves_a_hybrid_linear_model():
 
 
 @pytest.mark.parametrize("option, message", [(dict(speculate="ngram"), "speculate='ngram' does not run a hybrid linear model"),
-                                             (dict(decode_step="static"), "decode_step='static' does not run a hybrid linear model")])
+                                             (dict(decode_step="static"),
+                                              "decode_step='static' does not run a hybrid linear model")])
 def test_what_the_engine_cannot_run_with_linear_layers_is_refused_before_any_rank(option, message, tmp_path):
     """The same refusal, from one check (engine.checks.check_linear), for a loaded hybrid model and
     for a plain one whose --linear-maps directory names the layers to linearize."""

@@ -46,12 +46,15 @@ def _edit_config(directory, **changes):
 @pytest.mark.parametrize(
     "changes, match",
     [
-        (dict(rope_parameters={"rope_type": "default", "rope_theta": float("nan")}), "rope_theta must be a finite positive number, got nan"),
+        (dict(rope_parameters={"rope_type": "default", "rope_theta": float("nan")}),
+         "rope_theta must be a finite positive number, got nan"),
         (dict(rope_parameters=None, rope_theta=float("nan")), "rope_theta must be a finite positive number, got nan"),
-        (dict(rope_parameters={"rope_type": "default", "rope_theta": -5.0}), "rope_theta must be a finite positive number, got -5.0"),
+        (dict(rope_parameters={"rope_type": "default", "rope_theta": -5.0}),
+         "rope_theta must be a finite positive number, got -5.0"),
         (dict(rms_norm_eps=-1e-6), "rms_norm_eps must be a finite positive number, got -1e-06"),
         (dict(rms_norm_eps=float("inf")), "rms_norm_eps must be a finite positive number, got inf"),
-        (dict(rope_parameters={"rope_type": "linear", "rope_theta": 1e4, "factor": float("nan")}), "rope_scaling.factor must be a finite positive number"),
+        (dict(rope_parameters={"rope_type": "linear", "rope_theta": 1e4, "factor": float("nan")}),
+         "rope_scaling.factor must be a finite positive number"),
         (dict(max_position_embeddings=0), "max_position_embeddings must be a positive int, got 0"),
         (dict(hidden_size=66, head_dim=None), "hidden_size 66 is not a multiple of num_attention_heads 4, and no 'head_dim' key"),
     ],

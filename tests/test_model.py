@@ -136,7 +136,8 @@ def test_malformed_config(broken):
         (dict(num_attention_heads="four"), r"config.json: key 'num_attention_heads' must be int, got 'four'"),
         (dict(hidden_act="gelu"), r"unsupported hidden_act 'gelu'"),
         (dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}), r"unsupported rope type 'yarn'"),
-        (dict(rope_parameters={"rope_type": "llama3", "rope_theta": 1e4, "factor": 2.0}), r"needs a number rope_parameters.low_freq_factor"),
+        (dict(rope_parameters={"rope_type": "llama3", "rope_theta": 1e4, "factor": 2.0}),
+         r"needs a number rope_parameters.low_freq_factor"),
         (dict(num_key_value_heads=3), r"num_heads \(4\) must be a multiple of num_kv_heads \(3\)"),
     ],
 )
@@ -148,7 +149,9 @@ def test_bad_config_values_are_named(broken, changes, match):
 
 def test_shape_disagreeing_with_config_names_the_tensor(broken):
     _edit_config(broken, intermediate_size=80)
-    with pytest.raises(ValueError, match=r"model.safetensors: tensor 'model.layers.0.mlp.\w+_proj.weight' has shape \((96, 64|64, 96)\), but config.json implies \((80, 64|64, 80)\)"):
+    with pytest.raises(ValueError,
+                       match=r"model.safetensors: tensor 'model.layers.0.mlp.\w+_proj.weight' has shape \((96, 64|64, 96)\), "
+                             r"but config.json implies \((80, 64|64, 80)\)"):
         load_model(broken)
 
 

@@ -251,11 +251,16 @@ def test_energy_fp32_matches():
     "make, exc, pattern",
     [
         (lambda: (torch.zeros(1, 8, 16), torch.zeros(1, 4, 2, 16), torch.zeros(1, 4, 2, 16)), ValueError, r"q must have 4 dims"),
-        (lambda: (torch.zeros(2, 1, 8, 16), torch.zeros(1, 4, 2, 16), torch.zeros(1, 4, 2, 16)), ValueError, r"batch size mismatch"),
-        (lambda: (torch.zeros(1, 1, 8, 16), torch.zeros(1, 4, 2, 8), torch.zeros(1, 4, 2, 16)), ValueError, r"head dim mismatch.*D=16.*D=8"),
-        (lambda: (torch.zeros(1, 1, 8, 16), torch.zeros(1, 4, 3, 16), torch.zeros(1, 4, 3, 16)), ValueError, r"multiple of Hkv.*Hq=8.*Hkv=3"),
-        (lambda: (torch.zeros(1, 1, 8, 16), torch.zeros(1, 4, 2, 16), torch.zeros(1, 5, 2, 16)), ValueError, r"sequence length mismatch"),
-        (lambda: (torch.zeros(1, 1, 8, 16), torch.zeros(1, 4, 2, 16), torch.zeros(1, 4, 4, 16)), ValueError, r"kv head count mismatch"),
+        (lambda: (torch.zeros(2, 1, 8, 16), torch.zeros(1, 4, 2, 16), torch.zeros(1, 4, 2, 16)), ValueError,
+         r"batch size mismatch"),
+        (lambda: (torch.zeros(1, 1, 8, 16), torch.zeros(1, 4, 2, 8), torch.zeros(1, 4, 2, 16)), ValueError,
+         r"head dim mismatch.*D=16.*D=8"),
+        (lambda: (torch.zeros(1, 1, 8, 16), torch.zeros(1, 4, 3, 16), torch.zeros(1, 4, 3, 16)), ValueError,
+         r"multiple of Hkv.*Hq=8.*Hkv=3"),
+        (lambda: (torch.zeros(1, 1, 8, 16), torch.zeros(1, 4, 2, 16), torch.zeros(1, 5, 2, 16)), ValueError,
+         r"sequence length mismatch"),
+        (lambda: (torch.zeros(1, 1, 8, 16), torch.zeros(1, 4, 2, 16), torch.zeros(1, 4, 4, 16)), ValueError,
+         r"kv head count mismatch"),
         (lambda: (torch.zeros(1, 1, 8, 16), torch.zeros(1, 4, 2, 16).half(), torch.zeros(1, 4, 2, 16)), TypeError, r"one dtype"),
         (lambda: (torch.zeros(1, 1, 8, 16, dtype=torch.int32),) * 3, TypeError, r"q must be float"),
     ],
@@ -406,7 +411,8 @@ def test_decode_sized_cpu_calls_run_the_compiled_kernel_and_match_float64(dtype,
     k = torch.randn(2, 2, 300, 16, generator=g).to(dtype).transpose(1, 2)  # (B, Sk, Hkv, D), not contiguous
     v = torch.randn(2, 300, 2, 8, generator=g).to(dtype)
     kv_pos = torch.randperm(300, generator=g)
-    cases = [dict(), dict(causal=True), dict(causal=True, q_pos=torch.tensor([[299, 10, 150, 0], [3, 4, 5, 6]]), kv_pos=kv_pos, window=40)]
+    cases = [dict(), dict(causal=True), dict(causal=True, q_pos=torch.tensor([[299, 10, 150, 0], [3, 4, 5, 6]]), kv_pos=kv_pos,
+                                             window=40)]
     for kw in cases:
         out, lse = ta.attention(q, k, v, **kw)
         out64, lse64 = ta.attention(q.double(), k.double(), v.double(), **kw)

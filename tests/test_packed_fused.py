@@ -49,7 +49,8 @@ def test_a_fused_call_equals_the_parts_calls_bit_for_bit(fmt, qtype):
                 xs = x.to(dtype)
                 got = fused(xs)
                 for y, part, ref in zip(got, parts, alone):
-                    assert y.dtype == dtype and torch.equal(y, ref(xs)) and torch.equal(part(xs), ref(xs)), (fmt, rows, dtype, bias)
+                    assert y.dtype == dtype and torch.equal(y, ref(xs)) and torch.equal(part(xs),
+                                                                                        ref(xs)), (fmt, rows, dtype, bias)
 
 
 def test_what_cannot_be_fused_bit_for_bit_is_left_alone():

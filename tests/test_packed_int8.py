@@ -1,4 +1,5 @@
-"""The 8-bit activation path of packed weights (activation_format="int8": treeattn.ops.packed_int8_kernel) does llama.cpp's arithmetic.
+"""The 8-bit activation path of packed weights (activation_format="int8": treeattn.ops.packed_int8_kernel) does llama.cpp's
+arithmetic.
 
 x is quantized per block of 32 exactly as ggml's quantize_row_q8_0_ref (gguf.quants.Q8_0) does; every weight
 block times every x block is an exact integer dot product, scaled once per block. Checked against a float64
@@ -26,11 +27,13 @@ from treeattn.ops.packed_linear import int8_module, packed_matmul, resolve_activ
 
 Q = gguf.GGMLQuantizationType
 FORMATS = [("q4_0", Q.Q4_0), ("q4_1", Q.Q4_1), ("q8_0", Q.Q8_0)]
-needs_int8 = pytest.mark.skipif(int8_module() is None, reason="the int8 kernel needs numba and AVX-512 VNNI/BW/VL; this CPU has not")
+needs_int8 = pytest.mark.skipif(int8_module() is None,
+                                reason="the int8 kernel needs numba and AVX-512 VNNI/BW/VL; this CPU has not")
 
 
 def ggml_q8_0(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """gguf.quants.Q8_0 of the rows of x: the values (M, K // 32, 32) int8 and the float32 scales before ggml's float16 rounding."""
+    """gguf.quants.Q8_0 of the rows of x: the values (M, K // 32, 32) int8 and the float32 scales before ggml's float16
+    rounding."""
     raw = gguf.quants.quantize(x, Q.Q8_0).reshape(x.shape[0], -1, 34)
     qs = raw[..., 2:].copy().view(np.int8)
     d = np.abs(x.reshape(x.shape[0], -1, 32)).max(axis=-1) / np.float32(127)
@@ -76,7 +79,8 @@ def power_of_two_blocks(fmt: str, N: int, K: int, seed: int):
     """A packed weight whose scales (and offsets) are powers of two: every block's term is then exact in float32."""
     g = np.random.default_rng(seed)
     nb = K // 32
-    values = g.integers(0, 256, (N, nb, 16), dtype=np.uint8) if fmt != "q8_0" else g.integers(-128, 128, (N, nb, 32)).astype(np.int8)
+    values = g.integers(0, 256, (N, nb, 16), dtype=np.uint8) if fmt != "q8_0" else g.integers(-128, 128,
+                                                                                              (N, nb, 32)).astype(np.int8)
     d = torch.from_numpy(np.float32(2.0) ** g.integers(-6, -3, (N, 1)).astype(np.float32) * np.ones((1, nb), np.float32))
     m = torch.from_numpy(-(np.float32(2.0) ** np.float32(-2)) * np.ones((N, nb), np.float32)) if fmt == "q4_1" else None
     return torch.from_numpy(values), d, m
@@ -156,7 +160,8 @@ def test_the_activation_format_is_chosen_per_host_and_checked():
         assert resolve_activation_format("int8") == "int8"
         import numba
 
-        kernel = optional_kernel("packed_int8_kernel")  # a fresh compilation: a kernel loaded from numba's cache shows no assembly
+        # a fresh compilation: a kernel loaded from numba's cache shows no assembly
+        kernel = optional_kernel("packed_int8_kernel")
         fresh = numba.njit(kernel._q4_1_serial.py_func, fastmath=kernel._FASTMATH)
         qs, d, m = power_of_two_blocks("q4_1", 2, 160, 0)
         fresh(np.zeros((1, 160), np.float32), qs.numpy(), d.numpy(), m.numpy(), np.empty((1, 2), np.float32), 1)

@@ -78,7 +78,8 @@ def test_packed_matmul_sends_decode_sized_cuda_calls_to_the_kernel(monkeypatch):
     """packed_linear.packed_matmul on a CUDA tensor: up to MAX_KERNEL_ROWS rows go to this kernel, longer
     ones dequantize (stand-in device check on the CPU: the call is recorded, not run on a GPU)."""
     calls = []
-    monkeypatch.setattr(pt, "packed_matmul", lambda x, fmt, qs, d, m: calls.append(x.shape) or torch.zeros(x.shape[0], qs.shape[0]))
+    monkeypatch.setattr(pt, "packed_matmul", lambda x, fmt, qs, d,
+                        m: calls.append(x.shape) or torch.zeros(x.shape[0], qs.shape[0]))
 
     class FakeCuda(torch.Tensor):
         @property

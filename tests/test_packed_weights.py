@@ -240,14 +240,17 @@ def test_greedy_tokens_equal_the_dequantized_models_on_one_and_two_ranks(files):
         packed = ta.generate(files[name], prompt, **chosen, **options)
         assert packed.generated_ids == dense[name].generated_ids, name
         assert packed.weight_format == "packed" and dense[name].weight_format == "dequantize"
-        assert 0 < packed.weight_bytes_per_rank[0] < dense[name].weight_bytes_per_rank[0] and len(packed.weight_bytes_per_rank) == 1
+        assert (
+            0 < packed.weight_bytes_per_rank[0] < dense[name].weight_bytes_per_rank[0] and len(packed.weight_bytes_per_rank) == 1
+        )
     with ta.Engine(files["q4_1"], nproc=2, weight_format="packed", block_size=16, max_batch_size=2) as engine:
         two = engine.generate(prompt, max_new_tokens=8, ignore_eos=True)[0].token_ids  # every rank holds the packed weights
     assert two == dense["q4_1"].generated_ids[0]
 
 
 def test_what_cannot_be_kept_packed_is_refused_in_one_line(files, tmp_path):
-    with pytest.raises(ValueError, match=r"weight_format='packed' keeps Q4_0, Q4_1, Q8_0, Q4_K, Q5_0 and Q6_K matrices; .* in Q5_1"):
+    with pytest.raises(ValueError,
+                       match=r"weight_format='packed' keeps Q4_0, Q4_1, Q8_0, Q4_K, Q5_0 and Q6_K matrices; .* in Q5_1"):
         load_model(files["q5_1"], weight_format="packed")
     mixed = load_model(files["q5_1"], weight_format="auto")  # auto: what a kernel reads packed, the rest dequantized
     assert isinstance(mixed.layers[0].mlp.down_proj, PackedLinear) and isinstance(mixed.layers[1].mlp.down_proj, torch.nn.Linear)
@@ -255,7 +258,8 @@ def test_what_cannot_be_kept_packed_is_refused_in_one_line(files, tmp_path):
         check_weight_format(str(files["q5_1"]), EngineConfig(weight_format="packed", device="cpu"))
     assert info.value.option == "weight_format" and "\n" not in str(info.value)
     tensors = {t.name: t for t in open_gguf(files["q4_1"]).tensors}
-    with pytest.raises(ValueError, match="weight_format='packed' runs on the CPU .* and on CUDA with triton installed .*, got device 'mps'"):
+    with pytest.raises(ValueError,
+                       match="weight_format='packed' runs on the CPU .* and on CUDA with triton installed .*, got device 'mps'"):
         packed_tensors(tensors, "packed", "mps", files["q4_1"])
     assert packed_tensors(tensors, "packed", "cuda", files["q4_1"])  # CUDA: the Triton kernel (tests/test_packed_triton.py)
     assert packed_tensors(tensors, "auto", "cuda", files["q4_1"]) == set()  # auto on a GPU: dequantized
@@ -287,8 +291,10 @@ def test_bench_profile_takes_the_weight_format_and_kv_cache_dtype(files, tmp_pat
     out = {}
     for fmt in ("packed", "dequantize"):
         path = tmp_path / f"{fmt}.json"
-        result = CliRunner().invoke(app, ["bench", "profile", str(files["q8_0"]), "-p", "1", "--context", "24", "--max-new-tokens", "4",
-                                          "--warmup", "1", "--weight-format", fmt, "--kv-cache-dtype", "bfloat16", "-o", str(path)])
+        result = CliRunner().invoke(app, ["bench", "profile", str(files["q8_0"]), "-p", "1", "--context", "24",
+                                          "--max-new-tokens", "4",
+                                          "--warmup", "1", "--weight-format", fmt, "--kv-cache-dtype", "bfloat16", "-o",
+                                          str(path)])
         assert result.exit_code == 0, result.output
         out[fmt] = json.loads(path.read_text())[0]
     assert out["packed"]["generated_ids"] == out["dequantize"]["generated_ids"] and len(out["packed"]["generated_ids"]) == 4

@@ -51,7 +51,8 @@ def reference(q, k_blocks, v_blocks, layout, window=None):
     B, nb = layout.block_table.shape
     if nb == 0:  # no key: the merge's identity
         Sq, Hq = q.shape[1], q.shape[2]
-        return torch.zeros(B, Sq, Hq, v_blocks.shape[-1], dtype=torch.float64), torch.full((B, Hq, Sq), float("-inf"), dtype=torch.float64)
+        return torch.zeros(B, Sq, Hq, v_blocks.shape[-1], dtype=torch.float64), torch.full((B, Hq, Sq), float("-inf"),
+                                                                                           dtype=torch.float64)
     k = k_blocks[layout.block_table].reshape(B, nb * layout.block_size, *k_blocks.shape[2:])
     v = v_blocks[layout.block_table].reshape(B, nb * layout.block_size, *v_blocks.shape[2:])
     return ta.reference_attention(q, k, v, causal=True, q_pos=layout.q_pos, kv_pos=layout.kv_pos, window=window)
@@ -216,7 +217,8 @@ def test_kernels_read_every_fp8_code_exactly(monkeypatch):
     vc[1, 0, 0] = codes
     kc = torch.zeros_like(vc)
     scales = torch.full((2, 4, 1), 2.0**-5)
-    layout = pd.PagedDecodeLayout(torch.tensor([[1]]), torch.tensor([[0, INVISIBLE_POSITION, INVISIBLE_POSITION, INVISIBLE_POSITION]]),
+    layout = pd.PagedDecodeLayout(torch.tensor([[1]]), torch.tensor([[0, INVISIBLE_POSITION, INVISIBLE_POSITION,
+                                                                      INVISIBLE_POSITION]]),
                                   torch.tensor([[3]]), block_size=4)
     expected = codes.float() * 2.0**-5
     q = torch.randn(1, 1, 2, 256)

@@ -3,7 +3,8 @@
 Every method of tree_decode, both rings of ring_decode and ring_attention are compared with the
 float64 oracle and with single-device ta.attention over the concatenated KV, for p in
 {1, 2, 3, 8}, shard lengths 0, 1, uneven (one rank holding 90%) and all-empty, B in {1, 3},
-GQA and MQA, float32, bfloat16 and float16, huge logits (past onepass's window too), Sq = 1, and Sq = 4 with q_pos/kv_pos and keys sharded
+GQA and MQA, float32, bfloat16 and float16, huge logits (past onepass's window too), Sq = 1, and Sq = 4 with q_pos/kv_pos and
+keys sharded
 round-robin. comm_stats is checked against the paper's volumes (eq. 10 and 14) and round counts.
 The p = 2 ranks also run the collectives' docstring examples (tests/helpers/doc_examples.py).
 
@@ -210,7 +211,8 @@ def comm_cases(rank: int, p: int) -> dict:
         "allreduce": lambda: ta.tree_decode(q, k, v, method="allreduce", check_inputs=False),
         "onepass": lambda: ta.tree_decode(q, k, v, method="onepass", check_inputs=False),
         "tree": lambda: ta.tree_decode(q, k, v, method="tree", check_inputs=False),
-        "twolevel": lambda: ta.tree_decode(q, k, v, method="twolevel", topology=ta.Topology(2 if p % 2 == 0 else 1), check_inputs=False),
+        "twolevel": lambda: ta.tree_decode(q, k, v, method="twolevel", topology=ta.Topology(2 if p % 2 == 0 else 1),
+                                           check_inputs=False),
         "ring_kv": lambda: ta.ring_decode(q, k, v, pass_kv=True, check_inputs=False),
         "ring_q": lambda: ta.ring_decode(q, k, v, pass_kv=False, check_inputs=False),
         "checked": lambda: ta.tree_decode(q, k, v, method="allreduce"),

@@ -50,7 +50,8 @@ def mismatch_cases(rank: int):
             "ranks_per_node",
         ),
         "positions": (
-            lambda: ta.tree_decode(q, k, v, q_pos=torch.tensor([9]), kv_pos=torch.arange(5)) if rank == 2 else ta.tree_decode(q, k, v),
+            lambda: ta.tree_decode(q, k, v, q_pos=torch.tensor([9]),
+                                   kv_pos=torch.arange(5)) if rank == 2 else ta.tree_decode(q, k, v),
             "positions given",
         ),
         "ring_decode Sq": (lambda: ta.ring_decode(*make_inputs(rank, Sq=2 if rank == 0 else 1)), "Sq (q.shape[1])"),
@@ -160,7 +161,8 @@ def test_a_rank_with_bad_local_input_is_named_by_the_others(error_reports, name)
 
 @pytest.mark.parametrize(
     "name, expected",
-    [("unknown method", "method must be one of"), ("indivisible topology", "multiple of"), ("q_pos without kv_pos", "given together")],
+    [("unknown method", "method must be one of"), ("indivisible topology", "multiple of"), ("q_pos without kv_pos",
+                                                                                            "given together")],
 )
 def test_the_same_bad_argument_raises_everywhere(error_reports, name, expected):
     for kind, message in (r[name] for r in error_reports):
@@ -288,7 +290,8 @@ def test_one_thread_cpu_ranks_are_forked_and_the_others_spawned(monkeypatch):
     and the rule itself in test_started_ranks.)"""
     monkeypatch.setattr(sys.modules[__name__], "START_MARK", "the parent's state")
     forked = "the parent's state" if sys.platform.startswith("linux") else "a fresh interpreter"
-    assert ta.spawn(start_worker, 2, threads=1, method="fork" if forked != "a fresh interpreter" else None) == [(forked, 1, True)] * 2
+    assert ta.spawn(start_worker, 2, threads=1,
+                    method="fork" if forked != "a fresh interpreter" else None) == [(forked, 1, True)] * 2
     assert ta.spawn(start_worker, 2, threads=1) == [("a fresh interpreter", 1, True)] * 2
 
 

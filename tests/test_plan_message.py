@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 
 import treeattn as ta
 from treeattn.cache.blocks import BlockRef
-from treeattn.engine.plan_message import CAPACITY, KEEPALIVE, Measure, PlanWire, SetDecode, StoreOps, decode, encode, pack, plan_device
+from treeattn.engine.plan_message import (CAPACITY, KEEPALIVE, Measure, PlanWire, SetDecode, StoreOps, decode, encode, pack,
+                                          plan_device)
 from treeattn.engine.scheduler import Chunk, SampleSpec, StepPlan
 
 

@@ -53,7 +53,8 @@ def test_samples_fit_their_context_and_hold_their_answers(smollm2_files, task):
         assert max(words.count(w) for w in set(words) - set(sample.answers)) == 3
     else:
         assert all(a in text for a in sample.answers)
-        assert {"niah_single": 1, "niah_multikey": 1, "niah_multivalue": 4, "niah_multiquery": 4, "vt": 5}[task] == len(sample.answers)
+        assert {"niah_single": 1, "niah_multikey": 1, "niah_multivalue": 4, "niah_multiquery": 4,
+                "vt": 5}[task] == len(sample.answers)
     assert sample == ruler_sample(task, tokenizer, template, context_tokens=context, index=1, seed=3)
     assert sample.prompt_ids != ruler_sample(task, tokenizer, template, context_tokens=context, index=2, seed=3).prompt_ids
     assert score(" ".join(sample.answers), sample.answers) == 1.0 and score("", sample.answers) == 0.0
@@ -91,7 +92,8 @@ def test_several_values_after_one_flag_comma_lists_and_repeats_read_the_same():
     from treeattn.eval import ruler_cli
 
     assert doctest.testmod(ruler_cli).failed == 0
-    assert join_values(["m", "--nproc", "1", "2", "4", "--context", "4096", "8192"]) == ["m", "--nproc", "1,2,4", "--context", "4096,8192"]
+    assert join_values(["m", "--nproc", "1", "2", "4", "--context", "4096", "8192"]) == ["m", "--nproc", "1,2,4", "--context",
+                                                                                         "4096,8192"]
     assert join_values(["--nproc", "1,2", "4", "m", "--nproc", "8"]) == ["--nproc", "1,2,4", "m", "--nproc", "8"]
     assert join_values(["--context", "4k", "2"]) == ["--context", "4k", "2"]  # not integers: left to the option's check
     assert join_values(["--threads", "1", "2", "--", "--nproc", "3", "4"]) == ["--threads", "1", "2", "--", "--nproc", "3", "4"]

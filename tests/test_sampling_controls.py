@@ -185,7 +185,8 @@ def test_speculation_gives_the_tokens_decoding_gives(checkpoint, nproc):
     prompt = phrase * 4
     requests = [ta.SamplingParams(max_new_tokens=10, ignore_eos=True, **PENALIZED),
                 ta.SamplingParams(max_new_tokens=10, ignore_eos=True, temperature=0.8, seed=5, min_p=0.05, **PENALIZED),
-                ta.SamplingParams(max_new_tokens=10, ignore_eos=True, repetition_penalty=0.7)]  # < 1 favours repeats: drafts accepted
+                # < 1 favours repeats: drafts accepted
+                ta.SamplingParams(max_new_tokens=10, ignore_eos=True, repetition_penalty=0.7)]
     outcomes = {}
     for speculate in (None, "ngram"):
         with ta.Engine(str(directory), nproc=nproc, block_size=4, cache_tokens=256, speculate=speculate, threads_per_rank=1,

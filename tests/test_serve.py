@@ -352,8 +352,10 @@ def test_decode_step_graph_is_refused_on_cpu_in_one_line(model_file):
     refused = subprocess.run([sys.executable, "-m", "treeattn", "serve", str(model_file), "--decode-step", "graph",
                               "--log-level", "warning"], capture_output=True, text=True, timeout=120)  # no start-up INFO lines
     assert refused.returncode == 2
-    assert refused.stderr.strip().splitlines() == ["treeattn serve: error: --decode-step graph records CUDA graphs: the model must be "
-                                                   "on a CUDA device, got cpu (--decode-step static runs the same steps without graphs)"]
+    assert refused.stderr.strip().splitlines() == ["treeattn serve: error: --decode-step graph records CUDA graphs: the model "
+                                                   "must be "
+                                                   "on a CUDA device, got cpu (--decode-step static runs the same steps without "
+                                                   "graphs)"]
 
 
 def test_the_engine_starts_while_the_web_stack_is_imported_and_its_failures_come_back():
@@ -366,7 +368,8 @@ def test_the_engine_starts_while_the_web_stack_is_imported_and_its_failures_come
     from treeattn.engine.config import ConfigError
     from treeattn.models.llama import LlamaConfig, random_model
 
-    model = random_model(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2, num_kv_heads=1,
+    model = random_model(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2,
+                                     num_kv_heads=1,
                                      head_dim=16, max_position_embeddings=128))
     options = dict(nproc=1, block_size=16, cache_tokens=128)
     engine = server_module._started_engine(model, options)

@@ -132,7 +132,8 @@ def test_chat_template_options_render_as_asked(server, engine, model_file):
     continued = without[: without.rfind("the c") + len("the c")]
     for extra, text in (({"add_generation_prompt": False}, without),
                         ({"add_generation_prompt": False, "continue_final_message": True}, continued),
-                        ({}, template.render(messages)), ({"chat_template_kwargs": {"enable_thinking": False}}, template.render(messages))):
+                        ({}, template.render(messages)), ({"chat_template_kwargs": {"enable_thinking": False}},
+                                                          template.render(messages))):
         response = _chat(server, **extra)
         assert response.status_code == 200, response.text
         ids = tokenizer.encode(text, add_special_tokens=False).ids
@@ -280,7 +281,8 @@ def test_a_rank_killed_under_a_step_is_a_503_and_the_ranks_restart(model_file):
             os.kill(victim, signal.SIGKILL)
             rest = [line for line in lines if line.startswith("data:")]
         errors = [json.loads(line[5:])["error"] for line in rest if '"error"' in line]
-        assert errors and re.search(rf"rank 1 \(pid {victim}\) failed: the process exited with signal SIGKILL", errors[0]["message"])
+        assert errors and re.search(rf"rank 1 \(pid {victim}\) failed: the process exited with signal SIGKILL",
+                                    errors[0]["message"])
         after = srv.http().post("/v1/completions", json={"model": NAME, "prompt": "hi", "max_tokens": 2})
         assert after.status_code == 200, after.text  # new ranks serve
         assert srv.http(key=None).get("/health").status_code == 200

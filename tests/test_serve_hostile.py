@@ -101,7 +101,8 @@ def _server_running_nothing(server: Server) -> dict[str, float]:
 
 def test_a_seed_beyond_2_64_is_400_naming_seed_and_the_engine_lives(server):
     for body in ({"seed": 2**64}, {"seed": 2**64 - 1, "n": 2}):  # choice i uses seed + i
-        _assert_openai_error(_post(server, "/v1/completions", {"model": NAME, "prompt": "hi", "max_tokens": 2, **body}), 400, "seed")
+        _assert_openai_error(_post(server, "/v1/completions", {"model": NAME, "prompt": "hi", "max_tokens": 2, **body}), 400,
+                             "seed")
     assert server.http(key=None).get("/health").json() == {"status": "ok"}
     last = server.client().completions.create(model=NAME, prompt="hi", max_tokens=2, temperature=0.5, seed=2**64 - 1)
     assert len(last.choices[0].token_ids) == 2
@@ -206,7 +207,8 @@ def test_limits_refuse_before_any_work(server):
                         headers={"Content-Type": "application/json"})  # no Content-Length: counted as it comes
     _assert_openai_error(chunked, 413)
     # n alone, or prompts x n, above --max-pending can never be admitted: 400 (429 is for "retry later")
-    error = _assert_openai_error(http.post("/v1/completions", json={"model": NAME, "prompt": "hi", "n": MAX_PENDING + 1}), 400, "n")
+    error = _assert_openai_error(http.post("/v1/completions", json={"model": NAME, "prompt": "hi", "n": MAX_PENDING + 1}), 400,
+                                 "n")
     assert f"at most {MAX_PENDING}" in error["message"]
     _assert_openai_error(http.post("/v1/completions", json={"model": NAME, "prompt": ["hi"] * (MAX_PENDING + 1)}), 400, "prompt")
     _assert_openai_error(http.post("/v1/completions", json={"model": NAME, "prompt": [[5]] * 3, "n": 3}), 400, "prompt")
@@ -256,13 +258,17 @@ def test_headers_without_body_get_408_and_silent_connections_are_closed(server):
 def test_a_failing_chat_template_is_one_400_naming_it(server, trap, what):
     response = server.http().post("/v1/chat/completions", json={"model": NAME, "messages": [{"role": "user", "content": trap}]})
     error = _assert_openai_error(response, 400, "messages")
-    assert error["message"].startswith(f"the model's chat template ({NAME}.gguf:tokenizer.chat_template): ") and what in error["message"]
+    assert (
+        error["message"].startswith(f"the model's chat template ({NAME}.gguf:tokenizer.chat_template): ")
+        and what in error["message"]
+    )
     answer = server.client().chat.completions.create(model=NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
     assert answer.choices[0].message.role == "assistant"
 
 
 def test_a_template_that_never_ends_fails_the_start_up_in_one_line(tmp_path):
-    model = _write_model(tmp_path / "loops.gguf", "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}")
+    model = _write_model(tmp_path / "loops.gguf",
+                         "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}")
     done = subprocess.run([sys.executable, "-m", "treeattn", "serve", str(model), "--nproc", "2", "--port", "0"],
                           capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert done.returncode == 2
@@ -280,8 +286,10 @@ def test_a_client_that_goes_away_cancels_its_request_streamed_or_not(server):
     body = {"model": NAME, "prompt": "the cat", "max_tokens": 500, "temperature": 0}
     with _connect(server) as sock:  # not streamed: the client closes its socket while the request runs
         raw = json.dumps(body).encode()
-        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                     b"Authorization: Bearer " + KEY.encode() + b"\r\nContent-Length: " + str(len(raw)).encode() + b"\r\n\r\n" + raw)
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Authorization: Bearer " + KEY.encode() + b"\r\nContent-Length: " + str(len(raw)).encode() + b"\r\n\r\n" + raw
+        )
         while _metrics(server)["treeattn_requests_running"] == 0:
             time.sleep(0.05)
     with server.http().stream("POST", "/v1/completions", json={**body, "stream": True}) as response:
@@ -305,9 +313,11 @@ _json = st.recursive(st.none() | st.booleans() | st.integers(-2**70, 2**70) | st
                      max_leaves=12)
 _fields = st.fixed_dictionaries({}, optional={
     "model": st.sampled_from([NAME, "gpt-4", ""]) | st.text(max_size=5),
-    "prompt": st.text(max_size=40) | st.lists(st.integers(-5, VOCAB + 5), max_size=8) | st.lists(st.text(max_size=6), max_size=4) | _json,
+    "prompt": st.text(max_size=40) | st.lists(st.integers(-5, VOCAB + 5), max_size=8) | st.lists(st.text(max_size=6),
+                                                                                                 max_size=4) | _json,
     "messages": st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "wizard"]),
-                                                "content": st.sampled_from(["hi", "loop", "type", "recurse", ""]) | st.text(max_size=10)}),
+                                                "content": st.sampled_from(["hi", "loop", "type", "recurse",
+                                                                            ""]) | st.text(max_size=10)}),
                          max_size=3) | _json,
     "max_tokens": st.integers(-2, 600) | _json, "temperature": st.floats(allow_nan=True) | _json,
     "top_p": st.floats(allow_nan=True) | _json, "top_k": st.integers(-2, 10**6) | _json,

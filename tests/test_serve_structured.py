@@ -59,7 +59,8 @@ def test_chat_json_schema_and_json_object(server):
         assert choice.finish_reason == "stop", choice.message.content
         jsonschema.validate(json.loads(choice.message.content), SCHEMA)
     answer = server.client().completions.create(model=NAME, prompt="a b c", max_tokens=50, temperature=0,
-                                                extra_body={"response_format": {"type": "json_object"}})  # not a keyword of the client's completions
+                                                # not a keyword of the client's completions
+                                                extra_body={"response_format": {"type": "json_object"}})
     assert answer.choices[0].finish_reason == "stop"  # a random model's any-object runs long: this prompt ends it
     assert isinstance(json.loads(answer.choices[0].text), dict)
 
@@ -128,7 +129,8 @@ def test_greedy_equals_the_engine(server, model_file):
 ])
 def test_a_bad_constraint_is_a_400_naming_the_param(server, extra, param):
     http = server.http()
-    for path, body in (("/v1/completions", {"prompt": "x"}), ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]})):
+    for path, body in (("/v1/completions", {"prompt": "x"}), ("/v1/chat/completions",
+                                                              {"messages": [{"role": "user", "content": "x"}]})):
         answer = http.post(path, json={"model": NAME, "max_tokens": 5, **body, **extra})
         assert answer.status_code == 400, answer.text
         error = answer.json()["error"]

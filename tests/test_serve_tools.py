@@ -34,7 +34,8 @@ from treeattn.serve.tools import ToolRequest  # noqa: E402
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "the weather in a city",
     "parameters": {"type": "object", "additionalProperties": False, "required": ["city", "days"],
-                   "properties": {"city": {"type": "string", "maxLength": 8}, "days": {"type": "integer", "minimum": 1, "maximum": 7}}}}}
+                   "properties": {"city": {"type": "string", "maxLength": 8}, "days": {"type": "integer", "minimum": 1,
+                                                                                       "maximum": 7}}}}}
 TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
     "type": "object", "additionalProperties": False, "required": ["zone"], "properties": {"zone": {"enum": ["UTC", "CET"]}}}}}
 TOOLS = [WEATHER, TIME]
@@ -99,7 +100,8 @@ def test_tools_are_rendered_by_the_template(server, model_file):
 def test_required_always_makes_valid_calls(server, seed, temperature):
     """parallel_tool_calls false: the forced array holds one call, so the answer ends; streamed, the same call."""
     client = server.client()
-    kwargs = dict(tools=TOOLS, tool_choice="required", parallel_tool_calls=False, max_tokens=120, temperature=temperature, seed=seed)
+    kwargs = dict(tools=TOOLS, tool_choice="required", parallel_tool_calls=False, max_tokens=120, temperature=temperature,
+                  seed=seed)
     choice = client.chat.completions.create(model=NAME, messages=MESSAGES, **kwargs).choices[0]
     assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 1, choice.message
     _validate(choice.message.tool_calls[0])
@@ -145,7 +147,8 @@ def test_auto_parses_the_hermes_format(server):
                                             extra_body=extra)
     choice = answer.choices[0]
     assert choice.finish_reason == "tool_calls", choice.message
-    assert [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls] == [("get_time", {"zone": "CET"})]
+    assert [(c.function.name,
+             json.loads(c.function.arguments)) for c in choice.message.tool_calls] == [("get_time", {"zone": "CET"})]
     content, calls, reason = _streamed(client, tools=TOOLS, tool_choice="auto", max_tokens=120, temperature=0, extra_body=extra)
     assert (content or None) == choice.message.content and reason == "tool_calls"
     assert [(n, json.loads(a)) for _, n, a in calls] == [("get_time", {"zone": "CET"})]
@@ -163,7 +166,8 @@ def test_auto_without_a_call_is_plain_content(server):
     ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice", "tool_choice must be"),
     ({"tools": [{"type": "function", "function": {}}]}, "tools", "function.name"),
     ({"tools": [WEATHER, WEATHER]}, "tools", "offered twice"),
-    ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice", "cannot be combined"),
+    ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice",
+     "cannot be combined"),
     ({"functions": [WEATHER["function"]]}, "functions", "deprecated"),
     ({"tool_choice": "required"}, "tool_choice", "offers no 'tools'"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "nonsense"}}}], "tool_choice": "required"},

@@ -314,7 +314,8 @@ def test_gpu_presets_have_no_busy_round_term():
 
 def test_simulate_json_prints_one_line_per_method():
     result = CliRunner().invoke(
-        app, ["simulate", "--preset", "dgx-h100", "--gpus", "128", "--seq-len", "5120000", "--heads", "16", "--head-dim", "128", "--json"]
+        app, ["simulate", "--preset", "dgx-h100", "--gpus", "128", "--seq-len", "5120000", "--heads", "16", "--head-dim", "128",
+              "--json"]
     )
     assert result.exit_code == 0, result.output
     rows = [json.loads(line) for line in result.stdout.splitlines()]
@@ -361,7 +362,8 @@ def test_simulate_overrides_and_errors(tmp_path):
     assert bad.exit_code != 0 and "inter_bandwidth" in bad.output
     bad = runner.invoke(app, ["simulate", "-p", "12"])
     assert bad.exit_code != 0 and "multiple of gpus_per_node" in bad.output
-    out = runner.invoke(app, ["simulate", "-p", "8", "-p", "16", "-n", "100000", "-n", "400000", "--plot", str(tmp_path), "--json"])
+    out = runner.invoke(app, ["simulate", "-p", "8", "-p", "16", "-n", "100000", "-n", "400000", "--plot", str(tmp_path),
+                              "--json"])
     assert out.exit_code == 0, out.output
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         "sim_dgx-h100_comm.png", "sim_dgx-h100_latency.png", "sim_dgx-h100_memory.png", "sim_dgx-h100_speedup.png"
@@ -390,7 +392,8 @@ def test_units_read_as_people_write_them():
 
     assert [format_bytes(16_510), format_bytes(512), format_bytes(2.5e9)] == ["16.5 KB", "512 B", "2.5 GB"]
     assert [format_memory(4e4 * 2**20), format_memory(80 * 2**30), format_memory(1536)] == ["39.1 GiB", "80 GiB", "1.5 KiB"]
-    assert [format_seconds(0.0123), format_seconds(5e-6), format_seconds(3.4), format_seconds(0)] == ["12.3 ms", "5 us", "3.4 s", "0 s"]
+    assert [format_seconds(0.0123), format_seconds(5e-6), format_seconds(3.4),
+            format_seconds(0)] == ["12.3 ms", "5 us", "3.4 s", "0 s"]
     assert [format_rate(4.5e11), format_flops(9.89e14)] == ["450 GB/s", "989 TFLOP/s"]
 
 

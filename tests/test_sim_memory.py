@@ -20,7 +20,8 @@ def kv_bytes_per_device(n: int, p: int, heads: int = 16, head_dim: int = 128, el
 @pytest.mark.parametrize("method", ["allreduce", "tree", "ring-kv", "local"])
 def test_a_configuration_fits_when_its_peak_memory_does(method):
     p = 8
-    shard_fits = int(H100.memory_capacity * 0.6) // kv_bytes_per_device(p, p) * p  # K/V shard ~60 % of a device: ring-kv holds two
+    # K/V shard ~60 % of a device: ring-kv holds two
+    shard_fits = int(H100.memory_capacity * 0.6) // kv_bytes_per_device(p, p) * p
     for n in (shard_fits, 4 * shard_fits):
         prediction = predict_decode(H100, DecodeShape(seq_len=n, heads=16, head_dim=128), p, method)
         shortfall = memory_shortfall(H100, prediction)

@@ -75,7 +75,8 @@ def test_huge_scores_are_capped_not_overflowed():
     assert_state(out, lse, *reference_attention(q, k, v, softcap=30.0), torch.float32)
 
 
-@pytest.mark.parametrize("bad,exc", [(0.0, ValueError), (-1.0, ValueError), (float("inf"), ValueError), ("50", TypeError), (True, TypeError)])
+@pytest.mark.parametrize("bad,exc", [(0.0, ValueError), (-1.0, ValueError), (float("inf"), ValueError), ("50", TypeError),
+                                     (True, TypeError)])
 def test_bad_softcap_is_rejected(bad, exc):
     q, k, v = make_qkv(Sq=1, Sk=4)
     with pytest.raises(exc, match="softcap"):

@@ -48,7 +48,8 @@ def generate_process(checkpoint: Path, tmp: Path, *extra: str) -> Iterator[tuple
     tmp.mkdir()
     env = {**os.environ, "PYTHONPATH": SRC, "TMPDIR": str(tmp)}
     command = [sys.executable, "-m", "treeattn", "generate", str(checkpoint), "--prompt-ids", str(checkpoint / "ids.json"),
-               "--nproc", "2", "--threads", "1", "--max-new-tokens", "20000", "--allow-beyond-context", "--no-stop", "--json", *extra]
+               "--nproc", "2", "--threads", "1", "--max-new-tokens", "20000", "--allow-beyond-context", "--no-stop", "--json",
+               *extra]
     parent = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=open(tmp.parent / "stderr.txt", "w"), text=True,
                               preexec_fn=default_signals)
     ranks: list[int] = []

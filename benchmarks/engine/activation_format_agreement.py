@@ -1,4 +1,5 @@
-"""python benchmarks/engine/activation_format_agreement.py MODEL.gguf 64  (issue 50) -- Token agreement of activation_format int8 vs float32: greedy tokens from a few prompts, one engine per setting."""
+"""python benchmarks/engine/activation_format_agreement.py MODEL.gguf 64  (issue 50) -- Token agreement of activation_format int8
+vs float32: greedy tokens from a few prompts, one engine per setting."""
 import sys
 import json
 import treeattn as ta

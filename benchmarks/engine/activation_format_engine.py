@@ -1,11 +1,13 @@
-"""python benchmarks/engine/activation_format_engine.py MODEL.gguf 48 5  (issue 50) -- Engine A/B, alternated in one process: decode ms/token, packed weights, activation_format float32 vs int8 (64-token prompt)."""
+"""python benchmarks/engine/activation_format_engine.py MODEL.gguf 48 5  (issue 50) -- Engine A/B, alternated in one process:
+decode ms/token, packed weights, activation_format float32 vs int8 (64-token prompt)."""
 import sys
 import os
 import json
 import numpy as np
 import treeattn as ta
 path, n, rounds = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-engines = {a: ta.Engine(path, nproc=1, weight_format="packed", activation_format=a, max_batch_size=1) for a in ("float32", "int8")}
+engines = {a: ta.Engine(path, nproc=1, weight_format="packed", activation_format=a,
+                        max_batch_size=1) for a in ("float32", "int8")}
 t = {a: [] for a in engines}
 print("# load before", os.getloadavg())
 for r in range(rounds):

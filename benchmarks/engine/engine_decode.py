@@ -52,7 +52,8 @@ def decode_rows(context: int, nproc: int, new_tokens: int, reference: bool) -> l
             "comm_bytes_per_step": res.comm_bytes_per_token,
             "rounds_per_step_rank0": res.comm.get("rounds", 0) / res.decode_steps,
             "kv_mib_per_rank": max(res.kv_bytes_per_rank) / 2**20,
-            "decode_rss_growth_mib": max(0, max(p - s for p, s in zip(res.peak_rss_bytes_per_rank, res.start_rss_bytes_per_rank))) / 2**20,
+            "decode_rss_growth_mib": max(0, max(p - s for p, s in zip(res.peak_rss_bytes_per_rank,
+                                                                      res.start_rss_bytes_per_rank))) / 2**20,
             "tokens": res.generated_ids[0],
             "time_to_first_token_s": res.prefill_s,
         })
@@ -88,7 +89,8 @@ def gather_check(shard_tokens: int, block_size: int, repeats: int) -> dict:
             fn()
             samples.append(time.perf_counter() - start)
         timings[name] = 1e3 * statistics.median(samples)
-    return {"shard_tokens": shard_tokens, "block_size": block_size, "view_ms": timings["view"], "gather_then_attend_ms": timings["gather"]}
+    return {"shard_tokens": shard_tokens, "block_size": block_size, "view_ms": timings["view"],
+            "gather_then_attend_ms": timings["gather"]}
 
 
 def main() -> None:
@@ -101,16 +103,19 @@ def main() -> None:
     machine = f"{platform.machine()}, {torch.get_num_threads()} threads available, torch {torch.__version__}"
     print(f"# {machine}; context {args.context}, {args.nproc} ranks, {args.max_new_tokens} new tokens")
     rows = decode_rows(args.context, args.nproc, args.max_new_tokens, args.reference)
-    print("| method | ranks | decode step median (p10-p90) | comm per step, all ranks | rounds per step (rank 0) | KV per rank | RSS growth while decoding |")
+    print("| method | ranks | decode step median (p10-p90) | comm per step, all ranks | rounds per step (rank 0) | KV per rank "
+          "| RSS growth while decoding |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['method']} | {r['ranks']} | {r['median_ms']:.1f} ms ({r['p10_ms']:.1f}-{r['p90_ms']:.1f}) | "
-              f"{r['comm_bytes_per_step'] / 2**10:,.1f} KiB | {r['rounds_per_step_rank0']:.0f} | {r['kv_mib_per_rank']:.1f} MiB | "
+              f"{r['comm_bytes_per_step'] / 2**10:,.1f} KiB | {r['rounds_per_step_rank0']:.0f} | {r['kv_mib_per_rank']:.1f} MiB "
+              f"| "
               f"{r['decode_rss_growth_mib']:.1f} MiB |")
     result = {"machine": machine, "args": vars(args), "rows": rows}
     if args.gather_check:
         check = gather_check(args.context // args.nproc, 256, 30)
-        print(f"# one rank, one layer, {check['shard_tokens']} tokens, blocks of {check['block_size']}: attention on the arena view "
+        print(f"# one rank, one layer, {check['shard_tokens']} tokens, blocks of {check['block_size']}: attention on the arena "
+              f"view "
               f"{check['view_ms']:.2f} ms; gather through a block table + attention {check['gather_then_attend_ms']:.2f} ms")
         result["gather_check"] = check
     harness.write_output(args.output, result)

@@ -9,7 +9,8 @@ contiguous placement over a cache just large enough for the prompt (so each rank
 of it: 1/p of its keys, read without a copy; --placement interleaved deals its blocks round-robin),
 prefill chunks of --prefill-chunk tokens, prefix
 cache off, prompt-only steps run as --prefill says (auto: ring steps, treeattn.engine.worker.ring_prefill;
-split: token-parallel slices; auto is left to the engine, so older checkouts run too). Each prompt (random token ids, seed 0) asks for one new token; its RequestResult.ttft_s
+split: token-parallel slices; auto is left to the engine, so older checkouts run too). Each prompt (random token ids, seed 0)
+asks for one new token; its RequestResult.ttft_s
 is reported, --repeats times on the same engine (the model is loaded once per nproc). Run it with
 PYTHONPATH pointing at another checkout to measure that version (the script uses only ta.Engine).
 Also writes each prompt's ids to --ids-dir (for `treeattn generate --prompt-ids`). Prints one

@@ -94,7 +94,8 @@ def threshold(repeat: int = 30) -> None:
             shared = keys // bs
             cache = PagedKVCache(num_layers=1, num_kv_heads=hkv, head_dim=d, num_blocks=shared + n, block_size=bs)
             cache.arena.normal_()
-            chunks = tuple(Chunk(s, (1,), keys + 5, tuple(BlockRef(0, b) for b in [*range(shared), shared + s]), None) for s in range(n))
+            chunks = tuple(Chunk(s, (1,), keys + 5, tuple(BlockRef(0, b) for b in [*range(shared), shared + s]),
+                                 None) for s in range(n))
             q, k_new = torch.randn(1, n, hq, d), torch.randn(1, n, hkv, d)
             row = dict(sequences=n, shared_keys=keys)
             for sharing in (True, False):
@@ -135,7 +136,8 @@ def main() -> None:
                 on, off = (next(r for r in rows if r["questions"] == n and r["sharing"] == s) for s in (True, False))
                 assert on["tokens"] == off["tokens"], f"p={p} doc={doc_len} n={n}: tokens differ with sharing"
                 report.append(dict(nproc=p, doc=doc_len, questions=n, new_tokens=args.max_new_tokens,
-                                   decode_ms_per_step_shared=on["decode_ms_per_step"], decode_ms_per_step_unshared=off["decode_ms_per_step"],
+                                   decode_ms_per_step_shared=on["decode_ms_per_step"],
+                                   decode_ms_per_step_unshared=off["decode_ms_per_step"],
                                    step_speedup=off["decode_ms_per_step"] / on["decode_ms_per_step"],
                                    tokens_per_s_shared=on["tokens_per_s"], tokens_per_s_unshared=off["tokens_per_s"],
                                    throughput_ratio=on["tokens_per_s"] / off["tokens_per_s"],

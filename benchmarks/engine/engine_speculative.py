@@ -76,7 +76,8 @@ def modes(args, model_path) -> dict[str, tuple[str | None, str | None]]:
     return out
 
 
-def run(model_path, p: int, mode: str, speculate: str | None, draft_model: str | None, prompts: dict, stops: list[int], args) -> dict:
+def run(model_path, p: int, mode: str, speculate: str | None, draft_model: str | None, prompts: dict, stops: list[int],
+        args) -> dict:
     params = SamplingParams(max_new_tokens=args.max_new_tokens, stop_token_ids=tuple(stops))
     longest = max(len(x) for x in prompts.values())
     with ta.Engine(str(model_path), nproc=p, decode="tree", placement="interleaved", max_batch_size=len(prompts),
@@ -96,7 +97,8 @@ def run(model_path, p: int, mode: str, speculate: str | None, draft_model: str |
     drafted = after["drafted_tokens"] - before["drafted_tokens"]
     accepted = after["accepted_tokens"] - before["accepted_tokens"]
     return {"p": p, "mode": mode, "wall_s": wall, "tokens": tokens, "tokens_per_s": tokens / wall,
-            "decode_forwards": after["decode_forwards"] - before["decode_forwards"], "decoded_tokens": decoded, "drafted": drafted, "accepted": accepted,
+            "decode_forwards": after["decode_forwards"] - before["decode_forwards"], "decoded_tokens": decoded,
+            "drafted": drafted, "accepted": accepted,
             "cached_prompt_tokens": {n: r.cached_prompt_tokens for n, r in results.items()},
             "token_ids": {n: r.token_ids for n, r in results.items()},
             "per_request": {n: r.speculation for n, r in results.items()}}
@@ -138,7 +140,8 @@ def main() -> None:
         rate = f"{r['accepted']} / {r['drafted']} ({r['accepted'] / r['drafted']:.0%})" if r["drafted"] else "-"
         per_forward = r["decoded_tokens"] / r["decode_forwards"] if r["decoded_tokens"] else 1.0
         print(f"| {r['p']} | {r['mode']} | {len(prompts)} | {r['tokens']} | {'yes' if r['identical'] else 'NO'} | "
-              f"{r['tokens_per_s']:.2f} | {r['speedup']:.2f}x | {r['decode_forwards']} | {rate} | {per_forward:.2f} |", file=sys.stderr)
+              f"{r['tokens_per_s']:.2f} | {r['speedup']:.2f}x | {r['decode_forwards']} | {rate} | {per_forward:.2f} |",
+              file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -58,7 +58,8 @@ def rank_main(rank: int, world_size: int, model_path: str, args) -> list[dict] |
             runner = RankRunner(model, group=None, blocks_per_rank=need, block_size=args.block_size, decode="tree",
                                 method="onepass", shared_memory=True)
             runner.cache.arena.zero_()
-            pool = ShardedBlockPool(world_size=world_size, blocks_per_rank=need, block_size=args.block_size, placement="interleaved")
+            pool = ShardedBlockPool(world_size=world_size, blocks_per_rank=need, block_size=args.block_size,
+                                    placement="interleaved")
             plan = plan_of(kind, tokens, args.context, pool)
             for mode, threshold in (("replicated", 1 << 40), ("split", 1)):
                 token_parallel.SPLIT_MIN_TOKENS_PER_RANK = threshold

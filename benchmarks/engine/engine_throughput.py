@@ -36,7 +36,8 @@ def main() -> None:
     g = torch.Generator().manual_seed(args.seed)
     model = args.model
     with ta.Engine(model, nproc=args.nproc, decode=args.decode, max_batch_size=args.requests, prefix_cache=False,
-                   block_size=args.block_size, cache_tokens=args.requests * (args.prompt_max + args.max_new_tokens + args.block_size),
+                   block_size=args.block_size,
+                   cache_tokens=args.requests * (args.prompt_max + args.max_new_tokens + args.block_size),
                    threads_per_rank=args.threads) as engine:
         vocab = engine.model_info.vocab_size
         lengths = torch.randint(args.prompt_min, args.prompt_max + 1, (args.requests,), generator=g).tolist()

@@ -43,15 +43,27 @@ def transformers_twin(model):
 
     c = model.config
     config = transformers.Gemma3TextConfig(
-        vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size, num_hidden_layers=c.num_layers,
-        num_attention_heads=c.num_heads, num_key_value_heads=c.num_kv_heads, head_dim=c.head_dim, rms_norm_eps=c.rms_norm_eps,
+        vocab_size=c.vocab_size,
+        hidden_size=c.hidden_size,
+        intermediate_size=c.intermediate_size,
+        num_hidden_layers=c.num_layers,
+        num_attention_heads=c.num_heads,
+        num_key_value_heads=c.num_kv_heads,
+        head_dim=c.head_dim,
+        rms_norm_eps=c.rms_norm_eps,
         sliding_window=max(w for w in c.layer_windows if w is not None),
         layer_types=["sliding_attention" if w is not None else "full_attention" for w in c.layer_windows],
-        rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": c.rope_theta},
-                         "sliding_attention": {"rope_type": "default", "rope_theta": c.rope_local_theta}},
-        query_pre_attn_scalar=int(c.query_pre_attn_scalar) if float(c.query_pre_attn_scalar).is_integer() else c.query_pre_attn_scalar,
+        rope_parameters={
+            "full_attention": {"rope_type": "default", "rope_theta": c.rope_theta},
+            "sliding_attention": {"rope_type": "default", "rope_theta": c.rope_local_theta},
+        },
+        query_pre_attn_scalar=int(c.query_pre_attn_scalar)
+        if float(c.query_pre_attn_scalar).is_integer()
+        else c.query_pre_attn_scalar,
         max_position_embeddings=c.max_position_embeddings,
-        tie_word_embeddings=True, attn_implementation="sdpa")
+        tie_word_embeddings=True,
+        attn_implementation="sdpa",
+    )
     hf = transformers.Gemma3ForCausalLM(config).eval()
     missing, unexpected = hf.model.load_state_dict(model.state_dict(), strict=False)
     if unexpected or not all(m.endswith("embed_scale") for m in missing):
@@ -152,7 +164,8 @@ def time_per_token(path: str, prompt: list[int], nprocs: list[int], new_tokens: 
         rows.append({"name": f"treeattn, {p} rank{'s' if p > 1 else ''}", "nproc": p,
                      **ta.spawn(timed_rank, p, path, prompt, new_tokens, timeout=7200.0)[0]})
         print(json.dumps(rows[-1]), flush=True)
-    rows.append({"name": "transformers (sdpa, cached)", "nproc": 1, **transformers_timing(ta.load_model(path), prompt, new_tokens)})
+    rows.append({"name": "transformers (sdpa, cached)", "nproc": 1, **transformers_timing(ta.load_model(path), prompt,
+                                                                                          new_tokens)})
     print(json.dumps(rows[-1]), flush=True)
     base = rows[-1]
     for row in rows:
@@ -186,12 +199,14 @@ def main() -> None:
         return
     files = read_model_files(path)
     case = needle_case(files.tokenizer, None, context_tokens=args.context, depth=args.depth)
-    report = dict(model=path, context=args.context, prompt_tokens=len(case.prompt_ids), answer=case.answer, depth=case.actual_depth,
+    report = dict(model=path, context=args.context, prompt_tokens=len(case.prompt_ids), answer=case.answer,
+                  depth=case.actual_depth,
                   cores=os.cpu_count(), load_before=os.getloadavg(), runs=[])
     if args.timing:
         report.update(time_per_token(path, case.prompt_ids, args.nproc, args.max_new_tokens), load_after=os.getloadavg())
         for row in report["rows"]:
-            print(f"| {report['prompt_tokens']} | {row['name']} | {row['threads']} | {row['ms_per_token']:.1f} ({row['min_ms']:.1f}) | "
+            print(f"| {report['prompt_tokens']} | {row['name']} | {row['threads']} | {row['ms_per_token']:.1f} "
+                  f"({row['min_ms']:.1f}) | "
                   f"{row['over_transformers']:.2f}x | {row['same_tokens']} |")
         harness.write_output(args.output, report)
         return

@@ -1,7 +1,8 @@
 """The KV cache's stored dtype (--kv-cache-dtype): decode ms/token and greedy tokens, float32 vs bfloat16 (vs fp8_e4m3) KV.
 
     flock /tmp/treeattn-quiet.lock python benchmarks/engine/kv_cache_dtype.py --context 4096 --nproc 1 2
-    flock /tmp/treeattn-quiet.lock python benchmarks/engine/kv_cache_dtype.py --context 4096 --nproc 1 --kv-cache-dtype float32 bfloat16 fp8_e4m3
+    flock /tmp/treeattn-quiet.lock python benchmarks/engine/kv_cache_dtype.py --context 4096 --nproc 1 --kv-cache-dtype float32
+    bfloat16 fp8_e4m3
     flock /tmp/treeattn-quiet.lock python benchmarks/engine/kv_cache_dtype.py --kernel --context 4096   # the attention alone
 
 For each number of ranks and each --kv-cache-dtype, runs `treeattn generate MODEL --prompt-ids FILE
@@ -74,7 +75,8 @@ def kernel(context: int, kinds: list[str], repeats: int) -> None:
         return k.to(getattr(torch, kind)), v.to(getattr(torch, kind)), {}
 
     pools = {kind: [pool(kind) for _ in range(layers)] for kind in kinds}
-    layout = PagedDecodeLayout(torch.arange(nb)[None], torch.arange(nb * bs)[None], torch.tensor([[nb * bs]]), block_size=bs, threads=1)
+    layout = PagedDecodeLayout(torch.arange(nb)[None], torch.arange(nb * bs)[None], torch.tensor([[nb * bs]]), block_size=bs,
+                               threads=1)
     q = torch.randn(1, 1, hq, d, generator=g)
     best = {kind: float("inf") for kind in kinds}
     for _ in range(repeats):
@@ -85,7 +87,8 @@ def kernel(context: int, kinds: list[str], repeats: int) -> None:
             best[kind] = min(best[kind], time.perf_counter() - start)
     for kind in kinds:
         print(json.dumps({"kernel": "paged_decode_attention", "kv_dtype": kind, "context": nb * bs, "layers": layers,
-                          "ms_per_token": round(1e3 * best[kind], 3), "ratio_to_" + kinds[0]: round(best[kind] / best[kinds[0]], 3),
+                          "ms_per_token": round(1e3 * best[kind], 3), "ratio_to_" + kinds[0]: round(best[kind] / best[kinds[0]],
+                                                                                                    3),
                           "kv_bytes_read": layers * 2 * nb * bs * hkv * (d * pools[kind][0][0].element_size()
                                                                           + (4 if kind == "fp8_e4m3" else 0))}))
 
@@ -102,7 +105,8 @@ def main() -> None:
         print(f"# load after: {os.getloadavg()}")
         return
     model = args.model
-    print(f"# {platform.processor() or platform.machine()}, {os.cpu_count()} cores, load {os.getloadavg()}, model {Path(model).name}, "
+    print(f"# {platform.processor() or platform.machine()}, {os.cpu_count()} cores, load {os.getloadavg()}, model "
+          f"{Path(model).name}, "
           f"context {args.context}, {args.max_new_tokens} new tokens")
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(prompt_ids(model, args.context), f)

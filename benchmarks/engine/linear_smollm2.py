@@ -82,7 +82,8 @@ def part_errors(args, held):
     linearize_layers(untrained, layers, trained.layers[layers[0]].self_attn.feature_map_q.feature_dim)
     before, after = attention_errors(untrained, layers, records), attention_errors(trained, layers, records)
     for i in layers:
-        print(json.dumps({"part": "errors", "layer": i, "identity_maps": round(before[i], 4), "trained": round(after[i], 4)}), flush=True)
+        print(json.dumps({"part": "errors", "layer": i, "identity_maps": round(before[i], 4), "trained": round(after[i], 4)}),
+              flush=True)
     print(json.dumps({"part": "errors", "mean_identity": round(statistics.mean(before.values()), 4),
                       "mean_trained": round(statistics.mean(after.values()), 4)}), flush=True)
 
@@ -113,8 +114,10 @@ def decode_worker(rank, world, path, maps, spec, context, steps):
     states = LinearStates()
     for i in linear_layers(model):
         F = model.layers[i].self_attn.feature_map_q.out_features
-        states.states[i] = LinearAttentionState(torch.randn(1, cfg.num_kv_heads, F, cfg.head_dim, generator=torch.Generator().manual_seed(i)),
-                                                torch.rand(1, cfg.num_kv_heads, F, generator=torch.Generator().manual_seed(i)) * context)
+        states.states[i] = LinearAttentionState(torch.randn(1, cfg.num_kv_heads, F, cfg.head_dim,
+                                                            generator=torch.Generator().manual_seed(i)),
+                                                torch.rand(1, cfg.num_kv_heads, F,
+                                                           generator=torch.Generator().manual_seed(i)) * context)
     attend = TreeAttention(method="onepass", group=group) if world > 1 else LocalAttention()
     times = []
     token = torch.tensor([[1]])
@@ -169,7 +172,8 @@ def part_needle(args):
         tokens, start = ids, 0
         for _ in range(args.max_new_tokens):
             positions = torch.arange(start, start + tokens.shape[1]).unsqueeze(0)
-            logits = model.logits(model(tokens, positions, HybridStore(cache.update(cache.extend(positions)), states, index), attend)[:, -1])
+            logits = model.logits(model(tokens, positions, HybridStore(cache.update(cache.extend(positions)), states, index),
+                                        attend)[:, -1])
             start += tokens.shape[1]
             nxt = int(logits.argmax(-1))
             if nxt in cfg.eos_token_ids:

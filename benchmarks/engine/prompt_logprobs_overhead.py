@@ -52,7 +52,8 @@ def main() -> None:
     load_start = open("/proc/loadavg").read().split()[:3]
     from treeattn.models.loader import read_config
 
-    prompt = torch.randint(100, read_config(args.model).vocab_size, (args.tokens,), generator=torch.Generator().manual_seed(0)).tolist()
+    prompt = torch.randint(100, read_config(args.model).vocab_size, (args.tokens,),
+                           generator=torch.Generator().manual_seed(0)).tolist()
     rows = []
     with ta.Engine(args.model, nproc=args.nproc, prefix_cache=False, max_context=args.tokens + 8,
                    prefill_chunk=args.prefill_chunk) as engine:

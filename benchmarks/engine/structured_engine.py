@@ -124,7 +124,8 @@ def main() -> None:
         text = engine.generate([prompt], constrained)[0].text
     print("constrained output:", text)
     print(f"the driver's grammar work (masks filled, tokens consumed) over the constrained requests: "
-          f"{driver_s['s'] * 1e3:.1f} ms for {driver_s['tokens']} tokens = {driver_s['s'] / driver_s['tokens'] * 1e6:.0f} us/token")
+          f"{driver_s['s'] * 1e3:.1f} ms for {driver_s['tokens']} tokens = {driver_s['s'] / driver_s['tokens'] * 1e6:.0f} "
+          f"us/token")
     apply_us = _apply_mask_us(engine)
     print(f"rank 0's apply_mask on (1, {engine.model_info.vocab_size}) logits: {apply_us:.0f} us (median of 200)")
     wait_us = wait["s"] / max(wait["steps"], 1) * 1e6

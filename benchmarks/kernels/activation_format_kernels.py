@@ -1,4 +1,5 @@
-"""python benchmarks/kernels/activation_format_kernels.py  (issue 50) -- A/B in one process, alternated 41 times: each SmolLM2/Gemma matrix through packed_matmul float32 vs int8, one thread.; min (and median ratio) of each."""
+"""python benchmarks/kernels/activation_format_kernels.py  (issue 50) -- A/B in one process, alternated 41 times: each
+SmolLM2/Gemma matrix through packed_matmul float32 vs int8, one thread.; min (and median ratio) of each."""
 import time
 import os
 import numpy as np
@@ -8,7 +9,8 @@ import gguf.quants
 from treeattn.ops.packed_linear import unpack_blocks, packed_matmul
 torch.set_num_threads(1)
 Q = gguf.GGMLQuantizationType
-shapes = [("smollm2 q_proj", 576, 576), ("smollm2 fused qkv", 960, 576), ("smollm2 fused gate+up", 3072, 576), ("smollm2 down_proj", 576, 1536),
+shapes = [("smollm2 q_proj", 576, 576), ("smollm2 fused qkv", 960, 576), ("smollm2 fused gate+up", 3072, 576),
+          ("smollm2 down_proj", 576, 1536),
           ("smollm2 output (q8_0)", 49152, 576), ("gemma3 fused gate+up", 4096, 640), ("gemma3 down", 640, 2048)]
 rng = np.random.default_rng(0)
 print("# load before", os.getloadavg())

@@ -188,7 +188,8 @@ def summarize(paths: list[str]) -> None:
             plain_cells = f"not run: its cache needs {last['kv_read_plain'] / GIB:.0f} GiB | – | –"
             peak_plain = f"> {last['kv_read_plain'] / GIB:.0f} GiB"
         print(f"| {last['variant']} | {last['context'] // 1024}K | {last['n']} | {t_bif * 1e3:.1f} | {plain_cells} | "
-              f"{_mib(last['kv_read_bifurcated'])} | {_mib(last['kv_read_plain'])} | {_mib(last['peak_bytes']['bifurcated'])} | {peak_plain} |")
+              f"{_mib(last['kv_read_bifurcated'])} | {_mib(last['kv_read_plain'])} | {_mib(last['peak_bytes']['bifurcated'])} | "
+              f"{peak_plain} |")
 
 
 # ---------------------------------------------------------------- switch
@@ -225,7 +226,8 @@ def _interleaved(Hq, Hkv, D, Mc, n, Md, repeats) -> tuple[float, float]:
     q = torch.randn(n, 1, Hq, D)
     ck, cv = torch.randn(1, Mc, Hkv, D), torch.randn(1, Mc, Hkv, D)
     dk, dv = torch.randn(n, Md, Hkv, D), torch.randn(n, Md, Hkv, D)
-    best = interleaved_best({m: (lambda m=m: ta.bifurcated_attention(q, ck, cv, dk, dv, mode=m)) for m in ("bifurcated", "batched")}, repeats)
+    best = interleaved_best({m: (lambda m=m: ta.bifurcated_attention(q, ck, cv, dk, dv,
+                                                                     mode=m)) for m in ("bifurcated", "batched")}, repeats)
     return best["bifurcated"], best["batched"]
 
 

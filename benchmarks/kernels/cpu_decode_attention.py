@@ -43,7 +43,8 @@ def main() -> None:
                 cpu_decode.decode_attention = real
             qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
             sdpa = median_ms(lambda: torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True), args.repeats)
-            print(f"{batch:>3} {keys:>7} {kernel:>10.2f} {matmul:>10.2f} {sdpa:>9.2f} {kernel / matmul:>14.2f} {kernel / sdpa:>12.2f}")
+            print(f"{batch:>3} {keys:>7} {kernel:>10.2f} {matmul:>10.2f} {sdpa:>9.2f} {kernel / matmul:>14.2f} "
+                  f"{kernel / sdpa:>12.2f}")
 
 
 if __name__ == "__main__":

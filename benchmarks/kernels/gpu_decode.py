@@ -130,7 +130,8 @@ def measure(args) -> dict:
     }
     print(f"# {props.name}, {props.multi_processor_count} SMs, torch {torch.__version__}, triton {triton.__version__}")
     print(f"# B={B} Sq={args.sq} Hq={HQ} Hkv={HKV} D={D} {args.dtype}; copy bandwidth (read+write) {copy_bw / 1e9:.0f} GB/s")
-    print("| Sk | triton ms | triton paged ms | sdpa flash ms | sdpa efficient ms | matmul ms | triton GB/s | % of copy bw | fastest alternative / triton |")
+    print("| Sk | triton ms | triton paged ms | sdpa flash ms | sdpa efficient ms | matmul ms | triton GB/s | % of copy bw | "
+          "fastest alternative / triton |")
     print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     rows = []
     scale = D ** -0.5
@@ -277,7 +278,8 @@ def compile_report(archs, quick: bool) -> list[dict]:
                           HAS_Q_POS=False, HAS_KV_POS=causal, PAGED=paged, DOT_FP32=dtype == "fp32",
                           HAS_SOFTCAP=False, FP8_KV=fp8)
         jit_fn = td._split_kv_kernel
-        signature, attrs, constants = _specialize(jit_fn, _split_kernel_values(Sq, HQ, HKV, Dh, dtype, paged, fp8=fp8), constexprs)
+        signature, attrs, constants = _specialize(jit_fn, _split_kernel_values(Sq, HQ, HKV, Dh, dtype, paged, fp8=fp8),
+                                                  constexprs)
         kernel = triton.compile(ASTSource(jit_fn, signature, constexprs=constants, attrs=attrs),
                                 target=GPUTarget("cuda", arch, 32), options=dict(num_warps=num_warps, num_stages=num_stages))
         with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
@@ -287,7 +289,8 @@ def compile_report(archs, quick: bool) -> list[dict]:
                                    capture_output=True, text=True, check=True).stdout
         fields = dict(item.split(":") for item in next(line for line in usage.splitlines() if "REG:" in line).split())
         report.append({
-            "arch": f"sm_{arch}", "dtype": dtype, "D": Dh, "Sq": Sq, "rows": rows, "paged": paged, "causal": causal, "fp8_kv": fp8,
+            "arch": f"sm_{arch}", "dtype": dtype, "D": Dh, "Sq": Sq, "rows": rows, "paged": paged, "causal": causal,
+                       "fp8_kv": fp8,
             "BLOCK_M": block_m, "BLOCK_N": block_n, "num_warps": num_warps, "num_stages": num_stages,
             "registers": int(fields["REG"]), "spill_stack_bytes": int(fields["STACK"]), "local_bytes": int(fields["LOCAL"]),
             "shared_bytes": kernel.metadata.shared,
@@ -303,7 +306,8 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     parser.add_argument("--warmup", type=int, default=25, help="do_bench warmup, ms")
     parser.add_argument("--rep", type=int, default=200, help="do_bench repetition budget, ms")
-    parser.add_argument("--compile-only", action="store_true", help="compile for --arch offline and report resources; no GPU needed")
+    parser.add_argument("--compile-only", action="store_true",
+                        help="compile for --arch offline and report resources; no GPU needed")
     parser.add_argument("--arch", type=int, nargs="+", default=[80, 90], help="NVIDIA compute capabilities for --compile-only")
     parser.add_argument("--quick", action="store_true", help="--compile-only: bf16 D=128 only")
     args = harness.parse_args(parser)
@@ -316,10 +320,12 @@ def main() -> None:
 
     if args.compile_only:
         report = compile_report(args.arch, args.quick)
-        print("| arch | dtype | D | rows | paged | fp8 KV | BLOCK_M x BLOCK_N | warps | stages | registers | spill bytes | shared KiB | pipelined |")
+        print("| arch | dtype | D | rows | paged | fp8 KV | BLOCK_M x BLOCK_N | warps | stages | registers | spill bytes | "
+              "shared KiB | pipelined |")
         print("|---|---|---:|---:|---|---|---|---:|---:|---:|---:|---:|---|")
         for r in report:
-            print(f"| {r['arch']} | {r['dtype']} | {r['D']} | {r['rows']} | {r['paged']} | {r['fp8_kv']} | {r['BLOCK_M']} x {r['BLOCK_N']} | "
+            print(f"| {r['arch']} | {r['dtype']} | {r['D']} | {r['rows']} | {r['paged']} | {r['fp8_kv']} | {r['BLOCK_M']} x "
+                  f"{r['BLOCK_N']} | "
                   f"{r['num_warps']} | {r['num_stages']} | {r['registers']} | {r['spill_stack_bytes']} | "
                   f"{r['shared_bytes'] / 1024:.1f} | {r['pipelined_loads']} |")
         result = {"compile_report": report, "triton": __import__("triton").__version__}

@@ -78,7 +78,8 @@ def main() -> None:
         rows.append(row)
         before = f"{before_ms:.2f}" if before_ms is not None else "-"
         print(f"| {S} | {ours_ms:.2f} | {sdpa_ms:.2f} | {sdpa_ms / ours_ms:.2f}x | {row['treeattn_tflops']:.0f} | {before} |")
-    meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "B": B, "Hq": HQ, "Hkv": HKV, "D": D, "dtype": "bfloat16"}
+    meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "B": B, "Hq": HQ, "Hkv": HKV, "D": D,
+            "dtype": "bfloat16"}
     harness.write_output(args.output, {"meta": meta, "rows": rows})
 
 

@@ -9,7 +9,8 @@ blocks (the `--weight-format packed` path) and F.linear over the float32 dequant
 `dequantize` path), taking turns `--rounds` times; the minimum of each is reported, in weights per
 second, with the ratio of times. Each turn runs over enough distinct copies of the matrix that their
 float32 weights exceed `--stream-mb` (default 256 MB, as a model's 30 layers do), so both read their
-weights from memory, not from a cache that a single small matrix would fit in. Both results are checked against float64 x @ W.T. torch runs with
+weights from memory, not from a cache that a single small matrix would fit in. Both results are checked against float64 x @ W.T.
+torch runs with
 `--threads` threads (the kernel splits only the output projection over them: PARALLEL_MIN_WEIGHTS).
 """
 
@@ -69,13 +70,15 @@ def main() -> None:
                         best[key] = min(best.get(key, float("inf")), time.perf_counter() - start)
             packed = dense = None
             rows.append({"format": fmt, "matrix": name, "copies": copies, "packed_gw_s": copies * N * K / best["packed"] / 1e9,
-                         "float32_gw_s": copies * N * K / best["float32"] / 1e9, "packed_over_float32_time": best["packed"] / best["float32"]})
+                         "float32_gw_s": copies * N * K / best["float32"] / 1e9,
+                         "packed_over_float32_time": best["packed"] / best["float32"]})
     print(json.dumps({"rows": rows, "threads": args.threads, "load_average": [load, os.getloadavg()],
                       "machine": f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}"}, indent=1))
     print("| format | matrix | packed G weights/s | float32 G weights/s | packed / float32 time |")
     print("|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['format']} | {r['matrix']} | {r['packed_gw_s']:.2f} | {r['float32_gw_s']:.2f} | {r['packed_over_float32_time']:.2f} |")
+        print(f"| {r['format']} | {r['matrix']} | {r['packed_gw_s']:.2f} | {r['float32_gw_s']:.2f} | "
+              f"{r['packed_over_float32_time']:.2f} |")
 
 
 if __name__ == "__main__":

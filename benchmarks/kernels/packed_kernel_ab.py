@@ -34,7 +34,8 @@ MODULE = "src/treeattn/ops/packed_cpu_kernel.py"
 def baseline_module(rev: str, folder: str):
     """The kernel module as it was at git revision `rev`, imported under another name."""
     root = Path(__file__).resolve().parents[2]
-    source = subprocess.run(["git", "-C", str(root), "show", f"{rev}:{MODULE}"], check=True, capture_output=True, text=True).stdout
+    source = subprocess.run(["git", "-C", str(root), "show", f"{rev}:{MODULE}"], check=True, capture_output=True,
+                            text=True).stdout
     path = Path(folder) / "packed_cpu_kernel_baseline.py"
     path.write_text(source)
     spec = importlib.util.spec_from_file_location("packed_cpu_kernel_baseline", path)
@@ -57,13 +58,15 @@ def main() -> None:
 
     rng = np.random.default_rng(0)
     print(f"# load before {os.getloadavg()}, baseline {args.baseline}, one thread")
-    print("| format | matrix | baseline G weights/s | this checkout G weights/s | time ratio | max error vs float64: baseline / this | same bits |")
+    print("| format | matrix | baseline G weights/s | this checkout G weights/s | time ratio | max error vs float64: baseline / "
+          "this | same bits |")
     print("|---|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as folder:
         baseline = baseline_module(args.baseline, folder)
         for fmt in args.formats:
             for name, N, K in SHAPES:
-                raw = gguf.quants.quantize(rng.standard_normal((N, K), dtype=np.float32) * 0.05, gguf.GGMLQuantizationType[fmt.upper()])
+                raw = gguf.quants.quantize(rng.standard_normal((N, K), dtype=np.float32) * 0.05,
+                                           gguf.GGMLQuantizationType[fmt.upper()])
                 qs, d, m = unpack_blocks(fmt, raw.reshape(N, -1))
                 x = rng.standard_normal((1, K), dtype=np.float32)
                 expected = x.astype(np.float64) @ dequantize_packed(fmt, qs, d, m).double().numpy().T
@@ -81,7 +84,8 @@ def main() -> None:
                         errors[label], outs[label] = float(np.abs(out - expected).max()), out
                 old, new = (float(np.median(times[k][1:])) for k in ("baseline", "this"))  # the first round compiles or loads
                 print(f"| {fmt} | {name} {N}x{K} | {N * K / old / 1e9:.1f} | {N * K / new / 1e9:.1f} | {new / old:.2f} | "
-                      f"{errors['baseline']:.1e} / {errors['this']:.1e} | {'yes' if np.array_equal(outs['baseline'], outs['this']) else 'no'} |",
+                      f"{errors['baseline']:.1e} / {errors['this']:.1e} | "
+                      f"{'yes' if np.array_equal(outs['baseline'], outs['this']) else 'no'} |",
                       flush=True)
     print(f"# load after {os.getloadavg()}; {sys.platform}, torch {torch.__version__}")
 

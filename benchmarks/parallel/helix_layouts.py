@@ -47,7 +47,8 @@ LAYOUTS = {
     "tp2": ["--nproc", "2", "--tp", "2", "--threads", "1"],
     "one": ["--nproc", "1", "--threads", "2"],
 }
-NAMES = {"seq": "sequence-only, 2 ranks", "tp1": "Helix T=1, 2 ranks", "tp2": "Helix T=2, 2 ranks", "one": "one process, 2 threads",
+NAMES = {"seq": "sequence-only, 2 ranks", "tp1": "Helix T=1, 2 ranks", "tp2": "Helix T=2, 2 ranks",
+         "one": "one process, 2 threads",
          "llama": "llama.cpp, 2 threads"}
 
 def treeattn_run(model: str, ids: str, layout: str, new: int, kv_cache_dtype: str, activation_format: str) -> dict:
@@ -89,7 +90,8 @@ def table(runs: list[dict], layouts: list[str]) -> list[str]:
         equal = all(r["tokens"] == first for r in mine)
         times = " / ".join(f"{r['ms_per_token']:.1f}" for r in mine)
         prefill = " / ".join(f"{r['prefill_s']:.1f}" for r in mine)
-        lines.append(f"| {NAMES[layout]} | {times} | {ratio(layout, 'seq')} | {ratio(layout, 'one')} | {ratio(layout, 'llama')} | "
+        lines.append(f"| {NAMES[layout]} | {times} | {ratio(layout, 'seq')} | {ratio(layout, 'one')} | {ratio(layout, 'llama')} "
+                     f"| "
                      f"{prefill} | {mine[0]['weight_bytes_per_rank']} | {'yes' if equal else 'no'} |")
     return lines
 
@@ -103,7 +105,8 @@ def main() -> None:
     parser.add_argument("--layouts", nargs="+", default=["seq", "tp1", "tp2", "one", "llama"], choices=[*LAYOUTS, "llama"])
     parser.add_argument("--kv-cache-dtype", default="auto", help="treeattn's --kv-cache-dtype (auto: float32 on the CPU)")
     parser.add_argument("--activation-format", default="auto", choices=["auto", "float32", "int8"],
-                        help="treeattn's --activation-format (int8: 8-bit activations for the packed weights, as llama.cpp multiplies)")
+                        help="treeattn's --activation-format (int8: 8-bit activations for the packed weights, as llama.cpp "
+                             "multiplies)")
     parser.add_argument("--llama-python", default=None, help="a Python with llama-cpp-python (without it: no llama.cpp row)")
     parser.add_argument("--llama-threads", type=int, default=2)
     parser.add_argument("--output", default=None, help="also write everything printed to this file")
@@ -119,7 +122,8 @@ def main() -> None:
 
     rng = random.Random(0)
     prompt = [rng.randrange(100, 49000) for _ in range(args.context - args.max_new_tokens)]
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), platform.machine())
+    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
+               platform.machine())
     say(f"# {shlex.join([Path(sys.executable).name, *sys.argv])}")
     say(f"# {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}, {cpu}, {os.cpu_count()} cores, file {Path(args.model).name} "
         f"({os.path.getsize(args.model)} bytes), prompt {len(prompt)} random ids, {args.max_new_tokens} greedy tokens, "
@@ -132,8 +136,10 @@ def main() -> None:
             for layout in layouts[i % len(layouts):] + layouts[: i % len(layouts)]:
                 before = open("/proc/loadavg").read().split()[:3]
                 try:
-                    r = (llama_run(args.llama_python, args.model, f.name, args.max_new_tokens, args.llama_threads) if layout == "llama"
-                         else treeattn_run(args.model, f.name, layout, args.max_new_tokens, args.kv_cache_dtype, args.activation_format))
+                    r = (llama_run(args.llama_python, args.model, f.name, args.max_new_tokens,
+                                   args.llama_threads) if layout == "llama"
+                         else treeattn_run(args.model, f.name, layout, args.max_new_tokens, args.kv_cache_dtype,
+                                           args.activation_format))
                 except SystemExit as failed:  # one layout's failure (llama.cpp not importable, say) leaves the others' rows
                     say(f"# {layout} round {i}: {failed}")
                     continue

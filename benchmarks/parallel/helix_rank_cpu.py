@@ -119,7 +119,8 @@ def main() -> None:
     args = harness.parse_args(p)
     torch.set_num_threads(1)
     rows = []
-    lines = ["| context | rank of | CPU ms / step | packed matmuls | LM head share | attention | the rest |", "|---|---|---|---|---|---|---|"]
+    lines = ["| context | rank of | CPU ms / step | packed matmuls | LM head share | attention | the rest |",
+             "|---|---|---|---|---|---|---|"]
     print(lines[0], flush=True)
     for layout in args.layouts:
         tp = {"tp2": 2, "seq": None}[layout]
@@ -127,7 +128,8 @@ def main() -> None:
         for context in args.context:
             ms = _measure(model, context, args.max_new_tokens, tp)
             rows.append({"layout": layout, "context": context, **ms})
-            lines.append(f"| {context} | {layout} | {ms['step']:.1f} | {ms['matmul']:.1f} | {ms['lm_head']:.1f} | {ms['attention']:.1f} | "
+            lines.append(f"| {context} | {layout} | {ms['step']:.1f} | {ms['matmul']:.1f} | {ms['lm_head']:.1f} | "
+                         f"{ms['attention']:.1f} | "
                          f"{ms['rest']:.1f} |")
             print(lines[-1], flush=True)
     harness.write_output(args.output, rows, "\n".join(lines))

@@ -13,7 +13,8 @@ SharedMemoryGroup.count_waits (treeattn.parallel.shared_memory.WaitStats: every 
 arrived at each collective, so late_ns = the last arrival minus this rank's, handoff_ns = from the last
 arrival to this rank seeing it) and wraps RankRunner.step to stamp each step's start and end. Only the
 decode steps are counted; the wait at each step's first collective (the embedding's all-reduce: the other rank
-starting the step late, e.g. rank 1 woken by the plan's broadcast) is also shown apart. The (layout, --spin-us) runs alternate within each round (rotated by one between rounds).
+starting the step late, e.g. rank 1 woken by the plan's broadcast) is also shown apart. The (layout, --spin-us) runs alternate
+within each round (rotated by one between rounds).
 
     seq   the sequence-only layout (every rank all the weights; one combine a layer)
     tp1   Helix T=1 (KV split by sequence; o_proj, MLP, LM head over both ranks)
@@ -101,7 +102,8 @@ def main() -> None:
     rng = random.Random(0)
     prompt = [rng.randrange(100, 49000) for _ in range(args.context)]
     rows = []
-    header = ("| layout | spin us | round | rank | load before | ms / step | of which: waiting for the peer | (at the first collective) | handoff | "
+    header = ("| layout | spin us | round | rank | load before | ms / step | of which: waiting for the peer | (at the first "
+              "collective) | handoff | "
               "compute and the rest | gap between steps | wall ms / token | collectives / step |")
     lines = [header, "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     print(header, flush=True)
@@ -114,7 +116,8 @@ def main() -> None:
                 r.update(layout=layout, round=i, load_before=load, spin_us=spin)
                 rows.append(r)
                 rest = r["step_ms"] - r["late_ms"] - r["handoff_ms"]
-                line = (f"| {layout} | {spin:g} | {i} | {r['rank']} | {load} | {r['step_ms']:.1f} | {r['late_ms']:.1f} | {r['first_late_ms']:.2f} | "
+                line = (f"| {layout} | {spin:g} | {i} | {r['rank']} | {load} | {r['step_ms']:.1f} | {r['late_ms']:.1f} | "
+                        f"{r['first_late_ms']:.2f} | "
                         f"{r['handoff_ms']:.2f} | "
                         f"{rest:.1f} | {r['gap_ms']:.2f} | {r['wall_ms_per_token']:.1f} | {r['collectives_per_step']:.0f} |")
                 lines.append(line)

@@ -35,7 +35,8 @@ def worker(rank: int, world: int, tokens: int, repeats: int) -> dict:
     with torch.no_grad():
         for method in ("allgather", "scan"):
             for what, fn in (
-                ("exchange", lambda: exchange_states(local, zero, dist.group.WORLD, method=method, need_incoming=True, need_total=True)),
+                ("exchange", lambda: exchange_states(local, zero, dist.group.WORLD, method=method, need_incoming=True,
+                                                     need_total=True)),
                 ("prefill", lambda: ta.linear_attention(q, k, v, feature_map=fm, group=dist.group.WORLD, method=method,
                                                         return_state=True)),
             ):

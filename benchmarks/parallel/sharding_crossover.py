@@ -2,7 +2,8 @@
 
     python3 benchmarks/parallel/sharding_crossover.py --context 2048 4096 8000 --nproc 2 --rounds 3 --output crossover.json
     python3 benchmarks/parallel/sharding_crossover.py --context 8000 --kv-cache-dtype bfloat16 --rounds 4
-    python3 benchmarks/parallel/sharding_crossover.py --context 4096 --tp 1 --rounds 3    # a third engine: the ranks in the Helix layout
+    python3 benchmarks/parallel/sharding_crossover.py --context 4096 --tp 1 --rounds 3    # a third engine: the ranks in the
+    Helix layout
 
 For each context the demo's needle document (treeattn.eval.haystack, the model's chat template if it
 has one) is prefilled once into two engines that stay up side by side: one process (all the cores'

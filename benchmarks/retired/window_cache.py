@@ -13,7 +13,8 @@ import torch
 
 from treeattn.cache.window import WindowKVCache as Ring
 
-source = subprocess.run(["git", "show", "a1aa4b9:src/treeattn/cache/window.py"], capture_output=True, text=True, check=True).stdout
+source = subprocess.run(["git", "show", "a1aa4b9:src/treeattn/cache/window.py"], capture_output=True, text=True,
+                        check=True).stdout
 with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
     f.write(source)
 spec = importlib.util.spec_from_file_location("window_old", f.name)

@@ -1,6 +1,7 @@
 """Time to first token after a restart with --kv-store, against the fresh prefill (docs/kv_store.md).
 
-    flock /tmp/treeattn-bench.lock python benchmarks/serving/kv_store_restart.py --context 8192 --nproc 2 --kv-cache-dtype float32 bfloat16
+    flock /tmp/treeattn-bench.lock python benchmarks/serving/kv_store_restart.py --context 8192 --nproc 2 --kv-cache-dtype
+    float32 bfloat16
 
 For one needle-in-a-haystack prompt of about --context tokens (treeattn.eval.haystack, through the
 model's chat template), for each --kv-cache-dtype, on an empty store directory: engine 1 (a fresh
@@ -35,10 +36,12 @@ def run(model: str, ids: list[int], args, kv: str, store: str) -> dict:
         stats = engine.stats()
         kv_bytes = engine.rank_measurements()[0].kv_bytes
         blocks = engine.pool.blocks_per_rank + 1  # the arena's blocks and its padding block
-    return {"ttft_s": round(result.ttft_s, 3), "engine_start_s": round(ready, 2), "cached_prompt_tokens": result.cached_prompt_tokens,
+    return {"ttft_s": round(result.ttft_s, 3), "engine_start_s": round(ready, 2),
+            "cached_prompt_tokens": result.cached_prompt_tokens,
             "tokens": result.token_ids, "store": {k: (round(v, 4) if isinstance(v, float) else v) for k, v in stats.items()
                                                   if k.startswith(("store_", "arena_"))},
-            "arena_bytes_per_token": kv_bytes / (blocks * args.block_size), "load_before_after": [round(load, 2), round(os.getloadavg()[0], 2)]}
+            "arena_bytes_per_token": kv_bytes / (blocks * args.block_size), "load_before_after": [round(load, 2),
+                                                                                                  round(os.getloadavg()[0], 2)]}
 
 
 def main() -> None:

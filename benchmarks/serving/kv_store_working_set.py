@@ -53,7 +53,8 @@ def main() -> None:
     prompts = [docs[d] + [rng.randrange(100, vocab) for _ in range(16)] for d in order]
     cache_tokens = args.arena_docs * args.context + 2 * args.block_size  # the documents, a question block, slack
     common = dict(nproc=args.nproc, block_size=args.block_size, cache_tokens=cache_tokens, max_batch_size=1)
-    print(f"# {platform.machine()}, {os.cpu_count()} cores, {os.path.basename(model) if isinstance(model, str) else 'demo'}, {args.docs} docs x {args.context} "
+    print(f"# {platform.machine()}, {os.cpu_count()} cores, {os.path.basename(model) if isinstance(model, str) else 'demo'}, "
+          f"{args.docs} docs x {args.context} "
           f"tokens, arena {cache_tokens} tokens ({args.arena_docs} docs), {args.requests} requests, {args.nproc} rank(s), "
           f"load average {os.getloadavg()}", flush=True)
     with tempfile.TemporaryDirectory(prefix="kv-ws-") as store:
@@ -70,7 +71,8 @@ def main() -> None:
                 stats = {k: v for k, v in tiered.stats().items() if k.startswith(("store_", "arena_"))}
     for name, xs in ttft.items():
         print(json.dumps({"setting": name, "p50_s": round(statistics.median(xs), 3), "p90_s": round(percentile(xs, 0.9), 3),
-                          "p99_s": round(percentile(xs, 0.99), 3), "max_s": round(max(xs), 3), "mean_s": round(statistics.mean(xs), 3),
+                          "p99_s": round(percentile(xs, 0.99), 3), "max_s": round(max(xs), 3),
+                          "mean_s": round(statistics.mean(xs), 3),
                           "ttft_s": [round(x, 3) for x in xs]}), flush=True)
     print(json.dumps({"store_bytes_bound": bound, "kv_bytes_per_token": per_token, "store": stats}))
     print(f"# load average after: {os.getloadavg()}")

@@ -94,7 +94,8 @@ def main() -> None:
             deadline = time.monotonic() + 30
             while True:
                 m = metrics(http)
-                idle = m["treeattn_requests_running"] == 0 and m['treeattn_kv_blocks{state="used"}'] == m['treeattn_kv_blocks{state="cached"}']
+                idle = m["treeattn_requests_running"] == 0 and m['treeattn_kv_blocks{state="used"}'] == m['treeattn_kv_blocks{s'
+                                                                                                          'tate="cached"}']
                 if idle or time.monotonic() > deadline:
                     break
                 time.sleep(0.2)
@@ -111,11 +112,14 @@ def main() -> None:
         "tpot_p50_s": percentile(tpot, 0.5), "tpot_p99_s": percentile(tpot, 0.99),
         "all_equal_to_alone": [r["text"] for r in results] == alone, "idle_after": idle, "server_exit": status,
     }
-    print("| clients | nproc | requests/s | output tokens/s | TTFT p50 s | TTFT p99 s | per-token p50 s | per-token p99 s | answers = alone | cache clean |")
+    print("| clients | nproc | requests/s | output tokens/s | TTFT p50 s | TTFT p99 s | per-token p50 s | per-token p99 s | "
+          "answers = alone | cache clean |")
     print("|---:|---:|---:|---:|---:|---:|---:|---:|---|---|")
     s = summary
-    print(f"| {s['clients']} | {s['nproc']} | {s['requests_per_s']:.2f} | {s['output_tokens_per_s']:.1f} | {s['ttft_p50_s']:.2f} | "
-          f"{s['ttft_p99_s']:.2f} | {s['tpot_p50_s']:.3f} | {s['tpot_p99_s']:.3f} | {s['all_equal_to_alone']} | {s['idle_after']} |")
+    print(f"| {s['clients']} | {s['nproc']} | {s['requests_per_s']:.2f} | {s['output_tokens_per_s']:.1f} | "
+          f"{s['ttft_p50_s']:.2f} | "
+          f"{s['ttft_p99_s']:.2f} | {s['tpot_p50_s']:.3f} | {s['tpot_p99_s']:.3f} | {s['all_equal_to_alone']} | "
+          f"{s['idle_after']} |")
     harness.write_output(args.output, {"summary": summary, "requests": results})
     if not (summary["all_equal_to_alone"] and summary["idle_after"] and status == 0):
         sys.exit(1)

@@ -19,8 +19,10 @@ OUT_DIR/<model>_<server>_L<len>_c<C>.json.
 Prompts are text (llama-cpp-python's server takes no token ids): random words cut to `len` tokens of the
 model's tokenizer, different for every server and cell, so no server finds another's prompts in a
 cache. Neither server is asked for ignore_eos (llama-cpp-python has none): every request carries
-`logit_bias` -100 on the end-of-sequence token and the end-of-generation tokens the vocabulary has instead, so answers are `--output-len` tokens long on
-both. num_prompts per cell: max(--min-prompts, --prompts-factor x concurrency), default max(4, 2 x C). Cells stop starting after `--budget-min` minutes.
+`logit_bias` -100 on the end-of-sequence token and the end-of-generation tokens the vocabulary has instead, so answers are
+`--output-len` tokens long on
+both. num_prompts per cell: max(--min-prompts, --prompts-factor x concurrency), default max(4, 2 x C). Cells stop starting after
+`--budget-min` minutes.
 `--cells L:C ...` runs those cells instead of every --input-len x --concurrency pair.
 
 The knee (`--knee`): for each model, server and prompt length, the output throughput against the
@@ -44,7 +46,8 @@ import time
 import zlib
 from pathlib import Path
 
-END_TOKENS = ("<|endoftext|>", "<|im_end|>", "<eos>", "<end_of_turn>", "<|eot_id|>")  # end-of-generation tokens llama.cpp stops at
+# end-of-generation tokens llama.cpp stops at
+END_TOKENS = ("<|endoftext|>", "<|im_end|>", "<eos>", "<end_of_turn>", "<|eot_id|>")
 WORDS = ("the", "cat", "sat", "on", "a", "mat", "while", "rain", "fell", "over", "old", "city", "and", "music", "played",
          "river", "light", "stone", "under", "green", "hills", "where", "people", "walk", "slowly", "home")
 
@@ -129,7 +132,8 @@ def _cell(url: str, server: str, name: str, length: int, c: int, prompts: Path, 
     out = out_dir / f"{name}_{server}_L{length}_c{c}.json"
     command = [sys.executable, "-m", "treeattn", "bench", "serve", "--base-url", url, "--dataset-path", str(prompts),
                "--num-prompts", str(_count(args, c)), "--max-concurrency", str(c), "--no-ignore-eos",
-               "--extra-body", json.dumps({"logit_bias": {str(e): -100 for e in eos}}), "--label", server, "--result-file", str(out)]
+               "--extra-body", json.dumps({"logit_bias": {str(e): -100 for e in eos}}), "--label", server, "--result-file",
+               str(out)]
     before = _loadavg()
     done = subprocess.run(command, capture_output=True, text=True)
     after = _loadavg()
@@ -167,7 +171,9 @@ def _tokenizer(model: str):
 
     reader = gguf.GGUFReader(model)
     field = reader.fields["tokenizer.ggml.eos_token_id"]
-    ends = {int(field.parts[field.data[0]][0])} | {tokenizer.token_to_id(t) for t in END_TOKENS if tokenizer.token_to_id(t) is not None}
+    ends = {int(field.parts[field.data[0]][0])} | {
+        tokenizer.token_to_id(t) for t in END_TOKENS if tokenizer.token_to_id(t) is not None
+    }
     return tokenizer, sorted(ends)
 
 
@@ -218,14 +224,17 @@ def table(folder: Path) -> list[str]:
         r = json.loads(path.read_text())
         model = path.name.split(f"_{r['server']}_")[0]  # every server serves "bench": the model is the file's prefix
         by_cell.setdefault((model, r["input_len"], r["max_concurrency"]), {})[r["server"]] = r
-    lines = ["| model | prompt | concurrency | server | done | output tok/s | x llama.cpp | TTFT p50 / p99 (ms) | TPOT p50 / p99 (ms) "
+    lines = ["| model | prompt | concurrency | server | done | output tok/s | x llama.cpp | TTFT p50 / p99 (ms) | TPOT p50 / "
+             "p99 (ms) "
              "| load before -> after |", "|---|---|---|---|---|---|---|---|---|---|"]
     for (model, length, c), cell in sorted(by_cell.items(), key=lambda kv: (kv[0][0] != "smollm2", kv[0])):
         base = cell.get("llamacpp")
         for server, r in sorted(cell.items()):
             ratio = f"{r['output_throughput'] / base['output_throughput']:.2f}" if base and base["output_throughput"] else "-"
-            lines.append(f"| {model} | {length} | {c} | {server} | {r['completed']}/{r['num_prompts']} | {r['output_throughput']:.2f} | {ratio} "
-                         f"| {r['median_ttft_ms']:.0f} / {r['p99_ttft_ms']:.0f} | {r['median_tpot_ms']:.0f} / {r['p99_tpot_ms']:.0f} "
+            lines.append(f"| {model} | {length} | {c} | {server} | {r['completed']}/{r['num_prompts']} | "
+                         f"{r['output_throughput']:.2f} | {ratio} "
+                         f"| {r['median_ttft_ms']:.0f} / {r['p99_ttft_ms']:.0f} | {r['median_tpot_ms']:.0f} / "
+                         f"{r['p99_tpot_ms']:.0f} "
                          f"| {r['loadavg_before']} -> {r['loadavg_after']} |")
     return lines
 

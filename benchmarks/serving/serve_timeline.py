@@ -134,7 +134,8 @@ def main() -> None:
             average = os.getloadavg()[0]
             seconds, lines = timeline(args.model, args.nproc, source)
             ready[label].append(seconds)
-            print(f"--- {label}: treeattn serve --nproc {args.nproc}: /health after {seconds:.2f} s (load average {average:.1f} at the start); "
+            print(f"--- {label}: treeattn serve --nproc {args.nproc}: /health after {seconds:.2f} s (load average {average:.1f} "
+                  f"at the start); "
                   f"this repeat: {seconds:.2f} / ({load:.2f} + 2) = {seconds / (load + 2):.2f}x")
             print("\n".join(lines), flush=True)
     load = statistics.median(loads)

@@ -19,7 +19,9 @@ COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_at
 def hf_model(arch: str, seed: int = 0):
     torch.manual_seed(seed)
     if arch == "llama":
-        config = transformers.LlamaConfig(**COMMON, tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+        config = transformers.LlamaConfig(**COMMON, tie_word_embeddings=False, rope_parameters={"rope_type": "default",
+                                                                                                "rope_theta": 10000.0})
         return transformers.LlamaForCausalLM(config).eval()
-    config = transformers.Qwen2Config(**COMMON, tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 1e6})
+    config = transformers.Qwen2Config(**COMMON, tie_word_embeddings=True, rope_parameters={"rope_type": "default",
+                                                                                           "rope_theta": 1e6})
     return transformers.Qwen2ForCausalLM(config).eval()

@@ -1,6 +1,7 @@
 """Processes seen from /proc (Linux): children of a process, whether one is alive, waiting for rank processes.
 
-    ranks = wait_for_ranks(parent, 2)       # the parent's rank processes (its children, or its fork server's), once they run their function
+    ranks = wait_for_ranks(parent, 2)       # the parent's rank processes (its children, or its fork server's), once they run
+    their function
     assert wait_gone(ranks, 30) == []
 """
 

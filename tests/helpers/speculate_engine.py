@@ -51,7 +51,8 @@ def _requests():
 
 REQUESTS = _requests()
 PLENTY = dict(cache_tokens=1024, block_size=BLOCK, prefill_chunk=16, max_batch_size=8)
-TIGHT = dict(cache_tokens=96, block_size=BLOCK, prefill_chunk=16, max_batch_size=8)  # 2-3 requests at once; contiguous: sequences span ranks
+# 2-3 requests at once; contiguous: sequences span ranks
+TIGHT = dict(cache_tokens=96, block_size=BLOCK, prefill_chunk=16, max_batch_size=8)
 
 
 def _greedy_alone(model) -> list[list[int]]:

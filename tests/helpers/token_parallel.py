@@ -26,7 +26,9 @@ def _requests() -> list[tuple[list[int], int]]:
     out = []
     for i in range(12):
         n = 2 + (5 * i) % 12
-        prompt = shared + torch.randint(0, 128, (n,), generator=g).tolist() if i % 2 == 0 else torch.randint(0, 128, (n + 1,), generator=g).tolist()
+        prompt = shared + torch.randint(0, 128, (n,),
+                                        generator=g).tolist() if i % 2 == 0 else torch.randint(0, 128, (n + 1,),
+                                                                                               generator=g).tolist()
         out.append((prompt, 2 + i % 5))
     return out
 

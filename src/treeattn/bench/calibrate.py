@@ -356,7 +356,8 @@ def cluster_from_measurements(m: dict) -> Cluster:
         busy_round_collective.append((p, max(0.0, allreduce_busy - compute - idle_allreduce)))
         if "busy_p2p_pair_seconds" in m:  # calibrations before the pair variants lack them
             busy_next_round_p2p.append((p, max(0.0, m["busy_p2p_pair_seconds"][i] - p2p - idle_p2p)))
-            busy_next_round_collective.append((p, max(0.0, m["busy_allreduce_pair_seconds"][i] - allreduce_busy - idle_allreduce)))
+            busy_next_round_collective.append((p, max(0.0,
+                                                      m["busy_allreduce_pair_seconds"][i] - allreduce_busy - idle_allreduce)))
     rank_rate = 1 / per_byte
     running = min(2, cores)
     return Cluster(
@@ -388,14 +389,21 @@ def cluster_from_measurements(m: dict) -> Cluster:
             "merge_seconds": "measured: one ta.merge_states of two (1,1,16,128) states",
             "collective_overhead": "measured: 2 x p2p(4 B) - allreduce(4 B), clamped at 0",
             "intra.latency": "measured: p2p(4 B) one-way minus collective_overhead",
-            "intra.bandwidth": f"measured: {LARGE_BYTES >> 20} MiB / (two-rank ring step - its attention - latency): both ranks swap a {LARGE_BYTES >> 20} MiB K,V block into fresh buffers while attending to their own",
+            "intra.bandwidth": f"measured: {LARGE_BYTES >> 20} MiB / (two-rank ring step - its attention - latency): both ranks "
+                               f"swap a {LARGE_BYTES >> 20} MiB K,V block into fresh buffers while attending to their own",
             "inter": "same as intra: all ranks on one host",
             "peak_flops": "measured: 1-thread fp32 512^3 matmul",
             "p2p_overlap": "assumption: 0; gloo moves bytes with the same cores that compute",
-            "busy_round_p2p": f"measured at each world size p: p busy ranks ({BUSY_TOKENS}-token attention each), median slowest-rank (attention + one ring step of a {BUSY_MESSAGE_ELEMENTS * 4}-byte decode state) - (attention alone) - its idle cost (collective_overhead + latency + bytes / bandwidth), clamped at 0",
-            "busy_round_collective": "measured the same way with an allreduce of the state instead of the ring step, minus its idle ring-allreduce cost, clamped at 0",
-            "busy_next_round_p2p": "measured at each world size p, same protocol: median slowest-rank (attention + two ring steps back to back) - (attention + one) - the idle cost of a step, clamped at 0",
-            "busy_next_round_collective": "measured the same way with two allreduces of the state back to back vs one, minus the idle cost of one, clamped at 0",
+            "busy_round_p2p": f"measured at each world size p: p busy ranks ({BUSY_TOKENS}-token attention each), median "
+                              f"slowest-rank (attention + one ring step of a {BUSY_MESSAGE_ELEMENTS * 4}-byte decode state) - "
+                              f"(attention alone) - its idle cost (collective_overhead + latency + bytes / bandwidth), clamped "
+                              f"at 0",
+            "busy_round_collective": "measured the same way with an allreduce of the state instead of the ring step, minus its "
+                                     "idle ring-allreduce cost, clamped at 0",
+            "busy_next_round_p2p": "measured at each world size p, same protocol: median slowest-rank (attention + two ring "
+                                   "steps back to back) - (attention + one) - the idle cost of a step, clamped at 0",
+            "busy_next_round_collective": "measured the same way with two allreduces of the state back to back vs one, minus "
+                                          "the idle cost of one, clamped at 0",
         },
     )
 

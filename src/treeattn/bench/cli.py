@@ -27,7 +27,8 @@ PROFILE_ENGINE_FLAGS = ("threads_per_rank", "device", "kv_cache_dtype", "weight_
 """The EngineConfig fields `bench profile` takes as flags (commands.flags.config_options), one value each; --nproc and
 --method are sweeps (lists of values), --max-new-tokens counts its warm-up steps: its own options."""
 
-bench_app = typer.Typer(help="Benchmarks: decode sweeps, calibration, cost-model validation, serving load.", no_args_is_help=True, rich_markup_mode=None)
+bench_app = typer.Typer(help="Benchmarks: decode sweeps, calibration, cost-model validation, serving load.", no_args_is_help=True,
+                        rich_markup_mode=None)
 
 
 def _refuse(message: str) -> typer.Exit:
@@ -105,7 +106,8 @@ def run_with_progress(config: SweepConfig, launcher=None) -> list[dict]:
                     done = finished()
                     if done:
                         last = done[-1]
-                        progress.update(task, completed=len(done), description=f"{last['method']} p={last['gpus']} N={last['seq_len']}")
+                        progress.update(task, completed=len(done),
+                                        description=f"{last['method']} p={last['gpus']} N={last['seq_len']}")
             except KeyboardInterrupt:  # the ranks end with this process (ta.spawn ties them to it)
                 raise SweepInterrupted(finished()) from None
         if "error" in outcome:
@@ -164,7 +166,8 @@ def _print_records(records: list[dict]) -> None:
     from rich.table import Table
 
     table = Table(title="decode step, slowest rank (barrier-aligned)")
-    for col in ("method", "p", "seq_len", "median ms", "p10 ms", "p90 ms", "bytes sent (max rank)", "rounds", "peak MiB (max rank)"):
+    for col in ("method", "p", "seq_len", "median ms", "p10 ms", "p90 ms", "bytes sent (max rank)", "rounds",
+                "peak MiB (max rank)"):
         table.add_column(col, justify="left" if col == "method" else "right")
     failed = [r for r in records if "error" in r]
     if failed:
@@ -207,7 +210,8 @@ def _print_per_rank(records: list[dict]) -> None:
 
 @bench_app.command("decode")
 def decode(
-    method: list[str] = typer.Option(["allreduce", "tree", "ring-kv", "ring-q"], "--method", "-m", help="Methods: " + ", ".join(METHODS)),
+    method: list[str] = typer.Option(["allreduce", "tree", "ring-kv", "ring-q"], "--method", "-m",
+                                     help="Methods: " + ", ".join(METHODS)),
     world_size: list[int] = typer.Option([2], "--nproc", help="Ranks; repeat for several."),
     seq_len: list[int] = typer.Option([16384], "--seq-len", "-n", help="KV cache length(s)."),
     heads: int = typer.Option(16, help="Query heads Hq."),
@@ -226,7 +230,8 @@ def decode(
     output: list[Path] = typer.Option([], "--output", "-o", help="Write records: .json or .csv (repeatable)."),
     plot: Path | None = typer.Option(None, help="Write latency/speedup/memory/comm PNGs into this folder."),
     plot_prefix: str = typer.Option("bench", help="File name prefix of the PNGs."),
-    timeout: float = typer.Option(300.0, help="Seconds a collective may block, or a rank show no sign of life, before the case fails."),
+    timeout: float = typer.Option(300.0,
+                                  help="Seconds a collective may block, or a rank show no sign of life, before the case fails."),
     per_rank: bool = typer.Option(False, help="Also print bytes per rank and op (always with --topology)."),
 ) -> None:
     """Time decode methods on real process groups: median, p10, p90 of the slowest rank.
@@ -248,7 +253,8 @@ def decode(
     try:
         config = SweepConfig(
             methods=tuple(method), world_sizes=tuple(world_size), seq_lens=tuple(seq_len), heads=heads, kv_heads=kv_heads,
-            head_dim=head_dim, batch=batch, dtype=SHORT_DTYPES[dtype], warmup=warmup, repeats=repeats, ranks_per_node=ranks_per_node,
+            head_dim=head_dim, batch=batch, dtype=SHORT_DTYPES[dtype], warmup=warmup, repeats=repeats,
+                             ranks_per_node=ranks_per_node,
             threads_per_rank=threads_per_rank, backend=backend, timeout=timeout,
         )
         if nodes is not None:
@@ -300,7 +306,9 @@ def calibrate_command(
     output: Path = typer.Option(Path("calibration.json"), "--output", "-o", help="Where to write the calibration JSON."),
     repeats: int = typer.Option(5, help="Repetitions of each measurement (the median is kept)."),
     passes: int = typer.Option(1, help="Whole calibrations, 10 s apart; each figure keeps its fastest pass."),
-    world_size: list[int] = typer.Option([2, 4], "--nproc", help="World sizes at which the busy-round costs (p2p step, small collective among computing ranks) are measured."),
+    world_size: list[int] = typer.Option([2, 4], "--nproc",
+                                         help="World sizes at which the busy-round costs (p2p step, small collective among "
+                                              "computing ranks) are measured."),
 ) -> None:
     """Measure gloo loopback latency/bandwidth, 1-thread attention rate, merge cost, memory bandwidth,
     and the cost of a p2p step / small collective among busy ranks at each world size."""
@@ -316,12 +324,14 @@ def calibrate_command(
     m = result["measurements"]
     typer.echo(
         f"p2p latency {c['intra']['latency'] * 1e6:.1f} us + call {c['collective_overhead'] * 1e6:.1f} us, "
-        f"ping-pong {m['p2p_large_bytes'] / m['p2p_large_one_way_seconds'] / 1e9:.2f} GB/s, attention {c['memory_bandwidth'] / 1e9:.2f} GB/s per rank "
+        f"ping-pong {m['p2p_large_bytes'] / m['p2p_large_one_way_seconds'] / 1e9:.2f} GB/s, attention "
+        f"{c['memory_bandwidth'] / 1e9:.2f} GB/s per rank "
         f"(+{c['kernel_overhead'] * 1e3:.2f} ms/call), {c['host_memory_bandwidth'] / 1e9:.2f} GB/s with all cores, "
         f"merge {c['merge_seconds'] * 1e6:.1f} us, ring-step transfer {c['intra']['bandwidth'] / 1e9:.2f} GB/s, "
         f"copy {m['copy_bandwidth_1_thread'] / 1e9:.1f} GB/s (1 thread)"
     )
-    for p, compute, p2p, allreduce in zip(m["busy_world_sizes"], m["busy_compute_seconds"], m["busy_p2p_seconds"], m["busy_allreduce_seconds"]):
+    for p, compute, p2p, allreduce in zip(m["busy_world_sizes"], m["busy_compute_seconds"], m["busy_p2p_seconds"],
+                                          m["busy_allreduce_seconds"]):
         typer.echo(
             f"p={p} busy ranks: attention {compute * 1e3:.2f} ms, + ring step {(p2p - compute) * 1e3:+.2f} ms, "
             f"+ allreduce {(allreduce - compute) * 1e3:+.2f} ms"
@@ -329,24 +339,32 @@ def calibrate_command(
     for (p, p2p), (_, collective) in zip(c["busy_round_p2p"], c["busy_round_collective"]):
         typer.echo(f"busy-round term at p={p}: {p2p * 1e3:.2f} ms per p2p step, {collective * 1e3:.2f} ms per collective call")
     for (p, p2p), (_, collective) in zip(c["busy_next_round_p2p"], c["busy_next_round_collective"]):
-        typer.echo(f"back-to-back round term at p={p}: {p2p * 1e3:.2f} ms per further p2p step, {collective * 1e3:.2f} ms per further collective call")
+        typer.echo(f"back-to-back round term at p={p}: {p2p * 1e3:.2f} ms per further p2p step, {collective * 1e3:.2f} ms per "
+                   f"further collective call")
     typer.echo(f"wrote {output} in {time.perf_counter() - start:.0f} s", err=True)
 
 
 @bench_app.command("validate")
 def validate_command(
     calibration: Path = typer.Option(Path("calibration.json"), help="Calibration JSON from `treeattn bench calibrate`."),
-    method: list[str] = typer.Option(["allreduce", "tree", "ring-kv", "ring-q"], "--method", "-m", help="Method(s) to benchmark and predict; repeat for several."),
+    method: list[str] = typer.Option(["allreduce", "tree", "ring-kv", "ring-q"], "--method", "-m",
+                                     help="Method(s) to benchmark and predict; repeat for several."),
     world_size: list[int] = typer.Option([2, 4], "--nproc", help="Ranks; repeat for several."),
-    seq_len: list[int] = typer.Option([16384, 65536, 262144], "--seq-len", "-n", help="KV cache length(s) N; repeat for several."),
+    seq_len: list[int] = typer.Option([16384, 65536, 262144], "--seq-len", "-n",
+                                      help="KV cache length(s) N; repeat for several."),
     warmup: int = typer.Option(1, help="Untimed calls per case."),
     repeats: int = typer.Option(5, help="Timed calls per case."),
     tolerance: float = typer.Option(0.35, help="Allowed |predicted - measured| / measured."),
     output: Path | None = typer.Option(None, "--output", "-o", help="Write measured + predicted records as JSON."),
     markdown: Path | None = typer.Option(None, help="Write the validation table as Markdown."),
-    records: Path | None = typer.Option(None, help="Compare these saved benchmark records (a --output JSON of validate or bench decode) instead of running."),
-    passes: int = typer.Option(1, help="Run the whole sweep this many times and keep, per case, the pass with the lowest median."),
-    calibrate_each_pass: bool = typer.Option(False, help="Calibrate right before every pass and predict each pass's cases from its own calibration (--calibration is then ignored)."),
+    records: Path | None = typer.Option(None,
+                                        help="Compare these saved benchmark records (a --output JSON of validate or bench "
+                                             "decode) instead of running."),
+    passes: int = typer.Option(1,
+                               help="Run the whole sweep this many times and keep, per case, the pass with the lowest median."),
+    calibrate_each_pass: bool = typer.Option(False,
+                                             help="Calibrate right before every pass and predict each pass's cases from its own "
+                                                  "calibration (--calibration is then ignored)."),
 ) -> None:
     """Benchmark tree and ring decoding here (Hq=16, D=128, fp32, B=1) and compare with the
     cost model's cpu-local predictions; exits 1 if any point misses the tolerance.
@@ -363,7 +381,8 @@ def validate_command(
     _check_outputs([("--output", output, (".json",)), ("--markdown", markdown, (".md",))])
     try:
         cluster = None if calibrate_each_pass else load_cluster("cpu-local", calibration)
-        config = SweepConfig(methods=tuple(method), world_sizes=tuple(world_size), seq_lens=tuple(seq_len), heads=16, head_dim=128,
+        config = SweepConfig(methods=tuple(method), world_sizes=tuple(world_size), seq_lens=tuple(seq_len), heads=16,
+                             head_dim=128,
                              batch=1, dtype="fp32", warmup=warmup, repeats=repeats, timeout=600.0)
         if records is None:
             check_resources(config)
@@ -410,7 +429,8 @@ def validate_command(
 @bench_app.command("plot")
 def plot_command(
     records: Path = typer.Argument(..., help="Records JSON from `bench decode --output` or `bench validate --output`."),
-    out: Path = typer.Option(Path("docs/figures"), "--plot", help="Folder for the PNGs (as `simulate --plot` and `bench decode --plot`)."),
+    out: Path = typer.Option(Path("docs/figures"), "--plot",
+                             help="Folder for the PNGs (as `simulate --plot` and `bench decode --plot`)."),
     prefix: str = typer.Option("bench", help="File name prefix."),
     title: str = typer.Option("measured, gloo CPU ranks", help="Figure title."),
 ) -> None:
@@ -430,16 +450,20 @@ def plot_command(
 @bench_app.command("profile")
 @config_options(EngineConfig, PROFILE_ENGINE_FLAGS, into="engine",
                 threads_per_rank={"help": "torch threads per rank (default cores / ranks, at least 1)."},
-                device={"help": "Where the ranks run: auto (CUDA when torch sees a GPU), cpu or cuda (rank r on cuda:r, an NCCL group)."})
+                device={"help": "Where the ranks run: auto (CUDA when torch sees a GPU), cpu or cuda (rank r on cuda:r, an NCCL "
+                                "group)."})
 def profile_command(
     model: str = typer.Argument(..., help="demo, smollm2-shapes (random weights, SmolLM2-135M's 30-layer shapes), "
                                 "or a checkpoint: Hugging Face directory or .gguf file."),
     nproc: list[int] = typer.Option([1, 2, 4], "--nproc", help="World sizes (repeatable)."),
     context: int = typer.Option(8192, "--context", min=2, help="Synthetic prompt length in tokens."),
-    new_tokens: int = typer.Option(16, "--max-new-tokens", min=4, help="Greedy tokens per method (the first --warmup steps are not counted)."),
-    method: list[str] = typer.Option(["allreduce", "onepass"], "--method", "-m", help="tree_decode methods, each a prefill and a decode."),
+    new_tokens: int = typer.Option(16, "--max-new-tokens", min=4,
+                                   help="Greedy tokens per method (the first --warmup steps are not counted)."),
+    method: list[str] = typer.Option(["allreduce", "onepass"], "--method", "-m",
+                                     help="tree_decode methods, each a prefill and a decode."),
     transport: list[str] = typer.Option(["shm"], "--transport", "-t", help="How the ranks combine (repeatable): shm (shared "
-                                        "memory, the default of generate and the engine) or gloo (the process group's sockets); CUDA ranks: their NCCL group."),
+                                        "memory, the default of generate and the engine) or gloo (the process group's sockets); "
+                                        "CUDA ranks: their NCCL group."),
     warmup: int = typer.Option(2, "--warmup", min=0, help="Decode steps left out of the means."),
     repeats: int = typer.Option(1, "--repeats", min=1, help="Run the methods in turn this many times (means over all runs)."),
     json_out: Path | None = typer.Option(None, "--output", "-o", help="Also write every rank's figures to this JSON file."),
@@ -497,7 +521,8 @@ def profile_command(
                 ph = entry["phases"]
                 cells = [f"{ph[x] * 1e3:.2f} ({100 * ph[x] / ph['step']:.0f}%)" for x in PHASES]
                 table.add_row(str(p), name if p > 1 else "-", str(rank), f"{ph['step'] * 1e3:.2f}", *cells,
-                              f"{entry['rounds_per_step']:.0f}", "yes" if entry["generated_ids"] == reference and entry["same_ids_every_run"] else "NO")
+                              f"{entry['rounds_per_step']:.0f}",
+                              "yes" if entry["generated_ids"] == reference and entry["same_ids_every_run"] else "NO")
                 records.append({"model": model, "context": context, "p": p, "method": method_name, "transport": transport_name,
                                 "weight_format": weight_format, "kv_cache_dtype": kv_cache_dtype,
                                 "rank": rank, **entry})
@@ -531,14 +556,18 @@ def _load_records(path: Path, option: str) -> list[dict]:
 
 @bench_app.command("serve")
 def serve_command(
-    base_url: str = typer.Option(..., "--base-url", help="The server, e.g. http://127.0.0.1:8000 (treeattn serve, vLLM, llama.cpp)."),
+    base_url: str = typer.Option(..., "--base-url",
+                                 help="The server, e.g. http://127.0.0.1:8000 (treeattn serve, vLLM, llama.cpp)."),
     model: str | None = typer.Option(None, "--model", help="The model id to send (default: the first /v1/models lists)."),
     endpoint: str = typer.Option("/v1/completions", "--endpoint", help="/v1/completions or /v1/chat/completions."),
     num_prompts: int = typer.Option(100, "--num-prompts", min=1, help="Requests to send."),
     input_len: int = typer.Option(512, "--input-len", min=1, help="Synthetic prompts: tokens per prompt."),
-    output_len: int = typer.Option(128, "--output-len", min=1, help="max_tokens of each request (answers are this long: ignore_eos)."),
-    range_ratio: float = typer.Option(0.0, "--range-ratio", min=0.0, max=0.99, help="Synthetic lengths uniform in len x [1-r, 1+r]."),
-    min_token_id: int = typer.Option(100, "--min-token-id", min=0, help="Synthetic prompts' token ids are drawn from [min, max)."),
+    output_len: int = typer.Option(128, "--output-len", min=1,
+                                   help="max_tokens of each request (answers are this long: ignore_eos)."),
+    range_ratio: float = typer.Option(0.0, "--range-ratio", min=0.0, max=0.99,
+                                      help="Synthetic lengths uniform in len x [1-r, 1+r]."),
+    min_token_id: int = typer.Option(100, "--min-token-id", min=0,
+                                     help="Synthetic prompts' token ids are drawn from [min, max)."),
     max_token_id: int = typer.Option(1000, "--max-token-id", min=1),
     dataset_path: Path | None = typer.Option(None, "--dataset-path", help="Prompts from a file: one per line, or .jsonl objects "
                                              "with 'prompt' and optionally 'output_len'."),
@@ -550,11 +579,13 @@ def serve_command(
     goodput: str = typer.Option("", "--goodput", help="SLOs in ms, e.g. 'ttft:500 tpot:50 e2el:5000': good requests per second."),
     percentiles: str = typer.Option("50,90,99", "--percentiles", help="Percentiles of ttft, tpot, itl and e2el to report."),
     seed: int = typer.Option(0, "--seed"),
-    ignore_eos: bool = typer.Option(True, "--ignore-eos/--no-ignore-eos", help="Send ignore_eos so that answers are --output-len long."),
+    ignore_eos: bool = typer.Option(True, "--ignore-eos/--no-ignore-eos",
+                                    help="Send ignore_eos so that answers are --output-len long."),
     label: str | None = typer.Option(None, "--label", help="A label stored in the result."),
     extra_body: str = typer.Option("", "--extra-body", help="A JSON object of more fields for every request, e.g. "
                                    "'{\"logit_bias\": {\"2\": -100}}' for a server without ignore_eos."),
-    result_file: Path | None = typer.Option(None, "--result-file", "-o", help="Write the result JSON (vllm bench serve's keys) here."),
+    result_file: Path | None = typer.Option(None, "--result-file", "-o",
+                                            help="Write the result JSON (vllm bench serve's keys) here."),
 ) -> None:
     """Open-loop load on an OpenAI-compatible server: TTFT, TPOT, ITL and end-to-end latency
     percentiles, throughput and goodput, as `vllm bench serve` reports them (its JSON keys)."""
@@ -565,7 +596,8 @@ def serve_command(
         config = ServeBenchConfig(base_url=base_url.rstrip("/"), model=model, endpoint=endpoint, num_prompts=num_prompts,
                                   input_len=input_len, output_len=output_len, range_ratio=range_ratio, min_token_id=min_token_id,
                                   max_token_id=max_token_id, dataset_path=None if dataset_path is None else str(dataset_path),
-                                  request_rate=request_rate, arrival=arrival, burstiness=burstiness, max_concurrency=max_concurrency,
+                                  request_rate=request_rate, arrival=arrival, burstiness=burstiness,
+                                  max_concurrency=max_concurrency,
                                   goodput=parse_goodput(goodput), percentiles=_percentiles(percentiles),
                                   seed=seed, api_key=os.environ.get("OPENAI_API_KEY") or os.environ.get("TREEATTN_API_KEY"),
                                   ignore_eos=ignore_eos, label=label, extra_body=_json_object(extra_body, "--extra-body"))

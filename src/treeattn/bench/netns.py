@@ -242,7 +242,8 @@ def run_in_namespaces(
         raise ValueError(f"world size {world_size} is not divisible by ranks_per_node {ranks_per_node}")
     nodes = world_size // ranks_per_node
     if nodes > len(net.namespaces):
-        raise ValueError(f"world size {world_size} with {ranks_per_node} ranks per node needs {nodes} nodes, the network has {len(net.namespaces)}")
+        raise ValueError(f"world size {world_size} with {ranks_per_node} ranks per node needs {nodes} nodes, the network has "
+                         f"{len(net.namespaces)}")
     port = 29500 + os.getpid() % 20000
     workdir = Path(tempfile.mkdtemp(prefix="treeattn-netns-"))
     result_path = workdir / "records.json"

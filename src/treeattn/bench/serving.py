@@ -11,7 +11,8 @@ intervals of shape `burstiness` and mean 1 / request_rate, as vLLM draws them; "
 (None: no limit) caps the requests in flight, so request_rate inf with max_concurrency N is a fixed
 concurrency of N. Each request streams (`stream: true`, `stream_options.include_usage`) over the
 completions or chat endpoint with httpx; the time to first token is the first chunk with text (or
-the finishing chunk, when no text came before it), every later chunk with text adds one inter-token latency (a chunk of several tokens counts once, as in
+the finishing chunk, when no text came before it), every later chunk with text adds one inter-token latency (a chunk of several
+tokens counts once, as in
 vLLM), the output length is the server's `usage.completion_tokens`, and TPOT is (latency - TTFT) /
 (output tokens - 1). Prompts are synthetic (`input_len` random token ids from [min_token_id,
 max_token_id), a list the completions endpoint takes; `ignore_eos` keeps every answer `output_len`
@@ -53,7 +54,7 @@ class ServeBenchConfig:
         ... except ValueError as error:
         ...     print(error)
         request_rate must be a number > 0 (inf: every request at once), got 0
-    """
+    """  # noqa: E501
 
     base_url: str
     model: str | None = None  # None: the first model /v1/models lists
@@ -76,7 +77,8 @@ class ServeBenchConfig:
     timeout_s: float = 600.0
     label: str | None = None
     ignore_eos: bool = True  # every answer output_len tokens long (vLLM's default for its random prompts)
-    extra_body: dict = field(default_factory=dict)  # more fields of every request (e.g. a logit_bias for servers without ignore_eos)
+    # more fields of every request (e.g. a logit_bias for servers without ignore_eos)
+    extra_body: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         checks = (
@@ -169,7 +171,8 @@ def make_requests(config: ServeBenchConfig) -> list[BenchRequest]:
 
 def _read_prompts(path: Path, output_len: int) -> list[BenchRequest]:
     """One prompt per non-empty line; a .jsonl file: one object per line with "prompt" (text or token ids)
-    and optionally "output_len" (and "prompt_len", the text's token count, used when the server sends no usage). ValueError naming the file and line."""
+    and optionally "output_len" (and "prompt_len", the text's token count, used when the server sends no usage). ValueError
+    naming the file and line."""
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
     except (OSError, UnicodeDecodeError) as exc:
@@ -185,7 +188,9 @@ def _read_prompts(path: Path, output_len: int) -> list[BenchRequest]:
             item = json.loads(line)
             prompt, n = item["prompt"], int(item.get("output_len", output_len))
         except (ValueError, KeyError, TypeError) as exc:
-            raise ValueError(f"dataset_path: {path}:{number}: expected an object with 'prompt' (and 'output_len'): {exc}") from None
+            raise ValueError(
+                f"dataset_path: {path}:{number}: expected an object with 'prompt' (and 'output_len'): {exc}"
+            ) from None
         known = len(prompt) if isinstance(prompt, list) else item.get("prompt_len")
         out.append(BenchRequest(prompt, int(known) if known is not None else None, n))
     if not out:
@@ -285,7 +290,8 @@ async def _first_model(client) -> str:
         response.raise_for_status()
         return response.json()["data"][0]["id"]
     except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError) as exc:
-        raise ValueError(f"base_url: {str(client.base_url).rstrip('/')}/v1/models gave no model id ({type(exc).__name__}: {exc}); "
+        raise ValueError(f"base_url: {str(client.base_url).rstrip('/')}/v1/models gave no model id ({type(exc).__name__}: "
+                         f"{exc}); "
                          "is the server up? (or pass --model)") from None
 
 
@@ -305,7 +311,8 @@ def summarize(config: ServeBenchConfig, outcomes: list[RequestOutcome], duration
     good = sum(1 for o in done if _is_good(o, config.goodput))
     total_in, total_out = sum(o.prompt_len for o in done), sum(o.output_len for o in done)
     result = {
-        "date": datetime.now().strftime("%Y%m%d-%H%M%S"), "endpoint_type": "openai-chat" if "chat" in config.endpoint else "openai",
+        "date": datetime.now().strftime("%Y%m%d-%H%M%S"),
+              "endpoint_type": "openai-chat" if "chat" in config.endpoint else "openai",
         "backend": "openai-chat" if "chat" in config.endpoint else "openai", "label": config.label, "model_id": model,
         "tokenizer_id": model, "num_prompts": config.num_prompts,
         "request_rate": config.request_rate if math.isfinite(config.request_rate) else "inf", "burstiness": config.burstiness,

@@ -69,7 +69,8 @@ def compare(records: list[dict], cluster: Cluster | None) -> list[dict]:
 def markdown_table(rows: list[dict], tolerance: float) -> str:
     """The validation table in Markdown; misses beyond `tolerance` are marked."""
     lines = [
-        "| method | p | N | predicted ms | measured median ms (p10-p90) | error vs median | error vs p10 | bytes pred / meas | rounds pred / meas |",
+        "| method | p | N | predicted ms | measured median ms (p10-p90) | error vs median | error vs p10 | bytes pred / meas | "
+        "rounds pred / meas |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:

@@ -58,12 +58,14 @@ class PagedKVCache:
     def __init__(self, *, num_layers: int, num_kv_heads: int, head_dim: int, num_blocks: int, block_size: int,
                  value_dim: int | None = None, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
                  compute_dtype: torch.dtype | None = None) -> None:
-        for name, value in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim), ("block_size", block_size)):
+        for name, value in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim),
+                            ("block_size", block_size)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
         if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 0:
             raise ValueError(f"num_blocks must be an int >= 0, got {num_blocks!r}")
-        if value_dim is not None and (isinstance(value_dim, bool) or not isinstance(value_dim, int) or not 1 <= value_dim <= head_dim):
+        if value_dim is not None and (isinstance(value_dim, bool) or not isinstance(value_dim,
+                                                                                    int) or not 1 <= value_dim <= head_dim):
             raise ValueError(f"value_dim must be None or an int in [1, head_dim={head_dim}], got {value_dim!r}")
         self.num_layers, self.num_kv_heads, self.head_dim, self.value_dim = num_layers, num_kv_heads, head_dim, value_dim
         compute_dtype = compute_dtype or (torch.float32 if dtype == FP8 else dtype)
@@ -71,11 +73,14 @@ class PagedKVCache:
             if not isinstance(value, torch.dtype) or not value.is_floating_point or (value.itemsize == 1 and value != FP8):
                 raise TypeError(f"{name} must be a floating torch.dtype (of 8 bits: float8_e4m3fn), got {value!r}")
         if compute_dtype == FP8:
-            raise TypeError(f"compute_dtype must be a dtype attention computes in (float32, bfloat16, ...), got {compute_dtype!r}")
+            raise TypeError(
+                f"compute_dtype must be a dtype attention computes in (float32, bfloat16, ...), got {compute_dtype!r}"
+            )
         self.num_blocks, self.block_size = num_blocks, block_size
         self.compute_dtype = compute_dtype
         self.pad_block = num_blocks
-        self.arena = torch.empty(num_layers, 1 if value_dim else 2, num_blocks + 1, block_size, num_kv_heads, head_dim, dtype=dtype, device=device)
+        self.arena = torch.empty(num_layers, 1 if value_dim else 2, num_blocks + 1, block_size, num_kv_heads, head_dim,
+                                 dtype=dtype, device=device)
         self.arena[:, :, self.pad_block].zero_()
         self.scales = None  # float32 (num_layers, 2 or 1, num_blocks + 1, block_size, Hkv) for an fp8 arena
         if dtype == FP8:
@@ -151,7 +156,8 @@ class PagedKVCache:
         Hkv) for k and v (the same for both with value_dim); (None, None) for any other dtype."""
         if self.scales is None:
             return None, None
-        return (self.scales[layer, 0], self.scales[layer, 0]) if self.value_dim else (self.scales[layer, 0], self.scales[layer, 1])
+        return (self.scales[layer, 0], self.scales[layer, 0]) if self.value_dim else (self.scales[layer, 0],
+                                                                                      self.scales[layer, 1])
 
     def _widen(self, codes: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor:
         """Stored values in the compute dtype: a view when the arena stores that dtype, else a copy

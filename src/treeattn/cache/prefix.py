@@ -169,7 +169,8 @@ class PrefixCache:
             child = node.children.get(key)
             if child is None:
                 if self.pool.owner(j) != blocks[j].rank:
-                    raise ValueError(f"block {j} is on rank {blocks[j].rank}, but the placement puts it on rank {self.pool.owner(j)}")
+                    raise ValueError(f"block {j} is on rank {blocks[j].rank}, but the placement puts it on rank "
+                                     f"{self.pool.owner(j)}")
                 self.pool.incref(blocks[j])
                 child = node.children[key] = _Node(node, key, blocks[j], now)
                 if self._new is not None:

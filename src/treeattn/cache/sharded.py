@@ -129,12 +129,14 @@ class ShardedKVCache:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
     ) -> None:
-        for name, value in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim), ("batch_size", batch_size)):
+        for name, value in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim),
+                            ("batch_size", batch_size)):
             if isinstance(value, bool) or not isinstance(value, int):
                 raise TypeError(f"{name} must be an int, got {type(value).__name__}")
             if value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
-        if value_dim is not None and (isinstance(value_dim, bool) or not isinstance(value_dim, int) or not 1 <= value_dim <= head_dim):
+        if value_dim is not None and (isinstance(value_dim, bool) or not isinstance(value_dim,
+                                                                                    int) or not 1 <= value_dim <= head_dim):
             raise ValueError(f"value_dim must be None or an int in [1, head_dim={head_dim}], got {value_dim!r}")
         if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
             raise ValueError(f"rank must be an int in [0, world_size={world_size}), got {rank!r}")
@@ -154,7 +156,8 @@ class ShardedKVCache:
         self.local_capacity = self.placement.local_capacity(rank)
         self.num_blocks = -(-self.local_capacity // block_size)
         slots = self.num_blocks * block_size
-        self._arena = torch.empty(num_layers, 1 if value_dim else 2, batch_size, slots, num_kv_heads, head_dim, dtype=dtype, device=self.device)
+        self._arena = torch.empty(num_layers, 1 if value_dim else 2, batch_size, slots, num_kv_heads, head_dim, dtype=dtype,
+                                  device=self.device)
         self._positions = torch.full((batch_size, slots), INVISIBLE_POSITION, dtype=torch.int64, device=self.device)
         self.length = 0  # global slots in use (the same on every rank)
         self.local_length = 0  # slots in use on this rank: the prefix [0, local_length)
@@ -245,11 +248,14 @@ class ShardedKVCache:
         for name, t in (("k", k), ("v", v)):
             shape = expected[:3] + (self.value_dim,) if name == "v" and self.value_dim else expected
             if tuple(t.shape) != shape:
-                raise ValueError(f"{name} must have shape (B, owned tokens, Hkv, {'Dv' if name == 'v' else 'D'}) = {shape}, got {tuple(t.shape)}")
+                raise ValueError(f"{name} must have shape (B, owned tokens, Hkv, {'Dv' if name == 'v' else 'D'}) = {shape}, got "
+                                 f"{tuple(t.shape)}")
             if t.dtype != self.dtype:
                 raise TypeError(f"{name} must have the cache's dtype {self.dtype}, got {t.dtype}")
         if slots.local_stop > self.local_length:
-            raise ValueError(f"slots {slots.local_start}:{slots.local_stop} lie beyond the {self.local_length} local slots in use")
+            raise ValueError(
+                f"slots {slots.local_start}:{slots.local_stop} lie beyond the {self.local_length} local slots in use"
+            )
         if slots.num_owned:
             self._arena[layer, 0, :, slots.local_start : slots.local_stop] = k
             if not self.value_dim:
@@ -319,7 +325,8 @@ class ShardedKVCache:
         old = self._positions.index_select(1, local_slot)
         self._positions.index_copy_(1, local_slot, torch.where(owned, new, old))
 
-    def store_at(self, layer: int, local_slot: torch.Tensor, owned: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor) -> None:
+    def store_at(self, layer: int, local_slot: torch.Tensor, owned: torch.Tensor, k_new: torch.Tensor,
+                 v_new: torch.Tensor) -> None:
         """Device-side write of one token's keys and values of `layer`, k_new, v_new (B, 1, Hkv, D),
         into local_slot if owned (locate()); otherwise the slot keeps what it had."""
         self._check_layer(layer)

@@ -24,7 +24,8 @@ row t mod size): a decode step writes its token (and drafts) in place and attend
 it is, with the rows its window cannot see masked by their positions, so no row is copied per
 step. A step that starts at `start` finds positions [start - W + 1, start) kept, and a rollback
 over rejected drafts (speculative decoding restarts at the first rejected one) needs nothing
-recomputed: the rejected rows lie after every later query until they are overwritten. A sequence that starts at position 0 starts afresh; one
+recomputed: the rejected rows lie after every later query until they are overwritten. A sequence that starts at position 0 starts
+afresh; one
 that starts later without those positions kept is refused (RuntimeError), never attended wrongly.
 
 Cached prefixes (the engine's prefix cache) keep their window state as checkpoints: a
@@ -172,7 +173,8 @@ class WindowKVCache:
             first = max(0, end - window + 1)
             if end > 0 and (ring is None or ring.first > first or ring.end < end):
                 have = "nothing" if ring is None else f"[{ring.first}, {ring.end})"
-                raise RuntimeError(f"window cache: checkpoint {checkpoint} of sequence {seq_id} at position {end} needs positions "
+                raise RuntimeError(f"window cache: checkpoint {checkpoint} of sequence {seq_id} at position {end} needs "
+                                   f"positions "
                                    f"[{first}, {end}) of layer {layer}, but the sequence holds {have}")
             at = torch.arange(first, end, device=self.device) % ring.size if end > 0 else None
             rows[layer] = ring.stored(at) if at is not None else None

@@ -34,7 +34,8 @@ CHAT_SAMPLING = {"temperature": 0.7, "top_p": 0.9, "top_k": 0, "repetition_penal
 """The chat's sampling where the checkpoint ships none (treeattn.models.generation_config) and no flag is given:
 ollama's and llama.cpp's kind of defaults (they sample, with a repeat penalty), where greedy decoding of a small
 model repeats itself. top_k 0: off."""
-SAMPLING_FLAGS = {"temperature": "--temperature", "top_p": "--top-p", "top_k": "--top-k", "repetition_penalty": "--repetition-penalty"}
+SAMPLING_FLAGS = {"temperature": "--temperature", "top_p": "--top-p", "top_k": "--top-k",
+                  "repetition_penalty": "--repetition-penalty"}
 
 COMMANDS = {"/reset": "forget the conversation (the system message stays)", "/exit": "leave (Ctrl-D too)",
             "/help": "list these commands"}
@@ -78,7 +79,8 @@ CHAT_ENGINE_FLAGS = ("nproc", "tp", "block_size", "decode", "device", "kv_cache_
                      "kv_store", "kv_store_bytes")
 
 
-@config_options(EngineConfig, CHAT_ENGINE_FLAGS, into="engine_options", nproc={"help": "Ranks sharing the KV cache, spawned here (gloo)."},
+@config_options(EngineConfig, CHAT_ENGINE_FLAGS, into="engine_options",
+                nproc={"help": "Ranks sharing the KV cache, spawned here (gloo)."},
                 block_size={"min": 1})
 def chat_command(
     model: Path = model_argument(", with a chat template."),
@@ -123,7 +125,8 @@ def chat_command(
     start = time.perf_counter()
     try:
         nproc = engine_options["nproc"]
-        engine = Engine(str(model), EngineConfig(**{**engine_options, "decode": engine_options["decode"] if nproc > 1 else "local"},
+        engine = Engine(str(model), EngineConfig(**{**engine_options,
+                                                    "decode": engine_options["decode"] if nproc > 1 else "local"},
                                                  max_batch_size=1, prefix_cache=True, dtype=torch_dtype(dtype)))
     except ConfigError as exc:  # a refused option (--device cuda without CUDA, ...): one line in the flags' words
         from treeattn.commands.flags import cli_message

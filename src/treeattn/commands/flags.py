@@ -6,9 +6,12 @@
 
 A flag is named after its field (block_size -> --block-size; a bool field gives --name/--no-name),
 its default is the field's, its choices are the tuple the field is checked against (the parameter's
-annotation, Decode, Method, ...: Literal types of the same tuples EngineConfig validates with), and its help is the field's entry in the class
-docstring's "Attributes:" section. `treeattn generate`, `serve`, `chat`, `demo`, `eval needle`, `eval ruler` and `bench profile` take their engine flags
-(EngineConfig) and sampling flags (SamplingParams) from here, so a concept has one flag everywhere. Old spellings stay accepted as hidden aliases:
+annotation, Decode, Method, ...: Literal types of the same tuples EngineConfig validates with), and its help is the field's entry
+in the class
+docstring's "Attributes:" section. `treeattn generate`, `serve`, `chat`, `demo`, `eval needle`, `eval ruler` and `bench profile`
+take their engine flags
+(EngineConfig) and sampling flags (SamplingParams) from here, so a concept has one flag everywhere. Old spellings stay accepted
+as hidden aliases:
 treeattn.cli rewrites them (ALIASES) before the command parses its arguments. A configuration error
 reaches the user in flag words (cli_message: "top_p must ..." -> "--top-p must ..."); device_and_dtype
 resolves --device and --dtype auto the same way for every command.
@@ -75,8 +78,10 @@ FLAG_OPTIONS = {
     "threads_per_rank": {"min": 1, "flag": "--threads"}, "kv_store_bytes": {"min": 1}, "max_new_tokens": {"min": 1},
     "max_batch_size": {"min": 1}, "cache_tokens": {"min": 1},
     "timeout_s": {"min": 0.001, "max": 1e6, "flag": "--timeout"},
-    "stop_token_ids": {"flag": "--stop-id", "default": [], "help": "Token id that ends a sequence (repeatable), besides the model's eos ids."},
-    "stop": {"default": [], "help": "String that ends a sequence (repeatable): the text is cut before it (needs the model's tokenizer)."},
+    "stop_token_ids": {"flag": "--stop-id", "default": [],
+                       "help": "Token id that ends a sequence (repeatable), besides the model's eos ids."},
+    "stop": {"default": [],
+             "help": "String that ends a sequence (repeatable): the text is cut before it (needs the model's tokenizer)."},
 }
 
 
@@ -92,14 +97,16 @@ def model_argument(needs: str = "", default=...):
 # Help of the fields whose documentation's first sentence speaks of the code (a constant's name, a class):
 # the command line says the same in a user's words.
 FLAG_HELP = {
-    "method": 'How tree decoding combines the ranks\' partial results: "onepass" (the default: one collective per layer; allreduce with static decode steps), '
+    "method": 'How tree decoding combines the ranks\' partial results: "onepass" (the default: one collective per layer; '
+              'allreduce with static decode steps), '
               '"allreduce" (two), "tree" (send/recv over a binary tree) or "twolevel" (inside each node, then across nodes).',
     "prefill_chunk": "Prompt tokens per step at most (chunked prefill) while some sequence decodes; with no sequence decoding, "
                      f"ring prefill steps take up to {RING_ROWS_PER_RANK} tokens per rank.",
     "draft_tokens": f"The most tokens drafted per sequence per step, 1 to {MAX_DRAFT_TOKENS}.",
     "draft_model": 'With --speculate draft (and only then): the draft model\'s checkpoint (a .gguf file or a Hugging Face '
                    'directory of the same tokenizer), loaded on every rank in the model\'s dtype.',
-    "logprobs": f"None, or k in [0, {MAX_LOGPROBS}]: every generated token comes with its log-probability and the k most likely tokens with theirs.",
+    "logprobs": f"None, or k in [0, {MAX_LOGPROBS}]: every generated token comes with its log-probability and the k most likely "
+                f"tokens with theirs.",
 }
 _MODULE_NOTE = re.compile(r"\s*\(treeattn\.[\w.]+\)|(?<=\()treeattn\.[\w.]+[:;,] |[:;,] treeattn\.[\w.]+(?=\))")
 
@@ -211,7 +218,8 @@ def cli_message(exc) -> str:
     from treeattn.engine.request import SamplingParams
 
     text = str(exc)
-    names = {f.name for f in dataclasses.fields(EngineConfig)} | {f.name for f in dataclasses.fields(SamplingParams)} | {"num_samples"}
+    names = {f.name for f in dataclasses.fields(EngineConfig)} | {f.name for f in dataclasses.fields(SamplingParams)} | {"num_s"
+                                                                                                                         "amples"}
     for name in sorted(names, key=len, reverse=True):
         text = re.sub(rf"\b{name}='?([^\s',;:)]*)'?", lambda m, n=name: f"{flag_of(n)} {m.group(1)}", text)
         text = re.sub(rf"^{name}\b", flag_of(name), text)
@@ -232,5 +240,7 @@ def device_and_dtype(device: str, dtype: str, world: int) -> tuple[str, str]:
     return kind, str(resolve_dtype(None if dtype == "auto" else getattr(torch, dtype), kind)).removeprefix("torch.")
 
 
-__all__ = ["FLAG_HELP", "FLAG_OPTIONS", "FLAG_TYPES", "config_options", "MODEL_HELP", "model_argument", "DTYPES", "DTYPE_ALIASES", "Decode", "DecodeStep", "Device", "KvCacheDtype", "Method", "Placement", "Prefill", "Speculate", "WeightFormat", "FIELD_FLAGS", "cli_message", "config_flag",
+__all__ = ["FLAG_HELP", "FLAG_OPTIONS", "FLAG_TYPES", "config_options", "MODEL_HELP", "model_argument", "DTYPES", "DTYPE_ALIASES",
+           "Decode", "DecodeStep", "Device", "KvCacheDtype", "Method", "Placement", "Prefill", "Speculate", "WeightFormat",
+           "FIELD_FLAGS", "cli_message", "config_flag",
            "device_and_dtype", "dtype_flag", "field_help", "flag_of", "torch_dtype"]

@@ -9,7 +9,8 @@
 Status lines (loading, ranks starting, prefill progress by chunk) and the summary go to stderr;
 stdout carries only the generated text, streamed as it is decoded (with --stop a tail that could
 begin a stop string waits until it cannot, and the text ends before the stop string; a batch is
-printed at the end), or with --json one JSON object, so the output can be piped. Progress bars only when stderr is a terminal; a file or pipe gets plain lines
+printed at the end), or with --json one JSON object, so the output can be piped. Progress bars only when stderr is a terminal; a
+file or pipe gets plain lines
 (treeattn.commands.console). Every engine and sampling flag is the field of EngineConfig or
 SamplingParams it fills (treeattn.commands.flags): the same name, default and help as in
 `treeattn serve`, ta.Engine and ta.generate.
@@ -42,28 +43,32 @@ E, S = EngineConfig, SamplingParams  # the configurations the flags fill (treeat
 
 
 ENGINE_FLAGS = ("nproc", "tp", "decode", "method", "prefill", "prefill_chunk", "decode_step", "placement", "block_size",
-                "max_context", "device", "kv_cache_dtype", "weight_format", "activation_format", "threads_per_rank", "speculate", "draft_tokens",
+                "max_context", "device", "kv_cache_dtype", "weight_format", "activation_format", "threads_per_rank", "speculate",
+                "draft_tokens",
                 "draft_model", "linear_maps", "kv_store", "kv_store_bytes", "shared_memory", "timeout_s")
 SAMPLING_FLAGS = ("max_new_tokens", "temperature", "top_k", "top_p", "seed", "stop_token_ids", "stop", "ignore_eos")
 
 
 @config_options(S, SAMPLING_FLAGS, into="sampled")
 @config_options(E, ENGINE_FLAGS, into="engine", nproc={"default": None, "help": "Ranks sharing the KV cache, spawned here "
-                                                                                  "(gloo). Default 1, or the world size under torchrun."},
+                                                                                  "(gloo). Default 1, or the world size under "
+                                                                                  "torchrun."},
                 max_context={"help": "The most positions (prompt + new tokens) one sequence may take, its KV cache slots "
                                      "(default: the longest prompt + --max-new-tokens)."})
 def generate_command(
     model_dir: Path = model_argument(),
     prompt: str | None = typer.Option(None, "--prompt", help="Prompt text (needs the model's tokenizer)."),
     prompt_file: Path | None = typer.Option(None, "--prompt-file", help="Read the prompt text (UTF-8) from this file."),
-    prompt_ids: Path | None = typer.Option(None, "--prompt-ids", help="JSON file: a list of token ids, or a list of such lists (a batch)."),
+    prompt_ids: Path | None = typer.Option(None, "--prompt-ids",
+                                           help="JSON file: a list of token ids, or a list of such lists (a batch)."),
     dtype: str = dtype_flag(),
     json_output: bool = typer.Option(False, "--json", help="Print one JSON object on stdout and nothing else."),
     num_samples: int = typer.Option(1, "--num-samples", min=1, help="Completions of the one prompt (the prompt prefilled "
                                     "once, the samples decoding over its shared blocks)."),
     rank_by: RankBy = typer.Option("none", "--rank-by", help="Order the printed sequences: none (as generated) or "
                                    "mean-logprob (mean log-probability of the generated tokens, best first)."),
-    top: int | None = typer.Option(None, "--top", min=1, help="Print only the first K sequences in --rank-by order (needs --rank-by mean-logprob)."),
+    top: int | None = typer.Option(None, "--top", min=1,
+                                   help="Print only the first K sequences in --rank-by order (needs --rank-by mean-logprob)."),
     chat: bool = typer.Option(False, "--chat", help="Send the prompt as a user message through the model's chat template "
                               "(with the generation prompt); stop at the template's end-of-turn token too."),
     system: str | None = typer.Option(None, "--system", help="System message before the prompt (needs --chat)."),
@@ -89,7 +94,8 @@ def generate_command(
         render, end_of_turn = _chat_renderer(system, prompt_ids, files, model_dir) if chat else (None, ())
         prompts, batched = _read_prompts(prompt, prompt_file, prompt_ids, tokenizer, model_dir, render)
         if end_of_turn and not sampling.ignore_eos:  # --chat: the end of the assistant's turn stops too
-            sampling = dataclasses.replace(sampling, stop_token_ids=tuple(dict.fromkeys((*sampling.stop_token_ids, *end_of_turn))))
+            sampling = dataclasses.replace(sampling, stop_token_ids=tuple(dict.fromkeys((*sampling.stop_token_ids,
+                                                                                         *end_of_turn))))
         if sampling.stop and tokenizer is None:
             raise ValueError(f"--stop: {model_dir} has no tokenizer to find stop strings with; use --stop-id")
         if top is not None and rank_by == "none":
@@ -104,8 +110,10 @@ def generate_command(
         typer.echo(f"error: {cli_message(exc)}", err=True)
         raise typer.Exit(2) from exc
 
-    job = GenerateJob(model_dir=str(model_dir), prompts=tuple(map(tuple, prompts)), config=config, sampling=sampling, checked=True,
-                      num_samples=num_samples, dtype=dtype, device=kind, threads=engine["threads_per_rank"] or max(1, (os.cpu_count() or 1) // world))
+    job = GenerateJob(model_dir=str(model_dir), prompts=tuple(map(tuple, prompts)), config=config, sampling=sampling,
+                      checked=True,
+                      num_samples=num_samples, dtype=dtype, device=kind,
+                      threads=engine["threads_per_rank"] or max(1, (os.cpu_count() or 1) // world))
     batched = batched or num_samples > 1
     # the answer goes to stdout as decoded (the engine's text: cut before a stop string, a possible start held back)
     streamed = not json_output and not batched and tokenizer is not None
@@ -120,7 +128,8 @@ def generate_command(
 
             from treeattn.engine.device import backend_for
 
-            result = spawn(generate_rank, world, job, display, backend=backend_for(kind), timeout=config.timeout_s, threads=job.threads)[0]
+            result = spawn(generate_rank, world, job, display, backend=backend_for(kind), timeout=config.timeout_s,
+                           threads=job.threads)[0]
     except Exception as exc:  # a rank's error (SpawnError names it) or a local one: report, exit non-zero
         from treeattn.parallel import SpawnError
 
@@ -153,7 +162,8 @@ def _check_before_spawning(config: EngineConfig, sampling: SamplingParams, num_s
     """Everything the ranks would refuse, checked once here with the checks they run: the checkpoint
     (without reading its weights), the prompts, generate's checks of the batch and the engine's checks
     (checks.check_engine: the draft model, a hybrid cache, the memory of `world` ranks on this
-    machine, each holding all weights and its share of the cache, the draft model's too). Warns when ranks outnumber the cores or the prompt's tokens.
+    machine, each holding all weights and its share of the cache, the draft model's too). Warns when ranks outnumber the cores or
+    the prompt's tokens.
     Returns the checked config, sized to the batch (generate.batch_config): the ranks run it without checking it again."""
     import torch
 
@@ -185,7 +195,8 @@ def _check_before_spawning(config: EngineConfig, sampling: SamplingParams, num_s
 def _read_prompts(prompt, prompt_file, prompt_ids, tokenizer, model_dir, render=None) -> tuple[list[list[int]], bool]:
     """The prompt(s) as token ids, and whether a batch was given. Text (--prompt, --prompt-file)
     is tokenized, or turned into ids by `render` (--chat)."""
-    given = [name for name, value in (("--prompt", prompt), ("--prompt-file", prompt_file), ("--prompt-ids", prompt_ids)) if value is not None]
+    given = [name for name, value in (("--prompt", prompt), ("--prompt-file", prompt_file), ("--prompt-ids",
+                                                                                             prompt_ids)) if value is not None]
     if len(given) != 1:
         raise ValueError(f"give exactly one of --prompt, --prompt-file, --prompt-ids (got {', '.join(given) or 'none'})")
     if prompt_ids is not None:
@@ -205,7 +216,8 @@ def _read_prompts(prompt, prompt_file, prompt_ids, tokenizer, model_dir, render=
         except OSError as exc:
             raise ValueError(f"--prompt-file {prompt_file}: {exc}") from exc
         except UnicodeDecodeError as exc:
-            raise ValueError(f"--prompt-file {prompt_file}: not UTF-8 text (byte {exc.object[exc.start]:#04x} at offset {exc.start}); "
+            raise ValueError(f"--prompt-file {prompt_file}: not UTF-8 text (byte {exc.object[exc.start]:#04x} at offset "
+                             f"{exc.start}); "
                              "a binary file? Pass token ids with --prompt-ids") from exc
         if "\x00" in prompt:
             raise ValueError(f"--prompt-file {prompt_file}: holds NUL bytes (offset {prompt.index(chr(0))}): a binary file? "
@@ -227,7 +239,9 @@ def _chat_renderer(system, prompt_ids, files, model_dir):
     if prompt_ids is not None:
         raise ValueError("--chat renders text through the chat template: give --prompt or --prompt-file, not --prompt-ids")
     eot = chat_end_of_turn(files, f"--chat: {model_dir}")
-    return (lambda text: encode_chat(files.tokenizer, files.chat_template, messages(text, system=system))), (() if eot is None else (eot,))
+    return (lambda text: encode_chat(files.tokenizer, files.chat_template, messages(text, system=system))), (
+        () if eot is None else (eot,)
+    )
 
 
 def _check_context(prompts, max_new_tokens: int, model_config, model_dir, allow: bool) -> None:
@@ -237,7 +251,8 @@ def _check_context(prompts, max_new_tokens: int, model_config, model_dir, allow:
     if needed <= window:
         return
     if not allow:
-        raise ValueError(f"--max-new-tokens: the prompt's {longest} tokens + {max_new_tokens} new tokens need {needed} positions, "
+        raise ValueError(f"--max-new-tokens: the prompt's {longest} tokens + {max_new_tokens} new tokens need {needed} "
+                         f"positions, "
                          f"beyond the context window of {model_dir} ({window}); shorten the prompt, lower --max-new-tokens, "
                          "or pass --allow-beyond-context")
     stderr.print(f"warning: --allow-beyond-context: {needed} positions, past the model's window of {window}; "

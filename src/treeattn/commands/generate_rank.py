@@ -94,7 +94,8 @@ def generate_rank(rank: int, world_size: int, job: GenerateJob, display=None) ->
     run = Generation(model, [list(p) for p in job.prompts], config, job.sampling, num_samples=job.num_samples,
                      on_prefill=display.on_prefill if show else None)
     longest = max(len(p) for p in job.prompts)
-    with display.run(getattr(model, "tokenizer", None), world_size, longest, job.sampling.max_new_tokens) if show else nullcontext() as on_token:
+    with display.run(getattr(model, "tokenizer", None), world_size, longest,
+                     job.sampling.max_new_tokens) if show else nullcontext() as on_token:
         for step in run:
             if on_token is not None:
                 on_token(step)

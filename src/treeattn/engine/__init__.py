@@ -35,4 +35,5 @@ from treeattn.engine.output import RequestHandle
 from treeattn.engine.errors import EngineError
 from treeattn.engine.request import RequestResult, SamplingParams, TokenEvent, TokenLogprob
 
-__all__ = ["Engine", "EngineConfig", "EngineError", "RankMeasurements", "RequestHandle", "RequestResult", "SamplingParams", "TokenEvent", "TokenLogprob"]
+__all__ = ["Engine", "EngineConfig", "EngineError", "RankMeasurements", "RequestHandle", "RequestResult", "SamplingParams",
+           "TokenEvent", "TokenLogprob"]

@@ -10,7 +10,8 @@
 
         check_tensor_parallel(files.config, config.tp, config.nproc)
         if _may_pack(model, config):
-            check_block_cuts(files.config, config.tp, config.nproc, _block_of(model))     # static/graph steps refuse a hybrid cache
+            check_block_cuts(files.config, config.tp, config.nproc, _block_of(model))     # static/graph steps refuse a hybrid
+            cache
     check_draft_model(files, config)             # with speculate="draft"
     check_memory(model, files.config, config)    # weights + cache (+ draft) of the ranks on this machine
     check_weight_format(model, config)
@@ -162,7 +163,8 @@ def check_weight_format(model, config: EngineConfig) -> None:
     """config.weight_format against the model (ConfigError naming weight_format), before any rank starts
     (and config.activation_format "int8" against this host's CPU):
     "packed" needs a .gguf file whose quantized matrices a packed kernel reads, on the CPU or on CUDA
-    with triton installed (config.device resolved by with_device); a loaded model keeps the format it was loaded in ("auto" takes it as it is)."""
+    with triton installed (config.device resolved by with_device); a loaded model keeps the format it was loaded in ("auto" takes
+    it as it is)."""
     if config.activation_format != "auto":
         from treeattn.ops.packed_linear import resolve_activation_format
 
@@ -207,7 +209,8 @@ def check_memory(model, model_config, config: EngineConfig, *, cache_option: str
     if config.draft_model is not None:
         draft_config = (model_files(config.draft_model) if isinstance(config.draft_model, (str, os.PathLike))
                         else config.draft_model).config
-        draft = model_bytes(config.draft_model, dtype) + memory.kv_cache_bytes_per_rank(config, draft_config, dtype, blocks_for=model_config)
+        draft = model_bytes(config.draft_model, dtype) + memory.kv_cache_bytes_per_rank(config, draft_config, dtype,
+                                                                                        blocks_for=model_config)
     ranks, device, weights = local_ranks(config.nproc), torch.device("cpu"), model_bytes(model, dtype)
     if config.tp is not None and config.nproc > 1:  # the Helix layout: each rank holds its share
         from treeattn.engine.worker.tensor_parallel import share_fraction

@@ -150,7 +150,8 @@ class EngineConfig:
             tokens of every sequence, so sequences shorter than a span sit on rank 0;
             interleaved spreads every sequence).
         max_batch_size: sequences running together at most.
-        cache_tokens: KV cache size in tokens over all ranks (over the KV ranks of one slice with tp; default: max(max_batch_size * 2048,
+        cache_tokens: KV cache size in tokens over all ranks (over the KV ranks of one slice with tp; default: max(max_batch_size
+            * 2048,
             min(max_position_embeddings, 32768))).
         prefix_cache: reuse cached prompt prefixes (radix tree over blocks).
         block_size: tokens per cache block (the unit of allocation, sharing and placement).
@@ -280,7 +281,8 @@ class EngineConfig:
         if self.decode not in DECODE_KINDS:
             raise ConfigError("decode", f"decode must be one of {DECODE_KINDS}, got {self.decode!r}")
         if self.decode == "local" and self.nproc > 1:
-            raise ConfigError("decode", f"decode='local' runs on one rank, but nproc={self.nproc}; use decode='tree' or decode='ring'")
+            raise ConfigError("decode",
+                              f"decode='local' runs on one rank, but nproc={self.nproc}; use decode='tree' or decode='ring'")
         if self.prefill not in PREFILL_KINDS:
             raise ConfigError("prefill", f"prefill must be one of {PREFILL_KINDS}, got {self.prefill!r}")
         if self.method not in METHODS:
@@ -299,7 +301,8 @@ class EngineConfig:
         if self.weight_format not in WEIGHT_FORMATS:
             raise ConfigError("weight_format", f"weight_format must be one of {WEIGHT_FORMATS}, got {self.weight_format!r}")
         if self.activation_format not in ACTIVATION_FORMATS:
-            raise ConfigError("activation_format", f"activation_format must be one of {ACTIVATION_FORMATS}, got {self.activation_format!r}")
+            raise ConfigError("activation_format",
+                              f"activation_format must be one of {ACTIVATION_FORMATS}, got {self.activation_format!r}")
         if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float)) or not self.timeout_s > 0:
             raise ConfigError("timeout_s", f"timeout_s must be a number of seconds > 0, got {self.timeout_s!r}")
         if self.speculate is not None and self.speculate not in SPECULATE_KINDS:
@@ -362,7 +365,8 @@ class EngineConfig:
             object.__setattr__(self, "linear_maps", os.fspath(self.linear_maps))
         if self.linear_maps is not None:
             if not isinstance(self.linear_maps, str):
-                raise ConfigTypeError("linear_maps", f"linear_maps must be a directory path, got {type(self.linear_maps).__name__}")
+                raise ConfigTypeError("linear_maps",
+                                      f"linear_maps must be a directory path, got {type(self.linear_maps).__name__}")
             # what a hybrid linear model cannot run with: engine.checks.check_linear (one copy, for --linear-maps too)
 
     def blocks_per_rank(self, max_position_embeddings: int) -> int:

@@ -55,7 +55,8 @@ class Driver:
     def __init__(self, config: EngineConfig, channel, tokenizer, layer_windows) -> None:
         info = self.model_info = channel.info
         self.config, self.channel, self.tokenizer = config, channel, tokenizer
-        self.pool = ShardedBlockPool(world_size=config.kv_ranks, blocks_per_rank=config.blocks_per_rank(info.max_position_embeddings),
+        self.pool = ShardedBlockPool(world_size=config.kv_ranks,
+                                     blocks_per_rank=config.blocks_per_rank(info.max_position_embeddings),
                                      block_size=config.block_size, placement=config.placement,
                                      span_blocks=config.span_blocks(info.max_position_embeddings))
         # A hybrid model's window layers (treeattn.cache.window) start a cached prefix from a window checkpoint, at

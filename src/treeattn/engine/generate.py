@@ -229,7 +229,8 @@ class GenerationResult:
     def as_dict(self) -> dict:
         """JSON-friendly dict of everything, with the derived rates."""
         out = {k: v for k, v in vars(self).items()}
-        out.update(time_per_token_s=self.time_per_token_s, tokens_per_s=self.tokens_per_s, comm_bytes_per_token=self.comm_bytes_per_token,
+        out.update(time_per_token_s=self.time_per_token_s, tokens_per_s=self.tokens_per_s,
+                   comm_bytes_per_token=self.comm_bytes_per_token,
                    mean_logprobs=self.mean_logprobs, ranking=self.ranking())
         return out
 
@@ -333,7 +334,8 @@ def stream(model: "LlamaModel | str | os.PathLike", prompts, config: EngineConfi
     return Generation(model, prompts, config, sampling, num_samples=num_samples, group=group, on_prefill=on_prefill)
 
 
-def split_options(config: EngineConfig | None, sampling: SamplingParams | None, options: dict) -> tuple[EngineConfig, SamplingParams]:
+def split_options(config: EngineConfig | None, sampling: SamplingParams | None,
+                  options: dict) -> tuple[EngineConfig, SamplingParams]:
     """generate()'s (EngineConfig, SamplingParams): the objects given, or made of the keyword
     `options` (each field goes to the class that has it; a field of a class whose object was given
     too is refused, as are unknown and renamed keywords)."""
@@ -353,7 +355,8 @@ def check_prompts(prompts, vocab_size: int) -> list[list[int]]:
     if isinstance(prompts, torch.Tensor):
         prompts = prompts.tolist()
     if not isinstance(prompts, (list, tuple)) or len(prompts) == 0:
-        raise ConfigError("prompts", f"prompts must be a non-empty list of token ids or of lists of token ids, got {prompts!r:.80}")
+        raise ConfigError("prompts",
+                          f"prompts must be a non-empty list of token ids or of lists of token ids, got {prompts!r:.80}")
     if all(_is_int(t) for t in prompts):
         prompts = [prompts]
     checked = []
@@ -396,17 +399,21 @@ def check_generation(config: EngineConfig, sampling: SamplingParams, num_samples
     n samples of one prompt, speculation on one prompt and one sample, stop ids in the vocabulary,
     and every prompt + max_new_tokens within max_context. ConfigError naming the option."""
     if num_samples > 1 and len(prompts) != 1:
-        raise ConfigError("num_samples", f"num_samples={num_samples} samples completions of one prompt, got {len(prompts)} prompts")
+        raise ConfigError("num_samples",
+                          f"num_samples={num_samples} samples completions of one prompt, got {len(prompts)} prompts")
     if config.speculate is not None and num_samples > 1:
-        raise ConfigError("speculate", f"speculate={config.speculate!r} decodes one sequence; num_samples={num_samples} asks for several")
+        raise ConfigError("speculate",
+                          f"speculate={config.speculate!r} decodes one sequence; num_samples={num_samples} asks for several")
     if config.speculate is not None and len(prompts) != 1:
         raise ConfigError("speculate", f"speculate={config.speculate!r} decodes one prompt at a time, got {len(prompts)} prompts")
     outside = [t for t in sampling.stop_token_ids if t >= model_config.vocab_size]
     if outside:
-        raise ConfigError("stop_token_ids", f"stop_token_ids: token id {outside[0]} is outside the vocabulary [0, {model_config.vocab_size})")
+        raise ConfigError("stop_token_ids",
+                          f"stop_token_ids: token id {outside[0]} is outside the vocabulary [0, {model_config.vocab_size})")
     outside = [t for t, _ in sampling.logit_bias if t >= model_config.vocab_size]
     if outside:
-        raise ConfigError("logit_bias", f"logit_bias: token id {outside[0]} is outside the vocabulary [0, {model_config.vocab_size})")
+        raise ConfigError("logit_bias",
+                          f"logit_bias: token id {outside[0]} is outside the vocabulary [0, {model_config.vocab_size})")
     longest = max(len(p) for p in prompts)
     needed = longest + sampling.max_new_tokens
     if needed > config.max_context:
@@ -458,7 +465,8 @@ class Generation:
                 config = batch_config(config, sampling, num_samples, self.prompts, self.world_size)
                 check_generation(config, sampling, num_samples, model.config, self.prompts)
                 config = with_device(model, config)  # "auto": the model's own device
-                files = check_engine(model, config, group=group, joined=self.world_size > 1,  # the engine's own checks, in its order
+                # the engine's own checks, in its order
+                files = check_engine(model, config, group=group, joined=self.world_size > 1,
                                      cache_option="max_new_tokens" if given.max_context is None else "max_context")
                 proof = Checked(config, model, files)
             if config.decode_step != "dynamic":  # needs the loaded model: checked here, also under a proof
@@ -490,7 +498,8 @@ class Generation:
         if self.num_samples * len(self.prompts) > c.max_batch_size:
             raise ConfigError("num_samples", f"{self.num_samples * len(self.prompts)} sequences, but the engine runs "
                               f"max_batch_size={c.max_batch_size} at once")
-        self.prefill, self.decode = resolve_prefill(c.prefill, c.nproc if c.tp is None else 1, self.model.config.layer_windows), c.decode
+        self.prefill, self.decode = resolve_prefill(c.prefill, c.nproc if c.tp is None else 1,
+                                                    self.model.config.layer_windows), c.decode
         self.num_sequences = self.num_samples * len(self.prompts)
 
     def _agree(self, config, sampling, local_error, *, prefill) -> None:
@@ -585,7 +594,9 @@ class Generation:
         ended = [False] * len(handles)
         index = 0
         try:
-            while index < self.sampling.max_new_tokens and not all(ended[b] and len(tokens[b]) <= index for b in range(len(handles))):
+            while index < self.sampling.max_new_tokens and not all(
+                ended[b] and len(tokens[b]) <= index for b in range(len(handles))
+            ):
                 b, event = events.get()
                 if event.token_id is not None:
                     tokens[b].append(event.token_id)
@@ -619,9 +630,11 @@ class Generation:
             method=c.method, prefill=self.prefill, placement=c.placement, tp=c.tp,
             kv_bytes_per_rank=[m.kv_bytes for m in measured],
             kv_bytes_per_token=kv_bytes_per_token(self.model.config, resolve_kv_cache_dtype(c.kv_cache_dtype, self.model.dtype)),
-            kv_window_bytes=window_bytes_per_sequence(self.model.config, resolve_kv_cache_dtype(c.kv_cache_dtype, self.model.dtype)),
+            kv_window_bytes=window_bytes_per_sequence(self.model.config, resolve_kv_cache_dtype(c.kv_cache_dtype,
+                                                                                                self.model.dtype)),
             kv_cache_dtype=kv_cache_dtype_name(resolve_kv_cache_dtype(c.kv_cache_dtype, self.model.dtype)),
-            weight_bytes_per_rank=[m.weight_bytes for m in measured], weight_format="packed" if is_packed(self.model) else "dequantize",
+            weight_bytes_per_rank=[m.weight_bytes for m in measured],
+                                weight_format="packed" if is_packed(self.model) else "dequantize",
             activation_format=resolve_activation_format(c.activation_format) if is_packed(self.model) else None,
             comm_bytes_per_rank=[m.bytes_sent("decode") for m in measured],
             prefill_comm_bytes_per_rank=[m.bytes_sent("prefill") for m in measured],
@@ -638,7 +651,8 @@ class Generation:
         if self.world_size == 1:
             return outcome
         box = [outcome]
-        dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, 0) if self.group is not None else 0, group=self.group)
+        dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, 0) if self.group is not None else 0,
+                                   group=self.group)
         return box[0]
 
 
@@ -649,7 +663,9 @@ def _request_error(model, message: str | None, sequence: int, index: int) -> Exc
         return RuntimeError(f"sequence {sequence} failed in the engine: {message}")
     weights = [name for name, p in model.named_parameters() if not bool(torch.isfinite(p).all())]
     if weights:
-        cause = f"Non-finite weights: {', '.join(weights[:3])}" + (f" and {len(weights) - 3} more" if len(weights) > 3 else "") + "."
+        cause = (
+            f"Non-finite weights: {', '.join(weights[:3])}" + (f" and {len(weights) - 3} more" if len(weights) > 3 else "") + "."
+        )
     elif model.dtype != torch.float32:
         cause = f"The weights are finite: an overflow in {str(model.dtype).removeprefix('torch.')}? Try float32."
     else:
@@ -684,4 +700,5 @@ def _model_fingerprint(model) -> int:
         rows = model.embed_tokens(torch.arange(2, device=model.device))  # an nn.Embedding or a packed table alike
         probe.append(rows.float().sum().item())
     c = model.config
-    return _fingerprint([c.vocab_size, c.hidden_size, c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim, str(model.dtype), probe])
+    return _fingerprint([c.vocab_size, c.hidden_size, c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim, str(model.dtype),
+                         probe])

@@ -118,7 +118,8 @@ class RankKVStore:
         self.cache, self.windows = cache, windows
         self.namespace = cache_namespace(cache, model_fingerprint(model))
         self.store = KVStore(directory, self.namespace, max_bytes=max_bytes)
-        self.window_store = KVStore(directory, window_namespace(self.namespace), max_bytes=max_bytes) if windows is not None else None
+        self.window_store = KVStore(directory, window_namespace(self.namespace),
+                                    max_bytes=max_bytes) if windows is not None else None
 
     def _planes(self, index: int) -> list[torch.Tensor]:
         """Views of block `index`'s bytes: its keys/values (and an fp8 cache's scales), as uint8."""
@@ -169,7 +170,8 @@ class RankKVStore:
                 failed.append((-1, checkpoint))  # (-1, id): a window checkpoint that did not load
             else:
                 loaded_bytes += len(payload)
-        return StoreReport(rank, saved, saved_bytes, loaded, loaded_bytes, middle - start, time.perf_counter() - middle, tuple(failed))
+        return StoreReport(rank, saved, saved_bytes, loaded, loaded_bytes, middle - start, time.perf_counter() - middle,
+                           tuple(failed))
 
     def _load(self, loads, rank: int) -> tuple[int, int, list[tuple[int, int]]]:
         """Load this rank's blocks of `loads`: (blocks loaded, their bytes, (rank, index) of those that failed)."""
@@ -181,7 +183,8 @@ class RankKVStore:
             payload = _read(self.store, key)
             if payload is None or len(payload) != self.bytes_per_block:
                 if payload is not None:
-                    logger.warning("KV store: block %s has %d bytes, %d expected; skipped", key.hex(), len(payload), self.bytes_per_block)
+                    logger.warning("KV store: block %s has %d bytes, %d expected; skipped", key.hex(), len(payload),
+                                   self.bytes_per_block)
                 failed.append((owner, index))
                 continue
             self.load_block(index, payload)
@@ -293,7 +296,8 @@ class StoreTier:
         failed = set()
         if loaded:
             start = time.perf_counter()
-            failed = self._count(self.run(StoreOps((), tuple((b.rank, b.index, keys[len(path) + i]) for i, b in enumerate(loaded)))))
+            failed = self._count(self.run(StoreOps((), tuple((b.rank, b.index, keys[len(path) + i]) for i,
+                                                             b in enumerate(loaded)))))
             self.counters["store_load_s"] += time.perf_counter() - start
         good = next((i for i, b in enumerate(loaded) if (b.rank, b.index) in failed), len(loaded))
         self.counters["store_hit_blocks"] += good  # the blocks after a failed one are loaded but not used

@@ -93,5 +93,6 @@ def check_memory_fit(*, ranks: int, weights: int, cache: int, draft: int, device
     option = ("draft_model" if ranks * (weights + cache) <= available else "nproc" if weights + cache + draft <= available
               else cache_option)
     drafted = f" + {format_bytes(draft)} of draft model and its cache" if draft else ""
-    raise ConfigError(option, f"{option}: {ranks} rank(s) x ({format_bytes(weights)} of weights + {format_bytes(cache)} of KV cache"
+    raise ConfigError(option,
+                      f"{option}: {ranks} rank(s) x ({format_bytes(weights)} of weights + {format_bytes(cache)} of KV cache"
                               f"{drafted}) = {format_bytes(total)}, more than the {format_bytes(available)} {where}")

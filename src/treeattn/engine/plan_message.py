@@ -9,7 +9,8 @@ A plan is a StepPlan (its chunks: tokens, first position, block table, sampling 
 sequences released), KEEPALIVE, a Measure, a SetDecode, a StoreOps (the KV store's block saves and
 loads and window checkpoint saves and loads: header kind, length, and the four counts; then per
 entry rank or checkpoint id, block index or position, and its 16-byte key as four words), or None (the end).
-`encode` writes it as one flat run of int32 words (their bytes, in native order), `decode` reads it back: decode(encode(plan)) == plan,
+`encode` writes it as one flat run of int32 words (their bytes, in native order), `decode` reads it back: decode(encode(plan)) ==
+plan,
 exactly, every field of every SampleSpec included (floats travel as the two words of their float64 bits, a
 64-bit seed as two words, a structured output's bitmask as its bytes' words).
 
@@ -106,7 +107,8 @@ _HEADER = struct.Struct("=8i")
 _CHUNK = struct.Struct("=7i d i d Q 3i")  # ..., has_sample, temperature, top_k, top_p, seed, logprobs, prompt_logprobs, n_targets
 _SAMPLE = struct.Struct("=4d 4i")  # min_p, presence, frequency, repetition; n_bias, n_prompt, n_output, n_masks
 _NO_SAMPLE = (0.0, 0, 0.0, 0, 0)
-_block_ref = partial(tuple.__new__, BlockRef)  # BlockRef from a (rank, index) pair, without its Python __new__ (decode's hot loop)
+# BlockRef from a (rank, index) pair, without its Python __new__ (decode's hot loop)
+_block_ref = partial(tuple.__new__, BlockRef)
 
 
 def plan_device(group=None) -> torch.device:
@@ -305,10 +307,12 @@ def _decode_step(view: memoryview, message: memoryview) -> StepPlan:
         if has_sample:
             temperature, top_k, top_p, seed, logprobs = fields
             if whole:
-                sample, extra = _decode_sample(view, message, extra, (temperature, top_k, top_p, seed, None if logprobs < 0 else logprobs))
+                sample, extra = _decode_sample(view, message, extra, (temperature, top_k, top_p, seed,
+                                                                      None if logprobs < 0 else logprobs))
             else:
                 sample = SampleSpec(temperature, top_k, top_p, seed, None if logprobs < 0 else logprobs)
-        chunks.append(Chunk(seq_id, tokens, start, tuple(map(_block_ref, zip(pairs[0::2], pairs[1::2]))), sample, num_draft, prefix,
+        chunks.append(Chunk(seq_id, tokens, start, tuple(map(_block_ref, zip(pairs[0::2], pairs[1::2]))), sample, num_draft,
+                            prefix,
                             None if k < 0 else k, targets))
     release = tuple(words[at : at + n_release])
     at += n_release

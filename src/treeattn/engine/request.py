@@ -121,12 +121,15 @@ class SamplingParams:
             raise ValueError(f"seed must be an int >= 0 and below 2**64 (a torch.Generator seed), got {self.seed!r}")
         if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise ValueError(f"logprobs must be None or an int in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
-        if self.prompt_logprobs is not None and (not _is_int(self.prompt_logprobs) or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS):
+        if self.prompt_logprobs is not None and (
+            not _is_int(self.prompt_logprobs) or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS
+        ):
             raise ValueError(f"prompt_logprobs must be None or an int in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs!r}")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
         stop_ids = self.stop_token_ids
-        if isinstance(stop_ids, (str, bytes)) or not hasattr(stop_ids, "__iter__") or not all(_is_int(t) and t >= 0 for t in stop_ids):
+        if isinstance(stop_ids, (str, bytes)) or not hasattr(stop_ids,
+                                                             "__iter__") or not all(_is_int(t) and t >= 0 for t in stop_ids):
             raise ValueError(f"stop_token_ids must be a sequence of ints >= 0, got {stop_ids!r}")
         stop = (self.stop,) if isinstance(self.stop, str) else self.stop
         if stop is None:
@@ -139,7 +142,9 @@ class SamplingParams:
         if self.structured is not None and not isinstance(self.structured, StructuredOutput):
             raise ValueError(f"structured must be None or a StructuredOutput, got {type(self.structured).__name__}")
         if self.structured is not None and self.ignore_eos:
-            raise ValueError("structured: a structured output ends at the model's end-of-sequence token; ignore_eos must be False")
+            raise ValueError(
+                "structured: a structured output ends at the model's end-of-sequence token; ignore_eos must be False"
+            )
 
     def _check_penalties(self) -> None:
         for name in ("presence_penalty", "frequency_penalty"):

@@ -89,7 +89,8 @@ class SampleSpec:
     logit_bias: tuple[tuple[int, float], ...] = ()
     prompt_ids: tuple[int, ...] = ()
     output_ids: tuple[int, ...] = ()
-    allowed: tuple[bytes, ...] | None = None  # structured outputs: a token bitmask per sampled position; () while they follow the plan (engine/structured.py)
+    # structured outputs: a token bitmask per sampled position; () while they follow the plan (engine/structured.py)
+    allowed: tuple[bytes, ...] | None = None
 
     @property
     def penalized(self) -> bool:
@@ -424,7 +425,8 @@ class Scheduler:
             lagging = tuple(seq.tokens[seq.draft_computed : seq.num_computed]) if self.draft_cache else ()
             k = seq.params.prompt_logprobs
             targets = tuple(seq.prompt[seq.num_computed + 1 : seq.num_computed + n + 1]) if k is not None else ()
-            chunks.append(Chunk(seq.seq_id, tuple(tokens) + draft, seq.num_computed, tuple(seq.blocks), sample, len(draft), lagging,
+            chunks.append(Chunk(seq.seq_id, tuple(tokens) + draft, seq.num_computed, tuple(seq.blocks), sample, len(draft),
+                                lagging,
                                 k if targets else None, targets))
         if not chunks:  # the driver sends no empty plan: what the ranks must do waits for the next one
             return StepPlan(())

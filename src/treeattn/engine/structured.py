@@ -20,7 +20,8 @@ the driver keeps one llguidance matcher per constrained sequence and consumes ea
 A step's plan leaves with each constrained chunk marked (SampleSpec.allowed = MASKS_AT_SAMPLING,
 mark()); while the ranks run that step's forward pass, the driver fills the chunks' bitmasks
 (ceil(V / 32) int32 words: 6 KiB for SmolLM2, 32 KiB for Gemma 3; masks()) and sends them to rank 0
-as their own message (StepMasks, in plan_message's words like the plan), which rank 0 reads only when it samples, after the step's logits:
+as their own message (StepMasks, in plan_message's words like the plan), which rank 0 reads only when it samples, after the
+step's logits:
 so only sampling on rank 0 waits for the mask, and only if the forward pass was shorter than the
 driver's work. Rank 0 then sets the logits of the disallowed tokens to -inf (apply_mask) before the
 sampler (bias, penalties, temperature, min-p, top-k, top-p), greedy and sampled alike. The other
@@ -105,7 +106,8 @@ class StructuredOutput:
         error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
         if error:
             first = " ".join(str(messages[0]).split()) if messages else "invalid"
-            raise ValueError(f"structured output: the {self.kind if self.kind != 'json' else 'JSON schema'} is invalid: {first:.300}")
+            raise ValueError(f"structured output: the {self.kind if self.kind != 'json' else 'JSON schema'} is invalid: "
+                             f"{first:.300}")
         object.__setattr__(self, "compiled", grammar)
 
     @classmethod

@@ -1,6 +1,7 @@
 """How the driver reaches the ranks: two transports with one interface (run a plan, alive, close).
 
-    channel = SpawnedRanks(model, config, ranks)  # nproc rank processes run by ta.spawn (ranks: started earlier, or None); a socket to rank 0
+    channel = SpawnedRanks(model, config, ranks)  # nproc rank processes run by ta.spawn (ranks: started earlier, or None); a
+    socket to rank 0
     channel = GroupChannel(model, config, group)  # inside an existing group (or one rank): rank 0 runs its share itself
     outcome = channel.run(plan)                   # rank 0's StepOutcome (or a Measure's measurements)
     channel.close()                               # the ranks leave serve_steps and end
@@ -9,7 +10,8 @@ SpawnedRanks starts the rank processes (rank.rank_main) in the caller's thread (
 the fork server's ranks on Linux), supervises them from a background thread and waits for rank 0 to connect
 back with its ModelInfo; a plan goes to rank 0 over that connection and rank 0
 broadcasts it. The plan crosses both hops in one encoding (plan_message.encode, made here once): rank 0
-decodes the words it receives and broadcasts their ranks' part as they came. A plan that raised on rank 0 comes back as StepFailed, and restart() replaces the
+decodes the words it receives and broadcasts their ranks' part as they came. A plan that raised on rank 0 comes back as
+StepFailed, and restart() replaces the
 ranks with new ones (the driver then recomputes its sequences); ranks that are gone (killed, or
 rank 0's connection lost) come back as EngineError, which fails the engine. GroupChannel broadcasts the plan itself;
 its ranks are the caller's, so it cannot restart them (restartable False).
@@ -30,7 +32,8 @@ import torch.distributed as dist
 from treeattn.engine.config import EngineConfig
 from treeattn.engine.device import backend_for, rank_device
 from treeattn.engine.plan_message import PlanWire, encode, plan_device
-from treeattn.engine.worker.rank import ModelInfo, helix_layout, load_model, make_runner, model_info, rank_main, run_plan, serve_steps
+from treeattn.engine.worker.rank import (ModelInfo, helix_layout, load_model, make_runner, model_info, rank_main, run_plan,
+                                         serve_steps)
 from treeattn.engine.errors import EngineError, StepFailed
 from treeattn.engine.worker.runner import StepOutcome
 
@@ -135,7 +138,8 @@ class SpawnedRanks:
                 raise StepFailed(f"the engine's {self.death}", f"the engine's {self.death}") from exc
             raise self._gone() from exc
         if message[0] == "error":  # the plan raised on rank 0 (after a failure of its own or of a peer)
-            if self._wait_for_death(1.0) and not self.death.startswith("rank 0 "):  # a peer died: rank 0's error is the consequence
+            # a peer died: rank 0's error is the consequence
+            if self._wait_for_death(1.0) and not self.death.startswith("rank 0 "):
                 raise StepFailed(f"the engine's {self.death}; rank 0: {message[1]}", f"the engine's {self.death}")
             raise StepFailed(f"a step failed on rank 0: {message[1]}", _first_line(f"a step failed on rank 0: {message[1]}"))
         return message

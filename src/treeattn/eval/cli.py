@@ -23,7 +23,8 @@ from rich.table import Table
 from treeattn.engine.config import DEFAULT_METHOD
 from treeattn.engine.config import EngineConfig as E
 from treeattn.engine.request import SamplingParams as S
-from treeattn.commands.flags import cli_message, config_flag, config_options, device_and_dtype, dtype_flag, model_argument, torch_dtype
+from treeattn.commands.flags import (cli_message, config_flag, config_options, device_and_dtype, dtype_flag, model_argument,
+                                     torch_dtype)
 
 eval_app = typer.Typer(help="Evaluate a model through the engine.", no_args_is_help=True, rich_markup_mode=None)
 stderr = Console(stderr=True)
@@ -54,7 +55,8 @@ def needle_command(
                                        "(default: 1024, 2048, ... up to the model's context window)."),
     depths: str = typer.Option("0,0.25,0.5,0.75,1", "--depths", help="Needle depths in [0, 1], comma-separated."),
     check_methods: bool = typer.Option(True, "--check-methods/--no-check-methods", help="Also answer with every other "
-                                       "method (from the first one's prefill: the prefix cache serves the document again) and check that all give "
+                                       "method (from the first one's prefill: the prefix cache serves the document again) and "
+                                       "check that all give "
                                        "identical tokens."),
     max_new_tokens: int = config_flag(S, "max_new_tokens", default=16, min=1, help="Greedy tokens of each answer at most."),
     seed: int = config_flag(S, "seed", min=0, help="Filler order and hidden number."),
@@ -73,12 +75,14 @@ def needle_command(
     try:
         nproc = engine["nproc"]
         kind, dtype = device_and_dtype(engine["device"], dtype, nproc)  # "cpu" or "cuda"; --dtype auto: bfloat16 on CUDA
-        config = E(**{**engine, "decode": engine["decode"] if nproc > 1 else "local", "method": engine["method"] or DEFAULT_METHOD,
+        config = E(**{**engine, "decode": engine["decode"] if nproc > 1 else "local",
+                      "method": engine["method"] or DEFAULT_METHOD,
                       "dtype": torch_dtype(dtype), "device": kind})  # --decode local on --nproc 2: one line
         depth_list = _numbers(depths, float, "--depths")
         if not all(0 <= d <= 1 for d in depth_list):
             raise ValueError(f"--depths: every depth must be in [0, 1], got {depths!r}")
-        length_list = _numbers(lengths, int, "--lengths") if lengths else default_lengths(read_config(model).max_position_embeddings)
+        length_list = _numbers(lengths, int,
+                               "--lengths") if lengths else default_lengths(read_config(model).max_position_embeddings)
         if not all(n >= 16 for n in length_list):
             raise ValueError(f"--lengths: every length must be at least 16 tokens, got {lengths!r}")
         start = time.perf_counter()
@@ -119,7 +123,8 @@ def _table(report) -> Table:
         table.add_column(f"{n} tok", justify="center")
     for d in depths:
         cells = [by_cell[(n, d)] for n in lengths]
-        table.add_row(f"{d:.0%}", *(("yes" if c.correct else "no") + (" / same" if c.methods_agree else " / DIFF") for c in cells))
+        table.add_row(f"{d:.0%}",
+                      *(("yes" if c.correct else "no") + (" / same" if c.methods_agree else " / DIFF") for c in cells))
     return table
 
 

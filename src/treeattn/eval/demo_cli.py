@@ -31,10 +31,13 @@ DEMO_ENGINE_FLAGS = ("nproc", "tp", "placement", "threads_per_rank", "device", "
 
 
 @config_options(E, DEMO_ENGINE_FLAGS, into="engine",
-                nproc={"default": None, "help": "Local ranks sharing the KV cache (default: one per CPU core, 2 to 8; on CUDA one per GPU)."},
-                tp={"help": "Tensor-parallel ranks T of the sharded rows: the Helix layout, T x nproc / T KV ranks (attention's heads "
+                nproc={"default": None,
+                       "help": "Local ranks sharing the KV cache (default: one per CPU core, 2 to 8; on CUDA one per GPU)."},
+                tp={"help": "Tensor-parallel ranks T of the sharded rows: the Helix layout, T x nproc / T KV ranks (attention's "
+                            "heads "
                     "split T ways and the sequence nproc / T ways; the output projections, MLP, embeddings and LM head over all "
-                    "ranks). Default 1: attention split by sequence over every rank, the rest of the weights too (about 1/nproc of "
+                    "ranks). Default 1: attention split by sequence over every rank, the rest of the weights too (about 1/nproc "
+                    "of "
                     "them a rank). T must divide nproc and the model's query heads, and divide its KV heads or be a multiple of "
                     "them (SmolLM2: 1, 3 or 9). Not with --synthetic or --sequence-only."})
 def demo_command(
@@ -230,9 +233,12 @@ def _kv_memory_lines(demo, nproc: int) -> None:
     positions = len(demo.case.prompt_ids) + len(result.generated_ids[0])
     full_per_token = config.num_layers * 2 * config.num_kv_heads * config.head_dim * 4  # float32, every layer
     full = positions * full_per_token / nproc
-    typer.echo(f"KV cache per rank (measured, {nproc} ranks): " + ", ".join(format_mib(b) for b in result.kv_bytes_per_rank)
-               + f"; per token {format_size(result.kv_bytes_per_token)} (global layers)"
-               + (f" + {format_size(result.kv_window_bytes)} of windows per sequence on every rank" if result.kv_window_bytes else ""))
+    typer.echo(
+        f"KV cache per rank (measured, {nproc} ranks): "
+        + ", ".join(format_mib(b) for b in result.kv_bytes_per_rank)
+        + f"; per token {format_size(result.kv_bytes_per_token)} (global layers)"
+        + (f" + {format_size(result.kv_window_bytes)} of windows per sequence on every rank" if result.kv_window_bytes else "")
+    )
     typer.echo(f"a full cache of all {config.num_layers} layers for {positions} positions: {format_mib(full)} per rank "
                f"({format_size(full_per_token)} per token); measured / full: "
                + ", ".join(f"{b / full:.2f}" for b in result.kv_bytes_per_rank))
@@ -242,12 +248,15 @@ def _kv_memory_lines(demo, nproc: int) -> None:
         paged = most - result.kv_window_bytes
         typer.echo(f"  why: of a rank's {format_mib(most)}, {format_mib(result.kv_window_bytes)} are the {len(windows)} window "
                    f"layers' last {max(windows) - 1} positions, kept whole on every rank, and {format_mib(paged)} the paged "
-                   f"blocks of the {config.num_layers - len(windows)} global layers (room for {paged / result.kv_bytes_per_token:,.0f} "
-                   f"positions: this rank's span of the {positions} with spare blocks); the windows do not grow with the context, "
+                   f"blocks of the {config.num_layers - len(windows)} global layers (room for "
+                   f"{paged / result.kv_bytes_per_token:,.0f} "
+                   f"positions: this rank's span of the {positions} with spare blocks); the windows do not grow with the "
+                   f"context, "
                    "so the ratio falls as it grows (above 1 at a few thousand tokens, 0.29 at 30K on 4 ranks)")
 
 
-def _synthetic_demo(context, nproc, new_tokens, placement, threads, seed, reference, dtype, device, kv_cache_dtype="auto") -> None:
+def _synthetic_demo(context, nproc, new_tokens, placement, threads, seed, reference, dtype, device,
+                    kv_cache_dtype="auto") -> None:
     from treeattn.engine.device import backend_for
     from treeattn.eval.synthetic import DEMO_CONFIG, run_demo, run_reference
 
@@ -255,7 +264,8 @@ def _synthetic_demo(context, nproc, new_tokens, placement, threads, seed, refere
     stderr.print(
         f"model: Llama architecture, random weights, {cfg['num_layers']} layers, hidden {cfg['hidden_size']}, "
         f"{cfg['num_heads']} heads / {cfg['num_kv_heads']} KV heads x {cfg['head_dim']}, vocab {cfg['vocab_size']}, {dtype}\n"
-        f"prompt: {context} synthetic tokens; {nproc} {backend_for(device)} ranks on {device} ({os.cpu_count()} cores); {new_tokens} greedy tokens per method"
+        f"prompt: {context} synthetic tokens; {nproc} {backend_for(device)} ranks on {device} ({os.cpu_count()} cores); "
+        f"{new_tokens} greedy tokens per method"
     )
     start = time.perf_counter()
     say(f"{nproc} ranks: prefill {context} tokens (ring), then decode with each method ...")  # plain lines: a log sees them
@@ -264,7 +274,8 @@ def _synthetic_demo(context, nproc, new_tokens, placement, threads, seed, refere
     ref = None
     if reference:
         say(f"one process: prefill {context} tokens and decode ...")
-        ref = run_reference(context=context, new_tokens=new_tokens, seed=seed, dtype=dtype, device=device, kv_cache_dtype=kv_cache_dtype)
+        ref = run_reference(context=context, new_tokens=new_tokens, seed=seed, dtype=dtype, device=device,
+                            kv_cache_dtype=kv_cache_dtype)
     total_s = time.perf_counter() - start
     table, all_same = _methods_table(f"Decoding {new_tokens} tokens after a {context}-token prompt ({placement} placement)",
                                      runs, ref)
@@ -285,7 +296,8 @@ TABLE_WIDTH = 120
 
 LEGEND = (
     ("ms/token", "decode wall time per new token, the first (which the prefill gives) not counted"),
-    ("comm/token", "bytes all ranks sent per decode step: tree merges each layer's (out, lse) pairs, ring pass-KV moves the key/value shards"),
+    ("comm/token",
+     "bytes all ranks sent per decode step: tree merges each layer's (out, lse) pairs, ring pass-KV moves the key/value shards"),
     ("rounds", "communication rounds a decode step waits for, one after another (rank 0)"),
     ("KV/rank", "the KV cache a rank holds after the answer (measured: its paged blocks, and any window layers' windows)"),
     ("peak RSS", "the most resident memory a rank reached (weights, cache, buffers); RSS growth: how much of it decoding added"),
@@ -353,7 +365,8 @@ def _methods_table(title: str, runs, ref) -> tuple[Table, bool]:
         growth = max(p - s for p, s in zip(res.peak_rss_bytes_per_rank, res.start_rss_bytes_per_rank))
         rounds = res.comm.get("rounds", 0) / res.decode_steps if res.decode_steps else 0
         per_token = f"{res.time_per_token_s * 1e3:.1f}" if res.decode_steps else "-"
-        table.add_row(run.name, str(run.world_size), per_token, format_size(res.comm_bytes_per_token) if res.decode_steps else "-",
+        table.add_row(run.name, str(run.world_size), per_token,
+                      format_size(res.comm_bytes_per_token) if res.decode_steps else "-",
                       f"{rounds:.0f}", format_mib(max(res.kv_bytes_per_rank)), format_mib(max(res.peak_rss_bytes_per_rank)),
                       format_mib(max(growth, 0)), same)
     return table, all_same

@@ -76,7 +76,8 @@ class NeedleCase:
     question: str
 
 
-def needle_case(tokenizer, template, *, context_tokens: int, depth: float, seed: int = 0, system: str | None = None) -> NeedleCase:
+def needle_case(tokenizer, template, *, context_tokens: int, depth: float, seed: int = 0,
+                system: str | None = None) -> NeedleCase:
     """Build a prompt of about `context_tokens` tokens (tokenizer's count; the filler is cut to what
     the template, instructions, needle and question leave) with the needle at `depth`, rendered
     with the question through the chat `template`; with template None (a base model), as plain

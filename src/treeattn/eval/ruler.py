@@ -73,7 +73,8 @@ class RulerReport:
 
     def as_dict(self) -> dict:
         out = asdict(self)
-        out["scores"] = [{"nproc": p, "task": t, "context": c, "score": s, "seconds_per_sample": self.seconds_per_sample()[(p, t, c)]}
+        out["scores"] = [{"nproc": p, "task": t, "context": c, "score": s,
+                          "seconds_per_sample": self.seconds_per_sample()[(p, t, c)]}
                          for (p, t, c), s in sorted(self.scores().items())]
         out["mismatches"] = [{"task": t, "context": c, "index": i, "generated_ids": {str(p): v for p, v in ids.items()}}
                              for t, c, i, ids in self.mismatches()]

@@ -54,7 +54,9 @@ def join_values(args: list[str], options=MULTI_VALUE_OPTIONS) -> list[str]:
             out[-1] += "," + word
             continue
         name, eq, value = word.partition("=")
-        open_ = bool(_INTS.fullmatch(word) and out and out[-1] in options) or bool(eq and name in options and _INTS.fullmatch(value))
+        open_ = bool(_INTS.fullmatch(word) and out and out[-1] in options) or bool(
+            eq and name in options and _INTS.fullmatch(value)
+        )
         out.append(word)
     return out
 
@@ -79,11 +81,13 @@ def _ints(values: list[str], option: str) -> list[int]:
 @config_options(E, ("method", "threads_per_rank"), into="engine")
 def ruler_command(
     model: Path = typer.Argument(..., help="Hugging Face model directory or .gguf file with a tokenizer."),
-    context: list[str] = typer.Option(["4096"], "--context", metavar="N [N...]", help="Context lengths in tokens (space- or comma-separated, or repeated)."),
+    context: list[str] = typer.Option(["4096"], "--context", metavar="N [N...]",
+                                      help="Context lengths in tokens (space- or comma-separated, or repeated)."),
     tasks: str = typer.Option(",".join(("niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery", "vt", "cwe")),
                               "--tasks", metavar="TASK[,TASK...]", help="RULER tasks, comma-separated."),
     samples: int = typer.Option(4, "--samples", min=1, help="Samples per task and context."),
-    nproc: list[str] = typer.Option(["1", "2"], "--nproc", metavar="P [P...]", help="Rank counts to run and compare (space- or comma-separated, or repeated)."),
+    nproc: list[str] = typer.Option(["1", "2"], "--nproc", metavar="P [P...]",
+                                    help="Rank counts to run and compare (space- or comma-separated, or repeated)."),
     seed: int = typer.Option(0, "--seed", min=0, help="Seed of the generated samples."),
     output: Path | None = typer.Option(None, "--output", help="Also write the JSON report (every sample) here."),
     json_output: bool = typer.Option(False, "--json", help="Print one JSON object on stdout and nothing else."),

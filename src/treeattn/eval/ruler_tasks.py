@@ -111,7 +111,8 @@ def ruler_sample(task: str, tokenizer, template, *, context_tokens: int, index: 
         return _encode(tokenizer, template, text, prefix), answers
 
     if len(ids_of(0)[0]) > budget:
-        raise ValueError(f"context_tokens={context_tokens} is too short for {task}: its frame alone takes {len(ids_of(0)[0])} tokens")
+        raise ValueError(f"context_tokens={context_tokens} is too short for {task}: its frame alone takes {len(ids_of(0)[0])} "
+                         f"tokens")
     low, high = 0, 1
     while len(ids_of(high)[0]) <= budget:  # the haystack size: the largest whose prompt fits
         low, high = high, high * 2

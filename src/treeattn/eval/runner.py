@@ -82,7 +82,8 @@ def decode_methods(
         config = replace(config, tp=None)
     elif config.tp is not None:
         check_layout(str(model_path), config)
-    args = (str(model_path), [list(p) for p in prompts], tuple(methods) if nproc > 1 else (("local", "allreduce"),), config, sampling)
+    args = (str(model_path), [list(p) for p in prompts], tuple(methods) if nproc > 1 else (("local", "allreduce"),), config,
+            sampling)
     start = time.perf_counter()
     if nproc == 1:
         saved = torch.get_num_threads()
@@ -96,7 +97,8 @@ def decode_methods(
 
         with malloc_env():  # the ranks' resident memory follows their live tensors
             per_rank = spawn(_decode_rank, nproc, *args, backend=backend_for(config.device), timeout=SPAWN_TIMEOUT_S,
-                             threads=config.threads_per_rank, method="spawn")  # spawned: glibc reads MALLOC_ENV when a process starts
+                             # spawned: glibc reads MALLOC_ENV when a process starts
+                             threads=config.threads_per_rank, method="spawn")
         rows = per_rank[0][0]
         load_s = max(r[1] for r in per_rank)
     runs = [[MethodRun(method_name(d, m), d, m, nproc, result) for d, m, result in row] for row in rows]

@@ -94,7 +94,8 @@ def run_reference(*, context: int = 32768, new_tokens: int = 16, seed: int = 0, 
     try:
         model = _demo_model(seed, dtype, device, rank=0)
         prompt = synthetic_prompt(context, model.config.vocab_size, seed)
-        result = generate(model, prompt, max_new_tokens=new_tokens, decode="local", ignore_eos=True, kv_cache_dtype=kv_cache_dtype)
+        result = generate(model, prompt, max_new_tokens=new_tokens, decode="local", ignore_eos=True,
+                          kv_cache_dtype=kv_cache_dtype)
     finally:
         torch.set_num_threads(saved_threads)
     return MethodRun("single process (local)", "local", "-", 1, result)

@@ -204,7 +204,8 @@ class ShardedCache(Cache):
         if self._returned[layer] is None or key is not self._returned[layer]:
             raise RuntimeError(
                 f"{self.model_class} layer {layer}: the keys given to the treeattn attention are not this "
-                "ShardedCache's shard; pass the cache to the model (cache=cache, past_key_values=cache before transformers renamed it)"
+                "ShardedCache's shard; pass the cache to the model (cache=cache, past_key_values=cache before transformers "
+                "renamed it)"
             )
         check = (self.phase, layer) not in self._checked
         self._checked.add((self.phase, layer))

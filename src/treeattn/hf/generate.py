@@ -7,7 +7,8 @@ On every rank of the group, with the same model and input_ids:
    the same ValueError instead of hanging.
 2. Sharded prefill of all prompt tokens but the last: each rank runs only the tokens the placement
    gives it, with their absolute position ids; attention is ring_attention across the ranks.
-3. model.generate(input_ids, cache=cache, ...) (past_key_values= before transformers renamed it): transformers runs the last prompt token
+3. model.generate(input_ids, cache=cache, ...) (past_key_values= before transformers renamed it): transformers runs the last
+   prompt token
    and every new token on every rank; each layer's attention is tree_decode over the shards, so
    every rank computes the same logits and picks the same tokens. Logits processors, stopping
    criteria, return_dict_in_generate, eos handling are transformers' own.
@@ -96,7 +97,8 @@ def generate(
         with torch.no_grad():
             if N > 1:  # the last prompt token runs as generate()'s first step, on every rank
                 with cache.prefill(input_ids[:, :-1]) as part:
-                    model(input_ids=part.input_ids, position_ids=part.position_ids, use_cache=True, logits_to_keep=1, **given_cache)
+                    model(input_ids=part.input_ids, position_ids=part.position_ids, use_cache=True, logits_to_keep=1,
+                          **given_cache)
             with cache.decode():
                 output = model.generate(input_ids, max_new_tokens=max_new_tokens, do_sample=do_sample, **given_cache,
                                         **generate_kwargs)

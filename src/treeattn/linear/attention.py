@@ -83,7 +83,8 @@ def linear_attention(
     def validate():
         B, S, _, Hq, Hkv, D, Dv = check_qkv(q, k, v)
         if q.shape[1] != k.shape[1]:
-            raise ValueError(f"q and k must have the same sequence length S (self-attention), got q {tuple(q.shape)} and k {tuple(k.shape)}")
+            raise ValueError(f"q and k must have the same sequence length S (self-attention), got q {tuple(q.shape)} and k "
+                             f"{tuple(k.shape)}")
         for name, flag in (("causal", causal), ("return_state", return_state), ("check_inputs", check_inputs)):
             if not isinstance(flag, bool):
                 raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
@@ -111,7 +112,8 @@ def linear_attention(
         values = (q.shape[0], q.shape[2], k.shape[2], q.shape[3], v.shape[3], fq.shape[3], dtype_code(q.dtype),
                   device_code(q.device), zlib.crc32(name.encode()), int(causal), int(return_state),
                   EXCHANGE_METHODS.index(method), int(initial_state is not None))
-        digest = Digest.unknown() if initial_state is None else tensor_digest(torch.cat((initial.kv.reshape(-1), initial.k_sum.reshape(-1)))[None])
+        digest = Digest.unknown() if initial_state is None else tensor_digest(torch.cat((initial.kv.reshape(-1),
+                                                                                         initial.k_sum.reshape(-1)))[None])
         return {**dict(zip(names, values)), "initial_state": digest}
 
     names_to_match = ("B (q.shape[0])", "Hq (q.shape[2])", "Hkv (k.shape[2])", "D (q.shape[3])", "Dv (v.shape[3])",

@@ -83,7 +83,8 @@ class HedgehogFeatureMap(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not isinstance(x, torch.Tensor) or x.dim() != 4:
-            raise ValueError(f"x must be a (B, S, H, D) tensor, got {tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
+            raise ValueError(f"x must be a (B, S, H, D) tensor, got "
+                             f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
         B, S, H, D = x.shape
         if D != self.head_dim:
             raise ValueError(f"x must have head_dim={self.head_dim} features (last dim), got shape {tuple(x.shape)}")
@@ -111,9 +112,11 @@ def resolve_feature_map(feature_map) -> tuple[FeatureMap, FeatureMap, str]:
             return elu_feature_map, elu_feature_map, "elu"
         if feature_map == "relu":
             return relu_feature_map, relu_feature_map, "relu"
-        raise ValueError(f"feature_map must be one of {NAMED_FEATURE_MAPS}, a callable or a (phi_q, phi_k) pair, got {feature_map!r}")
+        raise ValueError(f"feature_map must be one of {NAMED_FEATURE_MAPS}, a callable or a (phi_q, phi_k) pair, got "
+                         f"{feature_map!r}")
     if isinstance(feature_map, tuple) and len(feature_map) == 2 and all(callable(f) for f in feature_map):
         return feature_map[0], feature_map[1], type(feature_map[0]).__name__
     if callable(feature_map) and not isinstance(feature_map, tuple):
         return feature_map, feature_map, type(feature_map).__name__
-    raise TypeError(f"feature_map must be one of {NAMED_FEATURE_MAPS}, a callable or a (phi_q, phi_k) pair, got {type(feature_map).__name__}")
+    raise TypeError(f"feature_map must be one of {NAMED_FEATURE_MAPS}, a callable or a (phi_q, phi_k) pair, got "
+                    f"{type(feature_map).__name__}")

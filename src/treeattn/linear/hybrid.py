@@ -49,8 +49,14 @@ class LinearizedAttention(nn.Module):
         super().__init__()
         self.layer = attention.layer
         self.num_heads, self.num_kv_heads, self.head_dim = attention.num_heads, attention.num_kv_heads, attention.head_dim
-        self.q_proj, self.k_proj, self.v_proj, self.o_proj = attention.q_proj, attention.k_proj, attention.v_proj, attention.o_proj
-        params = dict(dtype=torch.float32, device=next(iter(attention.q_proj.state_dict().values())).device)  # nn.Linear or packed
+        self.q_proj, self.k_proj, self.v_proj, self.o_proj = (
+            attention.q_proj,
+            attention.k_proj,
+            attention.v_proj,
+            attention.o_proj,
+        )
+        # nn.Linear or packed
+        params = dict(dtype=torch.float32, device=next(iter(attention.q_proj.state_dict().values())).device)
         self.feature_map_q = HedgehogFeatureMap(self.num_kv_heads, self.head_dim, feature_dim, **params)
         self.feature_map_k = HedgehogFeatureMap(self.num_kv_heads, self.head_dim, feature_dim, **params)
 
@@ -255,12 +261,14 @@ def load_feature_maps(model, directory: str | Path, layers: Sequence[int] | None
     tensors = {name: t for name, t in load_file(str(maps_path)).items() if int(name.split(".")[1]) in chosen}
     expected = set(feature_map_state(model))
     if set(tensors) != expected:
-        raise ValueError(f"{maps_path}: tensors {sorted(set(tensors) ^ expected)[:4]} missing or unexpected for layers {config['layers']}")
+        raise ValueError(f"{maps_path}: tensors {sorted(set(tensors) ^ expected)[:4]} missing or unexpected for layers "
+                         f"{config['layers']}")
     params = dict(model.named_parameters())
     with torch.no_grad():
         for name, tensor in tensors.items():
             if params[name].shape != tensor.shape:
-                raise ValueError(f"{maps_path}: {name} has shape {tuple(tensor.shape)}, the model needs {tuple(params[name].shape)}")
+                raise ValueError(f"{maps_path}: {name} has shape {tuple(tensor.shape)}, the model needs "
+                                 f"{tuple(params[name].shape)}")
             params[name].copy_(tensor)
     return tuple(chosen)
 

@@ -125,7 +125,8 @@ def apply_feature_maps(q, k, v, phi_q: FeatureMap, phi_k: FeatureMap):
     for name, t, x in (("phi(q)", fq, q), ("phi(k)", fk, k)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4 or tuple(t.shape[:3]) != tuple(x.shape[:3]):
             got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-            raise ValueError(f"feature_map must map (B, S, H, D) to (B, S, H, F); {name} has shape {got} for input {tuple(x.shape)}")
+            raise ValueError(f"feature_map must map (B, S, H, D) to (B, S, H, F); {name} has shape {got} for input "
+                             f"{tuple(x.shape)}")
     if fq.shape[3] != fk.shape[3]:
         raise ValueError(f"feature_map: phi(q) and phi(k) must have the same F, got {fq.shape[3]} and {fk.shape[3]}")
     if fq.shape[3] == 0:

@@ -1,4 +1,5 @@
-"""Llama-family models (Llama, Qwen2, Mistral), DeepSeek-V2/V3 (MLA, MoE), Gemma 3 (text), their attention algorithms, and the checkpoint loader."""
+"""Llama-family models (Llama, Qwen2, Mistral), DeepSeek-V2/V3 (MLA, MoE), Gemma 3 (text), their attention algorithms, and the
+checkpoint loader."""
 
 from treeattn.models.attention import (
     DECODE_KINDS,

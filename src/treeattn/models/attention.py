@@ -214,7 +214,8 @@ def attention_backend(decode: str, *, method: str = "allreduce", group: dist.Pro
         raise ValueError(f"decode='local' runs on one rank, but the group has {p}; use 'tree' or 'ring'")
     kind = decode if p > 1 else "local"
     if graph_safe:
-        return GraphSafeDecodeAttention(kind, method=method, group=group, topology=topology, kv_len=kv_len, shard_lengths=shard_lengths)
+        return GraphSafeDecodeAttention(kind, method=method, group=group, topology=topology, kv_len=kv_len,
+                                        shard_lengths=shard_lengths)
     return decode_attention(kind, method=method, group=group, topology=topology)
 
 

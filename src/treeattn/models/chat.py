@@ -164,7 +164,8 @@ class ChatTemplate:
         _budget.steps, _budget.deadline = 0, time.monotonic() + TEMPLATE_MAX_SECONDS
         parts, size = [], 0
         try:
-            for part in compiled.generate({**(variables or {}), "messages": messages, "add_generation_prompt": add_generation_prompt,
+            for part in compiled.generate({**(variables or {}), "messages": messages,
+                                           "add_generation_prompt": add_generation_prompt,
                                            "bos_token": self.bos_token or "", "eos_token": self.eos_token or ""}):
                 _step()
                 size += len(part)
@@ -253,7 +254,8 @@ def check_messages(messages) -> None:
     if not isinstance(messages, (list, tuple)) or not messages:
         raise ValueError(f"chat messages must be a non-empty list of {{'role', 'content'}} dicts, got {messages!r:.80}")
     for i, message in enumerate(messages):
-        if not isinstance(message, dict) or not isinstance(message.get("role"), str) or not isinstance(message.get("content"), str):
+        if not isinstance(message, dict) or not isinstance(message.get("role"),
+                                                           str) or not isinstance(message.get("content"), str):
             raise ValueError(f"chat message {i} must be a dict with string 'role' and 'content', got {message!r:.80}")
 
 

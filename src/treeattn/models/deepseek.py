@@ -32,7 +32,8 @@ must take the same form (the attention is a collective) while the shard sizes th
 read differ per rank; and there the absorbed form is the one that moves least: ring prefill
 passes latent entries (576 + 512 numbers per token at V3 sizes) instead of decompressed per-head
 keys and values (128 x (192 + 128)). The naive form needs the shard as one tensor; kv_stores that
-hand over anything else (the engine's per-group shards, shared-context splits) run absorbed. The attention functions take no softmax scale: q is pre-multiplied by
+hand over anything else (the engine's per-group shards, shared-context splits) run absorbed. The attention functions take no
+softmax scale: q is pre-multiplied by
 softmax_scale / D ** -0.5, so the default D ** -0.5 of the kernels gives softmax_scale.
 
 MoE (layers >= first_k_dense_replace): routed experts weighted by a router plus always-on shared
@@ -93,7 +94,8 @@ class DeepseekConfig:
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     rope_type: str = "default"  # "default" | "yarn"
-    rope_scaling: dict = field(default_factory=dict)  # yarn: factor, original_max_position_embeddings, beta_fast/slow, mscale, mscale_all_dim, attention_factor, truncate
+    # yarn: factor, original_max_position_embeddings, beta_fast/slow, mscale, mscale_all_dim, attention_factor, truncate
+    rope_scaling: dict = field(default_factory=dict)
     rope_interleave: bool = True  # rotate pairs (x0, x1), (x2, x3), ... (V2 always; V3's default)
     attention_bias: bool = False
     mlp_bias: bool = False
@@ -124,7 +126,8 @@ class DeepseekConfig:
             _check_int("moe_intermediate_size", self.moe_intermediate_size, 1)
             _check_int("num_experts_per_tok", self.num_experts_per_tok, 1)
             if self.num_experts_per_tok > self.n_routed_experts:
-                raise ValueError(f"num_experts_per_tok ({self.num_experts_per_tok}) exceeds n_routed_experts ({self.n_routed_experts})")
+                raise ValueError(f"num_experts_per_tok ({self.num_experts_per_tok}) exceeds n_routed_experts "
+                                 f"({self.n_routed_experts})")
             if self.router != "greedy":
                 _check_int("n_group", self.n_group, 1)
                 _check_int("topk_group", self.topk_group, 1)
@@ -133,7 +136,8 @@ class DeepseekConfig:
                 if self.topk_group > self.n_group:
                     raise ValueError(f"topk_group ({self.topk_group}) exceeds n_group ({self.n_group})")
                 if self.router == "v3" and self.n_routed_experts // self.n_group < 2:
-                    raise ValueError(f"the V3 router ranks groups by their two best experts: n_routed_experts / n_group must be >= 2, "
+                    raise ValueError(f"the V3 router ranks groups by their two best experts: n_routed_experts / n_group must be "
+                                     f">= 2, "
                                      f"got {self.n_routed_experts} / {self.n_group}")
         for name, value in [("rms_norm_eps", self.rms_norm_eps), ("rope_theta", self.rope_theta),
                             ("routed_scaling_factor", self.routed_scaling_factor)]:
@@ -561,7 +565,8 @@ def config_from_dict(raw: dict, architecture: str, *, source: str = "config.json
         bos_token_id=get("bos_token_id", int, None),
         eos_token_ids=_token_ids(raw.get("eos_token_id"), source),
     )
-    if values["q_lora_rank"] is not None and (isinstance(values["q_lora_rank"], bool) or not isinstance(values["q_lora_rank"], int)):
+    if values["q_lora_rank"] is not None and (isinstance(values["q_lora_rank"],
+                                                         bool) or not isinstance(values["q_lora_rank"], int)):
         raise ValueError(f"{source}: key 'q_lora_rank' must be int or null, got {values['q_lora_rank']!r}")
     try:
         return DeepseekConfig(**values)
@@ -592,7 +597,8 @@ def _router(raw: dict, v3: bool, get, refuse) -> str:
         if router not in ("greedy", "group_limited_greedy"):
             refuse("topk_method", router, "'greedy', 'group_limited_greedy'")
         if get("norm_topk_prob", bool):
-            refuse("norm_topk_prob", True, "false (transformers' DeepseekV2 router ignores it; DeepSeek's reference code applies it)")
+            refuse("norm_topk_prob", True,
+                   "false (transformers' DeepseekV2 router ignores it; DeepSeek's reference code applies it)")
     if not v3 and raw.get("rope_interleave") is False:
         refuse("rope_interleave", False, "true (DeepseekV2 always rotates interleaved pairs)")
     return router
@@ -626,9 +632,12 @@ def _rope(raw: dict, source: str, refuse) -> tuple[float, str, dict]:
     if not isinstance(theta, (int, float)) or isinstance(theta, bool) or not (math.isfinite(theta) and theta > 0):
         raise ValueError(f"{source}: rope_theta must be a finite positive number, got {theta!r}")
     if rope_type == "yarn":
-        for name in ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor"):
+        for name in ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim",
+                     "attention_factor"):
             value = params.get(name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0):
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0
+            ):
                 raise ValueError(f"{source}: {key}.{name} must be a finite number >= 0, got {value!r}")
         if not params.get("factor"):
             raise ValueError(f"{source}: rope type 'yarn' needs a positive number {key}.factor, got {params.get('factor')!r}")

@@ -224,20 +224,26 @@ def config_from_dict(raw: dict, architecture: str, *, source: str = "config.json
     get = config_reader(raw, source, TEXT_DEFAULTS)
 
     if get("hidden_activation", str) not in ("gelu_pytorch_tanh", "gelu_tanh"):
-        raise ValueError(f"{source}: unsupported hidden_activation {raw['hidden_activation']!r}; Gemma 3 uses 'gelu_pytorch_tanh'")
+        raise ValueError(
+            f"{source}: unsupported hidden_activation {raw['hidden_activation']!r}; Gemma 3 uses 'gelu_pytorch_tanh'"
+        )
     if get("attn_logit_softcapping", float, None) is not None:
-        raise ValueError(f"{source}: attn_logit_softcapping={raw['attn_logit_softcapping']!r} is not supported (Gemma 3 has none)")
+        raise ValueError(
+            f"{source}: attn_logit_softcapping={raw['attn_logit_softcapping']!r} is not supported (Gemma 3 has none)"
+        )
     if get("use_bidirectional_attention", bool, False):
         raise ValueError(f"{source}: use_bidirectional_attention=true is not supported (a causal decoder only)")
     layers = get("num_hidden_layers", int)
     window = get("sliding_window", int)
     types = raw.get("layer_types")
     if types is None:
-        pattern = get("sliding_window_pattern", int, raw.get("_sliding_window_pattern") or TEXT_DEFAULTS["sliding_window_pattern"])
+        pattern = get("sliding_window_pattern", int,
+                      raw.get("_sliding_window_pattern") or TEXT_DEFAULTS["sliding_window_pattern"])
         windows = gemma3_layer_windows(layers, window, pattern)
     else:
         if not isinstance(types, list) or len(types) != layers or not set(types) <= {"sliding_attention", "full_attention"}:
-            raise ValueError(f"{source}: 'layer_types' must list {layers} of 'sliding_attention' / 'full_attention', got {types!r}")
+            raise ValueError(f"{source}: 'layer_types' must list {layers} of 'sliding_attention' / 'full_attention', got "
+                             f"{types!r}")
         windows = tuple(window if t == "sliding_attention" else None for t in types)
     rope = _rope_parameters(raw, source)
     global_rope = rope["full_attention"]

@@ -44,7 +44,7 @@ def read_generation_config(model: str | os.PathLike) -> dict:
     {'temperature': 0.6, 'top_p': 0.9}
     >>> read_generation_config(tempfile.mkdtemp())
     {}
-    """
+    """  # noqa: E501
     from treeattn.models.gguf import is_gguf
 
     if is_gguf(model):

@@ -1,7 +1,8 @@
 """Load a GGUF file (llama.cpp / Ollama format) into a LlamaModel (a Gemma3Model for gemma3 files).
 
     model = load_gguf_model("SmolLM2-135M-Instruct.Q4_1.gguf")           # float32 weights
-    model = load_gguf_model(path, weight_format="packed")                  # Q4_0/Q4_1/Q8_0/Q4_K/Q5_0/Q6_K matrices kept as shipped
+    model = load_gguf_model(path, weight_format="packed")                  # Q4_0/Q4_1/Q8_0/Q4_K/Q5_0/Q6_K matrices kept as
+    shipped
     config = read_gguf_config("model.gguf")                                # LlamaConfig only
 
 Reading goes through the `gguf` package (gguf.GGUFReader memory-maps the file; gguf.quants
@@ -401,7 +402,8 @@ def read_gguf_config(path_or_reader, *, path: str | os.PathLike | None = None) -
             qkv_bias="blk.0.attn_q.bias" in tensors,
             o_bias="blk.0.attn_output.bias" in tensors,
             mlp_bias="blk.0.ffn_up.bias" in tensors,
-            layer_windows=gemma3_layer_windows(layers, window, GEMMA3_SLIDING_WINDOW_PATTERN) if arch == "gemma3" else (window,) * layers,
+            layer_windows=gemma3_layer_windows(layers, window,
+                                               GEMMA3_SLIDING_WINDOW_PATTERN) if arch == "gemma3" else (window,) * layers,
             max_position_embeddings=get("context_length", int, 4096),
             architecture=SUPPORTED_ARCHITECTURES[arch],
             bos_token_id=metadata(reader, "tokenizer.ggml.bos_token_id", None),
@@ -413,7 +415,8 @@ def read_gguf_config(path_or_reader, *, path: str | os.PathLike | None = None) -
 
 
 def load_gguf_model(path_or_reader, *, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
-                    path: str | os.PathLike | None = None, weight_format: str = "dequantize", shard: dict | None = None) -> LlamaModel:
+                    path: str | os.PathLike | None = None, weight_format: str = "dequantize",
+                    shard: dict | None = None) -> LlamaModel:
     """Load a GGUF file into a LlamaModel, dequantizing every tensor to `dtype` or keeping the quantized
     matrices packed.
 
@@ -506,11 +509,13 @@ def packed_tensors(plan: dict, weight_format: str, device, path) -> set[str]:
         other = [(ours, t) for ours, t in plan.items() if len(t.shape) == 2 and t.tensor_type not in KEPT_TYPES
                  and t.tensor_type not in FLOAT_TYPES]
         if other:
-            raise ValueError(f"weight_format='packed' keeps Q4_0, Q4_1, Q8_0, Q4_K, Q5_0 and Q6_K matrices; {path} has {other[0][1].name!r} in "
+            raise ValueError(f"weight_format='packed' keeps Q4_0, Q4_1, Q8_0, Q4_K, Q5_0 and Q6_K matrices; {path} has "
+                             f"{other[0][1].name!r} in "
                              f"{other[0][1].tensor_type.name} (and {len(other) - 1} more of other types): use "
                              f"weight_format='auto' (dequantizes those) or 'dequantize'")
         if not keep:
-            raise ValueError(f"weight_format='packed': {path} has no Q4_0, Q4_1, Q8_0, Q4_K, Q5_0 or Q6_K matrix to keep; use weight_format='dequantize'")
+            raise ValueError(f"weight_format='packed': {path} has no Q4_0, Q4_1, Q8_0, Q4_K, Q5_0 or Q6_K matrix to keep; use "
+                             f"weight_format='dequantize'")
     return keep
 
 
@@ -641,7 +646,8 @@ def _share(tensor, cut, dtype: torch.dtype, device, path) -> torch.Tensor:
 
 def can_dequantize(tensor_type) -> bool:
     """Whether the installed gguf package can dequantize this GGMLQuantizationType."""
-    return tensor_type in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16) or tensor_type in gguf.quants._type_traits
+    return tensor_type in (gguf.GGMLQuantizationType.F32,
+                           gguf.GGMLQuantizationType.F16) or tensor_type in gguf.quants._type_traits
 
 
 def unpermute_rows(weight: np.ndarray, heads: int) -> np.ndarray:

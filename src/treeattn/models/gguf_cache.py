@@ -44,7 +44,8 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-FORMAT = "2"  # 2: "packed" and "auto" keep Q4_K, Q5_0 and Q6_K matrices packed too (session 8); a copy of format 1 holds them dequantized
+# 2: "packed" and "auto" keep Q4_K, Q5_0 and Q6_K matrices packed too (session 8); a copy of format 1 holds them dequantized
+FORMAT = "2"
 ENV_SWITCH = "TREEATTN_GGUF_CACHE"
 ENV_DIR = "TREEATTN_CACHE_DIR"
 _OFF = ("0", "off", "false", "no")
@@ -142,7 +143,9 @@ def _read(entry: Path, path, dtype: torch.dtype, device: torch.device):
     from treeattn.models.chat import GGUF_TEMPLATE_KEY, ChatTemplate
     from treeattn.models.families import model_class
 
-    where = f"cuda:{torch.cuda.current_device() if device.index is None else device.index}" if device.type == "cuda" else str(device)
+    where = (
+        f"cuda:{torch.cuda.current_device() if device.index is None else device.index}" if device.type == "cuda" else str(device)
+    )
     with safe_open(str(entry), framework="pt", device=where) as f:
         metadata = f.metadata()
         if metadata.get("format") != FORMAT:
@@ -157,7 +160,8 @@ def _read(entry: Path, path, dtype: torch.dtype, device: torch.device):
         for name, (kind, fmt) in json.loads(metadata["packed"]).items():
             qs, d = state[f"{name}.qs"], state[f"{name}.d_bits"].view(torch.float32)
             m = state[f"{name}.m_bits"].view(torch.float32) if f"{name}.m_bits" in state else None
-            layer = PackedEmbedding(fmt, qs, d, m) if kind == "embedding" else PackedLinear(fmt, qs, d, m, bias=state.get(f"{name}.bias"))
+            layer = PackedEmbedding(fmt, qs, d, m) if kind == "embedding" else PackedLinear(fmt, qs, d, m,
+                                                                                            bias=state.get(f"{name}.bias"))
             model.set_submodule(name, layer)
     model.load_state_dict(state, strict=True, assign=True)
     model.inv_freq = inv_freq

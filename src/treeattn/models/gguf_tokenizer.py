@@ -165,7 +165,8 @@ def _add_special_tokens(tokenizer, tokens: list[str], types: list[int]) -> None:
 
     control = [AddedToken(t, special=True, normalized=False) for t, kind in zip(tokens, types) if kind == CONTROL]
     vocab = tokenizer.get_vocab()
-    user = [AddedToken(t, special=False, normalized=False) for t, kind in zip(tokens, types) if kind == USER_DEFINED and t in vocab]
+    user = [AddedToken(t, special=False, normalized=False) for t, kind in zip(tokens,
+                                                                              types) if kind == USER_DEFINED and t in vocab]
     if control:
         tokenizer.add_special_tokens(control)
     if user:

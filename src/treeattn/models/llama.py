@@ -66,7 +66,8 @@ class LlamaConfig:
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     rope_type: str = "default"  # "default" | "llama3" | "linear"
-    rope_scaling: dict = field(default_factory=dict)  # factor, low_freq_factor, high_freq_factor, original_max_position_embeddings
+    # factor, low_freq_factor, high_freq_factor, original_max_position_embeddings
+    rope_scaling: dict = field(default_factory=dict)
     tie_word_embeddings: bool = False
     qkv_bias: bool = False  # Qwen2: bias on q, k, v projections
     o_bias: bool = False  # Llama attention_bias=True: bias on o_proj too
@@ -146,7 +147,8 @@ def check_norm_and_rope(config) -> None:
     numbers += [(f"rope_scaling.{k}", v, k in POSITIVE_ROPE_SCALING) for k, v in config.rope_scaling.items()
                 if isinstance(v, (int, float)) and not isinstance(v, bool)]
     for name, value, positive in numbers:
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or (positive and value <= 0):
+        if isinstance(value, bool) or not isinstance(value, (int,
+                                                             float)) or not math.isfinite(value) or (positive and value <= 0):
             raise ValueError(f"{name} must be a finite {'positive ' if positive else ''}number, got {value!r}")
     limit = config.max_position_embeddings
     if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:

@@ -130,7 +130,9 @@ def load_model(model_dir: str | os.PathLike, *, dtype: torch.dtype = torch.float
         by_file.setdefault(path, []).append((ours, theirs))
     # Tensor by tensor, straight onto `device` (safetensors reads each one from the file mapping into
     # the device's memory), converted to `dtype` there: no whole float32 copy of the model in host memory.
-    where = f"cuda:{torch.cuda.current_device() if device.index is None else device.index}" if device.type == "cuda" else str(device)
+    where = (
+        f"cuda:{torch.cuda.current_device() if device.index is None else device.index}" if device.type == "cuda" else str(device)
+    )
     for path, names in by_file.items():
         with safe_open(str(path), framework="pt", device=where) as f:
             for ours, theirs in names:
@@ -312,7 +314,8 @@ def config_from_dict(raw: dict, *, source: str = CONFIG_FILE) -> LlamaConfig:
     heads = get("num_attention_heads", int)
     layers = get("num_hidden_layers", int)
     if "head_dim" not in raw and heads > 0 and hidden % heads:
-        raise ValueError(f"{source}: hidden_size {hidden} is not a multiple of num_attention_heads {heads}, and no 'head_dim' key says the head size")
+        raise ValueError(f"{source}: hidden_size {hidden} is not a multiple of num_attention_heads {heads}, and no 'head_dim' "
+                         f"key says the head size")
     rope_theta, rope_type, rope_scaling = _rope(raw, source)
     # Every get() runs before LlamaConfig, so that only LlamaConfig's own errors get the file's name added.
     values = dict(
@@ -351,7 +354,8 @@ def _architecture(raw: dict, source: str) -> str:
         if not isinstance(architectures, list) or not isinstance(architectures[0], str):
             raise ValueError(f"{source}: 'architectures' must be a list of names, got {architectures!r}")
         if architectures[0] not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(f"{source}: unsupported architecture {architectures[0]!r} (key 'architectures'); supported: {supported}")
+            raise ValueError(f"{source}: unsupported architecture {architectures[0]!r} (key 'architectures'); supported: "
+                             f"{supported}")
         return architectures[0]
     model_type = raw.get("model_type")
     if model_type is None:
@@ -385,7 +389,11 @@ def weight_locations(model_dir: str | os.PathLike) -> dict[str, Path]:
         return locations
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
-        extra = " (found pytorch_model.bin: convert it to safetensors; treeattn never unpickles)" if (model_dir / "pytorch_model.bin").exists() else ""
+        extra = (
+            " (found pytorch_model.bin: convert it to safetensors; treeattn never unpickles)"
+            if (model_dir / "pytorch_model.bin").exists()
+            else ""
+        )
         raise FileNotFoundError(f"{model_dir}: no *.safetensors weights{extra}")
     locations = {}
     for path in files:
@@ -511,8 +519,10 @@ def _rope(raw: dict, source: str) -> tuple[float, str, dict]:
         raise ValueError(f"{source}: key {key!r} must be an object, got {params!r}")
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise ValueError(f"{source}: unsupported rope type {rope_type!r} (key {key!r}); supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
-    needed = {"linear": ("factor",), "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
+        raise ValueError(f"{source}: unsupported rope type {rope_type!r} (key {key!r}); supported: "
+                         f"{', '.join(SUPPORTED_ROPE_TYPES)}")
+    needed = {"linear": ("factor",), "llama3": ("factor", "low_freq_factor", "high_freq_factor",
+                                                "original_max_position_embeddings")}
     for name in needed.get(rope_type, ()):
         if not isinstance(params.get(name), (int, float)) or isinstance(params.get(name), bool):
             raise ValueError(f"{source}: rope type {rope_type!r} needs a number {key}.{name}, got {params.get(name)!r}")

@@ -48,7 +48,8 @@ class _Packed(nn.Module):
         if fmt not in FORMATS:
             raise ValueError(f"fmt must be one of {FORMATS}, got {fmt!r}")
         if (m is not None) != (fmt == "q4_1"):
-            raise ValueError(f"m (the blocks' offsets) is given exactly for q4_1, got fmt={fmt!r} and m={'a tensor' if m is not None else None}")
+            raise ValueError(f"m (the blocks' offsets) is given exactly for q4_1, got fmt={fmt!r} and "
+                             f"m={'a tensor' if m is not None else None}")
         self.fmt = fmt
         self.activations = "float32"  # how decode-sized calls multiply: "float32" or "int8" (set_activation_format)
         self.register_buffer("qs", qs)
@@ -106,7 +107,8 @@ class _Packed(nn.Module):
 class PackedLinear(_Packed):
     """nn.Linear(columns, rows) over a packed weight: forward(x (..., columns)) -> (..., rows) in x.dtype."""
 
-    def __init__(self, fmt: str, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, bias: torch.Tensor | None = None) -> None:
+    def __init__(self, fmt: str, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None,
+                 bias: torch.Tensor | None = None) -> None:
         super().__init__(fmt, qs, d, m)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
 
@@ -264,5 +266,6 @@ def is_packed(model: nn.Module) -> bool:
     return any(isinstance(module, _Packed) for module in model.modules())
 
 
-__all__ = ["WEIGHT_FORMATS", "FusedPacked", "PackedEmbedding", "PackedLinear", "fuse_packed", "fuse_projections", "fused_projections", "is_packed",
+__all__ = ["WEIGHT_FORMATS", "FusedPacked", "PackedEmbedding", "PackedLinear", "fuse_packed", "fuse_projections",
+           "fused_projections", "is_packed",
            "set_activation_format", "weight_bytes"]

@@ -12,7 +12,8 @@ over the keys in place per KV head and its G query heads, float32 online softmax
 parallel (0.27-0.67x the matmul path's time at 4K-64K keys, docs/benchmarks.md). Other decode-sized work (<= 64 query
 rows per KV head; float64, a softcap, no numba) runs a float32 matmul path with an online softmax
 over cache-sized key chunks, measured faster there than torch's fused flash-attention kernel;
-longer query blocks (prefill) run in that kernel, which also returns the logsumexp. Other devices without the Triton kernel, and head dims the fused kernel does not take,
+longer query blocks (prefill) run in that kernel, which also returns the logsumexp. Other devices without the Triton kernel, and
+head dims the fused kernel does not take,
 use the matmul path too, and so does every call with a softcap (Gemma 2 logit capping), since the
 fused kernel takes no transform of the scores.
 CUDA tensors go to the Triton flash-decoding kernel (treeattn.ops.triton_decode) when triton is

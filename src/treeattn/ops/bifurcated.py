@@ -242,7 +242,8 @@ def _resolve_positions(q_pos, context_pos, decode_pos, n, Sq, Mc, Md, device):
     if q_pos is None:
         if context_pos is not None or decode_pos is not None:
             given = "context_pos" if context_pos is not None else "decode_pos"
-            raise ValueError(f"{given} was given without q_pos; positions mask keys against the query positions, so pass q_pos too")
+            raise ValueError(f"{given} was given without q_pos; positions mask keys against the query positions, so pass q_pos "
+                             f"too")
         return None, None, None
     q_pos = check_positions(q_pos, "q_pos", n, Sq, device)
     context_pos = check_positions(context_pos, "context_pos", 1, Mc, device)
@@ -312,7 +313,8 @@ def check_bifurcated_inputs(
             )
     if Hq == 0 or Hkv == 0:
         raise ValueError(
-            f"head counts must be positive, got Hq={Hq} (q shape {tuple(q.shape)}) and Hkv={Hkv} ({ck_name} shape {tuple(context_k.shape)})"
+            f"head counts must be positive, got Hq={Hq} (q shape {tuple(q.shape)}) and Hkv={Hkv} ({ck_name} shape "
+            f"{tuple(context_k.shape)})"
         )
     if Hq % Hkv != 0:
         raise ValueError(

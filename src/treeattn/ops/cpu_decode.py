@@ -12,7 +12,8 @@ its G query heads. At 4K-64K keys it takes 0.27-0.67x the matmul path's time (qu
 figures are in docs/benchmarks.md).
 
 The kernel (treeattn.ops.paged_cpu_kernel) takes the queries in float32, widens 16-bit
-elements to float32 in registers and fp8 blocks block by block (fp8 blocks' scales folded into scores and weights), runs an online softmax in float32, and splits each row's blocks into
+elements to float32 in registers and fp8 blocks block by block (fp8 blocks' scales folded into scores and weights), runs an
+online softmax in float32, and splits each row's blocks into
 ranges that threads attend in parallel before merging them. A key at kv_pos is visible to a query
 at q_pos iff kv_pos <= q_pos (and q_pos - kv_pos < W with a window); a query at q_pos -1 sees
 nothing. Without numba, decode_attention returns None and its caller keeps its own path.
@@ -79,7 +80,8 @@ def attend_blocks(q: torch.Tensor, k_blocks: torch.Tensor, v_store: torch.Tensor
     lse = torch.empty(B, Sq, Hq)
     scales = (kernel.NO_SCALES, kernel.NO_SCALES) if k_scales is None else (k_scales.numpy(), v_scales.numpy())
     kernel.attend(threads, q_rows.numpy(), k_blocks.view(bits).numpy(), v_store.view(bits).numpy(), *scales, Dv, scale,
-                  table, kv_pos, row_seq, q_pos, window or 0, splits, out.view(R, Hkv, G, Dv).numpy(), lse.view(R, Hkv, G).numpy())
+                  table, kv_pos, row_seq, q_pos, window or 0, splits, out.view(R, Hkv, G, Dv).numpy(),
+                  lse.view(R, Hkv, G).numpy())
     return out.to(q.dtype), lse.transpose(1, 2).contiguous()
 
 
@@ -98,8 +100,17 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale
     """
     B, Sq, Hq, D = q.shape
     Sk = k.shape[1]
-    if (q.device.type != "cpu" or q.dtype not in _BITS or q.dtype == FP8 or k.dtype != q.dtype or v.dtype != q.dtype or not 1 <= Sq <= MAX_QUERIES
-            or B == 0 or Sk == 0 or kernel_module() is None):
+    if (
+        q.device.type != "cpu"
+        or q.dtype not in _BITS
+        or q.dtype == FP8
+        or k.dtype != q.dtype
+        or v.dtype != q.dtype
+        or not 1 <= Sq <= MAX_QUERIES
+        or B == 0
+        or Sk == 0
+        or kernel_module() is None
+    ):
         return None
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         return None  # the kernel has no backward: a call that autograd records keeps the differentiable path

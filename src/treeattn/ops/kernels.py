@@ -20,7 +20,8 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-KERNELS = {"paged_cpu_kernel": "numba", "packed_cpu_kernel": "numba", "packed_int8_kernel": "numba", "combine_cpu_kernel": "numba", "rowwise_cpu_kernel": "numba", "triton_decode": "triton"}
+KERNELS = {"paged_cpu_kernel": "numba", "packed_cpu_kernel": "numba", "packed_int8_kernel": "numba",
+           "combine_cpu_kernel": "numba", "rowwise_cpu_kernel": "numba", "triton_decode": "triton"}
 """Each optional kernel module of treeattn.ops and the dependency it needs."""
 
 

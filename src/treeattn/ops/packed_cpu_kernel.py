@@ -40,7 +40,8 @@ from numba.extending import intrinsic
 
 _FASTMATH = {"reassoc", "contract"}
 BLOCK = 32
-# q4 weight rows per pass over x: 0.57-0.73x the time of one row at a time (docs/benchmarks.md, "Weights kept packed"). q8_0 stays at
+# q4 weight rows per pass over x: 0.57-0.73x the time of one row at a time (docs/benchmarks.md, "Weights kept packed"). q8_0 stays
+# at
 # one row: grouping its rows was faster on a layer's matrices but 1.3x slower on a 49152-row output projection
 # (session 11, with the accumulators on the stack: groups of 2 and 4 rows 0.5-0.8x one row's throughput on every matrix).
 ROWS = 4

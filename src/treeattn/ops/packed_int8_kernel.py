@@ -80,7 +80,8 @@ def matmul(threads: int, fmt: str, x, qs, d, m, out) -> None:
 def quantize_q8(x, xq, xd, xs):  # pragma: no cover - compiled
     """Rows of x (M, K) float32 as ggml's q8_0 blocks: xq (M, K // 32, 32) int8, xd (M, K // 32) float32 scales,
     xs (M, K // 32) int32 sums of each block's values. quantize_row_q8_0_ref's arithmetic (no fastmath: every
-    operation rounds as written): d = amax / 127, id = 1 / d, q = roundf(x * id), roundf halves away from 0 (gguf.quants.Q8_0 bit for bit, before it rounds d to float16)."""
+    operation rounds as written): d = amax / 127, id = 1 / d, q = roundf(x * id), roundf halves away from 0 (gguf.quants.Q8_0 bit
+    for bit, before it rounds d to float16)."""
     M, nb = xq.shape[0], xq.shape[1]
     for i in range(M):
         for b in range(nb):
@@ -129,7 +130,8 @@ def _arrange(xq, offset, lanes, xlo, xhi, corr):  # pragma: no cover - compiled
 def _declare(builder, width):
     """llvm.x86.avx512.vpdpbusd.<width>: acc (int32 lanes) += four u8 x s8 products per lane."""
     vec = ir.VectorType(ir.IntType(32), width // 32)
-    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vec, [vec, vec, vec]), f"llvm.x86.avx512.vpdpbusd.{width}")
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vec, [vec, vec, vec]),
+                                        f"llvm.x86.avx512.vpdpbusd.{width}")
     return fn, vec
 
 
@@ -215,11 +217,15 @@ def _row_dot_codegen(q4: bool, with_corr: bool):
             i8p = ir.IntType(8).as_pointer()
             per = 16 if q4 else 32
             wbase = builder.gep(builder.bitcast(wq_a.data, i8p), [builder.mul(wrow_v, builder.mul(nb_v, ir.Constant(i64, per)))])
-            xa_base = builder.gep(builder.bitcast(xa_a.data, i8p), [builder.mul(xrow_v, builder.mul(nb_v, ir.Constant(i64, per)))])
-            xb_base = builder.gep(builder.bitcast(xb_a.data, i8p), [builder.mul(xrow_v, builder.mul(nb_v, ir.Constant(i64, per)))])
+            xa_base = builder.gep(builder.bitcast(xa_a.data, i8p), [builder.mul(xrow_v, builder.mul(nb_v,
+                                                                                                    ir.Constant(i64, per)))])
+            xb_base = builder.gep(builder.bitcast(xb_a.data, i8p), [builder.mul(xrow_v, builder.mul(nb_v,
+                                                                                                    ir.Constant(i64, per)))])
             dw_base = builder.gep(dw_a.data, [builder.mul(wrow_v, nb_v)])
             xd_base = builder.gep(xd_a.data, [builder.mul(xrow_v, nb_v)])
-            corr_base = builder.gep(corr_a.data, [builder.mul(xrow_v, builder.mul(nb_v, ir.Constant(i64, lanes)))]) if with_corr else None
+            corr_base = (
+                builder.gep(corr_a.data, [builder.mul(xrow_v, builder.mul(nb_v, ir.Constant(i64, lanes)))]) if with_corr else None
+            )
             main = cgutils.alloca_once_value(builder, ir.Constant(ir.VectorType(ir.FloatType(), 16), None))
             tail = cgutils.alloca_once_value(builder, ir.Constant(ir.VectorType(ir.FloatType(), lanes), None))
             groups = builder.udiv(nb_v, ir.Constant(i64, group))

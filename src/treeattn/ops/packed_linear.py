@@ -181,7 +181,8 @@ def q5_0_as_q8_0(raw: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, None]:
     N = raw.shape[0]
     blocks = _blocks(raw, Q5_0_BLOCK_BYTES, BLOCK, "q5_0").reshape(-1, Q5_0_BLOCK_BYTES)
     d = _float16(blocks, 0)
-    high = (blocks[:, 2:6].copy().view(np.uint32) >> np.arange(32, dtype=np.uint32)) & np.uint32(1)  # (n, 32): weight j's fifth bit
+    # (n, 32): weight j's fifth bit
+    high = (blocks[:, 2:6].copy().view(np.uint32) >> np.arange(32, dtype=np.uint32)) & np.uint32(1)
     low = (blocks[:, 6:22, None] >> np.array([0, 4], dtype=np.uint8)) & np.uint8(15)  # (n, 16, 2): weights j and j + 16
     low = low.transpose(0, 2, 1).reshape(-1, 32)
     qs = (low | (high.astype(np.uint8) << np.uint8(4))).astype(np.int8) - np.int8(16)
@@ -208,7 +209,8 @@ def q6_k_as_q8_0(raw: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, None]:
         qs int16 (N, K // 32, 32); d float32 (N, K // 32); None.
     """
     N = raw.shape[0]
-    blocks = _blocks(raw, Q6_K_BLOCK_BYTES, 256, "q6_k").reshape(-1, Q6_K_BLOCK_BYTES)  # gguf.quants.Q6_K's unpacking, in integers
+    # gguf.quants.Q6_K's unpacking, in integers
+    blocks = _blocks(raw, Q6_K_BLOCK_BYTES, 256, "q6_k").reshape(-1, Q6_K_BLOCK_BYTES)
     ql, qh = blocks[:, :128], blocks[:, 128:192]
     scales = blocks[:, 192:208].copy().view(np.int8).astype(np.int16)  # (n, 16)
     d = _float16(blocks, 208)[:, None]  # (n, 1)
@@ -284,7 +286,8 @@ def packed_matmul(x: torch.Tensor, fmt: str, qs: torch.Tensor, d: torch.Tensor, 
         (int8 or kernel).matmul(threads, fmt, rows, *(arrays or kernel_arrays(qs, d, m)), out.reshape(M, N))
         out = torch.from_numpy(out)
     elif decode_sized and x.device.type == "cuda":
-        from treeattn.ops.packed_triton import packed_matmul as triton_packed_matmul  # triton: installed where packed weights run on CUDA
+        # triton: installed where packed weights run on CUDA
+        from treeattn.ops.packed_triton import packed_matmul as triton_packed_matmul
 
         out = triton_packed_matmul(x.reshape(-1, K), fmt, qs, d, m).view(*x.shape[:-1], N)
     else:
@@ -294,5 +297,7 @@ def packed_matmul(x: torch.Tensor, fmt: str, qs: torch.Tensor, d: torch.Tensor, 
     return out if out.dtype == x.dtype else out.to(x.dtype)
 
 
-__all__ = ["ACTIVATION_FORMATS", "AUTO_ACTIVATIONS", "BLOCK", "BLOCK_BYTES", "FORMATS", "MAX_KERNEL_ROWS", "PARALLEL_MIN_WEIGHTS", "Q4_K_BLOCK_BYTES", "Q5_0_BLOCK_BYTES", "Q6_K_BLOCK_BYTES",
-           "dequantize_packed", "int8_module", "kernel_arrays", "kernel_takes", "packed_matmul", "q4_k_as_q4_1", "q5_0_as_q8_0", "q6_k_as_q8_0", "resolve_activation_format", "unpack_blocks"]
+__all__ = ["ACTIVATION_FORMATS", "AUTO_ACTIVATIONS", "BLOCK", "BLOCK_BYTES", "FORMATS", "MAX_KERNEL_ROWS", "PARALLEL_MIN_WEIGHTS",
+           "Q4_K_BLOCK_BYTES", "Q5_0_BLOCK_BYTES", "Q6_K_BLOCK_BYTES",
+           "dequantize_packed", "int8_module", "kernel_arrays", "kernel_takes", "packed_matmul", "q4_k_as_q4_1", "q5_0_as_q8_0",
+           "q6_k_as_q8_0", "resolve_activation_format", "unpack_blocks"]

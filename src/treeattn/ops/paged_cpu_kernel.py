@@ -257,7 +257,11 @@ def _exp_shifted(x, shift, bits):  # pragma: no cover - compiled
 
 
 @njit(cache=True, fastmath=_FASTMATH)
-def _attend_range(w, q, k, v, k_scales, v_scales, dv, scale, table, kv_pos, row_seq, q_pos, window, splits, out, m_out, l_out):  # pragma: no cover - compiled
+def _attend_range(w, q, k, v, k_scales, v_scales, dv, scale, table, kv_pos, row_seq, q_pos, window,  # pragma: no cover - compiled
+                  splits,
+                  out,
+                  m_out,
+                  l_out):
     """Work item w = r * splits + sp of attend_parallel: query row r over its sp-th range of blocks.
 
     Block by block, in three passes: every query head's scores against the block's visible keys
@@ -349,7 +353,10 @@ def _range_states(q, splits, dv):  # pragma: no cover - compiled
 
 
 @njit(parallel=True, cache=True, fastmath=_FASTMATH)
-def attend_parallel(q, k, v, k_scales, v_scales, dv, scale, table, kv_pos, row_seq, q_pos, window, splits, out, lse):  # pragma: no cover - compiled
+def attend_parallel(q, k, v, k_scales, v_scales, dv, scale, table, kv_pos, row_seq, q_pos, window,  # pragma: no cover - compiled
+                    splits,
+                    out,
+                    lse):
     """Every query row's attention state: its `splits` ranges of blocks in parallel, then merged.
 
     q: (R, Hkv, G, D) float32 C-contiguous, the query rows (not scaled).
@@ -373,7 +380,10 @@ def attend_parallel(q, k, v, k_scales, v_scales, dv, scale, table, kv_pos, row_s
 
 
 @njit(cache=True, fastmath=_FASTMATH)
-def attend_serial(q, k, v, k_scales, v_scales, dv, scale, table, kv_pos, row_seq, q_pos, window, splits, out, lse):  # pragma: no cover - compiled
+def attend_serial(q, k, v, k_scales, v_scales, dv, scale, table, kv_pos, row_seq, q_pos, window,  # pragma: no cover - compiled
+                  splits,
+                  out,
+                  lse):
     """attend_parallel on the calling thread alone: no thread pool is started (a rank running with
     one torch thread, several ranks on one host, then has no second pool spinning beside torch's)."""
     out_p, m_p, l_p = _range_states(q, splits, dv)

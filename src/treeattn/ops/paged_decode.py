@@ -29,7 +29,8 @@ it (a few integer comparisons, no read of tensor data).
 
 Where it runs: CPU blocks of float32, bfloat16, float16 or fp8 go to a compiled kernel
 (treeattn.ops.cpu_decode over treeattn.ops.paged_cpu_kernel, numba: one pass over each row's blocks in place, 16-bit
-elements widened to float32 in registers, fp8 blocks block by block (an fp8 key's scale multiplies its score, a value's its weight), the G query heads of a KV head together, queries taken in
+elements widened to float32 in registers, fp8 blocks block by block (an fp8 key's scale multiplies its score, a value's its
+weight), the G query heads of a KV head together, queries taken in
 float32, online softmax in float32, block ranges in parallel then merged). CUDA tensors go to the
 Triton paged decode kernel (treeattn.ops.triton_decode.paged_decode_attention, the static decode
 step's) when it takes them (q and blocks of one dtype, or fp8 blocks with their scales; Sq <= 16,
@@ -64,7 +65,11 @@ def kernel_takes(dtype: torch.dtype, device: torch.device | str, q_dtype: torch.
     device = torch.device(device)
     q_dtype = (torch.float32 if dtype == FP8 else dtype) if q_dtype is None else q_dtype
     if device.type == "cuda":
-        return dtype in KERNEL_DTYPES and (q_dtype == dtype or (dtype == FP8 and q_dtype in QUERY_DTYPES)) and _triton_module() is not None
+        return (
+            dtype in KERNEL_DTYPES
+            and (q_dtype == dtype or (dtype == FP8 and q_dtype in QUERY_DTYPES))
+            and _triton_module() is not None
+        )
     return dtype in KERNEL_DTYPES and q_dtype in QUERY_DTYPES and device.type == "cpu" and kernel_module() is not None
 
 
@@ -165,8 +170,14 @@ def paged_decode_attention(q: torch.Tensor, k_blocks: torch.Tensor, v_blocks: to
     """
     B, Sq, Hq, D = q.shape if q.dim() == 4 else (None,) * 4
     if q.dim() != 4 or (B, Sq) != (layout.batch, layout.queries):
-        raise ValueError(f"q must have shape (B={layout.batch}, Sq={layout.queries}, Hq, D) to match the layout, got {tuple(q.shape)}")
-    if k_blocks.dim() != 4 or v_blocks.dim() != 4 or k_blocks.shape[:3] != v_blocks.shape[:3] or k_blocks.shape[1] != layout.block_size:
+        raise ValueError(f"q must have shape (B={layout.batch}, Sq={layout.queries}, Hq, D) to match the layout, got "
+                         f"{tuple(q.shape)}")
+    if (
+        k_blocks.dim() != 4
+        or v_blocks.dim() != 4
+        or k_blocks.shape[:3] != v_blocks.shape[:3]
+        or k_blocks.shape[1] != layout.block_size
+    ):
         raise ValueError(f"k_blocks and v_blocks must have shapes (NB, BS={layout.block_size}, Hkv, D) and (NB, BS, Hkv, Dv), "
                          f"got {tuple(k_blocks.shape)} and {tuple(v_blocks.shape)}")
     NB, BS, Hkv, Dk = k_blocks.shape
@@ -188,10 +199,12 @@ def paged_decode_attention(q: torch.Tensor, k_blocks: torch.Tensor, v_blocks: to
         return triton.paged_decode_attention(q, k_blocks, v_blocks, table, seq_lens, scale=scale, causal=True, q_pos=layout.q_pos,
                                              kv_pos=layout.kv_pos, window=window, k_scales=k_scales, v_scales=v_scales)
     values_in_keys = v_blocks.data_ptr() == k_blocks.data_ptr() and v_blocks.stride() == k_blocks.stride()
-    if (kernel_takes(k_blocks.dtype, q.device, q.dtype) and k_blocks.is_contiguous() and (values_in_keys or v_blocks.is_contiguous())
+    if (kernel_takes(k_blocks.dtype, q.device,
+                     q.dtype) and k_blocks.is_contiguous() and (values_in_keys or v_blocks.is_contiguous())
             and (k_scales is None or (k_scales.is_contiguous() and v_scales.is_contiguous()))):
         v_store = v_blocks if not values_in_keys else k_blocks
-        return attend_blocks(q, k_blocks, v_store, Dv, layout._kernel_arrays(), threads=layout.threads, scale=scale, window=window,
+        return attend_blocks(q, k_blocks, v_store, Dv, layout._kernel_arrays(), threads=layout.threads, scale=scale,
+                             window=window,
                              k_scales=k_scales, v_scales=v_scales)
     return _gathered_attention(q, k_blocks, v_blocks, layout, scale, window, k_scales, v_scales)
 

@@ -142,10 +142,14 @@ def _split_kv_kernel(
             k_rows = k_ptr + b * stride_kb + n64 * stride_ks + kv_head * stride_kh
             v_rows = v_ptr + b * stride_vb + n64 * stride_vs + kv_head * stride_vh
         if FP8_KV:
-            k = _e4m3_to_float(tl.load(k_rows[:, None] + offs_d[None, :] * stride_kd, mask=key_valid[:, None], other=0)).to(q.dtype)
-            v = _e4m3_to_float(tl.load(v_rows[:, None] + offs_dv[None, :] * stride_vd, mask=key_valid[:, None], other=0)).to(q.dtype)
-            k_scale = tl.load(k_scale_ptr + block_id * stride_ksb + slot * stride_kss + kv_head * stride_ksh, mask=key_valid, other=0.0)
-            v_scale = tl.load(v_scale_ptr + block_id * stride_vsb + slot * stride_vss + kv_head * stride_vsh, mask=key_valid, other=0.0)
+            k = _e4m3_to_float(tl.load(k_rows[:, None] + offs_d[None, :] * stride_kd, mask=key_valid[:, None],
+                                       other=0)).to(q.dtype)
+            v = _e4m3_to_float(tl.load(v_rows[:, None] + offs_dv[None, :] * stride_vd, mask=key_valid[:, None],
+                                       other=0)).to(q.dtype)
+            k_scale = tl.load(k_scale_ptr + block_id * stride_ksb + slot * stride_kss + kv_head * stride_ksh, mask=key_valid,
+                              other=0.0)
+            v_scale = tl.load(v_scale_ptr + block_id * stride_vsb + slot * stride_vss + kv_head * stride_vsh, mask=key_valid,
+                              other=0.0)
         else:
             k = tl.load(k_rows[:, None] + offs_d[None, :] * stride_kd, mask=key_valid[:, None], other=0.0)
             v = tl.load(v_rows[:, None] + offs_dv[None, :] * stride_vd, mask=key_valid[:, None], other=0.0)
@@ -371,7 +375,8 @@ def paged_decode_attention(
                    check_softcap(softcap), k_scales, v_scales)
 
 
-def merge_split_states(part_out: torch.Tensor, part_lse: torch.Tensor, out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def merge_split_states(part_out: torch.Tensor, part_lse: torch.Tensor,
+                       out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """Merge stacked attention states with the Triton reduction (the rule of merge_states_list).
 
     Args:
@@ -383,10 +388,12 @@ def merge_split_states(part_out: torch.Tensor, part_lse: torch.Tensor, out_dtype
         out: (B, Sq, Hq, Dv) in out_dtype; lse: (B, Hq, Sq) float32.
     """
     if part_out.dim() != 5 or part_out.dtype != torch.float32 or part_out.stride(-1) != 1:
-        raise ValueError(f"part_out must be float32 (n, B, Sq, Hq, Dv) with a contiguous last dim, got {tuple(part_out.shape)} {part_out.dtype} strides {part_out.stride()}")
+        raise ValueError(f"part_out must be float32 (n, B, Sq, Hq, Dv) with a contiguous last dim, got {tuple(part_out.shape)} "
+                         f"{part_out.dtype} strides {part_out.stride()}")
     n, B, Sq, Hq, Dv = part_out.shape
     if tuple(part_lse.shape) != (n, B, Hq, Sq) or part_lse.dtype != torch.float32:
-        raise ValueError(f"part_lse must be float32 {(n, B, Hq, Sq)} to match part_out, got {tuple(part_lse.shape)} {part_lse.dtype}")
+        raise ValueError(f"part_lse must be float32 {(n, B, Hq, Sq)} to match part_out, got {tuple(part_lse.shape)} "
+                         f"{part_lse.dtype}")
     out = torch.empty(B, Sq, Hq, Dv, dtype=out_dtype, device=part_out.device)
     lse = torch.empty(B, Hq, Sq, dtype=torch.float32, device=part_out.device)
     if out.numel() == 0 or lse.numel() == 0:
@@ -415,7 +422,8 @@ def try_decode_attention(q, k, v, *, scale, causal, q_pos, kv_pos, window, softc
 _INTERPRETED = isinstance(_split_kv_kernel, InterpretedFunction)
 
 
-def _check_paged(q, k_pool, v_pool, block_table, seq_lens, k_scales=None, v_scales=None) -> tuple[int, int, int, int, int, int, int]:
+def _check_paged(q, k_pool, v_pool, block_table, seq_lens, k_scales=None, v_scales=None) -> tuple[int, int, int, int, int, int,
+                                                                                                  int]:
     """Validate the paged inputs; returns (B, Sq, Hq, Hkv, D, Dv, capacity = max_blocks * block_size)."""
     fp8 = isinstance(k_pool, torch.Tensor) and k_pool.dtype == torch.float8_e4m3fn
     for name, t, layout in (
@@ -440,9 +448,11 @@ def _check_paged(q, k_pool, v_pool, block_table, seq_lens, k_scales=None, v_scal
     B, Sq, Hq, D = q.shape
     num_blocks, block_size, Hkv, Dk = k_pool.shape
     if tuple(v_pool.shape[:3]) != (num_blocks, block_size, Hkv):
-        raise ValueError(f"k_pool {tuple(k_pool.shape)} and v_pool {tuple(v_pool.shape)} must agree on (num_blocks, block_size, Hkv)")
+        raise ValueError(f"k_pool {tuple(k_pool.shape)} and v_pool {tuple(v_pool.shape)} must agree on (num_blocks, block_size, "
+                         f"Hkv)")
     if Dk != D:
-        raise ValueError(f"head dim mismatch: q has D={D} (shape {tuple(q.shape)}), k_pool has D={Dk} (shape {tuple(k_pool.shape)})")
+        raise ValueError(f"head dim mismatch: q has D={D} (shape {tuple(q.shape)}), k_pool has D={Dk} (shape "
+                         f"{tuple(k_pool.shape)})")
     if block_size == 0 or Hq == 0 or Hkv == 0 or Hq % Hkv != 0:
         raise ValueError(f"k_pool must have block_size >= 1 and Hkv dividing Hq={Hq}, got shape {tuple(k_pool.shape)}")
     if not isinstance(block_table, torch.Tensor) or block_table.dim() != 2 or block_table.shape[0] != B:
@@ -591,7 +601,8 @@ def _decode(q, k, v, block_table, seq_lens, capacity, scale, causal, q_pos, kv_p
             )
             _launch_merge(part_out, part_lse, out, lse)
     except Exception as exc:
-        shapes = _describe(q=q, k_pool=k, v_pool=v, block_table=block_table, seq_lens=seq_lens) if paged else _describe(q=q, k=k, v=v)
+        shapes = _describe(q=q, k_pool=k, v_pool=v, block_table=block_table,
+                           seq_lens=seq_lens) if paged else _describe(q=q, k=k, v=v)
         raise RuntimeError(
             f"Triton decode kernel failed for {shapes}; grid {grid}, num_splits {num_splits}, "
             f"split_len {split_len}, BLOCK_M {block_m}, BLOCK_N {block_n}: {type(exc).__name__}: {exc}"

@@ -47,7 +47,8 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[int, i
             f"head counts must be positive, got Hq={Hq} (q shape {tuple(q.shape)}) and Hkv={Hkv} (k shape {tuple(k.shape)})"
         )
     if Hq % Hkv != 0:
-        raise ValueError(f"Hq must be a multiple of Hkv (GQA), got Hq={Hq} (q shape {tuple(q.shape)}), Hkv={Hkv} (k shape {tuple(k.shape)})")
+        raise ValueError(f"Hq must be a multiple of Hkv (GQA), got Hq={Hq} (q shape {tuple(q.shape)}), Hkv={Hkv} (k shape "
+                         f"{tuple(k.shape)})")
     if D == 0 or Dv == 0:
         raise ValueError(f"head dims must be positive, got D={D}, Dv={Dv}")
     return B, Sq, Sk, Hq, Hkv, D, Dv
@@ -138,7 +139,8 @@ def check_state(out: torch.Tensor, lse: torch.Tensor, name: str) -> None:
         raise ValueError(f"{name}: out must have shape (B, Sq, Hq, Dv), got {tuple(out.shape)}")
     B, Sq, Hq, _ = out.shape
     if tuple(lse.shape) != (B, Hq, Sq):
-        raise ValueError(f"{name}: lse must have shape (B, Hq, Sq) = {(B, Hq, Sq)} to match out {tuple(out.shape)}, got {tuple(lse.shape)}")
+        raise ValueError(f"{name}: lse must have shape (B, Hq, Sq) = {(B, Hq, Sq)} to match out {tuple(out.shape)}, got "
+                         f"{tuple(lse.shape)}")
     if not out.dtype.is_floating_point:
         raise TypeError(f"{name}: out must be a floating tensor, got {out.dtype}")
     if lse.dtype not in (torch.float32, torch.float64):

@@ -83,7 +83,8 @@ def _combine(dtype: torch.dtype) -> None:
     kernel.onepass_unpack(buffer.numpy(), torch.empty_like(out).numpy(), torch.empty_like(lse).numpy())
 
 
-def warm_kernels(*, kv_dtypes=(), attention_threads: int = 1, packed=(), rowwise: bool = False, combine=(), int8: bool = False) -> list[str]:
+def warm_kernels(*, kv_dtypes=(), attention_threads: int = 1, packed=(), rowwise: bool = False, combine=(),
+                 int8: bool = False) -> list[str]:
     """Call each named numba kernel once on tiny inputs (compiling it, or loading it from numba's cache).
 
     Args:

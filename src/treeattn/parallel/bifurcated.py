@@ -160,7 +160,8 @@ def _check_local(q, context_k_shard, context_v_shard, decode_k, decode_v, scale,
     if q_pos is None:
         if context_pos is not None or decode_pos is not None:
             given = "context_pos" if context_pos is not None else "decode_pos"
-            raise ValueError(f"{given} was given without q_pos; positions mask keys against the query positions, so pass q_pos too")
+            raise ValueError(f"{given} was given without q_pos; positions mask keys against the query positions, so pass q_pos "
+                             f"too")
         if Sq > Md + 1:
             raise ValueError(
                 f"without positions the Sq = {Sq} queries are the last decoded tokens, which needs Sq <= Md + 1 "

@@ -287,7 +287,8 @@ def exchange(
     for kind, items, fn in (("send", sends, dist.isend), ("recv", recvs, dist.irecv)):
         for t, peer in items:
             if not t.is_contiguous():
-                raise ValueError(f"exchange: {kind} buffers must be contiguous, got strides {t.stride()} for shape {tuple(t.shape)}")
+                raise ValueError(f"exchange: {kind} buffers must be contiguous, got strides {t.stride()} for shape "
+                                 f"{tuple(t.shape)}")
             tag = tags.get((kind, peer), 0)
             tags[(kind, peer)] = tag + 1
             ops.append(dist.P2POp(fn, t, global_rank(group, peer), group=process_group(group), tag=tag))

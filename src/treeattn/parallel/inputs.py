@@ -95,7 +95,8 @@ def input_fields(q, inputs: DecodeInputs | None, *, digests: bool = True) -> dic
     if inputs is None:
         return {**dict.fromkeys(names, UNKNOWN), "q": Digest.unknown(), "q_pos": Digest.unknown()}
     values = (inputs.B, inputs.Sq, inputs.Hq, inputs.Hkv, inputs.D, inputs.Dv, dtype_code(q.dtype), device_code(q.device),
-              float_code(inputs.scale), 0 if inputs.softcap is None else float_code(inputs.softcap), int(inputs.masked), inputs.Sk)
+              float_code(inputs.scale), 0 if inputs.softcap is None else float_code(inputs.softcap), int(inputs.masked),
+              inputs.Sk)
     return {
         **dict(zip(names, values)),
         "q": tensor_digest(q) if digests else Digest.unknown(),

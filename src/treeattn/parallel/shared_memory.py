@@ -50,7 +50,8 @@ _SUPPORTED_OPS = (dist.ReduceOp.SUM, dist.ReduceOp.MAX)
 _SPIN_CHECKS = 64  # checks before the first sched_yield
 _YIELD_S = 0.02  # then yield (the core stays awake: a halted vCPU wakes up in ~1 ms) for this long
 _SLEEP_S = 50e-6  # then sleep this long between checks, not to burn a core on a long wait
-_STAMP = 1  # words 1, 2 of a rank's flag line (by the sequence's parity): when it arrived (perf_counter_ns), when waits are counted
+# words 1, 2 of a rank's flag line (by the sequence's parity): when it arrived (perf_counter_ns), when waits are counted
+_STAMP = 1
 _NUMPY_DTYPES = (torch.float64, torch.float32, torch.float16, torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 
 
@@ -110,7 +111,8 @@ class SharedMemoryGroup:
         self.waits = WaitStats() if self.count_waits else None
 
     @classmethod
-    def create(cls, process_group=None, *, capacity_bytes: int = DEFAULT_CAPACITY_BYTES, timeout_s: float = 120.0) -> "SharedMemoryGroup | None":
+    def create(cls, process_group=None, *, capacity_bytes: int = DEFAULT_CAPACITY_BYTES,
+               timeout_s: float = 120.0) -> "SharedMemoryGroup | None":
         """Collective over `process_group` (None: the world): a SharedMemoryGroup when every rank
         runs on this host (same hostname and boot id) on x86-64 with /dev/shm, else None on every
         rank. capacity_bytes: the largest tensor one collective carries through shared memory."""

@@ -259,7 +259,8 @@ def _threads_and_method(nprocs: int, backend: str, threads: int | None, method: 
     threads = threads or rank_threads(nprocs)
     if (method or getattr(ranks, "method", None)) == "fork" and threads > 1:
         raise ValueError(f"threads: forked ranks run one torch thread each (see the module doc), got threads={threads}; "
-                         + ("use method='spawn'" if ranks is None else f"start them with StartedRanks({nprocs}, threads={threads})"))
+                         + ("use method='spawn'" if ranks is None else f"start them with StartedRanks({nprocs}, "
+                                                                       f"threads={threads})"))
     if ranks is not None:
         return threads, None
     return threads, method or _new_rank_method(backend)
@@ -398,7 +399,8 @@ class StartedRanks:
                 reader, writer = ctx.Pipe(duplex=False)
                 job_reader, job_writer = ctx.Pipe(duplex=False) if work is None else (None, None)
                 proc = ctx.Process(target=_rank_main, name=f"treeattn-rank{rank}", daemon=work is None,
-                                   args=(rank, os.getpid(), self.heartbeats, writer, job_reader, None if work is None else work(rank),
+                                   args=(rank, os.getpid(), self.heartbeats, writer, job_reader,
+                                         None if work is None else work(rank),
                                          tuple(preload), self.method, environ))
                 self.procs.append(proc)
                 self.readers.append(reader)
@@ -556,7 +558,8 @@ class RankGroup:
                 deadline = now + self.grace
             if deadline is not None and running and now > deadline:
                 for rank in sorted(running):
-                    self.failures[rank] = f"terminated: still running {self.grace:.0f} s after rank {next(iter(self.failures))} failed"
+                    self.failures[rank] = (f"terminated: still running {self.grace:.0f} s after rank {next(iter(self.failures))} "
+                                           f"failed")
                 self.ranks.kill(sorted(running))
                 running.clear()
 
@@ -578,7 +581,9 @@ class RankGroup:
         for rank in running:
             quiet = now - liveness.last[rank]
             limit = self.timeout if liveness.started(rank) else max(self.timeout, STARTUP_S)
-            suspect = first_failure and ((liveness.started(rank) and quiet > 4 * HEARTBEAT_S) or _process_state(self.procs[rank].pid) == "T")
+            suspect = first_failure and (
+                (liveness.started(rank) and quiet > 4 * HEARTBEAT_S) or _process_state(self.procs[rank].pid) == "T"
+            )
             if quiet > limit or suspect:
                 silent[rank] = quiet
         return silent
@@ -761,7 +766,8 @@ def _rank_main(rank, parent_pid, heartbeats, result_pipe, job_pipe, work, preloa
             torch.cuda.set_device(rank % torch.cuda.device_count())
         store = dist.TCPStore(HOST, port, world_size=None, is_master=False, timeout=timedelta(seconds=timeout))
         _gloo_on_loopback()
-        dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout))
+        dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world_size,
+                                timeout=timedelta(seconds=timeout))
         logger.debug("rank %d: process group ready", rank)
         result = fn(rank, world_size, *args)
         # plain pickle, by value: multiprocessing's own pickler would pass tensors as shared-memory

@@ -151,7 +151,8 @@ def tree_decode(
         ranks_per_node = (topology or Topology()).resolve(p) if method == "twolevel" else 0
         _check_graph_safe(graph_safe, kv_len, check_inputs, p)
         if graph_safe and method == "onepass" and p > 1:
-            raise ValueError("method='onepass' decides on its fallback on the host: with graph_safe=True use 'allreduce' or 'tree'")
+            raise ValueError("method='onepass' decides on its fallback on the host: with graph_safe=True use 'allreduce' or "
+                             "'tree'")
         return inputs, ranks_per_node
 
     def fields(validated) -> dict:

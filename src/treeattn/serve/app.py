@@ -94,7 +94,8 @@ class ServerConfig:
             raise ValueError(f"max_pending must be an int >= 1, got {self.max_pending!r}")
         if isinstance(self.max_request_bytes, bool) or not isinstance(self.max_request_bytes, int) or self.max_request_bytes < 1:
             raise ValueError(f"max_request_bytes must be an int >= 1, got {self.max_request_bytes!r}")
-        if isinstance(self.body_timeout_s, bool) or not isinstance(self.body_timeout_s, (int, float)) or not self.body_timeout_s > 0:
+        if isinstance(self.body_timeout_s, bool) or not isinstance(self.body_timeout_s, (int,
+                                                                                         float)) or not self.body_timeout_s > 0:
             raise ValueError(f"body_timeout_s must be a number > 0, got {self.body_timeout_s!r}")
 
 
@@ -182,7 +183,8 @@ def create_app(engine, config: ServerConfig, *, chat_template=None, eot_ids: tup
     @app.api_route("/v1/models", methods=["GET", "HEAD"])
     async def models():
         return {"object": "list", "data": [{"id": name, "object": "model", "created": server.created, "owned_by": "treeattn",
-                                            "max_model_len": engine.max_context} for name in (config.model_name, *config.aliases)]}
+                                            "max_model_len": engine.max_context} for name in (config.model_name,
+                                                                                              *config.aliases)]}
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
@@ -481,7 +483,8 @@ class _Server:
         for j, delta in enumerate(deltas):
             last = j == len(deltas) - 1
             logprobs = self._streamed_logprobs(choice, chat) if body.logprobs_asked() is not None and last else None
-            chunks.append(_chunk(run.id, kind, created, self.config.model_name, choice.index, chat, text=delta if not chat else "",
+            chunks.append(_chunk(run.id, kind, created, self.config.model_name, choice.index, chat,
+                                 text=delta if not chat else "",
                                  delta=delta if chat else None, reason=reason if last else None, logprobs=logprobs))
         return chunks
 

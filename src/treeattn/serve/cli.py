@@ -16,12 +16,14 @@ LogLevel = Literal["debug", "info", "warning", "error", "critical"]
 
 
 SERVE_ENGINE_FLAGS = ("nproc", "tp", "decode", "method", "placement", "max_batch_size", "cache_tokens", "max_context",
-                      "prefix_cache", "block_size", "prefill", "kv_cache_dtype", "weight_format", "activation_format", "device", "speculate",
+                      "prefix_cache", "block_size", "prefill", "kv_cache_dtype", "weight_format", "activation_format", "device",
+                      "speculate",
                       "draft_tokens", "draft_model", "linear_maps", "kv_store", "kv_store_bytes", "shared_memory",
                       "decode_step", "timeout_s")
 
 
-@config_options(E, SERVE_ENGINE_FLAGS, into="engine", nproc={"help": "Ranks sharing the KV cache (ignored under torchrun: its world size)."},
+@config_options(E, SERVE_ENGINE_FLAGS, into="engine",
+                nproc={"help": "Ranks sharing the KV cache (ignored under torchrun: its world size)."},
                 block_size={"min": 1}, timeout_s={"max": None})
 def serve_command(
     model: Path = model_argument(),
@@ -32,8 +34,10 @@ def serve_command(
                                        help="Require 'Authorization: Bearer KEY' on every endpoint but /health. On the "
                                        "command line it shows in `ps`: prefer the environment variable or --api-key-file."),
     api_key_file: Path | None = typer.Option(None, "--api-key-file", help="Read the API key from this file (its first line)."),
-    served_model_name: list[str] | None = typer.Option(None, "--served-model-name", metavar="NAME", help="The model id clients name (default: the "
-                                                       "file or directory name); repeat it for aliases: the first is the name /v1/models "
+    served_model_name: list[str] | None = typer.Option(None, "--served-model-name", metavar="NAME",
+                                                       help="The model id clients name (default: the "
+                                                       "file or directory name); repeat it for aliases: the first is the name "
+                                                       "/v1/models "
                                                        "lists first and answers carry, every one is accepted (vLLM's)."),
     max_pending: int = typer.Option(256, "--max-pending", min=1, help="Requests (choices) in flight at most; more get 429 "
                                     "(a request asking alone for more: 400)."),

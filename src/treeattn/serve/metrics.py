@@ -90,7 +90,8 @@ class ServerMetrics:
                                           registry=self.registry).labels(self.model_name)
         self.vllm_generation_tokens = Counter("vllm:generation_tokens", "Generated tokens", ["model_name"],
                                               registry=self.registry).labels(self.model_name)
-        self.vllm_success = Counter("vllm:request_success", "Finished requests, by finish reason", ["model_name", "finished_reason"],
+        self.vllm_success = Counter("vllm:request_success", "Finished requests, by finish reason", ["model_name",
+                                                                                                    "finished_reason"],
                                     registry=self.registry)
 
     def inter_token(self, seconds: float) -> None:

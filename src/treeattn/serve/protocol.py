@@ -85,7 +85,8 @@ class _Sampling(BaseModel):
             if name in HANDLED_ELSEWHERE:
                 continue
             if name not in UNSUPPORTED:
-                return name, f"unknown field '{_shown(name)}': not a field of OpenAI's API or of the vLLM extensions this server takes"
+                return name, (f"unknown field '{_shown(name)}': not a field of OpenAI's API or of the vLLM extensions this "
+                              f"server takes")
             if not any(value == noop and type(value) is type(noop) or value is noop for noop in UNSUPPORTED[name]):
                 return name, f"'{name}' is not supported by this server"
         return None

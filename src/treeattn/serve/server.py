@@ -80,7 +80,8 @@ def serve(model, options: ServeOptions, engine_options: dict, *, on_ready=None) 
     kind = resolve_device(engine_config.device)  # --device cuda without a GPU: one line, before the checkpoint is read
     if engine_config.nproc == 1 or under_torchrun():
         return _serve(model, options, engine_options, engine_config, on_ready, start, ranks=None)
-    # first: their start overlaps the checks and imports; while they wait they import the GGUF loader (this process too, meanwhile)
+    # first: their start overlaps the checks and imports; while they wait they import the GGUF loader (this process too,
+    # meanwhile)
     with StartedRanks(engine_config.nproc, device=kind, preload=("treeattn.models.gguf", "treeattn.models.gguf_cache"),
                       threads=engine_config.threads_per_rank) as ranks:
         logger.debug("started %d rank process(es) (%s)", ranks.nprocs, ranks.method)
@@ -104,7 +105,8 @@ def _serve(model, options: ServeOptions, engine_options: dict, engine_config, on
                 time.perf_counter() - start, engine.max_context, stats["blocks_total"], engine.config.block_size,
                 "on" if engine.prefix_cache is not None else "off")
     if engine.tokenizer is not None and engine.model_info.eos_token_ids:  # structured outputs: the grammar's
-        started = time.perf_counter()  # view of the vocabulary holds the GIL while it is built: before listening, not on a request
+        # view of the vocabulary holds the GIL while it is built: before listening, not on a request
+        started = time.perf_counter()
         engine.prepare_structured_outputs()
         logger.info("structured outputs ready in %.2f s (the grammar's view of the vocabulary)", time.perf_counter() - started)
     try:
@@ -113,7 +115,8 @@ def _serve(model, options: ServeOptions, engine_options: dict, engine_config, on
         from treeattn.serve.app import ServerConfig, create_app
 
         eot_ids = _eot_ids(template, engine.tokenizer)
-        config = ServerConfig(model_name=options.model_name or _default_name(model), aliases=options.aliases, api_key=options.api_key,
+        config = ServerConfig(model_name=options.model_name or _default_name(model), aliases=options.aliases,
+                              api_key=options.api_key,
                               max_pending=options.max_pending, max_request_bytes=options.max_request_bytes,
                               body_timeout_s=options.body_timeout_s)
         app = create_app(engine, config, chat_template=template, eot_ids=eot_ids)
@@ -242,8 +245,10 @@ def _http_protocol(headers_timeout_s: float):
             too_long = len(getattr(self.conn, "_receive_buffer", b"")) > getattr(self.conn, "_max_incomplete_event_size", 1 << 62)
             status, message, code = ((431, "the request line and headers are larger than this server takes", "headers_too_large")
                                      if too_long else (400, "the request is not valid HTTP/1.1", "invalid_http"))
-            body = json.dumps({"error": {"message": message, "type": "invalid_request_error", "param": None, "code": code}}).encode()
-            headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), (b"connection", b"close")]
+            body = json.dumps({"error": {"message": message, "type": "invalid_request_error", "param": None,
+                                         "code": code}}).encode()
+            headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                       (b"connection", b"close")]
             for event in (h11.Response(status_code=status, headers=headers), h11.Data(data=body), h11.EndOfMessage()):
                 self.transport.write(self.conn.send(event))
             self.transport.close()

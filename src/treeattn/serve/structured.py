@@ -59,7 +59,8 @@ def structured_output(body, engine, tools=None) -> StructuredOutput | None:
         raise bad_request("structured outputs are not supported with --speculate draft", param)
     text = json.dumps(value) if kind in ("json", "choice") else value
     if len(text) > MAX_CONSTRAINT_CHARS:
-        raise bad_request(f"{param}: the constraint has {len(text)} characters; this server takes at most {MAX_CONSTRAINT_CHARS}", param)
+        raise bad_request(f"{param}: the constraint has {len(text)} characters; this server takes at most {MAX_CONSTRAINT_CHARS}",
+                          param)
     try:
         # not sort_keys: the order of a schema's properties is the order they are generated in
         return _cached(kind, text)
@@ -79,14 +80,16 @@ def _cached(kind: str, text: str) -> StructuredOutput:
 
 def _from_response_format(fmt) -> tuple[str, object, str] | None:
     if not isinstance(fmt, dict) or not isinstance(fmt.get("type"), str):
-        raise bad_request("response_format must be an object with a \"type\": text, json_object or json_schema", "response_format")
+        raise bad_request("response_format must be an object with a \"type\": text, json_object or json_schema",
+                          "response_format")
     kind = fmt["type"]
     if kind == "text":
         return None
     if kind == "json_object":
         return "json", {"type": "object"}, "response_format"
     if kind != "json_schema":
-        raise bad_request(f"response_format.type must be text, json_object or json_schema, got {kind!r:.60}", "response_format.type")
+        raise bad_request(f"response_format.type must be text, json_object or json_schema, got {kind!r:.60}",
+                          "response_format.type")
     spec = fmt.get("json_schema")
     if not isinstance(spec, dict):
         raise bad_request("response_format.json_schema must be an object with name and schema", "response_format.json_schema")
@@ -95,9 +98,11 @@ def _from_response_format(fmt) -> tuple[str, object, str] | None:
         raise bad_request("response_format.json_schema.name must be a string", "response_format.json_schema.name")
     schema = spec.get("schema")
     if not isinstance(schema, (dict, bool)):
-        raise bad_request("response_format.json_schema.schema must be a JSON schema (an object)", "response_format.json_schema.schema")
+        raise bad_request("response_format.json_schema.schema must be a JSON schema (an object)",
+                          "response_format.json_schema.schema")
     if schema is True or schema is False:
-        raise bad_request("response_format.json_schema.schema must be an object, got a boolean", "response_format.json_schema.schema")
+        raise bad_request("response_format.json_schema.schema must be an object, got a boolean",
+                          "response_format.json_schema.schema")
     return "json", schema, "response_format.json_schema.schema"
 
 
@@ -111,7 +116,8 @@ def _from_structured_outputs(outputs) -> tuple[str, object, str]:
                           f"structured_outputs.{unknown:.60}")
     given = [k for k in KINDS if outputs.get(k) not in (None, False)]
     if len(given) != 1:
-        raise bad_request(f"structured_outputs must set exactly one of {', '.join(KINDS)}, got {len(given)}", "structured_outputs")
+        raise bad_request(f"structured_outputs must set exactly one of {', '.join(KINDS)}, got {len(given)}",
+                          "structured_outputs")
     kind = given[0]
     value, param = outputs[kind], f"structured_outputs.{kind}"
     if kind == "json_object":

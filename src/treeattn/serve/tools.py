@@ -160,7 +160,7 @@ class ToolCallStream:
         >>> stream = ToolRequest(({"type": "function", "function": {"name": "f"}},), "auto").stream()
         >>> stream.feed("Hi <tool") + stream.feed('_call>{"name": "f", "arguments": {}}</tool_call>')
         [{'content': 'Hi '}, {'tool_calls': [{'index': 0, 'id': ..., 'type': 'function', 'function': {'name': 'f', 'arguments': '{}'}}]}]
-    """
+    """  # noqa: E501
 
     def __init__(self, tools: ToolRequest) -> None:
         self.tools, self.text, self.done, self.calls = tools, "", 0, 0  # done: characters of text handled

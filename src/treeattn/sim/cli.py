@@ -87,7 +87,8 @@ def model_options(into: str):
     options = [
         ("model", str | None, typer.Argument(None, help=MODEL_HELP)),
         ("tp", list[int] | None, typer.Option(None, "--tp", help="With MODEL: attention TP width(s) T of the helix and medha "
-                                              "layouts (the sequence is split N / T ways; default: every T that divides N and the KV heads).")),
+                                              "layouts (the sequence is split N / T ways; default: every T that divides N and "
+                                              "the KV heads).")),
         ("layout", list[str] | None, typer.Option(None, help="With MODEL: layout(s) " + ", ".join(LAYOUTS) + " (default: all).")),
         ("weight_dtype", str, typer.Option("fp4", help="With MODEL: weight storage, " + ", ".join(ELEMENT_BYTES) + ".")),
         ("kv_cache_dtype", str, typer.Option("fp4", help="With MODEL: KV cache storage, " + ", ".join(ELEMENT_BYTES) + ".")),
@@ -107,7 +108,8 @@ def _cluster_from_options(preset: str, calibration: Path | None, overrides: dict
 def simulate(
     preset: str = typer.Option("dgx-h100", help=f"Cluster preset: {', '.join(PRESET_NAMES)}."),
     calibration: Path | None = typer.Option(None, help="Calibration JSON for --preset cpu-local (default ./calibration.json)."),
-    gpus: list[int] = typer.Option([8], "--nproc", help="World size(s) p: ranks (devices) sharing the KV cache; repeat for several."),
+    gpus: list[int] = typer.Option([8], "--nproc",
+                                   help="World size(s) p: ranks (devices) sharing the KV cache; repeat for several."),
     seq_len: list[int] = typer.Option([5_120_000], "--seq-len", "-n", help="KV cache length(s) N; repeat for several."),
     heads: int = typer.Option(16, help="Query heads Hq."),
     kv_heads: int | None = typer.Option(None, help="KV heads Hkv (default: Hq)."),
@@ -123,7 +125,8 @@ def simulate(
     as_json: bool = typer.Option(False, "--json", help="One JSON object per line per configuration."),
     plot: Path | None = typer.Option(None, help="Write latency/speedup/memory/comm PNGs into this folder."),
     plot_prefix: str = typer.Option("", help="File name prefix of the PNGs (default sim_<preset>)."),
-    show_preset: bool = typer.Option(False, help="Print the cluster parameters and their sources, then exit (--json: raw values)."),
+    show_preset: bool = typer.Option(False,
+                                     help="Print the cluster parameters and their sources, then exit (--json: raw values)."),
     paper: bool = typer.Option(False, help="Print the comparison with the paper's reported figures (Markdown), then exit."),
 ) -> None:
     """Predict one decode step (or prefill + n decode steps) of every method on a two-level cluster."""
@@ -317,7 +320,8 @@ def _print_table(records: list[dict], preset: str, generation: bool) -> None:
     from treeattn.sim.units import format_bytes, format_memory, format_seconds
 
     table = Table(title=f"predicted decode step, preset {preset}")
-    for col in ("method", "gpus", "seq_len", "latency", "speedup vs ring-kv", "sent (busiest rank)", "rounds", "steps", "peak memory"):
+    for col in ("method", "gpus", "seq_len", "latency", "speedup vs ring-kv", "sent (busiest rank)", "rounds", "steps",
+                "peak memory"):
         table.add_column(col, justify="right" if col != "method" else "left")
     if generation:
         table.add_column("prefill + decode", justify="right")

@@ -161,7 +161,7 @@ def direct_allreduce(cluster: Cluster, ranks: int, nbytes: float) -> CommCost:
     >>> from treeattn.sim import PRESETS
     >>> direct_allreduce(PRESETS["gb200-nvl72"], 64, 4096).algorithm, direct_allreduce(PRESETS["gb200-nvl72"], 64, 32768).algorithm
     ('one-shot', 'two-shot')
-    """
+    """  # noqa: E501
     if ranks == 1:
         return CommCost(0.0, 0, 0.0, "direct")
     link = cluster.intra

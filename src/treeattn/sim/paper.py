@@ -111,7 +111,10 @@ def markdown_report() -> str:
     out.append("| GPUs | " + " | ".join(_n(n) for n in FIGURE_SEQ_LENS) + " |")
     out.append("|---:|" + "---:|" * len(FIGURE_SEQ_LENS))
     for p in FIGURE_GPUS:
-        cells = [f"{grid['allreduce'][(p, n)]:.0f} / {grid['tree'][(p, n)]:.0f} / {grid['twolevel'][(p, n)]:.0f}" for n in FIGURE_SEQ_LENS]
+        cells = [
+            f"{grid['allreduce'][(p, n)]:.0f} / {grid['tree'][(p, n)]:.0f} / {grid['twolevel'][(p, n)]:.0f}"
+            for n in FIGURE_SEQ_LENS
+        ]
         out.append(f"| {p} | " + " | ".join(cells) + " |")
     out.append("")
     out.append("Predicted decode-step latency (ms), ring pass-KV vs tree allreduce, `dgx-h100`:\n")
@@ -139,7 +142,9 @@ def markdown_report() -> str:
     out.append("")
     out.append(f"Prefill + {NEW_TOKENS} decoded tokens, attention only (all layers), model vs the paper's Tables 1 and 2 "
                "(whole model). Seconds; speedup = ring / tree:\n")
-    out.append("| preset | GPUs | model | N | model tree | model ring | model speedup | paper tree | paper ring | paper speedup |")
+    out.append(
+        "| preset | GPUs | model | N | model tree | model ring | model speedup | paper tree | paper ring | paper speedup |"
+    )
     out.append("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|")
     for row in TABLE_1 + TABLE_2:
         cluster = PRESETS[row.preset]
@@ -159,7 +164,9 @@ def markdown_report() -> str:
 
     attn = attention_seconds(h100, shape, tokens)
     move = ring_pass(h100, 8, shape.kv_bytes(tokens)).seconds
-    out.append(f"Section 6.3's example (640K tokens on 8 GPUs, hidden 2048, bf16): the model gives {attn * 1e6:.0f} us for one GPU's "
-               f"attention over its {tokens} tokens ({shape.kv_bytes(tokens) / 1e6:.0f} MB of K, V) and {move * 1e3:.2f} ms to move "
+    out.append(f"Section 6.3's example (640K tokens on 8 GPUs, hidden 2048, bf16): the model gives {attn * 1e6:.0f} us for one "
+               f"GPU's "
+               f"attention over its {tokens} tokens ({shape.kv_bytes(tokens) / 1e6:.0f} MB of K, V) and {move * 1e3:.2f} ms to "
+               f"move "
                f"that block to a neighbour over NVLink; the paper says O(1e-5) s and O(1e-3) s.")
     return "\n".join(out)

@@ -173,7 +173,8 @@ class PagedBatch:
         if combine is not None and len(decoding) > 1:  # blocks several decoding sequences share: read once
             segments, own_from = shared_prefix.find_segments([plan.chunks[i] for i in decoding], bs)
         self.shared_keys = shared_prefix.saved_keys(segments, bs)  # key reads per layer saved this step
-        paged = combine is not None and kernel_takes(cache.dtype, device, cache.compute_dtype)  # decoding groups: the paged kernel
+        # decoding groups: the paged kernel
+        paged = combine is not None and kernel_takes(cache.dtype, device, cache.compute_dtype)
         self.groups = [_Group([plan.chunks[i] for i in idx], [offsets[i] for i in idx], rank, cache, device, combine is not None,
                               own_from if idx is decoding and segments else None, paged and idx is decoding)
                        for idx in (decoding, prefill) if idx]
@@ -315,7 +316,8 @@ class PagedBatch:
         B, S, Hq, D = q.shape
         Dv = self.cache.value_dim or D
         outs, lses = [], []
-        for b, runs in enumerate(g.runs):  # each run: views of the arena (converted or dequantized copies with a narrower kv_cache_dtype)
+        # each run: views of the arena (converted or dequantized copies with a narrower kv_cache_dtype)
+        for b, runs in enumerate(g.runs):
             states = [attention(q[b : b + 1], *(x[None] for x in self.cache.run(self._layer, a, n)),
                                 causal=True, q_pos=g.q_pos[b : b + 1], kv_pos=pos) for a, n, pos in runs]
             if not states:  # nothing of this sequence here: the merge's identity

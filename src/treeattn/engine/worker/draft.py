@@ -72,7 +72,8 @@ class DraftRunner:
         self.model, self.rank, self.attend, self.combine, self.group = model.eval(), rank, attend, combine, group
         self.kv_rank, self.split = rank if kv_rank is None else kv_rank, kv_rank is None
         self.world_size = group_world_size(group)
-        self.cache = PagedKVCache(num_layers=c.num_layers, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, value_dim=c.cache_value_dim,
+        self.cache = PagedKVCache(num_layers=c.num_layers, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
+                                  value_dim=c.cache_value_dim,
                                   num_blocks=blocks_per_rank, block_size=block_size, dtype=model.dtype, device=model.device)
 
     @torch.inference_mode()

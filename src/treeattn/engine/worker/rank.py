@@ -9,7 +9,8 @@ device the group's backend needs, no pickling); each rank runs it
 (run_plan): a StepPlan is a batched forward pass (RankRunner.step), KEEPALIVE is nothing (it keeps
 ranks waiting in the broadcast short of the group's timeout), StoreOps saves and loads KV store
 blocks (treeattn.engine.kv_tier; every rank's StoreReport gathered), Measure gathers every rank's
-RankMeasurements and SetDecode switches every rank's decode attention (RankRunner.set_decode). rank_main is the body of a rank process that ta.spawn started
+RankMeasurements and SetDecode switches every rank's decode attention (RankRunner.set_decode). rank_main is the body of a rank
+process that ta.spawn started
 (transport.SpawnedRanks); inside an existing group the ranks call serve_steps themselves
 (transport.GroupChannel).
 """

@@ -166,7 +166,8 @@ class RingPrefillStep:
             kv = self._gather(torch.cat((k_new, v_new), dim=-1))
             k, v = kv[..., :D], kv[..., D:]
         if batch.windows is not None and layer in batch.windows:  # a hybrid model's window layer
-            self._window_rows = [batch.windows.extend(layer, c.seq_id, c.start, k[0, o : o + len(c.tokens)], v[0, o : o + len(c.tokens)])
+            self._window_rows = [batch.windows.extend(layer, c.seq_id, c.start, k[0, o : o + len(c.tokens)],
+                                                      v[0, o : o + len(c.tokens)])
                                  for c, o in zip(self.plan_chunks, batch.offsets)]
             return (k,), (v,), (None,)
         self._window_rows = None
@@ -194,7 +195,8 @@ class RingPrefillStep:
             outs, lses, row = [], [], c.first_row
             for (lo, hi), qp, kp in zip(c.pieces, c.q_pos, c.kv_pos):
                 keys = slice(c.offset, c.offset + hi)
-                o, lse = attention(q[:, row : row + hi - lo], k[:, keys], v[:, keys], causal=True, q_pos=qp, kv_pos=kp, window=window)
+                o, lse = attention(q[:, row : row + hi - lo], k[:, keys], v[:, keys], causal=True, q_pos=qp, kv_pos=kp,
+                                   window=window)
                 outs.append(o.float())
                 lses.append(lse.float())
                 row += hi - lo
@@ -214,7 +216,8 @@ class RingPrefillStep:
         for c, (k_w, v_w, pos_w) in zip(self.chunks, self._window_rows):
             if c.num_rows:
                 rows = slice(c.first_row, c.first_row + c.num_rows)
-                o, _ = attention(q[:, rows], k_w[None], v_w[None], causal=True, q_pos=c.q_pos_all, kv_pos=pos_w[None], window=window)
+                o, _ = attention(q[:, rows], k_w[None], v_w[None], causal=True, q_pos=c.q_pos_all, kv_pos=pos_w[None],
+                                 window=window)
                 out[:, rows] = o.to(out.dtype)
         return out
 
@@ -222,6 +225,7 @@ class RingPrefillStep:
         """Run this rank's rows through `model`; return the final hidden states of the flat `rows`
         (indices into the step's T tokens, any order), (len(rows), hidden_size) in the model dtype,
         on every rank."""
-        hidden = self.hidden = model(self.tokens, self.positions, self.kv_store, self.attend)[0]  # (T_r, hidden): kept for prompt logprobs
+        # (T_r, hidden): kept for prompt logprobs
+        hidden = self.hidden = model(self.tokens, self.positions, self.kv_store, self.attend)[0]
         where = {row: (r, i) for r, rank_rows in enumerate(self.every_rank_rows) for i, row in enumerate(rank_rows)}
         return gather_rows(hidden, [where[row] for row in rows], self.rank, len(self.lengths), self.group)

@@ -158,7 +158,8 @@ class RankRunner:
                                 windows=bool(windows))
             layers = [i for i in layers if i not in linear]
         kv_cache_dtype = kv_cache_dtype or model.dtype
-        self.cache = PagedKVCache(num_layers=len(layers), num_kv_heads=num_kv_heads, head_dim=c.head_dim, value_dim=c.cache_value_dim,
+        self.cache = PagedKVCache(num_layers=len(layers), num_kv_heads=num_kv_heads, head_dim=c.head_dim,
+                                  value_dim=c.cache_value_dim,
                                   num_blocks=blocks_per_rank, block_size=block_size, dtype=kv_cache_dtype, device=model.device,
                                   compute_dtype=model.dtype)
         self.windows = WindowKVCache(windows, num_kv_heads=num_kv_heads, head_dim=c.head_dim, dtype=kv_cache_dtype,
@@ -186,7 +187,8 @@ class RankRunner:
         if decode_step != "dynamic":
             from treeattn.engine.worker.static_step import StaticDecodeStep
 
-            self.static_step = StaticDecodeStep(model, self.cache, rank=self.kv_rank, max_batch_size=max_batch_size, decode=decode,
+            self.static_step = StaticDecodeStep(model, self.cache, rank=self.kv_rank, max_batch_size=max_batch_size,
+                                                decode=decode,
                                                 method=method, group=self.attention_group, topology=topology,
                                                 graph=decode_step == "graph")
         self._generators: dict[int, torch.Generator] = {}
@@ -197,7 +199,8 @@ class RankRunner:
         # numba's kernels compiled or loaded now, not inside the first request's steps, and the KV arenas
         # written once, so that their memory is resident from the start (engine.worker.warmup)
         self.warmed = warm_up_rank(model, kv_dtype=kv_cache_dtype, world_size=p, draft_model=draft_model)
-        self.pretouched_bytes = sum(pretouch_cache(c) for c in (self.cache, getattr(self.drafter, "cache", None)) if c is not None)
+        self.pretouched_bytes = sum(pretouch_cache(c) for c in (self.cache, getattr(self.drafter, "cache",
+                                                                                    None)) if c is not None)
 
     def set_decode(self, decode: str, method: str) -> None:
         """Decode from the next step on with `decode` ("tree" or "ring"; every kind is local
@@ -287,13 +290,15 @@ class RankRunner:
         scored = any(c.targets for c in plan.chunks)  # prompt logprobs: never a static step
         if self.static_step is not None and not scored and self.static_step.takes(plan):  # one row per chunk
             return self._outcome(sampling, self.static_step(plan)[[i for i, _ in sampling]])
-        batch = PagedBatch(plan, self.kv_rank, self.cache, self.attend, self.combine, self._phases, self.windows, self.paged_index,
+        batch = PagedBatch(plan, self.kv_rank, self.cache, self.attend, self.combine, self._phases, self.windows,
+                           self.paged_index,
                            self.linear_states)
         ends = [batch.offsets[i] + len(c.tokens) for i, c in sampling]  # rows: the last known token, then the drafts
         rows = [row for (_, c), end in zip(sampling, ends) for row in range(end - c.num_draft - 1, end)]
         owned = None  # per rank, the rows whose final states it holds (None: every rank holds all)
         # Helix: every rank runs every token; a hybrid linear model too
-        split = self.helix is None and self.linear_states is None and token_parallel.splits(batch.tokens.shape[1], self.world_size)
+        split = self.helix is None and self.linear_states is None and token_parallel.splits(batch.tokens.shape[1],
+                                                                                            self.world_size)
         if split and self.prefill == "ring" and not any(c.decoding for c in plan.chunks):  # rank r runs its zigzag pieces
             step = RingPrefillStep(batch, plan.chunks, self.rank, self.world_size, self.comm_group)
             hidden, local, owned = step.forward(self.model, rows), step.hidden, step.every_rank_rows

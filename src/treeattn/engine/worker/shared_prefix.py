@@ -144,7 +144,8 @@ class SharedSegments:
             self.reads.append((torch.tensor(rows, dtype=torch.int64, device=device),
                                torch.tensor(grid, dtype=torch.int64, device=device), runs, table))
 
-    def merge_into(self, out: torch.Tensor, lse: torch.Tensor, flat_q: torch.Tensor, cache, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def merge_into(self, out: torch.Tensor, lse: torch.Tensor, flat_q: torch.Tensor, cache,
+                   layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Merge this rank's segment states into the decoding group's own-part state.
 
         Args:

@@ -131,7 +131,8 @@ class _Buffers:
     """The fixed device buffers of one StaticShape, the attention back end reading them, and the
     shape's CUDA graph once captured."""
 
-    def __init__(self, shape: StaticShape, block_size: int, world_size: int, model: LlamaModel, attend_args: dict, kernel) -> None:
+    def __init__(self, shape: StaticShape, block_size: int, world_size: int, model: LlamaModel, attend_args: dict,
+                 kernel) -> None:
         B, NB = shape
         device = model.device
         self.shape = shape
@@ -257,7 +258,8 @@ class StaticDecodeStep:
         shape = self.shape_of(plan)
         buffers = self._buffers.get(shape)
         if buffers is None:
-            buffers = self._buffers[shape] = _Buffers(shape, self.cache.block_size, self.world_size, self.model, self._attend_args,
+            buffers = self._buffers[shape] = _Buffers(shape, self.cache.block_size, self.world_size, self.model,
+                                                      self._attend_args,
                                                       self.kernel)
         buffers.inputs.copy_(self._host_inputs(plan, shape))
         if self.use_graphs and buffers.graph is None:
@@ -290,7 +292,9 @@ class StaticDecodeStep:
                 if r.rank == self.rank:
                     table[b][i], logical[b][i] = r.index, j
                     i += 1
-        flat = tokens + positions + slots + owned + fresh + [x for row in table for x in row] + [x for row in logical for x in row]
+        flat = (
+            tokens + positions + slots + owned + fresh + [x for row in table for x in row] + [x for row in logical for x in row]
+        )
         return torch.tensor(flat, dtype=torch.int64)
 
     def _run(self, buffers: _Buffers) -> None:

@@ -357,5 +357,6 @@ def shard_loaded(model: nn.Module, layout: HelixLayout) -> nn.Module:
     return model
 
 
-__all__ = ["ALIGN", "check_block_cuts", "HelixGroups", "HelixLayout", "VocabParallelEmbedding", "check_tensor_parallel", "connect",
+__all__ = ["ALIGN", "check_block_cuts", "HelixGroups", "HelixLayout", "VocabParallelEmbedding", "check_tensor_parallel",
+           "connect",
            "helix_groups", "local_heads", "share_fraction", "shard_loaded", "split_bounds", "tensor_parallel_cuts"]

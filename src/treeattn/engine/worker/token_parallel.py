@@ -142,7 +142,8 @@ class TokenParallelStep:
         """Run this rank's slice through `model`; return the final hidden states of the flat `rows`
         (indices into the step's T tokens, any order), (len(rows), hidden_size) in the model dtype,
         on every rank."""
-        hidden = self.hidden = model(self.tokens, self.positions, self.kv_store, self.attend)[0]  # (T_r, hidden): kept for prompt logprobs
+        # (T_r, hidden): kept for prompt logprobs
+        hidden = self.hidden = model(self.tokens, self.positions, self.kv_store, self.attend)[0]
         owner = [bisect_right(self.bounds, row) - 1 for row in rows]  # the slice that holds each row
         owners = [(r, row - self.bounds[r]) for r, row in zip(owner, rows)]
         return gather_rows(hidden, owners, self.rank, len(self.lengths), self.group)
