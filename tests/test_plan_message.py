@@ -15,9 +15,10 @@ from hypothesis import strategies as st
 
 import treeattn as ta
 from treeattn.cache.blocks import BlockRef
-from treeattn.engine.plan_message import (CAPACITY, KEEPALIVE, Measure, PlanWire, SetDecode, StoreOps, decode, encode, pack,
-                                          plan_device)
+from treeattn.engine.plan_message import (CAPACITY, KEEPALIVE, Measure, PlanWire, SetDecode, StoreOps, decode, encode,
+                                          is_masks, pack, plan_device)
 from treeattn.engine.scheduler import Chunk, SampleSpec, StepPlan
+from treeattn.engine.structured import StepMasks
 
 
 def sample_plans() -> list:
@@ -180,3 +181,15 @@ def _one_rank_nccl(plans):
 def test_nccl_buffer_on_the_gpu():
     plans = sample_plans()
     assert _one_rank_nccl(plans) == plans
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.dictionaries(st.integers(0, 2**31 - 1), st.lists(st.binary(max_size=40), max_size=3).map(tuple), max_size=4))
+def test_step_masks_travel_in_the_same_words(masks):
+    """A step's structured-output masks (sent to rank 0 after the plan) round-trip exactly, odd byte lengths
+    included, and is_masks tells them from every plan kind (rank 0 skips a failed step's stale masks)."""
+    message = encode(StepMasks(masks))
+    assert decode(message) == StepMasks(masks)
+    assert is_masks(message)
+    for plan in (None, KEEPALIVE, Measure(reset=True), SetDecode("tree", "onepass"), StepPlan((), ())):
+        assert not is_masks(encode(plan))
