@@ -146,7 +146,6 @@ class PromptRows:
         return out
 
 
-_dense_head: list = []  # one (packed head, its qs and d_bits buffers, its float32 dequantization): dense_head's cache
 
 
 def dense_head(model) -> torch.Tensor | None:
@@ -156,8 +155,8 @@ def dense_head(model) -> torch.Tensor | None:
     A packed layer multiplies more than MAX_KERNEL_ROWS rows by dequantizing its whole weight for
     each call (ops.packed_linear.packed_matmul): for the prompt rows, block after block, that
     dequantization cost about as much as the product itself (SmolLM2: 49,152 x 576). The copy is
-    made once and kept for the next steps (one model's at a time: SmolLM2 113 MB, Gemma 3 270M 671 MB
-    a rank), and model.logits(hidden, weight=copy) multiplies it as the packed layer would: the
+    made once and kept on the head itself for the next steps, as long as the model lives (SmolLM2 113 MB,
+    Gemma 3 270M 671 MB a rank; no process-wide cache), and model.logits(hidden, weight=copy) multiplies it as the packed layer would: the
     same values, bit for bit.
 
         >>> import torch, treeattn as ta
@@ -171,11 +170,11 @@ def dense_head(model) -> torch.Tensor | None:
     head = model.embed_tokens if getattr(model, "lm_head", None) is None else model.lm_head
     if not hasattr(head, "dequantized"):
         return None
-    if _dense_head and _dense_head[0][0] is head and _dense_head[0][1] is head.qs and _dense_head[0][2] is head.d_bits:
-        return _dense_head[0][3]
-    _dense_head.clear()  # the previous model's copy goes first
+    kept = head.__dict__.get("_prompt_logprobs_copy")  # (qs, d_bits, copy): valid while the packed buffers are
+    if kept is not None and kept[0] is head.qs and kept[1] is head.d_bits:
+        return kept[2]
     weight = head.dequantized()
-    _dense_head.append((head, head.qs, head.d_bits, weight))
+    head.__dict__["_prompt_logprobs_copy"] = (head.qs, head.d_bits, weight)  # a plain attribute: not in state_dict
     return weight
 
 
