@@ -156,8 +156,8 @@ def dense_head(model) -> torch.Tensor | None:
     each call (ops.packed_linear.packed_matmul): for the prompt rows, block after block, that
     dequantization cost about as much as the product itself (SmolLM2: 49,152 x 576). The copy is
     made once and kept on the head itself for the next steps, as long as the model lives (SmolLM2 113 MB,
-    Gemma 3 270M 671 MB a rank; no process-wide cache), and model.logits(hidden, weight=copy) multiplies it as the packed layer would: the
-    same values, bit for bit.
+    Gemma 3 270M 671 MB a rank; no process-wide cache), and model.logits(hidden, weight=copy)
+    multiplies it as the packed layer would: the same values, bit for bit.
 
         >>> import torch, treeattn as ta
         >>> from treeattn.engine.worker.prompt_logprobs import dense_head
