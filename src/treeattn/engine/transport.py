@@ -40,6 +40,24 @@ from treeattn.engine.worker.runner import StepOutcome
 logger = logging.getLogger(__name__)
 
 
+def overlap_masks(config: EngineConfig) -> bool:
+    """Whether the driver fills a step's structured-output masks while the ranks run the step (vLLM v1's
+    overlap) rather than before the plan leaves: on CUDA ranks, and on the CPU only where a core is left
+    beyond the ranks' threads. Where the ranks' threads take every core (the CPU default: cores // nproc
+    each), the driver's half a millisecond a token preempts a rank mid-step, and rank 0 waited ~10 ms a
+    token for the masks (SmolLM2, 2 ranks on 2 cores: docs/serve.md), against ~0.5 ms filled first.
+
+        >>> overlap_masks(EngineConfig(nproc=2, threads_per_rank=1)) == (len(os.sched_getaffinity(0)) > 2)
+        True
+    """
+    if backend_for(config.device) == "nccl":
+        return True
+    from treeattn.parallel.spawn import rank_threads
+
+    threads = config.threads_per_rank or rank_threads(config.nproc)
+    return len(os.sched_getaffinity(0)) > config.nproc * threads
+
+
 class SpawnedRanks:
     """The rank processes of an Engine started with ta.spawn, and the driver's line to rank 0."""
 
@@ -146,13 +164,17 @@ class SpawnedRanks:
 
     def run(self, plan, masks=None) -> StepOutcome:
         """Rank 0's outcome of `plan`. masks: None, or a callable giving the plan's structured-output
-        StepMasks (or None): called after the plan has gone, while the ranks run it, and its result sent
-        to rank 0 as the next message, which rank 0 reads when it samples (engine.structured)."""
+        StepMasks (or None), sent to rank 0 as the message after the plan, which rank 0 reads when it
+        samples (engine.structured). It is called after the plan has gone, while the ranks run it, where
+        overlap_masks(config) says a core is free for it; else before the plan leaves."""
         if self.death is not None:
             raise self._gone()
+        overlap = masks is not None and overlap_masks(self.config)
+        step_masks = masks() if masks is not None and not overlap else None
         try:
             self._conn.send_bytes(encode(plan))  # the plan's one encoding, made here once; rank 0 relays it
-            step_masks = masks() if masks is not None else None
+            if overlap:
+                step_masks = masks()
             if step_masks is not None:  # the same encoding: rank 0 reads it when it samples
                 self._conn.send_bytes(encode(step_masks))
         except OSError as exc:
