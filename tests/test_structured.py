@@ -159,3 +159,23 @@ def test_a_request_whose_masks_never_came_fails_alone(engine):
         del grammars.masks
     assert bad.finish_reason == "error" and "no mask came" in bad.error, (bad.finish_reason, bad.error)
     assert good.finish_reason == "length" and len(good.token_ids) == 8
+
+
+def test_masks_filled_while_the_step_runs_give_the_same_outputs(model_file, monkeypatch):
+    """Where a core is free for it (CUDA ranks, CPU cores beyond the ranks' threads: overlap_masks) the
+    driver fills the masks after the plan has gone, while the ranks run the step; forced here on 2 ranks,
+    the outputs equal those of masks filled before the plan leaves, and validate."""
+    from treeattn.engine import transport
+
+    cases = schemas()[:6]
+    params = [ta.SamplingParams(max_new_tokens=160, temperature=t, seed=i, structured=StructuredOutput.json(schema))
+              for t in (0.0, 1.0) for i, schema in enumerate(cases)]
+    results = {}
+    for overlap in (False, True):
+        monkeypatch.setattr(transport, "overlap_masks", lambda config, overlap=overlap: overlap)
+        with ta.Engine(str(model_file), nproc=2, block_size=16, cache_tokens=32768, max_batch_size=64) as engine:
+            results[overlap] = _run(engine, params)
+    assert [r.token_ids for r in results[True]] == [r.token_ids for r in results[False]]
+    for i, result in enumerate(results[True]):
+        assert result.finish_reason == "stop", (i, result.text, result.error)
+        jsonschema.validate(json.loads(result.text), cases[i % len(cases)])

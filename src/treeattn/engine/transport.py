@@ -32,8 +32,8 @@ import torch.distributed as dist
 from treeattn.engine.config import EngineConfig
 from treeattn.engine.device import backend_for, rank_device
 from treeattn.engine.plan_message import PlanWire, encode, plan_device
-from treeattn.engine.worker.rank import (ModelInfo, helix_layout, load_model, make_runner, model_info, rank_main, run_plan,
-                                         serve_steps)
+from treeattn.engine.worker.rank import (ModelInfo, helix_layout, load_model, make_runner, model_info, no_delay, rank_main,
+                                         run_plan, serve_steps)
 from treeattn.engine.errors import EngineError, StepFailed
 from treeattn.engine.worker.runner import StepOutcome
 
@@ -44,8 +44,9 @@ def overlap_masks(config: EngineConfig) -> bool:
     """Whether the driver fills a step's structured-output masks while the ranks run the step (vLLM v1's
     overlap) rather than before the plan leaves: on CUDA ranks, and on the CPU only where a core is left
     beyond the ranks' threads. Where the ranks' threads take every core (the CPU default: cores // nproc
-    each), the driver's half a millisecond a token preempts a rank mid-step, and rank 0 waited ~10 ms a
-    token for the masks (SmolLM2, 2 ranks on 2 cores: docs/serve.md), against ~0.5 ms filled first.
+    each), the driver's work competes with the ranks for them: measured quiet (SmolLM2, 2 ranks on 2 cores,
+    benchmarks/engine/structured_engine.py, docs/serve.md), a constrained token took 1.080x a free one with
+    the overlap and 1.012x with the masks filled first.
 
         >>> overlap_masks(EngineConfig(nproc=2, threads_per_rank=1)) == (len(os.sched_getaffinity(0)) > 2)
         True
@@ -105,6 +106,7 @@ class SpawnedRanks:
                 raise EngineError("the engine's ranks did not start in time")
             acceptor.join(0.05)
         self._conn = accepted[0]
+        no_delay(self._conn)
         kind, info = self._recv()
         self.info: ModelInfo = info
         logger.debug("rank 0 is ready")

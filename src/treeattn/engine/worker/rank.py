@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import traceback
 from dataclasses import dataclass
 from multiprocessing.connection import Client
@@ -145,6 +146,14 @@ def run_plan(runner: RankRunner, plan):
     return runner.step(plan)
 
 
+def no_delay(conn) -> None:
+    """Turn off Nagle's algorithm on the socket under a multiprocessing Connection (the driver's line to
+    rank 0 is TCP on 127.0.0.1): the driver sends a step's plan and then its structured-output masks as
+    two writes, and with Nagle the second waited for rank 0's delayed ACK, 10-15 ms a token."""
+    with socket.fromfd(conn.fileno(), socket.AF_INET, socket.SOCK_STREAM) as sock:  # a dup: the option is the socket's
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
 def serve_steps(runner: RankRunner, receive, reply) -> None:
     """A rank's loop: take the next plan (rank 0 from `receive`: the driver's encoded plan, bytes, or
     None when the driver is gone; the others by broadcast), run it, (rank 0) `reply` with what it gave.
@@ -184,6 +193,7 @@ def rank_main(rank: int, world_size: int, address, authkey: bytes, model, config
         serve_steps(runner, None, None)
         return
     with Client(address, authkey=authkey) as conn:
+        no_delay(conn)
         conn.send(("ready", model_info(model, runner)))
 
         def receive():
