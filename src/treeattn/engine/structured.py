@@ -14,20 +14,20 @@ its compile takes about a millisecond where xgrammar's took 60-340 ms per new sc
 tens of microseconds per token in both. JSON is compact (no free whitespace between tokens:
 whitespace_flexible False, vLLM's disable_any_whitespace), so that no model can loop on spaces.
 
-Where it runs, overlapped with the step (as vLLM v1 does). The driver holds the tokenizer and
-every request's state; the ranks run token ids only (they load the model without its tokenizer). So
-the driver keeps one llguidance matcher per constrained sequence and consumes each committed token.
-A step's plan leaves with each constrained chunk marked (SampleSpec.allowed = MASKS_AT_SAMPLING,
-mark()); while the ranks run that step's forward pass, the driver fills the chunks' bitmasks
+Where it runs. The driver holds the tokenizer and every request's state; the ranks run token ids
+only (they load the model without its tokenizer). So the driver keeps one llguidance matcher per
+constrained sequence and consumes each committed token. A step's plan leaves with each constrained
+chunk marked (SampleSpec.allowed = MASKS_AT_SAMPLING, mark()); the driver fills the chunks' bitmasks
 (ceil(V / 32) int32 words: 6 KiB for SmolLM2, 32 KiB for Gemma 3; masks()) and sends them to rank 0
-as their own message (StepMasks, in plan_message's words like the plan), which rank 0 reads only when it samples, after the
-step's logits:
-so only sampling on rank 0 waits for the mask, and only if the forward pass was shorter than the
-driver's work. Rank 0 then sets the logits of the disallowed tokens to -inf (apply_mask) before the
+as their own message (StepMasks, in plan_message's words like the plan), which rank 0 reads only when
+it samples, after the step's logits. Where a core is free for the driver's work (CUDA ranks, or CPU
+cores beyond the ranks' threads: transport.overlap_masks) it fills them while the ranks run the
+step's forward pass, as vLLM v1 does; where the ranks take every core it fills them just before the
+plan leaves. Rank 0 then sets the logits of the disallowed tokens to -inf (apply_mask) before the
 sampler (bias, penalties, temperature, min-p, top-k, top-p), greedy and sampled alike. The other
 ranks never see a mask. Inside an existing process group (GroupChannel: the driver's thread is rank
-0) the masks are filled at sampling time in the same thread, not overlapped. A chunk whose masks did
-not come fails alone (its sampling raises). Measured costs: docs/serve.md.
+0) the masks are filled at sampling time in the same thread. A chunk whose masks did not come fails
+alone (its sampling raises). Measured costs: docs/serve.md.
 
 End. When the grammar is complete the matcher allows only end-of-sequence: the model's eos ids and
 the request's other stop tokens (a chat's end of turn), so the next token ends the request with
