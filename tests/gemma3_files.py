@@ -45,17 +45,20 @@ TYPES_OF = {"attn_q": Q.Q5_0, "attn_k": Q.Q5_0, "ffn_gate": Q.Q5_0, "ffn_up": Q.
             "attn_output": Q.Q4_K, "ffn_down": Q.Q6_K}
 
 
-def hf_gemma3(*, layers: int = 6, seed: int = 0, window: int = WINDOW, context: int = 256, multimodal: bool = False):
+def hf_gemma3(*, layers: int = 6, seed: int = 0, window: int = WINDOW, context: int = 256, multimodal: bool = False,
+              heads: int = 2, head_dim: int = 256):
     """A tiny transformers Gemma3ForCausalLM (or, multimodal=True, Gemma3ForConditionalGeneration
     around the same text model): hidden 64, 2 query heads of 256 (as the real model: llama.cpp scales
     queries by head_dim ** -0.5, transformers by its default query_pre_attn_scalar 256), 1 KV head, MLP 256 (row lengths the
-    K-quants' 256-element blocks fit), every 6th layer global, window `window`."""
+    K-quants' 256-element blocks fit), every 6th layer global, window `window`; `heads` and `head_dim` change the
+    query heads and their size (query_pre_attn_scalar follows head_dim)."""
     import transformers
 
     torch.manual_seed(seed)
     text = transformers.Gemma3TextConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=256, num_hidden_layers=layers, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=256, sliding_window=window, max_position_embeddings=context, query_pre_attn_scalar=256,
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=256, num_hidden_layers=layers, num_attention_heads=heads,
+        num_key_value_heads=1, head_dim=head_dim, sliding_window=window, max_position_embeddings=context,
+        query_pre_attn_scalar=head_dim,
         rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e6},
                          "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}},
         initializer_range=0.1, rms_norm_eps=1e-6, pad_token_id=0, bos_token_id=2, eos_token_id=1, tie_word_embeddings=True)

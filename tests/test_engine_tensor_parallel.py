@@ -133,21 +133,9 @@ def test_gemma3_window_layers_and_one_kv_head(tmp_path, tp, kv):
 def _gemma3_four_heads():
     """tests/gemma3_files.hf_gemma3's tiny Gemma 3 (1 KV head, window and global layers) with 4 query heads, so
     that tp = 4 divides them (its 2 heads refuse tp=4 in one line): the one KV head on every TP rank."""
-    import transformers
+    from gemma3_files import hf_gemma3
 
-    torch.manual_seed(0)
-    text = transformers.Gemma3TextConfig(
-        vocab_size=256, hidden_size=64, intermediate_size=256, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=1,
-        head_dim=64, sliding_window=4, max_position_embeddings=256, query_pre_attn_scalar=64,
-        rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e6},
-                         "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}},
-        initializer_range=0.1, rms_norm_eps=1e-6, pad_token_id=0, bos_token_id=2, eos_token_id=1, tie_word_embeddings=True)
-    model = transformers.Gemma3ForCausalLM(text).eval()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
-                param.normal_(0.0, 0.2)
-    return model
+    return hf_gemma3(layers=3, window=4, heads=4, head_dim=64)
 
 
 @pytest.mark.parametrize("family,tp,kv", [("qwen2", 1, 2), ("qwen2", 4, 1), ("mistral", 2, 2), ("mistral", 4, 1),
