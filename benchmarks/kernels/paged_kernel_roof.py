@@ -14,10 +14,14 @@ Every round runs the roof sums and every dtype's kernel once, in turn (a machine
 weighs on all of them); --repeats rounds; medians of thread CPU time (time.thread_time) and wall
 time are reported, per token of the measured layers and scaled to 30 layers. "hot" repeats one
 layer --hot-layers times over the same arena (in cache when it fits: the kernel's compute alone).
+With --baseline FILE (another version of src/treeattn/ops/paged_cpu_kernel.py, e.g. from
+`git show REV:src/treeattn/ops/paged_cpu_kernel.py > /tmp/old_kernel.py`), that kernel runs beside
+this one in every round, on the same arenas: "baseline" rows, and their ratio to this kernel.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import statistics
 import time
@@ -81,7 +85,15 @@ def kv_bytes(dtype: str, hkv: int, d: int, keys: int) -> int:
     return 2 * keys * hkv * (d * per + (4 if dtype == "fp8_e4m3" else 0))
 
 
-def kernel_case(heads: str, context: int, max_bytes: int, hot_layers: int):
+def load_kernel(path: str):
+    """A paged_cpu_kernel module loaded from a file (its own numba cache beside it)."""
+    spec = importlib.util.spec_from_file_location("paged_cpu_kernel_baseline", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def kernel_case(heads: str, context: int, max_bytes: int, hot_layers: int, baseline=None):
     """The calls of one (heads, context) case: {name: (fn, bytes read per call)}."""
     hkv, grp, d = HEADS[heads]
     nb = context // BS
@@ -95,13 +107,17 @@ def kernel_case(heads: str, context: int, max_bytes: int, hot_layers: int):
     for i, dtype in enumerate(DTYPES):
         layer_arenas = arenas(dtype, hkv, d, nb, layers, seed=i)
 
-        def run(todo):
+        def run(todo, module):
             for k, v, ks, vs in todo:
-                kernel.attend(1, q, k, v, ks, vs, d, d ** -0.5, table, kv_pos, row_seq, q_pos, 0, 1, out, lse)
+                module.attend(1, q, k, v, ks, vs, d, d ** -0.5, table, kv_pos, row_seq, q_pos, 0, 1, out, lse)
 
         per_call = kv_bytes(dtype, hkv, d, nb * BS)
-        fns[f"{dtype} cold"] = (lambda a=layer_arenas, run=run: run(a), per_call * layers, layers)
-        fns[f"{dtype} hot"] = (lambda a=layer_arenas[:1] * hot_layers, run=run: run(a), per_call * hot_layers, hot_layers)
+        for prefix, module in (("", kernel), ("baseline ", baseline)):
+            if module is None:
+                continue
+            fns[f"{prefix}{dtype} cold"] = (lambda a=layer_arenas, run=run, m=module: run(a, m), per_call * layers, layers)
+            fns[f"{prefix}{dtype} hot"] = (lambda a=layer_arenas[:1] * hot_layers, run=run, m=module: run(a, m),
+                                           per_call * hot_layers, hot_layers)
     return fns
 
 
@@ -131,7 +147,9 @@ def main() -> None:
     parser.add_argument("--roof-bytes", type=int, default=1 << 30, help="bytes of each roof array")
     parser.add_argument("--max-bytes", type=int, default=1 << 30, help="float32 K/V bytes of a case at most")
     parser.add_argument("--hot-layers", type=int, default=30, help="calls over one layer's arena for 'hot'")
+    parser.add_argument("--baseline", metavar="FILE", help="another paged_cpu_kernel.py to run beside this one")
     args = harness.parse_args(parser)
+    baseline = load_kernel(args.baseline) if args.baseline else None
     load = [os.getloadavg()]
     roof_f32 = np.ones(args.roof_bytes // 4, np.float32)
     roof_i16 = np.ones(args.roof_bytes // 2, np.int16)
@@ -140,16 +158,20 @@ def main() -> None:
     results = []
     for heads in args.heads:
         for context in args.context:
-            rows = measure({**roof, **kernel_case(heads, context, args.max_bytes, args.hot_layers)}, args.repeats)
+            rows = measure({**roof, **kernel_case(heads, context, args.max_bytes, args.hot_layers, baseline)}, args.repeats)
             load.append(os.getloadavg())
             top = rows["roof float32 sum"]["cpu_GBps"]
             for name, row in rows.items():
                 row["of_roof_float32"] = row["cpu_GBps"] / top
+                if name.startswith("baseline "):  # this kernel's median time over the baseline's
+                    this = rows[name.removeprefix("baseline ")]
+                    this["over_baseline"] = row["cpu_GBps"] / this["cpu_GBps"]
             results.append({"heads": heads, "hkv_g_d": HEADS[heads], "context": context, "rows": rows})
             print(f"== {heads} (Hkv, G, D = {HEADS[heads]}), {context} keys, load {os.getloadavg()[0]:.2f}")
             for name, row in rows.items():
                 print(f"{name:18s} cpu {row['cpu_GBps']:6.1f} GB/s  wall {row['wall_GBps']:6.1f} GB/s  "
-                      f"{row['of_roof_float32']:5.2f} of roof  {1e3 * statistics.median(row['cpu_s']):7.2f} ms cpu")
+                      f"{row['of_roof_float32']:5.2f} of roof  {1e3 * statistics.median(row['cpu_s']):7.2f} ms cpu"
+                      + (f"  {row['over_baseline']:.3f}x baseline's time" if "over_baseline" in row else ""))
     harness.write_output(args.output, {"load_average": load, "results": results})
 
 
