@@ -24,6 +24,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import statistics
+import sys
 import time
 
 import numba
@@ -89,6 +90,7 @@ def load_kernel(path: str):
     """A paged_cpu_kernel module loaded from a file (its own numba cache beside it)."""
     spec = importlib.util.spec_from_file_location("paged_cpu_kernel_baseline", path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # numba's cache of its kernels imports it by name
     spec.loader.exec_module(module)
     return module
 

@@ -51,10 +51,12 @@ from numba.extending import intrinsic, overload
 _FASTMATH = {"reassoc", "contract"}
 
 
-_CONSTANT_HEAD_DIMS = (64, 128, 256)
+_CONSTANT_HEAD_DIMS = (64,)
 """Head dims (keys' and values' alike) compiled as constants: the loops over a row then have a known
-trip count, with no checks and remainders around each vector loop (30 layers of 4096 keys, SmolLM2's
-heads, one thread, alternated under load: 0.85-0.95x the time; docs/bench_kernels.md, "Session 15")."""
+trip count, with no checks and remainders around each vector loop. Measured one thread, alternated with
+the kernel before under load (docs/bench_kernels.md, "Session 15"): head dim 64 (SmolLM2's and
+Llama-3.2-1B's heads, 4K and 16K keys) 0.77-1.0x the time; 256 (Gemma 3's) 1.05-1.19x slower, so
+not kept; 128 not measured."""
 
 
 def head_dim_tag(head_dim: int, dv: int) -> tuple:
@@ -62,7 +64,7 @@ def head_dim_tag(head_dim: int, dv: int) -> tuple:
     _CONSTANT_HEAD_DIMS (its length, a constant of the compiled code, gives the dims), else () (the
     dims read from the arrays' shapes).
 
-    >>> len(head_dim_tag(64, 64)), head_dim_tag(64, 32), head_dim_tag(48, 48)
+    >>> len(head_dim_tag(64, 64)), head_dim_tag(64, 32), head_dim_tag(256, 256)
     (4, (), ())
     """
     return (0,) * (head_dim // 16) if head_dim == dv and head_dim in _CONSTANT_HEAD_DIMS else ()
