@@ -1,5 +1,6 @@
 # Scratch A/B of kernel variants (session 15, attn50): run from a checkout of c13e013 (main before session 15, whose
-# attend_serial is "main" here), e.g. PYTHONPATH=<c13e013>/src:docs/data python3 docs/data/attn50_kernel_ab_s15.py smollm2 4096 f32,bf16 main,c64 5
+# attend_serial is "main" here; "kept" is the kernel as kept: head dim 64 constant, float32 scale), e.g.
+# PYTHONPATH=<c13e013>/src:docs/data python3 docs/data/attn50_kernel_ab_s15.py smollm2 4096 f32,bf16 main,c64 5
 # args: heads (smollm2|llama|gemma3) context dtypes(f32,bf16,f16,fp8) variants repeats; output: docs/data/attn50_kernel_ab_s15.txt
 import sys, time, statistics, os
 import numpy as np, torch
@@ -12,7 +13,7 @@ heads = sys.argv[1]; ctx = int(sys.argv[2]); dtypes = sys.argv[3].split(","); na
 reps = int(sys.argv[5]) if len(sys.argv) > 5 else 5
 H, G, D = HEADS[heads]; BS = 256; nb = ctx // BS
 L = max(2, min(30, (1 << 29) // (2 * ctx * H * D * 4)))
-V = {"sc32": variants.make(False, 0, f32s=1),"ch16": variants.make_chunked(16), "ch32": variants.make_chunked(32), "ch8": variants.make_chunked(8),"s2": variants.make(False, 2), "s2v4": variants.make(True, 2, N=4, pf=16),"d16": variants.make(False, 0, d16=1), "d16v": variants.make(False, 0, d16=2),"v2p8": variants.make(True, 0, N=2, pf=8), "v4p16": variants.make(True, 0, N=4, pf=16), "v4p32": variants.make(True, 0, N=4, pf=32),"v2": variants.make(True, 0, N=2), "v4": variants.make(True, 0, N=4), "v8": variants.make(True, 0, N=8), "v16": variants.make(True, 0, N=16),"pf": variants.make(False, 0, pf=1), "pfc": variants.make(False, 0, 64, 64, pf=1),"c64": variants.make(False, 0, 64, 64), "nos": variants.make(False, 0, skip="s"), "noe": variants.make(False, 0, skip="e"), "nov": variants.make(False, 0, skip="v"), "only_s": variants.make(False, 0, skip="ev"),"main": K.attend_serial, "vchunk": variants.make(True, 0), "part": variants.make(False, 1), "both": variants.make(True, 1)}
+V = {"kept": variants.make(False, 0, 64, 64, f32s=1), "keptlh": variants.make(False, 0, 64, 64, f32s=1, lh=1),"sc32": variants.make(False, 0, f32s=1),"ch16": variants.make_chunked(16), "ch32": variants.make_chunked(32), "ch8": variants.make_chunked(8),"s2": variants.make(False, 2), "s2v4": variants.make(True, 2, N=4, pf=16),"d16": variants.make(False, 0, d16=1), "d16v": variants.make(False, 0, d16=2),"v2p8": variants.make(True, 0, N=2, pf=8), "v4p16": variants.make(True, 0, N=4, pf=16), "v4p32": variants.make(True, 0, N=4, pf=32),"v2": variants.make(True, 0, N=2), "v4": variants.make(True, 0, N=4), "v8": variants.make(True, 0, N=8), "v16": variants.make(True, 0, N=16),"pf": variants.make(False, 0, pf=1), "pfc": variants.make(False, 0, 64, 64, pf=1),"c64": variants.make(False, 0, 64, 64), "nos": variants.make(False, 0, skip="s"), "noe": variants.make(False, 0, skip="e"), "nov": variants.make(False, 0, skip="v"), "only_s": variants.make(False, 0, skip="ev"),"main": K.attend_serial, "vchunk": variants.make(True, 0), "part": variants.make(False, 1), "both": variants.make(True, 1)}
 q = np.random.default_rng(0).standard_normal((1, H, G, D)).astype(np.float32)
 table = np.arange(nb, dtype=np.int64).reshape(1, nb); kv_pos = np.arange(nb * BS, dtype=np.int64).reshape(1, -1)
 row_seq = np.zeros(1, np.int64); q_pos = np.array([nb * BS - 3], np.int64)  # 2 keys not visible

@@ -25,7 +25,7 @@ def _softmax_block(scores, m, lsum, acc, bits, H, G, dv):
             _exp_shifted(scores[h, g], m[h, g], bits)
 
 
-def make(values_chunked, scores_mode, DC=0, DVC=0, skip='', pf=0, N=4, d16=0, f32s=0):
+def make(values_chunked, scores_mode, DC=0, DVC=0, skip='', pf=0, N=4, d16=0, f32s=0, lh=0):
     import attn50_kernel_tiles_s15 as tiles
     vals = tiles.make_values(N)
 
@@ -135,6 +135,13 @@ def make(values_chunked, scores_mode, DC=0, DVC=0, skip='', pf=0, N=4, d16=0, f3
                             scores[h, g, t] = scores[h, g, t] * key_scale if visible[t] else -np.inf
             if 'e' not in skip:
                 _softmax_block(scores, m, lsum, acc, bits, H, G, dv)
+                if lh:
+                    for h in range(H):
+                        for g in range(G):
+                            tot = np.float32(0.0)
+                            for t in range(BS):
+                                tot += scores[h, g, t]
+                            lsum[h, g] += tot
             if 'v' in skip:
                 pass
             elif not values_chunked:
@@ -147,7 +154,8 @@ def make(values_chunked, scores_mode, DC=0, DVC=0, skip='', pf=0, N=4, d16=0, f3
                         value_scale = _scale(v, v_scales, blk, t, h)
                         for g in range(G):
                             p = scores[h, g, t]
-                            lsum[h, g] += p
+                            if not lh:
+                                lsum[h, g] += p
                             pv = p * value_scale
                             if d16 == 2:
                                 for d0 in range(0, dv, 16):
