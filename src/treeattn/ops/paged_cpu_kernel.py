@@ -55,7 +55,7 @@ _CONSTANT_HEAD_DIMS = (64,)
 """Head dims (keys' and values' alike) compiled as constants: the loops over a row then have a known
 trip count, with no checks and remainders around each vector loop. Measured one thread, alternated with
 the kernel before under load (docs/bench_kernels.md, "Session 15"): head dim 64 (SmolLM2's and
-Llama-3.2-1B's heads, 4K and 16K keys) 0.77-1.0x the time; 256 (Gemma 3's) 1.05-1.19x slower, so
+Llama-3.2-1B's heads, 4K and 16K keys) 0.77-1.0x the time; 256 (Gemma 3's) 1.03-1.19x slower, so
 not kept; 128 not measured."""
 
 
@@ -296,7 +296,7 @@ def _attend_range(w, q, k, v, k_scales, v_scales, dv, scale, table, kv_pos, row_
     if len(dims) > 0:  # a constant of the compilation: D == dv == 16 * len(dims) (head_dim_tag)
         D = 16 * len(dims)
         dv = D
-    sc = np.float32(scale)  # scores scaled in float32 (a float64 product cost 0.89-0.92x the time)
+    sc = np.float32(scale)  # scores scaled in float32: 0.89-0.92x the time of a float64 product per score
     BS = k.shape[1]
     nb = table.shape[1]
     per = (nb + splits - 1) // splits
