@@ -92,10 +92,13 @@ CASES = {
     "huge logits": dict(logit_scale=300.0),
     "tiny logits": dict(logit_scale=1e-6),
     "long": dict(B=1, NB=40, nb=33, BS=16, Hq=9, Hkv=3, D=64, lengths=[33 * 16 - 5]),
+    # a head dim the kernel compiles as a constant (64: paged_cpu_kernel.head_dim_tag) and models' larger ones
+    "head dim 64, window": dict(Sq=3, D=64, lengths=[24, 13]),
+    "head dim 256, drafts": dict(Hq=4, Hkv=1, Sq=2, D=256, lengths=[20, 9]),
 }
 
 
-WINDOWS = {"window": 5}  # the layer's sliding window of these cases
+WINDOWS = {"window": 5, "head dim 64, window": 7}  # the layer's sliding window of these cases
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -129,7 +132,28 @@ def test_kernel_splits_and_threads_do_not_change_the_state(monkeypatch):
         assert lay._kernel_arrays()[4] == (1 if threads == 1 else min(25, 2 * threads))
 
 
-@pytest.mark.parametrize("case", ["gqa", "uneven and padded", "drafts", "window", "mla values in keys", "huge logits", "long"])
+@needs_kernel
+@pytest.mark.parametrize("case", ["long", "head dim 64, window"])
+def test_constant_head_dims_give_the_state_of_dims_read_from_shapes(case, monkeypatch):
+    """The kernel compiles head dim 64 as a constant (paged_cpu_kernel.head_dim_tag): the same state as
+    its loops over dims read from the arrays' shapes (dims=()), up to float32 rounding, and a NaN in a
+    query still makes its row NaN."""
+    from treeattn.ops import paged_cpu_kernel
+
+    q, kb, vb, layout = make_case(**CASES[case])
+    q[0, 0, 0, 0] = float("nan")
+    window = WINDOWS.get(case)
+    assert len(paged_cpu_kernel.head_dim_tag(q.shape[-1], vb.shape[-1])) == q.shape[-1] // 16
+    constant = pd.paged_decode_attention(q, kb, vb, layout, window=window)
+    monkeypatch.setattr(paged_cpu_kernel, "head_dim_tag", lambda head_dim, dv: ())
+    generic = pd.paged_decode_attention(q, kb, vb, layout, window=window)
+    for got, want in zip(constant, generic):
+        assert torch.equal(torch.isnan(got), torch.isnan(want)) and torch.isnan(got).any()
+        torch.testing.assert_close(got.nan_to_num(), want.nan_to_num(), rtol=TOL, atol=TOL)
+
+
+@pytest.mark.parametrize("case", ["gqa", "uneven and padded", "drafts", "window", "mla values in keys", "huge logits", "long",
+                                  "head dim 64, window", "head dim 256, drafts"])
 @pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float16])
 def test_stored_16_bit_blocks_match_float64_on_the_stored_values(case, kv_dtype, path):
     """A 16-bit cache (--kv-cache-dtype) with float32 queries: read as stored and accumulated in
@@ -192,7 +216,8 @@ def _fp8_blocks(kb, vb, values_in_keys=False, seed=0):
     return kc, vc, ks, vs
 
 
-@pytest.mark.parametrize("case", ["gqa", "uneven and padded", "drafts", "window", "mla values in keys", "huge logits", "long"])
+@pytest.mark.parametrize("case", ["gqa", "uneven and padded", "drafts", "window", "mla values in keys", "huge logits", "long",
+                                  "head dim 64, window", "head dim 256, drafts"])
 def test_stored_fp8_blocks_match_float64_on_the_dequantized_values(case, path):
     """An fp8 cache (codes + a power-of-two scale per key and head) with float32 queries: the kernel
     folds the scales into scores and weights, the gathered path dequantizes; both give the float64

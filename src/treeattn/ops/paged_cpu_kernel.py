@@ -51,14 +51,35 @@ from numba.extending import intrinsic, overload
 _FASTMATH = {"reassoc", "contract"}
 
 
+_CONSTANT_HEAD_DIMS = (64,)
+"""Head dims (keys' and values' alike) compiled as constants: the loops over a row then have a known
+trip count, with no checks and remainders around each vector loop. Measured one thread, alternated with
+the kernel before under load (docs/bench_kernels.md, "Session 15"): head dim 64 (SmolLM2's and
+Llama-3.2-1B's heads, 4K and 16K keys) 0.77-1.0x the time; 256 (Gemma 3's) 1.03-1.19x slower, so
+not kept; 128 not measured."""
+
+
+def head_dim_tag(head_dim: int, dv: int) -> tuple:
+    """The kernels' `dims` argument: a tuple of head_dim // 16 zeros when head_dim == dv is one of
+    _CONSTANT_HEAD_DIMS (its length, a constant of the compiled code, gives the dims), else () (the
+    dims read from the arrays' shapes).
+
+    >>> len(head_dim_tag(64, 64)), head_dim_tag(64, 32), head_dim_tag(256, 256)
+    (4, (), ())
+    """
+    return (0,) * (head_dim // 16) if head_dim == dv and head_dim in _CONSTANT_HEAD_DIMS else ()
+
+
 def attend(threads: int, *args) -> None:
-    """attend_parallel on `threads` threads (at most numba's pool; 1: attend_serial, no pool)."""
+    """attend_parallel on `threads` threads (at most numba's pool; 1: attend_serial, no pool), with
+    the head dims as constants where head_dim_tag has them."""
     threads = max(1, min(threads, numba.config.NUMBA_NUM_THREADS))
+    dims = head_dim_tag(args[0].shape[3], args[5])
     if threads == 1:
-        attend_serial(*args)
+        attend_serial(*args, dims)
     else:
         numba.set_num_threads(threads)  # per calling thread
-        attend_parallel(*args)
+        attend_parallel(*args, dims)
 
 
 NO_SCRATCH = np.zeros((0, 0, 0), dtype=np.float32)
@@ -261,7 +282,8 @@ def _attend_range(w, q, k, v, k_scales, v_scales, dv, scale, table, kv_pos, row_
                   splits,
                   out,
                   m_out,
-                  l_out):
+                  l_out,
+                  dims):
     """Work item w = r * splits + sp of attend_parallel: query row r over its sp-th range of blocks.
 
     Block by block, in three passes: every query head's scores against the block's visible keys
@@ -271,6 +293,10 @@ def _attend_range(w, q, k, v, k_scales, v_scales, dv, scale, table, kv_pos, row_
     Against one pass with an exp per score (libm's) this took 0.78-0.87x the time (30 layers of
     4096 keys, SmolLM2's heads, one thread, alternated in one process)."""
     H, G, D = q.shape[1], q.shape[2], q.shape[3]
+    if len(dims) > 0:  # a constant of the compilation: D == dv == 16 * len(dims) (head_dim_tag)
+        D = 16 * len(dims)
+        dv = D
+    sc = np.float32(scale)  # scores scaled in float32: 0.89-0.92x the time of a float64 product per score
     BS = k.shape[1]
     nb = table.shape[1]
     per = (nb + splits - 1) // splits
@@ -306,7 +332,7 @@ def _attend_range(w, q, k, v, k_scales, v_scales, dv, scale, table, kv_pos, row_
                         scores[h, g, t] = -np.inf
                 continue
             for h in range(H):
-                key_scale = _scale(k, k_scales, blk, t, h) * scale
+                key_scale = _scale(k, k_scales, blk, t, h) * sc
                 for g in range(G):
                     x = np.float32(0.0)
                     for d in range(D):
@@ -356,7 +382,8 @@ def _range_states(q, splits, dv):  # pragma: no cover - compiled
 def attend_parallel(q, k, v, k_scales, v_scales, dv, scale, table, kv_pos, row_seq, q_pos, window,  # pragma: no cover - compiled
                     splits,
                     out,
-                    lse):
+                    lse,
+                    dims):
     """Every query row's attention state: its `splits` ranges of blocks in parallel, then merged.
 
     q: (R, Hkv, G, D) float32 C-contiguous, the query rows (not scaled).
@@ -370,12 +397,14 @@ def attend_parallel(q, k, v, k_scales, v_scales, dv, scale, table, kv_pos, row_s
     table: int64 (B, nb) block ids; kv_pos: int64 (B, nb * BS) position of every slot;
     row_seq: int64 (R,) the table row of each query row; q_pos: int64 (R,) its position.
     window: > 0: a key is visible iff 0 <= q_pos - kv_pos < window; 0: iff kv_pos <= q_pos.
-    splits: block ranges per row (flash-decoding). Writes out (R, Hkv, G, dv) float32, normalized,
-    and lse (R, Hkv, G) float32 (merge_splits: 0 and -inf for a row that sees no key).
+    splits: block ranges per row (flash-decoding); dims: head_dim_tag(D, dv) (() always works).
+    Writes out (R, Hkv, G, dv) float32, normalized, and lse (R, Hkv, G) float32 (merge_splits: 0
+    and -inf for a row that sees no key).
     """
     out_p, m_p, l_p = _range_states(q, splits, dv)
     for w in prange(q.shape[0] * splits):
-        _attend_range(w, q, k, v, k_scales, v_scales, dv, scale, table, kv_pos, row_seq, q_pos, window, splits, out_p, m_p, l_p)
+        _attend_range(w, q, k, v, k_scales, v_scales, dv, scale, table, kv_pos, row_seq, q_pos, window, splits, out_p, m_p, l_p,
+                      dims)
     merge_splits(out_p, m_p, l_p, out, lse)
 
 
@@ -383,12 +412,14 @@ def attend_parallel(q, k, v, k_scales, v_scales, dv, scale, table, kv_pos, row_s
 def attend_serial(q, k, v, k_scales, v_scales, dv, scale, table, kv_pos, row_seq, q_pos, window,  # pragma: no cover - compiled
                   splits,
                   out,
-                  lse):
+                  lse,
+                  dims):
     """attend_parallel on the calling thread alone: no thread pool is started (a rank running with
     one torch thread, several ranks on one host, then has no second pool spinning beside torch's)."""
     out_p, m_p, l_p = _range_states(q, splits, dv)
     for w in range(q.shape[0] * splits):
-        _attend_range(w, q, k, v, k_scales, v_scales, dv, scale, table, kv_pos, row_seq, q_pos, window, splits, out_p, m_p, l_p)
+        _attend_range(w, q, k, v, k_scales, v_scales, dv, scale, table, kv_pos, row_seq, q_pos, window, splits, out_p, m_p, l_p,
+                      dims)
     merge_splits(out_p, m_p, l_p, out, lse)
 
 
