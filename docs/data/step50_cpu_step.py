@@ -29,7 +29,7 @@ def cpu_seconds() -> float:
 
 
 path, nproc, ctx, n, repeats = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
-extra = dict(a.split("=") for a in sys.argv[6:])
+extra = {k: int(v) if v.isdigit() else v for k, v in (a.split("=") for a in sys.argv[6:])}
 rng = random.Random(0)
 ids = [1] + [rng.randrange(100, 20000) for _ in range(ctx - 1)]
 with ta.Engine(path, nproc=nproc, weight_format="packed", **extra) as e:
