@@ -28,23 +28,28 @@ def cpu_seconds() -> float:
     return total
 
 
-path, nproc, ctx, n, repeats = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
-extra = {k: int(v) if v.isdigit() else v for k, v in (a.split("=") for a in sys.argv[6:])}
-rng = random.Random(0)
-ids = [1] + [rng.randrange(100, 20000) for _ in range(ctx - 1)]
-with ta.Engine(path, nproc=nproc, weight_format="packed", **extra) as e:
-    e.generate([ids], max_new_tokens=2, temperature=0.0, ignore_eos=True)
-    if os.environ.get("SPY"):
-        open(os.environ["SPY"], "w").write(str(os.getpid()))
-        time.sleep(3)
-    for _ in range(repeats):
-        tokens = []
-        for event in e.stream(ids, max_new_tokens=n + 1, temperature=0.0, ignore_eos=True):
-            if event.token_id is None:
-                continue
-            tokens.append(event.token_id)
-            if len(tokens) == 1:  # the prompt's prefill is done: time the n decode steps after it
-                c0, w0 = cpu_seconds(), time.perf_counter()
-        c1, w1 = cpu_seconds(), time.perf_counter()
-        print(f"cpu_ms_per_step {(c1 - c0) / n * 1e3:.2f} wall_ms_per_step {(w1 - w0) / n * 1e3:.2f} "
-              f"tokens {tokens[:12]} load {open('/proc/loadavg').read().split()[0]}", flush=True)
+def main() -> None:
+    path, nproc, ctx, n, repeats = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+    extra = {k: int(v) if v.isdigit() else v for k, v in (a.split("=") for a in sys.argv[6:])}
+    rng = random.Random(0)
+    ids = [1] + [rng.randrange(100, 20000) for _ in range(ctx - 1)]
+    with ta.Engine(path, nproc=nproc, weight_format="packed", **extra) as e:
+        e.generate([ids], max_new_tokens=2, temperature=0.0, ignore_eos=True)
+        if os.environ.get("SPY"):
+            open(os.environ["SPY"], "w").write(str(os.getpid()))
+            time.sleep(3)
+        for _ in range(repeats):
+            tokens = []
+            for event in e.stream(ids, max_new_tokens=n + 1, temperature=0.0, ignore_eos=True):
+                if event.token_id is None:
+                    continue
+                tokens.append(event.token_id)
+                if len(tokens) == 1:  # the prompt's prefill is done: time the n decode steps after it
+                    c0, w0 = cpu_seconds(), time.perf_counter()
+            c1, w1 = cpu_seconds(), time.perf_counter()
+            print(f"cpu_ms_per_step {(c1 - c0) / n * 1e3:.2f} wall_ms_per_step {(w1 - w0) / n * 1e3:.2f} "
+                  f"tokens {tokens[:12]} load {open('/proc/loadavg').read().split()[0]}", flush=True)
+
+
+if __name__ == "__main__":  # the ranks' forkserver imports this file: run only as the script
+    main()

@@ -256,7 +256,14 @@ def kernel_matmul(x: torch.Tensor, fmt: str, qs: torch.Tensor, arrays: tuple[np.
                   threads: int | None = None, activations: str = "float32") -> np.ndarray:
     """packed_matmul's CPU kernel call (the caller checked that kernel_takes(x)): x (..., K) @ W.T as a float32
     numpy array (..., N), W the packed weight of qs and arrays (kernel_arrays); threads and activations as
-    packed_matmul takes them. A caller that splits the product (models.packed.FusedPacked) slices this array."""
+    packed_matmul takes them. A caller that splits the product (models.packed.FusedPacked) slices this array.
+
+    >>> import torch
+    >>> qs, d = torch.ones(2, 1, 32, dtype=torch.int8), torch.tensor([[0.5], [2.0]])    # q8_0: W = d * q, (2, 32)
+    >>> x = torch.ones(1, 32)
+    >>> None if not kernel_takes(x) else kernel_matmul(x, "q8_0", qs, kernel_arrays(qs, d, None)).tolist()
+    [[16.0, 64.0]]
+    """
     N, K = qs.shape[0], qs.shape[1] * BLOCK
     rows = numpy_rows(x if x.dtype == torch.float32 else x.to(torch.float32), K)
     out = np.empty((*x.shape[:-1], N), dtype=np.float32)
