@@ -2,6 +2,7 @@
 
     out, lse = attend_blocks(q, k_blocks, v_store, Dv, arrays, threads=T, scale=s, window=W)   # paged blocks
     decoded = decode_attention(q, k, v, scale=s, q_pos=..., kv_pos=..., window=W)               # contiguous K/V, or None
+    out, lse = LayerCall(q_shape, Hkv, Dv, dtype, False, arrays, threads=T, scale=s)(q, k_blocks, v_blocks, W)  # per step
 
 Two callers share it. ops.paged_decode runs the engine's paged cache through attend_blocks. And
 ops.attention sends its decode-sized CPU calls (at most MAX_QUERIES queries per sequence, float32 /

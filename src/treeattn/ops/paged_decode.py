@@ -3,6 +3,8 @@
     layout = PagedDecodeLayout(block_table, kv_pos, q_pos, block_size=BS)     # once per step
     out, lse = paged_decode_attention(q, k_blocks, v_blocks, layout, window=W)   # once per layer
     out, lse = paged_decode_attention(q, k_codes, v_codes, layout, k_scales=ks, v_scales=vs)   # an fp8 cache
+    call = layer_call(q, k_blocks, v_blocks, layout)   # once per step: the CPU kernel's call, or None
+    out, lse = call(q, k_blocks, v_blocks, W)           # each layer, as paged_decode_attention, checked once
 
     block_table: int64 (B, nb)       the blocks of each sequence (any order, padding blocks too)
     kv_pos:      int64 (B, nb * BS)  the position of every slot of those blocks; a slot that holds no
