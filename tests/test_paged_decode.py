@@ -319,6 +319,39 @@ def _engine_tokens(model, prompts, *, nproc=1, paged=True, max_new_tokens=5):
 
 
 @needs_kernel
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("case", list(CASES))
+def test_layer_call_is_the_kernel_call_bit_for_bit(case, dtype):
+    """layer_call, checked once, runs every layer of a step (block pools of one shape and dtype) with
+    the bits of attend_blocks (the per-call path it replaces in the engine) and of paged_decode_attention."""
+    from treeattn.ops.cpu_decode import attend_blocks
+
+    layers = [make_case(**CASES[case], seed=seed, dtype=dtype) for seed in (0, 1)]
+    q0, k0, v0, layout = layers[0]
+    call = pd.layer_call(q0, k0, v0, layout)
+    assert call is not None
+    window = WINDOWS.get(case)
+    values_in_keys = CASES[case].get("values_in_keys", False)
+    for q, k, v, _ in layers:  # the second layer's tensors through the first layer's call
+        out, lse = call(q, k, v, window)
+        old = attend_blocks(q, k, k if values_in_keys else v, v.shape[-1], layout._kernel_arrays(), threads=layout.threads,
+                            scale=q.shape[-1] ** -0.5, window=window)
+        for new_t, old_t, full in zip((out, lse), old, pd.paged_decode_attention(q, k, v, layout, window=window)):
+            assert new_t.dtype == old_t.dtype == full.dtype and new_t.shape == old_t.shape and new_t.is_contiguous()
+            assert torch.equal(new_t, old_t) and torch.equal(new_t, full)
+
+
+def test_layer_call_is_none_where_the_kernel_does_not_run(monkeypatch):
+    """No CPU kernel for these tensors (here: kernel_takes says no): layer_call gives None, the caller
+    keeps paged_decode_attention; bad input raises as paged_decode_attention does."""
+    q, k, v, layout = make_case()
+    with pytest.raises(ValueError, match="q must have shape"):
+        pd.layer_call(q[:1], k, v, layout)
+    monkeypatch.setattr(pd, "kernel_takes", lambda *args: False)
+    assert pd.layer_call(q, k, v, layout) is None
+
+
 def test_engine_same_tokens_with_and_without_the_kernel():
     """A batch of decoding sequences of different lengths, two of them sharing a 24-token prefix
     (shared_prefix reads it once): the same greedy tokens with the paged kernel, on one process and

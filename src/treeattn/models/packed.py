@@ -19,8 +19,8 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from treeattn.ops.packed_linear import (BLOCK, FORMATS, PARALLEL_MIN_WEIGHTS, dequantize_packed, kernel_arrays, kernel_module,
-                                        kernel_takes, packed_matmul, resolve_activation_format)
+from treeattn.ops.packed_linear import (BLOCK, FORMATS, PARALLEL_MIN_WEIGHTS, dequantize_packed, kernel_arrays, kernel_matmul,
+                                        kernel_module, kernel_takes, packed_matmul, resolve_activation_format)
 
 WEIGHT_FORMATS = ("auto", "dequantize", "packed")
 """How a loader holds a checkpoint's quantized weights: "dequantize" (in the model's dtype), "packed"
@@ -175,18 +175,20 @@ class FusedPacked:
 
     def current(self) -> bool:
         """Whether every part still holds the views made at fusion (module.to() or load_state_dict replace them)."""
-        return all(p._buffers["qs"] is view for p, view in zip(self.parts, self.views))
+        for p, view in zip(self.parts, self.views):  # a loop, not all(generator): called by every decode step's layers
+            if p._buffers["qs"] is not view:
+                return False
+        return True
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """(part(x) for every part), bit for bit: x (..., columns) -> one (..., part.rows) tensor per part in x.dtype."""
         if not (kernel_takes(x) and self.current()):
             return tuple(p(x) for p in self.parts)
         v = self.whole._cached()
-        out = packed_matmul(x.to(torch.float32), v.fmt, v.qs, v.d, v.m, arrays=v.arrays, threads=1,
-                            activations=self.parts[0].activations)
+        out = kernel_matmul(x, v.fmt, v.qs, v.arrays, 1, self.parts[0].activations)  # numpy (..., rows): sliced in numpy
         results = []
         for p, (start, stop) in zip(self.parts, self.bounds):
-            y = out[..., start:stop]
+            y = torch.from_numpy(out[..., start:stop])
             if p.bias is not None:  # as packed_matmul adds a part's bias: in float32, then x's dtype
                 y = y + p.bias.to(torch.float32)
             results.append(y if y.dtype == x.dtype else y.to(x.dtype))

@@ -2,6 +2,7 @@
 
     out, lse = attend_blocks(q, k_blocks, v_store, Dv, arrays, threads=T, scale=s, window=W)   # paged blocks
     decoded = decode_attention(q, k, v, scale=s, q_pos=..., kv_pos=..., window=W)               # contiguous K/V, or None
+    out, lse = LayerCall(q_shape, Hkv, Dv, dtype, False, arrays, threads=T, scale=s)(q, k_blocks, v_blocks, W)  # per step
 
 Two callers share it. ops.paged_decode runs the engine's paged cache through attend_blocks. And
 ops.attention sends its decode-sized CPU calls (at most MAX_QUERIES queries per sequence, float32 /
@@ -21,6 +22,7 @@ nothing. Without numba, decode_attention returns None and its caller keeps its o
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from treeattn.ops.fp8 import FP8
@@ -83,6 +85,50 @@ def attend_blocks(q: torch.Tensor, k_blocks: torch.Tensor, v_store: torch.Tensor
                   table, kv_pos, row_seq, q_pos, window or 0, splits, out.view(R, Hkv, G, Dv).numpy(),
                   lse.view(R, Hkv, G).numpy())
     return out.to(q.dtype), lse.transpose(1, 2).contiguous()
+
+
+class LayerCall:
+    """attend_blocks for every layer of one step, with what the layers share made once: the
+    kernel's arrays, threads, scale and output shapes. A layer's call (__call__) is numpy views
+    around one kernel call, with no torch op before the kernel: the same arithmetic and bits as
+    attend_blocks (ops.paged_decode.layer_call builds one after paged_decode_attention's checks).
+
+    Args:
+        q_shape: (B, Sq, Hq, D) of every layer's queries; Hkv, Dv: the blocks' KV heads and value dim.
+        dtype: the blocks' dtype (float32, bfloat16, float16 or float8_e4m3fn).
+        values_in_keys: the values are the keys' first Dv channels (a call's v_blocks is then not read).
+        arrays, threads, scale: as attend_blocks takes them.
+    """
+
+    def __init__(self, q_shape: tuple[int, int, int, int], Hkv: int, Dv: int, dtype: torch.dtype, values_in_keys: bool, arrays,
+                 *, threads: int, scale: float) -> None:
+        B, Sq, Hq, D = q_shape
+        self.values_in_keys = values_in_keys
+        self.kernel = kernel_module()
+        self.q_shape, self.bits, self.arrays, self.threads, self.scale = tuple(q_shape), _BITS[dtype], arrays, threads, scale
+        self.rows = (B * Sq, Hkv, Hq // Hkv, D)
+        self.out_shape, self.lse_shape, self.Dv = (B * Sq, Hkv, Hq // Hkv, Dv), (B * Sq, Hkv, Hq // Hkv), Dv
+        self.shapes = (B, Sq, Hq, Dv), (B, Sq, Hq)
+
+    def __call__(self, q: torch.Tensor, k_blocks: torch.Tensor, v_blocks: torch.Tensor, window: int | None,
+                 k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer: q (B, Sq, Hq, D), the layer's blocks and scales as paged_decode_attention takes them, of
+        the shapes, dtypes and layout this call was built for (every layer of a cache's step has them).
+        Returns attend_blocks' out (B, Sq, Hq, Dv) in q.dtype and lse (B, Hq, Sq) float32."""
+        v_store = k_blocks if self.values_in_keys else v_blocks
+        q_rows = q if q.dtype == torch.float32 and q.is_contiguous() else q.to(torch.float32).contiguous()
+        out, lse = np.empty(self.out_shape, dtype=np.float32), np.empty(self.lse_shape, dtype=np.float32)
+        kernel = self.kernel
+        scales = (kernel.NO_SCALES, kernel.NO_SCALES) if k_scales is None else (k_scales.numpy(), v_scales.numpy())
+        table, kv_pos, row_seq, q_pos, splits = self.arrays
+        kernel.attend(self.threads, q_rows.numpy().reshape(self.rows), k_blocks.view(self.bits).numpy(),
+                      v_store.view(self.bits).numpy(), *scales, self.Dv, self.scale, table, kv_pos, row_seq, q_pos,
+                      window or 0, splits, out, lse)
+        out_shape, lse_shape = self.shapes
+        out = torch.from_numpy(out.reshape(out_shape))
+        lse = torch.from_numpy(lse.reshape(lse_shape))
+        lse = lse.view(lse_shape[0], lse_shape[2], 1) if lse_shape[1] == 1 else lse.transpose(1, 2).contiguous()
+        return (out if q.dtype == torch.float32 else out.to(q.dtype)), lse
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, q_pos: torch.Tensor | None,

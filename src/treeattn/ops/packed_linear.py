@@ -252,6 +252,28 @@ def kernel_takes(x: torch.Tensor) -> bool:
             and kernel_module() is not None)
 
 
+def kernel_matmul(x: torch.Tensor, fmt: str, qs: torch.Tensor, arrays: tuple[np.ndarray, np.ndarray, np.ndarray],
+                  threads: int | None = None, activations: str = "float32") -> np.ndarray:
+    """packed_matmul's CPU kernel call (the caller checked that kernel_takes(x)): x (..., K) @ W.T as a float32
+    numpy array (..., N), W the packed weight of qs and arrays (kernel_arrays); threads and activations as
+    packed_matmul takes them. A caller that splits the product (models.packed.FusedPacked) slices this array.
+
+    >>> import torch
+    >>> qs, d = torch.ones(2, 1, 32, dtype=torch.int8), torch.tensor([[0.5], [2.0]])    # q8_0: W = d * q, (2, 32)
+    >>> x = torch.ones(1, 32)
+    >>> None if not kernel_takes(x) else kernel_matmul(x, "q8_0", qs, kernel_arrays(qs, d, None)).tolist()
+    [[16.0, 64.0]]
+    """
+    N, K = qs.shape[0], qs.shape[1] * BLOCK
+    rows = numpy_rows(x if x.dtype == torch.float32 else x.to(torch.float32), K)
+    out = np.empty((*x.shape[:-1], N), dtype=np.float32)
+    if threads is None:
+        threads = torch.get_num_threads() if N * K >= PARALLEL_MIN_WEIGHTS else 1
+    int8 = int8_module() if activations == "int8" and qs.dtype != torch.int16 else None
+    (int8 or kernel_module()).matmul(threads, fmt, rows, *arrays, out.reshape(rows.shape[0], N))
+    return out
+
+
 def packed_matmul(x: torch.Tensor, fmt: str, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None,
                   bias: torch.Tensor | None = None, *, arrays: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None,
                   threads: int | None = None, activations: str = "float32") -> torch.Tensor:
@@ -278,13 +300,7 @@ def packed_matmul(x: torch.Tensor, fmt: str, qs: torch.Tensor, d: torch.Tensor, 
     decode_sized = M <= MAX_KERNEL_ROWS and not (x.requires_grad and torch.is_grad_enabled())
     kernel = kernel_module() if decode_sized and x.device.type == "cpu" else None
     if kernel is not None:  # numpy views around the call: a fraction of torch's reshape/view cost
-        rows = numpy_rows(x if x.dtype == torch.float32 else x.to(torch.float32), K)
-        out = np.empty((*x.shape[:-1], N), dtype=np.float32)
-        if threads is None:
-            threads = torch.get_num_threads() if N * K >= PARALLEL_MIN_WEIGHTS else 1
-        int8 = int8_module() if activations == "int8" and qs.dtype != torch.int16 else None
-        (int8 or kernel).matmul(threads, fmt, rows, *(arrays or kernel_arrays(qs, d, m)), out.reshape(M, N))
-        out = torch.from_numpy(out)
+        out = torch.from_numpy(kernel_matmul(x, fmt, qs, arrays or kernel_arrays(qs, d, m), threads, activations))
     elif decode_sized and x.device.type == "cuda":
         # triton: installed where packed weights run on CUDA
         from treeattn.ops.packed_triton import packed_matmul as triton_packed_matmul
@@ -299,5 +315,5 @@ def packed_matmul(x: torch.Tensor, fmt: str, qs: torch.Tensor, d: torch.Tensor, 
 
 __all__ = ["ACTIVATION_FORMATS", "AUTO_ACTIVATIONS", "BLOCK", "BLOCK_BYTES", "FORMATS", "MAX_KERNEL_ROWS", "PARALLEL_MIN_WEIGHTS",
            "Q4_K_BLOCK_BYTES", "Q5_0_BLOCK_BYTES", "Q6_K_BLOCK_BYTES",
-           "dequantize_packed", "int8_module", "kernel_arrays", "kernel_takes", "packed_matmul", "q4_k_as_q4_1", "q5_0_as_q8_0",
-           "q6_k_as_q8_0", "resolve_activation_format", "unpack_blocks"]
+           "dequantize_packed", "int8_module", "kernel_arrays", "kernel_matmul", "kernel_takes", "packed_matmul", "q4_k_as_q4_1",
+           "q5_0_as_q8_0", "q6_k_as_q8_0", "resolve_activation_format", "unpack_blocks"]

@@ -3,6 +3,8 @@
     layout = PagedDecodeLayout(block_table, kv_pos, q_pos, block_size=BS)     # once per step
     out, lse = paged_decode_attention(q, k_blocks, v_blocks, layout, window=W)   # once per layer
     out, lse = paged_decode_attention(q, k_codes, v_codes, layout, k_scales=ks, v_scales=vs)   # an fp8 cache
+    call = layer_call(q, k_blocks, v_blocks, layout)   # once per step: the CPU kernel's call, or None
+    out, lse = call(q, k_blocks, v_blocks, W)           # each layer, as paged_decode_attention, checked once
 
     block_table: int64 (B, nb)       the blocks of each sequence (any order, padding blocks too)
     kv_pos:      int64 (B, nb * BS)  the position of every slot of those blocks; a slot that holds no
@@ -45,7 +47,7 @@ from __future__ import annotations
 import torch
 
 from treeattn.ops.attention import attention
-from treeattn.ops.cpu_decode import attend_blocks, kernel_module, kernel_splits
+from treeattn.ops.cpu_decode import LayerCall, kernel_module, kernel_splits
 from treeattn.ops.fp8 import FP8, dequantize_fp8
 from treeattn.ops.validation import check_scale, check_window
 
@@ -168,6 +170,56 @@ def paged_decode_attention(q: torch.Tensor, k_blocks: torch.Tensor, v_blocks: to
         out (B, Sq, Hq, Dv) in q.dtype and lse (B, Hq, Sq) float32 (float64 for float64 q): this
         rank's attention state; a query that sees no key has out = 0, lse = -inf.
     """
+    scale, window = _check_call(q, k_blocks, v_blocks, layout, scale, window, k_scales, v_scales)
+    triton = _triton_kernel(q)
+    if (triton is not None and k_blocks.dtype in (q.dtype, FP8)
+            and triton.unsupported_reason(q, k_blocks, v_blocks) is None):
+        table, seq_lens = layout._triton_arrays()
+        return triton.paged_decode_attention(q, k_blocks, v_blocks, table, seq_lens, scale=scale, causal=True, q_pos=layout.q_pos,
+                                             kv_pos=layout.kv_pos, window=window, k_scales=k_scales, v_scales=v_scales)
+    call = _cpu_call(q, k_blocks, v_blocks, layout, scale, k_scales, v_scales)
+    if call is not None:
+        return call(q, k_blocks, v_blocks, window, k_scales, v_scales)
+    return _gathered_attention(q, k_blocks, v_blocks, layout, scale, window, k_scales, v_scales)
+
+
+def layer_call(q: torch.Tensor, k_blocks: torch.Tensor, v_blocks: torch.Tensor, layout: PagedDecodeLayout, *,
+               scale: float | None = None, k_scales: torch.Tensor | None = None,
+               v_scales: torch.Tensor | None = None) -> LayerCall | None:
+    """paged_decode_attention's CPU kernel for every layer of a step, checked once: a
+    treeattn.ops.cpu_decode.LayerCall, or None where paged_decode_attention would not run the CPU kernel
+    (CUDA, a dtype or layout it does not take, no numba). Arguments as paged_decode_attention's, of one
+    layer; call(q, k_blocks, v_blocks, window, k_scales, v_scales) then runs any layer whose tensors
+    have the same shapes, dtypes and strides (a PagedKVCache's layers: views of one arena), bit for bit
+    as paged_decode_attention. Raises as paged_decode_attention on bad input.
+
+    >>> import torch
+    >>> from treeattn.ops.paged_decode import PagedDecodeLayout, layer_call, paged_decode_attention
+    >>> layout = PagedDecodeLayout(torch.tensor([[0]]), torch.arange(4)[None], torch.tensor([[3]]), block_size=4)
+    >>> q, k, v = torch.randn(1, 1, 2, 8), torch.randn(1, 4, 1, 8), torch.randn(1, 4, 1, 8)
+    >>> call = layer_call(q, k, v, layout)
+    >>> call is None or all(torch.equal(a, b) for a, b in zip(call(q, k, v, None), paged_decode_attention(q, k, v, layout)))
+    True
+    """
+    scale, _ = _check_call(q, k_blocks, v_blocks, layout, scale, None, k_scales, v_scales)
+    if _triton_kernel(q) is not None:
+        return None
+    return _cpu_call(q, k_blocks, v_blocks, layout, scale, k_scales, v_scales)
+
+
+def _cpu_call(q, k_blocks, v_blocks, layout: PagedDecodeLayout, scale: float, k_scales, v_scales) -> LayerCall | None:
+    """The CPU kernel's LayerCall for these (checked) tensors, or None where it does not take them."""
+    values_in_keys = v_blocks.data_ptr() == k_blocks.data_ptr() and v_blocks.stride() == k_blocks.stride()
+    if not (kernel_takes(k_blocks.dtype, q.device, q.dtype) and k_blocks.is_contiguous()
+            and (values_in_keys or v_blocks.is_contiguous())
+            and (k_scales is None or (k_scales.is_contiguous() and v_scales.is_contiguous()))):
+        return None
+    return LayerCall(tuple(q.shape), k_blocks.shape[2], v_blocks.shape[-1], k_blocks.dtype, values_in_keys,
+                     layout._kernel_arrays(), threads=layout.threads, scale=scale)
+
+
+def _check_call(q, k_blocks, v_blocks, layout: PagedDecodeLayout, scale, window, k_scales, v_scales) -> tuple[float, int | None]:
+    """paged_decode_attention's checks of one call (see there); returns the checked scale and window."""
     B, Sq, Hq, D = q.shape if q.dim() == 4 else (None,) * 4
     if q.dim() != 4 or (B, Sq) != (layout.batch, layout.queries):
         raise ValueError(f"q must have shape (B={layout.batch}, Sq={layout.queries}, Hq, D) to match the layout, got "
@@ -181,7 +233,6 @@ def paged_decode_attention(q: torch.Tensor, k_blocks: torch.Tensor, v_blocks: to
         raise ValueError(f"k_blocks and v_blocks must have shapes (NB, BS={layout.block_size}, Hkv, D) and (NB, BS, Hkv, Dv), "
                          f"got {tuple(k_blocks.shape)} and {tuple(v_blocks.shape)}")
     NB, BS, Hkv, Dk = k_blocks.shape
-    Dv = v_blocks.shape[-1]
     if Dk != D or Hq % Hkv or layout.max_block >= NB:
         raise ValueError(f"q (B, Sq, Hq={Hq}, D={D}) and k_blocks (NB={NB}, BS, Hkv={Hkv}, D={Dk}) must share D, with Hq a "
                          f"multiple of Hkv, and the table's ids (up to {layout.max_block}) must be < NB")
@@ -190,23 +241,7 @@ def paged_decode_attention(q: torch.Tensor, k_blocks: torch.Tensor, v_blocks: to
         raise TypeError(f"q, k_blocks, v_blocks must be floating tensors on one device, the blocks of one dtype, got "
                         f"{q.dtype}/{q.device}, {k_blocks.dtype}/{k_blocks.device}, {v_blocks.dtype}/{v_blocks.device}")
     _check_scales(k_blocks, k_scales, v_scales, q.device)
-    scale = check_scale(scale, D)
-    window = check_window(window)
-    triton = _triton_kernel(q)
-    if (triton is not None and k_blocks.dtype in (q.dtype, FP8)
-            and triton.unsupported_reason(q, k_blocks, v_blocks) is None):
-        table, seq_lens = layout._triton_arrays()
-        return triton.paged_decode_attention(q, k_blocks, v_blocks, table, seq_lens, scale=scale, causal=True, q_pos=layout.q_pos,
-                                             kv_pos=layout.kv_pos, window=window, k_scales=k_scales, v_scales=v_scales)
-    values_in_keys = v_blocks.data_ptr() == k_blocks.data_ptr() and v_blocks.stride() == k_blocks.stride()
-    if (kernel_takes(k_blocks.dtype, q.device,
-                     q.dtype) and k_blocks.is_contiguous() and (values_in_keys or v_blocks.is_contiguous())
-            and (k_scales is None or (k_scales.is_contiguous() and v_scales.is_contiguous()))):
-        v_store = v_blocks if not values_in_keys else k_blocks
-        return attend_blocks(q, k_blocks, v_store, Dv, layout._kernel_arrays(), threads=layout.threads, scale=scale,
-                             window=window,
-                             k_scales=k_scales, v_scales=v_scales)
-    return _gathered_attention(q, k_blocks, v_blocks, layout, scale, window, k_scales, v_scales)
+    return check_scale(scale, D), check_window(window)
 
 
 def _check_scales(k_blocks: torch.Tensor, k_scales, v_scales, device: torch.device) -> None:

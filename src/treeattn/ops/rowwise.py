@@ -34,8 +34,9 @@ def _kernel(rows: int, *tensors: torch.Tensor):
     """treeattn.ops.rowwise_cpu_kernel when it takes a call of `rows` rows on these tensors, else None."""
     if rows > MAX_KERNEL_ROWS:
         return None
+    grad = torch.is_grad_enabled()  # once a call: a decode step runs under inference_mode
     for t in tensors:
-        if t.dtype != torch.float32 or t.device.type != "cpu" or (t.requires_grad and torch.is_grad_enabled()):
+        if t.dtype != torch.float32 or not t.is_cpu or (grad and t.requires_grad):
             return None
     return optional_kernel("rowwise_cpu_kernel")
 
@@ -49,7 +50,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, weight_offset: f
     if kernel is not None and x.numel():  # numpy views around the call: a fraction of torch's reshape/view cost
         D = x.shape[-1]
         out = np.empty(x.shape, dtype=np.float32)
-        kernel.rms_norm(numpy_rows(x, D), numpy_rows(weight, D)[0], float(weight_offset), float(eps), out.reshape(-1, D))
+        kernel.rms_norm(numpy_rows(x, D), weight.detach().numpy(), float(weight_offset), float(eps), out.reshape(-1, D))
         return torch.from_numpy(out)
     normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
     return (weight if weight_offset == 0 else weight + weight_offset) * normed.to(x.dtype)

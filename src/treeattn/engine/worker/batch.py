@@ -55,7 +55,7 @@ from treeattn.engine.worker import shared_prefix
 from treeattn.engine.scheduler import Chunk, StepPlan
 from treeattn.models.attention import LocalAttention, group_world_size
 from treeattn.ops import attention, merge_states_list
-from treeattn.ops.paged_decode import PagedDecodeLayout, kernel_takes, paged_decode_attention
+from treeattn.ops.paged_decode import PagedDecodeLayout, kernel_takes, layer_call, paged_decode_attention
 
 
 # A group of sequences is read run by run (no copy) when its runs of adjacent blocks average at
@@ -102,6 +102,7 @@ class _Group:
         self.copy_free = copy_free_ok and num_runs > 0 and keys >= COPY_FREE_MIN_KEYS * num_runs
         # Decoding groups read their blocks in place with the paged kernel (checked here, once per step).
         self.paged = PagedDecodeLayout(self.table, self.kv_pos, self.q_pos, block_size=bs) if paged else None
+        self.layer_call = None  # the paged CPU kernel's call for every layer (ops.paged_decode.layer_call; False: none)
         self.shared = None  # the SharedSegments of a decoding group whose sequences share blocks
 
 
@@ -147,6 +148,7 @@ class PagedBatch:
         self.windows, self.paged_index, self.linear_states = windows, paged_index, linear_states
         self.chunks = plan.chunks
         self._window_layer = False
+        self._world = None  # the combine group's size, looked up on the step's first combine
         self.phases = {} if phases is None else phases
         tokens, positions, offsets, rows, slots, fresh = [], [], [], [], [], []
         for c in plan.chunks:
@@ -302,7 +304,12 @@ class PagedBatch:
         out (B, S, Hq, Dv) and lse (B, Hq, S) float32."""
         k, v = self.cache.blocks(self._layer)
         k_scales, v_scales = self.cache.block_scales(self._layer)  # an fp8 cache's, else None
-        out, lse = paged_decode_attention(q, k, v, g.paged, window=window, k_scales=k_scales, v_scales=v_scales)
+        if g.layer_call is None:  # the step's first layer: the CPU kernel's call, checked once for every layer
+            g.layer_call = layer_call(q, k, v, g.paged, k_scales=k_scales, v_scales=v_scales) or False
+        if g.layer_call:
+            out, lse = g.layer_call(q, k, v, window, k_scales, v_scales)
+        else:
+            out, lse = paged_decode_attention(q, k, v, g.paged, window=window, k_scales=k_scales, v_scales=v_scales)
         return out.to(torch.promote_types(out.dtype, torch.float32)), lse  # the Triton kernel's out is in q.dtype
 
     def _attend_runs(self, g: _Group, q: torch.Tensor) -> torch.Tensor:
@@ -332,7 +339,9 @@ class PagedBatch:
         """This rank's state, out (B, S, Hq, Dv) and lse (B, Hq, S) float32 or float64 -> out over
         every rank's keys (tree_decode's combine step), same dtype."""
         group, method, ranks_per_node = self.combine
-        if group_world_size(group) > 1:
+        if self._world is None:  # once per step: torch.distributed's state does not change within one
+            self._world = group_world_size(group)
+        if self._world > 1:
             from treeattn.parallel.tree_decode import combine_states
 
             start = time.perf_counter()
