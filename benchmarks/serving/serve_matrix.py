@@ -2,6 +2,7 @@
 
     nice -n 10 python benchmarks/serving/serve_matrix.py smollm2 --nproc 1 2 --input-len 512 2048 \\
         --concurrency 1 2 4 8 --output-len 32 --llama-python /work/llama/venv/bin/python [--budget-min 20]
+        [--llama-server-python XLLAMACPP_VENV/bin/python --llama-parallel 4]
     nice -n 10 python benchmarks/serving/serve_matrix.py smollm2 --nproc 2 4 --cells 512:16 2048:1 8192:1 ...
                                                      # chosen (prompt length, concurrency) cells, in this order
     python benchmarks/serving/serve_matrix.py --table docs/data/serve_matrix      # the markdown table of the JSONs there
@@ -10,7 +11,10 @@
 For one model (`treeattn models` name or a .gguf path) it starts every server at once, each idle while
 another is measured: `treeattn serve MODEL --nproc N` for each N, and
 `LLAMA_PYTHON -m llama_cpp.server --model MODEL --n_threads 2 --n_ctx C --interrupt_requests False`
-(its default, interrupt_requests true, ends a stream whenever another request arrives). Then, for each
+(its default, interrupt_requests true, ends a stream whenever another request arrives), and with
+`--llama-server-python PY` llama.cpp's own C++ server (tools/server: `--llama-parallel` slots, continuous
+batching) as the xllamacpp wheel (PyPI) builds it into its extension, started from PY's venv with n_ctx
+= slots x (longest prompt + output + 64), as server "llamaserver_np<slots>". Then, for each
 prompt length and concurrency (a cell), it runs `treeattn bench serve --request-rate inf
 --max-concurrency C` against each server, in an order that alternates from cell to cell, and writes the
 result (vllm bench serve's keys, plus "server", "loadavg_before"/"loadavg_after" and "command") as
@@ -61,6 +65,9 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=32)
     parser.add_argument("--llama-python", default=None, help="the python of a venv with llama-cpp-python[server]")
     parser.add_argument("--llama-threads", type=int, default=2)
+    parser.add_argument("--llama-server-python", default=None,
+                        help="the python of a venv with xllamacpp (llama.cpp's C++ server, parallel slots)")
+    parser.add_argument("--llama-parallel", type=int, default=4, help="the C++ server's slots (llama-server --parallel)")
     parser.add_argument("--budget-min", type=float, default=20.0)
     parser.add_argument("--prompts-factor", type=int, default=2, help="num_prompts per cell: max(--min-prompts, factor x C)")
     parser.add_argument("--min-prompts", type=int, default=4)
@@ -105,6 +112,10 @@ def run(args) -> None:
         if args.llama_python:
             url, process = _start_llama(args.llama_python, model, args.llama_threads, max(args.input_len) + args.output_len + 64)
             servers["llamacpp"], processes = url, processes + [process]
+        if args.llama_server_python:
+            n_ctx = args.llama_parallel * (max(args.input_len) + args.output_len + 64)
+            url, process = _start_llama_server(args.llama_server_python, model, args.llama_threads, n_ctx, args.llama_parallel)
+            servers[f"llamaserver_np{args.llama_parallel}"], processes = url, processes + [process]
         start = time.monotonic()
         for cell, (length, c) in enumerate(args.cells):
             order = list(servers) if cell % 2 == 0 else list(reversed(servers))
@@ -189,20 +200,50 @@ def _write_prompts(path: Path, tokenizer, length: int, count: int, output_len: i
 
 
 def _start_llama(python: str, model: str, threads: int, n_ctx: int) -> tuple[str, subprocess.Popen]:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = _free_port()
     process = subprocess.Popen([python, "-m", "llama_cpp.server", "--model", model, "--n_threads", str(threads),
                                 "--n_threads_batch", str(threads), "--n_ctx", str(n_ctx), "--interrupt_requests", "False",
                                 "--model_alias", "bench", "--host", "127.0.0.1", "--port", str(port)],
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
+    return _wait_ready(f"http://127.0.0.1:{port}", process, "llama_cpp.server")
+
+
+# llama.cpp's own C++ server (tools/server: slots, continuous batching) as xllamacpp's wheel builds it into
+# its extension; argv: model, port, threads, n_ctx (all slots together), slots
+LLAMA_SERVER = """
+import sys, time
+import xllamacpp as xlc
+model, port, threads, n_ctx, slots = sys.argv[1], *map(int, sys.argv[2:6])
+params = xlc.CommonParams()
+params.model.path, params.port, params.hostnames, params.model_alias = model, port, ["127.0.0.1"], {"bench"}
+params.n_ctx, params.n_parallel, params.cont_batching = n_ctx, slots, True
+params.cpuparams.n_threads = params.cpuparams_batch.n_threads = threads
+server = xlc.Server(params)
+while True:
+    time.sleep(3600)
+"""
+
+
+def _start_llama_server(python: str, model: str, threads: int, n_ctx: int, slots: int) -> tuple[str, subprocess.Popen]:
+    port = _free_port()
+    process = subprocess.Popen([python, "-c", LLAMA_SERVER, model, str(port), str(threads), str(n_ctx), str(slots)],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return _wait_ready(f"http://127.0.0.1:{port}", process, "xllamacpp's llama.cpp server")
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _wait_ready(url: str, process: subprocess.Popen, what: str) -> tuple[str, subprocess.Popen]:
     import httpx
 
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline:
         if process.poll() is not None:
-            raise SystemExit(f"llama_cpp.server exited with {process.returncode}")
+            raise SystemExit(f"{what} exited with {process.returncode}")
         try:
             if httpx.get(f"{url}/v1/models", timeout=5).status_code == 200:
                 return url, process
@@ -210,7 +251,7 @@ def _start_llama(python: str, model: str, threads: int, n_ctx: int) -> tuple[str
             pass
         time.sleep(1.0)
     process.kill()
-    raise SystemExit("llama_cpp.server did not answer /v1/models within 600 s")
+    raise SystemExit(f"{what} did not answer /v1/models within 600 s")
 
 
 def _loadavg() -> str:
