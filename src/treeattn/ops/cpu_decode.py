@@ -69,22 +69,8 @@ def attend_blocks(q: torch.Tensor, k_blocks: torch.Tensor, v_store: torch.Tensor
     Returns:
         out (B, Sq, Hq, Dv) in q.dtype, lse (B, Hq, Sq) float32; a row that sees no key: 0, -inf.
     """
-    kernel = kernel_module()
-    B, Sq, Hq, D = q.shape
-    Hkv = k_blocks.shape[2]
-    G, R = Hq // Hkv, B * Sq
-    table, kv_pos, row_seq, q_pos, splits = arrays
-    q_rows = q.reshape(R, Hkv, G, D)
-    if q_rows.dtype != torch.float32 or not q_rows.is_contiguous():
-        q_rows = q_rows.to(torch.float32).contiguous()
-    bits = _BITS[k_blocks.dtype]
-    out = torch.empty(B, Sq, Hq, Dv)
-    lse = torch.empty(B, Sq, Hq)
-    scales = (kernel.NO_SCALES, kernel.NO_SCALES) if k_scales is None else (k_scales.numpy(), v_scales.numpy())
-    kernel.attend(threads, q_rows.numpy(), k_blocks.view(bits).numpy(), v_store.view(bits).numpy(), *scales, Dv, scale,
-                  table, kv_pos, row_seq, q_pos, window or 0, splits, out.view(R, Hkv, G, Dv).numpy(),
-                  lse.view(R, Hkv, G).numpy())
-    return out.to(q.dtype), lse.transpose(1, 2).contiguous()
+    call = LayerCall(q.shape, k_blocks.shape[2], Dv, k_blocks.dtype, v_store is k_blocks, arrays, threads=threads, scale=scale)
+    return call(q, k_blocks, v_store, window, k_scales, v_scales)
 
 
 class LayerCall:
