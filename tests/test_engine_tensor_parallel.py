@@ -7,6 +7,13 @@ on real gloo ranks in the layouts tp x kv = 1x2, 2x1, 2x2 and 4x1 equal transfor
 greedy recomputation. The collectives per step are counted; each rank's weight bytes are at most
 the layout's share + 5 %; a GGUF file's packed blocks split on block boundaries give the one-rank
 engine's tokens; what the layout does not run is refused in one line before any rank starts.
+
+Process start-up dominates the cost on a 2-core machine, so every multi-rank case but two runs in ONE
+spawn per world size (2 and 4 ranks: the `runs` fixture): each case's engine joins the spawned world
+group (nproc = the group's size, as a rank of `treeattn generate` under torchrun does), one case after
+the other, and the tests assert on what each case's ranks sent back. Engines that start their own
+ranks with the layout (Engine(nproc=2, tp=2): the spawn and the adoption of started ranks) are
+test_prompt_lookup_speculation_in_the_layout and test_serve_passes_tp_through.
 """
 
 from __future__ import annotations
@@ -22,11 +29,13 @@ from treeattn.engine.worker.tensor_parallel import (HelixLayout, check_tensor_pa
 from treeattn.models.llama import random_model
 from treeattn.models.packed import weight_bytes
 from treeattn.models.shards import Cut
+from treeattn.parallel.spawn import SpawnError
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 NEW_TOKENS = 5
 PROMPTS = [[5, 17, 33, 2, 9, 100, 64, 3, 8, 21, 7], [1, 2, 3]]
+ENGINE = dict(cache_tokens=128, block_size=4, prefill_chunk=5)  # the options of every case's engine unless it says
 
 
 def _uncached_greedy(hf, prompts, new_tokens=NEW_TOKENS) -> list[list[int]]:
@@ -43,91 +52,7 @@ def _uncached_greedy(hf, prompts, new_tokens=NEW_TOKENS) -> list[list[int]]:
     return out
 
 
-def _engine_tokens(path, nproc: int, tp: int, prompts=PROMPTS, **options) -> list[list[int]]:
-    with ta.Engine(path, nproc=nproc, tp=tp, cache_tokens=128, block_size=4, prefill_chunk=5, timeout_s=300, **options) as engine:
-        return [r.token_ids for r in engine.generate(prompts, max_new_tokens=NEW_TOKENS)]
-
-
-@pytest.mark.parametrize("arch,tp,kv", [("llama", 1, 2), ("llama", 2, 1), ("llama", 2, 2), ("llama", 4, 1),
-                                        ("qwen2", 2, 1), ("qwen2", 2, 2), ("mistral", 1, 2), ("mistral", 2, 1)])
-def test_greedy_tokens_equal_transformers_uncached(tmp_path, arch, tp, kv):
-    pytest.importorskip("transformers")
-    from helpers.llama_checkpoints import make_checkpoint
-
-    hf = make_checkpoint(arch, tmp_path / arch)
-    assert _engine_tokens(tmp_path / arch, tp * kv, tp) == _uncached_greedy(hf, PROMPTS)
-
-
-def test_ring_decode_and_a_16_bit_cache_in_the_layout(tmp_path):
-    """decode="ring" and tree_decode's "tree" combine over the KV group (1 x 2), and a bfloat16 and an fp8
-    KV cache (2 x 1) giving the tokens of the same cache on one rank."""
-    pytest.importorskip("transformers")
-    from helpers.llama_checkpoints import make_checkpoint
-
-    hf = make_checkpoint("llama", tmp_path / "llama")
-    expected = _uncached_greedy(hf, PROMPTS)
-    assert _engine_tokens(tmp_path / "llama", 2, 1, decode="ring") == expected
-    assert _engine_tokens(tmp_path / "llama", 2, 1, method="tree") == expected
-    for kv_cache_dtype in ("bfloat16", "fp8_e4m3"):  # fp8: a scale per token and (local) KV head
-        two = _engine_tokens(tmp_path / "llama", 2, 2, kv_cache_dtype=kv_cache_dtype)
-        with ta.Engine(tmp_path / "llama", nproc=1, cache_tokens=128, block_size=4, prefill_chunk=5,
-                       kv_cache_dtype=kv_cache_dtype) as engine:
-            assert two == [r.token_ids for r in engine.generate(PROMPTS, max_new_tokens=NEW_TOKENS)], kv_cache_dtype
-
-
-def test_prompt_lookup_speculation_in_the_layout(tmp_path):
-    """speculate="ngram" at 2 x 1: drafts verified in the same replicated step, the tokens of decoding
-    without speculation (transformers' greedy), and drafts were accepted."""
-    pytest.importorskip("transformers")
-    from helpers.llama_checkpoints import make_checkpoint
-
-    hf = make_checkpoint("llama", tmp_path / "llama")
-    prompts = [[5, 6, 7, 8] * 3 + [5, 6], PROMPTS[1]]
-    with ta.Engine(tmp_path / "llama", nproc=2, tp=2, speculate="ngram", cache_tokens=128, block_size=4, timeout_s=300) as engine:
-        results = engine.generate(prompts, max_new_tokens=8)
-        with pytest.raises(ValueError, match="^prompt_logprobs: not with tp=2"):  # refused in one line, before any step
-            engine.submit(prompts[0], ta.SamplingParams(max_new_tokens=1, prompt_logprobs=1))
-    assert [r.token_ids for r in results] == _uncached_greedy(hf, prompts, 8)
-    assert results[0].speculation["accepted"] > 0
-
-
-def test_draft_model_speculation_in_the_layout(tmp_path):
-    """speculate="draft" at 1 x 2 (a Mistral draft for a Llama target of the same vocabulary): the draft
-    model stays whole on every rank, its cache sharded over the KV group; the target's greedy tokens."""
-    pytest.importorskip("transformers")
-    from helpers.llama_checkpoints import make_checkpoint
-
-    hf = make_checkpoint("llama", tmp_path / "llama")
-    make_checkpoint("mistral", tmp_path / "draft", seed=1)
-    with ta.Engine(tmp_path / "llama", nproc=2, tp=1, speculate="draft", draft_model=str(tmp_path / "draft"), cache_tokens=128,
-                   block_size=4, timeout_s=300) as engine:
-        results = engine.generate(PROMPTS, max_new_tokens=NEW_TOKENS)
-    assert [r.token_ids for r in results] == _uncached_greedy(hf, PROMPTS)
-    assert results[0].speculation["drafted"] > 0
-
-
-@pytest.mark.parametrize("arch,tp,kv", [("v3", 2, 1), ("v2", 1, 2)])
-def test_deepseek_mla_heads_split_latent_cache_shared(tmp_path, arch, tp, kv):
-    """DeepSeek-V3 (q compression, MoE experts split by columns, one all-reduce of their sum) at 2 x 1 and
-    V2 at 1 x 2: the query heads and up-projections split, the latent cache on every TP rank."""
-    pytest.importorskip("transformers")
-    from helpers.deepseek_checkpoints import PROMPT, make_checkpoint, uncached_greedy
-
-    hf = make_checkpoint(arch, tmp_path / arch)
-    assert _engine_tokens(tmp_path / arch, tp * kv, tp, [PROMPT]) == [uncached_greedy(hf, PROMPT, NEW_TOKENS)]
-
-
-@pytest.mark.parametrize("tp,kv", [(2, 1), (2, 2)])
-def test_gemma3_window_layers_and_one_kv_head(tmp_path, tp, kv):
-    """Gemma 3 (1 KV head, replicated on both TP ranks; window layers kept whole on every rank, global
-    layers sharded over the KV ranks): transformers' tokens."""
-    pytest.importorskip("transformers")
-    from gemma3_files import hf_gemma3
-
-    hf = hf_gemma3(layers=3, window=4)
-    hf.save_pretrained(tmp_path / "gemma3")
-    prompts = [[p % 250 for p in prompt] for prompt in PROMPTS]
-    assert _engine_tokens(tmp_path / "gemma3", tp * kv, tp, prompts) == _uncached_greedy(hf, prompts)
+# ------------------------------------------------------------------ the checkpoints and their oracles (parent)
 
 
 def _gemma3_four_heads():
@@ -138,27 +63,216 @@ def _gemma3_four_heads():
     return hf_gemma3(layers=3, window=4, heads=4, head_dim=64)
 
 
+def _make(name: str, path):
+    """Write checkpoint `name` to `path`; return its transformers model (the oracle)."""
+    if name in ("v2", "v3"):
+        from helpers.deepseek_checkpoints import make_checkpoint
+
+        return make_checkpoint(name, path)
+    if name in ("gemma3", "gemma3-4h"):
+        from gemma3_files import hf_gemma3
+
+        hf = hf_gemma3(layers=3, window=4) if name == "gemma3" else _gemma3_four_heads()
+        hf.save_pretrained(path)
+        return hf
+    from helpers.llama_checkpoints import make_checkpoint
+
+    return make_checkpoint("mistral", path, seed=1) if name == "draft" else make_checkpoint(name, path)
+
+
+def _prompts(name: str) -> list[list[int]]:
+    if name in ("v2", "v3"):
+        from helpers.deepseek_checkpoints import PROMPT
+
+        return [PROMPT]
+    if name == "gemma3":
+        return [[p % 250 for p in prompt] for prompt in PROMPTS]
+    return PROMPTS
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """{name: (directory, transformers model)}, each written once for the module."""
+    pytest.importorskip("transformers")
+    root = tmp_path_factory.mktemp("tp_checkpoints")
+    names = ("llama", "qwen2", "mistral", "draft", "v2", "v3", "gemma3", "gemma3-4h")
+    return {name: (root / name, _make(name, root / name)) for name in names}
+
+
+@pytest.fixture(scope="module")
+def oracle(checkpoints):
+    """oracle(name): transformers' uncached greedy tokens of the checkpoint's prompts (computed once)."""
+    found = {}
+
+    def tokens(name: str) -> list[list[int]]:
+        if name not in found:
+            found[name] = _uncached_greedy(checkpoints[name][1], _prompts(name))
+        return found[name]
+
+    return tokens
+
+
+# ------------------------------------------------------------------ every multi-rank case: one spawn per world size
+
+
+def _case_table(int8: bool) -> dict[str, tuple]:
+    """{case: (world size, what runs, its arguments)}. "engine": (checkpoint, tp, options): an Engine joined
+    to the world; "counts", "static": tp; "row": a seed; "packed": (GGUF file, tp, activation_format, logprobs)."""
+    cases = {}
+    for name, tp, kv in [("llama", 1, 2), ("llama", 2, 1), ("llama", 2, 2), ("llama", 4, 1), ("qwen2", 1, 2), ("qwen2", 2, 1),
+                         ("qwen2", 2, 2), ("qwen2", 4, 1), ("mistral", 1, 2), ("mistral", 2, 1), ("mistral", 2, 2),
+                         ("mistral", 4, 1), ("v3", 2, 1), ("v3", 2, 2), ("v2", 1, 2), ("v2", 4, 1), ("gemma3", 2, 1),
+                         ("gemma3", 2, 2), ("gemma3-4h", 1, 2), ("gemma3-4h", 4, 1)]:
+        cases[f"{name} {tp}x{kv}"] = (tp * kv, "engine", (name, tp, ENGINE))
+    cases["llama 1x2 ring"] = (2, "engine", ("llama", 1, dict(ENGINE, decode="ring")))
+    cases["llama 1x2 tree combine"] = (2, "engine", ("llama", 1, dict(ENGINE, method="tree")))
+    for kv_cache_dtype in ("bfloat16", "fp8_e4m3"):
+        cases[f"llama 2x1 {kv_cache_dtype}"] = (2, "engine", ("llama", 2, dict(ENGINE, kv_cache_dtype=kv_cache_dtype)))
+    cases["llama 1x2 draft"] = (2, "engine", ("llama", 1, dict(speculate="draft", draft_model="draft", cache_tokens=128,
+                                                               block_size=4)))
+    for tp in (1, 2):
+        cases[f"counts tp={tp}"] = (2, "counts", tp)
+        cases[f"static tp={tp}"] = (2, "static", tp)
+    cases["row parallel"] = (2, "row", 3)
+    for tp, tied in [(1, False), (2, False), (2, True)]:
+        cases[f"packed tp={tp} tied={tied}"] = (2, "packed", ("q8_gguf_tied" if tied else "q8_gguf", tp, "auto", None))
+    if int8:
+        for tp in (1, 2):
+            cases[f"int8 tp={tp}"] = (2, "packed", ("q8_gguf", tp, "int8", 0))
+    return cases
+
+
+def _run_engine(rank: int, world_size: int, paths: dict, name: str, tp: int, options: dict):
+    """The case's Engine joined to the world group: its tokens and speculation counts on the driver, None elsewhere."""
+    options = dict(options)
+    if "draft_model" in options:
+        options["draft_model"] = str(paths[options["draft_model"]])
+    engine = ta.Engine(paths[name], tp=tp, timeout_s=300, **options)
+    if not engine.is_driver:  # served the driver's steps until it closed
+        return None
+    with engine:
+        results = engine.generate(_prompts(name), max_new_tokens=NEW_TOKENS)
+    return {"tokens": [r.token_ids for r in results], "speculation": results[0].speculation}
+
+
+def _layout_cases(rank: int, world_size: int, cases: dict, paths: dict) -> dict:
+    """Every case of this world size, one after the other: {case: what this rank's run returned}."""
+    torch.set_num_threads(1)
+    out = {}
+    for case, (_, what, args) in cases.items():
+        try:
+            if what == "engine":
+                out[case] = _run_engine(rank, world_size, paths, *args)
+            elif what == "counts":
+                out[case] = _counts(rank, world_size, args)
+            elif what == "static":
+                out[case] = _static(rank, world_size, args, "static")
+            elif what == "row":
+                out[case] = _row_parallel(rank, world_size, args)
+            else:
+                path, tp, activation_format, logprobs = args
+                out[case] = _packed_run(rank, world_size, paths[path], tp, activation_format, logprobs)
+        except Exception as error:
+            raise RuntimeError(f"case {case!r}: {error}") from error
+    return out
+
+
+class _Runs:
+    """runs[case]: every rank's result of the case (index = rank). The first case asked of a world size
+    spawns that world once and runs all its cases (a failed spawn fails every case of its world)."""
+
+    def __init__(self, cases: dict, paths: dict) -> None:
+        self.cases, self.paths, self.worlds = cases, paths, {}
+
+    def __getitem__(self, case: str) -> list:
+        world = self.cases[case][0]
+        if world not in self.worlds:
+            mine = {name: c for name, c in self.cases.items() if c[0] == world}
+            try:
+                self.worlds[world] = ta.spawn(_layout_cases, world, mine, self.paths, timeout=300)
+            except SpawnError as error:  # every later case of this world fails with it, without a spawn of its own
+                self.worlds[world] = error
+        if isinstance(self.worlds[world], Exception):
+            raise self.worlds[world]
+        return [rank[case] for rank in self.worlds[world]]
+
+
+@pytest.fixture(scope="module")
+def runs(checkpoints, q8_gguf, q8_gguf_tied):
+    from treeattn.ops.packed_linear import int8_module
+
+    paths = {name: path for name, (path, _) in checkpoints.items()}
+    paths.update(q8_gguf=q8_gguf, q8_gguf_tied=q8_gguf_tied)
+    return _Runs(_case_table(int8_module() is not None), paths)
+
+
+def _tokens(runs, case: str) -> list[list[int]]:
+    return runs[case][0]["tokens"]
+
+
+@pytest.mark.parametrize("arch,tp,kv", [("llama", 1, 2), ("llama", 2, 1), ("llama", 2, 2), ("llama", 4, 1),
+                                        ("qwen2", 2, 1), ("qwen2", 2, 2), ("mistral", 1, 2), ("mistral", 2, 1)])
+def test_greedy_tokens_equal_transformers_uncached(runs, oracle, arch, tp, kv):
+    assert _tokens(runs, f"{arch} {tp}x{kv}") == oracle(arch)
+
+
+def test_ring_decode_and_a_16_bit_cache_in_the_layout(runs, oracle, checkpoints):
+    """decode="ring" and tree_decode's "tree" combine over the KV group (1 x 2), and a bfloat16 and an fp8
+    KV cache (2 x 1) giving the tokens of the same cache on one rank."""
+    expected = oracle("llama")
+    assert _tokens(runs, "llama 1x2 ring") == expected
+    assert _tokens(runs, "llama 1x2 tree combine") == expected
+    for kv_cache_dtype in ("bfloat16", "fp8_e4m3"):  # fp8: a scale per token and (local) KV head
+        two = _tokens(runs, f"llama 2x1 {kv_cache_dtype}")
+        with ta.Engine(checkpoints["llama"][0], nproc=1, cache_tokens=128, block_size=4, prefill_chunk=5,
+                       kv_cache_dtype=kv_cache_dtype) as engine:
+            assert two == [r.token_ids for r in engine.generate(PROMPTS, max_new_tokens=NEW_TOKENS)], kv_cache_dtype
+
+
+def test_prompt_lookup_speculation_in_the_layout(checkpoints):
+    """speculate="ngram" at 2 x 1 in an engine that starts its own ranks: drafts verified in the same
+    replicated step, the tokens of decoding without speculation (transformers' greedy), and drafts were
+    accepted."""
+    path, hf = checkpoints["llama"]
+    prompts = [[5, 6, 7, 8] * 3 + [5, 6], PROMPTS[1]]
+    with ta.Engine(path, nproc=2, tp=2, speculate="ngram", cache_tokens=128, block_size=4, timeout_s=300) as engine:
+        results = engine.generate(prompts, max_new_tokens=8)
+        with pytest.raises(ValueError, match="^prompt_logprobs: not with tp=2"):  # refused in one line, before any step
+            engine.submit(prompts[0], ta.SamplingParams(max_new_tokens=1, prompt_logprobs=1))
+    assert [r.token_ids for r in results] == _uncached_greedy(hf, prompts, 8)
+    assert results[0].speculation["accepted"] > 0
+
+
+def test_draft_model_speculation_in_the_layout(runs, oracle):
+    """speculate="draft" at 1 x 2 (a Mistral draft for a Llama target of the same vocabulary): the draft
+    model stays whole on every rank, its cache sharded over the KV group; the target's greedy tokens."""
+    driver = runs["llama 1x2 draft"][0]
+    assert driver["tokens"] == oracle("llama")
+    assert driver["speculation"]["drafted"] > 0
+
+
+@pytest.mark.parametrize("arch,tp,kv", [("v3", 2, 1), ("v2", 1, 2)])
+def test_deepseek_mla_heads_split_latent_cache_shared(runs, oracle, arch, tp, kv):
+    """DeepSeek-V3 (q compression, MoE experts split by columns, one all-reduce of their sum) at 2 x 1 and
+    V2 at 1 x 2: the query heads and up-projections split, the latent cache on every TP rank."""
+    assert _tokens(runs, f"{arch} {tp}x{kv}") == oracle(arch)
+
+
+@pytest.mark.parametrize("tp,kv", [(2, 1), (2, 2)])
+def test_gemma3_window_layers_and_one_kv_head(runs, oracle, tp, kv):
+    """Gemma 3 (1 KV head, replicated on both TP ranks; window layers kept whole on every rank, global
+    layers sharded over the KV ranks): transformers' tokens."""
+    assert _tokens(runs, f"gemma3 {tp}x{kv}") == oracle("gemma3")
+
+
 @pytest.mark.parametrize("family,tp,kv", [("qwen2", 1, 2), ("qwen2", 4, 1), ("mistral", 2, 2), ("mistral", 4, 1),
                                           ("v3", 2, 2), ("v2", 4, 1), ("gemma3", 1, 2), ("gemma3", 4, 1)])
-def test_every_family_in_every_layout(tmp_path, family, tp, kv):
+def test_every_family_in_every_layout(runs, oracle, family, tp, kv):
     """With the tests above, every family the engine loads (Llama, Qwen2, Mistral, DeepSeek MLA as V2 and V3,
-    Gemma 3) runs every layout tp x kv of 1x2, 2x1, 2x2 and 4x1: transformers' uncached greedy tokens."""
-    pytest.importorskip("transformers")
-    path = tmp_path / family
-    if family in ("v2", "v3"):
-        from helpers.deepseek_checkpoints import PROMPT, make_checkpoint, uncached_greedy
-
-        hf = make_checkpoint(family, path)
-        assert _engine_tokens(path, tp * kv, tp, [PROMPT]) == [uncached_greedy(hf, PROMPT, NEW_TOKENS)]
-        return
-    if family == "gemma3":
-        hf = _gemma3_four_heads()
-        hf.save_pretrained(path)
-    else:
-        from helpers.llama_checkpoints import make_checkpoint
-
-        hf = make_checkpoint(family, path)
-    assert _engine_tokens(path, tp * kv, tp) == _uncached_greedy(hf, PROMPTS)
+    Gemma 3) runs every layout tp x kv of 1x2, 2x1, 2x2 and 4x1: transformers' uncached greedy tokens
+    (Gemma 3 here with 4 query heads: _gemma3_four_heads)."""
+    name = "gemma3-4h" if family == "gemma3" else family
+    assert _tokens(runs, f"{name} {tp}x{kv}") == oracle(name)
 
 
 def _counts(rank: int, world_size: int, tp: int) -> dict:
@@ -190,13 +304,13 @@ def _layout_share(model, n: int, tp: int) -> float:
 
 
 @pytest.mark.parametrize("tp", [1, 2])
-def test_collectives_per_step_and_weight_bytes(tp):
+def test_collectives_per_step_and_weight_bytes(runs, tp):
     """Per decode step on 2 ranks: the embedding's all-reduce, per layer the KV combine (when the KV
     group has 2 ranks) and the o_proj and down_proj all-reduces, then the logits' all-gather. Each
     rank holds at most the layout's share + 5 % (q/k/v over tp, the rest over both ranks), and the result
     reports every rank's bytes (gathered on rank 0)."""
     one = _counts(0, 1, tp)  # one process: the whole model
-    ranks = ta.spawn(_counts, 2, tp, timeout=300)
+    ranks = runs[f"counts tp={tp}"]
     assert ranks[0]["ids"] == one["ids"]
     steps, layers, kv = ranks[0]["steps"], 2, 2 // tp
     assert steps == NEW_TOKENS - 1
@@ -228,8 +342,8 @@ def _row_parallel(rank: int, world_size: int, seed: int) -> tuple:
     return (got_mlp - want_mlp).abs().max().item(), want_mlp.abs().max().item(), rows
 
 
-def test_row_parallel_collectives_against_float64():
-    results = ta.spawn(_row_parallel, 2, 3, timeout=300)
+def test_row_parallel_collectives_against_float64(runs):
+    results = runs["row parallel"]
     reference = random_model(ta.LlamaConfig(vocab_size=50, hidden_size=64, intermediate_size=96, num_layers=1, num_heads=4,
                                             num_kv_heads=2, head_dim=16, mlp_bias=True, o_bias=True), seed=3, std=0.3)
     for err, scale, rows in results:
@@ -307,13 +421,13 @@ def _packed_run(rank: int, world_size: int, path, tp, activation_format: str = "
 
 
 @pytest.mark.parametrize("tp,tied", [(1, False), (2, False), (2, True)])
-def test_packed_gguf_shares_keep_the_files_blocks(q8_gguf, q8_gguf_tied, tp, tied):
+def test_packed_gguf_shares_keep_the_files_blocks(runs, q8_gguf, q8_gguf_tied, tp, tied):
     """A Q8_0 file (Llama; Qwen2 with its tied table) loaded packed on 2 ranks, each reading its rows
     and its whole blocks of columns: the one-rank packed engine's tokens; each rank holds about half
     the packed bytes."""
     path = q8_gguf_tied if tied else q8_gguf
     one = _packed_run(0, 1, path, None)
-    two = ta.spawn(_packed_run, 2, path, tp, timeout=300)
+    two = runs[f"packed tp={tp} tied={tied}"]
     assert two[0]["generated_ids"] == one["generated_ids"]
     assert two[0]["weight_format"] == "packed" and two[0]["tp"] == tp
     assert (
@@ -322,7 +436,7 @@ def test_packed_gguf_shares_keep_the_files_blocks(q8_gguf, q8_gguf_tied, tp, tie
 
 
 @pytest.mark.parametrize("tp", [1, 2])
-def test_int8_activations_in_the_layout(q8_gguf, tp):
+def test_int8_activations_in_the_layout(runs, q8_gguf, tp):
     """activation_format="int8" (llama.cpp's arithmetic: 8-bit activations per block of 32) with the packed
     file split over 2 ranks: o_proj and down_proj split their input columns on whole blocks, so each rank
     quantizes the same blocks of activations the one-rank call does, and only the sum's order changes:
@@ -333,7 +447,7 @@ def test_int8_activations_in_the_layout(q8_gguf, tp):
         pytest.skip("the int8 kernel needs numba and AVX-512 VNNI/BW/VL; this CPU has not")
     exact = _packed_run(0, 1, q8_gguf, None, "float32", 0)
     one = _packed_run(0, 1, q8_gguf, None, "int8", 0)
-    two = ta.spawn(_packed_run, 2, q8_gguf, tp, "int8", 0, timeout=300)[0]
+    two = runs[f"int8 tp={tp}"][0]
     assert two["activation_format"] == one["activation_format"] == "int8"
     assert two["generated_ids"] == one["generated_ids"]
     got, want, float32 = (torch.tensor(r["token_logprobs"], dtype=torch.float64) for r in (two, one, exact))
@@ -394,11 +508,11 @@ def _static(rank: int, world_size: int, tp, decode_step: str) -> dict | None:
 
 
 @pytest.mark.parametrize("tp", [1, 2])
-def test_static_decode_steps_in_the_layout(tp):
+def test_static_decode_steps_in_the_layout(runs, tp):
     """decode_step="static" (fixed shapes, no host read inside a step; CPU here) on 2 ranks: every
     decode step static, the one-process dynamic engine's tokens."""
     one = _static(0, 1, None, "dynamic")
-    two = ta.spawn(_static, 2, tp, "static", timeout=300)[0]
+    two = runs[f"static tp={tp}"][0]
     assert two["tokens"] == one["tokens"] and two["static_steps"] == NEW_TOKENS - 1
 
 
