@@ -12,6 +12,7 @@ generated strings.
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 
@@ -30,16 +31,22 @@ TASKS = ["treeattn_mc", "treeattn_ppl", "treeattn_gen"]
 NAME = "smollm2"
 
 
-def _evaluate(model, tasks, **kwargs) -> dict:
-    """lm_eval.simple_evaluate on our task files, offline; {task: [(doc_id, resps) ...]} and the results."""
+@functools.cache
+def _task_manager():
+    """One index of our three task files for the module's four evaluations. include_defaults=False: lm-eval's
+    thousands of built-in task files are not indexed (tens of seconds of CPU each time; no test uses them)."""
     from lm_eval.tasks import TaskManager
 
+    return TaskManager(include_path=str(TASKS_DIR), include_defaults=False)
+
+
+def _evaluate(model, tasks, **kwargs) -> dict:
+    """lm_eval.simple_evaluate on our task files, offline; {task: [(doc_id, resps) ...]} and the results."""
     os.environ["HF_DATASETS_OFFLINE"] = "1"
     here = os.getcwd()
     os.chdir(TASKS_DIR)  # data_files are relative to the task files
     try:
-        out = lm_eval.simple_evaluate(model=model, tasks=tasks, task_manager=TaskManager(include_path=str(TASKS_DIR)),
-                                      log_samples=True, **kwargs)
+        out = lm_eval.simple_evaluate(model=model, tasks=tasks, task_manager=_task_manager(), log_samples=True, **kwargs)
     finally:
         os.chdir(here)
     samples = {task: sorted((s["doc_id"], s["resps"]) for s in rows) for task, rows in out["samples"].items()}
