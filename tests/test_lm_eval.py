@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import os
 from pathlib import Path
+from unittest import mock
 
 import pytest
 
@@ -46,7 +47,9 @@ def _evaluate(model, tasks, **kwargs) -> dict:
     here = os.getcwd()
     os.chdir(TASKS_DIR)  # data_files are relative to the task files
     try:
-        out = lm_eval.simple_evaluate(model=model, tasks=tasks, task_manager=_task_manager(), log_samples=True, **kwargs)
+        # add_env_info: torch's collect_env report (pip and nvidia-smi in subprocesses, ~7 s under load), which no test reads
+        with mock.patch("lm_eval.evaluator.add_env_info", lambda results: None):
+            out = lm_eval.simple_evaluate(model=model, tasks=tasks, task_manager=_task_manager(), log_samples=True, **kwargs)
     finally:
         os.chdir(here)
     samples = {task: sorted((s["doc_id"], s["resps"]) for s in rows) for task, rows in out["samples"].items()}
