@@ -6,7 +6,8 @@ side by side: settles whether a layout slowed down without trusting wall clocks 
 
 Each round runs, for every layout in turn, one child process of this script per --src AT ONCE (so old and
 new code see the same load, memory traffic and time), each with PYTHONPATH=SRC: it starts ta.Engine(MODEL,
-nproc=2, tp=..., threads_per_rank=1, weight_format="packed", key=value...), prefills a --context prompt of
+nproc=2, tp=..., threads_per_rank=1, weight_format="packed", sized for one --context sequence as `treeattn
+generate` sizes it, key=value...), prefills a --context prompt of
 random ids once (the prefix cache keeps it), then --repeats times streams --new + 1 greedy tokens of the same
 prompt (the prompt's last block is prefilled again, then --new decode steps) and reports each rank's figures
 over those decode steps.
@@ -85,7 +86,10 @@ def child(model: str, layout: str, context: int, new: int, repeats: int, extra: 
     rng = random.Random(0)
     ids = [rng.randrange(100, 49000) for _ in range(context - new - 1)]
     tp = {"seq": None, "tp1": 1, "tp2": 2}[layout]
-    with ta.Engine(model, nproc=2, tp=tp, threads_per_rank=1, weight_format="packed", **extra) as e:
+    # sized as `treeattn generate` sizes one sequence (engine.generate.batch_config): the contiguous placement then
+    # gives each KV rank half the sequence (ta.Engine's default cache_tokens, 32768, would leave a 4K one on rank 0)
+    sized = {"max_batch_size": 1, "max_context": context, "cache_tokens": -(-context // 512) * 512, **extra}
+    with ta.Engine(model, nproc=2, tp=tp, threads_per_rank=1, weight_format="packed", **sized) as e:
         e.generate([ids], max_new_tokens=2, temperature=0.0, ignore_eos=True)
         for _ in range(repeats):
             time.sleep(0.5)
