@@ -394,7 +394,7 @@ def head_shape_tag(heads: int, group: int) -> tuple:
     return ((0,) * heads, (0,) * group) if heads * group <= 64 else ((), ())
 
 
-def _block_scores(q, r, kb, k, k_scales, blk, visible, scores, sc, dims, heads, groups):  # pragma: no cover - replaced by its overload
+def _block_scores(q, r, kb, k, k_scales, blk, visible, scores, sc, dims, heads, groups):  # pragma: no cover - its overload
     raise NotImplementedError
 
 
