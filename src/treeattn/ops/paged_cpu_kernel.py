@@ -8,7 +8,9 @@ exp), and every value row is added with its weight. Every K and V byte is read o
 with no copy, no repeat of K/V across the query group and no score matrix beyond one block's
 (Hkv x G x block_size floats). The blocks of a row are split into
 contiguous ranges processed in parallel (flash-decoding); merge_splits then merges the ranges'
-states exactly, as merge_states does.
+states exactly, as merge_states does. With float16 blocks, head dim 64 and a key row's query heads in one
+tile, the scores are taken in register tiles (_score_tile: each key chunk widened once for its query heads,
+the tile's 16-lane sums reduced by one transpose-and-add; docs/bench_kernels.md, "Session 16").
 
 Importing this module compiles nothing: numba compiles each kernel on its first call and caches
 the machine code beside this file (cache=True), so later processes load it in a fraction of a
@@ -250,16 +252,13 @@ _TILE_SUMS = 16
 
 
 def tile_shape(heads: int, group: int) -> tuple[int, int]:
-    """(keys, KV heads) of a score tile for `heads` KV heads of `group` query heads: whole key rows,
-    as many keys as _TILE_SUMS sums allow, where one row's heads fit; else one key and as many of its
-    heads (a divisor of `heads`) as fit. Either way the tiles read the block in address order.
+    """(keys, KV heads) of a score tile for `heads` KV heads of `group` query heads: whole key rows (so
+    that the tiles read a block in address order), as many keys as _TILE_SUMS sums allow.
 
-    >>> tile_shape(3, 3), tile_shape(1, 4), tile_shape(8, 4), tile_shape(5, 8)
-    ((1, 3), (4, 1), (1, 4), (1, 1))
+    >>> tile_shape(3, 3), tile_shape(1, 4)
+    ((1, 3), (4, 1))
     """
-    if heads * group <= _TILE_SUMS:
-        return _TILE_SUMS // (heads * group), heads
-    return 1, max(d for d in range(1, heads + 1) if heads % d == 0 and d * group <= max(_TILE_SUMS, group))
+    return max(1, _TILE_SUMS // (heads * group)), heads
 
 
 def _splat(constant):
@@ -386,12 +385,14 @@ def _tile_steps_impl(heads, groups):
 def head_shape_tag(heads: int, group: int) -> tuple:
     """The kernels' `heads` and `groups` arguments where the head dim is a constant (head_dim_tag not
     empty): (0,) * heads and (0,) * group, the KV heads and the query heads of a KV head as constants of
-    the compiled code (the score tiles' shape), when there are at most 64 query heads; else ((), ()).
+    the compiled code (the score tiles' shape), when a key row's query heads fit one tile (at most
+    _TILE_SUMS); else ((), ()): no tiles (Llama-3.2-1B's 8 x 4 heads, split into tiles of 4 KV heads,
+    took 1.0-1.2x the time, docs/bench_kernels.md "Session 16").
 
-    >>> head_shape_tag(3, 3), head_shape_tag(64, 2)
+    >>> head_shape_tag(3, 3), head_shape_tag(8, 4)
     (((0, 0, 0), (0, 0, 0)), ((), ()))
     """
-    return ((0,) * heads, (0,) * group) if heads * group <= 64 else ((), ())
+    return ((0,) * heads, (0,) * group) if heads * group <= _TILE_SUMS else ((), ())
 
 
 def _block_scores(q, r, kb, k, k_scales, blk, visible, scores, sc, dims, heads, groups):  # pragma: no cover - its overload
@@ -402,9 +403,12 @@ def _block_scores(q, r, kb, k, k_scales, blk, visible, scores, sc, dims, heads, 
 def _block_scores_impl(q, r, kb, k, k_scales, blk, visible, scores, sc, dims, heads, groups):
     """scores[h, g, t] of block kb for query row r: sc * key scale * (q . key), -inf where a key is not
     visible. By tiles (_score_tile) where the head dim and the heads are constants (dims, heads and
-    groups not empty) and the blocks float32 or 16-bit; else key by key, head by head."""
+    groups not empty) and the blocks float16; else key by key, head by head. SmolLM2's heads, 4096 keys,
+    one thread, alternated with the key-by-key loops under load (docs/bench_kernels.md, "Session 16"):
+    the tiles took 0.80-0.89x the time in cache with every dtype, but streamed from memory (the
+    engine's case) float16 0.80-0.95x, float32 1.02-1.04x and bfloat16 1.12-1.15x: only float16 uses them."""
     tiled = (all(isinstance(x, types.UniTuple) and x.count > 0 for x in (dims, heads, groups))
-             and k.dtype in (types.float32, types.uint16, types.int16))  # not fp8: its keys have scales
+             and k.dtype == types.int16)  # float16 blocks only: measured below
 
     def by_tiles(q, r, kb, k, k_scales, blk, visible, scores, sc, dims, heads, groups):
         H, G, BS = scores.shape
