@@ -168,6 +168,25 @@ def test_stored_16_bit_blocks_match_float64_on_the_stored_values(case, kv_dtype,
     check(out, lse, *reference(q.double(), kb16.double(), vb16.double(), layout, window))
 
 
+
+@needs_kernel
+def test_float16_score_tiles_with_a_partial_tile_and_nan_in_hidden_slots():
+    """The score tiles (paged_cpu_kernel._score_tile: float16 blocks, head dim 64): 2-key tiles over
+    blocks of 7 keys (the last key of a block by the loops after the tiles), padded slots holding NaN
+    (never visible: their scores -inf), against the float64 reference over the stored blocks (the
+    heads of "head dim 64, window": the same compiled kernel)."""
+    from treeattn.ops import paged_cpu_kernel
+
+    assert paged_cpu_kernel.tile_shape(2, 3) == (2, 2) and paged_cpu_kernel.head_shape_tag(2, 3)[0] == (0, 0)
+    q, kb, vb, layout = make_case(B=1, D=64, BS=7, NB=8, nb=4, lengths=[24])
+    kb16, vb16 = kb.to(torch.float16), vb.to(torch.float16)
+    want = reference(q.double(), kb16.double(), vb16.double(), layout)
+    for slot in range(24, 4 * 7):  # slots past the sequence's length: not visible
+        blk = layout.block_table[0, slot // 7]
+        kb16[blk, slot % 7] = float("nan")
+        vb16[blk, slot % 7] = float("nan")
+    check(*pd.paged_decode_attention(q, kb16, vb16, layout), *want)
+
 def test_kernel_widens_every_16_bit_pattern_exactly():
     """The kernel's widening of a 16-bit element in registers (bfloat16 by a shift, float16 by LLVM's
     fpext where the CPU has F16C, else in integers) gives torch's own conversion of every one of the

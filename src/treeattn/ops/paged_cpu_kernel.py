@@ -8,7 +8,9 @@ exp), and every value row is added with its weight. Every K and V byte is read o
 with no copy, no repeat of K/V across the query group and no score matrix beyond one block's
 (Hkv x G x block_size floats). The blocks of a row are split into
 contiguous ranges processed in parallel (flash-decoding); merge_splits then merges the ranges'
-states exactly, as merge_states does.
+states exactly, as merge_states does. With float16 blocks, head dim 64 and a key row's query heads in one
+tile, the scores are taken in register tiles (_score_tile: each key chunk widened once for its query heads,
+the tile's 16-lane sums reduced by one transpose-and-add; docs/bench_kernels.md, "Session 16").
 
 Importing this module compiles nothing: numba compiles each kernel on its first call and caches
 the machine code beside this file (cache=True), so later processes load it in a fraction of a
@@ -46,6 +48,7 @@ import numpy as np
 import numba
 from numba import njit, prange, types
 from llvmlite import ir
+from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
 _FASTMATH = {"reassoc", "contract"}
@@ -75,11 +78,12 @@ def attend(threads: int, *args) -> None:
     the head dims as constants where head_dim_tag has them."""
     threads = max(1, min(threads, numba.config.NUMBA_NUM_THREADS))
     dims = head_dim_tag(args[0].shape[3], args[5])
+    heads, groups = head_shape_tag(args[0].shape[1], args[0].shape[2]) if dims else ((), ())
     if threads == 1:
-        attend_serial(*args, dims)
+        attend_serial(*args, dims, heads, groups)
     else:
         numba.set_num_threads(threads)  # per calling thread
-        attend_parallel(*args, dims)
+        attend_parallel(*args, dims, heads, groups)
 
 
 NO_SCRATCH = np.zeros((0, 0, 0), dtype=np.float32)
@@ -242,6 +246,208 @@ def _scale_impl(k, scales, blk, t, h):
     return lambda k, scales, blk, t, h: np.float32(1.0)
 
 
+
+_TILE_SUMS = 16
+"""Dot products a score tile (_score_tile) keeps in registers at most (16-lane float32 sums each)."""
+
+
+def tile_shape(heads: int, group: int) -> tuple[int, int]:
+    """(keys, KV heads) of a score tile for `heads` KV heads of `group` query heads: whole key rows (so
+    that the tiles read a block in address order), as many keys as _TILE_SUMS sums allow.
+
+    >>> tile_shape(3, 3), tile_shape(1, 4)
+    ((1, 3), (4, 1))
+    """
+    return max(1, _TILE_SUMS // (heads * group)), heads
+
+
+def _splat(constant):
+    """A <16 x T> of one constant."""
+    return ir.Constant(ir.VectorType(constant.type, 16), [constant.constant] * 16)
+
+
+def _splat_value(builder, x):
+    """A <16 x float> of the float x."""
+    vec = builder.insert_element(ir.Constant(ir.VectorType(ir.FloatType(), 16), None), x, _i32(0))
+    return builder.shuffle_vector(vec, vec, ir.Constant(ir.VectorType(ir.IntType(32), 16), [0] * 16))
+
+
+def _vector_of(builder, context, kind, ptr):
+    """16 stored elements at ptr as <16 x float>, widened exactly as _wide does (float32 as it is;
+    bfloat16 bits shifted into a float32's high half; float16 by fpext with F16C, else in integers)."""
+    f32 = ir.VectorType(ir.FloatType(), 16)
+    if kind == types.float32:
+        return builder.load(builder.bitcast(ptr, f32.as_pointer()), align=4)
+    bits = builder.load(builder.bitcast(ptr, ir.VectorType(ir.IntType(16), 16).as_pointer()), align=2)
+    if kind == types.uint16:
+        return builder.bitcast(builder.shl(builder.zext(bits, ir.VectorType(ir.IntType(32), 16)), _splat(_i32(16))), f32)
+    if _has_f16c(context):
+        return builder.fpext(builder.bitcast(bits, ir.VectorType(ir.HalfType(), 16)), f32)
+    code = builder.zext(bits, ir.VectorType(ir.IntType(32), 16))
+    magnitude = builder.and_(code, _splat(_i32(0x7FFF)))
+    placed = builder.or_(builder.shl(magnitude, _splat(_i32(13))),
+                         builder.shl(builder.and_(code, _splat(_i32(0x8000))), _splat(_i32(16))))
+    value = builder.fmul(builder.bitcast(placed, f32), _splat(ir.Constant(ir.FloatType(), float(_HALF_BIAS))))
+    special = builder.bitcast(builder.or_(placed, _splat(_i32(0x7F800000))), f32)
+    return builder.select(builder.icmp_unsigned(">=", magnitude, _splat(_i32(0x7C00))), special, value)
+
+
+def _lane_sums(builder, vectors):
+    """Every <16 x float> of `vectors` summed over its lanes, 16 sums a vector: [(sums, labels)], labels[lane]
+    the index of the input summed there (-1: none). Pairs of vectors are halved and added with their halves
+    interleaved (16 -> 8 -> 4 -> 2 -> 1 lanes an input), one add per pair and level instead of a
+    horizontal sum per input; zero padding costs nothing."""
+    n = -(-len(vectors) // 16) * 16
+    items = [(v, [i] * 16) for i, v in enumerate(vectors)] + [(None, [-1] * 16)] * (n - len(vectors))
+    mask = lambda idx: ir.Constant(ir.VectorType(ir.IntType(32), 16), idx)  # noqa: E731
+    zero = ir.Constant(ir.VectorType(ir.FloatType(), 16), None)
+    width = 8
+    while width >= 1:
+        merged = []
+        for (a, la), (b, lb) in zip(items[0::2], items[1::2]):
+            lo, hi, labels = [], [], []
+            for s in range(0, 16, 2 * width):
+                lo += list(range(s, s + width)) + list(range(16 + s, 16 + s + width))
+                hi += list(range(s + width, s + 2 * width)) + list(range(16 + s + width, 16 + s + 2 * width))
+                labels += la[s : s + width] + lb[s : s + width]
+            if a is None and b is None:
+                merged.append((None, labels))
+                continue
+            a, b = (zero if x is None else x for x in (a, b))
+            total = builder.fadd(builder.shuffle_vector(a, b, mask(lo)), builder.shuffle_vector(a, b, mask(hi)),
+                                 flags=("reassoc", "contract"))
+            merged.append((total, labels))
+        items = merged
+        width //= 2
+    return [item for item in items if item[0] is not None]
+
+
+@intrinsic
+def _score_tile(typingctx, q, r, kb, t0, h0, scores, sc, dims, heads, groups):
+    """scores[h, g, t0 + i] = sc * (q[r, h, g] . kb[t0 + i, h]) for the tile_shape(H, G) = (T, HT) keys
+    t0.. and KV heads h0.. of one query row (heads, groups: head_shape_tag's (0,) * H and (0,) * G;
+    dims: head_dim_tag, D = 16 * len(dims)). Each key row is loaded and widened once for its G query heads,
+    each query chunk once for the T keys, and the tile's dot products (16-lane sums in registers) are
+    summed by one transpose-and-add (_lane_sums) instead of one horizontal sum each."""
+    if not (all(isinstance(x, types.UniTuple) for x in (dims, heads, groups)) and sc == types.float32
+            and kb.dtype in (types.float32, types.uint16, types.int16)):
+        return None
+    H, G = heads.count, groups.count
+    chunks, (T, HT) = dims.count, tile_shape(H, G)
+    i64 = ir.IntType(64)
+
+    def codegen(context, builder, signature, args):
+        c = lambda x: ir.Constant(i64, x)  # noqa: E731
+        qa, ka, sa = (context.make_array(signature.args[i])(context, builder, args[i]) for i in (0, 2, 5))
+        kd = cgutils.unpack_tuple(builder, ka.shape, 3)[2]
+        bs = cgutils.unpack_tuple(builder, sa.shape, 3)[2]
+        r_, t0_, h0_ = args[1], args[3], args[4]
+        acc = {}
+        for ch in range(chunks):
+            for i in range(T):
+                for hh in range(HT):
+                    row = builder.add(builder.mul(builder.add(t0_, c(i)), c(H)), builder.add(h0_, c(hh)))
+                    key = _vector_of(builder, context, signature.args[2].dtype,
+                                     builder.gep(ka.data, [builder.add(builder.mul(row, kd), c(16 * ch))]))
+                    for g in range(G):
+                        at = builder.mul(builder.add(builder.mul(builder.add(builder.mul(r_, c(H)), builder.add(h0_, c(hh))),
+                                                                 c(G)), c(g)), c(16 * chunks))
+                        qv = _vector_of(builder, context, types.float32, builder.gep(qa.data, [builder.add(at, c(16 * ch))]))
+                        prod = builder.fmul(qv, key, flags=("contract",))
+                        acc[hh, g, i] = prod if ch == 0 else builder.fadd(acc[hh, g, i], prod, flags=("contract",))
+        keys = list(acc)
+        scale = _splat_value(builder, args[6])
+        for total, labels in _lane_sums(builder, [acc[key] for key in keys]):
+            total = builder.fmul(total, scale)
+            for lane, label in enumerate(labels):
+                if label >= 0:
+                    hh, g, i = keys[label]
+                    at = builder.add(builder.mul(builder.add(builder.mul(builder.add(h0_, c(hh)), c(G)), c(g)), bs),
+                                     builder.add(t0_, c(i)))
+                    builder.store(builder.extract_element(total, _i32(lane)), builder.gep(sa.data, [at]))
+        return context.get_dummy_value()
+
+    return types.void(q, r, kb, t0, h0, scores, sc, dims, heads, groups), codegen
+
+
+def _tile_steps(heads, groups):  # pragma: no cover - replaced by its overload inside compiled code
+    raise NotImplementedError
+
+
+@overload(_tile_steps)
+def _tile_steps_impl(heads, groups):
+    """tile_shape of head_shape_tag's tuples, as constants of the compiled code."""
+    tiled = isinstance(heads, types.UniTuple) and isinstance(groups, types.UniTuple)
+    steps = tile_shape(heads.count, groups.count) if tiled else (1, 1)
+    return lambda heads, groups: steps
+
+
+def head_shape_tag(heads: int, group: int) -> tuple:
+    """The kernels' `heads` and `groups` arguments where the head dim is a constant (head_dim_tag not
+    empty): (0,) * heads and (0,) * group, the KV heads and the query heads of a KV head as constants of
+    the compiled code (the score tiles' shape), when a key row's query heads fit one tile (at most
+    _TILE_SUMS); else ((), ()): no tiles (Llama-3.2-1B's 8 x 4 heads, split into tiles of 4 KV heads,
+    took 1.0-1.2x the time, docs/bench_kernels.md "Session 16").
+
+    >>> head_shape_tag(3, 3), head_shape_tag(8, 4)
+    (((0, 0, 0), (0, 0, 0)), ((), ()))
+    """
+    return ((0,) * heads, (0,) * group) if heads * group <= _TILE_SUMS else ((), ())
+
+
+def _block_scores(q, r, kb, k, k_scales, blk, visible, scores, sc, dims, heads, groups):  # pragma: no cover - its overload
+    raise NotImplementedError
+
+
+@overload(_block_scores)
+def _block_scores_impl(q, r, kb, k, k_scales, blk, visible, scores, sc, dims, heads, groups):
+    """scores[h, g, t] of block kb for query row r: sc * key scale * (q . key), -inf where a key is not
+    visible. By tiles (_score_tile) where the head dim and the heads are constants (dims, heads and
+    groups not empty) and the blocks float16; else key by key, head by head. SmolLM2's heads, 4096 keys,
+    one thread, alternated with the key-by-key loops under load (docs/bench_kernels.md, "Session 16"):
+    the tiles took 0.80-0.89x the time in cache with every dtype, but streamed from memory (the
+    engine's case) float16 0.80-0.95x, float32 1.02-1.04x and bfloat16 1.12-1.15x: only float16 uses them."""
+    tiled = (all(isinstance(x, types.UniTuple) and x.count > 0 for x in (dims, heads, groups))
+             and k.dtype == types.int16)  # float16 blocks only: measured below
+
+    def by_tiles(q, r, kb, k, k_scales, blk, visible, scores, sc, dims, heads, groups):
+        H, G, BS = scores.shape
+        T, HT = _tile_steps(heads, groups)
+        for t0 in range(0, BS - BS % T, T):
+            for h0 in range(0, H, HT):
+                _score_tile(q, r, kb, t0, h0, scores, sc, dims, heads, groups)
+        for t in range(BS - BS % T, BS):
+            for h in range(H):
+                for g in range(G):
+                    x = np.float32(0.0)
+                    for d in range(16 * len(dims)):
+                        x += q[r, h, g, d] * _wide(kb[t, h, d])
+                    scores[h, g, t] = x * sc
+        for t in range(BS):
+            if not visible[t]:  # its slot may hold anything (NaN): its scores are -inf whatever was summed
+                for h in range(H):
+                    for g in range(G):
+                        scores[h, g, t] = -np.inf
+
+    def by_keys(q, r, kb, k, k_scales, blk, visible, scores, sc, dims, heads, groups):
+        H, G, BS = scores.shape
+        D = 16 * len(dims) if len(dims) > 0 else q.shape[3]
+        for t in range(BS):
+            if not visible[t]:
+                for h in range(H):
+                    for g in range(G):
+                        scores[h, g, t] = -np.inf
+                continue
+            for h in range(H):
+                key_scale = _scale(k, k_scales, blk, t, h) * sc
+                for g in range(G):
+                    x = np.float32(0.0)
+                    for d in range(D):
+                        x += q[r, h, g, d] * _wide(kb[t, h, d])
+                    scores[h, g, t] = x * key_scale
+
+    return by_tiles if tiled else by_keys
+
 # exp(x) for x <= 0 in float32 operations only, so that a block's exps vectorize (numba's math.exp is
 # one libm call per value: about 6 ns, against 0.85 ns here, measured on this project's machine):
 # cephes' expf, x = k ln2 + r (ln2 in two parts), a degree-6 polynomial in r, times 2**k built in the
@@ -283,7 +489,7 @@ def _attend_range(w, q, k, v, k_scales, v_scales, dv, scale, table, kv_pos, row_
                   out,
                   m_out,
                   l_out,
-                  dims):
+                  dims, heads, groups):
     """Work item w = r * splits + sp of attend_parallel: query row r over its sp-th range of blocks.
 
     Block by block, in three passes: every query head's scores against the block's visible keys
@@ -325,19 +531,7 @@ def _attend_range(w, q, k, v, k_scales, v_scales, dv, scale, table, kv_pos, row_
             continue
         kb = _block(k, blk, D, k_scratch)
         vb = _block(v, blk, dv, v_scratch)
-        for t in range(BS):
-            if not visible[t]:
-                for h in range(H):
-                    for g in range(G):
-                        scores[h, g, t] = -np.inf
-                continue
-            for h in range(H):
-                key_scale = _scale(k, k_scales, blk, t, h) * sc
-                for g in range(G):
-                    x = np.float32(0.0)
-                    for d in range(D):
-                        x += q[r, h, g, d] * _wide(kb[t, h, d])
-                    scores[h, g, t] = x * key_scale
+        _block_scores(q, r, kb, k, k_scales, blk, visible, scores, sc, dims, heads, groups)
         for h in range(H):
             for g in range(G):
                 top = m[h, g]
@@ -383,7 +577,7 @@ def attend_parallel(q, k, v, k_scales, v_scales, dv, scale, table, kv_pos, row_s
                     splits,
                     out,
                     lse,
-                    dims):
+                    dims, heads, groups):
     """Every query row's attention state: its `splits` ranges of blocks in parallel, then merged.
 
     q: (R, Hkv, G, D) float32 C-contiguous, the query rows (not scaled).
@@ -404,7 +598,7 @@ def attend_parallel(q, k, v, k_scales, v_scales, dv, scale, table, kv_pos, row_s
     out_p, m_p, l_p = _range_states(q, splits, dv)
     for w in prange(q.shape[0] * splits):
         _attend_range(w, q, k, v, k_scales, v_scales, dv, scale, table, kv_pos, row_seq, q_pos, window, splits, out_p, m_p, l_p,
-                      dims)
+                      dims, heads, groups)
     merge_splits(out_p, m_p, l_p, out, lse)
 
 
@@ -413,13 +607,13 @@ def attend_serial(q, k, v, k_scales, v_scales, dv, scale, table, kv_pos, row_seq
                   splits,
                   out,
                   lse,
-                  dims):
+                  dims, heads, groups):
     """attend_parallel on the calling thread alone: no thread pool is started (a rank running with
     one torch thread, several ranks on one host, then has no second pool spinning beside torch's)."""
     out_p, m_p, l_p = _range_states(q, splits, dv)
     for w in range(q.shape[0] * splits):
         _attend_range(w, q, k, v, k_scales, v_scales, dv, scale, table, kv_pos, row_seq, q_pos, window, splits, out_p, m_p, l_p,
-                      dims)
+                      dims, heads, groups)
     merge_splits(out_p, m_p, l_p, out, lse)
 
 
