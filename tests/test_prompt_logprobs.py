@@ -70,6 +70,7 @@ def test_row_blocks_and_vocab_chunks_equal_one_log_softmax(monkeypatch):
     hidden, targets = torch.randn(23, 16, generator=_G), torch.randint(0, 300, (23,), generator=_G)
     whole = pl.score_rows(model, hidden, targets, top=3)  # one block, one chunk (the whole vocabulary)
     monkeypatch.setattr(pl, "ROWS_PER_BLOCK", 5)  # 5 blocks, the last short
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
     monkeypatch.setattr(pl, "CHUNK_BYTES", 5 * 4 * 64)  # chunks of 64 columns: 5 a block, the last 44
     assert pl.vocab_columns(5, 300) == 64 and pl.vocab_columns(3, 300) == 106
     packed = pl.score_rows(model, hidden, targets, top=3)
@@ -93,6 +94,7 @@ def test_a_target_logit_rounded_apart_is_not_counted_above_itself(monkeypatch):
     model = random_model(ta.LlamaConfig(vocab_size=40, hidden_size=8, intermediate_size=16, num_layers=1, num_heads=2,
                                         num_kv_heads=1, head_dim=4), seed=3, std=0.5)
     hidden, targets = torch.randn(6, 8, generator=_G), torch.randint(0, 40, (6,), generator=_G)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
     monkeypatch.setattr(pl, "CHUNK_BYTES", 6 * 4 * 16)  # 3 chunks
     want = pl.score_rows(model, hidden, targets, top=0)
     logits = model.logits

@@ -13,7 +13,7 @@ tokens start + 1 .. start + n (those inside the prompt): the scheduler puts them
 The work is the output projection of every such row over the whole vocabulary, which for a long
 prompt is a prompt x vocabulary matrix (8K x 262,144 float32 for Gemma 3: 8 GiB). It is never
 materialized: the rows are taken ROWS_PER_BLOCK at a time, and each block's logits a chunk of the
-vocabulary at a time (vocab_columns: 2 MiB of logits on the CPU), each chunk reduced while it is in
+vocabulary at a time (vocab_columns: 4 MiB of logits a thread on the CPU), each chunk reduced while it is in
 the cache: its logsumexp (merged across chunks like attention states), the count of logits above the
 target's, its top k. Kept per row: the log-softmax at the target (float32 logit - logsumexp, as the
 generated tokens' logprobs, runner.token_logprobs), the target's rank and the top k: 2 + 2k numbers.
@@ -46,25 +46,32 @@ vocabulary at a time (vocab_columns; 512 rows reuse each chunk of the head more 
 less CPU time for SmolLM2's head, one thread, under load), and on a GPU by the whole head at once
 (ROWS_PER_BLOCK x vocab_size float32 logits: Gemma 3 512 MiB, SmolLM2 96 MiB)."""
 
-CHUNK_BYTES = 2 << 20
-"""On the CPU, the logits computed at once: a block's rows x vocab_columns(rows, V) columns (2 MiB, this
-CPU's L2 a core). The log-softmax's reductions (max and exp-sum, the count of larger logits, the
-top k) read each chunk right after the product wrote it, from the cache; no prompt x vocabulary or even
-block x vocabulary matrix is made (benchmarks/engine/prompt_logprobs_parts.py). On a GPU one chunk is
+CHUNK_BYTES = 4 << 20
+"""On the CPU, the float32 logits computed at once per torch thread: a block's rows x vocab_columns(rows, V)
+columns (4 MiB a thread; SmolLM2, 512 rows: 2048 columns on 1 thread, 4096 on 2). The reductions (max,
+exp-sum, count of larger logits, top k) read each chunk right after the product wrote it, from the cache;
+no prompt x vocabulary or even block x vocabulary matrix is made. Smaller chunks mean more calls, each a
+parallel region whose threads wait for one another (on 2 threads, 1 MiB chunks cost more CPU than one
+whole block); larger ones fall out of the cache (16 MiB on 1 thread cost more than 8):
+benchmarks/engine/prompt_logprobs_parts.py, docs/engine.md#prompt-log-probabilities. On a GPU one chunk is
 the whole vocabulary (one launch a reduction)."""
 
 
-def vocab_columns(rows: int, vocab_size: int, device: torch.device | str = "cpu") -> int:
-    """The vocabulary columns of one chunk of `rows` rows' logits: CHUNK_BYTES of float32 on the CPU
-    (at least 1, at most vocab_size), the whole vocabulary on another device.
+def vocab_columns(rows: int, vocab_size: int, device: torch.device | str = "cpu", threads: int | None = None) -> int:
+    """The vocabulary columns of one chunk of `rows` rows' logits: CHUNK_BYTES of float32 for each of
+    `threads` (default: torch's intra-op threads) on the CPU, at least 1, at most vocab_size; the whole
+    vocabulary on another device.
 
     >>> from treeattn.engine.worker.prompt_logprobs import vocab_columns
-    >>> vocab_columns(512, 49152), vocab_columns(256, 300), vocab_columns(10**6, 50), vocab_columns(512, 49152, "cuda")
-    (1024, 300, 1, 49152)
+    >>> vocab_columns(512, 49152, threads=1), vocab_columns(512, 49152, threads=2), vocab_columns(256, 300)
+    (2048, 4096, 300)
+    >>> vocab_columns(10**7, 50, threads=1), vocab_columns(512, 49152, "cuda")
+    (1, 49152)
     """
     if torch.device(device).type != "cpu":
         return vocab_size
-    return max(1, min(vocab_size, CHUNK_BYTES // (4 * rows)))
+    threads = torch.get_num_threads() if threads is None else threads
+    return max(1, min(vocab_size, threads * CHUNK_BYTES // (4 * rows)))
 
 
 @dataclass(frozen=True)
