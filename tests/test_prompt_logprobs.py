@@ -4,7 +4,8 @@ Every prompt token's logprob and its top-k equal the float64 log-softmax of tran
 over the prompt (within float32 rounding), on one rank and on two spawned ranks under every kind of
 prefill step: chunked (several chunks, the short ones replicated on every rank), token-parallel
 ("split") and ring. A prompt already in the prefix cache is computed again (cached_prompt_tokens 0)
-and gives the same values; the packing over row blocks equals one log-softmax of all the logits.
+and gives the same values; the packing over row blocks and vocabulary chunks equals one log-softmax of all the
+logits.
 """
 
 from __future__ import annotations
@@ -61,22 +62,49 @@ def test_prompt_logprobs_equal_the_models_log_softmax(checkpoint, nproc, prefill
     assert plain.prompt_logprobs is None and plain.token_ids == short.token_ids
 
 
-def test_row_blocks_equal_one_log_softmax(monkeypatch):
+def test_row_blocks_and_vocab_chunks_equal_one_log_softmax(monkeypatch):
     from treeattn.models import random_model
 
     model = random_model(ta.LlamaConfig(vocab_size=300, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2,
                                         num_kv_heads=1, head_dim=8), seed=1, std=0.5)
     hidden, targets = torch.randn(23, 16, generator=_G), torch.randint(0, 300, (23,), generator=_G)
+    whole = pl.score_rows(model, hidden, targets, top=3)  # one block, one chunk (the whole vocabulary)
     monkeypatch.setattr(pl, "ROWS_PER_BLOCK", 5)  # 5 blocks, the last short
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    monkeypatch.setattr(pl, "CHUNK_BYTES", 5 * 4 * 64)  # chunks of 64 columns: 5 a block, the last 44
+    assert pl.vocab_columns(5, 300) == 64 and pl.vocab_columns(3, 300) == 106
     packed = pl.score_rows(model, hidden, targets, top=3)
-    monkeypatch.setattr(pl, "PASS_BYTES", 2 * 4 * 300)  # 2 rows a pass: blocks of 5 in passes of 2, 2, 1
-    assert pl.rows_per_pass(300) == 2 and torch.equal(pl.score_rows(model, hidden, targets, top=3), packed)
+    torch.testing.assert_close(packed, whole, atol=2e-6, rtol=0)  # float32 rounding: the logsumexp merged by chunks
     logp = torch.log_softmax(model.logits(hidden).double(), dim=-1)
-    torch.testing.assert_close(packed[:, 0], logp[torch.arange(23), targets], atol=1e-5, rtol=0)
-    torch.testing.assert_close(packed[:, 2:5], logp.topk(3).values, atol=1e-5, rtol=0)
-    rank = (logp > logp[torch.arange(23), targets][:, None]).sum(dim=-1) + 1
-    assert torch.equal(packed[:, 1].long(), rank)
-    assert torch.equal(packed[:, 5:].long(), logp.topk(3).indices)
+    for got in (packed, whole):
+        torch.testing.assert_close(got[:, 0], logp[torch.arange(23), targets], atol=1e-5, rtol=0)
+        torch.testing.assert_close(got[:, 2:5], logp.topk(3).values, atol=1e-5, rtol=0)
+        rank = (logp > logp[torch.arange(23), targets][:, None]).sum(dim=-1) + 1
+        assert torch.equal(got[:, 1].long(), rank)
+        assert torch.equal(got[:, 5:].long(), logp.topk(3).indices)
+    assert pl.score_rows(model, hidden, targets, top=0).shape == (23, 2)  # no top k asked: none computed
+
+
+def test_a_target_logit_rounded_apart_is_not_counted_above_itself(monkeypatch):
+    """With several vocabulary chunks the count of larger logits compares each chunk with the target's logit
+    computed first; were that product to round the target's logit below its chunk's, the rank is still
+    1 + the other tokens above it."""
+    from treeattn.models import random_model
+
+    model = random_model(ta.LlamaConfig(vocab_size=40, hidden_size=8, intermediate_size=16, num_layers=1, num_heads=2,
+                                        num_kv_heads=1, head_dim=4), seed=3, std=0.5)
+    hidden, targets = torch.randn(6, 8, generator=_G), torch.randint(0, 40, (6,), generator=_G)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    monkeypatch.setattr(pl, "CHUNK_BYTES", 6 * 4 * 16)  # 3 chunks
+    want = pl.score_rows(model, hidden, targets, top=0)
+    logits = model.logits
+
+    def lowered(hidden, vocab=None, weight=None):  # the targets' product (vocab None, weight given) rounds down
+        out = logits(hidden, vocab, weight)
+        return out.nextafter(torch.full_like(out, -torch.inf)) if vocab is None and weight is not None else out
+
+    monkeypatch.setattr(model, "logits", lowered)
+    assert torch.equal(pl.score_rows(model, hidden, targets, top=0), want)
 
 
 @pytest.mark.parametrize("value", [-1, 21, 2.5, True, "3"])
@@ -90,7 +118,7 @@ def test_docstring_examples_run():
 
     from treeattn.engine import request
 
-    for obj in (request.RequestResult, pl.score_rows, pl.dense_head):
+    for obj in (request.RequestResult, pl.score_rows, pl.dense_head, pl.vocab_columns):
         finder, runner = doctest.DocTestFinder(), doctest.DocTestRunner(optionflags=doctest.ELLIPSIS)
         for test in finder.find(obj, globs={}):
             runner.run(test)
@@ -119,9 +147,11 @@ def test_a_packed_head_is_dequantized_once_and_gives_the_packed_layers_values(fm
     hidden, targets = torch.randn(50, 64, generator=_G), torch.randint(0, 300, (50,), generator=_G)
     dense = pl.score_rows(model, hidden, targets, top=3)
     assert torch.equal(pl.score_rows(model, hidden, targets, top=3), dense) and len(made) == 1  # kept for the next call
-    monkeypatch.setattr(pl, "dense_head", lambda model: None)  # the packed layer's own product, block by block
+    monkeypatch.setattr(pl, "dense_head", lambda model: None)  # the packed layer's own product, a block at once
     rows = slice(0, 40)  # the two full blocks (the last one, 10 rows, takes the packed kernel: another summation order)
-    assert torch.equal(pl.score_rows(model, hidden[rows], targets[rows], top=3), dense[rows])
+    packed = pl.score_rows(model, hidden[rows], targets[rows], top=3)
+    torch.testing.assert_close(packed, dense[rows], atol=2e-6, rtol=0)  # the logsumexp merged by chunks or not
+    assert torch.equal(packed[:, 1], dense[rows, 1]) and torch.equal(packed[:, 5:], dense[rows, 5:])
     logp = torch.log_softmax(hidden.double() @ model.lm_head.dequantized().double().T, dim=-1)
     torch.testing.assert_close(dense[:, 0], logp[torch.arange(50), targets], atol=1e-5, rtol=0)
     torch.testing.assert_close(dense[:, 2:5], logp.topk(3).values, atol=1e-5, rtol=0)

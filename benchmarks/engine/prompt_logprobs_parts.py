@@ -4,10 +4,11 @@
 
 For a model whose output projection is kept packed (a GGUF file): dequantizing the whole head (what the
 packed layer did for every block of rows before dense_head kept one copy), the block's float32 LM head
-product (the floor of any exact method), and the block's reductions (log-softmax at the target, rank;
-treeattn.engine.worker.prompt_logprobs). One torch thread and time.thread_time, so that on a loaded
-machine the figures are the CPU each part costs, not the wait for a core. Prints one JSON object: each
-part's CPU seconds per repeat and their minimum, the rows per block, the load average.
+product at once and a vocabulary chunk at a time (vocab_columns: the floor of any exact method), and the
+whole scoring of the block (the chunked product with each chunk's reductions: its max, sum of exponentials,
+count of larger logits; treeattn.engine.worker.prompt_logprobs). One torch thread and time.thread_time, so
+that on a loaded machine the figures are the CPU each part costs, not the wait for a core. Prints one JSON
+object: each part's CPU seconds per repeat and their minimum, the rows per block, the load average.
 """
 
 from __future__ import annotations
@@ -35,18 +36,26 @@ def main() -> None:
     hidden = torch.randn(rows, model.config.hidden_size, generator=g)
     targets = torch.randint(0, model.config.vocab_size, (rows,), generator=g)
     weight = head.dequantized()
-    logits = model.logits(hidden, weight=weight)
     out = torch.empty(rows, 2, dtype=torch.float64)
-    step = pl.rows_per_pass(logits.shape[1])
-    parts = {"dequantize the head": head.dequantized, "LM head product": lambda: model.logits(hidden, weight=weight),
-             "reductions": lambda: pl._score_block(logits, targets, 0, out, step)}
+    columns = pl.vocab_columns(rows, model.config.vocab_size)
+
+    def chunked_product():
+        for first in range(0, model.config.vocab_size, columns):
+            model.logits(hidden, slice(first, first + columns), weight=weight)
+
+    parts = {"dequantize the head": head.dequantized,
+             "LM head product, whole block": lambda: model.logits(hidden, weight=weight),
+             "LM head product, by vocabulary chunks": chunked_product,
+             "block scored (chunked product + reductions)": lambda: pl._score_block(model, hidden, targets, 0, out, weight,
+                                                                                   {"weight": weight})}
     seconds = {name: [] for name in parts}
     for _ in range(args.repeats):
         for name, part in parts.items():
             start = time.thread_time()
             part()
             seconds[name].append(time.thread_time() - start)
-    print(json.dumps({"model": args.model, "rows_per_block": rows, "vocab_size": model.config.vocab_size,
+    print(json.dumps({"model": args.model, "rows_per_block": rows, "vocab_columns": columns,
+                      "vocab_size": model.config.vocab_size,
                       "hidden_size": model.config.hidden_size, "cpu_s_min": {k: min(v) for k, v in seconds.items()},
                       "cpu_s": seconds, "loadavg": open("/proc/loadavg").read().split()[:3]}, indent=1))
 

@@ -5,8 +5,10 @@
 One block of logits (rows x vocab, float32, from a random hidden state and LM head of SmolLM2's shape
 by default), then, alternately in each round: the block's matrix product, the log-softmax at the
 targets, the ranks and the top k over the whole block at once (as before), and the same reductions
-rows_per_pass(V) rows at a time, or --rows-per-pass (treeattn.engine.worker.prompt_logprobs.score_rows). Checks that both give the
-same values bit for bit; prints one JSON object with the milliseconds of each round and the load average.
+rows_per_pass(V) rows at a time, or --rows-per-pass (what treeattn.engine.worker.prompt_logprobs.score_rows did
+in session 14; it now computes the logits a vocabulary chunk at a time and reduces each chunk while it is in
+the cache: benchmarks/engine/prompt_logprobs_parts.py). Checks that both give the same values bit for bit;
+prints one JSON object with the milliseconds of each round and the load average.
 """
 
 from __future__ import annotations
@@ -18,7 +20,31 @@ import time
 import torch
 import torch.nn.functional as F
 
-from treeattn.engine.worker.prompt_logprobs import _score_block, rows_per_pass
+PASS_BYTES = 2 << 20  # session 14's rows a pass: 2 MiB of logits
+
+
+def rows_per_pass(vocab_size: int) -> int:
+    return max(1, PASS_BYTES // (4 * vocab_size))
+
+
+def _score_block(logits: torch.Tensor, targets: torch.Tensor, top: int, out: torch.Tensor, step: int) -> None:
+    """Session 14's reductions of a block's logits (rows, V), `step` rows at a time, into `out`."""
+    n = logits.shape[0]
+    chosen = logits.gather(1, targets[:, None])
+    lse = logits.new_empty(n)
+    larger = torch.empty(n, dtype=torch.int64)
+    values, ids = logits.new_empty(n, top), torch.empty(n, top, dtype=torch.int64)
+    for first in range(0, n, step):
+        rows, part = logits[first : first + step], slice(first, first + step)
+        torch.logsumexp(rows, dim=-1, out=lse[part])
+        torch.sum(rows > chosen[part], dim=-1, out=larger[part])
+        if top:
+            torch.topk(rows, top, dim=-1, out=(values[part], ids[part]))
+    out[:, 0] = chosen.squeeze(1) - lse
+    out[:, 1] = larger + 1
+    if top:
+        out[:, 2 : 2 + top] = values - lse[:, None]
+        out[:, 2 + top :] = ids
 
 
 def whole(logits: torch.Tensor, targets: torch.Tensor, top: int) -> torch.Tensor:

@@ -503,10 +503,11 @@ class DeepseekModel(nn.Module):
             h = layer(h, positions, cos, sin, kv_store, attend, chunk, self.attention_form)
         return self.norm(h)
 
-    def logits(self, hidden: torch.Tensor, vocab: slice | None = None) -> torch.Tensor:
+    def logits(self, hidden: torch.Tensor, vocab: slice | None = None, weight: torch.Tensor | None = None) -> torch.Tensor:
         """(..., hidden_size) final hidden states -> (..., vocab_size) float32 logits (the columns of
-        `vocab` only, as LlamaModel.logits)."""
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        `vocab` only, as LlamaModel.logits; `weight`: another output projection, e.g. some of its rows)."""
+        if weight is None:
+            weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(hidden, weight if vocab is None else weight[vocab]).float()
 
 

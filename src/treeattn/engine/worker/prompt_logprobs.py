@@ -12,11 +12,11 @@ tokens start + 1 .. start + n (those inside the prompt): the scheduler puts them
 
 The work is the output projection of every such row over the whole vocabulary, which for a long
 prompt is a prompt x vocabulary matrix (8K x 262,144 float32 for Gemma 3: 8 GiB). It is never
-materialized: the rows are taken ROWS_PER_BLOCK at a time, and for each block one matrix product
-gives its logits (ROWS_PER_BLOCK x V), from which the log-softmax at the target
-(logit - logsumexp, float32 as the generated tokens' logprobs, runner.token_logprobs), the target's
-rank and the top k are kept: 2 + 2k numbers a row. Those reductions run a few rows at a time
-(rows_per_pass: 2 MiB of logits), so that they read the block's logits from the cache, not memory.
+materialized: the rows are taken ROWS_PER_BLOCK at a time, and each block's logits a chunk of the
+vocabulary at a time (vocab_columns: 4 MiB of logits a thread on the CPU), each chunk reduced while it is in
+the cache: its logsumexp (merged across chunks like attention states), the count of logits above the
+target's, its top k. Kept per row: the log-softmax at the target (float32 logit - logsumexp, as the
+generated tokens' logprobs, runner.token_logprobs), the target's rank and the top k: 2 + 2k numbers.
 A GGUF file's packed output projection is dequantized once (dense_head) and kept for the next steps,
 not once per block as the packed layer's own product of many rows would.
 
@@ -40,27 +40,38 @@ import torch
 from treeattn.engine.request import TokenLogprob
 from treeattn.engine.worker.token_parallel import gather_slices, row_bounds
 
-ROWS_PER_BLOCK = 256
-"""Prompt rows whose logits are computed at once: a block holds ROWS_PER_BLOCK x vocab_size float32
-logits (Gemma 3: 256 MiB; SmolLM2: 48 MiB)."""
+ROWS_PER_BLOCK = 512
+"""Prompt rows scored together: their hidden states are multiplied by the LM head a chunk of the
+vocabulary at a time (vocab_columns; 512 rows reuse each chunk of the head more than 256: about 4 %
+less CPU time for SmolLM2's head, one thread, under load), and on a GPU by the whole head at once
+(ROWS_PER_BLOCK x vocab_size float32 logits: Gemma 3 512 MiB, SmolLM2 96 MiB)."""
 
-PASS_BYTES = 2 << 20
-"""Logits whose log-softmax, rank and top k are taken together: rows_per_pass(V) rows of a block.
-The reductions read the logits several times (max, exp-sum, compare, top k); over a block of 256
-rows (SmolLM2: 48 MiB) every read comes from memory, over 2 MiB of rows the reads after the first
-come from the cache (benchmarks/engine/prompt_logprobs_reductions.py: docs/engine.md#prompt-log-probabilities).
-On the CPU only: on a GPU a block is reduced in one pass (one kernel launch per reduction, not per row).
-The values are the same bit for bit: each row is reduced alone."""
+CHUNK_BYTES = 4 << 20
+"""On the CPU, the float32 logits computed at once per torch thread: a block's rows x vocab_columns(rows, V)
+columns (4 MiB a thread; SmolLM2, 512 rows: 2048 columns on 1 thread, 4096 on 2). The reductions (max,
+exp-sum, count of larger logits, top k) read each chunk right after the product wrote it, from the cache;
+no prompt x vocabulary or even block x vocabulary matrix is made. Smaller chunks mean more calls, each a
+parallel region whose threads wait for one another (on 2 threads, 1 MiB chunks cost more CPU than one
+whole block); larger ones fall out of the cache (16 MiB on 1 thread cost more than 8):
+benchmarks/engine/prompt_logprobs_parts.py, docs/engine.md#prompt-log-probabilities. On a GPU one chunk is
+the whole vocabulary (one launch a reduction)."""
 
 
-def rows_per_pass(vocab_size: int) -> int:
-    """Rows whose logits fill PASS_BYTES (at least 1): SmolLM2's 49,152 tokens 10, Gemma 3's 262,144 2.
+def vocab_columns(rows: int, vocab_size: int, device: torch.device | str = "cpu", threads: int | None = None) -> int:
+    """The vocabulary columns of one chunk of `rows` rows' logits: CHUNK_BYTES of float32 for each of
+    `threads` (default: torch's intra-op threads) on the CPU, at least 1, at most vocab_size; the whole
+    vocabulary on another device.
 
-    >>> from treeattn.engine.worker.prompt_logprobs import rows_per_pass
-    >>> rows_per_pass(49152), rows_per_pass(262144), rows_per_pass(10**7)
-    (10, 2, 1)
+    >>> from treeattn.engine.worker.prompt_logprobs import vocab_columns
+    >>> vocab_columns(512, 49152, threads=1), vocab_columns(512, 49152, threads=2), vocab_columns(256, 300)
+    (2048, 4096, 300)
+    >>> vocab_columns(10**7, 50, threads=1), vocab_columns(512, 49152, "cuda")
+    (1, 49152)
     """
-    return max(1, PASS_BYTES // (4 * vocab_size))
+    if torch.device(device).type != "cpu":
+        return vocab_size
+    threads = torch.get_num_threads() if threads is None else threads
+    return max(1, min(vocab_size, threads * CHUNK_BYTES // (4 * rows)))
 
 
 @dataclass(frozen=True)
@@ -180,18 +191,18 @@ def dense_head(model) -> torch.Tensor | None:
 
 def score_rows(model, hidden: torch.Tensor, targets: torch.Tensor, top: int) -> torch.Tensor:
     """Each row's log-softmax at its target token and its `top` most likely tokens, ROWS_PER_BLOCK
-    rows at a time (never more logits at once).
+    rows at a time, their logits a vocabulary chunk at a time (vocab_columns; never more logits at once).
 
     Args:
-        model: has .logits(hidden) -> float32 (rows, V).
+        model: has .logits(hidden, vocab=None, weight=None) -> float32 (rows, V) (the columns of `vocab`).
         hidden: (n, hidden_size) final hidden states.
         targets: int64 (n,) the token each row scores.
-        top: alternatives per row (0: none).
+        top: alternatives per row (0: none; nothing of the top k is computed then).
 
     Returns:
-        float64 (n, 2 + 2 * top): logprob of the target (float32 logit - float32 logsumexp), its
-        rank (1 + the tokens with a larger logit, vLLM's), the top log-probabilities (most likely
-        first), the top token ids.
+        float64 (n, 2 + 2 * top): logprob of the target (its float32 logit - the logsumexp of the float32
+        logits), its rank (1 + the tokens with a larger logit, vLLM's), the top log-probabilities (most
+        likely first), the top token ids.
 
     Example (a tiny random model; the values equal torch.log_softmax of the whole logits)::
 
@@ -210,34 +221,59 @@ def score_rows(model, hidden: torch.Tensor, targets: torch.Tensor, top: int) -> 
     """
     out = torch.empty(hidden.shape[0], 2 + 2 * top, dtype=torch.float64, device=hidden.device)
     targets = targets.to(hidden.device)
-    weight = dense_head(model)
-    dense = {} if weight is None else {"weight": weight}  # a packed head: its float32 copy, made once
+    copy = dense_head(model)
+    dense = {} if copy is None else {"weight": copy}  # a packed head: its float32 copy, made once
+    head = model.embed_tokens if getattr(model, "lm_head", None) is None else model.lm_head
+    weight = copy if copy is not None else getattr(head, "weight", None)  # None: a head of another kind
     with torch.no_grad():  # the reductions write into `out=` tensors
         for lo in range(0, hidden.shape[0], ROWS_PER_BLOCK):
-            logits = model.logits(hidden[lo : lo + ROWS_PER_BLOCK], **dense).float()  # (rows, V): one pass over the LM head
-            step = rows_per_pass(logits.shape[1]) if logits.device.type == "cpu" else logits.shape[0]  # a GPU: one launch a block
-            _score_block(logits, targets[lo : lo + ROWS_PER_BLOCK], top, out[lo : lo + ROWS_PER_BLOCK], step)
+            rows = slice(lo, lo + ROWS_PER_BLOCK)
+            _score_block(model, hidden[rows], targets[rows], top, out[rows], weight, dense)
     return out
 
 
-def _score_block(logits: torch.Tensor, targets: torch.Tensor, top: int, out: torch.Tensor, step: int) -> None:
-    """score_rows' values for a block's logits (rows, V), written into `out`. The reductions that read
-    every logit (logsumexp, the count of larger logits, the top k) run `step` rows at a time, small enough
-    that the reads after the first come from the cache; the rest (the target's logit, the differences,
-    the float64 copies) once for the block: fewer calls, the same values bit for bit."""
-    n = logits.shape[0]
-    chosen = logits.gather(1, targets[:, None])  # (rows, 1)
-    lse = logits.new_empty(n)
-    larger = torch.empty(n, dtype=torch.int64, device=logits.device)
-    values, ids = logits.new_empty(n, top), torch.empty(n, top, dtype=torch.int64, device=logits.device)
-    for first in range(0, n, step):
-        rows, part = logits[first : first + step], slice(first, first + step)
-        torch.logsumexp(rows, dim=-1, out=lse[part])
-        torch.sum(rows > chosen[part], dim=-1, out=larger[part])
+def _score_block(model, hidden: torch.Tensor, targets: torch.Tensor, top: int, out: torch.Tensor,
+                 weight: torch.Tensor | None, dense: dict) -> None:
+    """score_rows' values for a block of rows, written into `out`: one pass over the vocabulary, a chunk
+    of logits (vocab_columns) at a time, each reduced while it is in the cache: its max, its sum of
+    exp(logit - max) and its count of logits above the target's, one row each of a (chunks, rows) table
+    (few calls a chunk), the top k merged; then the chunks' sums are merged in float64 (logsumexp = max +
+    log(sum)). The count needs the target's logit before its chunk comes: with more than one chunk it is
+    computed first (the block's rows against the targets' rows of `weight`); where that product rounds
+    the target's own logit below its chunk's, the count drops it."""
+    n, device = hidden.shape[0], hidden.device
+    columns = None if weight is None else vocab_columns(n, weight.shape[0], device)
+    starts = [0] if columns is None or columns >= weight.shape[0] else list(range(0, weight.shape[0], columns))
+    chosen = None if len(starts) == 1 else model.logits(hidden, weight=weight[targets]).diagonal().contiguous()
+    picked = torch.empty(n, dtype=torch.float32, device=device)  # the target's logit, from its chunk
+    maxes = torch.empty(len(starts), n, dtype=torch.float32, device=device)  # per chunk: max, sum of exp(logit - max)
+    sums = torch.empty(len(starts), n, dtype=torch.float32, device=device)
+    larger = torch.empty(len(starts), n, dtype=torch.int64, device=device)
+    rows_in = {}  # chunk -> the rows whose target it holds
+    for row, j in enumerate((targets // columns).tolist() if len(starts) > 1 else [0] * n):
+        rows_in.setdefault(j, []).append(row)
+    rows_in = {j: (torch.tensor(r, device=device), targets[r] - starts[j]) for j, r in rows_in.items()}  # (rows, columns)
+    values, ids = torch.empty(n, 0, device=device), torch.empty(n, 0, dtype=torch.int64, device=device)
+    shifted = None  # the chunk's exp(logit - max): one buffer for every chunk of its shape
+    for j, first in enumerate(starts):
+        logits = model.logits(hidden, None if len(starts) == 1 else slice(first, first + columns), **dense)
+        if j in rows_in:
+            picked[rows_in[j][0]] = logits[rows_in[j]]
+        torch.amax(logits, dim=-1, out=maxes[j])
+        if shifted is None or shifted.shape != logits.shape:
+            shifted = torch.empty_like(logits)
+        torch.sum(torch.sub(logits, maxes[j][:, None], out=shifted).exp_(), dim=-1, out=sums[j])
+        torch.sum(logits > (picked if chosen is None else chosen)[:, None], dim=-1, out=larger[j])
         if top:
-            torch.topk(rows, top, dim=-1, out=(values[part], ids[part]))
-    out[:, 0] = chosen.squeeze(1) - lse
-    out[:, 1] = larger + 1
+            chunk_values, chunk_ids = torch.topk(logits, min(top, logits.shape[1]), dim=-1)
+            merged = torch.cat([values, chunk_values], dim=1)
+            values, where = torch.topk(merged, min(top, merged.shape[1]), dim=-1)
+            ids = torch.cat([ids, chunk_ids + first], dim=1).gather(1, where)
+    count = larger.sum(dim=0) if chosen is None else larger.sum(dim=0) - (picked > chosen).long()
+    top_max = maxes.double().amax(dim=0)
+    lse = top_max + torch.log((sums.double() * torch.exp(maxes.double() - top_max)).sum(dim=0))
+    out[:, 0] = picked.double() - lse
+    out[:, 1] = count + 1
     if top:
-        out[:, 2 : 2 + top] = values - lse[:, None]
+        out[:, 2 : 2 + top] = values.double() - lse[:, None]
         out[:, 2 + top :] = ids
