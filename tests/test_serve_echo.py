@@ -111,3 +111,22 @@ def test_lm_evals_remote_tokenizer_probe_accepts_the_server(server):
 def test_models_lists_every_name_first_the_first(server):
     assert [m.id for m in server.client().models.list().data] == [NAME, ALIAS]
     assert server.client().completions.create(model=NAME, prompt="hi", max_tokens=1).model == NAME
+
+
+def test_tokenizer_info_names_the_models_bos_without_a_chat_template(model_file):
+    """A base model has no chat template; /tokenizer_info still names its BOS token (from the model's
+    config), since lm-eval's remote tokenizer starts every rolling-perplexity window with it and
+    falls back to EOS when it is missing (Gemma 3 270M's perplexity differed by that)."""
+    from types import SimpleNamespace
+
+    from treeattn.engine.worker.rank import model_info
+    from treeattn.models import load_model
+    from treeattn.serve.tokenize import tokenizer_info_body
+
+    model = load_model(model_file)
+    info = model_info(model)
+    assert info.bos_token_id == 1
+    engine = SimpleNamespace(tokenizer=load_tokenizer(model_file), model_info=info, max_context=512)
+    body = tokenizer_info_body(SimpleNamespace(engine=engine, chat_template=None))
+    assert body["bos_token"] == engine.tokenizer.id_to_token(1) and body["chat_template"] is None
+    assert body["eos_token"] == engine.tokenizer.id_to_token(2)

@@ -47,6 +47,7 @@ class ModelInfo:
     eos_token_ids: tuple[int, ...]
     linear_layers: tuple[int, ...] = ()  # a hybrid linear model's (treeattn.linear): per-sequence states, no prefix cache
     kv_store_namespace: str | None = None  # the ranks' KV store namespace (treeattn.engine.kv_tier), None: no store
+    bos_token_id: int | None = None  # the checkpoint's beginning-of-sequence token (GGUF tokenizer.ggml.bos_token_id)
 
 
 def load_model(model, dtype, device: torch.device | None = None, weight_format: str = "auto", layout=None):
@@ -80,7 +81,7 @@ def model_info(model, runner: RankRunner | None = None) -> ModelInfo:
     c = model.config
     store = getattr(runner, "block_store", None)
     return ModelInfo(c.vocab_size, c.max_position_embeddings, tuple(c.eos_token_ids), linear_layers(model),
-                     None if store is None else store.namespace)
+                     None if store is None else store.namespace, getattr(c, "bos_token_id", None))
 
 
 def make_runner(model, config: EngineConfig, group=None) -> RankRunner:
