@@ -106,7 +106,7 @@ def tokenizer_info_body(server) -> dict:
     tok, template = server.engine.tokenizer, server.chat_template
     eos_ids = server.engine.model_info.eos_token_ids
     eos = tok.id_to_token(eos_ids[0]) if tok is not None and eos_ids else getattr(template, "eos_token", None)
-    bos_id = server.engine.model_info.bos_token_id  # the model's own, chat template or not: lm-eval's rolling windows start with it
+    bos_id = server.engine.model_info.bos_token_id  # the model's own: lm-eval starts rolling windows with it
     bos = tok.id_to_token(bos_id) if tok is not None and bos_id is not None else getattr(template, "bos_token", None)
     return {"tokenizer_class": "tokenizers.Tokenizer", "bos_token": bos, "eos_token": eos,
             "pad_token": None, "chat_template": getattr(template, "template", None),
