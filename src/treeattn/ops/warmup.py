@@ -38,15 +38,18 @@ PACKED_KINDS = (("q4_0", torch.uint8), ("q4_1", torch.uint8), ("q8_0", torch.int
 ONEPASS_WINDOW = 550.0  # treeattn.parallel.tree_decode.ONEPASS_WINDOW's type (a float); ops imports nothing above it
 
 
-def _attend(dtype: torch.dtype, threads: int) -> None:
-    """attend_blocks over two blocks of two tokens in `dtype` on `threads` threads (1: the serial kernel)."""
+def _attend(dtype: torch.dtype, threads: int, heads: tuple[int, int, int] = (1, 2, 8)) -> None:
+    """attend_blocks over two blocks of two tokens in `dtype` on `threads` threads (1: the serial kernel),
+    `heads` = (KV heads, query heads a KV head, head dim): a model's own shape where the kernel compiles
+    it in (paged_cpu_kernel.head_dim_tag, head_shape_tag: head dim 64)."""
     from treeattn.ops.cpu_decode import attend_blocks, kernel_splits
 
-    blocks = torch.zeros(2, 2, 1, 8).to(dtype)
-    scales = (torch.ones(2, 2, 1), torch.ones(2, 2, 1)) if dtype == FP8 else (None, None)
+    hkv, group, dim = heads
+    blocks = torch.zeros(2, 2, hkv, dim).to(dtype)
+    scales = (torch.ones(2, 2, hkv), torch.ones(2, 2, hkv)) if dtype == FP8 else (None, None)
     arrays = (torch.arange(2).view(1, 2).numpy(), torch.arange(4).view(1, 4).numpy(), torch.zeros(1, dtype=torch.int64).numpy(),
               torch.full((1,), 3, dtype=torch.int64).numpy(), kernel_splits(threads, 1, 2))
-    attend_blocks(torch.zeros(1, 1, 2, 8), blocks, blocks, 8, arrays, threads=threads, scale=0.5, window=None,
+    attend_blocks(torch.zeros(1, 1, hkv * group, dim), blocks, blocks, dim, arrays, threads=threads, scale=0.5, window=None,
                   k_scales=scales[0], v_scales=scales[1])
 
 
@@ -84,7 +87,7 @@ def _combine(dtype: torch.dtype) -> None:
 
 
 def warm_kernels(*, kv_dtypes=(), attention_threads: int = 1, packed=(), rowwise: bool = False, combine=(),
-                 int8: bool = False) -> list[str]:
+                 int8: bool = False, attention_heads=()) -> list[str]:
     """Call each named numba kernel once on tiny inputs (compiling it, or loading it from numba's cache).
 
     Args:
@@ -94,6 +97,8 @@ def warm_kernels(*, kv_dtypes=(), attention_threads: int = 1, packed=(), rowwise
         rowwise: RMSNorm and RoPE in float32.
         combine: state dtypes (float32, float64) of onepass's combine.
         int8: the packed weights' 8-bit activation kernel too (activation_format="int8"), where this host runs it.
+        attention_heads: (KV heads, query heads a KV head, head dim) of the model's attention layers: the
+            attention kernel for each kv_dtype in those shapes too (head dim 64 compiles them in).
 
     Returns:
         What was called, one line each; [] without numba.
@@ -110,6 +115,9 @@ def warm_kernels(*, kv_dtypes=(), attention_threads: int = 1, packed=(), rowwise
     for dtype in kv_dtypes:
         _attend(dtype, attention_threads)
         done.append(f"attention {dtype} threads={attention_threads}")
+        for heads in attention_heads:
+            _attend(dtype, attention_threads, heads)
+            done.append(f"attention {dtype} threads={attention_threads} heads={heads}")
     for fmt, values, threads in packed:
         _matmul(fmt, values, threads)
         done.append(f"packed {fmt} {values} threads={threads}")

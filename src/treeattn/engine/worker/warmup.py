@@ -35,6 +35,21 @@ def packed_kinds(*models) -> list[tuple[str, torch.dtype]]:
     return sorted(kinds, key=str)
 
 
+def attention_heads(model) -> list[tuple[int, int, int]]:
+    """(KV heads, query heads a KV head, head dim) of every attention layer of `model` that names them
+    (a tensor-parallel rank's: its share of the heads), sorted.
+
+        >>> import torch
+        >>> attn = torch.nn.Module(); attn.num_heads, attn.num_kv_heads, attn.head_dim = 9, 3, 64
+        >>> attention_heads(torch.nn.Sequential(attn))
+        [(3, 3, 64)]
+    """
+    shapes = {(m.num_kv_heads, m.num_heads // m.num_kv_heads, m.head_dim) for m in model.modules()
+              if all(isinstance(getattr(m, a, None), int) for a in ("num_heads", "num_kv_heads", "head_dim"))
+              and 0 < m.num_kv_heads <= m.num_heads and m.num_heads % m.num_kv_heads == 0}
+    return sorted(shapes)
+
+
 def warm_up_rank(model, *, kv_dtype: torch.dtype, world_size: int, draft_model=None) -> list[str]:
     """Warm the numba kernels `model` (and `draft_model`) and a KV cache of `kv_dtype` will call on
     this rank (see the module docstring). Returns ops.warmup.warm_kernels' lines; [] off the CPU."""
@@ -50,7 +65,7 @@ def warm_up_rank(model, *, kv_dtype: torch.dtype, world_size: int, draft_model=N
     combine = (dtype,) if world_size > 1 and dtype in (torch.float32, torch.float64) else ()
     int8 = any(getattr(m, "activations", None) == "int8" for m in model.modules())  # set_activation_format: its kernel too
     return warm_kernels(kv_dtypes=kv_dtypes, attention_threads=threads, packed=packed, rowwise=dtype == torch.float32,
-                        combine=combine, int8=int8)
+                        combine=combine, int8=int8, attention_heads=attention_heads(model))
 
 
 def pretouch_cache(cache) -> int:
@@ -73,4 +88,4 @@ def pretouch_cache(cache) -> int:
     return written
 
 
-__all__ = ["packed_kinds", "pretouch_cache", "warm_up_rank"]
+__all__ = ["attention_heads", "packed_kinds", "pretouch_cache", "warm_up_rank"]
