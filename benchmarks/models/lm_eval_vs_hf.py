@@ -33,8 +33,10 @@ def evaluate(model, tasks: list[str], **kwargs) -> tuple[dict, dict]:
 
     here = os.getcwd()
     os.chdir(TASKS_DIR)  # the task files name their JSONL files relative to the working directory
+    # only our task files: without include_defaults=False lm-eval indexes its thousands of built-in tasks on every
+    # call (34 s at load 17; tests/test_lm_eval.py does the same)
     try:
-        out = lm_eval.simple_evaluate(model=model, tasks=tasks, task_manager=TaskManager(include_path=str(TASKS_DIR)),
+        out = lm_eval.simple_evaluate(model=model, tasks=tasks, task_manager=TaskManager(include_path=str(TASKS_DIR), include_defaults=False),
                                       log_samples=True, **kwargs)
     finally:
         os.chdir(here)
