@@ -36,8 +36,8 @@ def evaluate(model, tasks: list[str], **kwargs) -> tuple[dict, dict]:
     # only our task files: without include_defaults=False lm-eval indexes its thousands of built-in tasks on every
     # call (34 s at load 17; tests/test_lm_eval.py does the same)
     try:
-        out = lm_eval.simple_evaluate(model=model, tasks=tasks, task_manager=TaskManager(include_path=str(TASKS_DIR), include_defaults=False),
-                                      log_samples=True, **kwargs)
+        manager = TaskManager(include_path=str(TASKS_DIR), include_defaults=False)
+        out = lm_eval.simple_evaluate(model=model, tasks=tasks, task_manager=manager, log_samples=True, **kwargs)
     finally:
         os.chdir(here)
     samples = {t: sorted(({"doc_id": s["doc_id"], "resps": s["resps"]} for s in rows), key=lambda r: r["doc_id"])
