@@ -134,12 +134,12 @@ class PromptRows:
         if owned is None:  # replicated: rank r scores slice r of the wanted rows
             bounds = row_bounds(len(self.rows), p)
             shares = [list(range(bounds[k], bounds[k + 1])) for k in range(p)]  # indices into self.rows
-            mine = hidden[torch.tensor([self.rows[i] for i in shares[rank]], dtype=torch.int64, device=hidden.device)]
+            mine = _take(hidden, [self.rows[i] for i in shares[rank]])
         else:
             index = {row: i for i, row in enumerate(self.rows)}
             shares = [[index[row] for row in rows if row in index] for rows in owned]
             where = {row: i for i, row in enumerate(owned[rank])}
-            mine = hidden[torch.tensor([where[self.rows[i]] for i in shares[rank]], dtype=torch.int64, device=hidden.device)]
+            mine = _take(hidden, [where[self.rows[i]] for i in shares[rank]])
         targets = torch.tensor([self.targets[i] for i in shares[rank]], dtype=torch.int64)
         packed = score_rows(model, mine, targets, self.top)
         if p > 1:
@@ -165,6 +165,20 @@ class PromptRows:
         return out
 
 
+
+
+def _take(hidden: torch.Tensor, index: list[int]) -> torch.Tensor:
+    """hidden[index]: a view where the rows are consecutive (a prefill chunk's: no copy), else a gathered copy.
+
+    >>> import torch
+    >>> from treeattn.engine.worker.prompt_logprobs import _take
+    >>> hidden = torch.tensor([[0.0, 1.0], [2.0, 3.0], [4.0, 5.0], [6.0, 7.0]])
+    >>> _take(hidden, [1, 2])._base is hidden, _take(hidden, [0, 2]).tolist()
+    (True, [[0.0, 1.0], [4.0, 5.0]])
+    """
+    if index and index == list(range(index[0], index[0] + len(index))):
+        return hidden[index[0] : index[0] + len(index)]
+    return hidden[torch.tensor(index, dtype=torch.int64, device=hidden.device)]
 
 
 def dense_head(model) -> torch.Tensor | None:
