@@ -107,28 +107,6 @@ def test_a_target_logit_rounded_apart_is_not_counted_above_itself(monkeypatch):
     assert torch.equal(pl.score_rows(model, hidden, targets, top=0), want)
 
 
-def test_a_soft_capped_head_is_scored_through_its_own_logits(monkeypatch):
-    """score_rows multiplies a float32 head itself only where model.logits is that product alone; Gemma 3's
-    final_logit_softcapping (tanh(logits / cap) * cap) goes through model.logits, chunk by chunk."""
-    from treeattn.models.gemma3 import Gemma3Config, Gemma3Model
-
-    config = dict(vocab_size=300, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
-                  head_dim=8)
-    model = Gemma3Model(Gemma3Config(**config, final_logit_softcapping=2.0))
-    torch.nn.init.normal_(model.embed_tokens.weight, std=0.5, generator=_G)
-    assert not pl._plain_logits(model) and pl._plain_logits(Gemma3Model(Gemma3Config(**config)))
-    hidden, targets = torch.randn(7, 16, generator=_G), torch.randint(0, 300, (7,), generator=_G)
-    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
-    monkeypatch.setattr(pl, "CHUNK_BYTES", 7 * 4 * 64)  # 5 chunks
-    got = pl.score_rows(model, hidden, targets, top=2)
-    with torch.no_grad():
-        logp = torch.log_softmax(model.logits(hidden).double(), dim=-1)
-    torch.testing.assert_close(got[:, 0], logp[torch.arange(7), targets], atol=1e-5, rtol=0)
-    assert torch.equal(got[:, 4:].long(), logp.topk(2).indices)
-    with torch.no_grad():  # the cap changes the logits: the raw product's log-softmax would differ
-        assert model.logits(hidden).abs().max() < 2.0 < (hidden @ model.embed_tokens.weight.T).abs().max()
-
-
 @pytest.mark.parametrize("value", [-1, 21, 2.5, True, "3"])
 def test_bad_prompt_logprobs_are_refused_naming_the_field(value):
     with pytest.raises(ValueError, match="^prompt_logprobs must be None or an int in \\[0, 20\\], got"):

@@ -5,7 +5,7 @@
 For a model whose output projection is kept packed (a GGUF file): dequantizing the whole head (what the
 packed layer did for every block of rows before dense_head kept one copy), the block's float32 LM head
 product at once and a vocabulary chunk at a time (vocab_columns: the floor of any exact method; through
-model.logits, a fresh tensor a chunk, and into one reused buffer, as _score_block multiplies a float32 head), and the
+model.logits, a fresh tensor a chunk, as _score_block does, and into one reused buffer with torch.mm(out=)), and the
 whole scoring of the block (the chunked product with each chunk's reductions: its max, sum of exponentials,
 count of larger logits; treeattn.engine.worker.prompt_logprobs). One torch thread and time.thread_time, so
 that on a loaded machine the figures are the CPU each part costs, not the wait for a core. Prints one JSON
@@ -46,7 +46,7 @@ def main() -> None:
 
     buffer = torch.empty(rows, columns)
 
-    def chunked_product_into_one_buffer():  # what _score_block does with a float32 head (_chunk_logits)
+    def chunked_product_into_one_buffer():  # whether a fresh tensor a chunk costs anything
         for first in range(0, model.config.vocab_size, columns):
             part = weight[first : first + columns]
             torch.mm(hidden, part.T, out=buffer if part.shape[0] == columns else torch.empty(rows, part.shape[0]))

@@ -259,12 +259,12 @@ def _score_block(model, hidden: torch.Tensor, targets: torch.Tensor, top: int, o
     """score_rows' values for a block of rows, written into `out`: one pass over the vocabulary, a chunk
     of logits (vocab_columns) at a time, each reduced while it is in the cache: its max, its sum of
     exp(logit - max) (as exp2, LOG2_E) and its count of logits above the target's, one row each of a
-    (chunks, rows) table, the top k merged; then the chunks' sums are merged in float64 (logsumexp = max + log(sum)). The count
-    needs the target's logit before its chunk comes: with more than one chunk it is computed first (the
+    (chunks, rows) table, the top k merged; then the chunks' sums are merged in float64 (logsumexp = max +
+    log(sum)). The count needs the target's logit before its chunk comes: with more than one chunk it is computed first (the
     block's rows against the targets' rows of `weight`); where that product rounds the target's own logit
-    below its chunk's, the count drops it. A float32 `weight` is multiplied into one reused buffer
-    (_chunk_logits) and the counts are float32 (exact: a chunk has far fewer than 2**24 columns), whose
-    compare-and-sum is one vectorized pass where a bool mask's sum was a conversion and a reduction."""
+    below its chunk's, the count drops it. The counts are float32 (exact: a chunk has far fewer than 2**24
+    columns), whose compare-and-sum is one vectorized pass where a bool mask's sum was a conversion and a
+    reduction (per 512-row block of SmolLM2 on one thread: 0.014 s instead of 0.039, under load)."""
     n, device = hidden.shape[0], hidden.device
     columns = None if weight is None else vocab_columns(n, weight.shape[0], device)
     starts = [0] if columns is None or columns >= weight.shape[0] else list(range(0, weight.shape[0], columns))
@@ -277,9 +277,11 @@ def _score_block(model, hidden: torch.Tensor, targets: torch.Tensor, top: int, o
         rows_in.setdefault(j, []).append(row)
     rows_in = {j: (torch.tensor(r, device=device), targets[r] - starts[j]) for j, r in rows_in.items()}  # (rows, columns)
     values, ids = torch.empty(n, 0, device=device), torch.empty(n, 0, dtype=torch.int64, device=device)
-    buffers = {}  # the chunk's logits and its scratch (its comparisons, then exp(logit - max)), one pair per width
+    scratch = None  # the chunk's comparisons, then its exp(logit - max): one buffer for every chunk of its shape
     for j, first in enumerate(starts):
-        logits, scratch = _chunk_logits(model, hidden, first, None if len(starts) == 1 else columns, weight, dense, buffers)
+        logits = model.logits(hidden, None if len(starts) == 1 else slice(first, first + columns), **dense)
+        if scratch is None or scratch.shape != logits.shape:
+            scratch = torch.empty_like(logits)
         if j in rows_in:
             picked[rows_in[j][0]] = logits[rows_in[j]]
         torch.amax(logits, dim=-1, out=maxes[j])
@@ -299,29 +301,3 @@ def _score_block(model, hidden: torch.Tensor, targets: torch.Tensor, top: int, o
         out[:, 2 : 2 + top] = values.double() - lse[:, None]
         out[:, 2 + top :] = ids
 
-
-def _chunk_logits(model, hidden: torch.Tensor, first: int, columns: int | None, weight: torch.Tensor | None,
-                  dense: dict, buffers: dict) -> tuple[torch.Tensor, torch.Tensor]:
-    """The float32 logits of `hidden` for vocabulary columns first .. first + columns (None: all) and a
-    scratch tensor of their shape. A float32 `weight` with float32 rows is multiplied into a buffer of
-    `buffers` kept for the next chunks of that width (torch.mm(out=): the values of F.linear, the same
-    product; no fresh 4 MiB a chunk to fault in) where model.logits is that product alone (_plain_logits);
-    anything else through model.logits."""
-    if weight is None or weight.dtype != torch.float32 or hidden.dtype != torch.float32 or not _plain_logits(model):
-        logits = model.logits(hidden, None if columns is None else slice(first, first + columns), **dense)
-        return logits, torch.empty_like(logits)
-    part = weight if columns is None else weight[first : first + columns]
-    if part.shape[0] not in buffers:
-        buffers[part.shape[0]] = torch.empty(2, hidden.shape[0], part.shape[0], device=hidden.device)
-    logits, scratch = buffers[part.shape[0]]
-    return torch.mm(hidden, part.T, out=logits), scratch
-
-
-def _plain_logits(model) -> bool:
-    """Whether model.logits(hidden, vocab, weight) is the float32 product hidden @ weight[vocab].T and nothing
-    more: LlamaModel's, or Gemma 3's without final_logit_softcapping (with it: tanh(logits / cap) * cap)."""
-    from treeattn.models.gemma3 import Gemma3Model
-    from treeattn.models.llama import LlamaModel
-
-    kind = type(model).logits
-    return kind is LlamaModel.logits or (kind is Gemma3Model.logits and model.config.final_logit_softcapping is None)
