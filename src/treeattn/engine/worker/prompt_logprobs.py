@@ -58,10 +58,10 @@ benchmarks/engine/prompt_logprobs_parts.py, docs/engine.md#prompt-log-probabilit
 the whole vocabulary (one launch a reduction)."""
 
 
-LOG2_E = math.log2(math.e)
-"""exp(x) = exp2(x * LOG2_E): torch's float32 exp2 is a third of exp's CPU time (AVX-512, one thread: 0.0076 vs 0.0217 s
+_LOG2_E = math.log2(math.e)
+"""exp(x) = exp2(x * _LOG2_E): torch's float32 exp2 is a third of exp's CPU time (AVX-512, one thread: 0.0076 vs 0.0217 s
 for 24 x 512 x 2048 values, under load), and its sums of a chunk's exp(logit - max) have exp's error (both within
-3e-7 of float64 for logits of scale 0.3-30). The product by LOG2_E rounds x once more, 2**-24 |x| relatively:
+3e-7 of float64 for logits of scale 0.3-30). The product by _LOG2_E rounds x once more, 2**-24 |x| relatively:
 large only for the terms far below the max, whose weight in the sum is exp(x), at most ~log(columns) * 2**-24 of it."""
 
 
@@ -258,7 +258,7 @@ def _score_block(model, hidden: torch.Tensor, targets: torch.Tensor, top: int, o
                  weight: torch.Tensor | None, dense: dict) -> None:
     """score_rows' values for a block of rows, written into `out`: one pass over the vocabulary, a chunk
     of logits (vocab_columns) at a time, each reduced while it is in the cache: its max, its sum of
-    exp(logit - max) (as exp2, LOG2_E) and its count of logits above the target's, one row each of a
+    exp(logit - max) (as exp2, _LOG2_E) and its count of logits above the target's, one row each of a
     (chunks, rows) table, the top k merged; then the chunks' sums are merged in float64 (logsumexp = max +
     log(sum)). The count needs the target's logit before its chunk comes: with more than one chunk it is computed first (the
     block's rows against the targets' rows of `weight`); where that product rounds the target's own logit
@@ -286,7 +286,7 @@ def _score_block(model, hidden: torch.Tensor, targets: torch.Tensor, top: int, o
             picked[rows_in[j][0]] = logits[rows_in[j]]
         torch.amax(logits, dim=-1, out=maxes[j])
         torch.sum(torch.gt(logits, (picked if chosen is None else chosen)[:, None], out=scratch), dim=-1, out=larger[j])
-        torch.sum(torch.sub(logits, maxes[j][:, None], out=scratch).mul_(LOG2_E).exp2_(), dim=-1, out=sums[j])
+        torch.sum(torch.sub(logits, maxes[j][:, None], out=scratch).mul_(_LOG2_E).exp2_(), dim=-1, out=sums[j])
         if top:
             chunk_values, chunk_ids = torch.topk(logits, min(top, logits.shape[1]), dim=-1)
             merged = torch.cat([values, chunk_values], dim=1)
