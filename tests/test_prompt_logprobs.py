@@ -118,7 +118,7 @@ def test_docstring_examples_run():
 
     from treeattn.engine import request
 
-    for obj in (request.RequestResult, pl.score_rows, pl.dense_head, pl.vocab_columns):
+    for obj in (request.RequestResult, pl.score_rows, pl.dense_head, pl.vocab_columns, pl._take):
         finder, runner = doctest.DocTestFinder(), doctest.DocTestRunner(optionflags=doctest.ELLIPSIS)
         for test in finder.find(obj, globs={}):
             runner.run(test)

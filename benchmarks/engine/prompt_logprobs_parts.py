@@ -4,7 +4,8 @@
 
 For a model whose output projection is kept packed (a GGUF file): dequantizing the whole head (what the
 packed layer did for every block of rows before dense_head kept one copy), the block's float32 LM head
-product at once and a vocabulary chunk at a time (vocab_columns: the floor of any exact method), and the
+product at once and a vocabulary chunk at a time (vocab_columns: the floor of any exact method; through
+model.logits, a fresh tensor a chunk, as _score_block does, and into one reused buffer with torch.mm(out=)), and the
 whole scoring of the block (the chunked product with each chunk's reductions: its max, sum of exponentials,
 count of larger logits; treeattn.engine.worker.prompt_logprobs). One torch thread and time.thread_time, so
 that on a loaded machine the figures are the CPU each part costs, not the wait for a core. Prints one JSON
@@ -43,9 +44,17 @@ def main() -> None:
         for first in range(0, model.config.vocab_size, columns):
             model.logits(hidden, slice(first, first + columns), weight=weight)
 
+    buffer = torch.empty(rows, columns)
+
+    def chunked_product_into_one_buffer():  # whether a fresh tensor a chunk costs anything
+        for first in range(0, model.config.vocab_size, columns):
+            part = weight[first : first + columns]
+            torch.mm(hidden, part.T, out=buffer if part.shape[0] == columns else torch.empty(rows, part.shape[0]))
+
     parts = {"dequantize the head": head.dequantized,
              "LM head product, whole block": lambda: model.logits(hidden, weight=weight),
              "LM head product, by vocabulary chunks": chunked_product,
+             "LM head product, by vocabulary chunks into one buffer": chunked_product_into_one_buffer,
              "block scored (chunked product + reductions)": lambda: pl._score_block(model, hidden, targets, 0, out, weight,
                                                                                    {"weight": weight})}
     seconds = {name: [] for name in parts}

@@ -1,0 +1,87 @@
+"""Prompt logprobs in one engine's prefill with a baseline commit's scoring and this tree's, alternately.
+
+    python3 benchmarks/engine/prompt_logprobs_engine_ab.py SmolLM2.gguf --baseline 3c78e02 --context 8000 --repeats 2
+
+One rank in this process (nproc 1: the rank runs in the driver thread, so the scoring it calls can be swapped
+between requests), prefix cache off, one prompt of random token ids. Each round runs it with max_new_tokens=1
+without prompt logprobs, with prompt_logprobs=0 scored by the baseline's
+treeattn.engine.worker.prompt_logprobs.score_rows (read with `git show COMMIT:...`, loaded beside this tree's), and
+with this tree's. Per request: the process CPU seconds (all threads: on a loaded machine the wall time is the
+wait for a core, the CPU time far less so), the CPU seconds inside score_rows, the wall time. Checks that both
+scorings give logprobs within 1e-5 and the same ranks. Prints one JSON row a request; --output keeps them.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+import treeattn as ta
+import treeattn.engine.worker.prompt_logprobs as current
+from treeattn.bench import harness
+
+
+def baseline_module(commit: str):
+    source = subprocess.run(["git", "show", f"{commit}:src/treeattn/engine/worker/prompt_logprobs.py"], check=True,
+                            capture_output=True, text=True, cwd=Path(__file__).resolve().parent).stdout
+    path = Path(tempfile.mkdtemp()) / "prompt_logprobs_baseline.py"
+    path.write_text(source)
+    spec = importlib.util.spec_from_file_location("prompt_logprobs_baseline", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def main() -> None:
+    parser = harness.parser(__doc__, model="required", context=8000, repeats=2)
+    parser.add_argument("--baseline", default="3c78e02", help="the commit whose score_rows is the baseline")
+    parser.add_argument("--prefill-chunk", type=int, default=512)
+    args = harness.parse_args(parser)
+    from treeattn.models.loader import read_config
+
+    scorers = {"baseline": baseline_module(args.baseline).score_rows, "current": current.score_rows}
+    spent = [0.0]
+
+    def timed(score):
+        def score_rows(*a, **k):
+            start = time.process_time()
+            try:
+                return score(*a, **k)
+            finally:
+                spent[0] += time.process_time() - start
+        return score_rows
+
+    prompt = torch.randint(100, read_config(args.model).vocab_size, (args.context,),
+                           generator=torch.Generator().manual_seed(0)).tolist()
+    rows, logprobs = [], {}
+    with ta.Engine(args.model, nproc=1, prefix_cache=False, max_context=args.context + 8,
+                   prefill_chunk=args.prefill_chunk) as engine:
+        engine.generate([prompt[:64]], max_new_tokens=2)  # warm-up
+        for round_ in range(args.repeats):
+            for name in ("without", "baseline", "current"):
+                current.score_rows = timed(scorers.get(name, current.score_rows))  # PromptRows.compute calls it
+                spent[0], start, cpu = 0.0, time.perf_counter(), time.process_time()
+                result = engine.generate([prompt], max_new_tokens=1, prompt_logprobs=None if name == "without" else 0)[0]
+                row = {"round": round_, "scoring": name, "cpu_s": time.process_time() - cpu,
+                       "score_rows_cpu_s": spent[0], "wall_s": time.perf_counter() - start,
+                       "loadavg": open("/proc/loadavg").read().split()[:3]}
+                if name != "without":
+                    logprobs[name] = [(e.logprob, e.rank) for e in result.prompt_logprobs[1:]]
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+            current.score_rows = scorers["current"]
+            pairs = zip(logprobs["baseline"], logprobs["current"])
+            assert all(abs(a[0] - b[0]) < 1e-5 and a[1] == b[1] for a, b in pairs), "the scorings disagree"
+    harness.write_output(args.output, rows)
+
+
+if __name__ == "__main__":
+    main()
