@@ -236,7 +236,9 @@ def test_window_layers_hold_what_the_cache_dtype_stores(kv_dtype):
     config = LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2, num_kv_heads=2,
                          head_dim=16, max_position_embeddings=128, layer_windows=(8, None))
     assert window_bytes_per_sequence(config, kv_dtype) == (8 - 1 + 16) * per_row
-    assert ours.nbytes() == 2 * (8 - 1 + 16) * per_row + 7 * per_row  # two rings and one checkpoint of 7 rows
+    held = 2 * 2 * 16 * 4 if kv_dtype == torch.bfloat16 else per_row  # a 16-bit ring read in float32 is held in float32
+    assert window_bytes_per_sequence(config, kv_dtype, torch.float32) == (8 - 1 + 16) * held
+    assert ours.nbytes() == 2 * (8 - 1 + 16) * held + 7 * per_row  # two rings and one checkpoint of 7 rows (stored dtype)
 
 
 HYBRID = LlamaConfig(vocab_size=97, hidden_size=48, intermediate_size=64, num_layers=2, num_heads=6, num_kv_heads=2,

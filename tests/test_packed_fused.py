@@ -20,7 +20,8 @@ from helpers.packed import weights  # noqa: E402
 
 from treeattn.models import load_model  # noqa: E402
 from treeattn.models.attention import LocalAttention  # noqa: E402
-from treeattn.models.packed import PackedLinear, fuse_packed, fuse_projections, weight_bytes  # noqa: E402
+from treeattn.models.packed import (ARENA_ALIGN, PackedLinear, fuse_packed, fuse_projections, pack_arena,  # noqa: E402
+                                   weight_bytes)
 from treeattn.ops.packed_linear import kernel_module, unpack_blocks  # noqa: E402
 
 Q = gguf.GGMLQuantizationType
@@ -51,6 +52,32 @@ def test_a_fused_call_equals_the_parts_calls_bit_for_bit(fmt, qtype):
                 for y, part, ref in zip(got, parts, alone):
                     assert y.dtype == dtype and torch.equal(y, ref(xs)) and torch.equal(part(xs),
                                                                                         ref(xs)), (fmt, rows, dtype, bias)
+
+
+def test_pack_arena_keeps_fused_and_single_layers_bit_for_bit():
+    """pack_arena moves a fused matrix's stacked buffers and a lone layer's into one allocation; the parts view the
+    moved rows again (still current), and every product is the same bits as before."""
+    parts, _ = zip(*(packed("q4_1", Q.Q4_1, rows, 64, seed) for rows, seed in ((32, 1), (30, 2))))
+    lone, _ = packed("q8_0", Q.Q8_0, 8, 64, 3)
+
+    class Holder(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b, self.lone = parts[0], parts[1], lone
+
+    holder = Holder()
+    fused = fuse_packed(list(parts))
+    holder.__dict__["fused"] = fused
+    x = torch.randn(2, 64, generator=torch.Generator().manual_seed(0))
+    before = [*fused(x), *(p(x) for p in parts), lone(x)]
+    size = weight_bytes(holder)
+    assert pack_arena(holder) == sum(t.numel() * t.element_size() for t in (*fused.whole.buffers(), *lone.buffers()))
+    moved = [*fused.whole.buffers(), *lone.buffers()]
+    starts = sorted(t.data_ptr() for t in moved)  # one allocation: every buffer aligned, side by side
+    assert all(p % ARENA_ALIGN == 0 for p in starts) and starts[-1] - starts[0] < sum(t.nbytes + ARENA_ALIGN for t in moved)
+    assert fused.current() and weight_bytes(holder) == size
+    after = [*fused(x), *(p(x) for p in parts), lone(x)]
+    assert all(torch.equal(a, b) for a, b in zip(before, after))
 
 
 def test_what_cannot_be_fused_bit_for_bit_is_left_alone():

@@ -36,9 +36,27 @@ value's weight. zero_blocks() zeroes the scales too, so an unwritten slot dequan
 
 from __future__ import annotations
 
+import math
+
+import numpy as np
 import torch
 
 from treeattn.ops.fp8 import FP8, dequantize_fp8, quantize_fp8
+
+
+def host_empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """torch.empty(shape, dtype, device), on the CPU from numpy's allocator: on Linux numpy asks for transparent
+    huge pages (madvise MADV_HUGEPAGE) for 4 MiB or more, torch's allocator does not, and the paged kernel reads a
+    layer's blocks with fewer TLB misses from 2 MiB pages (one float16 layer of 30K keys: 3.41 against 3.68 ms on
+    one thread, alternated, under load). Pages stay unresident until written, as torch.empty's.
+
+    >>> host_empty((2, 3), torch.float16, "cpu").shape
+    torch.Size([2, 3])
+    """
+    if torch.device(device).type != "cpu":
+        return torch.empty(shape, dtype=dtype, device=device)
+    count = math.prod(shape)
+    return torch.from_numpy(np.empty(count * dtype.itemsize, dtype=np.uint8)).view(dtype).view(shape)
 
 
 class PagedKVCache:
@@ -79,12 +97,12 @@ class PagedKVCache:
         self.num_blocks, self.block_size = num_blocks, block_size
         self.compute_dtype = compute_dtype
         self.pad_block = num_blocks
-        self.arena = torch.empty(num_layers, 1 if value_dim else 2, num_blocks + 1, block_size, num_kv_heads, head_dim,
-                                 dtype=dtype, device=device)
+        self.arena = host_empty((num_layers, 1 if value_dim else 2, num_blocks + 1, block_size, num_kv_heads, head_dim),
+                                dtype, device)
         self.arena[:, :, self.pad_block].zero_()
         self.scales = None  # float32 (num_layers, 2 or 1, num_blocks + 1, block_size, Hkv) for an fp8 arena
         if dtype == FP8:
-            self.scales = torch.empty(self.arena.shape[:-1], dtype=torch.float32, device=device)
+            self.scales = host_empty(self.arena.shape[:-1], torch.float32, device)
             self.scales[:, :, self.pad_block].zero_()
 
     @property

@@ -222,7 +222,8 @@ def check_memory(model, model_config, config: EngineConfig, *, cache_option: str
         if not isinstance(model, (str, os.PathLike)) and model.device.type == "cuda" and (in_group or config.nproc == 1):
             devices, weights = [model.device], 0  # the model stays where it is: its weights are already taken
         ranks, device = 1, min(devices, key=memory.device_memory_bytes)
-    memory.check_memory_fit(ranks=ranks, weights=weights, cache=memory.kv_cache_bytes_per_rank(config, model_config, kv_dtype),
+    cache = memory.kv_cache_bytes_per_rank(config, model_config, kv_dtype, compute_dtype=dtype)
+    memory.check_memory_fit(ranks=ranks, weights=weights, cache=cache,
                             draft=draft, device=device, cache_option=cache_option)
 
 

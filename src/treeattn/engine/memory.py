@@ -33,19 +33,21 @@ def model_bytes(model, dtype: torch.dtype) -> int:
     return sum(p.numel() for p in model.parameters()) * torch.empty((), dtype=dtype).element_size()
 
 
-def kv_cache_bytes_per_rank(config, model_config, dtype: torch.dtype, *, blocks_for=None) -> int:
+def kv_cache_bytes_per_rank(config, model_config, dtype: torch.dtype, *, blocks_for=None,
+                            compute_dtype: torch.dtype | None = None) -> int:
     """Bytes of KV cache one rank of an engine with EngineConfig `config` allocates for a model of
     `model_config` in `dtype`: keys and values of every slot of its paged arena (config.blocks_per_rank
     blocks and the pad block, treeattn.cache.paged), plus a hybrid model's window layers, which every
     rank keeps per running sequence (max_batch_size of them; treeattn.cache.window) and, with the
     prefix cache, as many window checkpoints at most (treeattn.cache.prefix). `blocks_for`: the
     model config that sizes the arena when it is not `model_config`'s (a draft model's cache has the
-    blocks of the model's)."""
+    blocks of the model's). `compute_dtype`: the model's dtype (the window rings' held_dtype)."""
     from treeattn.cache.sharded import kv_bytes_per_token
     from treeattn.cache.window import window_bytes_per_sequence
 
     blocks = config.blocks_per_rank((blocks_for or model_config).max_position_embeddings) + 1
-    windows = config.max_batch_size * (2 if config.prefix_cache else 1) * window_bytes_per_sequence(model_config, dtype)
+    per_sequence = window_bytes_per_sequence(model_config, dtype, compute_dtype)
+    windows = config.max_batch_size * (2 if config.prefix_cache else 1) * per_sequence
     total = blocks * config.block_size * kv_bytes_per_token(model_config, dtype) + windows
     if getattr(config, "tp", None) is not None and config.nproc > 1 and blocks_for is None:  # the Helix layout: its KV heads
         from treeattn.engine.worker.tensor_parallel import HelixLayout, local_heads

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -161,17 +162,22 @@ class FusedPacked:
         m = None if first.m_bits is None else torch.cat([p.m_bits for p in parts]).view(torch.float32)
         self.whole = PackedLinear(first.fmt, qs, d, m)
         self.parts = tuple(parts)
+        self.bind()
+
+    def bind(self) -> None:
+        """Make each part's buffers views of its rows of the stacked ones (again after pack_arena moved them)."""
         self.bounds = []
         start = 0
-        for p in parts:  # each part keeps a view of its rows of the stacked buffers
+        for p in self.parts:  # each part keeps a view of its rows of the stacked buffers
             stop = start + p.rows
             p.qs = self.whole.qs[start:stop]
             p.d_bits = self.whole.d_bits[start:stop]
-            if m is not None:
+            if self.whole.m_bits is not None:
                 p.m_bits = self.whole.m_bits[start:stop]
+            p.__dict__.pop("_cached_parts", None)
             self.bounds.append((start, stop))
             start = stop
-        self.views = tuple(p.qs for p in parts)
+        self.views = tuple(p.qs for p in self.parts)
 
     def current(self) -> bool:
         """Whether every part still holds the views made at fusion (module.to() or load_state_dict replace them)."""
@@ -238,6 +244,64 @@ def fused_projections(module: nn.Module, x: torch.Tensor, names: tuple[str, ...]
     return tuple(getattr(module, n)(x) for n in names)
 
 
+ARENA_ALIGN = 64
+"""Byte alignment of each buffer in a pack_arena allocation (a cache line)."""
+
+
+def arena_copies(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Copies of CPU tensors (any shapes and dtypes) in one numpy allocation, each starting on an ARENA_ALIGN boundary.
+
+    On Linux numpy asks for transparent huge pages (madvise MADV_HUGEPAGE) for an allocation of 4 MiB or more, where
+    torch's allocator does not: a packed weight read once per token from 2 MiB pages instead of 4 KiB ones misses
+    the TLB 512 times less often. Gemma 3's 189 MB q8_0 output projection took 8.4 ms a token on one thread from
+    numpy's memory against 13.0 from torch's (alternated, under load; a plain read of its bytes: 7.8).
+
+    >>> a, b = torch.arange(6, dtype=torch.int16).view(2, 3), torch.ones(5, dtype=torch.uint8)
+    >>> x, y = arena_copies([a, b])
+    >>> torch.equal(x, a), torch.equal(y, b), y.data_ptr() % ARENA_ALIGN
+    (True, True, 0)
+    """
+    sizes = [t.numel() * t.element_size() for t in tensors]
+    offsets, total = [], 0
+    for size in sizes:
+        offsets.append(total)
+        total += -(-size // ARENA_ALIGN) * ARENA_ALIGN
+    arena = np.empty(total + ARENA_ALIGN, dtype=np.uint8)
+    first = -arena.ctypes.data % ARENA_ALIGN
+    copies = []
+    for t, offset, size in zip(tensors, offsets, sizes):
+        copy = torch.from_numpy(arena[first + offset : first + offset + size]).view(t.dtype).view(t.shape)
+        copy.copy_(t)
+        copies.append(copy)
+    return copies
+
+
+def pack_arena(model: nn.Module) -> int:
+    """Move the buffers of every packed layer of `model` on the CPU into one allocation (arena_copies: huge pages),
+    the stacked buffers of its FusedPacked projections (fuse_projections) included, whose parts then view them
+    again. The same values: every product is bit for bit what it was. Apply it to the model as it will run,
+    after fuse_projections. Returns the bytes moved.
+
+    >>> layer = PackedLinear("q8_0", torch.ones(4, 1, 32, dtype=torch.int8), torch.ones(4, 1), None)
+    >>> x = torch.randn(1, 32)
+    >>> before = layer(x)
+    >>> pack_arena(layer), torch.equal(layer(x), before)
+    (144, True)
+    """
+    fused = [f for module in model.modules() if isinstance(f := module.__dict__.get("fused"), FusedPacked) and f.current()]
+    in_fused = {id(p) for f in fused for p in f.parts}
+    layers = [f.whole for f in fused] + [m for m in model.modules() if isinstance(m, _Packed) and id(m) not in in_fused]
+    held = [(layer, name) for layer in layers if layer.qs.device.type == "cpu"
+            for name in ("qs", "d_bits", "m_bits") if layer._buffers.get(name) is not None]
+    copies = arena_copies([layer._buffers[name] for layer, name in held])
+    for (layer, name), copy in zip(held, copies):
+        layer._buffers[name] = copy
+        layer.__dict__.pop("_cached_parts", None)
+    for f in fused:
+        f.bind()
+    return sum(c.numel() * c.element_size() for c in copies)
+
+
 def weight_bytes(model: nn.Module) -> int:
     """Bytes a model's weights take in memory: every parameter and every packed layer's buffers."""
     total = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -269,5 +333,5 @@ def is_packed(model: nn.Module) -> bool:
 
 
 __all__ = ["WEIGHT_FORMATS", "FusedPacked", "PackedEmbedding", "PackedLinear", "fuse_packed", "fuse_projections",
-           "fused_projections", "is_packed",
+           "fused_projections", "is_packed", "arena_copies", "pack_arena",
            "set_activation_format", "weight_bytes"]

@@ -41,6 +41,11 @@ BLOCK = 32
 NEEDS = ("avx512f", "avx512bw", "avx512vl", "avx512vnni")
 """The CPU features this kernel's instructions need (LLVM's names)."""
 CHUNKS_PER_THREAD = 4
+PREFETCH_BYTES = 4096
+"""How far ahead of the weight bytes a row's dot product reads the next rows' are prefetched (their scales an
+eighth of it): a matrix larger than the caches (Gemma 3's 262,144-row output projection) is read as a stream,
+and without the hint each row's loads waited for memory between its dot products (16 ms a Gemma 3 head on one
+thread where the same rows in cache took 5.4 and a plain read of its bytes 7.8)."""
 _FASTMATH = {"reassoc", "contract"}
 # Per format: 32-bit lanes a block's dot occupies, and what each lane's correction multiplies (0: none).
 _Q4_LANES, _Q8_LANES = 4, 8
@@ -133,6 +138,16 @@ def _declare(builder, width):
     fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vec, [vec, vec, vec]),
                                         f"llvm.x86.avx512.vpdpbusd.{width}")
     return fn, vec
+
+
+def _prefetch(builder, base, offset):
+    """A hint to fetch the cache line at byte `offset` from the i8 pointer `base` (llvm.prefetch: read, keep in
+    every cache level; never faults, past an array's end included)."""
+    i32 = ir.IntType(32)
+    i8p = ir.IntType(8).as_pointer()
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]),
+                                        "llvm.prefetch.p0")
+    builder.call(fn, [builder.gep(base, [offset]), ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
 
 
 def _load(builder, base, offset, vty):
@@ -229,8 +244,10 @@ def _row_dot_codegen(q4: bool, with_corr: bool):
             main = cgutils.alloca_once_value(builder, ir.Constant(ir.VectorType(ir.FloatType(), 16), None))
             tail = cgutils.alloca_once_value(builder, ir.Constant(ir.VectorType(ir.FloatType(), lanes), None))
             groups = builder.udiv(nb_v, ir.Constant(i64, group))
+            _prefetch(builder, builder.bitcast(dw_base, i8p), ir.Constant(i64, PREFETCH_BYTES // 8))
             with cgutils.for_range(builder, groups) as loop:
                 b0 = builder.mul(loop.index, ir.Constant(i64, group))
+                _prefetch(builder, wbase, builder.add(builder.mul(b0, ir.Constant(i64, per)), ir.Constant(i64, PREFETCH_BYTES)))
                 acc = _block_dots(builder, q4, 512, wbase, xa_base, xb_base, corr_base, b0, lanes)
                 builder.store(_scaled(builder, acc, dw_base, xd_base, b0, group, lanes, builder.load(main)), main)
             start = builder.mul(groups, ir.Constant(i64, group))
