@@ -182,3 +182,29 @@ def smollm2_server():
     yield child
     child.process.terminate()
     assert child.process.wait(timeout=60) == 0, "".join(child.lines)[-3000:]
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_gguf(tmp_path_factory):
+    """The server tests' tiny random Llama (seed 0, ChatML template) as one GGUF file for the session:
+    tests/test_serve.py, tests/test_serve_structured.py and tests/test_serve_echo.py wrote the same file each."""
+    from helpers.serve import NAME, _write_tiny_llama_gguf
+
+    return _write_tiny_llama_gguf(tmp_path_factory.mktemp("serve") / f"{NAME}.gguf", 0, hidden_size=64, intermediate_size=128,
+                                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_server(tiny_llama_gguf):
+    """`treeattn serve` of tiny_llama_gguf on 2 ranks with the tests' API key: one start for the session, shared by
+    tests/test_serve.py and tests/test_serve_structured.py (the same flags). At the end it stops with status 0
+    and leaves no child process."""
+    import time
+
+    from helpers.serve import KEY, NAME, Server, _alive
+
+    srv = Server(tiny_llama_gguf, "--nproc", "2", "--api-key", KEY, "--served-model-name", NAME)
+    yield srv
+    assert srv.stop() == 0
+    time.sleep(0.5)
+    assert _alive(srv.children) == []
