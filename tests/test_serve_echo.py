@@ -21,16 +21,15 @@ pytest.importorskip("transformers")
 
 import treeattn as ta  # noqa: E402
 from treeattn.models import load_tokenizer  # noqa: E402
-from helpers.serve import KEY, NAME, Server, _alive, _write_tiny_llama_gguf  # noqa: E402
+from helpers.serve import KEY, NAME, Server, _alive  # noqa: E402
 
 ALIAS = "tiny-alias"
 PROMPT = "the cat sat on the mat and then the dog"
 
 
 @pytest.fixture(scope="module")
-def model_file(tmp_path_factory):
-    return _write_tiny_llama_gguf(tmp_path_factory.mktemp("echo") / f"{NAME}.gguf", 0, hidden_size=64, intermediate_size=128,
-                                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+def model_file(tiny_llama_gguf):
+    return tiny_llama_gguf  # conftest's: one file for the server tests
 
 
 @pytest.fixture(scope="module")

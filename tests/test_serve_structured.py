@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import re
-import time
 
 import pytest
 
@@ -20,7 +19,7 @@ pytest.importorskip("llguidance")
 openai = pytest.importorskip("openai")
 pytest.importorskip("transformers")
 
-from helpers.serve import KEY, NAME, Server, _alive, _write_tiny_llama_gguf  # noqa: E402
+from helpers.serve import NAME  # noqa: E402
 
 import treeattn as ta  # noqa: E402
 from treeattn.models import load_tokenizer  # noqa: E402
@@ -32,18 +31,15 @@ SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", 
 
 
 @pytest.fixture(scope="module")
-def model_file(tmp_path_factory):
-    return _write_tiny_llama_gguf(tmp_path_factory.mktemp("serve_structured") / f"{NAME}.gguf", 0, hidden_size=64,
-                                  intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+def model_file(tiny_llama_gguf):
+    return tiny_llama_gguf  # conftest's: one file for the server tests
 
 
 @pytest.fixture(scope="module")
-def server(model_file):
-    srv = Server(model_file, "--nproc", "2", "--api-key", KEY, "--served-model-name", NAME)
-    yield srv
-    assert srv.stop() == 0
-    time.sleep(0.5)
-    assert _alive(srv.children) == []
+def server(tiny_llama_server):
+    """conftest's session server (2 ranks, the API key, NAME): shared with tests/test_serve.py; it stops with
+    status 0 and leaves no child process at the session's end."""
+    return tiny_llama_server
 
 
 def _response_format(schema):

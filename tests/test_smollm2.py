@@ -40,23 +40,29 @@ def prompt(ours):
     return encode_chat(ours.tokenizer, ours.chat_template, messages("What is the capital of France?"))
 
 
-def test_prefill_logits_match_transformers_gguf_load(ours, reference, prompt):
-    ids = torch.tensor([prompt])
+@pytest.fixture(scope="module")
+def reference_prefill(reference, prompt):
+    """transformers' logits over the prompt: the prefill check's expectation and the greedy oracle's first step."""
     with torch.no_grad():
-        expected = reference(ids).logits
+        return reference(torch.tensor([prompt])).logits
+
+
+def test_prefill_logits_match_transformers_gguf_load(ours, reference_prefill, prompt):
+    ids = torch.tensor([prompt])
+    expected = reference_prefill
     got = treeattn_logits(ours, ids)
     assert (got - expected).abs().max().item() < 1e-3
     assert expected[0, -1].std() > 1.0
 
 
-def test_chat_greedy_answer_matches_uncached_recomputation(ours, reference, prompt):
+def test_chat_greedy_answer_matches_uncached_recomputation(ours, reference, reference_prefill, prompt):
     """ta.generate on chat messages: the rendered prompt, greedy tokens equal to the oracle's, and a
     stop at the template's end-of-turn token."""
     result = ta.generate(ours, messages("What is the capital of France?"), max_new_tokens=8)
-    sequence = list(prompt)
+    sequence = list(prompt) + [int(reference_prefill[0, -1].argmax())]  # the oracle's first step: the prompt's forward
     with torch.no_grad():
-        for _ in range(len(result.generated_ids[0])):  # the oracle: a full forward per new token
-            sequence.append(int(reference(torch.tensor([sequence])).logits[0, -1].argmax()))
+        for _ in range(len(result.generated_ids[0]) - 1):  # then a full forward per new token (the last position's logits)
+            sequence.append(int(reference(torch.tensor([sequence]), logits_to_keep=1).logits[0, -1].argmax()))
     assert result.prompt_tokens == [len(prompt)]
     assert result.generated_ids[0] == sequence[len(prompt):]
     assert "Paris" in ours.tokenizer.decode(result.generated_ids[0])
