@@ -78,7 +78,7 @@ def attend(threads: int, *args) -> None:
     the head dims as constants where head_dim_tag has them."""
     threads = max(1, min(threads, numba.config.NUMBA_NUM_THREADS))
     dims = head_dim_tag(args[0].shape[3], args[5])
-    heads, groups = head_shape_tag(args[0].shape[1], args[0].shape[2]) if dims else ((), ())
+    heads, groups = head_shape_tag(args[0].shape[1], args[0].shape[2], args[0].shape[3], args[5])
     if threads == 1:
         attend_serial(*args, dims, heads, groups)
     else:
@@ -253,12 +253,16 @@ _TILE_SUMS = 16
 
 def tile_shape(heads: int, group: int) -> tuple[int, int]:
     """(keys, KV heads) of a score tile for `heads` KV heads of `group` query heads: whole key rows (so
-    that the tiles read a block in address order), as many keys as _TILE_SUMS sums allow.
+    that the tiles read a block in address order) where a row's query heads fit _TILE_SUMS sums, as many
+    keys as they allow; else one KV head's query heads over as many keys (Llama-3.2-1B's 8 x 4: 4 keys of
+    one KV head, a 4-row stretch of the block).
 
-    >>> tile_shape(3, 3), tile_shape(1, 4)
-    ((1, 3), (4, 1))
+    >>> tile_shape(3, 3), tile_shape(1, 4), tile_shape(8, 4)
+    ((1, 3), (4, 1), (4, 1))
     """
-    return max(1, _TILE_SUMS // (heads * group)), heads
+    if heads * group <= _TILE_SUMS:
+        return max(1, _TILE_SUMS // (heads * group)), heads
+    return max(1, _TILE_SUMS // group), 1
 
 
 def _splat(constant):
@@ -370,6 +374,115 @@ def _score_tile(typingctx, q, r, kb, t0, h0, scores, sc, dims, heads, groups):
     return types.void(q, r, kb, t0, h0, scores, sc, dims, heads, groups), codegen
 
 
+_VALUE_KEYS = 8
+"""Keys a value tile (_value_tile) sums into its accumulators before it stores them."""
+_VALUE_GROUPS = 4
+"""Query heads whose 64 output channels a value tile keeps in registers at once (4 x 4 <16 x float>)."""
+
+
+def _contiguous(*arrays) -> bool:
+    return all(isinstance(a, types.Array) and a.ndim == 3 and a.layout == "C" for a in arrays)
+
+
+@intrinsic
+def _value_tile(typingctx, acc, h, d0, vb, t0, scores, groups):
+    """acc[h, g, d0:d0 + 64] += sum over i < _VALUE_KEYS of scores[h, g, t0 + i] * vb[t0 + i, h, d0:d0 + 64], for
+    every query head g of KV head h (groups: head_shape_tag's (0,) * G). The 64 channels of _VALUE_GROUPS
+    query heads stay in registers over the tile's keys, and each value row is loaded and widened once for
+    them (the key-by-key loop widens it once per query head and loads and stores the sums per key)."""
+    if not (isinstance(groups, types.UniTuple) and _contiguous(acc, vb, scores) and acc.dtype == types.float32
+            and scores.dtype == types.float32 and vb.dtype in (types.float32, types.uint16, types.int16)):
+        return None
+    G = groups.count
+    i64 = ir.IntType(64)
+    f32 = ir.VectorType(ir.FloatType(), 16)
+
+    def codegen(context, builder, signature, args):
+        c = lambda x: ir.Constant(i64, x)  # noqa: E731
+        aa, va, sa = (context.make_array(signature.args[i])(context, builder, args[i]) for i in (0, 3, 5))
+        dv = cgutils.unpack_tuple(builder, aa.shape, 3)[2]
+        vh, vd = cgutils.unpack_tuple(builder, va.shape, 3)[1:]
+        bs = cgutils.unpack_tuple(builder, sa.shape, 3)[2]
+        h_, d0_, t0_ = args[1], args[2], args[4]
+        for g0 in range(0, G, _VALUE_GROUPS):
+            gs = range(g0, min(G, g0 + _VALUE_GROUPS))
+            ptrs = {(g, ch): builder.bitcast(builder.gep(aa.data, [builder.add(builder.mul(builder.add(builder.mul(h_, c(G)), c(g)), dv),
+                                                                               builder.add(d0_, c(16 * ch)))]), f32.as_pointer())
+                    for g in gs for ch in range(4)}
+            sums = {key: builder.load(ptr, align=4) for key, ptr in ptrs.items()}
+            for i in range(_VALUE_KEYS):
+                t = builder.add(t0_, c(i))
+                row = builder.add(builder.mul(builder.add(builder.mul(t, vh), h_), vd), d0_)
+                values = [_vector_of(builder, context, signature.args[3].dtype, builder.gep(va.data, [builder.add(row, c(16 * ch))]))
+                          for ch in range(4)]
+                for g in gs:
+                    p = builder.load(builder.gep(sa.data, [builder.add(builder.mul(builder.add(builder.mul(h_, c(G)), c(g)), bs), t)]))
+                    weight = _splat_value(builder, p)
+                    for ch in range(4):
+                        sums[g, ch] = builder.fadd(sums[g, ch], builder.fmul(weight, values[ch], flags=("contract",)),
+                                                   flags=("contract",))
+            for key, ptr in ptrs.items():
+                builder.store(sums[key], ptr, align=4)
+        return context.get_dummy_value()
+
+    return types.void(acc, h, d0, vb, t0, scores, groups), codegen
+
+
+@njit(cache=True, fastmath=_FASTMATH, inline="always")
+def _values_by_keys(vb, v, v_scales, blk, visible, scores, acc, lsum, dv, t0, t1):  # pragma: no cover - compiled
+    """_block_values key by key over keys t0..t1-1: acc[h, g, :dv] += p * value scale * value, lsum[h, g] += p."""
+    H, G = acc.shape[0], acc.shape[1]
+    for t in range(t0, t1):
+        if not visible[t]:
+            continue
+        for h in range(H):
+            value_scale = _scale(v, v_scales, blk, t, h)
+            for g in range(G):
+                p = scores[h, g, t]
+                lsum[h, g] += p
+                pv = p * value_scale
+                for d in range(dv):
+                    acc[h, g, d] += pv * _wide(vb[t, h, d])
+
+
+def _block_values(vb, v, v_scales, blk, visible, scores, acc, lsum, dv, groups):  # pragma: no cover - its overload
+    raise NotImplementedError
+
+
+@overload(_block_values, jit_options={"fastmath": _FASTMATH})
+def _block_values_impl(vb, v, v_scales, blk, visible, scores, acc, lsum, dv, groups):
+    """acc[h, g] += p * value scale * value and lsum[h, g] += p for every visible key of block vb, p =
+    scores[h, g, t] (the exps). By tiles of _VALUE_KEYS keys (_value_tile) where groups is a constant and
+    the blocks float16, bfloat16 or float32, over the tiles whose keys are all visible (a hidden slot may
+    hold NaN, which 0 * NaN would carry in); the other keys, and fp8 blocks (a scale per value), key by key."""
+    tiled = isinstance(groups, types.UniTuple) and groups.count > 0 and v.dtype in (types.float32, types.uint16, types.int16)
+
+    def by_tiles(vb, v, v_scales, blk, visible, scores, acc, lsum, dv, groups):
+        H, G, BS = scores.shape
+        T = _VALUE_KEYS if dv % 64 == 0 else BS + 1
+        for t0 in range(0, BS - T + 1, T):
+            whole = True
+            for t in range(t0, t0 + T):
+                whole = whole and visible[t]
+            if not whole:
+                _values_by_keys(vb, v, v_scales, blk, visible, scores, acc, lsum, dv, t0, t0 + T)
+                continue
+            for h in range(H):
+                for d0 in range(0, dv, 64):
+                    _value_tile(acc, h, d0, vb, t0, scores, groups)
+                for g in range(G):
+                    total = np.float32(0.0)
+                    for t in range(t0, t0 + T):
+                        total += scores[h, g, t]
+                    lsum[h, g] += total
+        _values_by_keys(vb, v, v_scales, blk, visible, scores, acc, lsum, dv, BS - BS % T if T <= BS else 0, BS)
+
+    def by_keys(vb, v, v_scales, blk, visible, scores, acc, lsum, dv, groups):
+        _values_by_keys(vb, v, v_scales, blk, visible, scores, acc, lsum, dv, 0, scores.shape[2])
+
+    return by_tiles if tiled else by_keys
+
+
 def _tile_steps(heads, groups):  # pragma: no cover - replaced by its overload inside compiled code
     raise NotImplementedError
 
@@ -382,17 +495,17 @@ def _tile_steps_impl(heads, groups):
     return lambda heads, groups: steps
 
 
-def head_shape_tag(heads: int, group: int) -> tuple:
-    """The kernels' `heads` and `groups` arguments where the head dim is a constant (head_dim_tag not
-    empty): (0,) * heads and (0,) * group, the KV heads and the query heads of a KV head as constants of
-    the compiled code (the score tiles' shape), when a key row's query heads fit one tile (at most
-    _TILE_SUMS); else ((), ()): no tiles (Llama-3.2-1B's 8 x 4 heads, split into tiles of 4 KV heads,
-    took 1.0-1.2x the time, docs/bench_kernels.md "Session 16").
+def head_shape_tag(heads: int, group: int, head_dim: int = 64, dv: int = 64) -> tuple:
+    """The kernels' `heads` and `groups` arguments: (0,) * heads and (0,) * group, the KV heads and the
+    query heads of a KV head as constants of the compiled code, where the value tiles (_value_tile: dv a
+    multiple of 64) or the score tiles (tile_shape: head dim 64) take them, at most _TILE_SUMS query heads
+    a KV head; else ((), ()).
 
-    >>> head_shape_tag(3, 3), head_shape_tag(8, 4)
-    (((0, 0, 0), (0, 0, 0)), ((), ()))
+    >>> head_shape_tag(3, 3), head_shape_tag(8, 4)[1], head_shape_tag(1, 4, 256, 256)[1], head_shape_tag(2, 3, 16, 16)
+    (((0, 0, 0), (0, 0, 0)), (0, 0, 0, 0), (0, 0, 0, 0), ((), ()))
     """
-    return ((0,) * heads, (0,) * group) if heads * group <= _TILE_SUMS else ((), ())
+    tiles = group <= _TILE_SUMS and dv % 64 == 0
+    return ((0,) * heads, (0,) * group) if tiles else ((), ())
 
 
 def _block_scores(q, r, kb, k, k_scales, blk, visible, scores, sc, dims, heads, groups):  # pragma: no cover - its overload
@@ -545,17 +658,7 @@ def _attend_range(w, q, k, v, k_scales, v_scales, dv, scale, table, kv_pos, row_
                         acc[h, g, d] *= c
                     m[h, g] = top
                 _exp_shifted(scores[h, g], m[h, g], bits)
-        for t in range(BS):
-            if not visible[t]:
-                continue
-            for h in range(H):
-                value_scale = _scale(v, v_scales, blk, t, h)
-                for g in range(G):
-                    p = scores[h, g, t]
-                    lsum[h, g] += p
-                    pv = p * value_scale
-                    for d in range(dv):
-                        acc[h, g, d] += pv * _wide(vb[t, h, d])
+        _block_values(vb, v, v_scales, blk, visible, scores, acc, lsum, dv, groups)
     for h in range(H):
         for g in range(G):
             m_out[r, sp, h, g] = m[h, g]
