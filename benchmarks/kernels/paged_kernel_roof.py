@@ -163,7 +163,8 @@ def main() -> None:
     results = []
     for heads in args.heads:
         for context in args.context:
-            rows = measure({**roof, **kernel_case(heads, context, args.max_bytes, args.hot_layers, baseline, args.dtypes)}, args.repeats)
+            case = kernel_case(heads, context, args.max_bytes, args.hot_layers, baseline, args.dtypes)
+            rows = measure({**roof, **case}, args.repeats)
             load.append(os.getloadavg())
             top = rows["roof float32 sum"]["cpu_GBps"]
             for name, row in rows.items():

@@ -253,16 +253,12 @@ _TILE_SUMS = 16
 
 def tile_shape(heads: int, group: int) -> tuple[int, int]:
     """(keys, KV heads) of a score tile for `heads` KV heads of `group` query heads: whole key rows (so
-    that the tiles read a block in address order) where a row's query heads fit _TILE_SUMS sums, as many
-    keys as they allow; else one KV head's query heads over as many keys (Llama-3.2-1B's 8 x 4: 4 keys of
-    one KV head, a 4-row stretch of the block).
+    that the tiles read a block in address order), as many keys as _TILE_SUMS sums allow.
 
-    >>> tile_shape(3, 3), tile_shape(1, 4), tile_shape(8, 4)
-    ((1, 3), (4, 1), (4, 1))
+    >>> tile_shape(3, 3), tile_shape(1, 4)
+    ((1, 3), (4, 1))
     """
-    if heads * group <= _TILE_SUMS:
-        return max(1, _TILE_SUMS // (heads * group)), heads
-    return max(1, _TILE_SUMS // group), 1
+    return max(1, _TILE_SUMS // (heads * group)), heads
 
 
 def _splat(constant):
@@ -374,10 +370,45 @@ def _score_tile(typingctx, q, r, kb, t0, h0, scores, sc, dims, heads, groups):
     return types.void(q, r, kb, t0, h0, scores, sc, dims, heads, groups), codegen
 
 
-_VALUE_KEYS = 8
+_VALUE_KEYS = 4
 """Keys a value tile (_value_tile) sums into its accumulators before it stores them."""
 _VALUE_GROUPS = 4
 """Query heads whose 64 output channels a value tile keeps in registers at once (4 x 4 <16 x float>)."""
+
+
+_PREFETCH_ROWS = 8
+"""Rows ahead of a tile that it prefetches, the same heads and channels (the tiles read a block out of address
+order, which the hardware's stream prefetchers do not follow)."""
+
+
+@intrinsic
+def _prefetch_rows(typingctx, block, t, rows):
+    """Prefetch rows t.. t + rows - 1 of block (BS, Hkv, D), C-contiguous, a line at a time in address order
+    (rows: a literal); nothing past the block's last row."""
+    if not (_contiguous(block) and isinstance(rows, types.IntegerLiteral)):
+        return None
+    n = rows.literal_value
+
+    def codegen(context, builder, signature, args):
+        ba = context.make_array(signature.args[0])(context, builder, args[0])
+        bs, hh, dd = cgutils.unpack_tuple(builder, ba.shape, 3)
+        t_ = args[1]
+        inside = builder.icmp_signed("<=", builder.add(t_, ir.Constant(ir.IntType(64), n)), bs)
+        with builder.if_then(inside, likely=True):
+            per_row = builder.mul(hh, dd)
+            start = builder.mul(t_, per_row)
+            itemsize = context.get_abi_sizeof(context.get_data_type(signature.args[0].dtype))
+            fnty = ir.FunctionType(ir.VoidType(), [ir.IntType(8).as_pointer()] + [ir.IntType(32)] * 3)
+            fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0")
+            i64 = ir.IntType(64)
+            first = builder.ptrtoint(builder.gep(ba.data, [start]), i64)
+            nbytes = builder.mul(builder.mul(per_row, ir.Constant(i64, n)), ir.Constant(i64, itemsize))
+            with cgutils.for_range_slice(builder, ir.Constant(i64, 0), nbytes, ir.Constant(i64, 64)) as (at, _):
+                line = builder.inttoptr(builder.add(first, at), ir.IntType(8).as_pointer())
+                builder.call(fn, [line, _i32(0), _i32(3), _i32(1)])
+        return context.get_dummy_value()
+
+    return types.void(block, t, rows), codegen
 
 
 def _contiguous(*arrays) -> bool:
@@ -406,17 +437,18 @@ def _value_tile(typingctx, acc, h, d0, vb, t0, scores, groups):
         h_, d0_, t0_ = args[1], args[2], args[4]
         for g0 in range(0, G, _VALUE_GROUPS):
             gs = range(g0, min(G, g0 + _VALUE_GROUPS))
-            ptrs = {(g, ch): builder.bitcast(builder.gep(aa.data, [builder.add(builder.mul(builder.add(builder.mul(h_, c(G)), c(g)), dv),
-                                                                               builder.add(d0_, c(16 * ch)))]), f32.as_pointer())
-                    for g in gs for ch in range(4)}
+            head = {g: builder.add(builder.mul(h_, c(G)), c(g)) for g in gs}  # h * G + g
+            at = {(g, ch): builder.add(builder.mul(head[g], dv), builder.add(d0_, c(16 * ch))) for g in gs for ch in range(4)}
+            ptrs = {key: builder.bitcast(builder.gep(aa.data, [at[key]]), f32.as_pointer()) for key in at}
             sums = {key: builder.load(ptr, align=4) for key, ptr in ptrs.items()}
             for i in range(_VALUE_KEYS):
                 t = builder.add(t0_, c(i))
                 row = builder.add(builder.mul(builder.add(builder.mul(t, vh), h_), vd), d0_)
-                values = [_vector_of(builder, context, signature.args[3].dtype, builder.gep(va.data, [builder.add(row, c(16 * ch))]))
+                kind = signature.args[3].dtype
+                values = [_vector_of(builder, context, kind, builder.gep(va.data, [builder.add(row, c(16 * ch))]))
                           for ch in range(4)]
                 for g in gs:
-                    p = builder.load(builder.gep(sa.data, [builder.add(builder.mul(builder.add(builder.mul(h_, c(G)), c(g)), bs), t)]))
+                    p = builder.load(builder.gep(sa.data, [builder.add(builder.mul(head[g], bs), t)]))
                     weight = _splat_value(builder, p)
                     for ch in range(4):
                         sums[g, ch] = builder.fadd(sums[g, ch], builder.fmul(weight, values[ch], flags=("contract",)),
@@ -467,6 +499,7 @@ def _block_values_impl(vb, v, v_scales, blk, visible, scores, acc, lsum, dv, gro
             if not whole:
                 _values_by_keys(vb, v, v_scales, blk, visible, scores, acc, lsum, dv, t0, t0 + T)
                 continue
+            _prefetch_rows(vb, t0 + _PREFETCH_ROWS, _VALUE_KEYS)
             for h in range(H):
                 for d0 in range(0, dv, 64):
                     _value_tile(acc, h, d0, vb, t0, scores, groups)
@@ -521,7 +554,7 @@ def _block_scores_impl(q, r, kb, k, k_scales, blk, visible, scores, sc, dims, he
     the tiles took 0.80-0.89x the time in cache with every dtype, but streamed from memory (the
     engine's case) float16 0.80-0.95x, float32 1.02-1.04x and bfloat16 1.12-1.15x: only float16 uses them."""
     tiled = (all(isinstance(x, types.UniTuple) and x.count > 0 for x in (dims, heads, groups))
-             and k.dtype == types.int16)  # float16 blocks only: measured below
+             and k.dtype == types.int16 and heads.count * groups.count <= _TILE_SUMS)  # float16 blocks only: measured below
 
     def by_tiles(q, r, kb, k, k_scales, blk, visible, scores, sc, dims, heads, groups):
         H, G, BS = scores.shape
