@@ -370,6 +370,9 @@ def _score_tile(typingctx, q, r, kb, t0, h0, scores, sc, dims, heads, groups):
     return types.void(q, r, kb, t0, h0, scores, sc, dims, heads, groups), codegen
 
 
+_SCORE_PAD = 16
+"""Floats after each query head's row of a block's scores, so that the rows, BS floats apart (BS = 256: 1 KiB), do
+not all fall in the same few sets of the L1 cache (Llama-3.2-1B's 32 rows: 4 sets of 8 ways, every one)."""
 _VALUE_KEYS = 4
 """Keys a value tile (_value_tile) sums into its accumulators before it stores them."""
 _VALUE_GROUPS = 4
@@ -490,7 +493,7 @@ def _block_values_impl(vb, v, v_scales, blk, visible, scores, acc, lsum, dv, gro
     tiled = isinstance(groups, types.UniTuple) and groups.count > 0 and v.dtype in (types.float32, types.uint16, types.int16)
 
     def by_tiles(vb, v, v_scales, blk, visible, scores, acc, lsum, dv, groups):
-        H, G, BS = scores.shape
+        H, G, BS = scores.shape[0], scores.shape[1], vb.shape[0]
         T = _VALUE_KEYS if dv % 64 == 0 else BS + 1
         for t0 in range(0, BS - T + 1, T):
             whole = True
@@ -511,7 +514,7 @@ def _block_values_impl(vb, v, v_scales, blk, visible, scores, acc, lsum, dv, gro
         _values_by_keys(vb, v, v_scales, blk, visible, scores, acc, lsum, dv, BS - BS % T if T <= BS else 0, BS)
 
     def by_keys(vb, v, v_scales, blk, visible, scores, acc, lsum, dv, groups):
-        _values_by_keys(vb, v, v_scales, blk, visible, scores, acc, lsum, dv, 0, scores.shape[2])
+        _values_by_keys(vb, v, v_scales, blk, visible, scores, acc, lsum, dv, 0, vb.shape[0])
 
     return by_tiles if tiled else by_keys
 
@@ -531,13 +534,15 @@ def _tile_steps_impl(heads, groups):
 def head_shape_tag(heads: int, group: int, head_dim: int = 64, dv: int = 64) -> tuple:
     """The kernels' `heads` and `groups` arguments: (0,) * heads and (0,) * group, the KV heads and the
     query heads of a KV head as constants of the compiled code, where the value tiles (_value_tile: dv a
-    multiple of 64) or the score tiles (tile_shape: head dim 64) take them, at most _TILE_SUMS query heads
-    a KV head; else ((), ()).
+    multiple of 64) and the score tiles (tile_shape: head dim 64, float16) take them: a key row's query
+    heads at most _TILE_SUMS; else ((), ()). Llama-3.2-1B's 8 x 4 heads take neither: score tiles of 4 KV
+    heads (session 16) or of 4 keys x 1 KV head took 1.0-1.2x the time, value tiles 1.1x (docs/bench_kernels.md,
+    "Session 17").
 
-    >>> head_shape_tag(3, 3), head_shape_tag(8, 4)[1], head_shape_tag(1, 4, 256, 256)[1], head_shape_tag(2, 3, 16, 16)
-    (((0, 0, 0), (0, 0, 0)), (0, 0, 0, 0), (0, 0, 0, 0), ((), ()))
+    >>> head_shape_tag(3, 3), head_shape_tag(1, 4, 256, 256)[1], head_shape_tag(8, 4), head_shape_tag(2, 3, 16, 16)
+    (((0, 0, 0), (0, 0, 0)), (0, 0, 0, 0), ((), ()), ((), ()))
     """
-    tiles = group <= _TILE_SUMS and dv % 64 == 0
+    tiles = heads * group <= _TILE_SUMS and dv % 64 == 0
     return ((0,) * heads, (0,) * group) if tiles else ((), ())
 
 
@@ -557,7 +562,7 @@ def _block_scores_impl(q, r, kb, k, k_scales, blk, visible, scores, sc, dims, he
              and k.dtype == types.int16 and heads.count * groups.count <= _TILE_SUMS)  # float16 blocks only: measured below
 
     def by_tiles(q, r, kb, k, k_scales, blk, visible, scores, sc, dims, heads, groups):
-        H, G, BS = scores.shape
+        H, G, BS = scores.shape[0], scores.shape[1], kb.shape[0]
         T, HT = _tile_steps(heads, groups)
         for t0 in range(0, BS - BS % T, T):
             for h0 in range(0, H, HT):
@@ -576,7 +581,7 @@ def _block_scores_impl(q, r, kb, k, k_scales, blk, visible, scores, sc, dims, he
                         scores[h, g, t] = -np.inf
 
     def by_keys(q, r, kb, k, k_scales, blk, visible, scores, sc, dims, heads, groups):
-        H, G, BS = scores.shape
+        H, G, BS = scores.shape[0], scores.shape[1], kb.shape[0]
         D = 16 * len(dims) if len(dims) > 0 else q.shape[3]
         for t in range(BS):
             if not visible[t]:
@@ -659,7 +664,7 @@ def _attend_range(w, q, k, v, k_scales, v_scales, dv, scale, table, kv_pos, row_
     acc = np.zeros((H, G, dv), dtype=np.float32)
     m = np.full((H, G), -np.inf, dtype=np.float32)
     lsum = np.zeros((H, G), dtype=np.float32)
-    scores = np.empty((H, G, BS), dtype=np.float32)  # a block's scores, then their exps
+    scores = np.empty((H, G, BS + _SCORE_PAD), dtype=np.float32)  # a block's scores, then their exps (rows padded)
     bits = np.empty(BS, dtype=np.int32)
     visible = np.empty(BS, dtype=np.bool_)
     j0 = sp * per
@@ -690,7 +695,7 @@ def _attend_range(w, q, k, v, k_scales, v_scales, dv, scale, table, kv_pos, row_
                     for d in range(dv):
                         acc[h, g, d] *= c
                     m[h, g] = top
-                _exp_shifted(scores[h, g], m[h, g], bits)
+                _exp_shifted(scores[h, g, :BS], m[h, g], bits)
         _block_values(vb, v, v_scales, blk, visible, scores, acc, lsum, dv, groups)
     for h in range(H):
         for g in range(G):
