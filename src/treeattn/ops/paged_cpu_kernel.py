@@ -494,13 +494,13 @@ def _block_values_impl(vb, v, v_scales, blk, visible, scores, acc, lsum, dv, gro
 
     def by_tiles(vb, v, v_scales, blk, visible, scores, acc, lsum, dv, groups):
         H, G, BS = scores.shape[0], scores.shape[1], vb.shape[0]
-        T = _VALUE_KEYS if dv % 64 == 0 else BS + 1
-        for t0 in range(0, BS - T + 1, T):
-            whole = True
-            for t in range(t0, t0 + T):
+        T = _VALUE_KEYS
+        for t0 in range(0, BS, T):
+            whole = t0 + T <= BS and dv % 64 == 0  # (head_shape_tag gives groups only where dv % 64 == 0)
+            for t in range(t0, min(t0 + T, BS)):
                 whole = whole and visible[t]
-            if not whole:
-                _values_by_keys(vb, v, v_scales, blk, visible, scores, acc, lsum, dv, t0, t0 + T)
+            if not whole:  # one call site: the inlined key-by-key loop compiled once
+                _values_by_keys(vb, v, v_scales, blk, visible, scores, acc, lsum, dv, t0, min(t0 + T, BS))
                 continue
             _prefetch_rows(vb, t0 + _PREFETCH_ROWS, _VALUE_KEYS)
             for h in range(H):
@@ -511,7 +511,6 @@ def _block_values_impl(vb, v, v_scales, blk, visible, scores, acc, lsum, dv, gro
                     for t in range(t0, t0 + T):
                         total += scores[h, g, t]
                     lsum[h, g] += total
-        _values_by_keys(vb, v, v_scales, blk, visible, scores, acc, lsum, dv, BS - BS % T if T <= BS else 0, BS)
 
     def by_keys(vb, v, v_scales, blk, visible, scores, acc, lsum, dv, groups):
         _values_by_keys(vb, v, v_scales, blk, visible, scores, acc, lsum, dv, 0, vb.shape[0])
