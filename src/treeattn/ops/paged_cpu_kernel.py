@@ -10,7 +10,11 @@ with no copy, no repeat of K/V across the query group and no score matrix beyond
 contiguous ranges processed in parallel (flash-decoding); merge_splits then merges the ranges'
 states exactly, as merge_states does. With float16 blocks, head dim 64 and a key row's query heads in one
 tile, the scores are taken in register tiles (_score_tile: each key chunk widened once for its query heads,
-the tile's 16-lane sums reduced by one transpose-and-add; docs/bench_kernels.md, "Session 16").
+the tile's 16-lane sums reduced by one transpose-and-add; docs/bench_kernels.md, "Session 16"). Where a key row's
+query heads fit 16 and the value dim is a multiple of 64 (not fp8), the values are summed in register tiles too
+(_value_tile: 4 keys, each value row widened once for its query heads, the sums loaded and stored once per tile),
+and a block's scores have padded rows (_SCORE_PAD: Llama-3.2-1B's 32 rows of 1 KiB fell in 4 L1 sets;
+docs/bench_kernels.md, "Session 17").
 
 Importing this module compiles nothing: numba compiles each kernel on its first call and caches
 the machine code beside this file (cache=True), so later processes load it in a fraction of a
@@ -535,8 +539,8 @@ def head_shape_tag(heads: int, group: int, head_dim: int = 64, dv: int = 64) -> 
     query heads of a KV head as constants of the compiled code, where the value tiles (_value_tile: dv a
     multiple of 64) and the score tiles (tile_shape: head dim 64, float16) take them: a key row's query
     heads at most _TILE_SUMS; else ((), ()). Llama-3.2-1B's 8 x 4 heads take neither: score tiles of 4 KV
-    heads (session 16) or of 4 keys x 1 KV head took 1.0-1.2x the time, value tiles 1.1x (docs/bench_kernels.md,
-    "Session 17").
+    heads (session 16) or of 4 keys x 1 KV head took 1.0-1.2x the time; value tiles 1.03-1.15x, and with the padded
+    scores (_SCORE_PAD) 0.79x main's time against 0.71x without them (docs/bench_kernels.md, "Session 17").
 
     >>> head_shape_tag(3, 3), head_shape_tag(1, 4, 256, 256)[1], head_shape_tag(8, 4), head_shape_tag(2, 3, 16, 16)
     (((0, 0, 0), (0, 0, 0)), (0, 0, 0, 0), ((), ()), ((), ()))
