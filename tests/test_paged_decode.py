@@ -170,22 +170,51 @@ def test_stored_16_bit_blocks_match_float64_on_the_stored_values(case, kv_dtype,
 
 
 @needs_kernel
-def test_float16_score_tiles_with_a_partial_tile_and_nan_in_hidden_slots():
-    """The score tiles (paged_cpu_kernel._score_tile: float16 blocks, head dim 64): 2-key tiles over
-    blocks of 7 keys (the last key of a block by the loops after the tiles), padded slots holding NaN
-    (never visible: their scores -inf), against the float64 reference over the stored blocks (the
-    heads of "head dim 64, window": the same compiled kernel)."""
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_tiles_with_partial_tiles_and_nan_in_hidden_slots(kv_dtype):
+    """The score tiles (paged_cpu_kernel._score_tile: float16 blocks, head dim 64; 2-key tiles) and the value
+    tiles (_value_tile: 4 keys, float32 and 16-bit blocks) over blocks of 7 keys (the keys after the last whole
+    tile by the key-by-key loops), padded slots holding NaN (never visible: their scores -inf, their values
+    never summed), with and without a window that hides part of a tile, against the float64 reference over the
+    stored blocks (the heads of "head dim 64, window": the same compiled kernels)."""
     from treeattn.ops import paged_cpu_kernel
 
     assert paged_cpu_kernel.tile_shape(2, 3) == (2, 2) and paged_cpu_kernel.head_shape_tag(2, 3)[0] == (0, 0)
     q, kb, vb, layout = make_case(B=1, D=64, BS=7, NB=8, nb=4, lengths=[24])
-    kb16, vb16 = kb.to(torch.float16), vb.to(torch.float16)
-    want = reference(q.double(), kb16.double(), vb16.double(), layout)
+    kb16, vb16 = kb.to(kv_dtype), vb.to(kv_dtype)
+    want = [reference(q.double(), kb16.double(), vb16.double(), layout, window) for window in (None, 10)]
     for slot in range(24, 4 * 7):  # slots past the sequence's length: not visible
         blk = layout.block_table[0, slot // 7]
         kb16[blk, slot % 7] = float("nan")
         vb16[blk, slot % 7] = float("nan")
-    check(*pd.paged_decode_attention(q, kb16, vb16, layout), *want)
+    for window, ref in zip((None, 10), want):
+        check(*pd.paged_decode_attention(q, kb16, vb16, layout, window=window), *ref)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [np.float32, np.uint16, np.int16])
+def test_value_tile_sums_every_query_head_and_channel_chunk(dtype):
+    """paged_cpu_kernel._value_tile alone: 6 query heads (two passes of at most 4 over the keys), channels 64..127
+    of value rows 144 wide (values inside wider rows, as MLA's keys), the tile at keys 4..7; against float64."""
+    from numba import njit
+
+    from treeattn.ops import paged_cpu_kernel as kernel
+
+    @njit
+    def tile(acc, h, d0, vb, t0, scores):
+        kernel._value_tile(acc, h, d0, vb, t0, scores, (0, 0, 0, 0, 0, 0))
+
+    rng = np.random.default_rng(0)
+    acc = rng.standard_normal((2, 6, 128)).astype(np.float32)
+    scores = rng.random((2, 6, 9)).astype(np.float32)
+    values = torch.from_numpy(rng.standard_normal((9, 2, 144)).astype(np.float32))
+    stored = {np.float32: values, np.uint16: values.to(torch.bfloat16), np.int16: values.to(torch.float16)}[dtype]
+    want = acc.astype(np.float64)
+    want[1, :, 64:] += np.einsum("gt,td->gd", scores[1, :, 4:8].astype(np.float64), stored[4:8, 1, 64:128].double().numpy())
+    tile(acc, 1, 64, stored.view({np.float32: torch.float32, np.uint16: torch.uint16, np.int16: torch.int16}[dtype]).numpy(),
+         4, scores)
+    np.testing.assert_allclose(acc, want, rtol=1e-5, atol=1e-5)
+
 
 def test_kernel_widens_every_16_bit_pattern_exactly():
     """The kernel's widening of a 16-bit element in registers (bfloat16 by a shift, float16 by LLVM's

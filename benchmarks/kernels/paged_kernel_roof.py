@@ -95,7 +95,7 @@ def load_kernel(path: str):
     return module
 
 
-def kernel_case(heads: str, context: int, max_bytes: int, hot_layers: int, baseline=None):
+def kernel_case(heads: str, context: int, max_bytes: int, hot_layers: int, baseline=None, dtypes=DTYPES):
     """The calls of one (heads, context) case: {name: (fn, bytes read per call)}."""
     hkv, grp, d = HEADS[heads]
     nb = context // BS
@@ -107,6 +107,8 @@ def kernel_case(heads: str, context: int, max_bytes: int, hot_layers: int, basel
     out, lse = np.empty((1, hkv, grp, d), np.float32), np.empty((1, hkv, grp), np.float32)
     fns = {}
     for i, dtype in enumerate(DTYPES):
+        if dtype not in dtypes:
+            continue
         layer_arenas = arenas(dtype, hkv, d, nb, layers, seed=i)
 
         def run(todo, module):
@@ -149,6 +151,7 @@ def main() -> None:
     parser.add_argument("--roof-bytes", type=int, default=1 << 30, help="bytes of each roof array")
     parser.add_argument("--max-bytes", type=int, default=1 << 30, help="float32 K/V bytes of a case at most")
     parser.add_argument("--hot-layers", type=int, default=30, help="calls over one layer's arena for 'hot'")
+    parser.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=list(DTYPES), help="stored dtypes")
     parser.add_argument("--baseline", metavar="FILE", help="another paged_cpu_kernel.py to run beside this one")
     args = harness.parse_args(parser)
     baseline = load_kernel(args.baseline) if args.baseline else None
@@ -160,7 +163,8 @@ def main() -> None:
     results = []
     for heads in args.heads:
         for context in args.context:
-            rows = measure({**roof, **kernel_case(heads, context, args.max_bytes, args.hot_layers, baseline)}, args.repeats)
+            case = kernel_case(heads, context, args.max_bytes, args.hot_layers, baseline, args.dtypes)
+            rows = measure({**roof, **case}, args.repeats)
             load.append(os.getloadavg())
             top = rows["roof float32 sum"]["cpu_GBps"]
             for name, row in rows.items():

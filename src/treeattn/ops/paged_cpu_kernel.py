@@ -10,7 +10,11 @@ with no copy, no repeat of K/V across the query group and no score matrix beyond
 contiguous ranges processed in parallel (flash-decoding); merge_splits then merges the ranges'
 states exactly, as merge_states does. With float16 blocks, head dim 64 and a key row's query heads in one
 tile, the scores are taken in register tiles (_score_tile: each key chunk widened once for its query heads,
-the tile's 16-lane sums reduced by one transpose-and-add; docs/bench_kernels.md, "Session 16").
+the tile's 16-lane sums reduced by one transpose-and-add; docs/bench_kernels.md, "Session 16"). Where a key row's
+query heads fit 16 and the value dim is a multiple of 64 (not fp8), the values are summed in register tiles too
+(_value_tile: 4 keys, each value row widened once for its query heads, the sums loaded and stored once per tile),
+and a block's scores have padded rows (_SCORE_PAD: Llama-3.2-1B's 32 rows of 1 KiB fell in 4 L1 sets;
+docs/bench_kernels.md, "Session 17").
 
 Importing this module compiles nothing: numba compiles each kernel on its first call and caches
 the machine code beside this file (cache=True), so later processes load it in a fraction of a
@@ -78,7 +82,7 @@ def attend(threads: int, *args) -> None:
     the head dims as constants where head_dim_tag has them."""
     threads = max(1, min(threads, numba.config.NUMBA_NUM_THREADS))
     dims = head_dim_tag(args[0].shape[3], args[5])
-    heads, groups = head_shape_tag(args[0].shape[1], args[0].shape[2]) if dims else ((), ())
+    heads, groups = head_shape_tag(args[0].shape[1], args[0].shape[2], args[0].shape[3], args[5])
     if threads == 1:
         attend_serial(*args, dims, heads, groups)
     else:
@@ -370,6 +374,154 @@ def _score_tile(typingctx, q, r, kb, t0, h0, scores, sc, dims, heads, groups):
     return types.void(q, r, kb, t0, h0, scores, sc, dims, heads, groups), codegen
 
 
+_SCORE_PAD = 16
+"""Floats after each query head's row of a block's scores, so that the rows, BS floats apart (BS = 256: 1 KiB), do
+not all fall in the same few sets of the L1 cache (Llama-3.2-1B's 32 rows: 4 sets of 8 ways, every one)."""
+_VALUE_KEYS = 4
+"""Keys a value tile (_value_tile) sums into its accumulators before it stores them."""
+_VALUE_GROUPS = 4
+"""Query heads whose 64 output channels a value tile keeps in registers at once (4 x 4 <16 x float>)."""
+
+
+_PREFETCH_ROWS = 8
+"""Rows ahead of a tile that it prefetches, the same heads and channels (the tiles read a block out of address
+order, which the hardware's stream prefetchers do not follow)."""
+
+
+@intrinsic
+def _prefetch_rows(typingctx, block, t, rows):
+    """Prefetch rows t.. t + rows - 1 of block (BS, Hkv, D), C-contiguous, a line at a time in address order
+    (rows: a literal); nothing past the block's last row."""
+    if not (_contiguous(block) and isinstance(rows, types.IntegerLiteral)):
+        return None
+    n = rows.literal_value
+
+    def codegen(context, builder, signature, args):
+        ba = context.make_array(signature.args[0])(context, builder, args[0])
+        bs, hh, dd = cgutils.unpack_tuple(builder, ba.shape, 3)
+        t_ = args[1]
+        inside = builder.icmp_signed("<=", builder.add(t_, ir.Constant(ir.IntType(64), n)), bs)
+        with builder.if_then(inside, likely=True):
+            per_row = builder.mul(hh, dd)
+            start = builder.mul(t_, per_row)
+            itemsize = context.get_abi_sizeof(context.get_data_type(signature.args[0].dtype))
+            fnty = ir.FunctionType(ir.VoidType(), [ir.IntType(8).as_pointer()] + [ir.IntType(32)] * 3)
+            fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0")
+            i64 = ir.IntType(64)
+            first = builder.ptrtoint(builder.gep(ba.data, [start]), i64)
+            nbytes = builder.mul(builder.mul(per_row, ir.Constant(i64, n)), ir.Constant(i64, itemsize))
+            with cgutils.for_range_slice(builder, ir.Constant(i64, 0), nbytes, ir.Constant(i64, 64)) as (at, _):
+                line = builder.inttoptr(builder.add(first, at), ir.IntType(8).as_pointer())
+                builder.call(fn, [line, _i32(0), _i32(3), _i32(1)])
+        return context.get_dummy_value()
+
+    return types.void(block, t, rows), codegen
+
+
+def _contiguous(*arrays) -> bool:
+    return all(isinstance(a, types.Array) and a.ndim == 3 and a.layout == "C" for a in arrays)
+
+
+@intrinsic
+def _value_tile(typingctx, acc, h, d0, vb, t0, scores, groups):
+    """acc[h, g, d0:d0 + 64] += sum over i < _VALUE_KEYS of scores[h, g, t0 + i] * vb[t0 + i, h, d0:d0 + 64], for
+    every query head g of KV head h (groups: head_shape_tag's (0,) * G). The 64 channels of _VALUE_GROUPS
+    query heads stay in registers over the tile's keys, and each value row is loaded and widened once for
+    them (the key-by-key loop widens it once per query head and loads and stores the sums per key)."""
+    if not (isinstance(groups, types.UniTuple) and _contiguous(acc, vb, scores) and acc.dtype == types.float32
+            and scores.dtype == types.float32 and vb.dtype in (types.float32, types.uint16, types.int16)):
+        return None
+    G = groups.count
+    i64 = ir.IntType(64)
+    f32 = ir.VectorType(ir.FloatType(), 16)
+
+    def codegen(context, builder, signature, args):
+        c = lambda x: ir.Constant(i64, x)  # noqa: E731
+        aa, va, sa = (context.make_array(signature.args[i])(context, builder, args[i]) for i in (0, 3, 5))
+        dv = cgutils.unpack_tuple(builder, aa.shape, 3)[2]
+        vh, vd = cgutils.unpack_tuple(builder, va.shape, 3)[1:]
+        bs = cgutils.unpack_tuple(builder, sa.shape, 3)[2]
+        h_, d0_, t0_ = args[1], args[2], args[4]
+        for g0 in range(0, G, _VALUE_GROUPS):
+            gs = range(g0, min(G, g0 + _VALUE_GROUPS))
+            head = {g: builder.add(builder.mul(h_, c(G)), c(g)) for g in gs}  # h * G + g
+            at = {(g, ch): builder.add(builder.mul(head[g], dv), builder.add(d0_, c(16 * ch))) for g in gs for ch in range(4)}
+            ptrs = {key: builder.bitcast(builder.gep(aa.data, [at[key]]), f32.as_pointer()) for key in at}
+            sums = {key: builder.load(ptr, align=4) for key, ptr in ptrs.items()}
+            for i in range(_VALUE_KEYS):
+                t = builder.add(t0_, c(i))
+                row = builder.add(builder.mul(builder.add(builder.mul(t, vh), h_), vd), d0_)
+                kind = signature.args[3].dtype
+                values = [_vector_of(builder, context, kind, builder.gep(va.data, [builder.add(row, c(16 * ch))]))
+                          for ch in range(4)]
+                for g in gs:
+                    p = builder.load(builder.gep(sa.data, [builder.add(builder.mul(head[g], bs), t)]))
+                    weight = _splat_value(builder, p)
+                    for ch in range(4):
+                        sums[g, ch] = builder.fadd(sums[g, ch], builder.fmul(weight, values[ch], flags=("contract",)),
+                                                   flags=("contract",))
+            for key, ptr in ptrs.items():
+                builder.store(sums[key], ptr, align=4)
+        return context.get_dummy_value()
+
+    return types.void(acc, h, d0, vb, t0, scores, groups), codegen
+
+
+@njit(cache=True, fastmath=_FASTMATH, inline="always")
+def _values_by_keys(vb, v, v_scales, blk, visible, scores, acc, lsum, dv, t0, t1):  # pragma: no cover - compiled
+    """_block_values key by key over keys t0..t1-1: acc[h, g, :dv] += p * value scale * value, lsum[h, g] += p."""
+    H, G = acc.shape[0], acc.shape[1]
+    for t in range(t0, t1):
+        if not visible[t]:
+            continue
+        for h in range(H):
+            value_scale = _scale(v, v_scales, blk, t, h)
+            for g in range(G):
+                p = scores[h, g, t]
+                lsum[h, g] += p
+                pv = p * value_scale
+                for d in range(dv):
+                    acc[h, g, d] += pv * _wide(vb[t, h, d])
+
+
+def _block_values(vb, v, v_scales, blk, visible, scores, acc, lsum, dv, groups):  # pragma: no cover - its overload
+    raise NotImplementedError
+
+
+@overload(_block_values, jit_options={"fastmath": _FASTMATH})
+def _block_values_impl(vb, v, v_scales, blk, visible, scores, acc, lsum, dv, groups):
+    """acc[h, g] += p * value scale * value and lsum[h, g] += p for every visible key of block vb, p =
+    scores[h, g, t] (the exps). By tiles of _VALUE_KEYS keys (_value_tile) where groups is a constant and
+    the blocks float16, bfloat16 or float32, over the tiles whose keys are all visible (a hidden slot may
+    hold NaN, which 0 * NaN would carry in); the other keys, and fp8 blocks (a scale per value), key by key."""
+    tiled = isinstance(groups, types.UniTuple) and groups.count > 0 and v.dtype in (types.float32, types.uint16, types.int16)
+
+    def by_tiles(vb, v, v_scales, blk, visible, scores, acc, lsum, dv, groups):
+        H, G, BS = scores.shape[0], scores.shape[1], vb.shape[0]
+        T = _VALUE_KEYS
+        for t0 in range(0, BS, T):
+            whole = t0 + T <= BS and dv % 64 == 0  # (head_shape_tag gives groups only where dv % 64 == 0)
+            for t in range(t0, min(t0 + T, BS)):
+                whole = whole and visible[t]
+            if not whole:  # one call site: the inlined key-by-key loop compiled once
+                _values_by_keys(vb, v, v_scales, blk, visible, scores, acc, lsum, dv, t0, min(t0 + T, BS))
+                continue
+            _prefetch_rows(vb, t0 + _PREFETCH_ROWS, _VALUE_KEYS)
+            for h in range(H):
+                for d0 in range(0, dv, 64):
+                    _value_tile(acc, h, d0, vb, t0, scores, groups)
+                for g in range(G):
+                    total = np.float32(0.0)
+                    for t in range(t0, t0 + T):
+                        total += scores[h, g, t]
+                    lsum[h, g] += total
+
+    def by_keys(vb, v, v_scales, blk, visible, scores, acc, lsum, dv, groups):
+        _values_by_keys(vb, v, v_scales, blk, visible, scores, acc, lsum, dv, 0, vb.shape[0])
+
+    return by_tiles if tiled else by_keys
+
+
 def _tile_steps(heads, groups):  # pragma: no cover - replaced by its overload inside compiled code
     raise NotImplementedError
 
@@ -382,17 +534,19 @@ def _tile_steps_impl(heads, groups):
     return lambda heads, groups: steps
 
 
-def head_shape_tag(heads: int, group: int) -> tuple:
-    """The kernels' `heads` and `groups` arguments where the head dim is a constant (head_dim_tag not
-    empty): (0,) * heads and (0,) * group, the KV heads and the query heads of a KV head as constants of
-    the compiled code (the score tiles' shape), when a key row's query heads fit one tile (at most
-    _TILE_SUMS); else ((), ()): no tiles (Llama-3.2-1B's 8 x 4 heads, split into tiles of 4 KV heads,
-    took 1.0-1.2x the time, docs/bench_kernels.md "Session 16").
+def head_shape_tag(heads: int, group: int, head_dim: int = 64, dv: int = 64) -> tuple:
+    """The kernels' `heads` and `groups` arguments: (0,) * heads and (0,) * group, the KV heads and the
+    query heads of a KV head as constants of the compiled code, where the value tiles (_value_tile: dv a
+    multiple of 64) and the score tiles (tile_shape: head dim 64, float16) take them: a key row's query
+    heads at most _TILE_SUMS; else ((), ()). Llama-3.2-1B's 8 x 4 heads take neither: score tiles of 4 KV
+    heads (session 16) or of 4 keys x 1 KV head took 1.0-1.2x the time; value tiles 1.03-1.15x, and with the padded
+    scores (_SCORE_PAD) 0.79x main's time against 0.71x without them (docs/bench_kernels.md, "Session 17").
 
-    >>> head_shape_tag(3, 3), head_shape_tag(8, 4)
-    (((0, 0, 0), (0, 0, 0)), ((), ()))
+    >>> head_shape_tag(3, 3), head_shape_tag(1, 4, 256, 256)[1], head_shape_tag(8, 4), head_shape_tag(2, 3, 16, 16)
+    (((0, 0, 0), (0, 0, 0)), (0, 0, 0, 0), ((), ()), ((), ()))
     """
-    return ((0,) * heads, (0,) * group) if heads * group <= _TILE_SUMS else ((), ())
+    tiles = heads * group <= _TILE_SUMS and dv % 64 == 0
+    return ((0,) * heads, (0,) * group) if tiles else ((), ())
 
 
 def _block_scores(q, r, kb, k, k_scales, blk, visible, scores, sc, dims, heads, groups):  # pragma: no cover - its overload
@@ -408,10 +562,10 @@ def _block_scores_impl(q, r, kb, k, k_scales, blk, visible, scores, sc, dims, he
     the tiles took 0.80-0.89x the time in cache with every dtype, but streamed from memory (the
     engine's case) float16 0.80-0.95x, float32 1.02-1.04x and bfloat16 1.12-1.15x: only float16 uses them."""
     tiled = (all(isinstance(x, types.UniTuple) and x.count > 0 for x in (dims, heads, groups))
-             and k.dtype == types.int16)  # float16 blocks only: measured below
+             and k.dtype == types.int16 and heads.count * groups.count <= _TILE_SUMS)  # float16 blocks only: measured below
 
     def by_tiles(q, r, kb, k, k_scales, blk, visible, scores, sc, dims, heads, groups):
-        H, G, BS = scores.shape
+        H, G, BS = scores.shape[0], scores.shape[1], kb.shape[0]
         T, HT = _tile_steps(heads, groups)
         for t0 in range(0, BS - BS % T, T):
             for h0 in range(0, H, HT):
@@ -430,7 +584,7 @@ def _block_scores_impl(q, r, kb, k, k_scales, blk, visible, scores, sc, dims, he
                         scores[h, g, t] = -np.inf
 
     def by_keys(q, r, kb, k, k_scales, blk, visible, scores, sc, dims, heads, groups):
-        H, G, BS = scores.shape
+        H, G, BS = scores.shape[0], scores.shape[1], kb.shape[0]
         D = 16 * len(dims) if len(dims) > 0 else q.shape[3]
         for t in range(BS):
             if not visible[t]:
@@ -513,7 +667,7 @@ def _attend_range(w, q, k, v, k_scales, v_scales, dv, scale, table, kv_pos, row_
     acc = np.zeros((H, G, dv), dtype=np.float32)
     m = np.full((H, G), -np.inf, dtype=np.float32)
     lsum = np.zeros((H, G), dtype=np.float32)
-    scores = np.empty((H, G, BS), dtype=np.float32)  # a block's scores, then their exps
+    scores = np.empty((H, G, BS + _SCORE_PAD), dtype=np.float32)  # a block's scores, then their exps (rows padded)
     bits = np.empty(BS, dtype=np.int32)
     visible = np.empty(BS, dtype=np.bool_)
     j0 = sp * per
@@ -544,18 +698,8 @@ def _attend_range(w, q, k, v, k_scales, v_scales, dv, scale, table, kv_pos, row_
                     for d in range(dv):
                         acc[h, g, d] *= c
                     m[h, g] = top
-                _exp_shifted(scores[h, g], m[h, g], bits)
-        for t in range(BS):
-            if not visible[t]:
-                continue
-            for h in range(H):
-                value_scale = _scale(v, v_scales, blk, t, h)
-                for g in range(G):
-                    p = scores[h, g, t]
-                    lsum[h, g] += p
-                    pv = p * value_scale
-                    for d in range(dv):
-                        acc[h, g, d] += pv * _wide(vb[t, h, d])
+                _exp_shifted(scores[h, g, :BS], m[h, g], bits)
+        _block_values(vb, v, v_scales, blk, visible, scores, acc, lsum, dv, groups)
     for h in range(H):
         for g in range(G):
             m_out[r, sp, h, g] = m[h, g]
