@@ -65,15 +65,21 @@ def test_config_and_tokenizer(ours, prompt):
 
 
 @pytest.fixture(scope="module")
+def ours_prefill(ours, prompt):
+    """Our dequantized model's (S, V) logits over the prompt: the prefill check's and the packed check's."""
+    return ours_logits(ours, prompt)
+
+
+@pytest.fixture(scope="module")
 def reference_prefill(reference, prompt):
     """transformers' (S, V) logits over the prompt: the prefill check's expectation and the greedy oracle's first step."""
     with torch.no_grad():
         return reference(torch.tensor([prompt])).logits[0]
 
 
-def test_prefill_logits_match_transformers(ours, reference_prefill, prompt):
+def test_prefill_logits_match_transformers(ours_prefill, reference_prefill):
     expected = reference_prefill
-    got = ours_logits(ours, prompt)
+    got = ours_prefill
     assert (got - expected).abs().max().item() < 1e-3
     assert expected[-1].std() > 1.0
 
@@ -87,16 +93,16 @@ def test_greedy_tokens_match_uncached_recomputation(ours, reference, reference_p
     assert result.generated_ids[0] == sequence[len(prompt):]
 
 
-def test_quantized_matrices_kept_packed_hold_the_files_values(ours, prompt):
+def test_quantized_matrices_kept_packed_hold_the_files_values(ours, ours_prefill, prompt):
     """weight_format="packed" keeps every matrix of this file in blocks (Q4_K regrouped into q4_1 blocks, Q5_0
     and Q6_K widened into q8_0 blocks of int8 / int16 values: ops.packed_linear): every packed layer holds
     exactly the dequantized model's weight, and the prefill logits agree up to the order of float32 sums."""
     from treeattn.models.packed import PackedEmbedding, PackedLinear
 
-    packed = ta.load_model(gemma3_path(), weight_format="packed")
+    packed = ta.load_model(gemma3_path(), weight_format="packed", with_tokenizer=False)  # the prompt: `ours`' tokenizer
     kept = {n: m for n, m in packed.named_modules() if isinstance(m, (PackedLinear, PackedEmbedding))}
     assert len(kept) == 1 + 18 * 7  # the embeddings and every layer's 7 matrices
     for n, layer in kept.items():
         assert layer.fmt in ("q4_1", "q8_0") and torch.equal(layer.dequantized(), ours.get_submodule(n).weight), n
-    got, expected = ours_logits(packed, prompt), ours_logits(ours, prompt)
+    got, expected = ours_logits(packed, prompt), ours_prefill
     assert (got - expected).abs().max().item() < 1e-3 and torch.equal(got[-1].argmax(), expected[-1].argmax())
