@@ -128,9 +128,14 @@ def share_maxima(logits: torch.Tensor, offset: int) -> torch.Tensor:
     if logits.shape[-1] == 0:
         out[:, 0], out[:, 1], out[:, 2] = float("-inf"), offset, 1.0
         return out
-    index = logits.argmax(dim=-1)  # the first occurrence of the row's maximum (a NaN's where there is one)
-    low, high = torch.aminmax(logits, dim=-1)  # one pass: a NaN makes both NaN, an infinity one of them
-    out[:, 0] = logits.gather(-1, index[:, None])[:, 0]
+    # the first occurrence of the row's maximum (a NaN's where there is one); on the CPU numpy's, vectorized: 10 us
+    # over Gemma 3's half vocabulary where torch.argmax took 200 (and aminmax along a dim 310 where amax, amin take 10)
+    if logits.device.type == "cpu":
+        index = torch.from_numpy(logits.float().numpy().argmax(axis=-1))
+    else:
+        index = logits.argmax(dim=-1)
+    low, high = logits.amin(dim=-1), logits.amax(dim=-1)  # a NaN makes both NaN, an infinity one of them
+    out[:, 0] = high  # the value at `index` where the row is finite
     out[:, 1] = index + offset
     out[:, 2] = torch.isfinite(low) & torch.isfinite(high)
     return out
