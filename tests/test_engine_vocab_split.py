@@ -146,3 +146,14 @@ def test_split_argmax_is_the_full_rows_argmax_on_crafted_shares():
         logits[9, 1] = -0.0
         maxima = torch.stack([share_maxima(logits[:, r * share : (r + 1) * share], r * share) for r in range(ranks)])
         assert split_argmax(maxima) == _full_row_tokens(logits), (vocab, ranks)
+
+
+def test_greedy_tokens_example_runs():
+    import doctest
+
+    from treeattn.engine.worker import runner
+
+    finder, examples = doctest.DocTestFinder(), doctest.DocTestRunner()
+    for test in finder.find(runner.greedy_tokens, "greedy_tokens", globs={}):
+        examples.run(test)
+    assert (examples.failures, examples.tries) == (0, 4)
