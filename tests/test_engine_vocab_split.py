@@ -5,7 +5,10 @@ the logits of its half of the vocabulary, all-gathered to rank 0: the tokens (gr
 batch of two prompts) are those of 2 ranks without the split and of the one-process engine, the
 log-probabilities theirs within float32 rounding (each logit is the same dot product, but a BLAS may
 sum it in another order for a matrix of half the rows: not the same bits on every host, issue 46); the decode steps count the
-gather's round. An odd vocabulary pads the last rank's share.
+gather's round. An odd vocabulary pads the last rank's share. A greedy run without logprobs takes the
+greedy fast path (RankRunner._greedy_picks: each rank's maxima, rows x 3 values, instead of its logits):
+the same tokens, one small gather a step; its pick (sampling.split_argmax) is checked against the full
+row's argmax on crafted shares (ties across shares, NaN, infinities, short and empty shares).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from treeattn.models.llama import random_model
 
 HIDDEN = 64
 NEW_TOKENS = 6
+PENALTIES = {"repetition_penalty": 1.5, "logit_bias": {7: 100.0}}  # greedy: token 7 throughout, not the fast path's
 
 
 def _config(vocab: int) -> ta.LlamaConfig:
@@ -45,6 +49,22 @@ def _generate(rank: int, world_size: int, vocab: int, split: bool = True) -> dic
         out[name] = (result.generated_ids, result.token_logprobs)  # a log-softmax over every gathered logit
         out["steps"], out["by_op"] = result.decode_steps, {op: c["calls"] for op,
                                                            c in (result.comm or {}).get("by_op", {}).items()}
+    if world_size == 1 and vocab % 2:
+        out["penalized"] = ta.generate(model, _prompts(vocab), max_new_tokens=NEW_TOKENS, ignore_eos=True,
+                                       block_size=8, **PENALTIES).generated_ids
+    if world_size > 1 and split and vocab % 2:  # greedy without logprobs (ta.generate asks them): the fast path
+        from treeattn.engine.client import Engine
+
+        engine = Engine(model, block_size=8)  # joins the group; the other ranks serve until rank 0 closes it
+        if engine.is_driver:
+            with engine:
+                results = engine.generate(_prompts(vocab), max_new_tokens=NEW_TOKENS, ignore_eos=True)
+                gathers = engine.rank_measurements(reset=True)[0].comm["decode"]["by_op"]["allgather"]
+                out["plain"] = [r.token_ids for r in results], gathers["calls"], gathers["payload_bytes"]
+                # rank 0 alone reads a logit bias and penalties: its flag in the small gather asks for the full one
+                results = engine.generate(_prompts(vocab), max_new_tokens=NEW_TOKENS, ignore_eos=True, **PENALTIES)
+                gathers = engine.rank_measurements()[0].comm["decode"]["by_op"]["allgather"]
+                out["penalized"] = [r.token_ids for r in results], gathers["calls"], gathers["payload_bytes"]
     return out
 
 
@@ -63,6 +83,14 @@ def test_split_projection_gives_the_one_process_tokens_and_logprobs(vocab):
     # each decode step (both sequences together): one combine per layer (onepass) and the logits' all-gather
     steps = two[0]["steps"]
     assert steps == NEW_TOKENS - 1 and two[0]["by_op"]["allreduce"] == 2 * steps and two[0]["by_op"]["allgather"] == steps
+    if vocab % 2:  # the odd vocabulary (a short last share) also runs the greedy fast path (_generate)
+        tokens, calls, payload = two[0]["plain"]
+        assert tokens == one["greedy"][0]  # the fast path's tokens
+        # a gather a decode step of each share's maxima (<= 2 rows and the flag row, 3 float64 each), not its logits
+        assert calls >= NEW_TOKENS - 1 and payload <= calls * 3 * 3 * 8
+        tokens, calls, payload = two[0]["penalized"]
+        assert tokens == one["penalized"] == [[7] * NEW_TOKENS] * 2  # rank 0 flags it, all gather the logits
+        assert calls >= 2 * (NEW_TOKENS - 1) and payload > calls // 2 * 4 * (vocab // 2)
 
 
 def test_below_the_threshold_rank_zero_projects_alone():
@@ -91,3 +119,41 @@ def test_a_large_vocabularys_logits_gather_goes_through_shared_memory():
     assert 4 * (vocab // 2) > DEFAULT_CAPACITY_BYTES
     for route in ta.spawn(_gather_route, 2, vocab, timeout=300):
         assert route == ("SharedMemoryGroup", True)
+
+
+def _full_row_tokens(logits: torch.Tensor) -> list[int | None]:
+    """Today's path on the gathered logits: RankRunner._sample's finiteness check, then sample()'s greedy argmax."""
+    from treeattn.engine.worker.runner import all_finite
+    from treeattn.engine.worker.sampling import sample
+
+    greedy, generator = ta.SamplingParams(temperature=0.0), torch.Generator().manual_seed(0)
+    return [int(sample(row[None], greedy, generator)[0]) if all_finite(row) else None for row in logits]
+
+
+def test_split_argmax_is_the_full_rows_argmax_on_crafted_shares():
+    from treeattn.engine.worker.sampling import share_maxima, split_argmax
+
+    g = torch.Generator().manual_seed(0)
+    for vocab, ranks in ((12, 2), (13, 2), (13, 4), (9, 4), (10, 3), (7, 7), (31, 5)):  # (9, 4), (7, 7)...: short/empty
+        share = -(-vocab // ranks)
+        logits = torch.randint(-2, 3, (24, vocab), generator=g).float()  # few values: ties within and across shares
+        logits[1] = 1.0  # every id ties: id 0
+        logits[2, -1], logits[3, 0], logits[4, vocab // 2] = float("nan"), float("inf"), float("-inf")
+        logits[5, -1] = 7.0  # the maximum in the last share alone
+        logits[6, share - 1] = logits[6, share] = 7.0  # a tie across the first two shares: the smaller id
+        logits[7, -1], logits[7, 0] = float("nan"), 9.0
+        logits[8] = -1.0  # negatives throughout: a share's padding zeros must not win
+        logits[9, 1] = -0.0
+        maxima = torch.stack([share_maxima(logits[:, r * share : (r + 1) * share], r * share) for r in range(ranks)])
+        assert split_argmax(maxima) == _full_row_tokens(logits), (vocab, ranks)
+
+
+def test_greedy_tokens_example_runs():
+    import doctest
+
+    from treeattn.engine.worker import runner
+
+    finder, examples = doctest.DocTestFinder(), doctest.DocTestRunner()
+    for test in finder.find(runner.greedy_tokens, "greedy_tokens", globs={}):
+        examples.run(test)
+    assert (examples.failures, examples.tries) == (0, 4)

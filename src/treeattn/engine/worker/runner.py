@@ -34,6 +34,7 @@ from treeattn.engine.worker import token_parallel
 from treeattn.engine.worker.batch import PagedBatch
 from treeattn.engine.measure import RankMeasurements, RankMeter
 from treeattn.engine.worker.ring_prefill import RingPrefillStep
+from treeattn.engine.worker.sampling import share_maxima, split_argmax
 from treeattn.engine.config import resolve_prefill
 from treeattn.engine.worker.prompt_logprobs import PromptRows
 from treeattn.engine.request import TokenLogprob
@@ -50,7 +51,7 @@ from treeattn.parallel.shared_memory import DEFAULT_CAPACITY_BYTES, shared_memor
 
 VOCAB_SPLIT_MIN_WEIGHTS = 1 << 22
 """On several CPU ranks, an output projection of at least this many weights (vocab_size x
-hidden_size) is split over the ranks by vocabulary (RankRunner._vocab_logits): below, one rank's
+hidden_size) is split over the ranks by vocabulary (RankRunner._vocab_share, _greedy_picks): below, one rank's
 projection costs less than the all-gather's round (about 50 us through shared memory)."""
 
 
@@ -84,6 +85,31 @@ def all_finite(x: torch.Tensor) -> bool:
     262,144 logits where torch.isfinite(x).all() took 340."""
     low, high = torch.aminmax(x)
     return math.isfinite(low) and math.isfinite(high)
+
+
+def greedy_tokens(chunk: Chunk, picks: list[int | None]) -> list[int] | None:
+    """The new tokens of a greedy `chunk` from the argmax of each of its num_draft + 1 rows (`picks`,
+    None for a row not finite), as RankRunner._sample gives them from its logits: None if a row is not
+    finite, else the drafts kept while they equal their row's argmax, then the first argmax that differs
+    (or the one after the last draft).
+
+    Example::
+
+        >>> from treeattn.engine.scheduler import Chunk
+        >>> from treeattn.engine.worker.runner import greedy_tokens
+        >>> chunk = Chunk(seq_id=0, tokens=(5, 7, 8), start=10, blocks=(), sample=None, num_draft=2)
+        >>> greedy_tokens(chunk, [7, 9, 4]), greedy_tokens(chunk, [7, 8, 4]), greedy_tokens(chunk, [7, 9, None])
+        ([7, 9], [7, 8, 4], None)
+    """
+    if any(token is None for token in picks):  # never an output: the driver fails this request alone
+        return None
+    drafts = chunk.tokens[len(chunk.tokens) - chunk.num_draft :]
+    tokens = []
+    for i, token in enumerate(picks):
+        tokens.append(token)
+        if i == chunk.num_draft or token != drafts[i]:
+            return tokens
+    return tokens
 
 
 def token_logprobs(logits: torch.Tensor, tokens: list[int], top: int) -> list[TokenLogprob]:
@@ -215,7 +241,7 @@ class RankRunner:
     def _groups(self, group, attention_group, shared_memory: bool, timeout_s: float):
         """(the group of all ranks' collectives: a token-parallel step's, the vocabulary's gather, the
         Helix layout's all-reduces; the group attention combines over), through shared memory where
-        asked and possible. Sized, with a split vocabulary, for _vocab_logits' all-gather of one decode
+        asked and possible. Sized, with a split vocabulary, for _gather_vocab's all-gather of one decode
         row (a rank's share of the float32 logits). Without the Helix layout they are one group."""
         c, p, device = self.model.config, self.world_size, self.model.device
         capacity = max(DEFAULT_CAPACITY_BYTES, 4 * -(-c.vocab_size // p)) if self._split_vocab else DEFAULT_CAPACITY_BYTES
@@ -321,18 +347,30 @@ class RankRunner:
         """Rank 0 samples each chunk of `sampling` from `hidden`, the final hidden states of their rows
         (num_draft + 1 per chunk, in order, on every rank); the other ranks return an empty
         StepOutcome. On several CPU ranks with a large output projection (VOCAB_SPLIT_MIN_WEIGHTS)
-        each rank first computes the logits of its share of the vocabulary (_vocab_logits).
+        each rank first computes the logits of its share of the vocabulary (_vocab_share); rank 0 then
+        gets all of them (_gather_vocab) or, when every chunk samples greedily without logprobs, logit
+        bias, penalties or masks, only each share's maxima (_greedy_picks).
         shared_keys: the step's StepOutcome.shared_prefix_keys."""
         if not sampling or (self.rank != 0 and not self._split_vocab):
             return StepOutcome()
         start = time.perf_counter()
-        logits = self._vocab_logits(hidden) if self._split_vocab else self.model.logits(hidden)
-        if logits is None:  # this rank's share went to rank 0
+        logits, picks = None, None
+        if self._split_vocab:
+            mine = self._vocab_share(hidden)
+            picks = self._greedy_picks(sampling, mine)
+            logits = self._gather_vocab(mine) if picks is None else None
+        else:
+            logits = self.model.logits(hidden)
+        if self.rank != 0:  # this rank's share (or its maxima) went to rank 0
             self._phases["sampling"] = time.perf_counter() - start
             return StepOutcome()
         out, first = StepOutcome(shared_prefix_keys=shared_keys), 0
-        masks = self._step_masks(sampling)
+        masks = self._step_masks(sampling) if picks is None else None  # greedy picks: no chunk is marked
         for _, c in sampling:
+            if picks is not None:  # after the step's last collective, on rank 0 alone
+                out.tokens[c.seq_id] = greedy_tokens(c, picks[first : first + c.num_draft + 1])
+                first += c.num_draft + 1
+                continue
             chunk_logits = logits[first : first + c.num_draft + 1]
             first += c.num_draft + 1
             try:  # after the step's last collective, on rank 0 alone: a failure here is this request's
@@ -360,20 +398,46 @@ class RankRunner:
         finally:
             self._phases["mask_wait"] = time.perf_counter() - start
 
-    def _vocab_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        """The output projection split over the ranks by vocabulary: rank r computes the logits of
-        token ids [r * n, (r + 1) * n), n = ceil(V / p), and one all-gather brings them to rank 0,
-        which returns all (rows, V) float32; the other ranks return None. The values are the
-        one-rank call's (each logit is one dot product, the same one). On a CPU rank of one thread
-        the projection is a step's largest matrix (SmolLM2: 49152 x 576), which rank 0 alone ran
-        while the others waited for its token."""
+    def _vocab_share(self, hidden: torch.Tensor) -> torch.Tensor:
+        """This rank's share of the output projection split over the ranks by vocabulary: the float32
+        logits (rows, n_r) of token ids [r * n, min((r + 1) * n, V)), n = ceil(V / p) (short or empty for
+        the last ranks). The values are the one-rank call's (each logit is one dot product, the same
+        one). On a CPU rank of one thread the projection is a step's largest matrix (SmolLM2: 49152 x
+        576), which rank 0 alone ran while the others waited for its token."""
         vocab, p = self.model.config.vocab_size, self.world_size
         share = -(-vocab // p)  # the Helix layout's LM head holds this rank's share alone
-        mine = self.model.logits(hidden, None if self.helix is not None else slice(self.rank * share, (self.rank + 1) * share))
+        return self.model.logits(hidden, None if self.helix is not None else slice(self.rank * share, (self.rank + 1) * share))
+
+    def _gather_vocab(self, mine: torch.Tensor) -> torch.Tensor | None:
+        """One all-gather brings every rank's share (_vocab_share) to rank 0, which returns all
+        (rows, V) float32 logits; the other ranks return None."""
+        vocab, p = self.model.config.vocab_size, self.world_size
+        share = -(-vocab // p)
         if mine.shape[-1] < share:  # the last ranks' shares are short (or empty): pad, rank 0 drops the padding
             mine = torch.cat((mine, mine.new_zeros(*mine.shape[:-1], share - mine.shape[-1])), dim=-1)
         pieces = comm.all_gather(mine.contiguous(), self.comm_group)
         return torch.cat(pieces, dim=-1)[..., :vocab] if self.rank == 0 else None
+
+    def _greedy_picks(self, sampling: list[tuple[int, Chunk]], mine: torch.Tensor) -> list[int | None] | None:
+        """A split vocabulary's greedy step without the logits' all-gather: when every chunk of
+        `sampling` is greedy (temperature 0) without logprobs, each rank sends its share's maxima
+        (sampling.share_maxima: rows x 3 values) in one small all-gather and rank 0 picks each row's
+        token from them (sampling.split_argmax: torch.argmax's over the whole row; None for a row not
+        finite). Both fields travel in the plan's ranks' part, so every rank takes the same branch. Rank
+        0 alone reads the logit bias, penalties and structured-output masks: if a chunk has any, its flag
+        in the gather sends every rank on to the full all-gather. Returns rank 0's picks ([] on the
+        other ranks), or None on every rank when the step needs the full logits (_gather_vocab)."""
+        if not all(c.sample.temperature == 0 and c.sample.logprobs is None for _, c in sampling):
+            return None
+        full = self.rank == 0 and any(c.sample.logit_bias or c.sample.penalized or c.sample.allowed is not None
+                                      for _, c in sampling)
+        share = -(-self.model.config.vocab_size // self.world_size)
+        maxima = share_maxima(mine, self.rank * share)
+        flag = maxima.new_tensor([[float(full), 0.0, 0.0]])  # a last row: rank 0's "needs the full logits"
+        pieces = comm.all_gather(torch.cat((maxima, flag)), self.comm_group)
+        if float(pieces[0][-1, 0]) != 0:
+            return None
+        return split_argmax(torch.stack([piece[:-1] for piece in pieces])) if self.rank == 0 else []
 
     def _sample(self, chunk: Chunk, logits: torch.Tensor) -> list[int] | None:
         """The new tokens of `chunk` from its logits (num_draft + 1, V) float32: the next token,

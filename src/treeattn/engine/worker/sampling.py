@@ -109,3 +109,53 @@ def sampling_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
     return torch.softmax(logits, dim=-1).double()
+
+
+def share_maxima(logits: torch.Tensor, offset: int) -> torch.Tensor:
+    """What one rank's share of a split vocabulary tells about each row's argmax: float64 (rows, 3) on
+    logits' device, from logits (rows, n) of token ids offset..offset + n - 1: the row's largest value,
+    the id of its first occurrence, and 1.0 if the row's values are all finite (else 0.0). An empty
+    share (n = 0) gives -inf, offset, 1.0: it never wins a finite row. split_argmax combines the ranks'.
+
+    Example::
+
+        >>> import torch
+        >>> from treeattn.engine.worker.sampling import share_maxima
+        >>> share_maxima(torch.tensor([[1.0, 3.0, 3.0], [0.0, float("nan"), 2.0]]), offset=6).tolist()
+        [[3.0, 7.0, 1.0], [nan, 7.0, 0.0]]
+    """
+    out = torch.empty(logits.shape[0], 3, dtype=torch.float64, device=logits.device)
+    if logits.shape[-1] == 0:
+        out[:, 0], out[:, 1], out[:, 2] = float("-inf"), offset, 1.0
+        return out
+    # the first occurrence of the row's maximum (a NaN's where there is one); on the CPU numpy's, vectorized: 10 us
+    # over Gemma 3's half vocabulary where torch.argmax took 200 (and aminmax along a dim 310 where amax, amin take 10)
+    if logits.device.type == "cpu":
+        index = torch.from_numpy(logits.float().numpy().argmax(axis=-1))
+    else:
+        index = logits.argmax(dim=-1)
+    low, high = logits.amin(dim=-1), logits.amax(dim=-1)  # a NaN makes both NaN, an infinity one of them
+    out[:, 0] = high  # the value at `index` where the row is finite
+    out[:, 1] = index + offset
+    out[:, 2] = torch.isfinite(low) & torch.isfinite(high)
+    return out
+
+
+def split_argmax(maxima: torch.Tensor) -> list[int | None]:
+    """Each row's greedy token from every rank's share_maxima, stacked (ranks, rows, 3) in rank order
+    (rank r's share holds the ids before rank r + 1's): exactly torch.argmax over the whole row (the
+    largest value, ties to the smallest id: the first rank that holds it, its first occurrence there),
+    or None where any share of the row holds a value that is not finite.
+
+    Example::
+
+        >>> import torch
+        >>> from treeattn.engine.worker.sampling import share_maxima, split_argmax
+        >>> logits = torch.tensor([[1.0, 5.0, 2.0, 5.0, 0.0], [1.0, 2.0, 3.0, float("inf"), 0.0]])
+        >>> split_argmax(torch.stack([share_maxima(logits[:, :3], 0), share_maxima(logits[:, 3:], 3)]))
+        [1, None]
+    """
+    finite = (maxima[..., 2] == 1).all(dim=0)
+    best = maxima[..., 0].argmax(dim=0)  # the first rank whose maximum is the row's: the smallest id
+    ids = maxima[..., 1].gather(0, best[None])[0]
+    return [int(i) if ok else None for i, ok in zip(ids.tolist(), finite.tolist())]
