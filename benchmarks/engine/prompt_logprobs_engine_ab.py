@@ -13,13 +13,8 @@ scorings give logprobs within 1e-5 and the same ranks. Prints one JSON row a req
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import subprocess
-import sys
-import tempfile
 import time
-from pathlib import Path
 
 import torch
 
@@ -29,15 +24,8 @@ from treeattn.bench import harness
 
 
 def baseline_module(commit: str):
-    source = subprocess.run(["git", "show", f"{commit}:src/treeattn/engine/worker/prompt_logprobs.py"], check=True,
-                            capture_output=True, text=True, cwd=Path(__file__).resolve().parent).stdout
-    path = Path(tempfile.mkdtemp()) / "prompt_logprobs_baseline.py"
-    path.write_text(source)
-    spec = importlib.util.spec_from_file_location("prompt_logprobs_baseline", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    """prompt_logprobs as it was at `commit` (harness.module_at)."""
+    return harness.module_at(commit, "src/treeattn/engine/worker/prompt_logprobs.py", "prompt_logprobs_baseline")
 
 
 def main() -> None:

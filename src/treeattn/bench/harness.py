@@ -269,6 +269,28 @@ def command() -> str:
     return shlex.join(["python3", *sys.argv])
 
 
+def module_at(commit: str, path: str, name: str):
+    """The module at `path` (relative to the repository root) as it was at git `commit`, imported as `name`:
+    the baseline of an A/B run beside this tree's version in one process. Needs this repository's checkout.
+
+    >>> old = module_at("HEAD", "src/treeattn/bench/harness.py", "harness_at_head")
+    >>> old.__name__, callable(old.module_at)
+    ('harness_at_head', True)
+    """
+    import importlib.util
+    import tempfile
+
+    root = Path(__file__).resolve().parents[3]
+    source = subprocess.run(["git", "show", f"{commit}:{path}"], check=True, capture_output=True, text=True, cwd=root).stdout
+    file = Path(tempfile.mkdtemp()) / f"{name}.py"
+    file.write_text(source)
+    spec = importlib.util.spec_from_file_location(name, file)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
 def write_output(path: str | Path | None, results, text: str | None = None) -> None:
     """Write results to path (nothing when path is None): .json as {"command", "machine", "results"};
     .jsonl one results row a line after a first line holding the command and the machine; .txt the
