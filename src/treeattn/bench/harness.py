@@ -274,7 +274,7 @@ def module_at(commit: str, path: str, name: str):
     the baseline of an A/B run beside this tree's version in one process. Needs this repository's checkout.
 
     >>> old = module_at("HEAD", "src/treeattn/bench/harness.py", "harness_at_head")
-    >>> old.__name__, callable(old.module_at)
+    >>> old.__name__, callable(old.write_output)
     ('harness_at_head', True)
     """
     import importlib.util
