@@ -157,3 +157,14 @@ def test_greedy_tokens_example_runs():
     for test in finder.find(runner.greedy_tokens, "greedy_tokens", globs={}):
         examples.run(test)
     assert (examples.failures, examples.tries) == (0, 4)
+
+
+def test_verify_drafts_example_runs():
+    import doctest
+
+    from treeattn.engine.worker import runner
+
+    finder, examples = doctest.DocTestFinder(), doctest.DocTestRunner()
+    for test in finder.find(runner.verify_drafts, "verify_drafts", globs={}):
+        examples.run(test)
+    assert (examples.failures, examples.tries) == (0, 4)

@@ -103,12 +103,28 @@ def greedy_tokens(chunk: Chunk, picks: list[int | None]) -> list[int] | None:
     """
     if any(token is None for token in picks):  # never an output: the driver fails this request alone
         return None
+    return verify_drafts(chunk, lambda i, kept: picks[i])
+
+
+def verify_drafts(chunk: Chunk, token_at) -> list[int]:
+    """The rule that verifies a chunk's drafts: position i's token is token_at(i, the tokens kept before it);
+    drafts are kept while they equal their position's token, and the first token that differs from its
+    draft, or the one after the last draft, ends the run.
+
+    Example::
+
+        >>> from treeattn.engine.scheduler import Chunk
+        >>> from treeattn.engine.worker.runner import verify_drafts
+        >>> chunk = Chunk(seq_id=0, tokens=(5, 7, 8), start=10, blocks=(), sample=None, num_draft=2)
+        >>> verify_drafts(chunk, lambda i, kept: [7, 9, 4][i]), verify_drafts(chunk, lambda i, kept: [7, 8, 4][i])
+        ([7, 9], [7, 8, 4])
+    """
     drafts = chunk.tokens[len(chunk.tokens) - chunk.num_draft :]
     tokens = []
-    for i, token in enumerate(picks):
-        tokens.append(token)
-        if i == chunk.num_draft or token != drafts[i]:
-            return tokens
+    for i in range(chunk.num_draft + 1):
+        tokens.append(token_at(i, tokens))
+        if i == chunk.num_draft or tokens[i] != drafts[i]:
+            break
     return tokens
 
 
@@ -465,11 +481,10 @@ class RankRunner:
             generator = self._generators[chunk.seq_id] = torch.Generator().manual_seed(spec.seed)
         if not all_finite(logits):  # never an output: the driver fails this request alone
             return None
-        drafts = chunk.tokens[len(chunk.tokens) - chunk.num_draft :]
-        tokens = []
-        for i in range(chunk.num_draft + 1):  # a penalty counts the drafts kept before position i as output
-            history = dict(prompt_ids=spec.prompt_ids, output_ids=spec.output_ids + tuple(tokens)) if spec.penalized else {}
+
+        def token_at(i: int, kept: list[int]) -> int:  # a penalty counts the drafts kept before position i as output
+            history = dict(prompt_ids=spec.prompt_ids, output_ids=spec.output_ids + tuple(kept)) if spec.penalized else {}
             row = logits[i : i + 1] if spec.allowed is None else apply_mask(logits[i : i + 1], spec.allowed[i])
-            tokens.append(int(sample(row, spec, generator, **history)[0]))
-            if i == chunk.num_draft or tokens[i] != drafts[i]:
-                return tokens
+            return int(sample(row, spec, generator, **history)[0])
+
+        return verify_drafts(chunk, token_at)
