@@ -16,10 +16,10 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-import numpy as np
 import torch
 from torch import nn
 
+from treeattn.cache.paged import host_empty
 from treeattn.ops.packed_linear import (BLOCK, FORMATS, PARALLEL_MIN_WEIGHTS, dequantize_packed, kernel_arrays, kernel_matmul,
                                         kernel_module, kernel_takes, packed_matmul, resolve_activation_format)
 
@@ -251,8 +251,8 @@ ARENA_ALIGN = 64
 def arena_copies(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """Copies of CPU tensors (any shapes and dtypes) in one numpy allocation, each starting on an ARENA_ALIGN boundary.
 
-    On Linux numpy asks for transparent huge pages (madvise MADV_HUGEPAGE) for an allocation of 4 MiB or more, where
-    torch's allocator does not: a packed weight read once per token from 2 MiB pages instead of 4 KiB ones misses
+    The allocation is cache.paged.host_empty's (numpy's allocator, which on Linux asks for transparent huge pages for
+    4 MiB or more, where torch's does not): a packed weight read once per token from 2 MiB pages instead of 4 KiB ones misses
     the TLB 512 times less often. Gemma 3's 189 MB q8_0 output projection took 8.4 ms a token on one thread from
     numpy's memory against 13.0 from torch's (alternated, under load; a plain read of its bytes: 7.8).
 
@@ -266,11 +266,11 @@ def arena_copies(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     for size in sizes:
         offsets.append(total)
         total += -(-size // ARENA_ALIGN) * ARENA_ALIGN
-    arena = np.empty(total + ARENA_ALIGN, dtype=np.uint8)
-    first = -arena.ctypes.data % ARENA_ALIGN
+    arena = host_empty((total + ARENA_ALIGN,), torch.uint8, "cpu")  # numpy's allocator: huge pages
+    first = -arena.data_ptr() % ARENA_ALIGN
     copies = []
     for t, offset, size in zip(tensors, offsets, sizes):
-        copy = torch.from_numpy(arena[first + offset : first + offset + size]).view(t.dtype).view(t.shape)
+        copy = arena[first + offset : first + offset + size].view(t.dtype).view(t.shape)
         copy.copy_(t)
         copies.append(copy)
     return copies
