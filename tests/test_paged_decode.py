@@ -12,10 +12,15 @@ import torch
 
 import treeattn as ta
 from treeattn.cache.sharded import INVISIBLE_POSITION
+from treeattn.ops.fp8 import FP8
 from treeattn.ops import paged_decode as pd
 
 KERNEL = pd.kernel_takes(torch.float32, "cpu")
 needs_kernel = pytest.mark.skipif(not KERNEL, reason="numba is not installed (scripts/install.sh installs it)")
+# One torch thread: the kernel's serial form (paged_cpu_kernel.attend_serial) for every case; its parallel form runs
+# the same work items (_attend_range) and merge, and test_threads_run_the_serial_kernels_work_items checks it on one
+# shape of each kind. Each (dtype, shape) the parallel form compiles costs a fresh clone seconds of numba's time.
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 # float32 results against a float64 reference: sums of at most a few hundred float32 products,
 # in another order than the reference's, stay within ~1e-6 relative; 1e-5 leaves room for the
@@ -91,7 +96,7 @@ CASES = {
     "value dim differs": dict(D=16, Dv=12),
     "huge logits": dict(logit_scale=300.0),
     "tiny logits": dict(logit_scale=1e-6),
-    "long": dict(B=1, NB=40, nb=33, BS=16, Hq=9, Hkv=3, D=64, lengths=[33 * 16 - 5]),
+    "long": dict(B=1, NB=40, nb=33, BS=16, D=64, lengths=[33 * 16 - 5]),  # the heads of "head dim 64, window": one compile
     # a head dim the kernel compiles as a constant (64: paged_cpu_kernel.head_dim_tag) and models' larger ones
     "head dim 64, window": dict(Sq=3, D=64, lengths=[24, 13]),
     "head dim 256, drafts": dict(Hq=4, Hkv=1, Sq=2, D=256, lengths=[20, 9]),
@@ -118,6 +123,45 @@ def test_rows_that_see_nothing_are_zero_and_minus_inf(path):
     q, kb, vb, layout = make_case(**CASES["no block"])
     out, lse = pd.paged_decode_attention(q, kb, vb, layout)
     assert torch.isneginf(lse).all() and not out.any()
+
+
+@needs_kernel
+@pytest.mark.parametrize("case, kv_dtype", [("gqa", torch.float32), ("head dim 64, window", torch.float16),
+                                            ("head dim 256, drafts", torch.bfloat16), ("mla values in keys", FP8)])
+def test_threads_run_the_serial_kernels_work_items(case, kv_dtype):
+    """The parallel kernel (paged_cpu_kernel.attend_parallel, 2 threads) over the same block ranges as the serial
+    one: the same state bit for bit, on each kind of compiled shape (no tiles, score and value tiles at head dim
+    64, value tiles at 256) and each kind of block (float32, 16-bit, fp8 with scales)."""
+    from treeattn.ops import paged_cpu_kernel as kernel
+    from treeattn.ops.fp8 import dequantize_fp8
+
+    q, kb, vb, layout = make_case(**CASES[case])
+    scales = (kernel.NO_SCALES, kernel.NO_SCALES)
+    if kv_dtype == FP8:
+        kb, vb, ks, vs = _fp8_blocks(kb, vb, CASES[case].get("values_in_keys", False))
+        scales = (ks.numpy(), vs.numpy())
+        want = reference(q.double(), dequantize_fp8(kb, ks).double(), dequantize_fp8(vb, vs).double(), layout, WINDOWS.get(case))
+    else:
+        kb, vb = kb.to(kv_dtype), vb.to(kv_dtype)
+        want = reference(q.double(), kb.double(), vb.double(), layout, WINDOWS.get(case))
+    bits = {torch.float32: torch.float32, torch.bfloat16: torch.uint16, torch.float16: torch.int16, FP8: torch.uint8}[kv_dtype]
+    B, Sq, Hq, D = q.shape
+    Hkv, dv = kb.shape[2], vb.shape[-1]
+    lay = pd.PagedDecodeLayout(layout.block_table, layout.kv_pos, layout.q_pos, block_size=layout.block_size, threads=2)
+    table, kv_pos, row_seq, q_pos, splits = lay._kernel_arrays()
+    assert B * Sq * splits > 1  # work items for both threads
+    states = []
+    for threads in (1, 2):
+        out = np.empty((B * Sq, Hkv, Hq // Hkv, dv), dtype=np.float32)
+        lse = np.empty((B * Sq, Hkv, Hq // Hkv), dtype=np.float32)
+        v_store = kb if CASES[case].get("values_in_keys") else vb  # MLA: the values are the keys' first dv channels
+        kernel.attend(threads, q.reshape(B * Sq, Hkv, Hq // Hkv, D).numpy(), kb.view(bits).numpy(), v_store.view(bits).numpy(),
+                      *scales, dv, D**-0.5, table, kv_pos, row_seq, q_pos, WINDOWS.get(case) or 0, splits, out, lse)
+        states.append((out, lse))
+    for serial, parallel in zip(*states):
+        assert np.array_equal(serial, parallel, equal_nan=True)
+    out, lse = states[1]
+    check(torch.from_numpy(out).reshape(B, Sq, Hq, dv), torch.from_numpy(lse).reshape(B, Sq, Hq).transpose(1, 2), *want)
 
 
 @needs_kernel

@@ -741,8 +741,9 @@ def attend_parallel(q, k, v, k_scales, v_scales, dv, scale, table, kv_pos, row_s
     """
     out_p, m_p, l_p = _range_states(q, splits, dv)
     for w in prange(q.shape[0] * splits):
-        _attend_range(w, q, k, v, k_scales, v_scales, dv, scale, table, kv_pos, row_seq, q_pos, window, splits, out_p, m_p, l_p,
-                      dims, heads, groups)
+        # int64 as attend_serial passes it: prange's index is unsigned, which compiled a second _attend_range
+        _attend_range(np.int64(w), q, k, v, k_scales, v_scales, dv, scale, table, kv_pos, row_seq, q_pos, window, splits,
+                      out_p, m_p, l_p, dims, heads, groups)
     merge_splits(out_p, m_p, l_p, out, lse)
 
 
