@@ -17,10 +17,19 @@ from treeattn.ops import paged_decode as pd
 
 KERNEL = pd.kernel_takes(torch.float32, "cpu")
 needs_kernel = pytest.mark.skipif(not KERNEL, reason="numba is not installed (scripts/install.sh installs it)")
-# One torch thread: the kernel's serial form (paged_cpu_kernel.attend_serial) for every case; its parallel form runs
-# the same work items (_attend_range) and merge, and test_threads_run_the_serial_kernels_work_items checks it on one
-# shape of each kind. Each (dtype, shape) the parallel form compiles costs a fresh clone seconds of numba's time.
-pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(autouse=True)
+def one_torch_thread():
+    """One torch thread in every test: the kernel's serial form (paged_cpu_kernel.attend_serial) for every case; its
+    parallel form runs the same work items (_attend_range) and merge, and test_threads_run_the_serial_kernels_work_items
+    checks it on one shape of each kind (each (dtype, shape) the parallel form compiles costs a fresh clone seconds of
+    numba's time). Set before each test: a kernel call on 2 threads (numba.set_num_threads: OpenMP's count, which
+    torch reads too) or an engine's rank in this process leaves torch on 2."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 # float32 results against a float64 reference: sums of at most a few hundred float32 products,
 # in another order than the reference's, stay within ~1e-6 relative; 1e-5 leaves room for the
