@@ -8,7 +8,7 @@ For the needle-in-a-haystack prompt of about --context tokens (treeattn.eval.hay
 benchmarks/models/weight_format.py builds it), each round runs `treeattn generate MODEL --prompt-ids FILE
 --ignore-eos --json` (packed weights, --kv-cache-dtype, --activation-format) once with PYTHONPATH set to
 --baseline-src (another checkout's src/, e.g. `git archive HEAD src | tar -x -C /tmp/base`) and once with
-this checkout's src/, the order swapped every round. Each run reports prefill_s (time to the first token,
+--src (default: this checkout's src/), the order swapped every round. Each run reports prefill_s (time to the first token,
 engine setup included), setup_s (the engine's construction inside it: GenerationResult.setup_s; absent
 before it existed: null), the run's CPU seconds (user + system of the child process and its ranks,
 getrusage) and its greedy tokens. A first untimed run of each side fills numba's cache for that source
@@ -50,6 +50,8 @@ def main() -> None:
     parser = harness.parser(__doc__, model="smollm2", context=4096, nproc=[1], max_new_tokens=16, repeats=2,
                             kv_cache_dtype="float16")
     parser.add_argument("--baseline-src", required=True, help="the other checkout's src/ directory (PYTHONPATH of side A)")
+    parser.add_argument("--src", default=str(HERE), help="side B's src/ directory (default: this checkout's; a copy of it "
+                        "keeps edits made while the rounds run out of them)")
     parser.add_argument("--activation-format", default="int8", help="as `treeattn generate --activation-format`")
     args = harness.parse_args(parser)
 
@@ -60,7 +62,7 @@ def main() -> None:
     case = needle_case(files.tokenizer, files.chat_template, context_tokens=args.context, depth=0.5, seed=0)
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(case.prompt_ids, f)
-    sides = {"baseline": str(Path(args.baseline_src).resolve()), "this": str(HERE)}
+    sides = {"baseline": str(Path(args.baseline_src).resolve()), "this": str(Path(args.src).resolve())}
     rows = []
     for nproc in args.nproc:
         for name, src in sides.items():  # numba's cache of each source tree, and the page cache
