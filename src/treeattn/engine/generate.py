@@ -111,7 +111,6 @@ class StepOutput:
     finished: list[bool]
     elapsed_s: float
     texts: list[str] = field(default_factory=list)
-    setup_s: float = 0.0
 
 
 @dataclass
@@ -202,6 +201,7 @@ class GenerationResult:
     speculation: dict = field(default_factory=dict)
     cached_prompt_tokens: list[int] = field(default_factory=list)
     texts: list[str] = field(default_factory=list)
+    setup_s: float = 0.0
 
     @property
     def mean_logprobs(self) -> list[float]:
