@@ -90,6 +90,28 @@ def test_causal_and_window_with_positions(dtype, window):
     assert_state_close(out, lse, *ref, dtype)
 
 
+def test_sliding_window_blocks_read_only_the_keys_they_see(monkeypatch):
+    """A prefill chunk under a window: each block of queries reads only the span of keys it sees (fewer
+    keys than its chunk: the ones before the window and after the block are left out), and the span
+    may still hold masked keys (shuffled positions); the same state as the float64 reference."""
+    monkeypatch.setattr(attention_module, "MASKED_CHUNK_KEYS", 16)
+    monkeypatch.setattr(attention_module, "MAX_SCORE_ELEMENTS", 16 * 2 * 8)  # 8 queries a block (group 2)
+    q, k, v = make_qkv(Sq=30, Sk=50, Hq=4, Hkv=2, seed=5)
+    q_pos, kv_pos = torch.arange(30) + 20, torch.arange(50)
+    shuffled = torch.cat((kv_pos[:25], kv_pos[25:].flip(0)))
+    seen = []  # keys of each block call, whichever kernel takes it
+    for name in ("_flash_block", "_matmul_attention"):
+        kernel = getattr(attention_module, name)
+        monkeypatch.setattr(attention_module, name, lambda q_rows, k_heads, *a, kernel=kernel: seen.append(k_heads.shape[2])
+                            or kernel(q_rows, k_heads, *a))
+    for kv in (kv_pos, shuffled):
+        out, lse = ta.attention(q, k, v, causal=True, q_pos=q_pos, kv_pos=kv, window=6)
+        assert_state_close(out, lse, *ta.reference_attention(q, k, v, causal=True, q_pos=q_pos, kv_pos=kv, window=6),
+                           torch.float32)
+        if kv is kv_pos:  # 8 queries and a window of 6 see at most 13 keys of a chunk of 16
+            assert seen and max(seen) <= 13
+
+
 @pytest.mark.parametrize("q_start,kv_start", [(0, 0), (40, 0), (45, 5), (3, 10)])
 @pytest.mark.parametrize("Sq", [1, 7, 30])
 def test_causal_over_contiguous_positions(monkeypatch, q_start, kv_start, Sq):

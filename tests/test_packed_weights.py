@@ -240,6 +240,7 @@ def test_greedy_tokens_equal_the_dequantized_models_on_one_and_two_ranks(files):
         packed = ta.generate(files[name], prompt, **chosen, **options)
         assert packed.generated_ids == dense[name].generated_ids, name
         assert packed.weight_format == "packed" and dense[name].weight_format == "dequantize"
+        assert 0 < packed.setup_s < packed.prefill_s  # the engine's construction is a part of the time to the first token
         assert (
             0 < packed.weight_bytes_per_rank[0] < dense[name].weight_bytes_per_rank[0] and len(packed.weight_bytes_per_rank) == 1
         )

@@ -12,7 +12,10 @@ per rank, whether the answer names the hidden number, and how many greedy tokens
 setting's. With --llama-python (a Python with llama-cpp-python, never a treeattn dependency), the same
 token ids run through llama.cpp in that interpreter: the same GGUF as shipped, --llama-threads
 threads, f16 KV cache, n_ctx = prompt + new tokens, greedy (top_k=1); its prefill is the time to the
-first token and its decode the mean time of the later tokens. The settings of one invocation run one
+first token and its decode the mean time of the later tokens. treeattn's prefill_s is its time to the
+first token from the start of generate(), engine setup included (setup_s: the packed weights' arena, the
+kernels' warm-up); prefill_after_setup_s leaves the setup out, as llama.cpp's prefill_s leaves out its
+load (its setup_s here: the Llama(...) constructor's seconds). The settings of one invocation run one
 after the other in the order listed (--repeats > 1: rounds, the fastest of each kept); the load
 average is printed before and after each run.
 
@@ -40,7 +43,9 @@ def treeattn(model: str, ids_file: str, nproc: int, weight_format: str, kv: str,
     if activations is not None:  # issue 50: how packed weights multiply decode steps (float32, int8); None: the default
         cmd += ["--activation-format", activations]
     r = json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout)
-    return {"tokens": r["generated_ids"], "prefill_s": r["timings"]["prefill_s"],
+    setup = r["timings"].get("setup_s", 0.0)  # engine setup inside prefill_s (GenerationResult.setup_s)
+    return {"tokens": r["generated_ids"], "prefill_s": r["timings"]["prefill_s"], "setup_s": setup,
+            "prefill_after_setup_s": r["timings"]["prefill_s"] - setup,
             "ms_per_token": 1e3 * r["timings"]["time_per_token_s"],
             "weight_bytes_per_rank": r["weight_bytes_per_rank"], "weight_format": r["weight_format"],
             "kv_cache_dtype": r["kv_cache_dtype"], "kv_bytes_per_token": r["kv_bytes_per_token"],
@@ -49,7 +54,8 @@ def treeattn(model: str, ids_file: str, nproc: int, weight_format: str, kv: str,
 
 def llama_cpp(python: str, model: str, ids_file: str, threads: int, new_tokens: int) -> dict:
     r = harness.llama_cpp_greedy(python, model, ids_file, new_tokens, threads)
-    return {"tokens": r["tokens"], "prefill_s": r["prefill_s"], "ms_per_token": r["ms_per_token"],
+    return {"tokens": r["tokens"], "prefill_s": r["prefill_s"], "setup_s": r["load_s"], "prefill_after_setup_s": r["prefill_s"],
+            "ms_per_token": r["ms_per_token"],
             "weight_bytes_per_rank": [os.path.getsize(model)], "weight_format": "gguf (llama.cpp)", "kv_cache_dtype": "float16",
             "kv_bytes_per_token": None}
 
@@ -100,6 +106,7 @@ def main() -> None:
         r = best[name]
         answer = files.tokenizer.decode(r["tokens"])
         print(json.dumps({"setting": name, "ms_per_token": round(r["ms_per_token"], 2), "prefill_s": round(r["prefill_s"], 2),
+                          "setup_s": round(r["setup_s"], 2), "prefill_after_setup_s": round(r["prefill_after_setup_s"], 2),
                           "ratio_to_first": round(r["ms_per_token"] / base["ms_per_token"], 3),
                           "weight_bytes_per_rank": r["weight_bytes_per_rank"], "kv_cache_dtype": r["kv_cache_dtype"],
                           "kv_bytes_per_token": r["kv_bytes_per_token"], "activation_format": r.get("activation_format"),

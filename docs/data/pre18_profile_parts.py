@@ -1,3 +1,10 @@
+"""Session 18 (pre18): a py-spy raw profile (`py-spy record -r 50 -f raw -o FILE -- python3 -m treeattn.cli generate ...`)
+summed by the part of a prefill each sample falls in (the first matching rule below), as seconds of samples at
+RATE samples a second (wall time of the sampled threads, idle ones left out) and shares of the whole run. Takes the
+raw file, or its .gz.
+
+    python3 docs/data/pre18_profile_parts.py PROFILE.txt.gz [RATE]
+"""
 import sys, collections
 cats=collections.Counter(); tot=0
 def cat(fr):
@@ -9,8 +16,8 @@ def cat(fr):
     if 'Model.forward' in s:
         if 'dequantize_packed' in s: return 'forward: dequantize packed weights'
         if 'packed_matmul' in s: return 'forward: matmul (F.linear, float32)'
-        if 'LocalAttention' in s: return 'forward: attention, window layers'
-        if 'PagedBatch.attend' in s: return 'forward: attention, global layers (cache runs)'
+        if 'LocalAttention' in s: return 'forward: attention, LocalAttention calls (Gemma: window layers)'
+        if 'PagedBatch.attend' in s: return 'forward: attention over cache runs (Gemma: global layers)'
         if 'kv_store' in s or '_window_store' in s: return 'forward: KV cache writes'
         if 'rms_norm' in s or 'RMSNorm' in s: return 'forward: RMSNorm'
         if 'apply_rope' in s or 'rope' in s: return 'forward: RoPE'
@@ -18,7 +25,8 @@ def cat(fr):
     if '_outcome' in s: return 'LM head + sampling'
     if 'Driver' in s or 'RankRunner' in s: return 'engine step bookkeeping'
     return 'outside prefill (load, tokenizer, import, decode)'
-for line in open(sys.argv[1]):
+import gzip
+for line in (gzip.open(sys.argv[1], 'rt') if sys.argv[1].endswith('.gz') else open(sys.argv[1])):
     line=line.rstrip()
     if ' ' not in line: continue
     st,n=line.rsplit(' ',1); n=int(n); tot+=n

@@ -288,6 +288,7 @@ def _json_report(result: dict, texts, batched: bool, total_s: float, ranking: li
     report["timings"] = {
         "total_s": total_s,
         "prefill_s": result["prefill_s"],
+        "setup_s": result["setup_s"],  # the part of prefill_s spent building the engine (GenerationResult.setup_s)
         "decode_s": result["decode_s"],
         "decode_steps": result["decode_steps"],
         "time_per_token_s": _finite(result["time_per_token_s"]),

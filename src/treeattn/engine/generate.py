@@ -130,6 +130,10 @@ class GenerationResult:
         finish_reasons: per sequence, "stop" (a stop token or string) or "length" (max_new_tokens).
         prefill_s: seconds from the start to the first token of every sequence (engine setup,
             prefill, first sample).
+        setup_s: the part of prefill_s spent building the engine (rank 0's Engine(...): the packed
+            weights' arena, the kernels' warm-up, the KV arena) before the first request was submitted;
+            0.0 when generate() ran on an open engine. prefill_s - setup_s is the time from the request
+            to its first token, what llama.cpp's time to the first token measures (its load apart).
         decode_s: seconds of the decode steps after the first tokens (rank 0's step times).
         decode_steps: the engine's decode steps (a step is one batched forward pass of every
             running sequence's next token, or with speculation its token and drafts).
@@ -197,6 +201,7 @@ class GenerationResult:
     speculation: dict = field(default_factory=dict)
     cached_prompt_tokens: list[int] = field(default_factory=list)
     texts: list[str] = field(default_factory=list)
+    setup_s: float = 0.0
 
     @property
     def mean_logprobs(self) -> list[float]:
@@ -444,6 +449,7 @@ class Generation:
                  on_prefill: Callable[[int, int], None] | None = None, engine=None) -> None:
         self.model, self.group, self.on_prefill, self._engine = model, group, on_prefill, engine
         self.result: GenerationResult | None = None
+        self._setup_s = 0.0  # rank 0's Engine(...) seconds (GenerationResult.setup_s)
         self.num_samples = num_samples
         if engine is not None:
             self._on_engine(engine, prompts, config, sampling)
@@ -535,6 +541,7 @@ class Generation:
         own = self._engine is None  # else a running engine, which stays open (rank 0 alone)
         if own:
             engine = Engine(self.model, self._proof, group=self.group)
+            self._setup_s = time.perf_counter() - start
         else:
             engine = self._engine
             engine.rank_measurements(reset=True)  # this run's counters alone
@@ -625,7 +632,8 @@ class Generation:
         c = self.config
         return GenerationResult(
             prompt_tokens=[r.prompt_tokens for r in results], generated_ids=[r.token_ids for r in results],
-            finish_reasons=[r.finish_reason for r in results], prefill_s=first_token, decode_s=sum(step_times),
+            finish_reasons=[r.finish_reason for r in results], prefill_s=first_token, setup_s=self._setup_s,
+            decode_s=sum(step_times),
             decode_steps=len(step_times), step_times_s=step_times, world_size=self.world_size, decode=self.decode,
             method=c.method, prefill=self.prefill, placement=c.placement, tp=c.tp,
             kv_bytes_per_rank=[m.kv_bytes for m in measured],

@@ -202,12 +202,17 @@ def _masked_attention(q_rows, k_heads, v_heads, q_pos, kv_pos, causal, window, s
             k1 = min(Sk, k0 + key_chunk)
             kp = kv_pos[:, k0:k1]
             visible = _visibility(qp, kp, causal, window)  # (B or 1, sq, sk) bool
-            if not bool(visible.any()):
+            seen = visible.any(dim=1).any(dim=0).nonzero()  # keys some query of the block sees
+            if seen.numel() == 0:
                 continue
+            # Only the span of keys the block sees: under a sliding window a block of queries sees about
+            # window + its length keys of a chunk's, and the keys outside would be masked work.
+            lo, hi = int(seen[0]), int(seen[-1]) + 1
+            visible = visible[..., lo:hi]
             bias = None
             if not bool(visible.all()):
                 bias = visible
-            kc, vc = k_heads[:, :, k0:k1], v_heads[:, :, k0:k1]
+            kc, vc = k_heads[:, :, k0 + lo : k0 + hi], v_heads[:, :, k0 + lo : k0 + hi]
             if use_flash:
                 o, s = _flash_block(rows, kc, vc, bias, scale, group)
             else:

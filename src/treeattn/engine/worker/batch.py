@@ -108,13 +108,19 @@ class _Group:
 
 def _runs(blocks: list[tuple[int, int]], kv_pos: torch.Tensor, bs: int, device) -> list[tuple[int, int, torch.Tensor]]:
     """Maximal runs of physically adjacent blocks among one sequence's local `blocks` [(logical,
-    block id)], as (first block id, number of blocks, int64 (1, n * bs) positions of their keys)."""
+    block id)], as (first block id, number of blocks, int64 (1, keys) positions of their keys): the
+    run's n * bs slots less the trailing unwritten ones (INVISIBLE_POSITION: a last block not yet
+    full), so that a prompt chunk over positions 0, 1, ... of a run takes attention's causal path
+    over contiguous positions (no mask) rather than a masked pass over the slots no query sees."""
     runs, i = [], 0
     while i < len(blocks):
         n = 1
         while i + n < len(blocks) and blocks[i + n][1] == blocks[i][1] + n:
             n += 1
-        runs.append((blocks[i][1], n, kv_pos[None, i * bs : (i + n) * bs].to(device)))
+        pos = kv_pos[None, i * bs : (i + n) * bs]
+        written = (pos[0] != INVISIBLE_POSITION).nonzero()
+        keys = int(written[-1]) + 1 if written.numel() else pos.shape[1]
+        runs.append((blocks[i][1], n, pos[:, :keys].to(device)))
         i += n
     return runs
 
@@ -325,7 +331,7 @@ class PagedBatch:
         outs, lses = [], []
         # each run: views of the arena (converted or dequantized copies with a narrower kv_cache_dtype)
         for b, runs in enumerate(g.runs):
-            states = [attention(q[b : b + 1], *(x[None] for x in self.cache.run(self._layer, a, n)),
+            states = [attention(q[b : b + 1], *(x[None, : pos.shape[1]] for x in self.cache.run(self._layer, a, n)),
                                 causal=True, q_pos=g.q_pos[b : b + 1], kv_pos=pos) for a, n, pos in runs]
             if not states:  # nothing of this sequence here: the merge's identity
                 states = [(q.new_zeros(1, S, Hq, Dv), torch.full((1, Hq, S), float("-inf"), device=q.device))]
