@@ -1,7 +1,8 @@
 #!/bin/bash
 # Session 18 (dec18): alternated A/B of one rank's decode step (docs/data/dec18_step.py, no prefill) between
-# libgomp's default spin for numba's pool (GOMP_SPINCOUNT=300000, the old behaviour) and this branch's default
-# (treeattn.ops.kernels.SPIN_COUNT), one process per arm, ROUNDS rounds, the arms' order swapped every round.
+# libgomp's default spin (GOMP_SPINCOUNT=300000) and 10000 spins (the raw file of 21:45 ran its 'new' arm through a
+# since-removed treeattn.openmp that set GOMP_SPINCOUNT=10000 at 'import treeattn'; the same setting)
+# one process per arm, ROUNDS rounds, the arms' order swapped every round.
 #   bash docs/data/dec18_ab.sh MODEL "4096 8192" ROUNDS STEPS [extra dec18_step.py flags]
 M=$1; CTX=${2:-"4096 8192"}; ROUNDS=${3:-2}; STEPS=${4:-25}; shift 4
 cd "$(dirname "$0")/../.." && export PYTHONPATH=$PWD/src
@@ -10,7 +11,7 @@ echo "# bash docs/data/dec18_ab.sh $M \"$CTX\" $ROUNDS $STEPS $*"
 for r in $(seq 1 $ROUNDS); do
   if (( r % 2 )); then arms="old new"; else arms="new old"; fi
   for arm in $arms; do
-    if [ $arm = old ]; then envs="GOMP_SPINCOUNT=300000"; else envs="TREEATTN_AB=new"; fi
+    if [ $arm = old ]; then envs="GOMP_SPINCOUNT=300000"; else envs="GOMP_SPINCOUNT=10000"; fi
     echo "## round $r arm $arm ($envs) load $(cut -d' ' -f1-3 /proc/loadavg)"
     env $envs python3 docs/data/dec18_step.py "$M" --context $CTX --steps $STEPS --rounds 1 "$@" 2>&1 | grep '^{' | sed "s/^{/{\"ab\": \"$arm\", /"
   done

@@ -21,7 +21,7 @@ import json
 import os
 import time
 
-import treeattn  # noqa: F401  (first, as `treeattn generate` does: treeattn.openmp sets OpenMP's spin before torch loads)
+import treeattn  # noqa: F401  (first, as `treeattn generate` imports it)
 import torch
 
 ARMS = {
@@ -53,6 +53,8 @@ def main() -> None:
     ap.add_argument("--split", action="store_true")
     ap.add_argument("--kv-std", type=float, default=1.0, help="the random keys' and values' standard deviation")
     ap.add_argument("--ab", default="none", choices=sorted(ARMS))
+    ap.add_argument("--in-thread", action="store_true", help="build and step the runner in a second thread, as the "
+                    "engine's driver thread does (one rank: the steps run there)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -148,4 +150,13 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    import sys
+
+    if "--in-thread" in sys.argv:
+        import threading
+
+        t = threading.Thread(target=main, name="driver")
+        t.start()
+        t.join()
+    else:
+        main()

@@ -5,7 +5,6 @@
     out, lse = ta.merge_states(out_a, lse_a, out_b, lse_b) # exact merge of partial states
 """
 
-from treeattn import openmp as _openmp  # noqa: F401  (first: OpenMP's spin, set before torch loads its runtime)
 from treeattn.ops import (
     attention,
     attention_via_energy,
