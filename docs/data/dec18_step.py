@@ -28,7 +28,7 @@ ARMS = {
     # name: {arm: settings}; each arm's settings are applied before its block of steps
     "none": {"base": {}},
     "attn_threads": {"2": {}, "1": {"attention_threads": 1}},
-    "splits": {"2/thread": {}, "1/thread": {"splits_per_thread": 1}, "4/thread": {"splits_per_thread": 4}},
+    "splits": {"2/thread": {"splits_per_thread": 2}, "1/thread": {"splits_per_thread": 1}},
     "parallel_min": {"head only": {}, "all serial": {"parallel_min": 1 << 40}},
 }
 
@@ -36,12 +36,15 @@ ARMS = {
 def apply(settings: dict) -> None:
     from treeattn.ops import cpu_decode, packed_linear
 
-    cpu_decode.SPLITS_PER_THREAD = settings.get("splits_per_thread", 2)
+    cpu_decode.SPLITS_PER_THREAD = settings.get("splits_per_thread", apply.splits_default)
     packed_linear.PARALLEL_MIN_WEIGHTS = settings.get("parallel_min", 1 << 22)
     apply.attention_threads = settings.get("attention_threads")
 
 
 def main() -> None:
+    from treeattn.ops import cpu_decode
+
+    apply.splits_default = cpu_decode.SPLITS_PER_THREAD
     ap = argparse.ArgumentParser()
     ap.add_argument("model")
     ap.add_argument("--context", type=int, nargs="+", default=[4096, 8192])
