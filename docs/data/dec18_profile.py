@@ -50,7 +50,6 @@ def main() -> None:
     config = batch_config(config, sampling, 1, prompts, 1)
     model = load_model(args.model, dtype=torch.float32, device="cpu", weight_format="packed")
 
-    buckets: dict[str, list[float]] = {}
     steps: list[dict] = []
     current: dict[str, list[float]] = {}
 
