@@ -182,7 +182,7 @@ def test_kernel_splits_and_threads_do_not_change_the_state(monkeypatch):
     for threads in (1, 2, 7):
         lay = pd.PagedDecodeLayout(layout.block_table, layout.kv_pos, layout.q_pos, block_size=8, threads=threads)
         check(*pd.paged_decode_attention(q, kb, vb, lay), *ref)
-        assert lay._kernel_arrays()[4] == (1 if threads == 1 else min(25, 2 * threads))
+        assert lay._kernel_arrays()[4] == (1 if threads == 1 else min(25, threads))
 
 
 @needs_kernel

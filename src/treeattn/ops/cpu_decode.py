@@ -29,9 +29,12 @@ from treeattn.ops.fp8 import FP8
 from treeattn.ops.kernels import optional_kernel
 
 # Block ranges per query row when rows alone would leave threads idle: enough ranges that every
-# thread gets ~2 of them, and never fewer than MIN_BLOCKS_PER_SPLIT blocks in a range (one thread:
-# one range per row).
-SPLITS_PER_THREAD = 2
+# thread gets SPLITS_PER_THREAD of them, and never fewer than MIN_BLOCKS_PER_SPLIT blocks in a range (one
+# thread: one range per row). numba hands a prange's items to its threads in equal static shares, and a
+# range is ceil(blocks / ranges) blocks, so one range a thread loads the busiest thread least: a decode row of
+# 17 blocks (SmolLM2 at 4K: 4,100 positions) on 2 threads is 9 + 8 blocks, where 2 ranges a thread gave
+# 5 + 5 and 5 + 2 (the first thread 10 of 17). At 32 blocks (8K) both are 16 + 16.
+SPLITS_PER_THREAD = 1
 MIN_BLOCKS_PER_SPLIT = 1
 # ops.attention calls with at most this many queries per sequence go to the kernel (decode steps
 # and their drafts); longer ones (prefill) stay on the matmul path, which batches queries.
