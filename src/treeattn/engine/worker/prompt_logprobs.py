@@ -13,7 +13,8 @@ tokens start + 1 .. start + n (those inside the prompt): the scheduler puts them
 The work is the output projection of every such row over the whole vocabulary, which for a long
 prompt is a prompt x vocabulary matrix (8K x 262,144 float32 for Gemma 3: 8 GiB). It is never
 materialized: the rows are taken ROWS_PER_BLOCK at a time, and each block's logits a chunk of the
-vocabulary at a time (vocab_columns: 4 MiB of logits a thread on the CPU), each chunk reduced while it is in
+vocabulary at a time (vocab_columns: 4 MiB of logits a thread on the CPU; with torch on 2+ threads the chunks are
+split between the threads of chunk_pool, one torch thread each), each chunk reduced while it is in
 the cache: its logsumexp (merged across chunks like attention states), the count of logits above the
 target's, its top k. Kept per row: the log-softmax at the target (float32 logit - logsumexp, as the
 generated tokens' logprobs, runner.token_logprobs), the target's rank and the top k: 2 + 2k numbers.
@@ -34,6 +35,7 @@ for the same arithmetic.
 from __future__ import annotations
 
 import math
+import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -51,11 +53,12 @@ less CPU time for SmolLM2's head, one thread, under load), and on a GPU by the w
 
 CHUNK_BYTES = 4 << 20
 """On the CPU, the float32 logits computed at once per torch thread: a block's rows x vocab_columns(rows, V)
-columns (4 MiB a thread; SmolLM2, 512 rows: 2048 columns on 1 thread, 4096 on 2). The reductions (max,
+columns (4 MiB a thread; SmolLM2, 512 rows: 2048 columns; with torch on 2+ threads each thread of chunk_pool
+takes its own run of 2048-column chunks, on one torch thread). The reductions (max,
 exp-sum, count of larger logits, top k) read each chunk right after the product wrote it, from the cache;
 no prompt x vocabulary or even block x vocabulary matrix is made. Smaller chunks mean more calls, each a
 parallel region whose threads wait for one another (on 2 threads, 1 MiB chunks cost more CPU than one
-whole block); larger ones fall out of the cache (16 MiB on 1 thread cost more than 8):
+whole block, which chunk_pool avoids); larger ones fall out of the cache (16 MiB on 1 thread cost more than 8):
 benchmarks/engine/prompt_logprobs_parts.py, docs/engine.md#prompt-log-probabilities. On a GPU one chunk is
 the whole vocabulary (one launch a reduction)."""
 
@@ -345,7 +348,7 @@ class _ChunkReducer:
         return values, ids
 
 
-_POOL: list = []  # [(threads, ThreadPoolExecutor)]: chunk_pool's one pool
+_POOL: list = []  # [(threads, pid, ThreadPoolExecutor)]: chunk_pool's one pool (a forked child's copy has no threads)
 
 
 def chunk_pool(threads: int) -> ThreadPoolExecutor:
@@ -364,10 +367,12 @@ def chunk_pool(threads: int) -> ThreadPoolExecutor:
         >>> list(chunk_pool(2).map(lambda _: torch.get_num_threads(), range(2))), torch.get_num_threads() == threads
         ([1, 1], True)
     """
-    if _POOL and _POOL[0][0] == threads:
-        return _POOL[0][1]
+    if _POOL and _POOL[0][:2] == (threads, os.getpid()):
+        return _POOL[0][2]
     if _POOL:
-        _POOL.pop()[1].shutdown(wait=False)
+        _, pid, old = _POOL.pop()
+        if pid == os.getpid():
+            old.shutdown(wait=False)
     caller = torch.get_num_threads()
     ready = threading.Barrier(threads)
 
@@ -381,5 +386,5 @@ def chunk_pool(threads: int) -> ThreadPoolExecutor:
     torch.set_num_threads(caller)
     if counts != [1] * threads:
         raise RuntimeError(f"chunk_pool: expected its threads to run torch on 1 thread each, got {counts}")
-    _POOL.append((threads, pool))
+    _POOL.append((threads, os.getpid(), pool))
     return pool
