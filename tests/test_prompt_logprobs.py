@@ -123,7 +123,7 @@ def test_docstring_examples_run():
 
     from treeattn.engine import request
 
-    for obj in (request.RequestResult, pl.score_rows, pl.dense_head, pl.vocab_columns, pl._take):
+    for obj in (request.RequestResult, pl.score_rows, pl.dense_head, pl.vocab_columns, pl._take, pl.chunk_pool):
         finder, runner = doctest.DocTestFinder(), doctest.DocTestRunner(optionflags=doctest.ELLIPSIS)
         for test in finder.find(obj, globs={}):
             runner.run(test)
