@@ -83,6 +83,11 @@ def test_row_blocks_and_vocab_chunks_equal_one_log_softmax(monkeypatch):
         assert torch.equal(got[:, 1].long(), rank)
         assert torch.equal(got[:, 5:].long(), logp.topk(3).indices)
     assert pl.score_rows(model, hidden, targets, top=0).shape == (23, 2)  # no top k asked: none computed
+    pl.chunk_pool(2)  # made before get_num_threads says 2: its threads check their own count
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)  # the 5 chunks of a block: runs of 2 and 3 on 2 pool threads
+    pooled = pl.score_rows(model, hidden, targets, top=3)  # MKL's tiny products round apart with 1 and 2 threads
+    torch.testing.assert_close(pooled, packed, atol=2e-6, rtol=0)
+    assert torch.equal(pooled[:, 1], packed[:, 1]) and torch.equal(pooled[:, 5:], packed[:, 5:])
 
 
 def test_a_target_logit_rounded_apart_is_not_counted_above_itself(monkeypatch):
@@ -118,7 +123,7 @@ def test_docstring_examples_run():
 
     from treeattn.engine import request
 
-    for obj in (request.RequestResult, pl.score_rows, pl.dense_head, pl.vocab_columns, pl._take):
+    for obj in (request.RequestResult, pl.score_rows, pl.dense_head, pl.vocab_columns, pl._take, pl.chunk_pool):
         finder, runner = doctest.DocTestFinder(), doctest.DocTestRunner(optionflags=doctest.ELLIPSIS)
         for test in finder.find(obj, globs={}):
             runner.run(test)

@@ -6,7 +6,7 @@ this tree's, alternately, in CPU seconds of this process (all its threads: spin-
 The baseline's module is read with `git show COMMIT:src/treeattn/engine/worker/prompt_logprobs.py` and loaded
 beside this tree's; both score the same random hidden states (--context rows) on the model's own output
 projection. Checks that the logprobs agree within 1e-5 and the ranks are equal; prints, per thread count, each
-round's CPU seconds and the ratio (this tree / baseline), and the load average.
+round's CPU and wall seconds and their ratios (this tree / baseline), and the load average.
 """
 
 from __future__ import annotations
@@ -44,10 +44,13 @@ def main() -> None:
         for _ in range(args.repeats):
             row = {"threads": threads}
             for name, module in (("baseline", old), ("current", current)):
-                start = time.process_time()
+                start, wall = time.process_time(), time.perf_counter()
                 module.score_rows(model, hidden, targets, 0)
                 row[name + "_cpu_s"] = time.process_time() - start
+                row[name + "_wall_s"] = time.perf_counter() - wall
             row["ratio"] = row["current_cpu_s"] / row["baseline_cpu_s"]
+            row["wall_ratio"] = row["current_wall_s"] / row["baseline_wall_s"]
+            row["loadavg"] = open("/proc/loadavg").read().split()[:3]
             rows.append(row)
             print(json.dumps(row), flush=True)
     harness.write_output(args.output, rows)

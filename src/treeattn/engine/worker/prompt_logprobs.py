@@ -13,7 +13,8 @@ tokens start + 1 .. start + n (those inside the prompt): the scheduler puts them
 The work is the output projection of every such row over the whole vocabulary, which for a long
 prompt is a prompt x vocabulary matrix (8K x 262,144 float32 for Gemma 3: 8 GiB). It is never
 materialized: the rows are taken ROWS_PER_BLOCK at a time, and each block's logits a chunk of the
-vocabulary at a time (vocab_columns: 4 MiB of logits a thread on the CPU), each chunk reduced while it is in
+vocabulary at a time (vocab_columns: 4 MiB of logits a thread on the CPU; with torch on 2+ threads the chunks are
+split between the threads of chunk_pool, one torch thread each), each chunk reduced while it is in
 the cache: its logsumexp (merged across chunks like attention states), the count of logits above the
 target's, its top k. Kept per row: the log-softmax at the target (float32 logit - logsumexp, as the
 generated tokens' logprobs, runner.token_logprobs), the target's rank and the top k: 2 + 2k numbers.
@@ -34,6 +35,9 @@ for the same arithmetic.
 from __future__ import annotations
 
 import math
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -49,11 +53,12 @@ less CPU time for SmolLM2's head, one thread, under load), and on a GPU by the w
 
 CHUNK_BYTES = 4 << 20
 """On the CPU, the float32 logits computed at once per torch thread: a block's rows x vocab_columns(rows, V)
-columns (4 MiB a thread; SmolLM2, 512 rows: 2048 columns on 1 thread, 4096 on 2). The reductions (max,
+columns (4 MiB a thread; SmolLM2, 512 rows: 2048 columns; with torch on 2+ threads each thread of chunk_pool
+takes its own run of 2048-column chunks, on one torch thread). The reductions (max,
 exp-sum, count of larger logits, top k) read each chunk right after the product wrote it, from the cache;
 no prompt x vocabulary or even block x vocabulary matrix is made. Smaller chunks mean more calls, each a
 parallel region whose threads wait for one another (on 2 threads, 1 MiB chunks cost more CPU than one
-whole block); larger ones fall out of the cache (16 MiB on 1 thread cost more than 8):
+whole block, which chunk_pool avoids); larger ones fall out of the cache (16 MiB on 1 thread cost more than 8):
 benchmarks/engine/prompt_logprobs_parts.py, docs/engine.md#prompt-log-probabilities. On a GPU one chunk is
 the whole vocabulary (one launch a reduction)."""
 
@@ -264,34 +269,32 @@ def _score_block(model, hidden: torch.Tensor, targets: torch.Tensor, top: int, o
     block's rows against the targets' rows of `weight`); where that product rounds the target's own logit
     below its chunk's, the count drops it. The counts are float32 (exact: a chunk has far fewer than 2**24
     columns), whose compare-and-sum is one vectorized pass where a bool mask's sum was a conversion and a
-    reduction (per 512-row block of SmolLM2 on one thread: 0.014 s instead of 0.039, under load)."""
+    reduction (per 512-row block of SmolLM2 on one thread: 0.014 s instead of 0.039, under load).
+
+    With torch on more than one thread (CPU), the chunks are split into that many contiguous runs, each
+    reduced by one thread of chunk_pool (one torch thread each): no parallel region, so no thread waits for
+    another between the chunk's ~8 calls (see chunk_pool)."""
     n, device = hidden.shape[0], hidden.device
-    columns = None if weight is None else vocab_columns(n, weight.shape[0], device)
+    threads = 1 if weight is None or device.type != "cpu" else torch.get_num_threads()
+    columns = None if weight is None else vocab_columns(n, weight.shape[0], device, threads=1 if threads > 1 else None)
     starts = [0] if columns is None or columns >= weight.shape[0] else list(range(0, weight.shape[0], columns))
     chosen = None if len(starts) == 1 else model.logits(hidden, weight=weight[targets]).diagonal().contiguous()
     picked = torch.empty(n, dtype=torch.float32, device=device)  # the target's logit, from its chunk
     table = torch.empty(3, len(starts), n, dtype=torch.float32, device=device)  # per chunk: max, sum of exp, count
-    maxes, sums, larger = table
     rows_in = {}  # chunk -> the rows whose target it holds
     for row, j in enumerate((targets // columns).tolist() if len(starts) > 1 else [0] * n):
         rows_in.setdefault(j, []).append(row)
     rows_in = {j: (torch.tensor(r, device=device), targets[r] - starts[j]) for j, r in rows_in.items()}  # (rows, columns)
-    values, ids = torch.empty(n, 0, device=device), torch.empty(n, 0, dtype=torch.int64, device=device)
-    scratch = None  # the chunk's comparisons, then its exp(logit - max): one buffer for every chunk of its shape
-    for j, first in enumerate(starts):
-        logits = model.logits(hidden, None if len(starts) == 1 else slice(first, first + columns), **dense)
-        if scratch is None or scratch.shape != logits.shape:
-            scratch = torch.empty_like(logits)
-        if j in rows_in:
-            picked[rows_in[j][0]] = logits[rows_in[j]]
-        torch.amax(logits, dim=-1, out=maxes[j])
-        torch.sum(torch.gt(logits, (picked if chosen is None else chosen)[:, None], out=scratch), dim=-1, out=larger[j])
-        torch.sum(torch.sub(logits, maxes[j][:, None], out=scratch).mul_(_LOG2_E).exp2_(), dim=-1, out=sums[j])
-        if top:
-            chunk_values, chunk_ids = torch.topk(logits, min(top, logits.shape[1]), dim=-1)
-            merged = torch.cat([values, chunk_values], dim=1)
-            values, where = torch.topk(merged, min(top, merged.shape[1]), dim=-1)
-            ids = torch.cat([ids, chunk_ids + first], dim=1).gather(1, where)
+    reduce = _ChunkReducer(model, hidden, top, dense, starts, columns, rows_in, picked, chosen, table)
+    bounds = row_bounds(len(starts), min(threads, len(starts)))  # contiguous runs of chunks, one a pool thread
+    runs = [range(lo, hi) for lo, hi in zip(bounds, bounds[1:])]
+    parts = [reduce(runs[0])] if len(runs) == 1 else list(chunk_pool(threads).map(reduce, runs))
+    values, ids = parts[0]
+    for more_values, more_ids in parts[1:]:  # the runs' top k, merged in chunk order
+        merged = torch.cat([values, more_values], dim=1)
+        values, where = torch.topk(merged, min(top, merged.shape[1]), dim=-1)
+        ids = torch.cat([ids, more_ids], dim=1).gather(1, where)
+    maxes, sums, larger = table
     count = larger.double().sum(dim=0) if chosen is None else larger.double().sum(dim=0) - (picked > chosen).double()
     top_max = maxes.double().amax(dim=0)
     lse = top_max + torch.log((sums.double() * torch.exp(maxes.double() - top_max)).sum(dim=0))
@@ -301,3 +304,87 @@ def _score_block(model, hidden: torch.Tensor, targets: torch.Tensor, top: int, o
         out[:, 2 : 2 + top] = values.double() - lse[:, None]
         out[:, 2 + top :] = ids
 
+
+@dataclass
+class _ChunkReducer:
+    """Reduces a run of a block's vocabulary chunks (called with their indices, in order) into `table`
+    (max, sum of exp2, count of larger logits per chunk) and `picked` (the targets' logits); returns the
+    run's top k (values, ids). Runs of different chunks write different rows of both: they may run at once."""
+
+    model: object
+    hidden: torch.Tensor
+    top: int
+    dense: dict
+    starts: list[int]
+    columns: int | None
+    rows_in: dict
+    picked: torch.Tensor
+    chosen: torch.Tensor | None
+    table: torch.Tensor
+
+    def __call__(self, run: range) -> tuple[torch.Tensor, torch.Tensor]:
+        n, device, top = self.hidden.shape[0], self.hidden.device, self.top
+        maxes, sums, larger = self.table
+        values, ids = torch.empty(n, 0, device=device), torch.empty(n, 0, dtype=torch.int64, device=device)
+        scratch = None  # the chunk's comparisons, then its exp(logit - max): one buffer for every chunk of its shape
+        with torch.inference_mode():  # a pool thread's own mode (thread-local); the writes go into `table`
+            for j in run:
+                first = self.starts[j]
+                vocab = None if len(self.starts) == 1 else slice(first, first + self.columns)
+                logits = self.model.logits(self.hidden, vocab, **self.dense)
+                if scratch is None or scratch.shape != logits.shape:
+                    scratch = torch.empty_like(logits)
+                if j in self.rows_in:
+                    self.picked[self.rows_in[j][0]] = logits[self.rows_in[j]]
+                torch.amax(logits, dim=-1, out=maxes[j])
+                target = (self.picked if self.chosen is None else self.chosen)[:, None]
+                torch.sum(torch.gt(logits, target, out=scratch), dim=-1, out=larger[j])
+                torch.sum(torch.sub(logits, maxes[j][:, None], out=scratch).mul_(_LOG2_E).exp2_(), dim=-1, out=sums[j])
+                if top:
+                    chunk_values, chunk_ids = torch.topk(logits, min(top, logits.shape[1]), dim=-1)
+                    merged = torch.cat([values, chunk_values], dim=1)
+                    values, where = torch.topk(merged, min(top, merged.shape[1]), dim=-1)
+                    ids = torch.cat([ids, chunk_ids + first], dim=1).gather(1, where)
+        return values, ids
+
+
+_POOL: list = []  # [(threads, pid, ThreadPoolExecutor)]: chunk_pool's one pool (a forked child's copy has no threads)
+
+
+def chunk_pool(threads: int) -> ThreadPoolExecutor:
+    """A pool of `threads` threads, each running torch on ONE intra-op thread, made once (per `threads`).
+
+    On the CPU a chunk's product and reductions are ~8 torch calls; run by torch's own 2 threads, each call
+    is a parallel region whose threads wait for each other at its end (spinning, as OpenMP does), and on a
+    busy machine one waits for the other to get a core. Two pool threads each reducing their own half of
+    the chunks (one torch thread each: torch's thread count is per thread with OpenMP) never wait for each
+    other until the block's end. torch.set_num_threads(1) also sets the count a new thread starts with,
+    so the caller's count is set back once the pool's threads have taken theirs.
+
+        >>> import torch
+        >>> from treeattn.engine.worker.prompt_logprobs import chunk_pool
+        >>> threads = torch.get_num_threads()
+        >>> list(chunk_pool(2).map(lambda _: torch.get_num_threads(), range(2))), torch.get_num_threads() == threads
+        ([1, 1], True)
+    """
+    if _POOL and _POOL[0][:2] == (threads, os.getpid()):
+        return _POOL[0][2]
+    if _POOL:
+        _, pid, old = _POOL.pop()
+        if pid == os.getpid():
+            old.shutdown(wait=False)
+    caller = torch.get_num_threads()
+    ready = threading.Barrier(threads)
+
+    def one_thread(_) -> int:
+        torch.set_num_threads(1)
+        ready.wait()  # every pool thread takes one of these tasks: none is left to a thread already set
+        return torch.get_num_threads()
+
+    pool = ThreadPoolExecutor(threads, thread_name_prefix="prompt-logprobs")
+    counts = list(pool.map(one_thread, range(threads)))
+    torch.set_num_threads(caller)
+    if counts != [1] * threads:
+        raise RuntimeError(f"chunk_pool: expected its threads to run torch on 1 thread each, got {counts}")
+    _POOL.append((threads, os.getpid(), pool))
+    return pool

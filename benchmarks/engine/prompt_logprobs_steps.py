@@ -1,0 +1,77 @@
+"""Where a prefill's extra time goes with prompt logprobs: per request and per step, alternately without and with.
+
+    python3 benchmarks/engine/prompt_logprobs_steps.py SmolLM2.gguf --context 8000 --repeats 2
+
+One rank in this process (nproc 1: the rank runs in the driver thread), prefix cache off, one prompt of random
+token ids, max_new_tokens=1; each round runs it without prompt logprobs, then with prompt_logprobs=0. Per request:
+the wall time, the process CPU seconds (every thread: torch's OpenMP workers and numba's too), the page faults
+and context switches (getrusage), and, summed over the request's prefill steps, each step's wall and process CPU
+seconds split into the scoring (PromptRows.compute and unpack) and the rest (the model's forward, the step's
+own work). Prints one JSON row a request; --output keeps them.
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import time
+
+import torch
+
+import treeattn as ta
+from treeattn.bench import harness
+from treeattn.engine.worker import prompt_logprobs, runner
+
+
+def usage() -> dict:
+    """This process's CPU seconds (every thread), page faults and context switches so far."""
+    u = resource.getrusage(resource.RUSAGE_SELF)
+    return {"cpu_s": u.ru_utime + u.ru_stime, "minor_faults": u.ru_minflt, "major_faults": u.ru_majflt,
+            "voluntary_switches": u.ru_nvcsw, "involuntary_switches": u.ru_nivcsw}
+
+
+def main() -> None:
+    parser = harness.parser(__doc__, model="required", context=8000, repeats=2)
+    parser.add_argument("--prefill-chunk", type=int, default=512)
+    args = harness.parse_args(parser)
+    from treeattn.models.loader import read_config
+
+    totals = {}
+
+    def timed(fn, name):
+        def wrapper(*a, **k):
+            wall, cpu = time.perf_counter(), time.process_time()
+            try:
+                return fn(*a, **k)
+            finally:
+                totals[name + "_wall_s"] = totals.get(name + "_wall_s", 0.0) + time.perf_counter() - wall
+                totals[name + "_cpu_s"] = totals.get(name + "_cpu_s", 0.0) + time.process_time() - cpu
+        return wrapper
+
+    runner.RankRunner.step = timed(runner.RankRunner.step, "steps")
+    prompt_logprobs.PromptRows.compute = timed(prompt_logprobs.PromptRows.compute, "compute")
+    prompt_logprobs.PromptRows.unpack = timed(prompt_logprobs.PromptRows.unpack, "unpack")
+    prompt = torch.randint(100, read_config(args.model).vocab_size, (args.context,),
+                           generator=torch.Generator().manual_seed(0)).tolist()
+    rows = []
+    with ta.Engine(args.model, nproc=1, prefix_cache=False, max_context=args.context + 8,
+                   prefill_chunk=args.prefill_chunk) as engine:
+        engine.generate([prompt[:64]], max_new_tokens=2)  # warm-up
+        for round_ in range(args.repeats):
+            for name, k in (("without", None), ("with", 0)):
+                totals.clear()
+                before, wall = usage(), time.perf_counter()
+                result = engine.generate([prompt], max_new_tokens=1, prompt_logprobs=k)[0]
+                after = usage()
+                row = {"round": round_, "logprobs": name, "wall_s": time.perf_counter() - wall, "ttft_s": result.ttft_s,
+                       **{key: after[key] - before[key] for key in after}, **totals,
+                       "loadavg": open("/proc/loadavg").read().split()[:3]}
+                scoring = totals.get("compute_cpu_s", 0.0) + totals.get("unpack_cpu_s", 0.0)
+                row["steps_less_scoring_cpu_s"] = row["steps_cpu_s"] - scoring
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    harness.write_output(args.output, rows)
+
+
+if __name__ == "__main__":
+    main()
