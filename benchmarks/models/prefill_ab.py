@@ -50,10 +50,9 @@ def run(model: str, ids_file: str, src: str, args, nproc: int, prefill_dtype: st
             "tokens": r["generated_ids"], "load_before_after": (round(load, 2), round(os.getloadavg()[0], 2))}
 
 
-def first_difference(a: list, b: list) -> int | None:
-    """The index of the first generated token where a and b (lists of per-sequence token lists) differ; None if equal."""
-    flat_a, flat_b = [t for seq in a for t in seq], [t for seq in b for t in seq]
-    return next((i for i, (x, y) in enumerate(zip(flat_a, flat_b)) if x != y), None)
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    """The index of the first generated token where a and b differ; None where they agree."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
 
 
 def main() -> None:
