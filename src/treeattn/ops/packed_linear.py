@@ -20,7 +20,8 @@ the products differs from x @ W in float64.
 packed_matmul: calls of at most MAX_KERNEL_ROWS rows of x (decode steps, their drafts) run the numba
 kernel (treeattn.ops.packed_cpu_kernel), which reads the blocks in place: bytes streamed per weight
 are 4.75 (q4_0), 6 (q4_1) or 9 (q8_0) bits instead of float32's 32. Longer calls (prefill chunks)
-dequantize the whole weight once to float32 and use torch's matmul, which batches the rows; so does
+dequantize the whole weight once to float32 and use torch's matmul, which batches the rows (with
+prefill_dtype="bfloat16", opt-in: the weight and the rows rounded to bfloat16, float32 accumulation); so does
 a call without numba, or one that autograd records. On CUDA, decode-sized calls run the Triton kernel
 (treeattn.ops.packed_triton), which reads the blocks in place the same way; longer ones dequantize. The kernel runs
 on torch's thread count for weights of PARALLEL_MIN_WEIGHTS values or more (an output projection over
