@@ -282,6 +282,7 @@ def test_cli_reports_weight_bytes_per_rank_and_the_format(files, tmp_path):
         assert result.exit_code == 0, result.output
         reports[fmt] = json.loads(result.stdout)
     assert reports["packed"]["weight_format"] == "packed" and reports["dequantize"]["weight_format"] == "dequantize"
+    assert reports["packed"]["prefill_dtype"] == "float32" and reports["dequantize"]["prefill_dtype"] is None
     assert 0 < reports["packed"]["weight_bytes_per_rank"][0] < reports["dequantize"]["weight_bytes_per_rank"][0]
     assert reports["packed"]["generated_ids"] == reports["dequantize"]["generated_ids"]
     result = CliRunner().invoke(app, ["generate", str(files["q8_0"]), "--prompt-ids", str(ids), "--weight-format", "int4"])
