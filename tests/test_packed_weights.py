@@ -282,6 +282,7 @@ def test_cli_reports_weight_bytes_per_rank_and_the_format(files, tmp_path):
         assert result.exit_code == 0, result.output
         reports[fmt] = json.loads(result.stdout)
     assert reports["packed"]["weight_format"] == "packed" and reports["dequantize"]["weight_format"] == "dequantize"
+    assert reports["packed"]["prefill_dtype"] == "float32" and reports["dequantize"]["prefill_dtype"] is None
     assert 0 < reports["packed"]["weight_bytes_per_rank"][0] < reports["dequantize"]["weight_bytes_per_rank"][0]
     assert reports["packed"]["generated_ids"] == reports["dequantize"]["generated_ids"]
     result = CliRunner().invoke(app, ["generate", str(files["q8_0"]), "--prompt-ids", str(ids), "--weight-format", "int4"])
@@ -301,3 +302,30 @@ def test_bench_profile_takes_the_weight_format_and_kv_cache_dtype(files, tmp_pat
     assert out["packed"]["generated_ids"] == out["dequantize"]["generated_ids"] and len(out["packed"]["generated_ids"]) == 4
     result = CliRunner().invoke(app, ["bench", "profile", str(files["q8_0"]), "-p", "1", "--weight-format", "int4"])
     assert result.exit_code == 2 and "--weight-format" in result.output
+
+
+def test_a_bfloat16_prefill_is_within_bfloat16_rounding_and_refused_where_the_cpu_lacks_it(files, monkeypatch):
+    """prefill_dtype="bfloat16": prefill-sized calls multiply the weight and x rounded to bfloat16 (float32 accumulation),
+    so the logits move by about bfloat16's unit (2**-8) relative; decode-sized calls stay exact. Refused in one line
+    naming prefill_dtype where torch's CPU has no fast bfloat16."""
+    from gemma3_files import ours_logits
+
+    from treeattn.models.packed import set_prefill_dtype
+
+    model = load_model(files["q4_1"], weight_format="packed")
+    ids = torch.randint(3, VOCAB, (40,), generator=torch.Generator().manual_seed(5)).tolist()  # 40 rows > MAX_KERNEL_ROWS
+    exact = ours_logits(model, ids)
+    decode = ours_logits(model, ids[:8])  # 8 rows: the kernel
+    if packed_linear.fast_bf16():
+        assert set_prefill_dtype(model, "bfloat16") == "bfloat16"
+        rounded = ours_logits(model, ids)
+        err = (rounded - exact).abs().max().item()
+        assert 0 < err <= 0.05 * exact.abs().max().item()  # rounded, but by bfloat16's few units, not garbage
+        assert torch.equal(ours_logits(model, ids[:8]), decode)
+        set_prefill_dtype(model, "float32")
+        assert torch.equal(ours_logits(model, ids), exact)
+    with pytest.raises(ConfigError, match="prefill_dtype must be one of"):
+        EngineConfig(prefill_dtype="float16")
+    monkeypatch.setattr(packed_linear, "fast_bf16", lambda: False)
+    with pytest.raises(ConfigError, match="prefill_dtype='bfloat16' needs torch's oneDNN with native bfloat16"):
+        check_weight_format(model, EngineConfig(prefill_dtype="bfloat16"))

@@ -37,11 +37,13 @@ from pathlib import Path
 from treeattn.bench import harness
 
 def treeattn(model: str, ids_file: str, nproc: int, weight_format: str, kv: str, new_tokens: int,
-             activations: str | None = None) -> dict:
+             activations: str | None = None, prefill_dtype: str | None = None) -> dict:
     cmd = [sys.executable, "-m", "treeattn.cli", "generate", model, "--prompt-ids", ids_file, "--max-new-tokens", str(new_tokens),
            "--ignore-eos", "--nproc", str(nproc), "--weight-format", weight_format, "--kv-cache-dtype", kv, "--json"]
     if activations is not None:  # issue 50: how packed weights multiply decode steps (float32, int8); None: the default
         cmd += ["--activation-format", activations]
+    if prefill_dtype is not None:  # what packed weights multiply prefill chunks in (float32, bfloat16); None: the default
+        cmd += ["--prefill-dtype", prefill_dtype]
     r = json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout)
     setup = r["timings"].get("setup_s", 0.0)  # engine setup inside prefill_s (GenerationResult.setup_s)
     return {"tokens": r["generated_ids"], "prefill_s": r["timings"]["prefill_s"], "setup_s": setup,
@@ -49,7 +51,7 @@ def treeattn(model: str, ids_file: str, nproc: int, weight_format: str, kv: str,
             "ms_per_token": 1e3 * r["timings"]["time_per_token_s"],
             "weight_bytes_per_rank": r["weight_bytes_per_rank"], "weight_format": r["weight_format"],
             "kv_cache_dtype": r["kv_cache_dtype"], "kv_bytes_per_token": r["kv_bytes_per_token"],
-            "activation_format": r.get("activation_format")}
+            "activation_format": r.get("activation_format"), "prefill_dtype": r.get("prefill_dtype")}
 
 
 def llama_cpp(python: str, model: str, ids_file: str, threads: int, new_tokens: int) -> dict:
@@ -72,6 +74,8 @@ def main() -> None:
     parser.add_argument("--kv-cache-dtype", nargs="+", default=["auto"], help="--kv-cache-dtype values to run")
     parser.add_argument("--activation-format", nargs="+", default=[None], help="--activation-format values to run (default: "
                         "the engine's default only)")
+    parser.add_argument("--prefill-dtype", nargs="+", default=[None], help="--prefill-dtype values to run (default: the "
+                        "engine's default only)")
     parser.add_argument("--llama-python", default=None, help="a Python with llama-cpp-python: also run llama.cpp")
     parser.add_argument("--llama-threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=1)
@@ -87,9 +91,11 @@ def main() -> None:
           f"{len(case.prompt_ids)} tokens (needle {case.answer} at {case.actual_depth:.0%}), {args.max_new_tokens} greedy tokens")
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(case.prompt_ids, f)
-    settings = [(f"treeattn {p} rank(s), weights {w}, kv {kv}" + (f", activations {a}" if a else ""), p,
-                 (lambda p=p, w=w, kv=kv, a=a: treeattn(model, f.name, p, w, kv, args.max_new_tokens, a)))
-                for p in args.nproc for w in args.weight_format for kv in args.kv_cache_dtype for a in args.activation_format]
+    settings = [(f"treeattn {p} rank(s), weights {w}, kv {kv}" + (f", activations {a}" if a else "")
+                 + (f", prefill {pd}" if pd else ""), p,
+                 (lambda p=p, w=w, kv=kv, a=a, pd=pd: treeattn(model, f.name, p, w, kv, args.max_new_tokens, a, pd)))
+                for p in args.nproc for w in args.weight_format for kv in args.kv_cache_dtype for a in args.activation_format
+                for pd in args.prefill_dtype]
     if args.llama_python:
         settings.append((f"llama.cpp {args.llama_threads} threads", 1,
                          lambda: llama_cpp(args.llama_python, model, f.name, args.llama_threads, args.max_new_tokens)))
@@ -110,7 +116,7 @@ def main() -> None:
                           "ratio_to_first": round(r["ms_per_token"] / base["ms_per_token"], 3),
                           "weight_bytes_per_rank": r["weight_bytes_per_rank"], "kv_cache_dtype": r["kv_cache_dtype"],
                           "kv_bytes_per_token": r["kv_bytes_per_token"], "activation_format": r.get("activation_format"),
-                          "needle_retrieved": is_correct(answer, case),
+                          "prefill_dtype": r.get("prefill_dtype"), "needle_retrieved": is_correct(answer, case),
                           "tokens_equal_to_first": sum(a == b for a, b in zip(r["tokens"], base["tokens"])),
                           "answer": answer.strip()[:60], "load_before_after": r["load_before_after"]}))
     os.unlink(f.name)

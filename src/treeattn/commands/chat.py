@@ -75,6 +75,7 @@ class Conversation:
 
 
 CHAT_ENGINE_FLAGS = ("nproc", "tp", "block_size", "decode", "device", "kv_cache_dtype", "weight_format", "activation_format",
+                     "prefill_dtype",
                      "timeout_s",
                      "kv_store", "kv_store_bytes")
 

@@ -37,7 +37,7 @@ from treeattn.engine.speculate import MAX_DRAFT_TOKENS, SPECULATE_KINDS
 from treeattn.engine.config import DECODE_STEPS
 from treeattn.models.attention import DECODE_KINDS
 from treeattn.models.packed import WEIGHT_FORMATS
-from treeattn.ops.packed_linear import ACTIVATION_FORMATS
+from treeattn.ops.packed_linear import ACTIVATION_FORMATS, PREFILL_DTYPES
 from treeattn.parallel.tree_decode import METHODS
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -56,6 +56,7 @@ DecodeStep = Literal[DECODE_STEPS]
 KvCacheDtype = Literal[KV_CACHE_DTYPES]
 WeightFormat = Literal[WEIGHT_FORMATS]
 ActivationFormat = Literal[ACTIVATION_FORMATS]
+PrefillDtype = Literal[PREFILL_DTYPES]
 Device = Literal[DEVICES]
 
 
@@ -65,7 +66,7 @@ FLAG_TYPES = {
     "nproc": int | None, "tp": int | None, "decode": Decode, "method": Method | None, "placement": Placement,
     "max_batch_size": int, "cache_tokens": int | None, "prefix_cache": bool, "block_size": int, "prefill_chunk": int,
     "prefill": Prefill, "kv_cache_dtype": KvCacheDtype, "weight_format": WeightFormat,
-    "activation_format": ActivationFormat, "device": Device,
+    "activation_format": ActivationFormat, "prefill_dtype": PrefillDtype, "device": Device,
     "timeout_s": float, "threads_per_rank": int | None, "speculate": Speculate | None, "draft_tokens": int,
     "draft_model": Path | None, "shared_memory": bool, "decode_step": DecodeStep, "max_context": int | None,
     "linear_maps": Path | None, "kv_store": Path | None, "kv_store_bytes": int,

@@ -43,7 +43,8 @@ E, S = EngineConfig, SamplingParams  # the configurations the flags fill (treeat
 
 
 ENGINE_FLAGS = ("nproc", "tp", "decode", "method", "prefill", "prefill_chunk", "decode_step", "placement", "block_size",
-                "max_context", "device", "kv_cache_dtype", "weight_format", "activation_format", "threads_per_rank", "speculate",
+                "max_context", "device", "kv_cache_dtype", "weight_format", "activation_format", "prefill_dtype",
+                "threads_per_rank", "speculate",
                 "draft_tokens",
                 "draft_model", "linear_maps", "kv_store", "kv_store_bytes", "shared_memory", "timeout_s")
 SAMPLING_FLAGS = ("max_new_tokens", "temperature", "top_k", "top_p", "seed", "stop_token_ids", "stop", "ignore_eos")
@@ -308,6 +309,7 @@ def _json_report(result: dict, texts, batched: bool, total_s: float, ranking: li
     report["weight_bytes_per_rank"] = result["weight_bytes_per_rank"]
     report["weight_format"] = result["weight_format"]
     report["activation_format"] = result["activation_format"]  # how packed weights multiplied the decode steps: float32 or int8
+    report["prefill_dtype"] = result["prefill_dtype"]  # what packed weights multiplied prefill chunks in: float32 or bfloat16
     if result["kv_window_bytes"]:
         report["kv_window_bytes"] = result["kv_window_bytes"]
     report["peak_rss_bytes_per_rank"] = result["peak_rss_bytes_per_rank"]

@@ -161,7 +161,7 @@ def model_dtype(model, config: EngineConfig) -> torch.dtype:
 
 def check_weight_format(model, config: EngineConfig) -> None:
     """config.weight_format against the model (ConfigError naming weight_format), before any rank starts
-    (and config.activation_format "int8" against this host's CPU):
+    (and config.activation_format "int8" and config.prefill_dtype "bfloat16" against this host's CPU):
     "packed" needs a .gguf file whose quantized matrices a packed kernel reads, on the CPU or on CUDA
     with triton installed (config.device resolved by with_device); a loaded model keeps the format it was loaded in ("auto" takes
     it as it is)."""
@@ -172,6 +172,13 @@ def check_weight_format(model, config: EngineConfig) -> None:
             resolve_activation_format(config.activation_format)
         except ValueError as exc:
             raise ConfigError("activation_format", str(exc)) from None
+    if config.prefill_dtype != "float32":
+        from treeattn.ops.packed_linear import resolve_prefill_dtype
+
+        try:
+            resolve_prefill_dtype(config.prefill_dtype)
+        except ValueError as exc:
+            raise ConfigError("prefill_dtype", str(exc)) from None
     fmt = config.weight_format
     if fmt == "auto":
         return

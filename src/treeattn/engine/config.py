@@ -26,7 +26,7 @@ from treeattn.engine.errors import ConfigError, ConfigTypeError
 from treeattn.engine.speculate import MAX_DRAFT_TOKENS, SPECULATE_KINDS
 from treeattn.models.attention import DECODE_KINDS
 from treeattn.models.packed import WEIGHT_FORMATS
-from treeattn.ops.packed_linear import ACTIVATION_FORMATS
+from treeattn.ops.packed_linear import ACTIVATION_FORMATS, PREFILL_DTYPES
 from treeattn.parallel.tree_decode import METHODS
 
 PREFILL_KINDS = ("auto", "ring", "split")
@@ -190,7 +190,11 @@ class EngineConfig:
             the file's weights times float32 activations), "int8" (as llama.cpp does: activations quantized to 8
             bits per block of 32, integer dot products on AVX-512 VNNI, one scale per block; only on a CPU with
             avx512_vnni) or "auto" (this host's choice: float32 for now, see docs/benchmarks.md, issue 50).
-            Prefill-sized calls always run float32 (treeattn.ops.packed_linear).
+            Prefill-sized calls run in prefill_dtype.
+        prefill_dtype: what packed weights multiply prefill-sized CPU calls (more than 16 rows) in: "float32" (exact:
+            the file's weights, float32 activations) or "bfloat16" (weight and activations rounded to bfloat16, float32
+            accumulation in oneDNN's GEMM: about twice as fast where the CPU has AVX-512 BF16 or AMX, refused where it
+            has not; the tokens may differ: docs/bench_weights.md, "bfloat16 prefill"). Decode steps are unchanged.
         timeout_s: the group's timeout for every collective, and how long the driver waits for
             the ranks to start.
         threads_per_rank: torch threads of each rank process (default cpu_count // nproc).
@@ -253,6 +257,7 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"
     weight_format: str = "auto"
     activation_format: str = "auto"
+    prefill_dtype: str = "float32"
     device: str = "auto"
     timeout_s: float = 60.0
     threads_per_rank: int | None = None
@@ -303,6 +308,8 @@ class EngineConfig:
         if self.activation_format not in ACTIVATION_FORMATS:
             raise ConfigError("activation_format",
                               f"activation_format must be one of {ACTIVATION_FORMATS}, got {self.activation_format!r}")
+        if self.prefill_dtype not in PREFILL_DTYPES:
+            raise ConfigError("prefill_dtype", f"prefill_dtype must be one of {PREFILL_DTYPES}, got {self.prefill_dtype!r}")
         if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float)) or not self.timeout_s > 0:
             raise ConfigError("timeout_s", f"timeout_s must be a number of seconds > 0, got {self.timeout_s!r}")
         if self.speculate is not None and self.speculate not in SPECULATE_KINDS:

@@ -149,6 +149,8 @@ class GenerationResult:
         weight_format: "packed" when some weight is kept in its file's blocks, else "dequantize".
         activation_format: how the packed weights multiplied the decode steps' activations: "float32" or "int8"
             (EngineConfig.activation_format resolved on this host); None without packed weights.
+        prefill_dtype: what the packed weights multiplied the prefill chunks in: "float32" or "bfloat16"
+            (EngineConfig.prefill_dtype); None without packed weights.
         tp: the Helix layout's tensor-parallel ranks (EngineConfig.tp; None: no tensor parallelism).
         kv_window_bytes: bytes a hybrid model's sliding-window layers keep per sequence on every
             rank (W - 1 positions of each; treeattn.cache.window); 0 for other models.
@@ -190,6 +192,7 @@ class GenerationResult:
     tp: int | None = None
     weight_format: str = "dequantize"
     activation_format: str | None = None
+    prefill_dtype: str | None = None
     comm_bytes_per_rank: list[float] = field(default_factory=list)
     prefill_comm_bytes_per_rank: list[float] = field(default_factory=list)
     peak_rss_bytes_per_rank: list[int] = field(default_factory=list)
@@ -645,6 +648,7 @@ class Generation:
             weight_bytes_per_rank=[m.weight_bytes for m in measured],
                                 weight_format="packed" if is_packed(self.model) else "dequantize",
             activation_format=resolve_activation_format(c.activation_format) if is_packed(self.model) else None,
+            prefill_dtype=c.prefill_dtype if is_packed(self.model) else None,
             comm_bytes_per_rank=[m.bytes_sent("decode") for m in measured],
             prefill_comm_bytes_per_rank=[m.bytes_sent("prefill") for m in measured],
             peak_rss_bytes_per_rank=[m.peak_rss_bytes.get("decode", 0) for m in measured],

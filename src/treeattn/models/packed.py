@@ -21,7 +21,8 @@ from torch import nn
 
 from treeattn.cache.paged import host_empty
 from treeattn.ops.packed_linear import (BLOCK, FORMATS, PARALLEL_MIN_WEIGHTS, dequantize_packed, kernel_arrays, kernel_matmul,
-                                        kernel_module, kernel_takes, packed_matmul, resolve_activation_format)
+                                        kernel_module, kernel_takes, packed_matmul, resolve_activation_format,
+                                        resolve_prefill_dtype)
 
 WEIGHT_FORMATS = ("auto", "dequantize", "packed")
 """How a loader holds a checkpoint's quantized weights: "dequantize" (in the model's dtype), "packed"
@@ -53,6 +54,7 @@ class _Packed(nn.Module):
                              f"m={'a tensor' if m is not None else None}")
         self.fmt = fmt
         self.activations = "float32"  # how decode-sized calls multiply: "float32" or "int8" (set_activation_format)
+        self.prefill_dtype = "float32"  # what prefill-sized CPU calls multiply in: "float32" or "bfloat16" (set_prefill_dtype)
         self.register_buffer("qs", qs)
         self.register_buffer("d_bits", d.to(torch.float32).view(torch.int32))
         self.register_buffer("m_bits", None if m is None else m.to(torch.float32).view(torch.int32))
@@ -96,10 +98,11 @@ class _Packed(nn.Module):
         step 1) only those rows of W: the same values as the full product's columns."""
         v = self._cached()
         if rows is None:
-            return packed_matmul(x, v.fmt, v.qs, v.d, v.m, arrays=v.arrays, activations=self.activations)
+            return packed_matmul(x, v.fmt, v.qs, v.d, v.m, arrays=v.arrays, activations=self.activations,
+                                 prefill_dtype=self.prefill_dtype)
         arrays = None if v.arrays is None else tuple(a[rows] for a in v.arrays)
         return packed_matmul(x, v.fmt, v.qs[rows], v.d[rows], None if v.m is None else v.m[rows], arrays=arrays,
-                             activations=self.activations)
+                             activations=self.activations, prefill_dtype=self.prefill_dtype)
 
     def extra_repr(self) -> str:
         return f"{self.fmt}, rows={self.rows}, columns={self.columns}"
@@ -115,7 +118,8 @@ class PackedLinear(_Packed):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         v = self._cached()
-        return packed_matmul(x, v.fmt, v.qs, v.d, v.m, self.bias, arrays=v.arrays, activations=self.activations)
+        return packed_matmul(x, v.fmt, v.qs, v.d, v.m, self.bias, arrays=v.arrays, activations=self.activations,
+                             prefill_dtype=self.prefill_dtype)
 
 
 class PackedEmbedding(_Packed):
@@ -327,6 +331,22 @@ def set_activation_format(model: nn.Module, activation_format: str) -> str:
     return resolved
 
 
+def set_prefill_dtype(model: nn.Module, prefill_dtype: str) -> str:
+    """Set what every packed layer of `model` multiplies its prefill-sized CPU calls in (ops.packed_linear.PREFILL_DTYPES;
+    "bfloat16" refused in one line where torch's CPU lacks fast bfloat16). Returns prefill_dtype.
+
+    >>> import torch
+    >>> layer = PackedLinear("q8_0", torch.zeros(2, 1, 32, dtype=torch.int8), torch.ones(2, 1), None)
+    >>> set_prefill_dtype(layer, "float32"), layer.prefill_dtype
+    ('float32', 'float32')
+    """
+    resolved = resolve_prefill_dtype(prefill_dtype)
+    for module in model.modules():
+        if isinstance(module, _Packed):
+            module.prefill_dtype = resolved
+    return resolved
+
+
 def is_packed(model: nn.Module) -> bool:
     """Whether some layer of `model` keeps its weight packed."""
     return any(isinstance(module, _Packed) for module in model.modules())
@@ -334,4 +354,4 @@ def is_packed(model: nn.Module) -> bool:
 
 __all__ = ["WEIGHT_FORMATS", "FusedPacked", "PackedEmbedding", "PackedLinear", "fuse_packed", "fuse_projections",
            "fused_projections", "is_packed", "arena_copies", "pack_arena",
-           "set_activation_format", "weight_bytes"]
+           "set_activation_format", "set_prefill_dtype", "weight_bytes"]

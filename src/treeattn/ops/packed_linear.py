@@ -20,7 +20,8 @@ the products differs from x @ W in float64.
 packed_matmul: calls of at most MAX_KERNEL_ROWS rows of x (decode steps, their drafts) run the numba
 kernel (treeattn.ops.packed_cpu_kernel), which reads the blocks in place: bytes streamed per weight
 are 4.75 (q4_0), 6 (q4_1) or 9 (q8_0) bits instead of float32's 32. Longer calls (prefill chunks)
-dequantize the whole weight once to float32 and use torch's matmul, which batches the rows; so does
+dequantize the whole weight once to float32 and use torch's matmul, which batches the rows (with
+prefill_dtype="bfloat16", opt-in: the weight and the rows rounded to bfloat16, float32 accumulation); so does
 a call without numba, or one that autograd records. On CUDA, decode-sized calls run the Triton kernel
 (treeattn.ops.packed_triton), which reads the blocks in place the same way; longer ones dequantize. The kernel runs
 on torch's thread count for weights of PARALLEL_MIN_WEIGHTS values or more (an output projection over
@@ -59,6 +60,36 @@ integer dot products on AVX-512 VNNI: treeattn.ops.packed_int8_kernel; only wher
 AUTO_ACTIVATIONS = "float32"
 """What "auto" picks on a host that can run both paths: the exact one (see docs/benchmarks.md, issue 50,
 for the measured speed and token agreement of "int8")."""
+
+
+PREFILL_DTYPES = ("float32", "bfloat16")
+"""What a packed CPU layer multiplies its prefill-sized calls (more than MAX_KERNEL_ROWS rows) in: "float32" (exact:
+the file's weights dequantized to float32, float32 activations) or "bfloat16" (the dequantized weight and the activations
+rounded to bfloat16, oneDNN's GEMM accumulating in float32, the result float32; only where torch's CPU has fast
+bfloat16: resolve_prefill_dtype). Decode-sized calls are unchanged either way (docs/bench_weights.md, "bfloat16 prefill")."""
+
+
+def fast_bf16() -> bool:
+    """Whether torch's CPU GEMM runs bfloat16 natively here (oneDNN with AVX-512 BF16 or AMX)."""
+    return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def resolve_prefill_dtype(prefill_dtype: str) -> str:
+    """prefill_dtype checked against PREFILL_DTYPES and this host: "bfloat16" where torch's CPU lacks fast bfloat16 is
+    refused in one line.
+
+    >>> resolve_prefill_dtype("float32")
+    'float32'
+    >>> resolve_prefill_dtype("float16")
+    Traceback (most recent call last):
+    ValueError: prefill_dtype must be one of ('float32', 'bfloat16'), got 'float16'
+    """
+    if prefill_dtype not in PREFILL_DTYPES:
+        raise ValueError(f"prefill_dtype must be one of {PREFILL_DTYPES}, got {prefill_dtype!r}")
+    if prefill_dtype == "bfloat16" and not fast_bf16():
+        raise ValueError("prefill_dtype='bfloat16' needs torch's oneDNN with native bfloat16 (a CPU with avx512_bf16 or "
+                         "amx_bf16 in /proc/cpuinfo); this host has not: use prefill_dtype='float32'")
+    return prefill_dtype
 
 
 def int8_module():
@@ -287,7 +318,7 @@ def kernel_matmul(x: torch.Tensor, fmt: str, qs: torch.Tensor, arrays: tuple[np.
 
 def packed_matmul(x: torch.Tensor, fmt: str, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None,
                   bias: torch.Tensor | None = None, *, arrays: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None,
-                  threads: int | None = None, activations: str = "float32") -> torch.Tensor:
+                  threads: int | None = None, activations: str = "float32", prefill_dtype: str = "float32") -> torch.Tensor:
     """x @ W.T (+ bias) for a weight W kept packed (unpack_blocks' qs, d, m).
 
     Args:
@@ -300,6 +331,9 @@ def packed_matmul(x: torch.Tensor, fmt: str, qs: torch.Tensor, d: torch.Tensor, 
         activations: "float32" (the exact kernel) or "int8" (x quantized per block of 32 and integer dot products,
             llama.cpp's arithmetic: packed_int8_kernel) for the calls the CPU kernel takes; int16 values (Q6_K
             as q8_0) and hosts without the int8 kernel run float32.
+        prefill_dtype: "float32" or "bfloat16" (PREFILL_DTYPES, checked by the caller: resolve_prefill_dtype) for the
+            CPU calls that dequantize the weight (more than MAX_KERNEL_ROWS rows): "bfloat16" rounds the weight and x to
+            bfloat16 and multiplies them accumulating in float32.
 
     Returns:
         (..., N) in x.dtype, accumulated in float32 (x is taken in float32).
@@ -317,6 +351,9 @@ def packed_matmul(x: torch.Tensor, fmt: str, qs: torch.Tensor, d: torch.Tensor, 
         from treeattn.ops.packed_triton import packed_matmul as triton_packed_matmul
 
         out = triton_packed_matmul(x.reshape(-1, K), fmt, qs, d, m).view(*x.shape[:-1], N)
+    elif prefill_dtype == "bfloat16" and x.device.type == "cpu" and not decode_sized:
+        w = dequantize_packed(fmt, qs, d, m).to(torch.bfloat16)
+        out = F.linear(x.reshape(-1, K).to(torch.bfloat16), w).to(torch.float32).view(*x.shape[:-1], N)
     else:
         out = F.linear(x.reshape(-1, K).to(torch.float32), dequantize_packed(fmt, qs, d, m)).view(*x.shape[:-1], N)
     if bias is not None:
@@ -325,6 +362,7 @@ def packed_matmul(x: torch.Tensor, fmt: str, qs: torch.Tensor, d: torch.Tensor, 
 
 
 __all__ = ["ACTIVATION_FORMATS", "AUTO_ACTIVATIONS", "BLOCK", "BLOCK_BYTES", "FORMATS", "MAX_KERNEL_ROWS", "PARALLEL_MIN_WEIGHTS",
+           "PREFILL_DTYPES", "fast_bf16", "resolve_prefill_dtype",
            "Q4_K_BLOCK_BYTES", "Q5_0_BLOCK_BYTES", "Q6_K_BLOCK_BYTES",
            "dequantize_packed", "int8_module", "kernel_arrays", "kernel_matmul", "kernel_takes", "packed_matmul", "q4_k_as_q4_1",
            "q5_0_as_q8_0", "q6_k_as_q8_0", "resolve_activation_format", "unpack_blocks"]

@@ -16,7 +16,8 @@ LogLevel = Literal["debug", "info", "warning", "error", "critical"]
 
 
 SERVE_ENGINE_FLAGS = ("nproc", "tp", "decode", "method", "placement", "max_batch_size", "cache_tokens", "max_context",
-                      "prefix_cache", "block_size", "prefill", "kv_cache_dtype", "weight_format", "activation_format", "device",
+                      "prefix_cache", "block_size", "prefill", "kv_cache_dtype", "weight_format", "activation_format",
+                      "prefill_dtype", "device",
                       "speculate",
                       "draft_tokens", "draft_model", "linear_maps", "kv_store", "kv_store_bytes", "shared_memory",
                       "decode_step", "timeout_s")

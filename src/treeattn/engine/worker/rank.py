@@ -32,7 +32,7 @@ from treeattn.engine.device import rank_device
 from treeattn.engine.plan_message import KEEPALIVE, Measure, PlanWire, SetDecode, StoreOps, decode, encode, is_masks, plan_device
 from treeattn.engine.structured import StepMasks
 from treeattn.engine.worker.runner import RankRunner, StepOutcome
-from treeattn.models.packed import fuse_projections, pack_arena, set_activation_format
+from treeattn.models.packed import fuse_projections, pack_arena, set_activation_format, set_prefill_dtype
 from treeattn.parallel.spawn import rank_threads
 
 logger = logging.getLogger(__name__)
@@ -107,6 +107,7 @@ def make_runner(model, config: EngineConfig, group=None) -> RankRunner:
     fuse_projections(model)  # after sharding: each rank stacks its own q/k/v and gate/up rows (bit for bit the same products)
     pack_arena(model)  # its packed weights in one allocation of huge pages (the same values)
     set_activation_format(model, config.activation_format)  # how its packed layers multiply decode steps (EngineConfig)
+    set_prefill_dtype(model, config.prefill_dtype)  # and prefill chunks
     runner = RankRunner(model, group=group, blocks_per_rank=config.blocks_per_rank(model.config.max_position_embeddings),
                         block_size=config.block_size, decode=config.decode if config.nproc > 1 else "local", method=config.method,
                         shared_memory=config.shared_memory, timeout_s=config.timeout_s, draft_model=draft,
