@@ -230,6 +230,18 @@ def test_a_packed_model_holds_exactly_the_dequantized_models_weights(files, name
     assert torch.equal(layers["embed_tokens"].dequantized(), dense.embed_tokens.weight) and packed.dtype == torch.bfloat16
 
 
+def test_packed_buffers_are_made_on_the_models_device(files, monkeypatch):
+    """The packed layers' blocks and scales go to `device` with the rest (an H200 run found them left on the
+    CPU: the CUDA embedding lookup failed). Run on the meta device, taken as the CPU is for packing."""
+    from treeattn.models import gguf as gguf_module
+
+    monkeypatch.setattr(gguf_module, "packed_tensors", lambda plan, fmt, device, path: packed_tensors(plan, fmt, "cpu", path))
+    model = gguf_module.load_gguf_model(files["q4_1"], device="meta", weight_format="packed")
+    tensors = dict(model.named_buffers()) | dict(model.named_parameters())
+    assert any(n.endswith("m_bits") for n in tensors)
+    assert {n: t.device.type for n, t in tensors.items() if t.device.type != "meta"} == {}
+
+
 def test_greedy_tokens_equal_the_dequantized_models_on_one_and_two_ranks(files):
     prompt = torch.randint(3, VOCAB, (12,), generator=torch.Generator().manual_seed(3)).tolist()
     options = dict(max_new_tokens=8, ignore_eos=True, block_size=16)

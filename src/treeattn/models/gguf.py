@@ -479,7 +479,7 @@ def load_gguf_model(path_or_reader, *, dtype: torch.dtype = torch.float32, devic
             raw = unpermute_rows(raw, raw.shape[0] // config.head_dim)
         name = ours.removesuffix(".weight")
         fmt = KEPT_TYPES[plan[ours].tensor_type]
-        qs, d, m = _UNPACK[plan[ours].tensor_type](raw)
+        qs, d, m = (None if t is None else t.to(device) for t in _UNPACK[plan[ours].tensor_type](raw))  # made on the CPU
         layer = (PackedEmbedding(fmt, qs, d, m) if name == "embed_tokens" else
                  PackedLinear(fmt, qs, d, m, bias=state.get(name + ".bias")))
         model.set_submodule(name, layer)
