@@ -208,3 +208,50 @@ def tiny_llama_server(tiny_llama_gguf):
     assert srv.stop() == 0
     time.sleep(0.5)
     assert _alive(srv.children) == []
+
+
+# ------------------------------------------------------------------ the paged kernel's shapes, compiled beside the suite
+# numba compiles each (KV dtype, head shape, serial or parallel) of the paged attention kernel on its first call
+# (treeattn.ops.paged_cpu_kernel), 2-7 s each on this project's 2-core machine; scripts/install.sh compiles the
+# untiled ones, and the suite's tests and engines then compile about 30 more, one at a time, while the second core
+# often waits on a rank, a socket or a sleep. A whole-suite run compiles those in a background process at the lowest
+# priority (nice 19: it takes idle CPU only), into numba's on-disk cache, where each test's first call finds them.
+# The shapes are what a full run compiled (numba's cache index after it): (dtype, threads, (KV heads, group, head
+# dim)); head dim 64 is compiled as a constant, 128 stands for any larger multiple of 64. A shape the background has
+# not reached yet is compiled by the test as before: the results cannot change, only when the compile happens.
+_BACKGROUND_SHAPES = """
+import torch
+from treeattn.ops.fp8 import FP8
+from treeattn.ops.warmup import warm_kernels
+f32, f16, bf16 = torch.float32, torch.float16, torch.bfloat16
+for dtype, threads, heads in [
+        (f32, 1, (3, 3, 64)), (f32, 2, (3, 3, 64)), (f32, 1, (1, 4, 128)), (f32, 2, (1, 4, 128)),
+        (f32, 1, (2, 3, 64)), (f16, 1, (2, 3, 64)), (bf16, 1, (2, 3, 64)), (FP8, 1, (2, 3, 64)),
+        (f16, 1, (1, 4, 128)), (bf16, 1, (1, 4, 128)), (FP8, 1, (1, 4, 128)),
+        (f16, 2, (2, 3, 64)), (bf16, 2, (1, 4, 128)), (f16, 2, (1, 3, 64)), (f32, 2, (1, 3, 64)),
+        (f32, 1, (2, 4, 64)), (f32, 2, (2, 4, 64)), (f32, 1, (1, 2, 128)), (f32, 2, (1, 2, 128)),
+        (f32, 2, (1, 8, 128)), (f32, 1, (1, 1, 64)), (f32, 1, (1, 1, 128)), (f32, 1, (1, 4, 64)),
+        (f32, 1, (2, 3, 128)), (f32, 1, (16, 1, 128)), (FP8, 1, (1, 2, 128))]:
+    warm_kernels(kv_dtypes=[dtype], attention_threads=threads, attention_heads=[heads])
+"""
+_background = []
+
+
+def pytest_collection_finish(session):
+    """Start the background compiles when a run collects most of the suite (not for a file or a few tests)."""
+    import subprocess
+    import sys
+
+    if len(session.items) < 1000 or importlib.util.find_spec("numba") is None:
+        return
+    _background.append(subprocess.Popen(["nice", "-n", "19", sys.executable, "-c", _BACKGROUND_SHAPES],
+                                        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                        start_new_session=True))
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Stop the background compiles if they are still running (by their PID, never beyond the suite)."""
+    for process in _background:
+        if process.poll() is None:
+            process.kill()
+        process.wait()
