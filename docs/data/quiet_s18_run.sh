@@ -9,13 +9,11 @@ wf() { python3 benchmarks/models/weight_format.py "$@" --weight-format packed --
 stamp "lscpu: $(lscpu | grep 'Model name' | tr -s ' ')"
 stamp "git $(git log --oneline -1)"
 stamp warmup; python3 -m treeattn.ops.warmup >/dev/null 2>&1
-stamp "w50 smollm2 4k int8+float32 x2"; wf "$S" --context 4096 --nproc 1 2 --activation-format int8 float32 --repeats 2 > $Q/wf_smollm2_4k.txt 2>&1; tail -12 $Q/wf_smollm2_4k.txt
-stamp "w50 gemma 4k int8+float32"; wf "$G" --context 4096 --nproc 1 2 --activation-format int8 float32 > $Q/wf_gemma_4k.txt 2>&1; tail -12 $Q/wf_gemma_4k.txt
-stamp "bf16 prefill A/B smollm2"; python3 benchmarks/models/prefill_ab.py "$S" --baseline-src src --src src --prefill-dtype bfloat16 --context 4096 --nproc 1 --repeats 2 --output $Q/bf18_prefill_ab_smollm2_4k.jsonl > $Q/bf18_smollm2.txt 2>&1; tail -6 $Q/bf18_smollm2.txt
-stamp "bf16 prefill A/B gemma"; python3 benchmarks/models/prefill_ab.py "$G" --baseline-src src --src src --prefill-dtype bfloat16 --context 4096 --nproc 1 --repeats 2 --output $Q/bf18_prefill_ab_gemma3_4k.jsonl > $Q/bf18_gemma.txt 2>&1; tail -6 $Q/bf18_gemma.txt
 stamp "logprobs 8k 1 rank"; python3 benchmarks/engine/prompt_logprobs_overhead.py "$S" --tokens 8000 --nproc 1 --rounds 4 > $Q/logprobs_8k_p1.txt 2>&1; tail -12 $Q/logprobs_8k_p1.txt
+stamp "logprobs engine A/B vs 21a9836"; python3 benchmarks/engine/prompt_logprobs_engine_ab.py "$S" --baseline 21a9836 --context 8000 --repeats 2 --output $Q/logprobs_engine_ab.jsonl > $Q/logprobs_engine_ab.txt 2>&1; tail -12 $Q/logprobs_engine_ab.txt
+stamp "w50 smollm2 4k int8+float32"; wf "$S" --context 4096 --nproc 1 2 --activation-format int8 float32 > $Q/wf_smollm2_4k.txt 2>&1; tail -12 $Q/wf_smollm2_4k.txt
+stamp "w50 gemma 4k int8+float32"; wf "$G" --context 4096 --nproc 1 2 --activation-format int8 float32 > $Q/wf_gemma_4k.txt 2>&1; tail -12 $Q/wf_gemma_4k.txt
 stamp "splits A/B"; python3 docs/data/dec18_step.py "$S" --context 4096 8192 --steps 60 --rounds 6 --ab splits --split > $Q/splits_ab.txt 2>&1; tail -12 $Q/splits_ab.txt
-stamp "logprobs engine A/B vs 21a9836"; python3 benchmarks/engine/prompt_logprobs_engine_ab.py "$S" --baseline 21a9836 --context 8000 --repeats 2 > $Q/logprobs_engine_ab.txt 2>&1; tail -12 $Q/logprobs_engine_ab.txt
-stamp "helix rank cpu 16k"; python3 benchmarks/parallel/helix_rank_cpu.py /tmp/llama1b.Q4_0.gguf --context 8 4096 16384 --layouts seq tp2 --output $Q/helix_rank_cpu.txt > $Q/helix_rank_cpu.log 2>&1; tail -12 $Q/helix_rank_cpu.txt
+stamp "bf16 prefill A/B gemma"; python3 benchmarks/models/prefill_ab.py "$G" --baseline-src src --src src --prefill-dtype bfloat16 --context 4096 --nproc 1 --repeats 2 --output $Q/bf18_prefill_ab_gemma3_4k.jsonl > $Q/bf18_gemma.txt 2>&1; tail -6 $Q/bf18_gemma.txt
 stamp done
 } >> $Q/run.log 2>&1
