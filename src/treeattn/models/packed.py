@@ -324,11 +324,7 @@ def set_activation_format(model: nn.Module, activation_format: str) -> str:
     >>> set_activation_format(layer, "float32"), layer.activations
     ('float32', 'float32')
     """
-    resolved = resolve_activation_format(activation_format)
-    for module in model.modules():
-        if isinstance(module, _Packed):
-            module.activations = resolved
-    return resolved
+    return _set_on_packed(model, "activations", resolve_activation_format(activation_format))
 
 
 def set_prefill_dtype(model: nn.Module, prefill_dtype: str) -> str:
@@ -340,11 +336,15 @@ def set_prefill_dtype(model: nn.Module, prefill_dtype: str) -> str:
     >>> set_prefill_dtype(layer, "float32"), layer.prefill_dtype
     ('float32', 'float32')
     """
-    resolved = resolve_prefill_dtype(prefill_dtype)
+    return _set_on_packed(model, "prefill_dtype", resolve_prefill_dtype(prefill_dtype))
+
+
+def _set_on_packed(model: nn.Module, name: str, value: str) -> str:
+    """Set attribute `name` to `value` on every packed layer of `model`; returns value."""
     for module in model.modules():
         if isinstance(module, _Packed):
-            module.prefill_dtype = resolved
-    return resolved
+            setattr(module, name, value)
+    return value
 
 
 def is_packed(model: nn.Module) -> bool:
