@@ -77,6 +77,12 @@ def use_triton_interpreter() -> None:
         os.environ["TRITON_INTERPRET"] = "1"
 
 
+# Without CUDA, Triton runs only through its interpreter; set it before anything imports triton, since
+# triton.language's own @jit helpers are decorated at that import (a kernel interpreted later cannot call
+# them: "Cannot call @triton.jit'd outside of the scope of a kernel").
+use_triton_interpreter()
+
+
 def interpreted_triton_decode():
     """treeattn.ops.triton_decode, interpreted on CPU tensors when there is no CUDA (skips without triton)."""
     use_triton_interpreter()  # before triton is imported: it reads TRITON_INTERPRET then too
