@@ -554,8 +554,8 @@ def _block_scores_impl(q, r, kb, k, k_scales, blk, visible, scores, sc, dims, he
     with the value tiles, SmolLM2's fp8 blocks took 0.78-0.84x the time, session 19); else key by key, head by
     head. SmolLM2's heads, 4096 keys, one thread, alternated with the key-by-key loops under load
     (docs/bench_kernels.md, "Session 16"): the tiles took 0.80-0.89x the time in cache with every dtype,
-    but streamed from memory (the engine's case) float16 0.80-0.95x, float32 1.02-1.04x and bfloat16 1.12-1.15x: of those only float16
-    uses them."""
+    but streamed from memory (the engine's case) float16 0.80-0.95x, float32 1.02-1.04x and bfloat16
+    1.12-1.15x: of those only float16 uses them."""
     tiled = (all(isinstance(x, types.UniTuple) and x.count > 0 for x in (dims, heads, groups))
              and k.dtype in (types.int16, types.uint8) and heads.count * groups.count <= _TILE_SUMS)  # measured below
 
