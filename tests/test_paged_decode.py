@@ -321,7 +321,7 @@ def _fp8_blocks(kb, vb, values_in_keys=False, seed=0):
                                   "head dim 64, window", "head dim 256, drafts"])
 def test_stored_fp8_blocks_match_float64_on_the_dequantized_values(case, path):
     """An fp8 cache (codes + a power-of-two scale per key and head) with float32 queries: the kernel
-    folds the scales into scores and weights, the gathered path dequantizes; both give the float64
+    dequantizes each block with its scales (into its scratch block), as the gathered path does; both give the float64
     reference over codes * scales up to float32 rounding (the dequantization is exact: TOL)."""
     from treeattn.ops.fp8 import dequantize_fp8
 

@@ -13,7 +13,7 @@ its G query heads. At 4K-64K keys it takes 0.27-0.67x the matmul path's time (qu
 figures are in docs/benchmarks.md).
 
 The kernel (treeattn.ops.paged_cpu_kernel) takes the queries in float32, widens 16-bit
-elements to float32 in registers and fp8 blocks block by block (fp8 blocks' scales folded into scores and weights), runs an
+elements to float32 in registers and fp8 blocks block by block (fp8 blocks dequantized with their scales), runs an
 online softmax in float32, and splits each row's blocks into
 ranges that threads attend in parallel before merging them. A key at kv_pos is visible to a query
 at q_pos iff kv_pos <= q_pos (and q_pos - kv_pos < W with a window); a query at q_pos -1 sees

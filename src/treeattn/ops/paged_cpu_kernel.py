@@ -8,10 +8,10 @@ exp), and every value row is added with its weight. Every K and V byte is read o
 with no copy, no repeat of K/V across the query group and no score matrix beyond one block's
 (Hkv x G x block_size floats). The blocks of a row are split into
 contiguous ranges processed in parallel (flash-decoding); merge_splits then merges the ranges'
-states exactly, as merge_states does. With float16 blocks, head dim 64 and a key row's query heads in one
+states exactly, as merge_states does. With float16 (or fp8, dequantized) blocks, head dim 64 and a key row's query heads in one
 tile, the scores are taken in register tiles (_score_tile: each key chunk widened once for its query heads,
 the tile's 16-lane sums reduced by one transpose-and-add; docs/bench_kernels.md, "Session 16"). Where a key row's
-query heads fit 16 and the value dim is a multiple of 64 (not fp8), the values are summed in register tiles too
+query heads fit 16 and the value dim is a multiple of 64, the values are summed in register tiles too
 (_value_tile: 4 keys, each value row widened once for its query heads, the sums loaded and stored once per tile),
 and a block's scores have padded rows (_SCORE_PAD: Llama-3.2-1B's 32 rows of 1 KiB fell in 4 L1 sets;
 docs/bench_kernels.md, "Session 17").
@@ -35,13 +35,14 @@ processes: bfloat16 14.4-16.2 -> 8.5-8.9 ms, float16 18.1-21.9 -> 8.5-8.9 ms, fl
 (docs/benchmarks.md, "Session 10").
 
 fp8 blocks (an fp8_e4m3 cache: e4m3 codes passed as uint8, with float32 scales (NB, BS, Hkv), one
-per key and KV head, treeattn.ops.fp8) are widened a block at a time into a float32 scratch block
+per key and KV head, treeattn.ops.fp8) are dequantized a block at a time into a float32 scratch block
 (_block; an e4m3 code takes ~10 operations, which the G query heads of a group would otherwise
-repeat), without their scales (exactly: every e4m3 code is a float32), and the scales enter where
-FlashInfer folds its per-tensor ones: a key's scale multiplies its score (with the softmax scale), a
-value's scale its softmax weight. Both scales are powers of two, so this gives bit for bit what the
-dequantized values would (up to the order of the float32 sums, as for any dtype). Other dtypes
-ignore the scales (pass NO_SCALES).
+repeat): each code widened (exactly: every e4m3 code is a float32) times its scale, a power of two, so
+the scratch holds exactly ops.fp8.dequantize_fp8's values. The loops then read that block as a float32
+one, through the score and value tiles where the heads take them (session 19: SmolLM2's fp8 blocks
+0.78-0.84x, Gemma 3's 0.92-0.95x the time of session 18's kernel, which multiplied each score by its
+key's scale and each weight by its value's, key by key; docs/bench_kernels.md). Other dtypes ignore
+the scales (pass NO_SCALES).
 """
 
 from __future__ import annotations
@@ -95,10 +96,6 @@ NO_SCALES = np.ones((1, 1, 1), dtype=np.float32)
 """The scales argument of float32 and 16-bit blocks (never read)."""
 # 2**120: e4m3's exponent bias (7) -> float32's (127); also normalizes e4m3's subnormals exactly.
 _FP8_BIAS = np.float32(2.0**120)
-
-
-def _scale(k, scales, blk, t, h):  # pragma: no cover - replaced by its overload inside compiled code
-    raise NotImplementedError
 
 
 def _wide(x):  # pragma: no cover - replaced by its overload inside compiled code
@@ -210,7 +207,7 @@ def _scratch(k, dv):  # pragma: no cover - replaced by its overload inside compi
     raise NotImplementedError
 
 
-def _block(k, blk, dv, scratch):  # pragma: no cover - replaced by its overload inside compiled code
+def _block(k, scales, blk, dv, scratch):  # pragma: no cover - replaced by its overload inside compiled code
     raise NotImplementedError
 
 
@@ -223,31 +220,28 @@ def _scratch_impl(k, dv):
 
 
 @overload(_block)
-def _block_impl(k, blk, dv, scratch):
+def _block_impl(k, scales, blk, dv, scratch):
     """Block blk of k, (BS, Hkv, >= dv), as the loops read it through _wide: the arena's own block
-    (float32, 16-bit), or for fp8 its first dv channels widened into `scratch` (float32) once a block,
+    (float32, 16-bit), or for fp8 its first dv channels dequantized into `scratch` (float32) once a block,
+    each code times its scale scales[blk, t, h] (a power of two: exactly ops.fp8.dequantize_fp8's values),
     so that the query heads of a group and the value loop read float32 (widening an e4m3 code costs
-    ~10 operations, once per query head where the loops read it)."""
+    ~10 operations, once per query head where the loops read it) and the score and value tiles take fp8
+    blocks as float32 ones (docs/bench_kernels.md, "Session 19")."""
     if k.dtype != types.uint8:
-        return lambda k, blk, dv, scratch: k[blk]
+        return lambda k, scales, blk, dv, scratch: k[blk]
 
-    def fp8(k, blk, dv, scratch):
+    def fp8(k, scales, blk, dv, scratch):
         src = k[blk]
         for t in range(src.shape[0]):
             for h in range(src.shape[1]):
+                s = scales[blk, t, h]
                 for d in range(dv):
-                    scratch[t, h, d] = _wide(src[t, h, d])
+                    scratch[t, h, d] = _wide(src[t, h, d]) * s
         return scratch
 
     return fp8
 
 
-@overload(_scale)
-def _scale_impl(k, scales, blk, t, h):
-    """The scale of key (or value) t of block blk, head h: scales[blk, t, h] for fp8 blocks, else 1."""
-    if k.dtype == types.uint8:
-        return lambda k, scales, blk, t, h: scales[blk, t, h]
-    return lambda k, scales, blk, t, h: np.float32(1.0)
 
 
 
@@ -475,13 +469,11 @@ def _values_by_keys(vb, v, v_scales, blk, visible, scores, acc, lsum, dv, t0, t1
         if not visible[t]:
             continue
         for h in range(H):
-            value_scale = _scale(v, v_scales, blk, t, h)
             for g in range(G):
                 p = scores[h, g, t]
                 lsum[h, g] += p
-                pv = p * value_scale
                 for d in range(dv):
-                    acc[h, g, d] += pv * _wide(vb[t, h, d])
+                    acc[h, g, d] += p * _wide(vb[t, h, d])
 
 
 def _block_values(vb, v, v_scales, blk, visible, scores, acc, lsum, dv, groups):  # pragma: no cover - its overload
@@ -490,11 +482,12 @@ def _block_values(vb, v, v_scales, blk, visible, scores, acc, lsum, dv, groups):
 
 @overload(_block_values, jit_options={"fastmath": _FASTMATH})
 def _block_values_impl(vb, v, v_scales, blk, visible, scores, acc, lsum, dv, groups):
-    """acc[h, g] += p * value scale * value and lsum[h, g] += p for every visible key of block vb, p =
-    scores[h, g, t] (the exps). By tiles of _VALUE_KEYS keys (_value_tile) where groups is a constant and
-    the blocks float16, bfloat16 or float32, over the tiles whose keys are all visible (a hidden slot may
-    hold NaN, which 0 * NaN would carry in); the other keys, and fp8 blocks (a scale per value), key by key."""
-    tiled = isinstance(groups, types.UniTuple) and groups.count > 0 and v.dtype in (types.float32, types.uint16, types.int16)
+    """acc[h, g] += p * value and lsum[h, g] += p for every visible key of block vb, p = scores[h, g, t] (the
+    exps). By tiles of _VALUE_KEYS keys (_value_tile) where groups is a constant and the blocks float16,
+    bfloat16, float32 or fp8 (vb then _block's dequantized float32 scratch), over the tiles whose keys are all
+    visible (a hidden slot may hold NaN, which 0 * NaN would carry in); the other keys key by key."""
+    tiled = (isinstance(groups, types.UniTuple) and groups.count > 0
+             and v.dtype in (types.float32, types.uint16, types.int16, types.uint8))
 
     def by_tiles(vb, v, v_scales, blk, visible, scores, acc, lsum, dv, groups):
         H, G, BS = scores.shape[0], scores.shape[1], vb.shape[0]
@@ -555,14 +548,16 @@ def _block_scores(q, r, kb, k, k_scales, blk, visible, scores, sc, dims, heads, 
 
 @overload(_block_scores)
 def _block_scores_impl(q, r, kb, k, k_scales, blk, visible, scores, sc, dims, heads, groups):
-    """scores[h, g, t] of block kb for query row r: sc * key scale * (q . key), -inf where a key is not
+    """scores[h, g, t] of block kb for query row r: sc * (q . key), -inf where a key is not
     visible. By tiles (_score_tile) where the head dim and the heads are constants (dims, heads and
-    groups not empty) and the blocks float16; else key by key, head by head. SmolLM2's heads, 4096 keys,
-    one thread, alternated with the key-by-key loops under load (docs/bench_kernels.md, "Session 16"):
-    the tiles took 0.80-0.89x the time in cache with every dtype, but streamed from memory (the
-    engine's case) float16 0.80-0.95x, float32 1.02-1.04x and bfloat16 1.12-1.15x: only float16 uses them."""
+    groups not empty) and the blocks float16 or fp8 (kb then _block's dequantized float32 scratch, in cache;
+    with the value tiles, SmolLM2's fp8 blocks took 0.78-0.84x the time, session 19); else key by key, head by
+    head. SmolLM2's heads, 4096 keys, one thread, alternated with the key-by-key loops under load
+    (docs/bench_kernels.md, "Session 16"): the tiles took 0.80-0.89x the time in cache with every dtype,
+    but streamed from memory (the engine's case) float16 0.80-0.95x, float32 1.02-1.04x and bfloat16
+    1.12-1.15x: of those only float16 uses them."""
     tiled = (all(isinstance(x, types.UniTuple) and x.count > 0 for x in (dims, heads, groups))
-             and k.dtype == types.int16 and heads.count * groups.count <= _TILE_SUMS)  # float16 blocks only: measured below
+             and k.dtype in (types.int16, types.uint8) and heads.count * groups.count <= _TILE_SUMS)  # measured below
 
     def by_tiles(q, r, kb, k, k_scales, blk, visible, scores, sc, dims, heads, groups):
         H, G, BS = scores.shape[0], scores.shape[1], kb.shape[0]
@@ -593,12 +588,11 @@ def _block_scores_impl(q, r, kb, k, k_scales, blk, visible, scores, sc, dims, he
                         scores[h, g, t] = -np.inf
                 continue
             for h in range(H):
-                key_scale = _scale(k, k_scales, blk, t, h) * sc
                 for g in range(G):
                     x = np.float32(0.0)
                     for d in range(D):
                         x += q[r, h, g, d] * _wide(kb[t, h, d])
-                    scores[h, g, t] = x * key_scale
+                    scores[h, g, t] = x * sc
 
     return by_tiles if tiled else by_keys
 
@@ -683,8 +677,8 @@ def _attend_range(w, q, k, v, k_scales, v_scales, dv, scale, table, kv_pos, row_
             seen += visible[t]
         if seen == 0:
             continue
-        kb = _block(k, blk, D, k_scratch)
-        vb = _block(v, blk, dv, v_scratch)
+        kb = _block(k, k_scales, blk, D, k_scratch)
+        vb = _block(v, v_scales, blk, dv, v_scratch)
         _block_scores(q, r, kb, k, k_scales, blk, visible, scores, sc, dims, heads, groups)
         for h in range(H):
             for g in range(G):

@@ -31,8 +31,8 @@ it (a few integer comparisons, no read of tensor data).
 
 Where it runs: CPU blocks of float32, bfloat16, float16 or fp8 go to a compiled kernel
 (treeattn.ops.cpu_decode over treeattn.ops.paged_cpu_kernel, numba: one pass over each row's blocks in place, 16-bit
-elements widened to float32 in registers, fp8 blocks block by block (an fp8 key's scale multiplies its score, a value's its
-weight), the G query heads of a KV head together, queries taken in
+elements widened to float32 in registers, fp8 blocks dequantized block by block (each code times its
+scale, exactly), the G query heads of a KV head together, queries taken in
 float32, online softmax in float32, block ranges in parallel then merged). CUDA tensors go to the
 Triton paged decode kernel (treeattn.ops.triton_decode.paged_decode_attention, the static decode
 step's) when it takes them (q and blocks of one dtype, or fp8 blocks with their scales; Sq <= 16,
