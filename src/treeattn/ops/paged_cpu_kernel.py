@@ -242,9 +242,6 @@ def _block_impl(k, scales, blk, dv, scratch):
     return fp8
 
 
-
-
-
 _TILE_SUMS = 16
 """Dot products a score tile (_score_tile) keeps in registers at most (16-lane float32 sums each)."""
 
