@@ -1,8 +1,9 @@
 """A float32 x @ weight.T through oneDNN's matmul on the CPU: the LM head's product of many rows (prompt logprobs).
 
-torch's float32 F.linear on the CPU calls MKL's sgemm. On this project's AMD EPYC (Zen 4, AVX-512) MKL runs
-~79-91 GFLOPS a core for SmolLM2's LM head chunks (512 x 576 x 2048), oneDNN's matmul ~97-102 GFLOPS for the
-same shapes, one thread, alternated (docs/engine.md, "Session 19"; benchmarks/engine/prompt_logprobs_gemm.py).
+torch's float32 F.linear on the CPU calls MKL's sgemm. On this project's AMD EPYC (Zen 4, AVX-512) MKL ran
+67-90 GFLOPS a core for SmolLM2's LM head by chunks (512-2048 rows x 576 x 512-4096 columns), oneDNN's matmul
+91-102 GFLOPS for the same shapes, one thread, alternated, under load (docs/engine.md, "Session 19";
+benchmarks/engine/prompt_logprobs_gemm.py).
 Both are float32 products with float32 accumulation; they round apart (different blocking of the 576-term
 sums), each within float32 rounding of float64. oneDNN is used only where its float32 math is strict:
 torch.backends.mkldnn.matmul.fp32_precision "none" or "ieee" (torch.set_float32_matmul_precision("medium")
