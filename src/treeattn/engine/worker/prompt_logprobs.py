@@ -251,9 +251,10 @@ def score_rows(model, hidden: torch.Tensor, targets: torch.Tensor, top: int) -> 
     out = torch.empty(hidden.shape[0], 2 + 2 * top, dtype=torch.float64, device=hidden.device)
     targets = targets.to(hidden.device)
     copy = dense_head(model)
-    dense = {} if copy is None else {"weight": copy}  # a packed head: its float32 copy, made once
     head = model.embed_tokens if getattr(model, "lm_head", None) is None else model.lm_head
     weight = copy if copy is not None else getattr(head, "weight", None)  # None: a head of another kind
+    # a packed head's float32 copy (made once), or a plain float32 head: multiplied by ops.dense_linear (oneDNN on the CPU)
+    dense = {"weight": weight} if weight is not None and weight.dtype == torch.float32 else {}
     with torch.no_grad():  # the reductions write into `out=` tensors
         for lo in range(0, hidden.shape[0], ROWS_PER_BLOCK):
             rows = slice(lo, lo + ROWS_PER_BLOCK)
