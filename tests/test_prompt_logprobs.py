@@ -133,8 +133,8 @@ def test_docstring_examples_run():
 @pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
 def test_a_packed_head_is_dequantized_once_and_gives_the_packed_layers_values(fmt, monkeypatch):
     """A GGUF file's packed output projection: score_rows multiplies its float32 copy (dense_head, made
-    once for every block and step), the values of the packed layer's own product bit for bit, within
-    float32 rounding of float64."""
+    once for every block and step), within float32 rounding of the packed layer's own product (oneDNN's matmul
+    against MKL's: another summation order) and of float64."""
     import gguf
     import gguf.quants
 
@@ -160,3 +160,29 @@ def test_a_packed_head_is_dequantized_once_and_gives_the_packed_layers_values(fm
     logp = torch.log_softmax(hidden.double() @ model.lm_head.dequantized().double().T, dim=-1)
     torch.testing.assert_close(dense[:, 0], logp[torch.arange(50), targets], atol=1e-5, rtol=0)
     torch.testing.assert_close(dense[:, 2:5], logp.topk(3).values, atol=1e-5, rtol=0)
+
+
+def test_the_heads_float32_product_is_within_float32_rounding_and_strict_only():
+    """ops.dense_linear.linear_float32 (oneDNN's matmul on the CPU, the prompt rows' LM head product): every logit
+    within 16 * 2**-24 * sum |x_i w_i| of its float64 dot product (float32 accumulation: 3.1 measured; a bfloat16
+    product would be ~2**16 times that); and where torch's float32 matmul precision allows bfloat16 ("medium"), it
+    is F.linear's, bit for bit."""
+    import doctest
+
+    from treeattn.ops import dense_linear
+
+    x, w = torch.randn(33, 576, generator=_G), torch.randn(300, 576, generator=_G) * 0.05
+    got = dense_linear.linear_float32(x, w).double()
+    terms = x.double()[:, None, :] * w.double()[None, :, :]
+    bound = 16 * 2.0**-24 * terms.abs().sum(dim=-1)
+    assert ((got - terms.sum(dim=-1)).abs() <= bound).all()
+    before = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("medium")
+        assert not dense_linear.onednn_float32()
+        assert torch.equal(dense_linear.linear_float32(x, w), torch.nn.functional.linear(x, w))
+    finally:
+        torch.set_float32_matmul_precision(before)
+    onednn = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    assert dense_linear.onednn_float32() == onednn
+    assert doctest.testmod(dense_linear).failed == 0

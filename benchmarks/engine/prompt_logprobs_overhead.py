@@ -3,18 +3,20 @@
     python benchmarks/engine/prompt_logprobs_overhead.py SmolLM2.gguf --tokens 8000 --nproc 1 --rounds 2
 
 One engine (prefix cache off: every request prefills its whole prompt), one prompt of random token
-ids; each round runs it with max_new_tokens=1 without prompt_logprobs, then with prompt_logprobs=0
-(the logprob of every prompt token), and records each request's time to first token (the prefill)
+ids; each round runs it with max_new_tokens=1 without prompt_logprobs and with prompt_logprobs=0
+(the logprob of every prompt token), in turn first and second from round to round (since session 19:
+before, "without" always ran first), and records each request's time to first token (the prefill)
 and the CPU seconds this process and its rank processes spent on the request (Linux: /proc; on a
 loaded machine the CPU time moves far less than the wall time, which waits for the cores).
 Prints one JSON object: the times, the per-round ratios (with / without) of the wall and the CPU
-times, their means, and the load average read at the start and at the end.
+times, their means and medians, the ratio of the mean times, and the load average read at the start and at the end.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import statistics
 import time
 
 import torch
@@ -60,7 +62,8 @@ def main() -> None:
         engine.generate([prompt[:64]], max_new_tokens=2)  # warm-up
         for _ in range(args.rounds):
             row = {}
-            for name, k in (("without", None), ("with", 0)):
+            order = (("without", None), ("with", 0))
+            for name, k in order if len(rows) % 2 == 0 else order[::-1]:  # ABBA: neither goes first every round
                 start, cpu = time.perf_counter(), cpu_seconds()
                 result = engine.generate([prompt], max_new_tokens=1, prompt_logprobs=k)[0]
                 row[name] = result.ttft_s
@@ -73,7 +76,9 @@ def main() -> None:
     cpu_ratios = [r["with_cpu"] / r["without_cpu"] for r in rows]
     print(json.dumps({"model": args.model, "tokens": args.tokens, "nproc": args.nproc, "prefill_chunk": args.prefill_chunk,
                       "rounds": rows, "ratios": ratios, "mean_ratio": sum(ratios) / len(ratios),
-                      "cpu_ratios": cpu_ratios, "mean_cpu_ratio": sum(cpu_ratios) / len(cpu_ratios),
+                      "median_ratio": statistics.median(ratios), "cpu_ratios": cpu_ratios,
+                      "mean_cpu_ratio": sum(cpu_ratios) / len(cpu_ratios), "median_cpu_ratio": statistics.median(cpu_ratios),
+                      "ratio_of_mean_times": sum(r["with"] for r in rows) / sum(r["without"] for r in rows),
                       "loadavg_start": load_start, "loadavg_end": open("/proc/loadavg").read().split()[:3]}, indent=1))
 
 

@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from treeattn.models.packed import fused_projections
+from treeattn.ops.dense_linear import linear_float32
 from treeattn.ops.rowwise import apply_rope, rms_norm
 
 KVStore = Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
@@ -358,10 +359,11 @@ class LlamaModel(nn.Module):
         (a slice of token ids, step 1) only those columns, (..., len(range(vocab_size)[vocab])), the
         same values as the full call's (each logit is its own dot product). `weight`: a packed output
         projection's float32 dequantization held by the caller (prompt logprobs: made once for many
-        calls), multiplied as the packed layer multiplies more than MAX_KERNEL_ROWS rows."""
+        calls), multiplied in float32 by ops.dense_linear.linear_float32 (oneDNN's matmul on the CPU: within float32
+        rounding of the packed layer's own product of more than MAX_KERNEL_ROWS rows, not bit for bit)."""
         head = self.embed_tokens if self.lm_head is None else self.lm_head
         if weight is not None:
-            out = F.linear(hidden.to(weight.dtype), weight if vocab is None else weight[vocab])
+            out = linear_float32(hidden.to(weight.dtype), weight if vocab is None else weight[vocab])
             return out.to(hidden.dtype).float()
         if isinstance(head, (nn.Embedding, nn.Linear)):
             return F.linear(hidden, head.weight if vocab is None else head.weight[vocab]).float()
