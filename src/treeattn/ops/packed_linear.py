@@ -40,6 +40,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from treeattn.ops.dense_linear import linear_float32
 from treeattn.ops.kernels import numpy_rows, optional_kernel
 
 FORMATS = ("q4_0", "q4_1", "q8_0")
@@ -333,7 +334,9 @@ def packed_matmul(x: torch.Tensor, fmt: str, qs: torch.Tensor, d: torch.Tensor, 
             as q8_0) and hosts without the int8 kernel run float32.
         prefill_dtype: "float32" or "bfloat16" (PREFILL_DTYPES, checked by the caller: resolve_prefill_dtype) for the
             CPU calls that dequantize the weight (more than MAX_KERNEL_ROWS rows): "bfloat16" rounds the weight and x to
-            bfloat16 and multiplies them accumulating in float32.
+            bfloat16 and multiplies them accumulating in float32; "float32" multiplies in float32 through
+            ops.dense_linear.linear_float32 (oneDNN's matmul where torch's float32 math is strict: 1.04-1.16x MKL's
+            speed on one thread of this project's AMD EPYC for prefill shapes, session 19).
 
     Returns:
         (..., N) in x.dtype, accumulated in float32 (x is taken in float32).
@@ -355,7 +358,7 @@ def packed_matmul(x: torch.Tensor, fmt: str, qs: torch.Tensor, d: torch.Tensor, 
         w = dequantize_packed(fmt, qs, d, m).to(torch.bfloat16)
         out = F.linear(x.reshape(-1, K).to(torch.bfloat16), w).to(torch.float32).view(*x.shape[:-1], N)
     else:
-        out = F.linear(x.reshape(-1, K).to(torch.float32), dequantize_packed(fmt, qs, d, m)).view(*x.shape[:-1], N)
+        out = linear_float32(x.reshape(-1, K).to(torch.float32), dequantize_packed(fmt, qs, d, m)).view(*x.shape[:-1], N)
     if bias is not None:
         out = out + bias.to(torch.float32)
     return out if out.dtype == x.dtype else out.to(x.dtype)
