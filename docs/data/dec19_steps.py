@@ -103,10 +103,20 @@ def run_one(args, extra: list[str]) -> None:
                     rec[k + "_ms"] = [1e3 * v[0], 1e3 * v[1]]
                 steps.append(rec)
     runner_mod.RankRunner.step = wrapped
-    if os.environ.get("DEC19_NO_RELEASE"):  # the baseline: GroupChannel keeps the building thread's pool
-        from treeattn.engine import transport
+    from treeattn.engine import transport
 
+    released = []
+    if os.environ.get("DEC19_NO_RELEASE"):  # the baseline: GroupChannel keeps the building thread's pool
         transport.release_thread_pool = lambda: False
+    else:  # the change, with the process's thread count before and after it
+        release = transport.release_thread_pool
+
+        def counted():
+            before = len(os.listdir("/proc/self/task"))
+            done = release()
+            released.append({"released": done, "threads_before": before, "threads_after": len(os.listdir("/proc/self/task"))})
+            return done
+        transport.release_thread_pool = counted
     if os.environ.get("DEC19_PAUSE_MAIN"):  # free the main thread's OpenMP pool before the driver thread starts
         import ctypes
 
@@ -142,7 +152,7 @@ def run_one(args, extra: list[str]) -> None:
                       "mean_all_ms": round(sum(walls) / len(walls), 3), "mean_after_first_ms": round(sum(walls[1:]) / (len(walls) - 1), 3),
                       "median_ms": round(sorted(walls)[len(walls) // 2], 3), "first_ms": round(walls[0], 3),
                       "cpu_mean_all_ms": round(sum(cpus) / len(cpus), 3), "cpu_mean_after_first_ms": round(sum(cpus[1:]) / (len(cpus) - 1), 3),
-                      "prefill_s": round(report["timings"]["prefill_s"], 3), "tokens": report["generated_ids"],
+                      "prefill_s": round(report["timings"]["prefill_s"], 3), "tokens": report["generated_ids"], "release": released,
                       "load": os.getloadavg()[0]}), flush=True)
 
 
