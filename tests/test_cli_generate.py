@@ -56,6 +56,8 @@ def test_json_output_is_one_object_with_the_tokens(checkpoint, ids_file, expecte
     assert report["prompt_tokens"] == len(PROMPT) and report["generated_ids"] == expected
     assert report["text"] == " ".join(f"w{i}" for i in expected)
     assert report["timings"]["decode_steps"] == 5 and report["timings"]["time_per_token_s"] > 0
+    assert len(report["timings"]["step_times_s"]) == 5
+    assert sum(report["timings"]["step_times_s"]) == pytest.approx(report["timings"]["decode_s"])
     assert report["kv_bytes_per_rank"][0] > 0 and report["run"]["world_size"] == 1
 
 

@@ -8,6 +8,8 @@ rank nothing is communicated.
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
@@ -28,7 +30,11 @@ def checkpoint(tmp_path_factory):
 
 
 @pytest.mark.parametrize("nproc", [1, 2])
-def test_rank_measurements_count_each_steps_bytes(checkpoint, nproc):
+def test_rank_measurements_count_each_steps_bytes(checkpoint, nproc, monkeypatch):
+    from treeattn.engine import transport
+
+    released = []  # one rank: the thread that built it frees its OpenMP pool, as the steps run in the driver thread
+    monkeypatch.setattr(transport, "release_thread_pool", lambda: released.append(threading.current_thread()))
     config = ta.load_model(str(checkpoint)).config
     with ta.Engine(str(checkpoint), nproc=nproc, method="allreduce", block_size=4, cache_tokens=64,
                    prefill_chunk=8, prefill="split", threads_per_rank=1) as engine:  # split: chunks of 8 (ring steps take more)
@@ -39,6 +45,7 @@ def test_rank_measurements_count_each_steps_bytes(checkpoint, nproc):
         engine.generate(PROMPT, max_new_tokens=NEW_TOKENS, ignore_eos=True)
         after = engine.rank_measurements()
 
+    assert released == ([threading.current_thread()] if nproc == 1 else [])  # 2 ranks: spawned, none built here
     assert [m.rank for m in after] == list(range(nproc))
     arena = config.num_layers * 2 * (engine.pool.blocks_per_rank + 1) * 4 * config.num_kv_heads * config.head_dim * 4
     for m in after:

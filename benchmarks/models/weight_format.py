@@ -12,7 +12,10 @@ per rank, whether the answer names the hidden number, and how many greedy tokens
 setting's. With --llama-python (a Python with llama-cpp-python, never a treeattn dependency), the same
 token ids run through llama.cpp in that interpreter: the same GGUF as shipped, --llama-threads
 threads, f16 KV cache, n_ctx = prompt + new tokens, greedy (top_k=1); its prefill is the time to the
-first token and its decode the mean time of the later tokens. treeattn's prefill_s is its time to the
+first token and its decode the mean time of the later tokens. ms_per_token is that mean on both sides (every
+decode step after the first token, the first of them included: treeattn's time_per_token_s, llama.cpp's 16th
+token's time less the first's over 15); ms_per_token_steady, the median of the steps after the first decode step,
+leaves out one-off costs of the first step on both sides. treeattn's prefill_s is its time to the
 first token from the start of generate(), engine setup included (setup_s: the packed weights' arena, the
 kernels' warm-up); prefill_after_setup_s leaves the setup out, as llama.cpp's prefill_s leaves out its
 load (its setup_s here: the Llama(...) constructor's seconds). The settings of one invocation run one
@@ -36,6 +39,12 @@ from pathlib import Path
 
 from treeattn.bench import harness
 
+def steady_ms(step_times_s: list[float]) -> float:
+    """ms a token in the steady state: the median of the decode steps after the first (nan with fewer than 2)."""
+    later = sorted(step_times_s[1:])
+    return 1e3 * later[len(later) // 2] if later else float("nan")
+
+
 def treeattn(model: str, ids_file: str, nproc: int, weight_format: str, kv: str, new_tokens: int,
              activations: str | None = None, prefill_dtype: str | None = None) -> dict:
     cmd = [sys.executable, "-m", "treeattn.cli", "generate", model, "--prompt-ids", ids_file, "--max-new-tokens", str(new_tokens),
@@ -49,6 +58,7 @@ def treeattn(model: str, ids_file: str, nproc: int, weight_format: str, kv: str,
     return {"tokens": r["generated_ids"], "prefill_s": r["timings"]["prefill_s"], "setup_s": setup,
             "prefill_after_setup_s": r["timings"]["prefill_s"] - setup,
             "ms_per_token": 1e3 * r["timings"]["time_per_token_s"],
+            "ms_per_token_steady": steady_ms(r["timings"]["step_times_s"]),
             "weight_bytes_per_rank": r["weight_bytes_per_rank"], "weight_format": r["weight_format"],
             "kv_cache_dtype": r["kv_cache_dtype"], "kv_bytes_per_token": r["kv_bytes_per_token"],
             "activation_format": r.get("activation_format"), "prefill_dtype": r.get("prefill_dtype")}
@@ -57,7 +67,7 @@ def treeattn(model: str, ids_file: str, nproc: int, weight_format: str, kv: str,
 def llama_cpp(python: str, model: str, ids_file: str, threads: int, new_tokens: int) -> dict:
     r = harness.llama_cpp_greedy(python, model, ids_file, new_tokens, threads)
     return {"tokens": r["tokens"], "prefill_s": r["prefill_s"], "setup_s": r["load_s"], "prefill_after_setup_s": r["prefill_s"],
-            "ms_per_token": r["ms_per_token"],
+            "ms_per_token": r["ms_per_token"], "ms_per_token_steady": steady_ms(r["step_times_s"]),
             "weight_bytes_per_rank": [os.path.getsize(model)], "weight_format": "gguf (llama.cpp)", "kv_cache_dtype": "float16",
             "kv_bytes_per_token": None}
 
@@ -111,7 +121,8 @@ def main() -> None:
     for name, nproc, _ in settings:
         r = best[name]
         answer = files.tokenizer.decode(r["tokens"])
-        print(json.dumps({"setting": name, "ms_per_token": round(r["ms_per_token"], 2), "prefill_s": round(r["prefill_s"], 2),
+        print(json.dumps({"setting": name, "ms_per_token": round(r["ms_per_token"], 2),
+                          "ms_per_token_steady": round(r["ms_per_token_steady"], 2), "prefill_s": round(r["prefill_s"], 2),
                           "setup_s": round(r["setup_s"], 2), "prefill_after_setup_s": round(r["prefill_after_setup_s"], 2),
                           "ratio_to_first": round(r["ms_per_token"] / base["ms_per_token"], 3),
                           "weight_bytes_per_rank": r["weight_bytes_per_rank"], "kv_cache_dtype": r["kv_cache_dtype"],

@@ -220,15 +220,15 @@ for token in llm.generate(ids, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_p
     if len(tokens) == a["new"]:
         break
 print(json.dumps({"tokens": tokens, "prefill_s": times[0], "decode_s": times[-1] - times[0], "decode_steps": len(times) - 1,
-                  "load_s": load_s}))
+                  "load_s": load_s, "step_times_s": [b - a for a, b in zip(times, times[1:])]}))
 """
 
 
 def llama_cpp_greedy(python: str, model: str, prompt_ids_file: str, new_tokens: int, threads: int) -> dict:
     """llama.cpp's greedy decode of the ids in `prompt_ids_file` (a JSON list) for `new_tokens` tokens, run by
     `python`, an interpreter with llama-cpp-python (never a treeattn dependency): tokens, prefill_s (to the first
-    token), decode_s, decode_steps, load_s, and ms_per_token (the tokens after the first). SystemExit with its
-    stderr's tail when it fails.
+    token), decode_s, decode_steps, step_times_s (each later token's seconds), load_s, and ms_per_token (the tokens
+    after the first: decode_s / decode_steps, the mean of step_times_s). SystemExit with its stderr's tail when it fails.
 
     >>> llama_cpp_greedy("/work/llama/venv/bin/python", default_model(), "ids.json", 16, 2)["ms_per_token"]  # doctest: +SKIP
     19.7

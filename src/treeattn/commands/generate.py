@@ -294,6 +294,7 @@ def _json_report(result: dict, texts, batched: bool, total_s: float, ranking: li
         "decode_steps": result["decode_steps"],
         "time_per_token_s": _finite(result["time_per_token_s"]),
         "tokens_per_s": _finite(result["tokens_per_s"]),
+        "step_times_s": result["step_times_s"],  # each decode step's wall seconds on rank 0 (decode_s is their sum)
     }
     if result["speculation"]:  # decode_steps above counts the model's verification forward passes
         report["speculation"] = {k: _finite(v) if isinstance(v, float) else v for k, v in result["speculation"].items()}

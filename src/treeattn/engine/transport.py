@@ -36,6 +36,7 @@ from treeattn.engine.worker.rank import (ModelInfo, helix_layout, load_model, ma
                                          run_plan, serve_steps)
 from treeattn.engine.errors import EngineError, StepFailed
 from treeattn.engine.worker.runner import StepOutcome
+from treeattn.ops.openmp import release_thread_pool
 
 logger = logging.getLogger(__name__)
 
@@ -205,6 +206,8 @@ class GroupChannel:
         self.runner = make_runner(model, config, group)
         self.info = model_info(model, self.runner)
         self.wire = PlanWire(plan_device(group))  # rank 0's end; the others' is in serve_steps
+        if group is None or dist.get_rank(group) == 0:  # its steps run in the engine's driver thread, not this one:
+            release_thread_pool()  # one OpenMP pool, whose workers spin between regions (ops.openmp), not two that sleep
 
     def serve(self) -> None:
         serve_steps(self.runner, None, None)
