@@ -196,8 +196,8 @@ def dense_head(model) -> torch.Tensor | None:
     dequantization cost about as much as the product itself (SmolLM2: 49,152 x 576). The copy is
     made once and kept on the head itself for the next steps, as long as the model lives (SmolLM2 113 MB,
     Gemma 3 270M 671 MB a rank; no process-wide cache), and model.logits(hidden, weight=copy)
-    multiplies it in float32 (ops.dense_linear: oneDNN's matmul on the CPU, ~1.2x MKL's speed here), within
-    float32 rounding of the packed layer's own product (another summation order, not bit for bit).
+    multiplies it in float32 as the packed layer multiplies many rows (ops.dense_linear: oneDNN's matmul on the
+    CPU, ~1.2x MKL's speed here).
 
         >>> import torch, treeattn as ta
         >>> from treeattn.engine.worker.prompt_logprobs import dense_head
