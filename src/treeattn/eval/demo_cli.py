@@ -315,15 +315,15 @@ def _legend(nproc: int, device: str) -> None:
                    f"(--nproc {cores} runs one rank per core)")
 
 
-# Where 2 ranks passed one process on this repository's 2-core machine, quiet (load 0.4-2.0), as measured
-# (quoted, with their raw data; benchmarks/parallel/sharding_crossover.py measures it on any machine).
+# Where 2 ranks stand against one process on this repository's 2-core machine, quiet (load 1.5-2.1, session 19), as
+# measured (quoted, with their raw data; benchmarks/parallel/sharding_crossover.py measures it on any machine).
 CROSSOVER_LINES = (
-    "the layout this demo runs (Helix, --tp 1): SmolLM2, 4,080 tokens, 2 ranks 28.5-29.8 ms a token, one process 32.5 "
-    "(0.88-0.92x, docs/data/helix_smollm2_4k_s12.txt); a 1B Llama shape, 4,080 tokens, --tp 2: 94.1-94.7 against 99.3-99.6 "
-    "(0.95x, docs/data/helix_llama1b_4k_s12.txt)",
-    "the sequence-only layout (--sequence-only): SmolLM2 4K 1.00x; 8,140 tokens, bfloat16 KV 25.42 against 26.21 (0.97x), "
-    "float32 KV 1.02x (docs/data/weight_format_{4k,8k}_s11_final.txt); Gemma 3 270M, 29,995 tokens, 151.0 against 158.0 "
-    "(0.96x, docs/data/gemma3_timing_30k_quiet.json)",
+    "where each rank holds half the weights over a long cache, 2 ranks pass one process: a 1B Llama shape, 16,320 "
+    "tokens, Helix --tp 2, 75.2 ms a token against 90.3 (0.83x; the sequence-only layout 102.1; "
+    "docs/data/quiet_s19/helix_layouts_16k.txt)",
+    "on small models one process is the faster since its two threads stopped waking a sleeping worker at every "
+    "parallel region (session 19): at 4K, float32, SmolLM2 25.9 ms against 2 ranks' 28.7, Gemma 3 270M 30.5 against "
+    "30.9; Gemma 3 at 30K, 8-bit activations, 28.0 against 29.6 (the sequence-only layout; docs/data/quiet_s19/wf_*.txt)",
 )
 
 
@@ -343,8 +343,8 @@ def _verdict(run, reference, prompt_tokens: int, nproc: int, device: str) -> Non
         typer.echo(f"  {split}: ranks that wait on each other lose to one process when other programs hold the cores "
                    f"(load average now {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores)")
     if device == "cpu":
-        typer.echo("  where 2 ranks passed one process on this repository's 2-core machine (quiet; with the cores busy "
-                   "they lose, 2.15x at 8K at load 6: docs/benchmarks.md, \"Where sharding pays on 2 cores\"):")
+        typer.echo("  on this repository's 2-core machine, quiet (with the cores busy the ranks lose more, 2.15x at 8K at "
+                   "load 6: docs/benchmarks.md, \"Where sharding pays on 2 cores\"):")
         for line in CROSSOVER_LINES:
             typer.echo("    " + line)
         other = "treeattn demo --sequence-only" if run.result.tp is not None else "treeattn demo (the Helix layout)"
