@@ -340,8 +340,8 @@ def _verdict(run, reference, prompt_tokens: int, nproc: int, device: str) -> Non
                  "a layer (the attention's combine, two sums)" if run.result.tp is not None else
                  "every rank repeats a step's fixed work (the MLP, the output projection, window layers) on its share of the "
                  "cores and splits only the attention over the cache, which grows with the context")
-        typer.echo(f"  {split}: ranks that wait on each other lose to one process when other programs hold the cores "
-                   f"(load average now {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores)")
+        typer.echo(f"  {split}: on a small model that costs more than the ranks save, and more again when other programs "
+                   f"hold the cores (load average now {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores)")
     if device == "cpu":
         typer.echo("  on this repository's 2-core machine, quiet (with the cores busy the ranks lose more, 2.15x at 8K at "
                    "load 6: docs/benchmarks.md, \"Where sharding pays on 2 cores\"):")
