@@ -16,7 +16,6 @@ request, then the summary; --output keeps all of it.
 from __future__ import annotations
 
 import json
-import os
 import resource
 import statistics
 import time
@@ -31,25 +30,6 @@ from treeattn.engine.worker import prompt_logprobs
 from treeattn.ops.dense_linear import linear_float32
 
 PRODUCTS = {"mkl": F.linear, "onednn": linear_float32}
-
-
-def thread_cpu() -> dict:
-    """CPU seconds (user + system) of each thread of this process alive now, by thread id, with its name (/proc)."""
-    out, tick = {}, os.sysconf("SC_CLK_TCK")
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            comm, fields = open(f"/proc/self/task/{tid}/stat").read().rsplit(")", 1)
-        except OSError:  # ended meanwhile
-            continue
-        fields = fields.split()
-        out[int(tid)] = (comm.split("(", 1)[1], (int(fields[11]) + int(fields[12])) / tick)
-    return out
-
-
-def by_thread(before: dict, after: dict) -> dict:
-    """Each thread's CPU seconds between two thread_cpu() readings ("name/tid"; 10 ms or more)."""
-    spent = {tid: (name, cpu - before.get(tid, (name, 0.0))[1]) for tid, (name, cpu) in sorted(after.items())}
-    return {f"{'main' if tid == os.getpid() else name}/{tid}": round(cpu, 3) for tid, (name, cpu) in spent.items() if cpu >= 0.01}
 
 
 def summary(rows: list[dict]) -> dict:
@@ -99,13 +79,14 @@ def main() -> None:
             for variant in order:
                 llama.linear_float32 = PRODUCTS.get(variant, linear_float32)  # what LlamaModel.logits(weight=...) calls
                 spent.clear()
-                threads, cpu, wall = thread_cpu(), resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
+                threads, cpu, wall = harness.thread_cpu(), resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
                 result = engine.generate([prompt], max_new_tokens=1, prompt_logprobs=None if variant == "without" else 0)[0]
                 after, wall = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter() - wall
                 row = {"round": round_, "variant": variant, "wall_s": wall, "ttft_s": result.ttft_s,
                        "cpu_s": after.ru_utime + after.ru_stime - cpu.ru_utime - cpu.ru_stime,
                        "compute_cpu_s": spent.get("cpu", 0.0), "compute_wall_s": spent.get("wall", 0.0),
-                       "minor_faults": after.ru_minflt - cpu.ru_minflt, "thread_cpu_s": by_thread(threads, thread_cpu()),
+                       "minor_faults": after.ru_minflt - cpu.ru_minflt,
+                       "thread_cpu_s": harness.by_thread(threads, harness.thread_cpu()),
                        "loadavg": open("/proc/loadavg").read().split()[:3]}
                 if variant != "without":
                     logprobs[variant] = [(e.logprob, e.rank) for e in result.prompt_logprobs[1:]]

@@ -14,7 +14,6 @@ worker, chunk_pool's threads, numba's). Prints one JSON row a request; --output 
 from __future__ import annotations
 
 import json
-import os
 import resource
 import time
 
@@ -23,28 +22,6 @@ import torch
 import treeattn as ta
 from treeattn.bench import harness
 from treeattn.engine.worker import prompt_logprobs, runner
-
-
-def thread_cpu() -> dict:
-    """CPU seconds (user + system) of each thread of this process alive now, by thread id, with its name (/proc)."""
-    out, tick = {}, os.sysconf("SC_CLK_TCK")
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            comm, fields = open(f"/proc/self/task/{tid}/stat").read().rsplit(")", 1)
-        except OSError:  # ended meanwhile
-            continue
-        fields = fields.split()
-        out[int(tid)] = (comm.split("(", 1)[1], (int(fields[11]) + int(fields[12])) / tick)
-    return out
-
-
-def by_thread(before: dict, after: dict) -> dict:
-    """The CPU seconds each thread spent between two thread_cpu() readings, keyed "name/tid" (the process's
-    main thread is the driver's caller; with nproc 1 the rank runs in the driver thread; torch's OpenMP
-    workers and numba's threads carry the process's name; chunk_pool's are prompt-logprobs_N)."""
-    main = os.getpid()
-    return {f"{'main' if tid == main else name}/{tid}": round(cpu - before.get(tid, (name, 0.0))[1], 3)
-            for tid, (name, cpu) in sorted(after.items()) if cpu - before.get(tid, (name, 0.0))[1] >= 0.01}
 
 
 def usage() -> dict:
@@ -84,9 +61,9 @@ def main() -> None:
         for round_ in range(args.repeats):
             for name, k in (("without", None), ("with", 0)):
                 totals.clear()
-                threads, before, wall = thread_cpu(), usage(), time.perf_counter()
+                threads, before, wall = harness.thread_cpu(), usage(), time.perf_counter()
                 result = engine.generate([prompt], max_new_tokens=1, prompt_logprobs=k)[0]
-                after, threads = usage(), by_thread(threads, thread_cpu())
+                after, threads = usage(), harness.by_thread(threads, harness.thread_cpu())
                 row = {"round": round_, "logprobs": name, "wall_s": time.perf_counter() - wall, "ttft_s": result.ttft_s,
                        **{key: after[key] - before[key] for key in after}, **totals,
                        "thread_cpu_s": threads, "loadavg": open("/proc/loadavg").read().split()[:3]}

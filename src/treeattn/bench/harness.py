@@ -241,6 +241,36 @@ def llama_cpp_greedy(python: str, model: str, prompt_ids_file: str, new_tokens: 
     return {**r, "ms_per_token": 1e3 * r["decode_s"] / max(r["decode_steps"], 1)}
 
 
+def thread_cpu() -> dict:
+    """CPU seconds (user + system) of each thread of this process alive now, {thread id: (name, seconds)} (/proc).
+
+    >>> tid, (name, seconds) = next(iter(thread_cpu().items()))
+    >>> isinstance(tid, int) and seconds >= 0
+    True
+    """
+    out, tick = {}, os.sysconf("SC_CLK_TCK")
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            comm, fields = open(f"/proc/self/task/{tid}/stat").read().rsplit(")", 1)
+        except OSError:  # ended meanwhile
+            continue
+        fields = fields.split()
+        out[int(tid)] = (comm.split("(", 1)[1], (int(fields[11]) + int(fields[12])) / tick)
+    return out
+
+
+def by_thread(before: dict, after: dict) -> dict:
+    """The CPU seconds each thread spent between two thread_cpu() readings, keyed "name/tid" ("main" for the
+    process's main thread), 10 ms or more.
+
+    >>> by_thread({7: ("w", 1.0)}, {7: ("w", 1.5), 8: ("x", 0.004)})
+    {'w/7': 0.5}
+    """
+    main = os.getpid()
+    return {f"{'main' if tid == main else name}/{tid}": round(cpu - before.get(tid, (name, 0.0))[1], 3)
+            for tid, (name, cpu) in sorted(after.items()) if cpu - before.get(tid, (name, 0.0))[1] >= 0.01}
+
+
 def cpu_model() -> str:
     """The CPU's model name (/proc/cpuinfo's, as lscpu shows it), else platform.processor()."""
     try:
