@@ -341,3 +341,24 @@ def test_a_bfloat16_prefill_is_within_bfloat16_rounding_and_refused_where_the_cp
     monkeypatch.setattr(packed_linear, "fast_bf16", lambda: False)
     with pytest.raises(ConfigError, match="prefill_dtype='bfloat16' needs torch's oneDNN with native bfloat16"):
         check_weight_format(model, EngineConfig(prefill_dtype="bfloat16"))
+
+
+def test_float32_kernel_loops_are_512_bit_where_the_cpu_has_avx512():
+    """issue 50 (session 20): LLVM's default for Intel's AVX-512 server CPUs is 256-bit loops; the packed float32 kernel asks
+    for 512 (ymm only before, on an emeraldrapids host)."""
+    kernel = packed_linear.kernel_module()
+    if kernel is None:
+        pytest.skip("numba is not installed")
+    from llvmlite import binding
+
+    if not binding.get_host_cpu_features().get("avx512f", False):
+        pytest.skip("this CPU has no AVX-512F: its widest vectors are used, nothing to check")
+    from numba import njit
+
+    @njit  # compiled here, not loaded from the kernels' cache (whose entries carry no assembly to inspect)
+    def rows(x, qs, d, m, out):
+        kernel._q4_rows(x, qs, d, m, out, 0, qs.shape[0], 0, True)
+
+    d = np.ones((8, 2), np.float32)
+    rows(np.ones((1, 64), np.float32), np.zeros((8, 2, 16), np.uint8), d, d.copy(), np.zeros((1, 8), np.float32))
+    assert "zmm" in rows.inspect_asm(rows.signatures[0])

@@ -23,7 +23,7 @@ from treeattn.bench.config import METHODS, SweepConfig
 SHORT_DTYPES = {name: short for short, name in DTYPE_ALIASES.items() if short != "half"}
 """--dtype's names (float32, ...) -> the sweep records' (fp32, ...)."""
 
-PROFILE_ENGINE_FLAGS = ("threads_per_rank", "device", "kv_cache_dtype", "weight_format")
+PROFILE_ENGINE_FLAGS = ("threads_per_rank", "device", "kv_cache_dtype", "weight_format", "activation_format")
 """The EngineConfig fields `bench profile` takes as flags (commands.flags.config_options), one value each; --nproc and
 --method are sweeps (lists of values), --max-new-tokens counts its warm-up steps: its own options."""
 
@@ -484,6 +484,7 @@ def profile_command(
     from treeattn.commands.flags import torch_dtype
 
     threads, weight_format, kv_cache_dtype = engine["threads_per_rank"], engine["weight_format"], engine["kv_cache_dtype"]
+    activation_format = engine["activation_format"]
     try:
         kind = resolve_device(engine["device"])
         check_gpus(kind, max(nproc))
@@ -510,7 +511,8 @@ def profile_command(
         spec = ProfileSpec(model=model, context=context, new_tokens=new_tokens, methods=tuple(method[:1] if p == 1 else method),
                            threads=threads or max(1, (os.cpu_count() or 1) // p), warmup=warmup, repeats=repeats,
                            transports=tuple(dict.fromkeys(transport)) if p > 1 or kind == "cuda" else ("shm",),
-                           device=kind, dtype=torch_dtype(dtype), weight_format=weight_format, kv_cache_dtype=kv_cache_dtype)
+                           device=kind, dtype=torch_dtype(dtype), weight_format=weight_format, kv_cache_dtype=kv_cache_dtype,
+                           activation_format=activation_format)
         reports = run_profile(spec, p)
         variants = [(m, t) for m in spec.methods for t in spec.transports]
         reference = reports[0][variant_name(*variants[0])]["generated_ids"]

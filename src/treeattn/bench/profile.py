@@ -58,6 +58,7 @@ class ProfileSpec:
     dtype: torch.dtype | None = None  # None: bfloat16 on CUDA, float32 on the CPU
     weight_format: str = "auto"  # a GGUF checkpoint's weights: EngineConfig.weight_format
     kv_cache_dtype: str = "auto"  # EngineConfig.kv_cache_dtype
+    activation_format: str = "auto"  # how packed weights multiply decode steps: EngineConfig.activation_format
 
 
 def build_model(name: str, seed: int, device: str = "cpu", dtype: torch.dtype | None = None, rank: int = 0,
@@ -104,7 +105,7 @@ def profile_rank(rank: int, world_size: int, spec: ProfileSpec) -> list[dict] | 
             with Engine(model, group=group, decode="tree" if world_size > 1 else "local", method=method, device=spec.device,
                         shared_memory=transport == "shm", max_batch_size=1, prefix_cache=False, block_size=256,
                         cache_tokens=positions + 256 * world_size, max_context=positions, timeout_s=600.0,
-                        kv_cache_dtype=spec.kv_cache_dtype) as engine:
+                        kv_cache_dtype=spec.kv_cache_dtype, activation_format=spec.activation_format) as engine:
                 if engine.is_driver:
                     result, = engine.generate([prompt], max_new_tokens=spec.new_tokens, ignore_eos=True)
                     runs[variant_name(method, transport)].append((result.token_ids, engine.rank_measurements()))

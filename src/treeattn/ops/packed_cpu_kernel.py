@@ -78,10 +78,27 @@ def _stack_floats(typingctx, count):
     return types.CPointer(types.float32)(count), codegen
 
 
+@intrinsic
+def _prefer_512_bit_vectors(typingctx):
+    """Marks the calling compiled function (after numba's inlining, the kernel whose loops follow) with LLVM's
+    "prefer-vector-width"="512": its loops then vectorize over 16 float32 lanes where the CPU has AVX-512. LLVM's
+    default for Intel's AVX-512 server CPUs (skylake-avx512 to sapphirerapids and emeraldrapids) is 256-bit
+    vectors (its prefer-256-bit tuning), for AMD's Zen 4 and 5 512-bit already: there this attribute changes
+    nothing (the same zmm code), on Intel the float32 kernel took 0.51-0.67x the time (issue 50; docs/bench_weights.md,
+    "Session 20, Intel Xeon"). On a CPU without AVX-512 the widest legal vectors are used, as before. The
+    paged attention kernel keeps LLVM's default: there 512-bit loops were slower on that Intel host."""
+    def codegen(context, builder, signature, args):
+        set.add(builder.function.attributes, '"prefer-vector-width"="512"')  # a string attribute llvmlite does not list
+        return context.get_dummy_value()
+
+    return types.void(), codegen
+
+
 @njit(cache=True, fastmath=_FASTMATH, inline="always")
 def _q4_rows(x, qs, d, m, out, n0, n1, offset, affine):  # pragma: no cover - compiled
     """Output columns n0..n1-1 of every row of x (see the module doc), ROWS weight rows at a time (each
     x element loaded once for all of them), then the remaining rows one by one."""
+    _prefer_512_bit_vectors()
     acc = numba.carray(_stack_floats(Q4_LANES), (ROWS, 16))
     n = n0
     while n + ROWS <= n1:
@@ -123,6 +140,7 @@ def _q4_group(x, qs, d, m, out, n0, rows, offset, affine, acc):  # pragma: no co
 @njit(cache=True, fastmath=_FASTMATH, inline="always")
 def _q8_rows(x, qs, d, out, n0, n1):  # pragma: no cover - compiled
     """Output columns n0..n1-1 of every row of x for a q8_0 weight (32 lanes, one per weight of a block)."""
+    _prefer_512_bit_vectors()
     M, nb = x.shape[0], qs.shape[1]
     acc = numba.carray(_stack_floats(BLOCK), (BLOCK,))
     for n in range(n0, n1):
