@@ -6,10 +6,11 @@ faster depends on the CPU's vendor, so onednn_float32 follows a fixed rule on /p
 - AMD EPYC (Zen 4, AVX-512; this project's usual host): MKL ran 67-90 GFLOPS a core for SmolLM2's LM head by chunks
   (512-2048 rows x 576 x 512-4096 columns), oneDNN's matmul 91-102 (1.17-1.43x by medians), one thread, alternated,
   under load (docs/engine.md, "Session 19"; benchmarks/engine/prompt_logprobs_gemm.py). oneDNN.
-- Intel Xeon (Sapphire Rapids class: AVX-512, AMX; session 20): oneDNN's matmul was 0.90-0.98x MKL's by medians of 9
-  alternated repeats on the head's chunk (512 x 576 x 2048: 0.895) and the prefill's shapes (0.915-0.98), and a
-  prepacked oneDNN weight 0.95-1.01x (benchmarks/engine/float32_linear_ab.py, one thread, load 3-5 on 2 cores;
-  docs/data/eval20/). MKL (F.linear).
+- Intel Xeon (AVX-512, AMX; session 20): oneDNN's matmul was 0.90-0.98x MKL's by medians of 9 alternated repeats on
+  the head's chunk (512 x 576 x 2048: 0.895) and the prefill's shapes (0.915-0.98), a prepacked oneDNN weight
+  0.95-1.01x (benchmarks/engine/float32_linear_ab.py, one thread, load 3-5 on 2 cores; docs/data/eval20/), and in
+  score_rows over 8,000 SmolLM2 rows oneDNN 1.005x MKL's wall time, prepacked 1.042x (medians of 3, alternated, load
+  4; benchmarks/engine/prompt_logprobs_head_ab.py). MKL (F.linear).
 - anything else (no /proc/cpuinfo, another vendor): oneDNN, as before session 20.
 Both are float32 products with float32 accumulation; they round apart (different blocking of the sums), each within
 float32 rounding of float64. oneDNN is used only where its float32 math is strict: torch.backends.mkldnn.matmul.

@@ -346,7 +346,8 @@ def score_rows(model, hidden: torch.Tensor, targets: torch.Tensor, top: int) -> 
 
 def _score_block(model, hidden: torch.Tensor, targets: torch.Tensor, top: int, out: torch.Tensor, head: _Head) -> None:
     """score_rows' values for a block of rows, written into `out`: one pass over the vocabulary, a chunk
-    of logits (vocab_columns) at a time, each reduced while it is in the cache: its max, its sum of
+    of logits (vocab_columns; a prepacked head's own chunks, those of a ROWS_PER_BLOCK block, for a shorter one
+    too) at a time, each reduced while it is in the cache: its max, its sum of
     exp(logit - max) (as exp2, _LOG2_E) and its count of logits above the target's, one row each of a
     (chunks, rows) table, the top k merged; then the chunks' sums are merged in float64 (logsumexp = max +
     log(sum)). The count needs the target's logit before its chunk comes: with more than one chunk it is computed first (the
