@@ -123,18 +123,16 @@ def test_docstring_examples_run():
 
     from treeattn.engine import request
 
-    for obj in (request.RequestResult, pl.score_rows, pl.dense_head, pl.vocab_columns, pl._take, pl.chunk_pool):
+    for obj in (request.RequestResult, pl.score_rows, pl.dense_head, pl.prepacked_head, pl.vocab_columns, pl._take,
+                pl.chunk_pool):
         finder, runner = doctest.DocTestFinder(), doctest.DocTestRunner(optionflags=doctest.ELLIPSIS)
         for test in finder.find(obj, globs={}):
             runner.run(test)
         assert runner.failures == 0 and runner.tries > 0, obj
 
 
-@pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
-def test_a_packed_head_is_dequantized_once_and_gives_the_packed_layers_values(fmt, monkeypatch):
-    """A GGUF file's packed output projection: score_rows multiplies its float32 copy (dense_head, made
-    once for every block and step), within float32 rounding of the packed layer's own product (oneDNN's matmul
-    against MKL's: another summation order) and of float64."""
+def _packed_head_model(fmt: str):
+    """A tiny random model whose output projection is kept packed in `fmt` (300 x 64)."""
     import gguf
     import gguf.quants
 
@@ -146,6 +144,20 @@ def test_a_packed_head_is_dequantized_once_and_gives_the_packed_layers_values(fm
                                         num_kv_heads=1, head_dim=32), seed=2, std=0.5)
     quantized = gguf.quants.quantize(model.lm_head.weight.detach().numpy(), gguf.GGMLQuantizationType[fmt.upper()])
     model.lm_head = PackedLinear(fmt, *unpack_blocks(fmt, quantized))
+    return model
+
+
+@pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
+def test_a_packed_head_is_dequantized_once_and_gives_the_packed_layers_values(fmt, monkeypatch):
+    """A GGUF file's packed output projection where ops.dense_linear takes MKL's product (Intel; forced here):
+    score_rows multiplies its float32 copy (dense_head, made once for every block and step), within float32 rounding
+    of the packed layer's own product (its kernel for a block of 16 rows or fewer: another summation order) and of
+    float64."""
+    from treeattn.models.packed import PackedLinear
+    from treeattn.ops import dense_linear
+
+    model = _packed_head_model(fmt)
+    monkeypatch.setattr(dense_linear, "MKL_VENDORS", (dense_linear.cpu_vendor(),))  # MKL's product: the plain copy
     made = []
     monkeypatch.setattr(PackedLinear, "dequantized", lambda self, real=PackedLinear.dequantized: made.append(1) or real(self))
     monkeypatch.setattr(pl, "ROWS_PER_BLOCK", 20)  # > MAX_KERNEL_ROWS: the packed layer dequantizes too
@@ -162,7 +174,57 @@ def test_a_packed_head_is_dequantized_once_and_gives_the_packed_layers_values(fm
     torch.testing.assert_close(dense[:, 2:5], logp.topk(3).values, atol=1e-5, rtol=0)
 
 
-def test_the_heads_float32_product_is_within_float32_rounding_and_strict_only():
+@pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
+def test_a_prepacked_head_replaces_the_copy_and_gives_its_values(fmt, monkeypatch):
+    """Where ops.dense_linear takes oneDNN (forced here: no vendor on MKL's side), a packed head is multiplied by runs
+    of its rows held in oneDNN's blocked layout (prepacked_head) instead of a float32 copy: the runs hold the head's
+    values, no plain copy is kept beside them, full blocks score to the plain copy's values bit for bit (oneDNN's
+    product of a prepacked weight is the plain weight's), and every block within float32 rounding of float64."""
+    from treeattn.ops import dense_linear
+
+    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
+        pytest.skip("torch without oneDNN's linear op: nothing is prepacked")
+    model = _packed_head_model(fmt)
+    monkeypatch.setattr(dense_linear, "MKL_VENDORS", ())
+    monkeypatch.setattr(pl, "ROWS_PER_BLOCK", 20)
+    monkeypatch.setattr(pl, "CHUNK_BYTES", 20 * 4 * 64)  # 64 columns a chunk of a 20-row block: 5 chunks, the last 44
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)  # the plain path's chunks: the same 64 columns
+    chunks, columns = pl.prepacked_head(model)
+    head = model.lm_head.dequantized()
+    assert columns == 64 and [c.shape[0] for c in chunks] == [64, 64, 64, 64, 44] and all(c.is_mkldnn for c in chunks)
+    assert torch.equal(torch.cat([c.to_dense() for c in chunks]), head)  # the packing holds the head's values
+    hidden, targets = torch.randn(67, 64, generator=_G), torch.randint(0, 300, (67,), generator=_G)
+    assert torch.equal(model.lm_head.dequantized_rows(targets), head[targets])  # the targets' rows, as the chunks'
+    got = pl.score_rows(model, hidden, targets, top=3)
+    assert "_prompt_logprobs_copy" not in model.lm_head.__dict__ and pl.prepacked_head(model)[0] is chunks  # kept, no copy
+    monkeypatch.setattr(pl, "prepacked_head", lambda model: None)  # the plain float32 copy, oneDNN's product too
+    rows = slice(0, 60)  # the three full blocks (the last, 7 rows, takes wider chunks on the plain path)
+    assert torch.equal(got[rows], pl.score_rows(model, hidden[rows], targets[rows], top=3))
+    logp = torch.log_softmax(hidden.double() @ head.double().T, dim=-1)
+    torch.testing.assert_close(got[:, 0], logp[torch.arange(67), targets], atol=1e-5, rtol=0)
+    torch.testing.assert_close(got[:, 2:5], logp.topk(3).values, atol=1e-5, rtol=0)
+
+
+def test_the_float32_product_follows_the_cpu_vendor(monkeypatch):
+    """ops.dense_linear's rule: MKL's sgemm (F.linear, bit for bit) on MKL_VENDORS' CPUs (Intel), oneDNN's matmul
+    elsewhere where torch has it; prepack_float32 packs only for oneDNN."""
+    from treeattn.ops import dense_linear
+
+    x, w = torch.randn(33, 576, generator=_G), torch.randn(300, 576, generator=_G) * 0.05
+    monkeypatch.setattr(dense_linear, "MKL_VENDORS", (dense_linear.cpu_vendor(),))
+    assert not dense_linear.onednn_float32() and dense_linear.prepack_float32(w, 33) is w
+    assert torch.equal(dense_linear.linear_float32(x, w), torch.nn.functional.linear(x, w))
+    monkeypatch.setattr(dense_linear, "MKL_VENDORS", ())
+    onednn = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    assert dense_linear.onednn_float32() == onednn and dense_linear.prepack_float32(w, 33).is_mkldnn == onednn
+    packed = dense_linear.prepack_float32(w, 33)
+    assert torch.equal(dense_linear.linear_float32(x, packed), dense_linear.linear_float32(x, w))
+    monkeypatch.setattr(dense_linear, "MKL_VENDORS", (dense_linear.cpu_vendor(),))  # the rule changed after packing
+    assert torch.equal(dense_linear.linear_float32(x, packed), torch.nn.functional.linear(x, w))
+
+
+@pytest.mark.parametrize("vendors", ["mkl", "onednn"])
+def test_the_heads_float32_product_is_within_float32_rounding_and_strict_only(vendors, monkeypatch):
     """ops.dense_linear.linear_float32 (oneDNN's matmul on the CPU, the prompt rows' LM head product): every logit
     within 16 * 2**-24 * sum |x_i w_i| of its float64 dot product (float32 accumulation: 3.1 measured; a bfloat16
     product would be ~2**16 times that); and where torch's float32 matmul precision allows bfloat16 ("medium"), it
@@ -171,6 +233,7 @@ def test_the_heads_float32_product_is_within_float32_rounding_and_strict_only():
 
     from treeattn.ops import dense_linear
 
+    monkeypatch.setattr(dense_linear, "MKL_VENDORS", (dense_linear.cpu_vendor(),) if vendors == "mkl" else ())
     x, w = torch.randn(33, 576, generator=_G), torch.randn(300, 576, generator=_G) * 0.05
     got = dense_linear.linear_float32(x, w).double()
     terms = x.double()[:, None, :] * w.double()[None, :, :]
@@ -184,5 +247,5 @@ def test_the_heads_float32_product_is_within_float32_rounding_and_strict_only():
     finally:
         torch.set_float32_matmul_precision(before)
     onednn = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-    assert dense_linear.onednn_float32() == onednn
+    assert dense_linear.onednn_float32() == (onednn and vendors == "onednn")
     assert doctest.testmod(dense_linear).failed == 0

@@ -6,7 +6,10 @@ The model's output projection in float32 (a packed GGUF head dequantized, as pro
 times ROWS random rows (the scale of real final hidden states does not matter to the speed), a vocabulary chunk at
 a time as _score_block takes it, by: F.linear (MKL's sgemm: what model.logits(weight=...) called before session
 19), torch.mm with the head's transpose made contiguous once (the other operand layout), and oneDNN's matmul
-(treeattn.ops.dense_linear.linear_float32), for several (rows, columns) shapes of one call. One torch thread,
+(treeattn.ops.dense_linear.linear_float32), for several (rows, columns) shapes of one call; with --prepacked also
+oneDNN's matmul of a weight held in oneDNN's blocked layout (torch.ops.mkldnn._reorder_linear_weight once per chunk)
+and MKL's packed sgemm (torch.ops.mkl._mkl_reorder_linear_weight once per chunk, torch.ops.mkl._mkl_linear: what
+torch.compile's inductor uses for float32 linears on x86), each packing made before the timed sweeps. One torch thread,
 time.thread_time, the variants alternated in every repeat, so that a loaded machine moves all of them alike.
 Prints one JSON object: each variant's GFLOPS per repeat, their median, the largest difference of the oneDNN
 logits from MKL's and of both from float64 (one chunk), the load average at the start and the end.
@@ -29,6 +32,7 @@ def main() -> None:
     parser = harness.parser(__doc__, model="required", output=True, repeats=3)
     parser.add_argument("--shapes", nargs="+", default=["512x2048", "512x4096", "1024x1024", "2048x512"],
                         help="ROWSxCOLUMNS of one product call (rows of hidden states x vocabulary columns)")
+    parser.add_argument("--prepacked", action="store_true", help="also time the two prepacked weights (see above)")
     args = harness.parse_args(parser)
     from treeattn.models.loader import load_model
 
@@ -50,6 +54,17 @@ def main() -> None:
     variants = {"mkl F.linear": lambda h, a, b: F.linear(h, weight[a:b]),
                 "mkl mm, head transposed": lambda h, a, b: torch.mm(h, transposed[:, a:b]),
                 "onednn linear_float32": lambda h, a, b: linear_float32(h, weight[a:b])}
+    if args.prepacked:
+        packed = {}
+        for rows, columns in shapes:
+            for first in range(0, vocab, columns):
+                part = weight[first:first + columns]
+                packed[rows, first, first + part.shape[0]] = (torch.ops.mkldnn._reorder_linear_weight(part, rows),
+                                                              torch.ops.mkl._mkl_reorder_linear_weight(part, rows))
+        variants["onednn prepacked"] = lambda h, a, b: torch.ops.mkldnn._linear_pointwise(
+            h, packed[h.shape[0], a, b][0], None, "none", [], "")
+        variants["mkl packed sgemm"] = lambda h, a, b: torch.ops.mkl._mkl_linear(
+            h, packed[h.shape[0], a, b][1], weight[a:b], None, h.shape[0])
     gflops = {f"{name} {rows}x{columns}": [] for rows, columns in shapes for name in variants}
     for _ in range(args.repeats):
         for rows, columns in shapes:

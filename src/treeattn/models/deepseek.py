@@ -54,6 +54,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from treeattn.models.llama import AttendFn, KVStore, RMSNorm, check_norm_and_rope, config_reader, embedding
+from treeattn.ops.dense_linear import linear_float32
 
 ATTENTION_FORMS = ("auto", "absorbed", "naive")
 SUPPORTED_ROPE_TYPES = ("default", "yarn")
@@ -505,9 +506,12 @@ class DeepseekModel(nn.Module):
 
     def logits(self, hidden: torch.Tensor, vocab: slice | None = None, weight: torch.Tensor | None = None) -> torch.Tensor:
         """(..., hidden_size) final hidden states -> (..., vocab_size) float32 logits (the columns of
-        `vocab` only, as LlamaModel.logits; `weight`: another output projection, e.g. some of its rows)."""
-        if weight is None:
-            weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        `vocab` only, as LlamaModel.logits; `weight`: another output projection, e.g. some of its rows, multiplied in
+        float32 by ops.dense_linear.linear_float32 as LlamaModel.logits does, a prepacked one too)."""
+        if weight is not None:
+            out = linear_float32(hidden.to(weight.dtype), weight if vocab is None else weight[vocab])
+            return out.to(hidden.dtype).float()
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(hidden, weight if vocab is None else weight[vocab]).float()
 
 

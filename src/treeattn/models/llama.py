@@ -359,8 +359,9 @@ class LlamaModel(nn.Module):
         (a slice of token ids, step 1) only those columns, (..., len(range(vocab_size)[vocab])), the
         same values as the full call's (each logit is its own dot product). `weight`: a packed output
         projection's float32 dequantization held by the caller (prompt logprobs: made once for many
-        calls), multiplied in float32 by ops.dense_linear.linear_float32 (oneDNN's matmul on the CPU), as the packed layer
-        multiplies more than MAX_KERNEL_ROWS rows."""
+        calls; a plain tensor or one prepacked by ops.dense_linear.prepack_float32), multiplied in float32 by
+        ops.dense_linear.linear_float32 (MKL's sgemm or oneDNN's matmul on the CPU, the faster on its vendor), as the
+        packed layer multiplies more than MAX_KERNEL_ROWS rows."""
         head = self.embed_tokens if self.lm_head is None else self.lm_head
         if weight is not None:
             out = linear_float32(hidden.to(weight.dtype), weight if vocab is None else weight[vocab])

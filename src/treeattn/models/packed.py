@@ -93,6 +93,12 @@ class _Packed(nn.Module):
         """The float32 (rows, columns) weight: the file's float32 dequantization."""
         return dequantize_packed(*self._parts())
 
+    def dequantized_rows(self, rows: torch.Tensor | slice) -> torch.Tensor:
+        """The float32 rows `rows` (an int64 index tensor or a slice) of the weight: dequantized()[rows], the same
+        values, without dequantizing the others."""
+        fmt, qs, d, m = self._parts()
+        return dequantize_packed(fmt, qs[rows], d[rows], None if m is None else m[rows])
+
     def project(self, x: torch.Tensor, rows: slice | None = None) -> torch.Tensor:
         """x (..., columns) @ W.T -> (..., rows) in x.dtype, float32 accumulation; with `rows` (a slice,
         step 1) only those rows of W: the same values as the full product's columns."""
@@ -127,8 +133,7 @@ class PackedEmbedding(_Packed):
     only the looked-up rows dequantized."""
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        fmt, qs, d, m = self._parts()
-        return dequantize_packed(fmt, qs[tokens], d[tokens], None if m is None else m[tokens])
+        return self.dequantized_rows(tokens)
 
 
 class FusedPacked:

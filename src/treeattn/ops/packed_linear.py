@@ -335,8 +335,9 @@ def packed_matmul(x: torch.Tensor, fmt: str, qs: torch.Tensor, d: torch.Tensor, 
         prefill_dtype: "float32" or "bfloat16" (PREFILL_DTYPES, checked by the caller: resolve_prefill_dtype) for the
             CPU calls that dequantize the weight (more than MAX_KERNEL_ROWS rows): "bfloat16" rounds the weight and x to
             bfloat16 and multiplies them accumulating in float32; "float32" multiplies in float32 through
-            ops.dense_linear.linear_float32 (oneDNN's matmul where torch's float32 math is strict: 1.04-1.16x MKL's
-            speed on one thread of this project's AMD EPYC for prefill shapes, session 19).
+            ops.dense_linear.linear_float32 (oneDNN's matmul where torch's float32 math is strict and the CPU is not
+            Intel's: 1.04-1.16x MKL's speed on one thread of this project's AMD EPYC for prefill shapes, session 19;
+            MKL's sgemm on an Intel Xeon, where oneDNN ran 0.92-0.98x for these shapes, session 20).
 
     Returns:
         (..., N) in x.dtype, accumulated in float32 (x is taken in float32).

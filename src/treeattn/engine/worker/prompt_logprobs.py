@@ -18,9 +18,11 @@ split between the threads of chunk_pool, one torch thread each), each chunk redu
 the cache: its logsumexp (merged across chunks like attention states), the count of logits above the
 target's, its top k. Kept per row: the log-softmax at the target (float32 logit - logsumexp, as the
 generated tokens' logprobs, runner.token_logprobs), the target's rank and the top k: 2 + 2k numbers.
-A GGUF file's packed output projection is dequantized once (dense_head) and kept for the next steps,
-not once per block as the packed layer's own product of many rows would; its float32 product runs through
-oneDNN's matmul on the CPU (ops.dense_linear.linear_float32: ~1.2x MKL's sgemm on this project's AMD EPYC).
+A GGUF file's packed output projection is dequantized once and kept for the next steps, not once per block as
+the packed layer's own product of many rows would: where ops.dense_linear takes oneDNN's matmul (AMD and other
+non-Intel CPUs: ~1.2x MKL's sgemm on this project's AMD EPYC) as runs of vocab_columns rows each held in oneDNN's
+blocked layout (prepacked_head: no reorder of the weight a call), else as one plain float32 copy (dense_head) that
+MKL's sgemm multiplies (Intel CPUs, where MKL is the faster one; a GPU).
 
 Across ranks the rows are split, not the vocabulary: in a token-parallel or ring prefill step each
 rank already holds the final hidden states of its own rows, so it scores those (no hidden state
@@ -38,12 +40,14 @@ from __future__ import annotations
 import math
 import os
 import threading
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
 
 from treeattn.engine.request import TokenLogprob
+from treeattn.ops import dense_linear
 from treeattn.engine.worker.token_parallel import gather_slices, row_bounds
 
 ROWS_PER_BLOCK = 512
@@ -196,8 +200,8 @@ def dense_head(model) -> torch.Tensor | None:
     dequantization cost about as much as the product itself (SmolLM2: 49,152 x 576). The copy is
     made once and kept on the head itself for the next steps, as long as the model lives (SmolLM2 113 MB,
     Gemma 3 270M 671 MB a rank; no process-wide cache), and model.logits(hidden, weight=copy)
-    multiplies it in float32 as the packed layer multiplies many rows (ops.dense_linear: oneDNN's matmul on the
-    CPU, ~1.2x MKL's speed here).
+    multiplies it in float32 as the packed layer multiplies many rows (ops.dense_linear.linear_float32: MKL's sgemm
+    or oneDNN's matmul, the faster on this CPU). score_rows takes it where prepacked_head does not apply.
 
         >>> import torch, treeattn as ta
         >>> from treeattn.engine.worker.prompt_logprobs import dense_head
@@ -216,6 +220,87 @@ def dense_head(model) -> torch.Tensor | None:
     weight = head.dequantized()
     head.__dict__["_prompt_logprobs_copy"] = (head.qs, head.d_bits, weight)  # a plain attribute: not in state_dict
     return weight
+
+
+_PREPACKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+"""prepacked_head's chunks, per head module (kept while the module lives; a plain attribute would be pickled with it,
+and oneDNN's tensors do not pickle): (qs, d_bits, columns, chunks)."""
+
+
+def prepacked_head(model) -> tuple[tuple[torch.Tensor, ...], int] | None:
+    """`model`'s packed output projection in float32 by vocabulary chunks, each held in oneDNN's blocked layout:
+    (chunks, columns), chunk j the head's rows j * columns .. (j + 1) * columns - 1, columns = vocab_columns of a
+    ROWS_PER_BLOCK block on one thread (SmolLM2: 2048, 24 chunks). None where ops.dense_linear does not take oneDNN
+    (onednn_float32(): an Intel CPU, non-strict float32 math), for a head kept on another device, or one not packed.
+
+    Made once, a chunk at a time from the packed rows (dequantized_rows, never the whole float32 head at once), and
+    kept while the head lives and its buffers are the same (as dense_head's copy, which it replaces: about the same
+    bytes, SmolLM2 113 MB, not a second copy). Each call of linear_float32 on a chunk then skips oneDNN's reorder
+    of the weight (5-9 % faster products on the AMD EPYC, session 19), with the plain weight's bits.
+
+        >>> import torch, treeattn as ta
+        >>> from treeattn.engine.worker.prompt_logprobs import prepacked_head
+        >>> from treeattn.models import random_model
+        >>> model = random_model(ta.LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=32,
+        ...     num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16), seed=0)
+        >>> prepacked_head(model) is None  # its head is a plain float32 weight: multiplied as it is
+        True
+    """
+    head = model.embed_tokens if getattr(model, "lm_head", None) is None else model.lm_head
+    if not hasattr(head, "dequantized_rows") or head.qs.device.type != "cpu" or not dense_linear.onednn_float32():
+        return None
+    columns = vocab_columns(ROWS_PER_BLOCK, head.rows, threads=1)
+    kept = _PREPACKED.get(head)
+    if kept is not None and kept[0] is head.qs and kept[1] is head.d_bits and kept[2] == columns:
+        return kept[3], columns
+    chunks = tuple(dense_linear.prepack_float32(head.dequantized_rows(slice(first, first + columns)), ROWS_PER_BLOCK)
+                   for first in range(0, head.rows, columns))
+    head.__dict__.pop("_prompt_logprobs_copy", None)  # a plain copy made before (the rule changed): replaced
+    _PREPACKED[head] = (head.qs, head.d_bits, columns, chunks)
+    return chunks, columns
+
+
+@dataclass(frozen=True)
+class _Head:
+    """The LM head as _score_block multiplies it.
+
+    Attributes:
+        vocab: its rows (the vocabulary size); None for a head of another kind (model.logits(vocab) multiplies it).
+        weight: the plain head whose rows are the targets' (a packed head's float32 copy, the model's own weight);
+            None where prepacked (then `packed` gives the targets' rows) or of another kind.
+        dense: whether model.logits(weight=weight) multiplies it (a float32 weight: ops.dense_linear's product).
+        chunks, columns: prepacked_head's, or () and None.
+        packed: the packed head module (its dequantized_rows) where prepacked, else None.
+    """
+
+    vocab: int | None
+    weight: torch.Tensor | None
+    dense: bool
+    chunks: tuple = ()
+    columns: int | None = None
+    packed: object = None
+
+    @classmethod
+    def of(cls, model) -> "_Head":
+        """The head of `model` as score_rows multiplies it: prepacked where prepacked_head applies, else its plain
+        float32 copy (dense_head), else its own weight."""
+        head = model.embed_tokens if getattr(model, "lm_head", None) is None else model.lm_head
+        prepacked = prepacked_head(model)
+        if prepacked is not None:
+            return cls(head.rows, None, True, prepacked[0], prepacked[1], head)
+        copy = dense_head(model)
+        weight = copy if copy is not None else getattr(head, "weight", None)  # None: a head of another kind
+        return cls(None if weight is None else weight.shape[0], weight, weight is not None and weight.dtype == torch.float32)
+
+    def target_rows(self, targets: torch.Tensor) -> torch.Tensor:
+        """The head's rows `targets` (the values the chunks hold)."""
+        return self.weight[targets] if self.packed is None else self.packed.dequantized_rows(targets)
+
+    def logits(self, model, hidden: torch.Tensor, j: int, vocab: slice | None) -> torch.Tensor:
+        """The float32 logits of chunk j, the columns `vocab` (None: every column)."""
+        if self.chunks:
+            return model.logits(hidden, weight=self.chunks[j])
+        return model.logits(hidden, vocab, **({"weight": self.weight} if self.dense else {}))
 
 
 def score_rows(model, hidden: torch.Tensor, targets: torch.Tensor, top: int) -> torch.Tensor:
@@ -250,22 +335,19 @@ def score_rows(model, hidden: torch.Tensor, targets: torch.Tensor, top: int) -> 
     """
     out = torch.empty(hidden.shape[0], 2 + 2 * top, dtype=torch.float64, device=hidden.device)
     targets = targets.to(hidden.device)
-    copy = dense_head(model)
-    head = model.embed_tokens if getattr(model, "lm_head", None) is None else model.lm_head
-    weight = copy if copy is not None else getattr(head, "weight", None)  # None: a head of another kind
-    # a packed head's float32 copy (made once), or a plain float32 head: multiplied by ops.dense_linear (oneDNN on the CPU)
-    dense = {"weight": weight} if weight is not None and weight.dtype == torch.float32 else {}
+    # a packed head prepacked by chunks or its float32 copy (made once), or a plain float32 head: ops.dense_linear's product
+    head = _Head.of(model)
     with torch.no_grad():  # the reductions write into `out=` tensors
         for lo in range(0, hidden.shape[0], ROWS_PER_BLOCK):
             rows = slice(lo, lo + ROWS_PER_BLOCK)
-            _score_block(model, hidden[rows], targets[rows], top, out[rows], weight, dense)
+            _score_block(model, hidden[rows], targets[rows], top, out[rows], head)
     return out
 
 
-def _score_block(model, hidden: torch.Tensor, targets: torch.Tensor, top: int, out: torch.Tensor,
-                 weight: torch.Tensor | None, dense: dict) -> None:
+def _score_block(model, hidden: torch.Tensor, targets: torch.Tensor, top: int, out: torch.Tensor, head: _Head) -> None:
     """score_rows' values for a block of rows, written into `out`: one pass over the vocabulary, a chunk
-    of logits (vocab_columns) at a time, each reduced while it is in the cache: its max, its sum of
+    of logits (vocab_columns; a prepacked head's own chunks, those of a ROWS_PER_BLOCK block, for a shorter one
+    too) at a time, each reduced while it is in the cache: its max, its sum of
     exp(logit - max) (as exp2, _LOG2_E) and its count of logits above the target's, one row each of a
     (chunks, rows) table, the top k merged; then the chunks' sums are merged in float64 (logsumexp = max +
     log(sum)). The count needs the target's logit before its chunk comes: with more than one chunk it is computed first (the
@@ -278,17 +360,18 @@ def _score_block(model, hidden: torch.Tensor, targets: torch.Tensor, top: int, o
     reduced by one thread of chunk_pool (one torch thread each): no parallel region, so no thread waits for
     another between the chunk's ~8 calls (see chunk_pool)."""
     n, device = hidden.shape[0], hidden.device
-    threads = 1 if weight is None or device.type != "cpu" else torch.get_num_threads()
-    columns = None if weight is None else vocab_columns(n, weight.shape[0], device, threads=1 if threads > 1 else None)
-    starts = [0] if columns is None or columns >= weight.shape[0] else list(range(0, weight.shape[0], columns))
-    chosen = None if len(starts) == 1 else model.logits(hidden, weight=weight[targets]).diagonal().contiguous()
+    threads = 1 if head.vocab is None or device.type != "cpu" else torch.get_num_threads()
+    columns = head.columns or (None if head.vocab is None else
+                               vocab_columns(n, head.vocab, device, threads=1 if threads > 1 else None))
+    starts = [0] if columns is None or columns >= head.vocab else list(range(0, head.vocab, columns))
+    chosen = None if len(starts) == 1 else model.logits(hidden, weight=head.target_rows(targets)).diagonal().contiguous()
     picked = torch.empty(n, dtype=torch.float32, device=device)  # the target's logit, from its chunk
     table = torch.empty(3, len(starts), n, dtype=torch.float32, device=device)  # per chunk: max, sum of exp, count
     rows_in = {}  # chunk -> the rows whose target it holds
     for row, j in enumerate((targets // columns).tolist() if len(starts) > 1 else [0] * n):
         rows_in.setdefault(j, []).append(row)
     rows_in = {j: (torch.tensor(r, device=device), targets[r] - starts[j]) for j, r in rows_in.items()}  # (rows, columns)
-    reduce = _ChunkReducer(model, hidden, top, dense, starts, columns, rows_in, picked, chosen, table)
+    reduce = _ChunkReducer(model, hidden, top, head, starts, columns, rows_in, picked, chosen, table)
     bounds = row_bounds(len(starts), min(threads, len(starts)))  # contiguous runs of chunks, one a pool thread
     runs = [range(lo, hi) for lo, hi in zip(bounds, bounds[1:])]
     parts = [reduce(runs[0])] if len(runs) == 1 else list(chunk_pool(threads).map(reduce, runs))
@@ -317,7 +400,7 @@ class _ChunkReducer:
     model: object
     hidden: torch.Tensor
     top: int
-    dense: dict
+    head: _Head
     starts: list[int]
     columns: int | None
     rows_in: dict
@@ -334,7 +417,7 @@ class _ChunkReducer:
             for j in run:
                 first = self.starts[j]
                 vocab = None if len(self.starts) == 1 else slice(first, first + self.columns)
-                logits = self.model.logits(self.hidden, vocab, **self.dense)
+                logits = self.head.logits(self.model, self.hidden, j, vocab)
                 if scratch is None or scratch.shape != logits.shape:
                     scratch = torch.empty_like(logits)
                 if j in self.rows_in:
