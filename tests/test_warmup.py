@@ -121,3 +121,16 @@ def test_the_docstring_examples_run():
     for module in (ops_warmup,):
         failures, tried = doctest.testmod(module)
         assert tried and not failures, module.__name__
+
+
+def test_shipped_heads_are_the_installed_models_head_shapes():
+    """scripts/install.sh runs warm_all: the attention kernel in SmolLM2's and Gemma 3's head shapes is compiled then,
+    not in the first answer (Gemma 3's first engine start compiled for 20-22 s before, session 20)."""
+    from treeattn.models.installed import gemma3_path, smollm2_path
+    from treeattn.models.loader import read_config
+
+    shapes = set()
+    for path in (smollm2_path(), gemma3_path()):
+        c = read_config(path)
+        shapes.add((c.num_kv_heads, c.num_heads // c.num_kv_heads, c.head_dim))
+    assert shapes == set(ops_warmup.SHIPPED_HEADS)

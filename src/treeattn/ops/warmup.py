@@ -35,6 +35,10 @@ KV_DTYPES = (torch.float32, torch.bfloat16, torch.float16, FP8)
 """The element types of a KV cache the CPU attention kernel reads (treeattn.cache.paged)."""
 PACKED_KINDS = (("q4_0", torch.uint8), ("q4_1", torch.uint8), ("q8_0", torch.int8), ("q8_0", torch.int16))
 """(format, values' dtype) of the packed weights (treeattn.ops.packed_linear; int16: Q6_K as q8_0)."""
+SHIPPED_HEADS = ((3, 3, 64), (1, 4, 256))
+"""(KV heads, query heads a KV head, head dim) of the models scripts/install.sh installs, SmolLM2-135M and Gemma 3 270M:
+the attention kernel compiles such shapes in (paged_cpu_kernel.head_shape_tag), so warm_all compiles them too, and a first
+answer from either model after an install compiles nothing (Gemma 3's took 20-22 s of setup before, on an Intel Xeon)."""
 ONEPASS_WINDOW = 550.0  # treeattn.parallel.tree_decode.ONEPASS_WINDOW's type (a float); ops imports nothing above it
 
 
@@ -132,11 +136,12 @@ def warm_kernels(*, kv_dtypes=(), attention_threads: int = 1, packed=(), rowwise
 def warm_all(threads: int | None = None) -> list[str]:
     """warm_kernels for every signature the library calls: serial and `threads`-thread (default: the
     CPU count, at least 2) kernels, every KV dtype and packed kind (and its int8 kernel where the host runs it), the
-    row-wise ops, both combine dtypes."""
+    attention kernel in the shipped models' head shapes too (SHIPPED_HEADS), the row-wise ops, both combine dtypes."""
     threads = max(2, threads or os.cpu_count() or 2)
     done = []
     for t in (1, threads):
-        done += warm_kernels(kv_dtypes=KV_DTYPES, attention_threads=t, packed=[(f, v, t) for f, v in PACKED_KINDS], int8=True)
+        done += warm_kernels(kv_dtypes=KV_DTYPES, attention_threads=t, packed=[(f, v, t) for f, v in PACKED_KINDS], int8=True,
+                             attention_heads=SHIPPED_HEADS)
     return done + warm_kernels(rowwise=True, combine=(torch.float32, torch.float64))
 
 
@@ -151,4 +156,4 @@ def main() -> int:
 if __name__ == "__main__":
     sys.exit(main())
 
-__all__ = ["KV_DTYPES", "PACKED_KINDS", "warm_all", "warm_kernels"]
+__all__ = ["KV_DTYPES", "PACKED_KINDS", "SHIPPED_HEADS", "warm_all", "warm_kernels"]
