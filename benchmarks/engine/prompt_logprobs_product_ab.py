@@ -56,17 +56,7 @@ def main() -> None:
     from treeattn.models.loader import read_config
 
     spent = {}
-    compute = prompt_logprobs.PromptRows.compute
-
-    def timed_compute(*a, **k):
-        wall, cpu = time.perf_counter(), time.process_time()
-        try:
-            return compute(*a, **k)
-        finally:
-            spent["wall"] = spent.get("wall", 0.0) + time.perf_counter() - wall
-            spent["cpu"] = spent.get("cpu", 0.0) + time.process_time() - cpu
-
-    prompt_logprobs.PromptRows.compute = timed_compute
+    prompt_logprobs.PromptRows.compute = harness.timed_calls(prompt_logprobs.PromptRows.compute, spent)
     prompt = torch.randint(100, read_config(args.model).vocab_size, (args.context,),
                            generator=torch.Generator().manual_seed(0)).tolist()
     rows, logprobs = [], {}

@@ -241,6 +241,27 @@ def llama_cpp_greedy(python: str, model: str, prompt_ids_file: str, new_tokens: 
     return {**r, "ms_per_token": 1e3 * r["decode_s"] / max(r["decode_steps"], 1)}
 
 
+def timed_calls(fn, spent: dict):
+    """`fn` wrapped to add each call's wall and process CPU seconds into spent["wall"] and spent["cpu"] (a benchmark's
+    count of the time one function takes inside a bigger run, e.g. PromptRows.compute inside a prefill).
+
+    >>> from treeattn.bench.harness import timed_calls
+    >>> spent = {}
+    >>> twice = timed_calls(lambda x: 2 * x, spent)
+    >>> twice(3), sorted(spent), spent["wall"] >= 0
+    (6, ['cpu', 'wall'], True)
+    """
+    def timed(*args, **kwargs):
+        wall, cpu = time.perf_counter(), time.process_time()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            spent["wall"] = spent.get("wall", 0.0) + time.perf_counter() - wall
+            spent["cpu"] = spent.get("cpu", 0.0) + time.process_time() - cpu
+
+    return timed
+
+
 def thread_cpu() -> dict:
     """CPU seconds (user + system) of each thread of this process alive now, {thread id: (name, seconds)} (/proc).
 
