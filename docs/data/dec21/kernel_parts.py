@@ -1,4 +1,5 @@
 # dec21: run as `PYTHONPATH=src python3 docs/data/dec21/kernel_parts.py` (output: kernel_parts.txt, with the load)
+# (the branch kernel; no prefetch-ahead rows passed: in cache; max+exp uses _row_max)
 """Per-block cost of the paged kernel's parts, SmolLM2 heads (3 KV x 3 q heads x 64), float16 blocks, one thread,
 in cache (the same 8 blocks over and over), thread CPU time: ns per key of one layer."""
 import time, numpy as np, torch
@@ -18,7 +19,7 @@ def scores_only(q, k, reps, dims, heads, groups):
     scores = np.zeros((H, G, BS + 16), np.float32); visible = np.ones(BS, np.bool_)
     for _ in range(reps):
         for blk in range(k.shape[0]):
-            K._block_scores(q, 0, k[blk], k, K.NO_SCALES, blk, visible, scores, np.float32(0.125), dims, heads, groups)
+            K._block_scores(q, 0, k[blk], k, K.NO_SCALES, blk, visible, scores, np.float32(0.125), dims, heads, groups, k[blk, :0])
     return scores[0, 0, 0]
 
 @njit(fastmath={"reassoc", "contract"})
@@ -40,7 +41,7 @@ def values_only(v, reps, groups):
     acc = np.zeros((H, G, D), np.float32); lsum = np.zeros((H, G), np.float32)
     for _ in range(reps):
         for blk in range(v.shape[0]):
-            K._block_values(v[blk], v, K.NO_SCALES, blk, visible, scores, acc, lsum, D, groups)
+            K._block_values(v[blk], v, K.NO_SCALES, blk, visible, scores, acc, lsum, D, groups, v[blk, :0])
     return acc[0, 0, 0]
 
 @njit
