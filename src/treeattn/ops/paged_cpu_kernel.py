@@ -365,6 +365,47 @@ def _score_tile(typingctx, q, r, kb, t0, h0, scores, sc, dims, heads, groups):
     return types.void(q, r, kb, t0, h0, scores, sc, dims, heads, groups), codegen
 
 
+@intrinsic
+def _row_max(typingctx, scores, h, g, n, top):
+    """max(top, scores[h, g, 0:n]) over the values that compare greater (NaN never does: the key-by-key
+    `if x > top: top = x`), 16 lanes at a time (<16 x float> compare and select; the scalar loop compiles to one
+    chain of vmaxss: 1.5 ns a score on this project's Intel Xeon, docs/data/dec21/max_loop_asm.txt), then the
+    lanes and the last n % 16 scores one by one. Exact: a maximum is the same in any order (+0.0 and -0.0, equal,
+    may swap)."""
+    if not (isinstance(scores, types.Array) and scores.ndim == 3 and scores.layout == "C"
+            and scores.dtype == types.float32 and top == types.float32):
+        return None
+
+    def codegen(context, builder, signature, args):
+        i64, f32 = ir.IntType(64), ir.FloatType()
+        vec = ir.VectorType(f32, 16)
+        sa = context.make_array(signature.args[0])(context, builder, args[0])
+        _, sg, sbs = cgutils.unpack_tuple(builder, sa.shape, 3)
+        h_, g_, n_ = (context.cast(builder, args[i], signature.args[i], types.int64) for i in (1, 2, 3))
+        top_ = args[4]
+        start = builder.mul(builder.add(builder.mul(h_, sg), g_), sbs)
+        whole = builder.and_(n_, ir.Constant(i64, -16))
+        best = cgutils.alloca_once_value(builder, _splat_value(builder, top_))
+        with cgutils.for_range_slice(builder, ir.Constant(i64, 0), whole, ir.Constant(i64, 16)) as (t, _):
+            x = builder.load(builder.bitcast(builder.gep(sa.data, [builder.add(start, t)]), vec.as_pointer()), align=4)
+            acc = builder.load(best)
+            builder.store(builder.select(builder.fcmp_ordered(">", x, acc), x, acc), best)
+        out = cgutils.alloca_once_value(builder, builder.extract_element(builder.load(best), _i32(0)))
+
+        def keep_greater(x):
+            cur = builder.load(out)
+            builder.store(builder.select(builder.fcmp_ordered(">", x, cur), x, cur), out)
+
+        lanes = builder.load(best)
+        for lane in range(1, 16):
+            keep_greater(builder.extract_element(lanes, _i32(lane)))
+        with cgutils.for_range_slice(builder, whole, n_, ir.Constant(i64, 1)) as (t, _):
+            keep_greater(builder.load(builder.gep(sa.data, [builder.add(start, t)])))
+        return builder.load(out)
+
+    return types.float32(scores, h, g, n, top), codegen
+
+
 _SCORE_PAD = 16
 """Floats after each query head's row of a block's scores, so that the rows, BS floats apart (BS = 256: 1 KiB), do
 not all fall in the same few sets of the L1 cache (Llama-3.2-1B's 32 rows: 4 sets of 8 ways, every one)."""
@@ -404,6 +445,35 @@ def _prefetch_rows(typingctx, block, t, rows):
             with cgutils.for_range_slice(builder, ir.Constant(i64, 0), nbytes, ir.Constant(i64, 64)) as (at, _):
                 line = builder.inttoptr(builder.add(first, at), ir.IntType(8).as_pointer())
                 builder.call(fn, [line, _i32(0), _i32(3), _i32(1)])
+        return context.get_dummy_value()
+
+    return types.void(block, t, rows), codegen
+
+
+@intrinsic
+def _prefetch_ahead(typingctx, block, t, rows):
+    """Prefetch rows t.. t + rows - 1 of block (BS, Hkv, D), C-contiguous, into the L2 cache (locality 2), a line
+    at a time; nothing past the block's last row. The kernel's passes prefetch the block the next pass reads:
+    the scores pass the same block's values, the values pass the next block's keys (_attend_range)."""
+    if not (_contiguous(block) and isinstance(t, types.Integer) and isinstance(rows, types.Integer)):
+        return None
+
+    def codegen(context, builder, signature, args):
+        i64 = ir.IntType(64)
+        ba = context.make_array(signature.args[0])(context, builder, args[0])
+        bs, hh, dd = cgutils.unpack_tuple(builder, ba.shape, 3)
+        t_, n_ = (context.cast(builder, args[i], signature.args[i], types.int64) for i in (1, 2))
+        end = builder.select(builder.icmp_signed("<", builder.add(t_, n_), bs), builder.add(t_, n_), bs)
+        with builder.if_then(builder.icmp_signed("<", t_, end), likely=True):
+            per_row = builder.mul(hh, dd)
+            itemsize = ir.Constant(i64, context.get_abi_sizeof(context.get_data_type(signature.args[0].dtype)))
+            fnty = ir.FunctionType(ir.VoidType(), [ir.IntType(8).as_pointer()] + [ir.IntType(32)] * 3)
+            fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0")
+            first = builder.ptrtoint(builder.gep(ba.data, [builder.mul(t_, per_row)]), i64)
+            nbytes = builder.mul(builder.mul(per_row, builder.sub(end, t_)), itemsize)
+            with cgutils.for_range_slice(builder, ir.Constant(i64, 0), nbytes, ir.Constant(i64, 64)) as (at, _):
+                line = builder.inttoptr(builder.add(first, at), ir.IntType(8).as_pointer())
+                builder.call(fn, [line, _i32(0), _i32(2), _i32(1)])
         return context.get_dummy_value()
 
     return types.void(block, t, rows), codegen
@@ -473,12 +543,12 @@ def _values_by_keys(vb, v, v_scales, blk, visible, scores, acc, lsum, dv, t0, t1
                     acc[h, g, d] += p * _wide(vb[t, h, d])
 
 
-def _block_values(vb, v, v_scales, blk, visible, scores, acc, lsum, dv, groups):  # pragma: no cover - its overload
+def _block_values(vb, v, v_scales, blk, visible, scores, acc, lsum, dv, groups, ahead):  # pragma: no cover - its overload
     raise NotImplementedError
 
 
 @overload(_block_values, jit_options={"fastmath": _FASTMATH})
-def _block_values_impl(vb, v, v_scales, blk, visible, scores, acc, lsum, dv, groups):
+def _block_values_impl(vb, v, v_scales, blk, visible, scores, acc, lsum, dv, groups, ahead):
     """acc[h, g] += p * value and lsum[h, g] += p for every visible key of block vb, p = scores[h, g, t] (the
     exps). By tiles of _VALUE_KEYS keys (_value_tile) where groups is a constant and the blocks float16,
     bfloat16, float32 or fp8 (vb then _block's dequantized float32 scratch), over the tiles whose keys are all
@@ -486,7 +556,7 @@ def _block_values_impl(vb, v, v_scales, blk, visible, scores, acc, lsum, dv, gro
     tiled = (isinstance(groups, types.UniTuple) and groups.count > 0
              and v.dtype in (types.float32, types.uint16, types.int16, types.uint8))
 
-    def by_tiles(vb, v, v_scales, blk, visible, scores, acc, lsum, dv, groups):
+    def by_tiles(vb, v, v_scales, blk, visible, scores, acc, lsum, dv, groups, ahead):
         H, G, BS = scores.shape[0], scores.shape[1], vb.shape[0]
         T = _VALUE_KEYS
         for t0 in range(0, BS, T):
@@ -497,6 +567,7 @@ def _block_values_impl(vb, v, v_scales, blk, visible, scores, acc, lsum, dv, gro
                 _values_by_keys(vb, v, v_scales, blk, visible, scores, acc, lsum, dv, t0, min(t0 + T, BS))
                 continue
             _prefetch_rows(vb, t0 + _PREFETCH_ROWS, _VALUE_KEYS)
+            _prefetch_ahead(ahead, t0, T)
             for h in range(H):
                 for d0 in range(0, dv, 64):
                     _value_tile(acc, h, d0, vb, t0, scores, groups)
@@ -506,7 +577,7 @@ def _block_values_impl(vb, v, v_scales, blk, visible, scores, acc, lsum, dv, gro
                         total += scores[h, g, t]
                     lsum[h, g] += total
 
-    def by_keys(vb, v, v_scales, blk, visible, scores, acc, lsum, dv, groups):
+    def by_keys(vb, v, v_scales, blk, visible, scores, acc, lsum, dv, groups, ahead):
         _values_by_keys(vb, v, v_scales, blk, visible, scores, acc, lsum, dv, 0, vb.shape[0])
 
     return by_tiles if tiled else by_keys
@@ -539,12 +610,12 @@ def head_shape_tag(heads: int, group: int, head_dim: int = 64, dv: int = 64) -> 
     return ((0,) * heads, (0,) * group) if tiles else ((), ())
 
 
-def _block_scores(q, r, kb, k, k_scales, blk, visible, scores, sc, dims, heads, groups):  # pragma: no cover - its overload
+def _block_scores(q, r, kb, k, k_scales, blk, visible, scores, sc, dims, heads, groups, ahead):  # pragma: no cover - its overload
     raise NotImplementedError
 
 
 @overload(_block_scores)
-def _block_scores_impl(q, r, kb, k, k_scales, blk, visible, scores, sc, dims, heads, groups):
+def _block_scores_impl(q, r, kb, k, k_scales, blk, visible, scores, sc, dims, heads, groups, ahead):
     """scores[h, g, t] of block kb for query row r: sc * (q . key), -inf where a key is not
     visible. By tiles (_score_tile) where the head dim and the heads are constants (dims, heads and
     groups not empty) and the blocks float16 or fp8 (kb then _block's dequantized float32 scratch, in cache;
@@ -556,10 +627,11 @@ def _block_scores_impl(q, r, kb, k, k_scales, blk, visible, scores, sc, dims, he
     tiled = (all(isinstance(x, types.UniTuple) and x.count > 0 for x in (dims, heads, groups))
              and k.dtype in (types.int16, types.uint8) and heads.count * groups.count <= _TILE_SUMS)  # measured below
 
-    def by_tiles(q, r, kb, k, k_scales, blk, visible, scores, sc, dims, heads, groups):
+    def by_tiles(q, r, kb, k, k_scales, blk, visible, scores, sc, dims, heads, groups, ahead):
         H, G, BS = scores.shape[0], scores.shape[1], kb.shape[0]
         T, HT = _tile_steps(heads, groups)
         for t0 in range(0, BS - BS % T, T):
+            _prefetch_ahead(ahead, t0, T)
             for h0 in range(0, H, HT):
                 _score_tile(q, r, kb, t0, h0, scores, sc, dims, heads, groups)
         for t in range(BS - BS % T, BS):
@@ -575,7 +647,7 @@ def _block_scores_impl(q, r, kb, k, k_scales, blk, visible, scores, sc, dims, he
                     for g in range(G):
                         scores[h, g, t] = -np.inf
 
-    def by_keys(q, r, kb, k, k_scales, blk, visible, scores, sc, dims, heads, groups):
+    def by_keys(q, r, kb, k, k_scales, blk, visible, scores, sc, dims, heads, groups, ahead):
         H, G, BS = scores.shape[0], scores.shape[1], kb.shape[0]
         D = 16 * len(dims) if len(dims) > 0 else q.shape[3]
         for t in range(BS):
@@ -642,7 +714,10 @@ def _attend_range(w, q, k, v, k_scales, v_scales, dv, scale, table, kv_pos, row_
     and what was summed against it, rescaled once per block when it grows) and every score's exp in
     one vectorized pass (_exp_shifted); then the values, key by key, summed with those weights.
     Against one pass with an exp per score (libm's) this took 0.78-0.87x the time (30 layers of
-    4096 keys, SmolLM2's heads, one thread, alternated in one process)."""
+    4096 keys, SmolLM2's heads, one thread, alternated in one process). With several KV heads, each pass
+    prefetches the block the next one reads into L2 (_prefetch_ahead: the scores pass this block's values, the
+    values pass the next block's keys): SmolLM2's float16 blocks from memory 0.81-0.85x the time on this project's
+    Intel Xeon (Gemma 3's one KV head: 1.00-1.13x, so not there; docs/bench_weights.md, "Session 21")."""
     H, G, D = q.shape[1], q.shape[2], q.shape[3]
     if len(dims) > 0:  # a constant of the compilation: D == dv == 16 * len(dims) (head_dim_tag)
         D = 16 * len(dims)
@@ -676,13 +751,11 @@ def _attend_range(w, q, k, v, k_scales, v_scales, dv, scale, table, kv_pos, row_
             continue
         kb = _block(k, k_scales, blk, D, k_scratch)
         vb = _block(v, v_scales, blk, dv, v_scratch)
-        _block_scores(q, r, kb, k, k_scales, blk, visible, scores, sc, dims, heads, groups)
+        ahead = H > 1  # prefetch the next pass's block (_prefetch_ahead): measured with several KV heads only
+        _block_scores(q, r, kb, k, k_scales, blk, visible, scores, sc, dims, heads, groups, v[blk, :BS if ahead else 0])
         for h in range(H):
             for g in range(G):
-                top = m[h, g]
-                for t in range(BS):
-                    if scores[h, g, t] > top:
-                        top = scores[h, g, t]
+                top = _row_max(scores, h, g, BS, m[h, g])
                 if top > m[h, g]:  # a new max: rescale what was summed against the old one
                     c = np.float32(math.exp(m[h, g] - top))
                     lsum[h, g] *= c
@@ -690,7 +763,8 @@ def _attend_range(w, q, k, v, k_scales, v_scales, dv, scale, table, kv_pos, row_
                         acc[h, g, d] *= c
                     m[h, g] = top
                 _exp_shifted(scores[h, g, :BS], m[h, g], bits)
-        _block_values(vb, v, v_scales, blk, visible, scores, acc, lsum, dv, groups)
+        _block_values(vb, v, v_scales, blk, visible, scores, acc, lsum, dv, groups,
+                      k[table[b, j + 1] if j + 1 < j1 else blk, :BS if ahead and j + 1 < j1 else 0])
     for h in range(H):
         for g in range(G):
             m_out[r, sp, h, g] = m[h, g]
