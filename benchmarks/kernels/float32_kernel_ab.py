@@ -13,7 +13,9 @@ state, the median of the rounds in us, G multiply-adds/s, B/A, and whether A and
 import argparse
 import importlib.util
 import os
+import shutil
 import sys
+import tempfile
 import time
 
 import numpy as np
@@ -26,9 +28,12 @@ SHAPES = {  # name: (format, rows N, columns K)
 
 
 def load_kernel(src: str, name: str):
-    """packed_cpu_kernel.py of the tree at `src` as a module named `name` (its numba cache beside that file: a
-    copy of the tree made for this, never the tree treeattn is imported from)."""
-    spec = importlib.util.spec_from_file_location(name, os.path.join(src, "treeattn", "ops", "packed_cpu_kernel.py"))
+    """packed_cpu_kernel.py of the tree at `src`, copied into a new temporary folder and imported from there as `name`:
+    numba caches machine code beside a kernel's file under the name of the module that compiled it, and a cache entry
+    written under another name breaks that tree's own import of the module."""
+    folder = tempfile.mkdtemp(prefix="float32_kernel_ab_")
+    path = shutil.copy(os.path.join(src, "treeattn", "ops", "packed_cpu_kernel.py"), os.path.join(folder, f"{name}.py"))
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
     spec.loader.exec_module(module)
@@ -58,8 +63,7 @@ def main() -> None:
     parser.add_argument("--no-int8", action="store_true", help="leave the int8 kernel out")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    # B is imported by its own name (PYTHONPATH=<this tree>/src): numba's cache beside a file records the module
-    # that compiled it, and one file loaded under two names would give the other a cache entry it cannot load
+    # B is imported by its own name (PYTHONPATH=<this tree>/src), A from a copy (load_kernel)
     from treeattn.ops import packed_cpu_kernel
     from treeattn.ops.packed_linear import int8_module
 
