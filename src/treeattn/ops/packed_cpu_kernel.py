@@ -26,6 +26,10 @@ blocks, where an np.zeros scratch (heap memory, which might be x or out) was loa
 every block: the kernels ran at 0.4-0.7x their present speed on one thread (docs/benchmarks.md,
 "Session 11").
 
+The loops ask for the weight blocks PREFETCH_BYTES ahead (llvm.prefetch, a hint: no value changes): an output
+projection over the vocabulary is larger than the caches, and without the hint each row waited for memory (SmolLM2's
+q8_0 head 0.55-0.61x the time with it, Gemma 3's 0.60x; docs/bench_weights.md, "Session 21 (f32h21)").
+
 Importing this module compiles nothing: numba compiles each kernel on its first call and caches the
 machine code beside this file (cache=True).
 """
