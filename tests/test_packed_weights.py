@@ -362,3 +362,33 @@ def test_float32_kernel_loops_are_512_bit_where_the_cpu_has_avx512():
     d = np.ones((8, 2), np.float32)
     rows(np.ones((1, 64), np.float32), np.zeros((8, 2, 16), np.uint8), d, d.copy(), np.zeros((1, 8), np.float32))
     assert "zmm" in rows.inspect_asm(rows.signatures[0])
+
+
+def test_float32_kernel_loops_prefetch_the_blocks_ahead():
+    """issue 50 (session 21): the float32 kernel asks for the weight blocks PREFETCH_BYTES ahead, as the int8 kernel does (an
+    output projection larger than the caches waited for memory row by row without it); a hint only, no value changes."""
+    kernel = packed_linear.kernel_module()
+    if kernel is None:
+        pytest.skip("numba is not installed")
+    from numba import njit
+
+    @njit(fastmath=kernel._FASTMATH)  # compiled here, not loaded from the kernels' cache (no assembly there)
+    def rows8(x, qs, d, out):
+        kernel._q8_rows(x, qs, d, out, 0, qs.shape[0])
+
+    @njit(fastmath=kernel._FASTMATH)
+    def rows4(x, qs, d, m, out):
+        kernel._q4_rows(x, qs, d, m, out, 0, qs.shape[0], 0, True)
+
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((1, 64)).astype(np.float32)
+    d = rng.random((8, 2), dtype=np.float32)
+    q8 = rng.integers(-127, 128, (8, 2, 32), dtype=np.int8)
+    out = np.zeros((1, 8), np.float32)
+    rows8(x, q8, d, out)
+    w = d[:, :, None].astype(np.float64) * q8  # exact
+    np.testing.assert_allclose(out[0], w.reshape(8, 64) @ x[0].astype(np.float64), rtol=1e-5, atol=1e-5)
+    rows4(x, rng.integers(0, 256, (8, 2, 16), dtype=np.uint8), d, d.copy(), out)
+    for f in (rows8, rows4):
+        asm = f.inspect_asm(f.signatures[0])
+        assert "prefetch" in asm or "prfm" in asm  # x86's prefetcht0, ARM's prfm

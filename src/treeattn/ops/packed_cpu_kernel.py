@@ -26,6 +26,10 @@ blocks, where an np.zeros scratch (heap memory, which might be x or out) was loa
 every block: the kernels ran at 0.4-0.7x their present speed on one thread (docs/benchmarks.md,
 "Session 11").
 
+The loops ask for the weight blocks PREFETCH_BYTES ahead (llvm.prefetch, a hint: no value changes): an output
+projection over the vocabulary is larger than the caches, and without the hint each row waited for memory (SmolLM2's
+q8_0 head 0.55-0.61x the time with it, Gemma 3's 0.60x; docs/bench_weights.md, "Session 21 (f32h21)").
+
 Importing this module compiles nothing: numba compiles each kernel on its first call and caches the
 machine code beside this file (cache=True).
 """
@@ -36,6 +40,7 @@ import numba
 import numpy as np
 from numba import njit, prange
 from numba.core import cgutils, types
+from llvmlite import ir
 from numba.extending import intrinsic
 
 _FASTMATH = {"reassoc", "contract"}
@@ -46,6 +51,10 @@ BLOCK = 32
 # (session 11, with the accumulators on the stack: groups of 2 and 4 rows 0.5-0.8x one row's throughput on every matrix).
 ROWS = 4
 Q4_LANES = ROWS * 16  # a q4 group's accumulators: 16 lanes per weight row (a literal for _stack_floats)
+PREFETCH_BYTES = 4096
+"""How far ahead of the q8_0 block it multiplies the kernel asks for the weight bytes (the scales an eighth of it):
+a matrix larger than the caches (an output projection over the vocabulary) is read as a stream, and without the
+hint each row waited for memory (as packed_int8_kernel.PREFETCH_BYTES). A hint only: the products are the same."""
 CHUNKS_PER_THREAD = 4  # row ranges per thread: small enough to balance, few enough that each range's lanes are allocated once
 
 
@@ -76,6 +85,25 @@ def _stack_floats(typingctx, count):
         return cgutils.alloca_once(builder, context.get_value_type(types.float32), size=n)
 
     return types.CPointer(types.float32)(count), codegen
+
+
+@intrinsic
+def _prefetch(typingctx, array, offset):
+    """A hint to fetch the cache line at byte `offset` (an int) from the start of `array`'s data into every cache
+    level (llvm.prefetch: read, keep; never faults, past the array's end included). Changes no value."""
+    if not isinstance(array, types.Array) or not isinstance(offset, types.Integer):
+        return None
+
+    def codegen(context, builder, signature, args):
+        i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
+        data = builder.bitcast(context.make_array(signature.args[0])(context, builder, args[0]).data, i8p)
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]),
+                                            "llvm.prefetch.p0")
+        at = context.cast(builder, args[1], signature.args[1], types.intp)
+        builder.call(fn, [builder.gep(data, [at]), ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
+        return context.get_dummy_value()
+
+    return types.void(array, offset), codegen
 
 
 @intrinsic
@@ -122,6 +150,9 @@ def _q4_group(x, qs, d, m, out, n0, rows, offset, affine, acc):  # pragma: no co
         acc[:, :] = 0.0
         for b in range(nb):
             base = b * BLOCK
+            _prefetch(qs, (n0 * nb + b * rows) * 16 + PREFETCH_BYTES)  # the group's blocks, PREFETCH_BYTES ahead
+            _prefetch(d, (n0 * nb + b * rows) * 4 + PREFETCH_BYTES // 8)
+            _prefetch(m, (n0 * nb + b * rows) * 4 + PREFETCH_BYTES // 8)
             for r in range(rows):
                 db = d[n0 + r, b]
                 mb = m[n0 + r, b] if affine else np.float32(0.0)
@@ -139,11 +170,15 @@ def _q4_group(x, qs, d, m, out, n0, rows, offset, affine, acc):  # pragma: no co
 
 @njit(cache=True, fastmath=_FASTMATH, inline="always")
 def _q8_rows(x, qs, d, out, n0, n1):  # pragma: no cover - compiled
-    """Output columns n0..n1-1 of every row of x for a q8_0 weight (32 lanes, one per weight of a block)."""
+    """Output columns n0..n1-1 of every row of x for a q8_0 weight (32 lanes, one per weight of a block); the
+    blocks PREFETCH_BYTES ahead are asked for while a row's are multiplied (qs, d C-contiguous, as kernel_arrays gives)."""
     _prefer_512_bit_vectors()
-    M, nb = x.shape[0], qs.shape[1]
+    M, nb, width = x.shape[0], qs.shape[1], qs.shape[2] * qs.itemsize
     acc = numba.carray(_stack_floats(BLOCK), (BLOCK,))
     for n in range(n0, n1):
+        for b in range(nb):
+            _prefetch(qs, (n * nb + b) * width + PREFETCH_BYTES)
+        _prefetch(d, n * nb * 4 + PREFETCH_BYTES // 8)
         for i in range(M):
             acc[:] = 0.0
             for b in range(nb):

@@ -1,0 +1,9 @@
+cd /work/wt/f32h21
+G=$(PYTHONPATH=$PWD/src treeattn models --path gemma3); S=$(PYTHONPATH=$PWD/src treeattn models --path smollm2)
+[ -n "$SKIP_GEMMA" ] ||
+(echo "# cmd: PYTHONPATH=src python3 benchmarks/models/weight_format.py \$(treeattn models --path gemma3) --context 4096 --nproc 1 2 --weight-format packed --kv-cache-dtype float16 --activation-format float32 --llama-python /work/llama/venv/bin/python --llama-threads 2 --max-new-tokens 16  (branch $(git rev-parse --short HEAD), Intel Xeon, 2 shared cores, UNDER LOAD: other helpers' work; $(date -u +%T) UTC, load $(cut -d' ' -f1-3 /proc/loadavg))"; PYTHONPATH=$PWD/src python3 benchmarks/models/weight_format.py $G --context 4096 --nproc 1 2 --weight-format packed --kv-cache-dtype float16 --activation-format float32 --llama-python /work/llama/venv/bin/python --llama-threads 2 --max-new-tokens 16 2>&1; echo "# load after $(cut -d' ' -f1-3 /proc/loadavg) $(date -u +%T)") > docs/data/f32h21/wf_gemma3_4k_f32.txt
+for t in ${ORDER:-A B}; do
+  if [ $t = A ]; then P=/tmp/f32h21/base/src; N="main 3e3694a (git archive)"; else P=$PWD/src; N="branch $(git rev-parse --short HEAD)"; fi
+  (echo "# cmd: PYTHONPATH=<$t: $N>/src python3 benchmarks/models/weight_format.py \$(treeattn models --path smollm2) --context 4096 --nproc 1 2 --weight-format packed --kv-cache-dtype float16 --activation-format float32 --max-new-tokens 16  (Intel Xeon, 2 shared cores, UNDER LOAD; $(date -u +%T) UTC, load $(cut -d' ' -f1-3 /proc/loadavg))"; PYTHONPATH=$P python3 $PWD/benchmarks/models/weight_format.py $S --context 4096 --nproc 1 2 --weight-format packed --kv-cache-dtype float16 --activation-format float32 --max-new-tokens 16 2>&1; echo "# load after $(cut -d' ' -f1-3 /proc/loadavg) $(date -u +%T)") >> docs/data/f32h21/wf_smollm2_4k_f32_main_vs_branch.txt
+done
+echo finished
