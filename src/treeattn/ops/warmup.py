@@ -216,8 +216,14 @@ def main(argv: list[str] | None = None) -> int:
         raise ValueError(f"--jobs: expected a count >= 1, got {jobs}")
     children = [subprocess.Popen([sys.executable, "-m", "treeattn.ops.warmup", "--part", f"{i}/{jobs}"],
                                  stdout=subprocess.PIPE, text=True) for i in range(1, jobs)]
-    with serialized_cache_saves():
-        done = len(warm_all(part=0, parts=jobs))
+    try:
+        with serialized_cache_saves():
+            done = len(warm_all(part=0, parts=jobs))
+    except BaseException:
+        for child in children:  # no part left compiling after this one failed
+            child.kill()
+            child.wait()
+        raise
     for child in children:
         out, _ = child.communicate()
         if child.returncode != 0:
