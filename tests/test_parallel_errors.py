@@ -398,3 +398,23 @@ def test_a_stalled_rank_ends_in_the_group_timeout():
     failures = raised.value.failures
     assert "terminated" not in failures[0] and "Error" in failures[0].splitlines()[0], failures[0]
     assert "terminated" in failures[1]
+
+
+def failing_or_waiting_worker(rank: int, world: int) -> None:
+    if rank == 1:
+        raise RuntimeError("rank 1 fails")
+    time.sleep(60)  # healthy, but its caller will not use it again: it cannot end on its own in the test
+
+
+def test_ranks_given_up_after_a_failure_end_at_once_not_after_the_grace():
+    """StartedRanks.abandon (ta.Engine closing or restarting after a rank failed): the supervisor ends the rank
+    still running at once; without it, rank 0 would be terminated GRACE_S after rank 1 failed. Checked by the
+    failure's text, not by the time it took."""
+    from treeattn.parallel.spawn import start
+
+    group = start(failing_or_waiting_worker, 2, on_failure=lambda *_: group.ranks.abandon())
+    with pytest.raises(SpawnError) as raised:
+        group.join()
+    failures = raised.value.failures
+    assert "rank 1 fails" in failures[1]
+    assert "terminated: still running when the caller gave up the group after rank 1 failed" in failures[0], failures[0]

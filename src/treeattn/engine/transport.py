@@ -85,12 +85,14 @@ class SpawnedRanks:
                        on_failure=self._on_failure)
         if ranks is None:
             try:
-                supervise = start(*args, **options).join
+                group = start(*args, **options)
             except Exception as exc:
                 self._listener.close()
                 raise EngineError(f"the engine's ranks failed to start: {exc}") from exc
+            supervise, self._processes = group.join, group.ranks
         else:
             supervise = functools.partial(spawn, *args, ranks=ranks, **options)  # hands the work to the started ranks
+            self._processes = ranks
         self._thread = threading.Thread(target=self._supervise, args=(supervise,), name="treeattn-engine-ranks", daemon=True)
         self._thread.start()
         logger.debug("%s %d rank process(es)", "starting" if ranks is None else "handing the work to the started", config.nproc)
@@ -189,6 +191,8 @@ class SpawnedRanks:
             self._conn.send_bytes(encode(None))
         except (OSError, ValueError):  # gone, or closed by an earlier close
             pass
+        if self.death is not None:  # a rank failed: the group is broken, so the others end now, not after spawn's grace
+            self._processes.abandon()
         self._thread.join()
         self._conn.close()
         self._listener.close()

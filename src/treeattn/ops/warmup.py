@@ -22,7 +22,9 @@ numba every function here does nothing.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import subprocess
 import sys
 
 import numpy as np
@@ -133,27 +135,114 @@ def warm_kernels(*, kv_dtypes=(), attention_threads: int = 1, packed=(), rowwise
     return done
 
 
-def warm_all(threads: int | None = None) -> list[str]:
+def warm_groups(threads: int | None = None) -> list[list[dict]]:
+    """warm_all's work as groups of warm_kernels keyword sets, no two groups compiling a signature of the same kernel
+    function but the small shared helpers: one group per KV dtype of the attention kernel (serial and `threads`-thread,
+    in every head shape: its non-inlined helpers take the dtype in their signature), then the packed matmuls (and their
+    int8 kernels), the row-wise ops and onepass's combine. `threads` defaults to the CPU count, at least 2.
+
+    >>> [len(group) for group in warm_groups(4)]
+    [2, 2, 2, 2, 3]
+    """
+    threads = max(2, threads or os.cpu_count() or 2)
+    groups = [[dict(kv_dtypes=(dtype,), attention_threads=t, attention_heads=SHIPPED_HEADS) for t in (1, threads)]
+              for dtype in KV_DTYPES]
+    groups.append([dict(packed=[(f, v, t) for f, v in PACKED_KINDS], int8=True) for t in (1, threads)]
+                  + [dict(rowwise=True, combine=(torch.float32, torch.float64))])
+    return groups
+
+
+def warm_all(threads: int | None = None, part: int = 0, parts: int = 1) -> list[str]:
     """warm_kernels for every signature the library calls: serial and `threads`-thread (default: the
     CPU count, at least 2) kernels, every KV dtype and packed kind (and its int8 kernel where the host runs it), the
-    attention kernel in the shipped models' head shapes too (SHIPPED_HEADS), the row-wise ops, both combine dtypes."""
-    threads = max(2, threads or os.cpu_count() or 2)
+    attention kernel in the shipped models' head shapes too (SHIPPED_HEADS), the row-wise ops, both combine dtypes.
+    With `parts` > 1, only the groups of warm_groups numbered `part` modulo `parts` (one of `parts` processes)."""
+    if not 0 <= part < parts:
+        raise ValueError(f"part: expected 0 <= part < parts ({parts}), got {part}")
     done = []
-    for t in (1, threads):
-        done += warm_kernels(kv_dtypes=KV_DTYPES, attention_threads=t, packed=[(f, v, t) for f, v in PACKED_KINDS], int8=True,
-                             attention_heads=SHIPPED_HEADS)
-    return done + warm_kernels(rowwise=True, combine=(torch.float32, torch.float64))
+    for group in warm_groups(threads)[part::parts]:
+        for kwargs in group:
+            done += warm_kernels(**kwargs)
+    return done
 
 
-def main() -> int:
-    """`python -m treeattn.ops.warmup`: warm_all, one line on stderr."""
-    done = warm_all()
-    sys.stderr.write(f"treeattn: {len(done)} numba kernel signatures compiled or loaded from numba's cache\n" if done
-                     else "treeattn: numba is not installed; nothing to compile\n")
+@contextlib.contextmanager
+def serialized_cache_saves():
+    """Make numba's cache saves in this process take an exclusive lock (flock) on the cache directory.
+
+    numba saves a new signature of a kernel by reading the kernel's index file, picking the first free data file
+    name, rewriting the index and writing that data file: two processes saving signatures of one kernel at once
+    can lose an index entry, or leave an entry naming the other's data. Processes that all hold this lock while
+    saving cannot. Does nothing without fcntl (not POSIX) or numba.
+
+    >>> with serialized_cache_saves():
+    ...     pass
+    """
+    try:
+        import fcntl
+
+        from numba.core import caching
+    except ImportError:
+        yield
+        return
+    save = caching.IndexDataCacheFile.save
+
+    def locked_save(self, key, data):
+        fd = os.open(os.path.dirname(self._index_path), os.O_RDONLY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            return save(self, key, data)
+        finally:
+            os.close(fd)  # releases the lock
+
+    caching.IndexDataCacheFile.save = locked_save
+    try:
+        yield
+    finally:
+        caching.IndexDataCacheFile.save = save
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m treeattn.ops.warmup [--jobs N]`: warm_all in N processes (default: 2 where the host has 2 CPUs
+    and flock, else 1), each holding serialized_cache_saves; one line on stderr. `--part I/N` is one of them."""
+    args = sys.argv[1:] if argv is None else argv
+    if args[:1] == ["--part"]:
+        part, parts = (int(x) for x in args[1].split("/"))
+        with serialized_cache_saves():
+            sys.stdout.write(f"{len(warm_all(part=part, parts=parts))}\n")
+        return 0
+    jobs = int(args[1]) if args[:1] == ["--jobs"] else (2 if (os.cpu_count() or 1) >= 2 and _has_flock() else 1)
+    if jobs < 1:
+        raise ValueError(f"--jobs: expected a count >= 1, got {jobs}")
+    children = [subprocess.Popen([sys.executable, "-m", "treeattn.ops.warmup", "--part", f"{i}/{jobs}"],
+                                 stdout=subprocess.PIPE, text=True) for i in range(1, jobs)]
+    try:
+        with serialized_cache_saves():
+            done = len(warm_all(part=0, parts=jobs))
+    except BaseException:
+        for child in children:  # no part left compiling after this one failed
+            child.kill()
+            child.wait()
+        raise
+    for child in children:
+        out, _ = child.communicate()
+        if child.returncode != 0:
+            raise RuntimeError(f"warm-up part {child.args[-1]} failed with exit code {child.returncode}")
+        done += int(out.split()[-1])
+    sys.stderr.write(f"treeattn: {done} numba kernel signatures compiled or loaded from numba's cache ({jobs} processes)\n"
+                     if done else "treeattn: numba is not installed; nothing to compile\n")
     return 0
+
+
+def _has_flock() -> bool:
+    try:
+        import fcntl  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 if __name__ == "__main__":
     sys.exit(main())
 
-__all__ = ["KV_DTYPES", "PACKED_KINDS", "SHIPPED_HEADS", "warm_all", "warm_kernels"]
+__all__ = ["KV_DTYPES", "PACKED_KINDS", "SHIPPED_HEADS", "serialized_cache_saves", "warm_all", "warm_groups", "warm_kernels"]

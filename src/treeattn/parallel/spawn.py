@@ -44,7 +44,8 @@ Faults (docs/faults.md states what the tests check):
   every failed rank with its error and traceback. After the first failure the other ranks get a
   short grace period (`GRACE_S`, at most `timeout`) to finish or fail on their own (a rank blocked
   in a collective with a dead peer errors out: gloo notices the closed connection), then they are
-  killed.
+  killed; at once where the caller gives the ranks up after the failure (StartedRanks.abandon:
+  ta.Engine closing or restarting its ranks after one failed).
 - A rank that stops answering (SIGSTOP, a deadlock holding the GIL) is noticed by its heartbeat:
   every rank beats every `HEARTBEAT_S` from a thread of its own; a rank silent for `timeout`
   seconds is killed and named first in the SpawnError ("stopped answering"), ahead of the healthy
@@ -387,6 +388,7 @@ class StartedRanks:
         self.method = method or _start_method(device, threads or rank_threads(nprocs))
         self.adopted = work is not None
         self.given = threading.Event()  # set once every rank has been handed its work
+        self.abandoned = threading.Event()  # set by abandon(): no grace period after a failure
         self.closed = False
         ctx = multiprocessing.get_context(self.method)
         if self.method == "forkserver":
@@ -432,6 +434,19 @@ class StartedRanks:
                 job.send(work(rank))
             job.close()
         self.given.set()
+
+    def abandon(self) -> None:
+        """The caller will not use these ranks again (a rank failed, and it closes or restarts the group): once
+        a rank has failed, the supervisor (RankGroup) ends the others at once instead of after the grace period,
+        which lets a healthy rank fail on its own with its own error. Thread-safe; before a failure it changes nothing.
+
+        >>> ranks = StartedRanks(1)
+        >>> ranks.abandon()
+        >>> ranks.abandoned.is_set()
+        True
+        >>> ranks.close()
+        """
+        self.abandoned.set()
 
     def kill(self, ranks: list[int]) -> None:
         """SIGKILL (works on stopped processes too) and reap the given ranks."""
@@ -556,10 +571,10 @@ class RankGroup:
                 self._report_first_failure()
             if self.failures and deadline is None:
                 deadline = now + self.grace
-            if deadline is not None and running and now > deadline:
+            if deadline is not None and running and (now > deadline or self.ranks.abandoned.is_set()):
+                after = "when the caller gave up the group" if now <= deadline else f"{self.grace:.0f} s"
                 for rank in sorted(running):
-                    self.failures[rank] = (f"terminated: still running {self.grace:.0f} s after rank {next(iter(self.failures))} "
-                                           f"failed")
+                    self.failures[rank] = f"terminated: still running {after} after rank {next(iter(self.failures))} failed"
                 self.ranks.kill(sorted(running))
                 running.clear()
 
