@@ -190,7 +190,8 @@ def main(argv: list[str] | None = None) -> int:
         if child.returncode != 0:
             raise RuntimeError(f"warm-up part {child.args[-1]} failed with exit code {child.returncode}")
         done += int(out.split()[-1])
-    sys.stderr.write(f"treeattn: {done} numba kernel signatures compiled or loaded from numba's cache ({jobs} processes)\n"
+    processes = f"{jobs} process{'es' * (jobs > 1)}"
+    sys.stderr.write(f"treeattn: {done} numba kernel signatures compiled or loaded from numba's cache ({processes})\n"
                      if done else "treeattn: numba is not installed; nothing to compile\n")
     return 0
 
