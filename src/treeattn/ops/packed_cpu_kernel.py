@@ -43,6 +43,10 @@ from numba.core import cgutils, types
 from llvmlite import ir
 from numba.extending import intrinsic
 
+from treeattn.ops.numba_cache import lock_cache_saves
+
+lock_cache_saves()  # before any cached kernel is compiled or saved: other processes may save beside this one
+
 _FASTMATH = {"reassoc", "contract"}
 BLOCK = 32
 # q4 weight rows per pass over x: 0.57-0.73x the time of one row at a time (docs/benchmarks.md, "Weights kept packed"). q8_0 stays

@@ -37,6 +37,10 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from treeattn.ops.numba_cache import lock_cache_saves
+
+lock_cache_saves()  # before any cached kernel is compiled or saved: other processes may save beside this one
+
 BLOCK = 32
 NEEDS = ("avx512f", "avx512bw", "avx512vl", "avx512vnni")
 """The CPU features this kernel's instructions need (LLVM's names)."""

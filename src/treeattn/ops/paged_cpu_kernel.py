@@ -56,6 +56,10 @@ from llvmlite import ir
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
+from treeattn.ops.numba_cache import lock_cache_saves
+
+lock_cache_saves()  # before any cached kernel is compiled or saved: other processes may save beside this one
+
 _FASTMATH = {"reassoc", "contract"}
 
 

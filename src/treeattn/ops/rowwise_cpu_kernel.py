@@ -22,6 +22,10 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from treeattn.ops.numba_cache import lock_cache_saves
+
+lock_cache_saves()  # before any cached kernel is compiled or saved: other processes may save beside this one
+
 
 @njit(cache=True, fastmath={"reassoc", "contract"})
 def rms_norm(x, weight, offset, eps, out):  # pragma: no cover - compiled

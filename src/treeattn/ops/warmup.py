@@ -22,7 +22,6 @@ numba every function here does nothing.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import subprocess
 import sys
@@ -166,50 +165,13 @@ def warm_all(threads: int | None = None, part: int = 0, parts: int = 1) -> list[
     return done
 
 
-@contextlib.contextmanager
-def serialized_cache_saves():
-    """Make numba's cache saves in this process take an exclusive lock (flock) on the cache directory.
-
-    numba saves a new signature of a kernel by reading the kernel's index file, picking the first free data file
-    name, rewriting the index and writing that data file: two processes saving signatures of one kernel at once
-    can lose an index entry, or leave an entry naming the other's data. Processes that all hold this lock while
-    saving cannot. Does nothing without fcntl (not POSIX) or numba.
-
-    >>> with serialized_cache_saves():
-    ...     pass
-    """
-    try:
-        import fcntl
-
-        from numba.core import caching
-    except ImportError:
-        yield
-        return
-    save = caching.IndexDataCacheFile.save
-
-    def locked_save(self, key, data):
-        fd = os.open(os.path.dirname(self._index_path), os.O_RDONLY)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            return save(self, key, data)
-        finally:
-            os.close(fd)  # releases the lock
-
-    caching.IndexDataCacheFile.save = locked_save
-    try:
-        yield
-    finally:
-        caching.IndexDataCacheFile.save = save
-
-
 def main(argv: list[str] | None = None) -> int:
     """`python -m treeattn.ops.warmup [--jobs N]`: warm_all in N processes (default: 2 where the host has 2 CPUs
-    and flock, else 1), each holding serialized_cache_saves; one line on stderr. `--part I/N` is one of them."""
+    and flock, else 1), their cache saves under ops.numba_cache's lock; one line on stderr. `--part I/N` is one of them."""
     args = sys.argv[1:] if argv is None else argv
     if args[:1] == ["--part"]:
         part, parts = (int(x) for x in args[1].split("/"))
-        with serialized_cache_saves():
-            sys.stdout.write(f"{len(warm_all(part=part, parts=parts))}\n")
+        sys.stdout.write(f"{len(warm_all(part=part, parts=parts))}\n")
         return 0
     jobs = int(args[1]) if args[:1] == ["--jobs"] else (2 if (os.cpu_count() or 1) >= 2 and _has_flock() else 1)
     if jobs < 1:
@@ -217,8 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     children = [subprocess.Popen([sys.executable, "-m", "treeattn.ops.warmup", "--part", f"{i}/{jobs}"],
                                  stdout=subprocess.PIPE, text=True) for i in range(1, jobs)]
     try:
-        with serialized_cache_saves():
-            done = len(warm_all(part=0, parts=jobs))
+        done = len(warm_all(part=0, parts=jobs))
     except BaseException:
         for child in children:  # no part left compiling after this one failed
             child.kill()
@@ -229,7 +190,8 @@ def main(argv: list[str] | None = None) -> int:
         if child.returncode != 0:
             raise RuntimeError(f"warm-up part {child.args[-1]} failed with exit code {child.returncode}")
         done += int(out.split()[-1])
-    sys.stderr.write(f"treeattn: {done} numba kernel signatures compiled or loaded from numba's cache ({jobs} processes)\n"
+    processes = f"{jobs} process{'es' * (jobs > 1)}"
+    sys.stderr.write(f"treeattn: {done} numba kernel signatures compiled or loaded from numba's cache ({processes})\n"
                      if done else "treeattn: numba is not installed; nothing to compile\n")
     return 0
 
@@ -245,4 +207,4 @@ def _has_flock() -> bool:
 if __name__ == "__main__":
     sys.exit(main())
 
-__all__ = ["KV_DTYPES", "PACKED_KINDS", "SHIPPED_HEADS", "serialized_cache_saves", "warm_all", "warm_groups", "warm_kernels"]
+__all__ = ["KV_DTYPES", "PACKED_KINDS", "SHIPPED_HEADS", "warm_all", "warm_groups", "warm_kernels"]
