@@ -104,6 +104,11 @@ def main() -> None:
     model = args.model or harness.default_model()
     files = read_model_files(model)
     case = needle_case(files.tokenizer, files.chat_template, context_tokens=args.context, depth=0.5, seed=0)
+    positions = files.config.max_position_embeddings
+    if len(case.prompt_ids) + args.max_new_tokens > positions:
+        parser.error(f"--context: expected a prompt that leaves --max-new-tokens {args.max_new_tokens} within the model's "
+                     f"{positions} positions, got {args.context} (a prompt of {len(case.prompt_ids)} tokens); try "
+                     f"{args.context - (len(case.prompt_ids) + args.max_new_tokens - positions)}")
     print(f"# {platform.processor() or platform.machine()}, {os.cpu_count()} cores, model {Path(model).name}, prompt "
           f"{len(case.prompt_ids)} tokens (needle {case.answer} at {case.actual_depth:.0%}), {args.max_new_tokens} greedy tokens")
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
