@@ -43,6 +43,7 @@ from numba.core import cgutils, types
 from llvmlite import ir
 from numba.extending import intrinsic
 
+from treeattn.ops.llvm_prefetch import prefetch
 from treeattn.ops.numba_cache import lock_cache_saves
 
 lock_cache_saves()  # before any cached kernel is compiled or saved: other processes may save beside this one
@@ -99,12 +100,8 @@ def _prefetch(typingctx, array, offset):
         return None
 
     def codegen(context, builder, signature, args):
-        i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
-        data = builder.bitcast(context.make_array(signature.args[0])(context, builder, args[0]).data, i8p)
-        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]),
-                                            "llvm.prefetch.p0")
-        at = context.cast(builder, args[1], signature.args[1], types.intp)
-        builder.call(fn, [builder.gep(data, [at]), ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
+        data = builder.bitcast(context.make_array(signature.args[0])(context, builder, args[0]).data, ir.IntType(8).as_pointer())
+        prefetch(builder, data, context.cast(builder, args[1], signature.args[1], types.intp))
         return context.get_dummy_value()
 
     return types.void(array, offset), codegen

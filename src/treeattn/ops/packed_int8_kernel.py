@@ -37,6 +37,7 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from treeattn.ops.llvm_prefetch import prefetch
 from treeattn.ops.numba_cache import lock_cache_saves
 
 lock_cache_saves()  # before any cached kernel is compiled or saved: other processes may save beside this one
@@ -144,16 +145,6 @@ def _declare(builder, width):
     return fn, vec
 
 
-def _prefetch(builder, base, offset):
-    """A hint to fetch the cache line at byte `offset` from the i8 pointer `base` (llvm.prefetch: read, keep in
-    every cache level; never faults, past an array's end included)."""
-    i32 = ir.IntType(32)
-    i8p = ir.IntType(8).as_pointer()
-    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]),
-                                        "llvm.prefetch.p0")
-    builder.call(fn, [builder.gep(base, [offset]), ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
-
-
 def _load(builder, base, offset, vty):
     """A vector of type vty at element `offset` of the array data pointer `base` (unaligned)."""
     ptr = builder.gep(base, [offset])
@@ -248,10 +239,10 @@ def _row_dot_codegen(q4: bool, with_corr: bool):
             main = cgutils.alloca_once_value(builder, ir.Constant(ir.VectorType(ir.FloatType(), 16), None))
             tail = cgutils.alloca_once_value(builder, ir.Constant(ir.VectorType(ir.FloatType(), lanes), None))
             groups = builder.udiv(nb_v, ir.Constant(i64, group))
-            _prefetch(builder, builder.bitcast(dw_base, i8p), ir.Constant(i64, PREFETCH_BYTES // 8))
+            prefetch(builder, builder.bitcast(dw_base, i8p), ir.Constant(i64, PREFETCH_BYTES // 8))
             with cgutils.for_range(builder, groups) as loop:
                 b0 = builder.mul(loop.index, ir.Constant(i64, group))
-                _prefetch(builder, wbase, builder.add(builder.mul(b0, ir.Constant(i64, per)), ir.Constant(i64, PREFETCH_BYTES)))
+                prefetch(builder, wbase, builder.add(builder.mul(b0, ir.Constant(i64, per)), ir.Constant(i64, PREFETCH_BYTES)))
                 acc = _block_dots(builder, q4, 512, wbase, xa_base, xb_base, corr_base, b0, lanes)
                 builder.store(_scaled(builder, acc, dw_base, xd_base, b0, group, lanes, builder.load(main)), main)
             start = builder.mul(groups, ir.Constant(i64, group))

@@ -56,6 +56,7 @@ from llvmlite import ir
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
+from treeattn.ops.llvm_prefetch import prefetch_lines
 from treeattn.ops.numba_cache import lock_cache_saves
 
 lock_cache_saves()  # before any cached kernel is compiled or saved: other processes may save beside this one
@@ -441,14 +442,9 @@ def _prefetch_rows(typingctx, block, t, rows):
             per_row = builder.mul(hh, dd)
             start = builder.mul(t_, per_row)
             itemsize = context.get_abi_sizeof(context.get_data_type(signature.args[0].dtype))
-            fnty = ir.FunctionType(ir.VoidType(), [ir.IntType(8).as_pointer()] + [ir.IntType(32)] * 3)
-            fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0")
             i64 = ir.IntType(64)
             first = builder.ptrtoint(builder.gep(ba.data, [start]), i64)
-            nbytes = builder.mul(builder.mul(per_row, ir.Constant(i64, n)), ir.Constant(i64, itemsize))
-            with cgutils.for_range_slice(builder, ir.Constant(i64, 0), nbytes, ir.Constant(i64, 64)) as (at, _):
-                line = builder.inttoptr(builder.add(first, at), ir.IntType(8).as_pointer())
-                builder.call(fn, [line, _i32(0), _i32(3), _i32(1)])
+            prefetch_lines(builder, first, builder.mul(builder.mul(per_row, ir.Constant(i64, n)), ir.Constant(i64, itemsize)))
         return context.get_dummy_value()
 
     return types.void(block, t, rows), codegen
@@ -471,13 +467,8 @@ def _prefetch_ahead(typingctx, block, t, rows):
         with builder.if_then(builder.icmp_signed("<", t_, end), likely=True):
             per_row = builder.mul(hh, dd)
             itemsize = ir.Constant(i64, context.get_abi_sizeof(context.get_data_type(signature.args[0].dtype)))
-            fnty = ir.FunctionType(ir.VoidType(), [ir.IntType(8).as_pointer()] + [ir.IntType(32)] * 3)
-            fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0")
             first = builder.ptrtoint(builder.gep(ba.data, [builder.mul(t_, per_row)]), i64)
-            nbytes = builder.mul(builder.mul(per_row, builder.sub(end, t_)), itemsize)
-            with cgutils.for_range_slice(builder, ir.Constant(i64, 0), nbytes, ir.Constant(i64, 64)) as (at, _):
-                line = builder.inttoptr(builder.add(first, at), ir.IntType(8).as_pointer())
-                builder.call(fn, [line, _i32(0), _i32(2), _i32(1)])
+            prefetch_lines(builder, first, builder.mul(builder.mul(per_row, builder.sub(end, t_)), itemsize), locality=2)
         return context.get_dummy_value()
 
     return types.void(block, t, rows), codegen
