@@ -22,6 +22,7 @@ numba every function here does nothing.
 
 from __future__ import annotations
 
+import argparse
 import os
 import subprocess
 import sys
@@ -167,15 +168,18 @@ def warm_all(threads: int | None = None, part: int = 0, parts: int = 1) -> list[
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m treeattn.ops.warmup [--jobs N]`: warm_all in N processes (default: 2 where the host has 2 CPUs
-    and flock, else 1), their cache saves under ops.numba_cache's lock; one line on stderr. `--part I/N` is one of them."""
-    args = sys.argv[1:] if argv is None else argv
-    if args[:1] == ["--part"]:
-        part, parts = (int(x) for x in args[1].split("/"))
+    and flock, else 1), their cache saves under ops.numba_cache's lock; one line on stderr. `--part I/N` is one of them.
+
+    >>> main(["--jobs", "0"])
+    Traceback (most recent call last):
+    SystemExit: 2
+    """
+    args = _parser().parse_args(argv)
+    if args.part is not None:
+        part, parts = args.part
         sys.stdout.write(f"{len(warm_all(part=part, parts=parts))}\n")
         return 0
-    jobs = int(args[1]) if args[:1] == ["--jobs"] else (2 if (os.cpu_count() or 1) >= 2 and _has_flock() else 1)
-    if jobs < 1:
-        raise ValueError(f"--jobs: expected a count >= 1, got {jobs}")
+    jobs = args.jobs or (2 if (os.cpu_count() or 1) >= 2 and _has_flock() else 1)
     children = [subprocess.Popen([sys.executable, "-m", "treeattn.ops.warmup", "--part", f"{i}/{jobs}"],
                                  stdout=subprocess.PIPE, text=True) for i in range(1, jobs)]
     try:
@@ -194,6 +198,29 @@ def main(argv: list[str] | None = None) -> int:
     sys.stderr.write(f"treeattn: {done} numba kernel signatures compiled or loaded from numba's cache ({processes})\n"
                      if done else "treeattn: numba is not installed; nothing to compile\n")
     return 0
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m treeattn.ops.warmup",
+                                     description="Compile (or load) every numba kernel signature the library calls.")
+    parser.add_argument("--jobs", type=_count, default=None,
+                        help="processes to compile in (default: 2 where the host has 2 CPUs and flock, else 1)")
+    parser.add_argument("--part", type=_part, default=None, metavar="I/N",
+                        help="compile only part I of N (0 <= I < N), print its count (what --jobs starts)")
+    return parser
+
+
+def _count(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected a count >= 1, got {text!r}")
+    return int(text)
+
+
+def _part(text: str) -> tuple[int, int]:
+    part, _, parts = text.partition("/")
+    if not (part.isdigit() and parts.isdigit() and int(part) < int(parts)):
+        raise argparse.ArgumentTypeError(f"expected I/N with 0 <= I < N, got {text!r}")
+    return int(part), int(parts)
 
 
 def _has_flock() -> bool:
