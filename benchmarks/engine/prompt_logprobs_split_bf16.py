@@ -28,9 +28,10 @@ import time
 import torch
 import torch.nn.functional as F
 
-import treeattn as ta
 from treeattn.bench import harness
 from treeattn.engine.worker import prompt_logprobs as pl
+
+from prompt_logprobs_product_oracle import scored_hidden_states  # this directory: the same capture of scored rows
 
 TERMS = {"split3": ((0, 0), (0, 1), (1, 0)),
          "split6": ((0, 0), (0, 1), (1, 0), (0, 2), (1, 1), (2, 0))}
@@ -95,26 +96,6 @@ def prepare_x(name: str, x: torch.Tensor) -> torch.Tensor:
     if name == "split6_bf16out":
         return concat_x(x, "split6").bfloat16()
     return concat_x(x, "split6" if name == "split6_packed" else name)
-
-
-def hidden_states(model_path: str, context: int):
-    kept = {"hidden": [], "targets": []}
-    score_rows = pl.score_rows
-
-    def keep(model, hidden, targets, top):
-        kept["hidden"].append(hidden.clone())
-        kept["targets"].append(targets.clone())
-        kept["model"] = model
-        return score_rows(model, hidden, targets, top)
-
-    pl.score_rows = keep
-    from treeattn.models.loader import read_config
-    prompt = torch.randint(100, read_config(model_path).vocab_size, (context,),
-                           generator=torch.Generator().manual_seed(0)).tolist()
-    with ta.Engine(model_path, nproc=1, prefix_cache=False, max_context=context + 8) as engine:
-        engine.generate([prompt], max_new_tokens=1, prompt_logprobs=0)
-    pl.score_rows = score_rows
-    return torch.cat(kept["hidden"]), torch.cat(kept["targets"]), pl.dense_head(kept["model"])
 
 
 def accuracy(hidden: torch.Tensor, targets: torch.Tensor, head: torch.Tensor) -> dict:
@@ -204,7 +185,7 @@ def main() -> None:
         from treeattn.models.loader import load_model
         head = pl.dense_head(load_model(args.model, weight_format="auto"))
     else:
-        hidden, targets, head = hidden_states(args.model, args.context)
+        hidden, targets, head = scored_hidden_states(args.model, args.context)
         result["rows"] = hidden.shape[0]
         result["accuracy"] = accuracy(hidden, targets, head)
         print(json.dumps(result, indent=1), flush=True)
