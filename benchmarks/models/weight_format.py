@@ -124,11 +124,14 @@ def main() -> None:
         settings.append((f"llama.cpp {args.llama_threads} threads", 1,
                          lambda: llama_cpp(args.llama_python, model, f.name, args.llama_threads, args.max_new_tokens)))
     best: dict[str, dict] = {}
-    for _ in range(args.repeats):
+    for i in range(args.repeats):
         for name, _, run in settings:
             before = os.getloadavg()[0]
             r = run()
             r["load_before_after"] = (round(before, 2), round(os.getloadavg()[0], 2))
+            if args.repeats > 1:  # every round's figure, not only the fastest kept below
+                print(f"# round {i}: {name}: {r['ms_per_token']:.2f} ms a token, prefill {r['prefill_s']:.2f} s, "
+                      f"load {r['load_before_after']}", flush=True)
             if name not in best or r["ms_per_token"] < best[name]["ms_per_token"]:
                 best[name] = r
     base = best[settings[0][0]]
