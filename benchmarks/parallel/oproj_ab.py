@@ -124,12 +124,11 @@ def main() -> None:
     for r in rows:
         r.update(load_before=load, load_after=after)
         for name in ("whole", "split"):
-            lines.append(f"| {r['rank']} | {name} | {r[f'{name}_steps']} | {r[f'{name}_cpu_mean_ms']:.2f} / "
-                         f"{r[f'{name}_cpu_median_ms']:.2f} | {r[f'{name}_wall_mean_ms']:.2f} / {r[f'{name}_wall_median_ms']:.2f} | "
-                         f"{r[f'{name}_to_next_mean_ms']:.2f} / {r[f'{name}_to_next_median_ms']:.2f} |")
-        ratio = r["whole_cpu_mean_ms"] / r["split_cpu_mean_ms"]
-        wall = r["whole_to_next_median_ms"] / r["split_to_next_median_ms"]
-        lines.append(f"| {r['rank']} | whole / split | | {ratio:.3f} | | {wall:.3f} (medians) |")
+            cells = [f"{r[f'{name}_{key}_mean_ms']:.2f} / {r[f'{name}_{key}_median_ms']:.2f}" for key in ("cpu", "wall", "to_next")]
+            lines.append(f"| {r['rank']} | {name} | {r[f'{name}_steps']} | " + " | ".join(cells) + " |")
+        ratios = [f"{r[f'whole_{key}_mean_ms'] / r[f'split_{key}_mean_ms']:.3f} / "
+                  f"{r[f'whole_{key}_median_ms'] / r[f'split_{key}_median_ms']:.3f}" for key in ("cpu", "wall", "to_next")]
+        lines.append(f"| {r['rank']} | whole / split (means / medians) | | " + " | ".join(ratios) + " |")
     lines.append(f"load average before / after: {load} / {after}")
     print("\n".join(lines))
     harness.write_output(args.output, rows, "\n".join(lines))
