@@ -124,7 +124,8 @@ def main() -> None:
     for r in rows:
         r.update(load_before=load, load_after=after)
         for name in ("whole", "split"):
-            cells = [f"{r[f'{name}_{key}_mean_ms']:.2f} / {r[f'{name}_{key}_median_ms']:.2f}" for key in ("cpu", "wall", "to_next")]
+            keys = ("cpu", "wall", "to_next")
+            cells = [f"{r[f'{name}_{key}_mean_ms']:.2f} / {r[f'{name}_{key}_median_ms']:.2f}" for key in keys]
             lines.append(f"| {r['rank']} | {name} | {r[f'{name}_steps']} | " + " | ".join(cells) + " |")
         ratios = [f"{r[f'whole_{key}_mean_ms'] / r[f'split_{key}_mean_ms']:.3f} / "
                   f"{r[f'whole_{key}_median_ms'] / r[f'split_{key}_median_ms']:.3f}" for key in ("cpu", "wall", "to_next")]
