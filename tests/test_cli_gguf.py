@@ -166,14 +166,14 @@ def test_demo_runs_either_layout_with_the_single_process_tokens(files, args, lay
 
 
 def test_the_demos_default_layout_is_helix_where_the_packed_weights_split_else_sequence_only(files):
-    """The tiny Q8_0 model's o_proj has 64 input columns in blocks of 32: tp=1 splits them on 2 ranks, not on 4
-    (16 columns a rank); there the default falls back to the sequence-only layout with the engine's reason."""
+    """The tiny Q8_0 model's down_proj has 128 input columns in blocks of 32: tp=1 splits them on 2 or 4 ranks, not
+    on 8 (16 columns a rank); there the default falls back to the sequence-only layout with the engine's reason."""
     from treeattn.eval.demo import DEFAULT_TP, default_layout
 
-    assert default_layout(str(files["tiny"]), 2) == (DEFAULT_TP, None)
-    tp, why = default_layout(str(files["tiny"]), 4)
+    assert default_layout(str(files["tiny"]), 2) == default_layout(str(files["tiny"]), 4) == (DEFAULT_TP, None)
+    tp, why = default_layout(str(files["tiny"]), 8)
     assert tp is None and "not whole blocks of 32 packed weights" in why
-    assert default_layout(str(files["tiny"]), 4, weight_format="dequantize") == (DEFAULT_TP, None)
+    assert default_layout(str(files["tiny"]), 8, weight_format="dequantize") == (DEFAULT_TP, None)
     assert default_layout(str(files["tiny"]), 1) == (None, None)
 
 

@@ -289,14 +289,14 @@ def _counts(rank: int, world_size: int, tp: int) -> dict:
 
 
 def _layout_share(model, n: int, tp: int) -> float:
-    """Bytes of the layout's share: q/k/v (weights and biases) / tp; everything else split / n; norms and
-    the row-parallel biases whole."""
+    """Bytes of the layout's share: attention's q/k/v (weights and biases) and o_proj / tp; everything else
+    split / n; norms and the row-parallel biases whole."""
     share = 0.0
     for name, p in model.named_parameters():
         size = p.numel() * p.element_size()
         if "norm" in name or name.endswith(("o_proj.bias", "down_proj.bias")):
             share += size
-        elif any(k in name for k in ("q_proj", "k_proj", "v_proj")):
+        elif any(k in name for k in ("q_proj", "k_proj", "v_proj", "o_proj")):
             share += size / tp
         else:
             share += size / n
@@ -306,15 +306,16 @@ def _layout_share(model, n: int, tp: int) -> float:
 @pytest.mark.parametrize("tp", [1, 2])
 def test_collectives_per_step_and_weight_bytes(runs, tp):
     """Per decode step on 2 ranks: the embedding's all-reduce, per layer the KV combine (when the KV
-    group has 2 ranks) and the o_proj and down_proj all-reduces, then the logits' all-gather. Each
-    rank holds at most the layout's share + 5 % (q/k/v over tp, the rest over both ranks), and the result
-    reports every rank's bytes (gathered on rank 0)."""
+    group has 2 ranks), o_proj's all-reduce (when the TP group has 2) and down_proj's, then the logits'
+    all-gather: 2 collectives a layer either way. Each rank holds at most the layout's share + 5 % (q/k/v
+    and o_proj over tp, the rest over both ranks), and the result reports every rank's bytes (gathered on
+    rank 0)."""
     one = _counts(0, 1, tp)  # one process: the whole model
     ranks = runs[f"counts tp={tp}"]
     assert ranks[0]["ids"] == one["ids"]
     steps, layers, kv = ranks[0]["steps"], 2, 2 // tp
     assert steps == NEW_TOKENS - 1
-    assert ranks[0]["calls"]["allreduce"] == steps * (1 + layers * (2 + (kv > 1)))
+    assert ranks[0]["calls"]["allreduce"] == steps * (1 + layers * (1 + (kv > 1) + (tp > 1)))
     assert ranks[0]["calls"]["allgather"] == steps
     assert ranks[0]["reported"] == [rank["bytes"] for rank in ranks] and one["reported"] == [one["whole"]]
     for rank, reported in zip(ranks, ranks[0]["reported"]):
@@ -361,7 +362,7 @@ def test_layout_and_cuts():
     cuts = tensor_parallel_cuts(config, layout)
     assert cuts["layers.0.self_attn.q_proj.weight"] == Cut(0, 64, 128)  # heads 4..7
     assert cuts["layers.0.self_attn.k_proj.weight"] == Cut(0, 16, 32)  # KV head 1
-    assert cuts["layers.0.self_attn.o_proj.weight"] == Cut(1, 96, 128)  # kv part 1 of slice 1's columns
+    assert cuts["layers.0.self_attn.o_proj.weight"] == Cut(1, 64, 128)  # slice 1's columns, whole on its KV ranks
     assert cuts["layers.0.mlp.down_proj.weight"] == Cut(1, 96, 128)
     assert cuts["embed_tokens.weight"] == Cut(0, 9, 10)  # shares of ceil(10 / 4) = 3 ids
     assert local_heads(config, HelixLayout(world_size=8, tp=8, rank=5)) == (1, 1)  # KV head 2 replicated 4 ways
@@ -424,15 +425,16 @@ def _packed_run(rank: int, world_size: int, path, tp, activation_format: str = "
 def test_packed_gguf_shares_keep_the_files_blocks(runs, q8_gguf, q8_gguf_tied, tp, tied):
     """A Q8_0 file (Llama; Qwen2 with its tied table) loaded packed on 2 ranks, each reading its rows
     and its whole blocks of columns: the one-rank packed engine's tokens; each rank holds about half
-    the packed bytes."""
+    the packed bytes (tp=1: a third of this tiny model's weights, q/k/v and o_proj, stay whole on both
+    ranks: 0.62 of them a rank)."""
     path = q8_gguf_tied if tied else q8_gguf
     one = _packed_run(0, 1, path, None)
     two = runs[f"packed tp={tp} tied={tied}"]
     assert two[0]["generated_ids"] == one["generated_ids"]
     assert two[0]["weight_format"] == "packed" and two[0]["tp"] == tp
-    assert (
-        len(two[0]["weight_bytes_per_rank"]) == 2 and max(two[0]["weight_bytes_per_rank"]) < 0.6 * one["weight_bytes_per_rank"][0]
-    )
+    bound = 0.6 if tp == 2 else 0.65
+    held = two[0]["weight_bytes_per_rank"]
+    assert len(held) == 2 and max(held) < bound * one["weight_bytes_per_rank"][0]
 
 
 @pytest.mark.parametrize("tp", [1, 2])
@@ -456,9 +458,9 @@ def test_int8_activations_in_the_layout(runs, q8_gguf, tp):
 
 
 def test_packed_split_off_block_boundaries_is_refused_before_ranks_start(q8_gguf):
-    # 2 x 2: a slice's o_proj has 32 columns, 16 a KV rank: half a Q8_0 block
+    # 2 x 4: down_proj's 128 columns over 8 ranks, 16 a rank: half a Q8_0 block
     with pytest.raises(ConfigError, match="not whole blocks") as info:
-        ta.Engine(q8_gguf, nproc=4, tp=2, weight_format="packed")
+        ta.Engine(q8_gguf, nproc=8, tp=2, weight_format="packed")
     assert "\n" not in str(info.value)
 
 

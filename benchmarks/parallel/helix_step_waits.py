@@ -17,7 +17,7 @@ starting the step late, e.g. rank 1 woken by the plan's broadcast) is also shown
 within each round (rotated by one between rounds).
 
     seq   the sequence-only layout (every rank all the weights; one combine a layer)
-    tp1   Helix T=1 (KV split by sequence; o_proj, MLP, LM head over both ranks)
+    tp1   Helix T=1 (KV split by sequence; MLP and LM head over both ranks; o_proj whole on each since session 22)
     tp2   Helix T=2 (heads, MLP and LM head split; no combine)
 """
 

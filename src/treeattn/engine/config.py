@@ -225,9 +225,9 @@ class EngineConfig:
             is the resolved value; a larger value given here runs positions beyond the model's
             window, with a warning). A request that needs more fails alone, naming the limit.
         tp: tensor-parallel ranks T: the nproc ranks are T tensor-parallel x nproc / T KV ranks (the Helix
-            layout, treeattn.engine.worker.tensor_parallel). Attention's heads split T ways and the
-            sequence nproc / T ways, the output projections, MLP, embeddings and LM head over all
-            nproc ranks. None: no tensor parallelism (every rank holds every weight; the KV cache
+            layout, treeattn.engine.worker.tensor_parallel). Attention's heads (and their q/k/v and
+            output projections) split T ways and the sequence nproc / T ways, the MLP, embeddings
+            and LM head over all nproc ranks. None: no tensor parallelism (every rank holds every weight; the KV cache
             alone is sharded). tp must divide nproc. With tp, prompt steps run every token on
             every rank (no token-parallel or ring prefill); a draft model stays whole on every rank.
             Refused with decode_step="graph" (CUDA graphs), linear_maps and method "twolevel".

@@ -35,14 +35,14 @@ def default_layout(path: str, nproc: int, *, dtype: str = "float32", device: str
                    weight_format: str = "auto") -> tuple[int | None, str | None]:
     """The sharded rows' tp when none is asked for: (DEFAULT_TP, None) where the engine runs it for this checkpoint on
     `nproc` ranks, else (None, the engine's one-line reason): the sequence-only layout then. A packed GGUF matrix splits
-    only on its blocks, so SmolLM2's Q4_1 (576 columns, blocks of 32) takes the Helix layout on 2, 3 or 6 ranks, not 4.
-    One rank: (None, None). Reads headers only.
+    only on its blocks, so SmolLM2's Q4_1 (down_proj's 1536 columns, 48 blocks of 32) takes the Helix layout on 2 to 6
+    and 8 ranks, not 7. One rank: (None, None). Reads headers only.
 
     >>> path = str(smollm2_path())
-    >>> default_layout(path, 2), default_layout(path, 1)
-    ((1, None), (None, None))
-    >>> default_layout(path, 4)[1]  # doctest: +ELLIPSIS
-    "tp=1 on nproc=4: rank 0's columns [0, 144) of self_attn.o_proj.weight are not whole blocks of 32 packed weights; ..."
+    >>> default_layout(path, 2), default_layout(path, 4), default_layout(path, 1)
+    ((1, None), (1, None), (None, None))
+    >>> default_layout(path, 7)[1]  # doctest: +ELLIPSIS
+    "tp=1 on nproc=7: rank 0's columns [0, 219) of mlp.down_proj.weight are not whole blocks of 32 packed weights; ..."
     """
     if nproc == 1:
         return None, None

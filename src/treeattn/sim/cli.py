@@ -219,7 +219,8 @@ def _predict_model(cluster: Cluster, options: ModelOptions, nprocs: list[int], s
             for t in tps:
                 layout = Layout.of(kind, n, tp=t)
                 if shape.heads % layout.tp != 0:
-                    raise ValueError(f"--tp {t} must divide {shape.name}'s {shape.heads} query heads")
+                    what = f"--tp {t}" if kind in ("helix", "medha") else f"--layout {kind} on --nproc {n} (tp {layout.tp})"
+                    raise ValueError(f"{what} must divide {shape.name}'s {shape.heads} query heads")
                 configs += [(layout, c) for c in (combines if kind == "helix" else combines[:1])]
     records = []
     for layout, combine in configs:

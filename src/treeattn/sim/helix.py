@@ -14,7 +14,8 @@ larger of bytes / achieved memory bandwidth and FLOPs / achieved peak) plus the 
 (alpha-beta models of `treeattn.sim.collectives`; the paper's HOP-B overlap of the all-to-all with
 attention is not priced: the all-to-all is exposed). Layouts (`LAYOUTS`):
 
-    helix     attention KVP x TPA; output projection, MLP and LM head over all N ranks.
+    helix     attention KVP x TPA; output projection, MLP and LM head over all N ranks (combined by
+              onepass: the output projection over the TPA ranks, see below).
     tp-only   attention TPA = N, KVP = 1: heads split N ways; past the KV heads each rank keeps a
               whole KV head (ceil(K / N) = 1): the cache is duplicated. MLA's latent KV is not split by
               heads at all: every TP rank keeps and reads the whole latent cache.
@@ -30,7 +31,9 @@ attention is not priced: the all-to-all is exposed). Layouts (`LAYOUTS`):
 
 The helix combine is the paper's all-to-all (`combine="alltoall"`: every rank then holds 1/KVP of its
 TPA heads, which is the slice the N-way output projection needs) or treeattn's onepass allreduce
-(`combine="onepass"`: every rank gets its TPA heads whole). MoE layers (DeepSeek) read, per rank, the
+(`combine="onepass"`: every rank gets its TPA heads whole, so, as treeattn's engine does, the output
+projection is row-parallel over the TPA ranks only, copied across the KV ranks, its all-reduce over TPA
+ranks: none at TPA = 1). MoE layers (DeepSeek) read, per rank, the
 expected number of distinct experts a batch activates divided over the FFN ranks (expert or tensor
 parallelism read the same bytes); their dispatch is priced as the dense MLP's all-reduce (an
 approximation). Groups of ranks are priced as contiguous (one node: exact inside an NVL72 rack).
@@ -319,9 +322,19 @@ def _busy(cluster: Cluster, ranks: int) -> CommCost:
     return CommCost(cluster.busy_round_seconds(ranks)[1], 0, 0.0, "busy")
 
 
-def weight_bytes_per_rank(model: ModelShape, layout: Layout, weight_dtype: str = "fp4") -> float:
+def o_ranks(layout: Layout, combine: str = "alltoall") -> int:
+    """Ranks that split the output projection: Layout.o_ranks, but the TPA ranks alone in helix combined by
+    onepass (every rank of a KV group then holds its heads' whole output: treeattn's engine).
+
+    >>> o_ranks(Layout.of("helix", 4, tp=2)), o_ranks(Layout.of("helix", 4, tp=2), "onepass")
+    (4, 2)
+    """
+    return layout.tp if layout.kind == "helix" and combine == "onepass" else layout.o_ranks
+
+
+def weight_bytes_per_rank(model: ModelShape, layout: Layout, weight_dtype: str = "fp4", combine: str = "alltoall") -> float:
     """Weights one rank holds: query/key/value projections / tp (replicated across the KV ranks), the
-    output projection and MLP / ffn_ranks, the embeddings / lm_head_ranks.
+    output projection / o_ranks(layout, combine), the MLP / ffn_ranks, the embeddings / lm_head_ranks.
 
     >>> m = MODELS["llama-3.2-1b"]
     >>> one = weight_bytes_per_rank(m, Layout.of("helix", 1), "bfloat16")
@@ -329,8 +342,8 @@ def weight_bytes_per_rank(model: ModelShape, layout: Layout, weight_dtype: str =
     0.25
     """
     wb = element_bytes(weight_dtype, "weight_dtype")
-    per_layer = [model.qkv_elements(layout.tp) + model.o_elements() / layout.o_ranks + model.mlp_elements(i) / layout.ffn_ranks
-                 for i in range(model.layers)]
+    o = model.o_elements() / o_ranks(layout, combine)
+    per_layer = [model.qkv_elements(layout.tp) + o + model.mlp_elements(i) / layout.ffn_ranks for i in range(model.layers)]
     return wb * (sum(per_layer) + embedding_elements_per_rank(model, layout))
 
 
@@ -388,7 +401,7 @@ def _combine_cost(cluster: Cluster, model: ModelShape, layout: Layout, batch: in
 
 
 def layer_read_bytes(model: ModelShape, layout: Layout, layer: int, seq_len: int, batch: int,
-                     sizes: tuple[float, float, float]) -> tuple[float, float]:
+                     sizes: tuple[float, float, float], combine: str = "alltoall") -> tuple[float, float]:
     """(KV cache bytes, weight bytes) one rank reads in layer `layer` of a decode step; sizes are the
     bytes per element of (weights, KV cache, activations). The paper's roofline (its appendix) in
     bytes: KV B x 2 ceil(K / TPA) Hsz x S / KVP, weights (Q / TPA + ceil(K / TPA)) H Hsz + the output
@@ -401,7 +414,7 @@ def layer_read_bytes(model: ModelShape, layout: Layout, layer: int, seq_len: int
     """
     wb, kvb, _ = sizes
     kv = layout.local_batch(batch) * math.ceil(seq_len / layout.kv) * model.kv_elements_per_token(layout.tp) * kvb
-    weights = (model.qkv_elements(layout.tp) + model.o_elements() / layout.o_ranks
+    weights = (model.qkv_elements(layout.tp) + model.o_elements() / o_ranks(layout, combine)
                + model.mlp_read_elements(layer, batch) / layout.ffn_ranks)
     return kv, weights * wb
 
@@ -411,11 +424,11 @@ def _layer_seconds(cluster: Cluster, model: ModelShape, layout: Layout, layer: i
     """(attention seconds, other kernels' seconds, communication) of one layer on the busiest rank."""
     wb, kvb, act = sizes
     tokens, local = math.ceil(seq_len / layout.kv), layout.local_batch(batch)
-    kv_read, _ = layer_read_bytes(model, layout, layer, seq_len, batch, sizes)
+    kv_read, _ = layer_read_bytes(model, layout, layer, seq_len, batch, sizes, combine)
     n = layout.nproc
     attention = _kernel_seconds(cluster, kv_read, local * tokens * model.attention_flops_per_key(layout.tp), ranks=n)
     qkv = model.qkv_elements(layout.tp)
-    o = model.o_elements() / layout.o_ranks
+    o = model.o_elements() / o_ranks(layout, combine)
     mlp_read = model.mlp_read_elements(layer, batch) / layout.ffn_ranks
     weights = (_kernel_seconds(cluster, qkv * wb, 2 * local * qkv, ranks=n)
                + _kernel_seconds(cluster, o * wb, 2 * local * o, ranks=n)
@@ -423,9 +436,11 @@ def _layer_seconds(cluster: Cluster, model: ModelShape, layout: Layout, layer: i
     comm = _combine_cost(cluster, model, layout, batch, act, combine)
     if layout.kv > 1:
         comm = comm + _busy(cluster, layout.kv)
-    if layout.ffn_ranks > 1:  # after the output projection and after the MLP (dp-attention: around the MLP)
-        hidden = allreduce(cluster, layout.ffn_ranks, batch * model.hidden * act) + _busy(cluster, layout.ffn_ranks)
-        comm = comm + hidden if layout.kind == "dp-attention" else comm + hidden + hidden
+    if layout.ffn_ranks > 1:  # after the MLP (dp-attention: around the MLP)
+        comm = comm + allreduce(cluster, layout.ffn_ranks, batch * model.hidden * act) + _busy(cluster, layout.ffn_ranks)
+    split = o_ranks(layout, combine) if layout.kind != "dp-attention" else 1
+    if split > 1:  # after the output projection
+        comm = comm + allreduce(cluster, split, batch * model.hidden * act) + _busy(cluster, split)
     return attention, weights, comm
 
 
@@ -469,7 +484,7 @@ def predict_step(cluster: Cluster, model: ModelShape, layout: Layout, seq_len: i
         comm = comm + allreduce(cluster, layout.lm_head_ranks, batch * model.hidden * sizes[2])
     kv_bytes = (layout.local_batch(batch) * model.layers * math.ceil(seq_len / layout.kv)
                 * model.kv_elements_per_token(layout.tp) * sizes[1])
-    held = weight_bytes_per_rank(model, layout, weight_dtype)
+    held = weight_bytes_per_rank(model, layout, weight_dtype, combine)
     fits = None if cluster.memory_capacity is None else held + kv_bytes <= cluster.memory_capacity
     return StepPrediction(
         model=model.name, layout=layout.kind, nproc=layout.nproc, tp=layout.tp, kv=layout.kv, seq_len=seq_len,

@@ -265,10 +265,14 @@ class RankRunner:
             group = shared_memory_group(group, device=device, timeout_s=timeout_s, capacity_bytes=capacity)
         if self.helix is None:
             return group, group
+        layout = self.helix.layout
+        tp_group = self.helix.tp if 1 < layout.tp < p else None  # o_proj's sum (T = N: over `group`; T = 1: none)
         if shared_memory:
             attention_group = shared_memory_group(attention_group, device=device, timeout_s=timeout_s)
-        layout = self.helix.layout  # the model holds its share (make_runner): its all-reduces go through `group`
-        connect(self.model, layout, tensor_parallel_cuts(c, layout), group)
+            if tp_group is not None:
+                tp_group = shared_memory_group(tp_group, device=device, timeout_s=timeout_s)
+        # the model holds its share (make_runner): o_proj's all-reduce goes through tp_group, the MLP's through `group`
+        connect(self.model, layout, tensor_parallel_cuts(c, layout), group, tp_group)
         return group, attention_group
 
     def _use_decode(self, decode: str, method: str) -> None:

@@ -4,7 +4,7 @@
     cuts = tensor_parallel_cuts(model.config, layout)      # parameter name -> Cut: this rank's share of it
     groups = helix_groups(layout)                          # collective: the KV and TP subgroups (new_group)
     shard_model(model, cuts)                               # a loaded model keeps its share (loaders read only it)
-    connect(model, layout, cuts, world_group)              # head counts and the all-reduces (RankRunner does it)
+    connect(model, layout, cuts, world_group, groups.tp)   # head counts and the all-reduces (RankRunner does it)
 
 N ranks = T tensor-parallel ranks x N / T KV ranks (TensorRT-LLM's Helix, arXiv 2507.07120). The
 model classes stay free of ranks (like gpt-fast's tp.py and torchtitan's parallelize functions):
@@ -17,20 +17,24 @@ rank (j, t) (kv index j, tp index t), for a model of Hq query and Hkv KV heads, 
     -> its KV shard's attention over its heads, combined across the KV dimension (the KV group of
         slice t: onepass, one collective, as without tensor parallelism): every rank of slice t
         holds its heads' whole attention output (B, S, Hq / T * D)
-    -> o_proj, row-parallel over all N ranks: rank (j, t) multiplies the j-th part of slice t's
-        columns; ALL-REDUCE (sum) over the N ranks gives o_proj(x) on every rank
+    -> o_proj, row-parallel over the TP group (T ranks): rank (j, t) multiplies slice t's columns,
+        all of them (it holds its heads' whole output); ALL-REDUCE (sum) over the TP group gives
+        o_proj(x) on every rank (T = 1: no collective, o_proj whole on every rank)
     -> MLP over all N ranks: gate/up column-parallel (rank r: its N-th of the intermediate rows),
         down row-parallel on the same columns; ALL-REDUCE (sum) over the N ranks.
 
-Per layer: one combine over the KV group (N / T ranks; none when T = N) and two all-reduces of the
-step's hidden rows (B * S * d values) over the N ranks. Per step: one all-reduce of the embedded
-rows (the table is split by vocabulary: each rank looks up its rows, the others give zeros) and
-the LM head's all-gather of the logits (each rank its N-th of the vocabulary, as today).
+Per layer: one combine over the KV group (N / T ranks; none when T = N), one all-reduce of the step's
+hidden rows (B * S * d values) over the TP group (none when T = 1) and one over the N ranks. Per step:
+one all-reduce of the embedded rows (the table is split by vocabulary: each rank looks up its rows,
+the others give zeros) and the LM head's all-gather of the logits (each rank its N-th of the
+vocabulary, as today). o_proj over the TP group rather than over all N ranks: splitting it over the
+KV ranks too would cost an all-reduce over N a layer to save (1 - T / N) of a matrix the size of q's
+(SmolLM2 on 2 ranks at T = 1: 30 collectives a token for 166K weights a layer).
 
-Weights a rank holds: attention's q/k/v / T, o_proj / N, MLP / N, embeddings and LM head / N (a
-tied table once). Splits along a matrix's input dimension (o_proj, down_proj) land on multiples of
-32 columns wherever the share allows, so a packed GGUF matrix splits on its block boundaries; a
-packed matrix whose share does not is refused in one line.
+Weights a rank holds: attention's q/k/v and o_proj / T, MLP / N, embeddings and LM head / N (a tied
+table once). Splits along a matrix's input dimension (o_proj, down_proj) land on multiples of 32
+columns wherever the share allows, so a packed GGUF matrix splits on its block boundaries; a packed
+matrix whose share does not is refused in one line.
 """
 
 from __future__ import annotations
@@ -182,11 +186,11 @@ def _is_mla(config) -> bool:
 
 
 def _o_cut(config, layout: HelixLayout) -> Cut:
-    """o_proj's columns of this rank: part kv_index of its slice's heads' columns."""
+    """o_proj's columns of this rank: its slice's heads' columns, all of them (after the combine every rank of
+    a KV group holds those heads' whole output): row-parallel over the TP group, copied across the KV ranks."""
     q = _heads(config, layout)[0]
     unit = config.v_head_dim if _is_mla(config) else config.head_dim
-    bounds = split_bounds((q.stop - q.start) * unit, layout.kv, ALIGN)
-    return Cut(1, q.start * unit + bounds[layout.kv_index], q.start * unit + bounds[layout.kv_index + 1])
+    return Cut(1, q.start * unit, q.stop * unit)
 
 
 def _mlp_cuts(prefix: str, intermediate: int, layout: HelixLayout) -> dict[str, Cut]:
@@ -299,45 +303,39 @@ def _sum_over(group):
     return hook
 
 
-def _columns(start: int, stop: int):
-    """A forward pre-hook: the input's last dimension narrowed to [start, stop)."""
-
-    def hook(module, args):
-        return (args[0][..., start:stop],)
-
-    return hook
-
-
-def _bias_once(module: nn.Module, rank: int) -> None:
-    """A row-parallel layer's bias counts once in the sum: rank 0 keeps it, the others hold zeros."""
+def _bias_once(module: nn.Module, index: int) -> None:
+    """A row-parallel layer's bias counts once in the sum: the rank of index 0 in the summing group keeps it,
+    the others hold zeros."""
     bias = getattr(module, "bias", None)
-    if isinstance(bias, torch.Tensor) and rank != 0:
+    if isinstance(bias, torch.Tensor) and index != 0:
         with torch.no_grad():
             bias.zero_()
 
 
-def connect(model: nn.Module, layout: HelixLayout, cuts: dict[str, Cut], group) -> None:
+def connect(model: nn.Module, layout: HelixLayout, cuts: dict[str, Cut], group, tp_group=None) -> None:
     """Make a sharded model (shard_model, or a loader's shares) run its layout: every attention
-    layer runs its query and KV heads; o_proj and down_proj take their columns and all-reduce over
-    `group` (all N ranks); the embedding table looks up by vocabulary (VocabParallelEmbedding); a
-    tied LM head is the same share of the table. Marks the model (model.helix = layout)."""
+    layer runs its query and KV heads; o_proj all-reduces over this rank's TP group (`tp_group`; None
+    where the layout needs none: T = 1, or T = N, whose TP group is `group`), down_proj over `group`
+    (all N ranks); the embedding table looks up by vocabulary (VocabParallelEmbedding); a tied LM head
+    is the same share of the table. Marks the model (model.helix = layout)."""
+    if 1 < layout.tp < layout.world_size and tp_group is None:
+        raise ValueError(f"tp_group: tp={layout.tp} on {layout.world_size} ranks sums o_proj over its TP group, got None")
+    o_group = group if layout.kv == 1 else tp_group
     config = model.config
     heads, kv_heads = local_heads(config, layout)
-    q_start = _heads(config, layout)[0].start * (config.v_head_dim if _is_mla(config) else config.head_dim)
     for handle in model.__dict__.pop("_helix_hooks", []):  # connected before (an earlier engine): hooked anew
         handle.remove()
     hooks = model.__dict__["_helix_hooks"] = []
-    for i, layer in enumerate(model.layers):
+    for layer in model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         attn.num_heads, attn.num_kv_heads = heads, kv_heads
-        cut = cuts[f"layers.{i}.self_attn.o_proj.weight"]
-        if layout.kv > 1:  # the heads' output columns of this KV rank (one KV rank: all of them, no narrowing)
-            hooks.append(attn.o_proj.register_forward_pre_hook(_columns(cut.start - q_start, cut.stop - q_start)))
         experts = [*getattr(mlp, "experts", ()), *filter(None, [getattr(mlp, "shared_experts", None)])]
-        for proj in (attn.o_proj, *(e.down_proj for e in experts or [mlp])):
+        _bias_once(attn.o_proj, layout.tp_index)  # once in its TP group's sum
+        for proj in (e.down_proj for e in experts or [mlp]):
             _bias_once(proj, layout.rank)
-        for module in (attn.o_proj, mlp if experts else mlp.down_proj):  # a MoE: one sum of its weighted experts
-            hooks.append(module.register_forward_hook(_sum_over(group)))
+        if layout.tp > 1:
+            hooks.append(attn.o_proj.register_forward_hook(_sum_over(o_group)))
+        hooks.append((mlp if experts else mlp.down_proj).register_forward_hook(_sum_over(group)))  # a MoE: one sum
     vocab = cuts["embed_tokens.weight"]
     table = model.embed_tokens
     table = table.table if isinstance(table, VocabParallelEmbedding) else table
