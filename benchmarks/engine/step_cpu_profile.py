@@ -36,7 +36,7 @@ import torch
 
 KERNELS = (("treeattn.ops.packed_cpu_kernel", "matmul", "packed"), ("treeattn.ops.packed_int8_kernel", "matmul", "packed"),
            ("treeattn.ops.paged_cpu_kernel", "attend", "paged"), ("treeattn.ops.rowwise_cpu_kernel", "rms_norm", "rms_norm"),
-           ("treeattn.ops.rowwise_cpu_kernel", "rope", "rope"))
+           ("treeattn.ops.rowwise_cpu_kernel", "rope", "rope"), ("treeattn.ops.rowwise_cpu_kernel", "rope_pair", "rope"))
 
 
 def _instrument(spent: dict, calls: dict, vocab: int):
@@ -46,6 +46,8 @@ def _instrument(spent: dict, calls: dict, vocab: int):
     undo = []
     for module_name, attr, name in KERNELS:
         module = importlib.import_module(module_name)
+        if not hasattr(module, attr):  # (rope_pair: not on main)
+            continue
         original = getattr(module, attr)
 
         def timed(*args, _original=original, _name=name, **kwargs):
@@ -84,6 +86,16 @@ PARTS = (("treeattn.models.llama", "RMSNorm", "forward", "norm"),
          ("treeattn.engine.worker.batch", "PagedBatch", "__init__", "batch setup"))
 
 
+class _Item:
+    """A dict entry as an attribute (setattr(_Item(d, key), "value", x) sets d[key]), for the undo list."""
+
+    def __init__(self, mapping: dict, key) -> None:
+        self.__dict__["mapping"], self.__dict__["key"] = mapping, key
+
+    def __setattr__(self, name: str, value) -> None:
+        self.mapping[self.key] = value
+
+
 def _instrument_parts(spent: dict, calls: dict):
     """Exclusive thread CPU ns per part of PARTS and per kernel of KERNELS (a stack of open timers); returns an undo()."""
     import importlib
@@ -114,7 +126,24 @@ def _instrument_parts(spent: dict, calls: dict):
         if attr in owner.__dict__:
             wrap(owner, attr, name)
     for module_name, attr, name in KERNELS:
-        wrap(importlib.import_module(module_name), attr, "kernel " + name)
+        if hasattr(module := importlib.import_module(module_name), attr):  # (rope_pair: not on main)
+            wrap(module, attr, "kernel " + name)
+    # the compiled entries themselves too (a caller may hold them: ops.packed_linear.serial_matmul,
+    # paged_cpu_kernel.entry); nested in the Python entries above where those run, which the stack accounts for
+    for module_name in ("treeattn.ops.packed_cpu_kernel", "treeattn.ops.packed_int8_kernel"):
+        kernels = importlib.import_module(module_name)._KERNELS
+        for fmt in list(kernels):
+            wrapped = []
+            for i in range(len(kernels[fmt])):
+                holder = type("Holder", (), {"f": staticmethod(kernels[fmt][i])})
+                wrap(holder, "f", "kernel packed")
+                wrapped.append(holder.f)
+            original = kernels[fmt]
+            kernels[fmt] = tuple(wrapped)
+            undo.append((_Item(kernels, fmt), "value", original))
+    paged = importlib.import_module("treeattn.ops.paged_cpu_kernel")
+    for attr in ("attend_serial", "attend_parallel"):
+        wrap(paged, attr, "kernel paged")
 
     def restore():
         for owner, attr, original in reversed(undo):

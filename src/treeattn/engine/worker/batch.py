@@ -55,6 +55,7 @@ from treeattn.engine.worker import shared_prefix
 from treeattn.engine.scheduler import Chunk, StepPlan
 from treeattn.models.attention import LocalAttention, group_world_size
 from treeattn.ops import attention, merge_states_list
+from treeattn.ops.cpu_decode import decode_attention
 from treeattn.ops.paged_decode import PagedDecodeLayout, kernel_takes, layer_call, paged_decode_attention
 
 
@@ -287,6 +288,10 @@ class PagedBatch:
     def _attend_group(self, g: _Group, flat: torch.Tensor, q_g: torch.Tensor, k_g, v_g, pos_g, window) -> torch.Tensor:
         """Group g's queries q_g (B, S, Hq, D) (flat: the step's, (T, Hq, D)) over its keys -> out (B, S, Hq, Dv) in q's dtype."""
         if self._window_layer:
+            if q_g.shape[1] == 1 and q_g.dtype == k_g.dtype:  # decoding: the CPU kernel's call that ops.attention makes
+                decoded = decode_attention(q_g, k_g, v_g, scale=q_g.shape[-1] ** -0.5, q_pos=g.q_pos, kv_pos=pos_g, window=window)
+                if decoded is not None:  # its checks are ops.attention's own on these engine-made tensors
+                    return decoded[0]
             return _LOCAL(q_g, k_g, v_g, q_pos=g.q_pos, kv_pos=pos_g, window=window)
         if g.shared is not None:
             return self._attend_shared(g, flat, k_g, v_g, pos_g)
