@@ -54,26 +54,6 @@ def test_a_fused_call_equals_the_parts_calls_bit_for_bit(fmt, qtype):
                                                                                         ref(xs)), (fmt, rows, dtype, bias)
 
 
-@pytest.mark.parametrize("fmt,qtype", FORMATS)
-def test_a_layers_decode_call_is_packed_matmuls_bit_for_bit(fmt, qtype):
-    """PackedLinear's decode-sized calls go straight to its serial kernel (ops.packed_linear.serial_matmul, chosen once
-    per buffers and activation format): the bits of packed_matmul's call, bias or not, each activation format the host
-    runs, float32 and bfloat16 x; a call of another width raises as packed_matmul does."""
-    from treeattn.ops.packed_linear import int8_module, packed_matmul
-
-    for bias in (False, True):
-        layer, (blocks, b) = packed(fmt, qtype, 40, 96, 3, bias)
-        for activations in ("float32", "int8") if int8_module() is not None else ("float32",):
-            layer.activations = activations
-            for rows in (1, 3, 16, 40):
-                x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(rows))
-                for dtype in (torch.float32, torch.bfloat16):
-                    want = packed_matmul(x.to(dtype), fmt, *blocks, b, activations=activations)
-                    assert torch.equal(layer(x.to(dtype)), want), (fmt, bias, activations, rows, dtype)
-    with pytest.raises(ValueError, match="x must have 96 features"):
-        layer(torch.randn(1, 64))
-
-
 def test_pack_arena_keeps_fused_and_single_layers_bit_for_bit():
     """pack_arena moves a fused matrix's stacked buffers and a lone layer's into one allocation; the parts view the
     moved rows again (still current), and every product is the same bits as before."""

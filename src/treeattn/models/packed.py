@@ -20,9 +20,9 @@ import torch
 from torch import nn
 
 from treeattn.cache.paged import host_empty
-from treeattn.ops.packed_linear import (BLOCK, FORMATS, PARALLEL_MIN_WEIGHTS, dequantize_packed, kernel_arrays, kernel_module,
-                                        kernel_takes, packed_matmul, resolve_activation_format, resolve_prefill_dtype,
-                                        serial_matmul)
+from treeattn.ops.packed_linear import (BLOCK, FORMATS, PARALLEL_MIN_WEIGHTS, dequantize_packed, kernel_arrays, kernel_matmul,
+                                        kernel_module, kernel_takes, packed_matmul, resolve_activation_format,
+                                        resolve_prefill_dtype)
 
 WEIGHT_FORMATS = ("auto", "dequantize", "packed")
 """How a loader holds a checkpoint's quantized weights: "dequantize" (in the model's dtype), "packed"
@@ -40,8 +40,6 @@ class _Views(NamedTuple):
     arrays: tuple | None  # ops.packed_linear.kernel_arrays(qs, d, m); None off the CPU
     d_bits: torch.Tensor  # the buffers the views were made of
     m_bits: torch.Tensor | None
-    serial: dict  # activation format -> ops.packed_linear.serial_matmul of these buffers (made on first use)
-    small: bool  # a CPU weight of fewer than PARALLEL_MIN_WEIGHTS values: its decode calls run on one thread
 
 
 class _Packed(nn.Module):
@@ -82,18 +80,9 @@ class _Packed(nn.Module):
         cached = self.__dict__.get("_cached_parts")
         if cached is None or cached.qs is not qs or cached.d_bits is not d_bits or cached.m_bits is not m_bits:
             d, m = d_bits.view(torch.float32), None if m_bits is None else m_bits.view(torch.float32)
-            arrays = kernel_arrays(qs, d, m)
-            small = arrays is not None and qs.shape[0] * qs.shape[1] * BLOCK < PARALLEL_MIN_WEIGHTS
-            cached = _Views(self.fmt, qs, d, m, arrays, d_bits, m_bits, {}, small)
+            cached = _Views(self.fmt, qs, d, m, kernel_arrays(qs, d, m), d_bits, m_bits)
             self.__dict__["_cached_parts"] = cached
         return cached
-
-    def _serial(self, views: _Views, activations: str):
-        """serial_matmul of `views` (this layer's _cached()) for `activations`, made once per buffers and format."""
-        matmul = views.serial.get(activations)
-        if matmul is None:
-            matmul = views.serial[activations] = serial_matmul(views.fmt, views.qs, views.arrays, activations)
-        return matmul
 
     def __getstate__(self):
         state = super().__getstate__().copy()
@@ -135,11 +124,6 @@ class PackedLinear(_Packed):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         v = self._cached()
-        if v.small and x.shape[-1] == v.qs.shape[1] * BLOCK and kernel_takes(x):  # a decode step: packed_matmul's kernel call
-            out = torch.from_numpy(self._serial(v, self.activations)(x))
-            if self.bias is not None:
-                out = out + self.bias.to(torch.float32)
-            return out if out.dtype == x.dtype else out.to(x.dtype)
         return packed_matmul(x, v.fmt, v.qs, v.d, v.m, self.bias, arrays=v.arrays, activations=self.activations,
                              prefill_dtype=self.prefill_dtype)
 
@@ -216,7 +200,7 @@ class FusedPacked:
         if not (kernel_takes(x) and self.current()):
             return tuple(p(x) for p in self.parts)
         v = self.whole._cached()
-        out = self.whole._serial(v, self.parts[0].activations)(x)  # numpy (..., rows): sliced in numpy
+        out = kernel_matmul(x, v.fmt, v.qs, v.arrays, 1, self.parts[0].activations)  # numpy (..., rows): sliced in numpy
         results = []
         for p, (start, stop) in zip(self.parts, self.bounds):
             y = torch.from_numpy(out[..., start:stop])

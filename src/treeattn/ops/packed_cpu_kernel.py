@@ -77,13 +77,6 @@ def matmul(threads: int, fmt: str, x, qs, d, m, out) -> None:
     kernel(x, qs, d, m, out, chunks)
 
 
-
-def serial(fmt: str):
-    """The compiled kernel matmul(1, fmt, ...) runs: serial(fmt)(x, qs, d, m, out, 1) is that call, for a caller that
-    checked its arrays once (ops.packed_linear.serial_matmul: a packed layer calls it every decode step)."""
-    return _KERNELS[fmt][0]
-
-
 @intrinsic
 def _stack_floats(typingctx, count):
     """A pointer to `count` (a literal int) float32 on the calling function's stack (one alloca in its

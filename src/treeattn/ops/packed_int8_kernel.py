@@ -86,14 +86,6 @@ def matmul(threads: int, fmt: str, x, qs, d, m, out) -> None:
     _KERNELS[fmt][threads > 1](x, qs, d, m, out, chunks)
 
 
-
-def serial(fmt: str):
-    """The compiled kernel matmul(1, fmt, ...) runs: serial(fmt)(x, qs, d, m, out, 1) is that call, for a caller that
-    checked its arrays once (ops.packed_linear.serial_matmul: a packed layer calls it every decode step).
-    Call only where available()."""
-    return _KERNELS[fmt][0]
-
-
 @njit(cache=True)
 def quantize_q8(x, xq, xd, xs):  # pragma: no cover - compiled
     """Rows of x (M, K) float32 as ggml's q8_0 blocks: xq (M, K // 32, 32) int8, xd (M, K // 32) float32 scales,

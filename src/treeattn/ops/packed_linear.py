@@ -36,8 +36,6 @@ profile` at 4,096 tokens, one process, two runs alternated).
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -319,35 +317,6 @@ def kernel_matmul(x: torch.Tensor, fmt: str, qs: torch.Tensor, arrays: tuple[np.
     return out
 
 
-def serial_matmul(fmt: str, qs: torch.Tensor, arrays: tuple[np.ndarray, np.ndarray, np.ndarray],
-                  activations: str = "float32") -> Callable[[torch.Tensor], np.ndarray]:
-    """kernel_matmul(x, fmt, qs, arrays, 1, activations) with its kernel chosen and its arrays checked once: a function
-    f(x) -> float32 numpy (..., N), the same kernel on the same arrays, so the same bits, for a caller that multiplies by
-    one weight every decode step (models.packed's layers; the caller checked that kernel_takes(x) and the width of x).
-    kernel_matmul looks up the kernel module, its format and thread count on every call: about as long as a small
-    layer's product.
-
-    >>> import torch
-    >>> qs, d = torch.ones(2, 1, 32, dtype=torch.int8), torch.tensor([[0.5], [2.0]])    # q8_0: W = d * q, (2, 32)
-    >>> x = torch.ones(1, 32)
-    >>> None if not kernel_takes(x) else serial_matmul("q8_0", qs, kernel_arrays(qs, d, None))(x).tolist()
-    [[16.0, 64.0]]
-    """
-    N, K = qs.shape[0], qs.shape[1] * BLOCK
-    int8 = int8_module() if activations == "int8" and qs.dtype != torch.int16 else None
-    if int8 is not None and not all(a.flags.c_contiguous for a in arrays):
-        raise ValueError("x, qs, d and m must be C-contiguous arrays (the dot products read rows by pointer arithmetic)")
-    kernel = (int8 or kernel_module()).serial(fmt)
-
-    def matmul(x: torch.Tensor) -> np.ndarray:
-        rows = numpy_rows(x if x.dtype == torch.float32 else x.to(torch.float32), K)
-        out = np.empty((rows.shape[0], N), dtype=np.float32)
-        kernel(rows, *arrays, out, 1)
-        return out.reshape(*x.shape[:-1], N)
-
-    return matmul
-
-
 def packed_matmul(x: torch.Tensor, fmt: str, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None,
                   bias: torch.Tensor | None = None, *, arrays: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None,
                   threads: int | None = None, activations: str = "float32", prefill_dtype: str = "float32") -> torch.Tensor:
@@ -400,4 +369,4 @@ __all__ = ["ACTIVATION_FORMATS", "AUTO_ACTIVATIONS", "BLOCK", "BLOCK_BYTES", "FO
            "PREFILL_DTYPES", "fast_bf16", "resolve_prefill_dtype",
            "Q4_K_BLOCK_BYTES", "Q5_0_BLOCK_BYTES", "Q6_K_BLOCK_BYTES",
            "dequantize_packed", "int8_module", "kernel_arrays", "kernel_matmul", "kernel_takes", "packed_matmul", "q4_k_as_q4_1",
-           "q5_0_as_q8_0", "q6_k_as_q8_0", "resolve_activation_format", "serial_matmul", "unpack_blocks"]
+           "q5_0_as_q8_0", "q6_k_as_q8_0", "resolve_activation_format", "unpack_blocks"]
