@@ -44,15 +44,24 @@ def _instrument(spent: dict, calls: dict, vocab: int):
     import importlib
 
     undo = []
-    for module_name, attr, name in KERNELS:
+    depth = [0]  # only the outermost kernel entry counts (the paged kernel's Python entry calls its compiled one)
+    entries = KERNELS + (("treeattn.ops.paged_cpu_kernel", "attend_serial", "paged"),
+                         ("treeattn.ops.paged_cpu_kernel", "attend_parallel", "paged"))
+    for module_name, attr, name in entries:
         module = importlib.import_module(module_name)
         if not hasattr(module, attr):  # (rope_pair: not on main)
             continue
         original = getattr(module, attr)
 
         def timed(*args, _original=original, _name=name, **kwargs):
+            depth[0] += 1
             start = time.thread_time_ns()
-            _original(*args, **kwargs)
+            try:
+                _original(*args, **kwargs)
+            finally:
+                depth[0] -= 1
+            if depth[0]:
+                return
             key = "lm_head" if _name == "packed" and args[-1].shape[-1] == vocab else _name
             spent[key] = spent.get(key, 0) + time.thread_time_ns() - start
             calls[key] = calls.get(key, 0) + 1
