@@ -165,3 +165,26 @@ def test_constructor_rejects_bad_arguments():
         ShardedKVCache(num_layers=1, num_kv_heads=0, head_dim=2, capacity=4)
     with pytest.raises(TypeError, match="dtype must be a floating"):
         ShardedKVCache(num_layers=1, num_kv_heads=1, head_dim=2, capacity=4, dtype=torch.int64)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_a_window_rings_one_row_writes_are_its_batched_writes(dtype):
+    """A decode step writes a window ring's one new row at a plain index (_Ring._row); the ring's rows, positions and
+    held range are those of writing the same rows through the index tensors of a longer write (_rows), including a
+    restart at 0 and a rollback to an earlier position."""
+    from treeattn.cache.window import _Ring
+
+    g = torch.Generator().manual_seed(0)
+    k, v = torch.randn(20, 2, 4, generator=g), torch.randn(20, 2, 4, generator=g)
+    one, batched = _Ring(5, k, dtype, torch.float32), _Ring(5, k, dtype, torch.float32)
+    for start, n in ((0, 3), (3, 4), (7, 1), (8, 6), (5, 2), (0, 2), (2, 1)):  # (5, 2): a rollback; (0, 2): a restart
+        for i in range(n):
+            one.write(start + i, k[start + i : start + i + 1], v[start + i : start + i + 1])
+        if n == 1:  # the batched ring's own single write would take the plain index too: force the index tensors
+            at = batched._rows(start, 1)
+            batched.k[at], batched.v[at] = k[start:start + 1].to(dtype).to(batched.k.dtype), v[start:start + 1].to(dtype).to(
+                batched.v.dtype)
+        else:
+            batched.write(start, k[start : start + n], v[start : start + n])
+        assert (one.first, one.end) == (batched.first, batched.end)
+        assert torch.equal(one.pos, batched.pos) and torch.equal(one.k, batched.k) and torch.equal(one.v, batched.v)

@@ -443,6 +443,40 @@ def test_layer_call_is_the_kernel_call_bit_for_bit(case, dtype):
             assert torch.equal(new_t, old_t) and torch.equal(new_t, full)
 
 
+@needs_kernel
+@pytest.mark.parametrize("case", list(CASES))
+def test_layer_call_keeps_the_blocks_views_it_is_given_a_dict_for(case):
+    """With views (a cache's kernel_views), a call keeps each blocks tensor's numpy views for the next call with the
+    same tensors, and a call with other tensors makes theirs: the bits of a call without views every time."""
+    layers = [make_case(**CASES[case], seed=seed) for seed in (0, 1)]
+    q0, k0, v0, layout = layers[0]
+    views = {}
+    kept, fresh = pd.layer_call(q0, k0, v0, layout, views=views), pd.layer_call(q0, k0, v0, layout)
+    window = WINDOWS.get(case)
+    for _ in range(2):
+        for q, k, v, _ in layers:
+            for a, b in zip(kept(q, k, v, window), fresh(q, k, v, window)):
+                assert torch.equal(a, b)
+    assert sorted(views) == sorted(id(k) for _, k, _, _ in layers) and fresh.views is None
+
+
+def test_a_paged_caches_layer_views_are_made_once():
+    """PagedKVCache.blocks and block_scales give the same view tensors at every call (the paged kernel's numpy views of
+    them are kept by tensor), and write() stores through the same views, for float32 and fp8 arenas."""
+    from treeattn.cache.paged import PagedKVCache
+    from treeattn.ops.fp8 import FP8
+
+    for dtype in (torch.float32, FP8):
+        cache = PagedKVCache(num_layers=2, num_kv_heads=1, head_dim=4, num_blocks=2, block_size=2, dtype=dtype)
+        first = [cache.blocks(i) for i in range(2)], [cache.block_scales(i) for i in range(2)]
+        k = torch.randn(1, 1, 4)
+        cache.write(1, torch.tensor([3]), k, -k)
+        again = [cache.blocks(i) for i in range(2)], [cache.block_scales(i) for i in range(2)]
+        assert all(a is b for pairs in zip(*first, *again) for a, b in zip(pairs[:2], pairs[2:]) if a is not None)
+        stored = cache.stored(k)
+        assert torch.equal(cache.gather(1, torch.tensor([[1]]))[0][0, 1], stored[0]) and first[0][1][0].data_ptr() != 0
+
+
 def test_layer_call_is_none_where_the_kernel_does_not_run(monkeypatch):
     """No CPU kernel for these tensors (here: kernel_takes says no): layer_call gives None, the caller
     keeps paged_decode_attention; bad input raises as paged_decode_attention does."""

@@ -86,3 +86,20 @@ def test_what_the_kernel_does_not_take_runs_in_torch():
     bf = rowwise.rms_norm(x.detach().bfloat16(), w.bfloat16(), 1e-5)
     assert bf.dtype == torch.bfloat16
     torch.testing.assert_close(bf.float(), rowwise.rms_norm(x.detach(), w, 1e-5), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 9, 3, 64), (2, 3, 4, 2, 16), (1, 5, 1, 1, 2)])
+def test_rope_pair_is_two_ropes_bit_for_bit(shape, monkeypatch):
+    """apply_rope_pair (one kernel call for a layer's queries and keys) gives apply_rope's bits for each, on the kernel
+    and on the torch path; keys of another head dim than the queries' fall back to the two calls."""
+    B, S, H, Hk, D = shape
+    g = torch.Generator().manual_seed(2)
+    q, k = torch.randn(B, S, H, D, generator=g), torch.randn(B, S, Hk, D, generator=g)
+    angles = torch.rand(B, S, D // 2, generator=g) * 100
+    cos, sin = torch.cat((angles, angles), -1).cos(), torch.cat((angles, angles), -1).sin()
+    for path in ("kernel", "torch"):
+        if path == "torch":
+            _torch_path(monkeypatch)
+        pair = rowwise.apply_rope_pair(q, k, cos, sin)
+        assert all(torch.equal(a, b) for a, b in zip(pair, (rowwise.apply_rope(q, cos, sin), rowwise.apply_rope(k, cos, sin))))
+        assert pair[0].shape == q.shape and pair[1].shape == k.shape

@@ -104,6 +104,8 @@ class PagedKVCache:
         if dtype == FP8:
             self.scales = host_empty(self.arena.shape[:-1], torch.float32, device)
             self.scales[:, :, self.pad_block].zero_()
+        self._layer_views = [None] * num_layers  # per layer: (blocks(), block_scales(), write()'s planes), made on first use
+        self.kernel_views = {}  # the paged CPU kernel's numpy views of the layers' blocks (ops.cpu_decode.LayerCall's views)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -128,7 +130,7 @@ class PagedKVCache:
             slots: int64 (n,) flat slot of each token: block * block_size + offset in the block.
             k, v: (n, Hkv, D), (n, Hkv, Dv) of any float dtype, rounded to the cache's (v not stored with value_dim).
         """
-        kv = self.arena[layer].view(self.arena.shape[1], -1, self.num_kv_heads, self.head_dim)
+        kv = self._views(layer)[2]
         if self.scales is not None:  # fp8: codes and their scales
             scales = self.scales[layer].view(self.arena.shape[1], -1, self.num_kv_heads)
             for plane, x in enumerate((k,) if self.value_dim else (k, v)):
@@ -167,15 +169,24 @@ class PagedKVCache:
     def blocks(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Views of every stored block of `layer` (the cache's dtype; fp8: the codes): k (num_blocks + 1,
         block_size, Hkv, D), v (..., Dv)."""
-        return self._split(self.arena[layer])
+        return self._views(layer)[0]
 
     def block_scales(self, layer: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """An fp8 cache's scales of every block of `layer`, views float32 (num_blocks + 1, block_size,
         Hkv) for k and v (the same for both with value_dim); (None, None) for any other dtype."""
-        if self.scales is None:
-            return None, None
-        return (self.scales[layer, 0], self.scales[layer, 0]) if self.value_dim else (self.scales[layer, 0],
-                                                                                      self.scales[layer, 1])
+        return self._views(layer)[1]
+
+    def _views(self, layer: int) -> tuple:
+        """(blocks(layer), block_scales(layer), the layer's arena as write() indexes it: (planes, slots, Hkv, D)),
+        made on the layer's first use and the same tensors after (a decode step reads them in every layer)."""
+        views = self._layer_views[layer]
+        if views is None:
+            scales = (None, None)
+            if self.scales is not None:
+                scales = (self.scales[layer, 0], self.scales[layer, 0 if self.value_dim else 1])
+            planes = self.arena[layer].view(self.arena.shape[1], -1, self.num_kv_heads, self.head_dim)
+            views = self._layer_views[layer] = (self._split(self.arena[layer]), scales, planes)
+        return views
 
     def _widen(self, codes: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor:
         """Stored values in the compute dtype: a view when the arena stores that dtype, else a copy

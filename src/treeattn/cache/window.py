@@ -293,8 +293,22 @@ class _Ring:
         self.first = max(self.first, self.end - self.size)
         return rows % self.size
 
+    def _row(self, start: int) -> int:
+        """_rows(start, 1) as a plain int: the ring row of position `start`, marked held."""
+        row = start % self.size
+        if start == 0 or start > self.end:
+            self.first = start
+        self.pos[row] = start
+        self.end = start + 1
+        self.first = max(self.first, self.end - self.size)
+        return row
+
     def write(self, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Keys and values (n, Hkv, D) of positions [start, start + n), stored in the ring's dtype."""
+        if k.shape[0] == 1 and self.scales is None:  # a decode step's row: a plain index, not index tensors
+            at = self._row(start)
+            self.k[at], self.v[at] = k[0].to(self.dtype).to(self.k.dtype), v[0].to(self.dtype).to(self.v.dtype)
+            return
         at = self._rows(start, k.shape[0])
         if self.scales is None:
             self.k[at], self.v[at] = k.to(self.dtype).to(self.k.dtype), v.to(self.dtype).to(self.v.dtype)

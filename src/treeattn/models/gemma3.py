@@ -140,6 +140,9 @@ class Gemma3DecoderLayer(nn.Module):
 
     def forward(self, h, positions, cos, sin, kv_store: KVStore, attend: AttendFn, chunk: int) -> torch.Tensor:
         h = h + self.post_attention_layernorm(self.self_attn(self.input_layernorm(h), positions, cos, sin, kv_store, attend))
+        if h.shape[1] <= chunk:  # one chunk (a decode step): the same sum, without the slice and the loop
+            h += self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
+            return h
         # The MLP's intermediate activations are the largest of the layer: bound them to `chunk` tokens.
         for start in range(0, h.shape[1], chunk):
             part = h[:, start : start + chunk]

@@ -36,7 +36,7 @@ from torch import nn
 
 from treeattn.models.packed import fused_projections
 from treeattn.ops.dense_linear import linear_float32
-from treeattn.ops.rowwise import apply_rope, rms_norm
+from treeattn.ops.rowwise import apply_rope_pair, rms_norm
 
 KVStore = Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 AttendFn = Callable[..., torch.Tensor]
@@ -225,7 +225,7 @@ class Attention(nn.Module):
 
         q: [B, S, Hq, D], k: [B, S, Hkv, D]; cos, sin: the rope tables of these positions. A family
         that normalises or scales the heads first (Gemma 3) overrides this, not forward."""
-        return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        return apply_rope_pair(q, k, cos, sin)  # one kernel call for both where it takes them
 
 
 class MLP(nn.Module):
@@ -253,6 +253,9 @@ class DecoderLayer(nn.Module):
 
     def forward(self, h, positions, cos, sin, kv_store: KVStore, attend: AttendFn, chunk: int) -> torch.Tensor:
         h = h + self.self_attn(self.input_layernorm(h), positions, cos, sin, kv_store, attend)
+        if h.shape[1] <= chunk:  # one chunk (a decode step): the same sum, without the slice and the loop
+            h += self.mlp(self.post_attention_layernorm(h))
+            return h
         # The MLP's intermediate activations are the largest of the layer: bound them to `chunk` tokens.
         for start in range(0, h.shape[1], chunk):
             part = h[:, start : start + chunk]

@@ -87,13 +87,18 @@ class LayerCall:
         dtype: the blocks' dtype (float32, bfloat16, float16 or float8_e4m3fn).
         values_in_keys: the values are the keys' first Dv channels (a call's v_blocks is then not read).
         arrays, threads, scale: as attend_blocks takes them.
+        views: a dict that keeps the numpy views of the blocks (and scales) a call was given, keyed by the blocks
+            tensor, for the next call with the same tensors: a cache passes its own (treeattn.cache.PagedKVCache's
+            kernel_views), so the views of its layers are made once, not in every layer of every step. None: none kept.
     """
 
     def __init__(self, q_shape: tuple[int, int, int, int], Hkv: int, Dv: int, dtype: torch.dtype, values_in_keys: bool, arrays,
-                 *, threads: int, scale: float) -> None:
+                 *, threads: int, scale: float, views: dict | None = None) -> None:
         B, Sq, Hq, D = q_shape
         self.values_in_keys = values_in_keys
         self.kernel = kernel_module()
+        self.entry = self.kernel.entry(threads, Hkv, Hq // Hkv, D, Dv)  # the kernel's choices for these shapes, made once
+        self.views = views
         self.q_shape, self.bits, self.arrays, self.threads, self.scale = tuple(q_shape), _BITS[dtype], arrays, threads, scale
         self.rows = (B * Sq, Hkv, Hq // Hkv, D)
         self.out_shape, self.lse_shape, self.Dv = (B * Sq, Hkv, Hq // Hkv, Dv), (B * Sq, Hkv, Hq // Hkv), Dv
@@ -107,17 +112,28 @@ class LayerCall:
         v_store = k_blocks if self.values_in_keys else v_blocks
         q_rows = q if q.dtype == torch.float32 and q.is_contiguous() else q.to(torch.float32).contiguous()
         out, lse = np.empty(self.out_shape, dtype=np.float32), np.empty(self.lse_shape, dtype=np.float32)
-        kernel = self.kernel
-        scales = (kernel.NO_SCALES, kernel.NO_SCALES) if k_scales is None else (k_scales.numpy(), v_scales.numpy())
         table, kv_pos, row_seq, q_pos, splits = self.arrays
-        kernel.attend(self.threads, q_rows.numpy().reshape(self.rows), k_blocks.view(self.bits).numpy(),
-                      v_store.view(self.bits).numpy(), *scales, self.Dv, self.scale, table, kv_pos, row_seq, q_pos,
-                      window or 0, splits, out, lse)
+        self.entry(q_rows.numpy().reshape(self.rows), *self._block_views(k_blocks, v_store, k_scales, v_scales), self.Dv,
+                   self.scale, table, kv_pos, row_seq, q_pos, window or 0, splits, out, lse)
         out_shape, lse_shape = self.shapes
         out = torch.from_numpy(out.reshape(out_shape))
         lse = torch.from_numpy(lse.reshape(lse_shape))
         lse = lse.view(lse_shape[0], lse_shape[2], 1) if lse_shape[1] == 1 else lse.transpose(1, 2).contiguous()
         return (out if q.dtype == torch.float32 else out.to(q.dtype)), lse
+
+    def _block_views(self, k_blocks: torch.Tensor, v_store: torch.Tensor, k_scales, v_scales) -> tuple:
+        """(keys, values, key scales, value scales) as the kernel reads them: numpy views (the blocks' bits), kept in
+        self.views for the next call with the same tensors."""
+        views = None if self.views is None else self.views.get(id(k_blocks))
+        if (views is None or views[0] is not k_blocks or views[1] is not v_store or views[2] is not k_scales
+                or views[3] is not v_scales):
+            kernel = self.kernel
+            scales = (kernel.NO_SCALES, kernel.NO_SCALES) if k_scales is None else (k_scales.numpy(), v_scales.numpy())
+            views = (k_blocks, v_store, k_scales, v_scales, k_blocks.view(self.bits).numpy(), v_store.view(self.bits).numpy(),
+                     *scales)
+            if self.views is not None:  # the tensors are kept with their views: an id is never reused while it is here
+                self.views[id(k_blocks)] = views
+        return views[4:]
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, q_pos: torch.Tensor | None,
@@ -159,7 +175,8 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale
     k_blocks = k.contiguous().view(B * nb, block, *k.shape[2:])
     v_blocks = v.contiguous().view(B * nb, block, *v.shape[2:])
     threads = torch.get_num_threads()
-    arrays = (torch.arange(B * nb).view(B, nb).numpy(), kv_pos.expand(B, Sk).contiguous().numpy(),
-              torch.arange(B).repeat_interleave(Sq).numpy(), q_pos.expand(B, Sq).reshape(-1).contiguous().numpy(),
+    # the block table and each row's sequence in numpy (a decode step's window layers come here in every layer)
+    arrays = (np.arange(B * nb, dtype=np.int64).reshape(B, nb), kv_pos.expand(B, Sk).contiguous().numpy(),
+              np.repeat(np.arange(B, dtype=np.int64), Sq), q_pos.expand(B, Sq).reshape(-1).contiguous().numpy(),
               kernel_splits(threads, B * Sq, nb))
     return attend_blocks(q, k_blocks, v_blocks, v.shape[-1], arrays, threads=threads, scale=scale, window=window)

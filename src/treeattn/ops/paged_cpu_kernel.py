@@ -96,6 +96,26 @@ def attend(threads: int, *args) -> None:
         attend_parallel(*args, dims, heads, groups)
 
 
+def entry(threads: int, heads: int, group: int, head_dim: int, dv: int):
+    """attend(threads, *args) for every call whose q rows are (R, heads, group, head_dim) and values dv wide, its
+    choices (thread count, constant dims and heads) made once: entry(...)(*args) is that call (ops.cpu_decode.LayerCall
+    runs every layer of a step through one).
+
+    >>> entry(1, 3, 3, 64, 64) is not None
+    True
+    """
+    threads = max(1, min(threads, numba.config.NUMBA_NUM_THREADS))
+    tags = (head_dim_tag(head_dim, dv), *head_shape_tag(heads, group, head_dim, dv))
+    if threads == 1:
+        return lambda *args: attend_serial(*args, *tags)
+
+    def parallel(*args) -> None:
+        numba.set_num_threads(threads)  # per calling thread
+        attend_parallel(*args, *tags)
+
+    return parallel
+
+
 NO_SCRATCH = np.zeros((0, 0, 0), dtype=np.float32)
 NO_SCALES = np.ones((1, 1, 1), dtype=np.float32)
 """The scales argument of float32 and 16-bit blocks (never read)."""

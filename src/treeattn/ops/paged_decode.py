@@ -185,13 +185,14 @@ def paged_decode_attention(q: torch.Tensor, k_blocks: torch.Tensor, v_blocks: to
 
 def layer_call(q: torch.Tensor, k_blocks: torch.Tensor, v_blocks: torch.Tensor, layout: PagedDecodeLayout, *,
                scale: float | None = None, k_scales: torch.Tensor | None = None,
-               v_scales: torch.Tensor | None = None) -> LayerCall | None:
+               v_scales: torch.Tensor | None = None, views: dict | None = None) -> LayerCall | None:
     """paged_decode_attention's CPU kernel for every layer of a step, checked once: a
     treeattn.ops.cpu_decode.LayerCall, or None where paged_decode_attention would not run the CPU kernel
     (CUDA, a dtype or layout it does not take, no numba). Arguments as paged_decode_attention's, of one
     layer; call(q, k_blocks, v_blocks, window, k_scales, v_scales) then runs any layer whose tensors
     have the same shapes, dtypes and strides (a PagedKVCache's layers: views of one arena), bit for bit
-    as paged_decode_attention. Raises as paged_decode_attention on bad input.
+    as paged_decode_attention. views: where the call keeps the blocks' numpy views between calls (LayerCall's;
+    PagedKVCache.kernel_views). Raises as paged_decode_attention on bad input.
 
     >>> import torch
     >>> from treeattn.ops.paged_decode import PagedDecodeLayout, layer_call, paged_decode_attention
@@ -204,10 +205,11 @@ def layer_call(q: torch.Tensor, k_blocks: torch.Tensor, v_blocks: torch.Tensor, 
     scale, _ = _check_call(q, k_blocks, v_blocks, layout, scale, None, k_scales, v_scales)
     if _triton_kernel(q) is not None:
         return None
-    return _cpu_call(q, k_blocks, v_blocks, layout, scale, k_scales, v_scales)
+    return _cpu_call(q, k_blocks, v_blocks, layout, scale, k_scales, v_scales, views)
 
 
-def _cpu_call(q, k_blocks, v_blocks, layout: PagedDecodeLayout, scale: float, k_scales, v_scales) -> LayerCall | None:
+def _cpu_call(q, k_blocks, v_blocks, layout: PagedDecodeLayout, scale: float, k_scales, v_scales,
+              views: dict | None = None) -> LayerCall | None:
     """The CPU kernel's LayerCall for these (checked) tensors, or None where it does not take them."""
     values_in_keys = v_blocks.data_ptr() == k_blocks.data_ptr() and v_blocks.stride() == k_blocks.stride()
     if not (kernel_takes(k_blocks.dtype, q.device, q.dtype) and k_blocks.is_contiguous()
@@ -215,7 +217,7 @@ def _cpu_call(q, k_blocks, v_blocks, layout: PagedDecodeLayout, scale: float, k_
             and (k_scales is None or (k_scales.is_contiguous() and v_scales.is_contiguous()))):
         return None
     return LayerCall(tuple(q.shape), k_blocks.shape[2], v_blocks.shape[-1], k_blocks.dtype, values_in_keys,
-                     layout._kernel_arrays(), threads=layout.threads, scale=scale)
+                     layout._kernel_arrays(), threads=layout.threads, scale=scale, views=views)
 
 
 def _check_call(q, k_blocks, v_blocks, layout: PagedDecodeLayout, scale, window, k_scales, v_scales) -> tuple[float, int | None]:

@@ -2,6 +2,7 @@
 
     y = rms_norm(x, weight, eps)     x (..., D), weight (D,) -> (..., D) in x.dtype (weight_offset=1.0: Gemma's 1 + weight)
     y = apply_rope(x, cos, sin)      x (B, S, H, D), cos, sin (B, S, D) -> (B, S, H, D) in x.dtype
+    q, k = apply_rope_pair(q, k, cos, sin)    (apply_rope(q, cos, sin), apply_rope(k, cos, sin)): one kernel call
 
 Each is a few torch calls; a decode step of a few rows on the CPU, in float32, outside autograd,
 runs the compiled kernel instead (treeattn.ops.rowwise_cpu_kernel, numba: one call), whose fixed
@@ -71,4 +72,27 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotated * sin
 
 
-__all__ = ["MAX_KERNEL_ROWS", "apply_rope", "rms_norm"]
+def apply_rope_pair(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(apply_rope(q, cos, sin), apply_rope(k, cos, sin)), the same bits, for a layer's queries q (B, S, Hq, D) and keys
+    k (B, S, Hkv, D): where the kernel takes both, one call (a decode step's layer rotates both, and half of each call's
+    time was its checks and views); else the two calls.
+
+    >>> import torch
+    >>> q, k, cos, sin = torch.randn(1, 1, 4, 8), torch.randn(1, 1, 2, 8), torch.rand(1, 1, 8), torch.rand(1, 1, 8)
+    >>> pair, alone = apply_rope_pair(q, k, cos, sin), (apply_rope(q, cos, sin), apply_rope(k, cos, sin))
+    >>> all(torch.equal(a, b) for a, b in zip(pair, alone))
+    True
+    """
+    kernel = _kernel(q.shape[0] * q.shape[1], q, k, cos, sin)
+    if (kernel is not None and q.shape[:2] == k.shape[:2] == cos.shape[:2] and q.shape[3] == k.shape[3] and q.numel()
+            and k.numel()):
+        B, S, H, D = q.shape
+        Hk = k.shape[2]
+        out_q, out_k = np.empty((B * S, H, D), dtype=np.float32), np.empty((B * S, Hk, D), dtype=np.float32)
+        kernel.rope_pair(numpy_rows(q, H * D).reshape(B * S, H, D), numpy_rows(k, Hk * D).reshape(B * S, Hk, D),
+                         numpy_rows(cos, D), numpy_rows(sin, D), out_q, out_k)
+        return torch.from_numpy(out_q.reshape(q.shape)), torch.from_numpy(out_k.reshape(k.shape))
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+
+
+__all__ = ["MAX_KERNEL_ROWS", "apply_rope", "apply_rope_pair", "rms_norm"]

@@ -12,6 +12,7 @@ attention (docs/benchmarks.md). Here each is one call.
     rope(x, cos, sin, out)          x, out (R, H, D) float32, cos, sin (R, D) float32, the
         rotate-half layout: out = x * cos + rotate_half(x) * sin, the same two roundings as torch's
         (no fused multiply-add here: bit for bit torch's result)
+    rope_pair(q, k, cos, sin, out_q, out_k)    rope of q (R, Hq, D) and of k (R, Hkv, D) in one call, each as rope
 
 Importing this module compiles nothing: numba compiles each kernel on its first call and caches
 the machine code beside this file (cache=True).
@@ -56,3 +57,10 @@ def rope(x, cos, sin, out):  # pragma: no cover - compiled
                 out[r, h, j] = x[r, h, j] * cos[r, j] - x[r, h, j + half] * sin[r, j]
             for j in range(half, D):
                 out[r, h, j] = x[r, h, j] * cos[r, j] + x[r, h, j - half] * sin[r, j]
+
+
+@njit(cache=True)
+def rope_pair(q, k, cos, sin, out_q, out_k):  # pragma: no cover - compiled
+    """rope(q, cos, sin, out_q) and rope(k, cos, sin, out_k) in one call (a layer's queries and keys)."""
+    rope(q, cos, sin, out_q)
+    rope(k, cos, sin, out_k)

@@ -77,10 +77,11 @@ def _matmul(fmt: str, values: torch.dtype, threads: int, int8: bool = False) -> 
 
 
 def _rowwise() -> None:
-    from treeattn.ops.rowwise import apply_rope, rms_norm
+    from treeattn.ops.rowwise import apply_rope, apply_rope_pair, rms_norm
 
     rms_norm(torch.ones(1, 8), torch.ones(8), 1e-6)
     apply_rope(torch.ones(1, 1, 1, 8), torch.ones(1, 1, 8), torch.zeros(1, 1, 8))
+    apply_rope_pair(torch.ones(1, 1, 2, 8), torch.ones(1, 1, 1, 8), torch.ones(1, 1, 8), torch.zeros(1, 1, 8))
 
 
 def _combine(dtype: torch.dtype) -> None:

@@ -55,6 +55,7 @@ from treeattn.engine.worker import shared_prefix
 from treeattn.engine.scheduler import Chunk, StepPlan
 from treeattn.models.attention import LocalAttention, group_world_size
 from treeattn.ops import attention, merge_states_list
+from treeattn.ops.cpu_decode import decode_attention
 from treeattn.ops.paged_decode import PagedDecodeLayout, kernel_takes, layer_call, paged_decode_attention
 
 
@@ -189,6 +190,11 @@ class PagedBatch:
         self._members = [[(plan.chunks[i], offsets[i]) for i in idx] for idx in (decoding, prefill) if idx]  # per group
         self._in_order = len(self.groups) == 1 and self.groups[0].in_order and self.groups[0].q_index.numel() == len(tokens)
         self._store_all = rows == list(range(len(tokens)))  # every new key is stored here, in order: no row gather
+        # what kv_store returns when no group gathers its shard (decoding through the paged kernel, or run by run)
+        self._no_gather = None
+        if all(g.copy_free or g.paged is not None for g in self.groups):
+            self._no_gather = (None,) * len(self.groups), (None,) * len(self.groups), tuple(g.kv_pos for g in self.groups)
+        self._q_shape = tuple(self.groups[0].q_index.shape) if self._in_order else None  # the in-order group's (B, S)
         if segments:
             g = self.groups[0]
             g.shared = shared_prefix.SharedSegments(segments, [plan.chunks[i] for i in decoding], [offsets[i] for i in decoding],
@@ -210,6 +216,8 @@ class PagedBatch:
         elif self.store_rows.numel():
             self.cache.write(layer, self.store_slots, k_new[0, self.store_rows], v_new[0, self.store_rows])
         self._layer = layer
+        if self._no_gather is not None:
+            return self._no_gather
         shards = [(None, None) if g.copy_free or g.paged is not None else self.cache.gather(layer, g.table) for g in self.groups]
         return tuple(k for k, _ in shards), tuple(v for _, v in shards), tuple(g.kv_pos for g in self.groups)
 
@@ -264,27 +272,32 @@ class PagedBatch:
         nothing: its queries are a view of q and its output is the group's."""
         start, combined = time.perf_counter(), self.phases.get("combine", 0.0)
         flat = q[0]
-        if self._in_order:
-            g = self.groups[0]
-            o = self._attend_group(g, flat, flat.reshape(*g.q_index.shape, *flat.shape[1:]), k[0], v[0], kv_pos[0], window)
-            out = o.reshape(flat.shape[0], *o.shape[2:])
+        if self._in_order:  # q (1, T, Hq, D) is the group's (B, S, Hq, D), and its output is the step's
+            o = self._attend_group(self.groups[0], flat, q.reshape(*self._q_shape, *q.shape[2:]), k[0], v[0], kv_pos[0], window)
+            out = o.reshape(*q.shape[:3], o.shape[-1])
         else:
             out = flat.new_zeros(*flat.shape[:-1], self.cache.value_dim or flat.shape[-1])  # (T, Hq, Dv)
             for g, k_g, v_g, pos_g in zip(self.groups, k, v, kv_pos):
                 o = self._attend_group(g, flat, flat[g.q_index], k_g, v_g, pos_g, window)
                 out[g.q_index[g.valid]] = o[g.valid]
+            out = out[None]
         local = time.perf_counter() - start - (self.phases.get("combine", 0.0) - combined)
         self.phases["attention"] = self.phases.get("attention", 0.0) + local
-        return out[None]
+        return out
 
     def _attend_group(self, g: _Group, flat: torch.Tensor, q_g: torch.Tensor, k_g, v_g, pos_g, window) -> torch.Tensor:
         """Group g's queries q_g (B, S, Hq, D) (flat: the step's, (T, Hq, D)) over its keys -> out (B, S, Hq, Dv) in q's dtype."""
         if self._window_layer:
+            if q_g.shape[1] == 1 and q_g.dtype == k_g.dtype:  # decoding: the CPU kernel's call that ops.attention makes
+                decoded = decode_attention(q_g, k_g, v_g, scale=q_g.shape[-1] ** -0.5, q_pos=g.q_pos, kv_pos=pos_g, window=window)
+                if decoded is not None:  # its checks are ops.attention's own on these engine-made tensors
+                    return decoded[0]
             return _LOCAL(q_g, k_g, v_g, q_pos=g.q_pos, kv_pos=pos_g, window=window)
         if g.shared is not None:
             return self._attend_shared(g, flat, k_g, v_g, pos_g)
         if g.paged is not None:
-            return self._combine(*self._paged_state(g, q_g, window)).to(q_g.dtype)
+            out = self._combine(*self._paged_state(g, q_g, window))
+            return out if out.dtype == q_g.dtype else out.to(q_g.dtype)
         if g.copy_free:
             return self._attend_runs(g, q_g)
         return self.backend(q_g, k_g, v_g, q_pos=g.q_pos, kv_pos=pos_g, window=window)
@@ -311,11 +324,14 @@ class PagedBatch:
         k, v = self.cache.blocks(self._layer)
         k_scales, v_scales = self.cache.block_scales(self._layer)  # an fp8 cache's, else None
         if g.layer_call is None:  # the step's first layer: the CPU kernel's call, checked once for every layer
-            g.layer_call = layer_call(q, k, v, g.paged, k_scales=k_scales, v_scales=v_scales) or False
+            g.layer_call = layer_call(q, k, v, g.paged, k_scales=k_scales, v_scales=v_scales,
+                                      views=self.cache.kernel_views) or False
         if g.layer_call:
             out, lse = g.layer_call(q, k, v, window, k_scales, v_scales)
         else:
             out, lse = paged_decode_attention(q, k, v, g.paged, window=window, k_scales=k_scales, v_scales=v_scales)
+        if out.dtype == torch.float32 or out.dtype == torch.float64:
+            return out, lse
         return out.to(torch.promote_types(out.dtype, torch.float32)), lse  # the Triton kernel's out is in q.dtype
 
     def _attend_runs(self, g: _Group, q: torch.Tensor) -> torch.Tensor:
