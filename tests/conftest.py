@@ -262,6 +262,21 @@ def pytest_collection_finish(session):
         _start_background(len(session.items))
 
 
+def pytest_collection_modifyitems(config, items):
+    """In a pytest-xdist worker: the files that hold a test marked slow first, then the others by their number of
+    tests (most first, as pytest-xdist's own order), each file's tests in their order. README's command takes whole
+    files in this order (--dist loadfile --no-loadscope-reorder): a long file of few tests (a chat in a terminal,
+    two torchrun nodes, a real model) no longer starts last and runs alone while the other worker idles. Every
+    worker orders the same collection the same way; a run in one process keeps pytest's order."""
+    if not hasattr(config, "workerinput"):
+        return
+    files: dict[str, list] = {}
+    for item in items:
+        files.setdefault(item.nodeid.split("::")[0], []).append(item)
+    slow = {name for name, tests in files.items() if any(test.get_closest_marker("slow") for test in tests)}
+    items[:] = [test for name in sorted(files, key=lambda name: (name not in slow, -len(files[name]))) for test in files[name]]
+
+
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_node_collection_finished(node, ids):
     """The pytest-xdist controller (it collects nothing itself): the background compiles, once a worker has collected."""
