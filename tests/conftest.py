@@ -243,16 +243,44 @@ for dtype, threads, heads in [
 _background = []
 
 
-def pytest_collection_finish(session):
-    """Start the background compiles when a run collects most of the suite (not for a file or a few tests)."""
+def _start_background(collected: int) -> None:
+    """Start the background compiles once, when a run collects most of the suite (not for a file or a few tests)."""
     import subprocess
     import sys
 
-    if len(session.items) < 1000 or importlib.util.find_spec("numba") is None:
+    if _background or collected < 1000 or importlib.util.find_spec("numba") is None:
         return
     _background.append(subprocess.Popen(["nice", "-n", "19", sys.executable, "-c", _BACKGROUND_SHAPES],
                                         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                         start_new_session=True))
+
+
+def pytest_collection_finish(session):
+    """A run in one process starts the background compiles here; a pytest-xdist worker leaves them to the controller
+    (one compiling process for the run, not one per worker)."""
+    if not hasattr(session.config, "workerinput"):
+        _start_background(len(session.items))
+
+
+def pytest_collection_modifyitems(config, items):
+    """In a pytest-xdist worker: the files that hold a test marked slow first, then the others by their number of
+    tests (most first, as pytest-xdist's own order), each file's tests in their order. README's command takes whole
+    files in this order (--dist loadfile --no-loadscope-reorder): a long file of few tests (a chat in a terminal,
+    two torchrun nodes, a real model) no longer starts last and runs alone while the other worker idles. Every
+    worker orders the same collection the same way; a run in one process keeps pytest's order."""
+    if not hasattr(config, "workerinput"):
+        return
+    files: dict[str, list] = {}
+    for item in items:
+        files.setdefault(item.nodeid.split("::")[0], []).append(item)
+    slow = {name for name, tests in files.items() if any(test.get_closest_marker("slow") for test in tests)}
+    items[:] = [test for name in sorted(files, key=lambda name: (name not in slow, -len(files[name]))) for test in files[name]]
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_node_collection_finished(node, ids):
+    """The pytest-xdist controller (it collects nothing itself): the background compiles, once a worker has collected."""
+    _start_background(len(ids))
 
 
 def pytest_sessionfinish(session, exitstatus):

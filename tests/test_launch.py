@@ -26,6 +26,7 @@ from treeattn.models import load_model  # noqa: E402
 PROMPT = [3, 4, 5, 6, 7, 8, 9, 10, 11, 12]
 NEW = 6
 DEADLINE_S = 300  # only against a hang: a run that passes takes seconds
+pytestmark = pytest.mark.slow  # two torchrun nodes per test: scheduled first under pytest-xdist (tests/conftest.py)
 
 
 @pytest.fixture(scope="module")

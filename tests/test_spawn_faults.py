@@ -97,17 +97,21 @@ def stopping_worker(rank: int, world: int, stopped_at: str) -> None:
 
 @pytest.mark.skipif(not hasattr(signal, "SIGSTOP"), reason="needs SIGSTOP")
 def test_a_stopped_rank_is_named_and_killed_within_the_timeout(tmp_path):
+    """The timeout is 10 s, not less: it is also the process group's, for the rendezvous and the first collective,
+    and at 3 s a run at load 7-9 on 2 cores failed there, before rank 1 stopped (ci22, tests beside other helpers'
+    benchmarks). A stopped rank is named from its state once the other rank's collective times out."""
     stopped_at = tmp_path / "stopped_at"
     with pytest.raises(SpawnError) as raised:
-        ta.spawn(stopping_worker, 2, str(stopped_at), timeout=3)
-    elapsed = time.time() - float(stopped_at.read_text())  # from the SIGSTOP, whatever the start-up took
+        ta.spawn(stopping_worker, 2, str(stopped_at), timeout=10)
     error = raised.value
+    assert stopped_at.exists(), f"the spawn failed before rank 1 stopped: {error}"
+    elapsed = time.time() - float(stopped_at.read_text())  # from the SIGSTOP, whatever the start-up took
     assert error.first_rank == 1 and "stopped answering" in error.failures[1], str(error)
     assert error.summary.startswith("rank 1: stopped answering") and str(error).splitlines()[0].endswith(error.summary)
     if sys.platform.startswith("linux"):
         assert "stopped by a signal" in error.failures[1]
     assert 0 in error.failures and "stopped answering" not in error.failures[0]
-    assert elapsed < 3 + 5 + 12, f"took {elapsed:.1f} s after the SIGSTOP"  # timeout + grace + slack for a busy machine
+    assert elapsed < 10 + 5 + 12, f"took {elapsed:.1f} s after the SIGSTOP"  # timeout + grace + slack for a busy machine
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
