@@ -17,44 +17,14 @@ import json
 import torch
 import torch.nn.functional as F
 
-import treeattn as ta
 from treeattn.bench import harness
-from treeattn.engine.worker import prompt_logprobs as pl
 from treeattn.ops.dense_linear import linear_float32
-
-
-def scored_hidden_states(model_path: str, context: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One 1-rank prefill of `context` random prompt ids (seed 0) with prompt_logprobs=0: the final hidden rows the
-    scoring received, their target ids, and the LM head as the scoring multiplies it (its float32 copy). Shared with
-    prompt_logprobs_split_bf16.py."""
-    from treeattn.models.loader import read_config
-
-    kept = {"hidden": [], "targets": []}
-    score_rows = pl.score_rows
-
-    def keep(model, hidden, targets, top):
-        kept["hidden"].append(hidden.clone())
-        kept["targets"].append(targets.clone())
-        kept["model"] = model
-        return score_rows(model, hidden, targets, top)
-
-    pl.score_rows = keep
-    try:
-        prompt = torch.randint(100, read_config(model_path).vocab_size, (context,),
-                               generator=torch.Generator().manual_seed(0)).tolist()
-        with ta.Engine(model_path, nproc=1, prefix_cache=False, max_context=context + 8) as engine:
-            engine.generate([prompt], max_new_tokens=1, prompt_logprobs=0)
-    finally:
-        pl.score_rows = score_rows
-    head = pl.dense_head(kept["model"])
-    head = head if head is not None else kept["model"].lm_head.weight.detach()
-    return torch.cat(kept["hidden"]), torch.cat(kept["targets"]), head
 
 
 def main() -> None:
     parser = harness.parser(__doc__, model="required", context=1200)
     args = harness.parse_args(parser)
-    hidden, targets, head = scored_hidden_states(args.model, args.context)
+    hidden, targets, head = harness.scored_rows(args.model, args.context)
     rows = torch.arange(len(targets))
 
     def scored(logits):

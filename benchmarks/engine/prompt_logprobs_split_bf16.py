@@ -31,8 +31,6 @@ import torch.nn.functional as F
 from treeattn.bench import harness
 from treeattn.engine.worker import prompt_logprobs as pl
 
-from prompt_logprobs_product_oracle import scored_hidden_states  # this directory: the same capture of scored rows
-
 TERMS = {"split3": ((0, 0), (0, 1), (1, 0)),
          "split6": ((0, 0), (0, 1), (1, 0), (0, 2), (1, 1), (2, 0))}
 VARIANTS = ("fp32", "bf16x1", "split3", "split6")
@@ -185,7 +183,7 @@ def main() -> None:
         from treeattn.models.loader import load_model
         head = pl.dense_head(load_model(args.model, weight_format="auto"))
     else:
-        hidden, targets, head = scored_hidden_states(args.model, args.context)
+        hidden, targets, head = harness.scored_rows(args.model, args.context)
         result["rows"] = hidden.shape[0]
         result["accuracy"] = accuracy(hidden, targets, head)
         print(json.dumps(result, indent=1), flush=True)

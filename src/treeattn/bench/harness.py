@@ -342,6 +342,45 @@ def module_at(commit: str, path: str, name: str):
     return module
 
 
+def scored_rows(model_path: str, context: int):
+    """One 1-rank prefill of `context` random prompt ids (seed 0) with prompt_logprobs=0: (the final hidden rows
+    the prompt scoring received, their target ids, the LM head as the scoring multiplies it: its float32 copy).
+    For the prompt-logprob benchmarks that compare products of the head on real rows.
+
+    Example::
+
+        >>> from treeattn.bench import harness
+        >>> callable(harness.scored_rows)
+        True
+    """
+    import torch
+
+    from treeattn.engine.client import Engine
+    from treeattn.engine.worker import prompt_logprobs as pl
+    from treeattn.models.loader import read_config
+
+    kept = {"hidden": [], "targets": []}
+    score_rows = pl.score_rows
+
+    def keep(model, hidden, targets, top):
+        kept["hidden"].append(hidden.clone())
+        kept["targets"].append(targets.clone())
+        kept["model"] = model
+        return score_rows(model, hidden, targets, top)
+
+    pl.score_rows = keep
+    try:
+        prompt = torch.randint(100, read_config(model_path).vocab_size, (context,),
+                               generator=torch.Generator().manual_seed(0)).tolist()
+        with Engine(model_path, nproc=1, prefix_cache=False, max_context=context + 8) as engine:
+            engine.generate([prompt], max_new_tokens=1, prompt_logprobs=0)
+    finally:
+        pl.score_rows = score_rows
+    head = pl.dense_head(kept["model"])
+    head = head if head is not None else kept["model"].lm_head.weight.detach()
+    return torch.cat(kept["hidden"]), torch.cat(kept["targets"]), head
+
+
 def write_output(path: str | Path | None, results, text: str | None = None) -> None:
     """Write results to path (nothing when path is None): .json as {"command", "machine", "results"};
     .jsonl one results row a line after a first line holding the command and the machine; .txt the
