@@ -327,6 +327,19 @@ CROSSOVER_LINES = (
 )
 
 
+def _helix_meetings(tp: int, nproc: int) -> str:
+    """What the Helix layout's ranks split and how often they meet a layer (engine.worker.tensor_parallel).
+
+    >>> print(_helix_meetings(1, 2))
+    the ranks split the MLP and LM head as well as the attention, but meet twice a layer (the attention's combine, the MLP's sum)
+    """
+    meetings = (["the attention's combine"] if tp < nproc else []) + (["the output projection's sum"] if tp > 1 else [])
+    meetings.append("the MLP's sum")
+    count = {1: "once", 2: "twice"}.get(len(meetings), f"{len(meetings)} times")
+    split = "the attention heads, the MLP and the LM head" if tp > 1 else "the MLP and LM head as well as the attention"
+    return f"the ranks split {split}, but meet {count} a layer ({', '.join(meetings)})"
+
+
 def _verdict(run, reference, prompt_tokens: int, nproc: int, device: str) -> None:
     """Whether sharding paid in this run, why, and where it pays on the repository's 2-core machine."""
     sharded, single = run.result.time_per_token_s, reference.result.time_per_token_s
@@ -336,8 +349,7 @@ def _verdict(run, reference, prompt_tokens: int, nproc: int, device: str) -> Non
     typer.echo(f"{run.name} on {nproc} ranks took {ratio:.2f}x one process's time per token at {prompt_tokens} tokens: "
                + ("sharding paid here." if ratio < 1 else "one process was faster here."))
     if ratio >= 1 and device == "cpu":
-        split = ("the ranks split the MLP, output projections and LM head as well as the attention, but meet three times "
-                 "a layer (the attention's combine, two sums)" if run.result.tp is not None else
+        split = (_helix_meetings(run.result.tp, nproc) if run.result.tp is not None else
                  "every rank repeats a step's fixed work (the MLP, the output projection, window layers) on its share of the "
                  "cores and splits only the attention over the cache, which grows with the context")
         typer.echo(f"  {split}: on a small model that costs more than the ranks save, and more again when other programs "
