@@ -20,8 +20,6 @@ ms a step, wall ms a step and rank 0's step start to the next, mean and median.
 from __future__ import annotations
 
 import random
-import statistics
-import time
 
 import torch
 
@@ -58,40 +56,18 @@ def _rank(rank: int, world_size: int, model: str, prompt: list[int], new_tokens:
         return out
 
     RankRunner._groups = groups
-    step, seen, times = RankRunner.step, [0], {"split": [], "whole": []}
-
-    def timed(self, plan):
-        if not (plan.chunks and all(c.decoding for c in plan.chunks)):
-            return step(self, plan)
-        name = "split" if seen[0] % 2 == 0 else "whole"
-        seen[0] += 1
-        for layer, mlp in zip(self.model.layers, variants[name]):
+    def install(runner, name):
+        for layer, mlp in zip(runner.model.layers, variants[name]):
             layer.mlp = mlp
-        cpu, wall = time.thread_time_ns(), time.perf_counter_ns()
-        try:
-            return step(self, plan)
-        finally:
-            if seen[0] > warmup:
-                times[name].append((time.thread_time_ns() - cpu, time.perf_counter_ns() - wall, wall))
 
-    RankRunner.step = timed
+    times = harness.alternate_decode_steps(("split", "whole"), install, warmup)
     engine = ta.Engine(model, tp=1, block_size=256, cache_tokens=len(prompt) + new_tokens + 256, weight_format="packed",
                        activation_format=activation_format, kv_cache_dtype=kv_cache_dtype)
     tokens = None
     if engine.is_driver:
         with engine:
             tokens = engine.generate([prompt], max_new_tokens=new_tokens, ignore_eos=True)[0].token_ids
-    starts = sorted((w0, name) for name, rows in times.items() for _, _, w0 in rows)
-    to_next = {"split": [], "whole": []}
-    for (w0, name), (w1, _) in zip(starts, starts[1:]):
-        to_next[name].append(w1 - w0)
-    out = {"rank": rank, "tokens": tokens}
-    for name, rows in times.items():
-        for key, values in (("cpu", [r[0] for r in rows]), ("wall", [r[1] for r in rows]), ("to_next", to_next[name])):
-            out[f"{name}_{key}_mean_ms"] = sum(values) / len(values) / 1e6
-            out[f"{name}_{key}_median_ms"] = statistics.median(values) / 1e6
-        out[f"{name}_steps"] = len(rows)
-    return out
+    return {"rank": rank, "tokens": tokens, **harness.alternation_summary(times)}
 
 
 def main() -> None:
@@ -108,17 +84,9 @@ def main() -> None:
     rows = ta.spawn(_rank, 2, args.model, prompt, args.max_new_tokens, args.warmup, args.activation_format,
                     args.kv_cache_dtype, timeout=3600)
     after = open("/proc/loadavg").read().split()[0]
-    keys = ("cpu", "wall", "to_next")
-    lines = ["| rank | variant | steps | CPU ms a step (mean / median) | wall ms a step | step start to next (mean / median) |",
-             "|---|---|---|---|---|---|"]
     for r in rows:
         r.update(load_before=load, load_after=after)
-        for name in ("split", "whole"):
-            cells = [f"{r[f'{name}_{key}_mean_ms']:.2f} / {r[f'{name}_{key}_median_ms']:.2f}" for key in keys]
-            lines.append(f"| {r['rank']} | {name} | {r[f'{name}_steps']} | " + " | ".join(cells) + " |")
-        ratios = [f"{r[f'split_{key}_mean_ms'] / r[f'whole_{key}_mean_ms']:.3f} / "
-                  f"{r[f'split_{key}_median_ms'] / r[f'whole_{key}_median_ms']:.3f}" for key in keys]
-        lines.append(f"| {r['rank']} | split / whole (means / medians) | | " + " | ".join(ratios) + " |")
+    lines = harness.alternation_table(rows, ("split", "whole"))
     lines.append(f"load average before / after: {load} / {after}")
     print("\n".join(lines))
     harness.write_output(args.output, rows, "\n".join(lines))

@@ -381,6 +381,77 @@ def scored_rows(model_path: str, context: int):
     return torch.cat(kept["hidden"]), torch.cat(kept["targets"]), head
 
 
+def alternate_decode_steps(names: tuple[str, ...], install: Callable, warmup: int) -> dict[str, list]:
+    """In a rank process, before its engine starts: decode step k runs variant names[k % len(names)] (install(runner,
+    name) puts it in place on the RankRunner), so variants alternate within seconds and a host's drift falls on all
+    alike. Returns {name: [(thread CPU ns, wall ns, wall start ns)]} that fills as the steps run, the first `warmup`
+    decode steps left out; prompt steps run as they are. For alternation_summary.
+
+    Example::
+
+        >>> from treeattn.bench import harness
+        >>> callable(harness.alternate_decode_steps)
+        True
+    """
+    from treeattn.engine.worker.runner import RankRunner
+
+    step, seen, times = RankRunner.step, [0], {name: [] for name in names}
+
+    def timed(self, plan):
+        if not (plan.chunks and all(c.decoding for c in plan.chunks)):
+            return step(self, plan)
+        name = names[seen[0] % len(names)]
+        seen[0] += 1
+        install(self, name)
+        cpu, wall = time.thread_time_ns(), time.perf_counter_ns()
+        try:
+            return step(self, plan)
+        finally:
+            if seen[0] > warmup:
+                times[name].append((time.thread_time_ns() - cpu, time.perf_counter_ns() - wall, wall))
+
+    RankRunner.step = timed
+    return times
+
+
+def alternation_summary(times: dict[str, list]) -> dict:
+    """alternate_decode_steps' times per variant: thread CPU ms a step, wall ms a step and the wall from a step's start
+    to the next step's (to_next), each as mean and median ({name}_{key}_mean_ms, ..._median_ms), and {name}_steps.
+
+    >>> s = alternation_summary({"a": [(2e6, 3e6, 0), (4e6, 5e6, 10e6)], "b": [(1e6, 1e6, 5e6)]})
+    >>> s["a_cpu_mean_ms"], s["b_to_next_median_ms"], s["a_steps"]
+    (3.0, 5.0, 2)
+    """
+    starts = sorted((w0, name) for name, rows in times.items() for _, _, w0 in rows)
+    to_next = {name: [] for name in times}
+    for (w0, name), (w1, _) in zip(starts, starts[1:]):
+        to_next[name].append(w1 - w0)
+    out = {}
+    for name, rows in times.items():
+        for key, values in (("cpu", [r[0] for r in rows]), ("wall", [r[1] for r in rows]), ("to_next", to_next[name])):
+            out[f"{name}_{key}_mean_ms"] = sum(values) / len(values) / 1e6 if values else float("nan")
+            out[f"{name}_{key}_median_ms"] = statistics.median(values) / 1e6 if values else float("nan")
+        out[f"{name}_steps"] = len(rows)
+    return out
+
+
+def alternation_table(rows: list[dict], names: tuple[str, str]) -> list[str]:
+    """The markdown lines of alternation_summary's rows (one per rank, with "rank"): each variant's figures, then the
+    ratio names[0] / names[1] of means and of medians."""
+    keys = ("cpu", "wall", "to_next")
+    lines = ["| rank | variant | steps | CPU ms a step (mean / median) | wall ms a step | step start to next (mean / median) |",
+             "|---|---|---|---|---|---|"]
+    a, b = names
+    for r in rows:
+        for name in names:
+            cells = [f"{r[f'{name}_{key}_mean_ms']:.2f} / {r[f'{name}_{key}_median_ms']:.2f}" for key in keys]
+            lines.append(f"| {r['rank']} | {name} | {r[f'{name}_steps']} | " + " | ".join(cells) + " |")
+        ratios = [f"{r[f'{a}_{key}_mean_ms'] / r[f'{b}_{key}_mean_ms']:.3f} / "
+                  f"{r[f'{a}_{key}_median_ms'] / r[f'{b}_{key}_median_ms']:.3f}" for key in keys]
+        lines.append(f"| {r['rank']} | {a} / {b} (means / medians) | | " + " | ".join(ratios) + " |")
+    return lines
+
+
 def write_output(path: str | Path | None, results, text: str | None = None) -> None:
     """Write results to path (nothing when path is None): .json as {"command", "machine", "results"};
     .jsonl one results row a line after a first line holding the command and the machine; .txt the
