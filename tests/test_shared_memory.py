@@ -12,6 +12,7 @@ import treeattn as ta
 from treeattn.parallel import comm
 from treeattn.parallel import shared_memory as shm_module
 from treeattn.parallel.shared_memory import SharedMemoryGroup
+from treeattn.parallel.spawn import SpawnError
 from treeattn.parallel.tree_decode import METHODS
 
 
@@ -208,3 +209,31 @@ def test_docstring_examples_of_the_module():
 
     result = doctest.testmod(shm_module)
     assert result.failed == 0 and result.attempted > 0
+
+
+def _die_holding_a_segment(rank: int, world_size: int, pid_file: str) -> None:
+    """Rank 0 makes a segment as create()'s first rank does, then is SIGKILLed before it could unlink it (the
+    start-up window: the others have not mapped it yet); rank 1 waits for it in a barrier."""
+    import signal
+
+    if rank == 0:
+        path = f"{shm_module.SEGMENT_DIR}/{shm_module._segment_prefix(os.getpid())}startup"
+        with open(path, "wb") as f:
+            f.truncate(4096)
+        with open(pid_file, "w") as f:
+            f.write(str(os.getpid()))
+        os.kill(os.getpid(), signal.SIGKILL)
+    dist.barrier()
+
+
+def test_a_rank_killed_in_the_groups_start_up_leaves_no_segment(tmp_path):
+    pid_file = tmp_path / "rank0.pid"
+    with pytest.raises(SpawnError, match="rank 0"):
+        ta.spawn(_die_holding_a_segment, 2, str(pid_file), timeout=60)
+    pid = int(pid_file.read_text())
+    assert _segments_of({pid}) == set()
+
+
+def test_remove_segments_of_refuses_a_non_pid():
+    with pytest.raises(ValueError, match="pid must be a process id"):
+        shm_module.remove_segments_of(0)

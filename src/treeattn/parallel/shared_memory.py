@@ -29,6 +29,7 @@ TimeoutError naming it (ta.spawn also tears the group down when a rank dies).
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import platform
@@ -44,6 +45,7 @@ import torch.distributed as dist
 DEFAULT_CAPACITY_BYTES = 1 << 18
 """The largest tensor a collective carries through shared memory unless the group is made with another:
 a decode step's combine of a few kilobytes per layer fits many times over."""
+SEGMENT_DIR = "/dev/shm"  # where create() makes a group's segment (a tmpfs on Linux)
 
 _LINE = 64  # bytes: one cache line per rank's sequence number, and the alignment of every slot
 _SUPPORTED_OPS = (dist.ReduceOp.SUM, dist.ReduceOp.MAX)
@@ -129,7 +131,7 @@ class SharedMemoryGroup:
         mapping, path, error = None, [None], None
         if rank == 0 and len(set(hosts)) == 1 and _supported():
             try:  # created (zero-filled) by rank 0 before the others learn its name
-                path = [f"/dev/shm/treeattn-{os.getpid()}-{uuid.uuid4().hex[:12]}"]
+                path = [f"{SEGMENT_DIR}/{_segment_prefix(os.getpid())}{uuid.uuid4().hex[:12]}"]
                 mapping = _map(path[0], nbytes, create=True)
             except OSError:
                 path = [None]
@@ -290,7 +292,42 @@ def group_timeout_s(process_group=None) -> float | None:
 
 
 def _supported() -> bool:
-    return platform.machine().lower() in ("x86_64", "amd64") and os.path.isdir("/dev/shm")
+    return platform.machine().lower() in ("x86_64", "amd64") and os.path.isdir(SEGMENT_DIR)
+
+
+def _segment_prefix(pid: int) -> str:
+    return f"treeattn-{pid}-"  # the maker's pid in the name: remove_segments_of finds a dead maker's segment
+
+
+def remove_segments_of(pid: int) -> list[str]:
+    """Unlink the shared-memory segments that process `pid` made and left in /dev/shm; returns their paths.
+
+    create()'s first rank names the segment and unlinks it once every rank has mapped it, so a name lasts
+    only during a group's start-up; a first rank killed inside that window (SIGKILL: no cleanup of its own)
+    leaves its segment behind. Call it for a process that has exited (ta.spawn's supervisor does, for each
+    rank it reaps): the mappings still open elsewhere stay valid, only the name goes.
+
+        >>> import os, subprocess, sys
+        >>> child = subprocess.run([sys.executable, "-c", "import os; print(os.getpid()); "
+        ...     "open(f'/dev/shm/treeattn-{os.getpid()}-doctest', 'w').close()"], capture_output=True, text=True)
+        >>> pid = int(child.stdout)
+        >>> [os.path.basename(path) for path in remove_segments_of(pid)] == [f"treeattn-{pid}-doctest"]
+        True
+        >>> remove_segments_of(pid)
+        []
+    """
+    if isinstance(pid, bool) or not isinstance(pid, int) or pid < 1:
+        raise ValueError(f"pid must be a process id (an int >= 1), got {pid!r}")
+    try:
+        names = [name for name in os.listdir(SEGMENT_DIR) if name.startswith(_segment_prefix(pid))]
+    except OSError:  # no /dev/shm: no segment was made
+        return []
+    removed = []
+    for name in names:
+        with contextlib.suppress(FileNotFoundError):  # unlinked meanwhile
+            os.unlink(f"{SEGMENT_DIR}/{name}")
+            removed.append(f"{SEGMENT_DIR}/{name}")
+    return removed
 
 
 def _host_key() -> str:

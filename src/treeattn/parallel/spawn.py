@@ -97,6 +97,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from treeattn.parallel.shared_memory import remove_segments_of
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_S = 60.0
@@ -449,13 +451,15 @@ class StartedRanks:
         self.abandoned.set()
 
     def kill(self, ranks: list[int]) -> None:
-        """SIGKILL (works on stopped processes too) and reap the given ranks."""
+        """SIGKILL (works on stopped processes too) and reap the given ranks; then unlink any shared-memory
+        segment a reaped rank made and had no time to unlink (killed during its group's start-up)."""
         for rank in ranks:
             proc = self.procs[rank]
             if proc.pid is not None and proc.is_alive():
                 proc.kill()
             if proc.pid is not None:
                 proc.join()
+                remove_segments_of(proc.pid)
 
     def close(self) -> None:
         """Kill the ranks still running and close the parent's ends of their pipes."""
