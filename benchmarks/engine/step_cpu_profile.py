@@ -225,6 +225,7 @@ def run(args, mode: str) -> dict:
         return out
 
     RankRunner.step = step
+    _module("treeattn.ops.decode_layer_cpu")  # imported before the kernels are wrapped: it binds the real rms_norm
     restore = (_instrument(spent, calls, model.config.vocab_size) if mode == "kernels" else
                _instrument_parts(spent, calls) if mode == "parts" else (lambda: None))
     positions = len(prompt) + args.steps + args.warmup + 2

@@ -7,6 +7,7 @@ for round in $(seq "$ROUNDS"); do
   for side in A B; do
     src=$MAIN; [ "$side" = B ] && src=$BRANCH
     echo "{\"side\": \"$side\", \"round\": $round, \"src\": \"$src\", \"uptime\": \"$(uptime)\"}"
+    ps aux --sort=-%cpu | head -4 | cut -c1-160 | sed "s/^/# /"
     PYTHONPATH=$src python3 benchmarks/engine/step_cpu_profile.py "$MODEL" --context "$CONTEXT" --steps 24 --mode "$MODE" \
       --activation-format "$ACT" --kv-cache-dtype "$KV"
   done

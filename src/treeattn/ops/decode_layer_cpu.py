@@ -35,7 +35,23 @@ Arguments (float32 C-contiguous arrays unless said):
     attn (R, Hq * head_dim): the attention's output; act (R, I): silu(gate) * up; out (R, D): the final norm's rows.
 
 Importing this module compiles nothing; numba compiles each function on its first call and caches it beside this
-file (cache=True). ops.warmup compiles them (warm_kernels(decode_segments=True)).
+file (cache=True). ops.warmup compiles them (warm_kernels(decode_segments=...)).
+
+Example (the last layer's down_proj, residual add and final norm: the module path's bits)::
+
+    >>> import numpy as np, torch
+    >>> from treeattn.ops import decode_layer_cpu as seg
+    >>> from treeattn.ops.packed_linear import packed_matmul
+    >>> from treeattn.ops.rowwise import rms_norm
+    >>> g = np.random.default_rng(0)
+    >>> qs, d = g.integers(-127, 128, (32, 2, 32), dtype=np.int8), np.full((32, 2), 0.01, np.float32)    # q8_0 (32, 64)
+    >>> act, h = g.standard_normal((1, 64), dtype=np.float32), g.standard_normal((1, 32), dtype=np.float32)
+    >>> w, out = np.ones(32, np.float32), np.empty((1, 32), np.float32)
+    >>> t = torch.from_numpy
+    >>> expected = rms_norm(t(h) + packed_matmul(t(act), "q8_0", t(qs), t(d), None), t(w), 1e-6)
+    >>> seg.final_output(seg.FLOAT32, act, (seg.Q8_0, qs.view(np.uint8), d, d), np.empty((1, 32), np.float32), h, w, 1e-6, out)
+    >>> torch.equal(t(out), expected)
+    True
 """
 
 from __future__ import annotations

@@ -42,7 +42,19 @@ ARENA_BITS = {torch.float32: torch.float32, torch.float16: torch.int16, torch.bf
 
 
 def fallback_reason(model, cache, *, tensor_parallel: bool = False) -> str | None:
-    """Why compiled_decode does not apply to `model` and `cache` (a PagedKVCache), or None when it does."""
+    """Why compiled_decode does not apply to `model` and `cache` (a PagedKVCache), or None when it does.
+
+    >>> import treeattn as ta
+    >>> from treeattn.cache.paged import PagedKVCache
+    >>> from treeattn.models.llama import random_model
+    >>> config = ta.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+    ...                         head_dim=8)
+    >>> cache = PagedKVCache(num_layers=2, num_kv_heads=2, head_dim=8, num_blocks=2, block_size=4)
+    >>> fallback_reason(random_model(config), cache)     # float32 nn.Linear layers: the modules run
+    "layer 0: Attention's projections are not one fused packed matrix"
+    >>> compiled_decode(random_model(config), cache) is None
+    True
+    """
     if optional_kernel("rowwise_cpu_kernel") is None or optional_kernel("packed_cpu_kernel") is None:
         return "numba is not installed"
     if tensor_parallel:
