@@ -119,6 +119,22 @@ def test_two_torch_threads_take_the_parallel_attention_kernel_bit_for_bit(monkey
     assert len(out["record"]) == NEW_TOKENS - 1 and all(out["record"])
 
 
+def test_draft_rows_bit_for_bit(monkeypatch):
+    """Prompt-lookup speculation: a decode step's chunk carries drafts, several rows of one sequence, in order."""
+    record, rows = [], []
+    original = _checked(record)
+
+    def forward(self, batch):
+        rows.append(batch.tokens.shape[1])
+        return original(self, batch)
+
+    monkeypatch.setattr(CompiledDecode, "forward", forward)
+    prompts = [[5, 6, 7, 8] * 6]  # repeats: the n-gram drafter proposes (ta.generate's ngram: one prompt)
+    ta.generate(packed_model(mix=2), prompts, max_new_tokens=8, ignore_eos=True, block_size=8, speculate="ngram",
+                draft_tokens=3, kv_cache_dtype="float16")
+    assert record and all(record) and max(rows) > len(prompts), (record, rows)
+
+
 def _cache(dtype=torch.float32, layers: int = 3):
     from treeattn.cache.paged import PagedKVCache
 
