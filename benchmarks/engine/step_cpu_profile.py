@@ -10,7 +10,8 @@ of its own:
 
     plain     the step's CPU time, nothing else instrumented
     kernels   also the CPU time inside each compiled kernel's Python entry (packed matmul, split into the
-              LM head and the layers' projections; the paged attention kernel; RMSNorm and RoPE), the numba
+              LM head and the layers' projections; the paged attention kernel; RMSNorm and RoPE; where the checkout
+              has them, the compiled decode segments whole, "segments": treeattn.ops.decode_layer_cpu), the numba
               dispatch of its arguments included; "around" is the step less the kernels (each timed call adds
               its own two clock reads, about a microsecond, to the figures)
     parts     the step's own time (exclusive) in the decode layer's parts: the model's modules (norms, attention, MLP,
