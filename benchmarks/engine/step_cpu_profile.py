@@ -10,7 +10,8 @@ of its own:
 
     plain     the step's CPU time, nothing else instrumented
     kernels   also the CPU time inside each compiled kernel's Python entry (packed matmul, split into the
-              LM head and the layers' projections; the paged attention kernel; RMSNorm and RoPE), the numba
+              LM head and the layers' projections; the paged attention kernel; RMSNorm and RoPE; where the checkout
+              has them, the compiled decode segments whole, "segments": treeattn.ops.decode_layer_cpu), the numba
               dispatch of its arguments included; "around" is the step less the kernels (each timed call adds
               its own two clock reads, about a microsecond, to the figures)
     parts     the step's own time (exclusive) in the decode layer's parts: the model's modules (norms, attention, MLP,
@@ -36,20 +37,35 @@ import torch
 
 KERNELS = (("treeattn.ops.packed_cpu_kernel", "matmul", "packed"), ("treeattn.ops.packed_int8_kernel", "matmul", "packed"),
            ("treeattn.ops.paged_cpu_kernel", "attend", "paged"), ("treeattn.ops.rowwise_cpu_kernel", "rms_norm", "rms_norm"),
-           ("treeattn.ops.rowwise_cpu_kernel", "rope", "rope"), ("treeattn.ops.rowwise_cpu_kernel", "rope_pair", "rope"))
+           ("treeattn.ops.rowwise_cpu_kernel", "rope", "rope"), ("treeattn.ops.rowwise_cpu_kernel", "rope_pair", "rope"),
+           ("treeattn.ops.decode_layer_cpu", "attention_input", "segments"),
+           ("treeattn.ops.decode_layer_cpu", "mlp_input", "segments"),
+           ("treeattn.ops.decode_layer_cpu", "mlp_output", "segments"),
+           ("treeattn.ops.decode_layer_cpu", "final_output", "segments"))
+"""The kernels' Python entries; "segments" (treeattn.ops.decode_layer_cpu, where the checkout has it: the compiled decode
+segments) are the packed products, norms, RoPE, residual adds and cache writes between two attention calls, as one call."""
+
+
+def _module(name: str):
+    """treeattn's module `name`, or None where this checkout has none (an older one timed against a newer)."""
+    import importlib
+
+    try:
+        return importlib.import_module(name)
+    except ImportError:
+        return None
 
 
 def _instrument(spent: dict, calls: dict, vocab: int):
     """Wrap each kernel entry of KERNELS to add its thread CPU ns to spent[name]; returns an undo()."""
-    import importlib
 
     undo = []
     depth = [0]  # only the outermost kernel entry counts (the paged kernel's Python entry calls its compiled one)
     entries = KERNELS + (("treeattn.ops.paged_cpu_kernel", "attend_serial", "paged"),
                          ("treeattn.ops.paged_cpu_kernel", "attend_parallel", "paged"))
     for module_name, attr, name in entries:
-        module = importlib.import_module(module_name)
-        if not hasattr(module, attr):  # (rope_pair: not on main)
+        module = _module(module_name)
+        if module is None or not hasattr(module, attr):  # (rope_pair, the segments: not in older checkouts)
             continue
         original = getattr(module, attr)
 
@@ -92,7 +108,9 @@ PARTS = (("treeattn.models.llama", "RMSNorm", "forward", "norm"),
          ("treeattn.engine.worker.runner", "RankRunner", "_outcome", "sampling"),
          ("treeattn.models.llama", "LlamaModel", "forward", "model"),
          ("treeattn.models.gemma3", "Gemma3Model", "forward", "model"),
-         ("treeattn.engine.worker.batch", "PagedBatch", "__init__", "batch setup"))
+         ("treeattn.engine.worker.batch", "PagedBatch", "__init__", "batch setup"),
+         ("treeattn.engine.worker.compiled_decode", "CompiledDecode", "forward", "compiled decode"),
+         ("treeattn.engine.worker.compiled_decode", "CompiledDecode", "_attend", "compiled attention"))
 
 
 class _Item:
@@ -131,11 +149,11 @@ def _instrument_parts(spent: dict, calls: dict):
         undo.append((owner, attr, original))
 
     for module_name, cls, attr, name in PARTS:
-        owner = getattr(importlib.import_module(module_name), cls)
-        if attr in owner.__dict__:
+        owner = getattr(_module(module_name), cls, None)
+        if owner is not None and attr in owner.__dict__:
             wrap(owner, attr, name)
     for module_name, attr, name in KERNELS:
-        if hasattr(module := importlib.import_module(module_name), attr):  # (rope_pair: not on main)
+        if hasattr(module := _module(module_name), attr):  # (rope_pair, the segments: not in older checkouts)
             wrap(module, attr, "kernel " + name)
     # the compiled entries themselves too (a caller may hold them: ops.packed_linear.serial_matmul,
     # paged_cpu_kernel.entry); nested in the Python entries above where those run, which the stack accounts for
@@ -208,6 +226,7 @@ def run(args, mode: str) -> dict:
         return out
 
     RankRunner.step = step
+    _module("treeattn.ops.decode_layer_cpu")  # imported before the kernels are wrapped: it binds the real rms_norm
     restore = (_instrument(spent, calls, model.config.vocab_size) if mode == "kernels" else
                _instrument_parts(spent, calls) if mode == "parts" else (lambda: None))
     positions = len(prompt) + args.steps + args.warmup + 2

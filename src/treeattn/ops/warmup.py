@@ -84,6 +84,41 @@ def _rowwise() -> None:
     apply_rope_pair(torch.ones(1, 1, 2, 8), torch.ones(1, 1, 1, 8), torch.ones(1, 1, 8), torch.zeros(1, 1, 8))
 
 
+SEGMENT_KV_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+"""The KV-cache dtypes the compiled decode segments write (treeattn.ops.decode_layer_cpu; their arena's element type is
+in their signature)."""
+
+
+def _segments(kv_dtype: torch.dtype, int8: bool) -> bool:
+    """The compiled decode segments (treeattn.ops.decode_layer_cpu) once each on a layer of hidden size 32 (4 query heads,
+    1 KV head of 8), writing a cache of `kv_dtype`, with float32 activations or (int8) 8-bit ones where the host runs
+    them. Returns False (nothing called) for int8 on a host without the int8 kernel."""
+    from treeattn.ops import decode_layer_cpu as seg
+    from treeattn.ops.packed_linear import int8_module
+
+    if int8 and int8_module() is None:
+        return False
+    bits = {torch.float32: torch.float32, torch.float16: torch.int16, torch.bfloat16: torch.uint16}[kv_dtype]
+
+    def matrix(rows: int, columns: int) -> tuple:
+        return (seg.Q8_0, np.zeros((rows, columns // 32, 32), np.uint8), np.ones((rows, columns // 32), np.float32),
+                np.ones((rows, columns // 32), np.float32))
+
+    def rows(*shape: int) -> np.ndarray:
+        return np.zeros(shape, np.float32)
+
+    mode, norm = (seg.INT8 if int8 else seg.FLOAT32), np.ones(32, np.float32)
+    h, xn, out, q, k = rows(1, 32), rows(1, 32), rows(1, 32), rows(1, 4, 8), rows(1, 1, 8)
+    kv = torch.zeros(1, 2, 2, 2, 1, 8, dtype=bits).numpy()
+    index = np.zeros(1, np.int64)
+    attention = (matrix(48, 32), rows(1, 48), rows(1, 8), rows(1, 8), q, k, kv, 0, index, index)
+    seg.attention_input(mode, h, norm, 1e-6, xn, *attention)
+    seg.mlp_input(mode, rows(1, 32), matrix(32, 32), out, h, norm, 1e-6, xn, matrix(64, 32), rows(1, 64))
+    seg.mlp_output(mode, rows(1, 32), matrix(32, 32), out, h, norm, 1e-6, xn, *attention)
+    seg.final_output(mode, rows(1, 32), matrix(32, 32), out, h, norm, 1e-6, xn)
+    return True
+
+
 def _combine(dtype: torch.dtype) -> None:
     """onepass_combine's two kernel calls (treeattn.parallel.tree_decode._onepass_combine_cpu) without the all-reduce."""
     kernel = optional_kernel("combine_cpu_kernel")
@@ -94,7 +129,7 @@ def _combine(dtype: torch.dtype) -> None:
 
 
 def warm_kernels(*, kv_dtypes=(), attention_threads: int = 1, packed=(), rowwise: bool = False, combine=(),
-                 int8: bool = False, attention_heads=()) -> list[str]:
+                 int8: bool = False, attention_heads=(), decode_segments=()) -> list[str]:
     """Call each named numba kernel once on tiny inputs (compiling it, or loading it from numba's cache).
 
     Args:
@@ -106,6 +141,8 @@ def warm_kernels(*, kv_dtypes=(), attention_threads: int = 1, packed=(), rowwise
         int8: the packed weights' 8-bit activation kernel too (activation_format="int8"), where this host runs it.
         attention_heads: (KV heads, query heads a KV head, head dim) of the model's attention layers: the
             attention kernel for each kv_dtype in those shapes too (head dim 64 compiles them in).
+        decode_segments: KV-cache dtypes (of SEGMENT_KV_DTYPES) the compiled decode segments write
+            (treeattn.ops.decode_layer_cpu): float32 activations, and with `int8` 8-bit ones too.
 
     Returns:
         What was called, one line each; [] without numba.
@@ -133,6 +170,10 @@ def warm_kernels(*, kv_dtypes=(), attention_threads: int = 1, packed=(), rowwise
     for dtype in combine:
         _combine(dtype)
         done.append(f"combine {dtype}")
+    for dtype in decode_segments:
+        for with_int8 in (False, True) if int8 else (False,):
+            if _segments(dtype, with_int8):
+                done.append(f"decode segments {dtype}{' int8' if with_int8 else ''}")
     return done
 
 
@@ -143,13 +184,14 @@ def warm_groups(threads: int | None = None) -> list[list[dict]]:
     int8 kernels), the row-wise ops and onepass's combine. `threads` defaults to the CPU count, at least 2.
 
     >>> [len(group) for group in warm_groups(4)]
-    [2, 2, 2, 2, 3]
+    [2, 2, 2, 2, 3, 1]
     """
     threads = max(2, threads or os.cpu_count() or 2)
     groups = [[dict(kv_dtypes=(dtype,), attention_threads=t, attention_heads=SHIPPED_HEADS) for t in (1, threads)]
               for dtype in KV_DTYPES]
     groups.append([dict(packed=[(f, v, t) for f, v in PACKED_KINDS], int8=True) for t in (1, threads)]
                   + [dict(rowwise=True, combine=(torch.float32, torch.float64))])
+    groups.append([dict(decode_segments=SEGMENT_KV_DTYPES, int8=True)])
     return groups
 
 
@@ -235,4 +277,4 @@ def _has_flock() -> bool:
 if __name__ == "__main__":
     sys.exit(main())
 
-__all__ = ["KV_DTYPES", "PACKED_KINDS", "SHIPPED_HEADS", "warm_all", "warm_groups", "warm_kernels"]
+__all__ = ["KV_DTYPES", "PACKED_KINDS", "SEGMENT_KV_DTYPES", "SHIPPED_HEADS", "warm_all", "warm_groups", "warm_kernels"]

@@ -357,6 +357,26 @@ class PagedBatch:
             lses.append(lse.to(acc))
         return torch.cat(outs), torch.cat(lses)
 
+    def paged_decode_group(self) -> _Group | None:
+        """The step's group when the step is one group of decoding rows in the step's order whose blocks the paged
+        kernel reads (no shared segments, no window or linear layers, every layer in the cache): what a compiled
+        decode step (treeattn.engine.worker.compiled_decode) runs; else None."""
+        if (len(self.groups) != 1 or not self._in_order or self.windows is not None or self.linear_states is not None
+                or self.paged_index is not None):
+            return None
+        g = self.groups[0]
+        return g if g.paged is not None and g.shared is None else None
+
+    def combine_size(self) -> int:
+        """The ranks a decoding group's state is combined over (1: none; combine is not None for a paged group)."""
+        if self._world is None:
+            self._world = group_world_size(self.combine[0])
+        return self._world
+
+    def combine_state(self, out: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+        """_combine: this rank's state over every rank's keys (for treeattn.engine.worker.compiled_decode)."""
+        return self._combine(out, lse)
+
     def _combine(self, out: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
         """This rank's state, out (B, S, Hq, Dv) and lse (B, Hq, S) float32 or float64 -> out over
         every rank's keys (tree_decode's combine step), same dtype."""

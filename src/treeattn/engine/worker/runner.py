@@ -32,6 +32,7 @@ from treeattn.cache.window import WindowKVCache, hybrid_windows, paged_layers
 from treeattn.linear.hybrid import SequenceStates, check_linear_engine, linear_layers
 from treeattn.engine.worker import token_parallel
 from treeattn.engine.worker.batch import PagedBatch
+from treeattn.engine.worker.compiled_decode import compiled_decode
 from treeattn.engine.measure import RankMeasurements, RankMeter
 from treeattn.engine.worker.ring_prefill import RingPrefillStep
 from treeattn.engine.worker.sampling import share_maxima, split_argmax
@@ -240,7 +241,10 @@ class RankRunner:
         self.meter = RankMeter(self.rank)
         # numba's kernels compiled or loaded now, not inside the first request's steps, and the KV arenas
         # written once, so that their memory is resident from the start (engine.worker.warmup)
-        self.warmed = warm_up_rank(model, kv_dtype=kv_cache_dtype, world_size=p, draft_model=draft_model)
+        # decode steps of a packed Llama-family model through compiled segments (None: the model's modules)
+        self.compiled_decode = compiled_decode(model, self.cache, tensor_parallel=helix is not None)
+        self.warmed = warm_up_rank(model, kv_dtype=kv_cache_dtype, world_size=p, draft_model=draft_model,
+                                   decode_segments=self.compiled_decode is not None)
         self.pretouched_bytes = sum(pretouch_cache(c) for c in (self.cache, getattr(self.drafter, "cache",
                                                                                     None)) if c is not None)
 
@@ -353,8 +357,10 @@ class RankRunner:
             hidden, local = step.forward(self.model, rows), step.hidden
             owned = [range(lo, hi) for lo, hi in zip(step.bounds, step.bounds[1:])]
         else:  # every rank runs every token (a hybrid linear model's batch is its own kv_store: it has .linear)
-            kv_store = batch if self.linear_states is not None else batch.kv_store
-            local = self.model(batch.tokens, batch.positions, kv_store, batch.attend)[0]
+            local = self.compiled_decode.forward(batch) if self.compiled_decode is not None else None
+            if local is None:  # not a step the compiled segments run (engine.worker.compiled_decode): the modules
+                kv_store = batch if self.linear_states is not None else batch.kv_store
+                local = self.model(batch.tokens, batch.positions, kv_store, batch.attend)[0]
             hidden = local[rows]
         prompt = PromptRows.of(plan.chunks, batch.offsets) if scored else None
         packed = prompt.compute(self.model, owned, local, self.rank, self.comm_group) if prompt is not None else None
