@@ -48,6 +48,7 @@ import torch
 
 from treeattn.engine.request import TokenLogprob
 from treeattn.ops import dense_linear
+from treeattn.ops.kernels import optional_kernel
 from treeattn.engine.worker.token_parallel import gather_slices, row_bounds
 
 ROWS_PER_BLOCK = 512
@@ -409,29 +410,64 @@ class _ChunkReducer:
     table: torch.Tensor
 
     def __call__(self, run: range) -> tuple[torch.Tensor, torch.Tensor]:
+        kernel = reduction_kernel(self.hidden.device)
+        with torch.inference_mode():  # a pool thread's own mode (thread-local); the writes go into `table`
+            return self._torch(run) if kernel is None else self._compiled(run, kernel)
+
+    def _chunk(self, j: int) -> torch.Tensor:
+        """Chunk j's float32 logits (rows, columns); the targets it holds copied into `picked`."""
+        vocab = None if len(self.starts) == 1 else slice(self.starts[j], self.starts[j] + self.columns)
+        logits = self.head.logits(self.model, self.hidden, j, vocab)
+        if j in self.rows_in:
+            self.picked[self.rows_in[j][0]] = logits[self.rows_in[j]]
+        return logits
+
+    def _compiled(self, run: range, kernel) -> tuple[torch.Tensor, torch.Tensor]:
+        """The run's reductions by ops.logits_cpu_kernel.reduce_chunk: one pass a row of each chunk."""
+        n, top = self.hidden.shape[0], self.top
+        maxes, sums, larger = self.table
+        values = torch.full((n, top), -math.inf, dtype=torch.float32)
+        ids = torch.zeros(n, top, dtype=torch.int64)
+        arrays = values.numpy(), ids.numpy()
+        for j in run:
+            logits = self._chunk(j).contiguous()
+            target = self.picked if self.chosen is None else self.chosen
+            kernel.reduce_chunk(logits.numpy(), target.numpy(), self.starts[j], maxes[j].numpy(), sums[j].numpy(),
+                                larger[j].numpy(), *arrays)
+        return values, ids
+
+    def _torch(self, run: range) -> tuple[torch.Tensor, torch.Tensor]:
+        """The run's reductions by torch calls: max, count, exp-sum and top k, each a pass over the chunk."""
         n, device, top = self.hidden.shape[0], self.hidden.device, self.top
         maxes, sums, larger = self.table
         values, ids = torch.empty(n, 0, device=device), torch.empty(n, 0, dtype=torch.int64, device=device)
         scratch = None  # the chunk's comparisons, then its exp(logit - max): one buffer for every chunk of its shape
-        with torch.inference_mode():  # a pool thread's own mode (thread-local); the writes go into `table`
-            for j in run:
-                first = self.starts[j]
-                vocab = None if len(self.starts) == 1 else slice(first, first + self.columns)
-                logits = self.head.logits(self.model, self.hidden, j, vocab)
-                if scratch is None or scratch.shape != logits.shape:
-                    scratch = torch.empty_like(logits)
-                if j in self.rows_in:
-                    self.picked[self.rows_in[j][0]] = logits[self.rows_in[j]]
-                torch.amax(logits, dim=-1, out=maxes[j])
-                target = (self.picked if self.chosen is None else self.chosen)[:, None]
-                torch.sum(torch.gt(logits, target, out=scratch), dim=-1, out=larger[j])
-                torch.sum(torch.sub(logits, maxes[j][:, None], out=scratch).mul_(_LOG2_E).exp2_(), dim=-1, out=sums[j])
-                if top:
-                    chunk_values, chunk_ids = torch.topk(logits, min(top, logits.shape[1]), dim=-1)
-                    merged = torch.cat([values, chunk_values], dim=1)
-                    values, where = torch.topk(merged, min(top, merged.shape[1]), dim=-1)
-                    ids = torch.cat([ids, chunk_ids + first], dim=1).gather(1, where)
+        for j in run:
+            logits = self._chunk(j)
+            if scratch is None or scratch.shape != logits.shape:
+                scratch = torch.empty_like(logits)
+            torch.amax(logits, dim=-1, out=maxes[j])
+            target = (self.picked if self.chosen is None else self.chosen)[:, None]
+            torch.sum(torch.gt(logits, target, out=scratch), dim=-1, out=larger[j])
+            torch.sum(torch.sub(logits, maxes[j][:, None], out=scratch).mul_(_LOG2_E).exp2_(), dim=-1, out=sums[j])
+            if top:
+                chunk_values, chunk_ids = torch.topk(logits, min(top, logits.shape[1]), dim=-1)
+                merged = torch.cat([values, chunk_values], dim=1)
+                values, where = torch.topk(merged, min(top, merged.shape[1]), dim=-1)
+                ids = torch.cat([ids, chunk_ids + self.starts[j]], dim=1).gather(1, where)
         return values, ids
+
+
+def reduction_kernel(device: torch.device):
+    """ops.logits_cpu_kernel (one compiled pass a row of a chunk of logits) for logits on the CPU where numba is
+    installed, else None (_ChunkReducer's torch calls).
+
+    >>> import torch
+    >>> from treeattn.engine.worker.prompt_logprobs import reduction_kernel
+    >>> reduction_kernel(torch.device("meta")) is None
+    True
+    """
+    return optional_kernel("logits_cpu_kernel") if device.type == "cpu" else None
 
 
 _POOL: list = []  # [(threads, pid, ThreadPoolExecutor)]: chunk_pool's one pool (a forked child's copy has no threads)
