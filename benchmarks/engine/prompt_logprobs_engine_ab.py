@@ -6,8 +6,9 @@ One rank in this process (nproc 1: the rank runs in the driver thread, so the sc
 between requests), prefix cache off, one prompt of random token ids. Each round runs it with max_new_tokens=1
 without prompt logprobs, with prompt_logprobs=0 scored by the baseline's
 treeattn.engine.worker.prompt_logprobs.score_rows (read with `git show COMMIT:...`, loaded beside this tree's), and
-with this tree's. Per request: the process CPU seconds (all threads: on a loaded machine the wall time is the
-wait for a core, the CPU time far less so), the CPU seconds inside score_rows, the wall time. Checks that both
+with this tree's, in that order in even rounds and the reverse in odd ones (since session 23). Per request: the
+process CPU seconds (all threads: on a loaded machine the wall time is the wait for a core, the CPU time far less
+so), the CPU seconds inside score_rows, the wall time and the time to first token (the prefill). Checks that both
 scorings give logprobs within 1e-5 and the same ranks. Prints one JSON row a request; --output keeps them.
 """
 
@@ -54,11 +55,12 @@ def main() -> None:
                    prefill_chunk=args.prefill_chunk) as engine:
         engine.generate([prompt[:64]], max_new_tokens=2)  # warm-up
         for round_ in range(args.repeats):
-            for name in ("without", "baseline", "current"):
+            order = ("without", "baseline", "current")
+            for name in order if round_ % 2 == 0 else order[::-1]:  # ABBA: neither scoring always runs first
                 current.score_rows = timed(scorers.get(name, current.score_rows))  # PromptRows.compute calls it
                 spent[0], start, cpu = 0.0, time.perf_counter(), time.process_time()
                 result = engine.generate([prompt], max_new_tokens=1, prompt_logprobs=None if name == "without" else 0)[0]
-                row = {"round": round_, "scoring": name, "cpu_s": time.process_time() - cpu,
+                row = {"round": round_, "scoring": name, "cpu_s": time.process_time() - cpu, "ttft_s": result.ttft_s,
                        "score_rows_cpu_s": spent[0], "wall_s": time.perf_counter() - start,
                        "loadavg": open("/proc/loadavg").read().split()[:3]}
                 if name != "without":

@@ -6,9 +6,11 @@ Random final hidden states (the speed does not depend on the values) and random 
 multiplies it (prepacked_head / dense_head: _Head.of). Three parts, each repeated and alternated:
 
 - "parts", one torch thread, thread CPU time (time.thread_time_ns): one ROWS_PER_BLOCK block, a vocabulary chunk at a
-  time as _ChunkReducer runs it, each call timed on its own: the product, the targets' copy, amax, the count above the
-  target, the exp-sum, the top k (torch's reductions), then the same product followed by the compiled pass
-  (ops.logits_cpu_kernel.reduce_chunk); the whole _score_block both ways.
+  time as _ChunkReducer runs it, each call timed on its own: the targets' product, the chunk's product, amax, the
+  count above the target, the exp-sum, the top k (torch's reductions), then the same product followed by the compiled
+  pass (ops.logits_cpu_kernel.reduce_chunk).
+- "block", the same thread and clock: the whole _score_block with torch's reductions (CHUNK_BYTES as it is) and with
+  the compiled pass at each --chunk-mib CHUNK_BYTES, in an order rotated from repeat to repeat.
 - "pass", torch on its default threads (chunk_pool splits the chunks): score_rows over --rows rows with torch's
   reductions and with the compiled pass (at each --chunk-mib CHUNK_BYTES), in an order rotated from repeat to
   repeat; wall and process CPU seconds, minor page faults, and each thread's CPU (harness.by_thread: a thread
@@ -96,19 +98,21 @@ def main() -> None:
     original, chunk_default = pl.reduction_kernel, pl.CHUNK_BYTES
     for r in range(args.repeats):
         torch.set_num_threads(1)
-        for name, on in ((("torch", False), ("compiled", True)) if r % 2 == 0 else (("compiled", True), ("torch", False))):
+        variants = [("torch", False, chunk_default)] + [(f"compiled {mib} MiB", True, int(mib * 2**20))
+                                                        for mib in args.chunk_mib]
+        for name, on, chunk_bytes in variants[r % len(variants):] + variants[: r % len(variants)]:
             _with_kernel(on)
+            pl.CHUNK_BYTES = chunk_bytes
             start = time.thread_time_ns()
             with torch.no_grad():
                 pl._score_block(model, block, block_targets, args.top, out, head)
             results["block"].setdefault(name, []).append((time.thread_time_ns() - start) * 1e-9)
+        pl.CHUNK_BYTES = chunk_default
         pl.reduction_kernel = original
         with torch.no_grad():
             for name, seconds in _block_parts(model, head, block, block_targets, args.top).items():
                 results["parts"].setdefault(name, []).append(seconds)
         torch.set_num_threads(threads)
-        variants = [("torch", False, pl.CHUNK_BYTES)] + [(f"compiled {mib} MiB", True, int(mib * 2**20))
-                                                         for mib in args.chunk_mib]
         for name, on, chunk_bytes in variants[r % len(variants):] + variants[: r % len(variants)]:
             _with_kernel(on)
             pl.CHUNK_BYTES = chunk_bytes
