@@ -34,7 +34,7 @@ def main() -> None:
     parser = harness.parser(__doc__, model="required", context=8000, repeats=2)
     parser.add_argument("--baseline", default="3c78e02", help="the commit whose score_rows is the baseline")
     parser.add_argument("--prefill-chunk", type=int, default=512)
-    parser.add_argument("--threads-per-rank", type=int, default=None,
+    parser.add_argument("--threads", type=int, default=None,
                         help="torch threads of the rank (default: the engine's; 1 on a loaded machine keeps OpenMP's "
                              "waiting threads from spinning for a core)")
     args = harness.parse_args(parser)
@@ -56,7 +56,7 @@ def main() -> None:
                            generator=torch.Generator().manual_seed(0)).tolist()
     rows, logprobs = [], {}
     with ta.Engine(args.model, nproc=1, prefix_cache=False, max_context=args.context + 8,
-                   prefill_chunk=args.prefill_chunk, threads_per_rank=args.threads_per_rank) as engine:
+                   prefill_chunk=args.prefill_chunk, threads_per_rank=args.threads) as engine:
         engine.generate([prompt[:64]], max_new_tokens=2)  # warm-up
         for round_ in range(args.repeats):
             order = ("without", "baseline", "current")

@@ -27,11 +27,11 @@ updates with the chunk's logits (k = 0: nothing; start them at -inf and any id):
 k-th value is scanned again, and a logit enters only when strictly above the k-th value, so of equal logits the
 earlier (lower id) comes first.
 
-exp is not libm's: numba vectorizes no call of expf without Intel's SVML (not a dependency here), and a scalar expf
-per logit is not vectorized. _exp2 is exp2 of a non-positive float32 y, vectorized: y = n + f (n = round(y),
-|f| <= 1/2), 2**f by its Taylor polynomial of degree 7 in f*ln 2 (truncation error 5e-9 relative) in float32, times
-2**n made from its bits; y below -126 counts as -126 (2**-126 = 1.2e-38: far below a sum's float32 resolution, the sum
-holding the max's 1). Within 6.7e-8 of float64's exp2 relatively over [-126, 0] (tests/test_logits_cpu_kernel.py
+exp is not libm's: numba vectorizes no loop that calls expf without Intel's SVML (not a dependency here). _exp2 is
+exp2 of a non-positive float32 y, vectorized: y = n + f (n = round(y), |f| <= 1/2), 2**f by its Taylor polynomial of
+degree 7 in f*ln 2 (truncation error 5e-9 relative) in float32, times 2**n made from its bits; y below -126 counts as
+-126 (2**-126 = 1.2e-38: far below a sum's float32 resolution, the sum holding the max's 1). Within 6.7e-8 of
+float64's exp2 relatively over [-126, 0] (docs/data/logp23/kernel_accuracy.txt; tests/test_logits_cpu_kernel.py
 bounds it by 3e-7); a NaN logit gives a NaN sum, as torch's reductions do.
 
 Each helper is its own compiled function (not inlined by numba, which would give it its caller's fast-math flags;

@@ -353,8 +353,8 @@ def _score_block(model, hidden: torch.Tensor, targets: torch.Tensor, top: int, o
     too) at a time, each reduced while it is in the cache: its max, its sum of
     exp(logit - max) (as exp2) and its count of logits above the target's, one row each of a
     (chunks, rows) table, the top k merged (_ChunkReducer: on the CPU ops.logits_cpu_kernel.reduce_chunk, one
-    compiled pass a row, 0.27x the CPU of torch's calls for SmolLM2's 512 x 2048 chunk, one thread; else torch's
-    calls, _LOG2_E); then the chunks' sums are merged in float64 (logsumexp = max +
+    compiled pass a row, 0.26x the CPU of torch's calls for SmolLM2's 512 x 2048 chunks, one thread, under load:
+    docs/engine.md, "Session 23"; else torch's calls, _LOG2_E); then the chunks' sums are merged in float64 (logsumexp = max +
     log(sum)). The count needs the target's logit before its chunk comes: with more than one chunk it is computed first (the
     block's rows against the targets' rows of `weight`); where that product rounds the target's own logit
     below its chunk's, the count drops it. The counts are float32 (exact: a chunk has far fewer than 2**24
