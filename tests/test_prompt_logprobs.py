@@ -90,6 +90,27 @@ def test_row_blocks_and_vocab_chunks_equal_one_log_softmax(monkeypatch):
     assert torch.equal(pooled[:, 1], packed[:, 1]) and torch.equal(pooled[:, 5:], packed[:, 5:])
 
 
+@pytest.mark.skipif(pl.reduction_kernel(torch.device("cpu")) is None, reason="numba is not installed")
+@pytest.mark.parametrize("threads", [1, 2])
+def test_the_compiled_pass_gives_the_torch_calls_values(monkeypatch, threads):
+    """ops.logits_cpu_kernel's one pass a row (the default on the CPU) against _ChunkReducer's torch calls: the same
+    maxima, counts (so ranks) and top ids, sums of exp within float32 rounding."""
+    from treeattn.models import random_model
+
+    model = random_model(ta.LlamaConfig(vocab_size=300, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2,
+                                        num_kv_heads=1, head_dim=8), seed=2, std=0.5)
+    hidden, targets = torch.randn(23, 16, generator=_G), torch.randint(0, 300, (23,), generator=_G)
+    pl.chunk_pool(2)
+    monkeypatch.setattr(pl, "ROWS_PER_BLOCK", 5)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    monkeypatch.setattr(pl, "CHUNK_BYTES", 5 * 4 * 64)
+    compiled = pl.score_rows(model, hidden, targets, top=4)
+    monkeypatch.setattr(pl, "reduction_kernel", lambda device: None)
+    calls = pl.score_rows(model, hidden, targets, top=4)
+    torch.testing.assert_close(compiled, calls, atol=1e-6, rtol=0)
+    assert torch.equal(compiled[:, 1], calls[:, 1]) and torch.equal(compiled[:, 6:], calls[:, 6:])
+
+
 def test_a_target_logit_rounded_apart_is_not_counted_above_itself(monkeypatch):
     """With several vocabulary chunks the count of larger logits compares each chunk with the target's logit
     computed first; were that product to round the target's logit below its chunk's, the rank is still

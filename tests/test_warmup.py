@@ -2,7 +2,7 @@
 
 Each case runs in fresh rank processes (ta.spawn), whose kernels start with no signature: the rank's
 warm-up at engine start (treeattn.engine.worker.warmup, called by RankRunner) must leave every signature the
-first generate then calls already present, so the set of signatures of every dispatcher of the four
+first generate then calls already present, so the set of signatures of every dispatcher of the
 kernel modules is the same before and after it. The control runs the same ranks with the warm-up
 turned off and sees the first generate add signatures: the check can fail.
 """
@@ -24,7 +24,8 @@ import treeattn as ta  # noqa: E402
 from treeattn.engine.worker import warmup as engine_warmup  # noqa: E402
 from treeattn.ops import warmup as ops_warmup  # noqa: E402
 
-KERNEL_MODULES = ("paged_cpu_kernel", "packed_cpu_kernel", "packed_int8_kernel", "combine_cpu_kernel", "rowwise_cpu_kernel")
+KERNEL_MODULES = ("paged_cpu_kernel", "packed_cpu_kernel", "packed_int8_kernel", "combine_cpu_kernel", "rowwise_cpu_kernel",
+                  "logits_cpu_kernel")
 
 
 def signatures() -> dict[str, list[str]]:

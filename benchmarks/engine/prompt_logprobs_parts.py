@@ -55,8 +55,8 @@ def main() -> None:
              "LM head product, whole block": lambda: model.logits(hidden, weight=weight),
              "LM head product, by vocabulary chunks": chunked_product,
              "LM head product, by vocabulary chunks into one buffer": chunked_product_into_one_buffer,
-             "block scored (chunked product + reductions)": lambda: pl._score_block(model, hidden, targets, 0, out, weight,
-                                                                                   {"weight": weight})}
+             "block scored (chunked product + reductions)": lambda: pl._score_block(model, hidden, targets, 0, out,
+                                                                                   pl._Head.of(model))}
     seconds = {name: [] for name in parts}
     for _ in range(args.repeats):
         for name, part in parts.items():

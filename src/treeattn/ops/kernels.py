@@ -1,5 +1,6 @@
 """The compiled kernels that need an optional dependency, imported on first use: numba's CPU kernels
-(paged decode attention, packed-weight GEMV, onepass's combine, RMSNorm and RoPE) and the Triton decode kernel for CUDA.
+(paged decode attention, packed-weight GEMV, onepass's combine, RMSNorm and RoPE, prompt logprobs'
+reductions) and the Triton decode kernel for CUDA.
 
     module = optional_kernel("paged_cpu_kernel")   # treeattn.ops.paged_cpu_kernel, or None without numba
     rows = numpy_rows(x, width)                    # a float32 CPU tensor as the (-1, width) array numba's kernels take
@@ -21,7 +22,8 @@ import torch
 logger = logging.getLogger(__name__)
 
 KERNELS = {"paged_cpu_kernel": "numba", "packed_cpu_kernel": "numba", "packed_int8_kernel": "numba",
-           "combine_cpu_kernel": "numba", "rowwise_cpu_kernel": "numba", "triton_decode": "triton"}
+           "combine_cpu_kernel": "numba", "rowwise_cpu_kernel": "numba", "logits_cpu_kernel": "numba",
+           "triton_decode": "triton"}
 """Each optional kernel module of treeattn.ops and the dependency it needs."""
 
 

@@ -11,8 +11,9 @@ fraction of a second per kernel. So the first decode step of a fresh install com
 and the first step of every process paid the loading. warm_all, run by scripts/install.sh, fills the
 on-disk cache for every signature the library calls: the four KV-cache element types (float32,
 bfloat16, float16, fp8_e4m3), serial and parallel kernels, the packed weight formats, the row-wise
-ops and onepass's combine. The engine's ranks call warm_kernels at start (as vLLM warms up before
-serving) with what their model and cache will call, so the first request loads nothing either.
+ops, onepass's combine and prompt logprobs' reduction of a chunk of logits. The engine's ranks call
+warm_kernels at start (as vLLM warms up before serving) with what their model and cache will call, so the first
+request loads nothing either.
 
 The inputs go through the same wrappers and array types as the real calls (attend_blocks,
 packed_matmul's kernel.matmul, rowwise, onepass's numpy views), so every call hits a signature the
@@ -128,8 +129,16 @@ def _combine(dtype: torch.dtype) -> None:
     kernel.onepass_unpack(buffer.numpy(), torch.empty_like(out).numpy(), torch.empty_like(lse).numpy())
 
 
+def _logits() -> None:
+    """prompt logprobs' reduction of a chunk of logits (engine.worker.prompt_logprobs._ChunkReducer's call)."""
+    kernel = optional_kernel("logits_cpu_kernel")
+    logits, rows = np.zeros((2, 4), dtype=np.float32), np.zeros(2, dtype=np.float32)
+    kernel.reduce_chunk(logits, rows, 0, rows.copy(), rows.copy(), rows.copy(), np.full((2, 1), -np.inf, dtype=np.float32),
+                        np.zeros((2, 1), dtype=np.int64))
+
+
 def warm_kernels(*, kv_dtypes=(), attention_threads: int = 1, packed=(), rowwise: bool = False, combine=(),
-                 int8: bool = False, attention_heads=(), decode_segments=()) -> list[str]:
+                 int8: bool = False, attention_heads=(), decode_segments=(), logits: bool = False) -> list[str]:
     """Call each named numba kernel once on tiny inputs (compiling it, or loading it from numba's cache).
 
     Args:
@@ -143,6 +152,7 @@ def warm_kernels(*, kv_dtypes=(), attention_threads: int = 1, packed=(), rowwise
             attention kernel for each kv_dtype in those shapes too (head dim 64 compiles them in).
         decode_segments: KV-cache dtypes (of SEGMENT_KV_DTYPES) the compiled decode segments write
             (treeattn.ops.decode_layer_cpu): float32 activations, and with `int8` 8-bit ones too.
+        logits: prompt logprobs' reduction of a chunk of float32 logits (ops.logits_cpu_kernel).
 
     Returns:
         What was called, one line each; [] without numba.
@@ -174,6 +184,9 @@ def warm_kernels(*, kv_dtypes=(), attention_threads: int = 1, packed=(), rowwise
         for with_int8 in (False, True) if int8 else (False,):
             if _segments(dtype, with_int8):
                 done.append(f"decode segments {dtype}{' int8' if with_int8 else ''}")
+    if logits:
+        _logits()
+        done.append("logits")
     return done
 
 
@@ -190,7 +203,7 @@ def warm_groups(threads: int | None = None) -> list[list[dict]]:
     groups = [[dict(kv_dtypes=(dtype,), attention_threads=t, attention_heads=SHIPPED_HEADS) for t in (1, threads)]
               for dtype in KV_DTYPES]
     groups.append([dict(packed=[(f, v, t) for f, v in PACKED_KINDS], int8=True) for t in (1, threads)]
-                  + [dict(rowwise=True, combine=(torch.float32, torch.float64))])
+                  + [dict(rowwise=True, combine=(torch.float32, torch.float64), logits=True)])
     groups.append([dict(decode_segments=SEGMENT_KV_DTYPES, int8=True)])
     return groups
 

@@ -16,7 +16,8 @@ materialized: the rows are taken ROWS_PER_BLOCK at a time, and each block's logi
 vocabulary at a time (vocab_columns: 4 MiB of logits a thread on the CPU; with torch on 2+ threads the chunks are
 split between the threads of chunk_pool, one torch thread each), each chunk reduced while it is in
 the cache: its logsumexp (merged across chunks like attention states), the count of logits above the
-target's, its top k. Kept per row: the log-softmax at the target (float32 logit - logsumexp, as the
+target's, its top k (on the CPU one compiled pass a row, ops.logits_cpu_kernel, where numba is installed;
+torch's calls elsewhere). Kept per row: the log-softmax at the target (float32 logit - logsumexp, as the
 generated tokens' logprobs, runner.token_logprobs), the target's rank and the top k: 2 + 2k numbers.
 A GGUF file's packed output projection is dequantized once and kept for the next steps, not once per block as
 the packed layer's own product of many rows would: where ops.dense_linear takes oneDNN's matmul (AMD and other
@@ -48,6 +49,7 @@ import torch
 
 from treeattn.engine.request import TokenLogprob
 from treeattn.ops import dense_linear
+from treeattn.ops.kernels import optional_kernel
 from treeattn.engine.worker.token_parallel import gather_slices, row_bounds
 
 ROWS_PER_BLOCK = 512
@@ -60,7 +62,8 @@ CHUNK_BYTES = 4 << 20
 """On the CPU, the float32 logits computed at once per torch thread: a block's rows x vocab_columns(rows, V)
 columns (4 MiB a thread; SmolLM2, 512 rows: 2048 columns; with torch on 2+ threads each thread of chunk_pool
 takes its own run of 2048-column chunks, on one torch thread). The reductions (max,
-exp-sum, count of larger logits, top k) read each chunk right after the product wrote it, from the cache;
+exp-sum, count of larger logits, top k) read each chunk right after the product wrote it, from the cache
+(ops.logits_cpu_kernel: a row at a time, from L1 after its first read);
 no prompt x vocabulary or even block x vocabulary matrix is made. Smaller chunks mean more calls, each a
 parallel region whose threads wait for one another (on 2 threads, 1 MiB chunks cost more CPU than one
 whole block, which chunk_pool avoids); larger ones fall out of the cache (16 MiB on 1 thread cost more than 8):
@@ -348,8 +351,10 @@ def _score_block(model, hidden: torch.Tensor, targets: torch.Tensor, top: int, o
     """score_rows' values for a block of rows, written into `out`: one pass over the vocabulary, a chunk
     of logits (vocab_columns; a prepacked head's own chunks, those of a ROWS_PER_BLOCK block, for a shorter one
     too) at a time, each reduced while it is in the cache: its max, its sum of
-    exp(logit - max) (as exp2, _LOG2_E) and its count of logits above the target's, one row each of a
-    (chunks, rows) table, the top k merged; then the chunks' sums are merged in float64 (logsumexp = max +
+    exp(logit - max) (as exp2) and its count of logits above the target's, one row each of a
+    (chunks, rows) table, the top k merged (_ChunkReducer: on the CPU ops.logits_cpu_kernel.reduce_chunk, one
+    compiled pass a row, 0.26x the CPU of torch's calls for SmolLM2's 512 x 2048 chunks, one thread, under load:
+    docs/engine.md, "Session 23"; else torch's calls, _LOG2_E); then the chunks' sums are merged in float64 (logsumexp = max +
     log(sum)). The count needs the target's logit before its chunk comes: with more than one chunk it is computed first (the
     block's rows against the targets' rows of `weight`); where that product rounds the target's own logit
     below its chunk's, the count drops it. The counts are float32 (exact: a chunk has far fewer than 2**24
@@ -409,29 +414,64 @@ class _ChunkReducer:
     table: torch.Tensor
 
     def __call__(self, run: range) -> tuple[torch.Tensor, torch.Tensor]:
+        kernel = reduction_kernel(self.hidden.device)
+        with torch.inference_mode():  # a pool thread's own mode (thread-local); the writes go into `table`
+            return self._torch(run) if kernel is None else self._compiled(run, kernel)
+
+    def _chunk(self, j: int) -> torch.Tensor:
+        """Chunk j's float32 logits (rows, columns); the targets it holds copied into `picked`."""
+        vocab = None if len(self.starts) == 1 else slice(self.starts[j], self.starts[j] + self.columns)
+        logits = self.head.logits(self.model, self.hidden, j, vocab)
+        if j in self.rows_in:
+            self.picked[self.rows_in[j][0]] = logits[self.rows_in[j]]
+        return logits
+
+    def _compiled(self, run: range, kernel) -> tuple[torch.Tensor, torch.Tensor]:
+        """The run's reductions by ops.logits_cpu_kernel.reduce_chunk: one pass a row of each chunk."""
+        n, top = self.hidden.shape[0], self.top
+        maxes, sums, larger = self.table
+        values = torch.full((n, top), -math.inf, dtype=torch.float32)
+        ids = torch.zeros(n, top, dtype=torch.int64)
+        arrays = values.numpy(), ids.numpy()
+        for j in run:
+            logits = self._chunk(j).contiguous()
+            target = self.picked if self.chosen is None else self.chosen
+            kernel.reduce_chunk(logits.numpy(), target.numpy(), self.starts[j], maxes[j].numpy(), sums[j].numpy(),
+                                larger[j].numpy(), *arrays)
+        return values, ids
+
+    def _torch(self, run: range) -> tuple[torch.Tensor, torch.Tensor]:
+        """The run's reductions by torch calls: max, count, exp-sum and top k, each a pass over the chunk."""
         n, device, top = self.hidden.shape[0], self.hidden.device, self.top
         maxes, sums, larger = self.table
         values, ids = torch.empty(n, 0, device=device), torch.empty(n, 0, dtype=torch.int64, device=device)
         scratch = None  # the chunk's comparisons, then its exp(logit - max): one buffer for every chunk of its shape
-        with torch.inference_mode():  # a pool thread's own mode (thread-local); the writes go into `table`
-            for j in run:
-                first = self.starts[j]
-                vocab = None if len(self.starts) == 1 else slice(first, first + self.columns)
-                logits = self.head.logits(self.model, self.hidden, j, vocab)
-                if scratch is None or scratch.shape != logits.shape:
-                    scratch = torch.empty_like(logits)
-                if j in self.rows_in:
-                    self.picked[self.rows_in[j][0]] = logits[self.rows_in[j]]
-                torch.amax(logits, dim=-1, out=maxes[j])
-                target = (self.picked if self.chosen is None else self.chosen)[:, None]
-                torch.sum(torch.gt(logits, target, out=scratch), dim=-1, out=larger[j])
-                torch.sum(torch.sub(logits, maxes[j][:, None], out=scratch).mul_(_LOG2_E).exp2_(), dim=-1, out=sums[j])
-                if top:
-                    chunk_values, chunk_ids = torch.topk(logits, min(top, logits.shape[1]), dim=-1)
-                    merged = torch.cat([values, chunk_values], dim=1)
-                    values, where = torch.topk(merged, min(top, merged.shape[1]), dim=-1)
-                    ids = torch.cat([ids, chunk_ids + first], dim=1).gather(1, where)
+        for j in run:
+            logits = self._chunk(j)
+            if scratch is None or scratch.shape != logits.shape:
+                scratch = torch.empty_like(logits)
+            torch.amax(logits, dim=-1, out=maxes[j])
+            target = (self.picked if self.chosen is None else self.chosen)[:, None]
+            torch.sum(torch.gt(logits, target, out=scratch), dim=-1, out=larger[j])
+            torch.sum(torch.sub(logits, maxes[j][:, None], out=scratch).mul_(_LOG2_E).exp2_(), dim=-1, out=sums[j])
+            if top:
+                chunk_values, chunk_ids = torch.topk(logits, min(top, logits.shape[1]), dim=-1)
+                merged = torch.cat([values, chunk_values], dim=1)
+                values, where = torch.topk(merged, min(top, merged.shape[1]), dim=-1)
+                ids = torch.cat([ids, chunk_ids + self.starts[j]], dim=1).gather(1, where)
         return values, ids
+
+
+def reduction_kernel(device: torch.device):
+    """ops.logits_cpu_kernel (one compiled pass a row of a chunk of logits) for logits on the CPU where numba is
+    installed, else None (_ChunkReducer's torch calls).
+
+    >>> import torch
+    >>> from treeattn.engine.worker.prompt_logprobs import reduction_kernel
+    >>> reduction_kernel(torch.device("meta")) is None
+    True
+    """
+    return optional_kernel("logits_cpu_kernel") if device.type == "cpu" else None
 
 
 _POOL: list = []  # [(threads, pid, ThreadPoolExecutor)]: chunk_pool's one pool (a forked child's copy has no threads)

@@ -9,7 +9,8 @@ rank's threads; the packed GEMV of each weight format the model (and its draft m
 and, with several threads, parallel (a vocabulary split over ranks can fall on either side of
 packed_linear.PARALLEL_MIN_WEIGHTS), and the 8-bit activation kernel of each where the model's packed layers take it
 (activation_format="int8"); RMSNorm and RoPE for a float32 model; onepass's combine on
-several ranks. Nothing here communicates, so ranks warm up independently. A model off the CPU
+several ranks; prompt logprobs' reduction of a chunk of logits (any request may ask for them). Nothing
+here communicates, so ranks warm up independently. A model off the CPU
 warms nothing (Triton compiles in StaticDecodeStep's warm-up on CUDA).
 
     pretouch_cache(cache)        # every block of a PagedKVCache written once (zeros) at the rank's start
@@ -67,7 +68,7 @@ def warm_up_rank(model, *, kv_dtype: torch.dtype, world_size: int, draft_model=N
     int8 = any(getattr(m, "activations", None) == "int8" for m in model.modules())  # set_activation_format: its kernel too
     return warm_kernels(kv_dtypes=kv_dtypes, attention_threads=threads, packed=packed, rowwise=dtype == torch.float32,
                         combine=combine, int8=int8, attention_heads=attention_heads(model),
-                        decode_segments=(kv_dtype,) if decode_segments else ())
+                        decode_segments=(kv_dtype,) if decode_segments else (), logits=True)
 
 
 def pretouch_cache(cache) -> int:
