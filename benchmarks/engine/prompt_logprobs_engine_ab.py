@@ -10,7 +10,8 @@ with this tree's, in that order in even rounds and the reverse in odd ones (sinc
 process CPU seconds (all threads: on a loaded machine the wall time is the wait for a core, the CPU time far less
 so), the CPU seconds inside score_rows, the wall time and the time to first token (the prefill). Per round the
 largest logprob difference and the number of ranks that differ between the two scorings (a row of its own); fails at
-the end unless every round's are under 1e-5 and 0. Prints one JSON row a request; --output keeps them.
+the end unless every round's are under 1e-4 and 0 (two prefills of one 8K prompt in one engine differed by 1.2e-5
+whatever scored them: docs/engine.md, "Session 23 (logp23)"). Prints one JSON row a request; --output keeps them.
 """
 
 from __future__ import annotations
@@ -78,7 +79,7 @@ def main() -> None:
             rows.append(agreement)
             print(json.dumps(agreement), flush=True)
     harness.write_output(args.output, rows)
-    assert all(r.get("max_logprob_difference", 0) < 1e-5 and r.get("rank_differences", 0) == 0 for r in rows), \
+    assert all(r.get("max_logprob_difference", 0) < 1e-4 and r.get("rank_differences", 0) == 0 for r in rows), \
         "the scorings disagree"
 
 
