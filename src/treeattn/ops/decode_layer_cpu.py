@@ -82,30 +82,21 @@ def _product(mode, code, x, qs, d, m, out):  # pragma: no cover - replaced by it
 def _product_impl(mode, code, x, qs, d, m, out):
     """out = x @ W.T by the serial kernel packed_linear.kernel_matmul would call for this format and mode."""
     if len(mode) == 0:
-        def float32_product(mode, code, x, qs, d, m, out):
-            one = x.shape[0] * 0 + 1  # chunks: an int64, not a literal (the entry points' own signature)
-            if code == Q4_0:
-                f32._q4_0_serial(x, qs, d, m, out, one)
-            elif code == Q4_1:
-                f32._q4_1_serial(x, qs, d, m, out, one)
-            elif code == Q8_0:
-                f32._q8_0_serial(x, qs.view(np.int8), d, m, out, one)
-            else:
-                f32._q8_0_serial(x, qs.view(np.int16), d, m, out, one)
-        return float32_product
-    from treeattn.ops import packed_int8_kernel as i8  # only where the int8 mode is compiled: an AVX-512 VNNI host
+        kernel = f32
+    else:
+        from treeattn.ops import packed_int8_kernel as kernel  # only where the int8 mode is compiled: AVX-512 VNNI
 
-    def int8_product(mode, code, x, qs, d, m, out):
-        one = x.shape[0] * 0 + 1
+    def product(mode, code, x, qs, d, m, out):
+        one = x.shape[0] * 0 + 1  # chunks: an int64, not a literal (the entry points' own signature)
         if code == Q4_0:
-            i8._q4_0_serial(x, qs, d, m, out, one)
+            kernel._q4_0_serial(x, qs, d, m, out, one)
         elif code == Q4_1:
-            i8._q4_1_serial(x, qs, d, m, out, one)
+            kernel._q4_1_serial(x, qs, d, m, out, one)
         elif code == Q8_0:
-            i8._q8_0_serial(x, qs.view(np.int8), d, m, out, one)
-        else:  # int16 values: the float32 kernel, as kernel_matmul runs them
+            kernel._q8_0_serial(x, qs.view(np.int8), d, m, out, one)
+        else:  # int16 values (Q6_K): the float32 kernel in both modes, as kernel_matmul runs them
             f32._q8_0_serial(x, qs.view(np.int16), d, m, out, one)
-    return int8_product
+    return product
 
 
 def _stored(value, like):  # pragma: no cover - replaced by its overload inside compiled code

@@ -174,8 +174,6 @@ class CompiledDecode:
         model, seg, mode = self.model, self.segments, self.mode()
         h = model.embed_tokens(batch.tokens).to(model.dtype).reshape(T, -1)
         buf.h[:] = h.numpy()
-        if model.inv_freq.device != h.device:
-            model.inv_freq = model.inv_freq.to(h.device)
         cos, sin = (t.reshape(T, -1).numpy() for t in rope_cos_sin(model.inv_freq, batch.positions, model.dtype))
         rows, slots = batch.store_rows.numpy(), batch.store_slots.numpy()
         w, eps = self.norms[0]
