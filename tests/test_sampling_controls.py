@@ -87,6 +87,33 @@ def test_adjusted_logits_and_distribution_equal_the_float64_reference():
         assert expected[token] == max(expected)
 
 
+@pytest.mark.parametrize("shape", ["peaked", "flat", "ties"])
+def test_a_large_vocabulary_keeps_the_reference_tokens_and_draws_its_inverse_cdf(shape):
+    """Vocabularies of 3,000-40,000 logits, where top-p looks at the most likely tokens first and widens
+    (kept_distribution): the same kept tokens as the reference's full stable sort, ties at every edge included,
+    the same probabilities, and sample()'s token is the reference distribution's inverse CDF at the same draw."""
+    g = torch.Generator().manual_seed({"peaked": 1, "flat": 2, "ties": 3}[shape])
+    for case in range(6):
+        vocab = int(torch.randint(3000, 40000, (1,), generator=g))
+        logits = torch.randn(vocab, generator=g, dtype=torch.float64) * (0.3 if shape == "flat" else 2)
+        if shape == "peaked":
+            logits[torch.randint(0, vocab, (30,), generator=g)] += 12
+        if shape == "ties":  # a few distinct values: ties at the top-p and top-k edges
+            logits = torch.round(logits * 2) / 2
+        logits = logits.float()
+        params = ta.SamplingParams(temperature=[0.7, 1.0, 1.5][case % 3], top_p=[0.9, 0.3, 0.999][case % 3],
+                                   top_k=[0, 700, 0][case % 3], min_p=[0.0, 0.0, 0.01][case % 3])
+        expected = reference_probs(logits.double().tolist(), params)
+        probs = sampling_probs(logits[None], params)[0]
+        assert [p > 0 for p in probs.tolist()] == [p > 0 for p in expected]
+        assert probs.tolist() == pytest.approx(expected, rel=1e-9, abs=1e-15)
+        generator = torch.Generator().manual_seed(case)
+        u = float(torch.rand(1, generator=torch.Generator().manual_seed(case), dtype=torch.float64))
+        cdf = torch.tensor(expected, dtype=torch.float64).cumsum(dim=0)
+        want = int(torch.searchsorted(cdf, torch.tensor([u * float(cdf[-1])], dtype=torch.float64), right=True))
+        assert int(sample(logits[None], params, generator)[0]) == want
+
+
 def _fields(params: ta.SamplingParams) -> dict:
     return {name: getattr(params, name) for name in params.__dataclass_fields__}
 

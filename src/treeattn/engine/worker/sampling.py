@@ -37,6 +37,9 @@ def adjust_logits(logits: torch.Tensor, params: SamplingParams, prompt_ids=(), o
     on the CPU; the logits themselves (float32) when params sets none. prompt_ids, output_ids: the
     request's prompt and its generated tokens so far (sequences of ints, the same for every row).
 
+    Only the columns a bias or a penalty touches are computed (the request's tokens, not the vocabulary), with
+    the arithmetic every column would get: x / r or x * r, then (x - frequency * count) - presence.
+
     Example::
 
         >>> import torch, treeattn as ta
@@ -50,18 +53,20 @@ def adjust_logits(logits: torch.Tensor, params: SamplingParams, prompt_ids=(), o
     if not params.logit_bias and not params.penalized:
         return logits
     logits = logits.double()
-    vocab = logits.shape[-1]
     if params.logit_bias:
         ids = torch.tensor([t for t, _ in params.logit_bias], dtype=torch.int64)
         logits[:, ids] += torch.tensor([b for _, b in params.logit_bias], dtype=torch.float64)
     if params.penalized:
-        counts = torch.bincount(torch.as_tensor(list(output_ids), dtype=torch.int64), minlength=vocab)[:vocab].double()
+        output = torch.as_tensor(list(output_ids), dtype=torch.int64)
+        output = output[output < logits.shape[-1]]  # an id past the logits' vocabulary has no column to penalize
         if params.repetition_penalty != 1:
-            seen = counts > 0
-            seen[torch.as_tensor(list(prompt_ids), dtype=torch.int64)] = True
-            penalized = torch.where(logits > 0, logits / params.repetition_penalty, logits * params.repetition_penalty)
-            logits = torch.where(seen, penalized, logits)
-        logits = logits - params.frequency_penalty * counts - params.presence_penalty * (counts > 0).double()
+            seen = torch.unique(torch.cat([output, torch.as_tensor(list(prompt_ids), dtype=torch.int64)]))
+            x = logits[:, seen]
+            logits[:, seen] = torch.where(x > 0, x / params.repetition_penalty, x * params.repetition_penalty)
+        if params.frequency_penalty != 0 or params.presence_penalty != 0:
+            ids, counts = torch.unique(output, return_counts=True)
+            x = logits[:, ids] - params.frequency_penalty * counts.double()
+            logits[:, ids] = x - params.presence_penalty
     return logits
 
 
@@ -79,36 +84,84 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
             penalty is set: repetition reads both, presence and frequency the output).
 
     Returns:
-        int64 (B,) token ids on the CPU.
+        int64 (B,) token ids on the CPU: the first id (in vocabulary order) whose cumulative probability
+        exceeds the row's draw times the total, i.e. inverse-CDF sampling of sampling_probs' distribution.
     """
     logits = adjust_logits(logits, params, prompt_ids, output_ids)
     if params.temperature == 0:
         return logits.argmax(dim=-1)
-    cdf = sampling_probs(logits, params).cumsum(dim=-1)
-    draw = torch.rand(logits.shape[0], 1, generator=generator, dtype=torch.float64) * cdf[:, -1:]
-    return torch.searchsorted(cdf, draw, right=True).squeeze(-1).clamp(max=logits.shape[-1] - 1)
+    draws = torch.rand(logits.shape[0], generator=generator, dtype=torch.float64).tolist()
+    tokens = []
+    for row, u in zip(logits.double(), draws):
+        ids, probs = kept_distribution(row, params)
+        cdf = probs.cumsum(dim=0)  # in id order: the vocabulary's cdf at the kept ids (the others add 0)
+        at = int(torch.searchsorted(cdf, torch.tensor([u * float(cdf[-1])], dtype=torch.float64), right=True))
+        tokens.append(int(ids[min(at, len(ids) - 1)]))
+    return torch.tensor(tokens, dtype=torch.int64)
 
 
 def sampling_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """The distribution sample() draws from, for temperature > 0: float64 (B, V) on the CPU from
-    logits (B, V) (adjust_logits' already): logits / temperature, then min-p, then top-k, then top-p, then softmax."""
+    logits (B, V) (adjust_logits' already): logits / temperature, then min-p, then top-k, then top-p, then softmax
+    (kept_distribution's, zero outside the kept tokens)."""
     logits = logits.double().cpu()
-    logits = (logits - logits.amax(dim=-1, keepdim=True)) / params.temperature  # <= 0; the maxima stay 0
-    if params.min_p > 0:  # p < min_p * p_max, i.e. exp(logit) < min_p (the maxima are 0): vLLM's rule, in float64
-        probs = torch.softmax(logits, dim=-1)
-        logits = logits.masked_fill(probs < params.min_p * probs.amax(dim=-1, keepdim=True), float("-inf"))
-    if 0 < params.top_k < logits.shape[-1]:
-        kth = torch.topk(logits, params.top_k, dim=-1).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if params.top_p < 1:
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True, stable=True)
-        probs = torch.softmax(sorted_logits, dim=-1)
-        mass_before = probs.cumsum(dim=-1) - probs  # probability of the more likely tokens
-        drop_sorted = mass_before >= params.top_p
-        drop_sorted[:, 0] = False  # the most likely token is always kept
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        logits = logits.masked_fill(drop, float("-inf"))
-    return torch.softmax(logits, dim=-1).double()
+    probs = torch.zeros_like(logits)
+    for row, out in zip(logits, probs):
+        ids, kept = kept_distribution(row, params)
+        out[ids] = kept
+    return probs
+
+
+def kept_distribution(logits: torch.Tensor, params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
+    """The tokens one row's sampling can pick and their probabilities: (ids, probs), int64 ids in ascending order
+    and float64 probs summing to 1, from logits (V,) (adjust_logits' row) for temperature > 0.
+
+    (logits - max) / temperature, then min-p (tokens whose probability is below min_p times the top one dropped),
+    then top-k (0: every token; ties with the k-th kept), then top-p (the most likely tokens, ties in id order,
+    while the mass before each is below top_p; the most likely always kept), then softmax over what is left. Top-p
+    looks only at the tokens that can be in the nucleus: the most likely 256, then 1,024, ... until their mass
+    reaches top_p. With chat's settings a token of Gemma 3's 262,144 logits cost 53 ms of CPU when top-p sorted
+    every logit, 9 ms this way (SmolLM2's 49,152: 6.9 -> 1.7; Intel Xeon, benchmarks/engine/sampling_cost.py, raw
+    docs/data/sampling/).
+
+    Example::
+
+        >>> import torch, treeattn as ta
+        >>> from treeattn.engine.worker.sampling import kept_distribution
+        >>> ids, probs = kept_distribution(torch.tensor([0.0, 3.0, 2.0, -9.0]), ta.SamplingParams(temperature=1.0, top_p=0.9))
+        >>> ids.tolist(), [round(p, 4) for p in probs.tolist()]
+        ([1, 2], [0.7311, 0.2689])
+    """
+    z = (logits.double().cpu() - logits.max()) / params.temperature  # <= 0; the maxima stay 0
+    if params.min_p > 0:  # p < min_p * p_max, i.e. exp(z) < min_p (the maxima are 0): vLLM's rule, in float64
+        probs = torch.softmax(z, dim=0)
+        z = z.masked_fill(probs < params.min_p * probs.max(), float("-inf"))
+    if 0 < params.top_k < z.shape[0]:
+        kth = torch.topk(z, params.top_k).values[-1]
+        z = z.masked_fill(z < kth, float("-inf"))
+    ids = _nucleus(z, params.top_p) if params.top_p < 1 else torch.nonzero(z > float("-inf")).squeeze(1)
+    return ids, torch.softmax(z[ids], dim=0)
+
+
+def _nucleus(z: torch.Tensor, top_p: float) -> torch.Tensor:
+    """The ids (ascending) top-p keeps of z (V,) (-inf: already dropped): in the order of z descending, ties by id
+    (a stable sort), each token whose mass before it is below top_p. Sorts the most likely 256 tokens, then 1,024,
+    ... (every token tied with the last of them too), until their mass reaches top_p; all of z past V / 8."""
+    total = torch.exp(z).sum()  # the softmax's denominator (the maximum's term is 1, a dropped token's 0)
+    k = min(256, z.shape[0])
+    while True:
+        if k > z.shape[0] // 8:
+            near = torch.arange(z.shape[0])
+        else:  # every token at least the k-th largest: the ties at the edge included, so this is a prefix of the order
+            near = torch.nonzero(z >= torch.topk(z, k).values[-1]).squeeze(1)
+        order = near[torch.sort(z[near], descending=True, stable=True).indices]
+        probs = torch.exp(z[order]) / total
+        before = probs.cumsum(dim=0) - probs
+        if len(near) == z.shape[0] or float(before[-1] + probs[-1]) >= top_p:
+            keep = (before < top_p) & (z[order] > float("-inf"))
+            keep[0] = True  # the most likely token is always kept
+            return torch.sort(order[keep]).values
+        k *= 4
 
 
 def share_maxima(logits: torch.Tensor, offset: int) -> torch.Tensor:
