@@ -36,6 +36,12 @@ from treeattn.ops.kernels import optional_kernel
 # 5 + 5 and 5 + 2 (the first thread 10 of 17). At 32 blocks (8K) both are 16 + 16.
 SPLITS_PER_THREAD = 1
 MIN_BLOCKS_PER_SPLIT = 1
+# A call that reads fewer key slots than this (query rows x blocks x block size) runs on one thread: its work is
+# tens of microseconds, about what waking a second thread costs on an idle machine, and on a busy one a parallel
+# call waits for a descheduled worker (benchmarks/kernels/paged_kernel_threads.py on this project's Intel Xeon at
+# load 2.9-4.1: 47-97 us a call on 1 thread at 64 positions, 0.6-11.5 ms on 2; raw docs/data/kernel_threads/).
+# One range a row is also what one thread computes, so a short context's bits do not depend on the thread count.
+PARALLEL_MIN_SLOTS = 1024
 # ops.attention calls with at most this many queries per sequence go to the kernel (decode steps
 # and their drafts); longer ones (prefill) stay on the matmul path, which batches queries.
 MAX_QUERIES = 16
@@ -45,6 +51,16 @@ _BITS = {torch.float32: torch.float32, torch.bfloat16: torch.uint16, torch.float
 def kernel_module():
     """treeattn.ops.paged_cpu_kernel, or None when numba is not installed (ops.kernels)."""
     return optional_kernel("paged_cpu_kernel")
+
+
+def kernel_threads(threads: int, rows: int, blocks_per_row: int, block_size: int) -> int:
+    """The threads a call of `rows` query rows over `blocks_per_row` blocks of `block_size` slots runs on: 1 below
+    PARALLEL_MIN_SLOTS key slots read, else `threads`.
+
+    >>> kernel_threads(2, 1, 4, 16), kernel_threads(2, 1, 256, 16)
+    (1, 2)
+    """
+    return 1 if rows * blocks_per_row * block_size < PARALLEL_MIN_SLOTS else threads
 
 
 def kernel_splits(threads: int, rows: int, blocks_per_row: int) -> int:

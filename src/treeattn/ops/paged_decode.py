@@ -47,7 +47,7 @@ from __future__ import annotations
 import torch
 
 from treeattn.ops.attention import attention
-from treeattn.ops.cpu_decode import LayerCall, kernel_module, kernel_splits
+from treeattn.ops.cpu_decode import LayerCall, kernel_module, kernel_splits, kernel_threads
 from treeattn.ops.fp8 import FP8, dequantize_fp8
 from treeattn.ops.validation import check_scale, check_window
 
@@ -96,7 +96,8 @@ class PagedDecodeLayout:
         kv_pos: int64 (B, nb * block_size) position of every slot of the table's blocks.
         q_pos: int64 (B, Sq) positions of the queries (Sq >= 1; -1 for padding queries).
         block_size: tokens per block (BS >= 1).
-        threads: threads for the kernel (default: torch.get_num_threads()).
+        threads: threads for the kernel (default: torch.get_num_threads(), or 1 for a step that reads fewer than
+            cpu_decode.PARALLEL_MIN_SLOTS key slots: cpu_decode.kernel_threads).
 
     Raises:
         TypeError / ValueError naming the argument, on tensors of the wrong dtype, shape or device.
@@ -123,7 +124,9 @@ class PagedDecodeLayout:
         self.block_table, self.kv_pos, self.q_pos = block_table, kv_pos, q_pos
         self.batch, self.queries, self.block_size = B, q_pos.shape[1], block_size
         self.max_block = int(block_table.max()) if block_table.numel() else -1
-        self.threads = torch.get_num_threads() if threads is None else threads
+        if threads is None:
+            threads = kernel_threads(torch.get_num_threads(), B * q_pos.shape[1], nb, block_size)
+        self.threads = threads
         self._arrays = None  # the kernel's numpy views, made on the first kernel call
         self._triton = None  # the Triton kernel's int32 table and seq_lens, made on its first call
 
