@@ -258,6 +258,26 @@ def test_spawn_threads_follow_omp_num_threads(monkeypatch):
     assert [r["threads"] for r in ta.spawn(tensor_worker, 2)] == [3, 3]
 
 
+def numba_state_worker(rank: int, world: int) -> tuple:
+    """Whether numba's CPU target was made ready before this rank ran anything, and numba's OPT setting here."""
+    ready = "numba.np.arraymath" in sys.modules  # loaded by the target's registries, never by `import treeattn`
+    import numba
+
+    return ready, numba.config.OPT
+
+
+def test_fork_server_ranks_inherit_numbas_target_and_read_numba_settings_at_the_spawn(monkeypatch):
+    """The fork server makes numba's CPU target ready once (parallel.fork_server_numba: about a second of CPU each
+    rank paid at its first kernel call), and a rank still reads NUMBA_* from the environment of its spawn, not
+    the one the server started with."""
+    pytest.importorskip("numba")
+    if importlib.import_module("treeattn.parallel.spawn")._new_rank_method("gloo") != "forkserver":
+        pytest.skip("ranks come from a fork server on Linux only")
+    assert all(ready for ready, _ in ta.spawn(numba_state_worker, 2))
+    monkeypatch.setenv("NUMBA_OPT", "1")  # after the server started (the spawn above, or an earlier test's)
+    assert [opt for _, opt in ta.spawn(numba_state_worker, 2)] == [1, 1]
+
+
 def test_spawn_rejects_bad_arguments():
     with pytest.raises(ValueError, match="nprocs"):
         ta.spawn(raising_worker, 0)

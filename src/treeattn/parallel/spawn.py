@@ -24,11 +24,12 @@ products on 2 threads).
 
 - ta.spawn's new CPU ranks (gloo) come from a fork server on Linux (`method="forkserver"`, the
   default; `_new_rank_method`): one process per parent, started (spawned) the first time it is needed,
-  that imports torch and treeattn (`FORKSERVER_PRELOAD`) and then only forks ranks; it never runs a
-  tensor operation, so each rank is a fork of a clean process. The first spawn pays one interpreter
-  start; each rank after that starts in tens of milliseconds. Such a rank gets this process's
-  environment, working directory and sys.path as they are at the spawn (not the server's), and may
-  run any number of torch threads. Its parent is the fork server, which exits when this process does
+  that imports torch and treeattn and makes numba's CPU target ready (`FORKSERVER_PRELOAD`) and then
+  only forks ranks; it never runs a tensor operation or a kernel, so each rank is a fork of a clean
+  process. The first spawn pays one interpreter start; each rank after that starts in tens of
+  milliseconds. Such a rank gets this process's environment, working directory and sys.path as they
+  are at the spawn (not the server's; numba's settings are read again from it), and may run any
+  number of torch threads. Its parent is the fork server, which exits when this process does
   (multiprocessing closes its pipe); the rank has the parent-death signal tied to the server and its
   watchdog also checks this process.
 - NCCL ranks, and every rank off Linux, are spawned.
@@ -104,8 +105,10 @@ logger = logging.getLogger(__name__)
 DEFAULT_TIMEOUT_S = 60.0
 GRACE_S = 5.0  # after the first failure, how long the other ranks may run on (at most `timeout`)
 HEARTBEAT_S = 0.5  # how often a rank's watchdog thread beats and checks for its parent
-# what the fork server imports once, for every rank; the last removes its socket file when it exits
-FORKSERVER_PRELOAD = ("torch", "torch.distributed", "treeattn", "treeattn.parallel.fork_server_exit")
+# what the fork server imports once, for every rank (numba's CPU target made ready: fork_server_numba); the last
+# removes its socket file when it exits
+FORKSERVER_PRELOAD = ("torch", "torch.distributed", "treeattn", "treeattn.parallel.fork_server_numba",
+                      "treeattn.parallel.fork_server_exit")
 STARTUP_S = 120.0  # a rank that has not beaten yet (still importing) is silent for at most this long
 HOST = "127.0.0.1"
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
@@ -757,6 +760,8 @@ def _rank_main(rank, parent_pid, heartbeats, result_pipe, job_pipe, work, preloa
     if environ is not None:
         os.environ.clear()
         os.environ.update(environ)
+        if "numba.core.config" in sys.modules:  # the fork server imported numba: read NUMBA_* from this environment
+            sys.modules["numba.core.config"].reload_config()
     if method == "forkserver":
         # The processes this rank starts itself are spawned. Under a start method named "fork*",
         # numba's threading layer takes a named semaphore at its first parallel call, which a rank
