@@ -143,7 +143,8 @@ def warm_kernels(*, kv_dtypes=(), attention_threads: int = 1, packed=(), rowwise
 
     Args:
         kv_dtypes: KV-cache element types (of KV_DTYPES) the paged attention kernel reads.
-        attention_threads: the attention kernel's threads (torch.get_num_threads() of the rank; 1: serial).
+        attention_threads: the rank's threads (torch.get_num_threads()): the serial attention kernel, and for more
+            than 1 the parallel one too (a step over a short context runs serially: cpu_decode.kernel_threads).
         packed: (fmt, values dtype, threads) of the packed weights multiplied (threads 1: serial).
         rowwise: RMSNorm and RoPE in float32.
         combine: state dtypes (float32, float64) of onepass's combine.
@@ -166,12 +167,12 @@ def warm_kernels(*, kv_dtypes=(), attention_threads: int = 1, packed=(), rowwise
     if rowwise:
         _rowwise()
         done.append("rowwise")
-    for dtype in kv_dtypes:
-        _attend(dtype, attention_threads)
-        done.append(f"attention {dtype} threads={attention_threads}")
+    for dtype, threads in ((d, t) for d in kv_dtypes for t in sorted({1, attention_threads})):
+        _attend(dtype, threads)
+        done.append(f"attention {dtype} threads={threads}")
         for heads in attention_heads:
-            _attend(dtype, attention_threads, heads)
-            done.append(f"attention {dtype} threads={attention_threads} heads={heads}")
+            _attend(dtype, threads, heads)
+            done.append(f"attention {dtype} threads={threads} heads={heads}")
     for fmt, values, threads in packed:
         _matmul(fmt, values, threads)
         done.append(f"packed {fmt} {values} threads={threads}")

@@ -4,8 +4,9 @@
 
 As vLLM runs its kernels before it serves, a rank compiles (or loads from numba's on-disk cache) the
 kernels of its steps before the first request: the paged attention kernel for the KV cache's element
-type (and the model's, in which the window layers and contiguous decode calls read), serial or on the
-rank's threads; the packed GEMV of each weight format the model (and its draft model) holds, serial
+type (and the model's, in which the window layers and contiguous decode calls read), serial and, with
+several threads, on the rank's threads (a short context's step runs serially: ops.cpu_decode.kernel_threads);
+the packed GEMV of each weight format the model (and its draft model) holds, serial
 and, with several threads, parallel (a vocabulary split over ranks can fall on either side of
 packed_linear.PARALLEL_MIN_WEIGHTS), and the 8-bit activation kernel of each where the model's packed layers take it
 (activation_format="int8"); RMSNorm and RoPE for a float32 model; onepass's combine on
