@@ -11,7 +11,9 @@ own work), and each thread's CPU seconds (/proc/self/task: the driver thread tha
 worker, chunk_pool's threads, numba's). Inside the scoring, the calling thread's CPU seconds (time.thread_time: a
 pool thread's own with 2+ torch threads, whose figures then add up over the threads) in the head's chunk products
 (product_*), in the runs of chunks with their reductions (chunk_runs_*) and in whole blocks (blocks_*: also the
-targets' product and the merge). --threads 1 runs the rank on one torch thread (no chunk_pool; on a loaded machine
+targets' product and the merge); outside it, on that clock, the model's forward (forward_*), its attention reads
+(attend_*), the step's PagedBatch (batch_*) and the sampling (sampling_*).
+--threads 1 runs the rank on one torch thread (no chunk_pool; on a loaded machine
 OpenMP's waiting threads would spin for a core): set in this process before the engine starts, since with nproc 1
 the rank runs in the driver thread and the engine's threads_per_rank sets only a spawned rank process's count.
 Prints one JSON row a request; --output keeps them.
@@ -66,6 +68,15 @@ def main() -> None:
     prompt_logprobs._Head.logits = timed(prompt_logprobs._Head.logits, "product", time.thread_time)
     prompt_logprobs._ChunkReducer.__call__ = timed(prompt_logprobs._ChunkReducer.__call__, "chunk_runs", time.thread_time)
     prompt_logprobs._score_block = timed(prompt_logprobs._score_block, "blocks", time.thread_time)
+    # outside the scoring, the same clock: the model's forward (its modules: attention calls, MLPs), its attention
+    # reads (PagedBatch.attend), building the step's batch, and rank 0's sampling of the chunks' last rows
+    from treeattn.engine.worker import batch
+    from treeattn.models import llama
+
+    llama.LlamaModel.forward = timed(llama.LlamaModel.forward, "forward", time.thread_time)
+    batch.PagedBatch.attend = timed(batch.PagedBatch.attend, "attend", time.thread_time)
+    batch.PagedBatch.__init__ = timed(batch.PagedBatch.__init__, "batch", time.thread_time)
+    runner.RankRunner._outcome = timed(runner.RankRunner._outcome, "sampling", time.thread_time)
     prompt = torch.randint(100, read_config(args.model).vocab_size, (args.context,),
                            generator=torch.Generator().manual_seed(0)).tolist()
     rows = []
