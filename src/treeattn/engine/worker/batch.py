@@ -24,20 +24,18 @@ across the ranks. The reads below serve every other group (prefill chunks, other
 no numba).
 
 Reading a shard without copying it ("runs"): a sequence's blocks on this rank are often
-physically adjacent (blocks are handed out in order, and a long prompt takes many at once). A run
-is a maximal stretch of the sequence's local blocks that are LOGICALLY consecutive (positions j,
-j + 1, ... of its table): one attention call each, the states merged with merge_states in order
-(exact), and then one combine_states across the ranks (the combine step of tree_decode) finishes
-the group. A run whose blocks are also physically adjacent is a view of the arena; one that is not
-(the pool handed its blocks out of order: freed blocks go to the back of a FIFO, so a later
-request's blocks can wrap around the pool's end) is gathered into a copy of the same shape first,
-so the attention sees the same keys in the same order and gives the same bits whatever blocks the
-sequence got (until session 24 a physical break split the call and its merges changed the
-rounding: two prefills of one 8K prompt differed by 1.2e-5 in a logprob). This costs one attention
-call per run instead of one gather (a copy of the whole shard per layer per step), so it pays when
-runs are long: a group is read this way when its runs average at least COPY_FREE_MIN_KEYS keys
-(tree and local decoding, no sliding window; ring_decode passes the shard itself, so it always
-gathers).
+physically adjacent (blocks are handed out in order, and a long prompt takes many at once). Each
+sequence's local blocks, in logical order, are one run: one attention call (a view of the arena
+where they are physically adjacent), then one combine_states across the ranks (the combine step of
+tree_decode) finishes the group. Where they are not adjacent (the pool hands out freed blocks first
+in, first out, so a later request's blocks can wrap around the pool's end; a prompt's blocks served
+by the prefix cache) the run is gathered into a copy of the same shape first: the attention sees
+the same keys in the same order and gives the same bits whatever blocks the sequence got. Until
+session 24 each physically adjacent stretch was its own call, the states merged, so the rounding
+depended on where a break fell: two prefills of one 8K prompt differed by 1.2e-5 in a logprob. A
+group is read this way, without the batched gather's padded copy of every shard, when its runs
+average at least COPY_FREE_MIN_KEYS keys (tree and local decoding, no sliding window; ring_decode
+passes the shard itself, so it always gathers).
 
 Shared prefixes: decoding sequences whose block tables begin with the same blocks (a document in
 the prefix cache that several requests question) read those blocks once per step for all their
@@ -115,37 +113,31 @@ class _Group:
 
 
 def _runs(blocks: list[tuple[int, int]], kv_pos: torch.Tensor, bs: int, device) -> list[tuple[object, int, torch.Tensor]]:
-    """Maximal runs of logically consecutive blocks among one sequence's local `blocks` [(logical,
-    block id)], as (where, number of blocks, int64 (1, keys) positions of their keys). `where` is the
-    first block id when the run's blocks are physically adjacent too (read as a view), else an int64
-    (1, n) table of their ids (gathered: the same keys in the same order, so the same bits). The
-    positions are the run's n * bs slots less the trailing unwritten ones (INVISIBLE_POSITION: a last
-    block not yet full), so that a prompt chunk over positions 0, 1, ... of a run takes attention's
-    causal path over contiguous positions (no mask) rather than a masked pass over the slots no query sees.
+    """One sequence's local `blocks` [(logical, block id)], in logical order, as one run (none without blocks):
+    [(where, number of blocks, int64 (1, keys) positions of their keys)]. `where` is the first block id when the blocks
+    are physically adjacent (read as a view of the arena), else an int64 (1, n) table of their ids (gathered: the same
+    keys in the same order, so the same bits whatever blocks the sequence got). The positions are the n * bs slots
+    less the trailing unwritten ones (INVISIBLE_POSITION: a last block not yet full), so that a prompt chunk over
+    positions 0, 1, ... takes attention's causal path over contiguous positions (no mask) rather than a masked pass
+    over the slots no query sees; a rank's blocks under interleaved placement (logical 0, 2, 4, ...) are one run too,
+    their positions with gaps (a masked call, as a gathered group's).
 
     >>> import torch
-    >>> from treeattn.engine.worker.batch import _runs
-    >>> pos = torch.arange(8)  # 4 blocks of 2 slots, every slot written
-    >>> runs = _runs([(0, 5), (1, 6), (2, 9), (3, 2)], pos, 2, "cpu")  # one run, not adjacent: gathered
-    >>> [(where if isinstance(where, int) else where.tolist(), n) for where, n, _ in runs]
+    >>> from treeattn.engine.worker.batch import INVISIBLE_POSITION, _runs
+    >>> pos = torch.tensor([0, 1, 2, 3, 4, 5, 6, INVISIBLE_POSITION])  # 4 blocks of 2 slots, the last half written
+    >>> [(where, n, p.tolist()) for where, n, p in _runs([(0, 3), (1, 4), (2, 5), (3, 6)], pos, 2, "cpu")]
+    [(3, 4, [[0, 1, 2, 3, 4, 5, 6]])]
+    >>> [(where.tolist(), n) for where, n, _ in _runs([(0, 5), (1, 6), (2, 9), (3, 2)], pos, 2, "cpu")]  # not adjacent
     [([[5, 6, 9, 2]], 4)]
-    >>> [(where, n, p.tolist()) for where, n, p in _runs([(0, 3), (1, 4), (3, 5)], torch.tensor([0, 1, 2, 3, 6, 7]), 2, "cpu")]
-    [(3, 2, [[0, 1, 2, 3]]), (5, 1, [[6, 7]])]
     """
-    runs, i = [], 0
-    while i < len(blocks):
-        n = 1
-        while i + n < len(blocks) and blocks[i + n][0] == blocks[i][0] + n:
-            n += 1
-        ids = [block for _, block in blocks[i : i + n]]
-        adjacent = ids == list(range(ids[0], ids[0] + n))
-        where = ids[0] if adjacent else torch.tensor([ids], dtype=torch.int64, device=device)
-        pos = kv_pos[None, i * bs : (i + n) * bs]
-        written = (pos[0] != INVISIBLE_POSITION).nonzero()
-        keys = int(written[-1]) + 1 if written.numel() else pos.shape[1]
-        runs.append((where, n, pos[:, :keys].to(device)))
-        i += n
-    return runs
+    if not blocks:
+        return []
+    ids = [block for _, block in blocks]
+    where = ids[0] if ids == list(range(ids[0], ids[0] + len(ids))) else torch.tensor([ids], dtype=torch.int64, device=device)
+    pos = kv_pos[None, : len(blocks) * bs]
+    written = (pos[0] != INVISIBLE_POSITION).nonzero()
+    keys = int(written[-1]) + 1 if written.numel() else pos.shape[1]
+    return [(where, len(blocks), pos[:, :keys].to(device))]
 
 
 class PagedBatch:
