@@ -5,7 +5,7 @@ request's blocks can wrap around the pool's end: logically consecutive, physical
 session 24 a prefill chunk read such a sequence as one attention call per physically adjacent run
 and merged the states, so its rounding depended on where the break fell: two prefills of one 8K
 prompt in one engine differed by 1.2e-5 in a logprob (docs/engine.md, "Session 24 (logp24)"). Now a
-run is logically consecutive blocks, gathered when they are not adjacent (engine.worker.batch._runs),
+sequence's blocks on a rank are one run, gathered when they are not adjacent (engine.worker.batch._runs),
 and the same prompt gives the same bits in every request.
 """
 
