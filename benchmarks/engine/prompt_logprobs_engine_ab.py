@@ -56,6 +56,9 @@ def main() -> None:
     prompt = torch.randint(100, read_config(args.model).vocab_size, (args.context,),
                            generator=torch.Generator().manual_seed(0)).tolist()
     rows, logprobs = [], {}
+    if args.threads:  # with nproc 1 the rank runs in the engine's driver thread, which starts with this count
+        torch.set_num_threads(args.threads)  # (threads_per_rank sets only a spawned rank process's: before session 24
+        # this script passed only that, so its "--threads 1" runs ran on the default 2 threads)
     with ta.Engine(args.model, nproc=1, prefix_cache=False, max_context=args.context + 8,
                    prefill_chunk=args.prefill_chunk, threads_per_rank=args.threads) as engine:
         engine.generate([prompt[:64]], max_new_tokens=2)  # warm-up

@@ -25,12 +25,17 @@ no numba).
 
 Reading a shard without copying it ("runs"): a sequence's blocks on this rank are often
 physically adjacent (blocks are handed out in order, and a long prompt takes many at once). Each
-maximal run of adjacent blocks is a view of the arena; attending to each run separately and
-merging the states with merge_states is exact, and then one combine_states across the ranks (the
-combine step of tree_decode) finishes the group. This costs one attention call per run instead of
-one gather (a copy of the whole shard per layer per step), so it pays when runs are long: a group
-is read this way when its runs average at least COPY_FREE_MIN_KEYS keys (tree and local decoding,
-no sliding window; ring_decode passes the shard itself, so it always gathers).
+sequence's local blocks, in logical order, are one run: one attention call (a view of the arena
+where they are physically adjacent), then one combine_states across the ranks (the combine step of
+tree_decode) finishes the group. Where they are not adjacent (the pool hands out freed blocks first
+in, first out, so a later request's blocks can wrap around the pool's end; a prompt's blocks served
+by the prefix cache) the run is gathered into a copy of the same shape first: the attention sees
+the same keys in the same order and gives the same bits whatever blocks the sequence got. Until
+session 24 each physically adjacent stretch was its own call, the states merged, so the rounding
+depended on where a break fell: two prefills of one 8K prompt differed by 1.2e-5 in a logprob. A
+group is read this way, without the batched gather's padded copy of every shard, when its runs
+average at least COPY_FREE_MIN_KEYS keys (tree and local decoding, no sliding window; ring_decode
+passes the shard itself, so it always gathers).
 
 Shared prefixes: decoding sequences whose block tables begin with the same blocks (a document in
 the prefix cache that several requests question) read those blocks once per step for all their
@@ -107,23 +112,32 @@ class _Group:
         self.shared = None  # the SharedSegments of a decoding group whose sequences share blocks
 
 
-def _runs(blocks: list[tuple[int, int]], kv_pos: torch.Tensor, bs: int, device) -> list[tuple[int, int, torch.Tensor]]:
-    """Maximal runs of physically adjacent blocks among one sequence's local `blocks` [(logical,
-    block id)], as (first block id, number of blocks, int64 (1, keys) positions of their keys): the
-    run's n * bs slots less the trailing unwritten ones (INVISIBLE_POSITION: a last block not yet
-    full), so that a prompt chunk over positions 0, 1, ... of a run takes attention's causal path
-    over contiguous positions (no mask) rather than a masked pass over the slots no query sees."""
-    runs, i = [], 0
-    while i < len(blocks):
-        n = 1
-        while i + n < len(blocks) and blocks[i + n][1] == blocks[i][1] + n:
-            n += 1
-        pos = kv_pos[None, i * bs : (i + n) * bs]
-        written = (pos[0] != INVISIBLE_POSITION).nonzero()
-        keys = int(written[-1]) + 1 if written.numel() else pos.shape[1]
-        runs.append((blocks[i][1], n, pos[:, :keys].to(device)))
-        i += n
-    return runs
+def _runs(blocks: list[tuple[int, int]], kv_pos: torch.Tensor, bs: int, device) -> list[tuple[object, int, torch.Tensor]]:
+    """One sequence's local `blocks` [(logical, block id)], in logical order, as one run (none without blocks):
+    [(where, number of blocks, int64 (1, keys) positions of their keys)]. `where` is the first block id when the blocks
+    are physically adjacent (read as a view of the arena), else an int64 (1, n) table of their ids (gathered: the same
+    keys in the same order, so the same bits whatever blocks the sequence got). The positions are the n * bs slots
+    less the trailing unwritten ones (INVISIBLE_POSITION: a last block not yet full), so that a prompt chunk over
+    positions 0, 1, ... takes attention's causal path over contiguous positions (no mask) rather than a masked pass
+    over the slots no query sees; a rank's blocks under interleaved placement (logical 0, 2, 4, ...) are one run too,
+    their positions with gaps (a masked call, as a gathered group's).
+
+    >>> import torch
+    >>> from treeattn.engine.worker.batch import INVISIBLE_POSITION, _runs
+    >>> pos = torch.tensor([0, 1, 2, 3, 4, 5, 6, INVISIBLE_POSITION])  # 4 blocks of 2 slots, the last half written
+    >>> [(where, n, p.tolist()) for where, n, p in _runs([(0, 3), (1, 4), (2, 5), (3, 6)], pos, 2, "cpu")]
+    [(3, 4, [[0, 1, 2, 3, 4, 5, 6]])]
+    >>> [(where.tolist(), n) for where, n, _ in _runs([(0, 5), (1, 6), (2, 9), (3, 2)], pos, 2, "cpu")]  # not adjacent
+    [([[5, 6, 9, 2]], 4)]
+    """
+    if not blocks:
+        return []
+    ids = [block for _, block in blocks]
+    where = ids[0] if ids == list(range(ids[0], ids[0] + len(ids))) else torch.tensor([ids], dtype=torch.int64, device=device)
+    pos = kv_pos[None, : len(blocks) * bs]
+    written = (pos[0] != INVISIBLE_POSITION).nonzero()
+    keys = int(written[-1]) + 1 if written.numel() else pos.shape[1]
+    return [(where, len(blocks), pos[:, :keys].to(device))]
 
 
 class PagedBatch:
@@ -347,8 +361,8 @@ class PagedBatch:
         outs, lses = [], []
         # each run: views of the arena (converted or dequantized copies with a narrower kv_cache_dtype)
         for b, runs in enumerate(g.runs):
-            states = [attention(q[b : b + 1], *(x[None, : pos.shape[1]] for x in self.cache.run(self._layer, a, n)),
-                                causal=True, q_pos=g.q_pos[b : b + 1], kv_pos=pos) for a, n, pos in runs]
+            states = [attention(q[b : b + 1], *(x[:, : pos.shape[1]] for x in self._run_keys(where, n)),
+                                causal=True, q_pos=g.q_pos[b : b + 1], kv_pos=pos) for where, n, pos in runs]
             if not states:  # nothing of this sequence here: the merge's identity
                 states = [(q.new_zeros(1, S, Hq, Dv), torch.full((1, Hq, S), float("-inf"), device=q.device))]
             o, lse = merge_states_list([o for o, _ in states], [lse for _, lse in states]) if len(states) > 1 else states[0]
@@ -356,6 +370,13 @@ class PagedBatch:
             outs.append(o.to(acc))
             lses.append(lse.to(acc))
         return torch.cat(outs), torch.cat(lses)
+
+    def _run_keys(self, where, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One run's keys and values in this layer (see _runs), k (1, n * block_size, Hkv, D), v (..., Dv): views of
+        the arena for adjacent blocks (cache.run), else a gathered copy of the same shape and strides (cache.gather)."""
+        if isinstance(where, int):
+            return tuple(x[None] for x in self.cache.run(self._layer, where, n))
+        return self.cache.gather(self._layer, where)
 
     def paged_decode_group(self) -> _Group | None:
         """The step's group when the step is one group of decoding rows in the step's order whose blocks the paged
