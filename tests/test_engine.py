@@ -325,6 +325,27 @@ def test_a_dead_rank_fails_the_engine_in_the_driver_and_leaves_no_process():
     assert not multiprocessing.active_children()
 
 
+def test_threads_per_rank_sets_the_threads_of_a_one_process_engine(monkeypatch):
+    """nproc=1: the rank is this process, its steps run in the engine's driver thread; threads_per_rank sets its torch
+    threads (until session 24 only a spawned rank's were set, and a one-process engine kept the caller's count)."""
+    from treeattn.engine.worker import runner
+
+    seen, step = [], runner.RankRunner._step
+
+    def counting_step(self, *args, **kwargs):
+        seen.append(torch.get_num_threads())
+        return step(self, *args, **kwargs)
+
+    monkeypatch.setattr(runner.RankRunner, "_step", counting_step)
+    before = torch.get_num_threads()
+    try:
+        with ta.Engine(_model(), nproc=1, cache_tokens=64, block_size=BLOCK, threads_per_rank=before + 1) as engine:
+            engine.generate([[1, 2, 3]], max_new_tokens=2)
+    finally:
+        torch.set_num_threads(before)
+    assert seen and set(seen) == {before + 1}
+
+
 def test_text_streams_and_a_stop_string_cuts_it(references):
     model = _model()
     model.tokenizer = LetterTokenizer()

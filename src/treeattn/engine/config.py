@@ -197,7 +197,9 @@ class EngineConfig:
             has not; the tokens may differ: docs/bench_weights.md, "bfloat16 prefill"). Decode steps are unchanged.
         timeout_s: the group's timeout for every collective, and how long the driver waits for
             the ranks to start.
-        threads_per_rank: torch threads of each rank process (default cpu_count // nproc).
+        threads_per_rank: torch threads of each rank process (default cpu_count // nproc). With nproc=1, or an engine
+            inside an existing group (torchrun), the rank is the calling process: when set, torch.set_num_threads sets
+            it there (process-wide); None leaves the process's own count.
         speculate: None, "ngram" or "draft": speculative decoding. Every decode step drafts up to
             `draft_tokens` tokens per sequence, verifies them in the same batched forward pass, and
             keeps the accepted ones and the token after them: exactly the tokens decoding without

@@ -204,6 +204,8 @@ class GroupChannel:
     restartable = False
 
     def __init__(self, model, config: EngineConfig, group) -> None:
+        if config.threads_per_rank is not None:  # this process is the rank (nproc=1, or torchrun's): its torch threads
+            torch.set_num_threads(config.threads_per_rank)
         layout = helix_layout(config, group) if config.tp is not None else None
         model = load_model(model, config.dtype, _group_device(model, config, group), config.weight_format, layout)
         self.group = group
