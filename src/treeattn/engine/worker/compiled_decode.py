@@ -15,9 +15,11 @@ hidden states are the module path's bit for bit (tests/test_compiled_decode.py):
 Gemma 3 (GemmaCompiledDecode, decode_layer_cpu's gemma_* segments): the same three calls a layer with Gemma's four
 norms (1 + weight), q_norm / k_norm per head, the query factor, GELU-tanh(gate) * up (torch's) and its two rope tables
 (window layers rope_local_theta's); the embedding times sqrt(hidden_size) stays torch's, as the logits' soft-capping
-(model.logits, after the step). Its global layers attend as above; its window layers (a hybrid cache's,
-treeattn.cache.window: replicated rings, no combine) go through the batch's own kv_store and attend, the module path's
-calls on the same tensors, so their cache writes happen where the module path makes them.
+(model.logits, after the step). Its global layers attend as above. Its window layers keep the hybrid cache's rings
+(treeattn.cache.window: replicated, no combine): when every sequence decodes one row, decode_layer_cpu.window_store
+writes the ring row WindowKVCache.decode_row marks and the CPU decode kernel runs on the rings as
+ops.cpu_decode.decode_attention runs it for the batch (_WindowStep); with drafts, the batch's own kv_store and attend
+(the module path's calls on the same tensors). Either way the ring is written where the module path writes it.
 
 What it takes (compiled_decode returns None otherwise, with fallback_reason saying why): a LlamaModel of plain
 DecoderLayers (Llama, Qwen2 without biases, SmolLM2: Attention, MLP and RMSNorm exactly, no sliding window) or a
@@ -263,8 +265,8 @@ class GemmaCompiledDecode(CompiledDecode):
     """Gemma 3's decode step through decode_layer_cpu's gemma_* segments (see the module doc): per layer the attention,
     gemma_mlp_input, torch's gelu_tanh(gate) * up, gemma_mlp_output (or gemma_final_output). A global layer attends
     as CompiledDecode's layers do (its keys and values written into the paged arena by the segment); a window layer's
-    keys and values go to the hybrid cache's window rings and are attended through the batch's own kv_store and
-    attend (PagedBatch: WindowKVCache.extend, the CPU decode kernel on the rings), as the module path calls them."""
+    keys and values go to the hybrid cache's window rings, through _WindowStep where every sequence decodes one row,
+    else through the batch's own kv_store and attend (WindowKVCache.extend, ops.attention), as the module path."""
 
     gemma = True
 
