@@ -25,7 +25,7 @@ from treeattn.engine.worker import warmup as engine_warmup  # noqa: E402
 from treeattn.ops import warmup as ops_warmup  # noqa: E402
 
 KERNEL_MODULES = ("paged_cpu_kernel", "packed_cpu_kernel", "packed_int8_kernel", "combine_cpu_kernel", "rowwise_cpu_kernel",
-                  "logits_cpu_kernel")
+                  "logits_cpu_kernel", "decode_layer_cpu")
 
 
 def signatures() -> dict[str, list[str]]:
@@ -104,6 +104,24 @@ def test_head_dim_64_kernels_are_warmed_in_the_models_head_shape(tmp_path):
     write_gguf(path, transformers.LlamaForCausalLM(config).eval(), gguf.GGMLQuantizationType.Q4_1)
     [(start, after, warmed)] = ta.spawn(first_request, 1, str(path), True, "auto", "float16")
     assert any("heads=(1, 3, 64)" in line for line in warmed), warmed
+    assert after == start, {k: v for k, v in after.items() if v != start.get(k)}
+
+
+@pytest.mark.parametrize("activation_format", ["float32", "int8"])
+def test_gemma3_decode_segments_are_warmed(tmp_path, activation_format):
+    """A packed Gemma 3 decodes through its compiled segments (decode_layer_cpu.gemma_*, window_store): the rank's
+    warm-up compiles them for the engine's activation format and cache dtype, so the first request compiles nothing."""
+    from gemma3_files import hf_gemma3, write_gemma3_gguf
+
+    from treeattn.ops.packed_linear import int8_module
+
+    if activation_format == "int8" and int8_module() is None:
+        pytest.skip("the int8 kernel needs AVX-512 VNNI/BW/VL; this CPU has not")
+    path = tmp_path / "gemma3.gguf"
+    write_gemma3_gguf(path, hf_gemma3())
+    [(start, after, warmed)] = ta.spawn(first_request, 1, str(path), True, activation_format, "float16")
+    assert any(line.startswith("gemma3 decode segments torch.float16") for line in warmed), warmed
+    assert start["decode_layer_cpu.gemma_mlp_output"], start
     assert after == start, {k: v for k, v in after.items() if v != start.get(k)}
 
 

@@ -41,9 +41,15 @@ KERNELS = (("treeattn.ops.packed_cpu_kernel", "matmul", "packed"), ("treeattn.op
            ("treeattn.ops.decode_layer_cpu", "attention_input", "segments"),
            ("treeattn.ops.decode_layer_cpu", "mlp_input", "segments"),
            ("treeattn.ops.decode_layer_cpu", "mlp_output", "segments"),
-           ("treeattn.ops.decode_layer_cpu", "final_output", "segments"))
+           ("treeattn.ops.decode_layer_cpu", "final_output", "segments"),
+           ("treeattn.ops.decode_layer_cpu", "gemma_attention_input", "segments"),
+           ("treeattn.ops.decode_layer_cpu", "gemma_mlp_input", "segments"),
+           ("treeattn.ops.decode_layer_cpu", "gemma_mlp_output", "segments"),
+           ("treeattn.ops.decode_layer_cpu", "gemma_final_output", "segments"),
+           ("treeattn.ops.decode_layer_cpu", "window_store", "segments"))
 """The kernels' Python entries; "segments" (treeattn.ops.decode_layer_cpu, where the checkout has it: the compiled decode
-segments) are the packed products, norms, RoPE, residual adds and cache writes between two attention calls, as one call."""
+segments; Gemma 3's gemma_* and its window rings' window_store) are the packed products, norms, RoPE, residual adds and
+cache writes between two attention calls, as one call."""
 
 
 def _module(name: str):

@@ -169,6 +169,27 @@ class WindowKVCache:
         ring.write(start + tail, k_new[tail:], v_new[tail:])
         return k, v, pos
 
+    def decode_row(self, layer: int, seq_id: int, start: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int] | None:
+        """A one-row decode step of sequence `seq_id` at position `start` whose caller writes the new key and value
+        itself (engine.worker.compiled_decode): the ring of window layer `layer` with that position marked held, as
+        extend marks it, as (k, v, kv_pos, row): the ring's keys and values (size, Hkv, D) held in compute_dtype, its
+        positions (size,), and the row to write, with what write() stores (each value rounded through `dtype`). What
+        the queries then attend to is extend's result for that row. None, nothing marked, where extend does more: no
+        ring kept, the positions before `start` not all kept (extend raises), fp8 or a ring not held in compute_dtype.
+
+        >>> cache = WindowKVCache({0: 4}, num_kv_heads=1, head_dim=2)
+        >>> _ = cache.extend(0, 7, 0, torch.ones(3, 1, 2), torch.ones(3, 1, 2))
+        >>> k, v, pos, row = cache.decode_row(0, 7, 3)
+        >>> row, pos[:4].tolist(), cache.decode_row(0, 7, 9)
+        (3, [0, 1, 2, 3], None)
+        """
+        need = min(start, self.windows[layer] - 1)
+        ring = self._kept.get(seq_id, {}).get(layer) if start > 0 else None
+        if (ring is None or ring.scales is not None or ring.k.dtype != self.compute_dtype
+                or (need > 0 and (ring.first > start - need or ring.end < start))):
+            return None
+        return ring.k, ring.v, ring.pos, ring._row(start)
+
     def release(self, seq_id: int) -> None:
         """Forget sequence `seq_id` (finished, failed or preempted)."""
         self._kept.pop(seq_id, None)

@@ -152,6 +152,16 @@ class LayerCall:
         return views[4:]
 
 
+def decode_block(keys: int) -> int:
+    """The block length decode_attention reads a contiguous K/V of `keys` keys in: the largest of 256, 128, 64, 32, 16
+    that divides it (several blocks per row: threads share a row), else all of them in one.
+
+    >>> decode_block(4096), decode_block(527), decode_block(272)
+    (256, 527, 16)
+    """
+    return next((b for b in (256, 128, 64, 32, 16) if keys % b == 0), keys)
+
+
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, q_pos: torch.Tensor | None,
                      kv_pos: torch.Tensor | None, window: int | None) -> tuple[torch.Tensor, torch.Tensor] | None:
     """ops.attention's decode case on the CPU through the kernel, or None when it does not take it.
@@ -186,7 +196,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale
         kv_pos = torch.zeros(B, Sk, dtype=torch.int64)
     elif bool((q_pos < 0).any()):
         return None
-    block = next((b for b in (256, 128, 64, 32, 16) if Sk % b == 0), Sk)  # several blocks per row: threads share a row
+    block = decode_block(Sk)
     nb = Sk // block
     k_blocks = k.contiguous().view(B * nb, block, *k.shape[2:])
     v_blocks = v.contiguous().view(B * nb, block, *v.shape[2:])

@@ -4,6 +4,7 @@
     mlp_input(mode, attn, o, o_out, h, norm_w, eps, xn, gate_up, gate_up_out)
     mlp_output(mode, act, down, down_out, h, norm_w, eps, xn, qkv, qkv_out, cos, sin, q, k, kv, layer, rows, slots)
     final_output(mode, act, down, down_out, h, norm_w, eps, out)
+    gemma_attention_input / gemma_mlp_input / gemma_mlp_output / gemma_final_output: Gemma 3's (below)
 
 A Llama-family decoder layer on a decode step's few rows (R <= packed_linear.MAX_KERNEL_ROWS) is, outside its
 attention, a chain of small kernels: RMSNorm, the fused q/k/v product, RoPE, the cache write, then o_proj, the
@@ -33,6 +34,18 @@ Arguments (float32 C-contiguous arrays unless said):
         (int16) or bfloat16 (uint16); layer its layer; rows, slots int64 (n,): row rows[i]'s key and value go to
         flat slot slots[i] (block * block_size + offset).
     attn (R, Hq * head_dim): the attention's output; act (R, I): silu(gate) * up; out (R, D): the final norm's rows.
+
+Gemma 3 (models.gemma3) differs in its norms and heads, and its segments say so in their names and arguments: every
+RMSNorm scales by 1 + weight (rowwise_cpu_kernel.rms_norm's offset 1, as Gemma3RMSNorm calls it); a layer has four
+(input; post-attention on o_proj's output before the residual add; pre-feedforward; post-feedforward on down_proj's
+output before the residual add), passed as `norms`, the tuple (input, post_attention, pre_feedforward,
+post_feedforward, q_norm, k_norm) of weights with one eps; q_norm and k_norm normalize every query and key head
+(head_dim) before RoPE, each head copied into C-contiguous rows first as numpy_rows gives the module path's call
+(`heads`: those rows and the normed heads, scratch), then the queries are multiplied by `factor` (the module's
+query_factor; 1.0 for none) as torch multiplies a float32 tensor by a Python float (the scalar rounded to float32);
+`post` (R, D) takes the post norms' rows. GELU-tanh(gate) * up stays torch's between the calls, as silu * up does.
+A window layer's cache is not the paged arena: its segment gets no rows (rows and slots empty) and the caller writes
+and attends its ring (engine.worker.compiled_decode).
 
 Importing this module compiles nothing; numba compiles each function on its first call and caches it beside this
 file (cache=True). ops.warmup compiles them (warm_kernels(decode_segments=...)).
@@ -154,6 +167,57 @@ def _bfloat16_bits(value):  # pragma: no cover - compiled
     return np.uint16((u + 0x7FFF + ((u >> 16) & 1)) >> 16)
 
 
+def _held(value, like):  # pragma: no cover - replaced by its overload inside compiled code
+    raise NotImplementedError
+
+
+@overload(_held)
+def _held_impl(value, like):
+    """A float32 value as a window ring held in float32 keeps it (like: an element of the cache dtype's bits): itself,
+    or rounded to float16 / bfloat16 and widened back, as torch's .to(dtype).to(torch.float32)."""
+    if like == types.float32:
+        return lambda value, like: value
+    if like == types.int16:
+        return lambda value, like: _float16_value(_float16_bits(value))
+    if like == types.uint16:
+        return lambda value, like: _float32_of(np.int64(_bfloat16_bits(value)) << 16)
+    return None
+
+
+@intrinsic
+def _float32_of(typingctx, bits):
+    """The float32 whose bits are the low 32 of an int64."""
+    if bits != types.int64:
+        return None
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(builder.trunc(args[0], ir.IntType(32)), ir.FloatType())
+
+    return types.float32(bits), codegen
+
+
+@njit(cache=True)
+def _float16_value(half):  # pragma: no cover - compiled
+    """The float32 of float16 bits (int16), exactly (NaN payloads kept, as c10::Half's widening)."""
+    u = np.int64(half) & 0xFFFF
+    sign, e, m = (u & 0x8000) << 16, (u >> 10) & 0x1F, u & 0x3FF
+    if e == 0:  # zero or subnormal: m * 2**-24, exact in float32
+        value = np.float32(m) * np.float32(5.9604644775390625e-08)
+        return -value if sign else value
+    return _float32_of(sign | (0x7F800000 if e == 31 else (e + 112) << 23) | (m << 13))
+
+
+@njit(cache=True)
+def window_store(k, qkv_out, v0, row, ring_k, ring_v, at, like):  # pragma: no cover - compiled
+    """Step row `row`'s rotated keys k[row] (Hkv, D) and its values (columns v0.. of qkv_out) into row `at` of a window
+    layer's ring, ring_k and ring_v (size, Hkv, D) float32, as WindowKVCache's write stores them (held_dtype float32: each
+    value rounded through the cache dtype, whose bits' type `like` is, float32 itself)."""
+    for hh in range(k.shape[1]):
+        for j in range(k.shape[2]):
+            ring_k[at, hh, j] = _held(k[row, hh, j], like)
+            ring_v[at, hh, j] = _held(qkv_out[row, v0 + hh * k.shape[2] + j], like)
+
+
 @njit(cache=True, inline="always")
 def _rope_heads(src, col0, cos, sin, dst):  # pragma: no cover - compiled
     """dst (R, H, D) = the heads at columns col0.. of src (R, *) rotated as rowwise_cpu_kernel.rope rotates them."""
@@ -228,5 +292,79 @@ def final_output(mode, act, down, down_out, h, norm_w, eps, out):  # pragma: no 
     rms_norm(h, norm_w, 0.0, eps, out)
 
 
+@njit(cache=True, inline="always")
+def _norm_heads(src, col0, weight, eps, rows, dst):  # pragma: no cover - compiled
+    """Gemma's per-head RMSNorm (1 + weight) of the heads at columns col0.. of src (R, *): each head copied into
+    rows (R * H, D) (C-contiguous, as numpy_rows gives the module path's q_norm / k_norm its rows), then normed into
+    dst (R, H * D), viewed as (R * H, D): the same kernel call on the same array types as the module path's."""
+    H, D = dst.shape[1] // weight.shape[0], weight.shape[0]
+    for r in range(src.shape[0]):
+        for hh in range(H):
+            for j in range(D):
+                rows[r * H + hh, j] = src[r, col0 + hh * D + j]
+    rms_norm(rows, weight, 1.0, eps, dst.reshape(rows.shape))
+
+
+@njit(cache=True)
+def gemma_attention_input(mode, h, norms, eps, xn, qkv, qkv_out, heads, cos, sin, factor, q, k, kv, layer, rows,
+                          slots):  # pragma: no cover - compiled
+    """Gemma 3's attention_input: the input RMSNorm (1 + weight), q/k/v, q_norm and k_norm per head, RoPE of q and k,
+    q times `factor` (a float32 multiply, torch's; 1.0: none, as the module's query_factor None), the keys and
+    values into the paged cache (a window layer: rows empty, its cache written by the caller).
+    norms: the layer's (input, post_attention, pre_feedforward, post_feedforward, q_norm, k_norm) weights;
+    heads: scratch (q_rows (R * Hq, D), q_normed (R, Hq * D), k_rows (R * Hkv, D), k_normed (R, Hkv * D))."""
+    rms_norm(h, norms[0], 1.0, eps, xn)
+    _product(mode, qkv[0], xn, qkv[1], qkv[2], qkv[3], qkv_out)
+    nq, nk = q.shape[1] * q.shape[2], k.shape[1] * k.shape[2]
+    _norm_heads(qkv_out, 0, norms[4], eps, heads[0], heads[1])
+    _norm_heads(qkv_out, nq, norms[5], eps, heads[2], heads[3])
+    _rope_heads(heads[1], 0, cos, sin, q)
+    _rope_heads(heads[3], 0, cos, sin, k)
+    if factor != 1.0:
+        f = np.float32(factor)
+        for r in range(q.shape[0]):
+            for hh in range(q.shape[1]):
+                for j in range(q.shape[2]):
+                    q[r, hh, j] = q[r, hh, j] * f
+    _store(k, qkv_out, nq + nk, kv, layer, rows, slots)
+
+
+@njit(cache=True)
+def gemma_mlp_input(mode, attn, o, o_out, h, norms, eps, post, xn, gate_up, gate_up_out):  # pragma: no cover - compiled
+    """Gemma 3's mlp_input: o_proj, the post-attention RMSNorm of its output (into post), the residual add, the
+    pre-feedforward RMSNorm and the fused gate/up product (every norm 1 + weight; norms as gemma_attention_input's)."""
+    _product(mode, o[0], attn, o[1], o[2], o[3], o_out)
+    rms_norm(o_out, norms[1], 1.0, eps, post)
+    _add(h, post)
+    rms_norm(h, norms[2], 1.0, eps, xn)
+    _product(mode, gate_up[0], xn, gate_up[1], gate_up[2], gate_up[3], gate_up_out)
+
+
+@njit(cache=True, inline="always")
+def _gemma_mlp_end(mode, act, down, down_out, h, norms, eps, post):  # pragma: no cover - compiled
+    """down_proj, the post-feedforward RMSNorm of its output (into post) and the residual add."""
+    _product(mode, down[0], act, down[1], down[2], down[3], down_out)
+    rms_norm(down_out, norms[3], 1.0, eps, post)
+    _add(h, post)
+
+
+@njit(cache=True)
+def gemma_mlp_output(mode, act, down, down_out, h, norms, eps, post, xn, next_norms, qkv, qkv_out, heads, cos, sin, factor,
+                     q, k, kv, layer, rows, slots):  # pragma: no cover - compiled
+    """Gemma 3's mlp_output: down_proj, the post-feedforward RMSNorm, the residual add, then the next layer's
+    gemma_attention_input (next_norms its weights)."""
+    _gemma_mlp_end(mode, act, down, down_out, h, norms, eps, post)
+    gemma_attention_input(mode, h, next_norms, eps, xn, qkv, qkv_out, heads, cos, sin, factor, q, k, kv, layer, rows, slots)
+
+
+@njit(cache=True)
+def gemma_final_output(mode, act, down, down_out, h, norms, eps, post, final_w, final_eps, out):  # pragma: no cover
+    """Gemma 3's last layer's down_proj, post-feedforward RMSNorm and residual add, then the model's final RMSNorm
+    (1 + final_w, final_eps) into out."""
+    _gemma_mlp_end(mode, act, down, down_out, h, norms, eps, post)
+    rms_norm(h, final_w, 1.0, final_eps, out)
+
+
 __all__ = ["FLOAT32", "FORMAT_CODES", "INT8", "Q4_0", "Q4_1", "Q8_0", "Q8_0_INT16", "attention_input", "final_output",
-           "mlp_input", "mlp_output"]
+           "gemma_attention_input", "gemma_final_output", "gemma_mlp_input", "gemma_mlp_output", "mlp_input", "mlp_output",
+           "window_store"]

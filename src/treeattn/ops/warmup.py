@@ -90,10 +90,10 @@ SEGMENT_KV_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 in their signature)."""
 
 
-def _segments(kv_dtype: torch.dtype, int8: bool) -> bool:
-    """The compiled decode segments (treeattn.ops.decode_layer_cpu) once each on a layer of hidden size 32 (4 query heads,
-    1 KV head of 8), writing a cache of `kv_dtype`, with float32 activations or (int8) 8-bit ones where the host runs
-    them. Returns False (nothing called) for int8 on a host without the int8 kernel."""
+def _segments(kv_dtype: torch.dtype, int8: bool, gemma: bool = False) -> bool:
+    """The compiled decode segments (treeattn.ops.decode_layer_cpu; with `gemma`, Gemma 3's) once each on a layer of
+    hidden size 32 (4 query heads, 1 KV head of 8), writing a cache of `kv_dtype`, with float32 activations or (int8)
+    8-bit ones where the host runs them. Returns False (nothing called) for int8 on a host without the int8 kernel."""
     from treeattn.ops import decode_layer_cpu as seg
     from treeattn.ops.packed_linear import int8_module
 
@@ -112,6 +112,17 @@ def _segments(kv_dtype: torch.dtype, int8: bool) -> bool:
     h, xn, out, q, k = rows(1, 32), rows(1, 32), rows(1, 32), rows(1, 4, 8), rows(1, 1, 8)
     kv = torch.zeros(1, 2, 2, 2, 1, 8, dtype=bits).numpy()
     index = np.zeros(1, np.int64)
+    if gemma:  # Gemma 3's segments (gemma_*): six norms a layer, the q/k norms' scratch, the query factor
+        norms = (norm,) * 4 + (np.ones(8, np.float32),) * 2
+        attention = (matrix(48, 32), rows(1, 48), (rows(4, 8), rows(1, 32), rows(1, 8), rows(1, 8)), rows(1, 8), rows(1, 8),
+                     0.5, q, k, kv, 0, index, index)
+        seg.gemma_attention_input(mode, h, norms, 1e-6, xn, *attention)
+        seg.gemma_mlp_input(mode, rows(1, 32), matrix(32, 32), out, h, norms, 1e-6, rows(1, 32), xn, matrix(64, 32),
+                            rows(1, 64))
+        seg.gemma_mlp_output(mode, rows(1, 32), matrix(32, 32), out, h, norms, 1e-6, rows(1, 32), xn, norms, *attention)
+        seg.gemma_final_output(mode, rows(1, 32), matrix(32, 32), out, h, norms, 1e-6, rows(1, 32), norm, 1e-6, xn)
+        seg.window_store(k, rows(1, 48), 40, 0, rows(2, 1, 8), rows(2, 1, 8), 0, kv.reshape(-1)[0])  # a ring row
+        return True
     attention = (matrix(48, 32), rows(1, 48), rows(1, 8), rows(1, 8), q, k, kv, 0, index, index)
     seg.attention_input(mode, h, norm, 1e-6, xn, *attention)
     seg.mlp_input(mode, rows(1, 32), matrix(32, 32), out, h, norm, 1e-6, xn, matrix(64, 32), rows(1, 64))
@@ -138,7 +149,8 @@ def _logits() -> None:
 
 
 def warm_kernels(*, kv_dtypes=(), attention_threads: int = 1, packed=(), rowwise: bool = False, combine=(),
-                 int8: bool = False, attention_heads=(), decode_segments=(), logits: bool = False) -> list[str]:
+                 int8: bool = False, attention_heads=(), decode_segments=(), gemma_segments=(),
+                 logits: bool = False) -> list[str]:
     """Call each named numba kernel once on tiny inputs (compiling it, or loading it from numba's cache).
 
     Args:
@@ -153,6 +165,7 @@ def warm_kernels(*, kv_dtypes=(), attention_threads: int = 1, packed=(), rowwise
             attention kernel for each kv_dtype in those shapes too (head dim 64 compiles them in).
         decode_segments: KV-cache dtypes (of SEGMENT_KV_DTYPES) the compiled decode segments write
             (treeattn.ops.decode_layer_cpu): float32 activations, and with `int8` 8-bit ones too.
+        gemma_segments: the same for Gemma 3's segments (decode_layer_cpu.gemma_*).
         logits: prompt logprobs' reduction of a chunk of float32 logits (ops.logits_cpu_kernel).
 
     Returns:
@@ -181,10 +194,11 @@ def warm_kernels(*, kv_dtypes=(), attention_threads: int = 1, packed=(), rowwise
     for dtype in combine:
         _combine(dtype)
         done.append(f"combine {dtype}")
-    for dtype in decode_segments:
-        for with_int8 in (False, True) if int8 else (False,):
-            if _segments(dtype, with_int8):
-                done.append(f"decode segments {dtype}{' int8' if with_int8 else ''}")
+    for gemma, dtypes in ((False, decode_segments), (True, gemma_segments)):
+        for dtype in dtypes:
+            for with_int8 in (False, True) if int8 else (False,):
+                if _segments(dtype, with_int8, gemma):
+                    done.append(f"{'gemma3 ' if gemma else ''}decode segments {dtype}{' int8' if with_int8 else ''}")
     if logits:
         _logits()
         done.append("logits")
@@ -205,7 +219,7 @@ def warm_groups(threads: int | None = None) -> list[list[dict]]:
               for dtype in KV_DTYPES]
     groups.append([dict(packed=[(f, v, t) for f, v in PACKED_KINDS], int8=True) for t in (1, threads)]
                   + [dict(rowwise=True, combine=(torch.float32, torch.float64), logits=True)])
-    groups.append([dict(decode_segments=SEGMENT_KV_DTYPES, int8=True)])
+    groups.append([dict(decode_segments=SEGMENT_KV_DTYPES, gemma_segments=SEGMENT_KV_DTYPES, int8=True)])
     return groups
 
 

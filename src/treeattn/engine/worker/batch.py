@@ -378,12 +378,13 @@ class PagedBatch:
             return tuple(x[None] for x in self.cache.run(self._layer, where, n))
         return self.cache.gather(self._layer, where)
 
-    def paged_decode_group(self) -> _Group | None:
+    def paged_decode_group(self, *, windows: bool = False) -> _Group | None:
         """The step's group when the step is one group of decoding rows in the step's order whose blocks the paged
-        kernel reads (no shared segments, no window or linear layers, every layer in the cache): what a compiled
-        decode step (treeattn.engine.worker.compiled_decode) runs; else None."""
-        if (len(self.groups) != 1 or not self._in_order or self.windows is not None or self.linear_states is not None
-                or self.paged_index is not None):
+        kernel reads (no shared segments, no linear layers; no window layers, every layer in the cache, unless
+        `windows`: a hybrid cache's window layers, which the caller stores and attends through kv_store and attend):
+        what a compiled decode step (treeattn.engine.worker.compiled_decode) runs; else None."""
+        hybrid = self.windows is not None or self.paged_index is not None
+        if len(self.groups) != 1 or not self._in_order or self.linear_states is not None or (hybrid and not windows):
             return None
         g = self.groups[0]
         return g if g.paged is not None and g.shared is None else None

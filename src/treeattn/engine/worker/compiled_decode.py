@@ -1,4 +1,4 @@
-"""A decode step of a packed Llama-family model on the CPU through compiled segments, applied from outside the model.
+"""A decode step of a packed Llama-family or Gemma 3 model on the CPU through compiled segments, applied from outside the model.
 
     decoder = compiled_decode(model, cache)          # RankRunner: once per engine; None where it does not apply
     hidden = decoder.forward(batch)                   # (T, hidden) as model(...)[0] gives it, or None: run the model
@@ -12,15 +12,25 @@ torch's silu(gate) * up, and mlp_output (down_proj, residual add, the next layer
 write; the last layer's final_output ends with the model's norm). Its buffers are made once per row count. The
 hidden states are the module path's bit for bit (tests/test_compiled_decode.py): float32 and int8 activations.
 
+Gemma 3 (GemmaCompiledDecode, decode_layer_cpu's gemma_* segments): the same three calls a layer with Gemma's four
+norms (1 + weight), q_norm / k_norm per head, the query factor, GELU-tanh(gate) * up (torch's) and its two rope tables
+(window layers rope_local_theta's); the embedding times sqrt(hidden_size) stays torch's, as the logits' soft-capping
+(model.logits, after the step). Its global layers attend as above. Its window layers keep the hybrid cache's rings
+(treeattn.cache.window: replicated, no combine): when every sequence decodes one row, decode_layer_cpu.window_store
+writes the ring row WindowKVCache.decode_row marks and the CPU decode kernel runs on the rings as
+ops.cpu_decode.decode_attention runs it for the batch (_WindowStep); with drafts, the batch's own kv_store and attend
+(the module path's calls on the same tensors). Either way the ring is written where the module path writes it.
+
 What it takes (compiled_decode returns None otherwise, with fallback_reason saying why): a LlamaModel of plain
-DecoderLayers (Llama, Qwen2 without biases, SmolLM2: Attention, MLP and RMSNorm exactly, no sliding window), float32
+DecoderLayers (Llama, Qwen2 without biases, SmolLM2: Attention, MLP and RMSNorm exactly, no sliding window) or a
+Gemma3Model of plain Gemma 3 layers (window and global layers, at least one global; one norm epsilon), float32
 on the CPU, every layer's q/k/v and gate/up fused packed matrices (models.packed.fuse_projections) and o_proj and
 down_proj PackedLinear, no biases; numba; a paged cache of float32, float16 or bfloat16 with values of their own; not
 the Helix layout (--tp: its all-reduces between the products run in the modules). Per step (forward returns None
 and the runner runs the model): a step of one group of decoding rows in order, read by the paged kernel, no shared
 prefix segments, at most packed_linear.MAX_KERNEL_ROWS rows; with several torch threads, no o_proj or down_proj
-large enough for the parallel kernel (packed_linear.PARALLEL_MIN_WEIGHTS). Gemma 3 (its extra norms, GELU, q/k
-norms, window layers), DeepSeek, hybrid linear models and fp8 caches take the module path.
+large enough for the parallel kernel (packed_linear.PARALLEL_MIN_WEIGHTS). DeepSeek, hybrid linear models,
+sliding-window Llama-family models (Mistral) and fp8 caches take the module path.
 """
 
 from __future__ import annotations
@@ -31,14 +41,19 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from treeattn.cache.window import paged_layers
+from treeattn.models.gemma3 import Gemma3Attention, Gemma3DecoderLayer, Gemma3MLP, Gemma3Model, Gemma3RMSNorm
 from treeattn.models.llama import MLP, Attention, DecoderLayer, LlamaModel, RMSNorm, rope_cos_sin
 from treeattn.models.packed import FusedPacked, PackedLinear
+from treeattn.ops.cpu_decode import decode_block, kernel_splits
 from treeattn.ops.kernels import optional_kernel
 from treeattn.ops.packed_linear import MAX_KERNEL_ROWS, PARALLEL_MIN_WEIGHTS, int8_module
 from treeattn.ops.paged_decode import layer_call
 
 ARENA_BITS = {torch.float32: torch.float32, torch.float16: torch.int16, torch.bfloat16: torch.uint16}
 """The cache dtypes the segments write, and the dtype the compiled code sees their elements as."""
+GEMMA_NORMS = ("pre_feedforward_layernorm", "post_feedforward_layernorm")
+"""A Gemma 3 layer's norms beside Llama's two."""
 
 
 def fallback_reason(model, cache, *, tensor_parallel: bool = False) -> str | None:
@@ -59,27 +74,39 @@ def fallback_reason(model, cache, *, tensor_parallel: bool = False) -> str | Non
         return "numba is not installed"
     if tensor_parallel:
         return "the Helix layout (--tp): its all-reduces run between the modules' products"
-    if type(model) is not LlamaModel or type(model.norm) is not RMSNorm:
-        return f"{type(model).__name__} is not a plain LlamaModel"
+    gemma = type(model) is Gemma3Model
+    if not gemma and (type(model) is not LlamaModel or type(model.norm) is not RMSNorm):
+        return f"{type(model).__name__} is not a plain LlamaModel or a Gemma3Model"
     if model.dtype != torch.float32 or model.device.type != "cpu":
         return f"the model is {model.dtype} on {model.device}, not float32 on the CPU"
-    if any(w is not None for w in model.config.layer_windows):
+    windows = model.config.layer_windows
+    if not gemma and any(w is not None for w in windows):
         return "sliding-window layers"
-    if cache.dtype not in ARENA_BITS or cache.value_dim is not None or cache.num_layers != len(model.layers):
+    if gemma and windows and all(w is not None for w in windows):
+        return "every layer slides (no global layer: the paged cache holds the window layers)"
+    if cache.dtype not in ARENA_BITS or cache.value_dim is not None:
         return f"a {cache.dtype} cache (value_dim {cache.value_dim}): the segments write float32, float16 and bfloat16"
+    if cache.num_layers != len(paged_layers(windows)):
+        return f"a paged cache of {cache.num_layers} layers for the model's {len(paged_layers(windows))} paged layers"
     for i, layer in enumerate(model.layers):
-        why = _layer_reason(layer)
+        why = _layer_reason(layer, gemma)
         if why is not None:
             return f"layer {i}: {why}"
+    if gemma and any(float(n.eps) != float(model.norm.eps) for layer in model.layers for n in _gemma_norms(layer)):
+        return "norms of different epsilons (the Gemma segments take one)"
     return None
 
 
-def _layer_reason(layer) -> str | None:
-    """Why a decoder layer is not one the segments run, or None."""
-    if (type(layer) is not DecoderLayer or type(layer.self_attn) is not Attention or type(layer.mlp) is not MLP
-            or type(layer.input_layernorm) is not RMSNorm or type(layer.post_attention_layernorm) is not RMSNorm):
-        return f"{type(layer).__name__} is not a plain DecoderLayer"
+def _layer_reason(layer, gemma: bool) -> str | None:
+    """Why a decoder layer is not one the segments run (Llama's, or with `gemma` Gemma 3's), or None."""
+    kinds = (Gemma3DecoderLayer, Gemma3Attention, Gemma3MLP, Gemma3RMSNorm) if gemma else (DecoderLayer, Attention, MLP, RMSNorm)
+    norms = ("input_layernorm", "post_attention_layernorm") + (GEMMA_NORMS if gemma else ())
+    if (type(layer) is not kinds[0] or type(layer.self_attn) is not kinds[1] or type(layer.mlp) is not kinds[2]
+            or any(type(getattr(layer, n)) is not kinds[3] for n in norms)):
+        return f"{type(layer).__name__} is not a plain {kinds[0].__name__}"
     attn, mlp = layer.self_attn, layer.mlp
+    if gemma and (type(attn.q_norm) is not Gemma3RMSNorm or type(attn.k_norm) is not Gemma3RMSNorm):
+        return "q_norm or k_norm is not a Gemma3RMSNorm"
     for module in (attn, mlp):
         fused = module.__dict__.get("fused")
         if not isinstance(fused, FusedPacked) or not fused.current():
@@ -104,29 +131,40 @@ def compiled_decode(model, cache, *, tensor_parallel: bool = False) -> CompiledD
     """A CompiledDecode of `model` over `cache`, or None where fallback_reason gives a reason."""
     if fallback_reason(model, cache, tensor_parallel=tensor_parallel) is not None:
         return None
-    return CompiledDecode(model, cache)
+    return GemmaCompiledDecode(model, cache) if type(model) is Gemma3Model else CompiledDecode(model, cache)
 
 
 class _Buffers:
-    """The arrays of a step of `rows` rows (numpy, C-contiguous) and the torch views silu * up reads and writes."""
+    """The arrays of a step of `rows` rows (numpy, C-contiguous) and the torch views silu * up reads and writes; with
+    `gemma`, Gemma 3's too: post (the post-attention and post-feedforward norms' rows), heads (q_norm and k_norm's rows
+    and results: gemma_attention_input's scratch) and the torch views of q, k and v a window layer's batch calls take."""
 
-    def __init__(self, rows: int, c, qkv_rows: int, inter: int) -> None:
-        D, hd = c.hidden_size, c.head_dim
+    def __init__(self, rows: int, c, qkv_rows: int, inter: int, gemma: bool = False) -> None:
+        D, hd, Hq, Hkv = c.hidden_size, c.head_dim, c.num_heads, c.num_kv_heads
         self.h, self.xn, self.o_out, self.down_out, self.out = (np.empty((rows, D), np.float32) for _ in range(5))
         self.qkv_out = np.empty((rows, qkv_rows), np.float32)
-        self.q = np.empty((rows, c.num_heads, hd), np.float32)
-        self.k = np.empty((rows, c.num_kv_heads, hd), np.float32)
-        self.attn = np.empty((rows, c.num_heads * hd), np.float32)
-        self.lse = np.empty((rows, c.num_kv_heads, c.num_heads // c.num_kv_heads), np.float32)
+        self.q = np.empty((rows, Hq, hd), np.float32)
+        self.k = np.empty((rows, Hkv, hd), np.float32)
+        self.attn = np.empty((rows, Hq * hd), np.float32)
+        self.lse = np.empty((rows, Hkv, Hq // Hkv), np.float32)
         # gate/up as FusedPacked gives them to the module path: slices of one (1, rows, 2 I) product
         self.gate_up = np.empty((1, rows, 2 * inter), np.float32)
         self.gate, self.up = torch.from_numpy(self.gate_up[..., :inter]), torch.from_numpy(self.gate_up[..., inter:])
         self.act = np.empty((1, rows, inter), np.float32)
         self.act_t = torch.from_numpy(self.act)
+        if gemma:
+            self.post = np.empty((rows, D), np.float32)
+            self.heads = (np.empty((rows * Hq, hd), np.float32), np.empty((rows, Hq * hd), np.float32),
+                          np.empty((rows * Hkv, hd), np.float32), np.empty((rows, Hkv * hd), np.float32))
+            self.q_t, self.k_t = torch.from_numpy(self.q)[None], torch.from_numpy(self.k)[None]
+            v0 = (Hq + Hkv) * hd  # the values: the fused product's last columns, as the module path views them
+            self.v_t = torch.from_numpy(self.qkv_out)[None, :, v0:].view(1, rows, Hkv, hd)
 
 
 class CompiledDecode:
     """The compiled segments' decode step for one model and cache (see the module doc); build it with compiled_decode."""
+
+    gemma = False  # GemmaCompiledDecode: Gemma 3's buffers and segments
 
     def __init__(self, model: LlamaModel, cache) -> None:
         from treeattn.ops import decode_layer_cpu as segments
@@ -145,8 +183,10 @@ class CompiledDecode:
         self.qkv_rows = layers[0].self_attn.fused.whole.rows
         self.parallel_sized = any(m.rows * m.columns >= PARALLEL_MIN_WEIGHTS for layer in layers
                                   for m in (layer.self_attn.o_proj, layer.mlp.down_proj))
+        # model layer -> its layer in the paged cache (a hybrid cache's window layers have none)
+        self.paged_index = {layer: i for i, layer in enumerate(paged_layers(self.config.layer_windows))}
         self.arena = cache.arena.view(ARENA_BITS[cache.dtype]).numpy()  # (layers, 2, blocks, block size, Hkv, D)
-        self.blocks = [(self.arena[i, 0], self.arena[i, 1]) for i in range(len(layers))]  # what LayerCall's views are
+        self.blocks = [(self.arena[i, 0], self.arena[i, 1]) for i in range(cache.num_layers)]  # what LayerCall's views are
         self.no_scales = optional_kernel("paged_cpu_kernel").NO_SCALES
         self._buffers: dict[int, _Buffers] = {}
 
@@ -155,22 +195,30 @@ class CompiledDecode:
         int8 = self.model.layers[0].self_attn.o_proj.activations == "int8" and int8_module() is not None
         return self.segments.INT8 if int8 else self.segments.FLOAT32
 
-    def forward(self, batch) -> torch.Tensor | None:
-        """The step's final hidden states (T, hidden_size), the model's, for a PagedBatch of the kind the module doc
-        names; None for any other step (nothing done: the caller runs the model)."""
-        group = batch.paged_decode_group()
+    def _prepare(self, batch) -> tuple | None:
+        """(the step's buffers, its queries as the paged kernel's torch view, the paged kernel's LayerCall) for a step
+        the segments run; None for any other (nothing done)."""
+        group = batch.paged_decode_group(windows=self.gemma)
         T = batch.tokens.shape[1]
         if group is None or T > MAX_KERNEL_ROWS or (self.parallel_sized and torch.get_num_threads() > 1):
             return None
         buf = self._buffers.get(T)
         if buf is None:
-            buf = self._buffers[T] = _Buffers(T, self.config, self.qkv_rows, self.inter)
+            buf = self._buffers[T] = _Buffers(T, self.config, self.qkv_rows, self.inter, self.gemma)
         B, S = group.q_index.shape
         q_t = torch.from_numpy(buf.q).view(B, S, *buf.q.shape[1:])
         k0, v0 = self.cache.blocks(0)
         call = layer_call(q_t, k0, v0, group.paged, views=self.cache.kernel_views)
-        if call is None:
+        return None if call is None else (buf, q_t, call)
+
+    def forward(self, batch) -> torch.Tensor | None:
+        """The step's final hidden states (T, hidden_size), the model's, for a PagedBatch of the kind the module doc
+        names; None for any other step (nothing done: the caller runs the model)."""
+        prepared = self._prepare(batch)
+        if prepared is None:
             return None
+        buf, q_t, call = prepared
+        T = batch.tokens.shape[1]
         model, seg, mode = self.model, self.segments, self.mode()
         h = model.embed_tokens(batch.tokens).to(model.dtype).reshape(T, -1)
         buf.h[:] = h.numpy()
@@ -194,9 +242,9 @@ class CompiledDecode:
         return torch.from_numpy(buf.out.copy())
 
     def _attend(self, batch, call, buf: _Buffers, q_t: torch.Tensor, layer: int) -> np.ndarray:
-        """Layer `layer`'s attention of buf.q over this rank's blocks, combined across the ranks where there are
-        several (PagedBatch.combine_state): (rows, Hq * head_dim) float32, C-contiguous. Its seconds go to the
-        batch's phases as PagedBatch.attend counts them ("attention"; the combine's own "combine")."""
+        """The paged cache's layer `layer`'s attention of buf.q over this rank's blocks, combined across the ranks where
+        there are several (PagedBatch.combine_state): (rows, Hq * head_dim) float32, C-contiguous. Its seconds go to
+        the batch's phases as PagedBatch.attend counts them ("attention"; the combine's own "combine")."""
         start = time.perf_counter()
         if batch.combine_size() == 1:  # the kernel's entry on the buffers: LayerCall's call, without its torch views
             table, kv_pos, row_seq, q_pos, splits = call.arrays
@@ -213,4 +261,142 @@ class CompiledDecode:
         return np.ascontiguousarray(out.numpy()).reshape(buf.attn.shape)
 
 
-__all__ = ["ARENA_BITS", "CompiledDecode", "compiled_decode", "fallback_reason"]
+class GemmaCompiledDecode(CompiledDecode):
+    """Gemma 3's decode step through decode_layer_cpu's gemma_* segments (see the module doc): per layer the attention,
+    gemma_mlp_input, torch's gelu_tanh(gate) * up, gemma_mlp_output (or gemma_final_output). A global layer attends
+    as CompiledDecode's layers do (its keys and values written into the paged arena by the segment); a window layer's
+    keys and values go to the hybrid cache's window rings, through _WindowStep where every sequence decodes one row,
+    else through the batch's own kv_store and attend (WindowKVCache.extend, ops.attention), as the module path."""
+
+    gemma = True
+
+    def __init__(self, model: Gemma3Model, cache) -> None:
+        super().__init__(model, cache)
+        self.norms = [tuple(n.weight.detach().numpy() for n in _gemma_norms(layer)) for layer in model.layers]
+        self.eps = float(model.norm.eps)  # every norm's (fallback_reason)
+        self.factors = [1.0 if layer.self_attn.query_factor is None else float(layer.self_attn.query_factor)
+                        for layer in model.layers]
+        self.windows = [layer.self_attn.window for layer in model.layers]
+        self.no_rows = np.empty(0, np.int64)  # a window layer's paged-cache rows: none
+
+    def forward(self, batch) -> torch.Tensor | None:
+        """As CompiledDecode.forward, for Gemma 3."""
+        prepared = self._prepare(batch)
+        if prepared is None:
+            return None
+        buf, q_t, call = prepared
+        T = batch.tokens.shape[1]
+        model, seg, mode, eps = self.model, self.segments, self.mode(), self.eps
+        h = model.embed_tokens(batch.tokens).to(model.dtype)
+        h = h * torch.tensor(self.config.hidden_size ** 0.5, dtype=h.dtype, device=h.device)  # Gemma3Model.forward's
+        buf.h[:] = h.reshape(T, -1).numpy()
+        tables = [tuple(t.reshape(T, -1).numpy() for t in rope_cos_sin(inv, batch.positions, model.dtype))
+                  for inv in (model.inv_freq, model.inv_freq_local)]  # global layers', window layers'
+        stores = (batch.store_rows.numpy(), batch.store_slots.numpy())
+        window_step = _WindowStep.of(batch, q_t.shape, self.config, self.segments)
+        seg.gemma_attention_input(mode, buf.h, self.norms[0], eps, buf.xn, *self._attention_args(0, buf, tables, stores))
+        last = len(self.o) - 1
+        for i in range(last + 1):
+            if self.windows[i] is None:
+                attn = self._attend(batch, call, buf, q_t, self.paged_index[i])
+            else:
+                attn = self._attend_window(batch, buf, i, window_step)
+            seg.gemma_mlp_input(mode, attn, self.o[i], buf.o_out, buf.h, self.norms[i], eps, buf.post, buf.xn,
+                                self.gate_up[i], buf.gate_up[0])
+            torch.mul(F.gelu(buf.gate, approximate="tanh"), buf.up, out=buf.act_t)
+            if i < last:
+                seg.gemma_mlp_output(mode, buf.act[0], self.down[i], buf.down_out, buf.h, self.norms[i], eps, buf.post,
+                                     buf.xn, self.norms[i + 1], *self._attention_args(i + 1, buf, tables, stores))
+            else:
+                seg.gemma_final_output(mode, buf.act[0], self.down[i], buf.down_out, buf.h, self.norms[i], eps, buf.post,
+                                       *self.final_norm, buf.out)
+        return torch.from_numpy(buf.out.copy())
+
+    def _attention_args(self, layer: int, buf: _Buffers, tables, stores) -> tuple:
+        """gemma_attention_input's arguments after xn for model layer `layer`: its rope table and, for a global layer,
+        its paged-cache layer and the step's rows and slots (a window layer: no rows; the batch writes its ring)."""
+        window = self.windows[layer] is not None
+        rows, slots = (self.no_rows, self.no_rows) if window else stores
+        return (self.qkv[layer], buf.qkv_out, buf.heads, *tables[window], self.factors[layer], buf.q, buf.k, self.arena,
+                self.paged_index.get(layer, 0), rows, slots)
+
+    def _attend_window(self, batch, buf: _Buffers, layer: int, step: _WindowStep | None) -> np.ndarray:
+        """Window layer `layer`: its new keys and values into the window rings and its attention over them (every rank
+        alone, no combine): through `step` where it takes the layer, else through the batch's kv_store and attend as
+        the module path calls them. Returns (rows, Hq * head_dim) float32, C-contiguous."""
+        if step is not None and step.attend(layer, self.windows[layer], buf):
+            return buf.attn
+        k, v, kv_pos = batch.kv_store(layer, buf.k_t, buf.v_t)
+        out = batch.attend(buf.q_t, k, v, q_pos=batch.positions, kv_pos=kv_pos, window=self.windows[layer])
+        return np.ascontiguousarray(out.numpy()).reshape(buf.attn.shape)
+
+
+class _WindowStep:
+    """A decode step's window layers when every sequence decodes one row: each ring row written by
+    decode_layer_cpu.window_store (WindowKVCache.decode_row marks it) and the CPU decode kernel's entry called on the
+    rings as ops.cpu_decode.decode_attention calls it for the batch's attend (its blocks, table, positions, splits,
+    threads and scale; several sequences' rings stacked as the batch stacks them), with none of their torch calls. The
+    same values written, the same kernel on the same arrays: the module path's bits."""
+
+    def __init__(self, batch, B: int, config, segments) -> None:
+        self.batch, self.segments = batch, segments
+        self.members = [(c.seq_id, c.start) for c in batch.chunks]
+        self.like = {torch.float32: np.float32(0), torch.float16: np.int16(0), torch.bfloat16: np.uint16(0)}[batch.windows.dtype]
+        Hq, Hkv, D = config.num_heads, config.num_kv_heads, config.head_dim
+        self.threads = torch.get_num_threads()
+        self.entry = optional_kernel("paged_cpu_kernel").entry(self.threads, Hkv, Hq // Hkv, D, D)
+        self.scale, self.v0, self.B = D ** -0.5, (Hq + Hkv) * D, B
+        self.q_pos = batch.positions.reshape(-1).numpy()
+        self.row_seq = np.arange(B, dtype=np.int64)
+        self.shapes = (B, Hkv, Hq // Hkv, D), (B, Hkv, Hq // Hkv)
+        self._layouts: dict[int, tuple] = {}  # ring size -> (block, blocks, table, splits)
+
+    @classmethod
+    def of(cls, batch, q_shape, config, segments) -> _WindowStep | None:
+        """The step's _WindowStep, or None where a sequence decodes several rows (drafts: the batch's attend) or the
+        window cache is not held in float32 of float32, float16 or bfloat16."""
+        windows = batch.windows
+        if windows is None or q_shape[1] != 1 or windows.dtype not in ARENA_BITS or windows.compute_dtype != torch.float32:
+            return None
+        return cls(batch, q_shape[0], config, segments)
+
+    def attend(self, layer: int, window: int, buf: _Buffers) -> bool:
+        """Window layer `layer`'s new keys and values (buf.k, buf.qkv_out) into the rings and its attention of buf.q over
+        them into buf.attn; False (nothing written) where a ring is not one decode_row takes."""
+        start = time.perf_counter()
+        rings = []
+        for seq_id, position in self.members:
+            ring = self.batch.windows.decode_row(layer, seq_id, position)
+            if ring is None:
+                return False
+            rings.append(ring)
+        for b, (k, v, _, at) in enumerate(rings):
+            self.segments.window_store(buf.k, buf.qkv_out, self.v0, b, k.numpy(), v.numpy(), at, self.like)
+        size = rings[0][0].shape[0]
+        layout = self._layouts.get(size)
+        if layout is None:
+            block = decode_block(size)
+            nb = size // block
+            table = np.arange(self.B * nb, dtype=np.int64).reshape(self.B, nb)
+            layout = self._layouts[size] = (block, nb, table, kernel_splits(self.threads, self.B, nb))
+        block, nb, table, splits = layout
+        if self.B == 1:
+            k, v, pos = (t.numpy() for t in rings[0][:3])
+            k, v, kv_pos = k.reshape(nb, block, *k.shape[1:]), v.reshape(nb, block, *v.shape[1:]), pos.reshape(1, -1)
+        else:  # the rings stacked, as the batch's _window_store stacks them
+            k, v, kv_pos = (torch.stack([ring[i] for ring in rings]).numpy() for i in range(3))
+            k, v = k.reshape(self.B * nb, block, *k.shape[2:]), v.reshape(self.B * nb, block, *v.shape[2:])
+        no_scales = optional_kernel("paged_cpu_kernel").NO_SCALES
+        self.entry(buf.q.reshape(self.shapes[0]), k, v, no_scales, no_scales, k.shape[-1], self.scale, table, kv_pos,
+                   self.row_seq, self.q_pos, window, splits, buf.attn.reshape(self.shapes[0]), buf.lse)
+        self.batch.phases["attention"] = self.batch.phases.get("attention", 0.0) + time.perf_counter() - start
+        return True
+
+
+def _gemma_norms(layer) -> tuple:
+    """A Gemma 3 layer's norms in decode_layer_cpu's order: input, post-attention, pre- and post-feedforward, q, k."""
+    return (layer.input_layernorm, layer.post_attention_layernorm, layer.pre_feedforward_layernorm,
+            layer.post_feedforward_layernorm, layer.self_attn.q_norm, layer.self_attn.k_norm)
+
+
+__all__ = ["ARENA_BITS", "CompiledDecode", "GemmaCompiledDecode", "compiled_decode", "fallback_reason"]

@@ -243,8 +243,10 @@ class RankRunner:
         # written once, so that their memory is resident from the start (engine.worker.warmup)
         # decode steps of a packed Llama-family model through compiled segments (None: the model's modules)
         self.compiled_decode = compiled_decode(model, self.cache, tensor_parallel=helix is not None)
+        segments = self.compiled_decode is not None
+        gemma = segments and self.compiled_decode.gemma
         self.warmed = warm_up_rank(model, kv_dtype=kv_cache_dtype, world_size=p, draft_model=draft_model,
-                                   decode_segments=self.compiled_decode is not None)
+                                   decode_segments=segments and not gemma, gemma_segments=gemma)
         self.pretouched_bytes = sum(pretouch_cache(c) for c in (self.cache, getattr(self.drafter, "cache",
                                                                                     None)) if c is not None)
 

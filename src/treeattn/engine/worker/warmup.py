@@ -52,10 +52,12 @@ def attention_heads(model) -> list[tuple[int, int, int]]:
     return sorted(shapes)
 
 
-def warm_up_rank(model, *, kv_dtype: torch.dtype, world_size: int, draft_model=None, decode_segments: bool = False) -> list[str]:
+def warm_up_rank(model, *, kv_dtype: torch.dtype, world_size: int, draft_model=None, decode_segments: bool = False,
+                 gemma_segments: bool = False) -> list[str]:
     """Warm the numba kernels `model` (and `draft_model`) and a KV cache of `kv_dtype` will call on
-    this rank (see the module docstring); with decode_segments, the compiled decode segments writing that cache
-    (treeattn.engine.worker.compiled_decode). Returns ops.warmup.warm_kernels' lines; [] off the CPU."""
+    this rank (see the module docstring); with decode_segments (gemma_segments: Gemma 3's), the compiled decode
+    segments writing that cache (treeattn.engine.worker.compiled_decode). Returns ops.warmup.warm_kernels' lines; []
+    off the CPU."""
     weight = next(model.parameters(), None)  # the model's device and dtype (not every model family names them)
     if weight is None or weight.device.type != "cpu":
         return []
@@ -69,7 +71,8 @@ def warm_up_rank(model, *, kv_dtype: torch.dtype, world_size: int, draft_model=N
     int8 = any(getattr(m, "activations", None) == "int8" for m in model.modules())  # set_activation_format: its kernel too
     return warm_kernels(kv_dtypes=kv_dtypes, attention_threads=threads, packed=packed, rowwise=dtype == torch.float32,
                         combine=combine, int8=int8, attention_heads=attention_heads(model),
-                        decode_segments=(kv_dtype,) if decode_segments else (), logits=True)
+                        decode_segments=(kv_dtype,) if decode_segments else (),
+                        gemma_segments=(kv_dtype,) if gemma_segments else (), logits=True)
 
 
 def pretouch_cache(cache) -> int:
