@@ -18,7 +18,7 @@ import torch
 
 import treeattn as ta
 from treeattn.engine.worker import compiled_decode
-from treeattn.engine.worker.compiled_decode import CompiledDecode, GemmaCompiledDecode, fallback_reason
+from treeattn.engine.worker.compiled_decode import CompiledDecode, GemmaCompiledDecode, HelixCompiledDecode, fallback_reason
 from treeattn.models.gemma3 import Gemma3Config, Gemma3Model, random_gemma3
 from treeattn.models.llama import random_model
 from treeattn.models.packed import PackedLinear, fuse_projections, pack_arena
@@ -93,13 +93,13 @@ def _checked(record: list, original=CompiledDecode.forward):
 
 
 def _generate(rank: int, world_size: int, mix: int, activations: str, kv: str, batch: int, threads: int = 1,
-              gemma: bool = False) -> dict:
+              gemma: bool = False, tp: int | None = None) -> dict:
     torch.set_num_threads(threads)
     record: list[bool] = []
-    for kind in (CompiledDecode, GemmaCompiledDecode):
+    for kind in (CompiledDecode, GemmaCompiledDecode, HelixCompiledDecode):
         kind.forward = _checked(record, kind.forward)
     result = ta.generate(packed_model(mix=mix, gemma=gemma), _prompts(batch), max_new_tokens=NEW_TOKENS, ignore_eos=True,
-                         block_size=8, activation_format=activations, kv_cache_dtype=kv)
+                         block_size=8, activation_format=activations, kv_cache_dtype=kv, tp=tp)
     return {"ids": result.generated_ids, "record": record}
 
 
@@ -123,6 +123,16 @@ def test_two_ranks_hidden_states_equal_the_modules_bit_for_bit(activations, gemm
     for out in runs:
         assert len(out["record"]) == NEW_TOKENS - 1 and all(out["record"]), out["record"]
     assert runs[0]["ids"] == runs[1]["ids"]
+
+
+@pytest.mark.parametrize("activations", ACTIVATIONS)
+@pytest.mark.parametrize("tp,world", [(1, 2), (2, 2), (2, 4)], ids=["tp1x2", "tp2x1", "tp2x2"])
+def test_the_helix_layout_hidden_states_equal_the_modules_bit_for_bit(tp, world, activations):
+    """--tp: HelixCompiledDecode sums o_proj (tp > 1) and down_proj between its segments, as the modules' hooks do."""
+    runs = ta.spawn(_generate, world, 1, activations, "float16", 2, 1, False, tp, timeout=300)
+    for out in runs:
+        assert len(out["record"]) == NEW_TOKENS - 1 and all(out["record"]), out["record"]
+    assert all(out["ids"] == runs[0]["ids"] for out in runs)
 
 
 @pytest.mark.parametrize("gemma", [False, True], ids=["llama", "gemma3"])
@@ -185,7 +195,7 @@ def test_where_the_segments_apply_and_where_the_modules_run():
     cases = [  # (model, cache, tensor_parallel, words of the reason)
         (random_model(_config()), _cache(), False, "not one fused packed matrix"),  # float32 nn.Linear layers
         (packed_model(), _cache(), False, "not one fused packed matrix"),  # not fused (the engine fuses before the runner)
-        (_fused(packed_model()), _cache(), True, "Helix"),
+        (_fused(packed_model()), _cache(), True, "without the groups"),  # not connected (tensor_parallel.connect)
         (_fused(packed_model()), _cache(torch.float8_e4m3fn), False, "float8_e4m3fn cache"),
         (_fused(packed_model()).to(torch.float64), _cache(), False, "float64"),
         (random_model(_config(layer_windows=(4, None, 4))), _cache(), False, "sliding-window"),

@@ -43,7 +43,7 @@ def signatures() -> dict[str, list[str]]:
     return found
 
 
-def first_request(rank, world_size, path, warm, activation_format="auto", kv_cache_dtype="bfloat16"):
+def first_request(rank, world_size, path, warm, activation_format="auto", kv_cache_dtype="bfloat16", tp=None):
     """On every rank: ta.generate (an engine inside the group); (signatures right after the runner's
     warm-up, signatures after the first generate, the warm-up's lines)."""
     import treeattn.engine.worker.runner as runner
@@ -58,7 +58,7 @@ def first_request(rank, world_size, path, warm, activation_format="auto", kv_cac
     runner.warm_up_rank = warm_up_rank
     prompt = list(range(3, 23))
     ta.generate(path, prompt, max_new_tokens=4, ignore_eos=True, block_size=16, weight_format="packed",
-                kv_cache_dtype=kv_cache_dtype, activation_format=activation_format)
+                kv_cache_dtype=kv_cache_dtype, activation_format=activation_format, tp=tp)
     return seen["start"], signatures(), seen["warmed"]
 
 
@@ -72,9 +72,11 @@ def q4_1_file(tmp_path_factory):
     return str(path)
 
 
-@pytest.mark.parametrize("world_size", [1, 2])
-def test_the_first_request_after_engine_start_compiles_no_kernel(q4_1_file, world_size):
-    for rank, (start, after, warmed) in enumerate(ta.spawn(first_request, world_size, q4_1_file, True)):
+@pytest.mark.parametrize("world_size,tp", [(1, None), (2, None), (2, 1)], ids=["1", "2", "2-tp1"])
+def test_the_first_request_after_engine_start_compiles_no_kernel(q4_1_file, world_size, tp):
+    """tp=1 on 2 ranks: the Helix layout's compiled segments (HelixCompiledDecode) too."""
+    runs = ta.spawn(first_request, world_size, q4_1_file, True, "auto", "bfloat16", tp)
+    for rank, (start, after, warmed) in enumerate(runs):
         assert warmed and any(start.values()), rank  # the warm-up ran kernels
         assert after == start, (rank, {k: v for k, v in after.items() if v != start.get(k)})
         if world_size > 1:

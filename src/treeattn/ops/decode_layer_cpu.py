@@ -5,6 +5,8 @@
     mlp_output(mode, act, down, down_out, h, norm_w, eps, xn, qkv, qkv_out, cos, sin, q, k, kv, layer, rows, slots)
     final_output(mode, act, down, down_out, h, norm_w, eps, out)
     gemma_attention_input / gemma_mlp_input / gemma_mlp_output / gemma_final_output: Gemma 3's (below)
+    product, norm_gate_up, residual_attention_input, residual_final_norm: the Helix layout's (--tp), mlp_input,
+        mlp_output and final_output cut where o_proj's and down_proj's partial sums are all-reduced (below)
 
 A Llama-family decoder layer on a decode step's few rows (R <= packed_linear.MAX_KERNEL_ROWS) is, outside its
 attention, a chain of small kernels: RMSNorm, the fused q/k/v product, RoPE, the cache write, then o_proj, the
@@ -292,6 +294,38 @@ def final_output(mode, act, down, down_out, h, norm_w, eps, out):  # pragma: no 
     rms_norm(h, norm_w, 0.0, eps, out)
 
 
+@njit(cache=True)
+def product(mode, x, matrix, out):  # pragma: no cover - compiled
+    """out = x @ W.T for a packed matrix (code, qs, d, m): the Helix layout's o_proj and down_proj shares, whose
+    partial sums the caller all-reduces between this and the segment after it."""
+    _product(mode, matrix[0], x, matrix[1], matrix[2], matrix[3], out)
+
+
+@njit(cache=True)
+def norm_gate_up(mode, o_out, h, norm_w, eps, xn, gate_up, gate_up_out):  # pragma: no cover - compiled
+    """mlp_input after its o_proj (summed across the tensor-parallel ranks): the residual add, the post-attention
+    RMSNorm and the fused gate/up product."""
+    _add(h, o_out)
+    rms_norm(h, norm_w, 0.0, eps, xn)
+    _product(mode, gate_up[0], xn, gate_up[1], gate_up[2], gate_up[3], gate_up_out)
+
+
+@njit(cache=True)
+def residual_attention_input(mode, down_out, h, norm_w, eps, xn, qkv, qkv_out, cos, sin, q, k, kv, layer, rows,
+                             slots):  # pragma: no cover - compiled
+    """mlp_output after its down_proj (summed across the ranks): the residual add, then the next layer's
+    attention_input."""
+    _add(h, down_out)
+    attention_input(mode, h, norm_w, eps, xn, qkv, qkv_out, cos, sin, q, k, kv, layer, rows, slots)
+
+
+@njit(cache=True)
+def residual_final_norm(down_out, h, norm_w, eps, out):  # pragma: no cover - compiled
+    """final_output after its down_proj (summed across the ranks): the residual add and the model's final RMSNorm."""
+    _add(h, down_out)
+    rms_norm(h, norm_w, 0.0, eps, out)
+
+
 @njit(cache=True, inline="always")
 def _norm_heads(src, col0, weight, eps, rows, dst):  # pragma: no cover - compiled
     """Gemma's per-head RMSNorm (1 + weight) of the heads at columns col0.. of src (R, *): each head copied into
@@ -367,4 +401,4 @@ def gemma_final_output(mode, act, down, down_out, h, norms, eps, post, final_w, 
 
 __all__ = ["FLOAT32", "FORMAT_CODES", "INT8", "Q4_0", "Q4_1", "Q8_0", "Q8_0_INT16", "attention_input", "final_output",
            "gemma_attention_input", "gemma_final_output", "gemma_mlp_input", "gemma_mlp_output", "mlp_input", "mlp_output",
-           "window_store"]
+           "norm_gate_up", "product", "residual_attention_input", "residual_final_norm", "window_store"]

@@ -128,6 +128,11 @@ def _segments(kv_dtype: torch.dtype, int8: bool, gemma: bool = False) -> bool:
     seg.mlp_input(mode, rows(1, 32), matrix(32, 32), out, h, norm, 1e-6, xn, matrix(64, 32), rows(1, 64))
     seg.mlp_output(mode, rows(1, 32), matrix(32, 32), out, h, norm, 1e-6, xn, *attention)
     seg.final_output(mode, rows(1, 32), matrix(32, 32), out, h, norm, 1e-6, xn)
+    # the Helix layout's (--tp): the same segments cut at its all-reduces
+    seg.product(mode, rows(1, 32), matrix(32, 32), out)
+    seg.norm_gate_up(mode, out, h, norm, 1e-6, xn, matrix(64, 32), rows(1, 64))
+    seg.residual_attention_input(mode, out, h, norm, 1e-6, xn, *attention)
+    seg.residual_final_norm(out, h, norm, 1e-6, xn)
     return True
 
 

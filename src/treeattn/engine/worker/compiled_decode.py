@@ -25,8 +25,9 @@ What it takes (compiled_decode returns None otherwise, with fallback_reason sayi
 DecoderLayers (Llama, Qwen2 without biases, SmolLM2: Attention, MLP and RMSNorm exactly, no sliding window) or a
 Gemma3Model of plain Gemma 3 layers (window and global layers, at least one global; one norm epsilon), float32
 on the CPU, every layer's q/k/v and gate/up fused packed matrices (models.packed.fuse_projections) and o_proj and
-down_proj PackedLinear, no biases; numba; a paged cache of float32, float16 or bfloat16 with values of their own; not
-the Helix layout (--tp: its all-reduces between the products run in the modules). Per step (forward returns None
+down_proj PackedLinear, no biases; numba; a paged cache of float32, float16 or bfloat16 with values of their own. In
+the Helix layout (--tp) a Llama-family model runs HelixCompiledDecode (the all-reduces between the segments); Gemma 3
+there takes the module path. Per step (forward returns None
 and the runner runs the model): a step of one group of decoding rows in order, read by the paged kernel, no shared
 prefix segments, at most packed_linear.MAX_KERNEL_ROWS rows; with several torch threads, no o_proj or down_proj
 large enough for the parallel kernel (packed_linear.PARALLEL_MIN_WEIGHTS). DeepSeek, hybrid linear models,
@@ -39,6 +40,7 @@ import time
 
 import numpy as np
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from treeattn.cache.window import paged_layers
@@ -49,6 +51,7 @@ from treeattn.ops.cpu_decode import decode_block, kernel_splits
 from treeattn.ops.kernels import optional_kernel
 from treeattn.ops.packed_linear import MAX_KERNEL_ROWS, PARALLEL_MIN_WEIGHTS, int8_module
 from treeattn.ops.paged_decode import layer_call
+from treeattn.parallel import comm
 
 ARENA_BITS = {torch.float32: torch.float32, torch.float16: torch.int16, torch.bfloat16: torch.uint16}
 """The cache dtypes the segments write, and the dtype the compiled code sees their elements as."""
@@ -72,9 +75,10 @@ def fallback_reason(model, cache, *, tensor_parallel: bool = False) -> str | Non
     """
     if optional_kernel("rowwise_cpu_kernel") is None or optional_kernel("packed_cpu_kernel") is None:
         return "numba is not installed"
-    if tensor_parallel:
-        return "the Helix layout (--tp): its all-reduces run between the modules' products"
     gemma = type(model) is Gemma3Model
+    if tensor_parallel and (gemma or getattr(model, "helix_sums", None) is None):
+        return ("Gemma 3 in the Helix layout (--tp)" if gemma
+                else "the Helix layout (--tp) without the groups its sums run over (tensor_parallel.connect sets them)")
     if not gemma and (type(model) is not LlamaModel or type(model.norm) is not RMSNorm):
         return f"{type(model).__name__} is not a plain LlamaModel or a Gemma3Model"
     if model.dtype != torch.float32 or model.device.type != "cpu":
@@ -131,6 +135,8 @@ def compiled_decode(model, cache, *, tensor_parallel: bool = False) -> CompiledD
     """A CompiledDecode of `model` over `cache`, or None where fallback_reason gives a reason."""
     if fallback_reason(model, cache, tensor_parallel=tensor_parallel) is not None:
         return None
+    if tensor_parallel:
+        return HelixCompiledDecode(model, cache, *model.helix_sums)
     return GemmaCompiledDecode(model, cache) if type(model) is Gemma3Model else CompiledDecode(model, cache)
 
 
@@ -139,8 +145,8 @@ class _Buffers:
     `gemma`, Gemma 3's too: post (the post-attention and post-feedforward norms' rows), heads (q_norm and k_norm's rows
     and results: gemma_attention_input's scratch) and the torch views of q, k and v a window layer's batch calls take."""
 
-    def __init__(self, rows: int, c, qkv_rows: int, inter: int, gemma: bool = False) -> None:
-        D, hd, Hq, Hkv = c.hidden_size, c.head_dim, c.num_heads, c.num_kv_heads
+    def __init__(self, rows: int, c, heads: tuple[int, int], qkv_rows: int, inter: int, gemma: bool = False) -> None:
+        (Hq, Hkv), D, hd = heads, c.hidden_size, c.head_dim  # heads: the layer's own (a Helix rank's share)
         self.h, self.xn, self.o_out, self.down_out, self.out = (np.empty((rows, D), np.float32) for _ in range(5))
         self.qkv_out = np.empty((rows, qkv_rows), np.float32)
         self.q = np.empty((rows, Hq, hd), np.float32)
@@ -181,6 +187,7 @@ class CompiledDecode:
         self.final_norm = (model.norm.weight.detach().numpy(), float(model.norm.eps))
         self.inter = layers[0].mlp.down_proj.columns
         self.qkv_rows = layers[0].self_attn.fused.whole.rows
+        self.heads = (layers[0].self_attn.num_heads, layers[0].self_attn.num_kv_heads)
         self.parallel_sized = any(m.rows * m.columns >= PARALLEL_MIN_WEIGHTS for layer in layers
                                   for m in (layer.self_attn.o_proj, layer.mlp.down_proj))
         # model layer -> its layer in the paged cache (a hybrid cache's window layers have none)
@@ -204,7 +211,7 @@ class CompiledDecode:
             return None
         buf = self._buffers.get(T)
         if buf is None:
-            buf = self._buffers[T] = _Buffers(T, self.config, self.qkv_rows, self.inter, self.gemma)
+            buf = self._buffers[T] = _Buffers(T, self.config, self.heads, self.qkv_rows, self.inter, self.gemma)
         B, S = group.q_index.shape
         q_t = torch.from_numpy(buf.q).view(B, S, *buf.q.shape[1:])
         k0, v0 = self.cache.blocks(0)
@@ -331,6 +338,63 @@ class GemmaCompiledDecode(CompiledDecode):
         return np.ascontiguousarray(out.numpy()).reshape(buf.attn.shape)
 
 
+class HelixCompiledDecode(CompiledDecode):
+    """The Helix layout's decode step (--tp; engine.worker.tensor_parallel.connect): CompiledDecode's, with the segments
+    cut where the modules' hooks all-reduce: o_proj's partial sums over `o_group` (the TP group; None for tp = 1,
+    whose o_proj is whole on every rank) and down_proj's over `mlp_group` (every rank), each summed by the same
+    comm.all_reduce on the same rows as the hook, between two compiled calls (decode_layer_cpu.product, then
+    norm_gate_up / residual_attention_input / residual_final_norm). A rank runs its own heads (their attention
+    combined over its KV group, as CompiledDecode's) and its share of the MLP; the embedding is the model's
+    (VocabParallelEmbedding: its own all-reduce). The hidden states are the module path's bit for bit."""
+
+    def __init__(self, model: LlamaModel, cache, o_group, mlp_group) -> None:
+        super().__init__(model, cache)
+        self.o_group, self.mlp_group = o_group, mlp_group
+
+    def forward(self, batch) -> torch.Tensor | None:
+        """As CompiledDecode.forward, in the Helix layout."""
+        prepared = self._prepare(batch)
+        if prepared is None:
+            return None
+        buf, q_t, call = prepared
+        T = batch.tokens.shape[1]
+        model, seg, mode = self.model, self.segments, self.mode()
+        buf.h[:] = model.embed_tokens(batch.tokens).to(model.dtype).reshape(T, -1).numpy()
+        cos, sin = (t.reshape(T, -1).numpy() for t in rope_cos_sin(model.inv_freq, batch.positions, model.dtype))
+        stores = (self.arena, 0, batch.store_rows.numpy(), batch.store_slots.numpy())
+        w, eps = self.norms[0]
+        seg.attention_input(mode, buf.h, w, eps, buf.xn, self.qkv[0], buf.qkv_out, cos, sin, buf.q, buf.k, *stores)
+        last = len(self.o) - 1
+        for i in range(last + 1):
+            attn = self._attend(batch, call, buf, q_t, i)
+            w, eps = self.norms[2 * i + 1]
+            if self.o_group is None:
+                seg.mlp_input(mode, attn, self.o[i], buf.o_out, buf.h, w, eps, buf.xn, self.gate_up[i], buf.gate_up[0])
+            else:
+                seg.product(mode, attn, self.o[i], buf.o_out)
+                _sum(buf.o_out, self.o_group)
+                seg.norm_gate_up(mode, buf.o_out, buf.h, w, eps, buf.xn, self.gate_up[i], buf.gate_up[0])
+            torch.mul(F.silu(buf.gate), buf.up, out=buf.act_t)
+            seg.product(mode, buf.act[0], self.down[i], buf.down_out)
+            _sum(buf.down_out, self.mlp_group)
+            if i < last:
+                w, eps = self.norms[2 * i + 2]
+                stores = (self.arena, i + 1, *stores[2:])
+                seg.residual_attention_input(mode, buf.down_out, buf.h, w, eps, buf.xn, self.qkv[i + 1], buf.qkv_out, cos,
+                                             sin, buf.q, buf.k, *stores)
+            else:
+                seg.residual_final_norm(buf.down_out, buf.h, *self.final_norm, buf.out)
+        return torch.from_numpy(buf.out.copy())
+
+
+def _sum(rows: np.ndarray, group) -> None:
+    """rows (numpy, C-contiguous) all-reduced (sum) over `group` in place, as tensor_parallel's hook sums a module's output."""
+    t = torch.from_numpy(rows)
+    out = comm.all_reduce(t, dist.ReduceOp.SUM, group)
+    if out.data_ptr() != t.data_ptr():
+        t.copy_(out)
+
+
 class _WindowStep:
     """A decode step's window layers when every sequence decodes one row: each ring row written by
     decode_layer_cpu.window_store (WindowKVCache.decode_row marks it) and the CPU decode kernel's entry called on the
@@ -399,4 +463,4 @@ def _gemma_norms(layer) -> tuple:
             layer.post_feedforward_layernorm, layer.self_attn.q_norm, layer.self_attn.k_norm)
 
 
-__all__ = ["ARENA_BITS", "CompiledDecode", "GemmaCompiledDecode", "compiled_decode", "fallback_reason"]
+__all__ = ["ARENA_BITS", "CompiledDecode", "GemmaCompiledDecode", "HelixCompiledDecode", "compiled_decode", "fallback_reason"]

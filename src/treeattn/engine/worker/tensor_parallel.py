@@ -317,7 +317,8 @@ def connect(model: nn.Module, layout: HelixLayout, cuts: dict[str, Cut], group, 
     layer runs its query and KV heads; o_proj all-reduces over this rank's TP group (`tp_group`; None
     where the layout needs none: T = 1, or T = N, whose TP group is `group`), down_proj over `group`
     (all N ranks); the embedding table looks up by vocabulary (VocabParallelEmbedding); a tied LM head
-    is the same share of the table. Marks the model (model.helix = layout)."""
+    is the same share of the table. Marks the model (model.helix = layout; model.helix_sums = (o_proj's group or None,
+    down_proj's group): what the compiled decode segments sum over, engine.worker.compiled_decode)."""
     if 1 < layout.tp < layout.world_size and tp_group is None:
         raise ValueError(f"tp_group: tp={layout.tp} on {layout.world_size} ranks sums o_proj over its TP group, got None")
     o_group = group if layout.kv == 1 else tp_group
@@ -343,6 +344,7 @@ def connect(model: nn.Module, layout: HelixLayout, cuts: dict[str, Cut], group, 
         model.lm_head = table
     model.embed_tokens = VocabParallelEmbedding(table, vocab.start, vocab.stop, group)
     model.helix = layout
+    model.helix_sums = (o_group if layout.tp > 1 else None, group)  # what the hooks sum over (compiled_decode's too)
 
 
 def shard_loaded(model: nn.Module, layout: HelixLayout) -> nn.Module:
