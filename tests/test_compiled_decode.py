@@ -22,6 +22,7 @@ from treeattn.engine.worker.compiled_decode import CompiledDecode, GemmaCompiled
 from treeattn.models.gemma3 import Gemma3Config, Gemma3Model, random_gemma3
 from treeattn.models.llama import random_model
 from treeattn.models.packed import PackedLinear, fuse_projections, pack_arena
+from treeattn.ops import cpu_decode
 from treeattn.ops.packed_linear import int8_module, kernel_module
 
 pytestmark = pytest.mark.skipif(kernel_module() is None, reason="numba is not installed")
@@ -137,6 +138,7 @@ def test_the_helix_layout_hidden_states_equal_the_modules_bit_for_bit(tp, world,
 
 @pytest.mark.parametrize("gemma", [False, True], ids=["llama", "gemma3"])
 def test_two_torch_threads_take_the_parallel_attention_kernel_bit_for_bit(monkeypatch, gemma):
+    monkeypatch.setattr(cpu_decode, "PARALLEL_MIN_SLOTS", 0)  # these short contexts would run the serial kernel
     monkeypatch.setattr(CompiledDecode, "forward", CompiledDecode.forward)
     monkeypatch.setattr(GemmaCompiledDecode, "forward", GemmaCompiledDecode.forward)
     out = _generate(0, 1, 0, "float32", "float32", 2, threads=2, gemma=gemma)

@@ -200,7 +200,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale
     nb = Sk // block
     k_blocks = k.contiguous().view(B * nb, block, *k.shape[2:])
     v_blocks = v.contiguous().view(B * nb, block, *v.shape[2:])
-    threads = torch.get_num_threads()
+    threads = kernel_threads(torch.get_num_threads(), B * Sq, nb, block)
     # the block table and each row's sequence in numpy (a decode step's window layers come here in every layer)
     arrays = (np.arange(B * nb, dtype=np.int64).reshape(B, nb), kv_pos.expand(B, Sk).contiguous().numpy(),
               np.repeat(np.arange(B, dtype=np.int64), Sq), q_pos.expand(B, Sq).reshape(-1).contiguous().numpy(),

@@ -47,7 +47,7 @@ from treeattn.cache.window import paged_layers
 from treeattn.models.gemma3 import Gemma3Attention, Gemma3DecoderLayer, Gemma3MLP, Gemma3Model, Gemma3RMSNorm
 from treeattn.models.llama import MLP, Attention, DecoderLayer, LlamaModel, RMSNorm, rope_cos_sin
 from treeattn.models.packed import FusedPacked, PackedLinear
-from treeattn.ops.cpu_decode import decode_block, kernel_splits
+from treeattn.ops.cpu_decode import decode_block, kernel_splits, kernel_threads
 from treeattn.ops.kernels import optional_kernel
 from treeattn.ops.packed_linear import MAX_KERNEL_ROWS, PARALLEL_MIN_WEIGHTS, int8_module
 from treeattn.ops.paged_decode import layer_call
@@ -407,13 +407,12 @@ class _WindowStep:
         self.members = [(c.seq_id, c.start) for c in batch.chunks]
         self.like = {torch.float32: np.float32(0), torch.float16: np.int16(0), torch.bfloat16: np.uint16(0)}[batch.windows.dtype]
         Hq, Hkv, D = config.num_heads, config.num_kv_heads, config.head_dim
-        self.threads = torch.get_num_threads()
-        self.entry = optional_kernel("paged_cpu_kernel").entry(self.threads, Hkv, Hq // Hkv, D, D)
+        self.threads, self.heads = torch.get_num_threads(), (Hkv, Hq // Hkv, D, D)
         self.scale, self.v0, self.B = D ** -0.5, (Hq + Hkv) * D, B
         self.q_pos = batch.positions.reshape(-1).numpy()
         self.row_seq = np.arange(B, dtype=np.int64)
         self.shapes = (B, Hkv, Hq // Hkv, D), (B, Hkv, Hq // Hkv)
-        self._layouts: dict[int, tuple] = {}  # ring size -> (block, blocks, table, splits)
+        self._layouts: dict[int, tuple] = {}  # ring size -> (block, blocks, table, splits, the kernel's entry)
 
     @classmethod
     def of(cls, batch, q_shape, config, segments) -> _WindowStep | None:
@@ -442,8 +441,10 @@ class _WindowStep:
             block = decode_block(size)
             nb = size // block
             table = np.arange(self.B * nb, dtype=np.int64).reshape(self.B, nb)
-            layout = self._layouts[size] = (block, nb, table, kernel_splits(self.threads, self.B, nb))
-        block, nb, table, splits = layout
+            threads = kernel_threads(self.threads, self.B, nb, block)  # as decode_attention chooses them
+            entry = optional_kernel("paged_cpu_kernel").entry(threads, *self.heads)
+            layout = self._layouts[size] = (block, nb, table, kernel_splits(threads, self.B, nb), entry)
+        block, nb, table, splits, entry = layout
         if self.B == 1:
             k, v, pos = (t.numpy() for t in rings[0][:3])
             k, v, kv_pos = k.reshape(nb, block, *k.shape[1:]), v.reshape(nb, block, *v.shape[1:]), pos.reshape(1, -1)
@@ -451,7 +452,7 @@ class _WindowStep:
             k, v, kv_pos = (torch.stack([ring[i] for ring in rings]).numpy() for i in range(3))
             k, v = k.reshape(self.B * nb, block, *k.shape[2:]), v.reshape(self.B * nb, block, *v.shape[2:])
         no_scales = optional_kernel("paged_cpu_kernel").NO_SCALES
-        self.entry(buf.q.reshape(self.shapes[0]), k, v, no_scales, no_scales, k.shape[-1], self.scale, table, kv_pos,
+        entry(buf.q.reshape(self.shapes[0]), k, v, no_scales, no_scales, k.shape[-1], self.scale, table, kv_pos,
                    self.row_seq, self.q_pos, window, splits, buf.attn.reshape(self.shapes[0]), buf.lse)
         self.batch.phases["attention"] = self.batch.phases.get("attention", 0.0) + time.perf_counter() - start
         return True
