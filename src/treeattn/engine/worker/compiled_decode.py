@@ -225,12 +225,8 @@ class CompiledDecode:
         if prepared is None:
             return None
         buf, q_t, call = prepared
-        T = batch.tokens.shape[1]
-        model, seg, mode = self.model, self.segments, self.mode()
-        h = model.embed_tokens(batch.tokens).to(model.dtype).reshape(T, -1)
-        buf.h[:] = h.numpy()
-        cos, sin = (t.reshape(T, -1).numpy() for t in rope_cos_sin(model.inv_freq, batch.positions, model.dtype))
-        rows, slots = batch.store_rows.numpy(), batch.store_slots.numpy()
+        seg, mode = self.segments, self.mode()
+        cos, sin, rows, slots = self._inputs(batch, buf)
         w, eps = self.norms[0]
         seg.attention_input(mode, buf.h, w, eps, buf.xn, self.qkv[0], buf.qkv_out, cos, sin, buf.q, buf.k, self.arena, 0,
                             rows, slots)
@@ -247,6 +243,14 @@ class CompiledDecode:
             else:
                 seg.final_output(mode, buf.act[0], self.down[i], buf.down_out, buf.h, *self.final_norm, buf.out)
         return torch.from_numpy(buf.out.copy())
+
+    def _inputs(self, batch, buf: _Buffers) -> tuple[np.ndarray, ...]:
+        """The step's embedded rows into buf.h (the model's embedding, as LlamaModel.forward takes them), and (cos, sin,
+        the cache rows, their slots) as the segments take them."""
+        T, model = batch.tokens.shape[1], self.model
+        buf.h[:] = model.embed_tokens(batch.tokens).to(model.dtype).reshape(T, -1).numpy()
+        cos, sin = (t.reshape(T, -1).numpy() for t in rope_cos_sin(model.inv_freq, batch.positions, model.dtype))
+        return cos, sin, batch.store_rows.numpy(), batch.store_slots.numpy()
 
     def _attend(self, batch, call, buf: _Buffers, q_t: torch.Tensor, layer: int) -> np.ndarray:
         """The paged cache's layer `layer`'s attention of buf.q over this rank's blocks, combined across the ranks where
@@ -357,11 +361,9 @@ class HelixCompiledDecode(CompiledDecode):
         if prepared is None:
             return None
         buf, q_t, call = prepared
-        T = batch.tokens.shape[1]
-        model, seg, mode = self.model, self.segments, self.mode()
-        buf.h[:] = model.embed_tokens(batch.tokens).to(model.dtype).reshape(T, -1).numpy()
-        cos, sin = (t.reshape(T, -1).numpy() for t in rope_cos_sin(model.inv_freq, batch.positions, model.dtype))
-        stores = (self.arena, 0, batch.store_rows.numpy(), batch.store_slots.numpy())
+        seg, mode = self.segments, self.mode()
+        cos, sin, rows, slots = self._inputs(batch, buf)  # the embedding: VocabParallelEmbedding's, all-reduced
+        stores = (self.arena, 0, rows, slots)
         w, eps = self.norms[0]
         seg.attention_input(mode, buf.h, w, eps, buf.xn, self.qkv[0], buf.qkv_out, cos, sin, buf.q, buf.k, *stores)
         last = len(self.o) - 1
