@@ -36,11 +36,14 @@ from treeattn.ops.kernels import optional_kernel
 # 5 + 5 and 5 + 2 (the first thread 10 of 17). At 32 blocks (8K) both are 16 + 16.
 SPLITS_PER_THREAD = 1
 MIN_BLOCKS_PER_SPLIT = 1
-# A call that reads fewer key slots than this (query rows x blocks x block size) runs on one thread: its work is
-# tens of microseconds, about what waking a second thread costs on an idle machine, and on a busy one a parallel
-# call waits for a descheduled worker (benchmarks/kernels/paged_kernel_threads.py on this project's Intel Xeon at
-# load 2.9-4.1: 47-97 us a call on 1 thread at 64 positions, 0.6-11.5 ms on 2; raw docs/data/kernel_threads/).
-# One range a row is also what one thread computes, so a short context's bits do not depend on the thread count.
+# A call that reads fewer key slots than this (query rows x blocks x block size) runs on one thread. On a quiet
+# machine a second thread pays from about 256 positions (benchmarks/kernels/paged_kernel_threads.py, one row of
+# SmolLM2's heads, this project's Intel Xeon alone: 512 positions 84-129 us on 1 thread, 68-88 on 2; 1,024: 234-237
+# against 139; raw docs/data/quiet_s24/paged_kernel_threads.txt); on a busy one a parallel call waits for a
+# descheduled worker (load 2.9-4.1: 64 positions 47-97 us on 1 thread, 0.6-11.5 ms on 2; 1,024: 235-428 us against
+# 0.6-12 ms; raw docs/data/kernel_threads/). The threshold gives up up to ~40 us a call on a quiet machine between 256
+# and 1,024 positions (a short chat's context, Gemma 3's 512-token windows) for that robustness. One range a row is
+# also what one thread computes, so a short context's bits do not depend on the thread count.
 PARALLEL_MIN_SLOTS = 1024
 # ops.attention calls with at most this many queries per sequence go to the kernel (decode steps
 # and their drafts); longer ones (prefill) stay on the matmul path, which batches queries.
