@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from itertools import product
+from pathlib import Path
 
 import pytest
 import torch
@@ -175,8 +178,9 @@ def test_plots_and_csv_leave_failed_cases_out(tmp_path):
 def test_sigterm_keeps_the_finished_cases_and_leaves_no_rank_or_temp_dir(tmp_path):
     from helpers.processes import SRC, alive, descendants, wait_for_ranks, wait_gone
 
-    tmp = tmp_path / "tmp"
-    tmp.mkdir()
+    # TMPDIR short: the fork server's Unix socket goes there (at most 107 bytes; pytest's tmp_path is too deep once its
+    # run counter reaches three digits)
+    tmp = Path(tempfile.mkdtemp(prefix="ta-"))
     out = tmp_path / "records.json"
     lengths = [str(n) for n in range(64, 64 + 400)]
     command = [sys.executable, "-m", "treeattn", "bench", "decode", "-m", "tree", "-p", "2", "--heads", "2", "--head-dim", "8",
@@ -201,3 +205,4 @@ def test_sigterm_keeps_the_finished_cases_and_leaves_no_rank_or_temp_dir(tmp_pat
             if alive(pid):
                 os.kill(pid, signal.SIGKILL)
         parent.wait()
+        shutil.rmtree(tmp, ignore_errors=True)

@@ -12,9 +12,11 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -39,6 +41,16 @@ def checkpoint(tmp_path_factory):
     ids = directory / "ids.json"
     ids.write_text(json.dumps(list(range(1, 11))))
     return directory
+
+
+@pytest.fixture
+def short_tmp():
+    """An empty folder's path under the system's temp dir, short: the fork server's socket goes in TMPDIR, and a Unix
+    socket's path has at most 107 bytes (pytest's tmp_path, /tmp/pytest-of-root/pytest-118/popen-gw0/test_..., left
+    too few once pytest's run counter reached three digits: "AF_UNIX path too long")."""
+    base = Path(tempfile.mkdtemp(prefix="ta-"))
+    yield base / "tmp"
+    shutil.rmtree(base, ignore_errors=True)
 
 
 @contextlib.contextmanager
@@ -68,8 +80,8 @@ def generate_process(checkpoint: Path, tmp: Path, *extra: str) -> Iterator[tuple
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 @pytest.mark.parametrize("signame", ["SIGTERM", "SIGHUP", "SIGKILL"])
-def test_a_signalled_generate_parent_leaves_no_rank_and_no_temp_dir(checkpoint, tmp_path, signame):
-    with generate_process(checkpoint, tmp_path / "tmp") as (parent, ranks):
+def test_a_signalled_generate_parent_leaves_no_rank_and_no_temp_dir(checkpoint, short_tmp, signame):
+    with generate_process(checkpoint, short_tmp) as (parent, ranks):
         time.sleep(1.0)  # decoding
         started = descendants(parent.pid)  # the ranks, and the fork server that started them
         parent.send_signal(getattr(signal, signame))
@@ -77,7 +89,7 @@ def test_a_signalled_generate_parent_leaves_no_rank_and_no_temp_dir(checkpoint, 
         left = wait_gone(ranks + started, 10.0)
         assert not left, f"processes {left} of the parent still alive 10 s after {signame} to it (ranks: {ranks})"
         assert parent.returncode == -getattr(signal, signame)  # the parent died of the signal, as before
-        assert list((tmp_path / "tmp").iterdir()) == []
+        assert list(short_tmp.iterdir()) == []
 
 
 # ------------------------------------------------------------------------------ stopped rank
@@ -115,14 +127,14 @@ def test_a_stopped_rank_is_named_and_killed_within_the_timeout(tmp_path):
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
-def test_generate_timeout_names_the_stopped_rank(checkpoint, tmp_path):
-    with generate_process(checkpoint, tmp_path / "tmp", "--timeout", "3") as (parent, ranks):
+def test_generate_timeout_names_the_stopped_rank(checkpoint, short_tmp):
+    with generate_process(checkpoint, short_tmp, "--timeout", "3") as (parent, ranks):
         time.sleep(0.5)
         stopped = max(ranks)
         os.kill(stopped, signal.SIGSTOP)
         assert parent.wait(timeout=30) == 1
         assert not wait_gone(ranks, 10.0)
-    err = (tmp_path / "stderr.txt").read_text()
+    err = (short_tmp.parent / "stderr.txt").read_text()
     error_line = next(line for line in err.splitlines() if line.startswith("error:"))
     assert "stopped answering" in error_line and f"pid {stopped}" in error_line, err[-2000:]
 
