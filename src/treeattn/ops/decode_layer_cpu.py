@@ -78,6 +78,7 @@ from numba.extending import intrinsic, overload
 
 from treeattn.ops import packed_cpu_kernel as f32
 from treeattn.ops.numba_cache import lock_cache_saves
+from treeattn.ops.paged_cpu_kernel import _wide
 from treeattn.ops.rowwise_cpu_kernel import rms_norm
 
 lock_cache_saves()  # before any cached kernel is compiled or saved: other processes may save beside this one
@@ -169,55 +170,16 @@ def _bfloat16_bits(value):  # pragma: no cover - compiled
     return np.uint16((u + 0x7FFF + ((u >> 16) & 1)) >> 16)
 
 
-def _held(value, like):  # pragma: no cover - replaced by its overload inside compiled code
-    raise NotImplementedError
-
-
-@overload(_held)
-def _held_impl(value, like):
-    """A float32 value as a window ring held in float32 keeps it (like: an element of the cache dtype's bits): itself,
-    or rounded to float16 / bfloat16 and widened back, as torch's .to(dtype).to(torch.float32)."""
-    if like == types.float32:
-        return lambda value, like: value
-    if like == types.int16:
-        return lambda value, like: _float16_value(_float16_bits(value))
-    if like == types.uint16:
-        return lambda value, like: _float32_of(np.int64(_bfloat16_bits(value)) << 16)
-    return None
-
-
-@intrinsic
-def _float32_of(typingctx, bits):
-    """The float32 whose bits are the low 32 of an int64."""
-    if bits != types.int64:
-        return None
-
-    def codegen(context, builder, signature, args):
-        return builder.bitcast(builder.trunc(args[0], ir.IntType(32)), ir.FloatType())
-
-    return types.float32(bits), codegen
-
-
-@njit(cache=True)
-def _float16_value(half):  # pragma: no cover - compiled
-    """The float32 of float16 bits (int16), exactly (NaN payloads kept, as c10::Half's widening)."""
-    u = np.int64(half) & 0xFFFF
-    sign, e, m = (u & 0x8000) << 16, (u >> 10) & 0x1F, u & 0x3FF
-    if e == 0:  # zero or subnormal: m * 2**-24, exact in float32
-        value = np.float32(m) * np.float32(5.9604644775390625e-08)
-        return -value if sign else value
-    return _float32_of(sign | (0x7F800000 if e == 31 else (e + 112) << 23) | (m << 13))
-
-
 @njit(cache=True)
 def window_store(k, qkv_out, v0, row, ring_k, ring_v, at, like):  # pragma: no cover - compiled
     """Step row `row`'s rotated keys k[row] (Hkv, D) and its values (columns v0.. of qkv_out) into row `at` of a window
     layer's ring, ring_k and ring_v (size, Hkv, D) float32, as WindowKVCache's write stores them (held_dtype float32: each
-    value rounded through the cache dtype, whose bits' type `like` is, float32 itself)."""
+    value rounded through the cache dtype, whose bits' type `like` is, float32 itself: the arena's bits widened back by
+    the paged kernel's own exact _wide, as torch's .to(dtype).to(torch.float32))."""
     for hh in range(k.shape[1]):
         for j in range(k.shape[2]):
-            ring_k[at, hh, j] = _held(k[row, hh, j], like)
-            ring_v[at, hh, j] = _held(qkv_out[row, v0 + hh * k.shape[2] + j], like)
+            ring_k[at, hh, j] = _wide(_stored(k[row, hh, j], like))
+            ring_v[at, hh, j] = _wide(_stored(qkv_out[row, v0 + hh * k.shape[2] + j], like))
 
 
 @njit(cache=True, inline="always")
