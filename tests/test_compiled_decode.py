@@ -98,7 +98,8 @@ def _generate(rank: int, world_size: int, mix: int, activations: str, kv: str, b
     torch.set_num_threads(threads)
     record: list[bool] = []
     for kind in (CompiledDecode, GemmaCompiledDecode, HelixCompiledDecode):
-        kind.forward = _checked(record, kind.forward)
+        if "forward" in vars(kind):  # HelixCompiledDecode runs CompiledDecode's (checked once)
+            kind.forward = _checked(record, kind.forward)
     result = ta.generate(packed_model(mix=mix, gemma=gemma), _prompts(batch), max_new_tokens=NEW_TOKENS, ignore_eos=True,
                          block_size=8, activation_format=activations, kv_cache_dtype=kv, tp=tp)
     return {"ids": result.generated_ids, "record": record}

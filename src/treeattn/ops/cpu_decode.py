@@ -165,6 +165,21 @@ def decode_block(keys: int) -> int:
     return next((b for b in (256, 128, 64, 32, 16) if keys % b == 0), keys)
 
 
+def contiguous_layout(B: int, Sq: int, keys: int) -> tuple[int, int, np.ndarray, int, int]:
+    """How decode_attention reads B contiguous K/V of `keys` keys each for Sq queries a sequence: (block length,
+    blocks a sequence, the block table (B, nb) int64, the kernel's threads, its splits), the threads chosen by
+    kernel_threads from torch's count. The compiled decode's window layers call the kernel with the same.
+
+    >>> block, nb, table, threads, splits = contiguous_layout(2, 1, 512)
+    >>> block, nb, table.tolist()
+    (256, 2, [[0, 1], [2, 3]])
+    """
+    block = decode_block(keys)
+    nb = keys // block
+    threads = kernel_threads(torch.get_num_threads(), B * Sq, nb, block)
+    return block, nb, np.arange(B * nb, dtype=np.int64).reshape(B, nb), threads, kernel_splits(threads, B * Sq, nb)
+
+
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, q_pos: torch.Tensor | None,
                      kv_pos: torch.Tensor | None, window: int | None) -> tuple[torch.Tensor, torch.Tensor] | None:
     """ops.attention's decode case on the CPU through the kernel, or None when it does not take it.
@@ -199,13 +214,10 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale
         kv_pos = torch.zeros(B, Sk, dtype=torch.int64)
     elif bool((q_pos < 0).any()):
         return None
-    block = decode_block(Sk)
-    nb = Sk // block
+    block, nb, table, threads, splits = contiguous_layout(B, Sq, Sk)
     k_blocks = k.contiguous().view(B * nb, block, *k.shape[2:])
     v_blocks = v.contiguous().view(B * nb, block, *v.shape[2:])
-    threads = kernel_threads(torch.get_num_threads(), B * Sq, nb, block)
     # the block table and each row's sequence in numpy (a decode step's window layers come here in every layer)
-    arrays = (np.arange(B * nb, dtype=np.int64).reshape(B, nb), kv_pos.expand(B, Sk).contiguous().numpy(),
-              np.repeat(np.arange(B, dtype=np.int64), Sq), q_pos.expand(B, Sq).reshape(-1).contiguous().numpy(),
-              kernel_splits(threads, B * Sq, nb))
+    arrays = (table, kv_pos.expand(B, Sk).contiguous().numpy(), np.repeat(np.arange(B, dtype=np.int64), Sq),
+              q_pos.expand(B, Sq).reshape(-1).contiguous().numpy(), splits)
     return attend_blocks(q, k_blocks, v_blocks, v.shape[-1], arrays, threads=threads, scale=scale, window=window)

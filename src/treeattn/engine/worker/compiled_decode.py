@@ -47,7 +47,7 @@ from treeattn.cache.window import paged_layers
 from treeattn.models.gemma3 import Gemma3Attention, Gemma3DecoderLayer, Gemma3MLP, Gemma3Model, Gemma3RMSNorm
 from treeattn.models.llama import MLP, Attention, DecoderLayer, LlamaModel, RMSNorm, rope_cos_sin
 from treeattn.models.packed import FusedPacked, PackedLinear
-from treeattn.ops.cpu_decode import decode_block, kernel_splits, kernel_threads
+from treeattn.ops.cpu_decode import contiguous_layout
 from treeattn.ops.kernels import optional_kernel
 from treeattn.ops.packed_linear import MAX_KERNEL_ROWS, PARALLEL_MIN_WEIGHTS, int8_module
 from treeattn.ops.paged_decode import layer_call
@@ -171,6 +171,7 @@ class CompiledDecode:
     """The compiled segments' decode step for one model and cache (see the module doc); build it with compiled_decode."""
 
     gemma = False  # GemmaCompiledDecode: Gemma 3's buffers and segments
+    o_group = mlp_group = None  # HelixCompiledDecode: the groups o_proj's and down_proj's partial sums run over
 
     def __init__(self, model: LlamaModel, cache) -> None:
         from treeattn.ops import decode_layer_cpu as segments
@@ -234,14 +235,27 @@ class CompiledDecode:
         for i in range(last + 1):
             attn = self._attend(batch, call, buf, q_t, i)
             w, eps = self.norms[2 * i + 1]
-            seg.mlp_input(mode, attn, self.o[i], buf.o_out, buf.h, w, eps, buf.xn, self.gate_up[i], buf.gate_up[0])
+            if self.o_group is None:
+                seg.mlp_input(mode, attn, self.o[i], buf.o_out, buf.h, w, eps, buf.xn, self.gate_up[i], buf.gate_up[0])
+            else:  # the Helix layout with tp > 1 (HelixCompiledDecode): o_proj's partial sums all-reduced between
+                seg.product(mode, attn, self.o[i], buf.o_out)
+                _sum(buf.o_out, self.o_group)
+                seg.norm_gate_up(mode, buf.o_out, buf.h, w, eps, buf.xn, self.gate_up[i], buf.gate_up[0])
             torch.mul(F.silu(buf.gate), buf.up, out=buf.act_t)
+            if self.mlp_group is not None:  # the Helix layout: down_proj's partial sums all-reduced, then the rest
+                seg.product(mode, buf.act[0], self.down[i], buf.down_out)
+                _sum(buf.down_out, self.mlp_group)
             if i < last:
                 w, eps = self.norms[2 * i + 2]
-                seg.mlp_output(mode, buf.act[0], self.down[i], buf.down_out, buf.h, w, eps, buf.xn, self.qkv[i + 1],
-                               buf.qkv_out, cos, sin, buf.q, buf.k, self.arena, i + 1, rows, slots)
-            else:
+                attention = (self.qkv[i + 1], buf.qkv_out, cos, sin, buf.q, buf.k, self.arena, i + 1, rows, slots)
+                if self.mlp_group is None:
+                    seg.mlp_output(mode, buf.act[0], self.down[i], buf.down_out, buf.h, w, eps, buf.xn, *attention)
+                else:
+                    seg.residual_attention_input(mode, buf.down_out, buf.h, w, eps, buf.xn, *attention)
+            elif self.mlp_group is None:
                 seg.final_output(mode, buf.act[0], self.down[i], buf.down_out, buf.h, *self.final_norm, buf.out)
+            else:
+                seg.residual_final_norm(buf.down_out, buf.h, *self.final_norm, buf.out)
         return torch.from_numpy(buf.out.copy())
 
     def _inputs(self, batch, buf: _Buffers) -> tuple[np.ndarray, ...]:
@@ -349,44 +363,12 @@ class HelixCompiledDecode(CompiledDecode):
     comm.all_reduce on the same rows as the hook, between two compiled calls (decode_layer_cpu.product, then
     norm_gate_up / residual_attention_input / residual_final_norm). A rank runs its own heads (their attention
     combined over its KV group, as CompiledDecode's) and its share of the MLP; the embedding is the model's
-    (VocabParallelEmbedding: its own all-reduce). The hidden states are the module path's bit for bit."""
+    (VocabParallelEmbedding: its own all-reduce). The hidden states are the module path's bit for bit. CompiledDecode's
+    forward runs it: this class only holds the groups."""
 
     def __init__(self, model: LlamaModel, cache, o_group, mlp_group) -> None:
         super().__init__(model, cache)
         self.o_group, self.mlp_group = o_group, mlp_group
-
-    def forward(self, batch) -> torch.Tensor | None:
-        """As CompiledDecode.forward, in the Helix layout."""
-        prepared = self._prepare(batch)
-        if prepared is None:
-            return None
-        buf, q_t, call = prepared
-        seg, mode = self.segments, self.mode()
-        cos, sin, rows, slots = self._inputs(batch, buf)  # the embedding: VocabParallelEmbedding's, all-reduced
-        stores = (self.arena, 0, rows, slots)
-        w, eps = self.norms[0]
-        seg.attention_input(mode, buf.h, w, eps, buf.xn, self.qkv[0], buf.qkv_out, cos, sin, buf.q, buf.k, *stores)
-        last = len(self.o) - 1
-        for i in range(last + 1):
-            attn = self._attend(batch, call, buf, q_t, i)
-            w, eps = self.norms[2 * i + 1]
-            if self.o_group is None:
-                seg.mlp_input(mode, attn, self.o[i], buf.o_out, buf.h, w, eps, buf.xn, self.gate_up[i], buf.gate_up[0])
-            else:
-                seg.product(mode, attn, self.o[i], buf.o_out)
-                _sum(buf.o_out, self.o_group)
-                seg.norm_gate_up(mode, buf.o_out, buf.h, w, eps, buf.xn, self.gate_up[i], buf.gate_up[0])
-            torch.mul(F.silu(buf.gate), buf.up, out=buf.act_t)
-            seg.product(mode, buf.act[0], self.down[i], buf.down_out)
-            _sum(buf.down_out, self.mlp_group)
-            if i < last:
-                w, eps = self.norms[2 * i + 2]
-                stores = (self.arena, i + 1, *stores[2:])
-                seg.residual_attention_input(mode, buf.down_out, buf.h, w, eps, buf.xn, self.qkv[i + 1], buf.qkv_out, cos,
-                                             sin, buf.q, buf.k, *stores)
-            else:
-                seg.residual_final_norm(buf.down_out, buf.h, *self.final_norm, buf.out)
-        return torch.from_numpy(buf.out.copy())
 
 
 def _sum(rows: np.ndarray, group) -> None:
@@ -409,7 +391,7 @@ class _WindowStep:
         self.members = [(c.seq_id, c.start) for c in batch.chunks]
         self.like = {torch.float32: np.float32(0), torch.float16: np.int16(0), torch.bfloat16: np.uint16(0)}[batch.windows.dtype]
         Hq, Hkv, D = config.num_heads, config.num_kv_heads, config.head_dim
-        self.threads, self.heads = torch.get_num_threads(), (Hkv, Hq // Hkv, D, D)
+        self.heads = (Hkv, Hq // Hkv, D, D)
         self.scale, self.v0, self.B = D ** -0.5, (Hq + Hkv) * D, B
         self.q_pos = batch.positions.reshape(-1).numpy()
         self.row_seq = np.arange(B, dtype=np.int64)
@@ -439,13 +421,10 @@ class _WindowStep:
             self.segments.window_store(buf.k, buf.qkv_out, self.v0, b, k.numpy(), v.numpy(), at, self.like)
         size = rings[0][0].shape[0]
         layout = self._layouts.get(size)
-        if layout is None:
-            block = decode_block(size)
-            nb = size // block
-            table = np.arange(self.B * nb, dtype=np.int64).reshape(self.B, nb)
-            threads = kernel_threads(self.threads, self.B, nb, block)  # as decode_attention chooses them
+        if layout is None:  # decode_attention's choices for these rings (cpu_decode.contiguous_layout)
+            block, nb, table, threads, splits = contiguous_layout(self.B, 1, size)
             entry = optional_kernel("paged_cpu_kernel").entry(threads, *self.heads)
-            layout = self._layouts[size] = (block, nb, table, kernel_splits(threads, self.B, nb), entry)
+            layout = self._layouts[size] = (block, nb, table, splits, entry)
         block, nb, table, splits, entry = layout
         if self.B == 1:
             k, v, pos = (t.numpy() for t in rings[0][:3])
