@@ -121,8 +121,8 @@ def kept_distribution(logits: torch.Tensor, params: SamplingParams) -> tuple[tor
     while the mass before each is below top_p; the most likely always kept), then softmax over what is left. Top-p
     looks only at the tokens that can be in the nucleus: the most likely 256, then 1,024, ... until their mass
     reaches top_p. With chat's settings a token of Gemma 3's 262,144 logits cost 53 ms of CPU when top-p sorted
-    every logit, 9 ms this way (SmolLM2's 49,152: 6.9 -> 1.7; Intel Xeon, benchmarks/engine/sampling_cost.py, raw
-    docs/data/sampling/).
+    every logit, 9 ms this way (SmolLM2's 49,152: 6.9 -> 1.7; Intel Xeon under load, benchmarks/engine/sampling_cost.py,
+    raw docs/data/sampling/).
 
     Example::
 
